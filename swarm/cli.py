@@ -1,0 +1,138 @@
+"""The ``colibri-swarm`` command.
+
+Parsing lives here; each subcommand's work lives in the module that owns it and
+is imported only when that subcommand runs, so ``colibri-swarm --help`` stays fast.
+Every :class:`~swarm.errors.SwarmError` ends the command with one clear line on
+stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from swarm import __version__
+from swarm.errors import SwarmError
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a GGUF file or a Hugging Face directory (config.json + *.safetensors); "
+        "default: SmolLM2-135M-Instruct Q4_1, fetched once into the user cache",
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--system", metavar="TEXT", help="system prompt for the chat template")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from swarm.compute.textgen import main_generate
+
+    return main_generate(args)
+
+
+def _key(args: argparse.Namespace) -> int:
+    from swarm.peer.keycmd import main_key
+
+    return main_key(args)
+
+
+def _join(args: argparse.Namespace) -> int:
+    from swarm.peer.node import main_join
+
+    return main_join(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from swarm.peer.status import main_status
+
+    return main_status(args)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from swarm.peer.client import main_chat
+
+    return main_chat(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="colibri-swarm",
+        description="Run LLMs across the devices of one LAN.",
+    )
+    parser.add_argument("--version", action="version", version=f"colibri-swarm {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("generate", help="generate a reply to one prompt and stream it")
+    p.add_argument("prompt", help="the user message")
+    _add_model_arg(p)
+    _add_sampling_args(p)
+    p.add_argument("--local", action="store_true", help="run on this machine only, even when a swarm is found")
+    p.add_argument("--swarm", action="store_true", help="require a swarm coordinator; fail if none is found")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("chat", help="chat with the swarm's coordinator (a REPL with history)")
+    _add_sampling_args(p)
+    p.add_argument("--api", metavar="URL", help="the coordinator's API base URL (default: found by mDNS)")
+    p.set_defaults(func=_chat)
+
+    p = sub.add_parser("join", help="make this machine a peer of the swarm on this LAN")
+    _add_model_arg(p)
+    p.add_argument("--key", metavar="CODE", help="the swarm key code (stored for next time)")
+    p.add_argument("--signal", metavar="URL", help="signaling server URL; skips mDNS discovery")
+    p.add_argument("--name", metavar="NAME", help="a name for this peer, shown in status")
+    p.add_argument("--verify", type=float, default=0.0, metavar="PERCENT",
+                   help="recompute this share of remote answers locally; stop on a mismatch")
+    p.add_argument("--no-model", action="store_true", help="join as a worker without the model (weights are shipped)")
+    p.add_argument("--memory", metavar="MIB", type=int, help="memory budget for weights in MiB")
+    p.set_defaults(func=_join)
+
+    p = sub.add_parser("key", help="show the swarm key as a code and a QR code (creates one if none)")
+    p.add_argument("--new", action="store_true", help="create a new swarm key, replacing the stored one")
+    p.set_defaults(func=_key)
+
+    p = sub.add_parser("status", help="print the swarm: peers, roles, placement, timings")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--signal", metavar="URL", help="signaling server URL; skips mDNS discovery")
+    p.set_defaults(func=_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return int(func(args) or 0)
+    except SwarmError as exc:
+        print(f"colibri-swarm: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _setup_logging(verbosity: int) -> None:
+    import logging
+
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The one error tree of colibri-swarm.
+
+Every error the package raises on purpose derives from :class:`SwarmError`.
+Errors from aiortc, zeroconf, aiohttp and cryptography are mapped to these at
+the edge. A message meant for a user names what was wrong and what to do.
+Add new specific errors here, each with a docstring.
+"""
+
+
+class SwarmError(Exception):
+    """Base of every error raised on purpose by colibri-swarm."""
+
+
+class LocalProtocolError(SwarmError):
+    """We misused a protocol object (a bug on our side, or a wrong call order)."""
+
+
+class RemoteProtocolError(SwarmError):
+    """The other side sent something the protocol does not allow (malformed, stale, oversized)."""
+
+
+class ModelFileError(SwarmError):
+    """A model file is missing, truncated, inconsistent or of an unsupported kind.
+
+    The message names the file and the tensor or metadata field that was wrong.
+    """
+
+
+class AuthenticationError(RemoteProtocolError):
+    """The other side could not prove it holds the swarm key (or a transcript was altered)."""
+
+
+class VersionMismatchError(RemoteProtocolError):
+    """The other side speaks another protocol version or holds another model; the message names both."""
+
+
+class StaleTermError(RemoteProtocolError):
+    """A plan or request carried an election term (or plan version) older than ours."""
+
+
+class PeerLostError(SwarmError):
+    """A peer went away (disconnect, missed deadline) while work was assigned to it."""
