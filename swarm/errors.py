@@ -38,5 +38,29 @@ class StaleTermError(RemoteProtocolError):
     """A plan or request carried an election term (or plan version) older than ours."""
 
 
+class FrameError(RemoteProtocolError):
+    """A wire frame is malformed: bad magic, version, length, tensor table or trailing bytes.
+
+    The message names the field that was wrong (see docs/protocol.md for the layout).
+    """
+
+
+class ReassemblyError(FrameError):
+    """A fragment sequence is inconsistent or exceeds the receive buffer limits."""
+
+
+class MessageError(RemoteProtocolError):
+    """A frame decoded but its fields break the schema of its message kind (docs/protocol.md)."""
+
+
+class KeyCodeError(SwarmError):
+    """A swarm key code (typed or stored) is malformed or its checksum does not match."""
+
+
 class PeerLostError(SwarmError):
     """A peer went away (disconnect, missed deadline) while work was assigned to it."""
+
+
+class WeightIntegrityError(RemoteProtocolError):
+    """Shipped weights failed verification (a chunk or a whole slice did not match its SHA-256)
+    more often than a retry can explain; the source is not trusted for this slice."""
