@@ -26,6 +26,17 @@ class ModelFileError(SwarmError):
     """
 
 
+class ModelDownloadError(SwarmError):
+    """The default model could not be fetched from the package index, or failed its SHA-256 check.
+
+    The message says what failed and what to do (network, pip settings, or ``--model PATH``).
+    """
+
+
+class ChatTemplateError(SwarmError):
+    """A chat template refused the messages (its ``raise_exception``) or could not be rendered."""
+
+
 class AuthenticationError(RemoteProtocolError):
     """The other side could not prove it holds the swarm key (or a transcript was altered)."""
 
