@@ -1,0 +1,233 @@
+"""Weight shipping core without sockets: pump a SliceSource into a SliceDownload.
+
+The oracle is the blob itself: whatever path the transfer takes (drops, corrupt
+chunks, duplicates, timeouts, a crash and restart from the cache file), the bytes
+that come out must equal the bytes that went in, and a lie must be refused.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from swarm.errors import LocalProtocolError, RemoteProtocolError, WeightIntegrityError
+from swarm.peer.shipping import (
+    MIN_CHUNK_SIZE,
+    Chunk,
+    ChunkAccepted,
+    ChunkRejected,
+    ChunkRequest,
+    Manifest,
+    SliceCache,
+    SliceComplete,
+    SliceDownload,
+    SliceSource,
+    build_manifest,
+    sha256,
+)
+
+CS = MIN_CHUNK_SIZE  # small chunks: many of them in a small blob
+
+
+def _blob(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _pump(src: SliceSource, dl: SliceDownload, now: float = 0.0, *, tamper=None, drop_after: int | None = None):
+    """Run the transfer; ``tamper(chunk) -> chunk | None`` models the link; returns all events."""
+    events, delivered = [], 0
+    for _ in range(10_000):
+        if dl.complete:
+            return events
+        requests = dl.requests_to_send(now)
+        if not requests:
+            now = dl.get_timer() or now
+            dl.handle_timer(now)
+            continue
+        for req in requests:
+            for chunk in src.serve(req):
+                if drop_after is not None and delivered >= drop_after:
+                    return events
+                chunk = tamper(chunk) if tamper else chunk
+                if chunk is not None:
+                    delivered += 1
+                    events += dl.receive(chunk, now)
+    raise AssertionError("transfer did not converge")
+
+
+@pytest.mark.parametrize("size", [0, 1, CS - 1, CS, CS + 1, 5 * CS + 17])
+def test_transfer_reproduces_blob_at_chunk_boundaries(size):
+    blob = _blob(size)
+    src = SliceSource()
+    manifest = src.offer(blob, {"kind": "test"}, chunk_size=CS)
+    assert manifest.slice_id == sha256(blob)
+    buf = bytearray(size)
+    dl = SliceDownload(manifest, buf, have=set() if size else None, window=3)
+    events = _pump(src, dl)
+    assert bytes(buf) == blob
+    assert dl.complete and dl.missing == []
+    if size:
+        assert isinstance(events[-1], SliceComplete)
+        assert sum(isinstance(e, ChunkAccepted) for e in events) == manifest.n_chunks
+
+
+def test_window_bounds_chunks_in_flight():
+    src = SliceSource()
+    manifest = src.offer(_blob(10 * CS), {}, chunk_size=CS)
+    dl = SliceDownload(manifest, bytearray(manifest.size), have=set(), window=4)
+    (req,) = dl.requests_to_send(0.0)
+    assert req.indices == (0, 1, 2, 3)
+    assert dl.requests_to_send(0.0) == []  # window full
+    dl.receive(src.serve(ChunkRequest(manifest.slice_id, (1,)))[0], 0.0)
+    (req,) = dl.requests_to_send(0.0)
+    assert req.indices == (4,)
+
+
+def test_corrupt_chunk_is_refused_and_refetched():
+    blob = _blob(6 * CS, seed=1)
+    src = SliceSource()
+    manifest = src.offer(blob, {}, chunk_size=CS)
+    buf = bytearray(manifest.size)
+    dl = SliceDownload(manifest, buf, have=set())
+    corrupted = set()
+
+    def flip_once(chunk: Chunk) -> Chunk:
+        if chunk.index in (2, 5) and chunk.index not in corrupted:
+            corrupted.add(chunk.index)
+            bad = bytearray(chunk.data)
+            bad[7] ^= 0x40
+            return Chunk(chunk.slice_id, chunk.index, bytes(bad))
+        return chunk
+
+    events = _pump(src, dl, tamper=flip_once)
+    rejected = [e for e in events if isinstance(e, ChunkRejected)]
+    assert [e.index for e in rejected] == [2, 5] and "SHA-256" in rejected[0].reason
+    assert bytes(buf) == blob and dl.corrupt_chunks == 2
+
+
+def test_truncated_chunk_is_refused():
+    src = SliceSource()
+    manifest = src.offer(_blob(2 * CS), {}, chunk_size=CS)
+    dl = SliceDownload(manifest, bytearray(manifest.size), have=set())
+    events = dl.receive(Chunk(manifest.slice_id, 0, b"\0" * 10), 0.0)
+    assert isinstance(events[0], ChunkRejected) and "length" in events[0].reason
+    assert dl.missing == [0, 1]
+
+
+def test_persistently_corrupt_source_fails_with_integrity_error():
+    src = SliceSource()
+    manifest = src.offer(_blob(3 * CS), {}, chunk_size=CS)
+    dl = SliceDownload(manifest, bytearray(manifest.size), have=set())
+    with pytest.raises(WeightIntegrityError, match="chunk 1"):
+        _pump(src, dl, tamper=lambda c: Chunk(c.slice_id, c.index, b"x" * len(c.data)) if c.index == 1 else c)
+
+
+def test_manifest_whose_chunks_disagree_with_whole_hash_is_refused():
+    blob = _blob(3 * CS)
+    honest = build_manifest(blob, {}, chunk_size=CS)
+    lying = Manifest(sha256(b"something else"), honest.size, CS, honest.chunk_sha256)
+    dl = SliceDownload(lying, bytearray(lying.size), have=set())
+    src = SliceSource()
+    src._blobs[lying.slice_id] = (lying, memoryview(blob))  # a source that serves the lie
+    with pytest.raises(WeightIntegrityError, match="whole blob"):
+        _pump(src, dl)
+
+
+def test_link_drop_resumes_with_only_missing_chunks():
+    blob = _blob(9 * CS, seed=2)
+    src = SliceSource()
+    manifest = src.offer(blob, {}, chunk_size=CS)
+    buf = bytearray(manifest.size)
+    dl = SliceDownload(manifest, buf, have=set(), window=4)
+    _pump(src, dl, drop_after=5)
+    assert sorted(set(range(9)) - set(dl.missing)) == [0, 1, 2, 3, 4]
+    dl.link_lost()
+    (req,) = dl.requests_to_send(100.0)
+    assert req.indices == (5, 6, 7, 8)  # nothing already verified is asked for again
+    for chunk in src.serve(req):
+        dl.receive(chunk, 100.0)
+    assert dl.complete and bytes(buf) == blob
+
+
+def test_unanswered_request_is_resent_after_timeout_and_late_duplicate_ignored():
+    src = SliceSource()
+    manifest = src.offer(_blob(2 * CS), {}, chunk_size=CS)
+    dl = SliceDownload(manifest, bytearray(manifest.size), have=set(), timeout_s=5.0)
+    (req,) = dl.requests_to_send(0.0)
+    assert dl.get_timer() == 5.0
+    dl.handle_timer(4.9)
+    assert dl.requests_to_send(4.9) == []
+    dl.handle_timer(5.0)
+    (again,) = dl.requests_to_send(5.0)
+    assert again.indices == req.indices
+    chunks = src.serve(again)
+    assert [type(e) for e in dl.receive(chunks[0], 6.0)] == [ChunkAccepted]
+    assert dl.receive(chunks[0], 6.0) == []  # the first request's answer arriving late
+    events = dl.receive(chunks[1], 6.0)
+    assert isinstance(events[-1], SliceComplete)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda m: Manifest(m.slice_id[:5], m.size, m.chunk_size, m.chunk_sha256), "32-byte"),
+        (lambda m: Manifest(m.slice_id, -1, m.chunk_size, m.chunk_sha256), "size"),
+        (lambda m: Manifest(m.slice_id, m.size, 7, m.chunk_sha256), "chunk size"),
+        (lambda m: Manifest(m.slice_id, m.size, m.chunk_size, m.chunk_sha256[:-1]), "chunk hashes"),
+        (lambda m: Manifest(m.slice_id, m.size, m.chunk_size, (b"x",) * m.n_chunks), "chunk hash"),
+        (lambda m: Manifest(m.slice_id, m.size, m.chunk_size, m.chunk_sha256, meta=[1]), "meta"),
+    ],
+)
+def test_malformed_manifest_is_refused(mutate, match):
+    good = build_manifest(_blob(3 * CS), {}, chunk_size=CS)
+    with pytest.raises(RemoteProtocolError, match=match):
+        mutate(good).validate()
+    with pytest.raises(RemoteProtocolError):
+        Manifest.from_json({**good.to_json(), "chunk_sha256": ["zz"]})
+    assert Manifest.from_json(good.to_json()) == good
+
+
+def test_source_refuses_bad_requests_and_download_refuses_foreign_chunks():
+    src = SliceSource()
+    manifest = src.offer(_blob(2 * CS), {}, chunk_size=CS)
+    with pytest.raises(RemoteProtocolError, match="index 2"):
+        src.serve(ChunkRequest(manifest.slice_id, (0, 2)))
+    with pytest.raises(RemoteProtocolError, match="indices"):
+        src.serve(ChunkRequest(manifest.slice_id, ()))
+    with pytest.raises(RemoteProtocolError, match="no slice"):
+        src.serve(ChunkRequest(sha256(b"other"), (0,)))
+    dl = SliceDownload(manifest, bytearray(manifest.size), have=set())
+    with pytest.raises(RemoteProtocolError, match="expected"):
+        dl.receive(Chunk(sha256(b"other"), 0, b""), 0.0)
+    with pytest.raises(RemoteProtocolError, match="outside"):
+        dl.receive(Chunk(manifest.slice_id, -1, b""), 0.0)
+    with pytest.raises(LocalProtocolError):
+        SliceDownload(manifest, bytearray(5))
+
+
+def test_cache_resumes_after_crash_and_rejoin_is_instant(tmp_path):
+    blob = _blob(7 * CS + 3, seed=3)
+    src = SliceSource()
+    manifest = src.offer(blob, {"layer": 0}, chunk_size=CS)
+    cache = SliceCache(tmp_path)
+    assert cache.get(manifest) is None
+    dl = cache.open_download(manifest, window=2)
+    _pump(src, dl, drop_after=3)
+    del dl  # the worker process dies: only the .part file remains
+
+    resumed = cache.open_download(manifest, window=2)  # chunks on disk are re-verified
+    assert resumed.missing == [3, 4, 5, 6, 7]
+    served = []
+    _pump(src, resumed, tamper=lambda c: served.append(c.index) or c)
+    assert served == [3, 4, 5, 6, 7]
+    assert bytes(cache.finish(resumed)) == blob
+
+    again = cache.get(manifest)  # a rejoin: nothing to ship
+    assert again is not None and bytes(again) == blob
+    # A cached file damaged on disk is dropped and fetched again rather than trusted.
+    path = tmp_path / f"{manifest.hex_id}.bin"
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(bytes(data))
+    assert cache.get(manifest) is None and not path.exists()
