@@ -1,0 +1,376 @@
+"""Coordinator election: Raft's leader-election rules, sans-I/O.
+
+Theory of operation
+-------------------
+Every Python peer runs one :class:`Election`. It never touches a socket or a
+clock: the adapter feeds it messages and the current time (``receive``,
+``handle_timer``) and drains what it wants sent (``messages_to_send``), the
+events it raised (``next_event``) and when it next wants to be woken
+(``get_timer``). The rules are Raft's (Ongaro & Ousterhout 2014, §5.2 and the
+"disruptive servers" rule of §6) without the log, because the coordinator keeps
+no replicated state: it only runs the token loop.
+
+* Terms number elections. A peer votes at most once per term; a candidate that
+  collects votes from a majority of the known voting members becomes the
+  coordinator of that term, so there is at most one coordinator per term.
+* Every member broadcasts a :class:`Heartbeat` every ``HEARTBEAT_S``. It tells
+  the others the sender is alive (reachability), its eligibility and capability,
+  and, from the coordinator, that the term has a leader.
+* A follower that hears no coordinator for its election timeout stands as a
+  candidate. Only peers holding the whole model are *eligible* to stand.
+* The most capable eligible peer wins when it is reachable: a peer's election
+  timeout grows with its rank among the reachable eligible peers (rank 0 is the
+  most capable), and a voter refuses a candidate when it knows a reachable
+  eligible peer that is more capable (ties broken by peer id).
+* A member that heard its coordinator within ``ELECTION_TIMEOUT_S`` ignores vote
+  requests (§6), so a peer that rejoins does not depose a working coordinator.
+* A coordinator that has not heard from a majority within
+  ``ELECTION_TIMEOUT_S`` steps down (check-quorum), so a coordinator cut off in
+  a minority stops serving.
+
+Terms and votes are not persisted across restarts. Raft persists them so a
+restarted voter cannot vote twice in one term and so elect two leaders whose
+logs diverge. Here there is no log: workers are stateless and answer each
+request on its own, and every request carries its term, so a second coordinator
+in one term could at worst serve its own requests correctly. To keep even that
+out, a freshly started member stays a silent voter for ``STARTUP_QUIET_S``
+(longer than any election round), so any election it took part in before the
+restart has ended — with a leader it will then hear of, or in a later term.
+
+Membership: the quorum is a majority of the voting members known to this peer
+(every Python peer, eligible or not; browser peers do not vote). A member whose
+link goes quiet still counts (a crashed peer must not shrink the quorum, or two
+partitions could each elect a leader); one that says goodbye is removed.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from swarm.errors import LocalProtocolError, StaleTermError
+
+# Named timing constants (seconds). Worst case after the coordinator dies: the
+# survivors last heard it ≤ HEARTBEAT_S before, then the best-ranked one waits
+# ELECTION_TIMEOUT_S + JITTER_S (+ RANK_STEP_S while the dead one still looks
+# reachable), then one vote round trip: ≈ 2.2 s, well inside the 5 s goal.
+HEARTBEAT_S = 0.25
+REACHABLE_S = 0.8  # heard within this long → counted as reachable
+ELECTION_TIMEOUT_S = 1.0
+RANK_STEP_S = 0.4  # each rank below the most capable waits this much longer
+JITTER_S = 0.3  # uniform random extra, so equal ranks rarely collide
+STARTUP_QUIET_S = 0.0  # see module docstring; the adapter may raise it
+
+
+class Role(enum.Enum):
+    FOLLOWER = "follower"
+    CANDIDATE = "candidate"
+    LEADER = "leader"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Presence of ``sender`` in ``term``; ``leader`` is the sender's known coordinator of ``term``."""
+
+    term: int
+    sender: str
+    eligible: bool
+    capability: float
+    leader: str | None
+
+
+@dataclass(frozen=True)
+class RequestVote:
+    """``candidate`` asks for a vote in ``term`` (Raft §5.2)."""
+
+    term: int
+    candidate: str
+
+
+@dataclass(frozen=True)
+class Vote:
+    """``voter``'s answer to a :class:`RequestVote` of ``term``."""
+
+    term: int
+    voter: str
+    granted: bool
+
+
+ElectionMessage = Heartbeat | RequestVote | Vote
+
+
+@dataclass(frozen=True)
+class LeaderChanged:
+    """Event: ``leader`` coordinates ``term`` (``None``: no known coordinator, an election is due)."""
+
+    term: int
+    leader: str | None
+
+
+@dataclass
+class _Member:
+    eligible: bool
+    capability: float
+    last_heard: float | None = None
+
+
+def capability_key(capability: float, peer_id: str) -> tuple[float, str]:
+    """Total order of peers by capability; the larger key is the more capable, ties by peer id."""
+    return (capability, peer_id)
+
+
+class Election:
+    """One peer's view of the election; see the module docstring for the rules.
+
+    ``rng`` draws the randomized timeouts (seed it in tests). ``now`` is seconds
+    on any monotonic clock, the same one for every call.
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        *,
+        eligible: bool,
+        capability: float,
+        now: float,
+        rng: random.Random | None = None,
+        startup_quiet_s: float = STARTUP_QUIET_S,
+    ) -> None:
+        self.peer_id = peer_id
+        self.eligible = eligible
+        self.capability = float(capability)
+        self.term = 0
+        self.role = Role.FOLLOWER
+        self.leader: str | None = None
+        self.voted_for: str | None = None
+        self._rng = rng or random.Random()
+        self._members: dict[str, _Member] = {}
+        self._votes: set[str] = set()
+        self._leader_heard: float = now  # a fresh peer listens a full timeout before standing
+        self._quiet_until = now + startup_quiet_s
+        self._deadline = now + self._timeout()
+        self._next_heartbeat = now
+        self._out: list[tuple[str | None, ElectionMessage]] = []
+        self._events: deque[LeaderChanged] = deque()
+
+    # ----------------------------------------------------------------- membership
+    def add_member(self, peer_id: str, *, eligible: bool, capability: float, now: float) -> None:
+        """Learn of a voting member (from its hello or a heartbeat); it counts toward the quorum."""
+        if peer_id == self.peer_id:
+            return
+        m = self._members.get(peer_id)
+        if m is None:
+            self._members[peer_id] = _Member(eligible, float(capability), now)
+        else:
+            m.eligible, m.capability, m.last_heard = eligible, float(capability), now
+
+    def remove_member(self, peer_id: str, now: float) -> None:
+        """A member said goodbye: it no longer counts toward the quorum."""
+        self._members.pop(peer_id, None)
+        self._votes.discard(peer_id)
+        if self.leader == peer_id:
+            self._lose_leader(now)
+
+    @property
+    def members(self) -> list[str]:
+        """Voting members known to this peer, itself included, sorted."""
+        return sorted([self.peer_id, *self._members])
+
+    def quorum(self) -> int:
+        """Votes needed to win: a strict majority of :attr:`members`."""
+        return len(self.members) // 2 + 1
+
+    def reachable(self, peer_id: str, now: float) -> bool:
+        """True for ourselves and for members heard from within ``REACHABLE_S``."""
+        if peer_id == self.peer_id:
+            return True
+        m = self._members.get(peer_id)
+        return m is not None and m.last_heard is not None and now - m.last_heard <= REACHABLE_S
+
+    # ------------------------------------------------------------------- driving
+    def receive(self, sender: str, msg: ElectionMessage, now: float) -> None:
+        """Handle one message from ``sender`` (the authenticated link's peer id, not a field)."""
+        if sender == self.peer_id:
+            raise LocalProtocolError("an election message was looped back to its sender")
+        m = self._members.get(sender)
+        if m is not None:
+            m.last_heard = now
+        match msg:
+            case Heartbeat():
+                self._on_heartbeat(sender, msg, now)
+            case RequestVote():
+                self._on_request_vote(sender, msg, now)
+            case Vote():
+                self._on_vote(sender, msg, now)
+            case _:
+                raise LocalProtocolError(f"not an election message: {type(msg).__name__}")
+
+    def handle_timer(self, now: float) -> None:
+        """Act on every deadline that has passed by ``now``."""
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + HEARTBEAT_S
+            leader = self.leader if self.role is not Role.CANDIDATE else None
+            self._send(None, Heartbeat(self.term, self.peer_id, self.eligible, self.capability, leader))
+        if self.role is Role.LEADER:
+            heard = 1 + sum(
+                m.last_heard is not None and now - m.last_heard <= ELECTION_TIMEOUT_S
+                for m in self._members.values()
+            )
+            if heard < self.quorum():
+                self._lose_leader(now)  # check-quorum: cut off in a minority
+            return
+        if now >= self._deadline:
+            if self.eligible and now >= self._quiet_until:
+                self._stand(now)
+            else:
+                self._deadline = now + self._timeout(now)
+
+    def get_timer(self) -> float:
+        """The time at which :meth:`handle_timer` must next be called."""
+        if self.role is Role.LEADER:
+            return self._next_heartbeat
+        return min(self._next_heartbeat, self._deadline)
+
+    def messages_to_send(self) -> list[tuple[str | None, ElectionMessage]]:
+        """Drain outgoing messages as ``(destination peer id, message)``; ``None`` = every member."""
+        out, self._out = self._out, []
+        return out
+
+    def next_event(self) -> LeaderChanged | None:
+        """Pop the next event, or ``None``."""
+        return self._events.popleft() if self._events else None
+
+    def check_term(self, term: int, now: float) -> None:
+        """Validate the term of a plan or request from the coordinator.
+
+        Raises :class:`StaleTermError` when ``term`` is older than ours. A newer
+        term is adopted (we missed an election), as Raft does for any message.
+        """
+        if term < self.term:
+            raise StaleTermError(f"term {term} is stale: this peer is in term {self.term}")
+        if term > self.term:
+            self._adopt_term(term, now)
+
+    # ------------------------------------------------------------------ internals
+    def _send(self, dest: str | None, msg: ElectionMessage) -> None:
+        self._out.append((dest, msg))
+
+    def _rank(self, now: float) -> int:
+        """Our rank among reachable eligible peers, 0 = most capable."""
+        mine = capability_key(self.capability, self.peer_id)
+        return sum(
+            1
+            for p, m in self._members.items()
+            if m.eligible and self.reachable(p, now) and capability_key(m.capability, p) > mine
+        )
+
+    def _timeout(self, now: float | None = None) -> float:
+        rank = 0 if now is None else self._rank(now)
+        return ELECTION_TIMEOUT_S + rank * RANK_STEP_S + self._rng.uniform(0.0, JITTER_S)
+
+    def _reset_deadline(self, now: float) -> None:
+        self._deadline = now + self._timeout(now)
+
+    def _adopt_term(self, term: int, now: float) -> None:
+        was_leader = self.role is Role.LEADER
+        self.term, self.voted_for, self.role = term, None, Role.FOLLOWER
+        self._votes.clear()
+        if self.leader is not None or was_leader:
+            self.leader = None
+            self._events.append(LeaderChanged(term, None))
+        self._reset_deadline(now)
+
+    def _lose_leader(self, now: float) -> None:
+        self.role = Role.FOLLOWER
+        self.leader = None
+        self._leader_heard = float("-inf")
+        self._events.append(LeaderChanged(self.term, None))
+        self._reset_deadline(now)
+
+    def _stand(self, now: float) -> None:
+        self.term += 1
+        self.role = Role.CANDIDATE
+        self.voted_for = self.peer_id
+        self._votes = {self.peer_id}
+        if self.leader is not None:
+            self.leader = None
+            self._events.append(LeaderChanged(self.term, None))
+        self._reset_deadline(now)
+        self._send(None, RequestVote(self.term, self.peer_id))
+        self._maybe_win(now)
+
+    def _maybe_win(self, now: float) -> None:
+        if self.role is Role.CANDIDATE and len(self._votes) >= self.quorum():
+            self.role = Role.LEADER
+            self.leader = self.peer_id
+            self._events.append(LeaderChanged(self.term, self.peer_id))
+            self._next_heartbeat = now  # announce at once
+            self.handle_timer(now)
+
+    def _leader_is_live(self, now: float) -> bool:
+        return self.role is Role.LEADER or (
+            self.leader is not None and now - self._leader_heard <= ELECTION_TIMEOUT_S
+        )
+
+    def _on_heartbeat(self, sender: str, hb: Heartbeat, now: float) -> None:
+        self.add_member(sender, eligible=hb.eligible, capability=hb.capability, now=now)
+        if hb.term > self.term:
+            self._adopt_term(hb.term, now)
+        if hb.term < self.term or hb.leader != sender:
+            return
+        if self.role is Role.LEADER or (self.leader not in (None, sender)):
+            # Two coordinators in one term can only come from peers that elected
+            # themselves before they knew each other (a quorum of one). Move on
+            # to a fresh term with no coordinator; its heartbeat tells the other.
+            self._adopt_term(self.term + 1, now)
+            return
+        # The sender coordinates our term: follow it.
+        self.role = Role.FOLLOWER
+        self._votes.clear()
+        self._leader_heard = now
+        if self.leader != sender:
+            self.leader = sender
+            self._events.append(LeaderChanged(self.term, sender))
+        self._reset_deadline(now)
+
+    def _on_request_vote(self, sender: str, rv: RequestVote, now: float) -> None:
+        if rv.candidate != sender:
+            return  # a vote request is only valid from the candidate itself
+        if self._leader_is_live(now) or now < self._quiet_until:
+            return  # §6: a working coordinator is not deposed by a rejoining peer
+        if rv.term > self.term:
+            self._adopt_term(rv.term, now)
+        granted = (
+            rv.term == self.term
+            and self.voted_for in (None, sender)
+            and self._may_lead(sender, now)
+        )
+        if granted:
+            self.voted_for = sender
+            self._reset_deadline(now)
+        self._send(sender, Vote(self.term, self.peer_id, granted))
+
+    def _may_lead(self, candidate: str, now: float) -> bool:
+        """Eligible, and no reachable eligible peer we know is more capable."""
+        m = self._members.get(candidate)
+        if m is None or not m.eligible:
+            return False
+        key = capability_key(m.capability, candidate)
+        if self.eligible and capability_key(self.capability, self.peer_id) > key:
+            return False
+        return not any(
+            o.eligible and p != candidate and self.reachable(p, now) and capability_key(o.capability, p) > key
+            for p, o in self._members.items()
+        )
+
+    def _on_vote(self, sender: str, vote: Vote, now: float) -> None:
+        if vote.voter != sender:
+            return
+        if vote.term > self.term:
+            self._adopt_term(vote.term, now)
+            return
+        if self.role is Role.CANDIDATE and vote.term == self.term and vote.granted:
+            self._votes.add(sender)
+            self._maybe_win(now)

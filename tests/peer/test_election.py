@@ -1,0 +1,215 @@
+"""Election under simulated time, message loss, partitions and crashes.
+
+A tiny discrete simulator pumps :class:`Election` objects into each other: no
+sockets, no sleeps. Safety (at most one coordinator per term) is checked after
+every step; liveness (a coordinator within 5 s of losing the old one) is
+checked on loss-free runs with crashes and healed partitions.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.errors import StaleTermError
+from swarm.peer.election import Election, Heartbeat, LeaderChanged, RequestVote, Role, Vote
+
+TICK_S = 0.005
+
+
+class Sim:
+    """Peers, a lossy network with delays, partitions and crashes, driven in ticks."""
+
+    def __init__(self, caps: dict[str, float | None], *, seed: int, loss: float = 0.0):
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.loss = loss
+        self.peers = {
+            pid: Election(pid, eligible=cap is not None, capability=cap or 0.0, now=0.0,
+                          rng=random.Random(self.rng.random()))
+            for pid, cap in caps.items()
+        }
+        for a in self.peers.values():
+            for pid, cap in caps.items():
+                a.add_member(pid, eligible=cap is not None, capability=cap or 0.0, now=0.0)
+        self.alive = set(caps)
+        self.groups: list[set[str]] | None = None  # partition: only peers in one group talk
+        self.queue: list[tuple[float, int, str, str, object]] = []
+        self.seq = 0
+        self.leaders: dict[int, set[str]] = {}
+        self.first_checked_term = 0  # safety is asserted for terms from this one on
+
+    def connected(self, a: str, b: str) -> bool:
+        if a not in self.alive or b not in self.alive:
+            return False
+        return self.groups is None or any(a in g and b in g for g in self.groups)
+
+    def step(self) -> None:
+        self.now += TICK_S
+        while self.queue and self.queue[0][0] <= self.now:
+            _, _, src, dst, msg = heapq.heappop(self.queue)
+            if self.connected(src, dst):
+                self.peers[dst].receive(src, msg, self.now)
+        for pid in sorted(self.alive):
+            e = self.peers[pid]
+            if e.get_timer() <= self.now:
+                e.handle_timer(self.now)
+            for dest, msg in e.messages_to_send():
+                for d in ([dest] if dest else [p for p in self.peers if p != pid]):
+                    if self.connected(pid, d) and self.rng.random() >= self.loss:
+                        self.seq += 1
+                        delay = self.rng.uniform(0.001, 0.02)
+                        heapq.heappush(self.queue, (self.now + delay, self.seq, pid, d, msg))
+        for pid in self.alive:
+            e = self.peers[pid]
+            if e.role is Role.LEADER:
+                self.leaders.setdefault(e.term, set()).add(pid)
+                assert e.term < self.first_checked_term or len(self.leaders[e.term]) == 1, f"two coordinators in term {e.term}: {self.leaders[e.term]}"
+
+    def run(self, seconds: float) -> None:
+        for _ in range(round(seconds / TICK_S)):
+            self.step()
+
+    def run_until_leader(self, limit_s: float, among: set[str] | None = None) -> str | None:
+        """Run until every live peer in ``among`` agrees on one live coordinator."""
+        among = among or self.alive
+        t_end = self.now + limit_s
+        while self.now < t_end:
+            self.step()
+            views = {(self.peers[p].term, self.peers[p].leader) for p in among}
+            if len(views) == 1:
+                (_, leader), = views
+                if leader in among and self.peers[leader].role is Role.LEADER:
+                    return leader
+        return None
+
+    def crash(self, pid: str) -> None:
+        self.alive.discard(pid)
+
+
+def most_capable(caps: dict[str, float | None], alive: set[str]) -> str:
+    return max((c, p) for p, c in caps.items() if c is not None and p in alive)[1]
+
+
+CAPS = {"p0": 1.0, "p1": 3.0, "p2": 2.0, "p3": None, "p4": 0.5}
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=100, deadline=None)
+def test_most_capable_is_elected_then_replaced_within_5s(seed):
+    sim = Sim(CAPS, seed=seed)
+    first = sim.run_until_leader(5.0)
+    assert first == "p1"
+    sim.run(1.0)
+    t_lost = sim.now
+    sim.crash(first)
+    second = sim.run_until_leader(5.0)
+    assert second == most_capable(CAPS, sim.alive) == "p2"
+    assert sim.now - t_lost <= 5.0
+    # and again: p0 remains the only eligible peer with a majority of 5 still alive (p0, p3, p4)
+    sim.crash(second)
+    third = sim.run_until_leader(5.0)
+    assert third == "p0"
+
+
+@given(seed=st.integers(0, 2**32 - 1), loss=st.sampled_from([0.05, 0.2, 0.4]))
+@settings(max_examples=100, deadline=None)
+def test_safety_under_loss_partitions_and_crashes(seed, loss):
+    sim = Sim(CAPS, seed=seed, loss=loss)
+    rng = random.Random(seed)
+    ids = sorted(CAPS)
+    for _ in range(8):
+        r = rng.random()
+        if r < 0.4:
+            rng.shuffle(ids)
+            cut = rng.randint(1, len(ids) - 1)
+            sim.groups = [set(ids[:cut]), set(ids[cut:])]
+        elif r < 0.7:
+            sim.groups = None
+        elif r < 0.85 and len(sim.alive) > 3:
+            sim.crash(rng.choice(sorted(sim.alive)))
+        sim.run(rng.uniform(0.2, 2.0))  # Sim.step asserts ≤ 1 coordinator per term
+    # After healing, with loss gone, all live peers follow one eligible coordinator within 5 s
+    # (a working one keeps its term even when a more capable peer comes back: Raft §6).
+    sim.groups, sim.loss = None, 0.0
+    leader = sim.run_until_leader(5.0)
+    assert leader in sim.alive and CAPS[leader] is not None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_minority_coordinator_steps_down_and_majority_elects(seed):
+    sim = Sim(CAPS, seed=seed)
+    assert sim.run_until_leader(5.0) == "p1"
+    sim.groups = [{"p1", "p3"}, {"p0", "p2", "p4"}]
+    t_cut = sim.now
+    new = sim.run_until_leader(5.0, among={"p0", "p2", "p4"})
+    assert new == "p2" and sim.now - t_cut <= 5.0
+    sim.run(1.5)
+    assert sim.peers["p1"].role is not Role.LEADER  # check-quorum: cut off, it stepped down
+    # Healing: the old coordinator hears the newer term and follows, it does not depose p2.
+    sim.groups = None
+    sim.run(1.0)
+    assert {(sim.peers[p].term, sim.peers[p].leader) for p in CAPS} == {(sim.peers["p2"].term, "p2")}
+
+
+def test_no_eligible_peer_means_no_coordinator():
+    sim = Sim({"a": None, "b": None, "c": None}, seed=1)
+    sim.run(5.0)
+    assert not sim.leaders
+
+
+def test_single_peer_elects_itself():
+    sim = Sim({"solo": 1.0}, seed=1)
+    assert sim.run_until_leader(2.0) == "solo"
+
+
+def test_two_self_elected_coordinators_merge_into_one():
+    # Two peers that started apart each lead a quorum of one; once linked, one remains.
+    a = Election("a", eligible=True, capability=1.0, now=0.0, rng=random.Random(1))
+    b = Election("b", eligible=True, capability=2.0, now=0.0, rng=random.Random(2))
+    for e in (a, b):
+        e.handle_timer(5.0)
+    assert a.role is b.role is Role.LEADER and a.term == b.term == 1
+    sim = Sim({"a": 1.0, "b": 2.0}, seed=3)
+    sim.peers = {"a": a, "b": b}
+    for x, y in ((a, b), (b, a)):
+        x.add_member(y.peer_id, eligible=True, capability=y.capability, now=5.0)
+    sim.now = 5.0
+    sim.first_checked_term = 2  # term 1 has two by construction; later ones must not
+    assert sim.run_until_leader(5.0) == "b"
+    assert a.term == b.term >= 2 and a.leader == "b"
+
+
+def test_voter_refuses_less_capable_candidate_and_stale_terms():
+    v = Election("v", eligible=False, capability=0.0, now=0.0, rng=random.Random(0))
+    v.add_member("weak", eligible=True, capability=1.0, now=0.0)
+    v.add_member("strong", eligible=True, capability=9.0, now=0.0)
+    v.add_member("none", eligible=False, capability=99.0, now=0.0)
+    v.receive("strong", Heartbeat(0, "strong", True, 9.0, None), now=0.5)
+    v.receive("weak", RequestVote(1, "weak"), now=0.6)
+    assert v.messages_to_send() == [("weak", Vote(1, "v", False))]
+    v.receive("none", RequestVote(2, "none"), now=0.7)  # not eligible: refused
+    assert v.messages_to_send() == [("none", Vote(2, "v", False))]
+    v.receive("strong", RequestVote(2, "strong"), now=0.8)
+    assert v.messages_to_send() == [("strong", Vote(2, "v", True))]
+    # one vote per term
+    v.receive("weak", RequestVote(2, "weak"), now=0.9)
+    assert v.messages_to_send() == [("weak", Vote(2, "v", False))]
+    # a vote request naming someone else than its sender is ignored
+    v.receive("weak", RequestVote(3, "strong"), now=0.9)
+    assert v.messages_to_send() == [] and v.term == 2
+    # Once "strong" is unreachable, "weak" may lead.
+    v.receive("weak", RequestVote(3, "weak"), now=5.0)
+    assert v.messages_to_send() == [("weak", Vote(3, "v", True))]
+    v.receive("weak", Heartbeat(3, "weak", True, 1.0, "weak"), now=5.1)
+    assert v.next_event() == LeaderChanged(3, "weak")
+    with pytest.raises(StaleTermError, match="term 2 is stale"):
+        v.check_term(2, now=5.2)
+    v.check_term(3, now=5.2)
+    # a live coordinator is not deposed by a vote request (Raft §6)
+    v.receive("strong", RequestVote(9, "strong"), now=5.3)
+    assert v.messages_to_send() == [] and v.term == 3 and v.leader == "weak"
