@@ -75,3 +75,11 @@ class PeerLostError(SwarmError):
 class WeightIntegrityError(RemoteProtocolError):
     """Shipped weights failed verification (a chunk or a whole slice did not match its SHA-256)
     more often than a retry can explain; the source is not trusted for this slice."""
+
+
+class KernelError(SwarmError):
+    """A compute kernel cannot give an answer: inputs of the wrong shape, dtype or weight format,
+    weights beyond the GPU adapter's limits, or a GPU error / lost device during the request.
+
+    The request fails with this error; no partial or wrong numbers are returned.
+    """

@@ -1,0 +1,71 @@
+// Down projection: y[t, row0 + r] = h[t] . w_down[r] for every row t of h and every weight row
+// r of one weight part (W_down [H, F] stored row-major, i.e. one row per output feature).
+//
+// Shapes (K4 = F / 4, F padded to a multiple of 4 with zeros):
+//   h      [T, K4]  vec4<f32>       SwiGLU activations
+//   w_down [R, K4]  WVec            one part (R rows) of W_down; format from the prelude
+//   s_down [R]      f32             per-row scales (read only when HAS_SCALE)
+//   y      [T, H]   f32             output; this dispatch writes columns row0 .. row0 + R
+// Same work split as swiglu.wgsl: one workgroup per weight row and block of TB rows of h.
+
+struct Params {
+    t_rows: u32,   // T
+    k4: u32,       // F / 4
+    n_rows: u32,   // R, weight rows in this part
+    row0: u32,     // first output column of this part
+    n_out: u32,    // H, row stride of y
+    tile_x: u32,   // workgroups along x
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> hin: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> w_down: array<WVec>;
+@group(0) @binding(3) var<storage, read> s_down: array<f32>;
+@group(0) @binding(4) var<storage, read_write> y: array<f32>;
+
+override WG: u32 = 64u;  // threads per workgroup; a power of two within the adapter's limits
+const TB: u32 = 8u;      // activation rows per workgroup
+
+var<workgroup> red: array<f32, WG>;
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + wid.y * p.tile_x;
+    if (r >= p.n_rows) {
+        return;  // workgroup-uniform
+    }
+    let t0 = wid.z * TB;
+    let base = r * p.k4;
+    var acc: array<f32, TB>;
+    for (var k = lid; k < p.k4; k += WG) {
+        let w = unpack_w(w_down[base + k]);
+        for (var t = 0u; t < TB; t++) {
+            let tt = t0 + t;
+            if (tt < p.t_rows) {
+                acc[t] += dot(hin[tt * p.k4 + k], w);
+            }
+        }
+    }
+    var sd = 1.0;
+    if (HAS_SCALE) {
+        sd = s_down[r];
+    }
+    for (var t = 0u; t < TB; t++) {
+        let tt = t0 + t;
+        if (tt >= p.t_rows) {
+            break;
+        }
+        red[lid] = acc[t];
+        workgroupBarrier();
+        for (var s = WG / 2u; s > 0u; s >>= 1u) {
+            if (lid < s) {
+                red[lid] += red[lid + s];
+            }
+            workgroupBarrier();
+        }
+        if (lid == 0u) {
+            y[tt * p.n_out + p.row0 + r] = red[0] * sd;
+        }
+        workgroupBarrier();
+    }
+}

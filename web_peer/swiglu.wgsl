@@ -1,0 +1,90 @@
+// SwiGLU gate/up: h[t, row0 + r] = silu(x[t] . w_gate[r]) * (x[t] . w_up[r])
+// for every row t of x and every weight row r of one weight part.
+//
+// Shapes (K4 = K / 4, K padded to a multiple of 4 with zeros):
+//   x      [T, K4]  vec4<f32>       activations, row-major
+//   w_gate [R, K4]  WVec            one part (R rows) of W_gate [F, K]; format from the prelude
+//   w_up   [R, K4]  WVec            the same rows of W_up
+//   s_gate [R]      f32             per-row scales (read only when HAS_SCALE)
+//   s_up   [R]      f32
+//   h      [T, F]   f32             output; this dispatch writes columns row0 .. row0 + R
+// One workgroup computes one weight row for up to TB rows of x: WG threads stride over K4,
+// then a tree reduction in workgroup memory. Workgroup id: x + y * tile_x = weight row,
+// z = block of TB activation rows. A weight prelude (weights_*.wgsl) is prepended by the host.
+
+struct Params {
+    t_rows: u32,   // T
+    k4: u32,       // K / 4
+    n_rows: u32,   // R, weight rows in this part
+    row0: u32,     // first output column of this part
+    n_out: u32,    // F, row stride of h
+    tile_x: u32,   // workgroups along x
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> w_gate: array<WVec>;
+@group(0) @binding(3) var<storage, read> w_up: array<WVec>;
+@group(0) @binding(4) var<storage, read> s_gate: array<f32>;
+@group(0) @binding(5) var<storage, read> s_up: array<f32>;
+@group(0) @binding(6) var<storage, read_write> h: array<f32>;
+
+override WG: u32 = 64u;  // threads per workgroup; a power of two within the adapter's limits
+const TB: u32 = 8u;      // activation rows per workgroup (weights read once per TB rows)
+
+var<workgroup> red_g: array<f32, WG>;
+var<workgroup> red_u: array<f32, WG>;
+
+fn silu(v: f32) -> f32 {
+    return v / (1.0 + exp(-v));
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + wid.y * p.tile_x;
+    if (r >= p.n_rows) {
+        return;  // workgroup-uniform: r depends on the workgroup id only
+    }
+    let t0 = wid.z * TB;
+    let base = r * p.k4;
+    var acc_g: array<f32, TB>;
+    var acc_u: array<f32, TB>;
+    for (var k = lid; k < p.k4; k += WG) {
+        let g = unpack_w(w_gate[base + k]);
+        let u = unpack_w(w_up[base + k]);
+        for (var t = 0u; t < TB; t++) {
+            let tt = t0 + t;
+            if (tt < p.t_rows) {
+                let xv = x[tt * p.k4 + k];
+                acc_g[t] += dot(xv, g);
+                acc_u[t] += dot(xv, u);
+            }
+        }
+    }
+    var sg = 1.0;
+    var su = 1.0;
+    if (HAS_SCALE) {
+        sg = s_gate[r];
+        su = s_up[r];
+    }
+    for (var t = 0u; t < TB; t++) {
+        let tt = t0 + t;
+        if (tt >= p.t_rows) {
+            break;  // uniform: depends on the workgroup id and params only
+        }
+        red_g[lid] = acc_g[t];
+        red_u[lid] = acc_u[t];
+        workgroupBarrier();
+        for (var s = WG / 2u; s > 0u; s >>= 1u) {
+            if (lid < s) {
+                red_g[lid] += red_g[lid + s];
+                red_u[lid] += red_u[lid + s];
+            }
+            workgroupBarrier();
+        }
+        if (lid == 0u) {
+            h[tt * p.n_out + p.row0 + r] = silu(red_g[0] * sg) * (red_u[0] * su);
+        }
+        workgroupBarrier();
+    }
+}

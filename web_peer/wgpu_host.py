@@ -1,0 +1,205 @@
+"""Run the browser peer's WGSL kernels natively through wgpu-py (Vulkan: Mesa lavapipe, or a GPU).
+
+This host mirrors the page's gpu.js / ffn.js step for step — same WGSL files, same weight parts,
+same dispatch grid — so the kernels are tested and benchmarked outside the browser too. It is a
+test and bench tool: `wgpu` is a test dependency, imported only here.
+
+    gpu = WgpuFfn(max_binding=64 << 20)          # cap bindings below the adapter's limit
+    w = gpu.upload(w_gate, w_up, w_down, "q8")   # [F, H], [F, H], [H, F] float32 → GPU parts
+    y = gpu.ffn(x, w)                            # x [T, H] float32 → y [T, H] float32
+
+Errors: KernelError for bad shapes/formats, limits that cannot be met, and any GPU error (the
+device is then dropped and a fresh one made on the next call).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from swarm.errors import KernelError
+
+from . import kernels as K
+
+_PARAMS = struct.Struct("<6I")  # t_rows, k4, n_rows, row0, n_out, tile_x (the WGSL Params)
+
+
+@dataclass
+class GpuMatrix:
+    """A PackedMatrix resident on the GPU: one weight buffer (and q8 scale buffer) per part."""
+
+    packed: K.PackedMatrix
+    buffers: list = field(default_factory=list)
+    scales: list = field(default_factory=list)
+
+
+@dataclass
+class GpuFfnWeights:
+    """One SwiGLU block on the GPU: H (model width) and F (intermediate rows) before padding."""
+
+    fmt: str
+    hidden: int
+    inter: int
+    gate: GpuMatrix
+    up: GpuMatrix
+    down: GpuMatrix
+    device: object = None  # the device holding the buffers; a fresh device needs a new upload
+
+
+class WgpuFfn:
+    """A wgpu device with the swiglu and down pipelines for every weight format it supports.
+
+    max_binding: bytes per storage binding to stay under (defaults to the adapter's
+    maxStorageBufferBindingSize; pass a phone's 128 MiB or less to force splitting).
+    workgroup_size: the WG override (a power of two ≤ maxComputeInvocationsPerWorkgroup).
+    """
+
+    def __init__(self, max_binding: int | None = None, workgroup_size: int = 64,
+                 power_preference: str = "high-performance"):
+        import wgpu  # test/bench dependency
+
+        self._wgpu = wgpu
+        self.adapter = wgpu.gpu.request_adapter_sync(power_preference=power_preference)
+        if self.adapter is None:
+            raise KernelError("no WebGPU adapter: install a Vulkan driver (mesa-vulkan-drivers)")
+        limits = self.adapter.limits
+        self.adapter_binding = limits["max-storage-buffer-binding-size"]
+        self.max_binding = min(max_binding or self.adapter_binding, self.adapter_binding)
+        if workgroup_size & (workgroup_size - 1) or not (
+                0 < workgroup_size <= limits["max-compute-invocations-per-workgroup"]):
+            raise KernelError(f"workgroup size {workgroup_size} must be a power of two ≤ "
+                              f"{limits['max-compute-invocations-per-workgroup']}")
+        self.workgroup_size = workgroup_size
+        self.has_f16 = "shader-f16" in self.adapter.features
+        self.formats = tuple(f for f in K.FORMATS if f != "f16" or self.has_f16)
+        self.largest_binding = 0  # the largest buffer this host ever bound, for limit tests
+        self.device = None
+        self._pipelines: dict = {}
+
+    # ---- device -----------------------------------------------------------------------------
+
+    def _device(self):
+        if self.device is None:
+            feats = ["shader-f16"] if self.has_f16 else []
+            self.device = self.adapter.request_device_sync(
+                required_features=feats,
+                required_limits={"max-storage-buffer-binding-size": self.adapter_binding})
+            self._pipelines = {}
+        return self.device
+
+    def drop_device(self) -> None:
+        """Forget the device (after a GPU error): the next call makes a fresh one and re-uploads."""
+        self.device, self._pipelines = None, {}
+
+    def _pipeline(self, kernel: str, fmt: str):
+        key = (kernel, fmt)
+        if key not in self._pipelines:
+            if fmt not in self.formats:
+                raise KernelError(f"weight format {fmt!r} needs the adapter feature shader-f16, "
+                                  "which this adapter lacks; use f32 or q8")
+            dev = self._device()
+            module = dev.create_shader_module(code=K.wgsl_source(kernel, fmt))
+            self._pipelines[key] = dev.create_compute_pipeline(
+                layout="auto", compute={"module": module, "entry_point": "main",
+                                        "constants": {"WG": self.workgroup_size}})
+        return self._pipelines[key]
+
+    def _buffer(self, data: bytes, usage):
+        size = max(16, -(-len(data) // 4) * 4)
+        self.largest_binding = max(self.largest_binding, size)
+        buf = self._device().create_buffer(size=size, usage=usage | self._wgpu.BufferUsage.COPY_DST)
+        if data:
+            self.device.queue.write_buffer(buf, 0, data + b"\0" * (-len(data) % 4))
+        return buf
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def _upload_matrix(self, m: K.PackedMatrix) -> GpuMatrix:
+        g = GpuMatrix(m)
+        storage = self._wgpu.BufferUsage.STORAGE
+        for i, (r0, r1) in enumerate(m.parts):
+            g.buffers.append(self._buffer(m.part_bytes(i), storage))
+            scale = m.scale[r0:r1] if m.scale is not None else np.ones(1, np.float32)
+            g.scales.append(self._buffer(scale.astype("<f4").tobytes(), storage))
+        return g
+
+    def upload(self, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, fmt: str) -> GpuFfnWeights:
+        """Pack and upload one SwiGLU block: w_gate, w_up [F, H], w_down [H, F] float32."""
+        for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+            K._f32(w, name, 2)
+        f, h = w_gate.shape
+        if w_up.shape != (f, h) or w_down.shape != (h, f):
+            raise KernelError(f"SwiGLU weights disagree: gate {w_gate.shape}, up {w_up.shape}, down {w_down.shape}")
+        self._pipeline("swiglu", fmt)
+        fp = K.pad4(f)
+        try:
+            return GpuFfnWeights(
+                fmt, h, f,
+                self._upload_matrix(K.pack_matrix(w_gate, fmt, self.max_binding, rows=fp)),
+                self._upload_matrix(K.pack_matrix(w_up, fmt, self.max_binding, rows=fp)),
+                self._upload_matrix(K.pack_matrix(w_down, fmt, self.max_binding)),
+                self.device)
+        except self._wgpu.GPUError as e:
+            self.drop_device()
+            raise KernelError(f"GPU error while uploading weights: {e}") from e
+
+    # ---- compute ----------------------------------------------------------------------------
+
+    def _dispatch(self, enc, kernel, fmt, t_rows, k4, n_out, inp, mats, out):
+        """Encode one dispatch per weight part of `kernel`: mats = [GpuMatrix, ...] sharing parts."""
+        dev = self.device
+        pipe = self._pipeline(kernel, fmt)
+        for i, (r0, r1) in enumerate(mats[0].packed.parts):
+            gx, gy, gz = K.dispatch_grid(r1 - r0, t_rows)
+            params = self._buffer(_PARAMS.pack(t_rows, k4, r1 - r0, r0, n_out, gx),
+                                  self._wgpu.BufferUsage.UNIFORM)
+            res = [params, inp] + [m.buffers[i] for m in mats] + [m.scales[i] for m in mats] + [out]
+            bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+                {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res)])
+            cpass = enc.begin_compute_pass()
+            cpass.set_pipeline(pipe)
+            cpass.set_bind_group(0, bind)
+            cpass.dispatch_workgroups(gx, gy, gz)
+            cpass.end()
+
+    def _rows_per_block(self, w: GpuFfnWeights) -> int:
+        widest = max(K.pad4(w.hidden), K.pad4(w.inter)) * 4  # bytes of one activation row
+        return max(1, self.max_binding // widest)
+
+    def ffn(self, x: np.ndarray, w: GpuFfnWeights) -> np.ndarray:
+        """y = down(swiglu(x)) for x [T, H] float32 → [T, H] float32 (both kernels, one submit per block)."""
+        K._f32(x, "x", 2)
+        if w.device is not self.device or self.device is None:
+            raise KernelError("these weights were uploaded to a device that was lost; upload them again")
+        if x.shape[1] != w.hidden:
+            raise KernelError(f"x has {x.shape[1]} columns; these weights expect {w.hidden}")
+        if not np.isfinite(x).all():
+            raise KernelError("x holds NaN or infinity; refusing to compute")
+        block = self._rows_per_block(w)
+        return np.concatenate([self._ffn_block(x[t:t + block], w) for t in range(0, len(x), block)]
+                              or [np.zeros((0, w.hidden), np.float32)])
+
+    def _ffn_block(self, x: np.ndarray, w: GpuFfnWeights) -> np.ndarray:
+        wg = self._wgpu
+        t_rows = x.shape[0]
+        hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
+        try:
+            dev = self._device()
+            xb = self._buffer(K.pad_matrix(x, t_rows, hp).tobytes(), wg.BufferUsage.STORAGE)
+            hb = dev.create_buffer(size=t_rows * fp * 4, usage=wg.BufferUsage.STORAGE)
+            yb = dev.create_buffer(size=t_rows * hp * 4, usage=wg.BufferUsage.STORAGE | wg.BufferUsage.COPY_SRC)
+            self.largest_binding = max(self.largest_binding, t_rows * fp * 4, t_rows * hp * 4)
+            enc = dev.create_command_encoder()
+            self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb)
+            self._dispatch(enc, "down", w.fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
+            dev.queue.submit([enc.finish()])
+            y = np.frombuffer(dev.queue.read_buffer(yb), np.float32).reshape(t_rows, hp)
+        except wg.GPUError as e:
+            self.drop_device()
+            raise KernelError(f"GPU error during the request; the device was reset: {e}") from e
+        y = y[:, : w.hidden].copy()
+        if not np.isfinite(y).all():
+            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
+        return y
