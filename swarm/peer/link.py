@@ -1,0 +1,499 @@
+"""One authenticated data-channel link to one peer, over an aiortc ``RTCPeerConnection``.
+
+Theory of operation
+-------------------
+A link owns one peer connection and one ordered, reliable data channel on it (negotiated
+stream id 0, created on both sides before the SDP offer, so neither side waits for DCEP).
+It goes through these states, in this order only::
+
+    CONNECTING ──channel open──▶ AUTHENTICATING ──proof ok──▶ GREETING ──hello ok──▶ OPEN
+         └──────────────── any failure / timeout / remote close ─────────────────▶ CLOSED
+
+* AUTHENTICATING: the sans-I/O channel authenticator (:mod:`swarm.peer.auth`) runs over the raw
+  channel with the local certificate's fingerprint and the fingerprint parsed from the *remote
+  SDP* — the thing a malicious relay could substitute. A relay that rewrites ``a=fingerprint``
+  either breaks aiortc's own DTLS check (no channel) or, if it terminates DTLS itself, cannot
+  produce the HMAC that binds both fingerprints (DESIGN §6). Nothing else is accepted before the
+  proof; any other byte closes the link.
+* GREETING: both sides send a :class:`~swarm.peer.messages.Hello`; another protocol version is
+  refused with :class:`~swarm.errors.VersionMismatchError` naming both versions.
+* OPEN: messages are wire frames (:mod:`swarm.peer.wire`), split to the remote's SCTP
+  max-message-size and reassembled with a bounded buffer; sending waits on ``bufferedAmount``
+  (backpressure); heartbeats every :data:`HEARTBEAT_S` measure RTT; silence for
+  :data:`DEAD_AFTER_S` closes the link.
+
+Every task the link starts is owned by it and cancelled in :meth:`Link.close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import re
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiortc.rtcsctptransport as _sctp
+from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.rtcdtlstransport import RTCCertificate
+
+from swarm.errors import (
+    AuthenticationError,
+    LocalProtocolError,
+    PeerLostError,
+    RemoteProtocolError,
+    SwarmError,
+    VersionMismatchError,
+)
+from swarm.peer import _linkproto as proto
+
+log = logging.getLogger(__name__)
+
+# aiortc's SCTP minimum retransmission timeout is 1 s (RFC 4960's conservative default for the
+# Internet). On a LAN the RTT is ~1 ms, so one lost packet stalls a small exchange for a full
+# second; 0.1 s keeps retransmits rare on loopback while removing those stalls (DESIGN §9).
+SCTP_RTO_MIN_S = 0.1
+
+HEARTBEAT_S = 1.0  # seconds between heartbeats on an open link
+DEAD_AFTER_S = 5.0  # seconds without any inbound byte before the link is declared dead
+HANDSHAKE_TIMEOUT_S = 10.0  # seconds from connect to OPEN (ICE + DTLS + auth + hello)
+RTT_SAMPLES = 9  # heartbeat round trips kept; rtt_s is their median
+
+CHANNEL_LABEL = "colibri-swarm"
+CHANNEL_ID = 0  # negotiated stream id of the one data channel of a link
+
+# Backpressure: send() waits while more than SEND_HIGH_WATER bytes are queued in aiortc and
+# resumes at SEND_LOW_WATER (the `bufferedamountlow` event). 1 MiB keeps the SCTP queue busy
+# without holding a large message twice in memory.
+SEND_HIGH_WATER = 1 << 20
+SEND_LOW_WATER = 256 << 10
+
+# The most bytes one reassembled message may have (the largest message the protocol ships is a
+# weight chunk; 64 MiB bounds what a misbehaving peer can make us buffer).
+MAX_MESSAGE_BYTES = 64 << 20
+
+# RFC 8841 §6: assume 64 KiB when the remote SDP names no a=max-message-size.
+DEFAULT_MAX_MESSAGE_SIZE = 65536
+
+
+def configure_aiortc() -> None:
+    """Apply the process-wide aiortc tuning this package relies on (idempotent)."""
+    _sctp.SCTP_RTO_MIN = SCTP_RTO_MIN_S
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    AUTHENTICATING = "authenticating"
+    GREETING = "greeting"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+_FINGERPRINT_RE = re.compile(r"^a=fingerprint:sha-256 ([0-9A-Fa-f:]{95})\s*$", re.MULTILINE)
+_MAX_MESSAGE_SIZE_RE = re.compile(r"^a=max-message-size:(\d+)\s*$", re.MULTILINE)
+
+
+def sdp_fingerprint(sdp: str) -> str:
+    """The sha-256 DTLS fingerprint of an SDP (``AA:BB:…``, 32 upper-case hex pairs).
+
+    Raises :class:`RemoteProtocolError` when the SDP has none, or two different ones (an SDP
+    with several certificates is not something a peer of ours sends).
+    """
+    found = {m.upper() for m in _FINGERPRINT_RE.findall(sdp)}
+    if len(found) != 1:
+        raise RemoteProtocolError(
+            f"the remote SDP carries {len(found)} distinct sha-256 fingerprints; exactly one is required"
+        )
+    return found.pop()
+
+
+def sdp_max_message_size(sdp: str) -> int:
+    """The remote ``a=max-message-size`` in bytes (0 = unlimited), or 65536 when absent (RFC 8841 §6)."""
+    m = _MAX_MESSAGE_SIZE_RE.search(sdp)
+    return int(m.group(1)) if m else DEFAULT_MAX_MESSAGE_SIZE
+
+
+def certificate_fingerprint(certificate: RTCCertificate) -> str:
+    """The sha-256 fingerprint of a DTLS certificate, in SDP form (``AA:BB:…``)."""
+    for fp in certificate.getFingerprints():
+        if fp.algorithm == "sha-256":
+            return fp.value.upper()
+    raise LocalProtocolError("the DTLS certificate has no sha-256 fingerprint")
+
+
+def new_peer_connection(certificate: RTCCertificate) -> tuple[RTCPeerConnection, RTCDataChannel]:
+    """A peer connection using ``certificate`` for DTLS, with the link's data channel created.
+
+    No ICE servers: aiortc's default public STUN host stalls set-up by ~5 s on a LAN with a
+    default route (DESIGN §9). The certificate is set through aiortc's private attribute, the only
+    way it offers today.
+    """
+    configure_aiortc()
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc._RTCPeerConnection__certificates = [certificate]  # type: ignore[attr-defined]
+    channel = pc.createDataChannel(CHANNEL_LABEL, negotiated=True, id=CHANNEL_ID, ordered=True)
+    return pc, channel
+
+
+Handler = Callable[["Link", Any], Awaitable[None] | None]
+
+
+class Link:
+    """An authenticated link to one remote peer.
+
+    Build it with :func:`new_peer_connection`, exchange SDP (``offer``/``accept_offer``/
+    ``accept_answer``), then ``await link.established()``. After that, ``await link.send(msg)``
+    sends any message of :mod:`swarm.peer.messages`; handlers registered with :meth:`on` receive
+    inbound messages by type, and messages of types with no handler go to :meth:`receive`.
+
+    Attributes: ``peer_id`` (the authenticated remote peer id, ``str``), ``hello`` (the remote
+    ``Hello``), ``rtt_s`` (median of recent heartbeat round-trip times in seconds, ``None`` until measured),
+    ``state`` (:class:`LinkState`), ``close_reason`` (``str`` once closed).
+    """
+
+    def __init__(
+        self,
+        pc: RTCPeerConnection,
+        channel: RTCDataChannel,
+        *,
+        certificate: RTCCertificate,
+        swarm_key: bytes,
+        local_peer_id: str,
+        local_hello: Any,
+        offerer: bool,
+        expected_peer_id: str | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        heartbeat_s: float = HEARTBEAT_S,
+        dead_after_s: float = DEAD_AFTER_S,
+    ) -> None:
+        self.pc = pc
+        self.channel = channel
+        self.offerer = offerer
+        self.local_peer_id = local_peer_id
+        self.local_hello = local_hello
+        self.expected_peer_id = expected_peer_id
+        self.state = LinkState.CONNECTING
+        self.peer_id: str | None = None
+        self.hello: Any = None
+        self.rtt_s: float | None = None
+        self.close_reason: str | None = None
+        self.remote_max_message_size = DEFAULT_MAX_MESSAGE_SIZE
+
+        self._certificate = certificate
+        self._swarm_key = swarm_key
+        self._handshake_timeout_s = handshake_timeout_s
+        self._heartbeat_s = heartbeat_s
+        self._dead_after_s = dead_after_s
+        self._remote_sdp: str | None = None
+        self._auth: proto.ChannelAuthenticator | None = None
+        self._reassembler = proto.Reassembler(MAX_MESSAGE_BYTES)
+        self._handlers: dict[type, Handler] = {}
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._established = asyncio.get_running_loop().create_future()
+        self._closed = asyncio.Event()
+        self._send_lock = asyncio.Lock()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._last_heard = time.monotonic()
+        self._tasks: set[asyncio.Task] = set()
+        self._close_callbacks: list[Callable[[Link], None]] = []
+        self._ping_sent: dict[int, float] = {}
+        self._ping_seq = 0
+        self._rtt_samples: collections.deque[float] = collections.deque(maxlen=RTT_SAMPLES)
+
+        channel.bufferedAmountLowThreshold = SEND_LOW_WATER
+        channel.on("open", self._on_channel_open)
+        channel.on("message", self._on_channel_message)
+        channel.on("close", lambda: self._fail("the data channel closed"))
+        channel.on("bufferedamountlow", self._drained.set)
+        pc.on("connectionstatechange", self._on_connection_state)
+        self._spawn(self._watchdog())
+
+    # -- SDP negotiation ------------------------------------------------------------------------
+
+    async def create_offer(self) -> str:
+        """Create the SDP offer (complete, candidates included; aiortc gathers before returning)."""
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        return self.pc.localDescription.sdp
+
+    async def accept_offer(self, sdp: str) -> str:
+        """Apply the remote SDP offer and return our SDP answer."""
+        await self._set_remote("offer", sdp)
+        await self.pc.setLocalDescription(await self.pc.createAnswer())
+        return self.pc.localDescription.sdp
+
+    async def accept_answer(self, sdp: str) -> None:
+        """Apply the remote SDP answer."""
+        await self._set_remote("answer", sdp)
+
+    async def _set_remote(self, kind: str, sdp: str) -> None:
+        if not isinstance(sdp, str) or len(sdp) > 64 << 10:
+            raise RemoteProtocolError(f"the remote SDP {kind} is not a string of at most 64 KiB")
+        self._remote_sdp = sdp
+        remote_fp = sdp_fingerprint(sdp)
+        self.remote_max_message_size = sdp_max_message_size(sdp)
+        self._auth = proto.ChannelAuthenticator(
+            swarm_key=self._swarm_key,
+            offerer=self.offerer,
+            local_peer_id=self.local_peer_id,
+            local_fingerprint=certificate_fingerprint(self._certificate),
+            remote_fingerprint=remote_fp,
+        )
+        try:
+            await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type=kind))
+        except (ValueError, AttributeError) as exc:
+            raise RemoteProtocolError(f"the remote SDP {kind} was rejected by WebRTC: {exc}") from exc
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    async def established(self) -> Any:
+        """Wait until the link is OPEN; return the remote ``Hello``.
+
+        Raises :class:`AuthenticationError` (the remote could not prove the swarm key or a
+        fingerprint was substituted), :class:`VersionMismatchError`, or :class:`PeerLostError`
+        (connection failed, closed, or :data:`HANDSHAKE_TIMEOUT_S` passed).
+        """
+        return await asyncio.shield(self._established)
+
+    @property
+    def is_open(self) -> bool:
+        return self.state is LinkState.OPEN
+
+    def on_close(self, callback: Callable[[Link], None]) -> None:
+        """Call ``callback(link)`` once, when the link closes for any reason."""
+        if self.state is LinkState.CLOSED:
+            callback(self)
+        else:
+            self._close_callbacks.append(callback)
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    async def close(self, reason: str = "closed locally") -> None:
+        """Close the link and its peer connection; cancel and await every task it owns."""
+        self._fail(reason, error=PeerLostError(f"link closed: {reason}"))
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.pc.close()
+
+    def _fail(self, reason: str, error: SwarmError | None = None) -> None:
+        if self.state is LinkState.CLOSED:
+            return
+        was = self.state
+        self.state = LinkState.CLOSED
+        self.close_reason = reason
+        level = logging.WARNING if was is not LinkState.OPEN or isinstance(error, AuthenticationError) else logging.INFO
+        log.log(level, "link to %s closed in state %s: %s", self.peer_id or self.expected_peer_id or "?", was.value, reason)
+        if not self._established.done():
+            self._established.set_exception(error or PeerLostError(f"link failed: {reason}"))
+            self._established.exception()  # mark retrieved: a caller may never await it
+        self._drained.set()
+        self._closed.set()
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        # the peer connection is closed by close(); schedule it so a failure inside a callback
+        # releases sockets even when nobody calls close()
+        self._spawn(self.pc.close(), owned=False)
+        for cb in self._close_callbacks:
+            try:
+                cb(self)
+            except Exception:  # a buggy observer must not keep others from hearing about it
+                log.exception("link close callback failed")
+        self._close_callbacks.clear()
+
+    def _spawn(self, coro: Awaitable[Any], owned: bool = True) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        if owned:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            _orphans.add(task)
+            task.add_done_callback(_orphans.discard)
+        return task
+
+    def _on_connection_state(self) -> None:
+        if self.pc.connectionState in ("failed", "closed"):
+            self._fail(f"the peer connection is {self.pc.connectionState}")
+
+    async def _watchdog(self) -> None:
+        deadline = time.monotonic() + self._handshake_timeout_s
+        while self.state is not LinkState.OPEN:
+            if time.monotonic() >= deadline:
+                self._fail(f"no authenticated link within {self._handshake_timeout_s:g} s ({self.state.value})")
+                return
+            await asyncio.sleep(min(0.1, self._heartbeat_s))
+        while True:
+            silence = time.monotonic() - self._last_heard
+            if silence >= self._dead_after_s:
+                self._fail(f"nothing heard for {silence:.1f} s (dead after {self._dead_after_s:g} s)")
+                return
+            self._ping_seq += 1
+            self._ping_sent[self._ping_seq] = time.monotonic()
+            if len(self._ping_sent) > 16:  # unanswered pings: forget the oldest
+                self._ping_sent.pop(min(self._ping_sent))
+            self._send_now(proto.encode_message(proto.Heartbeat(seq=self._ping_seq, reply=False)))
+            await asyncio.sleep(self._heartbeat_s)
+
+    # -- inbound --------------------------------------------------------------------------------
+
+    def _on_channel_open(self) -> None:
+        if self.state is not LinkState.CONNECTING:
+            return
+        if self._auth is None:
+            self._fail("the data channel opened before the remote SDP was applied")
+            return
+        if self.pc.sctp is not None:
+            # aiortc's own reading of the remote a=max-message-size (0 = unlimited)
+            self.remote_max_message_size = self.pc.sctp._remote_max_message_size or MAX_MESSAGE_BYTES
+        self.state = LinkState.AUTHENTICATING
+        for out in self._auth.start():
+            self.channel.send(out)
+
+    def _on_channel_message(self, data: bytes | str) -> None:
+        self._last_heard = time.monotonic()
+        try:
+            if isinstance(data, str):
+                raise RemoteProtocolError("a text message arrived on a binary-only channel")
+            match self.state:
+                case LinkState.AUTHENTICATING:
+                    self._on_auth_bytes(data)
+                case LinkState.GREETING | LinkState.OPEN:
+                    message = self._reassembler.feed(data)
+                    if message is not None:
+                        self._on_message(proto.decode_message(message))
+                case _:
+                    raise RemoteProtocolError(f"a message arrived in state {self.state.value}")
+        except AuthenticationError as exc:
+            log.warning("channel authentication with %s failed: %s", self.expected_peer_id or "?", exc)
+            self._fail(f"channel authentication failed: {exc}", error=exc)
+        except SwarmError as exc:
+            self._fail(str(exc), error=exc)
+
+    def _on_auth_bytes(self, data: bytes) -> None:
+        assert self._auth is not None
+        for out in self._auth.receive(data):
+            self.channel.send(out)
+        if self._auth.peer_id is None:
+            return
+        if self.expected_peer_id is not None and self._auth.peer_id != self.expected_peer_id:
+            raise AuthenticationError(
+                f"the channel proved peer id {self._auth.peer_id}, but signaling announced {self.expected_peer_id}"
+            )
+        self.peer_id = self._auth.peer_id
+        self.state = LinkState.GREETING
+        self._send_now(proto.encode_message(self.local_hello))
+
+    def _on_message(self, message: Any) -> None:
+        if self.state is LinkState.GREETING:
+            if not isinstance(message, proto.Hello):
+                raise RemoteProtocolError(f"expected a Hello first, got {type(message).__name__}")
+            self._check_hello(message)
+            self.hello = message
+            self.state = LinkState.OPEN
+            log.info("link to %s open (version %s)", self.peer_id, message.protocol_version)
+            self._established.set_result(message)
+            return
+        if isinstance(message, proto.Heartbeat):
+            if not message.reply:
+                self._send_now(proto.encode_message(proto.Heartbeat(seq=message.seq, reply=True)))
+            elif (sent := self._ping_sent.pop(message.seq, None)) is not None:
+                self._rtt_samples.append(time.monotonic() - sent)
+                # the median of recent samples: one heartbeat queued behind a large message
+                # must not skew the estimate that placement and deadlines are built on
+                self.rtt_s = statistics.median(self._rtt_samples)
+            return
+        if isinstance(message, proto.Hello):
+            raise RemoteProtocolError("a second Hello arrived on an open link")
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self._inbox.put_nowait(message)
+            return
+        result = handler(self, message)
+        if asyncio.iscoroutine(result):
+            self._spawn(self._run_handler(result))
+
+    async def _run_handler(self, coro: Awaitable[None]) -> None:
+        try:
+            await coro
+        except SwarmError as exc:
+            self._fail(f"handler failed: {exc}", error=exc)
+        except Exception:
+            log.exception("message handler on link to %s failed", self.peer_id)
+
+    def _check_hello(self, hello: Any) -> None:
+        if hello.peer_id != self.peer_id:
+            raise AuthenticationError(f"Hello names peer {hello.peer_id}, but the channel proved {self.peer_id}")
+        ours = self.local_hello.protocol_version
+        if hello.protocol_version != ours:
+            raise VersionMismatchError(
+                f"peer {self.peer_id} speaks protocol version {hello.protocol_version}, we speak {ours}; "
+                "upgrade colibri-swarm on the older peer"
+            )
+
+    # -- handlers and receive ---------------------------------------------------------------------
+
+    def on(self, message_type: type, handler: Handler) -> None:
+        """Deliver inbound messages of ``message_type`` to ``handler(link, message)`` (sync or async)."""
+        self._handlers[message_type] = handler
+
+    async def receive(self) -> Any:
+        """The next inbound message that no handler claimed. Raises :class:`PeerLostError` once closed."""
+        if not self._inbox.empty():
+            return self._inbox.get_nowait()
+        get = asyncio.ensure_future(self._inbox.get())
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait({get, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            if not get.done():
+                get.cancel()
+        if get.done() and not get.cancelled():
+            return get.result()
+        raise PeerLostError(f"link to {self.peer_id} closed: {self.close_reason}")
+
+    # -- outbound ---------------------------------------------------------------------------------
+
+    async def send(self, message: Any) -> None:
+        """Send one message; wait while aiortc holds more than :data:`SEND_HIGH_WATER` bytes.
+
+        Messages larger than the remote max-message-size are split into fragments; a message is
+        never interleaved with another one (a lock orders whole messages). Raises
+        :class:`PeerLostError` when the link is (or becomes) closed.
+        """
+        if self.state is not LinkState.OPEN:
+            raise PeerLostError(f"link to {self.peer_id} is not open ({self.state.value})")
+        data = proto.encode_message(message)
+        async with self._send_lock:
+            for fragment in proto.fragments(data, self.remote_max_message_size):
+                while self.channel.bufferedAmount > SEND_HIGH_WATER and self.state is LinkState.OPEN:
+                    self._drained.clear()
+                    await self._drained.wait()
+                if self.state is not LinkState.OPEN:
+                    raise PeerLostError(f"link to {self.peer_id} closed while sending: {self.close_reason}")
+                self.channel.send(fragment)
+
+    def _send_now(self, data: bytes) -> None:
+        """Queue a small control message (Hello, heartbeat) behind any message being sent.
+
+        Control messages take the send lock too, so a fragmented message is never interleaved.
+        """
+        if self.channel.readyState == "open" and self.state is not LinkState.CLOSED:
+            self._spawn(self._send_bytes(data))
+
+    async def _send_bytes(self, data: bytes) -> None:
+        async with self._send_lock:
+            for fragment in proto.fragments(data, self.remote_max_message_size):
+                if self.channel.readyState != "open":
+                    return
+                self.channel.send(fragment)
+
+
+_orphans: set[asyncio.Task] = set()

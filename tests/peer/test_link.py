@@ -1,0 +1,293 @@
+"""Links between two aiortc peer connections in one process, over real UDP and DTLS.
+
+aioice skips 127.0.0.1, so each test runs its event loop in a thread that entered a fresh
+network namespace whose loopback carries an extra /32 address (only root can do this; CI runs
+as root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import threading
+import uuid
+
+import pytest
+
+from swarm.errors import AuthenticationError, PeerLostError, VersionMismatchError
+from swarm.peer import _linkproto as proto
+from swarm.peer.link import Link, LinkState, new_peer_connection
+from aiortc.rtcdtlstransport import RTCCertificate
+from tests.conftest import require
+
+CLONE_NEWNET = 0x40000000
+
+
+def run_in_netns(coro_factory, timeout_s: float = 60.0):
+    """Run ``asyncio.run(coro_factory())`` in a thread inside a new network namespace."""
+    require(os.geteuid() == 0, "root, for network namespaces (CI runs as root)")
+    name = f"csb-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "-n", name, "addr", "add", "10.213.0.1/32", "dev", "lo"], check=True)
+        outcome: dict = {}
+
+        def target() -> None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns")
+            finally:
+                os.close(fd)
+            try:
+                outcome["value"] = asyncio.run(asyncio.wait_for(coro_factory(), timeout_s))
+            except BaseException as exc:  # re-raised in the test's thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
+KEY = bytes(range(32))
+
+
+def make_link(cert, peer_id, *, offerer, key=KEY, expected=None, version=proto.PROTOCOL_VERSION, **kw):
+    pc, channel = new_peer_connection(cert)
+    hello = proto.Hello(peer_id=peer_id, protocol_version=version)
+    return Link(pc, channel, certificate=cert, swarm_key=key, local_peer_id=peer_id,
+                local_hello=hello, offerer=offerer, expected_peer_id=expected, **kw)
+
+
+async def connect(a: Link, b: Link, rewrite_offer=lambda sdp: sdp, rewrite_answer=lambda sdp: sdp):
+    """Exchange SDP between two links as a relay would (optionally rewriting it); wait for both."""
+    answer = await b.accept_offer(rewrite_offer(await a.create_offer()))
+    await a.accept_answer(rewrite_answer(answer))
+    return await asyncio.gather(a.established(), b.established(), return_exceptions=True)
+
+
+def pair(**kw):
+    ca, cb = RTCCertificate.generateCertificate(), RTCCertificate.generateCertificate()
+    a = make_link(ca, "peer-a", offerer=True, expected="peer-b", **kw.get("a", {}))
+    b = make_link(cb, "peer-b", offerer=False, expected="peer-a", **kw.get("b", {}))
+    return a, b
+
+
+SIZES = [1, 65535, 65536, 65537, 262143, 262144, 262145, 8 << 20]
+
+
+def test_messages_of_every_size_arrive_intact_both_ways():
+    async def main():
+        a, b = pair()
+        hello_b, hello_a = await connect(a, b)
+        assert (hello_b.peer_id, hello_a.peer_id) == ("peer-b", "peer-a")
+        assert (a.peer_id, b.peer_id) == ("peer-b", "peer-a")
+        assert a.remote_max_message_size == 262144  # aiortc advertises 256 KiB to aiortc
+        received = []
+        for sender, receiver in ((a, b), (b, a)):
+            for size in SIZES:
+                data = os.urandom(size)
+                await sender.send(proto.Blob(data))
+                got = await receiver.receive()
+                received.append((hashlib.sha256(got.data).digest(), hashlib.sha256(data).digest()))
+        await a.close()
+        await b.close()
+        return received
+
+    for got, sent in run_in_netns(main):
+        assert got == sent
+
+
+def test_backpressure_bounds_what_aiortc_buffers_and_order_is_kept():
+    from swarm.peer import link as link_mod
+
+    async def main():
+        a, b = pair()
+        await connect(a, b)
+        peak = 0
+        send = a.channel.send
+
+        def spy(data):
+            nonlocal peak
+            send(data)
+            peak = max(peak, a.channel.bufferedAmount)
+
+        a.channel.send = spy
+        blobs = [os.urandom(3 << 20) for _ in range(3)]
+        await asyncio.gather(*(a.send(proto.Blob(x)) for x in blobs))
+        got = [(await b.receive()).data for _ in blobs]
+        await a.close()
+        await b.close()
+        return peak, got == blobs
+
+    peak, in_order = run_in_netns(main)
+    assert in_order
+    assert 0 < peak <= link_mod.SEND_HIGH_WATER + 262144
+
+
+def test_handlers_by_type_and_heartbeat_rtt():
+    async def main():
+        a, b = pair(a=dict(heartbeat_s=0.05), b=dict(heartbeat_s=0.05))
+        await connect(a, b)
+        seen = asyncio.Queue()
+
+        async def on_blob(link, message):
+            await seen.put((link.peer_id, message.data))
+
+        b.on(proto.Blob, on_blob)
+        await a.send(proto.Blob(b"hi"))
+        got = await asyncio.wait_for(seen.get(), 5)
+        await asyncio.sleep(0.5)
+        rtts = (a.rtt_s, b.rtt_s)
+        await a.close()
+        await b.close()
+        return got, rtts
+
+    got, rtts = run_in_netns(main)
+    assert got == ("peer-a", b"hi")
+    assert all(r is not None and 0 < r < 0.5 for r in rtts), rtts
+
+
+def test_silent_peer_is_declared_dead():
+    async def main():
+        a, b = pair(a=dict(heartbeat_s=0.05, dead_after_s=0.5))
+        await connect(a, b)
+        # b goes mute: it stops reading and sending, but its transport stays up
+        for t in list(b._tasks):
+            t.cancel()
+        b.channel.remove_all_listeners("message")
+        await asyncio.wait_for(a.wait_closed(), 5)
+        reason = a.close_reason
+        try:
+            await a.send(proto.Blob(b"x"))
+        except PeerLostError as exc:
+            lost = str(exc)
+        await b.close()
+        await a.close()
+        return reason, lost
+
+    reason, lost = run_in_netns(main)
+    assert "nothing heard" in reason
+    assert "not open" in lost
+
+
+def test_wrong_swarm_key_is_refused_by_channel_auth(caplog):
+    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+
+    async def main():
+        a, b = pair(b=dict(key=bytes(32)))
+        results = await connect(a, b)
+        states = (a.state, b.state)
+        await a.close()
+        await b.close()
+        return results, states
+
+    results, states = run_in_netns(main)
+    assert all(isinstance(r, AuthenticationError) for r in results), results
+    assert states == (LinkState.CLOSED, LinkState.CLOSED)
+    assert "channel authentication" in caplog.text
+
+
+def test_other_protocol_version_is_refused_naming_both():
+    async def main():
+        a, b = pair(b=dict(version=proto.PROTOCOL_VERSION + 1))
+        results = await connect(a, b)
+        await a.close()
+        await b.close()
+        return results
+
+    res_a, _ = run_in_netns(main)
+    assert isinstance(res_a, VersionMismatchError)
+    assert f"version {proto.PROTOCOL_VERSION + 1}" in str(res_a) and f"we speak {proto.PROTOCOL_VERSION}" in str(res_a)
+
+
+def _rewrite_fingerprints(sdp: str, cert: RTCCertificate) -> str:
+    lines = [ln for ln in sdp.splitlines() if not ln.startswith("a=fingerprint:")]
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("a=setup:"))
+    fps = [f"a=fingerprint:{fp.algorithm} {fp.value}" for fp in cert.getFingerprints()]
+    return "\r\n".join(lines[:at] + fps + lines[at:]) + "\r\n"
+
+
+def test_relay_rewriting_fingerprint_opens_no_channel_and_is_logged(caplog):
+    """The relay swaps a=fingerprint but cannot present that certificate: aiortc's DTLS check fails."""
+    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+    relay_cert = RTCCertificate.generateCertificate()
+
+    async def main():
+        a, b = pair(a=dict(handshake_timeout_s=5), b=dict(handshake_timeout_s=5))
+        results = await connect(a, b, rewrite_offer=lambda s: _rewrite_fingerprints(s, relay_cert))
+        opened = (a.channel.readyState, b.channel.readyState, a.peer_id, b.peer_id)
+        await a.close()
+        await b.close()
+        return results, opened
+
+    results, opened = run_in_netns(main)
+    assert all(isinstance(r, (AuthenticationError, PeerLostError)) for r in results), results
+    assert opened[2:] == (None, None)  # no side ever authenticated anyone
+    assert "closed in state connecting" in caplog.text
+
+
+def test_relay_in_the_middle_with_its_own_certificate_fails_channel_auth(caplog):
+    """A relay that rewrites a=fingerprint AND terminates DTLS itself, forwarding the channel
+    bytes both ways: DTLS succeeds on each side, but the transcripts name different
+    fingerprints, so neither HMAC verifies and no link opens."""
+    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+
+    async def main():
+        a, b = pair()
+        from aiortc import RTCSessionDescription
+
+        relay_a, chan_ra = new_peer_connection(RTCCertificate.generateCertificate())  # faces a
+        relay_b, chan_rb = new_peer_connection(RTCCertificate.generateCertificate())  # faces b
+        opened = []
+        pending = {id(chan_ra): [], id(chan_rb): []}
+
+        def forward(src, dst):
+            def on_message(m):
+                pending[id(dst)].append(m)
+                if dst.readyState == "open":
+                    for x in pending[id(dst)]:
+                        dst.send(x)
+                    pending[id(dst)].clear()
+
+            def on_open():
+                opened.append(src)
+                for x in pending[id(src)]:
+                    src.send(x)
+                pending[id(src)].clear()
+
+            src.on("message", on_message)
+            src.on("open", on_open)
+
+        forward(chan_ra, chan_rb)
+        forward(chan_rb, chan_ra)
+        # a offers to the relay; the relay offers to b; answers go back likewise
+        await relay_a.setRemoteDescription(RTCSessionDescription(await a.create_offer(), "offer"))
+        await relay_a.setLocalDescription(await relay_a.createAnswer())
+        await relay_b.setLocalDescription(await relay_b.createOffer())
+        answer_b = await b.accept_offer(relay_b.localDescription.sdp)
+        await relay_b.setRemoteDescription(RTCSessionDescription(answer_b, "answer"))
+        await a.accept_answer(relay_a.localDescription.sdp)
+        results = await asyncio.gather(a.established(), b.established(), return_exceptions=True)
+        channel_states = len(opened)
+        for x in (a, b):
+            await x.close()
+        await relay_a.close()
+        await relay_b.close()
+        return results, channel_states
+
+    results, channel_states = run_in_netns(main)
+    assert channel_states == 2  # DTLS with the relay succeeded on both sides
+    assert all(isinstance(r, AuthenticationError) for r in results), results
+    assert "does not match" in caplog.text
