@@ -1,0 +1,107 @@
+"""Placement properties: spans tile every layer, budgets hold, shares follow capacity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.errors import RemoteProtocolError
+from swarm.peer.planner import MAX_RTT_S, ModelShape, PeerCapacity, Plan, Span, build_plan, check_plan
+
+shapes = st.builds(
+    lambda h, e, fm, f, n_moe, n_dense, bpw: ModelShape(
+        h, e if n_moe else 0, fm, f, tuple(range(n_moe)), tuple(range(n_moe, n_moe + n_dense)), bpw),
+    h=st.integers(8, 64), e=st.integers(1, 64), fm=st.integers(4, 64), f=st.integers(0, 300),
+    n_moe=st.integers(0, 4), n_dense=st.integers(0, 4), bpw=st.sampled_from([4.0, 2.0, 0.5625]),
+)
+workers = st.lists(
+    st.builds(PeerCapacity, peer_id=st.text("abcdef", min_size=1, max_size=4),
+              memory_bytes=st.integers(0, 2_000_000), ffn_speed=st.floats(0.0, 100.0),
+              rtt_s=st.floats(0.0, 0.5)),
+    max_size=5, unique_by=lambda w: w.peer_id,
+)
+
+
+def units(plan: Plan, peer: str) -> int:
+    return sum(len(s) for t in (plan.experts, plan.dense) for spans in t.values() for s in spans if s.peer == peer)
+
+
+@given(shape=shapes, ws=workers, speed=st.floats(0.1, 100.0))
+@settings(max_examples=300, deadline=None)
+def test_spans_tile_and_budgets_hold(shape, ws, speed):
+    coord = PeerCapacity("Z-coord", 0, speed)
+    plan = build_plan(shape, coord, ws, term=3, version=7)
+    check_plan(plan, shape)  # tiles every layer in peer order
+    assert set(plan.experts) == (set(shape.moe_layers) if shape.n_experts else set())
+    assert set(plan.dense) == (set(shape.dense_layers) if shape.intermediate_size else set())
+    for w in ws:
+        assert plan.bytes_of(w.peer_id, shape) <= w.memory_bytes
+        if w.ffn_speed == 0 or w.rtt_s > MAX_RTT_S:
+            assert units(plan, w.peer_id) == 0
+    assert (plan.term, plan.version, plan.peers[0]) == (3, 7, "Z-coord")
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())), shape)
+    assert again == plan
+
+
+@given(speeds=st.lists(st.floats(1.0, 50.0), min_size=1, max_size=4), e=st.integers(8, 128))
+@settings(max_examples=200, deadline=None)
+def test_unbounded_shares_are_proportional_to_speed(speeds, e):
+    shape = ModelShape(16, e, 16, 0, (0, 1, 2), ())
+    ws = [PeerCapacity(f"w{i}", 10**12, s) for i, s in enumerate(speeds)]
+    coord = PeerCapacity("c", 0, 10.0)
+    plan = build_plan(shape, coord, ws, term=1, version=1, coordinator_share=0.5)
+    total = 5.0 + sum(speeds)
+    for layer in shape.moe_layers:
+        for w in ws:
+            span = plan.expert_span(layer, w.peer_id)
+            got = len(span) if span else 0
+            assert abs(got - e * w.ffn_speed / total) < 1.0 + 1e-9  # largest remainder: within one unit
+        assert sum(len(s) for s in plan.experts[layer]) == e
+
+
+def test_capped_worker_gets_its_budget_and_the_rest_moves():
+    shape = ModelShape(hidden_size=8, n_experts=16, moe_intermediate_size=4, intermediate_size=0,
+                       moe_layers=(0, 1), dense_layers=())
+    per = shape.expert_bytes  # 3*8*4*4 = 384
+    small = PeerCapacity("a", memory_bytes=3 * per, ffn_speed=100.0)
+    big = PeerCapacity("b", memory_bytes=10**9, ffn_speed=100.0)
+    plan = build_plan(shape, PeerCapacity("c", 0, 1.0), [small, big], term=1, version=1)
+    assert plan.bytes_of("a", shape) <= 3 * per and units(plan, "a") == 3
+    assert units(plan, "b") > units(plan, "c")  # the excess went to the capable worker, not the coordinator
+
+
+def test_dense_spans_are_contiguous_and_cover_the_mlp():
+    shape = ModelShape(576, 0, 0, 1536, (), tuple(range(30)))
+    plan = build_plan(shape, PeerCapacity("c", 0, 1.0), [PeerCapacity("w", 10**9, 1.0)], term=2, version=1,
+                      coordinator_share=1.0)
+    for layer in range(30):
+        assert plan.dense[layer] == (Span("c", 0, 768), Span("w", 768, 1536))
+    assert plan.workers() == ("w",)
+
+
+def test_alone_the_coordinator_computes_everything():
+    shape = ModelShape(8, 4, 4, 32, (1,), (0,))
+    plan = build_plan(shape, PeerCapacity("c", 0, 1.0), [], term=1, version=1)
+    assert plan.experts[1] == (Span("c", 0, 4),) and plan.dense[0] == (Span("c", 0, 32),)
+    assert plan.expert_owner(1, 3) == "c" and plan.workers() == ()
+
+
+@pytest.mark.parametrize("mutate, what", [
+    (lambda d: d["experts"].update({"0": [["c", 0, 2], ["w", 3, 4]]}), "do not tile"),
+    (lambda d: d["experts"].update({"0": [["w", 0, 2], ["c", 2, 4]]}), "peer order"),
+    (lambda d: d["experts"].update({"9": [["c", 0, 4]]}), "layer 9 has no experts"),
+    (lambda d: d["dense"].update({"1": [["c", 0, 31]]}), "do not tile"),
+    (lambda d: d.pop("term"), "malformed plan"),
+    (lambda d: d.update(peers=5), "malformed plan"),
+    (lambda d: d["experts"].update({"0": [["x", 0, 4]]}), "do not tile"),
+])
+def test_malformed_plans_are_refused(mutate, what):
+    shape = ModelShape(8, 4, 4, 32, (0,), (1,))
+    d = build_plan(shape, PeerCapacity("c", 0, 1.0), [PeerCapacity("w", 10**9, 1.0)], term=1, version=1).to_dict()
+    d = json.loads(json.dumps(d))
+    mutate(d)
+    with pytest.raises(RemoteProtocolError, match=what):
+        Plan.from_dict(d, shape)
