@@ -1,0 +1,365 @@
+"""Tokenizer, chat template and streaming detokenization, read from the checkpoint.
+
+Theory of operation: the tokenizer itself is a Hugging Face ``tokenizers.Tokenizer``.
+For an HF directory it is ``tokenizer.json`` as saved; for a GGUF file it is assembled
+from the metadata llama.cpp writes (``tokenizer.ggml.tokens`` / ``merges`` /
+``token_type`` / ``pre``) as a ``tokenizers`` BPE model with the pre-tokenizer that
+llama.cpp uses for that ``pre`` name — the library does the BPE, we only pick its parts.
+This is what transformers' GGUF conversion does too (``integrations/gguf``), without
+needing transformers at run time.
+
+The chat template (a Jinja2 string from ``tokenizer.chat_template`` or
+``tokenizer_config.json`` / ``chat_template.jinja``) is rendered in Jinja2's immutable
+sandbox with the environment transformers uses (``trim_blocks``, ``lstrip_blocks``,
+``raise_exception``, a ``tojson`` that keeps non-ASCII), so the prompt text is the one
+``apply_chat_template`` produces.
+
+:class:`StreamDecoder` turns token ids into text one id at a time and only ever yields
+complete characters: a multi-byte UTF-8 character split over several byte-level tokens
+is held back until its last byte arrives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from swarm.errors import ChatTemplateError, ModelFileError
+
+# llama.cpp ``llm_tokenizer_bpe`` pre-tokenizer regexes, by ``tokenizer.ggml.pre``
+# (llama.cpp src/llama-vocab.cpp; the same table as transformers' GGUF_PRE_TOKENIZER_SPLITS).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# These split every digit on its own first, then apply GPT-2's regex (llama.cpp groups
+# STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA this way).
+_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+
+_TOKEN_TYPE_CONTROL = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+@dataclass
+class TextTokenizer:
+    """A checkpoint's tokenizer, special token ids and chat template.
+
+    ``eos_token_ids`` are the ids that end a reply (the file's EOS, plus generation-config
+    EOS ids for HF directories). ``add_bos`` says whether :meth:`encode` with
+    ``add_special_tokens=True`` puts ``bos_token_id`` first (the file's
+    ``add_bos_token``); chat prompts are encoded without it, as transformers does, since
+    the template writes its own special tokens.
+    """
+
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    special_tokens: dict[str, str]
+    source: str
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (int, each < vocab_size)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; bytes that do not form UTF-8 become U+FFFD."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}, ...]``).
+
+        Raises: :class:`~swarm.errors.ChatTemplateError` when the checkpoint has no
+        template, or the template rejects the messages or fails to render.
+        """
+        if self.chat_template is None:
+            raise ChatTemplateError(f"{self.source} has no chat template; pass --raw to send the prompt as is")
+        try:
+            return self._compiled_template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # jinja2 raises many types (TemplateError, TypeError, SecurityError …)
+            raise ChatTemplateError(f"the chat template of {self.source} failed: {exc}") from exc
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Ids of the rendered chat prompt with the generation prompt (no extra BOS)."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def stream_decoder(self) -> StreamDecoder:
+        """A fresh incremental detokenizer for one reply."""
+        return StreamDecoder(self)
+
+    @cached_property
+    def _compiled_template(self):
+        return _compile_template(self.chat_template or "")
+
+
+class StreamDecoder:
+    """Incremental detokenization that only emits complete characters.
+
+    ``push(id)`` returns the text that id completes (maybe ``""``); ``flush()`` returns
+    whatever was held back at the end. The concatenation of every returned piece equals
+    ``decode(all ids)``. The method is the one of text-generation-inference: decode a
+    short window before and after the new id and emit the difference once it no longer
+    ends in U+FFFD (an incomplete UTF-8 sequence); the window restarts at each emitted
+    piece, so each push costs O(1) amortized.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window already emitted as text
+        self._read = 0  # end of the part already emitted
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        new_text = self._tok.decode(self._ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            piece = new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self._ids)
+            return piece
+        return ""
+
+    def flush(self) -> str:
+        """The held-back rest (an incomplete sequence decodes to U+FFFD here)."""
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        new_text = self._tok.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text):]
+
+
+def load_tokenizer(path: str | Path, *, reader: Any = None) -> TextTokenizer:
+    """The tokenizer of a GGUF file or an HF directory.
+
+    reader: an already opened ``gguf.GGUFReader`` of ``path`` (saves parsing it twice).
+    Raises: :class:`~swarm.errors.ModelFileError` naming the file and the field that is
+    missing or unsupported.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _load_hf_dir(path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such model file or directory")
+    return _load_gguf(path, reader)
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+
+def _load_gguf(path: Path, reader: Any) -> TextTokenizer:
+    if reader is None:
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(path)
+        except Exception as exc:  # gguf raises ValueError/struct.error/IndexError on bad bytes
+            raise ModelFileError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+    def field(name: str, default: Any = ModelFileError) -> Any:
+        f = reader.fields.get(name)
+        if f is None:
+            if default is ModelFileError:
+                raise ModelFileError(f"{path}: GGUF metadata field {name!r} is missing")
+            return default
+        return f.contents()
+
+    kind = field("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelFileError(
+            f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+            "use the model's Hugging Face directory with tokenizer.json instead"
+        )
+    tokens: list[str] = field("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+    types = field("tokenizer.ggml.token_type", [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise ModelFileError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+
+    # Byte-level vocabularies spell every byte with a printable stand-in (GPT-2's
+    # bytes_to_unicode); a token written in raw characters is respelled in that alphabet.
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
+    }
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as exc:
+        raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc})") from exc
+    tok.pre_tokenizer = _gguf_pre_tokenizer(field("tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    control = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    user = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+    def token_id(name: str) -> int | None:
+        value = field(f"tokenizer.ggml.{name}", None)
+        if value is None:
+            return None
+        if not 0 <= int(value) < len(tokens):
+            raise ModelFileError(f"{path}: tokenizer.ggml.{name} = {value} is outside the {len(tokens)} tokens")
+        return int(value)
+
+    bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+    eot = token_id("eot_token_id")
+    if field("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 $B:1", special_tokens=[(tokens[bos], bos)]
+        )
+    special = {
+        name: tokens[i]
+        for name, i in (("bos_token", bos), ("eos_token", eos), ("unk_token", token_id("unknown_token_id")),
+                        ("pad_token", token_id("padding_token_id")))
+        if i is not None
+    }
+    return TextTokenizer(
+        tokenizer=tok,
+        chat_template=field("tokenizer.chat_template", None),
+        bos_token_id=bos,
+        eos_token_ids=tuple(dict.fromkeys(i for i in (eos, eot) if i is not None)),
+        special_tokens=special,
+        source=str(path),
+    )
+
+
+def _gguf_pre_tokenizer(pre: str):
+    if pre in _REGEX_SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
+    if pre in _DIGIT_SPLIT_PRES:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (openai/gpt-2 encoder.py)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# --- HF directory ---------------------------------------------------------------------------
+
+
+def _load_hf_dir(path: Path) -> TextTokenizer:
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        raise ModelFileError(f"{tj}: missing (the tokenizer of an HF model directory)")
+    try:
+        tok = Tokenizer.from_file(str(tj))
+    except Exception as exc:
+        raise ModelFileError(f"{tj}: not a valid tokenizers file ({exc})") from exc
+    config = _read_json(path / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]: take the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    jinja_file = path / "chat_template.jinja"  # transformers ≥ 4.43 may save it on its own
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(f"{path / 'tokenizer_config.json'}: field 'chat_template' is not a string")
+
+    special: dict[str, str] = {}
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            special[name] = value
+
+    def ids_of(value: Any) -> list[int]:
+        return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+    eos_ids: list[int] = []
+    if "eos_token" in special and (i := tok.token_to_id(special["eos_token"])) is not None:
+        eos_ids.append(i)
+    eos_ids += ids_of(_read_json(path / "generation_config.json").get("eos_token_id"))
+    eos_ids += ids_of(_read_json(path / "config.json").get("eos_token_id"))
+    bos = tok.token_to_id(special["bos_token"]) if "bos_token" in special else None
+    return TextTokenizer(
+        tokenizer=tok,
+        chat_template=template,
+        bos_token_id=bos,
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        special_tokens=special,
+        source=str(path),
+    )
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFileError(f"{file}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{file}: expected a JSON object")
+    return data
+
+
+# --- chat template --------------------------------------------------------------------------
+
+
+def _compile_template(source: str):
+    """Compile in Jinja2's immutable sandbox, with transformers' environment and helpers."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise ChatTemplateError(f"the chat template rejected the messages: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"the chat template does not compile: {exc}") from exc
+
+
+def messages_from(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """The chat messages for one user prompt and an optional system prompt."""
+    out = [{"role": "system", "content": system}] if system is not None else []
+    return [*out, {"role": "user", "content": prompt}]

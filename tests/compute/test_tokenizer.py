@@ -1,0 +1,188 @@
+"""Tokenizer and chat template from the checkpoint, against transformers as the oracle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from swarm.compute.tokenizer import load_tokenizer, messages_from
+from swarm.errors import ChatTemplateError, ModelFileError
+
+TEXTS = [
+    "Hello world",
+    "Why is the sky blue?",
+    "  leading  spaces,\ttabs\n\nand blank lines\r\n",
+    "日本語のテキストと中文字符",
+    "emoji 🤗🎉👩‍👩‍👧 and flags 🇫🇷",
+    "café naïve Ünïcödé ß",
+    "price: 12345 dollars, π≈3.14159, 2024-11-30",
+    "I'm sure they'll say we've done it",
+    "def f(x):\n    return x ** 2  # square\n",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "x" * 300,
+    "",
+]
+
+CHATS = [
+    messages_from("What is the capital of France?"),
+    messages_from("Write a haiku about 🌧️ rain.", system="You answer in verse."),
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Count to 3 in 日本語."},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_path):
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_ids_match_transformers(ours, oracle, text):
+    assert ours.encode(text, add_special_tokens=False) == oracle.encode(text, add_special_tokens=False)
+    assert ours.encode(text) == oracle.encode(text)  # SmolLM2 says add_bos_token = false
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+
+
+def test_gguf_special_tokens_come_from_the_file(ours, oracle):
+    assert ours.vocab_size == len(oracle) == 49152
+    assert ours.bos_token_id == oracle.bos_token_id == 1
+    assert ours.eos_token_ids == (oracle.eos_token_id,) == (2,)
+    assert ours.encode("<|im_end|>", add_special_tokens=False) == [2]
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_template_matches_transformers(ours, oracle, messages):
+    want = oracle.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == want
+    assert ours.encode_chat(messages) == oracle.encode(want, add_special_tokens=False)
+    no_prompt = oracle.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False) == no_prompt
+
+
+def test_hf_directory_matches_transformers(tmp_path, oracle, ours):
+    """The same tokenizer saved as an HF directory (tokenizer.json + template) loads to the same ids."""
+    oracle.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    hf = load_tokenizer(tmp_path)
+    for text in TEXTS:
+        assert hf.encode(text, add_special_tokens=False) == ours.encode(text, add_special_tokens=False)
+    for messages in CHATS:
+        assert hf.apply_chat_template(messages) == ours.apply_chat_template(messages)
+    assert hf.eos_token_ids == (2, 0)
+    assert hf.bos_token_id == 1
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_decoder_yields_only_whole_characters(ours, text):
+    ids = ours.encode(text, add_special_tokens=False)
+    decoder = ours.stream_decoder()
+    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == ours.decode(ids)
+    for piece in pieces:
+        assert "\ufffd" not in piece
+        piece.encode("utf-8")  # a lone surrogate would raise here
+
+
+def test_stream_decoder_holds_back_a_split_character(ours):
+    # "🤗" is 4 UTF-8 bytes; in a byte-level vocabulary each byte is its own token.
+    byte_ids = [ours.tokenizer.token_to_id(ch) for ch in "ðŁ¤Ĺ"]
+    assert None not in byte_ids
+    decoder = ours.stream_decoder()
+    assert [decoder.push(i) for i in byte_ids] == ["", "", "", "🤗"]
+    # An incomplete tail is only released by flush, as U+FFFD.
+    decoder = ours.stream_decoder()
+    assert decoder.push(byte_ids[0]) == ""
+    assert decoder.flush() == "\ufffd"
+
+
+def test_special_tokens_are_not_streamed(ours):
+    decoder = ours.stream_decoder()
+    ids = ours.encode("Hi<|im_end|>", add_special_tokens=False)
+    assert "".join([decoder.push(i) for i in ids] + [decoder.flush()]) == "Hi"
+
+
+def test_template_raise_exception_is_a_clear_error(tmp_path, oracle):
+    oracle.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    tok = load_tokenizer(tmp_path)
+    assert tok.apply_chat_template(messages_from("hi")) == "hi"
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        tok.apply_chat_template(messages_from("hi", system="be nice"))
+
+
+def test_template_sandbox_blocks_attribute_escape(tmp_path, oracle):
+    oracle.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError):
+        load_tokenizer(tmp_path).apply_chat_template(messages_from("hi"))
+
+
+def test_bad_tokenizer_files(tmp_path):
+    with pytest.raises(ModelFileError, match="tokenizer.json: missing"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match="tokenizer.json: not a valid tokenizers file"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ModelFileError, match="no such model file"):
+        load_tokenizer(tmp_path / "absent.gguf")
+
+
+def _tiny_gguf(path, **fields):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in fields.items():
+        name = key.replace("__", ".")
+        if isinstance(value, str):
+            w.add_string(name, value)
+        elif isinstance(value, list):
+            w.add_array(name, value)
+        else:
+            w.add_uint32(name, value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_bad_gguf_tokenizer_fields(tmp_path):
+    sp = _tiny_gguf(tmp_path / "sp.gguf", tokenizer__ggml__model="llama", tokenizer__ggml__tokens=["a", "b"])
+    with pytest.raises(ModelFileError, match=r"sp\.gguf: tokenizer\.ggml\.model 'llama' is not supported"):
+        load_tokenizer(sp)
+    no_merges = _tiny_gguf(tmp_path / "nm.gguf", tokenizer__ggml__model="gpt2", tokenizer__ggml__tokens=["a", "b"])
+    with pytest.raises(ModelFileError, match=r"nm\.gguf: GGUF metadata field 'tokenizer\.ggml\.merges' is missing"):
+        load_tokenizer(no_merges)
+    bad_eos = _tiny_gguf(
+        tmp_path / "eos.gguf", tokenizer__ggml__model="gpt2", tokenizer__ggml__tokens=["a", "b", "ab"],
+        tokenizer__ggml__merges=["a b"], tokenizer__ggml__eos_token_id=7,
+    )
+    with pytest.raises(ModelFileError, match=r"eos_token_id = 7 is outside the 3 tokens"):
+        load_tokenizer(bad_eos)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 10)
+    with pytest.raises(ModelFileError, match=r"junk\.gguf: not a readable GGUF file"):
+        load_tokenizer(junk)
