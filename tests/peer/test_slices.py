@@ -1,0 +1,209 @@
+"""Slices cut from real model files decode to exactly the rows/experts of the whole tensor.
+
+Oracles: ``gguf.quants.dequantize`` of the whole tensor (GGUF), the parameters of the
+transformers model that wrote the checkpoint (safetensors), and a float64 numpy MLP
+(the sum of dense-range partials equals the whole MLP).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from swarm.errors import ModelFileError, RemoteProtocolError
+from swarm.peer.shipping import SliceCache, SliceSource
+from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from swarm.compute.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def smol_slicer(smollm2) -> ModelSlicer:
+    return ModelSlicer(smollm2)  # parsing the GGUF header takes ~2 s: once per module
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def test_gguf_dense_ranges_decode_exactly_and_ship_quantized(smollm2, smol_slicer):
+    slicer = smol_slicer
+    assert slicer.dense_alignment(3) == 32  # Q4_1 blocks
+    reader = GGUFReader(smollm2)
+    gate, up, down = (
+        dequantize(t.data, t.tensor_type) for r in ("gate", "up", "down")
+        for t in reader.tensors if t.name == f"blk.3.ffn_{r}.weight"
+    )
+    assert gate.shape == (1536, 576) and down.shape == (576, 1536)
+    x = np.random.default_rng(0).standard_normal((4, 576))
+    whole = (_silu(x @ gate.T.astype(np.float64)) * (x @ up.T.astype(np.float64))) @ down.T.astype(np.float64)
+    partial_sum = np.zeros_like(whole)
+    for start, stop in [(0, 512), (512, 1100), (1100, 1536)]:  # 1100 is not a block boundary
+        spec = SliceSpec(3, "dense", start, stop)
+        blob, meta = slicer.extract(spec)
+        w = decode_slice(blob, meta)
+        np.testing.assert_array_equal(w.gate, gate[start:stop])
+        np.testing.assert_array_equal(w.up, up[start:stop])
+        np.testing.assert_array_equal(w.down, down[:, start:stop])
+        assert w.gate.dtype == np.float32
+        enc = {t["role"]: t["encoding"] for t in meta["tensors"]}
+        assert enc["gate"] == enc["up"] == "Q4_1"
+        assert enc["down"] == ("Q4_1" if stop % 32 == 0 and start % 32 == 0 else "F32")
+        g, u, d = (a.astype(np.float64) for a in (w.gate, w.up, w.down))
+        partial_sum += (_silu(x @ g.T) * (x @ u.T)) @ d.T
+    np.testing.assert_allclose(partial_sum, whole, rtol=1e-10, atol=1e-10)
+    blob, _ = slicer.extract(SliceSpec(3, "dense", 0, 512))
+    assert len(blob) == 3 * 512 * 576 // 32 * 20  # Q4_1: 20 bytes per 32 weights, not 4 bytes each
+
+
+def _write_moe_gguf(path: Path, experts=4, f=64, h=96, seed=0):
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, "qwen3moe")
+    full = {}
+    for role, shape, qtype in (("gate", (experts, f, h), GGMLQuantizationType.Q8_0),
+                               ("up", (experts, f, h), GGMLQuantizationType.Q8_0),
+                               ("down", (experts, h, f), GGMLQuantizationType.F32)):
+        a = rng.standard_normal(shape).astype(np.float32)
+        q = quantize(a, qtype)
+        w.add_tensor(f"blk.0.ffn_{role}_exps.weight", q, raw_shape=q.shape, raw_dtype=qtype)
+        full[role] = dequantize(q, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return full
+
+
+def test_gguf_expert_ranges_decode_exactly(tmp_path):
+    path = tmp_path / "moe.gguf"
+    full = _write_moe_gguf(path)
+    slicer = ModelSlicer(path)
+    for start, stop in [(0, 1), (1, 3), (0, 4)]:
+        blob, meta = slicer.extract(SliceSpec(0, "experts", start, stop))
+        w = decode_slice(blob, meta)
+        for role in ("gate", "up", "down"):
+            np.testing.assert_array_equal(getattr(w, role), full[role][start:stop])
+    with pytest.raises(ModelFileError, match="exceeds its 4 experts"):
+        slicer.extract(SliceSpec(0, "experts", 2, 5))
+    with pytest.raises(ModelFileError, match="not found"):
+        slicer.extract(SliceSpec(7, "experts", 0, 1))
+
+
+def _tiny_moe(tmp_path: Path, family: str, dtype="float32"):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=48)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=8)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(cfg)
+    model = model.to(getattr(torch, dtype))
+    out = tmp_path / f"{family}-{dtype}"
+    model.save_pretrained(out)
+    experts = model.model.layers[1].mlp.experts
+    gate_up = experts.gate_up_proj.detach().float().numpy()  # [E, 2F, H]
+    f = gate_up.shape[1] // 2
+    return out, {"gate": gate_up[:, :f], "up": gate_up[:, f:], "down": experts.down_proj.detach().float().numpy()}
+
+
+@pytest.mark.parametrize("family, dtype", [("qwen3_moe", "float32"), ("mixtral", "bfloat16")])
+def test_safetensors_expert_slices_match_transformers(tmp_path, family, dtype):
+    path, oracle = _tiny_moe(tmp_path, family, dtype)
+    slicer = ModelSlicer(path)
+    blob, meta = slicer.extract(SliceSpec(1, "experts", 1, 3))
+    assert {t["encoding"] for t in meta["tensors"]} == {"F32" if dtype == "float32" else "BF16"}
+    w = decode_slice(blob, meta)
+    for role in ("gate", "up", "down"):
+        np.testing.assert_array_equal(getattr(w, role), oracle[role][1:3])
+
+    # The same weights saved in the stacked layout slice to the same arrays.
+    from safetensors.numpy import load_file, save_file
+
+    if dtype == "float32":
+        tensors = {k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}
+        names = [k for k in tensors if ".mlp.experts." in k]
+        for k in names:
+            del tensors[k]
+        for layer in (0, 1):
+            pre = f"model.layers.{layer}.mlp.experts"
+            tensors[f"{pre}.gate_up_proj"] = np.concatenate([oracle["gate"], oracle["up"]], axis=1) if layer == 1 else \
+                np.zeros((4, 48, 32), np.float32)
+            tensors[f"{pre}.down_proj"] = oracle["down"] if layer == 1 else np.zeros((4, 32, 24), np.float32)
+        stacked = tmp_path / "stacked"
+        stacked.mkdir()
+        save_file(tensors, stacked / "model.safetensors")
+        w2 = ModelSlicer(stacked).load(SliceSpec(1, "experts", 1, 3))
+        for role in ("gate", "up", "down"):
+            np.testing.assert_array_equal(getattr(w2, role), getattr(w, role))
+
+
+def test_shipped_slice_through_cache_equals_local_load(tmp_path, smol_slicer):
+    """Coordinator extracts, worker downloads into its cache, decodes: same as a local load."""
+    slicer = smol_slicer
+    spec = SliceSpec(7, "dense", 768, 1536)
+    blob, meta = slicer.extract(spec)
+    src = SliceSource()
+    manifest = src.offer(blob, meta)
+    cache = SliceCache(tmp_path)
+    dl = cache.open_download(manifest)
+    while not dl.complete:
+        for req in dl.requests_to_send(0.0):
+            for chunk in src.serve(req):
+                dl.receive(chunk, 0.0)
+    shipped = decode_slice(cache.finish(dl), manifest.meta)
+    local = slicer.load(spec)
+    for role in ("gate", "up", "down"):
+        np.testing.assert_array_equal(getattr(shipped, role), getattr(local, role))
+
+
+def test_bad_meta_is_refused(smol_slicer):
+    blob, meta = smol_slicer.extract(SliceSpec(0, "dense", 0, 64))
+
+    def edit(**changes):
+        tensors = [dict(t) for t in meta["tensors"]]
+        tensors[2].update(changes)
+        return {**meta, "tensors": tensors}
+
+    cases = [
+        ({**meta, "version": 99}, "version"),
+        ({**meta, "spec": {"layer": -1, "kind": "dense", "start": 0, "stop": 64}}, "slice spec"),
+        ({**meta, "tensors": meta["tensors"][:2]}, "tensors must be"),
+        (edit(encoding="Q9_9"), "unknown encoding"),
+        (edit(shape=[576, 65]), "cannot be"),
+        (edit(shape=[576]), "shape"),
+        (edit(offset=len(blob)), "outside"),
+        (edit(nbytes=10**12), "outside"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(RemoteProtocolError, match=match):
+            decode_slice(blob, bad)
+    # A shape that is self-consistent in bytes but wrong for the spec.
+    with pytest.raises(RemoteProtocolError, match="do not fit"):
+        decode_slice(blob, {**meta, "spec": {"layer": 0, "kind": "dense", "start": 0, "stop": 32}})
+
+
+def test_unreadable_model_paths_name_the_file(tmp_path):
+    with pytest.raises(ModelFileError, match="not a .gguf"):
+        ModelSlicer(tmp_path)
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(os.urandom(4))
+    with pytest.raises(ModelFileError, match="truncated"):
+        ModelSlicer(tmp_path)
+    bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ModelFileError, match="impossible"):
+        ModelSlicer(tmp_path)
