@@ -1,0 +1,150 @@
+"""The same WGSL kernels inside headless Chromium (SwiftShader WebGPU), driven through the page's
+own modules (gpu.js, swiglu.js, down.js, ffn.js), against the numpy twins and float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.browser.conftest import b64, unb64
+from web_peer import kernels as K
+
+pytestmark = pytest.mark.browser
+
+# Runs FfnBlock in the page. Arguments: base64 little-endian float32 arrays and options.
+RUN_FFN = """async ({x, wg, wu, wd, t, h, f, fmt, maxBinding, workgroupSize, ranges}) => {
+  const { GpuContext } = await import("/gpu.js");
+  const { FfnBlock, sliceColumns } = await import("/ffn.js");
+  const f32 = (s) => new Float32Array(Uint8Array.from(atob(s), (c) => c.charCodeAt(0)).buffer);
+  const ctx = await GpuContext.create({ maxBinding, workgroupSize });
+  const wG = f32(wg), wU = f32(wu), wD = f32(wd);
+  const outs = [];
+  for (const [a, b] of ranges ?? [[0, f]]) {
+    const block = new FfnBlock(ctx, { hidden: h, inter: b - a, fmt,
+      wGate: wG.subarray(a * h, b * h), wUp: wU.subarray(a * h, b * h), wDown: sliceColumns(wD, h, f, a, b) });
+    const y = await block.run(f32(x), t);
+    outs.push(btoa(String.fromCharCode(...new Uint8Array(y.buffer))));
+  }
+  return { outs, largest: ctx.largestBinding, formats: ctx.formats, maxBinding: ctx.maxBinding };
+}"""
+
+
+def _block(rng, t, h, f):
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    wg = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
+    wu = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
+    wd = (rng.standard_normal((h, f)) / np.sqrt(f)).astype(np.float32)
+    return x, wg, wu, wd
+
+
+def _rel(got, ref):
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
+
+
+def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=64, ranges=None):
+    (t, h), f = x.shape, wg.shape[0]
+    r = page.evaluate(RUN_FFN, dict(x=b64(x), wg=b64(wg), wu=b64(wu), wd=b64(wd), t=t, h=h, f=f, fmt=fmt,
+                                    maxBinding=max_binding, workgroupSize=workgroup_size, ranges=ranges))
+    r["ys"] = [unb64(o, np.float32).reshape(t, h) for o in r["outs"]]
+    return r
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8"])
+@pytest.mark.parametrize("shape", [(1, 64, 128), (13, 576, 1536)])
+def test_expert_ffn_in_chromium_matches_twin(page, fmt, shape):
+    rng = np.random.default_rng(11)
+    x, wg, wu, wd = _block(rng, *shape)
+    r = _run(page, x, wg, wu, wd, fmt)
+    assert r["formats"] == ["f32", "q8"]  # SwiftShader has no shader-f16
+    eff = [K.as_format(w, fmt) for w in (wg, wu, wd)]
+    assert _rel(r["ys"][0], K.expert_ffn(x, *eff)) <= 1e-5
+    assert _rel(r["ys"][0], K.expert_ffn_f64(x, *eff)) <= 1e-5
+
+
+def test_dense_ranges_and_phone_limits_in_chromium(page):
+    # Uneven intermediate ranges with bindings capped at 16 KiB: every partial matches its twin,
+    # the partials sum to the whole MLP, and no buffer bound exceeds the cap.
+    rng = np.random.default_rng(12)
+    x, wg, wu, wd = _block(rng, 11, 576, 250)
+    cuts = [0, 37, 128, 250]
+    r = _run(page, x, wg, wu, wd, "f32", max_binding=16 << 10, workgroup_size=256,
+             ranges=list(zip(cuts, cuts[1:])))
+    assert r["largest"] <= 16 << 10
+    for (a, b), y in zip(zip(cuts, cuts[1:]), r["ys"]):
+        assert _rel(y, K.dense_range(x, wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]))) <= 1e-5
+    assert _rel(sum(r["ys"]), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "q8"])
+def test_js_packing_equals_python(page, fmt):
+    rng = np.random.default_rng(13)
+    w = rng.standard_normal((7, 10)).astype(np.float32)
+    w[3] = 0
+    w[4, :3] = [127 * 0.5, -0.25, 63.5]  # exact halves: JS must round half to even like numpy
+    r = page.evaluate("""async ({w, fmt}) => {
+      const { packMatrix } = await import("/ffn.js");
+      const f32 = (s) => new Float32Array(Uint8Array.from(atob(s), (c) => c.charCodeAt(0)).buffer);
+      const b = (a) => btoa(String.fromCharCode(...new Uint8Array(a.buffer, a.byteOffset, a.byteLength)));
+      const m = packMatrix(f32(w), 7, 10, fmt, 100, 8);
+      return { data: b(m.data), scale: m.scale ? b(m.scale) : null, parts: m.parts, cols: m.cols };
+    }""", dict(w=b64(w), fmt=fmt))
+    m = K.pack_matrix(w, fmt, 100, rows=8)
+    assert unb64(r["data"], np.uint8).tobytes() == m.data
+    assert r["cols"] == m.cols and [tuple(p) for p in r["parts"]] == list(m.parts)
+    if fmt == "q8":
+        assert unb64(r["scale"], np.float32).tobytes() == m.scale.tobytes()
+
+
+def test_gpu_errors_fail_the_request_then_recover(page):
+    r = page.evaluate("""async () => {
+      const { GpuContext, KernelError } = await import("/gpu.js");
+      const { FfnBlock } = await import("/ffn.js");
+      const ctx = await GpuContext.create();
+      const h = 8, f = 12, t = 2;
+      const w = (n) => Float32Array.from({ length: n }, (_, i) => Math.sin(i + n));
+      const block = new FfnBlock(ctx, { hidden: h, inter: f, fmt: "f32", wGate: w(f * h), wUp: w(f * h + 1).subarray(1), wDown: w(h * f + 2).subarray(2) });
+      const x = w(t * h + 3).subarray(3);
+      const good = Array.from(await block.run(x, t));
+      const out = { good };
+      // 1. A validation error inside a request → KernelError, fresh device.
+      const gen0 = ctx.generation;
+      try {
+        await ctx.guarded("a broken request", (dev) => dev.createBuffer({ size: 3, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.STORAGE }));
+        out.validation = "no error";
+      } catch (e) { out.validation = `${e.name}: ${e.message}`; }
+      out.genBumped = ctx.generation > gen0;
+      out.afterValidation = Array.from(await block.run(x, t));
+      // 2. The device is lost under a live request → that request fails, the next one is right.
+      const pending = block.run(x, t);
+      ctx.device.destroy();
+      try { await pending; out.lost = "no error"; } catch (e) { out.lost = `${e.name}: ${e.message}`; }
+      out.afterLost = Array.from(await block.run(x, t));
+      // 3. Bad input → KernelError before any GPU work.
+      try { await block.run(new Float32Array(t * h).fill(NaN), t); out.nan = "no error"; } catch (e) { out.nan = `${e.name}: ${e.message}`; }
+      try { await ctx.pipeline("swiglu", "f16"); out.f16 = "no error"; } catch (e) { out.f16 = `${e.name}: ${e.message}`; }
+      return out;
+    }""")
+    assert r["validation"].startswith("KernelError: GPU error during a broken request"), r["validation"]
+    assert r["genBumped"]
+    assert r["lost"].startswith("KernelError"), r["lost"]
+    assert "NaN" in r["nan"] and "shader-f16" in r["f16"]
+    # Recovery gives exactly the numbers of the first device (same kernel, same adapter).
+    assert r["afterValidation"] == r["good"] and r["afterLost"] == r["good"]
+    assert any(abs(v) > 1e-3 for v in r["good"])
+
+
+def test_no_webgpu_is_a_clear_cannot_serve(chromium, web_peer_url):
+    # A browser without WebGPU (navigator.gpu hidden, as on an HTTP page or an old browser) → NoWebGPUError.
+    from tests.browser.conftest import BLANK
+    ctx = chromium.new_context()
+    pg = ctx.new_page()
+    pg.goto(web_peer_url.rstrip("/") + BLANK)
+    r = pg.evaluate("""async () => {
+      const { GpuContext } = await import("/gpu.js");
+      const saved = Object.getOwnPropertyDescriptor(Navigator.prototype, "gpu");
+      Object.defineProperty(Navigator.prototype, "gpu", { get: () => undefined, configurable: true });
+      try { await GpuContext.create(); return "created"; } catch (e) { return `${e.name}: ${e.message}`; }
+      finally { Object.defineProperty(Navigator.prototype, "gpu", saved); }
+    }""")
+    ctx.close()
+    assert r.startswith("NoWebGPUError: this browser has no WebGPU"), r

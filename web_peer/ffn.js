@@ -1,0 +1,166 @@
+// SwiGLU feed-forward on the GPU: an expert over its routed rows, or a dense MLP over an
+// intermediate range (W_gate[r], W_up[r], W_down[:, r]); both are swiglu.wgsl then down.wgsl.
+//
+// Weight layout (the same rules as web_peer/kernels.py, whose packing it must equal byte for
+// byte): row-major [rows, K] with K zero-padded to a multiple of 4; formats f32, f16 (needs
+// shader-f16) and q8 (int8 per row + one f32 scale per row: scale = max|row| / 127,
+// q = round-half-even(w / scale)); each matrix cut into parts of whole rows so no binding exceeds
+// the context's maxBinding. Activations are cut into blocks of rows under the same limit.
+import { KernelError } from "./gpu.js";
+import { SwigluKernel } from "./swiglu.js";
+import { DownKernel } from "./down.js";
+
+const BYTES = { f32: 4, f16: 2, q8: 1 };
+
+export const pad4 = (n) => Math.ceil(n / 4) * 4;
+
+function checkFormat(fmt) {
+  if (!(fmt in BYTES)) throw new KernelError(`unknown weight format ${fmt}; expected one of f32, f16, q8`);
+}
+
+/** Cut `rows` rows of `rowBytes` bytes into [first, end) parts of at most `maxBinding` bytes. */
+export function splitRows(rows, rowBytes, maxBinding) {
+  if (rowBytes > maxBinding) {
+    throw new KernelError(`one weight row is ${rowBytes} bytes, above this adapter's maxStorageBufferBindingSize of ${maxBinding} bytes; this peer cannot serve it`);
+  }
+  const per = Math.max(1, Math.min(Math.floor(maxBinding / rowBytes), 65535 * 65535));
+  const parts = [];
+  for (let r = 0; r < rows; r += per) parts.push([r, Math.min(r + per, rows)]);
+  return parts;
+}
+
+function roundHalfEven(v) {
+  const r = Math.round(v);
+  return (Math.abs(v % 1) === 0.5 && r % 2 !== 0) ? r - 1 : r;
+}
+
+/**
+ * Pack float32 w [n, k] (Float32Array, row-major) as `fmt`, zero-padded to [rows, pad4(k)].
+ * Returns {fmt, rows, cols, data: Uint8Array, scale: Float32Array|null, parts}.
+ */
+export function packMatrix(w, n, k, fmt, maxBinding, rows = n) {
+  checkFormat(fmt);
+  if (!(w instanceof Float32Array) || w.length !== n * k) {
+    throw new KernelError(`weights must be a Float32Array of ${n}x${k}, got ${w?.constructor?.name} of ${w?.length}`);
+  }
+  const cols = pad4(k);
+  let data, scale = null;
+  if (fmt === "f32" || fmt === "f16") {
+    const out = fmt === "f32" ? new Float32Array(rows * cols) : new Float16Array(rows * cols);
+    for (let i = 0; i < n; i++) out.set(w.subarray(i * k, (i + 1) * k), i * cols);
+    data = new Uint8Array(out.buffer);
+  } else {
+    const q = new Int8Array(rows * cols);
+    scale = new Float32Array(rows).fill(1);
+    for (let i = 0; i < n; i++) {
+      const row = w.subarray(i * k, (i + 1) * k);
+      let amax = 0;
+      for (const v of row) amax = Math.max(amax, Math.abs(v));
+      const s = amax > 0 ? Math.fround(amax / 127) : 1;
+      scale[i] = s;
+      for (let j = 0; j < k; j++) q[i * cols + j] = Math.max(-127, Math.min(127, roundHalfEven(Math.fround(row[j] / s))));
+    }
+    data = new Uint8Array(q.buffer);
+  }
+  return { fmt, rows, cols, data, scale, parts: splitRows(rows, cols * BYTES[fmt], maxBinding) };
+}
+
+/** Transpose-free column slice W[:, a:b] of a row-major [n, k] Float32Array → [n, b - a]. */
+export function sliceColumns(w, n, k, a, b) {
+  const out = new Float32Array(n * (b - a));
+  for (let i = 0; i < n; i++) out.set(w.subarray(i * k + a, i * k + b), i * (b - a));
+  return out;
+}
+
+/** One SwiGLU block resident on one device: upload once, run many requests. */
+export class FfnBlock {
+  /**
+   * @param {import("./gpu.js").GpuContext} ctx
+   * @param {{hidden: number, inter: number, fmt: string, wGate: Float32Array, wUp: Float32Array, wDown: Float32Array}} w
+   *   wGate, wUp [inter, hidden]; wDown [hidden, inter]; float32 row-major.
+   */
+  constructor(ctx, { hidden, inter, fmt, wGate, wUp, wDown }) {
+    checkFormat(fmt);
+    this.ctx = ctx;
+    this.hidden = hidden;
+    this.inter = inter;
+    this.fmt = fmt;
+    const fp = pad4(inter);
+    this.packed = {
+      gate: packMatrix(wGate, inter, hidden, fmt, ctx.maxBinding, fp),
+      up: packMatrix(wUp, inter, hidden, fmt, ctx.maxBinding, fp),
+      down: packMatrix(wDown, hidden, inter, fmt, ctx.maxBinding),
+    };
+    this.swiglu = new SwigluKernel(ctx);
+    this.down = new DownKernel(ctx);
+    this.generation = -1;  // device generation the GPU copies belong to
+    this.gpu = null;
+  }
+
+  /** Bytes of weights this block keeps on the GPU. */
+  get gpuBytes() {
+    return Object.values(this.packed).reduce((s, m) => s + m.data.byteLength + (m.scale ? m.scale.byteLength : 0), 0);
+  }
+
+  _upload() {
+    const ctx = this.ctx;
+    const up = (m) => ({
+      packed: m,
+      buffers: m.parts.map(([r0, r1]) => ctx.buffer(m.data.subarray(r0 * m.cols * BYTES[m.fmt], r1 * m.cols * BYTES[m.fmt]))),
+      scales: m.parts.map(([r0, r1]) => ctx.buffer(m.scale ? m.scale.subarray(r0, r1) : new Float32Array([1]))),
+    });
+    this.gpu = { gate: up(this.packed.gate), up: up(this.packed.up), down: up(this.packed.down) };
+    this.generation = this.ctx.generation;
+  }
+
+  /**
+   * y = down(swiglu(x)): x [tRows, hidden] Float32Array → Promise<Float32Array [tRows, hidden]>.
+   * Weights are (re)uploaded when the device is fresh. Rejects with KernelError on bad input,
+   * any GPU error or a lost device; never resolves with NaN or infinity.
+   */
+  async run(x, tRows) {
+    if (!(x instanceof Float32Array) || x.length !== tRows * this.hidden) {
+      throw new KernelError(`x must be a Float32Array of ${tRows}x${this.hidden}, got ${x?.constructor?.name} of ${x?.length}`);
+    }
+    for (const v of x) if (!Number.isFinite(v)) throw new KernelError("x holds NaN or infinity; refusing to compute");
+    const hp = pad4(this.hidden), fp = pad4(this.inter);
+    const block = Math.max(1, Math.floor(this.ctx.maxBinding / (Math.max(hp, fp) * 4)));
+    const y = new Float32Array(tRows * this.hidden);
+    for (let t0 = 0; t0 < tRows; t0 += block) {
+      const n = Math.min(block, tRows - t0);
+      const yb = await this.ctx.guarded("an FFN request", (dev) => this._block(dev, x.subarray(t0 * this.hidden, (t0 + n) * this.hidden), n));
+      for (let t = 0; t < n; t++) y.set(yb.subarray(t * hp, t * hp + this.hidden), (t0 + t) * this.hidden);
+    }
+    for (const v of y) if (!Number.isFinite(v)) throw new KernelError("the GPU returned NaN or infinity; refusing to pass it on");
+    return y;
+  }
+
+  async _block(dev, x, tRows) {
+    const ctx = this.ctx;
+    if (this.generation !== ctx.generation || !this.gpu) this._upload();
+    const hp = pad4(this.hidden), fp = pad4(this.inter);
+    const xp = new Float32Array(tRows * hp);
+    for (let t = 0; t < tRows; t++) xp.set(x.subarray(t * this.hidden, (t + 1) * this.hidden), t * hp);
+    const xb = ctx.buffer(xp);
+    const hb = ctx.buffer(tRows * fp * 4);
+    const yb = ctx.buffer(tRows * hp * 4, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC);
+    const rb = dev.createBuffer({ size: tRows * hp * 4, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+    const enc = dev.createCommandEncoder();
+    await this.swiglu.encode(enc, this.fmt, { tRows, k4: hp / 4, nOut: fp, x: xb, gate: this.gpu.gate, up: this.gpu.up, h: hb });
+    await this.down.encode(enc, this.fmt, { tRows, k4: fp / 4, nOut: hp, h: hb, down: this.gpu.down, y: yb });
+    enc.copyBufferToBuffer(yb, 0, rb, 0, tRows * hp * 4);
+    dev.queue.submit([enc.finish()]);
+    await rb.mapAsync(GPUMapMode.READ);
+    const out = new Float32Array(rb.getMappedRange().slice(0));
+    rb.unmap();
+    for (const b of [xb, hb, yb, rb]) b.destroy();
+    return out;
+  }
+
+  /** Free the GPU copies (the packed host copies stay for a later upload). */
+  release() {
+    if (!this.gpu) return;
+    for (const m of Object.values(this.gpu)) for (const b of [...m.buffers, ...m.scales]) b.destroy();
+    this.gpu = null;
+  }
+}

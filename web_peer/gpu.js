@@ -1,0 +1,212 @@
+// The WebGPU context of the browser peer: adapter, device, limits, WGSL sources, error handling.
+//
+// Theory of operation. One GpuContext per page. The device is made lazily and replaced after it is
+// lost or after any GPU error: every request runs inside error scopes (validation, out-of-memory,
+// internal), and an error turns the request into a KernelError and drops the device, so the next
+// request gets a fresh one (weights are then uploaded again by their owner). No WebGPU at all →
+// NoWebGPUError, which the page shows as "cannot serve". Mirrors web_peer/wgpu_host.py.
+
+/** A kernel could not give an answer (bad input, limits, GPU error, lost device). */
+export class KernelError extends Error {
+  constructor(message) { super(message); this.name = "KernelError"; }
+}
+
+/** This browser has no usable WebGPU adapter: the page cannot serve. */
+export class NoWebGPUError extends Error {
+  constructor(message) { super(message); this.name = "NoWebGPUError"; }
+}
+
+export const FORMATS = ["f32", "f16", "q8"];
+export const TB = 8;  // activation rows per workgroup: `const TB` in swiglu.wgsl and down.wgsl
+export const MAX_WORKGROUPS_PER_DIM = 65535;
+
+const moduleBase = new URL(".", import.meta.url);
+
+export class GpuContext {
+  /**
+   * @param {GPUAdapter} adapter
+   * @param {{maxBinding?: number, workgroupSize?: number}} opts maxBinding caps storage bindings
+   *   (bytes) below the adapter's limit; workgroupSize is the WG override (power of two).
+   */
+  constructor(adapter, opts = {}) {
+    this.adapter = adapter;
+    const lim = adapter.limits;
+    this.adapterBinding = Math.min(lim.maxStorageBufferBindingSize, lim.maxBufferSize);
+    this.maxBinding = Math.min(opts.maxBinding ?? this.adapterBinding, this.adapterBinding);
+    const wg = opts.workgroupSize ?? 64;
+    if ((wg & (wg - 1)) !== 0 || wg <= 0 || wg > lim.maxComputeInvocationsPerWorkgroup || wg > lim.maxComputeWorkgroupSizeX) {
+      throw new KernelError(`workgroup size ${wg} must be a power of two ≤ ${lim.maxComputeInvocationsPerWorkgroup}`);
+    }
+    this.workgroupSize = wg;
+    this.hasF16 = adapter.features.has("shader-f16");
+    this.formats = FORMATS.filter((f) => f !== "f16" || this.hasF16);
+    this.device = null;
+    this.generation = 0;      // bumped whenever the device is dropped; weights remember theirs
+    this.largestBinding = 0;  // the largest buffer ever bound, for limit tests
+    this.lostReason = null;
+    this._pipelines = new Map();
+    this._sources = new Map();
+  }
+
+  /** Request an adapter; NoWebGPUError when the browser has none. */
+  static async create(opts = {}) {
+    if (!globalThis.navigator?.gpu) {
+      throw new NoWebGPUError("this browser has no WebGPU (navigator.gpu is missing; it needs HTTPS and a WebGPU-capable browser)");
+    }
+    const adapter = await navigator.gpu.requestAdapter({ powerPreference: "high-performance" });
+    if (!adapter) throw new NoWebGPUError("WebGPU is present but no GPU adapter is available");
+    return new GpuContext(adapter, opts);
+  }
+
+  /** Adapter description, limits and features for the hello message. */
+  describe() {
+    const i = this.adapter.info ?? {};
+    const l = this.adapter.limits;
+    return {
+      vendor: i.vendor ?? "", architecture: i.architecture ?? "", device: i.device ?? "", description: i.description ?? "",
+      features: [...this.adapter.features].sort(),
+      limits: {
+        maxStorageBufferBindingSize: l.maxStorageBufferBindingSize, maxBufferSize: l.maxBufferSize,
+        maxComputeInvocationsPerWorkgroup: l.maxComputeInvocationsPerWorkgroup,
+        maxComputeWorkgroupStorageSize: l.maxComputeWorkgroupStorageSize,
+      },
+      formats: this.formats,
+    };
+  }
+
+  async getDevice() {
+    if (this.device) return this.device;
+    const required = this.hasF16 ? ["shader-f16"] : [];
+    let dev;
+    try {
+      dev = await this.adapter.requestDevice({
+        requiredFeatures: required,
+        requiredLimits: {
+          maxStorageBufferBindingSize: this.adapter.limits.maxStorageBufferBindingSize,
+          maxBufferSize: this.adapter.limits.maxBufferSize,
+          maxComputeInvocationsPerWorkgroup: this.adapter.limits.maxComputeInvocationsPerWorkgroup,
+          maxComputeWorkgroupSizeX: this.adapter.limits.maxComputeWorkgroupSizeX,
+        },
+      });
+    } catch (e) {
+      // An adapter is single-use after a device was made from it once it is lost: ask for a new one.
+      const adapter = await navigator.gpu.requestAdapter({ powerPreference: "high-performance" });
+      if (!adapter) throw new KernelError(`cannot make a GPU device: ${e.message}`);
+      this.adapter = adapter;
+      dev = await adapter.requestDevice({ requiredFeatures: required });
+    }
+    dev.lost.then((info) => {
+      if (this.device === dev) this.dropDevice(`device lost (${info.reason}): ${info.message}`);
+    });
+    this.device = dev;
+    return dev;
+  }
+
+  /** Forget the device (after a GPU error or loss); the next request makes a fresh one. */
+  dropDevice(reason) {
+    this.lostReason = reason;
+    this.device = null;
+    this.generation += 1;
+    this._pipelines.clear();
+  }
+
+  /** The WGSL of `kernel` for weight format `fmt`: weights_<fmt>.wgsl then <kernel>.wgsl. */
+  async source(kernel, fmt) {
+    const key = `${kernel}/${fmt}`;
+    if (!this._sources.has(key)) {
+      const get = async (name) => {
+        const r = await fetch(new URL(name, moduleBase));
+        if (!r.ok) throw new KernelError(`cannot load ${name}: HTTP ${r.status}`);
+        return r.text();
+      };
+      const [prelude, body] = await Promise.all([get(`weights_${fmt}.wgsl`), get(`${kernel}.wgsl`)]);
+      this._sources.set(key, prelude + "\n" + body);
+    }
+    return this._sources.get(key);
+  }
+
+  /** The compute pipeline of `kernel` for `fmt` on the current device (cached until it is dropped). */
+  async pipeline(kernel, fmt) {
+    if (!this.formats.includes(fmt)) {
+      throw new KernelError(`weight format ${fmt} needs the adapter feature shader-f16, which this adapter lacks; use f32 or q8`);
+    }
+    const key = `${kernel}/${fmt}`;
+    if (!this._pipelines.has(key)) {
+      const dev = await this.getDevice();
+      const module = dev.createShaderModule({ code: await this.source(kernel, fmt) });
+      const pipe = await dev.createComputePipelineAsync({
+        layout: "auto",
+        compute: { module, entryPoint: "main", constants: { WG: this.workgroupSize } },
+      });
+      this._pipelines.set(key, pipe);
+    }
+    return this._pipelines.get(key);
+  }
+
+  /** A buffer holding `data` (ArrayBufferView or byte count), usage STORAGE|COPY_DST plus `usage`. */
+  buffer(data, usage = GPUBufferUsage.STORAGE) {
+    const bytes = typeof data === "number" ? data : data.byteLength;
+    const size = Math.max(16, Math.ceil(bytes / 4) * 4);
+    this.largestBinding = Math.max(this.largestBinding, size);
+    const buf = this.device.createBuffer({ size, usage: usage | GPUBufferUsage.COPY_DST });
+    if (typeof data !== "number" && bytes > 0) {
+      const u8 = new Uint8Array(data.buffer, data.byteOffset, bytes);
+      if (bytes % 4 === 0) this.device.queue.writeBuffer(buf, 0, u8);
+      else { const p = new Uint8Array(Math.ceil(bytes / 4) * 4); p.set(u8); this.device.queue.writeBuffer(buf, 0, p); }
+    }
+    return buf;
+  }
+
+  /**
+   * Run `fn(device)` inside validation / out-of-memory / internal error scopes. Any GPU error or a
+   * device lost meanwhile → KernelError and a dropped device; never a result from a failed device.
+   */
+  async guarded(what, fn) {
+    const dev = await this.getDevice();
+    const gen = this.generation;
+    dev.pushErrorScope("internal");
+    dev.pushErrorScope("out-of-memory");
+    dev.pushErrorScope("validation");
+    let result, thrown;
+    try { result = await fn(dev); } catch (e) { thrown = e; }
+    const errors = [];
+    for (let i = 0; i < 3; i++) {
+      try { const e = await dev.popErrorScope(); if (e) errors.push(e.message); } catch (e) { errors.push(String(e.message ?? e)); }
+    }
+    if (errors.length || gen !== this.generation || (thrown && !(thrown instanceof KernelError))) {
+      const why = errors[0] ?? (gen !== this.generation ? this.lostReason : thrown?.message) ?? "unknown GPU failure";
+      if (this.device === dev) this.dropDevice(`GPU error during ${what}: ${why}`);
+      throw new KernelError(`GPU error during ${what}; the device was reset: ${why}`);
+    }
+    if (thrown) throw thrown;
+    return result;
+  }
+}
+
+/** Workgroup counts [x, y, z] for one weight part: x*y ≥ nRows weight rows, z = blocks of TB rows. */
+export function dispatchGrid(nRows, tRows) {
+  const tileX = Math.min(nRows, MAX_WORKGROUPS_PER_DIM);
+  return [tileX, Math.ceil(nRows / tileX), Math.ceil(tRows / TB)];
+}
+
+/**
+ * Encode one dispatch per weight part of a row kernel (swiglu.wgsl / down.wgsl share the Params
+ * struct and binding order: params, input, weights..., scales..., output).
+ */
+export function encodeParts(ctx, enc, pipe, { tRows, k4, nOut, input, mats, output }) {
+  const parts = mats[0].packed.parts;
+  parts.forEach(([r0, r1], i) => {
+    const [gx, gy, gz] = dispatchGrid(r1 - r0, tRows);
+    const params = ctx.buffer(new Uint32Array([tRows, k4, r1 - r0, r0, nOut, gx]), GPUBufferUsage.UNIFORM);
+    const res = [params, input, ...mats.map((m) => m.buffers[i]), ...mats.map((m) => m.scales[i]), output];
+    const bind = ctx.device.createBindGroup({
+      layout: pipe.getBindGroupLayout(0),
+      entries: res.map((buffer, binding) => ({ binding, resource: { buffer } })),
+    });
+    const pass = enc.beginComputePass();
+    pass.setPipeline(pipe);
+    pass.setBindGroup(0, bind);
+    pass.dispatchWorkgroups(gx, gy, gz);
+    pass.end();
+  });
+}
