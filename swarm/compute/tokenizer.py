@@ -152,40 +152,51 @@ class StreamDecoder:
         return new_text[len(prefix_text):]
 
 
-def load_tokenizer(path: str | Path, *, reader: Any = None) -> TextTokenizer:
+def load_tokenizer(path: str | Path, *, gguf_metadata: Mapping[str, Any] | None = None) -> TextTokenizer:
     """The tokenizer of a GGUF file or an HF directory.
 
-    reader: an already opened ``gguf.GGUFReader`` of ``path`` (saves parsing it twice).
+    gguf_metadata: the GGUF file's key → value metadata when already parsed (the engine's
+        ``Model.metadata``), which saves reading the header twice.
     Raises: :class:`~swarm.errors.ModelFileError` naming the file and the field that is
     missing or unsupported.
     """
     path = Path(path)
     if path.is_dir():
         return _load_hf_dir(path)
-    if not path.is_file():
-        raise ModelFileError(f"{path}: no such model file or directory")
-    return _load_gguf(path, reader)
+    if gguf_metadata is None:
+        gguf_metadata = _read_gguf_metadata(path)
+    return _load_gguf(path, gguf_metadata)
+
+
+def tokenizer_for(model: Any) -> TextTokenizer:
+    """The tokenizer of an engine ``Model`` (``path``, ``format``, ``metadata``)."""
+    if getattr(model, "format", None) == "gguf":
+        return load_tokenizer(model.path, gguf_metadata=model.metadata)
+    return load_tokenizer(model.path)
 
 
 # --- GGUF -----------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, reader: Any) -> TextTokenizer:
-    if reader is None:
-        from gguf import GGUFReader
+def _read_gguf_metadata(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such model file or directory")
+    from gguf import GGUFReader
 
-        try:
-            reader = GGUFReader(path)
-        except Exception as exc:  # gguf raises ValueError/struct.error/IndexError on bad bytes
-            raise ModelFileError(f"{path}: not a readable GGUF file ({exc})") from exc
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError/struct.error/IndexError on bad bytes
+        raise ModelFileError(f"{path}: not a readable GGUF file ({exc})") from exc
+    return {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.")}
 
+
+def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
     def field(name: str, default: Any = ModelFileError) -> Any:
-        f = reader.fields.get(name)
-        if f is None:
+        if name not in kv:
             if default is ModelFileError:
                 raise ModelFileError(f"{path}: GGUF metadata field {name!r} is missing")
             return default
-        return f.contents()
+        return kv[name]
 
     kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -193,8 +204,14 @@ def _load_gguf(path: Path, reader: Any) -> TextTokenizer:
             f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
             "use the model's Hugging Face directory with tokenizer.json instead"
         )
-    tokens: list[str] = field("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+    def strings(name: str) -> list[str]:
+        value = field(name)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ModelFileError(f"{path}: GGUF metadata field {name!r} is not an array of strings")
+        return value
+
+    tokens = strings("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in strings("tokenizer.ggml.merges")]
     types = field("tokenizer.ggml.token_type", [1] * len(tokens))
     if len(types) != len(tokens):
         raise ModelFileError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")

@@ -1,0 +1,251 @@
+"""Checkpoints: one naming scheme over GGUF files and HF safetensors directories.
+
+The engine asks for tensors by *part* (``"q"``, ``"ffn_norm"``, ``"router"``, …) and layer;
+a checkpoint maps that to the file's own tensor names and returns a float32 array in
+PyTorch orientation (``[out, in]``). Experts are read one at a time (``expert(layer, e)``),
+whatever the layout on disk: per-expert tensors (``mlp.experts.N.{gate,up,down}_proj``),
+Mixtral's ``block_sparse_moe.experts.N.{w1,w3,w2}``, transformers' stacked
+``experts.gate_up_proj`` [E, 2F, H] / ``experts.down_proj`` [E, H, F], or GGUF's stacked
+``ffn_{gate,up,down}_exps`` [E, F, H] / [E, H, F].
+
+llama.cpp's converter permutes the rows of Q and K of llama-architecture models so its RoPE
+can rotate adjacent pairs (``convert_hf_to_gguf.py: LlamaModel.permute``); we undo it at
+load so both formats use transformers' rotate-half convention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from swarm.compute.config import ModelConfig, config_from_gguf, config_from_hf
+from swarm.compute.tensors import GGUFFile, SafetensorsDir
+from swarm.errors import ModelFileError
+
+# Per-layer parts the engine asks for.
+LAYER_PARTS = ("attn_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
+               "ffn_norm", "gate", "up", "down", "router", "shexp_gate_proj", "shexp_up",
+               "shexp_down", "shexp_gate")
+
+_HF_LAYER = {
+    "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+    "router": "mlp.gate.weight",
+    "shexp_gate_proj": "mlp.shared_expert.gate_proj.weight", "shexp_up": "mlp.shared_expert.up_proj.weight",
+    "shexp_down": "mlp.shared_expert.down_proj.weight", "shexp_gate": "mlp.shared_expert_gate.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
+    "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
+    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
+    "router": "ffn_gate_inp.weight",
+    "shexp_gate_proj": "ffn_gate_shexp.weight", "shexp_up": "ffn_up_shexp.weight",
+    "shexp_down": "ffn_down_shexp.weight", "shexp_gate": "ffn_gate_inp_shexp.weight",
+}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's ``permute(w, n_head)`` of the rows of Q/K ([n_head*hd, ...] or bias)."""
+    rows = w.shape[0]
+    return np.ascontiguousarray(
+        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+class Checkpoint:
+    """Lazy, float32 access to one model's tensors. Subclasses map names to files.
+
+    ``path``: the file (GGUF) or directory (HF). ``config``: the :class:`ModelConfig`.
+    ``metadata``: GGUF key/values, or the parsed ``config.json``.
+    """
+
+    path: Path
+    config: ModelConfig
+    metadata: dict[str, Any]
+    files: list[Path]
+
+    def has(self, part: str, layer: int | None = None) -> bool:
+        raise NotImplementedError
+
+    def load(self, part: str, layer: int | None = None) -> np.ndarray:
+        """Float32 tensor of ``part`` (global parts: ``embed``, ``norm``, ``head``).
+
+        Raises ModelFileError naming the file and tensor when it is missing or misshapen.
+        """
+        raise NotImplementedError
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(gate [F,H], up [F,H], down [H,F])`` of expert ``e`` in MoE layer ``layer``, float32."""
+        raise NotImplementedError
+
+    def _check(self, name: str, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if tuple(a.shape) != tuple(shape):
+            raise ModelFileError(f"{self.path}: tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+        assert a.dtype == np.float32
+        return a
+
+    def expected_shape(self, part: str) -> tuple[int, ...]:
+        """The shape ``part`` must have under ``config`` (PyTorch orientation)."""
+        c = self.config
+        H, hd = c.hidden_size, c.head_dim
+        q, kv = c.n_heads * hd, c.n_kv_heads * hd
+        qn = {"head": (hd,), "proj": (q,)}.get(c.qk_norm or "", ())
+        kn = {"head": (hd,), "proj": (kv,)}.get(c.qk_norm or "", ())
+        Fs = c.shared_expert_intermediate_size
+        return {
+            "embed": (c.vocab_size, H), "head": (c.vocab_size, H), "norm": (H,),
+            "attn_norm": (H,), "ffn_norm": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
+            "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "q_norm": qn, "k_norm": kn,
+            "gate": (c.intermediate_size, H), "up": (c.intermediate_size, H), "down": (H, c.intermediate_size),
+            "router": (c.n_experts, H), "shexp_gate_proj": (Fs, H), "shexp_up": (Fs, H),
+            "shexp_down": (H, Fs), "shexp_gate": (1, H),
+        }[part]
+
+    def content_hash(self) -> str:
+        """SHA-256 (hex) over the model's files in name order (their bytes only)."""
+        h = hashlib.sha256()
+        for p in sorted(self.files):
+            with open(p, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
+        return h.hexdigest()
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A single-file GGUF checkpoint (llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.files = [self.path]
+        self.metadata = self.file.kv
+        self.config = config_from_gguf(self.file.kv, self.file.shapes, str(self.path))
+        # llama.cpp permutes Q/K rows for its llama architecture only (Mixtral is written as llama).
+        self._permuted = self.file.kv.get("general.architecture") == "llama"
+
+    def _name(self, part: str, layer: int | None) -> str:
+        if layer is None:
+            return {"embed": "token_embd.weight", "norm": "output_norm.weight",
+                    "head": "output.weight"}[part]
+        return f"blk.{layer}.{_GGUF_LAYER[part]}"
+
+    def has(self, part: str, layer: int | None = None) -> bool:
+        return self._name(part, layer) in self.file
+
+    def load(self, part: str, layer: int | None = None) -> np.ndarray:
+        name = self._name(part, layer)
+        a = self.file.load(name)
+        c = self.config
+        if self._permuted and part in ("q", "k", "q_bias", "k_bias"):
+            a = self._check(name, a, self.expected_shape(part))
+            a = _unpermute(a, c.n_heads if part.startswith("q") else c.n_kv_heads)
+        if part == "shexp_gate" and a.ndim == 1:
+            a = a.reshape(1, -1)
+        return self._check(name, a, self.expected_shape(part))
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c = self.config
+        F, H = c.moe_intermediate_size, c.hidden_size
+        out = []
+        for part, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
+            name = f"blk.{layer}.ffn_{part}_exps.weight"
+            full = self.file.shapes.get(name)
+            if full is None:
+                raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+            if full != (c.n_experts, *shape):
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {full}, "
+                                     f"expected {(c.n_experts, *shape)}")
+            out.append(self._check(name, self.file.load(name, e), shape))
+        return out[0], out[1], out[2]
+
+
+class HFCheckpoint(Checkpoint):
+    """A HF directory: ``config.json`` + ``*.safetensors`` (sharded or not)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise ModelFileError(f"{cfg_path}: missing (an HF model directory needs config.json)")
+        try:
+            self.metadata = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelFileError(f"{cfg_path}: not valid JSON ({e})") from None
+        if not isinstance(self.metadata, dict):
+            raise ModelFileError(f"{cfg_path}: expected a JSON object")
+        self.config = config_from_hf(self.metadata, str(cfg_path))
+        self.st = SafetensorsDir(self.path)
+        self.files = [f.path for f in self.st.files]
+        self._moe_prefix = "block_sparse_moe" if self.config.family == "mixtral" else "mlp"
+
+    def _name(self, part: str, layer: int | None) -> str:
+        if layer is None:
+            return {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+                    "head": "lm_head.weight"}[part]
+        name = f"model.layers.{layer}.{_HF_LAYER[part]}"
+        if part == "router" and name not in self.st:
+            name = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+        return name
+
+    def has(self, part: str, layer: int | None = None) -> bool:
+        return self._name(part, layer) in self.st
+
+    def load(self, part: str, layer: int | None = None) -> np.ndarray:
+        name = self._name(part, layer)
+        return self._check(name, self.st.load(name), self.expected_shape(part))
+
+    @cached_property
+    def _expert_layout(self) -> str:
+        """``stacked`` when the file holds ``experts.gate_up_proj``, else ``per_expert``."""
+        layer = self.config.moe_layers[0]
+        for prefix in ("mlp", "block_sparse_moe"):
+            if f"model.layers.{layer}.{prefix}.experts.gate_up_proj" in self.st:
+                return "stacked"
+        return "per_expert"
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c = self.config
+        F, H = c.moe_intermediate_size, c.hidden_size
+        base = f"model.layers.{layer}"
+        if self._expert_layout == "stacked":
+            prefix = next(p for p in ("mlp", "block_sparse_moe")
+                          if f"{base}.{p}.experts.gate_up_proj" in self.st)
+            gu_name, d_name = f"{base}.{prefix}.experts.gate_up_proj", f"{base}.{prefix}.experts.down_proj"
+            for name, shape in ((gu_name, (c.n_experts, 2 * F, H)), (d_name, (c.n_experts, H, F))):
+                if name not in self.st:
+                    raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+                if self.st.shapes[name] != shape:
+                    raise ModelFileError(f"{self.path}: tensor {name!r} has shape {self.st.shapes[name]}, "
+                                         f"expected {shape}")
+            gu = self.st.load(gu_name, e)  # [2F, H]: gate rows then up rows
+            return np.ascontiguousarray(gu[:F]), np.ascontiguousarray(gu[F:]), self.st.load(d_name, e)
+        if c.family == "mixtral" and f"{base}.block_sparse_moe.experts.{e}.w1.weight" in self.st:
+            names = [f"{base}.block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
+        else:
+            names = [f"{base}.{self._moe_prefix}.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+            if names[0] not in self.st:
+                names = [f"{base}.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+        shapes = ((F, H), (F, H), (H, F))
+        g, u, d = (self._check(n, self.st.load(n), s) for n, s in zip(names, shapes))
+        return g, u, d
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open a GGUF file or an HF directory. Raises ModelFileError when it is neither."""
+    p = Path(path)
+    if p.is_dir():
+        return HFCheckpoint(p)
+    if p.is_file():
+        return GGUFCheckpoint(p)
+    raise ModelFileError(f"{p}: no such file or directory (expected a .gguf file or an HF model directory)")

@@ -1,0 +1,228 @@
+"""The FFN seam: the one place where the forward pass asks for MLP / MoE outputs.
+
+Theory of operation
+-------------------
+``Model.forward`` computes attention itself and, for the feed-forward half of every layer,
+calls ``backend.ffn(layer, x)`` with the post-attention-normed hidden rows ``x`` [T, H] f32
+and adds the [T, H] f32 answer to the residual. :class:`LocalFFN` answers in-process; the
+swarm's coordinator backend answers by sending work to peers. Both are compositions of
+the pure building blocks below, so a remote backend that runs the same blocks on the same
+rows gets the same bits:
+
+* **MoE layer.** ``logits = model.router_logits(layer, x)`` [T, E]; ``routing =
+  route(logits, **model.routing_config(layer).kwargs())``; ``rows = expert_rows(routing)``
+  gives each selected expert its row indices, ascending. Each expert ``e`` is computed as
+  ``expert_ffn(model.expert_weights(layer, e), x[rows[e]])`` — over exactly its own rows in
+  ascending order, so its result does not depend on which other rows a request carries.
+  ``combine(T, H, routing, outputs, shared=model.shared_expert_output(layer, x))`` then
+  adds the weighted expert rows in the **fixed order: experts ascending** (for a given row,
+  its k contributions are added in ascending expert index — the order transformers' expert
+  loop uses), starting from zeros, and adds the shared expert (already sigmoid-gated for
+  Qwen2-MoE) last.
+* **Dense layer.** The whole MLP is ``expert_ffn(model.dense_weights(layer), x)``. Under a
+  plan that splits the intermediate dimension into ranges ``[(lo0, hi0), (lo1, hi1), ...]``
+  (ascending, covering ``0:F``), each holder computes ``expert_ffn(model.dense_weights(layer,
+  lo, hi), x)`` (= :func:`dense_partial`) and the partials are summed **in range order** by
+  :func:`sum_partials`. The sum equals the full MLP up to float rounding; the same plan
+  gives the same bits locally and in the swarm.
+
+``LocalFFN(model, plan)`` follows exactly these steps, so "same plan, local vs swarm" is
+bit-identical on the same numeric build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from swarm.compute.kernels import MLPWeights, sigmoid, softmax, swiglu
+
+F32 = np.float32
+
+DensePlan = Mapping[int, Sequence[tuple[int, int]]]
+
+
+class FFNBackend(Protocol):
+    """What the forward pass calls for every layer's MLP / MoE output."""
+
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """x [T, H] f32 (already post-attention-normed) → [T, H] f32."""
+        ...
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Top-k choice per row: ``experts`` [T, k] int64 (slot order: best first, ties to the
+    lower index) and ``weights`` [T, k] f32 (the combine weights of those slots)."""
+
+    experts: np.ndarray
+    weights: np.ndarray
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How one MoE layer routes: ``scoring`` ('softmax' | 'sigmoid'), ``top_k``,
+    ``norm_topk_prob`` (renormalise the k weights to sum 1) and the number of experts."""
+
+    n_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for :func:`route`."""
+        return dict(scoring=self.scoring, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+
+
+def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
+          norm_topk_prob: bool, selection_bias: np.ndarray | None = None) -> Routing:
+    """Choose ``top_k`` experts per row and their combine weights.
+
+    router_logits [T, E] f32. Scores are ``softmax`` over experts (Mixtral, Qwen-MoE,
+    OLMoE) or ``sigmoid`` per expert (DeepSeek-V3). ``selection_bias`` [E] f32, if given, is
+    added to the scores for *choosing* only; the weights come from the unbiased scores
+    (DeepSeek-V3's ``e_score_correction_bias``). Ties go to the lowest expert index
+    (a stable sort on descending score). With ``norm_topk_prob`` the k weights are divided
+    by their sum (transformers' ``router_top_value /= router_top_value.sum(-1)``).
+    Raises ValueError on a bad shape, dtype or k.
+    """
+    if router_logits.ndim != 2 or router_logits.dtype != F32:
+        raise ValueError(f"router logits must be [T, E] float32, got {router_logits.shape} {router_logits.dtype}")
+    T, E = router_logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be within 1..{E}")
+    if scoring == "softmax":
+        scores = softmax(router_logits, axis=-1)
+    elif scoring == "sigmoid":
+        scores = sigmoid(router_logits)
+    else:
+        raise ValueError(f"unknown router scoring {scoring!r} (expected 'softmax' or 'sigmoid')")
+    choice = scores
+    if selection_bias is not None:
+        if selection_bias.shape != (E,):
+            raise ValueError(f"selection_bias must have shape ({E},), got {selection_bias.shape}")
+        choice = scores + selection_bias.astype(F32)
+    experts = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k].astype(np.int64)  # [T, k]
+    weights = np.take_along_axis(scores, experts, axis=-1)  # [T, k]
+    if norm_topk_prob:
+        weights = weights / np.sum(weights, axis=-1, keepdims=True, dtype=F32)
+    return Routing(experts, np.ascontiguousarray(weights, dtype=F32))
+
+
+def expert_rows(routing: Routing) -> dict[int, np.ndarray]:
+    """Expert index → the rows routed to it, ascending (int64). Only selected experts appear;
+    keys are in ascending order."""
+    k = routing.experts.shape[1]
+    flat = routing.experts.reshape(-1)  # index = row * k + slot
+    order = np.argsort(flat, kind="stable")  # stable: rows ascending within one expert
+    sorted_e = flat[order]
+    experts, starts = np.unique(sorted_e, return_index=True)
+    ends = np.append(starts[1:], flat.size)
+    return {int(e): (order[s:t] // k).astype(np.int64) for e, s, t in zip(experts, starts, ends)}
+
+
+def expert_ffn(weights: MLPWeights, x_rows: np.ndarray) -> np.ndarray:
+    """One expert (or dense slice) over its rows: x_rows [n, H] f32 → [n, H] f32 (SwiGLU)."""
+    assert x_rows.dtype == F32, x_rows.dtype
+    return swiglu(weights, np.ascontiguousarray(x_rows))
+
+
+def dense_partial(weights: MLPWeights, x: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``W_down[:, lo:hi] @ (silu(W_gate[lo:hi] x) * W_up[lo:hi] x)`` for x [T, H] f32 → [T, H].
+
+    ``weights`` is the whole layer's MLP. Bit-identical to ``expert_ffn(weights.range(lo, hi), x)``,
+    which is what a range holder computes from ``model.dense_weights(layer, lo, hi)``.
+    Partials of ranges that cover ``0:F`` sum (in range order, :func:`sum_partials`) to the full MLP.
+    """
+    return expert_ffn(weights.range(lo, hi), x)
+
+
+def sum_partials(partials: Sequence[np.ndarray]) -> np.ndarray:
+    """Sum dense-range partials left to right (plan order): ``((p0 + p1) + p2) + ...``."""
+    if not partials:
+        raise ValueError("no dense partials to sum")
+    acc = np.array(partials[0], dtype=F32, copy=True)
+    for p in partials[1:]:
+        acc += p
+    return acc
+
+
+def combine(T: int, H: int, routing: Routing, outputs: Mapping[int, np.ndarray],
+            shared: np.ndarray | None = None) -> np.ndarray:
+    """Weighted sum of expert outputs, in the fixed order *experts ascending*, then ``shared``.
+
+    ``outputs[e]`` [n_e, H] f32 holds expert e's results for ``expert_rows(routing)[e]`` in
+    that (ascending) row order. ``shared`` [T, H] f32 (gated shared-expert output) is added
+    last. Raises ValueError when an expert is missing or has the wrong shape.
+    """
+    rows_of = expert_rows(routing)
+    out = np.zeros((T, H), dtype=F32)
+    for e, rows in rows_of.items():  # ascending expert index
+        y = outputs.get(e)
+        if y is None or y.shape != (rows.size, H) or y.dtype != F32:
+            got = None if y is None else (y.shape, y.dtype)
+            raise ValueError(f"expert {e}: expected output [{rows.size}, {H}] float32, got {got}")
+        slot = np.argmax(routing.experts[rows] == e, axis=-1)  # [n_e]
+        w = routing.weights[rows, slot]  # [n_e]
+        out[rows] += y * w[:, None]
+    if shared is not None:
+        out += shared
+    return out
+
+
+def shared_expert(weights: MLPWeights, gate: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+    """Shared-expert output for x [T, H] f32: ``sigmoid(x @ gate.T) * swiglu(x)`` when a gate
+    [1, H] is given (Qwen2-MoE's ``shared_expert_gate``), else plain ``swiglu(x)``."""
+    y = swiglu(weights, x)
+    if gate is not None:
+        y = sigmoid(x @ gate.T) * y  # [T, 1] * [T, H]
+    return y
+
+
+def check_dense_plan(ranges: Sequence[tuple[int, int]], F: int, layer: int) -> None:
+    """Ranges must be non-empty, ascending, contiguous and cover ``0:F``. Raises ValueError."""
+    pos = 0
+    for lo, hi in ranges:
+        if lo != pos or hi <= lo:
+            raise ValueError(f"layer {layer}: dense ranges {list(ranges)} must be contiguous, "
+                             f"ascending and cover 0:{F}")
+        pos = hi
+    if pos != F:
+        raise ValueError(f"layer {layer}: dense ranges {list(ranges)} do not cover 0:{F}")
+
+
+class LocalFFN:
+    """In-process FFN backend. ``plan`` maps a dense layer to its ordered (lo, hi) ranges;
+    layers not in the plan (and every MoE layer) are computed whole. Weight slices for the
+    plan's ranges are materialised once and kept."""
+
+    def __init__(self, model, plan: DensePlan | None = None):
+        self.model = model
+        self.plan = {int(k): [(int(lo), int(hi)) for lo, hi in v] for k, v in (plan or {}).items()}
+        for layer, ranges in self.plan.items():
+            if model.is_moe_layer(layer):
+                raise ValueError(f"layer {layer} is a MoE layer; a plan gives ranges for dense layers only")
+            check_dense_plan(ranges, model.dense_intermediate_size(layer), layer)
+        self._slices: dict[tuple[int, int, int], MLPWeights] = {}
+
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        assert x.dtype == F32 and x.ndim == 2, (x.dtype, x.shape)
+        m = self.model
+        if m.is_moe_layer(layer):
+            T, H = x.shape
+            routing = route(m.router_logits(layer, x), **m.routing_config(layer).kwargs())
+            outputs = {e: expert_ffn(m.expert_weights(layer, e), x[rows])
+                       for e, rows in expert_rows(routing).items()}
+            return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x))
+        ranges = self.plan.get(layer)
+        if not ranges:
+            return expert_ffn(m.dense_weights(layer), x)
+        partials = []
+        for lo, hi in ranges:
+            key = (layer, lo, hi)
+            if key not in self._slices:
+                self._slices[key] = m.dense_weights(layer, lo, hi)
+            partials.append(expert_ffn(self._slices[key], x))
+        return sum_partials(partials)

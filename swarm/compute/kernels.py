@@ -1,0 +1,120 @@
+"""Numerical kernels of the forward pass: pure numpy functions on float32 arrays.
+
+Shape legend: T tokens in this call, S cached positions (keys), H hidden size, F
+intermediate size, E experts, nh / nkv query / key-value heads, hd head dim.
+Every function keeps float32: constants are ``np.float32`` so NumPy 2's promotion rules
+never widen an intermediate to float64. Formulas follow transformers' modeling code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: ``w * x / sqrt(mean(x²) + eps)`` (LlamaRMSNorm). x [..., D] f32."""
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=F32)
+    return weight * (x * (F32(1.0) / np.sqrt(var + F32(eps))))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)``, float32 in and out."""
+    return x / (F32(1.0) + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return F32(1.0) / (F32(1.0) + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax in float32 along ``axis``."""
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True, dtype=F32)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """RoPE inverse frequencies [hd/2] f32, computed in float32 as transformers does."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(F32) / F32(head_dim)
+    return (F32(1.0) / np.power(F32(theta), exponents)).astype(F32)
+
+
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``cos, sin`` [T, hd] f32 for integer ``positions`` [T] (rotate-half layout: halves repeat)."""
+    freqs = positions.astype(F32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(F32), np.sin(emb).astype(F32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate ``x`` [T, n, hd] by position (transformers' ``rotate_half`` convention)."""
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention for T new queries against S cached positions.
+
+    q [nh, T, hd]; k, v [nkv, S, hd] (S = start + T; the new keys are already in the cache);
+    query t sits at position ``start + t`` and sees keys ``0 .. start + t``. Query head h uses
+    key/value head ``h // (nh / nkv)`` (transformers' ``repeat_kv``). Returns [T, nh*hd] f32.
+    """
+    nh, T, hd = q.shape
+    nkv, S, _ = k.shape
+    g = nh // nkv
+    qg = q.reshape(nkv, g * T, hd)
+    scores = np.matmul(qg, k.transpose(0, 2, 1))  # [nkv, g*T, S]
+    scores *= F32(1.0 / np.sqrt(hd))
+    if T > 1:
+        # position of each query row (rows are g blocks of T) vs key index
+        qpos = start + np.tile(np.arange(T), g)  # [g*T]
+        scores[:, np.arange(S)[None, :] > qpos[:, None]] = -np.inf
+    probs = softmax(scores, axis=-1)
+    out = np.matmul(probs, v)  # [nkv, g*T, hd]
+    return out.reshape(nh, T, hd).transpose(1, 0, 2).reshape(T, nh * hd)
+
+
+@dataclass(frozen=True)
+class MLPWeights:
+    """One SwiGLU MLP (a dense MLP, a slice of one, an expert, or a shared expert).
+
+    ``gate_up`` [H, 2F] f32: columns ``:F`` are W_gate.T, ``F:`` are W_up.T (so ``x @ gate_up``
+    computes both projections in one matmul); ``down`` [F, H] f32 is W_down.T. C-contiguous.
+    """
+
+    gate_up: np.ndarray
+    down: np.ndarray
+
+    @classmethod
+    def from_torch(cls, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> "MLPWeights":
+        """From PyTorch-oriented ``gate``/``up`` [F, H] and ``down`` [H, F]."""
+        gu = np.ascontiguousarray(np.concatenate([gate, up], axis=0).T, dtype=F32)
+        return cls(gu, np.ascontiguousarray(down.T, dtype=F32))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def range(self, lo: int, hi: int) -> "MLPWeights":
+        """Contiguous copy of intermediate units ``lo:hi`` (rows of W_gate/W_up, columns of W_down)."""
+        F = self.intermediate_size
+        if not 0 <= lo < hi <= F:
+            raise ValueError(f"dense range {lo}:{hi} is outside 0:{F}")
+        gu = np.concatenate([self.gate_up[:, lo:hi], self.gate_up[:, F + lo:F + hi]], axis=1)
+        return MLPWeights(np.ascontiguousarray(gu), np.ascontiguousarray(self.down[lo:hi]))
+
+
+def swiglu(w: MLPWeights, x: np.ndarray) -> np.ndarray:
+    """``W_down (silu(W_gate x) * W_up x)`` for rows x [n, H] f32 → [n, H] f32."""
+    F = w.intermediate_size
+    h = x @ w.gate_up  # [n, 2F]
+    a = silu(h[:, :F]) * h[:, F:]  # [n, F]
+    return a @ w.down

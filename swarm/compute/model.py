@@ -1,0 +1,339 @@
+"""The model: weights (materialised lazily, once, as float32), the KV cache, the forward pass.
+
+``load_model(path)`` opens a GGUF file or an HF safetensors directory. Nothing is decoded
+until it is used: the coordinator touches attention and routers, a worker only the experts
+(``expert_weights(layer, e)``) or dense ranges (``dense_weights(layer, lo, hi)``) it holds.
+Weights are kept pre-transposed for ``x @ W`` and fused where that saves a matmul
+(Q|K|V, gate|up).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from swarm.compute.checkpoint import Checkpoint, open_checkpoint
+from swarm.compute.config import ModelConfig
+from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, shared_expert
+from swarm.compute.kernels import (MLPWeights, apply_rope, attention, rms_norm, rope_inv_freq,
+                                   rope_tables)
+
+F32 = np.float32
+
+
+class KVCache:
+    """Keys and values of every layer for one sequence.
+
+    ``k[layer]``, ``v[layer]``: [nkv, capacity, hd] f32; positions ``0 .. length-1`` are filled.
+    Capacity doubles when a forward call needs more room.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int = 256):
+        self.config = config
+        self.length = 0
+        self.capacity = 0
+        self.k: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        c = self.config
+        shape = (c.n_kv_heads, capacity, c.head_dim)
+        new_k = [np.zeros(shape, F32) for _ in range(c.n_layers)]
+        new_v = [np.zeros(shape, F32) for _ in range(c.n_layers)]
+        for old, new in ((self.k, new_k), (self.v, new_v)):
+            for a, b in zip(old, new):
+                b[:, :self.length] = a[:, :self.length]
+        self.k, self.v, self.capacity = new_k, new_v, capacity
+
+    def reserve(self, total: int) -> None:
+        """Make room for ``total`` positions."""
+        if total > self.capacity:
+            cap = max(self.capacity, 16)
+            while cap < total:
+                cap *= 2
+            self._grow(cap)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions ``length ..`` (e.g. to re-run a suffix)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """One layer's attention: ``qkv`` [H, (nh+2nkv)*hd] (= [Wq; Wk; Wv].T), ``qkv_bias`` or
+    None, ``o`` [nh*hd, H]; norms [H]; ``q_norm``/``k_norm`` per the config's ``qk_norm``."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    qkv: np.ndarray
+    qkv_bias: np.ndarray | None
+    o: np.ndarray
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+
+
+class Model:
+    """A loaded decoder-only transformer.
+
+    ``path``: file or directory it came from; ``config``: :class:`ModelConfig`;
+    ``metadata``: GGUF key/values (``format == "gguf"``) or the parsed ``config.json``
+    (``format == "hf"``; tokenizer files live next to it in ``path``).
+    Thread-safety: weight materialisation is guarded by a lock; ``forward`` on distinct caches
+    may run concurrently.
+    """
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self.path: Path = checkpoint.path
+        self.config: ModelConfig = checkpoint.config
+        self.metadata: dict = checkpoint.metadata
+        self.format = "hf" if checkpoint.path.is_dir() else "gguf"
+        self._lock = threading.RLock()
+        self._attn: dict[int, AttentionWeights] = {}
+        self._dense: dict[int, MLPWeights] = {}
+        self._experts: dict[tuple[int, int], MLPWeights] = {}
+        self._routers: dict[int, np.ndarray] = {}
+        self._shared: dict[int, tuple[MLPWeights, np.ndarray | None]] = {}
+        self._hash: str | None = None
+        c = self.config
+        self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta)
+        self._cos = np.zeros((0, c.head_dim), F32)
+        self._sin = np.zeros((0, c.head_dim), F32)
+
+    # ---- identity -------------------------------------------------------------------------
+    def content_hash(self) -> str:
+        """SHA-256 hex of the model file(s), computed once."""
+        if self._hash is None:
+            self._hash = self.checkpoint.content_hash()
+        return self._hash
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.config, capacity)
+
+    # ---- global weights -------------------------------------------------------------------
+    @cached_property
+    def embed(self) -> np.ndarray:
+        """Token embeddings [V, H] f32."""
+        return self.checkpoint.load("embed")
+
+    @cached_property
+    def final_norm(self) -> np.ndarray:
+        return self.checkpoint.load("norm")
+
+    @cached_property
+    def head(self) -> np.ndarray:
+        """Output projection [V, H] f32 (the embeddings when tied); logits = x @ head.T."""
+        if self.config.tie_word_embeddings or not self.checkpoint.has("head"):
+            return self.embed
+        return self.checkpoint.load("head")
+
+    # ---- per-layer weights ----------------------------------------------------------------
+    def attention_weights(self, layer: int) -> AttentionWeights:
+        w = self._attn.get(layer)
+        if w is None:
+            with self._lock:
+                w = self._attn.get(layer) or self._load_attention(layer)
+                self._attn[layer] = w
+        return w
+
+    def _load_attention(self, layer: int) -> AttentionWeights:
+        ck, c = self.checkpoint, self.config
+        q, k, v = (ck.load(p, layer) for p in ("q", "k", "v"))
+        bias = None
+        if ck.has("q_bias", layer):
+            bias = np.concatenate([ck.load(p, layer) for p in ("q_bias", "k_bias", "v_bias")])
+        qn = kn = None
+        if c.qk_norm:
+            qn, kn = ck.load("q_norm", layer), ck.load("k_norm", layer)
+        return AttentionWeights(
+            attn_norm=ck.load("attn_norm", layer), ffn_norm=ck.load("ffn_norm", layer),
+            qkv=np.ascontiguousarray(np.concatenate([q, k, v], axis=0).T),
+            qkv_bias=bias, o=np.ascontiguousarray(ck.load("o", layer).T), q_norm=qn, k_norm=kn)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.config.is_moe_layer(layer)
+
+    @property
+    def n_experts(self) -> int:
+        return self.config.n_experts
+
+    def dense_intermediate_size(self, layer: int) -> int:
+        """F of a dense layer's MLP."""
+        return self.config.intermediate_size
+
+    def expert_intermediate_size(self) -> int:
+        return self.config.moe_intermediate_size
+
+    def dense_weights(self, layer: int, lo: int | None = None, hi: int | None = None) -> MLPWeights:
+        """The dense MLP of ``layer`` (whole, cached) or a contiguous copy of units ``lo:hi``
+        (not cached: a range holder keeps what it is given)."""
+        if self.is_moe_layer(layer):
+            raise ValueError(f"layer {layer} is a MoE layer, not dense")
+        F = self.dense_intermediate_size(layer)
+        full = self._dense.get(layer)
+        if full is None:
+            if lo is not None and (lo, hi) != (0, F):
+                return self._load_dense(layer).range(lo, hi)
+            with self._lock:
+                full = self._dense.get(layer) or self._load_dense(layer)
+                self._dense[layer] = full
+        if lo is None:
+            return full
+        return full.range(lo, F if hi is None else hi)
+
+    def _load_dense(self, layer: int) -> MLPWeights:
+        ck = self.checkpoint
+        return MLPWeights.from_torch(ck.load("gate", layer), ck.load("up", layer), ck.load("down", layer))
+
+    def expert_weights(self, layer: int, e: int) -> MLPWeights:
+        """Expert ``e`` of MoE layer ``layer`` (materialised on first use, then cached)."""
+        key = (layer, e)
+        w = self._experts.get(key)
+        if w is None:
+            if not self.is_moe_layer(layer):
+                raise ValueError(f"layer {layer} is dense; it has no experts")
+            if not 0 <= e < self.config.n_experts:
+                raise ValueError(f"expert {e} is outside 0..{self.config.n_experts - 1}")
+            w = MLPWeights.from_torch(*self.checkpoint.expert(layer, e))
+            with self._lock:
+                self._experts[key] = w
+        return w
+
+    def router(self, layer: int) -> np.ndarray:
+        """Router weights of MoE layer ``layer``, pre-transposed: [H, E] f32."""
+        r = self._routers.get(layer)
+        if r is None:
+            r = np.ascontiguousarray(self.checkpoint.load("router", layer).T)
+            self._routers[layer] = r
+        return r
+
+    def router_logits(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """x [T, H] f32 → router logits [T, E] f32."""
+        return x @ self.router(layer)
+
+    def routing_config(self, layer: int) -> RoutingConfig:
+        c = self.config
+        return RoutingConfig(n_experts=c.n_experts, top_k=c.top_k, norm_topk_prob=c.norm_topk_prob)
+
+    def has_shared_expert(self, layer: int) -> bool:
+        return self.is_moe_layer(layer) and self.config.shared_expert_intermediate_size > 0
+
+    def shared_expert_weights(self, layer: int) -> tuple[MLPWeights, np.ndarray | None]:
+        """(shared expert MLP, its sigmoid gate [1, H] or None) of MoE layer ``layer``."""
+        s = self._shared.get(layer)
+        if s is None:
+            ck = self.checkpoint
+            w = MLPWeights.from_torch(*(ck.load(p, layer) for p in ("shexp_gate_proj", "shexp_up", "shexp_down")))
+            gate = ck.load("shexp_gate", layer) if ck.has("shexp_gate", layer) else None
+            s = self._shared[layer] = (w, gate)
+        return s
+
+    def shared_expert_output(self, layer: int, x: np.ndarray) -> np.ndarray | None:
+        """Gated shared-expert output [T, H] f32 for x [T, H], or None when the layer has none."""
+        if not self.has_shared_expert(layer):
+            return None
+        w, gate = self.shared_expert_weights(layer)
+        return shared_expert(w, gate, x)
+
+    def materialize(self) -> None:
+        """Decode every weight now (benchmarks; a coordinator that serves everything)."""
+        _ = self.embed, self.head, self.final_norm
+        for layer in range(self.config.n_layers):
+            self.attention_weights(layer)
+            if self.is_moe_layer(layer):
+                self.router(layer)
+                for e in range(self.config.n_experts):
+                    self.expert_weights(layer, e)
+                if self.has_shared_expert(layer):
+                    self.shared_expert_weights(layer)
+            else:
+                self.dense_weights(layer)
+
+    # ---- forward --------------------------------------------------------------------------
+    def _rope(self, start: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        if start + T > self._cos.shape[0]:
+            with self._lock:
+                n = max(2 * self._cos.shape[0], start + T, 256)
+                self._cos, self._sin = rope_tables(np.arange(n), self._inv_freq)
+        return self._cos[start:start + T], self._sin[start:start + T]
+
+    def _attention(self, layer: int, h: np.ndarray, cache: KVCache, start: int,
+                   cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        c, w = self.config, self.attention_weights(layer)
+        T = h.shape[0]
+        nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        qkv = h @ w.qkv  # [T, (nh + 2 nkv) hd]
+        if w.qkv_bias is not None:
+            qkv += w.qkv_bias
+        q, k, v = qkv[:, :nh * hd], qkv[:, nh * hd:(nh + nkv) * hd], qkv[:, (nh + nkv) * hd:]
+        if c.qk_norm == "proj":  # OLMoE: RMSNorm over the whole projection
+            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+        if c.clip_qkv is not None:
+            lim = F32(c.clip_qkv)
+            q, k, v = np.clip(q, -lim, lim), np.clip(k, -lim, lim), np.clip(v, -lim, lim)
+        q = q.reshape(T, nh, hd)
+        k = k.reshape(T, nkv, hd)
+        if c.qk_norm == "head":  # Qwen3: RMSNorm over each head
+            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        end = start + T
+        cache.k[layer][:, start:end] = k.transpose(1, 0, 2)
+        cache.v[layer][:, start:end] = v.reshape(T, nkv, hd).transpose(1, 0, 2)
+        out = attention(q.transpose(1, 0, 2), cache.k[layer][:, :end], cache.v[layer][:, :end], start)
+        return out @ w.o
+
+    def forward(self, tokens, cache: KVCache, ffn: FFNBackend | None = None,
+                last_only: bool = False) -> np.ndarray:
+        """Run ``tokens`` [T] (ints) after what ``cache`` holds; append their keys/values.
+
+        Returns logits [T, V] f32 (``[1, V]`` for the last token with ``last_only``). Every
+        MLP / MoE output comes from ``ffn.ffn(layer, x)`` (default: :class:`LocalFFN`).
+        Raises ValueError for an empty sequence or a token id outside the vocabulary.
+        """
+        c = self.config
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("forward needs at least one token")
+        if ids.min() < 0 or ids.max() >= c.vocab_size:
+            raise ValueError(f"token id out of range 0..{c.vocab_size - 1}: {ids.min()}..{ids.max()}")
+        if ffn is None:
+            ffn = self._local_ffn
+        T, start = ids.size, cache.length
+        cache.reserve(start + T)
+        cos, sin = self._rope(start, T)
+        x = self.embed[ids]  # [T, H] (fancy indexing copies)
+        eps = c.rms_norm_eps
+        for layer in range(c.n_layers):
+            w = self.attention_weights(layer)
+            x += self._attention(layer, rms_norm(x, w.attn_norm, eps), cache, start, cos, sin)
+            y = ffn.ffn(layer, rms_norm(x, w.ffn_norm, eps))
+            assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
+            x += y
+        cache.length = start + T
+        if last_only:
+            x = x[-1:]
+        logits = rms_norm(x, self.final_norm, eps) @ self.head.T  # [T, V]
+        assert logits.dtype == F32
+        return logits
+
+    @cached_property
+    def _local_ffn(self) -> LocalFFN:
+        return LocalFFN(self)
+
+
+def load_model(path: str | os.PathLike) -> Model:
+    """Open a GGUF file or an HF directory (``config.json`` + ``*.safetensors``).
+
+    Only the header/index is read here; weights are decoded on first use.
+    Raises ModelFileError naming the file and the tensor/field that is wrong.
+    """
+    return Model(open_checkpoint(path))
