@@ -1,0 +1,260 @@
+"""Wire messages (swarm.peer.messages): round trips, schema enforcement, cross-field rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from swarm.errors import LocalProtocolError, MessageError
+from swarm.peer import messages as m
+from swarm.peer import wire
+
+PA, PB = "a" * 26, "b2" * 13
+HASH = hashlib.sha256(b"model").hexdigest()
+
+
+def samples() -> list[object]:
+    """One message of every kind, with non-trivial values."""
+    rng = np.random.default_rng(0)
+    chunk = rng.integers(0, 256, 1000, dtype=np.uint8)
+    return [
+        m.AuthHello(peer_id=PA, nonce="0f" * 32),
+        m.AuthProof(key_mac="1a" * 32, channel_mac="2b" * 32),
+        m.Hello(
+            peer_id=PA,
+            protocol_version=1,
+            build=m.NumericBuild(package="0.1.0", numpy="2.3.1", blas="openblas 0.3.29", arch="x86_64", kernel_dtype="f32"),
+            model_hash=HASH,
+            memory_budget=3 * 2**30,
+            ffn_gflops=41.5,
+            peer_kind="browser",
+            adapter_limits={"maxStorageBufferBindingSize": 134217728, "maxComputeInvocationsPerWorkgroup": 256},
+            adapter_features=("shader-f16",),
+            name="kitchen tablet ✓",
+        ),
+        m.Heartbeat(seq=17, sent_s=1234.5),
+        m.Error(request_id=99, code="stale_term", message="term 3 < 4"),
+        m.RequestVote(term=4, candidate=PB, last_term=3, last_plan_version=7, capability=12.25),
+        m.Vote(term=4, granted=True),
+        m.LeaderHeartbeat(term=4, leader=PB, plan_version=8),
+        m.Plan(
+            term=4,
+            version=8,
+            assignments=(
+                m.Assignment(layer=0, peer=PA, experts=(0, 1, 5), dense=()),
+                m.Assignment(layer=1, peer=PB, experts=(), dense=((0, 512), (1024, 1536))),
+            ),
+        ),
+        m.ExpertRequest(
+            request_id=7, term=4, plan_version=8, layer=3,
+            expert_ids=np.array([5, 0, 1], np.int32), row_counts=np.array([2, 0, 3], np.int32),
+            rows=rng.standard_normal((5, 16)).astype(np.float32),
+        ),
+        m.ExpertAnswer(
+            request_id=7, term=4, plan_version=8, layer=3,
+            expert_ids=np.array([5, 0, 1], np.int32), row_counts=np.array([2, 0, 3], np.int32),
+            outputs=rng.standard_normal((5, 16)).astype(np.float16),
+        ),
+        m.DenseRequest(
+            request_id=8, term=4, plan_version=8, layer=2, ranges=((0, 512), (1024, 1536)),
+            x=rng.standard_normal((4, 16)).astype(np.float32),
+        ),
+        m.DenseAnswer(
+            request_id=8, term=4, plan_version=8, layer=2, ranges=((0, 512), (1024, 1536)),
+            partials=rng.standard_normal((2, 4, 16)).astype(np.float32),
+        ),
+        m.WeightManifest(
+            request_id=1, model_hash=HASH, name="blk.3.ffn_gate_exps[0:8]", encoding="gguf:Q4_1",
+            total_bytes=2500, chunk_bytes=1000, chunk_sha256=(HASH, HASH, HASH),
+        ),
+        m.WeightChunkRequest(request_id=2, model_hash=HASH, name="blk.3.ffn_gate_exps[0:8]", first=1, count=2),
+        m.WeightChunk(
+            request_id=2, model_hash=HASH, name="blk.3.ffn_gate_exps[0:8]", offset=1000,
+            sha256=hashlib.sha256(chunk).hexdigest(), data=chunk,
+        ),
+    ]
+
+
+def assert_same(a: object, b: object) -> None:
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape, f.name
+            np.testing.assert_array_equal(x, y, err_msg=f.name)
+        else:
+            assert x == y and type(x) is type(y), f.name
+
+
+def test_every_kind_has_a_sample() -> None:
+    assert {type(s) for s in samples()} == set(m.KINDS.values())
+
+
+@pytest.mark.parametrize("msg", samples(), ids=lambda s: type(s).__name__)
+def test_round_trip(msg: object) -> None:
+    data = m.encode(msg)
+    assert_same(m.decode(data), msg)
+    assert m.encode(m.decode(data)) == data  # encoding is deterministic
+    frame = wire.decode_frame(data)
+    assert frame.kind == type(msg).KIND
+    assert frame.request_id == getattr(msg, "request_id", 0)
+
+
+def test_tensors_decode_zero_copy() -> None:
+    req = samples()[9]
+    data = bytearray(m.encode(req))
+    got = m.decode(data)
+    assert np.shares_memory(got.rows, np.frombuffer(data, np.uint8))
+
+
+def test_match_dispatch() -> None:
+    def handle(msg: object) -> str:
+        match msg:
+            case m.Heartbeat(seq=seq):
+                return f"heartbeat {seq}"
+            case m.ExpertRequest(layer=layer, rows=rows):
+                return f"experts layer {layer} rows {rows.shape[0]}"
+            case _:
+                return "other"
+
+    assert [handle(m.decode(m.encode(s))) for s in samples()[3:4] + samples()[9:10]] == [
+        "heartbeat 17",
+        "experts layer 3 rows 5",
+    ]
+
+
+# --- decoding enforces the schema ----------------------------------------------------------------
+
+
+def _frame(kind: int, meta: object, tensors=(), request_id: int = 0) -> bytes:
+    raw = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
+    return wire.encode_frame(kind, raw, tensors, request_id=request_id)
+
+
+HB = m.Heartbeat.KIND
+
+
+def test_js_style_integral_floats_are_accepted() -> None:
+    # JSON.stringify(1.0) === "1": a float field may arrive as an integer
+    got = m.decode(_frame(HB, b'{"seq":1,"sent_s":2}'))
+    assert got == m.Heartbeat(seq=1, sent_s=2.0) and type(got.sent_s) is float
+
+
+BAD_META = {
+    "bool for int": (HB, b'{"seq":true,"sent_s":1.0}', "seq: expected an integer"),
+    "negative int": (HB, b'{"seq":-1,"sent_s":1.0}', "seq: expected an integer"),
+    "int beyond 2**53": (HB, b'{"seq":9007199254740992,"sent_s":1.0}', "seq: expected an integer"),
+    "float for int": (HB, b'{"seq":1.5,"sent_s":1.0}', "seq: expected an integer"),
+    "NaN": (HB, b'{"seq":1,"sent_s":NaN}', "NaN is not a JSON number"),
+    "Infinity": (HB, b'{"seq":1,"sent_s":Infinity}', "Infinity"),
+    "huge float": (HB, b'{"seq":1,"sent_s":1e999}', "finite number"),
+    "string for float": (HB, b'{"seq":1,"sent_s":"1"}', "finite number"),
+    "duplicate key": (HB, b'{"seq":1,"seq":2,"sent_s":1.0}', "duplicate key"),
+    "missing key": (HB, b'{"seq":1}', r"missing \['sent_s'\]"),
+    "extra key": (HB, b'{"seq":1,"sent_s":1.0,"x":0}', r"unexpected \['x'\]"),
+    "not an object": (HB, b"[1,2]", "not a JSON object"),
+    "not JSON": (HB, b"{seq:1}", "not UTF-8 JSON"),
+    "not UTF-8": (HB, b'{"seq":1,"sent_s":1.0,"\xff":1}', "not UTF-8 JSON"),
+    "deep nesting": (HB, b"[" * 100000 + b"]" * 100000, "not UTF-8 JSON|not a JSON object"),
+    "literal out of set": (
+        m.Vote.KIND, b'{"term":1,"granted":"yes"}', "granted: expected true or false",
+    ),
+    "bad peer id": (m.LeaderHeartbeat.KIND, b'{"term":1,"leader":"Alice","plan_version":0}', "not a peer id"),
+    "nested record keys": (
+        m.Plan.KIND, b'{"term":1,"version":1,"assignments":[{"layer":0,"peer":"' + PA.encode() + b'"}]}',
+        r"assignments\[0\]: keys",
+    ),
+    "empty range": (
+        m.Plan.KIND,
+        b'{"term":1,"version":1,"assignments":[{"layer":0,"peer":"' + PA.encode() + b'","experts":[],"dense":[[5,5]]}]}',
+        "empty range",
+    ),
+    "pair of three": (
+        m.Plan.KIND,
+        b'{"term":1,"version":1,"assignments":[{"layer":0,"peer":"' + PA.encode() + b'","experts":[],"dense":[[1,2,3]]}]}',
+        "array of 2 items",
+    ),
+    "long string": (m.Error.KIND, json.dumps({"code": "x", "message": "y" * 5000}).encode(), "at most 4096"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_META))
+def test_bad_metadata_raises_message_error_naming_the_field(name: str) -> None:
+    kind, meta, needle = BAD_META[name]
+    with pytest.raises(MessageError, match=needle):
+        m.decode(_frame(kind, meta))
+
+
+def _expert_meta() -> dict:
+    return {"term": 1, "plan_version": 1, "layer": 0}
+
+
+def test_tensor_rules() -> None:
+    ids, counts = np.array([3, 4], np.int32), np.array([1, 2], np.int32)
+    rows = np.ones((3, 8), np.float32)
+    k = m.ExpertRequest.KIND
+    cases = [
+        ((ids, counts), "2 tensors, expected 3"),
+        ((ids, counts, rows, rows), "4 tensors, expected 3"),
+        ((ids, counts, rows.astype(np.int32)), "rows: expected rank 2 of f32/f16"),
+        ((ids, counts, rows[0]), "rows: expected rank 2"),
+        ((ids.astype(np.float32), counts, rows), "expert_ids: expected rank 1 of i32"),
+        ((ids, np.array([1, 1], np.int32), rows), "sum to 2 but rows has 3 rows"),
+        ((ids, np.array([4, -1], np.int32), rows), "row_counts must be non-negative"),
+        ((np.array([3, 3], np.int32), counts, rows), "distinct"),
+        ((ids, counts[:1], rows), "differ in length"),
+    ]
+    for tensors, needle in cases:
+        with pytest.raises(MessageError, match=needle):
+            m.decode(_frame(k, _expert_meta(), tensors, request_id=1))
+    partials = np.ones((3, 2, 8), np.float32)
+    with pytest.raises(MessageError, match="3 partials for 2 ranges"):
+        m.decode(_frame(m.DenseAnswer.KIND, {**_expert_meta(), "ranges": [[0, 1], [1, 2]]}, [partials]))
+
+
+def test_request_id_only_on_kinds_that_have_one() -> None:
+    with pytest.raises(MessageError, match="request id 5 on a kind that has none"):
+        m.decode(_frame(HB, {"seq": 1, "sent_s": 1.0}, request_id=5))
+
+
+def test_unknown_kind() -> None:
+    with pytest.raises(MessageError, match="unknown message kind 999"):
+        m.decode(_frame(999, {}))
+
+
+def test_encode_checks_locally() -> None:
+    with pytest.raises(LocalProtocolError, match="seq: expected an integer"):
+        m.encode(m.Heartbeat(seq=np.int64(3), sent_s=1.0))
+    with pytest.raises(LocalProtocolError, match="sum to"):
+        s = samples()[9]
+        m.encode(dataclasses.replace(s, rows=s.rows[:2]))
+    with pytest.raises(LocalProtocolError, match="not a registered"):
+        m.encode(object())
+
+
+def test_weight_chunk_verify() -> None:
+    chunk = samples()[-1]
+    m.decode(m.encode(chunk)).verify()
+    with pytest.raises(MessageError, match="SHA-256"):
+        dataclasses.replace(chunk, data=chunk.data[::-1].copy()).verify()
+
+
+def test_a_new_kind_is_a_local_change() -> None:
+    @m.message(4000)
+    class Probe(m._Base):
+        request_id: int
+        tags: tuple[str, ...]
+        scale: float | None
+        x: m.Annotated[np.ndarray, m.TensorSpec(("f16",), 1)]
+
+    try:
+        p = Probe(request_id=3, tags=("a", "b"), scale=None, x=np.ones(3, np.float16))
+        assert_same(m.decode(m.encode(p)), p)
+        with pytest.raises(TypeError, match="already used"):
+            m.message(4000)(type("Other", (m._Base,), {"__annotations__": {}}))
+    finally:
+        del m.KINDS[4000]
