@@ -1,0 +1,441 @@
+"""The coordinator's OpenAI-compatible HTTP API (aiohttp).
+
+Routes (OpenAI API reference, "Chat Completions" and "Models"):
+
+- ``GET  /v1/models`` — the one model this swarm serves.
+- ``POST /v1/chat/completions`` — ``stream: false`` answers one ``chat.completion``
+  object; ``stream: true`` answers Server-Sent Events, one ``data: {chat.completion.chunk}``
+  per text piece, then ``data: [DONE]``.
+
+Authentication: ``Authorization: Bearer <token>``, where the token is the swarm key's
+``api-token`` sub-key (:attr:`swarm.peer.swarmkey.SwarmKey.api_token`, 64 hex digits) or the
+swarm key code itself; both are shown by ``colibri-swarm key``. Anything else → 401.
+
+Every request field is validated (:func:`parse_chat_request`); a bad one → 400 in OpenAI's
+error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field.
+
+Generation: one at a time on the engine (an ``asyncio.Lock``, FIFO, queues the others);
+the token loop runs in a worker thread so the event loop — which also carries the swarm's
+data channels — never blocks; a client that disconnects stops its generation at the next
+token. The engine is a :class:`ChatBackend`: :class:`EngineBackend` runs the numpy engine
+with any FFN backend (``LocalFFN`` here, the coordinator's ``RemoteFFN`` in the swarm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from swarm.errors import SwarmError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+MAX_MESSAGES = 512
+MAX_STOP_STRINGS = 4  # as OpenAI
+DEFAULT_MAX_TOKENS = 512
+ROLES = ("system", "developer", "user", "assistant")
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated ``POST /v1/chat/completions`` body.
+
+    ``messages``: ``[{"role", "content": str}]`` (``developer`` is mapped to ``system``,
+    content parts are joined); ``temperature`` in [0, 2] (0: greedy); ``top_p`` in (0, 1];
+    ``max_tokens`` ≥ 1; ``stop``: up to 4 non-empty strings that end the reply (not included).
+    """
+
+    messages: tuple[dict[str, str], ...]
+    model: str | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+class ApiError(SwarmError):
+    """A request the API refuses; ``status`` and the OpenAI error fields go to the client."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ApiError(f"'{name}' must be a number, got {value!r}", param=name)
+    if not (lo < value if lo_open else lo <= value) or value > hi:
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise ApiError(f"'{name}' must be in {bound}, got {value}", param=name)
+    return float(value)
+
+
+def _content(value: Any, i: int) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # content parts: only text parts can be served by a text model
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(f"'messages[{i}].content' parts must be {{\"type\": \"text\", \"text\": str}}",
+                               param=f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(f"'messages[{i}].content' must be a string or a list of text parts", param=f"messages[{i}].content")
+
+
+def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
+    """Validate a decoded JSON body; unknown fields are ignored (clients send many).
+
+    Raises:
+        ApiError: 400 naming the bad field (``param``), or 404 for another model id.
+    """
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("'model' must be a string", param="model")
+    if model not in (None, model_id):
+        raise ApiError(f"The model '{model}' does not exist; this swarm serves '{model_id}' (see GET /v1/models)",
+                       param="model", status=404, code="model_not_found")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError("'messages' must be a non-empty array", param="messages")
+    if len(raw) > MAX_MESSAGES:
+        raise ApiError(f"'messages' has {len(raw)} entries; at most {MAX_MESSAGES}", param="messages")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise ApiError(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}",
+                           param=f"messages[{i}].role")
+        messages.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)})
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
+        raise ApiError(f"'max_tokens' must be an integer in [1, {max_tokens_limit}], got {max_tokens!r}",
+                       param="max_tokens")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ApiError(f"'seed' must be a non-negative integer, got {seed!r}", param="seed")
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else None
+    if stops is None or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(f"'stop' must be a non-empty string or an array of up to {MAX_STOP_STRINGS} of them",
+                       param="stop")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(f"'stream' must be a boolean, got {stream!r}", param="stream")
+    n = body.get("n", 1)
+    if n not in (None, 1) or isinstance(n, bool):
+        raise ApiError("'n' must be 1: the swarm generates one choice per request", param="n")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError("'stream_options' must be an object with a boolean 'include_usage'", param="stream_options")
+    return ChatRequest(
+        messages=tuple(messages),
+        model=model,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        seed=seed,
+        stop=stops,
+        stream=bool(stream),
+        include_usage=bool(options.get("include_usage", False)),
+    )
+
+
+# ---------------------------------------------------------------------------- backends
+
+
+@dataclass
+class GenerationStats:
+    """What a finished generation reports: token counts and OpenAI's ``finish_reason``."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "stop"  # "stop" (a stop token or string) or "length" (max_tokens)
+
+
+class ChatBackend(Protocol):
+    """What the API runs. ``generate`` is a *blocking* generator (the API runs it in a thread)
+    that yields text pieces and fills ``stats`` as it goes."""
+
+    model_id: str
+    max_tokens_limit: int
+
+    def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str]: ...
+
+
+class EngineBackend:
+    """The numpy engine behind the API: chat template, sampling loop, streaming detokenizer.
+
+    ``ffn`` is the engine's FFN backend: None for ``LocalFFN`` (one machine), the
+    coordinator's ``RemoteFFN`` in the swarm — the tokens are the same either way.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, model_id: str, ffn: Any = None,
+                 max_tokens_limit: int | None = None) -> None:
+        self.model, self.tokenizer, self.ffn = model, tokenizer, ffn
+        self.model_id = model_id
+        ctx = getattr(model.config, "max_position_embeddings", 0) or 8192
+        self.max_tokens_limit = max_tokens_limit or ctx
+
+    def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str]:
+        from swarm.compute.sampling import SamplingParams, generate
+
+        prompt = self.tokenizer.encode_chat(list(request.messages))
+        stats.prompt_tokens = len(prompt)
+        stop_tokens = tuple(self.tokenizer.eos_token_ids) or tuple(self.model.config.eos_token_ids)
+        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                                max_tokens=request.max_tokens, stop_tokens=stop_tokens)
+        decoder = self.tokenizer.stream_decoder()
+        stats.finish_reason = "length"
+        for token in generate(self.model, prompt, params, ffn=self.ffn):
+            stats.completion_tokens += 1
+            if token in stop_tokens:
+                stats.finish_reason = "stop"
+                break
+            piece = decoder.push(token)
+            if piece:
+                yield piece
+        rest = decoder.flush()
+        if rest:
+            yield rest
+
+
+class StopMatcher:
+    """Cuts a text stream at the first of ``stops``, holding back what could begin one.
+
+    ``push(text)`` returns ``(safe_text, stopped)``; ``flush()`` returns what was held back
+    when the stream ends without a stop. The concatenation of the returned text equals
+    the input up to (not including) the first stop string.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[: min(hits)], True
+        keep = max((k for s in self._stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+# ---------------------------------------------------------------------------- server
+
+BACKEND = web.AppKey("backend", object)
+SERVER = web.AppKey("server", object)
+
+
+class ApiServer:
+    """The aiohttp app and its lifecycle. ``tokens``: accepted bearer tokens (non-empty).
+
+    Use ``port = await server.start(host, port)`` (port 0: any free port) and
+    ``await server.close()``.
+    """
+
+    def __init__(self, backend: ChatBackend, tokens: Sequence[str]) -> None:
+        if not tokens or not all(tokens):
+            raise ValueError("the API needs at least one non-empty bearer token")
+        self.backend = backend
+        self._tokens = tuple(t.encode() for t in tokens)
+        self._lock = asyncio.Lock()  # one generation at a time; waiters are served FIFO
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-api-gen")
+        self._runner: web.AppRunner | None = None
+        self.generations = 0  # finished or stopped generations, for status
+
+    @classmethod
+    def for_swarm_key(cls, backend: ChatBackend, key: Any) -> ApiServer:
+        """Accept the key's API token and its code (``key``: a :class:`~swarm.peer.swarmkey.SwarmKey`)."""
+        return cls(backend, [key.api_token, key.code, key.code.replace("-", "")])
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors_and_auth])
+        app[BACKEND] = self.backend
+        app[SERVER] = self
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def start(self, host: str = "0.0.0.0", port: int = 0, ssl_context: Any = None) -> int:
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------- middleware
+
+    @web.middleware
+    async def _errors_and_auth(self, request: web.Request, handler):
+        try:
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            token_b = token.strip().encode()
+            if scheme.lower() != "bearer" or not any(hmac.compare_digest(token_b, t) for t in self._tokens):
+                raise ApiError("Incorrect API key provided: use the swarm's API token (`colibri-swarm key`) "
+                               "as the bearer token", status=401, code="invalid_api_key")
+            return await handler(request)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        except SwarmError as exc:  # the engine or the swarm failed this request (e.g. lost its term)
+            error = ApiError(f"generation failed: {exc}", status=503, type="server_error")
+            return web.json_response(error.body(), status=error.status)
+
+    # ------------------------------------------------------------- routes
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {"id": self.backend.model_id, "object": "model", "created": 0, "owned_by": "colibri-swarm"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413) from None
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError("the request body is not valid JSON") from None
+        chat = parse_chat_request(body, model_id=self.backend.model_id,
+                                  max_tokens_limit=self.backend.max_tokens_limit)
+        ident = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if chat.stream:
+            return await self._stream(request, chat, ident, created)
+        stats = GenerationStats()
+        async with contextlib.aclosing(self._pieces(chat, stats)) as pieces:
+            text = "".join([piece async for piece in pieces])
+        return web.json_response({
+            "id": ident, "object": "chat.completion", "created": created, "model": self.backend.model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": stats.finish_reason, "logprobs": None}],
+            "usage": _usage(stats),
+        })
+
+    async def _stream(self, request: web.Request, chat: ChatRequest, ident: str, created: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        def chunk(delta: dict, finish: str | None = None, **extra: Any) -> bytes:
+            obj = {"id": ident, "object": "chat.completion.chunk", "created": created,
+                   "model": self.backend.model_id,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        stats = GenerationStats()
+        try:
+            await response.write(chunk({"role": "assistant", "content": ""}))
+            # aclosing: a client that goes away ends the generation (and frees the engine) now.
+            async with contextlib.aclosing(self._pieces(chat, stats)) as pieces:
+                async for piece in pieces:
+                    await response.write(chunk({"content": piece}))
+            await response.write(chunk({}, stats.finish_reason))
+            if chat.include_usage:
+                obj = {"id": ident, "object": "chat.completion.chunk", "created": created,
+                       "model": self.backend.model_id, "choices": [], "usage": _usage(stats)}
+                await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        except SwarmError as exc:  # e.g. the coordinator lost its term mid-generation
+            error = ApiError(f"generation failed: {exc}", status=503, type="server_error")
+            await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # ------------------------------------------------------------- the token loop
+
+    async def _pieces(self, chat: ChatRequest, stats: GenerationStats) -> AsyncIterator[str]:
+        """Text pieces of one generation, produced in the worker thread, stop strings applied."""
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+            cancel = threading.Event()
+            post = lambda kind, value=None: loop.call_soon_threadsafe(queue.put_nowait, (kind, value))  # noqa: E731
+
+            def run() -> None:
+                gen = self.backend.generate(chat, stats)
+                try:
+                    for piece in gen:
+                        post("piece", piece)
+                        if cancel.is_set():
+                            break
+                    post("done")
+                except BaseException as exc:  # handed to the event loop, raised there
+                    post("error", exc)
+                finally:
+                    gen.close()
+
+            stopper = StopMatcher(chat.stop)
+            future = loop.run_in_executor(self._executor, run)
+            try:
+                while True:
+                    kind, value = await queue.get()
+                    if kind == "error":
+                        if isinstance(value, SwarmError):
+                            raise value
+                        log.error("generation failed", exc_info=value)
+                        raise ApiError(f"generation failed: {value!r}", status=500, type="server_error")
+                    if kind == "done":
+                        rest = stopper.flush()
+                        if rest:
+                            yield rest
+                        return
+                    text, stopped = stopper.push(value)
+                    if text:
+                        yield text
+                    if stopped:
+                        stats.finish_reason = "stop"
+                        return
+            finally:
+                cancel.set()  # a stop string, a client gone, or an error: end the token loop
+                await asyncio.shield(future)
+                self.generations += 1
+
+
+def _usage(stats: GenerationStats) -> dict[str, int]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
