@@ -1,0 +1,230 @@
+"""The coordinator's OpenAI-compatible API, driven by the official ``openai`` client.
+
+Oracle: the engine's own greedy run on the same model (``sampling.generate`` with the
+local FFN), decoded by the tokenizer — the API must stream exactly that text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from swarm.peer.api import ApiServer, EngineBackend, StopMatcher, parse_chat_request, ApiError
+from swarm.peer.swarmkey import SwarmKey
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from swarm.compute.default_model import default_model_path
+    from swarm.compute.model import load_model
+    from swarm.compute.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    model, tokenizer = load_model(path), load_tokenizer(path)
+    model.materialize()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def oracle(engine):
+    """prompt -> (text, completion token count, finish_reason) of the local greedy run."""
+    from swarm.compute.sampling import SamplingParams, generate
+
+    model, tok = engine
+    out = {}
+    for prompt in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": prompt}])
+        toks = list(generate(model, ids, SamplingParams(max_tokens=MAX_TOKENS, stop_tokens=tok.eos_token_ids)))
+        stopped = toks[-1] in tok.eos_token_ids
+        out[prompt] = (tok.decode([t for t in toks if t not in tok.eos_token_ids]), len(toks), len(ids),
+                       "stop" if stopped else "length")
+    return out
+
+
+KEY = SwarmKey(bytes(range(32)))
+
+
+@pytest.fixture
+async def server(engine):
+    model, tok = engine
+    api = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="smollm2-135m-instruct-q4_1"), KEY)
+    port = await api.start("127.0.0.1", 0)
+    yield api, f"http://127.0.0.1:{port}/v1"
+    await api.close()
+
+
+def _client(base_url: str, key: str = KEY.api_token) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+
+
+async def test_openai_client_non_streaming_equals_local_greedy(server, oracle):
+    api, url = server
+    client = _client(url)
+    for prompt in PROMPTS:
+        text, n_tokens, n_prompt, finish = oracle[prompt]
+        r = await client.chat.completions.create(
+            model="smollm2-135m-instruct-q4_1", messages=[{"role": "user", "content": prompt}],
+            max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == text
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].finish_reason == finish
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, n_tokens)
+    await client.close()
+
+
+async def test_openai_client_streaming_equals_local_greedy(server, oracle):
+    api, url = server
+    client = _client(url)
+    prompt = PROMPTS[1]
+    text, n_tokens, _, finish = oracle[prompt]
+    stream = await client.chat.completions.create(
+        model="smollm2-135m-instruct-q4_1", messages=[{"role": "user", "content": prompt}],
+        max_tokens=MAX_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True})
+    pieces, finishes, usage = [], [], None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finishes.append(choice.finish_reason)
+    assert "".join(pieces) == text
+    assert len([p for p in pieces if p]) > 1  # it really streamed, piece by piece
+    assert finishes[-1] == finish and all(f is None for f in finishes[:-1])
+    assert usage is not None and usage.completion_tokens == n_tokens
+    await client.close()
+
+
+async def test_models_auth_and_key_code(server):
+    api, url = server
+    models = await _client(url).models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m-instruct-q4_1"]
+    assert [m.id for m in (await _client(url, KEY.code).models.list()).data] == ["smollm2-135m-instruct-q4_1"]
+    with pytest.raises(openai.AuthenticationError):
+        await _client(url, SwarmKey(bytes(32)).api_token).models.list()
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/models") as r:  # no Authorization header at all
+            assert r.status == 401
+            assert (await r.json())["error"]["code"] == "invalid_api_key"
+
+
+async def test_event_loop_stays_free_and_generations_queue(server, oracle):
+    """While one generation streams, the loop answers other requests; a second generation waits its turn."""
+    api, url = server
+    client = _client(url)
+    first = await client.chat.completions.create(
+        model="smollm2-135m-instruct-q4_1", messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    it = first.__aiter__()
+    await it.__anext__()  # the role chunk: the generation holds the engine now
+    second = asyncio.create_task(client.chat.completions.create(
+        model="smollm2-135m-instruct-q4_1", messages=[{"role": "user", "content": PROMPTS[1]}],
+        max_tokens=MAX_TOKENS, temperature=0))
+    models = await client.models.list()  # answered while the first still generates
+    assert models.data[0].id == "smollm2-135m-instruct-q4_1"
+    rest = [c.choices[0].delta.content or "" async for c in it if c.choices]
+    assert "".join(rest) == oracle[PROMPTS[0]][0]
+    assert (await second).choices[0].message.content == oracle[PROMPTS[1]][0]
+    await client.close()
+
+
+async def test_client_gone_mid_stream_frees_the_engine(server, oracle):
+    api, url = server
+    async with aiohttp.ClientSession() as s:
+        body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 200, "stream": True,
+                "temperature": 0}
+        r = await s.post(f"{url}/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY.api_token}"})
+        await r.content.readline()  # the first event, then hang up
+        r.close()
+    client = _client(url)
+    r = await asyncio.wait_for(client.chat.completions.create(
+        model="smollm2-135m-instruct-q4_1", messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=MAX_TOKENS, temperature=0), timeout=120)
+    assert r.choices[0].message.content == oracle[PROMPTS[0]][0]
+    await client.close()
+
+
+async def test_stop_string_cuts_the_reply(server, oracle):
+    api, url = server
+    text = oracle[PROMPTS[0]][0]
+    stop = text.split()[2]  # a word in the middle of the greedy reply
+    r = await _client(url).chat.completions.create(
+        model="smollm2-135m-instruct-q4_1", messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == text[: text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+BAD = [
+    ({"messages": None}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**9}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"seed": -3}, "seed"),
+    ({"seed": "x"}, "seed"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [1]}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"n": 2}, "n"),
+    ({"stream_options": {"include_usage": "no"}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("patch, param", BAD)
+def test_every_field_is_validated(patch, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], **patch}
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(body, model_id="m", max_tokens_limit=8192)
+    assert info.value.status == 400 and info.value.param == param
+    assert param.split("[")[0] in str(info.value)
+
+
+async def test_bad_requests_get_openai_error_shape(server):
+    api, url = server
+    headers = {"Authorization": f"Bearer {KEY.api_token}"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/chat/completions", data=b"{not json", headers=headers) as r:
+            assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
+        async with s.post(f"{url}/chat/completions", json={"messages": [], "model": "x"}, headers=headers) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        async with s.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "top_p": 7}, headers=headers) as r:
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["param"] == "top_p" and err["type"] == "invalid_request_error"
+        async with s.post(f"{url}/chat/completions", data=b"x" * (2 << 20), headers=headers) as r:
+            assert r.status == 413
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        await _client(url).chat.completions.create(model="smollm2-135m-instruct-q4_1",
+                                                   messages=[{"role": "user", "content": "x"}], temperature=9)
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(["</end>", "STOP"])
+    out = []
+    for piece in ["Hello </", "e", "nd", "> more"]:
+        text, stopped = m.push(piece)
+        out.append(text)
+        if stopped:
+            break
+    assert "".join(out) == "Hello " and stopped
+    m = StopMatcher(["STOP"])
+    assert m.push("ST") == ("", False)
+    assert m.push("ART") == ("START", False)
+    assert m.push("ab S") == ("ab ", False)
+    assert m.flush() == "S"
