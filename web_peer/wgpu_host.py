@@ -203,3 +203,33 @@ class WgpuFfn:
         if not np.isfinite(y).all():
             raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
         return y
+
+    def time_kernel(self, kernel: str, w: GpuFfnWeights, t_rows: int, reps: int) -> float:
+        """Seconds per run of one kernel ("swiglu", "down" or "ffn" for both) over t_rows rows.
+
+        `reps` runs are encoded into one submission and timed by wall clock until the queue drains
+        (a 4-byte read-back), so per-submit overhead is amortized. For benchmarks only.
+        """
+        import time
+
+        wg = self._wgpu
+        hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
+        dev = self._device()
+        xb = self._buffer(np.ones((t_rows, hp), np.float32).tobytes(), wg.BufferUsage.STORAGE)
+        hb = self._buffer(np.full((t_rows, fp), 0.5, np.float32).tobytes(), wg.BufferUsage.STORAGE)
+        yb = dev.create_buffer(size=t_rows * hp * 4, usage=wg.BufferUsage.STORAGE | wg.BufferUsage.COPY_SRC)
+
+        def run(n):
+            enc = dev.create_command_encoder()
+            for _ in range(n):
+                if kernel in ("swiglu", "ffn"):
+                    self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb)
+                if kernel in ("down", "ffn"):
+                    self._dispatch(enc, "down", w.fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
+            t0 = time.perf_counter()
+            dev.queue.submit([enc.finish()])
+            dev.queue.read_buffer(yb, 0, 4)
+            return time.perf_counter() - t0
+
+        run(1)  # warm-up: pipeline creation, first-touch of buffers
+        return run(reps) / reps

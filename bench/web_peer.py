@@ -1,0 +1,169 @@
+"""Benchmark of the browser peer's WGSL kernels; prints one JSON document.
+
+    python3 bench/web_peer.py [--quick] [--no-chromium] [--shapes T,H,F ...]
+
+For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format it reports seconds
+per call, GFLOP/s and GB/s (weight bytes + activation bytes moved once), on:
+- lavapipe: the WGSL through wgpu-py on Mesa's Vulkan CPU driver (or on a real GPU: whatever
+  adapter wgpu picks, described in the output);
+- swiftshader: the same WGSL through the page's own modules in headless Chromium.
+Decode is bandwidth-bound (T = 1): GB/s against the device's memory bandwidth is the figure of merit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from web_peer import kernels as K  # noqa: E402
+
+
+def flops_bytes(kernel: str, fmt: str, t: int, h: int, f: int) -> tuple[float, float]:
+    """Useful FLOPs and bytes moved for one call (weights read once; activations in and out)."""
+    bpw = K.bytes_per_weight(fmt)
+    scale = 4 if fmt == "q8" else 0  # one f32 scale per weight row
+    swiglu = (4.0 * t * h * f, 2 * f * (h * bpw + scale) + 4.0 * t * (h + f))
+    down = (2.0 * t * h * f, h * (f * bpw + scale) + 4.0 * t * (h + f))
+    if kernel == "swiglu":
+        return swiglu
+    if kernel == "down":
+        return down
+    return swiglu[0] + down[0], swiglu[1] + down[1]
+
+
+def _entry(backend, kernel, fmt, t, h, f, seconds):
+    fl, by = flops_bytes(kernel, fmt, t, h, f)
+    return {"backend": backend, "kernel": kernel, "format": fmt, "T": t, "H": h, "F": f,
+            "ms": round(seconds * 1e3, 4), "gflops": round(fl / seconds / 1e9, 3),
+            "gbps": round(by / seconds / 1e9, 3)}
+
+
+def _weights(h, f, seed=0):
+    rng = np.random.default_rng(seed)
+    wg = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
+    wu = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
+    wd = (rng.standard_normal((h, f)) / np.sqrt(f)).astype(np.float32)
+    return wg, wu, wd
+
+
+def bench_wgpu(shapes, reps, workgroup_size):
+    from web_peer.wgpu_host import WgpuFfn
+
+    gpu = WgpuFfn(workgroup_size=workgroup_size)
+    info = gpu.adapter.info
+    out = {"adapter": {k: info[k] for k in ("vendor", "device", "description", "backend_type", "adapter_type")},
+           "workgroup_size": workgroup_size, "max_binding": gpu.max_binding, "results": []}
+    for t, h, f in shapes:
+        wg, wu, wd = _weights(h, f)
+        for fmt in gpu.formats:
+            w = gpu.upload(wg, wu, wd, fmt)
+            for kernel in ("swiglu", "down", "ffn"):
+                out["results"].append(_entry("wgpu", kernel, fmt, t, h, f, gpu.time_kernel(kernel, w, t, reps)))
+            del w
+    return out
+
+
+CHROMIUM_BENCH = """async ({h, f, t, fmt, reps, seed}) => {
+  const { GpuContext } = await import("/gpu.js");
+  const { FfnBlock, pad4 } = await import("/ffn.js");
+  const ctx = await GpuContext.create();
+  let s = seed;
+  const rnd = (n, k) => { const a = new Float32Array(n); for (let i = 0; i < n; i++) { s = (s * 1103515245 + 12345) >>> 0; a[i] = (s / 2 ** 32 - 0.5) * k; } return a; };
+  const block = new FfnBlock(ctx, { hidden: h, inter: f, fmt, wGate: rnd(f * h, 0.1), wUp: rnd(f * h, 0.1), wDown: rnd(h * f, 0.1) });
+  await block.run(rnd(t * h, 1), t);  // uploads weights, compiles pipelines
+  const dev = ctx.device, hp = pad4(h), fp = pad4(f);
+  const xb = ctx.buffer(rnd(t * hp, 1)), hb = ctx.buffer(rnd(t * fp, 1)), yb = ctx.buffer(t * hp * 4);
+  const res = {};
+  for (const kernel of ["swiglu", "down", "ffn"]) {
+    const run = async (n) => {
+      const enc = dev.createCommandEncoder();
+      for (let i = 0; i < n; i++) {
+        if (kernel !== "down") await block.swiglu.encode(enc, fmt, { tRows: t, k4: hp / 4, nOut: fp, x: xb, gate: block.gpu.gate, up: block.gpu.up, h: hb });
+        if (kernel !== "swiglu") await block.down.encode(enc, fmt, { tRows: t, k4: fp / 4, nOut: hp, h: hb, down: block.gpu.down, y: yb });
+      }
+      const t0 = performance.now();
+      dev.queue.submit([enc.finish()]);
+      await dev.queue.onSubmittedWorkDone();
+      return (performance.now() - t0) / 1e3;
+    };
+    await run(1);
+    res[kernel] = (await run(reps)) / reps;
+  }
+  // Whole requests through FfnBlock.run (upload of x, both kernels, read-back), ms each.
+  const x = rnd(t * h, 1);
+  const t0 = performance.now();
+  for (let i = 0; i < reps; i++) await block.run(x, t);
+  res.request_ms = (performance.now() - t0) / reps;
+  res.adapter = ctx.describe();
+  return res;
+}"""
+
+
+def bench_chromium(shapes, reps):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import functools
+    import http.server
+    import threading
+
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser.conftest import BLANK, CHROMIUM, CHROMIUM_ARGS, WEB_PEER, _Quiet
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(WEB_PEER)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    out = {"results": [], "requests": []}
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page()
+            page.goto(f"http://localhost:{server.server_address[1]}{BLANK}")
+            for t, h, f in shapes:
+                for fmt in ("f32", "q8"):
+                    r = page.evaluate(CHROMIUM_BENCH, dict(h=h, f=f, t=t, fmt=fmt, reps=reps, seed=1))
+                    out["adapter"] = r["adapter"]
+                    for kernel in ("swiglu", "down", "ffn"):
+                        out["results"].append(_entry("swiftshader", kernel, fmt, t, h, f, r[kernel]))
+                    out["requests"].append({"format": fmt, "T": t, "H": h, "F": f,
+                                            "request_ms": round(r["request_ms"], 3)})
+            browser.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="T,H,F triples (default: an OLMoE-sized expert and a SmolLM2 MLP, T=1 and 8)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--workgroup-size", type=int, default=64)
+    ap.add_argument("--no-chromium", action="store_true", help="only the native wgpu adapter")
+    ap.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
+    args = ap.parse_args(argv)
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+    elif args.quick:
+        shapes, args.reps = [(1, 256, 512)], 3
+    else:
+        shapes = [(1, 2048, 1024), (8, 2048, 1024), (1, 576, 1536)]
+    t0 = time.perf_counter()
+    report = {"bench": "web_peer kernels", "shapes": shapes, "reps": args.reps,
+              "wgpu": bench_wgpu(shapes, args.reps, args.workgroup_size)}
+    if not args.no_chromium:
+        report["chromium"] = bench_chromium(shapes, args.reps)
+    report["wall_s"] = round(time.perf_counter() - t0, 2)
+    json.dump(report, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()
