@@ -68,6 +68,10 @@ class KeyCodeError(SwarmError):
     """A swarm key code (typed or stored) is malformed or its checksum does not match."""
 
 
+class IdentityError(SwarmError):
+    """The stored device identity is unreadable or not an ECDSA P-256 key with its certificate."""
+
+
 class PeerLostError(SwarmError):
     """A peer went away (disconnect, missed deadline) while work was assigned to it."""
 
