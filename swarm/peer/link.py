@@ -9,7 +9,7 @@ It goes through these states, in this order only::
     CONNECTING ──channel open──▶ AUTHENTICATING ──proof ok──▶ GREETING ──hello ok──▶ OPEN
          └──────────────── any failure / timeout / remote close ─────────────────▶ CLOSED
 
-* AUTHENTICATING: the sans-I/O channel authenticator (:mod:`swarm.peer.auth`) runs over the raw
+* AUTHENTICATING: the sans-I/O channel authenticator (:mod:`swarm.peer.auth`) runs over the
   channel with the local certificate's fingerprint and the fingerprint parsed from the *remote
   SDP* — the thing a malicious relay could substitute. A relay that rewrites ``a=fingerprint``
   either breaks aiortc's own DTLS check (no channel) or, if it terminates DTLS itself, cannot
@@ -19,8 +19,9 @@ It goes through these states, in this order only::
   refused with :class:`~swarm.errors.VersionMismatchError` naming both versions.
 * OPEN: messages are wire frames (:mod:`swarm.peer.wire`), split to the remote's SCTP
   max-message-size and reassembled with a bounded buffer; sending waits on ``bufferedAmount``
-  (backpressure); heartbeats every :data:`HEARTBEAT_S` measure RTT; silence for
-  :data:`DEAD_AFTER_S` closes the link.
+  (backpressure); heartbeats every :data:`HEARTBEAT_S` measure RTT (the remote echoes each
+  :class:`~swarm.peer.messages.Heartbeat` unchanged; one that matches a ping we sent is its
+  answer); silence for :data:`DEAD_AFTER_S` closes the link.
 
 Every task the link starts is owned by it and cancelled in :meth:`Link.close`.
 """
@@ -49,7 +50,8 @@ from swarm.errors import (
     SwarmError,
     VersionMismatchError,
 )
-from swarm.peer import _linkproto as proto
+from swarm.peer import auth, messages, wire
+from swarm.peer.messages import Heartbeat, Hello
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +74,8 @@ CHANNEL_ID = 0  # negotiated stream id of the one data channel of a link
 SEND_HIGH_WATER = 1 << 20
 SEND_LOW_WATER = 256 << 10
 
-# The most bytes one reassembled message may have (the largest message the protocol ships is a
-# weight chunk; 64 MiB bounds what a misbehaving peer can make us buffer).
-MAX_MESSAGE_BYTES = 64 << 20
-
 # RFC 8841 §6: assume 64 KiB when the remote SDP names no a=max-message-size.
-DEFAULT_MAX_MESSAGE_SIZE = 65536
+DEFAULT_MAX_MESSAGE_SIZE = wire.DEFAULT_REMOTE_MAX_MESSAGE_SIZE
 
 
 def configure_aiortc() -> None:
@@ -94,7 +92,6 @@ class LinkState(enum.Enum):
 
 
 _FINGERPRINT_RE = re.compile(r"^a=fingerprint:sha-256 ([0-9A-Fa-f:]{95})\s*$", re.MULTILINE)
-_MAX_MESSAGE_SIZE_RE = re.compile(r"^a=max-message-size:(\d+)\s*$", re.MULTILINE)
 
 
 def sdp_fingerprint(sdp: str) -> str:
@@ -109,12 +106,6 @@ def sdp_fingerprint(sdp: str) -> str:
             f"the remote SDP carries {len(found)} distinct sha-256 fingerprints; exactly one is required"
         )
     return found.pop()
-
-
-def sdp_max_message_size(sdp: str) -> int:
-    """The remote ``a=max-message-size`` in bytes (0 = unlimited), or 65536 when absent (RFC 8841 §6)."""
-    m = _MAX_MESSAGE_SIZE_RE.search(sdp)
-    return int(m.group(1)) if m else DEFAULT_MAX_MESSAGE_SIZE
 
 
 def certificate_fingerprint(certificate: RTCCertificate) -> str:
@@ -161,9 +152,8 @@ class Link:
         channel: RTCDataChannel,
         *,
         certificate: RTCCertificate,
-        swarm_key: bytes,
-        local_peer_id: str,
-        local_hello: Any,
+        auth_key: bytes,
+        local_hello: Hello,
         offerer: bool,
         expected_peer_id: str | None = None,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
@@ -173,24 +163,25 @@ class Link:
         self.pc = pc
         self.channel = channel
         self.offerer = offerer
-        self.local_peer_id = local_peer_id
+        self.local_peer_id = local_hello.peer_id
         self.local_hello = local_hello
         self.expected_peer_id = expected_peer_id
         self.state = LinkState.CONNECTING
         self.peer_id: str | None = None
-        self.hello: Any = None
+        self.hello: Hello | None = None
         self.rtt_s: float | None = None
         self.close_reason: str | None = None
         self.remote_max_message_size = DEFAULT_MAX_MESSAGE_SIZE
 
         self._certificate = certificate
-        self._swarm_key = swarm_key
+        self._auth_key = auth_key
         self._handshake_timeout_s = handshake_timeout_s
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
         self._remote_sdp: str | None = None
-        self._auth: proto.ChannelAuthenticator | None = None
-        self._reassembler = proto.Reassembler(MAX_MESSAGE_BYTES)
+        self._auth: auth.ChannelAuth | None = None
+        self._reassembler = wire.Reassembler()
+        self._fragmenter = wire.Fragmenter(DEFAULT_MAX_MESSAGE_SIZE)
         self._handlers: dict[type, Handler] = {}
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._established = asyncio.get_running_loop().create_future()
@@ -235,14 +226,17 @@ class Link:
             raise RemoteProtocolError(f"the remote SDP {kind} is not a string of at most 64 KiB")
         self._remote_sdp = sdp
         remote_fp = sdp_fingerprint(sdp)
-        self.remote_max_message_size = sdp_max_message_size(sdp)
-        self._auth = proto.ChannelAuthenticator(
-            swarm_key=self._swarm_key,
-            offerer=self.offerer,
+        self._auth = auth.ChannelAuth(
+            role=auth.Role.OFFERER if self.offerer else auth.Role.ANSWERER,
+            auth_key=self._auth_key,
             local_peer_id=self.local_peer_id,
-            local_fingerprint=certificate_fingerprint(self._certificate),
-            remote_fingerprint=remote_fp,
+            local_fingerprint=f"sha-256 {certificate_fingerprint(self._certificate)}",
+            remote_fingerprint=f"sha-256 {remote_fp}",
+            now=time.monotonic(),
+            timeout_s=self._handshake_timeout_s,
         )
+        self._fragmenter = wire.Fragmenter(wire.max_message_size_from_sdp(sdp))
+        self.remote_max_message_size = self._fragmenter.max_message_size
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type=kind))
         except (ValueError, AttributeError) as exc:
@@ -330,15 +324,18 @@ class Link:
                 return
             await asyncio.sleep(min(0.1, self._heartbeat_s))
         while True:
-            silence = time.monotonic() - self._last_heard
+            now = time.monotonic()
+            for mid in self._reassembler.handle_timer(now):
+                log.warning("dropped message %d from %s: no fragment for %g s", mid, self.peer_id, self._reassembler.abandon_s)
+            silence = now - self._last_heard
             if silence >= self._dead_after_s:
                 self._fail(f"nothing heard for {silence:.1f} s (dead after {self._dead_after_s:g} s)")
                 return
             self._ping_seq += 1
-            self._ping_sent[self._ping_seq] = time.monotonic()
+            self._ping_sent[self._ping_seq] = now
             if len(self._ping_sent) > 16:  # unanswered pings: forget the oldest
                 self._ping_sent.pop(min(self._ping_sent))
-            self._send_now(proto.encode_message(proto.Heartbeat(seq=self._ping_seq, reply=False)))
+            self._send_now(messages.encode(Heartbeat(seq=self._ping_seq, sent_s=now)))
             await asyncio.sleep(self._heartbeat_s)
 
     # -- inbound --------------------------------------------------------------------------------
@@ -349,9 +346,6 @@ class Link:
         if self._auth is None:
             self._fail("the data channel opened before the remote SDP was applied")
             return
-        if self.pc.sctp is not None:
-            # aiortc's own reading of the remote a=max-message-size (0 = unlimited)
-            self.remote_max_message_size = self.pc.sctp._remote_max_message_size or MAX_MESSAGE_BYTES
         self.state = LinkState.AUTHENTICATING
         for out in self._auth.start():
             self.channel.send(out)
@@ -361,13 +355,14 @@ class Link:
         try:
             if isinstance(data, str):
                 raise RemoteProtocolError("a text message arrived on a binary-only channel")
+            frame = self._reassembler.feed(data, self._last_heard)
+            if frame is None:
+                return
             match self.state:
                 case LinkState.AUTHENTICATING:
-                    self._on_auth_bytes(data)
+                    self._on_auth_frame(frame)
                 case LinkState.GREETING | LinkState.OPEN:
-                    message = self._reassembler.feed(data)
-                    if message is not None:
-                        self._on_message(proto.decode_message(message))
+                    self._on_message(messages.decode(frame))
                 case _:
                     raise RemoteProtocolError(f"a message arrived in state {self.state.value}")
         except AuthenticationError as exc:
@@ -376,23 +371,24 @@ class Link:
         except SwarmError as exc:
             self._fail(str(exc), error=exc)
 
-    def _on_auth_bytes(self, data: bytes) -> None:
+    def _on_auth_frame(self, frame: bytes) -> None:
         assert self._auth is not None
-        for out in self._auth.receive(data):
+        for out in self._auth.receive(frame):
             self.channel.send(out)
-        if self._auth.peer_id is None:
+        if not self._auth.authenticated:
             return
-        if self.expected_peer_id is not None and self._auth.peer_id != self.expected_peer_id:
+        if self.expected_peer_id is not None and self._auth.remote_peer_id != self.expected_peer_id:
             raise AuthenticationError(
-                f"the channel proved peer id {self._auth.peer_id}, but signaling announced {self.expected_peer_id}"
+                f"the channel proved peer id {self._auth.remote_peer_id}, "
+                f"but signaling announced {self.expected_peer_id}"
             )
-        self.peer_id = self._auth.peer_id
+        self.peer_id = self._auth.remote_peer_id
         self.state = LinkState.GREETING
-        self._send_now(proto.encode_message(self.local_hello))
+        self._send_now(messages.encode(self.local_hello))
 
     def _on_message(self, message: Any) -> None:
         if self.state is LinkState.GREETING:
-            if not isinstance(message, proto.Hello):
+            if not isinstance(message, Hello):
                 raise RemoteProtocolError(f"expected a Hello first, got {type(message).__name__}")
             self._check_hello(message)
             self.hello = message
@@ -400,16 +396,17 @@ class Link:
             log.info("link to %s open (version %s)", self.peer_id, message.protocol_version)
             self._established.set_result(message)
             return
-        if isinstance(message, proto.Heartbeat):
-            if not message.reply:
-                self._send_now(proto.encode_message(proto.Heartbeat(seq=message.seq, reply=True)))
-            elif (sent := self._ping_sent.pop(message.seq, None)) is not None:
-                self._rtt_samples.append(time.monotonic() - sent)
+        if isinstance(message, Heartbeat):
+            if self._ping_sent.get(message.seq) != message.sent_s:
+                self._send_now(messages.encode(message))  # the remote's ping: echo it unchanged
+            else:
+                del self._ping_sent[message.seq]
+                self._rtt_samples.append(time.monotonic() - message.sent_s)
                 # the median of recent samples: one heartbeat queued behind a large message
                 # must not skew the estimate that placement and deadlines are built on
                 self.rtt_s = statistics.median(self._rtt_samples)
             return
-        if isinstance(message, proto.Hello):
+        if isinstance(message, Hello):
             raise RemoteProtocolError("a second Hello arrived on an open link")
         handler = self._handlers.get(type(message))
         if handler is None:
@@ -427,7 +424,7 @@ class Link:
         except Exception:
             log.exception("message handler on link to %s failed", self.peer_id)
 
-    def _check_hello(self, hello: Any) -> None:
+    def _check_hello(self, hello: Hello) -> None:
         if hello.peer_id != self.peer_id:
             raise AuthenticationError(f"Hello names peer {hello.peer_id}, but the channel proved {self.peer_id}")
         ours = self.local_hello.protocol_version
@@ -470,9 +467,9 @@ class Link:
         """
         if self.state is not LinkState.OPEN:
             raise PeerLostError(f"link to {self.peer_id} is not open ({self.state.value})")
-        data = proto.encode_message(message)
+        data = messages.encode(message)
         async with self._send_lock:
-            for fragment in proto.fragments(data, self.remote_max_message_size):
+            for fragment in self._fragmenter.split(data):
                 while self.channel.bufferedAmount > SEND_HIGH_WATER and self.state is LinkState.OPEN:
                     self._drained.clear()
                     await self._drained.wait()
@@ -490,7 +487,7 @@ class Link:
 
     async def _send_bytes(self, data: bytes) -> None:
         async with self._send_lock:
-            for fragment in proto.fragments(data, self.remote_max_message_size):
+            for fragment in self._fragmenter.split(data):
                 if self.channel.readyState != "open":
                     return
                 self.channel.send(fragment)

@@ -18,10 +18,14 @@ import uuid
 
 import pytest
 
-from swarm.errors import AuthenticationError, PeerLostError, VersionMismatchError
-from swarm.peer import _linkproto as proto
-from swarm.peer.link import Link, LinkState, new_peer_connection
+import numpy as np
 from aiortc.rtcdtlstransport import RTCCertificate
+
+from swarm.errors import AuthenticationError, PeerLostError, VersionMismatchError
+from swarm.peer import wire
+from swarm.peer.link import Link, LinkState, new_peer_connection
+from swarm.peer.messages import Hello, NumericBuild, WeightChunk
+from swarm.peer.swarmkey import SwarmKey
 from tests.conftest import require
 
 CLONE_NEWNET = 0x40000000
@@ -60,14 +64,27 @@ def run_in_netns(coro_factory, timeout_s: float = 60.0):
         subprocess.run(["ip", "netns", "del", name], check=True)
 
 
-KEY = bytes(range(32))
+KEY = SwarmKey(bytes(range(32)))
+PEER_A, PEER_B = "a" * 26, "b" * 26
+VERSION = wire.PROTOCOL_VERSION
 
 
-def make_link(cert, peer_id, *, offerer, key=KEY, expected=None, version=proto.PROTOCOL_VERSION, **kw):
+def hello(peer_id: str, version: int = VERSION) -> Hello:
+    build = NumericBuild(package="test", numpy=np.__version__, blas="?", arch="x86_64", kernel_dtype="f32")
+    return Hello(peer_id=peer_id, protocol_version=version, build=build, model_hash=None, memory_budget=1 << 30,
+                 ffn_gflops=1.0, peer_kind="python", adapter_limits={}, adapter_features=(), name=peer_id[:1])
+
+
+def blob(data: bytes, request_id: int = 1) -> WeightChunk:
+    """A message carrying arbitrary bytes, with their SHA-256 (checked by ``verify``)."""
+    return WeightChunk(request_id=request_id, model_hash="0" * 64, name="blob", offset=0,
+                       sha256=hashlib.sha256(data).hexdigest(), data=np.frombuffer(data, np.uint8))
+
+
+def make_link(cert, peer_id, *, offerer, key=KEY, expected=None, version=VERSION, **kw):
     pc, channel = new_peer_connection(cert)
-    hello = proto.Hello(peer_id=peer_id, protocol_version=version)
-    return Link(pc, channel, certificate=cert, swarm_key=key, local_peer_id=peer_id,
-                local_hello=hello, offerer=offerer, expected_peer_id=expected, **kw)
+    return Link(pc, channel, certificate=cert, auth_key=key.channel_auth_key, local_hello=hello(peer_id, version),
+                offerer=offerer, expected_peer_id=expected, **kw)
 
 
 async def connect(a: Link, b: Link, rewrite_offer=lambda sdp: sdp, rewrite_answer=lambda sdp: sdp):
@@ -79,8 +96,8 @@ async def connect(a: Link, b: Link, rewrite_offer=lambda sdp: sdp, rewrite_answe
 
 def pair(**kw):
     ca, cb = RTCCertificate.generateCertificate(), RTCCertificate.generateCertificate()
-    a = make_link(ca, "peer-a", offerer=True, expected="peer-b", **kw.get("a", {}))
-    b = make_link(cb, "peer-b", offerer=False, expected="peer-a", **kw.get("b", {}))
+    a = make_link(ca, PEER_A, offerer=True, expected=PEER_B, **kw.get("a", {}))
+    b = make_link(cb, PEER_B, offerer=False, expected=PEER_A, **kw.get("b", {}))
     return a, b
 
 
@@ -91,15 +108,16 @@ def test_messages_of_every_size_arrive_intact_both_ways():
     async def main():
         a, b = pair()
         hello_b, hello_a = await connect(a, b)
-        assert (hello_b.peer_id, hello_a.peer_id) == ("peer-b", "peer-a")
-        assert (a.peer_id, b.peer_id) == ("peer-b", "peer-a")
+        assert (hello_b.peer_id, hello_a.peer_id) == (PEER_B, PEER_A)
+        assert (a.peer_id, b.peer_id) == (PEER_B, PEER_A)
         assert a.remote_max_message_size == 262144  # aiortc advertises 256 KiB to aiortc
         received = []
         for sender, receiver in ((a, b), (b, a)):
             for size in SIZES:
                 data = os.urandom(size)
-                await sender.send(proto.Blob(data))
+                await sender.send(blob(data))
                 got = await receiver.receive()
+                got.verify()
                 received.append((hashlib.sha256(got.data).digest(), hashlib.sha256(data).digest()))
         await a.close()
         await b.close()
@@ -125,8 +143,8 @@ def test_backpressure_bounds_what_aiortc_buffers_and_order_is_kept():
 
         a.channel.send = spy
         blobs = [os.urandom(3 << 20) for _ in range(3)]
-        await asyncio.gather(*(a.send(proto.Blob(x)) for x in blobs))
-        got = [(await b.receive()).data for _ in blobs]
+        await asyncio.gather(*(a.send(blob(x)) for x in blobs))
+        got = [(await b.receive()).data.tobytes() for _ in blobs]
         await a.close()
         await b.close()
         return peak, got == blobs
@@ -143,10 +161,10 @@ def test_handlers_by_type_and_heartbeat_rtt():
         seen = asyncio.Queue()
 
         async def on_blob(link, message):
-            await seen.put((link.peer_id, message.data))
+            await seen.put((link.peer_id, message.data.tobytes()))
 
-        b.on(proto.Blob, on_blob)
-        await a.send(proto.Blob(b"hi"))
+        b.on(WeightChunk, on_blob)
+        await a.send(blob(b"hi"))
         got = await asyncio.wait_for(seen.get(), 5)
         await asyncio.sleep(0.5)
         rtts = (a.rtt_s, b.rtt_s)
@@ -155,7 +173,7 @@ def test_handlers_by_type_and_heartbeat_rtt():
         return got, rtts
 
     got, rtts = run_in_netns(main)
-    assert got == ("peer-a", b"hi")
+    assert got == (PEER_A, b"hi")
     assert all(r is not None and 0 < r < 0.5 for r in rtts), rtts
 
 
@@ -170,7 +188,7 @@ def test_silent_peer_is_declared_dead():
         await asyncio.wait_for(a.wait_closed(), 5)
         reason = a.close_reason
         try:
-            await a.send(proto.Blob(b"x"))
+            await a.send(blob(b"x"))
         except PeerLostError as exc:
             lost = str(exc)
         await b.close()
@@ -186,7 +204,7 @@ def test_wrong_swarm_key_is_refused_by_channel_auth(caplog):
     caplog.set_level(logging.WARNING, logger="swarm.peer.link")
 
     async def main():
-        a, b = pair(b=dict(key=bytes(32)))
+        a, b = pair(b=dict(key=SwarmKey(bytes(32))))
         results = await connect(a, b)
         states = (a.state, b.state)
         await a.close()
@@ -196,12 +214,12 @@ def test_wrong_swarm_key_is_refused_by_channel_auth(caplog):
     results, states = run_in_netns(main)
     assert all(isinstance(r, AuthenticationError) for r in results), results
     assert states == (LinkState.CLOSED, LinkState.CLOSED)
-    assert "channel authentication" in caplog.text
+    assert "swarm key check" in caplog.text
 
 
 def test_other_protocol_version_is_refused_naming_both():
     async def main():
-        a, b = pair(b=dict(version=proto.PROTOCOL_VERSION + 1))
+        a, b = pair(b=dict(version=VERSION + 1))
         results = await connect(a, b)
         await a.close()
         await b.close()
@@ -209,7 +227,7 @@ def test_other_protocol_version_is_refused_naming_both():
 
     res_a, _ = run_in_netns(main)
     assert isinstance(res_a, VersionMismatchError)
-    assert f"version {proto.PROTOCOL_VERSION + 1}" in str(res_a) and f"we speak {proto.PROTOCOL_VERSION}" in str(res_a)
+    assert f"version {VERSION + 1}" in str(res_a) and f"we speak {VERSION}" in str(res_a)
 
 
 def _rewrite_fingerprints(sdp: str, cert: RTCCertificate) -> str:
@@ -290,4 +308,4 @@ def test_relay_in_the_middle_with_its_own_certificate_fails_channel_auth(caplog)
     results, channel_states = run_in_netns(main)
     assert channel_states == 2  # DTLS with the relay succeeded on both sides
     assert all(isinstance(r, AuthenticationError) for r in results), results
-    assert "does not match" in caplog.text
+    assert "DTLS fingerprint check" in caplog.text

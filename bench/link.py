@@ -1,0 +1,261 @@
+"""Benchmark one authenticated data-channel link against plain TCP, on this machine.
+
+Prints one JSON object: connection set-up ms (ICE + DTLS + SCTP + channel auth + hello),
+round-trip ms for 4 KiB and 64 KiB messages (median, p99), bulk MiB/s over one data channel,
+the same RTTs and bulk over plain TCP (asyncio streams), the ratio, and a profile of the
+sending side during bulk (where the time goes).
+
+Two processes: this one and an echo/sink peer started with multiprocessing, so each side has
+its own core, as on two machines. aioice skips 127.0.0.1: run it where another local address
+exists (any LAN address; or inside a network namespace with an extra /32 on ``lo``).
+
+    python3 bench/link.py [--bulk-mib 64] [--rounds 200] [--sctp-packet BYTES]
+
+``--sctp-packet`` raises aiortc's SCTP packet size (module constant, both processes) to see
+how throughput scales with fewer, larger packets. Above ~1200 bytes packets exceed the path
+MTU and rely on IP fragmentation: a measurement, not a setting for browsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import multiprocessing as mp
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hashlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+from aiortc.rtcdtlstransport import RTCCertificate  # noqa: E402
+
+from swarm.peer import wire  # noqa: E402
+from swarm.peer.link import Link, new_peer_connection  # noqa: E402
+from swarm.peer.messages import Hello, NumericBuild, WeightChunk  # noqa: E402
+from swarm.peer.swarmkey import SwarmKey  # noqa: E402
+
+KEY = SwarmKey(bytes(range(32)))  # both processes must hold the same swarm key
+PEERS = {True: "a" * 26, False: "b" * 26}  # offerer, answerer
+CHUNK = 256 << 10  # bytes per bulk message: the aiortc max-message-size, one frame each
+
+
+def _set_sctp_packet(size: int | None) -> None:
+    if size:
+        import aiortc.rtcsctptransport as sctp
+
+        sctp.SCTP_MAX_PACKET_LENGTH = size
+        sctp.USERDATA_MAX_LENGTH = (size - 12 - 16) // 4 * 4
+
+
+def _make_link(offerer: bool) -> Link:
+    cert = RTCCertificate.generateCertificate()
+    pc, channel = new_peer_connection(cert)
+    build = NumericBuild(package="bench", numpy=np.__version__, blas="?", arch="?", kernel_dtype="f32")
+    hello = Hello(peer_id=PEERS[offerer], protocol_version=wire.PROTOCOL_VERSION, build=build, model_hash=None,
+                  memory_budget=0, ffn_gflops=0.0, peer_kind="python", adapter_limits={}, adapter_features=(),
+                  name="bench")
+    return Link(pc, channel, certificate=cert, auth_key=KEY.channel_auth_key, local_hello=hello, offerer=offerer)
+
+
+def _blob(data: bytes) -> WeightChunk:
+    """Bytes in a wire message (a weight chunk is what bulk transfers carry in the swarm)."""
+    return WeightChunk(request_id=1, model_hash="0" * 64, name="bench", offset=0,
+                       sha256=hashlib.sha256(data).hexdigest(), data=np.frombuffer(data, np.uint8))
+
+
+# -- the remote side (child process) -----------------------------------------------------------
+
+def _remote_main(conn, sctp_packet: int | None, tcp_port_q) -> None:
+    _set_sctp_packet(sctp_packet)
+    asyncio.run(_remote(conn, tcp_port_q))
+
+
+async def _remote(conn, tcp_port_q) -> None:
+    loop = asyncio.get_running_loop()
+    server = await asyncio.start_server(_tcp_echo, "127.0.0.1", 0)
+    tcp_port_q.put(server.sockets[0].getsockname()[1])
+    while True:
+        offer = await loop.run_in_executor(None, conn.recv)
+        if offer is None:
+            break
+        link = _make_link(offerer=False)
+        answer = await link.accept_offer(offer)
+        conn.send(answer)
+        await link.established()
+
+        async def echo(lk, message):
+            tag = bytes(message.data[:1])
+            if tag == b"E":
+                await lk.send(message)
+            elif tag == b"D":  # end of bulk: report bytes received
+                await lk.send(_blob(b"R" + str(received[0]).encode()))
+                received[0] = 0
+            else:
+                received[0] += len(message.data)
+
+        received = [0]
+        link.on(WeightChunk, echo)
+        await loop.run_in_executor(None, conn.recv)  # "done with this link"
+        await link.close()
+    server.close()
+
+
+async def _tcp_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            head = await reader.readexactly(5)
+            n = int.from_bytes(head[1:], "little")
+            body = await reader.readexactly(n)
+            if head[:1] == b"E":
+                writer.write(head + body)
+            elif head[:1] == b"D":
+                writer.write(b"R" + (0).to_bytes(4, "little"))
+            await writer.drain()
+    except asyncio.IncompleteReadError:
+        writer.close()
+
+
+# -- measurements ------------------------------------------------------------------------------
+
+def _ms_stats(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"median_ms": round(statistics.median(s) * 1e3, 3), "p99_ms": round(s[int(0.99 * (len(s) - 1))] * 1e3, 3)}
+
+
+async def _connect(conn) -> tuple[Link, float]:
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    link = _make_link(offerer=True)
+    conn.send(await link.create_offer())
+    await link.accept_answer(await loop.run_in_executor(None, conn.recv))
+    await link.established()
+    return link, time.perf_counter() - t0
+
+
+async def _link_rtt(link: Link, size: int, rounds: int) -> list[float]:
+    message = _blob(b"E" + os.urandom(size - 1))
+    out = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        await link.send(message)
+        await link.receive()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def _link_bulk(link: Link, total: int, profile: bool) -> tuple[float, str]:
+    payload = b"B" + os.urandom(CHUNK - 1 - 512)  # leaves room for the frame header and metadata
+    message = _blob(payload)
+    prof = cProfile.Profile() if profile else None
+    t = time.perf_counter()
+    if prof:
+        prof.enable()
+    for _ in range(total // len(payload)):
+        await link.send(message)
+    await link.send(_blob(b"D"))
+    reply = await link.receive()
+    if prof:
+        prof.disable()
+    dt = time.perf_counter() - t
+    sent = total // len(payload) * len(payload)
+    assert int(bytes(reply.data[1:])) == sent, (reply.data, sent)
+    text = ""
+    if prof:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+        text = buf.getvalue()
+    return sent / dt / 2**20, text
+
+
+async def _tcp(port: int, rounds: int, total: int) -> dict:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def rtt(size: int) -> list[float]:
+        body = os.urandom(size)
+        out = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            writer.write(b"E" + size.to_bytes(4, "little") + body)
+            await writer.drain()
+            await reader.readexactly(5 + size)
+            out.append(time.perf_counter() - t)
+        return out
+
+    r4, r64 = await rtt(4096), await rtt(65536)
+    body = os.urandom(CHUNK)
+    t = time.perf_counter()
+    for _ in range(total // CHUNK):
+        writer.write(b"B" + CHUNK.to_bytes(4, "little") + body)
+        await writer.drain()
+    writer.write(b"D" + (0).to_bytes(4, "little"))
+    await writer.drain()
+    await reader.readexactly(5)
+    mib_s = total // CHUNK * CHUNK / (time.perf_counter() - t) / 2**20
+    writer.close()
+    return {"rtt_4k": _ms_stats(r4), "rtt_64k": _ms_stats(r64), "bulk_mib_s": round(mib_s, 1)}
+
+
+async def _main(args, conn, tcp_port: int) -> dict:
+    setups = []
+    for _ in range(args.setups - 1):
+        link, dt = await _connect(conn)
+        setups.append(dt)
+        await link.close()
+        conn.send("next")
+    link, dt = await _connect(conn)
+    setups.append(dt)
+    r4 = await _link_rtt(link, 4096, args.rounds)
+    r64 = await _link_rtt(link, 65536, args.rounds)
+    bulk, _ = await _link_bulk(link, args.bulk_mib << 20, profile=False)
+    _, profile = await _link_bulk(link, min(args.bulk_mib, 16) << 20, profile=True)
+    packet = __import__("aiortc.rtcsctptransport", fromlist=["x"]).USERDATA_MAX_LENGTH
+    await link.close()
+    conn.send("next")
+    tcp = await _tcp(tcp_port, args.rounds, args.bulk_mib << 20)
+    conn.send(None)
+    return {
+        "datachannel": {
+            "setup_ms": {"median_ms": round(statistics.median(setups) * 1e3, 1), "runs": len(setups)},
+            "rtt_4k": _ms_stats(r4), "rtt_64k": _ms_stats(r64), "bulk_mib_s": round(bulk, 1),
+            "sctp_user_data_per_packet": packet,
+            "us_per_sctp_packet": round(1e6 / (bulk * 2**20 / packet), 1),
+        },
+        "tcp": tcp,
+        "bulk_ratio_to_tcp": round(bulk / tcp["bulk_mib_s"], 4),
+        "sender_profile_top": [ln for ln in profile.splitlines() if ln.strip()][:24],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bulk-mib", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--setups", type=int, default=5)
+    p.add_argument("--sctp-packet", type=int, default=None, metavar="BYTES")
+    args = p.parse_args()
+    _set_sctp_packet(args.sctp_packet)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    port_q = ctx.Queue()
+    proc = ctx.Process(target=_remote_main, args=(child, args.sctp_packet, port_q), daemon=True)
+    proc.start()
+    try:
+        result = asyncio.run(_main(args, parent, port_q.get(timeout=30)))
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
