@@ -1,0 +1,226 @@
+"""Weight shipping over a peer link: the thin asyncio adapter of :mod:`swarm.peer.shipping`.
+
+Mapping onto the wire messages (:mod:`swarm.peer.messages`, docs/protocol.md "Weights"):
+
+- ``WeightManifest``: ``name`` is the slice id (SHA-256 of the whole blob, 64 hex digits);
+  ``encoding`` is ``"slice/v1 "`` followed by the slice's meta as canonical JSON (the tensors
+  inside, each with its ggml type, shape and byte range — :mod:`swarm.peer.slices`);
+  ``total_bytes``, ``chunk_bytes``, ``chunk_sha256`` as in :class:`~swarm.peer.shipping.Manifest`.
+- ``WeightChunkRequest(first, count)``: a run of consecutive chunk indices (the core's
+  index lists are split into runs).
+- ``WeightChunk``: chunk ``offset // chunk_bytes`` (``offset`` must be a multiple), with the
+  chunk's SHA-256 from the manifest; the receiver checks it against *its* manifest, never
+  against the digest the chunk carries.
+
+The coordinator runs a :class:`SliceServer` on each link; a worker runs a :class:`SliceFetcher`
+on its link to the coordinator and calls :meth:`SliceFetcher.fetch` per manifest. A fetch that
+loses its link raises :class:`~swarm.errors.PeerLostError` and leaves the partial download in
+the cache; fetching the same manifest again (over a new link) asks only for what is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from swarm.errors import PeerLostError, RemoteProtocolError
+from swarm.peer.messages import WeightChunk, WeightChunkRequest, WeightManifest
+from swarm.peer.shipping import (
+    MAX_REQUEST_INDICES,
+    Chunk,
+    ChunkAccepted,
+    ChunkRejected,
+    ChunkRequest,
+    Manifest,
+    SliceCache,
+    SliceSource,
+    encode_meta,
+)
+
+log = logging.getLogger(__name__)
+
+ENCODING_PREFIX = "slice/v1 "
+Progress = Callable[[int, int], None]  # (done_bytes, total_bytes)
+
+
+def to_wire(manifest: Manifest, model_hash: str, request_id: int = 0) -> WeightManifest:
+    """The wire message that offers ``manifest``."""
+    return WeightManifest(
+        request_id=request_id, model_hash=model_hash, name=manifest.hex_id,
+        encoding=ENCODING_PREFIX + encode_meta(manifest.meta).decode(), total_bytes=manifest.size,
+        chunk_bytes=manifest.chunk_size, chunk_sha256=tuple(h.hex() for h in manifest.chunk_sha256),
+    )
+
+
+def from_wire(msg: WeightManifest) -> Manifest:
+    """The core manifest of an offered slice. Raises RemoteProtocolError on any bad field."""
+    if not msg.encoding.startswith(ENCODING_PREFIX):
+        raise RemoteProtocolError(f"weight manifest {msg.name[:12]}: encoding must start with {ENCODING_PREFIX!r}")
+    try:
+        meta = json.loads(msg.encoding[len(ENCODING_PREFIX):])
+        slice_id = bytes.fromhex(msg.name)
+    except ValueError:
+        raise RemoteProtocolError(f"weight manifest {msg.name[:12]}: malformed name or meta") from None
+    manifest = Manifest(slice_id, msg.total_bytes, msg.chunk_bytes,
+                        tuple(bytes.fromhex(h) for h in msg.chunk_sha256), meta)
+    manifest.validate()
+    return manifest
+
+
+def _runs(indices: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Ascending indices as (first, count) runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+class SliceServer:
+    """The coordinator's side on any number of links: answers chunk requests from ``source``.
+
+    ``sent_bytes`` counts chunk bytes sent per peer id (shown as progress by the node).
+    """
+
+    def __init__(self, source: SliceSource, model_hash: str, *, on_sent: Callable[[str, int], None] | None = None):
+        self.source = source
+        self.model_hash = model_hash
+        self.sent_bytes: dict[str, int] = {}
+        self._on_sent = on_sent
+
+    def attach(self, link: Any) -> None:
+        link.on(WeightChunkRequest, self._on_request)
+
+    async def offer(self, link: Any, manifest: Manifest) -> None:
+        await link.send(to_wire(manifest, self.model_hash))
+
+    async def _on_request(self, link: Any, req: WeightChunkRequest) -> None:
+        if req.model_hash != self.model_hash:
+            raise RemoteProtocolError(f"peer {link.peer_id} asked for weights of model {req.model_hash[:12]}, "
+                                      f"this coordinator serves {self.model_hash[:12]}")
+        if not 1 <= req.count <= MAX_REQUEST_INDICES:
+            raise RemoteProtocolError(f"peer {link.peer_id} asked for {req.count} chunks at once "
+                                      f"(allowed 1..{MAX_REQUEST_INDICES})")
+        try:
+            slice_id = bytes.fromhex(req.name)
+        except ValueError:
+            raise RemoteProtocolError(f"peer {link.peer_id} asked for slice {req.name[:40]!r}, not a SHA-256") from None
+        manifest = self.source.manifest(slice_id)
+        chunks = self.source.serve(ChunkRequest(slice_id, tuple(range(req.first, req.first + req.count))))
+        for chunk in chunks:
+            await link.send(self._chunk_message(req, manifest, chunk))
+            n = len(chunk.data)
+            self.sent_bytes[link.peer_id] = self.sent_bytes.get(link.peer_id, 0) + n
+            if self._on_sent:
+                self._on_sent(link.peer_id, n)
+
+    def _chunk_message(self, req: WeightChunkRequest, manifest: Manifest, chunk: Chunk) -> WeightChunk:
+        return WeightChunk(
+            request_id=req.request_id, model_hash=self.model_hash, name=req.name,
+            offset=chunk.index * manifest.chunk_size, sha256=manifest.chunk_sha256[chunk.index].hex(),
+            data=np.frombuffer(chunk.data, dtype=np.uint8),
+        )
+
+
+class SliceFetcher:
+    """The worker's side on its link to the coordinator.
+
+    Offered manifests arrive in :attr:`offers` (an ``asyncio.Queue`` of :class:`Manifest`);
+    :meth:`fetch` downloads one into ``cache`` (or finds it there) and returns the blob.
+    """
+
+    def __init__(self, link: Any, model_hash: str, cache: SliceCache, *, window: int = 8,
+                 timeout_s: float = 30.0) -> None:
+        self.link, self.model_hash, self.cache = link, model_hash, cache
+        self.offers: asyncio.Queue[Manifest] = asyncio.Queue()
+        self._window, self._timeout_s = window, timeout_s
+        self._inboxes: dict[str, asyncio.Queue[WeightChunk | None]] = {}
+        self._request_id = 0
+        link.on(WeightChunk, self._on_chunk)
+        link.on(WeightManifest, self._on_manifest)
+        link.on_close(self._on_close)
+
+    def _on_manifest(self, link: Any, msg: WeightManifest) -> None:
+        if msg.model_hash != self.model_hash:
+            raise RemoteProtocolError(f"offered weights of model {msg.model_hash[:12]}, we run {self.model_hash[:12]}")
+        self.offers.put_nowait(from_wire(msg))
+
+    def _on_chunk(self, link: Any, msg: WeightChunk) -> None:
+        inbox = self._inboxes.get(msg.name)
+        if inbox is not None:  # else: a late chunk of a finished slice — ignore it
+            inbox.put_nowait(msg)
+
+    def _on_close(self, link: Any) -> None:
+        for inbox in self._inboxes.values():
+            inbox.put_nowait(None)
+
+    async def fetch(self, manifest: Manifest, progress: Progress | None = None) -> memoryview:
+        """The verified blob of ``manifest``: from the cache, or shipped over the link.
+
+        Raises:
+            PeerLostError: the link closed first (the partial download stays; fetch again to resume).
+            WeightIntegrityError: the source kept sending chunks that fail their SHA-256.
+        """
+        cached = self.cache.get(manifest)
+        if cached is not None:
+            if progress:
+                progress(manifest.size, manifest.size)
+            return cached
+        dl = self.cache.open_download(manifest, window=self._window, timeout_s=self._timeout_s)
+        if progress:
+            progress(dl.done_bytes, manifest.size)
+        inbox: asyncio.Queue[WeightChunk | None] = asyncio.Queue()
+        self._inboxes[manifest.hex_id] = inbox
+        try:
+            while not dl.complete:
+                if not self.link.is_open:
+                    raise PeerLostError(f"link to {self.link.peer_id} closed while fetching slice {manifest.hex_id[:12]}")
+                for req in dl.requests_to_send(time.monotonic()):
+                    for first, count in _runs(req.indices):
+                        self._request_id += 1
+                        await self.link.send(WeightChunkRequest(
+                            request_id=self._request_id, model_hash=self.model_hash, name=manifest.hex_id,
+                            first=first, count=count))
+                deadline = dl.get_timer()
+                try:
+                    msg = await asyncio.wait_for(inbox.get(), max(0.0, (deadline or 0) - time.monotonic()))
+                except TimeoutError:
+                    dl.handle_timer(time.monotonic())
+                    continue
+                if msg is None:
+                    dl.link_lost()
+                    raise PeerLostError(f"link to {self.link.peer_id} closed while fetching slice {manifest.hex_id[:12]}")
+                index, rem = divmod(msg.offset, manifest.chunk_size)
+                if rem:
+                    raise RemoteProtocolError(f"weight chunk offset {msg.offset} is not a multiple of {manifest.chunk_size}")
+                for event in dl.receive(Chunk(manifest.slice_id, index, msg.data), time.monotonic()):
+                    match event:
+                        case ChunkAccepted(done_bytes=done, total_bytes=total) if progress:
+                            progress(done, total)
+                        case ChunkRejected(index=i, reason=why):
+                            log.warning("slice %s chunk %d refused (%s); fetching it again", manifest.hex_id[:12], i, why)
+            return self.cache.finish(dl)
+        finally:
+            del self._inboxes[manifest.hex_id]
+
+
+def tqdm_progress(desc: str) -> tuple[Progress, Callable[[], None]]:
+    """A progress callback drawing a tqdm bar on stderr, and a function that closes it."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return update, bar.close
