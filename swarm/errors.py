@@ -87,3 +87,10 @@ class KernelError(SwarmError):
 
     The request fails with this error; no partial or wrong numbers are returned.
     """
+
+
+class SignalingUnavailableError(SwarmError):
+    """No signaling server answered (refused, timed out, TLS pin mismatch, closed before welcome).
+
+    The message names the URL; with mDNS discovery the peer looks again or hosts one itself.
+    """

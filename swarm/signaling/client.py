@@ -1,0 +1,279 @@
+"""The signaling client Python peers use: authenticate, learn presence, exchange signals.
+
+Usage (interface for ``swarm.peer``)::
+
+    client = await SignalingClient.connect(url, swarm_key, peer_id, kind="python", name="laptop",
+                                           fingerprint=record.fingerprint)  # pinned, from mDNS TXT
+    client.peers                      # {peer_id: PeerInfo}, kept current, includes this peer
+    await client.send_signal(other_id, {"sdp": ..., "type": "offer"})
+    async for event in client:        # PeerJoined, PeerLeft, SignalReceived, then Disconnected last
+        ...
+    await client.close()
+
+TLS is checked by pinning the SHA-256 of the server's certificate (there is no CA on a LAN);
+with ``fingerprint=None`` (``--signal URL`` typed by hand) the certificate is not checked and
+the server's HMAC proof of the swarm key is what authenticates it. Either way the server must
+prove the key before :meth:`SignalingClient.connect` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from swarm.errors import (
+    AuthenticationError,
+    RemoteProtocolError,
+    SignalingUnavailableError,
+    SwarmError,
+    VersionMismatchError,
+)
+from swarm.signaling import auth, tls
+from swarm.signaling.messages import (
+    Auth,
+    Challenge,
+    Joined,
+    Left,
+    Notice,
+    PeerInfo,
+    Relayed,
+    Signal,
+    Welcome,
+    decode_server_message,
+)
+from swarm.signaling.relay import MAX_FRAME_CHARS, CloseCode
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+HEARTBEAT_S = 5.0
+
+
+@dataclass(frozen=True)
+class PeerJoined:
+    """A peer authenticated at the server."""
+
+    peer: PeerInfo
+
+
+@dataclass(frozen=True)
+class PeerLeft:
+    """A peer's signaling connection ended."""
+
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class SignalReceived:
+    """A signal from ``sender`` (stamped by the server): an SDP offer/answer, ICE candidate, …"""
+
+    sender: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SignalRefused:
+    """The server could not deliver a signal (``code`` e.g. ``unknown-peer``)."""
+
+    code: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """The connection ended; always the last event. ``code``/``reason`` from the close frame if any."""
+
+    code: int | None
+    reason: str
+
+
+Event = PeerJoined | PeerLeft | SignalReceived | SignalRefused | Disconnected
+
+
+def signaling_url(url: str) -> str:
+    """Normalize ``https://h:p``, ``wss://h:p`` or ``h:p`` to ``wss://h:p/ws``.
+
+    Raises SwarmError for other schemes (plain ws/http is refused: WSS only, DESIGN §6).
+    """
+    if "://" not in url:
+        url = "wss://" + url
+    u = URL(url)
+    if u.scheme == "https":
+        u = u.with_scheme("wss")
+    if u.scheme != "wss" or not u.host:
+        raise SwarmError(f"signaling URL must be wss://HOST:PORT or https://HOST:PORT, got {url!r}")
+    if u.path in ("", "/"):
+        u = u.with_path("/ws")
+    return str(u)
+
+
+def _ssl_for(fingerprint: bytes | str | None) -> aiohttp.Fingerprint | bool:
+    if fingerprint is None:
+        return False
+    if isinstance(fingerprint, str):
+        fingerprint = tls.parse_fingerprint(fingerprint)
+    return aiohttp.Fingerprint(fingerprint)
+
+
+class SignalingClient:
+    """One authenticated signaling connection. Create with :meth:`connect`."""
+
+    def __init__(self, session: aiohttp.ClientSession, ws: aiohttp.ClientWebSocketResponse,
+                 peer_id: str, host: str, peers: tuple[PeerInfo, ...]) -> None:
+        self.peer_id = peer_id
+        self.host = host  # the hosting peer's id, from the challenge
+        self.peers: dict[str, PeerInfo] = {p.peer_id: p for p in peers}
+        self._session = session
+        self._ws = ws
+        self._events: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read(), name=f"signaling-client-{peer_id[:8]}")
+        self.closed = asyncio.Event()
+
+    @classmethod
+    async def connect(cls, url: str, swarm_key: bytes, peer_id: str, *, kind: str = "python", name: str = "",
+                      fingerprint: bytes | str | None = None, timeout: float = CONNECT_TIMEOUT_S) -> SignalingClient:
+        """Connect, prove the swarm key, check the server's proof, return with presence known.
+
+        Raises SignalingUnavailableError (unreachable, TLS pin mismatch), AuthenticationError
+        (wrong key either side), RemoteProtocolError (malformed server frames).
+        """
+        k_sig = auth.derive_signaling_key(swarm_key)
+        session = aiohttp.ClientSession()
+        try:
+            return await asyncio.wait_for(
+                cls._handshake(session, signaling_url(url), k_sig, peer_id, kind, name, _ssl_for(fingerprint)),
+                timeout)
+        except asyncio.TimeoutError:
+            await session.close()
+            raise SignalingUnavailableError(f"signaling server at {url} did not answer within {timeout:g} s") from None
+        except BaseException:
+            await session.close()
+            raise
+
+    @classmethod
+    async def _handshake(cls, session: aiohttp.ClientSession, url: str, k_sig: bytes, peer_id: str,
+                         kind: str, name: str, ssl: Any) -> SignalingClient:
+        try:
+            ws = await session.ws_connect(url, ssl=ssl, heartbeat=HEARTBEAT_S, max_msg_size=2 * MAX_FRAME_CHARS,
+                                          compress=0)
+        except aiohttp.ServerFingerprintMismatch:
+            raise SignalingUnavailableError(
+                f"the certificate at {url} is not the one advertised (fingerprint mismatch)") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise SignalingUnavailableError(f"cannot reach the signaling server at {url}: {exc}") from None
+        try:
+            challenge = decode_server_message(await _receive_text(ws))
+            if not isinstance(challenge, Challenge):
+                raise RemoteProtocolError("signaling server did not start with a challenge")
+            client_nonce = auth.new_nonce()
+            mac = auth.client_mac(k_sig, challenge.nonce, client_nonce, peer_id)
+            await ws.send_str(Auth(peer_id=peer_id, kind=kind, name=name, nonce=client_nonce, mac=mac).encode())
+            welcome = decode_server_message(await _receive_text(ws))
+            if not isinstance(welcome, Welcome):
+                raise RemoteProtocolError("signaling server did not answer the authentication with a welcome")
+            auth.verify(auth.server_mac(k_sig, challenge.nonce, client_nonce, peer_id), welcome.mac, "signaling server")
+        except BaseException:
+            await ws.close()
+            raise
+        return cls(session, ws, peer_id, challenge.host, welcome.peers)
+
+    # -- use -------------------------------------------------------------------------------
+
+    async def send_signal(self, to: str, data: dict[str, Any]) -> None:
+        """Send ``data`` (a JSON object) to peer ``to``. Raises SignalingUnavailableError when closed."""
+        if self._ws.closed:
+            raise SignalingUnavailableError("signaling connection is closed")
+        text = Signal(to=to, data=data).encode()
+        if len(text) > MAX_FRAME_CHARS:
+            raise SwarmError(f"signal of {len(text)} bytes exceeds the {MAX_FRAME_CHARS}-byte frame limit")
+        try:
+            await self._ws.send_str(text)
+        except (ConnectionError, RuntimeError) as exc:
+            raise SignalingUnavailableError(f"signaling connection lost: {exc}") from None
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        event = await self._events.get()
+        if event is None:
+            self._events.put_nowait(None)  # keep later iterations ending too
+            raise StopAsyncIteration
+        return event
+
+    async def close(self) -> None:
+        """Close the connection (normal closure) and wait for the reader to end."""
+        with contextlib.suppress(Exception):
+            await self._ws.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        await self._session.close()
+
+    async def wait_closed(self) -> None:
+        await self.closed.wait()
+
+    # -- reader ----------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        code, reason = None, ""
+        try:
+            while True:
+                msg = await self._ws.receive()
+                if msg.type == aiohttp.WSMsgType.CLOSE:
+                    code, reason = msg.data, str(msg.extra or "")
+                    break
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break  # CLOSED / ERROR / binary: the server does not send binary
+                try:
+                    event = self._on_message(decode_server_message(msg.data))
+                except RemoteProtocolError as exc:
+                    log.warning("signaling server sent a bad frame: %s", exc)
+                    code, reason = CloseCode.PROTOCOL_ERROR, str(exc)
+                    await self._ws.close(code=code, message=reason[:123].encode())
+                    break
+                if event is not None:
+                    self._events.put_nowait(event)
+        finally:
+            if code is None:
+                code = self._ws.close_code
+            self._events.put_nowait(Disconnected(code, reason))
+            self._events.put_nowait(None)
+            self.closed.set()
+
+    def _on_message(self, msg: Any) -> Event | None:
+        match msg:
+            case Joined(peer=peer):
+                self.peers[peer.peer_id] = peer
+                return PeerJoined(peer)
+            case Left(peer_id=peer_id):
+                self.peers.pop(peer_id, None)
+                return PeerLeft(peer_id)
+            case Relayed(sender=sender, data=data):
+                return SignalReceived(sender, data)
+            case Notice(code=code, detail=detail):
+                return SignalRefused(code, detail)
+            case _:
+                raise RemoteProtocolError(f"unexpected {type(msg).__name__} after authentication")
+
+
+async def _receive_text(ws: aiohttp.ClientWebSocketResponse) -> str:
+    msg = await ws.receive()
+    if msg.type == aiohttp.WSMsgType.TEXT:
+        return msg.data
+    if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+        code = msg.data if msg.type == aiohttp.WSMsgType.CLOSE else ws.close_code
+        reason = str(msg.extra or "") if msg.type == aiohttp.WSMsgType.CLOSE else ""
+        if code == CloseCode.AUTH_FAILED:
+            raise AuthenticationError(f"the signaling server refused our swarm key ({reason}); "
+                                      "check the key with `colibri-swarm key`")
+        if code == CloseCode.VERSION_MISMATCH:
+            raise VersionMismatchError(reason)
+        raise SignalingUnavailableError(f"signaling server closed the connection ({code} {reason})")
+    raise RemoteProtocolError(f"signaling server sent a {msg.type.name} frame where text was expected")
