@@ -94,3 +94,11 @@ class SignalingUnavailableError(SwarmError):
 
     The message names the URL; with mDNS discovery the peer looks again or hosts one itself.
     """
+
+
+class VerificationError(SwarmError):
+    """``--verify``: a peer's answer differed from the coordinator's own recomputation of it.
+
+    The message names the peer and the layer; generation stops rather than emit tokens that
+    depend on numbers nobody can vouch for.
+    """

@@ -131,6 +131,10 @@ class Plan:
                 return s.peer
         return self.coordinator
 
+    def dense_ranges(self) -> dict[int, list[tuple[int, int]]]:
+        """Dense layer → its (lo, hi) ranges in span order: the plan :class:`LocalFFN` takes."""
+        return {layer: [(s.start, s.stop) for s in spans] for layer, spans in self.dense.items()}
+
     def bytes_of(self, peer: str, shape: ModelShape) -> int:
         """Weight bytes ``peer`` must hold for its spans."""
         n_exp = sum(len(s) for spans in self.experts.values() for s in spans if s.peer == peer)
@@ -161,6 +165,37 @@ class Plan:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RemoteProtocolError(f"malformed plan: {exc!r}") from None
         plan = cls(version, term, coord, peers, experts, dense)
+        check_plan(plan, shape)
+        return plan
+
+
+    def to_message(self):
+        """The :class:`swarm.peer.messages.Plan` that announces this plan to the workers."""
+        from swarm.peer.messages import Assignment, Plan as PlanMessage
+
+        out = [Assignment(layer, s.peer, tuple(range(s.start, s.stop)), ())
+               for layer, spans in sorted(self.experts.items()) for s in spans]
+        out += [Assignment(layer, s.peer, (), ((s.start, s.stop),))
+                for layer, spans in sorted(self.dense.items()) for s in spans]
+        return PlanMessage(self.term, self.version, tuple(out))
+
+    @classmethod
+    def from_message(cls, msg, coordinator: str, shape: ModelShape) -> "Plan":
+        """Rebuild a plan from the Plan message ``coordinator`` sent; checked like :meth:`from_dict`."""
+        experts: dict[int, list[Span]] = {}
+        dense: dict[int, list[Span]] = {}
+        for a in msg.assignments:
+            ids = list(a.experts)
+            if ids and (a.dense or ids != list(range(ids[0], ids[0] + len(ids)))):
+                raise RemoteProtocolError(f"plan v{msg.version}: layer {a.layer} experts of {a.peer} "
+                                          "are not one contiguous range")
+            if ids:
+                experts.setdefault(a.layer, []).append(Span(a.peer, ids[0], ids[-1] + 1))
+            for lo, hi in a.dense:
+                dense.setdefault(a.layer, []).append(Span(a.peer, lo, hi))
+        others = sorted({s.peer for t in (experts, dense) for spans in t.values() for s in spans} - {coordinator})
+        order = lambda t: {l: tuple(sorted(v, key=lambda s: s.start)) for l, v in t.items()}  # noqa: E731
+        plan = cls(msg.version, msg.term, coordinator, (coordinator, *others), order(experts), order(dense))
         check_plan(plan, shape)
         return plan
 

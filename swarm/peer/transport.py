@@ -1,0 +1,86 @@
+"""An in-process message network for tests and benchmarks: real wire encoding, no sockets.
+
+Each peer attaches a handler; :meth:`LoopbackNet.send` encodes the message with
+:func:`swarm.peer.messages.encode`, lets an optional ``tamper`` hook drop, delay
+or rewrite the bytes (loss, corruption, a lying peer), decodes them with
+:func:`swarm.peer.messages.decode` — so a tampered frame meets the same checks as
+one from the network — and hands the message to the destination's handler on
+that destination's own thread, in order, like one reliable ordered data channel.
+Frames that fail to decode are dropped and counted, as a link would drop them.
+
+Real links (:mod:`swarm.peer.link`) replace this in the loopback and multi-host
+tests; the coordinator and worker only see ``send(peer, msg)`` and handlers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from swarm.errors import RemoteProtocolError
+from swarm.peer import messages
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, Any], None]
+Tamper = Callable[[str, str, bytes], bytes | None]  # (src, dst, frame) → frame to deliver, or None to drop
+
+
+class LoopbackNet:
+    """Peers by id, each with a handler run on its own single thread (ordered delivery)."""
+
+    def __init__(self, tamper: Tamper | None = None) -> None:
+        self.tamper = tamper
+        self.rejected = 0  # frames that failed to decode at the receiver
+        self._handlers: dict[str, Handler] = {}
+        self._threads: dict[str, cf.ThreadPoolExecutor] = {}
+        self._down: set[str] = set()
+        self._on_down: list[Callable[[str], None]] = []
+
+    def attach(self, peer: str, handler: Handler) -> None:
+        self._handlers[peer] = handler
+        self._threads[peer] = cf.ThreadPoolExecutor(1, thread_name_prefix=f"net-{peer[:6]}")
+
+    def on_peer_down(self, callback: Callable[[str], None]) -> None:
+        """``callback(peer)`` when :meth:`kill` takes a peer away (a link's close event)."""
+        self._on_down.append(callback)
+
+    def sender(self, src: str) -> Callable[[str, Any], None]:
+        """``send(dst, msg)`` from ``src``: non-blocking, thread-safe."""
+        return lambda dst, msg: self.send(src, dst, msg)
+
+    def send(self, src: str, dst: str, msg: Any) -> None:
+        if src in self._down or dst in self._down or dst not in self._handlers:
+            raise ConnectionError(f"no link from {src} to {dst}")
+        data = messages.encode(msg)
+        if self.tamper is not None:
+            data = self.tamper(src, dst, data)
+            if data is None:
+                return
+        self._threads[dst].submit(self._deliver, src, dst, data)
+
+    def _deliver(self, src: str, dst: str, data: bytes) -> None:
+        if dst in self._down:
+            return
+        try:
+            msg = messages.decode(data)
+        except RemoteProtocolError as exc:
+            self.rejected += 1
+            log.info("dropped a frame from %s to %s: %s", src, dst, exc)
+            return
+        try:
+            self._handlers[dst](src, msg)
+        except Exception:  # a handler bug must not kill the delivery thread silently
+            log.exception("handler of %s failed on %s", dst, type(msg).__name__)
+
+    def kill(self, peer: str) -> None:
+        """Take ``peer`` away as if its process died: nothing more to or from it."""
+        self._down.add(peer)
+        for cb in self._on_down:
+            cb(peer)
+
+    def close(self) -> None:
+        for t in self._threads.values():
+            t.shutdown(wait=True, cancel_futures=True)

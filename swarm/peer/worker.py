@@ -1,0 +1,186 @@
+"""The worker: serves the coordinator's FFN requests from its weight slices.
+
+Theory of operation
+-------------------
+A worker holds no KV cache and no sequence: each request is answered on its own.
+It keeps the latest :class:`~swarm.peer.planner.Plan` it accepted from the
+coordinator (and the one before it, for the step in flight when the plan
+changed) and answers only requests that carry one of those terms and versions,
+for the layer, experts and dense ranges the plan gives *this* peer. Everything
+read from the request is checked before it reaches a kernel; a request that
+fails a check earns an :class:`~swarm.peer.messages.Error` naming what was
+wrong, never an exception out of :meth:`Worker.handle` and never a wrong number.
+
+Slices come from a :class:`SliceSource` — the worker's own copy of the model
+(:class:`swarm.compute.model.Model`, loaded lazily by memory map, so only the
+assigned experts and ranges are ever decoded) or the slices shipped by the
+coordinator. They are materialised when a plan is accepted
+(:meth:`Worker.prepare`) and kept for that plan.
+
+The numbers are the engine's own: :func:`swarm.compute.ffn.expert_ffn` over
+exactly one expert's rows, and :func:`swarm.compute.ffn.dense_partial`'s slice
+for a range, so the coordinator gets the bits its local path would compute.
+
+:meth:`Worker.handle` is synchronous and CPU-heavy: the asyncio adapter runs it
+in one worker thread (requests in arrival order), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+import numpy as np
+
+from swarm.compute.ffn import expert_ffn
+from swarm.compute.kernels import MLPWeights
+from swarm.errors import RemoteProtocolError, StaleTermError
+from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
+from swarm.peer.planner import ModelShape, Plan
+
+log = logging.getLogger(__name__)
+
+F32 = np.float32
+MAX_REQUEST_ROWS = 16384  # rows per request a worker computes (a long prefill is still one batch)
+
+
+class SliceSource(Protocol):
+    """Where a worker's weights come from (a Model satisfies it)."""
+
+    def expert_weights(self, layer: int, e: int) -> MLPWeights: ...
+
+    def dense_weights(self, layer: int, lo: int | None = None, hi: int | None = None) -> MLPWeights: ...
+
+
+class Worker:
+    """Answers :class:`ExpertRequest` / :class:`DenseRequest` for peer ``peer_id``.
+
+    ``shape`` gives the model's sizes for validation; ``source`` the weights.
+    """
+
+    def __init__(self, peer_id: str, shape: ModelShape, source: SliceSource) -> None:
+        self.peer_id = peer_id
+        self.shape = shape
+        self.source = source
+        self.plan: Plan | None = None  # the newest accepted plan
+        self._plans: dict[tuple[int, int], Plan] = {}  # (term, version) → plan still served
+        self.term = 0  # the newest term seen in a plan
+        self._experts: dict[tuple[int, int], MLPWeights] = {}
+        self._dense: dict[tuple[int, int, int], MLPWeights] = {}
+        self._lock = threading.Lock()
+        self.served = 0  # answered requests (status, tests)
+
+    # --------------------------------------------------------------------- plans
+    def accept_plan(self, plan: Plan) -> None:
+        """Adopt ``plan`` (already checked against the model by :meth:`Plan.from_message`).
+
+        The previous plan stays served too: the coordinator switches plans between
+        steps, so requests of the step in flight still carry the previous version.
+        Raises StaleTermError when the term is older than the newest seen, or the
+        version is not newer than the current plan's within the same term.
+        """
+        with self._lock:
+            cur = self.plan
+            if plan.term < self.term or (cur and plan.term == cur.term and plan.version <= cur.version):
+                have = f"term {cur.term} v{cur.version}" if cur else f"term {self.term}"
+                raise StaleTermError(f"plan term {plan.term} v{plan.version} is stale: this worker has {have}")
+            # Only the previous plan of the same term stays: a new term deposes the old coordinator.
+            self._plans = {(p.term, p.version): p for p in (cur, plan) if p is not None and p.term == plan.term}
+            self.plan, self.term = plan, plan.term
+            keep_e = {(l, e) for p in self._plans.values() for l, spans in p.experts.items() for s in spans
+                      if s.peer == self.peer_id for e in range(s.start, s.stop)}
+            keep_d = {(l, s.start, s.stop) for p in self._plans.values() for l, spans in p.dense.items()
+                      for s in spans if s.peer == self.peer_id}
+            self._experts = {k: v for k, v in self._experts.items() if k in keep_e}
+            self._dense = {k: v for k, v in self._dense.items() if k in keep_d}
+
+    def prepare(self) -> int:
+        """Materialise every slice of the current plan now; returns their bytes."""
+        plan = self.plan
+        if plan is None:
+            return 0
+        total = 0
+        for layer, spans in plan.experts.items():
+            for s in spans:
+                if s.peer == self.peer_id:
+                    total += sum(self._expert(layer, e).nbytes for e in range(s.start, s.stop))
+        for layer, spans in plan.dense.items():
+            for s in spans:
+                if s.peer == self.peer_id:
+                    total += self._dense_slice(layer, s.start, s.stop).nbytes
+        return total
+
+    def _expert(self, layer: int, e: int) -> MLPWeights:
+        w = self._experts.get((layer, e))
+        if w is None:
+            w = self._experts[(layer, e)] = self.source.expert_weights(layer, e)
+        return w
+
+    def _dense_slice(self, layer: int, lo: int, hi: int) -> MLPWeights:
+        w = self._dense.get((layer, lo, hi))
+        if w is None:
+            w = self._dense[(layer, lo, hi)] = self.source.dense_weights(layer, lo, hi)
+        return w
+
+    # ------------------------------------------------------------------ requests
+    def handle(self, msg: ExpertRequest | DenseRequest) -> ExpertAnswer | DenseAnswer | Error:
+        """Answer one request, or refuse it with an Error (``stale_term``, ``bad_request``)."""
+        try:
+            match msg:
+                case ExpertRequest():
+                    answer = self._experts_answer(msg)
+                case DenseRequest():
+                    answer = self._dense_answer(msg)
+                case _:
+                    raise RemoteProtocolError(f"{type(msg).__name__} is not an FFN request")
+        except StaleTermError as exc:
+            return Error(msg.request_id, "stale_term", str(exc))
+        except RemoteProtocolError as exc:
+            log.warning("refused FFN request %s: %s", getattr(msg, "request_id", "?"), exc)
+            return Error(getattr(msg, "request_id", 0), "bad_request", str(exc))
+        self.served += 1
+        return answer
+
+    def _check_common(self, msg: ExpertRequest | DenseRequest, x: np.ndarray) -> Plan:
+        plan = self._plans.get((msg.term, msg.plan_version))
+        if plan is None:
+            have = ", ".join(f"term {t} v{v}" for t, v in sorted(self._plans)) or "no plan yet"
+            raise StaleTermError(f"request of term {msg.term} v{msg.plan_version}: this worker serves {have}")
+        H = self.shape.hidden_size
+        if x.dtype != F32 or x.ndim != 2 or x.shape[1] != H:
+            raise RemoteProtocolError(f"layer {msg.layer}: rows must be [n, {H}] float32, got {x.shape} {x.dtype}")
+        if x.shape[0] > MAX_REQUEST_ROWS:
+            raise RemoteProtocolError(f"layer {msg.layer}: {x.shape[0]} rows exceed {MAX_REQUEST_ROWS}")
+        if not np.isfinite(x).all():
+            raise RemoteProtocolError(f"layer {msg.layer}: rows hold NaN or infinity")
+        return plan
+
+    def _experts_answer(self, msg: ExpertRequest) -> ExpertAnswer:
+        plan = self._check_common(msg, msg.rows)
+        span = plan.expert_span(msg.layer, self.peer_id)
+        ids = msg.expert_ids.astype(np.int64)
+        if span is None:
+            raise RemoteProtocolError(f"layer {msg.layer}: plan v{plan.version} gives this worker no experts")
+        if ids.size == 0 or ((ids < span.start) | (ids >= span.stop)).any():
+            raise RemoteProtocolError(f"layer {msg.layer}: experts {ids.tolist()[:8]} are outside this worker's "
+                                      f"{span.start}..{span.stop - 1}")
+        counts = msg.row_counts.astype(np.int64)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        outputs = np.empty_like(msg.rows)
+        for i, e in enumerate(ids.tolist()):
+            a, b = bounds[i], bounds[i + 1]
+            if b > a:
+                outputs[a:b] = expert_ffn(self._expert(msg.layer, e), msg.rows[a:b])
+        return ExpertAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer,
+                            msg.expert_ids, msg.row_counts, outputs)
+
+    def _dense_answer(self, msg: DenseRequest) -> DenseAnswer:
+        plan = self._check_common(msg, msg.x)
+        span = plan.dense_span(msg.layer, self.peer_id)
+        want = ((span.start, span.stop),) if span else None
+        if tuple(msg.ranges) != want:
+            raise RemoteProtocolError(f"layer {msg.layer}: ranges {list(msg.ranges)} are not this worker's "
+                                      f"{list(want) if want else 'none'} in plan v{plan.version}")
+        partials = np.stack([expert_ffn(self._dense_slice(msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
+        return DenseAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer, msg.ranges, partials)
