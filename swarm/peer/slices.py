@@ -92,6 +92,16 @@ class SliceWeights:
     up: np.ndarray
     down: np.ndarray
 
+    def mlp_weights(self) -> dict[int, Any]:
+        """The engine's :class:`~swarm.compute.kernels.MLPWeights`, keyed by expert id for an
+        ``experts`` slice, or by ``spec.start`` (one entry) for a ``dense`` range."""
+        from swarm.compute.kernels import MLPWeights
+
+        if self.spec.kind == "dense":
+            return {self.spec.start: MLPWeights.from_torch(self.gate, self.up, self.down)}
+        return {self.spec.start + i: MLPWeights.from_torch(self.gate[i], self.up[i], self.down[i])
+                for i in range(self.spec.stop - self.spec.start)}
+
 
 @dataclass(frozen=True)
 class _Raw:

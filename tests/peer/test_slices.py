@@ -207,3 +207,21 @@ def test_unreadable_model_paths_name_the_file(tmp_path):
     bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")
     with pytest.raises(ModelFileError, match="impossible"):
         ModelSlicer(tmp_path)
+
+
+def test_slices_give_the_engines_weights_bit_for_bit(smollm2, smol_slicer, tmp_path):
+    """A worker computing with decoded slices gets exactly what the engine computes locally."""
+    from swarm.compute.ffn import dense_partial, expert_ffn
+    from swarm.compute.model import load_model
+
+    model = load_model(smollm2)
+    x = np.random.default_rng(1).standard_normal((3, 576)).astype(np.float32)
+    (w,) = smol_slicer.load(SliceSpec(4, "dense", 512, 1024)).mlp_weights().values()
+    np.testing.assert_array_equal(dense_partial(w, x, 0, 512), dense_partial(model.dense_weights(4), x, 512, 1024))
+
+    path, _ = _tiny_moe(tmp_path, "qwen3_moe")
+    moe = load_model(path)
+    experts = ModelSlicer(path).load(SliceSpec(1, "experts", 2, 4)).mlp_weights()
+    xm = np.random.default_rng(2).standard_normal((5, 32)).astype(np.float32)
+    for e, we in experts.items():
+        np.testing.assert_array_equal(expert_ffn(we, xm), expert_ffn(moe.expert_weights(1, e), xm))
