@@ -13,3 +13,28 @@ def smollm2_path() -> Path:
     from swarm.compute.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle(smollm2_path):
+    """transformers' reading of the same GGUF: ``(model, tokenizer)``, float32, 2 threads, eval mode.
+
+    Loaded once per session (dequantizing the GGUF takes tens of seconds on 2 cores).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_path):
+    """The engine's model of the real SmolLM2 GGUF, loaded once per session."""
+    from swarm.compute import load_model
+
+    return load_model(smollm2_path)
