@@ -1,0 +1,174 @@
+"""Worker: answers from its own slices with the engine's bits; refuses bad requests with an Error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swarm.compute.ffn import LocalFFN, expert_ffn
+from swarm.compute.model import load_model
+from swarm.errors import MessageError, RemoteProtocolError, StaleTermError
+from swarm.peer import messages as M
+from swarm.peer import wire
+from swarm.peer import worker as worker_mod
+from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
+from swarm.peer.worker import Worker
+from tests.peer._swarm_models import build
+
+from tests.peer.test_coordinator import COORD, W1, W2
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = build("qwen3_moe", tmp_path_factory.mktemp("w"))  # layers 0, 2 MoE; layer 1 dense
+    model = load_model(path)
+    shape = ModelShape.from_config(model.config)
+    plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0), PeerCapacity(W2, 10**9, 1.0)],
+                      term=4, version=2)
+    return model, shape, plan
+
+
+@pytest.fixture
+def worker(setup):
+    model, shape, plan = setup
+    w = Worker(W1, shape, load_model(model.path))
+    w.accept_plan(plan)
+    return w
+
+
+def x_rows(n, H=32, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, H)).astype(np.float32)
+
+
+def expert_request(plan, layer, ids, counts, rows, *, term=None, version=None, rid=7):
+    return M.ExpertRequest(rid, plan.term if term is None else term, plan.version if version is None else version,
+                           layer, np.array(ids, np.int32), np.array(counts, np.int32), rows)
+
+
+def test_expert_answer_equals_the_local_computation(setup, worker):
+    model, shape, plan = setup
+    span = plan.expert_span(0, W1)
+    x = x_rows(9)
+    ids = [span.start, span.stop - 1]
+    req = expert_request(plan, 0, ids, [4, 5], x)
+    ans = M.decode(M.encode(worker.handle(M.decode(M.encode(req)))))  # through the wire both ways
+    assert isinstance(ans, M.ExpertAnswer) and ans.request_id == 7 and (ans.term, ans.plan_version) == (4, 2)
+    assert np.array_equal(ans.outputs[:4], expert_ffn(model.expert_weights(0, ids[0]), x[:4]))
+    assert np.array_equal(ans.outputs[4:], expert_ffn(model.expert_weights(0, ids[1]), x[4:]))
+
+
+def test_dense_answer_sums_with_the_other_spans_to_local_ffn(setup, worker):
+    model, shape, plan = setup
+    x = x_rows(5)
+    s = plan.dense_span(1, W1)
+    ans = worker.handle(M.DenseRequest(3, 4, 2, 1, ((s.start, s.stop),), x))
+    assert isinstance(ans, M.DenseAnswer) and ans.partials.shape == (1, 5, 32)
+    parts = [ans.partials[0] if sp.peer == W1 else expert_ffn(model.dense_weights(1, sp.start, sp.stop), x)
+             for sp in plan.dense[1]]
+    total = parts[0].copy()
+    for p in parts[1:]:
+        total += p
+    assert np.array_equal(total, LocalFFN(model, plan.dense_ranges()).ffn(1, x))
+
+
+def refused(worker, req, code, match):
+    ans = worker.handle(req)
+    assert isinstance(ans, M.Error), ans
+    assert ans.code == code and ans.request_id == req.request_id
+    assert match in ans.message, ans.message
+    M.encode(ans)  # a valid frame goes back
+
+
+def test_stale_and_unknown_terms_and_versions_are_refused(setup, worker):
+    _, _, plan = setup
+    span = plan.expert_span(0, W1)
+    ok = dict(ids=[span.start], counts=[2], rows=x_rows(2))
+    refused(worker, expert_request(plan, 0, **ok, term=3), "stale_term", "request of term 3 v2")
+    refused(worker, expert_request(plan, 0, **ok, version=1), "stale_term", "serves term 4 v2")
+    refused(worker, expert_request(plan, 0, **ok, term=5), "stale_term", "term 5")
+    with pytest.raises(StaleTermError, match="stale"):
+        worker.accept_plan(plan)  # the same version again
+    older = build_plan(setup[1], PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=3, version=9)
+    with pytest.raises(StaleTermError, match="plan term 3 v9 is stale"):
+        worker.accept_plan(older)
+
+
+def test_previous_plan_is_served_until_the_next_one(setup, worker):
+    _, shape, plan = setup
+    new = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=4, version=3)
+    worker.accept_plan(new)
+    span = plan.expert_span(0, W1)
+    assert isinstance(worker.handle(expert_request(plan, 0, [span.start], [1], x_rows(1))), M.ExpertAnswer)
+    newer = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=5, version=1)
+    worker.accept_plan(newer)  # a new term: nothing of term 4 is served any more
+    refused(worker, expert_request(new, 0, [0], [1], x_rows(1)), "stale_term", "serves term 5 v1")
+
+
+@pytest.mark.parametrize("case, match", [
+    ("expert of another peer", "outside this worker's"),
+    ("dense layer as experts", "gives this worker no experts"),
+    ("wrong hidden size", "must be [n, 32] float32"),
+    ("f16 rows", "float32"),
+    ("NaN rows", "NaN or infinity"),
+    ("too many rows", "exceed"),
+])
+def test_bad_expert_requests_are_refused(setup, worker, case, match, monkeypatch):
+    _, _, plan = setup
+    span = plan.expert_span(0, W1)
+    other = plan.expert_span(0, W2)
+    layer, ids, counts, rows = 0, [span.start], [3], x_rows(3)
+    if case == "expert of another peer":
+        ids = [other.start]
+    elif case == "dense layer as experts":
+        layer = 1
+    elif case == "wrong hidden size":
+        rows = x_rows(3, H=31)
+    elif case == "f16 rows":
+        rows = rows.astype(np.float16)
+    elif case == "NaN rows":
+        rows[1, 5] = np.nan
+    elif case == "too many rows":
+        monkeypatch.setattr(worker_mod, "MAX_REQUEST_ROWS", 2)
+    refused(worker, expert_request(plan, layer, ids, counts, rows), "bad_request", match)
+
+
+def test_bad_dense_requests_are_refused(setup, worker):
+    _, _, plan = setup
+    s = plan.dense_span(1, W1)
+    o = plan.dense_span(1, W2)
+    refused(worker, M.DenseRequest(1, 4, 2, 1, ((o.start, o.stop),), x_rows(2)), "bad_request", "not this worker's")
+    refused(worker, M.DenseRequest(1, 4, 2, 1, ((s.start, s.stop - 1),), x_rows(2)), "bad_request", "not this worker's")
+    refused(worker, M.DenseRequest(1, 4, 2, 0, ((s.start, s.stop),), x_rows(2)), "bad_request", "not this worker's")
+    refused(worker, M.DenseRequest(1, 4, 2, 1, ((s.start, s.stop),), np.full((2, 32), np.inf, np.float32)),
+            "bad_request", "NaN or infinity")
+
+
+def test_no_plan_yet_is_refused(setup):
+    model, shape, plan = setup
+    w = Worker(W1, shape, model)
+    refused(w, expert_request(plan, 0, [0], [1], x_rows(1)), "stale_term", "no plan yet")
+
+
+def test_inconsistent_frames_never_reach_the_worker(setup):
+    _, _, plan = setup
+    data = bytearray(M.encode(expert_request(plan, 0, [1, 2], [1, 1], x_rows(2))))
+    frame = wire.decode_frame(data)
+    counts = frame.tensors[1]  # row_counts, a view into data
+    at = counts.__array_interface__["data"][0] - np.frombuffer(data, np.uint8).__array_interface__["data"][0]
+    data[at + 4:at + 8] = (5).to_bytes(4, "little")  # claims 6 rows, 2 are sent
+    with pytest.raises(MessageError, match="row_counts sum to 6 but rows has 2 rows"):
+        M.decode(bytes(data))
+    with pytest.raises(RemoteProtocolError):
+        M.decode(bytes(data[:40]))  # truncated
+
+
+def test_lazy_slices_only_what_the_plan_assigns(setup):
+    model, shape, plan = setup
+    fresh = load_model(model.path)
+    w = Worker(W1, shape, fresh)
+    w.accept_plan(plan)
+    nbytes = w.prepare()
+    assert nbytes > 0
+    mine = {(l, e) for l, spans in plan.experts.items() for s in spans if s.peer == W1 for e in range(s.start, s.stop)}
+    assert set(fresh._experts) == mine  # no other expert was ever decoded
+    assert not fresh._dense  # dense ranges are copied out of the file, the whole MLP is never kept
