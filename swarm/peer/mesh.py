@@ -1,0 +1,292 @@
+"""The mesh: one authenticated link to every other Python peer, and to browsers that offer.
+
+Theory of operation
+-------------------
+The mesh is fed what signaling says — the presence list (:meth:`Mesh.sync`, :meth:`peer_joined`,
+:meth:`peer_left`) and relayed signals (:meth:`handle_signal`) — and answers with signals of
+its own through the ``send_signal`` callable it was given. It knows nothing of WebSockets or
+mDNS, so any signaling path (the rendezvous, a test bus) can drive it.
+
+* Who offers: between two Python peers, the one with the lower peer id (a deterministic rule,
+  so two peers never offer to each other at once). It keeps dialing, with a pause of
+  :data:`RETRY_S` between attempts, while the other peer is present and no link is open.
+* Browser peers connect to the coordinator only, and always offer (Chrome forms the link
+  through peer-reflexive candidates when it offers; DESIGN §9). The mesh answers them only while
+  ``accept_browsers()`` says so.
+* A link lives as long as its heartbeats: a peer that drops off signaling (the signaling host
+  left) keeps its link. An offer from a peer we already have a link to means that peer started
+  over; the old link is closed and the new one replaces it.
+
+Signals are JSON objects: ``{"type": "offer"|"answer", "sdp": str, "session": str}`` and
+``{"type": "candidate", "candidate": str, "sdpMid": str, "sdpMLineIndex": int, "session": str}``
+(browsers trickle; aiortc sends complete SDP). ``session`` pairs an answer with its offer so a
+late answer to an abandoned attempt is ignored.
+
+Every task the mesh starts is owned by it and cancelled by :meth:`Mesh.close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from aiortc.rtcdtlstransport import RTCCertificate
+from aiortc.sdp import candidate_from_sdp
+
+from swarm.errors import RemoteProtocolError, SwarmError
+from swarm.peer.link import Handler, Link, new_peer_connection
+from swarm.peer.messages import Hello
+from swarm.signaling.messages import PeerInfo
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # pause between dial attempts to a present peer with no open link
+MAX_SDP_CHARS = 32 << 10  # an aiortc or Chrome SDP with a few candidates is ~1-3 KB
+
+SendSignal = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+class Mesh:
+    """Links to the swarm's peers, kept current from signaling. See the module docstring.
+
+    ``links``: the open links by remote peer id (a live dict: read it, do not change it).
+    ``on_link_up`` / ``on_link_down``: lists of callbacks, ``cb(link)`` and ``cb(peer_id)``.
+    ``link_options``: keyword arguments for every :class:`~swarm.peer.link.Link` (timeouts).
+    """
+
+    def __init__(
+        self,
+        *,
+        local_hello: Hello,
+        certificate: RTCCertificate,
+        auth_key: bytes,
+        send_signal: SendSignal,
+        accept_browsers: Callable[[], bool] = lambda: False,
+        link_options: dict[str, Any] | None = None,
+        retry_s: float = RETRY_S,
+    ) -> None:
+        self.peer_id = local_hello.peer_id
+        self.local_hello = local_hello
+        self.links: dict[str, Link] = {}
+        self.on_link_up: list[Callable[[Link], Any]] = []
+        self.on_link_down: list[Callable[[str], Any]] = []
+        self._certificate = certificate
+        self._auth_key = auth_key
+        self._send_signal = send_signal
+        self._accept_browsers = accept_browsers
+        self._link_options = link_options or {}
+        self._retry_s = retry_s
+        self._present: dict[str, PeerInfo] = {}
+        self._attempts: dict[str, tuple[str, Link]] = {}  # peer id -> (session, link not yet open)
+        self._dialers: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._handlers: dict[type, Handler] = {}
+        self._closed = False
+
+    # -- handlers -------------------------------------------------------------------------------
+
+    def on(self, message_type: type, handler: Handler) -> None:
+        """Deliver ``message_type`` from every link, current and future, to ``handler(link, msg)``."""
+        self._handlers[message_type] = handler
+        for link in self.links.values():
+            link.on(message_type, handler)
+
+    # -- presence -------------------------------------------------------------------------------
+
+    def sync(self, presence: Iterable[PeerInfo]) -> None:
+        """Take a full presence list (on every (re)connection to a signaling server)."""
+        presence = {p.peer_id: p for p in presence if p.peer_id != self.peer_id}
+        for gone in set(self._present) - set(presence):
+            self.peer_left(gone)
+        for info in presence.values():
+            self.peer_joined(info)
+
+    def peer_joined(self, info: PeerInfo) -> None:
+        if info.peer_id == self.peer_id or self._closed:
+            return
+        self._present[info.peer_id] = info
+        if info.kind == "python" and self.peer_id < info.peer_id and info.peer_id not in self._dialers:
+            task = self._spawn(self._dial(info.peer_id))
+            self._dialers[info.peer_id] = task
+            task.add_done_callback(self._dialer_done)
+
+    def peer_left(self, peer_id: str) -> None:
+        """A peer left signaling: stop dialing it. An open link stays while its heartbeats do."""
+        self._present.pop(peer_id, None)
+        dialer = self._dialers.get(peer_id)
+        if dialer is not None and peer_id not in self.links:
+            dialer.cancel()  # else it ends by itself when the link closes
+
+    def _dialer_done(self, task: asyncio.Task) -> None:
+        for peer_id, t in list(self._dialers.items()):
+            if t is task:
+                del self._dialers[peer_id]
+
+    # -- signals --------------------------------------------------------------------------------
+
+    async def handle_signal(self, sender: str, data: dict[str, Any]) -> None:
+        """A signal relayed from ``sender`` (stamped by the server). Bad signals are logged and dropped."""
+        try:
+            await self._handle_signal(sender, data)
+        except SwarmError as exc:
+            log.warning("dropped a signal from %s: %s", sender, exc)
+
+    async def _handle_signal(self, sender: str, data: dict[str, Any]) -> None:
+        kind, session = data.get("type"), data.get("session", "")
+        if not isinstance(session, str) or len(session) > 64:
+            raise RemoteProtocolError("'session' must be a string of at most 64 characters")
+        match kind:
+            case "offer":
+                self._spawn(self._answer(sender, session, _sdp(data)))
+            case "answer":
+                attempt = self._attempts.get(sender)
+                if attempt is None or attempt[0] != session:
+                    log.info("ignored an answer from %s to an abandoned offer", sender)
+                    return
+                await attempt[1].accept_answer(_sdp(data))
+            case "candidate":
+                attempt = self._attempts.get(sender)
+                if attempt is None or attempt[0] != session or not data.get("candidate"):
+                    return  # end-of-candidates, or for an attempt that is gone
+                await _add_candidate(attempt[1], data)
+            case _:
+                raise RemoteProtocolError(f"unknown signal type {kind!r}")
+
+    # -- dialing and answering ------------------------------------------------------------------
+
+    def _new_link(self, peer_id: str, offerer: bool) -> Link:
+        pc, channel = new_peer_connection(self._certificate)
+        link = Link(pc, channel, certificate=self._certificate, auth_key=self._auth_key,
+                    local_hello=self.local_hello, offerer=offerer, expected_peer_id=peer_id, **self._link_options)
+        for message_type, handler in self._handlers.items():
+            link.on(message_type, handler)
+        return link
+
+    async def _dial(self, peer_id: str) -> None:
+        """Offer to ``peer_id`` until a link is open; again whenever it closes, while present."""
+        while not self._closed and peer_id in self._present:
+            if peer_id not in self.links:
+                session = secrets.token_hex(8)
+                link = self._new_link(peer_id, offerer=True)
+                self._attempts[peer_id] = (session, link)
+                try:
+                    offer = await link.create_offer()
+                    await self._send_signal(peer_id, {"type": "offer", "sdp": offer, "session": session})
+                    await self._establish(link)
+                except SwarmError as exc:
+                    log.info("no link to %s yet: %s", peer_id, exc)
+                    await link.close(str(exc))
+                finally:
+                    if self._attempts.get(peer_id, (None, None))[1] is link:
+                        del self._attempts[peer_id]
+            if peer_id in self.links:
+                await self.links[peer_id].wait_closed()
+            else:
+                await asyncio.sleep(self._retry_s)
+
+    async def _answer(self, peer_id: str, session: str, sdp: str) -> None:
+        info = self._present.get(peer_id)
+        if info is not None and info.kind == "browser" and not self._accept_browsers():
+            log.info("refused an offer from browser peer %s: browsers connect to the coordinator", peer_id)
+            return
+        old = self._attempts.pop(peer_id, None)
+        if old is not None:
+            await old[1].close("superseded by a new offer")
+        link = self._new_link(peer_id, offerer=False)
+        self._attempts[peer_id] = (session, link)
+        try:
+            answer = await link.accept_offer(sdp)
+            await self._send_signal(peer_id, {"type": "answer", "sdp": answer, "session": session})
+            await self._establish(link)
+        except SwarmError as exc:
+            log.info("offer from %s failed: %s", peer_id, exc)
+            await link.close(str(exc))
+        finally:
+            if self._attempts.get(peer_id, (None, None))[1] is link:
+                del self._attempts[peer_id]
+
+    async def _establish(self, link: Link) -> None:
+        """Wait for ``link`` to open, then make it the link to its peer (closing any older one)."""
+        await link.established()
+        peer_id = link.peer_id
+        assert peer_id is not None
+        old = self.links.get(peer_id)
+        if old is not None:
+            await old.close("replaced by a new link (the peer started over)")
+        if self._closed:
+            await link.close("mesh closed")
+            return
+        self.links[peer_id] = link
+        link.on_close(self._on_link_closed)
+        log.info("link up: %s (%s, %s)", peer_id, link.hello.name if link.hello else "?", "offered" if link.offerer else "answered")
+        for cb in list(self.on_link_up):
+            _call(cb, link)
+
+    def _on_link_closed(self, link: Link) -> None:
+        peer_id = link.peer_id
+        if peer_id is None or self.links.get(peer_id) is not link:
+            return
+        del self.links[peer_id]
+        self._spawn(link.close(link.close_reason or "closed"))
+        log.info("link down: %s (%s)", peer_id, link.close_reason)
+        for cb in list(self.on_link_down):
+            _call(cb, peer_id)
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        """Close every link and cancel every task; idempotent."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        links = list(self.links.values()) + [link for _, link in self._attempts.values()]
+        self._attempts.clear()
+        await asyncio.gather(*(link.close("peer leaving") for link in links), return_exceptions=True)
+        self.links.clear()
+
+
+def _sdp(data: dict[str, Any]) -> str:
+    sdp = data.get("sdp")
+    if not isinstance(sdp, str) or not 0 < len(sdp) <= MAX_SDP_CHARS:
+        raise RemoteProtocolError(f"'sdp' must be a non-empty string of at most {MAX_SDP_CHARS} characters")
+    return sdp
+
+
+async def _add_candidate(link: Link, data: dict[str, Any]) -> None:
+    text = data["candidate"]
+    if not isinstance(text, str) or len(text) > 1024:
+        raise RemoteProtocolError("'candidate' must be a string of at most 1024 characters")
+    try:
+        candidate = candidate_from_sdp(text.removeprefix("candidate:"))
+    except (ValueError, IndexError) as exc:
+        raise RemoteProtocolError(f"malformed ICE candidate: {exc}") from None
+    candidate.sdpMid = data.get("sdpMid") if isinstance(data.get("sdpMid"), str) else None
+    index = data.get("sdpMLineIndex")
+    candidate.sdpMLineIndex = index if isinstance(index, int) else None
+    await link.pc.addIceCandidate(candidate)
+
+
+def _call(cb: Callable[..., Any], arg: Any) -> None:
+    """Run an observer; a failing one is logged and must not stop the others."""
+    try:
+        result = cb(arg)
+        if asyncio.iscoroutine(result):
+            task = asyncio.ensure_future(result)
+            _observer_tasks.add(task)
+            task.add_done_callback(_observer_tasks.discard)
+    except Exception:
+        log.exception("mesh observer %r failed", cb)
+
+
+_observer_tasks: set[asyncio.Task] = set()
