@@ -1,0 +1,324 @@
+"""Find-or-host: one object that keeps a peer connected to its swarm's signaling server.
+
+Interface for ``colibri-swarm join`` (swarm.peer.node)::
+
+    rv = Rendezvous(swarm_key, peer_id, name="laptop")      # kind="python"
+    await rv.start()             # returns once connected (found by mDNS, or hosting one itself)
+    rv.peers                     # {peer_id: PeerInfo} of the current server, including us
+    rv.hosting, rv.server        # whether we host, and our SignalingServer (for its URL, fingerprint)
+    await rv.send_signal(peer_id, {...})     # SDP offer/answer, ICE candidates
+    async for event in rv:       # Connected, PeerJoined, PeerLeft, SignalReceived, SignalRefused
+        ...
+    await rv.stop()              # goodbye on mDNS, server stopped, connection closed
+
+Theory of operation. A :class:`~swarm.discovery.mdns.ServerBrowser` runs for the whole life of
+the peer. To connect, the peer tries the server :func:`~swarm.discovery.choice.pick_server`
+names (oldest live one); a server that refuses or drops it is set aside for ``DEAD_RETRY_S``.
+With none found before a deadline, the peer hosts one: the deadline is the discovery window
+for a fresh peer, and :func:`~swarm.discovery.choice.takeover_delay` after losing a server,
+so the lowest surviving Python peer id hosts anew and the others find it by mDNS. While
+connected, a better server (two were started at once) makes the peer move to it; a host that
+moves stops its own server and its clients follow. Every (re)connection is announced by a
+:class:`Connected` event carrying the full presence list; diff it against what you knew.
+With ``signal_url`` (``--signal URL``) mDNS is skipped and the peer reconnects to that URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarm.discovery.addresses import local_addresses
+from swarm.discovery.choice import DISCOVERY_WINDOW_S, TAKEOVER_STEP_S, is_better, pick_server, takeover_delay
+from swarm.discovery.mdns import Advertiser, ServerBrowser, instance_name, open_zeroconf
+from swarm.discovery.records import ServerRecord
+from swarm.errors import AuthenticationError, LocalProtocolError, SignalingUnavailableError, SwarmError
+from swarm.signaling.auth import swarm_id as swarm_id_of
+from swarm.signaling.client import (
+    Disconnected,
+    PeerJoined,
+    PeerLeft,
+    SignalingClient,
+    SignalReceived,
+    SignalRefused,
+)
+from swarm.signaling.messages import PROTOCOL_VERSION, PeerInfo
+from swarm.signaling.server import SignalingServer
+
+log = logging.getLogger(__name__)
+
+DEAD_RETRY_S = 15.0  # a server that refused us is tried again after this long
+CONNECT_TIMEOUT_S = 3.0  # per address; a LAN answers in milliseconds
+RECONNECT_S = 1.0  # pause between attempts at a fixed --signal URL
+
+
+@dataclass(frozen=True)
+class Connected:
+    """Connected (again) to a signaling server: who hosts it, whether we do, the full presence."""
+
+    host: str
+    hosting: bool
+    url: str
+    peers: tuple[PeerInfo, ...]
+
+
+Event = Connected | PeerJoined | PeerLeft | SignalReceived | SignalRefused
+
+
+class Rendezvous:
+    """Keeps one peer connected to its swarm's signaling server (see the module docstring)."""
+
+    def __init__(self, swarm_key: bytes, peer_id: str, *, name: str = "", kind: str = "python",
+                 signal_url: str | None = None, fingerprint: bytes | str | None = None,
+                 config_dir: Path | None = None, bind_host: str = "0.0.0.0",
+                 discovery_window_s: float = DISCOVERY_WINDOW_S, takeover_step_s: float = TAKEOVER_STEP_S) -> None:
+        self.swarm_key = swarm_key
+        self.swarm_id = swarm_id_of(swarm_key)
+        self.peer_id = peer_id
+        self.name = name
+        self.kind = kind
+        self.signal_url = signal_url
+        self.fingerprint = fingerprint
+        self.config_dir = config_dir
+        self.bind_host = bind_host
+        self.discovery_window_s = discovery_window_s
+        self.takeover_step_s = takeover_step_s
+        self.server: SignalingServer | None = None
+        self.client: SignalingClient | None = None
+        self.record: ServerRecord | None = None  # the server we are connected to, when found by mDNS
+        self._zc = None
+        self._browser: ServerBrowser | None = None
+        self._advertiser: Advertiser | None = None
+        self._dead: dict[tuple[str, float], float] = {}
+        self._events: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._announce: asyncio.Task[None] | None = None
+
+    # -- public ----------------------------------------------------------------------------
+
+    @property
+    def hosting(self) -> bool:
+        return self.server is not None
+
+    @property
+    def peers(self) -> dict[str, PeerInfo]:
+        return dict(self.client.peers) if self.client is not None else {}
+
+    async def start(self, timeout: float | None = None) -> None:
+        """Start discovery and return once connected to a server (or hosting one).
+
+        Raises AuthenticationError when the server refuses our key (the URL was given by hand).
+        """
+        if self._task is not None:
+            raise LocalProtocolError("rendezvous already started")
+        if self.signal_url is None:
+            self._zc = open_zeroconf()
+            self._browser = ServerBrowser(self._zc, self.swarm_id)
+            await self._browser.start()
+        self._task = asyncio.create_task(self._run(), name=f"rendezvous-{self.peer_id[:8]}")
+        waiter = asyncio.create_task(self._connected.wait())
+        done, _ = await asyncio.wait({waiter, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self._task in done:
+            self._task.result()  # re-raises what ended the loop
+        if not done:
+            raise SignalingUnavailableError(f"no signaling server within {timeout:g} s")
+
+    async def send_signal(self, to: str, data: dict[str, Any]) -> None:
+        """Relay ``data`` to peer ``to`` through the current server.
+
+        Raises SignalingUnavailableError while between servers (retry after the next Connected).
+        """
+        if self.client is None:
+            raise SignalingUnavailableError("not connected to a signaling server right now")
+        await self.client.send_signal(to, data)
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        event = await self._events.get()
+        if event is None:
+            self._events.put_nowait(None)
+            raise StopAsyncIteration
+        return event
+
+    async def stop(self) -> None:
+        """Close the connection, withdraw our mDNS record (goodbye) and stop our server."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SwarmError):
+                await self._task
+        await self._drop_client()
+        await self._stop_hosting()
+        if self._browser is not None:
+            await self._browser.close()
+        if self._zc is not None:
+            await self._zc.async_close()
+        self._events.put_nowait(None)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        client = await (self._connect_fixed() if self.signal_url else self._find_or_host(self.discovery_window_s))
+        while True:
+            self._set_client(client)
+            moved = await self._follow(client)
+            if moved is not None:
+                client = moved
+                continue
+            last_presence = tuple(client.peers.values())
+            await self._drop_client()
+            if self.record is not None:
+                self._dead[self.record.key] = time.monotonic()
+            delay = takeover_delay(self.peer_id, last_presence, client.host, self.takeover_step_s)
+            log.info("signaling server of %s lost; hosting after %.1f s unless another appears", client.host, delay)
+            client = await (self._connect_fixed() if self.signal_url else self._find_or_host(delay))
+
+    async def _connect_fixed(self) -> SignalingClient:
+        while True:
+            try:
+                return await SignalingClient.connect(self.signal_url, self.swarm_key, self.peer_id, kind=self.kind,
+                                                     name=self.name, fingerprint=self.fingerprint)
+            except SignalingUnavailableError as exc:
+                log.info("%s; retrying", exc)
+                await asyncio.sleep(RECONNECT_S)
+
+    async def _find_or_host(self, delay: float) -> SignalingClient:
+        assert self._browser is not None
+        deadline = time.monotonic() + delay
+        while True:
+            if self.server is not None:
+                return await self._connect_own()
+            record = pick_server(self._browser.records.values(), self._dead_keys())
+            if record is not None:
+                client = await self._try(record)
+                if client is not None:
+                    self.record = record
+                    return client
+                continue
+            if time.monotonic() >= deadline:
+                await self._host()
+                continue
+            self._browser.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._browser.changed.wait(),
+                                       max(0.0, min(deadline, self._next_dead_expiry()) - time.monotonic()))
+
+    async def _follow(self, client: SignalingClient) -> SignalingClient | None:
+        """Forward events until the connection ends (None) or we moved to a better server (its client)."""
+        next_event = asyncio.ensure_future(client.__anext__())
+        try:
+            while True:
+                waiters: set[asyncio.Future[Any]] = {next_event}
+                changed = None
+                if self._browser is not None:
+                    self._browser.changed.clear()
+                    changed = asyncio.ensure_future(self._browser.changed.wait())
+                    waiters.add(changed)
+                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                if changed is not None and not changed.done():
+                    changed.cancel()
+                if next_event in done:
+                    try:
+                        event = next_event.result()
+                    except StopAsyncIteration:
+                        return None
+                    if isinstance(event, Disconnected):
+                        log.info("signaling connection ended: %s %s", event.code, event.reason)
+                        return None
+                    self._events.put_nowait(event)
+                    next_event = asyncio.ensure_future(client.__anext__())
+                elif (moved := await self._move_if_better()) is not None:
+                    return moved
+        finally:
+            next_event.cancel()
+
+    async def _move_if_better(self) -> SignalingClient | None:
+        assert self._browser is not None
+        current = self._advertiser.record if self._advertiser is not None else self.record
+        best = pick_server(self._browser.records.values(), self._dead_keys())
+        if best is None or current is None or best.key == current.key or not is_better(best, current):
+            return None
+        client = await self._try(best)
+        if client is None:
+            return None
+        log.info("moving to the older signaling server of %s", best.host)
+        await self._drop_client()
+        await self._stop_hosting()
+        self.record = best
+        return client
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _set_client(self, client: SignalingClient) -> None:
+        self.client = client
+        self._events.put_nowait(Connected(host=client.host, hosting=self.hosting,
+                                          url=self.record.url() if self.record and not self.hosting else "",
+                                          peers=tuple(client.peers.values())))
+        self._connected.set()
+
+    async def _try(self, record: ServerRecord) -> SignalingClient | None:
+        for address in record.addresses:
+            try:
+                return await SignalingClient.connect(record.url(address), self.swarm_key, self.peer_id, kind=self.kind,
+                                                     name=self.name, fingerprint=record.fingerprint,
+                                                     timeout=CONNECT_TIMEOUT_S)
+            except (SignalingUnavailableError, AuthenticationError) as exc:
+                log.info("signaling server %s at %s: %s", record.host, address, exc)
+        self._dead[record.key] = time.monotonic()
+        return None
+
+    async def _host(self) -> None:
+        server = SignalingServer(self.swarm_key, self.peer_id, config_dir=self.config_dir)
+        await server.start(self.bind_host, 0)
+        self.server = server
+        assert self._zc is not None and server.started is not None and server.port is not None
+        record = ServerRecord(
+            name=instance_name(self.peer_id, server.started), version=PROTOCOL_VERSION, swarm_id=self.swarm_id,
+            port=server.port, fingerprint=server.certificate.sha256, host=self.peer_id, started=server.started,
+            addresses=tuple(local_addresses()),
+        )
+        self._advertiser = Advertiser(self._zc, record)
+        # Announce in the background: probing takes ~1 s and our own connection need not wait.
+        self._announce = asyncio.create_task(self._advertiser.start(), name="mdns-announce")
+        log.info("hosting the signaling server on port %d (certificate %s)", server.port, server.certificate.fingerprint)
+
+    async def _connect_own(self) -> SignalingClient:
+        assert self.server is not None
+        self.record = None
+        return await SignalingClient.connect(self.server.url("127.0.0.1"), self.swarm_key, self.peer_id,
+                                             kind=self.kind, name=self.name, fingerprint=self.server.certificate.sha256)
+
+    async def _stop_hosting(self) -> None:
+        advertiser, self._advertiser = self._advertiser, None
+        if advertiser is not None:
+            announce, self._announce = self._announce, None
+            if announce is not None and not announce.done():
+                announce.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await announce
+            await advertiser.close()
+        server, self.server = self.server, None
+        if server is not None:
+            await server.stop()
+
+    async def _drop_client(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()
+
+    def _dead_keys(self) -> set[tuple[str, float]]:
+        now = time.monotonic()
+        self._dead = {k: t for k, t in self._dead.items() if now - t < DEAD_RETRY_S}
+        return set(self._dead)
+
+    def _next_dead_expiry(self) -> float:
+        return min((t + DEAD_RETRY_S for t in self._dead.values()), default=float("inf"))

@@ -1,0 +1,240 @@
+"""A network-namespace lab for multi-host tests: N "machines" on one Ethernet segment.
+
+Layout (all names carry the prefix ``csa-<pid>-`` so parallel runs and other suites never clash)::
+
+    csa-<pid>-sw<L>           a switch namespace holding bridge br0 (multicast snooping off)
+      ├── p0 ══ veth ══ eth0  in csa-<pid>-<k>     10.77.X.1/24, lo up, route 224.0.0.0/4
+      ├── p1 ══ veth ══ eth0  in csa-<pid>-<k+1>   10.77.X.2/24
+      └── …
+
+The bridge lives in its own namespace, so the host's firewall (br_netfilter, docker rules)
+never sees the traffic and nothing but these namespaces can reach it. X is derived from the
+pid and a lab counter. Interfaces inside are named ``eth0`` (address selection skips names
+like ``veth*`` as virtual).
+
+Use from tests through the ``netns_lab`` fixture (tests/multihost/conftest.py)::
+
+    lab = netns_lab(3)                                     # three namespaces, up and linked
+    proc = lab.spawn(0, ["-m", "some.module", "--flag"])   # python3 inside namespace 0
+    event = await proc.wait_for(lambda e: e.get("event") == "ready", timeout=10)
+    proc.kill()                                            # SIGKILL, like a pulled plug
+
+Processes get their own COLIBRI_SWARM_CONFIG_DIR / COLIBRI_SWARM_CACHE_DIR under the test's
+tmp dir. Each prints one JSON object per line on stdout; :class:`NsProcess` parses them.
+Everything is removed on :meth:`NetnsLab.close` (the fixture calls it, also after failures),
+and namespaces left by a killed earlier run of a dead pid are removed at setup.
+Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+PREFIX = "csa"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_lab_numbers = itertools.count()
+_ns_numbers = itertools.count()
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``ip ARGS``; raise RuntimeError with ip's message when it fails and ``check``."""
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+    return result
+
+
+def remove_stale_namespaces() -> None:
+    """Delete ``csa-<pid>-*`` namespaces whose pid is no longer running (left by a killed run)."""
+    for line in ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = re.fullmatch(rf"{PREFIX}-(\d+)-\w+", name)
+        if m and not _pid_alive(int(m.group(1))):
+            ip("netns", "del", name, check=False)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class NsProcess:
+    """A process inside a namespace whose stdout is JSON lines; stderr goes to ``log_path``."""
+
+    def __init__(self, popen: subprocess.Popen[str], namespace: str, log_path: Path) -> None:
+        self.popen = popen
+        self.namespace = namespace
+        self.log_path = log_path
+        self.events: list[dict[str, Any]] = []  # every JSON line seen so far, in order
+        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                obj = {"event": "non-json", "line": line.rstrip()}
+            if not isinstance(obj, dict):
+                obj = {"event": "non-json", "line": line.rstrip()}
+            obj.setdefault("t", time.monotonic())
+            self._lines.put(obj)
+        self._lines.put(None)
+
+    def _drain(self) -> bool:
+        """Move parsed lines into ``events``; False once stdout has ended."""
+        alive = True
+        while True:
+            try:
+                obj = self._lines.get_nowait()
+            except queue.Empty:
+                return alive
+            if obj is None:
+                alive = False
+                self._lines.put(None)
+                return alive
+            self.events.append(obj)
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float,
+                       since: int = 0) -> dict[str, Any]:
+        """The first event at index ≥ ``since`` satisfying ``predicate``; waits up to ``timeout`` s.
+
+        Raises AssertionError with the process's stderr tail when it ends or the time runs out.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = self._drain()
+            for event in self.events[since:]:
+                if predicate(event):
+                    return event
+            if not alive:
+                raise AssertionError(f"process in {self.namespace} exited ({self.popen.poll()}) before the "
+                                     f"expected event; stderr:\n{self.stderr_tail()}")
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no expected event from {self.namespace} within {timeout:g} s; "
+                                     f"last events: {self.events[-3:]}; stderr:\n{self.stderr_tail()}")
+            await asyncio.sleep(0.05)
+
+    def stderr_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (default SIGKILL) and reap it."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=10)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+class NetnsLab:
+    """N namespaces joined by a bridge; see the module docstring."""
+
+    def __init__(self, n: int, workdir: Path) -> None:
+        if not 1 <= n <= 200:
+            raise ValueError(f"a lab holds 1..200 namespaces, not {n}")
+        pid = os.getpid()
+        lab = next(_lab_numbers)
+        self.n = n
+        self.workdir = workdir
+        self.switch = f"{PREFIX}-{pid}-sw{lab}"
+        self.namespaces = [f"{PREFIX}-{pid}-{next(_ns_numbers)}" for _ in range(n)]
+        self.subnet_octet = (pid * 7 + lab) % 250 + 1
+        self.addresses = [f"10.77.{self.subnet_octet}.{i + 1}" for i in range(n)]
+        self.processes: list[NsProcess] = []
+        self._created: list[str] = []
+
+    def setup(self) -> NetnsLab:
+        remove_stale_namespaces()
+        try:
+            self._add_ns(self.switch)
+            ip("-n", self.switch, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
+            ip("-n", self.switch, "link", "set", "br0", "up")
+            for i, (ns, address) in enumerate(zip(self.namespaces, self.addresses, strict=True)):
+                self._add_ns(ns)
+                ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+                ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0")
+                ip("-n", self.switch, "link", "set", f"p{i}", "up")
+                ip("-n", ns, "link", "set", "lo", "up")
+                ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+                ip("-n", ns, "link", "set", "eth0", "multicast", "on")
+                ip("-n", ns, "link", "set", "eth0", "up")
+                ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _add_ns(self, name: str) -> None:
+        ip("netns", "add", name)
+        self._created.append(name)
+
+    def env(self, i: int) -> dict[str, str]:
+        """Environment for a process in namespace ``i``: its own config/cache dirs, repo importable."""
+        home = self.workdir / f"ns{i}"
+        env = dict(os.environ)
+        env.update({
+            "COLIBRI_SWARM_CONFIG_DIR": str(home / "config"),
+            "COLIBRI_SWARM_CACHE_DIR": str(home / "cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def spawn(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None) -> NsProcess:
+        """Start ``python3 ARGV`` inside namespace ``i`` in its own process group."""
+        log_path = self.workdir / f"ns{i}-{len(self.processes)}.stderr"
+        stderr = open(log_path, "w")  # noqa: SIM115 - the child owns it after fork
+        popen = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespaces[i], sys.executable, *argv],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO_ROOT,
+            env={**self.env(i), **(env or {})}, start_new_session=True,
+        )
+        stderr.close()
+        proc = NsProcess(popen, self.namespaces[i], log_path)
+        self.processes.append(proc)
+        return proc
+
+    def exec(self, i: int, *argv: str) -> subprocess.CompletedProcess[str]:
+        """Run a command inside namespace ``i`` and wait for it (for checks like ``ip addr``)."""
+        return subprocess.run(["ip", "netns", "exec", self.namespaces[i], *argv],
+                              capture_output=True, text=True, timeout=60)
+
+    def close(self) -> None:
+        """Kill every process this lab started and delete its namespaces (veths and bridge go with them)."""
+        for proc in self.processes:
+            proc.kill()
+        self.processes.clear()
+        for name in reversed(self._created):
+            ip("netns", "del", name, check=False)
+        self._created.clear()

@@ -1,0 +1,56 @@
+"""Multi-host: peers in separate network namespaces find each other by real mDNS, with no
+address given, and re-form around a new signaling host within 10 s when the host is killed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
+
+SCRIPT = "tests/multihost/discovery_peer.py"
+REFORM_LIMIT_S = 10.0
+
+
+def sees_all(ids):
+    want = sorted(ids)
+
+    def predicate(event):
+        return event.get("event") in ("connected", "presence") and event["peers"] == want
+
+    return predicate
+
+
+async def test_discover_and_rehost_after_host_killed(netns_lab):
+    lab = netns_lab(3)
+    key = os.urandom(32).hex()
+    ids = ["peer-a", "peer-b", "peer-c"]
+    procs = [lab.spawn(i, [SCRIPT, "--key", key, "--peer-id", pid]) for i, pid in enumerate(ids)]
+
+    # All three started together, nobody typed an address: they must end up on one server, all present.
+    finals = [await p.wait_for(sees_all(ids), timeout=30) for p in procs]
+    hosts = {e["host"] for e in finals}
+    assert len(hosts) == 1, [p.events for p in procs]
+    (old_host,) = hosts
+    assert old_host in ids
+    assert sum(1 for p in procs if p.events[-1]["hosting"]) == 1
+    assert finals
+
+    # Kill the host's process like a pulled plug (no goodbye, no close frames).
+    victim = ids.index(old_host)
+    marks = [len(p.events) for p in procs]
+    killed_at = time.monotonic()
+    procs[victim].kill()
+    survivors = [i for i in range(3) if i != victim]
+    survivor_ids = [ids[i] for i in survivors]
+    new_hosts = set()
+    for i in survivors:
+        event = await procs[i].wait_for(sees_all(survivor_ids), timeout=REFORM_LIMIT_S + 5, since=marks[i])
+        new_hosts.add(event["host"])
+        elapsed = event["t"] - killed_at
+        assert elapsed < REFORM_LIMIT_S, f"{ids[i]} re-formed after {elapsed:.1f} s"
+    # The lowest surviving peer id hosts anew (choice.takeover_delay), and everyone follows it.
+    assert new_hosts == {min(survivor_ids)}
+    print(f"re-formed within {max(p.events[-1]['t'] for p in (procs[i] for i in survivors)) - killed_at:.2f} s")
