@@ -108,6 +108,9 @@ class ChannelAuth:
     ``auth_key``: the swarm key's channel-auth sub-key (``SwarmKey.channel_auth_key``, 32 bytes).
     ``local_fingerprint``: of our DTLS certificate; ``remote_fingerprint``: from the remote SDP.
     ``now``: seconds on the caller's monotonic clock; ``nonce``: 32 bytes (random by default).
+    ``expected_peer_id``: when the adapter knows which peer id the remote must be (the peer id of
+    the remote DTLS certificate, ``identity.peer_id_of_certificate``, or the one signaling
+    announced), a hello claiming another is refused.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class ChannelAuth:
         now: float,
         nonce: bytes | None = None,
         timeout_s: float = AUTH_TIMEOUT_S,
+        expected_peer_id: str | None = None,
     ) -> None:
         if len(auth_key) < 32:
             raise LocalProtocolError("channel-auth key must be 32 bytes (SwarmKey.channel_auth_key)")
@@ -134,6 +138,7 @@ class ChannelAuth:
             raise LocalProtocolError(f"nonce must be {NONCE_BYTES} bytes")
         self.local_nonce = nonce.hex()
         self.remote_peer_id: str | None = None
+        self.expected_peer_id = expected_peer_id
         self._remote_nonce: str | None = None
         self.deadline = now + timeout_s
         self.state = State.HELLO_SENT
@@ -167,6 +172,11 @@ class ChannelAuth:
             case AuthHello(peer_id=peer_id, nonce=nonce) if self._remote_nonce is None:
                 if peer_id == self.local_peer_id or nonce == self.local_nonce:
                     raise AuthenticationError("the remote hello echoes our own peer id or nonce (a reflected handshake)")
+                if self.expected_peer_id is not None and peer_id != self.expected_peer_id:
+                    raise AuthenticationError(
+                        f"the remote claims peer id {peer_id} but should be {self.expected_peer_id} "
+                        "(the peer id of its DTLS certificate or the one signaling announced)"
+                    )
                 self.remote_peer_id, self._remote_nonce = peer_id, nonce
                 self.state = State.PROOF_SENT
                 proof = AuthProof(key_mac=self._mac("key", self.role), channel_mac=self._mac("channel", self.role))

@@ -165,3 +165,15 @@ def test_aiortc_certificate_fingerprint_is_in_the_transcript_form() -> None:
 
     fp = next(f for f in RTCCertificate.generateCertificate().getFingerprints() if f.algorithm == "sha-256")
     assert normalize_fingerprint(f"{fp.algorithm} {fp.value}") == f"sha-256 {fp.value}"
+
+
+def test_expected_peer_id_is_enforced() -> None:
+    a = ChannelAuth(role=Role.OFFERER, auth_key=KEY.channel_auth_key, local_peer_id=PA,
+                    local_fingerprint=FP_A, remote_fingerprint=FP_B, now=0.0, expected_peer_id="c" * 26)
+    _, b = pair()
+    with pytest.raises(AuthenticationError, match=f"claims peer id {PB} but should be {'c' * 26}"):
+        a.receive(b.start()[0])
+    a = ChannelAuth(role=Role.OFFERER, auth_key=KEY.channel_auth_key, local_peer_id=PA,
+                    local_fingerprint=FP_A, remote_fingerprint=FP_B, now=0.0, expected_peer_id=PB)
+    transfer(a, b)
+    assert a.authenticated

@@ -258,3 +258,61 @@ def test_a_new_kind_is_a_local_change() -> None:
             m.message(4000)(type("Other", (m._Base,), {"__annotations__": {}}))
     finally:
         del m.KINDS[4000]
+
+
+# --- property-based round trips ------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ints = st.integers(0, m.MAX_INT)
+floats = st.floats(allow_nan=False, allow_infinity=False)
+peer_ids = st.text("abcdefghijklmnopqrstuvwxyz234567", min_size=26, max_size=26)
+texts = st.text(max_size=40)
+ranges = st.tuples(st.integers(0, 10_000), st.integers(1, 10_000)).map(lambda p: (p[0], p[0] + p[1]))
+
+
+@st.composite
+def expert_requests(draw):
+    n = draw(st.integers(0, 6))
+    ids = draw(st.lists(st.integers(0, 255), min_size=n, max_size=n, unique=True))
+    counts = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    hidden = draw(st.integers(1, 9))
+    dtype = draw(st.sampled_from([np.float32, np.float16]))
+    rows = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).standard_normal((sum(counts), hidden)).astype(dtype)
+    return m.ExpertRequest(
+        request_id=draw(st.integers(0, 2**32 - 1)), term=draw(ints), plan_version=draw(ints), layer=draw(ints),
+        expert_ids=np.array(ids, np.int32), row_counts=np.array(counts, np.int32), rows=rows,
+    )
+
+
+messages_strategy = st.one_of(
+    st.builds(m.Heartbeat, seq=ints, sent_s=floats),
+    st.builds(m.Error, request_id=st.integers(0, 2**32 - 1), code=texts, message=st.text(max_size=300)),
+    st.builds(m.Vote, term=ints, granted=st.booleans()),
+    st.builds(
+        m.Plan, term=ints, version=ints,
+        assignments=st.lists(
+            st.builds(m.Assignment, layer=ints, peer=peer_ids,
+                      experts=st.lists(ints, max_size=5).map(tuple), dense=st.lists(ranges, max_size=3).map(tuple)),
+            max_size=5,
+        ).map(tuple),
+    ),
+    st.builds(
+        m.Hello, peer_id=peer_ids, protocol_version=ints,
+        build=st.builds(m.NumericBuild, package=texts, numpy=texts, blas=texts, arch=texts, kernel_dtype=texts),
+        model_hash=st.none() | st.text("0123456789abcdef", min_size=64, max_size=64),
+        memory_budget=ints, ffn_gflops=floats, peer_kind=st.sampled_from(["python", "browser"]),
+        adapter_limits=st.dictionaries(texts, ints, max_size=4),
+        adapter_features=st.lists(texts, max_size=4).map(tuple), name=texts,
+    ),
+    expert_requests(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages_strategy)
+def test_property_round_trip(msg: object) -> None:
+    data = m.encode(msg)
+    assert_same(m.decode(data), msg)
+    assert m.encode(m.decode(data)) == data

@@ -259,3 +259,42 @@ def test_max_message_size_from_sdp() -> None:
     assert max_message_size_from_sdp("v=0\r\nm=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\n") == 65536
     assert max_message_size_from_sdp("v=0\r\na=sctp-port:5000\r\na=max-message-size:262144\r\n") == 262144
     assert max_message_size_from_sdp("a=max-message-size:0\r\n") > wire.MAX_FRAME_BYTES
+
+
+# --- property-based ------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+WIRE_DTYPES = [np.float32, np.float16, BF16, np.int32, np.uint8]
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from(WIRE_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=4)))
+    n = int(np.prod(shape))
+    raw = draw(st.binary(min_size=n * np.dtype(dtype).itemsize, max_size=n * np.dtype(dtype).itemsize))
+    return np.frombuffer(raw, dtype).reshape(shape)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kind=st.integers(0, 0xFFFF),
+    request_id=st.integers(0, 2**32 - 1),
+    meta=st.binary(max_size=64),
+    ts=st.lists(tensors(), max_size=5),
+    limit=st.integers(1024, 4096),
+)
+def test_property_frame_and_fragment_round_trip(kind, request_id, meta, ts, limit) -> None:
+    frame = encode_frame(kind, meta, ts, request_id=request_id)
+    got = decode_frame(frame)
+    assert (got.kind, got.request_id, got.meta) == (kind, request_id, meta)
+    for want, t in zip(ts, got.tensors, strict=True):
+        assert wire.dtype_name(t) == wire.dtype_name(want) and t.shape == want.shape
+        assert t.tobytes() == want.tobytes()  # bit-exact, NaN payloads included
+    padded = frame + bytes(limit * 3)  # make sure fragmentation happens for some examples
+    big = encode_frame(kind, meta, [*ts, np.frombuffer(padded, np.uint8)], request_id=request_id)
+    r = Reassembler()
+    outs = [r.feed(p, now=0.0) for p in Fragmenter(limit).split(big)]
+    assert bytes(outs[-1]) == big and all(o is None for o in outs[:-1])
