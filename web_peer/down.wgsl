@@ -37,7 +37,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let t0 = wid.z * TB;
     let base = r * p.k4;
     var acc: array<f32, TB>;
-    for (var k = lid; k < p.k4; k += WG) {
+    // Four independent weight loads per step (see swiglu.wgsl), then the tail.
+    var k = lid;
+    for (; k + 3u * WG < p.k4; k += 4u * WG) {
+        let w0 = unpack_w(w_down[base + k]);
+        let w1 = unpack_w(w_down[base + k + WG]);
+        let w2 = unpack_w(w_down[base + k + 2u * WG]);
+        let w3 = unpack_w(w_down[base + k + 3u * WG]);
+        for (var t = 0u; t < TB; t++) {
+            let tt = t0 + t;
+            if (tt < p.t_rows) {
+                let hi = tt * p.k4 + k;
+                acc[t] += (dot(hin[hi], w0) + dot(hin[hi + WG], w1))
+                        + (dot(hin[hi + 2u * WG], w2) + dot(hin[hi + 3u * WG], w3));
+            }
+        }
+    }
+    for (; k < p.k4; k += WG) {
         let w = unpack_w(w_down[base + k]);
         for (var t = 0u; t < TB; t++) {
             let tt = t0 + t;

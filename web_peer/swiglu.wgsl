@@ -49,7 +49,32 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let base = r * p.k4;
     var acc_g: array<f32, TB>;
     var acc_u: array<f32, TB>;
-    for (var k = lid; k < p.k4; k += WG) {
+    // Four independent weight loads per step keep more memory requests in flight (decode is
+    // bandwidth-bound); the tail loop takes what is left.
+    var k = lid;
+    for (; k + 3u * WG < p.k4; k += 4u * WG) {
+        let g0 = unpack_w(w_gate[base + k]);
+        let g1 = unpack_w(w_gate[base + k + WG]);
+        let g2 = unpack_w(w_gate[base + k + 2u * WG]);
+        let g3 = unpack_w(w_gate[base + k + 3u * WG]);
+        let u0 = unpack_w(w_up[base + k]);
+        let u1 = unpack_w(w_up[base + k + WG]);
+        let u2 = unpack_w(w_up[base + k + 2u * WG]);
+        let u3 = unpack_w(w_up[base + k + 3u * WG]);
+        for (var t = 0u; t < TB; t++) {
+            let tt = t0 + t;
+            if (tt < p.t_rows) {
+                let xi = tt * p.k4 + k;
+                let x0 = x[xi];
+                let x1 = x[xi + WG];
+                let x2 = x[xi + 2u * WG];
+                let x3 = x[xi + 3u * WG];
+                acc_g[t] += (dot(x0, g0) + dot(x1, g1)) + (dot(x2, g2) + dot(x3, g3));
+                acc_u[t] += (dot(x0, u0) + dot(x1, u1)) + (dot(x2, u2) + dot(x3, u3));
+            }
+        }
+    }
+    for (; k < p.k4; k += WG) {
         let g = unpack_w(w_gate[base + k]);
         let u = unpack_w(w_up[base + k]);
         for (var t = 0u; t < TB; t++) {
