@@ -13,19 +13,22 @@ no replicated state: it only runs the token loop.
 * Terms number elections. A peer votes at most once per term; a candidate that
   collects votes from a majority of the known voting members becomes the
   coordinator of that term, so there is at most one coordinator per term.
-* Every member broadcasts a :class:`Heartbeat` every ``HEARTBEAT_S``. It tells
-  the others the sender is alive (reachability), its eligibility and capability,
-  and, from the coordinator, that the term has a leader.
-* A follower that hears no coordinator for its election timeout stands as a
-  candidate. Only peers holding the whole model are *eligible* to stand.
+* The coordinator sends a :class:`Heartbeat` every ``HEARTBEAT_S``. A follower
+  that hears none for its election timeout stands as a candidate. Only peers
+  holding the whole model are *eligible* to stand.
+* Reachability is what the links say: the adapter calls :meth:`Election.heard_from`
+  whenever a member's link carries anything (link heartbeats included), and every
+  election message counts too. A member heard within ``REACHABLE_S`` is reachable;
+  a coordinator whose heartbeats stopped for an election timeout is not, even if
+  its link has not timed out yet (it is the one presumed dead).
 * The most capable eligible peer wins when it is reachable: a peer's election
   timeout grows with its rank among the reachable eligible peers (rank 0 is the
   most capable), and a voter refuses a candidate when it knows a reachable
   eligible peer that is more capable (ties broken by peer id).
 * A member that heard its coordinator within ``ELECTION_TIMEOUT_S`` ignores vote
   requests (§6), so a peer that rejoins does not depose a working coordinator.
-* A coordinator that has not heard from a majority within
-  ``ELECTION_TIMEOUT_S`` steps down (check-quorum), so a coordinator cut off in
+* A coordinator that has not heard from a majority within ``REACHABLE_S``
+  steps down (check-quorum), so a coordinator cut off in
   a minority stops serving.
 
 Terms and votes are not persisted across restarts. Raft persists them so a
@@ -53,11 +56,11 @@ from dataclasses import dataclass
 from swarm.errors import LocalProtocolError, StaleTermError
 
 # Named timing constants (seconds). Worst case after the coordinator dies: the
-# survivors last heard it ≤ HEARTBEAT_S before, then the best-ranked one waits
-# ELECTION_TIMEOUT_S + JITTER_S (+ RANK_STEP_S while the dead one still looks
-# reachable), then one vote round trip: ≈ 2.2 s, well inside the 5 s goal.
-HEARTBEAT_S = 0.25
-REACHABLE_S = 0.8  # heard within this long → counted as reachable
+# survivors last heard it ≤ HEARTBEAT_S before, then the best-ranked survivor waits
+# ELECTION_TIMEOUT_S + JITTER_S, then one vote round trip: ≈ 1.6 s; a refused or
+# split round costs one more timeout — still inside the 5 s goal.
+HEARTBEAT_S = 0.25  # coordinator heartbeats
+REACHABLE_S = 2.5  # heard within this long → reachable (links beat every 1 s: two may be lost)
 ELECTION_TIMEOUT_S = 1.0
 RANK_STEP_S = 0.4  # each rank below the most capable waits this much longer
 JITTER_S = 0.3  # uniform random extra, so equal ranks rarely collide
@@ -72,13 +75,10 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """Presence of ``sender`` in ``term``; ``leader`` is the sender's known coordinator of ``term``."""
+    """``leader`` coordinates ``term`` and is alive (sent by the coordinator only)."""
 
     term: int
-    sender: str
-    eligible: bool
-    capability: float
-    leader: str | None
+    leader: str
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,12 @@ class Election:
         """Votes needed to win: a strict majority of :attr:`members`."""
         return len(self.members) // 2 + 1
 
+    def heard_from(self, peer_id: str, now: float) -> None:
+        """Anything arrived from ``peer_id`` (its link's heartbeat, any message): it is alive."""
+        m = self._members.get(peer_id)
+        if m is not None:
+            m.last_heard = now
+
     def reachable(self, peer_id: str, now: float) -> bool:
         """True for ourselves and for members heard from within ``REACHABLE_S``."""
         if peer_id == self.peer_id:
@@ -209,19 +215,17 @@ class Election:
 
     def handle_timer(self, now: float) -> None:
         """Act on every deadline that has passed by ``now``."""
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + HEARTBEAT_S
-            leader = self.leader if self.role is not Role.CANDIDATE else None
-            self._send(None, Heartbeat(self.term, self.peer_id, self.eligible, self.capability, leader))
         if self.role is Role.LEADER:
-            heard = 1 + sum(
-                m.last_heard is not None and now - m.last_heard <= ELECTION_TIMEOUT_S
-                for m in self._members.values()
-            )
+            heard = 1 + sum(self.reachable(p, now) for p in self._members)
             if heard < self.quorum():
                 self._lose_leader(now)  # check-quorum: cut off in a minority
+                return
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + HEARTBEAT_S
+                self._send(None, Heartbeat(self.term, self.peer_id))
             return
         if now >= self._deadline:
+            self._presume_leader_dead()
             if self.eligible and now >= self._quiet_until:
                 self._stand(now)
             else:
@@ -229,9 +233,7 @@ class Election:
 
     def get_timer(self) -> float:
         """The time at which :meth:`handle_timer` must next be called."""
-        if self.role is Role.LEADER:
-            return self._next_heartbeat
-        return min(self._next_heartbeat, self._deadline)
+        return self._next_heartbeat if self.role is Role.LEADER else self._deadline
 
     def messages_to_send(self) -> list[tuple[str | None, ElectionMessage]]:
         """Drain outgoing messages as ``(destination peer id, message)``; ``None`` = every member."""
@@ -258,13 +260,22 @@ class Election:
         self._out.append((dest, msg))
 
     def _rank(self, now: float) -> int:
-        """Our rank among reachable eligible peers, 0 = most capable."""
+        """Our rank among reachable eligible peers other than the coordinator, 0 = most capable.
+
+        The coordinator is left out: the rank decides who stands when it is gone.
+        """
         mine = capability_key(self.capability, self.peer_id)
         return sum(
             1
             for p, m in self._members.items()
-            if m.eligible and self.reachable(p, now) and capability_key(m.capability, p) > mine
+            if p != self.leader and m.eligible and self.reachable(p, now) and capability_key(m.capability, p) > mine
         )
+
+    def _presume_leader_dead(self) -> None:
+        """The coordinator's heartbeats stopped: count it unreachable until it is heard again."""
+        m = self._members.get(self.leader) if self.leader else None
+        if m is not None:
+            m.last_heard = None
 
     def _timeout(self, now: float | None = None) -> float:
         rank = 0 if now is None else self._rank(now)
@@ -315,10 +326,15 @@ class Election:
         )
 
     def _on_heartbeat(self, sender: str, hb: Heartbeat, now: float) -> None:
-        self.add_member(sender, eligible=hb.eligible, capability=hb.capability, now=now)
         if hb.term > self.term:
             self._adopt_term(hb.term, now)
-        if hb.term < self.term or hb.leader != sender:
+        if hb.leader != sender:
+            return
+        if hb.term < self.term:
+            # A coordinator of an older term (we moved on while cut off from it): tell it our
+            # term, as Raft's AppendEntries reply does, so it steps down and an election
+            # that includes us follows — otherwise we could never follow anyone again.
+            self._send(sender, Vote(self.term, self.peer_id, False))
             return
         if self.role is Role.LEADER or (self.leader not in (None, sender)):
             # Two coordinators in one term can only come from peers that elected
@@ -340,6 +356,7 @@ class Election:
             return  # a vote request is only valid from the candidate itself
         if self._leader_is_live(now) or now < self._quiet_until:
             return  # §6: a working coordinator is not deposed by a rejoining peer
+        self._presume_leader_dead()
         if rv.term > self.term:
             self._adopt_term(rv.term, now)
         granted = (

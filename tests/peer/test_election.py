@@ -19,6 +19,7 @@ from swarm.errors import StaleTermError
 from swarm.peer.election import Election, Heartbeat, LeaderChanged, RequestVote, Role, Vote
 
 TICK_S = 0.005
+LINK_BEAT_S = 1.0  # the links' own heartbeats: what tells a member its peers are alive
 
 
 class Sim:
@@ -41,6 +42,7 @@ class Sim:
         self.queue: list[tuple[float, int, str, str, object]] = []
         self.seq = 0
         self.leaders: dict[int, set[str]] = {}
+        self.next_link_beat = {pid: self.rng.uniform(0, LINK_BEAT_S) for pid in caps}
         self.first_checked_term = 0  # safety is asserted for terms from this one on
 
     def connected(self, a: str, b: str) -> bool:
@@ -54,6 +56,12 @@ class Sim:
             _, _, src, dst, msg = heapq.heappop(self.queue)
             if self.connected(src, dst):
                 self.peers[dst].receive(src, msg, self.now)
+        for pid in sorted(self.alive):
+            if self.now >= self.next_link_beat[pid]:  # pid's link heartbeat reaches its peers
+                self.next_link_beat[pid] += LINK_BEAT_S
+                for d in self.peers:
+                    if d != pid and self.connected(pid, d) and self.rng.random() >= self.loss:
+                        self.peers[d].heard_from(pid, self.now)
         for pid in sorted(self.alive):
             e = self.peers[pid]
             if e.get_timer() <= self.now:
@@ -189,7 +197,7 @@ def test_voter_refuses_less_capable_candidate_and_stale_terms():
     v.add_member("weak", eligible=True, capability=1.0, now=0.0)
     v.add_member("strong", eligible=True, capability=9.0, now=0.0)
     v.add_member("none", eligible=False, capability=99.0, now=0.0)
-    v.receive("strong", Heartbeat(0, "strong", True, 9.0, None), now=0.5)
+    v.heard_from("strong", now=0.5)
     v.receive("weak", RequestVote(1, "weak"), now=0.6)
     assert v.messages_to_send() == [("weak", Vote(1, "v", False))]
     v.receive("none", RequestVote(2, "none"), now=0.7)  # not eligible: refused
@@ -202,10 +210,10 @@ def test_voter_refuses_less_capable_candidate_and_stale_terms():
     # a vote request naming someone else than its sender is ignored
     v.receive("weak", RequestVote(3, "strong"), now=0.9)
     assert v.messages_to_send() == [] and v.term == 2
-    # Once "strong" is unreachable, "weak" may lead.
+    # Once "strong" is unreachable (nothing heard for REACHABLE_S), "weak" may lead.
     v.receive("weak", RequestVote(3, "weak"), now=5.0)
     assert v.messages_to_send() == [("weak", Vote(3, "v", True))]
-    v.receive("weak", Heartbeat(3, "weak", True, 1.0, "weak"), now=5.1)
+    v.receive("weak", Heartbeat(3, "weak"), now=5.1)
     assert v.next_event() == LeaderChanged(3, "weak")
     with pytest.raises(StaleTermError, match="term 2 is stale"):
         v.check_term(2, now=5.2)
