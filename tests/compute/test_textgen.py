@@ -1,0 +1,144 @@
+"""The ``generate`` command: argument checks, bad model files, and the text seam.
+
+Every failure must be one line on stderr that names what was wrong (the flag, or the
+file and its field/tensor), exit code 2, and no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.cli import EXIT_ERROR, main
+from swarm.compute import SamplingParams, generate
+from swarm.compute.textgen import generate_text
+from swarm.compute.tokenizer import messages_from, tokenizer_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
+        (["--temperature", "-1"], "--temperature -1.0: must be ≥ 0"),
+        (["--temperature", "nan"], "--temperature nan"),
+        (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+        (["--top-k", "-3"], "--top-k -3: must be ≥ 0"),
+        (["--swarm"], "--swarm"),
+    ],
+)
+def test_bad_arguments_name_the_flag(capsys, flags, needle):
+    assert main(["generate", "hi", "--model", "/nonexistent/never-read.gguf", *flags]) == EXIT_ERROR
+    assert needle in _error_line(capsys)
+
+
+def _tiny_gguf(path: Path, arch: str) -> Path:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_bad_model_files(capsys, tmp_path, smollm2_path):
+    missing = tmp_path / "absent.gguf"
+    assert main(["generate", "hi", "--model", str(missing)]) == EXIT_ERROR
+    assert f"{missing}: no such model file" in _error_line(capsys)
+
+    truncated = tmp_path / "truncated.gguf"
+    with smollm2_path.open("rb") as src, truncated.open("wb") as dst:
+        dst.write(src.read(3_000_000))  # the header says 98 MB of tensors follow
+    assert main(["generate", "hi", "--model", str(truncated)]) == EXIT_ERROR
+    assert f"{truncated}: " in _error_line(capsys)
+
+    unknown = _tiny_gguf(tmp_path / "unknown.gguf", "foo")
+    assert main(["generate", "hi", "--model", str(unknown)]) == EXIT_ERROR
+    line = _error_line(capsys)
+    assert f"{unknown}: " in line and "general.architecture 'foo'" in line
+
+    empty_dir = tmp_path / "hf"
+    empty_dir.mkdir()
+    assert main(["generate", "hi", "--model", str(empty_dir)]) == EXIT_ERROR
+    assert "config.json" in _error_line(capsys)
+
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 this is a zip, not a GGUF")
+    assert main(["generate", "hi", "--model", str(not_gguf)]) == EXIT_ERROR
+    assert f"{not_gguf}: " in _error_line(capsys)
+
+
+def test_gguf_without_tokenizer_is_named(capsys, tmp_path, smollm2_model):
+    """A model whose weights load but whose tokenizer fields are gone: the field is named."""
+    from swarm.compute.tokenizer import load_tokenizer
+    from swarm.errors import ModelFileError
+
+    metadata = {k: v for k, v in smollm2_model.metadata.items() if k != "tokenizer.ggml.merges"}
+    with pytest.raises(ModelFileError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf: GGUF metadata field "
+                                             r"'tokenizer\.ggml\.merges' is missing"):
+        load_tokenizer(smollm2_model.path, gguf_metadata=metadata)
+
+
+def test_bad_file_in_a_fresh_process_has_no_traceback(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm", "generate", "hi", "--model", str(bad)],
+        capture_output=True, text=True, env=env, timeout=120, cwd=REPO,
+    )
+    assert done.returncode == EXIT_ERROR
+    assert done.stdout == ""
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"colibri-swarm: error: {bad}: ")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_raw_prompt_is_encoded_without_the_template(smollm2_model):
+    """--raw: the text goes to the engine as is; the reply equals decoding the engine's own ids."""
+    tokenizer = tokenizer_for(smollm2_model)
+    text = "The three primary colors are"
+    params = SamplingParams(max_tokens=6)
+    ids = list(generate(smollm2_model, tokenizer.encode(text), SamplingParams(max_tokens=6,
+                                                                             stop_tokens=tokenizer.eos_token_ids)))
+    ids = [i for i in ids if i not in tokenizer.eos_token_ids]
+    assert "".join(generate_text(smollm2_model, tokenizer, text, params)) == tokenizer.decode(ids)
+
+
+def test_seeded_sampling_is_reproducible_through_the_seam(smollm2_model):
+    tokenizer = tokenizer_for(smollm2_model)
+    messages = messages_from("Tell me a short story about a cat.")
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=1234)
+    first = "".join(generate_text(smollm2_model, tokenizer, messages, params))
+    again = "".join(generate_text(smollm2_model, tokenizer, messages, params))
+    ids = list(generate(smollm2_model, tokenizer.encode_chat(messages), params))
+    stop = [n for n, i in enumerate(ids) if i in tokenizer.eos_token_ids]
+    assert first == again == tokenizer.decode(ids[: stop[0] if stop else len(ids)])
+
+
+def test_empty_chat_prompt_still_generates_and_template_errors_are_clean(capsys, smollm2_path, tmp_path):
+    """An empty user message is a valid chat (the template adds the turn markers)."""
+    assert main(["generate", "", "--model", str(smollm2_path), "--max-tokens", "2"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+    # --raw with nothing to say: a clear error instead of an engine assertion.
+    assert main(["generate", "", "--raw", "--model", str(smollm2_path)]) == EXIT_ERROR
+    assert "prompt is empty" in _error_line(capsys)
