@@ -288,6 +288,8 @@ class Reassembler:
         :func:`decode_frame`). Raises ReassemblyError on an inconsistent fragment sequence or a
         limit exceeded (the message concerned is dropped), FrameError on an unknown magic.
         """
+        if isinstance(data, str):
+            raise FrameError("a text message arrived; colibri-swarm data channels carry binary frames only")
         head = bytes(data[:4])
         if head == FRAME_MAGIC:
             return data

@@ -159,6 +159,7 @@ BAD_META = {
     "not an object": (HB, b"[1,2]", "not a JSON object"),
     "not JSON": (HB, b"{seq:1}", "not UTF-8 JSON"),
     "not UTF-8": (HB, b'{"seq":1,"sent_s":1.0,"\xff":1}', "not UTF-8 JSON"),
+    "integer of 5000 digits": (HB, b'{"seq":' + b"9" * 5000 + b',"sent_s":1.0}', "not UTF-8 JSON"),
     "deep nesting": (HB, b"[" * 100000 + b"]" * 100000, "not UTF-8 JSON|not a JSON object"),
     "literal out of set": (
         m.Vote.KIND, b'{"term":1,"granted":"yes"}', "granted: expected true or false",
@@ -316,3 +317,45 @@ def test_property_round_trip(msg: object) -> None:
     data = m.encode(msg)
     assert_same(m.decode(data), msg)
     assert m.encode(m.decode(data)) == data
+
+
+def _leaf_paths(obj, path=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaf_paths(v, (*path, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _leaf_paths(v, (*path, i))
+    yield path
+
+
+def _replaced(obj, path, value):
+    if not path:
+        return value
+    out = dict(obj) if isinstance(obj, dict) else list(obj)
+    out[path[0]] = _replaced(obj[path[0]], path[1:], value)
+    return out
+
+
+def test_mutated_frames_of_every_kind_give_defined_errors() -> None:
+    """Random byte flips and JSON values of the wrong type: decoding succeeds or raises RemoteProtocolError."""
+    from swarm.errors import RemoteProtocolError
+
+    rng = np.random.default_rng(2)
+    junk = [None, True, -1, float("inf"), "x", [], {}, [[1, 2, 3]], 2**53 + 1, 0.5, "é" * 5000, {"a": 1}]
+    for msg in samples():
+        good = m.encode(msg)
+        frame = wire.decode_frame(good)
+        obj = json.loads(frame.meta)
+        paths = list(_leaf_paths(obj))
+        for _ in range(200):
+            buf = bytearray(good)
+            for i in rng.integers(0, len(buf), rng.integers(1, 4)):
+                buf[i] = int(rng.integers(0, 256))
+            path = paths[rng.integers(len(paths))]
+            meta = json.dumps(_replaced(obj, path, junk[rng.integers(len(junk))])).encode()
+            for data in (bytes(buf), wire.encode_frame(frame.kind, meta, frame.tensors, frame.request_id)):
+                try:
+                    m.decode(data)
+                except RemoteProtocolError:
+                    pass

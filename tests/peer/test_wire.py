@@ -298,3 +298,8 @@ def test_property_frame_and_fragment_round_trip(kind, request_id, meta, ts, limi
     r = Reassembler()
     outs = [r.feed(p, now=0.0) for p in Fragmenter(limit).split(big)]
     assert bytes(outs[-1]) == big and all(o is None for o in outs[:-1])
+
+
+def test_text_message_is_refused() -> None:
+    with pytest.raises(FrameError, match="text message"):
+        Reassembler().feed("hello", now=0.0)
