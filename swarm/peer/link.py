@@ -136,8 +136,9 @@ Handler = Callable[["Link", Any], Awaitable[None] | None]
 class Link:
     """An authenticated link to one remote peer.
 
-    Build it with :func:`new_peer_connection`, exchange SDP (``offer``/``accept_offer``/
-    ``accept_answer``), then ``await link.established()``. After that, ``await link.send(msg)``
+    Build it on :func:`new_peer_connection`, exchange SDP (:meth:`create_offer` on the offerer,
+    :meth:`accept_offer` on the answerer, :meth:`accept_answer` back on the offerer), then
+    ``await link.established()``. After that, ``await link.send(msg)``
     sends any message of :mod:`swarm.peer.messages`; handlers registered with :meth:`on` receive
     inbound messages by type, and messages of types with no handler go to :meth:`receive`.
 
@@ -292,8 +293,8 @@ class Link:
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
-        # the peer connection is closed by close(); schedule it so a failure inside a callback
-        # releases sockets even when nobody calls close()
+        # close() closes the peer connection too; start it here so a link that fails inside a
+        # callback releases its sockets even when nobody calls close()
         self._spawn(self.pc.close(), owned=False)
         for cb in self._close_callbacks:
             try:
@@ -313,8 +314,14 @@ class Link:
         return task
 
     def _on_connection_state(self) -> None:
-        if self.pc.connectionState in ("failed", "closed"):
-            self._fail(f"the peer connection is {self.pc.connectionState}")
+        state = self.pc.connectionState
+        if state == "failed" and self.state is LinkState.CONNECTING:
+            # aiortc checks the remote DTLS certificate against the SDP's a=fingerprint: a relay
+            # that rewrote it ends here, before any channel opens
+            self._fail("ICE or DTLS failed before the channel opened (a DTLS failure can mean the "
+                       "SDP's a=fingerprint was rewritten on the way)")
+        elif state in ("failed", "closed"):
+            self._fail(f"the peer connection is {state}")
 
     async def _watchdog(self) -> None:
         deadline = time.monotonic() + self._handshake_timeout_s

@@ -253,7 +253,7 @@ def test_relay_rewriting_fingerprint_opens_no_channel_and_is_logged(caplog):
     results, opened = run_in_netns(main)
     assert all(isinstance(r, (AuthenticationError, PeerLostError)) for r in results), results
     assert opened[2:] == (None, None)  # no side ever authenticated anyone
-    assert "closed in state connecting" in caplog.text
+    assert "closed in state connecting" in caplog.text and "a=fingerprint" in caplog.text
 
 
 def test_relay_in_the_middle_with_its_own_certificate_fails_channel_auth(caplog):
