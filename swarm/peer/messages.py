@@ -31,6 +31,7 @@ Dispatch with ``match``::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -142,13 +143,9 @@ def _to_json(v: Any, tp: Any) -> Any:
     return v
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls, include_extras=True)
-    return _HINTS[cls]
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def _tensor_spec(tp: Any) -> TensorSpec | None:
@@ -157,6 +154,7 @@ def _tensor_spec(tp: Any) -> TensorSpec | None:
     return None
 
 
+@functools.cache
 def _plain_fields(cls: type) -> dict[str, Any]:
     """JSON fields of a message or nested record, in declaration order."""
     hints = _hints(cls)
@@ -167,6 +165,7 @@ def _plain_fields(cls: type) -> dict[str, Any]:
     }
 
 
+@functools.cache
 def _tensor_fields(cls: type) -> dict[str, TensorSpec]:
     hints = _hints(cls)
     specs = {f.name: _tensor_spec(hints[f.name]) for f in dataclasses.fields(cls)}
@@ -459,7 +458,7 @@ def _ranges(ranges: tuple[tuple[int, int], ...], where: str) -> None:
 def _check_expert_rows(ids: np.ndarray, counts: np.ndarray, rows: np.ndarray, what: str) -> None:
     if ids.shape != counts.shape:
         raise _Invalid(f"expert_ids {ids.shape} and row_counts {counts.shape} differ in length")
-    if (ids < 0).any() or len(np.unique(ids)) != len(ids):
+    if (ids < 0).any() or len(set(ids.tolist())) != len(ids):
         raise _Invalid("expert_ids must be distinct and non-negative")
     if (counts < 0).any():
         raise _Invalid("row_counts must be non-negative")
