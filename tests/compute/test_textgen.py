@@ -39,7 +39,6 @@ def _error_line(capsys) -> str:
         (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
         (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
         (["--top-k", "-3"], "--top-k -3: must be ≥ 0"),
-        (["--swarm"], "--swarm"),
     ],
 )
 def test_bad_arguments_name_the_flag(capsys, flags, needle):
