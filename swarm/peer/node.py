@@ -1,0 +1,346 @@
+"""The peer node: one Python peer of the swarm, and ``colibri-swarm join``.
+
+:class:`Node` is the reusable asyncio object the election, coordinator and worker build on::
+
+    node = Node(swarm_key=key, certificate=cert, peer_id=pid, name="laptop")
+    node.on_link_up.append(lambda link: ...)        # a peer's link opened (link.hello, link.rtt_s)
+    node.on_link_down.append(lambda peer_id: ...)   # it closed
+    node.on(ExpertRequest, handler)                 # handler(link, message), sync or async
+    await node.start()                              # returns once on a signaling server
+    node.links[peer_id].send(message)               # open links by peer id
+    node.role = "coordinator"                       # shown by `colibri-swarm status`
+    await node.stop()                               # links closed, tasks cancelled, mDNS goodbye
+
+Under it: a :class:`~swarm.discovery.Rendezvous` (find the signaling server by mDNS or host
+one; re-host when the host leaves) and a :class:`~swarm.peer.mesh.Mesh` (authenticated links to
+every Python peer). The node pumps rendezvous events into the mesh, and keeps a status file
+(:data:`STATUS_FILE` in the config directory, rewritten every :data:`STATUS_EVERY_S`) that
+``colibri-swarm status`` reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiortc.rtcdtlstransport import RTCCertificate
+
+from swarm import __version__, paths
+from swarm.discovery import Connected, Rendezvous
+from swarm.peer import wire
+from swarm.peer.link import Handler, Link
+from swarm.peer.mesh import Mesh
+from swarm.peer.messages import Hello, NumericBuild
+from swarm.peer.swarmkey import SwarmKey
+from swarm.signaling.client import PeerJoined, PeerLeft, SignalReceived, SignalRefused
+
+log = logging.getLogger(__name__)
+
+STATUS_FILE = "status.json"
+STATUS_EVERY_S = 1.0  # status file refresh period; `status` treats a file older than 5x this as stale
+
+
+@dataclass(frozen=True)
+class PeerEvent:
+    """For the terminal: ``what`` is joined, left, link-up or link-down."""
+
+    what: str
+    peer_id: str
+    name: str
+    kind: str
+    rtt_s: float | None = None
+
+
+def numeric_build() -> NumericBuild:
+    """What decides bit-exactness of this peer's FFN results (DESIGN §7)."""
+    blas = "unknown"
+    with contextlib.suppress(Exception):
+        info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = f"{info.get('name', '?')} {info.get('version', '?')}"
+    return NumericBuild(package=__version__, numpy=np.__version__, blas=blas, arch=platform.machine(),
+                        kernel_dtype="f32")
+
+
+def measure_ffn_gflops(hidden: int = 576, ffn: int = 1536, rows: int = 8, repeats: int = 5) -> float:
+    """GFLOP/s of a SwiGLU MLP on this machine (float32, SmolLM2's shape by default); ~20 ms.
+
+    The best of ``repeats`` runs: placement wants what the machine can do, not scheduler noise.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, hidden), dtype=np.float32)
+    w_gate = rng.standard_normal((ffn, hidden), dtype=np.float32)
+    w_up = rng.standard_normal((ffn, hidden), dtype=np.float32)
+    w_down = rng.standard_normal((hidden, ffn), dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        g = x @ w_gate.T  # [rows, ffn]
+        h = (g / (1.0 + np.exp(-g))) * (x @ w_up.T)
+        _ = h @ w_down.T  # [rows, hidden]
+        best = min(best, time.perf_counter() - t)
+    return 3 * 2 * rows * hidden * ffn / best / 1e9
+
+
+def default_memory_budget() -> int:
+    """Half of physical memory, in bytes (the rest is for the OS and the user's own work)."""
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    return 4 << 30
+
+
+class Node:
+    """One Python peer: signaling presence, authenticated links, status. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        swarm_key: SwarmKey,
+        certificate: RTCCertificate,
+        peer_id: str,
+        name: str = "",
+        signal_url: str | None = None,
+        model_hash: str | None = None,
+        memory_budget: int | None = None,
+        ffn_gflops: float | None = None,
+        status_path: Path | None = None,
+        link_options: dict[str, Any] | None = None,
+        rendezvous_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.swarm_key = swarm_key
+        self.peer_id = peer_id
+        self.name = name or socket.gethostname()
+        self.role = "peer"  # the election sets "coordinator" or "worker"
+        self.placement: Any = None  # the coordinator may put a JSON-able plan summary here for status
+        self.hello = Hello(
+            peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=numeric_build(), model_hash=model_hash,
+            memory_budget=default_memory_budget() if memory_budget is None else memory_budget,
+            ffn_gflops=measure_ffn_gflops() if ffn_gflops is None else ffn_gflops,
+            peer_kind="python", adapter_limits={}, adapter_features=(), name=self.name[:64],
+        )
+        self.events: asyncio.Queue[PeerEvent] = asyncio.Queue()
+        self.status_path = status_path or paths.config_dir() / STATUS_FILE
+        self.rendezvous = Rendezvous(swarm_key.secret, peer_id, name=self.name[:64], signal_url=signal_url,
+                                     **(rendezvous_options or {}))
+        self.mesh = Mesh(local_hello=self.hello, certificate=certificate, auth_key=swarm_key.channel_auth_key,
+                         send_signal=self.rendezvous.send_signal, accept_browsers=lambda: self.role == "coordinator",
+                         link_options=link_options)
+        self.mesh.on_link_up.append(self._link_up)
+        self.mesh.on_link_down.append(self._link_down)
+        self.started: float | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- the surface other modules build on -----------------------------------------------------
+
+    @property
+    def links(self) -> dict[str, Link]:
+        """Open, authenticated links by remote peer id."""
+        return self.mesh.links
+
+    @property
+    def on_link_up(self) -> list[Callable[[Link], Any]]:
+        return self.mesh.on_link_up
+
+    @property
+    def on_link_down(self) -> list[Callable[[str], Any]]:
+        return self.mesh.on_link_down
+
+    def on(self, message_type: type, handler: Handler) -> None:
+        """Deliver ``message_type`` from every link to ``handler(link, message)``."""
+        self.mesh.on(message_type, handler)
+
+    @property
+    def swarm_id(self) -> str:
+        return self.swarm_key.swarm_id
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    async def start(self, timeout: float | None = None) -> None:
+        """Find (or host) the signaling server and start linking. Raises what the rendezvous raises."""
+        self.started = time.time()
+        await self.rendezvous.start(timeout=timeout)
+        self._tasks = [asyncio.create_task(self._pump(), name="node-pump"),
+                       asyncio.create_task(self._write_status_forever(), name="node-status")]
+
+    async def stop(self) -> None:
+        """Leave: close links, cancel tasks, stop the rendezvous (mDNS goodbye), remove the status file."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self.mesh.close()
+        await self.rendezvous.stop()
+        with contextlib.suppress(FileNotFoundError):
+            if json.loads(self.status_path.read_text()).get("pid") == os.getpid():
+                self.status_path.unlink()
+
+    async def _pump(self) -> None:
+        async for event in self.rendezvous:
+            match event:
+                case Connected(peers=peers):
+                    log.info("on signaling server %s (host %s%s)", event.url, event.host,
+                             ", ours" if event.hosting else "")
+                    self.mesh.sync(peers)
+                    self._refresh_status()
+                case PeerJoined(peer=info):
+                    self.mesh.peer_joined(info)
+                    self.events.put_nowait(PeerEvent("joined", info.peer_id, info.name, info.kind))
+                case PeerLeft(peer_id=peer_id):
+                    info = self.rendezvous.peers.get(peer_id)
+                    self.mesh.peer_left(peer_id)
+                    self.events.put_nowait(PeerEvent("left", peer_id, info.name if info else "", info.kind if info else "?"))
+                case SignalReceived(sender=sender, data=data):
+                    await self.mesh.handle_signal(sender, data)
+                case SignalRefused(code=code, detail=detail):
+                    log.info("signaling refused a signal: %s %s", code, detail)
+
+    def _link_up(self, link: Link) -> None:
+        hello = link.hello
+        self.events.put_nowait(PeerEvent("link-up", link.peer_id or "?", hello.name if hello else "",
+                                         hello.peer_kind if hello else "?", link.rtt_s))
+        self._refresh_status()
+
+    def _link_down(self, peer_id: str) -> None:
+        self.events.put_nowait(PeerEvent("link-down", peer_id, "", ""))
+        self._refresh_status()
+
+    def _refresh_status(self) -> None:
+        """Write the status file now (the writer task also refreshes it every STATUS_EVERY_S)."""
+        if self._tasks:
+            try:
+                self._write_status()
+            except OSError as exc:
+                log.warning("cannot write the status file %s: %s", self.status_path, exc)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """This peer's view of the swarm, as written to the status file (JSON-able)."""
+        rv = self.rendezvous
+        present = rv.peers
+        peers = []
+        for peer_id in sorted(set(present) | set(self.links)):
+            if peer_id == self.peer_id:
+                continue
+            info, link = present.get(peer_id), self.links.get(peer_id)
+            hello = link.hello if link is not None else None
+            peers.append({
+                "peer_id": peer_id,
+                "name": (hello.name if hello else info.name if info else ""),
+                "kind": (hello.peer_kind if hello else info.kind if info else "?"),
+                "linked": link is not None,
+                "rtt_ms": round(link.rtt_s * 1e3, 3) if link is not None and link.rtt_s is not None else None,
+                "on_signaling": info is not None,
+                "memory_budget": hello.memory_budget if hello else None,
+                "ffn_gflops": round(hello.ffn_gflops, 2) if hello else None,
+                "model_hash": hello.model_hash if hello else None,
+            })
+        server = rv.server
+        return {
+            "pid": os.getpid(),
+            "updated": time.time(),
+            "started": self.started,
+            "swarm_id": self.swarm_id,
+            "peer_id": self.peer_id,
+            "name": self.name,
+            "role": self.role,
+            "hosting_signaling": rv.hosting,
+            "signaling_host": rv.client.host if rv.client is not None else None,
+            "signaling_fingerprint": server.certificate.fingerprint if server is not None else None,
+            "signaling_port": server.port if server is not None else None,
+            "ffn_gflops": round(self.hello.ffn_gflops, 2),
+            "memory_budget": self.hello.memory_budget,
+            "placement": self.placement,
+            "peers": peers,
+        }
+
+    def _write_status(self) -> None:
+        tmp = self.status_path.with_name(f".{self.status_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.status(), indent=1))
+        os.replace(tmp, self.status_path)
+
+    async def _write_status_forever(self) -> None:
+        while True:
+            self._refresh_status()
+            await asyncio.sleep(STATUS_EVERY_S)
+
+
+# -- colibri-swarm join ------------------------------------------------------------------------------
+
+
+def main_join(args: Any) -> int:
+    """``colibri-swarm join``: run a peer until Ctrl-C (or SIGTERM); say goodbye on the way out."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    try:
+        asyncio.run(_join(args, console))
+    except KeyboardInterrupt:
+        pass
+    console.print("[bold]goodbye[/] — left the swarm")
+    return 0
+
+
+async def _join(args: Any, console: Any) -> None:
+    from swarm.peer import identity, swarmkey
+
+    key, created = _swarm_key(args, swarmkey)
+    ident = identity.load_or_create()
+    node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
+                signal_url=args.signal, memory_budget=args.memory << 20 if args.memory else None)
+    if created:
+        console.print("created a new swarm key; other peers join with:")
+        console.print(f"  [bold]colibri-swarm join --key {key.code}[/]")
+    main = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError):  # SIGTERM ends the peer as cleanly as Ctrl-C
+        loop.add_signal_handler(signal.SIGTERM, main.cancel)  # type: ignore[union-attr]
+    try:
+        with console.status("looking for the swarm on this network…"):
+            await node.start()
+        _print_header(console, node)
+        while True:
+            _print_event(console, await node.events.get())
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await node.stop()
+
+
+def _swarm_key(args: Any, swarmkey: Any) -> tuple[SwarmKey, bool]:
+    if args.key:
+        return swarmkey.store(args.key), False
+    existing = swarmkey.load()
+    return (existing, False) if existing is not None else (swarmkey.create(), True)
+
+
+def _print_header(console: Any, node: Node) -> None:
+    rv = node.rendezvous
+    console.print(f"swarm [bold]{node.swarm_id}[/]  peer [bold]{node.peer_id}[/] ({node.name})  role {node.role}")
+    if rv.server is not None:
+        console.print(f"hosting signaling on port {rv.server.port}, certificate SHA-256 {rv.server.certificate.fingerprint}")
+    elif rv.client is not None:
+        console.print(f"on the signaling server of peer {rv.client.host}")
+
+
+def _print_event(console: Any, ev: PeerEvent) -> None:
+    match ev.what:
+        case "link-up":
+            console.print(f"[green]+[/] linked  {ev.name or '?'} ({ev.peer_id}, {ev.kind})")
+        case "link-down":
+            console.print(f"[red]-[/] link lost {ev.peer_id}")
+        case "joined":
+            console.print(f"  joined  {ev.name or '?'} ({ev.peer_id}, {ev.kind})")
+        case "left":
+            console.print(f"  left    {ev.name or '?'} ({ev.peer_id})")

@@ -1,0 +1,78 @@
+"""``colibri-swarm status [--json]``: print the swarm as the peer running on this machine sees it.
+
+The running ``join`` keeps a status file (:data:`swarm.peer.node.STATUS_FILE` in the config
+directory, rewritten every second, written atomically); this command reads it. A file whose
+process is gone, or that has not been rewritten for :data:`STALE_AFTER_S`, is reported as a
+stopped peer rather than shown as if it were live.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm import paths
+from swarm.errors import SwarmError
+from swarm.peer.node import STATUS_EVERY_S, STATUS_FILE
+
+STALE_AFTER_S = 5 * STATUS_EVERY_S
+
+
+def read_status(path: Path | None = None, now: float | None = None) -> dict[str, Any]:
+    """The live status document of the local peer.
+
+    Raises :class:`SwarmError` (with what to do) when no peer runs here, it stopped, or the file
+    is damaged.
+    """
+    path = path or paths.config_dir() / STATUS_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SwarmError(f"no peer is running on this machine ({path} is missing); start one with "
+                         "`colibri-swarm join`") from None
+    except (OSError, ValueError) as exc:
+        raise SwarmError(f"cannot read the status file {path}: {exc}; restart `colibri-swarm join`") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("pid"), int) or not isinstance(doc.get("updated"), (int, float)):
+        raise SwarmError(f"the status file {path} is not one written by `colibri-swarm join`")
+    age = (time.time() if now is None else now) - doc["updated"]
+    if not _alive(doc["pid"]) or age > STALE_AFTER_S:
+        raise SwarmError(f"the peer that wrote {path} (pid {doc['pid']}) is not running "
+                         f"(last update {age:.0f} s ago); start one with `colibri-swarm join`")
+    return doc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main_status(args: Any) -> int:
+    doc = read_status()
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    hosting = "hosting signaling" if doc.get("hosting_signaling") else f"signaling host {doc.get('signaling_host')}"
+    console.print(f"swarm [bold]{doc['swarm_id']}[/]  this peer [bold]{doc['name']}[/] ({doc['peer_id']})  "
+                  f"role {doc['role']}  {hosting}")
+    table = Table("peer", "name", "kind", "link", "RTT ms", "FFN GFLOP/s", "memory MiB")
+    for p in doc.get("peers", []):
+        rtt = "" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}"
+        memory = "" if p.get("memory_budget") is None else str(p["memory_budget"] >> 20)
+        table.add_row(p["peer_id"], p.get("name", ""), p.get("kind", ""),
+                      "up" if p.get("linked") else "-", rtt, str(p.get("ffn_gflops") or ""), memory)
+    console.print(table)
+    if doc.get("placement") is not None:
+        console.print("placement:", doc["placement"])
+    return 0

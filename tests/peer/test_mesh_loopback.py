@@ -1,0 +1,99 @@
+"""Three peer nodes on this machine form a full mesh over real aiohttp signaling and aiortc.
+
+All three run in one event loop inside a fresh network namespace (aioice skips 127.0.0.1, so
+the namespace's loopback carries an extra /32), with a signaling server on that address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+
+import pytest
+
+from swarm.peer.identity import Identity
+from swarm.peer.messages import WeightChunk
+from swarm.peer.node import Node
+from swarm.peer.swarmkey import SwarmKey
+from swarm.signaling.server import SignalingServer
+from tests.peer.test_link import blob, run_in_netns
+
+ADDRESS = "10.213.0.1"
+FAST_LINKS = {"heartbeat_s": 0.2, "dead_after_s": 2.0}
+
+
+async def until(predicate, timeout_s: float, what: str):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def start_swarm(tmp_path, n: int, key: SwarmKey):
+    identities = [Identity.generate() for _ in range(n)]
+    certs = [ident.rtc_certificate() for ident in identities]
+    ids = [ident.peer_id for ident in identities]
+    server = SignalingServer(key.secret, ids[0], config_dir=tmp_path)
+    await server.start(ADDRESS, 0)
+    nodes = [
+        Node(swarm_key=key, certificate=cert, peer_id=pid, name=f"node{i}", signal_url=server.url(ADDRESS),
+             ffn_gflops=1.0 + i, memory_budget=(i + 1) << 30, status_path=tmp_path / f"status{i}.json",
+             link_options=FAST_LINKS)
+        for i, (cert, pid) in enumerate(zip(certs, ids))
+    ]
+    for node in nodes:
+        await node.start(timeout=10)
+    return server, nodes
+
+
+@pytest.mark.slow
+def test_three_peers_form_a_mesh_and_carry_messages_intact(tmp_path):
+    key = SwarmKey(os.urandom(32))
+    sizes = [1, 65535, 65537, 262145, 8 << 20]
+
+    async def main():
+        server, nodes = await start_swarm(tmp_path, 3, key)
+        try:
+            await until(lambda: all(len(n.links) == 2 for n in nodes), 15, "a full mesh of 3")
+            mesh = {n.peer_id: {pid: (link.peer_id, link.hello.name) for pid, link in n.links.items()} for n in nodes}
+            received: dict[str, asyncio.Queue] = {n.peer_id: asyncio.Queue() for n in nodes}
+            for n in nodes:
+                n.on(WeightChunk, lambda link, msg, q=received[n.peer_id]: q.put_nowait((link.peer_id, msg)))
+            digests = []
+            for i, sender in enumerate(nodes):
+                receiver = nodes[(i + 1) % 3]
+                for size in sizes:
+                    data = os.urandom(size)
+                    await sender.links[receiver.peer_id].send(blob(data, request_id=size))
+                    src, msg = await asyncio.wait_for(received[receiver.peer_id].get(), 30)
+                    msg.verify()
+                    digests.append((src, sender.peer_id, msg.request_id, size,
+                                    hashlib.sha256(msg.data).digest(), hashlib.sha256(data).digest()))
+            await asyncio.sleep(0.5)  # a few heartbeats: RTT measured, status rewritten
+            status = json.loads((tmp_path / "status0.json").read_text())
+            # one peer leaves: the others see its link go down, and keep theirs
+            await nodes[2].stop()
+            await until(lambda: all(len(n.links) == 1 for n in nodes[:2]), 10, "the mesh of the 2 that stayed")
+            return mesh, digests, status, [n.peer_id for n in nodes]
+        finally:
+            for n in nodes:
+                await n.stop()
+            await server.stop()
+
+    mesh, digests, status, ids = run_in_netns(main, timeout_s=120)
+    for me, links in mesh.items():
+        others = set(ids) - {me}
+        assert set(links) == others
+        assert all(links[p][0] == p for p in others)  # each link authenticated the peer it was for
+        assert {links[p][1] for p in others} == {f"node{ids.index(p)}" for p in others}
+    for src, sender, rid, size, got, sent in digests:
+        assert (src, rid) == (sender, size) and got == sent
+    assert status["peer_id"] == ids[0] and status["swarm_id"] == key.swarm_id
+    linked = {p["peer_id"]: p for p in status["peers"]}
+    assert set(linked) == set(ids[1:]) and all(p["linked"] for p in linked.values())
+    assert all(0 < p["rtt_ms"] < 1000 for p in linked.values())
+    assert linked[ids[2]]["ffn_gflops"] == 3.0 and linked[ids[1]]["memory_budget"] == 2 << 30
