@@ -160,3 +160,123 @@ def test_swarm_key_vector() -> None:
     assert key.signaling_key.hex() == v["signaling_key_hex"]
     assert key.channel_auth_key.hex() == v["channel_auth_key_hex"]
     assert key.api_token == v["api_token"]
+
+
+# --- the browser's recipe, run in real Chromium ---------------------------------------------------
+
+_JS_AUTH = """
+async ({keyHex, v}) => {
+  const hex = h => Uint8Array.from(h.match(/../g).map(x => parseInt(x, 16)));
+  const toHex = b => [...new Uint8Array(b)].map(x => x.toString(16).padStart(2, "0")).join("");
+  const enc = s => new TextEncoder().encode(s);
+  const ikm = await crypto.subtle.importKey("raw", hex(keyHex), "HKDF", false, ["deriveBits"]);
+  const bits = await crypto.subtle.deriveBits(
+    {name: "HKDF", hash: "SHA-256", salt: new Uint8Array(), info: enc("colibri-swarm v1 channel-auth")}, ikm, 256);
+  const k = await crypto.subtle.importKey("raw", bits, {name: "HMAC", hash: "SHA-256"}, false, ["sign"]);
+  // docs/protocol.md section 6, built from the fields (not from the Python transcript)
+  const o = v.offerer, a = v.answerer;
+  const out = {key: toHex(bits)};
+  for (const role of ["offerer", "answerer"]) {
+    for (const proof of ["key", "channel"]) {
+      let t = "colibri-swarm channel-auth v1\\n" + `proof=${proof}\\nrole=${role}\\n` +
+        `protocol-version=${v.protocol_version}\\noffer-peer-id=${o.peer_id}\\nanswer-peer-id=${a.peer_id}\\n` +
+        `offer-nonce=${o.nonce}\\nanswer-nonce=${a.nonce}\\n`;
+      if (proof === "channel") t += `offer-fingerprint=${o.fingerprint}\\nanswer-fingerprint=${a.fingerprint}\\n`;
+      out[`${role}_${proof}`] = toHex(await crypto.subtle.sign("HMAC", k, enc(t)));
+    }
+  }
+  return out;
+}
+"""
+
+_JS_FRAME = """
+(bytes) => {
+  // docs/protocol.md section 2, with zero-copy typed-array views (they throw on misalignment)
+  const buf = new Uint8Array(bytes).buffer, dv = new DataView(buf);
+  const magic = String.fromCharCode(...new Uint8Array(buf, 0, 4));
+  const kind = dv.getUint16(6, true), nT = dv.getUint16(10, true), rid = dv.getUint32(12, true);
+  const metaLen = dv.getUint32(16, true), frameLen = dv.getUint32(20, true);
+  const meta = new TextDecoder().decode(new Uint8Array(buf, 24, metaLen));
+  let pos = 24 + metaLen; pos += (8 - pos % 8) % 8;
+  const Views = {1: Float32Array, 2: Uint16Array, 3: Uint16Array, 4: Int32Array, 5: Uint8Array};
+  const tensors = [];
+  for (let i = 0; i < nT; i++) {
+    const code = dv.getUint8(pos), rank = dv.getUint8(pos + 1), off = dv.getUint32(pos + 4, true);
+    const shape = []; for (let d = 0; d < rank; d++) shape.push(dv.getUint32(pos + 8 + 4 * d, true));
+    pos += 8 + 4 * rank;
+    const n = shape.reduce((x, y) => x * y, 1);
+    const view = new Views[code](buf, off, n);
+    let data = Array.from(view);
+    if (code === 3) data = data.map(b => new Float32Array(new Uint32Array([b << 16]).buffer)[0]);
+    tensors.push({code, shape, data, bits: code === 2 || code === 3 ? Array.from(view) : null, off});
+  }
+  return {magic, kind, rid, meta, frameLen, byteLength: buf.byteLength, tensors};
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def secure_page():
+    """A blank page on http://localhost (a secure context: WebCrypto exists) in Debian's Chromium."""
+    import http.server
+    import os
+    import threading
+
+    from tests.conftest import require
+
+    require(os.path.exists("/usr/bin/chromium"), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    class Blank(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<!doctype html><title>vectors</title>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Blank)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(f"http://localhost:{server.server_address[1]}/")
+            assert page.evaluate("window.isSecureContext && typeof crypto.subtle === 'object'")
+            yield page
+            browser.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.browser
+def test_webcrypto_reproduces_the_channel_auth_vector(secure_page) -> None:
+    v = json.loads((VECTORS / "channel_auth.json").read_text())
+    got = secure_page.evaluate(_JS_AUTH, {"keyHex": v["swarm_key_hex"], "v": v})
+    assert got["key"] == v["channel_auth_key_hex"]
+    for role in ("offerer", "answerer"):
+        assert got[f"{role}_key"] == v[f"{role}_proof"]["key_mac"]
+        assert got[f"{role}_channel"] == v[f"{role}_proof"]["channel_mac"]
+
+
+@pytest.mark.browser
+def test_js_typed_arrays_view_the_frame_vector_zero_copy(secure_page) -> None:
+    path = VECTORS / "frames" / "all_dtypes.bin"
+    want = _load(path)
+    got = secure_page.evaluate(_JS_FRAME, list(path.read_bytes()))
+    assert (got["magic"], got["kind"], got["rid"], got["meta"]) == ("CLSW", want["kind"], want["request_id"], want["meta"])
+    assert got["frameLen"] == got["byteLength"] == path.stat().st_size
+    codes = {name: code for code, (name, _) in wire.DTYPES.items()}
+    for g, w in zip(got["tensors"], want["tensors"], strict=True):
+        assert g["code"] == codes[w["dtype"]] and g["shape"] == w["shape"] and g["off"] % 8 == 0
+        if w["dtype"] == "f16":
+            assert g["bits"] == w["bits"]
+        else:
+            np.testing.assert_array_equal(np.array(g["data"], np.float64), np.array(w["data"], np.float64))
