@@ -101,8 +101,8 @@ class NsProcess:
             self._lines.put(obj)
         self._lines.put(None)
 
-    def _drain(self) -> bool:
-        """Move parsed lines into ``events``; False once stdout has ended."""
+    def poll(self) -> bool:
+        """Move the lines read so far into ``events``; False once stdout has ended."""
         alive = True
         while True:
             try:
@@ -123,7 +123,7 @@ class NsProcess:
         """
         deadline = time.monotonic() + timeout
         while True:
-            alive = self._drain()
+            alive = self.poll()
             for event in self.events[since:]:
                 if predicate(event):
                     return event
