@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 A worker holds no KV cache and no sequence: each request is answered on its own.
 It keeps the latest :class:`~swarm.peer.planner.Plan` it accepted from the
-coordinator (and the one before it, for the step in flight when the plan
-changed) and answers only requests that carry one of those terms and versions,
+coordinator (and a few before it of the same term, for the step in flight
+when the plan changed) and answers only requests that carry one of those terms and versions,
 for the layer, experts and dense ranges the plan gives *this* peer. Everything
 read from the request is checked before it reaches a kernel; a request that
 fails a check earns an :class:`~swarm.peer.messages.Error` naming what was
@@ -42,6 +42,7 @@ from swarm.peer.planner import ModelShape, Plan
 log = logging.getLogger(__name__)
 
 F32 = np.float32
+KEEP_PLANS = 4  # plans of the current term still served (the newest and its predecessors)
 MAX_REQUEST_ROWS = 16384  # rows per request a worker computes (a long prefill is still one batch)
 
 
@@ -75,8 +76,9 @@ class Worker:
     def accept_plan(self, plan: Plan) -> None:
         """Adopt ``plan`` (already checked against the model by :meth:`Plan.from_message`).
 
-        The previous plan stays served too: the coordinator switches plans between
-        steps, so requests of the step in flight still carry the previous version.
+        The previous plans of the term stay served too (up to ``KEEP_PLANS`` in all): the
+        coordinator switches plans between steps, so requests of the step in flight
+        still carry an older version.
         Raises StaleTermError when the term is older than the newest seen, or the
         version is not newer than the current plan's within the same term.
         """
@@ -85,8 +87,10 @@ class Worker:
             if plan.term < self.term or (cur and plan.term == cur.term and plan.version <= cur.version):
                 have = f"term {cur.term} v{cur.version}" if cur else f"term {self.term}"
                 raise StaleTermError(f"plan term {plan.term} v{plan.version} is stale: this worker has {have}")
-            # Only the previous plan of the same term stays: a new term deposes the old coordinator.
-            self._plans = {(p.term, p.version): p for p in (cur, plan) if p is not None and p.term == plan.term}
+            # Recent plans of the same term stay served (the coordinator may rebuild twice while
+            # one step is in flight); a new term deposes the old coordinator and all its plans.
+            kept = [p for p in self._plans.values() if p.term == plan.term] + [plan]
+            self._plans = {(p.term, p.version): p for p in kept[-KEEP_PLANS:]}
             self.plan, self.term = plan, plan.term
             keep_e = {(l, e) for p in self._plans.values() for l, spans in p.experts.items() for s in spans
                       if s.peer == self.peer_id for e in range(s.start, s.stop)}

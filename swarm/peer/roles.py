@@ -1,0 +1,375 @@
+"""Roles: the election over a node's links, and what this peer does with the outcome.
+
+Theory of operation
+-------------------
+:class:`SwarmRoles` is the thin asyncio adapter around the sans-I/O cores. It
+feeds the :class:`~swarm.peer.election.Election` with the node's links — every
+Python peer whose link opens becomes a voting member, eligible when its hello
+names our model hash — with election messages (``RequestVote``, ``Vote``,
+``LeaderHeartbeat``) and with the links' liveness, and sends what the core
+wants sent. Its outcome switches this peer's role:
+
+* **coordinator** — builds a :class:`~swarm.peer.planner.Plan` from the hellos
+  of the eligible peers, sends it to them, wraps the model in a
+  :class:`~swarm.peer.coordinator.RemoteFFN` and serves the OpenAI API with it.
+  A peer that fails or whose link goes down gets no more work: the plan is
+  rebuilt and sent, and RemoteFFN switches to it at the next step. Peers that
+  join get work from the next plan the same way.
+* **worker** — accepts the coordinator's plans and serves its FFN requests with a
+  :class:`~swarm.peer.worker.Worker`, in one compute thread, off the event loop.
+
+Trust: a peer whose hello names another model is refused by name (logged, kept
+out of the plan, told with an ``Error`` of code ``model``). A peer with no model
+can vote but neither lead nor compute until weights are shipped to it.
+
+Every task this object starts is owned by it and cancelled by :meth:`stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import random
+import time
+from typing import Any
+
+from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError, SwarmError
+from swarm.peer import election as el
+from swarm.peer.coordinator import RemoteFFN
+from swarm.peer.messages import (
+    DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, LeaderHeartbeat, Plan as PlanMessage,
+    RequestVote, Vote,
+)
+from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan
+from swarm.peer.worker import Worker
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05  # the election driver wakes at least this often (seconds)
+# A fresh peer neither stands nor votes this long (seconds): enough for the mesh to form, so
+# peers that start together elect one coordinator instead of each leading a quorum of one.
+STARTUP_QUIET_S = 2.0
+
+
+class SwarmRoles:
+    """Election and roles for one :class:`~swarm.peer.node.Node`.
+
+    ``model``: the whole model this peer holds (None: it holds none); ``tokenizer``
+    for the API (default: the model's own). ``verify``: share (0..1) of remote
+    answers the coordinator recomputes. ``api_host`` / ``api_port``: where the
+    coordinator serves the OpenAI API (port 0: any free port, see :attr:`api_port`).
+    """
+
+    def __init__(self, node: Any, model: Any = None, *, tokenizer: Any = None, verify: float = 0.0,
+                 api_host: str = "0.0.0.0", api_port: int = 0, rng: random.Random | None = None,
+                 serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S) -> None:
+        self.node = node
+        self.model = model
+        self.model_hash = node.hello.model_hash
+        if model is not None and model.content_hash() != self.model_hash:
+            raise LocalProtocolError("the node's hello must name the hash of the model it serves")
+        self.shape = ModelShape.from_config(model.config) if model is not None else None
+        self.verify = verify
+        self.election = el.Election(node.peer_id, eligible=model is not None, capability=node.hello.ffn_gflops,
+                                    now=time.monotonic(), rng=rng, startup_quiet_s=startup_quiet_s)
+        self.worker = Worker(node.peer_id, self.shape, model) if model is not None else None
+        self.ffn: RemoteFFN | None = None
+        self.refused: dict[str, str] = {}  # peer id → why it gets no work
+        self.api = None
+        self.api_port: int | None = None
+        if tokenizer is None and model is not None and serve_api:
+            from swarm.compute.tokenizer import tokenizer_for
+
+            tokenizer = tokenizer_for(model)  # now, not when elected: that must not stall the event loop
+        self._tokenizer = tokenizer
+        self._api_host, self._api_port_wanted, self._serve_api = api_host, api_port, serve_api
+        self._plan_version = 0
+        self._replan_pending = False
+        self._compute = cf.ThreadPoolExecutor(1, thread_name_prefix="swarm-worker")
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Hook into the node and start the election driver."""
+        self._loop = asyncio.get_running_loop()
+        n = self.node
+        n.on(RequestVote, self._on_request_vote)
+        n.on(Vote, self._on_vote)
+        n.on(LeaderHeartbeat, self._on_leader_heartbeat)
+        n.on(PlanMessage, self._on_plan)
+        n.on(ExpertRequest, self._on_request)
+        n.on(DenseRequest, self._on_request)
+        n.on(ExpertAnswer, self._on_answer)
+        n.on(DenseAnswer, self._on_answer)
+        n.on(Error, self._on_error)
+        n.on_link_up.append(self._link_up)
+        n.on_link_down.append(self._link_down)
+        for link in list(n.links.values()):
+            self._link_up(link)
+        self._spawn(self._drive(), "election")
+
+    async def stop(self) -> None:
+        """Cancel every task, close the API, stop the compute thread."""
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self._close_api()
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=f"roles-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("roles task %s failed", task.get_name(), exc_info=task.exception())
+
+    @property
+    def role(self) -> str:
+        return {el.Role.LEADER: "coordinator"}.get(self.election.role, "worker" if self.election.leader else "peer")
+
+    # ------------------------------------------------------------------- election
+    async def _drive(self) -> None:
+        while True:
+            now = time.monotonic()
+            for peer, link in list(self.node.links.items()):
+                heard = getattr(link, "_last_heard", None)  # any inbound byte, link heartbeats included
+                if heard is not None:
+                    self.election.heard_from(peer, heard)
+            self._forget_departed(now)
+            self.election.handle_timer(now)
+            await self._flush()
+            self._wake.clear()
+            delay = min(max(self.election.get_timer() - time.monotonic(), 0.0), TICK_S)
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except TimeoutError:
+                pass
+
+    def _forget_departed(self, now: float) -> None:
+        """Members with no link that the signaling server no longer lists have left: they stop
+        counting toward the quorum, so the survivors of a small swarm can still elect.
+
+        A peer cut off by the network (not by leaving) stays listed by the signaling server of
+        its side and keeps counting. If a partition also splits signaling, each side ends up
+        with its own coordinator; each holds the whole model, so each still gives the right
+        tokens, and the sides merge again through the election when they meet.
+        """
+        present = getattr(self.node.rendezvous, "peers", None)
+        if present is None:
+            return
+        for peer in self.election.members:
+            if peer != self.node.peer_id and peer not in self.node.links and peer not in present:
+                log.info("peer %s left the swarm", peer)
+                self.election.remove_member(peer, now)
+
+    async def _flush(self) -> None:
+        """Send what the election wants sent, then act on its events."""
+        e = self.election
+        for dest, msg in e.messages_to_send():
+            match msg:
+                case el.Heartbeat():
+                    wire = LeaderHeartbeat(msg.term, msg.leader, self._plan_version)
+                case el.RequestVote():
+                    wire = RequestVote(msg.term, msg.candidate, msg.term, self._plan_version, e.capability)
+                case el.Vote():
+                    wire = Vote(msg.term, msg.granted)
+            targets = [dest] if dest else [p for p in e.members if p != self.node.peer_id]
+            for peer in targets:
+                link = self.node.links.get(peer)
+                if link is not None:
+                    self._spawn(self._send(link, wire), "send")
+        while (event := e.next_event()) is not None:
+            log.info("term %d: coordinator %s", event.term, event.leader or "none (election due)")
+            if event.leader == self.node.peer_id:
+                await self._become_coordinator()
+            else:
+                await self._stop_coordinating()
+            self.node.role = self.role
+
+    async def _send(self, link: Any, msg: Any) -> None:
+        try:
+            await link.send(msg)
+        except SwarmError as exc:
+            log.info("could not send %s to %s: %s", type(msg).__name__, link.peer_id, exc)
+
+    def _receive(self, link: Any, msg: Any) -> None:
+        try:
+            self.election.receive(link.peer_id, msg, time.monotonic())
+        except RemoteProtocolError as exc:
+            log.warning("election message from %s refused: %s", link.peer_id, exc)
+        self._wake.set()
+
+    def _on_request_vote(self, link: Any, msg: RequestVote) -> None:
+        self._receive(link, el.RequestVote(msg.term, msg.candidate))
+
+    def _on_vote(self, link: Any, msg: Vote) -> None:
+        self._receive(link, el.Vote(msg.term, link.peer_id, msg.granted))
+
+    def _on_leader_heartbeat(self, link: Any, msg: LeaderHeartbeat) -> None:
+        self._receive(link, el.Heartbeat(msg.term, msg.leader))
+
+    # ---------------------------------------------------------------- membership
+    def _link_up(self, link: Any) -> None:
+        hello = link.hello
+        if hello is None or hello.peer_kind != "python":
+            return  # browser peers compute but do not vote
+        peer = link.peer_id
+        same_model = self.model_hash is not None and hello.model_hash == self.model_hash
+        if hello.model_hash is not None and hello.model_hash != self.model_hash:
+            why = (f"peer {hello.name!r} ({peer}) holds model {hello.model_hash[:12]}…, this peer "
+                   f"{'holds ' + self.model_hash[:12] + '…' if self.model_hash else 'holds no model'}")
+            self.refused[peer] = why
+            log.warning("refused %s: different model", why)
+            self._spawn(self._send(link, Error(0, "model", f"refused: {why}")), "refuse")
+        self.election.add_member(peer, eligible=same_model, capability=hello.ffn_gflops, now=time.monotonic())
+        if self.ffn is not None:
+            self._schedule_replan()
+        self._wake.set()
+
+    def _link_down(self, peer: str) -> None:
+        if self.ffn is not None:
+            self.ffn.peer_down(peer, "link closed")
+            self._schedule_replan()
+
+    # --------------------------------------------------------------- coordinator
+    def _workers(self) -> list[PeerCapacity]:
+        out = []
+        failed = self.ffn.failed if self.ffn is not None else set()
+        for peer, link in self.node.links.items():
+            h = link.hello
+            if (h is None or h.peer_kind != "python" or h.model_hash != self.model_hash
+                    or peer in failed or peer in self.refused):
+                continue
+            out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0))
+        return out
+
+    def _new_plan(self) -> Plan:
+        self._plan_version += 1
+        me = PeerCapacity(self.node.peer_id, 0, self.node.hello.ffn_gflops)
+        return build_plan(self.shape, me, self._workers(), term=self.election.term, version=self._plan_version)
+
+    async def _announce(self, plan: Plan) -> None:
+        msg = plan.to_message()
+        await asyncio.gather(*(self._send(self.node.links[p], msg) for p in plan.workers() if p in self.node.links))
+        self.node.placement = {"term": plan.term, "version": plan.version, "api_port": self.api_port,
+                               **plan.to_dict()}
+
+    async def _become_coordinator(self) -> None:
+        if self.model is None:
+            return
+        plan = self._new_plan()
+        await self._announce(plan)
+        self.ffn = RemoteFFN(self.model, plan, self._send_threadsafe, verify=self.verify,
+                             on_peer_failed=self._peer_failed_threadsafe)
+        for peer, link in self.node.links.items():
+            if link.rtt_s:
+                self.ffn.set_rtt(peer, link.rtt_s)
+        log.info("coordinator of term %d: plan v%d over %d worker(s)", plan.term, plan.version, len(plan.workers()))
+        if self._serve_api:
+            await self._open_api()
+        self.node.placement = {**(self.node.placement or {}), "api_port": self.api_port}
+
+    async def _stop_coordinating(self) -> None:
+        if self.ffn is None:
+            return
+        ffn, self.ffn = self.ffn, None
+        for peer in list(self.node.links):
+            ffn.peer_down(peer, "this peer is no longer the coordinator")
+        await self._close_api()
+
+    def _send_threadsafe(self, peer: str, msg: Any) -> None:
+        """RemoteFFN's hand-off, called from the token-loop thread."""
+        link = self.node.links.get(peer)
+        if link is None:
+            raise ConnectionError(f"no link to {peer}")
+        self._loop.call_soon_threadsafe(lambda: self._spawn(self._send_request(link, msg), "request"))
+
+    async def _send_request(self, link: Any, msg: Any) -> None:
+        try:
+            await link.send(msg)
+        except SwarmError as exc:
+            if self.ffn is not None:
+                self.ffn.peer_down(link.peer_id, f"send failed: {exc}")
+
+    def _peer_failed_threadsafe(self, peer: str, reason: str) -> None:
+        self._loop.call_soon_threadsafe(self._schedule_replan)
+
+    def _schedule_replan(self) -> None:
+        if not self._replan_pending:
+            self._replan_pending = True
+            self._spawn(self._replan(), "replan")
+
+    async def _replan(self) -> None:
+        await asyncio.sleep(0)  # several link events in one go → one new plan
+        self._replan_pending = False
+        if self.ffn is None:
+            return
+        plan = self._new_plan()
+        await self._announce(plan)  # sent (queued in order) before any request that uses it
+        if self.ffn is not None:
+            self.ffn.set_plan(plan)
+            log.info("plan v%d over %d worker(s), from the next step", plan.version, len(plan.workers()))
+
+    def _on_answer(self, link: Any, msg: Any) -> None:
+        if self.ffn is not None:
+            self.ffn.deliver(link.peer_id, msg)
+
+    def _on_error(self, link: Any, msg: Error) -> None:
+        if msg.request_id == 0:
+            log.warning("peer %s: %s: %s", link.peer_id, msg.code, msg.message)
+        elif self.ffn is not None:
+            self.ffn.deliver(link.peer_id, msg)
+
+    async def _open_api(self) -> None:
+        if self.api is not None:
+            self.api.backend.ffn = self.ffn
+            return
+        from swarm.peer.api import ApiServer, EngineBackend
+
+        backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.ffn)
+        self.api = ApiServer.for_swarm_key(backend, self.node.swarm_key)
+        self.api_port = await self.api.start(self._api_host, self._api_port_wanted)
+        log.info("OpenAI API on port %d", self.api_port)
+
+    async def _close_api(self) -> None:
+        if self.api is not None:
+            api, self.api = self.api, None
+            await api.close()
+            self.api_port = None
+
+    # -------------------------------------------------------------------- worker
+    async def _on_plan(self, link: Any, msg: PlanMessage) -> None:
+        if self.worker is None:
+            return
+        try:
+            self.election.check_term(msg.term, time.monotonic())
+            if link.peer_id != self.election.leader and msg.term == self.election.term and self.election.leader:
+                raise StaleTermError(f"plan from {link.peer_id}, but {self.election.leader} coordinates term {msg.term}")
+            plan = Plan.from_message(msg, link.peer_id, self.shape)
+            self.worker.accept_plan(plan)
+        except RemoteProtocolError as exc:
+            log.warning("plan from %s refused: %s", link.peer_id, exc)
+            await self._send(link, Error(0, "stale_term" if isinstance(exc, StaleTermError) else "bad_plan", str(exc)))
+            return
+        # Decode our slices now rather than on the first request (which has a deadline).
+        await asyncio.get_running_loop().run_in_executor(self._compute, self.worker.prepare)
+
+    async def _on_request(self, link: Any, msg: ExpertRequest | DenseRequest) -> None:
+        if self.worker is None:
+            await self._send(link, Error(msg.request_id, "model", "this peer holds no model"))
+            return
+        try:
+            self.election.check_term(msg.term, time.monotonic())
+        except StaleTermError as exc:
+            await self._send(link, Error(msg.request_id, "stale_term", str(exc)))
+            return
+        answer = await asyncio.get_running_loop().run_in_executor(self._compute, self.worker.handle, msg)
+        await self._send(link, answer)

@@ -1,0 +1,175 @@
+"""Three peer nodes on this machine — real aiohttp signaling, real aiortc links — elect a
+coordinator, and the swarm's tokens and logits equal the local engine's under the same plan;
+a worker killed mid-generation and a lost coordinator change nothing in the tokens.
+
+All nodes run in one event loop inside a fresh network namespace (prefix ``csc-``): aioice
+skips 127.0.0.1, so the namespace's loopback carries an extra /32. The token loop runs in a
+thread, as in ``join``: RemoteFFN talks to the links through thread-safe hand-offs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import subprocess
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from swarm.compute.ffn import LocalFFN
+from swarm.compute.model import load_model
+from swarm.peer.identity import Identity
+from swarm.peer.node import Node
+from swarm.peer.roles import SwarmRoles
+from swarm.peer.swarmkey import SwarmKey
+from swarm.signaling.server import SignalingServer
+from tests.conftest import require
+from tests.peer._swarm_models import build
+from tests.peer.test_coordinator import PROMPT, greedy
+
+ADDRESS = "10.214.0.1"
+FAST_LINKS = {"heartbeat_s": 0.2, "dead_after_s": 2.0}
+CLONE_NEWNET = 0x40000000
+
+pytestmark = pytest.mark.slow
+
+
+def run_in_netns(coro_factory, timeout_s: float):
+    """``asyncio.run(coro_factory())`` in a thread inside a new network namespace ``csc-…``."""
+    require(os.geteuid() == 0, "root, for network namespaces (CI runs as root)")
+    name = f"csc-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "-n", name, "addr", "add", f"{ADDRESS}/32", "dev", "lo"], check=True)
+        outcome: dict = {}
+
+        def target() -> None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns")
+            finally:
+                os.close(fd)
+            try:
+                outcome["value"] = asyncio.run(asyncio.wait_for(coro_factory(), timeout_s))
+            except BaseException as exc:  # re-raised in the test's thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
+async def until(predicate, timeout_s: float, what: str) -> float:
+    """Wait for ``predicate()``; returns the seconds it took."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+class Peer:
+    def __init__(self, node: Node, roles: SwarmRoles):
+        self.node, self.roles = node, roles
+
+    async def stop(self):
+        await self.roles.stop()
+        await self.node.stop()
+
+
+async def start_swarm(tmp_path, model_dir, gflops: list[float]):
+    key = SwarmKey(os.urandom(32))
+    idents = [Identity.generate() for _ in gflops]
+    server = SignalingServer(key.secret, idents[0].peer_id, config_dir=tmp_path)
+    await server.start(ADDRESS, 0)
+    peers = []
+    for i, (ident, g) in enumerate(zip(idents, gflops)):
+        model = load_model(model_dir)  # each peer its own copy, as on separate machines
+        node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=f"peer{i}",
+                    signal_url=server.url(ADDRESS), ffn_gflops=g, memory_budget=1 << 30,
+                    model_hash=model.content_hash(), status_path=tmp_path / f"status{i}.json",
+                    link_options=FAST_LINKS)
+        await node.start(timeout=10)
+        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
+        await roles.start()
+        peers.append(Peer(node, roles))
+    return server, peers
+
+
+def agreed(peers) -> str | None:
+    """The coordinator every peer follows, once it is coordinating with a plan every worker has."""
+    views = {(p.roles.election.term, p.roles.election.leader) for p in peers}
+    if len(views) != 1:
+        return None
+    (_, leader), = views
+    coord = next((p for p in peers if p.node.peer_id == leader), None)
+    if coord is None or coord.roles.ffn is None:
+        return None
+    plan = coord.roles.ffn._next_plan or coord.roles.ffn.plan
+    if set(plan.workers()) != {p.node.peer_id for p in peers} - {leader}:
+        return None
+    if any(p.roles.worker.plan is None or p.roles.worker.plan.version != plan.version
+           for p in peers if p.node.peer_id != leader):
+        return None
+    return leader
+
+
+def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
+    model_dir = build("qwen3_moe", tmp_path)  # MoE layers 0 and 2, dense layer 1
+
+    async def main():
+        server, peers = await start_swarm(tmp_path, model_dir, [1.0, 2.0, 3.0])
+        try:
+            await until(lambda: agreed(peers) == peers[2].node.peer_id, 20, "the most capable peer coordinating")
+            coord = peers[2]
+            ffn = coord.roles.ffn
+            # 1. all three peers: the swarm's run equals the local run under the same plan
+            run1 = await asyncio.to_thread(greedy, coord.roles.model, ffn)
+            plan1 = ffn.plan
+            served1 = {p.node.peer_id: p.roles.worker.served for p in peers[:2]}
+            # 2. a worker leaves at decode step 5 (its link closes); the generation goes on
+            loop = asyncio.get_running_loop()
+            killed = asyncio.Event()
+
+            def on_step(step):
+                if step == 5:
+                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(peers[0].stop()).add_done_callback(
+                        lambda _: killed.set()))
+
+            run2 = await asyncio.to_thread(greedy, coord.roles.model, ffn, PROMPT, 12, on_step)
+            await killed.wait()
+            await until(lambda: peers[0].node.peer_id not in ffn.plan.workers() and ffn._next_plan is None
+                        or peers[0].node.peer_id not in (ffn._next_plan or ffn.plan).workers(), 10, "a new plan")
+            # 3. the coordinator goes: the survivor takes over within 5 s and serves
+            await coord.stop()
+            took = await until(lambda: peers[1].roles.ffn is not None, 10, "a new coordinator")
+            run3 = await asyncio.to_thread(greedy, peers[1].roles.model, peers[1].roles.ffn)
+            return run1, plan1, served1, run2, took, run3
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    run1, plan1, served1, run2, took, run3 = run_in_netns(main, timeout_s=240)
+    model = load_model(model_dir)
+    ref = greedy(model, LocalFFN(model, plan1.dense_ranges()))
+    assert run1[0] == ref[0]
+    for a, b in zip(run1[1], ref[1], strict=True):
+        assert np.array_equal(a, b)
+    assert all(n > 0 for n in served1.values()), served1  # both workers computed their share
+    assert run2[0] == ref[0]  # a worker lost mid-generation: same tokens
+    assert took <= 5.0, f"new coordinator after {took:.2f} s"
+    assert run3[0] == ref[0]  # the new coordinator's swarm of one gives the same tokens
