@@ -36,6 +36,7 @@ from swarm.peer.messages import AuthHello, AuthProof
 
 AUTH_TIMEOUT_S = 10.0  # seconds from start until both proofs must be through
 NONCE_BYTES = 32
+MAX_HANDSHAKE_FRAME_BYTES = 4096  # handshake frames are ~200 bytes; nothing bigger before auth
 TRANSCRIPT_HEADER = "colibri-swarm channel-auth v1\n"
 
 _FINGERPRINT_RE = re.compile(r"[0-9A-F]{2}(?::[0-9A-F]{2}){31}")
@@ -162,7 +163,12 @@ class ChannelAuth:
         if self.state in (State.DONE, State.FAILED):
             raise LocalProtocolError(f"channel authentication is {self.state.value}; route frames elsewhere")
         try:
-            return self._receive(messages.decode(data))
+            if len(data) > MAX_HANDSHAKE_FRAME_BYTES:
+                raise AuthenticationError(
+                    f"a {len(data)}-byte frame arrived before channel authentication completed "
+                    f"(handshake frames are at most {MAX_HANDSHAKE_FRAME_BYTES} bytes)"
+                )
+            return self._receive(messages.decode(data, max_frame_bytes=MAX_HANDSHAKE_FRAME_BYTES))
         except Exception:
             self.state = State.FAILED
             raise

@@ -177,3 +177,13 @@ def test_expected_peer_id_is_enforced() -> None:
                     local_fingerprint=FP_A, remote_fingerprint=FP_B, now=0.0, expected_peer_id=PB)
     transfer(a, b)
     assert a.authenticated
+
+
+def test_large_frames_are_refused_before_authentication() -> None:
+    import numpy as np
+
+    a, _ = pair()
+    big = m.encode(m.WeightChunk(request_id=1, model_hash="0" * 64, name="x", offset=0, sha256="0" * 64,
+                                 data=np.zeros(5000, np.uint8)))
+    with pytest.raises(AuthenticationError, match="before channel authentication completed"):
+        a.receive(big)
