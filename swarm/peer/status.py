@@ -62,7 +62,7 @@ def main_status(args: Any) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     hosting = "hosting signaling" if doc.get("hosting_signaling") else f"signaling host {doc.get('signaling_host')}"
     console.print(f"swarm [bold]{doc['swarm_id']}[/]  this peer [bold]{doc['name']}[/] ({doc['peer_id']})  "
                   f"role {doc['role']}  {hosting}")

@@ -5,7 +5,7 @@ Checks that the peers find each other and open authenticated links (each status 
 the two others as linked), that ``colibri-swarm status --json`` reports it, and that killing
 the signaling host's process (SIGKILL, like a pulled plug) lets the swarm re-form within 10 s:
 a survivor hosts signaling anew, both survivors are on it, linked to each other, and the
-dead peer is gone from their view.
+dead peer is gone from their view. Then Ctrl-C on a survivor ends it cleanly.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -104,3 +105,14 @@ async def test_join_in_three_namespaces_forms_a_mesh_and_reforms_without_the_hos
 
     took = await until(reformed, REFORM_S, "the swarm to re-form without its signaling host", procs)
     print(json.dumps({"event": "reformed", "seconds": round(took, 2)}))
+
+    # Ctrl-C on a survivor: a clean exit with a goodbye, its links closed (the other peer sees the
+    # link go at once, well before heartbeats would time out) and its status file removed
+    leaver, stayer = survivors
+    t0 = time.monotonic()
+    os.killpg(procs[leaver].popen.pid, signal.SIGINT)
+    await procs[leaver].wait_for(lambda e: "goodbye" in e.get("line", ""), timeout=10)
+    assert procs[leaver].popen.wait(timeout=10) == 0, procs[leaver].stderr_tail()
+    assert not (lab.workdir / f"ns{leaver}" / "config" / "status.json").exists()
+    await until(lambda: linked(read_status(lab, stayer)) == set(), 4.0 - (time.monotonic() - t0),
+                "the remaining peer to see the link close", procs)

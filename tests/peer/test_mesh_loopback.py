@@ -97,3 +97,23 @@ def test_three_peers_form_a_mesh_and_carry_messages_intact(tmp_path):
     assert set(linked) == set(ids[1:]) and all(p["linked"] for p in linked.values())
     assert all(0 < p["rtt_ms"] < 1000 for p in linked.values())
     assert linked[ids[2]]["ffn_gflops"] == 3.0 and linked[ids[1]]["memory_budget"] == 2 << 30
+
+
+def test_status_refuses_missing_stale_and_dead_peers(tmp_path):
+    from swarm.errors import SwarmError
+    from swarm.peer.status import STALE_AFTER_S, read_status
+
+    path = tmp_path / "status.json"
+    with pytest.raises(SwarmError, match="no peer is running"):
+        read_status(path)
+    path.write_text("{not json")
+    with pytest.raises(SwarmError, match="cannot read the status file"):
+        read_status(path)
+    doc = {"pid": os.getpid(), "updated": 1000.0, "peers": []}
+    path.write_text(json.dumps(doc))
+    assert read_status(path, now=1000.0 + STALE_AFTER_S / 2) == doc
+    with pytest.raises(SwarmError, match="is not running"):
+        read_status(path, now=1000.0 + STALE_AFTER_S + 1)
+    path.write_text(json.dumps({**doc, "pid": 2**22 + 12345}))  # above pid_max: no such process
+    with pytest.raises(SwarmError, match="is not running"):
+        read_status(path, now=1000.0)
