@@ -38,6 +38,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    # Through the swarm with --swarm, or by default when a peer runs here and no --model is
+    # given; swarm.compute never imports swarm.peer, so the choice is made here.
+    if args.swarm or not (args.local or args.model or args.raw):
+        from swarm.peer.client import main_generate_swarm
+
+        code = main_generate_swarm(args)
+        if code is not None:
+            return code
     from swarm.compute.textgen import main_generate
 
     return main_generate(args)

@@ -1,0 +1,214 @@
+"""Talking to the swarm's coordinator from any machine: ``colibri-swarm chat`` and ``generate --swarm``.
+
+Where the API is, in this order: ``--api URL``; the ``api_url`` the local peer's status file
+names (``colibri-swarm join`` running on this machine); the coordinator's mDNS record
+(:mod:`swarm.peer.api_discovery`). The bearer token is the stored swarm key's API token, or
+``$COLIBRI_SWARM_API_KEY``.
+
+Requests use the standard library's HTTP client (a blocking stream is all a terminal needs);
+replies stream as Server-Sent Events (:mod:`swarm.peer.api`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.errors import SwarmError
+
+API_KEY_ENV = "COLIBRI_SWARM_API_KEY"
+READ_TIMEOUT_S = 600.0  # socket timeout: a reply may wait behind another user's generation
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An API base URL (``http://host:port/v1``) and its bearer token."""
+
+    url: str
+    token: str
+
+
+def _token() -> str:
+    token = os.environ.get(API_KEY_ENV)
+    if token:
+        return token
+    from swarm.peer import swarmkey
+
+    key = swarmkey.load()
+    if key is None:
+        raise SwarmError(f"no swarm key on this machine: run `colibri-swarm join --key CODE` once "
+                         f"(or set {API_KEY_ENV} to the API token shown by `colibri-swarm key`)")
+    return key.api_token
+
+
+def _from_status() -> str | None:
+    """The API URL the local peer's status names, if a peer runs here and knows one."""
+    try:
+        from swarm.peer.status import read_status
+
+        url = read_status().get("api_url")
+    except (SwarmError, ImportError):
+        return None
+    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
+
+
+def find_endpoint(api: str | None = None, *, mdns: bool = True) -> Endpoint | None:
+    """Where the coordinator's API is, or None when ``mdns`` is off and nothing closer names one.
+
+    Raises:
+        SwarmError: no swarm key / token, or (with ``mdns``) no coordinator advertised one.
+    """
+    token = _token()
+    if api:
+        return Endpoint(api.rstrip("/"), token)
+    url = _from_status()
+    if url:
+        return Endpoint(url.rstrip("/"), token)
+    if not mdns:
+        return None
+    from swarm.peer import swarmkey
+    from swarm.peer.api_discovery import find_api
+
+    key = swarmkey.load()
+    if key is None:
+        raise SwarmError("no swarm key on this machine to find the swarm by; pass --api URL")
+    return Endpoint(asyncio.run(find_api(key.swarm_id)).url, token)
+
+
+def _request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespace, *, stream: bool) -> dict:
+    body: dict[str, Any] = {"messages": list(messages), "max_tokens": args.max_tokens,
+                            "temperature": args.temperature, "top_p": args.top_p, "stream": stream}
+    if args.seed is not None:
+        body["seed"] = args.seed
+    return body
+
+
+def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
+    """POST ``body`` (with ``stream: true``) and yield the reply's text pieces as they arrive.
+
+    Raises:
+        SwarmError: the API cannot be reached, refused the request (its message is passed on),
+            or the generation failed midway.
+    """
+    data = json.dumps({**body, "stream": True}).encode()
+    req = urllib.request.Request(f"{endpoint.url}/chat/completions", data=data, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {endpoint.token}",
+        "Accept": "text/event-stream"})
+    try:
+        response = urllib.request.urlopen(req, timeout=READ_TIMEOUT_S)
+    except urllib.error.HTTPError as exc:
+        raise SwarmError(f"the coordinator's API at {endpoint.url} refused the request: {_error_text(exc)}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise SwarmError(f"cannot reach the coordinator's API at {endpoint.url}: "
+                         f"{getattr(exc, 'reason', exc)}; is `colibri-swarm join` running?") from None
+    with response:
+        for raw in response:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                return
+            try:
+                event = json.loads(payload)
+            except ValueError:
+                raise SwarmError(f"the API at {endpoint.url} sent a malformed event: {payload[:80]!r}") from None
+            if "error" in event:
+                raise SwarmError(f"the swarm failed the request: {event['error'].get('message')}")
+            for choice in event.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    yield piece
+    raise SwarmError(f"the API at {endpoint.url} closed the stream before it finished")
+
+
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    try:
+        return f"{exc.code} {json.loads(exc.read())['error']['message']}"
+    except (ValueError, KeyError, TypeError, OSError):
+        return f"HTTP {exc.code} {exc.reason}"
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def main_generate_swarm(args: argparse.Namespace) -> int | None:
+    """``generate`` through the swarm; None when no swarm is found and ``--swarm`` was not given
+    (the caller then runs the engine locally)."""
+    endpoint = find_endpoint(getattr(args, "api", None), mdns=args.swarm) if args.swarm else _quiet_endpoint()
+    if endpoint is None:
+        return None
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.prompt})
+    out = sys.stdout
+    for piece in stream_chat(endpoint, _request_body(messages, args, stream=True)):
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+def _quiet_endpoint() -> Endpoint | None:
+    """The local peer's API when one runs here (no mDNS wait, no error when there is none)."""
+    url = _from_status()
+    if url is None:
+        return None
+    try:
+        return Endpoint(url.rstrip("/"), _token())
+    except SwarmError:
+        return None
+
+
+HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves"
+
+
+def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
+    """``colibri-swarm chat``: a REPL with history, streamed through the coordinator's API."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    endpoint = find_endpoint(args.api)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = list(system)
+    console.print(f"[dim]colibri-swarm chat via {endpoint.url} — {HELP}[/]")
+    while True:
+        try:
+            line = input_fn("> ")
+        except EOFError:
+            console.print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = list(system)
+            console.print("[dim]conversation cleared[/]")
+            continue
+        if text.startswith("/"):
+            console.print(f"[yellow]unknown command {text.split()[0]}[/]; {HELP}")
+            continue
+        history.append({"role": "user", "content": text})
+        reply: list[str] = []
+        try:
+            for piece in stream_chat(endpoint, _request_body(history, args, stream=True)):
+                reply.append(piece)
+                console.print(piece, end="", markup=False, soft_wrap=True)
+        except SwarmError as exc:
+            history.pop()  # the turn did not happen; the user may retry it
+            console.print(f"\n[red]{exc}[/]")
+            continue
+        console.print()
+        history.append({"role": "assistant", "content": "".join(reply)})

@@ -1,0 +1,161 @@
+"""``colibri-swarm chat`` and ``generate --swarm`` against a live coordinator API.
+
+The API runs the engine on SmolLM2 in a background event loop; the oracle is the engine's
+local greedy run. The API is found by real mDNS (zeroconf) in one test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+
+import pytest
+
+from swarm.errors import SwarmError
+from swarm.peer.api import ApiServer, EngineBackend
+from swarm.peer.client import Endpoint, find_endpoint, main_chat, stream_chat
+from swarm.peer.swarmkey import SwarmKey
+
+KEY = SwarmKey(bytes(range(1, 33)))
+MODEL_ID = "smollm2"
+MAX_TOKENS = 5
+PROMPTS = ["What is the capital of France?", "Name a color."]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from swarm.compute.default_model import default_model_path
+    from swarm.compute.model import load_model
+    from swarm.compute.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    model, tokenizer = load_model(path), load_tokenizer(path)
+    model.materialize()
+    return model, tokenizer
+
+
+def _greedy(engine, messages) -> str:
+    from swarm.compute.sampling import SamplingParams
+    from swarm.compute.textgen import generate_text
+
+    model, tok = engine
+    return "".join(generate_text(model, tok, messages, SamplingParams(max_tokens=MAX_TOKENS)))
+
+
+class Recording(EngineBackend):
+    """The engine backend, remembering the messages of every request (to check chat history)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen: list[list[dict]] = []
+
+    def generate(self, request, stats):
+        self.seen.append([dict(m) for m in request.messages])
+        return super().generate(request, stats)
+
+
+@pytest.fixture(scope="module")
+def live_api(engine):
+    """(base URL, backend, loop) of an API served from a background thread's event loop."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="api-loop", daemon=True)
+    thread.start()
+    backend = Recording(*engine, model_id=MODEL_ID)
+    server = ApiServer.for_swarm_key(backend, KEY)
+    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(30)
+    yield f"http://127.0.0.1:{port}/v1", backend, loop, port
+    asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+@pytest.fixture
+def stored_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("COLIBRI_SWARM_API_KEY", raising=False)
+    from swarm.peer import swarmkey
+
+    return swarmkey.store(KEY.code)
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, top_k=0, seed=None, system=None, api=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_stream_chat_equals_local_greedy(live_api, engine, stored_key):
+    url, *_ = live_api
+    endpoint = find_endpoint(url)
+    assert endpoint == Endpoint(url, KEY.api_token)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    pieces = list(stream_chat(endpoint, {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}))
+    assert "".join(pieces) == _greedy(engine, messages)
+
+
+def test_chat_repl_keeps_history_and_reset_clears_it(live_api, engine, stored_key, capsys):
+    url, backend, *_ = live_api
+    script = iter([PROMPTS[0], "", "/bogus", PROMPTS[1], "/reset", PROMPTS[1], "/exit", "never read"])
+    backend.seen.clear()
+    assert main_chat(_args(api=url, system="Be brief."), input_fn=lambda prompt: next(script)) == 0
+    out = capsys.readouterr().out
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
+    reply1 = _greedy(engine, first)
+    second = [*first, {"role": "assistant", "content": reply1}, {"role": "user", "content": PROMPTS[1]}]
+    third = [first[0], {"role": "user", "content": PROMPTS[1]}]
+    assert backend.seen == [first, second, third]  # history grows; /reset keeps only the system prompt
+    assert reply1 in out and _greedy(engine, second) in out and _greedy(engine, third) in out
+    assert "unknown command /bogus" in out and "conversation cleared" in out
+
+
+def test_generate_swarm_finds_the_api_by_mdns(live_api, engine, stored_key, capsys):
+    """`colibri-swarm generate --swarm` with nothing but the stored key: the coordinator's
+    mDNS record leads to its API, and the reply is the local greedy reply."""
+    from swarm.cli import main
+    from swarm.peer.api_discovery import ApiAdvertiser
+    from zeroconf import InterfaceChoice, IPVersion
+    from zeroconf.asyncio import AsyncZeroconf
+
+    url, _, loop, port = live_api
+
+    async def advertise():
+        zc = AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
+        ads = [ApiAdvertiser(zc, swarm_id=KEY.swarm_id, host="c" * 26, term=7, port=port, addresses=["127.0.0.1"]),
+               # an older term's coordinator (gone, its port closed) and another swarm's: never chosen
+               ApiAdvertiser(zc, swarm_id=KEY.swarm_id, host="o" * 26, term=6, port=1, addresses=["127.0.0.1"]),
+               ApiAdvertiser(zc, swarm_id="0" * 16, host="x" * 26, term=99, port=2, addresses=["127.0.0.1"])]
+        for ad in ads:
+            await ad.start()
+        return zc, ads
+
+    zc, ads = asyncio.run_coroutine_threadsafe(advertise(), loop).result(60)
+    try:
+        code = main(["generate", "--swarm", "--max-tokens", str(MAX_TOKENS), PROMPTS[0]])
+    finally:
+        async def withdraw():
+            for ad in ads:
+                await ad.close()
+            await zc.async_close()
+
+        asyncio.run_coroutine_threadsafe(withdraw(), loop).result(30)
+    assert code == 0
+    assert capsys.readouterr().out == _greedy(engine, [{"role": "user", "content": PROMPTS[0]}]) + "\n"
+
+
+def test_errors_are_one_clear_line(live_api, stored_key, monkeypatch, capsys, tmp_path):
+    url, *_ = live_api
+    with pytest.raises(SwarmError, match="refused the request: 401"):
+        list(stream_chat(Endpoint(url, "wrong"), {"messages": [{"role": "user", "content": "x"}]}))
+    with pytest.raises(SwarmError, match="400 'max_tokens'"):
+        list(stream_chat(Endpoint(url, KEY.api_token), {"messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": -1}))
+    with pytest.raises(SwarmError, match="cannot reach"):
+        list(stream_chat(Endpoint("http://127.0.0.1:9/v1", KEY.api_token), {"messages": []}))
+    from swarm.peer import api_discovery
+
+    monkeypatch.setattr(api_discovery, "FIND_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path / "no-key-here"))
+    from swarm.cli import main
+
+    assert main(["chat"]) == 2
+    assert "no swarm key on this machine" in capsys.readouterr().err
