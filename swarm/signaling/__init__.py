@@ -12,6 +12,7 @@ from swarm.signaling.client import (
     SignalingClient,
     SignalReceived,
     SignalRefused,
+    fetch_status,
     signaling_url,
 )
 from swarm.signaling.messages import PROTOCOL_VERSION, PeerInfo
@@ -31,6 +32,7 @@ __all__ = [
     "SignalingRelay",
     "SignalingServer",
     "derive_signaling_key",
+    "fetch_status",
     "signaling_url",
     "swarm_id",
 ]

@@ -122,6 +122,26 @@ def _ssl_for(fingerprint: bytes | str | None) -> aiohttp.Fingerprint | bool:
     return aiohttp.Fingerprint(fingerprint)
 
 
+async def fetch_status(url: str, fingerprint: bytes | str | None = None,
+                       timeout: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
+    """GET ``/api/status`` of the server at ``url`` (any form :func:`signaling_url` takes).
+
+    Returns the JSON object (see SignalingServer.status). Raises SignalingUnavailableError when
+    the server cannot be reached, its certificate is not the pinned one, or the answer is not JSON.
+    """
+    status_url = str(URL(signaling_url(url)).with_scheme("https").with_path("/api/status"))
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(status_url, ssl=_ssl_for(fingerprint)) as resp:
+                resp.raise_for_status()
+                status = await resp.json()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        raise SignalingUnavailableError(f"no status from {status_url}: {exc or type(exc).__name__}") from None
+    if not isinstance(status, dict):
+        raise SignalingUnavailableError(f"{status_url} did not answer with a JSON object")
+    return status
+
+
 class SignalingClient:
     """One authenticated signaling connection. Create with :meth:`connect`."""
 

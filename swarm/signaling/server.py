@@ -110,6 +110,10 @@ class SignalingServer:
         host = f"[{address}]" if ":" in address else address
         return f"wss://{host}:{self.port}/ws"
 
+    def page_url(self, address: str) -> str:
+        """The peer page's HTTPS URL at ``address`` (append ``#<key code>`` for the QR code)."""
+        return self.url(address).replace("wss://", "https://", 1).removesuffix("ws")
+
     def status(self) -> dict[str, Any]:
         """The public status document served at /api/status."""
         return {

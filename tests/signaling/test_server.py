@@ -286,3 +286,13 @@ def test_signaling_url_forms():
     for bad in ("ws://host:1/ws", "http://host:1", "wss://"):
         with pytest.raises(SwarmError, match="wss://"):
             signaling_url(bad)
+
+
+async def test_fetch_status_pinned(server):
+    from swarm.signaling import fetch_status
+
+    status = await fetch_status(server.page_url("127.0.0.1"), server.certificate.fingerprint)
+    assert status["swarm_id"] == auth.swarm_id(KEY) and status["host"] == "host-peer"
+    assert server.page_url("127.0.0.1") == f"https://127.0.0.1:{server.port}/"
+    with pytest.raises(SignalingUnavailableError, match="api/status"):
+        await fetch_status(server.url("127.0.0.1"), b"\x01" * 32)
