@@ -100,6 +100,7 @@ class Rendezvous:
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._announce: asyncio.Task[None] | None = None
+        self._error: SwarmError | None = None
 
     # -- public ----------------------------------------------------------------------------
 
@@ -122,7 +123,7 @@ class Rendezvous:
             self._zc = open_zeroconf()
             self._browser = ServerBrowser(self._zc, self.swarm_id)
             await self._browser.start()
-        self._task = asyncio.create_task(self._run(), name=f"rendezvous-{self.peer_id[:8]}")
+        self._task = asyncio.create_task(self._main(), name=f"rendezvous-{self.peer_id[:8]}")
         waiter = asyncio.create_task(self._connected.wait())
         done, _ = await asyncio.wait({waiter, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -144,9 +145,12 @@ class Rendezvous:
         return self
 
     async def __anext__(self) -> Event:
+        """The next event; StopAsyncIteration after stop(), or the error that ended the rendezvous."""
         event = await self._events.get()
         if event is None:
             self._events.put_nowait(None)
+            if self._error is not None:
+                raise self._error
             raise StopAsyncIteration
         return event
 
@@ -165,6 +169,15 @@ class Rendezvous:
         self._events.put_nowait(None)
 
     # -- the loop --------------------------------------------------------------------------
+
+    async def _main(self) -> None:
+        try:
+            await self._run()
+        except SwarmError as exc:  # e.g. our key was refused at a --signal URL: nothing to retry
+            log.error("rendezvous ended: %s", exc)
+            self._error = exc
+            self._events.put_nowait(None)
+            raise
 
     async def _run(self) -> None:
         client = await (self._connect_fixed() if self.signal_url else self._find_or_host(self.discovery_window_s))
@@ -196,7 +209,12 @@ class Rendezvous:
         deadline = time.monotonic() + delay
         while True:
             if self.server is not None:
-                return await self._connect_own()
+                try:
+                    return await self._connect_own()
+                except SignalingUnavailableError as exc:
+                    log.warning("cannot reach our own signaling server (%s); giving it up", exc)
+                    await self._stop_hosting()
+                    continue
             record = pick_server(self._browser.records.values(), self._dead_keys())
             if record is not None:
                 client = await self._try(record)
@@ -205,7 +223,11 @@ class Rendezvous:
                     return client
                 continue
             if time.monotonic() >= deadline:
-                await self._host()
+                try:
+                    await self._host()
+                except OSError as exc:
+                    log.warning("cannot host a signaling server (%s); looking again in %g s", exc, RECONNECT_S)
+                    deadline = time.monotonic() + RECONNECT_S
                 continue
             self._browser.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -289,6 +311,7 @@ class Rendezvous:
         self._advertiser = Advertiser(self._zc, record)
         # Announce in the background: probing takes ~1 s and our own connection need not wait.
         self._announce = asyncio.create_task(self._advertiser.start(), name="mdns-announce")
+        self._announce.add_done_callback(_log_failure)
         log.info("hosting the signaling server on port %d (certificate %s)", server.port, server.certificate.fingerprint)
 
     async def _connect_own(self) -> SignalingClient:
@@ -322,3 +345,8 @@ class Rendezvous:
 
     def _next_dead_expiry(self) -> float:
         return min((t + DEAD_RETRY_S for t in self._dead.values()), default=float("inf"))
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("mDNS announcement failed: %s (peers can still use --signal URL)", task.exception())

@@ -1,5 +1,6 @@
 """Multi-host: peers in separate network namespaces find each other by real mDNS, with no
-address given, and re-form around a new signaling host within 10 s when the host is killed."""
+address given, and re-form around a new signaling host within 10 s when the host is killed;
+a peer with another swarm key on the same segment stays apart."""
 
 from __future__ import annotations
 
@@ -43,10 +44,12 @@ async def settled(procs, ids, timeout):
 
 
 async def test_discover_and_rehost_after_host_killed(netns_lab):
-    lab = netns_lab(3)
+    lab = netns_lab(4)
     key = os.urandom(32).hex()
     ids = ["peer-a", "peer-b", "peer-c"]
     procs = [lab.spawn(i, [SCRIPT, "--key", key, "--peer-id", pid]) for i, pid in enumerate(ids)]
+    # A stranger on the same segment with another key: it must never see, nor be seen by, the swarm.
+    stranger = lab.spawn(3, [SCRIPT, "--key", os.urandom(32).hex(), "--peer-id", "peer-0-stranger"])
 
     # All three started together, nobody typed an address: they must settle on one server, all present.
     old_host = await settled(procs, ids, timeout=30)
@@ -66,4 +69,8 @@ async def test_discover_and_rehost_after_host_killed(netns_lab):
         assert elapsed < REFORM_LIMIT_S, f"{ids[i]} re-formed after {elapsed:.1f} s"
     # The lowest surviving peer id hosts anew (choice.takeover_delay), and everyone follows it.
     assert new_hosts == {min(survivor_ids)}
+    stranger.poll()
+    assert stranger.events and all(e["peers"] == ["peer-0-stranger"] for e in stranger.events)
+    assert stranger.events[-1]["hosting"]
+    assert not any("peer-0-stranger" in e.get("peers", ()) for p in procs for e in p.events)
     print(f"re-formed within {max(p.events[-1]['t'] for p in (procs[i] for i in survivors)) - killed_at:.2f} s")
