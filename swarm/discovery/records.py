@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from swarm.errors import RemoteProtocolError
-from swarm.signaling.messages import _PEER_ID, PROTOCOL_VERSION  # noqa: PLC2701 - one peer id grammar
+from swarm.signaling.messages import PEER_ID_PATTERN, PROTOCOL_VERSION
 
 SERVICE_TYPE = "_colibri-swarm._tcp.local."
 
@@ -94,7 +94,7 @@ def decode_txt(name: str, txt: Mapping[bytes, bytes | None], addresses: tuple[st
     if len(fingerprint) != 32:
         raise RemoteProtocolError(f"mDNS record {name!r}: TXT fp is not a SHA-256 fingerprint")
     host = field("host")
-    if not _PEER_ID.fullmatch(host):
+    if not PEER_ID_PATTERN.fullmatch(host):
         raise RemoteProtocolError(f"mDNS record {name!r}: TXT host={host!r} is not a peer id")
     return ServerRecord(
         name=name, version=decimal("v", 0, 2**31), swarm_id=sid, port=decimal("port", 1, 65535),

@@ -282,8 +282,11 @@ class Rendezvous:
 
     def _set_client(self, client: SignalingClient) -> None:
         self.client = client
-        self._events.put_nowait(Connected(host=client.host, hosting=self.hosting,
-                                          url=self.record.url() if self.record and not self.hosting else "",
+        if self.server is not None and self.record is None:
+            url = self.server.url("127.0.0.1")
+        else:
+            url = self.signal_url or (self.record.url() if self.record is not None else "")
+        self._events.put_nowait(Connected(host=client.host, hosting=self.hosting, url=url,
                                           peers=tuple(client.peers.values())))
         self._connected.set()
 

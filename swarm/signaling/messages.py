@@ -21,7 +21,7 @@ from swarm.signaling.auth import MAC_BYTES, NONCE_BYTES
 PROTOCOL_VERSION = 1
 KINDS = ("python", "browser")
 MAX_NAME_CHARS = 64
-_PEER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+PEER_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ def _str(obj: dict[str, Any], key: str, max_chars: int) -> str:
 
 def _peer_id(obj: dict[str, Any], key: str) -> str:
     value = obj.get(key)
-    if not isinstance(value, str) or not _PEER_ID.fullmatch(value):
+    if not isinstance(value, str) or not PEER_ID_PATTERN.fullmatch(value):
         raise RemoteProtocolError(f"'{key}' must be a peer id (1-128 characters of A-Z a-z 0-9 . _ : -)")
     return value
 

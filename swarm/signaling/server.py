@@ -37,7 +37,7 @@ from swarm import __version__, paths
 from swarm.errors import LocalProtocolError
 from swarm.signaling import auth, tls
 from swarm.signaling.messages import PROTOCOL_VERSION
-from swarm.signaling.relay import MAX_FRAME_CHARS, Close, CloseCode, Output, Send, SignalingRelay
+from swarm.signaling.relay import Close, CloseCode, Output, Send, SignalingRelay
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ async def test_fixed_url_connect_signal_and_reconnect(tmp_path):
         await b.start(timeout=10)
         first = await next_of(a, Connected)
         assert first.host == "h" and not first.hosting and [p.peer_id for p in first.peers] == ["A"]
+        assert first.url == url
         assert (await next_of(a, PeerJoined)).peer.peer_id == "B"
         await b.send_signal("A", {"type": "offer"})
         assert await next_of(a, SignalReceived) == SignalReceived("B", {"type": "offer"})
