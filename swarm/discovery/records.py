@@ -41,6 +41,11 @@ class ServerRecord:
     started: float
     addresses: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # TXT carries milliseconds: keep exactly what a browser will read back, so our own
+        # record and the one we see over mDNS compare equal.
+        object.__setattr__(self, "started", round(self.started * 1000) / 1000)
+
     @property
     def key(self) -> tuple[str, float]:
         """Identity of one server run: the same name restarted later is another server."""

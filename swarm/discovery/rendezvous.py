@@ -269,6 +269,8 @@ class Rendezvous:
         best = pick_server(self._browser.records.values(), self._dead_keys())
         if best is None or current is None or best.key == current.key or not is_better(best, current):
             return None
+        if self.hosting and best.host == self.peer_id:
+            return None  # our own record (or a stale one of ours): never move to ourselves
         client = await self._try(best)
         if client is None:
             return None

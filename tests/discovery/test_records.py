@@ -27,6 +27,15 @@ def test_round_trip_through_dns_txt():
     assert all(len(k) + len(v) + 1 <= 255 for k, v in txt.items())  # one TXT string each (RFC 6763 §6.1)
 
 
+def test_own_record_equals_the_one_read_back():
+    """A host must recognise its own record over mDNS (else it would 'move' to itself)."""
+    from dataclasses import replace
+
+    own = replace(RECORD, started=1796000000.123456789)
+    seen = decode_txt(own.name, zeroconf_txt(encode_txt(own)), own.addresses)
+    assert seen == own and seen.key == own.key
+
+
 def test_the_key_itself_is_never_advertised():
     txt = encode_txt(RECORD)
     assert set(txt) == {"v", "sid", "port", "fp", "host", "t"}
