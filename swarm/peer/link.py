@@ -195,6 +195,7 @@ class Link:
         self._close_callbacks: list[Callable[[Link], None]] = []
         self._ping_sent: dict[int, float] = {}
         self._ping_seq = 0
+        self._pc_closing: asyncio.Task | None = None
         self._rtt_samples: collections.deque[float] = collections.deque(maxlen=RTT_SAMPLES)
 
         channel.bufferedAmountLowThreshold = SEND_LOW_WATER
@@ -275,7 +276,8 @@ class Link:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.pc.close()
+        assert self._pc_closing is not None  # started by _fail
+        await asyncio.gather(self._pc_closing, return_exceptions=True)
 
     def _fail(self, reason: str, error: SwarmError | None = None) -> None:
         if self.state is LinkState.CLOSED:
@@ -293,9 +295,10 @@ class Link:
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
-        # close() closes the peer connection too; start it here so a link that fails inside a
-        # callback releases its sockets even when nobody calls close()
-        self._spawn(self.pc.close(), owned=False)
+        # Close the peer connection once, here, so a link that fails inside a callback releases
+        # its sockets even when nobody calls close(); close() awaits this task (aiortc's
+        # close() must not run twice at once: the second raises InvalidStateError).
+        self._pc_closing = self._spawn(self.pc.close(), owned=False)
         for cb in self._close_callbacks:
             try:
                 cb(self)
@@ -308,9 +311,9 @@ class Link:
         if owned:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        else:
+        else:  # kept by the module until done, awaited by close(); its exception is read here
             _orphans.add(task)
-            task.add_done_callback(_orphans.discard)
+            task.add_done_callback(_forget)
         return task
 
     def _on_connection_state(self) -> None:
@@ -501,3 +504,9 @@ class Link:
 
 
 _orphans: set[asyncio.Task] = set()
+
+
+def _forget(task: asyncio.Task) -> None:
+    _orphans.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("closing a peer connection failed: %r", task.exception())

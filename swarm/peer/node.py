@@ -1,5 +1,9 @@
 """The peer node: one Python peer of the swarm, and ``colibri-swarm join``.
 
+``join`` loads the model (``--model``, or the default one; none with ``--no-model``), starts a
+:class:`Node`, and runs :class:`~swarm.peer.roles.SwarmRoles` on it (election, then coordinator
+or worker), printing the swarm, its role and peers as they come and go.
+
 :class:`Node` is the reusable asyncio object the election, coordinator and worker build on::
 
     node = Node(swarm_key=key, certificate=cert, peer_id=pid, name="laptop")
@@ -50,6 +54,7 @@ log = logging.getLogger(__name__)
 
 STATUS_FILE = "status.json"
 STATUS_EVERY_S = 1.0  # status file refresh period; `status` treats a file older than 5x this as stale
+ROLE_POLL_S = 0.5  # how often `join` looks for a role change to print
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,8 @@ class Node:
                 self._write_status()
             except OSError as exc:
                 log.warning("cannot write the status file %s: %s", self.status_path, exc)
+            except Exception:  # a bug in status() must not end the writer or a link callback
+                log.exception("cannot build the status document")
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -268,7 +275,8 @@ class Node:
 
     def _write_status(self) -> None:
         tmp = self.status_path.with_name(f".{self.status_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.status(), indent=1))
+        # default=str: a placement summary from the coordinator must never stop status updates
+        tmp.write_text(json.dumps(self.status(), indent=1, default=str))
         os.replace(tmp, self.status_path)
 
     async def _write_status_forever(self) -> None:
@@ -295,11 +303,14 @@ def main_join(args: Any) -> int:
 
 async def _join(args: Any, console: Any) -> None:
     from swarm.peer import identity, swarmkey
+    from swarm.peer.roles import SwarmRoles
 
     key, created = _swarm_key(args, swarmkey)
     ident = identity.load_or_create()
+    model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
-                signal_url=args.signal, memory_budget=args.memory << 20 if args.memory else None)
+                signal_url=args.signal, memory_budget=args.memory << 20 if args.memory else None,
+                model_hash=model.content_hash() if model is not None else None)
     if created:
         console.print("created a new swarm key; other peers join with:")
         console.print(f"  [bold]colibri-swarm join --key {key.code}[/]")
@@ -307,16 +318,39 @@ async def _join(args: Any, console: Any) -> None:
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError):  # SIGTERM ends the peer as cleanly as Ctrl-C
         loop.add_signal_handler(signal.SIGTERM, main.cancel)  # type: ignore[union-attr]
+    roles = None
     try:
         with console.status("looking for the swarm on this network…"):
             await node.start()
+        roles = SwarmRoles(node, model, verify=args.verify / 100)
+        await roles.start()
         _print_header(console, node)
+        shown = (node.role, None)
         while True:
-            _print_event(console, await node.events.get())
+            with contextlib.suppress(asyncio.TimeoutError):
+                _print_event(console, await asyncio.wait_for(node.events.get(), ROLE_POLL_S))
+            api_port = (node.placement or {}).get("api_port") if isinstance(node.placement, dict) else None
+            if (node.role, api_port) != shown:
+                shown = (node.role, api_port)
+                api = f", OpenAI API on port {api_port}" if api_port else ""
+                console.print(f"role: [bold]{node.role}[/]{api}")
     except asyncio.CancelledError:
         pass
     finally:
+        if roles is not None:
+            await roles.stop()
         await node.stop()
+
+
+def _load_model(path: str | None, console: Any) -> Any:
+    from swarm.compute.default_model import default_model_path
+    from swarm.compute.model import load_model
+
+    if path is None:
+        path = default_model_path()
+    model = load_model(path)
+    console.print(f"model {path} (hash {model.content_hash()[:16]}…)")
+    return model
 
 
 def _swarm_key(args: Any, swarmkey: Any) -> tuple[SwarmKey, bool]:

@@ -66,13 +66,39 @@ def main_status(args: Any) -> int:
     hosting = "hosting signaling" if doc.get("hosting_signaling") else f"signaling host {doc.get('signaling_host')}"
     console.print(f"swarm [bold]{doc['swarm_id']}[/]  this peer [bold]{doc['name']}[/] ({doc['peer_id']})  "
                   f"role {doc['role']}  {hosting}")
-    table = Table("peer", "name", "kind", "link", "RTT ms", "FFN GFLOP/s", "memory MiB")
-    for p in doc.get("peers", []):
+    placement = doc.get("placement") if isinstance(doc.get("placement"), dict) else {}
+    table = Table("peer", "name", "kind", "role", "link", "RTT ms", "FFN GFLOP/s", "memory MiB", "share")
+    me = {"peer_id": doc["peer_id"], "name": doc.get("name", ""), "kind": "python", "linked": None,
+          "ffn_gflops": doc.get("ffn_gflops"), "memory_budget": doc.get("memory_budget")}
+    for p in [me, *doc.get("peers", [])]:
         rtt = "" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}"
         memory = "" if p.get("memory_budget") is None else str(p["memory_budget"] >> 20)
-        table.add_row(p["peer_id"], p.get("name", ""), p.get("kind", ""),
-                      "up" if p.get("linked") else "-", rtt, str(p.get("ffn_gflops") or ""), memory)
+        link = "(this peer)" if p["linked"] is None else "up" if p["linked"] else "-"
+        table.add_row(p["peer_id"], p.get("name", ""), p.get("kind", ""), _role(p["peer_id"], doc, placement),
+                      link, rtt, str(p.get("ffn_gflops") or ""), memory, _share(p["peer_id"], placement))
     console.print(table)
-    if doc.get("placement") is not None:
-        console.print("placement:", doc["placement"])
+    if placement:
+        api = f", OpenAI API on port {placement['api_port']}" if placement.get("api_port") else ""
+        console.print(f"plan v{placement.get('version')} of term {placement.get('term')}, "
+                      f"coordinator {placement.get('coordinator')}{api}")
     return 0
+
+
+def _role(peer_id: str, doc: dict[str, Any], placement: dict[str, Any]) -> str:
+    if peer_id == doc["peer_id"]:
+        return str(doc.get("role", ""))
+    if placement.get("coordinator") == peer_id:
+        return "coordinator"
+    return "worker" if peer_id in placement.get("peers", ()) else ""
+
+
+def _share(peer_id: str, placement: dict[str, Any]) -> str:
+    """What the plan gives a peer: dense columns and experts, summed over layers."""
+    parts = []
+    for what, unit in (("dense", "dense cols"), ("experts", "experts")):
+        spans = placement.get(what)
+        if isinstance(spans, dict):
+            total = sum(stop - start for layer in spans.values() for peer, start, stop in layer if peer == peer_id)
+            if total:
+                parts.append(f"{total} {unit}")
+    return ", ".join(parts)

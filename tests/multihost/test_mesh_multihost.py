@@ -54,7 +54,7 @@ async def until(predicate, timeout_s: float, what: str, procs) -> float:
 async def test_join_in_three_namespaces_forms_a_mesh_and_reforms_without_the_host(netns_lab):
     lab = netns_lab(3)
     code = SwarmKey(os.urandom(32)).code
-    procs = [lab.spawn(i, ["-m", "swarm", "-v", "join", "--key", code, "--name", f"host{i}"]) for i in range(3)]
+    procs = [lab.spawn(i, ["-m", "swarm", "-v", "join", "--no-model", "--key", code, "--name", f"host{i}"]) for i in range(3)]
 
     def statuses():
         return [read_status(lab, i) for i in range(3)]
