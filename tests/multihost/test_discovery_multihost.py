@@ -74,3 +74,30 @@ async def test_discover_and_rehost_after_host_killed(netns_lab):
     assert stranger.events[-1]["hosting"]
     assert not any("peer-0-stranger" in e.get("peers", ()) for p in procs for e in p.events)
     print(f"re-formed within {max(p.events[-1]['t'] for p in (procs[i] for i in survivors)) - killed_at:.2f} s")
+
+
+async def test_goodbye_on_exit_and_last_peer_hosts(netns_lab):
+    """A host that exits normally withdraws its mDNS record at once (goodbye), unlike a killed
+    one whose record lingers in caches; the remaining peer then hosts."""
+    import signal
+
+    lab = netns_lab(3)
+    key = os.urandom(32).hex()
+    watcher = lab.spawn(2, [SCRIPT, "--key", key, "--peer-id", "watcher", "--watch"])
+    await watcher.wait_for(lambda e: e["event"] == "records", timeout=20)
+    ids = ["peer-a", "peer-b"]
+    procs = [lab.spawn(i, [SCRIPT, "--key", key, "--peer-id", pid]) for i, pid in enumerate(ids)]
+    host = await settled(procs, ids, timeout=30)
+    await watcher.wait_for(lambda e: e["event"] == "records" and e["hosts"] == [host], timeout=10)
+
+    victim = ids.index(host)
+    (survivor,) = (i for i in range(2) if i != victim)
+    mark = len(watcher.events)
+    stopped_at = time.monotonic()
+    procs[victim].kill(signal.SIGINT)  # Ctrl-C: the rendezvous stops cleanly
+    gone = await watcher.wait_for(lambda e: e["event"] == "records" and host not in e["hosts"], timeout=5, since=mark)
+    assert gone["t"] - stopped_at < 3.0  # a record's TTL is 120 s: only a goodbye removes it this fast
+    event = await procs[survivor].wait_for(lambda e: e.get("hosting") and e["peers"] == [ids[survivor]],
+                                           timeout=REFORM_LIMIT_S)
+    assert event["host"] == ids[survivor]
+    await watcher.wait_for(lambda e: e["event"] == "records" and e["hosts"] == [ids[survivor]], timeout=10)
