@@ -422,7 +422,13 @@ class Link:
         if handler is None:
             self._inbox.put_nowait(message)
             return
-        result = handler(self, message)
+        try:
+            result = handler(self, message)
+        except SwarmError:
+            raise  # the message broke a protocol rule: the link closes with that reason
+        except Exception:  # a bug in a handler is logged; the link and other handlers go on
+            log.exception("%s handler on link to %s failed", type(message).__name__, self.peer_id)
+            return
         if asyncio.iscoroutine(result):
             self._spawn(self._run_handler(result))
 

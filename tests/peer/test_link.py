@@ -309,3 +309,55 @@ def test_relay_in_the_middle_with_its_own_certificate_fails_channel_auth(caplog)
     assert channel_states == 2  # DTLS with the relay succeeded on both sides
     assert all(isinstance(r, AuthenticationError) for r in results), results
     assert "DTLS fingerprint check" in caplog.text
+
+
+def test_nothing_but_the_handshake_is_accepted_before_authentication():
+    """A stranger's peer connection (no swarm key) that sends a frame of its own first is refused."""
+    from swarm.peer import messages
+    from swarm.peer.messages import Heartbeat
+
+    async def main():
+        a, _ = pair()
+        stranger, channel = new_peer_connection(RTCCertificate.generateCertificate())
+        channel.on("open", lambda: channel.send(messages.encode(Heartbeat(seq=1, sent_s=0.0))))
+        from aiortc import RTCSessionDescription
+
+        await stranger.setRemoteDescription(RTCSessionDescription(await a.create_offer(), "offer"))
+        await stranger.setLocalDescription(await stranger.createAnswer())
+        await a.accept_answer(stranger.localDescription.sdp)
+        result = (await asyncio.gather(a.established(), return_exceptions=True))[0]
+        state, peer = a.state, a.peer_id
+        await a.close()
+        await stranger.close()
+        return result, state, peer
+
+    result, state, peer = run_in_netns(main)
+    assert isinstance(result, AuthenticationError) and "Heartbeat" in str(result)
+    assert state is LinkState.CLOSED and peer is None
+
+
+def test_malformed_frame_on_an_open_link_closes_it_and_a_buggy_handler_does_not(caplog):
+    caplog.set_level(logging.INFO, logger="swarm.peer.link")
+
+    async def main():
+        a, b = pair()
+        await connect(a, b)
+
+        def buggy(link, message):
+            raise ZeroDivisionError("handler bug")
+
+        b.on(WeightChunk, buggy)
+        await a.send(blob(b"first"))
+        await asyncio.sleep(0.3)
+        open_after_bug = b.is_open
+        a.channel.send(b"CLSW" + bytes(20))  # a frame header with a wrong version and lengths
+        await asyncio.wait_for(b.wait_closed(), 5)
+        reason = b.close_reason
+        await a.close()
+        await b.close()
+        return open_after_bug, reason
+
+    open_after_bug, reason = run_in_netns(main)
+    assert open_after_bug
+    assert "handler bug" in caplog.text
+    assert "protocol version 0" in reason, reason
