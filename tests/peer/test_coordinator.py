@@ -290,3 +290,44 @@ def test_all_requests_are_sent_before_any_answer_is_awaited(checkpoints):
         assert gate.is_set() and not swarm.failed
     finally:
         swarm.close()
+
+
+SMOL_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.mark.slow
+def test_smollm2_dense_ranges_on_two_peers():
+    """The real SmolLM2 GGUF with every dense MLP split over 2 peers: the same greedy tokens as
+    the unsplit engine on 3 chat prompts, logits within 1e-4 (+1e-5 relative) — and
+    bit-identical to LocalFFN under the same plan."""
+    from swarm.compute.default_model import default_model_path
+    from swarm.compute.tokenizer import tokenizer_for
+
+    path = default_model_path()
+    model = load_model(path)  # the coordinator's (and the local reference's) copy
+    tok = tokenizer_for(model)
+    shape = ModelShape.from_config(model.config)
+    assert not shape.moe_layers and len(shape.dense_layers) == 30
+    plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=1, version=1,
+                      coordinator_share=1.0)
+    net = LoopbackNet()
+    ffn = RemoteFFN(model, plan, net.sender(COORD))
+    net.attach(COORD, ffn.deliver)
+    worker = Worker(W1, shape, load_model(path))  # the worker's own copy: only its slices are decoded
+    worker.accept_plan(plan)
+    net.attach(W1, lambda src, msg: net.send(W1, src, worker.handle(msg)))
+    same_plan, unsplit = LocalFFN(model, plan.dense_ranges()), LocalFFN(model)
+    try:
+        for i, text in enumerate(SMOL_PROMPTS):
+            ids = tok.encode_chat([{"role": "user", "content": text}])
+            swarm = greedy(model, ffn, ids, n=8)
+            if i == 0:
+                assert_same(swarm, greedy(model, same_plan, ids, n=8))
+            toks, logits = greedy(model, unsplit, ids, n=8)
+            assert swarm[0] == toks
+            for a, b in zip(swarm[1], logits):
+                # two partial sums instead of one: float32 rounding, ~1e-4 on logits of ~15
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+        assert worker.served == 3 * 9 * 30 and ffn.local_fallbacks == 0
+    finally:
+        net.close()
