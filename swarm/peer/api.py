@@ -282,12 +282,16 @@ class ApiServer:
         self._lock = asyncio.Lock()  # one generation at a time; waiters are served FIFO
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-api-gen")
         self._runner: web.AppRunner | None = None
+        self._swarm_id: str | None = None
+        self._advertising: asyncio.Task | None = None
         self.generations = 0  # finished or stopped generations, for status
 
     @classmethod
     def for_swarm_key(cls, backend: ChatBackend, key: Any) -> ApiServer:
         """Accept the key's API token and its code (``key``: a :class:`~swarm.peer.swarmkey.SwarmKey`)."""
-        return cls(backend, [key.api_token, key.code, key.code.replace("-", "")])
+        server = cls(backend, [key.api_token, key.code, key.code.replace("-", "")])
+        server._swarm_id = key.swarm_id
+        return server
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors_and_auth])
@@ -297,14 +301,49 @@ class ApiServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         return app
 
-    async def start(self, host: str = "0.0.0.0", port: int = 0, ssl_context: Any = None) -> int:
+    async def start(self, host: str = "0.0.0.0", port: int = 0, ssl_context: Any = None, *,
+                    advertise: tuple[str, int] | None = None) -> int:
+        """Serve on ``host:port``; returns the bound port.
+
+        ``advertise=(peer_id, term)``: also announce the API on mDNS
+        (:mod:`swarm.peer.api_discovery`) so ``chat``/``generate`` on any machine find it
+        (needs :meth:`for_swarm_key`). Registration runs in the background; a failure is logged.
+        """
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
-        return site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
+        bound = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
+        if advertise is not None and self._swarm_id is not None:
+            addresses = None if host in ("", "0.0.0.0") else [host]
+            self._advertising = asyncio.create_task(self._advertise(*advertise, bound, addresses))
+        return bound
+
+    async def _advertise(self, peer_id: str, term: int, port: int, addresses: list[str] | None) -> None:
+        from zeroconf import InterfaceChoice, IPVersion
+        from zeroconf.asyncio import AsyncZeroconf
+
+        from swarm.peer.api_discovery import ApiAdvertiser
+
+        zc = AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
+        ad = ApiAdvertiser(zc, swarm_id=self._swarm_id, host=peer_id, term=term, port=port, addresses=addresses)
+        try:
+            await ad.start()
+            await asyncio.Event().wait()  # until close() cancels us
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("could not announce the API on mDNS; clients need --api", exc_info=True)
+        finally:
+            await asyncio.shield(ad.close())
+            await asyncio.shield(zc.async_close())
 
     async def close(self) -> None:
+        if self._advertising is not None:
+            self._advertising.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._advertising
+            self._advertising = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

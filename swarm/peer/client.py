@@ -1,8 +1,8 @@
 """Talking to the swarm's coordinator from any machine: ``colibri-swarm chat`` and ``generate --swarm``.
 
-Where the API is, in this order: ``--api URL``; the ``api_url`` the local peer's status file
-names (``colibri-swarm join`` running on this machine); the coordinator's mDNS record
-(:mod:`swarm.peer.api_discovery`). The bearer token is the stored swarm key's API token, or
+Where the API is, in this order: ``--api URL``; the local peer's status file (``colibri-swarm
+join`` running on this machine: its ``api_url``, or its own API port when it coordinates);
+the coordinator's mDNS record (:mod:`swarm.peer.api_discovery`). The bearer token is the stored swarm key's API token, or
 ``$COLIBRI_SWARM_API_KEY``.
 
 Requests use the standard library's HTTP client (a blocking stream is all a terminal needs);
@@ -54,10 +54,17 @@ def _from_status() -> str | None:
     try:
         from swarm.peer.status import read_status
 
-        url = read_status().get("api_url")
+        doc = read_status()
     except (SwarmError, ImportError):
         return None
-    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
+    url = doc.get("api_url")
+    if isinstance(url, str) and url.startswith(("http://", "https://")):
+        return url
+    placement = doc.get("placement")
+    port = placement.get("api_port") if isinstance(placement, dict) else None
+    if doc.get("role") == "coordinator" and isinstance(port, int) and 0 < port < 65536:
+        return f"http://127.0.0.1:{port}/v1"  # this machine's peer coordinates: its API is here
+    return None
 
 
 def find_endpoint(api: str | None = None, *, mdns: bool = True) -> Endpoint | None:

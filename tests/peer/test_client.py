@@ -35,12 +35,21 @@ def engine():
     return model, tokenizer
 
 
+_ORACLE: dict[str, str] = {}
+
+
 def _greedy(engine, messages) -> str:
+    """The engine's local greedy reply (the oracle), computed once per conversation."""
+    import json
+
     from swarm.compute.sampling import SamplingParams
     from swarm.compute.textgen import generate_text
 
-    model, tok = engine
-    return "".join(generate_text(model, tok, messages, SamplingParams(max_tokens=MAX_TOKENS)))
+    key = json.dumps(messages)
+    if key not in _ORACLE:
+        model, tok = engine
+        _ORACLE[key] = "".join(generate_text(model, tok, messages, SamplingParams(max_tokens=MAX_TOKENS)))
+    return _ORACLE[key]
 
 
 class Recording(EngineBackend):
@@ -63,7 +72,8 @@ def live_api(engine):
     thread.start()
     backend = Recording(*engine, model_id=MODEL_ID)
     server = ApiServer.for_swarm_key(backend, KEY)
-    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(30)
+    # Announced on mDNS as the coordinator of term 7, as `join` does.
+    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0, advertise=("c" * 26, 7)), loop).result(30)
     yield f"http://127.0.0.1:{port}/v1", backend, loop, port
     asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
@@ -118,17 +128,16 @@ def test_generate_swarm_finds_the_api_by_mdns(live_api, engine, stored_key, caps
 
     url, _, loop, port = live_api
 
-    async def advertise():
+    async def decoys():
         zc = AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
-        ads = [ApiAdvertiser(zc, swarm_id=KEY.swarm_id, host="c" * 26, term=7, port=port, addresses=["127.0.0.1"]),
-               # an older term's coordinator (gone, its port closed) and another swarm's: never chosen
-               ApiAdvertiser(zc, swarm_id=KEY.swarm_id, host="o" * 26, term=6, port=1, addresses=["127.0.0.1"]),
+        # An older term's coordinator (gone, its port closed) and another swarm's: never chosen.
+        ads = [ApiAdvertiser(zc, swarm_id=KEY.swarm_id, host="o" * 26, term=6, port=1, addresses=["127.0.0.1"]),
                ApiAdvertiser(zc, swarm_id="0" * 16, host="x" * 26, term=99, port=2, addresses=["127.0.0.1"])]
         for ad in ads:
             await ad.start()
         return zc, ads
 
-    zc, ads = asyncio.run_coroutine_threadsafe(advertise(), loop).result(60)
+    zc, ads = asyncio.run_coroutine_threadsafe(decoys(), loop).result(60)
     try:
         code = main(["generate", "--swarm", "--max-tokens", str(MAX_TOKENS), PROMPTS[0]])
     finally:
@@ -159,3 +168,23 @@ def test_errors_are_one_clear_line(live_api, stored_key, monkeypatch, capsys, tm
 
     assert main(["chat"]) == 2
     assert "no swarm key on this machine" in capsys.readouterr().err
+
+
+def test_generate_uses_the_local_coordinators_api_by_default(live_api, engine, stored_key, capsys):
+    """With a peer running here (its status file), plain `generate` goes through the swarm."""
+    import json
+    import os
+    import time
+
+    from swarm import paths
+    from swarm.cli import main
+    from swarm.peer.node import STATUS_FILE
+
+    url, backend, loop, port = live_api
+    status = {"pid": os.getpid(), "updated": time.time(), "role": "coordinator", "placement": {"api_port": port}}
+    (paths.config_dir() / STATUS_FILE).write_text(json.dumps(status))
+    backend.seen.clear()
+    assert main(["generate", "--max-tokens", str(MAX_TOKENS), PROMPTS[1]]) == 0
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    assert backend.seen == [messages]  # it went through the API, not the local engine
+    assert capsys.readouterr().out == _greedy(engine, messages) + "\n"
