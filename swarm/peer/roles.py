@@ -336,7 +336,8 @@ class SwarmRoles:
 
         backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.ffn)
         self.api = ApiServer.for_swarm_key(backend, self.node.swarm_key)
-        self.api_port = await self.api.start(self._api_host, self._api_port_wanted)
+        self.api_port = await self.api.start(self._api_host, self._api_port_wanted,
+                                             advertise=(self.node.peer_id, self.election.term))  # mDNS: chat finds it
         log.info("OpenAI API on port %d", self.api_port)
 
     async def _close_api(self) -> None:
