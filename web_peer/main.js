@@ -1,0 +1,168 @@
+// The peer page: joins the swarm whose key is in the URL fragment and serves FFN work with WebGPU.
+//
+//   https://<host>:<port>/#<swarm key code>[?name=…]   (printed as a QR code by `colibri-swarm join`)
+// Query options: name (shown to the swarm), format (f32 | f16 | q8 weights on the GPU),
+// budget (bytes of weights this page offers), signal (a wss:// URL instead of this server's).
+//
+// Flow: key from the fragment → WebGPU adapter (none: "cannot serve") → identity → signaling
+// (wrong key: "refused", told so) → offer a link to every Python peer, keep the one that answers
+// (only the coordinator answers browsers) → channel auth + Hello → worker serves until the link
+// drops, then offer again. window.colibri exposes the live objects for tests.
+import { parseSwarmKey, deriveKey, AuthenticationError, KeyCodeError } from "./auth.js";
+import { GpuContext, NoWebGPUError } from "./gpu.js";
+import { FfnBlock } from "./ffn.js";
+import { PeerLink } from "./peerlink.js";
+import { SignalingClient, signalingUrl } from "./signaling.js";
+import { loadIdentity } from "./storage.js";
+import { BrowserWorker } from "./worker.js";
+import { PROTOCOL_VERSION } from "./wire.js";
+import * as ui from "./ui.js";
+
+const RETRY_S = 2;
+const params = new URLSearchParams(location.search);
+const app = { state: "starting", events: [] };
+globalThis.colibri = app;
+
+function set(state, detail = "") {
+  app.state = state;
+  app.events.push(state);
+  ui.setState(state, detail);
+}
+
+/** GFLOP/s of a small SwiGLU block on this GPU (placement weighs peers by it); ~50 ms. */
+async function measureGflops(gpu) {
+  const h = 256, f = 512, t = 4;
+  const w = (n) => Float32Array.from({ length: n }, (_, i) => Math.sin(i) / 16);
+  const block = new FfnBlock(gpu, { hidden: h, inter: f, fmt: "f32", wGate: w(f * h), wUp: w(f * h), wDown: w(h * f) });
+  await block.run(w(t * h), t);
+  const t0 = performance.now();
+  for (let i = 0; i < 3; i++) await block.run(w(t * h), t);
+  const s = (performance.now() - t0) / 3000;
+  block.release();
+  return (6 * t * h * f) / s / 1e9;
+}
+
+function memoryBudget(gpu) {
+  if (params.has("budget")) return Math.max(0, Math.floor(Number(params.get("budget")) || 0));
+  const gib = (navigator.deviceMemory ?? 4) * 2 ** 30;
+  return Math.min(Math.floor(gib / 4), 16 * gpu.adapter.limits.maxBufferSize);  // a quarter of the device's memory
+}
+
+let wakeLock = null;
+async function keepAwake(on) {
+  try {
+    if (on && !wakeLock && navigator.wakeLock) {
+      wakeLock = await navigator.wakeLock.request("screen");
+      wakeLock.addEventListener("release", () => { wakeLock = null; });
+    } else if (!on && wakeLock) {
+      await wakeLock.release();
+      wakeLock = null;
+    }
+  } catch { /* not allowed (hidden tab, no user gesture): the page still serves */ }
+}
+document.addEventListener("visibilitychange", () => { if (document.visibilityState === "visible" && app.state === "serving") keepAwake(true); });
+
+function render() {
+  const w = app.worker;
+  if (!w) return;
+  const loading = [...w.downloads.values()].filter((d) => d.done < d.total);
+  if (app.link?.state === "open") {
+    if (loading.length) {
+      set("loading");
+      const done = loading.reduce((s, d) => s + d.done, 0), total = loading.reduce((s, d) => s + d.total, 0);
+      ui.setProgress(done, total);
+    } else if (w.blocks.size || w.stats.served) {
+      if (app.state !== "serving") set("serving", `${(w.gpuBytes / 2 ** 20).toFixed(1)} MiB of weights on the GPU`);
+      keepAwake(true);
+    }
+  }
+  ui.setFacts({
+    assigned: ui.describeAssignments(w.assignments),
+    served: String(w.stats.served),
+    ms: w.stats.served ? `${(w.stats.msTotal / w.stats.served).toFixed(1)} ms average, ${w.stats.lastMs.toFixed(1)} ms last` : "–",
+  });
+  ui.showError(w.lastError ?? "");
+}
+
+async function main() {
+  let swarmKey;
+  try {
+    swarmKey = await parseSwarmKey(location.hash);
+  } catch (e) {
+    set("refused", e.message);
+    return;
+  }
+  let gpu;
+  try {
+    gpu = await GpuContext.create();
+  } catch (e) {
+    set("cannot-serve", e instanceof NoWebGPUError ? `${e.message}. Try a recent Chrome, Edge or Safari on this device.` : e.message);
+    return;
+  }
+  const { peerId, certificate } = await loadIdentity();
+  const authKey = await deriveKey(swarmKey, "channel-auth");
+  const d = gpu.describe();
+  ui.setFacts({ peer: peerId, gpu: `${d.description || d.device || d.vendor || "WebGPU adapter"} (${d.formats.join(", ")})` });
+  const format = params.get("format") ?? "f32";
+  const worker = new BrowserWorker(gpu, { peerId, format, onchange: render });
+  app.worker = worker;
+  app.peerId = peerId;
+  const hello = {
+    peer_id: peerId, protocol_version: PROTOCOL_VERSION,
+    build: { package: "web_peer", numpy: "", blas: "webgpu", arch: d.description || d.architecture || "webgpu", kernel_dtype: gpu.formats.includes(format) ? format : "f32" },
+    model_hash: null, memory_budget: memoryBudget(gpu), ffn_gflops: await measureGflops(gpu), peer_kind: "browser",
+    adapter_limits: d.limits, adapter_features: d.features, name: (params.get("name") ?? "browser").slice(0, 64),
+  };
+
+  for (;;) {  // one signaling session per iteration
+    set("connecting");
+    let sig;
+    try {
+      sig = await SignalingClient.connect(params.get("signal") ?? signalingUrl(), swarmKey, peerId, hello.name);
+    } catch (e) {
+      if (e instanceof AuthenticationError || e instanceof KeyCodeError) { set("refused", e.message); return; }
+      set("disconnected", e.message);
+      await new Promise((r) => setTimeout(r, RETRY_S * 1000));
+      continue;
+    }
+    app.signaling = sig;
+    const attempts = new Map();  // remote peer id → PeerLink being tried
+    const closed = new Promise((resolve) => { sig.onclose = (code, why) => resolve(why); });
+    const tryPeers = () => {
+      if (app.link?.state === "open") return;
+      for (const p of sig.peers.values()) {
+        if (p.kind !== "python" || attempts.has(p.peer)) continue;
+        const link = new PeerLink({ signaling: sig, remotePeerId: p.peer, localPeerId: peerId, authKey, certificate, hello });
+        attempts.set(p.peer, link);
+        link.onopen = () => {
+          for (const [other, l] of attempts) if (l !== link) { l.close("another peer answered"); attempts.delete(other); }
+          app.link = link;
+          worker.attach(link);
+          set("authenticated");
+          ui.setFacts({ coordinator: `${link.remoteHello.name} (${link.remotePeerId})` });
+          render();
+        };
+        link.onclose = (reason) => {
+          attempts.delete(p.peer);
+          if (link.authError) { set("refused", link.authError.message); return; }
+          if (app.link === link) {
+            app.link = null;
+            keepAwake(false);
+            set("disconnected", reason);
+          }
+          setTimeout(tryPeers, RETRY_S * 1000);
+        };
+        link.offer().catch((e) => link.close(e.message));
+      }
+    };
+    sig.onsignal = (from, data) => attempts.get(from)?.handleSignal(data).catch((e) => attempts.get(from)?.close(e.message));
+    sig.onpresence = tryPeers;
+    tryPeers();
+    const why = await closed;
+    for (const l of attempts.values()) l.close("signaling closed");
+    if (app.state !== "refused") set("disconnected", why);
+    await new Promise((r) => setTimeout(r, RETRY_S * 1000));
+  }
+}
+
+main().catch((e) => { set("error", e.message); console.error(e); });
