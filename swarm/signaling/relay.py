@@ -16,7 +16,9 @@ authenticated  ``signal`` to a present peer → relayed, from     close 4000 (pr
 
 Every frame first passes the size limit (close 4009) and the connection's token bucket
 (close 4029), so a flooding or oversized client is cut off while the others keep working.
-A client that does not authenticate within ``auth_timeout_s`` is closed (4002).
+A client that does not authenticate within ``auth_timeout_s`` is closed (4002); one address
+may hold at most ``max_pending_per_address`` unauthenticated connections and the server at most
+``max_connections`` in all (further ones are closed at once with 4029).
 ``now`` is unix time in seconds (also used as the presence "joined" time).
 """
 
@@ -46,6 +48,8 @@ MAX_FRAME_CHARS = 64 * 1024  # an SDP with many candidates is a few KiB
 RATE_PER_S = 50.0  # sustained frames per second per connection (trickled ICE is bursty)
 BURST = 200  # token bucket depth
 AUTH_TIMEOUT_S = 10.0
+MAX_PENDING_PER_ADDRESS = 16  # unauthenticated connections from one remote address
+MAX_CONNECTIONS = 512  # all connections; bounds the server's memory
 
 
 class CloseCode(enum.IntEnum):
@@ -104,6 +108,7 @@ class _Conn:
     nonce: bytes
     deadline: float | None
     bucket: TokenBucket
+    address: str = ""
     peer: PeerInfo | None = None
     closed: bool = False
 
@@ -122,17 +127,22 @@ class SignalingRelay:
     rate_per_s: float = RATE_PER_S
     burst: int = BURST
     auth_timeout_s: float = AUTH_TIMEOUT_S
+    max_pending_per_address: int = MAX_PENDING_PER_ADDRESS
+    max_connections: int = MAX_CONNECTIONS
     new_nonce: Callable[[], bytes] = auth.new_nonce
     _conns: dict[int, _Conn] = field(default_factory=dict)
     _by_peer: dict[str, int] = field(default_factory=dict)
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def connect(self, conn: int, now: float) -> list[Output]:
-        """A new WebSocket: remember it and challenge it."""
+    def connect(self, conn: int, now: float, address: str = "") -> list[Output]:
+        """A new WebSocket from remote ``address`` (IP): remember it and challenge it."""
         nonce = self.new_nonce()
         bucket = TokenBucket(self.rate_per_s, self.burst, self.burst, now)
-        self._conns[conn] = _Conn(nonce=nonce, deadline=now + self.auth_timeout_s, bucket=bucket)
+        pending = sum(1 for c in self._conns.values() if c.peer is None and not c.closed and c.address == address)
+        self._conns[conn] = _Conn(nonce=nonce, deadline=now + self.auth_timeout_s, bucket=bucket, address=address)
+        if pending >= self.max_pending_per_address or len(self._conns) > self.max_connections:
+            return self._close(conn, CloseCode.RATE_LIMITED, "too many connections; try again later")
         return [Send(conn, Challenge(nonce=nonce, host=self.host).encode())]
 
     def receive(self, conn: int, frame: str | bytes, now: float) -> list[Output]:

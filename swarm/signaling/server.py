@@ -143,7 +143,7 @@ class SignalingServer:
         self._outboxes[conn] = outbox
         writer = asyncio.create_task(self._writer(ws, outbox), name=f"signaling-writer-{conn}")
         try:
-            self._apply(self.relay.connect(conn, time.time()))
+            self._apply(self.relay.connect(conn, time.time(), request.remote or ""))
             self._timer_wake.set()
             async for msg in ws:
                 if msg.type == WSMsgType.TEXT:

@@ -190,3 +190,20 @@ def test_version_mismatch(relay):
     out = relay.receive(1, Auth(peer_id="A", kind="python", name="", nonce=b"\x01" * 32, mac=mac, version=2).encode(), 0)
     code, reason = closes(out)[1]
     assert code == CloseCode.VERSION_MISMATCH and "2" in reason and "1" in reason
+
+
+def test_connection_limits(relay):
+    relay.max_pending_per_address = 3
+    relay.max_connections = 6
+    outs = [relay.connect(i, 0.0, "10.0.0.9") for i in range(1, 5)]
+    assert [type(o[0]).__name__ for o in outs] == ["Send", "Send", "Send", "Close"]
+    assert closes(outs[3]) == {4: (CloseCode.RATE_LIMITED, "too many connections; try again later")}
+    relay.disconnect(4, 0.0)
+    # another address is not held back by the first one's pending connections
+    out, *_ = join(relay, 5, "A")
+    assert texts(out, 5)[0]["type"] == "welcome"
+    # once authenticated, a connection no longer counts as pending for its address
+    (challenge,) = relay.connect(6, 0.0, "10.0.0.7")
+    assert isinstance(challenge, Send)
+    assert isinstance(relay.connect(7, 0.0, "10.0.0.8")[0], Send)  # 6 connections: the cap
+    assert closes(relay.connect(8, 0.0, "10.0.0.8"))[8][0] == CloseCode.RATE_LIMITED
