@@ -367,6 +367,11 @@ def _print_header(console: Any, node: Node) -> None:
         console.print(f"hosting signaling on port {rv.server.port}, certificate SHA-256 {rv.server.certificate.fingerprint}")
     elif rv.client is not None:
         console.print(f"on the signaling server of peer {rv.client.host}")
+    from web_peer.pageurl import page_link_text  # the peer page's URL (key in the fragment) + QR
+
+    page = page_link_text(rv, node.swarm_key.code)
+    if page:
+        console.print(page, markup=False, highlight=False)
 
 
 def _print_event(console: Any, ev: PeerEvent) -> None:
