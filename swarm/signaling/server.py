@@ -2,6 +2,7 @@
 
 Routes:
   ``GET /``            the peer page (``web_peer/index.html``), ``GET /<file>`` its static files
+                       (only page assets: .html .js .css .wgsl .json; never the package's Python)
   ``GET /ws``          the WebSocket signaling protocol (docs/protocol.md, "Signaling")
   ``GET /api/status``  public facts as JSON: service, protocol, swarm id, host peer id, started,
                        fingerprint, number of peers (presence itself only goes to authenticated peers)
@@ -77,9 +78,7 @@ class SignalingServer:
         app.router.add_get("/", self._index)
         app.router.add_get("/ws", self._websocket)
         app.router.add_get("/api/status", self._status)
-        static = _web_peer_dir()
-        if static is not None:
-            app.router.add_static("/", static)
+        app.router.add_get("/{path:.+}", self._asset)
         app.cleanup_ctx.append(self._timer_ctx)
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
@@ -125,10 +124,10 @@ class SignalingServer:
     # -- HTTP ------------------------------------------------------------------------------
 
     async def _index(self, request: web.Request) -> web.StreamResponse:
-        static = _web_peer_dir()
-        if static is None or not (static / "index.html").is_file():
-            return web.Response(status=404, text="the peer page is not installed (web_peer/index.html missing)\n")
-        return web.FileResponse(static / "index.html")
+        return _asset_response("index.html")
+
+    async def _asset(self, request: web.Request) -> web.StreamResponse:
+        return _asset_response(request.match_info["path"])
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
@@ -212,6 +211,22 @@ class SignalingServer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._timer_wake.wait(), wait)
             self._apply(self.relay.handle_timer(time.time()))
+
+
+ASSET_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css",
+               ".wgsl": "text/wgsl", ".json": "application/json"}
+
+
+def _asset_response(path: str) -> web.StreamResponse:
+    """A file of the peer page, or 404 naming what is missing; nothing outside web_peer/."""
+    root = _web_peer_dir()
+    if root is None:
+        return web.Response(status=404, text="the peer page is not installed (package web_peer missing)\n")
+    target = (root / path).resolve()
+    kind = ASSET_TYPES.get(target.suffix)
+    if kind is None or not target.is_relative_to(root.resolve()) or not target.is_file():
+        return web.Response(status=404, text=f"no such page asset: /{path}\n")
+    return web.FileResponse(target, headers={"Content-Type": kind, "Cache-Control": "no-cache"})
 
 
 def _web_peer_dir() -> Path | None:

@@ -112,21 +112,32 @@ async def test_status_and_certificate_served(server):
     await a.close()
 
 
-async def test_peer_page_served_from_web_peer(server, tmp_path):
+async def test_peer_page_served_from_web_peer(server):
     import importlib.resources
 
     root = importlib.resources.files("web_peer")
+    base = f"https://127.0.0.1:{server.port}"
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"https://127.0.0.1:{server.port}/__init__.py", ssl=False) as resp:
-            assert resp.status == 200
-            assert await resp.text() == (root / "__init__.py").read_text()
-        async with session.get(f"https://127.0.0.1:{server.port}/", ssl=False) as resp:
+        async with session.get(f"{base}/", ssl=False) as resp:
             if (root / "index.html").is_file():
+                assert resp.status == 200 and resp.content_type == "text/html"
                 assert await resp.text() == (root / "index.html").read_text()
             else:
                 assert resp.status == 404 and "index.html" in await resp.text()
-        async with session.get(f"https://127.0.0.1:{server.port}/../swarm/errors.py", ssl=False) as resp:
-            assert resp.status in (403, 404)
+        for asset in ("main.js", "signaling.js", "swiglu.wgsl"):
+            if (root / asset).is_file():
+                async with session.get(f"{base}/{asset}", ssl=False) as resp:
+                    assert resp.status == 200 and await resp.text() == (root / asset).read_text()
+                    assert resp.content_type in ("text/javascript", "text/wgsl")  # ES modules need a JS type
+        # the package's Python, paths outside web_peer/ and unknown names are not served
+        for path in ("/__init__.py", "/../swarm/errors.py", "/%2e%2e/swarm/errors.py", "/nothing.js", "/api"):
+            async with session.get(f"{base}{path}", ssl=False) as resp:
+                assert resp.status == 404, path
+        from yarl import URL
+
+        outside = URL(f"{base}/%2e%2e/tests/vectors/signaling_auth.json", encoded=True)  # a real .json file
+        async with session.get(outside, ssl=False) as resp:
+            assert resp.status == 404
 
 
 async def test_wrong_key_refused(server):
