@@ -1,0 +1,67 @@
+"""web_peer/slices.js decodes shipped weight slices to the same float32 bits as Python's
+swarm.peer.slices.decode_slice (gguf-py's dequantize), for every encoding the page knows, and
+refuses malformed metas and encodings it does not know."""
+
+from __future__ import annotations
+
+import base64
+
+import gguf.quants
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from swarm.peer.slices import decode_slice
+
+pytestmark = pytest.mark.browser
+
+DECODE = """async ({blob, meta}) => {
+  const { decodeSlice } = await import("/slices.js");
+  const b = Uint8Array.from(atob(blob), (c) => c.charCodeAt(0));
+  const enc = (a) => { const u = new Uint8Array(a.buffer, a.byteOffset, a.byteLength); let s = "";
+    for (let i = 0; i < u.length; i += 8192) s += String.fromCharCode(...u.subarray(i, i + 8192)); return btoa(s); };
+  try {
+    const s = decodeSlice(b, meta);
+    return { gate: enc(s.gate.data), up: enc(s.up.data), down: enc(s.down.data), hidden: s.hidden };
+  } catch (e) { return { error: `${e.name}: ${e.message}` }; }
+}"""
+
+
+def dense_slice(encoding: str, r: int = 32, h: int = 64, seed: int = 0):
+    """A dense slice of rows [100, 100 + r): gate/up [r, h], down [h, r] (r, h multiples of 32)."""
+    rng = np.random.default_rng(seed)
+    blob, tensors = b"", []
+    for role, shape in (("gate", (r, h)), ("up", (r, h)), ("down", (h, r))):
+        a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        raw = a.tobytes() if encoding == "F32" else gguf.quants.quantize(a, GGMLQuantizationType[encoding]).tobytes()
+        tensors.append({"role": role, "encoding": encoding, "shape": list(shape), "offset": len(blob), "nbytes": len(raw)})
+        blob += raw
+    return blob, {"version": 1, "format": "gguf", "spec": {"layer": 2, "kind": "dense", "start": 100, "stop": 100 + r}, "tensors": tensors}
+
+
+@pytest.mark.parametrize("encoding", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_slice_decodes_bit_for_bit(page, encoding):
+    blob, meta = dense_slice(encoding)
+    want = decode_slice(blob, meta)
+    got = page.evaluate(DECODE, {"blob": base64.b64encode(blob).decode(), "meta": meta})
+    assert "error" not in got, got
+    for role in ("gate", "up", "down"):
+        arr = np.frombuffer(base64.b64decode(got[role]), np.float32).reshape(getattr(want, role).shape)
+        assert arr.tobytes() == getattr(want, role).astype(np.float32).tobytes(), f"{encoding} {role}"
+    assert got["hidden"] == 64
+
+
+def test_bad_slices_are_refused(page):
+    blob, meta = dense_slice("Q4_1")
+    cases = {
+        "unknown encoding": {**meta, "tensors": [{**meta["tensors"][0], "encoding": "Q6_K"}] + meta["tensors"][1:]},
+        "outside": {**meta, "tensors": [{**meta["tensors"][0], "nbytes": len(blob) + 1}] + meta["tensors"][1:]},
+        "order": {**meta, "tensors": meta["tensors"][::-1]},
+        "version": {**meta, "version": 2},
+        "shapes": {**meta, "spec": {**meta["spec"], "stop": meta["spec"]["stop"] + 1}},
+    }
+    for what, bad in cases.items():
+        got = page.evaluate(DECODE, {"blob": base64.b64encode(blob).decode(), "meta": bad})
+        assert got.get("error", "").startswith("SliceError"), (what, got)
+    assert "cannot be decoded by the browser peer" in page.evaluate(
+        DECODE, {"blob": base64.b64encode(blob).decode(), "meta": cases["unknown encoding"]})["error"]
