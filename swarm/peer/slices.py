@@ -39,7 +39,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from swarm.errors import ModelFileError, RemoteProtocolError
+from swarm.errors import LocalProtocolError, ModelFileError, RemoteProtocolError
 
 META_VERSION = 1
 KINDS = ("dense", "experts")
@@ -349,3 +349,48 @@ def decode_slice(blob: bytes | memoryview, meta: Mapping[str, Any]) -> SliceWeig
             f"slice meta: shapes gate {gate.shape}, up {up.shape}, down {down.shape} do not fit {spec.kind} {spec.start}..{spec.stop}"
         )
     return SliceWeights(spec, gate, up, down)
+
+
+def specs_for(plan: Any, peer_id: str) -> list[SliceSpec]:
+    """The slices ``peer_id`` needs under ``plan`` (a :class:`swarm.peer.planner.Plan`), layer order."""
+    specs = [SliceSpec(layer, "experts", s.start, s.stop)
+             for layer, spans in plan.experts.items() for s in spans if s.peer == peer_id]
+    specs += [SliceSpec(layer, "dense", s.start, s.stop)
+              for layer, spans in plan.dense.items() for s in spans if s.peer == peer_id]
+    return sorted(specs, key=lambda s: (s.layer, s.kind, s.start))
+
+
+class ShippedWeights:
+    """A worker's weights built from slices it received (a :class:`swarm.peer.worker.SliceSource`).
+
+    ``add`` each decoded slice; ``expert_weights`` / ``dense_weights`` then serve what the
+    worker's plan asks for, and raise :class:`~swarm.errors.LocalProtocolError` for weights
+    that were never shipped here (a plan accepted before its slices arrived).
+    """
+
+    def __init__(self) -> None:
+        self._experts: dict[tuple[int, int], Any] = {}
+        self._dense: dict[int, list[tuple[int, int, Any]]] = {}
+
+    def add(self, weights: SliceWeights) -> None:
+        spec = weights.spec
+        if spec.kind == "experts":
+            for e, w in weights.mlp_weights().items():
+                self._experts[(spec.layer, e)] = w
+        else:
+            (w,) = weights.mlp_weights().values()
+            self._dense.setdefault(spec.layer, []).append((spec.start, spec.stop, w))
+
+    def expert_weights(self, layer: int, e: int) -> Any:
+        try:
+            return self._experts[(layer, e)]
+        except KeyError:
+            raise LocalProtocolError(f"expert {e} of layer {layer} was not shipped to this worker") from None
+
+    def dense_weights(self, layer: int, lo: int | None = None, hi: int | None = None) -> Any:
+        for start, stop, w in self._dense.get(layer, ()):
+            if lo is None and hi is None and (start, stop) == (0, w.intermediate_size):
+                return w
+            if lo is not None and hi is not None and start <= lo < hi <= stop:
+                return w if (lo, hi) == (start, stop) else w.range(lo - start, hi - start)
+        raise LocalProtocolError(f"dense units {lo}..{hi} of layer {layer} were not shipped to this worker")

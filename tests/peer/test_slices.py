@@ -225,3 +225,47 @@ def test_slices_give_the_engines_weights_bit_for_bit(smollm2, smol_slicer, tmp_p
     xm = np.random.default_rng(2).standard_normal((5, 32)).astype(np.float32)
     for e, we in experts.items():
         np.testing.assert_array_equal(expert_ffn(we, xm), expert_ffn(moe.expert_weights(1, e), xm))
+
+
+def test_worker_on_shipped_slices_answers_like_a_worker_with_the_model(tmp_path):
+    """Every slice a plan gives a worker, shipped and decoded, serves the Worker bit for bit."""
+    from swarm.compute.model import load_model
+    from swarm.peer import messages as M
+    from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.slices import ShippedWeights, specs_for
+    from swarm.peer.worker import Worker
+
+    from tests.peer._swarm_models import build
+
+    path = build("qwen3_moe", tmp_path)  # MoE layers 0 and 2, dense layer 1
+    model = load_model(path)
+    shape = ModelShape.from_config(model.config)
+    coord, w1, w2 = "c" * 26, "d" * 26, "e" * 26
+    plan = build_plan(shape, PeerCapacity(coord, 0, 1.0), [PeerCapacity(w1, 10**9, 1.0), PeerCapacity(w2, 10**9, 2.0)],
+                      term=1, version=1)
+    specs = specs_for(plan, w1)
+    assert specs and {s.kind for s in specs} == {"experts", "dense"}
+    shipped = ShippedWeights()
+    slicer = ModelSlicer(path)
+    for spec in specs:
+        blob, meta = slicer.extract(spec)
+        shipped.add(decode_slice(blob, meta))
+    ours, reference = Worker(w1, shape, shipped), Worker(w1, shape, model)
+    for w in (ours, reference):
+        w.accept_plan(plan)
+    assert ours.prepare() == reference.prepare() > 0
+    x = np.random.default_rng(3).standard_normal((6, 32)).astype(np.float32)
+    for spec in specs:
+        if spec.kind == "experts":
+            ids = np.arange(spec.start, spec.stop, dtype=np.int32)
+            counts = np.full(len(ids), 6 // len(ids) or 1, np.int32)
+            counts[-1] = 6 - counts[:-1].sum()
+            req = M.ExpertRequest(1, 1, 1, spec.layer, ids, counts, x)
+        else:
+            req = M.DenseRequest(1, 1, 1, spec.layer, ((spec.start, spec.stop),), x)
+        a, b = ours.handle(req), reference.handle(req)
+        assert type(a) is type(b) and not isinstance(a, M.Error), a
+        got, want = (a.outputs, b.outputs) if spec.kind == "experts" else (a.partials, b.partials)
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(Exception, match="not shipped"):
+        shipped.expert_weights(0, 99)
