@@ -1,0 +1,205 @@
+"""Engine speed against transformers on the same model and thread count; prints JSON.
+
+    python3 bench/engine.py [--model PATH] [--threads 2] [--prompt-tokens 128] [--decode-tokens 64]
+
+Each engine runs in its own child process (this script with ``--worker NAME``), so the
+peak RSS reported is that engine's alone, and both get the same BLAS/OpenMP thread limits
+(environment variables before import, ``torch.set_num_threads``, ``threadpoolctl``).
+
+What is measured, per engine, after one warm-up generation (weights decoded, caches hot):
+- prefill tok/s: a prompt of exactly ``--prompt-tokens`` ids run as one batch into an empty
+  KV cache, up to the logits of its last position;
+- decode tok/s: greedy steps of one token each with the KV cache, ``--decode-tokens`` of
+  them after that prefill, sampling included;
+  both as the best of ``--repeats`` runs (the least disturbed by other processes on a shared
+  machine) and as their median, with each run's wall and process-CPU seconds;
+- peak RSS in MiB (``getrusage``), load seconds (open + decode weights).
+Greedy decoding on the same prompt also gives a token-agreement figure for free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT_TEXT = (
+    "The history of astronomy spans thousands of years, from the first people who tracked the Moon "
+    "and planets across the night sky to the space telescopes that now photograph galaxies billions "
+    "of light years away. Ancient observers in Babylon, Egypt, China and Greece kept careful records "
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="GGUF file or HF directory (default: the default model, SmolLM2-135M Q4_1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engines", default="colibri,transformers", help="comma-separated: colibri, transformers")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return _worker(args)
+
+    sys.path.insert(0, str(REPO))
+    if args.model is None:
+        from swarm.compute.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(args.threads)
+    report: dict = {
+        "model": args.model, "threads": args.threads, "cpus": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()], "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+    }
+    for engine in args.engines.split(","):
+        cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--threads", str(args.threads),
+               "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
+               "--repeats", str(args.repeats)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            print(done.stderr, file=sys.stderr)
+            raise SystemExit(f"the {engine} worker failed (exit {done.returncode})")
+        report[engine] = json.loads(done.stdout.strip().splitlines()[-1])
+    if "colibri" in report and "transformers" in report:
+        ours, theirs = report["colibri"], report["transformers"]
+        report["speedup_vs_transformers"] = {
+            "prefill": round(ours["prefill_tok_s"] / theirs["prefill_tok_s"], 3),
+            "decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3),
+        }
+        def cpu(engine: dict, phase: int) -> float:
+            return statistics.median(run[phase] for run in engine["cpu_s_runs"])
+
+        report["speedup_by_cpu_time"] = {
+            "prefill": round(cpu(theirs, 0) / cpu(ours, 0), 3),
+            "decode": round(cpu(theirs, 1) / cpu(ours, 1), 3),
+        }
+        same = 0
+        for a, b in zip(ours["greedy_ids"], theirs["greedy_ids"]):
+            if a != b:
+                break
+            same += 1
+        report["greedy_prefix_agreement"] = f"{same}/{len(ours['greedy_ids'])}"
+    for engine in ("colibri", "transformers"):
+        report.get(engine, {}).pop("greedy_ids", None)
+    report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _prompt_ids(model_path: str, n: int) -> list[int]:
+    from swarm.compute.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tok.encode(PROMPT_TEXT, add_special_tokens=False)
+    return ids[:n]
+
+
+def _worker(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(REPO))
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(args.threads)
+    prompt = _prompt_ids(args.model, args.prompt_tokens)
+    run = {"colibri": _run_colibri, "transformers": _run_transformers}[args.worker]
+    result = run(args, prompt)
+    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    print(json.dumps(result))
+    return 0
+
+
+def _summary(load_s: float, prefills: list[float], decodes: list[float], n_prompt: int, n_decode: int,
+             greedy: list[int], cpu: list[tuple[float, float]]) -> dict:
+    return {
+        "load_s": round(load_s, 2),
+        "prefill_tok_s": round(n_prompt / min(prefills), 1),
+        "decode_tok_s": round(n_decode / min(decodes), 1),
+        "prefill_tok_s_median": round(n_prompt / statistics.median(prefills), 1),
+        "decode_tok_s_median": round(n_decode / statistics.median(decodes), 1),
+        "prefill_s_runs": [round(t, 3) for t in prefills],
+        "decode_s_runs": [round(t, 3) for t in decodes],
+        # process CPU seconds (all threads) per run: (prefill, decode); compare these when the
+        # machine is shared, since wall time then measures the neighbours too
+        "cpu_s_runs": [(round(p, 3), round(d, 3)) for p, d in cpu],
+        "greedy_ids": greedy,
+    }
+
+
+def _run_colibri(args: argparse.Namespace, prompt: list[int]) -> dict:
+    from swarm.compute import SamplingParams, generate, load_model
+
+    t0 = time.perf_counter()
+    model = load_model(args.model)
+    if hasattr(model, "materialize"):
+        model.materialize()  # decode every weight now, not inside the first timed step
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=args.decode_tokens + 1)  # greedy, no stop tokens
+    list(generate(model, prompt[:8], SamplingParams(max_tokens=4)))  # warm-up
+    prefills, decodes, cpu, greedy = [], [], [], []
+    for _ in range(args.repeats):
+        steps = generate(model, prompt, params, cache=model.new_cache(len(prompt) + args.decode_tokens + 1))
+        t0, c0 = time.perf_counter(), time.process_time()
+        first = next(steps)  # prefill + sampling the first token
+        t1, c1 = time.perf_counter(), time.process_time()
+        rest = list(steps)
+        t2, c2 = time.perf_counter(), time.process_time()
+        prefills.append(t1 - t0)
+        decodes.append(t2 - t1)
+        cpu.append((c1 - c0, c2 - c1))
+        greedy = [first, *rest]
+    return _summary(load_s, prefills, decodes, len(prompt), args.decode_tokens, greedy, cpu)
+
+
+def _run_transformers(args: argparse.Namespace, prompt: list[int]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    path = Path(args.model)
+    t0 = time.perf_counter()
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t0
+
+    def greedy_run(ids: list[int], n: int) -> tuple[float, float, list[int], tuple[float, float]]:
+        with torch.inference_mode():
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = model(torch.tensor([ids]), use_cache=True)
+            token = int(out.logits[0, -1].argmax())
+            t1, c1 = time.perf_counter(), time.process_time()
+            past, tokens = out.past_key_values, [token]
+            for _ in range(n):
+                out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+                tokens.append(token)
+            t2, c2 = time.perf_counter(), time.process_time()
+        return t1 - t0, t2 - t1, tokens, (c1 - c0, c2 - c1)
+
+    greedy_run(prompt[:8], 3)  # warm-up
+    prefills, decodes, cpu, greedy = [], [], [], []
+    for _ in range(args.repeats):
+        p, d, greedy, c = greedy_run(prompt, args.decode_tokens)
+        prefills.append(p)
+        decodes.append(d)
+        cpu.append(c)
+    return _summary(load_s, prefills, decodes, len(prompt), args.decode_tokens, greedy, cpu)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
