@@ -52,7 +52,9 @@ async def test_discover_and_rehost_after_host_killed(netns_lab):
     stranger = lab.spawn(3, [SCRIPT, "--key", os.urandom(32).hex(), "--peer-id", "peer-0-stranger"])
 
     # All three started together, nobody typed an address: they must settle on one server, all present.
+    spawned_at = time.monotonic()
     old_host = await settled(procs, ids, timeout=30)
+    print(f"one swarm {time.monotonic() - spawned_at:.2f} s after starting (includes Python start-up)")
 
     # Kill the host's process like a pulled plug (no goodbye, no close frames).
     victim = ids.index(old_host)
