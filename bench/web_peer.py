@@ -1,6 +1,6 @@
 """Benchmark of the browser peer's WGSL kernels; prints one JSON document.
 
-    python3 bench/web_peer.py [--quick] [--no-chromium] [--shapes T,H,F ...]
+    python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
 
 For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format it reports seconds
 per call, GFLOP/s and GB/s (weight bytes + activation bytes moved once), on:
@@ -8,6 +8,8 @@ per call, GFLOP/s and GB/s (weight bytes + activation bytes moved once), on:
   adapter wgpu picks, described in the output);
 - swiftshader: the same WGSL through the page's own modules in headless Chromium.
 Decode is bandwidth-bound (T = 1): GB/s against the device's memory bandwidth is the figure of merit.
+With --e2e, through the real page (signaling, authenticated WebRTC link, worker.js): MiB/s of
+weight shipping to the page and DenseRequest round-trip latency as the coordinator sees it.
 """
 
 from __future__ import annotations
@@ -140,6 +142,68 @@ def bench_chromium(shapes, reps):
     return out
 
 
+def bench_e2e(reps: int) -> dict:
+    """Through the real page: MiB/s of weight shipping to it, and DenseRequest round trips (ms)."""
+    import os
+    import statistics
+    import tempfile
+    from pathlib import Path as _P
+
+    from playwright.sync_api import sync_playwright
+
+    from swarm.peer.messages import DenseAnswer, DenseRequest
+    from swarm.peer.slices import ModelSlicer, SliceSpec
+    from swarm.peer.swarmkey import SwarmKey
+    from tests.browser.conftest import CHROMIUM
+    from tests.browser.test_page_e2e import E2E_ARGS, PythonSwarm, _page_url, _wait_state, lan_address, smollm2_path
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
+        swarm = PythonSwarm(_P(tmp), SwarmKey(os.urandom(32)), lan_address())
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=E2E_ARGS)
+        try:
+            page = browser.new_context(ignore_https_errors=True).new_page()
+            t0 = time.perf_counter()
+            page.goto(_page_url(swarm, swarm.key.code, name="bench"))
+            _wait_state(page, "authenticated")
+            out["join_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+            # Shipping: a 24 MiB F32 dense slice (H 1024, 2048 rows), chunks of 1 MiB.
+            rng = np.random.default_rng(0)
+            h, r = 1024, 2048
+            mats = [rng.standard_normal(s).astype(np.float32) for s in ((r, h), (r, h), (h, r))]
+            blob, tensors = b"", []
+            for role, a in zip(("gate", "up", "down"), mats):
+                tensors.append({"role": role, "encoding": "F32", "shape": list(a.shape), "offset": len(blob), "nbytes": a.nbytes})
+                blob += a.tobytes()
+            meta = {"version": 1, "format": "safetensors", "spec": {"layer": 0, "kind": "dense", "start": 0, "stop": r}, "tensors": tensors}
+            manifest = swarm.source.offer(blob, meta)
+            t0 = time.perf_counter()
+            swarm.call(swarm.slices.offer(swarm.browser_link(), manifest))
+            page.wait_for_function("window.colibri.worker.blocks.size === 1", timeout=300_000)
+            s = time.perf_counter() - t0
+            out["shipping"] = {"bytes": len(blob), "seconds": round(s, 3), "mib_per_s": round(len(blob) / s / 2**20, 2)}
+            # Requests: SmolLM2's whole layer-5 MLP (Q4_1 shipped, f32 on the GPU).
+            b2, m2 = ModelSlicer(smollm2_path()).extract(SliceSpec(layer=5, kind="dense", start=0, stop=1536))
+            swarm.offer(b2, m2)
+            page.wait_for_function("window.colibri.worker.blocks.size === 2", timeout=60_000)
+            out["requests"] = []
+            for t in (1, 8):
+                x = rng.standard_normal((t, 576)).astype(np.float32)
+                times = []
+                for i in range(reps + 1):
+                    t0 = time.perf_counter()
+                    ans = swarm.request(DenseRequest(request_id=100 + i, term=0, plan_version=0, layer=5, ranges=((0, 1536),), x=x))
+                    times.append(time.perf_counter() - t0)
+                    assert isinstance(ans, DenseAnswer), ans
+                times = times[1:]  # the first one uploads the weights to the GPU
+                out["requests"].append({"T": t, "H": 576, "F": 1536, "median_ms": round(statistics.median(times) * 1e3, 2),
+                                        "max_ms": round(max(times) * 1e3, 2)})
+        finally:
+            browser.close()
+            swarm.stop()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=None,
@@ -147,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--workgroup-size", type=int, default=64)
     ap.add_argument("--no-chromium", action="store_true", help="only the native wgpu adapter")
+    ap.add_argument("--e2e", action="store_true",
+                    help="also the page end to end: weight shipping MiB/s and request latency over WebRTC")
     ap.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
     args = ap.parse_args(argv)
     if args.shapes:
@@ -160,6 +226,8 @@ def main(argv=None):
               "wgpu": bench_wgpu(shapes, args.reps, args.workgroup_size)}
     if not args.no_chromium:
         report["chromium"] = bench_chromium(shapes, args.reps)
+    if args.e2e:
+        report["e2e"] = bench_e2e(args.reps)
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     json.dump(report, sys.stdout, indent=1)
     print()
