@@ -242,7 +242,7 @@ class Rendezvous:
                 waiters: set[asyncio.Future[Any]] = {next_event}
                 changed = None
                 if self._browser is not None:
-                    self._browser.changed.clear()
+                    # Not cleared on entry: a change seen while we were connecting is checked now.
                     changed = asyncio.ensure_future(self._browser.changed.wait())
                     waiters.add(changed)
                 done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -258,8 +258,10 @@ class Rendezvous:
                         return None
                     self._events.put_nowait(event)
                     next_event = asyncio.ensure_future(client.__anext__())
-                elif (moved := await self._move_if_better()) is not None:
-                    return moved
+                if changed is not None and changed in done:
+                    self._browser.changed.clear()  # before any await, so no later change is lost
+                    if (moved := await self._move_if_better()) is not None:
+                        return moved
         finally:
             next_event.cancel()
 
