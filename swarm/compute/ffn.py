@@ -206,11 +206,13 @@ class LocalFFN:
                 raise ValueError(f"layer {layer} is a MoE layer; a plan gives ranges for dense layers only")
             check_dense_plan(ranges, model.dense_intermediate_size(layer), layer)
         self._slices: dict[tuple[int, int, int], MLPWeights] = {}
+        self._moe = [model.is_moe_layer(layer) for layer in range(model.config.n_layers)]
+        self._whole: dict[int, MLPWeights] = {}
 
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         assert x.dtype == F32 and x.ndim == 2, (x.dtype, x.shape)
         m = self.model
-        if m.is_moe_layer(layer):
+        if self._moe[layer]:
             T, H = x.shape
             routing = route(m.router_logits(layer, x), **m.routing_config(layer).kwargs())
             outputs = {e: expert_ffn(m.expert_weights(layer, e), x[rows])
@@ -218,7 +220,10 @@ class LocalFFN:
             return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x))
         ranges = self.plan.get(layer)
         if not ranges:
-            return expert_ffn(m.dense_weights(layer), x)
+            w = self._whole.get(layer)
+            if w is None:
+                w = self._whole[layer] = m.dense_weights(layer)
+            return expert_ffn(w, x)
         partials = []
         for lo, hi in ranges:
             key = (layer, lo, hi)

@@ -17,7 +17,7 @@ F32 = np.float32
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: ``w * x / sqrt(mean(x²) + eps)`` (LlamaRMSNorm). x [..., D] f32."""
-    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=F32)
+    var = np.add.reduce(x * x, axis=-1, keepdims=True) / F32(x.shape[-1])
     return weight * (x * (F32(1.0) / np.sqrt(var + F32(eps))))
 
 
@@ -56,25 +56,51 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Causal grouped-query attention for T new queries against S cached positions.
+def signed_sin(sin: np.ndarray) -> np.ndarray:
+    """``sin`` [..., hd] with its first half negated, for :func:`apply_rope_swapped`."""
+    half = sin.shape[-1] // 2
+    return np.concatenate([-sin[..., :half], sin[..., half:]], axis=-1)
 
-    q [nh, T, hd]; k, v [nkv, S, hd] (S = start + T; the new keys are already in the cache);
-    query t sits at position ``start + t`` and sees keys ``0 .. start + t``. Query head h uses
-    key/value head ``h // (nh / nkv)`` (transformers' ``repeat_kv``). Returns [T, nh*hd] f32.
+
+def apply_rope_swapped(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
+    """:func:`apply_rope` with tables already broadcast to x's shape and ``ssin = signed_sin(sin)``:
+    ``rotate_half(x) * sin == swap_halves(x) * ssin`` exactly, in two fewer array passes."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out += np.concatenate([x[..., half:], x[..., :half]], axis=-1) * ssin
+    return out
+
+
+def causal_mask(start: int, T: int, n_groups: int) -> np.ndarray | None:
+    """Mask [g*T, S] (True = hidden) for T queries at positions ``start ..`` against
+    S = start + T keys, rows laid out as :func:`attention` groups them; None when T == 1."""
+    if T == 1:
+        return None
+    qpos = start + np.tile(np.arange(T), n_groups)  # [g*T]
+    return np.arange(start + T)[None, :] > qpos[:, None]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """Grouped-query attention of T new queries against S cached positions.
+
+    q [nh, T, hd], **already multiplied by 1/sqrt(hd)**; k, v [nkv, S, hd] (the new keys are
+    already in the cache); ``mask`` [g*T, S] from :func:`causal_mask` (None: see every key).
+    Query head h uses key/value head ``h // (nh / nkv)`` (transformers' ``repeat_kv``).
+    Softmax normalisation is applied after ``probs @ v`` (fewer divisions). Returns [T, nh*hd] f32.
     """
     nh, T, hd = q.shape
-    nkv, S, _ = k.shape
-    g = nh // nkv
-    qg = q.reshape(nkv, g * T, hd)
+    nkv = k.shape[0]
+    qg = q.reshape(nkv, (nh // nkv) * T, hd)
     scores = np.matmul(qg, k.transpose(0, 2, 1))  # [nkv, g*T, S]
-    scores *= F32(1.0 / np.sqrt(hd))
-    if T > 1:
-        # position of each query row (rows are g blocks of T) vs key index
-        qpos = start + np.tile(np.arange(T), g)  # [g*T]
-        scores[:, np.arange(S)[None, :] > qpos[:, None]] = -np.inf
-    probs = softmax(scores, axis=-1)
-    out = np.matmul(probs, v)  # [nkv, g*T, hd]
+    if mask is not None:
+        scores[:, mask] = -np.inf
+    scores -= np.max(scores, axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    denom = np.add.reduce(scores, axis=-1, keepdims=True)  # [nkv, g*T, 1]
+    out = np.matmul(scores, v)  # [nkv, g*T, hd]
+    out /= denom
+    if T == 1:
+        return out.reshape(1, nh * hd)
     return out.reshape(nh, T, hd).transpose(1, 0, 2).reshape(T, nh * hd)
 
 
@@ -114,7 +140,12 @@ class MLPWeights:
 
 def swiglu(w: MLPWeights, x: np.ndarray) -> np.ndarray:
     """``W_down (silu(W_gate x) * W_up x)`` for rows x [n, H] f32 → [n, H] f32."""
-    F = w.intermediate_size
+    F = w.down.shape[0]
     h = x @ w.gate_up  # [n, 2F]
-    a = silu(h[:, :F]) * h[:, F:]  # [n, F]
-    return a @ w.down
+    g = h[:, :F]
+    a = np.negative(g)  # silu(g) * u = g / (1 + exp(-g)) * u, in one buffer
+    np.exp(a, out=a)
+    a += F32(1.0)
+    np.divide(g, a, out=a)
+    a *= h[:, F:]
+    return a @ w.down  # [n, H]

@@ -20,8 +20,8 @@ import numpy as np
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
 from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, shared_expert
-from swarm.compute.kernels import (MLPWeights, apply_rope, attention, rms_norm, rope_inv_freq,
-                                   rope_tables)
+from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, causal_mask, rms_norm,
+                                   rope_inv_freq, rope_tables, signed_sin)
 
 F32 = np.float32
 
@@ -69,7 +69,9 @@ class KVCache:
 @dataclass(frozen=True)
 class AttentionWeights:
     """One layer's attention: ``qkv`` [H, (nh+2nkv)*hd] (= [Wq; Wk; Wv].T), ``qkv_bias`` or
-    None, ``o`` [nh*hd, H]; norms [H]; ``q_norm``/``k_norm`` per the config's ``qk_norm``."""
+    None, ``o`` [nh*hd, H]; norms [H]. ``qk_norm == "proj"``: ``q_norm`` [nh*hd], ``k_norm``
+    [nkv*hd]; ``"head"``: ``q_norm`` [nh+nkv, hd] (the q weight per query head, then the k
+    weight per key head) and ``k_norm`` None."""
 
     attn_norm: np.ndarray
     ffn_norm: np.ndarray
@@ -153,6 +155,10 @@ class Model:
         qn = kn = None
         if c.qk_norm:
             qn, kn = ck.load("q_norm", layer), ck.load("k_norm", layer)
+        if c.qk_norm == "head":  # one [nh+nkv, hd] weight for the stacked Q|K heads
+            qn = np.concatenate([np.broadcast_to(qn, (c.n_heads, c.head_dim)),
+                                 np.broadcast_to(kn, (c.n_kv_heads, c.head_dim))])
+            kn = None
         return AttentionWeights(
             attn_norm=ck.load("attn_norm", layer), ffn_norm=ck.load("ffn_norm", layer),
             qkv=np.ascontiguousarray(np.concatenate([q, k, v], axis=0).T),
@@ -265,30 +271,38 @@ class Model:
                 self._cos, self._sin = rope_tables(np.arange(n), self._inv_freq)
         return self._cos[start:start + T], self._sin[start:start + T]
 
+    def _qk_tables(self, start: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE tables for Q and K heads side by side, [T, nh+nkv, hd]: cos and signed sin, with
+        the attention scale 1/sqrt(hd) folded into the query rows (once per forward call)."""
+        c = self.config
+        cos, sin = self._rope(start, T)
+        scale = np.ones((c.n_heads + c.n_kv_heads, 1), F32)
+        scale[:c.n_heads] = F32(1.0 / np.sqrt(c.head_dim))
+        return cos[:, None, :] * scale, signed_sin(sin)[:, None, :] * scale
+
     def _attention(self, layer: int, h: np.ndarray, cache: KVCache, start: int,
-                   cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+                   cos_qk: np.ndarray, sin_qk: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        """Self-attention of h [T, H] (normed) at positions ``start ..``; writes K/V to ``cache``."""
         c, w = self.config, self.attention_weights(layer)
         T = h.shape[0]
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        nq = nh * hd
         qkv = h @ w.qkv  # [T, (nh + 2 nkv) hd]
         if w.qkv_bias is not None:
             qkv += w.qkv_bias
-        q, k, v = qkv[:, :nh * hd], qkv[:, nh * hd:(nh + nkv) * hd], qkv[:, (nh + nkv) * hd:]
-        if c.qk_norm == "proj":  # OLMoE: RMSNorm over the whole projection
-            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
+        if c.qk_norm == "proj":  # OLMoE: RMSNorm over the whole Q and K projections
+            qkv[:, :nq] = rms_norm(qkv[:, :nq], w.q_norm, c.rms_norm_eps)
+            qkv[:, nq:nq + nkv * hd] = rms_norm(qkv[:, nq:nq + nkv * hd], w.k_norm, c.rms_norm_eps)
         if c.clip_qkv is not None:
-            lim = F32(c.clip_qkv)
-            q, k, v = np.clip(q, -lim, lim), np.clip(k, -lim, lim), np.clip(v, -lim, lim)
-        q = q.reshape(T, nh, hd)
-        k = k.reshape(T, nkv, hd)
-        if c.qk_norm == "head":  # Qwen3: RMSNorm over each head
-            q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            np.clip(qkv, -F32(c.clip_qkv), F32(c.clip_qkv), out=qkv)
+        qk = qkv[:, :nq + nkv * hd].reshape(T, nh + nkv, hd)
+        if c.qk_norm == "head":  # Qwen3: RMSNorm over each head (q and k weights stacked per head)
+            qk = rms_norm(qk, w.q_norm, c.rms_norm_eps)
+        qk = apply_rope_swapped(qk, cos_qk, sin_qk)  # queries come out scaled by 1/sqrt(hd)
         end = start + T
-        cache.k[layer][:, start:end] = k.transpose(1, 0, 2)
-        cache.v[layer][:, start:end] = v.reshape(T, nkv, hd).transpose(1, 0, 2)
-        out = attention(q.transpose(1, 0, 2), cache.k[layer][:, :end], cache.v[layer][:, :end], start)
+        cache.k[layer][:, start:end] = qk[:, nh:].transpose(1, 0, 2)
+        cache.v[layer][:, start:end] = qkv[:, nq + nkv * hd:].reshape(T, nkv, hd).transpose(1, 0, 2)
+        out = attention(qk[:, :nh].transpose(1, 0, 2), cache.k[layer][:, :end], cache.v[layer][:, :end], mask)
         return out @ w.o
 
     def forward(self, tokens, cache: KVCache, ffn: FFNBackend | None = None,
@@ -309,12 +323,13 @@ class Model:
             ffn = self._local_ffn
         T, start = ids.size, cache.length
         cache.reserve(start + T)
-        cos, sin = self._rope(start, T)
+        cos_qk, sin_qk = self._qk_tables(start, T)
+        mask = causal_mask(start, T, c.n_heads // c.n_kv_heads)
         x = self.embed[ids]  # [T, H] (fancy indexing copies)
         eps = c.rms_norm_eps
         for layer in range(c.n_layers):
             w = self.attention_weights(layer)
-            x += self._attention(layer, rms_norm(x, w.attn_norm, eps), cache, start, cos, sin)
+            x += self._attention(layer, rms_norm(x, w.attn_norm, eps), cache, start, cos_qk, sin_qk, mask)
             y = ffn.ffn(layer, rms_norm(x, w.ffn_norm, eps))
             assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
             x += y
