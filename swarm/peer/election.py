@@ -114,6 +114,7 @@ class _Member:
     eligible: bool
     capability: float
     last_heard: float | None = None
+    presumed_dead_at: float | None = None  # heard_from() evidence older than this is stale
 
 
 def capability_key(capability: float, peer_id: str) -> tuple[float, str]:
@@ -185,8 +186,10 @@ class Election:
     def heard_from(self, peer_id: str, now: float) -> None:
         """Anything arrived from ``peer_id`` (its link's heartbeat, any message): it is alive."""
         m = self._members.get(peer_id)
-        if m is not None:
-            m.last_heard = now
+        if m is None or (m.presumed_dead_at is not None and now <= m.presumed_dead_at):
+            return  # e.g. a link's last byte from before its coordinator went silent
+        m.presumed_dead_at = None
+        m.last_heard = now if m.last_heard is None else max(m.last_heard, now)
 
     def reachable(self, peer_id: str, now: float) -> bool:
         """True for ourselves and for members heard from within ``REACHABLE_S``."""
@@ -200,9 +203,7 @@ class Election:
         """Handle one message from ``sender`` (the authenticated link's peer id, not a field)."""
         if sender == self.peer_id:
             raise LocalProtocolError("an election message was looped back to its sender")
-        m = self._members.get(sender)
-        if m is not None:
-            m.last_heard = now
+        self.heard_from(sender, now)
         match msg:
             case Heartbeat():
                 self._on_heartbeat(sender, msg, now)
@@ -225,7 +226,10 @@ class Election:
                 self._send(None, Heartbeat(self.term, self.peer_id))
             return
         if now >= self._deadline:
-            self._presume_leader_dead()
+            self._presume_leader_dead(now)
+            if self.leader is not None:
+                self.leader = None
+                self._events.append(LeaderChanged(self.term, None))
             if self.eligible and now >= self._quiet_until:
                 self._stand(now)
             else:
@@ -271,11 +275,12 @@ class Election:
             if p != self.leader and m.eligible and self.reachable(p, now) and capability_key(m.capability, p) > mine
         )
 
-    def _presume_leader_dead(self) -> None:
-        """The coordinator's heartbeats stopped: count it unreachable until it is heard again."""
+    def _presume_leader_dead(self, now: float) -> None:
+        """The coordinator's heartbeats stopped: count it unreachable until it is heard again
+        (by anything newer than now: its link may still report bytes from before)."""
         m = self._members.get(self.leader) if self.leader else None
         if m is not None:
-            m.last_heard = None
+            m.last_heard, m.presumed_dead_at = None, now
 
     def _timeout(self, now: float | None = None) -> float:
         rank = 0 if now is None else self._rank(now)
@@ -356,7 +361,7 @@ class Election:
             return  # a vote request is only valid from the candidate itself
         if self._leader_is_live(now) or now < self._quiet_until:
             return  # §6: a working coordinator is not deposed by a rejoining peer
-        self._presume_leader_dead()
+        self._presume_leader_dead(now)
         if rv.term > self.term:
             self._adopt_term(rv.term, now)
         granted = (

@@ -19,8 +19,9 @@ wants sent. Its outcome switches this peer's role:
   :class:`~swarm.peer.worker.Worker`, in one compute thread, off the event loop.
 
 Trust: a peer whose hello names another model is refused by name (logged, kept
-out of the plan, told with an ``Error`` of code ``model``). A peer with no model
-can vote but neither lead nor compute until weights are shipped to it.
+out of the election and the plan, told with an ``Error`` of code ``model``). A
+peer with no model can vote but neither lead nor compute until weights are
+shipped to it.
 
 Every task this object starts is owned by it and cancelled by :meth:`stop`.
 """
@@ -50,6 +51,7 @@ TICK_S = 0.05  # the election driver wakes at least this often (seconds)
 # A fresh peer neither stands nor votes this long (seconds): enough for the mesh to form, so
 # peers that start together elect one coordinator instead of each leading a quorum of one.
 STARTUP_QUIET_S = 2.0
+LEFT_SILENCE_S = 2.0  # link silence (seconds) that, with no signaling presence, means a peer left
 
 
 class SwarmRoles:
@@ -154,8 +156,10 @@ class SwarmRoles:
                 pass
 
     def _forget_departed(self, now: float) -> None:
-        """Members with no link that the signaling server no longer lists have left: they stop
-        counting toward the quorum, so the survivors of a small swarm can still elect.
+        """Members the signaling server no longer lists, whose link is closed or silent for
+        ``LEFT_SILENCE_S``, have left (a killed process drops its signaling connection at once;
+        its link only times out later): they stop counting toward the quorum, so the
+        survivors of a small swarm can still elect.
 
         A peer cut off by the network (not by leaving) stays listed by the signaling server of
         its side and keeps counting. If a partition also splits signaling, each side ends up
@@ -166,7 +170,11 @@ class SwarmRoles:
         if present is None:
             return
         for peer in self.election.members:
-            if peer != self.node.peer_id and peer not in self.node.links and peer not in present:
+            if peer == self.node.peer_id or peer in present:
+                continue
+            link = self.node.links.get(peer)
+            heard = getattr(link, "_last_heard", None) if link is not None else None
+            if heard is None or now - heard > LEFT_SILENCE_S:
                 log.info("peer %s left the swarm", peer)
                 self.election.remove_member(peer, now)
 
@@ -223,12 +231,15 @@ class SwarmRoles:
             return  # browser peers compute but do not vote
         peer = link.peer_id
         same_model = self.model_hash is not None and hello.model_hash == self.model_hash
-        if hello.model_hash is not None and hello.model_hash != self.model_hash:
-            why = (f"peer {hello.name!r} ({peer}) holds model {hello.model_hash[:12]}…, this peer "
-                   f"{'holds ' + self.model_hash[:12] + '…' if self.model_hash else 'holds no model'}")
+        if hello.model_hash is not None and self.model_hash is not None and hello.model_hash != self.model_hash:
+            # Another model is another swarm in effect: no vote, no work (a member that could
+            # never vote for us would only block the quorum).
+            why = (f"peer {hello.name!r} ({peer}) holds model {hello.model_hash[:12]}…, "
+                   f"this swarm runs {self.model_hash[:12]}…")
             self.refused[peer] = why
-            log.warning("refused %s: different model", why)
+            log.warning("refused %s", why)
             self._spawn(self._send(link, Error(0, "model", f"refused: {why}")), "refuse")
+            return
         self.election.add_member(peer, eligible=same_model, capability=hello.ffn_gflops, now=time.monotonic())
         if self.ffn is not None:
             self._schedule_replan()

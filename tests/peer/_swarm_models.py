@@ -28,19 +28,36 @@ ROUTER_SCALE = 30.0
 SEED = 0
 
 
-def build(family: str, root: Path) -> Path:
+def build(family: str, root: Path, seed: int = SEED) -> Path:
     """Save a tiny random ``family`` checkpoint under ``root`` and return its directory."""
     import torch
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(**COMMON, **extra)
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # the router (not shared_expert_gate)
                 p.mul_(ROUTER_SCALE)
-    out = root / family
+    out = root / (family if seed == SEED else f"{family}-seed{seed}")
     model.save_pretrained(out)
     return out
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+
+
+def add_char_tokenizer(model_dir: Path) -> Path:
+    """Give a tiny checkpoint (vocab 128) a tokenizer: one token per ASCII character, and a
+    minimal chat template, so the API and the chat client can run on it."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = Tokenizer(models.BPE(vocab={chr(i): i for i in range(128)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return model_dir

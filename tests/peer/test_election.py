@@ -221,3 +221,21 @@ def test_voter_refuses_less_capable_candidate_and_stale_terms():
     # a live coordinator is not deposed by a vote request (Raft §6)
     v.receive("strong", RequestVote(9, "strong"), now=5.3)
     assert v.messages_to_send() == [] and v.term == 3 and v.leader == "weak"
+
+
+def test_a_silent_coordinator_is_not_revived_by_its_links_old_news():
+    # A link reports the time of its last inbound byte; after the coordinator's process died,
+    # that time stays in the past and must not make the dead peer "reachable" again.
+    v = Election("v", eligible=False, capability=0.0, now=0.0, rng=random.Random(0))
+    v.add_member("lead", eligible=True, capability=9.0, now=0.0)
+    v.add_member("next", eligible=True, capability=1.0, now=0.0)
+    v.receive("lead", Heartbeat(1, "lead"), now=0.1)
+    assert v.leader == "lead"
+    last_byte = 0.1
+    for t in (0.5, 1.0, 1.5, 2.0):
+        v.heard_from("lead", last_byte)  # what the adapter does on every tick
+        v.heard_from("next", t)
+        v.handle_timer(t)
+    assert v.leader is None and not v.reachable("lead", 2.0)
+    v.receive("next", RequestVote(2, "next"), now=2.1)
+    assert v.messages_to_send() == [("next", Vote(2, "v", True))]
