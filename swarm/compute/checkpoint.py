@@ -112,6 +112,52 @@ class Checkpoint:
             "shexp_down": (H, Fs), "shexp_gate": (1, H),
         }[part]
 
+    def shape_of(self, part: str, layer: int | None = None) -> tuple[int, ...] | None:
+        """Stored shape of ``part`` from the file header (nothing decoded), or None if absent."""
+        name = self._name(part, layer)
+        return self._shapes.get(name)
+
+    def required_parts(self, layer: int) -> list[str]:
+        """The per-layer parts ``config`` says this layer must have."""
+        c = self.config
+        parts = ["attn_norm", "ffn_norm", "q", "k", "v", "o"]
+        if c.attention_bias:
+            parts += ["q_bias", "k_bias", "v_bias"]
+        if c.qk_norm:
+            parts += ["q_norm", "k_norm"]
+        if not c.is_moe_layer(layer):
+            parts += ["gate", "up", "down"]
+        else:
+            parts.append("router")
+            if c.shared_expert_intermediate_size:
+                parts += ["shexp_gate_proj", "shexp_up", "shexp_down"]
+        return parts
+
+    def validate(self) -> None:
+        """Check every tensor the config needs is present with the right shape, from the
+        headers alone. Raises ModelFileError naming the file and the first bad tensor."""
+        c = self.config
+        checks = [("embed", None), ("norm", None)]
+        if not c.tie_word_embeddings and self.has("head"):
+            checks.append(("head", None))
+        for layer in range(c.n_layers):
+            checks += [(part, layer) for part in self.required_parts(layer)]
+        for part, layer in checks:
+            got = self.shape_of(part, layer)
+            name = self._name(part, layer)
+            if got is None:
+                raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+            want = self.expected_shape(part)
+            if part == "shexp_gate" and got == want[1:]:
+                continue
+            if tuple(got) != want:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {tuple(got)}, expected {want}")
+        for layer in c.moe_layers:
+            self._validate_experts(layer)
+
+    def _validate_experts(self, layer: int) -> None:
+        raise NotImplementedError
+
     def content_hash(self) -> str:
         """SHA-256 (hex) over the model's files in name order (their bytes only)."""
         h = hashlib.sha256()
@@ -133,6 +179,21 @@ class GGUFCheckpoint(Checkpoint):
         self.config = config_from_gguf(self.file.kv, self.file.shapes, str(self.path))
         # llama.cpp permutes Q/K rows for its llama architecture only (Mixtral is written as llama).
         self._permuted = self.file.kv.get("general.architecture") == "llama"
+
+    @property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.file.shapes
+
+    def _validate_experts(self, layer: int) -> None:
+        c = self.config
+        F, H, E = c.moe_intermediate_size, c.hidden_size, c.n_experts
+        for part, shape in (("gate", (E, F, H)), ("up", (E, F, H)), ("down", (E, H, F))):
+            name = f"blk.{layer}.ffn_{part}_exps.weight"
+            got = self.file.shapes.get(name)
+            if got is None:
+                raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+            if got != shape:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {got}, expected {shape}")
 
     def _name(self, part: str, layer: int | None) -> str:
         if layer is None:
@@ -187,7 +248,38 @@ class HFCheckpoint(Checkpoint):
         self.config = config_from_hf(self.metadata, str(cfg_path))
         self.st = SafetensorsDir(self.path)
         self.files = [f.path for f in self.st.files]
-        self._moe_prefix = "block_sparse_moe" if self.config.family == "mixtral" else "mlp"
+
+    @cached_property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.st.shapes
+
+    def _validate_experts(self, layer: int) -> None:
+        c = self.config
+        F, H, E = c.moe_intermediate_size, c.hidden_size, c.n_experts
+        base = f"model.layers.{layer}"
+        if self._expert_layout == "stacked":
+            prefix = next((p for p in ("mlp", "block_sparse_moe")
+                           if f"{base}.{p}.experts.gate_up_proj" in self.st), "mlp")
+            want = {f"{base}.{prefix}.experts.gate_up_proj": (E, 2 * F, H),
+                    f"{base}.{prefix}.experts.down_proj": (E, H, F)}
+        else:
+            want = {}
+            for e in range(E):
+                names = self._expert_names(layer, e)
+                want.update(zip(names, ((F, H), (F, H), (H, F))))
+        for name, shape in want.items():
+            got = self._shapes.get(name)
+            if got is None:
+                raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+            if tuple(got) != shape:
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {tuple(got)}, expected {shape}")
+
+    def _expert_names(self, layer: int, e: int) -> list[str]:
+        """Per-expert tensor names (gate, up, down) of expert ``e``."""
+        base = f"model.layers.{layer}"
+        if f"{base}.block_sparse_moe.experts.{e}.w1.weight" in self.st:
+            return [f"{base}.block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
+        return [f"{base}.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
 
     def _name(self, part: str, layer: int | None) -> str:
         if layer is None:
@@ -230,22 +322,18 @@ class HFCheckpoint(Checkpoint):
                                          f"expected {shape}")
             gu = self.st.load(gu_name, e)  # [2F, H]: gate rows then up rows
             return np.ascontiguousarray(gu[:F]), np.ascontiguousarray(gu[F:]), self.st.load(d_name, e)
-        if c.family == "mixtral" and f"{base}.block_sparse_moe.experts.{e}.w1.weight" in self.st:
-            names = [f"{base}.block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
-        else:
-            names = [f"{base}.{self._moe_prefix}.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
-            if names[0] not in self.st:
-                names = [f"{base}.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names = self._expert_names(layer, e)
         shapes = ((F, H), (F, H), (H, F))
         g, u, d = (self._check(n, self.st.load(n), s) for n, s in zip(names, shapes))
         return g, u, d
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open a GGUF file or an HF directory. Raises ModelFileError when it is neither."""
+    """Open a GGUF file or an HF directory and check every tensor's shape against the config
+    (headers only). Raises ModelFileError naming the file and tensor/field that is wrong."""
     p = Path(path)
-    if p.is_dir():
-        return HFCheckpoint(p)
-    if p.is_file():
-        return GGUFCheckpoint(p)
+    if p.is_dir() or p.is_file():
+        ck = HFCheckpoint(p) if p.is_dir() else GGUFCheckpoint(p)
+        ck.validate()
+        return ck
     raise ModelFileError(f"{p}: no such file or directory (expected a .gguf file or an HF model directory)")

@@ -163,9 +163,8 @@ def test_wrong_tensor_shape(tmp_path, tiny):
     (bad_dir / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
     cfg = json.loads((hf_dir / "config.json").read_text())
     (bad_dir / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=50)))
-    model = load_model(bad_dir)
     with pytest.raises(ModelFileError, match=r"tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(48, 64\), expected \(50, 64\)"):
-        model.forward([1, 2], model.new_cache())
+        load_model(bad_dir)  # found from the headers, before any weight is decoded
     # the same in a GGUF: metadata says 8 heads of 8, tensors hold 4 heads of 16
     path = write_gguf_from_hf(tiny("llama")[0], "llama", tmp_path / "m.gguf")
     f = GGUFFile(path)
@@ -177,9 +176,22 @@ def test_wrong_tensor_shape(tmp_path, tiny):
     for name in f.shapes:
         w.add_tensor(name, f.load(name))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    bad = load_model(tmp_path / "bad.gguf")
     with pytest.raises(ModelFileError, match=r"bad\.gguf: tensor 'token_embd\.weight' has shape \(96, 64\), expected \(96, 80\)"):
-        bad.forward([1], bad.new_cache())
+        load_model(tmp_path / "bad.gguf")
+
+
+def test_missing_expert_tensor(tmp_path, tiny):
+    from safetensors.numpy import load_file, save_file
+
+    _, hf_dir = tiny("mixtral")
+    bad_dir = tmp_path / "hf"
+    bad_dir.mkdir()
+    (bad_dir / "config.json").write_text((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    del tensors["model.layers.2.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(bad_dir / "model.safetensors"))
+    with pytest.raises(ModelFileError, match=r"tensor 'model\.layers\.2\.block_sparse_moe\.experts\.3\.w2\.weight' is missing"):
+        load_model(bad_dir)
 
 
 def test_truncated_safetensors(tmp_path, tiny):
