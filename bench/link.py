@@ -49,6 +49,7 @@ from swarm.peer.swarmkey import SwarmKey  # noqa: E402
 
 KEY = SwarmKey(bytes(range(32)))  # both processes must hold the same swarm key
 PEERS = {True: "a" * 26, False: "b" * 26}  # offerer, answerer
+RAW_CHANNEL_ID = 2
 CHUNK = 256 << 10  # bytes per bulk message: the aiortc max-message-size, one frame each
 
 
@@ -59,7 +60,10 @@ def _make_link(offerer: bool) -> Link:
     hello = Hello(peer_id=PEERS[offerer], protocol_version=wire.PROTOCOL_VERSION, build=build, model_hash=None,
                   memory_budget=0, ffn_gflops=0.0, peer_kind="python", adapter_limits={}, adapter_features=(),
                   name="bench")
-    return Link(pc, channel, certificate=cert, auth_key=KEY.channel_auth_key, local_hello=hello, offerer=offerer)
+    link = Link(pc, channel, certificate=cert, auth_key=KEY.channel_auth_key, local_hello=hello, offerer=offerer)
+    # a second, raw channel on the same connection: RTT without the wire codec, to split the cost
+    link.raw = pc.createDataChannel("raw", negotiated=True, id=RAW_CHANNEL_ID)  # type: ignore[attr-defined]
+    return link
 
 
 def _blob(data: bytes) -> WeightChunk:
@@ -70,7 +74,9 @@ def _blob(data: bytes) -> WeightChunk:
 
 # -- the remote side (child process) -----------------------------------------------------------
 
-def _remote_main(conn, tcp_port_q) -> None:
+def _remote_main(conn, tcp_port_q, cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     asyncio.run(_remote(conn, tcp_port_q))
 
 
@@ -99,6 +105,7 @@ async def _remote(conn, tcp_port_q) -> None:
 
         received = [0]
         link.on(WeightChunk, echo)
+        link.raw.on("message", lambda data, raw=link.raw: raw.send(data))
         await loop.run_in_executor(None, conn.recv)  # "done with this link"
         await link.close()
     server.close()
@@ -143,6 +150,19 @@ async def _link_rtt(link: Link, size: int, rounds: int) -> list[float]:
         t = time.perf_counter()
         await link.send(message)
         await link.receive()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def _raw_rtt(channel, size: int, rounds: int) -> list[float]:
+    replies: asyncio.Queue[bytes] = asyncio.Queue()
+    channel.on("message", replies.put_nowait)
+    payload = os.urandom(size)
+    out = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        channel.send(payload)
+        await replies.get()
         out.append(time.perf_counter() - t)
     return out
 
@@ -209,6 +229,7 @@ async def _main(args, conn, tcp_port: int) -> dict:
     link, dt = await _connect(conn)
     setups.append(dt)
     r4 = await _link_rtt(link, 4096, args.rounds)
+    r4_raw = await _raw_rtt(link.raw, 4096, args.rounds)
     r64 = await _link_rtt(link, 65536, args.rounds)
     bulk, _ = await _link_bulk(link, args.bulk_mib << 20, profile=False)
     _, profile = await _link_bulk(link, min(args.bulk_mib, 16) << 20, profile=True)
@@ -220,7 +241,8 @@ async def _main(args, conn, tcp_port: int) -> dict:
     return {
         "datachannel": {
             "setup_ms": {"median_ms": round(statistics.median(setups) * 1e3, 1), "runs": len(setups)},
-            "rtt_4k": _ms_stats(r4), "rtt_64k": _ms_stats(r64), "bulk_mib_s": round(bulk, 1),
+            "rtt_4k": _ms_stats(r4), "rtt_4k_raw_channel_no_codec": _ms_stats(r4_raw),
+            "rtt_64k": _ms_stats(r64), "bulk_mib_s": round(bulk, 1),
             "sctp_user_data_per_packet": packet,
             "us_per_sctp_packet": round(1e6 / (bulk * 2**20 / packet), 1),
         },
@@ -235,11 +257,18 @@ def main() -> None:
     p.add_argument("--bulk-mib", type=int, default=64)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--setups", type=int, default=5)
+    p.add_argument("--pin", action="store_true",
+                   help="pin this process to the first CPU and the remote to the second, as on two machines")
     args = p.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))[:2] if args.pin else None
+    if cpus is not None:
+        if len(cpus) < 2:
+            p.error("--pin needs two CPUs")
+        os.sched_setaffinity(0, {cpus[0]})
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     port_q = ctx.Queue()
-    proc = ctx.Process(target=_remote_main, args=(child, port_q), daemon=True)
+    proc = ctx.Process(target=_remote_main, args=(child, port_q, cpus[1] if cpus else None), daemon=True)
     proc.start()
     try:
         result = asyncio.run(_main(args, parent, port_q.get(timeout=30)))

@@ -132,6 +132,8 @@ def new_peer_connection(certificate: RTCCertificate) -> tuple[RTCPeerConnection,
 
 Handler = Callable[["Link", Any], Awaitable[None] | None]
 
+_CLOSED = object()  # put in the inbox when the link closes: wakes receive()
+
 
 class Link:
     """An authenticated link to one remote peer.
@@ -292,6 +294,7 @@ class Link:
             self._established.exception()  # mark retrieved: a caller may never await it
         self._drained.set()
         self._closed.set()
+        self._inbox.put_nowait(_CLOSED)
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
@@ -457,19 +460,14 @@ class Link:
         self._handlers[message_type] = handler
 
     async def receive(self) -> Any:
-        """The next inbound message that no handler claimed. Raises :class:`PeerLostError` once closed."""
-        if not self._inbox.empty():
-            return self._inbox.get_nowait()
-        get = asyncio.ensure_future(self._inbox.get())
-        closed = asyncio.ensure_future(self._closed.wait())
-        try:
-            await asyncio.wait({get, closed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closed.cancel()
-            if not get.done():
-                get.cancel()
-        if get.done() and not get.cancelled():
-            return get.result()
+        """The next inbound message that no handler claimed. Raises :class:`PeerLostError` once closed.
+
+        Messages that arrived before the link closed are still returned, then the error.
+        """
+        message = await self._inbox.get()
+        if message is not _CLOSED:
+            return message
+        self._inbox.put_nowait(_CLOSED)  # every later receive() ends the same way
         raise PeerLostError(f"link to {self.peer_id} closed: {self.close_reason}")
 
     # -- outbound ---------------------------------------------------------------------------------
