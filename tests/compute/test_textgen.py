@@ -112,6 +112,7 @@ def test_bad_file_in_a_fresh_process_has_no_traceback(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_raw_prompt_is_encoded_without_the_template(smollm2_model):
     """--raw: the text goes to the engine as is; the reply equals decoding the engine's own ids."""
     tokenizer = tokenizer_for(smollm2_model)
@@ -123,6 +124,7 @@ def test_raw_prompt_is_encoded_without_the_template(smollm2_model):
     assert "".join(generate_text(smollm2_model, tokenizer, text, params)) == tokenizer.decode(ids)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_through_the_seam(smollm2_model):
     tokenizer = tokenizer_for(smollm2_model)
     messages = messages_from("Tell me a short story about a cat.")
@@ -134,6 +136,7 @@ def test_seeded_sampling_is_reproducible_through_the_seam(smollm2_model):
     assert first == again == tokenizer.decode(ids[: stop[0] if stop else len(ids)])
 
 
+@pytest.mark.slow
 def test_empty_chat_prompt_still_generates_and_template_errors_are_clean(capsys, smollm2_path, tmp_path):
     """An empty user message is a valid chat (the template adds the turn markers)."""
     assert main(["generate", "", "--model", str(smollm2_path), "--max-tokens", "2"]) == 0
