@@ -87,6 +87,7 @@ class SwarmRoles:
         self._tokenizer = tokenizer
         self._api_host, self._api_port_wanted, self._serve_api = api_host, api_port, serve_api
         self._plan_version = 0
+        self._last_leader_term = 0  # the last term in which this peer knew a coordinator
         self._replan_pending = False
         self._compute = cf.ThreadPoolExecutor(1, thread_name_prefix="swarm-worker")
         self._tasks: set[asyncio.Task] = set()
@@ -186,7 +187,8 @@ class SwarmRoles:
                 case el.Heartbeat():
                     wire = LeaderHeartbeat(msg.term, msg.leader, self._plan_version)
                 case el.RequestVote():
-                    wire = RequestVote(msg.term, msg.candidate, msg.term, self._plan_version, e.capability)
+                    wire = RequestVote(msg.term, msg.candidate, self._last_leader_term, self._plan_version,
+                                       e.capability)
                 case el.Vote():
                     wire = Vote(msg.term, msg.granted)
             targets = [dest] if dest else [p for p in e.members if p != self.node.peer_id]
@@ -196,6 +198,8 @@ class SwarmRoles:
                     self._spawn(self._send(link, wire), "send")
         while (event := e.next_event()) is not None:
             log.info("term %d: coordinator %s", event.term, event.leader or "none (election due)")
+            if event.leader is not None:
+                self._last_leader_term = event.term
             if event.leader == self.node.peer_id:
                 await self._become_coordinator()
             else:
@@ -294,6 +298,7 @@ class SwarmRoles:
         ffn, self.ffn = self.ffn, None
         for peer in list(self.node.links):
             ffn.peer_down(peer, "this peer is no longer the coordinator")
+        self.node.placement = None
         await self._close_api()
 
     def _send_threadsafe(self, peer: str, msg: Any) -> None:

@@ -90,7 +90,7 @@ async def ask(lab, client: int, server: int, port: int, token: str, prompt: str,
 async def test_join_elect_generate_and_fail_over(netns_lab):
     lab = netns_lab(4)
     model_dir = add_char_tokenizer(build("mixtral", lab.workdir))
-    other_dir = add_char_tokenizer(build("mixtral", lab.workdir, seed=1))  # another model, another hash
+    other_dir = add_char_tokenizer(build("mixtral", lab.workdir, variant=1))  # another model, another hash
     key = SwarmKey(os.urandom(32))
     prompts = [p for p in ("hello swarm", "tell me more", "abc", "what is 2+2?", "zzz")
                if len(reference(model_dir, p)) >= KILL_AT + 4][:2]

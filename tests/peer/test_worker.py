@@ -23,6 +23,7 @@ def setup(tmp_path_factory):
     path = build("qwen3_moe", tmp_path_factory.mktemp("w"))  # layers 0, 2 MoE; layer 1 dense
     model = load_model(path)
     shape = ModelShape.from_config(model.config)
+    assert shape.hidden_size == H and shape.moe_layers == (0, 2) and shape.dense_layers == (1,)
     plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0), PeerCapacity(W2, 10**9, 1.0)],
                       term=4, version=2)
     return model, shape, plan
@@ -36,7 +37,10 @@ def worker(setup):
     return w
 
 
-def x_rows(n, H=32, seed=0):
+H = 64  # hidden size of the tiny qwen3_moe (tests/compute/tiny_models.py)
+
+
+def x_rows(n, H=H, seed=0):
     return np.random.default_rng(seed).standard_normal((n, H)).astype(np.float32)
 
 
@@ -62,7 +66,7 @@ def test_dense_answer_sums_with_the_other_spans_to_local_ffn(setup, worker):
     x = x_rows(5)
     s = plan.dense_span(1, W1)
     ans = worker.handle(M.DenseRequest(3, 4, 2, 1, ((s.start, s.stop),), x))
-    assert isinstance(ans, M.DenseAnswer) and ans.partials.shape == (1, 5, 32)
+    assert isinstance(ans, M.DenseAnswer) and ans.partials.shape == (1, 5, H)
     parts = [ans.partials[0] if sp.peer == W1 else expert_ffn(model.dense_weights(1, sp.start, sp.stop), x)
              for sp in plan.dense[1]]
     total = parts[0].copy()
@@ -107,7 +111,7 @@ def test_previous_plan_is_served_until_the_next_one(setup, worker):
 @pytest.mark.parametrize("case, match", [
     ("expert of another peer", "outside this worker's"),
     ("dense layer as experts", "gives this worker no experts"),
-    ("wrong hidden size", "must be [n, 32] float32"),
+    ("wrong hidden size", f"must be [n, {H}] float32"),
     ("f16 rows", "float32"),
     ("NaN rows", "NaN or infinity"),
     ("too many rows", "exceed"),
@@ -122,7 +126,7 @@ def test_bad_expert_requests_are_refused(setup, worker, case, match, monkeypatch
     elif case == "dense layer as experts":
         layer = 1
     elif case == "wrong hidden size":
-        rows = x_rows(3, H=31)
+        rows = x_rows(3, H=H - 1)
     elif case == "f16 rows":
         rows = rows.astype(np.float16)
     elif case == "NaN rows":
@@ -139,7 +143,7 @@ def test_bad_dense_requests_are_refused(setup, worker):
     refused(worker, M.DenseRequest(1, 4, 2, 1, ((o.start, o.stop),), x_rows(2)), "bad_request", "not this worker's")
     refused(worker, M.DenseRequest(1, 4, 2, 1, ((s.start, s.stop - 1),), x_rows(2)), "bad_request", "not this worker's")
     refused(worker, M.DenseRequest(1, 4, 2, 0, ((s.start, s.stop),), x_rows(2)), "bad_request", "not this worker's")
-    refused(worker, M.DenseRequest(1, 4, 2, 1, ((s.start, s.stop),), np.full((2, 32), np.inf, np.float32)),
+    refused(worker, M.DenseRequest(1, 4, 2, 1, ((s.start, s.stop),), np.full((2, H), np.inf, np.float32)),
             "bad_request", "NaN or infinity")
 
 
