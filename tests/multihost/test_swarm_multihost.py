@@ -10,7 +10,6 @@ run; the oracle is the engine run locally in this process on the same files.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -29,6 +28,9 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 NEW_COORDINATOR_S = 5.0
 MAX_TOKENS = 24
 KILL_AT = 10
+# A request long enough to be in flight when the coordinator is killed (the tiny model has
+# 256 positions).
+LONG_TOKENS = 200
 
 # Runs inside a namespace: one streaming chat completion through the official client.
 CLIENT = """
@@ -51,11 +53,11 @@ except Exception as exc:
 """
 
 
-def reference(model_dir, prompt: str) -> str:
+def reference(model_dir, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     """What one machine answers: the API's own backend, run locally with LocalFFN."""
     model = load_model(model_dir)
     backend = EngineBackend(model, tokenizer_for(model), model_id=model.path.name)
-    req = parse_chat_request({"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+    req = parse_chat_request({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                               "temperature": 0}, model_id=model.path.name, max_tokens_limit=256)
     return "".join(backend.generate(req, GenerationStats()))
 
@@ -128,9 +130,16 @@ async def test_join_elect_generate_and_fail_over(netns_lab):
     assert killed, "the generation ended before token 10"
     assert answer["text"] == expected[0]
 
-    # the coordinator dies: the survivor coordinates within 5 s and serves the next request
+    # the coordinator dies during a request: that request ends with an error (no hang), the
+    # survivor coordinates within 5 s and serves the next request
+    in_flight = lab.spawn(victim, ["-c", CLIENT, f"http://{lab.addresses[c]}:{doc['placement']['api_port']}/v1",
+                                   key.api_token, prompts[0], str(LONG_TOKENS)])
+    await in_flight.wait_for(lambda e: e.get("event") == "piece", 60)
     procs[c].kill()
     t_kill = time.monotonic()
+    ended = await in_flight.wait_for(lambda e: e.get("event") in ("done", "error"), 30)
+    assert ended["event"] == "error", ended
+    assert reference(model_dir, prompts[0], LONG_TOKENS).startswith(ended["text"])  # cut short, never wrong
     survivor = workers[1]
     await until(lambda: (read_status(lab, survivor) or {}).get("role") == "coordinator"
                 and ((read_status(lab, survivor) or {}).get("placement") or {}).get("api_port"),
