@@ -104,7 +104,7 @@ class Checkpoint:
         kn = {"head": (hd,), "proj": (kv,)}.get(c.qk_norm or "", ())
         Fs = c.shared_expert_intermediate_size
         return {
-            "embed": (c.vocab_size, H), "head": (c.vocab_size, H), "norm": (H,),
+            "embed": (c.vocab_size, H), "head": (c.vocab_size, H), "norm": (H,), "rope_freqs": (hd // 2,),
             "attn_norm": (H,), "ffn_norm": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
             "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "q_norm": qn, "k_norm": kn,
             "gate": (c.intermediate_size, H), "up": (c.intermediate_size, H), "down": (H, c.intermediate_size),
@@ -198,7 +198,7 @@ class GGUFCheckpoint(Checkpoint):
     def _name(self, part: str, layer: int | None) -> str:
         if layer is None:
             return {"embed": "token_embd.weight", "norm": "output_norm.weight",
-                    "head": "output.weight"}[part]
+                    "head": "output.weight", "rope_freqs": "rope_freqs.weight"}[part]
         return f"blk.{layer}.{_GGUF_LAYER[part]}"
 
     def has(self, part: str, layer: int | None = None) -> bool:
@@ -284,7 +284,7 @@ class HFCheckpoint(Checkpoint):
     def _name(self, part: str, layer: int | None) -> str:
         if layer is None:
             return {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
-                    "head": "lm_head.weight"}[part]
+                    "head": "lm_head.weight", "rope_freqs": "(none)"}[part]
         name = f"model.layers.{layer}.{_HF_LAYER[part]}"
         if part == "router" and name not in self.st:
             name = f"model.layers.{layer}.block_sparse_moe.gate.weight"

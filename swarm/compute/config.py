@@ -46,7 +46,8 @@ class ModelConfig:
     llama GGUF). ``qk_norm`` is ``None``, ``"head"`` (RMSNorm over each head, Qwen3) or
     ``"proj"`` (RMSNorm over the whole Q / K projection, OLMoE). ``moe_layers`` lists the
     layer indices whose MLP is a mixture of experts; the others are dense.
-    ``eos_token_ids`` is a tuple (HF allows a list).
+    ``eos_token_ids`` is a tuple (HF allows a list). ``rope_scaling`` is None or llama3's
+    frequency-scaling parameters. ``extra`` keeps the raw config.json (HF).
     """
 
     family: str
@@ -73,6 +74,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 0
+    rope_scaling: dict | None = field(default=None, compare=False)
+    sliding_window: int | None = None  # attention window; longer sequences are refused
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -90,14 +93,34 @@ def _need(cfg: dict, key: str, where: str) -> Any:
     return cfg[key]
 
 
-def _rope_theta(cfg: dict, default: float, where: str) -> float:
-    """rope theta from ``rope_parameters`` (transformers 5) or the older top-level keys."""
+def _rope(cfg: dict, default: float, where: str) -> tuple[float, dict | None]:
+    """``(rope theta, scaling)`` from ``rope_parameters`` (transformers 5) or the older
+    top-level ``rope_theta`` / ``rope_scaling`` keys. ``scaling`` is None for plain RoPE or
+    the llama3 parameters (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings). Other RoPE types raise ModelFileError."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ModelFileError(f"{where}: rope_type {rope_type!r} is not supported (only 'default')")
-    theta = params.get("rope_theta", cfg.get("rope_theta", default))
-    return float(theta)
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default)))
+    if rope_type in ("default", None):
+        return theta, None
+    if rope_type == "llama3":
+        try:
+            scaling = {k: float(params[k]) for k in
+                       ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        except (KeyError, TypeError, ValueError):
+            raise ModelFileError(f"{where}: llama3 rope parameters are incomplete: {params}") from None
+        return theta, dict(scaling, rope_type="llama3")
+    raise ModelFileError(f"{where}: rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+
+
+def _sliding_window(cfg: dict, family: str) -> int | None:
+    """The attention window when the family's modeling code applies one, else None."""
+    window = cfg.get("sliding_window")
+    if family in ("mistral", "mixtral"):
+        return int(window) if window else None
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
+        return int(window) if window else None
+    return None
 
 
 def _eos_tuple(value: Any) -> tuple[int, ...]:
@@ -163,6 +186,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", d["attention_bias"]))
     bos = cfg.get("bos_token_id", d["bos_token_id"])
     eos = cfg.get("eos_token_id", d["eos_token_id"])
+    rope_theta, rope_scaling = _rope(cfg, d["rope_theta"], where)
     return ModelConfig(
         family=family,
         vocab_size=int(_need(cfg, "vocab_size", where)),
@@ -173,7 +197,9 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
         head_dim=int(head_dim),
         intermediate_size=int(cfg.get("intermediate_size") or 0),
         rms_norm_eps=float(cfg.get("rms_norm_eps", d["rms_norm_eps"])),
-        rope_theta=_rope_theta(cfg, d["rope_theta"], where),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        sliding_window=_sliding_window(cfg, family),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         qk_norm=qk_norm,
@@ -211,6 +237,9 @@ def config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
             raise ModelFileError(f"{where}: required metadata field {full!r} is missing")
         return kv[full]
 
+    scaling = kv.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelFileError(f"{where}: metadata {arch}.rope.scaling.type = {scaling!r} is not supported")
     hidden = int(need("embedding_length"))
     n_layers = int(need("block_count"))
     n_heads = int(need("attention.head_count"))

@@ -42,6 +42,22 @@ def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
     return (F32(1.0) / np.power(F32(theta), exponents)).astype(F32)
 
 
+def llama3_inv_freq(inv_freq: np.ndarray, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_max_position_embeddings: float) -> np.ndarray:
+    """Llama 3's long-context rescaling of RoPE frequencies [hd/2] f32
+    (transformers ``_compute_llama3_parameters``): long wavelengths divided by ``factor``,
+    short ones kept, the band between interpolated smoothly."""
+    old_ctx = original_max_position_embeddings
+    low_wavelen, high_wavelen = old_ctx / low_freq_factor, old_ctx / high_freq_factor
+    wavelen = F32(2 * np.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / F32(factor), inv_freq).astype(F32)
+    smooth = ((F32(old_ctx) / wavelen - F32(low_freq_factor))
+              / F32(high_freq_factor - low_freq_factor)).astype(F32)
+    smoothed = (F32(1) - smooth) * scaled / F32(factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(F32)
+
+
 def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``cos, sin`` [T, hd] f32 for integer ``positions`` [T] (rotate-half layout: halves repeat)."""
     freqs = positions.astype(F32)[:, None] * inv_freq[None, :]  # [T, hd/2]

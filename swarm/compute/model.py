@@ -21,7 +21,7 @@ from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
 from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, shared_expert
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, causal_mask, rms_norm,
-                                   rope_inv_freq, rope_tables, signed_sin)
+                                   llama3_inv_freq, rope_inv_freq, rope_tables, signed_sin)
 
 F32 = np.float32
 
@@ -107,6 +107,12 @@ class Model:
         self._hash: str | None = None
         c = self.config
         self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta)
+        if c.rope_scaling and c.rope_scaling.get("rope_type") == "llama3":
+            params = {k: v for k, v in c.rope_scaling.items() if k != "rope_type"}
+            self._inv_freq = llama3_inv_freq(self._inv_freq, **params)
+        if checkpoint.has("rope_freqs"):  # llama.cpp stores llama3's scaling as per-frequency divisors
+            freqs = checkpoint.load("rope_freqs")
+            self._inv_freq = (self._inv_freq / freqs).astype(F32)
         self._cos = np.zeros((0, c.head_dim), F32)
         self._sin = np.zeros((0, c.head_dim), F32)
 
@@ -322,6 +328,9 @@ class Model:
         if ffn is None:
             ffn = self._local_ffn
         T, start = ids.size, cache.length
+        if c.sliding_window and start + T > c.sliding_window:
+            raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
+                             f"({c.sliding_window}); sliding-window attention is not supported")
         cache.reserve(start + T)
         cos_qk, sin_qk = self._qk_tables(start, T)
         mask = causal_mask(start, T, c.n_heads // c.n_kv_heads)

@@ -85,3 +85,70 @@ def test_routing_options_come_from_the_file(tiny):
     assert load_model(tiny("qwen2_moe")[1]).has_shared_expert(0)
     assert load_model(tiny("olmoe")[1]).config.clip_qkv == 4.0
     assert load_model(tiny("qwen3")[1]).config.head_dim == 24
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=16)
+
+
+def _llama3_tiny(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.compute.tiny_models import _COMMON
+
+    cfg = LlamaConfig(**dict(_COMMON, rope_parameters=LLAMA3_ROPE))
+    torch.manual_seed(11)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    return hf
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    hf = _llama3_tiny(tmp_path)
+    model = load_model(tmp_path / "hf")
+    assert model.config.rope_scaling["factor"] == 8.0
+    np.testing.assert_allclose(chunked_logits(model, TOKENS * 3), hf_logits(hf, TOKENS * 3), atol=1e-5)
+
+
+def test_llama3_rope_factors_in_gguf_match_transformers(tmp_path):
+    """llama.cpp writes llama3 scaling as ``rope_freqs.weight`` divisors (convert_hf_to_gguf.py)."""
+    import gguf
+    import math
+
+    from tests.compute.tiny_gguf import write_gguf_from_hf
+
+    hf = _llama3_tiny(tmp_path)
+    head_dim = 64 // 4
+    p = LLAMA3_ROPE
+    freqs = 1.0 / (p["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_wl = p["original_max_position_embeddings"] / p["low_freq_factor"]
+    high_wl = p["original_max_position_embeddings"] / p["high_freq_factor"]
+    factors = []
+    for f in freqs:  # llama.cpp's LlamaModel.generate_extra_tensors, written out
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wl:
+            factors.append(1.0)
+        elif wavelen > low_wl:
+            factors.append(p["factor"])
+        else:
+            smooth = (p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"]) / (
+                p["high_freq_factor"] - p["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / p["factor"] + smooth))
+    path = write_gguf_from_hf(hf, "llama", tmp_path / "m.gguf",
+                              extra={"rope_freqs.weight": np.array(factors, np.float32)})
+    model = load_model(path)
+    assert model.checkpoint.has("rope_freqs")
+    np.testing.assert_allclose(chunked_logits(model, TOKENS * 3), hf_logits(hf, TOKENS * 3), atol=1e-5)
+
+
+def test_sliding_window_beyond_the_window_is_refused(tiny):
+    import dataclasses
+
+    _, path = tiny("qwen2")
+    model = load_model(path)
+    model.config = dataclasses.replace(model.config, sliding_window=8)
+    cache = model.new_cache()
+    model.forward(TOKENS[:8], cache)
+    with pytest.raises(ValueError, match="attention window"):
+        model.forward(TOKENS[8:9], cache)

@@ -38,9 +38,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf_from_hf(hf_model, family: str, path: Path,
-                       qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+                       qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+                       extra: dict[str, np.ndarray] | None = None) -> Path:
     """Save ``hf_model`` as a GGUF file; weights whose rows fit ``qtype``'s blocks in ``qtype``,
-    the rest (norms, biases, odd widths) in F32."""
+    the rest (norms, biases, odd widths) in F32. ``extra``: more tensors, written as given."""
     cfg = hf_model.config
     arch = GGUF_ARCH[family]
     w = gguf.GGUFWriter(str(path), arch)
@@ -53,7 +54,7 @@ def write_gguf_from_hf(hf_model, family: str, path: Path,
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])  # llama3 scaling travels as rope_freqs.weight
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -74,6 +75,8 @@ def write_gguf_from_hf(hf_model, family: str, path: Path,
         else:
             w.add_tensor(name, a)
 
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     put("token_embd.weight", state.pop("model.embed_tokens.weight"))
     put("output_norm.weight", state.pop("model.norm.weight"))
     if "lm_head.weight" in state and not cfg.tie_word_embeddings:
