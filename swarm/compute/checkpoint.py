@@ -85,6 +85,21 @@ class Checkpoint:
         """
         raise NotImplementedError
 
+    def load_rows(self, part: str, layer: int, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` of a 2-D ``part`` (e.g. a dense range of W_gate / W_up), decoding only
+        those rows. Not for Q/K of a permuted GGUF (the permutation mixes rows)."""
+        name = self._name(part, layer)
+        want = self.expected_shape(part)
+        got = self._shapes.get(name)
+        if got is None:
+            raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+        if tuple(got) != want:
+            raise ModelFileError(f"{self.path}: tensor {name!r} has shape {tuple(got)}, expected {want}")
+        return self._check(name, self._file_load(name, slice(lo, hi)), (hi - lo, *want[1:]))
+
+    def _file_load(self, name: str, index: slice) -> np.ndarray:
+        raise NotImplementedError
+
     def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(gate [F,H], up [F,H], down [H,F])`` of expert ``e`` in MoE layer ``layer``, float32."""
         raise NotImplementedError
@@ -204,6 +219,9 @@ class GGUFCheckpoint(Checkpoint):
     def has(self, part: str, layer: int | None = None) -> bool:
         return self._name(part, layer) in self.file
 
+    def _file_load(self, name: str, index: slice) -> np.ndarray:
+        return self.file.load(name, index)
+
     def load(self, part: str, layer: int | None = None) -> np.ndarray:
         name = self._name(part, layer)
         a = self.file.load(name)
@@ -292,6 +310,9 @@ class HFCheckpoint(Checkpoint):
 
     def has(self, part: str, layer: int | None = None) -> bool:
         return self._name(part, layer) in self.st
+
+    def _file_load(self, name: str, index: slice) -> np.ndarray:
+        return self.st.load(name, index)
 
     def load(self, part: str, layer: int | None = None) -> np.ndarray:
         name = self._name(part, layer)

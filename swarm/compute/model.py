@@ -192,8 +192,8 @@ class Model:
         F = self.dense_intermediate_size(layer)
         full = self._dense.get(layer)
         if full is None:
-            if lo is not None and (lo, hi) != (0, F):
-                return self._load_dense(layer).range(lo, hi)
+            if lo is not None and (lo, F if hi is None else hi) != (0, F):
+                return self._load_dense_range(layer, lo, F if hi is None else hi)
             with self._lock:
                 full = self._dense.get(layer) or self._load_dense(layer)
                 self._dense[layer] = full
@@ -204,6 +204,17 @@ class Model:
     def _load_dense(self, layer: int) -> MLPWeights:
         ck = self.checkpoint
         return MLPWeights.from_torch(ck.load("gate", layer), ck.load("up", layer), ck.load("down", layer))
+
+    def _load_dense_range(self, layer: int, lo: int, hi: int) -> MLPWeights:
+        """Units ``lo:hi`` alone: only those rows of W_gate / W_up are decoded (W_down's columns
+        cut across every row, so it is decoded whole and sliced)."""
+        F = self.dense_intermediate_size(layer)
+        if not 0 <= lo < hi <= F:
+            raise ValueError(f"dense range {lo}:{hi} is outside 0:{F}")
+        ck = self.checkpoint
+        gate, up = ck.load_rows("gate", layer, lo, hi), ck.load_rows("up", layer, lo, hi)
+        down = ck.load("down", layer)[:, lo:hi]
+        return MLPWeights.from_torch(gate, up, down)
 
     def expert_weights(self, layer: int, e: int) -> MLPWeights:
         """Expert ``e`` of MoE layer ``layer`` (materialised on first use, then cached)."""

@@ -196,3 +196,20 @@ def test_per_expert_results_do_not_depend_on_other_rows(moe_model):
     union = np.array([0, 1, 2, 4, 5, 7, 9])
     from_union = expert_ffn(w, x[union][np.searchsorted(union, rows)])
     np.testing.assert_array_equal(alone, from_union)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf_q8"])
+def test_dense_range_loaded_alone_equals_the_slice_of_the_whole(tmp_path, fmt):
+    import gguf
+
+    from tests.compute.tiny_gguf import write_gguf_from_hf
+
+    hf, path = build_tiny("qwen3", tmp_path / "hf")
+    if fmt == "gguf_q8":  # gate/up rows decode block by block; down (width 48) stays F32
+        path = write_gguf_from_hf(hf, "qwen3", tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q8_0)
+    alone = load_model(path).dense_weights(1, 10, 30)  # nothing else materialised
+    whole = load_model(path).dense_weights(1)
+    ref = whole.range(10, 30)
+    np.testing.assert_array_equal(alone.gate_up, ref.gate_up)
+    np.testing.assert_array_equal(alone.down, ref.down)
+    assert alone.gate_up.flags.c_contiguous and alone.down.flags.c_contiguous
