@@ -80,7 +80,7 @@ class Mesh:
         self._link_options = link_options or {}
         self._retry_s = retry_s
         self._present: dict[str, PeerInfo] = {}
-        self._attempts: dict[str, tuple[str, Link]] = {}  # peer id -> (session, link not yet open)
+        self._attempts: dict[str, _Attempt] = {}  # peer id -> the link being set up with it
         self._dialers: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._handlers: dict[type, Handler] = {}
@@ -140,18 +140,29 @@ class Mesh:
             raise RemoteProtocolError("'session' must be a string of at most 64 characters")
         match kind:
             case "offer":
-                self._spawn(self._answer(sender, session, _sdp(data)))
+                sdp = _sdp(data)
+                info = self._present.get(sender)
+                if info is not None and info.kind == "browser" and not self._accept_browsers():
+                    log.info("refused an offer from browser peer %s: browsers connect to the coordinator", sender)
+                    return
+                old = self._attempts.pop(sender, None)
+                if old is not None:
+                    self._spawn(old.link.close("superseded by a new offer"))
+                # registered now, not in the task: the candidates that follow the offer find it
+                attempt = self._attempts[sender] = _Attempt(session, self._new_link(sender, offerer=False))
+                self._spawn(self._answer(sender, attempt, sdp))
             case "answer":
                 attempt = self._attempts.get(sender)
-                if attempt is None or attempt[0] != session:
+                if attempt is None or attempt.session != session:
                     log.info("ignored an answer from %s to an abandoned offer", sender)
                     return
-                await attempt[1].accept_answer(_sdp(data))
+                await attempt.link.accept_answer(_sdp(data))
+                await attempt.remote_description_set()
             case "candidate":
                 attempt = self._attempts.get(sender)
-                if attempt is None or attempt[0] != session or not data.get("candidate"):
+                if attempt is None or attempt.session != session or not data.get("candidate"):
                     return  # end-of-candidates, or for an attempt that is gone
-                await _add_candidate(attempt[1], data)
+                await attempt.add_candidate(data)
             case _:
                 raise RemoteProtocolError(f"unknown signal type {kind!r}")
 
@@ -169,43 +180,36 @@ class Mesh:
         """Offer to ``peer_id`` until a link is open; again whenever it closes, while present."""
         while not self._closed and peer_id in self._present:
             if peer_id not in self.links:
-                session = secrets.token_hex(8)
-                link = self._new_link(peer_id, offerer=True)
-                self._attempts[peer_id] = (session, link)
+                attempt = _Attempt(secrets.token_hex(8), self._new_link(peer_id, offerer=True))
+                self._attempts[peer_id] = attempt
+                link = attempt.link
                 try:
                     offer = await link.create_offer()
-                    await self._send_signal(peer_id, {"type": "offer", "sdp": offer, "session": session})
+                    await self._send_signal(peer_id, {"type": "offer", "sdp": offer, "session": attempt.session})
                     await self._establish(link)
                 except SwarmError as exc:
                     log.info("no link to %s yet: %s", peer_id, exc)
                     await link.close(str(exc))
                 finally:
-                    if self._attempts.get(peer_id, (None, None))[1] is link:
+                    if self._attempts.get(peer_id) is attempt:
                         del self._attempts[peer_id]
             if peer_id in self.links:
                 await self.links[peer_id].wait_closed()
             else:
                 await asyncio.sleep(self._retry_s)
 
-    async def _answer(self, peer_id: str, session: str, sdp: str) -> None:
-        info = self._present.get(peer_id)
-        if info is not None and info.kind == "browser" and not self._accept_browsers():
-            log.info("refused an offer from browser peer %s: browsers connect to the coordinator", peer_id)
-            return
-        old = self._attempts.pop(peer_id, None)
-        if old is not None:
-            await old[1].close("superseded by a new offer")
-        link = self._new_link(peer_id, offerer=False)
-        self._attempts[peer_id] = (session, link)
+    async def _answer(self, peer_id: str, attempt: _Attempt, sdp: str) -> None:
+        link = attempt.link
         try:
             answer = await link.accept_offer(sdp)
-            await self._send_signal(peer_id, {"type": "answer", "sdp": answer, "session": session})
+            await attempt.remote_description_set()
+            await self._send_signal(peer_id, {"type": "answer", "sdp": answer, "session": attempt.session})
             await self._establish(link)
         except SwarmError as exc:
             log.info("offer from %s failed: %s", peer_id, exc)
             await link.close(str(exc))
         finally:
-            if self._attempts.get(peer_id, (None, None))[1] is link:
+            if self._attempts.get(peer_id) is attempt:
                 del self._attempts[peer_id]
 
     async def _establish(self, link: Link) -> None:
@@ -250,10 +254,32 @@ class Mesh:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        links = list(self.links.values()) + [link for _, link in self._attempts.values()]
+        links = list(self.links.values()) + [attempt.link for attempt in self._attempts.values()]
         self._attempts.clear()
         await asyncio.gather(*(link.close("peer leaving") for link in links), return_exceptions=True)
         self.links.clear()
+
+
+class _Attempt:
+    """A link being set up: its signal session, and ICE candidates that came before the SDP."""
+
+    MAX_EARLY_CANDIDATES = 64
+
+    def __init__(self, session: str, link: Link) -> None:
+        self.session = session
+        self.link = link
+        self._early: list[dict[str, Any]] | None = []  # None once the remote SDP is applied
+
+    async def add_candidate(self, data: dict[str, Any]) -> None:
+        if self._early is None:
+            await _add_candidate(self.link, data)
+        elif len(self._early) < self.MAX_EARLY_CANDIDATES:
+            self._early.append(data)
+
+    async def remote_description_set(self) -> None:
+        early, self._early = self._early or [], None
+        for data in early:
+            await _add_candidate(self.link, data)
 
 
 def _sdp(data: dict[str, Any]) -> str:

@@ -117,3 +117,63 @@ def test_status_refuses_missing_stale_and_dead_peers(tmp_path):
     path.write_text(json.dumps({**doc, "pid": 2**22 + 12345}))  # above pid_max: no such process
     with pytest.raises(SwarmError, match="is not running"):
         read_status(path, now=1000.0)
+
+
+def _split_candidates(sdp: str) -> tuple[str, list[str]]:
+    """An SDP without its a=candidate lines, and those candidates (as a browser trickles them)."""
+    lines = sdp.splitlines()
+    candidates = [ln[len("a="):] for ln in lines if ln.startswith("a=candidate:")]
+    kept = [ln for ln in lines if not ln.startswith(("a=candidate:", "a=end-of-candidates"))]
+    return "\r\n".join(kept) + "\r\n", candidates
+
+
+def test_browser_offer_with_trickled_candidates_is_answered_only_by_the_coordinator():
+    from swarm.peer.link import Link, new_peer_connection
+    from swarm.peer.mesh import Mesh
+    from swarm.signaling.messages import PeerInfo
+    from tests.peer.test_link import hello
+
+    key = SwarmKey(os.urandom(32))
+
+    async def main():
+        python_id, browser_id = Identity.generate(), Identity.generate()
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def send_signal(to, data):
+            await outbox.put((to, data))
+
+        coordinator = [False]
+        mesh = Mesh(local_hello=hello(python_id.peer_id), certificate=python_id.rtc_certificate(),
+                    auth_key=key.channel_auth_key, send_signal=send_signal, accept_browsers=lambda: coordinator[0])
+        mesh.sync([PeerInfo(browser_id.peer_id, "phone", "browser", 0.0)])
+        results = []
+        for is_coordinator in (False, True):
+            coordinator[0] = is_coordinator
+            pc, channel = new_peer_connection(browser_id.rtc_certificate())
+            browser = Link(pc, channel, certificate=browser_id.rtc_certificate(), auth_key=key.channel_auth_key,
+                           local_hello=hello(browser_id.peer_id), offerer=True, expected_peer_id=python_id.peer_id)
+            sdp, candidates = _split_candidates(await browser.create_offer())
+            session = f"s{int(is_coordinator)}"
+            await mesh.handle_signal(browser_id.peer_id, {"type": "offer", "sdp": sdp, "session": session})
+            for c in candidates:  # right behind the offer, before the mesh has even answered
+                await mesh.handle_signal(browser_id.peer_id, {"type": "candidate", "candidate": c, "sdpMid": "0",
+                                                              "sdpMLineIndex": 0, "session": session})
+            try:
+                to, answer = await asyncio.wait_for(outbox.get(), 3)
+            except asyncio.TimeoutError:
+                results.append("no answer")
+                await browser.close()
+                continue
+            # the answer's candidates are dropped: the link can only form through the candidates
+            # the mesh took from the trickle (its checks reach us as peer-reflexive candidates)
+            await browser.accept_answer(_split_candidates(answer["sdp"])[0])
+            hello_seen = await browser.established()
+            await until(lambda: browser_id.peer_id in mesh.links, 5, "the mesh to hold the browser's link")
+            results.append((to, answer["session"], hello_seen.peer_id, mesh.links[browser_id.peer_id].peer_id))
+            await browser.close()
+        await mesh.close()
+        return results, python_id.peer_id, browser_id.peer_id
+
+    results, python_peer, browser_peer = run_in_netns(main)
+    assert results[0] == "no answer"  # not the coordinator: browsers are not linked to workers
+    assert results[1] == (browser_peer, "s1", python_peer, browser_peer)
