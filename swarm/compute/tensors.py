@@ -117,7 +117,7 @@ class SafetensorsFile:
             raise ModelFileError(f"{self.path}: safetensors header is not valid JSON") from None
         header.pop("__metadata__", None)
         self._base = 8 + n
-        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, bool]] = {}  # dtype, shape, offset, is_bf16
         for name, e in header.items():
             dtype = _ST_DTYPES.get(e.get("dtype"))
             if dtype is None:

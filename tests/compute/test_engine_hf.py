@@ -152,3 +152,19 @@ def test_sliding_window_beyond_the_window_is_refused(tiny):
     model.forward(TOKENS[:8], cache)
     with pytest.raises(ValueError, match="attention window"):
         model.forward(TOKENS[8:9], cache)
+
+
+def test_bfloat16_checkpoint_decodes_exactly(tiny, tmp_path):
+    """numpy has no bfloat16: the safetensors reader widens it by hand; torch is the oracle."""
+    import copy
+
+    import torch
+
+    hf = copy.deepcopy(tiny("qwen3_moe")[0]).to(torch.bfloat16)  # the shared model stays float32
+    hf.save_pretrained(tmp_path / "bf16")
+    model = load_model(tmp_path / "bf16")
+    want = hf.model.layers[0].self_attn.q_proj.weight.detach().float().numpy()
+    np.testing.assert_array_equal(model.checkpoint.load("q", 0), want)
+    w = model.expert_weights(0, 2)
+    gate_up = hf.model.layers[0].mlp.experts.gate_up_proj[2].detach().float().numpy()
+    np.testing.assert_array_equal(w.gate_up, gate_up.T)

@@ -1,0 +1,60 @@
+"""Kernels against float64 numpy written straight from the formulas."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from swarm.compute.kernels import (apply_rope, apply_rope_swapped, attention, causal_mask, rms_norm,
+                                   rope_inv_freq, rope_tables, signed_sin)
+
+F32 = np.float32
+rng = np.random.default_rng(0)
+
+
+def test_rms_norm_float32_against_float64():
+    x = rng.normal(size=(5, 96)).astype(F32) * 3
+    w = rng.normal(size=96).astype(F32)
+    y = rms_norm(x, w, 1e-6)
+    x64 = x.astype(np.float64)
+    ref = w * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
+    assert y.dtype == F32
+    np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6)
+
+
+def test_rope_swapped_form_equals_rotate_half_exactly():
+    x = rng.normal(size=(7, 5, 16)).astype(F32)
+    cos, sin = rope_tables(np.arange(3, 10), rope_inv_freq(16, 10000.0))
+    ref = apply_rope(x, cos, sin)
+    got = apply_rope_swapped(x, np.broadcast_to(cos[:, None], x.shape), np.broadcast_to(signed_sin(sin)[:, None], x.shape))
+    np.testing.assert_array_equal(got, ref)
+    # and rotate-half itself, in float64: pairs (i, i + hd/2) turn by angle pos * theta^(-2i/hd)
+    pos = np.arange(3, 10)[:, None, None]
+    i = np.arange(8)
+    ang = pos * 10000.0 ** (-2 * i / 16)
+    x64 = x.astype(np.float64)
+    a, b = x64[..., :8], x64[..., 8:]
+    want = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
+    np.testing.assert_allclose(ref, want, atol=1e-5)
+
+
+def test_attention_grouped_causal_against_float64():
+    nh, nkv, T, start, hd = 6, 2, 4, 3, 8
+    S = start + T
+    q = rng.normal(size=(nh, T, hd)).astype(F32)
+    k = rng.normal(size=(nkv, S, hd)).astype(F32)
+    v = rng.normal(size=(nkv, S, hd)).astype(F32)
+    scale = F32(1 / np.sqrt(hd))
+    got = attention(q * scale, k, v, causal_mask(start, T, nh // nkv))
+    want = np.zeros((T, nh * hd))
+    for h in range(nh):
+        kv = h // (nh // nkv)
+        for t in range(T):
+            s = (k[kv, :start + t + 1].astype(np.float64) @ q[h, t].astype(np.float64)) / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            want[t, h * hd:(h + 1) * hd] = p @ v[kv, :start + t + 1]
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # one decode step sees every cached key
+    one = attention(q[:, -1:] * scale, k, v, causal_mask(S - 1, 1, nh // nkv))
+    np.testing.assert_allclose(one[0], want[-1], atol=1e-5)
