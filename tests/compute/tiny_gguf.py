@@ -90,6 +90,8 @@ def write_gguf_from_hf(hf_model, family: str, path: Path,
             if arch == "llama" and hf_name.startswith(("self_attn.q_proj", "self_attn.k_proj")):
                 heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
                 a = llama_cpp_permute(a, heads)
+            if g_name == "ffn_gate_inp_shexp.weight":
+                a = a.reshape(-1)  # llama.cpp stores the shared-expert gate as a vector [H]
             put(f"blk.{layer}.{g_name}", a)
         gu = state.pop(p + "mlp.experts.gate_up_proj", None)
         if gu is not None:
