@@ -133,6 +133,8 @@ class Mesh:
             await self._handle_signal(sender, data)
         except SwarmError as exc:
             log.warning("dropped a signal from %s: %s", sender, exc)
+        except Exception as exc:  # aiortc refusing a well-formed but unusable SDP or candidate
+            log.warning("dropped a signal from %s: %s: %s", sender, type(exc).__name__, exc)
 
     async def _handle_signal(self, sender: str, data: dict[str, Any]) -> None:
         kind, session = data.get("type"), data.get("session", "")

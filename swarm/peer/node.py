@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 STATUS_FILE = "status.json"
 STATUS_EVERY_S = 1.0  # status file refresh period; `status` treats a file older than 5x this as stale
 ROLE_POLL_S = 0.5  # how often `join` looks for a role change to print
+LEAVE_STEP_S = 5.0  # the longest each shutdown step of `join` may take before it is abandoned
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class Node:
         self._tasks = []
         await self.mesh.close()
         await self.rendezvous.stop()
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, ValueError):
             if json.loads(self.status_path.read_text()).get("pid") == os.getpid():
                 self.status_path.unlink()
 
@@ -337,9 +338,21 @@ async def _join(args: Any, console: Any) -> None:
     except asyncio.CancelledError:
         pass
     finally:
-        if roles is not None:
-            await roles.stop()
-        await node.stop()
+        await _leave(node, roles)
+
+
+async def _leave(node: Node, roles: Any) -> None:
+    """Stop the roles, then the node; each step bounded so Ctrl-C always ends the peer."""
+    steps = [("roles", roles.stop)] if roles is not None else []
+    for what, stop in steps + [("links and signaling", node.stop)]:
+        log.info("leaving: stopping %s", what)
+        try:
+            await asyncio.wait_for(stop(), LEAVE_STEP_S)
+        except asyncio.TimeoutError:
+            log.warning("leaving: stopping %s took over %g s; going anyway", what, LEAVE_STEP_S)
+        except Exception:  # leaving must not fail halfway
+            log.exception("leaving: stopping %s failed", what)
+    log.info("leaving: done")
 
 
 def _load_model(path: str | None, console: Any) -> Any:

@@ -177,3 +177,47 @@ def test_browser_offer_with_trickled_candidates_is_answered_only_by_the_coordina
     results, python_peer, browser_peer = run_in_netns(main)
     assert results[0] == "no answer"  # not the coordinator: browsers are not linked to workers
     assert results[1] == (browser_peer, "s1", python_peer, browser_peer)
+
+
+def test_malformed_signals_are_logged_and_dropped(caplog):
+    import logging
+
+    from swarm.peer.mesh import Mesh
+    from swarm.signaling.messages import PeerInfo
+    from tests.peer.test_link import hello
+
+    caplog.set_level(logging.INFO, logger="swarm.peer")
+    key = SwarmKey(os.urandom(32))
+
+    async def main():
+        me, other = Identity.generate(), Identity.generate()
+        sent = []
+
+        async def send_signal(to, data):
+            sent.append((to, data))
+
+        mesh = Mesh(local_hello=hello(me.peer_id), certificate=me.rtc_certificate(), auth_key=key.channel_auth_key,
+                    send_signal=send_signal, accept_browsers=lambda: True)
+        mesh.sync([PeerInfo(other.peer_id, "x", "browser", 0.0)])
+        bad = [
+            {"type": "offer"},
+            {"type": "offer", "sdp": 42},
+            {"type": "offer", "sdp": "x" * 100_000},
+            {"type": "offer", "sdp": "v=0\r\nnot an sdp\r\n", "session": "a"},
+            {"type": "answer", "sdp": "v=0\r\n", "session": "nope"},
+            {"type": "candidate", "candidate": "candidate:garbage", "session": "a"},
+            {"type": "hello"},
+            {"type": "offer", "sdp": "v=0", "session": ["not", "a", "string"]},
+        ]
+        for data in bad:
+            await mesh.handle_signal(other.peer_id, data)
+        await asyncio.sleep(0.5)  # the answer task of the junk offer runs and fails
+        state = (dict(mesh.links), sent)
+        await mesh.close()
+        return state
+
+    links, sent = run_in_netns(main)
+    assert links == {} and sent == []
+    assert caplog.text.count("dropped a signal") >= 5
+    assert "unknown signal type 'hello'" in caplog.text
+    assert "offer from" in caplog.text  # the unparseable offer failed in its own task, logged
