@@ -2,16 +2,29 @@
 (tests/compute/tiny_models.py: configs and seeds committed, routers scaled so top-k is
 decisive). Qwen3-MoE there has a dense layer (``mlp_only_layers``), so both the expert path
 and the dense-range path of the swarm are exercised; Qwen2-MoE has a gated shared expert.
+Also the helpers the swarm tests share: peer ids, a greedy run, a character tokenizer.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from pathlib import Path
+
+import numpy as np
 
 from tests.compute.tiny_models import MOE_FAMILIES, TINY, build_tiny
 
 FAMILIES = MOE_FAMILIES
+
+
+def peer_id(name: str) -> str:
+    """A well-formed peer id (26 base32 characters) derived from ``name``."""
+    return base64.b32encode(hashlib.sha256(name.encode()).digest()[:16]).decode().lower().rstrip("=")
+
+
+COORD, W1, W2 = peer_id("coordinator"), peer_id("worker-1"), peer_id("worker-2")
 VOCAB = {family: TINY[family][0]["vocab_size"] for family in FAMILIES}
 
 
@@ -31,6 +44,23 @@ def build(family: str, root: Path, variant: int = 0) -> Path:
         tensors[name] = tensors[name] + variant * 1e-3
         save_file(tensors, str(file), metadata={"format": "pt"})
     return out
+
+
+PROMPT = [3, 17, 42, 91, 5, 64, 7, 1, 80, 33]  # token ids < 96, the tiny models' vocabulary
+
+
+def greedy(model, ffn, prompt=PROMPT, n=12, on_step=None):
+    """Prefill as one batch, then greedy decode; returns (tokens, [logits per step])."""
+    cache = model.new_cache()
+    logits = [model.forward(prompt, cache, ffn=ffn)]
+    tokens = []
+    for step in range(n):
+        tok = int(np.argmax(logits[-1][-1]))
+        tokens.append(tok)
+        if on_step:
+            on_step(step)
+        logits.append(model.forward([tok], cache, ffn=ffn))
+    return tokens, logits
 
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"

@@ -8,8 +8,6 @@ terms, lies — the tokens must not change, or ``--verify`` must stop the run.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import random
 import threading
 
@@ -24,17 +22,9 @@ from swarm.peer.coordinator import RemoteFFN
 from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan
 from swarm.peer.transport import LoopbackNet
 from swarm.peer.worker import Worker
-from tests.peer._swarm_models import FAMILIES, build
+from tests.peer._swarm_models import COORD, FAMILIES, PROMPT, W1, W2, build, greedy
 
-PROMPT = [3, 17, 42, 91, 5, 64, 7, 1, 80, 33]  # ids < 96, the tiny models' vocabulary
 DECODE = 12
-
-
-def pid(name: str) -> str:
-    return base64.b32encode(hashlib.sha256(name.encode()).digest()[:16]).decode().lower().rstrip("=")
-
-
-COORD, W1, W2 = pid("coordinator"), pid("worker-1"), pid("worker-2")
 
 
 @pytest.fixture(scope="module")
@@ -82,20 +72,6 @@ class InProcSwarm:
 
     def close(self):
         self.net.close()
-
-
-def greedy(model, ffn, prompt=PROMPT, n=DECODE, on_step=None):
-    """Prefill as one batch, then greedy decode; returns (tokens, [logits per step])."""
-    cache = model.new_cache()
-    logits = [model.forward(prompt, cache, ffn=ffn)]
-    tokens = []
-    for step in range(n):
-        tok = int(np.argmax(logits[-1][-1]))
-        tokens.append(tok)
-        if on_step:
-            on_step(step)
-        logits.append(model.forward([tok], cache, ffn=ffn))
-    return tokens, logits
 
 
 def local_reference(swarm: InProcSwarm, n: int = DECODE):

@@ -28,8 +28,7 @@ from swarm.peer.roles import SwarmRoles
 from swarm.peer.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.conftest import require
-from tests.peer._swarm_models import build
-from tests.peer.test_coordinator import PROMPT, greedy
+from tests.peer._swarm_models import PROMPT, build, greedy
 
 ADDRESS = "10.214.0.1"
 FAST_LINKS = {"heartbeat_s": 0.2, "dead_after_s": 2.0}

@@ -13,9 +13,7 @@ from swarm.peer import wire
 from swarm.peer import worker as worker_mod
 from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
 from swarm.peer.worker import Worker
-from tests.peer._swarm_models import build
-
-from tests.peer.test_coordinator import COORD, W1, W2
+from tests.peer._swarm_models import COORD, W1, W2, build
 
 
 @pytest.fixture(scope="module")
