@@ -1,0 +1,410 @@
+"""Swarm against one machine: decode/prefill tok/s, wire bytes per token, per-layer round trip,
+recovery from a killed worker. Prints one JSON object.
+
+For each model (SmolLM2-135M with dense ranges; a random-weight OLMoE-shaped MoE written here
+as a safetensors checkpoint, scaled to fit this machine) one run measures, in order:
+
+1. the local engine (``LocalFFN``): prefill of a ``--prompt-tokens`` prompt, then greedy decode
+   of ``--tokens`` tokens (tok/s), and the FFN's seconds per layer during decode;
+2. the swarm with 2 peers (the coordinator and one worker), then with 3: the same numbers,
+   plus bytes on the wire per decoded token (both directions, all links, framing included),
+   the FFN's seconds per layer (the round trip: request out, worker compute, answer back,
+   combine) and the links' heartbeat RTT, and whether the greedy tokens equal the local ones;
+3. recovery: a worker process is killed with SIGKILL at decode step 10; the longest stall
+   between two tokens after it (compared with the median step) and the time until the
+   coordinator's plan no longer names the dead worker.
+
+Every peer is its own process (as on separate machines), all inside one network namespace
+``csd-bench-…`` whose loopback carries an extra /32 (aioice skips 127.0.0.1), connected by the
+real stack: aiohttp signaling, authenticated aiortc data channels, election, plan. Root is
+needed for the namespace. Bytes are counted in the coordinator by wrapping each link's
+``channel.send`` and reassembler (a benchmark-only spy).
+
+    sudo python3 bench/swarm.py [--models smollm2,olmoe] [--tokens 32] [--prompt-tokens 128]
+
+Numbers depend on the machine and on what else runs on it; this one has 2 cores for all
+peers together, so the workers and the coordinator compete for CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+ADDRESS = "10.215.0.1"
+LINK_OPTIONS = {"heartbeat_s": 0.5, "dead_after_s": 3.0}
+KILL_AT_STEP = 10
+OLMOE_SCALED = dict(  # OLMoE-1B-7B's structure (64 experts, top-8, Q/K norm) at a CPU-friendly size
+    vocab_size=8192, hidden_size=512, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=8, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+    max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def olmoe_checkpoint(seed: int = 0) -> Path:
+    """Write (once, into the user cache) a random-weight OLMoE-shaped checkpoint with transformers."""
+    from swarm.paths import cache_dir
+
+    tag = hashlib.sha256(json.dumps(OLMOE_SCALED, sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir() / "bench" / f"olmoe-scaled-{tag}"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**OLMOE_SCALED))
+    with torch.no_grad():  # routers scaled up so top-k choices are decisive, as in the test fixtures
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(20.0)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def model_path(name: str) -> Path:
+    if name == "smollm2":
+        from swarm.compute.default_model import default_model_path
+
+        return default_model_path()
+    if name == "olmoe":
+        return olmoe_checkpoint()
+    raise SystemExit(f"unknown model {name!r}: use smollm2 or olmoe")
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+class TimedFFN:
+    """Wraps an FFN backend; sums seconds per call while ``on`` (decode steps only)."""
+
+    def __init__(self, inner):
+        self.inner, self.on, self.calls, self.seconds = inner, False, 0, 0.0
+
+    def ffn(self, layer, x):
+        t0 = time.perf_counter()
+        y = self.inner.ffn(layer, x)
+        if self.on:
+            self.calls += 1
+            self.seconds += time.perf_counter() - t0
+        return y
+
+
+def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None) -> dict:
+    """Greedy: prefill ``prompt`` as one batch, then ``n_decode`` single-token steps."""
+    timed = TimedFFN(ffn)
+    cache = model.new_cache(len(prompt) + n_decode + 1)
+    t0 = time.perf_counter()
+    logits = model.forward(prompt, cache, ffn=timed, last_only=True)[0]
+    prefill_s = time.perf_counter() - t0
+    tokens, steps = [int(np.argmax(logits))], []
+    timed.on = True
+    for step in range(n_decode):
+        if on_step:
+            on_step(step)
+        t = time.perf_counter()
+        logits = model.forward([tokens[-1]], cache, ffn=timed, last_only=True)[0]
+        steps.append(time.perf_counter() - t)
+        tokens.append(int(np.argmax(logits)))
+    return {
+        "prefill_tok_s": round(len(prompt) / prefill_s, 2),
+        "decode_tok_s": round(n_decode / sum(steps), 2),
+        "ffn_ms_per_layer": round(1e3 * timed.seconds / max(timed.calls, 1), 3),
+        "tokens": tokens,
+        "step_s": steps,
+    }
+
+
+class WireCounter:
+    """Counts bytes through every link of a node (outbound fragments, inbound fragments)."""
+
+    def __init__(self, node):
+        self.node, self.sent, self.received, self._wrapped = node, 0, 0, set()
+
+    def wrap_all(self):
+        for link in self.node.links.values():
+            if id(link) in self._wrapped:
+                continue
+            self._wrapped.add(id(link))
+            send, feed = link.channel.send, link._reassembler.feed
+
+            def counting_send(data, send=send):
+                self.sent += len(data)
+                return send(data)
+
+            def counting_feed(data, now, feed=feed):
+                self.received += len(data)
+                return feed(data, now)
+
+            link.channel.send = counting_send
+            link._reassembler.feed = counting_feed
+
+    def reset(self):
+        self.wrap_all()
+        self.sent = self.received = 0
+
+
+# ---------------------------------------------------------------------------- peers
+
+
+def _spawn_worker(path: Path, signal_url: str, key_code: str, name: str, tmp: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, __file__, "--_worker", str(path), "--signal", signal_url, "--key", key_code, "--name", name],
+        env={**os.environ, "COLIBRI_SWARM_CONFIG_DIR": str(tmp / name)}, stdout=subprocess.DEVNULL,
+        stderr=open(tmp / f"{name}.log", "w"),
+    )
+
+
+async def _worker_main(path: str, signal_url: str, key_code: str, name: str) -> None:
+    from swarm.compute.model import load_model
+    from swarm.peer.identity import Identity
+    from swarm.peer.node import Node
+    from swarm.peer.roles import SwarmRoles
+    from swarm.peer.swarmkey import SwarmKey
+
+    model = load_model(path)
+    ident = Identity.generate()
+    node = Node(swarm_key=SwarmKey.from_code(key_code), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                name=name, signal_url=signal_url, ffn_gflops=1.0, memory_budget=4 << 30,
+                model_hash=model.content_hash(), status_path=Path(tempfile.mkdtemp()) / "status.json",
+                link_options=LINK_OPTIONS)
+    await node.start(timeout=30)
+    roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
+    await roles.start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await roles.stop()
+    await node.stop()
+
+
+def _progress(what: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+async def _until(predicate, timeout_s: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: int) -> dict:
+    from swarm.compute.ffn import LocalFFN
+    from swarm.compute.model import load_model
+    from swarm.peer.identity import Identity
+    from swarm.peer.node import Node
+    from swarm.peer.roles import SwarmRoles
+    from swarm.peer.swarmkey import SwarmKey
+    from swarm.signaling.server import SignalingServer
+
+    model = load_model(path)
+    model.materialize()
+    cfg = model.config
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, cfg.vocab_size, n_prompt)]
+    result: dict = {
+        "model": {"path": str(path), "family": cfg.family, "layers": cfg.n_layers, "hidden": cfg.hidden_size,
+                  "experts": cfg.n_experts, "top_k": cfg.top_k,
+                  "ffn": cfg.moe_intermediate_size if cfg.n_experts else cfg.intermediate_size},
+        "prompt_tokens": n_prompt, "decode_tokens": n_decode,
+    }
+    _progress(f"local engine: {path}")
+    local = await asyncio.to_thread(run_generation, model, LocalFFN(model), prompt, n_decode)
+    local_tokens = local.pop("tokens")
+    local.pop("step_s")
+    result["local"] = local
+
+    tmp = Path(tempfile.mkdtemp(prefix="csd-bench-"))
+    key = SwarmKey(os.urandom(32))
+    ident = Identity.generate()
+    server = SignalingServer(key.secret, ident.peer_id, config_dir=tmp)
+    await server.start(ADDRESS, 0)
+    node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
+                signal_url=server.url(ADDRESS), ffn_gflops=1.01, memory_budget=0, model_hash=model.content_hash(),
+                status_path=tmp / "status.json", link_options=LINK_OPTIONS)
+    await node.start(timeout=30)
+    roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
+    await roles.start()
+    workers: list[subprocess.Popen] = []
+    counter = WireCounter(node)
+    try:
+        for n_peers in range(2, max_peers + 1):
+            workers.append(_spawn_worker(Path(path), server.url(ADDRESS), key.code, f"w{n_peers - 1}", tmp))
+
+            def planned(n=n_peers - 1):  # the coordinator switches to a new plan at its next step
+                ffn = roles.ffn
+                return ffn is not None and len((ffn._next_plan or ffn.plan).workers()) == n
+
+            _progress(f"waiting for a plan over {n_peers - 1} worker(s)")
+            await _until(planned, 90, f"a plan over {n_peers - 1} worker(s)")
+            _progress("warm-up")
+            ffn = roles.ffn
+            await asyncio.to_thread(run_generation, model, ffn, prompt[:8], 2)  # plan applied; slices decoded
+            if len(ffn.plan.workers()) != n_peers - 1:
+                raise RuntimeError(f"plan has {len(ffn.plan.workers())} workers after warm-up, expected {n_peers - 1}")
+            _progress(f"swarm of {n_peers}: prefill + decode")
+            counter.reset()
+            run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode)
+            wire_bytes = counter.sent + counter.received  # prefill + decode; split below
+            counter.reset()
+            run_decode = await asyncio.to_thread(run_generation, model, ffn, prompt[:1], n_decode)
+            tokens = run.pop("tokens")
+            run.pop("step_s")
+            run_decode.pop("tokens")
+            run_decode.pop("step_s")
+            rtts = [link.rtt_s for link in node.links.values() if link.rtt_s]
+            plan = ffn.plan
+            run.update({
+                "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
+                "prefill_vs_local": round(run["prefill_tok_s"] / local["prefill_tok_s"], 3),
+                "wire_bytes_per_decode_token": round((counter.sent + counter.received) / n_decode),
+                "wire_bytes_prefill_and_decode": wire_bytes,
+                "link_rtt_ms_median": round(1e3 * statistics.median(rtts), 3) if rtts else None,
+                "round_trip_ms_per_layer_over_local": round(run["ffn_ms_per_layer"] - local["ffn_ms_per_layer"], 3),
+                "greedy_tokens_equal_local": tokens == local_tokens,
+                "plan": {"version": plan.version, "workers": len(plan.workers()),
+                         "coordinator_share": _coordinator_share(plan)},
+            })
+            result[f"swarm_{n_peers}_peers"] = run
+
+        # Recovery: kill the last worker at decode step KILL_AT_STEP.
+        victim = workers[-1]
+        killed_at: list[float] = []
+
+        def on_step(step):
+            if step == KILL_AT_STEP:
+                victim.send_signal(signal.SIGKILL)
+                killed_at.append(time.monotonic())
+
+        _progress("recovery from a killed worker")
+        n_workers_before = len(roles.ffn.plan.workers())
+        ffn = roles.ffn
+        # Watch, while the generation runs, for the plan that drops the dead worker.
+        async def replanned_at() -> float:
+            await _until(lambda: roles.ffn is not None and bool(killed_at)
+                         and len((roles.ffn._next_plan or roles.ffn.plan).workers()) < n_workers_before,
+                         180, "a plan without the killed worker")
+            return time.monotonic()
+
+        watcher = asyncio.ensure_future(replanned_at())
+        run = await asyncio.to_thread(run_generation, model, ffn, prompt[:16], max(n_decode, KILL_AT_STEP + 10), on_step)
+        steps = run["step_s"]
+        before = statistics.median(steps[:KILL_AT_STEP])
+        stall = max(steps[KILL_AT_STEP:])
+        replanned = await watcher
+        result["recovery"] = {
+            "killed_at_step": KILL_AT_STEP,
+            "median_step_ms_before": round(1e3 * before, 2),
+            "longest_step_ms_after_kill": round(1e3 * stall, 2),
+            "stall_ms": round(1e3 * (stall - before), 2),
+            "plan_without_worker_s_after_kill": round(replanned - killed_at[0], 3),
+            "greedy_tokens_equal_local": run["tokens"] == (await asyncio.to_thread(
+                run_generation, model, LocalFFN(model), prompt[:16], len(steps)))["tokens"],
+        }
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.terminate()
+        for w in workers:
+            try:
+                w.wait(10)
+            except subprocess.TimeoutExpired:
+                w.kill()
+        await roles.stop()
+        await node.stop()
+        await server.stop()
+    return result
+
+
+def _coordinator_share(plan) -> float:
+    own = total = 0
+    for spans in (*plan.experts.values(), *plan.dense.values()):
+        for s in spans:
+            total += s.stop - s.start
+            own += (s.stop - s.start) if s.peer == plan.coordinator else 0
+    return round(own / total, 3) if total else 1.0
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def _in_netns(argv: list[str], timeout_s: float) -> dict:
+    if os.geteuid() != 0:
+        raise SystemExit("bench/swarm.py needs root (it creates a network namespace)")
+    name = f"csd-bench-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "-n", name, "addr", "add", f"{ADDRESS}/32", "dev", "lo"], check=True)
+        proc = subprocess.run(["ip", "netns", "exec", name, sys.executable, __file__, *argv],
+                              capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}",
+                    "stderr_tail": proc.stderr[-2000:]}
+        return json.loads(proc.stdout)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2,olmoe")
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-peers", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
+    parser.add_argument("--_coordinator", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--signal", help=argparse.SUPPRESS)
+    parser.add_argument("--key", help=argparse.SUPPRESS)
+    parser.add_argument("--name", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if os.environ.get("BENCH_LOG"):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name or 'main'} %(name)s: %(message)s")
+    if args._worker:
+        asyncio.run(_worker_main(args._worker, args.signal, args.key, args.name))
+        return
+    if args._coordinator:
+        out = asyncio.run(_coordinator_main(args._coordinator, args.prompt_tokens, args.tokens, args.max_peers))
+        print(json.dumps(out))
+        return
+    results = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+                    "arch": platform.machine(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
+        "models": {},
+    }
+    for name in args.models.split(","):
+        path = model_path(name)
+        t0 = time.monotonic()
+        results["models"][name] = _in_netns(
+            ["--_coordinator", str(path), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
+             "--max-peers", str(args.max_peers)], args.timeout)
+        results["models"][name]["bench_wall_s"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
