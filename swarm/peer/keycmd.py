@@ -32,6 +32,8 @@ def show_key(key: swarmkey.SwarmKey, out: TextIO) -> None:
     print(f"swarm key code (type it on another machine: colibri-swarm join --key CODE):\n\n    {key.code}\n", file=out)
     print(render_qr(key.code), file=out)
     print(f"stored in {swarmkey.key_path()} (mode 0600); anyone with this code can join the swarm.", file=out)
+    print(f"OpenAI API token (Authorization: Bearer …, for the coordinator's /v1 API; the code works too):\n"
+          f"    {key.api_token}", file=out)
 
 
 def main_key(args: argparse.Namespace, out: TextIO | None = None) -> int:
