@@ -61,7 +61,7 @@ def bench_wgpu(shapes, reps, workgroup_size):
     gpu = WgpuFfn(workgroup_size=workgroup_size)
     info = gpu.adapter.info
     out = {"adapter": {k: info[k] for k in ("vendor", "device", "description", "backend_type", "adapter_type")},
-           "workgroup_size": workgroup_size, "max_binding": gpu.max_binding, "results": []}
+           "workgroup_size": gpu.workgroup_size, "max_binding": gpu.max_binding, "results": []}
     for t, h, f in shapes:
         wg, wu, wd = _weights(h, f)
         for fmt in gpu.formats:
@@ -209,7 +209,7 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="T,H,F triples (default: an OLMoE-sized expert and a SmolLM2 MLP, T=1 and 8)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--workgroup-size", type=int, default=64)
+    ap.add_argument("--workgroup-size", type=int, default=None, help="WG override (default: 64 on GPUs, 4 on CPU adapters)")
     ap.add_argument("--no-chromium", action="store_true", help="only the native wgpu adapter")
     ap.add_argument("--e2e", action="store_true",
                     help="also the page end to end: weight shipping MiB/s and request latency over WebRTC")

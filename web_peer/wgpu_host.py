@@ -23,6 +23,8 @@ from swarm.errors import KernelError
 
 from . import kernels as K
 
+GPU_WORKGROUP_SIZE = 64
+CPU_WORKGROUP_SIZE = 4  # lavapipe / SwiftShader: 3-7x faster than 64 (bench/web_peer.py)
 _PARAMS = struct.Struct("<6I")  # t_rows, k4, n_rows, row0, n_out, tile_x (the WGSL Params)
 
 
@@ -53,10 +55,11 @@ class WgpuFfn:
 
     max_binding: bytes per storage binding to stay under (defaults to the adapter's
     maxStorageBufferBindingSize; pass a phone's 128 MiB or less to force splitting).
-    workgroup_size: the WG override (a power of two ≤ maxComputeInvocationsPerWorkgroup).
+    workgroup_size: the WG override (a power of two ≤ maxComputeInvocationsPerWorkgroup);
+    default 64 on GPUs, 4 on CPU adapters (as the page's gpu.js).
     """
 
-    def __init__(self, max_binding: int | None = None, workgroup_size: int = 64,
+    def __init__(self, max_binding: int | None = None, workgroup_size: int | None = None,
                  power_preference: str = "high-performance"):
         import wgpu  # test/bench dependency
 
@@ -66,6 +69,8 @@ class WgpuFfn:
             raise KernelError("no WebGPU adapter: install a Vulkan driver (mesa-vulkan-drivers)")
         limits = self.adapter.limits
         self.adapter_binding = limits["max-storage-buffer-binding-size"]
+        if workgroup_size is None:  # as gpu.js defaultWorkgroupSize: barriers are costly on CPU adapters
+            workgroup_size = CPU_WORKGROUP_SIZE if self.adapter.info["adapter_type"] == "CPU" else GPU_WORKGROUP_SIZE
         self.max_binding = min(max_binding or self.adapter_binding, self.adapter_binding)
         if workgroup_size & (workgroup_size - 1) or not (
                 0 < workgroup_size <= limits["max-compute-invocations-per-workgroup"]):

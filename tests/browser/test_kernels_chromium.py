@@ -41,7 +41,7 @@ def _rel(got, ref):
     return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
 
 
-def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=64, ranges=None):
+def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=None, ranges=None):
     (t, h), f = x.shape, wg.shape[0]
     r = page.evaluate(RUN_FFN, dict(x=b64(x), wg=b64(wg), wu=b64(wu), wd=b64(wd), t=t, h=h, f=f, fmt=fmt,
                                     maxBinding=max_binding, workgroupSize=workgroup_size, ranges=ranges))
@@ -50,7 +50,7 @@ def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=64, ranges=N
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8"])
-@pytest.mark.parametrize("shape", [(1, 64, 128), (13, 576, 1536)])
+@pytest.mark.parametrize("shape", [(1, 64, 128), (13, 576, 512)])
 def test_expert_ffn_in_chromium_matches_twin(page, fmt, shape):
     rng = np.random.default_rng(11)
     x, wg, wu, wd = _block(rng, *shape)
@@ -67,7 +67,7 @@ def test_dense_ranges_and_phone_limits_in_chromium(page):
     rng = np.random.default_rng(12)
     x, wg, wu, wd = _block(rng, 11, 576, 250)
     cuts = [0, 37, 128, 250]
-    r = _run(page, x, wg, wu, wd, "f32", max_binding=16 << 10, workgroup_size=256,
+    r = _run(page, x, wg, wu, wd, "f32", max_binding=16 << 10, workgroup_size=32,
              ranges=list(zip(cuts, cuts[1:])))
     assert r["largest"] <= 16 << 10
     for (a, b), y in zip(zip(cuts, cuts[1:]), r["ys"]):

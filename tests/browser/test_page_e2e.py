@@ -2,7 +2,8 @@
 server over HTTPS, proves the key, opens an authenticated WebRTC link to the coordinator, receives
 a real SmolLM2 weight slice (SHA-256 checked, cached), and serves DenseRequest / ExpertRequest
 whose answers match the numpy twins; a reload reuses the cached slice; a wrong key is refused and
-the page says so.
+the page says so. Then a SmolLM2 generation with a dense range of every layer on the page gives
+the local run's greedy tokens, also when the page is closed in the middle of it.
 
 The Python side (signaling server + a Node acting as coordinator) runs its own event loop in a
 thread; Playwright drives the page from the test's thread. WebRTC runs over this machine's LAN
@@ -77,12 +78,26 @@ class PythonSwarm:
                          status_path=self.tmp / "status.json", model_hash=MODEL_HASH)
         self.node.role = "coordinator"
         self.answers = asyncio.Queue()
+        self.deliver = None  # set to route answers to a RemoteFFN instead of the queue
         for kind in (DenseAnswer, ExpertAnswer, Error):
-            self.node.on(kind, lambda link, msg: self.answers.put_nowait(msg))
+            self.node.on(kind, self._answer)
         self.source = SliceSource()
         self.slices = SliceServer(self.source, MODEL_HASH)
         self.node.on_link_up.append(self.slices.attach)
         await self.node.start(timeout=10)
+
+    def _answer(self, link, msg):
+        if self.deliver is not None:
+            self.deliver(link.peer_id, msg)
+        else:
+            self.answers.put_nowait(msg)
+
+    def send_threadsafe(self, peer: str, msg) -> None:
+        """RemoteFFN's hand-off from the token-loop thread (never blocks)."""
+        link = self.node.links.get(peer)
+        if link is None:
+            raise ConnectionError(f"no link to {peer}")
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(link.send(msg)))
 
     def browser_link(self):
         links = [link for link in self.node.links.values() if link.hello.peer_kind == "browser"]
@@ -95,8 +110,8 @@ class PythonSwarm:
     def request(self, msg):
         return self.call(self._request(msg))
 
-    def offer(self, blob: bytes, meta: dict):
-        manifest = self.source.offer(blob, meta, chunk_size=64 << 10)
+    def offer(self, blob: bytes, meta: dict, chunk_size: int = 64 << 10):
+        manifest = self.source.offer(blob, meta, chunk_size=chunk_size)
         self.call(self.slices.offer(self.browser_link(), manifest))
         return manifest
 
@@ -233,4 +248,69 @@ def test_wrong_key_is_refused_and_told(swarm, e2e_browser):
     page.goto(_page_url(swarm, code[:-1] + ("0" if code[-1] != "0" else "1")))  # a mistyped code fails its check
     _wait_state(page, "refused", 20)
     assert "mistyped" in page.inner_text("#detail") or "check" in page.inner_text("#detail")
+    ctx.close()
+
+
+def greedy(model, ffn, prompt, n, on_step=None):
+    """Prefill as one batch, then greedy decode; returns (tokens, [logits per forward])."""
+    cache = model.new_cache()
+    logits = [model.forward(prompt, cache, ffn=ffn)]
+    tokens = []
+    for step in range(n):
+        tokens.append(int(np.argmax(logits[-1][-1])))
+        if on_step:
+            on_step(step)
+        logits.append(model.forward([tokens[-1]], cache, ffn=ffn))
+    return tokens, logits
+
+
+def test_page_serves_a_generation_and_its_loss_changes_no_token(swarm, e2e_browser):
+    """SmolLM2 with dense ranges on the page: the greedy tokens equal the local run with the same
+    plan; the page is closed mid-generation and the coordinator recomputes: still the same tokens."""
+    from swarm.compute.ffn import LocalFFN
+    from swarm.compute.model import load_model
+    from swarm.peer.coordinator import RemoteFFN
+    from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
+
+    ctx = e2e_browser.new_context(ignore_https_errors=True)
+    page = ctx.new_page()
+    page.goto(_page_url(swarm, swarm.key.code))
+    _wait_state(page, "authenticated")
+    link = swarm.browser_link()
+    path = smollm2_path()
+    model = load_model(path)
+    shape = ModelShape.from_config(model.config)
+    # A small share for the page: SwiftShader emulates the GPU on this CPU, so its time per row is
+    # what a slow phone's would be; every layer still has a range on the page.
+    plan = build_plan(shape, PeerCapacity(swarm.node.peer_id, 0, 1.0),
+                      [PeerCapacity(link.peer_id, link.hello.memory_budget, 0.1)], term=1, version=1)
+    spans = {layer: plan.dense_span(layer, link.peer_id) for layer in shape.dense_layers}
+    assert all(s is not None and len(s) > 0 for s in spans.values()), "the page holds a range of every layer"
+    swarm.call(link.send(plan.to_message()))
+    slicer = ModelSlicer(path)
+    for layer, s in spans.items():
+        swarm.offer(*slicer.extract(SliceSpec(layer=layer, kind="dense", start=s.start, stop=s.stop)), chunk_size=1 << 20)
+    page.wait_for_function(f"window.colibri.worker.blocks.size === {len(spans)}", timeout=120_000)
+    assert "layer 0: MLP rows" in page.inner_text("#assigned")
+
+    ffn = RemoteFFN(model, plan, swarm.send_threadsafe)
+    swarm.deliver = ffn.deliver
+    swarm.node.on_link_down.append(lambda peer: ffn.peer_down(peer, "link closed"))
+    prompt, n, close_at = [1, 504, 3157, 30], 4, 2
+    served = {}
+
+    def on_step(step):
+        if step == close_at:
+            served["rows"], served["fallbacks"] = ffn.remote_rows, ffn.local_fallbacks
+            page.close()  # the phone goes away mid-generation
+
+    tokens, logits = greedy(model, ffn, prompt, n, on_step)
+    reference, ref_logits = greedy(model, LocalFFN(model, plan.dense_ranges()), prompt, n)
+    assert tokens == reference
+    # The page really computed: every layer of the prefill and the first decode steps.
+    assert served["rows"] >= len(spans) * (len(prompt) + close_at) and served["fallbacks"] == 0
+    # Its f32 GPU partials change the logits only within a stated tolerance.
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(logits[: close_at + 1], ref_logits[: close_at + 1]))
+    assert worst <= 2e-3, worst
+    assert ffn.local_fallbacks > 0  # after the close, the coordinator computed the page's share
     ctx.close()
