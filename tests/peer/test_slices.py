@@ -254,7 +254,7 @@ def test_worker_on_shipped_slices_answers_like_a_worker_with_the_model(tmp_path)
     for w in (ours, reference):
         w.accept_plan(plan)
     assert ours.prepare() == reference.prepare() > 0
-    x = np.random.default_rng(3).standard_normal((6, 32)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((6, shape.hidden_size)).astype(np.float32)
     for spec in specs:
         if spec.kind == "experts":
             ids = np.arange(spec.start, spec.stop, dtype=np.int32)
