@@ -51,7 +51,7 @@ from swarm.errors import (
     VersionMismatchError,
 )
 from swarm.peer import auth, messages, wire
-from swarm.peer.messages import Heartbeat, Hello
+from swarm.peer.messages import Error, Heartbeat, Hello
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ HEARTBEAT_S = 1.0  # seconds between heartbeats on an open link
 DEAD_AFTER_S = 5.0  # seconds without any inbound byte before the link is declared dead
 HANDSHAKE_TIMEOUT_S = 10.0  # seconds from connect to OPEN (ICE + DTLS + auth + hello)
 RTT_SAMPLES = 9  # heartbeat round trips kept; rtt_s is their median
+
+MAX_ERROR_CHARS = 1000  # the longest refusal text sent to a remote
 
 CHANNEL_LABEL = "colibri-swarm"
 CHANNEL_ID = 0  # negotiated stream id of the one data channel of a link
@@ -400,10 +402,22 @@ class Link:
         self._send_now(messages.encode(self.local_hello))
 
     def _on_message(self, message: Any) -> None:
+        if isinstance(message, Error) and message.request_id == 0 and (
+            message.code == "version" or self.state is LinkState.GREETING
+        ):  # the remote refuses the channel itself; other refusals go to the handlers (roles)
+            error = VersionMismatchError if message.code == "version" else RemoteProtocolError
+            raise error(f"peer {self.peer_id} refused the link ({message.code}): {message.message}")
         if self.state is LinkState.GREETING:
             if not isinstance(message, Hello):
                 raise RemoteProtocolError(f"expected a Hello first, got {type(message).__name__}")
-            self._check_hello(message)
+            try:
+                self._check_hello(message)
+            except VersionMismatchError as exc:
+                # tell the remote why (docs/protocol.md §7); queued before the close, so it goes first
+                refusal = Error(request_id=0, code="version", message=str(exc)[:MAX_ERROR_CHARS])
+                for fragment in self._fragmenter.split(messages.encode(refusal)):
+                    self.channel.send(fragment)
+                raise
             self.hello = message
             self.state = LinkState.OPEN
             log.info("link to %s open (version %s)", self.peer_id, message.protocol_version)

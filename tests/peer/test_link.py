@@ -230,6 +230,23 @@ def test_other_protocol_version_is_refused_naming_both():
     assert f"version {VERSION + 1}" in str(res_a) and f"we speak {VERSION}" in str(res_a)
 
 
+def test_the_refused_side_is_told_why_with_an_error_frame():
+    """b does not check versions itself (as an older peer might not): a's Error frame tells it."""
+
+    async def main():
+        a, b = pair(b=dict(version=VERSION + 1))
+        b._check_hello = lambda hello: None
+        res_a, _ = await connect(a, b)
+        await asyncio.wait_for(b.wait_closed(), 5)
+        await a.close()
+        await b.close()
+        return res_a, b.close_reason
+
+    res_a, reason_b = run_in_netns(main)
+    assert isinstance(res_a, VersionMismatchError)
+    assert "refused the link (version)" in reason_b and f"we speak {VERSION}" in reason_b
+
+
 def _rewrite_fingerprints(sdp: str, cert: RTCCertificate) -> str:
     lines = [ln for ln in sdp.splitlines() if not ln.startswith("a=fingerprint:")]
     at = next(i for i, ln in enumerate(lines) if ln.startswith("a=setup:"))
