@@ -29,7 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from swarm.errors import ChatTemplateError, ModelFileError
 
@@ -62,9 +62,10 @@ class TextTokenizer:
 
     ``eos_token_ids`` are the ids that end a reply (the file's EOS, plus generation-config
     EOS ids for HF directories). ``add_bos`` says whether :meth:`encode` with
-    ``add_special_tokens=True`` puts ``bos_token_id`` first (the file's
-    ``add_bos_token``); chat prompts are encoded without it, as transformers does, since
-    the template writes its own special tokens.
+    ``add_special_tokens=True`` puts ``bos_token_id`` first (GGUF ``add_bos_token``, as
+    llama.cpp does; an HF ``tokenizer.json`` does this in its own post-processor). Chat
+    prompts are encoded without it, as transformers does: the template writes its own
+    special tokens.
     """
 
     tokenizer: Tokenizer
@@ -73,6 +74,7 @@ class TextTokenizer:
     eos_token_ids: tuple[int, ...]
     special_tokens: dict[str, str]
     source: str
+    add_bos: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -81,7 +83,10 @@ class TextTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (int, each < vocab_size)."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; bytes that do not form UTF-8 become U+FFFD."""
@@ -204,6 +209,7 @@ def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
             f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
             "use the model's Hugging Face directory with tokenizer.json instead"
         )
+
     def strings(name: str) -> list[str]:
         value = field(name)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -239,26 +245,28 @@ def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
         value = field(f"tokenizer.ggml.{name}", None)
         if value is None:
             return None
-        if not 0 <= int(value) < len(tokens):
-            raise ModelFileError(f"{path}: tokenizer.ggml.{name} = {value} is outside the {len(tokens)} tokens")
-        return int(value)
+        if not isinstance(value, int) or not 0 <= value < len(tokens):
+            raise ModelFileError(
+                f"{path}: tokenizer.ggml.{name} = {value!r} is not a token id (0 ≤ id < {len(tokens)})"
+            )
+        return value
 
     bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
     eot = token_id("eot_token_id")
-    if field("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 $B:1", special_tokens=[(tokens[bos], bos)]
-        )
     special = {
         name: tokens[i]
         for name, i in (("bos_token", bos), ("eos_token", eos), ("unk_token", token_id("unknown_token_id")),
                         ("pad_token", token_id("padding_token_id")))
         if i is not None
     }
+    template = field("tokenizer.chat_template", None)
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(f"{path}: GGUF metadata field 'tokenizer.chat_template' is not a string")
     return TextTokenizer(
         tokenizer=tok,
-        chat_template=field("tokenizer.chat_template", None),
+        chat_template=template,
         bos_token_id=bos,
+        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)) and bos is not None,
         eos_token_ids=tuple(dict.fromkeys(i for i in (eos, eot) if i is not None)),
         special_tokens=special,
         source=str(path),

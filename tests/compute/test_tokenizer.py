@@ -180,9 +180,29 @@ def test_bad_gguf_tokenizer_fields(tmp_path):
         tmp_path / "eos.gguf", tokenizer__ggml__model="gpt2", tokenizer__ggml__tokens=["a", "b", "ab"],
         tokenizer__ggml__merges=["a b"], tokenizer__ggml__eos_token_id=7,
     )
-    with pytest.raises(ModelFileError, match=r"eos_token_id = 7 is outside the 3 tokens"):
+    with pytest.raises(ModelFileError, match=r"eos\.gguf: tokenizer\.ggml\.eos_token_id = 7 is not a token id \(0 ≤ id < 3\)"):
         load_tokenizer(bad_eos)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 10)
     with pytest.raises(ModelFileError, match=r"junk\.gguf: not a readable GGUF file"):
         load_tokenizer(junk)
+
+
+def test_gguf_add_bos_token_prepends_bos(smollm2_model):
+    """A GGUF that says add_bos_token = true gets its BOS first on plain encodes, never on chat prompts."""
+    metadata = dict(smollm2_model.metadata, **{"tokenizer.ggml.add_bos_token": True})
+    tok = load_tokenizer(smollm2_model.path, gguf_metadata=metadata)
+    plain = tok.encode("Hello world", add_special_tokens=False)
+    assert tok.encode("Hello world") == [1, *plain]
+    messages = messages_from("hi")
+    assert tok.encode_chat(messages) == tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert tok.encode_chat(messages)[0] == 1  # <|im_start|> from the template itself, once
+
+
+def test_gguf_field_of_the_wrong_type_is_named(smollm2_model):
+    bad = dict(smollm2_model.metadata, **{"tokenizer.ggml.eos_token_id": "two"})
+    with pytest.raises(ModelFileError, match=r"tokenizer\.ggml\.eos_token_id = 'two' is not a token id"):
+        load_tokenizer(smollm2_model.path, gguf_metadata=bad)
+    bad = dict(smollm2_model.metadata, **{"tokenizer.ggml.tokens": [1, 2, 3]})
+    with pytest.raises(ModelFileError, match=r"'tokenizer\.ggml\.tokens' is not an array of strings"):
+        load_tokenizer(smollm2_model.path, gguf_metadata=bad)
