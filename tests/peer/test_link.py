@@ -14,9 +14,8 @@ import logging
 import os
 import subprocess
 import threading
+import time
 import uuid
-
-import pytest
 
 import numpy as np
 from aiortc.rtcdtlstransport import RTCCertificate
@@ -378,3 +377,41 @@ def test_malformed_frame_on_an_open_link_closes_it_and_a_buggy_handler_does_not(
     assert open_after_bug
     assert "handler bug" in caplog.text
     assert "protocol version 0" in reason, reason
+
+
+def test_a_lost_packet_is_resent_after_the_lowered_sctp_rto_not_after_a_second():
+    """Loss emulated in-process (no netem here): drop the one SCTP packet carrying a small message.
+
+    With no later packet, no duplicate SACKs come back, so only the retransmission timer brings
+    it back: stock aiortc waits SCTP_RTO_MIN = 1 s; the link lowers it to SCTP_RTO_MIN_S.
+    """
+    from swarm.peer import link as link_mod
+
+    async def main():
+        a, b = pair(a=dict(heartbeat_s=30), b=dict(heartbeat_s=30))
+        await connect(a, b)
+        for _ in range(20):  # RTT samples for SCTP's RTO estimate
+            await a.send(blob(b"warm-up"))
+            await b.receive()
+        await asyncio.sleep(0.3)  # let SACKs settle: the next packet a sends is the message below
+        dtls = a.pc.sctp.transport
+        send_data, dropped = dtls._send_data, []
+
+        async def lossy(data: bytes) -> None:
+            if not dropped and data[12] == 0:  # SCTP chunk type 0: DATA
+                dropped.append(len(data))
+                return
+            await send_data(data)
+
+        dtls._send_data = lossy
+        t = time.perf_counter()
+        await a.send(blob(b"x" * 100))
+        await b.receive()
+        took = time.perf_counter() - t
+        await a.close()
+        await b.close()
+        return took, dropped
+
+    took, dropped = run_in_netns(main)
+    assert len(dropped) == 1
+    assert link_mod.SCTP_RTO_MIN_S <= took < 0.8, took
