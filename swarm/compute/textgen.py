@@ -19,7 +19,7 @@ from typing import Any
 
 from swarm.compute.sampling import SamplingParams, generate
 from swarm.compute.tokenizer import TextTokenizer, messages_from, tokenizer_for
-from swarm.errors import SwarmError
+from swarm.errors import ModelFileError, SwarmError
 
 
 def generate_text(
@@ -39,7 +39,9 @@ def generate_text(
         config are added to ``params.stop_tokens``. A stop token ends the reply unprinted.
     ffn: the FFN backend handed to the engine's ``generate`` (None: local; the swarm passes
         its remote backend here).
-    Raises: :class:`~swarm.errors.ChatTemplateError` if the template rejects the messages.
+    Raises: :class:`~swarm.errors.ChatTemplateError` if the template rejects the messages;
+    :class:`~swarm.errors.ModelFileError` if the tokenizer yields ids outside the model's
+    vocabulary.
     """
     if isinstance(messages, str):
         prompt_ids = tokenizer.encode(messages, add_special_tokens=True)
@@ -47,6 +49,12 @@ def generate_text(
         prompt_ids = tokenizer.encode_chat(messages)
     if not prompt_ids:
         raise SwarmError("the prompt is empty after tokenization; give some text")
+    vocab = model.config.vocab_size
+    if max(prompt_ids) >= vocab:
+        raise ModelFileError(
+            f"{tokenizer.source}: the tokenizer gave id {max(prompt_ids)}, but the model's vocabulary "
+            f"has {vocab} entries; the tokenizer files do not belong to this model"
+        )
     stop = tuple(dict.fromkeys(
         [*params.stop_tokens, *tokenizer.eos_token_ids, *(getattr(model.config, "eos_token_ids", ()) or ())]
     ))
@@ -72,6 +80,8 @@ def main_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**_sampling_kwargs(args))
     if getattr(args, "swarm", False):
         raise SwarmError("generate --swarm: running through a swarm is not available in this build; drop --swarm")
+    if args.raw and args.system is not None:
+        raise SwarmError("--system has no effect with --raw (no chat template is applied); drop one of them")
     path = _model_path(args.model)
     model = load_model(path)
     tokenizer = tokenizer_for(model)
@@ -90,8 +100,6 @@ def main_generate(args: argparse.Namespace) -> int:
 
 
 def _model_path(arg: str | None) -> Path:
-    from swarm.errors import ModelFileError
-
     if arg is None:
         from swarm.compute.default_model import default_model_path
 

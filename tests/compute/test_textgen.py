@@ -39,6 +39,7 @@ def _error_line(capsys) -> str:
         (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
         (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
         (["--top-k", "-3"], "--top-k -3: must be ≥ 0"),
+        (["--raw", "--system", "be brief"], "--system has no effect with --raw"),
     ],
 )
 def test_bad_arguments_name_the_flag(capsys, flags, needle):
@@ -144,3 +145,19 @@ def test_empty_chat_prompt_still_generates_and_template_errors_are_clean(capsys,
     # --raw with nothing to say: a clear error instead of an engine assertion.
     assert main(["generate", "", "--raw", "--model", str(smollm2_path)]) == EXIT_ERROR
     assert "prompt is empty" in _error_line(capsys)
+
+
+def test_tokenizer_of_another_model_is_refused(smollm2_model):
+    """Ids beyond the model's vocabulary: a clear ModelFileError, not an engine assertion."""
+    from dataclasses import replace
+
+    from swarm.errors import ModelFileError
+
+    tokenizer = tokenizer_for(smollm2_model)
+    small = replace(smollm2_model.config, vocab_size=100)
+
+    class SmallVocab:
+        config = small
+
+    with pytest.raises(ModelFileError, match=r"Q4_1\.gguf: the tokenizer gave id \d+, but the model's vocabulary has 100"):
+        next(generate_text(SmallVocab(), tokenizer, messages_from("hello"), SamplingParams(max_tokens=1)))
