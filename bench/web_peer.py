@@ -209,7 +209,7 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="T,H,F triples (default: an OLMoE-sized expert and a SmolLM2 MLP, T=1 and 8)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--workgroup-size", type=int, default=None, help="WG override (default: 64 on GPUs, 4 on CPU adapters)")
+    ap.add_argument("--workgroup-size", type=int, default=None, help="WG override (default: 64 on GPUs, 8 on CPU adapters)")
     ap.add_argument("--no-chromium", action="store_true", help="only the native wgpu adapter")
     ap.add_argument("--e2e", action="store_true",
                     help="also the page end to end: weight shipping MiB/s and request latency over WebRTC")

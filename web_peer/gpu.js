@@ -184,14 +184,16 @@ export class GpuContext {
 }
 
 /**
- * The WG override for an adapter: 64 on GPUs; 4 on CPU-emulated adapters (SwiftShader, llvmpipe),
- * where every workgroup barrier of the tree reduction is expensive (measured: 7x faster at
- * T = 1 and 50x at T = 7 on SwiftShader for a 576x256 SwiGLU block; bench/web_peer.py).
+ * The WG override for an adapter: 64 on GPUs. CPU-emulated adapters pay dearly for each barrier
+ * of the tree reduction, so there it is one SIMD row: 4 on SwiftShader (4 lanes; measured 7x
+ * faster than 64 at T = 1 and 50x at T = 7 for a 576x256 SwiGLU block) and 8 on llvmpipe /
+ * lavapipe (8 lanes of AVX2); bench/web_peer.py measures it.
  */
 export function defaultWorkgroupSize(adapter) {
   const i = adapter.info ?? {};
   const text = `${i.vendor ?? ""} ${i.architecture ?? ""} ${i.device ?? ""} ${i.description ?? ""}`;
-  return adapter.isFallbackAdapter || i.isFallbackAdapter || /swiftshader|llvmpipe|lavapipe/i.test(text) ? 4 : 64;
+  if (/llvmpipe|lavapipe/i.test(text)) return 8;
+  return adapter.isFallbackAdapter || i.isFallbackAdapter || /swiftshader/i.test(text) ? 4 : 64;
 }
 
 /** Workgroup counts [x, y, z] for one weight part: x*y ≥ nRows weight rows, z = blocks of TB rows. */

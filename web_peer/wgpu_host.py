@@ -24,7 +24,7 @@ from swarm.errors import KernelError
 from . import kernels as K
 
 GPU_WORKGROUP_SIZE = 64
-CPU_WORKGROUP_SIZE = 4  # lavapipe / SwiftShader: 3-7x faster than 64 (bench/web_peer.py)
+CPU_WORKGROUP_SIZE = 8  # lavapipe: one AVX2 SIMD row; 2-5x faster than 64 (bench/web_peer.py)
 _PARAMS = struct.Struct("<6I")  # t_rows, k4, n_rows, row0, n_out, tile_x (the WGSL Params)
 
 
@@ -56,7 +56,7 @@ class WgpuFfn:
     max_binding: bytes per storage binding to stay under (defaults to the adapter's
     maxStorageBufferBindingSize; pass a phone's 128 MiB or less to force splitting).
     workgroup_size: the WG override (a power of two ≤ maxComputeInvocationsPerWorkgroup);
-    default 64 on GPUs, 4 on CPU adapters (as the page's gpu.js).
+    default 64 on GPUs, 8 on CPU adapters such as lavapipe (as the page's gpu.js).
     """
 
     def __init__(self, max_binding: int | None = None, workgroup_size: int | None = None,
