@@ -251,6 +251,18 @@ def test_wrong_key_is_refused_and_told(swarm, e2e_browser):
     ctx.close()
 
 
+def test_browser_without_webgpu_says_it_cannot_serve(swarm, e2e_browser):
+    ctx = e2e_browser.new_context(ignore_https_errors=True)
+    ctx.add_init_script("Object.defineProperty(Navigator.prototype, 'gpu', { get: () => undefined });")
+    page = ctx.new_page()
+    page.goto(_page_url(swarm, swarm.key.code))
+    _wait_state(page, "cannot-serve", 20)
+    assert "no WebGPU" in page.inner_text("#detail")
+    assert "cannot serve" in page.inner_text("#state")
+    assert swarm.browser_link() is None  # it does not join to then fail every request
+    ctx.close()
+
+
 def greedy(model, ffn, prompt, n, on_step=None):
     """Prefill as one batch, then greedy decode; returns (tokens, [logits per forward])."""
     cache = model.new_cache()
