@@ -13,7 +13,10 @@ Mapping onto the wire messages (:mod:`swarm.peer.messages`, docs/protocol.md "We
   against the digest the chunk carries.
 
 The coordinator runs a :class:`SliceServer` on each link; a worker runs a :class:`SliceFetcher`
-on its link to the coordinator and calls :meth:`SliceFetcher.fetch` per manifest. A fetch that
+on its link to the coordinator and calls :meth:`SliceFetcher.fetch` per manifest. For a plan:
+the coordinator's :class:`PlanShipper` offers each worker its slices, and the worker's
+:func:`fetch_plan_slices` returns a :class:`~swarm.peer.slices.ShippedWeights` to build its
+:class:`~swarm.peer.worker.Worker` on (with :func:`shape_from_meta` for the model's shape). A fetch that
 loses its link raises :class:`~swarm.errors.PeerLostError` and leaves the partial download in
 the cache; fetching the same manifest again (over a new link) asks only for what is missing.
 """
@@ -224,3 +227,89 @@ def tqdm_progress(desc: str) -> tuple[Progress, Callable[[], None]]:
         bar.refresh()
 
     return update, bar.close
+
+
+# ---------------------------------------------------------------------------- plans
+
+
+class PlanShipper:
+    """The coordinator ships each worker the slices a plan gives it (workers without the model).
+
+    Slices are cut from ``model_path`` in the file's own encoding (:mod:`swarm.peer.slices`);
+    each manifest's meta also carries the model's :class:`~swarm.peer.planner.ModelShape`
+    (``meta["shape"]``), so a worker without the file can check requests against it.
+    """
+
+    def __init__(self, model_path: Any, model_hash: str, shape: Any, *, chunk_size: int | None = None) -> None:
+        from swarm.peer.shipping import CHUNK_SIZE
+        from swarm.peer.slices import ModelSlicer
+
+        self.slicer = ModelSlicer(model_path)
+        self.source = SliceSource()
+        self.server = SliceServer(self.source, model_hash)
+        self.shape = shape
+        self._chunk_size = chunk_size or CHUNK_SIZE
+        self._manifests: dict[Any, Manifest] = {}
+
+    def attach(self, link: Any) -> None:
+        self.server.attach(link)
+
+    async def offer_plan(self, link: Any, plan: Any) -> list[Manifest]:
+        """Offer ``link``'s peer every slice ``plan`` gives it; returns the manifests sent."""
+        import dataclasses
+
+        from swarm.peer.slices import specs_for
+
+        sent = []
+        for spec in specs_for(plan, link.peer_id):
+            manifest = self._manifests.get(spec)
+            if manifest is None:
+                blob, meta = await asyncio.to_thread(self.slicer.extract, spec)
+                meta["shape"] = dataclasses.asdict(self.shape)
+                manifest = self._manifests[spec] = await asyncio.to_thread(self.source.offer, blob, meta,
+                                                                            self._chunk_size)
+            await self.server.offer(link, manifest)
+            sent.append(manifest)
+        return sent
+
+
+def shape_from_meta(meta: Any) -> Any:
+    """The :class:`~swarm.peer.planner.ModelShape` a shipped manifest carries. RemoteProtocolError if malformed."""
+    import dataclasses
+
+    from swarm.peer.planner import ModelShape
+
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    try:
+        out = ModelShape(**shape)
+    except TypeError:
+        raise RemoteProtocolError(f"weight manifest: no valid model shape in its meta ({shape!r:.80})") from None
+    ints = (out.hidden_size, out.n_experts, out.moe_intermediate_size, out.intermediate_size,
+            *(out.moe_layers if isinstance(out.moe_layers, (list, tuple)) else [None]),
+            *(out.dense_layers if isinstance(out.dense_layers, (list, tuple)) else [None]))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints) or out.hidden_size == 0:
+        raise RemoteProtocolError(f"weight manifest: model shape {shape!r:.80} has bad sizes")
+    # JSON gives lists; the shape's layer fields are tuples.
+    return dataclasses.replace(out, moe_layers=tuple(out.moe_layers), dense_layers=tuple(out.dense_layers))
+
+
+async def fetch_plan_slices(fetcher: SliceFetcher, specs: list[Any], progress: Progress | None = None) -> Any:
+    """Take offers from the coordinator until every slice in ``specs`` is fetched, verified and
+    decoded; returns a :class:`~swarm.peer.slices.ShippedWeights` (a worker's slice source).
+
+    Offers for other slices are ignored. Raises PeerLostError / WeightIntegrityError as
+    :meth:`SliceFetcher.fetch` does, RemoteProtocolError for a malformed slice.
+    """
+    from swarm.peer.slices import ShippedWeights, SliceSpec, decode_slice
+
+    need = set(specs)
+    shipped = ShippedWeights()
+    while need:
+        manifest = await fetcher.offers.get()
+        spec = SliceSpec.from_json(manifest.meta.get("spec", {}))
+        if spec not in need:
+            continue
+        blob = await fetcher.fetch(manifest, progress)
+        shipped.add(await asyncio.to_thread(decode_slice, blob, manifest.meta))
+        need.discard(spec)
+    return shipped

@@ -393,3 +393,61 @@ def test_slice_ships_over_a_real_link_survives_a_drop_and_a_corrupt_chunk(tmp_pa
     local = slicer.load(spec)
     np.testing.assert_array_equal(w.down, local.down)
     np.testing.assert_array_equal(w.gate, local.gate)
+
+
+@pytest.mark.slow
+def test_worker_without_the_model_gets_its_plan_slices_and_answers_like_one_with_it(tmp_path):
+    """The coordinator ships a plan's slices over a real link to a worker that has no model file;
+    the worker, built on what it received, answers requests bit-identically to a worker that
+    loaded the model itself."""
+    import asyncio
+
+    import numpy as np
+
+    from swarm.compute.model import load_model
+    from swarm.peer import messages as M
+    from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.shipping_aio import PlanShipper, SliceFetcher, fetch_plan_slices, shape_from_meta
+    from swarm.peer.slices import specs_for
+    from swarm.peer.worker import Worker
+    from tests.peer._swarm_models import build
+
+    path = build("qwen3_moe", tmp_path)  # MoE layers 0 and 2, dense layer 1
+    model = load_model(path)
+    shape = ModelShape.from_config(model.config)
+    coordinator, worker_id = "c" * 26, "w" * 26
+    plan = build_plan(shape, PeerCapacity(coordinator, 0, 1.0), [PeerCapacity(worker_id, 10**9, 1.0)], term=3, version=1)
+    specs = specs_for(plan, worker_id)
+
+    async def main():
+        a, b = await _linked_pair(coordinator, worker_id)
+        shipper = PlanShipper(path, model.content_hash(), shape, chunk_size=MIN_CHUNK_SIZE)
+        shipper.attach(a)
+        fetcher = SliceFetcher(b, model.content_hash(), SliceCache(tmp_path / "worker-cache"))
+        sent, shipped = await asyncio.gather(shipper.offer_plan(a, plan), fetch_plan_slices(fetcher, specs))
+        await a.close()
+        await b.close()
+        return sent, shipped
+
+    sent, shipped = _run_in_netns(main)
+    assert len(sent) == len(specs)
+    received_shape = shape_from_meta(sent[0].meta)
+    assert received_shape == shape
+    ours, reference = Worker(worker_id, received_shape, shipped), Worker(worker_id, shape, model)
+    for w in (ours, reference):
+        w.accept_plan(plan)
+    x = np.random.default_rng(5).standard_normal((4, shape.hidden_size)).astype(np.float32)
+    for spec in specs:
+        if spec.kind == "experts":
+            ids = np.arange(spec.start, spec.stop, dtype=np.int32)
+            counts = np.zeros(len(ids), np.int32)
+            counts[0] = 4
+            req = M.ExpertRequest(9, 3, 1, spec.layer, ids, counts, x)
+        else:
+            req = M.DenseRequest(9, 3, 1, spec.layer, ((spec.start, spec.stop),), x)
+        got, want = ours.handle(req), reference.handle(req)
+        assert not isinstance(got, M.Error), got
+        np.testing.assert_array_equal(getattr(got, "outputs", None) if spec.kind == "experts" else got.partials,
+                                      getattr(want, "outputs", None) if spec.kind == "experts" else want.partials)
+    with pytest.raises(RemoteProtocolError, match="shape"):
+        shape_from_meta({"shape": {**sent[0].meta["shape"], "hidden_size": "big"}})
