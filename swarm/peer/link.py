@@ -40,6 +40,7 @@ from typing import Any
 
 import aiortc.rtcsctptransport as _sctp
 from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.exceptions import InvalidAccessError, InvalidStateError
 from aiortc.rtcdtlstransport import RTCCertificate
 
 from swarm.errors import (
@@ -183,7 +184,6 @@ class Link:
         self._handshake_timeout_s = handshake_timeout_s
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
-        self._remote_sdp: str | None = None
         self._auth: auth.ChannelAuth | None = None
         self._reassembler = wire.Reassembler()
         self._fragmenter = wire.Fragmenter(DEFAULT_MAX_MESSAGE_SIZE)
@@ -230,7 +230,6 @@ class Link:
     async def _set_remote(self, kind: str, sdp: str) -> None:
         if not isinstance(sdp, str) or len(sdp) > 64 << 10:
             raise RemoteProtocolError(f"the remote SDP {kind} is not a string of at most 64 KiB")
-        self._remote_sdp = sdp
         remote_fp = sdp_fingerprint(sdp)
         self._auth = auth.ChannelAuth(
             role=auth.Role.OFFERER if self.offerer else auth.Role.ANSWERER,
@@ -241,16 +240,19 @@ class Link:
             now=time.monotonic(),
             timeout_s=self._handshake_timeout_s,
         )
-        self._fragmenter = wire.Fragmenter(wire.max_message_size_from_sdp(sdp))
+        try:
+            self._fragmenter = wire.Fragmenter(wire.max_message_size_from_sdp(sdp))
+        except LocalProtocolError as exc:
+            raise RemoteProtocolError(f"the remote SDP {kind} has an unusable a=max-message-size: {exc}") from None
         self.remote_max_message_size = self._fragmenter.max_message_size
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type=kind))
-        except (ValueError, AttributeError) as exc:
+        except (ValueError, AttributeError, InvalidStateError, InvalidAccessError) as exc:
             raise RemoteProtocolError(f"the remote SDP {kind} was rejected by WebRTC: {exc}") from exc
 
     # -- life cycle -----------------------------------------------------------------------------
 
-    async def established(self) -> Any:
+    async def established(self) -> Hello:
         """Wait until the link is OPEN; return the remote ``Hello``.
 
         Raises :class:`AuthenticationError` (the remote could not prove the swarm key or a
@@ -370,12 +372,14 @@ class Link:
         try:
             if isinstance(data, str):
                 raise RemoteProtocolError("a text message arrived on a binary-only channel")
+            if self.state is LinkState.AUTHENTICATING:
+                # whole, small frames only: the reassembler (which buffers) is not for strangers
+                self._on_auth_frame(data)
+                return
             frame = self._reassembler.feed(data, self._last_heard)
             if frame is None:
                 return
             match self.state:
-                case LinkState.AUTHENTICATING:
-                    self._on_auth_frame(frame)
                 case LinkState.GREETING | LinkState.OPEN:
                     self._on_message(messages.decode(frame))
                 case _:

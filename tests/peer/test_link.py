@@ -18,6 +18,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 from aiortc.rtcdtlstransport import RTCCertificate
 
 from swarm.errors import AuthenticationError, PeerLostError, VersionMismatchError
@@ -327,15 +328,22 @@ def test_relay_in_the_middle_with_its_own_certificate_fails_channel_auth(caplog)
     assert "DTLS fingerprint check" in caplog.text
 
 
-def test_nothing_but_the_handshake_is_accepted_before_authentication():
-    """A stranger's peer connection (no swarm key) that sends a frame of its own first is refused."""
+@pytest.mark.parametrize("first", ["heartbeat", "fragment"])
+def test_nothing_but_the_handshake_is_accepted_before_authentication(first):
+    """A stranger's peer connection (no swarm key) that sends anything else first is refused:
+    a frame of another kind, or the first fragment of a large message (never buffered)."""
     from swarm.peer import messages
     from swarm.peer.messages import Heartbeat
+
+    payload = {
+        "heartbeat": messages.encode(Heartbeat(seq=1, sent_s=0.0)),
+        "fragment": wire.Fragmenter(65536).split(bytes(wire.HEADER_BYTES) + bytes(200_000))[0],
+    }[first]
 
     async def main():
         a, _ = pair()
         stranger, channel = new_peer_connection(RTCCertificate.generateCertificate())
-        channel.on("open", lambda: channel.send(messages.encode(Heartbeat(seq=1, sent_s=0.0))))
+        channel.on("open", lambda: channel.send(payload))
         from aiortc import RTCSessionDescription
 
         await stranger.setRemoteDescription(RTCSessionDescription(await a.create_offer(), "offer"))
@@ -348,7 +356,8 @@ def test_nothing_but_the_handshake_is_accepted_before_authentication():
         return result, state, peer
 
     result, state, peer = run_in_netns(main)
-    assert isinstance(result, AuthenticationError) and "Heartbeat" in str(result)
+    assert isinstance(result, AuthenticationError), result
+    assert ("Heartbeat" if first == "heartbeat" else "handshake frames are at most") in str(result)
     assert state is LinkState.CLOSED and peer is None
 
 
