@@ -122,3 +122,12 @@ def test_real_default_model_digest(smollm2_path):
     assert digest.hexdigest() == DEFAULT_MODEL_SHA256
     with smollm2_path.open("rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_default_model_path_lives_in_the_cache_dir(tmp_path, monkeypatch, smollm2_path):
+    """COLIBRI_SWARM_CACHE_DIR moves the cache; a whole copy there is used as is, offline."""
+    monkeypatch.setenv("COLIBRI_SWARM_CACHE_DIR", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / smollm2_path.name).symlink_to(smollm2_path)
+    monkeypatch.setattr(default_model, "pip_download", lambda *a, **k: pytest.fail("pip must not run"))
+    assert default_model.default_model_path() == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -206,3 +206,40 @@ def test_gguf_field_of_the_wrong_type_is_named(smollm2_model):
     bad = dict(smollm2_model.metadata, **{"tokenizer.ggml.tokens": [1, 2, 3]})
     with pytest.raises(ModelFileError, match=r"'tokenizer\.ggml\.tokens' is not an array of strings"):
         load_tokenizer(smollm2_model.path, gguf_metadata=bad)
+
+
+PRE_TEXTS = [
+    "  leading  spaces,\ttabs\n\nand blank lines\r\n",
+    "def f(x):\n    return x ** 2\n",
+    "I'M sure they'll say we've done it",
+    "日本語 🤗!!!\n\n\n",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2"])
+def test_gguf_pre_tokenizers_match_transformers(tmp_path, smollm2_model, pre):
+    """The same vocabulary under other ``tokenizer.ggml.pre`` names splits text as transformers does."""
+    import gguf
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    kv = smollm2_model.metadata
+    path = tmp_path / f"{pre}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(kv["tokenizer.ggml.tokens"])
+    w.add_token_merges(kv["tokenizer.ggml.merges"])
+    w.add_token_types(kv["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = load_tokenizer(path)
+    oracle = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in PRE_TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == oracle.encode(text, add_special_tokens=False)
