@@ -88,12 +88,14 @@ def apply_rope_swapped(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.n
 
 
 def causal_mask(start: int, T: int, n_groups: int) -> np.ndarray | None:
-    """Mask [g*T, S] (True = hidden) for T queries at positions ``start ..`` against
-    S = start + T keys, rows laid out as :func:`attention` groups them; None when T == 1."""
+    """Additive mask [g*T, S] f32 (0 = visible, -inf = hidden) for T queries at positions
+    ``start ..`` against S = start + T keys, rows laid out as :func:`attention` groups them;
+    None when T == 1 (a single new query sees every cached key)."""
     if T == 1:
         return None
     qpos = start + np.tile(np.arange(T), n_groups)  # [g*T]
-    return np.arange(start + T)[None, :] > qpos[:, None]
+    hidden = np.arange(start + T)[None, :] > qpos[:, None]
+    return np.where(hidden, F32(-np.inf), F32(0.0)).astype(F32)
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
@@ -109,7 +111,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     qg = q.reshape(nkv, (nh // nkv) * T, hd)
     scores = np.matmul(qg, k.transpose(0, 2, 1))  # [nkv, g*T, S]
     if mask is not None:
-        scores[:, mask] = -np.inf
+        scores += mask
     scores -= np.max(scores, axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     denom = np.add.reduce(scores, axis=-1, keepdims=True)  # [nkv, g*T, 1]
