@@ -58,17 +58,23 @@ def web_peer_url():
 
 
 @pytest.fixture(scope="session")
-def chromium():
-    """A headless Chromium (Debian's, never a downloaded one) driven by Playwright."""
+def playwright():
+    """The one Playwright driver of the session (two sync drivers cannot run in one thread)."""
     require(os.path.exists(CHROMIUM), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
         require(False, "playwright (pip install -e '.[test]')")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
+        yield p
+
+
+@pytest.fixture(scope="session")
+def chromium(playwright):
+    """A headless Chromium (Debian's, never a downloaded one) with a SwiftShader WebGPU adapter."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    yield browser
+    browser.close()
 
 
 @pytest.fixture

@@ -150,15 +150,11 @@ def swarm(tmp_path):
     s.stop()
 
 
-@pytest.fixture
-def e2e_browser():
-    from playwright.sync_api import sync_playwright
-
-    require(os.path.exists(CHROMIUM), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=E2E_ARGS)
-        yield browser
-        browser.close()
+@pytest.fixture(scope="module")
+def e2e_browser(playwright):
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=E2E_ARGS)
+    yield browser
+    browser.close()
 
 
 def _page_url(swarm, code: str, name="e2e-phone") -> str:
