@@ -25,7 +25,7 @@ from swarm.peer.identity import Identity
 from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
 from swarm.peer.node import Node
 from swarm.peer.shipping import SliceSource
-from swarm.peer.shipping_aio import SliceServer, to_wire
+from swarm.peer.shipping_aio import SliceServer
 from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
 from swarm.peer.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
