@@ -18,9 +18,8 @@ from swarm.peer.messages import WeightChunk
 from swarm.peer.node import Node
 from swarm.peer.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
-from tests.peer.test_link import blob, run_in_netns
+from tests.peer._links import ADDRESS, blob, hello, run_in_netns
 
-ADDRESS = "10.213.0.1"
 FAST_LINKS = {"heartbeat_s": 0.2, "dead_after_s": 2.0}
 
 
@@ -131,7 +130,6 @@ def test_browser_offer_with_trickled_candidates_is_answered_only_by_the_coordina
     from swarm.peer.link import Link, new_peer_connection
     from swarm.peer.mesh import Mesh
     from swarm.signaling.messages import PeerInfo
-    from tests.peer.test_link import hello
 
     key = SwarmKey(os.urandom(32))
 
@@ -184,7 +182,6 @@ def test_malformed_signals_are_logged_and_dropped(caplog):
 
     from swarm.peer.mesh import Mesh
     from swarm.signaling.messages import PeerInfo
-    from tests.peer.test_link import hello
 
     caplog.set_level(logging.INFO, logger="swarm.peer")
     key = SwarmKey(os.urandom(32))
