@@ -218,3 +218,35 @@ def test_malformed_signals_are_logged_and_dropped(caplog):
     assert caplog.text.count("dropped a signal") >= 5
     assert "unknown signal type 'hello'" in caplog.text
     assert "offer from" in caplog.text  # the unparseable offer failed in its own task, logged
+
+
+def test_status_command_prints_peers_roles_and_plan(tmp_path, monkeypatch, capsys):
+    import argparse
+    import time
+
+    from swarm.peer.status import main_status
+
+    monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path))
+    me, other = "m" * 26, "o" * 26
+    doc = {
+        "pid": os.getpid(), "updated": time.time(), "swarm_id": "0123456789abcdef", "peer_id": me, "name": "desk",
+        "role": "worker", "hosting_signaling": False, "signaling_host": other, "ffn_gflops": 12.5,
+        "memory_budget": 2 << 30,
+        "placement": {"term": 3, "version": 7, "coordinator": other, "api_port": 8123, "peers": [other, me],
+                      "experts": {}, "dense": {"0": [[other, 0, 1000], [me, 1000, 1536]],
+                                               "1": [[other, 0, 1000], [me, 1000, 1536]]}},
+        "peers": [{"peer_id": other, "name": "laptop", "kind": "python", "linked": True, "rtt_ms": 0.61,
+                   "on_signaling": True, "memory_budget": 1 << 30, "ffn_gflops": 30.0, "model_hash": None}],
+    }
+    (tmp_path / "status.json").write_text(json.dumps(doc))
+    assert main_status(argparse.Namespace(json=True)) == 0
+    assert json.loads(capsys.readouterr().out) == doc
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main_status(argparse.Namespace(json=False)) == 0
+    out = capsys.readouterr().out
+    assert "swarm 0123456789abcdef" in out and "role worker" in out and f"signaling host {other}" in out
+    rows = {line.split("│")[2].strip(): line for line in out.splitlines() if line.count("│") > 5}
+    assert set(rows) == {"desk", "laptop"}
+    assert "coordinator" in rows["laptop"] and "0.61" in rows["laptop"] and "2000 dense cols" in rows["laptop"]
+    assert "(this peer)" in rows["desk"] and "1072 dense cols" in rows["desk"] and "2048" in rows["desk"]
+    assert f"plan v7 of term 3, coordinator {other}, OpenAI API on port 8123" in out
