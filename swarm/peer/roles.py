@@ -18,10 +18,18 @@ wants sent. Its outcome switches this peer's role:
 * **worker** — accepts the coordinator's plans and serves its FFN requests with a
   :class:`~swarm.peer.worker.Worker`, in one compute thread, off the event loop.
 
+Weights: a worker that holds the model (same content hash) decodes only its
+slices from its own file. One that joined with ``--no-model`` gets them shipped:
+before the coordinator announces a plan, it offers such a worker the slices the
+plan gives it (:class:`~swarm.peer.shipping_aio.PlanShipper`: the file's own
+encoding, SHA-256 per chunk, resumable, cached on the worker by hash). The
+worker fetches and decodes them when the plan arrives, and holds back requests
+of that plan until they are in (the first request of a plan has a generous
+deadline), so shipping delays a step once but never loses one.
+
 Trust: a peer whose hello names another model is refused by name (logged, kept
 out of the election and the plan, told with an ``Error`` of code ``model``). A
-peer with no model can vote but neither lead nor compute until weights are
-shipped to it.
+peer with no model votes but cannot lead.
 
 Every task this object starts is owned by it and cancelled by :meth:`stop`.
 """
@@ -43,6 +51,9 @@ from swarm.peer.messages import (
     RequestVote, Vote,
 )
 from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan
+from swarm.peer.shipping import SliceCache
+from swarm.peer.shipping_aio import PlanShipper, SliceFetcher, shape_from_meta
+from swarm.peer.slices import ShippedWeights, SliceSpec, decode_slice
 from swarm.peer.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -52,6 +63,8 @@ TICK_S = 0.05  # the election driver wakes at least this often (seconds)
 # peers that start together elect one coordinator instead of each leading a quorum of one.
 STARTUP_QUIET_S = 2.0
 LEFT_SILENCE_S = 2.0  # link silence (seconds) that, with no signaling presence, means a peer left
+SHIP_TIMEOUT_S = 600.0  # a worker without the model gives up on a plan's slices after this (seconds)
+PLAN_WAIT_S = 60.0  # a request waits at most this long for its plan's slices (seconds)
 
 
 class SwarmRoles:
@@ -89,6 +102,11 @@ class SwarmRoles:
         self._plan_version = 0
         self._last_leader_term = 0  # the last term in which this peer knew a coordinator
         self._replan_pending = False
+        self._shipper = (PlanShipper(model.path, self.model_hash, self.shape) if model is not None else None)
+        self._fetchers: dict[str, SliceFetcher] = {}  # without a model: per link to a peer that has one
+        self._plans_ready: dict[tuple[int, int], asyncio.Event] = {}  # (term, version) → slices in
+        self._ship_lock = asyncio.Lock()
+        self._coordinating: asyncio.Task | None = None
         self._compute = cf.ThreadPoolExecutor(1, thread_name_prefix="swarm-worker")
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,8 +219,12 @@ class SwarmRoles:
             if event.leader is not None:
                 self._last_leader_term = event.term
             if event.leader == self.node.peer_id:
-                await self._become_coordinator()
+                # Planning may ship slices: its own task, so heartbeats keep going meanwhile.
+                self._coordinating = self._spawn(self._become_coordinator(event.term), "coordinate")
             else:
+                if self._coordinating is not None:
+                    self._coordinating.cancel()
+                    self._coordinating = None
                 await self._stop_coordinating()
             self.node.role = self.role
 
@@ -234,7 +256,8 @@ class SwarmRoles:
         if hello is None or hello.peer_kind != "python":
             return  # browser peers compute but do not vote
         peer = link.peer_id
-        same_model = self.model_hash is not None and hello.model_hash == self.model_hash
+        # Eligible to lead: it holds the model — ours, or any if we hold none (refused below otherwise).
+        eligible = hello.model_hash is not None and self.model_hash in (None, hello.model_hash)
         if hello.model_hash is not None and self.model_hash is not None and hello.model_hash != self.model_hash:
             # Another model is another swarm in effect: no vote, no work (a member that could
             # never vote for us would only block the quorum).
@@ -244,12 +267,17 @@ class SwarmRoles:
             log.warning("refused %s", why)
             self._spawn(self._send(link, Error(0, "model", f"refused: {why}")), "refuse")
             return
-        self.election.add_member(peer, eligible=same_model, capability=hello.ffn_gflops, now=time.monotonic())
+        if self._shipper is not None:
+            self._shipper.attach(link)  # answer its chunk requests, should it need slices
+        elif hello.model_hash is not None and peer not in self._fetchers:
+            self._fetchers[peer] = SliceFetcher(link, hello.model_hash, SliceCache())
+        self.election.add_member(peer, eligible=eligible, capability=hello.ffn_gflops, now=time.monotonic())
         if self.ffn is not None:
             self._schedule_replan()
         self._wake.set()
 
     def _link_down(self, peer: str) -> None:
+        self._fetchers.pop(peer, None)
         if self.ffn is not None:
             self.ffn.peer_down(peer, "link closed")
             self._schedule_replan()
@@ -260,8 +288,8 @@ class SwarmRoles:
         failed = self.ffn.failed if self.ffn is not None else set()
         for peer, link in self.node.links.items():
             h = link.hello
-            if (h is None or h.peer_kind != "python" or h.model_hash != self.model_hash
-                    or peer in failed or peer in self.refused):
+            if (h is None or h.peer_kind != "python" or h.model_hash not in (self.model_hash, None)
+                    or peer in failed or peer in self.refused or h.memory_budget <= 0):
                 continue
             out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0))
         return out
@@ -272,16 +300,26 @@ class SwarmRoles:
         return build_plan(self.shape, me, self._workers(), term=self.election.term, version=self._plan_version)
 
     async def _announce(self, plan: Plan) -> None:
+        """Offer workers without the model their slices, then send the plan to every worker."""
+        links = {p: self.node.links[p] for p in plan.workers() if p in self.node.links}
+        for link in links.values():
+            if link.hello.model_hash is None:
+                try:
+                    await self._shipper.offer_plan(link, plan)
+                except SwarmError as exc:
+                    log.warning("could not offer slices to %s: %s", link.peer_id, exc)
         msg = plan.to_message()
-        await asyncio.gather(*(self._send(self.node.links[p], msg) for p in plan.workers() if p in self.node.links))
+        await asyncio.gather(*(self._send(link, msg) for link in links.values()))
         self.node.placement = {"term": plan.term, "version": plan.version, "api_port": self.api_port,
                                **plan.to_dict()}
 
-    async def _become_coordinator(self) -> None:
+    async def _become_coordinator(self, term: int) -> None:
         if self.model is None:
             return
         plan = self._new_plan()
         await self._announce(plan)
+        if self.election.role is not el.Role.LEADER or self.election.term != term:
+            return  # deposed while announcing
         self.ffn = RemoteFFN(self.model, plan, self._send_threadsafe, verify=self.verify,
                              on_peer_failed=self._peer_failed_threadsafe)
         for peer, link in self.node.links.items():
@@ -364,22 +402,65 @@ class SwarmRoles:
 
     # -------------------------------------------------------------------- worker
     async def _on_plan(self, link: Any, msg: PlanMessage) -> None:
-        if self.worker is None:
-            return
+        ready = self._plans_ready.setdefault((msg.term, msg.version), asyncio.Event())
         try:
             self.election.check_term(msg.term, time.monotonic())
             if link.peer_id != self.election.leader and msg.term == self.election.term and self.election.leader:
                 raise StaleTermError(f"plan from {link.peer_id}, but {self.election.leader} coordinates term {msg.term}")
+            if self.model is None:
+                await self._fetch_slices(link, msg)
             plan = Plan.from_message(msg, link.peer_id, self.shape)
             self.worker.accept_plan(plan)
-        except RemoteProtocolError as exc:
+            # Decode our slices now rather than on the first request (which has a deadline).
+            await asyncio.get_running_loop().run_in_executor(self._compute, self.worker.prepare)
+        except (RemoteProtocolError, TimeoutError) as exc:
             log.warning("plan from %s refused: %s", link.peer_id, exc)
-            await self._send(link, Error(0, "stale_term" if isinstance(exc, StaleTermError) else "bad_plan", str(exc)))
-            return
-        # Decode our slices now rather than on the first request (which has a deadline).
-        await asyncio.get_running_loop().run_in_executor(self._compute, self.worker.prepare)
+            code = "stale_term" if isinstance(exc, StaleTermError) else "bad_plan"
+            await self._send(link, Error(0, code, f"plan v{msg.version} refused: {exc}"))
+        finally:
+            ready.set()
+            for key in [k for k in self._plans_ready if k[0] < msg.term]:
+                del self._plans_ready[key]
+
+    async def _fetch_slices(self, link: Any, msg: PlanMessage) -> None:
+        """Without the model: fetch and decode the slices ``msg`` gives this peer (offered just
+        before it), learning the model's shape from their manifests; then serve from them."""
+        fetcher = self._fetchers.get(link.peer_id)
+        if fetcher is None:
+            raise RemoteProtocolError(f"plan from {link.peer_id}, which offers no weights to this peer")
+        me = self.node.peer_id
+        need = {SliceSpec(a.layer, "experts", a.experts[0], a.experts[-1] + 1) for a in msg.assignments
+                if a.peer == me and a.experts}
+        need |= {SliceSpec(a.layer, "dense", lo, hi) for a in msg.assignments if a.peer == me for lo, hi in a.dense}
+        shipped, shape = ShippedWeights(), None
+        async with self._ship_lock:
+            async with asyncio.timeout(SHIP_TIMEOUT_S):
+                while need:
+                    manifest = await fetcher.offers.get()
+                    spec = SliceSpec.from_json(manifest.meta.get("spec", {}))
+                    if spec not in need:
+                        continue  # an offer of an older plan
+                    shape = shape_from_meta(manifest.meta)
+                    blob = await fetcher.fetch(manifest)
+                    shipped.add(await asyncio.to_thread(decode_slice, blob, manifest.meta))
+                    need.discard(spec)
+        if shape is None:
+            raise RemoteProtocolError(f"plan v{msg.version} gives this peer nothing to compute")
+        if self.shape is not None and shape != self.shape:
+            raise RemoteProtocolError("the coordinator's model shape changed under this worker")
+        self.shape = shape
+        if self.worker is None:
+            self.worker = Worker(me, shape, shipped)
+        else:
+            self.worker.source = shipped  # slices of the plans still served are already decoded
 
     async def _on_request(self, link: Any, msg: ExpertRequest | DenseRequest) -> None:
+        ready = self._plans_ready.get((msg.term, msg.plan_version))
+        if ready is not None and not ready.is_set():  # its plan's slices are still coming
+            try:
+                await asyncio.wait_for(ready.wait(), PLAN_WAIT_S)
+            except TimeoutError:
+                pass  # the worker refuses it below: no such plan
         if self.worker is None:
             await self._send(link, Error(msg.request_id, "model", "this peer holds no model"))
             return

@@ -89,17 +89,18 @@ class Peer:
         await self.node.stop()
 
 
-async def start_swarm(tmp_path, model_dir, gflops: list[float]):
+async def start_swarm(tmp_path, model_dir, gflops: list[float], with_model: list[bool] | None = None):
     key = SwarmKey(os.urandom(32))
     idents = [Identity.generate() for _ in gflops]
     server = SignalingServer(key.secret, idents[0].peer_id, config_dir=tmp_path)
     await server.start(ADDRESS, 0)
     peers = []
     for i, (ident, g) in enumerate(zip(idents, gflops)):
-        model = load_model(model_dir)  # each peer its own copy, as on separate machines
+        has = with_model[i] if with_model else True
+        model = load_model(model_dir) if has else None  # each peer its own copy, as on separate machines
         node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=f"peer{i}",
                     signal_url=server.url(ADDRESS), ffn_gflops=g, memory_budget=1 << 30,
-                    model_hash=model.content_hash(), status_path=tmp_path / f"status{i}.json",
+                    model_hash=model.content_hash() if has else None, status_path=tmp_path / f"status{i}.json",
                     link_options=FAST_LINKS)
         await node.start(timeout=10)
         roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
@@ -120,7 +121,7 @@ def agreed(peers) -> str | None:
     plan = coord.roles.ffn._next_plan or coord.roles.ffn.plan
     if set(plan.workers()) != {p.node.peer_id for p in peers} - {leader}:
         return None
-    if any(p.roles.worker.plan is None or p.roles.worker.plan.version != plan.version
+    if any(p.roles.worker is None or p.roles.worker.plan is None or p.roles.worker.plan.version != plan.version
            for p in peers if p.node.peer_id != leader):
         return None
     return leader
@@ -172,3 +173,28 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
     assert run2[0] == ref[0]  # a worker lost mid-generation: same tokens
     assert took <= 5.0, f"new coordinator after {took:.2f} s"
     assert run3[0] == ref[0]  # the new coordinator's swarm of one gives the same tokens
+
+
+def test_a_worker_without_the_model_gets_its_slices_shipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLIBRI_SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = build("qwen3_moe", tmp_path)
+
+    async def main():
+        server, peers = await start_swarm(tmp_path, model_dir, [2.0, 1.0], with_model=[True, False])
+        try:
+            await until(lambda: agreed(peers) == peers[0].node.peer_id, 30, "the peer with the model coordinating")
+            ffn = peers[0].roles.ffn
+            run = await asyncio.to_thread(greedy, peers[0].roles.model, ffn)
+            worker = peers[1].roles.worker
+            return run, ffn.plan, worker.served, type(worker.source).__name__, ffn.local_fallbacks
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    run, plan, served, source, fallbacks = run_in_netns(main, timeout_s=120)
+    model = load_model(model_dir)
+    ref = greedy(model, LocalFFN(model, plan.dense_ranges()))
+    assert run[0] == ref[0] and all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
+    assert served > 0 and fallbacks == 0 and source == "ShippedWeights"
+    assert list((tmp_path / "cache" / "slices").glob("*.bin"))  # verified slices, cached by hash
