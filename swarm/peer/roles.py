@@ -329,6 +329,8 @@ class SwarmRoles:
         if self._serve_api:
             await self._open_api()
         self.node.placement = {**(self.node.placement or {}), "api_port": self.api_port}
+        if {w.peer_id for w in self._workers()} != set(plan.peers) - {self.node.peer_id}:
+            self._schedule_replan()  # peers came or went while this plan was being shipped
 
     async def _stop_coordinating(self) -> None:
         if self.ffn is None:
