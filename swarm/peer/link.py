@@ -277,7 +277,7 @@ class Link:
 
     async def close(self, reason: str = "closed locally") -> None:
         """Close the link and its peer connection; cancel and await every task it owns."""
-        self._fail(reason, error=PeerLostError(f"link closed: {reason}"))
+        self._fail(reason, error=PeerLostError(f"link closed: {reason}"), expected=True)
         tasks = [t for t in self._tasks if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
@@ -285,13 +285,22 @@ class Link:
         assert self._pc_closing is not None  # started by _fail
         await asyncio.gather(self._pc_closing, return_exceptions=True)
 
-    def _fail(self, reason: str, error: SwarmError | None = None) -> None:
+    def abort(self, reason: str) -> None:
+        """Close now without waiting (from sync code or a cancelled task); idempotent.
+
+        The peer connection is closed in the background; :meth:`close` awaits that too.
+        """
+        self._fail(reason, error=PeerLostError(f"link closed: {reason}"), expected=True)
+
+    def _fail(self, reason: str, error: SwarmError | None = None, expected: bool = False) -> None:
+        """Close for ``reason``; logged as a warning unless ``expected`` or the link was open."""
         if self.state is LinkState.CLOSED:
             return
         was = self.state
         self.state = LinkState.CLOSED
         self.close_reason = reason
-        level = logging.WARNING if was is not LinkState.OPEN or isinstance(error, AuthenticationError) else logging.INFO
+        unexpected = not expected and was is not LinkState.OPEN
+        level = logging.WARNING if unexpected or isinstance(error, AuthenticationError) else logging.INFO
         log.log(level, "link to %s closed in state %s: %s", self.peer_id or self.expected_peer_id or "?", was.value, reason)
         if not self._established.done():
             self._established.set_exception(error or PeerLostError(f"link failed: {reason}"))

@@ -91,7 +91,7 @@ class Mesh:
     def on(self, message_type: type, handler: Handler) -> None:
         """Deliver ``message_type`` from every link, current and future, to ``handler(link, msg)``."""
         self._handlers[message_type] = handler
-        for link in self.links.values():
+        for link in [*self.links.values(), *(attempt.link for attempt in self._attempts.values())]:
             link.on(message_type, handler)
 
     # -- presence -------------------------------------------------------------------------------
@@ -193,8 +193,7 @@ class Mesh:
                     log.info("no link to %s yet: %s", peer_id, exc)
                     await link.close(str(exc))
                 finally:
-                    if self._attempts.get(peer_id) is attempt:
-                        del self._attempts[peer_id]
+                    self._attempt_over(peer_id, attempt)
             if peer_id in self.links:
                 await self.links[peer_id].wait_closed()
             else:
@@ -211,8 +210,14 @@ class Mesh:
             log.info("offer from %s failed: %s", peer_id, exc)
             await link.close(str(exc))
         finally:
-            if self._attempts.get(peer_id) is attempt:
-                del self._attempts[peer_id]
+            self._attempt_over(peer_id, attempt)
+
+    def _attempt_over(self, peer_id: str, attempt: _Attempt) -> None:
+        """Forget a finished attempt; a link it leaves unopened (cancelled midway) is aborted."""
+        if self._attempts.get(peer_id) is attempt:
+            del self._attempts[peer_id]
+        if self.links.get(peer_id) is not attempt.link:
+            attempt.link.abort("link set-up abandoned")
 
     async def _establish(self, link: Link) -> None:
         """Wait for ``link`` to open, then make it the link to its peer (closing any older one)."""
