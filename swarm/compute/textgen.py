@@ -11,6 +11,7 @@ default model), check the arguments, stream the reply to stdout.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -20,6 +21,8 @@ from typing import Any
 from swarm.compute.sampling import SamplingParams, generate
 from swarm.compute.tokenizer import TextTokenizer, messages_from, tokenizer_for
 from swarm.errors import ModelFileError, SwarmError
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the signal
 
 
 def generate_text(
@@ -91,11 +94,18 @@ def main_generate(args: argparse.Namespace) -> int:
     out = sys.stdout
     if hasattr(out, "reconfigure"):
         out.reconfigure(errors="replace")  # a non-UTF-8 terminal gets '?' rather than a crash
-    for piece in generate_text(model, tokenizer, messages, params):
-        out.write(piece)
+    try:
+        for piece in generate_text(model, tokenizer, messages, params):
+            out.write(piece)
+            out.flush()
+        out.write("\n")
         out.flush()
-    out.write("\n")
-    out.flush()
+    except BrokenPipeError:
+        # The reader went away (`… | head`): stop generating, and point stdout at /dev/null so
+        # the interpreter's final flush does not raise again (Python docs, "Note on SIGPIPE").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        return EXIT_BROKEN_PIPE
     return 0
 
 

@@ -161,3 +161,22 @@ def test_tokenizer_of_another_model_is_refused(smollm2_model):
 
     with pytest.raises(ModelFileError, match=r"Q4_1\.gguf: the tokenizer gave id \d+, but the model's vocabulary has 100"):
         next(generate_text(SmallVocab(), tokenizer, messages_from("hello"), SamplingParams(max_tokens=1)))
+
+
+@pytest.mark.slow
+def test_reader_closing_the_pipe_ends_quietly(smollm2_path):
+    """`colibri-swarm generate … | head -c 5`: exit 141 (SIGPIPE's code), no traceback."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarm", "generate", "Count from one to one hundred in words.",
+         "--model", str(smollm2_path), "--max-tokens", "200"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO,
+    )
+    assert len(proc.stdout.read(5)) == 5
+    proc.stdout.close()
+    try:
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=300) == 141
+    finally:
+        proc.kill()
+    assert "Traceback" not in err
