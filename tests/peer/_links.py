@@ -50,9 +50,11 @@ def run_in_netns(coro_factory, timeout_s: float = 60.0):
             except BaseException as exc:  # re-raised in the test's thread
                 outcome["error"] = exc
 
-        thread = threading.Thread(target=target, name=name)
+        thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
-        thread.join()
+        thread.join(timeout_s + 30)  # wait_for cancels at timeout_s; this catches a stuck cancel
+        if thread.is_alive():
+            raise AssertionError(f"the event loop in {name} did not end within {timeout_s + 30:g} s")
         if "error" in outcome:
             raise outcome["error"]
         return outcome.get("value")
