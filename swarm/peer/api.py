@@ -66,6 +66,7 @@ class ChatRequest:
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # an extension (as vLLM's): keep the k most likely tokens; 0 = all
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -145,6 +146,11 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
         raise ApiError(f"'max_tokens' must be an integer in [1, {max_tokens_limit}], got {max_tokens!r}",
                        param="max_tokens")
+    top_k = body.get("top_k", 0)
+    if top_k is None:
+        top_k = 0
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ApiError(f"'top_k' must be a non-negative integer (0 = all tokens), got {top_k!r}", param="top_k")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ApiError(f"'seed' must be a non-negative integer, got {seed!r}", param="seed")
@@ -168,6 +174,7 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=top_k,
         seed=seed,
         stop=stops,
         stream=bool(stream),
@@ -217,7 +224,8 @@ class EngineBackend:
         prompt = self.tokenizer.encode_chat(list(request.messages))
         stats.prompt_tokens = len(prompt)
         stop_tokens = tuple(self.tokenizer.eos_token_ids) or tuple(self.model.config.eos_token_ids)
-        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                                seed=request.seed,
                                 max_tokens=request.max_tokens, stop_tokens=stop_tokens)
         decoder = self.tokenizer.stream_decoder()
         stats.finish_reason = "length"

@@ -90,11 +90,13 @@ def find_endpoint(api: str | None = None, *, mdns: bool = True) -> Endpoint | No
     return Endpoint(asyncio.run(find_api(key.swarm_id)).url, token)
 
 
-def _request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespace, *, stream: bool) -> dict:
+def _request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespace) -> dict:
     body: dict[str, Any] = {"messages": list(messages), "max_tokens": args.max_tokens,
-                            "temperature": args.temperature, "top_p": args.top_p, "stream": stream}
+                            "temperature": args.temperature, "top_p": args.top_p}
     if args.seed is not None:
         body["seed"] = args.seed
+    if getattr(args, "top_k", 0):
+        body["top_k"] = args.top_k
     return body
 
 
@@ -158,7 +160,7 @@ def main_generate_swarm(args: argparse.Namespace) -> int | None:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.prompt})
     out = sys.stdout
-    for piece in stream_chat(endpoint, _request_body(messages, args, stream=True)):
+    for piece in stream_chat(endpoint, _request_body(messages, args)):
         out.write(piece)
         out.flush()
     out.write("\n")
@@ -210,7 +212,7 @@ def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
         history.append({"role": "user", "content": text})
         reply: list[str] = []
         try:
-            for piece in stream_chat(endpoint, _request_body(history, args, stream=True)):
+            for piece in stream_chat(endpoint, _request_body(history, args)):
                 reply.append(piece)
                 console.print(piece, end="", markup=False, soft_wrap=True)
         except SwarmError as exc:

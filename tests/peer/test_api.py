@@ -175,6 +175,8 @@ BAD = [
     ({"temperature": True}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
     ({"seed": -3}, "seed"),
     ({"seed": "x"}, "seed"),
     ({"stop": ""}, "stop"),
@@ -228,3 +230,19 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.push("ART") == ("START", False)
     assert m.push("ab S") == ("ab ", False)
     assert m.flush() == "S"
+
+
+async def test_sampling_fields_reach_the_engine(server, engine):
+    """temperature, top_p, top_k and seed give the engine's own seeded sample, not greedy."""
+    from swarm.compute.sampling import SamplingParams
+    from swarm.compute.textgen import generate_text
+
+    model, tok = engine
+    api, url = server
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    params = SamplingParams(temperature=1.3, top_p=0.95, top_k=50, seed=11, max_tokens=MAX_TOKENS)
+    want = "".join(generate_text(model, tok, messages, params))
+    r = await _client(url).chat.completions.create(
+        model="smollm2-135m-instruct-q4_1", messages=messages, max_tokens=MAX_TOKENS,
+        temperature=1.3, top_p=0.95, seed=11, extra_body={"top_k": 50})
+    assert r.choices[0].message.content == want
