@@ -38,8 +38,15 @@ marked failed: no more work for it in this step, ``on_peer_failed`` tells the
 owner, who rebuilds the plan; :meth:`set_plan` takes effect at the next step
 (layer 0), never inside one.
 
+Warm-up. A peer that was just shipped its slices (a browser peer pulls and
+uploads them to its GPU after the plan arrives) may answer "no such weights" for
+a while: within its warm-up window (:meth:`set_plan`'s ``warming``) an
+:class:`Error` answer is recomputed here without marking the peer failed.
+
 Trust. With ``verify`` > 0 that share of remote answers is recomputed locally
-and compared bit for bit; a mismatch raises :class:`VerificationError`.
+and compared — bit for bit for peers of our numeric build, within
+``APPROX_RTOL``/``APPROX_ATOL`` for the others (``approximate`` peers, e.g.
+WebGPU); a mismatch raises :class:`VerificationError`.
 """
 
 from __future__ import annotations
@@ -72,6 +79,9 @@ RTT_FACTOR = 4.0
 COMPUTE_FACTOR = 4.0
 FIRST_DEADLINE_S = 30.0
 EWMA = 0.2  # weight of the newest sample in the per-row compute estimate
+# --verify for peers of another numeric build (WebGPU f32 kernels): float32 reassociation only.
+APPROX_RTOL = 1e-3
+APPROX_ATOL = 1e-4
 
 
 @dataclass
@@ -145,6 +155,9 @@ class RemoteFFN:
         self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()
         self._next_plan: Plan | None = None
+        self._next_warming: dict[str, float] = {}
+        self.warming_until: dict[str, float] = {}  # peer → clock time its warm-up window ends
+        self.approximate: set[str] = set()  # peers verified within a tolerance, not bit for bit
         self._dense_slices: dict[tuple[int, int, int], object] = {}
 
     # ----------------------------------------------------------- event-loop side
@@ -171,9 +184,13 @@ class RemoteFFN:
         """Measured link round trip of ``peer`` (from the link's heartbeats)."""
         self.timing.setdefault(peer, PeerTiming()).rtt_s = float(rtt_s)
 
-    def set_plan(self, plan: Plan) -> None:
-        """Use ``plan`` from the next step on (applied at layer 0, never inside a step)."""
-        self._next_plan = plan
+    def set_plan(self, plan: Plan, warming: dict[str, float] | None = None) -> None:
+        """Use ``plan`` from the next step on (applied at layer 0, never inside a step).
+
+        ``warming``: peer → seconds from then on during which its Error answers are
+        recomputed without marking it failed (it is still installing its slices).
+        """
+        self._next_plan, self._next_warming = plan, dict(warming or {})
 
     # ------------------------------------------------------------ token-loop side
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -182,6 +199,8 @@ class RemoteFFN:
             raise LocalProtocolError(f"ffn input must be [T, H] float32, got {x.shape} {x.dtype}")
         if layer == 0 and self._next_plan is not None:
             self.plan, self._next_plan = self._next_plan, None
+            now = self._clock()
+            self.warming_until.update({p: now + s for p, s in self._next_warming.items()})
             self.failed.clear()
             self._dense_slices.clear()
         if self.model.is_moe_layer(layer):
@@ -220,6 +239,9 @@ class RemoteFFN:
             self._fail(p.peer, str(exc))
             return None
         if isinstance(msg, Error):
+            if self._clock() < self.warming_until.get(p.peer, 0.0):
+                self.local_fallbacks += 1  # still installing its slices: not a failure
+                return None
             self._fail(p.peer, f"refused layer {p.request.layer}: {msg.code}: {msg.message}")
             return None
         try:
@@ -267,7 +289,9 @@ class RemoteFFN:
         return self.verify > 0 and self._rng.random() < self.verify
 
     def _verify(self, peer: str, layer: int, what: str, remote: np.ndarray, local: np.ndarray) -> None:
-        if not np.array_equal(remote, local):
+        same = (np.allclose(remote, local, rtol=APPROX_RTOL, atol=APPROX_ATOL) if peer in self.approximate
+                else np.array_equal(remote, local))
+        if not same:
             diff = float(np.max(np.abs(remote - local)))
             raise VerificationError(f"peer {peer} answered layer {layer} ({what}) with numbers that differ from "
                                     f"the local recomputation (max |diff| {diff:.3g}); stopping. Remove that "
@@ -302,8 +326,7 @@ class RemoteFFN:
 
         for experts, p in pending:
             msg = self._await(p)
-            if msg is None:
-                self.failed.add(p.peer)
+            if msg is None:  # failed (or warming up): those rows are ours
                 outputs.update({e: expert_ffn(m.expert_weights(layer, e), x[rows_of[e]]) for e in experts})
                 continue
             bounds = np.concatenate([[0], np.cumsum(msg.row_counts.astype(np.int64))])
@@ -341,8 +364,7 @@ class RemoteFFN:
         for i, p in pending.items():
             s = spans[i]
             msg = self._await(p)
-            if msg is None:
-                self.failed.add(p.peer)
+            if msg is None:  # failed (or warming up): that span is ours
                 partials[i] = expert_ffn(self._slice(layer, s.start, s.stop), x)
                 continue
             partials[i] = msg.partials[0]

@@ -10,7 +10,8 @@ names our model hash — with election messages (``RequestVote``, ``Vote``,
 wants sent. Its outcome switches this peer's role:
 
 * **coordinator** — builds a :class:`~swarm.peer.planner.Plan` from the hellos
-  of the eligible peers, sends it to them, wraps the model in a
+  of the peers that can compute (Python peers with our model or none, and the
+  browser peers linked to it), sends it to them, wraps the model in a
   :class:`~swarm.peer.coordinator.RemoteFFN` and serves the OpenAI API with it.
   A peer that fails or whose link goes down gets no more work: the plan is
   rebuilt and sent, and RemoteFFN switches to it at the next step. Peers that
@@ -25,7 +26,10 @@ plan gives it (:class:`~swarm.peer.shipping_aio.PlanShipper`: the file's own
 encoding, SHA-256 per chunk, resumable, cached on the worker by hash). The
 worker fetches and decodes them when the plan arrives, and holds back requests
 of that plan until they are in (the first request of a plan has a generous
-deadline), so shipping delays a step once but never loses one.
+deadline), so shipping delays a step once but never loses one. A browser peer
+answers "no such weights" until it has installed them; within its warm-up window
+those rows are recomputed without counting against it. Answers of peers with
+another numeric build (WebGPU) are verified within a tolerance, not bit for bit.
 
 Trust: a peer whose hello names another model is refused by name (logged, kept
 out of the election and the plan, told with an ``Error`` of code ``model``). A
@@ -59,6 +63,7 @@ from swarm.peer.worker import Worker
 log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # the election driver wakes at least this often (seconds)
+BROWSER_WARMUP_S = 120.0  # a browser peer's "no such weights" answers are not failures this long
 # A fresh peer neither stands nor votes this long (seconds): enough for the mesh to form, so
 # peers that start together elect one coordinator instead of each leading a quorum of one.
 STARTUP_QUIET_S = 2.0
@@ -253,8 +258,15 @@ class SwarmRoles:
     # ---------------------------------------------------------------- membership
     def _link_up(self, link: Any) -> None:
         hello = link.hello
-        if hello is None or hello.peer_kind != "python":
-            return  # browser peers compute but do not vote
+        if hello is None:
+            return
+        if hello.peer_kind == "browser":
+            # Browser peers link to the coordinator only: they compute but do not vote.
+            if self._shipper is not None:
+                self._shipper.attach(link)
+                if self.ffn is not None:
+                    self._schedule_replan()
+            return
         peer = link.peer_id
         # Eligible to lead: it holds the model — ours, or any if we hold none (refused below otherwise).
         eligible = hello.model_hash is not None and self.model_hash in (None, hello.model_hash)
@@ -288,7 +300,7 @@ class SwarmRoles:
         failed = self.ffn.failed if self.ffn is not None else set()
         for peer, link in self.node.links.items():
             h = link.hello
-            if (h is None or h.peer_kind != "python" or h.model_hash not in (self.model_hash, None)
+            if (h is None or h.model_hash not in (self.model_hash, None)
                     or peer in failed or peer in self.refused or h.memory_budget <= 0):
                 continue
             out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0))
@@ -325,12 +337,24 @@ class SwarmRoles:
         for peer, link in self.node.links.items():
             if link.rtt_s:
                 self.ffn.set_rtt(peer, link.rtt_s)
+        self._mark_builds()
+        self.ffn.warming_until.update({p: time.monotonic() + s for p, s in self._warming(plan).items()})
         log.info("coordinator of term %d: plan v%d over %d worker(s)", plan.term, plan.version, len(plan.workers()))
         if self._serve_api:
             await self._open_api()
         self.node.placement = {**(self.node.placement or {}), "api_port": self.api_port}
         if {w.peer_id for w in self._workers()} != set(plan.peers) - {self.node.peer_id}:
             self._schedule_replan()  # peers came or went while this plan was being shipped
+
+    def _warming(self, plan: Plan) -> dict[str, float]:
+        """Browser workers of ``plan`` install shipped slices after it arrives: give them time."""
+        return {p: BROWSER_WARMUP_S for p in plan.workers()
+                if p in self.node.links and self.node.links[p].hello.peer_kind == "browser"}
+
+    def _mark_builds(self) -> None:
+        """Peers of another numeric build (DESIGN §7) are verified within a tolerance, not bit for bit."""
+        ours = self.node.hello.build
+        self.ffn.approximate = {p for p, link in self.node.links.items() if link.hello.build != ours}
 
     async def _stop_coordinating(self) -> None:
         if self.ffn is None:
@@ -371,7 +395,8 @@ class SwarmRoles:
         plan = self._new_plan()
         await self._announce(plan)  # sent (queued in order) before any request that uses it
         if self.ffn is not None:
-            self.ffn.set_plan(plan)
+            self._mark_builds()
+            self.ffn.set_plan(plan, warming=self._warming(plan))
             log.info("plan v%d over %d worker(s), from the next step", plan.version, len(plan.workers()))
 
     def _on_answer(self, link: Any, msg: Any) -> None:

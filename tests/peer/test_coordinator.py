@@ -307,3 +307,49 @@ def test_smollm2_dense_ranges_on_two_peers():
         assert worker.served == 3 * 9 * 30 and ffn.local_fallbacks == 0
     finally:
         net.close()
+
+
+def test_a_warming_peer_is_recomputed_without_being_marked_failed(checkpoints):
+    # A peer still installing its slices answers Error: within its warm-up window its rows are
+    # recomputed here and it keeps its place; afterwards an Error marks it failed as usual.
+    ready = threading.Event()
+
+    def not_ready_yet(src, dst, data):
+        msg = M.decode(data)
+        if src == W1 and isinstance(msg, (M.ExpertAnswer, M.DenseAnswer)) and not ready.is_set():
+            return M.encode(M.Error(msg.request_id, "bad_request", "this peer holds no weights for that yet"))
+        return data
+
+    swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=not_ready_yet)
+    try:
+        swarm.ffn.set_plan(swarm.plan, warming={W1: 60.0})
+        assert_same(greedy(swarm.model, swarm.ffn, n=2), local_reference(swarm, n=2))
+        assert not swarm.failed and swarm.ffn.local_fallbacks > 0 and W1 in swarm.ffn.plan.workers()
+        ready.set()
+        before = swarm.workers[W1].served
+        greedy(swarm.model, swarm.ffn, n=1)
+        assert swarm.workers[W1].served > before  # in use once ready
+        ready.clear()
+        swarm.ffn.warming_until[W1] = 0.0  # window over
+        assert_same(greedy(swarm.model, swarm.ffn, n=2), local_reference(swarm, n=2))
+        assert [p for p, _ in swarm.failed] == [W1]
+    finally:
+        swarm.close()
+
+
+def test_verify_tolerates_float_reassociation_only_for_approximate_peers(checkpoints):
+    def nudge(msg):
+        a = np.array(getattr(msg, _field(msg)))
+        a *= np.float32(1 + 1e-6)  # what another float32 kernel may give: same up to rounding
+        return _replace(msg, a)
+
+    swarm = InProcSwarm(checkpoints["mixtral"], 1, tamper=rewrite_answers(W1, nudge), verify=1.0)
+    try:
+        swarm.ffn.approximate.add(W1)
+        tokens, _ = greedy(swarm.model, swarm.ffn, n=3)
+        assert tokens == local_reference(swarm, n=3)[0] and swarm.ffn.verified > 0
+        swarm.ffn.approximate.clear()  # a peer of our own build must match bit for bit
+        with pytest.raises(VerificationError):
+            greedy(swarm.model, swarm.ffn, n=1)
+    finally:
+        swarm.close()
