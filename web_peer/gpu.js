@@ -46,6 +46,7 @@ export class GpuContext {
     this.lostReason = null;
     this._pipelines = new Map();
     this._sources = new Map();
+    this._queue = Promise.resolve();  // guarded() runs one GPU request at a time
   }
 
   /** Request an adapter; NoWebGPUError when the browser has none. */
@@ -161,7 +162,15 @@ export class GpuContext {
    * Run `fn(device)` inside validation / out-of-memory / internal error scopes. Any GPU error or a
    * device lost meanwhile → KernelError and a dropped device; never a result from a failed device.
    */
-  async guarded(what, fn) {
+  guarded(what, fn) {
+    // Error scopes are a per-device stack: requests must not interleave, so they queue here.
+    const run = () => this._guarded(what, fn);
+    const result = this._queue.then(run, run);
+    this._queue = result.catch(() => {});
+    return result;
+  }
+
+  async _guarded(what, fn) {
     const dev = await this.getDevice();
     const gen = this.generation;
     dev.pushErrorScope("internal");

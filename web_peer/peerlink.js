@@ -56,7 +56,11 @@ export class PeerLink {
     };
     this.channel.onopen = () => this._channelOpen().catch((e) => this.close(e.message));
     this.channel.onclose = () => this.close("the data channel closed");
-    this.channel.onmessage = (ev) => this._onData(ev.data).catch((e) => this.close(e.message));
+    // One message at a time, in arrival order: the handshake awaits WebCrypto between messages.
+    this._inbox = Promise.resolve();
+    this.channel.onmessage = (ev) => {
+      this._inbox = this._inbox.then(() => this._onData(ev.data)).catch((e) => this.close(e.message));
+    };
     this.timers.push(setTimeout(() => { if (this.state !== "open") this.close(`no authenticated link within ${HANDSHAKE_TIMEOUT_S} s`); }, HANDSHAKE_TIMEOUT_S * 1000));
   }
 
@@ -126,8 +130,10 @@ export class PeerLink {
       if (this.sentBeats.get(msg.seq) === msg.sent_s) { this.sentBeats.delete(msg.seq); this.rttS = now() - msg.sent_s; } else await this.send(msg);  // echo theirs unchanged
       return;
     }
+    // Handlers run concurrently with later messages (a weight pull waits for chunks that arrive
+    // after it); a handler's failure is logged, the link stays up.
     const handler = this.handlers.get(msg.kind);
-    if (handler) await handler(msg, this);
+    if (handler) Promise.resolve().then(() => handler(msg, this)).catch((e) => console.error(`handler of ${msg.kind} failed:`, e));
   }
 
   _startHeartbeats() {

@@ -110,6 +110,15 @@ class PythonSwarm:
     def request(self, msg):
         return self.call(self._request(msg))
 
+    async def _request_all(self, msgs):
+        for m in msgs:
+            await self.browser_link().send(m)
+        return [await asyncio.wait_for(self.answers.get(), 60) for _ in msgs]
+
+    def request_all(self, msgs):
+        """Send every request before awaiting any answer (as the coordinator does)."""
+        return self.call(self._request_all(msgs))
+
     def offer(self, blob: bytes, meta: dict, chunk_size: int = 64 << 10):
         manifest = self.source.offer(blob, meta, chunk_size=chunk_size)
         self.call(self.slices.offer(self.browser_link(), manifest))
@@ -212,11 +221,19 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     assert _rel(ans.outputs[:2], K.expert_ffn(rows[:2], eg[2], eu[2], ed[2])) <= 1e-5
     assert _rel(ans.outputs[2:], K.expert_ffn(rows[2:], eg[0], eu[0], ed[0])) <= 1e-5
 
+    # Requests in flight together are served one after the other on the GPU, each right.
+    both = swarm.request_all([DenseRequest(request_id=20, term=0, plan_version=0, layer=3, ranges=((256, 768),), x=x),
+                              ExpertRequest(request_id=21, term=0, plan_version=0, layer=1, expert_ids=np.array([4], np.int32),
+                                            row_counts=np.array([5], np.int32), rows=rows)])
+    by_id = {a.request_id: a for a in both}
+    assert _rel(by_id[20].partials[0], K.dense_range(x, gate, up, down)) <= 1e-5
+    assert _rel(by_id[21].outputs, K.expert_ffn(rows, eg[0], eu[0], ed[0])) <= 1e-5
+
     # Weights it does not hold → an Error answer (the coordinator recomputes), never numbers.
     bad = swarm.request(DenseRequest(request_id=9, term=0, plan_version=0, layer=4, ranges=((0, 8),), x=x))
     assert isinstance(bad, Error) and bad.request_id == 9 and "no weights" in bad.message
-    assert page.evaluate("window.colibri.worker.stats.served") == 2
-    assert "Serving" in page.inner_text("#state") and page.inner_text("#served") == "2"
+    assert page.evaluate("window.colibri.worker.stats.served") == 4
+    assert "Serving" in page.inner_text("#state") and page.inner_text("#served") == "4"
 
     # Reload: the same slice comes from the browser's cache, nothing is shipped again.
     page.reload()
