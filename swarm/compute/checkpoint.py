@@ -75,6 +75,10 @@ class Checkpoint:
     metadata: dict[str, Any]
     files: list[Path]
 
+    @property
+    def hashed_files(self) -> list[Path]:
+        return sorted(self.files)
+
     def has(self, part: str, layer: int | None = None) -> bool:
         raise NotImplementedError
 
@@ -174,9 +178,11 @@ class Checkpoint:
         raise NotImplementedError
 
     def content_hash(self) -> str:
-        """SHA-256 (hex) over the model's files in name order (their bytes only)."""
+        """SHA-256 (hex) of the bytes of ``hashed_files`` concatenated in that order: for a
+        GGUF that is ``sha256sum`` of the file; for an HF directory config.json (it changes the
+        numbers too) and then the shards in name order."""
         h = hashlib.sha256()
-        for p in sorted(self.files):
+        for p in self.hashed_files:
             with open(p, "rb") as fh:
                 while chunk := fh.read(1 << 22):
                     h.update(chunk)
@@ -310,6 +316,10 @@ class HFCheckpoint(Checkpoint):
 
     def has(self, part: str, layer: int | None = None) -> bool:
         return self._name(part, layer) in self.st
+
+    @property
+    def hashed_files(self) -> list[Path]:
+        return [self.path / "config.json", *sorted(self.files)]
 
     def _file_load(self, name: str, index: slice) -> np.ndarray:
         return self.st.load(name, index)

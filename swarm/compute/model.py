@@ -328,7 +328,8 @@ class Model:
 
         Returns logits [T, V] f32 (``[1, V]`` for the last token with ``last_only``). Every
         MLP / MoE output comes from ``ffn.ffn(layer, x)`` (default: :class:`LocalFFN`).
-        Raises ValueError for an empty sequence or a token id outside the vocabulary.
+        Raises ValueError for an empty sequence or a token id outside the vocabulary; if the
+        backend raises, ``cache.length`` is unchanged (the call can be retried).
         """
         c = self.config
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)

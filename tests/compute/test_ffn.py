@@ -213,3 +213,21 @@ def test_dense_range_loaded_alone_equals_the_slice_of_the_whole(tmp_path, fmt):
     np.testing.assert_array_equal(alone.gate_up, ref.gate_up)
     np.testing.assert_array_equal(alone.down, ref.down)
     assert alone.gate_up.flags.c_contiguous and alone.down.flags.c_contiguous
+
+
+def test_a_failing_backend_leaves_the_cache_reusable(dense_model):
+    class Failing:
+        def ffn(self, layer, x):
+            if layer == 1:
+                raise ConnectionError("peer lost")
+            return LocalFFN(dense_model).ffn(layer, x)
+
+    cache = dense_model.new_cache()
+    dense_model.forward(TOKENS[:4], cache)
+    with pytest.raises(ConnectionError):
+        dense_model.forward(TOKENS[4:], cache, ffn=Failing())
+    assert cache.length == 4
+    retried = dense_model.forward(TOKENS[4:], cache)
+    fresh_cache = dense_model.new_cache()
+    dense_model.forward(TOKENS[:4], fresh_cache)
+    np.testing.assert_array_equal(retried, dense_model.forward(TOKENS[4:], fresh_cache))
