@@ -59,7 +59,8 @@ def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
     x [T, K] float32, w_gate and w_up [F, K] float32 (dequantized if stored compactly).
     Returns h [T, F] float32. Raises KernelError on other shapes or dtypes.
     """
-    _f32(x, "x", 2), _f32(w_gate, "w_gate", 2), _f32(w_up, "w_up", 2)
+    for name, a in (("x", x), ("w_gate", w_gate), ("w_up", w_up)):
+        _f32(a, name, 2)
     if w_gate.shape != w_up.shape or w_gate.shape[1] != x.shape[1]:
         raise KernelError(f"swiglu shapes disagree: x {x.shape}, w_gate {w_gate.shape}, w_up {w_up.shape}")
     return silu(x @ w_gate.T) * (x @ w_up.T)  # [T, F]
@@ -67,7 +68,8 @@ def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
 
 def down(h: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     """Twin of down.wgsl: y = h @ w_down.T. h [T, F], w_down [H, F] float32 → y [T, H] float32."""
-    _f32(h, "h", 2), _f32(w_down, "w_down", 2)
+    _f32(h, "h", 2)
+    _f32(w_down, "w_down", 2)
     if w_down.shape[1] != h.shape[1]:
         raise KernelError(f"down shapes disagree: h {h.shape}, w_down {w_down.shape}")
     return h @ w_down.T  # [T, H]

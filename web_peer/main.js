@@ -42,10 +42,11 @@ async function measureGflops(gpu) {
   return (6 * t * h * f) / s / 1e9;
 }
 
-function memoryBudget(gpu) {
+/** Bytes of weights this page offers: ?budget=, else a quarter of the device's memory. */
+function memoryBudget() {
   if (params.has("budget")) return Math.max(0, Math.floor(Number(params.get("budget")) || 0));
-  const gib = (navigator.deviceMemory ?? 4) * 2 ** 30;
-  return Math.min(Math.floor(gib / 4), 16 * gpu.adapter.limits.maxBufferSize);  // a quarter of the device's memory
+  // navigator.deviceMemory is rounded and capped at 8 GiB by browsers; 4 GiB when unknown.
+  return Math.floor(((navigator.deviceMemory ?? 4) * 2 ** 30) / 4);
 }
 
 let wakeLock = null;
@@ -110,7 +111,7 @@ async function main() {
   const hello = {
     peer_id: peerId, protocol_version: PROTOCOL_VERSION,
     build: { package: "web_peer", numpy: "", blas: "webgpu", arch: d.description || d.architecture || "webgpu", kernel_dtype: gpu.formats.includes(format) ? format : "f32" },
-    model_hash: null, memory_budget: memoryBudget(gpu), ffn_gflops: await measureGflops(gpu), peer_kind: "browser",
+    model_hash: null, memory_budget: memoryBudget(), ffn_gflops: await measureGflops(gpu), peer_kind: "browser",
     adapter_limits: d.limits, adapter_features: d.features, name: (params.get("name") ?? "browser").slice(0, 64),
   };
 
