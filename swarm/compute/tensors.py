@@ -10,7 +10,6 @@ Every tensor comes back as a C-contiguous float32 array in the file's numpy shap
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from pathlib import Path
 from typing import Any

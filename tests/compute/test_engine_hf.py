@@ -113,7 +113,6 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
 
 def test_llama3_rope_factors_in_gguf_match_transformers(tmp_path):
     """llama.cpp writes llama3 scaling as ``rope_freqs.weight`` divisors (convert_hf_to_gguf.py)."""
-    import gguf
     import math
 
     from tests.compute.tiny_gguf import write_gguf_from_hf
