@@ -34,11 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from swarm.discovery.addresses import local_addresses
 from swarm.discovery.choice import DISCOVERY_WINDOW_S, TAKEOVER_STEP_S, is_better, pick_server, takeover_delay
 from swarm.discovery.mdns import Advertiser, ServerBrowser, instance_name, open_zeroconf
 from swarm.discovery.records import ServerRecord
-from swarm.errors import AuthenticationError, LocalProtocolError, SignalingUnavailableError, SwarmError
+from swarm.errors import LocalProtocolError, SignalingUnavailableError, SwarmError
 from swarm.signaling.auth import swarm_id as swarm_id_of
 from swarm.signaling.client import (
     Disconnected,
@@ -235,13 +237,20 @@ class Rendezvous:
                                        max(0.0, min(deadline, self._next_dead_expiry()) - time.monotonic()))
 
     async def _follow(self, client: SignalingClient) -> SignalingClient | None:
-        """Forward events until the connection ends (None) or we moved to a better server (its client)."""
+        """Forward events until the connection ends (None) or we moved to a better server (its client).
+
+        Trying a better server runs beside the forwarding, so a candidate that does not answer
+        (a vanished host whose mDNS record lingers) never holds up signals on the current one.
+        """
         next_event = asyncio.ensure_future(client.__anext__())
+        probe: asyncio.Task[tuple[ServerRecord, SignalingClient] | None] | None = None
         try:
             while True:
                 waiters: set[asyncio.Future[Any]] = {next_event}
                 changed = None
-                if self._browser is not None:
+                if probe is not None:
+                    waiters.add(probe)
+                elif self._browser is not None:
                     # Not cleared on entry: a change seen while we were connecting is checked now.
                     changed = asyncio.ensure_future(self._browser.changed.wait())
                     waiters.add(changed)
@@ -259,13 +268,25 @@ class Rendezvous:
                     self._events.put_nowait(event)
                     next_event = asyncio.ensure_future(client.__anext__())
                 if changed is not None and changed in done:
-                    self._browser.changed.clear()  # before any await, so no later change is lost
-                    if (moved := await self._move_if_better()) is not None:
-                        return moved
+                    assert self._browser is not None
+                    self._browser.changed.clear()
+                    probe = asyncio.create_task(self._connect_better(), name="rendezvous-probe")
+                if probe is not None and probe in done:
+                    found, probe = probe.result(), None
+                    if found is not None:
+                        record, better = found
+                        log.info("moving to the older signaling server of %s", record.host)
+                        await self._drop_client()
+                        await self._stop_hosting()
+                        self.record = record
+                        return better
         finally:
             next_event.cancel()
+            if probe is not None:
+                await _discard(probe)
 
-    async def _move_if_better(self) -> SignalingClient | None:
+    async def _connect_better(self) -> tuple[ServerRecord, SignalingClient] | None:
+        """A connection to a server that wins over ours by the pick rule, or None."""
         assert self._browser is not None
         current = self._advertiser.record if self._advertiser is not None else self.record
         best = pick_server(self._browser.records.values(), self._dead_keys())
@@ -274,13 +295,7 @@ class Rendezvous:
         if self.hosting and best.host == self.peer_id:
             return None  # our own record (or a stale one of ours): never move to ourselves
         client = await self._try(best)
-        if client is None:
-            return None
-        log.info("moving to the older signaling server of %s", best.host)
-        await self._drop_client()
-        await self._stop_hosting()
-        self.record = best
-        return client
+        return None if client is None else (best, client)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -300,7 +315,7 @@ class Rendezvous:
                 return await SignalingClient.connect(record.url(address), self.swarm_key, self.peer_id, kind=self.kind,
                                                      name=self.name, fingerprint=record.fingerprint,
                                                      timeout=CONNECT_TIMEOUT_S)
-            except (SignalingUnavailableError, AuthenticationError) as exc:
+            except (SwarmError, OSError, aiohttp.ClientError) as exc:  # an advertised server is untrusted input
                 log.info("signaling server %s at %s: %s", record.host, address, exc)
         self._dead[record.key] = time.monotonic()
         return None
@@ -357,3 +372,14 @@ class Rendezvous:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("mDNS announcement failed: %s (peers can still use --signal URL)", task.exception())
+
+
+async def _discard(probe: asyncio.Task[tuple[ServerRecord, SignalingClient] | None]) -> None:
+    """Cancel a probe; close the connection it made if it finished first."""
+    probe.cancel()
+    try:
+        found = await probe
+    except (asyncio.CancelledError, SwarmError, OSError):
+        return
+    if found is not None:
+        await found[1].close()
