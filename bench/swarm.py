@@ -49,6 +49,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 ADDRESS = "10.215.0.1"
+# This benchmark's peers share one small machine with everything else running on it; a starved
+# event loop delays heartbeats and answers. So that a busy CPU is not taken for a dead peer, the
+# benchmark (only) waits longer before an election and, while it measures speed, before
+# recomputing a late answer. The recovery phase runs with the product's own deadline.
+BENCH_ELECTION_TIMEOUT_S = 5.0
+BENCH_DEADLINE_MIN_S = 5.0
+PRODUCT_DEADLINE_MIN_S: list[float] = []  # filled at start: the coordinator's own floor
+PLAN_WAIT_S = 300.0  # a worker process loads its model and measures its FFN speed first
+
+
+def _bench_timeouts() -> float:
+    """Lengthen the timeouts (see above); returns the product's request deadline floor (s)."""
+    from swarm.peer import coordinator, election
+
+    election.ELECTION_TIMEOUT_S = BENCH_ELECTION_TIMEOUT_S
+    product_deadline = coordinator.DEADLINE_MIN_S
+    coordinator.DEADLINE_MIN_S = BENCH_DEADLINE_MIN_S
+    return product_deadline
 LINK_OPTIONS = {"heartbeat_s": 0.5, "dead_after_s": 3.0}
 KILL_AT_STEP = 10
 OLMOE_SCALED = dict(  # OLMoE-1B-7B's structure (64 experts, top-8, Q/K norm) at a CPU-friendly size
@@ -228,6 +246,7 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
                   "experts": cfg.n_experts, "top_k": cfg.top_k,
                   "ffn": cfg.moe_intermediate_size if cfg.n_experts else cfg.intermediate_size},
         "prompt_tokens": n_prompt, "decode_tokens": n_decode,
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),  # other work on this machine skews every figure
     }
     _progress(f"local engine: {path}")
     local = await asyncio.to_thread(run_generation, model, LocalFFN(model), prompt, n_decode)
@@ -254,10 +273,10 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
 
             def planned(n=n_peers - 1):  # the coordinator switches to a new plan at its next step
                 ffn = roles.ffn
-                return ffn is not None and len((ffn._next_plan or ffn.plan).workers()) == n
+                return ffn is not None and not ffn.failed and len((ffn._next_plan or ffn.plan).workers()) == n
 
             _progress(f"waiting for a plan over {n_peers - 1} worker(s)")
-            await _until(planned, 90, f"a plan over {n_peers - 1} worker(s)")
+            await _until(planned, PLAN_WAIT_S, f"a plan over {n_peers - 1} worker(s)")
             _progress("warm-up")
             ffn = roles.ffn
             await asyncio.to_thread(run_generation, model, ffn, prompt[:8], 2)  # plan applied; slices decoded
@@ -275,6 +294,9 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
             run_decode.pop("step_s")
             rtts = [link.rtt_s for link in node.links.values() if link.rtt_s]
             plan = ffn.plan
+            if roles.ffn is not ffn or ffn.failed:
+                run["invalid"] = (f"during the measurement {len(ffn.failed)} worker(s) were marked down "
+                                  f"or this peer stopped coordinating; the figures mix remote and local work")
             run.update({
                 "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
                 "prefill_vs_local": round(run["prefill_tok_s"] / local["prefill_tok_s"], 3),
@@ -298,6 +320,10 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
                 killed_at.append(time.monotonic())
 
         _progress("recovery from a killed worker")
+        from swarm.peer import coordinator
+
+        coordinator.DEADLINE_MIN_S = PRODUCT_DEADLINE_MIN_S[0]
+        await _until(lambda: roles.ffn is not None and len(roles.ffn.plan.workers()) >= 1, 60, "a coordinator with workers")
         n_workers_before = len(roles.ffn.plan.workers())
         ffn = roles.ffn
         # Watch, while the generation runs, for the plan that drops the dead worker.
@@ -314,6 +340,7 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
         stall = max(steps[KILL_AT_STEP:])
         replanned = await watcher
         result["recovery"] = {
+            "request_deadline_floor_s": PRODUCT_DEADLINE_MIN_S[0],
             "killed_at_step": KILL_AT_STEP,
             "median_step_ms_before": round(1e3 * before, 2),
             "longest_step_ms_after_kill": round(1e3 * stall, 2),
@@ -384,6 +411,8 @@ def main() -> None:
         import logging
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name or 'main'} %(name)s: %(message)s")
+    if args._worker or args._coordinator:
+        PRODUCT_DEADLINE_MIN_S.append(_bench_timeouts())
     if args._worker:
         asyncio.run(_worker_main(args._worker, args.signal, args.key, args.name))
         return
