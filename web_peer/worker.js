@@ -60,6 +60,13 @@ export class BrowserWorker {
     this.term = plan.term;
     this.planVersion = plan.version;
     this.assignments = plan.assignments.filter((a) => a.peer === this.peerId);
+    // Weights the new plan no longer gives this peer leave the GPU (a later manifest brings back
+    // what a later plan needs; the browser cache keeps the bytes).
+    const keep = new Set(this.assignments.flatMap((a) => [
+      ...a.dense.map(([s, e]) => `${a.layer}/dense/${s}/${e}`), ...a.experts.map((e) => `${a.layer}/expert/${e}`)]));
+    for (const [key, block] of this.blocks) {
+      if (!keep.has(key)) { block.release(); this.blocks.delete(key); }
+    }
     this.onchange();
   }
 

@@ -21,6 +21,7 @@ import threading
 import numpy as np
 import pytest
 
+from swarm.peer import messages as M
 from swarm.peer.identity import Identity
 from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
 from swarm.peer.node import Node
@@ -234,6 +235,15 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     assert isinstance(bad, Error) and bad.request_id == 9 and "no weights" in bad.message
     assert page.evaluate("window.colibri.worker.stats.served") == 4
     assert "Serving" in page.inner_text("#state") and page.inner_text("#served") == "4"
+
+    # A plan that keeps only the dense range: the expert weights leave the GPU, the UI says so.
+    plan = M.Plan(term=0, version=1, assignments=(M.Assignment(layer=3, peer=link.peer_id, experts=(), dense=((256, 768),)),))
+    swarm.call(link.send(plan))
+    page.wait_for_function("window.colibri.worker.blocks.size === 1", timeout=10000)
+    assert page.inner_text("#assigned") == "layer 3: MLP rows 256–768"
+    gone = swarm.request(ExpertRequest(request_id=22, term=0, plan_version=1, layer=1, expert_ids=np.array([4], np.int32),
+                                       row_counts=np.array([1], np.int32), rows=rows[:1]))
+    assert isinstance(gone, Error) and "no weights" in gone.message
 
     # Reload: the same slice comes from the browser's cache, nothing is shipped again.
     page.reload()
