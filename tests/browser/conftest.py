@@ -57,9 +57,12 @@ def web_peer_url():
     thread.join()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def playwright():
-    """The one Playwright driver of the session (two sync drivers cannot run in one thread)."""
+    """The one Playwright driver of tests/browser (two sync drivers cannot run in one thread).
+
+    Package scope, not session: the sync driver keeps an asyncio loop marked running on this
+    thread, which would break every pytest-asyncio test collected after tests/browser."""
     require(os.path.exists(CHROMIUM), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
     try:
         from playwright.sync_api import sync_playwright
@@ -69,7 +72,7 @@ def playwright():
         yield p
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chromium(playwright):
     """A headless Chromium (Debian's, never a downloaded one) with a SwiftShader WebGPU adapter."""
     browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
