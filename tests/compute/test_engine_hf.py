@@ -85,6 +85,7 @@ def test_routing_options_come_from_the_file(tiny):
     assert load_model(tiny("qwen2_moe")[1]).has_shared_expert(0)
     assert load_model(tiny("olmoe")[1]).config.clip_qkv == 4.0
     assert load_model(tiny("qwen3")[1]).config.head_dim == 24
+    assert load_model(tiny("mistral")[1]).config.sliding_window == 64
 
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,

@@ -24,6 +24,7 @@ _COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_k
 TINY = {
     "llama": (dict(_COMMON, tie_word_embeddings=True, rope_theta=5000.0), 1, ()),
     "qwen2": (dict(_COMMON, tie_word_embeddings=False), 2, ()),
+    "mistral": (dict(_COMMON, sliding_window=64), 8, ()),
     "qwen3": (dict(_COMMON, head_dim=24, attention_bias=False), 3, ()),
     "qwen3_moe": (dict(_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                        norm_topk_prob=True, mlp_only_layers=[1]), 4, ()),
@@ -33,7 +34,7 @@ TINY = {
     "mixtral": (dict(_COMMON, num_local_experts=4, num_experts_per_tok=2), 7, ()),
 }
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
-DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def build_tiny(family: str, out_dir: Path):
