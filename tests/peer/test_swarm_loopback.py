@@ -1,6 +1,8 @@
 """Three peer nodes on this machine — real aiohttp signaling, real aiortc links — elect a
 coordinator, and the swarm's tokens and logits equal the local engine's under the same plan;
-a worker killed mid-generation and a lost coordinator change nothing in the tokens.
+a worker killed mid-generation and a lost coordinator change nothing in the tokens; a worker
+without the model gets its slices shipped; a browser peer (headless Chromium on WebGPU) joins
+the coordinator and computes its share.
 
 All nodes run in one event loop inside a fresh network namespace (prefix ``csc-``): aioice
 skips 127.0.0.1, so the namespace's loopback carries an extra /32. The token loop runs in a
@@ -198,3 +200,88 @@ def test_a_worker_without_the_model_gets_its_slices_shipped(tmp_path, monkeypatc
     assert run[0] == ref[0] and all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
     assert served > 0 and fallbacks == 0 and source == "ShippedWeights"
     assert list((tmp_path / "cache" / "slices").glob("*.bin"))  # verified slices, cached by hash
+
+
+@pytest.mark.browser
+def test_a_browser_peer_joins_the_coordinator_and_computes_its_share(tmp_path):
+    """Headless Chromium opens the peer page of a coordinator run by SwarmRoles: the coordinator
+    plans the page in, ships it its slices, recomputes while it installs them (warm-up), then the
+    page computes on WebGPU and the greedy tokens equal the local run's."""
+    from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS
+
+    require(os.path.exists(CHROMIUM), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout
+    lan = [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
+    require(bool(lan), "a non-loopback IPv4 address (WebRTC between Chromium and aiortc on this machine)")
+    address = lan[0]
+    model_dir = build("qwen3_moe", tmp_path)
+    key = SwarmKey(os.urandom(32))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    call = lambda coro, t=60: asyncio.run_coroutine_threadsafe(coro, loop).result(t)  # noqa: E731
+
+    async def start():
+        ident = Identity.generate()
+        server = SignalingServer(key.secret, ident.peer_id, config_dir=tmp_path)
+        await server.start(address, 0)
+        model = load_model(model_dir)
+        node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
+                    signal_url=server.url(address), ffn_gflops=1.0, memory_budget=1 << 30,
+                    model_hash=model.content_hash(), status_path=tmp_path / "status.json")
+        await node.start(timeout=10)
+        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=0.2)
+        await roles.start()
+        return server, node, roles
+
+    server, node, roles = call(start())
+    result: dict = {}
+
+    def drive_page():  # its own thread: the sync driver must not share this test's thread
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM,
+                                        args=CHROMIUM_ARGS + ["--disable-features=WebRtcHideLocalIpsWithMdns"])
+            page = browser.new_context(ignore_https_errors=True).new_page()
+            page.goto(f"https://{address}:{server.port}/?name=phone#{key.code}")
+            try:
+                page.wait_for_function("window.colibri && window.colibri.state === 'serving'", timeout=90_000)
+                result["ready"] = True
+                result["done"].wait(180)
+                result["served"] = page.evaluate("window.colibri.worker.stats.served")
+            except Exception as exc:
+                result["error"] = f"{exc}: " + page.evaluate("JSON.stringify(window.colibri?.events)")
+            browser.close()
+
+    result["done"] = threading.Event()
+    driver = threading.Thread(target=drive_page)
+    driver.start()
+    try:
+        def planned_in() -> bool:
+            ffn = roles.ffn
+            browser = [p for p, link in node.links.items() if link.hello.peer_kind == "browser"]
+            return bool(browser and ffn is not None and browser[0] in (ffn._next_plan or ffn.plan).workers())
+
+        t0 = time.monotonic()
+        while not (planned_in() and result.get("ready")) and "error" not in result:
+            assert time.monotonic() - t0 < 120, "the page was never planned in and serving"
+            time.sleep(0.1)
+        assert "error" not in result, result["error"]
+        ffn = roles.ffn
+        tokens, logits = greedy(roles.model, ffn)
+        plan = ffn.plan
+        model = load_model(model_dir)
+        ref_tokens, ref_logits = greedy(model, LocalFFN(model, plan.dense_ranges()))
+        remote = ffn.remote_rows
+    finally:
+        result["done"].set()
+        driver.join(60)
+        call(roles.stop())
+        call(node.stop())
+        call(server.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    assert tokens == ref_tokens
+    assert max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits)) <= 1e-3  # WebGPU f32 rounding
+    assert remote > 0 and result["served"] > 0, (remote, result)
