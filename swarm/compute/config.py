@@ -131,16 +131,55 @@ def _eos_tuple(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
+_HF_NUMERIC = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "num_experts", "num_local_experts", "num_experts_per_tok", "decoder_sparse_step",
+               "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "clip_qkv",
+               "bos_token_id", "sliding_window")
+
+
+def _check_numbers(values: dict, keys, where: str) -> None:
+    """Fields that must be numbers (when present and not null) are numbers."""
+    for key in keys:
+        v = values.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ModelFileError(f"{where}: field {key!r} must be a number, got {v!r}")
+
+
+def check_config(c: "ModelConfig", where: str) -> "ModelConfig":
+    """Cross-field sanity (positive sizes, heads divisible, top-k within experts)."""
+    for key in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+        if getattr(c, key) <= 0:
+            raise ModelFileError(f"{where}: {key} must be positive, got {getattr(c, key)}")
+    if c.n_heads % c.n_kv_heads:
+        raise ModelFileError(f"{where}: {c.n_heads} attention heads are not a multiple of "
+                             f"{c.n_kv_heads} key/value heads")
+    if c.head_dim % 2:
+        raise ModelFileError(f"{where}: head_dim {c.head_dim} must be even for RoPE")
+    if c.n_experts and not 1 <= c.top_k <= c.n_experts:
+        raise ModelFileError(f"{where}: experts per token ({c.top_k}) must be within 1..{c.n_experts}")
+    if c.moe_layers and c.moe_intermediate_size <= 0:
+        raise ModelFileError(f"{where}: expert intermediate size must be positive")
+    if len(c.moe_layers) < c.n_layers and c.intermediate_size <= 0:
+        raise ModelFileError(f"{where}: intermediate_size must be positive for the dense layers")
+    return c
+
+
 def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     """Build a :class:`ModelConfig` from a parsed HF ``config.json`` dict.
 
     ``where`` names the file in error messages. Raises ModelFileError for an unknown
-    ``model_type`` or a missing required field.
+    ``model_type``, a missing required field, a field of the wrong type or inconsistent sizes.
     """
     family = cfg.get("model_type")
     if family not in HF_FAMILIES:
         raise ModelFileError(
             f"{where}: model_type {family!r} is not supported (supported: {', '.join(HF_FAMILIES)})")
+    _check_numbers(cfg, _HF_NUMERIC, where)
+    return check_config(_config_from_hf(cfg, family, where), where)
+
+
+def _config_from_hf(cfg: dict, family: str, where: str) -> ModelConfig:
     d = _FAMILY_DEFAULTS[family]
     hidden = int(_need(cfg, "hidden_size", where))
     n_layers = int(_need(cfg, "num_hidden_layers", where))
@@ -212,6 +251,12 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     )
 
 
+# GGUF ``{arch}.`` metadata we read as numbers.
+_GGUF_NUMERIC = ("embedding_length", "block_count", "attention.head_count", "attention.head_count_kv",
+                 "attention.key_length", "vocab_size", "expert_count", "expert_used_count",
+                 "expert_feed_forward_length", "expert_shared_feed_forward_length", "feed_forward_length",
+                 "attention.layer_norm_rms_epsilon", "rope.freq_base", "context_length")
+
 # GGUF ``general.architecture`` → engine family.
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
                  "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
@@ -229,6 +274,13 @@ def config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
         raise ModelFileError(
             f"{where}: general.architecture {arch!r} is not supported "
             f"(supported: {', '.join(GGUF_FAMILIES)})")
+    _check_numbers(kv, [f"{arch}.{k}" for k in _GGUF_NUMERIC]
+                   + ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"], where)
+    return check_config(_config_from_gguf(kv, tensor_shapes, arch, where), where)
+
+
+def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], arch: str,
+                      where: str) -> ModelConfig:
     family = GGUF_FAMILIES[arch]
 
     def need(key: str) -> Any:

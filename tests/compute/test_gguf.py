@@ -242,3 +242,18 @@ def test_smollm2_teacher_forced_logits_match_transformers(smollm2_path):
     assert ours.shape == (64, model.config.vocab_size) == ref.shape
     assert np.abs(ours - ref).max() <= 1e-3
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_bad_config_values_name_the_field(tmp_path, tiny):
+    _, hf_dir = tiny("qwen3_moe")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cases = [(dict(num_hidden_layers="three"), r"field 'num_hidden_layers' must be a number, got 'three'"),
+             (dict(num_key_value_heads=3), r"4 attention heads are not a multiple of 3 key/value heads"),
+             (dict(num_experts_per_tok=9), r"experts per token \(9\) must be within 1\.\.8")]
+    for i, (change, message) in enumerate(cases):
+        bad_dir = tmp_path / f"hf{i}"
+        bad_dir.mkdir()
+        (bad_dir / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
+        (bad_dir / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        with pytest.raises(ModelFileError, match=rf"config\.json: {message}"):
+            load_model(bad_dir)
