@@ -407,10 +407,11 @@ def main() -> None:
     parser.add_argument("--key", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if os.environ.get("BENCH_LOG"):
+    if os.environ.get("BENCH_LOG") or args._worker:  # a worker's log goes to <tmp>/<name>.log
         import logging
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name or 'main'} %(name)s: %(message)s")
+        logging.getLogger("aioice").setLevel(logging.WARNING)
     if args._worker or args._coordinator:
         PRODUCT_DEADLINE_MIN_S.append(_bench_timeouts())
     if args._worker:
