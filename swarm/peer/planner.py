@@ -17,8 +17,11 @@ Shares are proportional to capacity — the measured throughput, with the
 coordinator's counted at ``coordinator_share`` of its own because it also runs
 attention, routing and sampling. A worker never gets more weight bytes than its
 budget: its capped share goes back to the others (water-filling), and what no
-worker can hold stays with the coordinator. A peer whose round trip exceeds
-``MAX_RTT_S`` would stall every layer and gets nothing.
+worker can hold stays with the coordinator. The round trip sets each request's
+deadline rather than the shares: on a LAN it is far below a layer's compute,
+and a heartbeat RTT measured while a peer was still loading its model is
+inflated for a while. Only a peer whose round trip exceeds ``MAX_RTT_S`` —
+a link that would stall every layer — gets nothing.
 
 A plan carries the election term and a version that grows with each rebuild;
 the coordinator rebuilds it when membership changes and switches to the new one
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 from swarm.errors import RemoteProtocolError
 
-MAX_RTT_S = 0.25  # a worker slower to answer than this costs more per layer than it saves
+MAX_RTT_S = 5.0  # a link this slow to answer would stall every layer (seconds)
 COORDINATOR_SHARE = 0.5  # the coordinator also runs attention/routing/sampling
 
 

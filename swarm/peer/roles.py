@@ -45,6 +45,7 @@ import concurrent.futures as cf
 import logging
 import random
 import time
+from collections import Counter
 from typing import Any
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError, SwarmError
@@ -87,6 +88,9 @@ class SwarmRoles:
         self.node = node
         self.model = model
         self.model_hash = node.hello.model_hash
+        # The model this peer's swarm runs: its own, or (without one) the model most of its Python
+        # peers hold — a peer without a model must not bridge two swarms of different models.
+        self.swarm_model: str | None = self.model_hash
         if model is not None and model.content_hash() != self.model_hash:
             raise LocalProtocolError("the node's hello must name the hash of the model it serves")
         self.shape = ModelShape.from_config(model.config) if model is not None else None
@@ -240,6 +244,8 @@ class SwarmRoles:
             log.info("could not send %s to %s: %s", type(msg).__name__, link.peer_id, exc)
 
     def _receive(self, link: Any, msg: Any) -> None:
+        if link.peer_id not in self.election.members:
+            return  # refused peers (another model) and browser peers take no part in the election
         try:
             self.election.receive(link.peer_id, msg, time.monotonic())
         except RemoteProtocolError as exc:
@@ -267,18 +273,17 @@ class SwarmRoles:
                 if self.ffn is not None:
                     self._schedule_replan()
             return
-        peer = link.peer_id
-        # Eligible to lead: it holds the model — ours, or any if we hold none (refused below otherwise).
-        eligible = hello.model_hash is not None and self.model_hash in (None, hello.model_hash)
-        if hello.model_hash is not None and self.model_hash is not None and hello.model_hash != self.model_hash:
-            # Another model is another swarm in effect: no vote, no work (a member that could
-            # never vote for us would only block the quorum).
-            why = (f"peer {hello.name!r} ({peer}) holds model {hello.model_hash[:12]}…, "
-                   f"this swarm runs {self.model_hash[:12]}…")
-            self.refused[peer] = why
-            log.warning("refused %s", why)
-            self._spawn(self._send(link, Error(0, "model", f"refused: {why}")), "refuse")
+        if self.model is None and self._choose_model():
+            return  # every link, this one included, was weighed again
+        self._admit(link)
+
+    def _admit(self, link: Any) -> None:
+        """Make a Python peer a voting member (eligible when it holds this swarm's model), or
+        refuse it by name when it holds another model."""
+        hello, peer = link.hello, link.peer_id
+        if self._refuse_other_model(link):
             return
+        eligible = hello.model_hash is not None and self.swarm_model in (None, hello.model_hash)
         if self._shipper is not None:
             self._shipper.attach(link)  # answer its chunk requests, should it need slices
         elif hello.model_hash is not None and peer not in self._fetchers:
@@ -287,6 +292,43 @@ class SwarmRoles:
         if self.ffn is not None:
             self._schedule_replan()
         self._wake.set()
+
+    def _choose_model(self) -> bool:
+        """Without a model: this swarm's model is the one most linked Python peers hold (ties keep
+        the current choice). Returns True when the choice changed and every peer was re-admitted."""
+        counts = Counter(link.hello.model_hash for link in self.node.links.values()
+                         if link.hello is not None and link.hello.peer_kind == "python" and link.hello.model_hash)
+        if not counts:
+            return False
+        best = max(counts, key=lambda h: (counts[h], h == self.swarm_model))
+        if best == self.swarm_model:
+            return False
+        log.info("joining the swarm of model %s… (held by %d peer(s))", best[:12], counts[best])
+        self.swarm_model = best
+        for link in list(self.node.links.values()):
+            if link.hello is not None and link.hello.peer_kind == "python":
+                if link.hello.model_hash in (None, best):
+                    self.refused.pop(link.peer_id, None)
+                self._admit(link)
+        return True
+
+    def _refuse_other_model(self, link: Any) -> bool:
+        """Refuse ``link``'s peer by name if it holds another model than this swarm runs.
+
+        Another model is another swarm in effect: no vote, no work (a member that could
+        never vote for us would only block the quorum).
+        """
+        hello, peer = link.hello, link.peer_id
+        if hello.model_hash is None or self.swarm_model is None or hello.model_hash == self.swarm_model:
+            return False
+        why = (f"peer {hello.name!r} ({peer}) holds model {hello.model_hash[:12]}…, "
+               f"this swarm runs {self.swarm_model[:12]}…")
+        if peer not in self.refused:
+            self.refused[peer] = why
+            log.warning("refused %s", why)
+            self._spawn(self._send(link, Error(0, "model", f"refused: {why}")), "refuse")
+        self.election.remove_member(peer, time.monotonic())
+        return True
 
     def _link_down(self, peer: str) -> None:
         self._fetchers.pop(peer, None)
@@ -298,11 +340,14 @@ class SwarmRoles:
     def _workers(self) -> list[PeerCapacity]:
         out = []
         failed = self.ffn.failed if self.ffn is not None else set()
+        now = time.monotonic()
         for peer, link in self.node.links.items():
             h = link.hello
             if (h is None or h.model_hash not in (self.model_hash, None)
                     or peer in failed or peer in self.refused or h.memory_budget <= 0):
                 continue
+            if h.peer_kind == "python" and not self.election.reachable(peer, now):
+                continue  # silent (a killed process whose link has not timed out yet), or gone
             out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0))
         return out
 
@@ -406,6 +451,9 @@ class SwarmRoles:
     def _on_error(self, link: Any, msg: Error) -> None:
         if msg.request_id == 0:
             log.warning("peer %s: %s: %s", link.peer_id, msg.code, msg.message)
+            if msg.code == "model":  # it runs another model: it will never vote for us
+                self.refused.setdefault(link.peer_id, msg.message)
+                self.election.remove_member(link.peer_id, time.monotonic())
         elif self.ffn is not None:
             self.ffn.deliver(link.peer_id, msg)
 

@@ -4,7 +4,7 @@ official ``openai`` client, streaming, from inside a namespace); a worker killed
 changes no token; the coordinator killed → a new one within 5 s serves the next request; a
 peer holding another model is refused by name.
 
-The model is a tiny Mixtral (every layer MoE), so the tokens do not depend on where experts
+The model is a tiny OLMoE (every layer MoE, 8 experts), so the tokens do not depend on where experts
 run; the oracle is the engine run locally in this process on the same files.
 """
 
@@ -90,9 +90,9 @@ async def ask(lab, client: int, server: int, port: int, token: str, prompt: str,
 
 
 async def test_join_elect_generate_and_fail_over(netns_lab):
-    lab = netns_lab(4)
-    model_dir = add_char_tokenizer(build("mixtral", lab.workdir))
-    other_dir = add_char_tokenizer(build("mixtral", lab.workdir, variant=1))  # another model, another hash
+    lab = netns_lab(5)
+    model_dir = add_char_tokenizer(build("olmoe", lab.workdir))
+    other_dir = add_char_tokenizer(build("olmoe", lab.workdir, variant=1))  # another model, another hash
     key = SwarmKey(os.urandom(32))
     prompts = [p for p in ("hello swarm", "tell me more", "abc", "what is 2+2?", "zzz")
                if len(reference(model_dir, p)) >= KILL_AT + 4][:2]
@@ -100,19 +100,34 @@ async def test_join_elect_generate_and_fail_over(netns_lab):
     expected = [reference(model_dir, p) for p in prompts]
 
     def join(i, path):
-        return lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(path), "--key", key.code,
-                             "--name", f"host{i}"])
+        model = ["--model", str(path)] if path else ["--no-model"]
+        # One BLAS thread per "host": five of them share this machine's 2 cores, and spinning BLAS
+        # threads of one process would distort the FFN speed the others measure at start.
+        return lab.spawn(i, ["-m", "swarm", "-v", "join", *model, "--key", key.code, "--name", f"host{i}"],
+                         env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
 
-    procs = [join(i, model_dir) for i in range(3)] + [join(3, other_dir)]
-    docs = lambda: {i: read_status(lab, i) for i in range(3)}  # noqa: E731
+    # host0..2 hold the model, host3 another one, host4 none (its slices are shipped to it).
+    # One after the other: each measures its FFN speed at start, which must not be while the
+    # others load (this machine's 2 cores are shared by every "host").
+    procs = []
+    for i, path in ((0, model_dir), (1, model_dir), (2, model_dir), (4, None), (3, other_dir)):
+        procs.append(join(i, path))
+        await until(lambda: read_status(lab, i) is not None, 60, f"host{i} started", procs)
+    docs = lambda: {i: read_status(lab, i) for i in (0, 1, 2, 4)}  # noqa: E731
 
-    await until(lambda: coordinator_of(docs()) is not None, 60, "a coordinator planning over both workers", procs)
+    await until(lambda: coordinator_of(docs()) is not None, 60, "a coordinator planning over all three workers",
+                procs)
     c, doc = coordinator_of(docs())
-    ids = {i: docs()[i]["peer_id"] for i in range(3)}
+    ids = {i: docs()[i]["peer_id"] for i in (0, 1, 2, 4)}
+
+    # the peer without the model gets the slices the plan gives it, verified and cached
+    assert any(s[0] == ids[4] for spans in doc["placement"]["experts"].values() for s in spans), doc["placement"]
+    cache = lab.workdir / "ns4" / "cache" / "slices"
+    await until(lambda: any(cache.glob("*.bin")), 30, "host4's slices shipped", procs)
 
     # the peer with another model is refused by name, and gets no work
     stranger = read_status(lab, 3)
-    await until(lambda: "refused peer 'host3'" in procs[c].stderr_tail(20000), 20, "host3 refused", procs)
+    await until(lambda: "refused peer 'host3'" in procs[c].log_path.read_text(errors="replace"), 20, "host3 refused", procs)
     assert stranger is None or stranger["peer_id"] not in doc["placement"]["peers"]
 
     # a generation through the API, a worker killed at token 10: the same text as one machine
