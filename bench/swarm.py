@@ -22,6 +22,8 @@ needed for the namespace. Bytes are counted in the coordinator by wrapping each 
 
     sudo python3 bench/swarm.py [--models smollm2,olmoe] [--tokens 32] [--prompt-tokens 128]
 
+``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every peer process.
+
 Numbers depend on the machine and on what else runs on it; this one has 2 cores for all
 peers together, so the workers and the coordinator compete for CPU.
 """
@@ -45,6 +47,13 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# BLAS threads per peer process (set before numpy loads; inherited by the worker processes).
+# Several peers share this machine's cores: threaded BLAS would oversubscribe them, and its
+# spinning threads turn small decode matmuls into waits. The local baseline uses the same count.
+BLAS_THREADS = os.environ.setdefault("COLIBRI_BENCH_THREADS", "1")
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = BLAS_THREADS
 
 import numpy as np  # noqa: E402
 
@@ -423,7 +432,8 @@ def main() -> None:
         return
     results = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-                    "arch": platform.machine(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
+                    "arch": platform.machine(), "blas_threads_per_process": int(BLAS_THREADS),
+                    "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
         "models": {},
     }
     for name in args.models.split(","):
