@@ -2,7 +2,7 @@
 
 aioice skips 127.0.0.1, so :func:`run_in_netns` runs a coroutine's event loop in a thread that
 entered a new network namespace whose loopback carries an extra /32 address (root only; CI runs
-as root). The namespace is named ``csb-<random>`` and always deleted.
+as root). The namespace is named ``csb-<random>`` (or another prefix) and always deleted.
 """
 
 from __future__ import annotations
@@ -27,14 +27,17 @@ VERSION = wire.PROTOCOL_VERSION
 CLONE_NEWNET = 0x40000000
 
 
-def run_in_netns(coro_factory, timeout_s: float = 60.0):
-    """Run ``asyncio.run(coro_factory())`` in a thread inside a new network namespace."""
+def run_in_netns(coro_factory, timeout_s: float = 60.0, *, prefix: str = "csb", address: str = ADDRESS):
+    """Run ``asyncio.run(coro_factory())`` in a thread inside a new network namespace.
+
+    The namespace is named ``<prefix>-<random>`` and its loopback carries ``address``/32.
+    """
     require(os.geteuid() == 0, "root, for network namespaces (CI runs as root)")
-    name = f"csb-{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "-n", name, "addr", "add", f"{ADDRESS}/32", "dev", "lo"], check=True)
+        subprocess.run(["ip", "-n", name, "addr", "add", f"{address}/32", "dev", "lo"], check=True)
         outcome: dict = {}
 
         def target() -> None:

@@ -237,48 +237,10 @@ def test_cache_resumes_after_crash_and_rejoin_is_instant(tmp_path):
 
 
 def _run_in_netns(coro_factory, timeout_s: float = 90.0):
-    """``asyncio.run(coro_factory())`` in a thread inside a fresh network namespace.
+    """``asyncio.run(coro_factory())`` in a thread inside a fresh network namespace ``csd-…``."""
+    from tests.peer._links import run_in_netns
 
-    aioice skips 127.0.0.1, so the namespace's loopback gets an extra /32 address.
-    """
-    import asyncio
-    import ctypes
-    import os
-    import subprocess
-    import threading
-    import uuid
-
-    from tests.conftest import require
-
-    require(os.geteuid() == 0, "root, for network namespaces (CI runs as root)")
-    name = f"csd-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "-n", name, "addr", "add", "10.214.0.1/32", "dev", "lo"], check=True)
-        outcome: dict = {}
-
-        def target() -> None:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-            try:
-                if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-                    raise OSError(ctypes.get_errno(), "setns")
-            finally:
-                os.close(fd)
-            try:
-                outcome["value"] = asyncio.run(asyncio.wait_for(coro_factory(), timeout_s))
-            except BaseException as exc:  # re-raised in the test's thread
-                outcome["error"] = exc
-
-        thread = threading.Thread(target=target, name=name)
-        thread.start()
-        thread.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome.get("value")
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=True)
+    return run_in_netns(coro_factory, timeout_s, prefix="csd", address="10.214.0.1")
 
 
 async def _linked_pair(coordinator_id: str, worker_id: str):

@@ -12,12 +12,10 @@ thread, as in ``join``: RemoteFFN talks to the links through thread-safe hand-of
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import subprocess
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -30,46 +28,13 @@ from swarm.peer.roles import SwarmRoles
 from swarm.peer.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.conftest import require
+from tests.peer._links import run_in_netns
 from tests.peer._swarm_models import PROMPT, build, greedy
 
 ADDRESS = "10.214.0.1"
 FAST_LINKS = {"heartbeat_s": 0.2, "dead_after_s": 2.0}
-CLONE_NEWNET = 0x40000000
 
 pytestmark = pytest.mark.slow
-
-
-def run_in_netns(coro_factory, timeout_s: float):
-    """``asyncio.run(coro_factory())`` in a thread inside a new network namespace ``csc-…``."""
-    require(os.geteuid() == 0, "root, for network namespaces (CI runs as root)")
-    name = f"csc-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "-n", name, "addr", "add", f"{ADDRESS}/32", "dev", "lo"], check=True)
-        outcome: dict = {}
-
-        def target() -> None:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "setns")
-            finally:
-                os.close(fd)
-            try:
-                outcome["value"] = asyncio.run(asyncio.wait_for(coro_factory(), timeout_s))
-            except BaseException as exc:  # re-raised in the test's thread
-                outcome["error"] = exc
-
-        thread = threading.Thread(target=target, name=name)
-        thread.start()
-        thread.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome.get("value")
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=True)
 
 
 async def until(predicate, timeout_s: float, what: str) -> float:
@@ -165,7 +130,7 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
                 await p.stop()
             await server.stop()
 
-    run1, plan1, served1, run2, took, run3 = run_in_netns(main, timeout_s=240)
+    run1, plan1, served1, run2, took, run3 = run_in_netns(main, timeout_s=240, prefix="csc", address=ADDRESS)
     model = load_model(model_dir)
     ref = greedy(model, LocalFFN(model, plan1.dense_ranges()))
     assert run1[0] == ref[0]
@@ -194,7 +159,7 @@ def test_a_worker_without_the_model_gets_its_slices_shipped(tmp_path, monkeypatc
                 await p.stop()
             await server.stop()
 
-    run, plan, served, source, fallbacks = run_in_netns(main, timeout_s=120)
+    run, plan, served, source, fallbacks = run_in_netns(main, timeout_s=120, prefix="csc", address=ADDRESS)
     model = load_model(model_dir)
     ref = greedy(model, LocalFFN(model, plan.dense_ranges()))
     assert run[0] == ref[0] and all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
