@@ -29,3 +29,20 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("COLIBRI_SWARM_CACHE_DIR") or platformdirs.user_cache_dir(APP_NAME))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` with mode 0600, atomically (never a half-written secret).
+
+    The bytes go to a temporary file beside ``path`` (created 0600, exclusively) that then
+    replaces ``path``; on any error the temporary file is removed and the error re-raised.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -27,7 +27,6 @@ import base64
 import datetime
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from swarm.errors import IdentityError
+from swarm.paths import write_private
 
 log = logging.getLogger(__name__)
 
@@ -153,18 +153,6 @@ def identity_path() -> Path:
     return config_dir() / IDENTITY_FILE
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def load_or_create(now: datetime.datetime | None = None) -> Identity:
     """This device's identity from ``config_dir()``; created (0600) on first use, renewed when due.
 
@@ -177,7 +165,7 @@ def load_or_create(now: datetime.datetime | None = None) -> Identity:
         data = path.read_bytes()
     except FileNotFoundError:
         ident = Identity.generate(now)
-        _write_private(path, ident.to_pem())
+        write_private(path, ident.to_pem())
         log.info("created device identity %s in %s", ident.peer_id, path)
         return ident
     if path.stat().st_mode & 0o077:
@@ -186,6 +174,6 @@ def load_or_create(now: datetime.datetime | None = None) -> Identity:
     ident = Identity.from_pem(data, where=str(path))
     fresh = ident.renewed(now)
     if fresh is not ident:
-        _write_private(path, fresh.to_pem())
+        write_private(path, fresh.to_pem())
         log.info("renewed the DTLS certificate of %s (same key, same peer id)", ident.peer_id)
     return fresh

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from swarm.errors import KeyCodeError
+from swarm.paths import write_private
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +130,6 @@ def key_path() -> Path:
     return config_dir() / KEY_FILE
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600, atomically (never a half-written key)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def load() -> SwarmKey | None:
     """The stored swarm key, or None if there is none. KeyCodeError if the file is damaged."""
     path = key_path()
@@ -162,14 +149,14 @@ def load() -> SwarmKey | None:
 def store(code: str) -> SwarmKey:
     """Check ``code`` and store it as this machine's swarm key (``join --key CODE``)."""
     key = SwarmKey.from_code(code)
-    _write_private(key_path(), key.code + "\n")
+    write_private(key_path(), (key.code + "\n").encode("ascii"))
     return key
 
 
 def create() -> SwarmKey:
     """Make and store a new random swarm key, replacing any stored one (``key --new``)."""
     key = SwarmKey.generate()
-    _write_private(key_path(), key.code + "\n")
+    write_private(key_path(), (key.code + "\n").encode("ascii"))
     return key
 
 
