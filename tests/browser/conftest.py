@@ -100,3 +100,17 @@ def b64(a: np.ndarray) -> str:
 
 def unb64(s: str, dtype) -> np.ndarray:
     return np.frombuffer(base64.b64decode(s), dtype)
+
+
+def ffn_block(rng, t, h, f):
+    """A random SwiGLU FFN block: ``x`` [t, h], ``wg``/``wu`` [f, h], ``wd`` [h, f], float32, fan-in scaled."""
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    wg = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
+    wu = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
+    wd = (rng.standard_normal((h, f)) / np.sqrt(f)).astype(np.float32)
+    return x, wg, wu, wd
+
+
+def rel_error(got, ref):
+    """max |got - ref| / max |ref|, in float64."""
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())

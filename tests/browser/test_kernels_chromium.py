@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.browser.conftest import b64, unb64
+from tests.browser.conftest import b64, ffn_block, rel_error, unb64
 from web_peer import kernels as K
 
 pytestmark = pytest.mark.browser
@@ -29,18 +29,6 @@ RUN_FFN = """async ({x, wg, wu, wd, t, h, f, fmt, maxBinding, workgroupSize, ran
 }"""
 
 
-def _block(rng, t, h, f):
-    x = rng.standard_normal((t, h)).astype(np.float32)
-    wg = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
-    wu = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
-    wd = (rng.standard_normal((h, f)) / np.sqrt(f)).astype(np.float32)
-    return x, wg, wu, wd
-
-
-def _rel(got, ref):
-    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
-
-
 def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=None, ranges=None):
     (t, h), f = x.shape, wg.shape[0]
     r = page.evaluate(RUN_FFN, dict(x=b64(x), wg=b64(wg), wu=b64(wu), wd=b64(wd), t=t, h=h, f=f, fmt=fmt,
@@ -53,26 +41,26 @@ def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=None, ranges
 @pytest.mark.parametrize("shape", [(1, 64, 128), (13, 576, 512)])
 def test_expert_ffn_in_chromium_matches_twin(page, fmt, shape):
     rng = np.random.default_rng(11)
-    x, wg, wu, wd = _block(rng, *shape)
+    x, wg, wu, wd = ffn_block(rng, *shape)
     r = _run(page, x, wg, wu, wd, fmt)
     assert r["formats"] == ["f32", "q8"]  # SwiftShader has no shader-f16
     eff = [K.as_format(w, fmt) for w in (wg, wu, wd)]
-    assert _rel(r["ys"][0], K.expert_ffn(x, *eff)) <= 1e-5
-    assert _rel(r["ys"][0], K.expert_ffn_f64(x, *eff)) <= 1e-5
+    assert rel_error(r["ys"][0], K.expert_ffn(x, *eff)) <= 1e-5
+    assert rel_error(r["ys"][0], K.expert_ffn_f64(x, *eff)) <= 1e-5
 
 
 def test_dense_ranges_and_phone_limits_in_chromium(page):
     # Uneven intermediate ranges with bindings capped at 16 KiB: every partial matches its twin,
     # the partials sum to the whole MLP, and no buffer bound exceeds the cap.
     rng = np.random.default_rng(12)
-    x, wg, wu, wd = _block(rng, 11, 576, 250)
+    x, wg, wu, wd = ffn_block(rng, 11, 576, 250)
     cuts = [0, 37, 128, 250]
     r = _run(page, x, wg, wu, wd, "f32", max_binding=16 << 10, workgroup_size=32,
              ranges=list(zip(cuts, cuts[1:])))
     assert r["largest"] <= 16 << 10
     for (a, b), y in zip(zip(cuts, cuts[1:]), r["ys"]):
-        assert _rel(y, K.dense_range(x, wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]))) <= 1e-5
-    assert _rel(sum(r["ys"]), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+        assert rel_error(y, K.dense_range(x, wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]))) <= 1e-5
+    assert rel_error(sum(r["ys"]), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "q8"])

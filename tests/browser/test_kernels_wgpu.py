@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from swarm.errors import KernelError
+from tests.browser.conftest import ffn_block, rel_error
 from tests.conftest import require
 from web_peer import kernels as K
 
@@ -36,18 +37,6 @@ def gpu():
     return _gpu()
 
 
-def _block(rng, t, h, f):
-    x = rng.standard_normal((t, h)).astype(np.float32)
-    wg = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
-    wu = (rng.standard_normal((f, h)) / np.sqrt(h)).astype(np.float32)
-    wd = (rng.standard_normal((h, f)) / np.sqrt(f)).astype(np.float32)
-    return x, wg, wu, wd
-
-
-def _rel(got, ref):
-    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
-
-
 def test_lavapipe_has_shader_f16(gpu):
     # The design relies on lavapipe to test the f16 path; without the feature that path is untested.
     assert gpu.has_f16, f"adapter {gpu.adapter.info['device']} lacks shader-f16"
@@ -58,27 +47,27 @@ def test_lavapipe_has_shader_f16(gpu):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_expert_ffn_matches_twin(gpu, fmt, shape):
     rng = np.random.default_rng(hash((fmt, shape)) % 2**32)
-    x, wg, wu, wd = _block(rng, *shape)
+    x, wg, wu, wd = ffn_block(rng, *shape)
     y = gpu.ffn(x, gpu.upload(wg, wu, wd, fmt))
     assert y.shape == (shape[0], shape[1]) and y.dtype == np.float32
     eff = [K.as_format(w, fmt) for w in (wg, wu, wd)]  # what the kernel multiplies by
-    assert _rel(y, K.expert_ffn(x, *eff)) <= 1e-5
-    assert _rel(y, K.expert_ffn_f64(x, *eff)) <= 1e-5
+    assert rel_error(y, K.expert_ffn(x, *eff)) <= 1e-5
+    assert rel_error(y, K.expert_ffn_f64(x, *eff)) <= 1e-5
     # Against the original float32 weights: exact for f32, the format's rounding otherwise.
-    assert _rel(y, K.expert_ffn_f64(x, wg, wu, wd)) <= {"f32": 1e-5, "f16": 2e-3, "q8": 3e-2}[fmt]
+    assert rel_error(y, K.expert_ffn_f64(x, wg, wu, wd)) <= {"f32": 1e-5, "f16": 2e-3, "q8": 3e-2}[fmt]
 
 
 def test_dense_ranges_sum_to_full_mlp(gpu):
     # A dense MLP cut into intermediate ranges: partials summed in range order = the full MLP.
     rng = np.random.default_rng(7)
-    x, wg, wu, wd = _block(rng, 3, 96, 250)
+    x, wg, wu, wd = ffn_block(rng, 3, 96, 250)
     cuts = [0, 37, 128, 250]  # uneven, not multiples of 4: the host pads each range
     total = np.zeros((3, 96), np.float32)
     for a, b in zip(cuts, cuts[1:]):
         part = gpu.ffn(x, gpu.upload(wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]), "f32"))
-        assert _rel(part, K.dense_range(x, wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]))) <= 1e-5
+        assert rel_error(part, K.dense_range(x, wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]))) <= 1e-5
         total += part
-    assert _rel(total, K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+    assert rel_error(total, K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8"])
@@ -88,13 +77,13 @@ def test_phone_limits_split_bindings(fmt):
     cap = 16 << 10
     gpu = _gpu(max_binding=cap, workgroup_size=32)
     rng = np.random.default_rng(3)
-    x, wg, wu, wd = _block(rng, 11, 576, 700)
+    x, wg, wu, wd = ffn_block(rng, 11, 576, 700)
     w = gpu.upload(wg, wu, wd, fmt)
     assert len(w.gate.packed.parts) > 4 and len(w.down.packed.parts) > 1
     y = gpu.ffn(x, w)
     assert gpu.largest_binding <= cap
     eff = [K.as_format(m, fmt) for m in (wg, wu, wd)]
-    assert _rel(y, K.expert_ffn_f64(x, *eff)) <= 1e-5
+    assert rel_error(y, K.expert_ffn_f64(x, *eff)) <= 1e-5
 
 
 def test_workgroup_size_override_within_limits():
@@ -102,8 +91,8 @@ def test_workgroup_size_override_within_limits():
         _gpu(workgroup_size=4096)
     gpu = _gpu(workgroup_size=256)
     rng = np.random.default_rng(4)
-    x, wg, wu, wd = _block(rng, 9, 128, 64)
-    assert _rel(gpu.ffn(x, gpu.upload(wg, wu, wd, "f32")), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+    x, wg, wu, wd = ffn_block(rng, 9, 128, 64)
+    assert rel_error(gpu.ffn(x, gpu.upload(wg, wu, wd, "f32")), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
 def test_row_larger_than_binding_is_refused():
@@ -115,7 +104,7 @@ def test_row_larger_than_binding_is_refused():
 
 def test_bad_inputs_are_refused(gpu):
     rng = np.random.default_rng(5)
-    x, wg, wu, wd = _block(rng, 2, 32, 16)
+    x, wg, wu, wd = ffn_block(rng, 2, 32, 16)
     w = gpu.upload(wg, wu, wd, "f32")
     with pytest.raises(KernelError, match="columns"):
         gpu.ffn(x[:, :31].copy(), w)
@@ -133,7 +122,7 @@ def test_bad_inputs_are_refused(gpu):
 def test_lost_device_fails_the_request_then_recovers():
     gpu = _gpu()
     rng = np.random.default_rng(6)
-    x, wg, wu, wd = _block(rng, 4, 64, 48)
+    x, wg, wu, wd = ffn_block(rng, 4, 64, 48)
     w = gpu.upload(wg, wu, wd, "f32")
     gpu.device.destroy()  # the GPU goes away under a live request
     with pytest.raises(KernelError):
@@ -141,7 +130,7 @@ def test_lost_device_fails_the_request_then_recovers():
     with pytest.raises(KernelError, match="upload them again"):
         gpu.ffn(x, w)  # stale weights are never used on the fresh device
     w = gpu.upload(wg, wu, wd, "f32")
-    assert _rel(gpu.ffn(x, w), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+    assert rel_error(gpu.ffn(x, w), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
 def test_q8_packing_round_trip():
