@@ -38,3 +38,18 @@ def smollm2_model(smollm2_path):
     from swarm.compute import load_model
 
     return load_model(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family → (transformers model, checkpoint dir); built lazily, once per module."""
+    from tests.compute.tiny_models import build_tiny
+
+    built: dict = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = build_tiny(family, tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get

@@ -6,24 +6,11 @@ import numpy as np
 import pytest
 
 from swarm.compute import SamplingParams, generate, load_model
-from tests.compute.tiny_models import (DENSE_FAMILIES, MOE_FAMILIES, TINY, build_tiny, hf_greedy,
+from tests.compute.tiny_models import (DENSE_FAMILIES, MOE_FAMILIES, TINY, hf_greedy,
                                        hf_logits, save_stacked)
 
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(0, 96, 12)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """family → (transformers model, checkpoint dir); built lazily, once per module."""
-    built: dict = {}
-
-    def get(family):
-        if family not in built:
-            built[family] = build_tiny(family, tmp_path_factory.mktemp(family))
-        return built[family]
-
-    return get
 
 
 def chunked_logits(model, tokens):

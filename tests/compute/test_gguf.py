@@ -14,7 +14,7 @@ from swarm.compute import load_model
 from swarm.compute.tensors import GGUFFile
 from swarm.errors import ModelFileError
 from tests.compute.tiny_gguf import write_gguf_from_hf
-from tests.compute.tiny_models import TINY, build_tiny, hf_logits
+from tests.compute.tiny_models import TINY, hf_logits
 
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(0, 96, 12)]
 COLS = 512  # a multiple of every block size (32 and 256)
@@ -97,18 +97,6 @@ def test_dequantize_only_types_load(tmp_path, qtype):
 
 
 # ---- whole models --------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    built: dict = {}
-
-    def get(family):
-        if family not in built:
-            built[family] = build_tiny(family, tmp_path_factory.mktemp(family))
-        return built[family]
-
-    return get
-
-
 @pytest.mark.parametrize("family", list(TINY))
 def test_gguf_of_each_family_matches_transformers(tiny, family, tmp_path):
     hf, _ = tiny(family)
