@@ -20,18 +20,6 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from swarm.compute.default_model import default_model_path
-    from swarm.compute.model import load_model
-    from swarm.compute.tokenizer import load_tokenizer
-
-    path = default_model_path()
-    model, tokenizer = load_model(path), load_tokenizer(path)
-    model.materialize()
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
 def oracle(engine):
     """prompt -> (text, completion token count, finish_reason) of the local greedy run."""
     from swarm.compute.sampling import SamplingParams, generate

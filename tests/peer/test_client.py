@@ -23,18 +23,6 @@ MAX_TOKENS = 5
 PROMPTS = ["What is the capital of France?", "Name a color."]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from swarm.compute.default_model import default_model_path
-    from swarm.compute.model import load_model
-    from swarm.compute.tokenizer import load_tokenizer
-
-    path = default_model_path()
-    model, tokenizer = load_model(path), load_tokenizer(path)
-    model.materialize()
-    return model, tokenizer
-
-
 _ORACLE: dict[str, str] = {}
 
 
