@@ -124,6 +124,10 @@ async def _tcp_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) 
             await writer.drain()
     except asyncio.IncompleteReadError:
         writer.close()
+    except asyncio.CancelledError:
+        # Shutdown while a connection is still open: end quietly (Python 3.11's stream callback
+        # logs a traceback for a handler task that ends cancelled).
+        writer.close()
 
 
 # -- measurements ------------------------------------------------------------------------------
