@@ -19,6 +19,39 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{what} must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a percentage from 0 to 100, got {text!r}") from None
+    if not 0.0 <= value <= 100.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"a percentage from 0 to 100, got {text!r}")
+    return value
+
+
+def _signal_url(text: str) -> str:
+    from swarm.signaling.client import signaling_url
+
+    try:
+        signaling_url(text)
+    except (SwarmError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (example: https://192.168.1.20:8443)") from None
+    return text
+
+
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -33,7 +66,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = all")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--seed", type=_int_at_least(0, "the seed"), default=None, help="random seed for sampling (≥ 0)")
     p.add_argument("--system", metavar="TEXT", help="system prompt for the chat template")
 
 
@@ -98,15 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", metavar="URL", help="the coordinator's API base URL (default: found by mDNS)")
     p.set_defaults(func=_chat)
 
-    p = sub.add_parser("join", help="make this machine a peer of the swarm on this LAN")
+    p = sub.add_parser("join", help="make this machine a peer of the swarm on this LAN",
+                       description="Make this machine a peer: find the swarm by mDNS (or host its signaling "
+                       "server), link to the other peers, elect a coordinator, and compute its share.")
     _add_model_arg(p)
     p.add_argument("--key", metavar="CODE", help="the swarm key code (stored for next time)")
-    p.add_argument("--signal", metavar="URL", help="signaling server URL; skips mDNS discovery")
+    p.add_argument("--signal", metavar="URL", type=_signal_url,
+                   help="signaling server as https://HOST:PORT (or HOST:PORT); skips mDNS discovery")
     p.add_argument("--name", metavar="NAME", help="a name for this peer, shown in status")
-    p.add_argument("--verify", type=float, default=0.0, metavar="PERCENT",
+    p.add_argument("--verify", type=_percent, default=0.0, metavar="PERCENT",
                    help="recompute this share of remote answers locally; stop on a mismatch")
     p.add_argument("--no-model", action="store_true", help="join as a worker without the model (weights are shipped)")
-    p.add_argument("--memory", metavar="MIB", type=int, help="memory budget for weights in MiB")
+    p.add_argument("--memory", metavar="MIB", type=_int_at_least(1, "the memory budget (MiB)"),
+                   help="memory budget for weights in MiB")
     p.set_defaults(func=_join)
 
     p = sub.add_parser("key", help="show the swarm key as a code and a QR code (creates one if none)")
@@ -115,7 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="print the swarm: peers, roles, placement, timings")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--signal", metavar="URL", help="signaling server URL; skips mDNS discovery")
     p.set_defaults(func=_status)
     return parser
 

@@ -40,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.seed is not None and self.seed < 0:  # numpy's default_rng refuses negative seeds
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -198,12 +198,16 @@ class Rendezvous:
             client = await (self._connect_fixed() if self.signal_url else self._find_or_host(delay))
 
     async def _connect_fixed(self) -> SignalingClient:
+        attempt = 0
         while True:
             try:
                 return await SignalingClient.connect(self.signal_url, self.swarm_key, self.peer_id, kind=self.kind,
                                                      name=self.name, fingerprint=self.fingerprint)
             except SignalingUnavailableError as exc:
-                log.info("%s; retrying", exc)
+                # The first failure is shown to the user (a wrong --signal would otherwise look like a hang).
+                log.log(logging.WARNING if attempt == 0 else logging.INFO,
+                        "%s; retrying every %.0f s (check --signal)", exc, RECONNECT_S)
+                attempt += 1
                 await asyncio.sleep(RECONNECT_S)
 
     async def _find_or_host(self, delay: float) -> SignalingClient:
