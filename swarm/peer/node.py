@@ -375,7 +375,7 @@ def _swarm_key(args: Any, swarmkey: Any) -> tuple[SwarmKey, bool]:
 
 def _print_header(console: Any, node: Node) -> None:
     rv = node.rendezvous
-    console.print(f"swarm [bold]{node.swarm_id}[/]  peer [bold]{node.peer_id}[/] ({node.name})  role {node.role} (until the election decides)")
+    console.print(f"swarm [bold]{node.swarm_id}[/]  peer [bold]{node.peer_id}[/] ({node.name})  electing a coordinator…")
     if rv.server is not None:
         console.print(f"hosting signaling on port {rv.server.port}, certificate SHA-256 {rv.server.certificate.fingerprint}")
     elif rv.client is not None:
