@@ -38,13 +38,14 @@ def read_status(path: Path | None = None, now: float | None = None) -> dict[str,
     if not isinstance(doc, dict) or not isinstance(doc.get("pid"), int) or not isinstance(doc.get("updated"), (int, float)):
         raise SwarmError(f"the status file {path} is not one written by `colibri-swarm join`")
     age = (time.time() if now is None else now) - doc["updated"]
-    if not _alive(doc["pid"]) or age > STALE_AFTER_S:
+    if not pid_alive(doc["pid"]) or age > STALE_AFTER_S:
         raise SwarmError(f"the peer that wrote {path} (pid {doc['pid']}) is not running "
                          f"(last update {age:.0f} s ago); start one with `colibri-swarm join`")
     return doc
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (signal 0; one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

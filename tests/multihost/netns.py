@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from swarm.peer.status import pid_alive
+
 PREFIX = "csa"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _lab_numbers = itertools.count()
@@ -62,18 +64,8 @@ def remove_stale_namespaces() -> None:
     for line in ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         m = re.fullmatch(rf"{PREFIX}-(\d+)-\w+", name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             ip("netns", "del", name, check=False)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class NsProcess:
