@@ -29,6 +29,7 @@ Needs root and iproute2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -221,6 +222,41 @@ class NetnsLab:
         """Run a command inside namespace ``i`` and wait for it (for checks like ``ip addr``)."""
         return subprocess.run(["ip", "netns", "exec", self.namespaces[i], *argv],
                               capture_output=True, text=True, timeout=60)
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def stop(self, i: int) -> None:
+        """SIGSTOP every process running in namespace ``i``: a stalled machine (sockets stay
+        open, nothing answers)."""
+        self._signal_ns(i, signal.SIGSTOP)
+
+    def cont(self, i: int) -> None:
+        """SIGCONT the processes of namespace ``i`` after :meth:`stop`."""
+        self._signal_ns(i, signal.SIGCONT)
+
+    def _signal_ns(self, i: int, sig: int) -> None:
+        for proc in self.processes:
+            if proc.namespace == self.namespaces[i] and proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, sig)
+
+    def link_down(self, i: int) -> None:
+        """Take namespace ``i``'s interface down (its side of the cable): no packet in or out."""
+        ip("-n", self.namespaces[i], "link", "set", "eth0", "down")
+
+    def link_up(self, i: int) -> None:
+        """Bring namespace ``i``'s interface back (address and multicast route restored)."""
+        ns = self.namespaces[i]
+        ip("-n", ns, "link", "set", "eth0", "up")
+        # Taking a link down drops its routes; the multicast route is ours, so restore it.
+        ip("-n", ns, "route", "replace", "224.0.0.0/4", "dev", "eth0")
+
+    def mcast_block(self, blocked: bool = True) -> None:
+        """Stop (or resume) the bridge flooding multicast to its ports: mDNS between namespaces
+        goes, unicast stays (a guest Wi-Fi that isolates multicast)."""
+        for i in range(self.n):
+            ip("-n", self.switch, "link", "set", f"p{i}", "type", "bridge_slave", "mcast_flood",
+               "off" if blocked else "on")
 
     def close(self) -> None:
         """Kill every process this lab started and delete its namespaces (veths and bridge go with them)."""
