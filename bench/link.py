@@ -40,24 +40,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hashlib  # noqa: E402
 
 import numpy as np  # noqa: E402
-from aiortc.rtcdtlstransport import RTCCertificate  # noqa: E402
 
 from swarm.peer import wire  # noqa: E402
+from swarm.peer.identity import Identity  # noqa: E402
 from swarm.peer.link import Link, new_peer_connection  # noqa: E402
 from swarm.peer.messages import Hello, NumericBuild, WeightChunk  # noqa: E402
 from swarm.peer.swarmkey import SwarmKey  # noqa: E402
 
 KEY = SwarmKey(bytes(range(32)))  # both processes must hold the same swarm key
-PEERS = {True: "a" * 26, False: "b" * 26}  # offerer, answerer
 RAW_CHANNEL_ID = 2
 CHUNK = 256 << 10  # bytes per bulk message: the aiortc max-message-size, one frame each
 
 
 def _make_link(offerer: bool) -> Link:
-    cert = RTCCertificate.generateCertificate()
+    identity = Identity.generate()  # a Python peer's id is the hash of its certificate key
+    cert = identity.rtc_certificate()
     pc, channel = new_peer_connection(cert)
     build = NumericBuild(package="bench", numpy=np.__version__, blas="?", arch="?", kernel_dtype="f32")
-    hello = Hello(peer_id=PEERS[offerer], protocol_version=wire.PROTOCOL_VERSION, build=build, model_hash=None,
+    hello = Hello(peer_id=identity.peer_id, protocol_version=wire.PROTOCOL_VERSION, build=build, model_hash=None,
                   memory_budget=0, ffn_gflops=0.0, peer_kind="python", adapter_limits={}, adapter_features=(),
                   name="bench")
     link = Link(pc, channel, certificate=cert, auth_key=KEY.channel_auth_key, local_hello=hello, offerer=offerer)

@@ -1,7 +1,7 @@
 """Device identity: a long-term ECDSA P-256 key pair, its self-signed DTLS certificate, the peer id.
 
 * **Key**: ECDSA on P-256 — aiortc's DTLS (OpenSSL, cipher list ``ECDHE-ECDSA-*``) and browsers
-  accept it; Ed25519 certificates fail the DTLS handshake (DESIGN §9).
+  accept it; Ed25519 certificates fail the DTLS handshake (docs/architecture.md, "Links").
 * **Certificate**: self-signed X.509, SHA-256 signature, subject CN = peer id, valid for 10 years
   and renewed with the same key when less than 30 days remain, so the peer id never changes.
   WebRTC checks the certificate only against the SDP fingerprint, never against a CA.
@@ -12,13 +12,10 @@
 * **Storage**: ``config_dir()/identity.pem`` (PKCS#8 key + certificate, PEM), mode 0600,
   created once and reused.
 
-aiortc hook: ``RTCPeerConnection`` makes a fresh certificate in ``__init__`` and keeps it in the
-name-mangled attribute ``_RTCPeerConnection__certificates`` (a list of ``RTCCertificate``), which
-it reads when it creates the DTLS transport (``__createDtlsTransport``, on the first
-``createOffer``/``setRemoteDescription``). :meth:`Identity.install` replaces that list right
-after construction; aiortc 1.16 has no public way to pass a certificate. The remote certificate
-of an open connection is ``dtls_transport._ssl.get_peer_certificate(as_cryptography=True)``;
-:func:`peer_id_of_certificate` turns it into the peer id the remote must claim.
+A peer connection uses this certificate through :func:`swarm.peer.rtc.set_certificate`
+(:meth:`Identity.rtc_certificate` gives aiortc's form); the link reads the remote's with
+:func:`swarm.peer.rtc.remote_certificate`, and :func:`peer_id_of_certificate` turns it into the
+peer id a Python peer must claim.
 """
 
 from __future__ import annotations
@@ -108,17 +105,6 @@ class Identity:
         from aiortc.rtcdtlstransport import RTCCertificate
 
         return RTCCertificate(key=self.key, cert=self.certificate)
-
-    def install(self, pc) -> None:
-        """Make ``pc`` (a fresh ``aiortc.RTCPeerConnection``) use this certificate for DTLS.
-
-        Call before ``createOffer``/``setRemoteDescription``. Uses aiortc's private attribute
-        (module docstring); raises IdentityError if this aiortc no longer has it.
-        """
-        attr = "_RTCPeerConnection__certificates"
-        if not hasattr(pc, attr):
-            raise IdentityError("this aiortc has no RTCPeerConnection certificate hook; see swarm/peer/identity.py")
-        setattr(pc, attr, [self.rtc_certificate()])
 
     def to_pem(self) -> bytes:
         key = self.key.private_bytes(

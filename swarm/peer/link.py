@@ -13,10 +13,14 @@ It goes through these states, in this order only::
   channel with the local certificate's fingerprint and the fingerprint parsed from the *remote
   SDP* — the thing a malicious relay could substitute. A relay that rewrites ``a=fingerprint``
   either breaks aiortc's own DTLS check (no channel) or, if it terminates DTLS itself, cannot
-  produce the HMAC that binds both fingerprints (DESIGN §6). Nothing else is accepted before the
-  proof; any other byte closes the link.
+  produce the HMAC that binds both fingerprints (docs/security.md §4). Nothing else is accepted
+  before the proof; any other byte closes the link.
 * GREETING: both sides send a :class:`~swarm.peer.messages.Hello`; another protocol version is
-  refused with :class:`~swarm.errors.VersionMismatchError` naming both versions.
+  refused with :class:`~swarm.errors.VersionMismatchError` naming both versions. A remote whose
+  Hello says it is a Python peer must hold the key its peer id names: the SPKI of the certificate
+  it presented in DTLS must hash to that id (:func:`~swarm.peer.identity.peer_id_of_certificate`),
+  or the link closes with :class:`~swarm.errors.AuthenticationError` naming both ids. Browser
+  peers cannot export their DTLS key, so their ids are bound by the channel proof only.
 * OPEN: messages are wire frames (:mod:`swarm.peer.wire`), split to the remote's SCTP
   max-message-size and reassembled with a bounded buffer; sending waits on ``bufferedAmount``
   (backpressure); heartbeats every :data:`HEARTBEAT_S` measure RTT (the remote echoes each
@@ -38,28 +42,24 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiortc.rtcsctptransport as _sctp
 from aiortc import RTCConfiguration, RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.exceptions import InvalidAccessError, InvalidStateError
 from aiortc.rtcdtlstransport import RTCCertificate
 
 from swarm.errors import (
     AuthenticationError,
+    IdentityError,
     LocalProtocolError,
     PeerLostError,
     RemoteProtocolError,
     SwarmError,
     VersionMismatchError,
 )
-from swarm.peer import auth, messages, wire
+from swarm.peer import auth, messages, rtc, wire
+from swarm.peer.identity import peer_id_of_certificate
 from swarm.peer.messages import Error, Heartbeat, Hello
 
 log = logging.getLogger(__name__)
-
-# aiortc's SCTP minimum retransmission timeout is 1 s (RFC 4960's conservative default for the
-# Internet). On a LAN the RTT is ~1 ms, so one lost packet stalls a small exchange for a full
-# second; 0.1 s keeps retransmits rare on loopback while removing those stalls (DESIGN §9).
-SCTP_RTO_MIN_S = 0.1
 
 HEARTBEAT_S = 1.0  # seconds between heartbeats on an open link
 DEAD_AFTER_S = 5.0  # seconds without any inbound byte before the link is declared dead
@@ -79,11 +79,6 @@ SEND_LOW_WATER = 256 << 10
 
 # RFC 8841 §6: assume 64 KiB when the remote SDP names no a=max-message-size.
 DEFAULT_MAX_MESSAGE_SIZE = wire.DEFAULT_REMOTE_MAX_MESSAGE_SIZE
-
-
-def configure_aiortc() -> None:
-    """Apply the process-wide aiortc tuning this package relies on (idempotent)."""
-    _sctp.SCTP_RTO_MIN = SCTP_RTO_MIN_S
 
 
 class LinkState(enum.Enum):
@@ -123,12 +118,12 @@ def new_peer_connection(certificate: RTCCertificate) -> tuple[RTCPeerConnection,
     """A peer connection using ``certificate`` for DTLS, with the link's data channel created.
 
     No ICE servers: aiortc's default public STUN host stalls set-up by ~5 s on a LAN with a
-    default route (DESIGN §9). The certificate is set through aiortc's private attribute, the only
-    way it offers today.
+    default route (docs/architecture.md, "Links"). The certificate and the SCTP tuning go
+    through :mod:`swarm.peer.rtc`.
     """
-    configure_aiortc()
+    rtc.configure_aiortc()
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    pc._RTCPeerConnection__certificates = [certificate]  # type: ignore[attr-defined]
+    rtc.set_certificate(pc, certificate)
     channel = pc.createDataChannel(CHANNEL_LABEL, negotiated=True, id=CHANNEL_ID, ordered=True)
     return pc, channel
 
@@ -149,7 +144,12 @@ class Link:
 
     Attributes: ``peer_id`` (the authenticated remote peer id, ``str``), ``hello`` (the remote
     ``Hello``), ``rtt_s`` (median of recent heartbeat round-trip times in seconds, ``None`` until measured),
-    ``state`` (:class:`LinkState`), ``close_reason`` (``str`` once closed).
+    ``state`` (:class:`LinkState`), ``close_reason`` (``str`` once closed), :attr:`last_heard`.
+
+    ``expected_peer_id``: the id the remote must prove (the sender signaling stamped on its
+    offer or answer). ``remote_kind``: ``"python"`` or ``"browser"`` when signaling said which
+    the remote is; its Hello must then say the same, so a Python peer cannot pass for a browser
+    to dodge the certificate check.
     """
 
     def __init__(
@@ -162,6 +162,7 @@ class Link:
         local_hello: Hello,
         offerer: bool,
         expected_peer_id: str | None = None,
+        remote_kind: str | None = None,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         heartbeat_s: float = HEARTBEAT_S,
         dead_after_s: float = DEAD_AFTER_S,
@@ -172,6 +173,7 @@ class Link:
         self.local_peer_id = local_hello.peer_id
         self.local_hello = local_hello
         self.expected_peer_id = expected_peer_id
+        self.remote_kind = remote_kind
         self.state = LinkState.CONNECTING
         self.peer_id: str | None = None
         self.hello: Hello | None = None
@@ -264,6 +266,11 @@ class Link:
     @property
     def is_open(self) -> bool:
         return self.state is LinkState.OPEN
+
+    @property
+    def last_heard(self) -> float:
+        """When the remote last sent anything (heartbeats included), ``time.monotonic()`` seconds."""
+        return self._last_heard
 
     def on_close(self, callback: Callable[[Link], None]) -> None:
         """Call ``callback(link)`` once, when the link closes for any reason."""
@@ -473,6 +480,20 @@ class Link:
     def _check_hello(self, hello: Hello) -> None:
         if hello.peer_id != self.peer_id:
             raise AuthenticationError(f"Hello names peer {hello.peer_id}, but the channel proved {self.peer_id}")
+        if self.remote_kind is not None and hello.peer_kind != self.remote_kind:
+            raise AuthenticationError(
+                f"peer {hello.peer_id} joined signaling as a {self.remote_kind} peer but its Hello says {hello.peer_kind}"
+            )
+        if hello.peer_kind == "python":
+            try:
+                certified = peer_id_of_certificate(rtc.remote_certificate(self.pc))
+            except IdentityError as exc:
+                raise AuthenticationError(f"peer {hello.peer_id}'s DTLS certificate: {exc}") from None
+            if certified != hello.peer_id:
+                raise AuthenticationError(
+                    f"peer {hello.peer_id} presented the DTLS certificate of peer {certified}: "
+                    "a Python peer's id must be the hash of its certificate key (it claims another peer's id)"
+                )
         ours = self.local_hello.protocol_version
         if hello.protocol_version != ours:
             raise VersionMismatchError(

@@ -11,11 +11,14 @@ mDNS, so any signaling path (the rendezvous, a test bus) can drive it.
   so two peers never offer to each other at once). It keeps dialing, with a pause of
   :data:`RETRY_S` between attempts, while the other peer is present and no link is open.
 * Browser peers connect to the coordinator only, and always offer (Chrome forms the link
-  through peer-reflexive candidates when it offers; DESIGN §9). The mesh answers them only while
+  through peer-reflexive candidates when it offers). The mesh answers them only while
   ``accept_browsers()`` says so.
 * A link lives as long as its heartbeats: a peer that drops off signaling (the signaling host
   left) keeps its link. An offer from a peer we already have a link to means that peer started
   over; the old link is closed and the new one replaces it.
+* Every link must prove the id signaling stamped on its signals, and the kind of peer signaling
+  announced; a Python peer's id must also be the hash of its DTLS certificate key
+  (:mod:`swarm.peer.link`), so a member cannot stand in for another.
 
 Signals are JSON objects: ``{"type": "offer"|"answer", "sdp": str, "session": str}`` and
 ``{"type": "candidate", "candidate": str, "sdpMid": str, "sdpMLineIndex": int, "session": str}``
@@ -172,8 +175,10 @@ class Mesh:
 
     def _new_link(self, peer_id: str, offerer: bool) -> Link:
         pc, channel = new_peer_connection(self._certificate)
-        link = Link(pc, channel, certificate=self._certificate, auth_key=self._auth_key,
-                    local_hello=self.local_hello, offerer=offerer, expected_peer_id=peer_id, **self._link_options)
+        info = self._present.get(peer_id)
+        link = Link(pc, channel, certificate=self._certificate, auth_key=self._auth_key, local_hello=self.local_hello,
+                    offerer=offerer, expected_peer_id=peer_id, remote_kind=info.kind if info else None,
+                    **self._link_options)
         for message_type, handler in self._handlers.items():
             link.on(message_type, handler)
         return link

@@ -56,26 +56,6 @@ def test_fingerprint_matches_aiortc() -> None:
     assert re.fullmatch(r"sha-256 [0-9A-F]{2}(:[0-9A-F]{2}){31}", ident.fingerprint)
 
 
-async def test_install_makes_the_connection_offer_our_certificate() -> None:
-    from aiortc import RTCConfiguration, RTCPeerConnection
-
-    ident = Identity.generate(NOW)
-    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    try:
-        ident.install(pc)
-        pc.createDataChannel("swarm")
-        offer = await pc.createOffer()
-        sdp_fps = re.findall(r"a=fingerprint:sha-256 (\S+)", offer.sdp)
-        assert sdp_fps and all(f"sha-256 {v}" == ident.fingerprint for v in sdp_fps)
-    finally:
-        await pc.close()
-
-
-def test_install_refuses_an_object_without_the_hook() -> None:
-    with pytest.raises(IdentityError, match="certificate hook"):
-        Identity.generate(NOW).install(object())
-
-
 def test_created_once_with_0600_and_reused(config) -> None:
     first = load_or_create(NOW)
     path = config / "identity.pem"

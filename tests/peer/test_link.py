@@ -7,6 +7,7 @@ skips 127.0.0.1, the namespace's loopback carries another address).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
@@ -16,19 +17,22 @@ import pytest
 from aiortc.rtcdtlstransport import RTCCertificate
 
 from swarm.errors import AuthenticationError, PeerLostError, VersionMismatchError
-from swarm.peer import wire
+from swarm.peer import rtc, wire
+from swarm.peer.identity import Identity
 from swarm.peer.link import Link, LinkState, new_peer_connection
 from swarm.peer.messages import WeightChunk
 from swarm.peer.swarmkey import SwarmKey
 from tests.peer._links import VERSION, blob, hello, run_in_netns
 
 KEY = SwarmKey(bytes(range(32)))
-PEER_A, PEER_B = "a" * 26, "b" * 26
+ID_A, ID_B = Identity.generate(), Identity.generate()
+PEER_A, PEER_B = ID_A.peer_id, ID_B.peer_id
 
 
-def make_link(cert, peer_id, *, offerer, key=KEY, expected=None, version=VERSION, **kw):
+def make_link(cert, peer_id, *, offerer, key=KEY, expected=None, version=VERSION, kind="python", **kw):
     pc, channel = new_peer_connection(cert)
-    return Link(pc, channel, certificate=cert, auth_key=key.channel_auth_key, local_hello=hello(peer_id, version),
+    local_hello = dataclasses.replace(hello(peer_id, version), peer_kind=kind)
+    return Link(pc, channel, certificate=cert, auth_key=key.channel_auth_key, local_hello=local_hello,
                 offerer=offerer, expected_peer_id=expected, **kw)
 
 
@@ -40,9 +44,8 @@ async def connect(a: Link, b: Link, rewrite_offer=lambda sdp: sdp, rewrite_answe
 
 
 def pair(**kw):
-    ca, cb = RTCCertificate.generateCertificate(), RTCCertificate.generateCertificate()
-    a = make_link(ca, PEER_A, offerer=True, expected=PEER_B, **kw.get("a", {}))
-    b = make_link(cb, PEER_B, offerer=False, expected=PEER_A, **kw.get("b", {}))
+    a = make_link(ID_A.rtc_certificate(), PEER_A, offerer=True, expected=PEER_B, **kw.get("a", {}))
+    b = make_link(ID_B.rtc_certificate(), PEER_B, offerer=False, expected=PEER_A, **kw.get("b", {}))
     return a, b
 
 
@@ -337,10 +340,8 @@ def test_a_lost_packet_is_resent_after_the_lowered_sctp_rto_not_after_a_second()
     """Loss emulated in-process (no netem here): drop the one SCTP packet carrying a small message.
 
     With no later packet, no duplicate SACKs come back, so only the retransmission timer brings
-    it back: stock aiortc waits SCTP_RTO_MIN = 1 s; the link lowers it to SCTP_RTO_MIN_S.
+    it back: stock aiortc waits SCTP_RTO_MIN = 1 s; the link lowers it to rtc.SCTP_RTO_MIN_S.
     """
-    from swarm.peer import link as link_mod
-
     async def main():
         a, b = pair(a=dict(heartbeat_s=30), b=dict(heartbeat_s=30))
         await connect(a, b)
@@ -368,4 +369,47 @@ def test_a_lost_packet_is_resent_after_the_lowered_sctp_rto_not_after_a_second()
 
     took, dropped = run_in_netns(main)
     assert len(dropped) == 1
-    assert link_mod.SCTP_RTO_MIN_S <= took < 0.8, took
+    assert rtc.SCTP_RTO_MIN_S <= took < 0.8, took
+
+
+def test_a_python_peer_claiming_another_peers_id_gets_no_channel(caplog):
+    """A member (it holds the swarm key, so channel authentication passes) presents its own DTLS
+    certificate but claims another peer's id in AuthHello and Hello: the certificate's key hashes
+    to another id, so the honest side refuses the link and logs both ids."""
+    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+    impostor = Identity.generate()
+
+    async def main():
+        a = make_link(ID_A.rtc_certificate(), PEER_A, offerer=True, expected=PEER_B)
+        b = make_link(impostor.rtc_certificate(), PEER_B, offerer=False, expected=PEER_A)
+        res_a, _ = await connect(a, b)
+        await a.close()
+        await b.close()
+        return res_a, a.hello
+
+    res_a, hello_a = run_in_netns(main)
+    assert isinstance(res_a, AuthenticationError), res_a
+    assert hello_a is None  # the link never opened
+    expected = f"peer {PEER_B} presented the DTLS certificate of peer {impostor.peer_id}"
+    assert expected in str(res_a) and expected in caplog.text
+
+
+def test_the_peer_kind_must_match_signaling_and_only_browsers_go_uncertified():
+    """A Python peer announced by signaling cannot call itself a browser in its Hello (to dodge the
+    certificate check); a browser's id is not its certificate's hash and is accepted as such."""
+    browser = Identity.generate()  # its peer id stands for the page's WebCrypto key, not this certificate
+
+    async def main():
+        results = []
+        for announced in ("python", "browser"):
+            a = make_link(ID_A.rtc_certificate(), PEER_A, offerer=False, expected=PEER_B, remote_kind=announced)
+            b = make_link(browser.rtc_certificate(), PEER_B, offerer=True, expected=PEER_A, kind="browser")
+            results.append(await connect(b, a))
+            await a.close()
+            await b.close()
+        return results
+
+    (_, as_python), (_, as_browser) = run_in_netns(main)
+    assert isinstance(as_python, AuthenticationError), as_python
+    assert f"peer {PEER_B} joined signaling as a python peer but its Hello says browser" in str(as_python)
+    assert as_browser.peer_id == PEER_B and as_browser.peer_kind == "browser"

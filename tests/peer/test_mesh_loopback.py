@@ -7,6 +7,7 @@ the namespace's loopback carries an extra /32), with a signaling server on that 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -148,8 +149,9 @@ def test_browser_offer_with_trickled_candidates_is_answered_only_by_the_coordina
         for is_coordinator in (False, True):
             coordinator[0] = is_coordinator
             pc, channel = new_peer_connection(browser_id.rtc_certificate())
+            browser_hello = dataclasses.replace(hello(browser_id.peer_id), peer_kind="browser")
             browser = Link(pc, channel, certificate=browser_id.rtc_certificate(), auth_key=key.channel_auth_key,
-                           local_hello=hello(browser_id.peer_id), offerer=True, expected_peer_id=python_id.peer_id)
+                           local_hello=browser_hello, offerer=True, expected_peer_id=python_id.peer_id)
             sdp, candidates = _split_candidates(await browser.create_offer())
             session = f"s{int(is_coordinator)}"
             await mesh.handle_signal(browser_id.peer_id, {"type": "offer", "sdp": sdp, "session": session})
@@ -175,6 +177,46 @@ def test_browser_offer_with_trickled_candidates_is_answered_only_by_the_coordina
     results, python_peer, browser_peer = run_in_netns(main)
     assert results[0] == "no answer"  # not the coordinator: browsers are not linked to workers
     assert results[1] == (browser_peer, "s1", python_peer, browser_peer)
+
+
+def test_a_member_offering_under_another_python_peers_id_gets_no_link(caplog):
+    """A member (it holds the swarm key) connects to signaling under the id of a Python peer and
+    offers with its own certificate: the mesh refuses the link, logging both ids, and keeps none."""
+    import logging
+
+    from swarm.peer.link import Link, new_peer_connection
+    from swarm.peer.mesh import Mesh
+    from swarm.signaling.messages import PeerInfo
+
+    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+    key = SwarmKey(os.urandom(32))
+
+    async def main():
+        me, victim, impostor = Identity.generate(), Identity.generate(), Identity.generate()
+        answers: asyncio.Queue = asyncio.Queue()
+
+        async def send_signal(to, data):
+            if data["type"] == "answer":  # the mesh may also dial the "victim" itself: not ours to answer
+                await answers.put(data)
+
+        mesh = Mesh(local_hello=hello(me.peer_id), certificate=me.rtc_certificate(), auth_key=key.channel_auth_key,
+                    send_signal=send_signal)
+        mesh.sync([PeerInfo(victim.peer_id, "laptop", "python", 0.0)])
+        pc, channel = new_peer_connection(impostor.rtc_certificate())
+        rogue = Link(pc, channel, certificate=impostor.rtc_certificate(), auth_key=key.channel_auth_key,
+                     local_hello=hello(victim.peer_id), offerer=True, expected_peer_id=me.peer_id)
+        await mesh.handle_signal(victim.peer_id, {"type": "offer", "sdp": await rogue.create_offer(), "session": "s"})
+        answer = await asyncio.wait_for(answers.get(), 5)
+        await rogue.accept_answer(answer["sdp"])
+        await asyncio.wait_for(rogue.wait_closed(), 10)  # the mesh's side refused and closed
+        links = dict(mesh.links)
+        await rogue.close()
+        await mesh.close()
+        return links, victim.peer_id, impostor.peer_id
+
+    links, victim, impostor = run_in_netns(main)
+    assert links == {}
+    assert f"peer {victim} presented the DTLS certificate of peer {impostor}" in caplog.text
 
 
 def test_malformed_signals_are_logged_and_dropped(caplog):

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError, WeightIntegrityError
+from swarm.peer.identity import Identity
 from swarm.peer.shipping import (
     MIN_CHUNK_SIZE,
     Chunk,
@@ -28,6 +29,8 @@ from swarm.peer.shipping import (
 )
 
 CS = MIN_CHUNK_SIZE  # small chunks: many of them in a small blob
+# a Python peer's id is the hash of its DTLS certificate key: the linked tests use these two
+COORDINATOR, WORKER = Identity.generate(), Identity.generate()
 
 
 def _blob(n: int, seed: int = 0) -> bytes:
@@ -247,7 +250,6 @@ async def _linked_pair(coordinator_id: str, worker_id: str):
     import asyncio
 
     import numpy as np
-    from aiortc.rtcdtlstransport import RTCCertificate
 
     from swarm.peer import wire
     from swarm.peer.link import Link, new_peer_connection
@@ -257,7 +259,7 @@ async def _linked_pair(coordinator_id: str, worker_id: str):
     key = SwarmKey(bytes(range(32)))
 
     def make(peer_id, expected, offerer):
-        cert = RTCCertificate.generateCertificate()
+        cert = {COORDINATOR.peer_id: COORDINATOR, WORKER.peer_id: WORKER}[peer_id].rtc_certificate()
         pc, channel = new_peer_connection(cert)
         build = NumericBuild(package="test", numpy=np.__version__, blas="?", arch="x86_64", kernel_dtype="f32")
         hello = Hello(peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=build, model_hash=None,
@@ -291,7 +293,7 @@ def test_slice_ships_over_a_real_link_survives_a_drop_and_a_corrupt_chunk(tmp_pa
     spec = SliceSpec(2, "dense", 0, 1536)
     blob, meta = slicer.extract(spec)
     model_hash = "ab" * 32
-    coordinator, worker = "c" * 26, "w" * 26
+    coordinator, worker = COORDINATOR.peer_id, WORKER.peer_id
     source = SliceSource()
     manifest = source.offer(blob, meta, chunk_size=64 << 10)  # ~26 chunks of 64 KiB
     cache = SliceCache(tmp_path)
@@ -377,7 +379,7 @@ def test_worker_without_the_model_gets_its_plan_slices_and_answers_like_one_with
     path = build("qwen3_moe", tmp_path)  # MoE layers 0 and 2, dense layer 1
     model = load_model(path)
     shape = ModelShape.from_config(model.config)
-    coordinator, worker_id = "c" * 26, "w" * 26
+    coordinator, worker_id = COORDINATOR.peer_id, WORKER.peer_id
     plan = build_plan(shape, PeerCapacity(coordinator, 0, 1.0), [PeerCapacity(worker_id, 10**9, 1.0)], term=3, version=1)
     specs = specs_for(plan, worker_id)
 
