@@ -184,13 +184,14 @@ HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves"
 
 def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
     """``colibri-swarm chat``: a REPL with history, streamed through the coordinator's API."""
-    from rich.console import Console
+    from swarm.terminal import console as terminal_console
+    from swarm.terminal import esc
 
-    console = Console(highlight=False)
+    console = terminal_console(soft_wrap=False)
     endpoint = find_endpoint(args.api)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)
-    console.print(f"[dim]colibri-swarm chat via {endpoint.url} — {HELP}[/]")
+    console.print(f"[dim]colibri-swarm chat via {esc(endpoint.url)} — {HELP}[/]")
     while True:
         try:
             line = input_fn("> ")
@@ -207,7 +208,7 @@ def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
             console.print("[dim]conversation cleared[/]")
             continue
         if text.startswith("/"):
-            console.print(f"[yellow]unknown command {text.split()[0]}[/]; {HELP}")
+            console.print(f"[yellow]unknown command {esc(text.split()[0])}[/]; {HELP}")
             continue
         history.append({"role": "user", "content": text})
         reply: list[str] = []
@@ -217,7 +218,7 @@ def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
                 console.print(piece, end="", markup=False, soft_wrap=True)
         except SwarmError as exc:
             history.pop()  # the turn did not happen; the user may retry it
-            console.print(f"\n[red]{exc}[/]")
+            console.print(f"\n[red]{esc(exc)}[/]")
             continue
         console.print()
         history.append({"role": "assistant", "content": "".join(reply)})

@@ -49,6 +49,8 @@ from swarm.peer.mesh import Mesh
 from swarm.peer.messages import Hello, NumericBuild
 from swarm.peer.swarmkey import SwarmKey
 from swarm.signaling.client import PeerJoined, PeerLeft, SignalReceived, SignalRefused
+from swarm.signaling.relay import DUPLICATE_NOTICE
+from swarm.terminal import esc
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +212,7 @@ class Node:
                 case SignalReceived(sender=sender, data=data):
                     await self.mesh.handle_signal(sender, data)
                 case SignalRefused(code=code, detail=detail):
-                    log.info("signaling refused a signal: %s %s", code, detail)
+                    log.log(logging.WARNING if code == DUPLICATE_NOTICE else logging.INFO, "signaling: %s %s", code, detail)
 
     def _link_up(self, link: Link) -> None:
         hello = link.hello
@@ -291,9 +293,9 @@ class Node:
 
 def main_join(args: Any) -> int:
     """``colibri-swarm join``: run a peer until Ctrl-C (or SIGTERM); say goodbye on the way out."""
-    from rich.console import Console
+    from swarm.terminal import console as terminal_console
 
-    console = Console(highlight=False, soft_wrap=True)
+    console = terminal_console()
     try:
         asyncio.run(_join(args, console))
     except KeyboardInterrupt:
@@ -307,6 +309,7 @@ async def _join(args: Any, console: Any) -> None:
     from swarm.peer.roles import SwarmRoles
 
     key, created = _swarm_key(args, swarmkey)
+    paths.lock_config_dir()  # one process per identity; released by the OS when this one ends
     ident = identity.load_or_create()
     model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
@@ -314,7 +317,7 @@ async def _join(args: Any, console: Any) -> None:
                 model_hash=model.content_hash() if model is not None else None)
     if created:
         console.print("created a new swarm key; other peers join with:")
-        console.print(f"  [bold]colibri-swarm join --key {key.code}[/]")
+        console.print(f"  [bold]colibri-swarm join --key {esc(key.code)}[/]")
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError):  # SIGTERM ends the peer as cleanly as Ctrl-C
@@ -334,7 +337,7 @@ async def _join(args: Any, console: Any) -> None:
             if (node.role, api_port) != shown:
                 shown = (node.role, api_port)
                 api = f", OpenAI API on port {api_port}" if api_port else ""
-                console.print(f"role: [bold]{node.role}[/]{api}")
+                console.print(f"role: [bold]{esc(node.role)}[/]{api}")
     except asyncio.CancelledError:
         pass
     finally:
@@ -362,7 +365,7 @@ def _load_model(path: str | None, console: Any) -> Any:
     if path is None:
         path = default_model_path()
     model = load_model(path)
-    console.print(f"model {path} (hash {model.content_hash()[:16]}…)")
+    console.print(f"model {esc(path)} (hash {model.content_hash()[:16]}…)")
     return model
 
 
@@ -374,26 +377,31 @@ def _swarm_key(args: Any, swarmkey: Any) -> tuple[SwarmKey, bool]:
 
 
 def _print_header(console: Any, node: Node) -> None:
-    rv = node.rendezvous
-    console.print(f"swarm [bold]{node.swarm_id}[/]  peer [bold]{node.peer_id}[/] ({node.name})  electing a coordinator…")
-    if rv.server is not None:
-        console.print(f"hosting signaling on port {rv.server.port}, certificate SHA-256 {rv.server.certificate.fingerprint}")
-    elif rv.client is not None:
-        console.print(f"on the signaling server of peer {rv.client.host}")
-    from web_peer.pageurl import page_link_text  # the peer page's URL (key in the fragment) + QR
+    from web_peer.pageurl import page_addresses, page_link_text  # the peer page's URL (key in the fragment) + QR
 
+    rv = node.rendezvous
+    console.print(f"swarm [bold]{esc(node.swarm_id)}[/]  peer [bold]{esc(node.peer_id)}[/] ({esc(node.name)})  "
+                  "electing a coordinator…")
+    if rv.server is not None:
+        console.print(f"hosting signaling on port {rv.server.port}, certificate SHA-256 "
+                      f"{esc(rv.server.certificate.fingerprint)}")
+        addresses = page_addresses(rv)
+        if addresses:
+            console.print(f"peers that do not find it by mDNS: colibri-swarm join --signal {esc(addresses[0])}")
+    elif rv.client is not None:
+        console.print(f"on the signaling server of peer {esc(rv.client.host)}")
     page = page_link_text(rv, node.swarm_key.code)
     if page:
-        console.print(page, markup=False, highlight=False)
+        console.print(page, markup=False, highlight=False, emoji=False)
 
 
 def _print_event(console: Any, ev: PeerEvent) -> None:
     match ev.what:
         case "link-up":
-            console.print(f"[green]+[/] linked  {ev.name or '?'} ({ev.peer_id}, {ev.kind})")
+            console.print(f"[green]+[/] linked  {esc(ev.name or '?')} ({esc(ev.peer_id)}, {esc(ev.kind)})")
         case "link-down":
-            console.print(f"[red]-[/] link lost {ev.peer_id}")
+            console.print(f"[red]-[/] link lost {esc(ev.peer_id)}")
         case "joined":
-            console.print(f"  joined  {ev.name or '?'} ({ev.peer_id}, {ev.kind})")
+            console.print(f"  joined  {esc(ev.name or '?')} ({esc(ev.peer_id)}, {esc(ev.kind)})")
         case "left":
-            console.print(f"  left    {ev.name or '?'} ({ev.peer_id})")
+            console.print(f"  left    {esc(ev.name or '?')} ({esc(ev.peer_id)})")

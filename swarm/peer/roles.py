@@ -170,9 +170,7 @@ class SwarmRoles:
         while True:
             now = time.monotonic()
             for peer, link in list(self.node.links.items()):
-                heard = getattr(link, "_last_heard", None)  # any inbound byte, link heartbeats included
-                if heard is not None:
-                    self.election.heard_from(peer, heard)
+                self.election.heard_from(peer, link.last_heard)  # any inbound byte, link heartbeats included
             self._forget_departed(now)
             self.election.handle_timer(now)
             await self._flush()
@@ -201,7 +199,7 @@ class SwarmRoles:
             if peer == self.node.peer_id or peer in present:
                 continue
             link = self.node.links.get(peer)
-            heard = getattr(link, "_last_heard", None) if link is not None else None
+            heard = link.last_heard if link is not None else None
             if heard is None or now - heard > LEFT_SILENCE_S:
                 log.info("peer %s left the swarm", peer)
                 self.election.remove_member(peer, now)

@@ -60,13 +60,15 @@ def main_status(args: Any) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False, soft_wrap=True)
+    from swarm.terminal import console as terminal_console
+    from swarm.terminal import esc
+
+    console = terminal_console()
     hosting = "hosting signaling" if doc.get("hosting_signaling") else f"signaling host {doc.get('signaling_host')}"
-    console.print(f"swarm [bold]{doc['swarm_id']}[/]  this peer [bold]{doc['name']}[/] ({doc['peer_id']})  "
-                  f"role {doc['role']}  {hosting}")
+    console.print(f"swarm [bold]{esc(doc['swarm_id'])}[/]  this peer [bold]{esc(doc['name'])}[/] ({esc(doc['peer_id'])})  "
+                  f"role {esc(doc['role'])}  {esc(hosting)}")
     placement = doc.get("placement") if isinstance(doc.get("placement"), dict) else {}
     table = Table("peer", "name", "kind", "role", "link", "RTT ms", "FFN GFLOP/s", "memory MiB", "share")
     me = {"peer_id": doc["peer_id"], "name": doc.get("name", ""), "kind": "python", "linked": None,
@@ -75,13 +77,14 @@ def main_status(args: Any) -> int:
         rtt = "" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}"
         memory = "" if p.get("memory_budget") is None else str(p["memory_budget"] >> 20)
         link = "(this peer)" if p["linked"] is None else "up" if p["linked"] else "-"
-        table.add_row(p["peer_id"], p.get("name", ""), p.get("kind", ""), _role(p["peer_id"], doc, placement),
-                      link, rtt, str(p.get("ffn_gflops") or ""), memory, _share(p["peer_id"], placement))
+        cells = (p["peer_id"], p.get("name", ""), p.get("kind", ""), _role(p["peer_id"], doc, placement),
+                 link, rtt, str(p.get("ffn_gflops") or ""), memory, _share(p["peer_id"], placement))
+        table.add_row(*(esc(cell) for cell in cells))  # names come from other peers: never markup
     console.print(table)
     if placement:
         api = f", OpenAI API on port {placement['api_port']}" if placement.get("api_port") else ""
-        console.print(f"plan v{placement.get('version')} of term {placement.get('term')}, "
-                      f"coordinator {placement.get('coordinator')}{api}")
+        console.print(esc(f"plan v{placement.get('version')} of term {placement.get('term')}, "
+                          f"coordinator {placement.get('coordinator')}{api}"))
     return 0
 
 

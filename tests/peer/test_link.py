@@ -112,16 +112,19 @@ def test_handlers_by_type_and_heartbeat_rtt():
             await seen.put((link.peer_id, message.data.tobytes()))
 
         b.on(WeightChunk, on_blob)
+        sent_at = time.monotonic()
         await a.send(blob(b"hi"))
         got = await asyncio.wait_for(seen.get(), 5)
+        heard_after_send = b.last_heard - sent_at
         await asyncio.sleep(0.5)
         rtts = (a.rtt_s, b.rtt_s)
         await a.close()
         await b.close()
-        return got, rtts
+        return got, rtts, heard_after_send
 
-    got, rtts = run_in_netns(main)
+    got, rtts, heard_after_send = run_in_netns(main)
     assert got == (PEER_A, b"hi")
+    assert heard_after_send >= 0  # last_heard moved with the message
     assert all(r is not None and 0 < r < 0.5 for r in rtts), rtts
 
 
