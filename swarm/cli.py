@@ -43,13 +43,13 @@ def _percent(text: str) -> float:
 
 
 def _signal_url(text: str) -> str:
-    from swarm.signaling.client import signaling_url
+    """Any documented form (HOST:PORT, https://, wss://) becomes the one WebSocket URL used downstream."""
+    from swarm.signaling.address import SignalAddress
 
     try:
-        signaling_url(text)
-    except (SwarmError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"{exc} (example: https://192.168.1.20:8443)") from None
-    return text
+        return SignalAddress.parse(text).ws_url
+    except SwarmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "server), link to the other peers, elect a coordinator, and compute its share.")
     _add_model_arg(p)
     p.add_argument("--key", metavar="CODE", help="the swarm key code (stored for next time)")
-    p.add_argument("--signal", metavar="URL", type=_signal_url,
-                   help="signaling server as https://HOST:PORT (or HOST:PORT); skips mDNS discovery")
+    p.add_argument("--signal", metavar="HOST:PORT", type=_signal_url,
+                   help="the signaling server as HOST:PORT (or https://HOST:PORT, wss://HOST:PORT), as the "
+                   "host's join prints it; skips mDNS discovery")
     p.add_argument("--name", metavar="NAME", help="a name for this peer, shown in status")
     p.add_argument("--verify", type=_percent, default=0.0, metavar="PERCENT",
                    help="recompute this share of remote answers locally; stop on a mismatch")

@@ -72,6 +72,22 @@ class IdentityError(SwarmError):
     """The stored device identity is unreadable or not an ECDSA P-256 key with its certificate."""
 
 
+class IdentityInUseError(IdentityError):
+    """Another process on this machine runs with the same config directory (a second ``join``).
+
+    The message names that process and what to do (stop it, or give this one its own directory).
+    """
+
+
+class DuplicatePeerError(IdentityError):
+    """The signaling server already has a peer with our peer id from another process or machine:
+    a copied config directory or a cloned VM. The message names the identity file to delete."""
+
+
+class AddressError(SwarmError):
+    """A signaling address (``--signal``, a printed URL) is malformed; the message shows a valid form."""
+
+
 class PeerLostError(SwarmError):
     """A peer went away (disconnect, missed deadline) while work was assigned to it."""
 

@@ -5,21 +5,33 @@
 platform's conventions (platformdirs) and can be moved with the environment variables
 ``COLIBRI_SWARM_CONFIG_DIR`` and ``COLIBRI_SWARM_CACHE_DIR`` (tests and several peers on one
 machine use these).
+
+The config directory is one peer's identity: :func:`lock_config_dir` lets only one process at a
+time run a peer from it (two would share a peer id and split the swarm).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from pathlib import Path
 
 import platformdirs
 
+from swarm.errors import IdentityInUseError
+
 APP_NAME = "colibri-swarm"
+IDENTITY_FILE = "identity.pem"  # the device key and DTLS certificate (swarm.peer.identity)
+LOCK_FILE = "peer.lock"  # held by the process that runs a peer from this config directory
+CONFIG_DIR_ENV = "COLIBRI_SWARM_CONFIG_DIR"
+
+_locks: dict[Path, int] = {}  # config dir -> the open, locked file descriptor of this process
 
 
 def config_dir() -> Path:
     """The user config directory, created with mode 0700 if missing."""
-    path = Path(os.environ.get("COLIBRI_SWARM_CONFIG_DIR") or platformdirs.user_config_dir(APP_NAME))
+    path = Path(os.environ.get(CONFIG_DIR_ENV) or platformdirs.user_config_dir(APP_NAME))
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
@@ -46,3 +58,47 @@ def write_private(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def identity_file() -> Path:
+    """``config_dir()/identity.pem``: deleting it gives this machine a new peer id."""
+    return config_dir() / IDENTITY_FILE
+
+
+def lock_config_dir(directory: Path | None = None) -> Path:
+    """Lock ``directory`` (default ``config_dir()``) to this process until it exits; return the lock file.
+
+    An exclusive ``flock`` on ``peer.lock``, which also records our pid. The OS releases it when
+    the process ends, however it ends, so a crash leaves nothing to clean up. Calling again in
+    the same process is a no-op. Raises IdentityInUseError naming the process that holds it.
+    """
+    directory = (directory or config_dir()).resolve()
+    path = directory / LOCK_FILE
+    if directory in _locks:
+        return path
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = ""
+        with contextlib.suppress(OSError, ValueError):
+            holder = f" (pid {int(os.pread(fd, 32, 0).decode().strip())})"
+        os.close(fd)
+        raise IdentityInUseError(
+            f"another colibri-swarm peer{holder} already runs from {directory}: one identity serves one "
+            f"process. Stop that one first, or run this one with its own identity: "
+            f"{CONFIG_DIR_ENV}=<another directory> colibri-swarm join ...") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _locks[directory] = fd
+    return path
+
+
+def unlock_config_dir(directory: Path | None = None) -> None:
+    """Release :func:`lock_config_dir`'s lock early (a peer that stops but whose process goes on)."""
+    fd = _locks.pop((directory or config_dir()).resolve(), None)
+    if fd is not None:
+        os.close(fd)

@@ -37,7 +37,8 @@ import pytest
         (["join", "--verify", "200"], "percentage from 0 to 100"),
         (["join", "--verify", "nan"], "percentage from 0 to 100"),
         (["join", "--memory", "-5"], "memory budget (MiB) must be at least 1"),
-        (["join", "--signal", "ftp://host:1"], "signaling URL must be"),
+        (["join", "--signal", "ftp://host:1"], "signaling runs over TLS only"),
+        (["join", "--signal", "10.0.0.2"], "names no port"),
     ],
 )
 def test_bad_option_values_get_one_clear_line(argv, needle):
@@ -49,7 +50,13 @@ def test_bad_option_values_get_one_clear_line(argv, needle):
 
 def test_good_option_values_parse():
     args = build_parser().parse_args(["join", "--verify", "12.5", "--memory", "512", "--signal", "10.0.0.2:8443"])
-    assert (args.verify, args.memory, args.signal) == (12.5, 512, "10.0.0.2:8443")
+    assert (args.verify, args.memory, args.signal) == (12.5, 512, "wss://10.0.0.2:8443/ws")
+
+
+@pytest.mark.parametrize("form", ["10.0.0.2:8443", "https://10.0.0.2:8443", "https://10.0.0.2:8443/",
+                                  "wss://10.0.0.2:8443", "wss://10.0.0.2:8443/ws"])
+def test_every_documented_signal_form_becomes_one_url(form):
+    assert build_parser().parse_args(["join", "--signal", form]).signal == "wss://10.0.0.2:8443/ws"
 
 
 def test_sampling_params_refuse_a_negative_seed():

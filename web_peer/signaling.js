@@ -9,6 +9,9 @@ import { deriveKey, hex, unhex, randomBytes, signalingClientMac, signalingServer
 
 export const SIGNALING_VERSION = 1;
 export const CONNECT_TIMEOUT_S = 10;
+// Random per page load, sent with every auth: a reconnect of this page replaces its old
+// connection, while another tab or browser with the same stored identity is refused (4011).
+export const PAGE_INSTANCE = hex(randomBytes(8));
 
 /** Close codes of the signaling server (docs/protocol.md §10.3) and what to tell the user. */
 export const CLOSE_REASONS = {
@@ -18,6 +21,7 @@ export const CLOSE_REASONS = {
   4003: "this page speaks another signaling protocol version than the swarm; reload it from the swarm's server",
   4009: "a message was too large for the signaling server",
   4010: "this peer connected again from elsewhere (a newer connection replaced this one)",
+  4011: "this browser already serves the swarm from another tab or window (one peer identity, one page): close this one",
   4029: "too many messages: the signaling server rate-limited this page",
   4050: "the signaling server is stopping",
 };
@@ -77,7 +81,7 @@ export class SignalingClient {
               clientNonce = randomBytes(32);
               kSig = await deriveKey(swarmKey, "signaling");
               const mac = await signalingClientMac(kSig, serverNonce, clientNonce, peerId);
-              ws.send(JSON.stringify({ type: "auth", version: SIGNALING_VERSION, peer: peerId, kind: "browser", name, nonce: hex(clientNonce), mac: hex(mac) }));
+              ws.send(JSON.stringify({ type: "auth", version: SIGNALING_VERSION, peer: peerId, kind: "browser", name, nonce: hex(clientNonce), mac: hex(mac), instance: PAGE_INSTANCE }));
             } else if (m.type === "welcome" && clientNonce !== null) {
               const want = hex(await signalingServerMac(kSig, serverNonce, clientNonce, peerId));
               if (typeof m.mac !== "string" || m.mac !== want) throw new AuthenticationError("the signaling server could not prove the swarm key: it is not this swarm's server");

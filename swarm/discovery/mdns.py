@@ -45,7 +45,7 @@ class Advertiser:
             SERVICE_TYPE, record.name,
             addresses=[socket.inet_aton(a) for a in addresses],
             port=record.port, properties=encode_txt(record),
-            server=f"colibri-{record.host[:40]}.local.",
+            server=record.host_name,
         )
 
     async def start(self) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from swarm.errors import RemoteProtocolError
+from swarm.signaling.address import SignalAddress
 from swarm.signaling.messages import PEER_ID_PATTERN, PROTOCOL_VERSION
 
 SERVICE_TYPE = "_colibri-swarm._tcp.local."
@@ -51,11 +52,18 @@ class ServerRecord:
         """Identity of one server run: the same name restarted later is another server."""
         return (self.name, self.started)
 
+    @property
+    def host_name(self) -> str:
+        """The mDNS host name of this server run, ``colibri-<peer id>-<start ms>.local.``.
+
+        Per run, not per peer id: two processes that share an identity (a copied config
+        directory) must not claim one host name, or each would answer for the other's addresses.
+        """
+        return f"colibri-{self.host[:24]}-{round(self.started * 1000) % 10**9}.local."
+
     def url(self, address: str | None = None) -> str:
         """``wss://ADDRESS:PORT/ws`` for ``address`` (default: the first advertised one)."""
-        address = address or (self.addresses[0] if self.addresses else "")
-        host = f"[{address}]" if ":" in address else address
-        return f"wss://{host}:{self.port}/ws"
+        return SignalAddress(address or (self.addresses[0] if self.addresses else ""), self.port).ws_url
 
 
 def encode_txt(record: ServerRecord) -> dict[str, str]:

@@ -40,7 +40,7 @@ from swarm.discovery.addresses import local_addresses
 from swarm.discovery.choice import DISCOVERY_WINDOW_S, TAKEOVER_STEP_S, is_better, pick_server, takeover_delay
 from swarm.discovery.mdns import Advertiser, ServerBrowser, instance_name, open_zeroconf
 from swarm.discovery.records import ServerRecord
-from swarm.errors import LocalProtocolError, SignalingUnavailableError, SwarmError
+from swarm.errors import DuplicatePeerError, LocalProtocolError, SignalingUnavailableError, SwarmError
 from swarm.signaling.auth import swarm_id as swarm_id_of
 from swarm.signaling.client import (
     Disconnected,
@@ -319,6 +319,8 @@ class Rendezvous:
                 return await SignalingClient.connect(record.url(address), self.swarm_key, self.peer_id, kind=self.kind,
                                                      name=self.name, fingerprint=record.fingerprint,
                                                      timeout=CONNECT_TIMEOUT_S)
+            except DuplicatePeerError:
+                raise  # another process holds our peer id there: hosting our own would split the swarm
             except (SwarmError, OSError, aiohttp.ClientError) as exc:  # an advertised server is untrusted input
                 log.info("signaling server %s at %s: %s", record.host, address, exc)
         self._dead[record.key] = time.monotonic()

@@ -32,11 +32,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from swarm.errors import IdentityError
-from swarm.paths import write_private
+from swarm.paths import IDENTITY_FILE, identity_file, write_private
 
 log = logging.getLogger(__name__)
 
-IDENTITY_FILE = "identity.pem"
 CERT_VALID_DAYS = 3650
 CERT_RENEW_DAYS = 30  # renew the certificate (same key) when fewer days than this remain
 PEER_ID_BYTES = 16
@@ -134,9 +133,7 @@ class Identity:
 
 
 def identity_path() -> Path:
-    from swarm.paths import config_dir
-
-    return config_dir() / IDENTITY_FILE
+    return identity_file()
 
 
 def load_or_create(now: datetime.datetime | None = None) -> Identity:

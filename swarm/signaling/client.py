@@ -21,21 +21,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from yarl import URL
 
+from swarm import paths
 from swarm.errors import (
     AuthenticationError,
+    DuplicatePeerError,
     RemoteProtocolError,
     SignalingUnavailableError,
     SwarmError,
     VersionMismatchError,
 )
 from swarm.signaling import auth, tls
+from swarm.signaling.address import SignalAddress
 from swarm.signaling.messages import (
     Auth,
     Challenge,
@@ -54,6 +57,9 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 HEARTBEAT_S = 5.0
+# Sent with every auth: the server tells our own reconnects (same instance) from another process
+# that claims our peer id (a copied identity), which it refuses.
+PROCESS_INSTANCE = secrets.token_hex(8)
 
 
 @dataclass(frozen=True)
@@ -98,20 +104,9 @@ Event = PeerJoined | PeerLeft | SignalReceived | SignalRefused | Disconnected
 
 
 def signaling_url(url: str) -> str:
-    """Normalize ``https://h:p``, ``wss://h:p`` or ``h:p`` to ``wss://h:p/ws``.
-
-    Raises SwarmError for other schemes (plain ws/http is refused: WSS only, DESIGN §6).
-    """
-    if "://" not in url:
-        url = "wss://" + url
-    u = URL(url)
-    if u.scheme == "https":
-        u = u.with_scheme("wss")
-    if u.scheme != "wss" or not u.host:
-        raise SwarmError(f"signaling URL must be wss://HOST:PORT or https://HOST:PORT, got {url!r}")
-    if u.path in ("", "/"):
-        u = u.with_path("/ws")
-    return str(u)
+    """``wss://HOST:PORT/ws`` for any form :class:`~swarm.signaling.address.SignalAddress` parses
+    (``HOST:PORT``, ``https://HOST:PORT``, ``wss://HOST:PORT/ws``); AddressError otherwise."""
+    return SignalAddress.parse(url).ws_url
 
 
 def _ssl_for(fingerprint: bytes | str | None) -> aiohttp.Fingerprint | bool:
@@ -129,7 +124,7 @@ async def fetch_status(url: str, fingerprint: bytes | str | None = None,
     Returns the JSON object (see SignalingServer.status). Raises SignalingUnavailableError when
     the server cannot be reached, its certificate is not the pinned one, or the answer is not JSON.
     """
-    status_url = str(URL(signaling_url(url)).with_scheme("https").with_path("/api/status"))
+    status_url = SignalAddress.parse(url).status_url
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             async with session.get(status_url, ssl=_ssl_for(fingerprint)) as resp:
@@ -158,17 +153,22 @@ class SignalingClient:
 
     @classmethod
     async def connect(cls, url: str, swarm_key: bytes, peer_id: str, *, kind: str = "python", name: str = "",
-                      fingerprint: bytes | str | None = None, timeout: float = CONNECT_TIMEOUT_S) -> SignalingClient:
+                      fingerprint: bytes | str | None = None, timeout: float = CONNECT_TIMEOUT_S,
+                      instance: str = PROCESS_INSTANCE) -> SignalingClient:
         """Connect, prove the swarm key, check the server's proof, return with presence known.
 
+        ``instance``: this process's random tag (see :data:`PROCESS_INSTANCE`); two peers that
+        share a peer id must pass different ones to be told apart.
         Raises SignalingUnavailableError (unreachable, TLS pin mismatch), AuthenticationError
-        (wrong key either side), RemoteProtocolError (malformed server frames).
+        (wrong key either side), DuplicatePeerError (another process holds our peer id there),
+        RemoteProtocolError (malformed server frames), AddressError (``url`` malformed).
         """
         k_sig = auth.derive_signaling_key(swarm_key)
+        url = signaling_url(url)
         session = aiohttp.ClientSession()
         try:
             return await asyncio.wait_for(
-                cls._handshake(session, signaling_url(url), k_sig, peer_id, kind, name, _ssl_for(fingerprint)),
+                cls._handshake(session, url, k_sig, peer_id, kind, name, _ssl_for(fingerprint), instance),
                 timeout)
         except asyncio.TimeoutError:
             await session.close()
@@ -179,7 +179,7 @@ class SignalingClient:
 
     @classmethod
     async def _handshake(cls, session: aiohttp.ClientSession, url: str, k_sig: bytes, peer_id: str,
-                         kind: str, name: str, ssl: Any) -> SignalingClient:
+                         kind: str, name: str, ssl: Any, instance: str) -> SignalingClient:
         try:
             ws = await session.ws_connect(url, ssl=ssl, heartbeat=HEARTBEAT_S, max_msg_size=2 * MAX_FRAME_CHARS,
                                           compress=0)
@@ -194,8 +194,9 @@ class SignalingClient:
                 raise RemoteProtocolError("signaling server did not start with a challenge")
             client_nonce = auth.new_nonce()
             mac = auth.client_mac(k_sig, challenge.nonce, client_nonce, peer_id)
-            await ws.send_str(Auth(peer_id=peer_id, kind=kind, name=name, nonce=client_nonce, mac=mac).encode())
-            welcome = decode_server_message(await _receive_text(ws))
+            await ws.send_str(Auth(peer_id=peer_id, kind=kind, name=name, nonce=client_nonce, mac=mac,
+                                   instance=instance).encode())
+            welcome = decode_server_message(await _receive_text(ws, peer_id))
             if not isinstance(welcome, Welcome):
                 raise RemoteProtocolError("signaling server did not answer the authentication with a welcome")
             auth.verify(auth.server_mac(k_sig, challenge.nonce, client_nonce, peer_id), welcome.mac, "signaling server")
@@ -283,7 +284,7 @@ class SignalingClient:
                 raise RemoteProtocolError(f"unexpected {type(msg).__name__} after authentication")
 
 
-async def _receive_text(ws: aiohttp.ClientWebSocketResponse) -> str:
+async def _receive_text(ws: aiohttp.ClientWebSocketResponse, peer_id: str = "") -> str:
     msg = await ws.receive()
     if msg.type == aiohttp.WSMsgType.TEXT:
         return msg.data
@@ -295,5 +296,9 @@ async def _receive_text(ws: aiohttp.ClientWebSocketResponse) -> str:
                                       "check the key with `colibri-swarm key`")
         if code == CloseCode.VERSION_MISMATCH:
             raise VersionMismatchError(reason)
+        if code == CloseCode.DUPLICATE_PEER:
+            raise DuplicatePeerError(
+                f"another machine uses this peer identity {peer_id} ({reason}; a copied config directory or a "
+                f"cloned VM?): delete {paths.identity_file()} on this machine to give it its own identity")
         raise SignalingUnavailableError(f"signaling server closed the connection ({code} {reason})")
     raise RemoteProtocolError(f"signaling server sent a {msg.type.name} frame where text was expected")

@@ -22,6 +22,7 @@ PROTOCOL_VERSION = 1
 KINDS = ("python", "browser")
 MAX_NAME_CHARS = 64
 PEER_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+INSTANCE_PATTERN = re.compile(r"[0-9a-f]{8,64}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,12 @@ ServerMessage = Challenge | Welcome | Joined | Left | Relayed | Notice
 
 @dataclass(frozen=True)
 class Auth:
-    """The client's proof: peer id, kind, name, 32-byte client nonce, 32-byte MAC."""
+    """The client's proof: peer id, kind, name, 32-byte client nonce, 32-byte MAC.
+
+    ``instance`` (optional, 8-64 lower-case hex digits, random per process or page load) tells a
+    reconnect of the same process (it replaces its older connection) from another process
+    claiming the same peer id (a copied identity: refused). Empty when the client sends none.
+    """
 
     peer_id: str
     kind: str
@@ -131,12 +137,16 @@ class Auth:
     nonce: bytes
     mac: bytes
     version: int = PROTOCOL_VERSION
+    instance: str = ""
 
     def encode(self) -> str:
-        return _dump({
+        obj = {
             "type": "auth", "version": self.version, "peer": self.peer_id, "kind": self.kind,
             "name": self.name, "nonce": self.nonce.hex(), "mac": self.mac.hex(),
-        })
+        }
+        if self.instance:
+            obj["instance"] = self.instance
+        return _dump(obj)
 
 
 @dataclass(frozen=True)
@@ -158,10 +168,10 @@ def decode_client_message(text: str) -> ClientMessage:
     obj = _load(text)
     match obj.get("type"):
         case "auth":
-            _exact_keys(obj, {"type", "version", "peer", "kind", "name", "nonce", "mac"})
+            _exact_keys(obj, {"type", "version", "peer", "kind", "name", "nonce", "mac", "instance"})
             return Auth(
                 version=_version(obj), peer_id=_peer_id(obj, "peer"), kind=_kind(obj), name=_name(obj),
-                nonce=_hex(obj, "nonce", NONCE_BYTES), mac=_hex(obj, "mac", MAC_BYTES),
+                nonce=_hex(obj, "nonce", NONCE_BYTES), mac=_hex(obj, "mac", MAC_BYTES), instance=_instance(obj),
             )
         case "signal":
             # A "from" key is refused, not ignored: the server alone says who sent a signal.
@@ -241,6 +251,13 @@ def _name(obj: dict[str, Any]) -> str:
     value = _str(obj, "name", MAX_NAME_CHARS)
     if not value.isprintable():
         raise RemoteProtocolError("'name' must be printable text")
+    return value
+
+
+def _instance(obj: dict[str, Any]) -> str:
+    value = obj.get("instance", "")
+    if value != "" and not (isinstance(value, str) and INSTANCE_PATTERN.fullmatch(value)):
+        raise RemoteProtocolError("'instance' must be 8-64 lower-case hex digits")
     return value
 
 

@@ -14,6 +14,12 @@ authenticated  ``signal`` to a present peer → relayed, from     close 4000 (pr
                stamped by the server
 =============  ==============================================  ============================
 
+One peer id is one connection. An ``auth`` for a peer id already present replaces the older
+connection (close 4010) when it comes from the same process (same ``instance``, or either has
+none: a reconnect racing the old socket's death); from another process it is refused (close
+4011) and the present one is sent a ``duplicate-peer`` notice, so a copied identity is named
+instead of two processes taking turns as one peer.
+
 Every frame first passes the size limit (close 4009) and the connection's token bucket
 (close 4029), so a flooding or oversized client is cut off while the others keep working.
 A client that does not authenticate within ``auth_timeout_s`` is closed (4002); one address
@@ -50,6 +56,7 @@ BURST = 200  # token bucket depth
 AUTH_TIMEOUT_S = 10.0
 MAX_PENDING_PER_ADDRESS = 16  # unauthenticated connections from one remote address
 MAX_CONNECTIONS = 512  # all connections; bounds the server's memory
+DUPLICATE_NOTICE = "duplicate-peer"  # Notice code sent to a peer whose id another process claimed
 
 
 class CloseCode(enum.IntEnum):
@@ -60,6 +67,7 @@ class CloseCode(enum.IntEnum):
     AUTH_TIMEOUT = 4002
     VERSION_MISMATCH = 4003
     REPLACED = 4010
+    DUPLICATE_PEER = 4011
     TOO_BIG = 4009
     RATE_LIMITED = 4029
     SERVER_STOPPING = 4050
@@ -109,6 +117,7 @@ class _Conn:
     deadline: float | None
     bucket: TokenBucket
     address: str = ""
+    instance: str = ""  # the authenticated client's process instance (Auth.instance)
     peer: PeerInfo | None = None
     closed: bool = False
 
@@ -209,9 +218,19 @@ class SignalingRelay:
             return self._close(conn, CloseCode.AUTH_FAILED, "wrong swarm key")
         out: list[Output] = []
         old = self._by_peer.get(msg.peer_id)
+        if old is not None and self._conns[old].instance and msg.instance and self._conns[old].instance != msg.instance:
+            # Another process with our id (copied config directory, cloned VM): both would answer
+            # for one peer. The one already present keeps it and is told; the newcomer is refused.
+            where = f" at {c.address}" if c.address else ""
+            out.append(Send(old, Notice(DUPLICATE_NOTICE, f"another process{where} claimed peer id {msg.peer_id} "
+                                        "and was refused (a copied config directory?)").encode()))
+            other = self._conns[old].address
+            return out + self._close(conn, CloseCode.DUPLICATE_PEER,
+                                     f"peer id in use by another process{f' at {other}' if other else ''}")
         if old is not None:
             # A reconnect whose previous socket is not yet known dead: the newer one wins.
             out += self._close(old, CloseCode.REPLACED, "replaced by a newer connection of the same peer")
+        c.instance = msg.instance
         c.peer = PeerInfo(peer_id=msg.peer_id, name=msg.name, kind=msg.kind, joined=now)
         c.deadline = None
         self._by_peer[msg.peer_id] = conn

@@ -37,6 +37,7 @@ from aiohttp import WSMsgType, web
 from swarm import __version__, paths
 from swarm.errors import LocalProtocolError
 from swarm.signaling import auth, tls
+from swarm.signaling.address import SignalAddress
 from swarm.signaling.messages import PROTOCOL_VERSION
 from swarm.signaling.relay import Close, CloseCode, Output, Send, SignalingRelay
 
@@ -104,14 +105,17 @@ class SignalingServer:
 
     def url(self, address: str) -> str:
         """The WebSocket URL at ``address`` (an IP or host name reachable by the client)."""
-        if self.port is None:
-            raise LocalProtocolError("signaling server not started")
-        host = f"[{address}]" if ":" in address else address
-        return f"wss://{host}:{self.port}/ws"
+        return self.address(address).ws_url
 
     def page_url(self, address: str) -> str:
         """The peer page's HTTPS URL at ``address`` (append ``#<key code>`` for the QR code)."""
-        return self.url(address).replace("wss://", "https://", 1).removesuffix("ws")
+        return self.address(address).page_url
+
+    def address(self, host: str) -> SignalAddress:
+        """This server at ``host`` (an IP or host name reachable by the client)."""
+        if self.port is None:
+            raise LocalProtocolError("signaling server not started")
+        return SignalAddress(host, self.port)
 
     def status(self) -> dict[str, Any]:
         """The public status document served at /api/status."""

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from swarm.errors import LocalProtocolError
+from swarm.errors import AddressError
 from swarm.peer.swarmkey import SwarmKey
 from web_peer.pageurl import page_link_text, page_url
 
@@ -20,8 +20,11 @@ def test_page_url_keeps_the_key_in_the_fragment():
     assert (parts.scheme, parts.hostname, parts.port, parts.path, parts.fragment) == ("https", "192.168.1.20", 8443, "/", CODE)
     assert CODE not in url.split("#")[0]  # never in what a browser sends to the server
     assert page_url("wss://[fe80::1]:9/ws", "K") == "https://[fe80::1]:9/#K"
-    for bad in ("ws://1.2.3.4:5/ws", "wss://host/ws", "https://1.2.3.4:5/", ""):
-        with pytest.raises(LocalProtocolError):
+    # every form --signal takes gives the same page (join --signal HOST:PORT printed nothing but an error)
+    for form in ("192.168.1.20:8443", "https://192.168.1.20:8443", "wss://192.168.1.20:8443/ws"):
+        assert page_url(form, "K") == "https://192.168.1.20:8443/#K"
+    for bad in ("ws://1.2.3.4:5/ws", "wss://host/ws", ""):
+        with pytest.raises(AddressError):
             page_url(bad, CODE)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from zeroconf import ServiceInfo
 
@@ -78,3 +80,12 @@ def test_instance_name_fits_a_dns_label():
     assert len(label.encode()) <= 63
     assert instance_name("p", 1.0) != instance_name("p", 2.0)
     assert RECORD.url() == "wss://10.0.0.2:8443/ws"
+
+
+def test_host_name_is_per_server_run_not_per_peer_id():
+    # Two processes with one identity (a copied config directory) must not claim one mDNS host name.
+    again = dataclasses.replace(RECORD, started=RECORD.started + 0.001)
+    assert RECORD.host_name == f"colibri-peer-a-{1796000000123 % 10**9}.local."
+    assert again.host_name != RECORD.host_name
+    long = dataclasses.replace(RECORD, host="x" * 128)
+    assert len(long.host_name.split(".")[0]) <= 63  # one DNS label (RFC 1035)

@@ -22,13 +22,15 @@ def closes(outputs):
     return {o.conn: (o.code, o.reason) for o in outputs if isinstance(o, Close)}
 
 
-def join(relay: SignalingRelay, conn: int, peer: str, now: float = 0.0, key: bytes = K_SIG, kind="python"):
+def join(relay: SignalingRelay, conn: int, peer: str, now: float = 0.0, key: bytes = K_SIG, kind="python",
+         instance: str = "", address: str = ""):
     """Connect and authenticate ``peer`` on ``conn``; returns the outputs of the auth step."""
-    (challenge,) = relay.connect(conn, now)
+    (challenge,) = relay.connect(conn, now, address)
     nonce = bytes.fromhex(json.loads(challenge.text)["nonce"])
     client_nonce = bytes([conn]) * 32
     mac = auth.client_mac(key, nonce, client_nonce, peer)
-    out = relay.receive(conn, Auth(peer_id=peer, kind=kind, name=f"n-{peer}", nonce=client_nonce, mac=mac).encode(), now)
+    message = Auth(peer_id=peer, kind=kind, name=f"n-{peer}", nonce=client_nonce, mac=mac, instance=instance)
+    out = relay.receive(conn, message.encode(), now)
     return out, nonce, client_nonce
 
 
@@ -181,6 +183,47 @@ def test_reconnect_replaces_old_connection(relay):
     assert [p.peer_id for p in relay.peers] == ["A", "B"]
     out = relay.receive(1, Signal(to="B", data={}).encode(), 3.0)
     assert [o.conn for o in out] == [3]
+
+
+def test_reconnect_of_the_same_process_replaces_its_old_connection(relay):
+    join(relay, 1, "A", instance="aa" * 8)
+    out, *_ = join(relay, 2, "A", now=1.0, instance="aa" * 8)
+    assert closes(out) == {1: (CloseCode.REPLACED, "replaced by a newer connection of the same peer")}
+    assert [p.peer_id for p in relay.peers] == ["A"]
+
+
+def test_a_copied_identity_is_refused_and_named_to_both(relay):
+    join(relay, 1, "A", instance="aa" * 8, address="10.0.0.1")
+    join(relay, 2, "B", instance="bb" * 8, address="10.0.0.2")
+    out, *_ = join(relay, 3, "A", now=1.0, instance="cc" * 8, address="10.0.0.3")
+    # the newcomer is refused with the address of the one that holds the id ...
+    assert closes(out) == {3: (CloseCode.DUPLICATE_PEER, "peer id in use by another process at 10.0.0.1")}
+    # ... which stays, is told who else claimed it, and nobody sees presence change
+    (notice,) = texts(out, 1)
+    assert notice["type"] == "error" and notice["code"] == "duplicate-peer" and "10.0.0.3" in notice["detail"]
+    assert texts(out, 2) == []
+    assert [p.peer_id for p in relay.peers] == ["A", "B"]
+    assert relay.disconnect(3, 2.0) == []
+    out = relay.receive(2, Signal(to="A", data={"x": 1}).encode(), 2.0)
+    assert [o.conn for o in out] == [1]
+    # once the holder is gone, the other process may have the id
+    relay.disconnect(1, 3.0)
+    out, *_ = join(relay, 4, "A", now=4.0, instance="cc" * 8)
+    assert closes(out) == {} and [p.peer_id for p in relay.peers] == ["B", "A"]
+
+
+def test_auth_instance_is_checked():
+    from swarm.errors import RemoteProtocolError
+    from swarm.signaling.messages import decode_client_message
+
+    frame = json.loads(Auth(peer_id="A", kind="python", name="", nonce=b"\x01" * 32, mac=b"\x02" * 32,
+                            instance="0123abcd").encode())
+    assert decode_client_message(json.dumps(frame)).instance == "0123abcd"
+    del frame["instance"]
+    assert decode_client_message(json.dumps(frame)).instance == ""  # optional: pages of older builds
+    for bad in ("XYZ", "abc", 5, "0" * 65):
+        with pytest.raises(RemoteProtocolError, match="'instance'"):
+            decode_client_message(json.dumps({**frame, "instance": bad}))
 
 
 def test_version_mismatch(relay):

@@ -10,7 +10,7 @@ import ssl
 import aiohttp
 import pytest
 
-from swarm.errors import AuthenticationError, SignalingUnavailableError, SwarmError
+from swarm.errors import AuthenticationError, DuplicatePeerError, SignalingUnavailableError, SwarmError
 from swarm.signaling import (
     CloseCode,
     Disconnected,
@@ -148,6 +148,27 @@ async def test_wrong_key_refused(server):
     assert sorted(server.relay.peers[i].peer_id for i in range(len(server.relay.peers))) == ["A"]
     assert a._events.empty()  # A never heard of the stranger
     await a.close()
+
+
+async def test_a_second_process_with_our_peer_id_is_refused_by_name(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path / "cfg"))
+    a = await connect(server, "A", instance="aa" * 8)
+    b = await connect(server, "B")
+    with pytest.raises(DuplicatePeerError) as exc:
+        await connect(server, "A", instance="bb" * 8)
+    text = str(exc.value)
+    assert "another machine uses this peer identity A" in text and "127.0.0.1" in text
+    assert f"delete {tmp_path / 'cfg' / 'identity.pem'}" in text
+    refused = await next_event(a, SignalRefused)
+    assert refused.code == "duplicate-peer" and "claimed peer id A" in refused.detail
+    # the one that holds the id keeps it: still present and still reachable
+    await b.send_signal("A", {"x": 1})
+    assert (await next_event(a, SignalReceived)).data == {"x": 1}
+    # the same process reconnecting (same instance) takes its id over, as before
+    a2 = await connect(server, "A", instance="aa" * 8)
+    assert (await next_event(a, Disconnected)).code == CloseCode.REPLACED
+    for c in (a, a2, b):
+        await c.close()
 
 
 async def test_fingerprint_pin_mismatch(server):

@@ -1,0 +1,50 @@
+"""The config directory is one peer's identity: only one process at a time may run a peer from it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from swarm import paths
+from swarm.errors import IdentityInUseError
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from swarm import paths
+paths.lock_config_dir(Path(sys.argv[1]))
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_process_cannot_lock_the_same_config_dir_until_the_first_ends(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(IdentityInUseError) as exc:
+            paths.lock_config_dir(tmp_path)
+        text = str(exc.value)
+        assert f"(pid {holder.pid})" in text and str(tmp_path) in text and "COLIBRI_SWARM_CONFIG_DIR=" in text
+    finally:
+        holder.kill()  # the OS drops the lock with the process: nothing stale to clean up
+        holder.wait()
+    try:
+        assert paths.lock_config_dir(tmp_path) == tmp_path.resolve() / paths.LOCK_FILE
+        assert paths.lock_config_dir(tmp_path) == tmp_path.resolve() / paths.LOCK_FILE  # again: a no-op
+    finally:
+        paths.unlock_config_dir(tmp_path)
+
+
+def test_other_config_dirs_are_independent(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    try:
+        paths.lock_config_dir(a)
+        paths.lock_config_dir(b)
+    finally:
+        paths.unlock_config_dir(a)
+        paths.unlock_config_dir(b)
