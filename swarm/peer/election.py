@@ -151,6 +151,7 @@ class Election:
         self._votes: set[str] = set()
         self._leader_heard: float = now  # a fresh peer listens a full timeout before standing
         self._quiet_until = now + startup_quiet_s
+        self._hold_until = float("-inf")  # no candidacy before this (see hold_candidacy)
         self._deadline = now + self._timeout()
         self._next_heartbeat = now
         self._out: list[tuple[str | None, ElectionMessage]] = []
@@ -230,10 +231,18 @@ class Election:
             if self.leader is not None:
                 self.leader = None
                 self._events.append(LeaderChanged(self.term, None))
-            if self.eligible and now >= self._quiet_until:
+            if self.eligible and now >= max(self._quiet_until, self._hold_until):
                 self._stand(now)
             else:
                 self._deadline = now + self._timeout(now)
+
+    def hold_candidacy(self, until: float) -> None:
+        """Do not stand as a candidate before ``until`` (voting goes on as usual).
+
+        The adapter holds a joining peer back while peers it can see are not linked yet: one
+        of them may coordinate already, and a newcomer that stood alone would lead a quorum
+        of one until it heard of it."""
+        self._hold_until = max(self._hold_until, until)
 
     def get_timer(self) -> float:
         """The time at which :meth:`handle_timer` must next be called."""

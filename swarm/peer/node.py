@@ -43,6 +43,7 @@ from aiortc.rtcdtlstransport import RTCCertificate
 
 from swarm import __version__, paths
 from swarm.discovery import Connected, Rendezvous
+from swarm.errors import SwarmError
 from swarm.peer import wire
 from swarm.peer.link import Handler, Link
 from swarm.peer.mesh import Mesh
@@ -148,6 +149,7 @@ class Node:
         self.mesh.on_link_up.append(self._link_up)
         self.mesh.on_link_down.append(self._link_down)
         self.started: float | None = None
+        self.error: SwarmError | None = None  # why the node stopped working on its own (join exits with it)
         self._tasks: list[asyncio.Task] = []
 
     # -- the surface other modules build on -----------------------------------------------------
@@ -195,24 +197,38 @@ class Node:
                 self.status_path.unlink()
 
     async def _pump(self) -> None:
-        async for event in self.rendezvous:
-            match event:
-                case Connected(peers=peers):
-                    log.info("on signaling server %s (host %s%s)", event.url, event.host,
-                             ", ours" if event.hosting else "")
-                    self.mesh.sync(peers)
-                    self._refresh_status()
-                case PeerJoined(peer=info):
-                    self.mesh.peer_joined(info)
-                    self.events.put_nowait(PeerEvent("joined", info.peer_id, info.name, info.kind))
-                case PeerLeft(peer_id=peer_id):
-                    info = self.rendezvous.peers.get(peer_id)
-                    self.mesh.peer_left(peer_id)
-                    self.events.put_nowait(PeerEvent("left", peer_id, info.name if info else "", info.kind if info else "?"))
-                case SignalReceived(sender=sender, data=data):
-                    await self.mesh.handle_signal(sender, data)
-                case SignalRefused(code=code, detail=detail):
-                    log.log(logging.WARNING if code == DUPLICATE_NOTICE else logging.INFO, "signaling: %s %s", code, detail)
+        """Feed rendezvous events to the mesh until the rendezvous ends; its error, if any, is
+        kept in :attr:`error` (``join`` exits with it). One bad event never ends the pump."""
+        try:
+            async for event in self.rendezvous:
+                try:
+                    await self._handle(event)
+                except Exception:  # a malformed signal of one peer must not cut us off from all
+                    log.exception("signaling event %s could not be handled", type(event).__name__)
+        except SwarmError as exc:
+            self.error = exc
+            raise
+        if self.error is None and self._tasks:
+            self.error = SwarmError("the signaling connection ended for good")
+
+    async def _handle(self, event: Any) -> None:
+        match event:
+            case Connected(peers=peers):
+                log.info("on signaling server %s (host %s%s)", event.url, event.host,
+                         ", ours" if event.hosting else "")
+                self.mesh.sync(peers)
+                self._refresh_status()
+            case PeerJoined(peer=info):
+                self.mesh.peer_joined(info)
+                self.events.put_nowait(PeerEvent("joined", info.peer_id, info.name, info.kind))
+            case PeerLeft(peer_id=peer_id):
+                info = self.rendezvous.peers.get(peer_id)
+                self.mesh.peer_left(peer_id)
+                self.events.put_nowait(PeerEvent("left", peer_id, info.name if info else "", info.kind if info else "?"))
+            case SignalReceived(sender=sender, data=data):
+                await self.mesh.handle_signal(sender, data)
+            case SignalRefused(code=code, detail=detail):
+                log.log(logging.WARNING if code == DUPLICATE_NOTICE else logging.INFO, "signaling: %s %s", code, detail)
 
     def _link_up(self, link: Link) -> None:
         hello = link.hello
@@ -306,13 +322,17 @@ def main_join(args: Any) -> int:
 
 async def _join(args: Any, console: Any) -> None:
     from swarm.peer import identity, swarmkey
+    from swarm.peer.loopwatch import watch_slow_callbacks
     from swarm.peer.roles import SwarmRoles
 
+    watch_slow_callbacks(asyncio.get_running_loop())
     key, created = _swarm_key(args, swarmkey)
     paths.lock_config_dir()  # one process per identity; released by the OS when this one ends
     ident = identity.load_or_create()
     model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
+    gflops = await asyncio.to_thread(measure_ffn_gflops)
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
+                ffn_gflops=gflops,
                 signal_url=args.signal, memory_budget=args.memory << 20 if args.memory else None,
                 model_hash=model.content_hash() if model is not None else None)
     if created:
@@ -326,13 +346,15 @@ async def _join(args: Any, console: Any) -> None:
     try:
         with console.status("looking for the swarm on this network…"):
             await node.start()
-        roles = SwarmRoles(node, model, verify=args.verify / 100)
+        roles = await SwarmRoles.create(node, model, verify=args.verify / 100)
         await roles.start()
         _print_header(console, node)
         shown = (node.role, None)
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 _print_event(console, await asyncio.wait_for(node.events.get(), ROLE_POLL_S))
+            if node.error is not None:
+                raise node.error  # e.g. the key was refused at --signal: exit with one clear line
             api_port = (node.placement or {}).get("api_port") if isinstance(node.placement, dict) else None
             if (node.role, api_port) != shown:
                 shown = (node.role, api_port)

@@ -68,6 +68,9 @@ BROWSER_WARMUP_S = 120.0  # a browser peer's "no such weights" answers are not f
 # A fresh peer neither stands nor votes this long (seconds): enough for the mesh to form, so
 # peers that start together elect one coordinator instead of each leading a quorum of one.
 STARTUP_QUIET_S = 2.0
+# A joining peer does not stand while Python peers it sees on signaling are not linked yet,
+# for at most this long (seconds): one of them may coordinate already.
+JOIN_GRACE_S = 10.0
 LEFT_SILENCE_S = 2.0  # link silence (seconds) that, with no signaling presence, means a peer left
 SHIP_TIMEOUT_S = 600.0  # a worker without the model gives up on a plan's slices after this (seconds)
 PLAN_WAIT_S = 60.0  # a request waits at most this long for its plan's slices (seconds)
@@ -119,12 +122,20 @@ class SwarmRoles:
         self._compute = cf.ThreadPoolExecutor(1, thread_name_prefix="swarm-worker")
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = time.monotonic()  # reset by start()
         self._wake = asyncio.Event()
+
+    @classmethod
+    async def create(cls, node: Any, model: Any = None, **options: Any) -> SwarmRoles:
+        """Construct in a worker thread: building the tokenizer and indexing the model file
+        take seconds on a large model, and the event loop must keep serving links meanwhile."""
+        return await asyncio.to_thread(cls, node, model, **options)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Hook into the node and start the election driver."""
         self._loop = asyncio.get_running_loop()
+        self._started = time.monotonic()
         n = self.node
         n.on(RequestVote, self._on_request_vote)
         n.on(Vote, self._on_vote)
@@ -172,6 +183,8 @@ class SwarmRoles:
             for peer, link in list(self.node.links.items()):
                 self.election.heard_from(peer, link.last_heard)  # any inbound byte, link heartbeats included
             self._forget_departed(now)
+            if now < self._started + JOIN_GRACE_S and self._unlinked_peers():
+                self.election.hold_candidacy(now + TICK_S)
             self.election.handle_timer(now)
             await self._flush()
             self._wake.clear()
@@ -180,6 +193,13 @@ class SwarmRoles:
                 await asyncio.wait_for(self._wake.wait(), delay)
             except TimeoutError:
                 pass
+
+    def _unlinked_peers(self) -> set[str]:
+        """Python peers on our signaling server with no open link to us yet (refused ones aside)."""
+        present = getattr(self.node.rendezvous, "peers", None) or {}
+        return {p for p, info in present.items()
+                if info.kind == "python" and p != self.node.peer_id and p not in self.node.links
+                and p not in self.refused}
 
     def _forget_departed(self, now: float) -> None:
         """Members the signaling server no longer lists, whose link is closed or silent for

@@ -200,8 +200,13 @@ class SignalingClient:
             if not isinstance(welcome, Welcome):
                 raise RemoteProtocolError("signaling server did not answer the authentication with a welcome")
             auth.verify(auth.server_mac(k_sig, challenge.nonce, client_nonce, peer_id), welcome.mac, "signaling server")
+        except (aiohttp.ClientError, OSError) as exc:  # the connection broke mid-handshake
+            with contextlib.suppress(Exception):
+                await ws.close()
+            raise SignalingUnavailableError(f"signaling server at {url} dropped the connection: {exc!r}") from None
         except BaseException:
-            await ws.close()
+            with contextlib.suppress(Exception):
+                await ws.close()
             raise
         return cls(session, ws, peer_id, challenge.host, welcome.peers)
 
@@ -216,7 +221,7 @@ class SignalingClient:
             raise SwarmError(f"signal of {len(text)} bytes exceeds the {MAX_FRAME_CHARS}-byte frame limit")
         try:
             await self._ws.send_str(text)
-        except (ConnectionError, RuntimeError) as exc:
+        except (ConnectionError, RuntimeError, aiohttp.ClientError) as exc:
             raise SignalingUnavailableError(f"signaling connection lost: {exc}") from None
 
     def __aiter__(self) -> AsyncIterator[Event]:
@@ -233,9 +238,10 @@ class SignalingClient:
         """Close the connection (normal closure) and wait for the reader to end."""
         with contextlib.suppress(Exception):
             await self._ws.close()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._reader
-        await self._session.close()
+        with contextlib.suppress(Exception):
+            await self._session.close()
 
     async def wait_closed(self) -> None:
         await self.closed.wait()
@@ -261,6 +267,9 @@ class SignalingClient:
                     break
                 if event is not None:
                     self._events.put_nowait(event)
+        except Exception as exc:  # e.g. aiohttp's pong on a closing socket after a stall: the end, not a crash
+            log.info("signaling connection failed: %r", exc)
+            reason = repr(exc)[:123]
         finally:
             if code is None:
                 code = self._ws.close_code

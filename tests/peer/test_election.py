@@ -239,3 +239,18 @@ def test_a_silent_coordinator_is_not_revived_by_its_links_old_news():
     assert v.leader is None and not v.reachable("lead", 2.0)
     v.receive("next", RequestVote(2, "next"), now=2.1)
     assert v.messages_to_send() == [("next", Vote(2, "v", True))]
+
+
+def test_a_held_candidacy_waits_and_then_stands():
+    """A joining peer held back (peers it sees are not linked yet) stands only once released,
+    and still grants votes meanwhile."""
+    e = Election("b", eligible=True, capability=1.0, now=0.0, rng=random.Random(1))
+    e.hold_candidacy(10.0)
+    for t in range(1, 100):
+        e.handle_timer(t * 0.1)
+    assert e.role is Role.FOLLOWER and e.term == 0 and not e.messages_to_send()
+    e.add_member("c", eligible=True, capability=2.0, now=9.9)
+    e.receive("c", RequestVote(1, "c"), 9.95)
+    assert e.messages_to_send() == [("c", Vote(1, "b", True))]
+    e.handle_timer(12.0)  # released, and c's term-1 round came to nothing: b stands
+    assert e.role is Role.CANDIDATE and e.term == 2
