@@ -21,6 +21,13 @@ connected, a better server (two were started at once) makes the peer move to it;
 moves stops its own server and its clients follow. Every (re)connection is announced by a
 :class:`Connected` event carrying the full presence list; diff it against what you knew.
 With ``signal_url`` (``--signal URL``) mDNS is skipped and the peer reconnects to that URL.
+
+Liveness is re-decided on timers, not only on mDNS news: a lost connection is first retried
+on the same server (the stall may have been ours), a server set aside is tried again after
+``DEAD_RETRY_S``, and while connected the peer looks for a better server every ``RECHECK_S``,
+so two sides of a healed split converge on the older server. Whatever exception ends a
+connection, the loop logs it once and reconnects (or hosts); only a key or protocol version
+refused at a ``--signal`` URL ends it, and then the event stream ends with that error.
 """
 
 from __future__ import annotations
@@ -40,7 +47,14 @@ from swarm.discovery.addresses import local_addresses
 from swarm.discovery.choice import DISCOVERY_WINDOW_S, TAKEOVER_STEP_S, is_better, pick_server, takeover_delay
 from swarm.discovery.mdns import Advertiser, ServerBrowser, instance_name, open_zeroconf
 from swarm.discovery.records import ServerRecord
-from swarm.errors import DuplicatePeerError, LocalProtocolError, SignalingUnavailableError, SwarmError
+from swarm.errors import (
+    AuthenticationError,
+    DuplicatePeerError,
+    LocalProtocolError,
+    SignalingUnavailableError,
+    SwarmError,
+    VersionMismatchError,
+)
 from swarm.signaling.auth import swarm_id as swarm_id_of
 from swarm.signaling.client import (
     Disconnected,
@@ -55,7 +69,8 @@ from swarm.signaling.server import SignalingServer
 
 log = logging.getLogger(__name__)
 
-DEAD_RETRY_S = 15.0  # a server that refused us is tried again after this long
+DEAD_RETRY_S = 5.0  # a server that refused or dropped us is tried again after this long
+RECHECK_S = 2.0  # while connected, look this often for a better server even without mDNS news
 CONNECT_TIMEOUT_S = 3.0  # per address; a LAN answers in milliseconds
 RECONNECT_S = 1.0  # pause between attempts at a fixed --signal URL
 
@@ -103,6 +118,7 @@ class Rendezvous:
         self._task: asyncio.Task[None] | None = None
         self._announce: asyncio.Task[None] | None = None
         self._error: SwarmError | None = None
+        self._failures = 0  # unexpected errors in a row (the first is logged with its traceback)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -175,27 +191,55 @@ class Rendezvous:
     async def _main(self) -> None:
         try:
             await self._run()
-        except SwarmError as exc:  # e.g. our key was refused at a --signal URL: nothing to retry
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the loop only ends on an error it cannot recover from: say so, end the stream
+            if not isinstance(exc, SwarmError):
+                log.exception("rendezvous failed")
+                exc = SwarmError(f"signaling stopped after an unexpected error: {exc!r}")
             log.error("rendezvous ended: %s", exc)
             self._error = exc
             self._events.put_nowait(None)
-            raise
+            raise exc from None
 
     async def _run(self) -> None:
-        client = await (self._connect_fixed() if self.signal_url else self._find_or_host(self.discovery_window_s))
+        """Connect, follow, and after every loss reconnect (or host). Only a refused key or
+        protocol version at a ``--signal`` URL ends it: anything else is logged and retried."""
+        delay = self.discovery_window_s
+        client: SignalingClient | None = None
         while True:
-            self._set_client(client)
-            moved = await self._follow(client)
-            if moved is not None:
-                client = moved
-                continue
-            last_presence = tuple(client.peers.values())
-            await self._drop_client()
-            if self.record is not None:
-                self._dead[self.record.key] = time.monotonic()
-            delay = takeover_delay(self.peer_id, last_presence, client.host, self.takeover_step_s)
-            log.info("signaling server of %s lost; hosting after %.1f s unless another appears", client.host, delay)
-            client = await (self._connect_fixed() if self.signal_url else self._find_or_host(delay))
+            try:
+                if client is None:
+                    client = await (self._connect_fixed() if self.signal_url else self._find_or_host(delay))
+                while True:
+                    self._set_client(client)
+                    moved = await self._follow(client)
+                    if moved is None:
+                        break
+                    client = moved
+            except (AuthenticationError, VersionMismatchError, DuplicatePeerError):
+                raise
+            except Exception as exc:  # the boundary no connection error may cross: log, reconnect
+                self._failures += 1
+                log.log(logging.WARNING if self._failures == 1 else logging.INFO,
+                        "signaling failed (%r); reconnecting", exc, exc_info=self._failures == 1)
+                await asyncio.sleep(RECONNECT_S)
+            client, delay = await self._after_loss(client, delay)
+
+    async def _after_loss(self, lost: SignalingClient | None, delay: float) -> tuple[SignalingClient | None, float]:
+        """Close ``lost``; reconnect to its server at once if it still answers (the stall was
+        ours), else set it aside and return how long to look for another before hosting."""
+        await self._drop_client()
+        if lost is None:
+            return None, delay
+        if self.record is not None and not self.hosting:
+            again = await self._try(self.record)
+            if again is not None:
+                log.info("reconnected to the signaling server of %s", again.host)
+                return again, delay
+        delay = takeover_delay(self.peer_id, tuple(lost.peers.values()), lost.host, self.takeover_step_s)
+        log.info("signaling server of %s lost; hosting after %.1f s unless another appears", lost.host, delay)
+        return None, delay
 
     async def _connect_fixed(self) -> SignalingClient:
         attempt = 0
@@ -258,16 +302,18 @@ class Rendezvous:
                     # Not cleared on entry: a change seen while we were connecting is checked now.
                     changed = asyncio.ensure_future(self._browser.changed.wait())
                     waiters.add(changed)
-                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waiters, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED)
                 if changed is not None and not changed.done():
                     changed.cancel()
+                    if not done:  # no news for RECHECK_S: servers set aside may be back (a healed split)
+                        done = {changed}
                 if next_event in done:
                     try:
                         event = next_event.result()
                     except StopAsyncIteration:
                         return None
                     if isinstance(event, Disconnected):
-                        log.info("signaling connection ended: %s %s", event.code, event.reason)
+                        log.info("signaling connection to %s ended: %s %s", client.host, event.code, event.reason)
                         return None
                     self._events.put_nowait(event)
                     next_event = asyncio.ensure_future(client.__anext__())
@@ -305,6 +351,7 @@ class Rendezvous:
 
     def _set_client(self, client: SignalingClient) -> None:
         self.client = client
+        self._failures = 0
         if self.server is not None and self.record is None:
             url = self.server.url("127.0.0.1")
         else:
@@ -321,7 +368,7 @@ class Rendezvous:
                                                      timeout=CONNECT_TIMEOUT_S)
             except DuplicatePeerError:
                 raise  # another process holds our peer id there: hosting our own would split the swarm
-            except (SwarmError, OSError, aiohttp.ClientError) as exc:  # an advertised server is untrusted input
+            except Exception as exc:  # an advertised server is untrusted input: whatever fails, try the next
                 log.info("signaling server %s at %s: %s", record.host, address, exc)
         self._dead[record.key] = time.monotonic()
         return None
