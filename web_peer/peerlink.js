@@ -85,7 +85,8 @@ export class PeerLink {
       this.fragmenter = new Fragmenter(maxMessageSizeFromSdp(data.sdp));
       await this.pc.setRemoteDescription({ type: "answer", sdp: data.sdp });
     } else if (data.type === "candidate" && typeof data.candidate === "string" && data.candidate) {
-      await this.pc.addIceCandidate({ candidate: data.candidate, sdpMid: data.sdpMid ?? "0", sdpMLineIndex: data.sdpMLineIndex ?? 0 }).catch(() => {});
+      // Not awaited: a candidate the browser must resolve (mDNS) would hold up every signal after it.
+      this.pc.addIceCandidate({ candidate: data.candidate, sdpMid: data.sdpMid ?? "0", sdpMLineIndex: data.sdpMLineIndex ?? 0 }).catch(() => {});
     }
   }
 

@@ -36,6 +36,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from aiortc import RTCIceCandidate
 from aiortc.rtcdtlstransport import RTCCertificate
 from aiortc.sdp import candidate_from_sdp
 
@@ -47,6 +48,10 @@ from swarm.signaling.messages import PeerInfo
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # pause between dial attempts to a present peer with no open link
+# Longest one remote ICE candidate may take to add. aioice resolves a browser's `<uuid>.local`
+# candidate by mDNS and waits 1 s for an answer that may never come; candidates are added in
+# tasks of their own, so that wait never holds up the signals behind them.
+CANDIDATE_TIMEOUT_S = 2.0
 MAX_SDP_CHARS = 32 << 10  # an aiortc or Chrome SDP with a few candidates is ~1-3 KB
 
 SendSignal = Callable[[str, dict[str, Any]], Awaitable[None]]
@@ -152,9 +157,10 @@ class Mesh:
                     return
                 old = self._attempts.pop(sender, None)
                 if old is not None:
+                    old.cancel_candidates()
                     self._spawn(old.link.close("superseded by a new offer"))
                 # registered now, not in the task: the candidates that follow the offer find it
-                attempt = self._attempts[sender] = _Attempt(session, self._new_link(sender, offerer=False))
+                attempt = self._attempts[sender] = _Attempt(session, self._new_link(sender, offerer=False), self._spawn)
                 self._spawn(self._answer(sender, attempt, sdp))
             case "answer":
                 attempt = self._attempts.get(sender)
@@ -162,12 +168,12 @@ class Mesh:
                     log.info("ignored an answer from %s to an abandoned offer", sender)
                     return
                 await attempt.link.accept_answer(_sdp(data))
-                await attempt.remote_description_set()
+                attempt.remote_description_set()
             case "candidate":
                 attempt = self._attempts.get(sender)
                 if attempt is None or attempt.session != session or not data.get("candidate"):
                     return  # end-of-candidates, or for an attempt that is gone
-                await attempt.add_candidate(data)
+                attempt.add_candidate(data)  # never waits: see CANDIDATE_TIMEOUT_S
             case _:
                 raise RemoteProtocolError(f"unknown signal type {kind!r}")
 
@@ -187,7 +193,7 @@ class Mesh:
         """Offer to ``peer_id`` until a link is open; again whenever it closes, while present."""
         while not self._closed and peer_id in self._present:
             if peer_id not in self.links:
-                attempt = _Attempt(secrets.token_hex(8), self._new_link(peer_id, offerer=True))
+                attempt = _Attempt(secrets.token_hex(8), self._new_link(peer_id, offerer=True), self._spawn)
                 self._attempts[peer_id] = attempt
                 link = attempt.link
                 try:
@@ -208,7 +214,7 @@ class Mesh:
         link = attempt.link
         try:
             answer = await link.accept_offer(sdp)
-            await attempt.remote_description_set()
+            attempt.remote_description_set()
             await self._send_signal(peer_id, {"type": "answer", "sdp": answer, "session": attempt.session})
             await self._establish(link)
         except SwarmError as exc:
@@ -221,6 +227,7 @@ class Mesh:
         """Forget a finished attempt; a link it leaves unopened (cancelled midway) is aborted."""
         if self._attempts.get(peer_id) is attempt:
             del self._attempts[peer_id]
+        attempt.cancel_candidates()
         if self.links.get(peer_id) is not attempt.link:
             attempt.link.abort("link set-up abandoned")
 
@@ -273,25 +280,55 @@ class Mesh:
 
 
 class _Attempt:
-    """A link being set up: its signal session, and ICE candidates that came before the SDP."""
+    """A link being set up: its signal session, and the remote ICE candidates being added.
+
+    Candidates that come before the remote SDP is applied are held, then added with it. Each is
+    added in a task of its own (started with ``spawn``, so the mesh owns it), bounded by
+    :data:`CANDIDATE_TIMEOUT_S`; nothing here waits for one. The tasks end with the attempt.
+    """
 
     MAX_EARLY_CANDIDATES = 64
+    MAX_PENDING_CANDIDATES = 64  # being added at once; more are dropped (and logged)
 
-    def __init__(self, session: str, link: Link) -> None:
+    def __init__(self, session: str, link: Link, spawn: Callable[[Awaitable[Any]], asyncio.Task]) -> None:
         self.session = session
         self.link = link
-        self._early: list[dict[str, Any]] | None = []  # None once the remote SDP is applied
+        self._spawn = spawn
+        self._early: list[RTCIceCandidate] | None = []  # None once the remote SDP is applied
+        self._pending: set[asyncio.Task] = set()
 
-    async def add_candidate(self, data: dict[str, Any]) -> None:
+    def add_candidate(self, data: dict[str, Any]) -> None:
+        """Add a candidate signal's candidate; RemoteProtocolError when it is malformed."""
+        candidate = _candidate(data)
         if self._early is None:
-            await _add_candidate(self.link, data)
+            self._start(candidate)
         elif len(self._early) < self.MAX_EARLY_CANDIDATES:
-            self._early.append(data)
+            self._early.append(candidate)
 
-    async def remote_description_set(self) -> None:
+    def remote_description_set(self) -> None:
         early, self._early = self._early or [], None
-        for data in early:
-            await _add_candidate(self.link, data)
+        for candidate in early:
+            self._start(candidate)
+
+    def cancel_candidates(self) -> None:
+        for task in self._pending:
+            task.cancel()
+
+    def _start(self, candidate: RTCIceCandidate) -> None:
+        if len(self._pending) >= self.MAX_PENDING_CANDIDATES:
+            log.info("dropped ICE candidate %s: %d candidates are still being added", candidate.ip, len(self._pending))
+            return
+        task = self._spawn(self._add(candidate))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _add(self, candidate: RTCIceCandidate) -> None:
+        try:
+            await asyncio.wait_for(self.link.pc.addIceCandidate(candidate), CANDIDATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.info("ICE candidate %s not added within %g s; left out", candidate.ip, CANDIDATE_TIMEOUT_S)
+        except Exception as exc:  # aiortc refusing a well-formed but unusable candidate
+            log.info("ICE candidate %s refused: %s: %s", candidate.ip, type(exc).__name__, exc)
 
 
 def _sdp(data: dict[str, Any]) -> str:
@@ -301,7 +338,8 @@ def _sdp(data: dict[str, Any]) -> str:
     return sdp
 
 
-async def _add_candidate(link: Link, data: dict[str, Any]) -> None:
+def _candidate(data: dict[str, Any]) -> RTCIceCandidate:
+    """The ICE candidate of a candidate signal; RemoteProtocolError when it is malformed."""
     text = data["candidate"]
     if not isinstance(text, str) or len(text) > 1024:
         raise RemoteProtocolError("'candidate' must be a string of at most 1024 characters")
@@ -312,7 +350,7 @@ async def _add_candidate(link: Link, data: dict[str, Any]) -> None:
     candidate.sdpMid = data.get("sdpMid") if isinstance(data.get("sdpMid"), str) else None
     index = data.get("sdpMLineIndex")
     candidate.sdpMLineIndex = index if isinstance(index, int) else None
-    await link.pc.addIceCandidate(candidate)
+    return candidate
 
 
 def _call(cb: Callable[..., Any], arg: Any) -> None:
