@@ -6,27 +6,14 @@
 //   w_down [R, K4]  WVec            one part (R rows) of W_down; format from the prelude
 //   s_down [R]      f32             per-row scales (read only when HAS_SCALE)
 //   y      [T, H]   f32             output; this dispatch writes columns row0 .. row0 + R
-// Same work split as swiglu.wgsl: one workgroup per weight row and block of TB rows of h.
-
-struct Params {
-    t_rows: u32,   // T
-    k4: u32,       // F / 4
-    n_rows: u32,   // R, weight rows in this part
-    row0: u32,     // first output column of this part
-    n_out: u32,    // H, row stride of y
-    tile_x: u32,   // workgroups along x
-}
+// Same work split as swiglu.wgsl: one workgroup per weight row and block of TB rows of h
+// (the host prepends a weight prelude and rows.wgsl).
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> hin: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> w_down: array<WVec>;
 @group(0) @binding(3) var<storage, read> s_down: array<f32>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
-
-override WG: u32 = 64u;  // threads per workgroup; a power of two within the adapter's limits
-const TB: u32 = 8u;      // activation rows per workgroup
-
-var<workgroup> red: array<f32, WG>;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -69,19 +56,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var t = 0u; t < TB; t++) {
         let tt = t0 + t;
         if (tt >= p.t_rows) {
-            break;
+            break;  // uniform
         }
-        red[lid] = acc[t];
-        workgroupBarrier();
-        for (var s = WG / 2u; s > 0u; s >>= 1u) {
-            if (lid < s) {
-                red[lid] += red[lid + s];
-            }
-            workgroupBarrier();
-        }
+        let total = workgroup_sum(lid, vec2<f32>(acc[t], 0.0));
         if (lid == 0u) {
-            y[tt * p.n_out + p.row0 + r] = red[0] * sd;
+            y[tt * p.n_out + p.row0 + r] = total.x * sd;
         }
-        workgroupBarrier();
     }
 }

@@ -4,13 +4,17 @@
 // Weight layout (the same rules as web_peer/kernels.py, whose packing it must equal byte for
 // byte): row-major [rows, K] with K zero-padded to a multiple of 4; formats f32, f16 (needs
 // shader-f16) and q8 (int8 per row + one f32 scale per row: scale = max|row| / 127,
-// q = round-half-even(w / scale)); each matrix cut into parts of whole rows so no binding exceeds
-// the context's maxBinding. Activations are cut into blocks of rows under the same limit.
-import { KernelError } from "./gpu.js";
+// q = round-half-even(w / scale)), packed here from float32; and the GGUF block formats q4_0,
+// q4_1, q8_0, kept in the file's blocks, split once into a quant plane and an f16 scale plane
+// (no bytes added; kernels.py says why). Each matrix is cut into parts of whole rows so no binding
+// exceeds the context's maxBinding. Activations are cut into blocks of rows under the same limit.
+import { KernelError, BLOCK_FORMATS } from "./gpu.js";
 import { SwigluKernel } from "./swiglu.js";
 import { DownKernel } from "./down.js";
 
 const BYTES = { f32: 4, f16: 2, q8: 1 };
+// block format → [bytes per 32-weight block in the file, f16 scales per block, u32 quant words per block]
+const BLOCKS = { q4_0: [18, 1, 4], q4_1: [20, 2, 4], q8_0: [34, 1, 8] };
 
 export const pad4 = (n) => Math.ceil(n / 4) * 4;
 
@@ -62,7 +66,44 @@ export function packMatrix(w, n, k, fmt, maxBinding, rows = n) {
     }
     data = new Uint8Array(q.buffer);
   }
-  return { fmt, rows, cols, data, scale, parts: splitRows(rows, cols * BYTES[fmt], maxBinding) };
+  return { fmt, rows, cols, data, scale, rowBytes: cols * BYTES[fmt], scaleRowBytes: scale ? 4 : 0,
+    parts: splitRows(rows, cols * BYTES[fmt], maxBinding) };
+}
+
+/** The kernel format of a GGUF type name ("Q4_1" → "q4_1"), or null when the kernels cannot read its blocks. */
+export function blockFormat(encoding) {
+  const fmt = String(encoding).toLowerCase();
+  return BLOCK_FORMATS.includes(fmt) ? fmt : null;
+}
+
+/**
+ * Repack GGUF blocks (Uint8Array of n rows of k / 32 blocks, as in the file) into the kernels'
+ * two planes, zero rows up to `rows`. Returns {fmt, rows, cols: k, data (quant plane),
+ * scale (f16 plane, bytes), rowBytes, scaleRowBytes, parts}; same bytes as kernels.py's.
+ */
+export function packBlocks(bytes, n, k, fmt, maxBinding, rows = n) {
+  const [size, nScales, words] = BLOCKS[fmt] ?? [];
+  if (!size) throw new KernelError(`unknown block format ${fmt}; expected one of ${BLOCK_FORMATS.join(", ")}`);
+  if (k % 32) throw new KernelError(`${fmt} needs rows of a multiple of 32 weights, got ${k}`);
+  const nb = k / 32, sb = 2 * nScales, qb = 4 * words;
+  if (!(bytes instanceof Uint8Array) || bytes.length !== n * nb * size) {
+    throw new KernelError(`${fmt} weights of ${n}x${k} must be a Uint8Array of ${n * nb * size} bytes, got ${bytes?.constructor?.name} of ${bytes?.length}`);
+  }
+  const data = new Uint8Array(rows * nb * qb);
+  const scale = new Uint8Array(rows * nb * sb);
+  for (let b = 0, at = 0; b < n * nb; b++, at += size) {
+    for (let j = 0; j < sb; j++) scale[b * sb + j] = bytes[at + j];
+    data.set(bytes.subarray(at + sb, at + size), b * qb);
+  }
+  return { fmt, rows, cols: k, data, scale, rowBytes: nb * qb, scaleRowBytes: nb * sb, parts: splitRows(rows, nb * qb, maxBinding) };
+}
+
+/** Pack one weight argument of FfnBlock: a Float32Array as `fmt`, or GGUF blocks {encoding, bytes} as they are. */
+function packWeights(w, n, k, fmt, maxBinding, rows = n) {
+  if (w instanceof Float32Array) return packMatrix(w, n, k, fmt, maxBinding, rows);
+  const bf = blockFormat(w?.encoding);
+  if (!bf) throw new KernelError(`weights must be a Float32Array or GGUF blocks of ${BLOCK_FORMATS.join(", ")}, got ${w?.encoding ?? w?.constructor?.name}`);
+  return packBlocks(w.bytes, n, k, bf, maxBinding, rows);
 }
 
 /** Transpose-free column slice W[:, a:b] of a row-major [n, k] Float32Array → [n, b - a]. */
@@ -76,28 +117,34 @@ export function sliceColumns(w, n, k, a, b) {
 export class FfnBlock {
   /**
    * @param {import("./gpu.js").GpuContext} ctx
-   * @param {{hidden: number, inter: number, fmt: string, wGate: Float32Array, wUp: Float32Array, wDown: Float32Array}} w
-   *   wGate, wUp [inter, hidden]; wDown [hidden, inter]; float32 row-major.
+   * @param {{hidden: number, inter: number, fmt?: string, wGate, wUp, wDown}} w
+   *   wGate, wUp [inter, hidden]; wDown [hidden, inter]; row-major. Each is a Float32Array
+   *   (packed as `fmt`, default f32) or GGUF blocks {encoding: "Q4_0"|"Q4_1"|"Q8_0", bytes:
+   *   Uint8Array} kept as they are (wGate and wUp in one encoding).
    */
-  constructor(ctx, { hidden, inter, fmt, wGate, wUp, wDown }) {
+  constructor(ctx, { hidden, inter, fmt = "f32", wGate, wUp, wDown }) {
     checkFormat(fmt);
     this.ctx = ctx;
     this.hidden = hidden;
     this.inter = inter;
-    this.fmt = fmt;
     const fp = pad4(inter);
     this.packed = {
-      gate: packMatrix(wGate, inter, hidden, fmt, ctx.maxBinding, fp),
-      up: packMatrix(wUp, inter, hidden, fmt, ctx.maxBinding, fp),
-      down: packMatrix(wDown, hidden, inter, fmt, ctx.maxBinding),
+      gate: packWeights(wGate, inter, hidden, fmt, ctx.maxBinding, fp),
+      up: packWeights(wUp, inter, hidden, fmt, ctx.maxBinding, fp),
+      down: packWeights(wDown, hidden, inter, fmt, ctx.maxBinding),
     };
+    if (this.packed.gate.fmt !== this.packed.up.fmt) {
+      throw new KernelError(`gate and up must share a format, got ${this.packed.gate.fmt} and ${this.packed.up.fmt}`);
+    }
+    this.fmt = this.packed.gate.fmt;        // swiglu kernel
+    this.downFmt = this.packed.down.fmt;    // down kernel
     this.swiglu = new SwigluKernel(ctx);
     this.down = new DownKernel(ctx);
     this.generation = -1;  // device generation the GPU copies belong to
     this.gpu = null;
   }
 
-  /** Bytes of weights this block keeps on the GPU. */
+  /** Bytes of weights this block keeps on the GPU (compact: both planes of block formats). */
   get gpuBytes() {
     return Object.values(this.packed).reduce((s, m) => s + m.data.byteLength + (m.scale ? m.scale.byteLength : 0), 0);
   }
@@ -106,8 +153,10 @@ export class FfnBlock {
     const ctx = this.ctx;
     const up = (m) => ({
       packed: m,
-      buffers: m.parts.map(([r0, r1]) => ctx.buffer(m.data.subarray(r0 * m.cols * BYTES[m.fmt], r1 * m.cols * BYTES[m.fmt]))),
-      scales: m.parts.map(([r0, r1]) => ctx.buffer(m.scale ? m.scale.subarray(r0, r1) : new Float32Array([1]))),
+      buffers: m.parts.map(([r0, r1]) => ctx.buffer(m.data.subarray(r0 * m.rowBytes, r1 * m.rowBytes))),
+      scales: m.parts.map(([r0, r1]) => ctx.buffer(m.scale
+        ? new Uint8Array(m.scale.buffer, m.scale.byteOffset + r0 * m.scaleRowBytes, (r1 - r0) * m.scaleRowBytes)
+        : new Float32Array([1]))),
     });
     this.gpu = { gate: up(this.packed.gate), up: up(this.packed.up), down: up(this.packed.down) };
     this.generation = this.ctx.generation;
@@ -147,7 +196,7 @@ export class FfnBlock {
     const rb = dev.createBuffer({ size: tRows * hp * 4, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
     const enc = dev.createCommandEncoder();
     await this.swiglu.encode(enc, this.fmt, { tRows, k4: hp / 4, nOut: fp, x: xb, gate: this.gpu.gate, up: this.gpu.up, h: hb });
-    await this.down.encode(enc, this.fmt, { tRows, k4: fp / 4, nOut: hp, h: hb, down: this.gpu.down, y: yb });
+    await this.down.encode(enc, this.downFmt, { tRows, k4: fp / 4, nOut: hp, h: hb, down: this.gpu.down, y: yb });
     enc.copyBufferToBuffer(yb, 0, rb, 0, tRows * hp * 4);
     dev.queue.submit([enc.finish()]);
     await rb.mapAsync(GPUMapMode.READ);

@@ -16,7 +16,9 @@ export class NoWebGPUError extends Error {
   constructor(message) { super(message); this.name = "NoWebGPUError"; }
 }
 
-export const FORMATS = ["f32", "f16", "q8"];
+// GGUF block formats: the file's 32-weight blocks, dequantized in the kernel (web_peer/kernels.py).
+export const BLOCK_FORMATS = ["q4_0", "q4_1", "q8_0"];
+export const FORMATS = ["f32", "f16", "q8", ...BLOCK_FORMATS];
 export const TB = 8;  // activation rows per workgroup: `const TB` in swiglu.wgsl and down.wgsl
 export const MAX_WORKGROUPS_PER_DIM = 65535;
 
@@ -111,7 +113,10 @@ export class GpuContext {
     this._pipelines.clear();
   }
 
-  /** The WGSL of `kernel` for weight format `fmt`: weights_<fmt>.wgsl then <kernel>.wgsl. */
+  /**
+   * The WGSL of `kernel` for weight format `fmt`: weights_<fmt>.wgsl (and blocks.wgsl for block
+   * formats), rows.wgsl, then <kernel>.wgsl (<kernel>_blocks.wgsl): kernels.py wgsl_files.
+   */
   async source(kernel, fmt) {
     const key = `${kernel}/${fmt}`;
     if (!this._sources.has(key)) {
@@ -120,8 +125,10 @@ export class GpuContext {
         if (!r.ok) throw new KernelError(`cannot load ${name}: HTTP ${r.status}`);
         return r.text();
       };
-      const [prelude, body] = await Promise.all([get(`weights_${fmt}.wgsl`), get(`${kernel}.wgsl`)]);
-      this._sources.set(key, prelude + "\n" + body);
+      const names = BLOCK_FORMATS.includes(fmt)
+        ? [`weights_${fmt}.wgsl`, "blocks.wgsl", "rows.wgsl", `${kernel}_blocks.wgsl`]
+        : [`weights_${fmt}.wgsl`, "rows.wgsl", `${kernel}.wgsl`];
+      this._sources.set(key, (await Promise.all(names.map(get))).join("\n"));
     }
     return this._sources.get(key);
   }

@@ -10,6 +10,8 @@ An **expert FFN** is that block for one expert over the batch of rows routed to 
 range** is the same block over a contiguous slice r of a dense MLP's intermediate dimension
 (W_gate[r], W_up[r], W_down[:, r]); the coordinator sums range partials in range order. The two
 WGSL files are the kernels; ``weights_{f32,f16,q8}.wgsl`` are preludes that give the weight format.
+The GGUF block formats use ``swiglu_blocks.wgsl`` / ``down_blocks.wgsl`` with preludes
+``weights_{q4_0,q4_1,q8_0}.wgsl`` (same bindings, same work split, per-block scales).
 The functions here compute exactly what the kernels compute (float32, same formulas) so the GPU
 results can be checked against them, and them against float64.
 
@@ -18,9 +20,23 @@ Weight formats (one name used by Python, JS and the wire):
 - ``f16``: IEEE float16, 2 bytes; needs the adapter feature ``shader-f16``; sums stay in f32.
 - ``q8``: int8 per row with one float32 scale per row (``w = q * scale``), ~1 byte per weight:
   4x what f32 holds in the same memory. Quantization: scale = max|row| / 127, q = round(w / scale).
+- ``q4_0``, ``q4_1``, ``q8_0``: the GGUF files' own 32-weight blocks (llama.cpp's block_q4_0,
+  block_q4_1, block_q8_0), dequantized inside the kernel, sums in f32:
+  q4_0 w = d * (q - 8) (18 bytes a block), q4_1 w = d * q + m (20), q8_0 w = d * q (34);
+  d and m are f16, q 4-bit unsigned nibbles or int8. 4.5 to 8.5 bits per weight: 3.8-7x what f32
+  holds in the same memory.
+
+Block layout on the GPU. WGSL reads storage as u32 words, and 18- and 34-byte blocks sit at
+2-byte offsets every other block. Rather than assemble every quant word from two loads and
+shifts, a matrix is repacked once on arrival into two planes with the file's bytes, in order:
+``data``, the quant bytes of every block (4 words a block for q4_*, byte j holding weight j in
+its low nibble and weight j + 16 in its high one, as in the file; 8 words for q8_0), and
+``scale``, the f16 scales (q4_0/q8_0: d per block; q4_1: d, m per block), read with
+unpack2x16float. Same bytes as the file (a part whose block count is odd pads 2 bytes), and each
+plane is aligned, so every word is one load.
 
 Layout rules. Every weight matrix is row-major ``[rows, K]`` with K padded to a multiple of 4 with
-zeros (a WGSL ``vec4``/packed ``u32`` holds 4 weights). A matrix is cut into **parts** of whole rows
+zeros (a WGSL ``vec4``/packed ``u32`` holds 4 weights); block formats need K a multiple of 32. A matrix is cut into **parts** of whole rows
 so no GPU buffer binding exceeds the adapter's ``maxStorageBufferBindingSize`` (128 MiB on many
 phones); each part is one dispatch writing its own output columns.
 """
@@ -32,9 +48,16 @@ from importlib import resources
 
 import numpy as np
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
 from swarm.errors import KernelError
 
-FORMATS = ("f32", "f16", "q8")
+BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")  # GGUF block types the kernels read in their own blocks
+FORMATS = ("f32", "f16", "q8") + BLOCK_FORMATS
+QK = 32  # weights per block
+# block format → (f16 scales per block, u32 quant words per block)
+_BLOCK_LAYOUT = {"q4_0": (1, 4), "q4_1": (2, 4), "q8_0": (1, 8)}
 KERNELS = ("swiglu", "down")
 TB = 8  # activation rows per workgroup; must equal `const TB` in swiglu.wgsl and down.wgsl
 MAX_WORKGROUPS_PER_DIM = 65535  # WebGPU default maxComputeWorkgroupsPerDimension
@@ -113,23 +136,63 @@ def dequantize_q8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * scale[:, None]
 
 
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise KernelError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+
+def ggml_type(fmt: str) -> GGMLQuantizationType:
+    """The GGUF type of block format `fmt` ("q4_1" → Q4_1)."""
+    if fmt not in BLOCK_FORMATS:
+        raise KernelError(f"{fmt!r} is not a block format; expected one of {BLOCK_FORMATS}")
+    return GGMLQuantizationType[fmt.upper()]
+
+
+def block_format(encoding: str) -> str | None:
+    """The kernel format reading GGUF type name `encoding` in its own blocks ("Q4_1" → "q4_1"), else None."""
+    fmt = str(encoding).lower()
+    return fmt if fmt in BLOCK_FORMATS else None
+
+
+def quantize_blocks(w: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 w [N, K] (K a multiple of 32) → the file's blocks, uint8 [N, K / 32 * block bytes] (gguf's quantizer)."""
+    _f32(w, "w", 2)
+    if w.shape[1] % QK:
+        raise KernelError(f"{fmt} needs rows of a multiple of {QK} weights, got {w.shape[1]}")
+    return gguf_quantize(w, ggml_type(fmt))
+
+
+def matrix_shape(w: np.ndarray, name: str, fmt: str) -> tuple[int, int]:
+    """Logical [rows, K] of a matrix given to :func:`pack_matrix` as `fmt` (float32 or the file's
+    blocks). Raises KernelError naming `name` when it is neither."""
+    _check_format(fmt)
+    if fmt in BLOCK_FORMATS and isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 2:
+        size = GGML_QUANT_SIZES[ggml_type(fmt)][1]
+        if w.shape[1] % size:
+            raise KernelError(f"{name}: {fmt} rows must be whole {size}-byte blocks, got {w.shape[1]} bytes")
+        return w.shape[0], w.shape[1] // size * QK
+    return _f32(w, name, 2).shape
+
+
 def as_format(w: np.ndarray, fmt: str) -> np.ndarray:
     """The float32 weights a kernel of format `fmt` effectively multiplies by (its twin's view)."""
+    _check_format(fmt)
     if fmt == "f32":
         return w
     if fmt == "f16":
         return w.astype(np.float16).astype(np.float32)
     if fmt == "q8":
         return dequantize_q8(*quantize_q8(w))
-    raise KernelError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+    return unpack_matrix(pack_matrix(quantize_blocks(w, fmt), fmt, 1 << 62))
 
 
-def bytes_per_weight(fmt: str) -> int:
-    """Storage bytes per weight of `fmt` (the q8 per-row scale is counted separately)."""
-    try:
-        return {"f32": 4, "f16": 2, "q8": 1}[fmt]
-    except KeyError:
-        raise KernelError(f"unknown weight format {fmt!r}; expected one of {FORMATS}") from None
+def bytes_per_weight(fmt: str) -> float:
+    """Storage bytes per weight of `fmt` (the q8 per-row scale is counted separately; block
+    formats count their scales: 18/32, 20/32, 34/32)."""
+    _check_format(fmt)
+    if fmt in BLOCK_FORMATS:
+        return GGML_QUANT_SIZES[ggml_type(fmt)][1] / QK
+    return {"f32": 4, "f16": 2, "q8": 1}[fmt]
 
 
 def pad4(n: int) -> int:
@@ -146,27 +209,48 @@ def pad_matrix(w: np.ndarray, rows: int, cols: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PackedMatrix:
-    """A weight matrix in a kernel's layout: rows [N, K4] of WVec words, split into parts.
+    """A weight matrix in a kernel's layout: rows of `row_bytes` bytes, split into parts.
 
-    data: the packed bytes of all rows (f32/f16 little-endian floats, q8 int8 bytes).
-    scale: float32 [N] per-row scales for q8, None otherwise.
+    data: the packed bytes of all rows (f32/f16 little-endian floats, q8 int8 bytes, block
+    formats the quant plane). scale: q8 float32 [rows] per-row scales; block formats uint16
+    [rows * scales_per_row] f16 bits; None otherwise.
     parts: (first_row, end_row) per GPU binding, each at most the binding limit.
     """
 
     fmt: str
     rows: int
-    cols: int  # K padded to a multiple of 4
+    cols: int  # K padded to a multiple of 4 (block formats: K, a multiple of 32)
     data: bytes
     scale: np.ndarray | None
     parts: tuple[tuple[int, int], ...]
 
     @property
     def row_bytes(self) -> int:
+        if self.fmt in BLOCK_FORMATS:
+            return self.cols // QK * _BLOCK_LAYOUT[self.fmt][1] * 4
         return self.cols * bytes_per_weight(self.fmt)
+
+    @property
+    def scales_per_row(self) -> int:
+        if self.fmt in BLOCK_FORMATS:
+            return self.cols // QK * _BLOCK_LAYOUT[self.fmt][0]
+        return 1 if self.scale is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: both planes (what the page's memory budget counts)."""
+        return len(self.data) + (self.scale.nbytes if self.scale is not None else 0)
 
     def part_bytes(self, part: int) -> bytes:
         r0, r1 = self.parts[part]
         return self.data[r0 * self.row_bytes : r1 * self.row_bytes]
+
+    def part_scale(self, part: int) -> bytes:
+        """The scale plane of one part (a float32 1.0 placeholder for formats without scales)."""
+        if self.scale is None:
+            return np.ones(1, "<f4").tobytes()
+        r0, r1 = self.parts[part]
+        return self.scale[r0 * self.scales_per_row : r1 * self.scales_per_row].tobytes()
 
 
 def split_rows(rows: int, row_bytes: int, max_binding: int) -> tuple[tuple[int, int], ...]:
@@ -183,7 +267,15 @@ def split_rows(rows: int, row_bytes: int, max_binding: int) -> tuple[tuple[int, 
 
 
 def pack_matrix(w: np.ndarray, fmt: str, max_binding: int, rows: int | None = None) -> PackedMatrix:
-    """Pack float32 w [N, K] as `fmt`, zero-padded to [rows or N, pad4(K)], in parts ≤ max_binding."""
+    """Pack w [N, K] as `fmt`, zero-padded to [rows or N, K'], in parts ≤ max_binding.
+
+    Float formats take float32 w (K' = pad4(K)). Block formats take the file's blocks, uint8
+    [N, K / 32 * block bytes] (K' = K), or float32 w [N, K], quantized here by gguf's quantizer;
+    padding rows are zero blocks (d = m = 0: zero weights).
+    """
+    _check_format(fmt)
+    if fmt in BLOCK_FORMATS:
+        return _pack_blocks(w if w.dtype == np.uint8 else quantize_blocks(w, fmt), fmt, max_binding, rows)
     _f32(w, "w", 2)
     rows = w.shape[0] if rows is None else rows
     wp = pad_matrix(w, rows, pad4(w.shape[1]))
@@ -192,23 +284,52 @@ def pack_matrix(w: np.ndarray, fmt: str, max_binding: int, rows: int | None = No
         data = wp.astype("<f4").tobytes()
     elif fmt == "f16":
         data = wp.astype("<f2").tobytes()
-    elif fmt == "q8":
+    else:
         q, scale = quantize_q8(wp)
         data = q.tobytes()
-    else:
-        raise KernelError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
     parts = split_rows(rows, wp.shape[1] * bytes_per_weight(fmt), max_binding)
     return PackedMatrix(fmt, rows, wp.shape[1], data, scale, parts)
 
 
+def _pack_blocks(raw: np.ndarray, fmt: str, max_binding: int, rows: int | None) -> PackedMatrix:
+    """The file's blocks uint8 [N, row bytes] → the two planes (module docstring)."""
+    n_scales, words = _BLOCK_LAYOUT[fmt]
+    size = GGML_QUANT_SIZES[ggml_type(fmt)][1]
+    if raw.ndim != 2 or raw.shape[1] % size:
+        raise KernelError(f"{fmt} rows must be whole {size}-byte blocks, got an array of shape {raw.shape}")
+    n, nb = raw.shape[0], raw.shape[1] // size
+    rows = n if rows is None else rows
+    blocks = np.zeros((rows, nb, size), np.uint8)
+    blocks[:n] = raw.reshape(n, nb, size)
+    scale = np.ascontiguousarray(blocks[..., : 2 * n_scales]).view("<u2").reshape(-1)
+    data = np.ascontiguousarray(blocks[..., 2 * n_scales :]).tobytes()
+    assert len(data) == rows * nb * words * 4
+    parts = split_rows(rows, nb * words * 4, max_binding)
+    return PackedMatrix(fmt, rows, nb * QK, data, scale, parts)
+
+
 def unpack_matrix(m: PackedMatrix) -> np.ndarray:
-    """The float32 [rows, cols] a kernel reads from a PackedMatrix (for twins and tests)."""
+    """The float32 [rows, cols] a kernel reads from a PackedMatrix (for twins and tests).
+
+    Block formats dequantize as llama.cpp and gguf-py do, in float32: q4_0 d * (q - 8),
+    q4_1 d * q + m, q8_0 d * q.
+    """
     if m.fmt == "f32":
         return np.frombuffer(m.data, "<f4").reshape(m.rows, m.cols).astype(np.float32)
     if m.fmt == "f16":
         return np.frombuffer(m.data, "<f2").reshape(m.rows, m.cols).astype(np.float32)
-    q = np.frombuffer(m.data, np.int8).reshape(m.rows, m.cols)
-    return dequantize_q8(q, m.scale)
+    if m.fmt == "q8":
+        return dequantize_q8(np.frombuffer(m.data, np.int8).reshape(m.rows, m.cols), m.scale)
+    nb = m.cols // QK
+    sc = m.scale.view("<f2").astype(np.float32).reshape(m.rows, nb, -1)
+    d = sc[..., :1]
+    if m.fmt == "q8_0":
+        q = np.frombuffer(m.data, np.int8).reshape(m.rows, nb, QK).astype(np.float32)
+        return (d * q).reshape(m.rows, m.cols)
+    b = np.frombuffer(m.data, np.uint8).reshape(m.rows, nb, QK // 2)
+    q = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float32)  # weights j and j + 16 of byte j
+    w = d * (q - np.float32(8)) if m.fmt == "q4_0" else d * q + sc[..., 1:]
+    return w.reshape(m.rows, m.cols)
 
 
 def dispatch_grid(n_rows: int, t_rows: int) -> tuple[int, int, int]:
@@ -219,13 +340,22 @@ def dispatch_grid(n_rows: int, t_rows: int) -> tuple[int, int, int]:
 
 # ---- WGSL sources ----------------------------------------------------------------------------
 
-def wgsl_source(kernel: str, fmt: str) -> str:
-    """The WGSL a host compiles: the weight prelude ``weights_<fmt>.wgsl`` then ``<kernel>.wgsl``.
-
-    The page (gpu.js) assembles the same two files the same way: one source of truth.
-    """
+def wgsl_files(kernel: str, fmt: str) -> tuple[str, ...]:
+    """The WGSL files of `kernel` for `fmt`, in order: the weight prelude ``weights_<fmt>.wgsl``
+    (and ``blocks.wgsl``, the block preludes' helpers), ``rows.wgsl`` (what all kernels share),
+    then the body ``<kernel>.wgsl`` (``<kernel>_blocks.wgsl`` for block formats)."""
     if kernel not in KERNELS:
         raise KernelError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
-    bytes_per_weight(fmt)
+    _check_format(fmt)
+    if fmt in BLOCK_FORMATS:
+        return f"weights_{fmt}.wgsl", "blocks.wgsl", "rows.wgsl", f"{kernel}_blocks.wgsl"
+    return f"weights_{fmt}.wgsl", "rows.wgsl", f"{kernel}.wgsl"
+
+
+def wgsl_source(kernel: str, fmt: str) -> str:
+    """The WGSL a host compiles: :func:`wgsl_files` joined by newlines.
+
+    The page (gpu.js) assembles the same files the same way: one source of truth.
+    """
     files = resources.files(__package__)
-    return (files / f"weights_{fmt}.wgsl").read_text() + "\n" + (files / f"{kernel}.wgsl").read_text()
+    return "\n".join((files / name).read_text() for name in wgsl_files(kernel, fmt))

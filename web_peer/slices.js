@@ -1,4 +1,5 @@
-// Weight slices shipped by the coordinator, decoded to float32 in the page.
+// Weight slices shipped by the coordinator, decoded in the page: GGUF Q4_0/Q4_1/Q8_0 blocks stay
+// blocks (the kernels read them), other encodings decode to float32.
 //
 // A slice (swarm/peer/slices.py) is one blob of the FFN tensors of one layer — roles gate, up,
 // down — in the model file's own encoding, plus a JSON meta:
@@ -6,7 +7,8 @@
 //    tensors: [{role, encoding, shape, offset, nbytes}, ...]}   (gate, up, down in that order)
 // dense: gate/up [r, H], down [H, r]; experts: gate/up [n, F, H], down [n, H, F].
 // Decoding follows gguf-py's dequantize block for block, in float32, so a slice decodes to the
-// same bits as Python's decode_slice (tested). Encodings: F32, F16, BF16, Q8_0, Q4_0, Q4_1.
+// same bits as Python's decode_slice (tested). Encodings: F32, F16, BF16, Q8_0, Q4_0, Q4_1; the
+// coordinator repacks other types (K-quants, Q5_x) to Q8_0 before shipping them to a page.
 
 export class SliceError extends Error {
   constructor(message) { super(message); this.name = "SliceError"; }
@@ -61,11 +63,16 @@ export function dequantize(bytes, encoding, n) {
   return out;
 }
 
+/** ggml types whose blocks the GPU kernels read as they are (gpu.js BLOCK_FORMATS). */
+export const KERNEL_BLOCKS = ["Q4_0", "Q4_1", "Q8_0"];
+
 /**
- * Decode a slice: blob (Uint8Array) + meta → {spec, hidden, gate, up, down} with Float32Arrays
- * and shapes. Every meta field is checked against the blob; SliceError names what is wrong.
+ * Decode a slice: blob (Uint8Array) + meta → {spec, hidden, gate, up, down}, each tensor
+ * {shape, data: Float32Array}; with keepBlocks, a Q4_0/Q4_1/Q8_0 tensor is instead
+ * {shape, encoding, bytes: Uint8Array} (its blocks, a view of the blob). Every meta field is
+ * checked against the blob; SliceError names what is wrong.
  */
-export function decodeSlice(blob, meta) {
+export function decodeSlice(blob, meta, { keepBlocks = false } = {}) {
   if (!meta || meta.version !== 1) throw new SliceError("slice meta: version must be 1");
   const spec = meta.spec;
   if (!spec || !["dense", "experts"].includes(spec.kind) || !Number.isInteger(spec.layer) || !Number.isInteger(spec.start) || !Number.isInteger(spec.stop) || !(0 <= spec.start && spec.start < spec.stop)) {
@@ -79,7 +86,14 @@ export function decodeSlice(blob, meta) {
     if (!Array.isArray(shape) || ![2, 3].includes(shape.length) || !shape.every((s) => Number.isInteger(s) && s > 0)) throw new SliceError(`slice meta: ${role} shape ${JSON.stringify(shape)} must be 2 or 3 positive ints`);
     if (!Number.isInteger(offset) || !Number.isInteger(nbytes) || offset < 0 || offset + nbytes > blob.length) throw new SliceError(`slice meta: ${role} bytes ${offset}+${nbytes} outside the ${blob.length}-byte blob`);
     const n = shape.reduce((a, b) => a * b, 1);
-    out[role] = { shape, data: dequantize(blob.subarray(offset, offset + nbytes), encoding, n) };
+    const bytes = blob.subarray(offset, offset + nbytes);
+    if (keepBlocks && KERNEL_BLOCKS.includes(encoding)) {
+      const [block, size] = ENCODINGS[encoding];
+      if (shape.at(-1) % block || nbytes !== (n / block) * size) throw new SliceError(`${n} weights of ${encoding} cannot be ${nbytes} bytes`);
+      out[role] = { shape, encoding, bytes };
+    } else {
+      out[role] = { shape, data: dequantize(bytes, encoding, n) };
+    }
   }
   const n = spec.stop - spec.start;
   const [g, u, d] = [out.gate.shape, out.up.shape, out.down.shape];

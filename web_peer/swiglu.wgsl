@@ -10,16 +10,8 @@
 //   h      [T, F]   f32             output; this dispatch writes columns row0 .. row0 + R
 // One workgroup computes one weight row for up to TB rows of x: WG threads stride over K4,
 // then a tree reduction in workgroup memory. Workgroup id: x + y * tile_x = weight row,
-// z = block of TB activation rows. A weight prelude (weights_*.wgsl) is prepended by the host.
-
-struct Params {
-    t_rows: u32,   // T
-    k4: u32,       // K / 4
-    n_rows: u32,   // R, weight rows in this part
-    row0: u32,     // first output column of this part
-    n_out: u32,    // F, row stride of h
-    tile_x: u32,   // workgroups along x
-}
+// z = block of TB activation rows. The host prepends a weight prelude (weights_*.wgsl) and
+// rows.wgsl (Params, WG, TB, workgroup_sum).
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
@@ -28,12 +20,6 @@ struct Params {
 @group(0) @binding(4) var<storage, read> s_gate: array<f32>;
 @group(0) @binding(5) var<storage, read> s_up: array<f32>;
 @group(0) @binding(6) var<storage, read_write> h: array<f32>;
-
-override WG: u32 = 64u;  // threads per workgroup; a power of two within the adapter's limits
-const TB: u32 = 8u;      // activation rows per workgroup (weights read once per TB rows)
-
-var<workgroup> red_g: array<f32, WG>;
-var<workgroup> red_u: array<f32, WG>;
 
 fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
@@ -97,19 +83,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (tt >= p.t_rows) {
             break;  // uniform: depends on the workgroup id and params only
         }
-        red_g[lid] = acc_g[t];
-        red_u[lid] = acc_u[t];
-        workgroupBarrier();
-        for (var s = WG / 2u; s > 0u; s >>= 1u) {
-            if (lid < s) {
-                red_g[lid] += red_g[lid + s];
-                red_u[lid] += red_u[lid + s];
-            }
-            workgroupBarrier();
-        }
+        let gu = workgroup_sum(lid, vec2<f32>(acc_g[t], acc_u[t]));
         if (lid == 0u) {
-            h[tt * p.n_out + p.row0 + r] = silu(red_g[0] * sg) * (red_u[0] * su);
+            h[tt * p.n_out + p.row0 + r] = silu(gu.x * sg) * (gu.y * su);
         }
-        workgroupBarrier();
     }
 }

@@ -7,6 +7,7 @@ test and bench tool: `wgpu` is a test dependency, imported only here.
     gpu = WgpuFfn(max_binding=64 << 20)          # cap bindings below the adapter's limit
     w = gpu.upload(w_gate, w_up, w_down, "q8")   # [F, H], [F, H], [H, F] float32 → GPU parts
     y = gpu.ffn(x, w)                            # x [T, H] float32 → y [T, H] float32
+    w = gpu.upload(raw_g, raw_u, raw_d, "q4_1")  # GGUF Q4_1 blocks as in the file (uint8 rows)
 
 Errors: KernelError for bad shapes/formats, limits that cannot be met, and any GPU error (the
 device is then dropped and a fresh one made on the next call).
@@ -30,7 +31,7 @@ _PARAMS = struct.Struct("<6I")  # t_rows, k4, n_rows, row0, n_out, tile_x (the W
 
 @dataclass
 class GpuMatrix:
-    """A PackedMatrix resident on the GPU: one weight buffer (and q8 scale buffer) per part."""
+    """A PackedMatrix resident on the GPU: one weight buffer and one scale buffer per part."""
 
     packed: K.PackedMatrix
     buffers: list = field(default_factory=list)
@@ -39,7 +40,8 @@ class GpuMatrix:
 
 @dataclass
 class GpuFfnWeights:
-    """One SwiGLU block on the GPU: H (model width) and F (intermediate rows) before padding."""
+    """One SwiGLU block on the GPU: H (model width) and F (intermediate rows) before padding;
+    ``fmt`` of W_gate/W_up, ``down_fmt`` of W_down."""
 
     fmt: str
     hidden: int
@@ -48,6 +50,15 @@ class GpuFfnWeights:
     up: GpuMatrix
     down: GpuMatrix
     device: object = None  # the device holding the buffers; a fresh device needs a new upload
+    down_fmt: str = ""
+
+    def __post_init__(self):
+        self.down_fmt = self.down_fmt or self.fmt
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes held (both planes of every matrix)."""
+        return sum(m.packed.nbytes for m in (self.gate, self.up, self.down))
 
 
 class WgpuFfn:
@@ -96,7 +107,19 @@ class WgpuFfn:
 
     def drop_device(self) -> None:
         """Forget the device (after a GPU error): the next call makes a fresh one and re-uploads."""
-        self.device, self._pipelines = None, {}
+        dev, self.device, self._pipelines = self.device, None, {}
+        if dev is not None:
+            dev.destroy()  # also ends wgpu's poll thread of that device
+
+    def close(self) -> None:
+        """Release the device (and its poll thread); a later call makes a fresh one."""
+        self.drop_device()
+
+    def __enter__(self) -> WgpuFfn:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _pipeline(self, kernel: str, fmt: str):
         key = (kernel, fmt)
@@ -124,28 +147,34 @@ class WgpuFfn:
     def _upload_matrix(self, m: K.PackedMatrix) -> GpuMatrix:
         g = GpuMatrix(m)
         storage = self._wgpu.BufferUsage.STORAGE
-        for i, (r0, r1) in enumerate(m.parts):
+        for i in range(len(m.parts)):
             g.buffers.append(self._buffer(m.part_bytes(i), storage))
-            scale = m.scale[r0:r1] if m.scale is not None else np.ones(1, np.float32)
-            g.scales.append(self._buffer(scale.astype("<f4").tobytes(), storage))
+            g.scales.append(self._buffer(m.part_scale(i), storage))
         return g
 
-    def upload(self, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, fmt: str) -> GpuFfnWeights:
-        """Pack and upload one SwiGLU block: w_gate, w_up [F, H], w_down [H, F] float32."""
-        for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-            K._f32(w, name, 2)
-        f, h = w_gate.shape
-        if w_up.shape != (f, h) or w_down.shape != (h, f):
-            raise KernelError(f"SwiGLU weights disagree: gate {w_gate.shape}, up {w_up.shape}, down {w_down.shape}")
+    def upload(self, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, fmt: str,
+               down_fmt: str | None = None) -> GpuFfnWeights:
+        """Pack and upload one SwiGLU block: w_gate, w_up [F, H], w_down [H, F].
+
+        Float formats take float32. Block formats (q4_0, q4_1, q8_0) take the file's blocks,
+        uint8 [rows, K / 32 * block bytes], or float32 (quantized here by gguf's quantizer).
+        ``down_fmt``: W_down's format when it differs from W_gate/W_up's.
+        """
+        down_fmt = down_fmt or fmt
+        (f, h), up_shape, d_shape = (K.matrix_shape(w, name, fm) for w, name, fm in (
+            (w_gate, "w_gate", fmt), (w_up, "w_up", fmt), (w_down, "w_down", down_fmt)))
+        if up_shape != (f, h) or d_shape != (h, f):
+            raise KernelError(f"SwiGLU weights disagree: gate {(f, h)}, up {up_shape}, down {d_shape}")
         self._pipeline("swiglu", fmt)
+        self._pipeline("down", down_fmt)
         fp = K.pad4(f)
         try:
             return GpuFfnWeights(
                 fmt, h, f,
                 self._upload_matrix(K.pack_matrix(w_gate, fmt, self.max_binding, rows=fp)),
                 self._upload_matrix(K.pack_matrix(w_up, fmt, self.max_binding, rows=fp)),
-                self._upload_matrix(K.pack_matrix(w_down, fmt, self.max_binding)),
-                self.device)
+                self._upload_matrix(K.pack_matrix(w_down, down_fmt, self.max_binding)),
+                self.device, down_fmt)
         except self._wgpu.GPUError as e:
             self.drop_device()
             raise KernelError(f"GPU error while uploading weights: {e}") from e
@@ -198,7 +227,7 @@ class WgpuFfn:
             self.largest_binding = max(self.largest_binding, t_rows * fp * 4, t_rows * hp * 4)
             enc = dev.create_command_encoder()
             self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb)
-            self._dispatch(enc, "down", w.fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
+            self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
             dev.queue.submit([enc.finish()])
             y = np.frombuffer(dev.queue.read_buffer(yb), np.float32).reshape(t_rows, hp)
         except wg.GPUError as e:
@@ -230,7 +259,7 @@ class WgpuFfn:
                 if kernel in ("swiglu", "ffn"):
                     self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb)
                 if kernel in ("down", "ffn"):
-                    self._dispatch(enc, "down", w.fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
+                    self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
             t0 = time.perf_counter()
             dev.queue.submit([enc.finish()])
             dev.queue.read_buffer(yb, 0, 4)

@@ -6,14 +6,15 @@
 // - WeightManifest (name = slice SHA-256, encoding = "slice/v1 " + meta JSON): take the blob from
 //   Cache Storage if it is there (verified), else pull it: WeightChunkRequest runs, at most WINDOW
 //   chunks in flight, each chunk checked against the manifest's SHA-256 (never the digest the chunk
-//   carries), the whole blob against the slice id; then decode it and upload it to the GPU.
+//   carries), the whole blob against the slice id; then decode it and upload it to the GPU: GGUF
+//   Q4_0/Q4_1/Q8_0 tensors stay in their blocks (compact on the GPU), others go as float32 in `format`.
 // - ExpertRequest / DenseRequest: run each expert / range as one FfnBlock; answer with the same
 //   request id, term, plan version and layer. A request for weights we do not hold, a stale
 //   term, or any kernel failure → an Error message, so the coordinator recomputes those rows:
 //   never a wrong number.
 import { FfnBlock } from "./ffn.js";
 import { KernelError } from "./gpu.js";
-import { decodeSlice, SliceError } from "./slices.js";
+import { decodeSlice, dequantize, SliceError } from "./slices.js";
 import { getSlice, putSlice } from "./storage.js";
 import { sha256, hex } from "./auth.js";
 
@@ -89,7 +90,7 @@ export class BrowserWorker {
       blob = await this._pull(m, link);
       await putSlice(id, blob);
     }
-    this._install(decodeSlice(blob, meta));
+    this._install(decodeSlice(blob, meta, { keepBlocks: true }));
     this.downloads.set(id, { done: m.total_bytes, total: m.total_bytes });
     this.onchange();
   }
@@ -133,17 +134,27 @@ export class BrowserWorker {
   _install(s) {
     const { spec, hidden } = s;
     const fmt = this.gpu.formats.includes(this.format) ? this.format : "f32";
+    // One swiglu kernel reads gate and up: blocks of two encodings go as float32 instead.
+    if (s.gate.encoding !== s.up.encoding) {
+      for (const t of [s.gate, s.up]) {
+        if (t.bytes) { t.data = dequantize(t.bytes, t.encoding, t.shape.reduce((a, b) => a * b, 1)); delete t.bytes; }
+      }
+    }
+    // Expert i of a stacked tensor: its float32 rows or its share of the blocks.
+    const part = (t, i, n) => {
+      if (!t.bytes) { const per = t.data.length / n; return t.data.subarray(i * per, (i + 1) * per); }
+      const per = t.bytes.length / n;
+      return { encoding: t.encoding, bytes: t.bytes.subarray(i * per, (i + 1) * per) };
+    };
     if (spec.kind === "dense") {
       const r = spec.stop - spec.start;
       this.blocks.set(`${spec.layer}/dense/${spec.start}/${spec.stop}`, new FfnBlock(this.gpu, {
-        hidden, inter: r, fmt, wGate: s.gate.data, wUp: s.up.data, wDown: s.down.data }));
+        hidden, inter: r, fmt, wGate: part(s.gate, 0, 1), wUp: part(s.up, 0, 1), wDown: part(s.down, 0, 1) }));
     } else {
       const [n, f] = s.gate.shape;
       for (let i = 0; i < n; i++) {
-        const fh = f * hidden;
         this.blocks.set(`${spec.layer}/expert/${spec.start + i}`, new FfnBlock(this.gpu, {
-          hidden, inter: f, fmt, wGate: s.gate.data.subarray(i * fh, (i + 1) * fh), wUp: s.up.data.subarray(i * fh, (i + 1) * fh),
-          wDown: s.down.data.subarray(i * fh, (i + 1) * fh) }));
+          hidden, inter: f, fmt, wGate: part(s.gate, i, n), wUp: part(s.up, i, n), wDown: part(s.down, i, n) }));
       }
     }
   }

@@ -6,33 +6,47 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
 from tests.browser.conftest import b64, ffn_block, rel_error, unb64
 from web_peer import kernels as K
 
 pytestmark = pytest.mark.browser
 
-# Runs FfnBlock in the page. Arguments: base64 little-endian float32 arrays and options.
-RUN_FFN = """async ({x, wg, wu, wd, t, h, f, fmt, maxBinding, workgroupSize, ranges}) => {
+# Runs FfnBlock in the page. Arguments: base64 little-endian float32 arrays (or, with `blocks`,
+# GGUF blocks of that encoding for wg/wu/wd, and `downBlocks` false to keep wd float32) and options.
+RUN_FFN = """async ({x, wg, wu, wd, t, h, f, fmt, maxBinding, workgroupSize, ranges, blocks, downBlocks}) => {
   const { GpuContext } = await import("/gpu.js");
   const { FfnBlock, sliceColumns } = await import("/ffn.js");
   const f32 = (s) => new Float32Array(Uint8Array.from(atob(s), (c) => c.charCodeAt(0)).buffer);
   const ctx = await GpuContext.create({ maxBinding, workgroupSize });
-  const wG = f32(wg), wU = f32(wu), wD = f32(wd);
-  const outs = [];
+  const u8 = (s) => Uint8Array.from(atob(s), (c) => c.charCodeAt(0));
+  const outs = [], gpuBytes = [];
   for (const [a, b] of ranges ?? [[0, f]]) {
-    const block = new FfnBlock(ctx, { hidden: h, inter: b - a, fmt,
-      wGate: wG.subarray(a * h, b * h), wUp: wU.subarray(a * h, b * h), wDown: sliceColumns(wD, h, f, a, b) });
+    let args;
+    if (blocks) {
+      args = { wGate: { encoding: blocks, bytes: u8(wg) }, wUp: { encoding: blocks, bytes: u8(wu) },
+        wDown: downBlocks === false ? f32(wd) : { encoding: blocks, bytes: u8(wd) } };
+    } else {
+      const wG = f32(wg), wU = f32(wu), wD = f32(wd);
+      args = { wGate: wG.subarray(a * h, b * h), wUp: wU.subarray(a * h, b * h), wDown: sliceColumns(wD, h, f, a, b) };
+    }
+    const block = new FfnBlock(ctx, { hidden: h, inter: b - a, fmt, ...args });
     const y = await block.run(f32(x), t);
     outs.push(btoa(String.fromCharCode(...new Uint8Array(y.buffer))));
+    gpuBytes.push(block.gpuBytes);
   }
-  return { outs, largest: ctx.largestBinding, formats: ctx.formats, maxBinding: ctx.maxBinding };
+  return { outs, gpuBytes, largest: ctx.largestBinding, formats: ctx.formats, maxBinding: ctx.maxBinding };
 }"""
 
 
-def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=None, ranges=None):
-    (t, h), f = x.shape, wg.shape[0]
+def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=None, ranges=None, blocks=None, f=None,
+         down_blocks=True):
+    (t, h), f = x.shape, f or wg.shape[0]
     r = page.evaluate(RUN_FFN, dict(x=b64(x), wg=b64(wg), wu=b64(wu), wd=b64(wd), t=t, h=h, f=f, fmt=fmt,
-                                    maxBinding=max_binding, workgroupSize=workgroup_size, ranges=ranges))
+                                    maxBinding=max_binding, workgroupSize=workgroup_size, ranges=ranges,
+                                    blocks=blocks, downBlocks=down_blocks))
     r["ys"] = [unb64(o, np.float32).reshape(t, h) for o in r["outs"]]
     return r
 
@@ -43,7 +57,7 @@ def test_expert_ffn_in_chromium_matches_twin(page, fmt, shape):
     rng = np.random.default_rng(11)
     x, wg, wu, wd = ffn_block(rng, *shape)
     r = _run(page, x, wg, wu, wd, fmt)
-    assert r["formats"] == ["f32", "q8"]  # SwiftShader has no shader-f16
+    assert r["formats"] == ["f32", "q8", "q4_0", "q4_1", "q8_0"]  # SwiftShader has no shader-f16
     eff = [K.as_format(w, fmt) for w in (wg, wu, wd)]
     assert rel_error(r["ys"][0], K.expert_ffn(x, *eff)) <= 1e-5
     assert rel_error(r["ys"][0], K.expert_ffn_f64(x, *eff)) <= 1e-5
@@ -136,3 +150,49 @@ def test_no_webgpu_is_a_clear_cannot_serve(chromium, web_peer_url):
     }""")
     ctx.close()
     assert r.startswith("NoWebGPUError: this browser has no WebGPU"), r
+
+
+@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+@pytest.mark.parametrize("shape", [(1, 64, 128), (37, 576, 256)])
+def test_block_ffn_in_chromium_matches_twin_and_gguf(page, fmt, shape):
+    # The file's blocks handed to FfnBlock as they are: repacked in JS, computed in the kernels.
+    rng = np.random.default_rng(14)
+    x, wg, wu, wd = ffn_block(rng, *shape)
+    raws = [K.quantize_blocks(w, fmt) for w in (wg, wu, wd)]
+    r = _run(page, x, *raws, "f32", blocks=fmt.upper(), f=shape[2])
+    twin = [K.unpack_matrix(K.pack_matrix(raw, fmt, 1 << 30)) for raw in raws]
+    assert rel_error(r["ys"][0], K.expert_ffn(x, *twin)) <= 1e-5
+    gguf64 = [dequantize(raw, GGMLQuantizationType[fmt.upper()]).astype(np.float64) for raw in raws]
+    assert rel_error(r["ys"][0], K.expert_ffn_f64(x, *gguf64)) <= 1e-5
+    # Compact on the GPU: the file's bytes (f = 128, 256 rows: no padding rows).
+    assert r["gpuBytes"][0] == sum(raw.nbytes for raw in raws)
+
+
+def test_q4_1_blocks_with_float_down_in_chromium(page):
+    # An unaligned dense range: gate/up Q4_1 blocks, down float32 (two kernel formats in one block).
+    rng = np.random.default_rng(15)
+    x, wg, wu, wd = ffn_block(rng, 3, 64, 33)
+    rg, ru = K.quantize_blocks(wg, "q4_1"), K.quantize_blocks(wu, "q4_1")
+    r = _run(page, x, rg, ru, wd, "f32", blocks="Q4_1", f=33, down_blocks=False)
+    g64 = [dequantize(a, GGMLQuantizationType.Q4_1).astype(np.float64) for a in (rg, ru)]
+    assert rel_error(r["ys"][0], K.expert_ffn_f64(x, *g64, wd)) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+def test_js_block_packing_equals_python(page, fmt):
+    rng = np.random.default_rng(16)
+    raw = K.quantize_blocks(rng.standard_normal((5, 96)).astype(np.float32), fmt)
+    r = page.evaluate("""async ({raw, fmt}) => {
+      const { packBlocks } = await import("/ffn.js");
+      const u8 = (s) => Uint8Array.from(atob(s), (c) => c.charCodeAt(0));
+      const b = (a) => btoa(String.fromCharCode(...new Uint8Array(a.buffer, a.byteOffset, a.byteLength)));
+      const m = packBlocks(u8(raw), 5, 96, fmt, 100, 8);
+      let bad;
+      try { packBlocks(u8(raw).subarray(1), 5, 96, fmt, 100); } catch (e) { bad = `${e.name}: ${e.message}`; }
+      return { data: b(m.data), scale: b(m.scale), parts: m.parts, cols: m.cols, bad };
+    }""", dict(raw=b64(raw), fmt=fmt))
+    m = K.pack_matrix(raw, fmt, 100, rows=8)
+    assert unb64(r["data"], np.uint8).tobytes() == m.data
+    assert unb64(r["scale"], np.uint8).tobytes() == m.scale.tobytes()
+    assert r["cols"] == m.cols == 96 and [tuple(p) for p in r["parts"]] == list(m.parts)
+    assert r["bad"].startswith("KernelError") and "Uint8Array" in r["bad"]

@@ -1,6 +1,7 @@
 """The WGSL kernels run natively through wgpu-py on Mesa lavapipe, against their numpy twins.
 
-Oracles: the float32 twin in web_peer.kernels (same formats, same math) and float64 numpy.
+Oracles: the float32 twin in web_peer.kernels (same formats, same math), float64 numpy, and for
+the GGUF block formats gguf-py's dequantization (`gguf.quants`) of the same blocks.
 Relative error = max |got - ref| / max |ref|.
 """
 
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from swarm.errors import KernelError
 from tests.browser.conftest import ffn_block, rel_error
@@ -34,13 +38,24 @@ def _gpu(**kw):
 
 @pytest.fixture(scope="module")
 def gpu():
-    return _gpu()
+    with _gpu() as g:
+        g._device()  # now: its poll thread belongs to the module, not to the first test
+        yield g
+
+
+@pytest.fixture
+def new_gpu():
+    """A fresh host per call (its own options), closed after the test."""
+    made = []
+    yield lambda **kw: made.append(_gpu(**kw)) or made[-1]
+    for g in made:
+        g.close()
 
 
 def test_lavapipe_has_shader_f16(gpu):
     # The design relies on lavapipe to test the f16 path; without the feature that path is untested.
     assert gpu.has_f16, f"adapter {gpu.adapter.info['device']} lacks shader-f16"
-    assert gpu.formats == ("f32", "f16", "q8")
+    assert gpu.formats == ("f32", "f16", "q8", "q4_0", "q4_1", "q8_0")
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "q8"])
@@ -71,11 +86,11 @@ def test_dense_ranges_sum_to_full_mlp(gpu):
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8"])
-def test_phone_limits_split_bindings(fmt):
+def test_phone_limits_split_bindings(new_gpu, fmt):
     # A binding cap far below the adapter's forces weights and activations into many parts;
     # no buffer bound may exceed it, and the numbers must not change.
     cap = 16 << 10
-    gpu = _gpu(max_binding=cap, workgroup_size=32)
+    gpu = new_gpu(max_binding=cap, workgroup_size=32)
     rng = np.random.default_rng(3)
     x, wg, wu, wd = ffn_block(rng, 11, 576, 700)
     w = gpu.upload(wg, wu, wd, fmt)
@@ -86,17 +101,17 @@ def test_phone_limits_split_bindings(fmt):
     assert rel_error(y, K.expert_ffn_f64(x, *eff)) <= 1e-5
 
 
-def test_workgroup_size_override_within_limits():
+def test_workgroup_size_override_within_limits(new_gpu):
     with pytest.raises(KernelError, match="power of two"):
-        _gpu(workgroup_size=4096)
-    gpu = _gpu(workgroup_size=256)
+        new_gpu(workgroup_size=4096)
+    gpu = new_gpu(workgroup_size=256)
     rng = np.random.default_rng(4)
     x, wg, wu, wd = ffn_block(rng, 9, 128, 64)
     assert rel_error(gpu.ffn(x, gpu.upload(wg, wu, wd, "f32")), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
-def test_row_larger_than_binding_is_refused():
-    gpu = _gpu(max_binding=1024)
+def test_row_larger_than_binding_is_refused(new_gpu):
+    gpu = new_gpu(max_binding=1024)
     w = np.zeros((4, 512), np.float32)  # one f32 row = 2048 bytes > 1024
     with pytest.raises(KernelError, match="maxStorageBufferBindingSize"):
         gpu.upload(w, w, np.zeros((512, 4), np.float32), "f32")
@@ -119,8 +134,8 @@ def test_bad_inputs_are_refused(gpu):
         gpu.upload(wg, wu, wd, "q4")
 
 
-def test_lost_device_fails_the_request_then_recovers():
-    gpu = _gpu()
+def test_lost_device_fails_the_request_then_recovers(new_gpu):
+    gpu = new_gpu()
     rng = np.random.default_rng(6)
     x, wg, wu, wd = ffn_block(rng, 4, 64, 48)
     w = gpu.upload(wg, wu, wd, "f32")
@@ -142,3 +157,97 @@ def test_q8_packing_round_trip():
     back = K.unpack_matrix(m)
     assert np.array_equal(back[5:], np.zeros((3, 12), np.float32)) and np.all(back[:, 10:] == 0)
     assert np.abs(back[:5, :10] - w).max() <= np.abs(w).max(axis=1).max() / 127 / 2 + 1e-7
+
+
+# ---- GGUF block formats ----------------------------------------------------------------------
+
+BLOCK_SHAPES = [(1, 64, 128), (37, 96, 64), (3, 576, 1536)]  # H, F multiples of 32; T = 1 and 37
+
+
+def _gguf_f64(raw: np.ndarray, fmt: str) -> np.ndarray:
+    return dequantize(raw, GGMLQuantizationType[fmt.upper()]).astype(np.float64)
+
+
+@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+def test_block_twin_dequantizes_as_gguf(fmt):
+    # The repacked planes hold the file's bytes: the twin's weights equal gguf's bit for bit,
+    # padding rows are zero, and the planes together are the file's size (+2 bytes for an odd block count).
+    rng = np.random.default_rng(20)
+    w = rng.standard_normal((7, 96)).astype(np.float32)
+    w[3] = 0  # d = 0 blocks
+    raw = K.quantize_blocks(w, fmt)
+    m = K.pack_matrix(raw, fmt, 1 << 20, rows=8)
+    back = K.unpack_matrix(m)
+    assert back.dtype == np.float32 and back.shape == (8, 96)
+    assert np.array_equal(back[:7], dequantize(raw, GGMLQuantizationType[fmt.upper()]))
+    assert not back[7].any()
+    assert m.nbytes == 8 / 7 * raw.nbytes
+    assert K.matrix_shape(raw, "w", fmt) == (7, 96)
+
+
+def test_block_twin_on_the_files_own_q4_1_rows():
+    # Real blocks: SmolLM2's layer-0 gate rows straight from the GGUF file.
+    from tests.browser.test_page_e2e import smollm2_path
+    from swarm.peer.slices import ModelSlicer, SliceSpec
+
+    blob, meta = ModelSlicer(smollm2_path()).extract(SliceSpec(0, "dense", 0, 64))
+    gate = meta["tensors"][0]
+    assert gate["encoding"] == "Q4_1" and gate["shape"] == [64, 576]
+    raw = np.frombuffer(blob, np.uint8, gate["nbytes"], gate["offset"]).reshape(64, -1)
+    m = K.pack_matrix(raw, "q4_1", 1 << 20)
+    assert m.nbytes == raw.nbytes
+    assert np.array_equal(K.unpack_matrix(m), dequantize(raw, GGMLQuantizationType.Q4_1))
+
+
+@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+def test_block_ffn_matches_twin_and_gguf(gpu, fmt, shape):
+    rng = np.random.default_rng(hash((fmt, shape)) % 2**32)
+    x, wg, wu, wd = ffn_block(rng, *shape)
+    raws = [K.quantize_blocks(w, fmt) for w in (wg, wu, wd)]
+    w = gpu.upload(*raws, fmt)
+    assert w.nbytes <= 1.1 * sum(r.nbytes for r in raws)
+    y = gpu.ffn(x, w)
+    assert y.shape == (shape[0], shape[1]) and y.dtype == np.float32
+    twin = [K.unpack_matrix(K.pack_matrix(r, fmt, 1 << 30)) for r in raws]
+    assert rel_error(y, K.expert_ffn(x, *twin)) <= 1e-5
+    assert rel_error(y, K.expert_ffn_f64(x, *(_gguf_f64(r, fmt) for r in raws))) <= 1e-5
+
+
+def test_blocks_with_an_unaligned_float_down(gpu):
+    # A dense range of 33 rows: gate/up Q4_1 blocks, down [H, 33] cannot be cut into blocks and
+    # arrives as float32 (slices.py), so the two kernels run different formats.
+    rng = np.random.default_rng(21)
+    x, wg, wu, wd = ffn_block(rng, 4, 64, 33)
+    rg, ru = K.quantize_blocks(wg, "q4_1"), K.quantize_blocks(wu, "q4_1")
+    y = gpu.ffn(x, gpu.upload(rg, ru, wd, "q4_1", down_fmt="f32"))
+    ref = K.expert_ffn_f64(x, _gguf_f64(rg, "q4_1"), _gguf_f64(ru, "q4_1"), wd)
+    assert rel_error(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_block_parts_under_phone_limits(new_gpu, fmt):
+    # Parts of 85 rows of 3 blocks, an odd block count (scale planes at half-word offsets).
+    cap = 85 * 3 * {"q4_0": 16, "q8_0": 32}[fmt]  # quant plane bytes of 85 rows of 96 weights
+    gpu = new_gpu(max_binding=cap, workgroup_size=16)
+    rng = np.random.default_rng(22)
+    x, wg, wu, wd = ffn_block(rng, 9, 96, 320)
+    raws = [K.quantize_blocks(w, fmt) for w in (wg, wu, wd)]
+    w = gpu.upload(*raws, fmt)
+    assert len(w.gate.packed.parts) >= 4 and len(w.down.packed.parts) > 1
+    assert w.gate.packed.parts[0] == (0, 85)
+    y = gpu.ffn(x, w)
+    assert gpu.largest_binding <= cap
+    assert rel_error(y, K.expert_ffn_f64(x, *(_gguf_f64(r, fmt) for r in raws))) <= 1e-5
+
+
+def test_bad_blocks_are_refused(gpu):
+    rng = np.random.default_rng(23)
+    x, wg, wu, wd = ffn_block(rng, 2, 64, 32)
+    raw = K.quantize_blocks(wg, "q4_0")
+    with pytest.raises(KernelError, match="whole 18-byte blocks"):
+        gpu.upload(raw[:, :-1].copy(), raw, K.quantize_blocks(wd, "q4_0"), "q4_0")
+    with pytest.raises(KernelError, match="multiple of 32"):
+        K.quantize_blocks(np.zeros((2, 40), np.float32), "q8_0")
+    with pytest.raises(KernelError, match="disagree"):
+        gpu.upload(raw, raw, K.quantize_blocks(wg, "q4_0"), "q4_0")

@@ -129,9 +129,11 @@ class PythonSwarm:
         async def _stop():
             await self.node.stop()
             await self.server.stop()
+            await self.loop.shutdown_default_executor()  # its threads (to_thread, DNS) end with the swarm
         self.call(_stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 def expert_slice(rng, layer: int, start: int, n: int, h: int, f: int):
@@ -200,6 +202,10 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     manifest = swarm.offer(blob, meta)
     _wait_state(page, "serving")
     assert swarm.slices.sent_bytes[link.peer_id] == len(blob)
+    # The page computes on the Q4_1 blocks themselves: its GPU holds the slice's bytes, no more.
+    held = page.evaluate("""(() => { const b = window.colibri.worker.blocks.get("3/dense/256/768");
+      return { fmt: b.fmt, downFmt: b.downFmt, gpuBytes: b.gpuBytes }; })()""")
+    assert held == {"fmt": "q4_1", "downFmt": "q4_1", "gpuBytes": len(blob)}
     w = decode_slice(blob, meta)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 576)).astype(np.float32)
@@ -327,6 +333,10 @@ def test_page_serves_a_generation_and_its_loss_changes_no_token(swarm, e2e_brows
         swarm.offer(*slicer.extract(SliceSpec(layer=layer, kind="dense", start=s.start, stop=s.stop)), chunk_size=1 << 20)
     page.wait_for_function(f"window.colibri.worker.blocks.size === {len(spans)}", timeout=120_000)
     assert "layer 0: MLP rows" in page.inner_text("#assigned")
+    # gate/up on the file's Q4_1 blocks; down too where the range falls on 32-column blocks.
+    fmts = page.evaluate("[...window.colibri.worker.blocks.values()].map((b) => [b.fmt, b.downFmt])")
+    aligned = [s.start % 32 == 0 and s.stop % 32 == 0 for s in spans.values()]
+    assert fmts == [["q4_1", "q4_1" if a else "f32"] for a in aligned], (fmts, spans)
 
     ffn = RemoteFFN(model, plan, swarm.send_threadsafe)
     swarm.deliver = ffn.deliver

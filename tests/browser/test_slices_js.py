@@ -65,3 +65,21 @@ def test_bad_slices_are_refused(page):
         assert got.get("error", "").startswith("SliceError"), (what, got)
     assert "cannot be decoded by the browser peer" in page.evaluate(
         DECODE, {"blob": base64.b64encode(blob).decode(), "meta": cases["unknown encoding"]})["error"]
+
+
+def test_kernel_blocks_are_kept_as_blocks(page):
+    # keepBlocks: Q4_0/Q4_1/Q8_0 tensors come back as the blob's own bytes (no float32 copy), others decode.
+    for encoding in ("Q4_0", "Q4_1", "Q8_0", "F16"):
+        blob, meta = dense_slice(encoding)
+        got = page.evaluate("""async ({blob, meta}) => {
+          const { decodeSlice } = await import("/slices.js");
+          const b = Uint8Array.from(atob(blob), (c) => c.charCodeAt(0));
+          const s = decodeSlice(b, meta, { keepBlocks: true });
+          return ["gate", "up", "down"].map((r) => ({ encoding: s[r].encoding ?? null, offset: s[r].bytes ? s[r].bytes.byteOffset : null,
+            nbytes: s[r].bytes ? s[r].bytes.length : null, floats: s[r].data ? s[r].data.length : null }));
+        }""", {"blob": base64.b64encode(blob).decode(), "meta": meta})
+        for t, g in zip(meta["tensors"], got):
+            if encoding == "F16":
+                assert g == {"encoding": None, "offset": None, "nbytes": None, "floats": int(np.prod(t["shape"]))}
+            else:
+                assert g == {"encoding": encoding, "offset": t["offset"], "nbytes": t["nbytes"], "floats": None}

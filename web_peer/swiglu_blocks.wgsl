@@ -1,0 +1,62 @@
+// SwiGLU gate/up on GGUF blocks: h[t, row0 + r] = silu(x[t] . w_gate[r]) * (x[t] . w_up[r]),
+// weights dequantized here, sums in f32. The same math, bindings and work split as swiglu.wgsl;
+// the weights are a block prelude's two planes (weights_q4_0/q4_1/q8_0.wgsl, web_peer/kernels.py):
+//   x      [T, K4]        vec4<f32>  activations, K4 = K / 4 (K a multiple of 32)
+//   w_gate [R, K/32 * QW] u32        quant plane of one part (R rows) of W_gate [F, K]
+//   w_up   [R, K/32 * QW] u32        the same rows of W_up
+//   s_gate, s_up          u32        scale planes (f16 pairs; scale_word/block_scale read them)
+//   h      [T, F]         f32        output; this dispatch writes columns row0 .. row0 + R
+// One workgroup per weight row and block of TB rows of x; its WG threads stride over the row's
+// quant words (adjacent threads read adjacent words), then workgroup_sum (rows.wgsl).
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> w_gate: array<u32>;
+@group(0) @binding(3) var<storage, read> w_up: array<u32>;
+@group(0) @binding(4) var<storage, read> s_gate: array<u32>;
+@group(0) @binding(5) var<storage, read> s_up: array<u32>;
+@group(0) @binding(6) var<storage, read_write> h: array<f32>;
+
+fn silu(v: f32) -> f32 {
+    return v / (1.0 + exp(-v));
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + wid.y * p.tile_x;
+    if (r >= p.n_rows) {
+        return;  // workgroup-uniform: r depends on the workgroup id only
+    }
+    let t0 = wid.z * TB;
+    let nb = p.k4 / 8u;  // blocks per row
+    let nw = nb * QW;    // quant words per row
+    var acc_g: array<f32, TB>;
+    var acc_u: array<f32, TB>;
+    for (var u = lid; u < nw; u += WG) {
+        let b = r * nb + u / QW;
+        let dg = block_scale(s_gate[scale_word(b)], b);
+        let du = block_scale(s_up[scale_word(b)], b);
+        let qg = w_gate[r * nw + u];
+        let qu = w_up[r * nw + u];
+        let xo = x_pair(u);
+        for (var t = 0u; t < TB; t++) {
+            let tt = t0 + t;
+            if (tt < p.t_rows) {
+                let xa = x[tt * p.k4 + xo.x];
+                let xb = x[tt * p.k4 + xo.y];
+                acc_g[t] += word_dot(qg, dg, xa, xb);
+                acc_u[t] += word_dot(qu, du, xa, xb);
+            }
+        }
+    }
+    for (var t = 0u; t < TB; t++) {
+        let tt = t0 + t;
+        if (tt >= p.t_rows) {
+            break;  // uniform: depends on the workgroup id and params only
+        }
+        let gu = workgroup_sum(lid, vec2<f32>(acc_g[t], acc_u[t]));
+        if (lid == 0u) {
+            h[tt * p.n_out + p.row0 + r] = silu(gu.x) * gu.y;
+        }
+    }
+}
