@@ -1,6 +1,6 @@
 """colibri-swarm: one inference engine out of the devices on a LAN.
 
-Layers (see docs and DESIGN): ``swarm.compute`` (numpy engine and FFN seam),
+Layers (docs/architecture.md): ``swarm.compute`` (numpy engine and FFN seam),
 ``swarm.peer`` (identity, channels, wire messages, election, planner,
 coordinator, worker), ``swarm.signaling`` (aiohttp signaling server),
 ``swarm.discovery`` (zeroconf), ``swarm.cli`` (the ``colibri-swarm`` command).

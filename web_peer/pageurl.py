@@ -2,7 +2,7 @@
 
 The page is served by the swarm's signaling server over HTTPS (a secure context: WebGPU and
 WebCrypto need one). The swarm key travels in the URL **fragment** (``#CODE``), which browsers
-never send to a server, so the key is not in any request or server log (DESIGN §6).
+never send to a server, so the key is not in any request or server log (docs/security.md §3).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 // One authenticated data-channel link from the page to a Python peer (the coordinator).
 //
 // Theory of operation (the Python twin is swarm/peer/link.py): the page always offers (Chrome
-// then forms the link through peer-reflexive candidates, DESIGN §9). One ordered, reliable data
+// then forms the link through peer-reflexive candidates, docs/architecture.md §7). One ordered, reliable data
 // channel, negotiated with stream id 0, is created before the offer. States, in order only:
 //   connecting → authenticating → greeting → open → closed
 // - authenticating: ChannelAuth (auth.js) with our fingerprint from our local SDP and the remote's

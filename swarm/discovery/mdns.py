@@ -49,7 +49,7 @@ class Advertiser:
         )
 
     async def start(self) -> None:
-        """Register (probe + announce). zeroconf returns a task that must be awaited as well (DESIGN §9)."""
+        """Register (probe + announce). zeroconf returns a task that must be awaited as well (docs/architecture.md §7)."""
         await (await self._zc.async_register_service(self._info, allow_name_change=True))
 
     async def close(self) -> None:

@@ -68,7 +68,7 @@ class ApiAdvertiser:
         )
 
     async def start(self) -> None:
-        # zeroconf returns a task that must be awaited as well (DESIGN §9).
+        # zeroconf returns a task that must be awaited as well (docs/architecture.md §7).
         await (await self._zc.async_register_service(self._info, allow_name_change=True))
 
     async def close(self) -> None:

@@ -338,7 +338,7 @@ class AuthProof(_Base):
 
 @dataclass(frozen=True)
 class NumericBuild:
-    """What decides bit-exactness of a peer's FFN results (DESIGN §7)."""
+    """What decides bit-exactness of a peer's FFN results (docs/architecture.md §5)."""
 
     package: str  # colibri-swarm version
     numpy: str

@@ -73,7 +73,7 @@ class PeerEvent:
 
 
 def numeric_build() -> NumericBuild:
-    """What decides bit-exactness of this peer's FFN results (DESIGN §7)."""
+    """What decides bit-exactness of this peer's FFN results (docs/architecture.md §5)."""
     blas = "unknown"
     with contextlib.suppress(Exception):
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]

@@ -415,7 +415,7 @@ class SwarmRoles:
                 if p in self.node.links and self.node.links[p].hello.peer_kind == "browser"}
 
     def _mark_builds(self) -> None:
-        """Peers of another numeric build (DESIGN §7) are verified within a tolerance, not bit for bit."""
+        """Peers of another numeric build (docs/architecture.md §5) are verified within a tolerance, not bit for bit."""
         ours = self.node.hello.build
         self.ffn.approximate = {p for p, link in self.node.links.items() if link.hello.build != ours}
 
