@@ -9,9 +9,10 @@ Theory of operation (docs/protocol.md, "Signaling"):
    ``server_mac = HMAC(K_sig, SERVER_LABEL || 0x00 || client_nonce || server_nonce || peer_id)``,
    so a stranger's server that does not hold the key cannot collect peers.
 
-``K_sig`` is a sub-key derived from the 32-byte swarm key with HKDF-SHA256 (RFC 5869), empty
-salt, info ``b"colibri-swarm v1 signaling"`` (:func:`swarm.peer.swarmkey.derive`), so the
-signaling MAC never shares a key with channel authentication.
+``K_sig`` is the swarm key's ``signaling`` sub-key (:attr:`swarm.peer.swarmkey.SwarmKey.signaling_key`,
+HKDF-SHA256 with its own label), so the signaling MAC never shares a key with channel
+authentication. The sub-keys are derived in swarmkey.py only; the two functions below name
+them for the signaling code, which holds the key as bytes.
 Fixed-size fields come first and the variable-length peer id last, so the transcript is
 unambiguous without length prefixes. Everything here is pure: bytes in, bytes out.
 """
@@ -23,9 +24,8 @@ import hmac
 import secrets
 
 from swarm.errors import AuthenticationError, LocalProtocolError
-from swarm.peer import swarmkey
+from swarm.peer.swarmkey import SwarmKey
 
-SWARM_KEY_BYTES = 32
 NONCE_BYTES = 32
 MAC_BYTES = 32
 CLIENT_LABEL = b"colibri-swarm signaling client v1"
@@ -33,22 +33,21 @@ SERVER_LABEL = b"colibri-swarm signaling server v1"
 
 
 def derive_signaling_key(swarm_key: bytes) -> bytes:
-    """The 32-byte signaling sub-key ``K_sig`` (swarmkey sub-key label ``signaling``).
+    """The 32-byte signaling sub-key ``K_sig`` of a 32-byte swarm key (``SwarmKey.signaling_key``).
 
-    Raises LocalProtocolError when ``swarm_key`` is not 32 bytes.
+    Raises KeyCodeError when ``swarm_key`` is not 32 bytes.
     """
-    _check_len("swarm key", swarm_key, SWARM_KEY_BYTES)
-    return swarmkey.derive(swarm_key, "signaling")
+    return SwarmKey(swarm_key).signaling_key
 
 
 def swarm_id(swarm_key: bytes) -> str:
-    """The public name of a swarm: 16 hex digits (swarmkey sub-key label ``swarm-id``, 8 bytes).
+    """The public name of a swarm: 16 hex digits (``SwarmKey.swarm_id``).
 
     Never the key, and it cannot be turned back into it. Advertised in mDNS TXT and
-    /api/status so peers pick the server of their own swarm.
+    /api/status so peers pick the server of their own swarm. Raises KeyCodeError when
+    ``swarm_key`` is not 32 bytes.
     """
-    _check_len("swarm key", swarm_key, SWARM_KEY_BYTES)
-    return swarmkey.derive(swarm_key, "swarm-id", swarmkey.SWARM_ID_BYTES).hex()
+    return SwarmKey(swarm_key).swarm_id
 
 
 def new_nonce() -> bytes:

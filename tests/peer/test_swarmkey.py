@@ -149,12 +149,3 @@ def test_join_key_bad_code_is_one_clear_line(config, capsys) -> None:
     with pytest.raises(KeyCodeError):
         swarmkey.store("ABCD-EFGH")
     assert not (config / "swarm.key").exists()
-
-
-def test_signaling_uses_the_same_sub_keys() -> None:
-    """The signaling server derives its proof key and the advertised swarm id by the same scheme."""
-    from swarm.signaling import auth as signaling_auth
-
-    key = SwarmKey(KEY)
-    assert signaling_auth.derive_signaling_key(KEY) == key.signaling_key
-    assert signaling_auth.swarm_id(KEY) == key.swarm_id
