@@ -215,20 +215,6 @@ class SliceFetcher:
             del self._inboxes[manifest.hex_id]
 
 
-def tqdm_progress(desc: str) -> tuple[Progress, Callable[[], None]]:
-    """A progress callback drawing a tqdm bar on stderr, and a function that closes it."""
-    from tqdm import tqdm
-
-    bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-
-    return update, bar.close
-
-
 # ---------------------------------------------------------------------------- plans
 
 
