@@ -223,7 +223,9 @@ class PlanShipper:
 
     Slices are cut from ``model_path`` in the file's own encoding (:mod:`swarm.peer.slices`);
     each manifest's meta also carries the model's :class:`~swarm.peer.planner.ModelShape`
-    (``meta["shape"]``), so a worker without the file can check requests against it.
+    (``meta["shape"]``), so a worker without the file can check requests against it. A browser
+    peer gets tensors its kernels cannot read (K-quants, Q5_x, ...) repacked once to Q8_0
+    (:mod:`swarm.peer.repack`); Q4_0/Q4_1/Q8_0 and float tensors ship as in the file.
     """
 
     def __init__(self, model_path: Any, model_hash: str, shape: Any, *, chunk_size: int | None = None) -> None:
@@ -242,21 +244,31 @@ class PlanShipper:
 
     async def offer_plan(self, link: Any, plan: Any) -> list[Manifest]:
         """Offer ``link``'s peer every slice ``plan`` gives it; returns the manifests sent."""
-        import dataclasses
-
         from swarm.peer.slices import specs_for
 
         sent = []
+        browser = getattr(getattr(link, "hello", None), "peer_kind", None) == "browser"
         for spec in specs_for(plan, link.peer_id):
-            manifest = self._manifests.get(spec)
-            if manifest is None:
-                blob, meta = await asyncio.to_thread(self.slicer.extract, spec)
-                meta["shape"] = dataclasses.asdict(self.shape)
-                manifest = self._manifests[spec] = await asyncio.to_thread(self.source.offer, blob, meta,
-                                                                            self._chunk_size)
+            manifest = await self.manifest_for(spec, browser)
             await self.server.offer(link, manifest)
             sent.append(manifest)
         return sent
+
+    async def manifest_for(self, spec: Any, browser: bool = False) -> Manifest:
+        """The manifest of ``spec``'s slice (cut, and for a browser peer repacked, once)."""
+        import dataclasses
+
+        from swarm.peer.repack import repack_for_page
+
+        manifest = self._manifests.get((spec, browser))
+        if manifest is None:
+            blob, meta = await asyncio.to_thread(self.slicer.extract, spec)
+            if browser:
+                blob, meta = await asyncio.to_thread(repack_for_page, blob, meta)
+            meta["shape"] = dataclasses.asdict(self.shape)
+            manifest = self._manifests[(spec, browser)] = await asyncio.to_thread(
+                self.source.offer, blob, meta, self._chunk_size)
+        return manifest
 
 
 def shape_from_meta(meta: Any) -> Any:
