@@ -326,8 +326,8 @@ async def _join(args: Any, console: Any) -> None:
     from swarm.peer.roles import SwarmRoles
 
     watch_slow_callbacks(asyncio.get_running_loop())
+    paths.lock_config_dir()  # first: one process per identity (and its key file); the OS releases it at exit
     key, created = _swarm_key(args, swarmkey)
-    paths.lock_config_dir()  # one process per identity; released by the OS when this one ends
     ident = identity.load_or_create()
     model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
     gflops = await asyncio.to_thread(measure_ffn_gflops)
