@@ -94,7 +94,9 @@ async def test_a_second_join_on_one_home_exits_naming_the_first(netns_lab):
     code = SwarmKey(os.urandom(32)).code
     first = join(lab, 0, code)
     await until(lambda: read_status(lab, 0) is not None, 60, "the first peer to start", [first])
-    second = join(lab, 0, code, name="again")
+    key_file = lab.workdir / "ns0" / "config" / "swarm.key"
+    stored = key_file.read_bytes()
+    second = join(lab, 0, SwarmKey(os.urandom(32)).code, name="again")  # another --key, even
 
     returncode = await exit_code_within(second, SECOND_JOIN_EXIT_S)
     stderr = second.stderr_tail()
@@ -105,6 +107,7 @@ async def test_a_second_join_on_one_home_exits_naming_the_first(netns_lab):
     assert "Traceback" not in stderr, stderr
 
     assert first.popen.poll() is None, first.stderr_tail()
+    assert key_file.read_bytes() == stored  # the running peer's swarm key was not replaced
     doc = read_status(lab, 0)
     assert doc is not None and doc["pid"] == first.popen.pid and doc["name"] == "host0"
     await until(lambda: read_status(lab, 0) is not None and read_status(lab, 0)["updated"] > time.time() - 2, 10,
