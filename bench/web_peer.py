@@ -2,8 +2,10 @@
 
     python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
 
-For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format it reports seconds
-per call, GFLOP/s and GB/s (weight bytes + activation bytes moved once), on:
+For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format (f32, f16, q8 and the
+GGUF blocks q4_0, q4_1, q8_0) it reports seconds per call, GFLOP/s and GB/s (weight bytes as held,
+block scales included, + activation bytes moved once), and per shape the bytes each format holds
+against float32 ("compact"), on:
 - lavapipe: the WGSL through wgpu-py on Mesa's Vulkan CPU driver (or on a real GPU: whatever
   adapter wgpu picks, described in the output);
 - swiftshader: the same WGSL through the page's own modules in headless Chromium.
@@ -15,6 +17,7 @@ weight shipping to the page and DenseRequest round-trip latency as the coordinat
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 import time
@@ -30,7 +33,7 @@ from web_peer import kernels as K  # noqa: E402
 def flops_bytes(kernel: str, fmt: str, t: int, h: int, f: int) -> tuple[float, float]:
     """Useful FLOPs and bytes moved for one call (weights read once; activations in and out)."""
     bpw = K.bytes_per_weight(fmt)
-    scale = 4 if fmt == "q8" else 0  # one f32 scale per weight row
+    scale = 4 if fmt == "q8" else 0  # one f32 scale per weight row (block formats count theirs in bpw)
     swiglu = (4.0 * t * h * f, 2 * f * (h * bpw + scale) + 4.0 * t * (h + f))
     down = (2.0 * t * h * f, h * (f * bpw + scale) + 4.0 * t * (h + f))
     if kernel == "swiglu":
@@ -61,24 +64,34 @@ def bench_wgpu(shapes, reps, workgroup_size):
     gpu = WgpuFfn(workgroup_size=workgroup_size)
     info = gpu.adapter.info
     out = {"adapter": {k: info[k] for k in ("vendor", "device", "description", "backend_type", "adapter_type")},
-           "workgroup_size": gpu.workgroup_size, "max_binding": gpu.max_binding, "results": []}
-    for t, h, f in shapes:
-        wg, wu, wd = _weights(h, f)
-        for fmt in gpu.formats:
-            w = gpu.upload(wg, wu, wd, fmt)
-            for kernel in ("swiglu", "down", "ffn"):
-                out["results"].append(_entry("wgpu", kernel, fmt, t, h, f, gpu.time_kernel(kernel, w, t, reps)))
-            del w
+           "workgroup_size": gpu.workgroup_size, "max_binding": gpu.max_binding, "results": [], "compact": []}
+    with gpu:
+        for t, h, f in shapes:
+            wg, wu, wd = _weights(h, f)
+            for fmt in gpu.formats:
+                w = gpu.upload(wg, wu, wd, fmt)  # block formats: quantized by gguf, as a file holds them
+                if t == shapes[0][0]:
+                    out["compact"].append({"format": fmt, "H": h, "F": f, "bytes": w.nbytes,
+                                           "f32_bytes": 3 * h * f * 4, "of_f32": round(w.nbytes / (3 * h * f * 4), 4)})
+                for kernel in ("swiglu", "down", "ffn"):
+                    out["results"].append(_entry("wgpu", kernel, fmt, t, h, f, gpu.time_kernel(kernel, w, t, reps)))
+                del w
     return out
 
 
-CHROMIUM_BENCH = """async ({h, f, t, fmt, reps, seed}) => {
+# blocks: {encoding, gate, up, down} base64 GGUF blocks for a block format, else null (random f32).
+CHROMIUM_BENCH = """async ({h, f, t, fmt, reps, seed, blocks}) => {
   const { GpuContext } = await import("/gpu.js");
   const { FfnBlock, pad4 } = await import("/ffn.js");
   const ctx = await GpuContext.create();
   let s = seed;
   const rnd = (n, k) => { const a = new Float32Array(n); for (let i = 0; i < n; i++) { s = (s * 1103515245 + 12345) >>> 0; a[i] = (s / 2 ** 32 - 0.5) * k; } return a; };
-  const block = new FfnBlock(ctx, { hidden: h, inter: f, fmt, wGate: rnd(f * h, 0.1), wUp: rnd(f * h, 0.1), wDown: rnd(h * f, 0.1) });
+  const u8 = (b) => Uint8Array.from(atob(b), (c) => c.charCodeAt(0));
+  const w = blocks
+    ? { wGate: { encoding: blocks.encoding, bytes: u8(blocks.gate) }, wUp: { encoding: blocks.encoding, bytes: u8(blocks.up) },
+        wDown: { encoding: blocks.encoding, bytes: u8(blocks.down) } }
+    : { fmt, wGate: rnd(f * h, 0.1), wUp: rnd(f * h, 0.1), wDown: rnd(h * f, 0.1) };
+  const block = new FfnBlock(ctx, { hidden: h, inter: f, ...w });
   await block.run(rnd(t * h, 1), t);  // uploads weights, compiles pipelines
   const dev = ctx.device, hp = pad4(h), fp = pad4(f);
   const xb = ctx.buffer(rnd(t * hp, 1)), hb = ctx.buffer(rnd(t * fp, 1)), yb = ctx.buffer(t * hp * 4);
@@ -87,8 +100,8 @@ CHROMIUM_BENCH = """async ({h, f, t, fmt, reps, seed}) => {
     const run = async (n) => {
       const enc = dev.createCommandEncoder();
       for (let i = 0; i < n; i++) {
-        if (kernel !== "down") await block.swiglu.encode(enc, fmt, { tRows: t, k4: hp / 4, nOut: fp, x: xb, gate: block.gpu.gate, up: block.gpu.up, h: hb });
-        if (kernel !== "swiglu") await block.down.encode(enc, fmt, { tRows: t, k4: fp / 4, nOut: hp, h: hb, down: block.gpu.down, y: yb });
+        if (kernel !== "down") await block.swiglu.encode(enc, block.fmt, { tRows: t, k4: hp / 4, nOut: fp, x: xb, gate: block.gpu.gate, up: block.gpu.up, h: hb });
+        if (kernel !== "swiglu") await block.down.encode(enc, block.downFmt, { tRows: t, k4: fp / 4, nOut: hp, h: hb, down: block.gpu.down, y: yb });
       }
       const t0 = performance.now();
       dev.queue.submit([enc.finish()]);
@@ -104,11 +117,12 @@ CHROMIUM_BENCH = """async ({h, f, t, fmt, reps, seed}) => {
   for (let i = 0; i < reps; i++) await block.run(x, t);
   res.request_ms = (performance.now() - t0) / reps;
   res.adapter = ctx.describe();
+  res.gpu_bytes = block.gpuBytes;
   return res;
 }"""
 
 
-def bench_chromium(shapes, reps):
+def bench_chromium(shapes, reps, formats=("f32", "q8") + K.BLOCK_FORMATS):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import functools
     import http.server
@@ -128,12 +142,17 @@ def bench_chromium(shapes, reps):
             page = browser.new_page()
             page.goto(f"http://localhost:{server.server_address[1]}{BLANK}")
             for t, h, f in shapes:
-                for fmt in ("f32", "q8"):
-                    r = page.evaluate(CHROMIUM_BENCH, dict(h=h, f=f, t=t, fmt=fmt, reps=reps, seed=1))
+                wg, wu, wd = _weights(h, f)
+                for fmt in formats:
+                    blocks = None
+                    if fmt in K.BLOCK_FORMATS:
+                        blocks = {"encoding": fmt.upper(), **{name: base64.b64encode(K.quantize_blocks(w, fmt)).decode()
+                                                             for name, w in (("gate", wg), ("up", wu), ("down", wd))}}
+                    r = page.evaluate(CHROMIUM_BENCH, dict(h=h, f=f, t=t, fmt=fmt, reps=reps, seed=1, blocks=blocks))
                     out["adapter"] = r["adapter"]
                     for kernel in ("swiglu", "down", "ffn"):
                         out["results"].append(_entry("swiftshader", kernel, fmt, t, h, f, r[kernel]))
-                    out["requests"].append({"format": fmt, "T": t, "H": h, "F": f,
+                    out["requests"].append({"format": fmt, "T": t, "H": h, "F": f, "gpu_bytes": r["gpu_bytes"],
                                             "request_ms": round(r["request_ms"], 3)})
             browser.close()
     finally:
@@ -182,7 +201,7 @@ def bench_e2e(reps: int) -> dict:
             page.wait_for_function("window.colibri.worker.blocks.size === 1", timeout=300_000)
             s = time.perf_counter() - t0
             out["shipping"] = {"bytes": len(blob), "seconds": round(s, 3), "mib_per_s": round(len(blob) / s / 2**20, 2)}
-            # Requests: SmolLM2's whole layer-5 MLP (Q4_1 shipped, f32 on the GPU).
+            # Requests: SmolLM2's whole layer-5 MLP (Q4_1 shipped, Q4_1 blocks on the GPU).
             b2, m2 = ModelSlicer(smollm2_path()).extract(SliceSpec(layer=5, kind="dense", start=0, stop=1536))
             swarm.offer(b2, m2)
             page.wait_for_function("window.colibri.worker.blocks.size === 2", timeout=60_000)

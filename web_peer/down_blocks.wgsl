@@ -23,13 +23,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var acc: array<f32, TB>;
     for (var u = lid; u < nw; u += WG) {
         let b = r * nb + u / QW;
-        let d = block_scale(s_down[scale_word(b)], b);
-        let q = w_down[r * nw + u];
+        let w = dequant_word(w_down[r * nw + u], block_scale(s_down[scale_word(b)], b));
         let xo = x_pair(u);
         for (var t = 0u; t < TB; t++) {
             let tt = t0 + t;
             if (tt < p.t_rows) {
-                acc[t] += word_dot(q, d, hin[tt * p.k4 + xo.x], hin[tt * p.k4 + xo.y]);
+                acc[t] += dot(w[0], hin[tt * p.k4 + xo.x]);
+                if (PAIRED) {
+                    acc[t] += dot(w[1], hin[tt * p.k4 + xo.y]);
+                }
             }
         }
     }

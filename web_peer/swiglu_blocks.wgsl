@@ -36,16 +36,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let b = r * nb + u / QW;
         let dg = block_scale(s_gate[scale_word(b)], b);
         let du = block_scale(s_up[scale_word(b)], b);
-        let qg = w_gate[r * nw + u];
-        let qu = w_up[r * nw + u];
+        // Dequantized once per word, used for every row of x.
+        let wg = dequant_word(w_gate[r * nw + u], dg);
+        let wu = dequant_word(w_up[r * nw + u], du);
         let xo = x_pair(u);
         for (var t = 0u; t < TB; t++) {
             let tt = t0 + t;
             if (tt < p.t_rows) {
                 let xa = x[tt * p.k4 + xo.x];
-                let xb = x[tt * p.k4 + xo.y];
-                acc_g[t] += word_dot(qg, dg, xa, xb);
-                acc_u[t] += word_dot(qu, du, xa, xb);
+                acc_g[t] += dot(wg[0], xa);
+                acc_u[t] += dot(wu[0], xa);
+                if (PAIRED) {
+                    let xb = x[tt * p.k4 + xo.y];
+                    acc_g[t] += dot(wg[1], xb);
+                    acc_u[t] += dot(wu[1], xb);
+                }
             }
         }
     }

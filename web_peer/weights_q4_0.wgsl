@@ -17,6 +17,8 @@ fn x_pair(u: u32) -> vec2<u32> {
     return nibble_x_pair(u);
 }
 
-fn word_dot(q: u32, dm: vec2<f32>, xa: vec4<f32>, xb: vec4<f32>) -> f32 {
-    return dm.x * (dot(low_nibbles(q) - 8.0, xa) + dot(high_nibbles(q) - 8.0, xb));
+// The 8 weights of quant word q (column 0 multiplies x vec4 x_pair(u).x, column 1 .y), as gguf.
+const PAIRED: bool = true;
+fn dequant_word(q: u32, dm: vec2<f32>) -> mat2x4<f32> {
+    return mat2x4<f32>(dm.x * (low_nibbles(q) - 8.0), dm.x * (high_nibbles(q) - 8.0));
 }

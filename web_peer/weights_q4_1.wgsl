@@ -14,7 +14,7 @@ fn x_pair(u: u32) -> vec2<u32> {
     return nibble_x_pair(u);
 }
 
-// sum_i (d q_i + m) x_i = d (q . x) + m (sum x)
-fn word_dot(q: u32, dm: vec2<f32>, xa: vec4<f32>, xb: vec4<f32>) -> f32 {
-    return dm.x * (dot(low_nibbles(q), xa) + dot(high_nibbles(q), xb)) + dm.y * dot(xa + xb, vec4<f32>(1.0));
+const PAIRED: bool = true;
+fn dequant_word(q: u32, dm: vec2<f32>) -> mat2x4<f32> {
+    return mat2x4<f32>(dm.x * low_nibbles(q) + dm.y, dm.x * high_nibbles(q) + dm.y);
 }

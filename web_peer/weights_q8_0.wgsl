@@ -11,13 +11,14 @@ fn block_scale(word: u32, b: u32) -> vec2<f32> {
     return pair_half(word, b);
 }
 
-// Word u of a row multiplies x vec4 u itself; the second index is unused.
+// Word u of a row multiplies x vec4 u itself; there is no second (PAIRED is false).
 fn x_pair(u: u32) -> vec2<u32> {
     return vec2<u32>(u, u);
 }
 
-fn word_dot(q: u32, dm: vec2<f32>, xa: vec4<f32>, xb: vec4<f32>) -> f32 {
+const PAIRED: bool = false;
+fn dequant_word(q: u32, dm: vec2<f32>) -> mat2x4<f32> {
     let s = bitcast<i32>(q);  // arithmetic right shifts of i32 sign-extend each byte
     let w = vec4<f32>(f32((s << 24u) >> 24u), f32((s << 16u) >> 24u), f32((s << 8u) >> 24u), f32(s >> 24u));
-    return dm.x * dot(w, xa);
+    return mat2x4<f32>(dm.x * w, vec4<f32>(0.0));
 }
