@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,6 +28,13 @@ from swarm.errors import SwarmError
 
 API_KEY_ENV = "COLIBRI_SWARM_API_KEY"
 READ_TIMEOUT_S = 600.0  # socket timeout: a reply may wait behind another user's generation
+RETRY_S = 20.0  # a request whose coordinator went away looks this long for the next one (seconds)
+RETRY_PAUSE_S = 0.5  # between attempts to find and reach it (seconds)
+
+
+class ApiUnavailableError(SwarmError):
+    """The coordinator's API could not be reached or dropped the stream midway: the request may
+    succeed on the coordinator elected next (see :func:`stream_chat_retrying`)."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +76,14 @@ def _from_status() -> str | None:
     return None
 
 
-def find_endpoint(api: str | None = None, *, mdns: bool = True) -> Endpoint | None:
+def find_endpoint(api: str | None = None, *, mdns: bool = True, token: str | None = None) -> Endpoint | None:
     """Where the coordinator's API is, or None when ``mdns`` is off and nothing closer names one.
+    ``token``: the bearer token (default: the stored swarm key's, or ``$COLIBRI_SWARM_API_KEY``).
 
     Raises:
         SwarmError: no swarm key / token, or (with ``mdns``) no coordinator advertised one.
     """
-    token = _token()
+    token = token or _token()
     if api:
         return Endpoint(api.rstrip("/"), token)
     url = _from_status()
@@ -116,9 +126,14 @@ def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
     except urllib.error.HTTPError as exc:
         raise SwarmError(f"the coordinator's API at {endpoint.url} refused the request: {_error_text(exc)}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise SwarmError(f"cannot reach the coordinator's API at {endpoint.url}: "
-                         f"{getattr(exc, 'reason', exc)}; is `colibri-swarm join` running?") from None
+        raise ApiUnavailableError(f"cannot reach the coordinator's API at {endpoint.url}: "
+                                  f"{getattr(exc, 'reason', exc)}; is `colibri-swarm join` running?") from None
     with response:
+        yield from _read_events(endpoint, response)
+
+
+def _read_events(endpoint: Endpoint, response: Any) -> Iterator[str]:
+    try:
         for raw in response:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:"):
@@ -136,7 +151,55 @@ def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
                     yield piece
-    raise SwarmError(f"the API at {endpoint.url} closed the stream before it finished")
+    except (OSError, http.client.HTTPException) as exc:  # the coordinator went away mid-reply
+        raise ApiUnavailableError(f"the API at {endpoint.url} broke off the stream: {exc!r}") from None
+    raise ApiUnavailableError(f"the API at {endpoint.url} closed the stream before it finished")
+
+
+def stream_chat_retrying(endpoint: Endpoint, body: Mapping[str, Any], *, api: str | None = None,
+                         retry_s: float = RETRY_S, on_retry: Any = None) -> Iterator[str]:
+    """:func:`stream_chat`, but when the coordinator goes away midway (the API unreachable or the
+    stream broken off) the request is sent again to the coordinator found next (the local peer's
+    status or mDNS; ``api``, the user's ``--api``, is tried again as given) for up to
+    ``retry_s`` seconds. The reply is yielded once: the text already yielded is skipped in the
+    new reply, which must start with it (a greedy or seeded request does).
+    ``on_retry(error)`` is called before each new attempt.
+
+    Raises:
+        SwarmError: as :func:`stream_chat`; also when no coordinator answered within ``retry_s``,
+            or the new reply differs from the text already yielded (sampling without a seed).
+    """
+    shown, deadline = "", None
+    while True:
+        produced = ""
+        try:
+            for piece in stream_chat(endpoint, body):
+                produced += piece
+                if not (shown.startswith(produced) or produced.startswith(shown)):
+                    raise SwarmError("the new coordinator's reply differs from the text already shown "
+                                     "(sampling without --seed); ask again")
+                if len(produced) > len(shown):
+                    new, shown = produced[len(shown):], produced
+                    yield new
+            return
+        except ApiUnavailableError as exc:
+            now = time.monotonic()
+            deadline = deadline if deadline is not None else now + retry_s
+            if now >= deadline:
+                raise SwarmError(f"{exc}; no coordinator answered within {retry_s:g} s") from None
+            if on_retry is not None:
+                on_retry(exc)
+            endpoint = _next_endpoint(api, endpoint, deadline)
+
+
+def _next_endpoint(api: str | None, last: Endpoint, deadline: float) -> Endpoint:
+    """The coordinator's API as found now (``api`` as given); ``last`` while nothing answers."""
+    time.sleep(RETRY_PAUSE_S)
+    try:
+        found = find_endpoint(api, mdns=True, token=last.token)
+    except SwarmError:
+        return last  # no record yet: the election may still be running; the caller tries again
+    return found if found is not None else last
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:
@@ -160,12 +223,17 @@ def main_generate_swarm(args: argparse.Namespace) -> int | None:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.prompt})
     out = sys.stdout
-    for piece in stream_chat(endpoint, _request_body(messages, args)):
+    for piece in stream_chat_retrying(endpoint, _request_body(messages, args), api=getattr(args, "api", None),
+                                      on_retry=_say_retrying):
         out.write(piece)
         out.flush()
     out.write("\n")
     out.flush()
     return 0
+
+
+def _say_retrying(exc: SwarmError) -> None:
+    print(f"\n[{exc}; trying the next coordinator]", file=sys.stderr, flush=True)
 
 
 def _quiet_endpoint() -> Endpoint | None:
@@ -213,7 +281,8 @@ def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
         history.append({"role": "user", "content": text})
         reply: list[str] = []
         try:
-            for piece in stream_chat(endpoint, _request_body(history, args)):
+            for piece in stream_chat_retrying(endpoint, _request_body(history, args), api=args.api,
+                                              on_retry=_say_retrying):
                 reply.append(piece)
                 console.print(piece, end="", markup=False, soft_wrap=True)
         except SwarmError as exc:
