@@ -10,6 +10,8 @@ Service type ``_colibri-swarm._tcp.local.``; one service instance per hosting pe
 ``fp``   SHA-256 of the server's TLS certificate, 64 lower-case hex digits
 ``host`` the hosting peer's id
 ``t``    when the server started, unix time in milliseconds (decimal)
+``i``    optional: the hosting process's random instance tag (hex), so a peer can tell its own
+         server from one hosted by another process with the same peer id (a copied identity)
 =======  =================================================================
 """
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from swarm.errors import RemoteProtocolError
 from swarm.signaling.address import SignalAddress
-from swarm.signaling.messages import PEER_ID_PATTERN, PROTOCOL_VERSION
+from swarm.signaling.messages import INSTANCE_PATTERN, PEER_ID_PATTERN, PROTOCOL_VERSION
 
 SERVICE_TYPE = "_colibri-swarm._tcp.local."
 
@@ -41,6 +43,7 @@ class ServerRecord:
     host: str
     started: float
     addresses: tuple[str, ...] = ()
+    instance: str = ""  # the hosting process's Auth.instance; "" when the record carries none
 
     def __post_init__(self) -> None:
         # TXT carries milliseconds: keep exactly what a browser will read back, so our own
@@ -61,6 +64,11 @@ class ServerRecord:
         """
         return f"colibri-{self.host[:24]}-{round(self.started * 1000) % 10**9}.local."
 
+    def is_from(self, peer_id: str, instance: str) -> bool:
+        """Whether the process ``(peer_id, instance)`` hosts this server. A record without an
+        instance tag counts as that process's when the peer id matches (older builds)."""
+        return self.host == peer_id and self.instance in ("", instance)
+
     def url(self, address: str | None = None) -> str:
         """``wss://ADDRESS:PORT/ws`` for ``address`` (default: the first advertised one)."""
         return SignalAddress(address or (self.addresses[0] if self.addresses else ""), self.port).ws_url
@@ -75,6 +83,7 @@ def encode_txt(record: ServerRecord) -> dict[str, str]:
         "fp": record.fingerprint.hex(),
         "host": record.host,
         "t": str(round(record.started * 1000)),
+        **({"i": record.instance} if record.instance else {}),
     }
 
 
@@ -109,9 +118,13 @@ def decode_txt(name: str, txt: Mapping[bytes, bytes | None], addresses: tuple[st
     host = field("host")
     if not PEER_ID_PATTERN.fullmatch(host):
         raise RemoteProtocolError(f"mDNS record {name!r}: TXT host={host!r} is not a peer id")
+    instance = props.get("i", "")
+    if instance and not INSTANCE_PATTERN.fullmatch(instance):
+        raise RemoteProtocolError(f"mDNS record {name!r}: TXT i={instance!r} is not 8-64 lower-case hex digits")
     return ServerRecord(
         name=name, version=decimal("v", 0, 2**31), swarm_id=sid, port=decimal("port", 1, 65535),
         fingerprint=fingerprint, host=host, started=decimal("t", 0, 2**63) / 1000.0, addresses=addresses,
+        instance=instance,
     )
 
 

@@ -57,6 +57,7 @@ from swarm.errors import (
 )
 from swarm.signaling.auth import swarm_id as swarm_id_of
 from swarm.signaling.client import (
+    PROCESS_INSTANCE,
     Disconnected,
     PeerJoined,
     PeerLeft,
@@ -342,8 +343,10 @@ class Rendezvous:
         best = pick_server(self._browser.records.values(), self._dead_keys())
         if best is None or current is None or best.key == current.key or not is_better(best, current):
             return None
-        if self.hosting and best.host == self.peer_id:
-            return None  # our own record (or a stale one of ours): never move to ourselves
+        if self.hosting and best.is_from(self.peer_id, PROCESS_INSTANCE):
+            # our own record (or a stale one of ours): never move to ourselves. One of another
+            # process with our peer id (a copied identity) is tried: its server refuses us by name.
+            return None
         client = await self._try(best)
         return None if client is None else (best, client)
 
@@ -381,7 +384,7 @@ class Rendezvous:
         record = ServerRecord(
             name=instance_name(self.peer_id, server.started), version=PROTOCOL_VERSION, swarm_id=self.swarm_id,
             port=server.port, fingerprint=server.certificate.sha256, host=self.peer_id, started=server.started,
-            addresses=tuple(local_addresses()),
+            addresses=tuple(local_addresses()), instance=PROCESS_INSTANCE,
         )
         self._advertiser = Advertiser(self._zc, record)
         # Announce in the background: probing takes ~1 s and our own connection need not wait.

@@ -30,7 +30,9 @@ may hold at most ``max_pending_per_address`` unauthenticated connections and the
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -221,12 +223,10 @@ class SignalingRelay:
         if old is not None and self._conns[old].instance and msg.instance and self._conns[old].instance != msg.instance:
             # Another process with our id (copied config directory, cloned VM): both would answer
             # for one peer. The one already present keeps it and is told; the newcomer is refused.
-            where = f" at {c.address}" if c.address else ""
-            out.append(Send(old, Notice(DUPLICATE_NOTICE, f"another process{where} claimed peer id {msg.peer_id} "
-                                        "and was refused (a copied config directory?)").encode()))
-            other = self._conns[old].address
+            out.append(Send(old, Notice(DUPLICATE_NOTICE, f"another process{_where(c.address)} claimed peer id "
+                                        f"{msg.peer_id} and was refused (a copied config directory?)").encode()))
             return out + self._close(conn, CloseCode.DUPLICATE_PEER,
-                                     f"peer id in use by another process{f' at {other}' if other else ''}")
+                                     f"peer id in use by another process{_where(self._conns[old].address)}")
         if old is not None:
             # A reconnect whose previous socket is not yet known dead: the newer one wins.
             out += self._close(old, CloseCode.REPLACED, "replaced by a newer connection of the same peer")
@@ -258,6 +258,16 @@ class SignalingRelay:
             del self._by_peer[c.peer.peer_id]
             out += self._broadcast(Left(c.peer.peer_id).encode(), exclude=conn)
         return out
+
+
+def _where(address: str) -> str:
+    """`` at ADDRESS`` for a message, naming the server's own machine for a loopback address."""
+    if not address:
+        return ""
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(address).is_loopback:
+            return " on the signaling host's machine"
+    return f" at {address}"
 
 
 def _truncate_reason(reason: str) -> str:

@@ -89,3 +89,15 @@ def test_host_name_is_per_server_run_not_per_peer_id():
     assert again.host_name != RECORD.host_name
     long = dataclasses.replace(RECORD, host="x" * 128)
     assert len(long.host_name.split(".")[0]) <= 63  # one DNS label (RFC 1035)
+
+
+def test_the_hosting_process_is_told_apart_from_a_copy_with_the_same_peer_id():
+    mine = dataclasses.replace(RECORD, instance="0123456789abcdef")
+    seen = decode_txt(mine.name, zeroconf_txt(encode_txt(mine)), mine.addresses)
+    assert seen == mine and seen.instance == "0123456789abcdef"
+    assert seen.is_from("peer-a", "0123456789abcdef")
+    assert not seen.is_from("peer-a", "fedcba9876543210")  # a copied identity hosts this one
+    assert not seen.is_from("peer-b", "0123456789abcdef")
+    assert RECORD.is_from("peer-a", "fedcba9876543210")  # no tag (an older build): the peer id decides
+    with pytest.raises(RemoteProtocolError, match="TXT i="):
+        decode_txt(RECORD.name, zeroconf_txt({**encode_txt(mine), "i": "XYZ"}))

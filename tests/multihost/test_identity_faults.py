@@ -3,6 +3,7 @@
 * A copied config directory (a cloned VM, a copied home) on a second machine: its ``join`` is
   refused by the signaling server and exits naming the identity file to delete; the first peer
   keeps its place and logs who claimed its id. Never two processes taking turns as one peer.
+  Two clones started together (both host a server at first) end the same way: one stays.
 * ``join`` twice on one HOME: the second exits at once naming the first; the first goes on.
 * Multicast blocked on the bridge (guest Wi-Fi): peers given the host's address in each
   documented ``--signal`` form (``HOST:PORT``, ``https://HOST:PORT``, ``wss://HOST:PORT/ws``)
@@ -22,6 +23,8 @@ import time
 
 import pytest
 
+from swarm.paths import write_private
+from swarm.peer.identity import Identity
 from swarm.peer.swarmkey import SwarmKey
 from tests.multihost.test_mesh_multihost import linked, read_status, until
 from tests.multihost.test_swarm_multihost import coordinator_of
@@ -87,6 +90,32 @@ async def test_a_copied_identity_is_refused_by_name_and_the_original_keeps_its_p
     await until(lambda: "duplicate-peer" in original.stderr_tail(20000), 10,
                 "the original to log the refused claim on its id", [original])
     assert lab.addresses[1] in original.stderr_tail(20000)
+
+
+async def test_two_clones_started_together_end_with_one_peer_not_two_swarms(netns_lab):
+    """Cloned VMs that boot together: both find no server and host one; the younger host must
+    not take the older one's record for its own (same peer id) but try it, be refused and exit."""
+    lab = netns_lab(2)
+    code = SwarmKey(os.urandom(32)).code
+    pem = Identity.generate().to_pem()
+    for i in (0, 1):
+        config = lab.workdir / f"ns{i}" / "config"
+        config.mkdir(parents=True)
+        write_private(config / "identity.pem", pem)
+    procs = [join(lab, i, code) for i in (0, 1)]
+    deadline = time.monotonic() + DUPLICATE_EXIT_S
+    while all(p.popen.poll() is None for p in procs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    ended = [i for i, p in enumerate(procs) if p.popen.poll() is not None]
+    assert len(ended) == 1, "\n".join(f"--- {p.namespace} ({p.popen.poll()}):\n{p.stderr_tail()}" for p in procs)
+    gone, kept = ended[0], 1 - ended[0]
+    stderr = procs[gone].stderr_tail()
+    assert procs[gone].popen.returncode != 0 and "another machine uses this peer identity" in stderr, stderr
+    assert f"delete {lab.workdir / f'ns{gone}' / 'config' / 'identity.pem'}" in stderr, stderr
+    await until(lambda: read_status(lab, kept) is not None and read_status(lab, kept)["hosting_signaling"], 10,
+                "the other clone to stay, hosting", [procs[kept]])
+    await asyncio.sleep(2)
+    assert procs[kept].popen.poll() is None, procs[kept].stderr_tail()
 
 
 async def test_a_second_join_on_one_home_exits_naming_the_first(netns_lab):

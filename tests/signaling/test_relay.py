@@ -250,3 +250,10 @@ def test_connection_limits(relay):
     assert isinstance(challenge, Send)
     assert isinstance(relay.connect(7, 0.0, "10.0.0.8")[0], Send)  # 6 connections: the cap
     assert closes(relay.connect(8, 0.0, "10.0.0.8"))[8][0] == CloseCode.RATE_LIMITED
+
+
+def test_a_copy_refused_by_the_hosts_own_connection_is_told_where(relay):
+    join(relay, 1, "A", instance="aa" * 8, address="127.0.0.1")  # the host, on its own server
+    out, *_ = join(relay, 2, "A", instance="bb" * 8, address="10.0.0.2")
+    assert closes(out) == {2: (CloseCode.DUPLICATE_PEER, "peer id in use by another process on the signaling host's machine")}
+    assert "at 10.0.0.2" in texts(out, 1)[0]["detail"]

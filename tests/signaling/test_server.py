@@ -157,7 +157,7 @@ async def test_a_second_process_with_our_peer_id_is_refused_by_name(server, tmp_
     with pytest.raises(DuplicatePeerError) as exc:
         await connect(server, "A", instance="bb" * 8)
     text = str(exc.value)
-    assert "another machine uses this peer identity A" in text and "127.0.0.1" in text
+    assert "another machine uses this peer identity A" in text and "on the signaling host's machine" in text
     assert f"delete {tmp_path / 'cfg' / 'identity.pem'}" in text
     refused = await next_event(a, SignalRefused)
     assert refused.code == "duplicate-peer" and "claimed peer id A" in refused.detail
