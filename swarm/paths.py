@@ -13,7 +13,6 @@ time run a peer from it (two would share a peer id and split the swarm).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from pathlib import Path
 
@@ -72,6 +71,8 @@ def lock_config_dir(directory: Path | None = None) -> Path:
     the process ends, however it ends, so a crash leaves nothing to clean up. Calling again in
     the same process is a no-op. Raises IdentityInUseError naming the process that holds it.
     """
+    import fcntl  # POSIX (Linux, macOS): the platforms a peer runs on
+
     directory = (directory or config_dir()).resolve()
     path = directory / LOCK_FILE
     if directory in _locks:
