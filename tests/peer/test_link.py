@@ -292,7 +292,8 @@ def test_nothing_but_the_handshake_is_accepted_before_authentication(first):
     }[first]
 
     async def main():
-        a, _ = pair()
+        a, unused = pair()
+        await unused.close()
         stranger, channel = new_peer_connection(RTCCertificate.generateCertificate())
         channel.on("open", lambda: channel.send(payload))
         from aiortc import RTCSessionDescription
