@@ -109,9 +109,10 @@ class ChannelAuth:
     ``auth_key``: the swarm key's channel-auth sub-key (``SwarmKey.channel_auth_key``, 32 bytes).
     ``local_fingerprint``: of our DTLS certificate; ``remote_fingerprint``: from the remote SDP.
     ``now``: seconds on the caller's monotonic clock; ``nonce``: 32 bytes (random by default).
-    ``expected_peer_id``: when the adapter knows which peer id the remote must be (the peer id of
-    the remote DTLS certificate, ``identity.peer_id_of_certificate``, or the one signaling
-    announced), a hello claiming another is refused.
+    ``expected_peer_id``: when the adapter knows which peer id the remote must be (the one
+    signaling stamped on its signals), a hello claiming another is refused. That a Python peer's
+    id is the hash of its DTLS certificate key is checked by the adapter once DTLS is up
+    (:mod:`swarm.peer.link`).
     """
 
     def __init__(
@@ -181,7 +182,7 @@ class ChannelAuth:
                 if self.expected_peer_id is not None and peer_id != self.expected_peer_id:
                     raise AuthenticationError(
                         f"the remote claims peer id {peer_id} but should be {self.expected_peer_id} "
-                        "(the peer id of its DTLS certificate or the one signaling announced)"
+                        "(the one signaling announced)"
                     )
                 self.remote_peer_id, self._remote_nonce = peer_id, nonce
                 self.state = State.PROOF_SENT
