@@ -67,6 +67,7 @@ class ServerBrowser:
     def __init__(self, zc: AsyncZeroconf, swarm_id: str) -> None:
         self.swarm_id = swarm_id
         self.records: dict[str, ServerRecord] = {}
+        self.other_swarms: set[str] = set()  # swarm ids of other swarms' servers seen on the LAN
         self.changed = asyncio.Event()
         self._zc = zc
         self._tasks: set[asyncio.Task[None]] = set()
@@ -103,6 +104,9 @@ class ServerBrowser:
             record = decode_txt(name, info.properties, tuple(info.parsed_addresses(IPVersion.V4Only)))
         except RemoteProtocolError as exc:
             log.info("mDNS: ignoring %s", exc)
+            return
+        if record.swarm_id != self.swarm_id:
+            self.other_swarms.add(record.swarm_id)  # join says so: the user may have meant that one
             return
         if not is_ours(record, self.swarm_id) or not record.addresses:
             return

@@ -119,6 +119,7 @@ class Rendezvous:
         self._task: asyncio.Task[None] | None = None
         self._announce: asyncio.Task[None] | None = None
         self._error: SwarmError | None = None
+        self._found_none = False
         self._failures = 0  # unexpected errors in a row (the first is logged with its traceback)
 
     # -- public ----------------------------------------------------------------------------
@@ -126,6 +127,16 @@ class Rendezvous:
     @property
     def hosting(self) -> bool:
         return self.server is not None
+
+    @property
+    def found_none(self) -> bool:
+        """True when mDNS found no server of our swarm at start, so this peer hosts a new one."""
+        return self._found_none
+
+    @property
+    def other_swarms(self) -> set[str]:
+        """Swarm ids of other swarms' signaling servers seen by mDNS (empty with ``--signal``)."""
+        return set(self._browser.other_swarms) if self._browser is not None else set()
 
     @property
     def peers(self) -> dict[str, PeerInfo]:
@@ -377,6 +388,8 @@ class Rendezvous:
         return None
 
     async def _host(self) -> None:
+        if not self._connected.is_set():
+            self._found_none = True
         server = SignalingServer(self.swarm_key, self.peer_id, config_dir=self.config_dir)
         await server.start(self.bind_host, 0)
         self.server = server

@@ -346,6 +346,7 @@ async def _join(args: Any, console: Any) -> None:
     try:
         with console.status("looking for the swarm on this network…"):
             await node.start()
+        _print_discovery_hints(console, node, key_created=created)
         roles = await SwarmRoles.create(node, model, verify=args.verify / 100)
         await roles.start()
         _print_header(console, node)
@@ -415,6 +416,23 @@ def _print_header(console: Any, node: Node) -> None:
     page = page_link_text(rv, node.swarm_key.code)
     if page:
         console.print(page, markup=False, highlight=False, emoji=False)
+
+
+def _print_discovery_hints(console: Any, node: Node, *, key_created: bool) -> None:
+    """Say why this peer started a swarm of its own, and what to do if that was not meant."""
+    rv = node.rendezvous
+    if not rv.found_none:
+        return
+    if rv.other_swarms:
+        ids = ", ".join(sorted(rv.other_swarms))
+        console.print(f"[yellow]another swarm is on this network (swarm {ids}); this peer started swarm "
+                      f"{node.swarm_id}{' with a new key' if key_created else ''}.[/] To join that one instead, "
+                      "stop this peer (Ctrl-C) and run `colibri-swarm join --key CODE` with the code "
+                      "`colibri-swarm key` shows on one of its peers.", markup=True)
+        return
+    console.print("[yellow]no swarm found by mDNS on this network: this peer started one.[/] If peers already "
+                  "run here, multicast may be blocked (guest Wi-Fi, some VPNs): join them with "
+                  "`colibri-swarm join --signal HOST:PORT`, the address their signaling host prints.")
 
 
 def _print_event(console: Any, ev: PeerEvent) -> None:

@@ -14,7 +14,9 @@ wants sent. Its outcome switches this peer's role:
   browser peers linked to it), sends it to them, wraps the model in a
   :class:`~swarm.peer.coordinator.RemoteFFN` and serves the OpenAI API with it.
   A peer that fails or whose link goes down gets no more work: the plan is
-  rebuilt and sent, and RemoteFFN switches to it at the next step. Peers that
+  rebuilt and sent, and RemoteFFN switches to it at the next step. A failed
+  peer that is reachable again gets work back after ``READMIT_S`` (checked on
+  a timer: a stalled peer's link never goes down, so no event says it is back). Peers that
   join get work from the next plan the same way.
 * **worker** — accepts the coordinator's plans and serves its FFN requests with a
   :class:`~swarm.peer.worker.Worker`, in one compute thread, off the event loop.
@@ -73,6 +75,8 @@ STARTUP_QUIET_S = 2.0
 JOIN_GRACE_S = 10.0
 LEFT_SILENCE_S = 2.0  # link silence (seconds) that, with no signaling presence, means a peer left
 SHIP_TIMEOUT_S = 600.0  # a worker without the model gives up on a plan's slices after this (seconds)
+READMIT_S = 5.0  # a worker that failed a request gets work again after this, if reachable (seconds)
+PLAN_CHECK_S = 1.0  # how often the coordinator compares the peers that can work with its plan (seconds)
 PLAN_WAIT_S = 60.0  # a request waits at most this long for its plan's slices (seconds)
 
 
@@ -114,6 +118,9 @@ class SwarmRoles:
         self._plan_version = 0
         self._last_leader_term = 0  # the last term in which this peer knew a coordinator
         self._replan_pending = False
+        self._failed_at: dict[str, float] = {}  # peer → when it last failed a request (monotonic s)
+        self._planned: set[str] = set()  # the workers of the newest plan
+        self._next_plan_check = 0.0
         self._shipper = (PlanShipper(model.path, self.model_hash, self.shape) if model is not None else None)
         self._fetchers: dict[str, SliceFetcher] = {}  # without a model: per link to a peer that has one
         self._plans_ready: dict[tuple[int, int], asyncio.Event] = {}  # (term, version) → slices in
@@ -183,6 +190,8 @@ class SwarmRoles:
             for peer, link in list(self.node.links.items()):
                 self.election.heard_from(peer, link.last_heard)  # any inbound byte, link heartbeats included
             self._forget_departed(now)
+            self._readmit_returned(now)
+            self._check_plan(now)
             if now < self._started + JOIN_GRACE_S and self._unlinked_peers():
                 self.election.hold_candidacy(now + TICK_S)
             self.election.handle_timer(now)
@@ -213,8 +222,8 @@ class SwarmRoles:
         tokens, and the sides merge again through the election when they meet.
         """
         present = getattr(self.node.rendezvous, "peers", None)
-        if present is None:
-            return
+        if not present:
+            return  # between signaling servers: we are the one cut off, not them
         for peer in self.election.members:
             if peer == self.node.peer_id or peer in present:
                 continue
@@ -223,6 +232,18 @@ class SwarmRoles:
             if heard is None or now - heard > LEFT_SILENCE_S:
                 log.info("peer %s left the swarm", peer)
                 self.election.remove_member(peer, now)
+
+    def _readmit_returned(self, now: float) -> None:
+        """A peer forgotten by :meth:`_forget_departed` whose link stayed open and speaks again
+        (it was stalled, or cut off for less than the link timeout) is a member again: its
+        link never went down, so no link-up event would bring it back."""
+        for peer, link in list(self.node.links.items()):
+            hello = link.hello
+            if (hello is None or hello.peer_kind != "python" or peer in self.election.members
+                    or peer in self.refused or now - link.last_heard > LEFT_SILENCE_S):
+                continue
+            log.info("peer %s is back", peer)
+            self._admit(link)
 
     async def _flush(self) -> None:
         """Send what the election wants sent, then act on its events."""
@@ -362,8 +383,10 @@ class SwarmRoles:
         for peer, link in self.node.links.items():
             h = link.hello
             if (h is None or h.model_hash not in (self.model_hash, None)
-                    or peer in failed or peer in self.refused or h.memory_budget <= 0):
+                    or peer in self.refused or h.memory_budget <= 0):
                 continue
+            if peer in failed and now - self._failed_at.get(peer, now) < READMIT_S:
+                continue  # it failed a step: out of the plans for a while, then tried again
             if h.peer_kind == "python" and not self.election.reachable(peer, now):
                 continue  # silent (a killed process whose link has not timed out yet), or gone
             out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0))
@@ -372,7 +395,9 @@ class SwarmRoles:
     def _new_plan(self) -> Plan:
         self._plan_version += 1
         me = PeerCapacity(self.node.peer_id, 0, self.node.hello.ffn_gflops)
-        return build_plan(self.shape, me, self._workers(), term=self.election.term, version=self._plan_version)
+        workers = self._workers()
+        self._planned = {w.peer_id for w in workers}
+        return build_plan(self.shape, me, workers, term=self.election.term, version=self._plan_version)
 
     async def _announce(self, plan: Plan) -> None:
         """Offer workers without the model their slices, then send the plan to every worker."""
@@ -443,7 +468,21 @@ class SwarmRoles:
                 self.ffn.peer_down(link.peer_id, f"send failed: {exc}")
 
     def _peer_failed_threadsafe(self, peer: str, reason: str) -> None:
-        self._loop.call_soon_threadsafe(self._schedule_replan)
+        self._loop.call_soon_threadsafe(self._peer_failed, peer)
+
+    def _peer_failed(self, peer: str) -> None:
+        self._failed_at[peer] = time.monotonic()
+        self._schedule_replan()
+
+    def _check_plan(self, now: float) -> None:
+        """Re-plan when the peers that can work are not those of the last plan: a failed peer
+        whose ``READMIT_S`` passed and that is reachable again gets work back (no event
+        would say so: a stalled peer's link never went down)."""
+        if self.ffn is None or self._replan_pending or now < self._next_plan_check:
+            return
+        self._next_plan_check = now + PLAN_CHECK_S
+        if {w.peer_id for w in self._workers()} != self._planned:
+            self._schedule_replan()
 
     def _schedule_replan(self) -> None:
         if not self._replan_pending:
