@@ -17,6 +17,7 @@ the ``--signal`` peers are linked and planned within ``SIGNAL_SWARM_S``.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import time
@@ -74,7 +75,9 @@ async def test_a_copied_identity_is_refused_by_name_and_the_original_keeps_its_p
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("status.json", "peer.lock", ".*"))
     copy = join(lab, 1, code, name="clone")
 
+    t0 = time.monotonic()
     returncode = await exit_code_within(copy, DUPLICATE_EXIT_S)
+    print(json.dumps({"event": "copy refused", "seconds": round(time.monotonic() - t0, 2)}))
     stderr = copy.stderr_tail()
     assert returncode is not None and returncode != 0, f"the copy kept running ({returncode}):\n{stderr}"
     assert "another machine uses this peer identity" in stderr, stderr
@@ -103,9 +106,10 @@ async def test_two_clones_started_together_end_with_one_peer_not_two_swarms(netn
         config.mkdir(parents=True)
         write_private(config / "identity.pem", pem)
     procs = [join(lab, i, code) for i in (0, 1)]
-    deadline = time.monotonic() + DUPLICATE_EXIT_S
-    while all(p.popen.poll() is None for p in procs) and time.monotonic() < deadline:
+    t0 = time.monotonic()
+    while all(p.popen.poll() is None for p in procs) and time.monotonic() < t0 + DUPLICATE_EXIT_S:
         await asyncio.sleep(0.1)
+    print(json.dumps({"event": "one clone left", "seconds": round(time.monotonic() - t0, 2)}))
     ended = [i for i, p in enumerate(procs) if p.popen.poll() is not None]
     assert len(ended) == 1, "\n".join(f"--- {p.namespace} ({p.popen.poll()}):\n{p.stderr_tail()}" for p in procs)
     gone, kept = ended[0], 1 - ended[0]
@@ -127,7 +131,9 @@ async def test_a_second_join_on_one_home_exits_naming_the_first(netns_lab):
     stored = key_file.read_bytes()
     second = join(lab, 0, SwarmKey(os.urandom(32)).code, name="again")  # another --key, even
 
+    t0 = time.monotonic()
     returncode = await exit_code_within(second, SECOND_JOIN_EXIT_S)
+    print(json.dumps({"event": "second join refused", "seconds": round(time.monotonic() - t0, 2)}))
     stderr = second.stderr_tail()
     assert returncode is not None and returncode != 0, f"the second join kept running ({returncode}):\n{stderr}"
     config = lab.workdir / "ns0" / "config"
@@ -169,7 +175,8 @@ async def test_every_signal_form_forms_one_swarm_with_multicast_blocked(netns_la
         return (len(ids) == 4 and all(linked(doc) == ids - {doc["peer_id"]} for doc in d.values())
                 and coordinator_of(d) is not None)
 
-    await until(one_swarm, SIGNAL_SWARM_S, "four peers linked, one coordinator planning over the three", procs)
+    took = await until(one_swarm, SIGNAL_SWARM_S, "four peers linked, one coordinator planning over the three", procs)
+    print(json.dumps({"event": "--signal swarm formed", "seconds": round(took, 2)}))
     d = docs()
     assert coordinator_of(d)[0] == 0  # the only peer holding the model
     assert [i for i, doc in d.items() if doc["role"] == "coordinator"] == [0]
