@@ -283,14 +283,23 @@ class Link:
         await self._closed.wait()
 
     async def close(self, reason: str = "closed locally") -> None:
-        """Close the link and its peer connection; cancel and await every task it owns."""
+        """Close the link and its peer connection; cancel and await every task it owns.
+
+        Idempotent: a second call waits for the peer connection's close, which a cancelled first
+        call leaves running (it is never cut short: aiortc would leave its ICE tasks behind).
+        """
         self._fail(reason, error=PeerLostError(f"link closed: {reason}"), expected=True)
         tasks = [t for t in self._tasks if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert self._pc_closing is not None  # started by _fail
-        await asyncio.gather(self._pc_closing, return_exceptions=True)
+        await asyncio.wait([self._pc_closing])  # wait() never cancels what it waits for
+
+    @property
+    def released(self) -> bool:
+        """True once the link is closed and its peer connection has let go of its sockets and tasks."""
+        return self._pc_closing is not None and self._pc_closing.done()
 
     def abort(self, reason: str) -> None:
         """Close now without waiting (from sync code or a cancelled task); idempotent.

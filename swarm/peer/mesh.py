@@ -92,6 +92,7 @@ class Mesh:
         self._dialers: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._handlers: dict[type, Handler] = {}
+        self._made: set[Link] = set()  # every link made and not yet released; close() waits for them
         self._closed = False
 
     # -- handlers -------------------------------------------------------------------------------
@@ -180,6 +181,7 @@ class Mesh:
     # -- dialing and answering ------------------------------------------------------------------
 
     def _new_link(self, peer_id: str, offerer: bool) -> Link:
+        self._made = {made for made in self._made if not made.released}
         pc, channel = new_peer_connection(self._certificate)
         info = self._present.get(peer_id)
         link = Link(pc, channel, certificate=self._certificate, auth_key=self._auth_key, local_hello=self.local_hello,
@@ -187,6 +189,7 @@ class Mesh:
                     **self._link_options)
         for message_type, handler in self._handlers.items():
             link.on(message_type, handler)
+        self._made.add(link)
         return link
 
     async def _dial(self, peer_id: str) -> None:
@@ -267,15 +270,19 @@ class Mesh:
         return task
 
     async def close(self) -> None:
-        """Close every link and cancel every task; idempotent."""
+        """Close every link and cancel every task; idempotent.
+
+        Returns once every peer connection the mesh made is released, including those whose
+        closing a cancelled task had started.
+        """
         self._closed = True
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        links = list(self.links.values()) + [attempt.link for attempt in self._attempts.values()]
         self._attempts.clear()
-        await asyncio.gather(*(link.close("peer leaving") for link in links), return_exceptions=True)
+        await asyncio.gather(*(link.close("peer leaving") for link in self._made), return_exceptions=True)
+        self._made.clear()
         self.links.clear()
 
 

@@ -417,3 +417,24 @@ def test_the_peer_kind_must_match_signaling_and_only_browsers_go_uncertified():
     assert isinstance(as_python, AuthenticationError), as_python
     assert f"peer {PEER_B} joined signaling as a python peer but its Hello says browser" in str(as_python)
     assert as_browser.peer_id == PEER_B and as_browser.peer_kind == "browser"
+
+
+def test_a_cancelled_close_leaves_the_peer_connection_closing_and_a_second_close_waits_for_it():
+    """An owner cancelled while closing a link (the mesh cancels its tasks when it closes) must not
+    cut aiortc's close short: its ICE tasks would be left pending (the suite's leak fixture fails
+    the test then). The second close() waits for the first one's peer connection close."""
+
+    async def main():
+        a, b = pair()
+        await connect(a, b)
+        closing = asyncio.ensure_future(a.close())
+        for _ in range(5):  # close() is now waiting for the peer connection to close
+            await asyncio.sleep(0)
+        closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        released_early = a.released
+        await a.close()
+        await b.close()
+        return released_early, a.released, b.released
+
+    assert run_in_netns(main) == (False, True, True)
