@@ -297,6 +297,8 @@ const ROWS = { tensor: { dtypes: ["f32", "f16"], rank: 2 } };
 const IDS = { tensor: { dtypes: ["i32"], rank: 1 } };
 const PAIR = { pair: ["int", "int"] };
 const BUILD = { record: [["package", "str"], ["numpy", "str"], ["blas", "str"], ["arch", "str"], ["kernel_dtype", "str"]] };
+// Where a slice can also be fetched over HTTPS (Range requests; swarm/peer/slice_http.py).
+const HTTPS_SOURCE = { record: [["urls", { list: "str" }], ["cert_sha256", "str"], ["token", "str"]] };
 const ASSIGNMENT = { record: [["layer", "int"], ["peer", "str"], ["experts", { list: "int" }], ["dense", { list: PAIR }]] };
 
 class Invalid extends Error {}
@@ -346,9 +348,15 @@ export const KINDS = {
   },
   48: {
     name: "WeightManifest", rid: true,
-    fields: [["model_hash", "str"], ["name", "str"], ["encoding", "str"], ["total_bytes", "int"], ["chunk_bytes", "int"], ["chunk_sha256", { list: "str" }]],
+    fields: [["model_hash", "str"], ["name", "str"], ["encoding", "str"], ["total_bytes", "int"], ["chunk_bytes", "int"], ["chunk_sha256", { list: "str" }],
+      ["https", { nullable: HTTPS_SOURCE }]],
     check: (m) => {
       hex64(m.model_hash, "model_hash");
+      if (m.https !== null) {
+        hex64(m.https.cert_sha256, "https.cert_sha256");
+        hex64(m.https.token, "https.token");
+        if (m.https.urls.length < 1 || m.https.urls.length > 16 || !m.https.urls.every((u) => u.startsWith("https://"))) fail("https.urls: 1..16 URLs, each starting with https://");
+      }
       if (m.chunk_bytes === 0) fail("chunk_bytes must be positive");
       const n = Math.ceil(m.total_bytes / m.chunk_bytes);
       if (m.chunk_sha256.length !== n) fail(`${m.chunk_sha256.length} chunk digests for ${n} chunks`);

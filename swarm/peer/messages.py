@@ -539,9 +539,24 @@ class DenseAnswer(_Base):
 # --- weights ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class HttpsSource:
+    """Where a slice can also be fetched in bulk: HTTPS range requests (``swarm.peer.slice_http``).
+
+    ``urls``: base URLs ``https://HOST:PORT`` of the shipper's slice server, best first;
+    ``cert_sha256``: SHA-256 of its certificate's DER (hex64), which the fetcher pins;
+    ``token``: the bearer token that authorises this slice only (hex64).
+    """
+
+    urls: tuple[str, ...]
+    cert_sha256: str
+    token: str
+
+
 @message(48)
 class WeightManifest(_Base):
-    """A weight slice offered for shipping: its size, encoding and the SHA-256 of each chunk."""
+    """A weight slice offered for shipping: its size, encoding and the SHA-256 of each chunk;
+    ``https``, when set, names a faster bulk path for the same bytes (null: data channel only)."""
 
     request_id: int
     model_hash: str
@@ -550,9 +565,15 @@ class WeightManifest(_Base):
     total_bytes: int
     chunk_bytes: int
     chunk_sha256: tuple[str, ...]
+    https: HttpsSource | None = None
 
     def _check(self) -> None:
         _hex64(self.model_hash, "model_hash")
+        if self.https is not None:
+            _hex64(self.https.cert_sha256, "https.cert_sha256")
+            _hex64(self.https.token, "https.token")
+            if not 1 <= len(self.https.urls) <= 16 or not all(u.startswith("https://") for u in self.https.urls):
+                raise _Invalid("https.urls: 1..16 URLs, each starting with https://")
         if self.chunk_bytes == 0:
             raise _Invalid("chunk_bytes must be positive")
         n = -(-self.total_bytes // self.chunk_bytes)

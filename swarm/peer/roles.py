@@ -121,7 +121,8 @@ class SwarmRoles:
         self._failed_at: dict[str, float] = {}  # peer → when it last failed a request (monotonic s)
         self._planned: set[str] = set()  # the workers of the newest plan
         self._next_plan_check = 0.0
-        self._shipper = (PlanShipper(model.path, self.model_hash, self.shape) if model is not None else None)
+        self._shipper = (PlanShipper(model.path, self.model_hash, self.shape, token_key=node.swarm_key.slice_token_key)
+                         if model is not None else None)
         self._fetchers: dict[str, SliceFetcher] = {}  # without a model: per link to a peer that has one
         self._plans_ready: dict[tuple[int, int], asyncio.Event] = {}  # (term, version) → slices in
         self._ship_lock = asyncio.Lock()
@@ -166,6 +167,8 @@ class SwarmRoles:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self._close_api()
+        if self._shipper is not None:
+            await self._shipper.close()  # the HTTPS slice server
         self._compute.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:

@@ -230,6 +230,10 @@ class SliceSource:
     def manifest(self, slice_id: bytes) -> Manifest:
         return self._lookup(slice_id)[0]
 
+    def view(self, slice_id: bytes) -> memoryview:
+        """The whole blob of an offered slice, zero-copy (for range requests)."""
+        return self._lookup(slice_id)[1]
+
     def serve(self, request: ChunkRequest) -> list[Chunk]:
         """The chunks asked for, as zero-copy views of the blob."""
         manifest, view = self._lookup(request.slice_id)

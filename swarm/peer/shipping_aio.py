@@ -6,6 +6,10 @@ Mapping onto the wire messages (:mod:`swarm.peer.messages`, docs/protocol.md "We
   ``encoding`` is ``"slice/v1 "`` followed by the slice's meta as canonical JSON (the tensors
   inside, each with its ggml type, shape and byte range — :mod:`swarm.peer.slices`);
   ``total_bytes``, ``chunk_bytes``, ``chunk_sha256`` as in :class:`~swarm.peer.shipping.Manifest`.
+- ``WeightManifest.https``: where the same bytes can be fetched in bulk over HTTPS range
+  requests (:mod:`swarm.peer.slice_http`: URLs, the server certificate's SHA-256 to pin, a
+  token for this slice). The fetcher takes that path first and falls back to the chunks below,
+  saying so in the log, when it cannot reach it (another subnet, a firewall, a refused token).
 - ``WeightChunkRequest(first, count)``: a run of consecutive chunk indices (the core's
   index lists are split into runs).
 - ``WeightChunk``: chunk ``offset // chunk_bytes`` (``offset`` must be a multiple), with the
@@ -33,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from swarm.errors import PeerLostError, RemoteProtocolError
-from swarm.peer.messages import WeightChunk, WeightChunkRequest, WeightManifest
+from swarm.peer.messages import HttpsSource, WeightChunk, WeightChunkRequest, WeightManifest
 from swarm.peer.shipping import (
     MAX_REQUEST_INDICES,
     Chunk,
@@ -52,12 +56,12 @@ ENCODING_PREFIX = "slice/v1 "
 Progress = Callable[[int, int], None]  # (done_bytes, total_bytes)
 
 
-def to_wire(manifest: Manifest, model_hash: str, request_id: int = 0) -> WeightManifest:
-    """The wire message that offers ``manifest``."""
+def to_wire(manifest: Manifest, model_hash: str, request_id: int = 0, https: HttpsSource | None = None) -> WeightManifest:
+    """The wire message that offers ``manifest`` (``https``: its bulk path, if any)."""
     return WeightManifest(
         request_id=request_id, model_hash=model_hash, name=manifest.hex_id,
         encoding=ENCODING_PREFIX + encode_meta(manifest.meta).decode(), total_bytes=manifest.size,
-        chunk_bytes=manifest.chunk_size, chunk_sha256=tuple(h.hex() for h in manifest.chunk_sha256),
+        chunk_bytes=manifest.chunk_size, chunk_sha256=tuple(h.hex() for h in manifest.chunk_sha256), https=https,
     )
 
 
@@ -102,8 +106,8 @@ class SliceServer:
     def attach(self, link: Any) -> None:
         link.on(WeightChunkRequest, self._on_request)
 
-    async def offer(self, link: Any, manifest: Manifest) -> None:
-        await link.send(to_wire(manifest, self.model_hash))
+    async def offer(self, link: Any, manifest: Manifest, https: HttpsSource | None = None) -> None:
+        await link.send(to_wire(manifest, self.model_hash, https=https))
 
     async def _on_request(self, link: Any, req: WeightChunkRequest) -> None:
         if req.model_hash != self.model_hash:
@@ -137,13 +141,18 @@ class SliceFetcher:
     """The worker's side on its link to the coordinator.
 
     Offered manifests arrive in :attr:`offers` (an ``asyncio.Queue`` of :class:`Manifest`);
-    :meth:`fetch` downloads one into ``cache`` (or finds it there) and returns the blob.
+    :meth:`fetch` downloads one into ``cache`` (or finds it there) and returns the blob: over
+    HTTPS when the offer names a slice server (``use_https``), else or on failure over the link.
+    :attr:`paths` records which path delivered each slice (``"cache"``, ``"https"``, ``"channel"``).
     """
 
     def __init__(self, link: Any, model_hash: str, cache: SliceCache, *, window: int = 8,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, use_https: bool = True) -> None:
         self.link, self.model_hash, self.cache = link, model_hash, cache
         self.offers: asyncio.Queue[Manifest] = asyncio.Queue()
+        self.paths: dict[str, str] = {}
+        self._https: dict[str, HttpsSource] = {}  # slice id (hex) → its bulk path, from the offer
+        self._use_https = use_https
         self._window, self._timeout_s = window, timeout_s
         self._inboxes: dict[str, asyncio.Queue[WeightChunk | None]] = {}
         self._request_id = 0
@@ -154,7 +163,10 @@ class SliceFetcher:
     def _on_manifest(self, link: Any, msg: WeightManifest) -> None:
         if msg.model_hash != self.model_hash:
             raise RemoteProtocolError(f"offered weights of model {msg.model_hash[:12]}, we run {self.model_hash[:12]}")
-        self.offers.put_nowait(from_wire(msg))
+        manifest = from_wire(msg)
+        if msg.https is not None:
+            self._https[manifest.hex_id] = msg.https
+        self.offers.put_nowait(manifest)
 
     def _on_chunk(self, link: Any, msg: WeightChunk) -> None:
         inbox = self._inboxes.get(msg.name)
@@ -174,12 +186,24 @@ class SliceFetcher:
         """
         cached = self.cache.get(manifest)
         if cached is not None:
+            self.paths[manifest.hex_id] = "cache"
             if progress:
                 progress(manifest.size, manifest.size)
             return cached
         dl = self.cache.open_download(manifest, window=self._window, timeout_s=self._timeout_s)
         if progress:
             progress(dl.done_bytes, manifest.size)
+        https = self._https.get(manifest.hex_id) if self._use_https else None
+        if https is not None:
+            from swarm.peer.slice_http import SliceUnreachable, fetch_https
+
+            try:
+                await fetch_https(dl, https, progress=progress)
+                self.paths[manifest.hex_id] = "https"
+                return self.cache.finish(dl)
+            except SliceUnreachable as exc:
+                log.warning("slice %s: %s; fetching the rest over the data channel (slower)", manifest.hex_id[:12], exc)
+        self.paths[manifest.hex_id] = "channel"
         inbox: asyncio.Queue[WeightChunk | None] = asyncio.Queue()
         self._inboxes[manifest.hex_id] = inbox
         try:
@@ -226,9 +250,17 @@ class PlanShipper:
     (``meta["shape"]``), so a worker without the file can check requests against it. A browser
     peer gets tensors its kernels cannot read (K-quants, Q5_x, ...) repacked once to Q8_0
     (:mod:`swarm.peer.repack`); Q4_0/Q4_1/Q8_0 and float tensors ship as in the file.
+
+    With ``token_key`` (the swarm key's :attr:`~swarm.peer.swarmkey.SwarmKey.slice_token_key`)
+    the shipper also serves its slices over HTTPS (:class:`~swarm.peer.slice_http.SliceHttpServer`,
+    started with the first offer, on ``https_port``, 0: any free port) with ``certificate`` (a
+    :class:`~swarm.signaling.tls.ServerCertificate`; default: this host's signaling certificate),
+    and every offer names that path. :meth:`close` stops the server.
     """
 
-    def __init__(self, model_path: Any, model_hash: str, shape: Any, *, chunk_size: int | None = None) -> None:
+    def __init__(self, model_path: Any, model_hash: str, shape: Any, *, chunk_size: int | None = None,
+                 token_key: bytes | None = None, certificate: Any = None, https_port: int = 0,
+                 https_addresses: list[str] | None = None) -> None:
         from swarm.peer.shipping import CHUNK_SIZE
         from swarm.peer.slices import ModelSlicer
 
@@ -238,6 +270,36 @@ class PlanShipper:
         self.shape = shape
         self._chunk_size = chunk_size or CHUNK_SIZE
         self._manifests: dict[Any, Manifest] = {}
+        self._token_key, self._certificate = token_key, certificate
+        self._https_port, self._https_addresses = https_port, https_addresses
+        self.http: Any = None  # the SliceHttpServer, once started
+        self._http_lock = asyncio.Lock()
+
+    async def https_server(self) -> Any:
+        """The started HTTPS slice server, or None without a token key."""
+        if self._token_key is None:
+            return None
+        async with self._http_lock:
+            if self.http is None:
+                from swarm.peer.slice_http import SliceHttpServer
+
+                cert = self._certificate
+                if cert is None:
+                    from swarm import paths
+                    from swarm.signaling import tls
+
+                    cert = await asyncio.to_thread(tls.load_or_create, paths.config_dir())
+                server = SliceHttpServer(self.source, self._token_key, cert.ssl_context(), cert.sha256,
+                                         port=self._https_port, addresses=self._https_addresses)
+                await server.start()
+                self.http = server
+        return self.http
+
+    async def close(self) -> None:
+        """Stop the HTTPS slice server, if it runs."""
+        if self.http is not None:
+            http, self.http = self.http, None
+            await http.close()
 
     def attach(self, link: Any) -> None:
         self.server.attach(link)
@@ -248,9 +310,10 @@ class PlanShipper:
 
         sent = []
         browser = getattr(getattr(link, "hello", None), "peer_kind", None) == "browser"
+        http = await self.https_server()
         for spec in specs_for(plan, link.peer_id):
             manifest = await self.manifest_for(spec, browser)
-            await self.server.offer(link, manifest)
+            await self.server.offer(link, manifest, http.source_for(manifest) if http else None)
             sent.append(manifest)
         return sent
 

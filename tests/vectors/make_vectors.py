@@ -88,6 +88,11 @@ def samples() -> dict[str, object]:
             request_id=50, model_hash=HASH, name="blk.1.ffn_down[0:768]", encoding="gguf:Q4_1",
             total_bytes=25, chunk_bytes=12, chunk_sha256=(HASH, HASH, HASH),
         ),
+        "weight_manifest_https": m.WeightManifest(
+            request_id=52, model_hash=HASH, name="blk.1.ffn_down[0:768]", encoding="gguf:Q4_1",
+            total_bytes=25, chunk_bytes=12, chunk_sha256=(HASH, HASH, HASH),
+            https=m.HttpsSource(urls=("https://192.168.1.20:40123", "https://127.0.0.1:40123"), cert_sha256=HASH, token=HASH),
+        ),
         "weight_chunk_request": m.WeightChunkRequest(request_id=51, model_hash=HASH, name="blk.1.ffn_down[0:768]", first=1, count=2),
         "weight_chunk": m.WeightChunk(
             request_id=51, model_hash=HASH, name="blk.1.ffn_down[0:768]", offset=12,
@@ -219,7 +224,7 @@ def swarm_key_vector() -> dict:
     k = SWARM_KEY
     return {"key_hex": k.secret.hex(), "code": k.code, "swarm_id": k.swarm_id,
             "signaling_key_hex": k.signaling_key.hex(), "channel_auth_key_hex": k.channel_auth_key.hex(),
-            "api_token": k.api_token, "hkdf": "HKDF-SHA256, salt empty, info 'colibri-swarm v1 <label>', 32 bytes (swarm-id: 8)"}
+            "api_token": k.api_token, "slice_token_key_hex": k.slice_token_key.hex(), "hkdf": "HKDF-SHA256, salt empty, info 'colibri-swarm v1 <label>', 32 bytes (swarm-id: 8)"}
 
 
 def _write_json(path: Path, obj: object) -> None:
