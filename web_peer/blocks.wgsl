@@ -1,4 +1,9 @@
 // Helpers of the GGUF block preludes (weights_q4_0/q4_1/q8_0.wgsl); planes in web_peer/kernels.py.
+// A kernel reads the quant plane in 16-byte units (vec4<u32>, 4 words): unit v of a row belongs
+// to block v / UNITS_PER_BLOCK of the row. Each prelude says which x vec4 word i of unit v
+// multiplies (x_pair) and dequantizes a word (dequant_word: column 0 multiplies x_pair.x,
+// column 1 x_pair.y when PAIRED). No arrays: a dynamically indexed one cost the H200 20x.
+// The kernel bodies name their input binding `x` (unit_dot2 reads it).
 
 // Half `b & 1` of an f16 pair: d of block b where two blocks share a scale word.
 fn pair_half(word: u32, b: u32) -> vec2<f32> {
@@ -6,11 +11,9 @@ fn pair_half(word: u32, b: u32) -> vec2<f32> {
     return vec2<f32>(select(s.x, s.y, (b & 1u) == 1u), 0.0);
 }
 
-// Quant word u of a 4-bit row: its low nibbles are weights 4i..4i+3 of block u / 4 (i = u % 4),
-// its high nibbles weights 16+4i..16+4i+3: these x vec4 indices.
-fn nibble_x_pair(u: u32) -> vec2<u32> {
-    let lo = (u >> 2u) * 8u + (u & 3u);
-    return vec2<u32>(lo, lo + 4u);
+// Word i of a 4-bit block holds weights 4i..4i+3 in its low nibbles, 16+4i..16+4i+3 in its high.
+fn nibble_x_pair(v: u32, i: u32) -> vec2<u32> {
+    return vec2<u32>(v * 8u + i, v * 8u + 4u + i);
 }
 
 fn low_nibbles(q: u32) -> vec4<f32> {
@@ -19,4 +22,34 @@ fn low_nibbles(q: u32) -> vec4<f32> {
 
 fn high_nibbles(q: u32) -> vec4<f32> {
     return vec4<f32>((vec4<u32>(q) >> vec4<u32>(4u, 12u, 20u, 28u)) & vec4<u32>(15u));
+}
+
+// The 32 (Q4) or 16 (Q8) weights of one 16-byte unit, dequantized once per unit.
+struct Unit {
+    w0: mat2x4<f32>,
+    w1: mat2x4<f32>,
+    w2: mat2x4<f32>,
+    w3: mat2x4<f32>,
+}
+
+fn dequant_unit(q: vec4<u32>, dm: vec2<f32>) -> Unit {
+    return Unit(dequant_word(q.x, dm), dequant_word(q.y, dm), dequant_word(q.z, dm), dequant_word(q.w, dm));
+}
+
+// (a . x, b . x) over unit v of a row, for the input row starting at vec4 xr of `x` (the kernel's
+// input binding). Loads each x vec4 once for both units; a kernel with one matrix passes it twice.
+fn unit_dot2(a: Unit, b: Unit, xr: u32, v: u32) -> vec2<f32> {
+    let o0 = x_pair(v, 0u);
+    let o1 = x_pair(v, 1u);
+    let o2 = x_pair(v, 2u);
+    let o3 = x_pair(v, 3u);
+    let xa = mat4x4<f32>(x[xr + o0.x], x[xr + o1.x], x[xr + o2.x], x[xr + o3.x]);
+    var s = vec2<f32>((dot(a.w0[0], xa[0]) + dot(a.w1[0], xa[1])) + (dot(a.w2[0], xa[2]) + dot(a.w3[0], xa[3])),
+                      (dot(b.w0[0], xa[0]) + dot(b.w1[0], xa[1])) + (dot(b.w2[0], xa[2]) + dot(b.w3[0], xa[3])));
+    if (PAIRED) {
+        let xb = mat4x4<f32>(x[xr + o0.y], x[xr + o1.y], x[xr + o2.y], x[xr + o3.y]);
+        s += vec2<f32>((dot(a.w0[1], xb[0]) + dot(a.w1[1], xb[1])) + (dot(a.w2[1], xb[2]) + dot(a.w3[1], xb[3])),
+                       (dot(b.w0[1], xb[0]) + dot(b.w1[1], xb[1])) + (dot(b.w2[1], xb[2]) + dot(b.w3[1], xb[3])));
+    }
+    return s;
 }

@@ -2,17 +2,17 @@
 // weights dequantized here, sums in f32. The same math, bindings and work split as swiglu.wgsl;
 // the weights are a block prelude's two planes (weights_q4_0/q4_1/q8_0.wgsl, web_peer/kernels.py):
 //   x      [T, K4]        vec4<f32>  activations, K4 = K / 4 (K a multiple of 32)
-//   w_gate [R, K/32 * QW] u32        quant plane of one part (R rows) of W_gate [F, K]
-//   w_up   [R, K/32 * QW] u32        the same rows of W_up
+//   w_gate [R, NV]        vec4<u32>  quant plane of one part (R rows) of W_gate [F, K], NV units a row
+//   w_up   [R, NV]        vec4<u32>  the same rows of W_up
 //   s_gate, s_up          u32        scale planes (f16 pairs; scale_word/block_scale read them)
 //   h      [T, F]         f32        output; this dispatch writes columns row0 .. row0 + R
 // One workgroup per weight row and block of TB rows of x; its WG threads stride over the row's
-// quant words (adjacent threads read adjacent words), then workgroup_sum (rows.wgsl).
+// 16-byte quant units (adjacent threads read adjacent units), then workgroup_sum (rows.wgsl).
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> w_gate: array<u32>;
-@group(0) @binding(3) var<storage, read> w_up: array<u32>;
+@group(0) @binding(2) var<storage, read> w_gate: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> w_up: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> s_gate: array<u32>;
 @group(0) @binding(5) var<storage, read> s_up: array<u32>;
 @group(0) @binding(6) var<storage, read_write> h: array<f32>;
@@ -28,29 +28,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         return;  // workgroup-uniform: r depends on the workgroup id only
     }
     let t0 = wid.z * TB;
-    let nb = p.k4 / 8u;  // blocks per row
-    let nw = nb * QW;    // quant words per row
+    let nb = p.k4 / 8u;            // blocks per row
+    let nv = nb * UNITS_PER_BLOCK;  // quant units per row
     var acc_g: array<f32, TB>;
     var acc_u: array<f32, TB>;
-    for (var u = lid; u < nw; u += WG) {
-        let b = r * nb + u / QW;
-        let dg = block_scale(s_gate[scale_word(b)], b);
-        let du = block_scale(s_up[scale_word(b)], b);
-        // Dequantized once per word, used for every row of x.
-        let wg = dequant_word(w_gate[r * nw + u], dg);
-        let wu = dequant_word(w_up[r * nw + u], du);
-        let xo = x_pair(u);
+    for (var v = lid; v < nv; v += WG) {
+        let b = r * nb + v / UNITS_PER_BLOCK;
+        // Dequantized once per unit, used for every row of x; one accumulator update per row.
+        let wg = dequant_unit(w_gate[r * nv + v], block_scale(s_gate[scale_word(b)], b));
+        let wu = dequant_unit(w_up[r * nv + v], block_scale(s_up[scale_word(b)], b));
         for (var t = 0u; t < TB; t++) {
             let tt = t0 + t;
             if (tt < p.t_rows) {
-                let xa = x[tt * p.k4 + xo.x];
-                acc_g[t] += dot(wg[0], xa);
-                acc_u[t] += dot(wu[0], xa);
-                if (PAIRED) {
-                    let xb = x[tt * p.k4 + xo.y];
-                    acc_g[t] += dot(wg[1], xb);
-                    acc_u[t] += dot(wu[1], xb);
-                }
+                let gu = unit_dot2(wg, wu, tt * p.k4, v);
+                acc_g[t] += gu.x;
+                acc_u[t] += gu.y;
             }
         }
     }

@@ -1,6 +1,7 @@
 // Weight format: GGUF Q4_1 blocks of 32 weights, w = d * q + m, d and m f16, q unsigned 4-bit.
 // Quant plane: as Q4_0. Scale plane: one u32 per block, d low half, m high half (the file's order).
-const QW: u32 = 4u;  // quant words per block
+const UNITS_PER_BLOCK: u32 = 1u;
+const PAIRED: bool = true;
 
 fn scale_word(b: u32) -> u32 {
     return b;
@@ -10,11 +11,10 @@ fn block_scale(word: u32, b: u32) -> vec2<f32> {
     return unpack2x16float(word);
 }
 
-fn x_pair(u: u32) -> vec2<u32> {
-    return nibble_x_pair(u);
+fn x_pair(v: u32, i: u32) -> vec2<u32> {
+    return nibble_x_pair(v, i);
 }
 
-const PAIRED: bool = true;
 fn dequant_word(q: u32, dm: vec2<f32>) -> mat2x4<f32> {
     return mat2x4<f32>(dm.x * low_nibbles(q) + dm.y, dm.x * high_nibbles(q) + dm.y);
 }
