@@ -446,6 +446,8 @@ class SliceCache:
         """A download backed by ``<id>.part``; chunks already there (from a drop or a crash) count."""
         manifest.validate()
         path = self._path(manifest.slice_id, ".part")
+        if not path.exists():
+            kwargs.setdefault("have", ())  # a new file holds no chunk: skip hashing its zeros
         with open(path, "a+b") as f:
             f.truncate(manifest.size)
         self._path(manifest.slice_id, ".json").write_text(json.dumps(manifest.to_json()))
@@ -464,9 +466,9 @@ class SliceCache:
             buf.flush()
         part, final = self._path(m.slice_id, ".part"), self._path(m.slice_id, ".bin")
         os.replace(part, final)
-        blob = self.get(m)
-        assert blob is not None  # just verified and written
-        return blob
+        blob = _map_file(final, m.size, writable=False)  # verified as it was written: no second hash
+        assert blob is not None
+        return memoryview(blob)
 
 
 def _map_file(path: Path, size: int, *, writable: bool) -> mmap.mmap | bytes | None:

@@ -184,13 +184,14 @@ class SliceFetcher:
             PeerLostError: the link closed first (the partial download stays; fetch again to resume).
             WeightIntegrityError: the source kept sending chunks that fail their SHA-256.
         """
-        cached = self.cache.get(manifest)
+        # Hashing a cached or partial slice takes ~1 s per GB: off the event loop.
+        cached = await asyncio.to_thread(self.cache.get, manifest)
         if cached is not None:
             self.paths[manifest.hex_id] = "cache"
             if progress:
                 progress(manifest.size, manifest.size)
             return cached
-        dl = self.cache.open_download(manifest, window=self._window, timeout_s=self._timeout_s)
+        dl = await asyncio.to_thread(self.cache.open_download, manifest, window=self._window, timeout_s=self._timeout_s)
         if progress:
             progress(dl.done_bytes, manifest.size)
         https = self._https.get(manifest.hex_id) if self._use_https else None
