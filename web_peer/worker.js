@@ -8,6 +8,8 @@
 //   chunks in flight, each chunk checked against the manifest's SHA-256 (never the digest the chunk
 //   carries), the whole blob against the slice id; then decode it and upload it to the GPU: GGUF
 //   Q4_0/Q4_1/Q8_0 tensors stay in their blocks (compact on the GPU), others go as float32 in `format`.
+//   A manifest with `https` is fetched from the shipper's HTTPS slice server first (storage.js
+//   fetchSliceHttps, same checks); if that fails the page says why in the console and pulls it here.
 // - ExpertRequest / DenseRequest: run each expert / range as one FfnBlock; answer with the same
 //   request id, term, plan version and layer. A request for weights we do not hold, a stale
 //   term, or any kernel failure → an Error message, so the coordinator recomputes those rows:
@@ -15,7 +17,7 @@
 import { FfnBlock } from "./ffn.js";
 import { KernelError } from "./gpu.js";
 import { decodeSlice, dequantize, SliceError } from "./slices.js";
-import { getSlice, putSlice } from "./storage.js";
+import { fetchSliceHttps, getSlice, putSlice } from "./storage.js";
 import { sha256, hex } from "./auth.js";
 
 export const ENCODING_PREFIX = "slice/v1 ";
@@ -34,7 +36,7 @@ export class BrowserWorker {
     this.assignments = [];
     this.blocks = new Map();      // "layer/dense/start/stop" or "layer/expert/e" → FfnBlock
     this.downloads = new Map();   // slice id → {done, total}
-    this.stats = { served: 0, msTotal: 0, lastMs: 0, errors: 0, fetchedBytes: 0, cachedSlices: 0 };
+    this.stats = { served: 0, msTotal: 0, lastMs: 0, errors: 0, fetchedBytes: 0, cachedSlices: 0, httpsBytes: 0, channelFallbacks: 0 };
     this.lastError = null;
     this._pending = new Map();    // chunk request id → resolve
     this._nextId = 1;
@@ -87,12 +89,27 @@ export class BrowserWorker {
     if (blob) {
       this.stats.cachedSlices += 1;
     } else {
-      blob = await this._pull(m, link);
+      blob = (m.https && await this._fetchHttps(m)) || await this._pull(m, link);
       await putSlice(id, blob);
     }
     this._install(decodeSlice(blob, meta, { keepBlocks: true }));
     this.downloads.set(id, { done: m.total_bytes, total: m.total_bytes });
     this.onchange();
+  }
+
+  /** The slice from the shipper's HTTPS server, or null (said in the console) to pull it over the link. */
+  async _fetchHttps(m) {
+    const progress = { done: 0, total: m.total_bytes };
+    this.downloads.set(m.name, progress);
+    try {
+      const blob = await fetchSliceHttps(m, { progress, onprogress: () => this.onchange() });
+      this.stats.httpsBytes += m.total_bytes;
+      return blob;
+    } catch (e) {
+      this.stats.channelFallbacks += 1;
+      console.warn(`slice ${m.name.slice(0, 12)}: HTTPS fetch failed (${e.message}); fetching it over the data channel (slower)`);
+      return null;
+    }
   }
 
   async _pull(m, link) {

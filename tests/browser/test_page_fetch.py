@@ -1,0 +1,98 @@
+"""The peer page fetches its weight slices over HTTPS range requests (web_peer/storage.js
+fetchSliceHttps) from a slice server on another port than the page's own origin (CORS), with the
+bearer token from the offer; the data channel carries no chunk. A refused token makes the page
+say so and pull the slice over the data channel instead; a reload takes the slice from Cache
+Storage. Oracles: the numpy twins of the page's kernels on the decoded slice, and the servers'
+counts of bytes sent on each path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swarm.peer.messages import DenseAnswer, DenseRequest, ExpertAnswer, ExpertRequest, HttpsSource
+from swarm.peer.slice_http import SliceHttpServer
+from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
+from swarm.signaling import tls
+from tests.browser.test_page_e2e import (  # noqa: F401 - fixtures
+    _page_url, _rel, _wait_state, e2e_browser, expert_slice, smollm2_path, swarm,
+)
+from web_peer import kernels as K
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def start_slice_server(swarm) -> SliceHttpServer:
+    """An HTTPS slice server of the swarm's slices, in its loop, with the signaling host's certificate."""
+    cert = tls.load_or_create(swarm.tmp)
+
+    async def start():
+        http = SliceHttpServer(swarm.source, swarm.key.slice_token_key, cert.ssl_context(), cert.sha256,
+                               host=swarm.address, addresses=[swarm.address])
+        await http.start()
+        return http
+
+    return swarm.call(start())
+
+
+def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e_browser):
+    ctx = e2e_browser.new_context(ignore_https_errors=True)  # the slice server's self-signed certificate
+    page = ctx.new_page()
+    errors, console = [], []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda msg: console.append(msg.text))
+    page.goto(_page_url(swarm, swarm.key.code))
+    _wait_state(page, "authenticated")
+    link = swarm.browser_link()
+    http = start_slice_server(swarm)
+    try:
+        assert http.port != swarm.server.port  # another origin than the page's
+
+        # A real SmolLM2 dense slice (Q4_1 blocks) over HTTPS: the data channel carries none of it.
+        slicer = ModelSlicer(smollm2_path())
+        blob, meta = slicer.extract(SliceSpec(layer=3, kind="dense", start=256, stop=768))
+        manifest = swarm.source.offer(blob, meta, chunk_size=64 << 10)
+        offer = http.source_for(manifest)
+        assert offer.urls == (f"https://{swarm.address}:{http.port}",)
+        swarm.call(swarm.slices.offer(link, manifest, offer))
+        _wait_state(page, "serving")
+        assert http.sent_bytes == len(blob)
+        assert swarm.slices.sent_bytes.get(link.peer_id, 0) == 0
+        stats = page.evaluate("window.colibri.worker.stats")
+        assert stats["httpsBytes"] == len(blob) and stats["fetchedBytes"] == 0 and stats["channelFallbacks"] == 0
+        w = decode_slice(blob, meta)
+        x = np.random.default_rng(1).standard_normal((3, 576)).astype(np.float32)
+        ans = swarm.request(DenseRequest(request_id=7, term=0, plan_version=0, layer=3, ranges=((256, 768),), x=x))
+        assert isinstance(ans, DenseAnswer), ans
+        assert _rel(ans.partials[0], K.dense_range(x, w.gate, w.up, w.down)) <= 1e-5
+
+        # A token for another slice is refused (403): the page says so and takes the data channel.
+        rng = np.random.default_rng(2)
+        eblob, emeta, eg, eu, ed = expert_slice(rng, layer=1, start=4, n=2, h=64, f=96)
+        emanifest = swarm.source.offer(eblob, emeta, chunk_size=64 << 10)
+        wrong = HttpsSource(offer.urls, offer.cert_sha256, offer.token)  # the dense slice's token
+        swarm.call(swarm.slices.offer(link, emanifest, wrong))
+        page.wait_for_function("window.colibri.worker.blocks.size === 3", timeout=30000)
+        assert http.sent_bytes == len(blob)
+        assert swarm.slices.sent_bytes[link.peer_id] == len(eblob)
+        assert page.evaluate("window.colibri.worker.stats.channelFallbacks") == 1
+        assert any("refused the token (403" in c and "over the data channel" in c for c in console), console
+        rows = rng.standard_normal((2, 64)).astype(np.float32)
+        ans = swarm.request(ExpertRequest(request_id=8, term=0, plan_version=0, layer=1, expert_ids=np.array([5], np.int32),
+                                          row_counts=np.array([2], np.int32), rows=rows))
+        assert isinstance(ans, ExpertAnswer), ans
+        assert _rel(ans.outputs, K.expert_ffn(rows, eg[1], eu[1], ed[1])) <= 1e-5
+
+        # Reload: the HTTPS-fetched slice comes from Cache Storage; nothing is fetched again.
+        page.reload()
+        _wait_state(page, "authenticated")
+        link2 = swarm.browser_link()
+        swarm.call(swarm.slices.offer(link2, manifest, offer))
+        _wait_state(page, "serving")
+        assert page.evaluate("window.colibri.worker.stats.cachedSlices") == 1
+        assert http.sent_bytes == len(blob)
+        assert not errors, errors
+    finally:
+        swarm.call(http.close())
+        ctx.close()
