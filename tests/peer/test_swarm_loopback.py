@@ -247,6 +247,8 @@ def test_a_browser_peer_joins_the_coordinator_and_computes_its_share(tmp_path):
         call(server.stop())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+        loop.run_until_complete(loop.shutdown_default_executor())  # its worker threads end here
+        loop.close()
     assert tokens == ref_tokens
     assert max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits)) <= 1e-3  # WebGPU f32 rounding
     assert remote > 0 and result["served"] > 0, (remote, result)
