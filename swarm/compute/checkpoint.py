@@ -1,8 +1,10 @@
 """Checkpoints: one naming scheme over GGUF files and HF safetensors directories.
 
 The engine asks for tensors by *part* (``"q"``, ``"ffn_norm"``, ``"router"``, …) and layer;
-a checkpoint maps that to the file's own tensor names and returns a float32 array in
-PyTorch orientation (``[out, in]``). Experts are read one at a time (``expert(layer, e)``),
+a checkpoint maps that to the file's own tensor names and returns, in PyTorch orientation
+(``[out, in]``), a weight matrix as a compact :class:`~swarm.compute.quant.QMatrix` over the
+mapped file (``matrix``) or a small tensor as float32 (``load``). Experts are read one at a
+time (``expert_matrices(layer, e)``),
 whatever the layout on disk: per-expert tensors (``mlp.experts.N.{gate,up,down}_proj``),
 Mixtral's ``block_sparse_moe.experts.N.{w1,w3,w2}``, transformers' stacked
 ``experts.gate_up_proj`` [E, 2F, H] / ``experts.down_proj`` [E, H, F], or GGUF's stacked
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from swarm.compute.config import ModelConfig, config_from_gguf, config_from_hf
+from swarm.compute.quant import QMatrix
 from swarm.compute.tensors import GGUFFile, SafetensorsDir
 from swarm.errors import ModelFileError
 
@@ -88,6 +91,20 @@ class Checkpoint:
         Raises ModelFileError naming the file and tensor when it is missing or misshapen.
         """
         raise NotImplementedError
+
+    def matrix(self, part: str, layer: int | None = None) -> QMatrix:
+        """Weight matrix ``part`` compact, in the file's encoding (``embed``, ``head``, ``q``, …,
+        ``gate``, ``up``, ``down``, ``shexp_*``). Raises ModelFileError when missing or misshapen."""
+        raise NotImplementedError
+
+    def expert_matrices(self, layer: int, e: int) -> tuple[QMatrix, QMatrix, QMatrix]:
+        """``(gate [F,H], up [F,H], down [H,F])`` of expert ``e`` of MoE layer ``layer``, compact."""
+        raise NotImplementedError
+
+    def _check_matrix(self, name: str, m: QMatrix, shape: tuple[int, ...]) -> QMatrix:
+        if m.shape != tuple(shape):
+            raise ModelFileError(f"{self.path}: tensor {name!r} has shape {m.shape}, expected {tuple(shape)}")
+        return m
 
     def load_rows(self, part: str, layer: int, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` of a 2-D ``part`` (e.g. a dense range of W_gate / W_up), decoding only
@@ -239,7 +256,15 @@ class GGUFCheckpoint(Checkpoint):
             a = a.reshape(1, -1)
         return self._check(name, a, self.expected_shape(part))
 
-    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def matrix(self, part: str, layer: int | None = None) -> QMatrix:
+        name = self._name(part, layer)
+        m = self._check_matrix(name, self.file.matrix(name), self.expected_shape(part))
+        if self._permuted and part in ("q", "k"):
+            heads = self.config.n_heads if part == "q" else self.config.n_kv_heads
+            m = m.permuted_rows(_unpermute(np.arange(m.shape[0]), heads))
+        return m
+
+    def _expert_tensors(self, layer: int) -> list[tuple[str, tuple[int, int]]]:
         c = self.config
         F, H = c.moe_intermediate_size, c.hidden_size
         out = []
@@ -251,8 +276,16 @@ class GGUFCheckpoint(Checkpoint):
             if full != (c.n_experts, *shape):
                 raise ModelFileError(f"{self.path}: tensor {name!r} has shape {full}, "
                                      f"expected {(c.n_experts, *shape)}")
-            out.append(self._check(name, self.file.load(name, e), shape))
-        return out[0], out[1], out[2]
+            out.append((name, shape))
+        return out
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        g, u, d = (self._check(name, self.file.load(name, e), shape) for name, shape in self._expert_tensors(layer))
+        return g, u, d
+
+    def expert_matrices(self, layer: int, e: int) -> tuple[QMatrix, QMatrix, QMatrix]:
+        g, u, d = (self.file.matrix(name, e) for name, _ in self._expert_tensors(layer))
+        return g, u, d
 
 
 class HFCheckpoint(Checkpoint):
@@ -328,6 +361,10 @@ class HFCheckpoint(Checkpoint):
         name = self._name(part, layer)
         return self._check(name, self.st.load(name), self.expected_shape(part))
 
+    def matrix(self, part: str, layer: int | None = None) -> QMatrix:
+        name = self._name(part, layer)
+        return self._check_matrix(name, self.st.matrix(name), self.expected_shape(part))
+
     @cached_property
     def _expert_layout(self) -> str:
         """``stacked`` when the file holds ``experts.gate_up_proj``, else ``per_expert``."""
@@ -337,7 +374,8 @@ class HFCheckpoint(Checkpoint):
                 return "stacked"
         return "per_expert"
 
-    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _stacked_names(self, layer: int) -> tuple[str, str] | None:
+        """(gate_up, down) names of a stacked-experts layer (shapes checked), else None."""
         c = self.config
         F, H = c.moe_intermediate_size, c.hidden_size
         base = f"model.layers.{layer}"
@@ -351,11 +389,23 @@ class HFCheckpoint(Checkpoint):
                 if self.st.shapes[name] != shape:
                     raise ModelFileError(f"{self.path}: tensor {name!r} has shape {self.st.shapes[name]}, "
                                          f"expected {shape}")
-            gu = self.st.load(gu_name, e)  # [2F, H]: gate rows then up rows
-            return np.ascontiguousarray(gu[:F]), np.ascontiguousarray(gu[F:]), self.st.load(d_name, e)
+            return gu_name, d_name
+        return None
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        g, u, d = self.expert_matrices(layer, e)
+        return g.dequantize(), u.dequantize(), d.dequantize()
+
+    def expert_matrices(self, layer: int, e: int) -> tuple[QMatrix, QMatrix, QMatrix]:
+        c = self.config
+        F, H = c.moe_intermediate_size, c.hidden_size
+        stacked = self._stacked_names(layer)
+        if stacked:
+            gu = self.st.matrix(stacked[0], e)  # [2F, H]: gate rows then up rows
+            return gu.rows(0, F), gu.rows(F, 2 * F), self.st.matrix(stacked[1], e)
         names = self._expert_names(layer, e)
         shapes = ((F, H), (F, H), (H, F))
-        g, u, d = (self._check(n, self.st.load(n), s) for n, s in zip(names, shapes))
+        g, u, d = (self._check_matrix(n, self.st.matrix(n), s) for n, s in zip(names, shapes))
         return g, u, d
 
 

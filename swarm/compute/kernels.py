@@ -2,7 +2,8 @@
 
 Shape legend: T tokens in this call, S cached positions (keys), H hidden size, F
 intermediate size, E experts, nh / nkv query / key-value heads, hd head dim.
-Every function keeps float32: constants are ``np.float32`` so NumPy 2's promotion rules
+Weight matrices are compact :class:`~swarm.compute.quant.QMatrix` (``x @ W.T`` by
+``W.matmul(x)``). Every function keeps float32: constants are ``np.float32`` so NumPy 2's promotion rules
 never widen an intermediate to float64. Formulas follow transformers' modeling code.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from swarm.compute.quant import QMatrix, as_qmatrix
 
 F32 = np.float32
 
@@ -124,46 +127,47 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
 
 @dataclass(frozen=True)
 class MLPWeights:
-    """One SwiGLU MLP (a dense MLP, a slice of one, an expert, or a shared expert).
+    """One SwiGLU MLP (a dense MLP, a slice of one, an expert, or a shared expert), compact.
 
-    ``gate_up`` [H, 2F] f32: columns ``:F`` are W_gate.T, ``F:`` are W_up.T (so ``x @ gate_up``
-    computes both projections in one matmul); ``down`` [F, H] f32 is W_down.T. C-contiguous.
+    ``gate``, ``up`` [F, H] and ``down`` [H, F] are :class:`~swarm.compute.quant.QMatrix` in
+    PyTorch orientation, in the file's encoding (views of the mapped file where they come from
+    one). Construct from float32 arrays with :meth:`from_torch`.
     """
 
-    gate_up: np.ndarray
-    down: np.ndarray
+    gate: QMatrix
+    up: QMatrix
+    down: QMatrix
 
     @classmethod
-    def from_torch(cls, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> "MLPWeights":
-        """From PyTorch-oriented ``gate``/``up`` [F, H] and ``down`` [H, F]."""
-        gu = np.ascontiguousarray(np.concatenate([gate, up], axis=0).T, dtype=F32)
-        return cls(gu, np.ascontiguousarray(down.T, dtype=F32))
+    def from_torch(cls, gate, up, down) -> "MLPWeights":
+        """From ``gate``/``up`` [F, H] and ``down`` [H, F]: QMatrix, or float32 arrays (wrapped as F32)."""
+        return cls(as_qmatrix(gate), as_qmatrix(up), as_qmatrix(down))
 
     @property
     def intermediate_size(self) -> int:
-        return self.down.shape[0]
+        return self.gate.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
+        """Bytes of the encoded weights."""
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
     def range(self, lo: int, hi: int) -> "MLPWeights":
-        """Contiguous copy of intermediate units ``lo:hi`` (rows of W_gate/W_up, columns of W_down)."""
+        """Intermediate units ``lo:hi``: rows of W_gate/W_up (views) and columns of W_down (see
+        :meth:`QMatrix.columns`: in the file's encoding when ``lo``/``hi`` fall on block bounds)."""
         F = self.intermediate_size
         if not 0 <= lo < hi <= F:
             raise ValueError(f"dense range {lo}:{hi} is outside 0:{F}")
-        gu = np.concatenate([self.gate_up[:, lo:hi], self.gate_up[:, F + lo:F + hi]], axis=1)
-        return MLPWeights(np.ascontiguousarray(gu), np.ascontiguousarray(self.down[lo:hi]))
+        return MLPWeights(self.gate.rows(lo, hi), self.up.rows(lo, hi), self.down.columns(lo, hi))
 
 
 def swiglu(w: MLPWeights, x: np.ndarray) -> np.ndarray:
     """``W_down (silu(W_gate x) * W_up x)`` for rows x [n, H] f32 → [n, H] f32."""
-    F = w.down.shape[0]
-    h = x @ w.gate_up  # [n, 2F]
-    g = h[:, :F]
+    g = w.gate.matmul(x)  # [n, F]
+    u = w.up.matmul(x)
     a = np.negative(g)  # silu(g) * u = g / (1 + exp(-g)) * u, in one buffer
     np.exp(a, out=a)
     a += F32(1.0)
     np.divide(g, a, out=a)
-    a *= h[:, F:]
-    return a @ w.down  # [n, H]
+    a *= u
+    return w.down.matmul(a)  # [n, H]

@@ -1,10 +1,10 @@
-"""The model: weights (materialised lazily, once, as float32), the KV cache, the forward pass.
+"""The model: compact weights, the KV cache, the forward pass.
 
-``load_model(path)`` opens a GGUF file or an HF safetensors directory. Nothing is decoded
-until it is used: the coordinator touches attention and routers, a worker only the experts
+``load_model(path)`` opens a GGUF file or an HF safetensors directory. Weight matrices stay in
+the file's encoding, memory-mapped (:class:`~swarm.compute.quant.QMatrix`); only norms,
+biases and routers are decoded to float32. Pages of the file are read when first used: the
+coordinator touches attention and routers, a worker only the experts
 (``expert_weights(layer, e)``) or dense ranges (``dense_weights(layer, lo, hi)``) it holds.
-Weights are kept pre-transposed for ``x @ W`` and fused where that saves a matmul
-(Q|K|V, gate|up).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from swarm.compute.config import ModelConfig
 from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, shared_expert
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, causal_mask, rms_norm,
                                    llama3_inv_freq, rope_inv_freq, rope_tables, signed_sin)
+from swarm.compute.quant import QMatrix, prepare_kernels
 
 F32 = np.float32
 
@@ -68,16 +69,18 @@ class KVCache:
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    """One layer's attention: ``qkv`` [H, (nh+2nkv)*hd] (= [Wq; Wk; Wv].T), ``qkv_bias`` or
-    None, ``o`` [nh*hd, H]; norms [H]. ``qk_norm == "proj"``: ``q_norm`` [nh*hd], ``k_norm``
+    """One layer's attention: ``q`` [nh*hd, H], ``k`` and ``v`` [nkv*hd, H], ``o`` [H, nh*hd]
+    (compact, PyTorch orientation); ``qkv_bias`` [(nh+2nkv)*hd] or None; norms [H] f32. ``qk_norm == "proj"``: ``q_norm`` [nh*hd], ``k_norm``
     [nkv*hd]; ``"head"``: ``q_norm`` [nh+nkv, hd] (the q weight per query head, then the k
     weight per key head) and ``k_norm`` None."""
 
     attn_norm: np.ndarray
     ffn_norm: np.ndarray
-    qkv: np.ndarray
+    q: QMatrix
+    k: QMatrix
+    v: QMatrix
     qkv_bias: np.ndarray | None
-    o: np.ndarray
+    o: QMatrix
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
 
@@ -99,6 +102,7 @@ class Model:
         self.metadata: dict = checkpoint.metadata
         self.format = "hf" if checkpoint.path.is_dir() else "gguf"
         self._lock = threading.RLock()
+        prepare_kernels()  # compile or load them now, not inside the first (deadline-bound) request
         self._attn: dict[int, AttentionWeights] = {}
         self._dense: dict[int, MLPWeights] = {}
         self._experts: dict[tuple[int, int], MLPWeights] = {}
@@ -128,20 +132,20 @@ class Model:
 
     # ---- global weights -------------------------------------------------------------------
     @cached_property
-    def embed(self) -> np.ndarray:
-        """Token embeddings [V, H] f32."""
-        return self.checkpoint.load("embed")
+    def embed(self) -> QMatrix:
+        """Token embeddings [V, H], compact (``embed.take(ids)`` decodes rows)."""
+        return self.checkpoint.matrix("embed")
 
     @cached_property
     def final_norm(self) -> np.ndarray:
         return self.checkpoint.load("norm")
 
     @cached_property
-    def head(self) -> np.ndarray:
-        """Output projection [V, H] f32 (the embeddings when tied); logits = x @ head.T."""
+    def head(self) -> QMatrix:
+        """Output projection [V, H], compact (the embeddings when tied); logits = head.matmul(x)."""
         if self.config.tie_word_embeddings or not self.checkpoint.has("head"):
             return self.embed
-        return self.checkpoint.load("head")
+        return self.checkpoint.matrix("head")
 
     # ---- per-layer weights ----------------------------------------------------------------
     def attention_weights(self, layer: int) -> AttentionWeights:
@@ -154,7 +158,7 @@ class Model:
 
     def _load_attention(self, layer: int) -> AttentionWeights:
         ck, c = self.checkpoint, self.config
-        q, k, v = (ck.load(p, layer) for p in ("q", "k", "v"))
+        q, k, v = (ck.matrix(p, layer) for p in ("q", "k", "v"))
         bias = None
         if ck.has("q_bias", layer):
             bias = np.concatenate([ck.load(p, layer) for p in ("q_bias", "k_bias", "v_bias")])
@@ -167,8 +171,7 @@ class Model:
             kn = None
         return AttentionWeights(
             attn_norm=ck.load("attn_norm", layer), ffn_norm=ck.load("ffn_norm", layer),
-            qkv=np.ascontiguousarray(np.concatenate([q, k, v], axis=0).T),
-            qkv_bias=bias, o=np.ascontiguousarray(ck.load("o", layer).T), q_norm=qn, k_norm=kn)
+            q=q, k=k, v=v, qkv_bias=bias, o=ck.matrix("o", layer), q_norm=qn, k_norm=kn)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.config.is_moe_layer(layer)
@@ -185,36 +188,25 @@ class Model:
         return self.config.moe_intermediate_size
 
     def dense_weights(self, layer: int, lo: int | None = None, hi: int | None = None) -> MLPWeights:
-        """The dense MLP of ``layer`` (whole, cached) or a contiguous copy of units ``lo:hi``
-        (not cached: a range holder keeps what it is given)."""
+        """The dense MLP of ``layer`` (whole: views of the mapped file) or units ``lo:hi`` of it
+        (:meth:`MLPWeights.range`: gate/up rows as views, down's columns as a compact copy)."""
         if self.is_moe_layer(layer):
             raise ValueError(f"layer {layer} is a MoE layer, not dense")
         F = self.dense_intermediate_size(layer)
         full = self._dense.get(layer)
+        if full is None and not (lo is None and hi is None):  # a range holder keeps only its range
+            return self._load_dense(layer).range(0 if lo is None else lo, F if hi is None else hi)
         if full is None:
-            if lo is not None and (lo, F if hi is None else hi) != (0, F):
-                return self._load_dense_range(layer, lo, F if hi is None else hi)
             with self._lock:
                 full = self._dense.get(layer) or self._load_dense(layer)
                 self._dense[layer] = full
-        if lo is None:
+        if lo is None and hi is None:
             return full
-        return full.range(lo, F if hi is None else hi)
+        return full.range(0 if lo is None else lo, F if hi is None else hi)
 
     def _load_dense(self, layer: int) -> MLPWeights:
         ck = self.checkpoint
-        return MLPWeights.from_torch(ck.load("gate", layer), ck.load("up", layer), ck.load("down", layer))
-
-    def _load_dense_range(self, layer: int, lo: int, hi: int) -> MLPWeights:
-        """Units ``lo:hi`` alone: only those rows of W_gate / W_up are decoded (W_down's columns
-        cut across every row, so it is decoded whole and sliced)."""
-        F = self.dense_intermediate_size(layer)
-        if not 0 <= lo < hi <= F:
-            raise ValueError(f"dense range {lo}:{hi} is outside 0:{F}")
-        ck = self.checkpoint
-        gate, up = ck.load_rows("gate", layer, lo, hi), ck.load_rows("up", layer, lo, hi)
-        down = ck.load("down", layer)[:, lo:hi]
-        return MLPWeights.from_torch(gate, up, down)
+        return MLPWeights(ck.matrix("gate", layer), ck.matrix("up", layer), ck.matrix("down", layer))
 
     def expert_weights(self, layer: int, e: int) -> MLPWeights:
         """Expert ``e`` of MoE layer ``layer`` (materialised on first use, then cached)."""
@@ -225,7 +217,7 @@ class Model:
                 raise ValueError(f"layer {layer} is dense; it has no experts")
             if not 0 <= e < self.config.n_experts:
                 raise ValueError(f"expert {e} is outside 0..{self.config.n_experts - 1}")
-            w = MLPWeights.from_torch(*self.checkpoint.expert(layer, e))
+            w = MLPWeights(*self.checkpoint.expert_matrices(layer, e))
             with self._lock:
                 self._experts[key] = w
         return w
@@ -254,7 +246,7 @@ class Model:
         s = self._shared.get(layer)
         if s is None:
             ck = self.checkpoint
-            w = MLPWeights.from_torch(*(ck.load(p, layer) for p in ("shexp_gate_proj", "shexp_up", "shexp_down")))
+            w = MLPWeights(*(ck.matrix(p, layer) for p in ("shexp_gate_proj", "shexp_up", "shexp_down")))
             gate = ck.load("shexp_gate", layer) if ck.has("shexp_gate", layer) else None
             s = self._shared[layer] = (w, gate)
         return s
@@ -267,7 +259,8 @@ class Model:
         return shared_expert(w, gate, x)
 
     def materialize(self) -> None:
-        """Decode every weight now (benchmarks; a coordinator that serves everything)."""
+        """Open every weight now (benchmarks; a coordinator that serves everything): views of the
+        mapped file, plus the float32 norms, biases and routers."""
         _ = self.embed, self.head, self.final_norm
         for layer in range(self.config.n_layers):
             self.attention_weights(layer)
@@ -304,7 +297,11 @@ class Model:
         T = h.shape[0]
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq = nh * hd
-        qkv = h @ w.qkv  # [T, (nh + 2 nkv) hd]
+        nk = nkv * hd
+        qkv = np.empty((T, nq + 2 * nk), F32)  # [T, (nh + 2 nkv) hd]
+        w.q.matmul(h, out=qkv[:, :nq])
+        w.k.matmul(h, out=qkv[:, nq:nq + nk])
+        w.v.matmul(h, out=qkv[:, nq + nk:])
         if w.qkv_bias is not None:
             qkv += w.qkv_bias
         if c.qk_norm == "proj":  # OLMoE: RMSNorm over the whole Q and K projections
@@ -320,7 +317,7 @@ class Model:
         cache.k[layer][:, start:end] = qk[:, nh:].transpose(1, 0, 2)
         cache.v[layer][:, start:end] = qkv[:, nq + nkv * hd:].reshape(T, nkv, hd).transpose(1, 0, 2)
         out = attention(qk[:, :nh].transpose(1, 0, 2), cache.k[layer][:, :end], cache.v[layer][:, :end], mask)
-        return out @ w.o
+        return w.o.matmul(out)
 
     def forward(self, tokens, cache: KVCache, ffn: FFNBackend | None = None,
                 last_only: bool = False) -> np.ndarray:
@@ -346,7 +343,7 @@ class Model:
         cache.reserve(start + T)
         cos_qk, sin_qk = self._qk_tables(start, T)
         mask = causal_mask(start, T, c.n_heads // c.n_kv_heads)
-        x = self.embed[ids]  # [T, H] (fancy indexing copies)
+        x = self.embed.take(ids)  # [T, H] f32
         eps = c.rms_norm_eps
         for layer in range(c.n_layers):
             w = self.attention_weights(layer)
@@ -357,7 +354,7 @@ class Model:
         cache.length = start + T
         if last_only:
             x = x[-1:]
-        logits = rms_norm(x, self.final_norm, eps) @ self.head.T  # [T, V]
+        logits = self.head.matmul(rms_norm(x, self.final_norm, eps))  # [T, V]
         assert logits.dtype == F32
         return logits
 

@@ -1,23 +1,28 @@
 """Memory-mapped tensor files: GGUF (through ``gguf.GGUFReader``) and safetensors.
 
-Both readers map the file and decode a tensor only when asked, and can decode one slice
-of the first axis alone (one expert of a stacked ``[E, out, in]`` tensor, or rows
-``lo:hi`` of a matrix) so a peer materialises only what it is assigned.
-Every tensor comes back as a C-contiguous float32 array in the file's numpy shape
-(``[out, in]`` for a weight matrix, as in PyTorch's ``nn.Linear``).
+Both readers map the file. ``matrix(name, index)`` gives a weight matrix (or one expert of a
+stacked ``[E, out, in]`` tensor) as a :class:`~swarm.compute.quant.QMatrix` over the mapped
+bytes, still in the file's encoding; ``load(name, index)`` decodes a tensor (or one slice of its
+first axis) to a C-contiguous float32 array — for the small ones (norms, biases, routers).
+Shapes are the file's numpy shape (``[out, in]`` for a weight matrix, as in ``nn.Linear``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
 
+from swarm.compute.quant import QMatrix
 from swarm.errors import ModelFileError
 
 
@@ -25,13 +30,90 @@ def _as_f32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-class GGUFFile:
-    """One GGUF file, memory-mapped.
+# GGUF metadata value types (gguf.GGUFValueType) → numpy scalar type, for numbers.
+_GGUF_NUMBERS = {VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2", VT.UINT32: "<u4",
+                 VT.INT32: "<i4", VT.FLOAT32: "<f4", VT.BOOL: "?", VT.UINT64: "<u8", VT.INT64: "<i8",
+                 VT.FLOAT64: "<f8"}
 
-    ``kv``: metadata key → python value (str, int, float, bool, list).
-    ``shapes``: tensor name → numpy shape (outermost first; GGUF lists dims innermost first).
-    Dequantisation uses ``gguf.quants.dequantize``, so every type the ``gguf`` package
-    implements is supported.
+
+@dataclass(frozen=True)
+class _GGUFTensor:
+    name: str
+    tensor_type: QT
+    dims: tuple[int, ...]  # numpy order: outermost first
+    data: np.ndarray  # uint8 [..., rows, row_bytes] over the mapped file
+
+
+class StringArray(Sequence):
+    """A GGUF array of strings read on access (a vocabulary: tens of thousands of entries that
+    would cost ~70 bytes each as Python strings, for as long as the metadata is kept)."""
+
+    def __init__(self, buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
+        self._buf, self._starts, self._lengths = buf, starts, lengths
+
+    def __len__(self) -> int:
+        return int(self._starts.size)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        lo = int(self._starts[i])
+        return bytes(self._buf[lo:lo + int(self._lengths[i])]).decode("utf-8", errors="replace")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+
+class _Cursor:
+    """Reads GGUF's little-endian header fields from a mapped file (the format: ggml's gguf.md)."""
+
+    def __init__(self, buf: np.ndarray):
+        self.buf, self.pos = buf, 0
+
+    def take(self, n: int) -> np.ndarray:
+        if self.pos + n > self.buf.size:
+            raise ValueError(f"header runs past the end of the file at byte {self.pos}")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def number(self, vtype: VT):
+        dt = np.dtype(_GGUF_NUMBERS[vtype])
+        return self.take(dt.itemsize).view(dt)[0].item()
+
+    def string(self) -> str:
+        return bytes(self.take(self.number(VT.UINT64))).decode("utf-8", errors="replace")
+
+    def value(self, vtype: VT):
+        if vtype == VT.STRING:
+            return self.string()
+        if vtype == VT.ARRAY:
+            etype, n = VT(self.number(VT.UINT32)), self.number(VT.UINT64)
+            if etype in _GGUF_NUMBERS:  # numbers in one read
+                dt = np.dtype(_GGUF_NUMBERS[etype])
+                return self.take(n * dt.itemsize).view(dt).tolist()
+            if etype == VT.STRING:  # offsets only; each string is decoded when read
+                starts, lengths = np.empty(n, np.int64), np.empty(n, np.int64)
+                for i in range(n):
+                    lengths[i] = self.number(VT.UINT64)
+                    starts[i] = self.pos
+                    self.take(int(lengths[i]))
+                return StringArray(self.buf, starts, lengths)
+            return [self.value(etype) for _ in range(n)]
+        return self.number(vtype)
+
+
+class GGUFFile:
+    """One GGUF file, memory-mapped; only its header is parsed here.
+
+    ``kv``: metadata key → python value (str, int, float, bool, list; an array of strings is a
+    :class:`StringArray`, a read-only sequence of str); ``value_types``: key →
+    its ``gguf.GGUFValueType``. ``shapes``: tensor name → numpy shape (outermost first; GGUF
+    lists dims innermost first). Dequantisation uses ``gguf.quants.dequantize``, so every type
+    the ``gguf`` package implements is supported. The header is read here rather than with
+    ``gguf.GGUFReader``, which keeps a numpy view per vocabulary entry (~150 MiB for a
+    49k-token vocabulary).
+    Raises ModelFileError when the file is missing, not GGUF, truncated, or corrupt.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -39,24 +121,47 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelFileError(f"{self.path}: no such model file")
         try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad bytes
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._parse(_Cursor(np.asarray(self._map)))
+        except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
             raise ModelFileError(
                 f"{self.path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
+        self.shapes = {name: t.dims for name, t in self._tensors.items()}
+
+    def _parse(self, cur: _Cursor) -> None:
+        if bytes(cur.take(4)) != b"GGUF":
+            raise ValueError("no GGUF magic")
+        version = cur.number(VT.UINT32)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (big-endian or unsupported; expected 2 or 3)")
+        n_tensors, n_kv = cur.number(VT.UINT64), cur.number(VT.UINT64)
         self.kv: dict[str, Any] = {}
-        for key, f in self.reader.fields.items():
-            try:
-                self.kv[key] = f.contents()
-            except Exception:  # a field type this gguf version cannot decode: leave it out
-                continue
-        self._tensors = {t.name: t for t in self.reader.tensors}
-        self.shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist()))
-                       for name, t in self._tensors.items()}
-        # GGUFReader maps the file lazily; check that every tensor lies inside it.
-        size = self.path.stat().st_size
-        for name, t in self._tensors.items():
-            if t.data_offset + t.n_bytes > size:
+        self.value_types: dict[str, VT] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            vtype = VT(cur.number(VT.UINT32))
+            self.kv[key], self.value_types[key] = cur.value(vtype), vtype
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            ne = [cur.number(VT.UINT64) for _ in range(cur.number(VT.UINT32))]
+            infos.append((name, ne, QT(cur.number(VT.UINT32)), cur.number(VT.UINT64)))
+        align = int(self.kv.get("general.alignment", 32))
+        start = -(-cur.pos // align) * align
+        size = cur.buf.size
+        self._tensors: dict[str, _GGUFTensor] = {}
+        for name, ne, qtype, offset in infos:
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            if ne[0] % block:
+                raise ValueError(f"tensor {name!r}: {ne[0]} columns is not a multiple of {qtype.name}'s block {block}")
+            dims = tuple(int(d) for d in reversed(ne))
+            row_bytes = ne[0] // block * type_size
+            lo = start + offset
+            n = row_bytes * int(np.prod(dims[:-1], dtype=np.int64))
+            if lo + n > size:
                 raise ModelFileError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
+            data = cur.buf[lo:lo + n].reshape(*dims[:-1], row_bytes)
+            self._tensors[name] = _GGUFTensor(name, qtype, dims, data)
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -64,11 +169,20 @@ class GGUFFile:
     def qtype(self, name: str) -> QT:
         return self._tensor(name).tensor_type
 
-    def _tensor(self, name: str):
+    def _tensor(self, name: str) -> _GGUFTensor:
         t = self._tensors.get(name)
         if t is None:
             raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
         return t
+
+    def matrix(self, name: str, index: int | None = None) -> QMatrix:
+        """Tensor ``name`` (2-D, or ``[index]`` of a 3-D stack) as a QMatrix over the mapped
+        file: no bytes are copied or decoded. Raises ModelFileError if missing or not a matrix."""
+        t = self._tensor(name)
+        data = t.data if index is None else t.data[index]
+        if data.ndim != 2:
+            raise ModelFileError(f"{self.path}: tensor {name!r} of shape {t.dims} is not a matrix")
+        return QMatrix(data, t.tensor_type, t.dims[-1])
 
     def load(self, name: str, index: int | slice | None = None) -> np.ndarray:
         """Dequantise tensor ``name`` (or ``[index]`` of its first axis) to float32.
@@ -143,6 +257,22 @@ class SafetensorsFile:
         start = self._base + lo
         return np.frombuffer(self._map, dtype=dtype, count=count, offset=start).reshape(shape)
 
+    def matrix(self, name: str, index: int | None = None) -> QMatrix:
+        """Tensor ``name`` (2-D, or ``[index]`` of a 3-D stack) as a QMatrix over the mapped file
+        (F32/F16/BF16 as stored; F64 is converted to an F32 copy)."""
+        if name not in self._entries:
+            raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+        dtype, _, _, bf16 = self._entries[name]
+        a = self.raw(name)
+        if index is not None:
+            a = a[index]
+        if a.ndim != 2:
+            raise ModelFileError(f"{self.path}: tensor {name!r} of shape {a.shape} is not a matrix")
+        if dtype == np.float64:
+            return QMatrix.from_float(a.astype(np.float32))
+        qtype = QT.BF16 if bf16 else QT.F16 if dtype == np.float16 else QT.F32
+        return QMatrix(a.view(np.uint8), qtype, a.shape[1])
+
     def load(self, name: str, index: int | slice | None = None) -> np.ndarray:
         """Tensor ``name`` (or ``[index]`` of its first axis) as float32."""
         if name not in self._entries:
@@ -193,8 +323,14 @@ class SafetensorsDir:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def load(self, name: str, index: int | slice | None = None) -> np.ndarray:
+    def _file(self, name: str) -> SafetensorsFile:
         f = self._where.get(name)
         if f is None:
             raise ModelFileError(f"{self.path}: tensor {name!r} is missing from every shard")
-        return f.load(name, index)
+        return f
+
+    def load(self, name: str, index: int | slice | None = None) -> np.ndarray:
+        return self._file(name).load(name, index)
+
+    def matrix(self, name: str, index: int | None = None) -> QMatrix:
+        return self._file(name).matrix(name, index)

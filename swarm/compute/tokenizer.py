@@ -210,9 +210,9 @@ def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
             "use the model's Hugging Face directory with tokenizer.json instead"
         )
 
-    def strings(name: str) -> list[str]:
+    def strings(name: str) -> Sequence[str]:
         value = field(name)
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
             raise ModelFileError(f"{path}: GGUF metadata field {name!r} is not an array of strings")
         return value
 

@@ -16,10 +16,10 @@ F32/F16/BF16 elements) into one blob plus a JSON ``meta`` describing each tensor
 Q4_1 slice ships at ~0.19 bytes per weight. A ``down`` column range of a block-quantized
 tensor keeps its encoding when ``start`` and ``stop`` fall on block boundaries (32 for
 Q4_0/Q4_1/Q8_0, 256 for K-quants — see :func:`ModelSlicer.dense_alignment`); otherwise
-those rows are dequantized and shipped as F32. :func:`decode_slice` turns a blob back
-into float32 arrays with ``gguf.quants.dequantize`` — the same function the engine
-uses on the whole tensor, and block-wise, so a slice decodes to exactly the rows and
-columns of the fully dequantized matrix (bit for bit).
+those rows are dequantized and shipped as F32 (the rule of the engine's
+``QMatrix.columns``, which cuts them). :func:`decode_slice` keeps a blob's tensors in their
+encoding as the engine's compact ``QMatrix``, so a worker holds the same bytes and runs the
+same kernels as the engine on the same slice (bit for bit).
 
 A worker that holds its own copy of the model (same content hash) calls
 :meth:`ModelSlicer.load` and reads only its slices (the file is memory-mapped).
@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
+from swarm.compute.quant import QMatrix
 from swarm.errors import LocalProtocolError, ModelFileError, RemoteProtocolError
 
 META_VERSION = 1
@@ -85,22 +85,37 @@ class SliceSpec:
 
 @dataclass(frozen=True)
 class SliceWeights:
-    """Decoded float32 weights of one slice (shapes in the module docstring)."""
+    """One slice's weights, compact: ``matrices[role]`` is a list of
+    :class:`~swarm.compute.quant.QMatrix` (one per expert, or one for a dense range) in the
+    encoding it was shipped in. ``gate``, ``up``, ``down`` decode them to float32 (shapes in
+    the module docstring) for checks; the engine uses :meth:`mlp_weights`."""
 
     spec: SliceSpec
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
+    matrices: Mapping[str, list[QMatrix]]
+
+    def _decoded(self, role: str) -> np.ndarray:
+        mats = [m.dequantize() for m in self.matrices[role]]
+        return mats[0] if self.spec.kind == "dense" else np.stack(mats)
+
+    @property
+    def gate(self) -> np.ndarray:
+        return self._decoded("gate")
+
+    @property
+    def up(self) -> np.ndarray:
+        return self._decoded("up")
+
+    @property
+    def down(self) -> np.ndarray:
+        return self._decoded("down")
 
     def mlp_weights(self) -> dict[int, Any]:
         """The engine's :class:`~swarm.compute.kernels.MLPWeights`, keyed by expert id for an
         ``experts`` slice, or by ``spec.start`` (one entry) for a ``dense`` range."""
         from swarm.compute.kernels import MLPWeights
 
-        if self.spec.kind == "dense":
-            return {self.spec.start: MLPWeights.from_torch(self.gate, self.up, self.down)}
-        return {self.spec.start + i: MLPWeights.from_torch(self.gate[i], self.up[i], self.down[i])
-                for i in range(self.spec.stop - self.spec.start)}
+        g, u, d = (self.matrices[role] for role in ROLES)
+        return {self.spec.start + i: MLPWeights(g[i], u[i], d[i]) for i in range(len(g))}
 
 
 @dataclass(frozen=True)
@@ -269,14 +284,11 @@ class _LazyStack:
 
 def _column_range(raw: _Raw, start: int, stop: int) -> tuple[np.ndarray, str, tuple[int, int]]:
     """Columns ``[start, stop)`` of a 2-D tensor, raw when they fall on block boundaries."""
-    block, type_size = raw.block
     rows = raw.data.shape[0]
     if stop > raw.cols:
         raise ModelFileError(f"dense range {start}..{stop} exceeds the {raw.cols} columns of down")
-    if start % block == 0 and (stop % block == 0 or stop == raw.cols):
-        return raw.data[:, start // block * type_size : -(-stop // block) * type_size], raw.encoding, (rows, stop - start)
-    dense = dequantize(np.ascontiguousarray(raw.data), GGMLQuantizationType[raw.encoding])[:, start:stop]
-    return np.ascontiguousarray(dense, dtype="<f4").view(np.uint8), "F32", (rows, stop - start)
+    cut = QMatrix(raw.data, GGMLQuantizationType[raw.encoding], raw.cols).columns(start, stop)
+    return cut.data, cut.qtype.name, (rows, stop - start)
 
 
 def _read_safetensors_header(file: Path) -> tuple[np.ndarray, dict]:
@@ -302,7 +314,7 @@ def _read_safetensors_header(file: Path) -> tuple[np.ndarray, dict]:
 
 
 def decode_slice(blob: bytes | memoryview, meta: Mapping[str, Any]) -> SliceWeights:
-    """Float32 weights from a shipped (or extracted) slice; every meta field is validated.
+    """Compact weights from a shipped (or extracted) slice; every meta field is validated.
 
     Raises:
         RemoteProtocolError: the meta is malformed, a tensor lies outside the blob, its byte
@@ -333,22 +345,21 @@ def decode_slice(blob: bytes | memoryview, meta: Mapping[str, Any]) -> SliceWeig
         row_bytes = -(-cols // block) * type_size
         if cols % block or nbytes != int(np.prod(shape[:-1])) * row_bytes:
             raise RemoteProtocolError(f"slice meta: {role} {encoding}{shape} cannot be {nbytes} bytes")
-        raw = buf[offset : offset + nbytes].reshape(*shape[:-1], row_bytes)
-        # A copy: aligned, writable, and independent of the blob's lifetime (it may be a cache mapping).
-        out[role] = np.array(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
-    gate, up, down = out["gate"], out["up"], out["down"]
+        # A copy, still encoded: independent of the blob's lifetime (it may be a cache mapping).
+        raw = np.array(buf[offset : offset + nbytes]).reshape(-1, shape[-2], row_bytes)
+        out[role] = (tuple(shape), [QMatrix(r, qtype, cols) for r in raw])
+    (gate, g), (up, u), (down, d) = out["gate"], out["up"], out["down"]
     n = spec.stop - spec.start
     if spec.kind == "dense":
-        ok = gate.ndim == up.ndim == down.ndim == 2 and gate.shape == up.shape and gate.shape[0] == n \
-            and down.shape == (gate.shape[1], n)
+        ok = len(gate) == len(up) == len(down) == 2 and gate == up and gate[0] == n and down == (gate[1], n)
     else:
-        ok = gate.ndim == up.ndim == down.ndim == 3 and gate.shape == up.shape and gate.shape[0] == n \
-            and down.shape == (n, gate.shape[2], gate.shape[1])
+        ok = len(gate) == len(up) == len(down) == 3 and gate == up and gate[0] == n \
+            and down == (n, gate[2], gate[1])
     if not ok:
         raise RemoteProtocolError(
-            f"slice meta: shapes gate {gate.shape}, up {up.shape}, down {down.shape} do not fit {spec.kind} {spec.start}..{spec.stop}"
+            f"slice meta: shapes gate {gate}, up {up}, down {down} do not fit {spec.kind} {spec.start}..{spec.stop}"
         )
-    return SliceWeights(spec, gate, up, down)
+    return SliceWeights(spec, {"gate": g, "up": u, "down": d})
 
 
 def specs_for(plan: Any, peer_id: str) -> list[SliceSpec]:

@@ -56,8 +56,8 @@ def test_expert_weights_are_the_checkpoints(tiny, family):
     w = model.expert_weights(layer, e)
     experts = hf.model.layers[layer].mlp.experts
     gate_up = experts.gate_up_proj[e].detach().numpy()  # [2F, H]
-    np.testing.assert_array_equal(w.gate_up, gate_up.T)
-    np.testing.assert_array_equal(w.down, experts.down_proj[e].detach().numpy().T)
+    np.testing.assert_array_equal(np.concatenate([w.gate.dequantize(), w.up.dequantize()]), gate_up)
+    np.testing.assert_array_equal(w.down.dequantize(), experts.down_proj[e].detach().numpy())
     assert set(model._experts) == {(layer, e)}  # nothing else was materialised
 
 
@@ -154,4 +154,5 @@ def test_bfloat16_checkpoint_decodes_exactly(tiny, tmp_path):
     np.testing.assert_array_equal(model.checkpoint.load("q", 0), want)
     w = model.expert_weights(0, 2)
     gate_up = hf.model.layers[0].mlp.experts.gate_up_proj[2].detach().float().numpy()
-    np.testing.assert_array_equal(w.gate_up, gate_up.T)
+    assert w.gate.qtype.name == "BF16"  # kept as stored
+    np.testing.assert_array_equal(np.concatenate([w.gate.dequantize(), w.up.dequantize()]), gate_up)

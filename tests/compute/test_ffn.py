@@ -205,14 +205,17 @@ def test_dense_range_loaded_alone_equals_the_slice_of_the_whole(tmp_path, fmt):
     from tests.compute.tiny_gguf import write_gguf_from_hf
 
     hf, path = build_tiny("qwen3", tmp_path / "hf")
-    if fmt == "gguf_q8":  # gate/up rows decode block by block; down (width 48) stays F32
+    if fmt == "gguf_q8":  # gate/up rows stay Q8_0 blocks; down's columns 10:30 cut blocks: F32
         path = write_gguf_from_hf(hf, "qwen3", tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q8_0)
     alone = load_model(path).dense_weights(1, 10, 30)  # nothing else materialised
     whole = load_model(path).dense_weights(1)
     ref = whole.range(10, 30)
-    np.testing.assert_array_equal(alone.gate_up, ref.gate_up)
-    np.testing.assert_array_equal(alone.down, ref.down)
-    assert alone.gate_up.flags.c_contiguous and alone.down.flags.c_contiguous
+    for got, want in ((alone.gate, ref.gate), (alone.up, ref.up), (alone.down, ref.down)):
+        assert got.qtype == want.qtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.data, want.data)
+    np.testing.assert_array_equal(alone.down.dequantize(), whole.down.dequantize()[:, 10:30])
+    if fmt == "gguf_q8":
+        assert alone.gate.qtype.name == "Q8_0" and alone.down.qtype.name == "F32"
 
 
 def test_a_failing_backend_leaves_the_cache_reusable(dense_model):

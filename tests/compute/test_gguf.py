@@ -160,7 +160,7 @@ def test_wrong_tensor_shape(tmp_path, tiny):
     w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
     for k, v in f.kv.items():
         if k.startswith("llama.") and k != "llama.embedding_length":
-            w.add_key_value(k, v, f.reader.fields[k].types[0])
+            w.add_key_value(k, v, f.value_types[k])
     w.add_embedding_length(80)
     for name in f.shapes:
         w.add_tensor(name, f.load(name))

@@ -1,0 +1,247 @@
+"""Compact weight matrices and the kernels that multiply by them.
+
+A :class:`QMatrix` is one ``[rows, cols]`` weight matrix (PyTorch orientation: ``y = x @ W.T``)
+kept in its file's encoding: GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, …) or
+plain F32/F16/BF16 elements. ``data`` is uint8 ``[rows, row_bytes]``; each row is whole blocks,
+so a range of rows is a view (``rows(lo, hi)``) and a slice of a memory-mapped file stays
+mapped — nothing is expanded to float32 beyond one tile at a time.
+
+Numerics of :meth:`QMatrix.matmul` (``x`` float32 ``[T, cols]`` → float32 ``[T, rows]``):
+
+* **Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, T ≤ SMALL_T** (decode): a compiled block kernel (numba) dots
+  each row's blocks with float32 activations, ``d * Σ q·x (+ m * Σ x)`` per block, float32
+  accumulation. Rows are independent and each is summed in one fixed order, so the result does
+  not depend on the thread count or on which rows a call holds.
+* **those types, T > SMALL_T** (prefill): tiles of rows are dequantized (compiled, exactly the
+  values ``gguf.quants.dequantize`` gives) into a reused float32 buffer and multiplied by BLAS.
+* **F32**: BLAS on the mapped matrix directly.
+* **every other type** (K-quants, F16, BF16, …): the same tiles, dequantized by
+  ``gguf.quants.dequantize``, then BLAS.
+
+Either way weights enter as exact float32 values and activations stay float32, so results
+differ from a float64 product by float32 rounding only (no activation quantization).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize as gguf_dequantize
+
+F32 = np.float32
+# Up to this many activation rows the block kernels beat dequantize-tile + BLAS.
+SMALL_T = 4
+# Largest dequantized float32 tile (bytes): most FFN matrices in one GEMM call (fewer wake-ups
+# of BLAS threads), little memory next to the compact weights.
+_TILE_BYTES = 4 << 20
+
+# ggml types with a compiled kernel → kernel code used by the numba functions below.
+_KIND = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4}
+
+
+def block_size(qtype: QT) -> tuple[int, int]:
+    """``(elements, bytes)`` of one block of ``qtype`` (1 element for F32/F16/BF16)."""
+    return GGML_QUANT_SIZES[qtype]
+
+
+class QMatrix:
+    """One ``[rows, cols]`` weight matrix in a compact encoding.
+
+    ``data``: uint8 ``[rows, row_bytes]`` (may be a read-only memmap view); ``qtype``: its
+    ``gguf.GGMLQuantizationType``; ``cols``: logical columns (a multiple of the block size).
+    Raises ValueError when the byte count does not fit the shape and encoding.
+    """
+
+    __slots__ = ("data", "qtype", "cols")
+
+    def __init__(self, data: np.ndarray, qtype: QT, cols: int):
+        qtype = QT(qtype)
+        block, type_size = block_size(qtype)
+        data = np.asarray(data)  # a plain ndarray view of a memmap (the kernels take no subclasses)
+        if data.dtype != np.uint8 or data.ndim != 2:
+            raise ValueError(f"QMatrix data must be uint8 [rows, row_bytes], got {data.dtype} {data.shape}")
+        if cols <= 0 or cols % block or data.shape[1] != cols // block * type_size:
+            raise ValueError(f"{qtype.name} rows of {cols} columns take {cols // block * type_size} bytes "
+                             f"(block {block} elements / {type_size} bytes), got {data.shape[1]}")
+        if data.flags.writeable:  # one read-only view type for every source: one compiled kernel
+            data = data.view()
+            data.flags.writeable = False
+        self.data, self.qtype, self.cols = data, qtype, int(cols)
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_float(cls, a: np.ndarray) -> "QMatrix":
+        """A float32 ``[rows, cols]`` array as an F32 QMatrix (shares memory when already f32, C-order)."""
+        a = np.ascontiguousarray(a, dtype=F32)
+        if a.ndim != 2:
+            raise ValueError(f"expected a 2-D float array, got shape {a.shape}")
+        return cls(a.view(np.uint8).reshape(a.shape[0], -1), QT.F32, a.shape[1])
+
+    @classmethod
+    def stacked(cls, data: np.ndarray, qtype: QT, cols: int) -> list["QMatrix"]:
+        """One QMatrix per leading index of uint8 ``[n, rows, row_bytes]`` (views, e.g. experts)."""
+        return [cls(data[i], qtype, cols) for i in range(data.shape[0])]
+
+    # ---- shape -------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the encoded matrix."""
+        return int(self.data.nbytes)
+
+    def __repr__(self) -> str:
+        return f"QMatrix({self.qtype.name}, {self.shape})"
+
+    # ---- slicing ------------------------------------------------------------------------------
+    def rows(self, lo: int, hi: int) -> "QMatrix":
+        """Rows ``lo:hi`` (a view; still in the file's encoding). Raises ValueError out of range."""
+        if not 0 <= lo < hi <= self.shape[0]:
+            raise ValueError(f"rows {lo}:{hi} are outside 0:{self.shape[0]}")
+        return QMatrix(self.data[lo:hi], self.qtype, self.cols)
+
+    def columns(self, lo: int, hi: int) -> "QMatrix":
+        """Columns ``lo:hi``: a view in the file's encoding when both ends fall on block
+        boundaries, else an F32 copy of exactly those columns (the rule weight slices follow)."""
+        if not 0 <= lo < hi <= self.cols:
+            raise ValueError(f"columns {lo}:{hi} are outside 0:{self.cols}")
+        block, type_size = block_size(self.qtype)
+        if lo % block == 0 and hi % block == 0:  # contiguous copy: the kernels take C-order rows
+            raw = np.ascontiguousarray(self.data[:, lo // block * type_size:hi // block * type_size])
+            return QMatrix(raw, self.qtype, hi - lo)
+        return QMatrix.from_float(self.dequantize()[:, lo:hi])
+
+    def permuted_rows(self, order: np.ndarray) -> "QMatrix":
+        """A copy with rows in ``order`` (int [rows]); still compact."""
+        return QMatrix(np.ascontiguousarray(self.data[order]), self.qtype, self.cols)
+
+    # ---- decoding -----------------------------------------------------------------------------
+    def dequantize(self, lo: int = 0, hi: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``lo:hi`` as float32 ``[hi-lo, cols]`` (exactly ``gguf.quants.dequantize``'s values)."""
+        hi = self.shape[0] if hi is None else hi
+        raw = self.data[lo:hi]
+        if out is None:
+            out = np.empty((hi - lo, self.cols), F32)
+        if self.qtype == QT.F32:
+            out[...] = raw.view(F32)
+        elif self.qtype in _KIND:
+            _kernels().dequant(_KIND[self.qtype], raw, out)
+        else:
+            out[...] = gguf_dequantize(raw, self.qtype)
+        return out
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` (int [n]) as float32 ``[n, cols]`` (embedding lookup)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.empty((ids.size, self.cols), F32)
+        for i, r in enumerate(ids):
+            self.dequantize(int(r), int(r) + 1, out[i:i + 1])
+        return out
+
+    # ---- multiplication ----------------------------------------------------------------------
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``x @ W.T``: x float32 ``[T, cols]`` → float32 ``[T, rows]`` (numerics: module docstring).
+
+        Raises ValueError on a shape or dtype mismatch.
+        """
+        if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {x.shape}")
+        T, R = x.shape[0], self.shape[0]
+        if out is None:
+            out = np.empty((T, R), F32)
+        if self.qtype == QT.F32:
+            np.matmul(x, self.data.view(F32).T, out=out)
+            return out
+        x = np.ascontiguousarray(x)
+        if T <= SMALL_T and self.qtype in _KIND:
+            dst = out if out.flags.c_contiguous else np.empty((T, R), F32)
+            _kernels().matmul(_KIND[self.qtype], self.data, x, dst)
+            if dst is not out:
+                out[...] = dst
+            return out
+        tile = max(16, min(R, _TILE_BYTES // (4 * self.cols)))
+        buf = _tile_buffer(tile * self.cols).reshape(tile, self.cols)
+        for lo in range(0, R, tile):
+            hi = min(R, lo + tile)
+            w = self.dequantize(lo, hi, buf[:hi - lo])
+            np.matmul(x, w.T, out=out[:, lo:hi])
+        return out
+
+
+def as_qmatrix(w) -> QMatrix:
+    """``w`` when it is a QMatrix, else a float32 2-D array wrapped as an F32 QMatrix."""
+    return w if isinstance(w, QMatrix) else QMatrix.from_float(w)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+_local = threading.local()
+
+
+def _tile_buffer(n: int) -> np.ndarray:
+    """A per-thread float32 scratch buffer of at least ``n`` elements, reused across calls."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _local.buf = np.empty(n, F32)
+    return buf[:n]
+
+
+_compiled = None
+_import_lock = threading.Lock()
+# One kernel launch at a time per process: numba's portable thread pool ("workqueue", the one
+# every platform has) aborts on launches from two threads at once (loopback peers, a coordinator
+# that also answers its own rows).
+_launch_lock = threading.Lock()
+
+
+class _Kernels:
+    def __init__(self, module, parallel: bool):
+        self._matmul = module.matmul_parallel if parallel else module.matmul
+        self._dequant = module.dequant_parallel if parallel else module.dequant
+
+    def matmul(self, *args) -> None:
+        with _launch_lock:
+            self._matmul(*args)
+
+    def dequant(self, *args) -> None:
+        with _launch_lock:
+            self._dequant(*args)
+
+
+def _kernels() -> _Kernels:
+    """The numba kernels, imported (and compiled or loaded from numba's cache) on first use."""
+    global _compiled
+    if _compiled is None:
+        with _import_lock:
+            if _compiled is None:
+                os.environ.setdefault("NUMBA_CACHE_DIR", _numba_cache_dir())
+                # One kernel thread unless NUMBA_NUM_THREADS says otherwise: on a busy machine a
+                # parallel launch waits for every thread to be scheduled, hundreds of times a token.
+                os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+                import numba
+
+                from swarm.compute import qkernels
+                k = _Kernels(qkernels, parallel=numba.config.NUMBA_NUM_THREADS > 1)
+                # Run each once on a tiny input: compiles (first run on a machine) or loads the cache.
+                w = np.zeros((1, 34), np.uint8)
+                w.flags.writeable = False
+                x = np.zeros((1, 32), F32)
+                k.matmul(0, w, x, np.empty((1, 1), F32))
+                k.dequant(0, w, np.empty((1, 32), F32))
+                _compiled = k
+    return _compiled
+
+
+def prepare_kernels() -> None:
+    """Load (or, the first time on a machine, compile: seconds) the block kernels now."""
+    _kernels()
+
+
+def _numba_cache_dir() -> str:
+    from swarm.paths import cache_dir
+    return str(cache_dir() / "numba")
