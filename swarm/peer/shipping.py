@@ -301,6 +301,7 @@ class SliceDownload:
         self._window = window
         self._timeout_s = timeout_s
         self._have: set[int] = set(have) if have is not None else self._scan()
+        self._done_bytes = sum(self._span_len(i) for i in self._have)  # kept up to date: O(1) per chunk
         self._in_flight: dict[int, float] = {}  # index -> deadline (s)
         self._retries: dict[int, int] = {}
         # Already whole (a resumed download that had finished, or an empty slice).
@@ -319,7 +320,7 @@ class SliceDownload:
 
     @property
     def done_bytes(self) -> int:
-        return sum(self._span_len(i) for i in self._have)
+        return self._done_bytes
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must next run (s, same clock as ``now``), or None."""
@@ -372,10 +373,12 @@ class SliceDownload:
             return [ChunkRejected(index, reason)]
         self._view[start:stop] = data
         self._have.add(index)
+        self._done_bytes += stop - start
         events: list[ShippingEvent] = [ChunkAccepted(index, self.done_bytes, m.size)]
         if len(self._have) == m.n_chunks:
             if sha256(self._view) != m.slice_id:
                 self._have.clear()
+                self._done_bytes = 0
                 raise WeightIntegrityError(
                     f"slice {m.hex_id[:12]}: all chunks matched their hashes but the whole blob does not; "
                     "the manifest is inconsistent — refusing it"
