@@ -83,6 +83,12 @@ async def healed(lab, procs, n: int, what: str, since: float, bound_s: float = H
     return first[1]
 
 
+def lone_coordinators(procs) -> list[str]:
+    """Log lines of a peer that coordinated alone (a newcomer that stood before it heard of the others)."""
+    return [line for p in procs for line in p.log_path.read_text(errors="replace").splitlines()
+            if "coordinator of term" in line and "over 0 worker(s)" in line]
+
+
 def slow_callbacks(procs) -> list[str]:
     return [m.group(0)[:300] for p in procs for m in SLOW.finditer(p.log_path.read_text(errors="replace"))]
 
@@ -105,6 +111,7 @@ async def test_faults_heal_into_one_swarm(netns_lab, model_dir, expected):
     procs = [join(lab, i, key, model_dir) for i in range(3)]
     t0 = time.monotonic()
     state = await healed(lab, procs, 3, "joining together", t0)
+    assert lone_coordinators(procs) == []
     answer = await ask(lab, (state["coordinator"] + 1) % 3, state["coordinator"], state["api_port"],
                        key.api_token, PROMPT)
     assert answer == {"event": "done", "text": expected, "t": answer["t"]}
@@ -248,6 +255,7 @@ async def test_three_peers_with_a_slow_to_parse_model_form_one_swarm(netns_lab, 
     procs = [join(lab, i, key, model) for i in range(3)]
     state = await healed(lab, procs, 3, "joining together with a slow-to-parse model", time.monotonic(),
                          bound_s=FORM_SLOW_S)
+    assert lone_coordinators(procs) == []
     answer = await ask(lab, (state["coordinator"] + 1) % 3, state["coordinator"], state["api_port"],
                        key.api_token, PROMPT)
     assert answer["event"] == "done" and answer["text"] == expected_text, answer
