@@ -28,6 +28,7 @@ the cache; fetching the same manifest again (over a new link) asks only for what
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -152,6 +153,7 @@ class SliceFetcher:
         self.offers: asyncio.Queue[Manifest] = asyncio.Queue()
         self.paths: dict[str, str] = {}
         self._https: dict[str, HttpsSource] = {}  # slice id (hex) → its bulk path, from the offer
+        self._good_url: str | None = None  # the slice server URL that answered last: tried first
         self._use_https = use_https
         self._window, self._timeout_s = window, timeout_s
         self._inboxes: dict[str, asyncio.Queue[WeightChunk | None]] = {}
@@ -198,8 +200,10 @@ class SliceFetcher:
         if https is not None:
             from swarm.peer.slice_http import SliceUnreachable, fetch_https
 
+            if self._good_url in https.urls:
+                https = dataclasses.replace(https, urls=(self._good_url, *(u for u in https.urls if u != self._good_url)))
             try:
-                await fetch_https(dl, https, progress=progress)
+                self._good_url = await fetch_https(dl, https, progress=progress) or self._good_url
                 self.paths[manifest.hex_id] = "https"
                 return self.cache.finish(dl)
             except SliceUnreachable as exc:
@@ -320,8 +324,6 @@ class PlanShipper:
 
     async def manifest_for(self, spec: Any, browser: bool = False) -> Manifest:
         """The manifest of ``spec``'s slice (cut, and for a browser peer repacked, once)."""
-        import dataclasses
-
         from swarm.peer.repack import repack_for_page
 
         manifest = self._manifests.get((spec, browser))
@@ -337,8 +339,6 @@ class PlanShipper:
 
 def shape_from_meta(meta: Any) -> Any:
     """The :class:`~swarm.peer.planner.ModelShape` a shipped manifest carries. RemoteProtocolError if malformed."""
-    import dataclasses
-
     from swarm.peer.planner import ModelShape
 
     shape = meta.get("shape") if isinstance(meta, dict) else None

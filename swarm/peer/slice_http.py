@@ -54,6 +54,7 @@ PATH_PREFIX = "/slices/"
 WRITE_BYTES = 1 << 20  # the server writes the blob in pieces of this size
 CONNECT_TIMEOUT_S = 3.0  # per URL: an address the fetcher cannot reach is skipped after this
 READ_TIMEOUT_S = 30.0  # no byte for this long: the transfer is broken off (resumable)
+SHUTDOWN_S = 1.0
 _SLICE_ID = re.compile(r"[0-9a-f]{64}")
 CORS = {
     "Access-Control-Allow-Origin": "*",
@@ -107,7 +108,8 @@ class SliceHttpServer:
         app = web.Application()
         app.router.add_route("GET", PATH_PREFIX + "{slice_id}", self._get)
         app.router.add_route("OPTIONS", PATH_PREFIX + "{slice_id}", self._preflight)
-        self._runner = web.AppRunner(app, access_log=None)
+        # On close, transfers in flight get this long to end: a fetcher resumes whatever is cut off.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port_wanted, ssl_context=self._ssl)
         await site.start()
@@ -198,13 +200,14 @@ def _refuse(status: int, why: str, headers: dict[str, str] | None = None) -> web
 
 
 async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress: Progress | None = None,
-                      connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+                      connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = READ_TIMEOUT_S) -> str | None:
     """Complete ``download`` over HTTPS from ``source`` (the offer's bulk path).
 
     Asks for each run of missing chunks with one range request, checks every chunk against the
     manifest as it arrives and stores it in the download's buffer (one chunk in memory at a
     time); chunks that fail are asked for again (the download gives up after
     ``MAX_CHUNK_RETRIES``). URLs are tried in order; the first that answers serves the rest.
+    Returns that base URL (None when the download was already complete), to try first next time.
 
     Raises:
         SliceUnreachable: no URL answered with the pinned certificate, the token was refused, or
@@ -243,6 +246,7 @@ async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress:
                         raise SliceUnreachable(f"slice server {url} broke off slice {m.hex_id[:12]}: {exc!r:.200}") from None
                 else:
                     raise SliceUnreachable(f"no slice server URL answered for slice {m.hex_id[:12]}: {'; '.join(failures)}")
+    return base
 
 
 def _why(exc: BaseException) -> str:

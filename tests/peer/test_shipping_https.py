@@ -318,8 +318,10 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
 
     async def ship(cache_dir, reachable: bool):
         a, b = await _linked_pair(COORDINATOR.peer_id, WORKER.peer_id)
+        # The first address has no route from the worker: it moves on to the next, and keeps that.
         shipper = PlanShipper(path, model.content_hash(), shape, chunk_size=MIN_CHUNK_SIZE,
-                              token_key=KEY.slice_token_key, certificate=cert)
+                              token_key=KEY.slice_token_key, certificate=cert,
+                              https_addresses=["192.0.2.1", "10.214.0.1"])
         shipper.attach(a)
         fetcher = SliceFetcher(b, model.content_hash(), SliceCache(cache_dir))
         try:
@@ -329,7 +331,8 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
                 await shipper.close()
             shipped = await fetch_plan_slices(fetcher, specs)
             https_sent = shipper.http.sent_bytes if shipper.http else https_sent
-            return sent, shipped, dict(fetcher.paths), https_sent, sum(shipper.server.sent_bytes.values())
+            return (sent, shipped, dict(fetcher.paths), https_sent, sum(shipper.server.sent_bytes.values()),
+                    fetcher._good_url)
         finally:
             await shipper.close()
             await a.close()
@@ -340,10 +343,11 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
 
     fast, slow = _run_in_netns(main)
     total = sum(m.size for m in fast[0])
-    sent, shipped, paths, https_bytes, channel_bytes = fast
+    sent, shipped, paths, https_bytes, channel_bytes, good_url = fast
     assert set(paths.values()) == {"https"} and len(paths) == len(specs)
+    assert good_url.startswith("https://10.214.0.1:")
     assert https_bytes == total and channel_bytes == 0
-    sent2, shipped2, paths2, https_bytes2, channel_bytes2 = slow
+    sent2, shipped2, paths2, https_bytes2, channel_bytes2, _ = slow
     assert set(paths2.values()) == {"channel"} and https_bytes2 == 0 and channel_bytes2 == total
     assert any("over the data channel" in r.getMessage() and "no slice server URL answered" in r.getMessage()
                for r in caplog.records)
