@@ -1,0 +1,106 @@
+"""Compact-weight kernels (QMatrix) against float64 products of gguf's own dequantization."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from swarm.compute.quant import SMALL_T, QMatrix
+
+F32 = np.float32
+QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]  # gguf can write these
+K_QUANTS = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]  # gguf only reads these
+PLAIN = [QT.F32, QT.F16, QT.BF16]
+ROWS = 67  # odd, and not a multiple of the kernels' 64-row chunks
+
+
+def encoded(qtype: QT, rows: int, cols: int, seed: int) -> np.ndarray:
+    """uint8 [rows, row_bytes] of ``qtype``: quantized normal weights, or (K-quants, which gguf
+    cannot write) random blocks, keeping rows whose scales decode to finite values."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(8 * rows, cols // block * size), dtype=np.uint8)
+        with np.errstate(all="ignore"):
+            ok = np.isfinite(gguf.quants.dequantize(raw, qtype)).all(axis=1)
+        assert ok.sum() >= rows
+        return np.ascontiguousarray(raw[ok][:rows])
+    w = rng.normal(size=(rows, cols)).astype(F32)
+    if qtype == QT.F32:
+        return w.view(np.uint8)
+    return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8)
+
+
+def check_product(m: QMatrix, T: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).normal(size=(T, m.cols)).astype(F32)
+    w64 = gguf.quants.dequantize(m.data, m.qtype).astype(np.float64)
+    want = x.astype(np.float64) @ w64.T
+    got = m.matmul(x)
+    assert got.dtype == F32 and got.shape == (T, m.shape[0])
+    # float32 rounding of a K-term dot product is bounded by ~K·eps·Σ|x·w|; allow a tenth of that
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w64).T
+    bound = 0.1 * m.cols * np.finfo(F32).eps * scale + 1e-30
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), f"{m.qtype.name} T={T}: {bad.sum()} outputs off, worst {np.abs(got - want).max():.3g}"
+    return got
+
+
+@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("qtype", QUANTIZED + K_QUANTS + PLAIN, ids=lambda q: q.name)
+def test_matmul_against_float64_dequantization(qtype, T):
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    cols = 2 * 256 if qtype in K_QUANTS else 3 * 32  # an odd number of 32-blocks
+    m = QMatrix(encoded(qtype, ROWS, cols, int(qtype)), qtype, cols)
+    assert m.shape == (ROWS, cols) and cols % block == 0
+    check_product(m, T, seed=T)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED + PLAIN, ids=lambda q: q.name)
+def test_dequantize_is_exactly_ggufs(qtype):
+    m = QMatrix(encoded(qtype, ROWS, 96, 1), qtype, 96)
+    np.testing.assert_array_equal(m.dequantize(), gguf.quants.dequantize(m.data, qtype))
+    np.testing.assert_array_equal(m.dequantize(5, 9), gguf.quants.dequantize(m.data[5:9], qtype))
+    np.testing.assert_array_equal(m.take([3, 0, 3]), gguf.quants.dequantize(m.data[[3, 0, 3]], qtype))
+
+
+@pytest.mark.parametrize("T", [1, SMALL_T])
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+def test_block_kernel_rows_do_not_depend_on_the_other_rows(qtype, T):
+    """The block kernels sum each row alone, in one order: rows lo:hi of a call are the bits of
+    a call on those rows alone. (BLAS, used for larger T, gives no such promise; peers compute
+    the same slices as the local run instead.)"""
+    cols = 256
+    m = QMatrix(encoded(qtype, ROWS, cols, 7), qtype, cols)
+    x = np.random.default_rng(3).normal(size=(T, cols)).astype(F32)
+    whole = m.matmul(x)
+    for lo, hi in ((0, 1), (10, 40), (64, 67)):
+        part = m.rows(lo, hi)
+        assert part.data.base is not None  # a view, not a copy
+        np.testing.assert_array_equal(part.matmul(x), whole[:, lo:hi])
+
+
+def test_columns_keep_the_encoding_on_block_bounds_else_float32():
+    m = QMatrix(encoded(QT.Q4_1, 8, 128, 2), QT.Q4_1, 128)
+    full = m.dequantize()
+    aligned = m.columns(32, 96)
+    assert aligned.qtype == QT.Q4_1 and aligned.shape == (8, 64) and aligned.nbytes == m.nbytes // 2
+    np.testing.assert_array_equal(aligned.dequantize(), full[:, 32:96])
+    cut = m.columns(10, 50)
+    assert cut.qtype == QT.F32 and cut.shape == (8, 40)
+    np.testing.assert_array_equal(cut.dequantize(), full[:, 10:50])
+
+
+def test_bad_input_names_what_is_wrong():
+    m = QMatrix(encoded(QT.Q8_0, 4, 64, 0), QT.Q8_0, 64)
+    with pytest.raises(ValueError, match=r"x must be float32 \[T, 64\], got float64"):
+        m.matmul(np.zeros((1, 64)))
+    with pytest.raises(ValueError, match=r"x must be float32 \[T, 64\], got float32 \(1, 32\)"):
+        m.matmul(np.zeros((1, 32), F32))
+    with pytest.raises(ValueError, match=r"Q8_0 rows of 64 columns take 68 bytes"):
+        QMatrix(np.zeros((4, 60), np.uint8), QT.Q8_0, 64)
+    with pytest.raises(ValueError, match=r"rows 3:9 are outside 0:4"):
+        m.rows(3, 9)
+    with pytest.raises(ValueError, match=r"columns 0:65 are outside 0:64"):
+        m.columns(0, 65)
