@@ -83,3 +83,63 @@ def test_kernel_blocks_are_kept_as_blocks(page):
                 assert g == {"encoding": None, "offset": None, "nbytes": None, "floats": int(np.prod(t["shape"]))}
             else:
                 assert g == {"encoding": encoding, "offset": t["offset"], "nbytes": t["nbytes"], "floats": None}
+
+
+INSTALL = """async ({blob, meta, x, t, keys}) => {
+  const { GpuContext } = await import("/gpu.js");
+  const { BrowserWorker } = await import("/worker.js");
+  const { decodeSlice } = await import("/slices.js");
+  const u8 = (s) => Uint8Array.from(atob(s), (c) => c.charCodeAt(0));
+  const w = new BrowserWorker(await GpuContext.create(), { peerId: "p" });
+  w._install(decodeSlice(u8(blob), meta, { keepBlocks: true }));
+  const xs = new Float32Array(u8(x).buffer);
+  const out = {};
+  for (const key of keys) {
+    const b = w.blocks.get(key);
+    const y = await b.run(xs, t);
+    out[key] = { fmt: b.fmt, downFmt: b.downFmt, gpuBytes: b.gpuBytes,
+      y: btoa(String.fromCharCode(...new Uint8Array(y.buffer))) };
+  }
+  return out;
+}"""
+
+
+def _slice(kind, encodings, shapes, start=0, seed=3):
+    rng = np.random.default_rng(seed)
+    blob, tensors = b"", []
+    for role, enc, shape in zip(("gate", "up", "down"), encodings, shapes):
+        a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        raw = gguf.quants.quantize(a.reshape(-1, shape[-1]), GGMLQuantizationType[enc]).tobytes()
+        tensors.append({"role": role, "encoding": enc, "shape": list(shape), "offset": len(blob), "nbytes": len(raw)})
+        blob += raw
+    n = shapes[0][0]
+    return blob, {"version": 1, "format": "gguf", "spec": {"layer": 4, "kind": kind, "start": start, "stop": start + n}, "tensors": tensors}
+
+
+def test_worker_installs_block_slices(page):
+    # The page's BrowserWorker on real slices: experts whose gate/up are Q4_1 and down Q8_0 stay in
+    # their blocks (each expert's share of the bytes); a dense range whose gate (Q4_0) and up (Q8_0)
+    # differ goes as float32 for gate/up (one swiglu kernel reads both), down stays Q8_0.
+    from web_peer import kernels as K
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    cases = [
+        (_slice("experts", ("Q4_1", "Q4_1", "Q8_0"), [(3, 96, 64), (3, 96, 64), (3, 64, 96)], start=5),
+         {f"4/expert/{5 + i}": (i, "q4_1", "q8_0") for i in range(3)}),
+        (_slice("dense", ("Q4_0", "Q8_0", "Q8_0"), [(96, 64), (96, 64), (64, 96)], start=32),
+         {"4/dense/32/128": (None, "f32", "q8_0")}),
+    ]
+    for (blob, meta), want in cases:
+        got = page.evaluate(INSTALL, {"blob": base64.b64encode(blob).decode(), "meta": meta,
+                                      "x": base64.b64encode(x.tobytes()).decode(), "t": 3, "keys": list(want)})
+        w = decode_slice(blob, meta)
+        for key, (i, fmt, down_fmt) in want.items():
+            g = got[key]
+            assert (g["fmt"], g["downFmt"]) == (fmt, down_fmt), key
+            gate, up, down = (w.gate, w.up, w.down) if i is None else (w.gate[i], w.up[i], w.down[i])
+            y = np.frombuffer(base64.b64decode(g["y"]), np.float32).reshape(3, 64)
+            ref = K.expert_ffn_f64(x, gate, up, down)
+            assert np.abs(y - ref).max() / np.abs(ref).max() <= 1e-5, key
+        if meta["spec"]["kind"] == "experts":
+            assert sum(g["gpuBytes"] for g in got.values()) == len(blob)  # the blocks, nothing added
