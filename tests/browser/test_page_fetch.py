@@ -1,6 +1,7 @@
 """The peer page fetches its weight slices over HTTPS range requests (web_peer/storage.js
 fetchSliceHttps) from a slice server on another port than the page's own origin (CORS), with the
-bearer token from the offer; the data channel carries no chunk. A refused token makes the page
+bearer token from the offer; the data channel carries no chunk. A chunk tampered with on the
+server is refused and fetched again. A refused token makes the page
 say so and pull the slice over the data channel instead; a reload takes the slice from Cache
 Storage. Oracles: the numpy twins of the page's kernels on the decoded slice, and the servers'
 counts of bytes sent on each path.
@@ -84,6 +85,33 @@ def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e
         assert isinstance(ans, ExpertAnswer), ans
         assert _rel(ans.outputs, K.expert_ffn(rows, eg[1], eu[1], ed[1])) <= 1e-5
 
+        # A chunk tampered with once on the server is refused by the page and fetched again.
+        tblob, tmeta, tg, tu, td = expert_slice(rng, layer=2, start=0, n=2, h=64, f=96)
+        tmanifest = swarm.source.offer(tblob, tmeta, chunk_size=16 << 10)
+        served_views = []
+        real_view = swarm.source.view
+
+        def tampered_once(slice_id):  # the first answer for this slice carries a flipped byte in chunk 1
+            view = real_view(slice_id)
+            served_views.append(slice_id)
+            if slice_id == tmanifest.slice_id and served_views.count(slice_id) == 1:
+                bad = bytearray(view)
+                bad[(16 << 10) + 5] ^= 0xFF
+                return memoryview(bad)
+            return view
+
+        swarm.source.view = tampered_once
+        before = http.sent_bytes
+        swarm.call(swarm.slices.offer(link, tmanifest, http.source_for(tmanifest)))
+        page.wait_for_function("window.colibri.worker.blocks.size === 5", timeout=30000)
+        assert http.sent_bytes - before == len(tblob) + (16 << 10)  # chunk 1 twice, nothing else again
+        assert any("chunk 1 refused (SHA-256 mismatch)" in c for c in console), console
+        assert page.evaluate("window.colibri.worker.stats.channelFallbacks") == 1  # still only the 403 one
+        ans = swarm.request(ExpertRequest(request_id=9, term=0, plan_version=0, layer=2, expert_ids=np.array([1], np.int32),
+                                          row_counts=np.array([2], np.int32), rows=rows))
+        assert isinstance(ans, ExpertAnswer), ans
+        assert _rel(ans.outputs, K.expert_ffn(rows, tg[1], tu[1], td[1])) <= 1e-5
+
         # Reload: the HTTPS-fetched slice comes from Cache Storage; nothing is fetched again.
         page.reload()
         _wait_state(page, "authenticated")
@@ -91,7 +119,7 @@ def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e
         swarm.call(swarm.slices.offer(link2, manifest, offer))
         _wait_state(page, "serving")
         assert page.evaluate("window.colibri.worker.stats.cachedSlices") == 1
-        assert http.sent_bytes == len(blob)
+        assert http.sent_bytes == len(blob) + len(tblob) + (16 << 10)
         assert not errors, errors
     finally:
         swarm.call(http.close())
