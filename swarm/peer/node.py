@@ -321,11 +321,16 @@ def main_join(args: Any) -> int:
 
 
 async def _join(args: Any, console: Any) -> None:
-    from swarm.peer import identity, swarmkey
     from swarm.peer.loopwatch import watch_slow_callbacks
+
+    with watch_slow_callbacks(asyncio.get_running_loop()):
+        await _run_peer(args, console)
+
+
+async def _run_peer(args: Any, console: Any) -> None:
+    from swarm.peer import identity, swarmkey
     from swarm.peer.roles import SwarmRoles
 
-    watch_slow_callbacks(asyncio.get_running_loop())
     paths.lock_config_dir()  # first: one process per identity (and its key file); the OS releases it at exit
     key, created = _swarm_key(args, swarmkey)
     ident = identity.load_or_create()
