@@ -188,23 +188,36 @@ class SwarmRoles:
 
     # ------------------------------------------------------------------- election
     async def _drive(self) -> None:
+        """The election driver: must outlive any one bad tick, or this peer would never elect again."""
+        failures = 0
         while True:
-            now = time.monotonic()
-            for peer, link in list(self.node.links.items()):
-                self.election.heard_from(peer, link.last_heard)  # any inbound byte, link heartbeats included
-            self._forget_departed(now)
-            self._readmit_returned(now)
-            self._check_plan(now)
-            if now < self._started + JOIN_GRACE_S and self._unlinked_peers():
-                self.election.hold_candidacy(now + TICK_S)
-            self.election.handle_timer(now)
-            await self._flush()
-            self._wake.clear()
-            delay = min(max(self.election.get_timer() - time.monotonic(), 0.0), TICK_S)
             try:
-                await asyncio.wait_for(self._wake.wait(), delay)
-            except TimeoutError:
-                pass
+                await self._tick()
+                failures = 0
+            except Exception:
+                failures += 1
+                if failures == 1:
+                    log.exception("election tick failed; going on")
+                await asyncio.sleep(TICK_S)
+
+    async def _tick(self) -> None:
+        """One round: liveness and membership from the links, the election's timers, its messages."""
+        now = time.monotonic()
+        for peer, link in list(self.node.links.items()):
+            self.election.heard_from(peer, link.last_heard)  # any inbound byte, link heartbeats included
+        self._forget_departed(now)
+        self._readmit_returned(now)
+        self._check_plan(now)
+        if now < self._started + JOIN_GRACE_S and self._unlinked_peers():
+            self.election.hold_candidacy(now + TICK_S)
+        self.election.handle_timer(now)
+        await self._flush()
+        self._wake.clear()
+        delay = min(max(self.election.get_timer() - time.monotonic(), 0.0), TICK_S)
+        try:
+            await asyncio.wait_for(self._wake.wait(), delay)
+        except TimeoutError:
+            pass
 
     def _unlinked_peers(self) -> set[str]:
         """Python peers on our signaling server with no open link to us yet (refused ones aside)."""
