@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -108,7 +109,7 @@ async def _serve(address: str, mib: int, channel_mib: int) -> None:
         await server.offer(link, small)
 
     ctl = await asyncio.start_server(control, address, 0)
-    _emit(event="ready", manifest=manifest.to_json(), https=http.source_for(manifest).__dict__,
+    _emit(event="ready", manifest=manifest.to_json(), https=dataclasses.asdict(http.source_for(manifest)),
           tcp_port=tcp.sockets[0].getsockname()[1], control_port=ctl.sockets[0].getsockname()[1])
     await asyncio.sleep(3600)  # killed by the parent when the fetcher is done
 

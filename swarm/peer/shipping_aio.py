@@ -153,7 +153,7 @@ class SliceFetcher:
         self.offers: asyncio.Queue[Manifest] = asyncio.Queue()
         self.paths: dict[str, str] = {}
         self._https: dict[str, HttpsSource] = {}  # slice id (hex) → its bulk path, from the offer
-        self._good_url: str | None = None  # the slice server URL that answered last: tried first
+        self.preferred_url: str | None = None  # the slice server URL that answered last: tried first
         self._use_https = use_https
         self._window, self._timeout_s = window, timeout_s
         self._inboxes: dict[str, asyncio.Queue[WeightChunk | None]] = {}
@@ -200,10 +200,10 @@ class SliceFetcher:
         if https is not None:
             from swarm.peer.slice_http import SliceUnreachable, fetch_https
 
-            if self._good_url in https.urls:
-                https = dataclasses.replace(https, urls=(self._good_url, *(u for u in https.urls if u != self._good_url)))
+            if self.preferred_url in https.urls:
+                https = dataclasses.replace(https, urls=(self.preferred_url, *(u for u in https.urls if u != self.preferred_url)))
             try:
-                self._good_url = await fetch_https(dl, https, progress=progress) or self._good_url
+                self.preferred_url = await fetch_https(dl, https, progress=progress) or self.preferred_url
                 self.paths[manifest.hex_id] = "https"
                 return self.cache.finish(dl)
             except SliceUnreachable as exc:

@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from swarm.errors import PeerLostError, RemoteProtocolError, SwarmError
+from swarm.errors import RemoteProtocolError, SwarmError, WeightIntegrityError
 from swarm.peer.messages import HttpsSource
 from swarm.peer.shipping import Chunk, ChunkRejected, Manifest, SliceDownload, SliceSource
 from swarm.peer.shipping_aio import _runs
@@ -113,7 +113,7 @@ class SliceHttpServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port_wanted, ssl_context=self._ssl)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
         log.info("slice server on https://%s:%d (certificate SHA-256 %s…)", self._host, self.port,
                  self.cert_sha256.hex()[:16])
         return self.port
@@ -200,7 +200,8 @@ def _refuse(status: int, why: str, headers: dict[str, str] | None = None) -> web
 
 
 async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress: Progress | None = None,
-                      connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = READ_TIMEOUT_S) -> str | None:
+                      connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                      read_timeout_s: float = READ_TIMEOUT_S) -> str | None:
     """Complete ``download`` over HTTPS from ``source`` (the offer's bulk path).
 
     Asks for each run of missing chunks with one range request, checks every chunk against the
@@ -225,8 +226,9 @@ async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress:
         failures: list[str] = []
         while not download.complete:
             runs = _runs(download.missing)
-            if not runs:  # every chunk is in, yet the whole did not verify: receive() raised already
-                break
+            if not runs:  # a partial file whose chunks all match, yet the whole does not
+                raise WeightIntegrityError(f"slice {m.hex_id[:12]}: every chunk matches its hash but the whole "
+                                           "does not; the manifest is inconsistent — refusing it")
             for first, count in runs:
                 start, _ = m.chunk_span(first)
                 _, stop = m.chunk_span(first + count - 1)
@@ -236,17 +238,24 @@ async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress:
                                          start, stop, progress)
                         base = url
                         break
-                    except (aiohttp.ClientConnectorError, aiohttp.ServerFingerprintMismatch,
-                            aiohttp.ServerTimeoutError, ConnectionRefusedError) as exc:
+                    except _NOT_THERE as exc:
                         if base is not None:  # it answered before: the connection broke
-                            raise SliceUnreachable(f"slice server {url} broke off slice {m.hex_id[:12]}: {exc!r:.200}") from None
+                            raise _broke(url, m, exc) from None
                         failures.append(f"{url}: {_why(exc)}")
-                    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-                            asyncio.IncompleteReadError, ConnectionError) as exc:
-                        raise SliceUnreachable(f"slice server {url} broke off slice {m.hex_id[:12]}: {exc!r:.200}") from None
+                    except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
+                        raise _broke(url, m, exc) from None  # cut off, stalled past the read timeout, or reset
                 else:
-                    raise SliceUnreachable(f"no slice server URL answered for slice {m.hex_id[:12]}: {'; '.join(failures)}")
+                    raise SliceUnreachable(f"no slice server URL answered for slice {m.hex_id[:12]}: "
+                                           + "; ".join(failures))
     return base
+
+
+# Errors that mean "not this URL" (try the next one), before any byte came.
+_NOT_THERE = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerFingerprintMismatch)
+
+
+def _broke(url: str, m: Manifest, exc: BaseException) -> SliceUnreachable:
+    return SliceUnreachable(f"slice server {url} broke off slice {m.hex_id[:12]}: {exc!r:.200}")
 
 
 def _why(exc: BaseException) -> str:
@@ -261,7 +270,8 @@ async def _fetch_run(session: aiohttp.ClientSession, url: str, download: SliceDo
     m = download.manifest
     async with session.get(url, headers={"Range": f"bytes={start}-{stop - 1}"}) as resp:
         if resp.status in (401, 403):
-            raise SliceUnreachable(f"slice server {url} refused the token ({resp.status}: {(await resp.text())[:200].strip()})")
+            why = (await resp.text())[:200].strip()
+            raise SliceUnreachable(f"slice server {url} refused the token ({resp.status}: {why})")
         if resp.status != 206:
             raise RemoteProtocolError(f"slice server {url} answered {resp.status} to bytes {start}-{stop - 1}: "
                                       f"{(await resp.text())[:200].strip()}")

@@ -332,7 +332,7 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
             shipped = await fetch_plan_slices(fetcher, specs)
             https_sent = shipper.http.sent_bytes if shipper.http else https_sent
             return (sent, shipped, dict(fetcher.paths), https_sent, sum(shipper.server.sent_bytes.values()),
-                    fetcher._good_url)
+                    fetcher.preferred_url)
         finally:
             await shipper.close()
             await a.close()
@@ -356,3 +356,22 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
         want = slicer.extract(SliceSpec.from_json(manifest.meta["spec"]))[0]
         for cache_dir in ("w1", "w2"):
             assert bytes(SliceCache(tmp_path / cache_dir).get(manifest)) == bytes(want)
+
+
+def test_partial_file_whose_chunks_match_but_whole_does_not_is_refused(tmp_path):
+    """A manifest that lies about the whole (chunk hashes right, slice id wrong), with every
+    chunk already in the partial file: refused by name before any request is sent."""
+    import dataclasses
+
+    from swarm.peer.shipping import build_manifest
+
+    blob = bytes(_blob(2 * CS, 8))
+    lying = dataclasses.replace(build_manifest(blob, {}, CS), slice_id=bytes(32))
+    cache = SliceCache(tmp_path)
+    cache.open_download(lying)  # creates the .part file
+    (tmp_path / f"{lying.hex_id}.part").write_bytes(blob)
+    dl = cache.open_download(lying)  # rescans: every chunk matches
+    assert dl.missing == [] and not dl.complete
+    unreachable = HttpsSource(("https://127.0.0.1:9",), "00" * 32, "00" * 32)
+    with pytest.raises(WeightIntegrityError, match="the manifest is inconsistent"):
+        asyncio.run(fetch_https(dl, unreachable))
