@@ -160,6 +160,7 @@ def test_swarm_key_vector() -> None:
     assert key.signaling_key.hex() == v["signaling_key_hex"]
     assert key.channel_auth_key.hex() == v["channel_auth_key_hex"]
     assert key.api_token == v["api_token"]
+    assert key.slice_token_key.hex() == v["slice_token_key_hex"]
 
 
 # --- the browser's recipe, run in real Chromium ---------------------------------------------------
