@@ -1,8 +1,9 @@
 // The peer page: joins the swarm whose key is in the URL fragment and serves FFN work with WebGPU.
 //
 //   https://<host>:<port>/#<swarm key code>[?name=…]   (printed as a QR code by `colibri-swarm join`)
-// Query options: name (shown to the swarm), format (f32 | f16 | q8 weights on the GPU),
-// budget (bytes of weights this page offers), signal (a wss:// URL instead of this server's).
+// Query options: name (shown to the swarm), format (f32 | f16 | q8: how F32/F16/BF16 slices are
+// held on the GPU; Q4_0/Q4_1/Q8_0 slices stay in their blocks), budget (bytes of weights this
+// page offers, counted as held), signal (a wss:// URL instead of this server's).
 //
 // Flow: key from the fragment → WebGPU adapter (none: "cannot serve") → identity → signaling
 // (wrong key: "refused", told so) → offer a link to every Python peer, keep the one that answers
