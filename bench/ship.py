@@ -255,7 +255,8 @@ def to_page(mib: int) -> dict:
                 page = browser.new_context(ignore_https_errors=True).new_page()
                 page.goto(_page_url(swarm, swarm.key.code, "bench"))
                 _wait_state(page, "authenticated")
-                link = swarm.browser_link()
+                while (link := swarm.browser_link()) is None:  # the page may know before this side does
+                    time.sleep(0.05)
                 for path, seed in (("https", 1), ("channel", 2)):
                     blob, meta = q8_slice(seed)
                     manifest = swarm.source.offer(blob, meta, chunk_size=CHUNK)

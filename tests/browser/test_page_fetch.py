@@ -9,6 +9,8 @@ counts of bytes sent on each path.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -37,6 +39,15 @@ def start_slice_server(swarm) -> SliceHttpServer:
     return swarm.call(start())
 
 
+def browser_link(swarm, other_than=None, timeout_s: float = 20.0):
+    """The page's link once this side has it too (the page may say "authenticated" first)."""
+    deadline = time.monotonic() + timeout_s
+    while (link := swarm.browser_link()) is None or link is other_than:
+        assert time.monotonic() < deadline, "the coordinator never saw the page's link"
+        time.sleep(0.05)
+    return link
+
+
 def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e_browser):
     ctx = e2e_browser.new_context(ignore_https_errors=True)  # the slice server's self-signed certificate
     page = ctx.new_page()
@@ -45,7 +56,7 @@ def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e
     page.on("console", lambda msg: console.append(msg.text))
     page.goto(_page_url(swarm, swarm.key.code))
     _wait_state(page, "authenticated")
-    link = swarm.browser_link()
+    link = browser_link(swarm)
     http = start_slice_server(swarm)
     try:
         assert http.port != swarm.server.port  # another origin than the page's
@@ -115,7 +126,7 @@ def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e
         # Reload: the HTTPS-fetched slice comes from Cache Storage; nothing is fetched again.
         page.reload()
         _wait_state(page, "authenticated")
-        link2 = swarm.browser_link()
+        link2 = browser_link(swarm, other_than=link)
         swarm.call(swarm.slices.offer(link2, manifest, offer))
         _wait_state(page, "serving")
         assert page.evaluate("window.colibri.worker.stats.cachedSlices") == 1
