@@ -1,6 +1,11 @@
-"""Engine speed against transformers on the same model and thread count; prints JSON.
+"""Engine speed against llama.cpp and transformers on the same model and thread count; prints JSON.
 
     python3 bench/engine.py [--model PATH] [--threads 2] [--prompt-tokens 128] [--decode-tokens 64]
+    python3 bench/engine.py --make-moe PATH   # write the random 64-expert Qwen3-MoE Q8_0 GGUF (~1 GB)
+
+llama.cpp runs through llama-cpp-python (a benchmark-only package, built with
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"`` where a native
+build dies with an illegal instruction); transformers reads the GGUF itself.
 
 Each engine runs in its own child process (this script with ``--worker NAME``), so the
 peak RSS reported is that engine's alone, and both get the same BLAS/OpenMP thread limits
@@ -44,19 +49,24 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--engines", default="colibri,transformers", help="comma-separated: colibri, transformers")
+    ap.add_argument("--engines", default="colibri,llamacpp,transformers",
+                    help="comma-separated: colibri, llamacpp, transformers")
+    ap.add_argument("--make-moe", metavar="PATH", help="write the random MoE GGUF to PATH and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
 
     sys.path.insert(0, str(REPO))
+    if args.make_moe:
+        print(write_random_moe(Path(args.make_moe)))
+        return 0
     if args.model is None:
         from swarm.compute.default_model import default_model_path
 
         args.model = str(default_model_path())
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         env[var] = str(args.threads)
     report: dict = {
         "model": args.model, "threads": args.threads, "cpus": os.cpu_count(),
@@ -91,7 +101,14 @@ def main() -> int:
                 break
             same += 1
         report["greedy_prefix_agreement"] = f"{same}/{len(ours['greedy_ids'])}"
-    for engine in ("colibri", "transformers"):
+    if "colibri" in report and "llamacpp" in report:
+        ours, theirs = report["colibri"], report["llamacpp"]
+        report["ratio_vs_llamacpp"] = {  # targets: decode >= 0.8, prefill >= 1.0, peak RSS <= 1.3
+            "decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3),
+            "prefill": round(ours["prefill_tok_s"] / theirs["prefill_tok_s"], 3),
+            "peak_rss": round(ours["peak_rss_mib"] / theirs["peak_rss_mib"], 3),
+        }
+    for engine in ("colibri", "llamacpp", "transformers"):
         report.get(engine, {}).pop("greedy_ids", None)
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report, indent=2))
@@ -114,7 +131,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     threadpool_limits(args.threads)
     prompt = _prompt_ids(args.model, args.prompt_tokens)
-    run = {"colibri": _run_colibri, "transformers": _run_transformers}[args.worker]
+    run = {"colibri": _run_colibri, "llamacpp": _run_llamacpp, "transformers": _run_transformers}[args.worker]
     result = run(args, prompt)
     result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(result))
@@ -161,6 +178,111 @@ def _run_colibri(args: argparse.Namespace, prompt: list[int]) -> dict:
         cpu.append((c1 - c0, c2 - c1))
         greedy = [first, *rest]
     return _summary(load_s, prefills, decodes, len(prompt), args.decode_tokens, greedy, cpu)
+
+
+def _run_llamacpp(args: argparse.Namespace, prompt: list[int]) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=args.model, n_ctx=len(prompt) + args.decode_tokens + 8, n_batch=len(prompt),
+                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    load_s = time.perf_counter() - t0
+
+    def greedy_run(ids: list[int], n: int) -> tuple[float, float, list[int], tuple[float, float]]:
+        llm.reset()
+        t0, c0 = time.perf_counter(), time.process_time()
+        llm.eval(ids)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t1, c1 = time.perf_counter(), time.process_time()
+        tokens = [token]
+        for _ in range(n):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tokens.append(token)
+        t2, c2 = time.perf_counter(), time.process_time()
+        return t1 - t0, t2 - t1, tokens, (c1 - c0, c2 - c1)
+
+    greedy_run(prompt[:8], 3)  # warm-up
+    prefills, decodes, cpu, greedy = [], [], [], []
+    for _ in range(args.repeats):
+        p, d, greedy, c = greedy_run(prompt, args.decode_tokens)
+        prefills.append(p)
+        decodes.append(d)
+        cpu.append(c)
+    return _summary(load_s, prefills, decodes, len(prompt), args.decode_tokens, greedy, cpu)
+
+
+def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts: int = 64, top_k: int = 8,
+                     expert_ffn: int = 512, heads: int = 16, kv_heads: int = 4, seed: int = 0) -> Path:
+    """A random Qwen3-MoE GGUF, weights Q8_0 (norms F32), with the default model's tokenizer so
+    every engine can load it: 9 layers of 64 experts of 1024x512 give ~1.0 GB. Written one
+    tensor at a time with ``gguf``'s writer and quantizer (never the float32 model in memory)."""
+    import gguf
+    import numpy as np
+
+    from swarm.compute.default_model import default_model_path
+    from swarm.compute.tensors import GGUFFile
+
+    Q8 = gguf.GGMLQuantizationType.Q8_0
+    rng = np.random.default_rng(seed)
+    source = GGUFFile(default_model_path())
+    vocab = len(source.kv["tokenizer.ggml.tokens"])
+    hd = hidden // heads
+    arch = "qwen3moe"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(expert_ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(top_k)
+    w.add_expert_feed_forward_length(expert_ffn)
+    for key, value in source.kv.items():
+        if key.startswith("tokenizer."):
+            vtype = source.value_types[key]
+            value = list(value) if vtype == gguf.GGUFValueType.ARRAY else value
+            sub = None
+            if vtype == gguf.GGUFValueType.ARRAY and value:
+                sub = gguf.GGUFValueType.get_type(value[0])
+            w.add_key_value(key, value, vtype, sub_type=sub)
+
+    def q8(*shape: int, scale: float) -> np.ndarray:
+        return gguf.quants.quantize((rng.standard_normal(shape, dtype=np.float32) * scale), Q8)
+
+    def add(name: str, data: np.ndarray, qtype=Q8) -> None:
+        w.add_tensor(name, data, raw_dtype=qtype)
+
+    F32 = gguf.GGMLQuantizationType.F32
+    ones = lambda n: np.ones(n, np.float32)  # noqa: E731
+    add("token_embd.weight", q8(vocab, hidden, scale=1.0))
+    add("output_norm.weight", ones(hidden), F32)
+    s_in, s_ffn = hidden ** -0.5, expert_ffn ** -0.5
+    for i in range(layers):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", ones(hidden), F32)
+        add(b + "ffn_norm.weight", ones(hidden), F32)
+        add(b + "attn_q.weight", q8(heads * hd, hidden, scale=s_in))
+        add(b + "attn_k.weight", q8(kv_heads * hd, hidden, scale=s_in))
+        add(b + "attn_v.weight", q8(kv_heads * hd, hidden, scale=s_in))
+        add(b + "attn_output.weight", q8(hidden, heads * hd, scale=s_in))
+        add(b + "attn_q_norm.weight", ones(hd), F32)
+        add(b + "attn_k_norm.weight", ones(hd), F32)
+        add(b + "ffn_gate_inp.weight", rng.standard_normal((experts, hidden), dtype=np.float32) * 4 * s_in, F32)
+        add(b + "ffn_gate_exps.weight", q8(experts, expert_ffn, hidden, scale=s_in))
+        add(b + "ffn_up_exps.weight", q8(experts, expert_ffn, hidden, scale=s_in))
+        add(b + "ffn_down_exps.weight", q8(experts, hidden, expert_ffn, scale=s_ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def _run_transformers(args: argparse.Namespace, prompt: list[int]) -> dict:

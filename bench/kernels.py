@@ -1,0 +1,150 @@
+"""Candidate kernels for ``x @ W.T`` on GGUF blocks, side by side; prints JSON.
+
+    python3 bench/kernels.py [--threads 2] [--repeats 20]
+
+Per matrix shape (4096x1024 and SmolLM2's 1536x576), block type (Q8_0, Q4_0, Q4_1) and
+T (1: decode, 128: prefill), each candidate's best-of-``--repeats`` time, the weight bytes it
+reads per second (encoded size / time; for the float32 baseline, its 4-byte weights),
+GFLOP/s (2·T·rows·cols / time) and the largest error relative to max |y| of a float64 product
+with ``gguf.quants``' dequantization. Candidates:
+
+- ``numpy_f32``: float32 weights (today's engine before compact weights), BLAS;
+- ``numpy_tiles``: ``gguf.quants.dequantize`` of the whole matrix, then BLAS (the fallback);
+- ``colibri``: :class:`swarm.compute.quant.QMatrix` — numba block kernels for small T,
+  compiled dequantization into tiles + BLAS for large T;
+- ``onnxruntime``: ``com.microsoft::MatMulNBits`` (Q4_0 and Q8_0 repacked to its layout; Q4_1
+  would need float zero points), when ``onnxruntime`` and ``onnx`` are importable.
+
+Thread limits are set (environment, before numpy/numba/onnxruntime load) to ``--threads``.
+Also reported: each library's import cost in RSS (a fresh interpreter each) and the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    sys.path.insert(0, str(REPO))
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    from swarm.compute.quant import QMatrix, prepare_kernels
+
+    prepare_kernels()
+    ort = _onnxruntime(args.threads)
+    rows = []
+    for R, K in ((4096, 1024), (1536, 576)):
+        rng = np.random.default_rng(R)
+        w32 = rng.normal(size=(R, K)).astype(np.float32)
+        for qtype in (QT.Q8_0, QT.Q4_0, QT.Q4_1):
+            q = gguf.quants.quantize(w32, qtype)
+            w64 = gguf.quants.dequantize(q, qtype).astype(np.float64)
+            wf = w64.astype(np.float32)
+            m = QMatrix(q, qtype, K)
+            session = ort(q, qtype, R, K) if ort else None
+            for T in (1, 128):
+                x = rng.normal(size=(T, K)).astype(np.float32)
+                want = x.astype(np.float64) @ w64.T
+                cands = {
+                    "numpy_f32": (lambda: x @ wf.T, wf.nbytes),
+                    "numpy_tiles": (lambda: x @ gguf.quants.dequantize(q, qtype).T, q.nbytes),
+                    "colibri": (lambda: m.matmul(x), q.nbytes),
+                }
+                if session is not None:
+                    cands["onnxruntime"] = (lambda: session.run(None, {"x": x})[0], q.nbytes)
+                for name, (fn, nbytes) in cands.items():
+                    y = fn()
+                    best = min(_timed(fn) for _ in range(args.repeats if T == 1 else max(3, args.repeats // 4)))
+                    rows.append({
+                        "shape": [R, K], "type": qtype.name, "T": T, "kernel": name,
+                        "ms": round(best * 1e3, 3), "GB_per_s": round(nbytes / best / 1e9, 2),
+                        "GFLOP_per_s": round(2 * T * R * K / best / 1e9, 1),
+                        "max_rel_error": float(f"{np.abs(y - want).max() / np.abs(want).max():.2e}"),
+                    })
+    print(json.dumps({
+        "threads": args.threads, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+        "import_rss_mib": {lib: _import_rss(lib) for lib in ("numpy", "numba", "onnxruntime")},
+        "results": rows,
+    }, indent=1))
+    return 0
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _import_rss(module: str) -> float | None:
+    """RSS (MiB) of a fresh interpreter after ``import numpy, <module>``, minus numpy alone
+    (VmRSS: a child's ru_maxrss starts from its parent's at fork)."""
+    rss = "int(dict(l.split(':', 1) for l in open('/proc/self/status'))['VmRSS'].split()[0])"
+    code = f"import numpy; a = {rss}; import {module}; print(a, {rss})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        return None
+    a, b = (int(v) for v in out.stdout.split())
+    return round((b - a) / 1024, 1)
+
+
+def _onnxruntime(threads: int):
+    """A builder of one-node MatMulNBits sessions for Q4_0/Q8_0 blocks, or None when unavailable."""
+    try:
+        import numpy as np
+        import onnx
+        import onnxruntime as ort
+        from gguf import GGMLQuantizationType as QT
+        from onnx import TensorProto, helper
+    except ImportError:
+        return None
+
+    def build(q, qtype, R, K):
+        if qtype not in (QT.Q4_0, QT.Q8_0):
+            return None
+        nb = K // 32
+        blocks = q.reshape(R, nb, -1)
+        scales = blocks[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(-1)
+        if qtype == QT.Q8_0:  # int8 q -> unsigned q + 128 with the default zero point 128
+            packed = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            bits = 8
+        else:  # GGUF: byte j holds weights j (low) and j+16 (high); ORT: weights 2i (low), 2i+1 (high)
+            qs = blocks[:, :, 2:]
+            vals = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [R, nb, 32] in weight order
+            packed = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8)
+            bits = 4
+        node = helper.make_node("MatMulNBits", ["x", "B", "scales"], ["y"], domain="com.microsoft",
+                                K=K, N=R, bits=bits, block_size=32)
+        graph = helper.make_graph(
+            [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", K])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", R])],
+            initializer=[helper.make_tensor("B", TensorProto.UINT8, packed.shape, packed.tobytes(), raw=True),
+                         helper.make_tensor("scales", TensorProto.FLOAT, scales.shape, scales.tobytes(), raw=True)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    _ = onnx
+    return build
+
+
+if __name__ == "__main__":
+    sys.exit(main())
