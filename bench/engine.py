@@ -155,6 +155,18 @@ def _summary(load_s: float, prefills: list[float], decodes: list[float], n_promp
     }
 
 
+def _repeated(greedy_run, args: argparse.Namespace, prompt: list[int], load_s: float) -> dict:
+    """A warm-up, then ``--repeats`` runs of ``greedy_run(ids, n) -> (prefill_s, decode_s, ids, cpu_s)``."""
+    greedy_run(prompt[:8], 3)
+    prefills, decodes, cpu, greedy = [], [], [], []
+    for _ in range(args.repeats):
+        p, d, greedy, c = greedy_run(prompt, args.decode_tokens)
+        prefills.append(p)
+        decodes.append(d)
+        cpu.append(c)
+    return _summary(load_s, prefills, decodes, len(prompt), args.decode_tokens, greedy, cpu)
+
+
 def _run_colibri(args: argparse.Namespace, prompt: list[int]) -> dict:
     from swarm.compute import SamplingParams, generate, load_model
 
@@ -203,14 +215,7 @@ def _run_llamacpp(args: argparse.Namespace, prompt: list[int]) -> dict:
         t2, c2 = time.perf_counter(), time.process_time()
         return t1 - t0, t2 - t1, tokens, (c1 - c0, c2 - c1)
 
-    greedy_run(prompt[:8], 3)  # warm-up
-    prefills, decodes, cpu, greedy = [], [], [], []
-    for _ in range(args.repeats):
-        p, d, greedy, c = greedy_run(prompt, args.decode_tokens)
-        prefills.append(p)
-        decodes.append(d)
-        cpu.append(c)
-    return _summary(load_s, prefills, decodes, len(prompt), args.decode_tokens, greedy, cpu)
+    return _repeated(greedy_run, args, prompt, load_s)
 
 
 def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts: int = 64, top_k: int = 8,
@@ -313,14 +318,7 @@ def _run_transformers(args: argparse.Namespace, prompt: list[int]) -> dict:
             t2, c2 = time.perf_counter(), time.process_time()
         return t1 - t0, t2 - t1, tokens, (c1 - c0, c2 - c1)
 
-    greedy_run(prompt[:8], 3)  # warm-up
-    prefills, decodes, cpu, greedy = [], [], [], []
-    for _ in range(args.repeats):
-        p, d, greedy, c = greedy_run(prompt, args.decode_tokens)
-        prefills.append(p)
-        decodes.append(d)
-        cpu.append(c)
-    return _summary(load_s, prefills, decodes, len(prompt), args.decode_tokens, greedy, cpu)
+    return _repeated(greedy_run, args, prompt, load_s)
 
 
 if __name__ == "__main__":
