@@ -221,9 +221,13 @@ class SliceSource:
     def __init__(self) -> None:
         self._blobs: dict[bytes, tuple[Manifest, memoryview]] = {}
 
-    def offer(self, blob: bytes | memoryview, meta: Mapping[str, Any], chunk_size: int = CHUNK_SIZE) -> Manifest:
-        """Register ``blob`` and return its manifest (the same blob twice is offered once)."""
-        manifest = build_manifest(blob, meta, chunk_size)
+    def offer(self, blob: bytes | memoryview, meta: Mapping[str, Any], chunk_size: int = CHUNK_SIZE, *,
+              manifest: Manifest | None = None) -> Manifest:
+        """Register ``blob`` and return its manifest (the same blob twice is offered once).
+
+        ``manifest``: the blob's manifest when the caller built it already (not hashed again).
+        """
+        manifest = manifest or build_manifest(blob, meta, chunk_size)
         self._blobs.setdefault(manifest.slice_id, (manifest, memoryview(blob).cast("B")))
         return self._blobs[manifest.slice_id][0]
 
@@ -443,6 +447,19 @@ class SliceCache:
         if data is None or sha256(data) != manifest.slice_id:
             path.unlink(missing_ok=True)  # damaged on disk: fetch again
             return None
+        return memoryview(data)
+
+    def put(self, manifest: Manifest, blob: bytes | memoryview) -> memoryview:
+        """Keep ``blob`` (whose manifest is ``manifest``) as ``<id>.bin``; returns it mapped read-only,
+        so a shipper serves it from the page cache instead of holding it in its own memory."""
+        final = self._path(manifest.slice_id, ".bin")
+        if not (final.exists() and final.stat().st_size == manifest.size):
+            tmp = self._path(manifest.slice_id, f".{os.getpid()}.tmp")
+            tmp.write_bytes(blob)
+            os.replace(tmp, final)  # atomic: a reader sees the whole blob or none
+        self._path(manifest.slice_id, ".json").write_text(json.dumps(manifest.to_json()))
+        data = _map_file(final, manifest.size, writable=False)
+        assert data is not None  # just written with this size
         return memoryview(data)
 
     def open_download(self, manifest: Manifest, **kwargs: Any) -> SliceDownload:

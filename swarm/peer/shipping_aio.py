@@ -48,6 +48,7 @@ from swarm.peer.shipping import (
     Manifest,
     SliceCache,
     SliceSource,
+    build_manifest,
     encode_meta,
 )
 
@@ -261,11 +262,15 @@ class PlanShipper:
     started with the first offer, on ``https_port``, 0: any free port) with ``certificate`` (a
     :class:`~swarm.signaling.tls.ServerCertificate`; default: this host's signaling certificate),
     and every offer names that path. :meth:`close` stops the server.
+
+    Each slice is cut once, hashed, and kept on disk in ``store`` (a
+    :class:`~swarm.peer.shipping.SliceCache`; default: the user cache), from where it is served
+    through a read-only mapping: the shipper's memory does not grow with what it ships.
     """
 
     def __init__(self, model_path: Any, model_hash: str, shape: Any, *, chunk_size: int | None = None,
                  token_key: bytes | None = None, certificate: Any = None, https_port: int = 0,
-                 https_addresses: list[str] | None = None) -> None:
+                 https_addresses: list[str] | None = None, store: SliceCache | None = None) -> None:
         from swarm.peer.shipping import CHUNK_SIZE
         from swarm.peer.slices import ModelSlicer
 
@@ -275,6 +280,7 @@ class PlanShipper:
         self.shape = shape
         self._chunk_size = chunk_size or CHUNK_SIZE
         self._manifests: dict[Any, Manifest] = {}
+        self._store = store
         self._token_key, self._certificate = token_key, certificate
         self._https_port, self._https_addresses = https_port, https_addresses
         self.http: Any = None  # the SliceHttpServer, once started
@@ -332,9 +338,15 @@ class PlanShipper:
             if browser:
                 blob, meta = await asyncio.to_thread(repack_for_page, blob, meta)
             meta["shape"] = dataclasses.asdict(self.shape)
-            manifest = self._manifests[(spec, browser)] = await asyncio.to_thread(
-                self.source.offer, blob, meta, self._chunk_size)
+            manifest = self._manifests[(spec, browser)] = await asyncio.to_thread(self._keep, blob, meta)
         return manifest
+
+    def _keep(self, blob: bytes, meta: dict[str, Any]) -> Manifest:
+        """Hash ``blob``, put it on disk and offer it from there (a worker thread)."""
+        manifest = build_manifest(blob, meta, self._chunk_size)
+        if self._store is None:
+            self._store = SliceCache()
+        return self.source.offer(self._store.put(manifest, blob), meta, manifest=manifest)
 
 
 def shape_from_meta(meta: Any) -> Any:

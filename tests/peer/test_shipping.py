@@ -385,7 +385,8 @@ def test_worker_without_the_model_gets_its_plan_slices_and_answers_like_one_with
 
     async def main():
         a, b = await _linked_pair(coordinator, worker_id)
-        shipper = PlanShipper(path, model.content_hash(), shape, chunk_size=MIN_CHUNK_SIZE)
+        shipper = PlanShipper(path, model.content_hash(), shape, chunk_size=MIN_CHUNK_SIZE,
+                              store=SliceCache(tmp_path / "coordinator-cache"))
         shipper.attach(a)
         fetcher = SliceFetcher(b, model.content_hash(), SliceCache(tmp_path / "worker-cache"))
         sent, shipped = await asyncio.gather(shipper.offer_plan(a, plan), fetch_plan_slices(fetcher, specs))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import random
 
 import aiohttp
@@ -321,7 +322,7 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
         # The first address has no route from the worker: it moves on to the next, and keeps that.
         shipper = PlanShipper(path, model.content_hash(), shape, chunk_size=MIN_CHUNK_SIZE,
                               token_key=KEY.slice_token_key, certificate=cert,
-                              https_addresses=["192.0.2.1", "10.214.0.1"])
+                              https_addresses=["192.0.2.1", "10.214.0.1"], store=SliceCache(cache_dir / "kept"))
         shipper.attach(a)
         fetcher = SliceFetcher(b, model.content_hash(), SliceCache(cache_dir))
         try:
@@ -331,6 +332,9 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
                 await shipper.close()
             shipped = await fetch_plan_slices(fetcher, specs)
             https_sent = shipper.http.sent_bytes if shipper.http else https_sent
+            # The shipper serves what it cut from its disk store, mapped, not from its own memory.
+            assert all(isinstance(shipper.source.view(m.slice_id).obj, mmap.mmap) for m in sent)
+            assert len(list((cache_dir / "kept").glob("*.bin"))) == len(sent)
             return (sent, shipped, dict(fetcher.paths), https_sent, sum(shipper.server.sent_bytes.values()),
                     fetcher.preferred_url)
         finally:
