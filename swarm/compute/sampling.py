@@ -3,7 +3,9 @@
 Order of the filters follows transformers' ``LogitsProcessor`` chain for
 ``generate(do_sample=True)``: temperature, then top-k, then top-p (nucleus; the
 smallest set of most likely tokens whose probability reaches ``top_p``).
-``temperature == 0`` means greedy (argmax; ties to the lowest id).
+``temperature`` below :data:`TEMPERATURE_FLOOR` means greedy (argmax; ties to the lowest
+id), as vLLM does (its ``_SAMPLING_EPS``): dividing by a smaller temperature overflows float32
+into NaN probabilities, and the distribution is one-hot well before that.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import numpy as np
 from swarm.compute.kernels import softmax
 
 F32 = np.float32
+TEMPERATURE_FLOOR = 1e-5  # below this, sampling is greedy
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature`` ≥ 0 (0: greedy), ``top_k`` ≥ 0 (0: off), 0 < ``top_p`` ≤ 1,
+    """``temperature`` ≥ 0 (below :data:`TEMPERATURE_FLOOR`: greedy), ``top_k`` ≥ 0 (0: off), 0 < ``top_p`` ≤ 1,
     ``seed`` (None: fresh entropy), ``max_tokens`` ≥ 0, ``stop_tokens`` (ids that end the
     reply; the stop token itself is yielded last)."""
 
@@ -46,7 +49,7 @@ class SamplingParams:
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """Pick one token id from logits [V] f32 under ``params``."""
-    if params.temperature == 0:
+    if params.temperature < TEMPERATURE_FLOOR:
         return int(np.argmax(logits))
     z = logits.astype(F32) / F32(params.temperature)
     if params.top_k and params.top_k < z.size:

@@ -29,6 +29,25 @@ def test_greedy_is_argmax_and_ties_go_low():
     assert sample(np.array([1, 5, 5, 0], np.float32), SamplingParams(), rng) == 1
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-20, 9.9e-6])
+def test_temperature_below_the_floor_is_greedy_never_nan(temperature):
+    """1e-45 is float32's smallest subnormal: logits / T overflows to inf and softmax to NaN."""
+    from swarm.compute.sampling import TEMPERATURE_FLOOR
+
+    assert temperature < TEMPERATURE_FLOOR
+    big = LOGITS * 1000
+    for seed in range(5):
+        assert sample(big, SamplingParams(temperature=temperature, top_p=0.9, top_k=3),
+                      np.random.default_rng(seed)) == int(np.argmax(big))
+
+
+def test_temperature_at_the_floor_still_samples_finite():
+    """Just above the floor the division stays finite in float32: the best token, no NaN."""
+    from swarm.compute.sampling import TEMPERATURE_FLOOR
+
+    assert sample(LOGITS, SamplingParams(temperature=TEMPERATURE_FLOOR), np.random.default_rng(0)) == 6
+
+
 def test_temperature_distribution():
     p = _softmax64(LOGITS.astype(np.float64) / 0.7)
     assert np.abs(_freq(SamplingParams(temperature=0.7)) - p).max() < 0.015
