@@ -193,6 +193,7 @@ def _run_colibri(args: argparse.Namespace, prompt: list[int]) -> dict:
 
 
 def _run_llamacpp(args: argparse.Namespace, prompt: list[int]) -> dict:
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
@@ -201,16 +202,20 @@ def _run_llamacpp(args: argparse.Namespace, prompt: list[int]) -> dict:
                 n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     load_s = time.perf_counter() - t0
 
+    def argmax_last() -> int:  # the last evaluated position's logits, read in place
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))))
+
     def greedy_run(ids: list[int], n: int) -> tuple[float, float, list[int], tuple[float, float]]:
         llm.reset()
         t0, c0 = time.perf_counter(), time.process_time()
         llm.eval(ids)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = argmax_last()
         t1, c1 = time.perf_counter(), time.process_time()
         tokens = [token]
         for _ in range(n):
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = argmax_last()
             tokens.append(token)
         t2, c2 = time.perf_counter(), time.process_time()
         return t1 - t0, t2 - t1, tokens, (c1 - c0, c2 - c1)
