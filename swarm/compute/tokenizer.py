@@ -223,12 +223,15 @@ def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
         raise ModelFileError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
 
     # Byte-level vocabularies spell every byte with a printable stand-in (GPT-2's
-    # bytes_to_unicode); a token written in raw characters is respelled in that alphabet.
+    # bytes_to_unicode); a token written in raw characters is respelled in that alphabet —
+    # except control and user-defined tokens, which are matched by their text as written
+    # (DeepSeek-R1 distills' fullwidth "<｜User｜>"), so they keep that text and their id.
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
+    added = {_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED}
     vocab = {
-        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-        for i, t in enumerate(tokens)
+        (t if ty in added or set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, (t, ty) in enumerate(zip(tokens, types))
     }
     try:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
@@ -236,7 +239,7 @@ def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
         raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc})") from exc
     tok.pre_tokenizer = _gguf_pre_tokenizer(field("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
-    control = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    control = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     user = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED]
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])

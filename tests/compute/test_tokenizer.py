@@ -243,3 +243,44 @@ def test_gguf_pre_tokenizers_match_transformers(tmp_path, smollm2_model, pre):
     oracle = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in PRE_TEXTS:
         assert ours.encode(text, add_special_tokens=False) == oracle.encode(text, add_special_tokens=False)
+
+
+ADDED = [  # (text, llama.cpp token type): control = 3, user-defined = 4
+    ("<｜begin▁of▁sentence｜>", 3), ("<｜User｜>", 3), ("<｜Assistant｜>", 3), ("<|fim_pad|>", 3),
+    ("<think>", 4), ("<｜tool▁sep｜>", 4), ("ｘｙ", 4),
+]
+
+
+def test_gguf_control_and_user_defined_tokens_encode_to_their_own_id(tmp_path, smollm2_model):
+    """Every control/user-defined token encodes to its own id, also when its text has characters
+    outside GPT-2's byte alphabet (DeepSeek-R1 distills' fullwidth bars), as llama.cpp does."""
+    import gguf
+    import numpy as np
+
+    kv = smollm2_model.metadata
+    base = len(kv["tokenizer.ggml.tokens"])
+    path = tmp_path / "added.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([*kv["tokenizer.ggml.tokens"], *(t for t, _ in ADDED)])
+    w.add_token_merges(kv["tokenizer.ggml.merges"])
+    w.add_token_types([*kv["tokenizer.ggml.token_type"], *(ty for _, ty in ADDED)])
+    w.add_bos_token_id(base)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = load_tokenizer(path)
+    types = [*kv["tokenizer.ggml.token_type"], *(ty for _, ty in ADDED)]
+    texts = [*kv["tokenizer.ggml.tokens"], *(t for t, _ in ADDED)]
+    for i, (text, ty) in enumerate(zip(texts, types)):
+        if ty in (3, 4):
+            assert tok.encode(text, add_special_tokens=False) == [i], text
+            assert tok.decode([i], skip_special_tokens=False) == text
+    user, assistant = base + 1, base + 2
+    hi = tok.encode("hi", add_special_tokens=False)
+    assert tok.encode("<｜User｜>hi<｜Assistant｜><think>", add_special_tokens=False) == [user, *hi, assistant, base + 4]
+    assert tok.vocab_size == base + len(ADDED)  # no id was added beside the file's
