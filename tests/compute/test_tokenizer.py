@@ -208,6 +208,14 @@ def test_gguf_field_of_the_wrong_type_is_named(smollm2_model):
         load_tokenizer(smollm2_model.path, gguf_metadata=bad)
 
 
+def _vocab_gguf(path, pre, tokens, merges, types, *, bos):
+    """A GGUF file holding a byte-level BPE vocabulary (EOS id 2) and one placeholder tensor."""
+    return _tiny_gguf(path, tokenizer__ggml__model="gpt2", tokenizer__ggml__pre=pre,
+                      tokenizer__ggml__tokens=list(tokens), tokenizer__ggml__merges=list(merges),
+                      tokenizer__ggml__token_type=[int(t) for t in types], tokenizer__ggml__bos_token_id=bos,
+                      tokenizer__ggml__eos_token_id=2)
+
+
 PRE_TEXTS = [
     "  leading  spaces,\ttabs\n\nand blank lines\r\n",
     "def f(x):\n    return x ** 2\n",
@@ -220,25 +228,11 @@ PRE_TEXTS = [
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2"])
 def test_gguf_pre_tokenizers_match_transformers(tmp_path, smollm2_model, pre):
     """The same vocabulary under other ``tokenizer.ggml.pre`` names splits text as transformers does."""
-    import gguf
-    import numpy as np
     from transformers import AutoTokenizer
 
     kv = smollm2_model.metadata
-    path = tmp_path / f"{pre}.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(kv["tokenizer.ggml.tokens"])
-    w.add_token_merges(kv["tokenizer.ggml.merges"])
-    w.add_token_types(kv["tokenizer.ggml.token_type"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _vocab_gguf(tmp_path / f"{pre}.gguf", pre, kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.merges"],
+                       kv["tokenizer.ggml.token_type"], bos=1)
     ours = load_tokenizer(path)
     oracle = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in PRE_TEXTS:
@@ -254,28 +248,12 @@ ADDED = [  # (text, llama.cpp token type): control = 3, user-defined = 4
 def test_gguf_control_and_user_defined_tokens_encode_to_their_own_id(tmp_path, smollm2_model):
     """Every control/user-defined token encodes to its own id, also when its text has characters
     outside GPT-2's byte alphabet (DeepSeek-R1 distills' fullwidth bars), as llama.cpp does."""
-    import gguf
-    import numpy as np
-
     kv = smollm2_model.metadata
     base = len(kv["tokenizer.ggml.tokens"])
-    path = tmp_path / "added.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([*kv["tokenizer.ggml.tokens"], *(t for t, _ in ADDED)])
-    w.add_token_merges(kv["tokenizer.ggml.merges"])
-    w.add_token_types([*kv["tokenizer.ggml.token_type"], *(ty for _, ty in ADDED)])
-    w.add_bos_token_id(base)
-    w.add_eos_token_id(2)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tok = load_tokenizer(path)
     types = [*kv["tokenizer.ggml.token_type"], *(ty for _, ty in ADDED)]
     texts = [*kv["tokenizer.ggml.tokens"], *(t for t, _ in ADDED)]
+    tok = load_tokenizer(_vocab_gguf(tmp_path / "added.gguf", "qwen2", texts, kv["tokenizer.ggml.merges"], types,
+                                     bos=base))
     for i, (text, ty) in enumerate(zip(texts, types)):
         if ty in (3, 4):
             assert tok.encode(text, add_special_tokens=False) == [i], text
