@@ -165,8 +165,8 @@ class Checkpoint:
             parts += ["gate", "up", "down"]
         else:
             parts.append("router")
-            if c.shared_expert_intermediate_size:
-                parts += ["shexp_gate_proj", "shexp_up", "shexp_down"]
+            if c.shared_expert_intermediate_size:  # Qwen2-MoE: a sigmoid gate scales the shared expert
+                parts += ["shexp_gate_proj", "shexp_up", "shexp_down", "shexp_gate"]
         return parts
 
     def validate(self) -> None:
@@ -174,7 +174,7 @@ class Checkpoint:
         headers alone. Raises ModelFileError naming the file and the first bad tensor."""
         c = self.config
         checks = [("embed", None), ("norm", None)]
-        if not c.tie_word_embeddings and self.has("head"):
+        if not c.tie_word_embeddings:  # an untied head is its own tensor, never the embeddings
             checks.append(("head", None))
         for layer in range(c.n_layers):
             checks += [(part, layer) for part in self.required_parts(layer)]
