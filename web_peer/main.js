@@ -8,7 +8,8 @@
 // Flow: key from the fragment → WebGPU adapter (none: "cannot serve") → identity → signaling
 // (wrong key: "refused", told so) → offer a link to every Python peer, keep the one that answers
 // (only the coordinator answers browsers) → channel auth + Hello → worker serves until the link
-// drops, then offer again. window.colibri exposes the live objects for tests.
+// drops, then offer again; "Stop" closes the link and the signaling session and stays out.
+// window.colibri exposes the live objects for tests (events: each state entered, in order).
 import { parseSwarmKey, deriveKey, AuthenticationError, KeyCodeError } from "./auth.js";
 import { GpuContext, NoWebGPUError } from "./gpu.js";
 import { FfnBlock } from "./ffn.js";
@@ -20,14 +21,29 @@ import { PROTOCOL_VERSION } from "./wire.js";
 import * as ui from "./ui.js";
 
 const RETRY_S = 2;
+const PACE_WINDOW_MS = 10000;  // the swarm's tokens/s: requests answered in the last 10 s
 const params = new URLSearchParams(location.search);
-const app = { state: "starting", events: [] };
+const app = { state: "starting", events: [], stopped: false };
 globalThis.colibri = app;
 
+/** Enter `state` (a new entry in app.events only when the state changes, not on every refresh). */
 function set(state, detail = "") {
+  if (app.state !== state) app.events.push(state);
   app.state = state;
-  app.events.push(state);
   ui.setState(state, detail);
+}
+
+/** Tokens/s of the swarm as this page sees it: on its first layer, each dense request carries
+ * every token's row and each expert request one step. Null before two requests in the window. */
+function swarmPace(recent) {
+  const now = performance.now();
+  const rows = recent.filter((r) => now - r.t < PACE_WINDOW_MS);
+  if (!rows.length) return null;
+  const first = Math.min(...rows.map((r) => r.layer));
+  const mine = rows.filter((r) => r.layer === first);
+  if (mine.length < 2) return null;
+  const span = (mine.at(-1).t - mine[0].t) / 1000;
+  return span > 0 ? mine.slice(1).reduce((s, r) => s + r.tokens, 0) / span : null;
 }
 
 /** GFLOP/s of a small SwiGLU block on this GPU (placement weighs peers by it); ~50 ms. */
@@ -64,27 +80,49 @@ async function keepAwake(on) {
 }
 document.addEventListener("visibilitychange", () => { if (document.visibilityState === "visible" && app.state === "serving") keepAwake(true); });
 
+const loadBatch = new Set();  // slice ids of the load in progress (finished ones included)
+
 function render() {
   const w = app.worker;
-  if (!w) return;
-  const loading = [...w.downloads.values()].filter((d) => d.done < d.total);
+  if (!w || app.stopped) return;
+  // A slice loads until it is on the GPU (fetched, checked, decoded, uploaded) or has failed.
+  const pending = (d) => !d.installed && !d.failed;
+  for (const [id, d] of w.downloads) if (pending(d)) loadBatch.add(id);
+  const batch = [...loadBatch].map((id) => w.downloads.get(id));
+  const loading = batch.some(pending);
+  if (!loading) loadBatch.clear();
   if (app.link?.state === "open") {
-    if (loading.length) {
+    if (loading) {
       set("loading");
-      const done = loading.reduce((s, d) => s + d.done, 0), total = loading.reduce((s, d) => s + d.total, 0);
-      ui.setProgress(done, total);
-    } else if (w.blocks.size || w.stats.served) {
-      if (app.state !== "serving") set("serving", `${(w.gpuBytes / 2 ** 20).toFixed(1)} MiB of weights on the GPU`);
+      ui.setProgress(batch.reduce((s, d) => s + d.done, 0), batch.reduce((s, d) => s + d.total, 0));
+    } else if (w.blocks.size) {  // weights on the GPU: requests for them are answered
+      set("serving", `${(w.gpuBytes / 2 ** 20).toFixed(1)} MiB of weights on the GPU`);
       keepAwake(true);
+    } else {  // served before, but the newest plan took the work away: not serving
+      set("authenticated", w.planVersion ? `plan v${w.planVersion} gives this phone no work` : "");
+      keepAwake(false);
     }
   }
+  ui.showShare(w.planAssignments, w.peerId, [...w.blocks.keys()]);
+  const pace = swarmPace(w.recent);
   ui.setFacts({
-    assigned: ui.describeAssignments(w.assignments),
     served: String(w.stats.served),
     ms: w.stats.served ? `${(w.stats.msTotal / w.stats.served).toFixed(1)} ms average, ${w.stats.lastMs.toFixed(1)} ms last` : "–",
+    tps: pace === null ? "–" : `about ${pace.toFixed(1)} tokens/s`,
   });
   ui.showError(w.lastError ?? "");
 }
+
+/** Leave the swarm: close the link and the signaling session, release the wake lock, stay out. */
+async function stop() {
+  app.stopped = true;
+  document.getElementById("stop").disabled = true;
+  app.link?.close("the user stopped this peer");
+  app.signaling?.close();
+  await keepAwake(false);
+  set("stopped", "Reload the page to join again.");
+}
+document.getElementById("stop").addEventListener("click", () => { stop().catch((e) => console.error(e)); });
 
 async function main() {
   let swarmKey;
@@ -104,7 +142,7 @@ async function main() {
   const { peerId, certificate } = await loadIdentity();
   const authKey = await deriveKey(swarmKey, "channel-auth");
   const d = gpu.describe();
-  ui.setFacts({ peer: peerId, gpu: `${d.description || d.device || d.vendor || "WebGPU adapter"} (${d.formats.join(", ")})` });
+  ui.setFacts({ peer: `${params.get("name") ?? "browser"} · ${peerId.slice(0, 12)}…`, gpu: `${d.description || d.device || d.vendor || "WebGPU adapter"} (${d.formats.join(", ")})` });
   const format = params.get("format") ?? "f32";
   const worker = new BrowserWorker(gpu, { peerId, format, onchange: render });
   app.worker = worker;
@@ -116,12 +154,14 @@ async function main() {
     adapter_limits: d.limits, adapter_features: d.features, name: (params.get("name") ?? "browser").slice(0, 64),
   };
 
-  for (;;) {  // one signaling session per iteration
+  setInterval(render, 1000);  // the swarm's pace decays when requests stop
+  while (!app.stopped) {  // one signaling session per iteration
     set("connecting");
     let sig;
     try {
       sig = await SignalingClient.connect(params.get("signal") ?? signalingUrl(), swarmKey, peerId, hello.name);
     } catch (e) {
+      if (app.stopped) return;
       if (e instanceof AuthenticationError || e instanceof KeyCodeError) { set("refused", e.message); return; }
       set("disconnected", e.message);
       await new Promise((r) => setTimeout(r, RETRY_S * 1000));
@@ -147,6 +187,7 @@ async function main() {
         link.onclose = (reason) => {
           attempts.delete(p.peer);
           if (link.authError) { set("refused", link.authError.message); return; }
+          if (app.stopped) return;
           if (app.link === link) {
             app.link = null;
             keepAwake(false);
@@ -162,6 +203,7 @@ async function main() {
     tryPeers();
     const why = await closed;
     for (const l of attempts.values()) l.close("signaling closed");
+    if (app.stopped) return;
     if (app.state !== "refused") set("disconnected", why);
     await new Promise((r) => setTimeout(r, RETRY_S * 1000));
   }

@@ -1,14 +1,18 @@
-// The phone UI: one state line in words, a progress bar while loading, and the facts a user
-// checks (this peer, GPU, coordinator, assigned work, requests served, ms per request, errors).
+// The phone UI: one state line in words, a progress bar while loading, this phone's share of the
+// model (a percentage, a picture, ranges in words) and the facts a user checks (requests served,
+// ms per request, the swarm's pace, GPU, coordinator, errors).
+import { describeShare, drawShare, layerFractions, shareFraction, unitsFromAssignments } from "./share.js";
+
 const STATES = {
   starting: "Starting…",
   connecting: "Connecting to the swarm…",
-  authenticated: "Authenticated — waiting for work",
+  authenticated: "Connected — waiting for work",
   loading: "Loading weights",
   serving: "Serving",
   refused: "Refused by the swarm",
   "cannot-serve": "This browser cannot serve",
   disconnected: "Disconnected — reconnecting…",
+  stopped: "Stopped — left the swarm",
   error: "Error",
 };
 
@@ -23,6 +27,7 @@ export function setState(state, detail = "") {
   $("progress").hidden = state !== "loading";
 }
 
+/** Loading progress: `done` of `total` bytes (both counted over the whole batch being loaded). */
 export function setProgress(done, total) {
   const pct = total ? Math.floor((100 * done) / total) : 0;
   $("progress").value = pct;
@@ -35,13 +40,21 @@ export function setFacts(facts) {
 
 export function showError(message) { $("error").textContent = message ?? ""; }
 
-/** Describe assignments [{layer, experts, dense}] in words, e.g. "layer 3: experts 0–7". */
-export function describeAssignments(assignments) {
-  if (!assignments.length) return "nothing yet";
-  return assignments.map((a) => {
-    const parts = [];
-    if (a.experts.length) parts.push(`experts ${a.experts.join(", ")}`);
-    if (a.dense.length) parts.push(`MLP rows ${a.dense.map(([s, e]) => `${s}–${e}`).join(", ")}`);
-    return `layer ${a.layer}: ${parts.join("; ")}`;
-  }).join(" · ");
+/** Assignments of this peer only, from the keys of the blocks it holds ("layer/dense/s/e", "layer/expert/e"). */
+function heldAssignments(keys, peer) {
+  return keys.map((k) => k.split("/")).map(([layer, kind, a, b]) => ({
+    layer: Number(layer), peer, experts: kind === "expert" ? [Number(a)] : [], dense: kind === "dense" ? [[Number(a), Number(b)]] : [] }));
+}
+
+/**
+ * This peer's share: of the plan `assignments` (every peer's, as in the Plan message) when one
+ * came; before any plan, what the GPU holds (`heldKeys`), without a percentage (no whole to divide by).
+ */
+export function showShare(assignments, peerId, heldKeys = []) {
+  const planned = assignments.length > 0;
+  const units = unitsFromAssignments(planned ? assignments : heldAssignments(heldKeys, peerId));
+  const pct = 100 * shareFraction(units, peerId);
+  $("share-pct").textContent = !planned ? "– %" : `${pct < 10 && pct > 0 ? pct.toFixed(1) : Math.round(pct)} %`;
+  $("assigned").textContent = units.size ? describeShare(units, peerId) : "nothing yet";
+  drawShare($("share-picture"), layerFractions(units, peerId));
 }

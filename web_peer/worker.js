@@ -34,8 +34,10 @@ export class BrowserWorker {
     this.term = 0;
     this.planVersion = 0;
     this.assignments = [];
+    this.planAssignments = [];
+    this.recent = [];             // {t: ms, layer, tokens} of answered requests (the swarm's pace)
     this.blocks = new Map();      // "layer/dense/start/stop" or "layer/expert/e" → FfnBlock
-    this.downloads = new Map();   // slice id → {done, total}
+    this.downloads = new Map();   // slice id → {done, total, installed?, failed?} (bytes)
     this.stats = { served: 0, msTotal: 0, lastMs: 0, errors: 0, fetchedBytes: 0, cachedSlices: 0, httpsBytes: 0, channelFallbacks: 0 };
     this.lastError = null;
     this._pending = new Map();    // chunk request id → resolve
@@ -46,7 +48,11 @@ export class BrowserWorker {
   attach(link) {
     this.link = link;
     link.on("Plan", (m) => this.onPlan(m));
-    link.on("WeightManifest", (m, l) => this.onManifest(m, l).catch((e) => this._fail(`weights ${m.name.slice(0, 12)}: ${e.message}`)));
+    link.on("WeightManifest", (m, l) => this.onManifest(m, l).catch((e) => {
+      const d = this.downloads.get(m.name);
+      if (d) d.failed = true;  // no longer loading
+      this._fail(`weights ${m.name.slice(0, 12)}: ${e.message}`);
+    }));
     link.on("WeightChunk", (m) => this._pending.get(m.request_id)?.(m));
     link.on("ExpertRequest", (m, l) => this.serve(m, l));
     link.on("DenseRequest", (m, l) => this.serve(m, l));
@@ -62,6 +68,7 @@ export class BrowserWorker {
     if (plan.term < this.term) return;
     this.term = plan.term;
     this.planVersion = plan.version;
+    this.planAssignments = plan.assignments;  // every peer's: the page shows its share of the whole
     this.assignments = plan.assignments.filter((a) => a.peer === this.peerId);
     // Weights the new plan no longer gives this peer leave the GPU (a later manifest brings back
     // what a later plan needs; the browser cache keeps the bytes).
@@ -93,7 +100,7 @@ export class BrowserWorker {
       await putSlice(id, blob);
     }
     this._install(decodeSlice(blob, meta, { keepBlocks: true }));
-    this.downloads.set(id, { done: m.total_bytes, total: m.total_bytes });
+    this.downloads.set(id, { done: m.total_bytes, total: m.total_bytes, installed: true });
     this.onchange();
   }
 
@@ -197,6 +204,9 @@ export class BrowserWorker {
       this.stats.served += 1;
       this.stats.msTotal += ms;
       this.stats.lastMs = ms;
+      // A dense request carries every token's row; an expert request one step of the loop.
+      this.recent.push({ t: performance.now(), layer: m.layer, tokens: m.kind === "DenseRequest" ? m.x.shape[0] : 1 });
+      if (this.recent.length > 512) this.recent.splice(0, 256);
     }
     this.onchange();
   }
