@@ -155,6 +155,8 @@ class SignalingServer:
                     self._apply(self.relay.receive(conn, bytes(msg.data), time.time()))
                 else:
                     break
+        except ConnectionError as exc:  # the client's socket reset under us: it is gone
+            log.info("signaling connection %d reset: %s", conn, exc)
         finally:
             del self._outboxes[conn]
             self._apply(self.relay.disconnect(conn, time.time()))
@@ -164,7 +166,12 @@ class SignalingServer:
                 await asyncio.wait_for(writer, 1.0)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the socket is gone either way
                 writer.cancel()
-            await ws.close()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await writer
+            # A client that stalled (SIGSTOP) and came back finds its socket already reset:
+            # closing it again is no news, not an error.
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.close()
         return ws
 
     # -- output ----------------------------------------------------------------------------
