@@ -299,6 +299,7 @@ const PAIR = { pair: ["int", "int"] };
 const BUILD = { record: [["package", "str"], ["numpy", "str"], ["blas", "str"], ["arch", "str"], ["kernel_dtype", "str"]] };
 // Where a slice can also be fetched over HTTPS (Range requests; swarm/peer/slice_http.py).
 const HTTPS_SOURCE = { record: [["urls", { list: "str" }], ["cert_sha256", "str"], ["token", "str"]] };
+const STAGE = { record: [["peer", "str"], ["layer_start", "int"], ["layer_stop", "int"]] };
 const ASSIGNMENT = { record: [["layer", "int"], ["peer", "str"], ["experts", { list: "int" }], ["dense", { list: PAIR }]] };
 
 class Invalid extends Error {}
@@ -314,6 +315,12 @@ function expertRows(m, rowsField) {
   if (counts.some((v) => v < 0)) fail("row_counts must be non-negative");
   const sum = counts.reduce((a, b) => a + b, 0);
   if (sum !== m[rowsField].shape[0]) fail(`row_counts sum to ${sum} but ${rowsField} has ${m[rowsField].shape[0]} rows`);
+}
+
+const STAGE_ROWS = [["term", "int"], ["plan_version", "int"], ["sequence", "int"], ["start", "int"], ["layer_start", "int"], ["layer_stop", "int"], ["x", ROWS]];
+function stageRows(m) {
+  if (m.layer_stop <= m.layer_start) fail(`layers [${m.layer_start}, ${m.layer_stop}): empty range`);
+  if (m.x.shape[0] === 0) fail("x: at least one row");
 }
 
 /** kind number → {name, rid: has request_id, fields: [[name, type]...] in wire order, check}. */
@@ -336,6 +343,17 @@ export const KINDS = {
     name: "Plan", fields: [["term", "int"], ["version", "int"], ["assignments", { list: ASSIGNMENT }]],
     check: (m) => m.assignments.forEach((a, i) => { peerId(a.peer, `assignments[${i}].peer`); ranges(a.dense, `assignments[${i}].dense`); }),
   },
+  20: {
+    name: "StagePlan", fields: [["term", "int"], ["version", "int"], ["stages", { list: STAGE }]],
+    check: (m) => {
+      let at = 0;
+      m.stages.forEach((st, i) => {
+        peerId(st.peer, `stages[${i}].peer`);
+        if (st.layer_start !== at || st.layer_stop <= st.layer_start) fail(`stages[${i}]: layers [${st.layer_start}, ${st.layer_stop}) do not follow the previous stage (expected to start at ${at})`);
+        at = st.layer_stop;
+      });
+    },
+  },
   32: { name: "ExpertRequest", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["rows", ROWS]], check: (m) => expertRows(m, "rows") },
   33: { name: "ExpertAnswer", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["outputs", ROWS]], check: (m) => expertRows(m, "outputs") },
   34: {
@@ -346,6 +364,8 @@ export const KINDS = {
     name: "DenseAnswer", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["partials", { tensor: { dtypes: ["f32", "f16"], rank: 3 } }]],
     check: (m) => { ranges(m.ranges, "ranges"); if (m.partials.shape[0] !== m.ranges.length) fail(`${m.partials.shape[0]} partials for ${m.ranges.length} ranges`); },
   },
+  36: { name: "StageRequest", rid: true, fields: STAGE_ROWS, check: stageRows },
+  37: { name: "StageAnswer", rid: true, fields: STAGE_ROWS, check: stageRows },
   48: {
     name: "WeightManifest", rid: true,
     fields: [["model_hash", "str"], ["name", "str"], ["encoding", "str"], ["total_bytes", "int"], ["chunk_bytes", "int"], ["chunk_sha256", { list: "str" }],

@@ -324,7 +324,10 @@ class Model:
         """Run ``tokens`` [T] (ints) after what ``cache`` holds; append their keys/values.
 
         Returns logits [T, V] f32 (``[1, V]`` for the last token with ``last_only``). Every
-        MLP / MoE output comes from ``ffn.ffn(layer, x)`` (default: :class:`LocalFFN`).
+        MLP / MoE output comes from ``ffn.ffn(layer, x)`` (default: :class:`LocalFFN`). A
+        backend that also has ``run_layers(model, x, cache, start) -> x`` (the swarm's stage
+        dispatch) is handed the embedded rows and runs all layers itself (:meth:`layers` on
+        its own share), after which forward applies the final norm and the head.
         Raises ValueError for an empty sequence or a token id outside the vocabulary; if the
         backend raises, ``cache.length`` is unchanged (the call can be retried).
         """
@@ -340,23 +343,50 @@ class Model:
         if c.sliding_window and start + T > c.sliding_window:
             raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
                              f"({c.sliding_window}); sliding-window attention is not supported")
+        x = self.embed.take(ids)  # [T, H] f32
+        run_layers = getattr(ffn, "run_layers", None)  # a LayerBackend: whole layers elsewhere (stages)
+        if run_layers is not None:
+            x = run_layers(self, x, cache, start)
+        else:
+            x = self.layers(x, cache, start, 0, c.n_layers, ffn)
+        cache.length = start + T
+        if last_only:
+            x = x[-1:]
+        logits = self.head.matmul(rms_norm(x, self.final_norm, c.rms_norm_eps))  # [T, V]
+        assert logits.dtype == F32
+        return logits
+
+    def layers(self, x: np.ndarray, cache: KVCache, start: int, lo: int, hi: int,
+               ffn: FFNBackend | None = None) -> np.ndarray:
+        """Run hidden rows ``x`` [T, H] f32 (positions ``start .. start+T-1``) through layers
+        ``lo .. hi-1``; returns the hidden rows after layer ``hi-1`` [T, H] f32.
+
+        Writes those layers' keys/values at positions ``start ..`` into ``cache`` and reads its
+        earlier positions; ``cache.length`` is left to the caller (:meth:`forward` sets it once
+        for all layers; a stage that holds only ``lo:hi`` sets its own). Same arithmetic, in the
+        same order, as :meth:`forward`, so a layer range run here gives the bits forward gives.
+        Raises ValueError for a bad layer range or rows of the wrong shape/dtype.
+        """
+        c = self.config
+        if not 0 <= lo < hi <= c.n_layers:
+            raise ValueError(f"layer range {lo}:{hi} is outside 0:{c.n_layers}")
+        if x.dtype != F32 or x.ndim != 2 or x.shape[1] != c.hidden_size:
+            raise ValueError(f"hidden rows must be [T, {c.hidden_size}] float32, got {x.shape} {x.dtype}")
+        if ffn is None:
+            ffn = self._local_ffn
+        T = x.shape[0]
         cache.reserve(start + T)
         cos_qk, sin_qk = self._qk_tables(start, T)
         mask = causal_mask(start, T, c.n_heads // c.n_kv_heads)
-        x = self.embed.take(ids)  # [T, H] f32
+        x = np.array(x, dtype=F32, order="C")  # the residual stream is ours to update in place
         eps = c.rms_norm_eps
-        for layer in range(c.n_layers):
+        for layer in range(lo, hi):
             w = self.attention_weights(layer)
             x += self._attention(layer, rms_norm(x, w.attn_norm, eps), cache, start, cos_qk, sin_qk, mask)
             y = ffn.ffn(layer, rms_norm(x, w.ffn_norm, eps))
             assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
             x += y
-        cache.length = start + T
-        if last_only:
-            x = x[-1:]
-        logits = self.head.matmul(rms_norm(x, self.final_norm, eps))  # [T, V]
-        assert logits.dtype == F32
-        return logits
+        return x
 
     @cached_property
     def _local_ffn(self) -> LocalFFN:

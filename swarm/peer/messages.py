@@ -446,6 +446,34 @@ class Plan(_Base):
             _ranges(a.dense, f"assignments[{i}].dense")
 
 
+@dataclass(frozen=True)
+class StageAssignment:
+    """One stage: ``peer`` runs layers ``layer_start .. layer_stop-1`` (attention, KV cache, FFN)."""
+
+    peer: str
+    layer_start: int
+    layer_stop: int
+
+
+@message(20)
+class StagePlan(_Base):
+    """The layer stages of plan ``version`` of ``term``, in the order the hidden state visits
+    them; they tile the layers ``0 .. n_layers-1`` (checked against the model by the receiver)."""
+
+    term: int
+    version: int
+    stages: tuple[StageAssignment, ...]
+
+    def _check(self) -> None:
+        at = 0
+        for i, st in enumerate(self.stages):
+            _peer_id(st.peer, f"stages[{i}].peer")
+            if st.layer_start != at or st.layer_stop <= st.layer_start:
+                raise _Invalid(f"stages[{i}]: layers [{st.layer_start}, {st.layer_stop}) do not follow "
+                               f"the previous stage (expected to start at {at})")
+            at = st.layer_stop
+
+
 def _ranges(ranges: tuple[tuple[int, int], ...], where: str) -> None:
     for i, (start, stop) in enumerate(ranges):
         if not start < stop:
@@ -534,6 +562,53 @@ class DenseAnswer(_Base):
         _ranges(self.ranges, "ranges")
         if self.partials.shape[0] != len(self.ranges):
             raise _Invalid(f"{self.partials.shape[0]} partials for {len(self.ranges)} ranges")
+
+
+def _check_stage(msg, where: str) -> None:
+    if msg.layer_stop <= msg.layer_start:
+        raise _Invalid(f"layers [{msg.layer_start}, {msg.layer_stop}): empty range")
+    if msg.x.shape[0] == 0:
+        raise _Invalid(f"{where}: at least one row")
+
+
+@message(36)
+class StageRequest(_Base):
+    """Hidden rows ``x`` [T, H] for the layers ``layer_start .. layer_stop-1`` a stage holds.
+
+    ``x`` holds positions ``start .. start+T-1`` of sequence ``sequence`` (an id the coordinator
+    gives each sequence). The stage first truncates its KV cache of that sequence to ``start``
+    positions (``start == 0`` starts the sequence afresh; a smaller ``start`` than it holds
+    re-runs a suffix) and answers ``cache_gap`` when it holds fewer than ``start``.
+    """
+
+    request_id: int
+    term: int
+    plan_version: int
+    sequence: int
+    start: int
+    layer_start: int
+    layer_stop: int
+    x: Annotated[np.ndarray, ROWS]
+
+    def _check(self) -> None:
+        _check_stage(self, "x")
+
+
+@message(37)
+class StageAnswer(_Base):
+    """The hidden rows after layer ``layer_stop-1`` for a StageRequest: ``x`` [T, H]."""
+
+    request_id: int
+    term: int
+    plan_version: int
+    sequence: int
+    start: int
+    layer_start: int
+    layer_stop: int
+    x: Annotated[np.ndarray, ROWS]
+
+    def _check(self) -> None:
+        _check_stage(self, "x")
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -629,4 +704,5 @@ __all__ = [
     *(cls.__name__ for cls in KINDS.values()),
     "NumericBuild",
     "Assignment",
+    "StageAssignment",
 ]

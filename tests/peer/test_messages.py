@@ -76,6 +76,11 @@ def samples() -> list[object]:
             request_id=2, model_hash=HASH, name="blk.3.ffn_gate_exps[0:8]", offset=1000,
             sha256=hashlib.sha256(chunk).hexdigest(), data=chunk,
         ),
+        m.StagePlan(term=4, version=8, stages=(m.StageAssignment(PA, 0, 5), m.StageAssignment(PB, 5, 24))),
+        m.StageRequest(request_id=2**31 + 1, term=4, plan_version=8, sequence=2, start=9, layer_start=5,
+                       layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
+        m.StageAnswer(request_id=2**31 + 1, term=4, plan_version=8, sequence=2, start=9, layer_start=5,
+                      layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
     ]
 
 
@@ -238,7 +243,7 @@ def test_encode_checks_locally() -> None:
 
 
 def test_weight_chunk_verify() -> None:
-    chunk = samples()[-1]
+    chunk = next(s for s in samples() if isinstance(s, m.WeightChunk))
     m.decode(m.encode(chunk)).verify()
     with pytest.raises(MessageError, match="SHA-256"):
         dataclasses.replace(chunk, data=chunk.data[::-1].copy()).verify()

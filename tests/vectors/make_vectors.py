@@ -65,6 +65,18 @@ def samples() -> dict[str, object]:
             m.Assignment(layer=0, peer=PB, experts=(4, 5, 6, 7), dense=()),
             m.Assignment(layer=1, peer=PB, experts=(), dense=((0, 768), (1024, 1536))),
         )),
+        "stage_plan": m.StagePlan(term=3, version=6, stages=(
+            m.StageAssignment(peer=PA, layer_start=0, layer_stop=10),
+            m.StageAssignment(peer=PB, layer_start=10, layer_stop=30),
+        )),
+        "stage_request": m.StageRequest(
+            request_id=2**31 + 7, term=3, plan_version=6, sequence=4, start=12, layer_start=10, layer_stop=30,
+            x=_f((2, 4), np.float32),
+        ),
+        "stage_answer": m.StageAnswer(
+            request_id=2**31 + 7, term=3, plan_version=6, sequence=4, start=12, layer_start=10, layer_stop=30,
+            x=_f((2, 4), np.float32, -0.75),
+        ),
         "expert_request_f32": m.ExpertRequest(
             request_id=40, term=3, plan_version=6, layer=1,
             expert_ids=np.array([6, 4], np.int32), row_counts=np.array([2, 1], np.int32), rows=_f((3, 4), np.float32),

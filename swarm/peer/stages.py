@@ -1,0 +1,422 @@
+"""Layer stages: a peer runs a contiguous range of layers — attention with its KV cache, and
+the layers' FFN/MoE — so a token crosses the LAN once per stage instead of once per layer.
+
+Theory of operation
+-------------------
+A :class:`StageLayout` cuts the layers ``0 .. n_layers-1`` into contiguous :class:`Stage` s in
+the order the hidden state visits them. The coordinator keeps the embeddings, the final norm,
+the head and sampling: ``Model.forward`` embeds the tokens and hands the rows [T, H] to
+:meth:`StagedFFN.run_layers`, which runs each stage in turn — its own with
+``Model.layers`` (the FFN of those layers through ``inner``, e.g. a
+:class:`~swarm.peer.coordinator.RemoteFFN` that still hands expert and dense ranges out), a
+worker's as one :class:`StageRequest` whose :class:`StageAnswer` carries the rows on. A stage
+runs the engine's own ``Model.layers`` on the same rows, so the logits are the local run's
+bits.
+
+KV caches. Each stage holds the keys/values of its layers for every sequence in flight, keyed
+by the sequence id the coordinator gives each new cache (``start == 0``). A request for
+positions ``start ..`` first truncates the stage's cache to ``start`` (re-running a suffix is a
+smaller ``start``); a stage that holds fewer positions answers ``cache_gap`` and the
+coordinator resends the sequence from position 0.
+
+Failover. The coordinator records, per sequence, the rows that entered each stage (``[L, H]``
+f32 per stage boundary, a few MB for thousands of positions). A stage that fails — late,
+gone, refused, malformed — is marked failed and its layers run on the coordinator from then
+on (its mapped file holds them); before the first such step the coordinator rebuilds those
+layers' KV cache by running the recorded rows through them, then the step goes on. A
+sequence keeps the layout it started with (holders may fail over, boundaries never move), so
+its recorded rows always match its stages; a new layout applies to the next sequence.
+
+Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, ``send`` is a
+thread-safe non-blocking hand-off, and answers arrive through :meth:`StagedFFN.deliver` /
+:meth:`StagedFFN.peer_down` from the event loop. Request ids have the top bit set, so they
+never collide with RemoteFFN's on the same link.
+
+The worker side is :class:`StageRunner`: synchronous, CPU-heavy, run off the event loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from swarm.compute.ffn import LocalFFN
+from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
+from swarm.peer.coordinator import PeerTiming
+from swarm.peer.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest
+from swarm.peer.planner import Span
+
+log = logging.getLogger(__name__)
+
+F32 = np.float32
+KEEP_PLANS = 4  # stage layouts of the current term a worker still serves
+MAX_SEQUENCES = 8  # sequences whose KV caches a stage keeps (least recently used dropped first)
+MAX_STAGE_ROWS = 16384  # rows per stage request (a long prefill is still one batch)
+REQUEST_ID_BASE = 1 << 31  # stage request ids: top bit set, apart from RemoteFFN's
+
+
+@dataclass(frozen=True)
+class Stage(Span):
+    """``peer`` runs layers ``start .. stop-1`` (a span whose units are layers)."""
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Stages of plan ``version`` in ``term``, in the order the hidden state visits them,
+    tiling ``0 .. n_layers-1``; ``coordinator`` runs its stages itself."""
+
+    term: int
+    version: int
+    coordinator: str
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self) -> None:
+        at = 0
+        for s in self.stages:
+            if s.start != at or s.stop <= s.start:
+                raise LocalProtocolError(f"stage layout v{self.version}: {s} does not follow layer {at}")
+            at = s.stop
+
+    @property
+    def n_layers(self) -> int:
+        return self.stages[-1].stop if self.stages else 0
+
+    def workers(self) -> tuple[str, ...]:
+        """Peers other than the coordinator that run a stage, in visiting order."""
+        return tuple(dict.fromkeys(s.peer for s in self.stages if s.peer != self.coordinator))
+
+    def holds(self, peer: str, start: int, stop: int) -> bool:
+        return Stage(peer, start, stop) in self.stages
+
+    def to_message(self) -> StagePlan:
+        return StagePlan(self.term, self.version, tuple(StageAssignment(s.peer, s.start, s.stop) for s in self.stages))
+
+    @classmethod
+    def from_message(cls, msg: StagePlan, coordinator: str, n_layers: int) -> "StageLayout":
+        """The layout ``coordinator`` announced; RemoteProtocolError unless it tiles ``0:n_layers``."""
+        stages = tuple(Stage(a.peer, a.layer_start, a.layer_stop) for a in msg.stages)
+        if not stages or stages[-1].stop != n_layers:
+            raise RemoteProtocolError(f"stage plan v{msg.version} covers layers 0:{stages[-1].stop if stages else 0}, "
+                                      f"not the model's 0:{n_layers}")
+        return cls(msg.term, msg.version, coordinator, stages)
+
+
+def split_layers(n_layers: int, peers: Sequence[str], weights: Sequence[float]) -> tuple[Stage, ...]:
+    """Contiguous layer ranges in ``peers`` order, sizes ∝ ``weights`` (largest remainder);
+    a peer of weight 0 gets none, every other peer at least one layer when there are enough.
+    Raises LocalProtocolError when no weight is positive."""
+    used = [(p, w) for p, w in zip(peers, weights, strict=True) if w > 0]
+    if not used or n_layers <= 0:
+        raise LocalProtocolError("split_layers needs layers and at least one peer of positive weight")
+    used = used[:n_layers]
+    total = sum(w for _, w in used)
+    exact = [n_layers * w / total for _, w in used]
+    counts = [max(1, int(x)) for x in exact]
+    while sum(counts) > n_layers:  # the minimum of one layer each overshot: take from the largest
+        counts[max(range(len(counts)), key=lambda i: counts[i] - exact[i])] -= 1
+    for i in sorted(range(len(used)), key=lambda i: counts[i] - exact[i])[: n_layers - sum(counts)]:
+        counts[i] += 1
+    out, at = [], 0
+    for (p, _), c in zip(used, counts):
+        if c:
+            out.append(Stage(p, at, at + c))
+            at += c
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------- worker side
+class StageRunner:
+    """Answers :class:`StageRequest` s for peer ``peer_id`` from ``model`` (a memory-mapped
+    :class:`swarm.compute.model.Model`: only the stage's layers are ever read), keeping a KV
+    cache per sequence. Every field of a request is checked before it reaches a kernel; a bad
+    one earns an :class:`Error` naming it (codes ``stale_term``, ``bad_request``, ``cache_gap``).
+    """
+
+    def __init__(self, peer_id: str, model, max_sequences: int = MAX_SEQUENCES) -> None:
+        self.peer_id = peer_id
+        self.model = model
+        self.max_sequences = max_sequences
+        self._layouts: dict[tuple[int, int], StageLayout] = {}
+        self.term = 0
+        self._caches: OrderedDict[tuple[int, int, int], object] = OrderedDict()  # (sequence, lo, hi) → KVCache
+        self._lock = threading.Lock()
+        self.served = 0
+
+    def accept(self, layout: StageLayout) -> None:
+        """Serve ``layout`` (and up to ``KEEP_PLANS - 1`` earlier ones of its term, for the
+        sequences that started under them). StaleTermError for an older term."""
+        with self._lock:
+            if layout.term < self.term:
+                raise StaleTermError(f"stage plan of term {layout.term}: this peer is in term {self.term}")
+            kept = [p for p in self._layouts.values() if p.term == layout.term] + [layout]
+            self._layouts = {(p.term, p.version): p for p in kept[-KEEP_PLANS:]}
+            self.term = layout.term
+            ranges = {(s.start, s.stop) for p in self._layouts.values() for s in p.stages if s.peer == self.peer_id}
+            for key in [k for k in self._caches if k[1:] not in ranges]:
+                del self._caches[key]
+
+    def prepare(self) -> None:
+        """Open this peer's layers of the newest layout now, not in the first (deadline-bound) request."""
+        layout = max(self._layouts.values(), key=lambda p: p.version, default=None)
+        for s in layout.stages if layout else ():
+            if s.peer == self.peer_id:
+                for layer in range(s.start, s.stop):
+                    self.model.attention_weights(layer)
+
+    def handle(self, msg: StageRequest) -> StageAnswer | Error:
+        """Run the request's rows through its layers, or refuse it with an Error."""
+        try:
+            return self._answer(msg)
+        except StaleTermError as exc:
+            return Error(msg.request_id, "stale_term", str(exc))
+        except _CacheGap as exc:
+            return Error(msg.request_id, "cache_gap", str(exc))
+        except RemoteProtocolError as exc:
+            log.warning("refused stage request %s: %s", msg.request_id, exc)
+            return Error(msg.request_id, "bad_request", str(exc))
+
+    def _answer(self, msg: StageRequest) -> StageAnswer:
+        layout = self._layouts.get((msg.term, msg.plan_version))
+        if layout is None:
+            have = ", ".join(f"term {t} v{v}" for t, v in sorted(self._layouts)) or "no stage plan yet"
+            raise StaleTermError(f"stage request of term {msg.term} v{msg.plan_version}: this peer serves {have}")
+        lo, hi, x = msg.layer_start, msg.layer_stop, msg.x
+        if not layout.holds(self.peer_id, lo, hi):
+            raise RemoteProtocolError(f"layers {lo}:{hi} are not a stage of this peer in plan v{msg.plan_version}")
+        H = self.model.config.hidden_size
+        if x.dtype != F32 or x.shape[1] != H or x.shape[0] > MAX_STAGE_ROWS:
+            raise RemoteProtocolError(f"rows must be [1..{MAX_STAGE_ROWS}, {H}] float32, got {x.shape} {x.dtype}")
+        if not np.isfinite(x).all():
+            raise RemoteProtocolError("rows hold NaN or infinity")
+        key = (msg.sequence, lo, hi)
+        with self._lock:
+            cache = self._caches.pop(key, None)
+            if msg.start == 0:
+                cache = self.model.new_cache()
+            elif cache is None or cache.length < msg.start:
+                if cache is not None:
+                    self._caches[key] = cache
+                held = 0 if cache is None else cache.length
+                raise _CacheGap(f"sequence {msg.sequence} layers {lo}:{hi}: this stage holds {held} positions, "
+                                f"the request starts at {msg.start}; resend from position 0")
+            self._caches[key] = cache  # most recently used last
+            while len(self._caches) > self.max_sequences:
+                self._caches.popitem(last=False)
+        cache.truncate(msg.start)
+        out = self.model.layers(x, cache, msg.start, lo, hi)
+        cache.length = msg.start + x.shape[0]
+        self.served += 1
+        return StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.sequence, msg.start, lo, hi, out)
+
+
+class _CacheGap(Exception):
+    """The stage holds fewer positions of a sequence than a request assumes."""
+
+
+# -------------------------------------------------------------------------- coordinator side
+@dataclass
+class _Sequence:
+    """What the coordinator knows about one sequence under stages."""
+
+    id: int
+    layout: StageLayout
+    inputs: dict[int, np.ndarray] = field(default_factory=dict)  # stage's first layer → rows that entered [L, H]
+    local: dict[tuple[int, int], int] = field(default_factory=dict)  # (lo, hi) → positions in our cache
+    remote: dict[tuple[str, int, int], int] = field(default_factory=dict)  # (peer, lo, hi) → positions it holds
+
+    def record(self, layer: int, start: int, x: np.ndarray) -> np.ndarray:
+        """Keep ``x`` as positions ``start ..`` of the rows entering ``layer``; returns all [start+T, H]."""
+        old = self.inputs.get(layer, x[:0])
+        if old.shape[0] < start:
+            raise LocalProtocolError(f"sequence {self.id}: rows entering layer {layer} before position {start} "
+                                     "were never seen; start the sequence at position 0")
+        rows = np.concatenate([old[:start], x]) if start else np.array(x, copy=True)
+        self.inputs[layer] = rows
+        return rows
+
+
+@dataclass
+class _Pending:
+    peer: str
+    request: StageRequest
+    future: cf.Future
+    sent_at: float
+    deadline: float
+
+
+class StagedFFN:
+    """The coordinator's backend for a stage layout; see the module docstring.
+
+    ``model``: the whole model (mapped); ``layout``: the stages; ``send(peer, msg)``:
+    thread-safe, non-blocking hand-off; ``inner``: the FFN backend of the coordinator's own
+    layers (default: the model's local one). ``on_peer_failed(peer, reason)`` is called from the
+    token-loop thread once per failed stage peer.
+    """
+
+    def __init__(self, model, layout: StageLayout, send: Callable[[str, StageRequest], None], inner=None, *,
+                 on_peer_failed: Callable[[str, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if layout.n_layers != model.config.n_layers:
+            raise LocalProtocolError(f"stage layout covers {layout.n_layers} layers, the model has "
+                                     f"{model.config.n_layers}")
+        self.model = model
+        self.layout = layout
+        self.send = send
+        self.inner = inner if inner is not None else LocalFFN(model)
+        self.on_peer_failed = on_peer_failed
+        self.timing: dict[str, PeerTiming] = {}
+        self.failed: set[str] = set()
+        self.remote_steps = 0  # stage requests answered by peers
+        self.rebuilt_positions = 0  # positions recomputed here to rebuild a failed stage's KV cache
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._seq_ids = itertools.count(1)
+        self._sequences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache → _Sequence
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------- event-loop side
+    def deliver(self, peer: str, msg: StageAnswer | Error) -> None:
+        """An answer (or Error) from ``peer``. Thread-safe; unknown ids are dropped."""
+        with self._lock:
+            p = self._pending.get(msg.request_id)
+            if p is None or p.peer != peer:
+                return
+            del self._pending[msg.request_id]
+        if not p.future.done():
+            p.future.set_result(msg)
+
+    def peer_down(self, peer: str, reason: str = "link closed") -> None:
+        """``peer``'s link went away: its pending requests fail now."""
+        with self._lock:
+            lost = [self._pending.pop(rid) for rid, p in list(self._pending.items()) if p.peer == peer]
+        for p in lost:
+            if not p.future.done():
+                p.future.set_exception(ConnectionError(reason))
+
+    def set_rtt(self, peer: str, rtt_s: float) -> None:
+        self.timing.setdefault(peer, PeerTiming()).rtt_s = float(rtt_s)
+
+    def set_layout(self, layout: StageLayout) -> None:
+        """Use ``layout`` for sequences that start from now on (those in flight keep theirs)."""
+        if layout.n_layers != self.model.config.n_layers:
+            raise LocalProtocolError(f"stage layout covers {layout.n_layers} layers, not {self.model.config.n_layers}")
+        self.layout = layout
+        self.failed.clear()
+
+    # ------------------------------------------------------------ token-loop side
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """The FFN of the coordinator's own layers (FFNBackend)."""
+        return self.inner.ffn(layer, x)
+
+    def run_layers(self, model, x: np.ndarray, cache, start: int) -> np.ndarray:
+        """Run the embedded rows x [T, H] f32 at positions ``start ..`` through every stage; returns
+        the rows after the last layer [T, H] f32 (``Model.forward``'s LayerBackend hook)."""
+        seq = self._sequences.get(cache)
+        if start == 0 or seq is None:
+            seq = self._sequences[cache] = _Sequence(next(self._seq_ids), self.layout)
+        for stage in seq.layout.stages:
+            history = seq.record(stage.start, start, x)
+            out = None
+            if stage.peer != seq.layout.coordinator and stage.peer not in self.failed:
+                out = self._remote(seq, stage, start, history)
+            x = out if out is not None else self._local(seq, stage, cache, start, history)
+        return x
+
+    def _local(self, seq: _Sequence, stage: Stage, cache, start: int, history: np.ndarray) -> np.ndarray:
+        key = (stage.start, stage.stop)
+        have = min(seq.local.get(key, 0), start)
+        if have < start:  # a stage that moved here: rebuild its KV cache from the rows that entered it
+            self.model.layers(history[have:start], cache, have, stage.start, stage.stop, self.inner)
+            self.rebuilt_positions += start - have
+        out = self.model.layers(history[start:], cache, start, stage.start, stage.stop, self.inner)
+        seq.local[key] = history.shape[0]
+        return out
+
+    def _remote(self, seq: _Sequence, stage: Stage, start: int, history: np.ndarray) -> np.ndarray | None:
+        """The stage's output rows [T, H], or None after a failure (recorded)."""
+        key = (stage.peer, stage.start, stage.stop)
+        T = history.shape[0] - start
+        first = start if seq.remote.get(key, 0) >= start else 0  # a holder that lacks the prefix gets it
+        for _ in range(2):
+            msg = self._call(stage, seq, first, history[first:])
+            if isinstance(msg, Error) and msg.code == "cache_gap" and first > 0:
+                first = 0  # it lost the sequence (restarted, evicted): send it all
+                continue
+            break
+        if isinstance(msg, Error):
+            self._fail(stage.peer, f"refused layers {stage.start}:{stage.stop}: {msg.code}: {msg.message}")
+            return None
+        if msg is None:
+            return None
+        seq.remote[key] = history.shape[0]
+        self.remote_steps += 1
+        return np.ascontiguousarray(msg.x[-T:])
+
+    def _call(self, stage: Stage, seq: _Sequence, first: int, rows: np.ndarray) -> StageAnswer | Error | None:
+        rid = REQUEST_ID_BASE | (next(self._ids) & (REQUEST_ID_BASE - 1))
+        lay = seq.layout
+        req = StageRequest(rid, lay.term, lay.version, seq.id, first, stage.start, stage.stop, rows)
+        now = self._clock()
+        timing = self.timing.setdefault(stage.peer, PeerTiming())
+        p = _Pending(stage.peer, req, cf.Future(), now, now + timing.deadline_s(rows.shape[0]))
+        with self._lock:
+            self._pending[rid] = p
+        try:
+            self.send(stage.peer, req)
+        except Exception as exc:  # the link is gone
+            with self._lock:
+                self._pending.pop(rid, None)
+            self._fail(stage.peer, f"send failed: {exc}")
+            return None
+        try:
+            msg = p.future.result(timeout=max(p.deadline - self._clock(), 0.0))
+        except cf.TimeoutError:
+            with self._lock:
+                self._pending.pop(rid, None)
+            self._fail(stage.peer, f"no answer within {p.deadline - p.sent_at:.3f} s (layers {stage.start}:{stage.stop})")
+            return None
+        except ConnectionError as exc:
+            self._fail(stage.peer, str(exc))
+            return None
+        if isinstance(msg, Error):
+            return msg
+        try:
+            _check_answer(req, msg)
+        except RemoteProtocolError as exc:
+            self._fail(stage.peer, f"malformed answer: {exc}")
+            return None
+        timing.observe(self._clock() - p.sent_at, rows.shape[0])
+        return msg
+
+    def _fail(self, peer: str, reason: str) -> None:
+        self.timing.setdefault(peer, PeerTiming()).failures += 1
+        if peer in self.failed:
+            return
+        self.failed.add(peer)
+        log.warning("stage peer %s marked down: %s; its layers run on the coordinator", peer, reason)
+        if self.on_peer_failed is not None:
+            self.on_peer_failed(peer, reason)
+
+
+def _check_answer(req: StageRequest, msg: object) -> None:
+    """RemoteProtocolError unless ``msg`` answers ``req`` exactly, with finite f32 rows."""
+    if not isinstance(msg, StageAnswer):
+        raise RemoteProtocolError(f"{type(msg).__name__} does not answer a StageRequest")
+    echo = (msg.term, msg.plan_version, msg.sequence, msg.start, msg.layer_start, msg.layer_stop)
+    want = (req.term, req.plan_version, req.sequence, req.start, req.layer_start, req.layer_stop)
+    if echo != want:
+        raise RemoteProtocolError(f"answer echoes {echo}, not the request's {want}")
+    if msg.x.dtype != F32 or msg.x.shape != req.x.shape:
+        raise RemoteProtocolError(f"rows {msg.x.shape} {msg.x.dtype}, expected {req.x.shape} float32")
+    if not np.isfinite(msg.x).all():
+        raise RemoteProtocolError("rows hold NaN or infinity")

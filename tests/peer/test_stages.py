@@ -1,0 +1,197 @@
+"""Layer stages in process: the coordinator's StagedFFN against StageRunners answering from
+their own copies of the model on other threads (the hand-off of a real link, without one).
+The oracle is the local engine: a stage plan gives bit-identical logits; a stage lost at token
+10 gives the same tokens; a stage that forgot a sequence is sent it again."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from swarm.compute.default_model import default_model_path
+from swarm.compute.model import load_model
+from swarm.errors import LocalProtocolError, MessageError
+from swarm.peer import messages as m
+from swarm.peer.stages import Stage, StagedFFN, StageLayout, StageRunner, split_layers
+from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
+
+MOE = "qwen3_moe"  # MoE layers 0 and 2, dense layer 1
+
+
+class Hand:
+    """Requests to StageRunners, answered on another thread (as an event loop would); ``down``
+    peers refuse the hand-off as a closed link does."""
+
+    def __init__(self, runners: dict[str, StageRunner]):
+        self.runners, self.down, self.ffn, self.threads = runners, set(), None, []
+
+    def send(self, peer: str, req: m.StageRequest) -> None:
+        if peer in self.down:
+            raise ConnectionError(f"no link to {peer}")
+        t = threading.Thread(target=lambda: self.ffn.deliver(peer, self.runners[peer].handle(req)))
+        self.threads.append(t)
+        t.start()
+
+    def join(self):
+        for t in self.threads:
+            t.join(10)
+
+
+def staged(path, stages: tuple[Stage, ...]) -> tuple[object, StagedFFN, Hand, dict[str, StageRunner]]:
+    layout = StageLayout(1, 1, COORD, stages)
+    runners = {p: StageRunner(p, load_model(path)) for p in layout.workers()}  # each its own copy
+    for r in runners.values():
+        r.accept(layout)
+    hand = Hand(runners)
+    model = load_model(path)
+    hand.ffn = StagedFFN(model, layout, hand.send)
+    return model, hand.ffn, hand, runners
+
+
+def assert_same_run(run, ref):
+    assert run[0] == ref[0]
+    for a, b in zip(run[1], ref[1], strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return build(MOE, tmp_path_factory.mktemp("stages"))
+
+
+@pytest.mark.parametrize("stages", [
+    (Stage(COORD, 0, 1), Stage(W1, 1, 2), Stage(W2, 2, 3)),
+    (Stage(W1, 0, 2), Stage(COORD, 2, 3)),
+    (Stage(W1, 0, 3),),
+], ids=["three", "worker-first", "all-remote"])
+def test_a_moe_stage_plan_gives_the_local_bits(moe_dir, stages):
+    model, ffn, hand, runners = staged(moe_dir, stages)
+    run = greedy(model, ffn)
+    hand.join()
+    assert_same_run(run, greedy(load_model(moe_dir), None))
+    assert ffn.remote_steps == 13 * len([s for s in stages if s.peer != COORD]) and not ffn.failed
+    assert all(r.served == 13 for r in runners.values())
+
+
+def test_smollm2_over_two_stages_gives_the_local_bits():
+    path = default_model_path()
+    n = load_model(path).config.n_layers
+    model, ffn, hand, _ = staged(path, (Stage(COORD, 0, n // 2), Stage(W1, n // 2, n)))
+    prompt = [1, 504, 3458, 314, 253, 1345, 30]
+    run = greedy(model, ffn, prompt, 6)
+    hand.join()
+    assert_same_run(run, greedy(load_model(path), None, prompt, 6))
+
+
+def test_a_stage_lost_at_token_10_moves_to_the_coordinator_with_the_same_tokens(moe_dir):
+    model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 2), Stage(W2, 2, 3)))
+    failed = []
+    ffn.on_peer_failed = lambda peer, reason: failed.append((peer, reason))
+
+    def on_step(step):
+        if step == 10:
+            hand.down.add(W2)
+
+    run = greedy(model, ffn, PROMPT, 14, on_step)
+    hand.join()
+    ref = greedy(load_model(moe_dir), None, PROMPT, 14)
+    assert run[0] == ref[0]
+    assert [p for p, _ in failed] == [W2] and "no link" in failed[0][1]
+    # its KV cache was rebuilt here from the rows that had entered it: prompt + 10 tokens
+    assert ffn.rebuilt_positions == len(PROMPT) + 10
+    assert runners[W2].served == 11 and runners[W1].served == 15
+
+
+def test_a_late_stage_fails_over_too(moe_dir):
+    model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 2), Stage(W1, 2, 3)))
+    hand.send = lambda peer, req: None  # the request is sent, and no answer ever comes
+    ffn.send = hand.send
+    ffn.set_rtt(W1, 0.001)
+    ffn.timing[W1].s_per_row = 1e-4  # as after earlier answers: a short deadline
+    run = greedy(model, ffn, PROMPT, 3)
+    assert_same_run(run, greedy(load_model(moe_dir), None, PROMPT, 3))
+    assert ffn.failed == {W1} and ffn.timing[W1].failures == 1
+
+
+def test_a_stage_that_forgot_the_sequence_is_sent_it_again(moe_dir):
+    model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    layout = ffn.layout
+
+    def on_step(step):
+        if step == 4:  # the worker restarts: same peer, no caches
+            hand.join()
+            fresh = hand.runners[W1] = StageRunner(W1, load_model(moe_dir))
+            fresh.accept(layout)
+
+    run = greedy(model, ffn, PROMPT, 8, on_step)
+    hand.join()
+    ref = greedy(load_model(moe_dir), None, PROMPT, 8)
+    assert run[0] == ref[0]
+    # the resent prefix is one batch now, not a prefill and steps: float rounding, not more
+    assert max(float(np.abs(a - b).max()) for a, b in zip(run[1], ref[1])) < 1e-4
+    assert not ffn.failed and hand.runners[W1].served == 4  # a cache_gap, then a resend from 0
+
+
+def test_a_truncated_cache_re_runs_the_suffix_on_every_stage(moe_dir):
+    model, ffn, hand, _ = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    cache = model.new_cache()
+    model.forward(PROMPT, cache, ffn=ffn)
+    cache.truncate(4)
+    got = model.forward(PROMPT[4:], cache, ffn=ffn)
+    hand.join()
+    ref_model = load_model(moe_dir)
+    ref_cache = ref_model.new_cache()
+    ref_model.forward(PROMPT, ref_cache)  # the same steps locally
+    ref_cache.truncate(4)
+    assert np.array_equal(got, ref_model.forward(PROMPT[4:], ref_cache))
+
+
+def test_the_stage_runner_refuses_what_is_not_its_own(moe_dir):
+    layout = StageLayout(2, 3, COORD, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    runner = StageRunner(W1, load_model(moe_dir))
+    x = np.ones((2, 64), np.float32)
+    req = lambda **kw: m.StageRequest(**{**dict(request_id=5, term=2, plan_version=3, sequence=1, start=0,  # noqa: E731
+                                                  layer_start=1, layer_stop=3, x=x), **kw})
+    assert runner.handle(req()).code == "stale_term"  # no plan yet
+    runner.accept(layout)
+    assert runner.handle(req(plan_version=2)).code == "stale_term"
+    assert "not a stage of this peer" in runner.handle(req(layer_start=0)).message
+    assert "[1..16384, 64] float32" in runner.handle(req(x=np.ones((2, 32), np.float32))).message
+    assert "NaN" in runner.handle(req(x=np.full((2, 64), np.nan, np.float32))).message
+    gap = runner.handle(req(start=5))
+    assert gap.code == "cache_gap" and "holds 0 positions" in gap.message
+    ok = runner.handle(req())
+    assert isinstance(ok, m.StageAnswer) and ok.x.shape == (2, 64) and ok.request_id == 5
+    with pytest.raises(Exception, match="term 1"):
+        runner.accept(StageLayout(1, 9, COORD, layout.stages))
+
+
+def test_stage_messages_check_their_fields():
+    bad_plan = m.StagePlan(term=1, version=1, stages=(m.StageAssignment(W1, 0, 2), m.StageAssignment(W2, 3, 4)))
+    with pytest.raises(LocalProtocolError, match=r"stages\[1\]: layers \[3, 4\) do not follow"):
+        m.encode(bad_plan)
+    ok = m.encode(m.StagePlan(term=1, version=1, stages=(m.StageAssignment(W1, 0, 2),)))
+    assert m.decode(ok).stages[0].layer_stop == 2
+    with pytest.raises(LocalProtocolError, match=r"layers \[2, 2\): empty range"):
+        m.encode(m.StageRequest(request_id=1, term=1, plan_version=1, sequence=1, start=0, layer_start=2,
+                                layer_stop=2, x=np.ones((1, 4), np.float32)))
+    frame = m.encode(m.StageAnswer(request_id=1, term=1, plan_version=1, sequence=1, start=0, layer_start=0,
+                                   layer_stop=2, x=np.ones((1, 4), np.float32)))
+    with pytest.raises(MessageError, match="StageAnswer"):
+        m.decode(frame.replace(b'"layer_stop":2', b'"layer_stop":0'))
+
+
+def test_layouts_and_layer_splits():
+    assert split_layers(30, ["a", "b"], [1.0, 1.0]) == (Stage("a", 0, 15), Stage("b", 15, 30))
+    assert split_layers(3, ["a", "b", "c"], [100.0, 1.0, 0.0]) == (Stage("a", 0, 2), Stage("b", 2, 3))
+    assert split_layers(2, ["a", "b", "c"], [1.0, 1.0, 1.0]) == (Stage("a", 0, 1), Stage("b", 1, 2))
+    with pytest.raises(LocalProtocolError, match="positive weight"):
+        split_layers(4, ["a"], [0.0])
+    with pytest.raises(LocalProtocolError, match="does not follow layer 2"):
+        StageLayout(1, 1, COORD, (Stage(COORD, 0, 2), Stage(W1, 3, 4)))
+    lay = StageLayout(1, 1, COORD, (Stage(COORD, 0, 2), Stage(W1, 2, 4)))
+    assert StageLayout.from_message(lay.to_message(), COORD, 4) == lay
+    with pytest.raises(Exception, match="not the model's 0:5"):
+        StageLayout.from_message(lay.to_message(), COORD, 5)
