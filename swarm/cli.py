@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="print the swarm: peers, roles, placement, timings")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--watch", action="store_true", help="a live view, redrawn every second, with the swarm's events")
     p.set_defaults(func=_status)
     return parser
 

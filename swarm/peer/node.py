@@ -33,6 +33,7 @@ import platform
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ STATUS_FILE = "status.json"
 STATUS_EVERY_S = 1.0  # status file refresh period; `status` treats a file older than 5x this as stale
 ROLE_POLL_S = 0.5  # how often `join` looks for a role change to print
 LEAVE_STEP_S = 5.0  # the longest each shutdown step of `join` may take before it is abandoned
+EVENTS_KEPT = 50  # the newest swarm events in the status document (dashboard, `status --watch`)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,10 @@ class Node:
         self.peer_id = peer_id
         self.name = name or socket.gethostname()
         self.role = "peer"  # the election sets "coordinator" or "worker"
-        self.placement: Any = None  # the coordinator may put a JSON-able plan summary here for status
+        self.placement: Any = None  # the plan as this peer knows it (JSON-able): set by the roles, for status
+        # What the roles measured (JSON-able dict, e.g. per-peer timings), merged into status() as "observed".
+        self.observed: Callable[[], dict[str, Any]] = dict
+        self.activity: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)  # see record()
         self.hello = Hello(
             peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=numeric_build(), model_hash=model_hash,
             memory_budget=default_memory_budget() if memory_budget is None else memory_budget,
@@ -174,6 +179,12 @@ class Node:
     @property
     def swarm_id(self) -> str:
         return self.swarm_key.swarm_id
+
+    def record(self, what: str, peer_id: str = "", name: str = "", detail: str = "") -> None:
+        """Note a swarm event for status and the dashboard: ``what`` is e.g. "joined", "left",
+        "link up", "link down", "marked down", "replanned", "coordinator changed"; ``t`` is Unix s."""
+        self.activity.append({"t": round(time.time(), 3), "what": what, "peer_id": peer_id, "name": name,
+                              "detail": detail})
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -221,10 +232,12 @@ class Node:
             case PeerJoined(peer=info):
                 self.mesh.peer_joined(info)
                 self.events.put_nowait(PeerEvent("joined", info.peer_id, info.name, info.kind))
+                self.record("joined", info.peer_id, info.name, info.kind)
             case PeerLeft(peer_id=peer_id):
                 info = self.rendezvous.peers.get(peer_id)
                 self.mesh.peer_left(peer_id)
                 self.events.put_nowait(PeerEvent("left", peer_id, info.name if info else "", info.kind if info else "?"))
+                self.record("left", peer_id, info.name if info else "")
             case SignalReceived(sender=sender, data=data):
                 await self.mesh.handle_signal(sender, data)
             case SignalRefused(code=code, detail=detail):
@@ -234,10 +247,13 @@ class Node:
         hello = link.hello
         self.events.put_nowait(PeerEvent("link-up", link.peer_id or "?", hello.name if hello else "",
                                          hello.peer_kind if hello else "?", link.rtt_s))
+        self.record("link up", link.peer_id or "?", hello.name if hello else "", hello.peer_kind if hello else "")
         self._refresh_status()
 
     def _link_down(self, peer_id: str) -> None:
         self.events.put_nowait(PeerEvent("link-down", peer_id, "", ""))
+        info = self.rendezvous.peers.get(peer_id)
+        self.record("link down", peer_id, info.name if info else "")
         self._refresh_status()
 
     def _refresh_status(self) -> None:
@@ -272,6 +288,7 @@ class Node:
                 "memory_budget": hello.memory_budget if hello else None,
                 "ffn_gflops": round(hello.ffn_gflops, 2) if hello else None,
                 "model_hash": hello.model_hash if hello else None,
+                "arch": hello.build.arch if hello else None,  # tells a Mac (arm64) from Linux (aarch64, x86_64)
             })
         server = rv.server
         return {
@@ -288,8 +305,11 @@ class Node:
             "signaling_port": server.port if server is not None else None,
             "ffn_gflops": round(self.hello.ffn_gflops, 2),
             "memory_budget": self.hello.memory_budget,
+            "system": platform.system(),
             "placement": self.placement,
             "peers": peers,
+            "observed": self.observed(),
+            "events": list(self.activity),
         }
 
     def _write_status(self) -> None:

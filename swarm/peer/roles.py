@@ -132,6 +132,7 @@ class SwarmRoles:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = time.monotonic()  # reset by start()
         self._wake = asyncio.Event()
+        node.observed = self._observed
 
     @classmethod
     async def create(cls, node: Any, model: Any = None, **options: Any) -> SwarmRoles:
@@ -426,6 +427,7 @@ class SwarmRoles:
                     log.warning("could not offer slices to %s: %s", link.peer_id, exc)
         msg = plan.to_message()
         await asyncio.gather(*(self._send(link, msg) for link in links.values()))
+        self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {len(plan.workers())} worker(s)")
         self.node.placement = {"term": plan.term, "version": plan.version, "api_port": self.api_port,
                                **plan.to_dict()}
 
@@ -444,6 +446,7 @@ class SwarmRoles:
         self._mark_builds()
         self.ffn.warming_until.update({p: time.monotonic() + s for p, s in self._warming(plan).items()})
         log.info("coordinator of term %d: plan v%d over %d worker(s)", plan.term, plan.version, len(plan.workers()))
+        self.node.record("coordinator changed", self.node.peer_id, self.node.name, f"this peer, term {term}")
         if self._serve_api:
             await self._open_api()
         self.node.placement = {**(self.node.placement or {}), "api_port": self.api_port}
@@ -488,6 +491,9 @@ class SwarmRoles:
 
     def _peer_failed(self, peer: str) -> None:
         self._failed_at[peer] = time.monotonic()
+        link = self.node.links.get(peer)
+        self.node.record("marked down", peer, link.hello.name if link is not None and link.hello else "",
+                         "late, gone or wrong: its rows are recomputed here")
         self._schedule_replan()
 
     def _check_plan(self, now: float) -> None:
@@ -559,6 +565,7 @@ class SwarmRoles:
                 await self._fetch_slices(link, msg)
             plan = Plan.from_message(msg, link.peer_id, self.shape)
             self.worker.accept_plan(plan)
+            self._learn_plan(link, plan)
             # Decode our slices now rather than on the first request (which has a deadline).
             await asyncio.get_running_loop().run_in_executor(self._compute, self.worker.prepare)
         except (RemoteProtocolError, TimeoutError) as exc:
@@ -569,6 +576,30 @@ class SwarmRoles:
             ready.set()
             for key in [k for k in self._plans_ready if k[0] < msg.term]:
                 del self._plans_ready[key]
+
+    def _learn_plan(self, link: Any, plan: Plan) -> None:
+        """A worker keeps the plan it accepted in its status (roles, shares) and notes a new coordinator."""
+        known = (self.node.placement or {}).get("coordinator")
+        self.node.placement = {"term": plan.term, "version": plan.version, **plan.to_dict()}
+        if known != link.peer_id:
+            self.node.record("coordinator changed", link.peer_id, link.hello.name if link.hello else "",
+                             f"term {plan.term}")
+
+    def _observed(self) -> dict[str, Any]:
+        """What the coordinator measured, per peer of its plan: weight bytes held, ms per row
+        of FFN work (an average over recent answers), requests and failures. Empty elsewhere."""
+        ffn = self.ffn
+        if ffn is None or self.shape is None:
+            return {}
+        plan, timing = ffn.plan, dict(ffn.timing)  # a copy: the token loop updates it meanwhile
+        peers = {}
+        for peer in plan.peers:
+            t = timing.get(peer)
+            peers[peer] = {"weight_bytes": plan.bytes_of(peer, self.shape),
+                           "ms_per_row": round(t.s_per_row * 1e3, 4) if t is not None and t.s_per_row else None,
+                           "requests": t.requests if t is not None else 0,
+                           "failed": peer in ffn.failed}
+        return {"peers": peers}
 
     async def _fetch_slices(self, link: Any, msg: PlanMessage) -> None:
         """Without the model: fetch and decode the slices ``msg`` gives this peer (offered just

@@ -1,9 +1,14 @@
-"""``colibri-swarm status [--json]``: print the swarm as the peer running on this machine sees it.
+"""``colibri-swarm status [--json | --watch]``: the swarm as the peer running on this machine sees it.
 
 The running ``join`` keeps a status file (:data:`swarm.peer.node.STATUS_FILE` in the config
 directory, rewritten every second, written atomically); this command reads it. A file whose
 process is gone, or that has not been rewritten for :data:`STALE_AFTER_S`, is reported as a
-stopped peer rather than shown as if it were live.
+stopped peer rather than shown as if it were live. ``--watch`` redraws the view every
+:data:`WATCH_EVERY_S` (rich ``Live``) with the newest swarm events, until Ctrl-C.
+
+The view fits 80 columns: each peer's id sits whole under its name, roles are never cut, and
+each share is written out below the table ("layers 0–29: MLP rows 1280–1536"). A worker knows
+the plan it accepted, so it shows the other peers' roles and shares too.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from swarm.errors import SwarmError
 from swarm.peer.node import STATUS_EVERY_S, STATUS_FILE
 
 STALE_AFTER_S = 5 * STATUS_EVERY_S
+WATCH_EVERY_S = 1.0
+WATCH_EVENTS = 8  # the newest events under the table in --watch
+WIDTH = 80
+KIND_WORDS = {"experts": "experts", "dense": "MLP rows"}
 
 
 def read_status(path: Path | None = None, now: float | None = None) -> dict[str, Any]:
@@ -56,36 +65,91 @@ def pid_alive(pid: int) -> bool:
 
 
 def main_status(args: Any) -> int:
-    doc = read_status()
-    if args.json:
-        print(json.dumps(doc, indent=2))
-        return 0
-    from rich.table import Table
-
     from swarm.terminal import console as terminal_console
-    from swarm.terminal import esc
 
+    if args.json:
+        print(json.dumps(read_status(), indent=2))
+        return 0
     console = terminal_console()
-    hosting = "hosting signaling" if doc.get("hosting_signaling") else f"signaling host {doc.get('signaling_host')}"
-    console.print(f"swarm [bold]{esc(doc['swarm_id'])}[/]  this peer [bold]{esc(doc['name'])}[/] ({esc(doc['peer_id'])})  "
-                  f"role {esc(doc['role'])}  {esc(hosting)}")
+    if not getattr(args, "watch", False):
+        console.print(render(read_status(), width=min(console.width, WIDTH)))
+        return 0
+    from rich.live import Live
+
+    with Live(_view_or_error(), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(WATCH_EVERY_S)
+                live.update(_view_or_error(), refresh=True)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _view_or_error() -> Any:
+    """The view of the status file now, or the reason there is none (watching goes on)."""
+    from rich.text import Text
+
+    try:
+        return render(read_status(), events=WATCH_EVENTS)
+    except SwarmError as exc:
+        return Text(f"{exc}\n(watching: Ctrl-C to stop)", style="yellow")
+
+
+def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
+    """A rich renderable of a status document, ``width`` columns wide at most: header, peers
+    table, plan line, each peer's share in words, and the newest ``events`` swarm events."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     placement = doc.get("placement") if isinstance(doc.get("placement"), dict) else {}
-    table = Table("peer", "name", "kind", "role", "link", "RTT ms", "FFN GFLOP/s", "memory MiB", "share")
+    observed = (doc.get("observed") or {}).get("peers") or {}
+    hosting = "hosting signaling" if doc.get("hosting_signaling") else f"signaling on {doc.get('signaling_host')}"
+    header = Text.assemble("swarm ", (str(doc.get("swarm_id")), "bold"), f" · {hosting}\nthis peer ",
+                           (str(doc.get("name", "")), "bold"), f" ({doc.get('peer_id')}), {doc.get('role')}")
+    table = Table(box=None, padding=(0, 1), width=width, show_edge=False, header_style="bold")
+    table.add_column("peer", overflow="fold", min_width=26, ratio=1)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("role", no_wrap=True)
+    table.add_column("RTT ms", justify="right", no_wrap=True)
+    table.add_column("GFLOP/s", justify="right", no_wrap=True)
+    table.add_column("MiB", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
     me = {"peer_id": doc["peer_id"], "name": doc.get("name", ""), "kind": "python", "linked": None,
           "ffn_gflops": doc.get("ffn_gflops"), "memory_budget": doc.get("memory_budget")}
-    for p in [me, *doc.get("peers", [])]:
-        rtt = "" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.2f}"
+    peers = [me, *doc.get("peers", [])]
+    for p in peers:
+        rtt = "this" if p["linked"] is None else "" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.1f}"
         memory = "" if p.get("memory_budget") is None else str(p["memory_budget"] >> 20)
-        link = "(this peer)" if p["linked"] is None else "up" if p["linked"] else "-"
-        cells = (p["peer_id"], p.get("name", ""), p.get("kind", ""), _role(p["peer_id"], doc, placement),
-                 link, rtt, str(p.get("ffn_gflops") or ""), memory, _share(p["peer_id"], placement))
-        table.add_row(*(esc(cell) for cell in cells))  # names come from other peers: never markup
-    console.print(table)
+        share = share_fraction(placement, p["peer_id"])
+        gflops = "" if p.get("ffn_gflops") is None else f"{p['ffn_gflops']:.1f}"
+        # Text, never markup: names come from other peers.
+        table.add_row(Text(f"{p.get('name') or '?'}\n{p['peer_id']}"), Text(str(p.get("kind", ""))),
+                      Text(_role(p["peer_id"], doc, placement)), rtt, gflops, memory,
+                      f"{100 * share:.0f} %" if placement else "")
+    parts: list[Any] = [header, table]
     if placement:
         api = f", OpenAI API on port {placement['api_port']}" if placement.get("api_port") else ""
-        console.print(esc(f"plan v{placement.get('version')} of term {placement.get('term')}, "
-                          f"coordinator {placement.get('coordinator')}{api}"))
-    return 0
+        coord = placement.get("coordinator")
+        names = {p["peer_id"]: p.get("name") or p["peer_id"] for p in peers}
+        lines = [f"plan v{placement.get('version')} of term {placement.get('term')}, coordinator "
+                 f"{names.get(coord, coord)}{api}"]
+        for p in peers:
+            words = describe_share(placement, p["peer_id"])
+            if words != "nothing":
+                ms = (observed.get(p["peer_id"]) or {}).get("ms_per_row")
+                pace = f" ({ms:.3f} ms/row)" if ms else ""
+                lines.append(f"  {names[p['peer_id']]}: {words}{pace}")
+        parts.append(Text("\n".join(lines), overflow="fold"))
+    else:
+        parts.append(Text("no plan known yet", style="dim"))
+    if events:
+        shown = (doc.get("events") or [])[-events:]
+        lines = [f"{time.strftime('%H:%M:%S', time.localtime(e.get('t', 0)))} {e.get('what')} "
+                 f"{e.get('name') or ''} {e.get('peer_id') or ''} {e.get('detail') or ''}".rstrip() for e in shown]
+        parts.append(Text("events\n" + "\n".join(lines) if lines else "no events yet", overflow="fold"))
+    return Group(*parts)
 
 
 def _role(peer_id: str, doc: dict[str, Any], placement: dict[str, Any]) -> str:
@@ -96,13 +160,65 @@ def _role(peer_id: str, doc: dict[str, Any], placement: dict[str, Any]) -> str:
     return "worker" if peer_id in placement.get("peers", ()) else ""
 
 
-def _share(peer_id: str, placement: dict[str, Any]) -> str:
-    """What the plan gives a peer: dense columns and experts, summed over layers."""
-    parts = []
-    for what, unit in (("dense", "dense cols"), ("experts", "experts")):
-        spans = placement.get(what)
-        if isinstance(spans, dict):
-            total = sum(stop - start for layer in spans.values() for peer, start, stop in layer if peer == peer_id)
-            if total:
-                parts.append(f"{total} {unit}")
-    return ", ".join(parts)
+def _units(placement: dict[str, Any]) -> dict[int, dict[str, dict[str, list[tuple[int, int]]]]]:
+    """layer → kind → peer → spans [start, stop), from every ``{layer: [[peer, start, stop]]}``
+    field of a plan dict (``experts``, ``dense``, and any other kind a plan carries)."""
+    units: dict[int, dict[str, dict[str, list[tuple[int, int]]]]] = {}
+    for kind, value in placement.items():
+        if not isinstance(value, dict):
+            continue
+        for layer, spans in value.items():
+            if not isinstance(spans, list) or not str(layer).isdigit():
+                continue
+            for span in spans:
+                if isinstance(span, list) and len(span) == 3 and all(isinstance(x, int) for x in span[1:]):
+                    units.setdefault(int(layer), {}).setdefault(kind, {}).setdefault(str(span[0]), []).append(
+                        (span[1], span[2]))
+    return units
+
+
+def share_fraction(placement: dict[str, Any], peer_id: str) -> float:
+    """The peer's share of the plan's FFN work in [0, 1], each layer weighing the same (as web_peer/share.js)."""
+    units = _units(placement)
+    fractions = []
+    for kinds in units.values():
+        held = [sum(b - a for a, b in by_peer.get(peer_id, ())) / max(sum(b - a for s in by_peer.values() for a, b in s), 1)
+                for by_peer in kinds.values()]
+        fractions.append(sum(held) / len(held))
+    return sum(fractions) / len(fractions) if fractions else 0.0
+
+
+def compress_ints(values: Any) -> str:
+    """"0–7, 12, 14–15": consecutive runs of the integers as a–b."""
+    v = sorted(set(values))
+    out, i = [], 0
+    while i < len(v):
+        j = i
+        while j + 1 < len(v) and v[j + 1] == v[j] + 1:
+            j += 1
+        out.append(f"{v[i]}–{v[j]}" if j > i else f"{v[i]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def describe_share(placement: dict[str, Any], peer_id: str) -> str:
+    """The peer's share in words, consecutive layers with the same work merged
+    ("layers 0–29: MLP rows 1280–1536"); "nothing" when it holds none (as web_peer/share.js)."""
+    groups: list[list[Any]] = []  # [first layer, last layer, words]
+    for layer, kinds in sorted(_units(placement).items()):
+        parts = []
+        for kind, by_peer in kinds.items():
+            spans = by_peer.get(peer_id)
+            if not spans:
+                continue
+            text = (compress_ints(i for a, b in spans for i in range(a, b)) if kind == "experts"
+                    else ", ".join(f"{a}–{b}" for a, b in spans))
+            parts.append(f"{KIND_WORDS.get(kind, kind)} {text}")
+        if not parts:
+            continue
+        words = "; ".join(parts)
+        if groups and groups[-1][2] == words and groups[-1][1] == layer - 1:
+            groups[-1][1] = layer
+        else:
+            groups.append([layer, layer, words])
+    return " · ".join(f"{'layer ' + str(a) if a == b else f'layers {a}–{b}'}: {w}" for a, b, w in groups) or "nothing"

@@ -1,0 +1,90 @@
+"""``colibri-swarm status``: a real swarm of three peers (aiohttp signaling, aiortc links, in a
+network namespace) writes its status files; the view of a worker's file names every peer whole
+with its role, the plan and each share in words, within 80 columns; the events say who linked
+and who coordinates; the coordinator's file carries what it measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+
+import pytest
+from rich.console import Console
+
+from swarm.peer.status import compress_ints, describe_share, read_status, render, share_fraction
+from tests.peer._links import run_in_netns
+from tests.peer._swarm_models import build, greedy
+from tests.peer.test_swarm_loopback import ADDRESS, agreed, start_swarm, until
+
+pytestmark = pytest.mark.slow
+
+
+def _text(doc, **kw) -> str:
+    out = io.StringIO()
+    Console(file=out, width=200, force_terminal=False, color_system=None).print(render(doc, **kw))
+    return out.getvalue()
+
+
+def test_compressed_words_of_a_plan():
+    plan = {"version": 3, "term": 1, "coordinator": "c", "peers": ["c", "w"],
+            "experts": {"0": [["c", 0, 5], ["w", 5, 8]], "2": [["c", 0, 5], ["w", 5, 8]]},
+            "dense": {"1": [["c", 0, 1024], ["w", 1024, 1536]], "3": [["w", 0, 1536]]}}
+    assert compress_ints([7, 0, 1, 2, 5, 3, 9, 10]) == "0–3, 5, 7, 9–10"
+    assert describe_share(plan, "w") == ("layer 0: experts 5–7 · layer 1: MLP rows 1024–1536 · "
+                                         "layer 2: experts 5–7 · layer 3: MLP rows 0–1536")
+    assert describe_share(plan, "c") == "layer 0: experts 0–4 · layer 1: MLP rows 0–1024 · layer 2: experts 0–4"
+    assert describe_share(plan, "x") == "nothing"
+    same = {"dense": {str(layer): [["c", 0, 1274], ["w", 1274, 1536]] for layer in range(30)}}
+    assert describe_share(same, "w") == "layers 0–29: MLP rows 1274–1536"
+    assert share_fraction(plan, "w") == pytest.approx((3 / 8 + 512 / 1536 + 3 / 8 + 1) / 4)
+    assert share_fraction(plan, "c") + share_fraction(plan, "w") == pytest.approx(1)
+
+
+def test_status_of_a_worker_shows_the_swarm_within_80_columns(tmp_path):
+    model_dir = build("qwen3_moe", tmp_path)  # MoE layers 0 and 2, dense layer 1
+
+    async def main():
+        server, peers = await start_swarm(tmp_path, model_dir, [1.0, 2.0, 3.0])
+        try:
+            await until(lambda: agreed(peers) == peers[2].node.peer_id, 30, "the most capable peer coordinating")
+            coord = peers[2]
+            await asyncio.to_thread(greedy, coord.roles.model, coord.roles.ffn)  # some measured work
+            for p in peers:
+                p.node._refresh_status()
+            return [read_status(tmp_path / f"status{i}.json") for i in range(3)]
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    worker, _, coord = run_in_netns(main, timeout_s=240, prefix="css", address=ADDRESS)
+    ids = {d["name"]: d["peer_id"] for d in (worker, coord)} | {p["name"]: p["peer_id"] for p in worker["peers"]}
+    # The worker learnt the plan from the coordinator: roles and shares, not blank.
+    plan = worker["placement"]
+    assert plan["coordinator"] == coord["peer_id"] and plan["version"] >= 1
+    assert set(plan["peers"]) == set(ids.values())
+    if plan["version"] == coord["placement"]["version"]:
+        assert (plan["experts"], plan["dense"]) == (coord["placement"]["experts"], coord["placement"]["dense"])
+    events = [(e["what"], e["peer_id"]) for e in worker["events"]]
+    assert ("coordinator changed", coord["peer_id"]) in events
+    assert {("link up", ids["peer1"]), ("link up", ids["peer2"])} <= set(events)
+    # The coordinator measured its workers and knows what each holds.
+    observed = coord["observed"]["peers"]
+    assert {ids["peer0"], ids["peer1"]} <= set(observed)
+    assert all(observed[ids[n]]["weight_bytes"] > 0 and observed[ids[n]]["requests"] > 0 for n in ("peer0", "peer1"))
+    assert any(e["what"] == "replanned" for e in coord["events"])
+
+    text = _text(worker, events=8, width=80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    for peer_id in ids.values():  # whole ids: nothing cut to "kydzk…"
+        assert re.search(rf"(^|\s){peer_id}(\s|$)", text, re.M), (peer_id, text)
+    assert "…" not in text
+    row = {name: next(line for line in lines if line.strip().startswith(name)) for name in ("peer0", "peer1", "peer2")}
+    assert "coordinator" in row["peer2"] and "worker" in row["peer0"] and "worker" in row["peer1"], text
+    for name in ("peer0", "peer1", "peer2"):  # each share in words, e.g. "layer 0: experts 6–7 · …"
+        assert f"  {name}: {describe_share(plan, ids[name])}\n" in text, (name, text)
+    assert f"plan v{plan['version']} of term {plan['term']}, coordinator peer2" in text
+    assert "events" in text and "coordinator changed" in text
