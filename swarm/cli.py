@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute this share of remote answers locally; stop on a mismatch")
     p.add_argument("--no-model", action="store_true", help="join as a worker without the model (weights are shipped)")
     p.add_argument("--memory", metavar="MIB", type=_int_at_least(1, "the memory budget (MiB)"),
-                   help="memory budget for weights in MiB")
+                   help="at most this many MiB of weights (default: what the OS and this process's memory "
+                   "cgroup leave free, less 64 MiB)")
     p.set_defaults(func=_join)
 
     p = sub.add_parser("key", help="show the swarm key as a code and a QR code (creates one if none)")

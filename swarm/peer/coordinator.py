@@ -33,10 +33,17 @@ Failure. Every request has a deadline from the peer's measured round trip and
 its observed compute time per row. An answer that is late, lost (link down), an
 :class:`Error`, or malformed (ids, term, plan version, layer, shapes, dtype,
 non-finite values) is replaced by the coordinator computing those rows itself —
-it holds the whole model, so the result is the same bits — and the peer is
+it has the model file mapped, so the result is the same bits — and the peer is
 marked failed: no more work for it in this step, ``on_peer_failed`` tells the
 owner, who rebuilds the plan; :meth:`set_plan` takes effect at the next step
 (layer 0), never inside one.
+
+Memory. The coordinator keeps in memory what only it needs (embeddings,
+attention, routers, norms, head) and its planned share; the rest of the file is
+mapped but untouched. Experts it computes for a failed peer (or for
+``--verify``) are read from the mapping and their pages dropped from the process
+right after (:func:`swarm.peer.memory.release_pages`), so a fault does not leave
+another peer's share resident here.
 
 Warm-up. A peer that was just shipped its slices (a browser peer pulls and
 uploads them to its GPU after the plan arrives) may answer "no such weights" for
@@ -64,6 +71,7 @@ import numpy as np
 
 from swarm.compute.ffn import combine, expert_ffn, expert_rows, route, sum_partials
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
+from swarm.peer.memory import release_pages
 from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
 from swarm.peer.planner import Plan
 
@@ -119,7 +127,7 @@ Send = Callable[[str, ExpertRequest | DenseRequest], None]
 class RemoteFFN:
     """FFN backend of the coordinator; see the module docstring.
 
-    ``model``: the whole model (a :class:`swarm.compute.model.Model`); ``plan``:
+    ``model``: the model, memory-mapped (a :class:`swarm.compute.model.Model`); ``plan``:
     the placement (``plan.coordinator`` is us); ``send``: thread-safe, non-blocking
     hand-off of a request to a peer. ``verify``: share of remote answers (0..1)
     recomputed locally. ``on_peer_failed(peer, reason)`` is called (from the
@@ -321,22 +329,31 @@ class RemoteFFN:
                 int(counts.sum()))))
 
         # Our own share while the peers work.
-        outputs = {e: expert_ffn(m.expert_weights(layer, e), x[rows_of[e]]) for e in by_peer.get(plan.coordinator, ())}
+        outputs = {e: self._expert(layer, e, x[rows_of[e]]) for e in by_peer.get(plan.coordinator, ())}
         shared = m.shared_expert_output(layer, x)
 
         for experts, p in pending:
             msg = self._await(p)
             if msg is None:  # failed (or warming up): those rows are ours
-                outputs.update({e: expert_ffn(m.expert_weights(layer, e), x[rows_of[e]]) for e in experts})
+                outputs.update({e: self._expert(layer, e, x[rows_of[e]]) for e in experts})
                 continue
             bounds = np.concatenate([[0], np.cumsum(msg.row_counts.astype(np.int64))])
             remote = {e: msg.outputs[bounds[i]:bounds[i + 1]] for i, e in enumerate(experts)}
             if self._should_verify():
                 for e in experts:
-                    self._verify(p.peer, layer, f"expert {e}", remote[e],
-                                 expert_ffn(m.expert_weights(layer, e), x[rows_of[e]]))
+                    self._verify(p.peer, layer, f"expert {e}", remote[e], self._expert(layer, e, x[rows_of[e]]))
             outputs.update(remote)
         return combine(T, H, routing, outputs, shared=shared)
+
+    def _expert(self, layer: int, e: int, rows: np.ndarray) -> np.ndarray:
+        """Expert ``e`` over ``rows`` here; an expert the plan gives another peer is read from
+        the mapped file and its pages given back after (it is not ours to keep)."""
+        w = self.model.expert_weights(layer, e)
+        out = expert_ffn(w, rows)
+        if self.plan.expert_owner(layer, e) != self.plan.coordinator:
+            for q in (w.gate, w.up, w.down):
+                release_pages(q.data)
+        return out
 
     # ------------------------------------------------------------------- dense
     def _slice(self, layer: int, lo: int, hi: int):

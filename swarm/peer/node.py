@@ -105,11 +105,12 @@ def measure_ffn_gflops(hidden: int = 576, ffn: int = 1536, rows: int = 8, repeat
     return 3 * 2 * rows * hidden * ffn / best / 1e9
 
 
-def default_memory_budget() -> int:
-    """Half of physical memory, in bytes (the rest is for the OS and the user's own work)."""
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    return 4 << 30
+def default_memory_budget(cap_bytes: int | None = None) -> int:
+    """Bytes of weights this peer offers: what the OS (and its memory cgroup, if any) leaves this
+    process, less a headroom, at most ``cap_bytes`` (``--memory``); see swarm/peer/memory.py."""
+    from swarm.peer.memory import weight_budget
+
+    return weight_budget(cap_bytes)
 
 
 class Node:
@@ -358,7 +359,7 @@ async def _run_peer(args: Any, console: Any) -> None:
     gflops = await asyncio.to_thread(measure_ffn_gflops)
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
                 ffn_gflops=gflops,
-                signal_url=args.signal, memory_budget=args.memory << 20 if args.memory else None,
+                signal_url=args.signal, memory_budget=default_memory_budget(args.memory << 20 if args.memory else None),
                 model_hash=model.content_hash() if model is not None else None)
     if created:
         console.print("created a new swarm key; other peers join with:")

@@ -11,13 +11,19 @@ weights, measured FFN throughput, round trip) into a :class:`Plan`:
   the partial outputs of the spans sum to the full MLP (the coordinator adds
   them in span order);
 * shared experts (Qwen2-MoE) are not in the plan: they stay with the
-  coordinator, which holds the whole model.
+  coordinator, with the embeddings, attention, routers, norms and head.
 
 Shares are proportional to capacity — the measured throughput, with the
 coordinator's counted at ``coordinator_share`` of its own because it also runs
-attention, routing and sampling. A worker never gets more weight bytes than its
-budget: its capped share goes back to the others (water-filling), and what no
-worker can hold stays with the coordinator. The round trip sets each request's
+attention, routing and sampling. Every peer has a memory budget, counted in the
+bytes each holds in its encoding (:class:`ModelShape`: a Python peer keeps the
+file's blocks, a browser peer Q8_0 repacks of the types its kernels cannot read);
+the coordinator's is what its budget leaves after the weights only it holds. No
+peer gets more than its budget: a capped share goes back to the others
+(water-filling). What no peer can hold goes to the coordinator beyond its
+budget — it has the model file and reads those weights from its mapping for
+every token that needs them (slow: disk or page cache, not memory) — and the
+plan says how many bytes that is (:attr:`Plan.streamed_bytes`). The round trip sets each request's
 deadline rather than the shares: on a LAN it is far below a layer's compute,
 and a heartbeat RTT measured while a peer was still loading its model is
 inflated for a while. Only a peer whose round trip exceeds ``MAX_RTT_S`` —
@@ -30,7 +36,9 @@ between decode steps only, never inside one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +46,7 @@ from swarm.errors import RemoteProtocolError
 
 MAX_RTT_S = 5.0  # a link this slow to answer would stall every layer (seconds)
 COORDINATOR_SHARE = 0.5  # the coordinator also runs attention/routing/sampling
+Q8_0_BYTES = 34 / 32  # bytes per weight of a Q8_0 block (f16 scale + 32 int8): a browser's repack
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class PeerCapacity:
     memory_bytes: int
     ffn_speed: float
     rtt_s: float = 0.0
+    kind: str = "python"  # "browser": holds Q8_0 repacks of what its kernels cannot read
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,14 @@ class ModelShape:
 
     ``moe_layers``: layer indices with routed experts; ``dense_layers``: layer
     indices with a dense MLP of width ``intermediate_size``. ``bytes_per_weight``:
-    the in-memory size of one weight (4.0 for float32).
+    the in-memory size of one weight (4.0 for float32), used when the encoded sizes
+    are not given. From a model file (:meth:`from_model`) the sizes are the real
+    encoded ones, in bytes: ``expert_nbytes`` (one routed expert: gate, up, down,
+    the largest over layers), ``column_nbytes`` (one dense intermediate unit),
+    ``page_expert_nbytes`` / ``page_column_nbytes`` (the same on a browser peer:
+    tensors its kernels cannot read are repacked to Q8_0, 34 bytes per 32
+    weights) and ``resident_nbytes`` (what only the coordinator holds:
+    embeddings, attention, routers as float32, norms, head, shared experts).
     """
 
     hidden_size: int
@@ -71,6 +88,37 @@ class ModelShape:
     moe_layers: tuple[int, ...]
     dense_layers: tuple[int, ...]
     bytes_per_weight: float = 4.0
+    expert_nbytes: int = 0
+    column_nbytes: int = 0
+    page_expert_nbytes: int = 0
+    page_column_nbytes: int = 0
+    resident_nbytes: int = 0
+
+    @classmethod
+    def from_model(cls, model) -> "ModelShape":
+        """From a :class:`swarm.compute.model.Model`, with the encoded size of every FFN
+        tensor as the file stores it. Only the file's header is read (no weight bytes)."""
+        from swarm.peer.repack import PAGE_ENCODINGS
+
+        base = cls.from_config(model.config)
+        ck = model.checkpoint
+
+        def sizes(mats, per: int) -> tuple[int, int]:
+            own = sum(m.nbytes for m in mats)
+            page = sum(m.nbytes if m.qtype.name in PAGE_ENCODINGS else math.ceil(m.data.shape[0] * m.cols * Q8_0_BYTES)
+                       for m in mats)
+            return math.ceil(own / per), math.ceil(page / per)
+
+        expert = [sizes(ck.expert_matrices(layer, 0), 1) for layer in base.moe_layers]
+        column = [sizes([ck.matrix(p, layer) for p in ("gate", "up", "down")], base.intermediate_size)
+                  for layer in base.dense_layers]
+        e_own, e_page = (max(x) for x in zip(*expert)) if expert else (0, 0)
+        c_own, c_page = (max(x) for x in zip(*column)) if column else (0, 0)
+        files = sum(os.path.getsize(p) for p in getattr(ck, "files", [model.path]) if os.path.isfile(p))
+        ffn = len(base.moe_layers) * base.n_experts * e_own + len(base.dense_layers) * base.intermediate_size * c_own
+        routers = len(base.moe_layers) * base.n_experts * base.hidden_size * 4  # decoded to float32
+        return dataclasses.replace(base, expert_nbytes=e_own, column_nbytes=c_own, page_expert_nbytes=e_page,
+                                   page_column_nbytes=c_page, resident_nbytes=max(files - ffn, 0) + routers)
 
     @classmethod
     def from_config(cls, cfg, bytes_per_weight: float = 4.0) -> "ModelShape":
@@ -83,12 +131,23 @@ class ModelShape:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one routed expert: gate [F, H], up [F, H], down [H, F]."""
-        return math.ceil(3 * self.hidden_size * self.moe_intermediate_size * self.bytes_per_weight)
+        return self.expert_nbytes or math.ceil(3 * self.hidden_size * self.moe_intermediate_size * self.bytes_per_weight)
 
     @property
     def column_bytes(self) -> int:
         """Bytes of one dense intermediate column: a gate row, an up row, a down column."""
-        return math.ceil(3 * self.hidden_size * self.bytes_per_weight)
+        return self.column_nbytes or math.ceil(3 * self.hidden_size * self.bytes_per_weight)
+
+    def unit_bytes(self, kind: str = "python") -> tuple[int, int]:
+        """(bytes of one expert, bytes of one dense column) as a peer of ``kind`` holds them."""
+        if kind == "browser":
+            return self.page_expert_nbytes or self.expert_bytes, self.page_column_nbytes or self.column_bytes
+        return self.expert_bytes, self.column_bytes
+
+    def ffn_bytes(self, kind: str = "python") -> int:
+        """Bytes of every routed expert and dense MLP of the model, as a peer of ``kind`` holds them."""
+        e, c = self.unit_bytes(kind)
+        return len(self.moe_layers) * self.n_experts * e + len(self.dense_layers) * self.intermediate_size * c
 
 
 @dataclass(frozen=True)
@@ -115,6 +174,9 @@ class Plan:
     peers: tuple[str, ...]  # coordinator first, then workers by peer id: the span order
     experts: Mapping[int, tuple[Span, ...]] = field(default_factory=dict)
     dense: Mapping[int, tuple[Span, ...]] = field(default_factory=dict)
+    # Bytes of the coordinator's spans beyond its budget, read from its mapped file when used
+    # (the swarm holds too little); not sent to workers.
+    streamed_bytes: int = field(default=0, compare=False)
 
     def workers(self) -> tuple[str, ...]:
         """Peers other than the coordinator that hold at least one span."""
@@ -138,11 +200,12 @@ class Plan:
         """Dense layer → its (lo, hi) ranges in span order: the plan :class:`LocalFFN` takes."""
         return {layer: [(s.start, s.stop) for s in spans] for layer, spans in self.dense.items()}
 
-    def bytes_of(self, peer: str, shape: ModelShape) -> int:
-        """Weight bytes ``peer`` must hold for its spans."""
+    def bytes_of(self, peer: str, shape: ModelShape, kind: str = "python") -> int:
+        """Weight bytes ``peer`` (a peer of ``kind``) must hold for its spans."""
         n_exp = sum(len(s) for spans in self.experts.values() for s in spans if s.peer == peer)
         n_col = sum(len(s) for spans in self.dense.values() for s in spans if s.peer == peer)
-        return n_exp * shape.expert_bytes + n_col * shape.column_bytes
+        e, c = shape.unit_bytes(kind)
+        return n_exp * e + n_col * c
 
     # ------------------------------------------------------------------ wire form
     def to_dict(self) -> dict:
@@ -260,36 +323,62 @@ def build_plan(
     term: int,
     version: int,
     coordinator_share: float = COORDINATOR_SHARE,
+    coordinator_budget: int | None = None,
 ) -> Plan:
     """Place experts and dense columns over the coordinator and ``workers``.
 
     Returns a plan whose spans tile every MoE and dense layer; no worker's
-    ``plan.bytes_of(peer, shape)`` exceeds its ``memory_bytes``. The coordinator
-    holds the whole model, so it has no budget and takes whatever is left.
+    ``plan.bytes_of(peer, shape, kind)`` exceeds its ``memory_bytes``.
+    ``coordinator_budget``: bytes of FFN weights the coordinator can keep besides
+    what only it holds (None: unbounded, it holds the whole model). What no peer can
+    hold within its budget goes to the coordinator anyway, which reads it from its
+    model file; ``plan.streamed_bytes`` says how many bytes that is.
     """
     workers = sorted((w for w in workers if w.peer_id != coordinator.peer_id), key=lambda w: w.peer_id)
+    cap_of = {w.peer_id: w for w in workers}
     peers = (coordinator.peer_id, *(w.peer_id for w in workers))
-    total_bytes = (len(shape.moe_layers) * shape.n_experts * shape.expert_bytes
-                   + len(shape.dense_layers) * shape.intermediate_size * shape.column_bytes)
+    c_budget = math.inf if coordinator_budget is None else max(int(coordinator_budget), 0)
     weights = {coordinator.peer_id: max(coordinator.ffn_speed, 1e-9) * coordinator_share}
-    caps = {coordinator.peer_id: math.inf}
+    caps = {coordinator.peer_id: c_budget / shape.ffn_bytes() if shape.ffn_bytes() else math.inf}
     for w in workers:
         usable = w.ffn_speed > 0 and w.rtt_s <= MAX_RTT_S and w.memory_bytes > 0
         weights[w.peer_id] = w.ffn_speed if usable else 0.0
-        caps[w.peer_id] = w.memory_bytes / total_bytes if total_bytes else 0.0
+        total = shape.ffn_bytes(w.kind)
+        caps[w.peer_id] = w.memory_bytes / total if total else 0.0
     share = _shares(weights, caps)
+    share[coordinator.peer_id] += max(1.0 - sum(share.values()), 0.0)  # what nobody can hold
+    budget = {coordinator.peer_id: c_budget, **{w.peer_id: w.memory_bytes for w in workers}}
+    used = {p: 0 for p in peers}
 
-    def spans_for(width: int, unit_bytes: int, layers: Sequence[int], used: dict[str, int]) -> dict:
+    def spans_for(width: int, column: bool, layers: Sequence[int]) -> dict:
+        unit = {p: shape.unit_bytes(cap_of[p].kind if p in cap_of else "python")[column] for p in peers}
+
+        def room(p: str) -> int:
+            if not unit[p] or budget[p] == math.inf:
+                return width  # unbounded: all of a layer
+            return max(int((budget[p] - used[p]) // unit[p]), 0)
+
         table = {}
         for layer in layers:
             counts = _cut(width, peers, share, layer)
             # Rounding may push a worker past its budget: hand those units to the coordinator.
             for i, p in enumerate(peers[1:], start=1):
-                room = (next(w for w in workers if w.peer_id == p).memory_bytes - used[p]) // unit_bytes
-                if counts[i] > room:
-                    counts[0] += counts[i] - max(room, 0)
-                    counts[i] = max(room, 0)
-                used[p] += counts[i] * unit_bytes
+                if counts[i] > room(p):
+                    counts[0] += counts[i] - room(p)
+                    counts[i] = room(p)
+            # ... and the coordinator past its own: to workers with room left, if any.
+            over = counts[0] - room(peers[0])
+            for i, p in enumerate(peers[1:], start=1):
+                if over <= 0:
+                    break
+                if weights[p] > 0:
+                    take = min(over, room(p) - counts[i])
+                    if take > 0:
+                        counts[i] += take
+                        counts[0] -= take
+                        over -= take
+            for p, c in zip(peers, counts):
+                used[p] += c * unit[p]
             spans, at = [], 0
             for p, c in zip(peers, counts):
                 if c:
@@ -298,9 +387,20 @@ def build_plan(
             table[layer] = tuple(spans)
         return table
 
-    used = {p: 0 for p in peers}
-    experts = spans_for(shape.n_experts, shape.expert_bytes, shape.moe_layers, used) if shape.n_experts else {}
-    dense = spans_for(shape.intermediate_size, shape.column_bytes, shape.dense_layers, used) if shape.intermediate_size else {}
-    plan = Plan(version, term, coordinator.peer_id, peers, experts, dense)
+    experts = spans_for(shape.n_experts, False, shape.moe_layers) if shape.n_experts else {}
+    dense = spans_for(shape.intermediate_size, True, shape.dense_layers) if shape.intermediate_size else {}
+    streamed = 0 if coordinator_budget is None else max(used[coordinator.peer_id] - c_budget, 0)
+    plan = Plan(version, term, coordinator.peer_id, peers, experts, dense, streamed_bytes=int(streamed))
     check_plan(plan, shape)
     return plan
+
+
+def shortfall_message(plan: Plan, shape: ModelShape) -> str | None:
+    """What the swarm lacks to hold ``plan`` in memory, in words; None when nothing is streamed."""
+    if plan.streamed_bytes <= 0:
+        return None
+    mib = lambda n: f"{n / (1 << 20):,.0f} MiB"  # noqa: E731
+    return (f"the swarm's memory holds {mib(shape.ffn_bytes() - plan.streamed_bytes)} of the model's "
+            f"{mib(shape.ffn_bytes())} of expert and MLP weights: {mib(plan.streamed_bytes)} is missing, and "
+            "the coordinator reads it from its model file for every token that needs it (slow). Add a peer "
+            f"with at least {mib(plan.streamed_bytes)} free, or raise a peer's --memory.")

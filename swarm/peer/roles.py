@@ -57,7 +57,7 @@ from swarm.peer.messages import (
     DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, LeaderHeartbeat, Plan as PlanMessage,
     RequestVote, Vote,
 )
-from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan
+from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall_message
 from swarm.peer.shipping import SliceCache
 from swarm.peer.shipping_aio import PlanShipper, SliceFetcher, shape_from_meta
 from swarm.peer.slices import ShippedWeights, SliceSpec, decode_slice
@@ -100,7 +100,7 @@ class SwarmRoles:
         self.swarm_model: str | None = self.model_hash
         if model is not None and model.content_hash() != self.model_hash:
             raise LocalProtocolError("the node's hello must name the hash of the model it serves")
-        self.shape = ModelShape.from_config(model.config) if model is not None else None
+        self.shape = ModelShape.from_model(model) if model is not None else None  # encoded sizes: budgets
         self.verify = verify
         self.election = el.Election(node.peer_id, eligible=model is not None, capability=node.hello.ffn_gflops,
                                     now=time.monotonic(), rng=rng, startup_quiet_s=startup_quiet_s)
@@ -406,7 +406,7 @@ class SwarmRoles:
                 continue  # it failed a step: out of the plans for a while, then tried again
             if h.peer_kind == "python" and not self.election.reachable(peer, now):
                 continue  # silent (a killed process whose link has not timed out yet), or gone
-            out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0))
+            out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0, h.peer_kind))
         return out
 
     def _new_plan(self) -> Plan:
@@ -414,7 +414,14 @@ class SwarmRoles:
         me = PeerCapacity(self.node.peer_id, 0, self.node.hello.ffn_gflops)
         workers = self._workers()
         self._planned = {w.peer_id for w in workers}
-        return build_plan(self.shape, me, workers, term=self.election.term, version=self._plan_version)
+        # Our budget less what only we hold (embeddings, attention, routers, norms, head).
+        budget = max(self.node.hello.memory_budget - self.shape.resident_nbytes, 0)
+        plan = build_plan(self.shape, me, workers, term=self.election.term, version=self._plan_version,
+                          coordinator_budget=budget)
+        short = shortfall_message(plan, self.shape)
+        if short:
+            log.warning("plan v%d: %s", plan.version, short)
+        return plan
 
     async def _announce(self, plan: Plan) -> None:
         """Offer workers without the model their slices, then send the plan to every worker."""
@@ -429,7 +436,7 @@ class SwarmRoles:
         await asyncio.gather(*(self._send(link, msg) for link in links.values()))
         self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {len(plan.workers())} worker(s)")
         self.node.placement = {"term": plan.term, "version": plan.version, "api_port": self.api_port,
-                               **plan.to_dict()}
+                               "streamed_bytes": plan.streamed_bytes, **plan.to_dict()}
 
     async def _become_coordinator(self, term: int) -> None:
         if self.model is None:

@@ -105,3 +105,63 @@ def test_malformed_plans_are_refused(mutate, what):
     mutate(d)
     with pytest.raises(RemoteProtocolError, match=what):
         Plan.from_dict(d, shape)
+
+
+@given(ws=workers, speed=st.floats(0.1, 100.0), budget=st.integers(0, 3_000_000),
+       share=st.sampled_from([0.25, 0.5, 1.0]))
+@settings(max_examples=300, deadline=None)
+def test_the_coordinator_budget_holds_and_only_the_shortfall_is_streamed(ws, speed, budget, share):
+    shape = ModelShape(hidden_size=16, n_experts=24, moe_intermediate_size=8, intermediate_size=96,
+                       moe_layers=(0, 2), dense_layers=(1,), expert_nbytes=500, column_nbytes=60)
+    plan = build_plan(shape, PeerCapacity("Z", 0, speed), ws, term=1, version=1, coordinator_share=share,
+                      coordinator_budget=budget)
+    check_plan(plan, shape)
+    mine = plan.bytes_of("Z", shape)
+    assert plan.streamed_bytes == max(mine - budget, 0)
+    for w in ws:
+        assert plan.bytes_of(w.peer_id, shape) <= w.memory_bytes
+    if plan.streamed_bytes:  # streaming only when no usable worker has room for one more unit
+        usable = [w for w in ws if w.ffn_speed > 0 and w.rtt_s <= MAX_RTT_S]
+        assert all(w.memory_bytes - plan.bytes_of(w.peer_id, shape) < 500 for w in usable)
+
+
+def test_a_swarm_too_small_for_the_model_says_what_is_missing():
+    from swarm.peer.planner import shortfall_message
+
+    shape = ModelShape(hidden_size=16, n_experts=64, moe_intermediate_size=8, intermediate_size=0,
+                       moe_layers=tuple(range(4)), dense_layers=(), expert_nbytes=1 << 20)  # 256 MiB in all
+    ws = [PeerCapacity("a", 100 << 20, 1.0), PeerCapacity("b", 50 << 20, 1.0)]
+    plan = build_plan(shape, PeerCapacity("c", 0, 1.0), ws, term=1, version=1, coordinator_budget=40 << 20)
+    assert (plan.bytes_of("a", shape), plan.bytes_of("b", shape)) == (100 << 20, 50 << 20)
+    assert plan.streamed_bytes == (256 - 190) << 20 and plan.bytes_of("c", shape) == 106 << 20
+    msg = shortfall_message(plan, shape)
+    assert "190 MiB of the model's 256 MiB" in msg and "66 MiB is missing" in msg and "--memory" in msg
+    fits = build_plan(shape, PeerCapacity("c", 0, 1.0), ws, term=1, version=1, coordinator_budget=200 << 20)
+    assert fits.streamed_bytes == 0 and shortfall_message(fits, shape) is None
+
+
+def test_a_browser_budget_counts_its_q8_repacks():
+    shape = ModelShape(hidden_size=16, n_experts=40, moe_intermediate_size=8, intermediate_size=0,
+                       moe_layers=(0,), dense_layers=(), expert_nbytes=100, page_expert_nbytes=190)
+    page = PeerCapacity("p", 1900, 100.0, kind="browser")
+    python = PeerCapacity("q", 1900, 100.0)
+    plan = build_plan(shape, PeerCapacity("c", 0, 1.0), [page, python], term=1, version=1, coordinator_budget=0)
+    assert plan.bytes_of("p", shape, "browser") <= 1900 and len(plan.expert_span(0, "p")) == 10
+    assert len(plan.expert_span(0, "q")) == 19  # the same budget holds more in the file's own blocks
+
+
+def test_model_shape_counts_the_encoded_bytes_of_the_file(tmp_path):
+    from swarm.compute.model import load_model
+    from tests.multihost.test_capacity import random_moe_gguf
+
+    Q4_K = __import__("gguf").GGMLQuantizationType.Q4_K
+    path = random_moe_gguf(tmp_path / "m.gguf", layers=2, hidden=256, experts=4, top_k=2, expert_ffn=256,
+                           heads=4, kv_heads=2, down=Q4_K)
+    shape = ModelShape.from_model(load_model(path))
+    gate_up = 2 * 256 * 256 * 34 // 32  # Q8_0
+    assert shape.expert_bytes == gate_up + 256 * 256 * 144 // 256  # Q4_K down: 144 bytes per 256
+    assert shape.page_expert_nbytes == gate_up + 256 * 256 * 34 // 32  # the page holds Q8_0 for Q4_K
+    ffn = 2 * 4 * shape.expert_bytes
+    assert shape.ffn_bytes() == ffn
+    routers = 2 * 4 * 256 * 4
+    assert shape.resident_nbytes == path.stat().st_size - ffn + routers
