@@ -1,0 +1,256 @@
+"""The planner's prices: how long a decode step and a prefill take under each placement. Pure.
+
+Theory of operation
+-------------------
+A placement is one of
+
+* ``local`` — the coordinator runs everything (only when its memory holds the model);
+* ``ranges`` — every layer's experts / dense MLP columns are cut over the peers
+  (:func:`swarm.peer.planner.build_plan`): they compute one layer together, so each layer
+  costs one round trip to every worker that gets work;
+* ``stages`` — each peer runs a contiguous range of whole layers
+  (:mod:`swarm.peer.stages`): the hidden state crosses the network once per stage.
+
+Inputs (:class:`PeerCost`): each peer's memory budget in bytes as it holds the weights
+(compact: the file's blocks), its compute speed in GFLOP/s — *observed* from answer timings
+when there are any, the start-up measurement otherwise — and its link's round trip.
+:class:`LayerCosts` gives, per layer, the FLOPs of one token through attention and through
+the FFN (only the routed top-k experts count) and the bytes of each part.
+
+The estimate of one step of ``T`` tokens (``T = 1``: decode; the prompt length: prefill):
+
+* compute: FLOPs / speed, per peer; the coordinator also runs the head (``head_flops``);
+* a message costs ``rtt + MESSAGE_OVERHEAD_S + bytes / LINK_BYTES_PER_S`` (the overhead is
+  the framing, thread hand-offs and scheduling measured on top of the raw round trip; the
+  rate is what one aiortc data channel moves);
+* ``ranges``: per layer, attention on the coordinator, then the slowest of the coordinator's
+  FFN share and each worker's (its message + its share of the FFN FLOPs);
+* ``stages``: the sum over stages of their layers' FLOPs / their speed, plus one message per
+  stage held by a worker. Stages run one after the other (one sequence: no pipelining), so
+  the layers go to the fastest peers first, as many as each one's memory holds: every stage
+  added costs a message, none saves compute.
+
+:func:`choose` prices every candidate that fits in memory and picks the lowest decode time
+(prefill time breaks ties). Its inputs and every estimate are returned as plain dicts for
+``status --json``; ``docs/planner.md`` writes the model out with numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+MESSAGE_OVERHEAD_S = 0.0008  # a message's cost beyond the raw RTT (namespace LAN: 1.18 ms vs 0.42 ms)
+LINK_BYTES_PER_S = 10 * 2**20  # one aiortc data channel, pure-Python SCTP (bench/link.py)
+COORDINATOR_SHARE = 0.5  # the coordinator's speed counted for FFN ranges (it also runs attention)
+PREFILL_TOKENS = 128  # prompt length the prefill estimate is given for
+ROW_BYTES_PER_HIDDEN = 4  # float32 activations on the wire
+
+
+@dataclass(frozen=True)
+class PeerCost:
+    """What the planner knows of one peer. ``memory_bytes``: budget for weights, bytes as it
+    holds them; ``gflops``: compute speed (GFLOP/s, > 0); ``rtt_s``: round trip to the
+    coordinator (seconds; 0 for the coordinator); ``observed``: ``gflops`` comes from answer
+    timings rather than the start-up measurement."""
+
+    peer_id: str
+    memory_bytes: int
+    gflops: float
+    rtt_s: float = 0.0
+    observed: bool = False
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per layer ``i``: ``attn_flops[i]`` / ``ffn_flops[i]`` (FLOPs of one token: 2 per weight
+    used), ``attn_bytes[i]`` / ``ffn_bytes[i]`` (bytes of the weights as stored). ``head_flops``:
+    FLOPs of the head for one token; ``hidden_size``: H (a row on the wire is 4·H bytes)."""
+
+    attn_flops: tuple[float, ...]
+    ffn_flops: tuple[float, ...]
+    attn_bytes: tuple[int, ...]
+    ffn_bytes: tuple[int, ...]
+    head_flops: float
+    hidden_size: int
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.attn_flops)
+
+    def layer_bytes(self, i: int) -> int:
+        return self.attn_bytes[i] + self.ffn_bytes[i]
+
+    @classmethod
+    def from_model(cls, model) -> "LayerCosts":
+        """From a :class:`swarm.compute.model.Model`: sizes from the file's header (no weight is read)."""
+        c, ck = model.config, model.checkpoint
+        H = c.hidden_size
+        attn_w = H * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * H
+        attn_b, ffn_b, ffn_f = [], [], []
+        for layer in range(c.n_layers):
+            attn_b.append(sum(ck.matrix(p, layer).nbytes for p in ("q", "k", "v", "o")))
+            if c.is_moe_layer(layer):
+                one = sum(q.nbytes for q in ck.expert_matrices(layer, 0))
+                active = 3 * H * c.moe_intermediate_size * c.top_k + 3 * H * c.shared_expert_intermediate_size
+                ffn_b.append(one * c.n_experts)
+            else:
+                ffn_b.append(sum(ck.matrix(p, layer).nbytes for p in ("gate", "up", "down")))
+                active = 3 * H * c.intermediate_size
+            ffn_f.append(2.0 * active)
+        return cls(tuple([2.0 * attn_w] * c.n_layers), tuple(ffn_f), tuple(attn_b), tuple(ffn_b),
+                   2.0 * H * c.vocab_size, H)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One priced placement: ``decode_s`` (one token), ``prefill_s`` (``PREFILL_TOKENS``),
+    ``fits`` (every peer within its memory), and what it places: ``stages`` (peer, first layer,
+    stop layer) or ``shares`` (peer → fraction of every layer's FFN)."""
+
+    layout: str
+    decode_s: float
+    prefill_s: float
+    fits: bool
+    stages: tuple[tuple[str, int, int], ...] = ()
+    shares: tuple[tuple[str, float], ...] = ()
+    note: str = ""
+
+
+def _message_s(peer: PeerCost, rows: int, costs: LayerCosts) -> float:
+    """One request and its answer of ``rows`` hidden rows each way."""
+    return peer.rtt_s + MESSAGE_OVERHEAD_S + 2 * rows * costs.hidden_size * ROW_BYTES_PER_HIDDEN / LINK_BYTES_PER_S
+
+
+def _gflops(p: PeerCost) -> float:
+    return max(p.gflops, 1e-6) * 1e9
+
+
+def estimate_local(costs: LayerCosts, coord: PeerCost) -> Estimate:
+    total = sum(costs.attn_flops) + sum(costs.ffn_flops) + costs.head_flops
+    need = sum(costs.layer_bytes(i) for i in range(costs.n_layers))
+    step = lambda T: T * total / _gflops(coord)  # noqa: E731
+    return Estimate("local", step(1), step(PREFILL_TOKENS), need <= coord.memory_bytes,
+                    stages=((coord.peer_id, 0, costs.n_layers),))
+
+
+def _water_fill(weights: dict[str, float], caps: dict[str, float]) -> dict[str, float]:
+    """Fractions ∝ weights summing to 1, none above its cap (excess to the uncapped rest)."""
+    share, free, left = {p: 0.0 for p in weights}, {p for p, w in weights.items() if w > 0}, 1.0
+    while free and left > 1e-12:
+        total = sum(weights[p] for p in free)
+        over = {p for p in free if left * weights[p] / total > caps[p]}
+        for p in over:
+            share[p] += caps[p]
+            left -= caps[p]
+        if not over:
+            for p in free:
+                share[p] += left * weights[p] / total
+            left = 0.0
+        free -= over
+    return share
+
+
+def estimate_ranges(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]) -> Estimate:
+    """Every layer's FFN cut over the peers ∝ speed (the coordinator's at ``COORDINATOR_SHARE``),
+    within each worker's memory; the coordinator keeps attention and what no worker holds."""
+    ffn_total = sum(costs.ffn_bytes)
+    weights = {coord.peer_id: _gflops(coord) * COORDINATOR_SHARE, **{w.peer_id: _gflops(w) for w in workers}}
+    caps = {coord.peer_id: 1.0, **{w.peer_id: (w.memory_bytes / ffn_total if ffn_total else 0.0) for w in workers}}
+    share = _water_fill(weights, caps)
+    attn_bytes = sum(costs.attn_bytes)
+    fits = attn_bytes + share[coord.peer_id] * ffn_total <= coord.memory_bytes
+
+    def step(T: int) -> float:
+        t = T * costs.head_flops / _gflops(coord)
+        for i in range(costs.n_layers):
+            mine = T * (costs.attn_flops[i] + share[coord.peer_id] * costs.ffn_flops[i]) / _gflops(coord)
+            theirs = [_message_s(w, T, costs) + T * share[w.peer_id] * costs.ffn_flops[i] / _gflops(w)
+                      for w in workers if share[w.peer_id] > 0]
+            t += max([mine, *[T * costs.attn_flops[i] / _gflops(coord) + x for x in theirs]])
+        return t
+
+    return Estimate("ranges", step(1), step(PREFILL_TOKENS), fits,
+                    shares=tuple(share.items()))
+
+
+def stage_layers(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]) -> tuple[tuple[str, int, int], ...] | None:
+    """Contiguous stages, fastest peers first, each given as many layers as its memory holds
+    (``coord.memory_bytes``: what the coordinator's budget leaves after embeddings and head).
+    The coordinator's stage, if any, comes first; then the workers' in order of speed.
+    None when the peers together cannot hold every layer."""
+    order = sorted([coord, *workers], key=lambda p: (-p.gflops, p.peer_id != coord.peer_id, p.peer_id))
+    count: dict[str, int] = {}
+    at = 0
+    for p in order:
+        room, n = p.memory_bytes, 0
+        while at + n < costs.n_layers and costs.layer_bytes(at + n) <= room:
+            room -= costs.layer_bytes(at + n)
+            n += 1
+        if n:
+            count[p.peer_id] = n
+            at += n
+        if at == costs.n_layers:
+            break
+    if at < costs.n_layers:
+        return None
+    # Visiting order: the coordinator first (its layers follow the embeddings with no message).
+    seq = sorted(count, key=lambda pid: (pid != coord.peer_id, order.index(next(p for p in order if p.peer_id == pid))))
+    out, at = [], 0
+    for pid in seq:
+        out.append((pid, at, at + count[pid]))
+        at += count[pid]
+    return tuple(out)
+
+
+def estimate_stages(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
+                    stages: tuple[tuple[str, int, int], ...] | None = None) -> Estimate:
+    """Whole layers per peer (``stages``, default :func:`stage_layers`)."""
+    peers = {p.peer_id: p for p in (coord, *workers)}
+    stages = stages if stages is not None else stage_layers(costs, coord, workers)
+    if stages is None:
+        return Estimate("stages", float("inf"), float("inf"), False, note="the peers together hold too little")
+
+    def step(T: int) -> float:
+        t = T * costs.head_flops / _gflops(coord)
+        for pid, lo, hi in stages:
+            p = peers[pid]
+            t += T * sum(costs.attn_flops[i] + costs.ffn_flops[i] for i in range(lo, hi)) / _gflops(p)
+            if pid != coord.peer_id:
+                t += _message_s(p, T, costs)
+        return t
+
+    fits = all(sum(costs.layer_bytes(i) for i in range(lo, hi)) <= peers[pid].memory_bytes for pid, lo, hi in stages)
+    return Estimate("stages", step(1), step(PREFILL_TOKENS), fits, stages=tuple(stages))
+
+
+def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
+           layouts: Sequence[str] = ("local", "ranges", "stages")) -> tuple[Estimate, list[Estimate]]:
+    """Price the ``layouts`` asked for and return (the fastest that fits, all estimates).
+
+    Falls back to ``ranges`` (the coordinator streams what nobody holds) when none fits.
+    """
+    makers = {"local": lambda: estimate_local(costs, coord), "ranges": lambda: estimate_ranges(costs, coord, workers),
+              "stages": lambda: estimate_stages(costs, coord, workers)}
+    unknown = set(layouts) - set(makers)
+    if unknown:
+        raise ValueError(f"unknown layouts {sorted(unknown)}; choose from {sorted(makers)}")
+    estimates = [makers[name]() for name in layouts]
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        return next((e for e in estimates if e.layout == "ranges"), estimates[0]), estimates
+    return min(fitting, key=lambda e: (e.decode_s, e.prefill_s)), estimates
+
+
+def report(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost], best: Estimate,
+           estimates: Sequence[Estimate]) -> dict:
+    """The cost model's inputs and outputs as JSON-ready data (``status --json``'s ``cost``)."""
+    return {
+        "constants": {"message_overhead_s": MESSAGE_OVERHEAD_S, "link_bytes_per_s": LINK_BYTES_PER_S,
+                      "coordinator_share": COORDINATOR_SHARE, "prefill_tokens": PREFILL_TOKENS},
+        "model": {"layers": costs.n_layers, "flops_per_token": sum(costs.attn_flops) + sum(costs.ffn_flops)
+                  + costs.head_flops, "weight_bytes": sum(costs.attn_bytes) + sum(costs.ffn_bytes)},
+        "peers": [asdict(p) for p in (coord, *workers)],
+        "estimates": [asdict(e) for e in estimates],
+        "choice": best.layout,
+    }

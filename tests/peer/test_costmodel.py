@@ -1,0 +1,107 @@
+"""The planner's cost model with synthetic peers: low RTT and a big FFN → per-layer ranges; a
+high RTT → stages; memory caps always respected; a peer observed slow gets less."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.compute.default_model import default_model_path
+from swarm.compute.model import load_model
+from swarm.peer import costmodel as cm
+from swarm.peer.costmodel import LayerCosts, PeerCost
+
+MB = 2**20
+
+
+def layers(n=24, attn_flops=2e6, ffn_flops=2e8, attn_bytes=1 * MB, ffn_bytes=20 * MB, hidden=1024) -> LayerCosts:
+    return LayerCosts((attn_flops,) * n, (ffn_flops,) * n, (attn_bytes,) * n, (ffn_bytes,) * n, 1e7, hidden)
+
+
+def peers(rtt_s: float, coord_memory: int = 200 * MB, gflops=(10.0, 10.0, 10.0)):
+    coord = PeerCost("c", coord_memory, gflops[0])
+    return coord, [PeerCost(f"w{i}", 400 * MB, g, rtt_s) for i, g in enumerate(gflops[1:], 1)]
+
+
+def test_low_rtt_and_a_big_ffn_choose_per_layer_ranges():
+    coord, workers = peers(rtt_s=0.0002)
+    best, estimates = cm.choose(layers(), coord, workers)
+    assert best.layout == "ranges", estimates
+    by = {e.layout: e for e in estimates}
+    assert not by["local"].fits  # the coordinator cannot hold the model
+    assert by["ranges"].decode_s < 0.6 * by["stages"].decode_s  # three peers on every layer at once
+
+
+def test_a_high_rtt_chooses_stages():
+    coord, workers = peers(rtt_s=0.010)
+    best, estimates = cm.choose(layers(ffn_flops=2e7), coord, workers)
+    assert best.layout == "stages", estimates
+    by = {e.layout: e for e in estimates}
+    assert by["stages"].decode_s * 3 < by["ranges"].decode_s  # one message per stage, not per layer
+    assert [s[0] for s in best.stages][0] == "c"  # the coordinator's layers come first
+
+
+def test_the_coordinator_alone_wins_when_it_holds_everything_and_links_are_slow():
+    coord, workers = peers(rtt_s=0.005, coord_memory=10**12)
+    best, _ = cm.choose(layers(ffn_flops=2e7), coord, workers)
+    assert best.layout in ("local", "stages") and best.stages == (("c", 0, 24),)
+
+
+def test_a_peer_observed_slow_gets_less():
+    costs = layers()
+    coord, (a, b) = peers(rtt_s=0.0002)
+    slow_b = PeerCost(b.peer_id, b.memory_bytes, 1.0, b.rtt_s, observed=True)  # claimed 10, answers at 1
+    shares = dict(cm.estimate_ranges(costs, coord, [a, slow_b]).shares)
+    assert shares["w2"] < shares["w1"] / 5
+    stages = cm.stage_layers(costs, coord, [a, slow_b])
+    held = {p: hi - lo for p, lo, hi in stages}
+    assert held.get("w2", 0) < held["w1"]
+
+
+def test_no_candidate_fits_falls_back_to_ranges():
+    costs = layers()
+    coord = PeerCost("c", 1 * MB, 10.0)
+    best, estimates = cm.choose(costs, coord, [PeerCost("w1", 2 * MB, 10.0, 0.001)])
+    assert best.layout == "ranges" and not any(e.fits for e in estimates)
+    assert cm.estimate_stages(costs, coord, []).note == "the peers together hold too little"
+    with pytest.raises(ValueError, match="unknown layouts"):
+        cm.choose(costs, coord, [], layouts=("pipeline",))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 600), st.floats(0.1, 100.0), st.floats(0.0, 0.02)), min_size=1, max_size=5),
+       st.integers(30, 600), st.integers(1, 40))
+def test_memory_caps_are_always_respected(spec, coord_mb, n):
+    costs = layers(n=n)
+    coord = PeerCost("c", coord_mb * MB, 5.0)
+    workers = [PeerCost(f"w{i}", mb * MB, g, rtt) for i, (mb, g, rtt) in enumerate(spec)]
+    mem = {p.peer_id: p.memory_bytes for p in (coord, *workers)}
+    stages = cm.stage_layers(costs, coord, workers)
+    if stages is not None:
+        assert [lo for _, lo, _ in stages] == [0, *[hi for _, _, hi in stages[:-1]]] and stages[-1][2] == n
+        for pid, lo, hi in stages:
+            assert sum(costs.layer_bytes(i) for i in range(lo, hi)) <= mem[pid]
+    ranges = cm.estimate_ranges(costs, coord, workers)
+    assert math.isclose(sum(s for _, s in ranges.shares), 1.0, rel_tol=1e-9)
+    for pid, share in ranges.shares:
+        if pid != "c":
+            assert share * sum(costs.ffn_bytes) <= mem[pid] * (1 + 1e-9)
+    best, _ = cm.choose(costs, coord, workers)
+    assert best.fits or not any(e.fits for e in _)
+
+
+def test_layer_costs_of_smollm2_from_its_header():
+    model = load_model(default_model_path())
+    costs = LayerCosts.from_model(model)
+    c = model.config
+    assert costs.n_layers == c.n_layers and costs.hidden_size == c.hidden_size
+    attn_weights = c.hidden_size * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.hidden_size
+    assert costs.attn_flops[0] == 2 * attn_weights
+    assert costs.ffn_flops[0] == 2 * 3 * c.hidden_size * c.intermediate_size
+    # compact: Q4_1 is 20 bytes per 32 weights (some tensors of the file are Q8_0 / F16: at most 2 bytes)
+    assert 20 / 32 * 3 * c.hidden_size * c.intermediate_size <= costs.ffn_bytes[0] <= 2 * 3 * c.hidden_size * c.intermediate_size
+    report = cm.report(costs, *peers(0.001), *cm.choose(costs, *peers(0.001)))
+    assert report["model"]["layers"] == c.n_layers and {e["layout"] for e in report["estimates"]} == {"local", "ranges", "stages"}
