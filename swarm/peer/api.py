@@ -293,6 +293,7 @@ class ApiServer:
         self._swarm_id: str | None = None
         self._advertising: asyncio.Task | None = None
         self.generations = 0  # finished or stopped generations, for status
+        self.dashboard: Any = None  # a swarm.peer.dashboard.Dashboard serves its page here when set
 
     @classmethod
     def for_swarm_key(cls, backend: ChatBackend, key: Any) -> ApiServer:
@@ -307,6 +308,8 @@ class ApiServer:
         app[SERVER] = self
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
+        if self.dashboard is not None:
+            self.dashboard.add_routes(app)
         return app
 
     async def start(self, host: str = "0.0.0.0", port: int = 0, ssl_context: Any = None, *,
@@ -362,6 +365,8 @@ class ApiServer:
     @web.middleware
     async def _errors_and_auth(self, request: web.Request, handler):
         try:
+            if self.dashboard is not None and self.dashboard.is_public(request):
+                return await handler(request)  # the dashboard page and its modules: no secret in them
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             token_b = token.strip().encode()

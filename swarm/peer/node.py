@@ -387,6 +387,8 @@ async def _run_peer(args: Any, console: Any) -> None:
                 shown = (node.role, api_port)
                 api = f", OpenAI API on port {api_port}" if api_port else ""
                 console.print(f"role: [bold]{esc(node.role)}[/]{api}")
+                if api_port:
+                    _print_dashboard(console, node, roles, api_port)
     except asyncio.CancelledError:
         pass
     finally:
@@ -442,6 +444,18 @@ def _print_header(console: Any, node: Node) -> None:
     page = page_link_text(rv, node.swarm_key.code)
     if page:
         console.print(page, markup=False, highlight=False, emoji=False)
+
+
+def _print_dashboard(console: Any, node: Node, roles: Any, port: int) -> None:
+    """The coordinator's dashboard URL (the key in its fragment), beside the peer page's."""
+    from swarm.discovery.addresses import local_addresses
+    from swarm.peer.dashboard import dashboard_url
+
+    host = (local_addresses() or ["127.0.0.1"])[0]
+    scheme = getattr(roles.api, "scheme", None) or "http"
+    console.print(f"dashboard and chat, for a browser on this network:\n  "
+                  f"{dashboard_url(scheme, host, port, node.swarm_key.code)}", markup=False, highlight=False,
+                  soft_wrap=True)  # one line: a terminal must not break the URL
 
 
 def _print_discovery_hints(console: Any, node: Node, *, key_created: bool) -> None:

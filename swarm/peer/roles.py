@@ -548,9 +548,11 @@ class SwarmRoles:
             self.api.backend.ffn = self.ffn
             return
         from swarm.peer.api import ApiServer, EngineBackend
+        from swarm.peer.dashboard import Dashboard
 
         backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.ffn)
         self.api = ApiServer.for_swarm_key(backend, self.node.swarm_key)
+        Dashboard(self.node.status).attach(self.api)  # its page and chat on the API's server
         self.api_port = await self.api.start(self._api_host, self._api_port_wanted,
                                              advertise=(self.node.peer_id, self.election.term))  # mDNS: chat finds it
         log.info("OpenAI API on port %d", self.api_port)
