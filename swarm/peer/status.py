@@ -125,7 +125,7 @@ def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
         share = share_fraction(placement, p["peer_id"])
         gflops = "" if p.get("ffn_gflops") is None else f"{p['ffn_gflops']:.1f}"
         # Text, never markup: names come from other peers.
-        table.add_row(Text(f"{p.get('name') or '?'}\n{p['peer_id']}"), Text(str(p.get("kind", ""))),
+        table.add_row(Text(f"{p.get('name') or '?'}\n{p['peer_id']}"), Text(peer_kind(p, doc)),
                       Text(_role(p["peer_id"], doc, placement)), rtt, gflops, memory,
                       f"{100 * share:.0f} %" if placement else "")
     parts: list[Any] = [header, table]
@@ -150,6 +150,15 @@ def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
                  f"{e.get('name') or ''} {e.get('peer_id') or ''} {e.get('detail') or ''}".rstrip() for e in shown]
         parts.append(Text("events\n" + "\n".join(lines) if lines else "no events yet", overflow="fold"))
     return Group(*parts)
+
+
+def peer_kind(peer: dict[str, Any], doc: dict[str, Any]) -> str:
+    """"Mac", "Linux" or "phone" (any browser peer), as the dashboard says it (web_peer/dashboard.js)."""
+    if peer.get("kind") == "browser":
+        return "phone"
+    if peer["peer_id"] == doc["peer_id"]:
+        return "Mac" if doc.get("system") == "Darwin" else str(doc.get("system") or "Linux")
+    return "Mac" if peer.get("arch") == "arm64" else "Linux"  # macOS reports arm64, Linux aarch64 / x86_64
 
 
 def _role(peer_id: str, doc: dict[str, Any], placement: dict[str, Any]) -> str:

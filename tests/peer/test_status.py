@@ -88,3 +88,35 @@ def test_status_of_a_worker_shows_the_swarm_within_80_columns(tmp_path):
         assert f"  {name}: {describe_share(plan, ids[name])}\n" in text, (name, text)
     assert f"plan v{plan['version']} of term {plan['term']}, coordinator peer2" in text
     assert "events" in text and "coordinator changed" in text
+
+
+def test_status_watch_redraws_until_interrupted(tmp_path):
+    """`colibri-swarm status --watch` in a terminal: the view of the live status file, redrawn,
+    and a clean exit on Ctrl-C (SIGINT)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    doc = {"pid": os.getpid(), "updated": time.time() + 60, "swarm_id": "59a5996c7f649f5e", "peer_id": "p" * 26,
+           "name": "laptop", "role": "coordinator", "hosting_signaling": True, "system": "Darwin",
+           "ffn_gflops": 12.5, "memory_budget": 8 << 30,
+           "peers": [{"peer_id": "q" * 26, "name": "pixel", "kind": "browser", "linked": True, "rtt_ms": 4.2,
+                      "memory_budget": 1 << 30, "ffn_gflops": 3.0}],
+           "placement": {"version": 2, "term": 5, "coordinator": "p" * 26, "peers": ["p" * 26, "q" * 26],
+                         "dense": {str(i): [["p" * 26, 0, 1274], ["q" * 26, 1274, 1536]] for i in range(30)}},
+           "events": [{"t": time.time(), "what": "replanned", "peer_id": "", "name": "", "detail": "plan v2"}]}
+    (tmp_path / "status.json").write_text(json.dumps(doc))
+    env = {**os.environ, "COLIBRI_SWARM_CONFIG_DIR": str(tmp_path), "COLUMNS": "80", "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-m", "swarm", "status", "--watch"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # startup, then at least one redraw
+    assert proc.poll() is None, proc.communicate()  # still watching
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "pixel" in out and "phone" in out and "Mac" in out and "coordinator" in out
+    assert "q" * 26 in out and "pixel: layers 0–29: MLP rows 1274–1536" in out
+    assert "replanned" in out and "Traceback" not in err
