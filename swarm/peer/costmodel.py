@@ -254,3 +254,11 @@ def report(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost], best
         "estimates": [asdict(e) for e in estimates],
         "choice": best.layout,
     }
+
+
+def observed_gflops(flops_per_row: float, s_per_row: float | None) -> float | None:
+    """GFLOP/s from an answer timing (seconds per row, the link's round trip already taken
+    off), or None before any answer."""
+    if not s_per_row or s_per_row <= 0 or flops_per_row <= 0:
+        return None
+    return flops_per_row / s_per_row / 1e9

@@ -21,6 +21,13 @@ wants sent. Its outcome switches this peer's role:
 * **worker** — accepts the coordinator's plans and serves its FFN requests with a
   :class:`~swarm.peer.worker.Worker`, in one compute thread, off the event loop.
 
+Layouts (``layout``): ``"ranges"`` cuts every layer's FFN over the peers; ``"stages"`` gives
+the peers that hold the model contiguous layer ranges (:mod:`swarm.peer.stages`: a
+``StagePlan`` follows the ``Plan``, the coordinator's :class:`~swarm.peer.stages.StagedFFN`
+wraps its RemoteFFN, each worker answers with a :class:`~swarm.peer.stages.StageRunner`);
+``"auto"`` lets the cost model (:mod:`swarm.peer.costmodel`) pick whichever is fastest from
+the peers' memory, observed speed and RTT. The prices go to ``status --json``.
+
 Weights: a worker that holds the model (same content hash) decodes only its
 slices from its own file. One that joined with ``--no-model`` gets them shipped:
 before the coordinator announces a plan, it offers such a worker the slices the
@@ -53,14 +60,16 @@ from typing import Any
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError, SwarmError
 from swarm.peer import election as el
 from swarm.peer.coordinator import RemoteFFN
+from swarm.peer.costmodel import LayerCosts, PeerCost, observed_gflops
 from swarm.peer.messages import (
     DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, LeaderHeartbeat, Plan as PlanMessage,
-    RequestVote, Vote,
+    RequestVote, StageAnswer, StagePlan, StageRequest, Vote,
 )
 from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall_message
 from swarm.peer.shipping import SliceCache
 from swarm.peer.shipping_aio import PlanShipper, SliceFetcher, shape_from_meta
 from swarm.peer.slices import ShippedWeights, SliceSpec, decode_slice
+from swarm.peer.stages import LAYOUTS, Stage, StagedFFN, StageLayout, StageRunner, choose_stages
 from swarm.peer.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -85,13 +94,14 @@ class SwarmRoles:
 
     ``model``: the whole model this peer holds (None: it holds none); ``tokenizer``
     for the API (default: the model's own). ``verify``: share (0..1) of remote
-    answers the coordinator recomputes. ``api_host`` / ``api_port``: where the
+    answers the coordinator recomputes. ``layout``: ``"ranges"``, ``"stages"`` or ``"auto"`` (module
+    docstring). ``api_host`` / ``api_port``: where the
     coordinator serves the OpenAI API (port 0: any free port, see :attr:`api_port`).
     """
 
     def __init__(self, node: Any, model: Any = None, *, tokenizer: Any = None, verify: float = 0.0,
                  api_host: str = "0.0.0.0", api_port: int = 0, rng: random.Random | None = None,
-                 serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S) -> None:
+                 serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S, layout: str = "ranges") -> None:
         self.node = node
         self.model = model
         self.model_hash = node.hello.model_hash
@@ -106,6 +116,14 @@ class SwarmRoles:
                                     now=time.monotonic(), rng=rng, startup_quiet_s=startup_quiet_s)
         self.worker = Worker(node.peer_id, self.shape, model) if model is not None else None
         self.ffn: RemoteFFN | None = None
+        if layout not in LAYOUTS:
+            raise LocalProtocolError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+        self.layout = layout
+        self.stage_runner = StageRunner(node.peer_id, model) if model is not None else None
+        self.stages: StagedFFN | None = None  # the coordinator's stage dispatch (layouts other than ranges)
+        self._stage_layout: StageLayout | None = None  # of the newest plan
+        self._cost_report: dict | None = None
+        self._costs = LayerCosts.from_model(model) if model is not None and layout != "ranges" else None
         self.refused: dict[str, str] = {}  # peer id → why it gets no work
         self.api = None
         self.api_port: int | None = None
@@ -155,6 +173,9 @@ class SwarmRoles:
         n.on(ExpertAnswer, self._on_answer)
         n.on(DenseAnswer, self._on_answer)
         n.on(Error, self._on_error)
+        n.on(StagePlan, self._on_stage_plan)
+        n.on(StageRequest, self._on_stage_request)
+        n.on(StageAnswer, self._on_answer)
         n.on_link_up.append(self._link_up)
         n.on_link_down.append(self._link_down)
         for link in list(n.links.values()):
@@ -390,12 +411,14 @@ class SwarmRoles:
         self._fetchers.pop(peer, None)
         if self.ffn is not None:
             self.ffn.peer_down(peer, "link closed")
+            if self.stages is not None:
+                self.stages.peer_down(peer, "link closed")
             self._schedule_replan()
 
     # --------------------------------------------------------------- coordinator
     def _workers(self) -> list[PeerCapacity]:
         out = []
-        failed = self.ffn.failed if self.ffn is not None else set()
+        failed = (self.ffn.failed if self.ffn is not None else set()) | (self.stages.failed if self.stages else set())
         now = time.monotonic()
         for peer, link in self.node.links.items():
             h = link.hello
@@ -416,7 +439,7 @@ class SwarmRoles:
         self._planned = {w.peer_id for w in workers}
         # Our budget less what only we hold (embeddings, attention, routers, norms, head).
         budget = max(self.node.hello.memory_budget - self.shape.resident_nbytes, 0)
-        plan = build_plan(self.shape, me, workers, term=self.election.term, version=self._plan_version,
+        plan = build_plan(self.shape, me, self._plan_layout(workers), term=self.election.term, version=self._plan_version,
                           coordinator_budget=budget)
         short = shortfall_message(plan, self.shape)
         if short:
@@ -437,6 +460,107 @@ class SwarmRoles:
         self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {len(plan.workers())} worker(s)")
         self.node.placement = {"term": plan.term, "version": plan.version, "api_port": self.api_port,
                                "streamed_bytes": plan.streamed_bytes, **plan.to_dict()}
+        await self._announce_stages()
+
+    # ------------------------------------------------------------------- stages
+    def _plan_layout(self, workers: list[PeerCapacity]) -> list[PeerCapacity]:
+        """Choose the next plan's layout: sets the stage layout (None: per-layer ranges) and the
+        cost report; returns the workers that get FFN ranges (none under stages)."""
+        self._stage_layout = None
+        if self.layout == "ranges":
+            return workers
+        holders = [w for w in workers if w.kind == "python" and w.peer_id in self.node.links
+                   and self.node.links[w.peer_id].hello.model_hash == self.model_hash]
+        h = self.node.hello
+        own = self.model.embed.nbytes + (0 if self.model.head is self.model.embed else self.model.head.nbytes)
+        me = PeerCost(self.node.peer_id, max(h.memory_budget - own, 0), h.ffn_gflops)
+        costs = []
+        for w in holders:
+            gflops, seen = self._speed(w.peer_id, w.ffn_speed)
+            costs.append(PeerCost(w.peer_id, w.memory_bytes, gflops, w.rtt_s, observed=seen))
+        stages, self._cost_report = choose_stages(self.layout, self._costs, me, costs)
+        if stages is None:
+            return workers
+        self._stage_layout = StageLayout(self.election.term, self._plan_version, self.node.peer_id, stages)
+        return []
+
+    def _speed(self, peer: str, claimed: float) -> tuple[float, bool]:
+        """(GFLOP/s, observed?): from its answers (stage or FFN) when it gave any, else its hello's figure."""
+        lay = self.stages.layout if self.stages is not None else None
+        timing = self.stages.timing.get(peer) if self.stages is not None else None
+        stage = next((s for s in lay.stages if s.peer == peer), None) if lay else None
+        if stage is not None and timing is not None:
+            flops = sum(self._costs.attn_flops[i] + self._costs.ffn_flops[i] for i in range(stage.start, stage.stop))
+            seen = observed_gflops(flops, timing.s_per_row)
+            if seen is not None:
+                return seen, True
+        timing = self.ffn.timing.get(peer) if self.ffn is not None else None
+        if timing is not None and timing.s_per_row:  # its FFN answers: FLOPs of one row of its share
+            c, plan = self.model.config, self.ffn.plan
+            span = next((plan.dense_span(layer, peer) for layer in plan.dense if plan.dense_span(layer, peer)), None)
+            width = len(span) if span else (c.moe_intermediate_size if plan.experts else 0)
+            seen = observed_gflops(2.0 * 3 * c.hidden_size * width, timing.s_per_row)
+            if seen is not None:
+                return seen, True
+        return claimed, False
+
+    async def _announce_stages(self) -> None:
+        """Send the newest plan's stages to the workers that hold one; show them and the prices."""
+        lay = self._stage_layout
+        if lay is not None:
+            msg = lay.to_message()
+            await asyncio.gather(*(self._send(self.node.links[p], msg) for p in lay.workers() if p in self.node.links))
+        if self.layout != "ranges" and self.node.placement is not None:
+            self.node.placement = {**self.node.placement, "layout": "stages" if lay else "ranges",
+                                   "stages": [[s.peer, s.start, s.stop] for s in lay.stages] if lay else [],
+                                   "cost": self._cost_report}
+
+    def _start_stages(self) -> None:
+        """Coordinator: wrap RemoteFFN in the stage dispatch (or hand it the new layout)."""
+        if self.layout == "ranges":
+            return
+        n = self.model.config.n_layers
+        lay = self._stage_layout or StageLayout(self.election.term, self._plan_version, self.node.peer_id,
+                                                (Stage(self.node.peer_id, 0, n),))
+        if self.stages is None:
+            self.stages = StagedFFN(self.model, lay, self._send_threadsafe, inner=self.ffn,
+                                    on_peer_failed=self._peer_failed_threadsafe)
+        else:
+            self.stages.inner = self.ffn
+            self.stages.set_layout(lay)
+        for peer, link in self.node.links.items():
+            if link.rtt_s:
+                self.stages.set_rtt(peer, link.rtt_s)
+
+    @property
+    def engine_ffn(self) -> Any:
+        """What the token loop passes to ``Model.forward``: the stage dispatch, or RemoteFFN."""
+        return self.stages if self.stages is not None else self.ffn
+
+    async def _on_stage_plan(self, link: Any, msg: StagePlan) -> None:
+        try:
+            self.election.check_term(msg.term, time.monotonic())
+            if link.peer_id != self.election.leader and msg.term == self.election.term and self.election.leader:
+                raise StaleTermError(f"stage plan from {link.peer_id}, but {self.election.leader} coordinates")
+            if self.stage_runner is None:
+                raise RemoteProtocolError("this peer holds no model, so it cannot run a stage")
+            self.stage_runner.accept(StageLayout.from_message(msg, link.peer_id, self.model.config.n_layers))
+            await asyncio.get_running_loop().run_in_executor(self._compute, self.stage_runner.prepare)
+        except (RemoteProtocolError, LocalProtocolError) as exc:
+            log.warning("stage plan from %s refused: %s", link.peer_id, exc)
+            await self._send(link, Error(0, "bad_plan", f"stage plan v{msg.version} refused: {exc}"))
+
+    async def _on_stage_request(self, link: Any, msg: StageRequest) -> None:
+        if self.stage_runner is None:
+            await self._send(link, Error(msg.request_id, "model", "this peer holds no model"))
+            return
+        try:
+            self.election.check_term(msg.term, time.monotonic())
+        except StaleTermError as exc:
+            await self._send(link, Error(msg.request_id, "stale_term", str(exc)))
+            return
+        answer = await asyncio.get_running_loop().run_in_executor(self._compute, self.stage_runner.handle, msg)
+        await self._send(link, answer)
 
     async def _become_coordinator(self, term: int) -> None:
         if self.model is None:
@@ -451,6 +575,7 @@ class SwarmRoles:
             if link.rtt_s:
                 self.ffn.set_rtt(peer, link.rtt_s)
         self._mark_builds()
+        self._start_stages()
         self.ffn.warming_until.update({p: time.monotonic() + s for p, s in self._warming(plan).items()})
         log.info("coordinator of term %d: plan v%d over %d worker(s)", plan.term, plan.version, len(plan.workers()))
         self.node.record("coordinator changed", self.node.peer_id, self.node.name, f"this peer, term {term}")
@@ -474,8 +599,11 @@ class SwarmRoles:
         if self.ffn is None:
             return
         ffn, self.ffn = self.ffn, None
+        stages, self.stages = self.stages, None
         for peer in list(self.node.links):
             ffn.peer_down(peer, "this peer is no longer the coordinator")
+            if stages is not None:
+                stages.peer_down(peer, "this peer is no longer the coordinator")
         self.node.placement = None
         await self._close_api()
 
@@ -490,8 +618,9 @@ class SwarmRoles:
         try:
             await link.send(msg)
         except SwarmError as exc:
-            if self.ffn is not None:
-                self.ffn.peer_down(link.peer_id, f"send failed: {exc}")
+            for backend in (self.ffn, self.stages):
+                if backend is not None:
+                    backend.peer_down(link.peer_id, f"send failed: {exc}")
 
     def _peer_failed_threadsafe(self, peer: str, reason: str) -> None:
         self._loop.call_soon_threadsafe(self._peer_failed, peer)
@@ -528,11 +657,13 @@ class SwarmRoles:
         if self.ffn is not None:
             self._mark_builds()
             self.ffn.set_plan(plan, warming=self._warming(plan))
+            self._start_stages()
             log.info("plan v%d over %d worker(s), from the next step", plan.version, len(plan.workers()))
 
     def _on_answer(self, link: Any, msg: Any) -> None:
-        if self.ffn is not None:
-            self.ffn.deliver(link.peer_id, msg)
+        backend = self.stages if isinstance(msg, StageAnswer) else self.ffn
+        if backend is not None:
+            backend.deliver(link.peer_id, msg)
 
     def _on_error(self, link: Any, msg: Error) -> None:
         if msg.request_id == 0:
@@ -540,17 +671,19 @@ class SwarmRoles:
             if msg.code == "model":  # it runs another model: it will never vote for us
                 self.refused.setdefault(link.peer_id, msg.message)
                 self.election.remove_member(link.peer_id, time.monotonic())
-        elif self.ffn is not None:
-            self.ffn.deliver(link.peer_id, msg)
+        else:  # request ids of the two backends never collide: each drops the other's
+            for backend in (self.ffn, self.stages):
+                if backend is not None:
+                    backend.deliver(link.peer_id, msg)
 
     async def _open_api(self) -> None:
         if self.api is not None:
-            self.api.backend.ffn = self.ffn
+            self.api.backend.ffn = self.engine_ffn
             return
         from swarm.peer.api import ApiServer, EngineBackend
         from swarm.peer.dashboard import Dashboard
 
-        backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.ffn)
+        backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.engine_ffn)
         self.api = ApiServer.for_swarm_key(backend, self.node.swarm_key)
         Dashboard(self.node.status).attach(self.api)  # its page and chat on the API's server
         self.api_port = await self.api.start(self._api_host, self._api_port_wanted,

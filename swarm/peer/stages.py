@@ -164,6 +164,10 @@ class StageRunner:
             for key in [k for k in self._caches if k[1:] not in ranges]:
                 del self._caches[key]
 
+    def serves(self, term: int, version: int) -> bool:
+        """Whether requests of plan ``version`` of ``term`` are served."""
+        return (term, version) in self._layouts
+
     def prepare(self) -> None:
         """Open this peer's layers of the newest layout now, not in the first (deadline-bound) request."""
         layout = max(self._layouts.values(), key=lambda p: p.version, default=None)
@@ -420,3 +424,34 @@ def _check_answer(req: StageRequest, msg: object) -> None:
         raise RemoteProtocolError(f"rows {msg.x.shape} {msg.x.dtype}, expected {req.x.shape} float32")
     if not np.isfinite(msg.x).all():
         raise RemoteProtocolError("rows hold NaN or infinity")
+
+
+# ------------------------------------------------------------------------------- layout choice
+LAYOUTS = ("ranges", "stages", "auto")
+
+
+def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] | None, dict]:
+    """The stages of the next plan, or None for per-layer ranges; and the cost report.
+
+    ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
+    to their speed; ``"auto"`` takes the fastest placement that fits by the cost model
+    (:func:`swarm.peer.costmodel.choose`; the coordinator alone is one stage of all layers).
+    ``costs``: :class:`~swarm.peer.costmodel.LayerCosts`; ``coord``, ``workers``:
+    :class:`~swarm.peer.costmodel.PeerCost` (workers that hold the model). Raises
+    LocalProtocolError for another mode.
+    """
+    from swarm.peer import costmodel
+
+    if mode not in ("stages", "auto"):
+        raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages' or 'auto' only")
+    best, estimates = costmodel.choose(costs, coord, workers)
+    if mode == "stages":
+        split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)],
+                             [coord.gflops, *(w.gflops for w in workers)])
+        best = costmodel.estimate_stages(costs, coord, workers, tuple((s.peer, s.start, s.stop) for s in split))
+        estimates = [*estimates, best]
+    report = costmodel.report(costs, coord, workers, best, estimates)
+    report["mode"] = mode
+    if best.layout == "ranges":
+        return None, report
+    return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report

@@ -1,0 +1,118 @@
+"""Stages over real links: peer nodes on this machine — real aiohttp signaling, real aiortc
+data channels, SwarmRoles with ``layout="stages"`` — and the oracle is the local engine: a
+stage plan gives the local run's tokens and bit-identical logits, on dense SmolLM2 and on a
+tiny random MoE; a stage peer that leaves at token 10 changes nothing in the tokens (its layers
+move to the coordinator, their KV cache rebuilt from the rows that had entered them).
+
+One event loop inside a fresh network namespace (aioice skips 127.0.0.1); the token loop runs
+in a thread, as in ``join``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from swarm.compute.default_model import default_model_path
+from swarm.compute.model import load_model
+from swarm.peer.identity import Identity
+from swarm.peer.node import Node
+from swarm.peer.roles import SwarmRoles
+from swarm.peer.swarmkey import SwarmKey
+from swarm.signaling.server import SignalingServer
+from tests.peer._links import run_in_netns
+from tests.peer._swarm_models import PROMPT, build, greedy
+from tests.peer.test_swarm_loopback import Peer, until
+
+ADDRESS = "10.215.0.1"
+FAST_LINKS = {"heartbeat_s": 0.2, "dead_after_s": 2.0}
+
+pytestmark = pytest.mark.slow
+
+
+async def start_stage_swarm(tmp_path, model_path, gflops: list[float]):
+    key = SwarmKey(os.urandom(32))
+    idents = [Identity.generate() for _ in gflops]
+    server = SignalingServer(key.secret, idents[0].peer_id, config_dir=tmp_path)
+    await server.start(ADDRESS, 0)
+    peers = []
+    for i, (ident, g) in enumerate(zip(idents, gflops)):
+        model = load_model(model_path)  # each peer its own copy, as on separate machines
+        node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=f"peer{i}",
+                    signal_url=server.url(ADDRESS), ffn_gflops=g, memory_budget=1 << 30,
+                    model_hash=model.content_hash(), status_path=tmp_path / f"status{i}.json",
+                    link_options=FAST_LINKS)
+        await node.start(timeout=10)
+        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0, layout="stages")
+        await roles.start()
+        peers.append(Peer(node, roles))
+    return server, peers
+
+
+def staged(coord: Peer, workers: list[Peer]) -> bool:
+    """The coordinator dispatches stages to every worker, and each accepted that layout."""
+    st = coord.roles.stages
+    if st is None or set(st.layout.workers()) != {w.node.peer_id for w in workers}:
+        return False
+    return all(w.roles.stage_runner.serves(st.layout.term, st.layout.version) for w in workers)
+
+
+def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
+    async def main():
+        server, peers = await start_stage_swarm(tmp_path, model_path, [2.0, 1.0])
+        try:
+            coord, worker = peers
+            await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+            layout = coord.roles.stages.layout
+            loop = asyncio.get_running_loop()
+            gone = asyncio.Event()
+
+            def on_step(step):
+                if step == kill_at:  # the worker leaves: its process stops, its link closes
+                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(worker.stop()).add_done_callback(
+                        lambda _: gone.set()))
+
+            run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.engine_ffn, prompt, n, on_step)
+            if kill_at is not None:
+                await gone.wait()
+            st = coord.roles.stages
+            return run, layout, worker.roles.stage_runner.served, st.rebuilt_positions, set(st.failed)
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    return run_in_netns(main, timeout_s=240, prefix="cst", address=ADDRESS)
+
+
+def test_a_moe_stage_plan_over_real_links_gives_the_local_bits(tmp_path):
+    model_dir = build("qwen3_moe", tmp_path)
+    run, layout, served, rebuilt, failed = run_stage_swarm(tmp_path, model_dir, PROMPT, 12)
+    assert [len(s) for s in layout.stages] == [2, 1] and layout.stages[0].peer == layout.coordinator
+    ref = greedy(load_model(model_dir), None, PROMPT, 12)
+    assert run[0] == ref[0]
+    assert all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
+    assert served == 13 and rebuilt == 0 and not failed
+
+
+def test_smollm2_over_two_stages_and_real_links_gives_the_local_bits(tmp_path):
+    path = default_model_path()
+    prompt = [1, 504, 3458, 314, 253, 1345, 30]
+    run, layout, served, _, failed = run_stage_swarm(tmp_path, path, prompt, 6)
+    assert len(layout.stages) == 2 and layout.stages[1].start == 20  # 2:1 by speed over 30 layers
+    ref = greedy(load_model(path), None, prompt, 6)
+    assert run[0] == ref[0]
+    assert all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
+    assert served == 7 and not failed
+
+
+def test_a_stage_peer_lost_at_token_10_changes_no_token(tmp_path):
+    model_dir = build("qwen3_moe", tmp_path)
+    run, layout, served, rebuilt, failed = run_stage_swarm(tmp_path, model_dir, PROMPT, 16, kill_at=10)
+    ref = greedy(load_model(model_dir), None, PROMPT, 16)
+    assert run[0] == ref[0]
+    assert failed == {layout.stages[1].peer}
+    assert served >= 10 and rebuilt >= len(PROMPT) + 10  # its layers' cache rebuilt on the coordinator
