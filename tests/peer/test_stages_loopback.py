@@ -79,13 +79,20 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
             if kill_at is not None:
                 await gone.wait()
             st = coord.roles.stages
-            return run, layout, worker.roles.stage_runner.served, st.rebuilt_positions, set(st.failed)
+            placement = coord.node.placement
+            return run, layout, worker.roles.stage_runner.served, st.rebuilt_positions, set(st.failed), placement
         finally:
             for p in peers:
                 await p.stop()
             await server.stop()
 
-    return run_in_netns(main, timeout_s=240, prefix="cst", address=ADDRESS)
+    *out, placement = run_in_netns(main, timeout_s=240, prefix="cst", address=ADDRESS)
+    # what status --json shows: the stages and the cost model's inputs and prices
+    assert placement["layout"] == "stages" and placement["cost"]["mode"] == "stages"
+    assert [tuple(s) for s in placement["stages"]] == [(s.peer, s.start, s.stop) for s in out[1].stages]
+    assert {e["layout"] for e in placement["cost"]["estimates"]} >= {"ranges", "stages"}
+    assert all(p["gflops"] > 0 for p in placement["cost"]["peers"])
+    return out
 
 
 def test_a_moe_stage_plan_over_real_links_gives_the_local_bits(tmp_path):
