@@ -211,6 +211,12 @@ async function send(ev) {
 }
 
 async function main() {
+  if (!globalThis.crypto?.subtle) {  // WebCrypto exists only in secure contexts: HTTPS or localhost
+    $("summary").textContent = "Needs HTTPS";
+    $("error").textContent = "This page derives the API token with WebCrypto, which browsers offer only over HTTPS " +
+      "(or on localhost): open the https:// dashboard link that `colibri-swarm join` prints on the coordinator.";
+    return;
+  }
   let key;
   try {
     key = await parseSwarmKey(location.hash);
