@@ -180,6 +180,9 @@ class Link:
         self.rtt_s: float | None = None
         self.close_reason: str | None = None
         self.remote_max_message_size = DEFAULT_MAX_MESSAGE_SIZE
+        # Benchmarks only: seconds each message waits before it is sent, standing in for a slower
+        # network (Wi-Fi) where no netem is available. 0 in the product.
+        self.added_delay_s = 0.0
 
         self._certificate = certificate
         self._auth_key = auth_key
@@ -539,6 +542,8 @@ class Link:
         if self.state is not LinkState.OPEN:
             raise PeerLostError(f"link to {self.peer_id} is not open ({self.state.value})")
         data = messages.encode(message)
+        if self.added_delay_s:
+            await asyncio.sleep(self.added_delay_s)
         async with self._send_lock:
             for fragment in self._fragmenter.split(data):
                 while self.channel.bufferedAmount > SEND_HIGH_WATER and self.state is LinkState.OPEN:
@@ -557,6 +562,8 @@ class Link:
             self._spawn(self._send_bytes(data))
 
     async def _send_bytes(self, data: bytes) -> None:
+        if self.added_delay_s:  # heartbeats too, so the measured RTT includes the added delay
+            await asyncio.sleep(self.added_delay_s)
         async with self._send_lock:
             for fragment in self._fragmenter.split(data):
                 if self.channel.readyState != "open":

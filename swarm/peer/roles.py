@@ -515,9 +515,24 @@ class SwarmRoles:
                                    "stages": [[s.peer, s.start, s.stop] for s in lay.stages] if lay else [],
                                    "cost": self._cost_report}
 
+    def set_layout(self, layout: str) -> None:
+        """Use ``layout`` (``"ranges"``, ``"stages"`` or ``"auto"``) from the next plan on; a
+        coordinator re-plans now. Sequences in flight finish under the layout they started with.
+        Raises LocalProtocolError for another name."""
+        if layout not in LAYOUTS:
+            raise LocalProtocolError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+        self.layout = layout
+        if layout != "ranges" and self._costs is None and self.model is not None:
+            self._costs = LayerCosts.from_model(self.model)
+        if self.ffn is not None:
+            self._schedule_replan()
+
     def _start_stages(self) -> None:
         """Coordinator: wrap RemoteFFN in the stage dispatch (or hand it the new layout)."""
         if self.layout == "ranges":
+            self.stages = None
+            if self.api is not None:
+                self.api.backend.ffn = self.ffn
             return
         n = self.model.config.n_layers
         lay = self._stage_layout or StageLayout(self.election.term, self._plan_version, self.node.peer_id,
@@ -531,6 +546,8 @@ class SwarmRoles:
         for peer, link in self.node.links.items():
             if link.rtt_s:
                 self.stages.set_rtt(peer, link.rtt_s)
+        if self.api is not None:
+            self.api.backend.ffn = self.stages
 
     @property
     def engine_ffn(self) -> Any:
