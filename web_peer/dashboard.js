@@ -71,7 +71,7 @@ function renderPeers(doc) {
     const top = Object.assign(document.createElement("div"), { className: "share-pct", textContent: plan ? `${pct.toFixed(pct && pct < 10 ? 1 : 0)} %` : "–" });
     const picture = Object.assign(document.createElement("div"), { className: "share-picture-box" });
     drawShare(picture, layerFractions(units, p.peer_id), { height: 24 });
-    const words = Object.assign(document.createElement("div"), { className: "share-words", textContent: units.size ? describeShare(units, p.peer_id) : "" });
+    const words = Object.assign(document.createElement("div"), { className: "share-words", textContent: units.size ? describeShare(units, p.peer_id, 6) : "" });
     share.append(top, picture, words);
     body.append(tr);
   }

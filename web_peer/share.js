@@ -40,7 +40,11 @@ export function unitsFromAssignments(assignments) {
   return units;
 }
 
-/** Units of a plan dict: every field shaped {layer: [[peer, start, stop], …]} ("experts", "dense", …). */
+/**
+ * Units of a plan dict: every field shaped {layer: [[peer, start, stop], …]} ("experts", "dense", …);
+ * then `stages` [[peer, first layer, stop layer), …], if any: a stage's peer runs its layers whole,
+ * so those layers count as one unit of kind "stage", its own.
+ */
 export function unitsFromPlan(plan) {
   const units = new Map();
   for (const [kind, value] of Object.entries(plan ?? {})) {
@@ -50,6 +54,13 @@ export function unitsFromPlan(plan) {
       for (const s of spans) {
         if (Array.isArray(s) && s.length === 3 && typeof s[1] === "number") add(units, Number(layer), kind, String(s[0]), s[1], s[2]);
       }
+    }
+  }
+  for (const s of Array.isArray(plan?.stages) ? plan.stages : []) {
+    if (!Array.isArray(s) || s.length !== 3) continue;
+    for (let layer = s[1]; layer < s[2]; layer++) {
+      units.delete(layer);
+      add(units, layer, "stage", String(s[0]), 0, 1);
     }
   }
   return units;
@@ -70,13 +81,14 @@ export function shareFraction(units, peer) {
   return f.length ? f.reduce((s, x) => s + x.fraction, 0) / f.length : 0;
 }
 
-const KIND_WORDS = { experts: "experts", dense: "MLP rows" };
+const KIND_WORDS = { experts: "experts", dense: "MLP rows", stage: "whole layers" };
 
 function layerWords(kinds, peer) {
   const parts = [];
   for (const [kind, k] of kinds) {
     const spans = k.byPeer.get(peer);
     if (!spans?.length) continue;
+    if (kind === "stage") { parts.push("whole (attention, KV cache, MLP)"); continue; }
     const text = kind === "experts" ? compressInts(spans.flatMap(([a, b]) => Array.from({ length: b - a }, (_, i) => a + i)))
       : spans.map(([a, b]) => `${a}–${b}`).join(", ");
     parts.push(`${KIND_WORDS[kind] ?? kind} ${text}`);

@@ -171,7 +171,9 @@ def _role(peer_id: str, doc: dict[str, Any], placement: dict[str, Any]) -> str:
 
 def _units(placement: dict[str, Any]) -> dict[int, dict[str, dict[str, list[tuple[int, int]]]]]:
     """layer → kind → peer → spans [start, stop), from every ``{layer: [[peer, start, stop]]}``
-    field of a plan dict (``experts``, ``dense``, and any other kind a plan carries)."""
+    field of a plan dict (``experts``, ``dense``, and any other kind a plan carries); then
+    ``stages`` ``[[peer, first layer, stop layer]]``, if any: a stage's peer runs those layers
+    whole, so each counts as one unit of kind ``stage`` (as web_peer/share.js)."""
     units: dict[int, dict[str, dict[str, list[tuple[int, int]]]]] = {}
     for kind, value in placement.items():
         if not isinstance(value, dict):
@@ -183,6 +185,11 @@ def _units(placement: dict[str, Any]) -> dict[int, dict[str, dict[str, list[tupl
                 if isinstance(span, list) and len(span) == 3 and all(isinstance(x, int) for x in span[1:]):
                     units.setdefault(int(layer), {}).setdefault(kind, {}).setdefault(str(span[0]), []).append(
                         (span[1], span[2]))
+    stages = placement.get("stages")
+    for stage in stages if isinstance(stages, list) else ():
+        if isinstance(stage, list) and len(stage) == 3 and all(isinstance(x, int) for x in stage[1:]):
+            for layer in range(stage[1], stage[2]):
+                units[layer] = {"stage": {str(stage[0]): [(0, 1)]}}
     return units
 
 
@@ -219,6 +226,9 @@ def describe_share(placement: dict[str, Any], peer_id: str) -> str:
         for kind, by_peer in kinds.items():
             spans = by_peer.get(peer_id)
             if not spans:
+                continue
+            if kind == "stage":
+                parts.append("whole (attention, KV cache, MLP)")
                 continue
             text = (compress_ints(i for a, b in spans for i in range(a, b)) if kind == "experts"
                     else ", ".join(f"{a}–{b}" for a, b in spans))

@@ -40,6 +40,10 @@ def test_compressed_words_of_a_plan():
     assert describe_share(same, "w") == "layers 0–29: MLP rows 1274–1536"
     assert share_fraction(plan, "w") == pytest.approx((3 / 8 + 512 / 1536 + 3 / 8 + 1) / 4)
     assert share_fraction(plan, "c") + share_fraction(plan, "w") == pytest.approx(1)
+    staged = {**same, "stages": [["s", 10, 20]]}  # a stage runs its layers whole: they leave the spans
+    assert describe_share(staged, "s") == "layers 10–19: whole (attention, KV cache, MLP)"
+    assert describe_share(staged, "w") == "layers 0–9: MLP rows 1274–1536 · layers 20–29: MLP rows 1274–1536"
+    assert share_fraction(staged, "s") == pytest.approx(1 / 3)
 
 
 def test_status_of_a_worker_shows_the_swarm_within_80_columns(tmp_path):
