@@ -67,7 +67,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class Checkpoint:
-    """Lazy, float32 access to one model's tensors. Subclasses map names to files.
+    """Lazy access to one model's tensors: weight matrices compact (``matrix``), the rest float32
+    (``load``). Subclasses map names to files.
 
     ``path``: the file (GGUF) or directory (HF). ``config``: the :class:`ModelConfig`.
     ``metadata``: GGUF key/values, or the parsed ``config.json``.
@@ -105,25 +106,6 @@ class Checkpoint:
         if m.shape != tuple(shape):
             raise ModelFileError(f"{self.path}: tensor {name!r} has shape {m.shape}, expected {tuple(shape)}")
         return m
-
-    def load_rows(self, part: str, layer: int, lo: int, hi: int) -> np.ndarray:
-        """Rows ``lo:hi`` of a 2-D ``part`` (e.g. a dense range of W_gate / W_up), decoding only
-        those rows. Not for Q/K of a permuted GGUF (the permutation mixes rows)."""
-        name = self._name(part, layer)
-        want = self.expected_shape(part)
-        got = self._shapes.get(name)
-        if got is None:
-            raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
-        if tuple(got) != want:
-            raise ModelFileError(f"{self.path}: tensor {name!r} has shape {tuple(got)}, expected {want}")
-        return self._check(name, self._file_load(name, slice(lo, hi)), (hi - lo, *want[1:]))
-
-    def _file_load(self, name: str, index: slice) -> np.ndarray:
-        raise NotImplementedError
-
-    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(gate [F,H], up [F,H], down [H,F])`` of expert ``e`` in MoE layer ``layer``, float32."""
-        raise NotImplementedError
 
     def _check(self, name: str, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         if tuple(a.shape) != tuple(shape):
@@ -249,9 +231,6 @@ class GGUFCheckpoint(Checkpoint):
     def has(self, part: str, layer: int | None = None) -> bool:
         return self._name(part, layer) in self.file
 
-    def _file_load(self, name: str, index: slice) -> np.ndarray:
-        return self.file.load(name, index)
-
     def load(self, part: str, layer: int | None = None) -> np.ndarray:
         name = self._name(part, layer)
         a = self.file.load(name)
@@ -285,10 +264,6 @@ class GGUFCheckpoint(Checkpoint):
                                      f"expected {(c.n_experts, *shape)}")
             out.append((name, shape))
         return out
-
-    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        g, u, d = (self._check(name, self.file.load(name, e), shape) for name, shape in self._expert_tensors(layer))
-        return g, u, d
 
     def expert_matrices(self, layer: int, e: int) -> tuple[QMatrix, QMatrix, QMatrix]:
         g, u, d = (self.file.matrix(name, e) for name, _ in self._expert_tensors(layer))
@@ -361,9 +336,6 @@ class HFCheckpoint(Checkpoint):
     def hashed_files(self) -> list[Path]:
         return [self.path / "config.json", *sorted(self.files)]
 
-    def _file_load(self, name: str, index: slice) -> np.ndarray:
-        return self.st.load(name, index)
-
     def load(self, part: str, layer: int | None = None) -> np.ndarray:
         name = self._name(part, layer)
         return self._check(name, self.st.load(name), self.expected_shape(part))
@@ -398,10 +370,6 @@ class HFCheckpoint(Checkpoint):
                                          f"expected {shape}")
             return gu_name, d_name
         return None
-
-    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        g, u, d = self.expert_matrices(layer, e)
-        return g.dequantize(), u.dequantize(), d.dequantize()
 
     def expert_matrices(self, layer: int, e: int) -> tuple[QMatrix, QMatrix, QMatrix]:
         c = self.config

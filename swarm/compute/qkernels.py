@@ -2,8 +2,9 @@
 
 Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 — block layouts as ggml defines them (32
 weights per block; ``d`` and ``m`` are IEEE halves read through a 65536-entry table).
-Each kernel has a one-thread form and a ``*_parallel`` form over numba's thread pool (compiled
-only where more than one thread is asked for: the pool costs ~60 MiB of RSS). Within a row the
+Each kernel has a one-thread form, which releases the GIL (other Python threads — the event
+loop, a loopback peer — run meanwhile), and a ``*_parallel`` form over numba's thread pool
+(compiled only where more than one thread is asked for: the pool costs ~60 MiB of RSS). Within a row the
 order of additions is fixed, so every row's result is the same whatever the thread count.
 """
 
@@ -42,66 +43,96 @@ def _q5(q, qh, j):
 
 
 @njit(fastmath=_DOT_MATH, inline="always")
-def _dot_row(kind, w, x, lanes):
-    """Σ_k W[k] x[k] for one encoded row ``w`` (uint8) and float32 ``x`` [cols].
+def _dot_rows(kind, wa, wb, x, lanes):
+    """Σ_k W[k] x[k] for two encoded rows ``wa``, ``wb`` (uint8) and float32 ``x`` [cols].
 
-    Each weight is decoded to its float32 value and multiplied into one of 32 lane sums (one
-    per position in a block), summed once at the end: vector-wide, no per-block reduction."""
+    Each weight is decoded to its float32 value and multiplied into one of 32 lane sums per row
+    (one per position in a block), summed once at the end: vector-wide, no per-block reduction.
+    Two rows per pass share the loads of ``x`` and keep two independent chains in flight; a row
+    computed alone is passed as both (same code, same bits). ``lanes``: float32 [2, 32] scratch."""
     nb = x.shape[0] // 32
     lanes[:] = 0.0
+    la = lanes[0]
+    lb = lanes[1]
     if kind == 0:
         for b in range(nb):
             o = b * 34
-            d = _half(w, o, _F16)
+            da = _half(wa, o, _F16)
+            db = _half(wb, o, _F16)
             for j in range(32):
-                lanes[j] += d * F32(np.int8(w[o + 2 + j])) * x[b * 32 + j]
+                xv = x[b * 32 + j]
+                la[j] += da * F32(np.int8(wa[o + 2 + j])) * xv
+                lb[j] += db * F32(np.int8(wb[o + 2 + j])) * xv
     elif kind == 1:
         for b in range(nb):
             o = b * 18
-            d = _half(w, o, _F16)
+            da = _half(wa, o, _F16)
+            db = _half(wb, o, _F16)
             for j in range(16):
-                q = w[o + 2 + j]
-                lanes[j] += d * F32(np.int32(q & 15) - 8) * x[b * 32 + j]
-                lanes[16 + j] += d * F32(np.int32(q >> 4) - 8) * x[b * 32 + 16 + j]
+                qa = wa[o + 2 + j]
+                qb = wb[o + 2 + j]
+                x0 = x[b * 32 + j]
+                x1 = x[b * 32 + 16 + j]
+                la[j] += da * F32(np.int32(qa & 15) - 8) * x0
+                la[16 + j] += da * F32(np.int32(qa >> 4) - 8) * x1
+                lb[j] += db * F32(np.int32(qb & 15) - 8) * x0
+                lb[16 + j] += db * F32(np.int32(qb >> 4) - 8) * x1
     elif kind == 2:
         for b in range(nb):
             o = b * 20
-            d = _half(w, o, _F16)
-            m = _half(w, o + 2, _F16)
+            da = _half(wa, o, _F16)
+            ma = _half(wa, o + 2, _F16)
+            db = _half(wb, o, _F16)
+            mb = _half(wb, o + 2, _F16)
             for j in range(16):
-                q = w[o + 4 + j]
-                lanes[j] += (d * F32(q & 15) + m) * x[b * 32 + j]
-                lanes[16 + j] += (d * F32(q >> 4) + m) * x[b * 32 + 16 + j]
+                qa = wa[o + 4 + j]
+                qb = wb[o + 4 + j]
+                x0 = x[b * 32 + j]
+                x1 = x[b * 32 + 16 + j]
+                la[j] += (da * F32(qa & 15) + ma) * x0
+                la[16 + j] += (da * F32(qa >> 4) + ma) * x1
+                lb[j] += (db * F32(qb & 15) + mb) * x0
+                lb[16 + j] += (db * F32(qb >> 4) + mb) * x1
     else:
         off = 6 if kind == 3 else 8
         bias = 16 if kind == 3 else 0
         for b in range(nb):
             o = b * (22 if kind == 3 else 24)
-            d = _half(w, o, _F16)
-            m = F32(0.0) if kind == 3 else _half(w, o + 2, _F16)
-            qh = _u32(w, o + off - 4)
+            da = _half(wa, o, _F16)
+            db = _half(wb, o, _F16)
+            ma = F32(0.0) if kind == 3 else _half(wa, o + 2, _F16)
+            mb = F32(0.0) if kind == 3 else _half(wb, o + 2, _F16)
+            qha = _u32(wa, o + off - 4)
+            qhb = _u32(wb, o + off - 4)
             for j in range(16):
-                q0, q1 = _q5(w[o + off + j], qh, j)
-                lanes[j] += (d * F32(q0 - bias) + m) * x[b * 32 + j]
-                lanes[16 + j] += (d * F32(q1 - bias) + m) * x[b * 32 + 16 + j]
-    return lanes.sum()
+                a0, a1 = _q5(wa[o + off + j], qha, j)
+                b0, b1 = _q5(wb[o + off + j], qhb, j)
+                x0 = x[b * 32 + j]
+                x1 = x[b * 32 + 16 + j]
+                la[j] += (da * F32(a0 - bias) + ma) * x0
+                la[16 + j] += (da * F32(a1 - bias) + ma) * x1
+                lb[j] += (db * F32(b0 - bias) + mb) * x0
+                lb[16 + j] += (db * F32(b1 - bias) + mb) * x1
+    return la.sum(), lb.sum()
 
 
-_CHUNK = 64  # rows per parallel work item (one lane buffer each)
+_CHUNK = 64  # rows per parallel work item (one lane buffer each); even, so pairs never straddle
 
 
 @njit(fastmath=_DOT_MATH, inline="always")
 def _matmul_chunk(kind, w, x, out, c, lanes):
-    for r in range(c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK)):
+    hi = min(w.shape[0], (c + 1) * _CHUNK)
+    for r in range(c * _CHUNK, hi, 2):
+        r2 = r + 1 if r + 1 < hi else r
         for t in range(x.shape[0]):
-            out[t, r] = _dot_row(kind, w[r], x[t], lanes)
+            out[t, r], out[t, r2] = _dot_rows(kind, w[r], w[r2], x[t], lanes)
 
 
-@njit(cache=True, fastmath=_DOT_MATH)
+@njit(cache=True, nogil=True, fastmath=_DOT_MATH)
 def matmul(kind, w, x, out):
     """out[t, r] = Σ_k W[r, k] x[t, k] for uint8 ``w`` [R, row_bytes], float32 ``x`` [T, K],
     ``out`` float32 [T, R] (written in place). One thread."""
-    lanes = np.empty(32, F32)
+    lanes = np.empty((2, 32), F32)
     for c in range((w.shape[0] + _CHUNK - 1) // _CHUNK):
         _matmul_chunk(kind, w, x, out, c, lanes)
 
@@ -110,7 +141,7 @@ def matmul(kind, w, x, out):
 def matmul_parallel(kind, w, x, out):
     """:func:`matmul` with chunks of rows spread over numba's threads (same bits)."""
     for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
-        lanes = np.empty(32, F32)
+        lanes = np.empty((2, 32), F32)
         _matmul_chunk(kind, w, x, out, c, lanes)
 
 
@@ -157,7 +188,7 @@ def _dequant_row(kind, row, dst):
                     dst[b * 32 + 16 + j] = d * F32(q1) + m
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def dequant(kind, w, out):
     """Decode uint8 ``w`` [R, row_bytes] into float32 ``out`` [R, K] with the same float32
     operations as ``gguf.quants.dequantize`` (so the values are identical). One thread."""

@@ -24,6 +24,7 @@ differ from a float64 product by float32 rounding only (no activation quantizati
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -193,23 +194,24 @@ def _tile_buffer(n: int) -> np.ndarray:
 
 _compiled = None
 _import_lock = threading.Lock()
-# One kernel launch at a time per process: numba's portable thread pool ("workqueue", the one
-# every platform has) aborts on launches from two threads at once (loopback peers, a coordinator
-# that also answers its own rows).
-_launch_lock = threading.Lock()
 
 
 class _Kernels:
+    """The one-thread kernels (GIL released, safe from any thread), or the parallel ones behind
+    a lock: numba's portable thread pool ("workqueue", the one every platform has) aborts on
+    launches from two threads at once (loopback peers, a coordinator answering its own rows)."""
+
     def __init__(self, module, parallel: bool):
         self._matmul = module.matmul_parallel if parallel else module.matmul
         self._dequant = module.dequant_parallel if parallel else module.dequant
+        self._lock = threading.Lock() if parallel else contextlib.nullcontext()
 
     def matmul(self, *args) -> None:
-        with _launch_lock:
+        with self._lock:
             self._matmul(*args)
 
     def dequant(self, *args) -> None:
-        with _launch_lock:
+        with self._lock:
             self._dequant(*args)
 
 
