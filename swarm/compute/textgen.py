@@ -1,9 +1,10 @@
 """Text in, text out: the ``colibri-swarm generate`` command on top of the engine.
 
 :func:`generate_text` is the seam between text and tokens: chat messages (or a raw
-prompt) → chat template → token ids → the engine's token generator → streaming
-detokenization → text pieces. It takes any model the engine's ``generate`` accepts;
-the swarm's coordinator streams through the same path by passing its remote FFN backend.
+prompt) → chat template → token ids, checked against the vocabulary and the context
+(:func:`encode_prompt`) → the engine's token generator → streaming detokenization → text
+pieces (:func:`stream_reply`). It takes any model the engine's ``generate`` accepts; the
+swarm's API streams through the same two functions, passing its remote FFN backend.
 :func:`main_generate` is the CLI around it: pick the model file (``--model`` or the
 default model), check the arguments, stream the reply to stdout.
 """
@@ -11,40 +12,51 @@ default model), check the arguments, stream the reply to stdout.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from swarm.compute.sampling import SamplingParams, generate
 from swarm.compute.tokenizer import TextTokenizer, messages_from, tokenizer_for
-from swarm.errors import ModelFileError, SwarmError
-
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the signal
+from swarm.errors import ContextLengthError, ModelFileError, SwarmError
 
 
-def generate_text(
-    model: Any,
-    tokenizer: TextTokenizer,
-    messages: Sequence[Mapping[str, Any]] | str,
-    params: SamplingParams,
-    *,
-    ffn: Any = None,
-) -> Iterator[str]:
-    """Yield the reply to ``messages`` as text pieces, as soon as each is complete UTF-8.
+@dataclass
+class GenerationStats:
+    """What a generation reports as it runs: token counts and OpenAI's ``finish_reason``.
+
+    ``completion_tokens`` counts every generated id, a final stop token included.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "stop"  # "stop" (a stop token or string) or "length" (max_tokens)
+
+
+def context_limit(config: Any) -> int | None:
+    """The most positions one sequence may take: the model's context
+    (``max_position_embeddings``), or its attention window when the engine cannot attend past
+    it (``sliding_window``); None when the file states neither."""
+    limits = [n for n in (getattr(config, "max_position_embeddings", 0),
+                          getattr(config, "sliding_window", None)) if n]
+    return min(limits) if limits else None
+
+
+def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mapping[str, Any]] | str,
+                  max_tokens: int) -> list[int]:
+    """The prompt's token ids, checked before any work is done.
 
     messages: chat messages (``[{"role", "content"}, ...]``), rendered with the checkpoint's
         chat template and its generation prompt; or a ``str``, encoded as is (with BOS when
         the checkpoint asks for it) — ``--raw``.
-    params: sampling options; the end-of-sequence ids of the tokenizer and of the model
-        config are added to ``params.stop_tokens``. A stop token ends the reply unprinted.
-    ffn: the FFN backend handed to the engine's ``generate`` (None: local; the swarm passes
-        its remote backend here).
+    max_tokens: the most tokens the reply may take; prompt + reply must fit
+        :func:`context_limit`.
     Raises: :class:`~swarm.errors.ChatTemplateError` if the template rejects the messages;
     :class:`~swarm.errors.ModelFileError` if the tokenizer yields ids outside the model's
-    vocabulary.
+    vocabulary; :class:`~swarm.errors.ContextLengthError` naming the numbers when the prompt
+    and ``max_tokens`` do not fit; :class:`~swarm.errors.SwarmError` for an empty prompt.
     """
     if isinstance(messages, str):
         prompt_ids = tokenizer.encode(messages, add_special_tokens=True)
@@ -58,17 +70,67 @@ def generate_text(
             f"{tokenizer.source}: the tokenizer gave id {max(prompt_ids)}, but the model's vocabulary "
             f"has {vocab} entries; the tokenizer files do not belong to this model"
         )
+    limit = context_limit(model.config)
+    if limit is not None and len(prompt_ids) + max_tokens > limit:
+        raise ContextLengthError(
+            f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}: "
+            f"{len(prompt_ids) + max_tokens} > the model's context of {limit} tokens; "
+            "shorten the prompt or ask for fewer tokens"
+        )
+    return prompt_ids
+
+
+def stream_reply(
+    model: Any,
+    tokenizer: TextTokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    ffn: Any = None,
+    stats: GenerationStats | None = None,
+) -> Iterator[str]:
+    """Yield the reply to ``prompt_ids`` (from :func:`encode_prompt`) as text pieces, as soon
+    as each is complete UTF-8. The API and the CLI both stream through here.
+
+    params: sampling options; the end-of-sequence ids of the tokenizer and of the model
+        config are added to ``params.stop_tokens``. A stop token ends the reply unprinted.
+    ffn: the FFN backend handed to the engine's ``generate`` (None: local; the swarm passes
+        its remote backend here).
+    stats: filled as the reply is generated (prompt and completion token counts, finish reason).
+    """
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt_ids)
+    stats.finish_reason = "length"
     stop = tuple(dict.fromkeys(
         [*params.stop_tokens, *tokenizer.eos_token_ids, *(getattr(model.config, "eos_token_ids", ()) or ())]
     ))
     decoder = tokenizer.stream_decoder()
     for token in generate(model, prompt_ids, replace(params, stop_tokens=stop), ffn=ffn):
+        stats.completion_tokens += 1
         if token in stop:
+            stats.finish_reason = "stop"
             break
         if piece := decoder.push(token):
             yield piece
     if rest := decoder.flush():
         yield rest
+
+
+def generate_text(
+    model: Any,
+    tokenizer: TextTokenizer,
+    messages: Sequence[Mapping[str, Any]] | str,
+    params: SamplingParams,
+    *,
+    ffn: Any = None,
+    stats: GenerationStats | None = None,
+) -> Iterator[str]:
+    """:func:`encode_prompt` then :func:`stream_reply`: the reply to ``messages`` as text pieces.
+
+    Raises: as :func:`encode_prompt`, when the first piece is asked for.
+    """
+    prompt_ids = encode_prompt(model, tokenizer, messages, params.max_tokens)
+    yield from stream_reply(model, tokenizer, prompt_ids, params, ffn=ffn, stats=stats)
 
 
 def main_generate(args: argparse.Namespace) -> int:
@@ -81,32 +143,39 @@ def main_generate(args: argparse.Namespace) -> int:
     from swarm.compute.model import load_model
 
     params = SamplingParams(**_sampling_kwargs(args))
-    if getattr(args, "swarm", False):
-        raise SwarmError("generate --swarm: running through a swarm is not available in this build; drop --swarm")
     if args.raw and args.system is not None:
         raise SwarmError("--system has no effect with --raw (no chat template is applied); drop one of them")
     path = _model_path(args.model)
-    model = load_model(path)
-    tokenizer = tokenizer_for(model)
     messages: Sequence[Mapping[str, Any]] | str = (
         args.prompt if args.raw else messages_from(args.prompt, system=args.system)
     )
     out = sys.stdout
     if hasattr(out, "reconfigure"):
         out.reconfigure(errors="replace")  # a non-UTF-8 terminal gets '?' rather than a crash
-    try:
-        for piece in generate_text(model, tokenizer, messages, params):
-            out.write(piece)
-            out.flush()
-        out.write("\n")
+    # A spinner on stderr while the model loads and the prompt is prefilled (seconds on a large
+    # model); it goes when the first piece of the reply is printed. A BrokenPipeError from a
+    # closed stdout is swarm.cli's to handle.
+    with _spinner(f"loading {path.name}") as status:
+        model = load_model(path)
+        tokenizer = tokenizer_for(model)
+        status.update("reading the prompt")
+        pieces = generate_text(model, tokenizer, messages, params)
+        first = next(pieces, "")
+    out.write(first)
+    out.flush()
+    for piece in pieces:
+        out.write(piece)
         out.flush()
-    except BrokenPipeError:
-        # The reader went away (`… | head`): stop generating, and point stdout at /dev/null so
-        # the interpreter's final flush does not raise again (Python docs, "Note on SIGPIPE").
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, out.fileno())
-        return EXIT_BROKEN_PIPE
+    out.write("\n")
+    out.flush()
     return 0
+
+
+def _spinner(text: str):
+    """A transient one-line spinner on stderr (rich), shown only when stderr is a terminal."""
+    from swarm.terminal import console
+
+    return console(stderr=True).status(text, spinner="dots")
 
 
 def _model_path(arg: str | None) -> Path:

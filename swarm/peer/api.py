@@ -8,24 +8,36 @@ Routes (OpenAI API reference, "Chat Completions" and "Models"):
   per text piece, then ``data: [DONE]``.
 
 Authentication: ``Authorization: Bearer <token>``, where the token is the swarm key's
-``api-token`` sub-key (:attr:`swarm.peer.swarmkey.SwarmKey.api_token`, 64 hex digits) or the
-swarm key code itself; both are shown by ``colibri-swarm key``. Anything else → 401.
+``api-token`` sub-key (:attr:`swarm.peer.swarmkey.SwarmKey.api_token`, 64 hex digits, shown by
+``colibri-swarm key``). Anything else → 401 — the key code itself too: it would let whoever
+reads one request join the swarm.
+
+Transport: HTTPS with a server certificate issued by the swarm's API CA
+(:mod:`swarm.peer.api_tls`) on any address but loopback; plain HTTP only on loopback or when
+asked for explicitly (``tls=False``, ``join --api-plain-http``), which exposes prompts,
+replies and the token to the network.
 
 Every request field is validated (:func:`parse_chat_request`); a bad one → 400 in OpenAI's
-error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field.
+error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field. So is a
+body that is not JSON, nested too deeply, or not valid Unicode; and a prompt that with
+``max_tokens`` does not fit the model's context (checked before any generation).
 
 Generation: one at a time on the engine (an ``asyncio.Lock``, FIFO, queues the others);
 the token loop runs in a worker thread so the event loop — which also carries the swarm's
 data channels — never blocks; a client that disconnects stops its generation at the next
-token. The engine is a :class:`ChatBackend`: :class:`EngineBackend` runs the numpy engine
-with any FFN backend (``LocalFFN`` here, the coordinator's ``RemoteFFN`` in the swarm).
+token (one log line, no traceback). The engine is a :class:`ChatBackend`:
+:class:`EngineBackend` streams through :func:`swarm.compute.textgen.stream_reply`, the same
+loop as ``colibri-swarm generate``, with any FFN backend (``LocalFFN`` here, the
+coordinator's ``RemoteFFN`` in the swarm).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
+import ipaddress
 import json
 import logging
 import threading
@@ -38,7 +50,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from swarm.errors import SwarmError
+from swarm.compute.textgen import GenerationStats, context_limit, encode_prompt, stream_reply
+from swarm.errors import ChatTemplateError, ContextLengthError, LocalProtocolError, SwarmError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +71,9 @@ class ChatRequest:
 
     ``messages``: ``[{"role", "content": str}]`` (``developer`` is mapped to ``system``,
     content parts are joined); ``temperature`` in [0, 2] (0: greedy); ``top_p`` in (0, 1];
-    ``max_tokens`` ≥ 1; ``stop``: up to 4 non-empty strings that end the reply (not included).
+    ``max_tokens`` ≥ 1 (``max_tokens_set``: the client chose it; else it shrinks to what the
+    context leaves); ``stop``: up to 4 non-empty strings that end the reply (not included);
+    ``prompt_ids``: the encoded, checked prompt once :meth:`ChatBackend.prepare` ran.
     """
 
     messages: tuple[dict[str, str], ...]
@@ -71,6 +86,8 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    max_tokens_set: bool = False
+    prompt_ids: tuple[int, ...] | None = None
 
 
 class ApiError(SwarmError):
@@ -98,8 +115,6 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_o
 
 
 def _content(value: Any, i: int) -> str:
-    if isinstance(value, str):
-        return value
     if isinstance(value, list):  # content parts: only text parts can be served by a text model
         texts = []
         for part in value:
@@ -107,8 +122,16 @@ def _content(value: Any, i: int) -> str:
                 raise ApiError(f"'messages[{i}].content' parts must be {{\"type\": \"text\", \"text\": str}}",
                                param=f"messages[{i}].content")
             texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(f"'messages[{i}].content' must be a string or a list of text parts", param=f"messages[{i}].content")
+        value = "".join(texts)
+    if not isinstance(value, str):
+        raise ApiError(f"'messages[{i}].content' must be a string or a list of text parts",
+                       param=f"messages[{i}].content")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON allows "\ud800" escapes; no tokenizer can take them
+        raise ApiError(f"'messages[{i}].content' is not valid Unicode: a lone surrogate "
+                       f"{value[exc.start]!r} at character {exc.start}", param=f"messages[{i}].content") from None
+    return value
 
 
 def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
@@ -141,6 +164,7 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
         messages.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)})
 
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens_set = max_tokens is not None
     if max_tokens is None:
         max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
@@ -179,33 +203,30 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
         stop=stops,
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
+        max_tokens_set=max_tokens_set,
     )
 
 
 # ---------------------------------------------------------------------------- backends
 
 
-@dataclass
-class GenerationStats:
-    """What a finished generation reports: token counts and OpenAI's ``finish_reason``."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str = "stop"  # "stop" (a stop token or string) or "length" (max_tokens)
-
-
 class ChatBackend(Protocol):
-    """What the API runs. ``generate`` is a *blocking* generator (the API runs it in a thread)
-    that yields text pieces and fills ``stats`` as it goes."""
+    """What the API runs. ``prepare`` encodes and checks the prompt (raising
+    :class:`~swarm.errors.ContextLengthError` or :class:`~swarm.errors.ChatTemplateError`
+    before any generation); ``generate`` is a *blocking* generator (the API runs both in
+    threads) that yields text pieces and fills ``stats`` as it goes."""
 
     model_id: str
     max_tokens_limit: int
+
+    def prepare(self, request: ChatRequest) -> ChatRequest: ...
 
     def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str]: ...
 
 
 class EngineBackend:
-    """The numpy engine behind the API: chat template, sampling loop, streaming detokenizer.
+    """The numpy engine behind the API: the chat template, the context check and the token
+    loop of :mod:`swarm.compute.textgen` (the ``generate`` command's own).
 
     ``ffn`` is the engine's FFN backend: None for ``LocalFFN`` (one machine), the
     coordinator's ``RemoteFFN`` in the swarm — the tokens are the same either way.
@@ -215,31 +236,30 @@ class EngineBackend:
                  max_tokens_limit: int | None = None) -> None:
         self.model, self.tokenizer, self.ffn = model, tokenizer, ffn
         self.model_id = model_id
-        ctx = getattr(model.config, "max_position_embeddings", 0) or 8192
-        self.max_tokens_limit = max_tokens_limit or ctx
+        self.max_tokens_limit = max_tokens_limit or context_limit(model.config) or 8192
+
+    def prepare(self, request: ChatRequest) -> ChatRequest:
+        """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
+        to what the context leaves (as OpenAI's API does).
+
+        Raises: ContextLengthError (the numbers named), ChatTemplateError, ModelFileError.
+        """
+        messages = list(request.messages)
+        limit = context_limit(self.model.config)
+        if request.max_tokens_set or limit is None:
+            ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens)
+            return dataclasses.replace(request, prompt_ids=tuple(ids))
+        ids = encode_prompt(self.model, self.tokenizer, messages, 1)
+        return dataclasses.replace(request, prompt_ids=tuple(ids), max_tokens=min(request.max_tokens, limit - len(ids)))
 
     def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str]:
-        from swarm.compute.sampling import SamplingParams, generate
+        from swarm.compute.sampling import SamplingParams
 
-        prompt = self.tokenizer.encode_chat(list(request.messages))
-        stats.prompt_tokens = len(prompt)
-        stop_tokens = tuple(self.tokenizer.eos_token_ids) or tuple(self.model.config.eos_token_ids)
+        if request.prompt_ids is None:
+            request = self.prepare(request)
         params = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-                                seed=request.seed,
-                                max_tokens=request.max_tokens, stop_tokens=stop_tokens)
-        decoder = self.tokenizer.stream_decoder()
-        stats.finish_reason = "length"
-        for token in generate(self.model, prompt, params, ffn=self.ffn):
-            stats.completion_tokens += 1
-            if token in stop_tokens:
-                stats.finish_reason = "stop"
-                break
-            piece = decoder.push(token)
-            if piece:
-                yield piece
-        rest = decoder.flush()
-        if rest:
-            yield rest
+                                seed=request.seed, max_tokens=request.max_tokens)
+        return stream_reply(self.model, self.tokenizer, request.prompt_ids, params, ffn=self.ffn, stats=stats)
 
 
 class StopMatcher:
@@ -279,7 +299,7 @@ class ApiServer:
     """The aiohttp app and its lifecycle. ``tokens``: accepted bearer tokens (non-empty).
 
     Use ``port = await server.start(host, port)`` (port 0: any free port) and
-    ``await server.close()``.
+    ``await server.close()``; :attr:`scheme` is ``"https"`` or ``"http"`` once started.
     """
 
     def __init__(self, backend: ChatBackend, tokens: Sequence[str]) -> None:
@@ -289,17 +309,21 @@ class ApiServer:
         self._tokens = tuple(t.encode() for t in tokens)
         self._lock = asyncio.Lock()  # one generation at a time; waiters are served FIFO
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-api-gen")
+        # Prompts are encoded beside a running generation, so a bad one is refused at once.
+        self._prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-api-prepare")
         self._runner: web.AppRunner | None = None
-        self._swarm_id: str | None = None
+        self._key: Any = None
         self._advertising: asyncio.Task | None = None
+        self.scheme: str | None = None
         self.generations = 0  # finished or stopped generations, for status
         self.dashboard: Any = None  # a swarm.peer.dashboard.Dashboard serves its page here when set
 
     @classmethod
     def for_swarm_key(cls, backend: ChatBackend, key: Any) -> ApiServer:
-        """Accept the key's API token and its code (``key``: a :class:`~swarm.peer.swarmkey.SwarmKey`)."""
-        server = cls(backend, [key.api_token, key.code, key.code.replace("-", "")])
-        server._swarm_id = key.swarm_id
+        """Accept the key's API token only — never the key code (``key``: a
+        :class:`~swarm.peer.swarmkey.SwarmKey`); serve HTTPS with a certificate of its API CA."""
+        server = cls(backend, [key.api_token])
+        server._key = key
         return server
 
     def app(self) -> web.Application:
@@ -313,20 +337,39 @@ class ApiServer:
         return app
 
     async def start(self, host: str = "0.0.0.0", port: int = 0, ssl_context: Any = None, *,
-                    advertise: tuple[str, int] | None = None) -> int:
+                    advertise: tuple[str, int] | None = None, tls: bool | None = None) -> int:
         """Serve on ``host:port``; returns the bound port.
 
+        ``tls``: None (default) serves HTTPS unless ``host`` is a loopback address; True always
+        HTTPS; False plain HTTP, which on any other address exposes prompts, replies and the
+        API token to the network (logged as a warning). HTTPS uses ``ssl_context`` when given,
+        else a certificate of the swarm's API CA (:meth:`for_swarm_key`).
         ``advertise=(peer_id, term)``: also announce the API on mDNS
         (:mod:`swarm.peer.api_discovery`) so ``chat``/``generate`` on any machine find it
         (needs :meth:`for_swarm_key`). Registration runs in the background; a failure is logged.
+
+        Raises: LocalProtocolError when HTTPS is asked for with neither a context nor a key.
         """
+        from swarm.peer.api_discovery import local_ipv4_addresses
+
+        addresses = None if host in ("", "0.0.0.0") else [host]
+        loopback = _is_loopback(host)
+        if ssl_context is None and (tls or (tls is None and not loopback)):
+            if self._key is None:
+                raise LocalProtocolError("HTTPS needs the swarm key (ApiServer.for_swarm_key) or an ssl_context")
+            from swarm.peer.api_tls import server_context
+
+            ssl_context = server_context(self._key, addresses or local_ipv4_addresses())
+        elif ssl_context is None and not loopback:
+            log.warning("the API serves plain HTTP on %s: anyone on this network can read prompts, replies "
+                        "and the API token", host or "every address")
+        self.scheme = "https" if ssl_context is not None else "http"
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
         bound = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
-        if advertise is not None and self._swarm_id is not None:
-            addresses = None if host in ("", "0.0.0.0") else [host]
+        if advertise is not None and self._key is not None:
             self._advertising = asyncio.create_task(self._advertise(*advertise, bound, addresses))
         return bound
 
@@ -337,7 +380,8 @@ class ApiServer:
         from swarm.peer.api_discovery import ApiAdvertiser
 
         zc = AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
-        ad = ApiAdvertiser(zc, swarm_id=self._swarm_id, host=peer_id, term=term, port=port, addresses=addresses)
+        ad = ApiAdvertiser(zc, swarm_id=self._key.swarm_id, host=peer_id, term=term, port=port,
+                           addresses=addresses, scheme=self.scheme)
         try:
             await ad.start()
             await asyncio.Event().wait()  # until close() cancels us
@@ -359,6 +403,7 @@ class ApiServer:
             await self._runner.cleanup()
             self._runner = None
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._prepare_executor.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------- middleware
 
@@ -387,14 +432,15 @@ class ApiServer:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413) from None
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError("the request body is not valid JSON") from None
-        chat = parse_chat_request(body, model_id=self.backend.model_id,
+        chat = parse_chat_request(await _json_body(request), model_id=self.backend.model_id,
                                   max_tokens_limit=self.backend.max_tokens_limit)
+        loop = asyncio.get_running_loop()
+        try:
+            chat = await loop.run_in_executor(self._prepare_executor, self.backend.prepare, chat)
+        except ContextLengthError as exc:
+            raise ApiError(str(exc), param="messages", code="context_length_exceeded") from None
+        except ChatTemplateError as exc:
+            raise ApiError(str(exc), param="messages") from None
         ident = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if chat.stream:
@@ -431,11 +477,16 @@ class ApiServer:
                 obj = {"id": ident, "object": "chat.completion.chunk", "created": created,
                        "model": self.backend.model_id, "choices": [], "usage": _usage(stats)}
                 await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionError:  # the client went away: aclosing above already stopped the generation
+            log.info("client %s went away mid-stream after %d token(s); generation stopped",
+                     request.remote, stats.completion_tokens)
         except SwarmError as exc:  # e.g. the coordinator lost its term mid-generation
             error = ApiError(f"generation failed: {exc}", status=503, type="server_error")
-            await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            with contextlib.suppress(ConnectionError):
+                await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\ndata: [DONE]\n\n")
+                await response.write_eof()
         return response
 
     # ------------------------------------------------------------- the token loop
@@ -486,6 +537,29 @@ class ApiServer:
                 cancel.set()  # a stop string, a client gone, or an error: end the token loop
                 await asyncio.shield(future)
                 self.generations += 1
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The decoded JSON body; ApiError (400, 413) saying what was wrong with it."""
+    try:
+        return await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413) from None
+    except RecursionError:
+        raise ApiError("the request body nests arrays/objects too deeply to read") from None
+    except UnicodeDecodeError as exc:
+        raise ApiError(f"the request body is not UTF-8 (byte {exc.start}); send JSON as UTF-8") from None
+    except ValueError as exc:  # json.JSONDecodeError, and ints of more than 4300 digits
+        raise ApiError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _usage(stats: GenerationStats) -> dict[str, int]:

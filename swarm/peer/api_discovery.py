@@ -8,6 +8,7 @@ Service type ``_colibri-api._tcp.local.``; one instance per coordinator term. TX
 ``term``  the coordinator's election term (decimal); the highest live term wins
 ``host``  the coordinator's peer id
 ``path``  the API's base path (``/v1``)
+``tls``   ``1`` when the API serves HTTPS (absent or ``0``: plain HTTP)
 ========  ============================================================
 
 The record says where to knock, not whom to trust: every request still carries the swarm's
@@ -38,7 +39,7 @@ FIND_TIMEOUT_S = 3.0
 
 @dataclass(frozen=True)
 class ApiRecord:
-    """One advertised coordinator API: ``url`` is the OpenAI base URL (``http://A:P/v1``)."""
+    """One advertised coordinator API: ``url`` is the OpenAI base URL (``https://A:P/v1``)."""
 
     swarm_id: str
     term: int
@@ -57,13 +58,14 @@ class ApiAdvertiser:
     """Announces this coordinator's API for one term; :meth:`close` sends the goodbye."""
 
     def __init__(self, zc: AsyncZeroconf, *, swarm_id: str, host: str, term: int, port: int,
-                 addresses: list[str] | None = None, path: str = "/v1") -> None:
+                 addresses: list[str] | None = None, path: str = "/v1", scheme: str | None = "https") -> None:
         self._zc = zc
         addresses = addresses or local_ipv4_addresses()
         self._info = AsyncServiceInfo(
             API_SERVICE_TYPE, f"colibri-api-{host[:24]}-{term}.{API_SERVICE_TYPE}",
             addresses=[socket.inet_aton(a) for a in addresses], port=port,
-            properties={"v": RECORD_VERSION, "sid": swarm_id, "term": str(term), "host": host, "path": path},
+            properties={"v": RECORD_VERSION, "sid": swarm_id, "term": str(term), "host": host, "path": path,
+                        "tls": "1" if scheme == "https" else "0"},
             server=f"colibri-api-{host[:40]}.local.",
         )
 
@@ -84,7 +86,8 @@ def parse_record(properties: dict, addresses: list[str], port: int, swarm_id: st
     if props.get("v") != RECORD_VERSION or props.get("sid") != swarm_id or not term.isdigit() \
             or not path.startswith("/") or not addresses or not 0 < port < 65536:
         return None
-    return ApiRecord(swarm_id, int(term), props.get("host") or "", f"http://{addresses[0]}:{port}{path}")
+    scheme = "https" if props.get("tls") == "1" else "http"
+    return ApiRecord(swarm_id, int(term), props.get("host") or "", f"{scheme}://{addresses[0]}:{port}{path}")
 
 
 async def find_api(swarm_id: str, timeout_s: float = FIND_TIMEOUT_S, zc: AsyncZeroconf | None = None) -> ApiRecord:

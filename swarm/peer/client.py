@@ -2,8 +2,13 @@
 
 Where the API is, in this order: ``--api URL``; the local peer's status file (``colibri-swarm
 join`` running on this machine: its ``api_url``, or its own API port when it coordinates);
-the coordinator's mDNS record (:mod:`swarm.peer.api_discovery`). The bearer token is the stored swarm key's API token, or
-``$COLIBRI_SWARM_API_KEY``.
+the coordinator's mDNS record (:mod:`swarm.peer.api_discovery`) — also what a plain
+``generate`` on a worker's machine uses, rather than running the model locally. The bearer
+token is the stored swarm key's API token, or ``$COLIBRI_SWARM_API_KEY``.
+
+HTTPS is pinned: the only trusted certificate authority is the swarm's API CA, derived from the
+stored key (:mod:`swarm.peer.api_tls`); without a stored key, the system's trust store
+(``SSL_CERT_FILE`` points it at ``api-ca.pem`` written by ``colibri-swarm key``).
 
 Requests use the standard library's HTTP client (a blocking stream is all a terminal needs);
 replies stream as Server-Sent Events (:mod:`swarm.peer.api`).
@@ -16,12 +21,13 @@ import asyncio
 import http.client
 import json
 import os
+import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.errors import SwarmError
@@ -39,10 +45,26 @@ class ApiUnavailableError(SwarmError):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """An API base URL (``http://host:port/v1``) and its bearer token."""
+    """An API base URL (``https://host:port/v1``), its bearer token, and for HTTPS the TLS
+    context that pins the swarm's API CA (None: the system's trust store)."""
 
     url: str
     token: str
+    tls: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
+
+
+def _endpoint(url: str, token: str) -> Endpoint:
+    """An endpoint for ``url`` whose HTTPS trusts only the stored swarm key's API CA."""
+    from swarm.peer import swarmkey
+
+    tls = None
+    if url.startswith("https://"):
+        key = swarmkey.load()
+        if key is not None:
+            from swarm.peer.api_tls import client_context
+
+            tls = client_context(key)
+    return Endpoint(url.rstrip("/"), token, tls)
 
 
 def _token() -> str:
@@ -58,13 +80,20 @@ def _token() -> str:
     return key.api_token
 
 
-def _from_status() -> str | None:
-    """The API URL the local peer's status names, if a peer runs here and knows one."""
+def _local_peer() -> dict | None:
+    """The status document of the peer running on this machine, or None when none runs."""
     try:
         from swarm.peer.status import read_status
 
-        doc = read_status()
+        return read_status()
     except (SwarmError, ImportError):
+        return None
+
+
+def _from_status(doc: dict | None = None) -> str | None:
+    """The API URL the local peer's status names, if a peer runs here and knows one."""
+    doc = _local_peer() if doc is None else doc
+    if doc is None:
         return None
     url = doc.get("api_url")
     if isinstance(url, str) and url.startswith(("http://", "https://")):
@@ -72,7 +101,8 @@ def _from_status() -> str | None:
     placement = doc.get("placement")
     port = placement.get("api_port") if isinstance(placement, dict) else None
     if doc.get("role") == "coordinator" and isinstance(port, int) and 0 < port < 65536:
-        return f"http://127.0.0.1:{port}/v1"  # this machine's peer coordinates: its API is here
+        scheme = placement.get("api_scheme") if placement.get("api_scheme") in ("http", "https") else "http"
+        return f"{scheme}://127.0.0.1:{port}/v1"  # this machine's peer coordinates: its API is here
     return None
 
 
@@ -85,10 +115,10 @@ def find_endpoint(api: str | None = None, *, mdns: bool = True, token: str | Non
     """
     token = token or _token()
     if api:
-        return Endpoint(api.rstrip("/"), token)
+        return _endpoint(api, token)
     url = _from_status()
     if url:
-        return Endpoint(url.rstrip("/"), token)
+        return _endpoint(url, token)
     if not mdns:
         return None
     from swarm.peer import swarmkey
@@ -97,7 +127,7 @@ def find_endpoint(api: str | None = None, *, mdns: bool = True, token: str | Non
     key = swarmkey.load()
     if key is None:
         raise SwarmError("no swarm key on this machine to find the swarm by; pass --api URL")
-    return Endpoint(asyncio.run(find_api(key.swarm_id)).url, token)
+    return _endpoint(asyncio.run(find_api(key.swarm_id)).url, token)
 
 
 def _request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespace) -> dict:
@@ -122,7 +152,7 @@ def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
         "Content-Type": "application/json", "Authorization": f"Bearer {endpoint.token}",
         "Accept": "text/event-stream"})
     try:
-        response = urllib.request.urlopen(req, timeout=READ_TIMEOUT_S)
+        response = urllib.request.urlopen(req, timeout=READ_TIMEOUT_S, context=endpoint.tls)
     except urllib.error.HTTPError as exc:
         raise SwarmError(f"the coordinator's API at {endpoint.url} refused the request: {_error_text(exc)}") from None
     except (urllib.error.URLError, OSError) as exc:
@@ -213,9 +243,14 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
 
 
 def main_generate_swarm(args: argparse.Namespace) -> int | None:
-    """``generate`` through the swarm; None when no swarm is found and ``--swarm`` was not given
-    (the caller then runs the engine locally)."""
-    endpoint = find_endpoint(getattr(args, "api", None), mdns=args.swarm) if args.swarm else _quiet_endpoint()
+    """``generate`` through the swarm; None when no peer runs here and neither ``--swarm`` nor
+    ``--api`` was given (the caller then runs the engine locally).
+
+    Raises: SwarmError when a peer runs here (a worker) but no coordinator's API can be found:
+    the user asked the swarm, so it does not silently run the model locally instead.
+    """
+    api = getattr(args, "api", None)
+    endpoint = find_endpoint(api, mdns=True) if args.swarm or api else _quiet_endpoint()
     if endpoint is None:
         return None
     messages: list[dict[str, str]] = []
@@ -237,14 +272,19 @@ def _say_retrying(exc: SwarmError) -> None:
 
 
 def _quiet_endpoint() -> Endpoint | None:
-    """The local peer's API when one runs here (no mDNS wait, no error when there is none)."""
-    url = _from_status()
-    if url is None:
+    """The swarm's API when a peer runs here: its own when it coordinates, else the coordinator's
+    mDNS record. None (no mDNS wait) when no peer runs here."""
+    doc = _local_peer()
+    if doc is None:
         return None
+    url = _from_status(doc)
+    if url is not None:
+        return _endpoint(url, _token())
     try:
-        return Endpoint(url.rstrip("/"), _token())
-    except SwarmError:
-        return None
+        return find_endpoint(None, mdns=True)
+    except SwarmError as exc:
+        raise SwarmError(f"a peer of the swarm runs here (role {doc.get('role')}), but {exc}; "
+                         "or pass --local to run the model on this machine alone") from None
 
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves"

@@ -27,13 +27,22 @@ def render_qr(text: str) -> str:
 
 
 def show_key(key: swarmkey.SwarmKey, out: TextIO) -> None:
-    """Print the swarm id, the code and its QR code."""
+    """Print the swarm id, the code and its QR code, the API token, and write the API's CA
+    certificate to the config directory (:func:`swarm.peer.api_tls.write_ca`), naming it."""
+    from swarm.paths import config_dir
+    from swarm.peer.api_tls import ca_fingerprint, write_ca
+
     print(f"swarm id: {key.swarm_id}", file=out)
     print(f"swarm key code (type it on another machine: colibri-swarm join --key CODE):\n\n    {key.code}\n", file=out)
     print(render_qr(key.code), file=out)
-    print(f"stored in {swarmkey.key_path()} (mode 0600); anyone with this code can join the swarm.", file=out)
-    print(f"OpenAI API token (Authorization: Bearer …, for the coordinator's /v1 API; the code works too):\n"
-          f"    {key.api_token}", file=out)
+    print(f"stored in {swarmkey.key_path()} (mode 0600); anyone with this code can join the swarm: "
+          "never use it as an API key.", file=out)
+    ca = write_ca(key, config_dir())
+    print(f"\nOpenAI API token (Authorization: Bearer …, for the coordinator's /v1 API):\n    {key.api_token}", file=out)
+    print(f"The API speaks HTTPS with a certificate of the swarm's CA, written to\n    {ca}\n"
+          f"    SHA-256 {ca_fingerprint(key)}\n"
+          f"Trust it in a client: curl --cacert {ca} …; SSL_CERT_FILE={ca} (Python, the openai package); "
+          "or httpx.Client(verify=PATH).", file=out)
 
 
 def main_key(args: argparse.Namespace, out: TextIO | None = None) -> int:

@@ -373,7 +373,8 @@ async def _run_peer(args: Any, console: Any) -> None:
         with console.status("looking for the swarm on this network…"):
             await node.start()
         _print_discovery_hints(console, node, key_created=created)
-        roles = await SwarmRoles.create(node, model, verify=args.verify / 100)
+        roles = await SwarmRoles.create(node, model, verify=args.verify / 100,
+                                        api_tls=False if getattr(args, "api_plain_http", False) else None)
         await roles.start()
         _print_header(console, node)
         shown = (node.role, None)
@@ -387,6 +388,11 @@ async def _run_peer(args: Any, console: Any) -> None:
                 shown = (node.role, api_port)
                 api = f", OpenAI API on port {api_port}" if api_port else ""
                 console.print(f"role: [bold]{esc(node.role)}[/]{api}")
+                if api_port and node.placement.get("api_scheme") == "https":
+                    from swarm.peer.api_tls import ca_fingerprint
+
+                    console.print(f"the API speaks HTTPS; its CA certificate SHA-256 {esc(ca_fingerprint(key))} "
+                                  "(`colibri-swarm key` writes it to a file for other clients)")
                 if api_port:
                     _print_dashboard(console, node, roles, api_port)
     except asyncio.CancelledError:

@@ -9,7 +9,8 @@ else; a wrong check (any mistyped symbol, with probability 1 - 2**-24) raises
 
 Sub-keys are HKDF-SHA256 (RFC 5869) with an empty salt and ``info = b"colibri-swarm v1 " +
 label``; labels: ``signaling`` (WebSocket challenge/response), ``channel-auth`` (data-channel
-transcript HMAC), ``api-token`` (bearer token of the OpenAI-compatible API), ``slice-token``
+transcript HMAC), ``api-token`` (bearer token of the OpenAI-compatible API), ``api-ca`` (the
+private key of the API's certificate authority, the same on every key holder), ``slice-token``
 (HMAC key of the per-slice bearer tokens of the HTTPS slice server), ``swarm-id``
 (public identifier advertised in mDNS TXT; it cannot be turned back into the key).
 """
@@ -123,6 +124,11 @@ class SwarmKey:
     def slice_token_key(self) -> bytes:
         """HMAC key of the slice server's per-slice bearer tokens (32 bytes; ``swarm.peer.slice_http``)."""
         return derive(self.secret, "slice-token")
+
+    @property
+    def api_ca_seed(self) -> bytes:
+        """Seed of the API certificate authority's private key (48 bytes; ``swarm.peer.api_tls``)."""
+        return derive(self.secret, "api-ca", 48)
 
     @property
     def api_token(self) -> str:

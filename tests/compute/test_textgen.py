@@ -209,3 +209,42 @@ def test_hf_directory_model_generates_like_transformers(tmp_path, capsys, smollm
     assert len(set(want_ids)) > 2  # the oracle reply is not a degenerate repeat
     assert main(["generate", prompt, "--model", str(tmp_path), "--max-tokens", "8"]) == 0
     assert capsys.readouterr().out == tokenizer.decode(want_ids, skip_special_tokens=True) + "\n"
+
+
+def test_prompt_past_the_context_is_one_line_before_any_work(capsys, smollm2_path, smollm2_model):
+    """prompt + --max-tokens past the model's context: one line naming the numbers, exit 2."""
+    tok = tokenizer_for(smollm2_model)
+    ctx = smollm2_model.config.max_position_embeddings
+    n = len(tok.encode_chat(messages_from("hi")))
+    assert main(["generate", "hi", "--local", "--model", str(smollm2_path), "--max-tokens", str(ctx)]) == EXIT_ERROR
+    assert _error_line(capsys) == (f"colibri-swarm: error: the prompt is {n} tokens and max_tokens is {ctx}: "
+                                   f"{n + ctx} > the model's context of {ctx} tokens; shorten the prompt "
+                                   "or ask for fewer tokens")
+
+
+def test_sliding_window_is_the_limit_where_the_engine_cannot_pass_it():
+    """A model with an attention window shorter than its context is limited by the window."""
+    from types import SimpleNamespace
+
+    from swarm.compute.textgen import context_limit
+
+    assert context_limit(SimpleNamespace(max_position_embeddings=32768, sliding_window=4096)) == 4096
+    assert context_limit(SimpleNamespace(max_position_embeddings=8192, sliding_window=None)) == 8192
+    assert context_limit(SimpleNamespace(max_position_embeddings=0, sliding_window=None)) is None
+
+
+def test_stats_count_the_stop_token_and_say_why_the_reply_ended(smollm2_model):
+    """The one token loop the CLI and the API share reports what OpenAI's usage and finish_reason need."""
+    from swarm.compute.textgen import GenerationStats, encode_prompt, stream_reply
+
+    tok = tokenizer_for(smollm2_model)
+    ids = encode_prompt(smollm2_model, tok, messages_from("Say OK."), 64)
+    done = GenerationStats()
+    toks = list(generate(smollm2_model, ids, SamplingParams(max_tokens=64, stop_tokens=tok.eos_token_ids)))
+    text = "".join(stream_reply(smollm2_model, tok, ids, SamplingParams(max_tokens=64), stats=done))
+    assert text == tok.decode([t for t in toks if t not in tok.eos_token_ids])
+    assert (done.prompt_tokens, done.completion_tokens) == (len(ids), len(toks))
+    assert done.finish_reason == ("stop" if toks[-1] in tok.eos_token_ids else "length")
+    cut = GenerationStats()
+    assert "".join(stream_reply(smollm2_model, tok, ids, SamplingParams(max_tokens=2), stats=cut))
+    assert (cut.completion_tokens, cut.finish_reason) == (2, "length")

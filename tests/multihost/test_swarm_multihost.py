@@ -74,10 +74,20 @@ def coordinator_of(docs) -> tuple[int, dict] | None:
     return None
 
 
+def spawn_client(lab, client: int, server: int, port: int, token: str, prompt: str, n: int):
+    """The official client in namespace ``client``, over HTTPS to the API in namespace ``server``,
+    trusting the swarm's API CA through ``SSL_CERT_FILE`` (as ``colibri-swarm key`` exports it)."""
+    from swarm.peer.api_tls import write_ca
+
+    key = SwarmKey.from_code((lab.workdir / f"ns{server}" / "config" / "swarm.key").read_text())
+    ca = write_ca(key, lab.workdir)
+    return lab.spawn(client, ["-c", CLIENT, f"https://{lab.addresses[server]}:{port}/v1", token, prompt, str(n)],
+                     env={"SSL_CERT_FILE": str(ca)})
+
+
 async def ask(lab, client: int, server: int, port: int, token: str, prompt: str, on_piece=None) -> dict:
     """One streaming request from namespace ``client`` to the API in namespace ``server``."""
-    url = f"http://{lab.addresses[server]}:{port}/v1"
-    proc = lab.spawn(client, ["-c", CLIENT, url, token, prompt, str(MAX_TOKENS)])
+    proc = spawn_client(lab, client, server, port, token, prompt, MAX_TOKENS)
     seen = 0
     while True:
         event = await proc.wait_for(lambda e: e.get("event") in ("piece", "done", "error"), 120, since=seen)
@@ -147,8 +157,7 @@ async def test_join_elect_generate_and_fail_over(netns_lab):
 
     # the coordinator dies during a request: that request ends with an error (no hang), the
     # survivor coordinates within 5 s and serves the next request
-    in_flight = lab.spawn(victim, ["-c", CLIENT, f"http://{lab.addresses[c]}:{doc['placement']['api_port']}/v1",
-                                   key.api_token, prompts[0], str(LONG_TOKENS)])
+    in_flight = spawn_client(lab, victim, c, doc["placement"]["api_port"], key.api_token, prompts[0], LONG_TOKENS)
     await in_flight.wait_for(lambda e: e.get("event") == "piece", 60)
     procs[c].kill()
     t_kill = time.monotonic()

@@ -176,3 +176,58 @@ def test_generate_uses_the_local_coordinators_api_by_default(live_api, engine, s
     messages = [{"role": "user", "content": PROMPTS[1]}]
     assert backend.seen == [messages]  # it went through the API, not the local engine
     assert capsys.readouterr().out == _greedy(engine, messages) + "\n"
+
+
+def test_generate_on_a_workers_machine_uses_the_coordinators_api(live_api, engine, stored_key, capsys):
+    """A worker runs here (its status names no API): plain `generate` finds the coordinator's API
+    by mDNS rather than silently running the model on this machine."""
+    import json
+    import os
+    import time
+
+    from swarm import paths
+    from swarm.cli import main
+    from swarm.peer.node import STATUS_FILE
+
+    url, backend, loop, port = live_api
+    status = {"pid": os.getpid(), "updated": time.time(), "role": "worker", "placement": None}
+    (paths.config_dir() / STATUS_FILE).write_text(json.dumps(status))
+    backend.seen.clear()
+    assert main(["generate", "--max-tokens", str(MAX_TOKENS), PROMPTS[0]]) == 0
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    assert backend.seen == [messages]  # through the API the coordinator announced, not the local engine
+    assert capsys.readouterr().out == _greedy(engine, messages) + "\n"
+
+
+def test_generate_api_option_names_the_api(live_api, engine, stored_key, capsys):
+    from swarm.cli import main
+
+    url, backend, loop, port = live_api
+    backend.seen.clear()
+    assert main(["generate", "--api", url, "--max-tokens", str(MAX_TOKENS), PROMPTS[1]]) == 0
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    assert backend.seen == [messages]
+    assert capsys.readouterr().out == _greedy(engine, messages) + "\n"
+
+
+def test_a_worker_without_a_reachable_api_says_so(stored_key, monkeypatch, capsys):
+    """No coordinator's API on mDNS: one line saying what to do, not a silent local run."""
+    import json
+    import os
+    import time
+
+    from swarm import paths
+    from swarm.cli import main
+    from swarm.peer import api_discovery
+    from swarm.peer.node import STATUS_FILE
+
+    from swarm.peer import swarmkey
+    from swarm.peer.swarmkey import SwarmKey
+
+    swarmkey.store(SwarmKey(bytes(32)).code)  # a swarm whose coordinator announces nothing
+    monkeypatch.setattr(api_discovery, "FIND_TIMEOUT_S", 0.5)
+    status = {"pid": os.getpid(), "updated": time.time(), "role": "worker", "placement": None}
+    (paths.config_dir() / STATUS_FILE).write_text(json.dumps(status))
+    assert main(["generate", "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "a peer of the swarm runs here (role worker), but no coordinator API" in err and "--local" in err
