@@ -96,12 +96,14 @@ class SwarmRoles:
     for the API (default: the model's own). ``verify``: share (0..1) of remote
     answers the coordinator recomputes. ``layout``: ``"ranges"``, ``"stages"`` or ``"auto"`` (module
     docstring). ``api_host`` / ``api_port``: where the
-    coordinator serves the OpenAI API (port 0: any free port, see :attr:`api_port`).
+    coordinator serves the OpenAI API (port 0: any free port, see :attr:`api_port`); ``api_tls``:
+    HTTPS or not (None: HTTPS unless ``api_host`` is loopback; see ``ApiServer.start``).
     """
 
     def __init__(self, node: Any, model: Any = None, *, tokenizer: Any = None, verify: float = 0.0,
                  api_host: str = "0.0.0.0", api_port: int = 0, rng: random.Random | None = None,
-                 serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S, layout: str = "ranges") -> None:
+                 serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S, layout: str = "ranges",
+                 api_tls: bool | None = None) -> None:
         self.node = node
         self.model = model
         self.model_hash = node.hello.model_hash
@@ -133,6 +135,7 @@ class SwarmRoles:
             tokenizer = tokenizer_for(model)  # now, not when elected: that must not stall the event loop
         self._tokenizer = tokenizer
         self._api_host, self._api_port_wanted, self._serve_api = api_host, api_port, serve_api
+        self._api_tls = api_tls
         self._plan_version = 0
         self._last_leader_term = 0  # the last term in which this peer knew a coordinator
         self._replan_pending = False
@@ -442,7 +445,7 @@ class SwarmRoles:
         plan = build_plan(self.shape, me, self._plan_layout(workers), term=self.election.term, version=self._plan_version,
                           coordinator_budget=budget)
         short = shortfall_message(plan, self.shape)
-        if short:
+        if short and self._stage_layout is None:  # under stages the FFN plan is the coordinator's stage only
             log.warning("plan v%d: %s", plan.version, short)
         return plan
 
@@ -458,7 +461,7 @@ class SwarmRoles:
         msg = plan.to_message()
         await asyncio.gather(*(self._send(link, msg) for link in links.values()))
         self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {len(plan.workers())} worker(s)")
-        self.node.placement = {"term": plan.term, "version": plan.version, "api_port": self.api_port,
+        self.node.placement = {"term": plan.term, "version": plan.version, **self._api_fields(),
                                "streamed_bytes": plan.streamed_bytes, **plan.to_dict()}
         await self._announce_stages()
 
@@ -598,7 +601,7 @@ class SwarmRoles:
         self.node.record("coordinator changed", self.node.peer_id, self.node.name, f"this peer, term {term}")
         if self._serve_api:
             await self._open_api()
-        self.node.placement = {**(self.node.placement or {}), "api_port": self.api_port}
+        self.node.placement = {**(self.node.placement or {}), **self._api_fields()}
         if {w.peer_id for w in self._workers()} != set(plan.peers) - {self.node.peer_id}:
             self._schedule_replan()  # peers came or went while this plan was being shipped
 
@@ -703,9 +706,13 @@ class SwarmRoles:
         backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.engine_ffn)
         self.api = ApiServer.for_swarm_key(backend, self.node.swarm_key)
         Dashboard(self.node.status).attach(self.api)  # its page and chat on the API's server
-        self.api_port = await self.api.start(self._api_host, self._api_port_wanted,
+        self.api_port = await self.api.start(self._api_host, self._api_port_wanted, tls=self._api_tls,
                                              advertise=(self.node.peer_id, self.election.term))  # mDNS: chat finds it
-        log.info("OpenAI API on port %d", self.api_port)
+        log.info("OpenAI API on port %d (%s)", self.api_port, self.api.scheme)
+
+    def _api_fields(self) -> dict[str, Any]:
+        """Where status shows the API: its port and scheme (the local CLI connects by them)."""
+        return {"api_port": self.api_port, "api_scheme": self.api.scheme if self.api is not None else None}
 
     async def _close_api(self) -> None:
         if self.api is not None:
