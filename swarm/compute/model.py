@@ -53,12 +53,14 @@ class KVCache:
         self.k, self.v, self.capacity = new_k, new_v, capacity
 
     def reserve(self, total: int) -> None:
-        """Make room for ``total`` positions."""
+        """Make room for ``total`` positions: capacity doubles with the sequence, never past the
+        model's context (``max_position_embeddings``) unless ``total`` itself is."""
         if total > self.capacity:
             cap = max(self.capacity, 16)
             while cap < total:
                 cap *= 2
-            self._grow(cap)
+            context = getattr(self.config, "max_position_embeddings", 0) or cap
+            self._grow(max(total, min(cap, context)))
 
     def truncate(self, length: int) -> None:
         """Forget positions ``length ..`` (e.g. to re-run a suffix)."""

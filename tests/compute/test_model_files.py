@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -33,3 +34,19 @@ def test_missing_required_tensor_is_named(tiny, tmp_path, family, tensor):
     load_model(src)  # the whole checkpoint loads
     with pytest.raises(ModelFileError, match=rf"tensor '{tensor}' is missing"):
         load_model(_without(src, tmp_path / family, tensor))
+
+
+def test_kv_cache_grows_with_the_sequence_up_to_the_context(smollm2_model):
+    """Room follows the tokens written (doubling), never past the model's context."""
+    from swarm.compute.model import KVCache
+
+    c = smollm2_model.config
+    cache = smollm2_model.new_cache()
+    start = cache.capacity
+    assert start <= 256
+    smollm2_model.forward(list(range(10, 10 + start + 1)), cache, last_only=True)
+    assert cache.length == start + 1 and cache.capacity == 2 * start  # grown by what was written
+    odd = dataclasses.replace(c, max_position_embeddings=1000)  # doubling from 16 would give 1024
+    big = KVCache(odd, capacity=16)
+    big.reserve(990)
+    assert big.capacity == 1000 and big.k[0].shape == (c.n_kv_heads, 1000, c.head_dim)
