@@ -10,7 +10,13 @@ as a safetensors checkpoint, scaled to fit this machine) one run measures, in or
    plus bytes on the wire per decoded token (both directions, all links, framing included),
    the FFN's seconds per layer (the round trip: request out, worker compute, answer back,
    combine) and the links' heartbeat RTT, and whether the greedy tokens equal the local ones;
-3. recovery: a worker process is killed with SIGKILL at decode step 10; the longest stall
+3. layouts, with 2 peers: per-layer ranges, layer stages (the layers split between the two
+   peers) and the planner's own choice (``auto``: the cost model's pick), side by side, each
+   with nothing added to the link and with ``--delays`` ms added before every message the
+   coordinator sends (a bench-only link option standing in for Wi-Fi; there is no netem here):
+   decode and prefill tok/s against local, greedy tokens against local, the cost model's
+   estimates and inputs;
+4. recovery: a worker process is killed with SIGKILL at decode step 10; the longest stall
    between two tokens after it (compared with the median step) and the time until the
    coordinator's plan no longer names the dead worker.
 
@@ -20,7 +26,7 @@ real stack: aiohttp signaling, authenticated aiortc data channels, election, pla
 needed for the namespace. Bytes are counted in the coordinator by wrapping each link's
 ``channel.send`` and reassembler (a benchmark-only spy).
 
-    sudo python3 bench/swarm.py [--models smollm2,olmoe] [--tokens 32] [--prompt-tokens 128]
+    sudo python3 bench/swarm.py [--models smollm2,olmoe] [--tokens 32] [--prompt-tokens 128] [--delays 0,2,5]
 
 ``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every peer process.
 
@@ -237,7 +243,58 @@ async def _until(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: int) -> dict:
+async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, local_tokens: list[int],
+                   delays_ms: list[float]) -> dict:
+    """Ranges, stages and the planner's choice with 2 peers, at each added per-message delay."""
+    out = {}
+    for delay_ms in delays_ms:
+        for link in roles.node.links.values():
+            link.added_delay_s = delay_ms / 1e3
+        await asyncio.sleep(6 * LINK_OPTIONS["heartbeat_s"] + 1.0)  # the RTT median takes the delay in
+        row = {"link_rtt_ms": [round(1e3 * link.rtt_s, 3) for link in roles.node.links.values() if link.rtt_s]}
+        for layout in ("ranges", "stages", "auto"):
+            await _switch_layout(roles, model, prompt, layout)
+            _progress(f"{delay_ms} ms added, {layout}")
+            ffn = roles.engine_ffn
+            run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode)
+            cost = (roles.node.placement or {}).get("cost") or {}
+            entry = {
+                "decode_tok_s": run["decode_tok_s"], "prefill_tok_s": run["prefill_tok_s"],
+                "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
+                "prefill_vs_local": round(run["prefill_tok_s"] / local["prefill_tok_s"], 3),
+                "greedy_tokens_equal_local": run["tokens"] == local_tokens,
+                "stages": (roles.node.placement or {}).get("stages"),
+                "fallbacks": bool(roles.stages is not None and roles.stages.failed) or bool(roles.ffn.failed),
+            }
+            if layout == "auto":
+                entry["choice"] = cost.get("choice")
+                entry["estimates_ms"] = {e["layout"]: {"decode": round(1e3 * e["decode_s"], 2),
+                                                       "prefill": round(1e3 * e["prefill_s"], 1), "fits": e["fits"]}
+                                         for e in cost.get("estimates", ()) if e["decode_s"] != float("inf")}
+                entry["peers"] = cost.get("peers")
+            row[layout] = entry
+        row["auto_vs_ranges_decode"] = round(row["auto"]["decode_tok_s"] / row["ranges"]["decode_tok_s"], 2)
+        row["load_avg_1m"] = round(os.getloadavg()[0], 2)
+        out[f"{delay_ms:g}_ms_added"] = row
+        _progress(json.dumps({f"{delay_ms:g}_ms_added": row}))
+    for link in roles.node.links.values():
+        link.added_delay_s = 0.0
+    await asyncio.sleep(6 * LINK_OPTIONS["heartbeat_s"] + 1.0)
+    await _switch_layout(roles, model, prompt, "ranges")
+    return out
+
+
+async def _switch_layout(roles, model, prompt: list[int], layout: str) -> None:
+    """Re-plan with ``layout`` and run two steps, so the plan is in force and the caches warm."""
+    version = roles.ffn.plan.version
+    roles.set_layout(layout)
+    await _until(lambda: roles.ffn is not None and (roles.ffn._next_plan or roles.ffn.plan).version > version
+                 and not roles._replan_pending, 60, f"a plan with layout {layout}")
+    await asyncio.to_thread(run_generation, model, roles.engine_ffn, prompt[:8], 2)
+
+
+async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: int,
+                            delays_ms: list[float]) -> dict:
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
     from swarm.peer.identity import Identity
@@ -318,6 +375,9 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
                          "coordinator_share": _coordinator_share(plan)},
             })
             result[f"swarm_{n_peers}_peers"] = run
+            if n_peers == 2 and delays_ms:
+                result["layouts_2_peers"] = await _layouts(roles, model, prompt, n_decode, local, local_tokens,
+                                                           delays_ms)
 
         # Recovery: kill the last worker at decode step KILL_AT_STEP.
         victim = workers[-1]
@@ -409,6 +469,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-peers", type=int, default=3)
+    parser.add_argument("--delays", default="0,2,5",
+                        help="ms added before each message the coordinator sends, for the layouts phase ('' skips it)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
     parser.add_argument("--_coordinator", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
@@ -427,7 +489,8 @@ def main() -> None:
         asyncio.run(_worker_main(args._worker, args.signal, args.key, args.name))
         return
     if args._coordinator:
-        out = asyncio.run(_coordinator_main(args._coordinator, args.prompt_tokens, args.tokens, args.max_peers))
+        delays = [float(d) for d in args.delays.split(",") if d.strip()]
+        out = asyncio.run(_coordinator_main(args._coordinator, args.prompt_tokens, args.tokens, args.max_peers, delays))
         print(json.dumps(out))
         return
     results = {
@@ -441,7 +504,7 @@ def main() -> None:
         t0 = time.monotonic()
         results["models"][name] = _in_netns(
             ["--_coordinator", str(path), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
-             "--max-peers", str(args.max_peers)], args.timeout)
+             "--max-peers", str(args.max_peers), "--delays", args.delays], args.timeout)
         results["models"][name]["bench_wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(results, indent=2))
 

@@ -123,3 +123,30 @@ def test_a_stage_peer_lost_at_token_10_changes_no_token(tmp_path):
     assert run[0] == ref[0]
     assert failed == {layout.stages[1].peer}
     assert served >= 10 and rebuilt >= len(PROMPT) + 10  # its layers' cache rebuilt on the coordinator
+
+
+def test_auto_prices_the_worker_by_its_observed_speed(tmp_path):
+    """After a run under stages, the planner's inputs carry the worker's speed as observed from
+    its answers, not the figure of its hello."""
+    model_dir = build("qwen3_moe", tmp_path)
+
+    async def main():
+        server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0])
+        try:
+            coord, worker = peers
+            await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+            await asyncio.to_thread(greedy, coord.roles.model, coord.roles.engine_ffn, PROMPT, 4)
+            version = coord.roles.ffn.plan.version
+            coord.roles.set_layout("auto")
+            await until(lambda: (coord.roles.node.placement or {}).get("cost", {}).get("mode") == "auto"
+                        and coord.roles._plan_version > version, 20, "a plan priced in auto mode")
+            return coord.roles.node.placement["cost"], worker.node.peer_id
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    cost, worker_id = run_in_netns(main, timeout_s=120, prefix="cst", address=ADDRESS)
+    (seen,) = [p for p in cost["peers"] if p["peer_id"] == worker_id]
+    assert seen["observed"] and seen["gflops"] != 1.0, cost["peers"]
+    assert cost["choice"] in ("local", "ranges", "stages")
