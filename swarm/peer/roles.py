@@ -477,6 +477,10 @@ class SwarmRoles:
         h = self.node.hello
         own = self.model.embed.nbytes + (0 if self.model.head is self.model.embed else self.model.head.nbytes)
         me = PeerCost(self.node.peer_id, max(h.memory_budget - own, 0), h.ffn_gflops)
+        mine = self.stages.local_timing.s_per_row_layer if self.stages is not None else None
+        if mine:  # our own layers' timing, in the unit the workers' answers are priced in
+            per_layer = (sum(self._costs.attn_flops) + sum(self._costs.ffn_flops)) / self._costs.n_layers
+            me = PeerCost(me.peer_id, me.memory_bytes, observed_gflops(per_layer, mine), observed=True)
         costs = []
         for w in holders:
             gflops, seen = self._speed(w.peer_id, w.ffn_speed)

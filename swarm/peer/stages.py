@@ -249,6 +249,18 @@ class _Sequence:
 
 
 @dataclass
+class LayerTiming:
+    """Seconds per row per layer of the layers run here (EWMA; None before any)."""
+
+    s_per_row_layer: float | None = None
+
+    def observe(self, elapsed_s: float, rows: int, layers: int) -> None:
+        sample = elapsed_s / max(rows * layers, 1)
+        prev = self.s_per_row_layer
+        self.s_per_row_layer = sample if prev is None else 0.8 * prev + 0.2 * sample
+
+
+@dataclass
 class _Pending:
     peer: str
     request: StageRequest
@@ -281,6 +293,7 @@ class StagedFFN:
         self.failed: set[str] = set()
         self.remote_steps = 0  # stage requests answered by peers
         self.rebuilt_positions = 0  # positions recomputed here to rebuild a failed stage's KV cache
+        self.local_timing = LayerTiming()  # the coordinator's own layers: its observed speed
         self._clock = clock
         self._ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
@@ -342,7 +355,9 @@ class StagedFFN:
         if have < start:  # a stage that moved here: rebuild its KV cache from the rows that entered it
             self.model.layers(history[have:start], cache, have, stage.start, stage.stop, self.inner)
             self.rebuilt_positions += start - have
+        t0 = self._clock()
         out = self.model.layers(history[start:], cache, start, stage.start, stage.stop, self.inner)
+        self.local_timing.observe(self._clock() - t0, out.shape[0], stage.stop - stage.start)
         seq.local[key] = history.shape[0]
         return out
 

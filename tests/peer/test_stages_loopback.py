@@ -89,7 +89,8 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
     *out, placement = run_in_netns(main, timeout_s=240, prefix="cst", address=ADDRESS)
     # what status --json shows: the stages and the cost model's inputs and prices
     assert placement["layout"] == "stages" and placement["cost"]["mode"] == "stages"
-    assert [tuple(s) for s in placement["stages"]] == [(s.peer, s.start, s.stop) for s in out[1].stages]
+    if kill_at is None:  # (after a loss the newest plan has the coordinator alone)
+        assert [tuple(s) for s in placement["stages"]] == [(s.peer, s.start, s.stop) for s in out[1].stages]
     assert {e["layout"] for e in placement["cost"]["estimates"]} >= {"ranges", "stages"}
     assert all(p["gflops"] > 0 for p in placement["cost"]["peers"])
     return out
