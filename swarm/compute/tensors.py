@@ -175,6 +175,12 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
         return t
 
+    def blocks(self, name: str) -> tuple[np.ndarray, QT, int]:
+        """Tensor ``name`` as stored: its bytes over the mapped file (uint8 ``[..., rows,
+        row_bytes]``, no copy), its type and its logical column count. ModelFileError if missing."""
+        t = self._tensor(name)
+        return t.data, t.tensor_type, t.dims[-1]
+
     def matrix(self, name: str, index: int | None = None) -> QMatrix:
         """Tensor ``name`` (2-D, or ``[index]`` of a 3-D stack) as a QMatrix over the mapped
         file: no bytes are copied or decoded. Raises ModelFileError if missing or not a matrix."""

@@ -80,8 +80,8 @@ log = logging.getLogger(__name__)
 F32 = np.float32
 
 # Deadline of one request, seconds: DEADLINE_MIN_S + RTT_FACTOR × rtt + COMPUTE_FACTOR × the
-# peer's observed seconds per row × rows. A peer's first request under a plan also pays for
-# decoding its slices from disk: FIRST_DEADLINE_S covers that.
+# peer's observed seconds per row × rows. A peer's first request under a plan that changed its
+# share also pays for fetching and decoding its new slices: FIRST_DEADLINE_S covers that.
 DEADLINE_MIN_S = 0.25
 RTT_FACTOR = 4.0
 COMPUTE_FACTOR = 4.0
@@ -100,15 +100,20 @@ class PeerTiming:
     s_per_row: float | None = None  # None until a first answer came back
     requests: int = 0
     failures: int = 0
+    fresh: bool = True  # no answer yet under its current share (its slices may still be coming)
 
     def deadline_s(self, rows: int) -> float:
-        if self.s_per_row is None:
+        if self.s_per_row is None or self.fresh:
             return FIRST_DEADLINE_S
         return DEADLINE_MIN_S + RTT_FACTOR * self.rtt_s + COMPUTE_FACTOR * self.s_per_row * rows
 
     def observe(self, elapsed_s: float, rows: int) -> None:
         sample = max(elapsed_s - self.rtt_s, 0.0) / max(rows, 1)
-        self.s_per_row = sample if self.s_per_row is None else (1 - EWMA) * self.s_per_row + EWMA * sample
+        if self.s_per_row is None:
+            self.s_per_row = sample
+        elif not self.fresh:  # a first answer under a new share includes loading it: not a compute sample
+            self.s_per_row = (1 - EWMA) * self.s_per_row + EWMA * sample
+        self.fresh = False
         self.requests += 1
 
 
@@ -122,6 +127,12 @@ class _Pending:
 
 
 Send = Callable[[str, ExpertRequest | DenseRequest], None]
+
+
+def _share(plan: Plan, peer: str) -> set[tuple[str, int, int, int]]:
+    """The spans ``plan`` gives ``peer``: what it must hold."""
+    return {(kind, layer, s.start, s.stop) for kind, table in (("e", plan.experts), ("d", plan.dense))
+            for layer, spans in table.items() for s in spans if s.peer == peer}
 
 
 class RemoteFFN:
@@ -206,6 +217,9 @@ class RemoteFFN:
         if x.dtype != F32 or x.ndim != 2:
             raise LocalProtocolError(f"ffn input must be [T, H] float32, got {x.shape} {x.dtype}")
         if layer == 0 and self._next_plan is not None:
+            for peer in self._next_plan.peers:  # a changed share means new slices to load first
+                if _share(self._next_plan, peer) != _share(self.plan, peer):
+                    self.timing.setdefault(peer, PeerTiming()).fresh = True
             self.plan, self._next_plan = self._next_plan, None
             now = self._clock()
             self.warming_until.update({p: now + s for p, s in self._next_warming.items()})

@@ -150,6 +150,58 @@ class NsProcess:
             self.popen.stdout.close()
 
 
+MOUNT_MEMORY_CGROUP = ("mount -t tmpfs cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/memory"
+                       " && mount -t cgroup -o memory memory /sys/fs/cgroup/memory")
+
+
+class MemoryCgroup:
+    """A cgroup v1 memory group ``/sys/fs/cgroup/memory/csa-<pid>-<name>`` capped at ``limit``
+    bytes, for :meth:`NetnsLab.spawn`; :meth:`close` removes it once its processes are gone."""
+
+    ROOT = Path("/sys/fs/cgroup/memory")
+
+    def __init__(self, name: str, limit: int) -> None:
+        self.path = self.ROOT / f"{PREFIX}-{os.getpid()}-{name}"
+        if not (self.ROOT / "cgroup.procs").exists():
+            raise RuntimeError(f"no cgroup v1 memory controller at {self.ROOT} (needed to cap a peer's memory)")
+        self.path.mkdir()
+        self.write("memory.limit_in_bytes", limit)
+
+    def write(self, name: str, value: int) -> None:
+        (self.path / name).write_text(str(value))
+
+    def read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def stats(self) -> dict[str, int]:
+        """Peak usage, hits of the limit and OOM kills (memory.max_usage_in_bytes, failcnt,
+        oom_control's oom_kill), in bytes and counts."""
+        oom = dict(line.split() for line in self.read("memory.oom_control").splitlines())
+        return {"limit": int(self.read("memory.limit_in_bytes")), "max_usage": int(self.read("memory.max_usage_in_bytes")),
+                "failcnt": int(self.read("memory.failcnt")), "oom_kill": int(oom.get("oom_kill", 0)),
+                "under_oom": int(oom.get("under_oom", 0))}
+
+    def close(self) -> None:
+        for _ in range(100):  # a killed process leaves its group a moment after it is reaped
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def remove_stale_cgroups() -> None:
+    """Delete ``csa-<pid>-*`` memory groups of runs that are no longer alive."""
+    with contextlib.suppress(OSError):
+        for d in MemoryCgroup.ROOT.glob(f"{PREFIX}-*-*"):
+            m = re.fullmatch(rf"{PREFIX}-(\d+)-.+", d.name)
+            if m and not pid_alive(int(m.group(1))):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+
+
 class NetnsLab:
     """N namespaces joined by a bridge; see the module docstring."""
 
@@ -204,12 +256,20 @@ class NetnsLab:
         })
         return env
 
-    def spawn(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None) -> NsProcess:
-        """Start ``python3 ARGV`` inside namespace ``i`` in its own process group."""
+    def spawn(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None,
+              cgroup: MemoryCgroup | None = None) -> NsProcess:
+        """Start ``python3 ARGV`` inside namespace ``i`` in its own process group; with ``cgroup``,
+        inside that memory cgroup from its first instruction (a shell joins it, then execs), and
+        with the cgroup v1 memory hierarchy mounted at /sys/fs/cgroup/memory as in a container
+        (``ip netns exec`` mounts a fresh /sys without it)."""
         log_path = self.workdir / f"ns{i}-{len(self.processes)}.stderr"
         stderr = open(log_path, "w")  # noqa: SIM115 - the child owns it after fork
+        command = ["ip", "netns", "exec", self.namespaces[i], sys.executable, *argv]
+        if cgroup is not None:
+            command = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.path / "cgroup.procs"),
+                       *command[:4], "sh", "-c", MOUNT_MEMORY_CGROUP + ' && exec "$@"', "sh", *command[4:]]
         popen = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespaces[i], sys.executable, *argv],
+            command,
             stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO_ROOT,
             env={**self.env(i), **(env or {})}, start_new_session=True,
         )

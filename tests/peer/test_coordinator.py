@@ -9,6 +9,7 @@ terms, lies — the tokens must not change, or ``--verify`` must stop the run.
 from __future__ import annotations
 
 import random
+import shutil
 import threading
 
 import numpy as np
@@ -272,10 +273,12 @@ SMOL_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
 
 
 @pytest.mark.slow
-def test_smollm2_dense_ranges_on_two_peers():
+def test_smollm2_dense_ranges_on_two_peers(monkeypatch):
     """The real SmolLM2 GGUF with every dense MLP split over 2 peers: the same greedy tokens as
     the unsplit engine on 3 chat prompts, logits within 1e-4 (+1e-5 relative) — and
     bit-identical to LocalFFN under the same plan."""
+    # Every answer must come from the worker: deadlines long enough for a loaded shared machine.
+    monkeypatch.setattr("swarm.peer.coordinator.DEADLINE_MIN_S", 30.0)
     from swarm.compute.default_model import default_model_path
     from swarm.compute.tokenizer import tokenizer_for
 
@@ -353,3 +356,68 @@ def test_verify_tolerates_float_reassociation_only_for_approximate_peers(checkpo
             greedy(swarm.model, swarm.ffn, n=1)
     finally:
         swarm.close()
+
+
+def _mapped_rss(path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (/proc/self/smaps)."""
+    import re
+
+    total, inside = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.slow
+def test_a_killed_workers_experts_are_read_from_the_file_and_not_kept(tmp_path):
+    """The coordinator holds its budgeted share; when the worker holding the rest dies, its rows
+    are recomputed from the coordinator's mapped file (same bits as the local run) and those
+    experts' pages leave the coordinator's resident set again."""
+    from tests.multihost.test_capacity import random_moe_gguf
+
+    path = random_moe_gguf(tmp_path / "moe.gguf", layers=2, hidden=256, experts=32, top_k=8, expert_ffn=512,
+                           heads=4, kv_heads=2)
+    model = load_model(path)
+    shape = ModelShape.from_model(model)
+    plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=1, version=1,
+                      coordinator_budget=4 * shape.expert_bytes)  # its speed would earn it 1/3: the budget wins
+    assert plan.bytes_of(COORD, shape) <= 4 * shape.expert_bytes and plan.streamed_bytes == 0
+    net = LoopbackNet()
+    failed = []
+    ffn = RemoteFFN(model, plan, net.sender(COORD), on_peer_failed=lambda p, r: failed.append(p))
+    net.attach(COORD, ffn.deliver)
+    net.on_peer_down(ffn.peer_down)
+    own = tmp_path / "worker.gguf"  # the worker's own copy: its pages are not the coordinator's
+    shutil.copy(path, own)
+    worker = Worker(W1, shape, load_model(own))
+    worker.accept_plan(plan)
+    net.attach(W1, lambda src, msg: net.send(W1, src, worker.handle(msg)))
+    try:
+        ids = list(range(3, 40))
+        cache = model.new_cache()
+        model.forward(ids[:20], cache, ffn)  # the worker answers: the coordinator reads its own share only
+        served = worker.served
+        held = _mapped_rss(path)
+        net.kill(W1)
+        ffn.peer_down(W1)
+        got = model.forward(ids[20:], cache, ffn)
+        assert failed == [W1] and ffn.local_fallbacks > 0 and worker.served == served
+        # The worker's share (~21 MiB; 17 tokens × top-8 route to nearly all of it) was read from
+        # the file and given back; what stays is the kernel's fault-around of neighbouring pages.
+        grew = _mapped_rss(path) - held
+        assert grew < 0.4 * plan.bytes_of(W1, shape), (grew, plan.bytes_of(W1, shape))
+        local = load_model(path)
+        want = local.forward(ids[20:], _prefilled(local, ids[:20]), LocalFFN(local))
+        assert np.array_equal(got, want)
+    finally:
+        net.close()
+
+
+def _prefilled(model, ids):
+    cache = model.new_cache()
+    model.forward(ids, cache, LocalFFN(model))
+    return cache
