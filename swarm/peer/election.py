@@ -15,7 +15,7 @@ no replicated state: it only runs the token loop.
   coordinator of that term, so there is at most one coordinator per term.
 * The coordinator sends a :class:`Heartbeat` every ``HEARTBEAT_S``. A follower
   that hears none for its election timeout stands as a candidate. Only peers
-  holding the whole model are *eligible* to stand.
+  holding the model file (on disk; not in memory) are *eligible* to stand.
 * Reachability is what the links say: the adapter calls :meth:`Election.heard_from`
   whenever a member's link carries anything (link heartbeats included), and every
   election message counts too. A member heard within ``REACHABLE_S`` is reachable;
