@@ -421,3 +421,26 @@ def _prefilled(model, ids):
     cache = model.new_cache()
     model.forward(ids, cache, LocalFFN(model))
     return cache
+
+
+def test_a_changed_share_gets_the_first_request_deadline_again():
+    """A worker whose share changed loads new slices before its first answer: that request gets
+    FIRST_DEADLINE_S, and its time is not taken as the peer's compute speed."""
+    from swarm.peer.coordinator import FIRST_DEADLINE_S, PeerTiming, _share
+
+    t = PeerTiming(rtt_s=0.001)
+    assert t.deadline_s(8) == FIRST_DEADLINE_S
+    t.observe(0.021, 10)  # first answer ever: ~2 ms per row
+    t.observe(0.021, 10)
+    quick = t.deadline_s(10)
+    assert quick < 1.0
+    t.fresh = True  # what RemoteFFN sets when a new plan changes this peer's spans
+    assert t.deadline_s(10) == FIRST_DEADLINE_S
+    t.observe(5.0, 10)  # loading its new slices took seconds: not its compute speed
+    assert t.deadline_s(10) == pytest.approx(quick)
+
+    shape = ModelShape(8, 16, 4, 0, (0,), ())
+    a = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0), PeerCapacity(W2, 10**9, 1.0)],
+                   term=1, version=1)
+    b = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=1, version=2)
+    assert _share(a, W1) != _share(b, W1) and _share(b, W2) == set()
