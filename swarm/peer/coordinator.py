@@ -41,9 +41,10 @@ owner, who rebuilds the plan; :meth:`set_plan` takes effect at the next step
 Memory. The coordinator keeps in memory what only it needs (embeddings,
 attention, routers, norms, head) and its planned share; the rest of the file is
 mapped but untouched. Experts it computes for a failed peer (or for
-``--verify``) are read from the mapping and their pages dropped from the process
-right after (:func:`swarm.peer.memory.release_pages`), so a fault does not leave
-another peer's share resident here.
+``--verify``), and its own experts beyond its budget when the swarm holds too
+little (``plan.streamed_bytes``), are read from the mapping and their pages
+dropped from the process right after (:func:`swarm.peer.memory.release_pages`),
+so neither a fault nor a shortfall grows its resident set past its share.
 
 Warm-up. A peer that was just shipped its slices (a browser peer pulls and
 uploads them to its GPU after the plan arrives) may answer "no such weights" for
@@ -178,6 +179,7 @@ class RemoteFFN:
         self.warming_until: dict[str, float] = {}  # peer → clock time its warm-up window ends
         self.approximate: set[str] = set()  # peers verified within a tolerance, not bit for bit
         self._dense_slices: dict[tuple[int, int, int], object] = {}
+        self._streamed = self._streamed_experts(plan)
 
     # ----------------------------------------------------------- event-loop side
     def deliver(self, peer: str, msg: ExpertAnswer | DenseAnswer | Error) -> None:
@@ -225,6 +227,7 @@ class RemoteFFN:
             self.warming_until.update({p: now + s for p, s in self._next_warming.items()})
             self.failed.clear()
             self._dense_slices.clear()
+            self._streamed = self._streamed_experts(self.plan)
         if self.model.is_moe_layer(layer):
             return self._moe(layer, x)
         return self._dense(layer, x)
@@ -359,12 +362,25 @@ class RemoteFFN:
             outputs.update(remote)
         return combine(T, H, routing, outputs, shared=shared)
 
+    def _streamed_experts(self, plan: Plan) -> frozenset[tuple[int, int]]:
+        """Our experts beyond our budget (``plan.streamed_bytes``, the last ones in layer order):
+        read from the file at each use, not kept."""
+        left, out = plan.streamed_bytes, set()
+        for layer in sorted(plan.experts, reverse=True):
+            span = plan.expert_span(layer, plan.coordinator)
+            for e in range(span.stop - 1, span.start - 1, -1) if span else ():
+                if left <= 0:
+                    return frozenset(out)
+                out.add((layer, e))
+                left -= self.model.expert_weights(layer, e).nbytes
+        return frozenset(out)
+
     def _expert(self, layer: int, e: int, rows: np.ndarray) -> np.ndarray:
-        """Expert ``e`` over ``rows`` here; an expert the plan gives another peer is read from
-        the mapped file and its pages given back after (it is not ours to keep)."""
+        """Expert ``e`` over ``rows`` here; an expert the plan gives another peer, or one of ours
+        beyond our budget, is read from the mapped file and its pages given back after."""
         w = self.model.expert_weights(layer, e)
         out = expert_ffn(w, rows)
-        if self.plan.expert_owner(layer, e) != self.plan.coordinator:
+        if (layer, e) in self._streamed or self.plan.expert_owner(layer, e) != self.plan.coordinator:
             for q in (w.gate, w.up, w.down):
                 release_pages(q.data)
         return out

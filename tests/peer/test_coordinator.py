@@ -444,3 +444,38 @@ def test_a_changed_share_gets_the_first_request_deadline_again():
                    term=1, version=1)
     b = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=1, version=2)
     assert _share(a, W1) != _share(b, W1) and _share(b, W2) == set()
+
+
+@pytest.mark.slow
+def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, monkeypatch):
+    """A swarm too small for the model: the coordinator computes the shortfall from its mapped
+    file at each use, with the local run's bits, and its resident set stays near its budget."""
+    monkeypatch.setattr("swarm.peer.coordinator.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
+    from tests.multihost.test_capacity import random_moe_gguf
+
+    path = random_moe_gguf(tmp_path / "moe.gguf", layers=2, hidden=256, experts=32, top_k=8, expert_ffn=1024,
+                           heads=4, kv_heads=2)
+    model = load_model(path)
+    shape = ModelShape.from_model(model)
+    budget = 4 * shape.expert_bytes
+    plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 8 * shape.expert_bytes, 1.0)], term=1,
+                      version=1, coordinator_budget=budget)
+    assert plan.streamed_bytes == shape.ffn_bytes() - 12 * shape.expert_bytes
+    own = tmp_path / "worker.gguf"
+    shutil.copy(path, own)
+    worker = Worker(W1, shape, load_model(own))
+    worker.accept_plan(plan)
+    net = LoopbackNet()
+    ffn = RemoteFFN(model, plan, net.sender(COORD))
+    net.attach(COORD, ffn.deliver)
+    net.attach(W1, lambda src, msg: net.send(W1, src, worker.handle(msg)))
+    try:
+        ids = list(range(3, 40))
+        got = model.forward(ids, model.new_cache(), ffn)
+        assert worker.served > 0 and ffn.local_fallbacks == 0
+        # Without giving pages back the ~35 MiB streamed would stay resident on top of these.
+        assert _mapped_rss(path) < shape.resident_nbytes + budget + 0.4 * plan.streamed_bytes
+        local = load_model(own)
+        assert np.array_equal(got, local.forward(ids, local.new_cache(), LocalFFN(local)))
+    finally:
+        net.close()
