@@ -326,7 +326,7 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
     server = SignalingServer(key.secret, ident.peer_id, config_dir=tmp)
     await server.start(ADDRESS, 0)
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
-                signal_url=server.url(ADDRESS), ffn_gflops=1.01, memory_budget=0, model_hash=model.content_hash(),
+                signal_url=server.url(ADDRESS), ffn_gflops=1.01, memory_budget=4 << 30, model_hash=model.content_hash(),
                 status_path=tmp / "status.json", link_options=LINK_OPTIONS)
     await node.start(timeout=30)
     roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
