@@ -9,9 +9,10 @@ mapped — nothing is expanded to float32 beyond one tile at a time.
 Numerics of :meth:`QMatrix.matmul` (``x`` float32 ``[T, cols]`` → float32 ``[T, rows]``):
 
 * **Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, T ≤ SMALL_T** (decode): a compiled block kernel (numba) dots
-  each row's blocks with float32 activations, ``d * Σ q·x (+ m * Σ x)`` per block, float32
-  accumulation. Rows are independent and each is summed in one fixed order, so the result does
-  not depend on the thread count or on which rows a call holds.
+  each row's blocks with float32 activations: every weight decoded to ``d·q + m`` in float32
+  and multiplied into one of 32 float32 lane sums per row, reduced once at the end. Rows are
+  independent and each is summed in one fixed order, so the result does not depend on the
+  thread count or on which rows a call holds.
 * **those types, T > SMALL_T** (prefill): tiles of rows are dequantized (compiled, exactly the
   values ``gguf.quants.dequantize`` gives) into a reused float32 buffer and multiplied by BLAS.
 * **F32**: BLAS on the mapped matrix directly.
@@ -57,7 +58,7 @@ class QMatrix:
     Raises ValueError when the byte count does not fit the shape and encoding.
     """
 
-    __slots__ = ("data", "qtype", "cols")
+    __slots__ = ("data", "qtype", "cols", "_kind")
 
     def __init__(self, data: np.ndarray, qtype: QT, cols: int):
         qtype = QT(qtype)
@@ -72,6 +73,7 @@ class QMatrix:
             data = data.view()
             data.flags.writeable = False
         self.data, self.qtype, self.cols = data, qtype, int(cols)
+        self._kind = _KIND.get(qtype, -1)  # looked up once: matmul runs hundreds of times a token
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -153,19 +155,21 @@ class QMatrix:
         """
         if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
             raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {x.shape}")
-        T, R = x.shape[0], self.shape[0]
+        T, R = x.shape[0], self.data.shape[0]
         if out is None:
             out = np.empty((T, R), F32)
+        if T <= SMALL_T and self._kind >= 0:  # decode: the hot path, kept short
+            if not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x)
+            dst = out if out.flags.c_contiguous else np.empty((T, R), F32)
+            (_compiled or _kernels()).matmul(self._kind, self.data, x, dst)
+            if dst is not out:
+                out[...] = dst
+            return out
         if self.qtype == QT.F32:
             np.matmul(x, self.data.view(F32).T, out=out)
             return out
         x = np.ascontiguousarray(x)
-        if T <= SMALL_T and self.qtype in _KIND:
-            dst = out if out.flags.c_contiguous else np.empty((T, R), F32)
-            _kernels().matmul(_KIND[self.qtype], self.data, x, dst)
-            if dst is not out:
-                out[...] = dst
-            return out
         tile = max(16, min(R, _TILE_BYTES // (4 * self.cols)))
         buf = _tile_buffer(tile * self.cols).reshape(tile, self.cols)
         for lo in range(0, R, tile):
@@ -202,17 +206,18 @@ class _Kernels:
     launches from two threads at once (loopback peers, a coordinator answering its own rows)."""
 
     def __init__(self, module, parallel: bool):
-        self._matmul = module.matmul_parallel if parallel else module.matmul
-        self._dequant = module.dequant_parallel if parallel else module.dequant
-        self._lock = threading.Lock() if parallel else contextlib.nullcontext()
+        if parallel:
+            lock = threading.Lock()
 
-    def matmul(self, *args) -> None:
-        with self._lock:
-            self._matmul(*args)
+            def locked(kernel):
+                def run(*args):
+                    with lock:
+                        kernel(*args)
+                return run
 
-    def dequant(self, *args) -> None:
-        with self._lock:
-            self._dequant(*args)
+            self.matmul, self.dequant = locked(module.matmul_parallel), locked(module.dequant_parallel)
+        else:  # the compiled functions themselves: no wrapper on the decode path
+            self.matmul, self.dequant = module.matmul, module.dequant
 
 
 def _kernels() -> _Kernels:
