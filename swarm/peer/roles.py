@@ -493,14 +493,10 @@ class SwarmRoles:
 
     def _speed(self, peer: str, claimed: float) -> tuple[float, bool]:
         """(GFLOP/s, observed?): from its answers (stage or FFN) when it gave any, else its hello's figure."""
-        lay = self.stages.layout if self.stages is not None else None
-        timing = self.stages.timing.get(peer) if self.stages is not None else None
-        stage = next((s for s in lay.stages if s.peer == peer), None) if lay else None
-        if stage is not None and timing is not None:
-            flops = sum(self._costs.attn_flops[i] + self._costs.ffn_flops[i] for i in range(stage.start, stage.stop))
-            seen = observed_gflops(flops, timing.s_per_row)
-            if seen is not None:
-                return seen, True
+        timing = self.stages.layer_timing.get(peer) if self.stages is not None else None
+        if timing is not None and timing.s_per_row_layer:
+            per_layer = (sum(self._costs.attn_flops) + sum(self._costs.ffn_flops)) / self._costs.n_layers
+            return observed_gflops(per_layer, timing.s_per_row_layer), True
         timing = self.ffn.timing.get(peer) if self.ffn is not None else None
         if timing is not None and timing.s_per_row:  # its FFN answers: FLOPs of one row of its share
             c, plan = self.model.config, self.ffn.plan

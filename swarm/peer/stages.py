@@ -52,6 +52,7 @@ import numpy as np
 from swarm.compute.ffn import LocalFFN
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
 from swarm.peer.coordinator import PeerTiming
+from swarm.peer.costmodel import MESSAGE_OVERHEAD_S
 from swarm.peer.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest
 from swarm.peer.planner import Span
 
@@ -294,6 +295,7 @@ class StagedFFN:
         self.remote_steps = 0  # stage requests answered by peers
         self.rebuilt_positions = 0  # positions recomputed here to rebuild a failed stage's KV cache
         self.local_timing = LayerTiming()  # the coordinator's own layers: its observed speed
+        self.layer_timing: dict[str, LayerTiming] = {}  # each stage peer's compute, from its answers
         self._clock = clock
         self._ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
@@ -414,7 +416,12 @@ class StagedFFN:
         except RemoteProtocolError as exc:
             self._fail(stage.peer, f"malformed answer: {exc}")
             return None
-        timing.observe(self._clock() - p.sent_at, rows.shape[0])
+        elapsed = self._clock() - p.sent_at
+        timing.observe(elapsed, rows.shape[0])
+        # Its compute alone (for the planner): less the round trip and a message's fixed cost, which
+        # would otherwise make a one-row decode step look like a slow peer.
+        compute = max(elapsed - timing.rtt_s - MESSAGE_OVERHEAD_S, 0.1 * elapsed)
+        self.layer_timing.setdefault(stage.peer, LayerTiming()).observe(compute, rows.shape[0], stage.stop - stage.start)
         return msg
 
     def _fail(self, peer: str, reason: str) -> None:
