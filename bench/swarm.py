@@ -128,10 +128,13 @@ def model_path(name: str) -> Path:
 
 
 class TimedFFN:
-    """Wraps an FFN backend; sums seconds per call while ``on`` (decode steps only)."""
+    """Wraps an FFN backend; sums seconds per call while ``on`` (decode steps only; under stages,
+    only the coordinator's own layers)."""
 
     def __init__(self, inner):
         self.inner, self.on, self.calls, self.seconds = inner, False, 0, 0.0
+        if hasattr(inner, "run_layers"):  # a stage dispatch runs whole layers: forward must see it
+            self.run_layers = inner.run_layers
 
     def ffn(self, layer, x):
         t0 = time.perf_counter()
