@@ -66,11 +66,16 @@ def _hi(q):
 
 
 @intrinsic
-def _lanes(typingctx):
-    """32 float32 on the stack (not the heap): the compiler keeps them in vector registers."""
+def _stack(typingctx, n):
+    """``n`` (a constant) float32 on the stack, not the heap: the compiler keeps them in vector
+    registers. Wrap with ``carray(_stack(n), n)``."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    size = n.literal_value
+
     def codegen(context, builder, sig, args):
-        return cgutils.alloca_once(builder, ir.FloatType(), size=ir.Constant(ir.IntType(64), 32))
-    return types.CPointer(types.float32)(), codegen
+        return cgutils.alloca_once(builder, ir.FloatType(), size=ir.Constant(ir.IntType(64), size))
+    return types.CPointer(types.float32)(n), codegen
 
 
 @intrinsic
@@ -96,7 +101,7 @@ def _prefetch_ahead(w, offset, end):
 
 # How far ahead of the pair of rows being read the next bytes are prefetched: the hardware
 # prefetcher alone leaves a GEMV over a matrix that is not in cache at ~1/3 of memory speed.
-_PREFETCH_BYTES = 1024
+_PREFETCH_BYTES = 4096
 
 
 @njit(fastmath=_DOT_MATH, inline="always")
@@ -138,7 +143,7 @@ def _dot_rows(kind, w, ra, rb, x, la, lb):
     row (one per position in a block), summed once at the end: vector-wide, no per-block
     reduction. Two rows per pass share the loads of ``x`` and keep two independent chains in
     flight; a row computed alone is passed as both (same code, same bits). ``la``, ``lb``:
-    float32 [32] scratch (from :func:`_lanes`)."""
+    float32 [32] scratch (from :func:`_stack`)."""
     nb = x.shape[0] // 32
     wa = w[ra]
     wb = w[rb]
@@ -207,8 +212,8 @@ def _matmul_chunk(kind, w, x, out, c, la, lb):
 def matmul(kind, w, x, out):
     """out[t, r] = Σ_k W[r, k] x[t, k] for uint8 ``w`` [R, row_bytes], float32 ``x`` [T, K],
     ``out`` float32 [T, R] (written in place). One thread."""
-    la = carray(_lanes(), 32)
-    lb = carray(_lanes(), 32)
+    la = carray(_stack(32), 32)
+    lb = carray(_stack(32), 32)
     for c in range((w.shape[0] + _CHUNK - 1) // _CHUNK):
         _matmul_chunk(kind, w, x, out, c, la, lb)
 
@@ -217,8 +222,8 @@ def matmul(kind, w, x, out):
 def matmul_parallel(kind, w, x, out):
     """:func:`matmul` with chunks of rows spread over numba's threads (same bits)."""
     for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
-        la = carray(_lanes(), 32)
-        lb = carray(_lanes(), 32)
+        la = carray(_stack(32), 32)
+        lb = carray(_stack(32), 32)
         _matmul_chunk(kind, w, x, out, c, la, lb)
 
 

@@ -104,3 +104,21 @@ def test_bad_input_names_what_is_wrong():
         m.rows(3, 9)
     with pytest.raises(ValueError, match=r"columns 0:65 are outside 0:64"):
         m.columns(0, 65)
+
+
+@pytest.mark.parametrize("T", [1, SMALL_T, SMALL_T + 1])
+def test_strided_activations_and_outputs_give_the_same_bits(T):
+    """Views that are not C-contiguous (a column slice of activations, of an output buffer) are
+    copied or written through, not misread."""
+    cols = 128
+    m = QMatrix(encoded(QT.Q4_1, ROWS, cols, 5), QT.Q4_1, cols)
+    wide = np.random.default_rng(9).normal(size=(T, 2 * cols)).astype(F32)
+    x = wide[:, ::2]
+    assert not x.flags.c_contiguous
+    want = m.matmul(np.ascontiguousarray(x))
+    np.testing.assert_array_equal(m.matmul(x), want)
+    buf = np.full((T, ROWS + 3), np.nan, F32)
+    got = m.matmul(np.ascontiguousarray(x), out=buf[:, 3:])
+    assert got.base is buf or got is buf[:, 3:] or np.shares_memory(got, buf)
+    np.testing.assert_array_equal(buf[:, 3:], want)
+    assert np.isnan(buf[:, :3]).all()
