@@ -373,7 +373,7 @@ async def _run_peer(args: Any, console: Any) -> None:
         with console.status("looking for the swarm on this network…"):
             await node.start()
         _print_discovery_hints(console, node, key_created=created)
-        roles = await SwarmRoles.create(node, model, verify=args.verify / 100,
+        roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
                                         api_tls=False if getattr(args, "api_plain_http", False) else None)
         await roles.start()
         _print_header(console, node)
