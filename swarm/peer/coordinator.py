@@ -29,14 +29,35 @@ in BLAS, so the links keep moving while the coordinator computes its own share.
 An async forward would have meant rewriting the engine around the seam; a thread
 keeps the engine untouched and the event loop free.
 
-Failure. Every request has a deadline from the peer's measured round trip and
-its observed compute time per row. An answer that is late, lost (link down), an
-:class:`Error`, or malformed (ids, term, plan version, layer, shapes, dtype,
-non-finite values) is replaced by the coordinator computing those rows itself —
-it has the model file mapped, so the result is the same bits — and the peer is
-marked failed: no more work for it in this step, ``on_peer_failed`` tells the
-owner, who rebuilds the plan; :meth:`set_plan` takes effect at the next step
-(layer 0), never inside one.
+Failure. Every request has a deadline that follows what the peer's answers
+took (:class:`PeerTiming`): a high quantile of its recent answer times beyond its
+per-row compute, plus that compute for the request's rows, times a safety
+factor, within a floor and a ceiling. Answers that come after their deadline
+still count as observations, so on a loaded machine the deadline grows with the
+peer's real answer times instead of cutting it off. A request whose answer is
+late, lost (link down), an :class:`Error`, or malformed (ids, term, plan version,
+layer, shapes, dtype, non-finite values) is replaced by the coordinator computing
+those rows itself — it has the model file mapped, so the result is the same
+bits. The peer is marked failed (no more work in this step; ``on_peer_failed``
+tells the owner, who rebuilds the plan) for a closed link, a malformed answer or
+an Error; for lateness only after ``MISS_LIMIT`` misses with no answer within the
+ceiling in between (each miss doubles the next deadline, within the ceiling; a
+late answer within the ceiling resets the count: that peer is slow, not gone, and
+its deadline now covers it), at once when its link has been silent for
+``SILENCE_S``, or when it misses its first request under a new share.
+So a peer that stops answering stalls a generation at most ``MISS_LIMIT``
+deadlines, each at most its ceiling (``DEADLINE_MAX_S`` plus the safety factor
+times the rows' expected compute: ~6 s for decode steps), or ``FIRST_DEADLINE_S``
+right after its share changed; a closed link ends the wait at once.
+:meth:`set_plan` takes effect at the next step (layer 0), never inside one.
+
+Plan hand-over. The plan is sent on the same ordered channel before any request
+that uses it, and a worker holds requests of a plan until it has installed it, so
+requests are sent with the new plan at once. A worker that refuses one with
+``stale_term`` (it has not accepted that plan: it lost it, or refused it) is not
+failed: its rows are recomputed here, ``on_peer_not_ready`` asks the owner to send
+it the plan again, and it gets no requests of that plan except one probe every
+``NOT_READY_RETRY_S``, until an answer shows it serves the plan.
 
 Memory. The coordinator keeps in memory what only it needs (embeddings,
 attention, routers, norms, head) and its planned share; the rest of the file is
@@ -65,8 +86,9 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -80,13 +102,21 @@ log = logging.getLogger(__name__)
 
 F32 = np.float32
 
-# Deadline of one request, seconds: DEADLINE_MIN_S + RTT_FACTOR × rtt + COMPUTE_FACTOR × the
-# peer's observed seconds per row × rows. A peer's first request under a plan that changed its
-# share also pays for fetching and decoding its new slices: FIRST_DEADLINE_S covers that.
+# Deadline of one request (seconds), see PeerTiming.deadline_s: DEADLINE_SAFETY × (rtt + the
+# OVERHEAD_QUANTILE of the peer's last OVERHEAD_SAMPLES answer times beyond rtt and per-row
+# compute + per-row compute × rows), at least DEADLINE_MIN_S, doubled per miss in a row, at most
+# DEADLINE_MAX_S + DEADLINE_SAFETY × per-row compute × rows. A peer's first request under a plan
+# that changed its share also pays for fetching and decoding its new slices: FIRST_DEADLINE_S.
 DEADLINE_MIN_S = 0.25
-RTT_FACTOR = 4.0
-COMPUTE_FACTOR = 4.0
+DEADLINE_MAX_S = 2.0
+DEADLINE_SAFETY = 3.0
+OVERHEAD_QUANTILE = 0.9
+OVERHEAD_SAMPLES = 32
 FIRST_DEADLINE_S = 30.0
+MISS_LIMIT = 3  # deadlines missed in a row that mark a peer failed
+SILENCE_S = 2.5  # a peer that missed a deadline and sent nothing this long is failed at once (links beat every 1 s)
+NOT_READY_RETRY_S = 0.5  # a peer that has not accepted the plan gets one probe request this often
+LATE_KEPT_S = 60.0  # late answers are still timed this long after their request
 EWMA = 0.2  # weight of the newest sample in the per-row compute estimate
 # --verify for peers of another numeric build (WebGPU f32 kernels): float32 reassociation only.
 APPROX_RTOL = 1e-3
@@ -95,24 +125,49 @@ APPROX_ATOL = 1e-4
 
 @dataclass
 class PeerTiming:
-    """What the coordinator measured about one worker (seconds)."""
+    """What the coordinator measured about one worker (seconds).
+
+    ``s_per_row``: moving average of (answer time − RTT) / rows, the peer's speed (planner,
+    status). ``overheads``: recent answer times beyond RTT and that per-row estimate — the
+    message cost and the scheduling noise of a busy machine, which do not scale with rows;
+    their high quantile sets the deadline. Not thread-safe: RemoteFFN holds its lock.
+    """
 
     rtt_s: float = 0.002
     s_per_row: float | None = None  # None until a first answer came back
-    requests: int = 0
+    requests: int = 0  # answers timed (late ones included)
     failures: int = 0
+    misses: int = 0  # deadlines missed since its last answer within the ceiling
+    late: int = 0  # answers that came after their deadline (their rows were recomputed)
     fresh: bool = True  # no answer yet under its current share (its slices may still be coming)
+    overheads: deque = field(default_factory=lambda: deque(maxlen=OVERHEAD_SAMPLES))
+
+    def overhead_s(self) -> float:
+        """The OVERHEAD_QUANTILE of the recent overheads (0 before any)."""
+        if not self.overheads:
+            return 0.0
+        ranked = sorted(self.overheads)
+        return ranked[min(int(OVERHEAD_QUANTILE * len(ranked)), len(ranked) - 1)]
 
     def deadline_s(self, rows: int) -> float:
+        """Seconds to wait for the answer to a request of ``rows`` rows (module constants)."""
         if self.s_per_row is None or self.fresh:
             return FIRST_DEADLINE_S
-        return DEADLINE_MIN_S + RTT_FACTOR * self.rtt_s + COMPUTE_FACTOR * self.s_per_row * rows
+        expected = DEADLINE_SAFETY * (self.rtt_s + self.overhead_s() + self.s_per_row * rows)
+        return min(max(expected, DEADLINE_MIN_S) * 2.0 ** self.misses, self.ceiling_s(rows))
+
+    def ceiling_s(self, rows: int) -> float:
+        """The longest deadline for ``rows`` rows: DEADLINE_MAX_S + DEADLINE_SAFETY × their
+        expected compute (a long prefill may take long), never below DEADLINE_MIN_S."""
+        return max(DEADLINE_MAX_S + DEADLINE_SAFETY * (self.s_per_row or 0.0) * rows, DEADLINE_MIN_S)
 
     def observe(self, elapsed_s: float, rows: int) -> None:
+        """An answer to ``rows`` rows came ``elapsed_s`` after its request (in time or not)."""
         sample = max(elapsed_s - self.rtt_s, 0.0) / max(rows, 1)
         if self.s_per_row is None:
             self.s_per_row = sample
         elif not self.fresh:  # a first answer under a new share includes loading it: not a compute sample
+            self.overheads.append(max(elapsed_s - self.rtt_s - self.s_per_row * rows, 0.0))
             self.s_per_row = (1 - EWMA) * self.s_per_row + EWMA * sample
         self.fresh = False
         self.requests += 1
@@ -125,6 +180,12 @@ class _Pending:
     future: cf.Future
     sent_at: float
     deadline: float
+    first: bool = False  # the peer's first request under its share: a miss fails it at once
+
+    @property
+    def rows(self) -> int:
+        r = self.request
+        return r.rows.shape[0] if isinstance(r, ExpertRequest) else r.x.shape[0]
 
 
 Send = Callable[[str, ExpertRequest | DenseRequest], None]
@@ -143,7 +204,10 @@ class RemoteFFN:
     the placement (``plan.coordinator`` is us); ``send``: thread-safe, non-blocking
     hand-off of a request to a peer. ``verify``: share of remote answers (0..1)
     recomputed locally. ``on_peer_failed(peer, reason)`` is called (from the
-    token-loop thread) once per failed peer.
+    token-loop thread) once per failed peer; ``on_peer_not_ready(peer, reason)`` once per
+    plan a peer refused as not accepted yet (the owner sends it the plan again).
+    ``heard(peer)``: ``clock`` time of the last byte received from ``peer`` (None: unknown),
+    so that a silent peer is failed at its first miss.
     """
 
     def __init__(
@@ -155,6 +219,8 @@ class RemoteFFN:
         verify: float = 0.0,
         rng: random.Random | None = None,
         on_peer_failed: Callable[[str, str], None] | None = None,
+        on_peer_not_ready: Callable[[str, str], None] | None = None,
+        heard: Callable[[str], float | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= verify <= 1.0:
@@ -164,6 +230,9 @@ class RemoteFFN:
         self.send = send
         self.verify = verify
         self.on_peer_failed = on_peer_failed
+        self.on_peer_not_ready = on_peer_not_ready
+        self.heard = heard
+        self.not_ready: dict[str, tuple[int, int, float]] = {}  # peer → (term, version, next probe time)
         self.timing: dict[str, PeerTiming] = {}
         self.failed: set[str] = set()  # peers given no more work until a new plan
         self.verified = 0  # remote answers recomputed and found equal
@@ -173,6 +242,7 @@ class RemoteFFN:
         self._clock = clock
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
+        self._late: dict[int, _Pending] = {}  # requests past their deadline, still timed if answered
         self._lock = threading.Lock()
         self._next_plan: Plan | None = None
         self._next_warming: dict[str, float] = {}
@@ -187,7 +257,17 @@ class RemoteFFN:
         with self._lock:
             p = self._pending.get(msg.request_id)
             if p is None or p.peer != peer:
-                return  # late answer to a request already recomputed, or a forged id
+                late = self._late.get(msg.request_id)
+                if late is not None and late.peer == peer:  # recomputed already, but its time counts
+                    del self._late[msg.request_id]
+                    if isinstance(msg, (ExpertAnswer, DenseAnswer)):
+                        timing = self.timing.setdefault(peer, PeerTiming())
+                        elapsed = self._clock() - late.sent_at
+                        if elapsed <= timing.ceiling_s(late.rows):
+                            timing.misses = 0  # slow, not gone: its deadline now covers this
+                        timing.observe(elapsed, late.rows)
+                        timing.late += 1
+                return  # otherwise a forged id, or one already given up on
             del self._pending[msg.request_id]
         if not p.future.done():
             p.future.set_result(msg)
@@ -197,13 +277,15 @@ class RemoteFFN:
         with self._lock:
             lost = [rid for rid, p in self._pending.items() if p.peer == peer]
             pending = [self._pending.pop(rid) for rid in lost]
+            self._late = {rid: p for rid, p in self._late.items() if p.peer != peer}
         for p in pending:
             if not p.future.done():
                 p.future.set_exception(ConnectionError(reason))
 
     def set_rtt(self, peer: str, rtt_s: float) -> None:
         """Measured link round trip of ``peer`` (from the link's heartbeats)."""
-        self.timing.setdefault(peer, PeerTiming()).rtt_s = float(rtt_s)
+        with self._lock:
+            self.timing.setdefault(peer, PeerTiming()).rtt_s = float(rtt_s)
 
     def set_plan(self, plan: Plan, warming: dict[str, float] | None = None) -> None:
         """Use ``plan`` from the next step on (applied at layer 0, never inside a step).
@@ -226,6 +308,8 @@ class RemoteFFN:
             now = self._clock()
             self.warming_until.update({p: now + s for p, s in self._next_warming.items()})
             self.failed.clear()
+            for t in self.timing.values():
+                t.misses = 0
             self._dense_slices.clear()
             self._streamed = self._streamed_experts(self.plan)
         if self.model.is_moe_layer(layer):
@@ -233,15 +317,25 @@ class RemoteFFN:
         return self._dense(layer, x)
 
     def _remote(self, peer: str) -> bool:
-        return peer != self.plan.coordinator and peer not in self.failed
+        if peer == self.plan.coordinator or peer in self.failed:
+            return False
+        held = self.not_ready.get(peer)
+        if held is None:
+            return True
+        term, version, probe_at = held
+        if (term, version) != (self.plan.term, self.plan.version):
+            del self.not_ready[peer]  # a newer plan: sent to it before this step's requests
+            return True
+        return self._clock() >= probe_at
 
     def _dispatch(self, peer: str, make: Callable[[int], ExpertRequest | DenseRequest], rows: int) -> _Pending:
         rid = next(self._ids) & 0xFFFF_FFFF or next(self._ids)
         req = make(rid)
         now = self._clock()
-        timing = self.timing.setdefault(peer, PeerTiming())
-        p = _Pending(peer, req, cf.Future(), now, now + timing.deadline_s(rows))
         with self._lock:
+            timing = self.timing.setdefault(peer, PeerTiming())
+            wait = timing.deadline_s(rows)
+            p = _Pending(peer, req, cf.Future(), now, now + wait, first=timing.fresh or timing.s_per_row is None)
             self._pending[rid] = p
         try:
             self.send(peer, req)
@@ -256,14 +350,15 @@ class RemoteFFN:
         try:
             msg = p.future.result(timeout=max(p.deadline - self._clock(), 0.0))
         except cf.TimeoutError:
-            with self._lock:
-                self._pending.pop(p.request.request_id, None)
-            self._fail(p.peer, f"no answer within {p.deadline - p.sent_at:.3f} s (layer {p.request.layer})")
+            self._missed(p)
             return None
         except ConnectionError as exc:
             self._fail(p.peer, str(exc))
             return None
         if isinstance(msg, Error):
+            if msg.code == "stale_term":  # it has not accepted this plan: not ready, not failed
+                self._not_ready(p, msg)
+                return None
             if self._clock() < self.warming_until.get(p.peer, 0.0):
                 self.local_fallbacks += 1  # still installing its slices: not a failure
                 return None
@@ -274,15 +369,54 @@ class RemoteFFN:
         except RemoteProtocolError as exc:
             self._fail(p.peer, f"malformed answer: {exc}")
             return None
-        rows = p.request.rows.shape[0] if isinstance(p.request, ExpertRequest) else p.request.x.shape[0]
-        self.timing[p.peer].observe(self._clock() - p.sent_at, rows)
-        self.remote_rows += rows
+        with self._lock:
+            timing = self.timing[p.peer]
+            timing.observe(self._clock() - p.sent_at, p.rows)
+            timing.misses = 0
+        self.not_ready.pop(p.peer, None)  # it answers under this plan: it has it
+        self.remote_rows += p.rows
         return msg
+
+    def _missed(self, p: _Pending) -> None:
+        """``p``'s deadline passed: its rows are recomputed; the peer fails only when that is
+        no longer chance (module docstring). Its answer, should it come, is still timed."""
+        now = self._clock()
+        with self._lock:
+            if self._pending.pop(p.request.request_id, None) is not None:
+                self._late[p.request.request_id] = p
+            self._late = {rid: q for rid, q in self._late.items() if now - q.sent_at < LATE_KEPT_S}
+            timing = self.timing.setdefault(p.peer, PeerTiming())
+            timing.misses += 1
+            misses = timing.misses
+        heard = self.heard(p.peer) if self.heard is not None else None
+        silent = heard is not None and now - heard > SILENCE_S
+        what = f"no answer within {p.deadline - p.sent_at:.3f} s (layer {p.request.layer})"
+        if p.first or misses >= MISS_LIMIT or silent:
+            why = ("its first request under this share" if p.first else
+                   f"nothing heard for {now - heard:.1f} s" if silent else f"{misses} misses in a row")
+            self._fail(p.peer, f"{what}; {why}")
+            return
+        self.local_fallbacks += 1
+        log.info("peer %s: %s, miss %d of %d in a row; its rows recomputed here", p.peer, what, misses, MISS_LIMIT)
+
+    def _not_ready(self, p: _Pending, msg: Error) -> None:
+        """``p.peer`` refused ``p`` for not serving its plan: recompute, hold its requests of this
+        plan but for a probe now and then, and have the owner send it the plan again."""
+        self.local_fallbacks += 1
+        req = p.request
+        first = self.not_ready.get(p.peer, (0, 0, 0.0))[:2] != (req.term, req.plan_version)
+        self.not_ready[p.peer] = (req.term, req.plan_version, self._clock() + NOT_READY_RETRY_S)
+        if first:
+            reason = f"has not accepted plan v{req.plan_version} of term {req.term} yet: {msg.message}"
+            log.info("peer %s %s; its rows are recomputed here until it has", p.peer, reason)
+            if self.on_peer_not_ready is not None:
+                self.on_peer_not_ready(p.peer, reason)
 
     def _fail(self, peer: str, reason: str) -> None:
         self.local_fallbacks += 1
-        t = self.timing.setdefault(peer, PeerTiming())
-        t.failures += 1
+        with self._lock:
+            t = self.timing.setdefault(peer, PeerTiming())
+            t.failures += 1
         if peer in self.failed:
             return
         self.failed.add(peer)

@@ -17,7 +17,8 @@ wants sent. Its outcome switches this peer's role:
   rebuilt and sent, and RemoteFFN switches to it at the next step. A failed
   peer that is reachable again gets work back after ``READMIT_S`` (checked on
   a timer: a stalled peer's link never goes down, so no event says it is back). Peers that
-  join get work from the next plan the same way.
+  join get work from the next plan the same way. A worker that refuses a request as not
+  serving its plan (``stale_term``) keeps its place and is sent the plan again.
 * **worker** — accepts the coordinator's plans and serves its FFN requests with a
   :class:`~swarm.peer.worker.Worker`, in one compute thread, off the event loop.
 
@@ -590,7 +591,8 @@ class SwarmRoles:
         if self.election.role is not el.Role.LEADER or self.election.term != term:
             return  # deposed while announcing
         self.ffn = RemoteFFN(self.model, plan, self._send_threadsafe, verify=self.verify,
-                             on_peer_failed=self._peer_failed_threadsafe)
+                             on_peer_failed=self._peer_failed_threadsafe,
+                             on_peer_not_ready=self._peer_not_ready_threadsafe, heard=self._last_heard)
         for peer, link in self.node.links.items():
             if link.rtt_s:
                 self.ffn.set_rtt(peer, link.rtt_s)
@@ -644,6 +646,29 @@ class SwarmRoles:
 
     def _peer_failed_threadsafe(self, peer: str, reason: str) -> None:
         self._loop.call_soon_threadsafe(self._peer_failed, peer)
+
+    def _last_heard(self, peer: str) -> float | None:
+        """RemoteFFN's view of a link's liveness (monotonic s of its last inbound byte); any thread."""
+        link = self.node.links.get(peer)
+        return link.last_heard if link is not None else None
+
+    def _peer_not_ready_threadsafe(self, peer: str, reason: str) -> None:
+        self._loop.call_soon_threadsafe(lambda: self._spawn(self._resend_plan(peer), "resend-plan"))
+
+    async def _resend_plan(self, peer: str) -> None:
+        """``peer`` refused a request of the plan in use as not accepted (it lost or refused the
+        plan): send it that plan again, with its slices' offer if it has no model. Not when a
+        newer plan is on its way: it has that one, and the old one would be refused as stale."""
+        link, ffn = self.node.links.get(peer), self.ffn
+        if link is None or ffn is None or ffn._next_plan is not None:
+            return
+        if link.hello.model_hash is None:
+            try:
+                await self._shipper.offer_plan(link, ffn.plan)
+            except SwarmError as exc:
+                log.warning("could not offer slices to %s: %s", peer, exc)
+                return
+        await self._send(link, ffn.plan.to_message())
 
     def _peer_failed(self, peer: str) -> None:
         self._failed_at[peer] = time.monotonic()
@@ -727,6 +752,8 @@ class SwarmRoles:
             self.election.check_term(msg.term, time.monotonic())
             if link.peer_id != self.election.leader and msg.term == self.election.term and self.election.leader:
                 raise StaleTermError(f"plan from {link.peer_id}, but {self.election.leader} coordinates term {msg.term}")
+            if self.worker is not None and self.worker.serves(msg.term, msg.version):
+                return  # sent again (the coordinator saw a request of it refused): nothing new
             if self.model is None:
                 await self._fetch_slices(link, msg)
             plan = Plan.from_message(msg, link.peer_id, self.shape)

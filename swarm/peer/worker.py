@@ -99,6 +99,11 @@ class Worker:
             self._experts = {k: v for k, v in self._experts.items() if k in keep_e}
             self._dense = {k: v for k, v in self._dense.items() if k in keep_d}
 
+    def serves(self, term: int, version: int) -> bool:
+        """True when requests of plan ``version`` of ``term`` are answered (it was accepted)."""
+        with self._lock:
+            return (term, version) in self._plans
+
     def prepare(self) -> int:
         """Materialise every slice of the current plan now; returns their bytes."""
         plan = self.plan

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,7 +38,9 @@ def checkpoints(tmp_path_factory):
 class InProcSwarm:
     """A coordinator and workers over a LoopbackNet; each peer loads its own model copy."""
 
-    def __init__(self, path, n_workers: int, *, tamper=None, verify: float = 0.0):
+    def __init__(self, path, n_workers: int, *, tamper=None, verify: float = 0.0, slow=None, unplanned=()):
+        """``slow(peer, request)``: seconds that worker waits before answering (its compute thread
+        busy or descheduled); ``unplanned``: workers the first plan never reaches."""
         self.model = load_model(path)
         self.shape = ModelShape.from_config(self.model.config)
         self.ids = [W1, W2][:n_workers]
@@ -50,9 +53,10 @@ class InProcSwarm:
         self.net.attach(COORD, self.ffn.deliver)
         self.net.on_peer_down(self.ffn.peer_down)
         self.workers = {w: Worker(w, self.shape, load_model(path)) for w in self.ids}
+        self.slow = slow
         for w, worker in self.workers.items():
             self.net.attach(w, self._worker_handler(w, worker))
-        self.announce(self.plan)
+        self.announce(self.plan, [w for w in self.ids if w not in unplanned])
 
     def _worker_handler(self, w, worker):
         def handle(src, msg):
@@ -60,12 +64,14 @@ class InProcSwarm:
                 case M.Plan():
                     worker.accept_plan(Plan.from_message(msg, src, self.shape))
                 case M.ExpertRequest() | M.DenseRequest():
+                    if self.slow is not None:
+                        time.sleep(self.slow(w, msg))
                     self.net.send(w, src, worker.handle(msg))
         return handle
 
-    def announce(self, plan: Plan) -> None:
-        """Send the plan to every worker (ordered before any request that uses it)."""
-        for w in self.ids:
+    def announce(self, plan: Plan, to=None) -> None:
+        """Send the plan to every worker (or those of ``to``), ordered before any request that uses it."""
+        for w in self.ids if to is None else to:
             try:
                 self.net.send(COORD, w, plan.to_message())
             except ConnectionError:
@@ -479,3 +485,116 @@ def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, 
         assert np.array_equal(got, local.forward(ids, local.new_cache(), LocalFFN(local)))
     finally:
         net.close()
+
+
+# ------------------------------------------------------------------ deadlines and plan hand-over
+STEADY_DELAY_S = 0.6  # each answer of the slow worker: more than the old fixed deadline allowed
+
+
+@pytest.mark.slow
+def test_a_slow_but_steady_worker_is_never_marked_down(checkpoints):
+    """Every answer of the worker comes STEADY_DELAY_S late (a busy machine): its deadline
+    follows its observed answer times, so it keeps its share and its answers are used."""
+    from swarm.peer.coordinator import MISS_LIMIT
+
+    swarm = InProcSwarm(checkpoints["qwen3_moe"], 1, slow=lambda w, msg: STEADY_DELAY_S)
+    try:
+        assert_same(greedy(swarm.model, swarm.ffn, n=3), local_reference(swarm, n=3))
+        t = swarm.ffn.timing[W1]
+        assert not swarm.failed and swarm.ffn.failed == set()
+        assert t.misses < MISS_LIMIT and swarm.ffn.remote_rows > 0
+        assert t.deadline_s(1) > STEADY_DELAY_S  # learned, where a fixed 0.25 s floor was not
+    finally:
+        swarm.close()
+
+
+def test_one_late_answer_is_recomputed_and_the_worker_kept(checkpoints):
+    """One answer comes after its deadline (a scheduling hiccup): those rows are recomputed, the
+    tokens do not change, the peer keeps its share, and the late answer's time is learned."""
+    swarm = None
+    seen = []
+
+    def slow(w, msg):
+        seen.append(msg.request_id)
+        if len(seen) != 8:  # the 8th request: past the prefill, the deadline is a learned one
+            return 0.0
+        with swarm.ffn._lock:
+            p = swarm.ffn._pending[msg.request_id]
+        return p.deadline - p.sent_at + 0.2
+
+    swarm = InProcSwarm(checkpoints["qwen3_moe"], 1, slow=slow)
+    try:
+        assert_same(greedy(swarm.model, swarm.ffn, n=6), local_reference(swarm, n=6))
+        assert not swarm.failed and swarm.ffn.local_fallbacks >= 1
+        t0 = time.monotonic()
+        while swarm.ffn.timing[W1].late < 1:  # the late answer is still timed when it comes
+            assert time.monotonic() - t0 < 30, "the late answer was never timed"
+            time.sleep(0.05)
+        assert swarm.workers[W1].served == len(seen)
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize("silent", [False, True], ids=["link-open", "link-silent"])
+def test_a_worker_that_stops_answering_is_recomputed_within_the_bound(checkpoints, silent):
+    """A worker stops answering at decode step 2 (hung: its link stays open). Its rows are
+    recomputed, the tokens do not change, and it is marked down after MISS_LIMIT misses —
+    at the first when its link is silent too — each wait within the deadline's ceiling."""
+    from swarm.peer.coordinator import MISS_LIMIT
+
+    hung = threading.Event()
+    tamper = rewrite_answers(W1, lambda msg: None if hung.is_set() else msg)
+    swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=tamper)
+    if silent:
+        swarm.ffn.heard = lambda p: time.monotonic() - (60.0 if p == W1 and hung.is_set() else 0.0)
+    try:
+        got = greedy(swarm.model, swarm.ffn, n=5, on_step=lambda step: step == 2 and hung.set())
+        assert_same(got, local_reference(swarm, n=5))
+        assert [p for p, _ in swarm.failed] == [W1]
+        reason = swarm.failed[0][1]
+        assert ("nothing heard" in reason) if silent else (f"{MISS_LIMIT} misses" in reason), reason
+        missed = [p for p in swarm.ffn._late.values() if p.peer == W1]
+        assert len(missed) == (1 if silent else MISS_LIMIT)
+        t = swarm.ffn.timing[W1]
+        for p in missed:  # no wait beyond the ceiling: the bound is MISS_LIMIT × ceiling
+            assert p.deadline - p.sent_at <= t.ceiling_s(p.rows)
+        assert swarm.workers[W2].served > 0 and W2 not in swarm.ffn.failed
+    finally:
+        swarm.close()
+
+
+def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, monkeypatch):
+    """The plan never reached W1: its refusal (stale_term, no plan yet) is not a failure. Its
+    rows are recomputed, it gets no more requests of that plan but a probe now and then, it is
+    sent the plan again, and once it has it, it computes its share."""
+    import swarm.peer.coordinator as C
+
+    refusals, resent = [], []
+
+    def count_refusals(src, dst, data):
+        msg = M.decode(data)
+        if src == W1 and isinstance(msg, M.Error):
+            refusals.append(msg.code)
+        return data
+
+    swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=count_refusals, unplanned=(W1,))
+
+    def send_again(peer, reason):  # what the coordinator's owner does
+        resent.append((peer, reason))
+        swarm.announce(swarm.ffn.plan, [peer])
+
+    swarm.ffn.on_peer_not_ready = send_again
+    try:
+        monkeypatch.setattr(C, "NOT_READY_RETRY_S", 3600.0)  # no probe in this phase
+        assert_same(greedy(swarm.model, swarm.ffn, n=3), local_reference(swarm, n=3))
+        assert not swarm.failed and W1 in swarm.ffn.plan.workers()
+        assert refusals == ["stale_term"] and [p for p, _ in resent] == [W1]  # held after one refusal
+        assert "no plan yet" in resent[0][1]
+        assert swarm.workers[W1].served == 0 and swarm.workers[W2].served > 0
+        monkeypatch.setattr(C, "NOT_READY_RETRY_S", 0.0)  # the next request probes it
+        swarm.ffn.not_ready[W1] = (*swarm.ffn.not_ready[W1][:2], 0.0)
+        assert_same(greedy(swarm.model, swarm.ffn, n=3), local_reference(swarm, n=3))
+        assert swarm.workers[W1].served > 0 and W1 not in swarm.ffn.not_ready and not swarm.failed
+        assert refusals == ["stale_term"]  # the plan sent again was there before the probe
+    finally:
+        swarm.close()

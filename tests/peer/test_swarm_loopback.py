@@ -52,7 +52,8 @@ class Peer:
         self.node, self.roles = node, roles
 
     async def stop(self):
-        await self.roles.stop()
+        if self.roles is not None:
+            await self.roles.stop()
         await self.node.stop()
 
 
@@ -74,6 +75,12 @@ async def start_swarm(tmp_path, model_dir, gflops: list[float], with_model: list
         await roles.start()
         peers.append(Peer(node, roles))
     return server, peers
+
+
+async def stop_swarm(server, peers) -> None:
+    for p in peers:
+        await p.stop()
+    await server.stop()
 
 
 def agreed(peers) -> str | None:
@@ -126,9 +133,7 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
             run3 = await asyncio.to_thread(greedy, peers[1].roles.model, peers[1].roles.ffn)
             return run1, plan1, served1, run2, took, run3
         finally:
-            for p in peers:
-                await p.stop()
-            await server.stop()
+            await stop_swarm(server, peers)
 
     run1, plan1, served1, run2, took, run3 = run_in_netns(main, timeout_s=240, prefix="csc", address=ADDRESS)
     model = load_model(model_dir)
@@ -140,6 +145,48 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
     assert run2[0] == ref[0]  # a worker lost mid-generation: same tokens
     assert took <= 5.0, f"new coordinator after {took:.2f} s"
     assert run3[0] == ref[0]  # the new coordinator's swarm of one gives the same tokens
+
+
+def test_a_worker_that_missed_its_plan_is_sent_it_again_and_not_marked_down(tmp_path):
+    """A peer's link is up (so the coordinator plans it in and sends it the plan) before its roles
+    handle plans, as while a slow tokenizer is built: the plan finds no handler. Its first
+    request is refused as "no plan yet"; that is not a failure: the coordinator recomputes those
+    rows, sends it the plan again, and it then computes its share. The tokens are the local run's."""
+    model_dir = build("qwen3_moe", tmp_path)
+
+    async def main():
+        server, peers = await start_swarm(tmp_path, model_dir, [2.0])
+        coord = peers[0]
+        try:
+            await until(lambda: coord.roles.ffn is not None, 20, "a coordinator")
+            ident, model = Identity.generate(), load_model(model_dir)
+            node = Node(swarm_key=coord.node.swarm_key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                        name="late-roles", signal_url=server.url(ADDRESS), ffn_gflops=1.0, memory_budget=1 << 30,
+                        model_hash=model.content_hash(), status_path=tmp_path / "status-late.json",
+                        link_options=FAST_LINKS)
+            await node.start(timeout=10)
+            late = Peer(node, None)
+            peers.append(late)
+            ffn = coord.roles.ffn
+            await until(lambda: ident.peer_id in (ffn._next_plan or ffn.plan).workers(), 20, "the peer planned in")
+            await asyncio.sleep(0.5)  # the plan has reached its link by now, with no handler for it
+            late.roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
+            await late.roles.start()
+            assert late.roles.worker.plan is None  # the plan was lost, as in the fault this guards
+            runs, t0 = [], time.monotonic()
+            while late.roles.worker.served == 0:  # requests of the plan are held but for a probe now and then
+                assert time.monotonic() - t0 < 30, "the peer never got its plan again"
+                runs.append(await asyncio.to_thread(greedy, coord.roles.model, ffn, PROMPT, 4))
+            marked = [e for e in coord.node.activity if e["what"] == "marked down"]
+            return runs, ffn.plan, marked, set(ffn.failed), late.roles.worker.served
+        finally:
+            await stop_swarm(server, peers)
+
+    runs, plan, marked, failed, served = run_in_netns(main, timeout_s=120, prefix="csc", address=ADDRESS)
+    model = load_model(model_dir)
+    ref = greedy(model, LocalFFN(model, plan.dense_ranges()), PROMPT, 4)
+    assert all(run[0] == ref[0] for run in runs)
+    assert not marked and not failed and served > 0
 
 
 def test_a_worker_without_the_model_gets_its_slices_shipped(tmp_path, monkeypatch):
@@ -155,9 +202,7 @@ def test_a_worker_without_the_model_gets_its_slices_shipped(tmp_path, monkeypatc
             worker = peers[1].roles.worker
             return run, ffn.plan, worker.served, type(worker.source).__name__, ffn.local_fallbacks
         finally:
-            for p in peers:
-                await p.stop()
-            await server.stop()
+            await stop_swarm(server, peers)
 
     run, plan, served, source, fallbacks = run_in_netns(main, timeout_s=120, prefix="csc", address=ADDRESS)
     model = load_model(model_dir)
