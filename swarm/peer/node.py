@@ -139,6 +139,8 @@ class Node:
         # What the roles measured (JSON-able dict, e.g. per-peer timings), merged into status() as "observed".
         self.observed: Callable[[], dict[str, Any]] = dict
         self.activity: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)  # see record()
+        # peer id → (name, kind) from its presence and hello, kept after it leaves: events name it
+        self.known: dict[str, tuple[str, str]] = {}
         self.hello = Hello(
             peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=numeric_build(), model_hash=model_hash,
             memory_budget=default_memory_budget() if memory_budget is None else memory_budget,
@@ -228,17 +230,19 @@ class Node:
             case Connected(peers=peers):
                 log.info("on signaling server %s (host %s%s)", event.url, event.host,
                          ", ours" if event.hosting else "")
+                self.known.update({p.peer_id: (p.name, p.kind) for p in peers})
                 self.mesh.sync(peers)
                 self._refresh_status()
             case PeerJoined(peer=info):
+                self.known[info.peer_id] = (info.name, info.kind)
                 self.mesh.peer_joined(info)
                 self.events.put_nowait(PeerEvent("joined", info.peer_id, info.name, info.kind))
                 self.record("joined", info.peer_id, info.name, info.kind)
             case PeerLeft(peer_id=peer_id):
-                info = self.rendezvous.peers.get(peer_id)
                 self.mesh.peer_left(peer_id)
-                self.events.put_nowait(PeerEvent("left", peer_id, info.name if info else "", info.kind if info else "?"))
-                self.record("left", peer_id, info.name if info else "")
+                name, kind = self.known.get(peer_id, ("", "?"))  # the presence list has dropped it already
+                self.events.put_nowait(PeerEvent("left", peer_id, name, kind))
+                self.record("left", peer_id, name)
             case SignalReceived(sender=sender, data=data):
                 await self.mesh.handle_signal(sender, data)
             case SignalRefused(code=code, detail=detail):
@@ -246,15 +250,17 @@ class Node:
 
     def _link_up(self, link: Link) -> None:
         hello = link.hello
+        if hello is not None and link.peer_id:
+            self.known[link.peer_id] = (hello.name, hello.peer_kind)
         self.events.put_nowait(PeerEvent("link-up", link.peer_id or "?", hello.name if hello else "",
                                          hello.peer_kind if hello else "?", link.rtt_s))
         self.record("link up", link.peer_id or "?", hello.name if hello else "", hello.peer_kind if hello else "")
         self._refresh_status()
 
     def _link_down(self, peer_id: str) -> None:
-        self.events.put_nowait(PeerEvent("link-down", peer_id, "", ""))
-        info = self.rendezvous.peers.get(peer_id)
-        self.record("link down", peer_id, info.name if info else "")
+        name, kind = self.known.get(peer_id, ("", ""))
+        self.events.put_nowait(PeerEvent("link-down", peer_id, name, kind))
+        self.record("link down", peer_id, name)
         self._refresh_status()
 
     def _refresh_status(self) -> None:
@@ -370,12 +376,14 @@ async def _run_peer(args: Any, console: Any) -> None:
         loop.add_signal_handler(signal.SIGTERM, main.cancel)  # type: ignore[union-attr]
     roles = None
     try:
-        with console.status("looking for the swarm on this network…"):
-            await node.start()
-        _print_discovery_hints(console, node, key_created=created)
+        # The roles exist before the node links anyone, and start before its first link event: a
+        # plan sent to this peer while its tokenizer was being built would otherwise find no handler.
         roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
                                         api_tls=False if getattr(args, "api_plain_http", False) else None)
+        with console.status("looking for the swarm on this network…"):
+            await node.start()
         await roles.start()
+        _print_discovery_hints(console, node, key_created=created)
         _print_header(console, node)
         shown = (node.role, None)
         while True:
@@ -486,7 +494,7 @@ def _print_event(console: Any, ev: PeerEvent) -> None:
         case "link-up":
             console.print(f"[green]+[/] linked  {esc(ev.name or '?')} ({esc(ev.peer_id)}, {esc(ev.kind)})")
         case "link-down":
-            console.print(f"[red]-[/] link lost {esc(ev.peer_id)}")
+            console.print(f"[red]-[/] link lost {esc(ev.name or '?')} ({esc(ev.peer_id)})")
         case "joined":
             console.print(f"  joined  {esc(ev.name or '?')} ({esc(ev.peer_id)}, {esc(ev.kind)})")
         case "left":
