@@ -110,6 +110,7 @@ def test_a_late_stage_fails_over_too(moe_dir):
     ffn.send = hand.send
     ffn.set_rtt(W1, 0.001)
     ffn.timing[W1].s_per_row = 1e-4  # as after earlier answers: a short deadline
+    ffn.timing[W1].fresh = False
     run = greedy(model, ffn, PROMPT, 3)
     assert_same_run(run, greedy(load_model(moe_dir), None, PROMPT, 3))
     assert ffn.failed == {W1} and ffn.timing[W1].failures == 1
