@@ -55,6 +55,27 @@ def _signal_url(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _api_url(text: str) -> str:
+    """An API base URL checked as the CLI parses it: http(s), a host, a valid port; a bare
+    ``https://HOST:PORT`` gets the API's ``/v1`` path."""
+    from urllib.parse import urlsplit
+
+    form = "give it as https://HOST:PORT/v1 (or http:// for a coordinator run with --api-plain-http)"
+    try:
+        url = urlsplit(text.strip())
+        port = url.port
+    except ValueError as exc:  # a port that is not a number or out of 0-65535
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid URL ({exc}); {form}") from None
+    if url.scheme not in ("http", "https"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL; {form}")
+    if not url.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} names no host; {form}")
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} names port 0; {form}")
+    path = url.path.rstrip("/") or "/v1"
+    return f"{url.scheme}://{url.netloc}{path}"
+
+
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -73,10 +94,33 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", metavar="TEXT", help="system prompt for the chat template")
 
 
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling options of ``generate`` and ``chat``, checked before any work (one line each)."""
+    from swarm.compute.textgen import sampling_kwargs
+
+    sampling_kwargs(args)
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    if not args.prompt.strip():
+        raise SwarmError("the prompt is empty: give the text to answer, e.g. colibri-swarm generate \"Why is the "
+                         "sky blue?\"")
+    if args.local and (args.swarm or args.api):
+        raise SwarmError(f"--local runs on this machine alone; {'--swarm' if args.swarm else '--api'} asks the "
+                         "swarm: drop one of them")
+    if args.model and (args.swarm or args.api):
+        raise SwarmError(f"--model picks a model file for this machine, but {'--swarm' if args.swarm else '--api'} "
+                         "runs the swarm's own model: drop --model, or use --local --model PATH")
+    if args.raw and args.system is not None:
+        raise SwarmError("--system has no effect with --raw (no chat template is applied); drop one of them")
+    _check_sampling(args)
+
+
 def _generate(args: argparse.Namespace) -> int:
+    _check_generate(args)
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
-    if args.swarm or args.api or not (args.local or args.model or args.raw):
+    if args.swarm or args.api or not (args.local or args.model):
         from swarm.peer.client import main_generate_swarm
 
         code = main_generate_swarm(args)
@@ -94,6 +138,12 @@ def _key(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
+    if args.signal and not args.key:
+        from swarm.peer import swarmkey
+
+        if swarmkey.load() is None:  # a new key here could never join the swarm at --signal
+            raise SwarmError("--signal joins an existing swarm, whose key this machine does not have: add "
+                             "--key CODE (`colibri-swarm key` on a peer of that swarm shows it)")
     from swarm.peer.node import main_join
 
     return main_join(args)
@@ -106,6 +156,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    _check_sampling(args)
     from swarm.peer.client import main_chat
 
     return main_chat(args)
@@ -116,8 +167,15 @@ def _command(sub, name: str, text: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error on one line, as the commands' own errors are."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="colibri-swarm",
         description="Run LLMs across the devices of one LAN.",
     )
@@ -132,14 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.add_argument("--local", action="store_true", help="run on this machine only, even when a swarm is found")
     p.add_argument("--swarm", action="store_true", help="require a swarm coordinator; fail if none is found")
-    p.add_argument("--api", metavar="URL", help="the coordinator's API base URL, e.g. https://HOST:PORT/v1 "
-                   "(default: the local peer's, or found by mDNS)")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--api", metavar="URL", type=_api_url, help="the coordinator's API base URL, e.g. "
+                   "https://HOST:PORT/v1 (default: the local peer's, or found by mDNS)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template (through the swarm: its "
+                   "/v1/completions)")
     p.set_defaults(func=_generate)
 
     p = _command(sub, "chat", "chat with the swarm's coordinator (a REPL with history)")
     _add_sampling_args(p)
-    p.add_argument("--api", metavar="URL", help="the coordinator's API base URL (default: found by mDNS)")
+    p.add_argument("--api", metavar="URL", type=_api_url,
+                   help="the coordinator's API base URL, e.g. https://HOST:PORT/v1 (default: found by mDNS)")
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("join", help="make this machine a peer of the swarm on this LAN",

@@ -81,9 +81,8 @@ def lock_config_dir(directory: Path | None = None) -> Path:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = ""
-        with contextlib.suppress(OSError, ValueError):
-            holder = f" (pid {int(os.pread(fd, 32, 0).decode().strip())})"
+        pid = _lock_pid(fd)
+        holder = f" (pid {pid})" if pid else ""
         os.close(fd)
         raise IdentityInUseError(
             f"another colibri-swarm peer{holder} already runs from {directory}: one identity serves one "
@@ -96,6 +95,35 @@ def lock_config_dir(directory: Path | None = None) -> Path:
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _locks[directory] = fd
     return path
+
+
+def config_dir_holder(directory: Path | None = None) -> int | None:
+    """The pid of the process running a peer from ``directory`` (default ``config_dir()``): the
+    holder of :func:`lock_config_dir`'s lock; 0 when it holds the lock but wrote no pid (yet);
+    None when no process holds it (this process's own lock counts)."""
+    import fcntl
+
+    directory = (directory or config_dir()).resolve()
+    if directory in _locks:
+        return os.getpid()
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken only when nobody holds it exclusively
+    except BlockingIOError:
+        return _lock_pid(fd)
+    finally:
+        os.close(fd)  # also releases the probe's shared lock
+    return None
+
+
+def _lock_pid(fd: int) -> int:
+    """The pid the lock's holder wrote into the lock file; 0 when unreadable."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(os.pread(fd, 32, 0).decode().strip())
+    return 0
 
 
 def unlock_config_dir(directory: Path | None = None) -> None:

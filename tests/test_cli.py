@@ -11,11 +11,12 @@ def test_help_lists_every_command(capsys):
         assert cmd in text
 
 
-def test_bad_argument_exits_nonzero():
-    proc = subprocess.run([sys.executable, "-m", "swarm", "generate"], capture_output=True, text=True)
+def test_a_usage_error_is_one_line_with_a_hint():
+    """argparse's own errors read as the commands' checks do: one line, no usage block."""
+    proc = subprocess.run([sys.executable, "-m", "swarm", "generate"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "prompt" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == ["colibri-swarm generate: error: the following arguments are required: "
+                                        "prompt (see `colibri-swarm generate --help`)"]
 
 
 def test_version(capsys):
@@ -64,3 +65,85 @@ def test_sampling_params_refuse_a_negative_seed():
 
     with pytest.raises(ValueError, match="seed must be >= 0"):
         SamplingParams(seed=-1)
+
+
+def _run(argv, config_dir, timeout=60):
+    env = {**__import__("os").environ, "COLIBRI_SWARM_CONFIG_DIR": str(config_dir)}
+    env.pop("COLIBRI_SWARM_API_KEY", None)
+    return subprocess.run([sys.executable, "-m", "swarm", *argv], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("url, needle", [
+    ("notaurl", "is not an http(s) URL"),
+    ("ftp://10.0.0.2:8443/v1", "is not an http(s) URL"),
+    ("https://:8443/v1", "names no host"),
+    ("https://10.0.0.2:99999/v1", "is not a valid URL"),
+    ("https://10.0.0.2:port/v1", "is not a valid URL"),
+])
+def test_a_bad_api_url_is_refused_as_it_is_parsed(tmp_path, command, url, needle):
+    """Before the swarm key is looked for (this config directory has none)."""
+    argv = [command, "--api", url] + (["hi"] if command == "generate" else [])
+    proc = _run(argv, tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"colibri-swarm {command}: error: argument --api: ")
+    assert needle in lines[0] and "swarm key" not in lines[0]
+
+
+@pytest.mark.parametrize("given, url", [("https://10.0.0.2:8443", "https://10.0.0.2:8443/v1"),
+                                        ("https://10.0.0.2:8443/v1/", "https://10.0.0.2:8443/v1"),
+                                        ("http://localhost:8000/v1", "http://localhost:8000/v1")])
+def test_an_api_url_is_normalised(given, url):
+    assert build_parser().parse_args(["generate", "--api", given, "hi"]).api == url
+
+
+@pytest.fixture
+def no_key(tmp_path, monkeypatch):
+    """A config directory without a swarm key: checks that pass would end in "no swarm key"."""
+    monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path))
+    monkeypatch.delenv("COLIBRI_SWARM_API_KEY", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["chat", "--temperature", "-2"], "--temperature -2.0: must be ≥ 0"),
+    (["chat", "--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
+    (["chat", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    (["chat", "--temperature", "2.5"], "--temperature 2.5: must be ≥ 0 and ≤ 2"),
+    (["generate", "--swarm", "--temperature", "2.5", "hi"], "--temperature 2.5: must be ≥ 0 and ≤ 2"),
+    (["generate", "--swarm", ""], "the prompt is empty"),
+    (["generate", "   "], "the prompt is empty"),
+    (["generate", "--swarm", "--model", "/nonexistent.gguf", "hi"], "--model picks a model file for this machine"),
+    (["generate", "--api", "https://10.0.0.2:8443/v1", "--model", "/nonexistent.gguf", "hi"], "drop --model"),
+    (["generate", "--local", "--swarm", "hi"], "--local runs on this machine alone"),
+    (["generate", "--swarm", "--raw", "--system", "be brief", "hi"], "--system has no effect with --raw"),
+])
+def test_generate_and_chat_check_their_arguments_before_any_work(no_key, capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_the_cli_and_the_api_agree_on_the_highest_temperature():
+    from swarm.compute.textgen import MAX_TEMPERATURE, sampling_kwargs
+    from swarm.peer.api import ApiError, parse_chat_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    args = build_parser().parse_args(["chat", "--temperature", str(MAX_TEMPERATURE)])
+    assert sampling_kwargs(args)["temperature"] == MAX_TEMPERATURE
+    assert parse_chat_request({**body, "temperature": MAX_TEMPERATURE}, model_id="m", max_tokens_limit=8).temperature \
+        == MAX_TEMPERATURE
+    with pytest.raises(ApiError, match="temperature"):
+        parse_chat_request({**body, "temperature": MAX_TEMPERATURE + 0.01}, model_id="m", max_tokens_limit=8)
+
+
+def test_join_at_a_signal_address_without_that_swarms_key_is_refused(tmp_path):
+    """A new key made here could never join the swarm at --signal: no key is created, nothing is dialled."""
+    proc = _run(["join", "--signal", "10.0.0.2:8443"], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "colibri-swarm: error: --signal joins an existing swarm, whose key this machine does not have: add "
+        "--key CODE (`colibri-swarm key` on a peer of that swarm shows it)"]
+    assert not (tmp_path / "swarm.key").exists() and not any(tmp_path.iterdir())

@@ -52,3 +52,78 @@ def test_a_closed_pipe_ends_quietly(tmp_path, argv):
     os.close(write)
     assert proc.stderr.decode() == ""
     assert proc.returncode == (0 if "--help" in argv else EXIT_BROKEN_PIPE)
+
+
+def _env(config_dir: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLIBRI_SWARM_CONFIG_DIR=str(config_dir))
+    env.pop("COLIBRI_SWARM_API_KEY", None)
+    return env
+
+
+def test_a_new_key_is_refused_while_a_peer_runs_from_the_config_dir(tmp_path, monkeypatch, capsys):
+    """The running peer would go on with the old key; once it stops, --new replaces the key."""
+    from swarm.cli import main
+    from swarm.peer import swarmkey
+
+    monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path))
+    old = swarmkey.create()
+    # A real process holding the config directory's lock, as a running `join` does.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from swarm.paths import lock_config_dir; "
+                               "lock_config_dir(); print('locked', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["key", "--new"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            f"colibri-swarm: error: a colibri-swarm peer (pid {holder.pid}) runs from {tmp_path} with the current "
+            "key and would go on using it: stop that `colibri-swarm join` first, then run `colibri-swarm key --new`"]
+        assert swarmkey.load() == old
+    finally:
+        holder.communicate("", timeout=60)  # EOF on stdin: it exits and the OS drops the lock
+    assert main(["key", "--new"]) == 0
+    assert swarmkey.load() not in (None, old)
+
+
+def test_status_watch_into_a_pipe_prints_a_snapshot_per_interval(tmp_path):
+    """No terminal to redraw: plain snapshots, each with the swarm, never silence."""
+    import json
+    import threading
+    import time
+
+    from swarm.peer.node import STATUS_FILE
+
+    doc = {"pid": os.getpid(), "updated": time.time() + 3600, "swarm_id": "swarm-in-a-pipe", "peer_id": "p" * 26,
+           "name": "here", "role": "coordinator", "peers": [], "placement": None, "events": []}
+    (tmp_path / STATUS_FILE).write_text(json.dumps(doc))
+    proc = subprocess.Popen([sys.executable, "-m", "swarm", "status", "--watch"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=REPO)
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if sum("swarm-in-a-pipe" in x for x in lines) >= 2:
+                seen.set()
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(120), f"two snapshots expected, got {''.join(lines)!r}"
+    finally:
+        proc.kill()
+        proc.wait(30)
+    text = "".join(lines)
+    assert "\x1b" not in text  # plain text: no cursor movement or colours into a pipe
+    assert "this peer here (" + "p" * 26 + "), coordinator" in text
+
+
+def test_piped_chat_ends_its_output_with_a_newline(tmp_path):
+    env = _env(tmp_path)
+    env["COLIBRI_SWARM_API_KEY"] = "t" * 64
+    proc = subprocess.run([sys.executable, "-m", "swarm", "chat", "--api", "http://127.0.0.1:9/v1"], input="",
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("> \n")

@@ -22,6 +22,8 @@ from swarm.compute.sampling import SamplingParams, generate
 from swarm.compute.tokenizer import TextTokenizer, messages_from, tokenizer_for
 from swarm.errors import ContextLengthError, ModelFileError, SwarmError
 
+MAX_TEMPERATURE = 2.0  # the highest sampling temperature the CLI and the API accept (OpenAI's bound)
+
 
 @dataclass
 class GenerationStats:
@@ -142,9 +144,7 @@ def main_generate(args: argparse.Namespace) -> int:
     """
     from swarm.compute.model import load_model
 
-    params = SamplingParams(**_sampling_kwargs(args))
-    if args.raw and args.system is not None:
-        raise SwarmError("--system has no effect with --raw (no chat template is applied); drop one of them")
+    params = SamplingParams(**sampling_kwargs(args))
     path = _model_path(args.model)
     messages: Sequence[Mapping[str, Any]] | str = (
         args.prompt if args.raw else messages_from(args.prompt, system=args.system)
@@ -189,11 +189,16 @@ def _model_path(arg: str | None) -> Path:
     return path
 
 
-def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Sampling options from the CLI, checked; a bad value is a one-line error naming the flag."""
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Sampling options from the CLI (``generate`` and ``chat``), checked: keyword arguments of
+    :class:`~swarm.compute.sampling.SamplingParams`.
+
+    Raises: :class:`~swarm.errors.SwarmError`, one line naming the flag and its rule.
+    """
     checks = [
         ("--max-tokens", args.max_tokens, args.max_tokens >= 1, "must be at least 1"),
-        ("--temperature", args.temperature, args.temperature >= 0.0, "must be ≥ 0 (0 = greedy)"),
+        ("--temperature", args.temperature, 0.0 <= args.temperature <= MAX_TEMPERATURE,
+         f"must be ≥ 0 and ≤ {MAX_TEMPERATURE:g} (0 = greedy)"),
         ("--top-p", args.top_p, 0.0 < args.top_p <= 1.0, "must be in (0, 1]"),
         ("--top-k", args.top_k, args.top_k >= 0, "must be ≥ 0 (0 = all tokens)"),
     ]

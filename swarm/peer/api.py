@@ -6,6 +6,9 @@ Routes (OpenAI API reference, "Chat Completions" and "Models"):
 - ``POST /v1/chat/completions`` — ``stream: false`` answers one ``chat.completion``
   object; ``stream: true`` answers Server-Sent Events, one ``data: {chat.completion.chunk}``
   per text piece, then ``data: [DONE]``.
+- ``POST /v1/completions`` — OpenAI's legacy text completion: ``prompt`` (one string) is
+  encoded as is, without the chat template (``generate --raw``); ``text_completion`` objects,
+  streamed the same way. The other fields are those of chat completions.
 
 Authentication: ``Authorization: Bearer <token>``, where the token is the swarm key's
 ``api-token`` sub-key (:attr:`swarm.peer.swarmkey.SwarmKey.api_token`, 64 hex digits, shown by
@@ -50,7 +53,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from swarm.compute.textgen import GenerationStats, context_limit, encode_prompt, stream_reply
+from swarm.compute.textgen import MAX_TEMPERATURE, GenerationStats, context_limit, encode_prompt, stream_reply
 from swarm.errors import ChatTemplateError, ContextLengthError, LocalProtocolError, SwarmError
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ class ChatRequest:
     content parts are joined); ``temperature`` in [0, 2] (0: greedy); ``top_p`` in (0, 1];
     ``max_tokens`` ≥ 1 (``max_tokens_set``: the client chose it; else it shrinks to what the
     context leaves); ``stop``: up to 4 non-empty strings that end the reply (not included);
+    ``prompt``: the raw prompt of ``POST /v1/completions`` (then encoded as is, without the
+    chat template; ``messages`` holds it as one user message);
     ``prompt_ids``: the encoded, checked prompt once :meth:`ChatBackend.prepare` ran.
     """
 
@@ -87,6 +92,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens_set: bool = False
+    prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
 
 
@@ -196,7 +202,7 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
         messages=tuple(messages),
         model=model,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=top_k,
         seed=seed,
@@ -205,6 +211,25 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
         include_usage=bool(options.get("include_usage", False)),
         max_tokens_set=max_tokens_set,
     )
+
+
+def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
+    """Validate a ``POST /v1/completions`` body: ``prompt``, one non-empty string (or an array
+    of exactly one), and the fields of :func:`parse_chat_request`.
+
+    Raises:
+        ApiError: 400 naming the bad field, or 404 for another model id.
+    """
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError("'prompt' must be a non-empty string (one prompt per request)", param="prompt")
+    chat = parse_chat_request({**body, "messages": [{"role": "user", "content": prompt}]},
+                              model_id=model_id, max_tokens_limit=max_tokens_limit)
+    return dataclasses.replace(chat, prompt=chat.messages[0]["content"])
 
 
 # ---------------------------------------------------------------------------- backends
@@ -244,7 +269,7 @@ class EngineBackend:
 
         Raises: ContextLengthError (the numbers named), ChatTemplateError, ModelFileError.
         """
-        messages = list(request.messages)
+        messages = request.prompt if request.prompt is not None else list(request.messages)
         limit = context_limit(self.model.config)
         if request.max_tokens_set or limit is None:
             ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens)
@@ -332,6 +357,7 @@ class ApiServer:
         app[SERVER] = self
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         if self.dashboard is not None:
             self.dashboard.add_routes(app)
         return app
@@ -434,24 +460,37 @@ class ApiServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         chat = parse_chat_request(await _json_body(request), model_id=self.backend.model_id,
                                   max_tokens_limit=self.backend.max_tokens_limit)
+        return await self._answer(request, chat)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        chat = parse_completion_request(await _json_body(request), model_id=self.backend.model_id,
+                                        max_tokens_limit=self.backend.max_tokens_limit)
+        return await self._answer(request, chat)
+
+    async def _answer(self, request: web.Request, chat: ChatRequest) -> web.StreamResponse:
+        """Prepare, then answer ``chat`` as a chat completion, or a text completion when it
+        carries a raw ``prompt``; whole or streamed."""
+        param = "messages" if chat.prompt is None else "prompt"
         loop = asyncio.get_running_loop()
         try:
             chat = await loop.run_in_executor(self._prepare_executor, self.backend.prepare, chat)
         except ContextLengthError as exc:
-            raise ApiError(str(exc), param="messages", code="context_length_exceeded") from None
+            raise ApiError(str(exc), param=param, code="context_length_exceeded") from None
         except ChatTemplateError as exc:
-            raise ApiError(str(exc), param="messages") from None
-        ident = f"chatcmpl-{uuid.uuid4().hex}"
+            raise ApiError(str(exc), param=param) from None
+        ident = f"{'chatcmpl' if chat.prompt is None else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if chat.stream:
             return await self._stream(request, chat, ident, created)
         stats = GenerationStats()
         async with contextlib.aclosing(self._pieces(chat, stats)) as pieces:
             text = "".join([piece async for piece in pieces])
+        choice = ({"text": text} if chat.prompt is not None
+                  else {"message": {"role": "assistant", "content": text}})
         return web.json_response({
-            "id": ident, "object": "chat.completion", "created": created, "model": self.backend.model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": stats.finish_reason, "logprobs": None}],
+            "id": ident, "object": "chat.completion" if chat.prompt is None else "text_completion",
+            "created": created, "model": self.backend.model_id,
+            "choices": [{"index": 0, **choice, "finish_reason": stats.finish_reason, "logprobs": None}],
             "usage": _usage(stats),
         })
 
@@ -459,22 +498,26 @@ class ApiServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
+        text = chat.prompt is not None  # a text completion: its chunks carry "text", no role or delta
+        kind = "text_completion" if text else "chat.completion.chunk"
+
         def chunk(delta: dict, finish: str | None = None, **extra: Any) -> bytes:
-            obj = {"id": ident, "object": "chat.completion.chunk", "created": created,
-                   "model": self.backend.model_id,
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+            piece = {"text": delta.get("content", "")} if text else {"delta": delta}
+            obj = {"id": ident, "object": kind, "created": created, "model": self.backend.model_id,
+                   "choices": [{"index": 0, **piece, "finish_reason": finish, "logprobs": None}], **extra}
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
         stats = GenerationStats()
         try:
-            await response.write(chunk({"role": "assistant", "content": ""}))
+            if not text:
+                await response.write(chunk({"role": "assistant", "content": ""}))
             # aclosing: a client that goes away ends the generation (and frees the engine) now.
             async with contextlib.aclosing(self._pieces(chat, stats)) as pieces:
                 async for piece in pieces:
                     await response.write(chunk({"content": piece}))
             await response.write(chunk({}, stats.finish_reason))
             if chat.include_usage:
-                obj = {"id": ident, "object": "chat.completion.chunk", "created": created,
+                obj = {"id": ident, "object": kind, "created": created,
                        "model": self.backend.model_id, "choices": [], "usage": _usage(stats)}
                 await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             await response.write(b"data: [DONE]\n\n")

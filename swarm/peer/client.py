@@ -141,14 +141,17 @@ def _request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespac
 
 
 def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
-    """POST ``body`` (with ``stream: true``) and yield the reply's text pieces as they arrive.
+    """POST ``body`` (with ``stream: true``) and yield the reply's text pieces as they arrive:
+    to ``/chat/completions``, or with a raw ``prompt`` instead of ``messages`` to
+    ``/completions`` (no chat template).
 
     Raises:
         SwarmError: the API cannot be reached, refused the request (its message is passed on),
             or the generation failed midway.
     """
     data = json.dumps({**body, "stream": True}).encode()
-    req = urllib.request.Request(f"{endpoint.url}/chat/completions", data=data, method="POST", headers={
+    route = "completions" if "prompt" in body else "chat/completions"
+    req = urllib.request.Request(f"{endpoint.url}/{route}", data=data, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {endpoint.token}",
         "Accept": "text/event-stream"})
     try:
@@ -178,7 +181,7 @@ def _read_events(endpoint: Endpoint, response: Any) -> Iterator[str]:
             if "error" in event:
                 raise SwarmError(f"the swarm failed the request: {event['error'].get('message')}")
             for choice in event.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content")
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if piece:
                     yield piece
     except (OSError, http.client.HTTPException) as exc:  # the coordinator went away mid-reply
@@ -186,14 +189,15 @@ def _read_events(endpoint: Endpoint, response: Any) -> Iterator[str]:
     raise ApiUnavailableError(f"the API at {endpoint.url} closed the stream before it finished")
 
 
-def stream_chat_retrying(endpoint: Endpoint, body: Mapping[str, Any], *, api: str | None = None,
+def stream_chat_retrying(endpoint: Endpoint, body: Mapping[str, Any], *, rediscover: bool = True,
                          retry_s: float = RETRY_S, on_retry: Any = None) -> Iterator[str]:
     """:func:`stream_chat`, but when the coordinator goes away midway (the API unreachable or the
     stream broken off) the request is sent again to the coordinator found next (the local peer's
-    status or mDNS; ``api``, the user's ``--api``, is tried again as given) for up to
-    ``retry_s`` seconds. The reply is yielded once: the text already yielded is skipped in the
-    new reply, which must start with it (a greedy or seeded request does).
-    ``on_retry(error)`` is called before each new attempt.
+    status or mDNS) for up to ``retry_s`` seconds. The reply is yielded once: the text already
+    yielded is skipped in the new reply, which must start with it (a greedy or seeded request
+    does). ``on_retry(error)`` is called once per outage, before the search for the next one.
+    ``rediscover=False`` (the user named the API with ``--api``: there is no next coordinator to
+    look for) fails at the first unreachable API or broken stream instead.
 
     Raises:
         SwarmError: as :func:`stream_chat`; also when no coordinator answered within ``retry_s``,
@@ -209,24 +213,28 @@ def stream_chat_retrying(endpoint: Endpoint, body: Mapping[str, Any], *, api: st
                     raise SwarmError("the new coordinator's reply differs from the text already shown "
                                      "(sampling without --seed); ask again")
                 if len(produced) > len(shown):
+                    deadline = None  # new text: a later outage gets a window of its own
                     new, shown = produced[len(shown):], produced
                     yield new
             return
         except ApiUnavailableError as exc:
+            if not rediscover:
+                raise SwarmError(str(exc)) from None
             now = time.monotonic()
-            deadline = deadline if deadline is not None else now + retry_s
-            if now >= deadline:
+            if deadline is None:
+                deadline = now + retry_s
+                if on_retry is not None:
+                    on_retry(exc)
+            elif now >= deadline:
                 raise SwarmError(f"{exc}; no coordinator answered within {retry_s:g} s") from None
-            if on_retry is not None:
-                on_retry(exc)
-            endpoint = _next_endpoint(api, endpoint, deadline)
+            endpoint = _next_endpoint(endpoint)
 
 
-def _next_endpoint(api: str | None, last: Endpoint, deadline: float) -> Endpoint:
-    """The coordinator's API as found now (``api`` as given); ``last`` while nothing answers."""
+def _next_endpoint(last: Endpoint) -> Endpoint:
+    """The coordinator's API as found now; ``last`` while nothing answers."""
     time.sleep(RETRY_PAUSE_S)
     try:
-        found = find_endpoint(api, mdns=True, token=last.token)
+        found = find_endpoint(None, mdns=True, token=last.token)
     except SwarmError:
         return last  # no record yet: the election may still be running; the caller tries again
     return found if found is not None else last
@@ -257,9 +265,12 @@ def main_generate_swarm(args: argparse.Namespace) -> int | None:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.prompt})
+    body = _request_body(messages, args)
+    if getattr(args, "raw", False):  # no chat template: the API's text completion
+        del body["messages"]
+        body["prompt"] = args.prompt
     out = sys.stdout
-    for piece in stream_chat_retrying(endpoint, _request_body(messages, args), api=getattr(args, "api", None),
-                                      on_retry=_say_retrying):
+    for piece in stream_chat_retrying(endpoint, body, rediscover=not api, on_retry=_say_retrying):
         out.write(piece)
         out.flush()
     out.write("\n")
@@ -268,7 +279,7 @@ def main_generate_swarm(args: argparse.Namespace) -> int | None:
 
 
 def _say_retrying(exc: SwarmError) -> None:
-    print(f"\n[{exc}; trying the next coordinator]", file=sys.stderr, flush=True)
+    print(f"\n[{exc}; waiting up to {RETRY_S:g} s for the next coordinator]", file=sys.stderr, flush=True)
 
 
 def _quiet_endpoint() -> Endpoint | None:
@@ -321,7 +332,7 @@ def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
         history.append({"role": "user", "content": text})
         reply: list[str] = []
         try:
-            for piece in stream_chat_retrying(endpoint, _request_body(history, args), api=args.api,
+            for piece in stream_chat_retrying(endpoint, _request_body(history, args), rediscover=not args.api,
                                               on_retry=_say_retrying):
                 reply.append(piece)
                 console.print(piece, end="", markup=False, soft_wrap=True)

@@ -1,7 +1,9 @@
 """``colibri-swarm key [--new]``: show the swarm key as a typeable code and a terminal QR code.
 
 With no stored key one is created (as the first ``join`` would); ``--new`` replaces the stored
-key, after which every other peer needs the new code (``join --key CODE``).
+key, after which every other peer needs the new code (``join --key CODE``). ``--new`` is
+refused while a ``join`` runs from the same config directory: that peer would go on with the
+old key.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import TextIO
 
 import qrcode
 
+from swarm import paths
+from swarm.errors import SwarmError
 from swarm.peer import swarmkey
 
 
@@ -48,6 +52,12 @@ def show_key(key: swarmkey.SwarmKey, out: TextIO) -> None:
 def main_key(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if getattr(args, "new", False):
+        holder = paths.config_dir_holder()
+        if holder is not None:
+            pid = f" (pid {holder})" if holder else ""
+            raise SwarmError(f"a colibri-swarm peer{pid} runs from {paths.config_dir()} with the current key and "
+                             "would go on using it: stop that `colibri-swarm join` first, then run "
+                             "`colibri-swarm key --new`")
         key = swarmkey.create()
         print("created a new swarm key; peers with the old key can no longer join.\n", file=out)
     else:

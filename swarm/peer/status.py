@@ -4,7 +4,8 @@ The running ``join`` keeps a status file (:data:`swarm.peer.node.STATUS_FILE` in
 directory, rewritten every second, written atomically); this command reads it. A file whose
 process is gone, or that has not been rewritten for :data:`STALE_AFTER_S`, is reported as a
 stopped peer rather than shown as if it were live. ``--watch`` redraws the view every
-:data:`WATCH_EVERY_S` (rich ``Live``) with the newest swarm events, until Ctrl-C.
+:data:`WATCH_EVERY_S` (rich ``Live``) with the newest swarm events, until Ctrl-C; when stdout
+is not a terminal (a pipe, a file) it prints one plain snapshot per interval instead.
 
 The view fits 80 columns: each peer's id sits whole under its name, roles are never cut, and
 each share is written out below the table ("layers 0–29: MLP rows 1280–1536"). A worker knows
@@ -65,6 +66,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def main_status(args: Any) -> int:
+    from rich.text import Text
+
     from swarm.terminal import console as terminal_console
 
     if args.json:
@@ -73,6 +76,15 @@ def main_status(args: Any) -> int:
     console = terminal_console()
     if not getattr(args, "watch", False):
         console.print(render(read_status(), width=min(console.width, WIDTH)))
+        return 0
+    if not console.is_terminal:  # no cursor to redraw with: a plain snapshot per interval, never silence
+        try:
+            while True:
+                console.print(_view_or_error(), Text(f"-- {time.strftime('%H:%M:%S')}"))
+                console.file.flush()
+                time.sleep(WATCH_EVERY_S)
+        except KeyboardInterrupt:
+            pass
         return 0
     from rich.live import Live
 

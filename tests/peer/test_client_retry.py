@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -81,23 +85,68 @@ def test_a_broken_stream_is_an_unavailable_api(serve):
     assert got == REPLY[:2]
 
 
-def test_retried_on_the_next_coordinator_and_shown_once(serve):
+@pytest.fixture
+def local_peer(tmp_path, monkeypatch):
+    """``local_peer(url)``: a peer runs on this machine and its status names the API at ``url``
+    (how the client finds the next coordinator); ``local_peer(None)``: no peer runs here."""
+    from swarm.peer.node import STATUS_FILE
+
+    monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path))
+
+    def point(url: str | None) -> None:
+        status = {"pid": os.getpid(), "updated": time.time() + 3600, "role": "worker", "api_url": url}
+        if url is None:
+            (tmp_path / STATUS_FILE).unlink(missing_ok=True)
+        else:
+            (tmp_path / STATUS_FILE).write_text(json.dumps(status))
+
+    return point
+
+
+def test_retried_on_the_next_coordinator_and_shown_once(serve, local_peer):
     dying = serve(REPLY, break_after=2)
     successor = serve(["Hello, world."])  # another coordinator cuts the same text differently
+    local_peer(successor.url)
     retries: list[SwarmError] = []
-    pieces = list(stream_chat_retrying(dying, BODY, api=successor.url, on_retry=retries.append))
+    pieces = list(stream_chat_retrying(dying, BODY, on_retry=retries.append))
     assert "".join(pieces) == "".join(REPLY)
     assert pieces[:2] == REPLY[:2] and len(retries) == 1 and isinstance(retries[0], ApiUnavailableError)
 
 
-def test_a_different_reply_after_the_retry_is_refused(serve):
+def test_a_different_reply_after_the_retry_is_refused(serve, local_peer):
     dying = serve(REPLY, break_after=2)
-    other = serve(["Good", "bye."])  # sampling without a seed: another text
+    local_peer(serve(["Good", "bye."]).url)  # sampling without a seed: another text
     with pytest.raises(SwarmError, match="differs from the text already shown"):
-        list(stream_chat_retrying(dying, BODY, api=other.url))
+        list(stream_chat_retrying(dying, BODY))
 
 
-def test_no_coordinator_within_the_retry_window_fails_clearly(serve):
+def test_no_coordinator_within_the_retry_window_fails_clearly(serve, local_peer):
+    """Several attempts to find the next one, but the user is told of the wait once."""
     dying = serve(REPLY, break_after=1)
-    with pytest.raises(SwarmError, match="no coordinator answered within 1 s"):
-        list(stream_chat_retrying(dying, BODY, api="http://127.0.0.1:9/v1", retry_s=1.0))
+    local_peer(None)
+    retries: list[SwarmError] = []
+    with pytest.raises(SwarmError, match="no coordinator answered within 1.5 s"):
+        list(stream_chat_retrying(dying, BODY, retry_s=1.5, on_retry=retries.append))
+    assert len(retries) == 1
+
+
+def test_a_named_api_is_not_retried(serve):
+    """With --api there is no next coordinator to look for: the first failure is the answer."""
+    dying = serve(REPLY, break_after=2)
+    retries: list[SwarmError] = []
+    got: list[str] = []
+    with pytest.raises(SwarmError, match="(broke off|closed) the stream") as info:
+        for piece in stream_chat_retrying(dying, BODY, rediscover=False, on_retry=retries.append):
+            got.append(piece)
+    assert got == REPLY[:2] and retries == [] and not isinstance(info.value, ApiUnavailableError)
+
+
+def test_generate_at_an_unreachable_named_api_fails_at_once_in_one_line(tmp_path):
+    """No "[cannot reach … trying the next coordinator]" lines: one error line, exit 2."""
+    env = dict(os.environ, COLIBRI_SWARM_CONFIG_DIR=str(tmp_path), COLIBRI_SWARM_API_KEY="t" * 64)
+    proc = subprocess.run([sys.executable, "-m", "swarm", "generate", "--api", "http://127.0.0.1:9/v1", "hi"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "colibri-swarm: error: cannot reach the coordinator's API at http://127.0.0.1:9/v1: [Errno 111] Connection "
+        "refused; is `colibri-swarm join` running?"]
