@@ -376,14 +376,15 @@ async def _run_peer(args: Any, console: Any) -> None:
         loop.add_signal_handler(signal.SIGTERM, main.cancel)  # type: ignore[union-attr]
     roles = None
     try:
-        # The roles exist before the node links anyone, and start before its first link event: a
-        # plan sent to this peer while its tokenizer was being built would otherwise find no handler.
-        roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
-                                        api_tls=False if getattr(args, "api_plain_http", False) else None)
+        # On signaling first, so that peers starting together see each other while each builds its
+        # tokenizer (none leads alone). A plan that reaches this peer meanwhile finds no handler;
+        # the coordinator sends it again when this peer refuses a request of it.
         with console.status("looking for the swarm on this network…"):
             await node.start()
-        await roles.start()
         _print_discovery_hints(console, node, key_created=created)
+        roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
+                                        api_tls=False if getattr(args, "api_plain_http", False) else None)
+        await roles.start()
         _print_header(console, node)
         shown = (node.role, None)
         while True:
