@@ -111,16 +111,21 @@ def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
     return Routing(experts, np.ascontiguousarray(weights, dtype=F32))
 
 
+def _expert_slots(routing: Routing) -> dict[int, np.ndarray]:
+    """Expert index → the flat indices ``row * top_k + slot`` routed to it, rows ascending;
+    experts ascending."""
+    flat = routing.experts.reshape(-1)
+    order = np.argsort(flat, kind="stable")  # stable: rows ascending within one expert
+    sorted_e = flat[order]
+    cuts = (np.flatnonzero(sorted_e[1:] != sorted_e[:-1]) + 1).tolist()
+    return {int(sorted_e[s]): order[s:t] for s, t in zip([0, *cuts], [*cuts, flat.size])}
+
+
 def expert_rows(routing: Routing) -> dict[int, np.ndarray]:
     """Expert index → the rows routed to it, ascending (int64). Only selected experts appear;
     keys are in ascending order."""
     k = routing.experts.shape[1]
-    flat = routing.experts.reshape(-1)  # index = row * k + slot
-    order = np.argsort(flat, kind="stable")  # stable: rows ascending within one expert
-    sorted_e = flat[order]
-    experts, starts = np.unique(sorted_e, return_index=True)
-    ends = np.append(starts[1:], flat.size)
-    return {int(e): (order[s:t] // k).astype(np.int64) for e, s, t in zip(experts, starts, ends)}
+    return {e: (idx // k).astype(np.int64) for e, idx in _expert_slots(routing).items()}
 
 
 def expert_ffn(weights: MLPWeights, x_rows: np.ndarray) -> np.ndarray:
@@ -157,16 +162,16 @@ def combine(T: int, H: int, routing: Routing, outputs: Mapping[int, np.ndarray],
     that (ascending) row order. ``shared`` [T, H] f32 (gated shared-expert output) is added
     last. Raises ValueError when an expert is missing or has the wrong shape.
     """
-    rows_of = expert_rows(routing)
+    k = routing.experts.shape[1]
+    flat_weights = routing.weights.reshape(-1)  # index = row * k + slot, as in _expert_slots
     out = np.zeros((T, H), dtype=F32)
-    for e, rows in rows_of.items():  # ascending expert index
+    for e, idx in _expert_slots(routing).items():  # ascending expert index
+        rows = idx // k
         y = outputs.get(e)
         if y is None or y.shape != (rows.size, H) or y.dtype != F32:
             got = None if y is None else (y.shape, y.dtype)
             raise ValueError(f"expert {e}: expected output [{rows.size}, {H}] float32, got {got}")
-        slot = np.argmax(routing.experts[rows] == e, axis=-1)  # [n_e]
-        w = routing.weights[rows, slot]  # [n_e]
-        out[rows] += y * w[:, None]
+        out[rows] += y * flat_weights[idx][:, None]
     if shared is not None:
         out += shared
     return out
