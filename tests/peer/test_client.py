@@ -231,3 +231,49 @@ def test_a_worker_without_a_reachable_api_says_so(stored_key, monkeypatch, capsy
     assert main(["generate", "--max-tokens", "2", "hi"]) == 2
     err = capsys.readouterr().err
     assert "a peer of the swarm runs here (role worker), but no coordinator API" in err and "--local" in err
+
+
+def _raw_greedy(engine, prompt: str) -> str:
+    """The engine's local greedy continuation of ``prompt`` without the chat template (the oracle)."""
+    from swarm.compute.sampling import SamplingParams
+    from swarm.compute.textgen import generate_text
+
+    model, tok = engine
+    return "".join(generate_text(model, tok, prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+
+
+def test_generate_raw_through_the_api_skips_the_chat_template(live_api, engine, stored_key, capsys):
+    """`generate --api URL --raw` streams /v1/completions: the engine's raw continuation."""
+    from swarm.cli import main
+
+    url, backend, *_ = live_api
+    prompt = "The capital of France is"
+    raw = _raw_greedy(engine, prompt)
+    assert raw != _greedy(engine, [{"role": "user", "content": prompt}])  # the template would show
+    assert main(["generate", "--api", url, "--raw", "--max-tokens", str(MAX_TOKENS), prompt]) == 0
+    assert capsys.readouterr().out == raw + "\n"
+
+
+def test_the_completions_route_answers_whole_and_refuses_a_bad_prompt(live_api, engine, stored_key):
+    import json
+    import urllib.error
+    import urllib.request
+
+    url, *_ = live_api
+
+    def post(body: dict) -> dict:
+        req = urllib.request.Request(f"{url}/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {KEY.api_token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return {"status": exc.code, **json.loads(exc.read())}
+
+    prompt = "Once upon a time"
+    done = post({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert done["object"] == "text_completion" and done["choices"][0]["text"] == _raw_greedy(engine, prompt)
+    assert done["usage"]["completion_tokens"] == MAX_TOKENS
+    for bad in ({}, {"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": 3}):
+        answer = post({**bad, "max_tokens": 1})
+        assert answer["status"] == 400 and answer["error"]["param"] == "prompt", answer
