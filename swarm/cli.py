@@ -35,6 +35,13 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
     return parse
 
 
+def _port(text: str) -> int:
+    port = _int_at_least(1, "the port")(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"the port must be at most 65535, got {port}")
+    return port
+
+
 def _percent(text: str) -> float:
     try:
         value = float(text)
@@ -210,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signal", metavar="HOST:PORT", type=_signal_url,
                    help="the signaling server as HOST:PORT (or https://HOST:PORT, wss://HOST:PORT), as the "
                    "host's join prints it; skips mDNS discovery")
+    p.add_argument("--port", metavar="N", type=_port,
+                   help="host the signaling server on this TCP port, so a --signal HOST:PORT handed out stays "
+                   "valid across restarts (default: a free port, chosen anew at each start)")
     p.add_argument("--name", metavar="NAME", help="a name for this peer, shown in status")
     p.add_argument("--verify", type=_percent, default=0.0, metavar="PERCENT",
                    help="recompute this share of remote answers locally; stop on a mismatch")

@@ -147,3 +147,48 @@ def test_join_at_a_signal_address_without_that_swarms_key_is_refused(tmp_path):
         "colibri-swarm: error: --signal joins an existing swarm, whose key this machine does not have: add "
         "--key CODE (`colibri-swarm key` on a peer of that swarm shows it)"]
     assert not (tmp_path / "swarm.key").exists() and not any(tmp_path.iterdir())
+
+
+def test_join_hosts_its_signaling_server_on_the_port_asked_for(tmp_path):
+    """`join --port N`: the signaling server this peer hosts listens on N (status says so), so a
+    `--signal HOST:N` handed out stays valid."""
+    import json
+    import os
+    import signal
+    import socket
+    import time
+
+    from swarm.peer.node import STATUS_FILE
+    from swarm.peer.swarmkey import SwarmKey
+
+    with socket.socket() as s:  # a port free now
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "COLIBRI_SWARM_CONFIG_DIR": str(tmp_path)}
+    key = SwarmKey(os.urandom(32)).code  # a swarm of its own: this peer hosts the signaling server
+    proc = subprocess.Popen([sys.executable, "-m", "swarm", "join", "--no-model", "--key", key, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        hosted = None
+        for _ in range(600):  # until the status file names the port, or the peer exits
+            if proc.poll() is not None:
+                break
+            try:
+                hosted = json.loads((tmp_path / STATUS_FILE).read_text()).get("signaling_port")
+            except (OSError, ValueError):
+                hosted = None
+            if hosted:
+                break
+            time.sleep(0.2)
+        assert hosted == port, proc.stderr.read().decode() if proc.poll() is not None else hosted
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+@pytest.mark.parametrize("value, needle", [("0", "the port must be at least 1"),
+                                           ("70000", "the port must be at most 65535")])
+def test_a_bad_join_port_is_refused(value, needle):
+    proc = subprocess.run([sys.executable, "-m", "swarm", "join", "--port", value], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and needle in proc.stderr

@@ -94,7 +94,7 @@ class Rendezvous:
 
     def __init__(self, swarm_key: bytes, peer_id: str, *, name: str = "", kind: str = "python",
                  signal_url: str | None = None, fingerprint: bytes | str | None = None,
-                 config_dir: Path | None = None, bind_host: str = "0.0.0.0",
+                 config_dir: Path | None = None, bind_host: str = "0.0.0.0", bind_port: int = 0,
                  discovery_window_s: float = DISCOVERY_WINDOW_S, takeover_step_s: float = TAKEOVER_STEP_S) -> None:
         self.swarm_key = swarm_key
         self.swarm_id = swarm_id_of(swarm_key)
@@ -105,6 +105,7 @@ class Rendezvous:
         self.fingerprint = fingerprint
         self.config_dir = config_dir
         self.bind_host = bind_host
+        self.bind_port = bind_port  # the signaling server's port when this peer hosts it (0: a free one)
         self.discovery_window_s = discovery_window_s
         self.takeover_step_s = takeover_step_s
         self.server: SignalingServer | None = None
@@ -391,7 +392,7 @@ class Rendezvous:
         if not self._connected.is_set():
             self._found_none = True
         server = SignalingServer(self.swarm_key, self.peer_id, config_dir=self.config_dir)
-        await server.start(self.bind_host, 0)
+        await server.start(self.bind_host, self.bind_port)
         self.server = server
         assert self._zc is not None and server.started is not None and server.port is not None
         record = ServerRecord(

@@ -366,7 +366,8 @@ async def _run_peer(args: Any, console: Any) -> None:
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
                 ffn_gflops=gflops,
                 signal_url=args.signal, memory_budget=default_memory_budget(args.memory << 20 if args.memory else None),
-                model_hash=model.content_hash() if model is not None else None)
+                model_hash=model.content_hash() if model is not None else None,
+                rendezvous_options={"bind_port": args.port} if getattr(args, "port", None) else None)
     if created:
         console.print("created a new swarm key; other peers join with:")
         console.print(f"  [bold]colibri-swarm join --key {esc(key.code)}[/]")
