@@ -192,3 +192,22 @@ def test_a_bad_join_port_is_refused(value, needle):
     proc = subprocess.run([sys.executable, "-m", "swarm", "join", "--port", value], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and needle in proc.stderr
+
+
+def test_join_at_a_port_in_use_ends_with_one_clear_line(tmp_path):
+    """Waiting would not free a port the user fixed: join ends, naming the port and what to do."""
+    import os
+    import socket
+
+    from swarm.peer.swarmkey import SwarmKey
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _run(["join", "--no-model", "--key", SwarmKey(os.urandom(32)).code, "--port", str(port)], tmp_path,
+                    timeout=180)
+    assert proc.returncode == 2
+    assert (f"colibri-swarm: error: cannot host the signaling server on port {port}: " in proc.stderr
+            and "address already in use; pick another with join --port N" in proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -89,6 +89,11 @@ class Connected:
 Event = Connected | PeerJoined | PeerLeft | SignalReceived | SignalRefused
 
 
+class HostPortError(SwarmError):
+    """The signaling port the user fixed (``join --port``) cannot be bound: retrying would not
+    free it, so the rendezvous ends with this."""
+
+
 class Rendezvous:
     """Keeps one peer connected to its swarm's signaling server (see the module docstring)."""
 
@@ -230,7 +235,7 @@ class Rendezvous:
                     if moved is None:
                         break
                     client = moved
-            except (AuthenticationError, VersionMismatchError, DuplicatePeerError):
+            except (AuthenticationError, VersionMismatchError, DuplicatePeerError, HostPortError):
                 raise
             except Exception as exc:  # the boundary no connection error may cross: log, reconnect
                 self._failures += 1
@@ -289,6 +294,9 @@ class Rendezvous:
                 try:
                     await self._host()
                 except OSError as exc:
+                    if self.bind_port:  # a port the user fixed: waiting would not free it
+                        raise HostPortError(f"cannot host the signaling server on port {self.bind_port}: "
+                                         f"{exc.strerror or exc}; pick another with join --port N") from None
                     log.warning("cannot host a signaling server (%s); looking again in %g s", exc, RECONNECT_S)
                     deadline = time.monotonic() + RECONNECT_S
                 continue
