@@ -279,7 +279,7 @@ def main_generate_swarm(args: argparse.Namespace) -> int | None:
 
 
 def _say_retrying(exc: SwarmError) -> None:
-    print(f"\n[{exc}; waiting up to {RETRY_S:g} s for the next coordinator]", file=sys.stderr, flush=True)
+    print(f"\n[{exc}; trying the next coordinator, for up to {RETRY_S:g} s]", file=sys.stderr, flush=True)
 
 
 def _quiet_endpoint() -> Endpoint | None:
