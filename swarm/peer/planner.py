@@ -292,10 +292,11 @@ def _shares(weights: dict[str, float], caps: dict[str, float]) -> dict[str, floa
     left = 1.0
     while free and left > 1e-12:
         total = sum(weights[p] for p in free)
-        over = {p for p in free if left * weights[p] / total > caps[p]}
+        # The ratio first: left * w underflows for subnormal speeds, and shares then sum past 1.
+        over = {p for p in free if left * (weights[p] / total) > caps[p]}
         if not over:
             for p in free:
-                share[p] += left * weights[p] / total
+                share[p] += left * (weights[p] / total)
             break
         for p in over:
             share[p] += caps[p]

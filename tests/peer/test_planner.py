@@ -165,3 +165,14 @@ def test_model_shape_counts_the_encoded_bytes_of_the_file(tmp_path):
     assert shape.ffn_bytes() == ffn
     routers = 2 * 4 * 256 * 4
     assert shape.resident_nbytes == path.stat().st_size - ffn + routers
+
+
+def test_subnormal_speeds_still_tile_every_layer():
+    """A speed so small that ``left * speed`` underflows once gave shares summing past 1."""
+    shape = ModelShape(hidden_size=16, n_experts=24, moe_intermediate_size=8, intermediate_size=96,
+                       moe_layers=(0, 2), dense_layers=(1,), expert_nbytes=500, column_nbytes=60)
+    ws = [PeerCapacity("a", 29760, 5e-324, 0.0)]
+    plan = build_plan(shape, PeerCapacity("Z", 0, 1.0), ws, term=1, version=1, coordinator_share=0.25,
+                      coordinator_budget=310)
+    check_plan(plan, shape)
+    assert plan.bytes_of("a", shape) <= 29760
