@@ -80,7 +80,9 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
                 await gone.wait()
             st = coord.roles.stages
             placement = coord.node.placement
-            return run, layout, worker.roles.stage_runner.served, st.rebuilt_positions, set(st.failed), placement
+            # peers whose stage failed during the run (a re-plan after the loss clears st.failed)
+            failed = {peer for peer, t in st.timing.items() if t.failures}
+            return run, layout, worker.roles.stage_runner.served, st.rebuilt_positions, failed, placement
         finally:
             for p in peers:
                 await p.stop()
