@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 
 import numpy as np
@@ -232,18 +233,75 @@ def _kernels() -> _Kernels:
                 # One kernel thread unless NUMBA_NUM_THREADS says otherwise: on a busy machine a
                 # parallel launch waits for every thread to be scheduled, hundreds of times a token.
                 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-                import numba
+                with _without_scipy():
+                    import numba
 
-                from swarm.compute import qkernels
-                k = _Kernels(qkernels, parallel=numba.config.NUMBA_NUM_THREADS > 1)
-                # Run each once on a tiny input: compiles (first run on a machine) or loads the cache.
-                w = np.zeros((1, 34), np.uint8)
-                w.flags.writeable = False
-                x = np.zeros((1, 32), F32)
-                k.matmul(0, w, x, np.empty((1, 1), F32))
-                k.dequant(0, w, np.empty((1, 32), F32))
+                    from swarm.compute import qkernels
+                    k = _Kernels(qkernels, parallel=numba.config.NUMBA_NUM_THREADS > 1)
+                    # Run each once on a tiny input: compiles (first run on a machine) or loads the cache.
+                    w = np.zeros((1, 34), np.uint8)
+                    w.flags.writeable = False
+                    x = np.zeros((1, 32), F32)
+                    k.matmul(0, w, x, np.empty((1, 1), F32))
+                    k.dequant(0, w, np.empty((1, 32), F32))
+                _release_clean_pages("llvmlite")
                 _compiled = k
     return _compiled
+
+
+@contextlib.contextmanager
+def _without_scipy():
+    """numba imports scipy (when installed) on import and when its CPU target starts, only to
+    check its version and find BLAS for ``np.dot`` in compiled code: ~30 MiB of RSS that the
+    block kernels (no BLAS calls) never use. scipy is hidden while that happens and importable
+    again right after; where it is already loaded, nothing changes."""
+    if "scipy" in sys.modules:
+        yield
+        return
+    sys.modules["scipy"] = None  # `import scipy` raises ImportError, which numba allows
+    try:
+        yield
+    finally:
+        if "scipy" in sys.modules and sys.modules["scipy"] is None:
+            del sys.modules["scipy"]
+
+
+def _release_clean_pages(library: str) -> int:
+    """Hand the resident pages of ``library``'s read-only, unmodified file mappings back to the
+    page cache (``madvise(MADV_DONTNEED)``); returns the bytes released. Linux only (0 elsewhere).
+
+    LLVM's code (~65 MiB of llvmlite's shared library) is touched while numba loads or compiles
+    the kernels and not afterwards: the kernels are machine code of their own. Dropping only
+    clean, non-writable mappings is safe — a later access (numba compiling again) faults the
+    pages back in from the file — and the process's resident set no longer carries them."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    import ctypes
+    import re
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    released, span, perms, path, dirty, rss = 0, None, "", "", 0, 0
+
+    def release() -> None:
+        nonlocal released
+        if span and library in path and "w" not in perms and dirty == 0 and rss > 0:
+            if madvise(span[0], span[1] - span[0], 4) == 0:  # 4: MADV_DONTNEED
+                released += rss
+
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)", line)
+            if head:
+                release()
+                span = (int(head[1], 16), int(head[2], 16))
+                perms, path, dirty, rss = head[3], head[4], 0, 0
+            elif line.startswith(("Private_Dirty:", "Shared_Dirty:")):
+                dirty += int(line.split()[1])
+            elif line.startswith("Rss:"):
+                rss = int(line.split()[1]) * 1024
+        release()
+    return released
 
 
 def prepare_kernels() -> None:
