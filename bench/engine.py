@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MOE_NAME = "random 64-expert Qwen3-MoE (bench/engine.py --make-moe)"
 PROMPT_TEXT = (
     "The history of astronomy spans thousands of years, from the first people who tracked the Moon "
     "and planets across the night sky to the space telescopes that now photograph galaxies billions "
@@ -53,6 +54,7 @@ def main() -> int:
                     help="comma-separated: colibri, llamacpp, transformers")
     ap.add_argument("--make-moe", metavar="PATH", help="write the random MoE GGUF to PATH and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
@@ -69,13 +71,15 @@ def main() -> int:
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         env[var] = str(args.threads)
     report: dict = {
-        "model": args.model, "threads": args.threads, "cpus": os.cpu_count(),
+        "model": _model_label(args.model), "threads": args.threads, "cpus": os.cpu_count(),
         "load_average_before": [round(x, 2) for x in os.getloadavg()], "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens, "repeats": args.repeats,
     }
+    # tokenized here, so no engine's peak RSS includes this project's tokenizer
+    prompt = ",".join(map(str, _prompt_ids(args.model, args.prompt_tokens)))
     for engine in args.engines.split(","):
         cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--threads", str(args.threads),
-               "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
+               "--prompt-ids", prompt, "--decode-tokens", str(args.decode_tokens),
                "--repeats", str(args.repeats)]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
@@ -120,6 +124,24 @@ def _cpu_ratio(ours: dict, theirs: dict) -> dict:
     return {"prefill": round(cpu(theirs, 0) / cpu(ours, 0), 3), "decode": round(cpu(theirs, 1) / cpu(ours, 1), 3)}
 
 
+def _model_label(path: str) -> str:
+    """How a result names its model, never by a path of the machine that measured it: the file
+    name, plus for a GGUF its architecture, expert count and size; the random MoE says how it
+    is built."""
+    p = Path(path)
+    if not p.is_file():
+        return p.name
+    from swarm.compute.tensors import GGUFFile
+
+    kv = GGUFFile(p).kv
+    arch = kv.get("general.architecture", "?")
+    if kv.get("general.name") == MOE_NAME:
+        return (f"random Qwen3-MoE Q8_0 built by `python3 bench/engine.py --make-moe PATH` (write_random_moe "
+                f"defaults: 9 layers, 64 experts, top 8, hidden 1024, expert FFN 512), {p.stat().st_size / 1e9:.2f} GB")
+    experts = kv.get(f"{arch}.expert_count")
+    return f"{p.name} ({arch}{f', {experts} experts' if experts else ''}, {p.stat().st_size / 1e6:.0f} MB)"
+
+
 def _prompt_ids(model_path: str, n: int) -> list[int]:
     from swarm.compute.tokenizer import load_tokenizer
 
@@ -135,7 +157,7 @@ def _worker(args: argparse.Namespace) -> int:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(args.threads)
-    prompt = _prompt_ids(args.model, args.prompt_tokens)
+    prompt = [int(i) for i in args.prompt_ids.split(",")]
     run = {"colibri": _run_colibri, "llamacpp": _run_llamacpp, "transformers": _run_transformers}[args.worker]
     result = run(args, prompt)
     result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
@@ -246,6 +268,7 @@ def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts
     hd = hidden // heads
     arch = "qwen3moe"
     w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(MOE_NAME)
     w.add_block_count(layers)
     w.add_context_length(4096)
     w.add_embedding_length(hidden)
