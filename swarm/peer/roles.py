@@ -3,16 +3,16 @@
 Theory of operation
 -------------------
 :class:`SwarmRoles` is the thin asyncio adapter around the sans-I/O cores. It
-feeds the :class:`~swarm.peer.election.Election` with the node's links — every
+feeds the :class:`~swarm.peer.election.core.Election` with the node's links — every
 Python peer whose link opens becomes a voting member, eligible when its hello
 names our model hash — with election messages (``RequestVote``, ``Vote``,
 ``LeaderHeartbeat``) and with the links' liveness, and sends what the core
 wants sent. Its outcome switches this peer's role:
 
-* **coordinator** — builds a :class:`~swarm.peer.planner.Plan` from the hellos
+* **coordinator** — builds a :class:`~swarm.peer.coordinator.planner.Plan` from the hellos
   of the peers that can compute (Python peers with our model or none, and the
   browser peers linked to it), sends it to them, wraps the model in a
-  :class:`~swarm.peer.coordinator.RemoteFFN` and serves the OpenAI API with it.
+  :class:`~swarm.peer.coordinator.dispatch.RemoteFFN` and serves the OpenAI API with it.
   A peer that fails or whose link goes down gets no more work: the plan is
   rebuilt and sent, and RemoteFFN switches to it at the next step. A failed
   peer that is reachable again gets work back after ``READMIT_S`` (checked on
@@ -20,19 +20,19 @@ wants sent. Its outcome switches this peer's role:
   join get work from the next plan the same way. A worker that refuses a request as not
   serving its plan (``stale_term``) keeps its place and is sent the plan again.
 * **worker** — accepts the coordinator's plans and serves its FFN requests with a
-  :class:`~swarm.peer.worker.Worker`, in one compute thread, off the event loop.
+  :class:`~swarm.peer.worker.ffn.Worker`, in one compute thread, off the event loop.
 
 Layouts (``layout``): ``"ranges"`` cuts every layer's FFN over the peers; ``"stages"`` gives
-the peers that hold the model contiguous layer ranges (:mod:`swarm.peer.stages`: a
-``StagePlan`` follows the ``Plan``, the coordinator's :class:`~swarm.peer.stages.StagedFFN`
-wraps its RemoteFFN, each worker answers with a :class:`~swarm.peer.stages.StageRunner`);
-``"auto"`` lets the cost model (:mod:`swarm.peer.costmodel`) pick whichever is fastest from
+the peers that hold the model contiguous layer ranges (:mod:`swarm.peer.coordinator.stages`: a
+``StagePlan`` follows the ``Plan``, the coordinator's :class:`~swarm.peer.coordinator.stages.StagedFFN`
+wraps its RemoteFFN, each worker answers with a :class:`~swarm.peer.coordinator.stages.StageRunner`);
+``"auto"`` lets the cost model (:mod:`swarm.peer.coordinator.costmodel`) pick whichever is fastest from
 the peers' memory, observed speed and RTT. The prices go to ``status --json``.
 
 Weights: a worker that holds the model (same content hash) decodes only its
 slices from its own file. One that joined with ``--no-model`` gets them shipped:
 before the coordinator announces a plan, it offers such a worker the slices the
-plan gives it (:class:`~swarm.peer.shipping_aio.PlanShipper`: the file's own
+plan gives it (:class:`~swarm.peer.weights.shipping_aio.PlanShipper`: the file's own
 encoding, SHA-256 per chunk, resumable, cached on the worker by hash). The
 worker fetches and decodes them when the plan arrives, and holds back requests
 of that plan until they are in (the first request of a plan has a generous
@@ -59,19 +59,19 @@ from collections import Counter
 from typing import Any
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError, SwarmError
-from swarm.peer import election as el
-from swarm.peer.coordinator import RemoteFFN
-from swarm.peer.costmodel import LayerCosts, PeerCost, observed_gflops
-from swarm.peer.messages import (
-    DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, LeaderHeartbeat, Plan as PlanMessage,
+from swarm.peer.election import core as el
+from swarm.peer.coordinator.dispatch import RemoteFFN
+from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost, observed_gflops
+from swarm.peer.net.messages import (
+    DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, LeaderHeartbeat, PlanMessage,
     RequestVote, StageAnswer, StagePlan, StageRequest, Vote,
 )
-from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall_message
-from swarm.peer.shipping import SliceCache
-from swarm.peer.shipping_aio import PlanShipper, SliceFetcher, shape_from_meta
-from swarm.peer.slices import ShippedWeights, SliceSpec, decode_slice
-from swarm.peer.stages import LAYOUTS, Stage, StagedFFN, StageLayout, StageRunner, choose_stages
-from swarm.peer.worker import Worker
+from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall_message
+from swarm.peer.weights.shipping import SliceCache
+from swarm.peer.weights.shipping_aio import PlanShipper, SliceFetcher, shape_from_meta
+from swarm.peer.weights.slices import ShippedWeights, SliceSpan, decode_slice
+from swarm.peer.coordinator.stages import LAYOUTS, Stage, StagedFFN, StageLayout, StageRunner, choose_stages
+from swarm.peer.worker.ffn import Worker
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class SwarmRoles:
         e = self.election
         for dest, msg in e.messages_to_send():
             match msg:
-                case el.Heartbeat():
+                case el.LeaderHeartbeat():
                     wire = LeaderHeartbeat(msg.term, msg.leader, self._plan_version)
                 case el.RequestVote():
                     wire = RequestVote(msg.term, msg.candidate, self._last_leader_term, self._plan_version,
@@ -340,7 +340,7 @@ class SwarmRoles:
         self._receive(link, el.Vote(msg.term, link.peer_id, msg.granted))
 
     def _on_leader_heartbeat(self, link: Any, msg: LeaderHeartbeat) -> None:
-        self._receive(link, el.Heartbeat(msg.term, msg.leader))
+        self._receive(link, el.LeaderHeartbeat(msg.term, msg.leader))
 
     # ---------------------------------------------------------------- membership
     def _link_up(self, link: Any) -> None:
@@ -725,8 +725,8 @@ class SwarmRoles:
         if self.api is not None:
             self.api.backend.ffn = self.engine_ffn
             return
-        from swarm.peer.api import ApiServer, EngineBackend
-        from swarm.peer.dashboard import Dashboard
+        from swarm.peer.coordinator.api import ApiServer, EngineBackend
+        from swarm.peer.coordinator.dashboard import Dashboard
 
         backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.engine_ffn)
         self.api = ApiServer.for_swarm_key(backend, self.node.swarm_key)
@@ -801,15 +801,15 @@ class SwarmRoles:
         if fetcher is None:
             raise RemoteProtocolError(f"plan from {link.peer_id}, which offers no weights to this peer")
         me = self.node.peer_id
-        need = {SliceSpec(a.layer, "experts", a.experts[0], a.experts[-1] + 1) for a in msg.assignments
+        need = {SliceSpan(a.layer, "experts", a.experts[0], a.experts[-1] + 1) for a in msg.assignments
                 if a.peer == me and a.experts}
-        need |= {SliceSpec(a.layer, "dense", lo, hi) for a in msg.assignments if a.peer == me for lo, hi in a.dense}
+        need |= {SliceSpan(a.layer, "dense", lo, hi) for a in msg.assignments if a.peer == me for lo, hi in a.dense}
         shipped, shape = ShippedWeights(), None
         async with self._ship_lock:
             async with asyncio.timeout(SHIP_TIMEOUT_S):
                 while need:
                     manifest = await fetcher.offers.get()
-                    spec = SliceSpec.from_json(manifest.meta.get("spec", {}))
+                    spec = SliceSpan.from_json(manifest.meta.get("spec", {}))
                     if spec not in need:
                         continue  # an offer of an older plan
                     shape = shape_from_meta(manifest.meta)

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from swarm.compute.model import load_model
-from swarm.peer.identity import Identity
+from swarm.keys.identity import Identity
 from swarm.peer.node import Node
 from swarm.peer.roles import SwarmRoles
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.browser.test_page_e2e import E2E_ARGS, lan_address, smollm2_path
 from tests.conftest import require

@@ -19,11 +19,11 @@ import pytest
 from swarm.compute.ffn import LocalFFN
 from swarm.compute.model import load_model
 from swarm.errors import VerificationError
-from swarm.peer import messages as M
-from swarm.peer.coordinator import RemoteFFN
-from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan
-from swarm.peer.transport import LoopbackNet
-from swarm.peer.worker import Worker
+from swarm.peer.net import messages as M
+from swarm.peer.coordinator.dispatch import RemoteFFN
+from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan
+from swarm.peer.net.transport import LoopbackNet
+from swarm.peer.worker.ffn import Worker
 from tests.peer._swarm_models import COORD, FAMILIES, PROMPT, W1, W2, build, greedy
 
 DECODE = 12
@@ -61,7 +61,7 @@ class InProcSwarm:
     def _worker_handler(self, w, worker):
         def handle(src, msg):
             match msg:
-                case M.Plan():
+                case M.PlanMessage():
                     worker.accept_plan(Plan.from_message(msg, src, self.shape))
                 case M.ExpertRequest() | M.DenseRequest():
                     if self.slow is not None:
@@ -173,7 +173,7 @@ def _replace(msg, a):
 
 @pytest.mark.parametrize("edit", [nan_rows, wrong_shape, wrong_layer, garbage, drop])
 def test_bad_answers_are_recomputed_and_tokens_do_not_change(checkpoints, edit, monkeypatch):
-    import swarm.peer.coordinator as C
+    import swarm.peer.coordinator.dispatch as C
 
     monkeypatch.setattr(C, "FIRST_DEADLINE_S", 0.5)  # a dropped answer is declared lost quickly
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=rewrite_answers(W1, edit))
@@ -284,7 +284,7 @@ def test_smollm2_dense_ranges_on_two_peers(monkeypatch):
     the unsplit engine on 3 chat prompts, logits within 1e-4 (+1e-5 relative) — and
     bit-identical to LocalFFN under the same plan."""
     # Every answer must come from the worker: deadlines long enough for a loaded shared machine.
-    monkeypatch.setattr("swarm.peer.coordinator.DEADLINE_MIN_S", 30.0)
+    monkeypatch.setattr("swarm.peer.coordinator.dispatch.DEADLINE_MIN_S", 30.0)
     from swarm.compute.default_model import default_model_path
     from swarm.compute.tokenizer import tokenizer_for
 
@@ -432,7 +432,7 @@ def _prefilled(model, ids):
 def test_a_changed_share_gets_the_first_request_deadline_again():
     """A worker whose share changed loads new slices before its first answer: that request gets
     FIRST_DEADLINE_S, and its time is not taken as the peer's compute speed."""
-    from swarm.peer.coordinator import FIRST_DEADLINE_S, PeerTiming, _share
+    from swarm.peer.coordinator.dispatch import FIRST_DEADLINE_S, PeerTiming, _share
 
     t = PeerTiming(rtt_s=0.001)
     assert t.deadline_s(8) == FIRST_DEADLINE_S
@@ -456,7 +456,7 @@ def test_a_changed_share_gets_the_first_request_deadline_again():
 def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, monkeypatch):
     """A swarm too small for the model: the coordinator computes the shortfall from its mapped
     file at each use, with the local run's bits, and its resident set stays near its budget."""
-    monkeypatch.setattr("swarm.peer.coordinator.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
+    monkeypatch.setattr("swarm.peer.coordinator.dispatch.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
     from tests.multihost.test_capacity import random_moe_gguf
 
     path = random_moe_gguf(tmp_path / "moe.gguf", layers=2, hidden=256, experts=32, top_k=8, expert_ffn=1024,
@@ -495,7 +495,7 @@ STEADY_DELAY_S = 0.6  # each answer of the slow worker: more than the old fixed 
 def test_a_slow_but_steady_worker_is_never_marked_down(checkpoints):
     """Every answer of the worker comes STEADY_DELAY_S late (a busy machine): its deadline
     follows its observed answer times, so it keeps its share and its answers are used."""
-    from swarm.peer.coordinator import MISS_LIMIT
+    from swarm.peer.coordinator.dispatch import MISS_LIMIT
 
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 1, slow=lambda w, msg: STEADY_DELAY_S)
     try:
@@ -540,7 +540,7 @@ def test_a_worker_that_stops_answering_is_recomputed_within_the_bound(checkpoint
     """A worker stops answering at decode step 2 (hung: its link stays open). Its rows are
     recomputed, the tokens do not change, and it is marked down after MISS_LIMIT misses —
     at the first when its link is silent too — each wait within the deadline's ceiling."""
-    from swarm.peer.coordinator import MISS_LIMIT
+    from swarm.peer.coordinator.dispatch import MISS_LIMIT
 
     hung = threading.Event()
     tamper = rewrite_answers(W1, lambda msg: None if hung.is_set() else msg)
@@ -567,7 +567,7 @@ def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, m
     """The plan never reached W1: its refusal (stale_term, no plan yet) is not a failure. Its
     rows are recomputed, it gets no more requests of that plan but a probe now and then, it is
     sent the plan again, and once it has it, it computes its share."""
-    import swarm.peer.coordinator as C
+    import swarm.peer.coordinator.dispatch as C
 
     refusals, resent = [], []
 

@@ -13,8 +13,8 @@ import pytest
 from swarm.compute.default_model import default_model_path
 from swarm.compute.model import load_model
 from swarm.errors import LocalProtocolError, MessageError
-from swarm.peer import messages as m
-from swarm.peer.stages import Stage, StagedFFN, StageLayout, StageRunner, split_layers
+from swarm.peer.net import messages as m
+from swarm.peer.coordinator.stages import Stage, StagedFFN, StageLayout, StageRunner, split_layers
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 
 MOE = "qwen3_moe"  # MoE layers 0 and 2, dense layer 1

@@ -22,10 +22,10 @@ import pytest
 
 from swarm.compute.ffn import LocalFFN
 from swarm.compute.model import load_model
-from swarm.peer.identity import Identity
+from swarm.keys.identity import Identity
 from swarm.peer.node import Node
 from swarm.peer.roles import SwarmRoles
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.conftest import require
 from tests.peer._links import run_in_netns

@@ -8,7 +8,7 @@ the order the hidden state visits them. The coordinator keeps the embeddings, th
 the head and sampling: ``Model.forward`` embeds the tokens and hands the rows [T, H] to
 :meth:`StagedFFN.run_layers`, which runs each stage in turn — its own with
 ``Model.layers`` (the FFN of those layers through ``inner``, e.g. a
-:class:`~swarm.peer.coordinator.RemoteFFN` that still hands expert and dense ranges out), a
+:class:`~swarm.peer.coordinator.dispatch.RemoteFFN` that still hands expert and dense ranges out), a
 worker's as one :class:`StageRequest` whose :class:`StageAnswer` carries the rows on. A stage
 runs the engine's own ``Model.layers`` on the same rows, so the logits are the local run's
 bits.
@@ -51,10 +51,10 @@ import numpy as np
 
 from swarm.compute.ffn import LocalFFN
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
-from swarm.peer.coordinator import PeerTiming
-from swarm.peer.costmodel import MESSAGE_OVERHEAD_S
-from swarm.peer.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest
-from swarm.peer.planner import Span
+from swarm.peer.coordinator.dispatch import PeerTiming
+from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S
+from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest
+from swarm.peer.coordinator.planner import Span
 
 log = logging.getLogger(__name__)
 
@@ -457,12 +457,12 @@ def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] |
 
     ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
     to their speed; ``"auto"`` takes the fastest placement that fits by the cost model
-    (:func:`swarm.peer.costmodel.choose`; the coordinator alone is one stage of all layers).
-    ``costs``: :class:`~swarm.peer.costmodel.LayerCosts`; ``coord``, ``workers``:
-    :class:`~swarm.peer.costmodel.PeerCost` (workers that hold the model). Raises
+    (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator alone is one stage of all layers).
+    ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
+    :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model). Raises
     LocalProtocolError for another mode.
     """
-    from swarm.peer import costmodel
+    from swarm.peer.coordinator import costmodel
 
     if mode not in ("stages", "auto"):
         raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages' or 'auto' only")

@@ -92,11 +92,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from swarm.compute.ffn import combine, expert_ffn, expert_rows, route, sum_partials
+from swarm.compute.ffn import combine, swiglu_ffn, expert_rows, route, sum_partials
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.memory import release_pages
-from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
-from swarm.peer.planner import Plan
+from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
+from swarm.peer.coordinator.planner import Plan
 
 log = logging.getLogger(__name__)
 
@@ -513,7 +513,7 @@ class RemoteFFN:
         """Expert ``e`` over ``rows`` here; an expert the plan gives another peer, or one of ours
         beyond our budget, is read from the mapped file and its pages given back after."""
         w = self.model.expert_weights(layer, e)
-        out = expert_ffn(w, rows)
+        out = swiglu_ffn(w, rows)
         if (layer, e) in self._streamed or self.plan.expert_owner(layer, e) != self.plan.coordinator:
             for q in (w.gate, w.up, w.down):
                 release_pages(q.data)
@@ -531,7 +531,7 @@ class RemoteFFN:
         plan = self.plan
         spans = plan.dense.get(layer)
         if not spans:
-            return expert_ffn(self.model.dense_weights(layer), x)
+            return swiglu_ffn(self.model.dense_weights(layer), x)
         pending = {}
         for i, s in enumerate(spans):
             if self._remote(s.peer):
@@ -541,15 +541,15 @@ class RemoteFFN:
         partials: list[np.ndarray | None] = [None] * len(spans)
         for i, s in enumerate(spans):
             if i not in pending:
-                partials[i] = expert_ffn(self._slice(layer, s.start, s.stop), x)
+                partials[i] = swiglu_ffn(self._slice(layer, s.start, s.stop), x)
         for i, p in pending.items():
             s = spans[i]
             msg = self._await(p)
             if msg is None:  # failed (or warming up): that span is ours
-                partials[i] = expert_ffn(self._slice(layer, s.start, s.stop), x)
+                partials[i] = swiglu_ffn(self._slice(layer, s.start, s.stop), x)
                 continue
             partials[i] = msg.partials[0]
             if self._should_verify():
                 self._verify(p.peer, layer, f"dense {s.start}:{s.stop}", partials[i],
-                             expert_ffn(self._slice(layer, s.start, s.stop), x))
+                             swiglu_ffn(self._slice(layer, s.start, s.stop), x))
         return sum_partials(partials)

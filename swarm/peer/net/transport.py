@@ -1,14 +1,14 @@
 """An in-process message network for tests and benchmarks: real wire encoding, no sockets.
 
 Each peer attaches a handler; :meth:`LoopbackNet.send` encodes the message with
-:func:`swarm.peer.messages.encode`, lets an optional ``tamper`` hook drop, delay
+:func:`swarm.peer.net.messages.encode`, lets an optional ``tamper`` hook drop, delay
 or rewrite the bytes (loss, corruption, a lying peer), decodes them with
-:func:`swarm.peer.messages.decode` — so a tampered frame meets the same checks as
+:func:`swarm.peer.net.messages.decode` — so a tampered frame meets the same checks as
 one from the network — and hands the message to the destination's handler on
 that destination's own thread, in order, like one reliable ordered data channel.
 Frames that fail to decode are dropped and counted, as a link would drop them.
 
-Real links (:mod:`swarm.peer.link`) replace this in the loopback and multi-host
+Real links (:mod:`swarm.peer.net.link`) replace this in the loopback and multi-host
 tests; the coordinator and worker only see ``send(peer, msg)`` and handlers.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swarm.errors import RemoteProtocolError
-from swarm.peer import messages
+from swarm.peer.net import messages
 
 log = logging.getLogger(__name__)
 
