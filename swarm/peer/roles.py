@@ -56,7 +56,7 @@ import logging
 import random
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError, SwarmError
 from swarm.peer.election import core as el
@@ -72,6 +72,11 @@ from swarm.peer.weights.shipping_aio import PlanShipper, SliceFetcher, shape_fro
 from swarm.peer.weights.slices import ShippedWeights, SliceSpan, decode_slice
 from swarm.peer.coordinator.stages import LAYOUTS, Stage, StagedFFN, StageLayout, StageRunner, choose_stages
 from swarm.peer.worker.ffn import Worker
+
+if TYPE_CHECKING:
+    from swarm.compute.model import Model
+    from swarm.peer.net.link import Link
+    from swarm.peer.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +106,7 @@ class SwarmRoles:
     HTTPS or not (None: HTTPS unless ``api_host`` is loopback; see ``ApiServer.start``).
     """
 
-    def __init__(self, node: Any, model: Any = None, *, tokenizer: Any = None, verify: float = 0.0,
+    def __init__(self, node: Node, model: Model | None = None, *, tokenizer: Any = None, verify: float = 0.0,
                  api_host: str = "0.0.0.0", api_port: int = 0, rng: random.Random | None = None,
                  serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S, layout: str = "ranges",
                  api_tls: bool | None = None) -> None:
@@ -157,7 +162,7 @@ class SwarmRoles:
         node.observed = self._observed
 
     @classmethod
-    async def create(cls, node: Any, model: Any = None, **options: Any) -> SwarmRoles:
+    async def create(cls, node: Node, model: Model | None = None, **options: Any) -> SwarmRoles:
         """Construct in a worker thread: building the tokenizer and indexing the model file
         take seconds on a large model, and the event loop must keep serving links meanwhile."""
         return await asyncio.to_thread(cls, node, model, **options)
@@ -318,13 +323,13 @@ class SwarmRoles:
                 await self._stop_coordinating()
             self.node.role = self.role
 
-    async def _send(self, link: Any, msg: Any) -> None:
+    async def _send(self, link: Link, msg: Any) -> None:
         try:
             await link.send(msg)
         except SwarmError as exc:
             log.info("could not send %s to %s: %s", type(msg).__name__, link.peer_id, exc)
 
-    def _receive(self, link: Any, msg: Any) -> None:
+    def _receive(self, link: Link, msg: Any) -> None:
         if link.peer_id not in self.election.members:
             return  # refused peers (another model) and browser peers take no part in the election
         try:
@@ -333,17 +338,17 @@ class SwarmRoles:
             log.warning("election message from %s refused: %s", link.peer_id, exc)
         self._wake.set()
 
-    def _on_request_vote(self, link: Any, msg: RequestVote) -> None:
+    def _on_request_vote(self, link: Link, msg: RequestVote) -> None:
         self._receive(link, el.RequestVote(msg.term, msg.candidate))
 
-    def _on_vote(self, link: Any, msg: Vote) -> None:
+    def _on_vote(self, link: Link, msg: Vote) -> None:
         self._receive(link, el.Vote(msg.term, link.peer_id, msg.granted))
 
-    def _on_leader_heartbeat(self, link: Any, msg: LeaderHeartbeat) -> None:
+    def _on_leader_heartbeat(self, link: Link, msg: LeaderHeartbeat) -> None:
         self._receive(link, el.LeaderHeartbeat(msg.term, msg.leader))
 
     # ---------------------------------------------------------------- membership
-    def _link_up(self, link: Any) -> None:
+    def _link_up(self, link: Link) -> None:
         hello = link.hello
         if hello is None:
             return
@@ -358,7 +363,7 @@ class SwarmRoles:
             return  # every link, this one included, was weighed again
         self._admit(link)
 
-    def _admit(self, link: Any) -> None:
+    def _admit(self, link: Link) -> None:
         """Make a Python peer a voting member (eligible when it holds this swarm's model), or
         refuse it by name when it holds another model."""
         hello, peer = link.hello, link.peer_id
@@ -393,7 +398,7 @@ class SwarmRoles:
                 self._admit(link)
         return True
 
-    def _refuse_other_model(self, link: Any) -> bool:
+    def _refuse_other_model(self, link: Link) -> bool:
         """Refuse ``link``'s peer by name if it holds another model than this swarm runs.
 
         Another model is another swarm in effect: no vote, no work (a member that could
@@ -542,8 +547,7 @@ class SwarmRoles:
         lay = self._stage_layout or StageLayout(self.election.term, self._plan_version, self.node.peer_id,
                                                 (Stage(self.node.peer_id, 0, n),))
         if self.stages is None:
-            self.stages = StagedFFN(self.model, lay, self._send_threadsafe, inner=self.ffn,
-                                    on_peer_failed=self._peer_failed_threadsafe)
+            self.stages = StagedFFN(self.model, lay, self, inner=self.ffn)
         else:
             self.stages.inner = self.ffn
             self.stages.set_layout(lay)
@@ -558,7 +562,7 @@ class SwarmRoles:
         """What the token loop passes to ``Model.forward``: the stage dispatch, or RemoteFFN."""
         return self.stages if self.stages is not None else self.ffn
 
-    async def _on_stage_plan(self, link: Any, msg: StagePlan) -> None:
+    async def _on_stage_plan(self, link: Link, msg: StagePlan) -> None:
         try:
             self.election.check_term(msg.term, time.monotonic())
             if link.peer_id != self.election.leader and msg.term == self.election.term and self.election.leader:
@@ -571,7 +575,7 @@ class SwarmRoles:
             log.warning("stage plan from %s refused: %s", link.peer_id, exc)
             await self._send(link, Error(0, "bad_plan", f"stage plan v{msg.version} refused: {exc}"))
 
-    async def _on_stage_request(self, link: Any, msg: StageRequest) -> None:
+    async def _on_stage_request(self, link: Link, msg: StageRequest) -> None:
         if self.stage_runner is None:
             await self._send(link, Error(msg.request_id, "model", "this peer holds no model"))
             return
@@ -590,9 +594,7 @@ class SwarmRoles:
         await self._announce(plan)
         if self.election.role is not el.Role.LEADER or self.election.term != term:
             return  # deposed while announcing
-        self.ffn = RemoteFFN(self.model, plan, self._send_threadsafe, verify=self.verify,
-                             on_peer_failed=self._peer_failed_threadsafe,
-                             on_peer_not_ready=self._peer_not_ready_threadsafe, heard=self._last_heard)
+        self.ffn = RemoteFFN(self.model, plan, self, verify=self.verify)
         for peer, link in self.node.links.items():
             if link.rtt_s:
                 self.ffn.set_rtt(peer, link.rtt_s)
@@ -629,14 +631,16 @@ class SwarmRoles:
         self.node.placement = None
         await self._close_api()
 
-    def _send_threadsafe(self, peer: str, msg: Any) -> None:
-        """RemoteFFN's hand-off, called from the token-loop thread."""
+    # The coordinator's Dispatcher (swarm.peer.coordinator.dispatch): RemoteFFN and StagedFFN
+    # call these from the token-loop thread; each hands its work to the event loop.
+    def send(self, peer: str, msg: ExpertRequest | DenseRequest | StageRequest) -> None:
+        """Queue ``msg`` on ``peer``'s link; ConnectionError when there is none."""
         link = self.node.links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to {peer}")
         self._loop.call_soon_threadsafe(lambda: self._spawn(self._send_request(link, msg), "request"))
 
-    async def _send_request(self, link: Any, msg: Any) -> None:
+    async def _send_request(self, link: Link, msg: Any) -> None:
         try:
             await link.send(msg)
         except SwarmError as exc:
@@ -644,15 +648,17 @@ class SwarmRoles:
                 if backend is not None:
                     backend.peer_down(link.peer_id, f"send failed: {exc}")
 
-    def _peer_failed_threadsafe(self, peer: str, reason: str) -> None:
+    def peer_failed(self, peer: str, reason: str) -> None:
+        """Re-plan without ``peer`` (on the event loop)."""
         self._loop.call_soon_threadsafe(self._peer_failed, peer)
 
-    def _last_heard(self, peer: str) -> float | None:
-        """RemoteFFN's view of a link's liveness (monotonic s of its last inbound byte); any thread."""
+    def last_heard(self, peer: str) -> float | None:
+        """A link's liveness (monotonic s of its last inbound byte); None without a link."""
         link = self.node.links.get(peer)
         return link.last_heard if link is not None else None
 
-    def _peer_not_ready_threadsafe(self, peer: str, reason: str) -> None:
+    def peer_not_ready(self, peer: str, reason: str) -> None:
+        """Send ``peer`` the plan in use again (on the event loop)."""
         self._loop.call_soon_threadsafe(lambda: self._spawn(self._resend_plan(peer), "resend-plan"))
 
     async def _resend_plan(self, peer: str) -> None:
@@ -660,7 +666,7 @@ class SwarmRoles:
         plan): send it that plan again, with its slices' offer if it has no model. Not when a
         newer plan is on its way: it has that one, and the old one would be refused as stale."""
         link, ffn = self.node.links.get(peer), self.ffn
-        if link is None or ffn is None or ffn._next_plan is not None:
+        if link is None or ffn is None or ffn.pending_plan is not None:
             return
         if link.hello.model_hash is None:
             try:
@@ -705,12 +711,12 @@ class SwarmRoles:
             self._start_stages()
             log.info("plan v%d over %d worker(s), from the next step", plan.version, len(plan.workers()))
 
-    def _on_answer(self, link: Any, msg: Any) -> None:
+    def _on_answer(self, link: Link, msg: Any) -> None:
         backend = self.stages if isinstance(msg, StageAnswer) else self.ffn
         if backend is not None:
             backend.deliver(link.peer_id, msg)
 
-    def _on_error(self, link: Any, msg: Error) -> None:
+    def _on_error(self, link: Link, msg: Error) -> None:
         if msg.request_id == 0:
             log.warning("peer %s: %s: %s", link.peer_id, msg.code, msg.message)
             if msg.code == "model":  # it runs another model: it will never vote for us
@@ -746,7 +752,7 @@ class SwarmRoles:
             self.api_port = None
 
     # -------------------------------------------------------------------- worker
-    async def _on_plan(self, link: Any, msg: PlanMessage) -> None:
+    async def _on_plan(self, link: Link, msg: PlanMessage) -> None:
         ready = self._plans_ready.setdefault((msg.term, msg.version), asyncio.Event())
         try:
             self.election.check_term(msg.term, time.monotonic())
@@ -770,7 +776,7 @@ class SwarmRoles:
             for key in [k for k in self._plans_ready if k[0] < msg.term]:
                 del self._plans_ready[key]
 
-    def _learn_plan(self, link: Any, plan: Plan) -> None:
+    def _learn_plan(self, link: Link, plan: Plan) -> None:
         """A worker keeps the plan it accepted in its status (roles, shares) and notes a new coordinator."""
         known = (self.node.placement or {}).get("coordinator")
         self.node.placement = {"term": plan.term, "version": plan.version, **plan.to_dict()}
@@ -794,7 +800,7 @@ class SwarmRoles:
                            "failed": peer in ffn.failed}
         return {"peers": peers}
 
-    async def _fetch_slices(self, link: Any, msg: PlanMessage) -> None:
+    async def _fetch_slices(self, link: Link, msg: PlanMessage) -> None:
         """Without the model: fetch and decode the slices ``msg`` gives this peer (offered just
         before it), learning the model's shape from their manifests; then serve from them."""
         fetcher = self._fetchers.get(link.peer_id)
@@ -826,7 +832,7 @@ class SwarmRoles:
         else:
             self.worker.source = shipped  # slices of the plans still served are already decoded
 
-    async def _on_request(self, link: Any, msg: ExpertRequest | DenseRequest) -> None:
+    async def _on_request(self, link: Link, msg: ExpertRequest | DenseRequest) -> None:
         ready = self._plans_ready.get((msg.term, msg.plan_version))
         if ready is not None and not ready.is_set():  # its plan's slices are still coming
             try:

@@ -113,7 +113,7 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
 
     def planned():
         ffn = coord.roles.ffn
-        plan = ffn and (ffn._next_plan or ffn.plan)
+        plan = ffn and (ffn.pending_plan or ffn.plan)
         workers = plan.workers() if plan else ()
         return workers[0] if len(workers) == 1 and coord.roles.api_port else None
 

@@ -94,12 +94,21 @@ class PythonSwarm:
         else:
             self.answers.put_nowait(msg)
 
-    def send_threadsafe(self, peer: str, msg) -> None:
-        """RemoteFFN's hand-off from the token-loop thread (never blocks)."""
+    # RemoteFFN's Dispatcher: called from the token-loop thread, never blocking.
+    def send(self, peer: str, msg) -> None:
         link = self.node.links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to {peer}")
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(link.send(msg)))
+
+    def last_heard(self, peer: str) -> float | None:
+        return None  # unknown: deadlines and the link's close decide
+
+    def peer_failed(self, peer: str, reason: str) -> None:
+        pass  # the test reads the fallbacks from RemoteFFN itself
+
+    def peer_not_ready(self, peer: str, reason: str) -> None:
+        pass
 
     def browser_link(self):
         links = [link for link in self.node.links.values() if link.hello.peer_kind == "browser"]
@@ -339,7 +348,7 @@ def test_page_serves_a_generation_and_its_loss_changes_no_token(swarm, e2e_brows
     aligned = [s.start % 32 == 0 and s.stop % 32 == 0 for s in spans.values()]
     assert fmts == [["q4_1", "q4_1" if a else "f32"] for a in aligned], (fmts, spans)
 
-    ffn = RemoteFFN(model, plan, swarm.send_threadsafe)
+    ffn = RemoteFFN(model, plan, swarm)
     swarm.deliver = ffn.deliver
     swarm.node.on_link_down.append(lambda peer: ffn.peer_down(peer, "link closed"))
     prompt, n, close_at = [1, 504, 3157, 30], 4, 2

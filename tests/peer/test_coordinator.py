@@ -48,8 +48,9 @@ class InProcSwarm:
                                [PeerCapacity(w, 10**9, 1.0) for w in self.ids], term=1, version=1)
         self.net = LoopbackNet(tamper)
         self.failed: list[tuple[str, str]] = []
-        self.ffn = RemoteFFN(self.model, self.plan, self.net.sender(COORD), verify=verify,
-                             rng=random.Random(0), on_peer_failed=lambda p, r: self.failed.append((p, r)))
+        self.ffn = RemoteFFN(self.model, self.plan,
+                             self.net.dispatcher(COORD, on_peer_failed=lambda p, r: self.failed.append((p, r))),
+                             verify=verify, rng=random.Random(0))
         self.net.attach(COORD, self.ffn.deliver)
         self.net.on_peer_down(self.ffn.peer_down)
         self.workers = {w: Worker(w, self.shape, load_model(path)) for w in self.ids}
@@ -199,7 +200,7 @@ def test_killed_worker_mid_generation_then_plan_rebuilt(checkpoints):
         swarm.ffn.set_plan(plan)
         rebuilt.append(plan)
 
-    swarm.ffn.on_peer_failed = on_failed
+    swarm.ffn.dispatcher.on_peer_failed = on_failed
     served_before = {}
 
     def on_step(step):
@@ -296,7 +297,7 @@ def test_smollm2_dense_ranges_on_two_peers(monkeypatch):
     plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=1, version=1,
                       coordinator_share=1.0)
     net = LoopbackNet()
-    ffn = RemoteFFN(model, plan, net.sender(COORD))
+    ffn = RemoteFFN(model, plan, net.dispatcher(COORD))
     net.attach(COORD, ffn.deliver)
     worker = Worker(W1, shape, load_model(path))  # the worker's own copy: only its slices are decoded
     worker.accept_plan(plan)
@@ -394,7 +395,7 @@ def test_a_killed_workers_experts_are_read_from_the_file_and_not_kept(tmp_path):
     assert plan.bytes_of(COORD, shape) <= 4 * shape.expert_bytes and plan.streamed_bytes == 0
     net = LoopbackNet()
     failed = []
-    ffn = RemoteFFN(model, plan, net.sender(COORD), on_peer_failed=lambda p, r: failed.append(p))
+    ffn = RemoteFFN(model, plan, net.dispatcher(COORD, on_peer_failed=lambda p, r: failed.append(p)))
     net.attach(COORD, ffn.deliver)
     net.on_peer_down(ffn.peer_down)
     own = tmp_path / "worker.gguf"  # the worker's own copy: its pages are not the coordinator's
@@ -472,7 +473,7 @@ def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, 
     worker = Worker(W1, shape, load_model(own))
     worker.accept_plan(plan)
     net = LoopbackNet()
-    ffn = RemoteFFN(model, plan, net.sender(COORD))
+    ffn = RemoteFFN(model, plan, net.dispatcher(COORD))
     net.attach(COORD, ffn.deliver)
     net.attach(W1, lambda src, msg: net.send(W1, src, worker.handle(msg)))
     try:
@@ -546,7 +547,7 @@ def test_a_worker_that_stops_answering_is_recomputed_within_the_bound(checkpoint
     tamper = rewrite_answers(W1, lambda msg: None if hung.is_set() else msg)
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=tamper)
     if silent:
-        swarm.ffn.heard = lambda p: time.monotonic() - (60.0 if p == W1 and hung.is_set() else 0.0)
+        swarm.ffn.dispatcher.heard = lambda p: time.monotonic() - (60.0 if p == W1 and hung.is_set() else 0.0)
     try:
         got = greedy(swarm.model, swarm.ffn, n=5, on_step=lambda step: step == 2 and hung.set())
         assert_same(got, local_reference(swarm, n=5))
@@ -583,7 +584,7 @@ def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, m
         resent.append((peer, reason))
         swarm.announce(swarm.ffn.plan, [peer])
 
-    swarm.ffn.on_peer_not_ready = send_again
+    swarm.ffn.dispatcher.on_peer_not_ready = send_again
     try:
         monkeypatch.setattr(C, "NOT_READY_RETRY_S", 3600.0)  # no probe in this phase
         assert_same(greedy(swarm.model, swarm.ffn, n=3), local_reference(swarm, n=3))
