@@ -41,11 +41,11 @@ import hashlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from swarm.peer import wire  # noqa: E402
-from swarm.peer.identity import Identity  # noqa: E402
-from swarm.peer.link import Link, new_peer_connection  # noqa: E402
-from swarm.peer.messages import Hello, NumericBuild, WeightChunk  # noqa: E402
-from swarm.peer.swarmkey import SwarmKey  # noqa: E402
+from swarm.peer.net import wire  # noqa: E402
+from swarm.keys.identity import Identity  # noqa: E402
+from swarm.peer.net.link import Link, new_peer_connection  # noqa: E402
+from swarm.peer.net.messages import Hello, NumericBuild, WeightChunk  # noqa: E402
+from swarm.keys.swarmkey import SwarmKey  # noqa: E402
 
 KEY = SwarmKey(bytes(range(32)))  # both processes must hold the same swarm key
 RAW_CHANNEL_ID = 2

@@ -5,9 +5,9 @@ one bridge, a shipper process in one and a fetcher process in the other, as on t
 
 - ``tcp``: the blob's bytes over one plain TCP connection (asyncio streams), nothing checked:
   the ceiling of this machine.
-- ``https``: :func:`swarm.peer.slice_http.fetch_https` into the slice cache, every chunk and
+- ``https``: :func:`swarm.peer.weights.slice_http.fetch_https` into the slice cache, every chunk and
   the whole slice checked by SHA-256, the certificate pinned (what a worker does).
-- ``channel``: :class:`swarm.peer.shipping_aio.SliceFetcher` over an authenticated aiortc data
+- ``channel``: :class:`swarm.peer.weights.shipping_aio.SliceFetcher` over an authenticated aiortc data
   channel (the fallback path, and the only one before).
 
 To the page (``--page``): headless Chromium opens the peer page from a signaling server in this
@@ -42,7 +42,7 @@ CHUNK = 1 << 20
 
 
 def _key():
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.keys.swarmkey import SwarmKey
 
     return SwarmKey(bytes.fromhex(KEY_HEX))
 
@@ -54,10 +54,10 @@ def _emit(**obj) -> None:
 def _make_link(offerer: bool):
     import numpy as np
 
-    from swarm.peer import wire
-    from swarm.peer.identity import Identity
-    from swarm.peer.link import Link, new_peer_connection
-    from swarm.peer.messages import Hello, NumericBuild
+    from swarm.peer.net import wire
+    from swarm.keys.identity import Identity
+    from swarm.peer.net.link import Link, new_peer_connection
+    from swarm.peer.net.messages import Hello, NumericBuild
 
     ident = Identity.generate()
     cert = ident.rtc_certificate()
@@ -73,9 +73,9 @@ def _make_link(offerer: bool):
 
 async def _serve(address: str, mib: int, channel_mib: int) -> None:
     from swarm import paths
-    from swarm.peer.shipping import SliceSource
-    from swarm.peer.shipping_aio import SliceServer
-    from swarm.peer.slice_http import SliceHttpServer
+    from swarm.peer.weights.shipping import SliceSource
+    from swarm.peer.weights.shipping_aio import SliceServer
+    from swarm.peer.weights.slice_http import SliceHttpServer
     from swarm.signaling import tls
 
     blob = os.urandom(mib << 20)
@@ -117,10 +117,10 @@ async def _serve(address: str, mib: int, channel_mib: int) -> None:
 # -- fetcher (namespace 1) ---------------------------------------------------------------------
 
 async def _fetch(ready: dict, address: str, channel: bool = True) -> dict:
-    from swarm.peer.messages import HttpsSource
-    from swarm.peer.shipping import Manifest, SliceCache
-    from swarm.peer.shipping_aio import SliceFetcher
-    from swarm.peer.slice_http import fetch_https
+    from swarm.peer.net.messages import HttpsSource
+    from swarm.peer.weights.shipping import Manifest, SliceCache
+    from swarm.peer.weights.shipping_aio import SliceFetcher
+    from swarm.peer.weights.slice_http import fetch_https
 
     manifest = Manifest.from_json(ready["manifest"])
     https = HttpsSource(tuple(ready["https"]["urls"]), ready["https"]["cert_sha256"], ready["https"]["token"])
@@ -215,8 +215,8 @@ def to_page(mib: int) -> dict:
     import numpy as np
     from playwright.sync_api import sync_playwright
 
-    from swarm.peer.slice_http import SliceHttpServer
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.peer.weights.slice_http import SliceHttpServer
+    from swarm.keys.swarmkey import SwarmKey
     from swarm.signaling import tls
     from tests.browser.conftest import CHROMIUM
     from tests.browser.test_page_e2e import E2E_ARGS, PythonSwarm, _page_url, _wait_state, lan_address

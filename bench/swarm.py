@@ -76,7 +76,8 @@ PLAN_WAIT_S = 300.0  # a worker process loads its model and measures its FFN spe
 
 def _bench_timeouts() -> float:
     """Lengthen the timeouts (see above); returns the product's request deadline floor (s)."""
-    from swarm.peer import coordinator, election
+    from swarm.peer.coordinator import dispatch as coordinator
+    from swarm.peer.election import core as election
 
     election.ELECTION_TIMEOUT_S = BENCH_ELECTION_TIMEOUT_S
     product_deadline = coordinator.DEADLINE_MIN_S
@@ -212,10 +213,10 @@ def _spawn_worker(path: Path, signal_url: str, key_code: str, name: str, tmp: Pa
 
 async def _worker_main(path: str, signal_url: str, key_code: str, name: str) -> None:
     from swarm.compute.model import load_model
-    from swarm.peer.identity import Identity
+    from swarm.keys.identity import Identity
     from swarm.peer.node import Node
     from swarm.peer.roles import SwarmRoles
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.keys.swarmkey import SwarmKey
 
     model = load_model(path)
     ident = Identity.generate()
@@ -300,10 +301,10 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
                             delays_ms: list[float]) -> dict:
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
-    from swarm.peer.identity import Identity
+    from swarm.keys.identity import Identity
     from swarm.peer.node import Node
     from swarm.peer.roles import SwarmRoles
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.keys.swarmkey import SwarmKey
     from swarm.signaling.server import SignalingServer
 
     model = load_model(path)
@@ -392,7 +393,7 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
                 killed_at.append(time.monotonic())
 
         _progress("recovery from a killed worker")
-        from swarm.peer import coordinator
+        from swarm.peer.coordinator import dispatch as coordinator
 
         coordinator.DEADLINE_MIN_S = PRODUCT_DEADLINE_MIN_S[0]
         await _until(lambda: roles.ffn is not None and len(roles.ffn.plan.workers()) >= 1, 60, "a coordinator with workers")

@@ -172,9 +172,9 @@ def bench_e2e(reps: int) -> dict:
 
     from playwright.sync_api import sync_playwright
 
-    from swarm.peer.messages import DenseAnswer, DenseRequest
-    from swarm.peer.slices import ModelSlicer, SliceSpec
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.peer.net.messages import DenseAnswer, DenseRequest
+    from swarm.peer.weights.slices import ModelSlicer, SliceSpan
+    from swarm.keys.swarmkey import SwarmKey
     from tests.browser.conftest import CHROMIUM
     from tests.browser.test_page_e2e import E2E_ARGS, PythonSwarm, _page_url, _wait_state, lan_address, smollm2_path
 
@@ -204,7 +204,7 @@ def bench_e2e(reps: int) -> dict:
             s = time.perf_counter() - t0
             out["shipping"] = {"bytes": len(blob), "seconds": round(s, 3), "mib_per_s": round(len(blob) / s / 2**20, 2)}
             # Requests: SmolLM2's whole layer-5 MLP (Q4_1 shipped, Q4_1 blocks on the GPU).
-            b2, m2 = ModelSlicer(smollm2_path()).extract(SliceSpec(layer=5, kind="dense", start=0, stop=1536))
+            b2, m2 = ModelSlicer(smollm2_path()).extract(SliceSpan(layer=5, kind="dense", start=0, stop=1536))
             swarm.offer(b2, m2)
             page.wait_for_function("window.colibri.worker.blocks.size === 2", timeout=60_000)
             out["requests"] = []

@@ -146,7 +146,7 @@ def _key(args: argparse.Namespace) -> int:
 
 def _join(args: argparse.Namespace) -> int:
     if args.signal and not args.key:
-        from swarm.peer import swarmkey
+        from swarm.keys import swarmkey
 
         if swarmkey.load() is None:  # a new key here could never join the swarm at --signal
             raise SwarmError("--signal joins an existing swarm, whose key this machine does not have: add "

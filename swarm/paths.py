@@ -21,7 +21,7 @@ import platformdirs
 from swarm.errors import IdentityInUseError
 
 APP_NAME = "colibri-swarm"
-IDENTITY_FILE = "identity.pem"  # the device key and DTLS certificate (swarm.peer.identity)
+IDENTITY_FILE = "identity.pem"  # the device key and DTLS certificate (swarm.keys.identity)
 LOCK_FILE = "peer.lock"  # held by the process that runs a peer from this config directory
 CONFIG_DIR_ENV = "COLIBRI_SWARM_CONFIG_DIR"
 

@@ -8,7 +8,10 @@ paths, error texts) passes through :func:`esc` before it goes into a markup stri
 
 from __future__ import annotations
 
+import io
 from typing import Any
+
+import qrcode
 
 from rich.console import Console
 from rich.markup import escape
@@ -22,3 +25,13 @@ def console(**options: Any) -> Console:
 def esc(value: object) -> str:
     """``str(value)`` with rich markup escaped, to embed in a markup string verbatim."""
     return escape(str(value))
+
+
+def render_qr(text: str) -> str:
+    """``text`` as a QR code drawn with Unicode half blocks (qrcode's ASCII output), one string."""
+    qr = qrcode.QRCode(border=2, error_correction=qrcode.constants.ERROR_CORRECT_M)
+    qr.add_data(text)
+    qr.make(fit=True)
+    out = io.StringIO()
+    qr.print_ascii(out=out, invert=True)
+    return out.getvalue()

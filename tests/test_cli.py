@@ -128,7 +128,7 @@ def test_generate_and_chat_check_their_arguments_before_any_work(no_key, capsys,
 
 def test_the_cli_and_the_api_agree_on_the_highest_temperature():
     from swarm.compute.textgen import MAX_TEMPERATURE, sampling_kwargs
-    from swarm.peer.api import ApiError, parse_chat_request
+    from swarm.peer.coordinator.api import ApiError, parse_chat_request
 
     body = {"messages": [{"role": "user", "content": "hi"}]}
     args = build_parser().parse_args(["chat", "--temperature", str(MAX_TEMPERATURE)])
@@ -158,8 +158,8 @@ def test_join_hosts_its_signaling_server_on_the_port_asked_for(tmp_path):
     import socket
     import time
 
-    from swarm.peer.node import STATUS_FILE
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.peer.status import STATUS_FILE
+    from swarm.keys.swarmkey import SwarmKey
 
     with socket.socket() as s:  # a port free now
         s.bind(("", 0))
@@ -199,7 +199,7 @@ def test_join_at_a_port_in_use_ends_with_one_clear_line(tmp_path):
     import os
     import socket
 
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.keys.swarmkey import SwarmKey
 
     with socket.socket() as taken:
         taken.bind(("", 0))

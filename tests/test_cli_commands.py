@@ -63,7 +63,7 @@ def _env(config_dir: Path) -> dict[str, str]:
 def test_a_new_key_is_refused_while_a_peer_runs_from_the_config_dir(tmp_path, monkeypatch, capsys):
     """The running peer would go on with the old key; once it stops, --new replaces the key."""
     from swarm.cli import main
-    from swarm.peer import swarmkey
+    from swarm.keys import swarmkey
 
     monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path))
     old = swarmkey.create()
@@ -85,13 +85,33 @@ def test_a_new_key_is_refused_while_a_peer_runs_from_the_config_dir(tmp_path, mo
     assert swarmkey.load() not in (None, old)
 
 
+def test_status_runs_without_the_webrtc_stack(tmp_path):
+    """`status` only reads the status file: the whole command runs without importing aiortc."""
+    import json
+    import time
+
+    from swarm.peer.status import STATUS_FILE
+
+    doc = {"pid": os.getpid(), "updated": time.time() + 3600, "swarm_id": "swarm-no-rtc", "peer_id": "p" * 26,
+           "name": "here", "role": "coordinator", "peers": [], "placement": None, "events": []}
+    (tmp_path / STATUS_FILE).write_text(json.dumps(doc))
+    code = ("import sys; from swarm.cli import main; rc = main(['status']); "
+            "print('modules', sorted(m for m in sys.modules if m.split('.')[0] in ('aiortc', 'aioice', 'av'))); "
+            "sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(tmp_path),
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "swarm-no-rtc" in out.stdout
+    assert "modules []" in out.stdout, out.stdout
+
+
 def test_status_watch_into_a_pipe_prints_a_snapshot_per_interval(tmp_path):
     """No terminal to redraw: plain snapshots, each with the swarm, never silence."""
     import json
     import threading
     import time
 
-    from swarm.peer.node import STATUS_FILE
+    from swarm.peer.status import STATUS_FILE
 
     doc = {"pid": os.getpid(), "updated": time.time() + 3600, "swarm_id": "swarm-in-a-pipe", "peer_id": "p" * 26,
            "name": "here", "role": "coordinator", "peers": [], "placement": None, "events": []}

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from swarm.peer.node import PeerEvent, _print_event, _print_header
 from swarm.peer.status import main_status
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.address import SignalAddress
 from swarm.terminal import console, esc
 

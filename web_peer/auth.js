@@ -2,9 +2,9 @@
 //
 // - The swarm key arrives in the page URL's fragment (`#…`, never sent to a server) as its
 //   typeable code (56 Crockford base32 symbols with a 3-byte check) or as 64 hex digits.
-// - Sub-keys: HKDF-SHA256, empty salt, info "colibri-swarm v1 <label>" (swarm/peer/swarmkey.py).
+// - Sub-keys: HKDF-SHA256, empty salt, info "colibri-swarm v1 <label>" (swarm/keys/swarmkey.py).
 // - Signaling proof (swarm/signaling/auth.py): HMAC over label ‖ 0x00 ‖ nonces ‖ peer id.
-// - Channel authentication (docs/protocol.md §6, swarm/peer/auth.py): a sans-I/O state machine,
+// - Channel authentication (docs/protocol.md §6, swarm/peer/net/auth.py): a sans-I/O state machine,
 //   AuthHello → AuthProof, MACs over a transcript that binds both DTLS fingerprints, ordered by
 //   offer/answer role. Frames in, frames out; `await` only for WebCrypto.
 import { encodeMessage, decodeMessage, PROTOCOL_VERSION } from "./wire.js";

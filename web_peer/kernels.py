@@ -98,7 +98,7 @@ def down(h: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     return h @ w_down.T  # [T, H]
 
 
-def expert_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+def swiglu_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     """One SwiGLU expert over a batch of rows: x [T, H] → [T, H] float32.
 
     w_gate, w_up [F, H]; w_down [H, F]. A dense range is the same call with W_gate[r], W_up[r],
@@ -107,11 +107,11 @@ def expert_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.n
     return down(swiglu(x, w_gate, w_up), w_down)
 
 
-dense_range = expert_ffn
+dense_range = swiglu_ffn
 
 
-def expert_ffn_f64(x, w_gate, w_up, w_down) -> np.ndarray:
-    """The float64 reference of :func:`expert_ffn` (inputs upcast), for checking the twin itself."""
+def swiglu_ffn_f64(x, w_gate, w_up, w_down) -> np.ndarray:
+    """The float64 reference of :func:`swiglu_ffn` (inputs upcast), for checking the twin itself."""
     x, w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down))
     g = x @ w_gate.T
     return ((g / (1.0 + np.exp(-g))) * (x @ w_up.T)) @ w_down.T

@@ -45,7 +45,7 @@ def page_addresses(rv: Any) -> list[SignalAddress]:
 def page_link_text(rv: Any, key_code: str) -> str | None:
     """What `join` prints for phones: the page URL and its QR code (plus the host's other
     addresses, when it has several), or None when no address is known."""
-    from swarm.peer.keycmd import render_qr
+    from swarm.terminal import render_qr
 
     addresses = page_addresses(rv)
     if not addresses:

@@ -1,6 +1,6 @@
 // One authenticated data-channel link from the page to a Python peer (the coordinator).
 //
-// Theory of operation (the Python twin is swarm/peer/link.py): the page always offers (Chrome
+// Theory of operation (the Python twin is swarm/peer/net/link.py): the page always offers (Chrome
 // then forms the link through peer-reflexive candidates, docs/architecture.md §7). One ordered, reliable data
 // channel, negotiated with stream id 0, is created before the offer. States, in order only:
 //   connecting → authenticating → greeting → open → closed
@@ -127,7 +127,7 @@ export class PeerLink {
       this.onopen(this);
       return;
     }
-    if (msg.kind === "Heartbeat") {
+    if (msg.kind === "LinkHeartbeat") {
       if (this.sentBeats.get(msg.seq) === msg.sent_s) { this.sentBeats.delete(msg.seq); this.rttS = now() - msg.sent_s; } else await this.send(msg);  // echo theirs unchanged
       return;
     }
@@ -143,7 +143,7 @@ export class PeerLink {
       const seq = this.heartbeatSeq++, sent = now();
       this.sentBeats.set(seq, sent);
       if (this.sentBeats.size > 16) this.sentBeats.delete(this.sentBeats.keys().next().value);
-      this.send({ kind: "Heartbeat", seq, sent_s: sent }).catch(() => {});
+      this.send({ kind: "LinkHeartbeat", seq, sent_s: sent }).catch(() => {});
     }, HEARTBEAT_S * 1000));
   }
 

@@ -1,5 +1,5 @@
 // A peer's share of the model, read from a plan: compressed ranges in words and a picture.
-// Used by the peer page (from the Plan message's assignments) and the dashboard (from the plan
+// Used by the peer page (from the PlanMessage's assignments) and the dashboard (from the plan
 // dict the coordinator publishes); both are first turned into one form, `units`:
 //   units: Map layer → Map kind → {total, byPeer: Map peer → [[start, stop), …]}
 // kind is "experts" (expert indices) or "dense" (rows of the MLP's intermediate dimension),
@@ -30,7 +30,7 @@ function add(units, layer, kind, peer, start, stop) {
   k.byPeer.get(peer).push([start, stop]);
 }
 
-/** Units of a Plan message's assignments [{layer, peer, experts: [int], dense: [[start, stop]]}]. */
+/** Units of a PlanMessage's assignments [{layer, peer, experts: [int], dense: [[start, stop]]}]. */
 export function unitsFromAssignments(assignments) {
   const units = new Map();
   for (const a of assignments) {

@@ -1,7 +1,7 @@
 // Weight slices shipped by the coordinator, decoded in the page: GGUF Q4_0/Q4_1/Q8_0 blocks stay
 // blocks (the kernels read them), other encodings decode to float32.
 //
-// A slice (swarm/peer/slices.py) is one blob of the FFN tensors of one layer — roles gate, up,
+// A slice (swarm/peer/weights/slices.py) is one blob of the FFN tensors of one layer — roles gate, up,
 // down — in the model file's own encoding, plus a JSON meta:
 //   {version: 1, format, spec: {layer, kind: "dense"|"experts", start, stop},
 //    tensors: [{role, encoding, shape, offset, nbytes}, ...]}   (gate, up, down in that order)

@@ -72,7 +72,7 @@ export async function clearSlices() {
   try { await caches.delete(CACHE); } catch { /* nothing kept */ }
 }
 
-// ---- bulk fetch over HTTPS (the Python twin is swarm/peer/slice_http.py) ------------------------
+// ---- bulk fetch over HTTPS (the Python twin is swarm/peer/weights/slice_http.py) ------------------------
 
 export const MAX_CHUNK_TRIES = 4;  // a chunk that fails its SHA-256 this often ends the fetch
 

@@ -47,7 +47,7 @@ function heldAssignments(keys, peer) {
 }
 
 /**
- * This peer's share: of the plan `assignments` (every peer's, as in the Plan message) when one
+ * This peer's share: of the plan `assignments` (every peer's, as in the PlanMessage) when one
  * came; before any plan, what the GPU holds (`heldKeys`), without a percentage (no whole to divide by).
  */
 export function showShare(assignments, peerId, heldKeys = []) {

@@ -1,7 +1,7 @@
 // The wire protocol of colibri-swarm in the browser: frames, fragments and typed messages.
 //
 // Theory of operation (the specification is docs/protocol.md; the Python twin is
-// swarm/peer/wire.py + swarm/peer/messages.py; both decode tests/vectors/ byte for byte):
+// swarm/peer/net/wire.py + swarm/peer/net/messages.py; both decode tests/vectors/ byte for byte):
 // - a frame is a 24-byte header, UTF-8 JSON metadata, a tensor table and 8-byte aligned tensor
 //   blocks, viewed zero-copy as typed arrays when aligned;
 // - frames above the remote's SCTP max-message-size travel as fragments (Fragmenter) and are
@@ -288,7 +288,7 @@ export class Reassembler {
   }
 }
 
-// ---- messages (docs/protocol.md §4-5; swarm/peer/messages.py) ---------------------------------
+// ---- messages (docs/protocol.md §4-5; swarm/peer/net/messages.py) ---------------------------------
 
 export const PEER_ID_RE = /^[a-z2-7]{26}$/;
 export const HEX64_RE = /^[0-9a-f]{64}$/;
@@ -297,7 +297,7 @@ const ROWS = { tensor: { dtypes: ["f32", "f16"], rank: 2 } };
 const IDS = { tensor: { dtypes: ["i32"], rank: 1 } };
 const PAIR = { pair: ["int", "int"] };
 const BUILD = { record: [["package", "str"], ["numpy", "str"], ["blas", "str"], ["arch", "str"], ["kernel_dtype", "str"]] };
-// Where a slice can also be fetched over HTTPS (Range requests; swarm/peer/slice_http.py).
+// Where a slice can also be fetched over HTTPS (Range requests; swarm/peer/weights/slice_http.py).
 const HTTPS_SOURCE = { record: [["urls", { list: "str" }], ["cert_sha256", "str"], ["token", "str"]] };
 const STAGE = { record: [["peer", "str"], ["layer_start", "int"], ["layer_stop", "int"]] };
 const ASSIGNMENT = { record: [["layer", "int"], ["peer", "str"], ["experts", { list: "int" }], ["dense", { list: PAIR }]] };
@@ -334,13 +334,13 @@ export const KINDS = {
       ["adapter_limits", { map: "int" }], ["adapter_features", { list: "str" }], ["name", "str"]],
     check: (m) => { peerId(m.peer_id, "peer_id"); if (m.model_hash !== null) hex64(m.model_hash, "model_hash"); },
   },
-  4: { name: "Heartbeat", fields: [["seq", "int"], ["sent_s", "float"]] },
+  4: { name: "LinkHeartbeat", fields: [["seq", "int"], ["sent_s", "float"]] },
   5: { name: "Error", rid: true, fields: [["code", "str"], ["message", "str"]] },
   16: { name: "RequestVote", fields: [["term", "int"], ["candidate", "str"], ["last_term", "int"], ["last_plan_version", "int"], ["capability", "float"]], check: (m) => peerId(m.candidate, "candidate") },
   17: { name: "Vote", fields: [["term", "int"], ["granted", "bool"]] },
   18: { name: "LeaderHeartbeat", fields: [["term", "int"], ["leader", "str"], ["plan_version", "int"]], check: (m) => peerId(m.leader, "leader") },
   19: {
-    name: "Plan", fields: [["term", "int"], ["version", "int"], ["assignments", { list: ASSIGNMENT }]],
+    name: "PlanMessage", fields: [["term", "int"], ["version", "int"], ["assignments", { list: ASSIGNMENT }]],
     check: (m) => m.assignments.forEach((a, i) => { peerId(a.peer, `assignments[${i}].peer`); ranges(a.dense, `assignments[${i}].dense`); }),
   },
   20: {

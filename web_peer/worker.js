@@ -1,8 +1,8 @@
 // The browser worker: holds the slices the coordinator assigns, serves ExpertRequest and
-// DenseRequest with the WebGPU kernels. The Python twin is swarm/peer/worker.py.
+// DenseRequest with the WebGPU kernels. The Python twin is swarm/peer/worker/ffn.py.
 //
 // Theory of operation, on one open link to the coordinator:
-// - Plan: keep our assignments (layers, experts, dense ranges) for the UI and for term checks.
+// - PlanMessage: keep our assignments (layers, experts, dense ranges) for the UI and for term checks.
 // - WeightManifest (name = slice SHA-256, encoding = "slice/v1 " + meta JSON): take the blob from
 //   Cache Storage if it is there (verified), else pull it: WeightChunkRequest runs, at most WINDOW
 //   chunks in flight, each chunk checked against the manifest's SHA-256 (never the digest the chunk
@@ -47,7 +47,7 @@ export class BrowserWorker {
   /** Route the coordinator's messages on `link` to this worker. */
   attach(link) {
     this.link = link;
-    link.on("Plan", (m) => this.onPlan(m));
+    link.on("PlanMessage", (m) => this.onPlan(m));
     link.on("WeightManifest", (m, l) => this.onManifest(m, l).catch((e) => {
       const d = this.downloads.get(m.name);
       if (d) d.failed = true;  // no longer loading

@@ -12,16 +12,16 @@ rows gets the same bits:
 * **MoE layer.** ``logits = model.router_logits(layer, x)`` [T, E]; ``routing =
   route(logits, **model.routing_config(layer).kwargs())``; ``rows = expert_rows(routing)``
   gives each selected expert its row indices, ascending. Each expert ``e`` is computed as
-  ``expert_ffn(model.expert_weights(layer, e), x[rows[e]])`` — over exactly its own rows in
+  ``swiglu_ffn(model.expert_weights(layer, e), x[rows[e]])`` — over exactly its own rows in
   ascending order, so its result does not depend on which other rows a request carries.
   ``combine(T, H, routing, outputs, shared=model.shared_expert_output(layer, x))`` then
   adds the weighted expert rows in the **fixed order: experts ascending** (for a given row,
   its k contributions are added in ascending expert index — the order transformers' expert
   loop uses), starting from zeros, and adds the shared expert (already sigmoid-gated for
   Qwen2-MoE) last.
-* **Dense layer.** The whole MLP is ``expert_ffn(model.dense_weights(layer), x)``. Under a
+* **Dense layer.** The whole MLP is ``swiglu_ffn(model.dense_weights(layer), x)``. Under a
   plan that splits the intermediate dimension into ranges ``[(lo0, hi0), (lo1, hi1), ...]``
-  (ascending, covering ``0:F``), each holder computes ``expert_ffn(model.dense_weights(layer,
+  (ascending, covering ``0:F``), each holder computes ``swiglu_ffn(model.dense_weights(layer,
   lo, hi), x)`` (= :func:`dense_partial`) and the partials are summed **in range order** by
   :func:`sum_partials`. The sum equals the full MLP up to float rounding; the same plan
   gives the same bits locally and in the swarm.
@@ -128,7 +128,7 @@ def expert_rows(routing: Routing) -> dict[int, np.ndarray]:
     return {e: (idx // k).astype(np.int64) for e, idx in _expert_slots(routing).items()}
 
 
-def expert_ffn(weights: MLPWeights, x_rows: np.ndarray) -> np.ndarray:
+def swiglu_ffn(weights: MLPWeights, x_rows: np.ndarray) -> np.ndarray:
     """One expert (or dense slice) over its rows: x_rows [n, H] f32 → [n, H] f32 (SwiGLU)."""
     assert x_rows.dtype == F32, x_rows.dtype
     return swiglu(weights, np.ascontiguousarray(x_rows))
@@ -137,11 +137,11 @@ def expert_ffn(weights: MLPWeights, x_rows: np.ndarray) -> np.ndarray:
 def dense_partial(weights: MLPWeights, x: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """``W_down[:, lo:hi] @ (silu(W_gate[lo:hi] x) * W_up[lo:hi] x)`` for x [T, H] f32 → [T, H].
 
-    ``weights`` is the whole layer's MLP. Bit-identical to ``expert_ffn(weights.range(lo, hi), x)``,
+    ``weights`` is the whole layer's MLP. Bit-identical to ``swiglu_ffn(weights.range(lo, hi), x)``,
     which is what a range holder computes from ``model.dense_weights(layer, lo, hi)``.
     Partials of ranges that cover ``0:F`` sum (in range order, :func:`sum_partials`) to the full MLP.
     """
-    return expert_ffn(weights.range(lo, hi), x)
+    return swiglu_ffn(weights.range(lo, hi), x)
 
 
 def sum_partials(partials: Sequence[np.ndarray]) -> np.ndarray:
@@ -220,7 +220,7 @@ class LocalFFN:
         if self._moe[layer]:
             T, H = x.shape
             routing = route(m.router_logits(layer, x), **m.routing_config(layer).kwargs())
-            outputs = {e: expert_ffn(m.expert_weights(layer, e), x[rows])
+            outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x[rows])
                        for e, rows in expert_rows(routing).items()}
             return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x))
         ranges = self.plan.get(layer)
@@ -228,11 +228,11 @@ class LocalFFN:
             w = self._whole.get(layer)
             if w is None:
                 w = self._whole[layer] = m.dense_weights(layer)
-            return expert_ffn(w, x)
+            return swiglu_ffn(w, x)
         partials = []
         for lo, hi in ranges:
             key = (layer, lo, hi)
             if key not in self._slices:
                 self._slices[key] = m.dense_weights(layer, lo, hi)
-            partials.append(expert_ffn(self._slices[key], x))
+            partials.append(swiglu_ffn(self._slices[key], x))
         return sum_partials(partials)

@@ -7,11 +7,11 @@ the coordinator's mDNS record (:mod:`swarm.peer.api_discovery`) — also what a 
 token is the stored swarm key's API token, or ``$COLIBRI_SWARM_API_KEY``.
 
 HTTPS is pinned: the only trusted certificate authority is the swarm's API CA, derived from the
-stored key (:mod:`swarm.peer.api_tls`); without a stored key, the system's trust store
+stored key (:mod:`swarm.peer.coordinator.api_tls`); without a stored key, the system's trust store
 (``SSL_CERT_FILE`` points it at ``api-ca.pem`` written by ``colibri-swarm key``).
 
 Requests use the standard library's HTTP client (a blocking stream is all a terminal needs);
-replies stream as Server-Sent Events (:mod:`swarm.peer.api`).
+replies stream as Server-Sent Events (:mod:`swarm.peer.coordinator.api`).
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ class Endpoint:
 
 def _endpoint(url: str, token: str) -> Endpoint:
     """An endpoint for ``url`` whose HTTPS trusts only the stored swarm key's API CA."""
-    from swarm.peer import swarmkey
+    from swarm.keys import swarmkey
 
     tls = None
     if url.startswith("https://"):
         key = swarmkey.load()
         if key is not None:
-            from swarm.peer.api_tls import client_context
+            from swarm.peer.coordinator.api_tls import client_context
 
             tls = client_context(key)
     return Endpoint(url.rstrip("/"), token, tls)
@@ -71,7 +71,7 @@ def _token() -> str:
     token = os.environ.get(API_KEY_ENV)
     if token:
         return token
-    from swarm.peer import swarmkey
+    from swarm.keys import swarmkey
 
     key = swarmkey.load()
     if key is None:
@@ -121,7 +121,7 @@ def find_endpoint(api: str | None = None, *, mdns: bool = True, token: str | Non
         return _endpoint(url, token)
     if not mdns:
         return None
-    from swarm.peer import swarmkey
+    from swarm.keys import swarmkey
     from swarm.peer.api_discovery import find_api
 
     key = swarmkey.load()

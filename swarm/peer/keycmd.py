@@ -9,32 +9,20 @@ old key.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 from typing import TextIO
 
-import qrcode
-
 from swarm import paths
 from swarm.errors import SwarmError
-from swarm.peer import swarmkey
-
-
-def render_qr(text: str) -> str:
-    """``text`` as a QR code drawn with Unicode half blocks (qrcode's ASCII output), one string."""
-    qr = qrcode.QRCode(border=2, error_correction=qrcode.constants.ERROR_CORRECT_M)
-    qr.add_data(text)
-    qr.make(fit=True)
-    out = io.StringIO()
-    qr.print_ascii(out=out, invert=True)
-    return out.getvalue()
+from swarm.terminal import render_qr
+from swarm.keys import swarmkey
 
 
 def show_key(key: swarmkey.SwarmKey, out: TextIO) -> None:
     """Print the swarm id, the code and its QR code, the API token, and write the API's CA
-    certificate to the config directory (:func:`swarm.peer.api_tls.write_ca`), naming it."""
+    certificate to the config directory (:func:`swarm.peer.coordinator.api_tls.write_ca`), naming it."""
     from swarm.paths import config_dir
-    from swarm.peer.api_tls import ca_fingerprint, write_ca
+    from swarm.peer.coordinator.api_tls import ca_fingerprint, write_ca
 
     print(f"swarm id: {key.swarm_id}", file=out)
     print(f"swarm key code (type it on another machine: colibri-swarm join --key CODE):\n\n    {key.code}\n", file=out)

@@ -16,7 +16,7 @@ or worker), printing the swarm, its role and peers as they come and go.
     await node.stop()                               # links closed, tasks cancelled, mDNS goodbye
 
 Under it: a :class:`~swarm.discovery.Rendezvous` (find the signaling server by mDNS or host
-one; re-host when the host leaves) and a :class:`~swarm.peer.mesh.Mesh` (authenticated links to
+one; re-host when the host leaves) and a :class:`~swarm.peer.net.mesh.Mesh` (authenticated links to
 every Python peer). The node pumps rendezvous events into the mesh, and keeps a status file
 (:data:`STATUS_FILE` in the config directory, rewritten every :data:`STATUS_EVERY_S`) that
 ``colibri-swarm status`` reads.
@@ -45,19 +45,18 @@ from aiortc.rtcdtlstransport import RTCCertificate
 from swarm import __version__, paths
 from swarm.discovery import Connected, Rendezvous
 from swarm.errors import SwarmError
-from swarm.peer import wire
-from swarm.peer.link import Handler, Link
-from swarm.peer.mesh import Mesh
-from swarm.peer.messages import Hello, NumericBuild
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.net import wire
+from swarm.peer.net.link import Handler, Link
+from swarm.peer.net.mesh import Mesh
+from swarm.peer.net.messages import Hello, NumericBuild
+from swarm.keys.swarmkey import SwarmKey
+from swarm.peer.status import STATUS_EVERY_S, STATUS_FILE
 from swarm.signaling.client import PeerJoined, PeerLeft, SignalReceived, SignalRefused
 from swarm.signaling.relay import DUPLICATE_NOTICE
 from swarm.terminal import esc
 
 log = logging.getLogger(__name__)
 
-STATUS_FILE = "status.json"
-STATUS_EVERY_S = 1.0  # status file refresh period; `status` treats a file older than 5x this as stale
 ROLE_POLL_S = 0.5  # how often `join` looks for a role change to print
 LEAVE_STEP_S = 5.0  # the longest each shutdown step of `join` may take before it is abandoned
 EVENTS_KEPT = 50  # the newest swarm events in the status document (dashboard, `status --watch`)
@@ -355,7 +354,7 @@ async def _join(args: Any, console: Any) -> None:
 
 
 async def _run_peer(args: Any, console: Any) -> None:
-    from swarm.peer import identity, swarmkey
+    from swarm.keys import identity, swarmkey
     from swarm.peer.roles import SwarmRoles
 
     paths.lock_config_dir()  # first: one process per identity (and its key file); the OS releases it at exit
@@ -399,7 +398,7 @@ async def _run_peer(args: Any, console: Any) -> None:
                 api = f", OpenAI API on port {api_port}" if api_port else ""
                 console.print(f"role: [bold]{esc(node.role)}[/]{api}")
                 if api_port and node.placement.get("api_scheme") == "https":
-                    from swarm.peer.api_tls import ca_fingerprint
+                    from swarm.peer.coordinator.api_tls import ca_fingerprint
 
                     console.print(f"the API speaks HTTPS; its CA certificate SHA-256 {esc(ca_fingerprint(key))} "
                                   "(`colibri-swarm key` writes it to a file for other clients)")
@@ -465,7 +464,7 @@ def _print_header(console: Any, node: Node) -> None:
 def _print_dashboard(console: Any, node: Node, roles: Any, port: int) -> None:
     """The coordinator's dashboard URL (the key in its fragment), beside the peer page's."""
     from swarm.discovery.addresses import local_addresses
-    from swarm.peer.dashboard import dashboard_url
+    from swarm.peer.coordinator.dashboard import dashboard_url
 
     host = (local_addresses() or ["127.0.0.1"])[0]
     scheme = getattr(roles.api, "scheme", None) or "http"

@@ -3,16 +3,16 @@
 Theory of operation
 -------------------
 :class:`SwarmRoles` is the thin asyncio adapter around the sans-I/O cores. It
-feeds the :class:`~swarm.peer.election.Election` with the node's links — every
+feeds the :class:`~swarm.peer.election.core.Election` with the node's links — every
 Python peer whose link opens becomes a voting member, eligible when its hello
 names our model hash — with election messages (``RequestVote``, ``Vote``,
 ``LeaderHeartbeat``) and with the links' liveness, and sends what the core
 wants sent. Its outcome switches this peer's role:
 
-* **coordinator** — builds a :class:`~swarm.peer.planner.Plan` from the hellos
+* **coordinator** — builds a :class:`~swarm.peer.coordinator.planner.Plan` from the hellos
   of the peers that can compute (Python peers with our model or none, and the
   browser peers linked to it), sends it to them, wraps the model in a
-  :class:`~swarm.peer.coordinator.RemoteFFN` and serves the OpenAI API with it.
+  :class:`~swarm.peer.coordinator.dispatch.RemoteFFN` and serves the OpenAI API with it.
   A peer that fails or whose link goes down gets no more work: the plan is
   rebuilt and sent, and RemoteFFN switches to it at the next step. A failed
   peer that is reachable again gets work back after ``READMIT_S`` (checked on
@@ -20,19 +20,19 @@ wants sent. Its outcome switches this peer's role:
   join get work from the next plan the same way. A worker that refuses a request as not
   serving its plan (``stale_term``) keeps its place and is sent the plan again.
 * **worker** — accepts the coordinator's plans and serves its FFN requests with a
-  :class:`~swarm.peer.worker.Worker`, in one compute thread, off the event loop.
+  :class:`~swarm.peer.worker.ffn.Worker`, in one compute thread, off the event loop.
 
 Layouts (``layout``): ``"ranges"`` cuts every layer's FFN over the peers; ``"stages"`` gives
-the peers that hold the model contiguous layer ranges (:mod:`swarm.peer.stages`: a
-``StagePlan`` follows the ``Plan``, the coordinator's :class:`~swarm.peer.stages.StagedFFN`
-wraps its RemoteFFN, each worker answers with a :class:`~swarm.peer.stages.StageRunner`);
-``"auto"`` lets the cost model (:mod:`swarm.peer.costmodel`) pick whichever is fastest from
+the peers that hold the model contiguous layer ranges (:mod:`swarm.peer.coordinator.stages`: a
+``StagePlan`` follows the ``Plan``, the coordinator's :class:`~swarm.peer.coordinator.stages.StagedFFN`
+wraps its RemoteFFN, each worker answers with a :class:`~swarm.peer.coordinator.stages.StageRunner`);
+``"auto"`` lets the cost model (:mod:`swarm.peer.coordinator.costmodel`) pick whichever is fastest from
 the peers' memory, observed speed and RTT. The prices go to ``status --json``.
 
 Weights: a worker that holds the model (same content hash) decodes only its
 slices from its own file. One that joined with ``--no-model`` gets them shipped:
 before the coordinator announces a plan, it offers such a worker the slices the
-plan gives it (:class:`~swarm.peer.shipping_aio.PlanShipper`: the file's own
+plan gives it (:class:`~swarm.peer.weights.shipping_aio.PlanShipper`: the file's own
 encoding, SHA-256 per chunk, resumable, cached on the worker by hash). The
 worker fetches and decodes them when the plan arrives, and holds back requests
 of that plan until they are in (the first request of a plan has a generous
@@ -56,22 +56,27 @@ import logging
 import random
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError, SwarmError
-from swarm.peer import election as el
-from swarm.peer.coordinator import RemoteFFN
-from swarm.peer.costmodel import LayerCosts, PeerCost, observed_gflops
-from swarm.peer.messages import (
-    DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, LeaderHeartbeat, Plan as PlanMessage,
+from swarm.peer.election import core as el
+from swarm.peer.coordinator.dispatch import RemoteFFN
+from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost, observed_gflops
+from swarm.peer.net.messages import (
+    DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, LeaderHeartbeat, PlanMessage,
     RequestVote, StageAnswer, StagePlan, StageRequest, Vote,
 )
-from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall_message
-from swarm.peer.shipping import SliceCache
-from swarm.peer.shipping_aio import PlanShipper, SliceFetcher, shape_from_meta
-from swarm.peer.slices import ShippedWeights, SliceSpec, decode_slice
-from swarm.peer.stages import LAYOUTS, Stage, StagedFFN, StageLayout, StageRunner, choose_stages
-from swarm.peer.worker import Worker
+from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall_message
+from swarm.peer.weights.shipping import SliceCache
+from swarm.peer.weights.shipping_aio import PlanShipper, SliceFetcher, shape_from_meta
+from swarm.peer.weights.slices import ShippedWeights, SliceSpan, decode_slice
+from swarm.peer.coordinator.stages import LAYOUTS, Stage, StagedFFN, StageLayout, StageRunner, choose_stages
+from swarm.peer.worker.ffn import Worker
+
+if TYPE_CHECKING:
+    from swarm.compute.model import Model
+    from swarm.peer.net.link import Link
+    from swarm.peer.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +106,7 @@ class SwarmRoles:
     HTTPS or not (None: HTTPS unless ``api_host`` is loopback; see ``ApiServer.start``).
     """
 
-    def __init__(self, node: Any, model: Any = None, *, tokenizer: Any = None, verify: float = 0.0,
+    def __init__(self, node: Node, model: Model | None = None, *, tokenizer: Any = None, verify: float = 0.0,
                  api_host: str = "0.0.0.0", api_port: int = 0, rng: random.Random | None = None,
                  serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S, layout: str = "ranges",
                  api_tls: bool | None = None) -> None:
@@ -157,7 +162,7 @@ class SwarmRoles:
         node.observed = self._observed
 
     @classmethod
-    async def create(cls, node: Any, model: Any = None, **options: Any) -> SwarmRoles:
+    async def create(cls, node: Node, model: Model | None = None, **options: Any) -> SwarmRoles:
         """Construct in a worker thread: building the tokenizer and indexing the model file
         take seconds on a large model, and the event loop must keep serving links meanwhile."""
         return await asyncio.to_thread(cls, node, model, **options)
@@ -292,7 +297,7 @@ class SwarmRoles:
         e = self.election
         for dest, msg in e.messages_to_send():
             match msg:
-                case el.Heartbeat():
+                case el.LeaderHeartbeat():
                     wire = LeaderHeartbeat(msg.term, msg.leader, self._plan_version)
                 case el.RequestVote():
                     wire = RequestVote(msg.term, msg.candidate, self._last_leader_term, self._plan_version,
@@ -318,13 +323,13 @@ class SwarmRoles:
                 await self._stop_coordinating()
             self.node.role = self.role
 
-    async def _send(self, link: Any, msg: Any) -> None:
+    async def _send(self, link: Link, msg: Any) -> None:
         try:
             await link.send(msg)
         except SwarmError as exc:
             log.info("could not send %s to %s: %s", type(msg).__name__, link.peer_id, exc)
 
-    def _receive(self, link: Any, msg: Any) -> None:
+    def _receive(self, link: Link, msg: Any) -> None:
         if link.peer_id not in self.election.members:
             return  # refused peers (another model) and browser peers take no part in the election
         try:
@@ -333,17 +338,17 @@ class SwarmRoles:
             log.warning("election message from %s refused: %s", link.peer_id, exc)
         self._wake.set()
 
-    def _on_request_vote(self, link: Any, msg: RequestVote) -> None:
+    def _on_request_vote(self, link: Link, msg: RequestVote) -> None:
         self._receive(link, el.RequestVote(msg.term, msg.candidate))
 
-    def _on_vote(self, link: Any, msg: Vote) -> None:
+    def _on_vote(self, link: Link, msg: Vote) -> None:
         self._receive(link, el.Vote(msg.term, link.peer_id, msg.granted))
 
-    def _on_leader_heartbeat(self, link: Any, msg: LeaderHeartbeat) -> None:
-        self._receive(link, el.Heartbeat(msg.term, msg.leader))
+    def _on_leader_heartbeat(self, link: Link, msg: LeaderHeartbeat) -> None:
+        self._receive(link, el.LeaderHeartbeat(msg.term, msg.leader))
 
     # ---------------------------------------------------------------- membership
-    def _link_up(self, link: Any) -> None:
+    def _link_up(self, link: Link) -> None:
         hello = link.hello
         if hello is None:
             return
@@ -358,7 +363,7 @@ class SwarmRoles:
             return  # every link, this one included, was weighed again
         self._admit(link)
 
-    def _admit(self, link: Any) -> None:
+    def _admit(self, link: Link) -> None:
         """Make a Python peer a voting member (eligible when it holds this swarm's model), or
         refuse it by name when it holds another model."""
         hello, peer = link.hello, link.peer_id
@@ -393,7 +398,7 @@ class SwarmRoles:
                 self._admit(link)
         return True
 
-    def _refuse_other_model(self, link: Any) -> bool:
+    def _refuse_other_model(self, link: Link) -> bool:
         """Refuse ``link``'s peer by name if it holds another model than this swarm runs.
 
         Another model is another swarm in effect: no vote, no work (a member that could
@@ -542,8 +547,7 @@ class SwarmRoles:
         lay = self._stage_layout or StageLayout(self.election.term, self._plan_version, self.node.peer_id,
                                                 (Stage(self.node.peer_id, 0, n),))
         if self.stages is None:
-            self.stages = StagedFFN(self.model, lay, self._send_threadsafe, inner=self.ffn,
-                                    on_peer_failed=self._peer_failed_threadsafe)
+            self.stages = StagedFFN(self.model, lay, self, inner=self.ffn)
         else:
             self.stages.inner = self.ffn
             self.stages.set_layout(lay)
@@ -558,7 +562,7 @@ class SwarmRoles:
         """What the token loop passes to ``Model.forward``: the stage dispatch, or RemoteFFN."""
         return self.stages if self.stages is not None else self.ffn
 
-    async def _on_stage_plan(self, link: Any, msg: StagePlan) -> None:
+    async def _on_stage_plan(self, link: Link, msg: StagePlan) -> None:
         try:
             self.election.check_term(msg.term, time.monotonic())
             if link.peer_id != self.election.leader and msg.term == self.election.term and self.election.leader:
@@ -571,7 +575,7 @@ class SwarmRoles:
             log.warning("stage plan from %s refused: %s", link.peer_id, exc)
             await self._send(link, Error(0, "bad_plan", f"stage plan v{msg.version} refused: {exc}"))
 
-    async def _on_stage_request(self, link: Any, msg: StageRequest) -> None:
+    async def _on_stage_request(self, link: Link, msg: StageRequest) -> None:
         if self.stage_runner is None:
             await self._send(link, Error(msg.request_id, "model", "this peer holds no model"))
             return
@@ -590,9 +594,7 @@ class SwarmRoles:
         await self._announce(plan)
         if self.election.role is not el.Role.LEADER or self.election.term != term:
             return  # deposed while announcing
-        self.ffn = RemoteFFN(self.model, plan, self._send_threadsafe, verify=self.verify,
-                             on_peer_failed=self._peer_failed_threadsafe,
-                             on_peer_not_ready=self._peer_not_ready_threadsafe, heard=self._last_heard)
+        self.ffn = RemoteFFN(self.model, plan, self, verify=self.verify)
         for peer, link in self.node.links.items():
             if link.rtt_s:
                 self.ffn.set_rtt(peer, link.rtt_s)
@@ -629,14 +631,16 @@ class SwarmRoles:
         self.node.placement = None
         await self._close_api()
 
-    def _send_threadsafe(self, peer: str, msg: Any) -> None:
-        """RemoteFFN's hand-off, called from the token-loop thread."""
+    # The coordinator's Dispatcher (swarm.peer.coordinator.dispatch): RemoteFFN and StagedFFN
+    # call these from the token-loop thread; each hands its work to the event loop.
+    def send(self, peer: str, msg: ExpertRequest | DenseRequest | StageRequest) -> None:
+        """Queue ``msg`` on ``peer``'s link; ConnectionError when there is none."""
         link = self.node.links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to {peer}")
         self._loop.call_soon_threadsafe(lambda: self._spawn(self._send_request(link, msg), "request"))
 
-    async def _send_request(self, link: Any, msg: Any) -> None:
+    async def _send_request(self, link: Link, msg: Any) -> None:
         try:
             await link.send(msg)
         except SwarmError as exc:
@@ -644,15 +648,17 @@ class SwarmRoles:
                 if backend is not None:
                     backend.peer_down(link.peer_id, f"send failed: {exc}")
 
-    def _peer_failed_threadsafe(self, peer: str, reason: str) -> None:
+    def peer_failed(self, peer: str, reason: str) -> None:
+        """Re-plan without ``peer`` (on the event loop)."""
         self._loop.call_soon_threadsafe(self._peer_failed, peer)
 
-    def _last_heard(self, peer: str) -> float | None:
-        """RemoteFFN's view of a link's liveness (monotonic s of its last inbound byte); any thread."""
+    def last_heard(self, peer: str) -> float | None:
+        """A link's liveness (monotonic s of its last inbound byte); None without a link."""
         link = self.node.links.get(peer)
         return link.last_heard if link is not None else None
 
-    def _peer_not_ready_threadsafe(self, peer: str, reason: str) -> None:
+    def peer_not_ready(self, peer: str, reason: str) -> None:
+        """Send ``peer`` the plan in use again (on the event loop)."""
         self._loop.call_soon_threadsafe(lambda: self._spawn(self._resend_plan(peer), "resend-plan"))
 
     async def _resend_plan(self, peer: str) -> None:
@@ -660,7 +666,7 @@ class SwarmRoles:
         plan): send it that plan again, with its slices' offer if it has no model. Not when a
         newer plan is on its way: it has that one, and the old one would be refused as stale."""
         link, ffn = self.node.links.get(peer), self.ffn
-        if link is None or ffn is None or ffn._next_plan is not None:
+        if link is None or ffn is None or ffn.pending_plan is not None:
             return
         if link.hello.model_hash is None:
             try:
@@ -705,12 +711,12 @@ class SwarmRoles:
             self._start_stages()
             log.info("plan v%d over %d worker(s), from the next step", plan.version, len(plan.workers()))
 
-    def _on_answer(self, link: Any, msg: Any) -> None:
+    def _on_answer(self, link: Link, msg: Any) -> None:
         backend = self.stages if isinstance(msg, StageAnswer) else self.ffn
         if backend is not None:
             backend.deliver(link.peer_id, msg)
 
-    def _on_error(self, link: Any, msg: Error) -> None:
+    def _on_error(self, link: Link, msg: Error) -> None:
         if msg.request_id == 0:
             log.warning("peer %s: %s: %s", link.peer_id, msg.code, msg.message)
             if msg.code == "model":  # it runs another model: it will never vote for us
@@ -725,8 +731,8 @@ class SwarmRoles:
         if self.api is not None:
             self.api.backend.ffn = self.engine_ffn
             return
-        from swarm.peer.api import ApiServer, EngineBackend
-        from swarm.peer.dashboard import Dashboard
+        from swarm.peer.coordinator.api import ApiServer, EngineBackend
+        from swarm.peer.coordinator.dashboard import Dashboard
 
         backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.engine_ffn)
         self.api = ApiServer.for_swarm_key(backend, self.node.swarm_key)
@@ -746,7 +752,7 @@ class SwarmRoles:
             self.api_port = None
 
     # -------------------------------------------------------------------- worker
-    async def _on_plan(self, link: Any, msg: PlanMessage) -> None:
+    async def _on_plan(self, link: Link, msg: PlanMessage) -> None:
         ready = self._plans_ready.setdefault((msg.term, msg.version), asyncio.Event())
         try:
             self.election.check_term(msg.term, time.monotonic())
@@ -770,7 +776,7 @@ class SwarmRoles:
             for key in [k for k in self._plans_ready if k[0] < msg.term]:
                 del self._plans_ready[key]
 
-    def _learn_plan(self, link: Any, plan: Plan) -> None:
+    def _learn_plan(self, link: Link, plan: Plan) -> None:
         """A worker keeps the plan it accepted in its status (roles, shares) and notes a new coordinator."""
         known = (self.node.placement or {}).get("coordinator")
         self.node.placement = {"term": plan.term, "version": plan.version, **plan.to_dict()}
@@ -794,22 +800,22 @@ class SwarmRoles:
                            "failed": peer in ffn.failed}
         return {"peers": peers}
 
-    async def _fetch_slices(self, link: Any, msg: PlanMessage) -> None:
+    async def _fetch_slices(self, link: Link, msg: PlanMessage) -> None:
         """Without the model: fetch and decode the slices ``msg`` gives this peer (offered just
         before it), learning the model's shape from their manifests; then serve from them."""
         fetcher = self._fetchers.get(link.peer_id)
         if fetcher is None:
             raise RemoteProtocolError(f"plan from {link.peer_id}, which offers no weights to this peer")
         me = self.node.peer_id
-        need = {SliceSpec(a.layer, "experts", a.experts[0], a.experts[-1] + 1) for a in msg.assignments
+        need = {SliceSpan(a.layer, "experts", a.experts[0], a.experts[-1] + 1) for a in msg.assignments
                 if a.peer == me and a.experts}
-        need |= {SliceSpec(a.layer, "dense", lo, hi) for a in msg.assignments if a.peer == me for lo, hi in a.dense}
+        need |= {SliceSpan(a.layer, "dense", lo, hi) for a in msg.assignments if a.peer == me for lo, hi in a.dense}
         shipped, shape = ShippedWeights(), None
         async with self._ship_lock:
             async with asyncio.timeout(SHIP_TIMEOUT_S):
                 while need:
                     manifest = await fetcher.offers.get()
-                    spec = SliceSpec.from_json(manifest.meta.get("spec", {}))
+                    spec = SliceSpan.from_json(manifest.meta.get("spec", {}))
                     if spec not in need:
                         continue  # an offer of an older plan
                     shape = shape_from_meta(manifest.meta)
@@ -826,7 +832,7 @@ class SwarmRoles:
         else:
             self.worker.source = shipped  # slices of the plans still served are already decoded
 
-    async def _on_request(self, link: Any, msg: ExpertRequest | DenseRequest) -> None:
+    async def _on_request(self, link: Link, msg: ExpertRequest | DenseRequest) -> None:
         ready = self._plans_ready.get((msg.term, msg.plan_version))
         if ready is not None and not ready.is_set():  # its plan's slices are still coming
             try:

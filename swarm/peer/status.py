@@ -1,6 +1,6 @@
 """``colibri-swarm status [--json | --watch]``: the swarm as the peer running on this machine sees it.
 
-The running ``join`` keeps a status file (:data:`swarm.peer.node.STATUS_FILE` in the config
+The running ``join`` keeps a status file (:data:`STATUS_FILE` in the config
 directory, rewritten every second, written atomically); this command reads it. A file whose
 process is gone, or that has not been rewritten for :data:`STALE_AFTER_S`, is reported as a
 stopped peer rather than shown as if it were live. ``--watch`` redraws the view every
@@ -22,9 +22,10 @@ from typing import Any
 
 from swarm import paths
 from swarm.errors import SwarmError
-from swarm.peer.node import STATUS_EVERY_S, STATUS_FILE
 
-STALE_AFTER_S = 5 * STATUS_EVERY_S
+STATUS_FILE = "status.json"
+STATUS_EVERY_S = 1.0  # the running join rewrites the file this often, seconds
+STALE_AFTER_S = 5 * STATUS_EVERY_S  # an older file is from a join that is gone
 WATCH_EVERY_S = 1.0
 WATCH_EVENTS = 8  # the newest events under the table in --watch
 WIDTH = 80

@@ -9,7 +9,7 @@ Theory of operation (docs/protocol.md, "Signaling"):
    ``server_mac = HMAC(K_sig, SERVER_LABEL || 0x00 || client_nonce || server_nonce || peer_id)``,
    so a stranger's server that does not hold the key cannot collect peers.
 
-``K_sig`` is the swarm key's ``signaling`` sub-key (:attr:`swarm.peer.swarmkey.SwarmKey.signaling_key`,
+``K_sig`` is the swarm key's ``signaling`` sub-key (:attr:`swarm.keys.swarmkey.SwarmKey.signaling_key`,
 HKDF-SHA256 with its own label), so the signaling MAC never shares a key with channel
 authentication. The sub-keys are derived in swarmkey.py only; the two functions below name
 them for the signaling code, which holds the key as bytes.
@@ -24,7 +24,7 @@ import hmac
 import secrets
 
 from swarm.errors import AuthenticationError, LocalProtocolError
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 
 NONCE_BYTES = 32
 MAC_BYTES = 32

@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from swarm.peer import identity
+from swarm.keys import identity
 
 pytestmark = pytest.mark.browser
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from swarm.compute.model import load_model
-from swarm.peer.identity import Identity
+from swarm.keys.identity import Identity
 from swarm.peer.node import Node
 from swarm.peer.roles import SwarmRoles
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.browser.test_page_e2e import E2E_ARGS, lan_address, smollm2_path
 from tests.conftest import require
@@ -113,7 +113,7 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
 
     def planned():
         ffn = coord.roles.ffn
-        plan = ffn and (ffn._next_plan or ffn.plan)
+        plan = ffn and (ffn.pending_plan or ffn.plan)
         workers = plan.workers() if plan else ()
         return workers[0] if len(workers) == 1 and coord.roles.api_port else None
 

@@ -53,14 +53,14 @@ def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=None, ranges
 
 @pytest.mark.parametrize("fmt", ["f32", "q8"])
 @pytest.mark.parametrize("shape", [(1, 64, 128), (13, 576, 512)])
-def test_expert_ffn_in_chromium_matches_twin(page, fmt, shape):
+def test_swiglu_ffn_in_chromium_matches_twin(page, fmt, shape):
     rng = np.random.default_rng(11)
     x, wg, wu, wd = ffn_block(rng, *shape)
     r = _run(page, x, wg, wu, wd, fmt)
     assert r["formats"] == ["f32", "q8", "q4_0", "q4_1", "q8_0"]  # SwiftShader has no shader-f16
     eff = [K.as_format(w, fmt) for w in (wg, wu, wd)]
-    assert rel_error(r["ys"][0], K.expert_ffn(x, *eff)) <= 1e-5
-    assert rel_error(r["ys"][0], K.expert_ffn_f64(x, *eff)) <= 1e-5
+    assert rel_error(r["ys"][0], K.swiglu_ffn(x, *eff)) <= 1e-5
+    assert rel_error(r["ys"][0], K.swiglu_ffn_f64(x, *eff)) <= 1e-5
 
 
 def test_dense_ranges_and_phone_limits_in_chromium(page):
@@ -74,7 +74,7 @@ def test_dense_ranges_and_phone_limits_in_chromium(page):
     assert r["largest"] <= 16 << 10
     for (a, b), y in zip(zip(cuts, cuts[1:]), r["ys"]):
         assert rel_error(y, K.dense_range(x, wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]))) <= 1e-5
-    assert rel_error(sum(r["ys"]), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+    assert rel_error(sum(r["ys"]), K.swiglu_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "q8"])
@@ -161,9 +161,9 @@ def test_block_ffn_in_chromium_matches_twin_and_gguf(page, fmt, shape):
     raws = [K.quantize_blocks(w, fmt) for w in (wg, wu, wd)]
     r = _run(page, x, *raws, "f32", blocks=fmt.upper(), f=shape[2])
     twin = [K.unpack_matrix(K.pack_matrix(raw, fmt, 1 << 30)) for raw in raws]
-    assert rel_error(r["ys"][0], K.expert_ffn(x, *twin)) <= 1e-5
+    assert rel_error(r["ys"][0], K.swiglu_ffn(x, *twin)) <= 1e-5
     gguf64 = [dequantize(raw, GGMLQuantizationType[fmt.upper()]).astype(np.float64) for raw in raws]
-    assert rel_error(r["ys"][0], K.expert_ffn_f64(x, *gguf64)) <= 1e-5
+    assert rel_error(r["ys"][0], K.swiglu_ffn_f64(x, *gguf64)) <= 1e-5
     # Compact on the GPU: the file's bytes (f = 128, 256 rows: no padding rows).
     assert r["gpuBytes"][0] == sum(raw.nbytes for raw in raws)
 
@@ -175,7 +175,7 @@ def test_q4_1_blocks_with_float_down_in_chromium(page):
     rg, ru = K.quantize_blocks(wg, "q4_1"), K.quantize_blocks(wu, "q4_1")
     r = _run(page, x, rg, ru, wd, "f32", blocks="Q4_1", f=33, down_blocks=False)
     g64 = [dequantize(a, GGMLQuantizationType.Q4_1).astype(np.float64) for a in (rg, ru)]
-    assert rel_error(r["ys"][0], K.expert_ffn_f64(x, *g64, wd)) <= 1e-5
+    assert rel_error(r["ys"][0], K.swiglu_ffn_f64(x, *g64, wd)) <= 1e-5
 
 
 @pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)

@@ -60,16 +60,16 @@ def test_lavapipe_has_shader_f16(gpu):
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "q8"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_expert_ffn_matches_twin(gpu, fmt, shape):
+def test_swiglu_ffn_matches_twin(gpu, fmt, shape):
     rng = np.random.default_rng(hash((fmt, shape)) % 2**32)
     x, wg, wu, wd = ffn_block(rng, *shape)
     y = gpu.ffn(x, gpu.upload(wg, wu, wd, fmt))
     assert y.shape == (shape[0], shape[1]) and y.dtype == np.float32
     eff = [K.as_format(w, fmt) for w in (wg, wu, wd)]  # what the kernel multiplies by
-    assert rel_error(y, K.expert_ffn(x, *eff)) <= 1e-5
-    assert rel_error(y, K.expert_ffn_f64(x, *eff)) <= 1e-5
+    assert rel_error(y, K.swiglu_ffn(x, *eff)) <= 1e-5
+    assert rel_error(y, K.swiglu_ffn_f64(x, *eff)) <= 1e-5
     # Against the original float32 weights: exact for f32, the format's rounding otherwise.
-    assert rel_error(y, K.expert_ffn_f64(x, wg, wu, wd)) <= {"f32": 1e-5, "f16": 2e-3, "q8": 3e-2}[fmt]
+    assert rel_error(y, K.swiglu_ffn_f64(x, wg, wu, wd)) <= {"f32": 1e-5, "f16": 2e-3, "q8": 3e-2}[fmt]
 
 
 def test_dense_ranges_sum_to_full_mlp(gpu):
@@ -82,7 +82,7 @@ def test_dense_ranges_sum_to_full_mlp(gpu):
         part = gpu.ffn(x, gpu.upload(wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]), "f32"))
         assert rel_error(part, K.dense_range(x, wg[a:b], wu[a:b], np.ascontiguousarray(wd[:, a:b]))) <= 1e-5
         total += part
-    assert rel_error(total, K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+    assert rel_error(total, K.swiglu_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8"])
@@ -98,7 +98,7 @@ def test_phone_limits_split_bindings(new_gpu, fmt):
     y = gpu.ffn(x, w)
     assert gpu.largest_binding <= cap
     eff = [K.as_format(m, fmt) for m in (wg, wu, wd)]
-    assert rel_error(y, K.expert_ffn_f64(x, *eff)) <= 1e-5
+    assert rel_error(y, K.swiglu_ffn_f64(x, *eff)) <= 1e-5
 
 
 def test_workgroup_size_override_within_limits(new_gpu):
@@ -107,7 +107,7 @@ def test_workgroup_size_override_within_limits(new_gpu):
     gpu = new_gpu(workgroup_size=256)
     rng = np.random.default_rng(4)
     x, wg, wu, wd = ffn_block(rng, 9, 128, 64)
-    assert rel_error(gpu.ffn(x, gpu.upload(wg, wu, wd, "f32")), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+    assert rel_error(gpu.ffn(x, gpu.upload(wg, wu, wd, "f32")), K.swiglu_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
 def test_row_larger_than_binding_is_refused(new_gpu):
@@ -145,7 +145,7 @@ def test_lost_device_fails_the_request_then_recovers(new_gpu):
     with pytest.raises(KernelError, match="upload them again"):
         gpu.ffn(x, w)  # stale weights are never used on the fresh device
     w = gpu.upload(wg, wu, wd, "f32")
-    assert rel_error(gpu.ffn(x, w), K.expert_ffn_f64(x, wg, wu, wd)) <= 1e-5
+    assert rel_error(gpu.ffn(x, w), K.swiglu_ffn_f64(x, wg, wu, wd)) <= 1e-5
 
 
 def test_q8_packing_round_trip():
@@ -188,9 +188,9 @@ def test_block_twin_dequantizes_as_gguf(fmt):
 def test_block_twin_on_the_files_own_q4_1_rows():
     # Real blocks: SmolLM2's layer-0 gate rows straight from the GGUF file.
     from tests.browser.test_page_e2e import smollm2_path
-    from swarm.peer.slices import ModelSlicer, SliceSpec
+    from swarm.peer.weights.slices import ModelSlicer, SliceSpan
 
-    blob, meta = ModelSlicer(smollm2_path()).extract(SliceSpec(0, "dense", 0, 64))
+    blob, meta = ModelSlicer(smollm2_path()).extract(SliceSpan(0, "dense", 0, 64))
     gate = meta["tensors"][0]
     assert gate["encoding"] == "Q4_1" and gate["shape"] == [64, 576]
     raw = np.frombuffer(blob, np.uint8, gate["nbytes"], gate["offset"]).reshape(64, -1)
@@ -210,8 +210,8 @@ def test_block_ffn_matches_twin_and_gguf(gpu, fmt, shape):
     y = gpu.ffn(x, w)
     assert y.shape == (shape[0], shape[1]) and y.dtype == np.float32
     twin = [K.unpack_matrix(K.pack_matrix(r, fmt, 1 << 30)) for r in raws]
-    assert rel_error(y, K.expert_ffn(x, *twin)) <= 1e-5
-    assert rel_error(y, K.expert_ffn_f64(x, *(_gguf_f64(r, fmt) for r in raws))) <= 1e-5
+    assert rel_error(y, K.swiglu_ffn(x, *twin)) <= 1e-5
+    assert rel_error(y, K.swiglu_ffn_f64(x, *(_gguf_f64(r, fmt) for r in raws))) <= 1e-5
 
 
 def test_blocks_with_an_unaligned_float_down(gpu):
@@ -221,7 +221,7 @@ def test_blocks_with_an_unaligned_float_down(gpu):
     x, wg, wu, wd = ffn_block(rng, 4, 64, 33)
     rg, ru = K.quantize_blocks(wg, "q4_1"), K.quantize_blocks(wu, "q4_1")
     y = gpu.ffn(x, gpu.upload(rg, ru, wd, "q4_1", down_fmt="f32"))
-    ref = K.expert_ffn_f64(x, _gguf_f64(rg, "q4_1"), _gguf_f64(ru, "q4_1"), wd)
+    ref = K.swiglu_ffn_f64(x, _gguf_f64(rg, "q4_1"), _gguf_f64(ru, "q4_1"), wd)
     assert rel_error(y, ref) <= 1e-5
 
 
@@ -238,7 +238,7 @@ def test_block_parts_under_phone_limits(new_gpu, fmt):
     assert w.gate.packed.parts[0] == (0, 85)
     y = gpu.ffn(x, w)
     assert gpu.largest_binding <= cap
-    assert rel_error(y, K.expert_ffn_f64(x, *(_gguf_f64(r, fmt) for r in raws))) <= 1e-5
+    assert rel_error(y, K.swiglu_ffn_f64(x, *(_gguf_f64(r, fmt) for r in raws))) <= 1e-5
 
 
 def test_bad_blocks_are_refused(gpu):

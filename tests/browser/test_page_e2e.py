@@ -22,14 +22,14 @@ import threading
 import numpy as np
 import pytest
 
-from swarm.peer import messages as M
-from swarm.peer.identity import Identity
-from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
+from swarm.peer.net import messages as M
+from swarm.keys.identity import Identity
+from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
 from swarm.peer.node import Node
-from swarm.peer.shipping import SliceSource
-from swarm.peer.shipping_aio import SliceServer
-from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.weights.shipping import SliceSource
+from swarm.peer.weights.shipping_aio import SliceServer
+from swarm.peer.weights.slices import ModelSlicer, SliceSpan, decode_slice
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS
 from tests.conftest import require
@@ -94,12 +94,21 @@ class PythonSwarm:
         else:
             self.answers.put_nowait(msg)
 
-    def send_threadsafe(self, peer: str, msg) -> None:
-        """RemoteFFN's hand-off from the token-loop thread (never blocks)."""
+    # RemoteFFN's Dispatcher: called from the token-loop thread, never blocking.
+    def send(self, peer: str, msg) -> None:
         link = self.node.links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to {peer}")
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(link.send(msg)))
+
+    def last_heard(self, peer: str) -> float | None:
+        return None  # unknown: deadlines and the link's close decide
+
+    def peer_failed(self, peer: str, reason: str) -> None:
+        pass  # the test reads the fallbacks from RemoteFFN itself
+
+    def peer_not_ready(self, peer: str, reason: str) -> None:
+        pass
 
     def browser_link(self):
         links = [link for link in self.node.links.values() if link.hello.peer_kind == "browser"]
@@ -198,7 +207,7 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
 
     # A real SmolLM2 dense slice (GGUF Q4_1 blocks), shipped in its own encoding.
     slicer = ModelSlicer(smollm2_path())
-    spec = SliceSpec(layer=3, kind="dense", start=256, stop=768)
+    spec = SliceSpan(layer=3, kind="dense", start=256, stop=768)
     blob, meta = slicer.extract(spec)
     manifest = swarm.offer(blob, meta)
     _wait_state(page, "serving")
@@ -226,8 +235,8 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     ans = swarm.request(req)
     assert isinstance(ans, ExpertAnswer), ans
     assert ans.expert_ids.tolist() == [6, 4, 5] and ans.outputs.shape == (5, 64)
-    assert _rel(ans.outputs[:2], K.expert_ffn(rows[:2], eg[2], eu[2], ed[2])) <= 1e-5
-    assert _rel(ans.outputs[2:], K.expert_ffn(rows[2:], eg[0], eu[0], ed[0])) <= 1e-5
+    assert _rel(ans.outputs[:2], K.swiglu_ffn(rows[:2], eg[2], eu[2], ed[2])) <= 1e-5
+    assert _rel(ans.outputs[2:], K.swiglu_ffn(rows[2:], eg[0], eu[0], ed[0])) <= 1e-5
 
     # Requests in flight together are served one after the other on the GPU, each right.
     both = swarm.request_all([DenseRequest(request_id=20, term=0, plan_version=0, layer=3, ranges=((256, 768),), x=x),
@@ -235,7 +244,7 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
                                             row_counts=np.array([5], np.int32), rows=rows)])
     by_id = {a.request_id: a for a in both}
     assert _rel(by_id[20].partials[0], K.dense_range(x, gate, up, down)) <= 1e-5
-    assert _rel(by_id[21].outputs, K.expert_ffn(rows, eg[0], eu[0], ed[0])) <= 1e-5
+    assert _rel(by_id[21].outputs, K.swiglu_ffn(rows, eg[0], eu[0], ed[0])) <= 1e-5
 
     # Weights it does not hold → an Error answer (the coordinator recomputes), never numbers.
     bad = swarm.request(DenseRequest(request_id=9, term=0, plan_version=0, layer=4, ranges=((0, 8),), x=x))
@@ -244,7 +253,7 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     assert "Serving" in page.inner_text("#state") and page.inner_text("#served") == "4"
 
     # A plan that keeps only the dense range: the expert weights leave the GPU, the UI says so.
-    plan = M.Plan(term=0, version=1, assignments=(M.Assignment(layer=3, peer=link.peer_id, experts=(), dense=((256, 768),)),))
+    plan = M.PlanMessage(term=0, version=1, assignments=(M.Assignment(layer=3, peer=link.peer_id, experts=(), dense=((256, 768),)),))
     swarm.call(link.send(plan))
     page.wait_for_function("window.colibri.worker.blocks.size === 1", timeout=10000)
     assert page.inner_text("#assigned") == "layer 3: MLP rows 256–768"
@@ -311,8 +320,8 @@ def test_page_serves_a_generation_and_its_loss_changes_no_token(swarm, e2e_brows
     plan; the page is closed mid-generation and the coordinator recomputes: still the same tokens."""
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
-    from swarm.peer.coordinator import RemoteFFN
-    from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.coordinator.dispatch import RemoteFFN
+    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
 
     ctx = e2e_browser.new_context(ignore_https_errors=True)
     page = ctx.new_page()
@@ -331,7 +340,7 @@ def test_page_serves_a_generation_and_its_loss_changes_no_token(swarm, e2e_brows
     swarm.call(link.send(plan.to_message()))
     slicer = ModelSlicer(path)
     for layer, s in spans.items():
-        swarm.offer(*slicer.extract(SliceSpec(layer=layer, kind="dense", start=s.start, stop=s.stop)), chunk_size=1 << 20)
+        swarm.offer(*slicer.extract(SliceSpan(layer=layer, kind="dense", start=s.start, stop=s.stop)), chunk_size=1 << 20)
     page.wait_for_function(f"window.colibri.worker.blocks.size === {len(spans)}", timeout=120_000)
     assert re.match(r"layers? 0(–\d+)?: MLP rows \d+–\d+", page.inner_text("#assigned"))  # ranges compressed
     # gate/up on the file's Q4_1 blocks; down too where the range falls on 32-column blocks.
@@ -339,7 +348,7 @@ def test_page_serves_a_generation_and_its_loss_changes_no_token(swarm, e2e_brows
     aligned = [s.start % 32 == 0 and s.stop % 32 == 0 for s in spans.values()]
     assert fmts == [["q4_1", "q4_1" if a else "f32"] for a in aligned], (fmts, spans)
 
-    ffn = RemoteFFN(model, plan, swarm.send_threadsafe)
+    ffn = RemoteFFN(model, plan, swarm)
     swarm.deliver = ffn.deliver
     swarm.node.on_link_down.append(lambda peer: ffn.peer_down(peer, "link closed"))
     prompt, n, close_at = [1, 504, 3157, 30], 4, 2

@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from swarm.peer.messages import DenseAnswer, DenseRequest, ExpertAnswer, ExpertRequest, HttpsSource
-from swarm.peer.slice_http import SliceHttpServer
-from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
+from swarm.peer.net.messages import DenseAnswer, DenseRequest, ExpertAnswer, ExpertRequest, HttpsSource
+from swarm.peer.weights.slice_http import SliceHttpServer
+from swarm.peer.weights.slices import ModelSlicer, SliceSpan, decode_slice
 from swarm.signaling import tls
 from tests.browser.test_page_e2e import (  # noqa: F401 - fixtures
     _page_url, _rel, _wait_state, e2e_browser, expert_slice, smollm2_path, swarm,
@@ -63,7 +63,7 @@ def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e
 
         # A real SmolLM2 dense slice (Q4_1 blocks) over HTTPS: the data channel carries none of it.
         slicer = ModelSlicer(smollm2_path())
-        blob, meta = slicer.extract(SliceSpec(layer=3, kind="dense", start=256, stop=768))
+        blob, meta = slicer.extract(SliceSpan(layer=3, kind="dense", start=256, stop=768))
         manifest = swarm.source.offer(blob, meta, chunk_size=64 << 10)
         offer = http.source_for(manifest)
         assert offer.urls == (f"https://{swarm.address}:{http.port}",)
@@ -94,7 +94,7 @@ def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e
         ans = swarm.request(ExpertRequest(request_id=8, term=0, plan_version=0, layer=1, expert_ids=np.array([5], np.int32),
                                           row_counts=np.array([2], np.int32), rows=rows))
         assert isinstance(ans, ExpertAnswer), ans
-        assert _rel(ans.outputs, K.expert_ffn(rows, eg[1], eu[1], ed[1])) <= 1e-5
+        assert _rel(ans.outputs, K.swiglu_ffn(rows, eg[1], eu[1], ed[1])) <= 1e-5
 
         # A chunk tampered with once on the server is refused by the page and fetched again.
         tblob, tmeta, tg, tu, td = expert_slice(rng, layer=2, start=0, n=2, h=64, f=96)
@@ -121,7 +121,7 @@ def test_page_fetches_slices_over_https_and_falls_back_to_the_channel(swarm, e2e
         ans = swarm.request(ExpertRequest(request_id=9, term=0, plan_version=0, layer=2, expert_ids=np.array([1], np.int32),
                                           row_counts=np.array([2], np.int32), rows=rows))
         assert isinstance(ans, ExpertAnswer), ans
-        assert _rel(ans.outputs, K.expert_ffn(rows, tg[1], tu[1], td[1])) <= 1e-5
+        assert _rel(ans.outputs, K.swiglu_ffn(rows, tg[1], tu[1], td[1])) <= 1e-5
 
         # Reload: the HTTPS-fetched slice comes from Cache Storage; nothing is fetched again.
         page.reload()

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from swarm.errors import AddressError
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from web_peer.pageurl import page_link_text, page_url
 
 CODE = SwarmKey(bytes(range(32))).code

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from swarm.peer import messages as M
-from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
-from swarm.peer.slices import ModelSlicer, SliceSpec
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.net import messages as M
+from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+from swarm.peer.weights.slices import ModelSlicer, SliceSpan
+from swarm.keys.swarmkey import SwarmKey
 from tests.browser.test_page_e2e import PythonSwarm, _page_url, _wait_state, e2e_browser, lan_address, smollm2_path  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -81,7 +81,7 @@ def test_phone_page_fits_one_screen_and_says_what_it_holds(swarm, e2e_browser):
         .observe(document.getElementById('state'), {childList: true, characterData: true, subtree: true}); }""")
     slicer = ModelSlicer(path)
     for layer in (0, 1):
-        swarm.offer(*slicer.extract(SliceSpec(layer=layer, kind="dense", start=span.start, stop=span.stop)), chunk_size=16 << 10)
+        swarm.offer(*slicer.extract(SliceSpan(layer=layer, kind="dense", start=span.start, stop=span.stop)), chunk_size=16 << 10)
     _wait_state(page, "serving", 120)
     seen = [int(m.group(1)) for t in page.evaluate("window.seen") if (m := re.search(r"Loading weights (\d+) %", t))]
     assert seen and max(seen) > 0 and seen == sorted(seen), seen

@@ -1,5 +1,5 @@
 """web_peer/slices.js decodes shipped weight slices to the same float32 bits as Python's
-swarm.peer.slices.decode_slice (gguf-py's dequantize), for every encoding the page knows, and
+swarm.peer.weights.slices.decode_slice (gguf-py's dequantize), for every encoding the page knows, and
 refuses malformed metas and encodings it does not know."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from swarm.peer.slices import decode_slice
+from swarm.peer.weights.slices import decode_slice
 
 pytestmark = pytest.mark.browser
 
@@ -139,7 +139,7 @@ def test_worker_installs_block_slices(page):
             assert (g["fmt"], g["downFmt"]) == (fmt, down_fmt), key
             gate, up, down = (w.gate, w.up, w.down) if i is None else (w.gate[i], w.up[i], w.down[i])
             y = np.frombuffer(base64.b64decode(g["y"]), np.float32).reshape(3, 64)
-            ref = K.expert_ffn_f64(x, gate, up, down)
+            ref = K.swiglu_ffn_f64(x, gate, up, down)
             assert np.abs(y - ref).max() / np.abs(ref).max() <= 1e-5, key
         if meta["spec"]["kind"] == "experts":
             assert sum(g["gpuBytes"] for g in got.values()) == len(blob)  # the blocks, nothing added

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from swarm.peer import messages
+from swarm.peer.net import messages
 
 pytestmark = pytest.mark.browser
 
@@ -135,7 +135,7 @@ def test_python_decodes_what_wire_js_encodes(page):
         row_counts: { dtype: "i32", shape: [2], data: new Int32Array([2, 1]) },
         outputs: { dtype: "f32", shape: [3, 2], data: rows } });
       let bad = "";
-      try { w.encodeMessage({ kind: "Heartbeat", seq: -1, sent_s: 0 }); } catch (e) { bad = e.name; }
+      try { w.encodeMessage({ kind: "LinkHeartbeat", seq: -1, sent_s: 0 }); } catch (e) { bad = e.name; }
       return { frame: btoa(String.fromCharCode(...m)), bad };
     }""")
     msg = messages.decode(base64.b64decode(got["frame"]))

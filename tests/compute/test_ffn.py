@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarm.compute import (LocalFFN, MLPWeights, combine, dense_partial, expert_ffn, expert_rows,
+from swarm.compute import (LocalFFN, MLPWeights, combine, dense_partial, swiglu_ffn, expert_rows,
                            load_model, route, sum_partials)
 from tests.compute.tiny_models import build_tiny
 
@@ -79,11 +79,11 @@ def _swiglu64(g, u, d, x):
     return ((a / (1 + np.exp(-a))) * (x @ u.T)) @ d.T
 
 
-def test_expert_ffn_matches_float64():
+def test_swiglu_ffn_matches_float64():
     rng = np.random.default_rng(2)
     w, (g, u, d) = _random_mlp(rng)
     x = rng.normal(size=(7, 32)).astype(F32)
-    y = expert_ffn(w, x)
+    y = swiglu_ffn(w, x)
     assert y.dtype == F32
     np.testing.assert_allclose(y, _swiglu64(g, u, d, x), atol=2e-6)
 
@@ -93,8 +93,8 @@ def test_expert_batch_rows_in_any_order_equal_per_row_results():
     w, (g, u, d) = _random_mlp(rng)
     x = rng.normal(size=(9, 32)).astype(F32)
     perm = rng.permutation(9)
-    batch = expert_ffn(w, x[perm])
-    rows = np.concatenate([expert_ffn(w, x[i:i + 1]) for i in perm])
+    batch = swiglu_ffn(w, x[perm])
+    rows = np.concatenate([swiglu_ffn(w, x[i:i + 1]) for i in perm])
     np.testing.assert_allclose(batch, rows, atol=1e-6)
     np.testing.assert_allclose(batch, _swiglu64(g, u, d, x[perm]), atol=2e-6)
 
@@ -107,8 +107,8 @@ def test_dense_ranges_sum_to_the_full_mlp():
     parts = [dense_partial(w, x, lo, hi) for lo, hi in ranges]
     for (lo, hi), p in zip(ranges, parts):
         np.testing.assert_allclose(p, _swiglu64(g[lo:hi], u[lo:hi], d[:, lo:hi], x), atol=2e-6)
-        np.testing.assert_array_equal(p, expert_ffn(w.range(lo, hi), x))  # what a range holder computes
-    np.testing.assert_allclose(sum_partials(parts), expert_ffn(w, x), atol=2e-6)
+        np.testing.assert_array_equal(p, swiglu_ffn(w.range(lo, hi), x))  # what a range holder computes
+    np.testing.assert_allclose(sum_partials(parts), swiglu_ffn(w, x), atol=2e-6)
     with pytest.raises(ValueError):
         w.range(30, 41)
 
@@ -176,9 +176,9 @@ class _RemoteLike:
                 union = np.unique(np.concatenate([rows[e] for e in peer])) if peer else np.array([], int)
                 xu = x[union].copy()  # what goes on the wire
                 for e in peer:
-                    outputs[e] = expert_ffn(m.expert_weights(layer, e), xu[np.searchsorted(union, rows[e])])
+                    outputs[e] = swiglu_ffn(m.expert_weights(layer, e), xu[np.searchsorted(union, rows[e])])
             return combine(*x.shape, routing, outputs, shared=m.shared_expert_output(layer, x))
-        return sum_partials([expert_ffn(self.slices[(layer, lo, hi)], x.copy()) for lo, hi in self.plan[layer]])
+        return sum_partials([swiglu_ffn(self.slices[(layer, lo, hi)], x.copy()) for lo, hi in self.plan[layer]])
 
 
 def test_remote_composition_is_bit_identical_to_local(moe_model):
@@ -192,9 +192,9 @@ def test_per_expert_results_do_not_depend_on_other_rows(moe_model):
     x = np.random.default_rng(6).normal(size=(10, 64)).astype(F32)
     w = moe_model.expert_weights(0, 1)
     rows = np.array([1, 4, 7])
-    alone = expert_ffn(w, x[rows])
+    alone = swiglu_ffn(w, x[rows])
     union = np.array([0, 1, 2, 4, 5, 7, 9])
-    from_union = expert_ffn(w, x[union][np.searchsorted(union, rows)])
+    from_union = swiglu_ffn(w, x[union][np.searchsorted(union, rows)])
     np.testing.assert_array_equal(alone, from_union)
 
 

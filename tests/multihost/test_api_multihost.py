@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from tests.multihost.test_mesh_multihost import read_status, until
 from tests.peer._swarm_models import add_char_tokenizer, build
 
@@ -35,7 +35,7 @@ print(json.dumps({"event": "probe", **out}), flush=True)
 
 
 async def test_api_from_another_namespace_is_https_and_token_only(netns_lab):
-    from swarm.peer.api_tls import write_ca
+    from swarm.peer.coordinator.api_tls import write_ca
 
     lab = netns_lab(2)
     model_dir = add_char_tokenizer(build("olmoe", lab.workdir))

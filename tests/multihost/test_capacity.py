@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from swarm.paths import cache_dir
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from tests.conftest import require
 from tests.multihost.netns import REPO_ROOT, MemoryCgroup, remove_stale_cgroups
 from tests.multihost.test_mesh_multihost import read_status, until
@@ -149,7 +149,7 @@ async def test_capped_peers_run_a_model_none_can_hold(netns_lab, big_moe):
     require(MemoryCgroup.ROOT.joinpath("cgroup.procs").exists(),
             "the cgroup v1 memory controller at /sys/fs/cgroup/memory (writable as root)")
     from swarm.compute.model import load_model
-    from swarm.peer.planner import ModelShape
+    from swarm.peer.coordinator.planner import ModelShape
 
     size = big_moe.stat().st_size
     assert size >= 400 << 20

@@ -23,7 +23,7 @@ import time
 import gguf
 import pytest
 
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from tests.multihost.netns import REPO_ROOT
 from tests.multihost.test_mesh_multihost import read_status, until
 from tests.multihost.test_swarm_multihost import LONG_TOKENS, ask, coordinator_of, reference

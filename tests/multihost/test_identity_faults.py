@@ -25,8 +25,8 @@ import time
 import pytest
 
 from swarm.paths import write_private
-from swarm.peer.identity import Identity
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.identity import Identity
+from swarm.keys.swarmkey import SwarmKey
 from tests.multihost.test_mesh_multihost import linked, read_status, until
 from tests.multihost.test_swarm_multihost import coordinator_of
 from tests.peer._swarm_models import add_char_tokenizer, build

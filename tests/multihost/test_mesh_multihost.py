@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

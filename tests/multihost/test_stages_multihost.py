@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from tests.multihost.test_mesh_multihost import read_status, until
 from tests.multihost.test_swarm_multihost import KILL_AT, ask, reference
 from tests.peer._swarm_models import add_char_tokenizer, build

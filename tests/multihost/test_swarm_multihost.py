@@ -18,8 +18,8 @@ import pytest
 
 from swarm.compute.model import load_model
 from swarm.compute.tokenizer import tokenizer_for
-from swarm.peer.api import EngineBackend, GenerationStats, parse_chat_request
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.coordinator.api import EngineBackend, GenerationStats, parse_chat_request
+from swarm.keys.swarmkey import SwarmKey
 from tests.multihost.test_mesh_multihost import read_status, until
 from tests.peer._swarm_models import add_char_tokenizer, build
 
@@ -77,7 +77,7 @@ def coordinator_of(docs) -> tuple[int, dict] | None:
 def spawn_client(lab, client: int, server: int, port: int, token: str, prompt: str, n: int):
     """The official client in namespace ``client``, over HTTPS to the API in namespace ``server``,
     trusting the swarm's API CA through ``SSL_CERT_FILE`` (as ``colibri-swarm key`` exports it)."""
-    from swarm.peer.api_tls import write_ca
+    from swarm.peer.coordinator.api_tls import write_ca
 
     key = SwarmKey.from_code((lab.workdir / f"ns{server}" / "config" / "swarm.key").read_text())
     ca = write_ca(key, lab.workdir)

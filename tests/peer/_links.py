@@ -17,8 +17,8 @@ import uuid
 
 import numpy as np
 
-from swarm.peer import wire
-from swarm.peer.messages import Hello, NumericBuild, WeightChunk
+from swarm.peer.net import wire
+from swarm.peer.net.messages import Hello, NumericBuild, WeightChunk
 from tests.conftest import require
 
 ADDRESS = "10.213.0.1"  # the extra loopback address inside the namespace

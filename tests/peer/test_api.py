@@ -12,8 +12,8 @@ import aiohttp
 import openai
 import pytest
 
-from swarm.peer.api import ApiServer, EngineBackend, StopMatcher, parse_chat_request, ApiError
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.coordinator.api import ApiServer, EngineBackend, StopMatcher, parse_chat_request, ApiError
+from swarm.keys.swarmkey import SwarmKey
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 MAX_TOKENS = 8

@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pytest
 
-from swarm.peer.api import ApiServer, EngineBackend
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.coordinator.api import ApiServer, EngineBackend
+from swarm.keys.swarmkey import SwarmKey
 
 KEY = SwarmKey(bytes(range(1, 33)))
 MODEL_ID = "smollm2"
@@ -82,7 +82,7 @@ async def test_prompt_past_the_context_is_400_naming_the_numbers(url, engine):
 
 async def test_default_max_tokens_shrinks_to_what_the_context_leaves(backend, engine):
     """Without max_tokens, a long prompt gets the positions left (as OpenAI's API), not a 400."""
-    from swarm.peer.api import parse_chat_request
+    from swarm.peer.coordinator.api import parse_chat_request
 
     model, tok = engine
     ctx = model.config.max_position_embeddings
@@ -141,7 +141,7 @@ async def test_openai_client_over_https_with_the_exported_certificate(https_url,
     SSL_CERT_FILE, with host name checks on. Without it the connection is refused."""
     from swarm.compute.sampling import SamplingParams
     from swarm.compute.textgen import generate_text
-    from swarm.peer.api_tls import write_ca
+    from swarm.peer.coordinator.api_tls import write_ca
 
     url, _ = https_url
     ca = write_ca(KEY, tmp_path)
@@ -171,7 +171,7 @@ async def test_cli_client_pins_the_swarm_ca(https_url, tmp_path, monkeypatch):
     """The CLI's client trusts the CA derived from the stored key, and no other."""
     import asyncio
 
-    from swarm.peer import swarmkey
+    from swarm.keys import swarmkey
     from swarm.peer.client import find_endpoint, stream_chat
 
     url, _ = https_url
@@ -197,7 +197,7 @@ async def test_plain_http_to_the_https_port_gets_no_answer(https_url):
 
 def test_the_ca_is_the_same_on_every_key_holder():
     """Derived from the key alone, byte for byte: one fingerprint to compare on every machine."""
-    from swarm.peer.api_tls import ca_fingerprint, ca_pem
+    from swarm.peer.coordinator.api_tls import ca_fingerprint, ca_pem
 
     again = SwarmKey(KEY.secret)
     assert ca_pem(again) == ca_pem(KEY) and ca_fingerprint(again) == ca_fingerprint(KEY)

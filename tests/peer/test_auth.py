@@ -1,4 +1,4 @@
-"""Channel authentication (swarm.peer.auth), pumped between two sans-I/O objects."""
+"""Channel authentication (swarm.peer.net.auth), pumped between two sans-I/O objects."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import hmac
 import pytest
 
 from swarm.errors import AuthenticationError, LocalProtocolError, MessageError
-from swarm.peer import messages as m
-from swarm.peer.auth import ChannelAuth, Role, State, normalize_fingerprint
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.net import messages as m
+from swarm.peer.net.auth import ChannelAuth, Role, State, normalize_fingerprint
+from swarm.keys.swarmkey import SwarmKey
 
 FP_A = "sha-256 " + ":".join(f"{i:02X}" for i in range(32))
 FP_B = "sha-256 " + ":".join(f"{255 - i:02X}" for i in range(32))
@@ -67,12 +67,12 @@ def test_substituted_fingerprint_fails_the_fingerprint_check() -> None:
 
 def test_nothing_but_the_handshake_before_it_completes() -> None:
     a, b = pair()
-    hb = m.encode(m.Heartbeat(seq=1, sent_s=0.0))
-    with pytest.raises(AuthenticationError, match="Heartbeat arrived in state hello-sent"):
+    hb = m.encode(m.LinkHeartbeat(seq=1, sent_s=0.0))
+    with pytest.raises(AuthenticationError, match="LinkHeartbeat arrived in state hello-sent"):
         a.receive(hb)
     a, b = pair()
     a.receive(b.start()[0])
-    with pytest.raises(AuthenticationError, match="Heartbeat arrived in state proof-sent"):
+    with pytest.raises(AuthenticationError, match="LinkHeartbeat arrived in state proof-sent"):
         a.receive(hb)
 
 

@@ -13,9 +13,9 @@ import threading
 import pytest
 
 from swarm.errors import SwarmError
-from swarm.peer.api import ApiServer, EngineBackend
+from swarm.peer.coordinator.api import ApiServer, EngineBackend
 from swarm.peer.client import Endpoint, find_endpoint, main_chat, stream_chat
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 
 KEY = SwarmKey(bytes(range(1, 33)))
 MODEL_ID = "smollm2"
@@ -72,7 +72,7 @@ def live_api(engine):
 def stored_key(tmp_path, monkeypatch):
     monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.delenv("COLIBRI_SWARM_API_KEY", raising=False)
-    from swarm.peer import swarmkey
+    from swarm.keys import swarmkey
 
     return swarmkey.store(KEY.code)
 
@@ -166,7 +166,7 @@ def test_generate_uses_the_local_coordinators_api_by_default(live_api, engine, s
 
     from swarm import paths
     from swarm.cli import main
-    from swarm.peer.node import STATUS_FILE
+    from swarm.peer.status import STATUS_FILE
 
     url, backend, loop, port = live_api
     status = {"pid": os.getpid(), "updated": time.time(), "role": "coordinator", "placement": {"api_port": port}}
@@ -187,7 +187,7 @@ def test_generate_on_a_workers_machine_uses_the_coordinators_api(live_api, engin
 
     from swarm import paths
     from swarm.cli import main
-    from swarm.peer.node import STATUS_FILE
+    from swarm.peer.status import STATUS_FILE
 
     url, backend, loop, port = live_api
     status = {"pid": os.getpid(), "updated": time.time(), "role": "worker", "placement": None}
@@ -219,10 +219,10 @@ def test_a_worker_without_a_reachable_api_says_so(stored_key, monkeypatch, capsy
     from swarm import paths
     from swarm.cli import main
     from swarm.peer import api_discovery
-    from swarm.peer.node import STATUS_FILE
+    from swarm.peer.status import STATUS_FILE
 
-    from swarm.peer import swarmkey
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.keys import swarmkey
+    from swarm.keys.swarmkey import SwarmKey
 
     swarmkey.store(SwarmKey(bytes(32)).code)  # a swarm whose coordinator announces nothing
     monkeypatch.setattr(api_discovery, "FIND_TIMEOUT_S", 0.5)

@@ -89,7 +89,7 @@ def test_a_broken_stream_is_an_unavailable_api(serve):
 def local_peer(tmp_path, monkeypatch):
     """``local_peer(url)``: a peer runs on this machine and its status names the API at ``url``
     (how the client finds the next coordinator); ``local_peer(None)``: no peer runs here."""
-    from swarm.peer.node import STATUS_FILE
+    from swarm.peer.status import STATUS_FILE
 
     monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path))
 

@@ -19,11 +19,11 @@ import pytest
 from swarm.compute.ffn import LocalFFN
 from swarm.compute.model import load_model
 from swarm.errors import VerificationError
-from swarm.peer import messages as M
-from swarm.peer.coordinator import RemoteFFN
-from swarm.peer.planner import ModelShape, PeerCapacity, Plan, build_plan
-from swarm.peer.transport import LoopbackNet
-from swarm.peer.worker import Worker
+from swarm.peer.net import messages as M
+from swarm.peer.coordinator.dispatch import RemoteFFN
+from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan
+from swarm.peer.net.transport import LoopbackNet
+from swarm.peer.worker.ffn import Worker
 from tests.peer._swarm_models import COORD, FAMILIES, PROMPT, W1, W2, build, greedy
 
 DECODE = 12
@@ -48,8 +48,9 @@ class InProcSwarm:
                                [PeerCapacity(w, 10**9, 1.0) for w in self.ids], term=1, version=1)
         self.net = LoopbackNet(tamper)
         self.failed: list[tuple[str, str]] = []
-        self.ffn = RemoteFFN(self.model, self.plan, self.net.sender(COORD), verify=verify,
-                             rng=random.Random(0), on_peer_failed=lambda p, r: self.failed.append((p, r)))
+        self.ffn = RemoteFFN(self.model, self.plan,
+                             self.net.dispatcher(COORD, on_peer_failed=lambda p, r: self.failed.append((p, r))),
+                             verify=verify, rng=random.Random(0))
         self.net.attach(COORD, self.ffn.deliver)
         self.net.on_peer_down(self.ffn.peer_down)
         self.workers = {w: Worker(w, self.shape, load_model(path)) for w in self.ids}
@@ -61,7 +62,7 @@ class InProcSwarm:
     def _worker_handler(self, w, worker):
         def handle(src, msg):
             match msg:
-                case M.Plan():
+                case M.PlanMessage():
                     worker.accept_plan(Plan.from_message(msg, src, self.shape))
                 case M.ExpertRequest() | M.DenseRequest():
                     if self.slow is not None:
@@ -173,7 +174,7 @@ def _replace(msg, a):
 
 @pytest.mark.parametrize("edit", [nan_rows, wrong_shape, wrong_layer, garbage, drop])
 def test_bad_answers_are_recomputed_and_tokens_do_not_change(checkpoints, edit, monkeypatch):
-    import swarm.peer.coordinator as C
+    import swarm.peer.coordinator.dispatch as C
 
     monkeypatch.setattr(C, "FIRST_DEADLINE_S", 0.5)  # a dropped answer is declared lost quickly
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=rewrite_answers(W1, edit))
@@ -199,7 +200,7 @@ def test_killed_worker_mid_generation_then_plan_rebuilt(checkpoints):
         swarm.ffn.set_plan(plan)
         rebuilt.append(plan)
 
-    swarm.ffn.on_peer_failed = on_failed
+    swarm.ffn.dispatcher.on_peer_failed = on_failed
     served_before = {}
 
     def on_step(step):
@@ -284,7 +285,7 @@ def test_smollm2_dense_ranges_on_two_peers(monkeypatch):
     the unsplit engine on 3 chat prompts, logits within 1e-4 (+1e-5 relative) — and
     bit-identical to LocalFFN under the same plan."""
     # Every answer must come from the worker: deadlines long enough for a loaded shared machine.
-    monkeypatch.setattr("swarm.peer.coordinator.DEADLINE_MIN_S", 30.0)
+    monkeypatch.setattr("swarm.peer.coordinator.dispatch.DEADLINE_MIN_S", 30.0)
     from swarm.compute.default_model import default_model_path
     from swarm.compute.tokenizer import tokenizer_for
 
@@ -296,7 +297,7 @@ def test_smollm2_dense_ranges_on_two_peers(monkeypatch):
     plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=1, version=1,
                       coordinator_share=1.0)
     net = LoopbackNet()
-    ffn = RemoteFFN(model, plan, net.sender(COORD))
+    ffn = RemoteFFN(model, plan, net.dispatcher(COORD))
     net.attach(COORD, ffn.deliver)
     worker = Worker(W1, shape, load_model(path))  # the worker's own copy: only its slices are decoded
     worker.accept_plan(plan)
@@ -394,7 +395,7 @@ def test_a_killed_workers_experts_are_read_from_the_file_and_not_kept(tmp_path):
     assert plan.bytes_of(COORD, shape) <= 4 * shape.expert_bytes and plan.streamed_bytes == 0
     net = LoopbackNet()
     failed = []
-    ffn = RemoteFFN(model, plan, net.sender(COORD), on_peer_failed=lambda p, r: failed.append(p))
+    ffn = RemoteFFN(model, plan, net.dispatcher(COORD, on_peer_failed=lambda p, r: failed.append(p)))
     net.attach(COORD, ffn.deliver)
     net.on_peer_down(ffn.peer_down)
     own = tmp_path / "worker.gguf"  # the worker's own copy: its pages are not the coordinator's
@@ -432,7 +433,7 @@ def _prefilled(model, ids):
 def test_a_changed_share_gets_the_first_request_deadline_again():
     """A worker whose share changed loads new slices before its first answer: that request gets
     FIRST_DEADLINE_S, and its time is not taken as the peer's compute speed."""
-    from swarm.peer.coordinator import FIRST_DEADLINE_S, PeerTiming, _share
+    from swarm.peer.coordinator.dispatch import FIRST_DEADLINE_S, PeerTiming, _share
 
     t = PeerTiming(rtt_s=0.001)
     assert t.deadline_s(8) == FIRST_DEADLINE_S
@@ -456,7 +457,7 @@ def test_a_changed_share_gets_the_first_request_deadline_again():
 def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, monkeypatch):
     """A swarm too small for the model: the coordinator computes the shortfall from its mapped
     file at each use, with the local run's bits, and its resident set stays near its budget."""
-    monkeypatch.setattr("swarm.peer.coordinator.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
+    monkeypatch.setattr("swarm.peer.coordinator.dispatch.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
     from tests.multihost.test_capacity import random_moe_gguf
 
     path = random_moe_gguf(tmp_path / "moe.gguf", layers=2, hidden=256, experts=32, top_k=8, expert_ffn=1024,
@@ -472,7 +473,7 @@ def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, 
     worker = Worker(W1, shape, load_model(own))
     worker.accept_plan(plan)
     net = LoopbackNet()
-    ffn = RemoteFFN(model, plan, net.sender(COORD))
+    ffn = RemoteFFN(model, plan, net.dispatcher(COORD))
     net.attach(COORD, ffn.deliver)
     net.attach(W1, lambda src, msg: net.send(W1, src, worker.handle(msg)))
     try:
@@ -495,7 +496,7 @@ STEADY_DELAY_S = 0.6  # each answer of the slow worker: more than the old fixed 
 def test_a_slow_but_steady_worker_is_never_marked_down(checkpoints):
     """Every answer of the worker comes STEADY_DELAY_S late (a busy machine): its deadline
     follows its observed answer times, so it keeps its share and its answers are used."""
-    from swarm.peer.coordinator import MISS_LIMIT
+    from swarm.peer.coordinator.dispatch import MISS_LIMIT
 
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 1, slow=lambda w, msg: STEADY_DELAY_S)
     try:
@@ -540,13 +541,13 @@ def test_a_worker_that_stops_answering_is_recomputed_within_the_bound(checkpoint
     """A worker stops answering at decode step 2 (hung: its link stays open). Its rows are
     recomputed, the tokens do not change, and it is marked down after MISS_LIMIT misses —
     at the first when its link is silent too — each wait within the deadline's ceiling."""
-    from swarm.peer.coordinator import MISS_LIMIT
+    from swarm.peer.coordinator.dispatch import MISS_LIMIT
 
     hung = threading.Event()
     tamper = rewrite_answers(W1, lambda msg: None if hung.is_set() else msg)
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=tamper)
     if silent:
-        swarm.ffn.heard = lambda p: time.monotonic() - (60.0 if p == W1 and hung.is_set() else 0.0)
+        swarm.ffn.dispatcher.heard = lambda p: time.monotonic() - (60.0 if p == W1 and hung.is_set() else 0.0)
     try:
         got = greedy(swarm.model, swarm.ffn, n=5, on_step=lambda step: step == 2 and hung.set())
         assert_same(got, local_reference(swarm, n=5))
@@ -567,7 +568,7 @@ def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, m
     """The plan never reached W1: its refusal (stale_term, no plan yet) is not a failure. Its
     rows are recomputed, it gets no more requests of that plan but a probe now and then, it is
     sent the plan again, and once it has it, it computes its share."""
-    import swarm.peer.coordinator as C
+    import swarm.peer.coordinator.dispatch as C
 
     refusals, resent = [], []
 
@@ -583,7 +584,7 @@ def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, m
         resent.append((peer, reason))
         swarm.announce(swarm.ffn.plan, [peer])
 
-    swarm.ffn.on_peer_not_ready = send_again
+    swarm.ffn.dispatcher.on_peer_not_ready = send_again
     try:
         monkeypatch.setattr(C, "NOT_READY_RETRY_S", 3600.0)  # no probe in this phase
         assert_same(greedy(swarm.model, swarm.ffn, n=3), local_reference(swarm, n=3))

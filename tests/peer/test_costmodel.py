@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from swarm.compute.default_model import default_model_path
 from swarm.compute.model import load_model
-from swarm.peer import costmodel as cm
-from swarm.peer.costmodel import LayerCosts, PeerCost
+from swarm.peer.coordinator import costmodel as cm
+from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost
 
 MB = 2**20
 

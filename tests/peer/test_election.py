@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.errors import StaleTermError
-from swarm.peer.election import Election, Heartbeat, LeaderChanged, RequestVote, Role, Vote
+from swarm.peer.election.core import Election, LeaderHeartbeat, LeaderChanged, RequestVote, Role, Vote
 
 TICK_S = 0.005
 LINK_BEAT_S = 1.0  # the links' own heartbeats: what tells a member its peers are alive
@@ -213,7 +213,7 @@ def test_voter_refuses_less_capable_candidate_and_stale_terms():
     # Once "strong" is unreachable (nothing heard for REACHABLE_S), "weak" may lead.
     v.receive("weak", RequestVote(3, "weak"), now=5.0)
     assert v.messages_to_send() == [("weak", Vote(3, "v", True))]
-    v.receive("weak", Heartbeat(3, "weak"), now=5.1)
+    v.receive("weak", LeaderHeartbeat(3, "weak"), now=5.1)
     assert v.next_event() == LeaderChanged(3, "weak")
     with pytest.raises(StaleTermError, match="term 2 is stale"):
         v.check_term(2, now=5.2)
@@ -229,7 +229,7 @@ def test_a_silent_coordinator_is_not_revived_by_its_links_old_news():
     v = Election("v", eligible=False, capability=0.0, now=0.0, rng=random.Random(0))
     v.add_member("lead", eligible=True, capability=9.0, now=0.0)
     v.add_member("next", eligible=True, capability=1.0, now=0.0)
-    v.receive("lead", Heartbeat(1, "lead"), now=0.1)
+    v.receive("lead", LeaderHeartbeat(1, "lead"), now=0.1)
     assert v.leader == "lead"
     last_byte = 0.1
     for t in (0.5, 1.0, 1.5, 2.0):

@@ -1,4 +1,4 @@
-"""Device identity (swarm.peer.identity): key, certificate, peer id, fingerprint, storage, aiortc hook."""
+"""Device identity (swarm.keys.identity): key, certificate, peer id, fingerprint, storage, aiortc hook."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from swarm.errors import IdentityError
-from swarm.peer import identity as ident_mod
-from swarm.peer.auth import normalize_fingerprint
-from swarm.peer.identity import Identity, load_or_create, peer_id_of_certificate
-from swarm.peer.messages import PEER_ID_RE
+from swarm.keys import identity as ident_mod
+from swarm.peer.net.auth import normalize_fingerprint
+from swarm.keys.identity import Identity, load_or_create, peer_id_of_certificate
+from swarm.peer.net.messages import PEER_ID_RE
 
 NOW = datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc)
 

@@ -17,11 +17,11 @@ import pytest
 from aiortc.rtcdtlstransport import RTCCertificate
 
 from swarm.errors import AuthenticationError, PeerLostError, VersionMismatchError
-from swarm.peer import rtc, wire
-from swarm.peer.identity import Identity
-from swarm.peer.link import Link, LinkState, new_peer_connection
-from swarm.peer.messages import WeightChunk
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.net import rtc, wire
+from swarm.keys.identity import Identity
+from swarm.peer.net.link import Link, LinkState, new_peer_connection
+from swarm.peer.net.messages import WeightChunk
+from swarm.keys.swarmkey import SwarmKey
 from tests.peer._links import VERSION, blob, hello, run_in_netns
 
 KEY = SwarmKey(bytes(range(32)))
@@ -76,7 +76,7 @@ def test_messages_of_every_size_arrive_intact_both_ways():
 
 
 def test_backpressure_bounds_what_aiortc_buffers_and_order_is_kept():
-    from swarm.peer import link as link_mod
+    from swarm.peer.net import link as link_mod
 
     async def main():
         a, b = pair()
@@ -152,7 +152,7 @@ def test_silent_peer_is_declared_dead():
 
 
 def test_wrong_swarm_key_is_refused_by_channel_auth(caplog):
-    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+    caplog.set_level(logging.WARNING, logger="swarm.peer.net.link")
 
     async def main():
         a, b = pair(b=dict(key=SwarmKey(bytes(32))))
@@ -207,7 +207,7 @@ def _rewrite_fingerprints(sdp: str, cert: RTCCertificate) -> str:
 
 def test_relay_rewriting_fingerprint_opens_no_channel_and_is_logged(caplog):
     """The relay swaps a=fingerprint but cannot present that certificate: aiortc's DTLS check fails."""
-    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+    caplog.set_level(logging.WARNING, logger="swarm.peer.net.link")
     relay_cert = RTCCertificate.generateCertificate()
 
     async def main():
@@ -228,7 +228,7 @@ def test_relay_in_the_middle_with_its_own_certificate_fails_channel_auth(caplog)
     """A relay that rewrites a=fingerprint AND terminates DTLS itself, forwarding the channel
     bytes both ways: DTLS succeeds on each side, but the transcripts name different
     fingerprints, so neither HMAC verifies and no link opens."""
-    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+    caplog.set_level(logging.WARNING, logger="swarm.peer.net.link")
 
     async def main():
         a, b = pair()
@@ -283,11 +283,11 @@ def test_relay_in_the_middle_with_its_own_certificate_fails_channel_auth(caplog)
 def test_nothing_but_the_handshake_is_accepted_before_authentication(first):
     """A stranger's peer connection (no swarm key) that sends anything else first is refused:
     a frame of another kind, or the first fragment of a large message (never buffered)."""
-    from swarm.peer import messages
-    from swarm.peer.messages import Heartbeat
+    from swarm.peer.net import messages
+    from swarm.peer.net.messages import LinkHeartbeat
 
     payload = {
-        "heartbeat": messages.encode(Heartbeat(seq=1, sent_s=0.0)),
+        "heartbeat": messages.encode(LinkHeartbeat(seq=1, sent_s=0.0)),
         "fragment": wire.Fragmenter(65536).split(bytes(wire.HEADER_BYTES) + bytes(200_000))[0],
     }[first]
 
@@ -309,12 +309,12 @@ def test_nothing_but_the_handshake_is_accepted_before_authentication(first):
 
     result, state, peer = run_in_netns(main)
     assert isinstance(result, AuthenticationError), result
-    assert ("Heartbeat" if first == "heartbeat" else "handshake frames are at most") in str(result)
+    assert ("LinkHeartbeat" if first == "heartbeat" else "handshake frames are at most") in str(result)
     assert state is LinkState.CLOSED and peer is None
 
 
 def test_malformed_frame_on_an_open_link_closes_it_and_a_buggy_handler_does_not(caplog):
-    caplog.set_level(logging.INFO, logger="swarm.peer.link")
+    caplog.set_level(logging.INFO, logger="swarm.peer.net.link")
 
     async def main():
         a, b = pair()
@@ -380,7 +380,7 @@ def test_a_python_peer_claiming_another_peers_id_gets_no_channel(caplog):
     """A member (it holds the swarm key, so channel authentication passes) presents its own DTLS
     certificate but claims another peer's id in AuthHello and Hello: the certificate's key hashes
     to another id, so the honest side refuses the link and logs both ids."""
-    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+    caplog.set_level(logging.WARNING, logger="swarm.peer.net.link")
     impostor = Identity.generate()
 
     async def main():

@@ -17,10 +17,10 @@ import threading
 import time
 import uuid
 
-from swarm.peer.identity import Identity
-from swarm.peer.link import Link, new_peer_connection
-from swarm.peer.mesh import CANDIDATE_TIMEOUT_S, Mesh
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.identity import Identity
+from swarm.peer.net.link import Link, new_peer_connection
+from swarm.peer.net.mesh import CANDIDATE_TIMEOUT_S, Mesh
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.messages import PeerInfo
 from tests.peer._links import hello, run_in_netns
 from tests.peer.test_mesh_loopback import _split_candidates

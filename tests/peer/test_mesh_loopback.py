@@ -14,10 +14,10 @@ import os
 
 import pytest
 
-from swarm.peer.identity import Identity
-from swarm.peer.messages import WeightChunk
+from swarm.keys.identity import Identity
+from swarm.peer.net.messages import WeightChunk
 from swarm.peer.node import Node
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.peer._links import ADDRESS, blob, hello, run_in_netns
 
@@ -128,8 +128,8 @@ def _split_candidates(sdp: str) -> tuple[str, list[str]]:
 
 
 def test_browser_offer_with_trickled_candidates_is_answered_only_by_the_coordinator():
-    from swarm.peer.link import Link, new_peer_connection
-    from swarm.peer.mesh import Mesh
+    from swarm.peer.net.link import Link, new_peer_connection
+    from swarm.peer.net.mesh import Mesh
     from swarm.signaling.messages import PeerInfo
 
     key = SwarmKey(os.urandom(32))
@@ -184,11 +184,11 @@ def test_a_member_offering_under_another_python_peers_id_gets_no_link(caplog):
     offers with its own certificate: the mesh refuses the link, logging both ids, and keeps none."""
     import logging
 
-    from swarm.peer.link import Link, new_peer_connection
-    from swarm.peer.mesh import Mesh
+    from swarm.peer.net.link import Link, new_peer_connection
+    from swarm.peer.net.mesh import Mesh
     from swarm.signaling.messages import PeerInfo
 
-    caplog.set_level(logging.WARNING, logger="swarm.peer.link")
+    caplog.set_level(logging.WARNING, logger="swarm.peer.net.link")
     key = SwarmKey(os.urandom(32))
 
     async def main():
@@ -222,7 +222,7 @@ def test_a_member_offering_under_another_python_peers_id_gets_no_link(caplog):
 def test_malformed_signals_are_logged_and_dropped(caplog):
     import logging
 
-    from swarm.peer.mesh import Mesh
+    from swarm.peer.net.mesh import Mesh
     from swarm.signaling.messages import PeerInfo
 
     caplog.set_level(logging.INFO, logger="swarm.peer")

@@ -1,4 +1,4 @@
-"""Wire messages (swarm.peer.messages): round trips, schema enforcement, cross-field rules."""
+"""Wire messages (swarm.peer.net.messages): round trips, schema enforcement, cross-field rules."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from swarm.errors import LocalProtocolError, MessageError
-from swarm.peer import messages as m
-from swarm.peer import wire
+from swarm.peer.net import messages as m
+from swarm.peer.net import wire
 
 PA, PB = "a" * 26, "b2" * 13
 HASH = hashlib.sha256(b"model").hexdigest()
@@ -36,12 +36,12 @@ def samples() -> list[object]:
             adapter_features=("shader-f16",),
             name="kitchen tablet ✓",
         ),
-        m.Heartbeat(seq=17, sent_s=1234.5),
+        m.LinkHeartbeat(seq=17, sent_s=1234.5),
         m.Error(request_id=99, code="stale_term", message="term 3 < 4"),
         m.RequestVote(term=4, candidate=PB, last_term=3, last_plan_version=7, capability=12.25),
         m.Vote(term=4, granted=True),
         m.LeaderHeartbeat(term=4, leader=PB, plan_version=8),
-        m.Plan(
+        m.PlanMessage(
             term=4,
             version=8,
             assignments=(
@@ -119,7 +119,7 @@ def test_tensors_decode_zero_copy() -> None:
 def test_match_dispatch() -> None:
     def handle(msg: object) -> str:
         match msg:
-            case m.Heartbeat(seq=seq):
+            case m.LinkHeartbeat(seq=seq):
                 return f"heartbeat {seq}"
             case m.ExpertRequest(layer=layer, rows=rows):
                 return f"experts layer {layer} rows {rows.shape[0]}"
@@ -140,13 +140,13 @@ def _frame(kind: int, meta: object, tensors=(), request_id: int = 0) -> bytes:
     return wire.encode_frame(kind, raw, tensors, request_id=request_id)
 
 
-HB = m.Heartbeat.KIND
+HB = m.LinkHeartbeat.KIND
 
 
 def test_js_style_integral_floats_are_accepted() -> None:
     # JSON.stringify(1.0) === "1": a float field may arrive as an integer
     got = m.decode(_frame(HB, b'{"seq":1,"sent_s":2}'))
-    assert got == m.Heartbeat(seq=1, sent_s=2.0) and type(got.sent_s) is float
+    assert got == m.LinkHeartbeat(seq=1, sent_s=2.0) and type(got.sent_s) is float
 
 
 BAD_META = {
@@ -171,16 +171,16 @@ BAD_META = {
     ),
     "bad peer id": (m.LeaderHeartbeat.KIND, b'{"term":1,"leader":"Alice","plan_version":0}', "not a peer id"),
     "nested record keys": (
-        m.Plan.KIND, b'{"term":1,"version":1,"assignments":[{"layer":0,"peer":"' + PA.encode() + b'"}]}',
+        m.PlanMessage.KIND, b'{"term":1,"version":1,"assignments":[{"layer":0,"peer":"' + PA.encode() + b'"}]}',
         r"assignments\[0\]: keys",
     ),
     "empty range": (
-        m.Plan.KIND,
+        m.PlanMessage.KIND,
         b'{"term":1,"version":1,"assignments":[{"layer":0,"peer":"' + PA.encode() + b'","experts":[],"dense":[[5,5]]}]}',
         "empty range",
     ),
     "pair of three": (
-        m.Plan.KIND,
+        m.PlanMessage.KIND,
         b'{"term":1,"version":1,"assignments":[{"layer":0,"peer":"' + PA.encode() + b'","experts":[],"dense":[[1,2,3]]}]}',
         "array of 2 items",
     ),
@@ -234,7 +234,7 @@ def test_unknown_kind() -> None:
 
 def test_encode_checks_locally() -> None:
     with pytest.raises(LocalProtocolError, match="seq: expected an integer"):
-        m.encode(m.Heartbeat(seq=np.int64(3), sent_s=1.0))
+        m.encode(m.LinkHeartbeat(seq=np.int64(3), sent_s=1.0))
     with pytest.raises(LocalProtocolError, match="sum to"):
         s = samples()[9]
         m.encode(dataclasses.replace(s, rows=s.rows[:2]))
@@ -293,11 +293,11 @@ def expert_requests(draw):
 
 
 messages_strategy = st.one_of(
-    st.builds(m.Heartbeat, seq=ints, sent_s=floats),
+    st.builds(m.LinkHeartbeat, seq=ints, sent_s=floats),
     st.builds(m.Error, request_id=st.integers(0, 2**32 - 1), code=texts, message=st.text(max_size=300)),
     st.builds(m.Vote, term=ints, granted=st.booleans()),
     st.builds(
-        m.Plan, term=ints, version=ints,
+        m.PlanMessage, term=ints, version=ints,
         assignments=st.lists(
             st.builds(m.Assignment, layer=ints, peer=peer_ids,
                       experts=st.lists(ints, max_size=5).map(tuple), dense=st.lists(ranges, max_size=3).map(tuple)),

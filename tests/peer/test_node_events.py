@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from swarm.peer.identity import Identity
+from swarm.keys.identity import Identity
 from swarm.peer.node import Node, PeerEvent
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.peer._links import run_in_netns
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.errors import RemoteProtocolError
-from swarm.peer.planner import MAX_RTT_S, ModelShape, PeerCapacity, Plan, Span, build_plan, check_plan
+from swarm.peer.coordinator.planner import MAX_RTT_S, ModelShape, PeerCapacity, Plan, Span, build_plan, check_plan
 
 shapes = st.builds(
     lambda h, e, fm, f, n_moe, n_dense, bpw: ModelShape(
@@ -126,7 +126,7 @@ def test_the_coordinator_budget_holds_and_only_the_shortfall_is_streamed(ws, spe
 
 
 def test_a_swarm_too_small_for_the_model_says_what_is_missing():
-    from swarm.peer.planner import shortfall_message
+    from swarm.peer.coordinator.planner import shortfall_message
 
     shape = ModelShape(hidden_size=16, n_experts=64, moe_intermediate_size=8, intermediate_size=0,
                        moe_layers=tuple(range(4)), dense_layers=(), expert_nbytes=1 << 20)  # 256 MiB in all

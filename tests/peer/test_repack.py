@@ -1,5 +1,5 @@
 """Slices for the browser peer: K-quant and Q5_x tensors are repacked to Q8_0 once by the
-coordinator (swarm/peer/repack.py), within Q8_0's rounding of gguf-py's float64 dequantization;
+coordinator (swarm/peer/weights/repack.py), within Q8_0's rounding of gguf-py's float64 dequantization;
 Q4_0/Q4_1/Q8_0 and float tensors ship as in the file."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from swarm.errors import LocalProtocolError
-from swarm.peer.planner import ModelShape
-from swarm.peer.repack import PAGE_ENCODINGS, page_readable, repack_for_page
-from swarm.peer.shipping_aio import PlanShipper
-from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
+from swarm.peer.coordinator.planner import ModelShape
+from swarm.peer.weights.repack import PAGE_ENCODINGS, page_readable, repack_for_page
+from swarm.peer.weights.shipping_aio import PlanShipper
+from swarm.peer.weights.slices import ModelSlicer, SliceSpan, decode_slice
 
 H, R = 256, 256  # hidden width and dense rows: multiples of the K-quants' 256-weight blocks
 
@@ -104,7 +104,7 @@ def test_plan_shipper_repacks_once_and_for_browsers_only(tmp_path):
     w.close()
     shape = ModelShape(hidden_size=H, n_experts=0, moe_intermediate_size=0, intermediate_size=R,
                        moe_layers=(), dense_layers=(0,))
-    spec = SliceSpec(0, "dense", 0, R)
+    spec = SliceSpan(0, "dense", 0, R)
 
     async def manifests():
         shipper = PlanShipper(path, "ab" * 32, shape)

@@ -1,4 +1,4 @@
-"""The aiortc internals swarm.peer.rtc relies on, checked against the installed aiortc.
+"""The aiortc internals swarm.peer.net.rtc relies on, checked against the installed aiortc.
 
 An aiortc upgrade that moves one of them fails here, naming it, before any link test does.
 """
@@ -13,8 +13,8 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
 from swarm.errors import LocalProtocolError
-from swarm.peer import rtc
-from swarm.peer.identity import Identity
+from swarm.peer.net import rtc
+from swarm.keys.identity import Identity
 from tests.peer._links import run_in_netns
 
 

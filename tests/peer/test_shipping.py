@@ -12,8 +12,8 @@ import random
 import pytest
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError, WeightIntegrityError
-from swarm.peer.identity import Identity
-from swarm.peer.shipping import (
+from swarm.keys.identity import Identity
+from swarm.peer.weights.shipping import (
     MIN_CHUNK_SIZE,
     Chunk,
     ChunkAccepted,
@@ -251,10 +251,10 @@ async def _linked_pair(coordinator_id: str, worker_id: str):
 
     import numpy as np
 
-    from swarm.peer import wire
-    from swarm.peer.link import Link, new_peer_connection
-    from swarm.peer.messages import Hello, NumericBuild
-    from swarm.peer.swarmkey import SwarmKey
+    from swarm.peer.net import wire
+    from swarm.peer.net.link import Link, new_peer_connection
+    from swarm.peer.net.messages import Hello, NumericBuild
+    from swarm.keys.swarmkey import SwarmKey
 
     key = SwarmKey(bytes(range(32)))
 
@@ -286,11 +286,11 @@ def test_slice_ships_over_a_real_link_survives_a_drop_and_a_corrupt_chunk(tmp_pa
 
     from swarm.compute.default_model import default_model_path
     from swarm.errors import PeerLostError
-    from swarm.peer.shipping_aio import SliceFetcher, SliceServer
-    from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
+    from swarm.peer.weights.shipping_aio import SliceFetcher, SliceServer
+    from swarm.peer.weights.slices import ModelSlicer, SliceSpan, decode_slice
 
     slicer = ModelSlicer(default_model_path())
-    spec = SliceSpec(2, "dense", 0, 1536)
+    spec = SliceSpan(2, "dense", 0, 1536)
     blob, meta = slicer.extract(spec)
     model_hash = "ab" * 32
     coordinator, worker = COORDINATOR.peer_id, WORKER.peer_id
@@ -369,11 +369,11 @@ def test_worker_without_the_model_gets_its_plan_slices_and_answers_like_one_with
     import numpy as np
 
     from swarm.compute.model import load_model
-    from swarm.peer import messages as M
-    from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
-    from swarm.peer.shipping_aio import PlanShipper, SliceFetcher, fetch_plan_slices, shape_from_meta
-    from swarm.peer.slices import specs_for
-    from swarm.peer.worker import Worker
+    from swarm.peer.net import messages as M
+    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.weights.shipping_aio import PlanShipper, SliceFetcher, fetch_plan_slices, shape_from_meta
+    from swarm.peer.weights.slices import specs_for
+    from swarm.peer.worker.ffn import Worker
     from tests.peer._swarm_models import build
 
     path = build("qwen3_moe", tmp_path)  # MoE layers 0 and 2, dense layer 1

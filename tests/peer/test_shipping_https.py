@@ -1,4 +1,4 @@
-"""Bulk slice shipping over HTTPS range requests (swarm/peer/slice_http.py) on real sockets.
+"""Bulk slice shipping over HTTPS range requests (swarm/peer/weights/slice_http.py) on real sockets.
 
 Oracles: the blob itself (what comes out equals what went in), the manifest's hashes, and the
 server's count of bytes sent (a resume must not start over). TLS is real, with the shipper's
@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 
 from swarm.errors import WeightIntegrityError
-from swarm.peer.messages import HttpsSource
-from swarm.peer.shipping import MIN_CHUNK_SIZE, SliceCache, SliceSource
-from swarm.peer.slice_http import SliceHttpServer, SliceUnreachable, fetch_https, slice_token
-from swarm.peer.swarmkey import SwarmKey
+from swarm.peer.net.messages import HttpsSource
+from swarm.peer.weights.shipping import MIN_CHUNK_SIZE, SliceCache, SliceSource
+from swarm.peer.weights.slice_http import SliceHttpServer, SliceUnreachable, fetch_https, slice_token
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling import tls
 
 KEY = SwarmKey(bytes(range(32)))
@@ -194,7 +194,7 @@ def test_tampered_chunk_is_refused_and_fetched_again(tmp_path, cert):
     at = 2 * CS + 100
     blob[at] ^= 0xFF  # chunk 2 now fails its SHA-256 until the handler restores it
     handler = _RestoreOnRefusal(blob, at, original[at])
-    logger = logging.getLogger("swarm.peer.slice_http")
+    logger = logging.getLogger("swarm.peer.weights.slice_http")
     logger.addHandler(handler)
 
     async def main():
@@ -303,9 +303,9 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
     HTTPS server cannot be reached, the worker says so and takes the data channel; both give
     the bytes a local cut of the model gives."""
     from swarm.compute.model import load_model
-    from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
-    from swarm.peer.shipping_aio import PlanShipper, SliceFetcher, fetch_plan_slices
-    from swarm.peer.slices import ModelSlicer, SliceSpec, specs_for
+    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.weights.shipping_aio import PlanShipper, SliceFetcher, fetch_plan_slices
+    from swarm.peer.weights.slices import ModelSlicer, SliceSpan, specs_for
     from tests.peer._swarm_models import build
     from tests.peer.test_shipping import COORDINATOR, WORKER, _linked_pair, _run_in_netns
 
@@ -315,7 +315,7 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
     plan = build_plan(shape, PeerCapacity(COORDINATOR.peer_id, 0, 1.0), [PeerCapacity(WORKER.peer_id, 10**9, 1.0)],
                       term=3, version=1)
     specs = specs_for(plan, WORKER.peer_id)
-    caplog.set_level(logging.WARNING, logger="swarm.peer.shipping_aio")
+    caplog.set_level(logging.WARNING, logger="swarm.peer.weights.shipping_aio")
 
     async def ship(cache_dir, reachable: bool):
         a, b = await _linked_pair(COORDINATOR.peer_id, WORKER.peer_id)
@@ -357,7 +357,7 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
                for r in caplog.records)
     slicer = ModelSlicer(path)
     for manifest in sent:
-        want = slicer.extract(SliceSpec.from_json(manifest.meta["spec"]))[0]
+        want = slicer.extract(SliceSpan.from_json(manifest.meta["spec"]))[0]
         for cache_dir in ("w1", "w2"):
             assert bytes(SliceCache(tmp_path / cache_dir).get(manifest)) == bytes(want)
 
@@ -367,7 +367,7 @@ def test_partial_file_whose_chunks_match_but_whole_does_not_is_refused(tmp_path)
     chunk already in the partial file: refused by name before any request is sent."""
     import dataclasses
 
-    from swarm.peer.shipping import build_manifest
+    from swarm.peer.weights.shipping import build_manifest
 
     blob = bytes(_blob(2 * CS, 8))
     lying = dataclasses.replace(build_manifest(blob, {}, CS), slice_id=bytes(32))

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from swarm.errors import ModelFileError, RemoteProtocolError
-from swarm.peer.shipping import SliceCache, SliceSource
-from swarm.peer.slices import ModelSlicer, SliceSpec, decode_slice
+from swarm.peer.weights.shipping import SliceCache, SliceSource
+from swarm.peer.weights.slices import ModelSlicer, SliceSpan, decode_slice
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_gguf_dense_ranges_decode_exactly_and_ship_quantized(smollm2, smol_slice
     whole = (_silu(x @ gate.T.astype(np.float64)) * (x @ up.T.astype(np.float64))) @ down.T.astype(np.float64)
     partial_sum = np.zeros_like(whole)
     for start, stop in [(0, 512), (512, 1100), (1100, 1536)]:  # 1100 is not a block boundary
-        spec = SliceSpec(3, "dense", start, stop)
+        spec = SliceSpan(3, "dense", start, stop)
         blob, meta = slicer.extract(spec)
         w = decode_slice(blob, meta)
         np.testing.assert_array_equal(w.gate, gate[start:stop])
@@ -62,7 +62,7 @@ def test_gguf_dense_ranges_decode_exactly_and_ship_quantized(smollm2, smol_slice
         g, u, d = (a.astype(np.float64) for a in (w.gate, w.up, w.down))
         partial_sum += (_silu(x @ g.T) * (x @ u.T)) @ d.T
     np.testing.assert_allclose(partial_sum, whole, rtol=1e-10, atol=1e-10)
-    blob, _ = slicer.extract(SliceSpec(3, "dense", 0, 512))
+    blob, _ = slicer.extract(SliceSpan(3, "dense", 0, 512))
     assert len(blob) == 3 * 512 * 576 // 32 * 20  # Q4_1: 20 bytes per 32 weights, not 4 bytes each
 
 
@@ -89,14 +89,14 @@ def test_gguf_expert_ranges_decode_exactly(tmp_path):
     full = _write_moe_gguf(path)
     slicer = ModelSlicer(path)
     for start, stop in [(0, 1), (1, 3), (0, 4)]:
-        blob, meta = slicer.extract(SliceSpec(0, "experts", start, stop))
+        blob, meta = slicer.extract(SliceSpan(0, "experts", start, stop))
         w = decode_slice(blob, meta)
         for role in ("gate", "up", "down"):
             np.testing.assert_array_equal(getattr(w, role), full[role][start:stop])
     with pytest.raises(ModelFileError, match="exceeds its 4 experts"):
-        slicer.extract(SliceSpec(0, "experts", 2, 5))
+        slicer.extract(SliceSpan(0, "experts", 2, 5))
     with pytest.raises(ModelFileError, match="not found"):
-        slicer.extract(SliceSpec(7, "experts", 0, 1))
+        slicer.extract(SliceSpan(7, "experts", 0, 1))
 
 
 def _tiny_moe(tmp_path: Path, family: str, dtype="float32"):
@@ -125,7 +125,7 @@ def _tiny_moe(tmp_path: Path, family: str, dtype="float32"):
 def test_safetensors_expert_slices_match_transformers(tmp_path, family, dtype):
     path, oracle = _tiny_moe(tmp_path, family, dtype)
     slicer = ModelSlicer(path)
-    blob, meta = slicer.extract(SliceSpec(1, "experts", 1, 3))
+    blob, meta = slicer.extract(SliceSpan(1, "experts", 1, 3))
     assert {t["encoding"] for t in meta["tensors"]} == {"F32" if dtype == "float32" else "BF16"}
     w = decode_slice(blob, meta)
     for role in ("gate", "up", "down"):
@@ -147,7 +147,7 @@ def test_safetensors_expert_slices_match_transformers(tmp_path, family, dtype):
         stacked = tmp_path / "stacked"
         stacked.mkdir()
         save_file(tensors, stacked / "model.safetensors")
-        w2 = ModelSlicer(stacked).load(SliceSpec(1, "experts", 1, 3))
+        w2 = ModelSlicer(stacked).load(SliceSpan(1, "experts", 1, 3))
         for role in ("gate", "up", "down"):
             np.testing.assert_array_equal(getattr(w2, role), getattr(w, role))
 
@@ -155,7 +155,7 @@ def test_safetensors_expert_slices_match_transformers(tmp_path, family, dtype):
 def test_shipped_slice_through_cache_equals_local_load(tmp_path, smol_slicer):
     """Coordinator extracts, worker downloads into its cache, decodes: same as a local load."""
     slicer = smol_slicer
-    spec = SliceSpec(7, "dense", 768, 1536)
+    spec = SliceSpan(7, "dense", 768, 1536)
     blob, meta = slicer.extract(spec)
     src = SliceSource()
     manifest = src.offer(blob, meta)
@@ -172,7 +172,7 @@ def test_shipped_slice_through_cache_equals_local_load(tmp_path, smol_slicer):
 
 
 def test_bad_meta_is_refused(smol_slicer):
-    blob, meta = smol_slicer.extract(SliceSpec(0, "dense", 0, 64))
+    blob, meta = smol_slicer.extract(SliceSpan(0, "dense", 0, 64))
 
     def edit(**changes):
         tensors = [dict(t) for t in meta["tensors"]]
@@ -211,29 +211,29 @@ def test_unreadable_model_paths_name_the_file(tmp_path):
 
 def test_slices_give_the_engines_weights_bit_for_bit(smollm2, smol_slicer, tmp_path):
     """A worker computing with decoded slices gets exactly what the engine computes locally."""
-    from swarm.compute.ffn import dense_partial, expert_ffn
+    from swarm.compute.ffn import dense_partial, swiglu_ffn
     from swarm.compute.model import load_model
 
     model = load_model(smollm2)
     x = np.random.default_rng(1).standard_normal((3, 576)).astype(np.float32)
-    (w,) = smol_slicer.load(SliceSpec(4, "dense", 512, 1024)).mlp_weights().values()
+    (w,) = smol_slicer.load(SliceSpan(4, "dense", 512, 1024)).mlp_weights().values()
     np.testing.assert_array_equal(dense_partial(w, x, 0, 512), dense_partial(model.dense_weights(4), x, 512, 1024))
 
     path, _ = _tiny_moe(tmp_path, "qwen3_moe")
     moe = load_model(path)
-    experts = ModelSlicer(path).load(SliceSpec(1, "experts", 2, 4)).mlp_weights()
+    experts = ModelSlicer(path).load(SliceSpan(1, "experts", 2, 4)).mlp_weights()
     xm = np.random.default_rng(2).standard_normal((5, 32)).astype(np.float32)
     for e, we in experts.items():
-        np.testing.assert_array_equal(expert_ffn(we, xm), expert_ffn(moe.expert_weights(1, e), xm))
+        np.testing.assert_array_equal(swiglu_ffn(we, xm), swiglu_ffn(moe.expert_weights(1, e), xm))
 
 
 def test_worker_on_shipped_slices_answers_like_a_worker_with_the_model(tmp_path):
     """Every slice a plan gives a worker, shipped and decoded, serves the Worker bit for bit."""
     from swarm.compute.model import load_model
-    from swarm.peer import messages as M
-    from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
-    from swarm.peer.slices import ShippedWeights, specs_for
-    from swarm.peer.worker import Worker
+    from swarm.peer.net import messages as M
+    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.weights.slices import ShippedWeights, specs_for
+    from swarm.peer.worker.ffn import Worker
 
     from tests.peer._swarm_models import build
 

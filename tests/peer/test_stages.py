@@ -13,8 +13,8 @@ import pytest
 from swarm.compute.default_model import default_model_path
 from swarm.compute.model import load_model
 from swarm.errors import LocalProtocolError, MessageError
-from swarm.peer import messages as m
-from swarm.peer.stages import Stage, StagedFFN, StageLayout, StageRunner, split_layers
+from swarm.peer.net import messages as m
+from swarm.peer.coordinator.stages import Stage, StagedFFN, StageLayout, StageRunner, split_layers
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 
 MOE = "qwen3_moe"  # MoE layers 0 and 2, dense layer 1
@@ -26,6 +26,16 @@ class Hand:
 
     def __init__(self, runners: dict[str, StageRunner]):
         self.runners, self.down, self.ffn, self.threads = runners, set(), None, []
+        self.failed: list[tuple[str, str]] = []
+
+    def last_heard(self, peer: str) -> float | None:
+        return None
+
+    def peer_failed(self, peer: str, reason: str) -> None:
+        self.failed.append((peer, reason))
+
+    def peer_not_ready(self, peer: str, reason: str) -> None:
+        pass
 
     def send(self, peer: str, req: m.StageRequest) -> None:
         if peer in self.down:
@@ -46,7 +56,7 @@ def staged(path, stages: tuple[Stage, ...]) -> tuple[object, StagedFFN, Hand, di
         r.accept(layout)
     hand = Hand(runners)
     model = load_model(path)
-    hand.ffn = StagedFFN(model, layout, hand.send)
+    hand.ffn = StagedFFN(model, layout, hand)
     return model, hand.ffn, hand, runners
 
 
@@ -87,8 +97,7 @@ def test_smollm2_over_two_stages_gives_the_local_bits():
 
 def test_a_stage_lost_at_token_10_moves_to_the_coordinator_with_the_same_tokens(moe_dir):
     model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 2), Stage(W2, 2, 3)))
-    failed = []
-    ffn.on_peer_failed = lambda peer, reason: failed.append((peer, reason))
+    failed = hand.failed
 
     def on_step(step):
         if step == 10:
@@ -107,7 +116,6 @@ def test_a_stage_lost_at_token_10_moves_to_the_coordinator_with_the_same_tokens(
 def test_a_late_stage_fails_over_too(moe_dir):
     model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 2), Stage(W1, 2, 3)))
     hand.send = lambda peer, req: None  # the request is sent, and no answer ever comes
-    ffn.send = hand.send
     ffn.set_rtt(W1, 0.001)
     ffn.timing[W1].s_per_row = 1e-4  # as after earlier answers: a short deadline
     ffn.timing[W1].fresh = False

@@ -18,10 +18,10 @@ import pytest
 
 from swarm.compute.default_model import default_model_path
 from swarm.compute.model import load_model
-from swarm.peer.identity import Identity
+from swarm.keys.identity import Identity
 from swarm.peer.node import Node
 from swarm.peer.roles import SwarmRoles
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.peer._links import run_in_netns
 from tests.peer._swarm_models import PROMPT, build, greedy

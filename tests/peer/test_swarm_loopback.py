@@ -22,10 +22,10 @@ import pytest
 
 from swarm.compute.ffn import LocalFFN
 from swarm.compute.model import load_model
-from swarm.peer.identity import Identity
+from swarm.keys.identity import Identity
 from swarm.peer.node import Node
 from swarm.peer.roles import SwarmRoles
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.conftest import require
 from tests.peer._links import run_in_netns
@@ -92,7 +92,7 @@ def agreed(peers) -> str | None:
     coord = next((p for p in peers if p.node.peer_id == leader), None)
     if coord is None or coord.roles.ffn is None:
         return None
-    plan = coord.roles.ffn._next_plan or coord.roles.ffn.plan
+    plan = coord.roles.ffn.pending_plan or coord.roles.ffn.plan
     if set(plan.workers()) != {p.node.peer_id for p in peers} - {leader}:
         return None
     if any(p.roles.worker is None or p.roles.worker.plan is None or p.roles.worker.plan.version != plan.version
@@ -125,8 +125,8 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
 
             run2 = await asyncio.to_thread(greedy, coord.roles.model, ffn, PROMPT, 12, on_step)
             await killed.wait()
-            await until(lambda: peers[0].node.peer_id not in ffn.plan.workers() and ffn._next_plan is None
-                        or peers[0].node.peer_id not in (ffn._next_plan or ffn.plan).workers(), 10, "a new plan")
+            await until(lambda: peers[0].node.peer_id not in ffn.plan.workers() and ffn.pending_plan is None
+                        or peers[0].node.peer_id not in (ffn.pending_plan or ffn.plan).workers(), 10, "a new plan")
             # 3. the coordinator goes: the survivor takes over within 5 s and serves
             await coord.stop()
             took = await until(lambda: peers[1].roles.ffn is not None, 10, "a new coordinator")
@@ -168,7 +168,7 @@ def test_a_worker_that_missed_its_plan_is_sent_it_again_and_not_marked_down(tmp_
             late = Peer(node, None)
             peers.append(late)
             ffn = coord.roles.ffn
-            await until(lambda: ident.peer_id in (ffn._next_plan or ffn.plan).workers(), 20, "the peer planned in")
+            await until(lambda: ident.peer_id in (ffn.pending_plan or ffn.plan).workers(), 20, "the peer planned in")
             await asyncio.sleep(0.5)  # the plan has reached its link by now, with no handler for it
             late.roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
             await late.roles.start()
@@ -271,7 +271,7 @@ def test_a_browser_peer_joins_the_coordinator_and_computes_its_share(tmp_path):
         def planned_in() -> bool:
             ffn = roles.ffn
             browser = [p for p, link in node.links.items() if link.hello.peer_kind == "browser"]
-            return bool(browser and ffn is not None and browser[0] in (ffn._next_plan or ffn.plan).workers())
+            return bool(browser and ffn is not None and browser[0] in (ffn.pending_plan or ffn.plan).workers())
 
         t0 = time.monotonic()
         while not (planned_in() and result.get("ready")) and "error" not in result:

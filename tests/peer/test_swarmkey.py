@@ -1,4 +1,4 @@
-"""Swarm key (swarm.peer.swarmkey) and ``colibri-swarm key`` (swarm.peer.keycmd)."""
+"""Swarm key (swarm.keys.swarmkey) and ``colibri-swarm key`` (swarm.peer.keycmd)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from swarm.cli import main
 from swarm.errors import KeyCodeError
-from swarm.peer import swarmkey
-from swarm.peer.swarmkey import ALPHABET, SwarmKey, decode_code, encode_code
+from swarm.keys import swarmkey
+from swarm.keys.swarmkey import ALPHABET, SwarmKey, decode_code, encode_code
 
 KEY = bytes(range(32))
 
@@ -134,7 +134,7 @@ def test_key_command_shows_the_stored_code_and_new_replaces_it(config, capsys) -
 def test_qr_matrix_encodes_the_code() -> None:
     import qrcode
 
-    from swarm.peer.keycmd import render_qr
+    from swarm.terminal import render_qr
 
     code = encode_code(KEY)
     qr = qrcode.QRCode(border=2, error_correction=qrcode.constants.ERROR_CORRECT_M)

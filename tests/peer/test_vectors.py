@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import swarm.errors as errors
-from swarm.peer import messages as m
-from swarm.peer import wire
-from swarm.peer.auth import ChannelAuth, Role
-from swarm.peer.swarmkey import SwarmKey, decode_code
+from swarm.peer.net import messages as m
+from swarm.peer.net import wire
+from swarm.peer.net.auth import ChannelAuth, Role
+from swarm.keys.swarmkey import SwarmKey, decode_code
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 MESSAGES = sorted((VECTORS / "messages").glob("*.bin"))

@@ -1,4 +1,4 @@
-"""Frame codec and fragmentation/reassembly (swarm.peer.wire), checked against hand-built bytes."""
+"""Frame codec and fragmentation/reassembly (swarm.peer.net.wire), checked against hand-built bytes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from swarm.errors import FrameError, ReassemblyError, RemoteProtocolError, VersionMismatchError
-from swarm.peer import wire
-from swarm.peer.wire import (
+from swarm.peer.net import wire
+from swarm.peer.net.wire import (
     BF16,
     FRAGMENT_HEADER_BYTES,
     Fragmenter,

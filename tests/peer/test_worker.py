@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarm.compute.ffn import LocalFFN, expert_ffn
+from swarm.compute.ffn import LocalFFN, swiglu_ffn
 from swarm.compute.model import load_model
 from swarm.errors import MessageError, RemoteProtocolError, StaleTermError
-from swarm.peer import messages as M
-from swarm.peer import wire
-from swarm.peer import worker as worker_mod
-from swarm.peer.planner import ModelShape, PeerCapacity, build_plan
-from swarm.peer.worker import Worker
+from swarm.peer.net import messages as M
+from swarm.peer.net import wire
+from swarm.peer.worker import ffn as worker_mod
+from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+from swarm.peer.worker.ffn import Worker
 from tests.peer._swarm_models import COORD, W1, W2, build
 
 
@@ -55,8 +55,8 @@ def test_expert_answer_equals_the_local_computation(setup, worker):
     req = expert_request(plan, 0, ids, [4, 5], x)
     ans = M.decode(M.encode(worker.handle(M.decode(M.encode(req)))))  # through the wire both ways
     assert isinstance(ans, M.ExpertAnswer) and ans.request_id == 7 and (ans.term, ans.plan_version) == (4, 2)
-    assert np.array_equal(ans.outputs[:4], expert_ffn(model.expert_weights(0, ids[0]), x[:4]))
-    assert np.array_equal(ans.outputs[4:], expert_ffn(model.expert_weights(0, ids[1]), x[4:]))
+    assert np.array_equal(ans.outputs[:4], swiglu_ffn(model.expert_weights(0, ids[0]), x[:4]))
+    assert np.array_equal(ans.outputs[4:], swiglu_ffn(model.expert_weights(0, ids[1]), x[4:]))
 
 
 def test_dense_answer_sums_with_the_other_spans_to_local_ffn(setup, worker):
@@ -65,7 +65,7 @@ def test_dense_answer_sums_with_the_other_spans_to_local_ffn(setup, worker):
     s = plan.dense_span(1, W1)
     ans = worker.handle(M.DenseRequest(3, 4, 2, 1, ((s.start, s.stop),), x))
     assert isinstance(ans, M.DenseAnswer) and ans.partials.shape == (1, 5, H)
-    parts = [ans.partials[0] if sp.peer == W1 else expert_ffn(model.dense_weights(1, sp.start, sp.stop), x)
+    parts = [ans.partials[0] if sp.peer == W1 else swiglu_ffn(model.dense_weights(1, sp.start, sp.stop), x)
              for sp in plan.dense[1]]
     total = parts[0].copy()
     for p in parts[1:]:

@@ -19,10 +19,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from swarm.peer import messages as m  # noqa: E402
-from swarm.peer import wire  # noqa: E402
-from swarm.peer.auth import ChannelAuth, Role, transcript  # noqa: E402
-from swarm.peer.swarmkey import SwarmKey  # noqa: E402
+from swarm.peer.net import messages as m  # noqa: E402
+from swarm.peer.net import wire  # noqa: E402
+from swarm.peer.net.auth import ChannelAuth, Role, transcript  # noqa: E402
+from swarm.keys.swarmkey import SwarmKey  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PA = "abcdefghijklmnopqrstuvwxyz"
@@ -55,12 +55,12 @@ def samples() -> dict[str, object]:
             adapter_limits={"maxStorageBufferBindingSize": 134217728, "maxComputeInvocationsPerWorkgroup": 256},
             adapter_features=("shader-f16",), name="phone – kitchen",
         ),
-        "heartbeat": m.Heartbeat(seq=3, sent_s=1.5),
+        "heartbeat": m.LinkHeartbeat(seq=3, sent_s=1.5),
         "error": m.Error(request_id=12, code="stale_term", message="request of term 2; the current term is 3"),
         "request_vote": m.RequestVote(term=3, candidate=PA, last_term=2, last_plan_version=5, capability=35.5),
         "vote": m.Vote(term=3, granted=True),
         "leader_heartbeat": m.LeaderHeartbeat(term=3, leader=PA, plan_version=6),
-        "plan": m.Plan(term=3, version=6, assignments=(
+        "plan": m.PlanMessage(term=3, version=6, assignments=(
             m.Assignment(layer=0, peer=PA, experts=(0, 1, 2, 3), dense=()),
             m.Assignment(layer=0, peer=PB, experts=(4, 5, 6, 7), dense=()),
             m.Assignment(layer=1, peer=PB, experts=(), dense=((0, 768), (1024, 1536))),

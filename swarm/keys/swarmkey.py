@@ -117,17 +117,17 @@ class SwarmKey:
 
     @property
     def channel_auth_key(self) -> bytes:
-        """HMAC key of data-channel authentication (32 bytes; ``swarm.peer.auth``)."""
+        """HMAC key of data-channel authentication (32 bytes; ``swarm.peer.net.auth``)."""
         return derive(self.secret, "channel-auth")
 
     @property
     def slice_token_key(self) -> bytes:
-        """HMAC key of the slice server's per-slice bearer tokens (32 bytes; ``swarm.peer.slice_http``)."""
+        """HMAC key of the slice server's per-slice bearer tokens (32 bytes; ``swarm.peer.weights.slice_http``)."""
         return derive(self.secret, "slice-token")
 
     @property
     def api_ca_seed(self) -> bytes:
-        """Seed of the API certificate authority's private key (48 bytes; ``swarm.peer.api_tls``)."""
+        """Seed of the API certificate authority's private key (48 bytes; ``swarm.peer.coordinator.api_tls``)."""
         return derive(self.secret, "api-ca", 48)
 
     @property

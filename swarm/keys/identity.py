@@ -8,13 +8,13 @@
 * **Peer id**: the first 16 bytes of SHA-256 over the DER SubjectPublicKeyInfo of the public key,
   lower-case RFC 4648 base32 without padding: 26 characters ``[a-z2-7]``.
 * **Fingerprint**: SHA-256 of the certificate DER in SDP form, ``"sha-256 AB:CD:…"``
-  (what ``swarm.peer.auth`` puts in the channel transcript).
+  (what ``swarm.peer.net.auth`` puts in the channel transcript).
 * **Storage**: ``config_dir()/identity.pem`` (PKCS#8 key + certificate, PEM), mode 0600,
   created once and reused.
 
-A peer connection uses this certificate through :func:`swarm.peer.rtc.set_certificate`
+A peer connection uses this certificate through :func:`swarm.peer.net.rtc.set_certificate`
 (:meth:`Identity.rtc_certificate` gives aiortc's form); the link reads the remote's with
-:func:`swarm.peer.rtc.remote_certificate`, and :func:`peer_id_of_certificate` turns it into the
+:func:`swarm.peer.net.rtc.remote_certificate`, and :func:`peer_id_of_certificate` turns it into the
 peer id a Python peer must claim.
 """
 

@@ -9,22 +9,22 @@ It goes through these states, in this order only::
     CONNECTING ──channel open──▶ AUTHENTICATING ──proof ok──▶ GREETING ──hello ok──▶ OPEN
          └──────────────── any failure / timeout / remote close ─────────────────▶ CLOSED
 
-* AUTHENTICATING: the sans-I/O channel authenticator (:mod:`swarm.peer.auth`) runs over the
+* AUTHENTICATING: the sans-I/O channel authenticator (:mod:`swarm.peer.net.auth`) runs over the
   channel with the local certificate's fingerprint and the fingerprint parsed from the *remote
   SDP* — the thing a malicious relay could substitute. A relay that rewrites ``a=fingerprint``
   either breaks aiortc's own DTLS check (no channel) or, if it terminates DTLS itself, cannot
   produce the HMAC that binds both fingerprints (docs/security.md §4). Nothing else is accepted
   before the proof; any other byte closes the link.
-* GREETING: both sides send a :class:`~swarm.peer.messages.Hello`; another protocol version is
+* GREETING: both sides send a :class:`~swarm.peer.net.messages.Hello`; another protocol version is
   refused with :class:`~swarm.errors.VersionMismatchError` naming both versions. A remote whose
   Hello says it is a Python peer must hold the key its peer id names: the SPKI of the certificate
-  it presented in DTLS must hash to that id (:func:`~swarm.peer.identity.peer_id_of_certificate`),
+  it presented in DTLS must hash to that id (:func:`~swarm.keys.identity.peer_id_of_certificate`),
   or the link closes with :class:`~swarm.errors.AuthenticationError` naming both ids. Browser
   peers cannot export their DTLS key, so their ids are bound by the channel proof only.
-* OPEN: messages are wire frames (:mod:`swarm.peer.wire`), split to the remote's SCTP
+* OPEN: messages are wire frames (:mod:`swarm.peer.net.wire`), split to the remote's SCTP
   max-message-size and reassembled with a bounded buffer; sending waits on ``bufferedAmount``
   (backpressure); heartbeats every :data:`HEARTBEAT_S` measure RTT (the remote echoes each
-  :class:`~swarm.peer.messages.Heartbeat` unchanged; one that matches a ping we sent is its
+  :class:`~swarm.peer.net.messages.LinkHeartbeat` unchanged; one that matches a ping we sent is its
   answer); silence for :data:`DEAD_AFTER_S` closes the link.
 
 Every task the link starts is owned by it and cancelled in :meth:`Link.close`.
@@ -55,9 +55,9 @@ from swarm.errors import (
     SwarmError,
     VersionMismatchError,
 )
-from swarm.peer import auth, messages, rtc, wire
-from swarm.peer.identity import peer_id_of_certificate
-from swarm.peer.messages import Error, Heartbeat, Hello
+from swarm.peer.net import auth, messages, rtc, wire
+from swarm.keys.identity import peer_id_of_certificate
+from swarm.peer.net.messages import Error, LinkHeartbeat, Hello
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def new_peer_connection(certificate: RTCCertificate) -> tuple[RTCPeerConnection,
 
     No ICE servers: aiortc's default public STUN host stalls set-up by ~5 s on a LAN with a
     default route (docs/architecture.md, "Links"). The certificate and the SCTP tuning go
-    through :mod:`swarm.peer.rtc`.
+    through :mod:`swarm.peer.net.rtc`.
     """
     rtc.configure_aiortc()
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
@@ -139,7 +139,7 @@ class Link:
     Build it on :func:`new_peer_connection`, exchange SDP (:meth:`create_offer` on the offerer,
     :meth:`accept_offer` on the answerer, :meth:`accept_answer` back on the offerer), then
     ``await link.established()``. After that, ``await link.send(msg)``
-    sends any message of :mod:`swarm.peer.messages`; handlers registered with :meth:`on` receive
+    sends any message of :mod:`swarm.peer.net.messages`; handlers registered with :meth:`on` receive
     inbound messages by type, and messages of types with no handler go to :meth:`receive`.
 
     Attributes: ``peer_id`` (the authenticated remote peer id, ``str``), ``hello`` (the remote
@@ -380,7 +380,7 @@ class Link:
             self._ping_sent[self._ping_seq] = now
             if len(self._ping_sent) > 16:  # unanswered pings: forget the oldest
                 self._ping_sent.pop(min(self._ping_sent))
-            self._send_now(messages.encode(Heartbeat(seq=self._ping_seq, sent_s=now)))
+            self._send_now(messages.encode(LinkHeartbeat(seq=self._ping_seq, sent_s=now)))
             await asyncio.sleep(self._heartbeat_s)
 
     # -- inbound --------------------------------------------------------------------------------
@@ -455,7 +455,7 @@ class Link:
             log.info("link to %s open (version %s)", self.peer_id, message.protocol_version)
             self._established.set_result(message)
             return
-        if isinstance(message, Heartbeat):
+        if isinstance(message, LinkHeartbeat):
             if self._ping_sent.get(message.seq) != message.sent_s:
                 self._send_now(messages.encode(message))  # the remote's ping: echo it unchanged
             else:

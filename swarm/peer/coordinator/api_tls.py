@@ -3,7 +3,7 @@
 Whichever peer coordinates serves the API, and the coordinator changes with elections, so
 clients cannot pin one server's certificate. Instead every key holder derives the same
 **API certificate authority**: an ECDSA P-256 key from the swarm key's ``api-ca`` sub-key
-(HKDF, :attr:`~swarm.peer.swarmkey.SwarmKey.api_ca_seed`) and a self-signed CA certificate
+(HKDF, :attr:`~swarm.keys.swarmkey.SwarmKey.api_ca_seed`) and a self-signed CA certificate
 with fixed fields and a deterministic (RFC 6979) signature — byte for byte the same on every
 machine, so its SHA-256 fingerprint is one value to compare. A coordinator issues itself a
 short-lived server certificate from it, naming its addresses (IP SANs) so that clients that
@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from swarm.peer.swarmkey import SwarmKey
+from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.tls import format_fingerprint
 
 CA_FILE = "api-ca.pem"

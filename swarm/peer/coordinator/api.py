@@ -11,12 +11,12 @@ Routes (OpenAI API reference, "Chat Completions" and "Models"):
   streamed the same way. The other fields are those of chat completions.
 
 Authentication: ``Authorization: Bearer <token>``, where the token is the swarm key's
-``api-token`` sub-key (:attr:`swarm.peer.swarmkey.SwarmKey.api_token`, 64 hex digits, shown by
+``api-token`` sub-key (:attr:`swarm.keys.swarmkey.SwarmKey.api_token`, 64 hex digits, shown by
 ``colibri-swarm key``). Anything else → 401 — the key code itself too: it would let whoever
 reads one request join the swarm.
 
 Transport: HTTPS with a server certificate issued by the swarm's API CA
-(:mod:`swarm.peer.api_tls`) on any address but loopback; plain HTTP only on loopback or when
+(:mod:`swarm.peer.coordinator.api_tls`) on any address but loopback; plain HTTP only on loopback or when
 asked for explicitly (``tls=False``, ``join --api-plain-http``), which exposes prompts,
 replies and the token to the network.
 
@@ -341,12 +341,12 @@ class ApiServer:
         self._advertising: asyncio.Task | None = None
         self.scheme: str | None = None
         self.generations = 0  # finished or stopped generations, for status
-        self.dashboard: Any = None  # a swarm.peer.dashboard.Dashboard serves its page here when set
+        self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard serves its page here when set
 
     @classmethod
     def for_swarm_key(cls, backend: ChatBackend, key: Any) -> ApiServer:
         """Accept the key's API token only — never the key code (``key``: a
-        :class:`~swarm.peer.swarmkey.SwarmKey`); serve HTTPS with a certificate of its API CA."""
+        :class:`~swarm.keys.swarmkey.SwarmKey`); serve HTTPS with a certificate of its API CA."""
         server = cls(backend, [key.api_token])
         server._key = key
         return server
@@ -383,7 +383,7 @@ class ApiServer:
         if ssl_context is None and (tls or (tls is None and not loopback)):
             if self._key is None:
                 raise LocalProtocolError("HTTPS needs the swarm key (ApiServer.for_swarm_key) or an ssl_context")
-            from swarm.peer.api_tls import server_context
+            from swarm.peer.coordinator.api_tls import server_context
 
             ssl_context = server_context(self._key, addresses or local_ipv4_addresses())
         elif ssl_context is None and not loopback:

@@ -98,7 +98,7 @@ class ModelShape:
     def from_model(cls, model) -> "ModelShape":
         """From a :class:`swarm.compute.model.Model`, with the encoded size of every FFN
         tensor as the file stores it. Only the file's header is read (no weight bytes)."""
-        from swarm.peer.repack import PAGE_ENCODINGS
+        from swarm.peer.weights.repack import PAGE_ENCODINGS
 
         base = cls.from_config(model.config)
         ck = model.checkpoint
@@ -209,7 +209,7 @@ class Plan:
 
     # ------------------------------------------------------------------ wire form
     def to_dict(self) -> dict:
-        """JSON-ready form, for the Plan message's metadata."""
+        """JSON-ready form, for the PlanMessage's metadata."""
         enc = lambda m: {str(l): [[s.peer, s.start, s.stop] for s in spans] for l, spans in m.items()}  # noqa: E731
         return {"version": self.version, "term": self.term, "coordinator": self.coordinator,
                 "peers": list(self.peers), "experts": enc(self.experts), "dense": enc(self.dense)}
@@ -236,8 +236,8 @@ class Plan:
 
 
     def to_message(self):
-        """The :class:`swarm.peer.messages.Plan` that announces this plan to the workers."""
-        from swarm.peer.messages import Assignment, Plan as PlanMessage
+        """The :class:`swarm.peer.net.messages.PlanMessage` that announces this plan to the workers."""
+        from swarm.peer.net.messages import Assignment, PlanMessage
 
         out = [Assignment(layer, s.peer, tuple(range(s.start, s.stop)), ())
                for layer, spans in sorted(self.experts.items()) for s in spans]
@@ -247,7 +247,7 @@ class Plan:
 
     @classmethod
     def from_message(cls, msg, coordinator: str, shape: ModelShape) -> "Plan":
-        """Rebuild a plan from the Plan message ``coordinator`` sent; checked like :meth:`from_dict`."""
+        """Rebuild a plan from the PlanMessage ``coordinator`` sent; checked like :meth:`from_dict`."""
         experts: dict[int, list[Span]] = {}
         dense: dict[int, list[Span]] = {}
         for a in msg.assignments:

@@ -4,7 +4,7 @@ and see the same two DTLS certificates.
 Theory of operation (byte layout in docs/protocol.md, "Channel authentication"). WebRTC's DTLS
 encrypts the channel, but the certificates it checks come from SDP relayed by the signaling
 server, which we do not trust. So each side, as soon as the channel opens, sends
-:class:`~swarm.peer.messages.AuthHello` (its peer id and a fresh 32-byte nonce). When it has the
+:class:`~swarm.peer.net.messages.AuthHello` (its peer id and a fresh 32-byte nonce). When it has the
 other's hello it knows the whole transcript — ordered by SDP role (offerer first), not by
 local/remote, so both sides build the same bytes — and sends :class:`AuthProof` with two
 HMAC-SHA256 values keyed by the swarm key's ``channel-auth`` sub-key:
@@ -31,8 +31,8 @@ from enum import Enum
 from hashlib import sha256
 
 from swarm.errors import AuthenticationError, LocalProtocolError
-from swarm.peer import messages, wire
-from swarm.peer.messages import AuthHello, AuthProof
+from swarm.peer.net import messages, wire
+from swarm.peer.net.messages import AuthHello, AuthProof
 
 AUTH_TIMEOUT_S = 10.0  # seconds from start until both proofs must be through
 NONCE_BYTES = 32
@@ -112,7 +112,7 @@ class ChannelAuth:
     ``expected_peer_id``: when the adapter knows which peer id the remote must be (the one
     signaling stamped on its signals), a hello claiming another is refused. That a Python peer's
     id is the hash of its DTLS certificate key is checked by the adapter once DTLS is up
-    (:mod:`swarm.peer.link`).
+    (:mod:`swarm.peer.net.link`).
     """
 
     def __init__(

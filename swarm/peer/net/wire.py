@@ -4,7 +4,7 @@ Theory of operation (byte layout in docs/protocol.md, section "Frames"):
 
 * A **frame** is one message: a fixed 24-byte little-endian header (magic ``CLSW``,
   protocol version, message kind, flags, tensor count, request id, metadata length, frame
-  length), then the metadata bytes (UTF-8 JSON, schema per kind: ``swarm.peer.messages``),
+  length), then the metadata bytes (UTF-8 JSON, schema per kind: ``swarm.peer.net.messages``),
   then a tensor table (dtype, rank, data offset, dims), then the tensor data blocks. Every
   section starts 8-byte aligned from the frame start and is followed by zero padding, so
   ``numpy.frombuffer`` and JS typed arrays view the data without a copy.

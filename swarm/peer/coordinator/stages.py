@@ -8,7 +8,7 @@ the order the hidden state visits them. The coordinator keeps the embeddings, th
 the head and sampling: ``Model.forward`` embeds the tokens and hands the rows [T, H] to
 :meth:`StagedFFN.run_layers`, which runs each stage in turn — its own with
 ``Model.layers`` (the FFN of those layers through ``inner``, e.g. a
-:class:`~swarm.peer.coordinator.RemoteFFN` that still hands expert and dense ranges out), a
+:class:`~swarm.peer.coordinator.dispatch.RemoteFFN` that still hands expert and dense ranges out), a
 worker's as one :class:`StageRequest` whose :class:`StageAnswer` carries the rows on. A stage
 runs the engine's own ``Model.layers`` on the same rows, so the logits are the local run's
 bits.
@@ -27,7 +27,7 @@ layers' KV cache by running the recorded rows through them, then the step goes o
 sequence keeps the layout it started with (holders may fail over, boundaries never move), so
 its recorded rows always match its stages; a new layout applies to the next sequence.
 
-Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, ``send`` is a
+Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, the dispatcher's ``send`` is a
 thread-safe non-blocking hand-off, and answers arrive through :meth:`StagedFFN.deliver` /
 :meth:`StagedFFN.peer_down` from the event loop. Request ids have the top bit set, so they
 never collide with RemoteFFN's on the same link.
@@ -51,10 +51,10 @@ import numpy as np
 
 from swarm.compute.ffn import LocalFFN
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
-from swarm.peer.coordinator import PeerTiming
-from swarm.peer.costmodel import MESSAGE_OVERHEAD_S
-from swarm.peer.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest
-from swarm.peer.planner import Span
+from swarm.peer.coordinator.dispatch import Dispatcher, PeerTiming
+from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S
+from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest
+from swarm.peer.coordinator.planner import Span
 
 log = logging.getLogger(__name__)
 
@@ -273,23 +273,20 @@ class _Pending:
 class StagedFFN:
     """The coordinator's backend for a stage layout; see the module docstring.
 
-    ``model``: the whole model (mapped); ``layout``: the stages; ``send(peer, msg)``:
-    thread-safe, non-blocking hand-off; ``inner``: the FFN backend of the coordinator's own
-    layers (default: the model's local one). ``on_peer_failed(peer, reason)`` is called from the
-    token-loop thread once per failed stage peer.
+    ``model``: the whole model (mapped); ``layout``: the stages; ``dispatcher``: the links
+    (:class:`~swarm.peer.coordinator.dispatch.Dispatcher`; told once per failed stage peer);
+    ``inner``: the FFN backend of the coordinator's own layers (default: the model's local one).
     """
 
-    def __init__(self, model, layout: StageLayout, send: Callable[[str, StageRequest], None], inner=None, *,
-                 on_peer_failed: Callable[[str, str], None] | None = None,
+    def __init__(self, model, layout: StageLayout, dispatcher: Dispatcher, inner=None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if layout.n_layers != model.config.n_layers:
             raise LocalProtocolError(f"stage layout covers {layout.n_layers} layers, the model has "
                                      f"{model.config.n_layers}")
         self.model = model
         self.layout = layout
-        self.send = send
+        self.dispatcher = dispatcher
         self.inner = inner if inner is not None else LocalFFN(model)
-        self.on_peer_failed = on_peer_failed
         self.timing: dict[str, PeerTiming] = {}
         self.failed: set[str] = set()
         self.remote_steps = 0  # stage requests answered by peers
@@ -393,7 +390,7 @@ class StagedFFN:
         with self._lock:
             self._pending[rid] = p
         try:
-            self.send(stage.peer, req)
+            self.dispatcher.send(stage.peer, req)
         except Exception as exc:  # the link is gone
             with self._lock:
                 self._pending.pop(rid, None)
@@ -430,8 +427,7 @@ class StagedFFN:
             return
         self.failed.add(peer)
         log.warning("stage peer %s marked down: %s; its layers run on the coordinator", peer, reason)
-        if self.on_peer_failed is not None:
-            self.on_peer_failed(peer, reason)
+        self.dispatcher.peer_failed(peer, reason)
 
 
 def _check_answer(req: StageRequest, msg: object) -> None:
@@ -457,12 +453,12 @@ def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] |
 
     ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
     to their speed; ``"auto"`` takes the fastest placement that fits by the cost model
-    (:func:`swarm.peer.costmodel.choose`; the coordinator alone is one stage of all layers).
-    ``costs``: :class:`~swarm.peer.costmodel.LayerCosts`; ``coord``, ``workers``:
-    :class:`~swarm.peer.costmodel.PeerCost` (workers that hold the model). Raises
+    (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator alone is one stage of all layers).
+    ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
+    :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model). Raises
     LocalProtocolError for another mode.
     """
-    from swarm.peer import costmodel
+    from swarm.peer.coordinator import costmodel
 
     if mode not in ("stages", "auto"):
         raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages' or 'auto' only")

@@ -6,10 +6,10 @@ A placement is one of
 
 * ``local`` — the coordinator runs everything (only when its memory holds the model);
 * ``ranges`` — every layer's experts / dense MLP columns are cut over the peers
-  (:func:`swarm.peer.planner.build_plan`): they compute one layer together, so each layer
+  (:func:`swarm.peer.coordinator.planner.build_plan`): they compute one layer together, so each layer
   costs one round trip to every worker that gets work;
 * ``stages`` — each peer runs a contiguous range of whole layers
-  (:mod:`swarm.peer.stages`): the hidden state crosses the network once per stage.
+  (:mod:`swarm.peer.coordinator.stages`): the hidden state crosses the network once per stage.
 
 Inputs (:class:`PeerCost`): each peer's memory budget in bytes as it holds the weights
 (compact: the file's blocks), its compute speed in GFLOP/s — *observed* from answer timings

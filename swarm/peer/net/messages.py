@@ -1,6 +1,6 @@
 """Wire messages: one frozen dataclass per kind, one ``encode``/``decode`` pair.
 
-Theory of operation: a message is a frame (``swarm.peer.wire``) whose metadata is a UTF-8
+Theory of operation: a message is a frame (``swarm.peer.net.wire``) whose metadata is a UTF-8
 JSON object holding the message's plain fields, and whose tensors are its ``numpy`` fields in
 declaration order. A field named ``request_id`` travels in the frame header instead of the JSON.
 The schema of each kind is its dataclass annotations, read once at import, so adding a kind is
@@ -24,7 +24,7 @@ Encoding the same message locally raises :class:`~swarm.errors.LocalProtocolErro
 Dispatch with ``match``::
 
     match decode(data):
-        case Heartbeat(seq=seq): ...
+        case LinkHeartbeat(seq=seq): ...
         case ExpertRequest() as req: ...
 """
 
@@ -43,7 +43,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import numpy as np
 
 from swarm.errors import LocalProtocolError, MessageError
-from swarm.peer import wire
+from swarm.peer.net import wire
 
 MAX_STR = 4096  # characters per string field
 MAX_INT = 2**53 - 1  # largest integer a JS number holds exactly
@@ -369,7 +369,7 @@ class Hello(_Base):
 
 
 @message(4)
-class Heartbeat(_Base):
+class LinkHeartbeat(_Base):
     """Liveness on a channel; the receiver may answer with its own heartbeat."""
 
     seq: int
@@ -433,7 +433,7 @@ class Assignment:
 
 
 @message(19)
-class Plan(_Base):
+class PlanMessage(_Base):
     """The coordinator's placement, versioned within a term."""
 
     term: int
@@ -616,7 +616,7 @@ class StageAnswer(_Base):
 
 @dataclass(frozen=True)
 class HttpsSource:
-    """Where a slice can also be fetched in bulk: HTTPS range requests (``swarm.peer.slice_http``).
+    """Where a slice can also be fetched in bulk: HTTPS range requests (``swarm.peer.weights.slice_http``).
 
     ``urls``: base URLs ``https://HOST:PORT`` of the shipper's slice server, best first;
     ``cert_sha256``: SHA-256 of its certificate's DER (hex64), which the fetcher pins;

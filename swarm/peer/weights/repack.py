@@ -39,7 +39,7 @@ def page_readable(meta: Mapping[str, Any]) -> bool:
 
 
 def repack_for_page(blob: bytes | memoryview, meta: Mapping[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """The slice (``blob``, ``meta`` as :meth:`swarm.peer.slices.ModelSlicer.extract` gives) with
+    """The slice (``blob``, ``meta`` as :meth:`swarm.peer.weights.slices.ModelSlicer.extract` gives) with
     every tensor the page cannot read requantized to Q8_0; the others keep their bytes.
 
     Returns a new blob and meta (same spec and tensor order; a repacked tensor's entry names

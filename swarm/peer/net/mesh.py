@@ -18,7 +18,7 @@ mDNS, so any signaling path (the rendezvous, a test bus) can drive it.
   over; the old link is closed and the new one replaces it.
 * Every link must prove the id signaling stamped on its signals, and the kind of peer signaling
   announced; a Python peer's id must also be the hash of its DTLS certificate key
-  (:mod:`swarm.peer.link`), so a member cannot stand in for another.
+  (:mod:`swarm.peer.net.link`), so a member cannot stand in for another.
 
 Signals are JSON objects: ``{"type": "offer"|"answer", "sdp": str, "session": str}`` and
 ``{"type": "candidate", "candidate": str, "sdpMid": str, "sdpMLineIndex": int, "session": str}``
@@ -41,8 +41,8 @@ from aiortc.rtcdtlstransport import RTCCertificate
 from aiortc.sdp import candidate_from_sdp
 
 from swarm.errors import RemoteProtocolError, SwarmError
-from swarm.peer.link import Handler, Link, new_peer_connection
-from swarm.peer.messages import Hello
+from swarm.peer.net.link import Handler, Link, new_peer_connection
+from swarm.peer.net.messages import Hello
 from swarm.signaling.messages import PeerInfo
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Mesh:
 
     ``links``: the open links by remote peer id (a live dict: read it, do not change it).
     ``on_link_up`` / ``on_link_down``: lists of callbacks, ``cb(link)`` and ``cb(peer_id)``.
-    ``link_options``: keyword arguments for every :class:`~swarm.peer.link.Link` (timeouts).
+    ``link_options``: keyword arguments for every :class:`~swarm.peer.net.link.Link` (timeouts).
     """
 
     def __init__(

@@ -20,9 +20,9 @@ Prefill is the same path with more rows: one batch, one request per peer.
 
 Threading. The forward pass is synchronous numpy, and the FFN seam is a plain
 call, so the whole token loop runs in one worker thread and this backend talks
-to the asyncio links through thread-safe hand-offs: ``send(peer, msg)`` must be
-callable from that thread and must not block (the adapter wraps
-``asyncio.run_coroutine_threadsafe``); answers come back through
+to the asyncio links through a :class:`Dispatcher`, whose methods must be
+callable from that thread and must not block (the adapter hands each call to the
+event loop); answers come back through
 :meth:`RemoteFFN.deliver` / :meth:`RemoteFFN.peer_down`, called from the event
 loop, which complete :class:`concurrent.futures.Future` s. Numpy releases the GIL
 in BLAS, so the links keep moving while the coordinator computes its own share.
@@ -38,7 +38,7 @@ peer's real answer times instead of cutting it off. A request whose answer is
 late, lost (link down), an :class:`Error`, or malformed (ids, term, plan version,
 layer, shapes, dtype, non-finite values) is replaced by the coordinator computing
 those rows itself — it has the model file mapped, so the result is the same
-bits. The peer is marked failed (no more work in this step; ``on_peer_failed``
+bits. The peer is marked failed (no more work in this step; ``Dispatcher.peer_failed``
 tells the owner, who rebuilds the plan) for a closed link, a malformed answer or
 an Error; for lateness only after ``MISS_LIMIT`` misses with no answer within the
 ceiling in between (each miss doubles the next deadline, within the ceiling; a
@@ -55,7 +55,7 @@ Plan hand-over. The plan is sent on the same ordered channel before any request
 that uses it, and a worker holds requests of a plan until it has installed it, so
 requests are sent with the new plan at once. A worker that refuses one with
 ``stale_term`` (it has not accepted that plan: it lost it, or refused it) is not
-failed: its rows are recomputed here, ``on_peer_not_ready`` asks the owner to send
+failed: its rows are recomputed here, ``Dispatcher.peer_not_ready`` asks the owner to send
 it the plan again, and it gets no requests of that plan except one probe every
 ``NOT_READY_RETRY_S``, until an answer shows it serves the plan.
 
@@ -89,14 +89,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from swarm.compute.ffn import combine, expert_ffn, expert_rows, route, sum_partials
+from swarm.compute.ffn import combine, swiglu_ffn, expert_rows, route, sum_partials
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.memory import release_pages
-from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
-from swarm.peer.planner import Plan
+from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageRequest
+from swarm.peer.coordinator.planner import Plan
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,21 @@ class _Pending:
         return r.rows.shape[0] if isinstance(r, ExpertRequest) else r.x.shape[0]
 
 
-Send = Callable[[str, ExpertRequest | DenseRequest], None]
+class Dispatcher(Protocol):
+    """How :class:`RemoteFFN` and :class:`~swarm.peer.coordinator.stages.StagedFFN` reach the
+    workers. Every method is called from the token-loop thread and must not block."""
+
+    def send(self, peer: str, msg: ExpertRequest | DenseRequest | StageRequest) -> None:
+        """Hand ``msg`` to ``peer``'s link; raises ConnectionError when there is no link."""
+
+    def last_heard(self, peer: str) -> float | None:
+        """Clock time (monotonic s) of the last byte received from ``peer``; None: unknown."""
+
+    def peer_failed(self, peer: str, reason: str) -> None:
+        """``peer`` failed (late, gone or wrong): the owner re-plans without it; once per failure."""
+
+    def peer_not_ready(self, peer: str, reason: str) -> None:
+        """``peer`` refused a request as not serving its plan: the owner sends it the plan again."""
 
 
 def _share(plan: Plan, peer: str) -> set[tuple[str, int, int, int]]:
@@ -201,37 +216,28 @@ class RemoteFFN:
     """FFN backend of the coordinator; see the module docstring.
 
     ``model``: the model, memory-mapped (a :class:`swarm.compute.model.Model`); ``plan``:
-    the placement (``plan.coordinator`` is us); ``send``: thread-safe, non-blocking
-    hand-off of a request to a peer. ``verify``: share of remote answers (0..1)
-    recomputed locally. ``on_peer_failed(peer, reason)`` is called (from the
-    token-loop thread) once per failed peer; ``on_peer_not_ready(peer, reason)`` once per
-    plan a peer refused as not accepted yet (the owner sends it the plan again).
-    ``heard(peer)``: ``clock`` time of the last byte received from ``peer`` (None: unknown),
-    so that a silent peer is failed at its first miss.
+    the placement (``plan.coordinator`` is us); ``dispatcher``: the links (:class:`Dispatcher`:
+    requests out; a failed peer once per failure; a peer that refused a request as not serving
+    the plan once per plan; when each peer was last heard, so that a silent peer is failed at its
+    first miss). ``verify``: share of remote answers (0..1) recomputed locally.
     """
 
     def __init__(
         self,
         model,
         plan: Plan,
-        send: Send,
+        dispatcher: Dispatcher,
         *,
         verify: float = 0.0,
         rng: random.Random | None = None,
-        on_peer_failed: Callable[[str, str], None] | None = None,
-        on_peer_not_ready: Callable[[str, str], None] | None = None,
-        heard: Callable[[str], float | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= verify <= 1.0:
             raise LocalProtocolError(f"verify share {verify} must be within 0..1")
         self.model = model
         self.plan = plan
-        self.send = send
+        self.dispatcher = dispatcher
         self.verify = verify
-        self.on_peer_failed = on_peer_failed
-        self.on_peer_not_ready = on_peer_not_ready
-        self.heard = heard
         self.not_ready: dict[str, tuple[int, int, float]] = {}  # peer → (term, version, next probe time)
         self.timing: dict[str, PeerTiming] = {}
         self.failed: set[str] = set()  # peers given no more work until a new plan
@@ -295,6 +301,11 @@ class RemoteFFN:
         """
         self._next_plan, self._next_warming = plan, dict(warming or {})
 
+    @property
+    def pending_plan(self) -> Plan | None:
+        """The plan :meth:`set_plan` gave until it takes effect at the next step; None after."""
+        return self._next_plan
+
     # ------------------------------------------------------------ token-loop side
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         """x [T, H] f32 (post-attention-normed rows) → [T, H] f32, as LocalFFN under ``plan``."""
@@ -338,7 +349,7 @@ class RemoteFFN:
             p = _Pending(peer, req, cf.Future(), now, now + wait, first=timing.fresh or timing.s_per_row is None)
             self._pending[rid] = p
         try:
-            self.send(peer, req)
+            self.dispatcher.send(peer, req)
         except Exception as exc:  # the link is gone: the rows are recomputed here
             with self._lock:
                 self._pending.pop(rid, None)
@@ -388,7 +399,7 @@ class RemoteFFN:
             timing = self.timing.setdefault(p.peer, PeerTiming())
             timing.misses += 1
             misses = timing.misses
-        heard = self.heard(p.peer) if self.heard is not None else None
+        heard = self.dispatcher.last_heard(p.peer)
         silent = heard is not None and now - heard > SILENCE_S
         what = f"no answer within {p.deadline - p.sent_at:.3f} s (layer {p.request.layer})"
         if p.first or misses >= MISS_LIMIT or silent:
@@ -409,8 +420,7 @@ class RemoteFFN:
         if first:
             reason = f"has not accepted plan v{req.plan_version} of term {req.term} yet: {msg.message}"
             log.info("peer %s %s; its rows are recomputed here until it has", p.peer, reason)
-            if self.on_peer_not_ready is not None:
-                self.on_peer_not_ready(p.peer, reason)
+            self.dispatcher.peer_not_ready(p.peer, reason)
 
     def _fail(self, peer: str, reason: str) -> None:
         self.local_fallbacks += 1
@@ -421,8 +431,7 @@ class RemoteFFN:
             return
         self.failed.add(peer)
         log.warning("peer %s marked down: %s; its rows are computed by the coordinator", peer, reason)
-        if self.on_peer_failed is not None:
-            self.on_peer_failed(peer, reason)
+        self.dispatcher.peer_failed(peer, reason)
 
     def _check_answer(self, req: ExpertRequest | DenseRequest, msg: object) -> None:
         """Raise RemoteProtocolError unless ``msg`` answers ``req`` exactly, with finite f32 rows."""
@@ -513,7 +522,7 @@ class RemoteFFN:
         """Expert ``e`` over ``rows`` here; an expert the plan gives another peer, or one of ours
         beyond our budget, is read from the mapped file and its pages given back after."""
         w = self.model.expert_weights(layer, e)
-        out = expert_ffn(w, rows)
+        out = swiglu_ffn(w, rows)
         if (layer, e) in self._streamed or self.plan.expert_owner(layer, e) != self.plan.coordinator:
             for q in (w.gate, w.up, w.down):
                 release_pages(q.data)
@@ -531,7 +540,7 @@ class RemoteFFN:
         plan = self.plan
         spans = plan.dense.get(layer)
         if not spans:
-            return expert_ffn(self.model.dense_weights(layer), x)
+            return swiglu_ffn(self.model.dense_weights(layer), x)
         pending = {}
         for i, s in enumerate(spans):
             if self._remote(s.peer):
@@ -541,15 +550,15 @@ class RemoteFFN:
         partials: list[np.ndarray | None] = [None] * len(spans)
         for i, s in enumerate(spans):
             if i not in pending:
-                partials[i] = expert_ffn(self._slice(layer, s.start, s.stop), x)
+                partials[i] = swiglu_ffn(self._slice(layer, s.start, s.stop), x)
         for i, p in pending.items():
             s = spans[i]
             msg = self._await(p)
             if msg is None:  # failed (or warming up): that span is ours
-                partials[i] = expert_ffn(self._slice(layer, s.start, s.stop), x)
+                partials[i] = swiglu_ffn(self._slice(layer, s.start, s.stop), x)
                 continue
             partials[i] = msg.partials[0]
             if self._should_verify():
                 self._verify(p.peer, layer, f"dense {s.start}:{s.stop}", partials[i],
-                             expert_ffn(self._slice(layer, s.start, s.stop), x))
+                             swiglu_ffn(self._slice(layer, s.start, s.stop), x))
         return sum_partials(partials)

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A *slice* is one opaque byte blob (the tensors a worker needs for its share of
-the plan, in the model file's own encoding; see :mod:`swarm.peer.slices`) plus a
+the plan, in the model file's own encoding; see :mod:`swarm.peer.weights.slices`) plus a
 JSON description of what is inside it. The coordinator describes a slice with a
 :class:`Manifest`: the SHA-256 of the whole blob (which is also the slice's id
 and its cache key), its size, the chunk size and the SHA-256 of every chunk.
@@ -29,7 +29,7 @@ link is the normal path rather than a special case::
   so a worker that crashed mid-transfer also resumes.
 
 Nothing here touches a socket or reads the clock: ``now`` (seconds, monotonic)
-is passed in. The asyncio adapter over a peer link is :mod:`swarm.peer.shipping_aio`.
+is passed in. The asyncio adapter over a peer link is :mod:`swarm.peer.weights.shipping_aio`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Manifest:
 
     ``slice_id`` is the SHA-256 of the whole blob (32 bytes); ``chunk_sha256[i]``
     covers bytes ``[i*chunk_size, min((i+1)*chunk_size, size))``; ``meta`` is a
-    JSON object describing the tensors inside (see :mod:`swarm.peer.slices`).
+    JSON object describing the tensors inside (see :mod:`swarm.peer.weights.slices`).
     """
 
     slice_id: bytes

@@ -13,10 +13,10 @@ Trust, with no certificate authority on a LAN:
   the LAN gets no connection. A browser cannot pin: it must have accepted the certificate for
   that host, and it checks every byte against the manifest's hashes anyway.
 - Each request carries ``Authorization: Bearer <token>``; the token is HMAC-SHA256 of the
-  slice id under a sub-key of the swarm key (:attr:`~swarm.peer.swarmkey.SwarmKey.slice_token_key`),
+  slice id under a sub-key of the swarm key (:attr:`~swarm.keys.swarmkey.SwarmKey.slice_token_key`),
   so it opens that one slice only and never reveals the key. Absent: 401; wrong: 403.
 - Every chunk is checked against the manifest's SHA-256 before it is kept, the whole slice
-  against its id (:class:`~swarm.peer.shipping.SliceDownload`); a chunk that fails is fetched again.
+  against its id (:class:`~swarm.peer.weights.shipping.SliceDownload`); a chunk that fails is fetched again.
 
 HTTP surface (``GET``/``OPTIONS`` ``/slices/<slice id hex>``): one byte range per request
 (``Range: bytes=a-b``, ``bytes=a-``, ``bytes=-n``; none: the whole slice), answered with 206 and
@@ -25,7 +25,7 @@ credential), because a page served by the signaling server is another origin tha
 another port or host.
 
 Resume: the client asks only for the chunks its partial download (``<id>.part`` in the
-:class:`~swarm.peer.shipping.SliceCache`) lacks. Memory: the server writes views of the blob it
+:class:`~swarm.peer.weights.shipping.SliceCache`) lacks. Memory: the server writes views of the blob it
 already holds; the client reads one chunk at a time into the download's file mapping.
 """
 
@@ -44,9 +44,9 @@ import aiohttp
 from aiohttp import web
 
 from swarm.errors import RemoteProtocolError, SwarmError, WeightIntegrityError
-from swarm.peer.messages import HttpsSource
-from swarm.peer.shipping import Chunk, ChunkRejected, Manifest, SliceDownload, SliceSource
-from swarm.peer.shipping_aio import _runs
+from swarm.peer.net.messages import HttpsSource
+from swarm.peer.weights.shipping import Chunk, ChunkRejected, Manifest, SliceDownload, SliceSource
+from swarm.peer.weights.shipping_aio import _runs
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ Progress = Callable[[int, int], None]  # (done_bytes, total_bytes)
 def slice_token(token_key: bytes, slice_id: bytes) -> str:
     """The bearer token for one slice: HMAC-SHA256(``token_key``, ``b"slice " + slice_id``), 64 hex digits.
 
-    ``token_key`` is :attr:`~swarm.peer.swarmkey.SwarmKey.slice_token_key` (32 bytes).
+    ``token_key`` is :attr:`~swarm.keys.swarmkey.SwarmKey.slice_token_key` (32 bytes).
     """
     return hmac.new(token_key, b"slice " + slice_id, hashlib.sha256).hexdigest()
 

@@ -40,7 +40,7 @@ _CERTIFICATES_ATTR = "_RTCPeerConnection__certificates"
 
 def _moved(what: str) -> LocalProtocolError:
     return LocalProtocolError(
-        f"aiortc {aiortc.__version__} has no {what}, which colibri-swarm relies on (see swarm/peer/rtc.py); "
+        f"aiortc {aiortc.__version__} has no {what}, which colibri-swarm relies on (see swarm/peer/net/rtc.py); "
         "install an aiortc version within the range pyproject.toml names"
     )
 

@@ -1,14 +1,14 @@
 """An in-process message network for tests and benchmarks: real wire encoding, no sockets.
 
 Each peer attaches a handler; :meth:`LoopbackNet.send` encodes the message with
-:func:`swarm.peer.messages.encode`, lets an optional ``tamper`` hook drop, delay
+:func:`swarm.peer.net.messages.encode`, lets an optional ``tamper`` hook drop, delay
 or rewrite the bytes (loss, corruption, a lying peer), decodes them with
-:func:`swarm.peer.messages.decode` — so a tampered frame meets the same checks as
+:func:`swarm.peer.net.messages.decode` — so a tampered frame meets the same checks as
 one from the network — and hands the message to the destination's handler on
 that destination's own thread, in order, like one reliable ordered data channel.
 Frames that fail to decode are dropped and counted, as a link would drop them.
 
-Real links (:mod:`swarm.peer.link`) replace this in the loopback and multi-host
+Real links (:mod:`swarm.peer.net.link`) replace this in the loopback and multi-host
 tests; the coordinator and worker only see ``send(peer, msg)`` and handlers.
 """
 
@@ -17,10 +17,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import RemoteProtocolError
-from swarm.peer import messages
+from swarm.peer.net import messages
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,9 @@ class LoopbackNet:
         """``callback(peer)`` when :meth:`kill` takes a peer away (a link's close event)."""
         self._on_down.append(callback)
 
-    def sender(self, src: str) -> Callable[[str, Any], None]:
-        """``send(dst, msg)`` from ``src``: non-blocking, thread-safe."""
-        return lambda dst, msg: self.send(src, dst, msg)
+    def dispatcher(self, src: str, *, on_peer_failed: Callable[[str, str], None] | None = None) -> LoopbackDispatcher:
+        """``src``'s side of this net in the shape RemoteFFN and StagedFFN take."""
+        return LoopbackDispatcher(self, src, on_peer_failed=on_peer_failed)
 
     def send(self, src: str, dst: str, msg: Any) -> None:
         if src in self._down or dst in self._down or dst not in self._handlers:
@@ -84,3 +85,31 @@ class LoopbackNet:
     def close(self) -> None:
         for t in self._threads.values():
             t.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class LoopbackDispatcher:
+    """A coordinator's links over a :class:`LoopbackNet`, as a
+    :class:`~swarm.peer.coordinator.dispatch.Dispatcher`: requests go out through the net
+    (non-blocking, thread-safe); failures and refusals go to the callbacks set here, liveness
+    comes from ``heard`` (None: unknown)."""
+
+    net: LoopbackNet
+    src: str
+    on_peer_failed: Callable[[str, str], None] | None = None
+    on_peer_not_ready: Callable[[str, str], None] | None = None
+    heard: Callable[[str], float | None] | None = None
+
+    def send(self, peer: str, msg: Any) -> None:
+        self.net.send(self.src, peer, msg)
+
+    def last_heard(self, peer: str) -> float | None:
+        return self.heard(peer) if self.heard is not None else None
+
+    def peer_failed(self, peer: str, reason: str) -> None:
+        if self.on_peer_failed is not None:
+            self.on_peer_failed(peer, reason)
+
+    def peer_not_ready(self, peer: str, reason: str) -> None:
+        if self.on_peer_not_ready is not None:
+            self.on_peer_not_ready(peer, reason)

@@ -1,13 +1,13 @@
-"""Weight shipping over a peer link: the thin asyncio adapter of :mod:`swarm.peer.shipping`.
+"""Weight shipping over a peer link: the thin asyncio adapter of :mod:`swarm.peer.weights.shipping`.
 
-Mapping onto the wire messages (:mod:`swarm.peer.messages`, docs/protocol.md "Weights"):
+Mapping onto the wire messages (:mod:`swarm.peer.net.messages`, docs/protocol.md "Weights"):
 
 - ``WeightManifest``: ``name`` is the slice id (SHA-256 of the whole blob, 64 hex digits);
   ``encoding`` is ``"slice/v1 "`` followed by the slice's meta as canonical JSON (the tensors
-  inside, each with its ggml type, shape and byte range — :mod:`swarm.peer.slices`);
-  ``total_bytes``, ``chunk_bytes``, ``chunk_sha256`` as in :class:`~swarm.peer.shipping.Manifest`.
+  inside, each with its ggml type, shape and byte range — :mod:`swarm.peer.weights.slices`);
+  ``total_bytes``, ``chunk_bytes``, ``chunk_sha256`` as in :class:`~swarm.peer.weights.shipping.Manifest`.
 - ``WeightManifest.https``: where the same bytes can be fetched in bulk over HTTPS range
-  requests (:mod:`swarm.peer.slice_http`: URLs, the server certificate's SHA-256 to pin, a
+  requests (:mod:`swarm.peer.weights.slice_http`: URLs, the server certificate's SHA-256 to pin, a
   token for this slice). The fetcher takes that path first and falls back to the chunks below,
   saying so in the log, when it cannot reach it (another subnet, a firewall, a refused token).
 - ``WeightChunkRequest(first, count)``: a run of consecutive chunk indices (the core's
@@ -19,8 +19,8 @@ Mapping onto the wire messages (:mod:`swarm.peer.messages`, docs/protocol.md "We
 The coordinator runs a :class:`SliceServer` on each link; a worker runs a :class:`SliceFetcher`
 on its link to the coordinator and calls :meth:`SliceFetcher.fetch` per manifest. For a plan:
 the coordinator's :class:`PlanShipper` offers each worker its slices, and the worker's
-:func:`fetch_plan_slices` returns a :class:`~swarm.peer.slices.ShippedWeights` to build its
-:class:`~swarm.peer.worker.Worker` on (with :func:`shape_from_meta` for the model's shape). A fetch that
+:func:`fetch_plan_slices` returns a :class:`~swarm.peer.weights.slices.ShippedWeights` to build its
+:class:`~swarm.peer.worker.ffn.Worker` on (with :func:`shape_from_meta` for the model's shape). A fetch that
 loses its link raises :class:`~swarm.errors.PeerLostError` and leaves the partial download in
 the cache; fetching the same manifest again (over a new link) asks only for what is missing.
 """
@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from swarm.errors import PeerLostError, RemoteProtocolError
-from swarm.peer.messages import HttpsSource, WeightChunk, WeightChunkRequest, WeightManifest
-from swarm.peer.shipping import (
+from swarm.peer.net.messages import HttpsSource, WeightChunk, WeightChunkRequest, WeightManifest
+from swarm.peer.weights.shipping import (
     MAX_REQUEST_INDICES,
     Chunk,
     ChunkAccepted,
@@ -199,7 +199,7 @@ class SliceFetcher:
             progress(dl.done_bytes, manifest.size)
         https = self._https.get(manifest.hex_id) if self._use_https else None
         if https is not None:
-            from swarm.peer.slice_http import SliceUnreachable, fetch_https
+            from swarm.peer.weights.slice_http import SliceUnreachable, fetch_https
 
             if self.preferred_url in https.urls:
                 https = dataclasses.replace(https, urls=(self.preferred_url, *(u for u in https.urls if u != self.preferred_url)))
@@ -251,28 +251,28 @@ class SliceFetcher:
 class PlanShipper:
     """The coordinator ships each worker the slices a plan gives it (workers without the model).
 
-    Slices are cut from ``model_path`` in the file's own encoding (:mod:`swarm.peer.slices`);
-    each manifest's meta also carries the model's :class:`~swarm.peer.planner.ModelShape`
+    Slices are cut from ``model_path`` in the file's own encoding (:mod:`swarm.peer.weights.slices`);
+    each manifest's meta also carries the model's :class:`~swarm.peer.coordinator.planner.ModelShape`
     (``meta["shape"]``), so a worker without the file can check requests against it. A browser
     peer gets tensors its kernels cannot read (K-quants, Q5_x, ...) repacked once to Q8_0
-    (:mod:`swarm.peer.repack`); Q4_0/Q4_1/Q8_0 and float tensors ship as in the file.
+    (:mod:`swarm.peer.weights.repack`); Q4_0/Q4_1/Q8_0 and float tensors ship as in the file.
 
-    With ``token_key`` (the swarm key's :attr:`~swarm.peer.swarmkey.SwarmKey.slice_token_key`)
-    the shipper also serves its slices over HTTPS (:class:`~swarm.peer.slice_http.SliceHttpServer`,
+    With ``token_key`` (the swarm key's :attr:`~swarm.keys.swarmkey.SwarmKey.slice_token_key`)
+    the shipper also serves its slices over HTTPS (:class:`~swarm.peer.weights.slice_http.SliceHttpServer`,
     started with the first offer, on ``https_port``, 0: any free port) with ``certificate`` (a
     :class:`~swarm.signaling.tls.ServerCertificate`; default: this host's signaling certificate),
     and every offer names that path. :meth:`close` stops the server.
 
     Each slice is cut once, hashed, and kept on disk in ``store`` (a
-    :class:`~swarm.peer.shipping.SliceCache`; default: the user cache), from where it is served
+    :class:`~swarm.peer.weights.shipping.SliceCache`; default: the user cache), from where it is served
     through a read-only mapping: the shipper's memory does not grow with what it ships.
     """
 
     def __init__(self, model_path: Any, model_hash: str, shape: Any, *, chunk_size: int | None = None,
                  token_key: bytes | None = None, certificate: Any = None, https_port: int = 0,
                  https_addresses: list[str] | None = None, store: SliceCache | None = None) -> None:
-        from swarm.peer.shipping import CHUNK_SIZE
-        from swarm.peer.slices import ModelSlicer
+        from swarm.peer.weights.shipping import CHUNK_SIZE
+        from swarm.peer.weights.slices import ModelSlicer
 
         self.slicer = ModelSlicer(model_path)
         self.source = SliceSource()
@@ -292,7 +292,7 @@ class PlanShipper:
             return None
         async with self._http_lock:
             if self.http is None:
-                from swarm.peer.slice_http import SliceHttpServer
+                from swarm.peer.weights.slice_http import SliceHttpServer
 
                 cert = self._certificate
                 if cert is None:
@@ -317,7 +317,7 @@ class PlanShipper:
 
     async def offer_plan(self, link: Any, plan: Any) -> list[Manifest]:
         """Offer ``link``'s peer every slice ``plan`` gives it; returns the manifests sent."""
-        from swarm.peer.slices import specs_for
+        from swarm.peer.weights.slices import specs_for
 
         sent = []
         browser = getattr(getattr(link, "hello", None), "peer_kind", None) == "browser"
@@ -330,7 +330,7 @@ class PlanShipper:
 
     async def manifest_for(self, spec: Any, browser: bool = False) -> Manifest:
         """The manifest of ``spec``'s slice (cut, and for a browser peer repacked, once)."""
-        from swarm.peer.repack import repack_for_page
+        from swarm.peer.weights.repack import repack_for_page
 
         manifest = self._manifests.get((spec, browser))
         if manifest is None:
@@ -350,8 +350,8 @@ class PlanShipper:
 
 
 def shape_from_meta(meta: Any) -> Any:
-    """The :class:`~swarm.peer.planner.ModelShape` a shipped manifest carries. RemoteProtocolError if malformed."""
-    from swarm.peer.planner import ModelShape
+    """The :class:`~swarm.peer.coordinator.planner.ModelShape` a shipped manifest carries. RemoteProtocolError if malformed."""
+    from swarm.peer.coordinator.planner import ModelShape
 
     shape = meta.get("shape") if isinstance(meta, dict) else None
     try:
@@ -369,18 +369,18 @@ def shape_from_meta(meta: Any) -> Any:
 
 async def fetch_plan_slices(fetcher: SliceFetcher, specs: list[Any], progress: Progress | None = None) -> Any:
     """Take offers from the coordinator until every slice in ``specs`` is fetched, verified and
-    decoded; returns a :class:`~swarm.peer.slices.ShippedWeights` (a worker's slice source).
+    decoded; returns a :class:`~swarm.peer.weights.slices.ShippedWeights` (a worker's slice source).
 
     Offers for other slices are ignored. Raises PeerLostError / WeightIntegrityError as
     :meth:`SliceFetcher.fetch` does, RemoteProtocolError for a malformed slice.
     """
-    from swarm.peer.slices import ShippedWeights, SliceSpec, decode_slice
+    from swarm.peer.weights.slices import ShippedWeights, SliceSpan, decode_slice
 
     need = set(specs)
     shipped = ShippedWeights()
     while need:
         manifest = await fetcher.offers.get()
-        spec = SliceSpec.from_json(manifest.meta.get("spec", {}))
+        spec = SliceSpan.from_json(manifest.meta.get("spec", {}))
         if spec not in need:
             continue
         blob = await fetcher.fetch(manifest, progress)

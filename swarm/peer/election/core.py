@@ -13,7 +13,7 @@ no replicated state: it only runs the token loop.
 * Terms number elections. A peer votes at most once per term; a candidate that
   collects votes from a majority of the known voting members becomes the
   coordinator of that term, so there is at most one coordinator per term.
-* The coordinator sends a :class:`Heartbeat` every ``HEARTBEAT_S``. A follower
+* The coordinator sends a :class:`LeaderHeartbeat` every ``HEARTBEAT_S``. A follower
   that hears none for its election timeout stands as a candidate. Only peers
   holding the model file (on disk; not in memory) are *eligible* to stand.
 * Reachability is what the links say: the adapter calls :meth:`Election.heard_from`
@@ -74,7 +74,7 @@ class Role(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Heartbeat:
+class LeaderHeartbeat:
     """``leader`` coordinates ``term`` and is alive (sent by the coordinator only)."""
 
     term: int
@@ -98,7 +98,7 @@ class Vote:
     granted: bool
 
 
-ElectionMessage = Heartbeat | RequestVote | Vote
+ElectionMessage = LeaderHeartbeat | RequestVote | Vote
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ class Election:
             raise LocalProtocolError("an election message was looped back to its sender")
         self.heard_from(sender, now)
         match msg:
-            case Heartbeat():
+            case LeaderHeartbeat():
                 self._on_heartbeat(sender, msg, now)
             case RequestVote():
                 self._on_request_vote(sender, msg, now)
@@ -224,7 +224,7 @@ class Election:
                 return
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + HEARTBEAT_S
-                self._send(None, Heartbeat(self.term, self.peer_id))
+                self._send(None, LeaderHeartbeat(self.term, self.peer_id))
             return
         if now >= self._deadline:
             self._presume_leader_dead(now)
@@ -339,7 +339,7 @@ class Election:
             self.leader is not None and now - self._leader_heard <= ELECTION_TIMEOUT_S
         )
 
-    def _on_heartbeat(self, sender: str, hb: Heartbeat, now: float) -> None:
+    def _on_heartbeat(self, sender: str, hb: LeaderHeartbeat, now: float) -> None:
         if hb.term > self.term:
             self._adopt_term(hb.term, now)
         if hb.leader != sender:

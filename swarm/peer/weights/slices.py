@@ -52,7 +52,7 @@ _MAX_SAFETENSORS_HEADER = 100 << 20
 
 
 @dataclass(frozen=True)
-class SliceSpec:
+class SliceSpan:
     """Which weights: ``kind`` ``"dense"`` (intermediate rows) or ``"experts"`` (expert ids),
     half-open range ``[start, stop)`` of layer ``layer``."""
 
@@ -76,7 +76,7 @@ class SliceSpec:
         return {"layer": self.layer, "kind": self.kind, "start": self.start, "stop": self.stop}
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> SliceSpec:
+    def from_json(cls, obj: Mapping[str, Any]) -> SliceSpan:
         try:
             spec = cls(obj["layer"], obj["kind"], obj["start"], obj["stop"])
         except (KeyError, TypeError):
@@ -92,7 +92,7 @@ class SliceWeights:
     encoding it was shipped in. ``gate``, ``up``, ``down`` decode them to float32 (shapes in
     the module docstring) for checks; the engine uses :meth:`mlp_weights`."""
 
-    spec: SliceSpec
+    spec: SliceSpan
     matrices: Mapping[str, list[QMatrix]]
 
     def _decoded(self, role: str) -> np.ndarray:
@@ -164,7 +164,7 @@ class ModelSlicer:
         """Multiple that dense range bounds should be for ``down`` to ship in its own encoding."""
         return self._raw_down_dense(layer).block[0]
 
-    def extract(self, spec: SliceSpec) -> tuple[bytes, dict[str, Any]]:
+    def extract(self, spec: SliceSpan) -> tuple[bytes, dict[str, Any]]:
         """The slice's tensors in the file's encoding: one blob and its JSON meta.
 
         Raises:
@@ -201,7 +201,7 @@ class ModelSlicer:
         meta = {"version": META_VERSION, "format": self.format, "spec": spec.to_json(), "tensors": tensors}
         return bytes(blob), meta
 
-    def load(self, spec: SliceSpec) -> SliceWeights:
+    def load(self, spec: SliceSpan) -> SliceWeights:
         """Decode a slice straight from the local file (a worker with its own copy)."""
         blob, meta = self.extract(spec)
         return decode_slice(blob, meta)
@@ -264,7 +264,7 @@ class ModelSlicer:
         raw = data[start:stop].reshape(*shape[:-1], shape[-1] * itemsize)
         return _Raw(raw, dtype, shape[-1])
 
-    def _check_range(self, spec: SliceSpec, limit: int, what: str) -> None:
+    def _check_range(self, spec: SliceSpan, limit: int, what: str) -> None:
         if spec.stop > limit:
             raise ModelFileError(f"{self.path}: slice {spec.start}..{spec.stop} of layer {spec.layer} exceeds its {limit} {what}")
 
@@ -320,7 +320,7 @@ def decode_slice(blob: bytes | memoryview, meta: Mapping[str, Any]) -> SliceWeig
     """
     if not isinstance(meta, Mapping) or meta.get("version") != META_VERSION:
         raise RemoteProtocolError(f"slice meta: version must be {META_VERSION}")
-    spec = SliceSpec.from_json(meta.get("spec", {}))
+    spec = SliceSpan.from_json(meta.get("spec", {}))
     tensors = meta.get("tensors")
     if not isinstance(tensors, list) or [t.get("role") if isinstance(t, Mapping) else None for t in tensors] != list(ROLES):
         raise RemoteProtocolError(f"slice meta: tensors must be {list(ROLES)} in that order")
@@ -361,17 +361,17 @@ def decode_slice(blob: bytes | memoryview, meta: Mapping[str, Any]) -> SliceWeig
     return SliceWeights(spec, {"gate": g, "up": u, "down": d})
 
 
-def specs_for(plan: Any, peer_id: str) -> list[SliceSpec]:
-    """The slices ``peer_id`` needs under ``plan`` (a :class:`swarm.peer.planner.Plan`), layer order."""
-    specs = [SliceSpec(layer, "experts", s.start, s.stop)
+def specs_for(plan: Any, peer_id: str) -> list[SliceSpan]:
+    """The slices ``peer_id`` needs under ``plan`` (a :class:`swarm.peer.coordinator.planner.Plan`), layer order."""
+    specs = [SliceSpan(layer, "experts", s.start, s.stop)
              for layer, spans in plan.experts.items() for s in spans if s.peer == peer_id]
-    specs += [SliceSpec(layer, "dense", s.start, s.stop)
+    specs += [SliceSpan(layer, "dense", s.start, s.stop)
               for layer, spans in plan.dense.items() for s in spans if s.peer == peer_id]
     return sorted(specs, key=lambda s: (s.layer, s.kind, s.start))
 
 
 class ShippedWeights:
-    """A worker's weights built from slices it received (a :class:`swarm.peer.worker.SliceSource`).
+    """A worker's weights built from slices it received (a :class:`swarm.peer.worker.ffn.SliceSource`).
 
     ``add`` each decoded slice; ``expert_weights`` / ``dense_weights`` then serve what the
     worker's plan asks for, and raise :class:`~swarm.errors.LocalProtocolError` for weights

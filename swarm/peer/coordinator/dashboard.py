@@ -43,7 +43,7 @@ class Dashboard:
     """The dashboard's routes and the generation meter they report from.
 
     ``status``: returns the status document (JSON-able dict; ``Node.status``). :meth:`attach`
-    meters an :class:`~swarm.peer.api.ApiServer`'s backend and mounts the routes on it.
+    meters an :class:`~swarm.peer.coordinator.api.ApiServer`'s backend and mounts the routes on it.
     """
 
     def __init__(self, status: Callable[[], dict[str, Any]]) -> None:

@@ -3,12 +3,12 @@
 Theory of operation
 -------------------
 A worker holds no KV cache and no sequence: each request is answered on its own.
-It keeps the latest :class:`~swarm.peer.planner.Plan` it accepted from the
+It keeps the latest :class:`~swarm.peer.coordinator.planner.Plan` it accepted from the
 coordinator (and a few before it of the same term, for the step in flight
 when the plan changed) and answers only requests that carry one of those terms and versions,
 for the layer, experts and dense ranges the plan gives *this* peer. Everything
 read from the request is checked before it reaches a kernel; a request that
-fails a check earns an :class:`~swarm.peer.messages.Error` naming what was
+fails a check earns an :class:`~swarm.peer.net.messages.Error` naming what was
 wrong, never an exception out of :meth:`Worker.handle` and never a wrong number.
 
 Slices come from a :class:`SliceSource` — the worker's own copy of the model
@@ -17,7 +17,7 @@ assigned experts and ranges are ever decoded) or the slices shipped by the
 coordinator. They are materialised when a plan is accepted
 (:meth:`Worker.prepare`) and kept for that plan.
 
-The numbers are the engine's own: :func:`swarm.compute.ffn.expert_ffn` over
+The numbers are the engine's own: :func:`swarm.compute.ffn.swiglu_ffn` over
 exactly one expert's rows, and :func:`swarm.compute.ffn.dense_partial`'s slice
 for a range, so the coordinator gets the bits its local path would compute.
 
@@ -33,11 +33,11 @@ from typing import Protocol
 
 import numpy as np
 
-from swarm.compute.ffn import expert_ffn
+from swarm.compute.ffn import swiglu_ffn
 from swarm.compute.kernels import MLPWeights
 from swarm.errors import RemoteProtocolError, StaleTermError
-from swarm.peer.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
-from swarm.peer.planner import ModelShape, Plan
+from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
+from swarm.peer.coordinator.planner import ModelShape, Plan
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class Worker:
         for i, e in enumerate(ids.tolist()):
             a, b = bounds[i], bounds[i + 1]
             if b > a:
-                outputs[a:b] = expert_ffn(self._expert(msg.layer, e), msg.rows[a:b])
+                outputs[a:b] = swiglu_ffn(self._expert(msg.layer, e), msg.rows[a:b])
         return ExpertAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer,
                             msg.expert_ids, msg.row_counts, outputs)
 
@@ -191,5 +191,5 @@ class Worker:
         if tuple(msg.ranges) != want:
             raise RemoteProtocolError(f"layer {msg.layer}: ranges {list(msg.ranges)} are not this worker's "
                                       f"{list(want) if want else 'none'} in plan v{plan.version}")
-        partials = np.stack([expert_ffn(self._dense_slice(msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
+        partials = np.stack([swiglu_ffn(self._dense_slice(msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
         return DenseAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer, msg.ranges, partials)
