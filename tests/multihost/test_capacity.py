@@ -43,8 +43,9 @@ PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THRE
 # Each peer's cap: the Python baseline of a coordinator (interpreter, libraries, tokenizer,
 # model header), measured, plus this much (~40 % of the model): no peer can hold the model, the
 # three together can, and once a worker is killed the two left cannot (the coordinator streams
-# the rest from its file).
-SHARE_BYTES = 170 << 20
+# the rest from its file). A worker's budget is its cap less its own RSS and headroom, not less
+# the coordinator's baseline: the margin covers that difference (measured: 8 MiB short at 170).
+SHARE_BYTES = 200 << 20
 
 Q8, Q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
 
