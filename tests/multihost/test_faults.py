@@ -4,7 +4,9 @@ multicast, and a stall and an outage during a greedy generation. After each faul
 must heal within ``HEAL_S`` (docs/reliability.md): one signaling host, one coordinator planning
 over every other peer, and a generation through the API equal to the local run. Every peer
 runs with the slow-callback check on (``COLIBRI_SWARM_SLOW_CALLBACK_S``) and none may report
-a callback that did 100 ms of work on its event loop.
+a callback that did 250 ms of work on its event loop (the join-time block this guards against
+held it for 4–8 s; on a loaded 2-core machine an election tick or a message handler has been
+seen at 0.10–0.14 s of CPU, see docs/reliability.md).
 
 The model is the tiny OLMoE of the swarm tests; the oracle is the engine run in this process.
 The last test joins three peers holding a random OLMoE GGUF with SmolLM2's real 49,152-token
@@ -36,7 +38,7 @@ STABLE_S = 3.0  # one swarm must hold this long to count as healed
 FORM_S = 60.0  # a peer starts (loads its model, hosts or finds signaling) within this
 FORM_SLOW_S = 120.0  # three peers loading a slow-to-parse model at once on 2 shared cores form one swarm
 PROMPT = "hello swarm"
-PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "COLIBRI_SWARM_SLOW_CALLBACK_S": "0.1"}
+PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "COLIBRI_SWARM_SLOW_CALLBACK_S": "0.25"}
 SLOW = re.compile(r"WARNING asyncio: slow callback: .*")
 
 
