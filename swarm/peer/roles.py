@@ -576,7 +576,12 @@ class SwarmRoles:
             await self._send(link, Error(0, "bad_plan", f"stage plan v{msg.version} refused: {exc}"))
 
     async def _on_stage_request(self, link: Link, msg: StageRequest) -> None:
-        if self.stage_runner is None:
+        await self._serve(link, msg, self.stage_runner)
+
+    async def _serve(self, link: Link, msg: Any, server: Any) -> None:
+        """Answer a worker request with ``server.handle`` in the compute thread: an ``Error``
+        when this peer holds no model (``server`` None) or the request's term is stale."""
+        if server is None:
             await self._send(link, Error(msg.request_id, "model", "this peer holds no model"))
             return
         try:
@@ -584,7 +589,7 @@ class SwarmRoles:
         except StaleTermError as exc:
             await self._send(link, Error(msg.request_id, "stale_term", str(exc)))
             return
-        answer = await asyncio.get_running_loop().run_in_executor(self._compute, self.stage_runner.handle, msg)
+        answer = await asyncio.get_running_loop().run_in_executor(self._compute, server.handle, msg)
         await self._send(link, answer)
 
     async def _become_coordinator(self, term: int) -> None:
@@ -839,13 +844,4 @@ class SwarmRoles:
                 await asyncio.wait_for(ready.wait(), PLAN_WAIT_S)
             except TimeoutError:
                 pass  # the worker refuses it below: no such plan
-        if self.worker is None:
-            await self._send(link, Error(msg.request_id, "model", "this peer holds no model"))
-            return
-        try:
-            self.election.check_term(msg.term, time.monotonic())
-        except StaleTermError as exc:
-            await self._send(link, Error(msg.request_id, "stale_term", str(exc)))
-            return
-        answer = await asyncio.get_running_loop().run_in_executor(self._compute, self.worker.handle, msg)
-        await self._send(link, answer)
+        await self._serve(link, msg, self.worker)
