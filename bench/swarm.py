@@ -172,32 +172,36 @@ def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None) -
 
 
 class WireCounter:
-    """Counts bytes through every link of a node (outbound fragments, inbound fragments)."""
+    """Counts bytes through every link of a node since :meth:`reset` (outbound fragments, inbound frames and fragments)."""
 
     def __init__(self, node):
-        self.node, self.sent, self.received, self._wrapped = node, 0, 0, set()
+        self.node, self._sent, self._wrapped, self._received_before = node, 0, set(), {}
 
     def wrap_all(self):
         for link in self.node.links.values():
             if id(link) in self._wrapped:
                 continue
             self._wrapped.add(id(link))
-            send, feed = link.channel.send, link._reassembler.feed
+            send = link.channel.send
 
             def counting_send(data, send=send):
-                self.sent += len(data)
+                self._sent += len(data)
                 return send(data)
 
-            def counting_feed(data, now, feed=feed):
-                self.received += len(data)
-                return feed(data, now)
-
             link.channel.send = counting_send
-            link._reassembler.feed = counting_feed
+
+    @property
+    def sent(self) -> int:
+        return self._sent
+
+    @property
+    def received(self) -> int:
+        return sum(link.bytes_received - self._received_before.get(id(link), 0) for link in self.node.links.values())
 
     def reset(self):
         self.wrap_all()
-        self.sent = self.received = 0
+        self._sent = 0
+        self._received_before = {id(link): link.bytes_received for link in self.node.links.values()}
 
 
 # ---------------------------------------------------------------------------- peers
@@ -259,7 +263,7 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, 
         for layout in ("ranges", "stages", "auto"):
             await _switch_layout(roles, model, prompt, layout)
             _progress(f"{delay_ms} ms added, {layout}")
-            ffn = roles.engine_ffn
+            ffn = roles.coordinator.engine_ffn
             run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode)
             cost = (roles.node.placement or {}).get("cost") or {}
             entry = {
@@ -268,7 +272,7 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, 
                 "prefill_vs_local": round(run["prefill_tok_s"] / local["prefill_tok_s"], 3),
                 "greedy_tokens_equal_local": run["tokens"] == local_tokens,
                 "stages": (roles.node.placement or {}).get("stages"),
-                "fallbacks": bool(roles.stages is not None and roles.stages.failed) or bool(roles.ffn.failed),
+                "fallbacks": bool(roles.coordinator.stages is not None and roles.coordinator.stages.failed) or bool(roles.coordinator.ffn.failed),
             }
             if layout == "auto":
                 entry["choice"] = cost.get("choice")
@@ -290,11 +294,11 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, 
 
 async def _switch_layout(roles, model, prompt: list[int], layout: str) -> None:
     """Re-plan with ``layout`` and run two steps, so the plan is in force and the caches warm."""
-    version = roles.ffn.plan.version
-    roles.set_layout(layout)
-    await _until(lambda: roles.ffn is not None and (roles.ffn._next_plan or roles.ffn.plan).version > version
-                 and not roles._replan_pending, 60, f"a plan with layout {layout}")
-    await asyncio.to_thread(run_generation, model, roles.engine_ffn, prompt[:8], 2)
+    version = roles.coordinator.ffn.plan.version
+    roles.coordinator.set_layout(layout)
+    await _until(lambda: roles.coordinator.ffn is not None and (roles.coordinator.ffn.pending_plan or roles.coordinator.ffn.plan).version > version
+                 and not roles.coordinator.replan_pending, 60, f"a plan with layout {layout}")
+    await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt[:8], 2)
 
 
 async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: int,
@@ -342,13 +346,13 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
             workers.append(_spawn_worker(Path(path), server.url(ADDRESS), key.code, f"w{n_peers - 1}", tmp))
 
             def planned(n=n_peers - 1):  # the coordinator switches to a new plan at its next step
-                ffn = roles.ffn
-                return ffn is not None and not ffn.failed and len((ffn._next_plan or ffn.plan).workers()) == n
+                ffn = roles.coordinator.ffn
+                return ffn is not None and not ffn.failed and len((ffn.pending_plan or ffn.plan).workers()) == n
 
             _progress(f"waiting for a plan over {n_peers - 1} worker(s)")
             await _until(planned, PLAN_WAIT_S, f"a plan over {n_peers - 1} worker(s)")
             _progress("warm-up")
-            ffn = roles.ffn
+            ffn = roles.coordinator.ffn
             await asyncio.to_thread(run_generation, model, ffn, prompt[:8], 2)  # plan applied; slices decoded
             if len(ffn.plan.workers()) != n_peers - 1:
                 raise RuntimeError(f"plan has {len(ffn.plan.workers())} workers after warm-up, expected {n_peers - 1}")
@@ -364,7 +368,7 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
             run_decode.pop("step_s")
             rtts = [link.rtt_s for link in node.links.values() if link.rtt_s]
             plan = ffn.plan
-            if roles.ffn is not ffn or ffn.failed:
+            if roles.coordinator.ffn is not ffn or ffn.failed:
                 run["invalid"] = (f"during the measurement {len(ffn.failed)} worker(s) were marked down "
                                   f"or this peer stopped coordinating; the figures mix remote and local work")
             run.update({
@@ -396,13 +400,13 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
         from swarm.peer.coordinator import dispatch as coordinator
 
         coordinator.DEADLINE_MIN_S = PRODUCT_DEADLINE_MIN_S[0]
-        await _until(lambda: roles.ffn is not None and len(roles.ffn.plan.workers()) >= 1, 60, "a coordinator with workers")
-        n_workers_before = len(roles.ffn.plan.workers())
-        ffn = roles.ffn
+        await _until(lambda: roles.coordinator.ffn is not None and len(roles.coordinator.ffn.plan.workers()) >= 1, 60, "a coordinator with workers")
+        n_workers_before = len(roles.coordinator.ffn.plan.workers())
+        ffn = roles.coordinator.ffn
         # Watch, while the generation runs, for the plan that drops the dead worker.
         async def replanned_at() -> float:
-            await _until(lambda: roles.ffn is not None and bool(killed_at)
-                         and len((roles.ffn._next_plan or roles.ffn.plan).workers()) < n_workers_before,
+            await _until(lambda: roles.coordinator.ffn is not None and bool(killed_at)
+                         and len((roles.coordinator.ffn.pending_plan or roles.coordinator.ffn.plan).workers()) < n_workers_before,
                          180, "a plan without the killed worker")
             return time.monotonic()
 

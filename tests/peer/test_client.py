@@ -14,7 +14,8 @@ import pytest
 
 from swarm.errors import SwarmError
 from swarm.peer.coordinator.api import ApiServer, EngineBackend
-from swarm.peer.client import Endpoint, find_endpoint, main_chat, stream_chat
+from swarm.cli.chat import main_chat
+from swarm.peer.client import Endpoint, find_endpoint, stream_chat
 from swarm.keys.swarmkey import SwarmKey
 
 KEY = SwarmKey(bytes(range(1, 33)))

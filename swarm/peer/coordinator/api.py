@@ -263,6 +263,10 @@ class EngineBackend:
         self.model_id = model_id
         self.max_tokens_limit = max_tokens_limit or context_limit(model.config) or 8192
 
+    def set_ffn(self, ffn: Any) -> None:
+        """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest backend)."""
+        self.ffn = ffn
+
     def prepare(self, request: ChatRequest) -> ChatRequest:
         """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
         to what the context leaves (as OpenAI's API does).
