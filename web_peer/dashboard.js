@@ -4,10 +4,11 @@
 // The key stays in the fragment (never sent); the page derives the API's bearer token from it
 // (HKDF-SHA256, label "api-token", hex — SwarmKey.api_token in Python) and uses it for
 //   GET  /dashboard/state          the status document (peers, plan, events, measurements) + generations
+//                                  + shares: each peer's share as the coordinator computed it, drawn as is
 //   POST /v1/chat/completions      the chat, streamed (Server-Sent Events), with the CLI's parameters
 // The state is polled every POLL_MS. window.colibriDashboard exposes the last state for tests.
 import { deriveKey, hex, parseSwarmKey } from "./auth.js";
-import { describeShare, drawShare, layerFractions, shareFraction, unitsFromPlan } from "./share.js";
+import { drawShare } from "./share.js";
 
 const POLL_MS = 1000;
 const EVENTS_SHOWN = 30;
@@ -48,7 +49,7 @@ function role(peerId, doc, plan) {
 
 function renderPeers(doc) {
   const plan = doc.placement ?? null;
-  const units = unitsFromPlan(plan);
+  const shares = doc.shares?.peers ?? {};
   const observed = doc.observed?.peers ?? {};
   const me = { peer_id: doc.peer_id, name: doc.name, kind: "python", rtt_ms: null, memory_budget: doc.memory_budget, ffn_gflops: doc.ffn_gflops };
   const body = $("peers").tBodies[0];
@@ -67,11 +68,12 @@ function renderPeers(doc) {
       o?.ms_per_row ? `${o.ms_per_row.toFixed(3)} ms/row observed` : null, o?.failed ? "marked down" : null].filter(Boolean);
     cell(tr, speed.join(", ") || "–");
     const share = cell(tr, "", "share");
-    const pct = 100 * shareFraction(units, p.peer_id);
-    const top = Object.assign(document.createElement("div"), { className: "share-pct", textContent: plan ? `${pct.toFixed(pct && pct < 10 ? 1 : 0)} %` : "–" });
+    const s = shares[p.peer_id];
+    const pct = 100 * (s?.fraction ?? 0);
+    const top = Object.assign(document.createElement("div"), { className: "share-pct", textContent: plan && s ? `${pct.toFixed(pct && pct < 10 ? 1 : 0)} %` : "–" });
     const picture = Object.assign(document.createElement("div"), { className: "share-picture-box" });
-    drawShare(picture, layerFractions(units, p.peer_id), { height: 24 });
-    const words = Object.assign(document.createElement("div"), { className: "share-words", textContent: units.size ? describeShare(units, p.peer_id, 6) : "" });
+    drawShare(picture, (s?.layers ?? []).map(([layer, fraction]) => ({ layer, fraction })), { height: 24 });
+    const words = Object.assign(document.createElement("div"), { className: "share-words", textContent: s?.layers.length ? s.words : "" });
     share.append(top, picture, words);
     body.append(tr);
   }
@@ -81,10 +83,7 @@ function renderPlan(doc) {
   const plan = doc.placement;
   $("plan-version").textContent = plan ? `v${plan.version} · term ${plan.term}` : "";
   if (!plan) { $("plan-summary").textContent = "no plan yet"; $("plan-json").textContent = ""; return; }
-  const units = unitsFromPlan(plan);
-  const kinds = new Map();
-  for (const layerKinds of units.values()) for (const k of layerKinds.keys()) kinds.set(k, (kinds.get(k) ?? 0) + 1);
-  const what = [...kinds].map(([k, n]) => `${n} layer${n === 1 ? "" : "s"} of ${k === "dense" ? "dense MLP rows" : k}`).join(", ");
+  const what = Object.entries(doc.shares?.kinds ?? {}).map(([k, n]) => `${n} layer${n === 1 ? "" : "s"} of ${k === "dense" ? "dense MLP rows" : k}`).join(", ");
   // Fields other than the per-layer spans (e.g. stages), as they are: the page does not need to know them.
   const perLayer = (v) => v && typeof v === "object" && !Array.isArray(v) && Object.keys(v).every((l) => /^\d+$/.test(l));
   const other = Object.entries(plan).filter(([k, v]) => !["version", "term", "coordinator", "peers"].includes(k) && !perLayer(v))

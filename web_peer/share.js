@@ -1,9 +1,10 @@
 // A peer's share of the model, read from a plan: compressed ranges in words and a picture.
-// Used by the peer page (from the PlanMessage's assignments) and the dashboard (from the plan
-// dict the coordinator publishes); both are first turned into one form, `units`:
+// The peer page computes its own share from the PlanMessage's assignments, turned into `units`:
 //   units: Map layer → Map kind → {total, byPeer: Map peer → [[start, stop), …]}
-// kind is "experts" (expert indices) or "dense" (rows of the MLP's intermediate dimension),
-// or any other per-layer span list a plan carries. Pure functions, no DOM except drawShare.
+// kind is "experts" (expert indices) or "dense" (rows of the MLP's intermediate dimension).
+// The words and fractions are those of swarm/peer/status.py (tests/browser/test_share_js.py
+// holds them to it over the same plans). The dashboard computes nothing: it draws the shares
+// the coordinator sends (drawShare). Pure functions, no DOM except drawShare.
 
 const NS = "http://www.w3.org/2000/svg";
 
@@ -40,32 +41,6 @@ export function unitsFromAssignments(assignments) {
   return units;
 }
 
-/**
- * Units of a plan dict: every field shaped {layer: [[peer, start, stop], …]} ("experts", "dense", …);
- * then `stages` [[peer, first layer, stop layer), …], if any: a stage's peer runs its layers whole,
- * so those layers count as one unit of kind "stage", its own.
- */
-export function unitsFromPlan(plan) {
-  const units = new Map();
-  for (const [kind, value] of Object.entries(plan ?? {})) {
-    if (!value || typeof value !== "object" || Array.isArray(value)) continue;
-    for (const [layer, spans] of Object.entries(value)) {
-      if (!Array.isArray(spans)) continue;
-      for (const s of spans) {
-        if (Array.isArray(s) && s.length === 3 && typeof s[1] === "number") add(units, Number(layer), kind, String(s[0]), s[1], s[2]);
-      }
-    }
-  }
-  for (const s of Array.isArray(plan?.stages) ? plan.stages : []) {
-    if (!Array.isArray(s) || s.length !== 3) continue;
-    for (let layer = s[1]; layer < s[2]; layer++) {
-      units.delete(layer);
-      add(units, layer, "stage", String(s[0]), 0, 1);
-    }
-  }
-  return units;
-}
-
 /** [{layer, fraction}] for `peer`, one per layer of the plan (0 where it holds nothing), sorted. */
 export function layerFractions(units, peer) {
   return [...units.keys()].sort((a, b) => a - b).map((layer) => {
@@ -81,14 +56,13 @@ export function shareFraction(units, peer) {
   return f.length ? f.reduce((s, x) => s + x.fraction, 0) / f.length : 0;
 }
 
-const KIND_WORDS = { experts: "experts", dense: "MLP rows", stage: "whole layers" };
+const KIND_WORDS = { experts: "experts", dense: "MLP rows" };
 
 function layerWords(kinds, peer) {
   const parts = [];
   for (const [kind, k] of kinds) {
     const spans = k.byPeer.get(peer);
     if (!spans?.length) continue;
-    if (kind === "stage") { parts.push("whole (attention, KV cache, MLP)"); continue; }
     const text = kind === "experts" ? compressInts(spans.flatMap(([a, b]) => Array.from({ length: b - a }, (_, i) => a + i)))
       : spans.map(([a, b]) => `${a}–${b}`).join(", ");
     parts.push(`${KIND_WORDS[kind] ?? kind} ${text}`);

@@ -28,6 +28,17 @@ rows gets the same bits:
 
 ``LocalFFN(model, plan)`` follows exactly these steps, so "same plan, local vs swarm" is
 bit-identical on the same numeric build.
+
+Segments (continuous batching)
+------------------------------
+A step of the batch scheduler carries the rows of several sequences: ``segments`` [n] gives
+their lengths in row order (a decode row is a segment of 1, a prefill chunk one of up to the
+chunk size). A row's result must not depend on the other segments, so every matrix product
+runs over the rows of one segment only, exactly the call the sequence makes alone
+(:func:`row_calls`), with one exception that keeps decode batched: groups of at most
+``SMALL_T`` rows are packed into one call of at most ``SMALL_T`` rows when every matrix of the
+call has a block kernel, whose rows are independent of each other (swarm/compute/quant.py).
+Row-wise numpy steps (norms, routing, activations, the combine) are computed on the union.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from typing import Literal, Mapping, Protocol, Sequence
 import numpy as np
 
 from swarm.compute.kernels import MLPWeights, sigmoid, softmax, swiglu
+from swarm.compute.quant import SMALL_T, QMatrix
 
 F32 = np.float32
 
@@ -47,9 +59,73 @@ DensePlan = Mapping[int, Sequence[tuple[int, int]]]
 class FFNBackend(Protocol):
     """What the forward pass calls for every layer's MLP / MoE output."""
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """x [T, H] f32 (already post-attention-normed) → [T, H] f32."""
+    def ffn(self, layer: int, x: np.ndarray, segments: Sequence[int] | None = None) -> np.ndarray:
+        """x [T, H] f32 (already post-attention-normed) → [T, H] f32. ``segments``: the rows'
+        sequences (lengths in row order, module docstring); None: one sequence. The forward
+        pass passes it only when a step holds more than one sequence."""
         ...
+
+
+def segment_ids(segments: Sequence[int] | None, T: int) -> np.ndarray | None:
+    """The segment index of each of ``T`` rows [T] int64, or None for one segment.
+
+    Raises ValueError when the lengths are not positive or do not sum to T."""
+    if segments is None or len(segments) <= 1:
+        if segments is not None and sum(segments) != T:
+            raise ValueError(f"segments {list(segments)} do not cover {T} rows")
+        return None
+    lengths = np.asarray(segments, dtype=np.int64)
+    if (lengths <= 0).any() or int(lengths.sum()) != T:
+        raise ValueError(f"segments must be positive lengths summing to the {T} rows, got {lengths.tolist()[:16]}")
+    return np.repeat(np.arange(lengths.size), lengths)
+
+
+def block_kernels(*matrices: QMatrix) -> bool:
+    """True when every matrix multiplies small calls with a block kernel (rows independent)."""
+    return all(getattr(q, "_kind", -1) >= 0 for q in matrices)
+
+
+def row_calls(seg: np.ndarray | None, n: int, pack: bool) -> list[tuple[int, int]]:
+    """How to cut ``n`` rows whose segment ids are ``seg`` [n] (non-decreasing; None: one
+    segment) into matrix-product calls, as ``(start, stop)`` pairs: one call per segment's run of
+    rows, as that sequence alone would make it; with ``pack``, consecutive runs of at most
+    SMALL_T rows are merged into calls of at most SMALL_T rows (block kernels: rows independent)."""
+    if seg is None or n == 0:
+        return [(0, n)]
+    cuts = [0, *(np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist(), n]
+    calls: list[tuple[int, int]] = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        if pack and b - a <= SMALL_T and calls:
+            a0, b0 = calls[-1]
+            if b0 - a0 <= SMALL_T and b - a0 <= SMALL_T:
+                calls[-1] = (a0, b)
+                continue
+        calls.append((a, b))
+    return calls
+
+
+def segmented(fn, x: np.ndarray, seg: np.ndarray | None, pack: bool) -> np.ndarray:
+    """``fn`` (rows [n, D] → [n, ...]) applied per :func:`row_calls` call of x's rows, results
+    stacked in row order: each row gets the bits its sequence alone would get."""
+    calls = row_calls(seg, x.shape[0], pack)
+    if len(calls) == 1:
+        return fn(x)
+    out = None
+    for a, b in calls:
+        y = fn(x[a:b])
+        if out is None:
+            out = np.empty((x.shape[0], *y.shape[1:]), y.dtype)
+        out[a:b] = y
+    return out
+
+
+def swiglu_rows(weights: MLPWeights, x_rows: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray:
+    """:func:`swiglu_ffn` over rows of several sequences (``seg`` [n]: each row's segment id,
+    non-decreasing; None: one sequence): per :func:`row_calls`, so each row gets its solo bits."""
+    if seg is None:
+        return swiglu_ffn(weights, x_rows)
+    pack = block_kernels(weights.gate, weights.up, weights.down)
+    return segmented(lambda r: swiglu_ffn(weights, r), np.ascontiguousarray(x_rows), seg, pack)
 
 
 @dataclass(frozen=True)
@@ -177,12 +253,19 @@ def combine(T: int, H: int, routing: Routing, outputs: Mapping[int, np.ndarray],
     return out
 
 
-def shared_expert(weights: MLPWeights, gate: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+def shared_expert(weights: MLPWeights, gate: np.ndarray | None, x: np.ndarray,
+                  seg: np.ndarray | None = None) -> np.ndarray:
     """Shared-expert output for x [T, H] f32: ``sigmoid(x @ gate.T) * swiglu(x)`` when a gate
-    [1, H] is given (Qwen2-MoE's ``shared_expert_gate``), else plain ``swiglu(x)``."""
-    y = swiglu(weights, x)
-    if gate is not None:
-        y = sigmoid(x @ gate.T) * y  # [T, 1] * [T, H]
+    [1, H] is given (Qwen2-MoE's ``shared_expert_gate``), else plain ``swiglu(x)``. ``seg``:
+    the rows' segment ids (module docstring), None for one sequence."""
+    if seg is None:
+        y = swiglu(weights, x)
+        if gate is not None:
+            y = sigmoid(x @ gate.T) * y  # [T, 1] * [T, H]
+        return y
+    y = swiglu_rows(weights, x, seg)
+    if gate is not None:  # a BLAS product: one call per sequence, never packed
+        y = sigmoid(segmented(lambda r: r @ gate.T, x, seg, False)) * y
     return y
 
 
@@ -214,25 +297,26 @@ class LocalFFN:
         self._moe = [model.is_moe_layer(layer) for layer in range(model.config.n_layers)]
         self._whole: dict[int, MLPWeights] = {}
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def ffn(self, layer: int, x: np.ndarray, segments: Sequence[int] | None = None) -> np.ndarray:
         assert x.dtype == F32 and x.ndim == 2, (x.dtype, x.shape)
         m = self.model
+        seg = segment_ids(segments, x.shape[0])
         if self._moe[layer]:
             T, H = x.shape
-            routing = route(m.router_logits(layer, x), **m.routing_config(layer).kwargs())
-            outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x[rows])
+            routing = route(m.router_logits(layer, x, seg), **m.routing_config(layer).kwargs())
+            outputs = {e: swiglu_rows(m.expert_weights(layer, e), x[rows], None if seg is None else seg[rows])
                        for e, rows in expert_rows(routing).items()}
-            return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x))
+            return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x, seg))
         ranges = self.plan.get(layer)
         if not ranges:
             w = self._whole.get(layer)
             if w is None:
                 w = self._whole[layer] = m.dense_weights(layer)
-            return swiglu_ffn(w, x)
+            return swiglu_rows(w, x, seg)
         partials = []
         for lo, hi in ranges:
             key = (layer, lo, hi)
             if key not in self._slices:
                 self._slices[key] = m.dense_weights(layer, lo, hi)
-            partials.append(swiglu_ffn(self._slices[key], x))
+            partials.append(swiglu_rows(self._slices[key], x, seg))
         return sum_partials(partials)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -19,7 +20,8 @@ import numpy as np
 
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
-from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, shared_expert
+from swarm.compute.ffn import (FFNBackend, LocalFFN, RoutingConfig, block_kernels, row_calls, segment_ids,
+                               segmented, shared_expert)
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, causal_mask, rms_norm,
                                    llama3_inv_freq, rope_inv_freq, rope_tables, signed_sin)
 from swarm.compute.quant import QMatrix, prepare_kernels
@@ -232,9 +234,12 @@ class Model:
             self._routers[layer] = r
         return r
 
-    def router_logits(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """x [T, H] f32 → router logits [T, E] f32."""
-        return x @ self.router(layer)
+    def router_logits(self, layer: int, x: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray:
+        """x [T, H] f32 → router logits [T, E] f32. ``seg`` [T]: the rows' segment ids (one BLAS
+        call per sequence, swarm/compute/ffn.py "Segments"); None: one sequence."""
+        if seg is None:
+            return x @ self.router(layer)
+        return segmented(lambda r: r @ self.router(layer), x, seg, False)
 
     def routing_config(self, layer: int) -> RoutingConfig:
         c = self.config
@@ -253,12 +258,13 @@ class Model:
             s = self._shared[layer] = (w, gate)
         return s
 
-    def shared_expert_output(self, layer: int, x: np.ndarray) -> np.ndarray | None:
-        """Gated shared-expert output [T, H] f32 for x [T, H], or None when the layer has none."""
+    def shared_expert_output(self, layer: int, x: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray | None:
+        """Gated shared-expert output [T, H] f32 for x [T, H], or None when the layer has none.
+        ``seg``: the rows' segment ids (:func:`~swarm.compute.ffn.segment_ids`), None: one sequence."""
         if not self.has_shared_expert(layer):
             return None
         w, gate = self.shared_expert_weights(layer)
-        return shared_expert(w, gate, x)
+        return shared_expert(w, gate, x, seg)
 
     def materialize(self) -> None:
         """Open every weight now (benchmarks; a coordinator that serves everything): views of the
@@ -357,6 +363,106 @@ class Model:
         logits = self.head.matmul(rms_norm(x, self.final_norm, c.rms_norm_eps))  # [T, V]
         assert logits.dtype == F32
         return logits
+
+    def forward_batch(self, parts: list[tuple[Sequence[int], KVCache]], ffn: FFNBackend | None = None
+                      ) -> np.ndarray:
+        """One step of several sequences: ``parts[i] = (tokens, cache)`` runs sequence i's
+        ``tokens`` (a prefill chunk or one decode token) after what its cache holds.
+
+        Returns the logits of each part's last token [n_parts, V] f32. Each row is bit-identical
+        to what :meth:`forward` gives the same tokens on the same cache alone (``last_only``):
+        attention runs per sequence on its own cache, and every matrix product over the rows of
+        one sequence only, or packed with others where the block kernels make rows independent
+        (swarm/compute/ffn.py, "Segments"). The FFN backend gets the union of the rows and their
+        ``segments``. A backend that runs whole layers itself (``run_layers``, the stage layout)
+        is served one sequence after the other through :meth:`forward`.
+        Raises ValueError as :meth:`forward`; if the backend raises, no cache length changes.
+        """
+        if ffn is None:
+            ffn = self._local_ffn
+        if not parts:
+            raise ValueError("forward_batch needs at least one sequence")
+        if getattr(ffn, "run_layers", None) is not None:
+            return np.concatenate([self.forward(t, c, ffn, last_only=True) for t, c in parts])
+        c = self.config
+        ids = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in parts]
+        lengths = [i.size for i in ids]
+        flat = np.concatenate(ids)
+        if min(lengths) == 0:
+            raise ValueError("forward_batch needs at least one token per sequence")
+        if flat.min() < 0 or flat.max() >= c.vocab_size:
+            raise ValueError(f"token id out of range 0..{c.vocab_size - 1}: {flat.min()}..{flat.max()}")
+        if len({id(cache) for _, cache in parts}) != len(parts):
+            raise ValueError("each sequence of a batch needs its own KV cache")
+        starts = [cache.length for _, cache in parts]
+        for (_, cache), start, T in zip(parts, starts, lengths):
+            if c.sliding_window and start + T > c.sliding_window:
+                raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
+                                 f"({c.sliding_window}); sliding-window attention is not supported")
+            cache.reserve(start + T)
+        segments = lengths if len(parts) > 1 else None
+        seg = segment_ids(segments, flat.size)
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        tables = [self._qk_tables(start, T) for start, T in zip(starts, lengths)]
+        cos_qk = np.concatenate([t[0] for t in tables]) if len(parts) > 1 else tables[0][0]
+        sin_qk = np.concatenate([t[1] for t in tables]) if len(parts) > 1 else tables[0][1]
+        masks = [causal_mask(start, T, c.n_heads // c.n_kv_heads) for start, T in zip(starts, lengths)]
+        seqs = [(bounds[i], bounds[i + 1], cache, starts[i], masks[i]) for i, (_, cache) in enumerate(parts)]
+        x = self.embed.take(flat)
+        eps = c.rms_norm_eps
+        for layer in range(c.n_layers):
+            w = self.attention_weights(layer)
+            x += self._attention_rows(layer, rms_norm(x, w.attn_norm, eps), seqs, seg, cos_qk, sin_qk)
+            h = rms_norm(x, w.ffn_norm, eps)
+            y = ffn.ffn(layer, h) if segments is None else ffn.ffn(layer, h, segments)
+            assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
+            x += y
+        for (_, cache), start, T in zip(parts, starts, lengths):
+            cache.length = start + T
+        last = rms_norm(x[[b - 1 for b in bounds[1:]]], self.final_norm, eps)  # [n, H]
+        return segmented(self.head.matmul, last, np.arange(len(parts)) if len(parts) > 1 else None,
+                         block_kernels(self.head))
+
+    def _attention_rows(self, layer: int, h: np.ndarray, seqs: list, seg: np.ndarray | None,
+                        cos_qk: np.ndarray, sin_qk: np.ndarray) -> np.ndarray:
+        """:meth:`_attention` over the rows of several sequences (``seqs``: (first row, end row,
+        cache, start position, mask) each): projections per :func:`row_calls`, the rest row-wise,
+        keys/values and attention per sequence on its own cache."""
+        c, w = self.config, self.attention_weights(layer)
+        T = h.shape[0]
+        nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        nq, nk = nh * hd, nkv * hd
+        qkv = np.empty((T, nq + 2 * nk), F32)
+        calls = row_calls(seg, T, block_kernels(w.q, w.k, w.v))
+        for a, b in calls:
+            w.q.matmul(h[a:b], out=qkv[a:b, :nq])
+            w.k.matmul(h[a:b], out=qkv[a:b, nq:nq + nk])
+            w.v.matmul(h[a:b], out=qkv[a:b, nq + nk:])
+        if w.qkv_bias is not None:
+            qkv += w.qkv_bias
+        if c.qk_norm == "proj":
+            qkv[:, :nq] = rms_norm(qkv[:, :nq], w.q_norm, c.rms_norm_eps)
+            qkv[:, nq:nq + nk] = rms_norm(qkv[:, nq:nq + nk], w.k_norm, c.rms_norm_eps)
+        if c.clip_qkv is not None:
+            np.clip(qkv, -F32(c.clip_qkv), F32(c.clip_qkv), out=qkv)
+        qk = qkv[:, :nq + nk].reshape(T, nh + nkv, hd)
+        if c.qk_norm == "head":
+            qk = rms_norm(qk, w.q_norm, c.rms_norm_eps)
+        qk = apply_rope_swapped(qk, cos_qk, sin_qk)
+        out = np.empty((T, nq), F32)
+        for a, b, cache, start, mask in seqs:
+            end = start + b - a
+            cache.k[layer][:, start:end] = qk[a:b, nh:].transpose(1, 0, 2)
+            cache.v[layer][:, start:end] = qkv[a:b, nq + nk:].reshape(b - a, nkv, hd).transpose(1, 0, 2)
+            out[a:b] = attention(qk[a:b, :nh].transpose(1, 0, 2), cache.k[layer][:, :end],
+                                 cache.v[layer][:, :end], mask)
+        calls = row_calls(seg, T, block_kernels(w.o))
+        if len(calls) == 1:
+            return w.o.matmul(out)
+        o = np.empty((T, w.o.shape[0]), F32)
+        for a, b in calls:
+            w.o.matmul(out[a:b], out=o[a:b])
+        return o
 
     def layers(self, x: np.ndarray, cache: KVCache, start: int, lo: int, hi: int,
                ffn: FFNBackend | None = None) -> np.ndarray:

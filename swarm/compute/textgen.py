@@ -4,7 +4,8 @@
 prompt) → chat template → token ids, checked against the vocabulary and the context
 (:func:`encode_prompt`) → the engine's token generator → streaming detokenization → text
 pieces (:func:`stream_reply`). It takes any model the engine's ``generate`` accepts; the
-swarm's API streams through the same two functions, passing its remote FFN backend.
+swarm's API encodes through the same function and turns the tokens of its batch scheduler
+(:mod:`swarm.compute.serving`) into text with the same :func:`reply_pieces`.
 :func:`main_generate` is the CLI around it: pick the model file (``--model`` or the
 default model), check the arguments, stream the reply to stdout.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -92,22 +93,40 @@ def stream_reply(
     stats: GenerationStats | None = None,
 ) -> Iterator[str]:
     """Yield the reply to ``prompt_ids`` (from :func:`encode_prompt`) as text pieces, as soon
-    as each is complete UTF-8. The API and the CLI both stream through here.
+    as each is complete UTF-8. The CLI streams through here; the API through
+    :func:`reply_pieces` over its batch scheduler's tokens.
 
     params: sampling options; the end-of-sequence ids of the tokenizer and of the model
-        config are added to ``params.stop_tokens``. A stop token ends the reply unprinted.
+        config are added to ``params.stop_tokens`` (:func:`with_stop_tokens`). A stop token ends
+        the reply unprinted.
     ffn: the FFN backend handed to the engine's ``generate`` (None: local; the swarm passes
         its remote backend here).
     stats: filled as the reply is generated (prompt and completion token counts, finish reason).
     """
-    stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = len(prompt_ids)
-    stats.finish_reason = "length"
+    params = with_stop_tokens(model, tokenizer, params)
+    tokens = generate(model, prompt_ids, params, ffn=ffn)
+    yield from reply_pieces(tokens, tokenizer, params, len(prompt_ids), stats)
+
+
+def with_stop_tokens(model: Any, tokenizer: TextTokenizer, params: SamplingParams) -> SamplingParams:
+    """``params`` with the end-of-sequence ids of the tokenizer and the model config added to
+    its ``stop_tokens``."""
     stop = tuple(dict.fromkeys(
         [*params.stop_tokens, *tokenizer.eos_token_ids, *(getattr(model.config, "eos_token_ids", ()) or ())]
     ))
+    return replace(params, stop_tokens=stop)
+
+
+def reply_pieces(tokens: Iterable[int], tokenizer: TextTokenizer, params: SamplingParams, prompt_tokens: int,
+                 stats: GenerationStats | None = None) -> Iterator[str]:
+    """Text pieces of generated ``tokens`` (complete UTF-8 each), up to the first of
+    ``params.stop_tokens`` (not printed); ``stats`` counts them and says why the reply ended."""
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = prompt_tokens
+    stats.finish_reason = "length"
+    stop = set(params.stop_tokens)
     decoder = tokenizer.stream_decoder()
-    for token in generate(model, prompt_ids, replace(params, stop_tokens=stop), ffn=ffn):
+    for token in tokens:
         stats.completion_tokens += 1
         if token in stop:
             stats.finish_reason = "stop"

@@ -30,6 +30,7 @@ WATCH_EVERY_S = 1.0
 WATCH_EVENTS = 8  # the newest events under the table in --watch
 WIDTH = 80
 KIND_WORDS = {"experts": "experts", "dense": "MLP rows"}
+SHARE_GROUPS = 6  # groups of layers a share's words name on the dashboard before "… and N more"
 
 
 def read_status(path: Path | None = None, now: float | None = None) -> dict[str, Any]:
@@ -143,7 +144,7 @@ def _units(placement: dict[str, Any]) -> dict[int, dict[str, dict[str, list[tupl
     """layer → kind → peer → spans [start, stop), from every ``{layer: [[peer, start, stop]]}``
     field of a plan dict (``experts``, ``dense``, and any other kind a plan carries); then
     ``stages`` ``[[peer, first layer, stop layer]]``, if any: a stage's peer runs those layers
-    whole, so each counts as one unit of kind ``stage`` (as web_peer/share.js)."""
+    whole, so each counts as one unit of kind ``stage``."""
     units: dict[int, dict[str, dict[str, list[tuple[int, int]]]]] = {}
     for kind, value in placement.items():
         if not isinstance(value, dict):
@@ -163,15 +164,34 @@ def _units(placement: dict[str, Any]) -> dict[int, dict[str, dict[str, list[tupl
     return units
 
 
-def share_fraction(placement: dict[str, Any], peer_id: str) -> float:
-    """The peer's share of the plan's FFN work in [0, 1], each layer weighing the same (as web_peer/share.js)."""
-    units = _units(placement)
-    fractions = []
-    for kinds in units.values():
+def layer_fractions(placement: dict[str, Any], peer_id: str) -> list[tuple[int, float]]:
+    """``[(layer, fraction)]``, one per layer of the plan in order, 0 where the peer holds
+    nothing: per kind, the units it holds over the layer's units, averaged over the kinds."""
+    out = []
+    for layer, kinds in sorted(_units(placement).items()):
         held = [sum(b - a for a, b in by_peer.get(peer_id, ())) / max(sum(b - a for s in by_peer.values() for a, b in s), 1)
                 for by_peer in kinds.values()]
-        fractions.append(sum(held) / len(held))
-    return sum(fractions) / len(fractions) if fractions else 0.0
+        out.append((layer, sum(held) / len(held)))
+    return out
+
+
+def share_fraction(placement: dict[str, Any], peer_id: str) -> float:
+    """The peer's share of the plan's FFN work in [0, 1], each layer weighing the same."""
+    fractions = layer_fractions(placement, peer_id)
+    return sum(f for _, f in fractions) / len(fractions) if fractions else 0.0
+
+
+def shares(placement: dict[str, Any], peer_ids: Any, max_groups: int | None = SHARE_GROUPS) -> dict[str, Any]:
+    """Each peer's share of a plan, for a page to draw as it is (the dashboard does; nothing is
+    computed twice): ``{"peers": {id: {"fraction", "words", "layers": [[layer, fraction]]}},
+    "kinds": {kind: number of layers}}``; ``words`` as :func:`describe_share` with ``max_groups``."""
+    kinds: dict[str, int] = {}
+    for layer_kinds in _units(placement).values():
+        for kind in layer_kinds:
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return {"kinds": kinds, "peers": {
+        p: {"fraction": share_fraction(placement, p), "words": describe_share(placement, p, max_groups),
+            "layers": [list(x) for x in layer_fractions(placement, p)]} for p in peer_ids}}
 
 
 def compress_ints(values: Any) -> str:
@@ -187,9 +207,10 @@ def compress_ints(values: Any) -> str:
     return ", ".join(out)
 
 
-def describe_share(placement: dict[str, Any], peer_id: str) -> str:
+def describe_share(placement: dict[str, Any], peer_id: str, max_groups: int | None = None) -> str:
     """The peer's share in words, consecutive layers with the same work merged
-    ("layers 0–29: MLP rows 1280–1536"); "nothing" when it holds none (as web_peer/share.js)."""
+    ("layers 0–29: MLP rows 1280–1536"), at most ``max_groups`` groups then "… and N more";
+    "nothing" when it holds none."""
     groups: list[list[Any]] = []  # [first layer, last layer, words]
     for layer, kinds in sorted(_units(placement).items()):
         parts = []
@@ -210,4 +231,7 @@ def describe_share(placement: dict[str, Any], peer_id: str) -> str:
             groups[-1][1] = layer
         else:
             groups.append([layer, layer, words])
-    return " · ".join(f"{'layer ' + str(a) if a == b else f'layers {a}–{b}'}: {w}" for a, b, w in groups) or "nothing"
+    text = " · ".join(f"{'layer ' + str(a) if a == b else f'layers {a}–{b}'}: {w}" for a, b, w in groups[:max_groups])
+    if max_groups is not None and len(groups) > max_groups:
+        text += f" · … and {len(groups) - max_groups} more"
+    return text or "nothing"

@@ -161,7 +161,7 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
         shape = coord.roles.coordinator.shape
         n_layers = len(set(shape.dense_layers) | set(shape.moe_layers))
         assert all(r["bars"] == n_layers for r in rows)
-        from swarm.peer.status import describe_share  # the Python twin of share.js
+        from swarm.peer.status import describe_share  # the coordinator computes the shares; the page draws them
 
         placement = page.evaluate("window.colibriDashboard.state.placement")
         for r in rows:

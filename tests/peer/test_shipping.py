@@ -171,6 +171,81 @@ def test_unanswered_request_is_resent_after_timeout_and_late_duplicate_ignored()
     assert isinstance(events[-1], SliceComplete)
 
 
+class _CountingSet(set):
+    """A set that counts membership probes (the work ``requests_to_send`` does per chunk)."""
+
+    probes = 0
+
+    def __contains__(self, item):
+        type(self).probes += 1
+        return super().__contains__(item)
+
+
+def test_requests_cost_constant_amortised_work_per_chunk():
+    """A slice of n chunks costs O(n) membership probes in all (a scan of the missing chunks per
+    request would cost O(n) per request: n²/window), timeouts and a link drop included."""
+    n = 4096
+    blob = _blob(n * CS, seed=11)
+    src = SliceSource()
+    manifest = src.offer(blob, {}, chunk_size=CS)
+    buf = bytearray(manifest.size)
+    dl = SliceDownload(manifest, buf, have=set(), window=8, timeout_s=1.0)
+    dl._have = _CountingSet()
+    _CountingSet.probes = 0
+    lost = {5, 6, 2000}  # answers that never come: asked for again after the timeout
+
+    def link(chunk):
+        if chunk.index in lost:
+            lost.discard(chunk.index)
+            return None
+        return chunk
+
+    _pump(src, dl, drop_after=1000, tamper=link)
+    dl.link_lost()
+    _pump(src, dl, tamper=link)
+    assert bytes(buf) == blob
+    assert _CountingSet.probes < 8 * n, _CountingSet.probes
+
+
+def test_streamed_chunks_are_vouched_for_by_the_whole_hash():
+    """An in-order stream is checked once, by the whole-slice hash; when that fails, each
+    streamed chunk is checked by its own hash and only the bad one is asked for again; a
+    stream cut short keeps the chunks that match their own hashes."""
+    blob = _blob(6 * CS + 5, seed=12)
+    manifest = build_manifest(blob, {}, chunk_size=CS)
+    spans = [manifest.chunk_span(i) for i in range(manifest.n_chunks)]
+
+    buf = bytearray(manifest.size)
+    dl = SliceDownload(manifest, buf, have=set())
+    events = [e for i, (a, b) in enumerate(spans) for e in dl.receive_streamed(i, blob[a:b])]
+    assert isinstance(events[-1], SliceComplete) and dl.complete and bytes(buf) == blob
+    assert dl.corrupt_chunks == 0
+
+    bad = bytearray(blob)
+    bad[3 * CS + 7] ^= 1
+    buf = bytearray(manifest.size)
+    dl = SliceDownload(manifest, buf, have=set())
+    events = [e for i, (a, b) in enumerate(spans) for e in dl.receive_streamed(i, bad[a:b])]
+    assert [e for e in events if isinstance(e, ChunkRejected)] == [ChunkRejected(3, "SHA-256 mismatch")]
+    assert not dl.complete and dl.missing == [3] and dl.done_bytes == manifest.size - CS
+    (req,) = dl.requests_to_send(0.0)
+    assert req.indices == (3,)
+    a, b = spans[3]
+    assert isinstance(dl.receive_streamed(3, blob[a:b])[-1], SliceComplete) and bytes(buf) == blob
+
+    buf = bytearray(manifest.size)
+    dl = SliceDownload(manifest, buf, have=set())
+    for i in range(4):
+        a, b = spans[i]
+        dl.receive_streamed(i, (bad if i == 3 else blob)[a:b])
+    assert [e.index for e in dl.check_streamed()] == [3]  # the stream broke off after chunk 3
+    assert dl.missing == [3, 4, 5, 6] and dl.done_bytes == 3 * CS
+    for i in (3, 4, 5, 6):
+        a, b = spans[i]
+        events = dl.receive_streamed(i, blob[a:b])
+    assert isinstance(events[-1], SliceComplete) and bytes(buf) == blob
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [

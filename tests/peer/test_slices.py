@@ -99,6 +99,45 @@ def test_gguf_expert_ranges_decode_exactly(tmp_path):
         slicer.extract(SliceSpan(7, "experts", 0, 1))
 
 
+_PEAK_RSS_PROBE = """
+import json, sys
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from swarm.peer.weights.slices import ModelSlicer, SliceSpan
+
+path, (e, f, h) = sys.argv[1], (8, 1024, 4096)
+w = GGUFWriter(path, "qwen3moe")
+for role, shape in (("gate", (e, f, h)), ("up", (e, f, h)), ("down", (e, h, f))):
+    blocks = np.zeros((*shape[:2], shape[2] // 32 * 34), np.uint8)  # Q8_0: 34 bytes per 32 weights
+    w.add_tensor(f"blk.0.ffn_{role}_exps.weight", blocks, raw_shape=blocks.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+del blocks, w
+
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+slicer = ModelSlicer(path)
+open("/proc/self/clear_refs", "w").write("5")  # resets the peak (VmHWM) to the current RSS
+before = status("VmRSS:")
+blob, meta = slicer.extract(SliceSpan(0, "experts", 0, e))
+print(json.dumps({"slice": len(blob), "growth": status("VmHWM:") - before}))
+"""
+
+
+def test_extract_holds_one_copy_of_the_slice(tmp_path):
+    """Cutting a 102 MiB slice raises the peak RSS by about the slice, not by several copies of
+    it (a blob grown tensor by tensor and copied to bytes peaked at 2.3×). Linux: VmHWM."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS_PROBE, str(tmp_path / "big.gguf")], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[2])
+    got = json.loads(out.stdout)
+    assert got["slice"] >= 100e6
+    assert got["growth"] <= 1.3 * got["slice"], f"peak grew {got['growth'] / got['slice']:.2f}× the slice"
+
+
 def _tiny_moe(tmp_path: Path, family: str, dtype="float32"):
     import torch
     import transformers

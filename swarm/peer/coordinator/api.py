@@ -25,13 +25,15 @@ error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field
 body that is not JSON, nested too deeply, or not valid Unicode; and a prompt that with
 ``max_tokens`` does not fit the model's context (checked before any generation).
 
-Generation: one at a time on the engine (an ``asyncio.Lock``, FIFO, queues the others);
-the token loop runs in a worker thread so the event loop — which also carries the swarm's
-data channels — never blocks; a client that disconnects stops its generation at the next
-token (one log line, no traceback). The engine is a :class:`ChatBackend`:
-:class:`EngineBackend` streams through :func:`swarm.compute.textgen.stream_reply`, the same
-loop as ``colibri-swarm generate``, with any FFN backend (``LocalFFN`` here, the
-coordinator's ``RemoteFFN`` in the swarm).
+Generation: continuous batching (:mod:`swarm.compute.serving`, docs/serving.md). The engine
+is a :class:`ChatBackend`; :class:`EngineBackend` hands each request to a
+:class:`~swarm.compute.serving.BatchScheduler`, whose one thread runs the forward steps of every
+running sequence together — with any FFN backend (``LocalFFN`` here, the coordinator's
+``RemoteFFN`` in the swarm) — so the event loop, which also carries the swarm's data channels,
+never blocks. Each sequence's tokens are those of its solo run. Up to ``max_batch`` sequences
+run, ``max_queue`` more wait; beyond that a request gets ``429`` with ``Retry-After``. A client
+that disconnects — mid-prompt too — frees its slot at the end of the step in flight (one log
+line, no traceback).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from swarm.compute.textgen import MAX_TEMPERATURE, GenerationStats, context_limit, encode_prompt, stream_reply
+from swarm.compute.serving import MAX_BATCH, MAX_QUEUE, BatchScheduler, QueueFullError, TokenStream
+from swarm.compute.textgen import (MAX_TEMPERATURE, GenerationStats, context_limit, encode_prompt, reply_pieces,
+                                   with_stop_tokens)
 from swarm.errors import ChatTemplateError, ContextLengthError, LocalProtocolError, SwarmError
 
 log = logging.getLogger(__name__)
@@ -100,9 +104,11 @@ class ApiError(SwarmError):
     """A request the API refuses; ``status`` and the OpenAI error fields go to the client."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.param, self.type, self.code = status, param, type, code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
@@ -238,11 +244,16 @@ def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int)
 class ChatBackend(Protocol):
     """What the API runs. ``prepare`` encodes and checks the prompt (raising
     :class:`~swarm.errors.ContextLengthError` or :class:`~swarm.errors.ChatTemplateError`
-    before any generation); ``generate`` is a *blocking* generator (the API runs both in
-    threads) that yields text pieces and fills ``stats`` as it goes."""
+    before any generation; run in a thread); ``generate`` is called on the event loop and must
+    not block: it admits the request (or raises
+    :class:`~swarm.compute.serving.QueueFullError`) and returns a *blocking* iterator of text
+    pieces (iterated in a thread) that fills ``stats`` as it goes; its ``cancel()``, when it
+    has one, is called from the event loop when the client goes away. ``concurrency``: how many
+    requests it takes at once (running and queued)."""
 
     model_id: str
     max_tokens_limit: int
+    concurrency: int
 
     def prepare(self, request: ChatRequest) -> ChatRequest: ...
 
@@ -254,14 +265,18 @@ class EngineBackend:
     loop of :mod:`swarm.compute.textgen` (the ``generate`` command's own).
 
     ``ffn`` is the engine's FFN backend: None for ``LocalFFN`` (one machine), the
-    coordinator's ``RemoteFFN`` in the swarm — the tokens are the same either way.
+    coordinator's ``RemoteFFN`` in the swarm — the tokens are the same either way; it may be
+    replaced at any time (read at each step). ``max_batch`` sequences run at once and
+    ``max_queue`` wait (:class:`~swarm.compute.serving.BatchScheduler`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, ffn: Any = None,
-                 max_tokens_limit: int | None = None) -> None:
+                 max_tokens_limit: int | None = None, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE) -> None:
         self.model, self.tokenizer, self.ffn = model, tokenizer, ffn
         self.model_id = model_id
         self.max_tokens_limit = max_tokens_limit or context_limit(model.config) or 8192
+        self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue)
+        self.concurrency = max_batch + max_queue
 
     def set_ffn(self, ffn: Any) -> None:
         """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest backend)."""
@@ -281,14 +296,41 @@ class EngineBackend:
         ids = encode_prompt(self.model, self.tokenizer, messages, 1)
         return dataclasses.replace(request, prompt_ids=tuple(ids), max_tokens=min(request.max_tokens, limit - len(ids)))
 
-    def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str]:
+    def generate(self, request: ChatRequest, stats: GenerationStats) -> Reply:
+        """Admit ``request`` to the batch (non-blocking once prepared) and return its reply.
+
+        Raises: QueueFullError when every slot and queue place is taken; as :meth:`prepare`
+        for a request not prepared yet.
+        """
         from swarm.compute.sampling import SamplingParams
 
         if request.prompt_ids is None:
             request = self.prepare(request)
-        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-                                seed=request.seed, max_tokens=request.max_tokens)
-        return stream_reply(self.model, self.tokenizer, request.prompt_ids, params, ffn=self.ffn, stats=stats)
+        params = with_stop_tokens(self.model, self.tokenizer, SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            seed=request.seed, max_tokens=request.max_tokens))
+        tokens = self.scheduler.submit(request.prompt_ids, params)
+        return Reply(tokens, reply_pieces(tokens, self.tokenizer, params, len(request.prompt_ids), stats))
+
+
+class Reply:
+    """Text pieces of one admitted request (a blocking iterator); :meth:`cancel` (any thread)
+    takes its sequence out of the batch and ends the iteration; :meth:`close` does the same."""
+
+    def __init__(self, tokens: TokenStream, pieces: Iterator[str]) -> None:
+        self.tokens, self._pieces = tokens, pieces
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def cancel(self) -> None:
+        self.tokens.cancel()
+
+    def close(self) -> None:
+        self.tokens.cancel()
 
 
 class StopMatcher:
@@ -336,8 +378,9 @@ class ApiServer:
             raise ValueError("the API needs at least one non-empty bearer token")
         self.backend = backend
         self._tokens = tuple(t.encode() for t in tokens)
-        self._lock = asyncio.Lock()  # one generation at a time; waiters are served FIFO
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-api-gen")
+        # One thread per admitted request waits on its tokens; the batch scheduler does the work.
+        self._executor = ThreadPoolExecutor(max_workers=max(1, getattr(backend, "concurrency", 1)),
+                                            thread_name_prefix="swarm-api-gen")
         # Prompts are encoded beside a running generation, so a bad one is refused at once.
         self._prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-api-prepare")
         self._runner: web.AppRunner | None = None
@@ -394,7 +437,9 @@ class ApiServer:
             log.warning("the API serves plain HTTP on %s: anyone on this network can read prompts, replies "
                         "and the API token", host or "every address")
         self.scheme = "https" if ssl_context is not None else "http"
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, which frees its
+        # batch slot even while its prompt is still being read (nothing is written then).
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
@@ -450,7 +495,7 @@ class ApiServer:
                                "as the bearer token", status=401, code="invalid_api_key")
             return await handler(request)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
         except SwarmError as exc:  # the engine or the swarm failed this request (e.g. lost its term)
             error = ApiError(f"generation failed: {exc}", status=503, type="server_error")
             return web.json_response(error.body(), status=error.status)
@@ -484,21 +529,35 @@ class ApiServer:
             raise ApiError(str(exc), param=param) from None
         ident = f"{'chatcmpl' if chat.prompt is None else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        if chat.stream:
-            return await self._stream(request, chat, ident, created)
         stats = GenerationStats()
-        async with contextlib.aclosing(self._pieces(chat, stats)) as pieces:
-            text = "".join([piece async for piece in pieces])
-        choice = ({"text": text} if chat.prompt is not None
-                  else {"message": {"role": "assistant", "content": text}})
-        return web.json_response({
-            "id": ident, "object": "chat.completion" if chat.prompt is None else "text_completion",
-            "created": created, "model": self.backend.model_id,
-            "choices": [{"index": 0, **choice, "finish_reason": stats.finish_reason, "logprobs": None}],
-            "usage": _usage(stats),
-        })
+        try:
+            reply = self.backend.generate(chat, stats)  # admitted now, or 429 before any byte is sent
+        except QueueFullError as exc:
+            raise ApiError(str(exc), status=429, type="rate_limit_error", code="server_busy",
+                           headers={"Retry-After": str(exc.retry_after_s)}) from None
+        try:
+            if chat.stream:
+                return await self._stream(request, chat, ident, created, reply, stats)
+            async with contextlib.aclosing(self._pieces(chat, stats, reply)) as pieces:
+                text = "".join([piece async for piece in pieces])
+            choice = ({"text": text} if chat.prompt is not None
+                      else {"message": {"role": "assistant", "content": text}})
+            return web.json_response({
+                "id": ident, "object": "chat.completion" if chat.prompt is None else "text_completion",
+                "created": created, "model": self.backend.model_id,
+                "choices": [{"index": 0, **choice, "finish_reason": stats.finish_reason, "logprobs": None}],
+                "usage": _usage(stats),
+            })
+        except asyncio.CancelledError:
+            if not chat.stream:
+                log.info("client %s went away before its reply after %d token(s); generation stopped",
+                         request.remote, stats.completion_tokens)
+            raise
+        finally:  # the client went away (its handler cancelled) or the reply ended: free the slot
+            _cancel(reply)
 
-    async def _stream(self, request: web.Request, chat: ChatRequest, ident: str, created: int) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chat: ChatRequest, ident: str, created: int,
+                      reply: Iterator[str], stats: GenerationStats) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -511,12 +570,11 @@ class ApiServer:
                    "choices": [{"index": 0, **piece, "finish_reason": finish, "logprobs": None}], **extra}
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
-        stats = GenerationStats()
         try:
             if not text:
                 await response.write(chunk({"role": "assistant", "content": ""}))
-            # aclosing: a client that goes away ends the generation (and frees the engine) now.
-            async with contextlib.aclosing(self._pieces(chat, stats)) as pieces:
+            # aclosing: a client that goes away ends the generation (and frees its slot) now.
+            async with contextlib.aclosing(self._pieces(chat, stats, reply)) as pieces:
                 async for piece in pieces:
                     await response.write(chunk({"content": piece}))
             await response.write(chunk({}, stats.finish_reason))
@@ -526,9 +584,12 @@ class ApiServer:
                 await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionError:  # the client went away: aclosing above already stopped the generation
+        except (ConnectionError, asyncio.CancelledError) as exc:  # the client went away (a failed write, or
+            # its handler cancelled on disconnect): aclosing above already stopped the generation
             log.info("client %s went away mid-stream after %d token(s); generation stopped",
                      request.remote, stats.completion_tokens)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
         except SwarmError as exc:  # e.g. the coordinator lost its term mid-generation
             error = ApiError(f"generation failed: {exc}", status=503, type="server_error")
             with contextlib.suppress(ConnectionError):
@@ -538,52 +599,58 @@ class ApiServer:
 
     # ------------------------------------------------------------- the token loop
 
-    async def _pieces(self, chat: ChatRequest, stats: GenerationStats) -> AsyncIterator[str]:
-        """Text pieces of one generation, produced in the worker thread, stop strings applied."""
-        async with self._lock:
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-            cancel = threading.Event()
-            post = lambda kind, value=None: loop.call_soon_threadsafe(queue.put_nowait, (kind, value))  # noqa: E731
+    async def _pieces(self, chat: ChatRequest, stats: GenerationStats, reply: Iterator[str]) -> AsyncIterator[str]:
+        """Text pieces of one admitted generation (``reply``, iterated in a worker thread), stop
+        strings applied."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancel = threading.Event()
+        post = lambda kind, value=None: loop.call_soon_threadsafe(queue.put_nowait, (kind, value))  # noqa: E731
 
-            def run() -> None:
-                gen = self.backend.generate(chat, stats)
-                try:
-                    for piece in gen:
-                        post("piece", piece)
-                        if cancel.is_set():
-                            break
-                    post("done")
-                except BaseException as exc:  # handed to the event loop, raised there
-                    post("error", exc)
-                finally:
-                    gen.close()
-
-            stopper = StopMatcher(chat.stop)
-            future = loop.run_in_executor(self._executor, run)
+        def run() -> None:
             try:
-                while True:
-                    kind, value = await queue.get()
-                    if kind == "error":
-                        if isinstance(value, SwarmError):
-                            raise value
-                        log.error("generation failed", exc_info=value)
-                        raise ApiError(f"generation failed: {value!r}", status=500, type="server_error")
-                    if kind == "done":
-                        rest = stopper.flush()
-                        if rest:
-                            yield rest
-                        return
-                    text, stopped = stopper.push(value)
-                    if text:
-                        yield text
-                    if stopped:
-                        stats.finish_reason = "stop"
-                        return
+                for piece in reply:
+                    post("piece", piece)
+                    if cancel.is_set():
+                        break
+                post("done")
+            except BaseException as exc:  # handed to the event loop, raised there
+                post("error", exc)
             finally:
-                cancel.set()  # a stop string, a client gone, or an error: end the token loop
-                await asyncio.shield(future)
-                self.generations += 1
+                getattr(reply, "close", lambda: None)()
+
+        stopper = StopMatcher(chat.stop)
+        future = loop.run_in_executor(self._executor, run)
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "error":
+                    if isinstance(value, SwarmError):
+                        raise value
+                    log.error("generation failed", exc_info=value)
+                    raise ApiError(f"generation failed: {value!r}", status=500, type="server_error")
+                if kind == "done":
+                    rest = stopper.flush()
+                    if rest:
+                        yield rest
+                    return
+                text, stopped = stopper.push(value)
+                if text:
+                    yield text
+                if stopped:
+                    stats.finish_reason = "stop"
+                    return
+        finally:
+            cancel.set()  # a stop string, a client gone, or an error: end the token loop
+            _cancel(reply)  # wakes the thread even while the prompt is still being read
+            await asyncio.shield(future)
+            self.generations += 1
+
+
+def _cancel(reply: Any) -> None:
+    """Take ``reply``'s sequence out of the batch (a backend whose replies cannot be cancelled
+    stops at its next piece)."""
+    getattr(reply, "cancel", lambda: None)()
 
 
 async def _json_body(request: web.Request) -> Any:

@@ -7,8 +7,9 @@ Routes, added to the API's aiohttp app by :meth:`Dashboard.add_routes`:
   page's ES modules and style sheet from ``web_peer/`` (public: they hold no secret).
 - ``GET /dashboard/state`` → JSON: the coordinator's status document (the same as
   ``colibri-swarm status --json``: peers, plan, events, what the roles measured) plus
-  ``generations``, the newest finished generations with their tokens/s. Needs the API's
-  bearer token, as ``/v1/…`` does.
+  ``generations``, the newest finished generations with their tokens/s, and ``shares``, each
+  peer's share of the plan as ``colibri-swarm status`` computes it
+  (:func:`swarm.peer.status.shares`). Needs the API's bearer token, as ``/v1/…`` does.
 
 The page is opened as ``https://HOST:PORT/dashboard/#KEY-CODE``: the key code sits in the URL
 fragment, which browsers never send to a server. The page derives the API token from it with
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from swarm.peer.status import shares
 
 PREFIX = "/dashboard/"
 GENERATIONS_KEPT = 20  # recent generations shown with their tokens/s
@@ -99,6 +102,8 @@ class Dashboard:
     async def _state(self, request: web.Request) -> web.Response:
         doc = dict(self.status())
         doc["generations"] = list(self.generations)
+        ids = [doc.get("peer_id"), *(p.get("peer_id") for p in doc.get("peers") or ())]
+        doc["shares"] = shares(doc.get("placement") or {}, ids)  # the page draws them as they are
         return web.json_response(doc, dumps=_dumps, headers={"Cache-Control": "no-store"})
 
 

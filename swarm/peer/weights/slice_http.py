@@ -9,14 +9,17 @@ Trust, with no certificate authority on a LAN:
 
 - The server speaks TLS with the shipper's own certificate (the one its signaling server uses,
   :mod:`swarm.signaling.tls`). The offer, sent over the authenticated data channel, names the
-  certificate's SHA-256; the Python client pins it (``aiohttp.Fingerprint``), so an impostor on
-  the LAN gets no connection. A browser cannot pin: it must have accepted the certificate for
-  that host, and it checks every byte against the manifest's hashes anyway.
+  certificate's SHA-256; the Python client pins it (checked after the TLS handshake, before
+  the token is sent), so an impostor on the LAN gets no connection and no token. A browser
+  cannot pin: it must have accepted the certificate for that host, and it checks every byte
+  against the manifest's hashes anyway.
 - Each request carries ``Authorization: Bearer <token>``; the token is HMAC-SHA256 of the
   slice id under a sub-key of the swarm key (:attr:`~swarm.keys.swarmkey.SwarmKey.slice_token_key`),
   so it opens that one slice only and never reveals the key. Absent: 401; wrong: 403.
-- Every chunk is checked against the manifest's SHA-256 before it is kept, the whole slice
-  against its id (:class:`~swarm.peer.weights.shipping.SliceDownload`); a chunk that fails is fetched again.
+- The slice is checked against its id (the whole-slice SHA-256, computed as the chunks arrive
+  in order); when that fails, or a transfer breaks off, each chunk is checked against its own
+  SHA-256 and only those that fail are fetched again
+  (:meth:`~swarm.peer.weights.shipping.SliceDownload.receive_streamed`).
 
 HTTP surface (``GET``/``OPTIONS`` ``/slices/<slice id hex>``): one byte range per request
 (``Range: bytes=a-b``, ``bytes=a-``, ``bytes=-n``; none: the whole slice), answered with 206 and
@@ -26,26 +29,32 @@ another port or host.
 
 Resume: the client asks only for the chunks its partial download (``<id>.part`` in the
 :class:`~swarm.peer.weights.shipping.SliceCache`) lacks. Memory: the server writes views of the blob it
-already holds; the client reads one chunk at a time into the download's file mapping.
+already holds; the client reads into three chunk-sized buffers and writes each chunk into the
+download's file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
+import http.client
 import logging
 import re
-import time
+import socket
+import ssl
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 
 from swarm.errors import RemoteProtocolError, SwarmError, WeightIntegrityError
 from swarm.peer.net.messages import HttpsSource
-from swarm.peer.weights.shipping import Chunk, ChunkRejected, Manifest, SliceDownload, SliceSource
+from swarm.peer.weights.shipping import ChunkRejected, Manifest, SliceDownload, SliceSource
 from swarm.peer.weights.shipping_aio import _runs
 
 log = logging.getLogger(__name__)
@@ -55,6 +64,7 @@ WRITE_BYTES = 1 << 20  # the server writes the blob in pieces of this size
 CONNECT_TIMEOUT_S = 3.0  # per URL: an address the fetcher cannot reach is skipped after this
 READ_TIMEOUT_S = 30.0  # no byte for this long: the transfer is broken off (resumable)
 SHUTDOWN_S = 1.0
+PIPELINE = 3  # chunk buffers: one being read, up to two queued for hashing and writing
 _SLICE_ID = re.compile(r"[0-9a-f]{64}")
 CORS = {
     "Access-Control-Allow-Origin": "*",
@@ -197,6 +207,13 @@ def _refuse(status: int, why: str, headers: dict[str, str] | None = None) -> web
 
 
 # ---------------------------------------------------------------------------- client
+#
+# The client is the standard library's blocking HTTPS client in a worker thread, not aiohttp:
+# the socket's TLS layer decrypts straight into reusable buffers (``readinto``) with the GIL
+# released, where asyncio's SSL transport and aiohttp's stream reader cost about five copies and
+# several Python calls per 16 KiB record (bench/results/ship.md has the CPU-seconds per GiB).
+# A second thread hashes and writes each chunk while the first reads the next (both release the
+# GIL), so the two overlap where a second core is free. The event loop only waits.
 
 
 async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress: Progress | None = None,
@@ -204,11 +221,16 @@ async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress:
                       read_timeout_s: float = READ_TIMEOUT_S) -> str | None:
     """Complete ``download`` over HTTPS from ``source`` (the offer's bulk path).
 
-    Asks for each run of missing chunks with one range request, checks every chunk against the
-    manifest as it arrives and stores it in the download's buffer (one chunk in memory at a
-    time); chunks that fail are asked for again (the download gives up after
-    ``MAX_CHUNK_RETRIES``). URLs are tried in order; the first that answers serves the rest.
-    Returns that base URL (None when the download was already complete), to try first next time.
+    Asks for each run of missing chunks with one range request on one kept-alive connection and
+    stores the chunks in the download's buffer as they arrive (one chunk in memory at a time),
+    in order, under the running whole-slice SHA-256 (one hash per byte,
+    :meth:`~swarm.peer.weights.shipping.SliceDownload.receive_streamed`); when the whole does not
+    match, each chunk is checked against its own hash and those that fail are asked for again
+    (the download gives up after ``MAX_CHUNK_RETRIES``). URLs are tried in order; the first that
+    answers with the pinned certificate serves the rest. ``progress(done_bytes, total_bytes)``
+    runs on the event loop. Returns the base URL that served (None when the download was
+    already complete), to try first next time. Cancelling the call closes the connection and
+    returns once the transfer thread has let go of ``download``.
 
     Raises:
         SliceUnreachable: no URL answered with the pinned certificate, the token was refused, or
@@ -216,77 +238,172 @@ async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress:
         RemoteProtocolError: the server answered with bytes other than those asked for.
         WeightIntegrityError: a chunk kept failing its SHA-256, or the whole slice does not match.
     """
-    m = download.manifest
-    pin = aiohttp.Fingerprint(bytes.fromhex(source.cert_sha256))
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-    headers = {"Authorization": f"Bearer {source.token}"}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pin, limit=1), timeout=timeout,
-                                     headers=headers, auto_decompress=False) as session:
+    loop = asyncio.get_running_loop()
+    report = None
+    if progress is not None:
+        def report(done: int, total: int) -> None:
+            loop.call_soon_threadsafe(progress, done, total)
+    transfer = _Transfer(download, source, report, connect_timeout_s, read_timeout_s)
+    done = asyncio.ensure_future(asyncio.to_thread(transfer.run))
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        transfer.stop()
+        await asyncio.wait([done])
+        raise
+
+
+class _FingerprintMismatch(OSError):
+    """The server's certificate is not the pinned one."""
+
+
+class _Stopped(Exception):
+    """The caller cancelled the transfer."""
+
+
+class _PinnedConnection(http.client.HTTPSConnection):
+    """An HTTPS connection that checks the server certificate's SHA-256 against the offer's pin
+    before anything (the token) is sent — also when ``http.client`` reconnects on its own."""
+
+    def __init__(self, host: str, port: int, pin: bytes, connect_timeout_s: float, read_timeout_s: float) -> None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False  # no CA on a LAN: the pin below is the check
+        ctx.verify_mode = ssl.CERT_NONE
+        super().__init__(host, port, context=ctx, timeout=connect_timeout_s)
+        self._pin, self._read_timeout_s = pin, read_timeout_s
+
+    def connect(self) -> None:
+        super().connect()
+        der = self.sock.getpeercert(binary_form=True) or b""
+        if not hmac.compare_digest(hashlib.sha256(der).digest(), self._pin):
+            self.close()
+            raise _FingerprintMismatch("certificate does not match the pinned SHA-256 (another server answers there)")
+        self.sock.settimeout(self._read_timeout_s)
+
+
+class _Transfer:
+    """One :func:`fetch_https` call, run in a worker thread."""
+
+    def __init__(self, download: SliceDownload, source: HttpsSource, progress: Progress | None,
+                 connect_timeout_s: float, read_timeout_s: float) -> None:
+        self.download, self.source, self.progress = download, source, progress
+        self._timeouts = (connect_timeout_s, read_timeout_s)
+        self._conn: _PinnedConnection | None = None
+        self._stopped = False
+        self._store = ThreadPoolExecutor(1, thread_name_prefix="slice-store")
+        self._stores: deque[Future] = deque()  # chunks handed to the store thread, in order
+        self._buffers = [memoryview(bytearray(download.manifest.chunk_size)) for _ in range(PIPELINE)]
+
+    def stop(self) -> None:
+        """From the event loop: end the transfer (its blocking read fails at once)."""
+        self._stopped = True
+        conn = self._conn
+        if conn is not None and conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def run(self) -> str | None:
+        dl, m = self.download, self.download.manifest
         base: str | None = None
-        failures: list[str] = []
-        while not download.complete:
-            runs = _runs(download.missing)
-            if not runs:  # a partial file whose chunks all match, yet the whole does not
-                raise WeightIntegrityError(f"slice {m.hex_id[:12]}: every chunk matches its hash but the whole "
-                                           "does not; the manifest is inconsistent — refusing it")
-            for first, count in runs:
-                start, _ = m.chunk_span(first)
-                _, stop = m.chunk_span(first + count - 1)
-                for url in ([base] if base else source.urls):
+        try:
+            while not dl.complete:
+                runs = _runs(dl.missing)
+                if not runs:  # a partial file whose chunks all match, yet the whole does not
+                    raise WeightIntegrityError(f"slice {m.hex_id[:12]}: every chunk matches its hash but the whole "
+                                               "does not; the manifest is inconsistent — refusing it")
+                for first, count in runs:
+                    if self._conn is None:
+                        base = self._connect(base)
                     try:
-                        await _fetch_run(session, f"{url}{PATH_PREFIX}{m.hex_id}", download, first, count,
-                                         start, stop, progress)
-                        base = url
-                        break
-                    except _NOT_THERE as exc:
-                        if base is not None:  # it answered before: the connection broke
-                            raise _broke(url, m, exc) from None
-                        failures.append(f"{url}: {_why(exc)}")
-                    except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
-                        raise _broke(url, m, exc) from None  # cut off, stalled past the read timeout, or reset
-                else:
-                    raise SliceUnreachable(f"no slice server URL answered for slice {m.hex_id[:12]}: "
-                                           + "; ".join(failures))
-    return base
+                        self._fetch_run(base, first, count)
+                    except (OSError, http.client.HTTPException) as exc:
+                        if self._stopped:
+                            raise _Stopped from None
+                        # cut off, stalled past the read timeout, or reset
+                        raise SliceUnreachable(f"slice server {base} broke off slice {m.hex_id[:12]}: "
+                                               f"{exc!r:.200}") from None
+        except _Stopped:
+            return None
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+            self._drain(0, raising=False)
+            self._store.shutdown()
+            self._log(dl.check_streamed())  # a stream cut short: keep what matches its own hash
+        return base
 
+    def _connect(self, base: str | None) -> str:
+        pin = bytes.fromhex(self.source.cert_sha256)
+        failures = []
+        for url in [base] if base else self.source.urls:
+            parts = urlsplit(url)
+            conn = _PinnedConnection(parts.hostname or "", parts.port or 443, pin, *self._timeouts)
+            try:
+                conn.connect()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                if base is not None:  # it answered before: the connection broke
+                    raise SliceUnreachable(f"slice server {url} broke off slice "
+                                           f"{self.download.manifest.hex_id[:12]}: {exc!r:.200}") from None
+                failures.append(f"{url}: {type(exc).__name__}: {exc}"[:200])
+                continue
+            self._conn = conn
+            return url
+        raise SliceUnreachable(f"no slice server URL answered for slice {self.download.manifest.hex_id[:12]}: "
+                               + "; ".join(failures))
 
-# Errors that mean "not this URL" (try the next one), before any byte came.
-_NOT_THERE = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerFingerprintMismatch)
-
-
-def _broke(url: str, m: Manifest, exc: BaseException) -> SliceUnreachable:
-    return SliceUnreachable(f"slice server {url} broke off slice {m.hex_id[:12]}: {exc!r:.200}")
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ServerFingerprintMismatch):
-        return "certificate does not match the pinned SHA-256 (another server answers there)"
-    return f"{type(exc).__name__}: {exc}"[:200]
-
-
-async def _fetch_run(session: aiohttp.ClientSession, url: str, download: SliceDownload, first: int, count: int,
-                     start: int, stop: int, progress: Progress | None) -> None:
-    """One range request for chunks ``first .. first+count-1`` (bytes ``[start, stop)``)."""
-    m = download.manifest
-    async with session.get(url, headers={"Range": f"bytes={start}-{stop - 1}"}) as resp:
+    def _fetch_run(self, base: str, first: int, count: int) -> None:
+        """One range request for chunks ``first .. first+count-1``."""
+        dl, m, conn = self.download, self.download.manifest, self._conn
+        assert conn is not None
+        start, _ = m.chunk_span(first)
+        _, stop = m.chunk_span(first + count - 1)
+        url = f"{base}{PATH_PREFIX}{m.hex_id}"
+        conn.request("GET", PATH_PREFIX + m.hex_id, headers={
+            "Authorization": f"Bearer {self.source.token}", "Range": f"bytes={start}-{stop - 1}"})
+        resp = conn.getresponse()
         if resp.status in (401, 403):
-            why = (await resp.text())[:200].strip()
+            why = resp.read(4096)[:200].decode(errors="replace").strip()
             raise SliceUnreachable(f"slice server {url} refused the token ({resp.status}: {why})")
         if resp.status != 206:
             raise RemoteProtocolError(f"slice server {url} answered {resp.status} to bytes {start}-{stop - 1}: "
-                                      f"{(await resp.text())[:200].strip()}")
+                                      f"{resp.read(4096)[:200].decode(errors='replace').strip()}")
         want = f"bytes {start}-{stop - 1}/{m.size}"
-        if resp.headers.get("Content-Range") != want or resp.content_length != stop - start:
-            raise RemoteProtocolError(f"slice server {url} sent Content-Range {resp.headers.get('Content-Range')!r}, "
-                                      f"length {resp.content_length} for {want!r}")
+        if resp.getheader("Content-Range") != want or resp.length != stop - start:
+            raise RemoteProtocolError(f"slice server {url} sent Content-Range {resp.getheader('Content-Range')!r}, "
+                                      f"length {resp.length} for {want!r}")
         for index in range(first, first + count):
+            self._drain(PIPELINE - 1)  # the buffer this chunk reuses is free
             a, b = m.chunk_span(index)
-            data = await resp.content.readexactly(b - a)
-            # Hashing (and the final whole-slice hash) off the event loop: links keep their heartbeats.
-            events = await asyncio.to_thread(download.receive, Chunk(m.slice_id, index, data), time.monotonic())
-            for event in events:
-                if isinstance(event, ChunkRejected):
-                    log.warning("slice %s chunk %d from %s refused (%s); fetching it again",
-                                m.hex_id[:12], index, url, event.reason)
-            if progress:
-                progress(download.done_bytes, m.size)
+            chunk = self._buffers[index % PIPELINE][: b - a]
+            got = 0
+            while got < len(chunk):
+                if self._stopped:
+                    raise _Stopped
+                n = resp.readinto(chunk[got:])
+                if not n:
+                    raise http.client.IncompleteRead(bytes(), len(chunk) - got)
+                got += n
+            self._stores.append(self._store.submit(self._keep, index, chunk))
+        self._drain(0)  # the next run starts from what the download then lacks
+
+    def _keep(self, index: int, chunk: memoryview) -> None:
+        """In the store thread: hash and write one chunk."""
+        self._log(self.download.receive_streamed(index, chunk))
+        if self.progress:
+            self.progress(self.download.done_bytes, self.download.manifest.size)
+
+    def _drain(self, keep: int, *, raising: bool = True) -> None:
+        """Wait until at most ``keep`` chunks are queued for the store thread (its errors are raised)."""
+        while len(self._stores) > keep:
+            done = self._stores.popleft()
+            if raising:
+                done.result()
+            else:
+                wait([done])
+
+    def _log(self, events: list) -> None:
+        for event in events:
+            if isinstance(event, ChunkRejected):
+                log.warning("slice %s chunk %d refused (%s); fetching it again",
+                            self.download.manifest.hex_id[:12], event.index, event.reason)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ ROLES = ("gate", "up", "down")
 # safetensors dtype → (block size, bytes per block); the names double as ggml type names.
 _SAFETENSORS_ENCODINGS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}
 _MAX_SAFETENSORS_HEADER = 100 << 20
+COPY_PIECE_BYTES = 8 << 20  # extract copies the model file's bytes in pieces of about this size
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,13 @@ class ModelSlicer:
         """Multiple that dense range bounds should be for ``down`` to ship in its own encoding."""
         return self._raw_down_dense(layer).block[0]
 
-    def extract(self, spec: SliceSpan) -> tuple[bytes, dict[str, Any]]:
-        """The slice's tensors in the file's encoding: one blob and its JSON meta.
+    def extract(self, spec: SliceSpan) -> tuple[bytearray, dict[str, Any]]:
+        """The slice's tensors in the file's encoding: one blob (bytes) and its JSON meta.
+
+        Memory: the blob is allocated once at its final size and the tensors are copied into
+        it piece by piece (``COPY_PIECE_BYTES``), each piece's pages of the model file dropped
+        from this process's resident set after it is copied: the peak is about the slice
+        plus one piece, not several copies of the slice.
 
         Raises:
             ModelFileError: the layer has no such MLP/experts, or the range exceeds it.
@@ -190,16 +196,21 @@ class ModelSlicer:
                 "up": (up.data[sel], up.encoding, (n, up.data.shape[1], up.cols)),
                 "down": (down.data[sel], down.encoding, (n, down.data.shape[1], down.cols)),
             }
-        blob = bytearray()
+        blob = bytearray(sum(data.nbytes for data, _, _ in parts.values()))
+        out = np.frombuffer(blob, dtype=np.uint8)
         tensors = []
+        offset = 0
         for role in ROLES:
             data, encoding, shape = parts[role]
-            raw = np.ascontiguousarray(data).tobytes()
-            release_pages(data)  # copied out for a worker: not this process's to keep resident
-            tensors.append({"role": role, "encoding": encoding, "shape": list(shape), "offset": len(blob), "nbytes": len(raw)})
-            blob += raw
+            first = offset
+            for piece in _pieces(data):
+                out[offset : offset + piece.nbytes].reshape(piece.shape)[...] = piece
+                release_pages(piece)  # copied out for a worker: not this process's to keep resident
+                offset += piece.nbytes
+            tensors.append({"role": role, "encoding": encoding, "shape": list(shape), "offset": first,
+                            "nbytes": offset - first})
         meta = {"version": META_VERSION, "format": self.format, "spec": spec.to_json(), "tensors": tensors}
-        return bytes(blob), meta
+        return blob, meta
 
     def load(self, spec: SliceSpan) -> SliceWeights:
         """Decode a slice straight from the local file (a worker with its own copy)."""
@@ -270,14 +281,26 @@ class ModelSlicer:
 
 
 class _LazyStack:
-    """Per-expert tensors indexed like one stacked ``[E, ...]`` array (copies only what is sliced)."""
+    """Per-expert tensors indexed like one stacked ``[E, ...]`` array (slicing copies nothing)."""
 
     def __init__(self, parts: list[np.ndarray]) -> None:
-        self._parts = parts
+        self.parts = parts
         self.shape = (len(parts), *parts[0].shape)
+        self.nbytes = sum(p.nbytes for p in parts)
 
-    def __getitem__(self, key: slice) -> np.ndarray:
-        return np.stack(self._parts[key])
+    def __getitem__(self, key: slice) -> _LazyStack:
+        return _LazyStack(self.parts[key])
+
+
+def _pieces(data: np.ndarray | _LazyStack) -> Iterator[np.ndarray]:
+    """``data`` in order as sub-arrays of whole leading-axis entries, ~``COPY_PIECE_BYTES`` each."""
+    if isinstance(data, _LazyStack):
+        for part in data.parts:
+            yield from _pieces(part[None])
+        return
+    step = max(1, COPY_PIECE_BYTES * len(data) // max(data.nbytes, 1))
+    for at in range(0, len(data), step):
+        yield data[at : at + step]
 
 
 def _column_range(raw: _Raw, start: int, stop: int) -> tuple[np.ndarray, str, tuple[int, int]]:

@@ -1,0 +1,109 @@
+"""Continuous batching does not change a sequence's numbers: a row computed in a batch equals the
+row computed alone, bit for bit, across segment mixes (decode rows, prefill chunks above and
+below the block kernels' SMALL_T) and kernel types (Q8_0 block kernels, F32 BLAS); and the
+scheduler's tokens for concurrent sequences equal each one's solo run."""
+
+from __future__ import annotations
+
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+from swarm.compute.ffn import row_calls
+from swarm.compute.model import load_model
+from swarm.compute.quant import SMALL_T
+from swarm.compute.sampling import SamplingParams
+from swarm.compute.serving import BatchScheduler, QueueFullError
+from tests.compute.tiny_gguf import write_gguf_from_hf
+
+# (prompt length, the step its prefill starts): chunks above SMALL_T, below it, and a single token
+PROMPTS = [(SMALL_T + 8, 0), (3, 0), (SMALL_T // 2 + 4, 1), (1, 1), (25, 2)]
+DECODE = 4  # decode steps after each prompt
+
+
+@pytest.fixture(scope="module", params=[("qwen2_moe", "F32"), ("qwen2_moe", "Q8_0"), ("llama", "Q8_0")],
+                ids=lambda p: "-".join(p))
+def model(request, tiny, tmp_path_factory):
+    """Qwen2-MoE (experts, a gated shared expert) and Llama (dense): F32 weights (BLAS at every
+    size) and Q8_0 (block kernels up to SMALL_T rows; the odd-width matrices stay F32)."""
+    family, qtype = request.param
+    hf, path = tiny(family)
+    if qtype != "F32":
+        path = write_gguf_from_hf(hf, family, tmp_path_factory.mktemp("gguf") / f"{family}.gguf",
+                                  qtype=gguf.GGMLQuantizationType[qtype])
+    return load_model(path)
+
+
+def test_row_calls_pack_only_small_runs_of_whole_segments():
+    big = SMALL_T + 4
+    seg = np.repeat(np.arange(6), [1, 1, big, 1, 3, 1])
+    e = 2 + big
+    assert row_calls(seg, seg.size, pack=False) == [(0, 1), (1, 2), (2, e), (e, e + 1), (e + 1, e + 4), (e + 4, e + 5)]
+    assert row_calls(seg, seg.size, pack=True) == [(0, 2), (2, e), (e, e + 5)]
+    many = np.arange(SMALL_T + 3)  # one decode row each: packed SMALL_T at a time
+    assert row_calls(many, many.size, pack=True) == [(0, SMALL_T), (SMALL_T, SMALL_T + 3)]
+    assert row_calls(None, 7, pack=True) == [(0, 7)]
+
+
+def test_a_row_in_a_batch_equals_it_alone(model):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n, _ in PROMPTS]
+    follow = [[int(t) for t in rng.integers(0, model.config.vocab_size, DECODE)] for _ in PROMPTS]
+    solo = []
+    for p, f in zip(prompts, follow):
+        cache = model.new_cache()
+        solo.append([model.forward(p, cache, last_only=True)[0]]
+                    + [model.forward([t], cache, last_only=True)[0] for t in f])
+    caches = [model.new_cache() for _ in PROMPTS]
+    got: list[list[np.ndarray]] = [[] for _ in PROMPTS]
+    for step in range(max(s for _, s in PROMPTS) + DECODE + 1):
+        parts = [(i, prompts[i] if step == s else [follow[i][step - s - 1]])
+                 for i, (_, s) in enumerate(PROMPTS) if s <= step <= s + DECODE]
+        logits = model.forward_batch([(rows, caches[i]) for i, rows in parts])
+        assert logits.shape == (len(parts), model.config.vocab_size)
+        for (i, _), row in zip(parts, logits):
+            got[i].append(row)
+    for i in range(len(PROMPTS)):
+        for k, (a, b) in enumerate(zip(solo[i], got[i])):
+            assert np.array_equal(a, b), (i, k, float(np.abs(a - b).max()))
+
+
+def test_concurrent_sequences_get_their_solo_tokens(model):
+    """Greedy and seeded sampling; prompts cut into chunks of 8 (several steps), joining at once."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (21, 5, 9, 1)]
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=9),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=7), SamplingParams(max_tokens=5)]
+
+    def run(batch):
+        s = BatchScheduler(model, max_batch=4, max_queue=0, chunk=8, prefill_rows=16)
+        streams = [s.submit(p, q) for p, q in batch]
+        return [list(t) for t in streams], s
+
+    solo = [run([pq])[0][0] for pq in zip(prompts, params)]
+    together, s = run(list(zip(prompts, params)))
+    assert together == solo
+    assert [len(t) for t in solo] == [q.max_tokens for q in params]
+    assert s.snapshot()["running"] == [] and len(s.left) == 4
+
+
+def test_beyond_the_queue_a_request_is_refused_and_a_cancelled_one_leaves(model):
+    s = BatchScheduler(model, max_batch=1, max_queue=1, chunk=4, prefill_rows=4)
+    a = s.submit([1] * 240, SamplingParams(max_tokens=10))  # 60 prefill steps
+    b = s.submit([2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError) as refused:
+        s.submit([4], SamplingParams(max_tokens=1))
+    assert refused.value.retry_after_s >= 1 and "retry later" in str(refused.value)
+    b.cancel()  # leaves the queue at once
+    assert b.ident not in s.snapshot()["waiting"] and list(b) == []
+    while a.ident not in s.snapshot()["prefilling"]:
+        time.sleep(0.001)
+    a.cancel()  # mid-prefill: leaves at the end of the step in flight
+    assert list(a) == []
+    c = s.submit([4], SamplingParams(max_tokens=1))  # its slot is free
+    assert len(list(c)) == 1
+    ident, fed, prompt_len, generated = next(x for x in s.left if x[0] == a.ident)
+    assert 0 < fed < prompt_len == 240 and generated == 0
+    assert s.snapshot()["running"] == []
