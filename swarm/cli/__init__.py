@@ -1,7 +1,7 @@
 """The ``colibri-swarm`` command.
 
 Parsing lives here; each subcommand's terminal side lives in this package (``join``,
-``status``, ``chat`` and ``generate`` through the swarm, ``key``), its work in the module that
+``status``, ``chat``, ``generate``, ``key``), its work in the module that
 owns it, and each is imported only when that subcommand runs, so ``colibri-swarm --help`` stays fast.
 Every :class:`~swarm.errors.SwarmError` ends the command with one clear line on
 stderr and a non-zero exit code, never a traceback; a reader that closes the pipe
@@ -104,7 +104,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _check_sampling(args: argparse.Namespace) -> None:
     """The sampling options of ``generate`` and ``chat``, checked before any work (one line each)."""
-    from swarm.compute.textgen import sampling_kwargs
+    from swarm.cli.generate import sampling_kwargs
 
     sampling_kwargs(args)
 
@@ -129,12 +129,12 @@ def _generate(args: argparse.Namespace) -> int:
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
     if args.swarm or args.api or not (args.local or args.model):
-        from swarm.cli.chat import main_generate_swarm
+        from swarm.cli.generate import main_generate_swarm
 
         code = main_generate_swarm(args)
         if code is not None:
             return code
-    from swarm.compute.textgen import main_generate
+    from swarm.cli.generate import main_generate
 
     return main_generate(args)
 

@@ -1,5 +1,5 @@
-"""``colibri-swarm generate`` through the swarm, and ``colibri-swarm chat``: both stream from the
-coordinator's OpenAI API (:mod:`swarm.peer.client` finds it and speaks to it)."""
+"""``colibri-swarm chat``: a REPL streamed from the coordinator's OpenAI API
+(:mod:`swarm.peer.client` finds it and speaks to it)."""
 
 from __future__ import annotations
 
@@ -7,58 +7,12 @@ import argparse
 import sys
 
 from swarm.errors import SwarmError
-from swarm.peer.client import (
-    RETRY_S, Endpoint, api_token, api_url_from_status, find_endpoint, local_peer, make_endpoint, request_body,
-    stream_chat_retrying,
-)
+from swarm.peer.client import RETRY_S, find_endpoint, request_body, stream_chat_retrying
 
 
-def main_generate_swarm(args: argparse.Namespace) -> int | None:
-    """``generate`` through the swarm; None when no peer runs here and neither ``--swarm`` nor
-    ``--api`` was given (the caller then runs the engine locally).
-
-    Raises: SwarmError when a peer runs here (a worker) but no coordinator's API can be found:
-    the user asked the swarm, so it does not silently run the model locally instead.
-    """
-    api = getattr(args, "api", None)
-    endpoint = find_endpoint(api, mdns=True) if args.swarm or api else _quiet_endpoint()
-    if endpoint is None:
-        return None
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    messages.append({"role": "user", "content": args.prompt})
-    body = request_body(messages, args)
-    if getattr(args, "raw", False):  # no chat template: the API's text completion
-        del body["messages"]
-        body["prompt"] = args.prompt
-    out = sys.stdout
-    for piece in stream_chat_retrying(endpoint, body, rediscover=not api, on_retry=_say_retrying):
-        out.write(piece)
-        out.flush()
-    out.write("\n")
-    out.flush()
-    return 0
-
-
-def _say_retrying(exc: SwarmError) -> None:
+def say_retrying(exc: SwarmError) -> None:
+    """Tell the user a request is being retried on the next coordinator (stderr)."""
     print(f"\n[{exc}; trying the next coordinator, for up to {RETRY_S:g} s]", file=sys.stderr, flush=True)
-
-
-def _quiet_endpoint() -> Endpoint | None:
-    """The swarm's API when a peer runs here: its own when it coordinates, else the coordinator's
-    mDNS record. None (no mDNS wait) when no peer runs here."""
-    doc = local_peer()
-    if doc is None:
-        return None
-    url = api_url_from_status(doc)
-    if url is not None:
-        return make_endpoint(url, api_token())
-    try:
-        return find_endpoint(None, mdns=True)
-    except SwarmError as exc:
-        raise SwarmError(f"a peer of the swarm runs here (role {doc.get('role')}), but {exc}; "
-                         "or pass --local to run the model on this machine alone") from None
 
 
 HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves"
@@ -96,7 +50,7 @@ def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
         reply: list[str] = []
         try:
             for piece in stream_chat_retrying(endpoint, request_body(history, args), rediscover=not args.api,
-                                              on_retry=_say_retrying):
+                                              on_retry=say_retrying):
                 reply.append(piece)
                 console.print(piece, end="", markup=False, soft_wrap=True)
         except SwarmError as exc:

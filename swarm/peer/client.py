@@ -2,7 +2,7 @@
 
 Where the API is, in this order: ``--api URL``; the local peer's status file (``colibri-swarm
 join`` running on this machine: its ``api_url``, or its own API port when it coordinates);
-the coordinator's mDNS record (:mod:`swarm.peer.api_discovery`) — also what a plain
+the coordinator's mDNS record (:mod:`swarm.discovery.api_record`) — also what a plain
 ``generate`` on a worker's machine uses, rather than running the model locally. The bearer
 token is the stored swarm key's API token, or ``$COLIBRI_SWARM_API_KEY``.
 
@@ -121,7 +121,7 @@ def find_endpoint(api: str | None = None, *, mdns: bool = True, token: str | Non
     if not mdns:
         return None
     from swarm.keys import swarmkey
-    from swarm.peer.api_discovery import find_api
+    from swarm.discovery.api_record import find_api
 
     key = swarmkey.load()
     if key is None:

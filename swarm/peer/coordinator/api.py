@@ -418,12 +418,12 @@ class ApiServer:
         API token to the network (logged as a warning). HTTPS uses ``ssl_context`` when given,
         else a certificate of the swarm's API CA (:meth:`for_swarm_key`).
         ``advertise=(peer_id, term)``: also announce the API on mDNS
-        (:mod:`swarm.peer.api_discovery`) so ``chat``/``generate`` on any machine find it
+        (:mod:`swarm.discovery.api_record`) so ``chat``/``generate`` on any machine find it
         (needs :meth:`for_swarm_key`). Registration runs in the background; a failure is logged.
 
         Raises: LocalProtocolError when HTTPS is asked for with neither a context nor a key.
         """
-        from swarm.peer.api_discovery import local_ipv4_addresses
+        from swarm.discovery.api_record import local_ipv4_addresses
 
         addresses = None if host in ("", "0.0.0.0") else [host]
         loopback = _is_loopback(host)
@@ -449,12 +449,10 @@ class ApiServer:
         return bound
 
     async def _advertise(self, peer_id: str, term: int, port: int, addresses: list[str] | None) -> None:
-        from zeroconf import InterfaceChoice, IPVersion
-        from zeroconf.asyncio import AsyncZeroconf
+        from swarm.discovery.api_record import ApiAdvertiser
+        from swarm.discovery.mdns import open_zeroconf
 
-        from swarm.peer.api_discovery import ApiAdvertiser
-
-        zc = AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
+        zc = open_zeroconf()
         ad = ApiAdvertiser(zc, swarm_id=self._key.swarm_id, host=peer_id, term=term, port=port,
                            addresses=addresses, scheme=self.scheme)
         try:

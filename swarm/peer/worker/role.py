@@ -27,8 +27,8 @@ from swarm.peer.coordinator.stages import StageLayout, StageRunner
 from swarm.peer.net.messages import DenseRequest, Error, ExpertRequest, PlanMessage, StagePlan, StageRequest
 from swarm.peer.tasks import send_logged
 from swarm.peer.weights.shipping import SliceCache
-from swarm.peer.weights.shipping_aio import SliceFetcher, shape_from_meta
-from swarm.peer.weights.slices import ShippedWeights, SliceSpan, decode_slice
+from swarm.peer.weights.shipping_aio import SliceFetcher, fetch_plan_slices
+from swarm.peer.weights.slices import SliceSpan
 from swarm.peer.worker.ffn import Worker
 
 if TYPE_CHECKING:
@@ -126,18 +126,9 @@ class WorkerRole:
         need = {SliceSpan(a.layer, "experts", a.experts[0], a.experts[-1] + 1) for a in msg.assignments
                 if a.peer == me and a.experts}
         need |= {SliceSpan(a.layer, "dense", lo, hi) for a in msg.assignments if a.peer == me for lo, hi in a.dense}
-        shipped, shape = ShippedWeights(), None
         async with self._ship_lock:
             async with asyncio.timeout(SHIP_TIMEOUT_S):
-                while need:
-                    manifest = await fetcher.offers.get()
-                    spec = SliceSpan.from_json(manifest.meta.get("spec", {}))
-                    if spec not in need:
-                        continue  # an offer of an older plan
-                    shape = shape_from_meta(manifest.meta)
-                    blob = await fetcher.fetch(manifest)
-                    shipped.add(await asyncio.to_thread(decode_slice, blob, manifest.meta))
-                    need.discard(spec)
+                shipped, shape = await fetch_plan_slices(fetcher, need)
         if shape is None:
             raise RemoteProtocolError(f"plan v{msg.version} gives this peer nothing to compute")
         if self.shape is not None and shape != self.shape:
