@@ -336,6 +336,7 @@ export const KINDS = {
   },
   4: { name: "LinkHeartbeat", fields: [["seq", "int"], ["sent_s", "float"]] },
   5: { name: "Error", rid: true, fields: [["code", "str"], ["message", "str"]] },
+  6: { name: "WeightsHeld", fields: [["plan_version", "int"], ["weight_bytes", "int"]] },
   16: { name: "RequestVote", fields: [["term", "int"], ["candidate", "str"], ["last_term", "int"], ["last_plan_version", "int"], ["capability", "float"]], check: (m) => peerId(m.candidate, "candidate") },
   17: { name: "Vote", fields: [["term", "int"], ["granted", "bool"]] },
   18: { name: "LeaderHeartbeat", fields: [["term", "int"], ["leader", "str"], ["plan_version", "int"]], check: (m) => peerId(m.leader, "leader") },

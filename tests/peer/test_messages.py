@@ -81,6 +81,7 @@ def samples() -> list[object]:
                        layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
         m.StageAnswer(request_id=2**31 + 1, term=4, plan_version=8, sequence=2, start=9, layer_start=5,
                       layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
+        m.WeightsHeld(plan_version=7, weight_bytes=3 * 2**30 + 5),  # last: tests index the others
     ]
 
 

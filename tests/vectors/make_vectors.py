@@ -56,6 +56,7 @@ def samples() -> dict[str, object]:
             adapter_features=("shader-f16",), name="phone – kitchen",
         ),
         "heartbeat": m.LinkHeartbeat(seq=3, sent_s=1.5),
+        "weights_held": m.WeightsHeld(plan_version=5, weight_bytes=123_456_789),
         "error": m.Error(request_id=12, code="stale_term", message="request of term 2; the current term is 3"),
         "request_vote": m.RequestVote(term=3, candidate=PA, last_term=2, last_plan_version=5, capability=35.5),
         "vote": m.Vote(term=3, granted=True),

@@ -385,6 +385,17 @@ class Error(_Base):
     message: str
 
 
+@message(6)
+class WeightsHeld(_Base):
+    """What the sender holds of the model now: ``weight_bytes``, the bytes its weights take in
+    the form it computes from (a browser peer: the GPU buffers it allocated, repacked blocks and
+    scales included), after installing ``plan_version``'s weights or releasing some. Shown as the
+    memory a peer uses; a Python peer's is counted from the plan instead and it sends none."""
+
+    plan_version: int
+    weight_bytes: int
+
+
 # --- election and plan ------------------------------------------------------------------------
 
 
