@@ -81,10 +81,12 @@ def samples() -> dict[str, object]:
         "expert_request_f32": m.ExpertRequest(
             request_id=40, term=3, plan_version=6, layer=1,
             expert_ids=np.array([6, 4], np.int32), row_counts=np.array([2, 1], np.int32), rows=_f((3, 4), np.float32),
+            segments=np.array([1, 1, 1], np.int32),  # expert 6: a row of each of two sequences; expert 4: one
         ),
         "expert_request_f16": m.ExpertRequest(
             request_id=41, term=3, plan_version=6, layer=1,
             expert_ids=np.array([5, 7, 4], np.int32), row_counts=np.array([1, 0, 2], np.int32), rows=_f((3, 4), np.float16),
+            segments=np.array([1, 2], np.int32),
         ),
         "expert_answer": m.ExpertAnswer(
             request_id=40, term=3, plan_version=6, layer=1,
@@ -92,6 +94,7 @@ def samples() -> dict[str, object]:
         ),
         "dense_request": m.DenseRequest(
             request_id=42, term=3, plan_version=6, layer=2, ranges=((0, 768),), x=_f((2, 4), np.float32),
+            segments=np.array([1, 1], np.int32),
         ),
         "dense_answer": m.DenseAnswer(
             request_id=42, term=3, plan_version=6, layer=2, ranges=((0, 768), (1024, 1536)),
