@@ -15,10 +15,13 @@ namespace and receives two slices of the same size, one over HTTPS and one over 
 channel; the time runs from the offer to the last chunk checked (before decoding and the upload
 to the GPU). Needs root (namespaces), Chromium and a non-loopback address (WebRTC).
 
-    python3 bench/ship.py [--mib 256] [--channel-mib 64] [--page] [--page-mib 48]
+    python3 bench/ship.py [--mib 256] [--channel-mib 64] [--repeat 1] [--page] [--page-mib 48]
 
 MiB/s = MiB moved / seconds from the first request to the last byte checked (cache writes and
-hashes included for ``https`` and ``channel``).
+hashes included for ``https`` and ``channel``). On a shared machine the wall-clock rate says
+how much CPU the other processes left; the CPU seconds per GiB on each side (``https_runs``:
+fetcher user and system time, all its threads; the shipper process's time over the same
+interval) say what one core of its own would reach: 1024 / (CPU-s/GiB) MiB/s.
 """
 
 from __future__ import annotations
@@ -109,14 +112,18 @@ async def _serve(address: str, mib: int, channel_mib: int) -> None:
         await server.offer(link, small)
 
     ctl = await asyncio.start_server(control, address, 0)
-    _emit(event="ready", manifest=manifest.to_json(), https=dataclasses.asdict(http.source_for(manifest)),
+    _emit(event="ready", pid=os.getpid(), manifest=manifest.to_json(), https=dataclasses.asdict(http.source_for(manifest)),
           tcp_port=tcp.sockets[0].getsockname()[1], control_port=ctl.sockets[0].getsockname()[1])
     await asyncio.sleep(3600)  # killed by the parent when the fetcher is done
 
 
 # -- fetcher (namespace 1) ---------------------------------------------------------------------
 
-async def _fetch(ready: dict, address: str, channel: bool = True) -> dict:
+async def _fetch(ready: dict, address: str, channel: bool = True, repeat: int = 1) -> dict:
+    import shutil
+
+    import psutil
+
     from swarm.peer.net.messages import HttpsSource
     from swarm.peer.weights.shipping import Manifest, SliceCache
     from swarm.peer.weights.shipping_aio import SliceFetcher
@@ -136,14 +143,30 @@ async def _fetch(ready: dict, address: str, channel: bool = True) -> dict:
     assert got == manifest.size, (got, manifest.size)
     out["tcp_mib_s"] = round(got / 2**20 / (time.perf_counter() - t), 1)
 
-    cache = SliceCache(tmp / "https")
-    t, cpu = time.perf_counter(), time.process_time()
-    dl = cache.open_download(manifest)
-    await fetch_https(dl, https)
-    cache.finish(dl)
-    out["https_mib_s"] = round(manifest.size / 2**20 / (time.perf_counter() - t), 1)
+    shipper = psutil.Process(ready["pid"])  # another network namespace, the same process table
+    gib = manifest.size / 2**30
+    out["https_runs"] = []
+    for _ in range(repeat):
+        cache = SliceCache(tmp / "https")
+        t, mine, theirs = time.perf_counter(), os.times(), shipper.cpu_times()
+        dl = cache.open_download(manifest)
+        await fetch_https(dl, https)
+        cache.finish(dl)
+        wall = time.perf_counter() - t
+        mine2, theirs2 = os.times(), shipper.cpu_times()
+        out["https_runs"].append({
+            "mib_s": round(manifest.size / 2**20 / wall, 1),
+            "fetcher_user_s_per_gib": round((mine2.user - mine.user) / gib, 2),
+            "fetcher_sys_s_per_gib": round((mine2.system - mine.system) / gib, 2),
+            "shipper_cpu_s_per_gib": round((theirs2.user + theirs2.system - theirs.user - theirs.system) / gib, 2),
+        })
+        shutil.rmtree(cache.root)  # the next run writes a fresh file
+    runs = out["https_runs"]
+    out["https_mib_s"] = max(r["mib_s"] for r in runs)
     # What the fetcher would reach with a core of its own (this machine may be shared).
-    out["https_fetcher_cpu_s"] = round(time.process_time() - cpu, 3)
+    best = min(r["fetcher_user_s_per_gib"] + r["fetcher_sys_s_per_gib"] for r in runs)
+    out["https_fetcher_cpu_s_per_gib"] = round(best, 2)
+    out["https_mib_per_fetcher_cpu_s"] = round(1024 / best, 1)
     if not channel:
         return out
 
@@ -170,7 +193,7 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-def python_to_python(mib: int, channel_mib: int, lan: bool = True) -> dict:
+def python_to_python(mib: int, channel_mib: int, lan: bool = True, repeat: int = 1) -> dict:
     """Shipper and fetcher in two network namespaces joined by a veth pair (a two-machine LAN);
     with ``lan`` False, two processes on 127.0.0.1 (where iproute2 or root is missing)."""
     tag = f"csship-{os.getpid()}"
@@ -198,8 +221,9 @@ def python_to_python(mib: int, channel_mib: int, lan: bool = True) -> dict:
                 ready = shipper.stdout.readline()
                 if not ready:
                     raise SystemExit("the shipper process ended before it was ready (see its error above)")
-                fetched = subprocess.run([*inside(1), sys.executable, __file__, "--fetch", ready,
-                                          "--address", addresses[0]] + (["--no-channel"] if channel_mib == 0 else []),
+                fetched = subprocess.run([*inside(1), sys.executable, __file__, "--fetch", ready, "--address",
+                                          addresses[0], "--repeat", str(repeat)]
+                                         + (["--no-channel"] if channel_mib == 0 else []),
                                          stdout=subprocess.PIPE, text=True, env=env, check=True, timeout=900)
             finally:
                 shipper.terminate()
@@ -281,6 +305,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="slice size for tcp and https (MiB)")
     ap.add_argument("--channel-mib", type=int, default=64, help="slice size for the data channel (MiB; 0: skip it)")
+    ap.add_argument("--repeat", type=int, default=1, help="HTTPS transfers of the slice, one after another")
     ap.add_argument("--loopback", action="store_true", help="two processes on 127.0.0.1 instead of namespaces")
     ap.add_argument("--page", action="store_true", help="also measure to the page in headless Chromium")
     ap.add_argument("--page-mib", type=int, default=48, help="slice size to the page (MiB)")
@@ -293,13 +318,14 @@ def main() -> None:
         asyncio.run(_serve(args.serve, args.mib, args.channel_mib))
         return
     if args.fetch:
-        print(json.dumps(asyncio.run(_fetch(json.loads(args.fetch), args.address, not args.no_channel))))
+        print(json.dumps(asyncio.run(_fetch(json.loads(args.fetch), args.address, not args.no_channel, args.repeat))))
         return
     result = {"cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2),
-              "python_to_python": python_to_python(args.mib, args.channel_mib, not args.loopback),
+              "python_to_python": python_to_python(args.mib, args.channel_mib, not args.loopback, args.repeat),
               "between": "127.0.0.1, two processes" if args.loopback else "two network namespaces, veth"}
     if args.page:
         result["to_page"] = to_page(args.page_mib)
+    result["load_1min_after"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result, indent=1))
 
 

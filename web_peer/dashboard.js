@@ -63,7 +63,8 @@ function renderPeers(doc) {
     cell(tr, role(p.peer_id, doc, plan), "role");
     cell(tr, p.peer_id === doc.peer_id ? "this peer" : p.rtt_ms === null || p.rtt_ms === undefined ? (p.linked ? "–" : "no link") : `${p.rtt_ms.toFixed(1)} ms`);
     const o = observed[p.peer_id];
-    cell(tr, `${mib(p.memory_budget)} / ${mib(o?.weight_bytes)}`);
+    // Used: what the peer says it allocated (a browser: its GPU buffers), else the plan's count.
+    cell(tr, `${mib(p.memory_budget)} / ${mib(p.weight_bytes ?? o?.weight_bytes)}`);
     const speed = [p.ffn_gflops ? `${p.ffn_gflops.toFixed(1)} GFLOP/s measured` : null,
       o?.ms_per_row ? `${o.ms_per_row.toFixed(3)} ms/row observed` : null, o?.failed ? "marked down" : null].filter(Boolean);
     cell(tr, speed.join(", ") || "–");

@@ -317,6 +317,21 @@ function expertRows(m, rowsField) {
   if (sum !== m[rowsField].shape[0]) fail(`row_counts sum to ${sum} but ${rowsField} has ${m[rowsField].shape[0]} rows`);
 }
 
+// Runs of rows that belong to one sequence of the step (positive, summing to the rows; none
+// crosses two experts' rows). The WGSL kernels compute every row on its own, so they need no more.
+function segments(m, n, counts) {
+  const seg = m.segments.data;
+  if (seg.some((v) => v <= 0)) fail("segments must be positive row counts");
+  const total = seg.reduce((a, b) => a + b, 0);
+  if (total !== n) fail(`segments sum to ${total} but the request has ${n} rows`);
+  if (counts) {
+    const cuts = new Set();
+    seg.reduce((a, b) => { cuts.add(a + b); return a + b; }, 0);
+    let end = 0;
+    for (const c of counts) { end += c; if (c > 0 && !cuts.has(end)) fail("a segment crosses the boundary between two experts' rows"); }
+  }
+}
+
 const STAGE_ROWS = [["term", "int"], ["plan_version", "int"], ["sequence", "int"], ["start", "int"], ["layer_start", "int"], ["layer_stop", "int"], ["x", ROWS]];
 function stageRows(m) {
   if (m.layer_stop <= m.layer_start) fail(`layers [${m.layer_start}, ${m.layer_stop}): empty range`);
@@ -336,6 +351,7 @@ export const KINDS = {
   },
   4: { name: "LinkHeartbeat", fields: [["seq", "int"], ["sent_s", "float"]] },
   5: { name: "Error", rid: true, fields: [["code", "str"], ["message", "str"]] },
+  6: { name: "WeightsHeld", fields: [["plan_version", "int"], ["weight_bytes", "int"]] },
   16: { name: "RequestVote", fields: [["term", "int"], ["candidate", "str"]], check: (m) => peerId(m.candidate, "candidate") },
   17: { name: "Vote", fields: [["term", "int"], ["granted", "bool"]] },
   18: { name: "LeaderHeartbeat", fields: [["term", "int"], ["leader", "str"]], check: (m) => peerId(m.leader, "leader") },
@@ -354,11 +370,11 @@ export const KINDS = {
       });
     },
   },
-  32: { name: "ExpertRequest", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["rows", ROWS]], check: (m) => expertRows(m, "rows") },
+  32: { name: "ExpertRequest", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["rows", ROWS], ["segments", IDS]], check: (m) => { expertRows(m, "rows"); segments(m, m.rows.shape[0], m.row_counts.data); } },
   33: { name: "ExpertAnswer", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["outputs", ROWS]], check: (m) => expertRows(m, "outputs") },
   34: {
-    name: "DenseRequest", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["x", ROWS]],
-    check: (m) => { if (!m.ranges.length) fail("ranges: at least one range"); ranges(m.ranges, "ranges"); },
+    name: "DenseRequest", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["x", ROWS], ["segments", IDS]],
+    check: (m) => { if (!m.ranges.length) fail("ranges: at least one range"); ranges(m.ranges, "ranges"); segments(m, m.x.shape[0]); },
   },
   35: {
     name: "DenseAnswer", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["partials", { tensor: { dtypes: ["f32"], rank: 3 } }]],

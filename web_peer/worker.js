@@ -77,7 +77,13 @@ export class BrowserWorker {
     for (const [key, block] of this.blocks) {
       if (!keep.has(key)) { block.release(); this.blocks.delete(key); }
     }
+    this.reportHeld();
     this.onchange();
+  }
+
+  /** Tell the coordinator what the GPU holds now (WeightsHeld): shown as the memory this peer uses. */
+  reportHeld() {
+    this.link?.send({ kind: "WeightsHeld", plan_version: this.planVersion, weight_bytes: this.gpuBytes }).catch(() => {});
   }
 
   /** Bytes of weights held on the GPU. */
@@ -101,6 +107,7 @@ export class BrowserWorker {
     }
     this._install(decodeSlice(blob, meta, { keepBlocks: true }));
     this.downloads.set(id, { done: m.total_bytes, total: m.total_bytes, installed: true });
+    this.reportHeld();
     this.onchange();
   }
 

@@ -119,6 +119,17 @@ def segmented(fn, x: np.ndarray, seg: np.ndarray | None, pack: bool) -> np.ndarr
     return out
 
 
+def run_lengths(seg: np.ndarray | None, n: int) -> np.ndarray:
+    """Lengths of the runs of equal segment ids in ``seg`` [n] (None: one run of n) [runs] i32:
+    the ``segments`` of a request on the wire (empty for no rows)."""
+    if n == 0:
+        return np.zeros(0, np.int32)
+    if seg is None:
+        return np.array([n], np.int32)
+    cuts = np.flatnonzero(seg[1:] != seg[:-1]) + 1
+    return np.diff(np.concatenate([[0], cuts, [n]])).astype(np.int32)
+
+
 def swiglu_rows(weights: MLPWeights, x_rows: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray:
     """:func:`swiglu_ffn` over rows of several sequences (``seg`` [n]: each row's segment id,
     non-decreasing; None: one sequence): per :func:`row_calls`, so each row gets its solo bits."""

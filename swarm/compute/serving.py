@@ -133,6 +133,7 @@ class BatchScheduler:
         # The last sequences that left: (id, prompt tokens read, prompt length, tokens generated).
         self.left: deque[tuple[int, int, int, int]] = deque(maxlen=64)
         self.step_s = 0.0  # moving average of a step's wall time
+        self.peak_batch = 0  # the most sequences one step has carried
 
     # ------------------------------------------------------------ callers' side
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> TokenStream:
@@ -227,6 +228,7 @@ class BatchScheduler:
         dt = time.perf_counter() - t0
         self.step_s = dt if self.steps == 0 else 0.8 * self.step_s + 0.2 * dt
         self.steps += 1
+        self.peak_batch = max(self.peak_batch, len(step))
         for (seq, rows), row in zip(step, logits):
             if seq.fed < len(seq.prompt):
                 seq.fed += len(rows)

@@ -289,6 +289,8 @@ class Node:
                 "rtt_ms": round(link.rtt_s * 1e3, 3) if link is not None and link.rtt_s is not None else None,
                 "on_signaling": info is not None,
                 "memory_budget": hello.memory_budget if hello else None,
+                # what a browser peer allocated for weights, as it reports it (None from Python peers)
+                "weight_bytes": link.weights_held.weight_bytes if link is not None and link.weights_held else None,
                 "ffn_gflops": round(hello.ffn_gflops, 2) if hello else None,
                 "model_hash": hello.model_hash if hello else None,
                 "arch": hello.build.arch if hello else None,  # tells a Mac (arm64) from Linux (aarch64, x86_64)

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -193,6 +194,20 @@ def _wait_state(page, state: str, timeout_s: float = 40):
         raise AssertionError(f"the page never reached {state!r}: {seen}") from exc
 
 
+def reported_weight_bytes(swarm, page, link, timeout_s: float = 20) -> int:
+    """The weight bytes the coordinator's status shows for the browser peer, once they equal
+    what the page holds on its GPU (its WeightsHeld follows each change)."""
+    held = page.evaluate("window.colibri.worker.gpuBytes")
+
+    async def shown():
+        return next(p for p in swarm.node.status()["peers"] if p["peer_id"] == link.peer_id)["weight_bytes"]
+
+    deadline = time.monotonic() + timeout_s
+    while (got := swarm.call(shown())) != held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
 def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     ctx = e2e_browser.new_context(ignore_https_errors=True)
     page = ctx.new_page()
@@ -216,6 +231,8 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     held = page.evaluate("""(() => { const b = window.colibri.worker.blocks.get("3/dense/256/768");
       return { fmt: b.fmt, downFmt: b.downFmt, gpuBytes: b.gpuBytes }; })()""")
     assert held == {"fmt": "q4_1", "downFmt": "q4_1", "gpuBytes": len(blob)}
+    # ... and says so: the coordinator's status shows what the page allocated, not a Python size.
+    assert reported_weight_bytes(swarm, page, link) == len(blob)
     w = decode_slice(blob, meta)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 576)).astype(np.float32)
@@ -229,6 +246,7 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     eblob, emeta, eg, eu, ed = expert_slice(rng, layer=1, start=4, n=3, h=64, f=96)
     swarm.offer(eblob, emeta)
     page.wait_for_function("window.colibri.worker.blocks.size === 4", timeout=30000)
+    assert reported_weight_bytes(swarm, page, link) == len(blob) + 3 * 3 * 64 * 96 * 4  # + 3 experts in float32
     rows = rng.standard_normal((5, 64)).astype(np.float32)
     req = ExpertRequest(request_id=8, term=0, plan_version=0, layer=1, expert_ids=np.array([6, 4, 5], np.int32),
                         row_counts=np.array([2, 3, 0], np.int32), rows=rows)
@@ -257,6 +275,8 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     swarm.call(link.send(plan))
     page.wait_for_function("window.colibri.worker.blocks.size === 1", timeout=10000)
     assert page.inner_text("#assigned") == "layer 3: MLP rows 256–768"
+    assert reported_weight_bytes(swarm, page, link) == len(blob)
+    assert link.weights_held.plan_version == 1
     gone = swarm.request(ExpertRequest(request_id=22, term=0, plan_version=1, layer=1, expert_ids=np.array([4], np.int32),
                                        row_counts=np.array([1], np.int32), rows=rows[:1]))
     assert isinstance(gone, Error) and "no weights" in gone.message

@@ -81,6 +81,7 @@ def samples() -> list[object]:
                        layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
         m.StageAnswer(request_id=2**31 + 1, term=4, plan_version=8, sequence=2, start=9, layer_start=5,
                       layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
+        m.WeightsHeld(plan_version=7, weight_bytes=3 * 2**30 + 5),  # last: tests index the others
     ]
 
 
@@ -202,18 +203,22 @@ def _expert_meta() -> dict:
 def test_tensor_rules() -> None:
     ids, counts = np.array([3, 4], np.int32), np.array([1, 2], np.int32)
     rows = np.ones((3, 8), np.float32)
+    seg = np.array([1, 1, 1], np.int32)  # each row its own sequence's
     k = m.ExpertRequest.KIND
     cases = [
-        ((ids, counts), "2 tensors, expected 3"),
-        ((ids, counts, rows, rows), "4 tensors, expected 3"),
-        ((ids, counts, rows.astype(np.int32)), "rows: expected rank 2 of f32"),
-        ((ids, counts, rows[0]), "rows: expected rank 2"),
-        ((ids, counts, rows.astype(np.float16)), "rows: expected rank 2 of f32"),  # activations are f32 only
-        ((ids.astype(np.float32), counts, rows), "expert_ids: expected rank 1 of i32"),
-        ((ids, np.array([1, 1], np.int32), rows), "sum to 2 but rows has 3 rows"),
-        ((ids, np.array([4, -1], np.int32), rows), "row_counts must be non-negative"),
-        ((np.array([3, 3], np.int32), counts, rows), "distinct"),
-        ((ids, counts[:1], rows), "differ in length"),
+        ((ids, counts, rows), "3 tensors, expected 4"),
+        ((ids, counts, rows, seg, seg), "5 tensors, expected 4"),
+        ((ids, counts, rows.astype(np.int32), seg), "rows: expected rank 2 of f32"),
+        ((ids, counts, rows[0], seg), "rows: expected rank 2"),
+        ((ids, counts, rows.astype(np.float16), seg), "rows: expected rank 2 of f32"),  # activations are f32 only
+        ((ids.astype(np.float32), counts, rows, seg), "expert_ids: expected rank 1 of i32"),
+        ((ids, np.array([1, 1], np.int32), rows, seg), "sum to 2 but rows has 3 rows"),
+        ((ids, np.array([4, -1], np.int32), rows, seg), "row_counts must be non-negative"),
+        ((np.array([3, 3], np.int32), counts, rows, seg), "distinct"),
+        ((ids, counts[:1], rows, seg), "differ in length"),
+        ((ids, counts, rows, np.array([0, 3], np.int32)), "segments must be positive"),
+        ((ids, counts, rows, np.array([1, 1], np.int32)), "segments sum to 2 but the request has 3 rows"),
+        ((ids, counts, rows, np.array([3], np.int32)), "crosses the boundary"),
     ]
     for tensors, needle in cases:
         with pytest.raises(MessageError, match=needle):

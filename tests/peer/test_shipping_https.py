@@ -233,6 +233,37 @@ def test_persistently_tampered_slice_fails_with_integrity_error(tmp_path, cert):
     asyncio.run(main())
 
 
+def test_cancelled_fetch_lets_go_of_the_download_and_resumes(tmp_path, cert):
+    """Cancelling fetch_https (at its first progress report) returns only after the transfer
+    threads have stopped; the chunks stored so far are verified and kept, and the same download
+    then completes."""
+    import threading
+
+    size = 480 * CS + 9  # ~30 MiB: more than the socket buffers hold, so the cancel lands mid-slice
+    blob = _blob(size, 9)
+    source = SliceSource()
+    manifest = source.offer(blob, {}, chunk_size=CS)
+
+    async def main():
+        server = await _server(source, cert)
+        try:
+            dl = SliceCache(tmp_path).open_download(manifest)
+            task = asyncio.ensure_future(fetch_https(dl, server.source_for(manifest),
+                                                     progress=lambda done, total: task.cancel()))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not any(t.name.startswith("slice-store") for t in threading.enumerate())
+            kept, missing = dl.done_bytes, dl.missing
+            assert 0 < kept < size and not dl.complete
+            assert missing == list(range(missing[0], manifest.n_chunks))  # a verified prefix stays
+            await fetch_https(dl, server.source_for(manifest))
+            return bytes(SliceCache(tmp_path).finish(dl))
+        finally:
+            await server.close()
+
+    assert asyncio.run(main()) == bytes(blob)
+
+
 async def _cutting_proxy(target_port: int, cut_after: int) -> tuple[asyncio.Server, list[int]]:
     """A TCP relay to ``target_port`` that breaks each connection off after ``cut_after`` bytes
     from the server (``cut_after`` < 0: never). TLS passes through it untouched."""

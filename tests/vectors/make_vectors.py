@@ -56,6 +56,7 @@ def samples() -> dict[str, object]:
             adapter_features=("shader-f16",), name="phone – kitchen",
         ),
         "heartbeat": m.LinkHeartbeat(seq=3, sent_s=1.5),
+        "weights_held": m.WeightsHeld(plan_version=5, weight_bytes=123_456_789),
         "error": m.Error(request_id=12, code="stale_term", message="request of term 2; the current term is 3"),
         "request_vote": m.RequestVote(term=3, candidate=PA),
         "vote": m.Vote(term=3, granted=True),
@@ -80,6 +81,12 @@ def samples() -> dict[str, object]:
         "expert_request_f32": m.ExpertRequest(
             request_id=40, term=3, plan_version=6, layer=1,
             expert_ids=np.array([6, 4], np.int32), row_counts=np.array([2, 1], np.int32), rows=_f((3, 4), np.float32),
+            segments=np.array([1, 1, 1], np.int32),  # expert 6: a row of each of two sequences; expert 4: one
+        ),
+        "expert_request_runs": m.ExpertRequest(
+            request_id=41, term=3, plan_version=6, layer=1,
+            expert_ids=np.array([5, 7, 4], np.int32), row_counts=np.array([1, 0, 2], np.int32), rows=_f((3, 4), np.float32),
+            segments=np.array([1, 2], np.int32),
         ),
         "expert_answer": m.ExpertAnswer(
             request_id=40, term=3, plan_version=6, layer=1,
@@ -87,6 +94,7 @@ def samples() -> dict[str, object]:
         ),
         "dense_request": m.DenseRequest(
             request_id=42, term=3, plan_version=6, layer=2, ranges=((0, 768),), x=_f((2, 4), np.float32),
+            segments=np.array([1, 1], np.int32),
         ),
         "dense_answer": m.DenseAnswer(
             request_id=42, term=3, plan_version=6, layer=2, ranges=((0, 768), (1024, 1536)),

@@ -16,7 +16,10 @@ calls ``ffn(layer, x)`` for every layer, and it answers with the bits
   :class:`DenseRequest` each; the partials are summed in span order by
   :func:`~swarm.compute.ffn.sum_partials`, the coordinator's own span included.
 
-Prefill is the same path with more rows: one batch, one request per peer.
+Prefill is the same path with more rows: one batch, one request per peer. A step of the batch
+scheduler carries several sequences: ``segments`` gives their row counts, every request carries
+how its rows split into sequences, and each side computes every sequence's rows as that
+sequence alone would (:mod:`swarm.compute.ffn`, "Segments"), so batching changes no bits.
 
 Threading. The forward pass is synchronous numpy, and the FFN seam is a plain
 call, so the whole token loop runs in one worker thread and this backend talks
@@ -93,7 +96,7 @@ from typing import Protocol
 
 import numpy as np
 
-from swarm.compute.ffn import combine, swiglu_ffn, expert_rows, route, sum_partials
+from swarm.compute.ffn import combine, expert_rows, route, run_lengths, segment_ids, sum_partials, swiglu_rows
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageRequest
@@ -317,8 +320,9 @@ class RemoteFFN:
         return self._next_plan
 
     # ------------------------------------------------------------ token-loop side
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """x [T, H] f32 (post-attention-normed rows) → [T, H] f32, as LocalFFN under ``plan``."""
+    def ffn(self, layer: int, x: np.ndarray, segments: list[int] | None = None) -> np.ndarray:
+        """x [T, H] f32 (post-attention-normed rows) → [T, H] f32, as LocalFFN under ``plan``;
+        ``segments``: the row counts of the step's sequences (None: one sequence)."""
         if x.dtype != F32 or x.ndim != 2:
             raise LocalProtocolError(f"ffn input must be [T, H] float32, got {x.shape} {x.dtype}")
         if layer == 0 and self._next_plan is not None:
@@ -333,9 +337,10 @@ class RemoteFFN:
                 t.misses = 0
             self._dense_slices.clear()
             self._streamed = self._streamed_experts(self.plan)
+        seg = segment_ids(segments, x.shape[0])
         if self.model.is_moe_layer(layer):
-            return self._moe(layer, x)
-        return self._dense(layer, x)
+            return self._moe(layer, x, seg)
+        return self._dense(layer, x, seg)
 
     def _remote(self, peer: str) -> bool:
         if peer == self.plan.coordinator or peer in self.failed:
@@ -477,11 +482,12 @@ class RemoteFFN:
         self.verified += 1
 
     # --------------------------------------------------------------------- MoE
-    def _moe(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def _moe(self, layer: int, x: np.ndarray, seg: np.ndarray | None) -> np.ndarray:
         m, plan = self.model, self.plan
         T, H = x.shape
-        routing = route(m.router_logits(layer, x), **m.routing_config(layer).kwargs())
+        routing = route(m.router_logits(layer, x, seg), **m.routing_config(layer).kwargs())
         rows_of = expert_rows(routing)  # expert → rows, experts ascending
+        seg_of = {e: None if seg is None else seg[r] for e, r in rows_of.items()}  # each row's sequence
         by_peer: dict[str, list[int]] = {}
         for e in rows_of:
             owner = plan.expert_owner(layer, e)
@@ -494,24 +500,26 @@ class RemoteFFN:
             counts = np.array([rows_of[e].size for e in experts], dtype=np.int32)
             rows = x[np.concatenate([rows_of[e] for e in experts])]  # [sum n_e, H]
             ids = np.array(experts, dtype=np.int32)
+            segs = np.concatenate([run_lengths(seg_of[e], rows_of[e].size) for e in experts])
             pending.append((experts, self._dispatch(
-                peer, lambda rid: ExpertRequest(rid, plan.term, plan.version, layer, ids, counts, rows),
+                peer, lambda rid: ExpertRequest(rid, plan.term, plan.version, layer, ids, counts, rows, segs),
                 int(counts.sum()))))
 
         # Our own share while the peers work.
-        outputs = {e: self._expert(layer, e, x[rows_of[e]]) for e in by_peer.get(plan.coordinator, ())}
-        shared = m.shared_expert_output(layer, x)
+        outputs = {e: self._expert(layer, e, x[rows_of[e]], seg_of[e]) for e in by_peer.get(plan.coordinator, ())}
+        shared = m.shared_expert_output(layer, x, seg)
 
         for experts, p in pending:
             msg = self._await(p)
             if msg is None:  # failed (or warming up): those rows are ours
-                outputs.update({e: self._expert(layer, e, x[rows_of[e]]) for e in experts})
+                outputs.update({e: self._expert(layer, e, x[rows_of[e]], seg_of[e]) for e in experts})
                 continue
             bounds = np.concatenate([[0], np.cumsum(msg.row_counts.astype(np.int64))])
             remote = {e: msg.outputs[bounds[i]:bounds[i + 1]] for i, e in enumerate(experts)}
             if self._should_verify():
                 for e in experts:
-                    self._verify(p.peer, layer, f"expert {e}", remote[e], self._expert(layer, e, x[rows_of[e]]))
+                    self._verify(p.peer, layer, f"expert {e}", remote[e],
+                                 self._expert(layer, e, x[rows_of[e]], seg_of[e]))
             outputs.update(remote)
         return combine(T, H, routing, outputs, shared=shared)
 
@@ -528,11 +536,12 @@ class RemoteFFN:
                 left -= self.model.expert_weights(layer, e).nbytes
         return frozenset(out)
 
-    def _expert(self, layer: int, e: int, rows: np.ndarray) -> np.ndarray:
-        """Expert ``e`` over ``rows`` here; an expert the plan gives another peer, or one of ours
-        beyond our budget, is read from the mapped file and its pages given back after."""
+    def _expert(self, layer: int, e: int, rows: np.ndarray, seg: np.ndarray | None) -> np.ndarray:
+        """Expert ``e`` over ``rows`` (of sequences ``seg``) here; an expert the plan gives another
+        peer, or one of ours beyond our budget, is read from the mapped file and its pages given
+        back after."""
         w = self.model.expert_weights(layer, e)
-        out = swiglu_ffn(w, rows)
+        out = swiglu_rows(w, rows, seg)
         if (layer, e) in self._streamed or self.plan.expert_owner(layer, e) != self.plan.coordinator:
             for q in (w.gate, w.up, w.down):
                 release_pages(q.data)
@@ -546,29 +555,30 @@ class RemoteFFN:
             w = self._dense_slices[key] = self.model.dense_weights(layer, lo, hi)
         return w
 
-    def _dense(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def _dense(self, layer: int, x: np.ndarray, seg: np.ndarray | None) -> np.ndarray:
         plan = self.plan
         spans = plan.dense.get(layer)
         if not spans:
-            return swiglu_ffn(self.model.dense_weights(layer), x)
+            return swiglu_rows(self.model.dense_weights(layer), x, seg)
+        segs = run_lengths(seg, x.shape[0])
         pending = {}
         for i, s in enumerate(spans):
             if self._remote(s.peer):
                 pending[i] = self._dispatch(
                     s.peer, lambda rid, s=s: DenseRequest(rid, plan.term, plan.version, layer,
-                                                          ((s.start, s.stop),), x), x.shape[0])
+                                                          ((s.start, s.stop),), x, segs), x.shape[0])
         partials: list[np.ndarray | None] = [None] * len(spans)
         for i, s in enumerate(spans):
             if i not in pending:
-                partials[i] = swiglu_ffn(self._slice(layer, s.start, s.stop), x)
+                partials[i] = swiglu_rows(self._slice(layer, s.start, s.stop), x, seg)
         for i, p in pending.items():
             s = spans[i]
             msg = self._await(p)
             if msg is None:  # failed (or warming up): that span is ours
-                partials[i] = swiglu_ffn(self._slice(layer, s.start, s.stop), x)
+                partials[i] = swiglu_rows(self._slice(layer, s.start, s.stop), x, seg)
                 continue
             partials[i] = msg.partials[0]
             if self._should_verify():
                 self._verify(p.peer, layer, f"dense {s.start}:{s.stop}", partials[i],
-                             swiglu_ffn(self._slice(layer, s.start, s.stop), x))
+                             swiglu_rows(self._slice(layer, s.start, s.stop), x, seg))
         return sum_partials(partials)

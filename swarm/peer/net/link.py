@@ -57,7 +57,7 @@ from swarm.errors import (
 )
 from swarm.peer.net import auth, messages, rtc, wire
 from swarm.keys.identity import peer_id_of_certificate
-from swarm.peer.net.messages import Error, LinkHeartbeat, Hello
+from swarm.peer.net.messages import Error, Hello, LinkHeartbeat, WeightsHeld
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,9 @@ class Link:
 
     Attributes: ``peer_id`` (the authenticated remote peer id, ``str``), ``hello`` (the remote
     ``Hello``), ``rtt_s`` (median of recent heartbeat round-trip times in seconds, ``None`` until measured),
-    ``state`` (:class:`LinkState`), ``close_reason`` (``str`` once closed), :attr:`last_heard`.
+    ``weights_held`` (the remote's last :class:`~swarm.peer.net.messages.WeightsHeld`, ``None`` until
+    one came: a browser peer reports the bytes its GPU buffers take), ``state`` (:class:`LinkState`),
+    ``close_reason`` (``str`` once closed), :attr:`last_heard`.
 
     ``expected_peer_id``: the id the remote must prove (the sender signaling stamped on its
     offer or answer). ``remote_kind``: ``"python"`` or ``"browser"`` when signaling said which
@@ -178,6 +180,7 @@ class Link:
         self.peer_id: str | None = None
         self.hello: Hello | None = None
         self.rtt_s: float | None = None
+        self.weights_held: WeightsHeld | None = None
         self.close_reason: str | None = None
         self.remote_max_message_size = DEFAULT_MAX_MESSAGE_SIZE
         # Benchmarks only: seconds each message waits before it is sent, standing in for a slower
@@ -466,6 +469,9 @@ class Link:
                 # the median of recent samples: one heartbeat queued behind a large message
                 # must not skew the estimate that placement and deadlines are built on
                 self.rtt_s = statistics.median(self._rtt_samples)
+            return
+        if isinstance(message, WeightsHeld):
+            self.weights_held = message
             return
         if isinstance(message, Hello):
             raise RemoteProtocolError("a second Hello arrived on an open link")

@@ -385,6 +385,17 @@ class Error(_Base):
     message: str
 
 
+@message(6)
+class WeightsHeld(_Base):
+    """What the sender holds of the model now: ``weight_bytes``, the bytes its weights take in
+    the form it computes from (a browser peer: the GPU buffers it allocated, repacked blocks and
+    scales included), after installing ``plan_version``'s weights or releasing some. Shown as the
+    memory a peer uses; a Python peer's is counted from the plan instead and it sends none."""
+
+    plan_version: int
+    weight_bytes: int
+
+
 # --- election and plan ------------------------------------------------------------------------
 
 
@@ -491,12 +502,29 @@ def _check_expert_rows(ids: np.ndarray, counts: np.ndarray, rows: np.ndarray, wh
         raise _Invalid(f"row_counts sum to {int(counts.sum(dtype=np.int64))} but {what} has {rows.shape[0]} rows")
 
 
+def _check_segments(segments: np.ndarray, n: int, counts: np.ndarray | None = None) -> None:
+    if (segments <= 0).any():
+        raise _Invalid("segments must be positive row counts")
+    total = int(segments.sum(dtype=np.int64))
+    if total != n:
+        raise _Invalid(f"segments sum to {total} but the request has {n} rows")
+    if counts is not None:
+        cuts = set(np.cumsum(segments, dtype=np.int64).tolist())
+        ends = np.cumsum(counts, dtype=np.int64)[counts > 0].tolist()
+        if not cuts.issuperset(ends):
+            raise _Invalid("a segment crosses the boundary between two experts' rows")
+
+
 @message(32)
 class ExpertRequest(_Base):
     """The batch-union of rows routed to one peer's experts in one layer.
 
     ``rows`` [sum(row_counts), H] f32: the rows of each expert concatenated in the order of
-    ``expert_ids`` [n_e] i32, ``row_counts`` [n_e] i32.
+    ``expert_ids`` [n_e] i32, ``row_counts`` [n_e] i32. ``segments`` [n_s] i32: the lengths of
+    consecutive runs of ``rows`` that belong to one sequence of the step (positive, summing to
+    the rows; no run crosses from one expert's rows to the next): each run is computed as its
+    sequence alone would (docs/serving.md). Left out when constructing: one sequence (a run per
+    expert).
     """
 
     request_id: int
@@ -506,9 +534,16 @@ class ExpertRequest(_Base):
     expert_ids: Annotated[np.ndarray, IDS]
     row_counts: Annotated[np.ndarray, IDS]
     rows: Annotated[np.ndarray, ROWS]
+    segments: Annotated[np.ndarray, IDS] = None
+
+    def __post_init__(self) -> None:
+        if self.segments is None:
+            counts = np.asarray(self.row_counts)
+            object.__setattr__(self, "segments", counts[counts > 0].astype(np.int32))
 
     def _check(self) -> None:
         _check_expert_rows(self.expert_ids, self.row_counts, self.rows, "rows")
+        _check_segments(self.segments, self.rows.shape[0], self.row_counts)
 
 
 @message(33)
@@ -529,7 +564,10 @@ class ExpertAnswer(_Base):
 
 @message(34)
 class DenseRequest(_Base):
-    """Normed hidden rows ``x`` [T, H] for the dense MLP ranges [start, stop) a peer holds."""
+    """Normed hidden rows ``x`` [T, H] for the dense MLP ranges [start, stop) a peer holds;
+    ``segments`` [n_s] i32: the row counts of the step's sequences in ``x``, in order (positive,
+    summing to T), each computed as its sequence alone would (docs/serving.md); left out when
+    constructing: one sequence."""
 
     request_id: int
     term: int
@@ -537,11 +575,18 @@ class DenseRequest(_Base):
     layer: int
     ranges: tuple[tuple[int, int], ...]
     x: Annotated[np.ndarray, ROWS]
+    segments: Annotated[np.ndarray, IDS] = None
+
+    def __post_init__(self) -> None:
+        if self.segments is None:
+            n = self.x.shape[0]
+            object.__setattr__(self, "segments", np.array([n] if n else [], np.int32))
 
     def _check(self) -> None:
         if not self.ranges:
             raise _Invalid("ranges: at least one range")
         _ranges(self.ranges, "ranges")
+        _check_segments(self.segments, self.x.shape[0])
 
 
 @message(35)

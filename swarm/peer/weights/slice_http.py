@@ -249,7 +249,9 @@ async def fetch_https(download: SliceDownload, source: HttpsSource, *, progress:
         return await asyncio.shield(done)
     except asyncio.CancelledError:
         transfer.stop()
-        await asyncio.wait([done])
+        while not done.done():  # the thread stops at once; a second cancel must not skip the wait
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([done])
         raise
 
 
