@@ -388,7 +388,12 @@ class ApiServer:
         self._advertising: asyncio.Task | None = None
         self.scheme: str | None = None
         self.generations = 0  # finished or stopped generations, for status
-        self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard serves its page here when set
+        self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard: set_dashboard()
+
+    def set_dashboard(self, dashboard: Any) -> None:
+        """Serve ``dashboard``'s page and routes (set before :meth:`start`); it is told of each
+        generation that ends (``dashboard.generation_done(stats, seconds)``)."""
+        self.dashboard = dashboard
 
     @classmethod
     def for_swarm_key(cls, backend: ChatBackend, key: Any) -> ApiServer:
@@ -618,6 +623,7 @@ class ApiServer:
                 getattr(reply, "close", lambda: None)()
 
         stopper = StopMatcher(chat.stop)
+        started = time.perf_counter()
         future = loop.run_in_executor(self._executor, run)
         try:
             while True:
@@ -643,6 +649,8 @@ class ApiServer:
             _cancel(reply)  # wakes the thread even while the prompt is still being read
             await asyncio.shield(future)
             self.generations += 1
+            if self.dashboard is not None:  # a stopped generation counts too: its tokens were computed
+                self.dashboard.generation_done(stats, time.perf_counter() - started)
 
 
 def _cancel(reply: Any) -> None:
