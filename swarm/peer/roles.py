@@ -576,9 +576,10 @@ class SwarmRoles:
             await self._send(link, Error(0, "bad_plan", f"stage plan v{msg.version} refused: {exc}"))
 
     async def _on_stage_request(self, link: Link, msg: StageRequest) -> None:
-        await self._serve(link, msg, self.stage_runner)
+        runner = self.stage_runner
+        await self._serve(link, msg, runner, inline=runner is not None and runner.take_inline(msg))
 
-    async def _serve(self, link: Link, msg: Any, server: Any) -> None:
+    async def _serve(self, link: Link, msg: Any, server: Any, inline: bool = False) -> None:
         """Answer a worker request with ``server.handle`` in the compute thread: an ``Error``
         when this peer holds no model (``server`` None) or the request's term is stale."""
         if server is None:
@@ -589,7 +590,8 @@ class SwarmRoles:
         except StaleTermError as exc:
             await self._send(link, Error(msg.request_id, "stale_term", str(exc)))
             return
-        answer = await asyncio.get_running_loop().run_in_executor(self._compute, server.handle, msg)
+        answer = server.handle(msg) if inline else await asyncio.get_running_loop().run_in_executor(
+            self._compute, server.handle, msg)
         await self._send(link, answer)
 
     async def _become_coordinator(self, term: int) -> None:
@@ -672,6 +674,9 @@ class SwarmRoles:
         newer plan is on its way: it has that one, and the old one would be refused as stale."""
         link, ffn = self.node.links.get(peer), self.ffn
         if link is None or ffn is None or ffn.pending_plan is not None:
+            return
+        if self._stage_layout is not None and peer in self._stage_layout.workers():  # a stage peer
+            await self._send(link, self._stage_layout.to_message())
             return
         if link.hello.model_hash is None:
             try:
