@@ -3,8 +3,8 @@
     python3 bench/kernels.py [--threads 2] [--repeats 20]
 
 Per matrix shape (4096x1024 and SmolLM2's 1536x576), block type (Q8_0, Q4_0, Q4_1) and
-T (1: decode; ``SMALL_T``, the most rows the block kernels take, about what one expert of a MoE
-prefill gets; 128: prefill), each candidate's best-of-``--repeats`` time, the weight bytes it
+T (1: decode; 16: about what one expert of a MoE prefill gets, or a batch of decode rows;
+``SMALL_T``, the most rows the block kernels take; 128: prefill), each candidate's best-of-``--repeats`` time, the weight bytes it
 reads per second (encoded size / time; for the float32 baseline, its 4-byte weights),
 GFLOP/s (2·T·rows·cols / time) and the largest error relative to max |y| of a float64 product
 with ``gguf.quants``' dequantization. Candidates:
@@ -64,7 +64,7 @@ def main() -> int:
             session = ort(q, qtype, R, K) if ort else None
             # the same matrix in enough copies to overflow the caches: decode reads a model from memory
             cold = [QMatrix(q.copy(), qtype, K) for _ in range(-(-_COLD_BYTES // q.nbytes))]
-            for T in (1, SMALL_T, 128):
+            for T in sorted({1, 16, SMALL_T, 128}):
                 x = rng.normal(size=(T, K)).astype(np.float32)
                 want = x.astype(np.float64) @ w64.T
                 cands = {

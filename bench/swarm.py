@@ -63,6 +63,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+
 ADDRESS = "10.215.0.1"
 # This benchmark's peers share one small machine with everything else running on it; a starved
 # event loop delays heartbeats and answers. So that a busy CPU is not taken for a dead peer, the
@@ -222,6 +223,15 @@ async def _worker_main(path: str, signal_url: str, key_code: str, name: str) -> 
     from swarm.peer.roles import SwarmRoles
     from swarm.keys.swarmkey import SwarmKey
 
+    if os.environ.get("COLIBRI_BENCH_INLINE_MAX_S"):  # 0: every stage step on the compute thread (as before)
+        from swarm.peer.coordinator import stages
+
+        stages.INLINE_MAX_S = float(os.environ["COLIBRI_BENCH_INLINE_MAX_S"])
+    trace = os.environ.get("COLIBRI_STAGE_TRACE")
+    if trace:
+        import stage_trace
+
+        stage_trace.install("worker")
     model = load_model(path)
     ident = Identity.generate()
     node = Node(swarm_key=SwarmKey.from_code(key_code), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
@@ -236,6 +246,8 @@ async def _worker_main(path: str, signal_url: str, key_code: str, name: str) -> 
     await stop.wait()
     await roles.stop()
     await node.stop()
+    if trace:
+        stage_trace.dump(trace)
 
 
 def _progress(what: str) -> None:
@@ -301,15 +313,31 @@ async def _switch_layout(roles, model, prompt: list[int], layout: str) -> None:
     await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt[:8], 2)
 
 
+async def _start_coordinator(model, tmp: Path, layout: str):
+    """Signaling server, node and roles of the coordinator (ffn_gflops 1.01: it wins the election
+    against workers that claim 1.0); returns (swarm key, server, node, roles)."""
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.node import Node
+    from swarm.peer.roles import SwarmRoles
+    from swarm.signaling.server import SignalingServer
+
+    key, ident = SwarmKey(os.urandom(32)), Identity.generate()
+    server = SignalingServer(key.secret, ident.peer_id, config_dir=tmp)
+    await server.start(ADDRESS, 0)
+    node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
+                signal_url=server.url(ADDRESS), ffn_gflops=1.01, memory_budget=4 << 30, model_hash=model.content_hash(),
+                status_path=tmp / "status.json", link_options=LINK_OPTIONS)
+    await node.start(timeout=30)
+    roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0, layout=layout)
+    await roles.start()
+    return key, server, node, roles
+
+
 async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: int,
                             delays_ms: list[float]) -> dict:
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
-    from swarm.keys.identity import Identity
-    from swarm.peer.node import Node
-    from swarm.peer.roles import SwarmRoles
-    from swarm.keys.swarmkey import SwarmKey
-    from swarm.signaling.server import SignalingServer
 
     model = load_model(path)
     model.materialize()
@@ -329,16 +357,7 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
     result["local"] = local
 
     tmp = Path(tempfile.mkdtemp(prefix="csd-bench-"))
-    key = SwarmKey(os.urandom(32))
-    ident = Identity.generate()
-    server = SignalingServer(key.secret, ident.peer_id, config_dir=tmp)
-    await server.start(ADDRESS, 0)
-    node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
-                signal_url=server.url(ADDRESS), ffn_gflops=1.01, memory_budget=4 << 30, model_hash=model.content_hash(),
-                status_path=tmp / "status.json", link_options=LINK_OPTIONS)
-    await node.start(timeout=30)
-    roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
-    await roles.start()
+    key, server, node, roles = await _start_coordinator(model, tmp, "ranges")
     workers: list[subprocess.Popen] = []
     counter = WireCounter(node)
     try:
@@ -441,6 +460,71 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
     return result
 
 
+async def _trace_main(path: str, n_prompt: int, n_decode: int, delays_ms: list[float]) -> dict:
+    """Two stages (coordinator and one worker, the layers split in half): where a stage round
+    trip's time goes, from stamps at each hand-off on both sides (bench/stage_trace.py), and the
+    CPU seconds of both processes per decoded token, at each added delay."""
+    import stage_trace
+
+    from swarm.compute.ffn import LocalFFN
+    from swarm.compute.model import load_model
+
+    stage_trace.install("coordinator")
+    model = load_model(path)
+    model.materialize()
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, model.config.vocab_size, n_prompt)]
+    local = await asyncio.to_thread(run_generation, model, LocalFFN(model), prompt, n_decode)
+    result = {"load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+              "local_decode_tok_s": local["decode_tok_s"]}
+    tmp = Path(tempfile.mkdtemp(prefix="csd-trace-"))
+    key, server, node, roles = await _start_coordinator(model, tmp, "stages")
+    worker_trace = tmp / "w1.trace.json"
+    os.environ["COLIBRI_STAGE_TRACE"] = str(worker_trace)
+    worker = _spawn_worker(Path(path), server.url(ADDRESS), key.code, "w1", tmp)
+    del os.environ["COLIBRI_STAGE_TRACE"]
+    try:
+        await _until(lambda: roles.coordinator.stages is not None and len(roles.coordinator.stages.layout.workers()) == 1, 90,
+                     "a stage plan over one worker")
+        await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt[:8], 2)
+        windows = []
+        for delay_ms in delays_ms:
+            for link in node.links.values():
+                link.added_delay_s = delay_ms / 1e3
+            await asyncio.sleep(6 * LINK_OPTIONS["heartbeat_s"] + 1.0)
+            cpu0 = _cpu_s(os.getpid()), _cpu_s(worker.pid)
+            t0 = time.perf_counter_ns()
+            run = await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt, n_decode)
+            t1 = time.perf_counter_ns()
+            cpu1 = _cpu_s(os.getpid()), _cpu_s(worker.pid)
+            windows.append((delay_ms, t0, t1, run, [b - a for a, b in zip(cpu0, cpu1)]))
+    finally:
+        worker.terminate()
+        worker.wait(30)
+        await roles.stop()
+        await node.stop()
+        await server.stop()
+    ours = tmp / "coordinator.trace.json"
+    stage_trace.dump(ours)
+    for delay_ms, t0, t1, run, cpu in windows:
+        # decode steps only: prefill's request is the first of the window
+        bd = stage_trace.breakdown([ours, worker_trace], since_ns=t0, until_ns=t1, skip_first=True)
+        result[f"{delay_ms:g}_ms_added"] = {
+            "decode_tok_s": run["decode_tok_s"], "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
+            "stages": [[s.peer == node.peer_id and "coordinator" or "worker", s.start, s.stop]
+                       for s in roles.coordinator.stages.layout.stages] if roles.coordinator.stages else None,
+            "cpu_s_per_token": {"coordinator": round(cpu[0] / (n_decode + 1), 4),
+                                "worker": round(cpu[1] / (n_decode + 1), 4)},
+            "link_rtt_ms": [round(1e3 * link.rtt_s, 3) for link in node.links.values() if link.rtt_s],
+            "load_avg_1m": round(os.getloadavg()[0], 2), "breakdown_us": bd}
+    return result
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _coordinator_share(plan) -> float:
     own = total = 0
     for spans in (*plan.experts.values(), *plan.dense.values()):
@@ -482,6 +566,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
     parser.add_argument("--_coordinator", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-stages", action="store_true",
+                        help="only trace a 2-stage decode: where a stage round trip's time goes (per hand-off, "
+                             "both sides) and CPU seconds per token, at each --delays")
+    parser.add_argument("--_trace", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--signal", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
@@ -491,6 +579,11 @@ def main() -> None:
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name or 'main'} %(name)s: %(message)s")
         logging.getLogger("aioice").setLevel(logging.WARNING)
+    if args._trace:
+        PRODUCT_DEADLINE_MIN_S.append(_bench_timeouts())
+        delays = [float(d) for d in args.delays.split(",") if d.strip()]
+        print(json.dumps(asyncio.run(_trace_main(args._trace, args.prompt_tokens, args.tokens, delays))))
+        return
     if args._worker or args._coordinator:
         PRODUCT_DEADLINE_MIN_S.append(_bench_timeouts())
     if args._worker:
@@ -510,8 +603,9 @@ def main() -> None:
     for name in args.models.split(","):
         path = model_path(name)
         t0 = time.monotonic()
+        mode = "--_trace" if args.trace_stages else "--_coordinator"
         results["models"][name] = _in_netns(
-            ["--_coordinator", str(path), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
+            [mode, str(path), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
              "--max-peers", str(args.max_peers), "--delays", args.delays], args.timeout)
         results["models"][name]["bench_wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(results, indent=2))

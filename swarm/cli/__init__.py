@@ -235,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", metavar="MIB", type=_int_at_least(1, "the memory budget (MiB)"),
                    help="at most this many MiB of weights (default: what the OS and this process's memory "
                    "cgroup leave free, less 64 MiB)")
+    # Defaults: swarm.compute.serving's MAX_BATCH and MAX_QUEUE (not imported here: numpy stays out of the CLI's start).
+    p.add_argument("--max-batch", metavar="N", type=_int_at_least(1, "--max-batch"),
+                   help="as coordinator: generate for at most N API requests at once, batched into shared "
+                   "steps (default 8); docs/serving.md")
+    p.add_argument("--max-queue", metavar="N", type=_int_at_least(0, "--max-queue"),
+                   help="as coordinator: at most N more requests wait for a slot; beyond, HTTP 429 with "
+                   "Retry-After (default 32)")
     p.set_defaults(func=_join)
 
     p = _command(sub, "key", "show the swarm key as a code and a QR code (creates one if none), the API token "

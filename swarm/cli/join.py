@@ -46,6 +46,7 @@ async def _join(args: Any, console: Any) -> None:
 
 
 async def _run_peer(args: Any, console: Any) -> None:
+    from swarm.compute.serving import set_default_limits
     from swarm.keys import identity, swarmkey
     from swarm.peer.roles import SwarmRoles
 
@@ -74,6 +75,7 @@ async def _run_peer(args: Any, console: Any) -> None:
         with console.status("looking for the swarm on this network…"):
             await node.start()
         _print_discovery_hints(console, node, key_created=created)
+        set_default_limits(getattr(args, "max_batch", None), getattr(args, "max_queue", None))  # the API's batch
         roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
                                         api_tls=False if getattr(args, "api_plain_http", False) else None)
         await roles.start()

@@ -4,8 +4,9 @@ Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 — block layouts as ggml defines 
 weights per block; ``d`` and ``m`` are IEEE halves read through a 65536-entry table).
 Each kernel has a one-thread form, which releases the GIL (other Python threads — the event
 loop, a loopback peer — run meanwhile), and a ``*_parallel`` form over numba's thread pool
-(compiled only where more than one thread is asked for: the pool costs ~60 MiB of RSS). Within a row the
-order of additions is fixed, so every row's result is the same whatever the thread count.
+(compiled only where more than one thread is asked for: the pool costs ~60 MiB of RSS). Each
+output element is computed by one fixed sequence of float32 operations (the tile template
+below), so its bits do not depend on T, on which rows a call holds, or on the thread count.
 """
 
 from __future__ import annotations
@@ -17,11 +18,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 F32 = np.float32
-# The dot kernels may reassociate float32 sums (vectorised) and fuse multiply-adds; the
-# order the compiler picks is fixed for a given build, so results are reproducible.
-_DOT_MATH = {"reassoc", "contract", "nsz", "arcp"}
-
-
 # Every IEEE half bit pattern's float32 value: how block scales are read.
 _F16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(F32)
 
@@ -99,132 +95,181 @@ def _prefetch_ahead(w, offset, end):
         _prefetch(w, offset)
 
 
-# How far ahead of the pair of rows being read the next bytes are prefetched: the hardware
+# How far ahead of the rows being read the next bytes are prefetched: the hardware
 # prefetcher alone leaves a GEMV over a matrix that is not in cache at ~1/3 of memory speed.
 _PREFETCH_BYTES = 4096
 
 
-@njit(fastmath=_DOT_MATH, inline="always")
-def _nibbles(wa, wb, q, x, b, la, lb, da, ma, db, mb):
-    """Lane sums += (d·nibble + m)·x over block ``b`` of two Q4 rows whose 16 bytes start at ``q``."""
-    for j in range(16):
-        qa = wa[q + j]
-        qb = wb[q + j]
-        x0 = x[b * 32 + j]
-        x1 = x[b * 32 + 16 + j]
-        la[j] += (da * _lo(qa) + ma) * x0
-        la[16 + j] += (da * _hi(qa) + ma) * x1
-        lb[j] += (db * _lo(qb) + mb) * x0
-        lb[16 + j] += (db * _hi(qb) + mb) * x1
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a·b + c`` in float32 with one rounding (``llvm.fma``; a vector FMA once vectorised).
+    Written out, not left to the compiler's contraction, so that every kernel variant performs
+    exactly the same operations on each element."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        f = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f, f, f]), "llvm.fma.f32")
+        return builder.call(fn, args)
+    return sig, codegen
 
 
-@njit(fastmath=_DOT_MATH, inline="always")
-def _fives(wa, wb, h, x, b, la, lb, da, ma, db, mb):
-    """:func:`_nibbles` for Q5 rows: 4 bytes of fifth bits at ``h``, then the 16 nibble bytes."""
-    qha = _u32(wa, h)
-    qhb = _u32(wb, h)
-    for j in range(16):
-        a0, a1 = _f5(wa[h + 4 + j], qha, j)
-        b0, b1 = _f5(wb[h + 4 + j], qhb, j)
-        x0 = x[b * 32 + j]
-        x1 = x[b * 32 + 16 + j]
-        la[j] += (da * a0 + ma) * x0
-        la[16 + j] += (da * a1 + ma) * x1
-        lb[j] += (db * b0 + mb) * x0
-        lb[16 + j] += (db * b1 + mb) * x1
+def _lane_sum(n: int):
+    """An intrinsic: Σ of the ``n`` (a power of two) float32 lane sums in a :func:`_stack` array
+    in one fixed pairwise order, written as vector halvings (n/2 + n/4 + … + 1 lanes) so that it
+    stays a few vector instructions without letting the compiler reassociate."""
+    @intrinsic
+    def lane_sum(typingctx, lanes):
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            f, i32 = ir.FloatType(), ir.IntType(32)
+            v = builder.load(builder.bitcast(data, ir.PointerType(ir.VectorType(f, n))), align=4)
+            k = n
+            while k > 1:
+                k //= 2
+                lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k))))
+                hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k, 2 * k))))
+                v = builder.fadd(lo, hi)
+            return builder.extract_element(v, i32(0))
+        return types.float32(lanes), codegen
+    return lane_sum
 
 
-@njit(fastmath=_DOT_MATH, inline="always")
-def _dot_rows(kind, w, ra, rb, x, la, lb):
-    """Σ_k W[r, k] x[k] for the two encoded rows ``ra``, ``rb`` of uint8 ``w`` [R, row_bytes] and
-    float32 ``x`` [cols].
+_sum16, _sum32 = _lane_sum(16), _lane_sum(32)
 
-    Each weight is decoded to float32 (``d·q + m``) and multiplied into one of 32 lane sums per
-    row (one per position in a block), summed once at the end: vector-wide, no per-block
-    reduction. Two rows per pass share the loads of ``x`` and keep two independent chains in
-    flight; a row computed alone is passed as both (same code, same bits). ``la``, ``lb``:
-    float32 [32] scratch (from :func:`_stack`)."""
-    nb = x.shape[0] // 32
-    wa = w[ra]
-    wb = w[rb]
-    for j in range(32):
-        la[j] = 0.0
-        lb[j] = 0.0
-    ahead = ra * w.strides[0] + _PREFETCH_BYTES  # the pair's bytes are read 2 blocks at a time
-    end = w.shape[0] * w.strides[0]
+
+# The dot kernels are generated from one template per block type and tile shape. A tile is NR
+# weight rows × TT activation rows: each block of the NR rows is decoded once and applied to
+# the TT activation rows, each (weight row, activation row) pair keeping its lane sums in
+# registers. Two forms, by block type:
+# - scaled (Q8_0, Q4_0, Q5_0: w = d·q): 16 lanes; lane j of a block takes
+#   p = fma(q[j+16], x[j+16], q[j]·x[j]) (q as float32, the offset of Q4_0/Q5_0 subtracted
+#   exactly) and accumulates fma(d, p, lane): the scale is applied once per pair of weights.
+# - affine (Q4_1, Q5_1: w = d·q + m): 32 lanes; each weight is decoded to fma(d, q, m) and
+#   lane j accumulates fma(w, x, lane).
+# Then the lanes are reduced in one fixed order. Every tile shape performs, per output element,
+# that same sequence over the blocks in order, and there are no fast-math flags (the compiler
+# may not reorder or fuse anything else): an output's bits do not depend on the tile it fell in
+# — on T, on which rows a call holds, on the thread count.
+#
+# Per block type: bytes per block, form, the per-row scales at block offset ``o``, and the pair
+# of values (positions j and j + 16) that a byte-loop step decodes, as source over ``{n}``.
+_TYPES = {
+    0: (34, "scaled", "d{n} = _half(w{n}, o, _F16)",
+        "lo{n} = F32(np.int8(w{n}[o + 2 + j])); hi{n} = F32(np.int8(w{n}[o + 18 + j]))"),
+    1: (18, "scaled", "d{n} = _half(w{n}, o, _F16)",
+        "q{n} = w{n}[o + 2 + j]; lo{n} = _lo(q{n}) - F32(8.0); hi{n} = _hi(q{n}) - F32(8.0)"),
+    2: (20, "affine", "d{n} = _half(w{n}, o, _F16); m{n} = _half(w{n}, o + 2, _F16)",
+        "q{n} = w{n}[o + 4 + j]; lo{n} = _fma(d{n}, _lo(q{n}), m{n}); hi{n} = _fma(d{n}, _hi(q{n}), m{n})"),
+    3: (22, "scaled", "d{n} = _half(w{n}, o, _F16); h{n} = _u32(w{n}, o + 2)",
+        "a{n}, b{n} = _f5(w{n}[o + 6 + j], h{n}, j); lo{n} = a{n} - F32(16.0); hi{n} = b{n} - F32(16.0)"),
+    4: (24, "affine", "d{n} = _half(w{n}, o, _F16); m{n} = _half(w{n}, o + 2, _F16); h{n} = _u32(w{n}, o + 4)",
+        "a{n}, b{n} = _f5(w{n}[o + 8 + j], h{n}, j); lo{n} = _fma(d{n}, a{n}, m{n}); hi{n} = _fma(d{n}, b{n}, m{n})"),
+}
+# Tile shapes (NR weight rows × TT activation rows), chosen by measurement (AVX-512 machine):
+# decode takes 4 rows a pass (x loads shared by 4 rows); several activation rows take 2 × 4,
+# then 2 × 2 and 2 × 1 for the last T % 4.
+_TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
+
+
+def _tile_source(kind: int, nr: int, tt: int) -> str:
+    size, form, scales, pair = _TYPES[kind]
+    rows, acts = range(nr), range(tt)
+    lines = [f"def tile(w, r0, hi, x, t0, out, ahead, end):"]
+    lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]  # a short tile repeats its last row
+    lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
+    lanes = 16 if form == "scaled" else 32
+    lines += [f"    s{n}_{t} = carray(_stack({lanes}), {lanes})" for n in rows for t in acts]
+    lines += [f"    for j in range({lanes}):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
+    lines += ["    for b in range(x0.shape[0] // 32):", f"        o = b * {size}"]
+    # a step reads nr·size bytes: one prefetch per 64-byte line of them, or some lines are missed
+    lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
+    lines += ["        " + scales.format(n=n) for n in rows]
+    lines += ["        for j in range(16):"]
+    lines += [f"            xl{t} = x{t}[b * 32 + j]; xh{t} = x{t}[b * 32 + 16 + j]" for t in acts]
+    for n in rows:
+        lines.append("            " + pair.format(n=n))
+        for t in acts:
+            if form == "scaled":
+                lines.append(f"            s{n}_{t}[j] = _fma(d{n}, _fma(hi{n}, xh{t}, lo{n} * xl{t}), s{n}_{t}[j])")
+            else:
+                lines.append(f"            s{n}_{t}[j] = _fma(lo{n}, xl{t}, s{n}_{t}[j])")
+                lines.append(f"            s{n}_{t}[16 + j] = _fma(hi{n}, xh{t}, s{n}_{t}[16 + j])")
+    for n in rows:
+        lines.append(f"    if r0 + {n} < hi:")
+        lines += [f"        out[t0 + {t}, r0 + {n}] = _sum{lanes}(s{n}_{t})" for t in acts]
+    return "\n".join(lines)
+
+
+def _compile_tile(kind: int, nr: int, tt: int):
+    scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _half=_half, _u32=_u32,
+                 _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
+                 _prefetch_ahead=_prefetch_ahead)
+    exec(compile(_tile_source(kind, nr, tt), f"<{__name__} tile {kind} {nr}x{tt}>", "exec"), scope)
+    return njit(nogil=True)(scope["tile"])
+
+
+def _rows_kernel(kind: int):
+    """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says."""
+    (n1, _), (n4, _), _, _ = _TILES
+    one, four, two, single = (_compile_tile(kind, nr, tt) for nr, tt in _TILES)
+
+    @njit(nogil=True)
+    def rows(w, x, out, lo, hi):
+        T = x.shape[0]
+        stride = w.strides[0]
+        end = w.shape[0] * stride
+        if T == 1:
+            for r0 in range(lo, hi, n1):
+                one(w, r0, hi, x, 0, out, r0 * stride + _PREFETCH_BYTES, end)
+            return
+        for r0 in range(lo, hi, n4):
+            ahead = r0 * stride + _PREFETCH_BYTES
+            t0 = 0
+            while t0 + 4 <= T:
+                four(w, r0, hi, x, t0, out, ahead, end)
+                t0 += 4
+            if t0 + 2 <= T:
+                two(w, r0, hi, x, t0, out, ahead, end)
+                t0 += 2
+            if t0 < T:
+                single(w, r0, hi, x, t0, out, ahead, end)
+    return rows
+
+
+_ROWS = tuple(_rows_kernel(kind) for kind in sorted(_TYPES))
+_rows0, _rows1, _rows2, _rows3, _rows4 = _ROWS
+
+
+@njit(nogil=True)
+def _rows(kind, w, x, out, lo, hi):
     if kind == 0:
-        for b in range(nb):
-            o = b * 34
-            _prefetch_ahead(w, ahead + 2 * o, end)
-            da = _half(wa, o, _F16)
-            db = _half(wb, o, _F16)
-            for j in range(32):
-                xv = x[b * 32 + j]
-                la[j] += da * F32(np.int8(wa[o + 2 + j])) * xv
-                lb[j] += db * F32(np.int8(wb[o + 2 + j])) * xv
-    elif kind == 1:  # d·(q − 8) = d·q + (−8d)
-        for b in range(nb):
-            o = b * 18
-            _prefetch_ahead(w, ahead + 2 * o, end)
-            da = _half(wa, o, _F16)
-            db = _half(wb, o, _F16)
-            _nibbles(wa, wb, o + 2, x, b, la, lb, da, F32(-8.0) * da, db, F32(-8.0) * db)
+        _rows0(w, x, out, lo, hi)
+    elif kind == 1:
+        _rows1(w, x, out, lo, hi)
     elif kind == 2:
-        for b in range(nb):
-            o = b * 20
-            _prefetch_ahead(w, ahead + 2 * o, end)
-            _nibbles(wa, wb, o + 4, x, b, la, lb, _half(wa, o, _F16), _half(wa, o + 2, _F16),
-                     _half(wb, o, _F16), _half(wb, o + 2, _F16))
-    elif kind == 3:  # d·(q − 16) = d·q + (−16d)
-        for b in range(nb):
-            o = b * 22
-            _prefetch_ahead(w, ahead + 2 * o, end)
-            da = _half(wa, o, _F16)
-            db = _half(wb, o, _F16)
-            _fives(wa, wb, o + 2, x, b, la, lb, da, F32(-16.0) * da, db, F32(-16.0) * db)
+        _rows2(w, x, out, lo, hi)
+    elif kind == 3:
+        _rows3(w, x, out, lo, hi)
     else:
-        for b in range(nb):
-            o = b * 24
-            _prefetch_ahead(w, ahead + 2 * o, end)
-            _fives(wa, wb, o + 4, x, b, la, lb, _half(wa, o, _F16), _half(wa, o + 2, _F16),
-                   _half(wb, o, _F16), _half(wb, o + 2, _F16))
-    sa = F32(0.0)
-    sb = F32(0.0)
-    for j in range(32):
-        sa += la[j]
-        sb += lb[j]
-    return sa, sb
+        _rows4(w, x, out, lo, hi)
 
 
-_CHUNK = 64  # rows per parallel work item; even, so pairs never straddle
+_CHUNK = 64  # rows per parallel work item
 
 
-@njit(fastmath=_DOT_MATH, inline="always")
-def _matmul_chunk(kind, w, x, out, c, la, lb):
-    hi = min(w.shape[0], (c + 1) * _CHUNK)
-    for r in range(c * _CHUNK, hi, 2):
-        r2 = r + 1 if r + 1 < hi else r
-        for t in range(x.shape[0]):
-            out[t, r], out[t, r2] = _dot_rows(kind, w, r, r2, x[t], la, lb)
-
-
-@njit(cache=True, nogil=True, fastmath=_DOT_MATH)
+@njit(cache=True, nogil=True)
 def matmul(kind, w, x, out):
     """out[t, r] = Σ_k W[r, k] x[t, k] for uint8 ``w`` [R, row_bytes], float32 ``x`` [T, K],
     ``out`` float32 [T, R] (written in place). One thread."""
-    la = carray(_stack(32), 32)
-    lb = carray(_stack(32), 32)
-    for c in range((w.shape[0] + _CHUNK - 1) // _CHUNK):
-        _matmul_chunk(kind, w, x, out, c, la, lb)
+    _rows(kind, w, x, out, 0, w.shape[0])
 
 
-@njit(parallel=True, cache=True, fastmath=_DOT_MATH)
+@njit(parallel=True, cache=True)
 def matmul_parallel(kind, w, x, out):
     """:func:`matmul` with chunks of rows spread over numba's threads (same bits)."""
     for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
-        la = carray(_stack(32), 32)
-        lb = carray(_stack(32), 32)
-        _matmul_chunk(kind, w, x, out, c, la, lb)
+        _rows(kind, w, x, out, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
 
 
 @njit(inline="always")

@@ -8,11 +8,14 @@ mapped — nothing is expanded to float32 beyond one tile at a time.
 
 Numerics of :meth:`QMatrix.matmul` (``x`` float32 ``[T, cols]`` → float32 ``[T, rows]``):
 
-* **Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, T ≤ SMALL_T** (decode): a compiled block kernel (numba) dots
-  each row's blocks with float32 activations: every weight decoded to ``d·q + m`` in float32
-  and multiplied into one of 32 float32 lane sums per row, reduced once at the end. Rows are
-  independent and each is summed in one fixed order, so the result does not depend on the
-  thread count or on which rows a call holds.
+* **Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, T ≤ SMALL_T** (decode, a MoE prefill's experts, batched
+  decode): a compiled block kernel (numba) decodes each block of a few weight rows once, to
+  float32 ``d·q + m``, and applies it to a few float32 activation rows; each (weight row,
+  activation row) pair keeps 32 float32 lane sums (one per position in a block), each
+  accumulated by fused multiply-add over the blocks in order, then reduced in one fixed
+  order. Every tile shape performs that same sequence per output element, so an output's
+  bits do not depend on T, on which other weight or activation rows a call holds, or on the
+  thread count.
 * **those types, T > SMALL_T** (prefill): tiles of rows are dequantized (compiled, exactly the
   values ``gguf.quants.dequantize`` gives) into a reused float32 buffer and multiplied by BLAS.
 * **F32**: BLAS on the mapped matrix directly.
@@ -36,10 +39,10 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
 F32 = np.float32
-# Up to this many activation rows the block kernels beat dequantize-tile + BLAS (measured:
-# ~25 GFLOP/s a core at any T against BLAS's 13 at T = 8, 24 at T = 16, 50+ at T = 64): decode,
-# and the experts of a MoE prefill, which get ~T·top_k/experts rows each.
-SMALL_T = 16
+# Up to this many activation rows the block kernels beat dequantize-tile + BLAS (measured, one
+# core: ~70 GFLOP/s at any T ≥ 4 against BLAS's ~24 at T = 16, ~37 at 32, ~55 at 64, level at
+# 128): decode, batched decode, and the experts of a MoE prefill (~T·top_k/experts rows each).
+SMALL_T = 64
 # Largest dequantized float32 tile (bytes): most FFN matrices in one GEMM call (fewer wake-ups
 # of BLAS threads), little memory next to the compact weights.
 _TILE_BYTES = 4 << 20

@@ -47,6 +47,19 @@ MAX_QUEUE = 32  # sequences that wait for a slot
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 120
 
 _DONE = object()
+_limits = {"max_batch": MAX_BATCH, "max_queue": MAX_QUEUE}  # this process's defaults (join --max-batch/--max-queue)
+
+
+def set_default_limits(max_batch: int | None = None, max_queue: int | None = None) -> None:
+    """Set the limits schedulers made from now on take when given none (None: keep).
+
+    Raises ValueError for max_batch < 1 or max_queue < 0."""
+    if (max_batch is not None and max_batch < 1) or (max_queue is not None and max_queue < 0):
+        raise ValueError(f"max_batch must be ≥ 1 and max_queue ≥ 0, got {max_batch} and {max_queue}")
+    if max_batch is not None:
+        _limits["max_batch"] = max_batch
+    if max_queue is not None:
+        _limits["max_queue"] = max_queue
 
 
 class QueueFullError(SwarmError):
@@ -113,12 +126,15 @@ class BatchScheduler:
 
     ``model``: a :class:`~swarm.compute.model.Model`; ``ffn``: returns the FFN backend for the
     next step (read each step: the swarm swaps it when the plan or term changes); ``max_batch``
-    ≥ 1 sequences run at once, ``max_queue`` ≥ 0 wait; ``chunk`` ≥ 1 prompt rows per prefill
+    ≥ 1 sequences run at once, ``max_queue`` ≥ 0 wait (None: :func:`set_default_limits`'s, at
+    first :data:`MAX_BATCH` and :data:`MAX_QUEUE`); ``chunk`` ≥ 1 prompt rows per prefill
     chunk; ``prefill_rows`` ≥ ``chunk`` prompt rows per step. Raises ValueError for a bad limit.
     """
 
-    def __init__(self, model: Any, ffn: Callable[[], Any] = lambda: None, *, max_batch: int = MAX_BATCH,
-                 max_queue: int = MAX_QUEUE, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS) -> None:
+    def __init__(self, model: Any, ffn: Callable[[], Any] = lambda: None, *, max_batch: int | None = None,
+                 max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS) -> None:
+        max_batch = _limits["max_batch"] if max_batch is None else max_batch
+        max_queue = _limits["max_queue"] if max_queue is None else max_queue
         if max_batch < 1 or max_queue < 0 or chunk < 1 or prefill_rows < chunk:
             raise ValueError(f"bad batch limits: max_batch={max_batch} (≥ 1), max_queue={max_queue} (≥ 0), "
                              f"chunk={chunk} (≥ 1), prefill_rows={prefill_rows} (≥ chunk)")

@@ -1,5 +1,6 @@
 """The planner's cost model with synthetic peers: low RTT and a big FFN → per-layer ranges; a
-high RTT → stages; memory caps always respected; a peer observed slow gets less."""
+high RTT → stages; a peer that cannot hold its layers' FFN whole → a mix (the coordinator's
+stage cut into ranges); memory caps always respected; a peer observed slow gets less."""
 
 from __future__ import annotations
 
@@ -61,6 +62,35 @@ def test_a_peer_observed_slow_gets_less():
     assert held.get("w2", 0) < held["w1"]
 
 
+def mix_memory(costs: LayerCosts, e: cm.Estimate) -> dict[str, float]:
+    """Bytes each peer holds under a mix: the coordinator's attention of its stage and its FFN
+    share there; a worker its stage's layers and its FFN share of the coordinator's stage."""
+    (_, _, k), *tail = e.stages
+    ffn_k = sum(costs.ffn_bytes[:k])
+    held = {pid: share * ffn_k for pid, share in e.shares}
+    held["c"] += sum(costs.attn_bytes[:k])
+    for pid, lo, hi in tail:
+        held[pid] += sum(costs.layer_bytes(i) for i in range(lo, hi))
+    return held
+
+
+def test_a_peer_that_cannot_hold_its_layers_ffn_whole_gets_a_mix():
+    # four big MoE layers, each a quarter of the model: whole layers do not fit, cut FFN does
+    costs = layers(n=4, attn_bytes=2 * MB, ffn_bytes=100 * MB, ffn_flops=2e7)
+    coord, w = PeerCost("c", 150 * MB, 10.0), PeerCost("w1", 300 * MB, 10.0, 0.010)
+    best, estimates = cm.choose(costs, coord, [w])
+    by = {e.layout: e for e in estimates}
+    assert not by["stages"].fits and not by["local"].fits and by["ranges"].fits
+    assert best.layout == "mix", estimates
+    assert best.stages == (("c", 0, 2), ("w1", 2, 4))  # two layers cut into ranges, then one stage
+    assert best.decode_s < 0.8 * by["ranges"].decode_s  # three messages a token instead of four
+    held = mix_memory(costs, best)
+    assert held["c"] <= coord.memory_bytes and held["w1"] <= w.memory_bytes
+    # a big FFN on a fast link: per-layer ranges keep both peers busy on every layer and win again
+    big = layers(n=4, attn_bytes=2 * MB, ffn_bytes=100 * MB, ffn_flops=2e9)
+    assert cm.choose(big, coord, [PeerCost("w1", 300 * MB, 10.0, 0.0001)])[0].layout == "ranges"
+
+
 def test_no_candidate_fits_falls_back_to_ranges():
     costs = layers()
     coord = PeerCost("c", 1 * MB, 10.0)
@@ -89,6 +119,12 @@ def test_memory_caps_are_always_respected(spec, coord_mb, n):
     for pid, share in ranges.shares:
         if pid != "c":
             assert share * sum(costs.ffn_bytes) <= mem[pid] * (1 + 1e-9)
+    mix = cm.estimate_mix(costs, coord, workers)
+    if mix.fits:
+        assert mix.stages[0][:2] == ("c", 0) and mix.stages[-1][2] == n
+        assert math.isclose(sum(s for _, s in mix.shares), 1.0, rel_tol=1e-9)
+        for pid, held in mix_memory(costs, mix).items():
+            assert held <= mem[pid] * (1 + 1e-9) + 1
     best, _ = cm.choose(costs, coord, workers)
     assert best.fits or not any(e.fits for e in _)
 
@@ -104,4 +140,4 @@ def test_layer_costs_of_smollm2_from_its_header():
     # compact: Q4_1 is 20 bytes per 32 weights (some tensors of the file are Q8_0 / F16: at most 2 bytes)
     assert 20 / 32 * 3 * c.hidden_size * c.intermediate_size <= costs.ffn_bytes[0] <= 2 * 3 * c.hidden_size * c.intermediate_size
     report = cm.report(costs, *peers(0.001), *cm.choose(costs, *peers(0.001)))
-    assert report["model"]["layers"] == c.n_layers and {e["layout"] for e in report["estimates"]} == {"local", "ranges", "stages"}
+    assert report["model"]["layers"] == c.n_layers and {e["layout"] for e in report["estimates"]} == {"local", "ranges", "stages", "mix"}

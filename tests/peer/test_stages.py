@@ -14,7 +14,7 @@ from swarm.compute.default_model import default_model_path
 from swarm.compute.model import load_model
 from swarm.errors import LocalProtocolError, MessageError
 from swarm.peer.net import messages as m
-from swarm.peer.coordinator.stages import Stage, StagedFFN, StageLayout, StageRunner, split_layers
+from swarm.peer.coordinator.stages import INLINE_ROWS, Stage, StagedFFN, StageLayout, StageRunner, split_layers
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 
 MOE = "qwen3_moe"  # MoE layers 0 and 2, dense layer 1
@@ -27,6 +27,7 @@ class Hand:
     def __init__(self, runners: dict[str, StageRunner]):
         self.runners, self.down, self.ffn, self.threads = runners, set(), None, []
         self.failed: list[tuple[str, str]] = []
+        self.not_ready: list[str] = []
 
     def last_heard(self, peer: str) -> float | None:
         return None
@@ -35,7 +36,7 @@ class Hand:
         self.failed.append((peer, reason))
 
     def peer_not_ready(self, peer: str, reason: str) -> None:
-        pass
+        self.not_ready.append(peer)
 
     def send(self, peer: str, req: m.StageRequest) -> None:
         if peer in self.down:
@@ -122,6 +123,74 @@ def test_a_late_stage_fails_over_too(moe_dir):
     run = greedy(model, ffn, PROMPT, 3)
     assert_same_run(run, greedy(load_model(moe_dir), None, PROMPT, 3))
     assert ffn.failed == {W1} and ffn.timing[W1].failures == 1
+
+
+def test_a_stage_that_misses_a_deadline_is_kept_and_sent_the_rows_it_missed(moe_dir):
+    model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    send, dropped = hand.send, []
+
+    def lossy(peer, req):
+        if len(dropped) < 2 and req.start in (len(PROMPT) + 3, len(PROMPT) + 7):  # two steps' requests lost
+            dropped.append(req.start)
+            return
+        send(peer, req)
+
+    hand.send = lossy
+    ffn.set_rtt(W1, 0.001)
+
+    def on_step(step):
+        if step == 1:  # as after earlier answers: a short deadline
+            hand.join()
+            ffn.timing[W1].s_per_row = 1e-4
+
+    run = greedy(model, ffn, PROMPT, 10, on_step)
+    hand.join()
+    ref = greedy(load_model(moe_dir), None, PROMPT, 10)
+    assert run[0] == ref[0]
+    # each miss: that step ran here (its cache rebuilt), the next one re-sent the missed row
+    assert ffn.misses == 2 and not ffn.failed and ffn.timing[W1].misses == 0 and not hand.failed
+    assert runners[W1].served == 9 and ffn.rebuilt_positions > 0
+
+
+def test_a_stage_peer_without_the_layout_is_not_ready_then_serves_again(moe_dir):
+    layout = StageLayout(1, 1, COORD, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    runner = StageRunner(W1, load_model(moe_dir))  # it never got the stage plan (lost, restarted)
+    hand = Hand({W1: runner})
+    now = [0.0]
+    model = load_model(moe_dir)
+    hand.ffn = ffn = StagedFFN(model, layout, hand, clock=lambda: now[0])
+
+    def on_step(step):
+        now[0] += 0.1  # a probe every NOT_READY_RETRY_S = 0.5 s
+        if step == 3:
+            hand.join()
+            runner.accept(layout)  # the owner sent it the plan again
+
+    run = greedy(model, ffn, PROMPT, 10, on_step)
+    hand.join()
+    ref = greedy(load_model(moe_dir), None, PROMPT, 10)
+    assert run[0] == ref[0]
+    assert hand.not_ready == [W1] and not ffn.failed and not hand.failed and not ffn.not_ready
+    assert 1 <= runner.served <= 6  # the probes after it accepted: its layers went back to it
+
+
+def test_a_stage_keeps_keys_and_values_of_its_own_layers_only_and_runs_short_steps_inline(moe_dir):
+    model = load_model(moe_dir)
+    c = model.config
+    layout = StageLayout(1, 1, COORD, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    runner = StageRunner(W1, model)
+    runner.accept(layout)
+    req = lambda start, rows: m.StageRequest(5, 1, 1, 7, start, 1, 3,  # noqa: E731
+                                             np.ones((rows, c.hidden_size), np.float32))
+    assert not runner.take_inline(req(0, 1))  # not timed yet: to the compute thread
+    assert isinstance(runner.handle(req(0, 40)), m.StageAnswer)
+    assert not runner.take_inline(req(40, 1))  # a prefill does not time a short step
+    assert isinstance(runner.handle(req(40, 1)), m.StageAnswer)
+    assert runner.take_inline(req(41, 1)) and not runner.take_inline(req(41, INLINE_ROWS + 1))
+    assert runner.inline == 1
+    (cache,) = runner._caches.values()
+    assert [k.shape[1] for k in cache.k] == [0, cache.capacity, cache.capacity] and cache.capacity >= 41
+    assert [v.size for v in cache.v][0] == 0 and cache.length == 41
 
 
 def test_a_stage_that_forgot_the_sequence_is_sent_it_again(moe_dir):

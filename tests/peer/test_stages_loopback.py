@@ -82,7 +82,8 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
             placement = coord.node.placement
             # peers whose stage failed during the run (a re-plan after the loss clears st.failed)
             failed = {peer for peer, t in st.timing.items() if t.failures}
-            return run, layout, worker.roles.worker.stage_runner.served, st.rebuilt_positions, failed, placement
+            runner = worker.roles.worker.stage_runner
+            return run, layout, runner.served, st.rebuilt_positions, failed, runner.inline, placement
         finally:
             for p in peers:
                 await p.stop()
@@ -100,18 +101,20 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
 
 def test_a_moe_stage_plan_over_real_links_gives_the_local_bits(tmp_path):
     model_dir = build("qwen3_moe", tmp_path)
-    run, layout, served, rebuilt, failed = run_stage_swarm(tmp_path, model_dir, PROMPT, 12)
+    run, layout, served, rebuilt, failed, inline = run_stage_swarm(tmp_path, model_dir, PROMPT, 12)
     assert [len(s) for s in layout.stages] == [2, 1] and layout.stages[0].peer == layout.coordinator
     ref = greedy(load_model(model_dir), None, PROMPT, 12)
     assert run[0] == ref[0]
     assert all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
     assert served == 13 and rebuilt == 0 and not failed
+    # decode steps ran on the worker's event loop (the first one timed them; a prefill never does)
+    assert 1 <= inline <= 11
 
 
 def test_smollm2_over_two_stages_and_real_links_gives_the_local_bits(tmp_path):
     path = default_model_path()
     prompt = [1, 504, 3458, 314, 253, 1345, 30]
-    run, layout, served, _, failed = run_stage_swarm(tmp_path, path, prompt, 6)
+    run, layout, served, _, failed, _ = run_stage_swarm(tmp_path, path, prompt, 6)
     assert len(layout.stages) == 2 and layout.stages[1].start == 20  # 2:1 by speed over 30 layers
     ref = greedy(load_model(path), None, prompt, 6)
     assert run[0] == ref[0]
@@ -121,7 +124,7 @@ def test_smollm2_over_two_stages_and_real_links_gives_the_local_bits(tmp_path):
 
 def test_a_stage_peer_lost_at_token_10_changes_no_token(tmp_path):
     model_dir = build("qwen3_moe", tmp_path)
-    run, layout, served, rebuilt, failed = run_stage_swarm(tmp_path, model_dir, PROMPT, 16, kill_at=10)
+    run, layout, served, rebuilt, failed, _ = run_stage_swarm(tmp_path, model_dir, PROMPT, 16, kill_at=10)
     ref = greedy(load_model(model_dir), None, PROMPT, 16)
     assert run[0] == ref[0]
     assert failed == {layout.stages[1].peer}

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from swarm.compute.serving import MAX_BATCH, MAX_QUEUE, BatchScheduler, QueueFullError, TokenStream
+from swarm.compute.serving import BatchScheduler, QueueFullError, TokenStream
 from swarm.compute.textgen import (MAX_TEMPERATURE, GenerationStats, context_limit, encode_prompt, reply_pieces,
                                    with_stop_tokens)
 from swarm.errors import ChatTemplateError, ContextLengthError, LocalProtocolError, SwarmError
@@ -267,16 +267,18 @@ class EngineBackend:
     ``ffn`` is the engine's FFN backend: None for ``LocalFFN`` (one machine), the
     coordinator's ``RemoteFFN`` in the swarm — the tokens are the same either way; it may be
     replaced at any time (read at each step). ``max_batch`` sequences run at once and
-    ``max_queue`` wait (:class:`~swarm.compute.serving.BatchScheduler`).
+    ``max_queue`` wait (:class:`~swarm.compute.serving.BatchScheduler`; None: the process's
+    defaults, ``join --max-batch/--max-queue``).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, ffn: Any = None,
-                 max_tokens_limit: int | None = None, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE) -> None:
+                 max_tokens_limit: int | None = None, max_batch: int | None = None,
+                 max_queue: int | None = None) -> None:
         self.model, self.tokenizer, self.ffn = model, tokenizer, ffn
         self.model_id = model_id
         self.max_tokens_limit = max_tokens_limit or context_limit(model.config) or 8192
         self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue)
-        self.concurrency = max_batch + max_queue
+        self.concurrency = self.scheduler.max_batch + self.scheduler.max_queue
 
     def set_ffn(self, ffn: Any) -> None:
         """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest backend)."""

@@ -224,14 +224,76 @@ def estimate_stages(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCo
     return Estimate("stages", step(1), step(PREFILL_TOKENS), fits, stages=tuple(stages))
 
 
+def _worker_stages(costs: LayerCosts, workers: Sequence[PeerCost], lo: int) -> tuple[tuple[str, int, int], ...] | None:
+    """Layers ``lo .. n-1`` as whole-layer stages of ``workers``, fastest first, each as many as
+    its memory holds; None when they cannot hold them all."""
+    out, at = [], lo
+    for w in sorted(workers, key=lambda p: (-p.gflops, p.peer_id)):
+        room, n = w.memory_bytes, 0
+        while at + n < costs.n_layers and costs.layer_bytes(at + n) <= room:
+            room -= costs.layer_bytes(at + n)
+            n += 1
+        if n:
+            out.append((w.peer_id, at, at + n))
+            at += n
+        if at == costs.n_layers:
+            return tuple(out)
+    return tuple(out) if at == costs.n_layers else None
+
+
+def estimate_mix(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]) -> Estimate:
+    """The coordinator's stage ``0 .. k-1`` with its FFN cut into ranges over every peer (as
+    ``ranges`` does, within what each has left), then whole-layer stages of the workers for the
+    rest. Priced for every ``k`` that fits; the fastest is returned (``stages`` and ``shares``
+    say what it places). Wins where a peer cannot hold its layers' FFN whole (big MoE layers)
+    and round trips are dear: ``k`` round trips per token instead of one per layer."""
+    best = Estimate("mix", float("inf"), float("inf"), False, note="no split of the layers fits")
+    for k in range(1, costs.n_layers):
+        tail = _worker_stages(costs, workers, k)
+        if tail is None:
+            continue
+        held = {pid: sum(costs.layer_bytes(i) for i in range(lo, hi)) for pid, lo, hi in tail}
+        ffn_k = sum(costs.ffn_bytes[:k])
+        left_c = coord.memory_bytes - sum(costs.attn_bytes[:k])
+        if left_c < 0:
+            break  # the coordinator cannot hold attention for more layers
+        weights = {coord.peer_id: _gflops(coord) * COORDINATOR_SHARE, **{w.peer_id: _gflops(w) for w in workers}}
+        caps = {coord.peer_id: left_c / ffn_k if ffn_k else 1.0,
+                **{w.peer_id: max(w.memory_bytes - held.get(w.peer_id, 0), 0) / ffn_k if ffn_k else 0.0
+                   for w in workers}}
+        share = _water_fill(weights, caps)
+        if sum(share.values()) < 1 - 1e-9:
+            continue
+        peers = {p.peer_id: p for p in (coord, *workers)}
+
+        def step(T: int) -> float:
+            t = T * costs.head_flops / _gflops(coord)
+            for i in range(k):
+                mine = T * (costs.attn_flops[i] + share[coord.peer_id] * costs.ffn_flops[i]) / _gflops(coord)
+                theirs = [T * costs.attn_flops[i] / _gflops(coord) + _message_s(w, T, costs)
+                          + T * share[w.peer_id] * costs.ffn_flops[i] / _gflops(w) for w in workers if share[w.peer_id] > 0]
+                t += max([mine, *theirs])
+            for pid, lo, hi in tail:
+                t += T * sum(costs.attn_flops[i] + costs.ffn_flops[i] for i in range(lo, hi)) / _gflops(peers[pid])
+                t += _message_s(peers[pid], T, costs)
+            return t
+
+        e = Estimate("mix", step(1), step(PREFILL_TOKENS), True, stages=((coord.peer_id, 0, k), *tail),
+                     shares=tuple(share.items()))
+        if (e.decode_s, e.prefill_s) < (best.decode_s, best.prefill_s):
+            best = e
+    return best
+
+
 def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
-           layouts: Sequence[str] = ("local", "ranges", "stages")) -> tuple[Estimate, list[Estimate]]:
+           layouts: Sequence[str] = ("local", "ranges", "stages", "mix")) -> tuple[Estimate, list[Estimate]]:
     """Price the ``layouts`` asked for and return (the fastest that fits, all estimates).
 
     Falls back to ``ranges`` (the coordinator streams what nobody holds) when none fits.
     """
     makers = {"local": lambda: estimate_local(costs, coord), "ranges": lambda: estimate_ranges(costs, coord, workers),
-              "stages": lambda: estimate_stages(costs, coord, workers)}
+              "stages": lambda: estimate_stages(costs, coord, workers),
+              "mix": lambda: estimate_mix(costs, coord, workers)}
     unknown = set(layouts) - set(makers)
     if unknown:
         raise ValueError(f"unknown layouts {sorted(unknown)}; choose from {sorted(makers)}")

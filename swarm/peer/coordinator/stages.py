@@ -20,12 +20,23 @@ smaller ``start``); a stage that holds fewer positions answers ``cache_gap`` and
 coordinator resends the sequence from position 0.
 
 Failover. The coordinator records, per sequence, the rows that entered each stage (``[L, H]``
-f32 per stage boundary, a few MB for thousands of positions). A stage that fails — late,
-gone, refused, malformed — is marked failed and its layers run on the coordinator from then
-on (its mapped file holds them); before the first such step the coordinator rebuilds those
-layers' KV cache by running the recorded rows through them, then the step goes on. A
-sequence keeps the layout it started with (holders may fail over, boundaries never move), so
-its recorded rows always match its stages; a new layout applies to the next sequence.
+f32 per stage boundary, a few MB for thousands of positions). A stage whose step does not come
+back runs that step's layers on the coordinator (its mapped file holds them); before the first
+such step the coordinator rebuilds those layers' KV cache by running the recorded rows through
+them. What happens to the peer follows the FFN ranges' rules
+(:mod:`swarm.peer.coordinator.dispatch`): a link gone, a refusal or a malformed answer fails it
+at once (the owner re-plans); a missed deadline is counted, and fails it only at ``MISS_LIMIT``
+in a row, at its first request under a layout or after ``SILENCE_S`` of silence — otherwise its
+next step is sent to it again, with the rows it missed; a ``stale_term`` refusal (it does not
+serve the layout: restarted, or the plan was lost) is "not ready": its layers run here, it is
+probed every ``NOT_READY_RETRY_S`` and the owner sends it the stage plan again
+(``Dispatcher.peer_not_ready``). A sequence keeps the layout it started with (holders may fail
+over, boundaries never move), so its recorded rows always match its stages; a new layout
+applies to the next sequence.
+
+A stage peer keeps keys/values for its own layers only (:class:`StageCache`). A short step (a
+decode token: :meth:`StageRunner.take_inline`) runs on the event loop that received it,
+sparing the two thread hand-offs to the compute thread and back.
 
 Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, the dispatcher's ``send`` is a
 thread-safe non-blocking hand-off, and answers arrive through :meth:`StagedFFN.deliver` /
@@ -50,8 +61,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from swarm.compute.ffn import LocalFFN
+from swarm.compute.model import KVCache
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
-from swarm.peer.coordinator.dispatch import Dispatcher, PeerTiming
+from swarm.peer.coordinator.dispatch import MISS_LIMIT, NOT_READY_RETRY_S, SILENCE_S, Dispatcher, PeerTiming
 from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S
 from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest
 from swarm.peer.coordinator.planner import Span
@@ -63,6 +75,35 @@ KEEP_PLANS = 4  # stage layouts of the current term a worker still serves
 MAX_SEQUENCES = 8  # sequences whose KV caches a stage keeps (least recently used dropped first)
 MAX_STAGE_ROWS = 16384  # rows per stage request (a long prefill is still one batch)
 REQUEST_ID_BASE = 1 << 31  # stage request ids: top bit set, apart from RemoteFFN's
+# A stage step of at most INLINE_ROWS rows whose last such step took at most INLINE_MAX_S is run on
+# the event loop that received it: two thread hand-offs (to the compute thread and back) cost more
+# than the step on a busy machine, and blocking the loop this long delays no heartbeat.
+INLINE_ROWS = 8
+INLINE_MAX_S = 0.1
+
+
+class StageCache(KVCache):
+    """A KV cache that holds layers ``lo .. hi-1`` only (a stage's own): the other layers'
+    arrays are empty and never read. Same interface as :class:`~swarm.compute.model.KVCache`."""
+
+    def __init__(self, config, lo: int, hi: int, capacity: int = 16) -> None:
+        self.own = range(lo, hi)
+        super().__init__(config, capacity)
+
+    def _grow(self, capacity: int) -> None:
+        c = self.config
+        none = np.zeros((c.n_kv_heads, 0, c.head_dim), F32)
+        k, v = [], []
+        for layer in range(c.n_layers):
+            for old, new in ((self.k, k), (self.v, v)):
+                if layer not in self.own:
+                    new.append(none)
+                    continue
+                a = np.zeros((c.n_kv_heads, capacity, c.head_dim), F32)
+                if old:
+                    a[:, :self.length] = old[layer][:, :self.length]
+                new.append(a)
+        self.k, self.v, self.capacity = k, v, capacity
 
 
 @dataclass(frozen=True)
@@ -150,7 +191,22 @@ class StageRunner:
         self.term = 0
         self._caches: OrderedDict[tuple[int, int, int], object] = OrderedDict()  # (sequence, lo, hi) → KVCache
         self._lock = threading.Lock()
+        self._busy = 0  # requests being computed
+        self._step_s: dict[tuple[int, int], float] = {}  # (lo, hi) → seconds per row of its last short step
         self.served = 0
+        self.inline = 0  # requests that take_inline said to run on the receiving thread
+
+    def take_inline(self, msg: StageRequest) -> bool:
+        """Whether to run ``msg`` on the thread that received it (the event loop; counted in
+        ``inline``): at most ``INLINE_ROWS`` rows, its stage's last short step took at most
+        ``INLINE_MAX_S``, and no other request is being computed (they would race for the CPU,
+        and a sequence's steps must keep their order)."""
+        rows = msg.x.shape[0] if isinstance(msg.x, np.ndarray) and msg.x.ndim == 2 else INLINE_ROWS + 1
+        s = self._step_s.get((msg.layer_start, msg.layer_stop))
+        if rows <= INLINE_ROWS and not self._busy and s is not None and s * rows <= INLINE_MAX_S:
+            self.inline += 1
+            return True
+        return False
 
     def accept(self, layout: StageLayout) -> None:
         """Serve ``layout`` (and up to ``KEEP_PLANS - 1`` earlier ones of its term, for the
@@ -170,15 +226,26 @@ class StageRunner:
         return (term, version) in self._layouts
 
     def prepare(self) -> None:
-        """Open this peer's layers of the newest layout now, not in the first (deadline-bound) request."""
+        """Open this peer's layers of the newest layout now — attention, router, every expert or
+        the dense MLP — not in its first (deadline-bound) requests."""
         layout = max(self._layouts.values(), key=lambda p: p.version, default=None)
+        m = self.model
         for s in layout.stages if layout else ():
-            if s.peer == self.peer_id:
-                for layer in range(s.start, s.stop):
-                    self.model.attention_weights(layer)
+            for layer in range(s.start, s.stop) if s.peer == self.peer_id else ():
+                m.attention_weights(layer)
+                if not m.is_moe_layer(layer):
+                    m.dense_weights(layer)
+                    continue
+                m.router(layer)
+                for e in range(m.config.n_experts):
+                    m.expert_weights(layer, e)
+                if m.has_shared_expert(layer):
+                    m.shared_expert_weights(layer)
 
     def handle(self, msg: StageRequest) -> StageAnswer | Error:
         """Run the request's rows through its layers, or refuse it with an Error."""
+        with self._lock:
+            self._busy += 1
         try:
             return self._answer(msg)
         except StaleTermError as exc:
@@ -188,6 +255,9 @@ class StageRunner:
         except RemoteProtocolError as exc:
             log.warning("refused stage request %s: %s", msg.request_id, exc)
             return Error(msg.request_id, "bad_request", str(exc))
+        finally:
+            with self._lock:
+                self._busy -= 1
 
     def _answer(self, msg: StageRequest) -> StageAnswer:
         layout = self._layouts.get((msg.term, msg.plan_version))
@@ -206,7 +276,7 @@ class StageRunner:
         with self._lock:
             cache = self._caches.pop(key, None)
             if msg.start == 0:
-                cache = self.model.new_cache()
+                cache = StageCache(self.model.config, lo, hi)
             elif cache is None or cache.length < msg.start:
                 if cache is not None:
                     self._caches[key] = cache
@@ -217,7 +287,10 @@ class StageRunner:
             while len(self._caches) > self.max_sequences:
                 self._caches.popitem(last=False)
         cache.truncate(msg.start)
+        t0 = time.perf_counter()
         out = self.model.layers(x, cache, msg.start, lo, hi)
+        if x.shape[0] <= INLINE_ROWS:
+            self._step_s[(lo, hi)] = (time.perf_counter() - t0) / x.shape[0]
         cache.length = msg.start + x.shape[0]
         self.served += 1
         return StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.sequence, msg.start, lo, hi, out)
@@ -268,6 +341,7 @@ class _Pending:
     future: cf.Future
     sent_at: float
     deadline: float
+    first: bool = False  # the peer's first request under the layout: a miss fails it at once
 
 
 class StagedFFN:
@@ -299,6 +373,8 @@ class StagedFFN:
         self._sequences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache → _Sequence
         self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()
+        self.misses = 0  # stage steps recomputed here after a missed deadline (the peer kept)
+        self.not_ready: dict[str, tuple[int, int, float]] = {}  # peer → (term, version, next probe time)
 
     # ----------------------------------------------------------- event-loop side
     def deliver(self, peer: str, msg: StageAnswer | Error) -> None:
@@ -331,6 +407,8 @@ class StagedFFN:
         if inner is not None:
             self.inner = inner
         self.failed.clear()
+        for t in self.timing.values():
+            t.misses = 0
 
     # ------------------------------------------------------------ token-loop side
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -346,10 +424,22 @@ class StagedFFN:
         for stage in seq.layout.stages:
             history = seq.record(stage.start, start, x)
             out = None
-            if stage.peer != seq.layout.coordinator and stage.peer not in self.failed:
+            if stage.peer != seq.layout.coordinator and self._may_send(stage.peer, seq.layout):
                 out = self._remote(seq, stage, start, history)
             x = out if out is not None else self._local(seq, stage, cache, start, history)
         return x
+
+    def _may_send(self, peer: str, layout: StageLayout) -> bool:
+        """Not failed, and not held as not ready under ``layout`` (but for a probe now and then)."""
+        if peer in self.failed:
+            return False
+        held = self.not_ready.get(peer)
+        if held is None:
+            return True
+        if held[:2] != (layout.term, layout.version):
+            del self.not_ready[peer]  # a newer layout: it was sent that one
+            return True
+        return self._clock() >= held[2]
 
     def _local(self, seq: _Sequence, stage: Stage, cache, start: int, history: np.ndarray) -> np.ndarray:
         key = (stage.start, stage.stop)
@@ -367,13 +457,16 @@ class StagedFFN:
         """The stage's output rows [T, H], or None after a failure (recorded)."""
         key = (stage.peer, stage.start, stage.stop)
         T = history.shape[0] - start
-        first = start if seq.remote.get(key, 0) >= start else 0  # a holder that lacks the prefix gets it
+        first = min(seq.remote.get(key, 0), start)  # a holder that missed steps gets them again
         for _ in range(2):
             msg = self._call(stage, seq, first, history[first:])
             if isinstance(msg, Error) and msg.code == "cache_gap" and first > 0:
                 first = 0  # it lost the sequence (restarted, evicted): send it all
                 continue
             break
+        if isinstance(msg, Error) and msg.code == "stale_term":
+            self._not_ready(stage.peer, seq.layout, msg)
+            return None
         if isinstance(msg, Error):
             self._fail(stage.peer, f"refused layers {stage.start}:{stage.stop}: {msg.code}: {msg.message}")
             return None
@@ -389,7 +482,7 @@ class StagedFFN:
         req = StageRequest(rid, lay.term, lay.version, seq.id, first, stage.start, stage.stop, rows)
         now = self._clock()
         timing = self.timing.setdefault(stage.peer, PeerTiming())
-        p = _Pending(stage.peer, req, cf.Future(), now, now + timing.deadline_s(rows.shape[0]))
+        p = _Pending(stage.peer, req, cf.Future(), now, now + timing.deadline_s(rows.shape[0]), timing.fresh)
         with self._lock:
             self._pending[rid] = p
         try:
@@ -404,7 +497,7 @@ class StagedFFN:
         except cf.TimeoutError:
             with self._lock:
                 self._pending.pop(rid, None)
-            self._fail(stage.peer, f"no answer within {p.deadline - p.sent_at:.3f} s (layers {stage.start}:{stage.stop})")
+            self._missed(p)
             return None
         except ConnectionError as exc:
             self._fail(stage.peer, str(exc))
@@ -418,11 +511,43 @@ class StagedFFN:
             return None
         elapsed = self._clock() - p.sent_at
         timing.observe(elapsed, rows.shape[0])
+        timing.misses = 0
+        self.not_ready.pop(stage.peer, None)  # it answers under this layout: it has it
         # Its compute alone (for the planner): less the round trip and a message's fixed cost, which
         # would otherwise make a one-row decode step look like a slow peer.
         compute = max(elapsed - timing.rtt_s - MESSAGE_OVERHEAD_S, 0.1 * elapsed)
         self.layer_timing.setdefault(stage.peer, LayerTiming()).observe(compute, rows.shape[0], stage.stop - stage.start)
         return msg
+
+    def _missed(self, p: _Pending) -> None:
+        """``p``'s deadline passed: this step runs its layers here. As for FFN ranges
+        (:mod:`~swarm.peer.coordinator.dispatch`), the peer fails only after ``MISS_LIMIT``
+        misses in a row, at its first request under a layout, or when its link is silent
+        ``SILENCE_S``; otherwise its next step is sent to it again (with the rows it missed)."""
+        req, now = p.request, self._clock()
+        timing = self.timing.setdefault(p.peer, PeerTiming())
+        timing.misses += 1
+        heard = self.dispatcher.last_heard(p.peer)
+        silent = heard is not None and now - heard > SILENCE_S
+        what = f"no answer within {p.deadline - p.sent_at:.3f} s (layers {req.layer_start}:{req.layer_stop})"
+        if p.first or timing.misses >= MISS_LIMIT or silent:
+            why = ("its first request under this layout" if p.first else
+                   f"nothing heard for {now - heard:.1f} s" if silent else f"{timing.misses} misses in a row")
+            self._fail(p.peer, f"{what}; {why}")
+            return
+        self.misses += 1
+        log.info("stage peer %s: %s, miss %d of %d in a row; its layers run here this step",
+                 p.peer, what, timing.misses, MISS_LIMIT)
+
+    def _not_ready(self, peer: str, layout: StageLayout, msg: Error) -> None:
+        """``peer`` does not serve ``layout`` (it lost or refused the stage plan): its layers run
+        here, it gets one probe every ``NOT_READY_RETRY_S``, and the owner sends it the plan again."""
+        first = self.not_ready.get(peer, (0, 0, 0.0))[:2] != (layout.term, layout.version)
+        self.not_ready[peer] = (layout.term, layout.version, self._clock() + NOT_READY_RETRY_S)
+        if first:
+            reason = f"has not accepted stage plan v{layout.version} of term {layout.term}: {msg.message}"
+            log.info("stage peer %s %s; its layers run here until it has", peer, reason)
+            self.dispatcher.peer_not_ready(peer, reason)
 
     def _fail(self, peer: str, reason: str) -> None:
         self.timing.setdefault(peer, PeerTiming()).failures += 1
@@ -456,7 +581,9 @@ def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] |
 
     ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
     to their speed; ``"auto"`` takes the fastest placement that fits by the cost model
-    (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator alone is one stage of all layers).
+    (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator alone is one stage of all layers)
+    among those this code runs: local, ranges, stages. A mix is priced too; when it would be
+    faster, the report's ``proposal`` says so (it is not run yet).
     ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
     :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model). Raises
     LocalProtocolError for another mode.
@@ -465,7 +592,9 @@ def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] |
 
     if mode not in ("stages", "auto"):
         raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages' or 'auto' only")
-    best, estimates = costmodel.choose(costs, coord, workers)
+    best, estimates = costmodel.choose(costs, coord, workers, layouts=("local", "ranges", "stages"))
+    mix = costmodel.estimate_mix(costs, coord, workers)
+    estimates = [*estimates, mix]
     if mode == "stages":
         split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)],
                              [coord.gflops, *(w.gflops for w in workers)])
@@ -473,6 +602,11 @@ def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] |
         estimates = [*estimates, best]
     report = costmodel.report(costs, coord, workers, best, estimates)
     report["mode"] = mode
+    if mix.fits and (mix.decode_s, mix.prefill_s) < (best.decode_s, best.prefill_s):
+        # priced, not run yet: a worker's stage cannot hand its FFN out, and the coordinator's
+        # ranges would have to be planned for its own layers only, within what each worker has left
+        report["proposal"] = {"layout": "mix", "decode_s": mix.decode_s, "prefill_s": mix.prefill_s,
+                              "stages": mix.stages, "shares": mix.shares}
     if best.layout == "ranges":
         return None, report
     return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report

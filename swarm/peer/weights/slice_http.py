@@ -358,6 +358,8 @@ class _Transfer:
         """One range request for chunks ``first .. first+count-1``."""
         dl, m, conn = self.download, self.download.manifest, self._conn
         assert conn is not None
+        if self._stopped:  # cancelled while connecting: stop() found no socket to shut
+            raise _Stopped
         start, _ = m.chunk_span(first)
         _, stop = m.chunk_span(first + count - 1)
         url = f"{base}{PATH_PREFIX}{m.hex_id}"

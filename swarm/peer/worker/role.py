@@ -161,12 +161,14 @@ class WorkerRole:
         await self._serve(link, msg, self.server)
 
     async def _on_stage_request(self, link: Link, msg: StageRequest) -> None:
-        await self._serve(link, msg, self.stage_runner)
+        runner = self.stage_runner
+        await self._serve(link, msg, runner, inline=runner is not None and runner.take_inline(msg))
 
     async def _serve(self, link: Link, msg: ExpertRequest | DenseRequest | StageRequest,
-                     server: Worker | StageRunner | None) -> None:
-        """Answer a request with ``server.handle`` in the compute thread: an ``Error`` when this
-        peer holds no model (``server`` None) or the request's term is stale."""
+                     server: Worker | StageRunner | None, inline: bool = False) -> None:
+        """Answer a request with ``server.handle`` in the compute thread (on the event loop when
+        ``inline``: a short stage step): an ``Error`` when this peer holds no model (``server``
+        None) or the request's term is stale."""
         if server is None:
             await send_logged(link, Error(msg.request_id, "model", "this peer holds no model"))
             return
@@ -175,5 +177,6 @@ class WorkerRole:
         except StaleTermError as exc:
             await send_logged(link, Error(msg.request_id, "stale_term", str(exc)))
             return
-        answer = await asyncio.get_running_loop().run_in_executor(self._compute, server.handle, msg)
+        answer = server.handle(msg) if inline else await asyncio.get_running_loop().run_in_executor(
+            self._compute, server.handle, msg)
         await send_logged(link, answer)
