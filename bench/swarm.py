@@ -293,7 +293,7 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, 
                 entry["choice"] = cost.get("choice")
                 entry["estimates_ms"] = {e["layout"]: {"decode": round(1e3 * e["decode_s"], 2),
                                                        "prefill": round(1e3 * e["prefill_s"], 1), "fits": e["fits"]}
-                                         for e in cost.get("estimates", ()) if e["decode_s"] != float("inf")}
+                                         for e in cost.get("estimates", ()) if e["decode_s"] is not None}
                 entry["peers"] = cost.get("peers")
             row[layout] = entry
         row["auto_vs_ranges_decode"] = round(row["auto"]["decode_tok_s"] / row["ranges"]["decode_tok_s"], 2)
