@@ -27,6 +27,13 @@ needed for the namespace. Bytes are counted in the coordinator by wrapping each 
 ``channel.send`` and reassembler (a benchmark-only spy).
 
     sudo python3 bench/swarm.py [--models smollm2,olmoe] [--tokens 32] [--prompt-tokens 128] [--delays 0,2,5]
+    sudo python3 bench/swarm.py --trace-stages [--delays 0]   # where a 2-stage round trip's time goes
+
+``--trace-stages`` runs only two stages (coordinator and one worker, layers split in half) and
+reports, per added delay, the median microseconds between consecutive hand-offs of a decode
+step's stage request on both sides (bench/stage_trace.py) and each process's CPU seconds per
+token; ``COLIBRI_BENCH_INLINE_MAX_S=0`` puts every stage step on the worker's compute thread
+(the path before short steps ran on its event loop), for comparison.
 
 ``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every peer process.
 
@@ -290,7 +297,7 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, 
                 entry["choice"] = cost.get("choice")
                 entry["estimates_ms"] = {e["layout"]: {"decode": round(1e3 * e["decode_s"], 2),
                                                        "prefill": round(1e3 * e["prefill_s"], 1), "fits": e["fits"]}
-                                         for e in cost.get("estimates", ()) if e["decode_s"] != float("inf")}
+                                         for e in cost.get("estimates", ()) if e["decode_s"] is not None}
                 entry["peers"] = cost.get("peers")
             row[layout] = entry
         row["auto_vs_ranges_decode"] = round(row["auto"]["decode_tok_s"] / row["ranges"]["decode_tok_s"], 2)
@@ -491,12 +498,15 @@ async def _trace_main(path: str, n_prompt: int, n_decode: int, delays_ms: list[f
             for link in node.links.values():
                 link.added_delay_s = delay_ms / 1e3
             await asyncio.sleep(6 * LINK_OPTIONS["heartbeat_s"] + 1.0)
+            seen = {"stages": [["coordinator" if s.peer == node.peer_id else "worker", s.start, s.stop]
+                               for s in roles.coordinator.stages.layout.stages],
+                    "link_rtt_ms": [round(1e3 * link.rtt_s, 3) for link in node.links.values() if link.rtt_s]}
             cpu0 = _cpu_s(os.getpid()), _cpu_s(worker.pid)
             t0 = time.perf_counter_ns()
             run = await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt, n_decode)
             t1 = time.perf_counter_ns()
             cpu1 = _cpu_s(os.getpid()), _cpu_s(worker.pid)
-            windows.append((delay_ms, t0, t1, run, [b - a for a, b in zip(cpu0, cpu1)]))
+            windows.append((delay_ms, t0, t1, run, [b - a for a, b in zip(cpu0, cpu1)], seen))
     finally:
         worker.terminate()
         worker.wait(30)
@@ -505,16 +515,13 @@ async def _trace_main(path: str, n_prompt: int, n_decode: int, delays_ms: list[f
         await server.stop()
     ours = tmp / "coordinator.trace.json"
     stage_trace.dump(ours)
-    for delay_ms, t0, t1, run, cpu in windows:
+    for delay_ms, t0, t1, run, cpu, seen in windows:
         # decode steps only: prefill's request is the first of the window
         bd = stage_trace.breakdown([ours, worker_trace], since_ns=t0, until_ns=t1, skip_first=True)
         result[f"{delay_ms:g}_ms_added"] = {
             "decode_tok_s": run["decode_tok_s"], "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
-            "stages": [[s.peer == node.peer_id and "coordinator" or "worker", s.start, s.stop]
-                       for s in roles.coordinator.stages.layout.stages] if roles.coordinator.stages else None,
-            "cpu_s_per_token": {"coordinator": round(cpu[0] / (n_decode + 1), 4),
-                                "worker": round(cpu[1] / (n_decode + 1), 4)},
-            "link_rtt_ms": [round(1e3 * link.rtt_s, 3) for link in node.links.values() if link.rtt_s],
+            **seen, "cpu_s_per_token": {"coordinator": round(cpu[0] / (n_decode + 1), 4),
+                                        "worker": round(cpu[1] / (n_decode + 1), 4)},
             "load_avg_1m": round(os.getloadavg()[0], 2), "breakdown_us": bd}
     return result
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,16 @@ def main_join(args: Any) -> int:
     return 0
 
 
+async def freeze_heap() -> None:
+    """Put every object alive now (libraries, the model, its tokenizer: they live as long as the
+    process) out of the cyclic garbage collector's reach. A full collection runs inside whichever
+    event-loop callback triggers it and walks every tracked object: 0.07 s of the loop's CPU in
+    a joined peer before; afterwards it walks only what came later. Start-up garbage is collected
+    first (in a thread: nothing on the loop waits for it), as a frozen cycle would never go."""
+    await asyncio.to_thread(gc.collect)
+    gc.freeze()
+
+
 async def _join(args: Any, console: Any) -> None:
     from swarm.peer.loopwatch import watch_slow_callbacks
 
@@ -55,6 +66,7 @@ async def _run_peer(args: Any, console: Any) -> None:
     ident = identity.load_or_create()
     model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
     gflops = await asyncio.to_thread(measure_ffn_gflops)
+    await freeze_heap()
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
                 ffn_gflops=gflops,
                 signal_url=args.signal, memory_budget=default_memory_budget(args.memory << 20 if args.memory else None),
@@ -78,6 +90,7 @@ async def _run_peer(args: Any, console: Any) -> None:
         set_default_limits(getattr(args, "max_batch", None), getattr(args, "max_queue", None))  # the API's batch
         roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
                                         api_tls=False if getattr(args, "api_plain_http", False) else None)
+        await freeze_heap()  # the tokenizer and the model's index too
         await roles.start()
         _print_header(console, node)
         shown, seen = (node.role, None), node.recorded

@@ -203,6 +203,10 @@ def _expert_slots(routing: Routing) -> dict[int, np.ndarray]:
     experts ascending."""
     flat = routing.experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # stable: rows ascending within one expert
+    if routing.experts.shape[0] == 1:  # decode: one row's k experts, distinct: one slot each
+        slots = {int(flat[i]): order[j:j + 1] for j, i in enumerate(order.tolist())}
+        if len(slots) == flat.size:
+            return slots
     sorted_e = flat[order]
     cuts = (np.flatnonzero(sorted_e[1:] != sorted_e[:-1]) + 1).tolist()
     return {int(sorted_e[s]): order[s:t] for s, t in zip([0, *cuts], [*cuts, flat.size])}
@@ -258,7 +262,10 @@ def combine(T: int, H: int, routing: Routing, outputs: Mapping[int, np.ndarray],
         if y is None or y.shape != (rows.size, H) or y.dtype != F32:
             got = None if y is None else (y.shape, y.dtype)
             raise ValueError(f"expert {e}: expected output [{rows.size}, {H}] float32, got {got}")
-        out[rows] += y * flat_weights[idx][:, None]
+        if T == 1:  # decode: the same float32 multiply and add on the row, without fancy indexing
+            out[0] += y[0] * flat_weights[idx[0]]
+        else:
+            out[rows] += y * flat_weights[idx][:, None]
     if shared is not None:
         out += shared
     return out

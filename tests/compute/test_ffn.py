@@ -7,6 +7,7 @@ import pytest
 
 from swarm.compute import (LocalFFN, MLPWeights, combine, dense_partial, swiglu_ffn, expert_rows,
                            load_model, route, sum_partials)
+from swarm.compute.ffn import Routing
 from tests.compute.tiny_models import build_tiny
 
 F32 = np.float32
@@ -129,6 +130,10 @@ def test_combine_weights_experts_ascending_then_shared():
             want[t] += outs[e][i] * r.weights[t, slot]
         want[t] += shared[t]
     np.testing.assert_array_equal(got, want)
+    for t in range(T):  # one row alone (decode's path) gives that row's bits
+        one = Routing(r.experts[t:t + 1], r.weights[t:t + 1])
+        outs_t = {e: outs[e][list(rows[e]).index(t)][None] for e in r.experts[t]}
+        np.testing.assert_array_equal(combine(1, H, one, outs_t, shared=shared[t:t + 1]), got[t:t + 1])
     with pytest.raises(ValueError, match="expert"):
         combine(T, H, r, {e: v for e, v in outs.items() if e != min(outs)})
 

@@ -1,12 +1,12 @@
 """Fault injection on namespaced peers (``colibri-swarm join``, real mDNS, WebRTC, signaling):
 stalls (SIGSTOP/SIGCONT), link outages (``ip link set eth0 down`` on the peer's side), blocked
-multicast, and a stall and an outage during a greedy generation. After each fault the swarm
-must heal within ``HEAL_S`` (docs/reliability.md): one signaling host, one coordinator planning
-over every other peer, and a generation through the API equal to the local run. Every peer
-runs with the slow-callback check on (``COLIBRI_SWARM_SLOW_CALLBACK_S``) and none may report
-a callback that did 250 ms of work on its event loop (the join-time block this guards against
-held it for 4–8 s; on a loaded 2-core machine an election tick or a message handler has been
-seen at 0.10–0.14 s of CPU, see docs/reliability.md).
+multicast, and during a greedy generation a worker's stall, its link outage, the coordinator's
+death, every core taken by busy processes, and a worker's memory capped at its own anonymous
+memory. After each fault the swarm must heal within ``HEAL_S`` (docs/reliability.md): one
+signaling host, one coordinator planning over every other peer, and a generation through the
+API equal to the local run. Every peer runs with the slow-callback check on
+(``COLIBRI_SWARM_SLOW_CALLBACK_S``) and none may report a callback that did 100 ms of work on
+its event loop.
 
 The model is the tiny OLMoE of the swarm tests; the oracle is the engine run in this process.
 The last test joins three peers holding a random OLMoE GGUF with SmolLM2's real 49,152-token
@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -26,7 +27,8 @@ import gguf
 import pytest
 
 from swarm.keys.swarmkey import SwarmKey
-from tests.multihost.netns import REPO_ROOT
+from tests.conftest import require
+from tests.multihost.netns import REPO_ROOT, MemoryCgroup, remove_stale_cgroups
 from tests.multihost.test_mesh_multihost import read_status, until
 from tests.multihost.test_swarm_multihost import LONG_TOKENS, ask, coordinator_of, reference
 from tests.peer._swarm_models import add_char_tokenizer, build
@@ -38,14 +40,28 @@ STABLE_S = 3.0  # one swarm must hold this long to count as healed
 FORM_S = 60.0  # a peer starts (loads its model, hosts or finds signaling) within this
 FORM_SLOW_S = 120.0  # three peers loading a slow-to-parse model at once on 2 shared cores form one swarm
 PROMPT = "hello swarm"
-PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "COLIBRI_SWARM_SLOW_CALLBACK_S": "0.25"}
+PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "COLIBRI_SWARM_SLOW_CALLBACK_S": "0.1"}
+UNCAPPED = -1  # memory.limit_in_bytes for no limit
+SQUEEZE_MARGIN = 16 << 20  # bytes a capped worker may hold beyond its own anonymous memory
 SLOW = re.compile(r"WARNING asyncio: slow callback: .*")
 
 
-def join(lab, i: int, key: SwarmKey | None, model_dir, *extra: str):
+def join(lab, i: int, key: SwarmKey | None, model_dir, *extra: str, cgroup: MemoryCgroup | None = None):
     key_args = ["--key", key.code] if key is not None else []
     return lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(model_dir), *key_args, "--name", f"host{i}",
-                         *extra], env=PEER_ENV)
+                         *extra], env=PEER_ENV, cgroup=cgroup)
+
+
+def busy_cores() -> list[subprocess.Popen]:
+    """One process spinning on each core this process may use, pinned to that core."""
+    return [subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+            for cpu in sorted(os.sched_getaffinity(0))]
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
 
 
 def one_swarm(lab, n: int) -> dict | None:
@@ -106,6 +122,8 @@ def expected(model_dir) -> str:
 
 
 async def test_faults_heal_into_one_swarm(netns_lab, model_dir, expected):
+    require(MemoryCgroup.ROOT.joinpath("cgroup.procs").exists(),
+            "the cgroup v1 memory controller at /sys/fs/cgroup/memory (writable as root)")
     lab = netns_lab(3)
     key = SwarmKey(os.urandom(32))
 
@@ -136,24 +154,35 @@ async def test_faults_heal_into_one_swarm(netns_lab, model_dir, expected):
     state = await fault("non-host link down 9 s", non_host(state), 9.0, stall=False)
     state = await fault("host link down 4 s", state["host"], 4.0, stall=False)
 
-    # During a greedy generation: a worker stalls 3 s, then a worker's link goes down 3 s.
-    for what, stall in (("worker stalled during a generation", True), ("worker link down during a generation", False)):
+    async def during_generation(what: str, worker: int, start, end) -> dict:
+        """A greedy generation through the API with ``start(worker)`` at its 8th character and
+        ``end(worker)`` 3 s later (or when it ends, if later): the text must be the local run's,
+        and the peers one swarm again after."""
         c = state["coordinator"]
-        worker = next(i for i in range(3) if i != c)
         client = next(i for i in range(3) if i not in (c, worker))
         hit: list[float] = []
 
-        def strike(chars: int, worker=worker, stall=stall, hit=hit) -> None:
+        def strike(chars: int) -> None:
             if chars >= 8 and not hit:
-                (lab.stop if stall else lab.link_down)(worker)
+                start(worker)
                 hit.append(time.monotonic())
 
-        answer = await ask(lab, client, c, state["api_port"], key.api_token, PROMPT, strike)
-        await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - hit[0])) if hit else 0.0)
-        (lab.cont if stall else lab.link_up)(worker)
-        assert hit, "the generation ended before the fault"
+        try:
+            answer = await ask(lab, client, c, state["api_port"], key.api_token, PROMPT, strike)
+            await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - hit[0])) if hit else 0.0)
+        finally:
+            if hit:
+                end(worker)
+        assert hit, f"the generation ended before the fault: {what}"
         assert answer["event"] == "done" and answer["text"] == expected, (what, answer)
-        state = await healed(lab, procs, 3, what, time.monotonic())
+        return await healed(lab, procs, 3, what, time.monotonic())
+
+    def a_worker(state: dict) -> int:
+        return next(i for i in range(3) if i != state["coordinator"])
+
+    state = await during_generation("worker stalled during a generation", a_worker(state), lab.stop, lab.cont)
+    state = await during_generation("worker link down during a generation", a_worker(state), lab.link_down,
+                                    lab.link_up)
 
     # The coordinator dies while `colibri-swarm generate` streams its reply: the command sends the
     # request again to the next coordinator, and the text is the local run's, shown once.
@@ -170,13 +199,40 @@ async def test_faults_heal_into_one_swarm(netns_lab, model_dir, expected):
     assert (first + out).decode() == reference(model_dir, PROMPT, LONG_TOKENS) + "\n"
     assert b"trying the next coordinator" in err
 
-    # The killed peer joins again: it finds a swarm with a coordinator and joins it as a worker,
-    # never acting as a coordinator itself (no term of its own, no API, no plans).
-    rejoined = join(lab, c, key, model_dir)
-    procs.append(rejoined)
-    state = await healed(lab, procs, 3, "the killed coordinator rejoined", time.monotonic(), bound_s=FORM_S)
-    assert state["coordinator"] != c
-    assert "coordinator of term" not in rejoined.log_path.read_text(errors="replace")
+    # The killed peer joins again, inside a memory cgroup (uncapped for now): it finds a swarm
+    # with a coordinator and joins it as a worker, never acting as a coordinator itself (no term
+    # of its own, no API, no plans).
+    remove_stale_cgroups()
+    group = MemoryCgroup("rejoined", UNCAPPED)
+    try:
+        rejoined = join(lab, c, key, model_dir, cgroup=group)
+        procs.append(rejoined)
+        state = await healed(lab, procs, 3, "the killed coordinator rejoined", time.monotonic(), bound_s=FORM_S)
+        assert state["coordinator"] != c
+        assert "coordinator of term" not in rejoined.log_path.read_text(errors="replace")
+
+        # During a generation: every core taken by a process pinned to it, then that worker's
+        # memory capped at its own anonymous memory plus SQUEEZE_MARGIN (about what it is charged
+        # for: the files it reads were cached by the other peers first).
+        busy: list[subprocess.Popen] = []
+        state = await during_generation("CPU loaded during a generation", a_worker(state),
+                                        lambda _: busy.extend(busy_cores()), lambda _: stop_all(busy))
+        capped: dict[str, int] = {}
+
+        def cap(_) -> None:
+            stat = dict(line.split() for line in group.read("memory.stat").splitlines())
+            capped.update(rss=int(stat["rss"]), cache=int(stat["cache"]), limit=int(stat["rss"]) + SQUEEZE_MARGIN)
+            group.write("memory.limit_in_bytes", capped["limit"])
+
+        state = await during_generation("worker memory capped during a generation", c, cap,
+                                        lambda _: group.write("memory.limit_in_bytes", UNCAPPED))
+        stats = group.stats()
+        print(json.dumps({"event": "memory cap", **capped, "max_usage": stats["max_usage"], "failcnt": stats["failcnt"]}))
+        assert stats["oom_kill"] == 0 and procs[-1].poll()
+    finally:
+        for p in procs:
+            p.kill()
+        group.close()
 
     assert slow_callbacks(procs) == []
 

@@ -4,6 +4,7 @@ stage cut into ranges); memory caps always respected; a peer observed slow gets 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -96,6 +97,10 @@ def test_no_candidate_fits_falls_back_to_ranges():
     coord = PeerCost("c", 1 * MB, 10.0)
     best, estimates = cm.choose(costs, coord, [PeerCost("w1", 2 * MB, 10.0, 0.001)])
     assert best.layout == "ranges" and not any(e.fits for e in estimates)
+    # what status --json shows of a placement that cannot be built: no time, in strict JSON
+    shown = {e["layout"]: e for e in cm.report(costs, coord, [], best, estimates)["estimates"]}
+    assert shown["stages"]["decode_s"] is None and shown["mix"]["prefill_s"] is None
+    json.dumps(shown, allow_nan=False)
     assert cm.estimate_stages(costs, coord, []).note == "the peers together hold too little"
     with pytest.raises(ValueError, match="unknown layouts"):
         cm.choose(costs, coord, [], layouts=("pipeline",))

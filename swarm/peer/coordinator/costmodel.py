@@ -37,6 +37,7 @@ The estimate of one step of ``T`` tokens (``T = 1``: decode; the prompt length: 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -313,7 +314,9 @@ def report(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost], best
         "model": {"layers": costs.n_layers, "flops_per_token": sum(costs.attn_flops) + sum(costs.ffn_flops)
                   + costs.head_flops, "weight_bytes": sum(costs.attn_bytes) + sum(costs.ffn_bytes)},
         "peers": [asdict(p) for p in (coord, *workers)],
-        "estimates": [asdict(e) for e in estimates],
+        # a placement that cannot be built (no split fits) has no time: null, not Infinity (not JSON)
+        "estimates": [{**asdict(e), **{k: None for k in ("decode_s", "prefill_s") if not math.isfinite(getattr(e, k))}}
+                      for e in estimates],
         "choice": best.layout,
     }
 
