@@ -1,6 +1,6 @@
 """Candidate kernels for ``x @ W.T`` on GGUF blocks, side by side; prints JSON.
 
-    python3 bench/kernels.py [--threads 2] [--repeats 20]
+    python3 bench/kernels.py [--threads 2] [--repeats 20] [--clock wall|cpu]
 
 Per matrix shape (4096x1024 and SmolLM2's 1536x576), block type (Q8_0, Q4_0, Q4_1) and
 T (1: decode; 16: about what one expert of a MoE prefill gets, or a batch of decode rows;
@@ -40,7 +40,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time each call by the wall clock or by this process's CPU time (steadier "
+                         "with one thread on a shared machine: time spent descheduled is not counted)")
     args = ap.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ[var] = str(args.threads)
     sys.path.insert(0, str(REPO))
@@ -80,7 +84,7 @@ def main() -> int:
                     y = fn()
                     per = len(y) if isinstance(y, list) else 1  # matrices per call (ms: per matrix)
                     y = y[-1] if isinstance(y, list) else y
-                    best = min(_timed(fn) for _ in range(args.repeats if T == 1 else max(3, args.repeats // 4)))
+                    best = min(_timed(fn, clock) for _ in range(args.repeats if T == 1 else max(3, args.repeats // 4)))
                     rows.append({
                         "shape": [R, K], "type": qtype.name, "T": T, "kernel": name,
                         "ms": round(best / per * 1e3, 3), "GB_per_s": round(nbytes / best / 1e9, 2),
@@ -88,17 +92,17 @@ def main() -> int:
                         "max_rel_error": float(f"{np.abs(y - want).max() / np.abs(want).max():.2e}"),
                     })
     print(json.dumps({
-        "threads": args.threads, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+        "threads": args.threads, "clock": args.clock, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
         "import_rss_mib": {lib: _import_rss(lib) for lib in ("numpy", "numba", "onnxruntime")},
         "results": rows,
     }, indent=1))
     return 0
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
+def _timed(fn, clock) -> float:
+    t = clock()
     fn()
-    return time.perf_counter() - t
+    return clock() - t
 
 
 def _import_rss(module: str) -> float | None:

@@ -63,10 +63,10 @@ WORDS = ("river stone lamp orchard window copper violin harbor meadow lantern th
          "compass garden falcon candle marble ribbon glacier").split()
 
 
-def prompts(n: int, n_tokens: int) -> list[str]:
+def prompts(n: int, n_tokens: int, words: tuple[str, ...] = WORDS) -> list[str]:
     """``n`` different prompts of roughly ``n_tokens`` tokens (one word ~ one token)."""
     rng = np.random.default_rng(0)
-    return [f"Story {i}: " + " ".join(rng.choice(WORDS, n_tokens)) for i in range(n)]
+    return [f"{words[i % len(words)]} " + " ".join(rng.choice(words, n_tokens)) for i in range(n)]
 
 
 async def _stream(session, url: str, token: str | None, prompt: str, max_tokens: int) -> dict:
@@ -98,12 +98,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def measure(url: str, token: str | None, levels: list[int], rounds: int, n_tokens: int,
-                  n_prompt: int, state=lambda: {}, ready=None) -> dict:
+                  n_prompt: int, state=lambda: {}, ready=None, words: tuple[str, ...] = WORDS) -> dict:
     """Each level's figures (module docstring); ``state()``: what to add to each level's (the
     swarm's plan); ``ready``: awaited after the warm-up (the swarm: until the worker serves)."""
     import aiohttp
 
-    texts = prompts(max(levels), n_prompt)
+    texts = prompts(max(levels), n_prompt, words)
     out = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
         for text in texts[:2]:  # warm-up: kernels, slices, the plan in place, the worker's first answers timed
@@ -147,7 +147,7 @@ async def _serve_local(model, tokenizer, args) -> dict:
     port = await api.start("127.0.0.1", 0)
     try:
         return await measure(f"http://127.0.0.1:{port}/v1", "bench-token", args.levels, args.rounds,
-                             args.tokens, args.prompt_tokens)
+                             args.tokens, args.prompt_tokens, words=args.words)
     finally:
         await api.close()
 
@@ -198,7 +198,7 @@ async def _serve_swarm(path: Path, model, tokenizer, args) -> dict:
         api = ApiServer(SwarmBackend(model, tokenizer, model_id="bench", max_batch=max(args.levels)), ["bench-token"])
         port = await api.start("127.0.0.1", 0)
         return await measure(f"http://127.0.0.1:{port}/v1", "bench-token", args.levels, args.rounds,
-                             args.tokens, args.prompt_tokens, state, serving)
+                             args.tokens, args.prompt_tokens, state, serving, args.words)
     finally:
         if api is not None:
             await api.close()
@@ -209,11 +209,29 @@ async def _serve_swarm(path: Path, model, tokenizer, args) -> dict:
         await server.stop()
 
 
+def _word_tokenizer(model_dir: Path) -> None:
+    """Give bench/swarm.py's random OLMoE-shaped checkpoint a tokenizer (once): token i is the
+    word ``w<i>``, so prompts of such words encode to one token each and every id decodes."""
+    if (model_dir / "tokenizer.json").exists():
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
+
+
 async def _main_in_netns(args) -> dict:
     from swarm.compute.model import load_model
     from swarm.compute.tokenizer import tokenizer_for
 
     path = swarm_bench.model_path(args.model)
+    args.words = WORDS
+    if path.is_dir():
+        _word_tokenizer(path)
+        args.words = tuple(f"w{i}" for i in range(10, 210))
     model = load_model(path)
     model.materialize()
     tokenizer = tokenizer_for(model)

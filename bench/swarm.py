@@ -480,9 +480,11 @@ async def _trace_main(path: str, n_prompt: int, n_decode: int, delays_ms: list[f
     model = load_model(path)
     model.materialize()
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, model.config.vocab_size, n_prompt)]
+    cpu0 = _cpu_s(os.getpid())
     local = await asyncio.to_thread(run_generation, model, LocalFFN(model), prompt, n_decode)
+    local_cpu = (_cpu_s(os.getpid()) - cpu0) / (n_decode + 1)  # the prefill counted as one step, as below
     result = {"load_avg_1m_at_start": round(os.getloadavg()[0], 2),
-              "local_decode_tok_s": local["decode_tok_s"]}
+              "local_decode_tok_s": local["decode_tok_s"], "local_cpu_s_per_token": round(local_cpu, 4)}
     tmp = Path(tempfile.mkdtemp(prefix="csd-trace-"))
     key, server, node, roles = await _start_coordinator(model, tmp, "stages")
     worker_trace = tmp / "w1.trace.json"
@@ -522,6 +524,9 @@ async def _trace_main(path: str, n_prompt: int, n_decode: int, delays_ms: list[f
             "decode_tok_s": run["decode_tok_s"], "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
             **seen, "cpu_s_per_token": {"coordinator": round(cpu[0] / (n_decode + 1), 4),
                                         "worker": round(cpu[1] / (n_decode + 1), 4)},
+            # stages run one after the other: local CPU over both processes' CPU is the decode
+            # ratio an idle machine would give, less the network's waits
+            "local_cpu_over_stages_cpu": round(local_cpu * (n_decode + 1) / sum(cpu), 3),
             "load_avg_1m": round(os.getloadavg()[0], 2), "breakdown_us": bd}
     return result
 

@@ -26,6 +26,7 @@ in flight — within one chunk of prefill or one decode step — and its slot go
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import queue
 import threading
@@ -46,6 +47,7 @@ MAX_BATCH = 8  # sequences that run at once
 MAX_QUEUE = 32  # sequences that wait for a slot
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 120
 
+log = logging.getLogger(__name__)
 _DONE = object()
 _limits = {"max_batch": MAX_BATCH, "max_queue": MAX_QUEUE}  # this process's defaults (join --max-batch/--max-queue)
 
@@ -244,7 +246,9 @@ class BatchScheduler:
         dt = time.perf_counter() - t0
         self.step_s = dt if self.steps == 0 else 0.8 * self.step_s + 0.2 * dt
         self.steps += 1
-        self.peak_batch = max(self.peak_batch, len(step))
+        if len(step) > self.peak_batch:
+            self.peak_batch = len(step)
+            log.info("%d sequences share a step (the most so far)", len(step))
         for (seq, rows), row in zip(step, logits):
             if seq.fed < len(seq.prompt):
                 seq.fed += len(rows)

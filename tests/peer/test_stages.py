@@ -127,11 +127,11 @@ def test_a_late_stage_fails_over_too(moe_dir):
 
 def test_a_stage_that_misses_a_deadline_is_kept_and_sent_the_rows_it_missed(moe_dir):
     model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
-    send, dropped = hand.send, []
+    send, sent = hand.send, []
 
     def lossy(peer, req):
-        if len(dropped) < 2 and req.start in (len(PROMPT) + 3, len(PROMPT) + 7):  # two steps' requests lost
-            dropped.append(req.start)
+        sent.append((req.start, req.x.shape[0]))
+        if len(sent) in (4, 8):  # the requests of decode steps 3 and 7 are lost
             return
         send(peer, req)
 
@@ -149,6 +149,8 @@ def test_a_stage_that_misses_a_deadline_is_kept_and_sent_the_rows_it_missed(moe_
     assert run[0] == ref[0]
     # each miss: that step ran here (its cache rebuilt), the next one re-sent the missed row
     assert ffn.misses == 2 and not ffn.failed and ffn.timing[W1].misses == 0 and not hand.failed
+    n = len(PROMPT)
+    assert sent[3:5] == [(n + 2, 1), (n + 2, 2)] and sent[7:9] == [(n + 6, 1), (n + 6, 2)]
     assert runners[W1].served == 9 and ffn.rebuilt_positions > 0
 
 

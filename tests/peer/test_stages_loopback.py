@@ -156,3 +156,41 @@ def test_auto_prices_the_worker_by_its_observed_speed(tmp_path):
     (seen,) = [p for p in cost["peers"] if p["peer_id"] == worker_id]
     assert seen["observed"] and seen["gflops"] != 1.0, cost["peers"]
     assert cost["choice"] in ("local", "ranges", "stages")
+
+
+def test_a_stage_peer_that_lost_its_stage_plan_is_sent_it_again(tmp_path):
+    """A worker that restarts its stage runner (no layout, no caches) refuses the next step as
+    not serving its plan: the coordinator runs that stage's layers itself, sends the worker the
+    stage plan again and, once a probe is answered, hands the layers back; no token changes."""
+    import time
+
+    from swarm.peer.coordinator.stages import StageRunner
+
+    model_dir = build("qwen3_moe", tmp_path)
+
+    async def main():
+        server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0])
+        try:
+            coord, worker = peers
+            await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+            fresh = StageRunner(worker.node.peer_id, worker.roles.model)
+
+            def on_step(step):
+                if step == 3:
+                    worker.roles.stage_runner = fresh  # as after a restart: no layout, no caches
+                if step >= 3:
+                    time.sleep(0.15)  # a probe goes out every 0.5 s
+
+            run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.engine_ffn, PROMPT, 16, on_step)
+            st = coord.roles.stages
+            return run, fresh.served, dict(st.not_ready), {p for p, t in st.timing.items() if t.failures}, st.failed
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    run, served, not_ready, failures, failed = run_in_netns(main, timeout_s=180, prefix="cst", address=ADDRESS)
+    ref = greedy(load_model(model_dir), None, PROMPT, 16)
+    assert run[0] == ref[0]
+    assert not failures and not failed and not not_ready  # not ready for a while, never failed
+    assert 1 <= served <= 12  # the layers went back to it (the whole sequence resent, then steps)
