@@ -177,12 +177,12 @@ def test_a_stage_peer_that_lost_its_stage_plan_is_sent_it_again(tmp_path):
 
             def on_step(step):
                 if step == 3:
-                    worker.roles.stage_runner = fresh  # as after a restart: no layout, no caches
+                    worker.roles.worker.stage_runner = fresh  # as after a restart: no layout, no caches
                 if step >= 3:
                     time.sleep(0.15)  # a probe goes out every 0.5 s
 
-            run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.engine_ffn, PROMPT, 16, on_step)
-            st = coord.roles.stages
+            run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn, PROMPT, 16, on_step)
+            st = coord.roles.coordinator.stages
             return run, fresh.served, dict(st.not_ready), {p for p, t in st.timing.items() if t.failures}, st.failed
         finally:
             for p in peers:
