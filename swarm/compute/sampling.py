@@ -19,6 +19,10 @@ from swarm.compute.kernels import softmax
 
 F32 = np.float32
 TEMPERATURE_FLOOR = 1e-5  # below this, sampling is greedy
+# Prompt rows per forward call while prefilling. The batch scheduler (swarm/compute/serving.py)
+# cuts prompts at the same positions, so a sequence gets the same bits from the CLI, the API
+# and the swarm whatever else runs beside it; 64 rows stay within the block kernels (SMALL_T).
+PREFILL_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ def generate(model, prompt_tokens: Iterable[int], params: SamplingParams | None 
              cache=None, ffn=None) -> Iterator[int]:
     """Yield generated token ids one at a time.
 
-    The prompt is prefilled as one batch; each new token is then decoded with the KV cache.
+    The prompt is prefilled in chunks of :data:`PREFILL_CHUNK` rows (as the batch scheduler
+    cuts it); each new token is then decoded with the KV cache.
     Stops after ``params.max_tokens`` tokens or after yielding a stop token. ``ffn`` is the
     FFN backend (default: local). ``cache`` may carry an earlier conversation's prefix.
     """
@@ -86,7 +91,8 @@ def generate(model, prompt_tokens: Iterable[int], params: SamplingParams | None 
     stops = set(params.stop_tokens)
     if params.max_tokens == 0:
         return
-    logits = model.forward(tokens, cache, ffn=ffn, last_only=True)[0]
+    for lo in range(0, len(tokens), PREFILL_CHUNK):
+        logits = model.forward(tokens[lo:lo + PREFILL_CHUNK], cache, ffn=ffn, last_only=True)[0]
     for i in range(params.max_tokens):
         tok = sample(logits, params, rng)
         yield tok

@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from swarm.compute.sampling import SamplingParams, sample
+from swarm.compute.sampling import PREFILL_CHUNK, SamplingParams, sample
 from swarm.errors import SwarmError
 
-CHUNK_TOKENS = 64  # prompt rows per prefill chunk
+CHUNK_TOKENS = PREFILL_CHUNK  # prompt rows per prefill chunk: where generate() cuts a prompt too
 PREFILL_ROWS = 128  # prefill rows per step, all newcomers together (the first chunk always goes)
 MAX_BATCH = 8  # sequences that run at once
 MAX_QUEUE = 32  # sequences that wait for a slot

@@ -14,7 +14,7 @@ import pytest
 from swarm.compute.ffn import row_calls
 from swarm.compute.model import load_model
 from swarm.compute.quant import SMALL_T
-from swarm.compute.sampling import SamplingParams
+from swarm.compute.sampling import PREFILL_CHUNK, SamplingParams, generate
 from swarm.compute.serving import BatchScheduler, QueueFullError
 from tests.compute.tiny_gguf import write_gguf_from_hf
 
@@ -87,6 +87,30 @@ def test_concurrent_sequences_get_their_solo_tokens(model):
     assert together == solo
     assert [len(t) for t in solo] == [q.max_tokens for q in params]
     assert s.snapshot()["running"] == [] and len(s.left) == 4
+
+
+def test_the_scheduler_and_generate_cut_a_long_prompt_alike(model):
+    """A prompt of two and a half chunks: generate() (the CLI's and the swarm's token loop)
+    prefills it in the scheduler's chunks, so the API gives the CLI's tokens."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, model.config.vocab_size, 2 * PREFILL_CHUNK + PREFILL_CHUNK // 2).tolist()
+    params = SamplingParams(max_tokens=5)
+    rows_per_call = []
+
+    class Recording:  # the real model; records how many rows each forward call runs
+        config = model.config
+
+        def new_cache(self):
+            return model.new_cache()
+
+        def forward(self, tokens, cache, **kw):
+            rows_per_call.append(len(tokens))
+            return model.forward(tokens, cache, **kw)
+
+    cli = list(generate(Recording(), prompt, params))
+    assert rows_per_call[:3] == [PREFILL_CHUNK, PREFILL_CHUNK, PREFILL_CHUNK // 2]
+    scheduler = BatchScheduler(model, max_batch=2, max_queue=0)
+    assert list(scheduler.submit(prompt, params)) == cli
 
 
 def test_beyond_the_queue_a_request_is_refused_and_a_cancelled_one_leaves(model):
