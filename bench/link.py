@@ -11,13 +11,17 @@ exists (any LAN address; or inside a network namespace with an extra /32 on ``lo
 
     python3 bench/link.py [--bulk-mib 64] [--rounds 200] [--setups 5]
 
-Where the time goes: bulk is bound by aiortc's pure-Python cost per SCTP packet (one DATA
-chunk of at most 1160 bytes per packet: ``_transmit`` → serialize → pyOpenSSL DTLS → sendto,
-and one SACK handled per packet or two on the way back), so MiB/s ≈ 1160 B / µs per packet.
-Larger packets would cut that cost, but aiortc reads DTLS records into a fixed 1500-byte buffer
-(``rtcdtlstransport.py``: ``_ssl.recv(1500)``, ``bio_read(1500)``): raising its
-``SCTP_MAX_PACKET_LENGTH`` truncates records and the channel dies (tried with 4096-16000), so
-it stays stock. The JSON reports µs per packet and the sender's top functions by own time.
+The message-size sweep (``rtt_by_size``: 1 KiB to 18 KiB; 2.25 KiB is one 576-float32 row)
+gives the median round trip of an echoed message and the CPU milliseconds both processes spent
+per round trip, the number a loaded machine distorts least.
+
+Where the time goes: aiortc's SCTP is pure Python, with a fixed cost per packet on both sides
+(``_transmit`` → serialize → pyOpenSSL DTLS → sendto; recvfrom → DTLS → parse → SACK). The
+link runs with swarm.peer.net.rtc's tuning: 1356 bytes of user data a packet (a datagram of at
+most 1452 bytes, within a LAN's MTU; aiortc also reads DTLS records into a fixed 1500-byte
+buffer, so larger packets would break the channel), a SACK for every second packet, and a whole
+message sent at once within the congestion window. The JSON reports µs per packet and the
+sender's top functions by own time.
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ async def _remote(conn, tcp_port_q) -> None:
             tag = bytes(message.data[:1])
             if tag == b"E":
                 await lk.send(message)
+            elif tag == b"C":  # this process's CPU seconds so far, for CPU per message
+                await lk.send(_blob(b"C" + repr(time.process_time()).encode()))
             elif tag == b"D":  # end of bulk: report bytes received
                 await lk.send(_blob(b"R" + str(received[0]).encode()))
                 received[0] = 0
@@ -156,6 +162,33 @@ async def _link_rtt(link: Link, size: int, rounds: int) -> list[float]:
         await link.receive()
         out.append(time.perf_counter() - t)
     return out
+
+
+async def _remote_cpu(link: Link) -> float:
+    await link.send(_blob(b"C"))
+    return float(bytes((await link.receive()).data[1:]))
+
+
+async def _size_sweep(link: Link, sizes_kib: list[float], rounds: int) -> list[dict]:
+    """Round trip and CPU per echoed message (both processes) by message size."""
+    packet = _sctp_user_data()
+    rows = []
+    for kib in sizes_kib:
+        size = int(kib * 1024)
+        await _link_rtt(link, size, 5)  # warm the congestion window
+        cpu_remote, cpu_local = await _remote_cpu(link), time.process_time()
+        samples = await _link_rtt(link, size, rounds)
+        cpu_local = time.process_time() - cpu_local
+        cpu_remote = await _remote_cpu(link) - cpu_remote
+        rows.append({"kib": kib, **_ms_stats(samples),
+                     "data_packets_each_way": -(-(size + 200) // packet),  # + frame header and metadata
+                     "cpu_ms_per_round_trip_local": round(cpu_local / rounds * 1e3, 3),
+                     "cpu_ms_per_round_trip_remote": round(cpu_remote / rounds * 1e3, 3)})
+    return rows
+
+
+def _sctp_user_data() -> int:
+    return __import__("aiortc.rtcsctptransport", fromlist=["x"]).USERDATA_MAX_LENGTH
 
 
 async def _raw_rtt(channel, size: int, rounds: int) -> list[float]:
@@ -232,12 +265,18 @@ async def _main(args, conn, tcp_port: int) -> dict:
         conn.send("next")
     link, dt = await _connect(conn)
     setups.append(dt)
+    sweep = await _size_sweep(link, args.sizes_kib, args.rounds)
+    if args.sweep_only:
+        await link.close()
+        conn.send("next")
+        conn.send(None)
+        return {"rtt_by_size": sweep, "sctp_user_data_per_packet": _sctp_user_data()}
     r4 = await _link_rtt(link, 4096, args.rounds)
     r4_raw = await _raw_rtt(link.raw, 4096, args.rounds)
     r64 = await _link_rtt(link, 65536, args.rounds)
     bulk, _ = await _link_bulk(link, args.bulk_mib << 20, profile=False)
     _, profile = await _link_bulk(link, min(args.bulk_mib, 16) << 20, profile=True)
-    packet = __import__("aiortc.rtcsctptransport", fromlist=["x"]).USERDATA_MAX_LENGTH
+    packet = _sctp_user_data()
     await link.close()
     conn.send("next")
     tcp = await _tcp(tcp_port, args.rounds, args.bulk_mib << 20)
@@ -246,7 +285,7 @@ async def _main(args, conn, tcp_port: int) -> dict:
         "datachannel": {
             "setup_ms": {"median_ms": round(statistics.median(setups) * 1e3, 1), "runs": len(setups)},
             "rtt_4k": _ms_stats(r4), "rtt_4k_raw_channel_no_codec": _ms_stats(r4_raw),
-            "rtt_64k": _ms_stats(r64), "bulk_mib_s": round(bulk, 1),
+            "rtt_64k": _ms_stats(r64), "rtt_by_size": sweep, "bulk_mib_s": round(bulk, 1),
             "sctp_user_data_per_packet": packet,
             "us_per_sctp_packet": round(1e6 / (bulk * 2**20 / packet), 1),
         },
@@ -261,6 +300,9 @@ def main() -> None:
     p.add_argument("--bulk-mib", type=int, default=64)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--setups", type=int, default=5)
+    p.add_argument("--sizes-kib", type=float, nargs="+", default=[1, 2.25, 4.5, 9, 18],
+                   help="message sizes for the round-trip sweep (KiB; 2.25 = one 576-float32 row)")
+    p.add_argument("--sweep-only", action="store_true", help="only the message-size sweep")
     p.add_argument("--pin", action="store_true",
                    help="pin this process to the first CPU and the remote to the second, as on two machines")
     args = p.parse_args()

@@ -27,7 +27,7 @@ class Hand:
     def __init__(self, runners: dict[str, StageRunner]):
         self.runners, self.down, self.ffn, self.threads = runners, set(), None, []
         self.failed: list[tuple[str, str]] = []
-        self.not_ready: list[str] = []
+        self.plans: list[tuple[str, int]] = []  # stage plans sent: (peer, version)
 
     def last_heard(self, peer: str) -> float | None:
         return None
@@ -36,11 +36,16 @@ class Hand:
         self.failed.append((peer, reason))
 
     def peer_not_ready(self, peer: str, reason: str) -> None:
-        self.not_ready.append(peer)
+        pass
 
-    def send(self, peer: str, req: m.StageRequest) -> None:
+    def send(self, peer: str, req: m.StageRequest | m.StagePlan) -> None:
         if peer in self.down:
             raise ConnectionError(f"no link to {peer}")
+        if isinstance(req, m.StagePlan):  # accepted on arrival, as a worker's roles do
+            self.plans.append((peer, req.version))
+            runner = self.runners[peer]
+            runner.accept(StageLayout.from_message(req, COORD, runner.model.config.n_layers))
+            return
         t = threading.Thread(target=lambda: self.ffn.deliver(peer, self.runners[peer].handle(req)))
         self.threads.append(t)
         t.start()
@@ -164,16 +169,14 @@ def test_a_stage_peer_without_the_layout_is_not_ready_then_serves_again(moe_dir)
 
     def on_step(step):
         now[0] += 0.1  # a probe every NOT_READY_RETRY_S = 0.5 s
-        if step == 3:
-            hand.join()
-            runner.accept(layout)  # the owner sent it the plan again
 
     run = greedy(model, ffn, PROMPT, 10, on_step)
     hand.join()
     ref = greedy(load_model(moe_dir), None, PROMPT, 10)
     assert run[0] == ref[0]
-    assert hand.not_ready == [W1] and not ffn.failed and not hand.failed and not ffn.not_ready
-    assert 1 <= runner.served <= 6  # the probes after it accepted: its layers went back to it
+    # refused the prefill, was sent the plan, got its layers back at the first probe 0.5 s later
+    assert hand.plans == [(W1, 1)] and not ffn.failed and not hand.failed and not ffn.not_ready
+    assert runner.served == 6
 
 
 def test_a_stage_keeps_keys_and_values_of_its_own_layers_only_and_runs_short_steps_inline(moe_dir):

@@ -161,7 +161,8 @@ def test_auto_prices_the_worker_by_its_observed_speed(tmp_path):
 def test_a_stage_peer_that_lost_its_stage_plan_is_sent_it_again(tmp_path):
     """A worker that restarts its stage runner (no layout, no caches) refuses the next step as
     not serving its plan: the coordinator runs that stage's layers itself, sends the worker the
-    stage plan again and, once a probe is answered, hands the layers back; no token changes."""
+    sequence's stage plan again (a re-plan under load may have made a newer one the newest) and,
+    once a probe is answered, hands the layers back; no token changes."""
     import time
 
     from swarm.peer.coordinator.stages import StageRunner

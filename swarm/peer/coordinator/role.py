@@ -247,9 +247,6 @@ class CoordinatorRole:
         link, ffn = self.node.links.get(peer), self.ffn
         if link is None or ffn is None or ffn.pending_plan is not None:
             return
-        if self._stage_layout is not None and peer in self._stage_layout.workers():  # a stage peer
-            await send_logged(link, self._stage_layout.to_message())
-            return
         if link.hello.model_hash is None:
             try:
                 await self._shipper.offer_plan(link, ffn.plan)

@@ -29,8 +29,8 @@ at once (the owner re-plans); a missed deadline is counted, and fails it only at
 in a row, at its first request under a layout or after ``SILENCE_S`` of silence — otherwise its
 next step is sent to it again, with the rows it missed; a ``stale_term`` refusal (it does not
 serve the layout: restarted, or the plan was lost) is "not ready": its layers run here, it is
-probed every ``NOT_READY_RETRY_S`` and the owner sends it the stage plan again
-(``Dispatcher.peer_not_ready``). A sequence keeps the layout it started with (holders may fail
+probed every ``NOT_READY_RETRY_S`` and sent that sequence's stage plan again (through
+``Dispatcher.send``). A sequence keeps the layout it started with (holders may fail
 over, boundaries never move), so its recorded rows always match its stages; a new layout
 applies to the next sequence.
 
@@ -541,13 +541,17 @@ class StagedFFN:
 
     def _not_ready(self, peer: str, layout: StageLayout, msg: Error) -> None:
         """``peer`` does not serve ``layout`` (it lost or refused the stage plan): its layers run
-        here, it gets one probe every ``NOT_READY_RETRY_S``, and the owner sends it the plan again."""
+        here, it gets one probe every ``NOT_READY_RETRY_S``, and it is sent ``layout`` again —
+        the one this sequence runs under, which a newer plan may have replaced as the newest."""
         first = self.not_ready.get(peer, (0, 0, 0.0))[:2] != (layout.term, layout.version)
         self.not_ready[peer] = (layout.term, layout.version, self._clock() + NOT_READY_RETRY_S)
         if first:
-            reason = f"has not accepted stage plan v{layout.version} of term {layout.term}: {msg.message}"
-            log.info("stage peer %s %s; its layers run here until it has", peer, reason)
-            self.dispatcher.peer_not_ready(peer, reason)
+            log.info("stage peer %s has not accepted stage plan v%d of term %d (%s); its layers run here "
+                     "until it has", peer, layout.version, layout.term, msg.message)
+            try:
+                self.dispatcher.send(peer, layout.to_message())
+            except ConnectionError:
+                pass  # its link is gone: the owner re-plans
 
     def _fail(self, peer: str, reason: str) -> None:
         self.timing.setdefault(peer, PeerTiming()).failures += 1

@@ -1,6 +1,6 @@
 """The aiortc internals this package relies on, in one place.
 
-aiortc (1.14–1.16) offers no public way to do three things a swarm link needs, so this module
+aiortc (1.14–1.16) offers no public way to do four things a swarm link needs, so this module
 reaches into its private names, and nothing else in the package does:
 
 * **Our own DTLS certificate.** ``RTCPeerConnection`` makes a fresh certificate in ``__init__``
@@ -17,13 +17,25 @@ reaches into its private names, and nothing else in the package does:
   the round trip is ~1 ms, so one lost packet stalls a small exchange for a full second;
   :func:`configure_aiortc` lowers it to :data:`SCTP_RTO_MIN_S` for the whole process (it is a
   module global: there is no per-connection setting).
+* **Fewer SCTP packets per message.** aiortc's SCTP is pure Python: every packet (one DTLS
+  record, one datagram) costs ~0.1 ms of CPU on each side, so the packets a row needs set the
+  per-row cost of a swarm step. :func:`configure_aiortc` (a) raises the module's
+  ``USERDATA_MAX_LENGTH`` from 1160 to :data:`SCTP_USERDATA_MAX_LENGTH` bytes, so a datagram
+  fills a LAN's 1500-byte MTU without IP fragmentation (a 576-float32 row: 2 packets, not 3);
+  (b) wraps ``RTCSctpTransport._send_sack`` to acknowledge every second packet, as RFC 4960 §6.2
+  allows, instead of every one; (c) wraps ``RTCSctpTransport._transmit`` so a message goes out as
+  far as the congestion window allows, not four packets per SACK received. Rows are not altered,
+  only how they travel. Chromium (the page) receives these packets as they are: its SCTP accepts
+  any packet size a datagram carries and acknowledges on its own schedule.
 
 Each function raises :class:`~swarm.errors.LocalProtocolError` naming the missing internal when an
-aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks all three against the installed
+aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks all four against the installed
 aiortc, so an upgrade fails there first and loudly.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import aiortc
 import aiortc.rtcsctptransport as _sctp
@@ -34,6 +46,87 @@ from cryptography import x509
 from swarm.errors import LocalProtocolError
 
 SCTP_RTO_MIN_S = 0.1  # seconds; keeps retransmits rare on loopback while removing 1 s stalls
+
+# SCTP packet size. aiortc keeps every packet within the IPv6 minimum MTU (1280: 1160 bytes of
+# user data a packet), so a 576-float32 row with its frame header (~2.4 KB) takes three packets.
+# A LAN's MTU is 1500: a UDP payload of at most 1452 bytes (1500 less the IPv6 and UDP headers)
+# is never IP-fragmented there, over IPv4 or IPv6. DTLS adds at most 65 bytes to a record with
+# the ciphers aiortc offers (AES-CBC with SHA-1 is the largest: 13 header, 16 IV, 20 MAC, up to 16
+# padding), which leaves an SCTP packet of 1387 bytes: 1356 bytes of user data, two packets a row.
+UDP_PAYLOAD_MAX = 1452
+DTLS_OVERHEAD_MAX = 65
+SCTP_MAX_PACKET_LENGTH = UDP_PAYLOAD_MAX - DTLS_OVERHEAD_MAX
+SCTP_USERDATA_MAX_LENGTH = (SCTP_MAX_PACKET_LENGTH - 12 - 16) // 4 * 4  # less the common and DATA chunk headers
+
+# Delayed acknowledgement (RFC 4960 §6.2): a SACK for at most every second packet received, and
+# within SACK_DELAY_S for a lone one. Far below SCTP_RTO_MIN_S, so it never triggers a retransmit.
+SACK_EVERY_PACKETS = 2
+SACK_DELAY_S = 0.01
+
+# The RTCSctpTransport attributes the two wrappers below read (its own methods read them too,
+# which tests/peer/test_rtc.py checks).
+SCTP_STATE_READ = ("_outbound_queue", "_flight_size", "_cwnd", "_fast_recovery_exit",
+                   "_sack_needed", "_sack_misordered", "_sack_duplicates", "_association_state")
+_PATCHED = "_colibri_swarm_patch"
+
+
+def _transmit_whole_window(original):
+    """Wrap ``RTCSctpTransport._transmit`` so one call sends all the congestion window allows.
+
+    aiortc sends at most 4 DATA chunks past the bytes in flight per call (its Max.Burst) and the
+    rest only as SACKs come back, so a message of more than four packets waits for the other
+    process to receive and acknowledge before the sender goes on. Calling it again while it makes
+    progress leaves congestion control as it is (the window still bounds the bytes in flight, and
+    fast recovery keeps aiortc's own burst) and sends a message in one go.
+    """
+    async def transmit(self) -> None:
+        while True:
+            queued = len(self._outbound_queue)
+            await original(self)
+            if (not self._outbound_queue or len(self._outbound_queue) == queued
+                    or self._fast_recovery_exit is not None or self._flight_size >= self._cwnd):
+                return
+
+    setattr(transmit, _PATCHED, True)
+    return transmit
+
+
+
+def _delayed_sack(original):
+    """Wrap ``RTCSctpTransport._send_sack`` (called after every packet that needs one) to delay it.
+
+    aiortc acknowledges every packet: half the packets of a one-way transfer are SACKs, each a
+    DTLS record and a datagram with a fixed Python cost on both sides. Acknowledging every second
+    packet (at once on a gap or a duplicate, which drive fast retransmit) halves them.
+    """
+    async def send_now(self) -> None:
+        timer = self.__dict__.pop("_colibri_sack_timer", None)
+        if timer is not None:
+            timer.cancel()
+        self._colibri_sack_pending = 0
+        await original(self)
+
+    async def flush(self) -> None:
+        self.__dict__.pop("_colibri_sack_timer", None)
+        if self._sack_needed and self._association_state == self.State.ESTABLISHED:
+            await send_now(self)
+
+    def on_timer(self) -> None:
+        task = asyncio.ensure_future(flush(self))
+        self._colibri_sack_task = task  # keeps the task referenced until it ends
+
+    async def send_sack(self) -> None:
+        pending = self.__dict__.get("_colibri_sack_pending", 0) + 1
+        if (pending >= SACK_EVERY_PACKETS or self._sack_misordered or self._sack_duplicates
+                or self._association_state != self.State.ESTABLISHED):
+            await send_now(self)
+            return
+        self._colibri_sack_pending = pending
+        if "_colibri_sack_timer" not in self.__dict__:
+            self._colibri_sack_timer = asyncio.get_running_loop().call_later(SACK_DELAY_S, on_timer, self)
+
+    setattr(send_sack, _PATCHED, True)
+    return send_sack
 
 _CERTIFICATES_ATTR = "_RTCPeerConnection__certificates"
 
@@ -46,13 +139,25 @@ def _moved(what: str) -> LocalProtocolError:
 
 
 def configure_aiortc() -> None:
-    """Apply the process-wide aiortc tuning this package relies on (idempotent).
+    """Apply the process-wide aiortc tuning this package relies on (idempotent): the SCTP minimum
+    retransmission timeout, packet size, delayed SACK and whole-window transmit (module docstring).
 
-    Raises LocalProtocolError when aiortc no longer has ``rtcsctptransport.SCTP_RTO_MIN``.
+    Raises LocalProtocolError naming the name when aiortc no longer has one of
+    ``rtcsctptransport.SCTP_RTO_MIN``, ``SCTP_MAX_PACKET_LENGTH``, ``USERDATA_MAX_LENGTH``,
+    ``RTCSctpTransport._transmit`` or ``RTCSctpTransport._send_sack``.
     """
-    if not hasattr(_sctp, "SCTP_RTO_MIN"):
-        raise _moved("aiortc.rtcsctptransport.SCTP_RTO_MIN")
+    for name in ("SCTP_RTO_MIN", "SCTP_MAX_PACKET_LENGTH", "USERDATA_MAX_LENGTH"):
+        if not hasattr(_sctp, name):
+            raise _moved(f"aiortc.rtcsctptransport.{name}")
     _sctp.SCTP_RTO_MIN = SCTP_RTO_MIN_S
+    _sctp.SCTP_MAX_PACKET_LENGTH = SCTP_MAX_PACKET_LENGTH
+    _sctp.USERDATA_MAX_LENGTH = SCTP_USERDATA_MAX_LENGTH
+    transport = _sctp.RTCSctpTransport
+    for name, wrap in (("_transmit", _transmit_whole_window), ("_send_sack", _delayed_sack)):
+        if not hasattr(transport, name):
+            raise _moved(f"aiortc.rtcsctptransport.RTCSctpTransport.{name}")
+        if not getattr(getattr(transport, name), _PATCHED, False):
+            setattr(transport, name, wrap(getattr(transport, name)))
 
 
 def set_certificate(pc: RTCPeerConnection, certificate: RTCCertificate) -> None:
