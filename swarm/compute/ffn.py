@@ -191,16 +191,34 @@ def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
         if selection_bias.shape != (E,):
             raise ValueError(f"selection_bias must have shape ({E},), got {selection_bias.shape}")
         choice = scores + selection_bias.astype(F32)
-    experts = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k].astype(np.int64)  # [T, k]
-    weights = np.take_along_axis(scores, experts, axis=-1)  # [T, k]
+    if T == 1:  # decode: the same choice and values, without take_along_axis's index arrays
+        best = np.argsort(-choice[0], kind="stable")[:top_k]
+        experts = best.astype(np.int64).reshape(1, top_k)
+        weights = scores[0, best].reshape(1, top_k)
+    else:
+        experts = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k].astype(np.int64)  # [T, k]
+        weights = np.take_along_axis(scores, experts, axis=-1)  # [T, k]
     if norm_topk_prob:
-        weights = weights / np.sum(weights, axis=-1, keepdims=True, dtype=F32)
+        weights = weights / np.add.reduce(weights, axis=-1, keepdims=True, dtype=F32)  # = np.sum
     return Routing(experts, np.ascontiguousarray(weights, dtype=F32))
+
+
+def _one_row_slots(routing: Routing) -> list[tuple[int, int]] | None:
+    """For one row whose k experts are distinct (top-k always is): ``(expert, slot)`` pairs,
+    experts ascending; else None."""
+    if routing.experts.shape[0] != 1:
+        return None
+    chosen = routing.experts[0].tolist()
+    pairs = sorted(zip(chosen, range(len(chosen))))
+    return pairs if len(set(chosen)) == len(chosen) else None
 
 
 def _expert_slots(routing: Routing) -> dict[int, np.ndarray]:
     """Expert index → the flat indices ``row * top_k + slot`` routed to it, rows ascending;
     experts ascending."""
+    pairs = _one_row_slots(routing)
+    if pairs is not None:  # decode: one slot per expert
+        return {e: np.array([j]) for e, j in pairs}
     flat = routing.experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # stable: rows ascending within one expert
     if routing.experts.shape[0] == 1:  # decode: one row's k experts, distinct: one slot each
@@ -215,6 +233,9 @@ def _expert_slots(routing: Routing) -> dict[int, np.ndarray]:
 def expert_rows(routing: Routing) -> dict[int, np.ndarray]:
     """Expert index → the rows routed to it, ascending (int64). Only selected experts appear;
     keys are in ascending order."""
+    pairs = _one_row_slots(routing)
+    if pairs is not None:  # decode: every expert gets row 0
+        return {e: np.zeros(1, np.int64) for e, _ in pairs}
     k = routing.experts.shape[1]
     return {e: (idx // k).astype(np.int64) for e, idx in _expert_slots(routing).items()}
 
@@ -256,6 +277,19 @@ def combine(T: int, H: int, routing: Routing, outputs: Mapping[int, np.ndarray],
     k = routing.experts.shape[1]
     flat_weights = routing.weights.reshape(-1)  # index = row * k + slot, as in _expert_slots
     out = np.zeros((T, H), dtype=F32)
+    pairs = _one_row_slots(routing) if T == 1 else None
+    if pairs is not None:  # decode: the same float32 multiply and add on the row, in expert order
+        row, term = out[0], np.empty(H, F32)
+        for e, j in pairs:
+            y = outputs.get(e)
+            if y is None or y.shape != (1, H) or y.dtype != F32:
+                got = None if y is None else (y.shape, y.dtype)
+                raise ValueError(f"expert {e}: expected output [1, {H}] float32, got {got}")
+            np.multiply(y[0], flat_weights[j], out=term)
+            row += term
+        if shared is not None:
+            out += shared
+        return out
     for e, idx in _expert_slots(routing).items():  # ascending expert index
         rows = idx // k
         y = outputs.get(e)
@@ -322,8 +356,11 @@ class LocalFFN:
         if self._moe[layer]:
             T, H = x.shape
             routing = route(m.router_logits(layer, x, seg), **m.routing_config(layer).kwargs())
-            outputs = {e: swiglu_rows(m.expert_weights(layer, e), x[rows], None if seg is None else seg[rows])
-                       for e, rows in expert_rows(routing).items()}
+            if T == 1:  # decode: every expert takes the one row as it is
+                outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x) for e in expert_rows(routing)}
+            else:
+                outputs = {e: swiglu_rows(m.expert_weights(layer, e), x[rows], None if seg is None else seg[rows])
+                           for e, rows in expert_rows(routing).items()}
             return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x, seg))
         ranges = self.plan.get(layer)
         if not ranges:

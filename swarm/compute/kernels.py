@@ -13,15 +13,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from swarm.compute.quant import QMatrix, as_qmatrix
+from swarm.compute.quant import QMatrix, _kernels, as_qmatrix
 
 F32 = np.float32
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis: ``w * x / sqrt(mean(x²) + eps)`` (LlamaRMSNorm). x [..., D] f32."""
-    var = np.add.reduce(x * x, axis=-1, keepdims=True) / F32(x.shape[-1])
-    return weight * (x * (F32(1.0) / np.sqrt(var + F32(eps))))
+    """RMSNorm over the last axis: ``w * x / sqrt(mean(x²) + eps)`` (LlamaRMSNorm).
+
+    x [..., D] f32; weight f32 of x's trailing shape ([D], or [n, D] for x [T, n, D]). Returns a
+    new [..., D] f32 array. Compiled, one pass per row: the mean square is summed in float64 in
+    index order and rounded once to float32, the rest is float32 as transformers computes it;
+    each row's bits do not depend on the other rows. Raises ValueError on other dtypes/shapes."""
+    if x.dtype != F32 or weight.dtype != F32 or weight.shape != x.shape[x.ndim - weight.ndim:]:
+        raise ValueError(f"rms_norm needs float32 x [..., D] and a float32 weight of its trailing shape, "
+                         f"got x {x.dtype} {x.shape}, weight {weight.dtype} {weight.shape}")
+    D = x.shape[-1]
+    out = np.empty(x.shape, F32)
+    (_row or _row_kernels()).rms_norm(x.reshape(-1, D), weight.reshape(-1, D), F32(eps), out.reshape(-1, D))
+    return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -35,8 +45,9 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Numerically stable softmax in float32 along ``axis``."""
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return e / np.sum(e, axis=axis, keepdims=True, dtype=F32)
+    # the ufuncs' reduce is what np.max / np.sum call, without their Python wrappers
+    e = np.exp(x - np.maximum.reduce(x, axis=axis, keepdims=True))
+    return e / np.add.reduce(e, axis=axis, keepdims=True, dtype=F32)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
@@ -84,6 +95,12 @@ def signed_sin(sin: np.ndarray) -> np.ndarray:
 def apply_rope_swapped(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
     """:func:`apply_rope` with tables already broadcast to x's shape and ``ssin = signed_sin(sin)``:
     ``rotate_half(x) * sin == swap_halves(x) * ssin`` exactly, in two fewer array passes."""
+    if x.shape == cos.shape == ssin.shape and x.dtype == cos.dtype == ssin.dtype == F32:
+        hd = x.shape[-1]  # one compiled pass, the same float32 operations per element
+        out = np.empty(x.shape, F32)
+        (_row or _row_kernels()).rope_swapped(x.reshape(-1, hd), cos.reshape(-1, hd), ssin.reshape(-1, hd),
+                                              out.reshape(-1, hd))
+        return out
     half = x.shape[-1] // 2
     out = x * cos
     out += np.concatenate([x[..., half:], x[..., :half]], axis=-1) * ssin
@@ -115,7 +132,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     scores = np.matmul(qg, k.transpose(0, 2, 1))  # [nkv, g*T, S]
     if mask is not None:
         scores += mask
-    scores -= np.max(scores, axis=-1, keepdims=True)
+    scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)  # np.max without its wrapper
     np.exp(scores, out=scores)
     denom = np.add.reduce(scores, axis=-1, keepdims=True)  # [nkv, g*T, 1]
     out = np.matmul(scores, v)  # [nkv, g*T, hd]
@@ -165,9 +182,39 @@ def swiglu(w: MLPWeights, x: np.ndarray) -> np.ndarray:
     """``W_down (silu(W_gate x) * W_up x)`` for rows x [n, H] f32 → [n, H] f32."""
     g = w.gate.matmul(x)  # [n, F]
     u = w.up.matmul(x)
-    a = np.negative(g)  # silu(g) * u = g / (1 + exp(-g)) * u, in one buffer
-    np.exp(a, out=a)
-    a += F32(1.0)
-    np.divide(g, a, out=a)
-    a *= u
-    return w.down.matmul(a)  # [n, H]
+    silu_mul(g, u)
+    return w.down.matmul(g)  # [n, H]
+
+
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``g <- silu(g) * u = g / (1 + exp(-g)) * u`` in place and returned; g, u float32 [n, F]
+    C-contiguous (as :meth:`QMatrix.matmul` returns them). numpy's float32 exp, then one
+    compiled pass for the rest: the bits of the numpy expression, in three calls instead of five."""
+    e = np.negative(g)
+    np.exp(e, out=e)
+    (_row or _row_kernels()).silu_mul(g, u, e)
+    return g
+
+
+_row = None
+
+
+def prepare_row_kernels() -> None:
+    """Load (or, the first time on a machine, compile) the element-wise kernels now."""
+    _row_kernels()
+
+
+def _row_kernels():
+    """The compiled element-wise kernels (swarm/compute/rowkernels.py), loaded on first use
+    after the block kernels, which set numba's cache directory and thread count."""
+    global _row
+    if _row is None:
+        _kernels()
+        from swarm.compute import rowkernels
+        one = np.ones((1, 1), F32)
+        rowkernels.silu_mul(one.copy(), one, one)  # compile or load from the cache now
+        rowkernels.rms_norm(one, one, F32(1e-6), one.copy())
+        two = np.ones((1, 2), F32)
+        rowkernels.rope_swapped(two, two, two, two.copy())
+        _row = rowkernels
+    return _row

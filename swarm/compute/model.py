@@ -23,7 +23,8 @@ from swarm.compute.config import ModelConfig
 from swarm.compute.ffn import (FFNBackend, LocalFFN, RoutingConfig, block_kernels, row_calls, segment_ids,
                                segmented, shared_expert)
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, causal_mask, rms_norm,
-                                   llama3_inv_freq, rope_inv_freq, rope_tables, signed_sin)
+                                   llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
+                                   signed_sin)
 from swarm.compute.quant import QMatrix, prepare_kernels
 
 F32 = np.float32
@@ -107,6 +108,7 @@ class Model:
         self.format = "hf" if checkpoint.path.is_dir() else "gguf"
         self._lock = threading.RLock()
         prepare_kernels()  # compile or load them now, not inside the first (deadline-bound) request
+        prepare_row_kernels()
         self._attn: dict[int, AttentionWeights] = {}
         self._dense: dict[int, MLPWeights] = {}
         self._experts: dict[tuple[int, int], MLPWeights] = {}

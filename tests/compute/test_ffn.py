@@ -114,6 +114,22 @@ def test_dense_ranges_sum_to_the_full_mlp():
         w.range(30, 41)
 
 
+def test_route_of_one_row_equals_its_row_of_the_batch():
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(9, 16)).astype(F32) * 3
+    logits[4, 3] = logits[4, 7] = logits[4].max() + 1  # a tie inside one row
+    for kw in (dict(top_k=4, norm_topk_prob=True), dict(top_k=3, norm_topk_prob=False, scoring="sigmoid")):
+        batch = route(logits, **kw)
+        for t in range(logits.shape[0]):  # decode takes the one-row path
+            one = route(logits[t:t + 1], **kw)
+            np.testing.assert_array_equal(one.experts, batch.experts[t:t + 1])
+            np.testing.assert_array_equal(one.weights, batch.weights[t:t + 1])
+            assert one.experts.dtype == np.int64 and one.weights.dtype == F32
+            rows = expert_rows(one)
+            assert list(rows) == sorted(batch.experts[t].tolist())
+            assert all(v.tolist() == [0] and v.dtype == np.int64 for v in rows.values())
+
+
 def test_combine_weights_experts_ascending_then_shared():
     rng = np.random.default_rng(5)
     T, H, E = 6, 4, 5

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from swarm.compute.kernels import (apply_rope, apply_rope_swapped, attention, causal_mask, rms_norm,
-                                   rope_inv_freq, rope_tables, signed_sin)
+                                   rope_inv_freq, rope_tables, signed_sin, silu_mul)
 
 F32 = np.float32
 rng = np.random.default_rng(0)
@@ -19,6 +20,31 @@ def test_rms_norm_float32_against_float64():
     ref = w * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
     assert y.dtype == F32
     np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_rows_alone_equal_the_batch_and_head_weights():
+    x = rng.normal(size=(6, 4, 32)).astype(F32) * 2
+    w = rng.normal(size=(4, 32)).astype(F32)  # one weight per head (Qwen3's q/k norm)
+    y = rms_norm(x, w, 1e-6)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(y, w * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6), rtol=2e-6, atol=2e-6)
+    for t in range(6):
+        np.testing.assert_array_equal(rms_norm(x[t:t + 1], w, 1e-6), y[t:t + 1])
+    np.testing.assert_array_equal(rms_norm(x[:, 1:3], w[1:3], 1e-6), y[:, 1:3])  # a strided view
+    with pytest.raises(ValueError, match="trailing shape"):
+        rms_norm(x, w[0, :16], 1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        rms_norm(x.astype(np.float64), w, 1e-6)
+
+
+def test_silu_mul_is_the_numpy_expression_bit_for_bit():
+    g = rng.normal(size=(5, 96)).astype(F32) * 6
+    u = rng.normal(size=(5, 96)).astype(F32)
+    want = g / (F32(1.0) + np.exp(-g)) * u
+    got = silu_mul(g.copy(), u)
+    np.testing.assert_array_equal(got, want)
+    for t in range(5):
+        np.testing.assert_array_equal(silu_mul(g[t:t + 1].copy(), u[t:t + 1]), want[t:t + 1])
 
 
 def test_rope_swapped_form_equals_rotate_half_exactly():
