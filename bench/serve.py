@@ -175,23 +175,23 @@ async def _serve_swarm(path: Path, model, tokenizer, args) -> dict:
     worker = swarm_bench._spawn_worker(path, server.url(ADDRESS), key.code, "w1", tmp)
 
     class SwarmBackend(EngineBackend):
-        ffn = property(lambda self: roles.engine_ffn, lambda self, value: None)
+        ffn = property(lambda self: roles.coordinator.engine_ffn, lambda self, value: None)
 
     api = None
     try:
         def planned():
-            ffn = roles.ffn
+            ffn = roles.coordinator.ffn
             return ffn is not None and not ffn.failed and len((ffn.pending_plan or ffn.plan).workers()) == 1
 
         await swarm_bench._until(planned, swarm_bench.PLAN_WAIT_S, "a plan over the worker")
 
         async def serving():  # the worker has a share and has answered under it
-            await swarm_bench._until(lambda: planned() and roles.ffn.remote_rows > 0
-                                     and swarm_bench._coordinator_share(roles.ffn.plan) < 1.0,
+            await swarm_bench._until(lambda: planned() and roles.coordinator.ffn.remote_rows > 0
+                                     and swarm_bench._coordinator_share(roles.coordinator.ffn.plan) < 1.0,
                                      swarm_bench.PLAN_WAIT_S, "the worker serving its share")
 
         def state():  # whether the worker took part throughout (a busy machine may cost it its share)
-            ffn = roles.ffn
+            ffn = roles.coordinator.ffn
             return {"coordinator_share": swarm_bench._coordinator_share(ffn.plan), "plan_version": ffn.plan.version,
                     "remote_rows": ffn.remote_rows, "local_fallbacks": ffn.local_fallbacks}
 

@@ -55,7 +55,8 @@ def _stage_rid(msg) -> int | None:
 
 def install(role: str) -> None:
     """Wrap the hand-off points; ``role`` is ``"coordinator"`` or ``"worker"`` (prefix of the points)."""
-    from swarm.peer import roles as roles_mod
+    from swarm.peer.coordinator import role as coordinator_mod
+    from swarm.peer.worker import role as worker_mod
     from swarm.peer.coordinator import stages as stages_mod
     from swarm.peer.net import link as link_mod
     from swarm.peer.net import messages
@@ -107,7 +108,7 @@ def install(role: str) -> None:
     link_mod.Link.send = traced_link_send
 
     if side == "c":
-        send = roles_mod.SwarmRoles.send
+        send = coordinator_mod.CoordinatorRole.send
 
         @functools.wraps(send)
         def traced_send(self, peer, msg):
@@ -116,7 +117,7 @@ def install(role: str) -> None:
                 mark(rid, "c_send")
             return send(self, peer, msg)
 
-        roles_mod.SwarmRoles.send = traced_send
+        coordinator_mod.CoordinatorRole.send = traced_send
         deliver = stages_mod.StagedFFN.deliver
 
         @functools.wraps(deliver)
@@ -143,24 +144,24 @@ def install(role: str) -> None:
             return out
 
         stages_mod.StageRunner.handle = traced_handle
-        on_req = roles_mod.SwarmRoles._on_stage_request
+        on_req = worker_mod.WorkerRole._on_stage_request
 
         @functools.wraps(on_req)
         async def traced_on_req(self, link, msg):
             mark(msg.request_id, "w_task")
             await on_req(self, link, msg)
 
-        roles_mod.SwarmRoles._on_stage_request = traced_on_req
-        sender = roles_mod.SwarmRoles._send
+        worker_mod.WorkerRole._on_stage_request = traced_on_req
+        sender = worker_mod.send_logged  # how the worker role sends its answers
 
         @functools.wraps(sender)
-        async def traced_roles_send(self, link, msg):
+        async def traced_worker_send(link, msg):
             rid = _stage_rid(msg)
             if rid is not None:
                 mark(rid, "w_loop")
-            await sender(self, link, msg)
+            await sender(link, msg)
 
-        roles_mod.SwarmRoles._send = traced_roles_send
+        worker_mod.send_logged = traced_worker_send
 
 
 def dump(path: str | Path) -> None:

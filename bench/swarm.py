@@ -180,32 +180,36 @@ def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None) -
 
 
 class WireCounter:
-    """Counts bytes through every link of a node (outbound fragments, inbound fragments)."""
+    """Counts bytes through every link of a node since :meth:`reset` (outbound fragments, inbound frames and fragments)."""
 
     def __init__(self, node):
-        self.node, self.sent, self.received, self._wrapped = node, 0, 0, set()
+        self.node, self._sent, self._wrapped, self._received_before = node, 0, set(), {}
 
     def wrap_all(self):
         for link in self.node.links.values():
             if id(link) in self._wrapped:
                 continue
             self._wrapped.add(id(link))
-            send, feed = link.channel.send, link._reassembler.feed
+            send = link.channel.send
 
             def counting_send(data, send=send):
-                self.sent += len(data)
+                self._sent += len(data)
                 return send(data)
 
-            def counting_feed(data, now, feed=feed):
-                self.received += len(data)
-                return feed(data, now)
-
             link.channel.send = counting_send
-            link._reassembler.feed = counting_feed
+
+    @property
+    def sent(self) -> int:
+        return self._sent
+
+    @property
+    def received(self) -> int:
+        return sum(link.bytes_received - self._received_before.get(id(link), 0) for link in self.node.links.values())
 
     def reset(self):
         self.wrap_all()
-        self.sent = self.received = 0
+        self._sent = 0
+        self._received_before = {id(link): link.bytes_received for link in self.node.links.values()}
 
 
 # ---------------------------------------------------------------------------- peers
@@ -278,7 +282,7 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, 
         for layout in ("ranges", "stages", "auto"):
             await _switch_layout(roles, model, prompt, layout)
             _progress(f"{delay_ms} ms added, {layout}")
-            ffn = roles.engine_ffn
+            ffn = roles.coordinator.engine_ffn
             run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode)
             cost = (roles.node.placement or {}).get("cost") or {}
             entry = {
@@ -287,7 +291,7 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, 
                 "prefill_vs_local": round(run["prefill_tok_s"] / local["prefill_tok_s"], 3),
                 "greedy_tokens_equal_local": run["tokens"] == local_tokens,
                 "stages": (roles.node.placement or {}).get("stages"),
-                "fallbacks": bool(roles.stages is not None and roles.stages.failed) or bool(roles.ffn.failed),
+                "fallbacks": bool(roles.coordinator.stages is not None and roles.coordinator.stages.failed) or bool(roles.coordinator.ffn.failed),
             }
             if layout == "auto":
                 entry["choice"] = cost.get("choice")
@@ -309,11 +313,11 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, 
 
 async def _switch_layout(roles, model, prompt: list[int], layout: str) -> None:
     """Re-plan with ``layout`` and run two steps, so the plan is in force and the caches warm."""
-    version = roles.ffn.plan.version
-    roles.set_layout(layout)
-    await _until(lambda: roles.ffn is not None and (roles.ffn._next_plan or roles.ffn.plan).version > version
-                 and not roles._replan_pending, 60, f"a plan with layout {layout}")
-    await asyncio.to_thread(run_generation, model, roles.engine_ffn, prompt[:8], 2)
+    version = roles.coordinator.ffn.plan.version
+    roles.coordinator.set_layout(layout)
+    await _until(lambda: roles.coordinator.ffn is not None and (roles.coordinator.ffn.pending_plan or roles.coordinator.ffn.plan).version > version
+                 and not roles.coordinator.replan_pending, 60, f"a plan with layout {layout}")
+    await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt[:8], 2)
 
 
 async def _start_coordinator(model, tmp: Path, layout: str):
@@ -368,13 +372,13 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
             workers.append(_spawn_worker(Path(path), server.url(ADDRESS), key.code, f"w{n_peers - 1}", tmp))
 
             def planned(n=n_peers - 1):  # the coordinator switches to a new plan at its next step
-                ffn = roles.ffn
-                return ffn is not None and not ffn.failed and len((ffn._next_plan or ffn.plan).workers()) == n
+                ffn = roles.coordinator.ffn
+                return ffn is not None and not ffn.failed and len((ffn.pending_plan or ffn.plan).workers()) == n
 
             _progress(f"waiting for a plan over {n_peers - 1} worker(s)")
             await _until(planned, PLAN_WAIT_S, f"a plan over {n_peers - 1} worker(s)")
             _progress("warm-up")
-            ffn = roles.ffn
+            ffn = roles.coordinator.ffn
             await asyncio.to_thread(run_generation, model, ffn, prompt[:8], 2)  # plan applied; slices decoded
             if len(ffn.plan.workers()) != n_peers - 1:
                 raise RuntimeError(f"plan has {len(ffn.plan.workers())} workers after warm-up, expected {n_peers - 1}")
@@ -390,7 +394,7 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
             run_decode.pop("step_s")
             rtts = [link.rtt_s for link in node.links.values() if link.rtt_s]
             plan = ffn.plan
-            if roles.ffn is not ffn or ffn.failed:
+            if roles.coordinator.ffn is not ffn or ffn.failed:
                 run["invalid"] = (f"during the measurement {len(ffn.failed)} worker(s) were marked down "
                                   f"or this peer stopped coordinating; the figures mix remote and local work")
             run.update({
@@ -422,13 +426,13 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
         from swarm.peer.coordinator import dispatch as coordinator
 
         coordinator.DEADLINE_MIN_S = PRODUCT_DEADLINE_MIN_S[0]
-        await _until(lambda: roles.ffn is not None and len(roles.ffn.plan.workers()) >= 1, 60, "a coordinator with workers")
-        n_workers_before = len(roles.ffn.plan.workers())
-        ffn = roles.ffn
+        await _until(lambda: roles.coordinator.ffn is not None and len(roles.coordinator.ffn.plan.workers()) >= 1, 60, "a coordinator with workers")
+        n_workers_before = len(roles.coordinator.ffn.plan.workers())
+        ffn = roles.coordinator.ffn
         # Watch, while the generation runs, for the plan that drops the dead worker.
         async def replanned_at() -> float:
-            await _until(lambda: roles.ffn is not None and bool(killed_at)
-                         and len((roles.ffn._next_plan or roles.ffn.plan).workers()) < n_workers_before,
+            await _until(lambda: roles.coordinator.ffn is not None and bool(killed_at)
+                         and len((roles.coordinator.ffn.pending_plan or roles.coordinator.ffn.plan).workers()) < n_workers_before,
                          180, "a plan without the killed worker")
             return time.monotonic()
 
@@ -488,20 +492,20 @@ async def _trace_main(path: str, n_prompt: int, n_decode: int, delays_ms: list[f
     worker = _spawn_worker(Path(path), server.url(ADDRESS), key.code, "w1", tmp)
     del os.environ["COLIBRI_STAGE_TRACE"]
     try:
-        await _until(lambda: roles.stages is not None and len(roles.stages.layout.workers()) == 1, 90,
+        await _until(lambda: roles.coordinator.stages is not None and len(roles.coordinator.stages.layout.workers()) == 1, 90,
                      "a stage plan over one worker")
-        await asyncio.to_thread(run_generation, model, roles.engine_ffn, prompt[:8], 2)
+        await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt[:8], 2)
         windows = []
         for delay_ms in delays_ms:
             for link in node.links.values():
                 link.added_delay_s = delay_ms / 1e3
             await asyncio.sleep(6 * LINK_OPTIONS["heartbeat_s"] + 1.0)
             seen = {"stages": [["coordinator" if s.peer == node.peer_id else "worker", s.start, s.stop]
-                               for s in roles.stages.layout.stages],
+                               for s in roles.coordinator.stages.layout.stages],
                     "link_rtt_ms": [round(1e3 * link.rtt_s, 3) for link in node.links.values() if link.rtt_s]}
             cpu0 = _cpu_s(os.getpid()), _cpu_s(worker.pid)
             t0 = time.perf_counter_ns()
-            run = await asyncio.to_thread(run_generation, model, roles.engine_ffn, prompt, n_decode)
+            run = await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt, n_decode)
             t1 = time.perf_counter_ns()
             cpu1 = _cpu_s(os.getpid()), _cpu_s(worker.pid)
             windows.append((delay_ms, t0, t1, run, [b - a for a, b in zip(cpu0, cpu1)], seen))

@@ -11,8 +11,8 @@ import os
 import time
 from types import SimpleNamespace
 
-from swarm.peer.node import PeerEvent, _print_event, _print_header
-from swarm.peer.status import main_status
+from swarm.cli.join import _print_event, _print_header
+from swarm.cli.status import main_status
 from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.address import SignalAddress
 from swarm.terminal import console, esc
@@ -35,8 +35,8 @@ def test_join_header_and_events_show_fingerprint_and_names_verbatim():
                            swarm_key=SwarmKey(bytes(range(32))))
     c = console(record=True, width=300)
     _print_header(c, node)
-    for what in ("link-up", "joined", "left"):
-        _print_event(c, PeerEvent(what, "q" * 26, NAME, "browser"))
+    for what in ("link up", "joined", "left"):
+        _print_event(c, {"what": what, "peer_id": "q" * 26, "name": NAME, "detail": "browser"})
     text = c.export_text()
     assert f"certificate SHA-256 {FINGERPRINT}\n" in text
     assert text.count(NAME) == 4

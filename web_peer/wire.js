@@ -12,7 +12,7 @@
 // ReassemblyError, VersionMismatchError, MessageError (each names the field), LocalProtocolError
 // for a message we cannot encode.
 
-export const PROTOCOL_VERSION = 1;
+export const PROTOCOL_VERSION = 2;
 export const FRAME_MAGIC = 0x5753_4c43;     // "CLSW" little-endian
 export const FRAGMENT_MAGIC = 0x4653_4c43;  // "CLSF"
 export const HEADER_BYTES = 24;
@@ -293,7 +293,7 @@ export class Reassembler {
 export const PEER_ID_RE = /^[a-z2-7]{26}$/;
 export const HEX64_RE = /^[0-9a-f]{64}$/;
 
-const ROWS = { tensor: { dtypes: ["f32", "f16"], rank: 2 } };
+const ROWS = { tensor: { dtypes: ["f32"], rank: 2 } };
 const IDS = { tensor: { dtypes: ["i32"], rank: 1 } };
 const PAIR = { pair: ["int", "int"] };
 const BUILD = { record: [["package", "str"], ["numpy", "str"], ["blas", "str"], ["arch", "str"], ["kernel_dtype", "str"]] };
@@ -352,9 +352,9 @@ export const KINDS = {
   4: { name: "LinkHeartbeat", fields: [["seq", "int"], ["sent_s", "float"]] },
   5: { name: "Error", rid: true, fields: [["code", "str"], ["message", "str"]] },
   6: { name: "WeightsHeld", fields: [["plan_version", "int"], ["weight_bytes", "int"]] },
-  16: { name: "RequestVote", fields: [["term", "int"], ["candidate", "str"], ["last_term", "int"], ["last_plan_version", "int"], ["capability", "float"]], check: (m) => peerId(m.candidate, "candidate") },
+  16: { name: "RequestVote", fields: [["term", "int"], ["candidate", "str"]], check: (m) => peerId(m.candidate, "candidate") },
   17: { name: "Vote", fields: [["term", "int"], ["granted", "bool"]] },
-  18: { name: "LeaderHeartbeat", fields: [["term", "int"], ["leader", "str"], ["plan_version", "int"]], check: (m) => peerId(m.leader, "leader") },
+  18: { name: "LeaderHeartbeat", fields: [["term", "int"], ["leader", "str"]], check: (m) => peerId(m.leader, "leader") },
   19: {
     name: "PlanMessage", fields: [["term", "int"], ["version", "int"], ["assignments", { list: ASSIGNMENT }]],
     check: (m) => m.assignments.forEach((a, i) => { peerId(a.peer, `assignments[${i}].peer`); ranges(a.dense, `assignments[${i}].dense`); }),
@@ -377,7 +377,7 @@ export const KINDS = {
     check: (m) => { if (!m.ranges.length) fail("ranges: at least one range"); ranges(m.ranges, "ranges"); segments(m, m.x.shape[0]); },
   },
   35: {
-    name: "DenseAnswer", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["partials", { tensor: { dtypes: ["f32", "f16"], rank: 3 } }]],
+    name: "DenseAnswer", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["partials", { tensor: { dtypes: ["f32"], rank: 3 } }]],
     check: (m) => { ranges(m.ranges, "ranges"); if (m.partials.shape[0] !== m.ranges.length) fail(`${m.partials.shape[0]} partials for ${m.ranges.length} ranges`); },
   },
   36: { name: "StageRequest", rid: true, fields: STAGE_ROWS, check: stageRows },

@@ -190,9 +190,6 @@ class Model:
         """F of a dense layer's MLP."""
         return self.config.intermediate_size
 
-    def expert_intermediate_size(self) -> int:
-        return self.config.moe_intermediate_size
-
     def dense_weights(self, layer: int, lo: int | None = None, hi: int | None = None) -> MLPWeights:
         """The dense MLP of ``layer`` (whole: views of the mapped file) or units ``lo:hi`` of it
         (:meth:`MLPWeights.range`: gate/up rows as views, down's columns as a compact copy)."""

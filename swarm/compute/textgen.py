@@ -1,26 +1,22 @@
-"""Text in, text out: the ``colibri-swarm generate`` command on top of the engine.
+"""Text in, text out on top of the engine.
 
 :func:`generate_text` is the seam between text and tokens: chat messages (or a raw
 prompt) → chat template → token ids, checked against the vocabulary and the context
 (:func:`encode_prompt`) → the engine's token generator → streaming detokenization → text
 pieces (:func:`stream_reply`). It takes any model the engine's ``generate`` accepts; the
 swarm's API encodes through the same function and turns the tokens of its batch scheduler
-(:mod:`swarm.compute.serving`) into text with the same :func:`reply_pieces`.
-:func:`main_generate` is the CLI around it: pick the model file (``--model`` or the
-default model), check the arguments, stream the reply to stdout.
+(:mod:`swarm.compute.serving`) into text with the same :func:`reply_pieces`. The
+``generate`` command around it lives in :mod:`swarm.cli.generate`.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from swarm.compute.sampling import SamplingParams, generate
-from swarm.compute.tokenizer import TextTokenizer, messages_from, tokenizer_for
+from swarm.compute.tokenizer import TextTokenizer
 from swarm.errors import ContextLengthError, ModelFileError, SwarmError
 
 MAX_TEMPERATURE = 2.0  # the highest sampling temperature the CLI and the API accept (OpenAI's bound)
@@ -152,79 +148,3 @@ def generate_text(
     """
     prompt_ids = encode_prompt(model, tokenizer, messages, params.max_tokens)
     yield from stream_reply(model, tokenizer, prompt_ids, params, ffn=ffn, stats=stats)
-
-
-def main_generate(args: argparse.Namespace) -> int:
-    """``colibri-swarm generate PROMPT``: stream a reply to stdout; return the exit code.
-
-    Raises: :class:`~swarm.errors.SwarmError` subclasses for bad arguments, a model file
-    that is missing, truncated or unsupported (:class:`~swarm.errors.ModelFileError`), or a
-    failed default-model download; ``swarm.cli`` prints them as one line.
-    """
-    from swarm.compute.model import load_model
-
-    params = SamplingParams(**sampling_kwargs(args))
-    path = _model_path(args.model)
-    messages: Sequence[Mapping[str, Any]] | str = (
-        args.prompt if args.raw else messages_from(args.prompt, system=args.system)
-    )
-    out = sys.stdout
-    if hasattr(out, "reconfigure"):
-        out.reconfigure(errors="replace")  # a non-UTF-8 terminal gets '?' rather than a crash
-    # A spinner on stderr while the model loads and the prompt is prefilled (seconds on a large
-    # model); it goes when the first piece of the reply is printed. A BrokenPipeError from a
-    # closed stdout is swarm.cli's to handle.
-    with _spinner(f"loading {path.name}") as status:
-        model = load_model(path)
-        tokenizer = tokenizer_for(model)
-        status.update("reading the prompt")
-        pieces = generate_text(model, tokenizer, messages, params)
-        first = next(pieces, "")
-    out.write(first)
-    out.flush()
-    for piece in pieces:
-        out.write(piece)
-        out.flush()
-    out.write("\n")
-    out.flush()
-    return 0
-
-
-def _spinner(text: str):
-    """A transient one-line spinner on stderr (rich), shown only when stderr is a terminal."""
-    from swarm.terminal import console
-
-    return console(stderr=True).status(text, spinner="dots")
-
-
-def _model_path(arg: str | None) -> Path:
-    if arg is None:
-        from swarm.compute.default_model import default_model_path
-
-        return default_model_path()
-    path = Path(arg).expanduser()
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such model file or directory (--model takes a GGUF file or an HF directory)")
-    return path
-
-
-def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Sampling options from the CLI (``generate`` and ``chat``), checked: keyword arguments of
-    :class:`~swarm.compute.sampling.SamplingParams`.
-
-    Raises: :class:`~swarm.errors.SwarmError`, one line naming the flag and its rule.
-    """
-    checks = [
-        ("--max-tokens", args.max_tokens, args.max_tokens >= 1, "must be at least 1"),
-        ("--temperature", args.temperature, 0.0 <= args.temperature <= MAX_TEMPERATURE,
-         f"must be ≥ 0 and ≤ {MAX_TEMPERATURE:g} (0 = greedy)"),
-        ("--top-p", args.top_p, 0.0 < args.top_p <= 1.0, "must be in (0, 1]"),
-        ("--top-k", args.top_k, args.top_k >= 0, "must be ≥ 0 (0 = all tokens)"),
-    ]
-    for flag, value, ok, rule in checks:
-        if not ok:
-            raise SwarmError(f"{flag} {value}: {rule}")
-    return dict(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
-    )

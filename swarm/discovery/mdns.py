@@ -1,6 +1,7 @@
-"""mDNS adapters over python-zeroconf's async API: advertise a signaling server, browse for them.
+"""mDNS adapters over python-zeroconf's async API: advertise a signaling server, browse for them
+(the coordinator API's record uses the same adapters: :mod:`.api_record`).
 
-Both share one :class:`zeroconf.asyncio.AsyncZeroconf` made by :func:`open_zeroconf`
+All share one :class:`zeroconf.asyncio.AsyncZeroconf` made by :func:`open_zeroconf`
 (``InterfaceChoice.All``, IPv4: works across network namespaces and without a default route).
 Records are parsed and chosen by the pure modules :mod:`.records` and :mod:`.choice`.
 """
@@ -34,19 +35,12 @@ def instance_name(host_peer_id: str, started: float) -> str:
     return f"colibri-{host_peer_id[:32]}-{int(started * 1000) % 10**9}.{SERVICE_TYPE}"
 
 
-class Advertiser:
-    """Announces one signaling server; :meth:`close` sends the goodbye packets."""
+class ServiceAdvertiser:
+    """Announces one service instance (``info``) on ``zc``; :meth:`close` sends the goodbye packets."""
 
-    def __init__(self, zc: AsyncZeroconf, record: ServerRecord) -> None:
-        addresses = list(record.addresses) or local_addresses()
-        self.record = record
+    def __init__(self, zc: AsyncZeroconf, info: AsyncServiceInfo) -> None:
         self._zc = zc
-        self._info = AsyncServiceInfo(
-            SERVICE_TYPE, record.name,
-            addresses=[socket.inet_aton(a) for a in addresses],
-            port=record.port, properties=encode_txt(record),
-            server=record.host_name,
-        )
+        self._info = info
 
     async def start(self) -> None:
         """Register (probe + announce). zeroconf returns a task that must be awaited as well (docs/architecture.md §7)."""
@@ -56,6 +50,20 @@ class Advertiser:
         """Withdraw the service: goodbye packets (TTL 0) so browsers drop it at once."""
         with contextlib.suppress(Exception):  # zeroconf already closed: nothing left to withdraw
             await (await self._zc.async_unregister_service(self._info))
+
+
+class Advertiser(ServiceAdvertiser):
+    """Announces one signaling server."""
+
+    def __init__(self, zc: AsyncZeroconf, record: ServerRecord) -> None:
+        addresses = list(record.addresses) or local_addresses()
+        self.record = record
+        super().__init__(zc, AsyncServiceInfo(
+            SERVICE_TYPE, record.name,
+            addresses=[socket.inet_aton(a) for a in addresses],
+            port=record.port, properties=encode_txt(record),
+            server=record.host_name,
+        ))
 
 
 class ServerBrowser:

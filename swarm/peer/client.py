@@ -2,7 +2,7 @@
 
 Where the API is, in this order: ``--api URL``; the local peer's status file (``colibri-swarm
 join`` running on this machine: its ``api_url``, or its own API port when it coordinates);
-the coordinator's mDNS record (:mod:`swarm.peer.api_discovery`) — also what a plain
+the coordinator's mDNS record (:mod:`swarm.discovery.api_record`) — also what a plain
 ``generate`` on a worker's machine uses, rather than running the model locally. The bearer
 token is the stored swarm key's API token, or ``$COLIBRI_SWARM_API_KEY``.
 
@@ -22,7 +22,6 @@ import http.client
 import json
 import os
 import ssl
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -53,7 +52,7 @@ class Endpoint:
     tls: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
 
 
-def _endpoint(url: str, token: str) -> Endpoint:
+def make_endpoint(url: str, token: str) -> Endpoint:
     """An endpoint for ``url`` whose HTTPS trusts only the stored swarm key's API CA."""
     from swarm.keys import swarmkey
 
@@ -67,7 +66,7 @@ def _endpoint(url: str, token: str) -> Endpoint:
     return Endpoint(url.rstrip("/"), token, tls)
 
 
-def _token() -> str:
+def api_token() -> str:
     token = os.environ.get(API_KEY_ENV)
     if token:
         return token
@@ -80,7 +79,7 @@ def _token() -> str:
     return key.api_token
 
 
-def _local_peer() -> dict | None:
+def local_peer() -> dict | None:
     """The status document of the peer running on this machine, or None when none runs."""
     try:
         from swarm.peer.status import read_status
@@ -90,9 +89,9 @@ def _local_peer() -> dict | None:
         return None
 
 
-def _from_status(doc: dict | None = None) -> str | None:
+def api_url_from_status(doc: dict | None = None) -> str | None:
     """The API URL the local peer's status names, if a peer runs here and knows one."""
-    doc = _local_peer() if doc is None else doc
+    doc = local_peer() if doc is None else doc
     if doc is None:
         return None
     url = doc.get("api_url")
@@ -113,24 +112,24 @@ def find_endpoint(api: str | None = None, *, mdns: bool = True, token: str | Non
     Raises:
         SwarmError: no swarm key / token, or (with ``mdns``) no coordinator advertised one.
     """
-    token = token or _token()
+    token = token or api_token()
     if api:
-        return _endpoint(api, token)
-    url = _from_status()
+        return make_endpoint(api, token)
+    url = api_url_from_status()
     if url:
-        return _endpoint(url, token)
+        return make_endpoint(url, token)
     if not mdns:
         return None
     from swarm.keys import swarmkey
-    from swarm.peer.api_discovery import find_api
+    from swarm.discovery.api_record import find_api
 
     key = swarmkey.load()
     if key is None:
         raise SwarmError("no swarm key on this machine to find the swarm by; pass --api URL")
-    return _endpoint(asyncio.run(find_api(key.swarm_id)).url, token)
+    return make_endpoint(asyncio.run(find_api(key.swarm_id)).url, token)
 
 
-def _request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespace) -> dict:
+def request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespace) -> dict:
     body: dict[str, Any] = {"messages": list(messages), "max_tokens": args.max_tokens,
                             "temperature": args.temperature, "top_p": args.top_p}
     if args.seed is not None:
@@ -245,100 +244,3 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
         return f"{exc.code} {json.loads(exc.read())['error']['message']}"
     except (ValueError, KeyError, TypeError, OSError):
         return f"HTTP {exc.code} {exc.reason}"
-
-
-# ---------------------------------------------------------------------------- commands
-
-
-def main_generate_swarm(args: argparse.Namespace) -> int | None:
-    """``generate`` through the swarm; None when no peer runs here and neither ``--swarm`` nor
-    ``--api`` was given (the caller then runs the engine locally).
-
-    Raises: SwarmError when a peer runs here (a worker) but no coordinator's API can be found:
-    the user asked the swarm, so it does not silently run the model locally instead.
-    """
-    api = getattr(args, "api", None)
-    endpoint = find_endpoint(api, mdns=True) if args.swarm or api else _quiet_endpoint()
-    if endpoint is None:
-        return None
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    messages.append({"role": "user", "content": args.prompt})
-    body = _request_body(messages, args)
-    if getattr(args, "raw", False):  # no chat template: the API's text completion
-        del body["messages"]
-        body["prompt"] = args.prompt
-    out = sys.stdout
-    for piece in stream_chat_retrying(endpoint, body, rediscover=not api, on_retry=_say_retrying):
-        out.write(piece)
-        out.flush()
-    out.write("\n")
-    out.flush()
-    return 0
-
-
-def _say_retrying(exc: SwarmError) -> None:
-    print(f"\n[{exc}; trying the next coordinator, for up to {RETRY_S:g} s]", file=sys.stderr, flush=True)
-
-
-def _quiet_endpoint() -> Endpoint | None:
-    """The swarm's API when a peer runs here: its own when it coordinates, else the coordinator's
-    mDNS record. None (no mDNS wait) when no peer runs here."""
-    doc = _local_peer()
-    if doc is None:
-        return None
-    url = _from_status(doc)
-    if url is not None:
-        return _endpoint(url, _token())
-    try:
-        return find_endpoint(None, mdns=True)
-    except SwarmError as exc:
-        raise SwarmError(f"a peer of the swarm runs here (role {doc.get('role')}), but {exc}; "
-                         "or pass --local to run the model on this machine alone") from None
-
-
-HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves"
-
-
-def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
-    """``colibri-swarm chat``: a REPL with history, streamed through the coordinator's API."""
-    from swarm.terminal import console as terminal_console
-    from swarm.terminal import esc
-
-    console = terminal_console(soft_wrap=False)
-    endpoint = find_endpoint(args.api)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict[str, str]] = list(system)
-    console.print(f"[dim]colibri-swarm chat via {esc(endpoint.url)} — {HELP}[/]")
-    while True:
-        try:
-            line = input_fn("> ")
-        except EOFError:
-            console.print()
-            return 0
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            return 0
-        if text == "/reset":
-            history = list(system)
-            console.print("[dim]conversation cleared[/]")
-            continue
-        if text.startswith("/"):
-            console.print(f"[yellow]unknown command {esc(text.split()[0])}[/]; {HELP}")
-            continue
-        history.append({"role": "user", "content": text})
-        reply: list[str] = []
-        try:
-            for piece in stream_chat_retrying(endpoint, _request_body(history, args), rediscover=not args.api,
-                                              on_retry=_say_retrying):
-                reply.append(piece)
-                console.print(piece, end="", markup=False, soft_wrap=True)
-        except SwarmError as exc:
-            history.pop()  # the turn did not happen; the user may retry it
-            console.print(f"\n[red]{esc(exc)}[/]")
-            continue
-        console.print()
-        history.append({"role": "assistant", "content": "".join(reply)})

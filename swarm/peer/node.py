@@ -1,8 +1,4 @@
-"""The peer node: one Python peer of the swarm, and ``colibri-swarm join``.
-
-``join`` loads the model (``--model``, or the default one; none with ``--no-model``), starts a
-:class:`Node`, and runs :class:`~swarm.peer.roles.SwarmRoles` on it (election, then coordinator
-or worker), printing the swarm, its role and peers as they come and go.
+"""The peer node: one Python peer of the swarm (``colibri-swarm join`` runs one: swarm.cli.join).
 
 :class:`Node` is the reusable asyncio object the election, coordinator and worker build on::
 
@@ -12,7 +8,7 @@ or worker), printing the swarm, its role and peers as they come and go.
     node.on(ExpertRequest, handler)                 # handler(link, message), sync or async
     await node.start()                              # returns once on a signaling server
     node.links[peer_id].send(message)               # open links by peer id
-    node.role = "coordinator"                       # shown by `colibri-swarm status`
+    node.set_role("coordinator")                    # shown by `colibri-swarm status`
     await node.stop()                               # links closed, tasks cancelled, mDNS goodbye
 
 Under it: a :class:`~swarm.discovery.Rendezvous` (find the signaling server by mDNS or host
@@ -26,17 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import os
 import platform
-import signal
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,24 +47,10 @@ from swarm.keys.swarmkey import SwarmKey
 from swarm.peer.status import STATUS_EVERY_S, STATUS_FILE
 from swarm.signaling.client import PeerJoined, PeerLeft, SignalReceived, SignalRefused
 from swarm.signaling.relay import DUPLICATE_NOTICE
-from swarm.terminal import esc
 
 log = logging.getLogger(__name__)
 
-ROLE_POLL_S = 0.5  # how often `join` looks for a role change to print
-LEAVE_STEP_S = 5.0  # the longest each shutdown step of `join` may take before it is abandoned
 EVENTS_KEPT = 50  # the newest swarm events in the status document (dashboard, `status --watch`)
-
-
-@dataclass(frozen=True)
-class PeerEvent:
-    """For the terminal: ``what`` is joined, left, link-up or link-down."""
-
-    what: str
-    peer_id: str
-    name: str
-    kind: str
-    rtt_s: float | None = None
 
 
 def numeric_build() -> NumericBuild:
@@ -134,11 +113,12 @@ class Node:
         self.swarm_key = swarm_key
         self.peer_id = peer_id
         self.name = name or socket.gethostname()
-        self.role = "peer"  # the election sets "coordinator" or "worker"
-        self.placement: Any = None  # the plan as this peer knows it (JSON-able): set by the roles, for status
+        self.role = "peer"  # "coordinator" or "worker" once elected: set_role()
+        self.placement: dict[str, Any] | None = None  # the plan as this peer knows it, for status: set_placement()
         # What the roles measured (JSON-able dict, e.g. per-peer timings), merged into status() as "observed".
-        self.observed: Callable[[], dict[str, Any]] = dict
+        self._observer: Callable[[], dict[str, Any]] = dict
         self.activity: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)  # see record()
+        self.recorded = 0  # events recorded so far (activity keeps the newest EVENTS_KEPT)
         # peer id → (name, kind) from its presence and hello, kept after it leaves: events name it
         self.known: dict[str, tuple[str, str]] = {}
         self.hello = Hello(
@@ -147,7 +127,6 @@ class Node:
             ffn_gflops=measure_ffn_gflops() if ffn_gflops is None else ffn_gflops,
             peer_kind="python", adapter_limits={}, adapter_features=(), name=self.name[:64],
         )
-        self.events: asyncio.Queue[PeerEvent] = asyncio.Queue()
         self.status_path = status_path or paths.config_dir() / STATUS_FILE
         self.rendezvous = Rendezvous(swarm_key.secret, peer_id, name=self.name[:64], signal_url=signal_url,
                                      **(rendezvous_options or {}))
@@ -184,10 +163,33 @@ class Node:
         return self.swarm_key.swarm_id
 
     def record(self, what: str, peer_id: str = "", name: str = "", detail: str = "") -> None:
-        """Note a swarm event for status and the dashboard: ``what`` is e.g. "joined", "left",
-        "link up", "link down", "marked down", "replanned", "coordinator changed"; ``t`` is Unix s."""
+        """Note a swarm event for status, the dashboard and ``join``'s terminal: ``what`` is e.g.
+        "joined", "left", "link up", "link down", "marked down", "replanned", "coordinator
+        changed"; ``t`` is Unix s; ``detail`` of "joined", "left" and "link up" is the peer's kind."""
         self.activity.append({"t": round(time.time(), 3), "what": what, "peer_id": peer_id, "name": name,
                               "detail": detail})
+        self.recorded += 1
+
+    def activity_since(self, seen: int) -> list[dict[str, Any]]:
+        """The events recorded after the first ``seen`` (those still kept), oldest first."""
+        return list(self.activity)[max(len(self.activity) - (self.recorded - seen), 0):]
+
+    def set_role(self, role: str) -> None:
+        """``role``: "coordinator", "worker" or "peer" (none known), for status; a peer takes
+        browser links only while it coordinates."""
+        self.role = role
+
+    def set_placement(self, placement: dict[str, Any] | None) -> None:
+        """The plan as this peer knows it (JSON-able), for status; None: no plan."""
+        self.placement = placement
+
+    def update_placement(self, fields: dict[str, Any]) -> None:
+        """Add ``fields`` to the placement (to an empty one if there is none)."""
+        self.placement = {**(self.placement or {}), **fields}
+
+    def set_observer(self, observer: Callable[[], dict[str, Any]]) -> None:
+        """``observer()``: what the roles measured (JSON-able), merged into status() as "observed"."""
+        self._observer = observer
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -236,13 +238,11 @@ class Node:
             case PeerJoined(peer=info):
                 self.known[info.peer_id] = (info.name, info.kind)
                 self.mesh.peer_joined(info)
-                self.events.put_nowait(PeerEvent("joined", info.peer_id, info.name, info.kind))
                 self.record("joined", info.peer_id, info.name, info.kind)
             case PeerLeft(peer_id=peer_id):
                 self.mesh.peer_left(peer_id)
                 name, kind = self.known.get(peer_id, ("", "?"))  # the presence list has dropped it already
-                self.events.put_nowait(PeerEvent("left", peer_id, name, kind))
-                self.record("left", peer_id, name)
+                self.record("left", peer_id, name, kind)
             case SignalReceived(sender=sender, data=data):
                 await self.mesh.handle_signal(sender, data)
             case SignalRefused(code=code, detail=detail):
@@ -252,15 +252,11 @@ class Node:
         hello = link.hello
         if hello is not None and link.peer_id:
             self.known[link.peer_id] = (hello.name, hello.peer_kind)
-        self.events.put_nowait(PeerEvent("link-up", link.peer_id or "?", hello.name if hello else "",
-                                         hello.peer_kind if hello else "?", link.rtt_s))
         self.record("link up", link.peer_id or "?", hello.name if hello else "", hello.peer_kind if hello else "")
         self._refresh_status()
 
     def _link_down(self, peer_id: str) -> None:
-        name, kind = self.known.get(peer_id, ("", ""))
-        self.events.put_nowait(PeerEvent("link-down", peer_id, name, kind))
-        self.record("link down", peer_id, name)
+        self.record("link down", peer_id, self.known.get(peer_id, ("", ""))[0])
         self._refresh_status()
 
     def _refresh_status(self) -> None:
@@ -317,7 +313,7 @@ class Node:
             "system": platform.system(),
             "placement": self.placement,
             "peers": peers,
-            "observed": self.observed(),
+            "observed": self._observer(),
             "events": list(self.activity),
         }
 
@@ -331,189 +327,3 @@ class Node:
         while True:
             self._refresh_status()
             await asyncio.sleep(STATUS_EVERY_S)
-
-
-# -- colibri-swarm join ------------------------------------------------------------------------------
-
-
-def main_join(args: Any) -> int:
-    """``colibri-swarm join``: run a peer until Ctrl-C (or SIGTERM); say goodbye on the way out."""
-    from swarm.terminal import console as terminal_console
-
-    console = terminal_console()
-    try:
-        asyncio.run(_join(args, console))
-    except KeyboardInterrupt:
-        pass
-    console.print("[bold]goodbye[/] — left the swarm")
-    return 0
-
-
-async def freeze_heap() -> None:
-    """Put every object alive now (libraries, the model, its tokenizer: they live as long as the
-    process) out of the cyclic garbage collector's reach. A full collection runs inside whichever
-    event-loop callback triggers it and walks every tracked object: 0.07 s of the loop's CPU in
-    a joined peer before; afterwards it walks only what came later. Start-up garbage is collected
-    first (in a thread: nothing on the loop waits for it), as a frozen cycle would never go."""
-    await asyncio.to_thread(gc.collect)
-    gc.freeze()
-
-
-async def _join(args: Any, console: Any) -> None:
-    from swarm.peer.loopwatch import watch_slow_callbacks
-
-    with watch_slow_callbacks(asyncio.get_running_loop()):
-        await _run_peer(args, console)
-
-
-async def _run_peer(args: Any, console: Any) -> None:
-    from swarm.keys import identity, swarmkey
-    from swarm.compute.serving import set_default_limits
-    from swarm.peer.roles import SwarmRoles
-
-    paths.lock_config_dir()  # first: one process per identity (and its key file); the OS releases it at exit
-    key, created = _swarm_key(args, swarmkey)
-    ident = identity.load_or_create()
-    model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
-    gflops = await asyncio.to_thread(measure_ffn_gflops)
-    await freeze_heap()
-    node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
-                ffn_gflops=gflops,
-                signal_url=args.signal, memory_budget=default_memory_budget(args.memory << 20 if args.memory else None),
-                model_hash=model.content_hash() if model is not None else None,
-                rendezvous_options={"bind_port": args.port} if getattr(args, "port", None) else None)
-    if created:
-        console.print("created a new swarm key; other peers join with:")
-        console.print(f"  [bold]colibri-swarm join --key {esc(key.code)}[/]")
-    main = asyncio.current_task()
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError):  # SIGTERM ends the peer as cleanly as Ctrl-C
-        loop.add_signal_handler(signal.SIGTERM, main.cancel)  # type: ignore[union-attr]
-    roles = None
-    try:
-        # On signaling first, so that peers starting together see each other while each builds its
-        # tokenizer (none leads alone). A plan that reaches this peer meanwhile finds no handler;
-        # the coordinator sends it again when this peer refuses a request of it.
-        with console.status("looking for the swarm on this network…"):
-            await node.start()
-        _print_discovery_hints(console, node, key_created=created)
-        set_default_limits(getattr(args, "max_batch", None), getattr(args, "max_queue", None))  # the API's batch
-        roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
-                                        api_tls=False if getattr(args, "api_plain_http", False) else None)
-        await freeze_heap()  # the tokenizer and the model's index too
-        await roles.start()
-        _print_header(console, node)
-        shown = (node.role, None)
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                _print_event(console, await asyncio.wait_for(node.events.get(), ROLE_POLL_S))
-            if node.error is not None:
-                raise node.error  # e.g. the key was refused at --signal: exit with one clear line
-            api_port = (node.placement or {}).get("api_port") if isinstance(node.placement, dict) else None
-            if (node.role, api_port) != shown:
-                shown = (node.role, api_port)
-                api = f", OpenAI API on port {api_port}" if api_port else ""
-                console.print(f"role: [bold]{esc(node.role)}[/]{api}")
-                if api_port and node.placement.get("api_scheme") == "https":
-                    from swarm.peer.coordinator.api_tls import ca_fingerprint
-
-                    console.print(f"the API speaks HTTPS; its CA certificate SHA-256 {esc(ca_fingerprint(key))} "
-                                  "(`colibri-swarm key` writes it to a file for other clients)")
-                if api_port:
-                    _print_dashboard(console, node, roles, api_port)
-    except asyncio.CancelledError:
-        pass
-    finally:
-        await _leave(node, roles)
-
-
-async def _leave(node: Node, roles: Any) -> None:
-    """Stop the roles, then the node; each step bounded so Ctrl-C always ends the peer."""
-    steps = [("roles", roles.stop)] if roles is not None else []
-    for what, stop in steps + [("links and signaling", node.stop)]:
-        log.info("leaving: stopping %s", what)
-        try:
-            await asyncio.wait_for(stop(), LEAVE_STEP_S)
-        except asyncio.TimeoutError:
-            log.warning("leaving: stopping %s took over %g s; going anyway", what, LEAVE_STEP_S)
-        except Exception:  # leaving must not fail halfway
-            log.exception("leaving: stopping %s failed", what)
-    log.info("leaving: done")
-
-
-def _load_model(path: str | None, console: Any) -> Any:
-    from swarm.compute.default_model import default_model_path
-    from swarm.compute.model import load_model
-
-    if path is None:
-        path = default_model_path()
-    model = load_model(path)
-    console.print(f"model {esc(path)} (hash {model.content_hash()[:16]}…)")
-    return model
-
-
-def _swarm_key(args: Any, swarmkey: Any) -> tuple[SwarmKey, bool]:
-    if args.key:
-        return swarmkey.store(args.key), False
-    existing = swarmkey.load()
-    return (existing, False) if existing is not None else (swarmkey.create(), True)
-
-
-def _print_header(console: Any, node: Node) -> None:
-    from web_peer.pageurl import page_addresses, page_link_text  # the peer page's URL (key in the fragment) + QR
-
-    rv = node.rendezvous
-    console.print(f"swarm [bold]{esc(node.swarm_id)}[/]  peer [bold]{esc(node.peer_id)}[/] ({esc(node.name)})  "
-                  "electing a coordinator…")
-    if rv.server is not None:
-        console.print(f"hosting signaling on port {rv.server.port}, certificate SHA-256 "
-                      f"{esc(rv.server.certificate.fingerprint)}")
-        addresses = page_addresses(rv)
-        if addresses:
-            console.print(f"peers that do not find it by mDNS: colibri-swarm join --signal {esc(addresses[0])}")
-    elif rv.client is not None:
-        console.print(f"on the signaling server of peer {esc(rv.client.host)}")
-    page = page_link_text(rv, node.swarm_key.code)
-    if page:
-        console.print(page, markup=False, highlight=False, emoji=False)
-
-
-def _print_dashboard(console: Any, node: Node, roles: Any, port: int) -> None:
-    """The coordinator's dashboard URL (the key in its fragment), beside the peer page's."""
-    from swarm.discovery.addresses import local_addresses
-    from swarm.peer.coordinator.dashboard import dashboard_url
-
-    host = (local_addresses() or ["127.0.0.1"])[0]
-    scheme = getattr(roles.api, "scheme", None) or "http"
-    console.print(f"dashboard and chat, for a browser on this network:\n  "
-                  f"{dashboard_url(scheme, host, port, node.swarm_key.code)}", markup=False, highlight=False,
-                  soft_wrap=True)  # one line: a terminal must not break the URL
-
-
-def _print_discovery_hints(console: Any, node: Node, *, key_created: bool) -> None:
-    """Say why this peer started a swarm of its own, and what to do if that was not meant."""
-    rv = node.rendezvous
-    if not rv.found_none:
-        return
-    if rv.other_swarms:
-        ids = ", ".join(sorted(rv.other_swarms))
-        console.print(f"[yellow]another swarm is on this network (swarm {ids}); this peer started swarm "
-                      f"{node.swarm_id}{' with a new key' if key_created else ''}.[/] To join that one instead, "
-                      "stop this peer (Ctrl-C) and run `colibri-swarm join --key CODE` with the code "
-                      "`colibri-swarm key` shows on one of its peers.", markup=True)
-        return
-    console.print("[yellow]no swarm found by mDNS on this network: this peer started one.[/] If peers already "
-                  "run here, multicast may be blocked (guest Wi-Fi, some VPNs): join them with "
-                  "`colibri-swarm join --signal HOST:PORT`, the address their signaling host prints.")
-
-
-def _print_event(console: Any, ev: PeerEvent) -> None:
-    match ev.what:
-        case "link-up":
-            console.print(f"[green]+[/] linked  {esc(ev.name or '?')} ({esc(ev.peer_id)}, {esc(ev.kind)})")
-        case "link-down":
-            console.print(f"[red]-[/] link lost {esc(ev.name or '?')} ({esc(ev.peer_id)})")
-        case "joined":
-            console.print(f"  joined  {esc(ev.name or '?')} ({esc(ev.peer_id)}, {esc(ev.kind)})")
-        case "left":
-            console.print(f"  left    {esc(ev.name or '?')} ({esc(ev.peer_id)})")

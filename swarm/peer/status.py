@@ -67,49 +67,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def main_status(args: Any) -> int:
-    from rich.text import Text
-
-    from swarm.terminal import console as terminal_console
-
-    if args.json:
-        print(json.dumps(read_status(), indent=2))
-        return 0
-    console = terminal_console()
-    if not getattr(args, "watch", False):
-        console.print(render(read_status(), width=min(console.width, WIDTH)))
-        return 0
-    if not console.is_terminal:  # no cursor to redraw with: a plain snapshot per interval, never silence
-        try:
-            while True:
-                console.print(_view_or_error(), Text(f"-- {time.strftime('%H:%M:%S')}"))
-                console.file.flush()
-                time.sleep(WATCH_EVERY_S)
-        except KeyboardInterrupt:
-            pass
-        return 0
-    from rich.live import Live
-
-    with Live(_view_or_error(), console=console, auto_refresh=False) as live:
-        try:
-            while True:
-                time.sleep(WATCH_EVERY_S)
-                live.update(_view_or_error(), refresh=True)
-        except KeyboardInterrupt:
-            pass
-    return 0
-
-
-def _view_or_error() -> Any:
-    """The view of the status file now, or the reason there is none (watching goes on)."""
-    from rich.text import Text
-
-    try:
-        return render(read_status(), events=WATCH_EVENTS)
-    except SwarmError as exc:
-        return Text(f"{exc}\n(watching: Ctrl-C to stop)", style="yellow")
-
-
 def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
     """A rich renderable of a status document, ``width`` columns wide at most: header, peers
     table, plan line, each peer's share in words, and the newest ``events`` swarm events."""

@@ -112,10 +112,10 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
     coord, worker, worker_log = swarm
 
     def planned():
-        ffn = coord.roles.ffn
+        ffn = coord.roles.coordinator.ffn
         plan = ffn and (ffn.pending_plan or ffn.plan)
         workers = plan.workers() if plan else ()
-        return workers[0] if len(workers) == 1 and coord.roles.api_port else None
+        return workers[0] if len(workers) == 1 and coord.roles.coordinator.api_port else None
 
     try:
         worker_id = _until(planned, 120, "the worker in the coordinator's plan")
@@ -133,8 +133,8 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
         page = ctx.new_page()
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
-        scheme = getattr(coord.roles.api, "scheme", None) or "http"  # HTTPS off loopback
-        page.goto(f"{scheme}://{coord.address}:{coord.roles.api_port}/dashboard/#{coord.key.code}")
+        scheme = getattr(coord.roles.coordinator.api, "scheme", None) or "http"  # HTTPS off loopback
+        page.goto(f"{scheme}://{coord.address}:{coord.roles.coordinator.api_port}/dashboard/#{coord.key.code}")
 
         # The token the page derived from the fragment is Python's; and the shared vector holds.
         page.wait_for_function("window.colibriDashboard.token !== null", timeout=10000)
@@ -158,7 +158,7 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
         assert "coordinator" in by_peer[coord.node.peer_id]["text"]
         assert "Linux" in by_peer[worker_id]["text"]
         assert sum(r["pct"] for r in rows) == pytest.approx(100, abs=1.5)
-        shape = coord.roles.shape
+        shape = coord.roles.coordinator.shape
         n_layers = len(set(shape.dense_layers) | set(shape.moe_layers))
         assert all(r["bars"] == n_layers for r in rows)
         from swarm.peer.status import describe_share  # the coordinator computes the shares; the page draws them

@@ -79,7 +79,7 @@ class PythonSwarm:
         self.node = Node(swarm_key=self.key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
                          signal_url=self.server.url(self.address), ffn_gflops=1.0, memory_budget=1 << 30,
                          status_path=self.tmp / "status.json", model_hash=MODEL_HASH)
-        self.node.role = "coordinator"
+        self.node.set_role("coordinator")
         self.answers = asyncio.Queue()
         self.deliver = None  # set to route answers to a RemoteFFN instead of the queue
         for kind in (DenseAnswer, ExpertAnswer, Error):

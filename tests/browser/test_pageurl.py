@@ -39,7 +39,7 @@ def test_page_link_text_for_a_peer_on_a_server_has_url_and_qr():
 def test_join_header_prints_the_page_link():
     from rich.console import Console
 
-    from swarm.peer.node import _print_header
+    from swarm.cli.join import _print_header
 
     rv = SimpleNamespace(server=None, client=SimpleNamespace(host="hostpeer"), signal_url="wss://10.0.0.7:4443/ws", record=None)
     node = SimpleNamespace(rendezvous=rv, swarm_id="59a5996c7f649f5e", peer_id="p" * 26, name="laptop", role="worker",

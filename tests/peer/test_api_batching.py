@@ -14,6 +14,7 @@ from swarm.compute.model import load_model
 from swarm.compute.tokenizer import tokenizer_for
 from swarm.keys.swarmkey import SwarmKey
 from swarm.peer.coordinator.api import ApiServer, EngineBackend
+from swarm.peer.coordinator.dashboard import Dashboard
 from tests.peer._swarm_models import add_char_tokenizer, build
 
 KEY = SwarmKey(bytes(range(2, 34)))
@@ -24,6 +25,7 @@ PROMPTS = ["hello swarm", "tell me a long story about a fox who " * 4, "abc", "w
 
 async def _serve(backend):
     api = ApiServer.for_swarm_key(backend, KEY)
+    Dashboard(dict).attach(api)  # as the coordinator serves it: the dashboard meters every generation
     port = await api.start("127.0.0.1", 0)
     return api, f"http://127.0.0.1:{port}/v1"
 
@@ -56,6 +58,7 @@ async def test_concurrent_requests_get_their_solo_replies(tmp_path):
             together = await asyncio.gather(*[_ask(s, url, p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS)])
         assert together == solo and all(solo)
         assert backend.scheduler.peak_batch > 1  # they did share steps
+        assert len(api.dashboard.generations) == 2 * len(PROMPTS) == api.generations
     finally:
         await api.close()
 

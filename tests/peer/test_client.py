@@ -14,7 +14,8 @@ import pytest
 
 from swarm.errors import SwarmError
 from swarm.peer.coordinator.api import ApiServer, EngineBackend
-from swarm.peer.client import Endpoint, find_endpoint, main_chat, stream_chat
+from swarm.cli.chat import main_chat
+from swarm.peer.client import Endpoint, find_endpoint, stream_chat
 from swarm.keys.swarmkey import SwarmKey
 
 KEY = SwarmKey(bytes(range(1, 33)))
@@ -110,7 +111,7 @@ def test_generate_swarm_finds_the_api_by_mdns(live_api, engine, stored_key, caps
     """`colibri-swarm generate --swarm` with nothing but the stored key: the coordinator's
     mDNS record leads to its API, and the reply is the local greedy reply."""
     from swarm.cli import main
-    from swarm.peer.api_discovery import ApiAdvertiser
+    from swarm.discovery.api_record import ApiAdvertiser
     from zeroconf import InterfaceChoice, IPVersion
     from zeroconf.asyncio import AsyncZeroconf
 
@@ -148,9 +149,9 @@ def test_errors_are_one_clear_line(live_api, stored_key, monkeypatch, capsys, tm
                                                          "max_tokens": -1}))
     with pytest.raises(SwarmError, match="cannot reach"):
         list(stream_chat(Endpoint("http://127.0.0.1:9/v1", KEY.api_token), {"messages": []}))
-    from swarm.peer import api_discovery
+    from swarm.discovery import api_record
 
-    monkeypatch.setattr(api_discovery, "FIND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(api_record, "FIND_TIMEOUT_S", 0.5)
     monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path / "no-key-here"))
     from swarm.cli import main
 
@@ -218,14 +219,14 @@ def test_a_worker_without_a_reachable_api_says_so(stored_key, monkeypatch, capsy
 
     from swarm import paths
     from swarm.cli import main
-    from swarm.peer import api_discovery
+    from swarm.discovery import api_record
     from swarm.peer.status import STATUS_FILE
 
     from swarm.keys import swarmkey
     from swarm.keys.swarmkey import SwarmKey
 
     swarmkey.store(SwarmKey(bytes(32)).code)  # a swarm whose coordinator announces nothing
-    monkeypatch.setattr(api_discovery, "FIND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(api_record, "FIND_TIMEOUT_S", 0.5)
     status = {"pid": os.getpid(), "updated": time.time(), "role": "worker", "placement": None}
     (paths.config_dir() / STATUS_FILE).write_text(json.dumps(status))
     assert main(["generate", "--max-tokens", "2", "hi"]) == 2

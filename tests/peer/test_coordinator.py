@@ -340,7 +340,7 @@ def test_a_warming_peer_is_recomputed_without_being_marked_failed(checkpoints):
         greedy(swarm.model, swarm.ffn, n=1)
         assert swarm.workers[W1].served > before  # in use once ready
         ready.clear()
-        swarm.ffn.warming_until[W1] = 0.0  # window over
+        swarm.ffn.warm({W1: 0.0})  # window over
         assert_same(greedy(swarm.model, swarm.ffn, n=2), local_reference(swarm, n=2))
         assert [p for p, _ in swarm.failed] == [W1]
     finally:
@@ -355,10 +355,10 @@ def test_verify_tolerates_float_reassociation_only_for_approximate_peers(checkpo
 
     swarm = InProcSwarm(checkpoints["mixtral"], 1, tamper=rewrite_answers(W1, nudge), verify=1.0)
     try:
-        swarm.ffn.approximate.add(W1)
+        swarm.ffn.set_approximate({W1})
         tokens, _ = greedy(swarm.model, swarm.ffn, n=3)
         assert tokens == local_reference(swarm, n=3)[0] and swarm.ffn.verified > 0
-        swarm.ffn.approximate.clear()  # a peer of our own build must match bit for bit
+        swarm.ffn.set_approximate(set())  # a peer of our own build must match bit for bit
         with pytest.raises(VerificationError):
             greedy(swarm.model, swarm.ffn, n=1)
     finally:

@@ -266,7 +266,7 @@ def test_status_command_prints_peers_roles_and_plan(tmp_path, monkeypatch, capsy
     import argparse
     import time
 
-    from swarm.peer.status import main_status
+    from swarm.cli.status import main_status
 
     monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path))
     me, other = "m" * 26, "o" * 26

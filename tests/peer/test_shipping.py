@@ -464,15 +464,15 @@ def test_worker_without_the_model_gets_its_plan_slices_and_answers_like_one_with
                               store=SliceCache(tmp_path / "coordinator-cache"))
         shipper.attach(a)
         fetcher = SliceFetcher(b, model.content_hash(), SliceCache(tmp_path / "worker-cache"))
-        sent, shipped = await asyncio.gather(shipper.offer_plan(a, plan), fetch_plan_slices(fetcher, specs))
+        sent, (shipped, received_shape) = await asyncio.gather(shipper.offer_plan(a, plan),
+                                                               fetch_plan_slices(fetcher, specs))
         await a.close()
         await b.close()
-        return sent, shipped
+        return sent, shipped, received_shape
 
-    sent, shipped = _run_in_netns(main)
+    sent, shipped, received_shape = _run_in_netns(main)
     assert len(sent) == len(specs)
-    received_shape = shape_from_meta(sent[0].meta)
-    assert received_shape == shape
+    assert received_shape == shape_from_meta(sent[0].meta) == shape
     ours, reference = Worker(worker_id, received_shape, shipped), Worker(worker_id, shape, model)
     for w in (ours, reference):
         w.accept_plan(plan)

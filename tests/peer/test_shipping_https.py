@@ -361,7 +361,7 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
             https_sent = shipper.http.sent_bytes
             if not reachable:
                 await shipper.close()
-            shipped = await fetch_plan_slices(fetcher, specs)
+            shipped, _ = await fetch_plan_slices(fetcher, specs)
             https_sent = shipper.http.sent_bytes if shipper.http else https_sent
             # The shipper serves what it cut from its disk store, mapped, not from its own memory.
             assert all(isinstance(shipper.source.view(m.slice_id).obj, mmap.mmap) for m in sent)

@@ -54,10 +54,10 @@ async def start_stage_swarm(tmp_path, model_path, gflops: list[float]):
 
 def staged(coord: Peer, workers: list[Peer]) -> bool:
     """The coordinator dispatches stages to every worker, and each accepted that layout."""
-    st = coord.roles.stages
+    st = coord.roles.coordinator.stages
     if st is None or set(st.layout.workers()) != {w.node.peer_id for w in workers}:
         return False
-    return all(w.roles.stage_runner.serves(st.layout.term, st.layout.version) for w in workers)
+    return all(w.roles.worker.stage_runner.serves(st.layout.term, st.layout.version) for w in workers)
 
 
 def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
@@ -66,7 +66,7 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
         try:
             coord, worker = peers
             await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
-            layout = coord.roles.stages.layout
+            layout = coord.roles.coordinator.stages.layout
             loop = asyncio.get_running_loop()
             gone = asyncio.Event()
 
@@ -75,14 +75,14 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
                     loop.call_soon_threadsafe(lambda: asyncio.ensure_future(worker.stop()).add_done_callback(
                         lambda _: gone.set()))
 
-            run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.engine_ffn, prompt, n, on_step)
+            run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn, prompt, n, on_step)
             if kill_at is not None:
                 await gone.wait()
-            st = coord.roles.stages
+            st = coord.roles.coordinator.stages
             placement = coord.node.placement
             # peers whose stage failed during the run (a re-plan after the loss clears st.failed)
             failed = {peer for peer, t in st.timing.items() if t.failures}
-            runner = worker.roles.stage_runner
+            runner = worker.roles.worker.stage_runner
             return run, layout, runner.served, st.rebuilt_positions, failed, runner.inline, placement
         finally:
             for p in peers:
@@ -141,11 +141,11 @@ def test_auto_prices_the_worker_by_its_observed_speed(tmp_path):
         try:
             coord, worker = peers
             await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
-            await asyncio.to_thread(greedy, coord.roles.model, coord.roles.engine_ffn, PROMPT, 4)
-            version = coord.roles.ffn.plan.version
-            coord.roles.set_layout("auto")
+            await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn, PROMPT, 4)
+            version = coord.roles.coordinator.ffn.plan.version
+            coord.roles.coordinator.set_layout("auto")
             await until(lambda: (coord.roles.node.placement or {}).get("cost", {}).get("mode") == "auto"
-                        and coord.roles._plan_version > version, 20, "a plan priced in auto mode")
+                        and coord.roles.coordinator.plan_version > version, 20, "a plan priced in auto mode")
             return coord.roles.node.placement["cost"], worker.node.peer_id
         finally:
             for p in peers:
@@ -178,12 +178,12 @@ def test_a_stage_peer_that_lost_its_stage_plan_is_sent_it_again(tmp_path):
 
             def on_step(step):
                 if step == 3:
-                    worker.roles.stage_runner = fresh  # as after a restart: no layout, no caches
+                    worker.roles.worker.stage_runner = fresh  # as after a restart: no layout, no caches
                 if step >= 3:
                     time.sleep(0.15)  # a probe goes out every 0.5 s
 
-            run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.engine_ffn, PROMPT, 16, on_step)
-            st = coord.roles.stages
+            run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn, PROMPT, 16, on_step)
+            st = coord.roles.coordinator.stages
             return run, fresh.served, dict(st.not_ready), {p for p, t in st.timing.items() if t.failures}, st.failed
         finally:
             for p in peers:

@@ -54,7 +54,7 @@ def test_status_of_a_worker_shows_the_swarm_within_80_columns(tmp_path):
         try:
             await until(lambda: agreed(peers) == peers[2].node.peer_id, 30, "the most capable peer coordinating")
             coord = peers[2]
-            await asyncio.to_thread(greedy, coord.roles.model, coord.roles.ffn)  # some measured work
+            await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.ffn)  # some measured work
             for p in peers:
                 p.node._refresh_status()
             return [read_status(tmp_path / f"status{i}.json") for i in range(3)]

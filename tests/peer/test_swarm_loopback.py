@@ -90,12 +90,12 @@ def agreed(peers) -> str | None:
         return None
     (_, leader), = views
     coord = next((p for p in peers if p.node.peer_id == leader), None)
-    if coord is None or coord.roles.ffn is None:
+    if coord is None or coord.roles.coordinator.ffn is None:
         return None
-    plan = coord.roles.ffn.pending_plan or coord.roles.ffn.plan
+    plan = coord.roles.coordinator.ffn.pending_plan or coord.roles.coordinator.ffn.plan
     if set(plan.workers()) != {p.node.peer_id for p in peers} - {leader}:
         return None
-    if any(p.roles.worker is None or p.roles.worker.plan is None or p.roles.worker.plan.version != plan.version
+    if any(p.roles.worker.server is None or p.roles.worker.server.plan is None or p.roles.worker.server.plan.version != plan.version
            for p in peers if p.node.peer_id != leader):
         return None
     return leader
@@ -109,11 +109,11 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
         try:
             await until(lambda: agreed(peers) == peers[2].node.peer_id, 20, "the most capable peer coordinating")
             coord = peers[2]
-            ffn = coord.roles.ffn
+            ffn = coord.roles.coordinator.ffn
             # 1. all three peers: the swarm's run equals the local run under the same plan
             run1 = await asyncio.to_thread(greedy, coord.roles.model, ffn)
             plan1 = ffn.plan
-            served1 = {p.node.peer_id: p.roles.worker.served for p in peers[:2]}
+            served1 = {p.node.peer_id: p.roles.worker.server.served for p in peers[:2]}
             # 2. a worker leaves at decode step 5 (its link closes); the generation goes on
             loop = asyncio.get_running_loop()
             killed = asyncio.Event()
@@ -129,8 +129,8 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
                         or peers[0].node.peer_id not in (ffn.pending_plan or ffn.plan).workers(), 10, "a new plan")
             # 3. the coordinator goes: the survivor takes over within 5 s and serves
             await coord.stop()
-            took = await until(lambda: peers[1].roles.ffn is not None, 10, "a new coordinator")
-            run3 = await asyncio.to_thread(greedy, peers[1].roles.model, peers[1].roles.ffn)
+            took = await until(lambda: peers[1].roles.coordinator.ffn is not None, 10, "a new coordinator")
+            run3 = await asyncio.to_thread(greedy, peers[1].roles.model, peers[1].roles.coordinator.ffn)
             return run1, plan1, served1, run2, took, run3
         finally:
             await stop_swarm(server, peers)
@@ -158,7 +158,7 @@ def test_a_worker_that_missed_its_plan_is_sent_it_again_and_not_marked_down(tmp_
         server, peers = await start_swarm(tmp_path, model_dir, [2.0])
         coord = peers[0]
         try:
-            await until(lambda: coord.roles.ffn is not None, 20, "a coordinator")
+            await until(lambda: coord.roles.coordinator.ffn is not None, 20, "a coordinator")
             ident, model = Identity.generate(), load_model(model_dir)
             node = Node(swarm_key=coord.node.swarm_key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
                         name="late-roles", signal_url=server.url(ADDRESS), ffn_gflops=1.0, memory_budget=1 << 30,
@@ -167,18 +167,18 @@ def test_a_worker_that_missed_its_plan_is_sent_it_again_and_not_marked_down(tmp_
             await node.start(timeout=10)
             late = Peer(node, None)
             peers.append(late)
-            ffn = coord.roles.ffn
+            ffn = coord.roles.coordinator.ffn
             await until(lambda: ident.peer_id in (ffn.pending_plan or ffn.plan).workers(), 20, "the peer planned in")
             await asyncio.sleep(0.5)  # the plan has reached its link by now, with no handler for it
             late.roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
             await late.roles.start()
-            assert late.roles.worker.plan is None  # the plan was lost, as in the fault this guards
+            assert late.roles.worker.server.plan is None  # the plan was lost, as in the fault this guards
             runs, t0 = [], time.monotonic()
-            while late.roles.worker.served == 0:  # requests of the plan are held but for a probe now and then
+            while late.roles.worker.server.served == 0:  # requests of the plan are held but for a probe now and then
                 assert time.monotonic() - t0 < 30, "the peer never got its plan again"
                 runs.append(await asyncio.to_thread(greedy, coord.roles.model, ffn, PROMPT, 4))
             marked = [e for e in coord.node.activity if e["what"] == "marked down"]
-            return runs, ffn.plan, marked, set(ffn.failed), late.roles.worker.served
+            return runs, ffn.plan, marked, set(ffn.failed), late.roles.worker.server.served
         finally:
             await stop_swarm(server, peers)
 
@@ -197,9 +197,9 @@ def test_a_worker_without_the_model_gets_its_slices_shipped(tmp_path, monkeypatc
         server, peers = await start_swarm(tmp_path, model_dir, [2.0, 1.0], with_model=[True, False])
         try:
             await until(lambda: agreed(peers) == peers[0].node.peer_id, 30, "the peer with the model coordinating")
-            ffn = peers[0].roles.ffn
+            ffn = peers[0].roles.coordinator.ffn
             run = await asyncio.to_thread(greedy, peers[0].roles.model, ffn)
-            worker = peers[1].roles.worker
+            worker = peers[1].roles.worker.server
             return run, ffn.plan, worker.served, type(worker.source).__name__, ffn.local_fallbacks
         finally:
             await stop_swarm(server, peers)
@@ -269,7 +269,7 @@ def test_a_browser_peer_joins_the_coordinator_and_computes_its_share(tmp_path):
     driver.start()
     try:
         def planned_in() -> bool:
-            ffn = roles.ffn
+            ffn = roles.coordinator.ffn
             browser = [p for p, link in node.links.items() if link.hello.peer_kind == "browser"]
             return bool(browser and ffn is not None and browser[0] in (ffn.pending_plan or ffn.plan).workers())
 
@@ -278,7 +278,7 @@ def test_a_browser_peer_joins_the_coordinator_and_computes_its_share(tmp_path):
             assert time.monotonic() - t0 < 120, "the page was never planned in and serving"
             time.sleep(0.1)
         assert "error" not in result, result["error"]
-        ffn = roles.ffn
+        ffn = roles.coordinator.ffn
         tokens, logits = greedy(roles.model, ffn)
         plan = ffn.plan
         model = load_model(model_dir)

@@ -1,4 +1,4 @@
-"""Swarm key (swarm.keys.swarmkey) and ``colibri-swarm key`` (swarm.peer.keycmd)."""
+"""Swarm key (swarm.keys.swarmkey) and ``colibri-swarm key`` (swarm.cli.key)."""
 
 from __future__ import annotations
 

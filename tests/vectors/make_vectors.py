@@ -43,13 +43,13 @@ def samples() -> dict[str, object]:
         "auth_hello": m.AuthHello(peer_id=PA, nonce="00" * 16 + "ff" * 16),
         "auth_proof": m.AuthProof(key_mac="0123456789abcdef" * 4, channel_mac="fedcba9876543210" * 4),
         "hello_python": m.Hello(
-            peer_id=PA, protocol_version=1,
+            peer_id=PA, protocol_version=wire.PROTOCOL_VERSION,
             build=m.NumericBuild(package="0.1.0", numpy="2.3.1", blas="openblas 0.3.29", arch="x86_64", kernel_dtype="f32"),
             model_hash=HASH, memory_budget=8 * 2**30, ffn_gflops=35.5, peer_kind="python",
             adapter_limits={}, adapter_features=(), name="desk",
         ),
         "hello_browser": m.Hello(
-            peer_id=PB, protocol_version=1,
+            peer_id=PB, protocol_version=wire.PROTOCOL_VERSION,
             build=m.NumericBuild(package="0.1.0", numpy="", blas="webgpu", arch="arm64", kernel_dtype="f16"),
             model_hash=None, memory_budget=2**30, ffn_gflops=120.0, peer_kind="browser",
             adapter_limits={"maxStorageBufferBindingSize": 134217728, "maxComputeInvocationsPerWorkgroup": 256},
@@ -58,9 +58,9 @@ def samples() -> dict[str, object]:
         "heartbeat": m.LinkHeartbeat(seq=3, sent_s=1.5),
         "weights_held": m.WeightsHeld(plan_version=5, weight_bytes=123_456_789),
         "error": m.Error(request_id=12, code="stale_term", message="request of term 2; the current term is 3"),
-        "request_vote": m.RequestVote(term=3, candidate=PA, last_term=2, last_plan_version=5, capability=35.5),
+        "request_vote": m.RequestVote(term=3, candidate=PA),
         "vote": m.Vote(term=3, granted=True),
-        "leader_heartbeat": m.LeaderHeartbeat(term=3, leader=PA, plan_version=6),
+        "leader_heartbeat": m.LeaderHeartbeat(term=3, leader=PA),
         "plan": m.PlanMessage(term=3, version=6, assignments=(
             m.Assignment(layer=0, peer=PA, experts=(0, 1, 2, 3), dense=()),
             m.Assignment(layer=0, peer=PB, experts=(4, 5, 6, 7), dense=()),
@@ -83,9 +83,9 @@ def samples() -> dict[str, object]:
             expert_ids=np.array([6, 4], np.int32), row_counts=np.array([2, 1], np.int32), rows=_f((3, 4), np.float32),
             segments=np.array([1, 1, 1], np.int32),  # expert 6: a row of each of two sequences; expert 4: one
         ),
-        "expert_request_f16": m.ExpertRequest(
+        "expert_request_runs": m.ExpertRequest(
             request_id=41, term=3, plan_version=6, layer=1,
-            expert_ids=np.array([5, 7, 4], np.int32), row_counts=np.array([1, 0, 2], np.int32), rows=_f((3, 4), np.float16),
+            expert_ids=np.array([5, 7, 4], np.int32), row_counts=np.array([1, 0, 2], np.int32), rows=_f((3, 4), np.float32),
             segments=np.array([1, 2], np.int32),
         ),
         "expert_answer": m.ExpertAnswer(
@@ -176,7 +176,7 @@ def malformed_vectors() -> dict[str, tuple[bytes, dict]]:
     table = 24 + meta_len + (-meta_len % 8)
     return {
         "bad_magic": (patch(0, b"CLSX"), {"error": "FrameError", "what": "magic"}),
-        "other_version": (patch(4, struct.pack("<H", 2)), {"error": "VersionMismatchError", "what": "version"}),
+        "other_version": (patch(4, struct.pack("<H", wire.PROTOCOL_VERSION + 1)), {"error": "VersionMismatchError", "what": "version"}),
         "length_mismatch": (good[:-8], {"error": "FrameError", "what": "frame_len"}),
         "trailing_bytes": (patch(20, struct.pack("<I", len(good) + 8)) + bytes(8), {"error": "FrameError", "what": "trailing bytes"}),
         "unknown_dtype": (patch(table, b"\x09"), {"error": "FrameError", "what": "dtype"}),
@@ -190,6 +190,10 @@ def malformed_vectors() -> dict[str, tuple[bytes, dict]]:
                                                     [np.array([6, 4], np.int32), np.array([2, 2], np.int32),
                                                      np.zeros((3, 4), np.float32)], request_id=40),
                                 {"error": "MessageError", "what": "row_counts"}),
+        "f16_rows": (m.wire.encode_frame(32, wire.decode_frame(good).meta,
+                                         [np.array([6, 4], np.int32), np.array([2, 1], np.int32),
+                                          _f((3, 4), np.float16)], request_id=40),
+                     {"error": "MessageError", "what": "rows"}),
     }
 
 

@@ -280,6 +280,10 @@ class EngineBackend:
         self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue)
         self.concurrency = self.scheduler.max_batch + self.scheduler.max_queue
 
+    def set_ffn(self, ffn: Any) -> None:
+        """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest backend)."""
+        self.ffn = ffn
+
     def prepare(self, request: ChatRequest) -> ChatRequest:
         """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
         to what the context leaves (as OpenAI's API does).
@@ -385,7 +389,12 @@ class ApiServer:
         self._advertising: asyncio.Task | None = None
         self.scheme: str | None = None
         self.generations = 0  # finished or stopped generations, for status
-        self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard serves its page here when set
+        self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard: set_dashboard()
+
+    def set_dashboard(self, dashboard: Any) -> None:
+        """Serve ``dashboard``'s page and routes (set before :meth:`start`); it is told of each
+        generation that ends (``dashboard.generation_done(stats, seconds)``)."""
+        self.dashboard = dashboard
 
     @classmethod
     def for_swarm_key(cls, backend: ChatBackend, key: Any) -> ApiServer:
@@ -415,12 +424,12 @@ class ApiServer:
         API token to the network (logged as a warning). HTTPS uses ``ssl_context`` when given,
         else a certificate of the swarm's API CA (:meth:`for_swarm_key`).
         ``advertise=(peer_id, term)``: also announce the API on mDNS
-        (:mod:`swarm.peer.api_discovery`) so ``chat``/``generate`` on any machine find it
+        (:mod:`swarm.discovery.api_record`) so ``chat``/``generate`` on any machine find it
         (needs :meth:`for_swarm_key`). Registration runs in the background; a failure is logged.
 
         Raises: LocalProtocolError when HTTPS is asked for with neither a context nor a key.
         """
-        from swarm.peer.api_discovery import local_ipv4_addresses
+        from swarm.discovery.api_record import local_ipv4_addresses
 
         addresses = None if host in ("", "0.0.0.0") else [host]
         loopback = _is_loopback(host)
@@ -446,12 +455,10 @@ class ApiServer:
         return bound
 
     async def _advertise(self, peer_id: str, term: int, port: int, addresses: list[str] | None) -> None:
-        from zeroconf import InterfaceChoice, IPVersion
-        from zeroconf.asyncio import AsyncZeroconf
+        from swarm.discovery.api_record import ApiAdvertiser
+        from swarm.discovery.mdns import open_zeroconf
 
-        from swarm.peer.api_discovery import ApiAdvertiser
-
-        zc = AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
+        zc = open_zeroconf()
         ad = ApiAdvertiser(zc, swarm_id=self._key.swarm_id, host=peer_id, term=term, port=port,
                            addresses=addresses, scheme=self.scheme)
         try:
@@ -617,6 +624,7 @@ class ApiServer:
                 getattr(reply, "close", lambda: None)()
 
         stopper = StopMatcher(chat.stop)
+        started = time.perf_counter()
         future = loop.run_in_executor(self._executor, run)
         try:
             while True:
@@ -642,6 +650,8 @@ class ApiServer:
             _cancel(reply)  # wakes the thread even while the prompt is still being read
             await asyncio.shield(future)
             self.generations += 1
+            if self.dashboard is not None:  # a stopped generation counts too: its tokens were computed
+                self.dashboard.generation_done(stats, time.perf_counter() - started)
 
 
 def _cancel(reply: Any) -> None:

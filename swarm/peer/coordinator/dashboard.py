@@ -23,13 +23,17 @@ import importlib.resources
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from swarm.peer.status import shares
+
+if TYPE_CHECKING:
+    from swarm.compute.textgen import GenerationStats
+    from swarm.peer.coordinator.api import ApiServer
 
 PREFIX = "/dashboard/"
 GENERATIONS_KEPT = 20  # recent generations shown with their tokens/s
@@ -46,32 +50,26 @@ class Dashboard:
     """The dashboard's routes and the generation meter they report from.
 
     ``status``: returns the status document (JSON-able dict; ``Node.status``). :meth:`attach`
-    meters an :class:`~swarm.peer.coordinator.api.ApiServer`'s backend and mounts the routes on it.
+    mounts the routes on an :class:`~swarm.peer.coordinator.api.ApiServer`, which reports each
+    generation's tokens and seconds back.
     """
 
     def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
         self.status = status
         self.generations: deque[dict[str, Any]] = deque(maxlen=GENERATIONS_KEPT)
 
-    def attach(self, api: Any) -> None:
-        """Meter ``api.backend.generate`` (tokens and seconds of each generation) and let ``api``
-        serve the dashboard (it calls :meth:`add_routes` and :meth:`is_public`)."""
-        api.backend.generate = self._metered(api.backend.generate)
-        api.dashboard = self
+    def attach(self, api: ApiServer) -> None:
+        """Let ``api`` serve the dashboard (it calls :meth:`add_routes`, :meth:`is_public` and,
+        as each generation ends, :meth:`generation_done`)."""
+        api.set_dashboard(self)
 
-    def _metered(self, generate: Callable[..., Iterator[str]]) -> Callable[..., Iterator[str]]:
-        def metered(request: Any, stats: Any) -> Iterator[str]:
-            t0 = time.perf_counter()
-            try:
-                yield from generate(request, stats)
-            finally:  # a stopped generation counts too: its tokens were computed
-                seconds = time.perf_counter() - t0
-                tokens = int(getattr(stats, "completion_tokens", 0))
-                self.generations.append({
-                    "t": round(time.time(), 3), "prompt_tokens": int(getattr(stats, "prompt_tokens", 0)),
-                    "completion_tokens": tokens, "seconds": round(seconds, 4),
-                    "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None})
-        return metered
+    def generation_done(self, stats: GenerationStats, seconds: float) -> None:
+        """A generation ended (finished or stopped) after ``seconds``: keep its tokens and speed."""
+        tokens = int(stats.completion_tokens)
+        self.generations.append({
+            "t": round(time.time(), 3), "prompt_tokens": int(stats.prompt_tokens),
+            "completion_tokens": tokens, "seconds": round(seconds, 4),
+            "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None})
 
     @staticmethod
     def is_public(request: web.Request) -> bool:

@@ -304,6 +304,16 @@ class RemoteFFN:
         """
         self._next_plan, self._next_warming = plan, dict(warming or {})
 
+    def warm(self, warming: dict[str, float]) -> None:
+        """``warming``: peer → seconds from now during which its Error answers are recomputed
+        without marking it failed (it is still installing its slices)."""
+        now = self._clock()
+        self.warming_until.update({p: now + s for p, s in warming.items()})
+
+    def set_approximate(self, peers: set[str]) -> None:
+        """``peers`` (of another numeric build) are verified within a tolerance, not bit for bit."""
+        self.approximate = set(peers)
+
     @property
     def pending_plan(self) -> Plan | None:
         """The plan :meth:`set_plan` gave until it takes effect at the next step; None after."""

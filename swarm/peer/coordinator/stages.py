@@ -398,11 +398,14 @@ class StagedFFN:
     def set_rtt(self, peer: str, rtt_s: float) -> None:
         self.timing.setdefault(peer, PeerTiming()).rtt_s = float(rtt_s)
 
-    def set_layout(self, layout: StageLayout) -> None:
-        """Use ``layout`` for sequences that start from now on (those in flight keep theirs)."""
+    def set_layout(self, layout: StageLayout, inner=None) -> None:
+        """Use ``layout`` for sequences that start from now on (those in flight keep theirs), and
+        ``inner`` (if given) for the FFN of the coordinator's own layers."""
         if layout.n_layers != self.model.config.n_layers:
             raise LocalProtocolError(f"stage layout covers {layout.n_layers} layers, not {self.model.config.n_layers}")
         self.layout = layout
+        if inner is not None:
+            self.inner = inner
         self.failed.clear()
         for t in self.timing.values():
             t.misses = 0

@@ -203,6 +203,7 @@ class Link:
         self._drained = asyncio.Event()
         self._drained.set()
         self._last_heard = time.monotonic()
+        self.bytes_received = 0  # inbound data-channel bytes, every frame and fragment (benchmarks)
         self._tasks: set[asyncio.Task] = set()
         self._close_callbacks: list[Callable[[Link], None]] = []
         self._ping_sent: dict[int, float] = {}
@@ -400,6 +401,7 @@ class Link:
 
     def _on_channel_message(self, data: bytes | str) -> None:
         self._last_heard = time.monotonic()
+        self.bytes_received += len(data)
         try:
             if isinstance(data, str):
                 raise RemoteProtocolError("a text message arrived on a binary-only channel")

@@ -59,7 +59,7 @@ class TensorSpec:
     rank: int
 
 
-ROWS = TensorSpec(("f32", "f16"), 2)  # activations [rows, hidden]
+ROWS = TensorSpec(("f32",), 2)  # activations [rows, hidden]: float32 end to end (docs/protocol.md)
 IDS = TensorSpec(("i32",), 1)
 
 
@@ -401,13 +401,11 @@ class WeightsHeld(_Base):
 
 @message(16)
 class RequestVote(_Base):
-    """A candidate asks for a vote in ``term`` (Raft §5.2, adapted: capability breaks ties)."""
+    """A candidate asks for a vote in ``term`` (Raft §5.2, adapted: voters rank candidates by
+    the ``ffn_gflops`` of their Hello)."""
 
     term: int
     candidate: str
-    last_term: int  # the last term in which the candidate saw a coordinator
-    last_plan_version: int
-    capability: float  # e.g. measured FFN GFLOP/s; the most capable reachable peer wins
 
     def _check(self) -> None:
         _peer_id(self.candidate, "candidate")
@@ -423,11 +421,10 @@ class Vote(_Base):
 
 @message(18)
 class LeaderHeartbeat(_Base):
-    """The coordinator of ``term`` is alive and its current plan is ``plan_version``."""
+    """The coordinator of ``term`` is alive."""
 
     term: int
     leader: str
-    plan_version: int
 
     def _check(self) -> None:
         _peer_id(self.leader, "leader")
@@ -522,7 +519,7 @@ def _check_segments(segments: np.ndarray, n: int, counts: np.ndarray | None = No
 class ExpertRequest(_Base):
     """The batch-union of rows routed to one peer's experts in one layer.
 
-    ``rows`` [sum(row_counts), H] f32|f16: the rows of each expert concatenated in the order of
+    ``rows`` [sum(row_counts), H] f32: the rows of each expert concatenated in the order of
     ``expert_ids`` [n_e] i32, ``row_counts`` [n_e] i32. ``segments`` [n_s] i32: the lengths of
     consecutive runs of ``rows`` that belong to one sequence of the step (positive, summing to
     the rows; no run crosses from one expert's rows to the next): each run is computed as its
@@ -601,7 +598,7 @@ class DenseAnswer(_Base):
     plan_version: int
     layer: int
     ranges: tuple[tuple[int, int], ...]
-    partials: Annotated[np.ndarray, TensorSpec(("f32", "f16"), 3)]
+    partials: Annotated[np.ndarray, TensorSpec(("f32",), 3)]
 
     def _check(self) -> None:
         _ranges(self.ranges, "ranges")

@@ -29,7 +29,7 @@ import numpy as np
 
 from swarm.errors import FrameError, LocalProtocolError, ReassemblyError, VersionMismatchError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 FRAME_MAGIC = b"CLSW"
 FRAGMENT_MAGIC = b"CLSF"

@@ -32,8 +32,8 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from swarm.peer.weights.shipping import (
     build_manifest,
     encode_meta,
 )
+
+if TYPE_CHECKING:
+    from swarm.peer.coordinator.planner import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -367,23 +370,26 @@ def shape_from_meta(meta: Any) -> Any:
     return dataclasses.replace(out, moe_layers=tuple(out.moe_layers), dense_layers=tuple(out.dense_layers))
 
 
-async def fetch_plan_slices(fetcher: SliceFetcher, specs: list[Any], progress: Progress | None = None) -> Any:
+async def fetch_plan_slices(fetcher: SliceFetcher, specs: Iterable[Any],
+                            progress: Progress | None = None) -> tuple[Any, ModelShape | None]:
     """Take offers from the coordinator until every slice in ``specs`` is fetched, verified and
-    decoded; returns a :class:`~swarm.peer.weights.slices.ShippedWeights` (a worker's slice source).
+    decoded; returns a :class:`~swarm.peer.weights.slices.ShippedWeights` (a worker's slice source)
+    and the model's shape as the manifests give it (None when ``specs`` is empty).
 
-    Offers for other slices are ignored. Raises PeerLostError / WeightIntegrityError as
-    :meth:`SliceFetcher.fetch` does, RemoteProtocolError for a malformed slice.
+    Offers for other slices (of an older plan) are ignored. Raises PeerLostError /
+    WeightIntegrityError as :meth:`SliceFetcher.fetch` does, RemoteProtocolError for a malformed slice.
     """
     from swarm.peer.weights.slices import ShippedWeights, SliceSpan, decode_slice
 
     need = set(specs)
-    shipped = ShippedWeights()
+    shipped, shape = ShippedWeights(), None
     while need:
         manifest = await fetcher.offers.get()
         spec = SliceSpan.from_json(manifest.meta.get("spec", {}))
         if spec not in need:
             continue
+        shape = shape_from_meta(manifest.meta)
         blob = await fetcher.fetch(manifest, progress)
         shipped.add(await asyncio.to_thread(decode_slice, blob, manifest.meta))
         need.discard(spec)
-    return shipped
+    return shipped, shape

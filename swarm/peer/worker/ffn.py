@@ -73,6 +73,11 @@ class Worker:
         self._lock = threading.Lock()
         self.served = 0  # answered requests (status, tests)
 
+    def use_source(self, source: SliceSource) -> None:
+        """Take weights from ``source`` for plans accepted from now on (slices of the plans
+        still served are already decoded)."""
+        self.source = source
+
     # --------------------------------------------------------------------- plans
     def accept_plan(self, plan: Plan) -> None:
         """Adopt ``plan`` (already checked against the model by :meth:`Plan.from_message`).

@@ -18,15 +18,15 @@ bearer token, which only key holders can compute, so a stranger's fake record ea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from dataclasses import dataclass
 
 import ifaddr
-from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
+from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+from swarm.discovery.mdns import ServiceAdvertiser, open_zeroconf
 from swarm.errors import SwarmError
 
 log = logging.getLogger(__name__)
@@ -54,28 +54,19 @@ def local_ipv4_addresses() -> list[str]:
     return outside or found
 
 
-class ApiAdvertiser:
+class ApiAdvertiser(ServiceAdvertiser):
     """Announces this coordinator's API for one term; :meth:`close` sends the goodbye."""
 
     def __init__(self, zc: AsyncZeroconf, *, swarm_id: str, host: str, term: int, port: int,
                  addresses: list[str] | None = None, path: str = "/v1", scheme: str | None = "https") -> None:
-        self._zc = zc
         addresses = addresses or local_ipv4_addresses()
-        self._info = AsyncServiceInfo(
+        super().__init__(zc, AsyncServiceInfo(
             API_SERVICE_TYPE, f"colibri-api-{host[:24]}-{term}.{API_SERVICE_TYPE}",
             addresses=[socket.inet_aton(a) for a in addresses], port=port,
             properties={"v": RECORD_VERSION, "sid": swarm_id, "term": str(term), "host": host, "path": path,
                         "tls": "1" if scheme == "https" else "0"},
             server=f"colibri-api-{host[:40]}.local.",
-        )
-
-    async def start(self) -> None:
-        # zeroconf returns a task that must be awaited as well (docs/architecture.md §7).
-        await (await self._zc.async_register_service(self._info, allow_name_change=True))
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):  # zeroconf already closed: nothing to withdraw
-            await (await self._zc.async_unregister_service(self._info))
+        ))
 
 
 def parse_record(properties: dict, addresses: list[str], port: int, swarm_id: str) -> ApiRecord | None:
@@ -97,7 +88,7 @@ async def find_api(swarm_id: str, timeout_s: float = FIND_TIMEOUT_S, zc: AsyncZe
         SwarmError: no coordinator of this swarm advertised an API in time.
     """
     own = zc is None
-    zc = zc or AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
+    zc = zc or open_zeroconf()
     found: dict[str, ApiRecord] = {}
     tasks: set[asyncio.Task] = set()
 

@@ -1,7 +1,8 @@
 """The ``colibri-swarm`` command.
 
-Parsing lives here; each subcommand's work lives in the module that owns it and
-is imported only when that subcommand runs, so ``colibri-swarm --help`` stays fast.
+Parsing lives here; each subcommand's terminal side lives in this package (``join``,
+``status``, ``chat``, ``generate``, ``key``), its work in the module that
+owns it, and each is imported only when that subcommand runs, so ``colibri-swarm --help`` stays fast.
 Every :class:`~swarm.errors.SwarmError` ends the command with one clear line on
 stderr and a non-zero exit code, never a traceback; a reader that closes the pipe
 (``colibri-swarm key | head``) ends any command quietly.
@@ -103,7 +104,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _check_sampling(args: argparse.Namespace) -> None:
     """The sampling options of ``generate`` and ``chat``, checked before any work (one line each)."""
-    from swarm.compute.textgen import sampling_kwargs
+    from swarm.cli.generate import sampling_kwargs
 
     sampling_kwargs(args)
 
@@ -128,18 +129,18 @@ def _generate(args: argparse.Namespace) -> int:
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
     if args.swarm or args.api or not (args.local or args.model):
-        from swarm.peer.client import main_generate_swarm
+        from swarm.cli.generate import main_generate_swarm
 
         code = main_generate_swarm(args)
         if code is not None:
             return code
-    from swarm.compute.textgen import main_generate
+    from swarm.cli.generate import main_generate
 
     return main_generate(args)
 
 
 def _key(args: argparse.Namespace) -> int:
-    from swarm.peer.keycmd import main_key
+    from swarm.cli.key import main_key
 
     return main_key(args)
 
@@ -151,20 +152,20 @@ def _join(args: argparse.Namespace) -> int:
         if swarmkey.load() is None:  # a new key here could never join the swarm at --signal
             raise SwarmError("--signal joins an existing swarm, whose key this machine does not have: add "
                              "--key CODE (`colibri-swarm key` on a peer of that swarm shows it)")
-    from swarm.peer.node import main_join
+    from swarm.cli.join import main_join
 
     return main_join(args)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from swarm.peer.status import main_status
+    from swarm.cli.status import main_status
 
     return main_status(args)
 
 
 def _chat(args: argparse.Namespace) -> int:
     _check_sampling(args)
-    from swarm.peer.client import main_chat
+    from swarm.cli.chat import main_chat
 
     return main_chat(args)
 

@@ -1,0 +1,213 @@
+"""``colibri-swarm join``: load the model (``--model``, or the default one; none with
+``--no-model``), start a :class:`~swarm.peer.node.Node`, and run
+:class:`~swarm.peer.roles.SwarmRoles` on it (election, then coordinator or worker), printing the
+swarm, its role and peers as they come and go."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+from typing import TYPE_CHECKING, Any
+
+from swarm import paths
+from swarm.keys.swarmkey import SwarmKey
+from swarm.peer.node import Node, default_memory_budget, measure_ffn_gflops
+from swarm.terminal import esc
+
+if TYPE_CHECKING:
+    from swarm.peer.roles import SwarmRoles
+
+log = logging.getLogger(__name__)
+
+ROLE_POLL_S = 0.5  # how often `join` looks for a role change and new events to print
+LEAVE_STEP_S = 5.0  # the longest each shutdown step of `join` may take before it is abandoned
+
+
+def main_join(args: Any) -> int:
+    """``colibri-swarm join``: run a peer until Ctrl-C (or SIGTERM); say goodbye on the way out."""
+    from swarm.terminal import console as terminal_console
+
+    console = terminal_console()
+    try:
+        asyncio.run(_join(args, console))
+    except KeyboardInterrupt:
+        pass
+    console.print("[bold]goodbye[/] — left the swarm")
+    return 0
+
+
+async def freeze_heap() -> None:
+    """Put every object alive now (libraries, the model, its tokenizer: they live as long as the
+    process) out of the cyclic garbage collector's reach. A full collection runs inside whichever
+    event-loop callback triggers it and walks every tracked object: 0.07 s of the loop's CPU in
+    a joined peer before; afterwards it walks only what came later. Start-up garbage is collected
+    first (in a thread: nothing on the loop waits for it), as a frozen cycle would never go."""
+    await asyncio.to_thread(gc.collect)
+    gc.freeze()
+
+
+async def _join(args: Any, console: Any) -> None:
+    from swarm.peer.loopwatch import watch_slow_callbacks
+
+    with watch_slow_callbacks(asyncio.get_running_loop()):
+        await _run_peer(args, console)
+
+
+async def _run_peer(args: Any, console: Any) -> None:
+    from swarm.compute.serving import set_default_limits
+    from swarm.keys import identity, swarmkey
+    from swarm.peer.roles import SwarmRoles
+
+    paths.lock_config_dir()  # first: one process per identity (and its key file); the OS releases it at exit
+    key, created = _swarm_key(args, swarmkey)
+    ident = identity.load_or_create()
+    model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
+    gflops = await asyncio.to_thread(measure_ffn_gflops)
+    await freeze_heap()
+    node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
+                ffn_gflops=gflops,
+                signal_url=args.signal, memory_budget=default_memory_budget(args.memory << 20 if args.memory else None),
+                model_hash=model.content_hash() if model is not None else None,
+                rendezvous_options={"bind_port": args.port} if getattr(args, "port", None) else None)
+    if created:
+        console.print("created a new swarm key; other peers join with:")
+        console.print(f"  [bold]colibri-swarm join --key {esc(key.code)}[/]")
+    main = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError):  # SIGTERM ends the peer as cleanly as Ctrl-C
+        loop.add_signal_handler(signal.SIGTERM, main.cancel)  # type: ignore[union-attr]
+    roles = None
+    try:
+        # On signaling first, so that peers starting together see each other while each builds its
+        # tokenizer (none leads alone). A plan that reaches this peer meanwhile finds no handler;
+        # the coordinator sends it again when this peer refuses a request of it.
+        with console.status("looking for the swarm on this network…"):
+            await node.start()
+        _print_discovery_hints(console, node, key_created=created)
+        set_default_limits(getattr(args, "max_batch", None), getattr(args, "max_queue", None))  # the API's batch
+        roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
+                                        api_tls=False if getattr(args, "api_plain_http", False) else None)
+        await freeze_heap()  # the tokenizer and the model's index too
+        await roles.start()
+        _print_header(console, node)
+        shown, seen = (node.role, None), node.recorded
+        while True:
+            await asyncio.sleep(ROLE_POLL_S)
+            for event in node.activity_since(seen):
+                _print_event(console, event)
+            seen = node.recorded
+            if node.error is not None:
+                raise node.error  # e.g. the key was refused at --signal: exit with one clear line
+            api_port = (node.placement or {}).get("api_port") if isinstance(node.placement, dict) else None
+            if (node.role, api_port) != shown:
+                shown = (node.role, api_port)
+                api = f", OpenAI API on port {api_port}" if api_port else ""
+                console.print(f"role: [bold]{esc(node.role)}[/]{api}")
+                if api_port and node.placement.get("api_scheme") == "https":
+                    from swarm.peer.coordinator.api_tls import ca_fingerprint
+
+                    console.print(f"the API speaks HTTPS; its CA certificate SHA-256 {esc(ca_fingerprint(key))} "
+                                  "(`colibri-swarm key` writes it to a file for other clients)")
+                if api_port:
+                    _print_dashboard(console, node, roles, api_port)
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await _leave(node, roles)
+
+
+async def _leave(node: Node, roles: SwarmRoles | None) -> None:
+    """Stop the roles, then the node; each step bounded so Ctrl-C always ends the peer."""
+    steps = [("roles", roles.stop)] if roles is not None else []
+    for what, stop in steps + [("links and signaling", node.stop)]:
+        log.info("leaving: stopping %s", what)
+        try:
+            await asyncio.wait_for(stop(), LEAVE_STEP_S)
+        except asyncio.TimeoutError:
+            log.warning("leaving: stopping %s took over %g s; going anyway", what, LEAVE_STEP_S)
+        except Exception:  # leaving must not fail halfway
+            log.exception("leaving: stopping %s failed", what)
+    log.info("leaving: done")
+
+
+def _load_model(path: str | None, console: Any) -> Any:
+    from swarm.compute.default_model import default_model_path
+    from swarm.compute.model import load_model
+
+    if path is None:
+        path = default_model_path()
+    model = load_model(path)
+    console.print(f"model {esc(path)} (hash {model.content_hash()[:16]}…)")
+    return model
+
+
+def _swarm_key(args: Any, swarmkey: Any) -> tuple[SwarmKey, bool]:
+    if args.key:
+        return swarmkey.store(args.key), False
+    existing = swarmkey.load()
+    return (existing, False) if existing is not None else (swarmkey.create(), True)
+
+
+def _print_header(console: Any, node: Node) -> None:
+    from web_peer.pageurl import page_addresses, page_link_text  # the peer page's URL (key in the fragment) + QR
+
+    rv = node.rendezvous
+    console.print(f"swarm [bold]{esc(node.swarm_id)}[/]  peer [bold]{esc(node.peer_id)}[/] ({esc(node.name)})  "
+                  "electing a coordinator…")
+    if rv.server is not None:
+        console.print(f"hosting signaling on port {rv.server.port}, certificate SHA-256 "
+                      f"{esc(rv.server.certificate.fingerprint)}")
+        addresses = page_addresses(rv)
+        if addresses:
+            console.print(f"peers that do not find it by mDNS: colibri-swarm join --signal {esc(addresses[0])}")
+    elif rv.client is not None:
+        console.print(f"on the signaling server of peer {esc(rv.client.host)}")
+    page = page_link_text(rv, node.swarm_key.code)
+    if page:
+        console.print(page, markup=False, highlight=False, emoji=False)
+
+
+def _print_dashboard(console: Any, node: Node, roles: SwarmRoles, port: int) -> None:
+    """The coordinator's dashboard URL (the key in its fragment), beside the peer page's."""
+    from swarm.discovery.addresses import local_addresses
+    from swarm.peer.coordinator.dashboard import dashboard_url
+
+    host = (local_addresses() or ["127.0.0.1"])[0]
+    scheme = getattr(roles.coordinator.api, "scheme", None) or "http"
+    console.print(f"dashboard and chat, for a browser on this network:\n  "
+                  f"{dashboard_url(scheme, host, port, node.swarm_key.code)}", markup=False, highlight=False,
+                  soft_wrap=True)  # one line: a terminal must not break the URL
+
+
+def _print_discovery_hints(console: Any, node: Node, *, key_created: bool) -> None:
+    """Say why this peer started a swarm of its own, and what to do if that was not meant."""
+    rv = node.rendezvous
+    if not rv.found_none:
+        return
+    if rv.other_swarms:
+        ids = ", ".join(sorted(rv.other_swarms))
+        console.print(f"[yellow]another swarm is on this network (swarm {ids}); this peer started swarm "
+                      f"{node.swarm_id}{' with a new key' if key_created else ''}.[/] To join that one instead, "
+                      "stop this peer (Ctrl-C) and run `colibri-swarm join --key CODE` with the code "
+                      "`colibri-swarm key` shows on one of its peers.", markup=True)
+        return
+    console.print("[yellow]no swarm found by mDNS on this network: this peer started one.[/] If peers already "
+                  "run here, multicast may be blocked (guest Wi-Fi, some VPNs): join them with "
+                  "`colibri-swarm join --signal HOST:PORT`, the address their signaling host prints.")
+
+
+def _print_event(console: Any, ev: dict[str, Any]) -> None:
+    """One event :meth:`Node.record` noted: peers linked, lost, joined or left (others are not printed)."""
+    name, peer, kind = esc(ev["name"] or "?"), esc(ev["peer_id"]), esc(ev["detail"] or "?")
+    match ev["what"]:
+        case "link up":
+            console.print(f"[green]+[/] linked  {name} ({peer}, {kind})")
+        case "link down":
+            console.print(f"[red]-[/] link lost {name} ({peer})")
+        case "joined":
+            console.print(f"  joined  {name} ({peer}, {kind})")
+        case "left":
+            console.print(f"  left    {name} ({peer})")

@@ -1,0 +1,53 @@
+"""What the election driver, the coordinator role and the worker role share: a set of tasks
+each owns (cancelled together when it stops), and sends whose failure is only logged (a peer
+whose link breaks is handled by the link-down event, not by the sender)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from swarm.errors import SwarmError
+
+if TYPE_CHECKING:
+    from swarm.peer.net.link import Link
+
+log = logging.getLogger(__name__)
+
+
+class OwnedTasks:
+    """Tasks started by one owner (names prefixed ``prefix``); a failure is logged, never lost."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """Run ``coro`` as a task of this set (on the running loop)."""
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self._prefix}-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def cancel_all(self) -> None:
+        """Cancel every task of the set and wait until each has ended."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+
+async def send_logged(link: Link, msg: object) -> None:
+    """Send ``msg`` on ``link``; a failure (link closing, message refused) is logged only."""
+    try:
+        await link.send(msg)
+    except SwarmError as exc:
+        log.info("could not send %s to %s: %s", type(msg).__name__, link.peer_id, exc)
