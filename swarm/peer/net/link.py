@@ -487,7 +487,9 @@ class Link:
             log.exception("%s handler on link to %s failed", type(message).__name__, self.peer_id)
             return
         if asyncio.iscoroutine(result):
-            self._spawn(self._run_handler(result))
+            # A task cancelled before its first step never awaits the handler's coroutine:
+            # close it then, so it is released without a "never awaited" warning.
+            self._spawn(self._run_handler(result)).add_done_callback(lambda _task, coro=result: coro.close())
 
     async def _run_handler(self, coro: Awaitable[None]) -> None:
         try:
