@@ -95,12 +95,6 @@ def signed_sin(sin: np.ndarray) -> np.ndarray:
 def apply_rope_swapped(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
     """:func:`apply_rope` with tables already broadcast to x's shape and ``ssin = signed_sin(sin)``:
     ``rotate_half(x) * sin == swap_halves(x) * ssin`` exactly, in two fewer array passes."""
-    if x.shape == cos.shape == ssin.shape and x.dtype == cos.dtype == ssin.dtype == F32:
-        hd = x.shape[-1]  # one compiled pass, the same float32 operations per element
-        out = np.empty(x.shape, F32)
-        (_row or _row_kernels()).rope_swapped(x.reshape(-1, hd), cos.reshape(-1, hd), ssin.reshape(-1, hd),
-                                              out.reshape(-1, hd))
-        return out
     half = x.shape[-1] // 2
     out = x * cos
     out += np.concatenate([x[..., half:], x[..., :half]], axis=-1) * ssin
@@ -214,7 +208,5 @@ def _row_kernels():
         one = np.ones((1, 1), F32)
         rowkernels.silu_mul(one.copy(), one, one)  # compile or load from the cache now
         rowkernels.rms_norm(one, one, F32(1e-6), one.copy())
-        two = np.ones((1, 2), F32)
-        rowkernels.rope_swapped(two, two, two, two.copy())
         _row = rowkernels
     return _row
