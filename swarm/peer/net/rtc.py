@@ -23,8 +23,8 @@ reaches into its private names, and nothing else in the package does:
   ``USERDATA_MAX_LENGTH`` from 1160 to :data:`SCTP_USERDATA_MAX_LENGTH` bytes, so a datagram
   fills a LAN's 1500-byte MTU without IP fragmentation (a 576-float32 row: 2 packets, not 3);
   (b) wraps ``RTCSctpTransport._send_sack`` to acknowledge every second packet, as RFC 4960 §6.2
-  allows, instead of every one; (c) wraps ``RTCSctpTransport._transmit`` so a message goes out as
-  far as the congestion window allows, not four packets per SACK received. Rows are not altered,
+  allows, instead of every one; (c) wraps ``RTCSctpTransport._transmit`` so a message of up to
+  :data:`SCTP_BURST_PACKETS` packets goes out at once, not four packets per SACK received. Rows are not altered,
   only how they travel. Chromium (the page) receives these packets as they are: its SCTP accepts
   any packet size a datagram carries and acknowledges on its own schedule.
 
@@ -58,6 +58,9 @@ DTLS_OVERHEAD_MAX = 65
 SCTP_MAX_PACKET_LENGTH = UDP_PAYLOAD_MAX - DTLS_OVERHEAD_MAX
 SCTP_USERDATA_MAX_LENGTH = (SCTP_MAX_PACKET_LENGTH - 12 - 16) // 4 * 4  # less the common and DATA chunk headers
 
+# DATA packets one send or SACK may release: a message of 8 rows (~19 KB) goes out at once.
+SCTP_BURST_PACKETS = 16
+
 # Delayed acknowledgement (RFC 4960 §6.2): a SACK for at most every second packet received, and
 # within SACK_DELAY_S for a lone one. Far below SCTP_RTO_MIN_S, so it never triggers a retransmit.
 SACK_EVERY_PACKETS = 2
@@ -71,19 +74,23 @@ _PATCHED = "_colibri_swarm_patch"
 
 
 def _transmit_whole_window(original):
-    """Wrap ``RTCSctpTransport._transmit`` so one call sends all the congestion window allows.
+    """Wrap ``RTCSctpTransport._transmit`` so one call sends up to :data:`SCTP_BURST_PACKETS`.
 
     aiortc sends at most 4 DATA chunks past the bytes in flight per call (its Max.Burst) and the
     rest only as SACKs come back, so a message of more than four packets waits for the other
     process to receive and acknowledge before the sender goes on. Calling it again while it makes
-    progress leaves congestion control as it is (the window still bounds the bytes in flight, and
-    fast recovery keeps aiortc's own burst) and sends a message in one go.
+    progress sends a message of a few rows in one go. Congestion control stays as it is (the
+    window still bounds the bytes in flight, and fast recovery keeps aiortc's own burst), and
+    the cap keeps SACKs pacing a bulk transfer: a burst of the whole window (up to 1 MiB) would
+    overflow the receiver's UDP buffer.
     """
     async def transmit(self) -> None:
+        sent = 0
         while True:
             queued = len(self._outbound_queue)
             await original(self)
-            if (not self._outbound_queue or len(self._outbound_queue) == queued
+            sent += queued - len(self._outbound_queue)
+            if (not self._outbound_queue or len(self._outbound_queue) == queued or sent >= SCTP_BURST_PACKETS
                     or self._fast_recovery_exit is not None or self._flight_size >= self._cwnd):
                 return
 
