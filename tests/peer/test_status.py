@@ -116,10 +116,18 @@ def test_status_watch_redraws_until_interrupted(tmp_path):
     env = {**os.environ, "COLIBRI_SWARM_CONFIG_DIR": str(tmp_path), "COLUMNS": "80", "TERM": "xterm"}
     proc = subprocess.Popen([sys.executable, "-m", "swarm", "status", "--watch"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(4)  # startup, then at least one redraw
+    # Ctrl-C only once two views are drawn: a signal during the interpreter's start-up (seconds on a
+    # loaded machine) is not what this test is about.
+    shown, deadline = [], time.monotonic() + 60
+    while sum(line.startswith("-- ") for line in shown) < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        shown.append(line)
     assert proc.poll() is None, proc.communicate()  # still watching
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
+    out = "".join(shown) + out
     assert proc.returncode == 0, err
     assert "pixel" in out and "phone" in out and "Mac" in out and "coordinator" in out
     assert "q" * 26 in out and "pixel: layers 0–29: MLP rows 1274–1536" in out
