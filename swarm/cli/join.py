@@ -44,7 +44,8 @@ async def freeze_heap() -> None:
     process) out of the cyclic garbage collector's reach. A full collection runs inside whichever
     event-loop callback triggers it and walks every tracked object: 0.07 s of the loop's CPU in
     a joined peer before; afterwards it walks only what came later. Start-up garbage is collected
-    first (in a thread: nothing on the loop waits for it), as a frozen cycle would never go."""
+    first, as a frozen cycle would never go: in a thread, once at start-up, so that no message
+    handler is charged with it (the collection holds the GIL, so the loop pauses meanwhile)."""
     await asyncio.to_thread(gc.collect)
     gc.freeze()
 

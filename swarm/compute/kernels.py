@@ -4,7 +4,8 @@ Shape legend: T tokens in this call, S cached positions (keys), H hidden size, F
 intermediate size, E experts, nh / nkv query / key-value heads, hd head dim.
 Weight matrices are compact :class:`~swarm.compute.quant.QMatrix` (``x @ W.T`` by
 ``W.matmul(x)``). Every function keeps float32: constants are ``np.float32`` so NumPy 2's promotion rules
-never widen an intermediate to float64. Formulas follow transformers' modeling code.
+never widen an intermediate to float64 (RMSNorm's sum of squares aside: float64 by design, see
+:func:`rms_norm`). Formulas follow transformers' modeling code.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: ``w * x / sqrt(mean(x²) + eps)`` (LlamaRMSNorm).
 
     x [..., D] f32; weight f32 of x's trailing shape ([D], or [n, D] for x [T, n, D]). Returns a
-    new [..., D] f32 array. Compiled, one pass per row: the mean square is summed in float64 in
-    index order and rounded once to float32, the rest is float32 as transformers computes it;
-    each row's bits do not depend on the other rows. Raises ValueError on other dtypes/shapes."""
+    new [..., D] f32 array. Compiled, one pass per row (swarm/compute/rowkernels.py): the mean
+    square is summed in eight float64 lanes (element i into lane i % 8, a tail past the last
+    multiple of 8 into lane 0, the lanes added pairwise) and rounded once to float32, the rest is
+    float32 as transformers computes it; each row's bits do not depend on the other rows. Raises ValueError on other dtypes/shapes."""
     if x.dtype != F32 or weight.dtype != F32 or weight.shape != x.shape[x.ndim - weight.ndim:]:
         raise ValueError(f"rms_norm needs float32 x [..., D] and a float32 weight of its trailing shape, "
                          f"got x {x.dtype} {x.shape}, weight {weight.dtype} {weight.shape}")

@@ -624,6 +624,7 @@ class _FileWriter:
     mapping cost ~1.5–2 CPU-s/GiB of page faults where ``pwrite`` costs ~0.2 (measured)."""
 
     def __init__(self, path: Path) -> None:
+        self._fd = -1  # so that close (and __del__) is safe when the open fails
         self._fd = os.open(path, os.O_RDWR)
 
     def __call__(self, offset: int, data: memoryview) -> None:
