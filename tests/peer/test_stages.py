@@ -6,6 +6,7 @@ The oracle is the local engine: a stage plan gives bit-identical logits; a stage
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ class Hand:
         self.runners, self.down, self.ffn, self.threads = runners, set(), None, []
         self.failed: list[tuple[str, str]] = []
         self.plans: list[tuple[str, int]] = []  # stage plans sent: (peer, version)
+        self.lose_plans = 0  # this many stage plans are lost on the way
 
     def last_heard(self, peer: str) -> float | None:
         return None
@@ -43,6 +45,9 @@ class Hand:
             raise ConnectionError(f"no link to {peer}")
         if isinstance(req, m.StagePlan):  # accepted on arrival, as a worker's roles do
             self.plans.append((peer, req.version))
+            if self.lose_plans:
+                self.lose_plans -= 1
+                return
             runner = self.runners[peer]
             runner.accept(StageLayout.from_message(req, COORD, runner.model.config.n_layers))
             return
@@ -159,24 +164,27 @@ def test_a_stage_that_misses_a_deadline_is_kept_and_sent_the_rows_it_missed(moe_
     assert runners[W1].served == 9 and ffn.rebuilt_positions > 0
 
 
-def test_a_stage_peer_without_the_layout_is_not_ready_then_serves_again(moe_dir):
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_stage_peer_without_the_layout_is_not_ready_then_serves_again(moe_dir, lost):
     layout = StageLayout(1, 1, COORD, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
     runner = StageRunner(W1, load_model(moe_dir))  # it never got the stage plan (lost, restarted)
     hand = Hand({W1: runner})
+    hand.lose_plans = lost  # the plan sent again may be lost too: each refused probe re-sends it
     now = [0.0]
     model = load_model(moe_dir)
     hand.ffn = ffn = StagedFFN(model, layout, hand, clock=lambda: now[0])
 
     def on_step(step):
-        now[0] += 0.1  # a probe every NOT_READY_RETRY_S = 0.5 s
+        now[0] += 0.125  # a probe every NOT_READY_RETRY_S = 0.5 s: every 4th step
 
     run = greedy(model, ffn, PROMPT, 10, on_step)
     hand.join()
     ref = greedy(load_model(moe_dir), None, PROMPT, 10)
     assert run[0] == ref[0]
     # refused the prefill, was sent the plan, got its layers back at the first probe 0.5 s later
-    assert hand.plans == [(W1, 1)] and not ffn.failed and not hand.failed and not ffn.not_ready
-    assert runner.served == 6
+    # (with the plan lost: refused that probe too, was sent the plan again, back 0.5 s later still)
+    assert hand.plans == [(W1, 1)] * (1 + lost) and not ffn.failed and not hand.failed and not ffn.not_ready
+    assert runner.served == 7 - 4 * lost
 
 
 def test_a_stage_keeps_keys_and_values_of_its_own_layers_only_and_runs_short_steps_inline(moe_dir):
@@ -196,6 +204,15 @@ def test_a_stage_keeps_keys_and_values_of_its_own_layers_only_and_runs_short_ste
     (cache,) = runner._caches.values()
     assert [k.shape[1] for k in cache.k] == [0, cache.capacity, cache.capacity] and cache.capacity >= 41
     assert [v.size for v in cache.v][0] == 0 and cache.length == 41
+    # A step queued for the compute thread, not yet started, keeps the next one off the event loop.
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as compute:
+        compute.submit(gate.wait, 10)
+        queued = runner.submit(compute, req(41, 1))
+        assert not runner.take_inline(req(42, 1)) and not queued.running()
+        gate.set()
+        assert isinstance(queued.result(10), m.StageAnswer)
+    assert runner._busy == 0 and runner.inline == 1 and cache.length == 42
 
 
 def test_a_stage_that_forgot_the_sequence_is_sent_it_again(moe_dir):

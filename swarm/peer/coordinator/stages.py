@@ -191,7 +191,7 @@ class StageRunner:
         self.term = 0
         self._caches: OrderedDict[tuple[int, int, int], object] = OrderedDict()  # (sequence, lo, hi) → KVCache
         self._lock = threading.Lock()
-        self._busy = 0  # requests being computed
+        self._busy = 0  # requests queued for the compute thread or being computed
         self._step_s: dict[tuple[int, int], float] = {}  # (lo, hi) → seconds per row of its last short step
         self.served = 0
         self.inline = 0  # requests that take_inline said to run on the receiving thread
@@ -199,7 +199,7 @@ class StageRunner:
     def take_inline(self, msg: StageRequest) -> bool:
         """Whether to run ``msg`` on the thread that received it (the event loop; counted in
         ``inline``): at most ``INLINE_ROWS`` rows, its stage's last short step took at most
-        ``INLINE_MAX_S``, and no other request is being computed (they would race for the CPU,
+        ``INLINE_MAX_S``, and no other request is queued or being computed (they would race for the CPU,
         and a sequence's steps must keep their order)."""
         rows = msg.x.shape[0] if isinstance(msg.x, np.ndarray) and msg.x.ndim == 2 else INLINE_ROWS + 1
         s = self._step_s.get((msg.layer_start, msg.layer_stop))
@@ -207,6 +207,23 @@ class StageRunner:
             self.inline += 1
             return True
         return False
+
+    def submit(self, executor: cf.Executor, msg: StageRequest) -> cf.Future:
+        """Queue ``handle(msg)`` on ``executor``; the request counts as busy from now until it is
+        answered (or cancelled unstarted), so :meth:`take_inline` never runs a step beside it."""
+        with self._lock:
+            self._busy += 1
+        try:
+            fut = executor.submit(self.handle, msg)
+        except BaseException:
+            self._release()
+            raise
+        fut.add_done_callback(lambda _: self._release())
+        return fut
+
+    def _release(self) -> None:
+        with self._lock:
+            self._busy -= 1
 
     def accept(self, layout: StageLayout) -> None:
         """Serve ``layout`` (and up to ``KEEP_PLANS - 1`` earlier ones of its term, for the
@@ -256,8 +273,7 @@ class StageRunner:
             log.warning("refused stage request %s: %s", msg.request_id, exc)
             return Error(msg.request_id, "bad_request", str(exc))
         finally:
-            with self._lock:
-                self._busy -= 1
+            self._release()
 
     def _answer(self, msg: StageRequest) -> StageAnswer:
         layout = self._layouts.get((msg.term, msg.plan_version))
@@ -541,17 +557,17 @@ class StagedFFN:
 
     def _not_ready(self, peer: str, layout: StageLayout, msg: Error) -> None:
         """``peer`` does not serve ``layout`` (it lost or refused the stage plan): its layers run
-        here, it gets one probe every ``NOT_READY_RETRY_S``, and it is sent ``layout`` again —
+        here, it gets one probe every ``NOT_READY_RETRY_S``, and with each refusal ``layout`` again —
         the one this sequence runs under, which a newer plan may have replaced as the newest."""
         first = self.not_ready.get(peer, (0, 0, 0.0))[:2] != (layout.term, layout.version)
         self.not_ready[peer] = (layout.term, layout.version, self._clock() + NOT_READY_RETRY_S)
         if first:
             log.info("stage peer %s has not accepted stage plan v%d of term %d (%s); its layers run here "
                      "until it has", peer, layout.version, layout.term, msg.message)
-            try:
-                self.dispatcher.send(peer, layout.to_message())
-            except ConnectionError:
-                pass  # its link is gone: the owner re-plans
+        try:  # at every refused probe: the plan sent before may have been lost or refused
+            self.dispatcher.send(peer, layout.to_message())
+        except ConnectionError:
+            pass  # its link is gone: the owner re-plans
 
     def _fail(self, peer: str, reason: str) -> None:
         self.timing.setdefault(peer, PeerTiming()).failures += 1

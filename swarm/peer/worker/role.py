@@ -21,7 +21,7 @@ import concurrent.futures as cf
 import logging
 from typing import TYPE_CHECKING
 
-from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
+from swarm.errors import RemoteProtocolError, StaleTermError, SwarmError
 from swarm.peer.coordinator.planner import ModelShape, Plan
 from swarm.peer.coordinator.stages import StageLayout, StageRunner
 from swarm.peer.net.messages import DenseRequest, Error, ExpertRequest, PlanMessage, StagePlan, StageRequest
@@ -99,13 +99,14 @@ class WorkerRole:
             self._learn_plan(link, plan)
             # Decode our slices now rather than on the first request (which has a deadline).
             await asyncio.get_running_loop().run_in_executor(self._compute, self.server.prepare)
-        except (RemoteProtocolError, TimeoutError) as exc:
+        except (SwarmError, TimeoutError) as exc:  # answered, so the link to the coordinator stays up
             log.warning("plan from %s refused: %s", link.peer_id, exc)
             code = "stale_term" if isinstance(exc, StaleTermError) else "bad_plan"
             await send_logged(link, Error(0, code, f"plan v{msg.version} refused: {exc}"))
         finally:
             ready.set()
-            for key in [k for k in self._plans_ready if k[0] < msg.term]:
+            # Older plans' entries (else one stays per re-plan); one still fetching keeps its own.
+            for key in [k for k, e in self._plans_ready.items() if k < (msg.term, msg.version) and e.is_set()]:
                 del self._plans_ready[key]
 
     def _learn_plan(self, link: Link, plan: Plan) -> None:
@@ -146,7 +147,7 @@ class WorkerRole:
                 raise RemoteProtocolError("this peer holds no model, so it cannot run a stage")
             self.stage_runner.accept(StageLayout.from_message(msg, link.peer_id, self.model.config.n_layers))
             await asyncio.get_running_loop().run_in_executor(self._compute, self.stage_runner.prepare)
-        except (RemoteProtocolError, LocalProtocolError) as exc:
+        except SwarmError as exc:
             log.warning("stage plan from %s refused: %s", link.peer_id, exc)
             await send_logged(link, Error(0, "bad_plan", f"stage plan v{msg.version} refused: {exc}"))
 
@@ -177,6 +178,10 @@ class WorkerRole:
         except StaleTermError as exc:
             await send_logged(link, Error(msg.request_id, "stale_term", str(exc)))
             return
-        answer = server.handle(msg) if inline else await asyncio.get_running_loop().run_in_executor(
-            self._compute, server.handle, msg)
+        if inline:
+            answer = server.handle(msg)
+        elif isinstance(server, StageRunner):  # counted while queued: take_inline must see it
+            answer = await asyncio.wrap_future(server.submit(self._compute, msg))
+        else:
+            answer = await asyncio.get_running_loop().run_in_executor(self._compute, server.handle, msg)
         await send_logged(link, answer)
