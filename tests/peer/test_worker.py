@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import numpy as np
 import pytest
 
@@ -12,7 +15,12 @@ from swarm.peer.net import messages as M
 from swarm.peer.net import wire
 from swarm.peer.worker import ffn as worker_mod
 from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+from swarm.peer.election.driver import ElectionDriver
+from swarm.keys.identity import Identity
+from swarm.peer.node import Node
+from swarm.keys.swarmkey import SwarmKey
 from swarm.peer.worker.ffn import Worker
+from swarm.peer.worker.role import WorkerRole
 from tests.peer._swarm_models import COORD, W1, W2, build
 
 
@@ -174,3 +182,32 @@ def test_lazy_slices_only_what_the_plan_assigns(setup):
     mine = {(l, e) for l, spans in plan.experts.items() for s in spans if s.peer == W1 for e in range(s.start, s.stop)}
     assert set(fresh._experts) == mine  # no other expert was ever decoded
     assert not fresh._dense  # dense ranges are copied out of the file, the whole MLP is never kept
+
+
+def test_the_worker_role_keeps_one_plan_ready_event_per_term_not_one_per_re_plan(setup, tmp_path):
+    model, shape, _ = setup
+
+    class Link:  # the coordinator's end, recording what the worker answers
+        peer_id, hello, sent = COORD, None, []
+
+        async def send(self, msg):
+            self.sent.append(msg)
+
+    async def main():
+        ident = Identity.generate()
+        node = Node(swarm_key=SwarmKey(os.urandom(32)), certificate=ident.rtc_certificate(), peer_id=W1,
+                    status_path=tmp_path / "status.json")
+        role = WorkerRole(node, load_model(model.path), ElectionDriver(node, True, on_leader=None, on_admitted=None))
+        link = Link()
+        try:
+            for version in range(1, 5):
+                plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)],
+                                  term=4, version=version)
+                await role._on_plan(link, plan.to_message())
+                assert role.server.serves(4, version)
+        finally:
+            role.stop()
+        return list(role._plans_ready), link.sent
+
+    ready, sent = asyncio.run(main())
+    assert ready == [(4, 4)] and sent == []
