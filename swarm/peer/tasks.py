@@ -23,9 +23,16 @@ class OwnedTasks:
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
         self._tasks: set[asyncio.Task] = set()
+        self.closed = False
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
-        """Run ``coro`` as a task of this set (on the running loop)."""
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task | None:
+        """Run ``coro`` as a task of this set (on the running loop). After :meth:`close` it is
+        closed unstarted and None is returned: an event that arrives while the owner stops
+        (a link going down) must not start work nobody will cancel."""
+        if self.closed:
+            coro.close()
+            log.debug("%s-%s not started: its owner has stopped", self._prefix, name)
+            return None
         task = asyncio.get_running_loop().create_task(coro, name=f"{self._prefix}-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
@@ -43,6 +50,11 @@ class OwnedTasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+
+    async def close(self) -> None:
+        """Refuse new tasks from now on, then cancel every task and wait until each has ended."""
+        self.closed = True
+        await self.cancel_all()
 
 
 async def send_logged(link: Link, msg: object) -> None:

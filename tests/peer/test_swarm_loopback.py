@@ -52,9 +52,18 @@ class Peer:
         self.node, self.roles = node, roles
 
     async def stop(self):
-        if self.roles is not None:
-            await self.roles.stop()
+        """Roles first, then the node, as ``join`` leaves: the links that close after the roles
+        stopped must start no new plan (nothing would cancel it)."""
+        if self.roles is None:
+            await self.node.stop()
+            return
+        await self.roles.stop()
+        coordinator = self.roles.coordinator
+        version = coordinator.plan_version
         await self.node.stop()
+        await asyncio.sleep(0.05)  # what a link-down scheduled would have run by now
+        assert coordinator.ffn is None and coordinator.stages is None
+        assert coordinator.plan_version == version, "re-planned after the roles stopped"
 
 
 async def start_swarm(tmp_path, model_dir, gflops: list[float], with_model: list[bool] | None = None):

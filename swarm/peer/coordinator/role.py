@@ -123,8 +123,11 @@ class CoordinatorRole:
             self._tasks.spawn(self._check_plan_forever(), "plan-check")
 
     async def stop(self) -> None:
-        """Cancel every task, close the API and the slice server."""
-        await self._tasks.cancel_all()
+        """Cancel every task (none starts after), drop the dispatch (so that link events that
+        come while the node closes its links plan nothing), close the API and the slice server."""
+        self.ffn = self.stages = None
+        self._coordinating = None
+        await self._tasks.close()
         await self._close_api()
         if self._shipper is not None:
             await self._shipper.close()  # the HTTPS slice server
