@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from swarm.errors import RemoteProtocolError, StaleTermError
+from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
 from swarm.peer.election import core as el
 from swarm.peer.net.messages import Error, LeaderHeartbeat, RequestVote, Vote
 from swarm.peer.tasks import OwnedTasks, send_logged
@@ -124,7 +124,7 @@ class ElectionDriver:
         self._tasks.spawn(self._drive(), "driver")
 
     async def stop(self) -> None:
-        await self._tasks.cancel_all()
+        await self._tasks.close()
 
     async def _drive(self) -> None:
         """Must outlive any one bad tick, or this peer would never elect again."""
@@ -168,6 +168,9 @@ class ElectionDriver:
                     wire = RequestVote(msg.term, msg.candidate)
                 case el.Vote():
                     wire = Vote(msg.term, msg.granted)
+                case _:
+                    raise LocalProtocolError(f"election wants to send a {type(msg).__name__}: "
+                                             "only LeaderHeartbeat, RequestVote and Vote go on the wire")
             targets = [dest] if dest else [p for p in e.members if p != self.node.peer_id]
             for peer in targets:
                 link = self.node.links.get(peer)
