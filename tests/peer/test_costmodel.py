@@ -17,6 +17,7 @@ from swarm.peer.coordinator import costmodel as cm
 from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost
 
 MB = 2**20
+ALL = (*cm.BUILDABLE, "mix")  # what status --json prices: the buildable layouts and the mix it proposes
 
 
 def layers(n=24, attn_flops=2e6, ffn_flops=2e8, attn_bytes=1 * MB, ffn_bytes=20 * MB, hidden=1024) -> LayerCosts:
@@ -79,7 +80,8 @@ def test_a_peer_that_cannot_hold_its_layers_ffn_whole_gets_a_mix():
     # four big MoE layers, each a quarter of the model: whole layers do not fit, cut FFN does
     costs = layers(n=4, attn_bytes=2 * MB, ffn_bytes=100 * MB, ffn_flops=2e7)
     coord, w = PeerCost("c", 150 * MB, 10.0), PeerCost("w1", 300 * MB, 10.0, 0.010)
-    best, estimates = cm.choose(costs, coord, [w])
+    assert cm.choose(costs, coord, [w])[0].layout == "ranges"  # by default: only what can be built
+    best, estimates = cm.choose(costs, coord, [w], layouts=ALL)
     by = {e.layout: e for e in estimates}
     assert not by["stages"].fits and not by["local"].fits and by["ranges"].fits
     assert best.layout == "mix", estimates
@@ -95,7 +97,7 @@ def test_a_peer_that_cannot_hold_its_layers_ffn_whole_gets_a_mix():
 def test_no_candidate_fits_falls_back_to_ranges():
     costs = layers()
     coord = PeerCost("c", 1 * MB, 10.0)
-    best, estimates = cm.choose(costs, coord, [PeerCost("w1", 2 * MB, 10.0, 0.001)])
+    best, estimates = cm.choose(costs, coord, [PeerCost("w1", 2 * MB, 10.0, 0.001)], layouts=ALL)
     assert best.layout == "ranges" and not any(e.fits for e in estimates)
     # what status --json shows of a placement that cannot be built: no time, in strict JSON
     shown = {e["layout"]: e for e in cm.report(costs, coord, [], best, estimates)["estimates"]}
@@ -144,5 +146,5 @@ def test_layer_costs_of_smollm2_from_its_header():
     assert costs.ffn_flops[0] == 2 * 3 * c.hidden_size * c.intermediate_size
     # compact: Q4_1 is 20 bytes per 32 weights (some tensors of the file are Q8_0 / F16: at most 2 bytes)
     assert 20 / 32 * 3 * c.hidden_size * c.intermediate_size <= costs.ffn_bytes[0] <= 2 * 3 * c.hidden_size * c.intermediate_size
-    report = cm.report(costs, *peers(0.001), *cm.choose(costs, *peers(0.001)))
-    assert report["model"]["layers"] == c.n_layers and {e["layout"] for e in report["estimates"]} == {"local", "ranges", "stages", "mix"}
+    report = cm.report(costs, *peers(0.001), *cm.choose(costs, *peers(0.001), layouts=ALL))
+    assert report["model"]["layers"] == c.n_layers and {e["layout"] for e in report["estimates"]} == set(ALL)

@@ -286,11 +286,15 @@ def estimate_mix(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]
     return best
 
 
+BUILDABLE = ("local", "ranges", "stages")  # the layouts a coordinator can set up
+
+
 def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
-           layouts: Sequence[str] = ("local", "ranges", "stages", "mix")) -> tuple[Estimate, list[Estimate]]:
+           layouts: Sequence[str] = BUILDABLE) -> tuple[Estimate, list[Estimate]]:
     """Price the ``layouts`` asked for and return (the fastest that fits, all estimates).
 
-    Falls back to ``ranges`` (the coordinator streams what nobody holds) when none fits.
+    ``"mix"`` is priced only when asked for: no coordinator builds it yet, so by default it is
+    never the choice. Falls back to ``ranges`` (the coordinator streams what nobody holds) when none fits.
     """
     makers = {"local": lambda: estimate_local(costs, coord), "ranges": lambda: estimate_ranges(costs, coord, workers),
               "stages": lambda: estimate_stages(costs, coord, workers),
