@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import numpy as np
@@ -20,6 +21,9 @@ from swarm.keys.identity import Identity
 from swarm.peer.node import Node
 from swarm.keys.swarmkey import SwarmKey
 from swarm.peer.worker.ffn import Worker
+from swarm.peer.weights.shipping import SliceCache, build_manifest
+from swarm.peer.weights.shipping_aio import SliceFetcher
+from swarm.peer.weights.slices import ModelSlicer, specs_for
 from swarm.peer.worker.role import WorkerRole
 from tests.peer._swarm_models import COORD, W1, W2, build
 
@@ -184,26 +188,44 @@ def test_lazy_slices_only_what_the_plan_assigns(setup):
     assert not fresh._dense  # dense ranges are copied out of the file, the whole MLP is never kept
 
 
+
+class CoordLink:
+    """The coordinator's end of a worker's link, recording what the worker answers (``is_open``
+    False: as a real link once closed)."""
+    peer_id, hello, is_open = COORD, None, True
+
+    def __init__(self):
+        self.sent = []
+
+    def on(self, message_type, handler):
+        pass
+
+    def on_close(self, handler):
+        pass
+
+    async def send(self, msg):
+        self.sent.append(msg)
+
+
+def worker_role(tmp_path, model) -> WorkerRole:
+    ident = Identity.generate()
+    node = Node(swarm_key=SwarmKey(os.urandom(32)), certificate=ident.rtc_certificate(), peer_id=W1,
+                status_path=tmp_path / "status.json")
+    return WorkerRole(node, model, ElectionDriver(node, model is not None, on_leader=None, on_admitted=None))
+
+
+def one_worker_plan(shape, version: int):
+    return build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=4, version=version)
+
+
 def test_the_worker_role_keeps_one_plan_ready_event_per_term_not_one_per_re_plan(setup, tmp_path):
     model, shape, _ = setup
 
-    class Link:  # the coordinator's end, recording what the worker answers
-        peer_id, hello, sent = COORD, None, []
-
-        async def send(self, msg):
-            self.sent.append(msg)
-
     async def main():
-        ident = Identity.generate()
-        node = Node(swarm_key=SwarmKey(os.urandom(32)), certificate=ident.rtc_certificate(), peer_id=W1,
-                    status_path=tmp_path / "status.json")
-        role = WorkerRole(node, load_model(model.path), ElectionDriver(node, True, on_leader=None, on_admitted=None))
-        link = Link()
+        role, link = worker_role(tmp_path, load_model(model.path)), CoordLink()
         try:
             for version in range(1, 5):
-                plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)],
-                                  term=4, version=version)
-                await role._on_plan(link, plan.to_message())
+                await role._on_plan(link, one_worker_plan(shape, version).to_message())
                 assert role.server.serves(4, version)
         finally:
             role.stop()
@@ -211,3 +233,25 @@ def test_the_worker_role_keeps_one_plan_ready_event_per_term_not_one_per_re_plan
 
     ready, sent = asyncio.run(main())
     assert ready == [(4, 4)] and sent == []
+
+
+def test_a_plan_whose_slices_cannot_come_is_answered_bad_plan_and_the_link_kept(setup, tmp_path):
+    model, shape, _ = setup
+    plan = one_worker_plan(shape, 1)
+    spec = specs_for(plan, W1)[0]
+    blob, meta = ModelSlicer(model.path).extract(spec)
+    meta["shape"] = dataclasses.asdict(shape)
+
+    async def main():
+        role, link = worker_role(tmp_path, None), CoordLink()
+        link.is_open = False  # the link to the weights' source closes before the slice comes
+        fetcher = role._fetchers[COORD] = SliceFetcher(link, model.content_hash(), SliceCache(tmp_path / "cache"))
+        fetcher.offers.put_nowait(build_manifest(blob, meta))
+        try:
+            await role._on_plan(link, plan.to_message())  # PeerLostError inside: answered, not raised
+        finally:
+            role.stop()
+        return link.sent
+
+    (answer,) = asyncio.run(main())
+    assert isinstance(answer, M.Error) and answer.code == "bad_plan" and "closed while fetching" in answer.message
