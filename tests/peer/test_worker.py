@@ -255,3 +255,19 @@ def test_a_plan_whose_slices_cannot_come_is_answered_bad_plan_and_the_link_kept(
 
     (answer,) = asyncio.run(main())
     assert isinstance(answer, M.Error) and answer.code == "bad_plan" and "closed while fetching" in answer.message
+
+
+def test_a_stopped_worker_role_serves_no_request(setup, tmp_path):
+    """While `join` closes its links after the roles stopped, a request that still arrives gets
+    no answer (its rows are recomputed by the coordinator), not a shut-down executor's error."""
+
+    async def main():
+        role, link = worker_role(tmp_path, None), CoordLink()
+        msg = M.DenseRequest(1, 4, 1, 0, ((0, 8),), x_rows(2))
+        await role._serve(link, msg, None)  # no model here: refused with a reason
+        role.stop()
+        await role._serve(link, msg, None)
+        return link.sent
+
+    (answer,) = asyncio.run(main())
+    assert isinstance(answer, M.Error) and answer.code == "model"

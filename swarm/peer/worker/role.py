@@ -61,6 +61,7 @@ class WorkerRole:
         self._plans_ready: dict[tuple[int, int], asyncio.Event] = {}  # (term, version) → slices in
         self._ship_lock = asyncio.Lock()
         self._compute = cf.ThreadPoolExecutor(1, thread_name_prefix="swarm-worker")
+        self._stopped = False  # set by stop(): no request is served after it
 
     def start(self) -> None:
         """Take plans and requests from every link."""
@@ -73,7 +74,9 @@ class WorkerRole:
         n.on_link_down.append(self._fetchers_pop)
 
     def stop(self) -> None:
-        """Stop the compute thread (requests queued in it are dropped)."""
+        """Stop the compute thread (requests queued in it are dropped); requests that arrive
+        later (while the links close) are not served."""
+        self._stopped = True
         self._compute.shutdown(wait=False, cancel_futures=True)
 
     def admitted(self, link: Link) -> None:
@@ -170,6 +173,8 @@ class WorkerRole:
         """Answer a request with ``server.handle`` in the compute thread (on the event loop when
         ``inline``: a short stage step): an ``Error`` when this peer holds no model (``server``
         None) or the request's term is stale."""
+        if self._stopped:  # leaving: the coordinator recomputes the rows when no answer comes
+            return
         if server is None:
             await send_logged(link, Error(msg.request_id, "model", "this peer holds no model"))
             return
