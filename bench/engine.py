@@ -250,33 +250,28 @@ def _run_llamacpp(args: argparse.Namespace, prompt: list[int]) -> dict:
     return _repeated(greedy_run, args, prompt, load_s)
 
 
-def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts: int = 64, top_k: int = 8,
-                     expert_ffn: int = 512, heads: int = 16, kv_heads: int = 4, seed: int = 0) -> Path:
-    """A random Qwen3-MoE GGUF, weights Q8_0 (norms F32), with the default model's tokenizer so
-    every engine can load it: 9 layers of 64 experts of 1024x512 give ~1.0 GB. Written one
-    tensor at a time with ``gguf``'s writer and quantizer (never the float32 model in memory)."""
+def qwen3moe_writer(path: Path, *, layers: int, hidden: int, experts: int, top_k: int, expert_ffn: int,
+                    heads: int, kv_heads: int, name: str | None = None):
+    """A ``gguf.GGUFWriter`` for a Qwen3-MoE at ``path`` with its hyperparameters written and the
+    default model's tokenizer copied in (so every engine can load the file); returns
+    ``(writer, vocab size)``. The caller adds the tensors and writes the file."""
     import gguf
-    import numpy as np
 
     from swarm.compute.default_model import default_model_path
     from swarm.compute.tensors import GGUFFile
 
-    Q8 = gguf.GGMLQuantizationType.Q8_0
-    rng = np.random.default_rng(seed)
     source = GGUFFile(default_model_path())
-    vocab = len(source.kv["tokenizer.ggml.tokens"])
-    hd = hidden // heads
-    arch = "qwen3moe"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(MOE_NAME)
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    if name:
+        w.add_name(name)
     w.add_block_count(layers)
     w.add_context_length(4096)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(expert_ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    w.add_key_length(hidden // heads)
+    w.add_value_length(hidden // heads)
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_count(experts)
@@ -286,10 +281,24 @@ def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts
         if key.startswith("tokenizer."):
             vtype = source.value_types[key]
             value = list(value) if vtype == gguf.GGUFValueType.ARRAY else value
-            sub = None
-            if vtype == gguf.GGUFValueType.ARRAY and value:
-                sub = gguf.GGUFValueType.get_type(value[0])
+            sub = gguf.GGUFValueType.get_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY and value else None
             w.add_key_value(key, value, vtype, sub_type=sub)
+    return w, len(source.kv["tokenizer.ggml.tokens"])
+
+
+def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts: int = 64, top_k: int = 8,
+                     expert_ffn: int = 512, heads: int = 16, kv_heads: int = 4, seed: int = 0) -> Path:
+    """A random Qwen3-MoE GGUF, weights Q8_0 (norms F32), with the default model's tokenizer so
+    every engine can load it: 9 layers of 64 experts of 1024x512 give ~1.0 GB. Written one
+    tensor at a time with ``gguf``'s writer and quantizer (never the float32 model in memory)."""
+    import gguf
+    import numpy as np
+
+    Q8 = gguf.GGMLQuantizationType.Q8_0
+    rng = np.random.default_rng(seed)
+    w, vocab = qwen3moe_writer(path, layers=layers, hidden=hidden, experts=experts, top_k=top_k,
+                               expert_ffn=expert_ffn, heads=heads, kv_heads=kv_heads, name=MOE_NAME)
+    hd = hidden // heads
 
     def q8(*shape: int, scale: float) -> np.ndarray:
         return gguf.quants.quantize((rng.standard_normal(shape, dtype=np.float32) * scale), Q8)

@@ -65,33 +65,12 @@ def random_moe_gguf(path: Path, *, layers: int = 9, hidden: int = 512, experts: 
                     expert_ffn: int = 512, heads: int = 8, kv_heads: int = 4, down=Q4, seed: int = 0) -> Path:
     """Write the test model (see the module docstring) to ``path``; returns it. ~470 MB in ~15 s.
     ``down``: the experts' down projection type (the sizes tests use a K-quant)."""
-    from swarm.compute.default_model import default_model_path
-    from swarm.compute.tensors import GGUFFile
+    from bench.engine import qwen3moe_writer
 
     rng = np.random.default_rng(seed)
-    source = GGUFFile(default_model_path())
-    vocab = len(source.kv["tokenizer.ggml.tokens"])
+    w, vocab = qwen3moe_writer(path, layers=layers, hidden=hidden, experts=experts, top_k=top_k,
+                               expert_ffn=expert_ffn, heads=heads, kv_heads=kv_heads)
     hd = hidden // heads
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(expert_ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(experts)
-    w.add_expert_used_count(top_k)
-    w.add_expert_feed_forward_length(expert_ffn)
-    for key, value in source.kv.items():
-        if key.startswith("tokenizer."):
-            vtype = source.value_types[key]
-            value = list(value) if vtype == gguf.GGUFValueType.ARRAY else value
-            sub = gguf.GGUFValueType.get_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY and value else None
-            w.add_key_value(key, value, vtype, sub_type=sub)
     F32 = gguf.GGMLQuantizationType.F32
     ones = lambda n: np.ones(n, np.float32)  # noqa: E731
     add = lambda name, data, qtype=Q8: w.add_tensor(name, data, raw_dtype=qtype)  # noqa: E731
