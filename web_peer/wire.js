@@ -332,10 +332,17 @@ function segments(m, n, counts) {
   }
 }
 
-const STAGE_ROWS = [["term", "int"], ["plan_version", "int"], ["sequence", "int"], ["start", "int"], ["layer_start", "int"], ["layer_stop", "int"], ["x", ROWS]];
+// The sequences of a stage step: consecutive runs of x's rows, each of one sequence.
+const STAGE_SEGMENT = { record: [["sequence", "int"], ["start", "int"], ["rows", "int"]] };
+const STAGE_ROWS = [["term", "int"], ["plan_version", "int"], ["segments", { list: STAGE_SEGMENT }], ["layer_start", "int"], ["layer_stop", "int"], ["x", ROWS]];
 function stageRows(m) {
   if (m.layer_stop <= m.layer_start) fail(`layers [${m.layer_start}, ${m.layer_stop}): empty range`);
   if (m.x.shape[0] === 0) fail("x: at least one row");
+  if (!m.segments.length) fail("segments: at least one sequence");
+  if (m.segments.some((s) => s.rows === 0)) fail("segments: every sequence needs at least one row");
+  if (new Set(m.segments.map((s) => s.sequence)).size !== m.segments.length) fail("segments: a sequence appears twice");
+  const total = m.segments.reduce((a, s) => a + s.rows, 0);
+  if (total !== m.x.shape[0]) fail(`segments hold ${total} rows but x has ${m.x.shape[0]}`);
 }
 
 /** kind number → {name, rid: has request_id, fields: [[name, type]...] in wire order, check}. */

@@ -373,16 +373,16 @@ class Model:
         attention runs per sequence on its own cache, and every matrix product over the rows of
         one sequence only, or packed with others where the block kernels make rows independent
         (swarm/compute/ffn.py, "Segments"). The FFN backend gets the union of the rows and their
-        ``segments``. A backend that runs whole layers itself (``run_layers``, the stage layout)
-        is served one sequence after the other through :meth:`forward`.
+        ``segments``. A backend that runs whole layers itself gets the embedded rows of all
+        sequences at once through ``run_layers_batch(model, x, [(cache, start, T), ...]) -> x``
+        (the stage layout); one with ``run_layers`` only is served one sequence after the other
+        through :meth:`forward`.
         Raises ValueError as :meth:`forward`; if the backend raises, no cache length changes.
         """
         if ffn is None:
             ffn = self._local_ffn
         if not parts:
             raise ValueError("forward_batch needs at least one sequence")
-        if getattr(ffn, "run_layers", None) is not None:
-            return np.concatenate([self.forward(t, c, ffn, last_only=True) for t, c in parts])
         c = self.config
         ids = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in parts]
         lengths = [i.size for i in ids]
@@ -393,34 +393,69 @@ class Model:
             raise ValueError(f"token id out of range 0..{c.vocab_size - 1}: {flat.min()}..{flat.max()}")
         if len({id(cache) for _, cache in parts}) != len(parts):
             raise ValueError("each sequence of a batch needs its own KV cache")
-        starts = [cache.length for _, cache in parts]
-        for (_, cache), start, T in zip(parts, starts, lengths):
+        seqs = [(cache, cache.length, T) for (_, cache), T in zip(parts, lengths)]
+        for _, start, T in seqs:
+            if c.sliding_window and start + T > c.sliding_window:
+                raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
+                                 f"({c.sliding_window}); sliding-window attention is not supported")
+        x = self.embed.take(flat)
+        run_layers_batch = getattr(ffn, "run_layers_batch", None)  # a LayerBackend: whole layers elsewhere
+        if run_layers_batch is not None:
+            x = run_layers_batch(self, x, seqs)
+        elif getattr(ffn, "run_layers", None) is not None:
+            return np.concatenate([self.forward(t, c, ffn, last_only=True) for t, c in parts])
+        else:
+            x = self.layers_batch(x, seqs, 0, c.n_layers, ffn)
+        for cache, start, T in seqs:
+            cache.length = start + T
+        bounds = np.cumsum(lengths).tolist()
+        last = rms_norm(x[[b - 1 for b in bounds]], self.final_norm, c.rms_norm_eps)  # [n, H]
+        return segmented(self.head.matmul, last, np.arange(len(parts)) if len(parts) > 1 else None,
+                         block_kernels(self.head))
+
+    def layers_batch(self, x: np.ndarray, seqs: list[tuple[KVCache, int, int]], lo: int, hi: int,
+                     ffn: FFNBackend | None = None) -> np.ndarray:
+        """:meth:`layers` for the rows of several sequences at once: ``x`` [sum T_i, H] f32 holds
+        each sequence's rows in turn, ``seqs[i] = (cache, start, T_i)`` (positions
+        ``start .. start+T_i-1``, each sequence its own cache). Attention runs per sequence on its
+        own cache, the rest on the union; each row has the bits :meth:`layers` gives its sequence
+        alone. ``cache.length`` is left to the caller. Returns [sum T_i, H] f32.
+        Raises ValueError for a bad layer range, rows of the wrong shape, a shared cache or a
+        sequence past the model's attention window."""
+        c = self.config
+        if not 0 <= lo < hi <= c.n_layers:
+            raise ValueError(f"layer range {lo}:{hi} is outside 0:{c.n_layers}")
+        lengths = [T for _, _, T in seqs]
+        if x.dtype != F32 or x.ndim != 2 or x.shape != (sum(lengths), c.hidden_size) or min(lengths, default=0) < 1:
+            raise ValueError(f"hidden rows must be [sum of the sequences' rows {sum(lengths)}, {c.hidden_size}] "
+                             f"float32 with a row per sequence at least, got {x.shape} {x.dtype}")
+        if len({id(cache) for cache, _, _ in seqs}) != len(seqs):
+            raise ValueError("each sequence of a batch needs its own KV cache")
+        if ffn is None:
+            ffn = self._local_ffn
+        for cache, start, T in seqs:
             if c.sliding_window and start + T > c.sliding_window:
                 raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
                                  f"({c.sliding_window}); sliding-window attention is not supported")
             cache.reserve(start + T)
-        segments = lengths if len(parts) > 1 else None
-        seg = segment_ids(segments, flat.size)
+        segments = lengths if len(seqs) > 1 else None
+        seg = segment_ids(segments, x.shape[0])
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        tables = [self._qk_tables(start, T) for start, T in zip(starts, lengths)]
-        cos_qk = np.concatenate([t[0] for t in tables]) if len(parts) > 1 else tables[0][0]
-        sin_qk = np.concatenate([t[1] for t in tables]) if len(parts) > 1 else tables[0][1]
-        masks = [causal_mask(start, T, c.n_heads // c.n_kv_heads) for start, T in zip(starts, lengths)]
-        seqs = [(bounds[i], bounds[i + 1], cache, starts[i], masks[i]) for i, (_, cache) in enumerate(parts)]
-        x = self.embed.take(flat)
+        tables = [self._qk_tables(start, T) for _, start, T in seqs]
+        cos_qk = np.concatenate([t[0] for t in tables]) if len(seqs) > 1 else tables[0][0]
+        sin_qk = np.concatenate([t[1] for t in tables]) if len(seqs) > 1 else tables[0][1]
+        rows = [(bounds[i], bounds[i + 1], cache, start, causal_mask(start, T, c.n_heads // c.n_kv_heads))
+                for i, (cache, start, T) in enumerate(seqs)]
+        x = np.array(x, dtype=F32, order="C")  # the residual stream is ours to update in place
         eps = c.rms_norm_eps
-        for layer in range(c.n_layers):
+        for layer in range(lo, hi):
             w = self.attention_weights(layer)
-            x += self._attention_rows(layer, rms_norm(x, w.attn_norm, eps), seqs, seg, cos_qk, sin_qk)
+            x += self._attention_rows(layer, rms_norm(x, w.attn_norm, eps), rows, seg, cos_qk, sin_qk)
             h = rms_norm(x, w.ffn_norm, eps)
             y = ffn.ffn(layer, h) if segments is None else ffn.ffn(layer, h, segments)
             assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
             x += y
-        for (_, cache), start, T in zip(parts, starts, lengths):
-            cache.length = start + T
-        last = rms_norm(x[[b - 1 for b in bounds[1:]]], self.final_norm, eps)  # [n, H]
-        return segmented(self.head.matmul, last, np.arange(len(parts)) if len(parts) > 1 else None,
-                         block_kernels(self.head))
+        return x
 
     def _attention_rows(self, layer: int, h: np.ndarray, seqs: list, seg: np.ndarray | None,
                         cos_qk: np.ndarray, sin_qk: np.ndarray) -> np.ndarray:

@@ -77,10 +77,11 @@ def samples() -> list[object]:
             sha256=hashlib.sha256(chunk).hexdigest(), data=chunk,
         ),
         m.StagePlan(term=4, version=8, stages=(m.StageAssignment(PA, 0, 5), m.StageAssignment(PB, 5, 24))),
-        m.StageRequest(request_id=2**31 + 1, term=4, plan_version=8, sequence=2, start=9, layer_start=5,
+        m.StageRequest(request_id=2**31 + 1, term=4, plan_version=8,
+                       segments=(m.StageSegment(2, 9, 1), m.StageSegment(5, 0, 2)), layer_start=5,
                        layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
-        m.StageAnswer(request_id=2**31 + 1, term=4, plan_version=8, sequence=2, start=9, layer_start=5,
-                      layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
+        m.StageAnswer(request_id=2**31 + 1, term=4, plan_version=8, segments=(m.StageSegment(2, 9, 3),),
+                      layer_start=5, layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
         m.WeightsHeld(plan_version=7, weight_bytes=3 * 2**30 + 5),  # last: tests index the others
     ]
 

@@ -96,6 +96,62 @@ def test_a_moe_stage_plan_gives_the_local_bits(moe_dir, stages):
     assert all(r.served == 13 for r in runners.values())
 
 
+def greedy_together(model, ffn, prompts, n, on_step=None):
+    """Sequence i joins at step i (its prefill beside the others' decode rows) and takes n greedy
+    decode steps, all in shared ``forward_batch`` steps; returns (tokens, logits) per sequence."""
+    caches = [model.new_cache() for _ in prompts]
+    feed = [list(p) for p in prompts]
+    tokens, logits = [[] for _ in prompts], [[] for _ in prompts]
+    for step in range(n + len(prompts)):
+        if on_step:
+            on_step(step)
+        active = [i for i in range(len(prompts)) if i <= step <= i + n]
+        for i, row in zip(active, model.forward_batch([(feed[i], caches[i]) for i in active], ffn=ffn)):
+            logits[i].append(row)
+            tokens[i].append(int(np.argmax(row)))
+            feed[i] = [tokens[i][-1]]
+    return tokens, logits
+
+
+def greedy_alone(model, prompt, n):
+    """The oracle of :func:`greedy_together`: one sequence, ``Model.forward`` with the local FFN."""
+    cache, feed, tokens, logits = model.new_cache(), list(prompt), [], []
+    for _ in range(n + 1):
+        logits.append(model.forward(feed, cache, last_only=True)[0])
+        tokens.append(int(np.argmax(logits[-1])))
+        feed = [tokens[-1]]
+    return tokens, logits
+
+
+PROMPTS = [PROMPT, PROMPT[3:8], [9, 2, 77, 5, 31, 60, 12, 8, 4, 50, 21, 11, 70]]
+
+
+@pytest.mark.parametrize("replan", [False, True], ids=["one-layout", "re-planned-same-stages"])
+def test_sequences_batched_through_stages_cross_each_stage_in_one_request_with_their_solo_bits(moe_dir, replan):
+    model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 2), Stage(W2, 2, 3)))
+    sent = []
+    send = hand.send
+    hand.send = lambda peer, req: (sent.append((peer, [s.sequence for s in req.segments])), send(peer, req))
+
+    def on_step(step):  # a re-plan that moves nothing: the later sequences start under a new version
+        if replan and step == 1:
+            new = StageLayout(1, 2, COORD, ffn.layout.stages)
+            for r in runners.values():
+                r.accept(new)
+            ffn.set_layout(new)
+
+    tokens, logits = greedy_together(model, ffn, PROMPTS, 6, on_step)
+    hand.join()
+    ref_model = load_model(moe_dir)
+    for i, prompt in enumerate(PROMPTS):
+        ref = greedy_alone(ref_model, prompt, 6)
+        assert tokens[i] == ref[0]
+        assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
+    steps = 6 + len(PROMPTS)
+    assert all(r.served == steps for r in runners.values())  # one request per stage peer per step
+    assert [len(ids) for p, ids in sent if p == W1] == [1, 2, 3, 3, 3, 3, 3, 2, 1]
+
+
 def test_smollm2_over_two_stages_gives_the_local_bits():
     path = default_model_path()
     n = load_model(path).config.n_layers
@@ -140,7 +196,7 @@ def test_a_stage_that_misses_a_deadline_is_kept_and_sent_the_rows_it_missed(moe_
     send, sent = hand.send, []
 
     def lossy(peer, req):
-        sent.append((req.start, req.x.shape[0]))
+        sent.append((req.segments[0].start, req.x.shape[0]))
         if len(sent) in (4, 8):  # the requests of decode steps 3 and 7 are lost
             return
         send(peer, req)
@@ -193,7 +249,7 @@ def test_a_stage_keeps_keys_and_values_of_its_own_layers_only_and_runs_short_ste
     layout = StageLayout(1, 1, COORD, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
     runner = StageRunner(W1, model)
     runner.accept(layout)
-    req = lambda start, rows: m.StageRequest(5, 1, 1, 7, start, 1, 3,  # noqa: E731
+    req = lambda start, rows: m.StageRequest(5, 1, 1, (m.StageSegment(7, start, rows),), 1, 3,  # noqa: E731
                                              np.ones((rows, c.hidden_size), np.float32))
     assert not runner.take_inline(req(0, 1))  # not timed yet: to the compute thread
     assert isinstance(runner.handle(req(0, 40)), m.StageAnswer)
@@ -252,8 +308,9 @@ def test_the_stage_runner_refuses_what_is_not_its_own(moe_dir):
     layout = StageLayout(2, 3, COORD, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
     runner = StageRunner(W1, load_model(moe_dir))
     x = np.ones((2, 64), np.float32)
-    req = lambda **kw: m.StageRequest(**{**dict(request_id=5, term=2, plan_version=3, sequence=1, start=0,  # noqa: E731
-                                                  layer_start=1, layer_stop=3, x=x), **kw})
+    req = lambda start=0, **kw: m.StageRequest(**{**dict(  # noqa: E731
+        request_id=5, term=2, plan_version=3, segments=(m.StageSegment(1, start, kw.get("x", x).shape[0]),),
+        layer_start=1, layer_stop=3, x=x), **kw})
     assert runner.handle(req()).code == "stale_term"  # no plan yet
     runner.accept(layout)
     assert runner.handle(req(plan_version=2)).code == "stale_term"
@@ -275,10 +332,17 @@ def test_stage_messages_check_their_fields():
     ok = m.encode(m.StagePlan(term=1, version=1, stages=(m.StageAssignment(W1, 0, 2),)))
     assert m.decode(ok).stages[0].layer_stop == 2
     with pytest.raises(LocalProtocolError, match=r"layers \[2, 2\): empty range"):
-        m.encode(m.StageRequest(request_id=1, term=1, plan_version=1, sequence=1, start=0, layer_start=2,
-                                layer_stop=2, x=np.ones((1, 4), np.float32)))
-    frame = m.encode(m.StageAnswer(request_id=1, term=1, plan_version=1, sequence=1, start=0, layer_start=0,
-                                   layer_stop=2, x=np.ones((1, 4), np.float32)))
+        m.encode(m.StageRequest(request_id=1, term=1, plan_version=1, segments=(m.StageSegment(1, 0, 1),),
+                                layer_start=2, layer_stop=2, x=np.ones((1, 4), np.float32)))
+    two = (m.StageSegment(1, 0, 1), m.StageSegment(2, 5, 1))
+    with pytest.raises(LocalProtocolError, match="segments hold 2 rows but x has 3"):
+        m.encode(m.StageRequest(request_id=1, term=1, plan_version=1, segments=two, layer_start=0, layer_stop=2,
+                                x=np.ones((3, 4), np.float32)))
+    with pytest.raises(LocalProtocolError, match="a sequence appears twice"):
+        m.encode(m.StageRequest(request_id=1, term=1, plan_version=1, segments=(two[0], two[0]), layer_start=0,
+                                layer_stop=2, x=np.ones((2, 4), np.float32)))
+    frame = m.encode(m.StageAnswer(request_id=1, term=1, plan_version=1, segments=two, layer_start=0,
+                                   layer_stop=2, x=np.ones((2, 4), np.float32)))
     with pytest.raises(MessageError, match="StageAnswer"):
         m.decode(frame.replace(b'"layer_stop":2', b'"layer_stop":0'))
 

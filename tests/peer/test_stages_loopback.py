@@ -111,6 +111,38 @@ def test_a_moe_stage_plan_over_real_links_gives_the_local_bits(tmp_path):
     assert 1 <= inline <= 11
 
 
+def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tmp_path):
+    """Continuous batching over real links: three sequences joining one step apart share every
+    step, one StageRequest per step for the worker's stage; each gets its solo local run's bits."""
+    from tests.peer.test_stages import PROMPTS, greedy_alone, greedy_together
+
+    model_dir = build("qwen3_moe", tmp_path)
+
+    async def main():
+        server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0])
+        try:
+            coord, worker = peers
+            await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+            run = await asyncio.to_thread(greedy_together, coord.roles.model, coord.roles.coordinator.engine_ffn,
+                                          PROMPTS, 6)
+            st = coord.roles.coordinator.stages
+            return run, worker.roles.worker.stage_runner.served, st.remote_steps, st.failed, st.misses
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    (tokens, logits), served, remote, failed, misses = run_in_netns(main, timeout_s=240, prefix="cst",
+                                                                    address=ADDRESS)
+    ref_model = load_model(model_dir)
+    for i, prompt in enumerate(PROMPTS):
+        ref = greedy_alone(ref_model, prompt, 6)
+        assert tokens[i] == ref[0]
+        assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
+    assert not failed and misses == 0
+    assert served == remote == 6 + len(PROMPTS)  # one request per step, not one per sequence
+
+
 def test_smollm2_over_two_stages_and_real_links_gives_the_local_bits(tmp_path):
     path = default_model_path()
     prompt = [1, 504, 3458, 314, 253, 1345, 30]

@@ -70,13 +70,15 @@ def samples() -> dict[str, object]:
             m.StageAssignment(peer=PA, layer_start=0, layer_stop=10),
             m.StageAssignment(peer=PB, layer_start=10, layer_stop=30),
         )),
-        "stage_request": m.StageRequest(
-            request_id=2**31 + 7, term=3, plan_version=6, sequence=4, start=12, layer_start=10, layer_stop=30,
-            x=_f((2, 4), np.float32),
+        "stage_request": m.StageRequest(  # a decode row of sequence 4 and a 2-row chunk of sequence 9
+            request_id=2**31 + 7, term=3, plan_version=6,
+            segments=(m.StageSegment(sequence=4, start=12, rows=1), m.StageSegment(sequence=9, start=0, rows=2)),
+            layer_start=10, layer_stop=30, x=_f((3, 4), np.float32),
         ),
         "stage_answer": m.StageAnswer(
-            request_id=2**31 + 7, term=3, plan_version=6, sequence=4, start=12, layer_start=10, layer_stop=30,
-            x=_f((2, 4), np.float32, -0.75),
+            request_id=2**31 + 7, term=3, plan_version=6,
+            segments=(m.StageSegment(sequence=4, start=12, rows=1), m.StageSegment(sequence=9, start=0, rows=2)),
+            layer_start=10, layer_stop=30, x=_f((3, 4), np.float32, -0.75),
         ),
         "expert_request_f32": m.ExpertRequest(
             request_id=40, term=3, plan_version=6, layer=1,
@@ -194,6 +196,9 @@ def malformed_vectors() -> dict[str, tuple[bytes, dict]]:
                                          [np.array([6, 4], np.int32), np.array([2, 1], np.int32),
                                           _f((3, 4), np.float16)], request_id=40),
                      {"error": "MessageError", "what": "rows"}),
+        "stage_segments_mismatch": (m.wire.encode_frame(36, wire.decode_frame(m.encode(samples()["stage_request"])).meta,
+                                                        [_f((2, 4), np.float32)], request_id=2**31 + 7),
+                                    {"error": "MessageError", "what": "segments"}),
     }
 
 

@@ -11,7 +11,11 @@ the head and sampling: ``Model.forward`` embeds the tokens and hands the rows [T
 :class:`~swarm.peer.coordinator.dispatch.RemoteFFN` that still hands expert and dense ranges out), a
 worker's as one :class:`StageRequest` whose :class:`StageAnswer` carries the rows on. A stage
 runs the engine's own ``Model.layers`` on the same rows, so the logits are the local run's
-bits.
+bits. A step of several sequences (continuous batching: ``Model.forward_batch`` hands
+:meth:`StagedFFN.run_layers_batch` the union of their rows) crosses each stage together: one
+request per stage peer and step, a segment per sequence, attention per sequence on its own KV
+cache and the rest on the union (``Model.layers_batch``), each row with its solo bits.
+Everything that fails, misses or rebuilds stays per sequence.
 
 KV caches. Each stage holds the keys/values of its layers for every sequence in flight, keyed
 by the sequence id the coordinator gives each new cache (``start == 0``). A request for
@@ -65,7 +69,7 @@ from swarm.compute.model import KVCache
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
 from swarm.peer.coordinator.dispatch import MISS_LIMIT, NOT_READY_RETRY_S, SILENCE_S, Dispatcher, PeerTiming
 from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S
-from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest
+from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest, StageSegment
 from swarm.peer.coordinator.planner import Span
 
 log = logging.getLogger(__name__)
@@ -269,7 +273,7 @@ class StageRunner:
             return Error(msg.request_id, "stale_term", str(exc))
         except _CacheGap as exc:
             return Error(msg.request_id, "cache_gap", str(exc))
-        except RemoteProtocolError as exc:
+        except (RemoteProtocolError, ValueError) as exc:  # ValueError: the model refused the rows
             log.warning("refused stage request %s: %s", msg.request_id, exc)
             return Error(msg.request_id, "bad_request", str(exc))
         finally:
@@ -288,28 +292,39 @@ class StageRunner:
             raise RemoteProtocolError(f"rows must be [1..{MAX_STAGE_ROWS}, {H}] float32, got {x.shape} {x.dtype}")
         if not np.isfinite(x).all():
             raise RemoteProtocolError("rows hold NaN or infinity")
-        key = (msg.sequence, lo, hi)
+        if len(msg.segments) > self.max_sequences:
+            raise RemoteProtocolError(f"{len(msg.segments)} sequences in one step; this stage keeps "
+                                      f"{self.max_sequences}")
         with self._lock:
-            cache = self._caches.pop(key, None)
-            if msg.start == 0:
-                cache = StageCache(self.model.config, lo, hi)
-            elif cache is None or cache.length < msg.start:
-                if cache is not None:
-                    self._caches[key] = cache
-                held = 0 if cache is None else cache.length
-                raise _CacheGap(f"sequence {msg.sequence} layers {lo}:{hi}: this stage holds {held} positions, "
-                                f"the request starts at {msg.start}; resend from position 0")
-            self._caches[key] = cache  # most recently used last
+            caches, gaps = [], []
+            for s in msg.segments:  # every sequence is checked before any cache changes
+                cache = self._caches.get((s.sequence, lo, hi))
+                if s.start == 0:
+                    cache = StageCache(self.model.config, lo, hi)
+                elif cache is None or cache.length < s.start:
+                    gaps.append(f"sequence {s.sequence}: holds {0 if cache is None else cache.length} "
+                                f"positions, the request starts at {s.start}")
+                caches.append(cache)
+            if gaps:
+                raise _CacheGap(f"layers {lo}:{hi}: " + "; ".join(gaps) + "; resend from position 0")
+            for s, cache in zip(msg.segments, caches):
+                self._caches.pop((s.sequence, lo, hi), None)
+                self._caches[(s.sequence, lo, hi)] = cache  # most recently used last
             while len(self._caches) > self.max_sequences:
                 self._caches.popitem(last=False)
-        cache.truncate(msg.start)
+        for s, cache in zip(msg.segments, caches):
+            cache.truncate(s.start)
         t0 = time.perf_counter()
-        out = self.model.layers(x, cache, msg.start, lo, hi)
+        if len(msg.segments) == 1:
+            out = self.model.layers(x, caches[0], msg.segments[0].start, lo, hi)
+        else:
+            out = self.model.layers_batch(x, [(c, s.start, s.rows) for s, c in zip(msg.segments, caches)], lo, hi)
         if x.shape[0] <= INLINE_ROWS:
             self._step_s[(lo, hi)] = (time.perf_counter() - t0) / x.shape[0]
-        cache.length = msg.start + x.shape[0]
+        for s, cache in zip(msg.segments, caches):
+            cache.length = s.start + s.rows
         self.served += 1
-        return StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.sequence, msg.start, lo, hi, out)
+        return StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.segments, lo, hi, out)
 
 
 class _CacheGap(Exception):
@@ -336,6 +351,17 @@ class _Sequence:
         rows = np.concatenate([old[:start], x]) if start else np.array(x, copy=True)
         self.inputs[layer] = rows
         return rows
+
+
+@dataclass
+class _Part:
+    """One sequence of a step on the coordinator: its rows as they cross the stages."""
+
+    seq: _Sequence
+    cache: object
+    start: int
+    x: np.ndarray  # its rows entering the next stage [T, H]
+    history: np.ndarray | None = None  # every row that entered the current stage [start+T, H]
 
 
 @dataclass
@@ -434,16 +460,39 @@ class StagedFFN:
     def run_layers(self, model, x: np.ndarray, cache, start: int) -> np.ndarray:
         """Run the embedded rows x [T, H] f32 at positions ``start ..`` through every stage; returns
         the rows after the last layer [T, H] f32 (``Model.forward``'s LayerBackend hook)."""
-        seq = self._sequences.get(cache)
-        if start == 0 or seq is None:
-            seq = self._sequences[cache] = _Sequence(next(self._seq_ids), self.layout)
-        for stage in seq.layout.stages:
-            history = seq.record(stage.start, start, x)
-            out = None
-            if stage.peer != seq.layout.coordinator and self._may_send(stage.peer, seq.layout):
-                out = self._remote(seq, stage, start, history)
-            x = out if out is not None else self._local(seq, stage, cache, start, history)
-        return x
+        return self.run_layers_batch(model, x, [(cache, start, x.shape[0])])
+
+    def run_layers_batch(self, model, x: np.ndarray, seqs: list[tuple[object, int, int]]) -> np.ndarray:
+        """One step of several sequences (``Model.forward_batch``'s LayerBackend hook): ``x``
+        [sum T_i, H] f32 holds each sequence's embedded rows in turn, ``seqs[i] = (cache, start,
+        T_i)``. Sequences under the same layout cross each stage together — one StageRequest per
+        stage peer and step, the union of their rows — and each row comes back with the bits its
+        sequence alone would get. Returns the rows after the last layer [sum T_i, H] f32."""
+        bounds = np.concatenate([[0], np.cumsum([T for _, _, T in seqs])]).astype(int).tolist()
+        parts = []
+        for i, (cache, start, _) in enumerate(seqs):
+            seq = self._sequences.get(cache)
+            if start == 0 or seq is None:
+                seq = self._sequences[cache] = _Sequence(next(self._seq_ids), self.layout)
+            parts.append(_Part(seq, cache, start, x[bounds[i]:bounds[i + 1]]))
+        # Sequences whose layouts have the same stages (a re-plan that moved nothing makes a new
+        # version) cross them together, under the newest of those versions.
+        groups: dict[tuple, list[_Part]] = {}
+        for p in parts:
+            groups.setdefault((p.seq.layout.term, p.seq.layout.stages), []).append(p)
+        for group in groups.values():
+            layout = max((p.seq.layout for p in group), key=lambda lay: lay.version)
+            for stage in layout.stages:
+                for p in group:
+                    p.history = p.seq.record(stage.start, p.start, p.x)
+                out = None
+                if stage.peer != layout.coordinator and self._may_send(stage.peer, layout):
+                    out = self._remote(group, stage, layout)
+                if out is None:
+                    out = self._local(group, stage)
+                for p, y in zip(group, out):
+                    p.x = y
+        return parts[0].x if len(parts) == 1 else np.concatenate([p.x for p in parts])
 
     def _may_send(self, peer: str, layout: StageLayout) -> bool:
         """Not failed, and not held as not ready under ``layout`` (but for a probe now and then)."""
@@ -457,45 +506,61 @@ class StagedFFN:
             return True
         return self._clock() >= held[2]
 
-    def _local(self, seq: _Sequence, stage: Stage, cache, start: int, history: np.ndarray) -> np.ndarray:
+    def _local(self, group: list[_Part], stage: Stage) -> list[np.ndarray]:
         key = (stage.start, stage.stop)
-        have = min(seq.local.get(key, 0), start)
-        if have < start:  # a stage that moved here: rebuild its KV cache from the rows that entered it
-            self.model.layers(history[have:start], cache, have, stage.start, stage.stop, self.inner)
-            self.rebuilt_positions += start - have
+        for p in group:
+            have = min(p.seq.local.get(key, 0), p.start)
+            if have < p.start:  # a stage that moved here: rebuild its KV cache from the rows that entered it
+                self.model.layers(p.history[have:p.start], p.cache, have, stage.start, stage.stop, self.inner)
+                self.rebuilt_positions += p.start - have
         t0 = self._clock()
-        out = self.model.layers(history[start:], cache, start, stage.start, stage.stop, self.inner)
-        self.local_timing.observe(self._clock() - t0, out.shape[0], stage.stop - stage.start)
-        seq.local[key] = history.shape[0]
-        return out
+        if len(group) == 1:
+            (p,) = group
+            outs = [self.model.layers(p.history[p.start:], p.cache, p.start, stage.start, stage.stop, self.inner)]
+        else:
+            rows = np.concatenate([p.history[p.start:] for p in group])
+            out = self.model.layers_batch(rows, [(p.cache, p.start, p.x.shape[0]) for p in group],
+                                          stage.start, stage.stop, self.inner)
+            outs = np.split(out, np.cumsum([p.x.shape[0] for p in group])[:-1])
+        self.local_timing.observe(self._clock() - t0, sum(o.shape[0] for o in outs), stage.stop - stage.start)
+        for p in group:
+            p.seq.local[key] = p.history.shape[0]
+        return outs
 
-    def _remote(self, seq: _Sequence, stage: Stage, start: int, history: np.ndarray) -> np.ndarray | None:
-        """The stage's output rows [T, H], or None after a failure (recorded)."""
+    def _remote(self, group: list[_Part], stage: Stage, layout: StageLayout) -> list[np.ndarray] | None:
+        """Each sequence's output rows of the stage [T_i, H], or None after a failure (recorded)."""
         key = (stage.peer, stage.start, stage.stop)
-        T = history.shape[0] - start
-        first = min(seq.remote.get(key, 0), start)  # a holder that missed steps gets them again
+        # a holder that missed steps of a sequence gets them again
+        firsts = [min(p.seq.remote.get(key, 0), p.start) for p in group]
         for _ in range(2):
-            msg = self._call(stage, seq, first, history[first:])
-            if isinstance(msg, Error) and msg.code == "cache_gap" and first > 0:
-                first = 0  # it lost the sequence (restarted, evicted): send it all
+            msg = self._call(stage, layout, group, firsts)
+            if isinstance(msg, Error) and msg.code == "cache_gap" and any(firsts):
+                firsts = [0] * len(group)  # it lost a sequence (restarted, evicted): send them all
                 continue
             break
         if isinstance(msg, Error) and msg.code == "stale_term":
-            self._not_ready(stage.peer, seq.layout, msg)
+            self._not_ready(stage.peer, layout, msg)
             return None
         if isinstance(msg, Error):
             self._fail(stage.peer, f"refused layers {stage.start}:{stage.stop}: {msg.code}: {msg.message}")
             return None
         if msg is None:
             return None
-        seq.remote[key] = history.shape[0]
         self.remote_steps += 1
-        return np.ascontiguousarray(msg.x[-T:])
+        outs, at = [], 0
+        for p, first in zip(group, firsts):
+            p.seq.remote[key] = p.history.shape[0]
+            at += p.history.shape[0] - first
+            outs.append(np.ascontiguousarray(msg.x[at - p.x.shape[0]:at]))
+        return outs
 
-    def _call(self, stage: Stage, seq: _Sequence, first: int, rows: np.ndarray) -> StageAnswer | Error | None:
+    def _call(self, stage: Stage, lay: StageLayout, group: list[_Part], firsts: list[int]
+              ) -> StageAnswer | Error | None:
         rid = REQUEST_ID_BASE | (next(self._ids) & (REQUEST_ID_BASE - 1))
-        lay = seq.layout
-        req = StageRequest(rid, lay.term, lay.version, seq.id, first, stage.start, stage.stop, rows)
+        segments = tuple(StageSegment(p.seq.id, f, p.history.shape[0] - f) for p, f in zip(group, firsts))
+        rows = (group[0].history[firsts[0]:] if len(group) == 1 else
+                np.concatenate([p.history[f:] for p, f in zip(group, firsts)]))
+        req = StageRequest(rid, lay.term, lay.version, segments, stage.start, stage.stop, rows)
         now = self._clock()
         timing = self.timing.setdefault(stage.peer, PeerTiming())
         p = _Pending(stage.peer, req, cf.Future(), now, now + timing.deadline_s(rows.shape[0]), timing.fresh)
@@ -582,8 +647,8 @@ def _check_answer(req: StageRequest, msg: object) -> None:
     """RemoteProtocolError unless ``msg`` answers ``req`` exactly, with finite f32 rows."""
     if not isinstance(msg, StageAnswer):
         raise RemoteProtocolError(f"{type(msg).__name__} does not answer a StageRequest")
-    echo = (msg.term, msg.plan_version, msg.sequence, msg.start, msg.layer_start, msg.layer_stop)
-    want = (req.term, req.plan_version, req.sequence, req.start, req.layer_start, req.layer_stop)
+    echo = (msg.term, msg.plan_version, msg.segments, msg.layer_start, msg.layer_stop)
+    want = (req.term, req.plan_version, req.segments, req.layer_start, req.layer_stop)
     if echo != want:
         raise RemoteProtocolError(f"answer echoes {echo}, not the request's {want}")
     if msg.x.dtype != F32 or msg.x.shape != req.x.shape:

@@ -606,28 +606,48 @@ class DenseAnswer(_Base):
             raise _Invalid(f"{self.partials.shape[0]} partials for {len(self.ranges)} ranges")
 
 
+@dataclass(frozen=True)
+class StageSegment:
+    """The rows of one sequence in a StageRequest: ``rows`` consecutive rows of ``x`` hold
+    positions ``start .. start+rows-1`` of sequence ``sequence``."""
+
+    sequence: int
+    start: int
+    rows: int
+
+
 def _check_stage(msg, where: str) -> None:
     if msg.layer_stop <= msg.layer_start:
         raise _Invalid(f"layers [{msg.layer_start}, {msg.layer_stop}): empty range")
     if msg.x.shape[0] == 0:
         raise _Invalid(f"{where}: at least one row")
+    if not msg.segments:
+        raise _Invalid("segments: at least one sequence")
+    if any(s.rows == 0 for s in msg.segments):
+        raise _Invalid("segments: every sequence needs at least one row")
+    if len({s.sequence for s in msg.segments}) != len(msg.segments):
+        raise _Invalid("segments: a sequence appears twice")
+    total = sum(s.rows for s in msg.segments)
+    if total != msg.x.shape[0]:
+        raise _Invalid(f"segments hold {total} rows but {where} has {msg.x.shape[0]}")
 
 
 @message(36)
 class StageRequest(_Base):
-    """Hidden rows ``x`` [T, H] for the layers ``layer_start .. layer_stop-1`` a stage holds.
+    """Hidden rows ``x`` [T, H] f32 for the layers ``layer_start .. layer_stop-1`` a stage holds,
+    of one or more sequences (one step of a batch: a single message per stage and step).
 
-    ``x`` holds positions ``start .. start+T-1`` of sequence ``sequence`` (an id the coordinator
-    gives each sequence). The stage first truncates its KV cache of that sequence to ``start``
-    positions (``start == 0`` starts the sequence afresh; a smaller ``start`` than it holds
-    re-runs a suffix) and answers ``cache_gap`` when it holds fewer than ``start``.
+    ``segments``: the sequences in ``x``, in order; each holds its rows' positions (an id the
+    coordinator gives each sequence, the position of its first row, its row count; the counts
+    sum to T, ids are distinct). For each, the stage first truncates its KV cache of that
+    sequence to ``start`` positions (``start == 0`` starts it afresh; a smaller ``start`` than it
+    holds re-runs a suffix) and answers ``cache_gap`` when it holds fewer than ``start``.
     """
 
     request_id: int
     term: int
     plan_version: int
-    sequence: int
-    start: int
+    segments: tuple[StageSegment, ...]
     layer_start: int
     layer_stop: int
     x: Annotated[np.ndarray, ROWS]
@@ -638,13 +658,13 @@ class StageRequest(_Base):
 
 @message(37)
 class StageAnswer(_Base):
-    """The hidden rows after layer ``layer_stop-1`` for a StageRequest: ``x`` [T, H]."""
+    """The hidden rows after layer ``layer_stop-1`` for a StageRequest: ``x`` [T, H] f32, with
+    the request's ``segments`` echoed."""
 
     request_id: int
     term: int
     plan_version: int
-    sequence: int
-    start: int
+    segments: tuple[StageSegment, ...]
     layer_start: int
     layer_stop: int
     x: Annotated[np.ndarray, ROWS]
@@ -747,4 +767,5 @@ __all__ = [
     "NumericBuild",
     "Assignment",
     "StageAssignment",
+    "StageSegment",
 ]
