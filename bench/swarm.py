@@ -124,13 +124,15 @@ def olmoe_checkpoint(seed: int = 0) -> Path:
 
 
 def model_path(name: str) -> Path:
+    if Path(name).exists():  # a model file or directory, e.g. the 1 GB MoE of bench/engine.py --make-moe
+        return Path(name).resolve()
     if name == "smollm2":
         from swarm.compute.default_model import default_model_path
 
         return default_model_path()
     if name == "olmoe":
         return olmoe_checkpoint()
-    raise SystemExit(f"unknown model {name!r}: use smollm2 or olmoe")
+    raise SystemExit(f"unknown model {name!r}: use smollm2, olmoe or the path of a model file")
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -144,6 +146,7 @@ class TimedFFN:
         self.inner, self.on, self.calls, self.seconds = inner, False, 0, 0.0
         if hasattr(inner, "run_layers"):  # a stage dispatch runs whole layers: forward must see it
             self.run_layers = inner.run_layers
+            self.run_layers_batch = inner.run_layers_batch
 
     def ffn(self, layer, x):
         t0 = time.perf_counter()
@@ -154,8 +157,9 @@ class TimedFFN:
         return y
 
 
-def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None) -> dict:
-    """Greedy: prefill ``prompt`` as one batch, then ``n_decode`` single-token steps."""
+def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None, cpu_pids=()) -> dict:
+    """Greedy: prefill ``prompt`` as one batch, then ``n_decode`` single-token steps; with
+    ``cpu_pids``, also the CPU seconds each of those processes spent during the decode steps."""
     timed = TimedFFN(ffn)
     cache = model.new_cache(len(prompt) + n_decode + 1)
     t0 = time.perf_counter()
@@ -163,6 +167,7 @@ def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None) -
     prefill_s = time.perf_counter() - t0
     tokens, steps = [int(np.argmax(logits))], []
     timed.on = True
+    cpu0 = [_cpu_s(pid) for pid in cpu_pids]
     for step in range(n_decode):
         if on_step:
             on_step(step)
@@ -170,7 +175,9 @@ def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None) -
         logits = model.forward([tokens[-1]], cache, ffn=timed, last_only=True)[0]
         steps.append(time.perf_counter() - t)
         tokens.append(int(np.argmax(logits)))
+    cpu = [_cpu_s(pid) - c for pid, c in zip(cpu_pids, cpu0)]
     return {
+        "decode_cpu_s": cpu,
         "prefill_tok_s": round(len(prompt) / prefill_s, 2),
         "decode_tok_s": round(n_decode / sum(steps), 2),
         "ffn_ms_per_layer": round(1e3 * timed.seconds / max(timed.calls, 1), 3),
@@ -270,40 +277,75 @@ async def _until(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-async def _layouts(roles, model, prompt: list[int], n_decode: int, local: dict, local_tokens: list[int],
-                   delays_ms: list[float]) -> dict:
-    """Ranges, stages and the planner's choice with 2 peers, at each added per-message delay."""
+LAYOUT_ORDER = ("local", "ranges", "stages", "auto")
+
+
+async def _layouts(roles, model, prompt: list[int], n_decode: int, local_tokens: list[int],
+                   delays_ms: list[float], rounds: int, worker_pid: int) -> dict:
+    """Local, ranges, stages and the planner's choice with 2 peers, at each added per-message
+    delay: ``rounds`` rounds, each running the four one after the other, so that a change in the
+    machine's load hits every layout alike; per layout the median tok/s, each round's ratio to
+    that round's local run, and the decode CPU seconds of both processes against local's."""
+    from swarm.compute.ffn import LocalFFN
+
     out = {}
+    pids = (os.getpid(), worker_pid)
     for delay_ms in delays_ms:
         for link in roles.node.links.values():
             link.added_delay_s = delay_ms / 1e3
         await asyncio.sleep(6 * LINK_OPTIONS["heartbeat_s"] + 1.0)  # the RTT median takes the delay in
         row = {"link_rtt_ms": [round(1e3 * link.rtt_s, 3) for link in roles.node.links.values() if link.rtt_s]}
-        for layout in ("ranges", "stages", "auto"):
-            await _switch_layout(roles, model, prompt, layout)
-            _progress(f"{delay_ms} ms added, {layout}")
-            ffn = roles.coordinator.engine_ffn
-            run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode)
-            cost = (roles.node.placement or {}).get("cost") or {}
-            entry = {
-                "decode_tok_s": run["decode_tok_s"], "prefill_tok_s": run["prefill_tok_s"],
-                "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
-                "prefill_vs_local": round(run["prefill_tok_s"] / local["prefill_tok_s"], 3),
-                "greedy_tokens_equal_local": run["tokens"] == local_tokens,
-                "stages": (roles.node.placement or {}).get("stages"),
-                "fallbacks": bool(roles.coordinator.stages is not None and roles.coordinator.stages.failed) or bool(roles.coordinator.ffn.failed),
+        runs: dict[str, list[dict]] = {layout: [] for layout in LAYOUT_ORDER}
+        for r in range(rounds):
+            for layout in LAYOUT_ORDER:
+                if layout == "local":
+                    ffn = LocalFFN(model)
+                else:
+                    await _switch_layout(roles, model, prompt, layout)
+                    ffn = roles.coordinator.engine_ffn
+                _progress(f"{delay_ms} ms added, round {r + 1}/{rounds}, {layout}")
+                run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode, None, pids)
+                cpu = run["decode_cpu_s"][0] + (run["decode_cpu_s"][1] if layout != "local" else 0.0)
+                entry = {"decode_tok_s": run["decode_tok_s"], "prefill_tok_s": run["prefill_tok_s"],
+                         "cpu_ms_per_token": round(1e3 * cpu / n_decode, 2),
+                         "greedy_tokens_equal_local": run["tokens"] == local_tokens,
+                         "load_avg_1m": round(os.getloadavg()[0], 2)}
+                if layout != "local":
+                    cost = (roles.node.placement or {}).get("cost") or {}
+                    st = roles.coordinator.stages
+                    entry.update({
+                        "stages": (roles.node.placement or {}).get("stages"),
+                        "fallbacks": bool(st is not None and (st.failed or st.misses)) or bool(roles.coordinator.ffn.failed)})
+                    if layout == "auto":
+                        entry["choice"] = cost.get("choice")
+                        entry["estimates_ms"] = {
+                            e["layout"]: {"decode": round(1e3 * e["decode_s"], 2), "prefill": round(1e3 * e["prefill_s"], 1),
+                                          "fits": e["fits"]} for e in cost.get("estimates", ()) if e["decode_s"] is not None}
+                        entry["peers"] = cost.get("peers")
+                runs[layout].append(entry)
+        for layout in LAYOUT_ORDER:
+            per = runs[layout]
+            loc = runs["local"]
+            summary = {
+                "decode_tok_s_median": statistics.median(e["decode_tok_s"] for e in per),
+                "prefill_tok_s_median": statistics.median(e["prefill_tok_s"] for e in per),
+                "decode_vs_local_per_round": [round(e["decode_tok_s"] / l["decode_tok_s"], 3) for e, l in zip(per, loc)],
+                "prefill_vs_local_per_round": [round(e["prefill_tok_s"] / l["prefill_tok_s"], 3) for e, l in zip(per, loc)],
+                # local's CPU over both processes' CPU per decoded token: what an idle machine's
+                # decode ratio would be for layouts that run one stage after the other, less the waits
+                "local_cpu_over_cpu_per_round": [round(l["cpu_ms_per_token"] / e["cpu_ms_per_token"], 3)
+                                                 for e, l in zip(per, loc)],
+                "greedy_tokens_equal_local": all(e["greedy_tokens_equal_local"] for e in per),
+                "rounds": per,
             }
-            if layout == "auto":
-                entry["choice"] = cost.get("choice")
-                entry["estimates_ms"] = {e["layout"]: {"decode": round(1e3 * e["decode_s"], 2),
-                                                       "prefill": round(1e3 * e["prefill_s"], 1), "fits": e["fits"]}
-                                         for e in cost.get("estimates", ()) if e["decode_s"] is not None}
-                entry["peers"] = cost.get("peers")
-            row[layout] = entry
-        row["auto_vs_ranges_decode"] = round(row["auto"]["decode_tok_s"] / row["ranges"]["decode_tok_s"], 2)
-        row["load_avg_1m"] = round(os.getloadavg()[0], 2)
+            for k in ("decode_vs_local", "prefill_vs_local", "local_cpu_over_cpu"):
+                summary[f"{k}_median"] = statistics.median(summary[f"{k}_per_round"])
+            row[layout] = summary
+        row["auto_vs_ranges_decode"] = round(row["auto"]["decode_tok_s_median"] / row["ranges"]["decode_tok_s_median"], 2)
+        row["auto_choices"] = [e.get("choice") for e in runs["auto"]]
         out[f"{delay_ms:g}_ms_added"] = row
-        _progress(json.dumps({f"{delay_ms:g}_ms_added": row}))
+        _progress(json.dumps({f"{delay_ms:g}_ms_added": {k: v for k, v in row.items() if k not in LAYOUT_ORDER}
+                              | {layout: row[layout]["decode_vs_local_per_round"] for layout in LAYOUT_ORDER}}))
     for link in roles.node.links.values():
         link.added_delay_s = 0.0
     await asyncio.sleep(6 * LINK_OPTIONS["heartbeat_s"] + 1.0)
@@ -342,7 +384,7 @@ async def _start_coordinator(model, tmp: Path, layout: str):
 
 
 async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: int,
-                            delays_ms: list[float]) -> dict:
+                            delays_ms: list[float], rounds: int = 3, layouts_only: bool = False) -> dict:
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
 
@@ -382,36 +424,39 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
             await asyncio.to_thread(run_generation, model, ffn, prompt[:8], 2)  # plan applied; slices decoded
             if len(ffn.plan.workers()) != n_peers - 1:
                 raise RuntimeError(f"plan has {len(ffn.plan.workers())} workers after warm-up, expected {n_peers - 1}")
-            _progress(f"swarm of {n_peers}: prefill + decode")
-            counter.reset()
-            run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode)
-            wire_bytes = counter.sent + counter.received  # prefill + decode; split below
-            counter.reset()
-            run_decode = await asyncio.to_thread(run_generation, model, ffn, prompt[:1], n_decode)
-            tokens = run.pop("tokens")
-            run.pop("step_s")
-            run_decode.pop("tokens")
-            run_decode.pop("step_s")
-            rtts = [link.rtt_s for link in node.links.values() if link.rtt_s]
-            plan = ffn.plan
-            if roles.coordinator.ffn is not ffn or ffn.failed:
-                run["invalid"] = (f"during the measurement {len(ffn.failed)} worker(s) were marked down "
-                                  f"or this peer stopped coordinating; the figures mix remote and local work")
-            run.update({
-                "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
-                "prefill_vs_local": round(run["prefill_tok_s"] / local["prefill_tok_s"], 3),
-                "wire_bytes_per_decode_token": round((counter.sent + counter.received) / n_decode),
-                "wire_bytes_prefill_and_decode": wire_bytes,
-                "link_rtt_ms_median": round(1e3 * statistics.median(rtts), 3) if rtts else None,
-                "round_trip_ms_per_layer_over_local": round(run["ffn_ms_per_layer"] - local["ffn_ms_per_layer"], 3),
-                "greedy_tokens_equal_local": tokens == local_tokens,
-                "plan": {"version": plan.version, "workers": len(plan.workers()),
-                         "coordinator_share": _coordinator_share(plan)},
-            })
-            result[f"swarm_{n_peers}_peers"] = run
+            if not layouts_only:  # the layouts phase needs only the plan over the worker
+                _progress(f"swarm of {n_peers}: prefill + decode")
+                counter.reset()
+                run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode)
+                wire_bytes = counter.sent + counter.received  # prefill + decode; split below
+                counter.reset()
+                run_decode = await asyncio.to_thread(run_generation, model, ffn, prompt[:1], n_decode)
+                tokens = run.pop("tokens")
+                run.pop("step_s")
+                run_decode.pop("tokens")
+                run_decode.pop("step_s")
+                rtts = [link.rtt_s for link in node.links.values() if link.rtt_s]
+                plan = ffn.plan
+                if roles.coordinator.ffn is not ffn or ffn.failed:
+                    run["invalid"] = (f"during the measurement {len(ffn.failed)} worker(s) were marked down "
+                                      f"or this peer stopped coordinating; the figures mix remote and local work")
+                run.update({
+                    "decode_vs_local": round(run["decode_tok_s"] / local["decode_tok_s"], 3),
+                    "prefill_vs_local": round(run["prefill_tok_s"] / local["prefill_tok_s"], 3),
+                    "wire_bytes_per_decode_token": round((counter.sent + counter.received) / n_decode),
+                    "wire_bytes_prefill_and_decode": wire_bytes,
+                    "link_rtt_ms_median": round(1e3 * statistics.median(rtts), 3) if rtts else None,
+                    "round_trip_ms_per_layer_over_local": round(run["ffn_ms_per_layer"] - local["ffn_ms_per_layer"], 3),
+                    "greedy_tokens_equal_local": tokens == local_tokens,
+                    "plan": {"version": plan.version, "workers": len(plan.workers()),
+                             "coordinator_share": _coordinator_share(plan)},
+                })
+                result[f"swarm_{n_peers}_peers"] = run
             if n_peers == 2 and delays_ms:
-                result["layouts_2_peers"] = await _layouts(roles, model, prompt, n_decode, local, local_tokens,
-                                                           delays_ms)
+                result["layouts_2_peers"] = await _layouts(roles, model, prompt, n_decode, local_tokens,
+                                                           delays_ms, rounds, workers[0].pid)
+                if layouts_only:
+                    return result
 
         # Recovery: kill the last worker at decode step KILL_AT_STEP.
         victim = workers[-1]
@@ -575,6 +620,10 @@ def main() -> None:
     parser.add_argument("--max-peers", type=int, default=3)
     parser.add_argument("--delays", default="0,2,5",
                         help="ms added before each message the coordinator sends, for the layouts phase ('' skips it)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the layouts phase, each running local, ranges, stages and auto in turn")
+    parser.add_argument("--layouts-only", action="store_true",
+                        help="only the layouts phase (2 peers): no 2/3-peer ranges figures, no recovery")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
     parser.add_argument("--_coordinator", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
@@ -603,7 +652,8 @@ def main() -> None:
         return
     if args._coordinator:
         delays = [float(d) for d in args.delays.split(",") if d.strip()]
-        out = asyncio.run(_coordinator_main(args._coordinator, args.prompt_tokens, args.tokens, args.max_peers, delays))
+        out = asyncio.run(_coordinator_main(args._coordinator, args.prompt_tokens, args.tokens, args.max_peers, delays,
+                                            args.rounds, args.layouts_only))
         print(json.dumps(out))
         return
     results = {
@@ -616,10 +666,11 @@ def main() -> None:
         path = model_path(name)
         t0 = time.monotonic()
         mode = "--_trace" if args.trace_stages else "--_coordinator"
-        results["models"][name] = _in_netns(
+        results["models"][Path(name).name] = _in_netns(
             [mode, str(path), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
-             "--max-peers", str(args.max_peers), "--delays", args.delays], args.timeout)
-        results["models"][name]["bench_wall_s"] = round(time.monotonic() - t0, 1)
+             "--max-peers", str(2 if args.layouts_only else args.max_peers), "--delays", args.delays,
+             "--rounds", str(args.rounds), *(["--layouts-only"] if args.layouts_only else [])], args.timeout)
+        results["models"][Path(name).name]["bench_wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(results, indent=2))
 
 
