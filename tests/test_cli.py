@@ -52,6 +52,7 @@ def test_bad_option_values_get_one_clear_line(argv, needle):
 def test_good_option_values_parse():
     args = build_parser().parse_args(["join", "--verify", "12.5", "--memory", "512", "--signal", "10.0.0.2:8443"])
     assert (args.verify, args.memory, args.signal) == (12.5, 512, "wss://10.0.0.2:8443/ws")
+    assert args.layout == "auto"  # the cost model picks local, ranges or stages (docs/planner.md)
 
 
 @pytest.mark.parametrize("form", ["10.0.0.2:8443", "https://10.0.0.2:8443", "https://10.0.0.2:8443/",

@@ -158,7 +158,8 @@ async def test_capped_peers_run_a_model_none_can_hold(netns_lab, big_moe):
     try:
         def join(i: int):
             model = ["--model", str(big_moe)] if i == 0 else ["--no-model"]
-            return lab.spawn(i, ["-m", "swarm", "-v", "join", *model, "--key", key.code, "--name", f"host{i}"],
+            return lab.spawn(i, ["-m", "swarm", "-v", "join", *model, "--key", key.code, "--name", f"host{i}",
+                                 "--layout", "ranges"],
                              env={**PEER_ENV, "NUMBA_CACHE_DIR": numba_cache}, cgroup=groups[i])
 
         # The holder first (the only peer that can coordinate), then the two without the file.

@@ -49,7 +49,7 @@ SLOW = re.compile(r"WARNING asyncio: slow callback: .*")
 def join(lab, i: int, key: SwarmKey | None, model_dir, *extra: str, cgroup: MemoryCgroup | None = None):
     key_args = ["--key", key.code] if key is not None else []
     return lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(model_dir), *key_args, "--name", f"host{i}",
-                         *extra], env=PEER_ENV, cgroup=cgroup)
+                         "--layout", "ranges", *extra], env=PEER_ENV, cgroup=cgroup)
 
 
 def busy_cores() -> list[subprocess.Popen]:

@@ -153,7 +153,8 @@ async def test_every_signal_form_forms_one_swarm_with_multicast_blocked(netns_la
     lab = netns_lab(4)
     lab.mcast_block()
     code = SwarmKey(os.urandom(32)).code
-    host = lab.spawn(0, ["-m", "swarm", "-v", "join", "--model", str(model_dir), "--key", code, "--name", "host0"],
+    host = lab.spawn(0, ["-m", "swarm", "-v", "join", "--model", str(model_dir), "--key", code, "--name", "host0",
+                         "--layout", "ranges"],
                      env=ONE_THREAD)
     await until(lambda: read_status(lab, 0) is not None and read_status(lab, 0)["signaling_port"], 60,
                 "the first peer to host signaling", [host])

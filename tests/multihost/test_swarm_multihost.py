@@ -113,7 +113,8 @@ async def test_join_elect_generate_and_fail_over(netns_lab):
         model = ["--model", str(path)] if path else ["--no-model"]
         # One BLAS thread per "host": five of them share this machine's 2 cores, and spinning BLAS
         # threads of one process would distort the FFN speed the others measure at start.
-        return lab.spawn(i, ["-m", "swarm", "-v", "join", *model, "--key", key.code, "--name", f"host{i}"],
+        return lab.spawn(i, ["-m", "swarm", "-v", "join", *model, "--key", key.code, "--name", f"host{i}",
+                             "--layout", "ranges"],
                          env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
 
     # host0..2 hold the model, host3 another one, host4 none (its slices are shipped to it).

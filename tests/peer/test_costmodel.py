@@ -53,6 +53,21 @@ def test_the_coordinator_alone_wins_when_it_holds_everything_and_links_are_slow(
     assert best.layout in ("local", "stages") and best.stages == (("c", 0, 24),)
 
 
+def test_peers_that_take_ranges_only_count_under_ranges_alone():
+    """A browser page or a peer without the model file cannot hold a stage: it is priced under
+    ranges, where it can make the split worth its round trips, and never given a stage."""
+    coord = PeerCost("c", 10**12, 10.0)
+    page = PeerCost("page", 400 * MB, 30.0, 0.0002)
+    alone, _ = cm.choose(layers(), coord, [])
+    best, estimates = cm.choose(layers(), coord, [], range_only=[page])
+    assert best.layout == "ranges" and best.decode_s < 0.5 * alone.decode_s, estimates
+    assert dict(best.shares)["page"] > 0
+    by = {e.layout: e for e in estimates}
+    assert by["stages"].stages == (("c", 0, 24),)  # no stage for it
+    far = PeerCost("page", 400 * MB, 30.0, 0.010)  # over a slow link it is not worth a round trip a layer
+    assert cm.choose(layers(ffn_flops=2e7), coord, [], range_only=[far])[0].layout in ("local", "stages")
+
+
 def test_a_peer_observed_slow_gets_less():
     costs = layers()
     coord, (a, b) = peers(rtt_s=0.0002)

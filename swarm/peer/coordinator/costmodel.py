@@ -290,13 +290,16 @@ BUILDABLE = ("local", "ranges", "stages")  # the layouts a coordinator can set u
 
 
 def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
-           layouts: Sequence[str] = BUILDABLE) -> tuple[Estimate, list[Estimate]]:
+           layouts: Sequence[str] = BUILDABLE, range_only: Sequence[PeerCost] = ()) -> tuple[Estimate, list[Estimate]]:
     """Price the ``layouts`` asked for and return (the fastest that fits, all estimates).
 
-    ``"mix"`` is priced only when asked for: no coordinator builds it yet, so by default it is
-    never the choice. Falls back to ``ranges`` (the coordinator streams what nobody holds) when none fits.
+    ``workers`` can run anything; ``range_only`` peers compute FFN ranges only (browser pages,
+    peers without the model file), so they count in ``ranges`` alone. ``"mix"`` is priced only
+    when asked for: no coordinator builds it yet, so by default it is never the choice. Falls
+    back to ``ranges`` (the coordinator streams what nobody holds) when none fits.
     """
-    makers = {"local": lambda: estimate_local(costs, coord), "ranges": lambda: estimate_ranges(costs, coord, workers),
+    makers = {"local": lambda: estimate_local(costs, coord),
+              "ranges": lambda: estimate_ranges(costs, coord, [*workers, *range_only]),
               "stages": lambda: estimate_stages(costs, coord, workers),
               "mix": lambda: estimate_mix(costs, coord, workers)}
     unknown = set(layouts) - set(makers)

@@ -392,11 +392,12 @@ class CoordinatorRole:
         mine = self.stages.local_timing.s_per_row_layer if self.stages is not None else None
         if mine:  # our own layers' timing, in the unit the workers' answers are priced in
             me = PeerCost(me.peer_id, me.memory_bytes, observed_gflops(self._layer_flops(), mine), observed=True)
-        costs = []
-        for w in holders:
+        costs, range_only = [], []
+        for w in workers:  # a peer that cannot run a stage (a page, no model file) still takes ranges
             gflops, seen = self._speed(w.peer_id, w.ffn_speed)
-            costs.append(PeerCost(w.peer_id, w.memory_bytes, gflops, w.rtt_s, observed=seen))
-        stages, self._cost_report = choose_stages(self.layout, self._costs, me, costs)
+            (costs if w in holders else range_only).append(PeerCost(w.peer_id, w.memory_bytes, gflops, w.rtt_s,
+                                                                    observed=seen))
+        stages, self._cost_report = choose_stages(self.layout, self._costs, me, costs, range_only)
         if stages is None:
             return workers
         self._stage_layout = StageLayout(self.election.term, self.plan_version, self.node.peer_id, stages)

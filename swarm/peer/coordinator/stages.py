@@ -661,7 +661,7 @@ def _check_answer(req: StageRequest, msg: object) -> None:
 LAYOUTS = ("ranges", "stages", "auto")
 
 
-def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] | None, dict]:
+def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tuple[Stage, ...] | None, dict]:
     """The stages of the next plan, or None for per-layer ranges; and the cost report.
 
     ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
@@ -670,14 +670,16 @@ def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] |
     among those this code runs: local, ranges, stages. A mix is priced too; when it would be
     faster, the report's ``proposal`` says so (it is not run yet).
     ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
-    :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model). Raises
-    LocalProtocolError for another mode.
+    :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model);
+    ``range_only``: peers that can take FFN ranges only (browser pages, peers without the model
+    file), priced under ranges alone. Raises LocalProtocolError for another mode.
     """
     from swarm.peer.coordinator import costmodel
 
     if mode not in ("stages", "auto"):
         raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages' or 'auto' only")
-    best, estimates = costmodel.choose(costs, coord, workers, layouts=("local", "ranges", "stages"))
+    best, estimates = costmodel.choose(costs, coord, workers, layouts=("local", "ranges", "stages"),
+                                       range_only=range_only)
     mix = costmodel.estimate_mix(costs, coord, workers)
     estimates = [*estimates, mix]
     if mode == "stages":
@@ -685,7 +687,7 @@ def choose_stages(mode: str, costs, coord, workers) -> tuple[tuple[Stage, ...] |
                              [coord.gflops, *(w.gflops for w in workers)])
         best = costmodel.estimate_stages(costs, coord, workers, tuple((s.peer, s.start, s.stop) for s in split))
         estimates = [*estimates, best]
-    report = costmodel.report(costs, coord, workers, best, estimates)
+    report = costmodel.report(costs, coord, [*workers, *range_only], best, estimates)
     report["mode"] = mode
     if mix.fits and (mix.decode_s, mix.prefill_s) < (best.decode_s, best.prefill_s):
         # priced, not run yet: a worker's stage cannot hand its FFN out, and the coordinator's
