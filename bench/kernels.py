@@ -4,15 +4,15 @@
 
 Per matrix shape (4096x1024 and SmolLM2's 1536x576), block type (Q8_0, Q4_0, Q4_1) and
 T (1: decode; 16: about what one expert of a MoE prefill gets, or a batch of decode rows;
-``SMALL_T``, the most rows the block kernels take; 128: prefill), each candidate's best-of-``--repeats`` time, the weight bytes it
+``SMALL_T``, the most rows of one kernel call; 128: prefill, two calls), each candidate's best-of-``--repeats`` time, the weight bytes it
 reads per second (encoded size / time; for the float32 baseline, its 4-byte weights),
 GFLOP/s (2·T·rows·cols / time) and the largest error relative to max |y| of a float64 product
 with ``gguf.quants``' dequantization. Candidates:
 
 - ``numpy_f32``: float32 weights (today's engine before compact weights), BLAS;
 - ``numpy_tiles``: ``gguf.quants.dequantize`` of the whole matrix, then BLAS (the fallback);
-- ``colibri``: :class:`swarm.compute.quant.QMatrix` — numba block kernels for small T,
-  compiled dequantization into tiles + BLAS for large T;
+- ``colibri``: :class:`swarm.compute.quant.QMatrix` — numba block kernels at every T (calls
+  of at most ``SMALL_T`` rows; a row's result depends only on the row);
 - ``colibri_cold`` (T = 1): the same over 128 MiB of copies of the matrix, cycled, so the
   weights come from memory as in a model's decode (the other figures are for a matrix in cache);
 - ``onnxruntime``: ``com.microsoft::MatMulNBits`` (Q4_0 and Q8_0 repacked to its layout; Q4_1

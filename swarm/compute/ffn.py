@@ -33,12 +33,13 @@ Segments (continuous batching)
 ------------------------------
 A step of the batch scheduler carries the rows of several sequences: ``segments`` [n] gives
 their lengths in row order (a decode row is a segment of 1, a prefill chunk one of up to the
-chunk size). A row's result must not depend on the other segments, so every matrix product
-runs over the rows of one segment only, exactly the call the sequence makes alone
-(:func:`row_calls`), with one exception that keeps decode batched: groups of at most
-``SMALL_T`` rows are packed into one call of at most ``SMALL_T`` rows when every matrix of the
-call has a block kernel, whose rows are independent of each other (swarm/compute/quant.py).
-Row-wise numpy steps (norms, routing, activations, the combine) are computed on the union.
+chunk size). A row's result must not depend on the other segments, and it does not: every
+step here — matrix products (:meth:`~swarm.compute.quant.QMatrix.matmul`, whatever the
+encoding and the row count), norms, routing, activations, the combine — computes each row by
+a fixed sequence of float32 operations that depends only on the row. So the union of the rows
+goes through each step in one call, the sequence alone gets the same bits, and a coordinator
+may resend or regroup rows freely. ``segments`` stays on the wire and in the API where a step
+needs it (attention runs per sequence on its own cache).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Literal, Mapping, Protocol, Sequence
 import numpy as np
 
 from swarm.compute.kernels import MLPWeights, sigmoid, softmax, swiglu
-from swarm.compute.quant import SMALL_T, QMatrix
+from swarm.compute.quant import as_qmatrix
 
 F32 = np.float32
 
@@ -80,45 +81,6 @@ def segment_ids(segments: Sequence[int] | None, T: int) -> np.ndarray | None:
     return np.repeat(np.arange(lengths.size), lengths)
 
 
-def block_kernels(*matrices: QMatrix) -> bool:
-    """True when every matrix multiplies small calls with a block kernel (rows independent)."""
-    return all(getattr(q, "_kind", -1) >= 0 for q in matrices)
-
-
-def row_calls(seg: np.ndarray | None, n: int, pack: bool) -> list[tuple[int, int]]:
-    """How to cut ``n`` rows whose segment ids are ``seg`` [n] (non-decreasing; None: one
-    segment) into matrix-product calls, as ``(start, stop)`` pairs: one call per segment's run of
-    rows, as that sequence alone would make it; with ``pack``, consecutive runs of at most
-    SMALL_T rows are merged into calls of at most SMALL_T rows (block kernels: rows independent)."""
-    if seg is None or n == 0:
-        return [(0, n)]
-    cuts = [0, *(np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist(), n]
-    calls: list[tuple[int, int]] = []
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        if pack and b - a <= SMALL_T and calls:
-            a0, b0 = calls[-1]
-            if b0 - a0 <= SMALL_T and b - a0 <= SMALL_T:
-                calls[-1] = (a0, b)
-                continue
-        calls.append((a, b))
-    return calls
-
-
-def segmented(fn, x: np.ndarray, seg: np.ndarray | None, pack: bool) -> np.ndarray:
-    """``fn`` (rows [n, D] → [n, ...]) applied per :func:`row_calls` call of x's rows, results
-    stacked in row order: each row gets the bits its sequence alone would get."""
-    calls = row_calls(seg, x.shape[0], pack)
-    if len(calls) == 1:
-        return fn(x)
-    out = None
-    for a, b in calls:
-        y = fn(x[a:b])
-        if out is None:
-            out = np.empty((x.shape[0], *y.shape[1:]), y.dtype)
-        out[a:b] = y
-    return out
-
-
 def run_lengths(seg: np.ndarray | None, n: int) -> np.ndarray:
     """Lengths of the runs of equal segment ids in ``seg`` [n] (None: one run of n) [runs] i32:
     the ``segments`` of a request on the wire (empty for no rows)."""
@@ -131,12 +93,10 @@ def run_lengths(seg: np.ndarray | None, n: int) -> np.ndarray:
 
 
 def swiglu_rows(weights: MLPWeights, x_rows: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray:
-    """:func:`swiglu_ffn` over rows of several sequences (``seg`` [n]: each row's segment id,
-    non-decreasing; None: one sequence): per :func:`row_calls`, so each row gets its solo bits."""
-    if seg is None:
-        return swiglu_ffn(weights, x_rows)
-    pack = block_kernels(weights.gate, weights.up, weights.down)
-    return segmented(lambda r: swiglu_ffn(weights, r), np.ascontiguousarray(x_rows), seg, pack)
+    """:func:`swiglu_ffn` over rows of several sequences (``seg`` [n]: each row's segment id;
+    None: one sequence) in one call: each row's result depends only on the row, so each gets
+    the bits its sequence alone gets (module docstring, "Segments")."""
+    return swiglu_ffn(weights, x_rows)
 
 
 @dataclass(frozen=True)
@@ -309,15 +269,11 @@ def shared_expert(weights: MLPWeights, gate: np.ndarray | None, x: np.ndarray,
                   seg: np.ndarray | None = None) -> np.ndarray:
     """Shared-expert output for x [T, H] f32: ``sigmoid(x @ gate.T) * swiglu(x)`` when a gate
     [1, H] is given (Qwen2-MoE's ``shared_expert_gate``), else plain ``swiglu(x)``. ``seg``:
-    the rows' segment ids (module docstring), None for one sequence."""
-    if seg is None:
-        y = swiglu(weights, x)
-        if gate is not None:
-            y = sigmoid(x @ gate.T) * y  # [T, 1] * [T, H]
-        return y
-    y = swiglu_rows(weights, x, seg)
-    if gate is not None:  # a BLAS product: one call per sequence, never packed
-        y = sigmoid(segmented(lambda r: r @ gate.T, x, seg, False)) * y
+    the rows' segment ids, accepted and not needed (rows are independent)."""
+    x = np.ascontiguousarray(x)
+    y = swiglu(weights, x)
+    if gate is not None:
+        y = sigmoid(as_qmatrix(gate).matmul(x)) * y  # [T, 1] * [T, H]
     return y
 
 
@@ -359,19 +315,18 @@ class LocalFFN:
             if T == 1:  # decode: every expert takes the one row as it is
                 outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x) for e in expert_rows(routing)}
             else:
-                outputs = {e: swiglu_rows(m.expert_weights(layer, e), x[rows], None if seg is None else seg[rows])
-                           for e, rows in expert_rows(routing).items()}
+                outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x[rows]) for e, rows in expert_rows(routing).items()}
             return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x, seg))
         ranges = self.plan.get(layer)
         if not ranges:
             w = self._whole.get(layer)
             if w is None:
                 w = self._whole[layer] = m.dense_weights(layer)
-            return swiglu_rows(w, x, seg)
+            return swiglu_ffn(w, x)
         partials = []
         for lo, hi in ranges:
             key = (layer, lo, hi)
             if key not in self._slices:
                 self._slices[key] = m.dense_weights(layer, lo, hi)
-            partials.append(swiglu_rows(self._slices[key], x, seg))
+            partials.append(swiglu_ffn(self._slices[key], x))
         return sum_partials(partials)

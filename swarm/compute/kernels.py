@@ -1,4 +1,4 @@
-"""Numerical kernels of the forward pass: pure numpy functions on float32 arrays.
+"""Numerical kernels of the forward pass: functions on float32 arrays (numpy, and compiled passes).
 
 Shape legend: T tokens in this call, S cached positions (keys), H hidden size, F
 intermediate size, E experts, nh / nkv query / key-value heads, hd head dim.
@@ -6,6 +6,12 @@ Weight matrices are compact :class:`~swarm.compute.quant.QMatrix` (``x @ W.T`` b
 ``W.matmul(x)``). Every function keeps float32: constants are ``np.float32`` so NumPy 2's promotion rules
 never widen an intermediate to float64 (RMSNorm's sum of squares aside: float64 by design, see
 :func:`rms_norm`). Formulas follow transformers' modeling code.
+
+A row's result depends only on the row: every function here (and every ``QMatrix.matmul``)
+computes an output row from its input row — for :func:`attention`, from its query, its position
+and the cache up to it — by one fixed sequence of float32 operations, never by a library kernel
+chosen by the row count. So a row gets the same bits alone, resent with others, in any prefill
+chunk, or beside other sequences' rows.
 """
 
 from __future__ import annotations
@@ -103,39 +109,31 @@ def apply_rope_swapped(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.n
     return out
 
 
-def causal_mask(start: int, T: int, n_groups: int) -> np.ndarray | None:
-    """Additive mask [g*T, S] f32 (0 = visible, -inf = hidden) for T queries at positions
-    ``start ..`` against S = start + T keys, rows laid out as :func:`attention` groups them;
-    None when T == 1 (a single new query sees every cached key)."""
-    if T == 1:
-        return None
-    qpos = start + np.tile(np.arange(T), n_groups)  # [g*T]
-    hidden = np.arange(start + T)[None, :] > qpos[:, None]
-    return np.where(hidden, F32(-np.inf), F32(0.0)).astype(F32)
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention of T new queries against the cached keys and values.
 
+    q [T, nh, hd] f32, **already multiplied by 1/sqrt(hd)**, query t at position ``start + t``;
+    k, v [nkv, C, hd] f32 (a KV cache: positions ``0 .. start+T-1`` filled, the new keys
+    included, C ≥ start + T). Query t sees positions ``0 .. start+t``; query head h uses
+    key/value head ``h // (nh / nkv)`` (transformers' ``repeat_kv``); softmax with the row's max
+    subtracted, normalised after the weighted sum of values. Returns [T, nh*hd] f32.
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-    """Grouped-query attention of T new queries against S cached positions.
-
-    q [nh, T, hd], **already multiplied by 1/sqrt(hd)**; k, v [nkv, S, hd] (the new keys are
-    already in the cache); ``mask`` [g*T, S] from :func:`causal_mask` (None: see every key).
-    Query head h uses key/value head ``h // (nh / nkv)`` (transformers' ``repeat_kv``).
-    Softmax normalisation is applied after ``probs @ v`` (fewer divisions). Returns [T, nh*hd] f32.
-    """
-    nh, T, hd = q.shape
-    nkv = k.shape[0]
-    qg = q.reshape(nkv, (nh // nkv) * T, hd)
-    scores = np.matmul(qg, k.transpose(0, 2, 1))  # [nkv, g*T, S]
-    if mask is not None:
-        scores += mask
-    scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)  # np.max without its wrapper
-    np.exp(scores, out=scores)
-    denom = np.add.reduce(scores, axis=-1, keepdims=True)  # [nkv, g*T, 1]
-    out = np.matmul(scores, v)  # [nkv, g*T, hd]
-    out /= denom
-    if T == 1:
-        return out.reshape(1, nh * hd)
-    return out.reshape(nh, T, hd).transpose(1, 0, 2).reshape(T, nh * hd)
+    Compiled (swarm/compute/rowkernels.py), one query row at a time in a fixed order of float32
+    operations: a row's result depends only on that query, its position and the cache up to it,
+    never on T or the other rows (a matrix-product library gives no such promise: its kernels
+    change with the row count). Raises ValueError on other shapes or dtypes."""
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.dtype != F32 or k.dtype != F32 or v.dtype != F32:
+        raise ValueError(f"attention needs float32 q [T, nh, hd] and k, v [nkv, C, hd], got q {q.dtype} "
+                         f"{q.shape}, k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
+    T, nh, hd = q.shape
+    nkv, C, _ = k.shape
+    if k.shape[2] != hd or nh % nkv or not 0 <= start <= C - T:
+        raise ValueError(f"attention: q [T={T}, nh={nh}, hd={hd}] at position {start} does not fit "
+                         f"k, v [nkv={nkv}, C={C}, hd={k.shape[2]}] (nh a multiple of nkv, start + T <= C)")
+    out = np.empty((T, nh * hd), F32)
+    (_row or _row_kernels()).attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                                       start, out, np.empty(start + T, F32))
+    return out
 
 
 @dataclass(frozen=True)
@@ -210,5 +208,7 @@ def _row_kernels():
         one = np.ones((1, 1), F32)
         rowkernels.silu_mul(one.copy(), one, one)  # compile or load from the cache now
         rowkernels.rms_norm(one, one, F32(1e-6), one.copy())
+        rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
+                             one.copy(), np.ones(4, F32))
         _row = rowkernels
     return _row

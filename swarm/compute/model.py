@@ -20,9 +20,8 @@ import numpy as np
 
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
-from swarm.compute.ffn import (FFNBackend, LocalFFN, RoutingConfig, block_kernels, row_calls, segment_ids,
-                               segmented, shared_expert)
-from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, causal_mask, rms_norm,
+from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, segment_ids, shared_expert
+from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, rms_norm,
                                    llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
                                    signed_sin)
 from swarm.compute.quant import QMatrix, prepare_kernels
@@ -112,7 +111,7 @@ class Model:
         self._attn: dict[int, AttentionWeights] = {}
         self._dense: dict[int, MLPWeights] = {}
         self._experts: dict[tuple[int, int], MLPWeights] = {}
-        self._routers: dict[int, np.ndarray] = {}
+        self._routers: dict[int, QMatrix] = {}
         self._shared: dict[int, tuple[MLPWeights, np.ndarray | None]] = {}
         self._hash: str | None = None
         c = self.config
@@ -225,20 +224,19 @@ class Model:
                 self._experts[key] = w
         return w
 
-    def router(self, layer: int) -> np.ndarray:
-        """Router weights of MoE layer ``layer``, pre-transposed: [H, E] f32."""
+    def router(self, layer: int) -> QMatrix:
+        """Router weights of MoE layer ``layer``: [E, H], decoded to float32 (an F32 QMatrix)."""
         r = self._routers.get(layer)
         if r is None:
-            r = np.ascontiguousarray(self.checkpoint.load("router", layer).T)
+            r = QMatrix.from_float(self.checkpoint.load("router", layer))
             self._routers[layer] = r
         return r
 
     def router_logits(self, layer: int, x: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray:
-        """x [T, H] f32 → router logits [T, E] f32. ``seg`` [T]: the rows' segment ids (one BLAS
-        call per sequence, swarm/compute/ffn.py "Segments"); None: one sequence."""
-        if seg is None:
-            return x @ self.router(layer)
-        return segmented(lambda r: r @ self.router(layer), x, seg, False)
+        """x [T, H] f32 → router logits [T, E] f32 (:meth:`QMatrix.matmul`: a row's logits depend
+        only on the row). ``seg``: accepted for the callers that pass the rows' segment ids;
+        not needed."""
+        return self.router(layer).matmul(x)
 
     def routing_config(self, layer: int) -> RoutingConfig:
         c = self.config
@@ -298,7 +296,7 @@ class Model:
         return cos[:, None, :] * scale, signed_sin(sin)[:, None, :] * scale
 
     def _attention(self, layer: int, h: np.ndarray, cache: KVCache, start: int,
-                   cos_qk: np.ndarray, sin_qk: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+                   cos_qk: np.ndarray, sin_qk: np.ndarray) -> np.ndarray:
         """Self-attention of h [T, H] (normed) at positions ``start ..``; writes K/V to ``cache``."""
         c, w = self.config, self.attention_weights(layer)
         T = h.shape[0]
@@ -323,7 +321,7 @@ class Model:
         end = start + T
         cache.k[layer][:, start:end] = qk[:, nh:].transpose(1, 0, 2)
         cache.v[layer][:, start:end] = qkv[:, nq + nkv * hd:].reshape(T, nkv, hd).transpose(1, 0, 2)
-        out = attention(qk[:, :nh].transpose(1, 0, 2), cache.k[layer][:, :end], cache.v[layer][:, :end], mask)
+        out = attention(qk[:, :nh], cache.k[layer], cache.v[layer], start)
         return w.o.matmul(out)
 
     def forward(self, tokens, cache: KVCache, ffn: FFNBackend | None = None,
@@ -370,9 +368,8 @@ class Model:
 
         Returns the logits of each part's last token [n_parts, V] f32. Each row is bit-identical
         to what :meth:`forward` gives the same tokens on the same cache alone (``last_only``):
-        attention runs per sequence on its own cache, and every matrix product over the rows of
-        one sequence only, or packed with others where the block kernels make rows independent
-        (swarm/compute/ffn.py, "Segments"). The FFN backend gets the union of the rows and their
+        attention runs per sequence on its own cache, the rest on the union of the rows, where
+        a row's result depends only on the row (swarm/compute/ffn.py, "Segments"). The FFN backend gets the union of the rows and their
         ``segments``. A backend that runs whole layers itself gets the embedded rows of all
         sequences at once through ``run_layers_batch(model, x, [(cache, start, T), ...]) -> x``
         (the stage layout); one with ``run_layers`` only is served one sequence after the other
@@ -410,8 +407,7 @@ class Model:
             cache.length = start + T
         bounds = np.cumsum(lengths).tolist()
         last = rms_norm(x[[b - 1 for b in bounds]], self.final_norm, c.rms_norm_eps)  # [n, H]
-        return segmented(self.head.matmul, last, np.arange(len(parts)) if len(parts) > 1 else None,
-                         block_kernels(self.head))
+        return self.head.matmul(last)
 
     def layers_batch(self, x: np.ndarray, seqs: list[tuple[KVCache, int, int]], lo: int, hi: int,
                      ffn: FFNBackend | None = None) -> np.ndarray:
@@ -444,8 +440,7 @@ class Model:
         tables = [self._qk_tables(start, T) for _, start, T in seqs]
         cos_qk = np.concatenate([t[0] for t in tables]) if len(seqs) > 1 else tables[0][0]
         sin_qk = np.concatenate([t[1] for t in tables]) if len(seqs) > 1 else tables[0][1]
-        rows = [(bounds[i], bounds[i + 1], cache, start, causal_mask(start, T, c.n_heads // c.n_kv_heads))
-                for i, (cache, start, T) in enumerate(seqs)]
+        rows = [(bounds[i], bounds[i + 1], cache, start) for i, (cache, start, _) in enumerate(seqs)]
         x = np.array(x, dtype=F32, order="C")  # the residual stream is ours to update in place
         eps = c.rms_norm_eps
         for layer in range(lo, hi):
@@ -460,18 +455,17 @@ class Model:
     def _attention_rows(self, layer: int, h: np.ndarray, seqs: list, seg: np.ndarray | None,
                         cos_qk: np.ndarray, sin_qk: np.ndarray) -> np.ndarray:
         """:meth:`_attention` over the rows of several sequences (``seqs``: (first row, end row,
-        cache, start position, mask) each): projections per :func:`row_calls`, the rest row-wise,
-        keys/values and attention per sequence on its own cache."""
+        cache, start position) each): projections and the rest on the union of the rows (each
+        row's result depends only on the row), keys/values and attention per sequence on its own
+        cache."""
         c, w = self.config, self.attention_weights(layer)
         T = h.shape[0]
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq, nk = nh * hd, nkv * hd
         qkv = np.empty((T, nq + 2 * nk), F32)
-        calls = row_calls(seg, T, block_kernels(w.q, w.k, w.v))
-        for a, b in calls:
-            w.q.matmul(h[a:b], out=qkv[a:b, :nq])
-            w.k.matmul(h[a:b], out=qkv[a:b, nq:nq + nk])
-            w.v.matmul(h[a:b], out=qkv[a:b, nq + nk:])
+        w.q.matmul(h, out=qkv[:, :nq])
+        w.k.matmul(h, out=qkv[:, nq:nq + nk])
+        w.v.matmul(h, out=qkv[:, nq + nk:])
         if w.qkv_bias is not None:
             qkv += w.qkv_bias
         if c.qk_norm == "proj":
@@ -484,19 +478,12 @@ class Model:
             qk = rms_norm(qk, w.q_norm, c.rms_norm_eps)
         qk = apply_rope_swapped(qk, cos_qk, sin_qk)
         out = np.empty((T, nq), F32)
-        for a, b, cache, start, mask in seqs:
+        for a, b, cache, start in seqs:
             end = start + b - a
             cache.k[layer][:, start:end] = qk[a:b, nh:].transpose(1, 0, 2)
             cache.v[layer][:, start:end] = qkv[a:b, nq + nk:].reshape(b - a, nkv, hd).transpose(1, 0, 2)
-            out[a:b] = attention(qk[a:b, :nh].transpose(1, 0, 2), cache.k[layer][:, :end],
-                                 cache.v[layer][:, :end], mask)
-        calls = row_calls(seg, T, block_kernels(w.o))
-        if len(calls) == 1:
-            return w.o.matmul(out)
-        o = np.empty((T, w.o.shape[0]), F32)
-        for a, b in calls:
-            w.o.matmul(out[a:b], out=o[a:b])
-        return o
+            out[a:b] = attention(qk[a:b, :nh], cache.k[layer], cache.v[layer], start)
+        return w.o.matmul(out)
 
     def layers(self, x: np.ndarray, cache: KVCache, start: int, lo: int, hi: int,
                ffn: FFNBackend | None = None) -> np.ndarray:
@@ -519,12 +506,11 @@ class Model:
         T = x.shape[0]
         cache.reserve(start + T)
         cos_qk, sin_qk = self._qk_tables(start, T)
-        mask = causal_mask(start, T, c.n_heads // c.n_kv_heads)
         x = np.array(x, dtype=F32, order="C")  # the residual stream is ours to update in place
         eps = c.rms_norm_eps
         for layer in range(lo, hi):
             w = self.attention_weights(layer)
-            x += self._attention(layer, rms_norm(x, w.attn_norm, eps), cache, start, cos_qk, sin_qk, mask)
+            x += self._attention(layer, rms_norm(x, w.attn_norm, eps), cache, start, cos_qk, sin_qk)
             y = ffn.ffn(layer, rms_norm(x, w.ffn_norm, eps))
             assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
             x += y

@@ -138,6 +138,66 @@ def _lane_sum(n: int):
 _sum16, _sum32 = _lane_sum(16), _lane_sum(32)
 
 
+def _vector_args(context, builder, sig, args):
+    """Element pointers ``a + ao``, ``b + bo`` of two float32 arrays (offsets in elements)."""
+    pa = context.make_array(sig.args[0])(context, builder, args[0]).data
+    pb = context.make_array(sig.args[2])(context, builder, args[2]).data
+    return builder.gep(pa, [args[1]]), builder.gep(pb, [args[3]])
+
+
+_V8 = ir.VectorType(ir.FloatType(), 8)
+
+
+def _fma8(builder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fma.v8f32")
+
+
+@intrinsic
+def _dot8(typingctx, a, ao, b, bo, nb):
+    """Σ_i a[ao + i]·b[bo + i] over i < 8·nb (float32 arrays, C order): element i by fused
+    multiply-add into lane i % 8, ascending i, the 8 lanes then added in one fixed pairwise
+    order. Written as vector instructions (numba leaves such a loop scalar)."""
+    sig = types.float32(a, ao, b, bo, nb)
+
+    def codegen(context, builder, sig, args):
+        pa, pb = _vector_args(context, builder, sig, args)
+        fma, vp, i32 = _fma8(builder), ir.PointerType(_V8), ir.IntType(32)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))
+        with cgutils.for_range(builder, args[4]) as loop:
+            off = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
+            va = builder.load(builder.bitcast(builder.gep(pa, [off]), vp), align=4)
+            vb = builder.load(builder.bitcast(builder.gep(pb, [off]), vp), align=4)
+            builder.store(builder.call(fma, [va, vb, builder.load(acc)]), acc)
+        v, k = builder.load(acc), 8
+        while k > 1:
+            k //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k, 2 * k))))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, i32(0))
+    return sig, codegen
+
+
+@intrinsic
+def _axpy8(typingctx, a, ao, b, bo, nb, p):
+    """``a[ao + i] = fma(p, b[bo + i], a[ao + i])`` for i < 8·nb (float32 arrays, C order), as
+    vector instructions: one fused multiply-add per element."""
+    sig = types.none(a, ao, b, bo, nb, p)
+
+    def codegen(context, builder, sig, args):
+        pa, pb = _vector_args(context, builder, sig, args)
+        fma, vp = _fma8(builder), ir.PointerType(_V8)
+        pv = builder.insert_element(ir.Constant(_V8, ir.Undefined), args[5], ir.IntType(32)(0))
+        pv = builder.shuffle_vector(pv, pv, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+        with cgutils.for_range(builder, args[4]) as loop:
+            off = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
+            dst = builder.bitcast(builder.gep(pa, [off]), vp)
+            vb = builder.load(builder.bitcast(builder.gep(pb, [off]), vp), align=4)
+            builder.store(builder.call(fma, [pv, vb, builder.load(dst, align=4)]), dst, align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 # The dot kernels are generated from one template per block type and tile shape. A tile is NR
 # weight rows × TT activation rows: each block of the NR rows is decoded once and applied to
 # the TT activation rows, each (weight row, activation row) pair keeping its lane sums in
@@ -270,6 +330,78 @@ def matmul_parallel(kind, w, x, out):
     """:func:`matmul` with chunks of rows spread over numba's threads (same bits)."""
     for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
         _rows(kind, w, x, out, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
+
+
+# Float32 weights (F32 matrices, and every other encoding after its rows are decoded to float32
+# in tiles): the same tiles, 32 lanes per (weight row, activation row) pair. Element k goes to
+# lane k % 32 by fused multiply-add, in ascending k; the lanes are reduced as above. Same bits
+# whatever the tile, T, the rows beside it, or the thread count.
+def _f32_tile_source(nr: int, tt: int) -> str:
+    rows, acts = range(nr), range(tt)
+    lines = ["def tile(w, r0, hi, x, t0, out, c0):"]
+    lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
+    lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
+    lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n in rows for t in acts]
+    lines += ["    for j in range(32):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
+    lines += ["    K = x0.shape[0]", "    nb = K // 32"]
+    body = []
+    body += [f"xv{t} = x{t}[o + j]" for t in acts]
+    body += [f"wv{n} = w{n}[o + j]" for n in rows]
+    body += [f"s{n}_{t}[j] = _fma(wv{n}, xv{t}, s{n}_{t}[j])" for n in rows for t in acts]
+    lines += ["    for b in range(nb):", "        o = b * 32", "        for j in range(32):"]
+    lines += ["            " + line for line in body]
+    lines += ["    o = nb * 32", "    for j in range(K - o):"]  # the tail: lanes 0 .. K % 32 - 1
+    lines += ["        " + line for line in body]
+    for n in rows:
+        lines.append(f"    if r0 + {n} < hi:")
+        lines += [f"        out[t0 + {t}, c0 + r0 + {n}] = _sum32(s{n}_{t})" for t in acts]
+    return "\n".join(lines)
+
+
+def _f32_rows_kernel():
+    scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _fma=_fma, _sum32=_sum32)
+    tiles = []
+    for nr, tt in _TILES:
+        exec(compile(_f32_tile_source(nr, tt), f"<{__name__} f32 tile {nr}x{tt}>", "exec"), scope)
+        tiles.append(njit(nogil=True, inline="always")(scope["tile"]))
+    (n1, _), (n4, _), _, _ = _TILES
+    one, four, two, single = tiles
+
+    @njit(nogil=True)
+    def rows(w, x, out, c0, lo, hi):
+        T = x.shape[0]
+        if T == 1:
+            for r0 in range(lo, hi, n1):
+                one(w, r0, hi, x, 0, out, c0)
+            return
+        for r0 in range(lo, hi, n4):
+            t0 = 0
+            while t0 + 4 <= T:
+                four(w, r0, hi, x, t0, out, c0)
+                t0 += 4
+            if t0 + 2 <= T:
+                two(w, r0, hi, x, t0, out, c0)
+                t0 += 2
+            if t0 < T:
+                single(w, r0, hi, x, t0, out, c0)
+    return rows
+
+
+_rows_f32 = _f32_rows_kernel()
+
+
+@njit(cache=True, nogil=True)
+def matmul_f32(w, x, out, c0):
+    """out[t, c0 + r] = Σ_k W[r, k] x[t, k] for float32 ``w`` [R, K] (rows C-contiguous), float32
+    ``x`` [T, K], ``out`` float32 [T, ≥ c0 + R] (written in place). One thread."""
+    _rows_f32(w, x, out, c0, 0, w.shape[0])
+
+
+@njit(parallel=True, cache=True)
+def matmul_f32_parallel(w, x, out, c0):
+    """:func:`matmul_f32` with chunks of rows spread over numba's threads (same bits)."""
+    for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
+        _rows_f32(w, x, out, c0, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
 
 
 @njit(inline="always")

@@ -6,24 +6,29 @@ plain F32/F16/BF16 elements. ``data`` is uint8 ``[rows, row_bytes]``; each row i
 so a range of rows is a view (``rows(lo, hi)``) and a slice of a memory-mapped file stays
 mapped — nothing is expanded to float32 beyond one tile at a time.
 
-Numerics of :meth:`QMatrix.matmul` (``x`` float32 ``[T, cols]`` → float32 ``[T, rows]``):
+Numerics of :meth:`QMatrix.matmul` (``x`` float32 ``[T, cols]`` → float32 ``[T, rows]``), in
+calls of at most ``SMALL_T`` activation rows (a longer prefill is cut into such calls):
 
-* **Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, T ≤ SMALL_T** (decode, a MoE prefill's experts, batched
-  decode): a compiled block kernel (numba) decodes each block of a few weight rows once, to
-  float32 ``d·q + m``, and applies it to a few float32 activation rows; each (weight row,
-  activation row) pair keeps 32 float32 lane sums (one per position in a block), each
-  accumulated by fused multiply-add over the blocks in order, then reduced in one fixed
-  order. Every tile shape performs that same sequence per output element, so an output's
-  bits do not depend on T, on which other weight or activation rows a call holds, or on the
-  thread count.
-* **those types, T > SMALL_T** (prefill): tiles of rows are dequantized (compiled, exactly the
-  values ``gguf.quants.dequantize`` gives) into a reused float32 buffer and multiplied by BLAS.
-* **F32**: BLAS on the mapped matrix directly.
-* **every other type** (K-quants, F16, BF16, …): the same tiles, dequantized by
-  ``gguf.quants.dequantize``, then BLAS.
+* **Q4_0, Q4_1, Q5_0, Q5_1, Q8_0**: a compiled block kernel (numba) decodes each block of a few
+  weight rows once, to float32 ``d·q + m``, and applies it to a few float32 activation rows;
+  each (weight row, activation row) pair keeps float32 lane sums (one per position in a block),
+  each accumulated by fused multiply-add over the blocks in order, then reduced in one fixed
+  order.
+* **F32**: the compiled float32 kernel on the mapped matrix: the same tiles, element k into
+  lane k % 32 by fused multiply-add in ascending k, the lanes reduced in the same fixed order.
+* **every other type** (F16, BF16, K-quants, …): tiles of weight rows decoded to float32 (exact
+  values; ``gguf.quants.dequantize`` for the K-quants) into a reused buffer, then the float32
+  kernel.
 
-Either way weights enter as exact float32 values and activations stay float32, so results
-differ from a float64 product by float32 rounding only (no activation quantization).
+**A row's result depends only on the row.** Every tile shape performs the same sequence of
+operations per output element, so an output's bits do not depend on T, on which other weight
+or activation rows a call holds, or on the thread count. No path calls BLAS, whose kernels — and
+so a row's bits — change with the number of rows in the call: a row resent with another, a KV
+cache rebuilt from a whole history in one call, a prompt cut into other chunks, or a batch of
+several sequences all give each row its solo bits.
+
+Weights enter as exact float32 values and activations stay float32, so results differ from a
+float64 product by float32 rounding only (no activation quantization).
 """
 
 from __future__ import annotations
@@ -39,12 +44,11 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
 F32 = np.float32
-# Up to this many activation rows the block kernels beat dequantize-tile + BLAS (measured, one
-# core: ~70 GFLOP/s at any T ≥ 4 against BLAS's ~24 at T = 16, ~37 at 32, ~55 at 64, level at
-# 128): decode, batched decode, and the experts of a MoE prefill (~T·top_k/experts rows each).
+# Activation rows per kernel call: a longer prefill is cut into calls of this many rows, which
+# stay in cache while the weights stream past (the kernels run at ~70 GFLOP/s on one core at
+# any T ≥ 4; bench/results/kernels.md).
 SMALL_T = 64
-# Largest dequantized float32 tile (bytes): most FFN matrices in one GEMM call (fewer wake-ups
-# of BLAS threads), little memory next to the compact weights.
+# Largest decoded float32 tile of weight rows (bytes): little memory next to the compact weights.
 _TILE_BYTES = 4 << 20
 
 # ggml types with a compiled kernel → kernel code used by the numba functions below.
@@ -141,6 +145,10 @@ class QMatrix:
             out[...] = raw.view(F32)
         elif self.qtype in _KIND:
             _kernels().dequant(_KIND[self.qtype], raw, out)
+        elif self.qtype == QT.F16:  # exact widening, as gguf's, without its per-call reshaping
+            out[...] = raw.view(np.float16)
+        elif self.qtype == QT.BF16:
+            np.left_shift(raw.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
         else:
             out[...] = gguf_dequantize(raw, self.qtype)
         return out
@@ -157,6 +165,7 @@ class QMatrix:
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``x @ W.T``: x float32 ``[T, cols]`` → float32 ``[T, rows]`` (numerics: module docstring).
 
+        Row t of the result depends only on row t of x (never on T or the other rows).
         Raises ValueError on a shape or dtype mismatch.
         """
         if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
@@ -164,24 +173,30 @@ class QMatrix:
         T, R = x.shape[0], self.data.shape[0]
         if out is None:
             out = np.empty((T, R), F32)
-        if T <= SMALL_T and self._kind >= 0:  # decode: the hot path, kept short
-            if not x.flags.c_contiguous:
-                x = np.ascontiguousarray(x)
-            dst = out if out.flags.c_contiguous else np.empty((T, R), F32)
-            (_compiled or _kernels()).matmul(self._kind, self.data, x, dst)
-            if dst is not out:
-                out[...] = dst
-            return out
-        if self.qtype == QT.F32:
-            np.matmul(x, self.data.view(F32).T, out=out)
-            return out
-        x = np.ascontiguousarray(x)
-        tile = max(16, min(R, _TILE_BYTES // (4 * self.cols)))
-        buf = _tile_buffer(tile * self.cols).reshape(tile, self.cols)
-        for lo in range(0, R, tile):
-            hi = min(R, lo + tile)
-            w = self.dequantize(lo, hi, buf[:hi - lo])
-            np.matmul(x, w.T, out=out[:, lo:hi])
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        dst = out if out.flags.c_contiguous else np.empty((T, R), F32)
+        k = _compiled or _kernels()
+        if self._kind >= 0:
+            if T <= SMALL_T:  # decode: the hot path, kept short
+                k.matmul(self._kind, self.data, x, dst)
+            else:
+                for t0 in range(0, T, SMALL_T):
+                    k.matmul(self._kind, self.data, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T])
+        elif self.qtype == QT.F32:
+            w = self.data.view(F32)
+            for t0 in range(0, T, SMALL_T):
+                k.matmul_f32(w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], 0)
+        else:  # decoded to float32 a tile of weight rows at a time, then the float32 kernel
+            tile = max(16, min(R, _TILE_BYTES // (4 * self.cols)))
+            buf = _tile_buffer(tile * self.cols).reshape(tile, self.cols)
+            for lo in range(0, R, tile):
+                hi = min(R, lo + tile)
+                w = self.dequantize(lo, hi, buf[:hi - lo])
+                for t0 in range(0, T, SMALL_T):
+                    k.matmul_f32(w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo)
+        if dst is not out:
+            out[...] = dst
         return out
 
 
@@ -222,8 +237,9 @@ class _Kernels:
                 return run
 
             self.matmul, self.dequant = locked(module.matmul_parallel), locked(module.dequant_parallel)
+            self.matmul_f32 = locked(module.matmul_f32_parallel)
         else:  # the compiled functions themselves: no wrapper on the decode path
-            self.matmul, self.dequant = module.matmul, module.dequant
+            self.matmul, self.dequant, self.matmul_f32 = module.matmul, module.dequant, module.matmul_f32
 
 
 def _kernels() -> _Kernels:
@@ -247,6 +263,10 @@ def _kernels() -> _Kernels:
                     x = np.zeros((1, 32), F32)
                     k.matmul(0, w, x, np.empty((1, 1), F32))
                     k.dequant(0, w, np.empty((1, 32), F32))
+                    f = np.zeros((1, 32), F32)  # float32 weights: writable (decoded tiles), read-only (F32 files)
+                    k.matmul_f32(f, x, np.empty((1, 1), F32), 0)
+                    f.flags.writeable = False
+                    k.matmul_f32(f, x, np.empty((1, 1), F32), 0)
                 _release_clean_pages("llvmlite")
                 _compiled = k
     return _compiled

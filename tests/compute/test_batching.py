@@ -1,7 +1,7 @@
 """Continuous batching does not change a sequence's numbers: a row computed in a batch equals the
 row computed alone, bit for bit, across segment mixes (decode rows, prefill chunks above and
-below the block kernels' SMALL_T) and kernel types (Q8_0 block kernels, F32 BLAS); and the
-scheduler's tokens for concurrent sequences equal each one's solo run."""
+below SMALL_T, the rows of one block-kernel call) and weight encodings (Q8_0 block kernels, F32);
+and the scheduler's tokens for concurrent sequences equal each one's solo run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import gguf
 import numpy as np
 import pytest
 
-from swarm.compute.ffn import row_calls
 from swarm.compute.model import load_model
 from swarm.compute.quant import SMALL_T
 from swarm.compute.sampling import PREFILL_CHUNK, SamplingParams, generate
@@ -26,25 +25,14 @@ DECODE = 4  # decode steps after each prompt
 @pytest.fixture(scope="module", params=[("qwen2_moe", "F32"), ("qwen2_moe", "Q8_0"), ("llama", "Q8_0")],
                 ids=lambda p: "-".join(p))
 def model(request, tiny, tmp_path_factory):
-    """Qwen2-MoE (experts, a gated shared expert) and Llama (dense): F32 weights (BLAS at every
-    size) and Q8_0 (block kernels up to SMALL_T rows; the odd-width matrices stay F32)."""
+    """Qwen2-MoE (experts, a gated shared expert) and Llama (dense): F32 weights (the float32
+    kernel) and Q8_0 (block kernels; the odd-width matrices stay F32)."""
     family, qtype = request.param
     hf, path = tiny(family)
     if qtype != "F32":
         path = write_gguf_from_hf(hf, family, tmp_path_factory.mktemp("gguf") / f"{family}.gguf",
                                   qtype=gguf.GGMLQuantizationType[qtype])
     return load_model(path)
-
-
-def test_row_calls_pack_only_small_runs_of_whole_segments():
-    big = SMALL_T + 4
-    seg = np.repeat(np.arange(6), [1, 1, big, 1, 3, 1])
-    e = 2 + big
-    assert row_calls(seg, seg.size, pack=False) == [(0, 1), (1, 2), (2, e), (e, e + 1), (e + 1, e + 4), (e + 4, e + 5)]
-    assert row_calls(seg, seg.size, pack=True) == [(0, 2), (2, e), (e, e + 5)]
-    many = np.arange(SMALL_T + 3)  # one decode row each: packed SMALL_T at a time
-    assert row_calls(many, many.size, pack=True) == [(0, SMALL_T), (SMALL_T, SMALL_T + 3)]
-    assert row_calls(None, 7, pack=True) == [(0, 7)]
 
 
 def test_a_row_in_a_batch_equals_it_alone(model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarm.compute.kernels import (apply_rope, apply_rope_swapped, attention, causal_mask, rms_norm,
+from swarm.compute.kernels import (apply_rope, apply_rope_swapped, attention, rms_norm,
                                    rope_inv_freq, rope_tables, signed_sin, silu_mul)
 
 F32 = np.float32
@@ -64,13 +64,13 @@ def test_rope_swapped_form_equals_rotate_half_exactly():
 
 
 def test_attention_grouped_causal_against_float64():
-    nh, nkv, T, start, hd = 6, 2, 4, 3, 8
+    nh, nkv, T, start, hd = 6, 2, 4, 3, 12  # hd: a multiple of 8 plus a tail
     S = start + T
     q = rng.normal(size=(nh, T, hd)).astype(F32)
-    k = rng.normal(size=(nkv, S, hd)).astype(F32)
-    v = rng.normal(size=(nkv, S, hd)).astype(F32)
+    k = rng.normal(size=(nkv, S + 5, hd)).astype(F32)  # a cache with room past the sequence
+    v = rng.normal(size=(nkv, S + 5, hd)).astype(F32)
     scale = F32(1 / np.sqrt(hd))
-    got = attention(q * scale, k, v, causal_mask(start, T, nh // nkv))
+    got = attention((q * scale).transpose(1, 0, 2), k, v, start)
     want = np.zeros((T, nh * hd))
     for h in range(nh):
         kv = h // (nh // nkv)
@@ -82,5 +82,7 @@ def test_attention_grouped_causal_against_float64():
     assert got.dtype == F32
     np.testing.assert_allclose(got, want, atol=1e-5)
     # one decode step sees every cached key
-    one = attention(q[:, -1:] * scale, k, v, causal_mask(S - 1, 1, nh // nkv))
+    one = attention((q[:, -1:] * scale).transpose(1, 0, 2), k, v, S - 1)
     np.testing.assert_allclose(one[0], want[-1], atol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        attention((q * scale).transpose(1, 0, 2), k, v, S + 2)  # past the cache's room

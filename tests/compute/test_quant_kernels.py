@@ -82,8 +82,7 @@ def test_dequantize_is_exactly_ggufs(qtype):
 def test_block_kernel_rows_do_not_depend_on_the_other_rows(qtype, T):
     """The block kernels sum each output alone, in one order: rows lo:hi of a call are the bits
     of a call on those rows alone, whatever tile of weight rows they fall in (odd starts, short
-    tails). (BLAS, used above SMALL_T, gives no such promise; peers compute the same slices as
-    the local run instead.)"""
+    tails)."""
     cols = 256
     m = QMatrix(encoded(qtype, ROWS, cols, 7), qtype, cols)
     x = np.random.default_rng(3).normal(size=(T, cols)).astype(F32)
@@ -113,15 +112,15 @@ def test_block_kernel_activation_rows_do_not_depend_on_the_other_rows(qtype):
 _THREADS_CHILD = """
 import sys, numpy as np
 from swarm.compute import quant
-from tests.compute.test_quant_kernels import QUANTIZED, encoded, ROWS
+from tests.compute.test_quant_kernels import PLAIN, QUANTIZED, encoded, ROWS
 quant.prepare_kernels()
 import numba
 assert numba.get_num_threads() == 2, numba.get_num_threads()  # so the parallel kernels run
-x = np.random.default_rng(5).normal(size=(37, 256)).astype(np.float32)
+x = np.random.default_rng(5).normal(size=(100, 256)).astype(np.float32)
 out = {}
-for q in QUANTIZED:
+for q in QUANTIZED + PLAIN:
     m = quant.QMatrix(encoded(q, 3 * ROWS, 256, 13), q, 256)
-    for T in (1, 5, 37):
+    for T in (1, 5, 37, 100):
         out[f"{q.name}_{T}"] = m.matmul(x[:T])
 np.savez(sys.argv[1], **out)
 """
@@ -130,17 +129,17 @@ np.savez(sys.argv[1], **out)
 @pytest.mark.slow
 def test_block_kernels_give_the_same_bits_on_two_threads(tmp_path):
     """The parallel kernels (``NUMBA_NUM_THREADS`` = 2, rows split in chunks over numba's
-    threads) give each output the bits of the one-thread kernels."""
+    threads) give each output the bits of the one-thread kernels: block and float32 kernels."""
     path = tmp_path / "two_threads.npz"
     env = {**os.environ, "NUMBA_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", _THREADS_CHILD, str(path)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     got = np.load(path)
-    x = np.random.default_rng(5).normal(size=(37, 256)).astype(F32)
-    for q in QUANTIZED:
+    x = np.random.default_rng(5).normal(size=(100, 256)).astype(F32)
+    for q in QUANTIZED + PLAIN:
         m = QMatrix(encoded(q, 3 * ROWS, 256, 13), q, 256)
-        for T in (1, 5, 37):
+        for T in (1, 5, 37, 100):
             np.testing.assert_array_equal(got[f"{q.name}_{T}"], m.matmul(x[:T]), err_msg=f"{q.name} T={T}")
 
 
