@@ -224,10 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", metavar="NAME", help="a name for this peer, shown in status")
     p.add_argument("--verify", type=_percent, default=0.0, metavar="PERCENT",
                    help="recompute this share of remote answers locally; stop on a mismatch")
-    p.add_argument("--layout", choices=("ranges", "stages", "auto"), default="auto",
+    p.add_argument("--layout", choices=("ranges", "stages", "mix", "auto"), default="auto",
                    help="as coordinator: let the cost model choose from measured speed, memory and round trips "
-                   "(auto, the default), cut every layer's experts/MLP over the peers (ranges), or give peers "
-                   "whole layer ranges (stages: one network crossing per stage, not per layer); see docs/planner.md")
+                   "(auto, the default), cut every layer's experts/MLP over the peers (ranges), give peers "
+                   "whole layer ranges (stages: one network crossing per stage, not per layer), or keep the "
+                   "first layers here with their experts/MLP cut over the peers and give the rest as stages "
+                   "(mix); see docs/planner.md")
     p.add_argument("--no-model", action="store_true", help="join as a worker without the model (weights are shipped)")
     p.add_argument("--api-plain-http", action="store_true",
                    help="serve the OpenAI API as plain HTTP instead of HTTPS: anyone on the network can read "

@@ -38,7 +38,7 @@ class SwarmRoles:
 
     ``model``: the whole model this peer holds (None: it holds none); ``tokenizer`` for the API
     (default: the model's own). ``verify``: share (0..1) of remote answers the coordinator
-    recomputes. ``layout``: ``"ranges"``, ``"stages"`` or ``"auto"``
+    recomputes. ``layout``: ``"ranges"``, ``"stages"``, ``"mix"`` or ``"auto"``
     (:mod:`swarm.peer.coordinator.role`). ``api_host`` / ``api_port``: where the coordinator
     serves the OpenAI API (port 0: any free port, see ``coordinator.api_port``); ``api_tls``:
     HTTPS or not (None: HTTPS unless ``api_host`` is loopback). Raises LocalProtocolError when

@@ -73,6 +73,27 @@ def test_capped_worker_gets_its_budget_and_the_rest_moves():
     assert units(plan, "b") > units(plan, "c")  # the excess went to the capable worker, not the coordinator
 
 
+@given(shape=shapes, ws=workers, speed=st.floats(0.1, 100.0), cut=st.sets(st.integers(0, 7)),
+       budget=st.integers(0, 2_000_000))
+@settings(max_examples=200, deadline=None)
+def test_a_mix_cuts_only_its_layers_and_budgets_still_hold(shape, ws, speed, cut, budget):
+    """Under a mix only the coordinator's stage's layers are cut; the others stay the
+    coordinator's whole (a stage runs them), counted in no budget and never streamed."""
+    c = PeerCapacity("c", 0, speed)
+    plan = build_plan(shape, c, ws, term=1, version=1, coordinator_budget=budget, layers=cut)
+    check_plan(plan, shape)
+    for table in (plan.experts, plan.dense):
+        for layer, spans in table.items():
+            if layer not in cut:
+                assert [s.peer for s in spans] == ["c"]
+    for w in ws:
+        if w.peer_id != "c":
+            assert plan.bytes_of(w.peer_id, shape, w.kind) <= w.memory_bytes
+    alone = build_plan(shape, c, ws, term=1, version=1, coordinator_budget=budget,
+                       layers=[i for i in cut if i in shape.moe_layers or i in shape.dense_layers])
+    assert alone.streamed_bytes == plan.streamed_bytes
+
+
 def test_dense_spans_are_contiguous_and_cover_the_mlp():
     shape = ModelShape(576, 0, 0, 1536, (), tuple(range(30)))
     plan = build_plan(shape, PeerCapacity("c", 0, 1.0), [PeerCapacity("w", 10**9, 1.0)], term=2, version=1,

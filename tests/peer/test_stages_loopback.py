@@ -33,7 +33,8 @@ FAST_LINKS = {"heartbeat_s": 0.2, "dead_after_s": 2.0}
 pytestmark = pytest.mark.slow
 
 
-async def start_stage_swarm(tmp_path, model_path, gflops: list[float]):
+async def start_stage_swarm(tmp_path, model_path, gflops: list[float], layout: str = "stages",
+                            budgets: list[int] | None = None):
     key = SwarmKey(os.urandom(32))
     idents = [Identity.generate() for _ in gflops]
     server = SignalingServer(key.secret, idents[0].peer_id, config_dir=tmp_path)
@@ -42,11 +43,11 @@ async def start_stage_swarm(tmp_path, model_path, gflops: list[float]):
     for i, (ident, g) in enumerate(zip(idents, gflops)):
         model = load_model(model_path)  # each peer its own copy, as on separate machines
         node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=f"peer{i}",
-                    signal_url=server.url(ADDRESS), ffn_gflops=g, memory_budget=1 << 30,
+                    signal_url=server.url(ADDRESS), ffn_gflops=g, memory_budget=budgets[i] if budgets else 1 << 30,
                     model_hash=model.content_hash(), status_path=tmp_path / f"status{i}.json",
                     link_options=FAST_LINKS)
         await node.start(timeout=10)
-        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0, layout="stages")
+        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0, layout=layout)
         await roles.start()
         peers.append(Peer(node, roles))
     return server, peers
@@ -141,6 +142,52 @@ def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tm
         assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
     assert not failed and misses == 0
     assert served == remote == 6 + len(PROMPTS)  # one request per step, not one per sequence
+
+
+def test_a_coordinator_that_cannot_hold_its_stages_ffn_hands_it_out_as_ranges(tmp_path):
+    """A mix, chosen by auto: the coordinator's budget holds no whole layer and the worker's not
+    all three, so neither the coordinator alone nor whole-layer stages fit. The coordinator keeps
+    layer 0 with its experts cut into ranges over both peers (the worker's within what its stage
+    leaves), the worker runs layers 1..2 as a stage: the local run's tokens and bits."""
+    model_dir = build("qwen3_moe", tmp_path)
+    own = load_model(model_dir).embed.nbytes  # embeddings (tied head): only the coordinator holds them
+    budgets = [own + 200_000, 450_000]  # the layers take 245 760, 86 016 and 245 760 bytes
+
+    async def main():
+        server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0], layout="auto", budgets=budgets)
+        try:
+            coord, worker = peers
+            me = worker.node.peer_id
+
+            def mixed():
+                c = coord.roles.coordinator
+                return (staged(coord, [worker]) and c.ffn is not None and me in c.ffn.plan.workers()
+                        and worker.roles.worker.server is not None
+                        and worker.roles.worker.server.serves(c.ffn.plan.term, c.ffn.plan.version))
+
+            await until(mixed, 40, "a mix: a stage and ranges for the worker")
+            c = coord.roles.coordinator
+            plan, layout = c.ffn.plan, c.stages.layout
+            run = await asyncio.to_thread(greedy, coord.roles.model, c.engine_ffn, PROMPT, 12)
+            w = worker.roles.worker
+            return (run, plan, layout, w.stage_runner.served, w.server.served, set(c.stages.failed) | set(c.ffn.failed),
+                    coord.node.placement)
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    run, plan, layout, stage_served, range_served, failed, placement = run_in_netns(
+        main, timeout_s=240, prefix="cst", address=ADDRESS)
+    assert placement["layout"] == "mix" and placement["cost"]["choice"] == "mix"
+    assert [(s.start, s.stop) for s in layout.stages] == [(0, 1), (1, 3)] and layout.stages[0].peer == layout.coordinator
+    worker_id = layout.stages[1].peer
+    assert plan.expert_span(0, worker_id) is not None  # layer 0's experts are shared ...
+    assert plan.expert_span(2, worker_id) is None and plan.dense_span(1, worker_id) is None  # ... its stage's not
+    ref = greedy(load_model(model_dir), None, PROMPT, 12)
+    assert run[0] == ref[0]
+    assert all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
+    assert not failed and stage_served == 13 and range_served >= 1
 
 
 def test_smollm2_over_two_stages_and_real_links_gives_the_local_bits(tmp_path):

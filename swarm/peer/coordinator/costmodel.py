@@ -286,7 +286,7 @@ def estimate_mix(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]
     return best
 
 
-BUILDABLE = ("local", "ranges", "stages")  # the layouts a coordinator can set up
+BUILDABLE = ("local", "ranges", "stages", "mix")  # the layouts a coordinator can set up
 
 
 def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
@@ -294,9 +294,8 @@ def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
     """Price the ``layouts`` asked for and return (the fastest that fits, all estimates).
 
     ``workers`` can run anything; ``range_only`` peers compute FFN ranges only (browser pages,
-    peers without the model file), so they count in ``ranges`` alone. ``"mix"`` is priced only
-    when asked for: no coordinator builds it yet, so by default it is never the choice. Falls
-    back to ``ranges`` (the coordinator streams what nobody holds) when none fits.
+    peers without the model file), so they count in ``ranges`` alone. Falls back to ``ranges``
+    (the coordinator streams what nobody holds) when none fits.
     """
     makers = {"local": lambda: estimate_local(costs, coord),
               "ranges": lambda: estimate_ranges(costs, coord, [*workers, *range_only]),

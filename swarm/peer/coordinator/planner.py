@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm.errors import RemoteProtocolError
@@ -325,6 +325,7 @@ def build_plan(
     version: int,
     coordinator_share: float = COORDINATOR_SHARE,
     coordinator_budget: int | None = None,
+    layers: Collection[int] | None = None,
 ) -> Plan:
     """Place experts and dense columns over the coordinator and ``workers``.
 
@@ -334,7 +335,25 @@ def build_plan(
     what only it holds (None: unbounded, it holds the whole model). What no peer can
     hold within its budget goes to the coordinator anyway, which reads it from its
     model file; ``plan.streamed_bytes`` says how many bytes that is.
+    ``layers``: the layers whose FFN is cut (None: every layer); each other layer is the
+    coordinator's whole and uncounted in its budget — a mix runs those as whole-layer stages on
+    other peers, and here (from the mapped file) only after a stage fails.
     """
+    if layers is not None:
+        cut, full = set(layers), shape
+        whole = dataclasses.replace(shape, moe_layers=tuple(i for i in shape.moe_layers if i not in cut),
+                                    dense_layers=tuple(i for i in shape.dense_layers if i not in cut))
+        shape = dataclasses.replace(shape, moe_layers=tuple(i for i in shape.moe_layers if i in cut),
+                                    dense_layers=tuple(i for i in shape.dense_layers if i in cut))
+        plan = build_plan(shape, coordinator, workers, term=term, version=version,
+                          coordinator_share=coordinator_share, coordinator_budget=coordinator_budget)
+        c = coordinator.peer_id
+        experts = {**plan.experts, **{i: (Span(c, 0, shape.n_experts),) for i in whole.moe_layers if shape.n_experts}}
+        dense = {**plan.dense, **{i: (Span(c, 0, shape.intermediate_size),) for i in whole.dense_layers
+                                  if shape.intermediate_size}}
+        plan = dataclasses.replace(plan, experts=dict(sorted(experts.items())), dense=dict(sorted(dense.items())))
+        check_plan(plan, full)
+        return plan
     workers = sorted((w for w in workers if w.peer_id != coordinator.peer_id), key=lambda w: w.peer_id)
     cap_of = {w.peer_id: w for w in workers}
     peers = (coordinator.peer_id, *(w.peer_id for w in workers))

@@ -32,6 +32,7 @@ through the node's handlers to :meth:`RemoteFFN.deliver`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,7 @@ class CoordinatorRole:
         self.ffn: RemoteFFN | None = None
         self.stages: StagedFFN | None = None  # the stage dispatch (layouts other than ranges)
         self._stage_layout: StageLayout | None = None  # of the newest plan
+        self._cut_layers: range | None = None  # a mix: the coordinator's stage, whose FFN is cut into ranges
         self._cost_report: dict | None = None
         self._costs = LayerCosts.from_model(model) if model is not None and layout != "ranges" else None
         self.api: ApiServer | None = None
@@ -328,8 +330,9 @@ class CoordinatorRole:
         self._planned = {w.peer_id for w in workers}
         # Our budget less what only we hold (embeddings, attention, routers, norms, head).
         budget = max(self.node.hello.memory_budget - self.shape.resident_nbytes, 0)
-        plan = build_plan(self.shape, me, self._plan_layout(workers), term=self.election.term,
-                          version=self.plan_version, coordinator_budget=budget)
+        takers = self._plan_layout(workers)
+        plan = build_plan(self.shape, me, takers, term=self.election.term, version=self.plan_version,
+                          coordinator_budget=budget, layers=self._cut_layers)
         short = shortfall_message(plan, self.shape)
         if short and self._stage_layout is None:  # under stages the FFN plan is the coordinator's stage only
             log.warning("plan v%d: %s", plan.version, short)
@@ -379,9 +382,11 @@ class CoordinatorRole:
             self._schedule_replan()
 
     def _plan_layout(self, workers: list[PeerCapacity]) -> list[PeerCapacity]:
-        """Choose the next plan's layout: sets the stage layout (None: per-layer ranges) and the
-        cost report; returns the workers that get FFN ranges (none under stages)."""
-        self._stage_layout = None
+        """Choose the next plan's layout: sets the stage layout (None: per-layer ranges), the
+        layers whose FFN is cut (a mix: the coordinator's stage; None: all) and the cost report;
+        returns the workers that get FFN ranges (none under stages; under a mix each with the
+        memory its stage leaves)."""
+        self._stage_layout = self._cut_layers = None
         if self.layout == "ranges":
             return workers
         holders = [w for w in workers if w.kind == "python" and w.peer_id in self.node.links
@@ -401,7 +406,12 @@ class CoordinatorRole:
         if stages is None:
             return workers
         self._stage_layout = StageLayout(self.election.term, self.plan_version, self.node.peer_id, stages)
-        return []
+        if self._cost_report.get("choice") != "mix":
+            return []
+        first = stages[0]  # a mix: the coordinator's stage comes first, its FFN cut over the holders
+        self._cut_layers = range(first.start, first.stop)
+        held = {s.peer: sum(self._costs.layer_bytes(i) for i in range(s.start, s.stop)) for s in stages[1:]}
+        return [dataclasses.replace(w, memory_bytes=max(w.memory_bytes - held.get(w.peer_id, 0), 0)) for w in holders]
 
     def _layer_flops(self) -> float:
         """FLOPs of one row through one average layer (attention and FFN)."""
@@ -429,7 +439,7 @@ class CoordinatorRole:
             msg = lay.to_message()
             await asyncio.gather(*(send_logged(self.node.links[p], msg) for p in lay.workers() if p in self.node.links))
         if self.layout != "ranges" and self.node.placement is not None:
-            self.node.update_placement({"layout": "stages" if lay else "ranges",
+            self.node.update_placement({"layout": ("mix" if self._cut_layers else "stages") if lay else "ranges",
                                         "stages": [[s.peer, s.start, s.stop] for s in lay.stages] if lay else [],
                                         "cost": self._cost_report})
 

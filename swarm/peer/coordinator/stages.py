@@ -658,17 +658,19 @@ def _check_answer(req: StageRequest, msg: object) -> None:
 
 
 # ------------------------------------------------------------------------------- layout choice
-LAYOUTS = ("ranges", "stages", "auto")
+LAYOUTS = ("ranges", "stages", "mix", "auto")
 
 
 def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tuple[Stage, ...] | None, dict]:
-    """The stages of the next plan, or None for per-layer ranges; and the cost report.
+    """The stages of the next plan, or None for per-layer ranges; and the cost report (its
+    ``choice`` is ``"mix"`` when the coordinator's stage's FFN is to be cut into ranges).
 
     ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
-    to their speed; ``"auto"`` takes the fastest placement that fits by the cost model
-    (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator alone is one stage of all layers)
-    among those this code runs: local, ranges, stages. A mix is priced too; when it would be
-    faster, the report's ``proposal`` says so (it is not run yet).
+    to their speed; ``"mix"`` takes the cost model's best mix (the coordinator's stage ``0 ..
+    k-1`` with its FFN cut into ranges over every peer, whole-layer stages of the workers after
+    it), or the fastest placement when no mix fits; ``"auto"`` takes the fastest placement that
+    fits by the cost model (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator
+    alone is one stage of all layers): local, ranges, stages or mix.
     ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
     :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model);
     ``range_only``: peers that can take FFN ranges only (browser pages, peers without the model
@@ -676,24 +678,19 @@ def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tupl
     """
     from swarm.peer.coordinator import costmodel
 
-    if mode not in ("stages", "auto"):
-        raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages' or 'auto' only")
-    best, estimates = costmodel.choose(costs, coord, workers, layouts=("local", "ranges", "stages"),
-                                       range_only=range_only)
-    mix = costmodel.estimate_mix(costs, coord, workers)
-    estimates = [*estimates, mix]
+    if mode not in ("stages", "mix", "auto"):
+        raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages', 'mix' or 'auto' only")
+    best, estimates = costmodel.choose(costs, coord, workers, range_only=range_only)
     if mode == "stages":
         split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)],
                              [coord.gflops, *(w.gflops for w in workers)])
         best = costmodel.estimate_stages(costs, coord, workers, tuple((s.peer, s.start, s.stop) for s in split))
         estimates = [*estimates, best]
+    mix = next(e for e in estimates if e.layout == "mix")
+    if mode == "mix" and mix.fits:
+        best = mix
     report = costmodel.report(costs, coord, [*workers, *range_only], best, estimates)
     report["mode"] = mode
-    if mix.fits and (mix.decode_s, mix.prefill_s) < (best.decode_s, best.prefill_s):
-        # priced, not run yet: a worker's stage cannot hand its FFN out, and the coordinator's
-        # ranges would have to be planned for its own layers only, within what each worker has left
-        report["proposal"] = {"layout": "mix", "decode_s": mix.decode_s, "prefill_s": mix.prefill_s,
-                              "stages": mix.stages, "shares": mix.shares}
     if best.layout == "ranges":
         return None, report
     return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report
