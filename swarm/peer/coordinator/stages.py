@@ -338,19 +338,29 @@ class _Sequence:
 
     id: int
     layout: StageLayout
-    inputs: dict[int, np.ndarray] = field(default_factory=dict)  # stage's first layer → rows that entered [L, H]
+    inputs: dict[int, np.ndarray] = field(default_factory=dict)  # stage's first layer → buffer [≥ L, H]
+    held: dict[int, int] = field(default_factory=dict)  # stage's first layer → positions L in its buffer
     local: dict[tuple[int, int], int] = field(default_factory=dict)  # (lo, hi) → positions in our cache
     remote: dict[tuple[str, int, int], int] = field(default_factory=dict)  # (peer, lo, hi) → positions it holds
 
     def record(self, layer: int, start: int, x: np.ndarray) -> np.ndarray:
-        """Keep ``x`` as positions ``start ..`` of the rows entering ``layer``; returns all [start+T, H]."""
-        old = self.inputs.get(layer, x[:0])
-        if old.shape[0] < start:
+        """Keep ``x`` as positions ``start ..`` of the rows entering ``layer``; returns all [start+T, H]
+        (a view of a buffer that grows by doubling: a step copies its own rows only, not the
+        sequence so far)."""
+        held = self.held.get(layer, 0)
+        if held < start:
             raise LocalProtocolError(f"sequence {self.id}: rows entering layer {layer} before position {start} "
                                      "were never seen; start the sequence at position 0")
-        rows = np.concatenate([old[:start], x]) if start else np.array(x, copy=True)
-        self.inputs[layer] = rows
-        return rows
+        end = start + x.shape[0]
+        buf = self.inputs.get(layer)
+        if buf is None or buf.shape[0] < end:
+            grown = np.empty((max(end, 2 * (0 if buf is None else buf.shape[0]), 64), x.shape[1]), F32)
+            if start:
+                grown[:start] = buf[:start]
+            buf = self.inputs[layer] = grown
+        buf[start:end] = x
+        self.held[layer] = end
+        return buf[:end]
 
 
 @dataclass
@@ -558,7 +568,8 @@ class StagedFFN:
               ) -> StageAnswer | Error | None:
         rid = REQUEST_ID_BASE | (next(self._ids) & (REQUEST_ID_BASE - 1))
         segments = tuple(StageSegment(p.seq.id, f, p.history.shape[0] - f) for p, f in zip(group, firsts))
-        rows = (group[0].history[firsts[0]:] if len(group) == 1 else
+        # a copy: the request is encoded on the event loop, and later steps write the history buffers
+        rows = (group[0].history[firsts[0]:].copy() if len(group) == 1 else
                 np.concatenate([p.history[f:] for p, f in zip(group, firsts)]))
         req = StageRequest(rid, lay.term, lay.version, segments, stage.start, stage.stop, rows)
         now = self._clock()
