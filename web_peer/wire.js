@@ -335,6 +335,7 @@ function segments(m, n, counts) {
 // The sequences of a stage step: consecutive runs of x's rows, each of one sequence.
 const STAGE_SEGMENT = { record: [["sequence", "int"], ["start", "int"], ["rows", "int"]] };
 const STAGE_ROWS = [["term", "int"], ["plan_version", "int"], ["segments", { list: STAGE_SEGMENT }], ["layer_start", "int"], ["layer_stop", "int"], ["x", ROWS]];
+const STAGE_ANSWER = [...STAGE_ROWS.slice(0, 5), ["compute_s", "float"], STAGE_ROWS[5]];
 function stageRows(m) {
   if (m.layer_stop <= m.layer_start) fail(`layers [${m.layer_start}, ${m.layer_stop}): empty range`);
   if (m.x.shape[0] === 0) fail("x: at least one row");
@@ -388,7 +389,7 @@ export const KINDS = {
     check: (m) => { ranges(m.ranges, "ranges"); if (m.partials.shape[0] !== m.ranges.length) fail(`${m.partials.shape[0]} partials for ${m.ranges.length} ranges`); },
   },
   36: { name: "StageRequest", rid: true, fields: STAGE_ROWS, check: stageRows },
-  37: { name: "StageAnswer", rid: true, fields: STAGE_ROWS, check: stageRows },
+  37: { name: "StageAnswer", rid: true, fields: STAGE_ANSWER, check: stageRows },
   48: {
     name: "WeightManifest", rid: true,
     fields: [["model_hash", "str"], ["name", "str"], ["encoding", "str"], ["total_bytes", "int"], ["chunk_bytes", "int"], ["chunk_sha256", { list: "str" }],

@@ -68,6 +68,18 @@ def test_peers_that_take_ranges_only_count_under_ranges_alone():
     assert cm.choose(layers(ffn_flops=2e7), coord, [], range_only=[far])[0].layout in ("local", "stages")
 
 
+def test_a_link_observed_dear_makes_its_messages_dear():
+    """A peer whose stage answers showed 10 ms of waiting beyond RTT and compute is priced with
+    it, not with the constant: the coordinator alone wins where the constant said stages."""
+    coord = PeerCost("c", 10**12, 10.0)
+    fast = PeerCost("w1", 10**12, 12.0, 0.001, observed=True)
+    costs = layers(ffn_flops=2e7)
+    assert cm.choose(costs, coord, [fast])[0].layout in ("stages", "mix")
+    dear = PeerCost("w1", 10**12, 12.0, 0.001, observed=True, overhead_s=0.010)
+    best, estimates = cm.choose(costs, coord, [dear])
+    assert best.stages == (("c", 0, 24),), estimates
+
+
 def test_a_peer_observed_slow_gets_less():
     costs = layers()
     coord, (a, b) = peers(rtt_s=0.0002)

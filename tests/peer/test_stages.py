@@ -149,6 +149,8 @@ def test_sequences_batched_through_stages_cross_each_stage_in_one_request_with_t
         assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
     steps = 6 + len(PROMPTS)
     assert all(r.served == steps for r in runners.values())  # one request per stage peer per step
+    # the planner's inputs: each peer's compute as its answers report it, the wait beyond it
+    assert all(ffn.layer_timing[p].s_per_row_layer > 0 and ffn.message_overhead[p] >= 0 for p in (W1, W2))
     assert [len(ids) for p, ids in sent if p == W1] == [1, 2, 3, 3, 3, 3, 3, 2, 1]
 
 
@@ -342,7 +344,7 @@ def test_stage_messages_check_their_fields():
         m.encode(m.StageRequest(request_id=1, term=1, plan_version=1, segments=(two[0], two[0]), layer_start=0,
                                 layer_stop=2, x=np.ones((2, 4), np.float32)))
     frame = m.encode(m.StageAnswer(request_id=1, term=1, plan_version=1, segments=two, layer_start=0,
-                                   layer_stop=2, x=np.ones((2, 4), np.float32)))
+                                   layer_stop=2, compute_s=0.001, x=np.ones((2, 4), np.float32)))
     with pytest.raises(MessageError, match="StageAnswer"):
         m.decode(frame.replace(b'"layer_stop":2', b'"layer_stop":0'))
 

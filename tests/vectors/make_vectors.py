@@ -78,7 +78,7 @@ def samples() -> dict[str, object]:
         "stage_answer": m.StageAnswer(
             request_id=2**31 + 7, term=3, plan_version=6,
             segments=(m.StageSegment(sequence=4, start=12, rows=1), m.StageSegment(sequence=9, start=0, rows=2)),
-            layer_start=10, layer_stop=30, x=_f((3, 4), np.float32, -0.75),
+            layer_start=10, layer_stop=30, compute_s=0.0125, x=_f((3, 4), np.float32, -0.75),
         ),
         "expert_request_f32": m.ExpertRequest(
             request_id=40, term=3, plan_version=6, layer=1,

@@ -53,13 +53,16 @@ class PeerCost:
     """What the planner knows of one peer. ``memory_bytes``: budget for weights, bytes as it
     holds them; ``gflops``: compute speed (GFLOP/s, > 0); ``rtt_s``: round trip to the
     coordinator (seconds; 0 for the coordinator); ``observed``: ``gflops`` comes from answer
-    timings rather than the start-up measurement."""
+    timings rather than the start-up measurement; ``overhead_s``: what one request/answer to it
+    costs beyond ``rtt_s`` and the rows' transfer (seconds): ``MESSAGE_OVERHEAD_S`` until its
+    stage answers, which say how long the computing took, show it."""
 
     peer_id: str
     memory_bytes: int
     gflops: float
     rtt_s: float = 0.0
     observed: bool = False
+    overhead_s: float = MESSAGE_OVERHEAD_S
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class Estimate:
 
 def _message_s(peer: PeerCost, rows: int, costs: LayerCosts) -> float:
     """One request and its answer of ``rows`` hidden rows each way."""
-    return peer.rtt_s + MESSAGE_OVERHEAD_S + 2 * rows * costs.hidden_size * ROW_BYTES_PER_HIDDEN / LINK_BYTES_PER_S
+    return peer.rtt_s + peer.overhead_s + 2 * rows * costs.hidden_size * ROW_BYTES_PER_HIDDEN / LINK_BYTES_PER_S
 
 
 def _gflops(p: PeerCost) -> float:

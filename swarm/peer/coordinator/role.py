@@ -38,7 +38,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError, SwarmError
-from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost, observed_gflops
+from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S, LayerCosts, PeerCost, observed_gflops
 from swarm.peer.coordinator.dispatch import RemoteFFN
 from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall_message
 from swarm.peer.coordinator.stages import LAYOUTS, Stage, StagedFFN, StageLayout, choose_stages
@@ -398,10 +398,12 @@ class CoordinatorRole:
         if mine:  # our own layers' timing, in the unit the workers' answers are priced in
             me = PeerCost(me.peer_id, me.memory_bytes, observed_gflops(self._layer_flops(), mine), observed=True)
         costs, range_only = [], []
+        overhead = self.stages.message_overhead if self.stages is not None else {}
         for w in workers:  # a peer that cannot run a stage (a page, no model file) still takes ranges
             gflops, seen = self._speed(w.peer_id, w.ffn_speed)
-            (costs if w in holders else range_only).append(PeerCost(w.peer_id, w.memory_bytes, gflops, w.rtt_s,
-                                                                    observed=seen))
+            (costs if w in holders else range_only).append(PeerCost(
+                w.peer_id, w.memory_bytes, gflops, w.rtt_s, observed=seen,
+                overhead_s=overhead.get(w.peer_id, MESSAGE_OVERHEAD_S)))
         stages, self._cost_report = choose_stages(self.layout, self._costs, me, costs, range_only)
         if stages is None:
             return workers

@@ -68,7 +68,6 @@ from swarm.compute.ffn import LocalFFN
 from swarm.compute.model import KVCache
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
 from swarm.peer.coordinator.dispatch import MISS_LIMIT, NOT_READY_RETRY_S, SILENCE_S, Dispatcher, PeerTiming
-from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S
 from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest, StageSegment
 from swarm.peer.coordinator.planner import Span
 
@@ -319,12 +318,13 @@ class StageRunner:
             out = self.model.layers(x, caches[0], msg.segments[0].start, lo, hi)
         else:
             out = self.model.layers_batch(x, [(c, s.start, s.rows) for s, c in zip(msg.segments, caches)], lo, hi)
+        compute_s = time.perf_counter() - t0
         if x.shape[0] <= INLINE_ROWS:
-            self._step_s[(lo, hi)] = (time.perf_counter() - t0) / x.shape[0]
+            self._step_s[(lo, hi)] = compute_s / x.shape[0]
         for s, cache in zip(msg.segments, caches):
             cache.length = s.start + s.rows
         self.served += 1
-        return StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.segments, lo, hi, out)
+        return StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.segments, lo, hi, compute_s, out)
 
 
 class _CacheGap(Exception):
@@ -419,6 +419,7 @@ class StagedFFN:
         self.rebuilt_positions = 0  # positions recomputed here to rebuild a failed stage's KV cache
         self.local_timing = LayerTiming()  # the coordinator's own layers: its observed speed
         self.layer_timing: dict[str, LayerTiming] = {}  # each stage peer's compute, from its answers
+        self.message_overhead: dict[str, float] = {}  # peer → a short step's wait beyond RTT and compute (EWMA, s)
         self._clock = clock
         self._ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
@@ -605,10 +606,15 @@ class StagedFFN:
         timing.observe(elapsed, rows.shape[0])
         timing.misses = 0
         self.not_ready.pop(stage.peer, None)  # it answers under this layout: it has it
-        # Its compute alone (for the planner): less the round trip and a message's fixed cost, which
-        # would otherwise make a one-row decode step look like a slow peer.
-        compute = max(elapsed - timing.rtt_s - MESSAGE_OVERHEAD_S, 0.1 * elapsed)
+        # For the planner: its compute alone, as it reports it (at most the whole wait), and what
+        # the message cost beyond the round trip — a short step's, as a prefill's rows take
+        # their own time on the link.
+        compute = min(max(msg.compute_s, 0.0), elapsed)
         self.layer_timing.setdefault(stage.peer, LayerTiming()).observe(compute, rows.shape[0], stage.stop - stage.start)
+        if rows.shape[0] <= INLINE_ROWS:
+            sample = max(elapsed - compute - timing.rtt_s, 0.0)
+            prev = self.message_overhead.get(stage.peer)
+            self.message_overhead[stage.peer] = sample if prev is None else 0.8 * prev + 0.2 * sample
         return msg
 
     def _missed(self, p: _Pending) -> None:

@@ -659,7 +659,8 @@ class StageRequest(_Base):
 @message(37)
 class StageAnswer(_Base):
     """The hidden rows after layer ``layer_stop-1`` for a StageRequest: ``x`` [T, H] f32, with
-    the request's ``segments`` echoed."""
+    the request's ``segments`` echoed; ``compute_s``: the seconds the stage spent computing them
+    (the coordinator tells the link's cost from the stage's speed with it)."""
 
     request_id: int
     term: int
@@ -667,6 +668,7 @@ class StageAnswer(_Base):
     segments: tuple[StageSegment, ...]
     layer_start: int
     layer_stop: int
+    compute_s: float
     x: Annotated[np.ndarray, ROWS]
 
     def _check(self) -> None:
