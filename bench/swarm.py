@@ -10,12 +10,14 @@ as a safetensors checkpoint, scaled to fit this machine) one run measures, in or
    plus bytes on the wire per decoded token (both directions, all links, framing included),
    the FFN's seconds per layer (the round trip: request out, worker compute, answer back,
    combine) and the links' heartbeat RTT, and whether the greedy tokens equal the local ones;
-3. layouts, with 2 peers: per-layer ranges, layer stages (the layers split between the two
-   peers) and the planner's own choice (``auto``: the cost model's pick), side by side, each
-   with nothing added to the link and with ``--delays`` ms added before every message the
+3. layouts, with 2 peers: the local engine, per-layer ranges, layer stages (the layers split
+   between the two peers) and the planner's own choice (``auto``: the cost model's pick), run
+   in turn for ``--rounds`` rounds so that the machine's changing load hits each alike, with
+   nothing added to the link and with ``--delays`` ms added before every message the
    coordinator sends (a bench-only link option standing in for Wi-Fi; there is no netem here):
-   decode and prefill tok/s against local, greedy tokens against local, the cost model's
-   estimates and inputs;
+   median decode and prefill tok/s, each round's ratio to that round's local run, the decode
+   CPU seconds of both processes against local's, greedy tokens against local, the cost
+   model's estimates and inputs (``--layouts-only``: this phase alone);
 4. recovery: a worker process is killed with SIGKILL at decode step 10; the longest stall
    between two tokens after it (compared with the median step) and the time until the
    coordinator's plan no longer names the dead worker.
@@ -35,7 +37,9 @@ step's stage request on both sides (bench/stage_trace.py) and each process's CPU
 token; ``COLIBRI_BENCH_INLINE_MAX_S=0`` puts every stage step on the worker's compute thread
 (the path before short steps ran on its event loop), for comparison.
 
-``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every peer process.
+``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every peer process;
+``COLIBRI_BENCH_UVLOOP=1`` runs every peer process on uvloop's event loop instead of asyncio's
+(``pip install uvloop``; a comparison, not what ``join`` runs).
 
 Numbers depend on the machine and on what else runs on it; this one has 2 cores for all
 peers together, so the workers and the coordinator compete for CPU.
@@ -354,12 +358,22 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local_tokens:
 
 
 async def _switch_layout(roles, model, prompt: list[int], layout: str) -> None:
-    """Re-plan with ``layout`` and run two steps, so the plan is in force and the caches warm."""
-    version = roles.coordinator.ffn.plan.version
-    roles.coordinator.set_layout(layout)
-    await _until(lambda: roles.coordinator.ffn is not None and (roles.coordinator.ffn.pending_plan or roles.coordinator.ffn.plan).version > version
-                 and not roles.coordinator.replan_pending, 60, f"a plan with layout {layout}")
-    await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt[:8], 2)
+    """Re-plan with ``layout`` and run two steps, so the plan is in force and the caches warm
+    (again, after the worker is back in the plans, if it missed those steps: a big model's
+    layers open slowly the first time)."""
+    from swarm.peer.coordinator.role import READMIT_S
+
+    for _ in range(3):
+        version = roles.coordinator.ffn.plan.version
+        roles.coordinator.set_layout(layout)
+        await _until(lambda: roles.coordinator.ffn is not None and (roles.coordinator.ffn.pending_plan or roles.coordinator.ffn.plan).version > version
+                     and not roles.coordinator.replan_pending, 60, f"a plan with layout {layout}")
+        await asyncio.to_thread(run_generation, model, roles.coordinator.engine_ffn, prompt[:8], 2)
+        st = roles.coordinator.stages
+        if not roles.coordinator.ffn.failed and not (st is not None and st.failed):
+            return
+        _progress(f"the worker missed the warm-up under {layout}; again once it is back in the plans")
+        await asyncio.sleep(READMIT_S + 2.0)
 
 
 async def _start_coordinator(model, tmp: Path, layout: str):
@@ -417,11 +431,14 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
                 ffn = roles.coordinator.ffn
                 return ffn is not None and not ffn.failed and len((ffn.pending_plan or ffn.plan).workers()) == n
 
-            _progress(f"waiting for a plan over {n_peers - 1} worker(s)")
-            await _until(planned, PLAN_WAIT_S, f"a plan over {n_peers - 1} worker(s)")
-            _progress("warm-up")
-            ffn = roles.coordinator.ffn
-            await asyncio.to_thread(run_generation, model, ffn, prompt[:8], 2)  # plan applied; slices decoded
+            for _ in range(4):  # a big model's first answers can miss while the worker opens its slices
+                _progress(f"waiting for a plan over {n_peers - 1} worker(s)")
+                await _until(planned, PLAN_WAIT_S, f"a plan over {n_peers - 1} worker(s)")
+                _progress("warm-up")
+                ffn = roles.coordinator.ffn
+                await asyncio.to_thread(run_generation, model, ffn, prompt[:8], 2)  # plan applied; slices decoded
+                if len(ffn.plan.workers()) == n_peers - 1 and not ffn.failed:
+                    break
             if len(ffn.plan.workers()) != n_peers - 1:
                 raise RuntimeError(f"plan has {len(ffn.plan.workers())} workers after warm-up, expected {n_peers - 1}")
             if not layouts_only:  # the layouts phase needs only the plan over the worker
@@ -640,6 +657,10 @@ def main() -> None:
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name or 'main'} %(name)s: %(message)s")
         logging.getLogger("aioice").setLevel(logging.WARNING)
+    if os.environ.get("COLIBRI_BENCH_UVLOOP") and (args._trace or args._worker or args._coordinator):
+        import uvloop  # bench-only: libuv's event loop under every peer process, for comparison
+
+        asyncio.run = uvloop.run
     if args._trace:
         PRODUCT_DEADLINE_MIN_S.append(_bench_timeouts())
         delays = [float(d) for d in args.delays.split(",") if d.strip()]
