@@ -72,12 +72,24 @@ def test_a_link_observed_dear_makes_its_messages_dear():
     """A peer whose stage answers showed 10 ms of waiting beyond RTT and compute is priced with
     it, not with the constant: the coordinator alone wins where the constant said stages."""
     coord = PeerCost("c", 10**12, 10.0)
-    fast = PeerCost("w1", 10**12, 12.0, 0.001, observed=True)
+    fast = PeerCost("w1", 10**12, 14.0, 0.001, observed=True)
     costs = layers(ffn_flops=2e7)
     assert cm.choose(costs, coord, [fast])[0].layout in ("stages", "mix")
-    dear = PeerCost("w1", 10**12, 12.0, 0.001, observed=True, overhead_s=0.010)
+    dear = PeerCost("w1", 10**12, 14.0, 0.001, observed=True, overhead_s=0.010)
     best, estimates = cm.choose(costs, coord, [dear])
     assert best.stages == (("c", 0, 24),), estimates
+
+
+def test_the_coordinator_alone_is_kept_unless_another_placement_is_clearly_faster():
+    coord = PeerCost("c", 10**12, 10.0)
+    costs = layers(ffn_flops=2e7)
+    by = lambda w: {e.layout: e for e in cm.choose(costs, coord, [w])[1]}  # noqa: E731
+    slightly = PeerCost("w1", 10**12, 12.0, 0.001, observed=True)  # a stage of every layer: ~12 % faster
+    est = by(slightly)
+    assert 1 - cm.REMOTE_MARGIN < est["stages"].decode_s / est["local"].decode_s < 0.95
+    assert cm.choose(costs, coord, [slightly])[0].layout == "local"
+    clearly = PeerCost("w1", 10**12, 20.0, 0.001, observed=True)
+    assert cm.choose(costs, coord, [clearly])[0].layout == "stages"
 
 
 def test_a_peer_observed_slow_gets_less():

@@ -46,6 +46,11 @@ LINK_BYTES_PER_S = 10 * 2**20  # one aiortc data channel, pure-Python SCTP (benc
 COORDINATOR_SHARE = 0.5  # the coordinator's speed counted for FFN ranges (it also runs attention)
 PREFILL_TOKENS = 128  # prompt length the prefill estimate is given for
 ROW_BYTES_PER_HIDDEN = 4  # float32 activations on the wire
+# A placement that gives other peers work must beat the coordinator alone by this fraction of its
+# decode estimate: what a shared machine adds beyond the observed waits (the other process's CPU,
+# the coordinator's own speed measured while its event loop is busy) is not priced, and on a
+# 2-core machine a 5 % predicted gain measured as a 20 % loss.
+REMOTE_MARGIN = 0.15
 
 
 @dataclass(frozen=True)
@@ -297,8 +302,10 @@ def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
     """Price the ``layouts`` asked for and return (the fastest that fits, all estimates).
 
     ``workers`` can run anything; ``range_only`` peers compute FFN ranges only (browser pages,
-    peers without the model file), so they count in ``ranges`` alone. Falls back to ``ranges``
-    (the coordinator streams what nobody holds) when none fits.
+    peers without the model file), so they count in ``ranges`` alone. The coordinator alone
+    (``local``, when it fits) is kept unless another placement's decode estimate is at least
+    ``REMOTE_MARGIN`` lower. Falls back to ``ranges`` (the coordinator streams what nobody
+    holds) when none fits.
     """
     makers = {"local": lambda: estimate_local(costs, coord),
               "ranges": lambda: estimate_ranges(costs, coord, [*workers, *range_only]),
@@ -311,7 +318,11 @@ def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         return next((e for e in estimates if e.layout == "ranges"), estimates[0]), estimates
-    return min(fitting, key=lambda e: (e.decode_s, e.prefill_s)), estimates
+    best = min(fitting, key=lambda e: (e.decode_s, e.prefill_s))
+    alone = next((e for e in fitting if e.layout == "local"), None)
+    if alone is not None and best.decode_s > (1 - REMOTE_MARGIN) * alone.decode_s:
+        best = alone
+    return best, estimates
 
 
 def report(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost], best: Estimate,
