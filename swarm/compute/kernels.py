@@ -132,7 +132,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
                          f"k, v [nkv={nkv}, C={C}, hd={k.shape[2]}] (nh a multiple of nkv, start + T <= C)")
     out = np.empty((T, nh * hd), F32)
     (_row or _row_kernels()).attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                                       start, out, np.empty(start + T, F32))
+                                       start, out, np.empty(start + T, F32), np.empty(hd, F32))
     return out
 
 
@@ -209,6 +209,6 @@ def _row_kernels():
         rowkernels.silu_mul(one.copy(), one, one)  # compile or load from the cache now
         rowkernels.rms_norm(one, one, F32(1e-6), one.copy())
         rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
-                             one.copy(), np.ones(4, F32))
+                             one.copy(), np.ones(4, F32), np.ones(1, F32))
         _row = rowkernels
     return _row

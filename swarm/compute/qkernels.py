@@ -179,21 +179,66 @@ def _dot8(typingctx, a, ao, b, bo, nb):
 
 
 @intrinsic
-def _axpy8(typingctx, a, ao, b, bo, nb, p):
-    """``a[ao + i] = fma(p, b[bo + i], a[ao + i])`` for i < 8·nb (float32 arrays, C order), as
-    vector instructions: one fused multiply-add per element."""
-    sig = types.none(a, ao, b, bo, nb, p)
+def _vsum8(typingctx, a, ao, nb):
+    """Σ_i a[ao + i] over i < 8·nb (float32 array, C order): element i added into lane i % 8,
+    ascending i, the lanes then added in :func:`_lane_sum`'s order, as vector instructions."""
+    sig = types.float32(a, ao, nb)
 
     def codegen(context, builder, sig, args):
-        pa, pb = _vector_args(context, builder, sig, args)
-        fma, vp = _fma8(builder), ir.PointerType(_V8)
-        pv = builder.insert_element(ir.Constant(_V8, ir.Undefined), args[5], ir.IntType(32)(0))
-        pv = builder.shuffle_vector(pv, pv, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
-        with cgutils.for_range(builder, args[4]) as loop:
+        pa = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        vp, i32 = ir.PointerType(_V8), ir.IntType(32)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))
+        with cgutils.for_range(builder, args[2]) as loop:
             off = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
-            dst = builder.bitcast(builder.gep(pa, [off]), vp)
-            vb = builder.load(builder.bitcast(builder.gep(pb, [off]), vp), align=4)
-            builder.store(builder.call(fma, [pv, vb, builder.load(dst, align=4)]), dst, align=4)
+            va = builder.load(builder.bitcast(builder.gep(pa, [off]), vp), align=4)
+            builder.store(builder.fadd(builder.load(acc), va), acc)
+        v, k = builder.load(acc), 8
+        while k > 1:
+            k //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k, 2 * k))))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, i32(0))
+    return sig, codegen
+
+
+@intrinsic
+def _weighted_rows8(typingctx, out, oo, v, vo, vstride, p, n, nb):
+    """``out[oo + i] = Σ_s p[s]·v[vo + s·vstride + i]`` for i < 8·nb (float32 arrays, C order):
+    per element one fused multiply-add per s, s ascending from 0, starting from 0. Four
+    8-element blocks at a time keep their sums in registers over all s (independent chains)."""
+    sig = types.none(out, oo, v, vo, vstride, p, n, nb)
+
+    def codegen(context, builder, sig, args):
+        po = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        pv = builder.gep(context.make_array(sig.args[2])(context, builder, args[2]).data, [args[3]])
+        pp = context.make_array(sig.args[5])(context, builder, args[5]).data
+        stride, n, nb = args[4], args[6], args[7]
+        fma, vp, i64 = _fma8(builder), ir.PointerType(_V8), ir.IntType(64)
+        splat = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+        accs = [cgutils.alloca_once(builder, _V8) for _ in range(4)]
+
+        def blocks(first, count):  # `count` (a constant) blocks from block index `first`
+            for acc in accs[:count]:
+                builder.store(ir.Constant(_V8, [0.0] * 8), acc)
+            with cgutils.for_range(builder, n) as loop:
+                ps = builder.insert_element(ir.Constant(_V8, ir.Undefined), builder.load(builder.gep(pp, [loop.index])),
+                                            ir.IntType(32)(0))
+                ps = builder.shuffle_vector(ps, ps, splat)
+                row = builder.gep(pv, [builder.mul(loop.index, stride)])
+                for j, acc in enumerate(accs[:count]):
+                    off = builder.mul(builder.add(first, i64(j)), i64(8))
+                    vv = builder.load(builder.bitcast(builder.gep(row, [off]), vp), align=4)
+                    builder.store(builder.call(fma, [ps, vv, builder.load(acc)]), acc)
+            for j, acc in enumerate(accs[:count]):
+                off = builder.mul(builder.add(first, i64(j)), i64(8))
+                builder.store(builder.load(acc), builder.bitcast(builder.gep(po, [off]), vp), align=4)
+
+        groups = builder.udiv(nb, i64(4))
+        with cgutils.for_range(builder, groups) as g:
+            blocks(builder.mul(g.index, i64(4)), 4)
+        with cgutils.for_range(builder, builder.sub(nb, builder.mul(groups, i64(4)))) as r:
+            blocks(builder.add(builder.mul(groups, i64(4)), r.index), 1)
         return context.get_dummy_value()
     return sig, codegen
 

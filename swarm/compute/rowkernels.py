@@ -13,12 +13,11 @@ element loops vectorise.
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, njit
+from numba import njit
 
-from swarm.compute.qkernels import _axpy8, _dot8, _fma, _lane_sum, _stack
+from swarm.compute.qkernels import _dot8, _fma, _vsum8, _weighted_rows8
 
 F32 = np.float32
-_sum8 = _lane_sum(8)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -59,25 +58,44 @@ def rms_norm(x, w, eps, out):  # pragma: no cover - compiled
             out[r, i] = wr[i] * (x[r, i] * inv)
 
 
+@njit(inline="always", error_model="numpy")
+def _expf(x):  # pragma: no cover - compiled
+    """e^x in float32 by Cephes' expf: x = n·ln 2 + r (ln 2 in two parts), e^r by a polynomial,
+    times 2^n through the exponent bits; x clamped to the normal float32 range. Within ~1e-7
+    relative of exp (numpy's float32 exp: ~2e-7). Straight-line float32 arithmetic, so a loop
+    over it vectorises (the C library's expf is one call per element)."""
+    x = min(max(x, F32(-87.33654)), F32(88.72283))
+    n = np.floor(x * F32(1.44269504088896341) + F32(0.5))
+    r = x - n * F32(0.693359375)
+    r = r - n * F32(-2.12194440e-4)
+    p = F32(1.9875691500e-4)
+    p = p * r + F32(1.3981999507e-3)
+    p = p * r + F32(8.3334519073e-3)
+    p = p * r + F32(4.1665795894e-2)
+    p = p * r + F32(1.6666665459e-1)
+    p = p * r + F32(5.0000001201e-1)
+    y = p * (r * r) + r + F32(1.0)
+    return y * np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def attention(q, k, v, start, out, scores):  # pragma: no cover - compiled
+def attention(q, k, v, start, out, scores, acc):  # pragma: no cover - compiled
     """Causal grouped-query attention, one query row at a time: for q [T, nh, hd] (scaled),
     k, v [nkv, C, hd] (positions ``0 .. start+T-1`` filled), all C-contiguous, query t
     (position start + t) of head h attends to positions ``0 .. start+t`` of key/value head
-    ``h // (nh / nkv)``; result into out [T, nh*hd]; ``scores`` float32 [≥ start+T] scratch.
-    Float32, in one fixed order whatever T: q·k by :func:`_dot8` (eight lanes, fused
-    multiply-add), the elements past the last multiple of 8 added after it in order; the
-    softmax subtracts the row's max and sums the exponentials in eight lanes (position s into
-    lane s % 8, the tail into lane 0; numba's expf, the C library's); Σ p_s v_s by one fused
-    multiply-add per element and position, s ascending, divided by the sum last."""
+    ``h // (nh / nkv)``; result into out [T, nh*hd]; scratch ``scores`` float32 [≥ start+T],
+    ``acc`` float32 [hd]. Float32, in one fixed order whatever T: q·k by :func:`_dot8` (eight
+    lanes, fused multiply-add), the elements past the last multiple of 8 added after it in
+    order; the softmax subtracts the row's max, takes :func:`_expf` and sums by
+    :func:`_vsum8` (position s into lane s % 8), the positions past the last multiple of 8
+    added after it in order; Σ p_s v_s by one fused multiply-add per element and position, s
+    ascending from 0 (:func:`_weighted_rows8`), divided by the sum last."""
     T, nh, hd = q.shape
     nkv, C = k.shape[0], k.shape[1]
     g = nh // nkv
     nb = hd // 8
     n8 = nb * 8
     qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
-    acc = np.empty(hd, F32)
-    lane = carray(_stack(8), 8)
     for t in range(T):
         n = start + t + 1
         n8s = n - n % 8
@@ -94,26 +112,17 @@ def attention(q, k, v, start, out, scores):  # pragma: no cover - compiled
                 if sc > top:
                     top = sc
             m = F32(top)
-            for i in range(8):
-                lane[i] = F32(0.0)
-            for s0 in range(0, n8s, 8):
-                for i in range(8):
-                    e = np.exp(scores[s0 + i] - m)
-                    scores[s0 + i] = e
-                    lane[i] += e
-            for s in range(n8s, n):
-                e = np.exp(scores[s] - m)
-                scores[s] = e
-                lane[0] += e
-            denom = _sum8(lane)
-            for i in range(hd):
-                acc[i] = F32(0.0)
             for s in range(n):
-                vo = kv0 + s * hd
-                p = scores[s]
-                _axpy8(acc, 0, vf, vo, nb, p)
-                for c in range(n8, hd):
-                    acc[c] = _fma(p, vf[vo + c], acc[c])
+                scores[s] = _expf(scores[s] - m)
+            denom = _vsum8(scores, 0, n8s // 8)
+            for s in range(n8s, n):
+                denom += scores[s]
+            _weighted_rows8(acc, 0, vf, kv0, hd, scores, n, nb)
+            for c in range(n8, hd):
+                a = F32(0.0)
+                for s in range(n):
+                    a = _fma(scores[s], vf[kv0 + s * hd + c], a)
+                acc[c] = a
             o = out[t]
             for i in range(hd):
                 o[h * hd + i] = acc[i] / denom
