@@ -19,7 +19,7 @@ Where the time goes: aiortc's SCTP is pure Python, with a fixed cost per packet 
 (``_transmit`` → serialize → pyOpenSSL DTLS → sendto; recvfrom → DTLS → parse → SACK). The
 link runs with swarm.peer.net.rtc's tuning: 1356 bytes of user data a packet (a datagram of at
 most 1452 bytes, within a LAN's MTU; aiortc also reads DTLS records into a fixed 1500-byte
-buffer, so larger packets would break the channel), a SACK for every second packet, and a whole
+buffer, so larger packets would break the channel), a SACK for every 8th packet, and a whole
 message sent at once within the congestion window. The JSON reports µs per packet and the
 sender's top functions by own time.
 """

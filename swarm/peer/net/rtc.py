@@ -22,8 +22,8 @@ reaches into its private names, and nothing else in the package does:
   per-row cost of a swarm step. :func:`configure_aiortc` (a) raises the module's
   ``USERDATA_MAX_LENGTH`` from 1160 to :data:`SCTP_USERDATA_MAX_LENGTH` bytes, so a datagram
   fills a LAN's 1500-byte MTU without IP fragmentation (a 576-float32 row: 2 packets, not 3);
-  (b) wraps ``RTCSctpTransport._send_sack`` to acknowledge every second packet, as RFC 4960 §6.2
-  allows, instead of every one; (c) wraps ``RTCSctpTransport._transmit`` so a message of up to
+  (b) wraps ``RTCSctpTransport._send_sack`` to acknowledge every :data:`SACK_EVERY_PACKETS`-th
+  packet (RFC 4960 §6.2: SHOULD every second; a delayed SACK within 200 ms), instead of every one; (c) wraps ``RTCSctpTransport._transmit`` so a message of up to
   :data:`SCTP_BURST_PACKETS` packets goes out at once, not four packets per SACK received. Rows are not altered,
   only how they travel. Chromium (the page) receives these packets as they are: its SCTP accepts
   any packet size a datagram carries and acknowledges on its own schedule.
@@ -61,9 +61,14 @@ SCTP_USERDATA_MAX_LENGTH = (SCTP_MAX_PACKET_LENGTH - 12 - 16) // 4 * 4  # less t
 # DATA packets one send or SACK may release: a message of 8 rows (~19 KB) goes out at once.
 SCTP_BURST_PACKETS = 16
 
-# Delayed acknowledgement (RFC 4960 §6.2): a SACK for at most every second packet received, and
-# within SACK_DELAY_S for a lone one. Far below SCTP_RTO_MIN_S, so it never triggers a retransmit.
-SACK_EVERY_PACKETS = 2
+# Delayed acknowledgement (RFC 4960 §6.2): a SACK for every 8th packet received, and within
+# SACK_DELAY_S for fewer. A swarm step's request or answer (1-8 rows: 2-13 packets) then costs
+# about one SACK instead of one per two packets: every SACK is a datagram with the same
+# pure-Python cost as a DATA packet on both sides, so SACKs were a third of a step's packets.
+# A bulk sender (weight shipping, cwnd of tens of packets) still gets a SACK per 8 packets, and
+# one whose window is below 8 packets (a new association) waits at most SACK_DELAY_S for one.
+# Far below SCTP_RTO_MIN_S, so it never triggers a retransmit.
+SACK_EVERY_PACKETS = 8
 SACK_DELAY_S = 0.01
 
 # The RTCSctpTransport attributes the two wrappers below read (its own methods read them too,
@@ -103,8 +108,9 @@ def _delayed_sack(original):
     """Wrap ``RTCSctpTransport._send_sack`` (called after every packet that needs one) to delay it.
 
     aiortc acknowledges every packet: half the packets of a one-way transfer are SACKs, each a
-    DTLS record and a datagram with a fixed Python cost on both sides. Acknowledging every second
-    packet (at once on a gap or a duplicate, which drive fast retransmit) halves them.
+    DTLS record and a datagram with a fixed Python cost on both sides. Acknowledging every
+    :data:`SACK_EVERY_PACKETS`-th packet (at once on a gap or a duplicate, which drive fast
+    retransmit; within :data:`SACK_DELAY_S` otherwise) leaves one in nine.
     """
     async def send_now(self) -> None:
         timer = self.__dict__.pop("_colibri_sack_timer", None)
