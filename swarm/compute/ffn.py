@@ -315,7 +315,8 @@ class LocalFFN:
             if T == 1:  # decode: every expert takes the one row as it is
                 outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x) for e in expert_rows(routing)}
             else:
-                outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x[rows]) for e, rows in expert_rows(routing).items()}
+                outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x[rows])
+                           for e, rows in expert_rows(routing).items()}
             return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x, seg))
         ranges = self.plan.get(layer)
         if not ranges:

@@ -20,7 +20,7 @@ import numpy as np
 
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
-from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, segment_ids, shared_expert
+from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, shared_expert
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, rms_norm,
                                    llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
                                    signed_sin)
@@ -435,7 +435,6 @@ class Model:
                                  f"({c.sliding_window}); sliding-window attention is not supported")
             cache.reserve(start + T)
         segments = lengths if len(seqs) > 1 else None
-        seg = segment_ids(segments, x.shape[0])
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         tables = [self._qk_tables(start, T) for _, start, T in seqs]
         cos_qk = np.concatenate([t[0] for t in tables]) if len(seqs) > 1 else tables[0][0]
@@ -445,15 +444,15 @@ class Model:
         eps = c.rms_norm_eps
         for layer in range(lo, hi):
             w = self.attention_weights(layer)
-            x += self._attention_rows(layer, rms_norm(x, w.attn_norm, eps), rows, seg, cos_qk, sin_qk)
+            x += self._attention_rows(layer, rms_norm(x, w.attn_norm, eps), rows, cos_qk, sin_qk)
             h = rms_norm(x, w.ffn_norm, eps)
             y = ffn.ffn(layer, h) if segments is None else ffn.ffn(layer, h, segments)
             assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
             x += y
         return x
 
-    def _attention_rows(self, layer: int, h: np.ndarray, seqs: list, seg: np.ndarray | None,
-                        cos_qk: np.ndarray, sin_qk: np.ndarray) -> np.ndarray:
+    def _attention_rows(self, layer: int, h: np.ndarray, seqs: list, cos_qk: np.ndarray,
+                        sin_qk: np.ndarray) -> np.ndarray:
         """:meth:`_attention` over the rows of several sequences (``seqs``: (first row, end row,
         cache, start position) each): projections and the rest on the union of the rows (each
         row's result depends only on the row), keys/values and attention per sequence on its own
