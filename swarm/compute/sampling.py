@@ -19,9 +19,9 @@ from swarm.compute.kernels import softmax
 
 F32 = np.float32
 TEMPERATURE_FLOOR = 1e-5  # below this, sampling is greedy
-# Prompt rows per forward call while prefilling. The batch scheduler (swarm/compute/serving.py)
-# cuts prompts at the same positions, so a sequence gets the same bits from the CLI, the API
-# and the swarm whatever else runs beside it; 64 rows stay within the block kernels (SMALL_T).
+# Prompt rows per forward call while prefilling: bounds one step's time (running streams keep
+# flowing between chunks) and its scratch memory. A row's bits do not depend on it: every
+# kernel computes a row from that row alone (swarm/compute/quant.py).
 PREFILL_CHUNK = 64
 
 
