@@ -17,10 +17,11 @@ assigned experts and ranges are ever decoded) or the slices shipped by the
 coordinator. They are materialised when a plan is accepted
 (:meth:`Worker.prepare`) and kept for that plan.
 
-The numbers are the engine's own: :func:`swarm.compute.ffn.swiglu_rows` over
-exactly one expert's rows, and over :func:`swarm.compute.ffn.dense_partial`'s slice
-for a range, each sequence's rows (the request's ``segments``) computed as that sequence alone
-would, so the coordinator gets the bits its local path would compute.
+The numbers are the engine's own: :func:`swarm.compute.ffn.swiglu_ffn` over exactly one
+expert's rows, and over :func:`swarm.compute.ffn.dense_partial`'s slice for a range, in one call
+over all the rows of the request: every kernel computes a row from that row alone, so the rows
+of several sequences (the request's ``segments``, checked by the codec) need no per-sequence
+work here, and the coordinator gets the bits its local path would compute.
 
 :meth:`Worker.handle` is synchronous and CPU-heavy: the asyncio adapter runs it
 in one worker thread (requests in arrival order), never on the event loop.
@@ -34,7 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
-from swarm.compute.ffn import swiglu_rows
+from swarm.compute.ffn import swiglu_ffn
 from swarm.compute.kernels import MLPWeights
 from swarm.errors import RemoteProtocolError, StaleTermError
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
@@ -182,12 +183,11 @@ class Worker:
                                       f"{span.start}..{span.stop - 1}")
         counts = msg.row_counts.astype(np.int64)
         bounds = np.concatenate([[0], np.cumsum(counts)])
-        seg = np.repeat(np.arange(msg.segments.size), msg.segments)  # each row's run (one sequence)
         outputs = np.empty_like(msg.rows)
         for i, e in enumerate(ids.tolist()):
             a, b = bounds[i], bounds[i + 1]
             if b > a:
-                outputs[a:b] = swiglu_rows(self._expert(msg.layer, e), msg.rows[a:b], seg[a:b])
+                outputs[a:b] = swiglu_ffn(self._expert(msg.layer, e), msg.rows[a:b])
         return ExpertAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer,
                             msg.expert_ids, msg.row_counts, outputs)
 
@@ -198,6 +198,5 @@ class Worker:
         if tuple(msg.ranges) != want:
             raise RemoteProtocolError(f"layer {msg.layer}: ranges {list(msg.ranges)} are not this worker's "
                                       f"{list(want) if want else 'none'} in plan v{plan.version}")
-        seg = np.repeat(np.arange(msg.segments.size), msg.segments)
-        partials = np.stack([swiglu_rows(self._dense_slice(msg.layer, lo, hi), msg.x, seg) for lo, hi in msg.ranges])
+        partials = np.stack([swiglu_ffn(self._dense_slice(msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
         return DenseAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer, msg.ranges, partials)
