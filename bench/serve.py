@@ -25,6 +25,11 @@ the single stream's.
 ``BENCH_LOG=FILE`` writes the coordinator's log there.
 
 ``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every process.
+
+``--trace`` (swarm only, one process pair) adds ``trace``: per step size, the median step and
+where one layer's round trip goes (token loop → event loop → encode → data channel → worker →
+compute → back), the coordinator's own share, and SCTP packets counted in the measured rounds
+(bench/ffn_trace.py). The wrappers cost time of their own: compare traced runs with traced runs.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +61,9 @@ def _load_swarm_bench():
 
 
 swarm_bench = _load_swarm_bench()
+_spec = importlib.util.spec_from_file_location("ffn_trace", Path(__file__).with_name("ffn_trace.py"))
+ffn_trace = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ffn_trace)
 
 import numpy as np  # noqa: E402
 
@@ -98,9 +107,10 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def measure(url: str, token: str | None, levels: list[int], rounds: int, n_tokens: int,
-                  n_prompt: int, state=lambda: {}, ready=None, words: tuple[str, ...] = WORDS) -> dict:
+                  n_prompt: int, state=lambda: {}, ready=None, words: tuple[str, ...] = WORDS, trace=None) -> dict:
     """Each level's figures (module docstring); ``state()``: what to add to each level's (the
-    swarm's plan); ``ready``: awaited after the warm-up (the swarm: until the worker serves)."""
+    swarm's plan); ``ready``: awaited after the warm-up (the swarm: until the worker serves);
+    ``trace``: bench/ffn_trace.py when tracing (its window is the measured rounds)."""
     import aiohttp
 
     texts = prompts(max(levels), n_prompt, words)
@@ -113,9 +123,13 @@ async def measure(url: str, token: str | None, levels: list[int], rounds: int, n
         for n in levels:
             aggregates, decode, ttfts, cpu = [], [], [], []
             for _ in range(rounds):
+                if trace is not None:
+                    trace.window(True)
                 c0, t0 = time.process_time(), time.perf_counter()
                 got = await asyncio.gather(*[_stream(s, url, token, texts[i], n_tokens) for i in range(n)])
                 wall = time.perf_counter() - t0
+                if trace is not None:
+                    trace.window(False)
                 aggregates.append(sum(g["tokens"] for g in got) / wall)
                 # Decode alone: the tokens after each stream's first, from when every stream had its
                 # first token until the last ended (prefill of the others no longer in the way).
@@ -172,7 +186,13 @@ async def _serve_swarm(path: Path, model, tokenizer, args) -> dict:
     await node.start(timeout=30)
     roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
     await roles.start()
-    worker = swarm_bench._spawn_worker(path, server.url(ADDRESS), key.code, "w1", tmp)
+    if args.trace:  # this script's own worker entry installs the worker's half of the trace
+        worker = subprocess.Popen(
+            [sys.executable, __file__, "--_worker", str(path), "--signal", server.url(ADDRESS), "--key", key.code],
+            env={**os.environ, "COLIBRI_SWARM_CONFIG_DIR": str(tmp / "w1"), "COLIBRI_FFN_TRACE": str(tmp / "w1.trace")},
+            stdout=subprocess.DEVNULL, stderr=open(tmp / "w1.log", "w"))
+    else:
+        worker = swarm_bench._spawn_worker(path, server.url(ADDRESS), key.code, "w1", tmp)
 
     class SwarmBackend(EngineBackend):
         ffn = property(lambda self: roles.coordinator.engine_ffn, lambda self, value: None)
@@ -197,8 +217,8 @@ async def _serve_swarm(path: Path, model, tokenizer, args) -> dict:
 
         api = ApiServer(SwarmBackend(model, tokenizer, model_id="bench", max_batch=max(args.levels)), ["bench-token"])
         port = await api.start("127.0.0.1", 0)
-        return await measure(f"http://127.0.0.1:{port}/v1", "bench-token", args.levels, args.rounds,
-                             args.tokens, args.prompt_tokens, state, serving, args.words)
+        out = await measure(f"http://127.0.0.1:{port}/v1", "bench-token", args.levels, args.rounds,
+                            args.tokens, args.prompt_tokens, state, serving, args.words, ffn_trace if args.trace else None)
     finally:
         if api is not None:
             await api.close()
@@ -207,6 +227,10 @@ async def _serve_swarm(path: Path, model, tokenizer, args) -> dict:
         await roles.stop()
         await node.stop()
         await server.stop()
+    if args.trace:
+        ffn_trace.dump(tmp / "c.trace")
+        out["trace"] = ffn_trace.breakdown(tmp / "c.trace", tmp / "w1.trace")
+    return out
 
 
 def _word_tokenizer(model_dir: Path) -> None:
@@ -235,8 +259,10 @@ async def _main_in_netns(args) -> dict:
     model = load_model(path)
     model.materialize()
     tokenizer = tokenizer_for(model)
-    swarm_bench._progress("local")
-    local = await _serve_local(model, tokenizer, args)
+    local = {}
+    if not args.trace:
+        swarm_bench._progress("local")
+        local = await _serve_local(model, tokenizer, args)
     swarm_bench._progress("swarm of 2 peers")
     swarm = await _serve_swarm(path, model, tokenizer, args)
     return {"local": local, "swarm_2_peers": swarm}
@@ -250,8 +276,24 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="words per prompt (about as many tokens)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per level")
     parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--trace", action="store_true",
+                        help="swarm only: where each layer's round trip goes (bench/ffn_trace.py)")
     parser.add_argument("--_inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--signal", help=argparse.SUPPRESS)
+    parser.add_argument("--key", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args._worker:  # the traced worker (--trace)
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s w1 %(name)s: %(message)s")
+        swarm_bench._bench_timeouts()  # the same election timeouts as the coordinator's
+        ffn_trace.install("worker")
+        try:
+            asyncio.run(swarm_bench._worker_main(args._worker, args.signal, args.key, "w1"))
+        finally:
+            ffn_trace.dump(os.environ["COLIBRI_FFN_TRACE"])
+        return
     args.levels = [int(n) for n in args.levels.split(",")]
     if args._inside:
         if os.environ.get("BENCH_LOG"):  # the coordinator's log, to a file (stderr is only shown on failure)
@@ -260,10 +302,14 @@ def main() -> None:
             logging.basicConfig(filename=os.environ["BENCH_LOG"], level=logging.INFO,
                                 format="%(asctime)s %(name)s: %(message)s")
         swarm_bench.PRODUCT_DEADLINE_MIN_S.append(swarm_bench._bench_timeouts())
+        if args.trace:
+            ffn_trace.install("coordinator")
         print(json.dumps(asyncio.run(_main_in_netns(args))))
         return
     argv = ["--model", args.model, "--levels", ",".join(map(str, args.levels)), "--tokens", str(args.tokens),
             "--prompt-tokens", str(args.prompt_tokens), "--rounds", str(args.rounds), "--_inside"]
+    if args.trace:
+        argv.append("--trace")
     swarm_bench.__file__ = __file__  # the namespace runs this script, not bench/swarm.py
     t0 = time.monotonic()
     results = {
