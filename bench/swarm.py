@@ -39,7 +39,7 @@ token; ``COLIBRI_BENCH_INLINE_MAX_S=0`` puts every stage step on the worker's co
 
 ``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every peer process;
 ``COLIBRI_BENCH_UVLOOP=1`` runs every peer process on uvloop's event loop instead of asyncio's
-(``pip install uvloop``; a comparison, not what ``join`` runs).
+(``pip install .[bench]``; a comparison, not what ``join`` runs).
 
 Numbers depend on the machine and on what else runs on it; this one has 2 cores for all
 peers together, so the workers and the coordinator compete for CPU.
