@@ -1,10 +1,12 @@
 """Candidate kernels for ``x @ W.T`` on GGUF blocks, side by side; prints JSON.
 
-    python3 bench/kernels.py [--threads 2] [--repeats 20] [--clock wall|cpu]
+    python3 bench/kernels.py [--threads 2] [--repeats 20] [--clock wall|cpu] [--types Q8_0,Q4_K,…]
+                             [--ts 1,16,64,128] [--shapes 4096x1024,1536x576]
 
-Per matrix shape (4096x1024 and SmolLM2's 1536x576), block type (Q8_0, Q4_0, Q4_1) and
-T (1: decode; 16: about what one expert of a MoE prefill gets, or a batch of decode rows;
-``SMALL_T``, the most rows of one kernel call; 128: prefill, two calls), each candidate's best-of-``--repeats`` time, the weight bytes it
+Per matrix shape (default 4096x1024 and SmolLM2's 1536x576), block type (default Q8_0, Q4_0,
+Q4_1; any type gguf reads: the K-quants, F16, BF16, …) and T (default 1: decode; 16: about what
+one expert of a MoE prefill gets, or a batch of decode rows; ``SMALL_T``, the most rows of one
+kernel call; 128: prefill, two calls), each candidate's best-of-``--repeats`` time, the weight bytes it
 reads per second (encoded size / time; for the float32 baseline, its 4-byte weights),
 GFLOP/s (2·T·rows·cols / time) and the largest error relative to max |y| of a float64 product
 with ``gguf.quants``' dequantization. Candidates:
@@ -13,10 +15,18 @@ with ``gguf.quants``' dequantization. Candidates:
 - ``numpy_tiles``: ``gguf.quants.dequantize`` of the whole matrix, then BLAS (the fallback);
 - ``colibri``: :class:`swarm.compute.quant.QMatrix` — numba block kernels at every T (calls
   of at most ``SMALL_T`` rows; a row's result depends only on the row);
+- ``colibri_tiles``: for the K-quants with a compiled kernel, and F16/BF16, the path they took
+  before it: rows decoded to float32 (K-quants by ``gguf.quants.dequantize``, in tiles), then the
+  compiled float32 kernel (what Q2_K, Q3_K and the IQ types still take);
 - ``colibri_cold`` (T = 1): the same over 128 MiB of copies of the matrix, cycled, so the
   weights come from memory as in a model's decode (the other figures are for a matrix in cache);
 - ``onnxruntime``: ``com.microsoft::MatMulNBits`` (Q4_0 and Q8_0 repacked to its layout; Q4_1
   would need float zero points), when ``onnxruntime`` and ``onnx`` are importable.
+
+``--attention`` measures causal GQA attention instead (SmolLM2's 9 query / 3 key-value heads
+of 64): a 64-row prefill chunk at 448 cached positions and a decode row at 511, the compiled
+kernel (``kernels.attention``) against the numpy/BLAS form it replaced (one batched matmul per
+key/value head and an additive mask; a row's bits depend on the row count there).
 
 Thread limits are set (environment, before numpy/numba/onnxruntime load) to ``--threads``.
 Also reported: each library's import cost in RSS (a fresh interpreter each) and the load.
@@ -43,6 +53,10 @@ def main() -> int:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time each call by the wall clock or by this process's CPU time (steadier "
                          "with one thread on a shared machine: time spent descheduled is not counted)")
+    ap.add_argument("--types", default="Q8_0,Q4_0,Q4_1", help="comma-separated ggml type names")
+    ap.add_argument("--ts", default="", help="comma-separated T values (default 1,16,SMALL_T,128)")
+    ap.add_argument("--shapes", default="4096x1024,1536x576", help="comma-separated ROWSxCOLS")
+    ap.add_argument("--attention", action="store_true", help="measure attention, not matrix products")
     args = ap.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
@@ -55,20 +69,33 @@ def main() -> int:
     from swarm.compute.quant import SMALL_T, QMatrix, prepare_kernels
 
     prepare_kernels()
+    if args.attention:
+        print(json.dumps({"threads": args.threads, "clock": args.clock, "cpus": os.cpu_count(),
+                          "load_avg": os.getloadavg(), "results": _attention(clock, args.repeats)}, indent=1))
+        return 0
     ort = _onnxruntime(args.threads)
     rows = []
-    for R, K in ((4096, 1024), (1536, 576)):
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for R, K in shapes:
         rng = np.random.default_rng(R)
         w32 = rng.normal(size=(R, K)).astype(np.float32)
-        for qtype in (QT.Q8_0, QT.Q4_0, QT.Q4_1):
-            q = gguf.quants.quantize(w32, qtype)
+        for qtype in (QT[name] for name in args.types.split(",")):
+            q = _encode(w32, qtype, rng)
             w64 = gguf.quants.dequantize(q, qtype).astype(np.float64)
             wf = w64.astype(np.float32)
             m = QMatrix(q, qtype, K)
+            tiles = None
+            if m._kind >= 0 and qtype.name.endswith("_K"):
+                k_tiles = QMatrix(q, qtype, K)
+                k_tiles._kind = -1  # the decoded-tile path these types took before their kernels
+                tiles = k_tiles.matmul
+            elif qtype in (QT.F16, QT.BF16):  # before their kernels: decoded to float32, then that kernel
+                tiles = lambda x: QMatrix.from_float(m.dequantize()).matmul(x)  # noqa: E731
             session = ort(q, qtype, R, K) if ort else None
             # the same matrix in enough copies to overflow the caches: decode reads a model from memory
             cold = [QMatrix(q.copy(), qtype, K) for _ in range(-(-_COLD_BYTES // q.nbytes))]
-            for T in sorted({1, 16, SMALL_T, 128}):
+            ts = [int(v) for v in args.ts.split(",")] if args.ts else sorted({1, 16, SMALL_T, 128})
+            for T in ts:
                 x = rng.normal(size=(T, K)).astype(np.float32)
                 want = x.astype(np.float64) @ w64.T
                 cands = {
@@ -76,6 +103,8 @@ def main() -> int:
                     "numpy_tiles": (lambda: x @ gguf.quants.dequantize(q, qtype).T, q.nbytes),
                     "colibri": (lambda: m.matmul(x), q.nbytes),
                 }
+                if tiles is not None:
+                    cands["colibri_tiles"] = (lambda: tiles(x), q.nbytes)
                 if T == 1:
                     cands["colibri_cold"] = (lambda: [c.matmul(x) for c in cold], q.nbytes * len(cold))
                 if session is not None:
@@ -97,6 +126,64 @@ def main() -> int:
         "results": rows,
     }, indent=1))
     return 0
+
+
+def _attention(clock, repeats: int) -> list[dict]:
+    import numpy as np
+
+    from swarm.compute.kernels import attention
+
+    f32 = np.float32
+
+    def blas(q, k, v, start):  # the numpy/BLAS attention the compiled kernel replaced
+        T, nh, hd = q.shape
+        nkv, S = k.shape[0], start + T
+        g = nh // nkv
+        mask = np.where(np.arange(S)[None, :] > start + np.arange(T)[:, None], f32(-np.inf), f32(0))
+        scores = np.matmul(q.transpose(1, 0, 2).reshape(nkv, g * T, hd), k[:, :S].transpose(0, 2, 1))
+        scores += np.tile(mask, (g, 1))
+        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        denom = np.add.reduce(scores, axis=-1, keepdims=True)
+        out = np.matmul(scores, v[:, :S])
+        out /= denom
+        return out.reshape(nh, T, hd).transpose(1, 0, 2).reshape(T, nh * hd)
+
+    rng = np.random.default_rng(0)
+    nh, nkv, hd, rows = 9, 3, 64, []
+    for name, T, start in (("prefill chunk", 64, 448), ("decode", 1, 511)):
+        q = (rng.normal(size=(T, nh, hd)) / 8).astype(f32)
+        k = rng.normal(size=(nkv, start + T, hd)).astype(f32)
+        v = rng.normal(size=(nkv, start + T, hd)).astype(f32)
+        want = blas(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), start)
+        for kernel, fn in (("colibri", attention), ("numpy_blas", blas)):
+            y = fn(q, k, v, start)
+            best = min(_timed(lambda: fn(q, k, v, start), clock) for _ in range(repeats))
+            rows.append({"case": name, "T": T, "start": start, "kernel": kernel, "ms": round(best * 1e3, 4),
+                         "max_abs_error": float(f"{np.abs(y - want).max():.2e}")})
+    return rows
+
+
+def _encode(w32, qtype, rng):
+    """uint8 blocks of ``qtype`` for float32 ``w32`` [R, K]: gguf's quantizer where it has one;
+    else (K-quants) random blocks whose float16 scales are set to 2^-6 (d) and 2^-8 (dmin), so
+    every weight is finite — speed does not depend on the values."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    try:
+        return np.ascontiguousarray(gguf.quants.quantize(w32, qtype)).view(np.uint8)
+    except (NotImplementedError, gguf.quants.QuantError):
+        pass
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(w32.shape[0], w32.shape[1] // block, size), dtype=np.uint8)
+    halves = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+    if qtype not in halves:
+        raise SystemExit(f"bench/kernels.py: no encoder for {qtype.name}")
+    for off, value in zip(halves[qtype], (2.0 ** -6, 2.0 ** -8)):
+        raw[:, :, off:off + 2] = np.array([value], np.float16).view(np.uint8)
+    return raw.reshape(w32.shape[0], -1)
 
 
 def _timed(fn, clock) -> float:

@@ -118,8 +118,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     key/value head ``h // (nh / nkv)`` (transformers' ``repeat_kv``); softmax with the row's max
     subtracted, normalised after the weighted sum of values. Returns [T, nh*hd] f32.
 
-    Compiled (swarm/compute/rowkernels.py), one query row at a time in a fixed order of float32
-    operations: a row's result depends only on that query, its position and the cache up to it,
+    Compiled (swarm/compute/rowkernels.py): each query row in one fixed order of float32
+    operations, rows sharing a key/value head taken four at a time so that each key and value
+    load feeds four of them, every row still performing exactly the operations it performs
+    alone: a row's result depends only on that query, its position and the cache up to it,
     never on T or the other rows (a matrix-product library gives no such promise: its kernels
     change with the row count). Raises ValueError on other shapes or dtypes."""
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.dtype != F32 or k.dtype != F32 or v.dtype != F32:
@@ -131,8 +133,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
         raise ValueError(f"attention: q [T={T}, nh={nh}, hd={hd}] at position {start} does not fit "
                          f"k, v [nkv={nkv}, C={C}, hd={k.shape[2]}] (nh a multiple of nkv, start + T <= C)")
     out = np.empty((T, nh * hd), F32)
-    (_row or _row_kernels()).attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                                       start, out, np.empty(start + T, F32), np.empty(hd, F32))
+    row = _row or _row_kernels()
+    row.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), start, out,
+                  np.empty((row.M, start + T), F32), np.empty((row.M, hd), F32))
     return out
 
 
@@ -209,6 +212,6 @@ def _row_kernels():
         rowkernels.silu_mul(one.copy(), one, one)  # compile or load from the cache now
         rowkernels.rms_norm(one, one, F32(1e-6), one.copy())
         rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
-                             one.copy(), np.ones(4, F32), np.ones(1, F32))
+                             one.copy(), np.ones((rowkernels.M, 4), F32), np.ones((rowkernels.M, 1), F32))
         _row = rowkernels
     return _row

@@ -1,7 +1,8 @@
 """Compiled (numba) block kernels for :mod:`swarm.compute.quant`; import through ``quant._kernels``.
 
-Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 — block layouts as ggml defines them (32
-weights per block; ``d`` and ``m`` are IEEE halves read through a 65536-entry table).
+Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of 32 weights), 5 Q4_K, 6 Q5_K, 7 Q6_K
+(super-blocks of 256) — block layouts as ggml defines them (``d``, ``m``, ``dmin`` are IEEE
+halves read through a 65536-entry table). :func:`dequant` takes kinds 0–4 only.
 Each kernel has a one-thread form, which releases the GIL (other Python threads — the event
 loop, a loopback peer — run meanwhile), and a ``*_parallel`` form over numba's thread pool
 (compiled only where more than one thread is asked for: the pool costs ~60 MiB of RSS). Each
@@ -138,44 +139,11 @@ def _lane_sum(n: int):
 _sum16, _sum32 = _lane_sum(16), _lane_sum(32)
 
 
-def _vector_args(context, builder, sig, args):
-    """Element pointers ``a + ao``, ``b + bo`` of two float32 arrays (offsets in elements)."""
-    pa = context.make_array(sig.args[0])(context, builder, args[0]).data
-    pb = context.make_array(sig.args[2])(context, builder, args[2]).data
-    return builder.gep(pa, [args[1]]), builder.gep(pb, [args[3]])
-
-
 _V8 = ir.VectorType(ir.FloatType(), 8)
 
 
 def _fma8(builder):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fma.v8f32")
-
-
-@intrinsic
-def _dot8(typingctx, a, ao, b, bo, nb):
-    """Σ_i a[ao + i]·b[bo + i] over i < 8·nb (float32 arrays, C order): element i by fused
-    multiply-add into lane i % 8, ascending i, the 8 lanes then added in one fixed pairwise
-    order. Written as vector instructions (numba leaves such a loop scalar)."""
-    sig = types.float32(a, ao, b, bo, nb)
-
-    def codegen(context, builder, sig, args):
-        pa, pb = _vector_args(context, builder, sig, args)
-        fma, vp, i32 = _fma8(builder), ir.PointerType(_V8), ir.IntType(32)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))
-        with cgutils.for_range(builder, args[4]) as loop:
-            off = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
-            va = builder.load(builder.bitcast(builder.gep(pa, [off]), vp), align=4)
-            vb = builder.load(builder.bitcast(builder.gep(pb, [off]), vp), align=4)
-            builder.store(builder.call(fma, [va, vb, builder.load(acc)]), acc)
-        v, k = builder.load(acc), 8
-        while k > 1:
-            k //= 2
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k, 2 * k))))
-            v = builder.fadd(lo, hi)
-        return builder.extract_element(v, i32(0))
-    return sig, codegen
 
 
 @intrinsic
@@ -199,47 +167,6 @@ def _vsum8(typingctx, a, ao, nb):
             hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k, 2 * k))))
             v = builder.fadd(lo, hi)
         return builder.extract_element(v, i32(0))
-    return sig, codegen
-
-
-@intrinsic
-def _weighted_rows8(typingctx, out, oo, v, vo, vstride, p, n, nb):
-    """``out[oo + i] = Σ_s p[s]·v[vo + s·vstride + i]`` for i < 8·nb (float32 arrays, C order):
-    per element one fused multiply-add per s, s ascending from 0, starting from 0. Four
-    8-element blocks at a time keep their sums in registers over all s (independent chains)."""
-    sig = types.none(out, oo, v, vo, vstride, p, n, nb)
-
-    def codegen(context, builder, sig, args):
-        po = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        pv = builder.gep(context.make_array(sig.args[2])(context, builder, args[2]).data, [args[3]])
-        pp = context.make_array(sig.args[5])(context, builder, args[5]).data
-        stride, n, nb = args[4], args[6], args[7]
-        fma, vp, i64 = _fma8(builder), ir.PointerType(_V8), ir.IntType(64)
-        splat = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
-        accs = [cgutils.alloca_once(builder, _V8) for _ in range(4)]
-
-        def blocks(first, count):  # `count` (a constant) blocks from block index `first`
-            for acc in accs[:count]:
-                builder.store(ir.Constant(_V8, [0.0] * 8), acc)
-            with cgutils.for_range(builder, n) as loop:
-                ps = builder.insert_element(ir.Constant(_V8, ir.Undefined), builder.load(builder.gep(pp, [loop.index])),
-                                            ir.IntType(32)(0))
-                ps = builder.shuffle_vector(ps, ps, splat)
-                row = builder.gep(pv, [builder.mul(loop.index, stride)])
-                for j, acc in enumerate(accs[:count]):
-                    off = builder.mul(builder.add(first, i64(j)), i64(8))
-                    vv = builder.load(builder.bitcast(builder.gep(row, [off]), vp), align=4)
-                    builder.store(builder.call(fma, [ps, vv, builder.load(acc)]), acc)
-            for j, acc in enumerate(accs[:count]):
-                off = builder.mul(builder.add(first, i64(j)), i64(8))
-                builder.store(builder.load(acc), builder.bitcast(builder.gep(po, [off]), vp), align=4)
-
-        groups = builder.udiv(nb, i64(4))
-        with cgutils.for_range(builder, groups) as g:
-            blocks(builder.mul(g.index, i64(4)), 4)
-        with cgutils.for_range(builder, builder.sub(nb, builder.mul(groups, i64(4)))) as r:
-            blocks(builder.add(builder.mul(groups, i64(4)), r.index), 1)
-        return context.get_dummy_value()
     return sig, codegen
 
 
@@ -309,9 +236,128 @@ def _tile_source(kind: int, nr: int, tt: int) -> str:
 def _compile_tile(kind: int, nr: int, tt: int):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _half=_half, _u32=_u32,
                  _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
-                 _prefetch_ahead=_prefetch_ahead)
-    exec(compile(_tile_source(kind, nr, tt), f"<{__name__} tile {kind} {nr}x{tt}>", "exec"), scope)
+                 _prefetch_ahead=_prefetch_ahead, _k4_scales=_k4_scales, _k6_scales=_k6_scales,
+                 _k5=_k5, _k6=_k6)
+    source = _k_tile_source(kind, nr, tt) if kind in _K_TYPES else _tile_source(kind, nr, tt)
+    exec(compile(source, f"<{__name__} tile {kind} {nr}x{tt}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])  # a call per tile cost ~8 % at T = 16
+
+
+# K-quants (super-blocks of 256 weights: ``gguf.quants``' Q4_K, Q5_K, Q6_K, after ggml's
+# ``block_q4_K`` etc.): the "decoded" form. Per super-block and weight row, the sub-block scales
+# (and, Q4_K/Q5_K, minimums) are decoded once to float32 — Q4_K/Q5_K: s = d·sc, n = -(dmin·m);
+# Q6_K: s = d·sc — and each weight to float32, w = fma(s, q, n) (Q4_K/Q5_K) or s·(q - 32)
+# (Q6_K), which is then applied to the tile's activation rows: lane j (of 32) accumulates
+# fma(w, x, lane) for the super-block's positions ≡ j (mod 32) in a fixed order (Q4_K/Q5_K: per
+# 64-weight chunk, j then j + 32; Q6_K: per 128-weight half, j, j + 32, j + 64, j + 96),
+# super-blocks in order; the lanes are reduced as above. Per output element the same operations
+# whatever the tile.
+#
+# Per kind: bytes per super-block, the scale decoding, and the loop over one super-block (source
+# over ``{n}`` weight rows and ``{t}`` activation rows; ``o`` the super-block's byte offset,
+# ``xo`` its first column).
+_K_TYPES = {
+    5: (144, "_k4_scales(w{n}, o, sc{n}, mn{n})", "q4"),
+    6: (176, "_k4_scales(w{n}, o, sc{n}, mn{n})", "q5"),
+    7: (210, "_k6_scales(w{n}, o, sc{n})", "q6"),
+}
+
+
+@njit(inline="always")
+def _k4_scales(w, o, sc, mn):
+    """Q4_K/Q5_K super-block at byte ``o``: the 8 sub-block scales ``d·sc_j`` into ``sc`` and the
+    negated minimums ``-(dmin·m_j)`` into ``mn`` (6-bit sc, m packed in 12 bytes as ggml does)."""
+    d = _half(w, o, _F16)
+    dmin = _half(w, o + 2, _F16)
+    for j in range(4):
+        a = np.int32(w[o + 4 + j])
+        b = np.int32(w[o + 8 + j])
+        c = np.int32(w[o + 12 + j])
+        sc[j] = d * F32(a & 63)
+        mn[j] = -(dmin * F32(b & 63))
+        sc[j + 4] = d * F32((c & 15) | ((a >> 6) << 4))
+        mn[j + 4] = -(dmin * F32((c >> 4) | ((b >> 6) << 4)))
+
+
+@njit(inline="always")
+def _k6_scales(w, o, sc):
+    """Q6_K super-block at byte ``o``: the 16 sub-block scales ``d·sc_k`` (int8 sc) into ``sc``."""
+    d = _half(w, o + 208, _F16)
+    for k in range(16):
+        sc[k] = d * F32(np.int8(w[o + 192 + k]))
+
+
+@njit(inline="always")
+def _k5(q, h):
+    """Q5_K: the two 5-bit values of nibble byte ``q`` with high bits ``h & 1`` (low nibble) and
+    ``h & 2`` (high nibble), as float32 through uint8 (byte-wide vector lanes)."""
+    u1 = np.uint8(1)
+    a = np.uint8(q & np.uint8(15)) | np.uint8(np.uint8(h & u1) << np.uint8(4))
+    b = np.uint8(q >> np.uint8(4)) | np.uint8(np.uint8(np.uint8(h >> u1) & u1) << np.uint8(4))
+    return F32(np.uint8(a)), F32(np.uint8(b))
+
+
+@njit(inline="always")
+def _k6(ql, qh, shift):
+    """Q6_K: the 6-bit value of nibble ``ql`` (already 0..15) and bits ``shift, shift+1`` of
+    ``qh``, minus 32, as float32 (exact)."""
+    v = np.uint8(ql) | np.uint8(np.uint8(np.uint8(qh >> np.uint8(shift)) & np.uint8(3)) << np.uint8(4))
+    return F32(np.uint8(v)) - F32(32.0)
+
+
+def _k_tile_source(kind: int, nr: int, tt: int) -> str:
+    size, scales, form = _K_TYPES[kind]
+    rows, acts = range(nr), range(tt)
+    lines = ["def tile(w, r0, hi, x, t0, out, ahead, end):"]
+    lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
+    lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
+    lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n in rows for t in acts]
+    lines += [f"    sc{n} = carray(_stack(16), 16)" for n in rows]
+    lines += [f"    mn{n} = carray(_stack(16), 16)" for n in rows] if form != "q6" else []
+    lines += ["    for j in range(32):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
+    lines += ["    for b in range(x0.shape[0] // 256):", f"        o = b * {size}", "        xo = b * 256"]
+    lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
+    lines += ["        " + scales.format(n=n) for n in rows]
+    body = []
+    if form in ("q4", "q5"):
+        body += ["for i in range(4):"]
+        body += [f"    a{n} = sc{n}[2 * i]; an{n} = mn{n}[2 * i]; c{n} = sc{n}[2 * i + 1]; cn{n} = mn{n}[2 * i + 1]"
+                 for n in rows]
+        if form == "q5":
+            body += ["    sh = np.uint8(2 * i)"]
+        body += ["    for l in range(32):"]
+        body += [f"        xl{t} = x{t}[xo + 64 * i + l]; xh{t} = x{t}[xo + 64 * i + 32 + l]" for t in acts]
+        for n in rows:
+            if form == "q4":
+                body.append(f"        q{n} = w{n}[o + 16 + 32 * i + l]; ql{n} = _lo(q{n}); qh{n} = _hi(q{n})")
+            else:
+                body.append(f"        ql{n}, qh{n} = _k5(w{n}[o + 48 + 32 * i + l], np.uint8(w{n}[o + 16 + l] >> sh))")
+            body.append(f"        lo{n} = _fma(a{n}, ql{n}, an{n}); hi{n} = _fma(c{n}, qh{n}, cn{n})")
+            for t in acts:
+                body.append(f"        s{n}_{t}[l] = _fma(lo{n}, xl{t}, s{n}_{t}[l])")
+                body.append(f"        s{n}_{t}[l] = _fma(hi{n}, xh{t}, s{n}_{t}[l])")
+    else:  # Q6_K: half h of 128 weights; lane j = 16p + l takes positions j, j+32, j+64, j+96
+        body += ["for h in range(2):", "    for p in range(2):"]
+        body += [f"        e0{n} = sc{n}[8 * h + p]; e1{n} = sc{n}[8 * h + p + 2]; "
+                 f"e2{n} = sc{n}[8 * h + p + 4]; e3{n} = sc{n}[8 * h + p + 6]" for n in rows]
+        body += ["        for l in range(16):", "            j = 16 * p + l", "            c = xo + 128 * h + j"]
+        body += [f"            xa{t} = x{t}[c]; xb{t} = x{t}[c + 32]; xc{t} = x{t}[c + 64]; xd{t} = x{t}[c + 96]"
+                 for t in acts]
+        for n in rows:
+            body.append(f"            u{n} = w{n}[o + 64 * h + j]; v{n} = w{n}[o + 64 * h + 32 + j]; "
+                        f"g{n} = w{n}[o + 128 + 32 * h + j]")
+            body.append(f"            wa{n} = e0{n} * _k6(u{n} & np.uint8(15), g{n}, 0); "
+                        f"wb{n} = e1{n} * _k6(v{n} & np.uint8(15), g{n}, 2)")
+            body.append(f"            wc{n} = e2{n} * _k6(u{n} >> np.uint8(4), g{n}, 4); "
+                        f"wd{n} = e3{n} * _k6(v{n} >> np.uint8(4), g{n}, 6)")
+            for t in acts:
+                for wv, xv in (("wa", "xa"), ("wb", "xb"), ("wc", "xc"), ("wd", "xd")):
+                    body.append(f"            s{n}_{t}[j] = _fma({wv}{n}, {xv}{t}, s{n}_{t}[j])")
+    lines += ["        " + line for line in body]
+    for n in rows:
+        lines.append(f"    if r0 + {n} < hi:")
+        lines += [f"        out[t0 + {t}, r0 + {n}] = _sum32(s{n}_{t})" for t in acts]
+    return "\n".join(lines)
 
 
 def _rows_kernel(kind: int):
@@ -342,8 +388,8 @@ def _rows_kernel(kind: int):
     return rows
 
 
-_ROWS = tuple(_rows_kernel(kind) for kind in sorted(_TYPES))
-_rows0, _rows1, _rows2, _rows3, _rows4 = _ROWS
+_ROWS = tuple(_rows_kernel(kind) for kind in sorted({**_TYPES, **_K_TYPES}))
+_rows0, _rows1, _rows2, _rows3, _rows4, _rows5, _rows6, _rows7 = _ROWS
 
 
 @njit(nogil=True)
@@ -356,8 +402,14 @@ def _rows(kind, w, x, out, lo, hi):
         _rows2(w, x, out, lo, hi)
     elif kind == 3:
         _rows3(w, x, out, lo, hi)
-    else:
+    elif kind == 4:
         _rows4(w, x, out, lo, hi)
+    elif kind == 5:
+        _rows5(w, x, out, lo, hi)
+    elif kind == 6:
+        _rows6(w, x, out, lo, hi)
+    else:
+        _rows7(w, x, out, lo, hi)
 
 
 _CHUNK = 64  # rows per parallel work item
@@ -377,11 +429,33 @@ def matmul_parallel(kind, w, x, out):
         _rows(kind, w, x, out, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
 
 
-# Float32 weights (F32 matrices, and every other encoding after its rows are decoded to float32
-# in tiles): the same tiles, 32 lanes per (weight row, activation row) pair. Element k goes to
-# lane k % 32 by fused multiply-add, in ascending k; the lanes are reduced as above. Same bits
-# whatever the tile, T, the rows beside it, or the thread count.
-def _f32_tile_source(nr: int, tt: int) -> str:
+@intrinsic
+def _h2f(typingctx, u):
+    """IEEE half bits (uint16) → float32, exactly (a vector conversion once vectorised)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def _bf2f(typingctx, u):
+    """bfloat16 bits (uint16) → float32, exactly (the bits shifted into the top half)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        return builder.bitcast(builder.shl(builder.zext(args[0], i32), i32(16)), ir.FloatType())
+    return sig, codegen
+
+
+# Float32 weights (F32 matrices; F16/BF16 converted element by element as they are read, exact;
+# every other encoding after its rows are decoded to float32 in tiles): the same tiles, 32 lanes
+# per (weight row, activation row) pair. Element k goes to lane k % 32 by fused multiply-add, in
+# ascending k; the lanes are reduced as above. Same bits whatever the tile, T, the rows beside
+# it, or the thread count — and for F16/BF16 the bits of their decoded float32 tiles.
+def _f32_tile_source(nr: int, tt: int, convert: str = "") -> str:
     rows, acts = range(nr), range(tt)
     lines = ["def tile(w, r0, hi, x, t0, out, c0):"]
     lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
@@ -391,7 +465,7 @@ def _f32_tile_source(nr: int, tt: int) -> str:
     lines += ["    K = x0.shape[0]", "    nb = K // 32"]
     body = []
     body += [f"xv{t} = x{t}[o + j]" for t in acts]
-    body += [f"wv{n} = w{n}[o + j]" for n in rows]
+    body += [f"wv{n} = {convert}(w{n}[o + j])" for n in rows]
     body += [f"s{n}_{t}[j] = _fma(wv{n}, xv{t}, s{n}_{t}[j])" for n in rows for t in acts]
     lines += ["    for b in range(nb):", "        o = b * 32", "        for j in range(32):"]
     lines += ["            " + line for line in body]
@@ -403,11 +477,12 @@ def _f32_tile_source(nr: int, tt: int) -> str:
     return "\n".join(lines)
 
 
-def _f32_rows_kernel():
-    scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _fma=_fma, _sum32=_sum32)
+def _f32_rows_kernel(convert: str = ""):
+    scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _fma=_fma, _sum32=_sum32,
+                 _h2f=_h2f, _bf2f=_bf2f)
     tiles = []
     for nr, tt in _TILES:
-        exec(compile(_f32_tile_source(nr, tt), f"<{__name__} f32 tile {nr}x{tt}>", "exec"), scope)
+        exec(compile(_f32_tile_source(nr, tt, convert), f"<{__name__} f32 tile {nr}x{tt} {convert}>", "exec"), scope)
         tiles.append(njit(nogil=True, inline="always")(scope["tile"]))
     (n1, _), (n4, _), _, _ = _TILES
     one, four, two, single = tiles
@@ -447,6 +522,31 @@ def matmul_f32_parallel(w, x, out, c0):
     """:func:`matmul_f32` with chunks of rows spread over numba's threads (same bits)."""
     for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
         _rows_f32(w, x, out, c0, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
+
+
+_rows_f16, _rows_bf16 = _f32_rows_kernel("_h2f"), _f32_rows_kernel("_bf2f")
+
+
+@njit(nogil=True)
+def _rows_half(kind, w, x, out, lo, hi):
+    if kind == 0:
+        _rows_f16(w, x, out, 0, lo, hi)
+    else:
+        _rows_bf16(w, x, out, 0, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def matmul_half(kind, w, x, out):
+    """out[t, r] = Σ_k W[r, k] x[t, k] for 16-bit weights ``w`` uint16 [R, K] (kind 0: IEEE
+    half, 1: bfloat16), float32 ``x`` [T, K], ``out`` float32 [T, R]. One thread."""
+    _rows_half(kind, w, x, out, 0, w.shape[0])
+
+
+@njit(parallel=True, cache=True)
+def matmul_half_parallel(kind, w, x, out):
+    """:func:`matmul_half` with chunks of rows spread over numba's threads (same bits)."""
+    for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
+        _rows_half(kind, w, x, out, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
 
 
 @njit(inline="always")

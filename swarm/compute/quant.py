@@ -16,9 +16,15 @@ calls of at most ``SMALL_T`` activation rows (a longer prefill is cut into such 
   order.
 * **F32**: the compiled float32 kernel on the mapped matrix: the same tiles, element k into
   lane k % 32 by fused multiply-add in ascending k, the lanes reduced in the same fixed order.
-* **every other type** (F16, BF16, K-quants, …): tiles of weight rows decoded to float32 (exact
-  values; ``gguf.quants.dequantize`` for the K-quants) into a reused buffer, then the float32
-  kernel.
+* **Q4_K, Q5_K, Q6_K** (super-blocks of 256): a compiled kernel of the same tiles; per
+  super-block and weight row the sub-block scales (and minimums) are decoded once, each weight
+  to float32 (``fma(d·sc, q, -dmin·m)``, or ``(d·sc)·(q - 32)`` for Q6_K), applied to the tile's
+  activation rows: 32 float32 lane sums per pair, fused multiply-add in a fixed order, reduced
+  in one fixed order.
+* **F16, BF16**: the float32 kernel with each weight converted (exactly) as it is read: the
+  bits of a float32 copy of the matrix, without one.
+* **every other type** (Q2_K, Q3_K, IQ*, …): tiles of weight rows decoded to float32 by
+  ``gguf.quants.dequantize`` (exact values) into a reused buffer, then the float32 kernel.
 
 **A row's result depends only on the row.** Every tile shape performs the same sequence of
 operations per output element, so an output's bits do not depend on T, on which other weight
@@ -27,8 +33,9 @@ so a row's bits — change with the number of rows in the call: a row resent wit
 cache rebuilt from a whole history in one call, a prompt cut into other chunks, or a batch of
 several sequences all give each row its solo bits.
 
-Weights enter as exact float32 values and activations stay float32, so results differ from a
-float64 product by float32 rounding only (no activation quantization).
+Weights enter as float32 values (exact, or for Q4_1/Q5_1/Q4_K/Q5_K one fused multiply-add from
+the stored integers: within float32 rounding of gguf's decoding) and activations stay float32,
+so results differ from a float64 product by float32 rounding only (no activation quantization).
 """
 
 from __future__ import annotations
@@ -52,7 +59,11 @@ SMALL_T = 64
 _TILE_BYTES = 4 << 20
 
 # ggml types with a compiled kernel → kernel code used by the numba functions below.
-_KIND = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4}
+_KIND = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}
+# 16-bit float types → kernel code of ``qkernels.matmul_half``.
+_HALF = {QT.F16: 0, QT.BF16: 1}
+# Kinds whose compiled decoder gives gguf's values (the K-quants are decoded by gguf's own).
+_DEQUANT_KIND = {q: k for q, k in _KIND.items() if k <= 4}
 
 
 def block_size(qtype: QT) -> tuple[int, int]:
@@ -143,8 +154,8 @@ class QMatrix:
             out = np.empty((hi - lo, self.cols), F32)
         if self.qtype == QT.F32:
             out[...] = raw.view(F32)
-        elif self.qtype in _KIND:
-            _kernels().dequant(_KIND[self.qtype], raw, out)
+        elif self.qtype in _DEQUANT_KIND:
+            _kernels().dequant(_DEQUANT_KIND[self.qtype], raw, out)
         elif self.qtype == QT.F16:  # exact widening, as gguf's, without its per-call reshaping
             out[...] = raw.view(np.float16)
         elif self.qtype == QT.BF16:
@@ -187,6 +198,10 @@ class QMatrix:
             w = self.data.view(F32)
             for t0 in range(0, T, SMALL_T):
                 k.matmul_f32(w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], 0)
+        elif self.qtype in _HALF:  # converted to float32 as read: the bits of decoded tiles
+            w = self.data.view(np.uint16)
+            for t0 in range(0, T, SMALL_T):
+                k.matmul_half(_HALF[self.qtype], w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T])
         else:  # decoded to float32 a tile of weight rows at a time, then the float32 kernel
             tile = max(16, min(R, _TILE_BYTES // (4 * self.cols)))
             buf = _tile_buffer(tile * self.cols).reshape(tile, self.cols)
@@ -238,8 +253,10 @@ class _Kernels:
 
             self.matmul, self.dequant = locked(module.matmul_parallel), locked(module.dequant_parallel)
             self.matmul_f32 = locked(module.matmul_f32_parallel)
+            self.matmul_half = locked(module.matmul_half_parallel)
         else:  # the compiled functions themselves: no wrapper on the decode path
             self.matmul, self.dequant, self.matmul_f32 = module.matmul, module.dequant, module.matmul_f32
+            self.matmul_half = module.matmul_half
 
 
 def _kernels() -> _Kernels:
@@ -267,6 +284,9 @@ def _kernels() -> _Kernels:
                     k.matmul_f32(f, x, np.empty((1, 1), F32), 0)
                     f.flags.writeable = False
                     k.matmul_f32(f, x, np.empty((1, 1), F32), 0)
+                    h = np.zeros((1, 32), np.uint16)
+                    h.flags.writeable = False
+                    k.matmul_half(0, h, x, np.empty((1, 1), F32))
                 _release_clean_pages("llvmlite")
                 _compiled = k
     return _compiled

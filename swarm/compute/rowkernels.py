@@ -13,9 +13,12 @@ element loops vectorise.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from swarm.compute.qkernels import _dot8, _fma, _vsum8, _weighted_rows8
+from swarm.compute.qkernels import _V8, _fma, _fma8, _vsum8
 
 F32 = np.float32
 
@@ -58,6 +61,136 @@ def rms_norm(x, w, eps, out):  # pragma: no cover - compiled
             out[r, i] = wr[i] * (x[r, i] * inv)
 
 
+def _halving_sum(builder, v, n):
+    """The lanes of float32 vector ``v`` (``n`` of them) added in :func:`_lane_sum`'s order."""
+    i32 = ir.IntType(32)
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, i32(0))
+
+
+def _halving_sums4(builder, vs):
+    """:func:`_halving_sum` of up to four 8-lane vectors at once, as one vector [sum(vs[0]),
+    sum(vs[1]), …]: the same additions of the same lanes (each lane pair added as one row's
+    halving adds it), computed for the rows side by side in three vector additions."""
+    i32 = ir.IntType(32)
+    vs = list(vs) + [ir.Constant(_V8, [0.0] * 8)] * (4 - len(vs))
+
+    def shuffled(a, b, lanes):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(lanes)), lanes))
+
+    ab = builder.fadd(shuffled(vs[0], vs[1], [0, 1, 2, 3, 8, 9, 10, 11]), shuffled(vs[0], vs[1], [4, 5, 6, 7, 12, 13, 14, 15]))
+    cd = builder.fadd(shuffled(vs[2], vs[3], [0, 1, 2, 3, 8, 9, 10, 11]), shuffled(vs[2], vs[3], [4, 5, 6, 7, 12, 13, 14, 15]))
+    x = builder.fadd(shuffled(ab, cd, [0, 1, 8, 9, 4, 5, 12, 13]), shuffled(ab, cd, [2, 3, 10, 11, 6, 7, 14, 15]))
+    return builder.fadd(shuffled(x, x, [0, 4, 2, 6]), shuffled(x, x, [1, 5, 3, 7]))
+
+
+def _dot8_rows(m: int):
+    """An intrinsic: dot products of ``m`` (a constant) rows of ``a`` with each row of ``b`` in
+    a range, sharing each load of ``b``: ``out[ooff[r] + s] = Σ_i a[aoff[r] + i]·b[bo +
+    s·bstride + i]`` (i < 8·nb) for r < m and s0 ≤ s < s1 (float32 arrays, C order; aoff, ooff
+    int64 arrays). Each sum: element i by fused multiply-add into lane i % 8, ascending i, the
+    8 lanes added in :func:`_halving_sum`'s order — the same operations whatever m, so the
+    same bits as a row taken alone."""
+    @intrinsic
+    def dot_rows(typingctx, a, aoff, b, bo, bstride, s0, s1, nb, out, ooff):
+        sig = types.none(a, aoff, b, bo, bstride, s0, s1, nb, out, ooff)
+
+        def codegen(context, builder, sig, args):
+            def data(i):
+                return context.make_array(sig.args[i])(context, builder, args[i]).data
+            pa, pao, pb, po, poo = data(0), data(1), data(2), data(8), data(9)
+            bo, bstride, s0, s1, nb = args[3], args[4], args[5], args[6], args[7]
+            fma, vp, i64, i32 = _fma8(builder), ir.PointerType(_V8), ir.IntType(64), ir.IntType(32)
+            rows = [builder.gep(pa, [builder.load(builder.gep(pao, [i64(r)]))]) for r in range(m)]
+            outs = [builder.gep(po, [builder.load(builder.gep(poo, [i64(r)]))]) for r in range(m)]
+            accs = [cgutils.alloca_once(builder, _V8) for _ in range(m)]
+            with cgutils.for_range(builder, builder.sub(s1, s0)) as loop:
+                s = builder.add(s0, loop.index)
+                brow = builder.gep(pb, [builder.add(bo, builder.mul(s, bstride))])
+                for acc in accs:
+                    builder.store(ir.Constant(_V8, [0.0] * 8), acc)
+                with cgutils.for_range(builder, nb) as inner:
+                    off = builder.mul(inner.index, i64(8))
+                    vb = builder.load(builder.bitcast(builder.gep(brow, [off]), vp), align=4)
+                    for row, acc in zip(rows, accs):
+                        va = builder.load(builder.bitcast(builder.gep(row, [off]), vp), align=4)
+                        builder.store(builder.call(fma, [va, vb, builder.load(acc)]), acc)
+                if m == 1:
+                    builder.store(_halving_sum(builder, builder.load(accs[0]), 8), builder.gep(outs[0], [s]))
+                else:
+                    sums = _halving_sums4(builder, [builder.load(acc) for acc in accs])
+                    for r, dst in enumerate(outs):
+                        builder.store(builder.extract_element(sums, i32(r)), builder.gep(dst, [s]))
+            return context.get_dummy_value()
+        return sig, codegen
+    return dot_rows
+
+
+def _weighted_rows8_m(m: int):
+    """An intrinsic: weighted sums of the rows of ``v`` for ``m`` (a constant) rows of weights
+    over a range of positions, sharing each load of ``v``: ``acc[aoff[r] + i] (+)= Σ_{s0 ≤ s < s1}
+    p[poff[r] + s]·v[vo + s·vstride + i]`` for i < 8·nb, one fused multiply-add per element and
+    position, s ascending, starting from 0 (``init`` false) or from the values in ``acc``
+    (``init`` true: a range continued, the same operations as one range)."""
+    group = 4 if m <= 2 else 2  # 8-element blocks whose sums stay in registers, per row
+
+    @intrinsic
+    def weighted(typingctx, acc, aoff, v, vo, vstride, p, poff, s0, s1, nb, init):
+        sig = types.none(acc, aoff, v, vo, vstride, p, poff, s0, s1, nb, init)
+
+        def codegen(context, builder, sig, args):
+            def data(i):
+                return context.make_array(sig.args[i])(context, builder, args[i]).data
+            pacc, paoff, pv, pp, ppoff = data(0), data(1), data(2), data(5), data(6)
+            vo, stride, s0, s1, nb, init = args[3], args[4], args[7], args[8], args[9], args[10]
+            fma, vp, i64, i32 = _fma8(builder), ir.PointerType(_V8), ir.IntType(64), ir.IntType(32)
+            splat = ir.Constant(ir.VectorType(i32, 8), [0] * 8)
+            dsts = [builder.gep(pacc, [builder.load(builder.gep(paoff, [i64(r)]))]) for r in range(m)]
+            ps = [builder.gep(pp, [builder.load(builder.gep(ppoff, [i64(r)]))]) for r in range(m)]
+            regs = [[cgutils.alloca_once(builder, _V8) for _ in range(group)] for _ in range(m)]
+            zero = ir.Constant(_V8, [0.0] * 8)
+            start = builder.icmp_unsigned("!=", init, ir.Constant(init.type, 0))
+            pv0 = builder.gep(pv, [vo])
+
+            def blocks(first, count):
+                for dst, row in zip(dsts, regs):
+                    for j, reg in enumerate(row[:count]):
+                        off = builder.mul(builder.add(first, i64(j)), i64(8))
+                        old = builder.load(builder.bitcast(builder.gep(dst, [off]), vp), align=4)
+                        builder.store(builder.select(start, old, zero), reg)
+                with cgutils.for_range(builder, builder.sub(s1, s0)) as loop:
+                    s = builder.add(s0, loop.index)
+                    vrow = builder.gep(pv0, [builder.mul(s, stride)])
+                    vv = [builder.load(builder.bitcast(builder.gep(vrow, [builder.mul(builder.add(first, i64(j)), i64(8))]), vp), align=4)
+                          for j in range(count)]
+                    for p_r, row in zip(ps, regs):
+                        w = builder.insert_element(ir.Constant(_V8, ir.Undefined), builder.load(builder.gep(p_r, [s])), i32(0))
+                        w = builder.shuffle_vector(w, w, splat)
+                        for j, reg in enumerate(row[:count]):
+                            builder.store(builder.call(fma, [w, vv[j], builder.load(reg)]), reg)
+                for dst, row in zip(dsts, regs):
+                    for j, reg in enumerate(row[:count]):
+                        off = builder.mul(builder.add(first, i64(j)), i64(8))
+                        builder.store(builder.load(reg), builder.bitcast(builder.gep(dst, [off]), vp), align=4)
+
+            groups = builder.udiv(nb, i64(group))
+            with cgutils.for_range(builder, groups) as g:
+                blocks(builder.mul(g.index, i64(group)), group)
+            with cgutils.for_range(builder, builder.sub(nb, builder.mul(groups, i64(group)))) as r:
+                blocks(builder.add(builder.mul(groups, i64(group)), r.index), 1)
+            return context.get_dummy_value()
+        return sig, codegen
+    return weighted
+
+
+_dot_rows1, _dot_rows2, _dot_rows3, _dot_rows4 = (_dot8_rows(m) for m in (1, 2, 3, 4))
+_wrows1, _wrows2, _wrows3, _wrows4 = (_weighted_rows8_m(m) for m in (1, 2, 3, 4))
+
+
 @njit(inline="always", error_model="numpy")
 def _expf(x):  # pragma: no cover - compiled
     """e^x in float32 by Cephes' expf: x = n·ln 2 + r (ln 2 in two parts), e^r by a polynomial,
@@ -78,51 +211,178 @@ def _expf(x):  # pragma: no cover - compiled
     return y * np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
 
 
+@intrinsic
+def _expf_shifted8(typingctx, a, ao, nb, mx):
+    """``a[ao + i] = _expf(a[ao + i] - mx)`` for i < 8·nb (float32 array, C order) as vector
+    instructions: each element takes :func:`_expf`'s operations in its order (no fused
+    multiply-add: the IR says multiply, then add), so an element's bits are the scalar form's."""
+    sig = types.none(a, ao, nb, mx)
+
+    def codegen(context, builder, sig, args):
+        pa = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        f, i32 = ir.FloatType(), ir.IntType(32)
+        v8i = ir.VectorType(i32, 8)
+        vp = ir.PointerType(_V8)
+
+        def splat(value):
+            return ir.Constant(_V8, [float(np.float32(value))] * 8)
+
+        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
+        m = builder.insert_element(ir.Constant(_V8, ir.Undefined), args[3], i32(0))
+        m = builder.shuffle_vector(m, m, ir.Constant(v8i, [0] * 8))
+        lo, hi = splat(-87.33654), splat(88.72283)
+        with cgutils.for_range(builder, args[2]) as loop:
+            ptr = builder.bitcast(builder.gep(pa, [builder.mul(loop.index, ir.Constant(loop.index.type, 8))]), vp)
+            x = builder.fsub(builder.load(ptr, align=4), m)
+            x = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)  # max(x, lo), then min(·, hi)
+            x = builder.select(builder.fcmp_ordered("<", x, hi), x, hi)
+            n = builder.call(floor, [builder.fadd(builder.fmul(x, splat(1.44269504088896341)), splat(0.5))])
+            r = builder.fsub(x, builder.fmul(n, splat(0.693359375)))
+            r = builder.fsub(r, builder.fmul(n, splat(-2.12194440e-4)))
+            p = splat(1.9875691500e-4)
+            for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+                p = builder.fadd(builder.fmul(p, r), splat(c))
+            y = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), splat(1.0))
+            e = builder.shl(builder.add(builder.fptosi(n, v8i), ir.Constant(v8i, [127] * 8)), ir.Constant(v8i, [23] * 8))
+            builder.store(builder.fmul(y, builder.bitcast(e, _V8)), ptr, align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _max8(typingctx, a, ao, nb):
+    """max(a[ao + i]) over i < 8·nb (float32 array, C order; -inf when nb is 0; NaN ignored, as
+    a running ``if x > top`` ignores it), eight lanes at a time."""
+    sig = types.float32(a, ao, nb)
+
+    def codegen(context, builder, sig, args):
+        pa = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        i32 = ir.IntType(32)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [float("-inf")] * 8))
+        with cgutils.for_range(builder, args[2]) as loop:
+            x = builder.load(builder.bitcast(builder.gep(pa, [builder.mul(loop.index, ir.Constant(loop.index.type, 8))]),
+                                             ir.PointerType(_V8)), align=4)
+            top = builder.load(acc)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, top), x, top), acc)
+        v, k = builder.load(acc), 8
+        while k > 1:
+            k //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k, 2 * k))))
+            v = builder.select(builder.fcmp_ordered(">", hi, lo), hi, lo)
+        return builder.extract_element(v, i32(0))
+    return sig, codegen
+
+
+# Query rows blocked together in attention: rows sharing a key/value head (a GQA group's
+# heads, consecutive positions) are computed M at a time, each load of a key or value row feeding
+# M of them.
+M = 4
+
+
+@njit(inline="always")
+def _dots(m, qf, qoff, kf, ko, hd, s0, s1, nb, sf, soff):
+    if m == 4:
+        _dot_rows4(qf, qoff, kf, ko, hd, s0, s1, nb, sf, soff)
+    elif m == 3:
+        _dot_rows3(qf, qoff, kf, ko, hd, s0, s1, nb, sf, soff)
+    elif m == 2:
+        _dot_rows2(qf, qoff, kf, ko, hd, s0, s1, nb, sf, soff)
+    else:
+        _dot_rows1(qf, qoff, kf, ko, hd, s0, s1, nb, sf, soff)
+
+
+@njit(inline="always")
+def _weighted(m, af, aoff, vf, vo, hd, sf, soff, s0, s1, nb, init):
+    if m == 4:
+        _wrows4(af, aoff, vf, vo, hd, sf, soff, s0, s1, nb, init)
+    elif m == 3:
+        _wrows3(af, aoff, vf, vo, hd, sf, soff, s0, s1, nb, init)
+    elif m == 2:
+        _wrows2(af, aoff, vf, vo, hd, sf, soff, s0, s1, nb, init)
+    else:
+        _wrows1(af, aoff, vf, vo, hd, sf, soff, s0, s1, nb, init)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def attention(q, k, v, start, out, scores, acc):  # pragma: no cover - compiled
-    """Causal grouped-query attention, one query row at a time: for q [T, nh, hd] (scaled),
-    k, v [nkv, C, hd] (positions ``0 .. start+T-1`` filled), all C-contiguous, query t
-    (position start + t) of head h attends to positions ``0 .. start+t`` of key/value head
-    ``h // (nh / nkv)``; result into out [T, nh*hd]; scratch ``scores`` float32 [≥ start+T],
-    ``acc`` float32 [hd]. Float32, in one fixed order whatever T: q·k by :func:`_dot8` (eight
-    lanes, fused multiply-add), the elements past the last multiple of 8 added after it in
-    order; the softmax subtracts the row's max, takes :func:`_expf` and sums by
-    :func:`_vsum8` (position s into lane s % 8), the positions past the last multiple of 8
+    """Causal grouped-query attention: for q [T, nh, hd] (scaled), k, v [nkv, C, hd] (positions
+    ``0 .. start+T-1`` filled), all C-contiguous, query t (position start + t) of head h attends
+    to positions ``0 .. start+t`` of key/value head ``h // (nh / nkv)``; result into out
+    [T, nh*hd]; scratch ``scores`` float32 [M, ≥ start+T], ``acc`` float32 [M, hd].
+
+    Per query row, float32 in one fixed order whatever T: q·k by :func:`_dot8_rows` (eight
+    lanes, fused multiply-add, reduced pairwise), the elements past the last multiple of 8
+    added after it in order; the softmax subtracts the row's max, takes :func:`_expf` and sums
+    by :func:`_vsum8` (position s into lane s % 8), the positions past the last multiple of 8
     added after it in order; Σ p_s v_s by one fused multiply-add per element and position, s
-    ascending from 0 (:func:`_weighted_rows8`), divided by the sum last."""
+    ascending from 0 (:func:`_weighted_rows8_m`), divided by the sum last.
+
+    Rows are taken M at a time per key/value head (ordered by position, then head): the
+    positions all of them see are computed jointly, sharing key and value loads, the rest of
+    each row's positions alone, continuing the same sums — so the operations per row, and its
+    bits, are those of the row computed alone."""
     T, nh, hd = q.shape
     nkv, C = k.shape[0], k.shape[1]
     g = nh // nkv
     nb = hd // 8
     n8 = nb * 8
     qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
-    for t in range(T):
-        n = start + t + 1
-        n8s = n - n % 8
-        for h in range(nh):
-            qo = (t * nh + h) * hd
-            kv0 = (h // g) * C * hd
-            top = -np.inf
-            for s in range(n):
-                ko = kv0 + s * hd
-                sc = _dot8(qf, qo, kf, ko, nb)
+    sw = scores.shape[1]
+    sf, af = scores.reshape(-1), acc.reshape(-1)
+    qoff = np.empty(M, np.int64)
+    soff = np.empty(M, np.int64)
+    aoff = np.empty(M, np.int64)
+    ns = np.empty(M, np.int64)
+    denom = np.empty(M, np.float32)
+    for r in range(M):
+        soff[r] = r * sw
+        aoff[r] = r * hd
+    for kvh in range(nkv):
+        kv0 = kvh * C * hd
+        for r0 in range(0, T * g, M):
+            m = min(M, T * g - r0)
+            for r in range(m):
+                t = (r0 + r) // g
+                h = kvh * g + (r0 + r) % g
+                qoff[r] = (t * nh + h) * hd
+                ns[r] = start + t + 1
+            shared = ns[0]  # positions every row of the block sees (rows ordered by position)
+            _dots(m, qf, qoff, kf, kv0, hd, 0, shared, nb, sf, soff)
+            for r in range(m):
+                n = ns[r]
+                if n > shared:
+                    _dot_rows1(qf, qoff[r:r + 1], kf, kv0, hd, shared, n, nb, sf, soff[r:r + 1])
+                so = soff[r]
+                if n8 < hd:
+                    for s in range(n):
+                        sc = sf[so + s]
+                        for c in range(n8, hd):
+                            sc = _fma(qf[qoff[r] + c], kf[kv0 + s * hd + c], sc)
+                        sf[so + s] = sc
+                n8s = n - n % 8
+                mx = _max8(sf, so, n8s // 8)
+                for s in range(n8s, n):
+                    if sf[so + s] > mx:
+                        mx = sf[so + s]
+                _expf_shifted8(sf, so, n8s // 8, mx)
+                for s in range(n8s, n):
+                    sf[so + s] = _expf(sf[so + s] - mx)
+                d = _vsum8(sf, so, n8s // 8)
+                for s in range(n8s, n):
+                    d += sf[so + s]
+                denom[r] = d
+            _weighted(m, af, aoff, vf, kv0, hd, sf, soff, 0, shared, nb, False)
+            for r in range(m):
+                n = ns[r]
+                if n > shared:
+                    _wrows1(af, aoff[r:r + 1], vf, kv0, hd, sf, soff[r:r + 1], shared, n, nb, True)
                 for c in range(n8, hd):
-                    sc = _fma(qf[qo + c], kf[ko + c], sc)
-                scores[s] = sc
-                if sc > top:
-                    top = sc
-            m = F32(top)
-            for s in range(n):
-                scores[s] = _expf(scores[s] - m)
-            denom = _vsum8(scores, 0, n8s // 8)
-            for s in range(n8s, n):
-                denom += scores[s]
-            _weighted_rows8(acc, 0, vf, kv0, hd, scores, n, nb)
-            for c in range(n8, hd):
-                a = F32(0.0)
-                for s in range(n):
-                    a = _fma(scores[s], vf[kv0 + s * hd + c], a)
-                acc[c] = a
-            o = out[t]
-            for i in range(hd):
-                o[h * hd + i] = acc[i] / denom
+                    a = F32(0.0)
+                    for s in range(n):
+                        a = _fma(sf[soff[r] + s], vf[kv0 + s * hd + c], a)
+                    af[aoff[r] + c] = a
+                t = (r0 + r) // g
+                h = kvh * g + (r0 + r) % g
+                for i in range(hd):
+                    out[t, h * hd + i] = af[aoff[r] + i] / denom[r]

@@ -47,6 +47,28 @@ def test_attention_rows_do_not_depend_on_the_call(T):
     assert np.array_equal(attention(q, k2, v2, start), whole)
 
 
+@pytest.mark.parametrize("groups", [1, 2, 3, 5, 8])
+def test_blocked_attention_rows_are_rows_computed_alone(groups):
+    """The kernel takes query rows several at a time per key/value head (a GQA group's heads,
+    consecutive positions), sharing key and value loads; each row still gets the bits of that
+    row computed alone (one query, one head): GQA groups 1..8, T and cached positions S on and
+    off the blocks' and the eight-lane edges, a head dim with a tail past its last multiple of 8."""
+    rng = np.random.default_rng(groups)
+    nkv = 2
+    nh = groups * nkv
+    for T, start, hd in ((1, 0, 16), (1, 7, 16), (5, 8, 16), (9, 3, 20), (17, 15, 8), (33, 40, 24)):
+        q = rng.normal(size=(T, nh, hd)).astype(F32)
+        k = rng.normal(size=(nkv, start + T, hd)).astype(F32)
+        v = rng.normal(size=(nkv, start + T, hd)).astype(F32)
+        got = attention(q, k, v, start).reshape(T, nh, hd)
+        for t in range(T):
+            for h in range(nh):
+                kvh = h // groups
+                alone = attention(q[t:t + 1, h:h + 1], k[kvh:kvh + 1, :start + t + 1], v[kvh:kvh + 1, :start + t + 1],
+                                  start + t)
+                assert np.array_equal(got[t, h], alone[0]), (T, start, hd, t, h)
+
+
 @pytest.mark.parametrize("qtype", QUANTIZED + K_QUANTS + PLAIN, ids=lambda q: q.name)
 def test_qmatrix_rows_do_not_depend_on_the_call(qtype):
     """Every encoding, T = 1..T_MAX: a row alone, in ragged chunks, and inside a bigger batch

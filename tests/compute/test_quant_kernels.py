@@ -17,6 +17,9 @@ from swarm.compute.quant import SMALL_T, QMatrix
 F32 = np.float32
 QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]  # gguf can write these
 K_QUANTS = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]  # gguf only reads these
+COMPILED_K = [QT.Q4_K, QT.Q5_K, QT.Q6_K]  # K-quants with a compiled block kernel
+# byte offsets of each super-block's float16 scales (d, and dmin where there is one)
+K_HALVES = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
 PLAIN = [QT.F32, QT.F16, QT.BF16]
 ROWS = 67  # odd, and not a multiple of the kernels' 64-row chunks
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,6 +72,38 @@ def test_matmul_against_float64_dequantization(qtype, T):
     check_product(m, T, seed=T)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("qtype", COMPILED_K, ids=lambda q: q.name)
+def test_k_quant_kernels_at_extreme_scales(qtype, T):
+    """Super-block scales at the ends of the float16 range (largest finite, smallest normal,
+    subnormal, zero, negative) beside ordinary ones, every 6-bit sub-scale pattern: the compiled
+    K-quant kernels still match gguf's dequantization to float32 rounding."""
+    cols = 3 * 256
+    raw = encoded(qtype, ROWS, cols, 40 + T).copy()
+    blocks = raw.reshape(ROWS, cols // 256, -1)
+    extremes = np.array([65504.0, -65504.0, 6.1035e-05, 6e-08, 0.0, -0.0, 1.0, -3.5], np.float16)
+    rng = np.random.default_rng(T)
+    for off in K_HALVES[qtype]:
+        picks = extremes[rng.integers(0, extremes.size, blocks.shape[:2])]
+        blocks[:, :, off:off + 2] = picks.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    with np.errstate(all="ignore"):
+        assert np.isfinite(gguf.quants.dequantize(raw, qtype)).all()
+    check_product(QMatrix(raw, qtype, cols), T, seed=T)
+
+
+@pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda q: q.name)
+def test_half_kernels_give_the_bits_of_a_float32_copy(qtype):
+    """F16/BF16 weights converted as they are read: the bits of the float32 kernel on the
+    decoded matrix, at every T (tile edges, a column tail past the last 32)."""
+    cols = 9 * 32 + 5
+    raw = encoded(qtype, ROWS, cols, 2)
+    m = QMatrix(raw, qtype, cols)
+    copy = QMatrix.from_float(gguf.quants.dequantize(raw, qtype))
+    for T in (1, 2, 5, SMALL_T + 3):
+        x = np.random.default_rng(T).normal(size=(T, cols)).astype(F32)
+        np.testing.assert_array_equal(m.matmul(x), copy.matmul(x), err_msg=f"T={T}")
+
+
 @pytest.mark.parametrize("qtype", QUANTIZED + PLAIN, ids=lambda q: q.name)
 def test_dequantize_is_exactly_ggufs(qtype):
     m = QMatrix(encoded(qtype, ROWS, 96, 1), qtype, 96)
@@ -78,7 +113,7 @@ def test_dequantize_is_exactly_ggufs(qtype):
 
 
 @pytest.mark.parametrize("T", [1, 3, 37])
-@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANTIZED + COMPILED_K, ids=lambda q: q.name)
 def test_block_kernel_rows_do_not_depend_on_the_other_rows(qtype, T):
     """The block kernels sum each output alone, in one order: rows lo:hi of a call are the bits
     of a call on those rows alone, whatever tile of weight rows they fall in (odd starts, short
@@ -93,13 +128,13 @@ def test_block_kernel_rows_do_not_depend_on_the_other_rows(qtype, T):
         np.testing.assert_array_equal(part.matmul(x), whole[:, lo:hi])
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANTIZED + COMPILED_K, ids=lambda q: q.name)
 def test_block_kernel_activation_rows_do_not_depend_on_the_other_rows(qtype):
     """An activation row gets the same bits alone (decode), in any batch of up to SMALL_T rows
     and at any place in it (batched decode, a MoE expert's rows), whatever tile of activation
     rows it falls in, and for any weight-row view."""
     assert SMALL_T >= 37
-    cols = 96  # 3 blocks
+    cols = 3 * gguf.GGML_QUANT_SIZES[qtype][0]  # 3 blocks
     m = QMatrix(encoded(qtype, ROWS, cols, 11), qtype, cols)
     x = np.random.default_rng(4).normal(size=(37, cols)).astype(F32)
     alone = np.concatenate([m.matmul(x[t:t + 1]) for t in range(37)])
@@ -112,13 +147,13 @@ def test_block_kernel_activation_rows_do_not_depend_on_the_other_rows(qtype):
 _THREADS_CHILD = """
 import sys, numpy as np
 from swarm.compute import quant
-from tests.compute.test_quant_kernels import PLAIN, QUANTIZED, encoded, ROWS
+from tests.compute.test_quant_kernels import COMPILED_K, PLAIN, QUANTIZED, encoded, ROWS
 quant.prepare_kernels()
 import numba
 assert numba.get_num_threads() == 2, numba.get_num_threads()  # so the parallel kernels run
 x = np.random.default_rng(5).normal(size=(100, 256)).astype(np.float32)
 out = {}
-for q in QUANTIZED + PLAIN:
+for q in QUANTIZED + COMPILED_K + PLAIN:
     m = quant.QMatrix(encoded(q, 3 * ROWS, 256, 13), q, 256)
     for T in (1, 5, 37, 100):
         out[f"{q.name}_{T}"] = m.matmul(x[:T])
@@ -137,7 +172,7 @@ def test_block_kernels_give_the_same_bits_on_two_threads(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = np.load(path)
     x = np.random.default_rng(5).normal(size=(100, 256)).astype(F32)
-    for q in QUANTIZED + PLAIN:
+    for q in QUANTIZED + COMPILED_K + PLAIN:
         m = QMatrix(encoded(q, 3 * ROWS, 256, 13), q, 256)
         for T in (1, 5, 37, 100):
             np.testing.assert_array_equal(got[f"{q.name}_{T}"], m.matmul(x[:T]), err_msg=f"{q.name} T={T}")
@@ -184,3 +219,94 @@ def test_strided_activations_and_outputs_give_the_same_bits(T):
     assert got.base is buf or got is buf[:, 3:] or np.shares_memory(got, buf)
     np.testing.assert_array_equal(buf[:, 3:], want)
     assert np.isnan(buf[:, :3]).all()
+
+
+# ---- K-quant writers (gguf reads K-quants but cannot write them) ----------------------------
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16)
+
+
+def quantize_k(a: np.ndarray, qtype: QT) -> np.ndarray:
+    """float32 ``[..., K]`` (K a multiple of 256) as uint8 Q4_K or Q6_K super-blocks, ggml's
+    layouts (``block_q4_K``, ``block_q6_K``), each row on its own: plain min/max rounding, enough
+    for a test model whose reference weights are these blocks decoded by ``gguf.quants``."""
+    rows = a.reshape(-1, a.shape[-1]).astype(np.float32)
+    x = rows.reshape(-1, 256)
+    n = x.shape[0]
+    if qtype == QT.Q4_K:
+        sub = x.reshape(n, 8, 32)
+        lo, hi = np.minimum(sub.min(-1), 0), sub.max(-1)
+        scale, mins = (hi - lo) / 15, -lo
+        d, dmin = _f16(scale.max(-1) / 63), _f16(mins.max(-1) / 63)
+        with np.errstate(all="ignore"):
+            sc = np.clip(np.nan_to_num(np.rint(scale / d.astype(F32)[:, None])), 0, 63).astype(np.uint8)
+            m = np.clip(np.nan_to_num(np.rint(mins / dmin.astype(F32)[:, None])), 0, 63).astype(np.uint8)
+            s = d.astype(F32)[:, None] * sc
+            q = np.rint((sub + (dmin.astype(F32)[:, None] * m)[..., None]) / s[..., None])
+        q = np.clip(np.nan_to_num(q), 0, 15).astype(np.uint8).reshape(n, 4, 2, 32)
+        packed = np.empty((n, 12), np.uint8)
+        packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+        packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+        packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+        qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+        blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), packed, qs], axis=1)
+    elif qtype == QT.Q6_K:
+        sub = x.reshape(n, 16, 16)
+        amax = np.abs(sub).max(-1)
+        d = _f16(amax.max(-1) / 31 / 127)
+        with np.errstate(all="ignore"):
+            sc = np.clip(np.nan_to_num(np.rint(amax / 31 / d.astype(F32)[:, None])), -128, 127).astype(np.int8)
+            q = np.rint(sub / (d.astype(F32)[:, None] * sc)[..., None])
+        q = (np.clip(np.nan_to_num(q), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [half, quarter, l]
+        # byte 32c + l of a half: low nibble position 32c + l, high nibble position 64 + 32c + l
+        ql = np.concatenate([(q[:, :, c] & 15) | ((q[:, :, c + 2] & 15) << 4) for c in (0, 1)], axis=2).reshape(n, 128)
+        qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6))
+        blocks = np.concatenate([ql, qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1)
+    else:
+        raise ValueError(f"quantize_k writes Q4_K and Q6_K, not {qtype.name}")
+    return np.ascontiguousarray(blocks).reshape(*a.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_k_quant_writer_decodes_to_its_input(qtype):
+    """The test writer's blocks decode (gguf) to the input within the format's step."""
+    a = np.random.default_rng(1).normal(size=(6, 512)).astype(F32)
+    back = gguf.quants.dequantize(quantize_k(a, qtype), qtype)
+    step = (np.abs(a).max() / (7 if qtype == QT.Q4_K else 24))
+    assert back.shape == a.shape and np.abs(back - a).max() < step
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_k_quant_model_matches_transformers(qtype, tmp_path, monkeypatch):
+    """A small Llama (hidden 256, so every matrix but the norms is in K-quant super-blocks)
+    written as a Q4_K or Q6_K GGUF, through Model.forward, against transformers running the
+    same weights decoded by gguf (float64): logits agree to float32 rounding."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swarm.compute import load_model
+    from tests.compute.tiny_gguf import write_gguf_from_hf
+
+    config = AutoConfig.for_model("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                  max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                  rope_theta=10000.0, initializer_range=0.05)
+    torch.manual_seed(int(qtype))
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    plain = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda a, q: quantize_k(a, q) if q == qtype else plain(a, q))
+    path = write_gguf_from_hf(hf, "llama", tmp_path / "k.gguf", qtype)  # rows are quantized one by one,
+    monkeypatch.undo()  # so the file's permuted Q/K rows are the permuted blocks of the HF rows
+    model = load_model(path)
+    assert model.checkpoint.file.qtype("blk.0.attn_q.weight") == qtype
+    assert model.checkpoint.file.qtype("blk.1.ffn_down.weight") == qtype
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 2 and p.shape[-1] % 256 == 0:
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(quantize_k(p.numpy(), qtype), qtype)))
+    hf = hf.double()
+    tokens = np.random.default_rng(3).integers(0, 128, 40).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0].numpy()
+    got = model.forward(tokens, model.new_cache())
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), np.abs(got - want).max()
