@@ -81,6 +81,9 @@ async function keepAwake(on) {
 document.addEventListener("visibilitychange", () => { if (document.visibilityState === "visible" && app.state === "serving") keepAwake(true); });
 
 const loadBatch = new Set();  // slice ids of the load in progress (finished ones included)
+// Highest percentage shown for the load in progress: a slice announced after others have progressed
+// adds to the total, and a progress bar that falls back reads as lost work.
+let loadPeak = 0;
 
 function render() {
   const w = app.worker;
@@ -90,11 +93,17 @@ function render() {
   for (const [id, d] of w.downloads) if (pending(d)) loadBatch.add(id);
   const batch = [...loadBatch].map((id) => w.downloads.get(id));
   const loading = batch.some(pending);
-  if (!loading) loadBatch.clear();
+  if (!loading) {
+    loadBatch.clear();
+    loadPeak = 0;
+  }
   if (app.link?.state === "open") {
     if (loading) {
       set("loading");
-      ui.setProgress(batch.reduce((s, d) => s + d.done, 0), batch.reduce((s, d) => s + d.total, 0));
+      const total = batch.reduce((s, d) => s + d.total, 0);
+      const pct = total ? Math.floor((100 * batch.reduce((s, d) => s + d.done, 0)) / total) : 0;
+      loadPeak = Math.max(loadPeak, pct);
+      ui.setProgress(loadPeak);
     } else if (w.blocks.size) {  // weights on the GPU: requests for them are answered
       set("serving", `${(w.gpuBytes / 2 ** 20).toFixed(1)} MiB of weights on the GPU`);
       keepAwake(true);

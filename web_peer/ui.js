@@ -27,9 +27,8 @@ export function setState(state, detail = "") {
   $("progress").hidden = state !== "loading";
 }
 
-/** Loading progress: `done` of `total` bytes (both counted over the whole batch being loaded). */
-export function setProgress(done, total) {
-  const pct = total ? Math.floor((100 * done) / total) : 0;
+/** Loading progress: `pct` (0–100, whole) of the bytes of the whole batch being loaded. */
+export function setProgress(pct) {
   $("progress").value = pct;
   $("state").textContent = `${STATES.loading} ${pct} %`;
 }
