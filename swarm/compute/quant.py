@@ -177,13 +177,16 @@ class QMatrix:
         """``x @ W.T``: x float32 ``[T, cols]`` → float32 ``[T, rows]`` (numerics: module docstring).
 
         Row t of the result depends only on row t of x (never on T or the other rows).
-        Raises ValueError on a shape or dtype mismatch.
+        ``out``: float32 ``[T, rows]`` to write the result into (any strides), or None.
+        Raises ValueError on a shape or dtype mismatch of ``x`` or ``out``.
         """
         if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
             raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {x.shape}")
         T, R = x.shape[0], self.data.shape[0]
         if out is None:
             out = np.empty((T, R), F32)
+        elif out.dtype != F32 or out.shape != (T, R):  # the kernels write without bounds checks
+            raise ValueError(f"out must be float32 [T, rows] = [{T}, {R}], got {out.dtype} {out.shape}")
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
         dst = out if out.flags.c_contiguous else np.empty((T, R), F32)

@@ -195,6 +195,14 @@ def test_bad_input_names_what_is_wrong():
         m.matmul(np.zeros((1, 64)))
     with pytest.raises(ValueError, match=r"x must be float32 \[T, 64\], got float32 \(1, 32\)"):
         m.matmul(np.zeros((1, 32), F32))
+    with pytest.raises(ValueError, match=r"out must be float32 \[T, rows\] = \[2, 4\], got float32 \(1, 4\)"):
+        m.matmul(np.zeros((2, 64), F32), out=np.zeros((1, 4), F32))
+    with pytest.raises(ValueError, match=r"out must be float32 \[T, rows\] = \[1, 4\], got float64"):
+        m.matmul(np.zeros((1, 64), F32), out=np.zeros((1, 4)))
+    strided = np.full((2, 8), 7.0, F32)  # every other column: the result lands there, the rest untouched
+    x = np.random.default_rng(3).normal(size=(2, 64)).astype(F32)
+    assert m.matmul(x, out=strided[:, ::2]) is not None
+    assert np.array_equal(strided[:, ::2], m.matmul(x)) and (strided[:, 1::2] == 7.0).all()
     with pytest.raises(ValueError, match=r"Q8_0 rows of 64 columns take 68 bytes"):
         QMatrix(np.zeros((4, 60), np.uint8), QT.Q8_0, 64)
     with pytest.raises(ValueError, match=r"rows 3:9 are outside 0:4"):
