@@ -27,8 +27,8 @@ to the asyncio links through a :class:`Dispatcher`, whose methods must be
 callable from that thread and must not block (the adapter hands each call to the
 event loop); answers come back through
 :meth:`RemoteFFN.deliver` / :meth:`RemoteFFN.peer_down`, called from the event
-loop, which complete :class:`concurrent.futures.Future` s. Numpy releases the GIL
-in BLAS, so the links keep moving while the coordinator computes its own share.
+loop, which complete :class:`concurrent.futures.Future` s. The compiled kernels
+release the GIL, so the links keep moving while the coordinator computes its own share.
 An async forward would have meant rewriting the engine around the seam; a thread
 keeps the engine untouched and the event loop free.
 

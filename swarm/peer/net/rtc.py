@@ -23,9 +23,11 @@ reaches into its private names, and nothing else in the package does:
   ``USERDATA_MAX_LENGTH`` from 1160 to :data:`SCTP_USERDATA_MAX_LENGTH` bytes, so a datagram
   fills a LAN's 1500-byte MTU without IP fragmentation (a 576-float32 row: 2 packets, not 3);
   (b) wraps ``RTCSctpTransport._send_sack`` to acknowledge every :data:`SACK_EVERY_PACKETS`-th
-  packet (RFC 4960 §6.2: SHOULD every second; a delayed SACK within 200 ms), instead of every one; (c) wraps ``RTCSctpTransport._transmit`` so a message of up to
-  :data:`SCTP_BURST_PACKETS` packets goes out at once, not four packets per SACK received. Rows are not altered,
-  only how they travel. Chromium (the page) receives these packets as they are: its SCTP accepts
+  packet, within :data:`SACK_DELAY_S` for fewer and at once on a gap or a duplicate, instead of
+  every one (RFC 4960 §6.2 recommends at least every second packet and allows up to 200 ms of
+  delay); (c) wraps ``RTCSctpTransport._transmit`` so a message of up to
+  :data:`SCTP_BURST_PACKETS` packets goes out at once, not four packets per SACK received. Rows
+  are not altered, only how they travel. Chromium (the page) receives these packets as they are: its SCTP accepts
   any packet size a datagram carries and acknowledges on its own schedule.
 
 Each function raises :class:`~swarm.errors.LocalProtocolError` naming the missing internal when an
