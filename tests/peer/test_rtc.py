@@ -151,6 +151,8 @@ def test_rows_travel_in_fewer_packets_and_every_packet_is_acknowledged() -> None
     data = math.ceil(len(message) / rtc.SCTP_USERDATA_MAX_LENGTH)
     least = rounds * data + rounds * data // rtc.SACK_EVERY_PACKETS  # SACKs for packets of several messages
     most = rounds * (data + math.ceil(data / rtc.SACK_EVERY_PACKETS))  # or one per message at least
-    # a rare retransmission on a loaded machine adds a few; aiortc's defaults would add ~130 %
-    assert all(least <= n <= most * 1.1 for n in per_message), (per_message, least, most)
+    # A stall longer than SACK_DELAY_S while a message arrives (a loaded machine) adds a SACK,
+    # a rare retransmission a packet: 25 % room. A SACK every second packet would add 37 %,
+    # aiortc's defaults ~130 %.
+    assert all(least <= n <= most * 1.25 for n in per_message), (per_message, least, most)
     assert lone == [2, 2], lone  # its data packet and the delayed SACK of the other's
