@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -278,11 +279,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--trace", action="store_true",
                         help="swarm only: where each layer's round trip goes (bench/ffn_trace.py)")
+    parser.add_argument("--loop", choices=swarm_bench.EVENT_LOOPS, default="auto",
+                        help="every peer process's event loop, as join --loop (default auto: uvloop where installed)")
     parser.add_argument("--_inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--signal", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ[swarm_bench.LOOP_ENV] = os.environ.get(swarm_bench.LOOP_ENV, args.loop)  # the driver's, inherited
+    asyncio.run = functools.partial(swarm_bench.run_on_loop, asked=os.environ[swarm_bench.LOOP_ENV])
     if args._worker:  # the traced worker (--trace)
         import logging
 
@@ -315,7 +320,8 @@ def main() -> None:
     results = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
                     "arch": platform.machine(), "blas_threads_per_process": int(swarm_bench.BLAS_THREADS),
-                    "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
+                    "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+                    "event_loop": swarm_bench.pick_loop(args.loop)},
         "model": args.model, "tokens_per_stream": args.tokens, "prompt_words": args.prompt_tokens,
         "rounds": args.rounds, **swarm_bench._in_netns(argv, args.timeout),
     }

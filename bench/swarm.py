@@ -38,8 +38,9 @@ token; ``COLIBRI_BENCH_INLINE_MAX_S=0`` puts every stage step on the worker's co
 (the path before short steps ran on its event loop), for comparison.
 
 ``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every peer process;
-``COLIBRI_BENCH_UVLOOP=1`` runs every peer process on uvloop's event loop instead of asyncio's
-(``pip install .[bench]``; a comparison, not what ``join`` runs).
+``--loop`` the event loop every peer process runs on, as ``join --loop`` does (default auto:
+uvloop where installed); a comma-separated list (``--loop uvloop,asyncio``) measures each model
+under each loop in turn, reported as ``MODEL@LOOP``.
 
 Numbers depend on the machine and on what else runs on it; this one has 2 cores for all
 peers together, so the workers and the coordinator compete for CPU.
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -74,6 +76,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+from swarm.cli.join import EVENT_LOOPS, pick_loop, run_on_loop  # noqa: E402
+
 
 ADDRESS = "10.215.0.1"
 # This benchmark's peers share one small machine with everything else running on it; a starved
@@ -84,6 +88,7 @@ BENCH_ELECTION_TIMEOUT_S = 5.0
 BENCH_DEADLINE_MIN_S = 5.0
 PRODUCT_DEADLINE_MIN_S: list[float] = []  # filled at start: the coordinator's own floor
 PLAN_WAIT_S = 300.0  # a worker process loads its model and measures its FFN speed first
+LOOP_ENV = "COLIBRI_BENCH_LOOP"  # the event loop (join --loop's names) the driver hands its peer processes
 
 
 def _bench_timeouts() -> float:
@@ -642,6 +647,9 @@ def main() -> None:
     parser.add_argument("--layouts-only", action="store_true",
                         help="only the layouts phase (2 peers): no 2/3-peer ranges figures, no recovery")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
+    parser.add_argument("--loop", default="auto",
+                        help="the peers' event loop: auto (uvloop where installed), uvloop or asyncio; a "
+                             "comma-separated list measures each in turn")
     parser.add_argument("--_coordinator", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--trace-stages", action="store_true",
@@ -657,10 +665,12 @@ def main() -> None:
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name or 'main'} %(name)s: %(message)s")
         logging.getLogger("aioice").setLevel(logging.WARNING)
-    if os.environ.get("COLIBRI_BENCH_UVLOOP") and (args._trace or args._worker or args._coordinator):
-        import uvloop  # bench-only: libuv's event loop under every peer process, for comparison
-
-        asyncio.run = uvloop.run
+    loops = [name.strip() for name in args.loop.split(",") if name.strip()]
+    bad = [name for name in loops if name not in EVENT_LOOPS]
+    if bad or not loops:
+        parser.error(f"--loop: {','.join(bad) or 'nothing'} is not one of {', '.join(EVENT_LOOPS)}")
+    if args._trace or args._worker or args._coordinator:  # a peer process: on the loop its driver chose
+        asyncio.run = functools.partial(run_on_loop, asked=os.environ.get(LOOP_ENV, "auto"))
     if args._trace:
         PRODUCT_DEADLINE_MIN_S.append(_bench_timeouts())
         delays = [float(d) for d in args.delays.split(",") if d.strip()]
@@ -683,15 +693,19 @@ def main() -> None:
                     "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
         "models": {},
     }
+    results["machine"]["event_loops"] = {name: pick_loop(name) for name in loops}
     for name in args.models.split(","):
         path = model_path(name)
-        t0 = time.monotonic()
-        mode = "--_trace" if args.trace_stages else "--_coordinator"
-        results["models"][Path(name).name] = _in_netns(
-            [mode, str(path), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
-             "--max-peers", str(2 if args.layouts_only else args.max_peers), "--delays", args.delays,
-             "--rounds", str(args.rounds), *(["--layouts-only"] if args.layouts_only else [])], args.timeout)
-        results["models"][Path(name).name]["bench_wall_s"] = round(time.monotonic() - t0, 1)
+        for loop in loops:
+            os.environ[LOOP_ENV] = loop  # inherited by every peer process of this measurement
+            label = Path(name).name if len(loops) == 1 else f"{Path(name).name}@{loop}"
+            t0 = time.monotonic()
+            mode = "--_trace" if args.trace_stages else "--_coordinator"
+            results["models"][label] = _in_netns(
+                [mode, str(path), "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
+                 "--max-peers", str(2 if args.layouts_only else args.max_peers), "--delays", args.delays,
+                 "--rounds", str(args.rounds), *(["--layouts-only"] if args.layouts_only else [])], args.timeout)
+            results["models"][label]["bench_wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(results, indent=2))
 
 

@@ -213,3 +213,38 @@ def test_join_at_a_port_in_use_ends_with_one_clear_line(tmp_path):
     assert (f"colibri-swarm: error: cannot host the signaling server on port {port}: " in proc.stderr
             and "address already in use; pick another with join --port N" in proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("loop, slow_check, runs_on, why", [
+    ("auto", False, "uvloop (uvloop.Loop)", None),
+    ("asyncio", False, "asyncio (asyncio.unix_events._UnixSelectorEventLoop)", None),
+    ("uvloop", True, "asyncio (asyncio.unix_events._UnixSelectorEventLoop)", "the slow-callback check times"),
+])
+def test_join_runs_on_the_event_loop_asked_for(tmp_path, loop, slow_check, runs_on, why):
+    """A real `join` process logs the class of the loop it runs on: uvloop by default, asyncio's
+    when asked for, and asyncio's (saying why) while the slow-callback check is on."""
+    import os
+    import signal
+    import time
+
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.loopwatch import SLOW_CALLBACK_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != SLOW_CALLBACK_ENV}
+    env.update({"COLIBRI_SWARM_CONFIG_DIR": str(tmp_path), **({SLOW_CALLBACK_ENV: "0.5"} if slow_check else {})})
+    log = tmp_path / "join.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "swarm", "-v", "join", "--no-model", "--loop", loop,
+                                 "--key", SwarmKey(os.urandom(32)).code], stdout=subprocess.DEVNULL, stderr=err,
+                                env=env)
+    try:
+        for _ in range(600):  # until the peer says which loop it runs on, or exits
+            if proc.poll() is not None or "event loop: " in log.read_text():
+                break
+            time.sleep(0.1)
+        lines = [line for line in log.read_text().splitlines() if "event loop: " in line]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert lines and lines[-1].endswith(f"event loop: {runs_on}"), log.read_text()[-3000:]
+    assert (why is None) == (len(lines) == 1) and (why is None or why in lines[0]), lines

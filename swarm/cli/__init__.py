@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", metavar="N", type=_int_at_least(0, "--max-queue"),
                    help="as coordinator: at most N more requests wait for a slot; beyond, HTTP 429 with "
                    "Retry-After (default 32)")
+    # Names as in swarm.cli.join.EVENT_LOOPS (not imported here: the CLI starts without asyncio's peers).
+    p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="the event loop the peer runs on: uvloop (about half the round trip of a data-channel "
+                   "message), asyncio's own, or auto (the default): uvloop where installed, asyncio while "
+                   "$COLIBRI_SWARM_SLOW_CALLBACK_S is set")
     p.set_defaults(func=_join)
 
     p = _command(sub, "key", "show the swarm key as a code and a QR code (creates one if none), the API token "

@@ -1,7 +1,8 @@
 """``colibri-swarm join``: load the model (``--model``, or the default one; none with
 ``--no-model``), start a :class:`~swarm.peer.node.Node`, and run
 :class:`~swarm.peer.roles.SwarmRoles` on it (election, then coordinator or worker), printing the
-swarm, its role and peers as they come and go."""
+swarm, its role and peers as they come and go. The peer runs on uvloop's event loop where it is
+installed (``--loop``; see :func:`pick_loop`)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from swarm import paths
+from swarm.errors import SwarmError
 from swarm.keys.swarmkey import SwarmKey
 from swarm.peer.node import Node, default_memory_budget, measure_ffn_gflops
 from swarm.terminal import esc
@@ -32,11 +36,58 @@ def main_join(args: Any) -> int:
 
     console = terminal_console()
     try:
-        asyncio.run(_join(args, console))
+        run_on_loop(_join(args, console), getattr(args, "loop", "auto"))
     except KeyboardInterrupt:
         pass
     console.print("[bold]goodbye[/] — left the swarm")
     return 0
+
+
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # `--loop`: auto = uvloop where it is installed
+
+
+def pick_loop(asked: str = "auto") -> str:
+    """The event loop a peer runs on for ``--loop ASKED`` (one of :data:`EVENT_LOOPS`):
+    ``"uvloop"`` or ``"asyncio"``. uvloop's libuv loop halves a data-channel round trip; asyncio's
+    is used when asked for, when uvloop is not installed (auto), and while the slow-callback check
+    (``$COLIBRI_SWARM_SLOW_CALLBACK_S``) is on: it times callbacks through asyncio's own handle
+    and debug hooks, which uvloop does not have. Says why in one log line whenever the answer is
+    not the one asked for. Raises SwarmError for an unknown name, or for ``uvloop`` where it is
+    not installed."""
+    from swarm.peer.loopwatch import SLOW_CALLBACK_ENV
+
+    if asked not in EVENT_LOOPS:
+        raise SwarmError(f"unknown event loop {asked!r}: use one of {', '.join(EVENT_LOOPS)}")
+    if asked == "asyncio":
+        return "asyncio"
+    if os.environ.get(SLOW_CALLBACK_ENV):
+        log.info("event loop: asyncio, not uvloop, while $%s is set (the slow-callback check times "
+                 "callbacks through asyncio's handle hooks, which uvloop lacks)", SLOW_CALLBACK_ENV)
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if asked == "uvloop":
+            raise SwarmError("--loop uvloop: uvloop is not installed here; pip install uvloop, or use "
+                             "--loop asyncio") from None
+        log.info("event loop: asyncio (uvloop is not installed)")
+        return "asyncio"
+    return "uvloop"
+
+
+def run_on_loop(main: Coroutine[Any, Any, Any], asked: str = "auto") -> Any:
+    """Run ``main`` to its end on a new event loop of the kind :func:`pick_loop` chooses for
+    ``asked``, as :func:`asyncio.run` does; returns its result."""
+    try:
+        name = pick_loop(asked)
+    except BaseException:
+        main.close()
+        raise
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 async def freeze_heap() -> None:
@@ -53,7 +104,10 @@ async def freeze_heap() -> None:
 async def _join(args: Any, console: Any) -> None:
     from swarm.peer.loopwatch import watch_slow_callbacks
 
-    with watch_slow_callbacks(asyncio.get_running_loop()):
+    loop = asyncio.get_running_loop()
+    kind = "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+    log.info("event loop: %s (%s.%s)", kind, type(loop).__module__, type(loop).__qualname__)
+    with watch_slow_callbacks(loop):
         await _run_peer(args, console)
 
 

@@ -40,16 +40,18 @@ STABLE_S = 3.0  # one swarm must hold this long to count as healed
 FORM_S = 60.0  # a peer starts (loads its model, hosts or finds signaling) within this
 FORM_SLOW_S = 120.0  # three peers loading a slow-to-parse model at once on 2 shared cores form one swarm
 PROMPT = "hello swarm"
-PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "COLIBRI_SWARM_SLOW_CALLBACK_S": "0.1"}
+SLOW_CALLBACK_ENV = "COLIBRI_SWARM_SLOW_CALLBACK_S"
+PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", SLOW_CALLBACK_ENV: "0.1"}
 UNCAPPED = -1  # memory.limit_in_bytes for no limit
 SQUEEZE_MARGIN = 16 << 20  # bytes a capped worker may hold beyond its own anonymous memory
 SLOW = re.compile(r"WARNING asyncio: slow callback: .*")
 
 
-def join(lab, i: int, key: SwarmKey | None, model_dir, *extra: str, cgroup: MemoryCgroup | None = None):
+def join(lab, i: int, key: SwarmKey | None, model_dir, *extra: str, cgroup: MemoryCgroup | None = None,
+         env: dict[str, str] = PEER_ENV):
     key_args = ["--key", key.code] if key is not None else []
     return lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(model_dir), *key_args, "--name", f"host{i}",
-                         "--layout", "ranges", *extra], env=PEER_ENV, cgroup=cgroup)
+                         "--layout", "ranges", *extra], env=env, cgroup=cgroup)
 
 
 def busy_cores() -> list[subprocess.Popen]:
@@ -235,6 +237,41 @@ async def test_faults_heal_into_one_swarm(netns_lab, model_dir, expected):
         group.close()
 
     assert slow_callbacks(procs) == []
+
+
+async def test_faults_during_a_generation_on_uvloop(netns_lab, model_dir, expected):
+    """The default event loop (uvloop; the slow-callback check, which needs asyncio's, off): a
+    worker stalled, then a worker's link down, during a generation; each text is the local run's
+    and the peers are one swarm again after."""
+    lab = netns_lab(3)
+    key = SwarmKey(os.urandom(32))
+    env = {**PEER_ENV, SLOW_CALLBACK_ENV: ""}  # off, even where the environment sets it
+    procs = [join(lab, i, key, model_dir, env=env) for i in range(3)]
+    state = await healed(lab, procs, 3, "joining together on uvloop", time.monotonic(), bound_s=FORM_S)
+    for p in procs:
+        assert "event loop: uvloop (uvloop.Loop)" in p.log_path.read_text(errors="replace"), p.log_path
+
+    for what, start, end in (("worker stalled during a generation on uvloop", lab.stop, lab.cont),
+                             ("worker link down during a generation on uvloop", lab.link_down, lab.link_up)):
+        c = state["coordinator"]
+        worker = next(i for i in range(3) if i != c)
+        client = next(i for i in range(3) if i not in (c, worker))
+        hit: list[float] = []
+
+        def strike(chars: int, worker=worker, start=start, hit=hit) -> None:
+            if chars >= 8 and not hit:
+                start(worker)
+                hit.append(time.monotonic())
+
+        try:
+            answer = await ask(lab, client, c, state["api_port"], key.api_token, PROMPT, strike)
+            await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - hit[0])) if hit else 0.0)
+        finally:
+            if hit:
+                end(worker)
+        assert hit, f"the generation ended before the fault: {what}"
+        assert answer["event"] == "done" and answer["text"] == expected, (what, answer)
+        state = await healed(lab, procs, 3, what, time.monotonic())
 
 
 async def test_multicast_blocked_says_so_and_signal_joins(netns_lab, model_dir, expected):

@@ -50,6 +50,8 @@ async def test_a_stage_plan_over_namespaced_hosts_and_a_stage_killed_at_token_10
                 procs)
     c, doc = staged_coordinator(docs())
     worker = 1 - c
+    for p in procs:  # join's default event loop
+        assert "event loop: uvloop (uvloop.Loop)" in p.log_path.read_text(errors="replace"), p.log_path
     stages = doc["placement"]["stages"]
     assert stages[0][0] == doc["peer_id"] and [s[1:] for s in stages][-1][1] == 3  # all 3 layers, in order
     assert doc["placement"]["cost"]["mode"] == "stages"

@@ -130,6 +130,8 @@ async def test_join_elect_generate_and_fail_over(netns_lab):
                 procs)
     c, doc = coordinator_of(docs())
     ids = {i: docs()[i]["peer_id"] for i in (0, 1, 2, 4)}
+    for p in procs:  # join's default event loop
+        assert "event loop: uvloop (uvloop.Loop)" in p.log_path.read_text(errors="replace"), p.log_path
 
     # the peer without the model gets the slices the plan gives it, verified and cached
     assert any(s[0] == ids[4] for spans in doc["placement"]["experts"].values() for s in spans), doc["placement"]
