@@ -40,6 +40,7 @@ import pytest
         (["join", "--memory", "-5"], "memory budget (MiB) must be at least 1"),
         (["join", "--signal", "ftp://host:1"], "signaling runs over TLS only"),
         (["join", "--signal", "10.0.0.2"], "names no port"),
+        (["join", "--max-batch", "65"], "--max-batch must be at most 64"),
     ],
 )
 def test_bad_option_values_get_one_clear_line(argv, needle):
@@ -47,6 +48,17 @@ def test_bad_option_values_get_one_clear_line(argv, needle):
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_max_batch_cap_is_the_servings():
+    """The CLI keeps numpy out of its start, so it writes serving's MAX_BATCH_LIMIT as a literal."""
+    from swarm.compute.serving import MAX_BATCH_LIMIT, set_default_limits
+
+    assert build_parser().parse_args(["join", "--max-batch", str(MAX_BATCH_LIMIT)]).max_batch == MAX_BATCH_LIMIT
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["join", "--max-batch", str(MAX_BATCH_LIMIT + 1)])
+    with pytest.raises(ValueError, match=f"1..{MAX_BATCH_LIMIT}"):
+        set_default_limits(max_batch=MAX_BATCH_LIMIT + 1)
 
 
 def test_good_option_values_parse():

@@ -23,7 +23,7 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the signal
 
 
-def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+def _int_at_least(low: int, what: str, high: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -31,6 +31,8 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{what} must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{what} must be at most {high}, got {value}")
         return value
 
     return parse
@@ -237,10 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", metavar="MIB", type=_int_at_least(1, "the memory budget (MiB)"),
                    help="at most this many MiB of weights (default: what the OS and this process's memory "
                    "cgroup leave free, less 64 MiB)")
-    # Defaults: swarm.compute.serving's MAX_BATCH and MAX_QUEUE (not imported here: numpy stays out of the CLI's start).
-    p.add_argument("--max-batch", metavar="N", type=_int_at_least(1, "--max-batch"),
+    # Defaults and the cap: swarm.compute.serving's MAX_BATCH, MAX_BATCH_LIMIT and MAX_QUEUE (not imported
+    # here: numpy stays out of the CLI's start).
+    p.add_argument("--max-batch", metavar="N", type=_int_at_least(1, "--max-batch", 64),
                    help="as coordinator: generate for at most N API requests at once, batched into shared "
-                   "steps (default 8); docs/serving.md")
+                   "steps (default 8, at most 64); docs/serving.md")
     p.add_argument("--max-queue", metavar="N", type=_int_at_least(0, "--max-queue"),
                    help="as coordinator: at most N more requests wait for a slot; beyond, HTTP 429 with "
                    "Retry-After (default 32)")

@@ -44,6 +44,9 @@ from swarm.errors import SwarmError
 CHUNK_TOKENS = PREFILL_CHUNK  # prompt rows per prefill chunk: where generate() cuts a prompt too
 PREFILL_ROWS = 128  # prefill rows per step, all newcomers together (the first chunk always goes)
 MAX_BATCH = 8  # sequences that run at once
+# The most sequences one step may carry, whatever join --max-batch asks: a stage peer keeps the KV
+# caches of every sequence in a step it serves, and refuses a request with more.
+MAX_BATCH_LIMIT = 64
 MAX_QUEUE = 32  # sequences that wait for a slot
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 120
 
@@ -55,9 +58,9 @@ _limits = {"max_batch": MAX_BATCH, "max_queue": MAX_QUEUE}  # this process's def
 def set_default_limits(max_batch: int | None = None, max_queue: int | None = None) -> None:
     """Set the limits schedulers made from now on take when given none (None: keep).
 
-    Raises ValueError for max_batch < 1 or max_queue < 0."""
-    if (max_batch is not None and max_batch < 1) or (max_queue is not None and max_queue < 0):
-        raise ValueError(f"max_batch must be ≥ 1 and max_queue ≥ 0, got {max_batch} and {max_queue}")
+    Raises ValueError for max_batch outside 1..MAX_BATCH_LIMIT or max_queue < 0."""
+    if (max_batch is not None and not 1 <= max_batch <= MAX_BATCH_LIMIT) or (max_queue is not None and max_queue < 0):
+        raise ValueError(f"max_batch must be 1..{MAX_BATCH_LIMIT} and max_queue ≥ 0, got {max_batch} and {max_queue}")
     if max_batch is not None:
         _limits["max_batch"] = max_batch
     if max_queue is not None:

@@ -15,7 +15,8 @@ from swarm.compute.default_model import default_model_path
 from swarm.compute.model import load_model
 from swarm.errors import LocalProtocolError, MessageError
 from swarm.peer.net import messages as m
-from swarm.peer.coordinator.stages import INLINE_ROWS, Stage, StagedFFN, StageLayout, StageRunner, split_layers
+from swarm.compute.serving import MAX_BATCH_LIMIT
+from swarm.peer.coordinator.stages import INLINE_ROWS, MAX_SEQUENCES, Stage, StagedFFN, StageLayout, StageRunner, split_layers
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 
 MOE = "qwen3_moe"  # MoE layers 0 and 2, dense layer 1
@@ -325,6 +326,29 @@ def test_the_stage_runner_refuses_what_is_not_its_own(moe_dir):
     assert isinstance(ok, m.StageAnswer) and ok.x.shape == (2, 64) and ok.request_id == 5
     with pytest.raises(Exception, match="term 1"):
         runner.accept(StageLayout(1, 9, COORD, layout.stages))
+
+
+def test_a_step_of_more_sequences_than_a_stage_keeps_is_served_and_keeps_them_all(moe_dir):
+    """A coordinator batching more sequences than MAX_SEQUENCES (join --max-batch 12): each step is
+    served and no sequence of it is dropped (its next step finds its cache); beyond
+    MAX_BATCH_LIMIT sequences a step is refused, naming the limit."""
+    layout = StageLayout(1, 1, COORD, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    runner = StageRunner(W1, load_model(moe_dir))
+    runner.accept(layout)
+    n = MAX_SEQUENCES + 4
+    step = lambda start, count=n: m.StageRequest(  # noqa: E731
+        5, 1, 1, tuple(m.StageSegment(s, start, 1) for s in range(count)), 1, 3, np.ones((count, 64), np.float32))
+    for start in range(3):
+        assert isinstance(runner.handle(step(start)), m.StageAnswer)
+    assert runner.served == 3
+    too_many = runner.handle(step(0, MAX_BATCH_LIMIT + 1))
+    assert too_many.code == "bad_request" and f"at most {MAX_BATCH_LIMIT}" in too_many.message
+    # Once steps are small again, the least recently used give way, down to MAX_SEQUENCES.
+    one = lambda seq, start: m.StageRequest(  # noqa: E731
+        5, 1, 1, (m.StageSegment(seq, start, 1),), 1, 3, np.ones((1, 64), np.float32))
+    assert isinstance(runner.handle(one(100, 0)), m.StageAnswer)
+    assert runner.handle(one(0, 3)).code == "cache_gap"
+    assert isinstance(runner.handle(one(n - 1, 3)), m.StageAnswer)
 
 
 def test_stage_messages_check_their_fields():

@@ -66,6 +66,7 @@ import numpy as np
 
 from swarm.compute.ffn import LocalFFN
 from swarm.compute.model import KVCache
+from swarm.compute.serving import MAX_BATCH_LIMIT
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
 from swarm.peer.coordinator.dispatch import MISS_LIMIT, NOT_READY_RETRY_S, SILENCE_S, Dispatcher, PeerTiming
 from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest, StageSegment
@@ -75,7 +76,7 @@ log = logging.getLogger(__name__)
 
 F32 = np.float32
 KEEP_PLANS = 4  # stage layouts of the current term a worker still serves
-MAX_SEQUENCES = 8  # sequences whose KV caches a stage keeps (least recently used dropped first)
+MAX_SEQUENCES = 8  # KV caches a stage keeps beyond those of the step at hand (least recently used dropped first)
 MAX_STAGE_ROWS = 16384  # rows per stage request (a long prefill is still one batch)
 REQUEST_ID_BASE = 1 << 31  # stage request ids: top bit set, apart from RemoteFFN's
 # A stage step of at most INLINE_ROWS rows whose last such step took at most INLINE_MAX_S is run on
@@ -291,9 +292,8 @@ class StageRunner:
             raise RemoteProtocolError(f"rows must be [1..{MAX_STAGE_ROWS}, {H}] float32, got {x.shape} {x.dtype}")
         if not np.isfinite(x).all():
             raise RemoteProtocolError("rows hold NaN or infinity")
-        if len(msg.segments) > self.max_sequences:
-            raise RemoteProtocolError(f"{len(msg.segments)} sequences in one step; this stage keeps "
-                                      f"{self.max_sequences}")
+        if len(msg.segments) > MAX_BATCH_LIMIT:
+            raise RemoteProtocolError(f"{len(msg.segments)} sequences in one step; at most {MAX_BATCH_LIMIT}")
         with self._lock:
             caches, gaps = [], []
             for s in msg.segments:  # every sequence is checked before any cache changes
@@ -309,7 +309,10 @@ class StageRunner:
             for s, cache in zip(msg.segments, caches):
                 self._caches.pop((s.sequence, lo, hi), None)
                 self._caches[(s.sequence, lo, hi)] = cache  # most recently used last
-            while len(self._caches) > self.max_sequences:
+            # Per stage range held, as many sequences as this step carries (the most recently used:
+            # never dropped for a big step) or max_sequences.
+            keep = max(self.max_sequences, len(caches)) * len({k[1:] for k in self._caches})
+            while len(self._caches) > keep:
                 self._caches.popitem(last=False)
         for s, cache in zip(msg.segments, caches):
             cache.truncate(s.start)
