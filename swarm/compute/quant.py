@@ -187,8 +187,11 @@ class QMatrix:
             out = np.empty((T, R), F32)
         elif out.dtype != F32 or out.shape != (T, R):  # the kernels write without bounds checks
             raise ValueError(f"out must be float32 [T, rows] = [{T}, {R}], got {out.dtype} {out.shape}")
-        if not x.flags.c_contiguous:
-            x = np.ascontiguousarray(x)
+        if not (x.flags.c_contiguous and x.flags.writeable):
+            # One compiled signature per kernel: to numba a read-only array (rows decoded from the
+            # wire) is another type, which a worker would compile on its first request (a minute
+            # of CPU and hundreds of MB of LLVM memory for the block kernels).
+            x = np.array(x, dtype=F32, order="C")
         dst = out if out.flags.c_contiguous else np.empty((T, R), F32)
         k = _compiled or _kernels()
         if self._kind >= 0:

@@ -189,6 +189,22 @@ def test_columns_keep_the_encoding_on_block_bounds_else_float32():
     np.testing.assert_array_equal(cut.dequantize(), full[:, 10:50])
 
 
+def test_read_only_rows_use_the_kernels_already_compiled():
+    """Rows decoded from the wire are read-only arrays: a distinct type to numba, which would
+    compile (or load) a second signature of each kernel in a worker at its first request."""
+    from swarm.compute import qkernels, quant
+
+    quant._kernels()
+    for qtype in (QT.Q8_0, QT.F32, QT.F16):
+        w = QMatrix(encoded(qtype, 8, 64, seed=0), qtype, 64)
+        x = np.ones((3, 64), np.float32)
+        want = w.matmul(x)
+        before = {f: list(getattr(qkernels, f).signatures) for f in ("matmul", "matmul_f32", "matmul_half")}
+        x.flags.writeable = False
+        assert np.array_equal(w.matmul(x), want)
+        assert {f: list(getattr(qkernels, f).signatures) for f in before} == before, qtype
+
+
 def test_bad_input_names_what_is_wrong():
     m = QMatrix(encoded(QT.Q8_0, 4, 64, 0), QT.Q8_0, 64)
     with pytest.raises(ValueError, match=r"x must be float32 \[T, 64\], got float64"):
