@@ -11,6 +11,7 @@ in a thread, as in ``join``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import numpy as np
@@ -59,6 +60,20 @@ def staged(coord: Peer, workers: list[Peer]) -> bool:
     if st is None or set(st.layout.workers()) != {w.node.peer_id for w in workers}:
         return False
     return all(w.roles.worker.stage_runner.serves(st.layout.term, st.layout.version) for w in workers)
+
+
+@contextlib.asynccontextmanager
+async def stage_pair(tmp_path, model_path):
+    """A coordinator and one worker (speeds 2:1) whose stage plan is in force; both stopped on exit."""
+    server, peers = await start_stage_swarm(tmp_path, model_path, [2.0, 1.0])
+    try:
+        coord, worker = peers
+        await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+        yield coord, worker
+    finally:
+        for p in peers:
+            await p.stop()
+        await server.stop()
 
 
 def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
@@ -120,18 +135,11 @@ def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tm
     model_dir = build("qwen3_moe", tmp_path)
 
     async def main():
-        server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0])
-        try:
-            coord, worker = peers
-            await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+        async with stage_pair(tmp_path, model_dir) as (coord, worker):
             run = await asyncio.to_thread(greedy_together, coord.roles.model, coord.roles.coordinator.engine_ffn,
                                           PROMPTS, 6)
             st = coord.roles.coordinator.stages
             return run, worker.roles.worker.stage_runner.served, st.remote_steps, st.failed, st.misses
-        finally:
-            for p in peers:
-                await p.stop()
-            await server.stop()
 
     (tokens, logits), served, remote, failed, misses = run_in_netns(main, timeout_s=240, prefix="cst",
                                                                     address=ADDRESS)
@@ -218,20 +226,13 @@ def test_auto_prices_the_worker_by_its_observed_speed(tmp_path):
     model_dir = build("qwen3_moe", tmp_path)
 
     async def main():
-        server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0])
-        try:
-            coord, worker = peers
-            await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+        async with stage_pair(tmp_path, model_dir) as (coord, worker):
             await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn, PROMPT, 4)
             version = coord.roles.coordinator.ffn.plan.version
             coord.roles.coordinator.set_layout("auto")
             await until(lambda: (coord.roles.node.placement or {}).get("cost", {}).get("mode") == "auto"
                         and coord.roles.coordinator.plan_version > version, 20, "a plan priced in auto mode")
             return coord.roles.node.placement["cost"], worker.node.peer_id
-        finally:
-            for p in peers:
-                await p.stop()
-            await server.stop()
 
     cost, worker_id = run_in_netns(main, timeout_s=120, prefix="cst", address=ADDRESS)
     (seen,) = [p for p in cost["peers"] if p["peer_id"] == worker_id]
@@ -251,10 +252,7 @@ def test_a_stage_peer_that_lost_its_stage_plan_is_sent_it_again(tmp_path):
     model_dir = build("qwen3_moe", tmp_path)
 
     async def main():
-        server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0])
-        try:
-            coord, worker = peers
-            await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+        async with stage_pair(tmp_path, model_dir) as (coord, worker):
             fresh = StageRunner(worker.node.peer_id, worker.roles.model)
 
             def on_step(step):
@@ -266,10 +264,6 @@ def test_a_stage_peer_that_lost_its_stage_plan_is_sent_it_again(tmp_path):
             run = await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn, PROMPT, 16, on_step)
             st = coord.roles.coordinator.stages
             return run, fresh.served, dict(st.not_ready), {p for p, t in st.timing.items() if t.failures}, st.failed
-        finally:
-            for p in peers:
-                await p.stop()
-            await server.stop()
 
     run, served, not_ready, failures, failed = run_in_netns(main, timeout_s=180, prefix="cst", address=ADDRESS)
     ref = greedy(load_model(model_dir), None, PROMPT, 16)

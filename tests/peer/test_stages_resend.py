@@ -18,8 +18,7 @@ from swarm.compute.model import load_model
 from swarm.compute.quant import SMALL_T
 from tests.peer._links import run_in_netns
 from tests.peer._swarm_models import build, greedy
-from tests.peer.test_stages_loopback import ADDRESS, staged, start_stage_swarm
-from tests.peer.test_swarm_loopback import until
+from tests.peer.test_stages_loopback import ADDRESS, stage_pair
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +32,7 @@ def test_a_missed_step_and_a_lost_stage_give_the_local_bits(tmp_path):
     model_dir = build("qwen3_moe", tmp_path)
 
     async def main():
-        server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0])
-        try:
-            coord, worker = peers
-            await until(lambda: staged(coord, [worker]), 40, "a stage plan with the worker in it")
+        async with stage_pair(tmp_path, model_dir) as (coord, worker):
             st, wid = coord.roles.coordinator.stages, worker.node.peer_id
             model, ffn = coord.roles.model, coord.roles.coordinator.engine_ffn
             loop = asyncio.get_running_loop()
@@ -66,10 +62,6 @@ def test_a_missed_step_and_a_lost_stage_give_the_local_bits(tmp_path):
             b = await asyncio.to_thread(greedy, model, ffn, PROMPT_B, STEPS, leave)
             await gone.wait()
             return a, b, missed, st.rebuilt_positions, {p for p, t in st.timing.items() if t.failures}
-        finally:
-            for p in peers:
-                await p.stop()
-            await server.stop()
 
     a, b, (misses, rebuilt_a, failed_a, remote_a), rebuilt, failed = run_in_netns(
         main, timeout_s=240, prefix="csr", address=ADDRESS)
