@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -159,6 +160,7 @@ BAD_META = {
     "NaN": (HB, b'{"seq":1,"sent_s":NaN}', "NaN is not a JSON number"),
     "Infinity": (HB, b'{"seq":1,"sent_s":Infinity}', "Infinity"),
     "huge float": (HB, b'{"seq":1,"sent_s":1e999}', "finite number"),
+    "integer beyond float": (HB, b'{"seq":1,"sent_s":' + b"9" * 400 + b'}', "finite number"),
     "string for float": (HB, b'{"seq":1,"sent_s":"1"}', "finite number"),
     "duplicate key": (HB, b'{"seq":1,"seq":2,"sent_s":1.0}', "duplicate key"),
     "missing key": (HB, b'{"seq":1}', r"missing \['sent_s'\]"),
@@ -370,3 +372,27 @@ def test_mutated_frames_of_every_kind_give_defined_errors() -> None:
                     m.decode(data)
                 except RemoteProtocolError:
                     pass
+
+
+_SCHEMA_TYPES = (int, float, str, bool, Literal["a", "b"], int | None, tuple[int, ...], tuple[int, str],
+                 dict[str, float], m.StageSegment, tuple[m.StageSegment, ...])
+_VALUES = (0, 1, -1, 2**53, 2**53 - 1, 1.5, 2.0, float("nan"), float("inf"), 10**400, True, False, None, "a",
+           "c", "x" * (m.MAX_STR + 1), [], [1, 2], (1, "a"), [1, "a", 2], {"k": 1.0}, {"k": "v"}, {1: 1.0},
+           {"sequence": 1, "start": 0, "rows": 2}, {"sequence": 1, "start": 0}, m.StageSegment(1, 0, 2),
+           [{"sequence": 1, "start": 0, "rows": 2}], [m.StageSegment(1, 0, 2)])
+
+
+@pytest.mark.parametrize("tp", _SCHEMA_TYPES, ids=str)
+def test_compiled_checks_agree_with_the_schema_rules(tp) -> None:
+    # the per-type closures used on the hot path accept, refuse and convert exactly as the rules do
+    for v in _VALUES:
+        try:
+            want = m._check_value(v, tp, "f")
+        except m._Invalid:
+            with pytest.raises(m._Invalid):
+                m._checker(tp)(v)
+            continue
+        got = m._checker(tp)(v)
+        assert got == want and type(got) is type(want), (tp, v)
+        to_json = m._jsonifier(tp)
+        assert (got if to_json is None else to_json(got)) == m._to_json(got, tp), (tp, v)

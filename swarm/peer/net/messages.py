@@ -34,10 +34,12 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import re
 import types
 import typing
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import numpy as np
@@ -47,6 +49,7 @@ from swarm.peer.net import wire
 
 MAX_STR = 4096  # characters per string field
 MAX_INT = 2**53 - 1  # largest integer a JS number holds exactly
+MAX_FLOAT_INT = 2**1023  # integers of a float field below this convert to a finite float
 PEER_ID_RE = re.compile(r"[a-z2-7]{26}")  # base32 (RFC 4648, lower case, no padding) of 16 bytes
 HEX64_RE = re.compile(r"[0-9a-f]{64}")  # 32 bytes as lower-case hex: nonces, MACs, SHA-256 digests
 
@@ -78,9 +81,13 @@ def _check_value(v: Any, tp: Any, where: str) -> Any:
             raise _Invalid(f"{where}: expected an integer in 0..2**53-1, got {v!r:.60}")
         return v
     if tp is float:
-        if type(v) not in (int, float) or v != v or v in (float("inf"), float("-inf")):
+        try:
+            as_float = float(v) if type(v) in (int, float) else math.nan
+        except OverflowError:  # an integer of hundreds of digits
+            as_float = math.inf
+        if not math.isfinite(as_float):
             raise _Invalid(f"{where}: expected a finite number, got {v!r:.60}")
-        return float(v)
+        return as_float
     if tp is str:
         if type(v) is not str or len(v) > MAX_STR:
             raise _Invalid(f"{where}: expected a string of at most {MAX_STR} characters, got {v!r:.60}")
@@ -141,6 +148,119 @@ def _to_json(v: Any, tp: Any) -> Any:
         val_tp = typing.get_args(tp)[1]
         return {k: _to_json(x, val_tp) for k, x in v.items()}
     return v
+
+
+# Compiled checkers: the same rules as _check_value and _to_json, resolved once per schema type
+# into closures, so the hot path (a stage or expert request per layer or step) does not walk
+# typing objects for every value. They raise a bare _Invalid; the callers then run the
+# interpreting versions above, which raise the message naming the field.
+
+
+@functools.cache
+def _checker(tp: Any) -> Callable[[Any], Any]:
+    """A function: JSON or Python value → its Python form under ``tp``; _Invalid when it breaks it."""
+    origin = typing.get_origin(tp)
+    if tp is int:
+        def check(v):
+            if type(v) is not int or not 0 <= v <= MAX_INT:
+                raise _Invalid
+            return v
+    elif tp is float:
+        def check(v):
+            if type(v) is float and math.isfinite(v):
+                return v
+            if type(v) is int and -MAX_FLOAT_INT <= v <= MAX_FLOAT_INT:
+                return float(v)
+            raise _Invalid  # the interpreting check tells which
+    elif tp is str:
+        def check(v):
+            if type(v) is not str or len(v) > MAX_STR:
+                raise _Invalid
+            return v
+    elif tp is bool:
+        def check(v):
+            if type(v) is not bool:
+                raise _Invalid
+            return v
+    elif origin is Literal:
+        allowed = frozenset(typing.get_args(tp))
+
+        def check(v):
+            if type(v) is not str or v not in allowed:
+                raise _Invalid
+            return v
+    elif origin in (Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner_check = _checker(inner)
+
+        def check(v):
+            return None if v is None else inner_check(v)
+    elif origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _checker(args[0])
+
+            def check(v):
+                if type(v) not in (list, tuple):
+                    raise _Invalid
+                return tuple(map(item, v))
+        else:
+            items = tuple(_checker(a) for a in args)
+
+            def check(v):
+                if type(v) not in (list, tuple) or len(v) != len(items):
+                    raise _Invalid
+                return tuple(c(x) for c, x in zip(items, v))
+    elif origin is dict:
+        key, value = _checker(str), _checker(typing.get_args(tp)[1])
+
+        def check(v):
+            if type(v) is not dict:
+                raise _Invalid
+            return {key(k): value(x) for k, x in v.items()}
+    elif dataclasses.is_dataclass(tp):
+        fields = tuple((name, _checker(ftp)) for name, ftp in _plain_fields(tp).items())
+        names = frozenset(_plain_fields(tp))
+
+        def check(v):
+            if type(v) is tp:
+                return tp(**{name: c(getattr(v, name)) for name, c in fields})
+            if type(v) is not dict or v.keys() != names:
+                raise _Invalid
+            return tp(**{name: c(v[name]) for name, c in fields})
+    else:
+        raise TypeError(f"unsupported schema type {tp!r}")  # a bug in a message definition
+    return check
+
+
+@functools.cache
+def _jsonifier(tp: Any) -> Callable[[Any], Any] | None:
+    """A function: checked Python value → its JSON form under ``tp``; None where that is the value."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner_json = _jsonifier(inner)
+        return None if inner_json is None else (lambda v: None if v is None else inner_json(v))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _jsonifier(args[0])
+            return list if item is None else (lambda v: list(map(item, v)))
+        items = tuple(_jsonifier(a) or (lambda x: x) for a in args)
+        return lambda v: [j(x) for j, x in zip(items, v)]
+    if origin is dict:
+        value = _jsonifier(typing.get_args(tp)[1])
+        return None if value is None else (lambda v: {k: value(x) for k, x in v.items()})
+    if dataclasses.is_dataclass(tp):
+        fields = tuple((name, _jsonifier(ftp) or (lambda x: x)) for name, ftp in _plain_fields(tp).items())
+        return lambda v: {name: j(getattr(v, name)) for name, j in fields}
+    return None
+
+
+@functools.cache
+def _compiled_fields(cls: type) -> tuple[tuple[str, Callable[[Any], Any], Callable[[Any], Any] | None], ...]:
+    """(name, checker, jsonifier) of each plain field of a message kind."""
+    return tuple((name, _checker(tp), _jsonifier(tp)) for name, tp in _plain_fields(cls).items())
 
 
 @functools.cache
@@ -211,15 +331,19 @@ def encode(msg: Any) -> bytes:
     cls = type(msg)
     if KINDS.get(getattr(cls, "KIND", None)) is not cls:
         raise LocalProtocolError(f"{cls.__name__} is not a registered wire message")
+    compiled = _compiled_fields(cls)
     try:
-        fields = {name: _check_value(getattr(msg, name), tp, name) for name, tp in _plain_fields(cls).items()}
+        try:
+            fields = {name: check(getattr(msg, name)) for name, check, _ in compiled}
+        except _Invalid:  # again, for the message naming the field
+            fields = {name: _check_value(getattr(msg, name), tp, name) for name, tp in _plain_fields(cls).items()}
         tensors = [_check_tensor(getattr(msg, n), spec, n) for n, spec in _tensor_fields(cls).items()]
         checked = cls(**fields, **dict(zip(_tensor_fields(cls), tensors)), **_rid(cls, msg))
         checked._check()
     except _Invalid as exc:
         raise LocalProtocolError(f"{cls.__name__}: {exc}") from None
     meta = json.dumps(
-        {name: _to_json(v, _plain_fields(cls)[name]) for name, v in fields.items()},
+        {name: fields[name] if to_json is None else to_json(fields[name]) for name, _, to_json in compiled},
         separators=(",", ":"),
         ensure_ascii=False,
         allow_nan=False,
@@ -247,6 +371,9 @@ def _no_constants(name: str) -> Any:
     raise _Invalid(f"{name} is not a JSON number")
 
 
+_JSON_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+
+
 def decode(data: bytes | bytearray | memoryview, max_frame_bytes: int = wire.MAX_FRAME_BYTES) -> Any:
     """Decode one whole frame into its message; tensors are zero-copy views into ``data``.
 
@@ -265,7 +392,7 @@ def decode_message(frame: wire.Frame) -> Any:
     name = cls.__name__
     try:
         try:
-            obj = json.loads(frame.meta.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+            obj = _JSON_DECODER.decode(frame.meta.decode("utf-8"))
         except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints of > 4300 digits, deep nesting
             raise _Invalid(f"metadata is not UTF-8 JSON ({type(exc).__name__}: {exc})"[:200]) from None
         if type(obj) is not dict:
@@ -274,7 +401,10 @@ def decode_message(frame: wire.Frame) -> Any:
         if set(obj) != set(plain):
             missing, extra = sorted(set(plain) - set(obj)), sorted(set(obj) - set(plain))
             raise _Invalid(f"metadata keys differ from the schema (missing {missing}, unexpected {extra})")
-        fields = {n: _check_value(obj[n], tp, n) for n, tp in plain.items()}
+        try:
+            fields = {name: check(obj[name]) for name, check, _ in _compiled_fields(cls)}
+        except _Invalid:  # again, for the message naming the field
+            fields = {n: _check_value(obj[n], tp, n) for n, tp in plain.items()}
         tspecs = _tensor_fields(cls)
         if len(frame.tensors) != len(tspecs):
             raise _Invalid(f"{len(frame.tensors)} tensors, expected {len(tspecs)} ({', '.join(tspecs) or 'none'})")
