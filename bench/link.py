@@ -171,7 +171,7 @@ async def _remote_cpu(link: Link) -> float:
 
 async def _size_sweep(link: Link, sizes_kib: list[float], rounds: int) -> list[dict]:
     """Round trip and CPU per echoed message (both processes) by message size."""
-    packet = _sctp_user_data()
+    packet = _sctp_user_data(link)
     rows = []
     for kib in sizes_kib:
         size = int(kib * 1024)
@@ -187,8 +187,9 @@ async def _size_sweep(link: Link, sizes_kib: list[float], rounds: int) -> list[d
     return rows
 
 
-def _sctp_user_data() -> int:
-    return __import__("aiortc.rtcsctptransport", fromlist=["x"]).USERDATA_MAX_LENGTH
+def _sctp_user_data(link: Link) -> int:
+    """User data bytes in one SCTP packet of this link (jumbo between Python peers: rtc.py)."""
+    return (link.sctp_packet_length - 12 - 16) // 4 * 4
 
 
 async def _raw_rtt(channel, size: int, rounds: int) -> list[float]:
@@ -270,13 +271,13 @@ async def _main(args, conn, tcp_port: int) -> dict:
         await link.close()
         conn.send("next")
         conn.send(None)
-        return {"rtt_by_size": sweep, "sctp_user_data_per_packet": _sctp_user_data()}
+        return {"rtt_by_size": sweep, "sctp_user_data_per_packet": _sctp_user_data(link)}
     r4 = await _link_rtt(link, 4096, args.rounds)
     r4_raw = await _raw_rtt(link.raw, 4096, args.rounds)
     r64 = await _link_rtt(link, 65536, args.rounds)
     bulk, _ = await _link_bulk(link, args.bulk_mib << 20, profile=False)
     _, profile = await _link_bulk(link, min(args.bulk_mib, 16) << 20, profile=True)
-    packet = _sctp_user_data()
+    packet = _sctp_user_data(link)
     await link.close()
     conn.send("next")
     tcp = await _tcp(tcp_port, args.rounds, args.bulk_mib << 20)

@@ -10,13 +10,14 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import time
 
 import pytest
 from aiortc.rtcdtlstransport import RTCCertificate
 
-from swarm.errors import AuthenticationError, PeerLostError, VersionMismatchError
+from swarm.errors import AuthenticationError, PeerLostError, RemoteProtocolError, VersionMismatchError
 from swarm.peer.net import rtc, wire
 from swarm.keys.identity import Identity
 from swarm.peer.net.link import Link, LinkState, new_peer_connection
@@ -438,3 +439,68 @@ def test_a_cancelled_close_leaves_the_peer_connection_closing_and_a_second_close
         return released_early, a.released, b.released
 
     assert run_in_netns(main) == (False, True, True)
+
+
+def _datagrams(link: Link) -> int:
+    """DTLS datagrams the link's peer connection has sent."""
+    stats = [s for s in link.pc.sctp.transport._get_stats().values() if type(s).__name__ == "RTCTransportStats"]
+    return stats[0].packetsSent
+
+
+def _without_jumbo(sdp: str) -> str:
+    """The SDP as a browser (or a peer before jumbo packets) writes it."""
+    return "\r\n".join(line for line in sdp.split("\r\n") if rtc.SDP_PACKET_ATTRIBUTE not in line)
+
+
+@pytest.mark.parametrize("browser_side", [None, "offer", "answer"])
+def test_python_links_send_a_four_row_message_in_one_packet_and_others_keep_the_mtu(browser_side):
+    """Between Python peers a 4 x 576-float32 request is one jumbo datagram (IP fragments on the
+    wire). A side whose remote SDP lacks the attribute (a browser's, which reads at most an MTU
+    of a record) keeps packets that fit a 1500-byte MTU; messages of every size arrive intact."""
+    message = os.urandom(4 * 576 * 4 + 200)
+    strip = {"offer": {"rewrite_offer": _without_jumbo}, "answer": {"rewrite_answer": _without_jumbo}}
+
+    async def main():
+        a, b = pair()
+        await connect(a, b, **strip.get(browser_side, {}))
+        # the side that read the stripped SDP sends
+        sender, receiver = (b, a) if browser_side == "offer" else (a, b)
+        counts = []
+        for _ in range(2):  # the second after the congestion window opened
+            await asyncio.sleep(5 * rtc.SACK_DELAY_S)  # no SACK left pending
+            before = _datagrams(sender)
+            await sender.send(blob(message))
+            got = await receiver.receive()
+            got.verify()
+            counts.append(_datagrams(sender) - before)
+        for size in (1, 20000, 300000):
+            for one, other in ((a, b), (b, a)):
+                data = os.urandom(size)
+                await one.send(blob(data))
+                got = await other.receive()
+                got.verify()
+                assert bytes(got.data) == data
+        length = sender.sctp_packet_length
+        await a.close()
+        await b.close()
+        return counts, length
+
+    counts, length = run_in_netns(main)
+    if browser_side is None:
+        assert length == rtc.SCTP_JUMBO_PACKET_LENGTH
+        assert counts[-1] == 1, counts
+    else:
+        assert length == rtc.SCTP_MAX_PACKET_LENGTH
+        assert counts[-1] >= math.ceil(len(message) / rtc.SCTP_USERDATA_MAX_LENGTH), counts
+
+
+def test_a_bad_jumbo_attribute_in_the_remote_sdp_is_a_clear_refusal():
+    async def main():
+        a, b = pair()
+        bad = lambda sdp: sdp.replace(f"a={rtc.SDP_PACKET_ATTRIBUTE}:16384", f"a={rtc.SDP_PACKET_ATTRIBUTE}:99999")
+        with pytest.raises(RemoteProtocolError, match=rtc.SDP_PACKET_ATTRIBUTE):
+            await b.accept_offer(bad(await a.create_offer()))
+        await a.close()
+        await b.close()
+
+    run_in_netns(main)

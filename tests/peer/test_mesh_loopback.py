@@ -73,7 +73,11 @@ def test_three_peers_form_a_mesh_and_carry_messages_intact(tmp_path):
                     msg.verify()
                     digests.append((src, sender.peer_id, msg.request_id, size,
                                     hashlib.sha256(msg.data).digest(), hashlib.sha256(data).digest()))
-            await asyncio.sleep(0.5)  # a few heartbeats: RTT measured, status rewritten
+            def measured() -> bool:  # a heartbeat answered on both links, status rewritten
+                peers = json.loads((tmp_path / "status0.json").read_text())["peers"]
+                return len(peers) == 2 and all(p["rtt_ms"] is not None for p in peers)
+
+            await until(measured, 10, "both links' round trip in the status")
             status = json.loads((tmp_path / "status0.json").read_text())
             # one peer leaves: the others see its link go down, and keep theirs
             await nodes[2].stop()

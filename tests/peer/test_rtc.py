@@ -156,3 +156,29 @@ def test_rows_travel_in_fewer_packets_and_every_packet_is_acknowledged() -> None
     # aiortc's defaults ~130 %.
     assert all(least <= n <= most * 1.25 for n in per_message), (per_message, least, most)
     assert lone == [2, 2], lone  # its data packet and the delayed SACK of the other's
+
+
+def test_the_jumbo_copies_cover_every_method_that_reads_the_packet_size() -> None:
+    """send_jumbo_packets gives an association copies of exactly the methods whose code reads
+    USERDATA_MAX_LENGTH; a method an upgrade adds that reads it would keep the MTU size."""
+    rtc.configure_aiortc()
+    reads = {name for name, f in vars(sctp.RTCSctpTransport).items()
+             if "USERDATA_MAX_LENGTH" in getattr(getattr(f, "original", f), "__code__", compile("", "", "exec")).co_names}
+    assert reads - {"__init__"} == set(rtc.JUMBO_METHODS)
+    copies = rtc._jumbo_methods(rtc.SCTP_JUMBO_USERDATA_MAX_LENGTH)
+    for name, fn in copies.items():
+        assert fn.__globals__["USERDATA_MAX_LENGTH"] == rtc.SCTP_JUMBO_USERDATA_MAX_LENGTH
+        assert fn.__globals__["SCTP_RTO_MIN"] == rtc.SCTP_RTO_MIN_S  # the rest of the tuning holds
+    assert sctp.USERDATA_MAX_LENGTH == rtc.SCTP_USERDATA_MAX_LENGTH  # other associations keep theirs
+
+
+@pytest.mark.parametrize("value", ["0", "1199", "16385", "x", "1e4", "-1500"])
+def test_a_bad_jumbo_attribute_is_refused_naming_it(value) -> None:
+    sdp = f"v=0\r\nm=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\na={rtc.SDP_PACKET_ATTRIBUTE}:{value}\r\n"
+    with pytest.raises(ValueError, match=rtc.SDP_PACKET_ATTRIBUTE):
+        rtc.jumbo_packet_length(sdp)
+    twice = rtc.advertise_jumbo_packets(rtc.advertise_jumbo_packets("v=0\r\na=sctp-port:5000\r\n"))
+    with pytest.raises(ValueError, match="once"):
+        rtc.jumbo_packet_length(twice)
+    assert rtc.jumbo_packet_length("v=0\r\na=sctp-port:5000\r\n") is None
+    assert rtc.jumbo_packet_length(rtc.advertise_jumbo_packets("v=0\r\na=sctp-port:5000\r\n")) == 16384

@@ -25,7 +25,9 @@ It goes through these states, in this order only::
   max-message-size and reassembled with a bounded buffer; sending waits on ``bufferedAmount``
   (backpressure); heartbeats every :data:`HEARTBEAT_S` measure RTT (the remote echoes each
   :class:`~swarm.peer.net.messages.LinkHeartbeat` unchanged; one that matches a ping we sent is its
-  answer); silence for :data:`DEAD_AFTER_S` closes the link.
+  answer); silence for :data:`DEAD_AFTER_S` closes the link. Our SDP offers jumbo SCTP packets
+  (``rtc.SDP_PACKET_ATTRIBUTE``); a remote whose SDP offers them too (a Python peer) gets them
+  from here on, one datagram for a message of up to 16 KiB (docs/protocol.md §7).
 
 Every task the link starts is owned by it and cancelled in :meth:`Link.close`.
 """
@@ -183,6 +185,9 @@ class Link:
         self.weights_held: WeightsHeld | None = None
         self.close_reason: str | None = None
         self.remote_max_message_size = DEFAULT_MAX_MESSAGE_SIZE
+        # the largest SCTP packet this link sends: jumbo once open to a Python peer (rtc.py)
+        self.sctp_packet_length = rtc.SCTP_MAX_PACKET_LENGTH
+        self._remote_packet_length: int | None = None
         # Benchmarks only: seconds each message waits before it is sent, standing in for a slower
         # network (Wi-Fi) where no netem is available. 0 in the product.
         self.added_delay_s = 0.0
@@ -224,13 +229,13 @@ class Link:
     async def create_offer(self) -> str:
         """Create the SDP offer (complete, candidates included; aiortc gathers before returning)."""
         await self.pc.setLocalDescription(await self.pc.createOffer())
-        return self.pc.localDescription.sdp
+        return rtc.advertise_jumbo_packets(self.pc.localDescription.sdp)
 
     async def accept_offer(self, sdp: str) -> str:
         """Apply the remote SDP offer and return our SDP answer."""
         await self._set_remote("offer", sdp)
         await self.pc.setLocalDescription(await self.pc.createAnswer())
-        return self.pc.localDescription.sdp
+        return rtc.advertise_jumbo_packets(self.pc.localDescription.sdp)
 
     async def accept_answer(self, sdp: str) -> None:
         """Apply the remote SDP answer."""
@@ -254,6 +259,10 @@ class Link:
         except LocalProtocolError as exc:
             raise RemoteProtocolError(f"the remote SDP {kind} has an unusable a=max-message-size: {exc}") from None
         self.remote_max_message_size = self._fragmenter.max_message_size
+        try:
+            self._remote_packet_length = rtc.jumbo_packet_length(sdp)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"the remote SDP {kind}: {exc}") from None
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type=kind))
         except (ValueError, AttributeError, InvalidStateError, InvalidAccessError) as exc:
@@ -395,6 +404,11 @@ class Link:
         if self._auth is None:
             self._fail("the data channel opened before the remote SDP was applied")
             return
+        try:  # before our first byte: the remote sends jumbo packets only after it
+            rtc.accept_jumbo_records(self.pc)
+        except LocalProtocolError as exc:
+            self._fail(str(exc), error=exc)
+            return
         self.state = LinkState.AUTHENTICATING
         for out in self._auth.start():
             self.channel.send(out)
@@ -456,6 +470,9 @@ class Link:
                     self.channel.send(fragment)
                 raise
             self.hello = message
+            if self._remote_packet_length is not None:  # a Python peer: it reads jumbo records by now
+                rtc.send_jumbo_packets(self.pc, min(self._remote_packet_length, rtc.SCTP_JUMBO_PACKET_LENGTH))
+                self.sctp_packet_length = self._remote_packet_length
             self.state = LinkState.OPEN
             log.info("link to %s open (version %s)", self.peer_id, message.protocol_version)
             self._established.set_result(message)

@@ -30,6 +30,16 @@ reaches into its private names, and nothing else in the package does:
   are not altered, only how they travel. Chromium (the page) receives these packets as they are: its SCTP accepts
   any packet size a datagram carries and acknowledges on its own schedule.
 
+* **Jumbo packets between Python peers.** A DTLS record holds up to 16 KiB, and a UDP datagram
+  that large crosses a LAN as IP fragments, reassembled by the kernel: one pure-Python packet
+  instead of twelve. Chromium reads at most an MTU's worth of a record, so only links whose
+  remote SDP carries :data:`SDP_PACKET_ATTRIBUTE` (every Python peer's does; a browser's does
+  not) use them, from the moment the link is open: :func:`accept_jumbo_records` lets our DTLS
+  read whole records (before the channel authenticates, so it is in place before the remote may
+  send one), and :func:`send_jumbo_packets` gives that one association copies of the four
+  ``RTCSctpTransport`` methods that read ``USERDATA_MAX_LENGTH``, whose globals hold the larger
+  size. Browser links keep MTU-sized packets.
+
 Each function raises :class:`~swarm.errors.LocalProtocolError` naming the missing internal when an
 aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks all four against the installed
 aiortc, so an upgrade fails there first and loudly.
@@ -38,12 +48,16 @@ aiortc, so an upgrade fails there first and loudly.
 from __future__ import annotations
 
 import asyncio
+import functools
+import re
+import types
 
 import aiortc
 import aiortc.rtcsctptransport as _sctp
 from aiortc import RTCPeerConnection
 from aiortc.rtcdtlstransport import RTCCertificate
 from cryptography import x509
+from OpenSSL import SSL
 
 from swarm.errors import LocalProtocolError
 
@@ -62,6 +76,20 @@ SCTP_USERDATA_MAX_LENGTH = (SCTP_MAX_PACKET_LENGTH - 12 - 16) // 4 * 4  # less t
 
 # DATA packets one send or SACK may release: a message of 8 rows (~19 KB) goes out at once.
 SCTP_BURST_PACKETS = 16
+# ... and bytes: a burst of jumbo packets stays well inside a receiver's default UDP buffer (~200 KiB).
+SCTP_BURST_BYTES = 64 << 10
+
+# Jumbo packets (module docstring). A DTLS record's plaintext is at most 2**14 bytes (RFC 6347
+# §4.1 via RFC 5246 §6.2.1), and one SCTP packet travels in one record.
+SCTP_JUMBO_PACKET_LENGTH = 1 << 14
+SCTP_JUMBO_USERDATA_MAX_LENGTH = (SCTP_JUMBO_PACKET_LENGTH - 12 - 16) // 4 * 4
+SDP_PACKET_ATTRIBUTE = "x-colibri-swarm-sctp-packet"  # a=<this>:<largest SCTP packet, bytes> in our SDP
+DTLS_RECORD_READ_BYTES = 1 << 15  # what our DTLS reads at once: a whole jumbo record and its overhead
+# A jumbo packet holds what 12 MTU-sized ones do: acknowledge every second one (RFC 4960 §6.2's
+# rule), or a message of a few of them waits SACK_DELAY_S for the window to open.
+JUMBO_SACK_EVERY_PACKETS = 2
+# The RTCSctpTransport methods that read USERDATA_MAX_LENGTH (tests/peer/test_rtc.py checks the list).
+JUMBO_METHODS = ("_send", "_transmit", "_receive_sack_chunk", "_t3_expired")
 
 # Delayed acknowledgement (RFC 4960 §6.2): a SACK for every 8th packet received, and within
 # SACK_DELAY_S for fewer. A swarm step's request or answer (1-8 rows: 2-13 packets) then costs
@@ -92,16 +120,19 @@ def _transmit_whole_window(original):
     overflow the receiver's UDP buffer.
     """
     async def transmit(self) -> None:
+        own = self.__dict__.get("_colibri_transmit", original)  # a jumbo association's own copy
+        burst = self.__dict__.get("_colibri_burst_packets", SCTP_BURST_PACKETS)
         sent = 0
         while True:
             queued = len(self._outbound_queue)
-            await original(self)
+            await own(self)
             sent += queued - len(self._outbound_queue)
-            if (not self._outbound_queue or len(self._outbound_queue) == queued or sent >= SCTP_BURST_PACKETS
+            if (not self._outbound_queue or len(self._outbound_queue) == queued or sent >= burst
                     or self._fast_recovery_exit is not None or self._flight_size >= self._cwnd):
                 return
 
     setattr(transmit, _PATCHED, True)
+    transmit.original = original
     return transmit
 
 
@@ -132,7 +163,7 @@ def _delayed_sack(original):
 
     async def send_sack(self) -> None:
         pending = self.__dict__.get("_colibri_sack_pending", 0) + 1
-        if (pending >= SACK_EVERY_PACKETS or self._sack_misordered or self._sack_duplicates
+        if (pending >= self.__dict__.get("_colibri_sack_every", SACK_EVERY_PACKETS) or self._sack_misordered or self._sack_duplicates
                 or self._association_state != self.State.ESTABLISHED):
             await send_now(self)
             return
@@ -202,3 +233,89 @@ def remote_certificate(pc: RTCPeerConnection) -> x509.Certificate:
     if certificate is None:
         raise LocalProtocolError("the DTLS handshake has not completed: there is no remote certificate yet")
     return certificate
+
+
+def advertise_jumbo_packets(sdp: str) -> str:
+    """``sdp`` (our offer or answer) with :data:`SDP_PACKET_ATTRIBUTE` after its ``a=sctp-port``
+    line: the remote may send us SCTP packets of up to :data:`SCTP_JUMBO_PACKET_LENGTH` bytes.
+    An SDP without a data section is returned as it is."""
+    line = f"a={SDP_PACKET_ATTRIBUTE}:{SCTP_JUMBO_PACKET_LENGTH}"
+    out, done = [], False
+    for existing in sdp.split("\r\n"):
+        out.append(existing)
+        if not done and existing.startswith("a=sctp-port:"):
+            out.append(line)
+            done = True
+    return "\r\n".join(out)
+
+
+_PACKET_ATTRIBUTE_RE = re.compile(rf"^a={re.escape(SDP_PACKET_ATTRIBUTE)}:(.*?)\s*$", re.MULTILINE)
+
+
+def jumbo_packet_length(sdp: str) -> int | None:
+    """The largest SCTP packet (bytes) the remote's SDP says it reads, or None when it says nothing
+    (a browser, or a peer before jumbo packets). Raises ValueError naming the value when it is
+    not an integer within [1200, :data:`SCTP_JUMBO_PACKET_LENGTH`] or the attribute repeats."""
+    found = _PACKET_ATTRIBUTE_RE.findall(sdp)
+    if not found:
+        return None
+    if len(found) > 1 or not found[0].isdigit() or not 1200 <= int(found[0]) <= SCTP_JUMBO_PACKET_LENGTH:
+        raise ValueError(f"a={SDP_PACKET_ATTRIBUTE} must appear once with an integer in "
+                         f"[1200, {SCTP_JUMBO_PACKET_LENGTH}], got {found!r:.80}")
+    return int(found[0])
+
+
+def _recv_whole_record(conn: SSL.Connection, bufsiz: int, flags: int | None = None) -> bytes:
+    return SSL.Connection.recv(conn, max(bufsiz, DTLS_RECORD_READ_BYTES), flags)
+
+
+def _bio_read_whole_record(conn: SSL.Connection, bufsiz: int) -> bytes:
+    return SSL.Connection.bio_read(conn, max(bufsiz, DTLS_RECORD_READ_BYTES))
+
+
+def accept_jumbo_records(pc: RTCPeerConnection) -> None:
+    """Let ``pc``'s DTLS read and write whole records of any size (aiortc reads 1500 bytes of
+    each, which would cut a jumbo packet in two). Call once its data channel is open; harmless
+    where no record exceeds 1500 bytes. Raises LocalProtocolError when aiortc keeps its DTLS
+    session elsewhere."""
+    sctp = pc.sctp
+    conn = getattr(getattr(sctp, "transport", None), "_ssl", None)
+    if not isinstance(conn, SSL.Connection):
+        raise _moved("RTCDtlsTransport._ssl (the DTLS session)")
+    conn.recv = functools.partial(_recv_whole_record, conn)
+    conn.bio_read = functools.partial(_bio_read_whole_record, conn)
+
+
+@functools.cache
+def _jumbo_methods(userdata: int) -> dict[str, types.FunctionType]:
+    """Copies of :data:`JUMBO_METHODS` whose module globals say ``USERDATA_MAX_LENGTH = userdata``."""
+    scope = dict(vars(_sctp), USERDATA_MAX_LENGTH=userdata, SCTP_MAX_PACKET_LENGTH=userdata + 12 + 16)
+    out = {}
+    for name in JUMBO_METHODS:
+        fn = getattr(_sctp.RTCSctpTransport, name)
+        fn = getattr(fn, "original", fn)  # _transmit: aiortc's, under our burst wrapper
+        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        out[name] = copy
+    return out
+
+
+def send_jumbo_packets(pc: RTCPeerConnection, packet_length: int) -> None:
+    """Make ``pc``'s SCTP association send packets of up to ``packet_length`` bytes (what both
+    ends' SDP allow; the remote has called :func:`accept_jumbo_records`). Its congestion window
+    and bursts are counted in those packets, as aiortc counts them in its own. Raises
+    LocalProtocolError when aiortc no longer has a method this relies on."""
+    sctp = pc.sctp
+    for name in JUMBO_METHODS:
+        if not hasattr(_sctp.RTCSctpTransport, name):
+            raise _moved(f"aiortc.rtcsctptransport.RTCSctpTransport.{name}")
+    userdata = (packet_length - 12 - 16) // 4 * 4
+    methods = _jumbo_methods(userdata)
+    for name, fn in methods.items():
+        if name == "_transmit":
+            sctp._colibri_transmit = fn  # called by the burst wrapper, which stays in front
+        else:
+            setattr(sctp, name, types.MethodType(fn, sctp))
+    sctp._colibri_burst_packets = max(1, min(SCTP_BURST_PACKETS, SCTP_BURST_BYTES // userdata))
+    sctp._colibri_sack_every = JUMBO_SACK_EVERY_PACKETS
+    sctp._cwnd = max(sctp._cwnd, 4 * userdata)  # RFC 4960 §7.2.1's initial window: 4 packets
