@@ -76,7 +76,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
-from swarm.cli.join import EVENT_LOOPS, pick_loop, run_on_loop  # noqa: E402
+from swarm.cli.join import EVENT_LOOPS, freeze_heap, pick_loop, run_on_loop  # noqa: E402
 
 
 ADDRESS = "10.215.0.1"
@@ -262,6 +262,7 @@ async def _worker_main(path: str, signal_url: str, key_code: str, name: str) -> 
                 model_hash=model.content_hash(), status_path=Path(tempfile.mkdtemp()) / "status.json",
                 link_options=LINK_OPTIONS)
     await node.start(timeout=30)
+    await freeze_heap()  # as join does
     roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
     await roles.start()
     stop = asyncio.Event()
@@ -397,6 +398,7 @@ async def _start_coordinator(model, tmp: Path, layout: str):
                 signal_url=server.url(ADDRESS), ffn_gflops=1.01, memory_budget=4 << 30, model_hash=model.content_hash(),
                 status_path=tmp / "status.json", link_options=LINK_OPTIONS)
     await node.start(timeout=30)
+    await freeze_heap()  # as join does
     roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0, layout=layout)
     await roles.start()
     return key, server, node, roles
