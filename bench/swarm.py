@@ -43,7 +43,9 @@ uvloop where installed); a comma-separated list (``--loop uvloop,asyncio``) meas
 under each loop in turn, reported as ``MODEL@LOOP``.
 
 Numbers depend on the machine and on what else runs on it; this one has 2 cores for all
-peers together, so the workers and the coordinator compete for CPU.
+peers together, so the workers and the coordinator compete for CPU. ``--pin`` stands in for
+separate machines: the coordinator process (and the local runs in it) on the first CPU, each
+worker on the next (round robin), so no process migrates or shares a core's caches.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ BENCH_ELECTION_TIMEOUT_S = 5.0
 BENCH_DEADLINE_MIN_S = 5.0
 PRODUCT_DEADLINE_MIN_S: list[float] = []  # filled at start: the coordinator's own floor
 PLAN_WAIT_S = 300.0  # a worker process loads its model and measures its FFN speed first
+PIN_ENV = "COLIBRI_BENCH_PIN"  # the CPUs peer processes pin themselves to (--pin)
 LOOP_ENV = "COLIBRI_BENCH_LOOP"  # the event loop (join --loop's names) the driver hands its peer processes
 
 
@@ -652,6 +655,8 @@ def main() -> None:
     parser.add_argument("--loop", default="auto",
                         help="the peers' event loop: auto (uvloop where installed), uvloop or asyncio; a "
                              "comma-separated list measures each in turn")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin the coordinator to the first CPU and each worker to another, as on separate machines")
     parser.add_argument("--_coordinator", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--trace-stages", action="store_true",
@@ -662,6 +667,10 @@ def main() -> None:
     parser.add_argument("--key", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            parser.error("--pin needs two CPUs")
+        os.environ[PIN_ENV] = ",".join(map(str, sorted(os.sched_getaffinity(0))))  # inherited by every peer process
     if os.environ.get("BENCH_LOG") or args._worker:  # a worker's log goes to <tmp>/<name>.log
         import logging
 
@@ -673,6 +682,10 @@ def main() -> None:
         parser.error(f"--loop: {','.join(bad) or 'nothing'} is not one of {', '.join(EVENT_LOOPS)}")
     if args._trace or args._worker or args._coordinator:  # a peer process: on the loop its driver chose
         asyncio.run = functools.partial(run_on_loop, asked=os.environ.get(LOOP_ENV, "auto"))
+        if os.environ.get(PIN_ENV):
+            cpus = [int(c) for c in os.environ[PIN_ENV].split(",")]  # the driver's: a child inherits one
+            index = int(args.name[1:]) if args._worker else 0  # workers are w1, w2, ...
+            os.sched_setaffinity(0, {cpus[0] if index == 0 else cpus[1 + (index - 1) % (len(cpus) - 1)]})
     if args._trace:
         PRODUCT_DEADLINE_MIN_S.append(_bench_timeouts())
         delays = [float(d) for d in args.delays.split(",") if d.strip()]
