@@ -203,7 +203,8 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
             def check(v):
                 if type(v) not in (list, tuple):
                     raise _Invalid
-                return tuple(map(item, v))
+                out = tuple(map(item, v))
+                return v if type(v) is tuple and all(a is b for a, b in zip(out, v)) else out
         else:
             items = tuple(_checker(a) for a in args)
 
@@ -223,8 +224,9 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
         names = frozenset(_plain_fields(tp))
 
         def check(v):
-            if type(v) is tp:
-                return tp(**{name: c(getattr(v, name)) for name, c in fields})
+            if type(v) is tp:  # a frozen record: itself, when every field checks as it is
+                values = {name: c(getattr(v, name)) for name, c in fields}
+                return v if all(x is getattr(v, name) for name, x in values.items()) else tp(**values)
             if type(v) is not dict or v.keys() != names:
                 raise _Invalid
             return tp(**{name: c(v[name]) for name, c in fields})
@@ -326,6 +328,9 @@ def message(kind: int):
     return wrap
 
 
+_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def encode(msg: Any) -> bytes:
     """The frame that carries ``msg``. LocalProtocolError if a field breaks the kind's schema."""
     cls = type(msg)
@@ -338,15 +343,16 @@ def encode(msg: Any) -> bytes:
         except _Invalid:  # again, for the message naming the field
             fields = {name: _check_value(getattr(msg, name), tp, name) for name, tp in _plain_fields(cls).items()}
         tensors = [_check_tensor(getattr(msg, n), spec, n) for n, spec in _tensor_fields(cls).items()]
-        checked = cls(**fields, **dict(zip(_tensor_fields(cls), tensors)), **_rid(cls, msg))
+        rid = _rid(cls, msg)
+        if all(v is getattr(msg, name) for name, v in fields.items()):
+            checked = msg  # every field already in its checked form: the cross-field rules on it
+        else:
+            checked = cls(**fields, **dict(zip(_tensor_fields(cls), tensors)), **rid)
         checked._check()
     except _Invalid as exc:
         raise LocalProtocolError(f"{cls.__name__}: {exc}") from None
-    meta = json.dumps(
-        {name: fields[name] if to_json is None else to_json(fields[name]) for name, _, to_json in compiled},
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
+    meta = _JSON_ENCODER.encode(
+        {name: fields[name] if to_json is None else to_json(fields[name]) for name, _, to_json in compiled}
     ).encode()
     return wire.encode_frame(cls.KIND, meta, tensors, request_id=getattr(msg, "request_id", 0))
 
