@@ -127,7 +127,8 @@ async def _run_peer(args: Any, console: Any) -> None:
                 ffn_gflops=gflops,
                 signal_url=args.signal, memory_budget=default_memory_budget(args.memory << 20 if args.memory else None),
                 model_hash=model.content_hash() if model is not None else None,
-                rendezvous_options={"bind_port": args.port} if getattr(args, "port", None) else None)
+                rendezvous_options={"bind_port": args.port} if getattr(args, "port", None) else None,
+                link_options={"jumbo_packets": False} if getattr(args, "mtu_packets", False) else None)
     if created:
         console.print("created a new swarm key; other peers join with:")
         console.print(f"  [bold]colibri-swarm join --key {esc(key.code)}[/]")

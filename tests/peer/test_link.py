@@ -504,3 +504,25 @@ def test_a_bad_jumbo_attribute_in_the_remote_sdp_is_a_clear_refusal():
         await b.close()
 
     run_in_netns(main)
+
+
+def test_a_peer_told_to_keep_mtu_packets_neither_offers_nor_sends_jumbo_ones():
+    """join --mtu-packets (a network that drops IP fragments): that side's SDP has no attribute and
+    it sends MTU-sized packets even to a remote that offers jumbo ones; the remote then keeps them too."""
+    async def main():
+        a, b = pair(a={"jumbo_packets": False})
+        offer = await a.create_offer()
+        answer = await b.accept_offer(offer)
+        await a.accept_answer(answer)
+        await asyncio.gather(a.established(), b.established())
+        data = os.urandom(20000)
+        await a.send(blob(data))
+        (await b.receive()).verify()
+        lengths = (a.sctp_packet_length, b.sctp_packet_length)
+        await a.close()
+        await b.close()
+        return offer, answer, lengths
+
+    offer, answer, lengths = run_in_netns(main)
+    assert rtc.SDP_PACKET_ATTRIBUTE not in offer and rtc.SDP_PACKET_ATTRIBUTE in answer
+    assert lengths == (rtc.SCTP_MAX_PACKET_LENGTH,) * 2

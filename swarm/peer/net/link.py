@@ -170,6 +170,7 @@ class Link:
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         heartbeat_s: float = HEARTBEAT_S,
         dead_after_s: float = DEAD_AFTER_S,
+        jumbo_packets: bool = True,
     ) -> None:
         self.pc = pc
         self.channel = channel
@@ -188,6 +189,7 @@ class Link:
         # the largest SCTP packet this link sends: jumbo once open to a Python peer (rtc.py)
         self.sctp_packet_length = rtc.SCTP_MAX_PACKET_LENGTH
         self._remote_packet_length: int | None = None
+        self._jumbo_packets = jumbo_packets  # False: neither offer nor send them (a LAN that drops IP fragments)
         # Benchmarks only: seconds each message waits before it is sent, standing in for a slower
         # network (Wi-Fi) where no netem is available. 0 in the product.
         self.added_delay_s = 0.0
@@ -229,13 +231,17 @@ class Link:
     async def create_offer(self) -> str:
         """Create the SDP offer (complete, candidates included; aiortc gathers before returning)."""
         await self.pc.setLocalDescription(await self.pc.createOffer())
-        return rtc.advertise_jumbo_packets(self.pc.localDescription.sdp)
+        return self._local_sdp()
 
     async def accept_offer(self, sdp: str) -> str:
         """Apply the remote SDP offer and return our SDP answer."""
         await self._set_remote("offer", sdp)
         await self.pc.setLocalDescription(await self.pc.createAnswer())
-        return rtc.advertise_jumbo_packets(self.pc.localDescription.sdp)
+        return self._local_sdp()
+
+    def _local_sdp(self) -> str:
+        sdp = self.pc.localDescription.sdp
+        return rtc.advertise_jumbo_packets(sdp) if self._jumbo_packets else sdp
 
     async def accept_answer(self, sdp: str) -> None:
         """Apply the remote SDP answer."""
@@ -470,7 +476,7 @@ class Link:
                     self.channel.send(fragment)
                 raise
             self.hello = message
-            if self._remote_packet_length is not None:  # a Python peer: it reads jumbo records by now
+            if self._jumbo_packets and self._remote_packet_length is not None:  # it reads jumbo records by now
                 rtc.send_jumbo_packets(self.pc, min(self._remote_packet_length, rtc.SCTP_JUMBO_PACKET_LENGTH))
                 self.sctp_packet_length = self._remote_packet_length
             self.state = LinkState.OPEN
