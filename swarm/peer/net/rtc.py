@@ -1,6 +1,6 @@
 """The aiortc internals this package relies on, in one place.
 
-aiortc (1.14–1.16) offers no public way to do four things a swarm link needs, so this module
+aiortc (1.14–1.16) offers no public way to do five things a swarm link needs, so this module
 reaches into its private names, and nothing else in the package does:
 
 * **Our own DTLS certificate.** ``RTCPeerConnection`` makes a fresh certificate in ``__init__``
@@ -27,8 +27,8 @@ reaches into its private names, and nothing else in the package does:
   every one (RFC 4960 §6.2 recommends at least every second packet and allows up to 200 ms of
   delay); (c) wraps ``RTCSctpTransport._transmit`` so a message of up to
   :data:`SCTP_BURST_PACKETS` packets goes out at once, not four packets per SACK received. Rows
-  are not altered, only how they travel. Chromium (the page) receives these packets as they are: its SCTP accepts
-  any packet size a datagram carries and acknowledges on its own schedule.
+  are not altered, only how they travel. Chromium (the page) receives these packets as they are: they fit
+  the MTU, and its SCTP acknowledges on its own schedule.
 
 * **Jumbo packets between Python peers.** A DTLS record holds up to 16 KiB, and a UDP datagram
   that large crosses a LAN as IP fragments, reassembled by the kernel: one pure-Python packet
@@ -41,7 +41,7 @@ reaches into its private names, and nothing else in the package does:
   size. Browser links keep MTU-sized packets.
 
 Each function raises :class:`~swarm.errors.LocalProtocolError` naming the missing internal when an
-aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks all four against the installed
+aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks all five against the installed
 aiortc, so an upgrade fails there first and loudly.
 """
 
@@ -163,7 +163,8 @@ def _delayed_sack(original):
 
     async def send_sack(self) -> None:
         pending = self.__dict__.get("_colibri_sack_pending", 0) + 1
-        if (pending >= self.__dict__.get("_colibri_sack_every", SACK_EVERY_PACKETS) or self._sack_misordered or self._sack_duplicates
+        every = self.__dict__.get("_colibri_sack_every", SACK_EVERY_PACKETS)  # 2 on a jumbo association
+        if (pending >= every or self._sack_misordered or self._sack_duplicates
                 or self._association_state != self.State.ESTABLISHED):
             await send_now(self)
             return
