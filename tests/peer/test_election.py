@@ -281,3 +281,56 @@ def test_the_driver_refuses_to_send_what_is_not_an_election_message(tmp_path):
 
     with pytest.raises(LocalProtocolError, match="LeaderChanged"):
         asyncio.run(main())
+
+
+@pytest.mark.parametrize("theirs_first", [False, True])
+def test_a_peer_of_another_model_is_refused_by_name_whoever_refused_first(tmp_path, caplog, theirs_first):
+    """Two peers of different models refuse each other. Each logs its own refusal by name and
+    sends it once, also when the other's refusal reached it before its own link-up ran (a fast
+    link: the coordinator then never said which peer it refused)."""
+    import asyncio
+    import dataclasses
+    import logging
+
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.election.driver import ElectionDriver
+    from swarm.peer.net.messages import Error
+    from swarm.peer.node import Node
+    from tests.peer._links import hello as make_hello
+
+    other = Identity.generate()
+
+    class Remote:  # the driver reads a link's peer id and Hello and sends on it
+        peer_id = other.peer_id
+        hello = dataclasses.replace(make_hello(other.peer_id), name="stranger", model_hash="b" * 64)
+        sent: list = []
+
+        async def send(self, msg):
+            self.sent.append(msg)
+
+    async def main():
+        ident = Identity.generate()
+        node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                    status_path=tmp_path / "status.json", model_hash="a" * 64)
+
+        async def on_leader(term, leader):
+            pass
+
+        driver = ElectionDriver(node, True, on_leader=on_leader, on_admitted=lambda link: None)
+        link = Remote()
+        theirs = Error(0, "model", "refused: this peer holds another model")
+        if theirs_first:
+            driver.refused_by(link, theirs)
+        driver.link_up(link)
+        if not theirs_first:
+            driver.refused_by(link, theirs)
+        driver.link_up(link)  # a second link-up (reconnect) says nothing new
+        await asyncio.sleep(0.05)
+        return link.sent, driver.is_refused(link.peer_id)
+
+    with caplog.at_level(logging.WARNING, logger="swarm.peer.election.driver"):
+        sent, refused = asyncio.run(main())
+    assert refused
+    assert [(m.code, "'stranger'" in m.message) for m in sent] == [("model", True)]
+    assert caplog.text.count("refused peer 'stranger'") == 1

@@ -68,6 +68,7 @@ class ElectionDriver:
         self.core = el.Election(node.peer_id, eligible=self._holds_model, capability=node.hello.ffn_gflops,
                                 now=time.monotonic(), rng=rng, startup_quiet_s=startup_quiet_s)
         self._refused: dict[str, str] = {}  # peer id → why it gets no work
+        self._refusals_sent: set[str] = set()  # peers we told (and logged) why, whoever refused first
         self._on_leader, self._on_admitted = on_leader, on_admitted
         self._tasks = OwnedTasks("election")
         self._started = time.monotonic()  # reset by start()
@@ -244,6 +245,7 @@ class ElectionDriver:
             if link.hello is not None and link.hello.peer_kind == "python":
                 if link.hello.model_hash in (None, best):
                     self._refused.pop(link.peer_id, None)
+                    self._refusals_sent.discard(link.peer_id)
                 self._admit(link)
         return True
 
@@ -255,7 +257,8 @@ class ElectionDriver:
             return False
         why = (f"peer {hello.name!r} ({peer}) holds model {hello.model_hash[:12]}…, "
                f"this swarm runs {self.swarm_model[:12]}…")
-        if peer not in self._refused:
+        if peer not in self._refusals_sent:  # the remote's own refusal may have come first
+            self._refusals_sent.add(peer)
             self._refused[peer] = why
             log.warning("refused %s", why)
             self._tasks.spawn(send_logged(link, Error(0, "model", f"refused: {why}")), "refuse")
