@@ -38,8 +38,8 @@ import math
 import re
 import types
 import typing
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import numpy as np
