@@ -466,7 +466,7 @@ def test_python_links_send_a_four_row_message_in_one_packet_and_others_keep_the_
         # the side that read the stripped SDP sends
         sender, receiver = (b, a) if browser_side == "offer" else (a, b)
         counts = []
-        for _ in range(2):  # the second after the congestion window opened
+        for _ in range(4):  # after the first, the congestion window is open
             await asyncio.sleep(5 * rtc.SACK_DELAY_S)  # no SACK left pending
             before = _datagrams(sender)
             await sender.send(blob(message))
@@ -486,12 +486,13 @@ def test_python_links_send_a_four_row_message_in_one_packet_and_others_keep_the_
         return counts, length
 
     counts, length = run_in_netns(main)
+    # the fewest of three sends: a heartbeat (one a second) may share one window
     if browser_side is None:
         assert length == rtc.SCTP_JUMBO_PACKET_LENGTH
-        assert counts[-1] == 1, counts
+        assert min(counts[1:]) == 1, counts
     else:
         assert length == rtc.SCTP_MAX_PACKET_LENGTH
-        assert counts[-1] >= math.ceil(len(message) / rtc.SCTP_USERDATA_MAX_LENGTH), counts
+        assert min(counts[1:]) >= math.ceil(len(message) / rtc.SCTP_USERDATA_MAX_LENGTH), counts
 
 
 def test_a_bad_jumbo_attribute_in_the_remote_sdp_is_a_clear_refusal():
