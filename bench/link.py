@@ -17,10 +17,10 @@ per round trip, the number a loaded machine distorts least.
 
 Where the time goes: aiortc's SCTP is pure Python, with a fixed cost per packet on both sides
 (``_transmit`` → serialize → pyOpenSSL DTLS → sendto; recvfrom → DTLS → parse → SACK). The
-link runs with swarm.peer.net.rtc's tuning: 1356 bytes of user data a packet (a datagram of at
-most 1452 bytes, within a LAN's MTU; aiortc also reads DTLS records into a fixed 1500-byte
-buffer, so larger packets would break the channel), a SACK for every 8th packet, and a whole
-message sent at once within the congestion window. The JSON reports µs per packet and the
+link runs with swarm.peer.net.rtc's tuning: both ends are Python peers, so jumbo packets of
+16356 bytes of user data (one DTLS record and UDP datagram each, IP-fragmented on the LAN; with
+a browser, 1356 bytes within the MTU), a SACK for every second jumbo packet, and a whole message
+sent at once within the congestion window. The JSON reports µs per packet and the
 sender's top functions by own time.
 """
 
@@ -45,7 +45,7 @@ import hashlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from swarm.peer.net import wire  # noqa: E402
+from swarm.peer.net import rtc, wire  # noqa: E402
 from swarm.keys.identity import Identity  # noqa: E402
 from swarm.peer.net.link import Link, new_peer_connection  # noqa: E402
 from swarm.peer.net.messages import Hello, NumericBuild, WeightChunk  # noqa: E402
@@ -189,7 +189,7 @@ async def _size_sweep(link: Link, sizes_kib: list[float], rounds: int) -> list[d
 
 def _sctp_user_data(link: Link) -> int:
     """User data bytes in one SCTP packet of this link (jumbo between Python peers: rtc.py)."""
-    return (link.sctp_packet_length - 12 - 16) // 4 * 4
+    return rtc.userdata_length(link.sctp_packet_length)
 
 
 async def _raw_rtt(channel, size: int, rounds: int) -> list[float]:

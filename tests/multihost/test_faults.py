@@ -113,6 +113,31 @@ def slow_callbacks(procs) -> list[str]:
     return [m.group(0)[:300] for p in procs for m in SLOW.finditer(p.log_path.read_text(errors="replace"))]
 
 
+async def fault_during_generation(lab, procs, key: SwarmKey, state: dict, expected: str, what: str, worker: int,
+                                  start, end) -> dict:
+    """A greedy generation through the API with ``start(worker)`` at its 8th character and
+    ``end(worker)`` 3 s later (or when it ends, if later): the text must be the local run's, and
+    the peers one swarm again after; returns that swarm's state."""
+    c = state["coordinator"]
+    client = next(i for i in range(3) if i not in (c, worker))
+    hit: list[float] = []
+
+    def strike(chars: int) -> None:
+        if chars >= 8 and not hit:
+            start(worker)
+            hit.append(time.monotonic())
+
+    try:
+        answer = await ask(lab, client, c, state["api_port"], key.api_token, PROMPT, strike)
+        await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - hit[0])) if hit else 0.0)
+    finally:
+        if hit:
+            end(worker)
+    assert hit, f"the generation ended before the fault: {what}"
+    assert answer["event"] == "done" and answer["text"] == expected, (what, answer)
+    return await healed(lab, procs, 3, what, time.monotonic())
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return add_char_tokenizer(build("olmoe", tmp_path_factory.mktemp("model")))
@@ -157,27 +182,7 @@ async def test_faults_heal_into_one_swarm(netns_lab, model_dir, expected):
     state = await fault("host link down 4 s", state["host"], 4.0, stall=False)
 
     async def during_generation(what: str, worker: int, start, end) -> dict:
-        """A greedy generation through the API with ``start(worker)`` at its 8th character and
-        ``end(worker)`` 3 s later (or when it ends, if later): the text must be the local run's,
-        and the peers one swarm again after."""
-        c = state["coordinator"]
-        client = next(i for i in range(3) if i not in (c, worker))
-        hit: list[float] = []
-
-        def strike(chars: int) -> None:
-            if chars >= 8 and not hit:
-                start(worker)
-                hit.append(time.monotonic())
-
-        try:
-            answer = await ask(lab, client, c, state["api_port"], key.api_token, PROMPT, strike)
-            await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - hit[0])) if hit else 0.0)
-        finally:
-            if hit:
-                end(worker)
-        assert hit, f"the generation ended before the fault: {what}"
-        assert answer["event"] == "done" and answer["text"] == expected, (what, answer)
-        return await healed(lab, procs, 3, what, time.monotonic())
+        return await fault_during_generation(lab, procs, key, state, expected, what, worker, start, end)
 
     def a_worker(state: dict) -> int:
         return next(i for i in range(3) if i != state["coordinator"])
@@ -253,25 +258,8 @@ async def test_faults_during_a_generation_on_uvloop(netns_lab, model_dir, expect
 
     for what, start, end in (("worker stalled during a generation on uvloop", lab.stop, lab.cont),
                              ("worker link down during a generation on uvloop", lab.link_down, lab.link_up)):
-        c = state["coordinator"]
-        worker = next(i for i in range(3) if i != c)
-        client = next(i for i in range(3) if i not in (c, worker))
-        hit: list[float] = []
-
-        def strike(chars: int, worker=worker, start=start, hit=hit) -> None:
-            if chars >= 8 and not hit:
-                start(worker)
-                hit.append(time.monotonic())
-
-        try:
-            answer = await ask(lab, client, c, state["api_port"], key.api_token, PROMPT, strike)
-            await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - hit[0])) if hit else 0.0)
-        finally:
-            if hit:
-                end(worker)
-        assert hit, f"the generation ended before the fault: {what}"
-        assert answer["event"] == "done" and answer["text"] == expected, (what, answer)
-        state = await healed(lab, procs, 3, what, time.monotonic())
+        worker = next(i for i in range(3) if i != state["coordinator"])
+        state = await fault_during_generation(lab, procs, key, state, expected, what, worker, start, end)
 
 
 async def test_multicast_blocked_says_so_and_signal_joins(netns_lab, model_dir, expected):

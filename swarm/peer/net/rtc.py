@@ -72,7 +72,15 @@ SCTP_RTO_MIN_S = 0.1  # seconds; keeps retransmits rare on loopback while removi
 UDP_PAYLOAD_MAX = 1452
 DTLS_OVERHEAD_MAX = 65
 SCTP_MAX_PACKET_LENGTH = UDP_PAYLOAD_MAX - DTLS_OVERHEAD_MAX
-SCTP_USERDATA_MAX_LENGTH = (SCTP_MAX_PACKET_LENGTH - 12 - 16) // 4 * 4  # less the common and DATA chunk headers
+
+
+def userdata_length(packet_length: int) -> int:
+    """User data bytes in one SCTP packet of ``packet_length`` bytes: less the 12-byte common and
+    16-byte DATA chunk headers, rounded down to the 4-byte chunk padding (RFC 4960 §3)."""
+    return (packet_length - 12 - 16) // 4 * 4
+
+
+SCTP_USERDATA_MAX_LENGTH = userdata_length(SCTP_MAX_PACKET_LENGTH)
 
 # DATA packets one send or SACK may release: a message of 8 rows (~19 KB) goes out at once.
 SCTP_BURST_PACKETS = 16
@@ -82,7 +90,7 @@ SCTP_BURST_BYTES = 64 << 10
 # Jumbo packets (module docstring). A DTLS record's plaintext is at most 2**14 bytes (RFC 6347
 # §4.1 via RFC 5246 §6.2.1), and one SCTP packet travels in one record.
 SCTP_JUMBO_PACKET_LENGTH = 1 << 14
-SCTP_JUMBO_USERDATA_MAX_LENGTH = (SCTP_JUMBO_PACKET_LENGTH - 12 - 16) // 4 * 4
+SCTP_JUMBO_USERDATA_MAX_LENGTH = userdata_length(SCTP_JUMBO_PACKET_LENGTH)
 SDP_PACKET_ATTRIBUTE = "x-colibri-swarm-sctp-packet"  # a=<this>:<largest SCTP packet, bytes> in our SDP
 DTLS_RECORD_READ_BYTES = 1 << 15  # what our DTLS reads at once: a whole jumbo record and its overhead
 # A jumbo packet holds what 12 MTU-sized ones do: acknowledge every second one (RFC 4960 §6.2's
@@ -310,7 +318,7 @@ def send_jumbo_packets(pc: RTCPeerConnection, packet_length: int) -> None:
     for name in JUMBO_METHODS:
         if not hasattr(_sctp.RTCSctpTransport, name):
             raise _moved(f"aiortc.rtcsctptransport.RTCSctpTransport.{name}")
-    userdata = (packet_length - 12 - 16) // 4 * 4
+    userdata = userdata_length(packet_length)
     methods = _jumbo_methods(userdata)
     for name, fn in methods.items():
         if name == "_transmit":
