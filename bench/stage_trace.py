@@ -189,4 +189,8 @@ def breakdown(paths: list[str | Path], since_ns: int = 0, until_ns: int = 1 << 6
     out["worker_compute_us"] = round(statistics.median((pts["w_computed"] - pts["w_compute"]) / 1e3
                                                        for pts in full), 1)
     out["beyond_compute_us"] = round(out["round_trip_us"] - out["worker_compute_us"], 1)
+    # the coordinator's own part of a step: from one answer's wake-up to the next request
+    gaps = [(b["c_send"] - a["c_woke"]) / 1e3 for a, b in zip(full, full[1:])]
+    if gaps:
+        out["coordinator_between_us"] = round(statistics.median(gaps), 1)
     return out

@@ -527,3 +527,31 @@ def test_a_peer_told_to_keep_mtu_packets_neither_offers_nor_sends_jumbo_ones():
     offer, answer, lengths = run_in_netns(main)
     assert rtc.SDP_PACKET_ATTRIBUTE not in offer and rtc.SDP_PACKET_ATTRIBUTE in answer
     assert lengths == (rtc.SCTP_MAX_PACKET_LENGTH,) * 2
+
+
+def test_a_message_leaves_within_send_and_a_handler_runs_within_the_receive_callback():
+    """No loop iteration between a send and its datagram (aiortc flushes in a task of its own),
+    nor between a message's arrival and its handler's first part (it ran in a task before): a
+    stage step's round trip is all such hops."""
+    async def main():
+        a, b = pair()
+        await connect(a, b)
+        ran = asyncio.Queue()
+
+        async def on_blob(link, message):
+            # the handler's own task, if it were given one, is among the link's tasks now
+            await ran.put((message.data.tobytes(), asyncio.current_task() in link._tasks))
+
+        b.on(WeightChunk, on_blob)
+        queued = []
+        for size in (10, 40_000):  # one packet, and a message of several
+            await a.send(blob(b"x" * size))
+            queued.append(len(a.pc.sctp._data_channel_queue))  # before this coroutine yields to the loop
+        got = [await asyncio.wait_for(ran.get(), 5) for _ in range(2)]
+        await a.close()
+        await b.close()
+        return queued, got
+
+    queued, got = run_in_netns(main)
+    assert queued == [0, 0]
+    assert [(len(data), own_task) for data, own_task in got] == [(10, False), (40_000, False)]

@@ -57,7 +57,7 @@ from swarm.errors import (
     SwarmError,
     VersionMismatchError,
 )
-from swarm.peer.net import auth, messages, rtc, wire
+from swarm.peer.net import auth, eager, messages, rtc, wire
 from swarm.keys.identity import peer_id_of_certificate
 from swarm.peer.net.messages import Error, Hello, LinkHeartbeat, WeightsHeld
 
@@ -412,6 +412,7 @@ class Link:
             return
         try:  # before our first byte: the remote sends jumbo packets only after it
             rtc.accept_jumbo_records(self.pc)
+            rtc.flush_eagerly(self.pc)
         except LocalProtocolError as exc:
             self._fail(str(exc), error=exc)
             return
@@ -510,9 +511,16 @@ class Link:
             log.exception("%s handler on link to %s failed", type(message).__name__, self.peer_id)
             return
         if asyncio.iscoroutine(result):
-            # A task cancelled before its first step never awaits the handler's coroutine:
+            # Run now, not a loop iteration later: a short stage step is computed and answered
+            # within this callback (swarm/peer/net/eager.py); what suspends goes on as a task.
+            # A task cancelled before its next step never resumes the handler's coroutine:
             # close it then, so it is released without a "never awaited" warning.
-            self._spawn(self._run_handler(result)).add_done_callback(lambda _task, coro=result: coro.close())
+            task = eager.start_eagerly(self._run_handler(result))
+            if task is None:
+                return
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda _task, coro=result: coro.close())
 
     async def _run_handler(self, coro: Awaitable[None]) -> None:
         try:
