@@ -320,6 +320,9 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local_tokens:
                 run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode, None, pids)
                 cpu = run["decode_cpu_s"][0] + (run["decode_cpu_s"][1] if layout != "local" else 0.0)
                 entry = {"decode_tok_s": run["decode_tok_s"], "prefill_tok_s": run["prefill_tok_s"],
+                         # the typical step, which a few slow ones (a GC pass, a stalled neighbour) do not move
+                         "decode_step_ms_median": round(1e3 * statistics.median(run["step_s"]), 3),
+                         "decode_step_ms_max": round(1e3 * max(run["step_s"]), 3),
                          "cpu_ms_per_token": round(1e3 * cpu / n_decode, 2),
                          "greedy_tokens_equal_local": run["tokens"] == local_tokens,
                          "load_avg_1m": round(os.getloadavg()[0], 2)}
