@@ -315,22 +315,28 @@ class _EagerAsyncio:
             return None
 
 
-@functools.cache
-def _eager_send_method() -> types.FunctionType:
-    fn = _sctp.RTCSctpTransport._data_channel_send
-    scope = dict(vars(_sctp), asyncio=_EagerAsyncio())
+def _with_globals(fn: types.FunctionType, scope: dict) -> types.FunctionType:
+    """A copy of ``fn`` that reads its module globals from ``scope``."""
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
 
 
+@functools.cache
+def _eager_send_method() -> types.FunctionType:
+    return _with_globals(_sctp.RTCSctpTransport._data_channel_send, dict(vars(_sctp), asyncio=_EagerAsyncio()))
+
+
 def flush_eagerly(pc: RTCPeerConnection) -> None:
     """Make a message sent on ``pc``'s data channels leave within ``send``: aiortc queues it and
     flushes the queue in a task, a loop iteration later (~30-70 µs of a round trip on a busy
-    loop); here the flush starts at once and only what suspends (a full congestion window)
-    waits for a task (:mod:`swarm.peer.net.eager`). Messages keep their order: the flush
-    sends the queue front first, as before. Raises LocalProtocolError when aiortc no longer
-    has the method, or no longer flushes through ``asyncio.ensure_future``."""
+    loop); here the flush runs at once (:mod:`swarm.peer.net.eager`; a flush that suspended
+    would go on as a task, but nothing on aiortc's path to ``sendto`` suspends today, and a
+    full congestion window leaves the message queued for the next SACK as before). Messages
+    keep their order: the flush takes the queue front first. A flush that raises (the DTLS
+    transport already closed) is logged, as aiortc's own task would have it, and the link's
+    close handling does the rest. Raises LocalProtocolError when aiortc no longer has the
+    method, or no longer flushes through ``asyncio.ensure_future``."""
     fn = getattr(_sctp.RTCSctpTransport, "_data_channel_send", None)
     if fn is None or "ensure_future" not in fn.__code__.co_names:
         raise _moved("aiortc.rtcsctptransport.RTCSctpTransport._data_channel_send (its asyncio.ensure_future flush)")
@@ -344,10 +350,7 @@ def _jumbo_methods(userdata: int) -> dict[str, types.FunctionType]:
     out = {}
     for name in JUMBO_METHODS:
         fn = getattr(_sctp.RTCSctpTransport, name)
-        fn = getattr(fn, "original", fn)  # _transmit: aiortc's, under our burst wrapper
-        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__kwdefaults__ = fn.__kwdefaults__
-        out[name] = copy
+        out[name] = _with_globals(getattr(fn, "original", fn), scope)  # _transmit: aiortc's, under our burst wrapper
     return out
 
 
