@@ -296,6 +296,7 @@ def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts
 
     Q8 = gguf.GGMLQuantizationType.Q8_0
     rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
     w, vocab = qwen3moe_writer(path, layers=layers, hidden=hidden, experts=experts, top_k=top_k,
                                expert_ffn=expert_ffn, heads=heads, kv_heads=kv_heads, name=MOE_NAME)
     hd = hidden // heads

@@ -10,9 +10,10 @@ as a safetensors checkpoint, scaled to fit this machine) one run measures, in or
    plus bytes on the wire per decoded token (both directions, all links, framing included),
    the FFN's seconds per layer (the round trip: request out, worker compute, answer back,
    combine) and the links' heartbeat RTT, and whether the greedy tokens equal the local ones;
-3. layouts, with 2 peers: the local engine, per-layer ranges, layer stages (the layers split
-   between the two peers) and the planner's own choice (``auto``: the cost model's pick), run
-   in turn for ``--rounds`` rounds so that the machine's changing load hits each alike, with
+3. layouts, with 2 peers: per-layer ranges, layer stages (the layers split between the two
+   peers) and the planner's own choice (``auto``: the cost model's pick), run in turn for
+   ``--rounds`` rounds, each decode step timed next to a step of the local engine (order
+   alternating) so that the machine's changing speed hits a layout and local alike, with
    nothing added to the link and with ``--delays`` ms added before every message the
    coordinator sends (a bench-only link option standing in for Wi-Fi; there is no netem here):
    median decode and prefill tok/s, each round's ratio to that round's local run, the decode
@@ -198,6 +199,37 @@ def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None, c
     }
 
 
+def run_paired(model, ffns: dict[str, object], prompt: list[int], n_decode: int, cpu_pids=()) -> dict[str, dict]:
+    """``run_generation`` for several FFN backends in lockstep: each prefills ``prompt``, then
+    every decode step of one is timed right next to the same step of the others (their order
+    turning each step), so a change in the machine's speed — on a shared machine it swings by
+    a third within seconds — hits them alike and their ratio keeps only what differs. Returns
+    run_generation's fields per backend; ``decode_cpu_s`` counts each backend's own steps."""
+    names = list(ffns)
+    timed = {n: TimedFFN(f) for n, f in ffns.items()}
+    caches = {n: model.new_cache(len(prompt) + n_decode + 1) for n in names}
+    out = {n: {"tokens": [], "step_s": [], "decode_cpu_s": [0.0] * len(cpu_pids)} for n in names}
+    for n in names:
+        t0 = time.perf_counter()
+        logits = model.forward(prompt, caches[n], ffn=timed[n], last_only=True)[0]
+        out[n]["prefill_tok_s"] = round(len(prompt) / (time.perf_counter() - t0), 2)
+        out[n]["tokens"].append(int(np.argmax(logits)))
+        timed[n].on = True
+    for step in range(n_decode):
+        k = step % len(names)
+        for n in names[k:] + names[:k]:
+            cpu0 = [_cpu_s(pid) for pid in cpu_pids]
+            t = time.perf_counter()
+            logits = model.forward([out[n]["tokens"][-1]], caches[n], ffn=timed[n], last_only=True)[0]
+            out[n]["step_s"].append(time.perf_counter() - t)
+            out[n]["decode_cpu_s"] = [c + _cpu_s(pid) - c0 for c, pid, c0 in zip(out[n]["decode_cpu_s"], cpu_pids, cpu0)]
+            out[n]["tokens"].append(int(np.argmax(logits)))
+    for n in names:
+        out[n]["decode_tok_s"] = round(n_decode / sum(out[n]["step_s"]), 2)
+        out[n]["ffn_ms_per_layer"] = round(1e3 * timed[n].seconds / max(timed[n].calls, 1), 3)
+    return out
+
+
 class WireCounter:
     """Counts bytes through every link of a node since :meth:`reset` (outbound fragments, inbound frames and fragments)."""
 
@@ -295,10 +327,11 @@ LAYOUT_ORDER = ("local", "ranges", "stages", "auto")
 
 async def _layouts(roles, model, prompt: list[int], n_decode: int, local_tokens: list[int],
                    delays_ms: list[float], rounds: int, worker_pid: int) -> dict:
-    """Local, ranges, stages and the planner's choice with 2 peers, at each added per-message
-    delay: ``rounds`` rounds, each running the four one after the other, so that a change in the
-    machine's load hits every layout alike; per layout the median tok/s, each round's ratio to
-    that round's local run, and the decode CPU seconds of both processes against local's."""
+    """Ranges, stages and the planner's choice with 2 peers against the local engine, at each
+    added per-message delay: ``rounds`` rounds, each running the three in turn, each generation
+    paired step by step with a local one (:func:`run_paired`), so a change in the machine's
+    speed hits a layout and its local reference alike; per layout the median tok/s, each round's
+    ratio to its paired local run, and the decode CPU seconds of both processes against local's."""
     from swarm.compute.ffn import LocalFFN
 
     out = {}
@@ -309,24 +342,27 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local_tokens:
         await asyncio.sleep(6 * LINK_OPTIONS["heartbeat_s"] + 1.0)  # the RTT median takes the delay in
         row = {"link_rtt_ms": [round(1e3 * link.rtt_s, 3) for link in roles.node.links.values() if link.rtt_s]}
         runs: dict[str, list[dict]] = {layout: [] for layout in LAYOUT_ORDER}
+        locals_: dict[str, list[dict]] = {layout: [] for layout in LAYOUT_ORDER}  # each one's paired local run
         for r in range(rounds):
-            for layout in LAYOUT_ORDER:
-                if layout == "local":
-                    ffn = LocalFFN(model)
-                else:
-                    await _switch_layout(roles, model, prompt, layout)
-                    ffn = roles.coordinator.engine_ffn
-                _progress(f"{delay_ms} ms added, round {r + 1}/{rounds}, {layout}")
-                run = await asyncio.to_thread(run_generation, model, ffn, prompt, n_decode, None, pids)
-                cpu = run["decode_cpu_s"][0] + (run["decode_cpu_s"][1] if layout != "local" else 0.0)
-                entry = {"decode_tok_s": run["decode_tok_s"], "prefill_tok_s": run["prefill_tok_s"],
-                         # the typical step, which a few slow ones (a GC pass, a stalled neighbour) do not move
-                         "decode_step_ms_median": round(1e3 * statistics.median(run["step_s"]), 3),
-                         "decode_step_ms_max": round(1e3 * max(run["step_s"]), 3),
-                         "cpu_ms_per_token": round(1e3 * cpu / n_decode, 2),
-                         "greedy_tokens_equal_local": run["tokens"] == local_tokens,
-                         "load_avg_1m": round(os.getloadavg()[0], 2)}
-                if layout != "local":
+            for layout in LAYOUT_ORDER[1:]:
+                await _switch_layout(roles, model, prompt, layout)
+                _progress(f"{delay_ms} ms added, round {r + 1}/{rounds}, {layout} paired with local")
+                paired = await asyncio.to_thread(
+                    run_paired, model, {"local": LocalFFN(model), layout: roles.coordinator.engine_ffn},
+                    prompt, n_decode, pids)
+                for name, run in paired.items():
+                    cpu = run["decode_cpu_s"][0] + (run["decode_cpu_s"][1] if name != "local" else 0.0)
+                    entry = {"decode_tok_s": run["decode_tok_s"], "prefill_tok_s": run["prefill_tok_s"],
+                             # the typical step, which a few slow ones (a GC pass, a stalled neighbour) do not move
+                             "decode_step_ms_median": round(1e3 * statistics.median(run["step_s"]), 3),
+                             "decode_step_ms_max": round(1e3 * max(run["step_s"]), 3),
+                             "cpu_ms_per_token": round(1e3 * cpu / n_decode, 2),
+                             "greedy_tokens_equal_local": run["tokens"] == local_tokens,
+                             "load_avg_1m": round(os.getloadavg()[0], 2)}
+                    if name == "local":
+                        runs["local"].append(entry)
+                        locals_[layout].append(entry)
+                        continue
                     cost = (roles.node.placement or {}).get("cost") or {}
                     st = roles.coordinator.stages
                     entry.update({
@@ -338,10 +374,10 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local_tokens:
                             e["layout"]: {"decode": round(1e3 * e["decode_s"], 2), "prefill": round(1e3 * e["prefill_s"], 1),
                                           "fits": e["fits"]} for e in cost.get("estimates", ()) if e["decode_s"] is not None}
                         entry["peers"] = cost.get("peers")
-                runs[layout].append(entry)
+                    runs[layout].append(entry)
         for layout in LAYOUT_ORDER:
             per = runs[layout]
-            loc = runs["local"]
+            loc = locals_[layout] if layout != "local" else per
             summary = {
                 "decode_tok_s_median": statistics.median(e["decode_tok_s"] for e in per),
                 "prefill_tok_s_median": statistics.median(e["prefill_tok_s"] for e in per),

@@ -10,6 +10,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import SwarmError
+from swarm.peer.net.eager import start_eagerly as eager_start
 
 if TYPE_CHECKING:
     from swarm.peer.net.link import Link
@@ -25,15 +26,30 @@ class OwnedTasks:
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task | None:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str, *, eager: bool = False) -> asyncio.Task | None:
         """Run ``coro`` as a task of this set (on the running loop). After :meth:`close` it is
         closed unstarted and None is returned: an event that arrives while the owner stops
-        (a link going down) must not start work nobody will cancel."""
+        (a link going down) must not start work nobody will cancel.
+
+        ``eager``: run it now, on the caller's stack, until it first suspends (see
+        swarm/peer/net/eager.py; a request's send saves a loop iteration so); only the rest
+        becomes a task, and None is returned when nothing is left. A failure of the eager part
+        is logged as a task's would be. The caller must be on the loop's thread."""
         if self.closed:
             coro.close()
             log.debug("%s-%s not started: its owner has stopped", self._prefix, name)
             return None
-        task = asyncio.get_running_loop().create_task(coro, name=f"{self._prefix}-{name}")
+        if eager:
+            try:
+                task = eager_start(coro)
+            except Exception:
+                log.exception("task %s-%s failed", self._prefix, name)
+                return None
+            if task is None:
+                return None
+            task.set_name(f"{self._prefix}-{name}")
+        else:
+            task = asyncio.get_running_loop().create_task(coro, name=f"{self._prefix}-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task

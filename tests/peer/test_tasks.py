@@ -36,3 +36,34 @@ def test_cancel_all_alone_leaves_the_set_open():
         return await task
 
     assert asyncio.run(main()) == "ran"
+
+
+def test_eager_spawn_runs_the_first_part_now_and_owns_the_rest(caplog):
+    async def main():
+        tasks, seen = OwnedTasks("test"), []
+
+        async def quick():
+            seen.append("quick")
+
+        async def slow():
+            seen.append("slow started")
+            await asyncio.sleep(3600)
+            seen.append("slow resumed")  # never: cancelled first
+
+        async def broken():
+            raise RuntimeError("bad request")
+
+        done = tasks.spawn(quick(), "quick", eager=True)
+        rest = tasks.spawn(slow(), "slow", eager=True)
+        before_any_iteration = list(seen)  # eager parts ran within spawn, not a loop iteration later
+        failed = tasks.spawn(broken(), "broken", eager=True)
+        await asyncio.sleep(0)
+        await tasks.close()
+        return done, rest, before_any_iteration, failed, seen
+
+    with caplog.at_level("ERROR"):
+        done, rest, before, failed, seen = asyncio.run(main())
+    assert done is None and failed is None
+    assert before == ["quick", "slow started"]
+    assert rest.get_name() == "test-slow" and rest.cancelled() and seen == before
+    assert "task test-broken failed" in caplog.text and "bad request" in caplog.text

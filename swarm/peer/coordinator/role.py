@@ -222,7 +222,8 @@ class CoordinatorRole:
         link = self.node.links.get(peer)
         if link is None:
             raise ConnectionError(f"no link to {peer}")
-        self._loop.call_soon_threadsafe(lambda: self._tasks.spawn(self._send_request(link, msg), "request"))
+        # eager: the message is encoded and leaves within this callback, not a loop iteration later
+        self._loop.call_soon_threadsafe(lambda: self._tasks.spawn(self._send_request(link, msg), "request", eager=True))
 
     async def _send_request(self, link: Link, msg: ExpertRequest | DenseRequest | StageRequest) -> None:
         try:
