@@ -12,8 +12,9 @@ as a safetensors checkpoint, scaled to fit this machine) one run measures, in or
    combine) and the links' heartbeat RTT, and whether the greedy tokens equal the local ones;
 3. layouts, with 2 peers: per-layer ranges, layer stages (the layers split between the two
    peers) and the planner's own choice (``auto``: the cost model's pick), run in turn for
-   ``--rounds`` rounds, each decode step timed next to a step of the local engine (order
-   alternating) so that the machine's changing speed hits a layout and local alike, with
+   ``--rounds`` rounds, each generation taking turns of 8 decode steps with one of the local
+   engine (order alternating) so that the machine's changing speed hits a layout and local
+   alike, with
    nothing added to the link and with ``--delays`` ms added before every message the
    coordinator sends (a bench-only link option standing in for Wi-Fi; there is no netem here):
    median decode and prefill tok/s, each round's ratio to that round's local run, the decode
@@ -199,33 +200,48 @@ def run_generation(model, ffn, prompt: list[int], n_decode: int, on_step=None, c
     }
 
 
-def run_paired(model, ffns: dict[str, object], prompt: list[int], n_decode: int, cpu_pids=()) -> dict[str, dict]:
+PAIR_BLOCK = 8  # decode steps a backend runs in a row in run_paired
+
+
+def run_paired(model, ffns: dict[str, object], prompt: list[int], n_decode: int, cpu_pids=(),
+               block: int = PAIR_BLOCK) -> dict[str, dict]:
     """``run_generation`` for several FFN backends in lockstep: each prefills ``prompt``, then
-    every decode step of one is timed right next to the same step of the others (their order
-    turning each step), so a change in the machine's speed — on a shared machine it swings by
-    a third within seconds — hits them alike and their ratio keeps only what differs. Returns
-    run_generation's fields per backend; ``decode_cpu_s`` counts each backend's own steps."""
+    they take turns decoding ``block`` steps each (their order turning each time), so a change
+    in the machine's speed — on a shared machine it swings by a third within seconds — hits them
+    alike and their ratio keeps only what differs. The first step of each turn is left out of
+    ``decode_tok_s`` (it is kept in ``step_s``): it runs on caches the other backend's steps
+    evicted, which a backend running alone does not — a local step right after another
+    process's stage step measured 1–5 % slower than one after a local step
+    (``bench/alternate.py``, ``local_after_other_stage``).
+    Returns run_generation's fields per backend; ``decode_cpu_s`` counts each one's own steps."""
+    if block < 2:
+        raise ValueError("block must be at least 2: a turn's first step is left out")
     names = list(ffns)
     timed = {n: TimedFFN(f) for n, f in ffns.items()}
     caches = {n: model.new_cache(len(prompt) + n_decode + 1) for n in names}
     out = {n: {"tokens": [], "step_s": [], "decode_cpu_s": [0.0] * len(cpu_pids)} for n in names}
+    kept: dict[str, list[float]] = {n: [] for n in names}
     for n in names:
         t0 = time.perf_counter()
         logits = model.forward(prompt, caches[n], ffn=timed[n], last_only=True)[0]
         out[n]["prefill_tok_s"] = round(len(prompt) / (time.perf_counter() - t0), 2)
         out[n]["tokens"].append(int(np.argmax(logits)))
         timed[n].on = True
-    for step in range(n_decode):
-        k = step % len(names)
+    for turn, first in enumerate(range(0, n_decode, block)):
+        k = turn % len(names)
         for n in names[k:] + names[:k]:
             cpu0 = [_cpu_s(pid) for pid in cpu_pids]
-            t = time.perf_counter()
-            logits = model.forward([out[n]["tokens"][-1]], caches[n], ffn=timed[n], last_only=True)[0]
-            out[n]["step_s"].append(time.perf_counter() - t)
+            for step in range(first, min(first + block, n_decode)):
+                t = time.perf_counter()
+                logits = model.forward([out[n]["tokens"][-1]], caches[n], ffn=timed[n], last_only=True)[0]
+                dt = time.perf_counter() - t
+                out[n]["step_s"].append(dt)
+                if step > first:
+                    kept[n].append(dt)
+                out[n]["tokens"].append(int(np.argmax(logits)))
             out[n]["decode_cpu_s"] = [c + _cpu_s(pid) - c0 for c, pid, c0 in zip(out[n]["decode_cpu_s"], cpu_pids, cpu0)]
-            out[n]["tokens"].append(int(np.argmax(logits)))
     for n in names:
-        out[n]["decode_tok_s"] = round(n_decode / sum(out[n]["step_s"]), 2)
+        out[n]["decode_tok_s"] = round(len(kept[n]) / sum(kept[n]), 2)
         out[n]["ffn_ms_per_layer"] = round(1e3 * timed[n].seconds / max(timed[n].calls, 1), 3)
     return out
 
@@ -329,7 +345,7 @@ async def _layouts(roles, model, prompt: list[int], n_decode: int, local_tokens:
                    delays_ms: list[float], rounds: int, worker_pid: int) -> dict:
     """Ranges, stages and the planner's choice with 2 peers against the local engine, at each
     added per-message delay: ``rounds`` rounds, each running the three in turn, each generation
-    paired step by step with a local one (:func:`run_paired`), so a change in the machine's
+    paired turn by turn with a local one (:func:`run_paired`), so a change in the machine's
     speed hits a layout and its local reference alike; per layout the median tok/s, each round's
     ratio to its paired local run, and the decode CPU seconds of both processes against local's."""
     from swarm.compute.ffn import LocalFFN
