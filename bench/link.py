@@ -96,6 +96,7 @@ async def _remote(conn, tcp_port_q) -> None:
         answer = await link.accept_offer(offer)
         conn.send(answer)
         await link.established()
+        await link.packets_settled()  # jumbo packets probed
 
         async def echo(lk, message):
             tag = bytes(message.data[:1])
@@ -150,6 +151,7 @@ async def _connect(conn) -> tuple[Link, float]:
     conn.send(await link.create_offer())
     await link.accept_answer(await loop.run_in_executor(None, conn.recv))
     await link.established()
+    await link.packets_settled()  # jumbo packets probed
     return link, time.perf_counter() - t0
 
 

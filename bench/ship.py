@@ -107,6 +107,7 @@ async def _serve(address: str, mib: int, channel_mib: int) -> None:
         writer.write((json.dumps({"answer": await link.accept_offer(offer)}) + "\n").encode())
         await writer.drain()
         await link.established()
+        await link.packets_settled()  # jumbo packets probed
         server = SliceServer(source, MODEL_HASH)
         server.attach(link)
         await server.offer(link, small)
@@ -176,6 +177,7 @@ async def _fetch(ready: dict, address: str, channel: bool = True, repeat: int = 
     await writer.drain()
     await link.accept_answer(json.loads(await reader.readline())["answer"])
     await link.established()
+    await link.packets_settled()  # jumbo packets probed
     fetcher = SliceFetcher(link, MODEL_HASH, SliceCache(tmp / "channel"), use_https=False)
     small = await asyncio.wait_for(fetcher.offers.get(), 30)
     t = time.perf_counter()

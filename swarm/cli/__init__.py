@@ -248,8 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as coordinator: at most N more requests wait for a slot; beyond, HTTP 429 with "
                    "Retry-After (default 32)")
     p.add_argument("--mtu-packets", action="store_true",
-                   help="send data-channel packets that fit a 1500-byte MTU to every peer, for a network that "
-                   "drops IP fragments (default: up to 16 KiB to other Python peers, far fewer packets a step)")
+                   help="send data-channel packets that fit a 1500-byte MTU to every peer, without probing "
+                   "(default: up to 16 KiB to other Python peers where a probe of that size comes back, far "
+                   "fewer packets a step; a link whose network drops IP fragments keeps MTU-sized ones)")
     # Names as in swarm.cli.join.EVENT_LOOPS (not imported here: the CLI starts without asyncio's peers).
     p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                    help="the event loop the peer runs on: uvloop (about half the round trip of a data-channel "

@@ -71,3 +71,38 @@ async def test_a_stage_plan_over_namespaced_hosts_and_a_stage_killed_at_token_10
     assert answer["event"] == "done", answer
     assert killed, "the generation ended before token 10"
     assert answer["text"] == expected[1]
+
+
+async def test_a_host_whose_network_drops_ip_fragments_still_serves_its_stage(netns_lab):
+    """Some networks drop IP fragments, which jumbo packets between Python peers travel as. The
+    host whose namespace reassembles none still forms the swarm: each side's link finds that
+    16 KiB probes do not come back, says so, and keeps MTU-sized packets; the stage host then
+    computes every step of a chat completion (its prefill rows are a multi-packet message) with
+    no link lost and no peer marked down, and the text is one machine's."""
+    lab = netns_lab(3)
+    assert lab.exec(1, "sysctl", "-q", "-w", "net.ipv4.ipfrag_low_thresh=0",
+                    "net.ipv4.ipfrag_high_thresh=1").returncode == 0
+    model_dir = add_char_tokenizer(build("olmoe", lab.workdir))
+    key = SwarmKey(os.urandom(32))
+    prompt = "tell me more about the swarm"
+    expected = reference(model_dir, prompt)
+    procs = []
+    for i in (0, 1):
+        procs.append(lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(model_dir), "--key", key.code,
+                                   "--name", f"host{i}", "--layout", "stages"],
+                               env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}))
+        await until(lambda: read_status(lab, i) is not None, 60, f"host{i} started", procs)
+    docs = lambda: {i: read_status(lab, i) for i in (0, 1)}  # noqa: E731
+    await until(lambda: staged_coordinator(docs()) is not None, 60, "a coordinator with a stage on the other host",
+                procs)
+    c, doc = staged_coordinator(docs())
+    await until(lambda: all("drops IP fragments" in p.log_path.read_text(errors="replace") for p in procs), 30,
+                "both links giving up jumbo packets", procs)
+    answer = await ask(lab, 2, c, doc["placement"]["api_port"], key.api_token, prompt)
+    assert answer["event"] == "done", answer
+    assert answer["text"] == expected
+    events = read_status(lab, c)["events"]
+    lost = [e for e in events if e["what"] in ("link down", "marked down", "left")]
+    assert not lost, lost
+    log = procs[c].log_path.read_text(errors="replace")
+    assert "recomput" not in log.lower() and "missed" not in log.lower(), log[-3000:]

@@ -27,10 +27,18 @@ VERSION = wire.PROTOCOL_VERSION
 CLONE_NEWNET = 0x40000000
 
 
-def run_in_netns(coro_factory, timeout_s: float = 60.0, *, prefix: str = "csb", address: str = ADDRESS):
+# A network that drops IP fragments (some firewalls, VPNs and Wi-Fi gear do): loopback with an
+# Ethernet MTU, and no memory to reassemble fragments in (ipfrag_high_thresh is per namespace).
+DROP_IP_FRAGMENTS = (("ip", "link", "set", "lo", "mtu", "1500"),
+                     ("sysctl", "-q", "-w", "net.ipv4.ipfrag_low_thresh=0", "net.ipv4.ipfrag_high_thresh=1"))
+
+
+def run_in_netns(coro_factory, timeout_s: float = 60.0, *, prefix: str = "csb", address: str = ADDRESS,
+                 configure=()):
     """Run ``asyncio.run(coro_factory())`` in a thread inside a new network namespace.
 
-    The namespace is named ``<prefix>-<random>`` and its loopback carries ``address``/32.
+    The namespace is named ``<prefix>-<random>`` and its loopback carries ``address``/32;
+    ``configure``: commands run inside it first (e.g. :data:`DROP_IP_FRAGMENTS`).
     """
     require(os.geteuid() == 0, "root, for network namespaces (CI runs as root)")
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
@@ -38,6 +46,8 @@ def run_in_netns(coro_factory, timeout_s: float = 60.0, *, prefix: str = "csb", 
     try:
         subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
         subprocess.run(["ip", "-n", name, "addr", "add", f"{address}/32", "dev", "lo"], check=True)
+        for argv in configure:
+            subprocess.run(["ip", "netns", "exec", name, *argv], check=True)
         outcome: dict = {}
 
         def target() -> None:

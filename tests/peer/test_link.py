@@ -23,7 +23,7 @@ from swarm.keys.identity import Identity
 from swarm.peer.net.link import Link, LinkState, new_peer_connection
 from swarm.peer.net.messages import WeightChunk
 from swarm.keys.swarmkey import SwarmKey
-from tests.peer._links import VERSION, blob, hello, run_in_netns
+from tests.peer._links import DROP_IP_FRAGMENTS, VERSION, blob, hello, run_in_netns
 
 KEY = SwarmKey(bytes(range(32)))
 ID_A, ID_B = Identity.generate(), Identity.generate()
@@ -463,6 +463,7 @@ def test_python_links_send_a_four_row_message_in_one_packet_and_others_keep_the_
     async def main():
         a, b = pair()
         await connect(a, b, **strip.get(browser_side, {}))
+        await asyncio.gather(a.packets_settled(), b.packets_settled())  # jumbo packets probed
         # the side that read the stripped SDP sends
         sender, receiver = (b, a) if browser_side == "offer" else (a, b)
         counts = []
@@ -493,6 +494,32 @@ def test_python_links_send_a_four_row_message_in_one_packet_and_others_keep_the_
     else:
         assert length == rtc.SCTP_MAX_PACKET_LENGTH
         assert min(counts[1:]) >= math.ceil(len(message) / rtc.SCTP_USERDATA_MAX_LENGTH), counts
+
+
+def test_a_network_that_drops_ip_fragments_keeps_mtu_packets_and_carries_every_message(caplog):
+    """Jumbo packets cross a LAN as IP fragments; where the network drops those, a jumbo DATA
+    packet would be retransmitted at its size for ever and the link stall. Each side probes the
+    path first (a HEARTBEAT of the jumbo size, echoed back), finds it does not carry them, says
+    so and keeps MTU-sized packets; messages of every size then arrive intact."""
+    async def main():
+        a, b = pair()
+        await connect(a, b)
+        lengths = await asyncio.gather(a.packets_settled(), b.packets_settled())
+        for size in (1, 5000, 20000, 300000):
+            for one, other in ((a, b), (b, a)):
+                data = os.urandom(size)
+                await one.send(blob(data))
+                got = await asyncio.wait_for(other.receive(), 10)
+                got.verify()
+                assert bytes(got.data) == data
+        await a.close()
+        await b.close()
+        return lengths
+
+    with caplog.at_level("WARNING", logger="swarm.peer.net.link"):
+        lengths = run_in_netns(main, configure=DROP_IP_FRAGMENTS)
+    assert lengths == [rtc.SCTP_MAX_PACKET_LENGTH] * 2
+    assert caplog.text.count("drops IP fragments, so this link keeps packets within the MTU") == 2, caplog.text
 
 
 def test_a_bad_jumbo_attribute_in_the_remote_sdp_is_a_clear_refusal():

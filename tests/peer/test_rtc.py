@@ -182,3 +182,58 @@ def test_a_bad_jumbo_attribute_is_refused_naming_it(value) -> None:
         rtc.jumbo_packet_length(twice)
     assert rtc.jumbo_packet_length("v=0\r\na=sctp-port:5000\r\n") is None
     assert rtc.jumbo_packet_length(rtc.advertise_jumbo_packets("v=0\r\na=sctp-port:5000\r\n")) == 16384
+
+
+def test_a_jumbo_probe_comes_back_at_its_size_and_other_echoes_still_reach_aiortc() -> None:
+    """path_carries relies on aiortc's SCTP answering a HEARTBEAT with a HEARTBEAT ACK of the same
+    parameters (RFC 9260 §8.3), sent in one packet of the probe's size: on a clean path the
+    probe comes back, and the association's own _receive_chunk is in place again after. A remote
+    that never echoes gets ``probes`` tries and a False; meanwhile a HEARTBEAT ACK that is not
+    the probe's goes on to the handler that was there before."""
+    rtc.configure_aiortc()
+
+    async def main():
+        a, b, _, _ = await _connected_pair(Identity.generate(), Identity.generate())
+        for pc in (a, b):
+            rtc.accept_jumbo_records(pc)
+        sent: list[int] = []
+        send_data = a.sctp.transport._send_data
+
+        async def counting(data: bytes) -> None:  # the SCTP packets a's association sends
+            sent.append(len(data))
+            await send_data(data)
+
+        a.sctp.transport._send_data = counting
+        carried = await rtc.path_carries(a, rtc.SCTP_JUMBO_PACKET_LENGTH)
+        first = list(sent)
+        restored = "_receive_chunk" not in vars(a.sctp)
+
+        b_receive, seen = b.sctp._receive_chunk, []
+
+        async def deaf(chunk):  # b: a remote whose echoes never arrive
+            if not isinstance(chunk, sctp.HeartbeatChunk):
+                await b_receive(chunk)
+
+        async def spy(chunk):
+            seen.append(type(chunk).__name__)
+            await own(chunk)
+
+        b.sctp._receive_chunk = deaf
+        own = a.sctp._receive_chunk
+        a.sctp._receive_chunk = spy
+        sent.clear()
+        probing = asyncio.ensure_future(rtc.path_carries(a, 2000, probes=2, timeout_s=0.2))
+        await asyncio.sleep(0.05)
+        await b.sctp._send_chunk(sctp.HeartbeatAckChunk())  # an echo the probe did not ask for
+        unanswered = await probing
+        kept = vars(a.sctp).get("_receive_chunk") is spy
+        a.sctp.transport._send_data = send_data
+        await a.close()
+        await b.close()
+        return carried, first, restored, unanswered, list(sent), seen, kept
+
+    carried, first, restored, unanswered, sent, seen, kept = run_in_netns(main)
+    assert carried and first == [rtc.SCTP_JUMBO_PACKET_LENGTH], first
+    assert restored
+    assert unanswered is False and sent.count(2000) == 2, sent
+    assert seen.count("HeartbeatAckChunk") == 1 and kept, seen

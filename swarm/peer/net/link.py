@@ -206,6 +206,7 @@ class Link:
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._established = asyncio.get_running_loop().create_future()
         self._closed = asyncio.Event()
+        self._packets_settled = asyncio.Event()  # the packet size is known (jumbo or not)
         self._send_lock = asyncio.Lock()
         self._drained = asyncio.Event()
         self._drained.set()
@@ -478,8 +479,9 @@ class Link:
                 raise
             self.hello = message
             if self._jumbo_packets and self._remote_packet_length is not None:  # it reads jumbo records by now
-                rtc.send_jumbo_packets(self.pc, min(self._remote_packet_length, rtc.SCTP_JUMBO_PACKET_LENGTH))
-                self.sctp_packet_length = self._remote_packet_length
+                self._spawn(self._try_jumbo_packets(min(self._remote_packet_length, rtc.SCTP_JUMBO_PACKET_LENGTH)))
+            else:
+                self._packets_settled.set()
             self.state = LinkState.OPEN
             log.info("link to %s open (version %s)", self.peer_id, message.protocol_version)
             self._established.set_result(message)
@@ -521,6 +523,29 @@ class Link:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             task.add_done_callback(lambda _task, coro=result: coro.close())
+
+    async def _try_jumbo_packets(self, length: int) -> None:
+        """Send jumbo packets of ``length`` bytes from now on if the path carries them both ways
+        (rtc.path_carries); else keep MTU-sized ones and say why. Messages meanwhile go in
+        MTU-sized packets."""
+        try:
+            if await rtc.path_carries(self.pc, length):
+                rtc.send_jumbo_packets(self.pc, length)
+                self.sctp_packet_length = length
+            else:
+                log.warning("link to %s: %d-byte packets did not come back from it in %d tries: the network between "
+                            "drops IP fragments, so this link keeps packets within the MTU (%d bytes)", self.peer_id,
+                            length, rtc.JUMBO_PROBES, self.sctp_packet_length)
+        except LocalProtocolError as exc:
+            self._fail(str(exc), error=exc)
+        finally:
+            self._packets_settled.set()
+
+    async def packets_settled(self) -> int:
+        """Wait until this open link knows its packet size (a jumbo probe answered or given up);
+        return the largest SCTP packet it sends, in bytes."""
+        await self._packets_settled.wait()
+        return self.sctp_packet_length
 
     async def _run_handler(self, coro: Awaitable[None]) -> None:
         try:

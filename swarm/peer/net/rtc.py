@@ -1,6 +1,6 @@
 """The aiortc internals this package relies on, in one place.
 
-aiortc (1.14–1.16) offers no public way to do five things a swarm link needs, so this module
+aiortc (1.14–1.16) offers no public way to do six things a swarm link needs, so this module
 reaches into its private names, and nothing else in the package does:
 
 * **Our own DTLS certificate.** ``RTCPeerConnection`` makes a fresh certificate in ``__init__``
@@ -39,9 +39,16 @@ reaches into its private names, and nothing else in the package does:
   send one), and :func:`send_jumbo_packets` gives that one association copies of the four
   ``RTCSctpTransport`` methods that read ``USERDATA_MAX_LENGTH``, whose globals hold the larger
   size. Browser links keep MTU-sized packets.
+* **Whether the path carries jumbo packets.** Some networks drop IP fragments (a firewall, a
+  VPN, some Wi-Fi gear); a jumbo DATA packet lost there is retransmitted at the same size for
+  ever (a DATA chunk keeps its size once sent), and the link stalls. :func:`path_carries`
+  probes first, as RFC 8899 §4.1 does for SCTP: a HEARTBEAT chunk padded to the jumbo size,
+  which the remote's SCTP echoes in a HEARTBEAT ACK of the same size (RFC 9260 §8.3), sent
+  through ``RTCSctpTransport._send_chunk`` and caught in ``_receive_chunk``. A link sends
+  jumbo packets only when one came back.
 
 Each function raises :class:`~swarm.errors.LocalProtocolError` naming the missing internal when an
-aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks all five against the installed
+aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks each against the installed
 aiortc, so an upgrade fails there first and loudly.
 """
 
@@ -50,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import re
 import types
 
@@ -102,6 +110,12 @@ DTLS_RECORD_READ_BYTES = 1 << 15  # what our DTLS reads at once: a whole jumbo r
 JUMBO_SACK_EVERY_PACKETS = 2
 # The RTCSctpTransport methods that read USERDATA_MAX_LENGTH (tests/peer/test_rtc.py checks the list).
 JUMBO_METHODS = ("_send", "_transmit", "_receive_sack_chunk", "_t3_expired")
+# Probing the path for jumbo packets (path_carries): each probe waits this long for its echo (a
+# LAN's round trip is ~1 ms; a loaded peer's event loop can hold it for tens of ms), and a lost
+# probe is sent again so that one dropped datagram does not keep a link on MTU-sized packets.
+JUMBO_PROBE_TIMEOUT_S = 0.5
+JUMBO_PROBES = 3
+HEARTBEAT_INFO = 1  # the Heartbeat Information parameter's type (RFC 9260 §3.3.5)
 
 # Delayed acknowledgement (RFC 4960 §6.2): a SACK for every 8th packet received, and within
 # SACK_DELAY_S for fewer. A swarm step's request or answer (1-8 rows: 2-13 packets) then costs
@@ -352,6 +366,52 @@ def _jumbo_methods(userdata: int) -> dict[str, types.FunctionType]:
         fn = getattr(_sctp.RTCSctpTransport, name)
         out[name] = _with_globals(getattr(fn, "original", fn), scope)  # _transmit: aiortc's, under our burst wrapper
     return out
+
+
+async def path_carries(pc: RTCPeerConnection, packet_length: int, *, probes: int = JUMBO_PROBES,
+                       timeout_s: float = JUMBO_PROBE_TIMEOUT_S) -> bool:
+    """Whether SCTP packets of ``packet_length`` bytes cross to the remote and back (module
+    docstring): up to ``probes`` HEARTBEAT chunks of that size, each given ``timeout_s`` seconds
+    for its HEARTBEAT ACK. Both ends must read records that large (:func:`accept_jumbo_records`;
+    the remote's SDP says it does). Chunks other than our probes' echoes go to aiortc as before.
+    Raises LocalProtocolError when aiortc no longer has the methods this relies on."""
+    sctp = pc.sctp
+    for name in ("_send_chunk", "_receive_chunk"):
+        if not hasattr(_sctp.RTCSctpTransport, name):
+            raise _moved(f"aiortc.rtcsctptransport.RTCSctpTransport.{name}")
+    nonce = os.urandom(16)
+    padding = packet_length - 12 - 4 - 4 - len(nonce)  # less the common, chunk and parameter headers
+    if padding < 0:
+        raise ValueError(f"a {packet_length}-byte packet cannot hold a probe")
+    echoed = asyncio.get_running_loop().create_future()
+    receive = sctp._receive_chunk
+    replaced = vars(sctp).get("_receive_chunk")  # an instance's own, put back after
+
+    async def catch_echo(chunk) -> None:
+        if isinstance(chunk, _sctp.HeartbeatAckChunk) and any(
+                kind == HEARTBEAT_INFO and value[:len(nonce)] == nonce for kind, value in chunk.params):
+            if not echoed.done():
+                echoed.set_result(None)
+            return
+        await receive(chunk)
+
+    sctp._receive_chunk = catch_echo
+    try:
+        for _ in range(probes):
+            probe = _sctp.HeartbeatChunk()
+            probe.params = [(HEARTBEAT_INFO, nonce + bytes(padding))]
+            await sctp._send_chunk(probe)
+            try:
+                await asyncio.wait_for(asyncio.shield(echoed), timeout_s)
+                return True
+            except asyncio.TimeoutError:
+                continue
+        return False
+    finally:
+        if replaced is None:
+            del sctp._receive_chunk  # aiortc's own method again
+        else:
+            sctp._receive_chunk = replaced
 
 
 def send_jumbo_packets(pc: RTCPeerConnection, packet_length: int) -> None:
