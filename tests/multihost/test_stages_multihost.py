@@ -31,14 +31,9 @@ def staged_coordinator(docs) -> tuple[int, dict] | None:
     return None
 
 
-async def test_a_stage_plan_over_namespaced_hosts_and_a_stage_killed_at_token_10(netns_lab):
-    lab = netns_lab(3)  # host0, host1: the swarm; ns2: the client
-    model_dir = add_char_tokenizer(build("olmoe", lab.workdir))
-    key = SwarmKey(os.urandom(32))
-    prompts = [p for p in ("hello swarm", "tell me more", "abc", "what is 2+2?", "zzz")
-               if len(reference(model_dir, p)) >= KILL_AT + 4][:2]
-    assert len(prompts) == 2, "the tiny model ends too soon on every prompt"
-    expected = [reference(model_dir, p) for p in prompts]
+async def start_staged_swarm(lab, model_dir, key: SwarmKey):
+    """``join --layout stages`` on hosts 0 and 1; (their processes, the coordinator's index and
+    status) once its stage plan gives the other host a stage."""
     procs = []
     for i in (0, 1):
         procs.append(lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(model_dir), "--key", key.code,
@@ -48,7 +43,18 @@ async def test_a_stage_plan_over_namespaced_hosts_and_a_stage_killed_at_token_10
     docs = lambda: {i: read_status(lab, i) for i in (0, 1)}  # noqa: E731
     await until(lambda: staged_coordinator(docs()) is not None, 60, "a coordinator with a stage on the other host",
                 procs)
-    c, doc = staged_coordinator(docs())
+    return (procs, *staged_coordinator(docs()))
+
+
+async def test_a_stage_plan_over_namespaced_hosts_and_a_stage_killed_at_token_10(netns_lab):
+    lab = netns_lab(3)  # host0, host1: the swarm; ns2: the client
+    model_dir = add_char_tokenizer(build("olmoe", lab.workdir))
+    key = SwarmKey(os.urandom(32))
+    prompts = [p for p in ("hello swarm", "tell me more", "abc", "what is 2+2?", "zzz")
+               if len(reference(model_dir, p)) >= KILL_AT + 4][:2]
+    assert len(prompts) == 2, "the tiny model ends too soon on every prompt"
+    expected = [reference(model_dir, p) for p in prompts]
+    procs, c, doc = await start_staged_swarm(lab, model_dir, key)
     worker = 1 - c
     for p in procs:  # join's default event loop
         assert "event loop: uvloop (uvloop.Loop)" in p.log_path.read_text(errors="replace"), p.log_path
@@ -86,16 +92,7 @@ async def test_a_host_whose_network_drops_ip_fragments_still_serves_its_stage(ne
     key = SwarmKey(os.urandom(32))
     prompt = "tell me more about the swarm"
     expected = reference(model_dir, prompt)
-    procs = []
-    for i in (0, 1):
-        procs.append(lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(model_dir), "--key", key.code,
-                                   "--name", f"host{i}", "--layout", "stages"],
-                               env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}))
-        await until(lambda: read_status(lab, i) is not None, 60, f"host{i} started", procs)
-    docs = lambda: {i: read_status(lab, i) for i in (0, 1)}  # noqa: E731
-    await until(lambda: staged_coordinator(docs()) is not None, 60, "a coordinator with a stage on the other host",
-                procs)
-    c, doc = staged_coordinator(docs())
+    procs, c, doc = await start_staged_swarm(lab, model_dir, key)
     await until(lambda: all("drops IP fragments" in p.log_path.read_text(errors="replace") for p in procs), 30,
                 "both links giving up jumbo packets", procs)
     answer = await ask(lab, 2, c, doc["placement"]["api_port"], key.api_token, prompt)
