@@ -14,8 +14,7 @@ as a safetensors checkpoint, scaled to fit this machine) one run measures, in or
    peers) and the planner's own choice (``auto``: the cost model's pick), run in turn for
    ``--rounds`` rounds, each generation taking turns of 8 decode steps with one of the local
    engine (order alternating) so that the machine's changing speed hits a layout and local
-   alike, with
-   nothing added to the link and with ``--delays`` ms added before every message the
+   alike, with nothing added to the link and with ``--delays`` ms added before every message the
    coordinator sends (a bench-only link option standing in for Wi-Fi; there is no netem here):
    median decode and prefill tok/s, each round's ratio to that round's local run, the decode
    CPU seconds of both processes against local's, greedy tokens against local, the cost
@@ -211,11 +210,11 @@ def run_paired(model, ffns: dict[str, object], prompt: list[int], n_decode: int,
     alike and their ratio keeps only what differs. The first step of each turn is left out of
     ``decode_tok_s`` (it is kept in ``step_s``): it runs on caches the other backend's steps
     evicted, which a backend running alone does not — a local step right after another
-    process's stage step measured 1–5 % slower than one after a local step
+    process's stage step measured 1–3 % slower than one after a local step
     (``bench/alternate.py``, ``local_after_other_stage``).
     Returns run_generation's fields per backend; ``decode_cpu_s`` counts each one's own steps."""
-    if block < 2:
-        raise ValueError("block must be at least 2: a turn's first step is left out")
+    if block < 2 or n_decode < 2:
+        raise ValueError("block and n_decode must be at least 2: a turn's first step is left out")
     names = list(ffns)
     timed = {n: TimedFFN(f) for n, f in ffns.items()}
     caches = {n: model.new_cache(len(prompt) + n_decode + 1) for n in names}

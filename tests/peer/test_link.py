@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import os
+import subprocess
 import time
 
 import pytest
@@ -520,6 +521,38 @@ def test_a_network_that_drops_ip_fragments_keeps_mtu_packets_and_carries_every_m
         lengths = run_in_netns(main, configure=DROP_IP_FRAGMENTS)
     assert lengths == [rtc.SCTP_MAX_PACKET_LENGTH] * 2
     assert caplog.text.count("drops IP fragments, so this link keeps packets within the MTU") == 2, caplog.text
+
+
+def test_a_link_probes_again_and_takes_jumbo_packets_once_the_network_carries_them(monkeypatch):
+    """A probe lost to a passing fault must not keep a link on MTU-sized packets for good: after
+    the first probes fail, the link probes again (JUMBO_REPROBE_S) and, once the network
+    reassembles fragments again, sends jumbo packets."""
+    import swarm.peer.net.link as link_module
+
+    monkeypatch.setattr(link_module, "JUMBO_REPROBE_S", (0.5, 0.5))
+
+    async def main():
+        a, b = pair()
+        await connect(a, b)
+        first = await asyncio.gather(a.packets_settled(), b.packets_settled())
+        # the thread runs in the namespace: so does this command
+        subprocess.run(["sysctl", "-q", "-w", "net.ipv4.ipfrag_high_thresh=4194304",
+                        "net.ipv4.ipfrag_low_thresh=3145728"], check=True)
+        for _ in range(40):
+            if a.sctp_packet_length == b.sctp_packet_length == rtc.SCTP_JUMBO_PACKET_LENGTH:
+                break
+            await asyncio.sleep(0.1)
+        later = (a.sctp_packet_length, b.sctp_packet_length)
+        data = os.urandom(20000)
+        await a.send(blob(data))
+        (await asyncio.wait_for(b.receive(), 10)).verify()
+        await a.close()
+        await b.close()
+        return first, later
+
+    first, later = run_in_netns(main, configure=DROP_IP_FRAGMENTS)
+    assert first == [rtc.SCTP_MAX_PACKET_LENGTH] * 2
+    assert later == (rtc.SCTP_JUMBO_PACKET_LENGTH,) * 2
 
 
 def test_a_bad_jumbo_attribute_in_the_remote_sdp_is_a_clear_refusal():

@@ -204,7 +204,16 @@ def test_a_jumbo_probe_comes_back_at_its_size_and_other_echoes_still_reach_aiort
             await send_data(data)
 
         a.sctp.transport._send_data = counting
+        echoed: list[int] = []
+        b_send_data = b.sctp.transport._send_data
+
+        async def b_counting(data: bytes) -> None:
+            echoed.append(len(data))
+            await b_send_data(data)
+
+        b.sctp.transport._send_data = b_counting
         carried = await rtc.path_carries(a, rtc.SCTP_JUMBO_PACKET_LENGTH)
+        b.sctp.transport._send_data = b_send_data
         first = list(sent)
         restored = "_receive_chunk" not in vars(a.sctp)
 
@@ -230,10 +239,10 @@ def test_a_jumbo_probe_comes_back_at_its_size_and_other_echoes_still_reach_aiort
         a.sctp.transport._send_data = send_data
         await a.close()
         await b.close()
-        return carried, first, restored, unanswered, list(sent), seen, kept
+        return carried, first, echoed, restored, unanswered, list(sent), seen, kept
 
-    carried, first, restored, unanswered, sent, seen, kept = run_in_netns(main)
-    assert carried and first == [rtc.SCTP_JUMBO_PACKET_LENGTH], first
+    carried, first, echoed, restored, unanswered, sent, seen, kept = run_in_netns(main)
+    assert carried and first == [rtc.SCTP_JUMBO_PACKET_LENGTH] and echoed == first, (first, echoed)
     assert restored
     assert unanswered is False and sent.count(2000) == 2, sent
     assert seen.count("HeartbeatAckChunk") == 1 and kept, seen

@@ -27,7 +27,8 @@ It goes through these states, in this order only::
   :class:`~swarm.peer.net.messages.LinkHeartbeat` unchanged; one that matches a ping we sent is its
   answer); silence for :data:`DEAD_AFTER_S` closes the link. Our SDP offers jumbo SCTP packets
   (``rtc.SDP_PACKET_ATTRIBUTE``); a remote whose SDP offers them too (a Python peer) gets them
-  from here on, one datagram for a message of up to 16 KiB (docs/protocol.md §7).
+  once a probe of that size came back from it (a network that drops IP fragments keeps
+  MTU-sized ones), one datagram for a message of up to 16 KiB (docs/protocol.md §7).
 
 Every task the link starts is owned by it and cancelled in :meth:`Link.close`.
 """
@@ -65,6 +66,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # seconds between heartbeats on an open link
 DEAD_AFTER_S = 5.0  # seconds without any inbound byte before the link is declared dead
+# Seconds after a failed jumbo packet probe (rtc.path_carries) before each next one.
+JUMBO_REPROBE_S = (5.0, 30.0)
 HANDSHAKE_TIMEOUT_S = 10.0  # seconds from connect to OPEN (ICE + DTLS + auth + hello)
 RTT_SAMPLES = 9  # heartbeat round trips kept; rtt_s is their median
 
@@ -186,7 +189,7 @@ class Link:
         self.weights_held: WeightsHeld | None = None
         self.close_reason: str | None = None
         self.remote_max_message_size = DEFAULT_MAX_MESSAGE_SIZE
-        # the largest SCTP packet this link sends: jumbo once open to a Python peer (rtc.py)
+        # the largest SCTP packet this link sends: jumbo once a probe to a Python peer came back (rtc.py)
         self.sctp_packet_length = rtc.SCTP_MAX_PACKET_LENGTH
         self._remote_packet_length: int | None = None
         self._jumbo_packets = jumbo_packets  # False: neither offer nor send them (a LAN that drops IP fragments)
@@ -338,6 +341,7 @@ class Link:
         was = self.state
         self.state = LinkState.CLOSED
         self.close_reason = reason
+        self._packets_settled.set()  # nothing more will be sent: no one waits for a probe
         unexpected = not expected and was is not LinkState.OPEN
         level = logging.WARNING if unexpected or isinstance(error, AuthenticationError) else logging.INFO
         log.log(level, "link to %s closed in state %s: %s", self.peer_id or self.expected_peer_id or "?", was.value, reason)
@@ -526,18 +530,27 @@ class Link:
 
     async def _try_jumbo_packets(self, length: int) -> None:
         """Send jumbo packets of ``length`` bytes from now on if the path carries them both ways
-        (rtc.path_carries); else keep MTU-sized ones and say why. Messages meanwhile go in
-        MTU-sized packets."""
+        (rtc.path_carries); else keep MTU-sized ones, say why, and probe again after each of
+        :data:`JUMBO_REPROBE_S` (a probe lost to a busy moment must not cost the link for good).
+        Messages meanwhile go in MTU-sized packets."""
         try:
-            if await rtc.path_carries(self.pc, length):
-                rtc.send_jumbo_packets(self.pc, length)
-                self.sctp_packet_length = length
-            else:
-                log.warning("link to %s: %d-byte packets did not come back from it in %d tries: the network between "
-                            "drops IP fragments, so this link keeps packets within the MTU (%d bytes)", self.peer_id,
-                            length, rtc.JUMBO_PROBES, self.sctp_packet_length)
+            for attempt, wait_s in enumerate((0.0, *JUMBO_REPROBE_S)):
+                await asyncio.sleep(wait_s)
+                if await rtc.path_carries(self.pc, length):
+                    rtc.send_jumbo_packets(self.pc, length)
+                    self.sctp_packet_length = length
+                    if attempt:
+                        log.info("link to %s: %d-byte packets come back now; the link uses them", self.peer_id, length)
+                    return
+                if not attempt:
+                    log.warning("link to %s: %d-byte packets did not come back from it in %d tries: the network "
+                                "between likely drops IP fragments, so this link keeps packets within the MTU "
+                                "(%d bytes)", self.peer_id, length, rtc.JUMBO_PROBES, self.sctp_packet_length)
+                    self._packets_settled.set()
         except LocalProtocolError as exc:
             self._fail(str(exc), error=exc)
+        except ConnectionError as exc:  # the DTLS transport closed under the probe: the link is going
+            log.info("link to %s: jumbo packet probe stopped: %s", self.peer_id, exc)
         finally:
             self._packets_settled.set()
 

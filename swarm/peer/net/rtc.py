@@ -34,7 +34,7 @@ reaches into its private names, and nothing else in the package does:
   that large crosses a LAN as IP fragments, reassembled by the kernel: one pure-Python packet
   instead of twelve. Chromium reads at most an MTU's worth of a record, so only links whose
   remote SDP carries :data:`SDP_PACKET_ATTRIBUTE` (every Python peer's does; a browser's does
-  not) use them, from the moment the link is open: :func:`accept_jumbo_records` lets our DTLS
+  not) use them, once a probe (next item) came back: :func:`accept_jumbo_records` lets our DTLS
   read whole records (before the channel authenticates, so it is in place before the remote may
   send one), and :func:`send_jumbo_packets` gives that one association copies of the four
   ``RTCSctpTransport`` methods that read ``USERDATA_MAX_LENGTH``, whose globals hold the larger
@@ -379,6 +379,9 @@ async def path_carries(pc: RTCPeerConnection, packet_length: int, *, probes: int
     for name in ("_send_chunk", "_receive_chunk"):
         if not hasattr(_sctp.RTCSctpTransport, name):
             raise _moved(f"aiortc.rtcsctptransport.RTCSctpTransport.{name}")
+    for name in ("HeartbeatChunk", "HeartbeatAckChunk"):
+        if not hasattr(_sctp, name):
+            raise _moved(f"aiortc.rtcsctptransport.{name}")
     nonce = os.urandom(16)
     padding = packet_length - 12 - 4 - 4 - len(nonce)  # less the common, chunk and parameter headers
     if padding < 0:
@@ -388,8 +391,9 @@ async def path_carries(pc: RTCPeerConnection, packet_length: int, *, probes: int
     replaced = vars(sctp).get("_receive_chunk")  # an instance's own, put back after
 
     async def catch_echo(chunk) -> None:
-        if isinstance(chunk, _sctp.HeartbeatAckChunk) and any(
-                kind == HEARTBEAT_INFO and value[:len(nonce)] == nonce for kind, value in chunk.params):
+        if isinstance(chunk, _sctp.HeartbeatAckChunk) and any(  # our probe, back whole
+                kind == HEARTBEAT_INFO and len(value) == len(nonce) + padding and value[:len(nonce)] == nonce
+                for kind, value in chunk.params):
             if not echoed.done():
                 echoed.set_result(None)
             return
