@@ -276,6 +276,40 @@ def test_all_requests_are_sent_before_any_answer_is_awaited(checkpoints):
         swarm.close()
 
 
+def test_layers_the_plan_leaves_wholly_here_run_as_the_local_engine_and_send_nothing(checkpoints):
+    """Under a plan that leaves every layer's FFN to the coordinator (the coordinator alone, as
+    the planner often picks, or its own stage), RemoteFFN runs each layer as LocalFFN does — not
+    through the per-expert dispatch path — sends nothing, and gives LocalFFN's bits; the next
+    plan that gives a worker a share goes through dispatch again."""
+    sent = []
+
+    def tamper(src, dst, data):
+        msg = M.decode(data)
+        if isinstance(msg, (M.ExpertRequest, M.DenseRequest)):
+            sent.append(msg.layer)
+        return data
+
+    swarm = InProcSwarm(checkpoints["qwen3_moe"], 1, tamper=tamper)  # an expert layer and a dense one
+    model, ffn = swarm.model, swarm.ffn
+    dispatched = []
+    for name in ("_moe", "_dense"):
+        inner = getattr(ffn, name)
+        setattr(ffn, name, lambda layer, *a, inner=inner: dispatched.append(layer) or inner(layer, *a))
+    try:
+        alone = build_plan(swarm.shape, PeerCapacity(COORD, 0, 1.0), [], term=1, version=2)
+        ffn.set_plan(alone)
+        ours = model.forward(PROMPT, model.new_cache(), ffn=ffn)
+        local = model.forward(PROMPT, model.new_cache(), ffn=LocalFFN(model))
+        assert np.array_equal(ours, local) and not sent and not dispatched
+        ffn.set_plan(swarm.plan)
+        swarm.announce(swarm.plan)
+        model.forward(PROMPT, model.new_cache(), ffn=ffn)
+        layers = set(range(model.config.n_layers))
+        assert set(sent) == layers and set(dispatched) == layers and not swarm.failed
+    finally:
+        swarm.close()
+
+
 SMOL_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 

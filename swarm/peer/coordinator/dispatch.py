@@ -96,7 +96,8 @@ from typing import Protocol
 
 import numpy as np
 
-from swarm.compute.ffn import combine, expert_rows, route, run_lengths, segment_ids, sum_partials, swiglu_rows
+from swarm.compute.ffn import (LocalFFN, combine, expert_rows, route, run_lengths, segment_ids, sum_partials,
+                               swiglu_rows)
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageRequest
@@ -259,6 +260,7 @@ class RemoteFFN:
         self.approximate: set[str] = set()  # peers verified within a tolerance, not bit for bit
         self._dense_slices: dict[tuple[int, int, int], object] = {}
         self._streamed = self._streamed_experts(plan)
+        self._local, self._whole_here = self._layers_here(plan)
 
     # ----------------------------------------------------------- event-loop side
     def deliver(self, peer: str, msg: ExpertAnswer | DenseAnswer | Error) -> None:
@@ -337,6 +339,9 @@ class RemoteFFN:
                 t.misses = 0
             self._dense_slices.clear()
             self._streamed = self._streamed_experts(self.plan)
+            self._local, self._whole_here = self._layers_here(self.plan)
+        if layer in self._whole_here:
+            return self._local.ffn(layer, x, segments)
         seg = segment_ids(segments, x.shape[0])
         if self.model.is_moe_layer(layer):
             return self._moe(layer, x, seg)
@@ -522,6 +527,19 @@ class RemoteFFN:
                                  self._expert(layer, e, x[rows_of[e]], seg_of[e]))
             outputs.update(remote)
         return combine(T, H, routing, outputs, shared=shared)
+
+    def _layers_here(self, plan: Plan) -> tuple[LocalFFN, frozenset[int]]:
+        """The layers whose FFN ``plan`` leaves wholly to the coordinator, none of it streamed
+        from the file, and the local engine that runs them: no request to build, nothing to
+        combine from elsewhere, so they skip the per-expert dispatch bookkeeping. Under the
+        plan's dense ranges, so the partial sums keep their order and the bits stay the same."""
+        streamed = {layer for layer, _ in self._streamed}
+        here = frozenset(
+            layer for layer in range(self.model.config.n_layers)
+            if layer not in streamed and all(
+                s.peer == plan.coordinator
+                for s in (plan.experts if self.model.is_moe_layer(layer) else plan.dense).get(layer, ())))
+        return LocalFFN(self.model, plan.dense_ranges()), here
 
     def _streamed_experts(self, plan: Plan) -> frozenset[tuple[int, int]]:
         """Our experts beyond our budget (``plan.streamed_bytes``, the last ones in layer order):
