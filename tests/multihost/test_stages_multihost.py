@@ -15,6 +15,7 @@ import pytest
 from swarm.keys.swarmkey import SwarmKey
 from tests.multihost.test_mesh_multihost import read_status, until
 from tests.multihost.test_swarm_multihost import KILL_AT, ask, reference
+from tests.peer._links import NO_FRAGMENT_REASSEMBLY
 from tests.peer._swarm_models import add_char_tokenizer, build
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
@@ -86,8 +87,7 @@ async def test_a_host_whose_network_drops_ip_fragments_still_serves_its_stage(ne
     computes every step of a chat completion (its prefill rows are a multi-packet message) with
     no link lost and no peer marked down, and the text is one machine's."""
     lab = netns_lab(3)
-    assert lab.exec(1, "sysctl", "-q", "-w", "net.ipv4.ipfrag_low_thresh=0",
-                    "net.ipv4.ipfrag_high_thresh=1").returncode == 0
+    assert lab.exec(1, *NO_FRAGMENT_REASSEMBLY).returncode == 0
     model_dir = add_char_tokenizer(build("olmoe", lab.workdir))
     key = SwarmKey(os.urandom(32))
     prompt = "tell me more about the swarm"

@@ -29,8 +29,8 @@ CLONE_NEWNET = 0x40000000
 
 # A network that drops IP fragments (some firewalls, VPNs and Wi-Fi gear do): loopback with an
 # Ethernet MTU, and no memory to reassemble fragments in (ipfrag_high_thresh is per namespace).
-DROP_IP_FRAGMENTS = (("ip", "link", "set", "lo", "mtu", "1500"),
-                     ("sysctl", "-q", "-w", "net.ipv4.ipfrag_low_thresh=0", "net.ipv4.ipfrag_high_thresh=1"))
+NO_FRAGMENT_REASSEMBLY = ("sysctl", "-q", "-w", "net.ipv4.ipfrag_low_thresh=0", "net.ipv4.ipfrag_high_thresh=1")
+DROP_IP_FRAGMENTS = (("ip", "link", "set", "lo", "mtu", "1500"), NO_FRAGMENT_REASSEMBLY)
 
 
 def run_in_netns(coro_factory, timeout_s: float = 60.0, *, prefix: str = "csb", address: str = ADDRESS,

@@ -382,28 +382,26 @@ async def path_carries(pc: RTCPeerConnection, packet_length: int, *, probes: int
     for name in ("HeartbeatChunk", "HeartbeatAckChunk"):
         if not hasattr(_sctp, name):
             raise _moved(f"aiortc.rtcsctptransport.{name}")
-    nonce = os.urandom(16)
-    padding = packet_length - 12 - 4 - 4 - len(nonce)  # less the common, chunk and parameter headers
+    padding = packet_length - 12 - 4 - 4 - 16  # less the common, chunk and parameter headers and the nonce
     if padding < 0:
         raise ValueError(f"a {packet_length}-byte packet cannot hold a probe")
+    info = os.urandom(16) + bytes(padding)  # a random nonce, padded: the echo must bring it back whole
     echoed = asyncio.get_running_loop().create_future()
     receive = sctp._receive_chunk
     replaced = vars(sctp).get("_receive_chunk")  # an instance's own, put back after
 
     async def catch_echo(chunk) -> None:
-        if isinstance(chunk, _sctp.HeartbeatAckChunk) and any(  # our probe, back whole
-                kind == HEARTBEAT_INFO and len(value) == len(nonce) + padding and value[:len(nonce)] == nonce
-                for kind, value in chunk.params):
+        if isinstance(chunk, _sctp.HeartbeatAckChunk) and (HEARTBEAT_INFO, info) in chunk.params:
             if not echoed.done():
                 echoed.set_result(None)
             return
         await receive(chunk)
 
+    probe = _sctp.HeartbeatChunk()
+    probe.params = [(HEARTBEAT_INFO, info)]
     sctp._receive_chunk = catch_echo
     try:
         for _ in range(probes):
-            probe = _sctp.HeartbeatChunk()
-            probe.params = [(HEARTBEAT_INFO, nonce + bytes(padding))]
             await sctp._send_chunk(probe)
             try:
                 await asyncio.wait_for(asyncio.shield(echoed), timeout_s)
