@@ -180,7 +180,7 @@ def test_two_self_elected_coordinators_merge_into_one():
     a = Election("a", eligible=True, capability=1.0, now=0.0, rng=random.Random(1))
     b = Election("b", eligible=True, capability=2.0, now=0.0, rng=random.Random(2))
     for e in (a, b):
-        e.handle_timer(5.0)
+        e.handle_timer(1.5)  # past their first deadline (at most 1.3 s), not so far as to look like a wake
     assert a.role is b.role is Role.LEADER and a.term == b.term == 1
     sim = Sim({"a": 1.0, "b": 2.0}, seed=3)
     sim.peers = {"a": a, "b": b}
@@ -218,9 +218,9 @@ def test_voter_refuses_less_capable_candidate_and_stale_terms():
     with pytest.raises(StaleTermError, match="term 2 is stale"):
         v.check_term(2, now=5.2)
     v.check_term(3, now=5.2)
-    # a live coordinator is not deposed by a vote request (Raft §6)
+    # a live coordinator is not deposed by a vote request (Raft §6): refused with our term, which stays
     v.receive("strong", RequestVote(9, "strong"), now=5.3)
-    assert v.messages_to_send() == [] and v.term == 3 and v.leader == "weak"
+    assert v.messages_to_send() == [("strong", Vote(3, "v", False))] and v.term == 3 and v.leader == "weak"
 
 
 def test_a_silent_coordinator_is_not_revived_by_its_links_old_news():
@@ -252,8 +252,9 @@ def test_a_held_candidacy_waits_and_then_stands():
     e.add_member("c", eligible=True, capability=2.0, now=9.9)
     e.receive("c", RequestVote(1, "c"), 9.95)
     assert e.messages_to_send() == [("c", Vote(1, "b", True))]
-    e.handle_timer(12.0)  # released, and c's term-1 round came to nothing: b stands
-    assert e.role is Role.CANDIDATE and e.term == 2
+    e.handle_timer(12.0)  # released, and c's term-1 round came to nothing: b stands for term 2
+    assert e.role is Role.CANDIDATE and e.standing_for == 2 and e.term == 1  # its own term moves only once it wins
+    assert e.messages_to_send() == [(None, RequestVote(2, "b"))]
 
 
 def test_the_driver_refuses_to_send_what_is_not_an_election_message(tmp_path):
@@ -334,3 +335,67 @@ def test_a_peer_of_another_model_is_refused_by_name_whoever_refused_first(tmp_pa
     assert refused
     assert [(m.code, "'stranger'" in m.message) for m in sent] == [("model", True)]
     assert caplog.text.count("refused peer 'stranger'") == 1
+
+
+# --- stable leadership: a peer that wakes, restarts or comes back does not depose a live coordinator
+
+
+def settled_sim(seed: int) -> tuple[Sim, str, int]:
+    sim = Sim(CAPS, seed=seed)
+    leader = sim.run_until_leader(5.0)
+    sim.run(1.0)
+    return sim, leader, sim.peers[leader].term
+
+
+def assert_leader_kept(sim: Sim, leader: str, term: int) -> None:
+    """Every peer follows ``leader`` in ``term``, which never changed, and no peer's term passed it."""
+    assert sim.peers[leader].role is Role.LEADER
+    assert {(sim.peers[p].term, sim.peers[p].leader) for p in sim.alive} == {(term, leader)}
+    assert set(sim.leaders) == {term}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_woken_peer_listens_before_it_stands(seed):
+    """SIGSTOP/SIGCONT in simulated time: a worker's clock jumps 2-5 s; it must not stand at once
+    (which once raised terms 7 -> 9 -> 10 and deposed the coordinator)."""
+    sim, leader, term = settled_sim(seed)
+    sleeper = "p2"
+    sim.crash(sleeper)  # stopped: it neither runs nor hears anything
+    sim.run(2.0 + seed * 0.4)
+    sim.alive.add(sleeper)  # woken: its first handle_timer is seconds past its deadline
+    sim.step()
+    assert sim.peers[sleeper].role is Role.FOLLOWER and sim.peers[sleeper].standing_for is None
+    sim.run(3.0)
+    assert_leader_kept(sim, leader, term)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_partitioned_and_healed_peer_does_not_raise_the_term(seed):
+    """A worker cut off alone stands again and again (PreVote: without raising its term); healed,
+    it follows the coordinator it left, in the same term."""
+    sim, leader, term = settled_sim(seed)
+    sim.groups = [{"p2"}, set(CAPS) - {"p2"}]
+    sim.run(6.0)
+    assert sim.peers["p2"].term == term and sim.peers["p2"].standing_for == term + 1
+    sim.groups = None
+    sim.run(1.5)
+    assert_leader_kept(sim, leader, term)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_restarted_peer_learns_the_term_and_does_not_depose(seed):
+    """A worker restarts (term 0, two quiet seconds) and hears nothing from the coordinator for 6 s
+    (its heartbeats lost, as before its handlers were set): the voters refuse it with their term,
+    which it takes; when the heartbeats reach it, it follows. The coordinator keeps its term."""
+    sim, leader, term = settled_sim(seed)
+    fresh = Election("p2", eligible=True, capability=CAPS["p2"], now=sim.now, rng=random.Random(seed),
+                     startup_quiet_s=2.0)
+    for pid, cap in CAPS.items():
+        fresh.add_member(pid, eligible=cap is not None, capability=cap or 0.0, now=sim.now)
+    sim.peers["p2"] = fresh
+    sim.groups = [{"p2"} | (set(CAPS) - {leader}), set(CAPS) - {"p2"}]  # p2 hears all but the coordinator
+    sim.run(6.0)
+    assert fresh.term == term and fresh.role is not Role.LEADER  # learned from the voters' refusals
+    sim.groups = None
+    sim.run(1.5)
+    assert_leader_kept(sim, leader, term)

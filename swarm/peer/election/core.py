@@ -25,8 +25,17 @@ no replicated state: it only runs the token loop.
   timeout grows with its rank among the reachable eligible peers (rank 0 is the
   most capable), and a voter refuses a candidate when it knows a reachable
   eligible peer that is more capable (ties broken by peer id).
-* A member that heard its coordinator within ``ELECTION_TIMEOUT_S`` ignores vote
-  requests (§6), so a peer that rejoins does not depose a working coordinator.
+* Stable leadership (Raft thesis §9.6, PreVote, and leader stickiness): a candidate does not
+  raise its own term when it stands; it asks for votes in the next term and moves to that term
+  only when it wins it or learns from a voter that the term is in use. A member that heard its
+  coordinator within ``ELECTION_TIMEOUT_S`` refuses vote requests (§6), answering with its term
+  and not moving to the candidate's. So a peer cut off, stalled or restarted can stand as often
+  as it likes without raising anyone's term: when it hears the coordinator again, their terms
+  agree and it follows, and the coordinator is never told of a newer term that no majority took.
+* A peer that wakes (its clock jumped: ``handle_timer`` or ``receive`` came ``WAKE_GAP_S``
+  past the time :meth:`Election.get_timer` asked for, as after SIGSTOP/SIGCONT or a laptop's
+  sleep) listens for one election timeout before it may stand: its links tell it first whether
+  its coordinator lives.
 * A coordinator that has not heard from a majority within ``REACHABLE_S``
   steps down (check-quorum), so a coordinator cut off in
   a minority stops serving.
@@ -65,6 +74,7 @@ ELECTION_TIMEOUT_S = 1.0
 RANK_STEP_S = 0.4  # each rank below the most capable waits this much longer
 JITTER_S = 0.3  # uniform random extra, so equal ranks rarely collide
 STARTUP_QUIET_S = 0.0  # see module docstring; the adapter may raise it
+WAKE_GAP_S = 1.0  # a call this long past the timer get_timer() gave means this process slept
 
 
 class Role(enum.Enum):
@@ -154,6 +164,7 @@ class Election:
         self._hold_until = float("-inf")  # no candidacy before this (see hold_candidacy)
         self._deadline = now + self._timeout()
         self._next_heartbeat = now
+        self._standing: int | None = None  # the term a candidate asks votes for (its own term + 1)
         self._out: list[tuple[str | None, ElectionMessage]] = []
         self._events: deque[LeaderChanged] = deque()
 
@@ -204,6 +215,7 @@ class Election:
         """Handle one message from ``sender`` (the authenticated link's peer id, not a field)."""
         if sender == self.peer_id:
             raise LocalProtocolError("an election message was looped back to its sender")
+        self._note_time(now)
         self.heard_from(sender, now)
         match msg:
             case LeaderHeartbeat():
@@ -217,6 +229,7 @@ class Election:
 
     def handle_timer(self, now: float) -> None:
         """Act on every deadline that has passed by ``now``."""
+        self._note_time(now)
         if self.role is Role.LEADER:
             heard = 1 + sum(self.reachable(p, now) for p in self._members)
             if heard < self.quorum():
@@ -268,7 +281,25 @@ class Election:
         if term > self.term:
             self._adopt_term(term, now)
 
+    @property
+    def standing_for(self) -> int | None:
+        """The term a candidate asks votes for (None unless it is a candidate)."""
+        return self._standing if self.role is Role.CANDIDATE else None
+
     # ------------------------------------------------------------------ internals
+    def _note_time(self, now: float) -> None:
+        """Called ``WAKE_GAP_S`` past our timer: this process slept. Whatever it knew of its
+        coordinator is old news, but not evidence that it died: listen one election timeout
+        (the coordinator's heartbeat, or a voter's term, comes within it) before standing."""
+        if self.role is Role.LEADER or now - self._deadline < WAKE_GAP_S:
+            return  # a coordinator that slept is checked by check-quorum on its next timer
+        if self.role is Role.CANDIDATE:
+            self.role, self._standing = Role.FOLLOWER, None
+            self._votes.clear()
+        self._leader_heard = now
+        self._deadline = now + self._timeout()
+        self._hold_until = max(self._hold_until, self._deadline)
+
     def _send(self, dest: str | None, msg: ElectionMessage) -> None:
         self._out.append((dest, msg))
 
@@ -300,7 +331,10 @@ class Election:
 
     def _adopt_term(self, term: int, now: float) -> None:
         was_leader = self.role is Role.LEADER
-        self.term, self.voted_for, self.role = term, None, Role.FOLLOWER
+        # A candidate that stood for this very term voted for itself in it.
+        self_vote = self.role is Role.CANDIDATE and self._standing == term
+        self.term, self.voted_for, self.role = term, self.peer_id if self_vote else None, Role.FOLLOWER
+        self._standing = None
         self._votes.clear()
         if self.leader is not None or was_leader:
             self.leader = None
@@ -315,19 +349,20 @@ class Election:
         self._reset_deadline(now)
 
     def _stand(self, now: float) -> None:
-        self.term += 1
+        """Ask for votes in the next term, staying in ours until a majority grants it (PreVote)."""
+        self._standing = self.term + 1
         self.role = Role.CANDIDATE
-        self.voted_for = self.peer_id
         self._votes = {self.peer_id}
         if self.leader is not None:
             self.leader = None
             self._events.append(LeaderChanged(self.term, None))
         self._reset_deadline(now)
-        self._send(None, RequestVote(self.term, self.peer_id))
+        self._send(None, RequestVote(self._standing, self.peer_id))
         self._maybe_win(now)
 
     def _maybe_win(self, now: float) -> None:
         if self.role is Role.CANDIDATE and len(self._votes) >= self.quorum():
+            self.term, self.voted_for, self._standing = self._standing, self.peer_id, None
             self.role = Role.LEADER
             self.leader = self.peer_id
             self._events.append(LeaderChanged(self.term, self.peer_id))
@@ -356,8 +391,8 @@ class Election:
             # to a fresh term with no coordinator; its heartbeat tells the other.
             self._adopt_term(self.term + 1, now)
             return
-        # The sender coordinates our term: follow it.
-        self.role = Role.FOLLOWER
+        # The sender coordinates our term: follow it (a candidate gives up its round).
+        self.role, self._standing = Role.FOLLOWER, None
         self._votes.clear()
         self._leader_heard = now
         if self.leader != sender:
@@ -369,7 +404,10 @@ class Election:
         if rv.candidate != sender:
             return  # a vote request is only valid from the candidate itself
         if self._leader_is_live(now) or now < self._quiet_until:
-            return  # §6: a working coordinator is not deposed by a rejoining peer
+            # §6: a working coordinator is not deposed by a rejoining peer. Refused with our term
+            # (not silently): a restarted candidate learns it, and our term does not move.
+            self._send(sender, Vote(self.term, self.peer_id, False))
+            return
         self._presume_leader_dead(now)
         if rv.term > self.term:
             self._adopt_term(rv.term, now)
@@ -399,9 +437,9 @@ class Election:
     def _on_vote(self, sender: str, vote: Vote, now: float) -> None:
         if vote.voter != sender:
             return
-        if vote.term > self.term:
-            self._adopt_term(vote.term, now)
-            return
-        if self.role is Role.CANDIDATE and vote.term == self.term and vote.granted:
+        standing = self.role is Role.CANDIDATE and vote.term == self._standing
+        if standing and vote.granted:
             self._votes.add(sender)
             self._maybe_win(now)
+        elif vote.term > self.term:
+            self._adopt_term(vote.term, now)  # a newer term is in use (or refused us in ours)
