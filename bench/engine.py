@@ -251,17 +251,20 @@ def _run_llamacpp(args: argparse.Namespace, prompt: list[int]) -> dict:
 
 
 def qwen3moe_writer(path: Path, *, layers: int, hidden: int, experts: int, top_k: int, expert_ffn: int,
-                    heads: int, kv_heads: int, name: str | None = None):
+                    heads: int, kv_heads: int, name: str | None = None, head_dim: int | None = None,
+                    shard_bytes: int = 0):
     """A ``gguf.GGUFWriter`` for a Qwen3-MoE at ``path`` with its hyperparameters written and the
     default model's tokenizer copied in (so every engine can load the file); returns
-    ``(writer, vocab size)``. The caller adds the tensors and writes the file."""
+    ``(writer, vocab size)``. ``head_dim`` defaults to ``hidden // heads``; ``shard_bytes`` > 0
+    splits the file into shards of at most that many bytes of tensors. The caller adds the
+    tensors and writes the file."""
     import gguf
 
     from swarm.compute.default_model import default_model_path
     from swarm.compute.tensors import GGUFFile
 
     source = GGUFFile(default_model_path())
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w = gguf.GGUFWriter(str(path), "qwen3moe", split_max_size=shard_bytes)
     if name:
         w.add_name(name)
     w.add_block_count(layers)
@@ -270,8 +273,8 @@ def qwen3moe_writer(path: Path, *, layers: int, hidden: int, experts: int, top_k
     w.add_feed_forward_length(expert_ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_key_length(hidden // heads)
-    w.add_value_length(hidden // heads)
+    w.add_key_length(head_dim or hidden // heads)
+    w.add_value_length(head_dim or hidden // heads)
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_count(experts)
