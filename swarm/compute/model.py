@@ -33,7 +33,10 @@ class KVCache:
     """Keys and values of every layer for one sequence.
 
     ``k[layer]``, ``v[layer]``: [nkv, capacity, hd] f32; positions ``0 .. length-1`` are filled.
-    Capacity doubles when a forward call needs more room.
+    Capacity doubles when a forward call needs more room. ``length`` may run ahead of
+    ``capacity``: under stages the coordinator's cache counts every position of the sequence
+    while its arrays grow only when its own layers run (never, for a coordinator without a stage
+    of its own); a stage that moves to it later writes those positions, growing the arrays then.
     """
 
     def __init__(self, config: ModelConfig, capacity: int = 256):
@@ -51,7 +54,8 @@ class KVCache:
         new_v = [np.zeros(shape, F32) for _ in range(c.n_layers)]
         for old, new in ((self.k, new_k), (self.v, new_v)):
             for a, b in zip(old, new):
-                b[:, :self.length] = a[:, :self.length]
+                held = min(self.length, a.shape[1])  # see the class docstring: length may pass capacity
+                b[:, :held] = a[:, :held]
         self.k, self.v, self.capacity = new_k, new_v, capacity
 
     def reserve(self, total: int) -> None:

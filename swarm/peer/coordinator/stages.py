@@ -105,7 +105,8 @@ class StageCache(KVCache):
                     continue
                 a = np.zeros((c.n_kv_heads, capacity, c.head_dim), F32)
                 if old:
-                    a[:, :self.length] = old[layer][:, :self.length]
+                    held = min(self.length, old[layer].shape[1])
+                    a[:, :held] = old[layer][:, :held]
                 new.append(a)
         self.k, self.v, self.capacity = k, v, capacity
 
