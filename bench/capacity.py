@@ -63,7 +63,7 @@ except Exception as exc:
 LOCAL = """
 import json, resource, sys, time
 from swarm.compute.model import load_model
-from swarm.compute.serving import GenerationStats
+from swarm.compute.textgen import GenerationStats
 from swarm.compute.tokenizer import tokenizer_for
 from swarm.peer.coordinator.api import EngineBackend, parse_completion_request
 path, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
