@@ -233,12 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "first layers here with their experts/MLP cut over the peers and give the rest as stages "
                    "(mix); see docs/planner.md")
     p.add_argument("--no-model", action="store_true", help="join as a worker without the model (weights are shipped)")
+    p.add_argument("--api-port", metavar="PORT", type=_int_at_least(1, "--api-port", 65535),
+                   help="as coordinator: serve the OpenAI API on this TCP port (default: the port this config "
+                   "directory served on before, else a free one, then kept, so the URL survives elections; a "
+                   "taken port gives way to a free one with a warning)")
     p.add_argument("--api-plain-http", action="store_true",
                    help="serve the OpenAI API as plain HTTP instead of HTTPS: anyone on the network can read "
                    "prompts, replies and the API token")
     p.add_argument("--memory", metavar="MIB", type=_int_at_least(1, "the memory budget (MiB)"),
-                   help="at most this many MiB of weights (default: what the OS and this process's memory "
-                   "cgroup leave free, less 64 MiB)")
+                   help="this process uses at most MIB MiB in all, like a memory cgroup limit: its baseline, "
+                   "a page-cache headroom (10 %%, at least 64 MiB), the KV cache, activations and the weights "
+                   "come out of it (default: what the OS and this process's memory cgroup leave; "
+                   "docs/capacity.md)")
+    p.add_argument("--context", metavar="TOKENS", type=_int_at_least(1, "--context"),
+                   help="as coordinator: reserve KV cache for this many tokens per layer, all sequences in "
+                   "flight together, on every peer that holds those layers (default: the model's context, "
+                   "at most 4096)")
     # Defaults and the cap: swarm.compute.serving's MAX_BATCH, MAX_BATCH_LIMIT and MAX_QUEUE (not imported
     # here: numpy stays out of the CLI's start).
     p.add_argument("--max-batch", metavar="N", type=_int_at_least(1, "--max-batch", 64),

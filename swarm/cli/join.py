@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from swarm import paths
 from swarm.errors import SwarmError
 from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.node import Node, default_memory_budget, measure_ffn_gflops
+from swarm.peer.node import Node, measure_ffn_gflops
 from swarm.terminal import esc
 
 if TYPE_CHECKING:
@@ -122,10 +122,11 @@ async def _run_peer(args: Any, console: Any) -> None:
     ident = identity.load_or_create()
     model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
     gflops = await asyncio.to_thread(measure_ffn_gflops)
+    allowance = await asyncio.to_thread(_measure_memory, args, model)
     await freeze_heap()
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
                 ffn_gflops=gflops,
-                signal_url=args.signal, memory_budget=default_memory_budget(args.memory << 20 if args.memory else None),
+                signal_url=args.signal, memory_budget=allowance.bytes,
                 model_hash=model.content_hash() if model is not None else None,
                 rendezvous_options={"bind_port": args.port} if getattr(args, "port", None) else None,
                 link_options={"jumbo_packets": False} if getattr(args, "mtu_packets", False) else None)
@@ -146,7 +147,8 @@ async def _run_peer(args: Any, console: Any) -> None:
         _print_discovery_hints(console, node, key_created=created)
         set_default_limits(getattr(args, "max_batch", None), getattr(args, "max_queue", None))  # the API's batch
         roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
-                                        api_tls=False if getattr(args, "api_plain_http", False) else None)
+                                        api_tls=False if getattr(args, "api_plain_http", False) else None,
+                                        api_port=getattr(args, "api_port", None))
         await freeze_heap()  # the tokenizer and the model's index too
         await roles.start()
         _print_header(console, node)
@@ -174,6 +176,23 @@ async def _run_peer(args: Any, console: Any) -> None:
         pass
     finally:
         await _leave(node, roles)
+
+
+def _measure_memory(args: Any, model: Any) -> Any:
+    """This peer's :class:`swarm.peer.memory.Allowance` (``--memory``: the whole process, MiB),
+    logged; sets the KV context (``--context``) and measures how fast the model file reads from
+    disk (what a swarm too small for the model streams at)."""
+    from swarm.peer import memory
+
+    memory.set_context(getattr(args, "context", None))
+    if model is not None:
+        files = getattr(model.checkpoint, "files", None) or [model.path]
+        rate = memory.measure_read_rate(files[0])
+        if rate:
+            log.info("the model file reads at %.0f MB/s past the page cache", rate / 1e6)
+    allowance = memory.measure_allowance(args.memory << 20 if args.memory else None)
+    log.info("%s", allowance.describe())
+    return allowance
 
 
 async def _leave(node: Node, roles: SwarmRoles | None) -> None:

@@ -113,6 +113,9 @@ def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
                 pace = f" ({ms:.3f} ms/row)" if ms else ""
                 lines.append(f"  {names[p['peer_id']]}: {words}{pace}")
         parts.append(Text("\n".join(lines), overflow="fold"))
+        short = placement.get("shortfall")
+        if isinstance(short, dict) and short.get("message"):  # the swarm cannot hold the model: never silently
+            parts.append(Text(f"memory: {short['message']}", style="bold yellow", overflow="fold"))
     else:
         parts.append(Text("no plan known yet", style="dim"))
     if events:

@@ -142,7 +142,10 @@ def test_no_candidate_fits_falls_back_to_ranges():
     shown = {e["layout"]: e for e in cm.report(costs, coord, [], best, estimates)["estimates"]}
     assert shown["stages"]["decode_s"] is None and shown["mix"]["prefill_s"] is None
     json.dumps(shown, allow_nan=False)
-    assert cm.estimate_stages(costs, coord, []).note == "the peers together hold too little"
+    note = cm.estimate_stages(costs, coord, []).note
+    need = sum(costs.stage_bytes(i) for i in range(costs.n_layers))
+    assert note.startswith(f"the peers together hold too little: the layers with their KV cache need {need / 1e9:.2f} GB, "
+                           f"the peers have {coord.memory_bytes / 1e9:.2f} GB") and "GB missing" in note
     with pytest.raises(ValueError, match="unknown layouts"):
         cm.choose(costs, coord, [], layouts=("pipeline",))
 

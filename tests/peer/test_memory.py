@@ -15,8 +15,8 @@ from tests.conftest import require
 from tests.multihost.netns import REPO_ROOT, MemoryCgroup
 
 PROBE = ("import json; from swarm.peer import memory as m; "
-         "print(json.dumps({'limit': m.cgroup_limit(), 'rss': m.process_rss(), 'budget': m.weight_budget(), "
-         "'capped': m.weight_budget(64 << 20)}))")
+         "print(json.dumps({'limit': m.cgroup_limit(), 'anon': m.process_baseline(), 'budget': m.weight_budget(), "
+         "'capped': m.weight_budget(192 << 20)}))")
 
 
 def probe_in(group: MemoryCgroup) -> dict:
@@ -37,9 +37,11 @@ def test_a_cgroup_limit_caps_the_budget_that_psutil_does_not_see():
     finally:
         group.close()
     assert got["limit"] == 300 << 20
-    # the limit less the process's resident set (read a moment apart) less the headroom
-    assert abs(got["budget"] - ((300 << 20) - memory.HEADROOM_BYTES - got["rss"])) < 8 << 20
-    assert 0 < got["budget"] < 300 << 20 and got["capped"] == 64 << 20
+    # the limit less the process's anonymous memory (read a moment apart) less the page-cache headroom
+    assert abs(got["budget"] - ((300 << 20) - memory.page_cache_headroom(300 << 20) - got["anon"])) < 8 << 20
+    assert 0 < got["budget"] < 300 << 20
+    # --memory 192 MiB caps the whole process: its baseline and headroom come out of it
+    assert abs(got["capped"] - ((192 << 20) - memory.page_cache_headroom(192 << 20) - got["anon"])) < 8 << 20
 
 
 def test_without_a_limit_the_budget_is_what_the_machine_has_available():
@@ -47,8 +49,9 @@ def test_without_a_limit_the_budget_is_what_the_machine_has_available():
 
     budget = memory.weight_budget()
     if memory.cgroup_limit() is None:
-        assert abs(budget - (psutil.virtual_memory().available - memory.HEADROOM_BYTES)) < 256 << 20
-    assert memory.weight_budget(1 << 20) == min(1 << 20, budget)
+        limit = psutil.virtual_memory().available + memory.process_baseline()
+        assert abs(budget - (limit - memory.process_baseline() - memory.page_cache_headroom(limit))) < 256 << 20
+    assert memory.weight_budget(1 << 20) == 0  # a 1 MiB process cannot even hold its baseline
     with pytest.raises(ValueError, match="must be ≥ 0"):
         memory.weight_budget(-1)
 

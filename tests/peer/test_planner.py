@@ -156,7 +156,7 @@ def test_a_swarm_too_small_for_the_model_says_what_is_missing():
     assert (plan.bytes_of("a", shape), plan.bytes_of("b", shape)) == (100 << 20, 50 << 20)
     assert plan.streamed_bytes == (256 - 190) << 20 and plan.bytes_of("c", shape) == 106 << 20
     msg = shortfall_message(plan, shape)
-    assert "190 MiB of the model's 256 MiB" in msg and "66 MiB is missing" in msg and "--memory" in msg
+    assert "199 MB of the model's 268 MB" in msg and "69 MB is missing" in msg and "--memory" in msg
     fits = build_plan(shape, PeerCapacity("c", 0, 1.0), ws, term=1, version=1, coordinator_budget=200 << 20)
     assert fits.streamed_bytes == 0 and shortfall_message(fits, shape) is None
 

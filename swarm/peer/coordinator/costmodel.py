@@ -11,11 +11,20 @@ A placement is one of
 * ``stages`` — each peer runs a contiguous range of whole layers
   (:mod:`swarm.peer.coordinator.stages`): the hidden state crosses the network once per stage.
 
-Inputs (:class:`PeerCost`): each peer's memory budget in bytes as it holds the weights
-(compact: the file's blocks), its compute speed in GFLOP/s — *observed* from answer timings
+Inputs (:class:`PeerCost`): each peer's memory allowance in bytes (weights as it holds them —
+compact: the file's blocks —, its KV cache and activations together), its compute speed in GFLOP/s — *observed* from answer timings
 when there are any, the start-up measurement otherwise — and its link's round trip.
 :class:`LayerCosts` gives, per layer, the FLOPs of one token through attention and through
-the FFN (only the routed top-k experts count) and the bytes of each part.
+the FFN (only the routed top-k experts count) and the bytes of each part, and what is not a
+weight: the KV cache of each layer for the reserved context, a step's activations, the rows the
+coordinator records per worker stage.
+
+Memory. A worker's weights and KV cache fit in its allowance less one step's activations; a
+stage worker keeps the KV cache of its own layers (:meth:`LayerCosts.stage_bytes`), a range
+worker none. The coordinator keeps the KV cache of every layer in every layout (the engine's
+cache holds them all), its activations and head logits, and under stages the rows it records
+per worker stage (:meth:`LayerCosts.coordinator_reserve`). A placement fits when every peer's
+planned bytes are within that; only such placements are chosen.
 
 The estimate of one step of ``T`` tokens (``T = 1``: decode; the prompt length: prefill):
 
@@ -74,7 +83,11 @@ class PeerCost:
 class LayerCosts:
     """Per layer ``i``: ``attn_flops[i]`` / ``ffn_flops[i]`` (FLOPs of one token: 2 per weight
     used), ``attn_bytes[i]`` / ``ffn_bytes[i]`` (bytes of the weights as stored). ``head_flops``:
-    FLOPs of the head for one token; ``hidden_size``: H (a row on the wire is 4·H bytes)."""
+    FLOPs of the head for one token; ``hidden_size``: H (a row on the wire is 4·H bytes).
+    Not weights (bytes; empty or 0 when not counted): ``kv_bytes[i]`` the KV cache of layer ``i``
+    for the reserved context, ``step_bytes`` a worker's activations of one step,
+    ``coord_step_bytes`` the coordinator's, ``record_bytes`` the rows it records per worker stage
+    (:func:`swarm.peer.coordinator.planner.reserve_of`)."""
 
     attn_flops: tuple[float, ...]
     ffn_flops: tuple[float, ...]
@@ -82,17 +95,38 @@ class LayerCosts:
     ffn_bytes: tuple[int, ...]
     head_flops: float
     hidden_size: int
+    kv_bytes: tuple[int, ...] = ()
+    step_bytes: int = 0
+    coord_step_bytes: int = 0
+    record_bytes: int = 0
 
     @property
     def n_layers(self) -> int:
         return len(self.attn_flops)
 
     def layer_bytes(self, i: int) -> int:
+        """Weight bytes of layer ``i`` (attention and FFN)."""
         return self.attn_bytes[i] + self.ffn_bytes[i]
 
+    def stage_bytes(self, i: int) -> int:
+        """What a worker's stage holds for layer ``i``: its weights and its KV cache (bytes)."""
+        return self.layer_bytes(i) + (self.kv_bytes[i] if self.kv_bytes else 0)
+
+    def coordinator_reserve(self, worker_stages: int = 0) -> int:
+        """What the coordinator keeps besides weights (bytes): every layer's KV cache, its
+        activations, and the recorded rows of ``worker_stages`` stages held by workers."""
+        return sum(self.kv_bytes) + self.coord_step_bytes + worker_stages * self.record_bytes
+
+    def worker_room(self, p: "PeerCost") -> int:
+        """A worker's allowance less one step's activations (bytes, ≥ 0)."""
+        return max(p.memory_bytes - self.step_bytes, 0)
+
     @classmethod
-    def from_model(cls, model) -> "LayerCosts":
-        """From a :class:`swarm.compute.model.Model`: sizes from the file's header (no weight is read)."""
+    def from_model(cls, model, context: int | None = None) -> "LayerCosts":
+        """From a :class:`swarm.compute.model.Model`: sizes from the file's header (no weight is
+        read); the KV cache for ``context`` tokens (default :func:`swarm.peer.memory.context_tokens`)."""
+        from swarm.peer.coordinator.planner import reserve_of
+
         c, ck = model.config, model.checkpoint
         H = c.hidden_size
         attn_w = H * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * H
@@ -107,8 +141,10 @@ class LayerCosts:
                 ffn_b.append(sum(ck.matrix(p, layer).nbytes for p in ("gate", "up", "down")))
                 active = 3 * H * c.intermediate_size
             ffn_f.append(2.0 * active)
+        r = reserve_of(c, context)
         return cls(tuple([2.0 * attn_w] * c.n_layers), tuple(ffn_f), tuple(attn_b), tuple(ffn_b),
-                   2.0 * H * c.vocab_size, H)
+                   2.0 * H * c.vocab_size, H, kv_bytes=(r["kv_layer_bytes"],) * c.n_layers,
+                   step_bytes=r["step_bytes"], coord_step_bytes=r["coordinator_step_bytes"], record_bytes=r["record_bytes"])
 
 
 @dataclass(frozen=True)
@@ -137,7 +173,7 @@ def _gflops(p: PeerCost) -> float:
 
 def estimate_local(costs: LayerCosts, coord: PeerCost) -> Estimate:
     total = sum(costs.attn_flops) + sum(costs.ffn_flops) + costs.head_flops
-    need = sum(costs.layer_bytes(i) for i in range(costs.n_layers))
+    need = sum(costs.layer_bytes(i) for i in range(costs.n_layers)) + costs.coordinator_reserve()
     step = lambda T: T * total / _gflops(coord)  # noqa: E731
     return Estimate("local", step(1), step(PREFILL_TOKENS), need <= coord.memory_bytes,
                     stages=((coord.peer_id, 0, costs.n_layers),))
@@ -165,10 +201,10 @@ def estimate_ranges(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCo
     within each worker's memory; the coordinator keeps attention and what no worker holds."""
     ffn_total = sum(costs.ffn_bytes)
     weights = {coord.peer_id: _gflops(coord) * COORDINATOR_SHARE, **{w.peer_id: _gflops(w) for w in workers}}
-    caps = {coord.peer_id: 1.0, **{w.peer_id: (w.memory_bytes / ffn_total if ffn_total else 0.0) for w in workers}}
+    caps = {coord.peer_id: 1.0, **{w.peer_id: (costs.worker_room(w) / ffn_total if ffn_total else 0.0) for w in workers}}
     share = _water_fill(weights, caps)
     attn_bytes = sum(costs.attn_bytes)
-    fits = attn_bytes + share[coord.peer_id] * ffn_total <= coord.memory_bytes
+    fits = attn_bytes + costs.coordinator_reserve() + share[coord.peer_id] * ffn_total <= coord.memory_bytes
 
     def step(T: int) -> float:
         t = T * costs.head_flops / _gflops(coord)
@@ -185,16 +221,22 @@ def estimate_ranges(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCo
 
 def stage_layers(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]) -> tuple[tuple[str, int, int], ...] | None:
     """Contiguous stages, fastest peers first, each given as many layers as its memory holds
-    (``coord.memory_bytes``: what the coordinator's budget leaves after embeddings and head).
-    The coordinator's stage, if any, comes first; then the workers' in order of speed.
-    None when the peers together cannot hold every layer."""
+    (``coord.memory_bytes``: what the coordinator's allowance leaves after embeddings and head,
+    less :meth:`LayerCosts.coordinator_reserve`; a worker's: :meth:`LayerCosts.worker_room`, each
+    layer with its KV cache, :meth:`LayerCosts.stage_bytes`). The coordinator's stage, if any,
+    comes first; then the workers' in order of speed. None when the peers together cannot hold
+    every layer."""
     order = sorted([coord, *workers], key=lambda p: (-p.gflops, p.peer_id != coord.peer_id, p.peer_id))
     count: dict[str, int] = {}
     at = 0
+    if coord.memory_bytes < costs.coordinator_reserve(len(workers)):
+        return None  # the coordinator cannot hold its KV cache and activations: no layer anywhere helps
     for p in order:
-        room, n = p.memory_bytes, 0
-        while at + n < costs.n_layers and costs.layer_bytes(at + n) <= room:
-            room -= costs.layer_bytes(at + n)
+        mine = p.peer_id == coord.peer_id
+        room, n = (p.memory_bytes - costs.coordinator_reserve(len(workers)) if mine else costs.worker_room(p)), 0
+        held = costs.layer_bytes if mine else costs.stage_bytes
+        while at + n < costs.n_layers and held(at + n) <= room:
+            room -= held(at + n)
             n += 1
         if n:
             count[p.peer_id] = n
@@ -218,7 +260,13 @@ def estimate_stages(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCo
     peers = {p.peer_id: p for p in (coord, *workers)}
     stages = stages if stages is not None else stage_layers(costs, coord, workers)
     if stages is None:
-        return Estimate("stages", float("inf"), float("inf"), False, note="the peers together hold too little")
+        need = sum(costs.stage_bytes(i) for i in range(costs.n_layers))
+        room = (sum(costs.worker_room(w) for w in workers) + max(coord.memory_bytes - costs.coordinator_reserve(len(workers)), 0)
+                + sum(costs.kv_bytes))  # the coordinator's own layers' KV cache is in its reserve already
+        return Estimate("stages", float("inf"), float("inf"), False,
+                        note=f"the peers together hold too little: the layers with their KV cache need {need / 1e9:.2f} GB, "
+                        f"the peers have {room / 1e9:.2f} GB for them ({max(need - room, 0) / 1e9:.2f} GB missing; "
+                        "whole layers do not split, so a little more may be needed)")
 
     def step(T: int) -> float:
         t = T * costs.head_flops / _gflops(coord)
@@ -229,8 +277,25 @@ def estimate_stages(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCo
                 t += _message_s(p, T, costs)
         return t
 
-    fits = all(sum(costs.layer_bytes(i) for i in range(lo, hi)) <= peers[pid].memory_bytes for pid, lo, hi in stages)
+    fits = all(planned <= room for planned, room in stage_fit(costs, coord, workers, stages).values())
     return Estimate("stages", step(1), step(PREFILL_TOKENS), fits, stages=tuple(stages))
+
+
+def stage_fit(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
+              stages: Sequence[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
+    """Per peer of ``stages``: (bytes it would hold, bytes it may hold). The coordinator's:
+    its layers' weights plus :meth:`LayerCosts.coordinator_reserve` against its memory; a
+    worker's: its layers' weights and KV cache against :meth:`LayerCosts.worker_room`."""
+    peers = {p.peer_id: p for p in (coord, *workers)}
+    n_worker = len({pid for pid, _, _ in stages if pid != coord.peer_id})
+    out: dict[str, tuple[int, int]] = {coord.peer_id: (costs.coordinator_reserve(n_worker), coord.memory_bytes)}
+    for pid, lo, hi in stages:
+        mine = pid == coord.peer_id
+        held = sum((costs.layer_bytes if mine else costs.stage_bytes)(i) for i in range(lo, hi))
+        before = out.get(pid, (0, 0))[0]
+        room = peers[pid].memory_bytes if mine else costs.worker_room(peers[pid])
+        out[pid] = (before + held, room)
+    return out
 
 
 def _worker_stages(costs: LayerCosts, workers: Sequence[PeerCost], lo: int) -> tuple[tuple[str, int, int], ...] | None:
@@ -238,9 +303,9 @@ def _worker_stages(costs: LayerCosts, workers: Sequence[PeerCost], lo: int) -> t
     its memory holds; None when they cannot hold them all."""
     out, at = [], lo
     for w in sorted(workers, key=lambda p: (-p.gflops, p.peer_id)):
-        room, n = w.memory_bytes, 0
-        while at + n < costs.n_layers and costs.layer_bytes(at + n) <= room:
-            room -= costs.layer_bytes(at + n)
+        room, n = costs.worker_room(w), 0
+        while at + n < costs.n_layers and costs.stage_bytes(at + n) <= room:
+            room -= costs.stage_bytes(at + n)
             n += 1
         if n:
             out.append((w.peer_id, at, at + n))
@@ -261,14 +326,14 @@ def estimate_mix(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]
         tail = _worker_stages(costs, workers, k)
         if tail is None:
             continue
-        held = {pid: sum(costs.layer_bytes(i) for i in range(lo, hi)) for pid, lo, hi in tail}
+        held = {pid: sum(costs.stage_bytes(i) for i in range(lo, hi)) for pid, lo, hi in tail}
         ffn_k = sum(costs.ffn_bytes[:k])
-        left_c = coord.memory_bytes - sum(costs.attn_bytes[:k])
+        left_c = coord.memory_bytes - sum(costs.attn_bytes[:k]) - costs.coordinator_reserve(len(tail))
         if left_c < 0:
-            break  # the coordinator cannot hold attention for more layers
+            continue  # the coordinator cannot hold attention for this many layers and its cache
         weights = {coord.peer_id: _gflops(coord) * COORDINATOR_SHARE, **{w.peer_id: _gflops(w) for w in workers}}
         caps = {coord.peer_id: left_c / ffn_k if ffn_k else 1.0,
-                **{w.peer_id: max(w.memory_bytes - held.get(w.peer_id, 0), 0) / ffn_k if ffn_k else 0.0
+                **{w.peer_id: max(costs.worker_room(w) - held.get(w.peer_id, 0), 0) / ffn_k if ffn_k else 0.0
                    for w in workers}}
         share = _water_fill(weights, caps)
         if sum(share.values()) < 1 - 1e-9:

@@ -53,7 +53,9 @@ Q8_0_BYTES = 34 / 32  # bytes per weight of a Q8_0 block (f16 scale + 32 int8): 
 class PeerCapacity:
     """What a peer offers, from its hello.
 
-    ``memory_bytes``: budget for weight slices (bytes, ≥ 0). ``ffn_speed``: measured
+    ``memory_bytes``: the peer's allowance (bytes, ≥ 0: its hello's ``memory_budget``, what
+    weights, KV cache and activations may take together, see :mod:`swarm.peer.memory`); a
+    range peer's weights get that less :attr:`ModelShape.step_bytes`. ``ffn_speed``: measured
     FFN throughput in any unit shared by all peers (e.g. GFLOP/s; > 0 to get work).
     ``rtt_s``: measured round trip to the coordinator (seconds).
     """
@@ -79,6 +81,12 @@ class ModelShape:
     tensors its kernels cannot read are repacked to Q8_0, 34 bytes per 32
     weights) and ``resident_nbytes`` (what only the coordinator holds:
     embeddings, attention, routers as float32, norms, head, shared experts).
+
+    What is not a weight, in bytes (from the config and :func:`swarm.peer.memory.context_tokens`;
+    0 when not given): ``kv_layer_bytes``, the KV cache of one layer for the reserved context;
+    ``step_bytes``, a worker's activations in one step (:data:`swarm.peer.memory.STEP_ROWS` rows);
+    ``coordinator_step_bytes``, the coordinator's (its head's logits too); ``record_bytes``, the
+    rows it records per worker stage; ``n_layers``; ``top_k``, the experts a token uses.
     """
 
     hidden_size: int
@@ -93,6 +101,13 @@ class ModelShape:
     page_expert_nbytes: int = 0
     page_column_nbytes: int = 0
     resident_nbytes: int = 0
+    # what is not a weight, and what sizes it (see above)
+    n_layers: int = 0
+    top_k: int = 0
+    kv_layer_bytes: int = 0
+    step_bytes: int = 0
+    coordinator_step_bytes: int = 0
+    record_bytes: int = 0
 
     @classmethod
     def from_model(cls, model) -> "ModelShape":
@@ -125,8 +140,24 @@ class ModelShape:
         """From a :class:`swarm.compute.config.ModelConfig`."""
         moe = tuple(cfg.moe_layers) if cfg.n_experts else ()
         dense = tuple(i for i in range(cfg.n_layers) if i not in moe) if cfg.intermediate_size else ()
+        r = reserve_of(cfg)
         return cls(cfg.hidden_size, cfg.n_experts, cfg.moe_intermediate_size, cfg.intermediate_size,
-                   moe, dense, bytes_per_weight)
+                   moe, dense, bytes_per_weight, n_layers=cfg.n_layers, top_k=cfg.top_k if moe else 0, kv_layer_bytes=r["kv_layer_bytes"],
+                   step_bytes=r["step_bytes"], coordinator_step_bytes=r["coordinator_step_bytes"],
+                   record_bytes=r["record_bytes"])
+
+    def worker_weight_budget(self, allowance: int) -> int:
+        """Bytes of expert and MLP ranges a worker of ``allowance`` (its hello's budget) may hold:
+        the allowance less one step's activations (a range peer keeps no KV cache)."""
+        return max(allowance - self.step_bytes, 0)
+
+    def coordinator_weight_budget(self, allowance: int, worker_stages: int = 0) -> int:
+        """Bytes of expert and MLP ranges the coordinator of ``allowance`` may hold: the allowance
+        less what only it holds (``resident_nbytes``), the KV cache of every layer (the engine's
+        cache keeps them all), its activations and the rows it records for ``worker_stages``
+        stages held by workers."""
+        return max(allowance - self.resident_nbytes - self.n_layers * self.kv_layer_bytes
+                   - self.coordinator_step_bytes - worker_stages * self.record_bytes, 0)
 
     @property
     def expert_bytes(self) -> int:
@@ -148,6 +179,27 @@ class ModelShape:
         """Bytes of every routed expert and dense MLP of the model, as a peer of ``kind`` holds them."""
         e, c = self.unit_bytes(kind)
         return len(self.moe_layers) * self.n_experts * e + len(self.dense_layers) * self.intermediate_size * c
+
+
+def reserve_of(cfg, context: int | None = None) -> dict[str, int]:
+    """What a peer keeps besides weights for a model of config ``cfg`` (bytes): ``kv_layer_bytes``
+    (one layer's keys and values for ``context`` tokens, default
+    :func:`swarm.peer.memory.context_tokens`), ``step_bytes`` (a worker's activations of one
+    step), ``coordinator_step_bytes`` (the coordinator's, with the head's logits for every row of
+    a decode batch), ``record_bytes`` (the rows the coordinator records per worker stage, for
+    failover: ``context`` rows of the hidden size), ``context`` (tokens)."""
+    from swarm.peer import memory
+
+    ctx = context or memory.context_tokens(getattr(cfg, "max_position_embeddings", 0) or 0)
+    H, hd = cfg.hidden_size, cfg.head_dim
+    attn = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+    ffn = max(cfg.top_k * cfg.moe_intermediate_size + getattr(cfg, "shared_expert_intermediate_size", 0)
+              if cfg.n_experts else 0, cfg.intermediate_size or 0)
+    step = memory.activation_bytes(memory.STEP_ROWS, H, attn, ffn)
+    logits = memory.activation_bytes(memory.STEP_ROWS, 0, 0, 0, vocab=cfg.vocab_size)
+    return {"kv_layer_bytes": memory.kv_cache_bytes(1, ctx, cfg.n_kv_heads, hd), "step_bytes": step,
+            "coordinator_step_bytes": step + logits, "record_bytes": ctx * H * memory.ACT_BYTES_PER_VALUE,
+            "context": ctx}
 
 
 @dataclass(frozen=True)
@@ -330,9 +382,12 @@ def build_plan(
     """Place experts and dense columns over the coordinator and ``workers``.
 
     Returns a plan whose spans tile every MoE and dense layer; no worker's
-    ``plan.bytes_of(peer, shape, kind)`` exceeds its ``memory_bytes``.
+    ``plan.bytes_of(peer, shape, kind)`` exceeds its weight budget.
+    A worker's weights stay within :meth:`ModelShape.worker_weight_budget` of its
+    ``memory_bytes`` (its activations kept out).
     ``coordinator_budget``: bytes of FFN weights the coordinator can keep besides
-    what only it holds (None: unbounded, it holds the whole model). What no peer can
+    what only it holds, its KV cache and activations (None: unbounded, it holds the whole
+    model; :meth:`ModelShape.coordinator_weight_budget` of its allowance). What no peer can
     hold within its budget goes to the coordinator anyway, which reads it from its
     model file; ``plan.streamed_bytes`` says how many bytes that is.
     ``layers``: the layers whose FFN is cut (None: every layer); each other layer is the
@@ -360,14 +415,15 @@ def build_plan(
     c_budget = math.inf if coordinator_budget is None else max(int(coordinator_budget), 0)
     weights = {coordinator.peer_id: max(coordinator.ffn_speed, 1e-9) * coordinator_share}
     caps = {coordinator.peer_id: c_budget / shape.ffn_bytes() if shape.ffn_bytes() else math.inf}
+    held_max = {w.peer_id: shape.worker_weight_budget(w.memory_bytes) for w in workers}
     for w in workers:
-        usable = w.ffn_speed > 0 and w.rtt_s <= MAX_RTT_S and w.memory_bytes > 0
+        usable = w.ffn_speed > 0 and w.rtt_s <= MAX_RTT_S and held_max[w.peer_id] > 0
         weights[w.peer_id] = w.ffn_speed if usable else 0.0
         total = shape.ffn_bytes(w.kind)
-        caps[w.peer_id] = w.memory_bytes / total if total else 0.0
+        caps[w.peer_id] = held_max[w.peer_id] / total if total else 0.0
     share = _shares(weights, caps)
     share[coordinator.peer_id] += max(1.0 - sum(share.values()), 0.0)  # what nobody can hold
-    budget = {coordinator.peer_id: c_budget, **{w.peer_id: w.memory_bytes for w in workers}}
+    budget = {coordinator.peer_id: c_budget, **held_max}
     used = {p: 0 for p in peers}
 
     def spans_for(width: int, column: bool, layers: Sequence[int]) -> dict:
@@ -415,12 +471,52 @@ def build_plan(
     return plan
 
 
-def shortfall_message(plan: Plan, shape: ModelShape) -> str | None:
-    """What the swarm lacks to hold ``plan`` in memory, in words; None when nothing is streamed."""
-    if plan.streamed_bytes <= 0:
+def shortfall(plan: Plan, shape: ModelShape, read_bytes_per_s: float | None = None,
+              coordinator_allowance: int | None = None, worker_stages: int = 0) -> dict | None:
+    """What the swarm lacks to hold ``plan`` in memory, and the speed to expect; None when
+    nothing is missing. ``coordinator_over_bytes``: how far what only the coordinator holds
+    (``resident_nbytes``), every layer's KV cache, its activations and the rows it records for
+    ``worker_stages`` stages exceed its ``coordinator_allowance`` (0 when not given or within). Bytes: ``missing_bytes`` (the coordinator's spans beyond its budget, read
+    from its model file), ``held_bytes`` and ``ffn_bytes`` (of every expert and MLP);
+    ``read_bytes_per_token``: what one decode token reads of the missing part (a routed expert is
+    used by ``top_k / n_experts`` of the tokens, a dense column by every one);
+    ``read_bytes_per_s``: the model file's read rate past the page cache (``read_bytes_per_s``,
+    else :func:`swarm.peer.memory.read_rate`: measured at start, or an assumed disk) and
+    ``measured``; ``s_per_token``: the least a decode token takes to read that (seconds);
+    ``message``: all of it in words."""
+    from swarm.peer import memory
+
+    fixed = (shape.resident_nbytes + shape.n_layers * shape.kv_layer_bytes + shape.coordinator_step_bytes
+             + worker_stages * shape.record_bytes)
+    over = max(fixed - coordinator_allowance, 0) if coordinator_allowance is not None else 0
+    if plan.streamed_bytes <= 0 and not over:
         return None
-    mib = lambda n: f"{n / (1 << 20):,.0f} MiB"  # noqa: E731
-    return (f"the swarm's memory holds {mib(shape.ffn_bytes() - plan.streamed_bytes)} of the model's "
-            f"{mib(shape.ffn_bytes())} of expert and MLP weights: {mib(plan.streamed_bytes)} is missing, and "
-            "the coordinator reads it from its model file for every token that needs it (slow). Add a peer "
-            f"with at least {mib(plan.streamed_bytes)} free, or raise a peer's --memory.")
+    total = shape.ffn_bytes()
+    e, c = shape.unit_bytes()
+    moe = len(shape.moe_layers) * shape.n_experts * e
+    dense = len(shape.dense_layers) * shape.intermediate_size * c
+    used = (shape.top_k / shape.n_experts if shape.n_experts and shape.top_k else 1.0)
+    fraction = (moe * used + dense) / (moe + dense) if moe + dense else 1.0
+    per_token = math.ceil(plan.streamed_bytes * fraction)
+    rate, measured = (read_bytes_per_s, True) if read_bytes_per_s else memory.read_rate()
+    s_token = per_token / rate
+    gb = lambda n: f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"  # noqa: E731
+    how = "measured" if measured else "assumed"
+    message = (f"the swarm's memory holds {gb(total - plan.streamed_bytes)} of the model's {gb(total)} of expert and "
+               f"MLP weights: {gb(plan.streamed_bytes)} is missing, and the coordinator reads it from its model file "
+               f"for every token that needs it: about {gb(per_token)} a token, at least {s_token:,.2f} s a token at "
+               f"the {rate / 1e6:,.0f} MB/s its disk reads ({how}; less where the page cache keeps some). Add a peer "
+               f"with at least {gb(plan.streamed_bytes)} free, raise a peer's --memory, or lower --context.")
+    if over:
+        message += (f" The coordinator's own part (embeddings, attention, head, the KV cache of every layer, activations: "
+                    f"{gb(fixed)}) is {gb(over)} more than its memory allows: lower --context, or let a peer with "
+                    "more memory coordinate.")
+    return {"coordinator_over_bytes": int(over), "missing_bytes": int(plan.streamed_bytes), "held_bytes": int(total - plan.streamed_bytes),
+            "ffn_bytes": int(total), "read_bytes_per_token": per_token, "read_bytes_per_s": rate,
+            "measured": measured, "s_per_token": s_token, "message": message}
+
+
+def shortfall_message(plan: Plan, shape: ModelShape, read_bytes_per_s: float | None = None) -> str | None:
+    """:func:`shortfall`'s ``message``; None when nothing is streamed."""
+    short = shortfall(plan, shape, read_bytes_per_s)
+    return None if short is None else short["message"]

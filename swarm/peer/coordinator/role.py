@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from swarm.errors import LocalProtocolError, SwarmError
 from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S, LayerCosts, PeerCost, observed_gflops
 from swarm.peer.coordinator.dispatch import RemoteFFN
-from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall_message
+from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall
 from swarm.peer.coordinator.stages import LAYOUTS, Stage, StagedFFN, StageLayout, choose_stages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageAnswer, StageRequest
 from swarm.peer.tasks import OwnedTasks, send_logged
@@ -329,14 +329,17 @@ class CoordinatorRole:
         me = PeerCapacity(self.node.peer_id, 0, self.node.hello.ffn_gflops)
         workers = self._workers()
         self._planned = {w.peer_id for w in workers}
-        # Our budget less what only we hold (embeddings, attention, routers, norms, head).
-        budget = max(self.node.hello.memory_budget - self.shape.resident_nbytes, 0)
+        # Our allowance less what only we hold (embeddings, attention, routers, norms, head), the KV
+        # cache and activations.
         takers = self._plan_layout(workers)
         plan = build_plan(self.shape, me, takers, term=self.election.term, version=self.plan_version,
                           coordinator_budget=budget, layers=self._cut_layers)
-        short = shortfall_message(plan, self.shape)
-        if short and self._stage_layout is None:  # under stages the FFN plan is the coordinator's stage only
-            log.warning("plan v%d: %s", plan.version, short)
+        # Under whole stages the FFN plan is the coordinator's stage only (the layout fits, or it is not chosen).
+        self._shortfall = (shortfall(plan, self.shape, coordinator_allowance=self.node.hello.memory_budget,
+                                     worker_stages=stage_workers)
+                           if self._stage_layout is None or self._cut_layers else None)
+        if self._shortfall:
+            log.warning("plan v%d: %s", plan.version, self._shortfall["message"])
         return plan
 
     async def _announce(self, plan: Plan) -> None:
@@ -352,7 +355,8 @@ class CoordinatorRole:
         await asyncio.gather(*(send_logged(link, msg) for link in links.values()))
         self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {len(plan.workers())} worker(s)")
         self.node.set_placement({"term": plan.term, "version": plan.version, **self._api_fields(),
-                                 "streamed_bytes": plan.streamed_bytes, **plan.to_dict()})
+                                 "streamed_bytes": plan.streamed_bytes, **plan.to_dict(),
+                                 **({"shortfall": self._shortfall} if getattr(self, "_shortfall", None) else {})})
         await self._announce_stages()
 
     def observed(self) -> dict[str, Any]:
@@ -371,6 +375,8 @@ class CoordinatorRole:
                            "failed": peer in ffn.failed}
         return {"peers": peers}
 
+        stage_workers = len(self._stage_layout.workers()) if self._stage_layout is not None else 0
+        budget = self.shape.coordinator_weight_budget(self.node.hello.memory_budget, stage_workers)
     # ------------------------------------------------------------------ stages
     def set_layout(self, layout: str) -> None:
         """Use ``layout`` (``"ranges"``, ``"stages"`` or ``"auto"``) from the next plan on; a
@@ -413,7 +419,7 @@ class CoordinatorRole:
             return []
         first = stages[0]  # a mix: the coordinator's stage comes first, its FFN cut over the holders
         self._cut_layers = range(first.start, first.stop)
-        held = {s.peer: sum(self._costs.layer_bytes(i) for i in range(s.start, s.stop)) for s in stages[1:]}
+        held = {s.peer: sum(self._costs.stage_bytes(i) for i in range(s.start, s.stop)) for s in stages[1:]}
         return [dataclasses.replace(w, memory_bytes=max(w.memory_bytes - held.get(w.peer_id, 0), 0)) for w in holders]
 
     def _layer_flops(self) -> float:

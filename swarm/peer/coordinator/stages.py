@@ -687,11 +687,14 @@ def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tupl
     ``choice`` is ``"mix"`` when the coordinator's stage's FFN is to be cut into ranges).
 
     ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
-    to their speed; ``"mix"`` takes the cost model's best mix (the coordinator's stage ``0 ..
-    k-1`` with its FFN cut into ranges over every peer, whole-layer stages of the workers after
-    it), or the fastest placement when no mix fits; ``"auto"`` takes the fastest placement that
-    fits by the cost model (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator
-    alone is one stage of all layers): local, ranges, stages or mix.
+    to their speed — where that puts a peer past its memory (weights, KV cache, activations:
+    :func:`~swarm.peer.coordinator.costmodel.stage_fit`), each peer as many layers as it holds
+    instead, and ranges when no stage layout fits; ``"mix"`` takes the cost model's best mix
+    (the coordinator's stage ``0 .. k-1`` with its FFN cut into ranges over every peer,
+    whole-layer stages of the workers after it), or the fastest placement when no mix fits;
+    ``"auto"`` takes the fastest placement that fits by the cost model
+    (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator alone is one stage of all
+    layers): local, ranges, stages or mix.
     ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
     :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model);
     ``range_only``: peers that can take FFN ranges only (browser pages, peers without the model
@@ -715,3 +718,7 @@ def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tupl
     if best.layout == "ranges":
         return None, report
     return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report
+        if not best.fits:  # a split by speed past someone's memory: each peer as many layers as it holds
+            best = next(e for e in estimates if e.layout == "stages")
+        if not best.fits:  # no stage layout fits: ranges, the coordinator streaming what nobody holds
+            best = next(e for e in estimates if e.layout == "ranges")
