@@ -40,13 +40,14 @@ class SwarmRoles:
     (default: the model's own). ``verify``: share (0..1) of remote answers the coordinator
     recomputes. ``layout``: ``"ranges"``, ``"stages"``, ``"mix"`` or ``"auto"``
     (:mod:`swarm.peer.coordinator.role`). ``api_host`` / ``api_port``: where the coordinator
-    serves the OpenAI API (port 0: any free port, see ``coordinator.api_port``); ``api_tls``:
+    serves the OpenAI API (port 0: any free port; None: the port this config directory
+    remembers, so a coordinator elected again here keeps its URL; see ``coordinator.api_port``); ``api_tls``:
     HTTPS or not (None: HTTPS unless ``api_host`` is loopback). Raises LocalProtocolError when
     the node's hello names another model than ``model``, or for an unknown layout.
     """
 
     def __init__(self, node: Node, model: Model | None = None, *, tokenizer: TextTokenizer | None = None,
-                 verify: float = 0.0, api_host: str = "0.0.0.0", api_port: int = 0, rng: random.Random | None = None,
+                 verify: float = 0.0, api_host: str = "0.0.0.0", api_port: int | None = None, rng: random.Random | None = None,
                  serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S, layout: str = "ranges",
                  api_tls: bool | None = None) -> None:
         if model is not None and model.content_hash() != node.hello.model_hash:

@@ -399,3 +399,61 @@ def test_a_restarted_peer_learns_the_term_and_does_not_depose(seed):
     sim.groups = None
     sim.run(1.5)
     assert_leader_kept(sim, leader, term)
+
+
+def test_a_stale_coordinator_is_told_the_term_and_steps_down_at_once(tmp_path):
+    """A worker in term 5 refuses a request of term 3 with its term (a refused Vote), not only an
+    Error without one: the deposed coordinator, on that Vote, leaves its role at once (it once
+    kept its API for 30 s, until its request's deadline)."""
+    import asyncio
+    import dataclasses
+
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.election.driver import ElectionDriver
+    from swarm.peer.net.messages import Vote as WireVote
+    from swarm.peer.node import Node
+    from tests.peer._links import hello as make_hello
+
+    old = Identity.generate()
+
+    class Remote:
+        peer_id = old.peer_id
+        hello = dataclasses.replace(make_hello(old.peer_id), model_hash="a" * 64)
+        sent: list = []
+
+        async def send(self, msg):
+            self.sent.append(msg)
+
+    async def main():
+        ident = Identity.generate()
+        node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                    status_path=tmp_path / "status.json", model_hash="a" * 64, memory_budget=1, ffn_gflops=1.0)
+
+        async def on_leader(term, leader):
+            pass
+
+        driver = ElectionDriver(node, True, on_leader=on_leader, on_admitted=lambda link: None)
+        link = Remote()
+        node.mesh.links[link.peer_id] = link
+        driver.core.check_term(5, now=0.0)
+        with pytest.raises(StaleTermError, match="term 3 is stale"):
+            driver.check_term(3, link.peer_id)
+        with pytest.raises(StaleTermError):
+            driver.check_sender(link.peer_id, 4, "plan")
+        await asyncio.sleep(0.05)
+        await driver.stop()
+        return link.sent
+
+    assert asyncio.run(main()) == [WireVote(5, False), WireVote(5, False)]
+
+    # The deposed coordinator's side: that Vote moves it to term 5 with no coordinator.
+    c = Election("c", eligible=True, capability=1.0, now=0.0, rng=random.Random(0))
+    c.add_member("w", eligible=True, capability=0.5, now=0.0)
+    c.handle_timer(1.5)
+    c.receive("w", Vote(1, "w", True), now=1.51)
+    assert c.role is Role.LEADER and c.term == 1
+    while c.next_event():
+        pass
+    c.receive("w", Vote(5, "w", False), now=1.6)
+    assert c.role is Role.FOLLOWER and c.term == 5 and c.next_event() == LeaderChanged(5, None)

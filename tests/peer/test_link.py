@@ -22,7 +22,7 @@ from swarm.errors import AuthenticationError, PeerLostError, RemoteProtocolError
 from swarm.peer.net import rtc, wire
 from swarm.keys.identity import Identity
 from swarm.peer.net.link import Link, LinkState, new_peer_connection
-from swarm.peer.net.messages import WeightChunk
+from swarm.peer.net.messages import Error, WeightChunk
 from swarm.keys.swarmkey import SwarmKey
 from tests.peer._links import DROP_IP_FRAGMENTS, VERSION, blob, hello, run_in_netns
 
@@ -128,6 +128,31 @@ def test_handlers_by_type_and_heartbeat_rtt():
     assert got == (PEER_A, b"hi")
     assert heard_after_send >= 0  # last_heard moved with the message
     assert all(r is not None and 0 < r < 0.5 for r in rtts), rtts
+
+
+def test_messages_that_come_before_their_handler_are_held_for_it():
+    """A peer's links open while it is still starting its roles: a plan and a request that come
+    first must reach the handler registered later, in order (they were once dropped, and the
+    coordinator waited 30 s for an answer that could never come)."""
+    async def main():
+        a, b = pair()
+        await connect(a, b)
+        for data in (b"plan", b"request"):
+            await a.send(blob(data))
+        await a.send(Error(0, "model", "not held for WeightChunk's handler"))
+        deadline = time.monotonic() + 5
+        while b._inbox.qsize() < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        seen = []
+        b.on(WeightChunk, lambda link, message: seen.append(message.data.tobytes()))
+        other = await asyncio.wait_for(b.receive(), 1)  # an unclaimed type stays for receive()
+        await a.close()
+        await b.close()
+        return seen, other
+
+    seen, other = run_in_netns(main)
+    assert seen == [b"plan", b"request"]
+    assert isinstance(other, Error) and other.code == "model"
 
 
 def test_silent_peer_is_declared_dead():

@@ -32,9 +32,11 @@ through the node's handlers to :meth:`RemoteFFN.deliver`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError, SwarmError
@@ -59,6 +61,25 @@ log = logging.getLogger(__name__)
 BROWSER_WARMUP_S = 120.0  # a browser peer's "no such weights" answers are not failures this long
 READMIT_S = 5.0  # a worker that failed a request gets work again after this, if reachable (seconds)
 PLAN_CHECK_S = 1.0  # how often the coordinator compares the peers that can work with its plan (seconds)
+API_PORT_FILE = "api_port"  # in the config directory: the port the API last served on, tried first next time
+
+
+def read_api_port(path: Path) -> int:
+    """The API port remembered in ``path`` (0: none, or unreadable)."""
+    try:
+        port = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+    return port if 0 < port < 65536 else 0
+
+
+def write_api_port(path: Path, port: int) -> None:
+    """Remember ``port`` in ``path``, so a coordinator elected again on this machine serves at the
+    same URL; a failure is logged (the port is then chosen afresh next time)."""
+    try:
+        path.write_text(f"{port}\n")
+    except OSError as exc:
+        log.warning("could not remember the API port in %s: %s", path, exc)
 
 
 def check_layout(layout: str) -> str:
@@ -73,14 +94,16 @@ class CoordinatorRole:
 
     ``model``: the whole model (None: this peer never coordinates); ``election``: whose term it
     coordinates; ``verify``: share (0..1) of remote answers recomputed here; ``layout``: see the
-    module docstring; ``tokenizer`` for the API; ``api_host`` / ``api_port`` (0: any free port,
-    see :attr:`api_port`) / ``api_tls`` (None: HTTPS unless the host is loopback): where the
-    OpenAI API is served, if ``serve_api``.
+    module docstring; ``tokenizer`` for the API; ``api_host`` / ``api_port`` (0: any free port;
+    None: the port remembered in the config directory, :data:`API_PORT_FILE`, else a free one,
+    then remembered; see :attr:`api_port`) / ``api_tls`` (None: HTTPS unless the host is
+    loopback): where the OpenAI API is served, if ``serve_api``. A port that is taken gives way
+    to a free one, with a warning.
     """
 
     def __init__(self, node: Node, model: Model | None, election: ElectionDriver, *, verify: float = 0.0,
                  layout: str = "ranges", tokenizer: TextTokenizer | None = None, serve_api: bool = True,
-                 api_host: str = "0.0.0.0", api_port: int = 0, api_tls: bool | None = None) -> None:
+                 api_host: str = "0.0.0.0", api_port: int | None = None, api_tls: bool | None = None) -> None:
         self.node = node
         self.model = model
         self.election = election
@@ -106,6 +129,7 @@ class CoordinatorRole:
         self._shipper = (PlanShipper(model.path, self.model_hash, self.shape, token_key=node.swarm_key.slice_token_key)
                          if model is not None else None)
         self._coordinating: asyncio.Task | None = None
+        self._api_closing: asyncio.Task | None = None  # the API of a term we stepped down from
         self._tasks = OwnedTasks("coordinator")
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -129,6 +153,8 @@ class CoordinatorRole:
         come while the node closes its links plan nothing), close the API and the slice server."""
         self.ffn = self.stages = None
         self._coordinating = None
+        if self._api_closing is not None:  # a step-down's close: let it finish, not cancel it midway
+            await asyncio.wait([self._api_closing])
         await self._tasks.close()
         await self._close_api()
         if self._shipper is not None:
@@ -140,7 +166,12 @@ class CoordinatorRole:
         self._coordinating = self._tasks.spawn(self._become(term), "coordinate")
 
     async def step_down(self) -> None:
-        """Another peer coordinates, or none: stop planning, fail what is in flight, close the API."""
+        """Another peer coordinates, or none: stop planning, fail what is in flight, close the API.
+
+        Returns at once (the election awaits it): every request pending at a worker fails now
+        (its rows are recomputed here, so a generation in flight finishes without waiting for a
+        deadline), and the API closes in the background — its mDNS record first, so clients
+        find the next coordinator."""
         if self._coordinating is not None:
             self._coordinating.cancel()
             self._coordinating = None
@@ -148,12 +179,17 @@ class CoordinatorRole:
             return
         ffn, self.ffn = self.ffn, None
         stages, self.stages = self.stages, None
-        for peer in list(self.node.links):
+        peers = set(self.node.links) | set(ffn.plan.peers) | set(ffn.timing.copy())  # copy(): the token loop adds
+        if stages is not None:
+            peers |= set(stages.timing.copy())
+        for peer in peers - {self.node.peer_id}:
             ffn.peer_down(peer, "this peer is no longer the coordinator")
             if stages is not None:
                 stages.peer_down(peer, "this peer is no longer the coordinator")
         self.node.set_placement(None)
-        await self._close_api()
+        log.info("stepped down: no longer the coordinator (term %d now)", self.election.term)
+        if self.api is not None:
+            self._api_closing = self._tasks.spawn(self._close_api(), "close-api")
 
     @property
     def engine_ffn(self) -> RemoteFFN | StagedFFN | None:
@@ -262,11 +298,15 @@ class CoordinatorRole:
         await send_logged(link, ffn.plan.to_message())
 
     def _peer_failed(self, peer: str) -> None:
+        """``peer`` is out of every plan for ``READMIT_S`` from now; one new plan, and only when
+        the newest one still has it (a mark-down from a sequence under an older layout, or from
+        the other dispatcher, changes nothing)."""
         self._failed_at[peer] = time.monotonic()
         link = self.node.links.get(peer)
         self.node.record("marked down", peer, link.hello.name if link is not None and link.hello else "",
                          "late, gone or wrong: its rows are recomputed here")
-        self._schedule_replan()
+        if peer in self._planned:
+            self._schedule_replan()
 
     def _on_answer(self, link: Link, msg: ExpertAnswer | DenseAnswer | StageAnswer) -> None:
         backend = self.stages if isinstance(msg, StageAnswer) else self.ffn
@@ -310,15 +350,14 @@ class CoordinatorRole:
 
     def _workers(self) -> list[PeerCapacity]:
         out = []
-        failed = (self.ffn.failed if self.ffn is not None else set()) | (self.stages.failed if self.stages else set())
         now = time.monotonic()
         for peer, link in self.node.links.items():
             h = link.hello
             if (h is None or h.model_hash not in (self.model_hash, None)
                     or self.election.is_refused(peer) or h.memory_budget <= 0):
                 continue
-            if peer in failed and now - self._failed_at.get(peer, now) < READMIT_S:
-                continue  # it failed a step: out of the plans for a while, then tried again
+            if now - self._failed_at.get(peer, now - READMIT_S) < READMIT_S:
+                continue  # marked down: out of every plan for a while (whatever a new plan cleared), then tried again
             if h.peer_kind == "python" and not self.election.reachable(peer):
                 continue  # silent (a killed process whose link has not timed out yet), or gone
             out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0, h.peer_kind))
@@ -332,6 +371,8 @@ class CoordinatorRole:
         # Our allowance less what only we hold (embeddings, attention, routers, norms, head), the KV
         # cache and activations.
         takers = self._plan_layout(workers)
+        stage_workers = len(self._stage_layout.workers()) if self._stage_layout is not None else 0
+        budget = self.shape.coordinator_weight_budget(self.node.hello.memory_budget, stage_workers)
         plan = build_plan(self.shape, me, takers, term=self.election.term, version=self.plan_version,
                           coordinator_budget=budget, layers=self._cut_layers)
         # Under whole stages the FFN plan is the coordinator's stage only (the layout fits, or it is not chosen).
@@ -375,8 +416,6 @@ class CoordinatorRole:
                            "failed": peer in ffn.failed}
         return {"peers": peers}
 
-        stage_workers = len(self._stage_layout.workers()) if self._stage_layout is not None else 0
-        budget = self.shape.coordinator_weight_budget(self.node.hello.memory_budget, stage_workers)
     # ------------------------------------------------------------------ stages
     def set_layout(self, layout: str) -> None:
         """Use ``layout`` (``"ranges"``, ``"stages"`` or ``"auto"``) from the next plan on; a
@@ -472,6 +511,9 @@ class CoordinatorRole:
 
     # ------------------------------------------------------------------ the API
     async def _open_api(self, term: int) -> None:
+        if self._api_closing is not None:  # of the last term: its port may be the one we want
+            await asyncio.shield(self._api_closing)
+            self._api_closing = None
         if self._backend is not None:
             self._backend.set_ffn(self.engine_ffn)
             return
@@ -479,10 +521,25 @@ class CoordinatorRole:
         from swarm.peer.coordinator.dashboard import Dashboard
 
         self._backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.engine_ffn)
-        self.api = ApiServer.for_swarm_key(self._backend, self.node.swarm_key)
-        Dashboard(self.node.status).attach(self.api)  # its page and chat on the API's server
-        self.api_port = await self.api.start(self._api_host, self._api_port_wanted, tls=self._api_tls,
-                                             advertise=(self.node.peer_id, term))  # mDNS: chat finds it
+        remembered = self.node.status_path.parent / API_PORT_FILE  # in this peer's config directory
+        port = self._api_port_wanted if self._api_port_wanted is not None else read_api_port(remembered)
+        for attempt in (port, 0) if port else (0,):
+            self.api = ApiServer.for_swarm_key(self._backend, self.node.swarm_key)
+            Dashboard(self.node.status).attach(self.api)  # its page and chat on the API's server
+            try:
+                self.api_port = await self.api.start(self._api_host, attempt, tls=self._api_tls,
+                                                     advertise=(self.node.peer_id, term))  # mDNS: chat finds it
+                break
+            except OSError as exc:
+                if attempt == 0:
+                    raise
+                with contextlib.suppress(Exception):
+                    await self.api.close()
+                log.warning("the API's port %d is taken (%s); serving on a free port instead%s", attempt,
+                            exc.strerror or exc, "" if self._api_port_wanted else
+                            f" (delete {remembered} to stop trying {attempt})")
+        if self._api_port_wanted is None and not port:  # the first port chosen here is kept
+            write_api_port(remembered, self.api_port)
         log.info("OpenAI API on port %d (%s)", self.api_port, self.api.scheme)
 
     def _api_fields(self) -> dict[str, Any]:

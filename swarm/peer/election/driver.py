@@ -102,14 +102,28 @@ class ElectionDriver:
 
     def check_sender(self, peer: str, term: int, what: str) -> None:
         """A plan of ``term`` came from ``peer``: raises StaleTermError when the term is stale or
-        another peer coordinates it (``what`` names the plan in the message)."""
-        self.core.check_term(term, time.monotonic())
+        another peer coordinates it (``what`` names the plan in the message). A stale term is
+        also answered with our term (see :meth:`check_term`)."""
+        self.check_term(term, peer)
         if peer != self.core.leader and term == self.core.term and self.core.leader:
             raise StaleTermError(f"{what} from {peer}, but {self.core.leader} coordinates term {term}")
 
-    def check_term(self, term: int) -> None:
-        """Raises StaleTermError when a request of ``term`` is stale."""
-        self.core.check_term(term, time.monotonic())
+    def check_term(self, term: int, peer: str | None = None) -> None:
+        """Raises StaleTermError when a request or plan of ``term`` is stale. When ``peer`` sent
+        it, it is also told our term, as Raft's replies do: a refused ``Vote`` of the current
+        term, on which a deposed coordinator steps down at once instead of waiting for its
+        requests' deadlines (the ``Error`` the caller sends names no term)."""
+        try:
+            self.core.check_term(term, time.monotonic())
+        except StaleTermError:
+            if peer is not None:
+                self._tell_term(peer)
+            raise
+
+    def _tell_term(self, peer: str) -> None:
+        link = self.node.links.get(peer)
+        if link is not None:
+            self._tasks.spawn(send_logged(link, Vote(self.core.term, False)), "tell-term")
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:

@@ -509,6 +509,9 @@ class Link:
         if handler is None:
             self._inbox.put_nowait(message)
             return
+        self._deliver(handler, message)
+
+    def _deliver(self, handler: Handler, message: Any) -> None:
         try:
             result = handler(self, message)
         except SwarmError:
@@ -595,8 +598,23 @@ class Link:
     # -- handlers and receive ---------------------------------------------------------------------
 
     def on(self, message_type: type, handler: Handler) -> None:
-        """Deliver inbound messages of ``message_type`` to ``handler(link, message)`` (sync or async)."""
+        """Deliver inbound messages of ``message_type`` to ``handler(link, message)`` (sync or async).
+
+        Messages of that type that came before, unclaimed (a peer's links open while it is still
+        starting its roles: the coordinator's plan and first request may come first), go to the
+        handler now, in the order they came; they are not lost."""
         self._handlers[message_type] = handler
+        held = []
+        while not self._inbox.empty():
+            held.append(self._inbox.get_nowait())
+        for message in held:
+            if type(message) is message_type and self.state is not LinkState.CLOSED:
+                try:
+                    self._deliver(handler, message)
+                except SwarmError as exc:  # broke a protocol rule, as on arrival: the link closes
+                    self.abort(str(exc))
+            else:
+                self._inbox.put_nowait(message)
 
     async def receive(self) -> Any:
         """The next inbound message that no handler claimed. Raises :class:`PeerLostError` once closed.

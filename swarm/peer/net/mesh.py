@@ -239,12 +239,19 @@ class Mesh:
         await link.established()
         peer_id = link.peer_id
         assert peer_id is not None
-        old = self.links.get(peer_id)
-        if old is not None:
-            await old.close("replaced by a new link (the peer started over)")
         if self._closed:
             await link.close("mesh closed")
             return
+        old = self.links.get(peer_id)
+        if old is not None:
+            # The new link is the link from now on: the old one is down for every observer at
+            # once (what was pending on it fails now, not at a deadline), then the new one is up
+            # (plans and requests go to it); the old closes in the background.
+            del self.links[peer_id]
+            log.info("link down: %s (replaced by a new link: the peer started over)", peer_id)
+            for cb in list(self.on_link_down):
+                _call(cb, peer_id)
+            self._spawn(old.close("replaced by a new link (the peer started over)"))
         self.links[peer_id] = link
         link.on_close(self._on_link_closed)
         log.info("link up: %s (%s, %s)", peer_id, link.hello.name if link.hello else "?", "offered" if link.offerer else "answered")

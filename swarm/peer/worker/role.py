@@ -179,7 +179,7 @@ class WorkerRole:
             await send_logged(link, Error(msg.request_id, "model", "this peer holds no model"))
             return
         try:
-            self.election.check_term(msg.term)
+            self.election.check_term(msg.term, link.peer_id)  # a deposed coordinator is told the term
         except StaleTermError as exc:
             await send_logged(link, Error(msg.request_id, "stale_term", str(exc)))
             return
