@@ -17,7 +17,6 @@ load so both formats use transformers' rotate-half convention.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from functools import cached_property
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from swarm.compute.config import ModelConfig, config_from_gguf, config_from_hf
+from swarm.compute.identity import model_identity
 from swarm.compute.quant import QMatrix
 from swarm.compute.tensors import GGUFFile, SafetensorsDir
 from swarm.errors import ModelFileError
@@ -70,7 +70,8 @@ class Checkpoint:
     """Lazy access to one model's tensors: weight matrices compact (``matrix``), the rest float32
     (``load``). Subclasses map names to files.
 
-    ``path``: the file (GGUF) or directory (HF). ``config``: the :class:`ModelConfig`.
+    ``path``: the file (GGUF; a split GGUF's first shard) or directory (HF). ``files``: every
+    file the tensors live in. ``config``: the :class:`ModelConfig`.
     ``metadata``: GGUF key/values, or the parsed ``config.json``.
     """
 
@@ -80,8 +81,9 @@ class Checkpoint:
     files: list[Path]
 
     @property
-    def hashed_files(self) -> list[Path]:
-        return sorted(self.files)
+    def identity_files(self) -> list[tuple[Path, int]]:
+        """``(path, header_bytes)`` of each file that makes the model, in the model's order."""
+        raise NotImplementedError
 
     def has(self, part: str, layer: int | None = None) -> bool:
         raise NotImplementedError
@@ -177,31 +179,20 @@ class Checkpoint:
         raise NotImplementedError
 
     def content_hash(self) -> str:
-        """SHA-256 (hex) of the bytes of ``hashed_files`` concatenated in that order: for a
-        GGUF that is ``sha256sum`` of the file; for an HF directory config.json (it changes the
-        numbers too) and then the shards in name order."""
-        h = hashlib.sha256()
-        for p in self.hashed_files:
-            with open(p, "rb") as fh:
-                done = 0
-                while chunk := fh.read(1 << 22):
-                    h.update(chunk)
-                    # Plain reads (no mapping: nothing stays resident in this process); the page
-                    # cache they fill is dropped too, so hashing leaves no memory charged to a
-                    # capped peer (its cgroup counts that cache).
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fh.fileno(), done, len(chunk), os.POSIX_FADV_DONTNEED)
-                    done += len(chunk)
-        return h.hexdigest()
-
+        """The model's identity (64 hex digits): the hash peers compare to refuse a different
+        model. SHA-256 over every file's size and whole header and a few MiB of sampled tensor
+        data (:mod:`swarm.compute.identity`), cached by the files' path, size and mtime, so a
+        restart reads nothing. Raises ModelFileError when a file cannot be read."""
+        return model_identity(self.identity_files)
 
 class GGUFCheckpoint(Checkpoint):
-    """A single-file GGUF checkpoint (llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe)."""
+    """A GGUF checkpoint (llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe): one file, or the
+    shards of a split one (``path`` names any shard; ``self.path`` is then the first)."""
 
     def __init__(self, path: str | os.PathLike):
         self.file = GGUFFile(path)
         self.path = self.file.path
-        self.files = [self.path]
+        self.files = list(self.file.paths)
         self.metadata = self.file.kv
         self.config = config_from_gguf(self.file.kv, self.file.shapes, str(self.path))
         # llama.cpp permutes Q/K rows for its llama architecture only (Mixtral is written as llama).
@@ -210,6 +201,10 @@ class GGUFCheckpoint(Checkpoint):
     @property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return self.file.shapes
+
+    @property
+    def identity_files(self) -> list[tuple[Path, int]]:
+        return list(zip(self.file.paths, self.file.header_bytes))
 
     def _validate_experts(self, layer: int) -> None:
         c = self.config
@@ -333,8 +328,11 @@ class HFCheckpoint(Checkpoint):
         return self._name(part, layer) in self.st
 
     @property
-    def hashed_files(self) -> list[Path]:
-        return [self.path / "config.json", *sorted(self.files)]
+    def identity_files(self) -> list[tuple[Path, int]]:
+        # config.json changes the numbers too: all of it is header
+        cfg = self.path / "config.json"
+        shards = sorted(self.st.files, key=lambda f: f.path)
+        return [(cfg, cfg.stat().st_size), *((f.path, f.header_bytes) for f in shards)]
 
     def load(self, part: str, layer: int | None = None) -> np.ndarray:
         name = self._name(part, layer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,65 +104,163 @@ class _Cursor:
         return self.number(vtype)
 
 
-class GGUFFile:
-    """One GGUF file, memory-mapped; only its header is parsed here.
+# llama.cpp's gguf-split names: PREFIX-00001-of-00003.gguf (gguf.gguf_writer.SHARD_NAME_FORMAT).
+_SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_SPLIT_NO, _SPLIT_COUNT, _SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 
-    ``kv``: metadata key → python value (str, int, float, bool, list; an array of strings is a
-    :class:`StringArray`, a read-only sequence of str); ``value_types``: key →
-    its ``gguf.GGUFValueType``. ``shapes``: tensor name → numpy shape (outermost first; GGUF
-    lists dims innermost first). Dequantisation uses ``gguf.quants.dequantize``, so every type
-    the ``gguf`` package implements is supported. The header is read here rather than with
-    ``gguf.GGUFReader``, which keeps a numpy view per vocabulary entry (~150 MiB for a
-    49k-token vocabulary).
-    Raises ModelFileError when the file is missing, not GGUF, truncated, or corrupt.
+
+@dataclass
+class _Shard:
+    """One GGUF file as parsed: its map, metadata and tensors (views into ``map``)."""
+
+    path: Path
+    map: np.ndarray
+    kv: dict[str, Any]
+    value_types: dict[str, VT]
+    tensors: dict[str, _GGUFTensor]
+    header_bytes: int  # where the tensor data starts: header, metadata and tensor index before it
+
+
+def _read_shard(path: Path) -> _Shard:
+    """Map and parse one GGUF file. Raises ModelFileError when it is missing, not GGUF,
+    truncated or corrupt."""
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such model file")
+    try:
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        return _parse(path, buf, _Cursor(np.asarray(buf)))
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+
+def _parse(path: Path, mapped: np.ndarray, cur: _Cursor) -> _Shard:
+    if bytes(cur.take(4)) != b"GGUF":
+        raise ValueError("no GGUF magic")
+    version = cur.number(VT.UINT32)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (big-endian or unsupported; expected 2 or 3)")
+    n_tensors, n_kv = cur.number(VT.UINT64), cur.number(VT.UINT64)
+    kv: dict[str, Any] = {}
+    value_types: dict[str, VT] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        vtype = VT(cur.number(VT.UINT32))
+        kv[key], value_types[key] = cur.value(vtype), vtype
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        ne = [cur.number(VT.UINT64) for _ in range(cur.number(VT.UINT32))]
+        infos.append((name, ne, QT(cur.number(VT.UINT32)), cur.number(VT.UINT64)))
+    align = int(kv.get("general.alignment", 32))
+    start = -(-cur.pos // align) * align
+    size = cur.buf.size
+    tensors: dict[str, _GGUFTensor] = {}
+    for name, ne, qtype, offset in infos:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if ne[0] % block:
+            raise ValueError(f"tensor {name!r}: {ne[0]} columns is not a multiple of {qtype.name}'s block {block}")
+        if name in tensors:
+            raise ValueError(f"tensor {name!r} is listed twice")
+        dims = tuple(int(d) for d in reversed(ne))
+        row_bytes = ne[0] // block * type_size
+        lo = start + offset
+        n = row_bytes * int(np.prod(dims[:-1], dtype=np.int64))
+        if lo + n > size:
+            raise ModelFileError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
+        tensors[name] = _GGUFTensor(name, qtype, dims, cur.buf[lo:lo + n].reshape(*dims[:-1], row_bytes))
+    return _Shard(path, mapped, kv, value_types, tensors, min(start, size))
+
+
+def _split_count(shard: _Shard) -> int:
+    return int(shard.kv.get(_SPLIT_COUNT, 1) or 1)
+
+
+def _gather_shards(given: _Shard) -> list[_Shard]:
+    """Every shard of the split model ``given`` belongs to, in order (``given`` among them).
+
+    Raises ModelFileError naming the file when a shard is missing, misnamed, from another
+    split or another model.
+    """
+    count, no = _split_count(given), int(given.kv.get(_SPLIT_NO, 0))
+    m = _SHARD_NAME.match(given.path.name)
+    pattern = f"PREFIX-{no + 1:05d}-of-{count:05d}.gguf"
+    if m is None or int(m["no"]) != no + 1 or int(m["count"]) != count:
+        raise ModelFileError(
+            f"{given.path}: shard {no + 1} of a model split in {count} files, but its name is not llama.cpp's "
+            f"{pattern}, so its other shards cannot be found: give the shards their gguf-split names")
+    shards = []
+    for i in range(count):
+        path = given.path.with_name(f"{m['prefix']}-{i + 1:05d}-of-{count:05d}.gguf")
+        if i == no:
+            shards.append(given)
+            continue
+        if not path.is_file():
+            raise ModelFileError(
+                f"{path}: shard {i + 1} of {count} of this model is missing: download every shard of the "
+                f"model into {path.parent}")
+        shard = _read_shard(path)
+        if _split_count(shard) != count or int(shard.kv.get(_SPLIT_NO, -1)) != i:
+            raise ModelFileError(
+                f"{path}: says it is shard {int(shard.kv.get(_SPLIT_NO, -1)) + 1} of {_split_count(shard)}, "
+                f"its name shard {i + 1} of {count}: shards of different splits are mixed; download all "
+                f"shards of one model again into {path.parent}")
+        shards.append(shard)
+    first = shards[0]
+    for shard in shards[1:]:
+        # gguf-split writes the model's metadata into the first shard only; any key a later shard
+        # repeats (split.tensors.count, general.*) must agree with it.
+        for key, value in shard.kv.items():
+            if key not in (_SPLIT_NO, "general.alignment") and key in first.kv and first.kv[key] != value:
+                raise ModelFileError(
+                    f"{shard.path}: a shard of a different model ({key} = {value!r}, {first.path.name} has "
+                    f"{first.kv[key]!r}): download all shards of one model again into {shard.path.parent}")
+    return shards
+
+
+class GGUFFile:
+    """One GGUF model, memory-mapped (one map per file); only the headers are parsed here.
+
+    ``path`` names a single GGUF file or any shard of a split one (llama.cpp's gguf-split:
+    ``PREFIX-00001-of-00003.gguf`` …, each a whole GGUF whose ``split.no`` / ``split.count`` /
+    ``split.tensors.count`` keys tie them together); the shards are found beside it and their
+    tensors form one index. A tensor lies whole in one shard.
+    ``path``: the first (or only) file; ``paths``: every file, shard order; ``header_bytes[i]``:
+    where the tensor data of ``paths[i]`` starts (header, metadata and tensor index before it).
+    ``kv``: the model's metadata (the first shard's): key → python value (str, int, float, bool,
+    list; an array of strings is a :class:`StringArray`, a read-only sequence of str);
+    ``value_types``: key → its ``gguf.GGUFValueType``. ``shapes``: tensor name → numpy shape
+    (outermost first; GGUF lists dims innermost first). Dequantisation uses
+    ``gguf.quants.dequantize``, so every type the ``gguf`` package implements is supported. The
+    header is read here rather than with ``gguf.GGUFReader``, which keeps a numpy view per
+    vocabulary entry (~150 MiB for a 49k-token vocabulary).
+    Raises ModelFileError when a file is missing, not GGUF, truncated or corrupt, or the shards
+    of a split model do not make one model (missing, mixed, duplicated tensors, wrong count).
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelFileError(f"{self.path}: no such model file")
-        try:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-            self._parse(_Cursor(np.asarray(self._map)))
-        except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
-            raise ModelFileError(
-                f"{self.path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
-        self.shapes = {name: t.dims for name, t in self._tensors.items()}
-
-    def _parse(self, cur: _Cursor) -> None:
-        if bytes(cur.take(4)) != b"GGUF":
-            raise ValueError("no GGUF magic")
-        version = cur.number(VT.UINT32)
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} (big-endian or unsupported; expected 2 or 3)")
-        n_tensors, n_kv = cur.number(VT.UINT64), cur.number(VT.UINT64)
-        self.kv: dict[str, Any] = {}
-        self.value_types: dict[str, VT] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            vtype = VT(cur.number(VT.UINT32))
-            self.kv[key], self.value_types[key] = cur.value(vtype), vtype
-        infos = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            ne = [cur.number(VT.UINT64) for _ in range(cur.number(VT.UINT32))]
-            infos.append((name, ne, QT(cur.number(VT.UINT32)), cur.number(VT.UINT64)))
-        align = int(self.kv.get("general.alignment", 32))
-        start = -(-cur.pos // align) * align
-        size = cur.buf.size
+        given = _read_shard(Path(path))
+        shards = [given] if _split_count(given) <= 1 else _gather_shards(given)
+        first = shards[0]
+        self.path, self.kv, self.value_types = first.path, first.kv, first.value_types
+        self.paths = [s.path for s in shards]
+        self.header_bytes = [s.header_bytes for s in shards]
+        self._maps = [s.map for s in shards]
         self._tensors: dict[str, _GGUFTensor] = {}
-        for name, ne, qtype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            if ne[0] % block:
-                raise ValueError(f"tensor {name!r}: {ne[0]} columns is not a multiple of {qtype.name}'s block {block}")
-            dims = tuple(int(d) for d in reversed(ne))
-            row_bytes = ne[0] // block * type_size
-            lo = start + offset
-            n = row_bytes * int(np.prod(dims[:-1], dtype=np.int64))
-            if lo + n > size:
-                raise ModelFileError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
-            data = cur.buf[lo:lo + n].reshape(*dims[:-1], row_bytes)
-            self._tensors[name] = _GGUFTensor(name, qtype, dims, data)
+        where: dict[str, Path] = {}
+        for shard in shards:
+            for name, t in shard.tensors.items():
+                if name in where:
+                    raise ModelFileError(
+                        f"{shard.path}: tensor {name!r} is also in {where[name].name}: a shard of another model "
+                        f"or a copy of one; download all shards of one model again into {shard.path.parent}")
+                where[name] = shard.path
+                self._tensors[name] = t
+        want = first.kv.get(_SPLIT_TENSORS)
+        if len(shards) > 1 and want is not None and int(want) != len(self._tensors):
+            raise ModelFileError(
+                f"{self.path}: the {len(shards)} shards hold {len(self._tensors)} tensors, split.tensors.count "
+                f"says {want}: a shard is from another model or damaged; download all shards again")
+        self.shapes = {name: t.dims for name, t in self._tensors.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -236,6 +335,7 @@ class SafetensorsFile:
             raise ModelFileError(f"{self.path}: safetensors header is not valid JSON") from None
         header.pop("__metadata__", None)
         self._base = 8 + n
+        self.header_bytes = self._base  # where the tensor data starts
         self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, bool]] = {}  # dtype, shape, offset, is_bf16
         for name, e in header.items():
             dtype = _ST_DTYPES.get(e.get("dtype"))

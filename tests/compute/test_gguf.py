@@ -194,17 +194,6 @@ def test_truncated_safetensors(tmp_path, tiny):
         load_model(bad_dir)
 
 
-def test_content_hash_is_the_files_sha256(tiny, tmp_path):
-    import hashlib
-
-    _, hf_dir = tiny("qwen2")
-    model = load_model(hf_dir)
-    want = hashlib.sha256((hf_dir / "config.json").read_bytes() + (hf_dir / "model.safetensors").read_bytes())
-    assert model.content_hash() == want.hexdigest()
-    gguf_path = write_gguf_from_hf(tiny("llama")[0], "llama", tmp_path / "m.gguf")
-    assert load_model(gguf_path).content_hash() == hashlib.sha256(gguf_path.read_bytes()).hexdigest()
-
-
 # ---- the real default model -----------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_teacher_forced_logits_match_transformers(smollm2_path):

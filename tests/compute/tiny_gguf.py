@@ -39,12 +39,14 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf_from_hf(hf_model, family: str, path: Path,
                        qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-                       extra: dict[str, np.ndarray] | None = None) -> Path:
+                       extra: dict[str, np.ndarray] | None = None, split_max_tensors: int = 0) -> Path:
     """Save ``hf_model`` as a GGUF file; weights whose rows fit ``qtype``'s blocks in ``qtype``,
-    the rest (norms, biases, odd widths) in F32. ``extra``: more tensors, written as given."""
+    the rest (norms, biases, odd widths) in F32. ``extra``: more tensors, written as given.
+    ``split_max_tensors``: split it as llama.cpp's gguf-split does, at most that many tensors a
+    shard (``path``'s stem + ``-00001-of-0000N.gguf`` …); returns the first file written."""
     cfg = hf_model.config
     arch = GGUF_ARCH[family]
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -103,4 +105,4 @@ def write_gguf_from_hf(hf_model, family: str, path: Path,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(Path(path))[0]

@@ -99,6 +99,40 @@ def test_gguf_expert_ranges_decode_exactly(tmp_path):
         slicer.extract(SliceSpan(7, "experts", 0, 1))
 
 
+def _write_layers_gguf(path: Path, layers=3, experts=4, f=64, h=96, split_max_tensors=0) -> Path:
+    """Dense and MoE FFN tensors of ``layers`` layers (Q8_0 and F32), whole or split by gguf-py
+    as llama.cpp's gguf-split does; returns the first file."""
+    rng = np.random.default_rng(1)
+    w = GGUFWriter(path, "qwen3moe", split_max_tensors=split_max_tensors)
+    for layer in range(layers):
+        for role, shape, qtype in (("gate", (experts, f, h), GGMLQuantizationType.Q8_0),
+                                   ("up", (experts, f, h), GGMLQuantizationType.Q8_0),
+                                   ("down", (experts, h, f), GGMLQuantizationType.F32)):
+            q = quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+            w.add_tensor(f"blk.{layer}.ffn_{role}_exps.weight", q, raw_shape=q.shape, raw_dtype=qtype)
+            q = quantize(rng.standard_normal(shape[1:]).astype(np.float32), qtype)
+            w.add_tensor(f"blk.{layer}.ffn_{role}.weight", q, raw_shape=q.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return w.format_shard_names(path)[0]
+
+
+def test_slices_of_a_split_gguf_are_the_unsplit_files_bytes(tmp_path):
+    """Shards of two tensors each: a slice's gate, up and down come from different shards."""
+    whole = ModelSlicer(_write_layers_gguf(tmp_path / "whole.gguf"))
+    first = _write_layers_gguf(tmp_path / "split.gguf", split_max_tensors=2)
+    assert first.name == "split-00001-of-00009.gguf"
+    for named in (first, tmp_path / "split-00005-of-00009.gguf"):  # any shard names the model
+        split = ModelSlicer(named)
+        for spec in [SliceSpan(layer, "experts", 1, 3) for layer in range(3)] + \
+                    [SliceSpan(layer, "dense", 32, 64) for layer in range(3)] + [SliceSpan(2, "dense", 0, 40)]:
+            blob, meta = split.extract(spec)
+            want_blob, want_meta = whole.extract(spec)
+            assert blob == want_blob and meta == want_meta
+
+
 _PEAK_RSS_PROBE = """
 import json, sys
 import numpy as np

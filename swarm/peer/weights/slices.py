@@ -135,7 +135,10 @@ class _Raw:
 
 
 class ModelSlicer:
-    """Reads slices out of one GGUF file or HF safetensors directory (memory-mapped, lazily).
+    """Reads slices out of a GGUF model or HF safetensors directory (memory-mapped, lazily).
+
+    A split GGUF is named by any of its shards; its tensors are mapped across them (one map
+    per shard, each tensor whole in one), so a slice's tensors may come from different files.
 
     Raises:
         ModelFileError: the path is not a model we can read, or a tensor it needs is missing.
