@@ -57,10 +57,16 @@ def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mappi
     vocabulary; :class:`~swarm.errors.ContextLengthError` naming the numbers when the prompt
     and ``max_tokens`` do not fit; :class:`~swarm.errors.SwarmError` for an empty prompt.
     """
-    if isinstance(messages, str):
-        prompt_ids = tokenizer.encode(messages, add_special_tokens=True)
-    else:
-        prompt_ids = tokenizer.encode_chat(messages)
+    text = messages if isinstance(messages, str) else tokenizer.apply_chat_template(messages)
+    limit = context_limit(model.config)
+    fewest = tokenizer.fewest_tokens(text) if limit is not None else None
+    if fewest is not None and fewest + max_tokens > limit:  # surely too long: refused without encoding it
+        raise ContextLengthError(
+            f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, so at least {fewest} tokens (no "
+            f"token of this model stands for more than {tokenizer.max_token_bytes} bytes), and max_tokens is "
+            f"{max_tokens}: more than the model's context of {limit} tokens; shorten the prompt or ask for fewer tokens"
+        )
+    prompt_ids = tokenizer.encode(text, add_special_tokens=isinstance(messages, str))
     if not prompt_ids:
         raise SwarmError("the prompt is empty after tokenization; give some text")
     vocab = model.config.vocab_size
@@ -69,7 +75,6 @@ def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mappi
             f"{tokenizer.source}: the tokenizer gave id {max(prompt_ids)}, but the model's vocabulary "
             f"has {vocab} entries; the tokenizer files do not belong to this model"
         )
-    limit = context_limit(model.config)
     if limit is not None and len(prompt_ids) + max_tokens > limit:
         raise ContextLengthError(
             f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}: "

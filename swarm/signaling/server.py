@@ -36,6 +36,7 @@ from aiohttp import WSMsgType, web
 
 from swarm import __version__, paths
 from swarm.errors import LocalProtocolError
+from swarm.httpserver import HttpServer
 from swarm.signaling import auth, tls
 from swarm.signaling.address import SignalAddress
 from swarm.signaling.messages import PROTOCOL_VERSION
@@ -61,7 +62,7 @@ class SignalingServer:
         self.heartbeat_s = heartbeat_s
         self.started: float | None = None  # unix seconds, set by start()
         self.port: int | None = None
-        self._runner: web.AppRunner | None = None
+        self._runner: HttpServer | None = None
         self._outboxes: dict[int, asyncio.Queue[Output | None]] = {}
         self._ids = itertools.count(1)
         self._timer_wake = asyncio.Event()
@@ -81,16 +82,9 @@ class SignalingServer:
         app.router.add_get("/api/status", self._status)
         app.router.add_get("/{path:.+}", self._asset)
         app.cleanup_ctx.append(self._timer_ctx)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, ssl_context=self.certificate.ssl_context())
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        http = HttpServer(app, name="signaling server", shutdown_timeout=1.0)
+        self.port = await http.start(host, port, self.certificate.ssl_context())
+        self._runner = http
         self.started = time.time()
         log.info("signaling server on port %d, certificate SHA-256 %s", self.port, self.certificate.fingerprint)
 
@@ -101,7 +95,7 @@ class SignalingServer:
             return
         for conn in list(self._outboxes):
             self._enqueue(Close(conn, CloseCode.SERVER_STOPPING, "signaling server stopping"))
-        await runner.cleanup()
+        await runner.close()
 
     def url(self, address: str) -> str:
         """The WebSocket URL at ``address`` (an IP or host name reachable by the client)."""

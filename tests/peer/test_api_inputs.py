@@ -4,8 +4,12 @@ right value. And HTTPS: the official ``openai`` client works with the exported C
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import ssl
+import time
 
 import aiohttp
 import openai
@@ -62,15 +66,24 @@ async def test_malformed_bodies_are_400_naming_what_was_wrong(url, data, says):
 
 
 async def test_prompt_past_the_context_is_400_naming_the_numbers(url, engine):
-    """Checked before any work: a ~1 MB prompt is refused by its token count (no KV cache for
-    262,144 positions, no MemoryError), and so is max_tokens past what the context leaves."""
+    """Checked before any work: a ~1 MB prompt is refused by its byte count (never encoded), one of
+    ~500 kB by its token count (no KV cache for 100,000 positions, no MemoryError), and so is
+    max_tokens past what the context leaves."""
     model, tok = engine
     ctx = model.config.max_position_embeddings
-    huge = "lorem ipsum " * 80_000  # 960 kB
-    n = len(tok.encode_chat([{"role": "user", "content": huge}]))
-    import json
-
+    assert (ctx, tok.max_token_bytes) == (8192, 81)  # SmolLM2's longest token: a newline and 80 spaces
+    huge = "lorem ipsum " * 80_000  # 960 kB: at least 11,852 tokens whatever the text
+    text = tok.apply_chat_template([{"role": "user", "content": huge}])
     status, error = await _post(url, json.dumps({"messages": [{"role": "user", "content": huge}]}).encode())
+    assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert error["message"] == (
+        f"the prompt is {len(text)} bytes, so at least {-(-len(text) // 81)} tokens (no token of this model stands "
+        f"for more than 81 bytes), and max_tokens is 1: more than the model's context of {ctx} tokens; shorten the "
+        "prompt or ask for fewer tokens")
+
+    long = "lorem ipsum " * 40_000  # 480 kB: under the byte bound, so encoded
+    n = len(tok.encode_chat([{"role": "user", "content": long}]))
+    status, error = await _post(url, json.dumps({"messages": [{"role": "user", "content": long}]}).encode())
     assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
     assert error["message"] == (f"the prompt is {n} tokens and max_tokens is 1: {n + 1} > the model's context "
                                 f"of {ctx} tokens; shorten the prompt or ask for fewer tokens")
@@ -78,6 +91,68 @@ async def test_prompt_past_the_context_is_400_naming_the_numbers(url, engine):
     body = {"messages": USER, "max_tokens": ctx - prompt + 1}
     status, error = await _post(url, json.dumps(body).encode())
     assert status == 400 and f"{prompt} tokens and max_tokens is {ctx - prompt + 1}: {ctx + 1} > " in error["message"]
+
+
+async def test_a_stream_keeps_its_pace_while_huge_prompts_are_refused(url):
+    """Sixteen 1 MB prompts (refused by their byte count) and two of 480 kB (encoded, then refused
+    by their token count) arrive while a reply streams: every one gets its 400 within seconds, the
+    stream's tokens keep coming at their pace and the event loop stays free — encoding holds no
+    lock the loop needs (the library's one-text call held the GIL 0.9 s per megabyte)."""
+    lags: list[float] = []
+
+    async def probe() -> None:  # how late the loop wakes a 10 ms sleep
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - start - 0.01)
+
+    async def refused(s: aiohttp.ClientSession, content: str) -> tuple[int, str, str, float]:
+        start = time.perf_counter()
+        async with s.post(f"{url}/chat/completions", headers=HEADERS,
+                          json={"messages": [{"role": "user", "content": content}]}) as r:
+            error = (await r.json())["error"]
+            return r.status, error["code"], error["message"], time.perf_counter() - start
+
+    prober = asyncio.create_task(probe())
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"messages": [{"role": "user", "content": "Count from 1 to 200, separated by commas."}],
+                    "max_tokens": 400, "stream": True, "temperature": 0}
+            async with s.post(f"{url}/chat/completions", json=body, headers=HEADERS) as stream:
+                assert stream.status == 200
+                arrivals = []
+
+                async def read(n: int) -> None:
+                    while len(arrivals) < n:
+                        line = await stream.content.readline()
+                        assert line, "the stream ended early"
+                        if line.startswith(b"data: {"):
+                            arrivals.append(time.perf_counter())
+
+                await read(8)  # the stream's own pace, before the flood
+                before = max(b - a for a, b in zip(arrivals[1:], arrivals[2:]))
+                lags.clear()
+                flood_start = len(arrivals)
+                flood = asyncio.gather(*(refused(s, "x" * 1_000_000) for _ in range(16)),
+                                       *(refused(s, "lorem ipsum " * 40_000) for _ in range(2)))
+                reader = asyncio.create_task(read(10_000))
+                answers = await flood
+                during = len(arrivals)
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, AssertionError):
+                    await reader
+    finally:
+        prober.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prober
+    gaps = [b - a for a, b in zip(arrivals[flood_start:during], arrivals[flood_start + 1:during])]
+    assert len(gaps) >= 3, "the stream sent too few tokens while the prompts arrived"
+    assert max(gaps) < before + 0.5, (round(before, 3), [round(g, 3) for g in gaps])
+    assert max(lags) < 0.25, sorted(lags)[-5:]
+    assert all(a[:2] == (400, "context_length_exceeded") for a in answers), answers
+    assert max(a[3] for a in answers) < 5.0, [round(a[3], 2) for a in answers]
+    assert all("more than the model's context of 8192 tokens" in a[2] for a in answers[:16])
+    assert all("> the model's context of 8192 tokens" in a[2] for a in answers[16:])
 
 
 async def test_default_max_tokens_shrinks_to_what_the_context_leaves(backend, engine):

@@ -59,6 +59,7 @@ from swarm.compute.serving import BatchScheduler, QueueFullError, TokenStream
 from swarm.compute.textgen import (MAX_TEMPERATURE, GenerationStats, context_limit, encode_prompt, reply_pieces,
                                    with_stop_tokens)
 from swarm.errors import ChatTemplateError, ContextLengthError, LocalProtocolError, SwarmError
+from swarm.httpserver import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +385,7 @@ class ApiServer:
                                             thread_name_prefix="swarm-api-gen")
         # Prompts are encoded beside a running generation, so a bad one is refused at once.
         self._prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-api-prepare")
-        self._runner: web.AppRunner | None = None
+        self._http: HttpServer | None = None
         self._key: Any = None
         self._advertising: asyncio.Task | None = None
         self.scheme: str | None = None
@@ -445,11 +446,9 @@ class ApiServer:
         self.scheme = "https" if ssl_context is not None else "http"
         # handler_cancellation: a client that disconnects cancels its handler, which frees its
         # batch slot even while its prompt is still being read (nothing is written then).
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
+        # Request heads are bounded (swarm.httpserver): a head deadline, a cap on waiting connections.
+        self._http = HttpServer(self.app(), name="API", handler_cancellation=True)
+        bound = await self._http.start(host, port, ssl_context)  # the bound port when 0 was asked
         if advertise is not None and self._key is not None:
             self._advertising = asyncio.create_task(self._advertise(*advertise, bound, addresses))
         return bound
@@ -478,9 +477,9 @@ class ApiServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._advertising
             self._advertising = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._prepare_executor.shutdown(wait=True, cancel_futures=True)
 

@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from swarm.errors import RemoteProtocolError, SwarmError, WeightIntegrityError
+from swarm.httpserver import HttpServer
 from swarm.peer.net.messages import HttpsSource
 from swarm.peer.weights.shipping import ChunkRejected, Manifest, SliceDownload, SliceSource
 from swarm.peer.weights.shipping_aio import _runs
@@ -111,7 +112,7 @@ class SliceHttpServer:
         self._host, self._port_wanted, self._addresses = host, port, addresses
         self.port: int | None = None
         self.sent_bytes = 0
-        self._runner: web.AppRunner | None = None
+        self._runner: HttpServer | None = None
 
     async def start(self) -> int:
         """Listen; returns the port (a free one when ``port`` was 0)."""
@@ -119,11 +120,10 @@ class SliceHttpServer:
         app.router.add_route("GET", PATH_PREFIX + "{slice_id}", self._get)
         app.router.add_route("OPTIONS", PATH_PREFIX + "{slice_id}", self._preflight)
         # On close, transfers in flight get this long to end: a fetcher resumes whatever is cut off.
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port_wanted, ssl_context=self._ssl)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        # A fetcher may pause between the ranges of one connection while its disk catches up.
+        http = HttpServer(app, name="slice server", header_timeout_s=30.0, shutdown_timeout=SHUTDOWN_S)
+        self.port = await http.start(self._host, self._port_wanted, self._ssl)
+        self._runner = http
         log.info("slice server on https://%s:%d (certificate SHA-256 %s…)", self._host, self.port,
                  self.cert_sha256.hex()[:16])
         return self.port
@@ -131,7 +131,7 @@ class SliceHttpServer:
     async def close(self) -> None:
         if self._runner is not None:
             runner, self._runner = self._runner, None
-            await runner.cleanup()
+            await runner.close()
 
     def source_for(self, manifest: Manifest) -> HttpsSource:
         """What an offer of ``manifest`` carries: where to fetch it, the pin and its token."""
