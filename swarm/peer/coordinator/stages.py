@@ -710,6 +710,10 @@ def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tupl
                              [coord.gflops, *(w.gflops for w in workers)])
         best = costmodel.estimate_stages(costs, coord, workers, tuple((s.peer, s.start, s.stop) for s in split))
         estimates = [*estimates, best]
+        if not best.fits:  # a split by speed past someone's memory: each peer as many layers as it holds
+            best = next(e for e in estimates if e.layout == "stages")
+        if not best.fits:  # no stage layout fits: ranges, the coordinator streaming what nobody holds
+            best = next(e for e in estimates if e.layout == "ranges")
     mix = next(e for e in estimates if e.layout == "mix")
     if mode == "mix" and mix.fits:
         best = mix
@@ -718,7 +722,3 @@ def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tupl
     if best.layout == "ranges":
         return None, report
     return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report
-        if not best.fits:  # a split by speed past someone's memory: each peer as many layers as it holds
-            best = next(e for e in estimates if e.layout == "stages")
-        if not best.fits:  # no stage layout fits: ranges, the coordinator streaming what nobody holds
-            best = next(e for e in estimates if e.layout == "ranges")
