@@ -6,6 +6,7 @@ An aiortc upgrade that moves one of them fails here, naming it, before any link 
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import os
 import re
@@ -246,3 +247,32 @@ def test_a_jumbo_probe_comes_back_at_its_size_and_other_echoes_still_reach_aiort
     assert restored
     assert unanswered is False and sent.count(2000) == 2, sent
     assert seen.count("HeartbeatAckChunk") == 1 and kept, seen
+
+
+def test_closing_a_link_under_traffic_leaves_no_unretrieved_task_error() -> None:
+    """Both sides stream to each other and one closes mid-stream: aiortc's own send tasks (channel
+    flushes, timer expiries, delayed SACKs) then meet a shut DTLS session. Each such packet is
+    dropped quietly: asyncio reports no "Task exception was never retrieved"."""
+    rtc.configure_aiortc()
+    a_id, b_id = Identity.generate(), Identity.generate()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        reported = []
+        loop.set_exception_handler(lambda _loop, context: reported.append(context))
+        for _ in range(3):  # a link closed, then replaced by a fresh one, three times
+            a, b, ca, cb = await _connected_pair(a_id, b_id)
+            for _ in range(40):
+                ca.send(bytes(20_000))
+                cb.send(bytes(20_000))
+            await asyncio.sleep(0.005)
+            a.sctp.transport._ssl.shutdown()  # the session ends under the traffic, as when a link is replaced
+            await asyncio.sleep(0.3)
+            await a.close()
+            await b.close()
+        await asyncio.sleep(0.5)
+        gc.collect()  # an unretrieved task error is reported when its task is collected
+        await asyncio.sleep(0.05)
+        return [(c.get("message"), repr(c.get("exception"))) for c in reported]
+
+    assert run_in_netns(main) == []

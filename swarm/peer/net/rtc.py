@@ -1,6 +1,6 @@
 """The aiortc internals this package relies on, in one place.
 
-aiortc (1.14–1.16) offers no public way to do six things a swarm link needs, so this module
+aiortc (1.14–1.16) offers no public way to do seven things a swarm link needs, so this module
 reaches into its private names, and nothing else in the package does:
 
 * **Our own DTLS certificate.** ``RTCPeerConnection`` makes a fresh certificate in ``__init__``
@@ -46,6 +46,11 @@ reaches into its private names, and nothing else in the package does:
   which the remote's SCTP echoes in a HEARTBEAT ACK of the same size (RFC 9260 §8.3), sent
   through ``RTCSctpTransport._send_chunk`` and caught in ``_receive_chunk``. A link sends
   jumbo packets only when one came back.
+* **Sends after the DTLS session ended.** aiortc sends from tasks nobody awaits (timer expiries,
+  channel flushes, stream resets); once a link is closed or replaced such a send raises OpenSSL's
+  ``protocol is shutdown``, which asyncio logs as "Task exception was never retrieved".
+  :func:`configure_aiortc` wraps ``RTCSctpTransport._send_chunk`` to drop such a packet with a
+  DEBUG line.
 
 Each function raises :class:`~swarm.errors.LocalProtocolError` naming the missing internal when an
 aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks each against the installed
@@ -201,6 +206,29 @@ def _delayed_sack(original):
     setattr(send_sack, _PATCHED, True)
     return send_sack
 
+
+def _dropped_once_dtls_ended(original):
+    """Wrap ``RTCSctpTransport._send_chunk`` (every SCTP packet goes through it) so a packet sent
+    after the DTLS session ended is dropped with a DEBUG line instead of raising.
+
+    aiortc sends from tasks nobody awaits (a retransmission timer's expiry, a data channel's
+    flush, a stream reset when a channel closes, our delayed SACK): when a link is closed or
+    replaced, such a task finds the session shut and OpenSSL raises ``protocol is shutdown``
+    (or aiortc ``Cannot send encrypted data, not connected``), which asyncio then logs as "Task
+    exception was never retrieved" with a traceback. Nothing can be sent on that association any
+    more, and its closing is handled by the link, so the packet is dropped.
+    """
+    async def send_chunk(self, chunk) -> None:
+        try:
+            await original(self, chunk)
+        except (ConnectionError, SSL.Error) as exc:
+            log.debug("SCTP %s not sent: the DTLS session has ended (%r)", type(chunk).__name__, exc)
+
+    setattr(send_chunk, _PATCHED, True)
+    send_chunk.original = original
+    return send_chunk
+
+
 _CERTIFICATES_ATTR = "_RTCPeerConnection__certificates"
 
 
@@ -215,9 +243,12 @@ def configure_aiortc() -> None:
     """Apply the process-wide aiortc tuning this package relies on (idempotent): the SCTP minimum
     retransmission timeout, packet size, delayed SACK and whole-window transmit (module docstring).
 
+    Also: a packet sent after the DTLS session ended is dropped quietly (``_send_chunk``, see
+    :func:`_dropped_once_dtls_ended`).
+
     Raises LocalProtocolError naming the name when aiortc no longer has one of
     ``rtcsctptransport.SCTP_RTO_MIN``, ``SCTP_MAX_PACKET_LENGTH``, ``USERDATA_MAX_LENGTH``,
-    ``RTCSctpTransport._transmit`` or ``RTCSctpTransport._send_sack``.
+    ``RTCSctpTransport._transmit``, ``_send_sack`` or ``_send_chunk``.
     """
     for name in ("SCTP_RTO_MIN", "SCTP_MAX_PACKET_LENGTH", "USERDATA_MAX_LENGTH"):
         if not hasattr(_sctp, name):
@@ -226,7 +257,8 @@ def configure_aiortc() -> None:
     _sctp.SCTP_MAX_PACKET_LENGTH = SCTP_MAX_PACKET_LENGTH
     _sctp.USERDATA_MAX_LENGTH = SCTP_USERDATA_MAX_LENGTH
     transport = _sctp.RTCSctpTransport
-    for name, wrap in (("_transmit", _transmit_whole_window), ("_send_sack", _delayed_sack)):
+    for name, wrap in (("_transmit", _transmit_whole_window), ("_send_sack", _delayed_sack),
+                       ("_send_chunk", _dropped_once_dtls_ended)):
         if not hasattr(transport, name):
             raise _moved(f"aiortc.rtcsctptransport.RTCSctpTransport.{name}")
         if not getattr(getattr(transport, name), _PATCHED, False):
@@ -399,10 +431,12 @@ async def path_carries(pc: RTCPeerConnection, packet_length: int, *, probes: int
 
     probe = _sctp.HeartbeatChunk()
     probe.params = [(HEARTBEAT_INFO, info)]
+    # aiortc's own send: a probe on an ended DTLS session raises to our caller, not dropped quietly
+    send_chunk = getattr(_sctp.RTCSctpTransport._send_chunk, "original", _sctp.RTCSctpTransport._send_chunk)
     sctp._receive_chunk = catch_echo
     try:
         for _ in range(probes):
-            await sctp._send_chunk(probe)
+            await send_chunk(sctp, probe)
             try:
                 await asyncio.wait_for(asyncio.shield(echoed), timeout_s)
                 return True
