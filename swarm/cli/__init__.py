@@ -90,7 +90,8 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="PATH",
-        help="a GGUF file or a Hugging Face directory (config.json + *.safetensors); "
+        help="a GGUF file (of a split one, NAME-00001-of-0000N.gguf, any shard) or a Hugging Face directory "
+        "(config.json + *.safetensors); "
         "default: SmolLM2-135M-Instruct Q4_1, fetched once into the user cache",
     )
 
