@@ -174,7 +174,7 @@ def _replace(msg, a):
 
 @pytest.mark.parametrize("edit", [nan_rows, wrong_shape, wrong_layer, garbage, drop])
 def test_bad_answers_are_recomputed_and_tokens_do_not_change(checkpoints, edit, monkeypatch):
-    import swarm.peer.coordinator.dispatch as C
+    import swarm.peer.coordinator.deadlines as C
 
     monkeypatch.setattr(C, "FIRST_DEADLINE_S", 0.5)  # a dropped answer is declared lost quickly
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=rewrite_answers(W1, edit))
@@ -319,7 +319,7 @@ def test_smollm2_dense_ranges_on_two_peers(monkeypatch):
     the unsplit engine on 3 chat prompts, logits within 1e-4 (+1e-5 relative) — and
     bit-identical to LocalFFN under the same plan."""
     # Every answer must come from the worker: deadlines long enough for a loaded shared machine.
-    monkeypatch.setattr("swarm.peer.coordinator.dispatch.DEADLINE_MIN_S", 30.0)
+    monkeypatch.setattr("swarm.peer.coordinator.deadlines.DEADLINE_MIN_S", 30.0)
     from swarm.compute.default_model import default_model_path
     from swarm.compute.tokenizer import tokenizer_for
 
@@ -491,7 +491,7 @@ def test_a_changed_share_gets_the_first_request_deadline_again():
 def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, monkeypatch):
     """A swarm too small for the model: the coordinator computes the shortfall from its mapped
     file at each use, with the local run's bits, and its resident set stays near its budget."""
-    monkeypatch.setattr("swarm.peer.coordinator.dispatch.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
+    monkeypatch.setattr("swarm.peer.coordinator.deadlines.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
     from tests.multihost.test_capacity import random_moe_gguf
 
     path = random_moe_gguf(tmp_path / "moe.gguf", layers=2, hidden=256, experts=32, top_k=8, expert_ffn=1024,
@@ -588,7 +588,7 @@ def test_a_worker_that_stops_answering_is_recomputed_within_the_bound(checkpoint
         assert [p for p, _ in swarm.failed] == [W1]
         reason = swarm.failed[0][1]
         assert ("nothing heard" in reason) if silent else (f"{MISS_LIMIT} misses" in reason), reason
-        missed = [p for p in swarm.ffn._late.values() if p.peer == W1]
+        missed = [p for p in swarm.ffn.deadlines._late.values() if p.peer == W1]
         assert len(missed) == (1 if silent else MISS_LIMIT)
         t = swarm.ffn.timing[W1]
         for p in missed:  # no wait beyond the ceiling: the bound is MISS_LIMIT × ceiling

@@ -187,8 +187,9 @@ def test_a_late_stage_fails_over_too(moe_dir):
     model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 2), Stage(W1, 2, 3)))
     hand.send = lambda peer, req: None  # the request is sent, and no answer ever comes
     ffn.set_rtt(W1, 0.001)
-    ffn.timing[W1].s_per_row = 1e-4  # as after earlier answers: a short deadline
+    ffn.timing[W1].s_per_row = 1e-4  # as after earlier answers of its stage: a short deadline
     ffn.timing[W1].fresh = False
+    ffn.warm[W1] = {(2, 3)}
     run = greedy(model, ffn, PROMPT, 3)
     assert_same_run(run, greedy(load_model(moe_dir), None, PROMPT, 3))
     assert ffn.failed == {W1} and ffn.timing[W1].failures == 1

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 
 async def start_stage_swarm(tmp_path, model_path, gflops: list[float], layout: str = "stages",
-                            budgets: list[int] | None = None):
+                            budgets: list[int] | None = None, link_options: dict = FAST_LINKS):
     key = SwarmKey(os.urandom(32))
     idents = [Identity.generate() for _ in gflops]
     server = SignalingServer(key.secret, idents[0].peer_id, config_dir=tmp_path)
@@ -46,7 +46,7 @@ async def start_stage_swarm(tmp_path, model_path, gflops: list[float], layout: s
         node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=f"peer{i}",
                     signal_url=server.url(ADDRESS), ffn_gflops=g, memory_budget=budgets[i] if budgets else 1 << 30,
                     model_hash=model.content_hash(), status_path=tmp_path / f"status{i}.json",
-                    link_options=FAST_LINKS)
+                    link_options=link_options)
         await node.start(timeout=10)
         roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0, layout=layout)
         await roles.start()

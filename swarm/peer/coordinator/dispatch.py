@@ -33,11 +33,12 @@ An async forward would have meant rewriting the engine around the seam; a thread
 keeps the engine untouched and the event loop free.
 
 Failure. Every request has a deadline that follows what the peer's answers
-took (:class:`PeerTiming`): a high quantile of its recent answer times beyond its
-per-row compute, plus that compute for the request's rows, times a safety
-factor, within a floor and a ceiling. Answers that come after their deadline
-still count as observations, so on a loaded machine the deadline grows with the
-peer's real answer times instead of cutting it off. A request whose answer is
+took (:mod:`swarm.peer.coordinator.deadlines`, the rule the stages follow too): a
+high quantile of its recent answer times beyond its per-row compute, plus that
+compute for the request's rows, times a safety factor, within a floor and a
+ceiling. Answers that come after their deadline still count as observations, so
+on a loaded machine the deadline grows with the peer's real answer times instead
+of cutting it off; a wait ends early when the peer's link has gone silent. A request whose answer is
 late, lost (link down), an :class:`Error`, or malformed (ids, term, plan version,
 layer, shapes, dtype, non-finite values) is replaced by the coordinator computing
 those rows itself — it has the model file mapped, so the result is the same
@@ -89,9 +90,8 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -101,96 +101,41 @@ from swarm.compute.ffn import (LocalFFN, combine, expert_rows, route, run_length
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageRequest
+from swarm.peer.coordinator.deadlines import (  # noqa: F401  (the deadline rule's names, as before)
+    DEADLINE_MAX_S, DEADLINE_MIN_S, DEADLINE_SAFETY, FIRST_DEADLINE_S, LATE_KEPT_S, MISS_LIMIT, NOT_READY_RETRY_S,
+    SILENCE_S, Deadlines, PeerTiming, Sent, wait_answer)
 from swarm.peer.coordinator.planner import Plan
 
 log = logging.getLogger(__name__)
 
 F32 = np.float32
 
-# Deadline of one request (seconds), see PeerTiming.deadline_s: DEADLINE_SAFETY × (rtt + the
-# OVERHEAD_QUANTILE of the peer's last OVERHEAD_SAMPLES answer times beyond rtt and per-row
-# compute + per-row compute × rows), at least DEADLINE_MIN_S, doubled per miss in a row, at most
-# DEADLINE_MAX_S + DEADLINE_SAFETY × per-row compute × rows. A peer's first request under a plan
-# that changed its share also pays for fetching and decoding its new slices: FIRST_DEADLINE_S.
-DEADLINE_MIN_S = 0.25
-DEADLINE_MAX_S = 2.0
-DEADLINE_SAFETY = 3.0
-OVERHEAD_QUANTILE = 0.9
-OVERHEAD_SAMPLES = 32
-FIRST_DEADLINE_S = 30.0
-MISS_LIMIT = 3  # deadlines missed in a row that mark a peer failed
-SILENCE_S = 2.5  # a peer that missed a deadline and sent nothing this long is failed at once (links beat every 1 s)
-NOT_READY_RETRY_S = 0.5  # a peer that has not accepted the plan gets one probe request this often
-LATE_KEPT_S = 60.0  # late answers are still timed this long after their request
-EWMA = 0.2  # weight of the newest sample in the per-row compute estimate
 # --verify for peers of another numeric build (WebGPU f32 kernels): float32 reassociation only.
 APPROX_RTOL = 1e-3
 APPROX_ATOL = 1e-4
 
 
 @dataclass
-class PeerTiming:
-    """What the coordinator measured about one worker (seconds).
-
-    ``s_per_row``: moving average of (answer time − RTT) / rows, the peer's speed (planner,
-    status). ``overheads``: recent answer times beyond RTT and that per-row estimate — the
-    message cost and the scheduling noise of a busy machine, which do not scale with rows;
-    their high quantile sets the deadline. Not thread-safe: RemoteFFN holds its lock.
-    """
-
-    rtt_s: float = 0.002
-    s_per_row: float | None = None  # None until a first answer came back
-    requests: int = 0  # answers timed (late ones included)
-    failures: int = 0
-    misses: int = 0  # deadlines missed since its last answer within the ceiling
-    late: int = 0  # answers that came after their deadline (their rows were recomputed)
-    fresh: bool = True  # no answer yet under its current share (its slices may still be coming)
-    overheads: deque = field(default_factory=lambda: deque(maxlen=OVERHEAD_SAMPLES))
-
-    def overhead_s(self) -> float:
-        """The OVERHEAD_QUANTILE of the recent overheads (0 before any)."""
-        if not self.overheads:
-            return 0.0
-        ranked = sorted(self.overheads)
-        return ranked[min(int(OVERHEAD_QUANTILE * len(ranked)), len(ranked) - 1)]
-
-    def deadline_s(self, rows: int) -> float:
-        """Seconds to wait for the answer to a request of ``rows`` rows (module constants)."""
-        if self.s_per_row is None or self.fresh:
-            return FIRST_DEADLINE_S
-        expected = DEADLINE_SAFETY * (self.rtt_s + self.overhead_s() + self.s_per_row * rows)
-        return min(max(expected, DEADLINE_MIN_S) * 2.0 ** self.misses, self.ceiling_s(rows))
-
-    def ceiling_s(self, rows: int) -> float:
-        """The longest deadline for ``rows`` rows: DEADLINE_MAX_S + DEADLINE_SAFETY × their
-        expected compute (a long prefill may take long), never below DEADLINE_MIN_S."""
-        return max(DEADLINE_MAX_S + DEADLINE_SAFETY * (self.s_per_row or 0.0) * rows, DEADLINE_MIN_S)
-
-    def observe(self, elapsed_s: float, rows: int) -> None:
-        """An answer to ``rows`` rows came ``elapsed_s`` after its request (in time or not)."""
-        sample = max(elapsed_s - self.rtt_s, 0.0) / max(rows, 1)
-        if self.s_per_row is None:
-            self.s_per_row = sample
-        elif not self.fresh:  # a first answer under a new share includes loading it: not a compute sample
-            self.overheads.append(max(elapsed_s - self.rtt_s - self.s_per_row * rows, 0.0))
-            self.s_per_row = (1 - EWMA) * self.s_per_row + EWMA * sample
-        self.fresh = False
-        self.requests += 1
-
-
-@dataclass
 class _Pending:
-    peer: str
     request: ExpertRequest | DenseRequest
     future: cf.Future
-    sent_at: float
-    deadline: float
-    first: bool = False  # the peer's first request under its share: a miss fails it at once
+    sent: Sent  # to whom, when, due when; first: a miss fails it at once
+
+    @property
+    def peer(self) -> str:
+        return self.sent.peer
+
+    @property
+    def sent_at(self) -> float:
+        return self.sent.sent_at
+
+    @property
+    def deadline(self) -> float:
+        return self.sent.deadline
 
     @property
     def rows(self) -> int:
-        r = self.request
-        return r.rows.shape[0] if isinstance(r, ExpertRequest) else r.x.shape[0]
+        return self.sent.rows
 
 
 class Dispatcher(Protocol):
@@ -243,7 +188,8 @@ class RemoteFFN:
         self.dispatcher = dispatcher
         self.verify = verify
         self.not_ready: dict[str, tuple[int, int, float]] = {}  # peer → (term, version, next probe time)
-        self.timing: dict[str, PeerTiming] = {}
+        self.deadlines = Deadlines()  # the deadline rule (swarm/peer/coordinator/deadlines.py)
+        self.timing: dict[str, PeerTiming] = self.deadlines.timing
         self.failed: set[str] = set()  # peers given no more work until a new plan
         self.verified = 0  # remote answers recomputed and found equal
         self.remote_rows = 0  # rows answered by peers (status, tests)
@@ -252,7 +198,6 @@ class RemoteFFN:
         self._clock = clock
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
-        self._late: dict[int, _Pending] = {}  # requests past their deadline, still timed if answered
         self._lock = threading.Lock()
         self._next_plan: Plan | None = None
         self._next_warming: dict[str, float] = {}
@@ -268,16 +213,8 @@ class RemoteFFN:
         with self._lock:
             p = self._pending.get(msg.request_id)
             if p is None or p.peer != peer:
-                late = self._late.get(msg.request_id)
-                if late is not None and late.peer == peer:  # recomputed already, but its time counts
-                    del self._late[msg.request_id]
-                    if isinstance(msg, (ExpertAnswer, DenseAnswer)):
-                        timing = self.timing.setdefault(peer, PeerTiming())
-                        elapsed = self._clock() - late.sent_at
-                        if elapsed <= timing.ceiling_s(late.rows):
-                            timing.misses = 0  # slow, not gone: its deadline now covers this
-                        timing.observe(elapsed, late.rows)
-                        timing.late += 1
+                if isinstance(msg, (ExpertAnswer, DenseAnswer)):  # recomputed already, but its time counts
+                    self.deadlines.late(msg.request_id, peer, self._clock())
                 return  # otherwise a forged id, or one already given up on
             del self._pending[msg.request_id]
         if not p.future.done():
@@ -288,7 +225,7 @@ class RemoteFFN:
         with self._lock:
             lost = [rid for rid, p in self._pending.items() if p.peer == peer]
             pending = [self._pending.pop(rid) for rid in lost]
-            self._late = {rid: p for rid, p in self._late.items() if p.peer != peer}
+            self.deadlines.forget(peer)
         for p in pending:
             if not p.future.done():
                 p.future.set_exception(ConnectionError(reason))
@@ -364,9 +301,7 @@ class RemoteFFN:
         req = make(rid)
         now = self._clock()
         with self._lock:
-            timing = self.timing.setdefault(peer, PeerTiming())
-            wait = timing.deadline_s(rows)
-            p = _Pending(peer, req, cf.Future(), now, now + wait, first=timing.fresh or timing.s_per_row is None)
+            p = _Pending(req, cf.Future(), self.deadlines.sent(peer, rows, now))
             self._pending[rid] = p
         try:
             self.dispatcher.send(peer, req)
@@ -379,7 +314,7 @@ class RemoteFFN:
     def _await(self, p: _Pending) -> ExpertAnswer | DenseAnswer | None:
         """The peer's answer, or None after a failure (already recorded)."""
         try:
-            msg = p.future.result(timeout=max(p.deadline - self._clock(), 0.0))
+            msg = wait_answer(p.future, p.sent, self._clock, self.dispatcher.last_heard)
         except cf.TimeoutError:
             self._missed(p)
             return None
@@ -401,9 +336,7 @@ class RemoteFFN:
             self._fail(p.peer, f"malformed answer: {exc}")
             return None
         with self._lock:
-            timing = self.timing[p.peer]
-            timing.observe(self._clock() - p.sent_at, p.rows)
-            timing.misses = 0
+            self.deadlines.answered(p.sent, self._clock())
         self.not_ready.pop(p.peer, None)  # it answers under this plan: it has it
         self.remote_rows += p.rows
         return msg
@@ -411,20 +344,13 @@ class RemoteFFN:
     def _missed(self, p: _Pending) -> None:
         """``p``'s deadline passed: its rows are recomputed; the peer fails only when that is
         no longer chance (module docstring). Its answer, should it come, is still timed."""
-        now = self._clock()
+        now, heard = self._clock(), self.dispatcher.last_heard(p.peer)
         with self._lock:
-            if self._pending.pop(p.request.request_id, None) is not None:
-                self._late[p.request.request_id] = p
-            self._late = {rid: q for rid, q in self._late.items() if now - q.sent_at < LATE_KEPT_S}
-            timing = self.timing.setdefault(p.peer, PeerTiming())
-            timing.misses += 1
-            misses = timing.misses
-        heard = self.dispatcher.last_heard(p.peer)
-        silent = heard is not None and now - heard > SILENCE_S
+            self._pending.pop(p.request.request_id, None)
+            why = self.deadlines.missed(p.request.request_id, p.sent, now, heard)
+            misses = self.timing[p.peer].misses
         what = f"no answer within {p.deadline - p.sent_at:.3f} s (layer {p.request.layer})"
-        if p.first or misses >= MISS_LIMIT or silent:
-            why = ("its first request under this share" if p.first else
-                   f"nothing heard for {now - heard:.1f} s" if silent else f"{misses} misses in a row")
+        if why is not None:
             self._fail(p.peer, f"{what}; {why}")
             return
         self.local_fallbacks += 1

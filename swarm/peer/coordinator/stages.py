@@ -27,11 +27,16 @@ Failover. The coordinator records, per sequence, the rows that entered each stag
 f32 per stage boundary, a few MB for thousands of positions). A stage whose step does not come
 back runs that step's layers on the coordinator (its mapped file holds them); before the first
 such step the coordinator rebuilds those layers' KV cache by running the recorded rows through
-them. What happens to the peer follows the FFN ranges' rules
-(:mod:`swarm.peer.coordinator.dispatch`): a link gone, a refusal or a malformed answer fails it
-at once (the owner re-plans); a missed deadline is counted, and fails it only at ``MISS_LIMIT``
-in a row, at its first request under a layout or after ``SILENCE_S`` of silence — otherwise its
-next step is sent to it again, with the rows it missed; a ``stale_term`` refusal (it does not
+them (whatever the capacity of the coordinator's cache: it grows then). What happens to the
+peer follows the FFN ranges' rule (:mod:`swarm.peer.coordinator.deadlines`, one helper for
+both): a link gone, a refusal or a malformed answer fails it at once (the owner re-plans); a
+deadline follows its observed answer times, and its first request for a stage it has not
+answered yet gets one for reading that stage's layers from disk; a missed deadline is counted
+(its answer, should it come, is timed: slow, not gone), and fails it only at ``MISS_LIMIT``
+in a row, at its first request for a stage or after ``SILENCE_S`` of silence — otherwise its
+next step is sent to it again, with the rows it missed. A failed peer stays failed for the
+sequences under older layouts until a layout has it again, so it is marked down once, not at
+every step; a ``stale_term`` refusal (it does not
 serve the layout: restarted, or the plan was lost) is "not ready": its layers run here, it is
 probed every ``NOT_READY_RETRY_S`` and sent that sequence's stage plan again (through
 ``Dispatcher.send``). A sequence keeps the layout it started with (holders may fail
@@ -68,7 +73,8 @@ from swarm.compute.ffn import LocalFFN
 from swarm.compute.model import KVCache
 from swarm.compute.serving import MAX_BATCH_LIMIT
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
-from swarm.peer.coordinator.dispatch import MISS_LIMIT, NOT_READY_RETRY_S, SILENCE_S, Dispatcher, PeerTiming
+from swarm.peer.coordinator.deadlines import MISS_LIMIT, NOT_READY_RETRY_S, Deadlines, PeerTiming, Sent, wait_answer
+from swarm.peer.coordinator.dispatch import Dispatcher
 from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest, StageSegment
 from swarm.peer.coordinator.planner import Span
 
@@ -392,12 +398,13 @@ class LayerTiming:
 
 @dataclass
 class _Pending:
-    peer: str
     request: StageRequest
     future: cf.Future
-    sent_at: float
-    deadline: float
-    first: bool = False  # the peer's first request under the layout: a miss fails it at once
+    sent: Sent  # to whom, when, due when; first: a miss fails it at once
+
+    @property
+    def peer(self) -> str:
+        return self.sent.peer
 
 
 class StagedFFN:
@@ -417,8 +424,11 @@ class StagedFFN:
         self.layout = layout
         self.dispatcher = dispatcher
         self.inner = inner if inner is not None else LocalFFN(model)
-        self.timing: dict[str, PeerTiming] = {}
-        self.failed: set[str] = set()
+        self.deadlines = Deadlines()  # the deadline rule (swarm/peer/coordinator/deadlines.py)
+        self.timing: dict[str, PeerTiming] = self.deadlines.timing
+        self.failed: set[str] = set()  # peers given no more work until a layout has them again
+        self.warm: dict[str, set[tuple[int, int]]] = {}  # peer → the stages it has answered (loaded)
+        self._layer_bytes: tuple[int, ...] | None = None  # weight bytes per layer (from the file's header)
         self.remote_steps = 0  # stage requests answered by peers
         self.rebuilt_positions = 0  # positions recomputed here to rebuild a failed stage's KV cache
         self.local_timing = LayerTiming()  # the coordinator's own layers: its observed speed
@@ -439,6 +449,9 @@ class StagedFFN:
         with self._lock:
             p = self._pending.get(msg.request_id)
             if p is None or p.peer != peer:
+                # past its deadline and recomputed here: slow, not gone (its time counts)
+                if isinstance(msg, StageAnswer) and self.deadlines.late(msg.request_id, peer, self._clock()):
+                    self.warm.setdefault(peer, set()).add((msg.layer_start, msg.layer_stop))
                 return
             del self._pending[msg.request_id]
         if not p.future.done():
@@ -448,6 +461,7 @@ class StagedFFN:
         """``peer``'s link went away: its pending requests fail now."""
         with self._lock:
             lost = [self._pending.pop(rid) for rid, p in list(self._pending.items()) if p.peer == peer]
+            self.deadlines.forget(peer)
         for p in lost:
             if not p.future.done():
                 p.future.set_exception(ConnectionError(reason))
@@ -463,7 +477,9 @@ class StagedFFN:
         self.layout = layout
         if inner is not None:
             self.inner = inner
-        self.failed.clear()
+        # A failed peer stays failed for the sequences still under older layouts until a layout
+        # has it again (the owner keeps a peer marked down out of its plans for a while).
+        self.failed -= set(layout.workers())
         for t in self.timing.values():
             t.misses = 0
 
@@ -577,11 +593,13 @@ class StagedFFN:
         rows = (group[0].history[firsts[0]:].copy() if len(group) == 1 else
                 np.concatenate([p.history[f:] for p, f in zip(group, firsts)]))
         req = StageRequest(rid, lay.term, lay.version, segments, stage.start, stage.stop, rows)
-        now = self._clock()
-        timing = self.timing.setdefault(stage.peer, PeerTiming())
-        p = _Pending(stage.peer, req, cf.Future(), now, now + timing.deadline_s(rows.shape[0]), timing.fresh)
+        span = (stage.start, stage.stop)
         with self._lock:
+            if span not in self.warm.get(stage.peer, ()):  # its first pass may read the layers from disk
+                self.deadlines.loading(stage.peer, self._stage_bytes(*span))
+            p = _Pending(req, cf.Future(), self.deadlines.sent(stage.peer, rows.shape[0], self._clock()))
             self._pending[rid] = p
+        timing = self.timing[stage.peer]
         try:
             self.dispatcher.send(stage.peer, req)
         except Exception as exc:  # the link is gone
@@ -590,12 +608,14 @@ class StagedFFN:
             self._fail(stage.peer, f"send failed: {exc}")
             return None
         try:
-            msg = p.future.result(timeout=max(p.deadline - self._clock(), 0.0))
+            msg = wait_answer(p.future, p.sent, self._clock, self.dispatcher.last_heard)
         except cf.TimeoutError:
             with self._lock:
-                self._pending.pop(rid, None)
-            self._missed(p)
-            return None
+                taken = self._pending.pop(rid, None) is None  # deliver took it: the answer is here
+            if not taken:
+                self._missed(p)
+                return None
+            msg = p.future.result()  # late, but before anything was recomputed: used
         except ConnectionError as exc:
             self._fail(stage.peer, str(exc))
             return None
@@ -606,9 +626,10 @@ class StagedFFN:
         except RemoteProtocolError as exc:
             self._fail(stage.peer, f"malformed answer: {exc}")
             return None
-        elapsed = self._clock() - p.sent_at
-        timing.observe(elapsed, rows.shape[0])
-        timing.misses = 0
+        elapsed = self._clock() - p.sent.sent_at
+        with self._lock:
+            self.deadlines.answered(p.sent, self._clock())
+            self.warm.setdefault(stage.peer, set()).add(span)
         self.not_ready.pop(stage.peer, None)  # it answers under this layout: it has it
         # For the planner: its compute alone, as it reports it (at most the whole wait), and what
         # the message cost beyond the round trip — a short step's, as a prefill's rows take
@@ -622,24 +643,32 @@ class StagedFFN:
         return msg
 
     def _missed(self, p: _Pending) -> None:
-        """``p``'s deadline passed: this step runs its layers here. As for FFN ranges
-        (:mod:`~swarm.peer.coordinator.dispatch`), the peer fails only after ``MISS_LIMIT``
-        misses in a row, at its first request under a layout, or when its link is silent
-        ``SILENCE_S``; otherwise its next step is sent to it again (with the rows it missed)."""
-        req, now = p.request, self._clock()
-        timing = self.timing.setdefault(p.peer, PeerTiming())
-        timing.misses += 1
-        heard = self.dispatcher.last_heard(p.peer)
-        silent = heard is not None and now - heard > SILENCE_S
-        what = f"no answer within {p.deadline - p.sent_at:.3f} s (layers {req.layer_start}:{req.layer_stop})"
-        if p.first or timing.misses >= MISS_LIMIT or silent:
-            why = ("its first request under this layout" if p.first else
-                   f"nothing heard for {now - heard:.1f} s" if silent else f"{timing.misses} misses in a row")
+        """``p``'s deadline passed (or its link went silent): this step runs its layers here. By
+        the FFN ranges' rule (:mod:`~swarm.peer.coordinator.deadlines`) the peer fails only at its
+        first request under a stage, after ``MISS_LIMIT`` misses in a row, or when its link is
+        silent ``SILENCE_S``; otherwise its next step is sent to it again (with the rows it
+        missed), and its answer to this one, should it come, is timed: slow, not gone."""
+        req, now, heard = p.request, self._clock(), self.dispatcher.last_heard(p.peer)
+        with self._lock:
+            why = self.deadlines.missed(req.request_id, p.sent, now, heard)
+            misses = self.timing[p.peer].misses
+        what = (f"no answer within {now - p.sent.sent_at:.3f} s of a {p.sent.deadline - p.sent.sent_at:.3f} s deadline "
+                f"(layers {req.layer_start}:{req.layer_stop})")
+        if why is not None:
             self._fail(p.peer, f"{what}; {why}")
             return
         self.misses += 1
         log.info("stage peer %s: %s, miss %d of %d in a row; its layers run here this step",
-                 p.peer, what, timing.misses, MISS_LIMIT)
+                 p.peer, what, misses, MISS_LIMIT)
+
+    def _stage_bytes(self, lo: int, hi: int) -> int:
+        """Weight bytes of layers ``lo .. hi-1`` as stored (the file's header: nothing read)."""
+        if self._layer_bytes is None:
+            from swarm.peer.coordinator.costmodel import LayerCosts
+
+            costs = LayerCosts.from_model(self.model)
+            self._layer_bytes = tuple(costs.layer_bytes(i) for i in range(costs.n_layers))
+        return sum(self._layer_bytes[lo:hi])
 
     def _not_ready(self, peer: str, layout: StageLayout, msg: Error) -> None:
         """``peer`` does not serve ``layout`` (it lost or refused the stage plan): its layers run
@@ -656,7 +685,9 @@ class StagedFFN:
             pass  # its link is gone: the owner re-plans
 
     def _fail(self, peer: str, reason: str) -> None:
-        self.timing.setdefault(peer, PeerTiming()).failures += 1
+        with self._lock:
+            self.deadlines.of(peer).failures += 1
+            self.warm.pop(peer, None)  # back in a later layout, it may have to load its stage again
         if peer in self.failed:
             return
         self.failed.add(peer)

@@ -1,0 +1,123 @@
+"""The deadline rule both dispatchers follow (swarm/peer/coordinator/deadlines.py), and the
+stages under it: a stage's first pass gets a deadline for reading its layers from disk, a late
+answer is timed (slow, not gone), a miss fails a peer only at its first request, at MISS_LIMIT in
+a row or after SILENCE_S of silence. In process: StagedFFN against StageRunners on other threads
+(tests/peer/test_stages.py); the oracle is the local engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from swarm.compute.model import load_model
+from swarm.peer.coordinator import deadlines as D
+from swarm.peer.coordinator.costmodel import LayerCosts
+from swarm.peer.coordinator.stages import Stage, StageLayout
+from tests.peer._swarm_models import COORD, PROMPT, W1, build, greedy
+from tests.peer.test_stages import staged
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return build("qwen3_moe", tmp_path_factory.mktemp("deadlines"))
+
+
+def test_the_rule_in_time_late_missed_and_first():
+    d = D.Deadlines()
+    d.of(W1).rtt_s = 0.001
+    d.loading(W1, 6 * 10**9)  # a 6 GB stage, not answered yet
+    first = d.sent(W1, 10, now=0.0)
+    assert first.first and first.deadline == pytest.approx(D.FIRST_DEADLINE_S + 6e9 / D.COLD_READ_BYTES_S)
+    d.answered(first, now=8.0)  # its pages came from disk: not its speed...
+    d.answered(d.sent(W1, 10, now=8.0), now=8.011)  # ...this one is: ~1 ms per row
+    quick = d.sent(W1, 1, now=9.0)
+    assert not quick.first and quick.deadline - 9.0 == D.DEADLINE_MIN_S
+    assert d.missed(7, quick, now=9.3, heard=9.2) is None  # one miss, link alive: kept
+    assert d.of(W1).misses == 1 and d.sent(W1, 1, now=10.0).deadline - 10.0 == 2 * D.DEADLINE_MIN_S
+    assert d.late(7, W1, now=9.6)  # its answer came after all: slow, not gone
+    t = d.of(W1)
+    assert t.misses == 0 and t.late == 1 and d.sent(W1, 1, now=10.0).deadline - 10.0 > D.DEADLINE_MIN_S
+    assert not d.late(7, W1, now=9.7)  # once
+    for i in range(D.MISS_LIMIT - 1):
+        assert d.missed(20 + i, d.sent(W1, 1, now=11.0), now=20.0, heard=19.9) is None
+    assert "misses in a row" in d.missed(30, d.sent(W1, 1, now=21.0), now=30.0, heard=29.9)
+    assert "nothing heard" in D.Deadlines().missed(1, quick, now=20.0, heard=20.0 - D.SILENCE_S - 1)
+    d.loading(W1, 0)
+    assert "first request" in d.missed(31, d.sent(W1, 1, now=40.0), now=80.0, heard=79.9)
+    assert D.Deadlines.gone_silent(quick, now=9.0 + D.SILENCE_S + 0.1, heard=9.0)
+    assert not D.Deadlines.gone_silent(quick, now=9.0 + D.SILENCE_S + 0.1, heard=9.0 + D.SILENCE_S)
+
+
+def warm_then_relayout(moe_dir, slow_first_s: float):
+    """W1 runs layers 1..2 for a run (its deadlines short from then on), then a new layout gives
+    it layer 2 alone, whose first pass takes ``slow_first_s`` (pages read from disk)."""
+    model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    greedy(model, ffn, PROMPT, 4)
+    hand.join()
+    runner = runners[W1]
+    handle, seen = runner.handle, set()
+
+    def cold(msg):
+        span = (msg.layer_start, msg.layer_stop)
+        if span not in seen:
+            seen.add(span)
+            time.sleep(slow_first_s)
+        return handle(msg)
+
+    seen.add((1, 3))
+    runner.handle = cold
+    new = StageLayout(1, 2, COORD, (Stage(COORD, 0, 2), Stage(W1, 2, 3)))
+    runner.accept(new)
+    ffn.set_layout(new)
+    return model, ffn, hand, runner
+
+
+def test_a_healthy_stage_peer_on_its_first_pass_of_a_new_stage_is_not_declared_late(moe_dir):
+    model, ffn, hand, runner = warm_then_relayout(moe_dir, slow_first_s=1.0)
+    short = ffn.timing[W1].deadline_s(len(PROMPT))
+    assert short < 1.0  # what the old rule gave the cold first pass
+    sent = []
+    orig = ffn.deadlines.sent
+    ffn.deadlines.sent = lambda *a: sent.append(orig(*a)) or sent[-1]
+    run = greedy(model, ffn, PROMPT, 3)
+    hand.join()
+    ref = greedy(load_model(moe_dir), None, PROMPT, 3)
+    assert run[0] == ref[0] and all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
+    assert ffn.misses == 0 and not ffn.failed and not hand.failed and ffn.rebuilt_positions == 0
+    stage_bytes = LayerCosts.from_model(model).layer_bytes(2)
+    assert sent[0].first and sent[0].deadline - sent[0].sent_at == pytest.approx(D.first_deadline_s(stage_bytes))
+    assert not sent[1].first and ffn.warm[W1] >= {(2, 3)}
+
+
+def test_a_late_stage_answer_is_timed_slow_not_gone(moe_dir, monkeypatch):
+    monkeypatch.setattr(D, "DEADLINE_MIN_S", 0.02)
+    model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    send, n, gate = hand.send, [0], threading.Event()
+
+    def slow_third(peer, req):
+        n[0] += 1
+        if n[0] == 3:  # decode step 2's answer comes 0.5 s late
+            threading.Timer(0.5, lambda: (send(peer, req), gate.set())).start()
+            return
+        send(peer, req)
+
+    hand.send = slow_third
+
+    def on_step(step):
+        hand.join()
+        if step == 0:
+            ffn.timing[W1].s_per_row = 1e-4  # as after earlier answers: a short deadline
+        if step == 2:
+            assert gate.wait(5)
+            hand.join()
+
+    run = greedy(model, ffn, PROMPT, 6, on_step)
+    hand.join()
+    ref = greedy(load_model(moe_dir), None, PROMPT, 6)
+    assert run[0] == ref[0] and all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
+    t = ffn.timing[W1]
+    assert ffn.misses == 1 and t.late == 1 and not ffn.failed and not hand.failed
+    assert t.misses == 0 and t.deadline_s(1) > 0.4  # its deadline now covers what it took
