@@ -142,7 +142,8 @@ def model_identity(files: Sequence[tuple[Path, int]]) -> str:
     A cache that cannot be read or written is ignored (the identity is computed again)."""
     key = _cache_key(files)
     cache = _cache_path()
-    if key is not None and (hit := _load_cache(cache).get(key)):
+    hit = _load_cache(cache).get(key) if key is not None else None
+    if hit and len(hit) == 64 and all(c in "0123456789abcdef" for c in hit):
         return hit
     ident = compute_identity(files)
     if key is None:

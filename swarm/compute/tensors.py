@@ -111,10 +111,9 @@ _SPLIT_NO, _SPLIT_COUNT, _SPLIT_TENSORS = "split.no", "split.count", "split.tens
 
 @dataclass
 class _Shard:
-    """One GGUF file as parsed: its map, metadata and tensors (views into ``map``)."""
+    """One GGUF file as parsed: its metadata and tensors (views of its memory map)."""
 
     path: Path
-    map: np.ndarray
     kv: dict[str, Any]
     value_types: dict[str, VT]
     tensors: dict[str, _GGUFTensor]
@@ -127,13 +126,13 @@ def _read_shard(path: Path) -> _Shard:
     if not path.is_file():
         raise ModelFileError(f"{path}: no such model file")
     try:
-        buf = np.memmap(path, dtype=np.uint8, mode="r")
-        return _parse(path, buf, _Cursor(np.asarray(buf)))
+        # the tensors' views keep the map alive (and let release_pages find it)
+        return _parse(path, _Cursor(np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))))
     except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
         raise ModelFileError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
 
 
-def _parse(path: Path, mapped: np.ndarray, cur: _Cursor) -> _Shard:
+def _parse(path: Path, cur: _Cursor) -> _Shard:
     if bytes(cur.take(4)) != b"GGUF":
         raise ValueError("no GGUF magic")
     version = cur.number(VT.UINT32)
@@ -168,7 +167,7 @@ def _parse(path: Path, mapped: np.ndarray, cur: _Cursor) -> _Shard:
         if lo + n > size:
             raise ModelFileError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
         tensors[name] = _GGUFTensor(name, qtype, dims, cur.buf[lo:lo + n].reshape(*dims[:-1], row_bytes))
-    return _Shard(path, mapped, kv, value_types, tensors, min(start, size))
+    return _Shard(path, kv, value_types, tensors, min(start, size))
 
 
 def _split_count(shard: _Shard) -> int:
@@ -244,7 +243,6 @@ class GGUFFile:
         self.path, self.kv, self.value_types = first.path, first.kv, first.value_types
         self.paths = [s.path for s in shards]
         self.header_bytes = [s.header_bytes for s in shards]
-        self._maps = [s.map for s in shards]
         self._tensors: dict[str, _GGUFTensor] = {}
         where: dict[str, Path] = {}
         for shard in shards:
