@@ -122,3 +122,26 @@ def test_a_renamed_shard_cannot_find_the_others(split3):
     with pytest.raises(ModelFileError, match=r"model\.gguf: shard 1 of a model split in 3 files, but its name is not "
                                              r"llama\.cpp's PREFIX-00001-of-00003\.gguf"):
         load_model(renamed)
+
+
+def test_the_default_model_split_by_gguf_py_tokenizes_and_computes_as_the_whole(smollm2_path, smollm2_model, tmp_path):
+    """SmolLM2 (Q4_1, its tokenizer in the metadata) rewritten by gguf-py in 3 shards: named by
+    its last shard, the same tokens and bit-identical logits as the one file."""
+    from swarm.compute.tokenizer import tokenizer_for
+
+    r = gguf.GGUFReader(smollm2_path)
+    w = gguf.GGUFWriter(str(tmp_path / "smol.gguf"), "llama", split_max_tensors=-(-len(r.tensors) // 3))
+    for f in r.fields.values():
+        if not f.name.startswith("GGUF.") and f.name != "general.architecture":
+            w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    del r, w
+    split = load_model(tmp_path / "smol-00003-of-00003.gguf")
+    assert len(split.checkpoint.files) == 3
+    text = "The sky is blue because"
+    ids = tokenizer_for(split).encode(text)
+    assert ids == tokenizer_for(smollm2_model).encode(text)
+    np.testing.assert_array_equal(split.forward(ids, split.new_cache()),
+                                  smollm2_model.forward(ids, smollm2_model.new_cache()))
