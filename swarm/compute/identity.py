@@ -122,10 +122,14 @@ def _cache_key(files: Sequence[tuple[Path, int]]) -> str | None:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _cache_path() -> Path:
+def _cache_path() -> Path | None:
+    """The cache file, or None where the user cache directory cannot be created."""
     from swarm.paths import cache_dir
 
-    return cache_dir() / CACHE_FILE
+    try:
+        return cache_dir() / CACHE_FILE
+    except OSError:
+        return None
 
 
 def _load_cache(path: Path) -> dict[str, str]:
@@ -140,14 +144,13 @@ def model_identity(files: Sequence[tuple[Path, int]]) -> str:
     """:func:`compute_identity` of ``files``, from the user cache when none of them changed
     since (same path, device, inode, size and mtime_ns): a restart reads nothing of the model.
     A cache that cannot be read or written is ignored (the identity is computed again)."""
-    key = _cache_key(files)
-    cache = _cache_path()
-    hit = _load_cache(cache).get(key) if key is not None else None
+    key, cache = _cache_key(files), _cache_path()
+    if key is None or cache is None:
+        return compute_identity(files)
+    hit = _load_cache(cache).get(key)
     if hit and len(hit) == 64 and all(c in "0123456789abcdef" for c in hit):
         return hit
     ident = compute_identity(files)
-    if key is None:
-        return ident
     entries = _load_cache(cache)
     entries.pop(key, None)
     entries[key] = ident  # newest last; the oldest go past CACHE_ENTRIES

@@ -5,6 +5,7 @@ finds it in the cache without reading the model."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 
@@ -128,3 +129,16 @@ def test_a_restart_reads_the_id_from_the_cache_until_the_file_changes(tmp_path, 
     monkeypatch.undo()
     monkeypatch.setenv("COLIBRI_SWARM_CACHE_DIR", str(tmp_path / "cache"))
     assert model_identity(files) == first  # same bytes, same id
+
+
+def test_without_a_usable_cache_the_id_is_computed(tmp_path, monkeypatch):
+    files = _big_gguf(tmp_path / "big.gguf", mib=1)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("COLIBRI_SWARM_CACHE_DIR", str(tmp_path / "a-file" / "cache"))  # cannot be created
+    assert model_identity(files) == compute_identity(files)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / identity.CACHE_FILE).write_text("{not json")
+    monkeypatch.setenv("COLIBRI_SWARM_CACHE_DIR", str(cache))
+    assert model_identity(files) == compute_identity(files)  # a damaged cache is written anew
+    assert list(json.loads((cache / identity.CACHE_FILE).read_text()).values()) == [compute_identity(files)]
