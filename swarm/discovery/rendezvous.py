@@ -13,18 +13,21 @@ Interface for ``colibri-swarm join`` (swarm.peer.node)::
 
 Theory of operation. A :class:`~swarm.discovery.mdns.ServerBrowser` runs for the whole life of
 the peer. To connect, the peer tries the server :func:`~swarm.discovery.choice.pick_server`
-names (oldest live one); a server that refuses or drops it is set aside for ``DEAD_RETRY_S``.
+names (oldest live one); a server that refuses or drops it is set aside for ``DEAD_RETRY_S``,
+doubling with each failure in a row up to ``DEAD_RETRY_MAX_S`` (a record mDNS keeps listing after
+its host died costs one attempt every 5 minutes, not one every few seconds).
 With none found before a deadline, the peer hosts one: the deadline is the discovery window
 for a fresh peer, and :func:`~swarm.discovery.choice.takeover_delay` after losing a server,
 so the lowest surviving Python peer id hosts anew and the others find it by mDNS. While
 connected, a better server (two were started at once) makes the peer move to it; a host that
 moves stops its own server and its clients follow. Every (re)connection is announced by a
 :class:`Connected` event carrying the full presence list; diff it against what you knew.
-With ``signal_url`` (``--signal URL``) mDNS is skipped and the peer reconnects to that URL.
+With ``signal_url`` (``--signal URL``) mDNS is skipped and the peer reconnects to that URL, never
+giving it up: after ``RECONNECT_S``, doubling up to ``RECONNECT_MAX_S``, one log line per attempt.
 
 Liveness is re-decided on timers, not only on mDNS news: a lost connection is first retried
-on the same server (the stall may have been ours), a server set aside is tried again after
-``DEAD_RETRY_S``, and while connected the peer looks for a better server every ``RECHECK_S``,
+on the same server (the stall may have been ours), a server set aside is tried again when its
+pause ends, and while connected the peer looks for a better server every ``RECHECK_S``,
 so two sides of a healed split converge on the older server. Whatever exception ends a
 connection, the loop logs it once and reconnects (or hosts); only a key or protocol version
 refused at a ``--signal`` URL ends it, and then the event stream ends with that error.
@@ -70,10 +73,13 @@ from swarm.signaling.server import SignalingServer
 
 log = logging.getLogger(__name__)
 
-DEAD_RETRY_S = 5.0  # a server that refused or dropped us is tried again after this long
+DEAD_RETRY_S = 5.0  # a server that refused or dropped us is tried again after this long …
+DEAD_RETRY_MAX_S = 300.0  # … doubling at each failure in a row, up to this: a dead record mDNS still lists
+# (its host gone without a goodbye) costs a connection attempt every 5 minutes, not every 6 s
 RECHECK_S = 2.0  # while connected, look this often for a better server even without mDNS news
 CONNECT_TIMEOUT_S = 3.0  # per address; a LAN answers in milliseconds
-RECONNECT_S = 1.0  # pause between attempts at a fixed --signal URL
+RECONNECT_S = 1.0  # pause between attempts at a fixed --signal URL …
+RECONNECT_MAX_S = 30.0  # … doubling at each failure in a row, up to this
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,8 @@ class Rendezvous:
         self._zc = None
         self._browser: ServerBrowser | None = None
         self._advertiser: Advertiser | None = None
-        self._dead: dict[tuple[str, float], float] = {}
+        self._dead: dict[tuple[str, float], float] = {}  # server key -> when it may be tried again (monotonic)
+        self._failures_of: dict[tuple[str, float], int] = {}  # server key -> failed attempts in a row
         self._events: asyncio.Queue[Event | None] = asyncio.Queue()
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -260,17 +267,24 @@ class Rendezvous:
         return None, delay
 
     async def _connect_fixed(self) -> SignalingClient:
+        """Connect to the ``--signal`` URL, which the user typed: never given up, retried after
+        RECONNECT_S, doubling up to RECONNECT_MAX_S."""
         attempt = 0
         while True:
             try:
-                return await SignalingClient.connect(self.signal_url, self.swarm_key, self.peer_id, kind=self.kind,
-                                                     name=self.name, fingerprint=self.fingerprint)
+                client = await SignalingClient.connect(self.signal_url, self.swarm_key, self.peer_id, kind=self.kind,
+                                                       name=self.name, fingerprint=self.fingerprint)
+                if attempt:
+                    log.info("reached the signaling server at %s after %d failed attempt(s)", self.signal_url, attempt)
+                return client
             except SignalingUnavailableError as exc:
+                pause = min(RECONNECT_S * 2 ** attempt, RECONNECT_MAX_S)
                 # The first failure is shown to the user (a wrong --signal would otherwise look like a hang).
                 log.log(logging.WARNING if attempt == 0 else logging.INFO,
-                        "%s; retrying every %.0f s (check --signal)", exc, RECONNECT_S)
+                        "%s; attempt %d failed, retrying in %g s (check the --signal URL and that its server "
+                        "runs)", exc, attempt + 1, pause)
                 attempt += 1
-                await asyncio.sleep(RECONNECT_S)
+                await asyncio.sleep(pause)
 
     async def _find_or_host(self, delay: float) -> SignalingClient:
         assert self._browser is not None
@@ -386,15 +400,30 @@ class Rendezvous:
     async def _try(self, record: ServerRecord) -> SignalingClient | None:
         for address in record.addresses:
             try:
-                return await SignalingClient.connect(record.url(address), self.swarm_key, self.peer_id, kind=self.kind,
-                                                     name=self.name, fingerprint=record.fingerprint,
-                                                     timeout=CONNECT_TIMEOUT_S)
+                client = await SignalingClient.connect(record.url(address), self.swarm_key, self.peer_id,
+                                                       kind=self.kind, name=self.name, fingerprint=record.fingerprint,
+                                                       timeout=CONNECT_TIMEOUT_S)
             except DuplicatePeerError:
                 raise  # another process holds our peer id there: hosting our own would split the swarm
             except Exception as exc:  # an advertised server is untrusted input: whatever fails, try the next
                 log.info("signaling server %s at %s: %s", record.host, address, exc)
-        self._dead[record.key] = time.monotonic()
+            else:
+                self._failures_of.pop(record.key, None)
+                self._dead.pop(record.key, None)
+                return client
+        self._set_aside(record)
         return None
+
+    def _set_aside(self, record: ServerRecord) -> None:
+        """A learned server that failed: tried again after DEAD_RETRY_S, doubling with each failure
+        in a row up to DEAD_RETRY_MAX_S (a restarted server is a new record, tried at once)."""
+        failures = self._failures_of.get(record.key, 0) + 1
+        self._failures_of[record.key] = failures
+        pause = min(DEAD_RETRY_S * 2 ** (failures - 1), DEAD_RETRY_MAX_S)
+        self._dead[record.key] = time.monotonic() + pause
+        if pause == DEAD_RETRY_MAX_S > DEAD_RETRY_S * 2 ** (failures - 2):  # the first pause at the cap
+            log.info("signaling server of %s failed %d times in a row: set aside, tried again every %g s until "
+                     "it announces a restart", record.host, failures, DEAD_RETRY_MAX_S)
 
     async def _host(self) -> None:
         if not self._connected.is_set():
@@ -440,11 +469,13 @@ class Rendezvous:
 
     def _dead_keys(self) -> set[tuple[str, float]]:
         now = time.monotonic()
-        self._dead = {k: t for k, t in self._dead.items() if now - t < DEAD_RETRY_S}
+        self._dead = {k: t for k, t in self._dead.items() if now < t}
+        listed = {r.key for r in self._browser.records.values()} if self._browser is not None else set()
+        self._failures_of = {k: n for k, n in self._failures_of.items() if k in listed or k in self._dead}
         return set(self._dead)
 
     def _next_dead_expiry(self) -> float:
-        return min((t + DEAD_RETRY_S for t in self._dead.values()), default=float("inf"))
+        return min(self._dead.values(), default=float("inf"))
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
