@@ -608,14 +608,15 @@ class StagedFFN:
             self._fail(stage.peer, f"send failed: {exc}")
             return None
         try:
-            msg = wait_answer(p.future, p.sent, self._clock, self.dispatcher.last_heard)
-        except cf.TimeoutError:
-            with self._lock:
-                taken = self._pending.pop(rid, None) is None  # deliver took it: the answer is here
-            if not taken:
-                self._missed(p)
-                return None
-            msg = p.future.result()  # late, but before anything was recomputed: used
+            try:
+                msg = wait_answer(p.future, p.sent, self._clock, self.dispatcher.last_heard)
+            except cf.TimeoutError:
+                with self._lock:
+                    taken = self._pending.pop(rid, None) is None  # deliver (or peer_down) took it
+                if not taken:
+                    self._missed(p)
+                    return None
+                msg = p.future.result()  # late, but before anything was recomputed: used
         except ConnectionError as exc:
             self._fail(stage.peer, str(exc))
             return None
