@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompts, replies and the API token")
     p.add_argument("--memory", metavar="MIB", type=_int_at_least(1, "the memory budget (MiB)"),
                    help="this process uses at most MIB MiB in all, like a memory cgroup limit: its baseline, "
-                   "a page-cache headroom (10 %%, at least 64 MiB), the KV cache, activations and the weights "
+                   "a page-cache headroom (5 %%, at least 64 MiB), the KV cache, activations and the weights "
                    "come out of it (default: what the OS and this process's memory cgroup leave; "
                    "docs/capacity.md)")
     p.add_argument("--context", metavar="TOKENS", type=_int_at_least(1, "--context"),

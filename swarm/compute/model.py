@@ -32,31 +32,43 @@ F32 = np.float32
 class KVCache:
     """Keys and values of every layer for one sequence.
 
-    ``k[layer]``, ``v[layer]``: [nkv, capacity, hd] f32; positions ``0 .. length-1`` are filled.
-    Capacity doubles when a forward call needs more room. ``length`` may run ahead of
-    ``capacity``: under stages the coordinator's cache counts every position of the sequence
-    while its arrays grow only when its own layers run (never, for a coordinator without a stage
-    of its own); a stage that moves to it later writes those positions, growing the arrays then.
+    ``k[layer]``, ``v[layer]``: [nkv, capacity, hd] f32, or None for a layer that has not run
+    here yet (:meth:`layer` allocates it): under stages a peer keeps the KV cache of the layers
+    it computes only, so the memory it plans for is the memory it uses. Positions
+    ``0 .. length-1`` are filled. Capacity doubles when a forward call needs more room.
+    ``length`` may run ahead of ``capacity``: under stages the coordinator's cache counts every
+    position of the sequence while its arrays grow only when its own layers run (never, for a
+    coordinator without a stage of its own); a stage that moves to it later writes those
+    positions, growing the arrays then.
     """
 
     def __init__(self, config: ModelConfig, capacity: int = 256):
         self.config = config
         self.length = 0
         self.capacity = 0
-        self.k: list[np.ndarray] = []
-        self.v: list[np.ndarray] = []
+        self.k: list[np.ndarray | None] = [None] * config.n_layers
+        self.v: list[np.ndarray | None] = [None] * config.n_layers
         self._grow(capacity)
+
+    def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer ``i``'s (keys, values), each [nkv, capacity, hd] f32, allocated on first use."""
+        if self.k[i] is None:
+            shape = (self.config.n_kv_heads, self.capacity, self.config.head_dim)
+            self.k[i], self.v[i] = np.zeros(shape, F32), np.zeros(shape, F32)
+        return self.k[i], self.v[i]
 
     def _grow(self, capacity: int) -> None:
         c = self.config
         shape = (c.n_kv_heads, capacity, c.head_dim)
-        new_k = [np.zeros(shape, F32) for _ in range(c.n_layers)]
-        new_v = [np.zeros(shape, F32) for _ in range(c.n_layers)]
-        for old, new in ((self.k, new_k), (self.v, new_v)):
-            for a, b in zip(old, new):
+        for arrays in (self.k, self.v):
+            for i, a in enumerate(arrays):
+                if a is None:
+                    continue
+                b = np.zeros(shape, F32)
                 held = min(self.length, a.shape[1])  # see the class docstring: length may pass capacity
                 b[:, :held] = a[:, :held]
-        self.k, self.v, self.capacity = new_k, new_v, capacity
+                arrays[i] = b
+        self.capacity = capacity
 
     def reserve(self, total: int) -> None:
         """Make room for ``total`` positions: capacity doubles with the sequence, never past the
@@ -323,9 +335,10 @@ class Model:
             qk = rms_norm(qk, w.q_norm, c.rms_norm_eps)
         qk = apply_rope_swapped(qk, cos_qk, sin_qk)  # queries come out scaled by 1/sqrt(hd)
         end = start + T
-        cache.k[layer][:, start:end] = qk[:, nh:].transpose(1, 0, 2)
-        cache.v[layer][:, start:end] = qkv[:, nq + nkv * hd:].reshape(T, nkv, hd).transpose(1, 0, 2)
-        out = attention(qk[:, :nh], cache.k[layer], cache.v[layer], start)
+        k, v = cache.layer(layer)
+        k[:, start:end] = qk[:, nh:].transpose(1, 0, 2)
+        v[:, start:end] = qkv[:, nq + nkv * hd:].reshape(T, nkv, hd).transpose(1, 0, 2)
+        out = attention(qk[:, :nh], k, v, start)
         return w.o.matmul(out)
 
     def forward(self, tokens, cache: KVCache, ffn: FFNBackend | None = None,
@@ -483,9 +496,10 @@ class Model:
         out = np.empty((T, nq), F32)
         for a, b, cache, start in seqs:
             end = start + b - a
-            cache.k[layer][:, start:end] = qk[a:b, nh:].transpose(1, 0, 2)
-            cache.v[layer][:, start:end] = qkv[a:b, nq + nk:].reshape(b - a, nkv, hd).transpose(1, 0, 2)
-            out[a:b] = attention(qk[a:b, :nh], cache.k[layer], cache.v[layer], start)
+            k, v = cache.layer(layer)
+            k[:, start:end] = qk[a:b, nh:].transpose(1, 0, 2)
+            v[:, start:end] = qkv[a:b, nq + nk:].reshape(b - a, nkv, hd).transpose(1, 0, 2)
+            out[a:b] = attention(qk[a:b, :nh], k, v, start)
         return w.o.matmul(out)
 
     def layers(self, x: np.ndarray, cache: KVCache, start: int, lo: int, hi: int,

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-PAGE_CACHE_FRACTION = 0.10  # of a peer's limit, kept free for the page cache of its mapped weights
+PAGE_CACHE_FRACTION = 0.05  # of a peer's limit, kept free for the page cache beside its mapped weights
 PAGE_CACHE_FLOOR_BYTES = 64 << 20  # the page-cache headroom is at least this (bytes)
 DEFAULT_CONTEXT = 4096  # tokens of KV cache reserved per layer when join --context is not given
 KV_BYTES_PER_VALUE = 4  # the engine keeps keys and values as float32 (swarm.compute.model.KVCache)

@@ -49,4 +49,19 @@ def test_kv_cache_grows_with_the_sequence_up_to_the_context(smollm2_model):
     odd = dataclasses.replace(c, max_position_embeddings=1000)  # doubling from 16 would give 1024
     big = KVCache(odd, capacity=16)
     big.reserve(990)
-    assert big.capacity == 1000 and big.k[0].shape == (c.n_kv_heads, 1000, c.head_dim)
+    assert big.capacity == 1000 and big.layer(0)[0].shape == (c.n_kv_heads, 1000, c.head_dim)
+
+
+def test_kv_cache_holds_arrays_only_for_the_layers_that_ran_here(smollm2_model):
+    """A stage's layers fill their KV arrays; the layers another peer runs never get any (the
+    memory a peer plans for under stages is its own layers' KV cache), and growing keeps it so."""
+    import numpy as np
+
+    c = smollm2_model.config
+    cache = smollm2_model.new_cache(16)
+    x = np.random.default_rng(0).standard_normal((20, c.hidden_size)).astype(np.float32)
+    smollm2_model.layers(x, cache, 0, 3, 7)  # 20 rows: the arrays grow past 16
+    held = [i for i, k in enumerate(cache.k) if k is not None]
+    assert held == [3, 4, 5, 6] and [i for i, v in enumerate(cache.v) if v is not None] == held
+    assert all(cache.k[i].shape == (c.n_kv_heads, cache.capacity, c.head_dim) for i in held)
+    assert cache.capacity >= 20 and np.abs(cache.k[3][:, :20]).sum() > 0

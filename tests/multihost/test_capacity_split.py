@@ -3,7 +3,7 @@
 The model is a random Qwen3-MoE of 2.3 GB (18 layers × 128 experts, the Q4_K_M mix of Q4_K and
 Q6_K) written from random blocks by ``bench/random_gguf.py`` in three shards named as llama.cpp
 names them; every peer is given the first shard. Each peer runs in its own network namespace and
-cgroup v1 memory group capped at 45 % of the model (its ``--memory`` says the same: inside a
+cgroup v1 memory group capped at 55 % of the model (its ``--memory`` says the same: inside a
 namespace the peer cannot read its cgroup), so no peer can hold the model and the three together
 can. The layout is stages. Checks: the swarm forms, plans within every budget and streams
 nothing; a chat completion gives the uncapped local run's text; a stage peer killed
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 PROMPT = "hello swarm"
 KILL_AT = 12  # characters of the reply after which a stage peer is killed
 FORM_S = 240.0  # three capped peers load their stages' pages from a cold page cache on 2 shared cores
-CAP_FRACTION = 0.45  # of the model's bytes, per peer
+CAP_FRACTION = 0.55  # of the model's bytes, per peer: under half, yet the three hold it with room (docs/capacity.md)
 
 
 @pytest.fixture(scope="module")

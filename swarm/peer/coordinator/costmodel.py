@@ -112,10 +112,13 @@ class LayerCosts:
         """What a worker's stage holds for layer ``i``: its weights and its KV cache (bytes)."""
         return self.layer_bytes(i) + (self.kv_bytes[i] if self.kv_bytes else 0)
 
-    def coordinator_reserve(self, worker_stages: int = 0) -> int:
-        """What the coordinator keeps besides weights (bytes): every layer's KV cache, its
+    def coordinator_reserve(self, worker_stages: int = 0, kv_layers: range | None = None) -> int:
+        """What the coordinator keeps besides weights (bytes): the KV cache of ``kv_layers`` (the
+        layers whose attention it runs; None: every layer, as without stages — a KV cache holds
+        arrays only for the layers that run, :class:`swarm.compute.model.KVCache`), its
         activations, and the recorded rows of ``worker_stages`` stages held by workers."""
-        return sum(self.kv_bytes) + self.coord_step_bytes + worker_stages * self.record_bytes
+        kv = self.kv_bytes if kv_layers is None else [self.kv_bytes[i] for i in kv_layers] if self.kv_bytes else ()
+        return sum(kv) + self.coord_step_bytes + worker_stages * self.record_bytes
 
     def worker_room(self, p: "PeerCost") -> int:
         """A worker's allowance less one step's activations (bytes, ≥ 0)."""
@@ -229,14 +232,14 @@ def stage_layers(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]
     order = sorted([coord, *workers], key=lambda p: (-p.gflops, p.peer_id != coord.peer_id, p.peer_id))
     count: dict[str, int] = {}
     at = 0
-    if coord.memory_bytes < costs.coordinator_reserve(len(workers)):
-        return None  # the coordinator cannot hold its KV cache and activations: no layer anywhere helps
+    reserve = costs.coordinator_reserve(len(workers), kv_layers=range(0))  # its layers' KV counts with them
+    if coord.memory_bytes < reserve:
+        return None  # the coordinator cannot hold its activations and recorded rows: no layer anywhere helps
     for p in order:
         mine = p.peer_id == coord.peer_id
-        room, n = (p.memory_bytes - costs.coordinator_reserve(len(workers)) if mine else costs.worker_room(p)), 0
-        held = costs.layer_bytes if mine else costs.stage_bytes
-        while at + n < costs.n_layers and held(at + n) <= room:
-            room -= held(at + n)
+        room, n = (p.memory_bytes - reserve if mine else costs.worker_room(p)), 0
+        while at + n < costs.n_layers and costs.stage_bytes(at + n) <= room:
+            room -= costs.stage_bytes(at + n)
             n += 1
         if n:
             count[p.peer_id] = n
@@ -261,8 +264,8 @@ def estimate_stages(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCo
     stages = stages if stages is not None else stage_layers(costs, coord, workers)
     if stages is None:
         need = sum(costs.stage_bytes(i) for i in range(costs.n_layers))
-        room = (sum(costs.worker_room(w) for w in workers) + max(coord.memory_bytes - costs.coordinator_reserve(len(workers)), 0)
-                + sum(costs.kv_bytes))  # the coordinator's own layers' KV cache is in its reserve already
+        room = (sum(costs.worker_room(w) for w in workers)
+                + max(coord.memory_bytes - costs.coordinator_reserve(len(workers), kv_layers=range(0)), 0))
         return Estimate("stages", float("inf"), float("inf"), False,
                         note=f"the peers together hold too little: the layers with their KV cache need {need / 1e9:.2f} GB, "
                         f"the peers have {room / 1e9:.2f} GB for them ({max(need - room, 0) / 1e9:.2f} GB missing; "
@@ -283,15 +286,17 @@ def estimate_stages(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCo
 
 def stage_fit(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
               stages: Sequence[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
-    """Per peer of ``stages``: (bytes it would hold, bytes it may hold). The coordinator's:
-    its layers' weights plus :meth:`LayerCosts.coordinator_reserve` against its memory; a
-    worker's: its layers' weights and KV cache against :meth:`LayerCosts.worker_room`."""
+    """Per peer of ``stages``: (bytes it would hold, bytes it may hold). Each peer holds its
+    layers' weights and KV cache (:meth:`LayerCosts.stage_bytes`); the coordinator also its
+    activations and recorded rows (:meth:`LayerCosts.coordinator_reserve`), against its memory;
+    a worker against :meth:`LayerCosts.worker_room`."""
     peers = {p.peer_id: p for p in (coord, *workers)}
     n_worker = len({pid for pid, _, _ in stages if pid != coord.peer_id})
-    out: dict[str, tuple[int, int]] = {coord.peer_id: (costs.coordinator_reserve(n_worker), coord.memory_bytes)}
+    out: dict[str, tuple[int, int]] = {coord.peer_id: (costs.coordinator_reserve(n_worker, kv_layers=range(0)),
+                                                        coord.memory_bytes)}
     for pid, lo, hi in stages:
         mine = pid == coord.peer_id
-        held = sum((costs.layer_bytes if mine else costs.stage_bytes)(i) for i in range(lo, hi))
+        held = sum(costs.stage_bytes(i) for i in range(lo, hi))
         before = out.get(pid, (0, 0))[0]
         room = peers[pid].memory_bytes if mine else costs.worker_room(peers[pid])
         out[pid] = (before + held, room)
@@ -328,7 +333,7 @@ def estimate_mix(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]
             continue
         held = {pid: sum(costs.stage_bytes(i) for i in range(lo, hi)) for pid, lo, hi in tail}
         ffn_k = sum(costs.ffn_bytes[:k])
-        left_c = coord.memory_bytes - sum(costs.attn_bytes[:k]) - costs.coordinator_reserve(len(tail))
+        left_c = coord.memory_bytes - sum(costs.attn_bytes[:k]) - costs.coordinator_reserve(len(tail), kv_layers=range(k))
         if left_c < 0:
             continue  # the coordinator cannot hold attention for this many layers and its cache
         weights = {coord.peer_id: _gflops(coord) * COORDINATOR_SHARE, **{w.peer_id: _gflops(w) for w in workers}}

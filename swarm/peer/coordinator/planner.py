@@ -151,12 +151,14 @@ class ModelShape:
         the allowance less one step's activations (a range peer keeps no KV cache)."""
         return max(allowance - self.step_bytes, 0)
 
-    def coordinator_weight_budget(self, allowance: int, worker_stages: int = 0) -> int:
+    def coordinator_weight_budget(self, allowance: int, worker_stages: int = 0, kv_layers: int | None = None) -> int:
         """Bytes of expert and MLP ranges the coordinator of ``allowance`` may hold: the allowance
-        less what only it holds (``resident_nbytes``), the KV cache of every layer (the engine's
-        cache keeps them all), its activations and the rows it records for ``worker_stages``
-        stages held by workers."""
-        return max(allowance - self.resident_nbytes - self.n_layers * self.kv_layer_bytes
+        less what only it holds (``resident_nbytes``), the KV cache of the ``kv_layers`` layers
+        whose attention it runs (None: every layer; under stages, its own stages' layers — a KV
+        cache holds arrays only for the layers that run), its activations and the rows it
+        records for ``worker_stages`` stages held by workers."""
+        kv = self.n_layers if kv_layers is None else kv_layers
+        return max(allowance - self.resident_nbytes - kv * self.kv_layer_bytes
                    - self.coordinator_step_bytes - worker_stages * self.record_bytes, 0)
 
     @property
@@ -472,10 +474,11 @@ def build_plan(
 
 
 def shortfall(plan: Plan, shape: ModelShape, read_bytes_per_s: float | None = None,
-              coordinator_allowance: int | None = None, worker_stages: int = 0) -> dict | None:
+              coordinator_allowance: int | None = None, worker_stages: int = 0,
+              kv_layers: int | None = None) -> dict | None:
     """What the swarm lacks to hold ``plan`` in memory, and the speed to expect; None when
     nothing is missing. ``coordinator_over_bytes``: how far what only the coordinator holds
-    (``resident_nbytes``), every layer's KV cache, its activations and the rows it records for
+    (``resident_nbytes``), the KV cache of ``kv_layers`` layers (None: every layer), its activations and the rows it records for
     ``worker_stages`` stages exceed its ``coordinator_allowance`` (0 when not given or within). Bytes: ``missing_bytes`` (the coordinator's spans beyond its budget, read
     from its model file), ``held_bytes`` and ``ffn_bytes`` (of every expert and MLP);
     ``read_bytes_per_token``: what one decode token reads of the missing part (a routed expert is
@@ -486,7 +489,8 @@ def shortfall(plan: Plan, shape: ModelShape, read_bytes_per_s: float | None = No
     ``message``: all of it in words."""
     from swarm.peer import memory
 
-    fixed = (shape.resident_nbytes + shape.n_layers * shape.kv_layer_bytes + shape.coordinator_step_bytes
+    kv = shape.n_layers if kv_layers is None else kv_layers  # see ModelShape.coordinator_weight_budget
+    fixed = (shape.resident_nbytes + kv * shape.kv_layer_bytes + shape.coordinator_step_bytes
              + worker_stages * shape.record_bytes)
     over = max(fixed - coordinator_allowance, 0) if coordinator_allowance is not None else 0
     if plan.streamed_bytes <= 0 and not over:

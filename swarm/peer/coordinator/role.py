@@ -371,13 +371,16 @@ class CoordinatorRole:
         # Our allowance less what only we hold (embeddings, attention, routers, norms, head), the KV
         # cache and activations.
         takers = self._plan_layout(workers)
-        stage_workers = len(self._stage_layout.workers()) if self._stage_layout is not None else 0
-        budget = self.shape.coordinator_weight_budget(self.node.hello.memory_budget, stage_workers)
+        lay = self._stage_layout
+        stage_workers = len(lay.workers()) if lay is not None else 0
+        own_layers = (sum(s.stop - s.start for s in lay.stages if s.peer == self.node.peer_id)
+                      if lay is not None else None)
+        budget = self.shape.coordinator_weight_budget(self.node.hello.memory_budget, stage_workers, own_layers)
         plan = build_plan(self.shape, me, takers, term=self.election.term, version=self.plan_version,
                           coordinator_budget=budget, layers=self._cut_layers)
         # Under whole stages the FFN plan is the coordinator's stage only (the layout fits, or it is not chosen).
         self._shortfall = (shortfall(plan, self.shape, coordinator_allowance=self.node.hello.memory_budget,
-                                     worker_stages=stage_workers)
+                                     worker_stages=stage_workers, kv_layers=own_layers)
                            if self._stage_layout is None or self._cut_layers else None)
         if self._shortfall:
             log.warning("plan v%d: %s", plan.version, self._shortfall["message"])

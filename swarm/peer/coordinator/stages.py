@@ -93,28 +93,15 @@ INLINE_MAX_S = 0.1
 
 
 class StageCache(KVCache):
-    """A KV cache that holds layers ``lo .. hi-1`` only (a stage's own): the other layers'
-    arrays are empty and never read. Same interface as :class:`~swarm.compute.model.KVCache`."""
+    """A KV cache for a stage's layers ``lo .. hi-1``: their arrays from the start, the other
+    layers' never (a worker runs only its own; :class:`~swarm.compute.model.KVCache` allocates a
+    layer when it first runs). Same interface as :class:`~swarm.compute.model.KVCache`."""
 
     def __init__(self, config, lo: int, hi: int, capacity: int = 16) -> None:
         self.own = range(lo, hi)
         super().__init__(config, capacity)
-
-    def _grow(self, capacity: int) -> None:
-        c = self.config
-        none = np.zeros((c.n_kv_heads, 0, c.head_dim), F32)
-        k, v = [], []
-        for layer in range(c.n_layers):
-            for old, new in ((self.k, k), (self.v, v)):
-                if layer not in self.own:
-                    new.append(none)
-                    continue
-                a = np.zeros((c.n_kv_heads, capacity, c.head_dim), F32)
-                if old:
-                    held = min(self.length, old[layer].shape[1])
-                    a[:, :held] = old[layer][:, :held]
-                new.append(a)
-        self.k, self.v, self.capacity = k, v, capacity
+        for layer in self.own:
+            self.layer(layer)
 
 
 @dataclass(frozen=True)
