@@ -21,9 +21,10 @@ coordinator records per worker stage.
 
 Memory. A worker's weights and KV cache fit in its allowance less one step's activations; a
 stage worker keeps the KV cache of its own layers (:meth:`LayerCosts.stage_bytes`), a range
-worker none. The coordinator keeps the KV cache of every layer in every layout (the engine's
-cache holds them all), its activations and head logits, and under stages the rows it records
-per worker stage (:meth:`LayerCosts.coordinator_reserve`). A placement fits when every peer's
+worker none. The coordinator keeps the KV cache of the layers whose attention it runs (every
+layer without stages, its own stages' layers with them: a cache holds arrays only for the layers
+that run), its activations and head logits, and under stages the rows it records per worker
+stage (:meth:`LayerCosts.coordinator_reserve`). A placement fits when every peer's
 planned bytes are within that; only such placements are chosen.
 
 The estimate of one step of ``T`` tokens (``T = 1``: decode; the prompt length: prefill):

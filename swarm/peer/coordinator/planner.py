@@ -512,7 +512,7 @@ def shortfall(plan: Plan, shape: ModelShape, read_bytes_per_s: float | None = No
                f"the {rate / 1e6:,.0f} MB/s its disk reads ({how}; less where the page cache keeps some). Add a peer "
                f"with at least {gb(plan.streamed_bytes)} free, raise a peer's --memory, or lower --context.")
     if over:
-        message += (f" The coordinator's own part (embeddings, attention, head, the KV cache of every layer, activations: "
+        message += (f" The coordinator's own part (embeddings, attention, head, the KV cache of the layers it runs, activations: "
                     f"{gb(fixed)}) is {gb(over)} more than its memory allows: lower --context, or let a peer with "
                     "more memory coordinate.")
     return {"coordinator_over_bytes": int(over), "missing_bytes": int(plan.streamed_bytes), "held_bytes": int(total - plan.streamed_bytes),

@@ -376,12 +376,15 @@ class CoordinatorRole:
         own_layers = (sum(s.stop - s.start for s in lay.stages if s.peer == self.node.peer_id)
                       if lay is not None else None)
         budget = self.shape.coordinator_weight_budget(self.node.hello.memory_budget, stage_workers, own_layers)
+        cut = self._cut_layers
+        if lay is not None and cut is None:
+            # Whole stages: the budget covers the coordinator's own stages' FFN; the workers' layers
+            # run here only after a stage fails (from the mapped file), outside the budget.
+            cut = [i for st in lay.stages if st.peer == self.node.peer_id for i in range(st.start, st.stop)]
         plan = build_plan(self.shape, me, takers, term=self.election.term, version=self.plan_version,
-                          coordinator_budget=budget, layers=self._cut_layers)
-        # Under whole stages the FFN plan is the coordinator's stage only (the layout fits, or it is not chosen).
-        self._shortfall = (shortfall(plan, self.shape, coordinator_allowance=self.node.hello.memory_budget,
-                                     worker_stages=stage_workers, kv_layers=own_layers)
-                           if self._stage_layout is None or self._cut_layers else None)
+                          coordinator_budget=budget, layers=cut)
+        self._shortfall = shortfall(plan, self.shape, coordinator_allowance=self.node.hello.memory_budget,
+                                    worker_stages=stage_workers, kv_layers=own_layers)
         if self._shortfall:
             log.warning("plan v%d: %s", plan.version, self._shortfall["message"])
         return plan
