@@ -284,13 +284,30 @@ def test_the_driver_refuses_to_send_what_is_not_an_election_message(tmp_path):
         asyncio.run(main())
 
 
+def fake_link(peer_id: str, **hello_fields):
+    """A link class as the election driver uses one: its peer id, its Hello (``hello_fields``
+    replaced) and ``send``, which records what was sent in ``sent``."""
+    import dataclasses
+
+    from tests.peer._links import hello as make_hello
+
+    class Remote:
+        hello = dataclasses.replace(make_hello(peer_id), **hello_fields)
+        sent: list = []
+
+        async def send(self, msg):
+            self.sent.append(msg)
+
+    Remote.peer_id = peer_id
+    return Remote
+
+
 @pytest.mark.parametrize("theirs_first", [False, True])
 def test_a_peer_of_another_model_is_refused_by_name_whoever_refused_first(tmp_path, caplog, theirs_first):
     """Two peers of different models refuse each other. Each logs its own refusal by name and
     sends it once, also when the other's refusal reached it before its own link-up ran (a fast
     link: the coordinator then never said which peer it refused)."""
     import asyncio
-    import dataclasses
     import logging
 
     from swarm.keys.identity import Identity
@@ -298,17 +315,10 @@ def test_a_peer_of_another_model_is_refused_by_name_whoever_refused_first(tmp_pa
     from swarm.peer.election.driver import ElectionDriver
     from swarm.peer.net.messages import Error
     from swarm.peer.node import Node
-    from tests.peer._links import hello as make_hello
 
     other = Identity.generate()
 
-    class Remote:  # the driver reads a link's peer id and Hello and sends on it
-        peer_id = other.peer_id
-        hello = dataclasses.replace(make_hello(other.peer_id), name="stranger", model_hash="b" * 64)
-        sent: list = []
-
-        async def send(self, msg):
-            self.sent.append(msg)
+    Remote = fake_link(other.peer_id, name="stranger", model_hash="b" * 64)
 
     async def main():
         ident = Identity.generate()
@@ -406,24 +416,16 @@ def test_a_stale_coordinator_is_told_the_term_and_steps_down_at_once(tmp_path):
     Error without one: the deposed coordinator, on that Vote, leaves its role at once (it once
     kept its API for 30 s, until its request's deadline)."""
     import asyncio
-    import dataclasses
 
     from swarm.keys.identity import Identity
     from swarm.keys.swarmkey import SwarmKey
     from swarm.peer.election.driver import ElectionDriver
     from swarm.peer.net.messages import Vote as WireVote
     from swarm.peer.node import Node
-    from tests.peer._links import hello as make_hello
 
     old = Identity.generate()
 
-    class Remote:
-        peer_id = old.peer_id
-        hello = dataclasses.replace(make_hello(old.peer_id), model_hash="a" * 64)
-        sent: list = []
-
-        async def send(self, msg):
-            self.sent.append(msg)
+    Remote = fake_link(old.peer_id, model_hash="a" * 64)
 
     async def main():
         ident = Identity.generate()
