@@ -215,13 +215,26 @@ def test_hf_directory_model_generates_like_transformers(tmp_path, capsys, smollm
 
 
 def test_prompt_past_the_context_is_one_line_before_any_work(capsys, smollm2_path, smollm2_model):
-    """prompt + --max-tokens past the model's context: one line naming the numbers, exit 2."""
+    """prompt + --max-tokens past the model's context: one line naming the numbers, exit 2. When
+    the prompt's bytes alone show it (at least bytes / the longest token's bytes tokens), before
+    encoding: the line names the bytes and that bound; else the line names the counted tokens."""
     tok = tokenizer_for(smollm2_model)
     ctx = smollm2_model.config.max_position_embeddings
-    n = len(tok.encode_chat(messages_from("hi")))
+    text = tok.apply_chat_template(messages_from("hi"))
+    nbytes, n = len(text.encode()), len(tok.encode_chat(messages_from("hi")))
+    fewest = -(-nbytes // 81)  # SmolLM2's longest vocabulary entry is 81 bytes
+    assert 0 < fewest < n and fewest + ctx > ctx
     assert main(["generate", "hi", "--local", "--model", str(smollm2_path), "--max-tokens", str(ctx)]) == EXIT_ERROR
-    assert _error_line(capsys) == (f"colibri-swarm: error: the prompt is {n} tokens and max_tokens is {ctx}: "
-                                   f"{n + ctx} > the model's context of {ctx} tokens; shorten the prompt "
+    assert _error_line(capsys) == (f"colibri-swarm: error: the prompt is {nbytes} bytes, so at least {fewest} tokens "
+                                   "(no token of this model stands for more than 81 bytes), and max_tokens is "
+                                   f"{ctx}: more than the model's context of {ctx} tokens; shorten the prompt or "
+                                   "ask for fewer tokens")
+    # The bound fits, the counted tokens do not: refused once encoded, naming the count.
+    most = ctx - n + 1
+    assert fewest + most <= ctx
+    assert main(["generate", "hi", "--local", "--model", str(smollm2_path), "--max-tokens", str(most)]) == EXIT_ERROR
+    assert _error_line(capsys) == (f"colibri-swarm: error: the prompt is {n} tokens and max_tokens is {most}: "
+                                   f"{ctx + 1} > the model's context of {ctx} tokens; shorten the prompt "
                                    "or ask for fewer tokens")
 
 

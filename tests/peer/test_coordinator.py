@@ -499,9 +499,15 @@ def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, 
     model = load_model(path)
     shape = ModelShape.from_model(model)
     budget = 4 * shape.expert_bytes
-    plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 8 * shape.expert_bytes, 1.0)], term=1,
-                      version=1, coordinator_budget=budget)
-    assert plan.streamed_bytes == shape.ffn_bytes() - 12 * shape.expert_bytes
+    # The budget rule (docs/capacity.md): a range worker's weights get its allowance less one
+    # step's activations: 192 rows × (8 hidden-wide copies + q/k/v + gate and up of the top 8
+    # experts) × 4 bytes. An allowance of 8 experts plus those holds exactly 8 experts.
+    acts = (128 + 64) * (8 * 256 + (4 + 2 * 2) * (256 // 4) + 2 * 8 * 1024) * 4
+    assert shape.step_bytes == acts
+    plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 8 * shape.expert_bytes + acts, 1.0)],
+                      term=1, version=1, coordinator_budget=budget)
+    # 2 layers × 32 experts: the worker holds 8, the coordinator keeps 4, it streams the other 52.
+    assert plan.streamed_bytes == (2 * 32 - 8 - 4) * shape.expert_bytes
     own = tmp_path / "worker.gguf"
     shutil.copy(path, own)
     worker = Worker(W1, shape, load_model(own))

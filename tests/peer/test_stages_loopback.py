@@ -160,8 +160,15 @@ def test_a_coordinator_that_cannot_hold_its_stages_ffn_hands_it_out_as_ranges(tm
     layer 0 with its experts cut into ranges over both peers (the worker's within what its stage
     leaves), the worker runs layers 1..2 as a stage: the local run's tokens and bits."""
     model_dir = build("qwen3_moe", tmp_path)
-    own = load_model(model_dir).embed.nbytes  # embeddings (tied head): only the coordinator holds them
-    budgets = [own + 200_000, 450_000]  # the layers take 245 760, 86 016 and 245 760 bytes
+    model = load_model(model_dir)
+    own = model.embed.nbytes + model.head.nbytes  # embeddings and head: only the coordinator holds them
+    # Allowances under the budget rule (docs/capacity.md; 256 positions of KV cache, the model's
+    # context). Each layer with its KV cache takes 311 296, 151 552 and 311 296 bytes; a worker's
+    # step takes 589 824 bytes of activations, the coordinator's 663 552 plus 65 536 of rows it
+    # records per worker stage. The coordinator has 1 030 000 - 729 088 = 300 912 bytes left:
+    # no whole layer. The worker has 1 250 000 - 589 824 = 660 176: layers 0..1 but not layer 2
+    # too, so whole stages do not fit; layers 1..2 (462 848) leave it room for experts of layer 0.
+    budgets = [own + 1_030_000, 1_250_000]
 
     async def main():
         server, peers = await start_stage_swarm(tmp_path, model_dir, [2.0, 1.0], layout="auto", budgets=budgets)
@@ -190,6 +197,7 @@ def test_a_coordinator_that_cannot_hold_its_stages_ffn_hands_it_out_as_ranges(tm
     run, plan, layout, stage_served, range_served, failed, placement = run_in_netns(
         main, timeout_s=240, prefix="cst", address=ADDRESS)
     assert placement["layout"] == "mix" and placement["cost"]["choice"] == "mix"
+    assert placement["streamed_bytes"] == 0  # the two peers hold layer 0's experts between them
     assert [(s.start, s.stop) for s in layout.stages] == [(0, 1), (1, 3)] and layout.stages[0].peer == layout.coordinator
     worker_id = layout.stages[1].peer
     assert plan.expert_span(0, worker_id) is not None  # layer 0's experts are shared ...

@@ -158,9 +158,13 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
 
 def test_a_worker_that_missed_its_plan_is_sent_it_again_and_not_marked_down(tmp_path):
     """A peer's link is up (so the coordinator plans it in and sends it the plan) before its roles
-    handle plans, as while a slow tokenizer is built: the plan finds no handler. Its first
-    request is refused as "no plan yet"; that is not a failure: the coordinator recomputes those
-    rows, sends it the plan again, and it then computes its share. The tokens are the local run's."""
+    handle plans, as while a slow tokenizer is built: the link holds the plan until the handler
+    comes. The worker then refuses that plan once (as when its slices do not come in time), so
+    it serves no plan. Its first request is refused as "no plan yet"; that is not a failure: the
+    coordinator recomputes those rows, sends it the same plan again, and it then computes its
+    share. The tokens are the local run's."""
+    from swarm.errors import RemoteProtocolError
+
     model_dir = build("qwen3_moe", tmp_path)
 
     async def main():
@@ -179,22 +183,36 @@ def test_a_worker_that_missed_its_plan_is_sent_it_again_and_not_marked_down(tmp_
             ffn = coord.roles.coordinator.ffn
             await until(lambda: ident.peer_id in (ffn.pending_plan or ffn.plan).workers(), 20, "the peer planned in")
             await asyncio.sleep(0.5)  # the plan has reached its link by now, with no handler for it
+            newest = ffn.pending_plan or ffn.plan  # in use from the next step
+            sent = (newest.term, newest.version)
             late.roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0)
+            worker = late.roles.worker.server
+            accept, offered = worker.accept_plan, []
+
+            def refuse_the_first(plan):
+                offered.append((plan.term, plan.version))
+                if len(offered) == 1:
+                    raise RemoteProtocolError("not now")  # answered as a refused plan, as a failed slice fetch is
+                accept(plan)
+
+            worker.accept_plan = refuse_the_first
             await late.roles.start()
-            assert late.roles.worker.server.plan is None  # the plan was lost, as in the fault this guards
+            await until(lambda: offered, 10, "the held plan handed to the worker")
+            assert offered == [sent] and worker.plan is None  # held, not lost; then refused: no plan served
             runs, t0 = [], time.monotonic()
-            while late.roles.worker.server.served == 0:  # requests of the plan are held but for a probe now and then
+            while worker.served == 0:  # requests of the plan are held but for a probe now and then
                 assert time.monotonic() - t0 < 30, "the peer never got its plan again"
                 runs.append(await asyncio.to_thread(greedy, coord.roles.model, ffn, PROMPT, 4))
             marked = [e for e in coord.node.activity if e["what"] == "marked down"]
-            return runs, ffn.plan, marked, set(ffn.failed), late.roles.worker.server.served
+            return runs, ffn.plan, marked, set(ffn.failed), worker.served, offered, sent
         finally:
             await stop_swarm(server, peers)
 
-    runs, plan, marked, failed, served = run_in_netns(main, timeout_s=120, prefix="csc", address=ADDRESS)
+    runs, plan, marked, failed, served, offered, sent = run_in_netns(main, timeout_s=120, prefix="csc", address=ADDRESS)
     model = load_model(model_dir)
     ref = greedy(model, LocalFFN(model, plan.dense_ranges()), PROMPT, 4)
-    assert all(run[0] == ref[0] for run in runs)
+    assert runs and all(run[0] == ref[0] for run in runs)
+    assert offered[:2] == [sent, sent]  # the same plan, sent again after its request was refused
     assert not marked and not failed and served > 0
 
 
