@@ -137,7 +137,11 @@ async def run_swarm(lab, files, n: int, cap: int, args, prompt_tokens: int, expe
     from tests.multihost.netns import MemoryCgroup
     from tests.multihost.test_capacity import Peaks, drop_page_cache
     from tests.multihost.test_mesh_multihost import read_status, until
+    from tests.multihost.test_stages_multihost import staged_coordinator
     from tests.multihost.test_swarm_multihost import coordinator_of
+
+    def formed(docs):  # a coordinator whose plan, or stage layout, places work on every other peer
+        return coordinator_of(docs) or staged_coordinator(docs)
 
     for f in files:
         drop_page_cache(f)
@@ -154,9 +158,10 @@ async def run_swarm(lab, files, n: int, cap: int, args, prompt_tokens: int, expe
                                        "--name", f"host{i}", "--memory", str(cap >> 20), "--layout", args.layout],
                                    env=PEER_ENV, cgroup=groups[i]))
         docs = lambda: {i: read_status(lab, i) for i in range(n)}  # noqa: E731
-        await until(lambda: coordinator_of(docs()) is not None, args.timeout, "one swarm over every peer", procs)
+        await until(lambda: all(docs().values()) and formed(docs()) is not None, args.timeout,
+                    "one swarm over every peer", procs)
         out["form_s"] = round(time.monotonic() - t0, 1)
-        c, doc = coordinator_of(docs())
+        c, doc = formed(docs())
         placement = doc["placement"]
         out["placement"] = {k: placement.get(k) for k in ("layout", "stages", "streamed_bytes", "version")}
         out["budgets"] = [d["memory_budget"] for d in docs().values()]
