@@ -278,7 +278,7 @@ class Rendezvous:
                     log.info("reached the signaling server at %s after %d failed attempt(s)", self.signal_url, attempt)
                 return client
             except SignalingUnavailableError as exc:
-                pause = min(RECONNECT_S * 2 ** attempt, RECONNECT_MAX_S)
+                pause = min(RECONNECT_S * 2 ** min(attempt, 32), RECONNECT_MAX_S)  # capped: no float overflow
                 # The first failure is shown to the user (a wrong --signal would otherwise look like a hang).
                 log.log(logging.WARNING if attempt == 0 else logging.INFO,
                         "%s; attempt %d failed, retrying in %g s (check the --signal URL and that its server "
@@ -419,9 +419,9 @@ class Rendezvous:
         in a row up to DEAD_RETRY_MAX_S (a restarted server is a new record, tried at once)."""
         failures = self._failures_of.get(record.key, 0) + 1
         self._failures_of[record.key] = failures
-        pause = min(DEAD_RETRY_S * 2 ** (failures - 1), DEAD_RETRY_MAX_S)
+        pause = min(DEAD_RETRY_S * 2 ** min(failures - 1, 32), DEAD_RETRY_MAX_S)  # capped: no float overflow
         self._dead[record.key] = time.monotonic() + pause
-        if pause == DEAD_RETRY_MAX_S > DEAD_RETRY_S * 2 ** (failures - 2):  # the first pause at the cap
+        if pause == DEAD_RETRY_MAX_S > DEAD_RETRY_S * 2 ** min(failures - 2, 32):  # the first pause at the cap
             log.info("signaling server of %s failed %d times in a row: set aside, tried again every %g s until "
                      "it announces a restart", record.host, failures, DEAD_RETRY_MAX_S)
 

@@ -155,6 +155,34 @@ def test_messages_that_come_before_their_handler_are_held_for_it():
     assert isinstance(other, Error) and other.code == "model"
 
 
+def test_unclaimed_messages_are_held_up_to_a_bound_the_newest_kept():
+    """A type no handler claims must not pile up for the life of the link: at most HELD_MAX
+    messages are held, the oldest dropped first, and a handler registered later gets the rest."""
+    from swarm.peer.net.link import HELD_MAX
+
+    n = HELD_MAX + 5
+
+    async def main():
+        a, b = pair()
+        await connect(a, b)
+        for i in range(n):
+            await a.send(blob(b"%d" % i))
+        await a.send(Error(0, "model", "the last one"))  # the order check: everything before it arrived
+        deadline = time.monotonic() + 5
+        while not any(isinstance(m, Error) for m in list(b._inbox._queue)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        held = b._inbox.qsize()
+        seen = []
+        b.on(WeightChunk, lambda link, message: seen.append(message.data.tobytes()))
+        await a.close()
+        await b.close()
+        return held, seen
+
+    held, seen = run_in_netns(main)
+    assert held == HELD_MAX
+    assert seen == [b"%d" % i for i in range(n - HELD_MAX + 1, n)]  # the Error took one place
+
+
 def test_silent_peer_is_declared_dead():
     async def main():
         a, b = pair(a=dict(heartbeat_s=0.05, dead_after_s=0.5))

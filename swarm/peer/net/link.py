@@ -70,6 +70,7 @@ DEAD_AFTER_S = 5.0  # seconds without any inbound byte before the link is declar
 JUMBO_REPROBE_S = (5.0, 30.0)
 HANDSHAKE_TIMEOUT_S = 10.0  # seconds from connect to OPEN (ICE + DTLS + auth + hello)
 RTT_SAMPLES = 9  # heartbeat round trips kept; rtt_s is their median
+HELD_MAX = 64  # unclaimed inbound messages kept for a handler yet to register; the oldest go first
 
 MAX_ERROR_CHARS = 1000  # the longest refusal text sent to a remote
 
@@ -507,6 +508,10 @@ class Link:
             raise RemoteProtocolError("a second Hello arrived on an open link")
         handler = self._handlers.get(type(message))
         if handler is None:
+            if self._inbox.qsize() >= HELD_MAX:  # a type this peer never handles must not pile up
+                dropped = self._inbox.get_nowait()
+                log.debug("link to %s: dropped an unclaimed %s (%d held)", self.peer_id,
+                          type(dropped).__name__, HELD_MAX)
             self._inbox.put_nowait(message)
             return
         self._deliver(handler, message)
@@ -602,7 +607,8 @@ class Link:
 
         Messages of that type that came before, unclaimed (a peer's links open while it is still
         starting its roles: the coordinator's plan and first request may come first), go to the
-        handler now, in the order they came; they are not lost."""
+        handler now, in the order they came; they are not lost. At most ``HELD_MAX`` unclaimed
+        messages are held (the oldest are dropped first)."""
         self._handlers[message_type] = handler
         held = []
         while not self._inbox.empty():
