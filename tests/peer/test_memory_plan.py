@@ -250,3 +250,33 @@ def test_status_and_the_dashboard_say_what_is_missing():
     page = Path(__file__).resolve().parents[2] / "web_peer"
     assert 'id="plan-shortfall"' in (page / "dashboard.html").read_text()
     assert "plan.shortfall?.message" in (page / "dashboard.js").read_text()
+
+
+def test_under_stages_the_coordinators_ffn_budget_counts_only_its_own_layers_attention():
+    """A stage layout the cost model found to fit gives the coordinator an FFN budget that holds
+    its own stages' FFN: the attention of the workers' layers is not charged to it (it maps them
+    but runs them only after a failover), so nothing is streamed and no shortfall is said."""
+    cfg = qwen3_30b_config()
+    attn, embed = 11_300_000, 373_000_000
+    expert = (17_000_000_000 - embed - 48 * attn) // (48 * 128)
+    shape, costs, own = model(cfg, expert, 0, attn, embed, 4096)
+    speeds = {"coord": 10.0, "peer-a": 10.0, "peer-b": 10.0}
+    allow = memory.allowance(available=60 * GIB, baseline=300 * MIB, cgroup_limit=7 * GIB, cap=6568 * MIB).bytes
+    me = PeerCost("coord", max(allow - own, 0), speeds["coord"])
+    stages, report = choose_stages("stages", costs, me, [PeerCost(w, allow, speeds[w], 0.001) for w in ("peer-a", "peer-b")])
+    mine = [i for s in stages if s.peer == "coord" for i in range(s.start, s.stop)]
+    assert report["choice"] == "stages" and 0 < len(mine) < 48
+    not_run = sum(b for i, b in enumerate(costs.attn_bytes) if i not in mine)
+    assert not_run == (48 - len(mine)) * attn
+    budget = shape.coordinator_weight_budget(allow, 2, len(mine), not_run)
+    assert budget == allow - (shape.resident_nbytes - not_run + len(mine) * shape.kv_layer_bytes
+                              + shape.coordinator_step_bytes + 2 * shape.record_bytes)
+    plan = build_plan(shape, PeerCapacity("coord", 0, 10.0), [], term=1, version=1, coordinator_budget=budget,
+                      layers=mine)
+    assert plan.streamed_bytes == 0
+    assert shortfall(plan, shape, coordinator_allowance=allow, worker_stages=2, kv_layers=len(mine),
+                     not_run_bytes=not_run) is None
+    # Charged every layer's attention (the old rule), the same layout streamed part of its own FFN.
+    old = build_plan(shape, PeerCapacity("coord", 0, 10.0), [], term=1, version=1,
+                     coordinator_budget=shape.coordinator_weight_budget(allow, 2, len(mine)), layers=mine)
+    assert old.streamed_bytes > 0

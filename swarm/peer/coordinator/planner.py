@@ -151,15 +151,23 @@ class ModelShape:
         the allowance less one step's activations (a range peer keeps no KV cache)."""
         return max(allowance - self.step_bytes, 0)
 
-    def coordinator_weight_budget(self, allowance: int, worker_stages: int = 0, kv_layers: int | None = None) -> int:
-        """Bytes of expert and MLP ranges the coordinator of ``allowance`` may hold: the allowance
-        less what only it holds (``resident_nbytes``), the KV cache of the ``kv_layers`` layers
-        whose attention it runs (None: every layer; under stages, its own stages' layers — a KV
-        cache holds arrays only for the layers that run), its activations and the rows it
-        records for ``worker_stages`` stages held by workers."""
+    def coordinator_fixed_bytes(self, worker_stages: int = 0, kv_layers: int | None = None,
+                                not_run_bytes: int = 0) -> int:
+        """What the coordinator holds besides expert and MLP ranges (bytes): what only it holds
+        (``resident_nbytes``) less ``not_run_bytes`` (the attention of layers whose stages run
+        elsewhere: it maps them, but touches them only after a failover), the KV cache of the
+        ``kv_layers`` layers whose attention it runs (None: every layer; under stages, its own
+        stages' layers — a KV cache holds arrays only for the layers that run), its activations
+        and the rows it records for ``worker_stages`` stages held by workers."""
         kv = self.n_layers if kv_layers is None else kv_layers
-        return max(allowance - self.resident_nbytes - kv * self.kv_layer_bytes
-                   - self.coordinator_step_bytes - worker_stages * self.record_bytes, 0)
+        return (self.resident_nbytes - not_run_bytes + kv * self.kv_layer_bytes + self.coordinator_step_bytes
+                + worker_stages * self.record_bytes)
+
+    def coordinator_weight_budget(self, allowance: int, worker_stages: int = 0, kv_layers: int | None = None,
+                                  not_run_bytes: int = 0) -> int:
+        """Bytes of expert and MLP ranges the coordinator of ``allowance`` may hold: the allowance
+        less :meth:`coordinator_fixed_bytes` (same arguments), never below 0."""
+        return max(allowance - self.coordinator_fixed_bytes(worker_stages, kv_layers, not_run_bytes), 0)
 
     @property
     def expert_bytes(self) -> int:
@@ -475,11 +483,11 @@ def build_plan(
 
 def shortfall(plan: Plan, shape: ModelShape, read_bytes_per_s: float | None = None,
               coordinator_allowance: int | None = None, worker_stages: int = 0,
-              kv_layers: int | None = None) -> dict | None:
+              kv_layers: int | None = None, not_run_bytes: int = 0) -> dict | None:
     """What the swarm lacks to hold ``plan`` in memory, and the speed to expect; None when
-    nothing is missing. ``coordinator_over_bytes``: how far what only the coordinator holds
-    (``resident_nbytes``), the KV cache of ``kv_layers`` layers (None: every layer), its activations and the rows it records for
-    ``worker_stages`` stages exceed its ``coordinator_allowance`` (0 when not given or within). Bytes: ``missing_bytes`` (the coordinator's spans beyond its budget, read
+    nothing is missing. ``coordinator_over_bytes``: how far
+    :meth:`ModelShape.coordinator_fixed_bytes` (``worker_stages``, ``kv_layers``,
+    ``not_run_bytes``) exceeds its ``coordinator_allowance`` (0 when not given or within). Bytes: ``missing_bytes`` (the coordinator's spans beyond its budget, read
     from its model file), ``held_bytes`` and ``ffn_bytes`` (of every expert and MLP);
     ``read_bytes_per_token``: what one decode token reads of the missing part (a routed expert is
     used by ``top_k / n_experts`` of the tokens, a dense column by every one);
@@ -489,9 +497,7 @@ def shortfall(plan: Plan, shape: ModelShape, read_bytes_per_s: float | None = No
     ``message``: all of it in words."""
     from swarm.peer import memory
 
-    kv = shape.n_layers if kv_layers is None else kv_layers  # see ModelShape.coordinator_weight_budget
-    fixed = (shape.resident_nbytes + kv * shape.kv_layer_bytes + shape.coordinator_step_bytes
-             + worker_stages * shape.record_bytes)
+    fixed = shape.coordinator_fixed_bytes(worker_stages, kv_layers, not_run_bytes)
     over = max(fixed - coordinator_allowance, 0) if coordinator_allowance is not None else 0
     if plan.streamed_bytes <= 0 and not over:
         return None
@@ -506,13 +512,13 @@ def shortfall(plan: Plan, shape: ModelShape, read_bytes_per_s: float | None = No
     s_token = per_token / rate
     gb = lambda n: f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"  # noqa: E731
     how = "measured" if measured else "assumed"
-    message = (f"the swarm's memory holds {gb(total - plan.streamed_bytes)} of the model's {gb(total)} of expert and "
+    message = "" if plan.streamed_bytes <= 0 else (f"the swarm's memory holds {gb(total - plan.streamed_bytes)} of the model's {gb(total)} of expert and "
                f"MLP weights: {gb(plan.streamed_bytes)} is missing, and the coordinator reads it from its model file "
                f"for every token that needs it: about {gb(per_token)} a token, at least {s_token:,.2f} s a token at "
                f"the {rate / 1e6:,.0f} MB/s its disk reads ({how}; less where the page cache keeps some). Add a peer "
                f"with at least {gb(plan.streamed_bytes)} free, raise a peer's --memory, or lower --context.")
     if over:
-        message += (f" The coordinator's own part (embeddings, attention, head, the KV cache of the layers it runs, activations: "
+        message += (" " if message else "") + (f"The coordinator's own part (embeddings, attention, head, the KV cache of the layers it runs, activations: "
                     f"{gb(fixed)}) is {gb(over)} more than its memory allows: lower --context, or let a peer with "
                     "more memory coordinate.")
     return {"coordinator_over_bytes": int(over), "missing_bytes": int(plan.streamed_bytes), "held_bytes": int(total - plan.streamed_bytes),

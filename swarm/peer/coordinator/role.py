@@ -115,6 +115,7 @@ class CoordinatorRole:
         self.stages: StagedFFN | None = None  # the stage dispatch (layouts other than ranges)
         self._stage_layout: StageLayout | None = None  # of the newest plan
         self._cut_layers: range | None = None  # a mix: the coordinator's stage, whose FFN is cut into ranges
+        self._shortfall: dict | None = None  # what the newest plan lacks (planner.shortfall), shown by status
         self._cost_report: dict | None = None
         self._costs = LayerCosts.from_model(model) if model is not None and layout != "ranges" else None
         self.api: ApiServer | None = None
@@ -373,18 +374,20 @@ class CoordinatorRole:
         takers = self._plan_layout(workers)
         lay = self._stage_layout
         stage_workers = len(lay.workers()) if lay is not None else 0
-        own_layers = (sum(s.stop - s.start for s in lay.stages if s.peer == self.node.peer_id)
-                      if lay is not None else None)
-        budget = self.shape.coordinator_weight_budget(self.node.hello.memory_budget, stage_workers, own_layers)
+        own = {i for s in lay.stages if s.peer == self.node.peer_id for i in range(s.start, s.stop)} if lay else None
+        own_layers = len(own) if own is not None else None
+        # Under stages the attention of the workers' layers is not ours to keep (the cost model's rule).
+        not_run = sum(b for i, b in enumerate(self._costs.attn_bytes) if i not in own) if own is not None else 0
+        budget = self.shape.coordinator_weight_budget(self.node.hello.memory_budget, stage_workers, own_layers, not_run)
         cut = self._cut_layers
         if lay is not None and cut is None:
             # Whole stages: the budget covers the coordinator's own stages' FFN; the workers' layers
             # run here only after a stage fails (from the mapped file), outside the budget.
-            cut = [i for st in lay.stages if st.peer == self.node.peer_id for i in range(st.start, st.stop)]
+            cut = sorted(own)
         plan = build_plan(self.shape, me, takers, term=self.election.term, version=self.plan_version,
                           coordinator_budget=budget, layers=cut)
         self._shortfall = shortfall(plan, self.shape, coordinator_allowance=self.node.hello.memory_budget,
-                                    worker_stages=stage_workers, kv_layers=own_layers)
+                                    worker_stages=stage_workers, kv_layers=own_layers, not_run_bytes=not_run)
         if self._shortfall:
             log.warning("plan v%d: %s", plan.version, self._shortfall["message"])
         return plan
@@ -403,7 +406,7 @@ class CoordinatorRole:
         self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {len(plan.workers())} worker(s)")
         self.node.set_placement({"term": plan.term, "version": plan.version, **self._api_fields(),
                                  "streamed_bytes": plan.streamed_bytes, **plan.to_dict(),
-                                 **({"shortfall": self._shortfall} if getattr(self, "_shortfall", None) else {})})
+                                 **({"shortfall": self._shortfall} if self._shortfall else {})})
         await self._announce_stages()
 
     def observed(self) -> dict[str, Any]:
