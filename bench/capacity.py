@@ -7,7 +7,8 @@ memory group, the page cache dropped before each run:
 
 * ``local``: one machine, no cap — the same request through the engine the API uses;
 * ``local_capped``: one machine under the cap (the file streams from disk);
-* ``swarm_N``: N peers, each ``join --model FILE --memory CAP`` in a group capped at CAP,
+* ``swarm_N``: N peers, each ``join --model FILE --memory CAP`` in a group capped at CAP
+  (``swarm_N_kill``: the last stage's peer killed a quarter into the measured reply),
   forming from the first ``join`` (seconds), then the request through the API;
 * ``llamacpp_capped``: llama.cpp (llama-cpp-python) under the cap, on the same files.
 
@@ -132,7 +133,8 @@ async def run_local(lab, files, cap: int | None, args, prompt_tokens: int) -> di
     return out
 
 
-async def run_swarm(lab, files, n: int, cap: int, args, prompt_tokens: int, expected: str | None) -> dict:
+async def run_swarm(lab, files, n: int, cap: int, args, prompt_tokens: int, expected: str | None,
+                    kill: bool = False) -> dict:
     from swarm.keys.swarmkey import SwarmKey
     from tests.multihost.netns import MemoryCgroup
     from tests.multihost.test_capacity import Peaks, drop_page_cache
@@ -171,6 +173,12 @@ async def run_swarm(lab, files, n: int, cap: int, args, prompt_tokens: int, expe
         url = f"https://{lab.addresses[c]}:{placement['api_port']}/v1"
         for k in (2, args.tokens):  # a short warm-up request, then the measured one
             client = lab.spawn(n, ["-c", CLIENT, url, key.api_token, PROMPT, str(k)], env={"SSL_CERT_FILE": str(ca)})
+            if kill and k == args.tokens:  # a stage peer (the last) killed after a quarter of the reply
+                victim = next(i for i in range(n) if docs()[i] and docs()[i]["peer_id"] == placement["stages"][-1][0])
+                await client.wait_for(lambda e: e.get("event") == "piece", args.timeout,
+                                      since=max(args.tokens // 4 - 1, 0))
+                procs[victim].kill()
+                out["killed"] = {"host": victim, "stage": placement["stages"][-1]}
             done = await _finish(client, args.timeout)
         out.update(text=done.get("text"), error=done.get("error"), **rates(done.get("times", []), prompt_tokens))
         out["text_equal"] = expected is not None and done.get("text") == expected
@@ -234,12 +242,13 @@ async def main_async(args) -> dict:
                     expected = got["text"]
                 elif run == "local_capped":
                     got = await run_local(lab, files, cap, args, len(prompt_ids))
-                elif run.startswith("swarm_"):
-                    got = await run_swarm(lab, files, int(run.split("_")[1]), cap, args, len(prompt_ids), expected)
+                elif run.startswith("swarm_"):  # swarm_N, or swarm_N_kill: a stage peer killed mid-reply
+                    got = await run_swarm(lab, files, int(run.split("_")[1]), cap, args, len(prompt_ids), expected,
+                                          kill=run.endswith("_kill"))
                 elif run == "llamacpp_capped":
                     got = await run_llamacpp(lab, files, cap, args, prompt_ids)
                 else:
-                    raise SystemExit(f"unknown run {run!r}: use local, local_capped, swarm_N, llamacpp_capped")
+                    raise SystemExit(f"unknown run {run!r}: use local, local_capped, swarm_N, swarm_N_kill, llamacpp_capped")
                 if expected is not None and "text" in got and run != "local":
                     got["text_equal"] = got["text"] == expected
                 report["runs"][run] = got
