@@ -17,7 +17,9 @@ union of the rows with their segments, so every row is bit-identical to its solo
 sequence's tokens do not depend on its neighbours. After the step, each sequence that produced
 logits samples its next token with its own generator (:func:`swarm.compute.sampling.sample`).
 
-Sequences join and leave between steps. At most ``max_batch`` run; up to ``max_queue`` more wait
+Sequences join and leave between steps. At most ``max_batch`` run, and with ``max_positions``
+only as many as whose prompt + ``max_tokens`` fit that many KV positions together (a swarm's
+memory plan reserves the KV cache of ``join --context`` positions); up to ``max_queue`` more wait
 in arrival order; beyond that :meth:`BatchScheduler.submit` raises :class:`QueueFullError`
 with a suggested wait. A cancelled sequence (its client went away) leaves at the end of the step
 in flight — within one chunk of prefill or one decode step — and its slot goes to the next.
@@ -137,7 +139,8 @@ class BatchScheduler:
     """
 
     def __init__(self, model: Any, ffn: Callable[[], Any] = lambda: None, *, max_batch: int | None = None,
-                 max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS) -> None:
+                 max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS,
+                 max_positions: int | None = None) -> None:
         max_batch = _limits["max_batch"] if max_batch is None else max_batch
         max_queue = _limits["max_queue"] if max_queue is None else max_queue
         if max_batch < 1 or max_queue < 0 or chunk < 1 or prefill_rows < chunk:
@@ -145,6 +148,7 @@ class BatchScheduler:
                              f"chunk={chunk} (≥ 1), prefill_rows={prefill_rows} (≥ chunk)")
         self.model, self._ffn = model, ffn
         self.max_batch, self.max_queue, self.chunk, self.prefill_rows = max_batch, max_queue, chunk, prefill_rows
+        self.max_positions = max_positions  # KV positions all running sequences may claim together (None: no bound)
         self._cond = threading.Condition()
         self._running: list[_Seq] = []
         self._waiting: deque[_Seq] = deque()
@@ -214,7 +218,7 @@ class BatchScheduler:
             with self._cond:
                 self.left.extend((s.ident, s.fed, len(s.prompt), s.generated) for s in self._running if s.cancelled)
                 self._running = [s for s in self._running if not s.cancelled]
-                while self._waiting and len(self._running) < self.max_batch:
+                while self._waiting and len(self._running) < self.max_batch and self._fits(self._waiting[0]):
                     seq = self._waiting.popleft()
                     seq.cache = self.model.new_cache(capacity=16)
                     seq.rng = np.random.default_rng(seq.params.seed)
@@ -224,6 +228,15 @@ class BatchScheduler:
                     return
                 step = self._plan_step()
             self._step(step)
+
+    def _fits(self, seq: _Seq) -> bool:
+        """Whether ``seq``'s positions (prompt + max_tokens) fit ``max_positions`` beside the
+        running sequences' claims; a sequence alone always starts (its request was checked
+        against the context when it was encoded)."""
+        if self.max_positions is None or not self._running:
+            return True
+        claimed = sum(len(s.prompt) + s.params.max_tokens for s in self._running)
+        return claimed + len(seq.prompt) + seq.params.max_tokens <= self.max_positions
 
     def _plan_step(self) -> list[tuple[_Seq, list[int]]]:
         step, prefill = [], 0

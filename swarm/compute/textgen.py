@@ -34,37 +34,45 @@ class GenerationStats:
     finish_reason: str = "stop"  # "stop" (a stop token or string) or "length" (max_tokens)
 
 
-def context_limit(config: Any) -> int | None:
+def context_limit(config: Any, context: int | None = None) -> int | None:
     """The most positions one sequence may take: the model's context
     (``max_position_embeddings``), or its attention window when the engine cannot attend past
-    it (``sliding_window``); None when the file states neither."""
+    it (``sliding_window``), and at most ``context`` (a server's own bound, e.g. the KV cache its
+    memory plan reserves); None when none of them is stated."""
     limits = [n for n in (getattr(config, "max_position_embeddings", 0),
-                          getattr(config, "sliding_window", None)) if n]
+                          getattr(config, "sliding_window", None), context) if n]
     return min(limits) if limits else None
 
 
+def _context_words(config: Any, limit: int) -> str:
+    """How an error names the context ``limit``: the model's, or the server's narrower bound."""
+    model = context_limit(config)
+    return (f"the model's context of {limit} tokens" if model == limit else
+            f"this server's context of {limit} tokens (its join --context; the model's is {model})")
+
+
 def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mapping[str, Any]] | str,
-                  max_tokens: int) -> list[int]:
+                  max_tokens: int, context: int | None = None) -> list[int]:
     """The prompt's token ids, checked before any work is done.
 
     messages: chat messages (``[{"role", "content"}, ...]``), rendered with the checkpoint's
         chat template and its generation prompt; or a ``str``, encoded as is (with BOS when
         the checkpoint asks for it) — ``--raw``.
     max_tokens: the most tokens the reply may take; prompt + reply must fit
-        :func:`context_limit`.
+        :func:`context_limit` (of ``context``, a server's own bound, when given).
     Raises: :class:`~swarm.errors.ChatTemplateError` if the template rejects the messages;
     :class:`~swarm.errors.ModelFileError` if the tokenizer yields ids outside the model's
     vocabulary; :class:`~swarm.errors.ContextLengthError` naming the numbers when the prompt
     and ``max_tokens`` do not fit; :class:`~swarm.errors.SwarmError` for an empty prompt.
     """
     text = messages if isinstance(messages, str) else tokenizer.apply_chat_template(messages)
-    limit = context_limit(model.config)
+    limit = context_limit(model.config, context)
     fewest = tokenizer.fewest_tokens(text) if limit is not None else None
     if fewest is not None and fewest + max_tokens > limit:  # surely too long: refused without encoding it
         raise ContextLengthError(
             f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, so at least {fewest} tokens (no "
             f"token of this model stands for more than {tokenizer.max_token_bytes} bytes), and max_tokens is "
-            f"{max_tokens}: more than the model's context of {limit} tokens; shorten the prompt or ask for fewer tokens"
+            f"{max_tokens}: more than {_context_words(model.config, limit)}; shorten the prompt or ask for fewer tokens"
         )
     prompt_ids = tokenizer.encode(text, add_special_tokens=isinstance(messages, str))
     if not prompt_ids:
@@ -78,7 +86,7 @@ def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mappi
     if limit is not None and len(prompt_ids) + max_tokens > limit:
         raise ContextLengthError(
             f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}: "
-            f"{len(prompt_ids) + max_tokens} > the model's context of {limit} tokens; "
+            f"{len(prompt_ids) + max_tokens} > {_context_words(model.config, limit)}; "
             "shorten the prompt or ask for fewer tokens"
         )
     return prompt_ids

@@ -119,3 +119,23 @@ def test_beyond_the_queue_a_request_is_refused_and_a_cancelled_one_leaves(model)
     ident, fed, prompt_len, generated = next(x for x in s.left if x[0] == a.ident)
     assert 0 < fed < prompt_len == 240 and generated == 0
     assert s.snapshot()["running"] == []
+
+
+def test_sequences_wait_until_their_positions_fit_the_reserved_context(smollm2_model):
+    """With ``max_positions`` (the KV cache a swarm's memory plan reserves), a sequence whose
+    prompt + max_tokens would take the running ones past it waits in the queue until they end,
+    then runs to the same tokens as alone; a lone sequence always runs."""
+    from swarm.compute import SamplingParams
+    from swarm.compute.serving import BatchScheduler
+
+    prompts = [[1, 504, 3], [1, 2025, 9, 11], [1, 77]]
+    params = SamplingParams(max_tokens=6)
+    alone = [list(BatchScheduler(smollm2_model, max_batch=1).submit(p, params)) for p in prompts]
+    # 20 positions: the first two (3+6 and 4+6 = 19) run together, the third (2+6) waits.
+    sched = BatchScheduler(smollm2_model, max_batch=4, max_positions=20)
+    streams = [sched.submit(p, params) for p in prompts]
+    assert [list(s) for s in streams] == alone
+    assert sched._fits(type("S", (), {"prompt": [0] * 2, "params": params})())  # nothing runs now: fits
+    sched._running = [type("S", (), {"prompt": [0] * 4, "params": params})()] * 2
+    assert not sched._fits(type("S", (), {"prompt": [0] * 2, "params": params})())  # 20 + 8 > 20
+    sched._running = []

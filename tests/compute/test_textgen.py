@@ -264,3 +264,20 @@ def test_stats_count_the_stop_token_and_say_why_the_reply_ended(smollm2_model):
     cut = GenerationStats()
     assert "".join(stream_reply(smollm2_model, tok, ids, SamplingParams(max_tokens=2), stats=cut))
     assert (cut.completion_tokens, cut.finish_reason) == (2, "length")
+
+
+def test_a_servers_own_context_bounds_a_request_and_is_named(smollm2_model):
+    """A server bound narrower than the model (a swarm's join --context: the KV cache its memory
+    plan reserves) refuses prompt + max_tokens past it, naming that bound and the model's."""
+    from swarm.compute.textgen import context_limit, encode_prompt
+    from swarm.errors import ContextLengthError
+
+    tok = tokenizer_for(smollm2_model)
+    ctx = context_limit(smollm2_model.config)
+    assert context_limit(smollm2_model.config, 64) == 64 and context_limit(smollm2_model.config, ctx * 2) == ctx
+    ids = encode_prompt(smollm2_model, tok, "hello there", 8, context=64)
+    with pytest.raises(ContextLengthError) as err:
+        encode_prompt(smollm2_model, tok, "hello there", 64 - len(ids) + 1, context=64)
+    assert str(err.value) == (f"the prompt is {len(ids)} tokens and max_tokens is {64 - len(ids) + 1}: 65 > this "
+                              f"server's context of 64 tokens (its join --context; the model's is {ctx}); shorten "
+                              "the prompt or ask for fewer tokens")

@@ -274,11 +274,15 @@ class EngineBackend:
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, ffn: Any = None,
                  max_tokens_limit: int | None = None, max_batch: int | None = None,
-                 max_queue: int | None = None) -> None:
+                 max_queue: int | None = None, context: int | None = None) -> None:
         self.model, self.tokenizer, self.ffn = model, tokenizer, ffn
         self.model_id = model_id
-        self.max_tokens_limit = max_tokens_limit or context_limit(model.config) or 8192
-        self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue)
+        # ``context``: positions of KV cache this server may hold, all sequences together (the memory
+        # plan's reserve): one sequence never takes more, and sequences wait until theirs fit.
+        self.context = context
+        self.max_tokens_limit = max_tokens_limit or context_limit(model.config, context) or 8192
+        self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue,
+                                        max_positions=context)
         self.concurrency = self.scheduler.max_batch + self.scheduler.max_queue
 
     def set_ffn(self, ffn: Any) -> None:
@@ -292,11 +296,11 @@ class EngineBackend:
         Raises: ContextLengthError (the numbers named), ChatTemplateError, ModelFileError.
         """
         messages = request.prompt if request.prompt is not None else list(request.messages)
-        limit = context_limit(self.model.config)
+        limit = context_limit(self.model.config, self.context)
         if request.max_tokens_set or limit is None:
-            ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens)
+            ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens, self.context)
             return dataclasses.replace(request, prompt_ids=tuple(ids))
-        ids = encode_prompt(self.model, self.tokenizer, messages, 1)
+        ids = encode_prompt(self.model, self.tokenizer, messages, 1, self.context)
         return dataclasses.replace(request, prompt_ids=tuple(ids), max_tokens=min(request.max_tokens, limit - len(ids)))
 
     def generate(self, request: ChatRequest, stats: GenerationStats) -> Reply:

@@ -526,10 +526,14 @@ class CoordinatorRole:
         if self._backend is not None:
             self._backend.set_ffn(self.engine_ffn)
             return
+        from swarm.peer import memory
         from swarm.peer.coordinator.api import ApiServer, EngineBackend
         from swarm.peer.coordinator.dashboard import Dashboard
 
-        self._backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.engine_ffn)
+        # The KV cache the memory plan reserved (join --context) bounds what the API admits.
+        context = memory.context_tokens(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self._backend = EngineBackend(self.model, self._tokenizer, model_id=self.model.path.name, ffn=self.engine_ffn,
+                                      context=context)
         remembered = self.node.status_path.parent / API_PORT_FILE  # in this peer's config directory
         port = self._api_port_wanted if self._api_port_wanted is not None else read_api_port(remembered)
         for attempt in (port, 0) if port else (0,):
