@@ -604,6 +604,43 @@ def test_a_worker_that_stops_answering_is_recomputed_within_the_bound(checkpoint
         swarm.close()
 
 
+def test_a_worker_that_stops_answering_and_beating_costs_one_deadline_then_fails_by_silence(checkpoints):
+    """At decode step 2 W1 stops answering and nothing more is heard from it (its process
+    killed, its link not closed yet). After its first miss it is suspect: it is sent nothing
+    and its rows are computed here at once — one wait, not MISS_LIMIT doubled ones, and no
+    further miss counted — until it is marked down when its link has been silent SILENCE_S
+    (its last contact set back that far at step 5). W2 keeps its share; tokens and logits
+    are the local run's."""
+    from swarm.peer.coordinator.deadlines import SILENCE_S
+
+    hung = threading.Event()
+    swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=rewrite_answers(W1, lambda m: None if hung.is_set() else m))
+    heard, sent = {}, []  # heard: W1's last contact once it stopped (others: now)
+    swarm.ffn.dispatcher.heard = lambda p: heard.get(p, time.monotonic())
+    send = swarm.ffn.dispatcher.send
+    swarm.ffn.dispatcher.send = lambda peer, msg: (sent.append((peer, hung.is_set())), send(peer, msg))[1]
+
+    def on_step(step):
+        if step == 2:
+            heard[W1] = time.monotonic()
+            hung.set()
+        if step == 5:
+            heard[W1] = time.monotonic() - SILENCE_S - 1.0
+
+    try:
+        got = greedy(swarm.model, swarm.ffn, n=8, on_step=on_step)
+        assert_same(got, local_reference(swarm, n=8))
+        assert sent.count((W1, True)) == 1  # the missed request; not one per doubled deadline
+        assert sent.count((W2, True)) >= 6 * 2  # W2 still has its share in every layer it holds
+        missed = [s for s in swarm.ffn.deadlines._late.values() if s.peer == W1]
+        assert len(missed) == 1 and swarm.ffn.timing[W1].misses == 1
+        assert swarm.ffn.deadlines.withheld >= 2  # steps 3 and 4 at least: computed here, not sent
+        assert [p for p, _ in swarm.failed] == [W1] and "nothing heard" in swarm.failed[0][1], swarm.failed
+        assert swarm.ffn.failed == {W1} and W2 not in swarm.ffn.failed
+    finally:
+        swarm.close()
+
+
 def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, monkeypatch):
     """The plan never reached W1: its refusal (stale_term, no plan yet) is not a failure. Its
     rows are recomputed, it gets no more requests of that plan but a probe now and then, it is

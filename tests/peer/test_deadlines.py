@@ -1,8 +1,9 @@
 """The deadline rule both dispatchers follow (swarm/peer/coordinator/deadlines.py), and the
 stages under it: a stage's first pass gets a deadline for reading its layers from disk, a late
 answer is timed (slow, not gone), a miss fails a peer only at its first request, at MISS_LIMIT in
-a row or after SILENCE_S of silence. In process: StagedFFN against StageRunners on other threads
-(tests/peer/test_stages.py); the oracle is the local engine."""
+a row or after SILENCE_S of silence, and a peer that missed and has not been heard since is
+sent nothing (suspect) until it is heard or fails by silence. In process: StagedFFN against
+StageRunners on other threads (tests/peer/test_stages.py); the oracle is the local engine."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from swarm.compute.model import load_model
 from swarm.peer.coordinator import deadlines as D
 from swarm.peer.coordinator.costmodel import LayerCosts
 from swarm.peer.coordinator.stages import Stage, StageLayout
-from tests.peer._swarm_models import COORD, PROMPT, W1, build, greedy
+from swarm.peer.net.messages import StageRequest
+from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 from tests.peer.test_stages import staged
 
 
@@ -49,6 +51,68 @@ def test_the_rule_in_time_late_missed_and_first():
     assert "first request" in d.missed(31, d.sent(W1, 1, now=40.0), now=80.0, heard=79.9)
     assert D.Deadlines.gone_silent(quick, now=9.0 + D.SILENCE_S + 0.1, heard=9.0)
     assert not D.Deadlines.gone_silent(quick, now=9.0 + D.SILENCE_S + 0.1, heard=9.0 + D.SILENCE_S)
+
+
+def test_a_peer_that_missed_and_was_not_heard_since_is_suspect_until_heard():
+    d = D.Deadlines()
+    d.answered(d.sent(W1, 10, now=0.0), now=0.01)  # answered once: deadlines from its speed
+    s = d.sent(W1, 1, now=10.0)
+    assert not s.first and s.deadline - 10.0 == D.DEADLINE_MIN_S
+    assert not d.suspect(W1, heard=9.5)  # in flight, not missed yet
+    assert d.missed(1, s, now=10.3, heard=9.5) is None  # silent 0.8 s: kept
+    assert d.suspect(W1, heard=9.5) and d.suspect(W1, heard=10.0)  # nothing heard since it was sent
+    assert not d.suspect(W2, heard=9.5)  # another peer
+    assert not d.suspect(W1, heard=10.2)  # a heartbeat after the request: it is sent again
+    assert not d.suspect(W1, heard=None)  # last contact unknown: never suspect
+    assert d.of(W1).misses == 1  # suspect, nothing sent: no further miss
+    assert D.Deadlines.silence(now=10.3, heard=9.5) is None
+    assert D.Deadlines.silence(now=9.5 + D.SILENCE_S + 0.1, heard=9.5) == f"nothing heard for {D.SILENCE_S + 0.1:.1f} s"
+    assert D.Deadlines.silence(now=100.0, heard=None) is None
+    assert d.late(1, W1, now=10.6)  # its late answer: heard, slow, not gone
+    assert not d.suspect(W1, heard=9.5) and d.of(W1).misses == 0
+    assert d.missed(2, d.sent(W1, 1, now=11.0), now=11.3, heard=10.9) is None
+    assert d.suspect(W1, heard=10.9)
+    d.forget(W1)  # its link closed: that request will never be answered
+    assert not d.suspect(W1, heard=10.9)
+
+
+def test_a_stage_peer_that_stops_answering_and_beating_costs_one_wait_then_fails_by_silence(moe_dir):
+    """At decode step 2 W1 stops answering and nothing more is heard from it (its process
+    killed, its link not closed yet). Its missed step is the one request it is sent: it is
+    suspect from then on, so its stage runs here at once at the next steps (no wait, no miss
+    counted), and it is marked down once its link has been silent SILENCE_S (its last contact
+    set back that far at step 5). Tokens and logits are the local run's."""
+    model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
+    heard, sent, misses = {}, [], []  # heard: W1's last contact once it stopped (others: now)
+    hand.last_heard = lambda p: heard.get(p, time.monotonic())
+    send = hand.send
+
+    def stopped(peer, req):
+        if isinstance(req, StageRequest):
+            sent.append((peer, peer in heard))
+            if peer in heard:
+                return  # nothing comes back
+        send(peer, req)
+
+    hand.send = stopped
+
+    def on_step(step):
+        hand.join()
+        if step == 2:
+            heard[W1] = time.monotonic()
+            misses.append(ffn.misses)
+        if step == 5:
+            heard[W1] = time.monotonic() - D.SILENCE_S - 1.0
+
+    run = greedy(model, ffn, PROMPT, 8, on_step)
+    hand.join()
+    ref = greedy(load_model(moe_dir), None, PROMPT, 8)
+    assert run[0] == ref[0] and all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
+    assert sent.count((W1, True)) == 1  # the missed step; not one per doubled deadline
+    assert ffn.misses - misses[0] == 1  # its stopped steps: one miss
+    assert ffn.deadlines.withheld == 3  # steps 3 and 4 ran here at once; at step 5 it failed
+    assert [p for p, _ in hand.failed] == [W1] and "nothing heard" in hand.failed[0][1], hand.failed
+    assert ffn.failed == {W1} and ffn.timing[W1].failures == 1
 
 
 def warm_then_relayout(moe_dir, slow_first_s: float):

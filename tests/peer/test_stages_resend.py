@@ -10,6 +10,7 @@ test_stages_loopback.py: real signaling, real aiortc links, one event loop in a 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -39,7 +40,9 @@ def test_a_missed_step_and_a_lost_stage_give_the_local_bits(tmp_path):
 
             def miss_once(step):
                 """Step MISS_AT: a deadline of 0, and the worker's answer dropped as if it came
-                late (the request did reach the worker, whose cache now holds that row)."""
+                late (the request did reach the worker, whose cache now holds that row). The
+                next step waits for that answer: until it is heard from, the worker is suspect
+                and would be sent nothing."""
                 timing = st.timing[wid]
                 if step == MISS_AT:
                     timing.deadline_s = lambda rows: 0.0
@@ -49,6 +52,9 @@ def test_a_missed_step_and_a_lost_stage_give_the_local_bits(tmp_path):
                     st.deliver = late
                 elif step == MISS_AT + 1:
                     del timing.deadline_s
+                    until = time.monotonic() + 10.0
+                    while "deliver" in vars(st) and time.monotonic() < until:  # its late answer came
+                        time.sleep(0.01)
 
             a = await asyncio.to_thread(greedy, model, ffn, PROMPT_A, STEPS, miss_once)
             missed = (st.misses, st.rebuilt_positions, set(st.failed), st.remote_steps)

@@ -25,6 +25,15 @@ The rule
   every second); otherwise the next step is sent to it again. A wait also ends early when the
   link has been silent ``SILENCE_S`` (:meth:`Deadlines.gone_silent`), so a generous first
   deadline does not stall a run behind a stopped peer.
+* **Suspect.** A peer with a missed request still unanswered (kept for :meth:`Deadlines.late`)
+  and nothing heard from it since that request was sent (links beat every second) is suspect
+  (:meth:`Deadlines.suspect`): it gets no request and no wait — its rows, or its stage's
+  layers, are computed by the coordinator at once (the same bits), and no miss is counted for
+  what was never sent. So a stopped or killed peer costs a run one deadline, not the sum of
+  its doubled deadlines. It is sent requests again as soon as anything is heard from it (a
+  heartbeat, its late answer), or is failed when its link has been silent ``SILENCE_S``
+  (:meth:`Deadlines.silence`), as at a miss (:meth:`Deadlines.hold` says both). A peer whose
+  last contact is unknown (``heard`` None) is never suspect.
 """
 
 from __future__ import annotations
@@ -133,6 +142,7 @@ class Deadlines:
     def __init__(self) -> None:
         self.timing: dict[str, PeerTiming] = {}
         self._late: dict[int, Sent] = {}
+        self.withheld = 0  # requests not sent to a suspect peer (its rows computed by the coordinator)
 
     def of(self, peer: str) -> PeerTiming:
         return self.timing.setdefault(peer, PeerTiming())
@@ -154,6 +164,30 @@ class Deadlines:
         t.observe(now - s.sent_at, s.rows)
         t.misses = 0
 
+    def suspect(self, peer: str, heard: float | None) -> bool:
+        """Whether ``peer`` is to be sent nothing now (module docstring, "Suspect"): a request it
+        missed is still unanswered and it has not been heard since that request was sent
+        (``heard``: when it was last heard; None: unknown, never suspect)."""
+        return heard is not None and any(s.peer == peer and heard <= s.sent_at for s in self._late.values())
+
+    def hold(self, peer: str, now: float, heard: float | None) -> tuple[bool, str | None]:
+        """Whether to send ``peer`` nothing at ``now`` (it is :meth:`suspect`; counted in
+        ``withheld``), and why it fails, when its link has also been silent ``SILENCE_S``
+        (:meth:`silence`), or None."""
+        if not self.suspect(peer, heard):
+            return False, None
+        self.withheld += 1
+        why = self.silence(now, heard)
+        return True, None if why is None else f"suspect since a missed request; {why}"
+
+    @staticmethod
+    def silence(now: float, heard: float | None) -> str | None:
+        """Why a peer last heard at ``heard`` fails for silence at ``now`` (its link silent more
+        than ``SILENCE_S``), or None."""
+        if heard is not None and now - heard > SILENCE_S:
+            return f"nothing heard for {now - heard:.1f} s"
+        return None
+
     @staticmethod
     def gone_silent(s: Sent, now: float, heard: float | None) -> bool:
         """Whether to stop waiting for ``s`` before its deadline: its link has been silent
@@ -167,11 +201,11 @@ class Deadlines:
         self._late[rid] = s
         t = self.of(s.peer)
         t.misses += 1
-        silent = heard is not None and now - heard > SILENCE_S
+        silent = self.silence(now, heard)
         if s.first:
             return "its first request under a new share or stage"
         if silent:
-            return f"nothing heard for {now - heard:.1f} s"
+            return silent
         if t.misses >= MISS_LIMIT:
             return f"{t.misses} misses in a row"
         return None

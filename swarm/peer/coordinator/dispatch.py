@@ -49,6 +49,11 @@ ceiling in between (each miss doubles the next deadline, within the ceiling; a
 late answer within the ceiling resets the count: that peer is slow, not gone, and
 its deadline now covers it), at once when its link has been silent for
 ``SILENCE_S``, or when it misses its first request under a new share.
+After a miss, a peer not heard from since that request was sent is suspect
+(:meth:`~swarm.peer.coordinator.deadlines.Deadlines.suspect`): it is sent nothing
+and its rows are computed here at once, without waiting or counting misses, until
+it is heard again (a heartbeat, its late answer) or fails by silence — so a killed
+worker costs one deadline, not ``MISS_LIMIT`` doubled ones.
 So a peer that stops answering stalls a generation at most ``MISS_LIMIT``
 deadlines, each at most its ceiling (``DEADLINE_MAX_S`` plus the safety factor
 times the rows' expected compute: ~6 s for decode steps), or ``FIRST_DEADLINE_S``
@@ -287,6 +292,13 @@ class RemoteFFN:
     def _remote(self, peer: str) -> bool:
         if peer == self.plan.coordinator or peer in self.failed:
             return False
+        heard = self.dispatcher.last_heard(peer)
+        with self._lock:  # suspect (deadlines.py): sent nothing, its rows computed here at once
+            suspect, why = self.deadlines.hold(peer, self._clock(), heard)
+        if why is not None:  # and silent SILENCE_S: failed, as at a miss
+            self._fail(peer, why)
+        if suspect:
+            return False
         held = self.not_ready.get(peer)
         if held is None:
             return True
@@ -420,9 +432,12 @@ class RemoteFFN:
         rows_of = expert_rows(routing)  # expert → rows, experts ascending
         seg_of = {e: None if seg is None else seg[r] for e, r in rows_of.items()}  # each row's sequence
         by_peer: dict[str, list[int]] = {}
+        remote: dict[str, bool] = {}  # owner → sent to (asked once per layer)
         for e in rows_of:
             owner = plan.expert_owner(layer, e)
-            by_peer.setdefault(owner if self._remote(owner) else plan.coordinator, []).append(e)
+            if owner not in remote:
+                remote[owner] = self._remote(owner)
+            by_peer.setdefault(owner if remote[owner] else plan.coordinator, []).append(e)
 
         pending = []
         for peer, experts in by_peer.items():

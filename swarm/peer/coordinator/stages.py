@@ -34,9 +34,10 @@ deadline follows its observed answer times, and its first request for a stage it
 answered yet gets one for reading that stage's layers from disk; a missed deadline is counted
 (its answer, should it come, is timed: slow, not gone), and fails it only at ``MISS_LIMIT``
 in a row, at its first request for a stage or after ``SILENCE_S`` of silence — otherwise its
-next step is sent to it again, with the rows it missed. A failed peer stays failed for the
-sequences under older layouts until a layout has it again, so it is marked down once, not at
-every step; a ``stale_term`` refusal (it does not
+next step is sent to it again, with the rows it missed, once it is heard from: until then it
+is suspect, and its steps run here at once, with no wait and no miss counted. A failed peer
+stays failed for the sequences under older layouts until a layout has it again, so it is
+marked down once, not at every step; a ``stale_term`` refusal (it does not
 serve the layout: restarted, or the plan was lost) is "not ready": its layers run here, it is
 probed every ``NOT_READY_RETRY_S`` and sent that sequence's stage plan again (through
 ``Dispatcher.send``). A sequence keeps the layout it started with (holders may fail
@@ -513,9 +514,18 @@ class StagedFFN:
         return parts[0].x if len(parts) == 1 else np.concatenate([p.x for p in parts])
 
     def _may_send(self, peer: str, layout: StageLayout) -> bool:
-        """Not failed, and not held as not ready under ``layout`` (but for a probe now and then)."""
+        """Not failed, not suspect, and not held as not ready under ``layout`` (but for a probe
+        now and then)."""
         if peer in self.failed:
             return False
+        with self._lock:  # suspect: this step runs here, as on a failover, and the peer is kept
+            suspect, why = self.deadlines.hold(peer, self._clock(), self.dispatcher.last_heard(peer))
+        if why is not None:  # unless its link has been silent SILENCE_S: failed, as at a miss
+            self._fail(peer, why)
+        return not suspect and self._ready(peer, layout)
+
+    def _ready(self, peer: str, layout: StageLayout) -> bool:
+        """Not held as not ready under ``layout`` (but for a probe now and then)."""
         held = self.not_ready.get(peer)
         if held is None:
             return True
