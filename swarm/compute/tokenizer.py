@@ -121,8 +121,10 @@ class TextTokenizer:
     @cached_property
     def max_token_bytes(self) -> int | None:
         """The most bytes of UTF-8 text one token can stand for, so that a text of ``n`` bytes
-        is at least ``ceil(n / max_token_bytes)`` tokens; None when the tokenizer's normalizer
-        may shrink the text (then no such bound holds).
+        is at least ``ceil(n / max_token_bytes)`` tokens; None when no such bound holds: a
+        normalizer that may shrink the text, a pre-tokenizer that drops some
+        (:func:`_pre_tokenizer_keeps_text`), an unknown token without byte fallback (a run of
+        unknown characters becomes one token), or an added token that strips whitespace.
 
         A byte-level vocabulary writes each byte as one character (GPT-2's map), so such an
         entry stands for as many bytes as it has characters; any other entry, and each added
@@ -132,6 +134,15 @@ class TextTokenizer:
         normalizer = self.tokenizer.normalizer
         if normalizer is not None and not _normalizer_only_grows(json.loads(normalizer.__getstate__())):
             return None
+        pre = self.tokenizer.pre_tokenizer
+        if pre is not None and not _pre_tokenizer_keeps_text(json.loads(pre.__getstate__())):
+            return None  # it drops text (whitespace splitting, removed splits): no bound holds
+        model = json.loads(self.tokenizer.model.__getstate__())
+        if model.get("unk_token") is not None or model.get("unk_id") is not None:
+            if not model.get("byte_fallback"):
+                return None  # a run of unknown characters may become one unk token
+        if any(t.lstrip or t.rstrip for t in self.tokenizer.get_added_tokens_decoder().values()):
+            return None  # such a token swallows any amount of whitespace beside it
         byte_chars = set(_bytes_to_unicode().values()) if isinstance(self.tokenizer.decoder, decoders.ByteLevel) else set()
         longest = 0
         for piece in self.tokenizer.get_vocab(with_added_tokens=False):
@@ -331,6 +342,21 @@ def _normalizer_only_grows(state: Mapping[str, Any]) -> bool:
         pattern = state.get("pattern", {}).get("String")
         return isinstance(pattern, str) and len(str(state.get("content", "")).encode()) >= len(pattern.encode()) > 0
     return False
+
+
+_TEXT_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split")
+
+
+def _pre_tokenizer_keeps_text(state: Mapping[str, Any]) -> bool:
+    """True for a pre-tokenizer (its JSON state) that splits without dropping any text:
+    byte-level, SentencePiece's Metaspace, digit, punctuation and script splits, and ``Split``
+    unless its behavior removes the matches — alone or in a ``Sequence``."""
+    kind = state.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps_text(p) for p in state.get("pretokenizers", ()))
+    if kind == "Split":
+        return state.get("behavior") != "Removed"
+    return kind in _TEXT_KEEPING_PRE_TOKENIZERS
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -262,3 +262,37 @@ def test_gguf_control_and_user_defined_tokens_encode_to_their_own_id(tmp_path, s
     hi = tok.encode("hi", add_special_tokens=False)
     assert tok.encode("<｜User｜>hi<｜Assistant｜><think>", add_special_tokens=False) == [user, *hi, assistant, base + 4]
     assert tok.vocab_size == base + len(ADDED)  # no id was added beside the file's
+
+
+def test_no_byte_bound_where_a_tokenizer_may_drop_or_fold_text():
+    """The bytes → fewest-tokens bound holds only where no text is dropped or folded: a
+    whitespace-splitting pre-tokenizer drops spaces, an unknown token without byte fallback
+    covers any run of unknown characters, an added token with lstrip swallows whitespace."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from swarm.compute.tokenizer import TextTokenizer
+
+    def bound(tok: Tokenizer):
+        return TextTokenizer(tokenizer=tok, chat_template=None, bos_token_id=None, eos_token_ids=(),
+                             special_tokens={}, source="test").max_token_bytes
+
+    vocab = {"ab": 0, "a": 1, "b": 2, " ": 3}
+    plain = Tokenizer(models.BPE(vocab, [("a", "b")]))
+    assert bound(plain) == 2
+    dropping = Tokenizer(models.BPE(vocab, [("a", "b")]))
+    dropping.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert bound(dropping) is None and len(dropping.encode("a" + " " * 50 + "b").ids) == 2  # 52 bytes, 2 tokens
+    removed = Tokenizer(models.BPE(vocab, [("a", "b")]))
+    removed.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.Split(" ", "removed")])
+    assert bound(removed) is None
+    kept = Tokenizer(models.BPE(vocab, [("a", "b")]))
+    kept.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.Split(" ", "isolated")])
+    assert bound(kept) == 2
+    unk = Tokenizer(models.WordLevel({"ab": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    assert bound(unk) is None and unk.encode("zzzzzzzzzz").ids == [1]  # 10 bytes, 1 token
+    fallback = Tokenizer(models.BPE({**vocab, "<unk>": 4, **{f"<0x{b:02X}>": 5 + b for b in range(256)}}, [("a", "b")],
+                                    unk_token="<unk>", byte_fallback=True))
+    assert bound(fallback) == len("<0x00>")
+    stripping = Tokenizer(models.BPE(vocab, [("a", "b")]))
+    stripping.add_special_tokens([AddedToken("<s>", lstrip=True)])
+    assert bound(stripping) is None
