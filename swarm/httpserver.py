@@ -9,8 +9,10 @@ a traceback. :class:`HttpServer` serves an app through aiohttp's public API with
   response (so an idle keep-alive connection is closed after as long). A connection trickling
   its head byte by byte is closed at the deadline. Checked every ``header_timeout_s / 8``
   (at most 1 s) from :attr:`aiohttp.web.Server.connections`; a connection counts as busy from
-  the moment its request reaches the app (the first middleware) to the end of its response —
-  a long stream or WebSocket is never cut by the deadline;
+  the moment its request reaches the app (the first middleware) until its handler returns —
+  a long stream or WebSocket, written within its handler, is never cut by the deadline (a large
+  body returned whole is written after the handler: such a response to a slow client could be;
+  every large body here is streamed);
 - **a cap on waiting connections**: at most ``max_waiting`` connections may be waiting for a
   head at once; past that the longest-waiting ones are closed first (a client that means to
   send a request sends its head within milliseconds, so the oldest waiting are the stalled);

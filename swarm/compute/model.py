@@ -143,7 +143,8 @@ class Model:
 
     # ---- identity -------------------------------------------------------------------------
     def content_hash(self) -> str:
-        """SHA-256 hex of the model file(s), computed once."""
+        """The model's identity (64 hex digits: SHA-256 over its files' headers, sizes and sampled
+        data; :func:`swarm.compute.identity.model_identity`), computed once."""
         if self._hash is None:
             self._hash = self.checkpoint.content_hash()
         return self._hash

@@ -88,8 +88,9 @@ def measure_ffn_gflops(hidden: int = 576, ffn: int = 1536, rows: int = 8, repeat
 
 
 def default_memory_budget(cap_bytes: int | None = None) -> int:
-    """Bytes of weights this peer offers: what the OS (and its memory cgroup, if any) leaves this
-    process, less a headroom, at most ``cap_bytes`` (``--memory``); see swarm/peer/memory.py."""
+    """The allowance this peer offers (bytes): what the OS, its memory cgroup and ``cap_bytes``
+    (``--memory``) leave this process, less its baseline and a page-cache headroom; weights, KV
+    cache and activations come out of it (swarm/peer/memory.py)."""
     from swarm.peer.memory import weight_budget
 
     return weight_budget(cap_bytes)
