@@ -164,6 +164,27 @@ def test_minority_coordinator_steps_down_and_majority_elects(seed):
     assert {(sim.peers[p].term, sim.peers[p].leader) for p in CAPS} == {(sim.peers["p2"].term, "p2")}
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("caps, half, same_term", [({"a": 2.0, "b": 1.0}, {"a"}, True),
+                                                   ({"a": 4.0, "b": 3.0, "c": 2.0, "d": 1.0}, {"a", "b"}, False)])
+def test_coordinator_of_an_even_split_keeps_serving(seed, caps, half, same_term):
+    """Two peers, one stalled; four split two and two: the half without the coordinator can
+    never elect (no majority), so the coordinator keeps its role and term through a 10 s cut
+    (it stepped down at 2.5 s, and a two-peer swarm had no API), and after it all follow it: in
+    its term when the other half was one peer (standing raises no term), else in the term that
+    half's votes moved to."""
+    sim = Sim(caps, seed=seed)
+    assert sim.run_until_leader(5.0) == "a"
+    term = sim.peers["a"].term
+    sim.groups = [half, set(caps) - half]
+    sim.run(10.0)
+    assert sim.peers["a"].role is Role.LEADER and sim.peers["a"].term == term
+    assert all(sim.peers[p].role is not Role.LEADER for p in caps if p != "a")
+    sim.groups = None
+    assert sim.run_until_leader(5.0) == "a"
+    assert (sim.peers["a"].term == term) is same_term
+
+
 def test_no_eligible_peer_means_no_coordinator():
     sim = Sim({"a": None, "b": None, "c": None}, seed=1)
     sim.run(5.0)
@@ -409,6 +430,40 @@ def test_a_restarted_peer_learns_the_term_and_does_not_depose(seed):
     sim.groups = None
     sim.run(1.5)
     assert_leader_kept(sim, leader, term)
+
+
+def test_a_woken_peer_forgets_nobody_who_left_its_signaling_server_while_it_slept(tmp_path):
+    """A member that left our signaling server and whose link went silent has left the swarm,
+    unless this process slept: then the others left our server because it stopped answering, and
+    for WAKE_GRACE_S it forgets nobody (a stalled stage peer hosting signaling once forgot its
+    coordinator on waking and led alone, in a new term on another API port)."""
+    from types import SimpleNamespace
+
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.election.driver import LEFT_SILENCE_S, WAKE_GRACE_S, ElectionDriver
+    from swarm.peer.node import Node
+
+    ident, other = Identity.generate(), Identity.generate()
+    node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                status_path=tmp_path / "status.json", model_hash="a" * 64)
+    node.rendezvous = SimpleNamespace(peers={ident.peer_id: SimpleNamespace(kind="python")})  # only us listed
+    driver = ElectionDriver(node, True, on_leader=None, on_admitted=lambda link: None)
+    link = fake_link(other.peer_id, model_hash="a" * 64)()
+    node.mesh.links[link.peer_id] = link
+
+    def member_after(now: float) -> bool:
+        driver.core.add_member(other.peer_id, eligible=True, capability=1.0, now=0.0)
+        link.last_heard = now - LEFT_SILENCE_S - 1.0
+        driver._forget_departed(now)
+        return other.peer_id in driver.core.members
+
+    for t in (10.0, 10.05, 10.1):  # ticks with no gap
+        driver._note_tick(t)
+    assert not member_after(10.1)
+    driver._note_tick(20.0)  # ten seconds with no tick: this process slept
+    assert member_after(20.0) and member_after(20.0 + WAKE_GRACE_S - 0.1)
+    assert not member_after(20.0 + WAKE_GRACE_S + 0.1)
 
 
 def test_a_stale_coordinator_is_told_the_term_and_steps_down_at_once(tmp_path):

@@ -36,9 +36,10 @@ no replicated state: it only runs the token loop.
   past the time :meth:`Election.get_timer` asked for, as after SIGSTOP/SIGCONT or a laptop's
   sleep) listens for one election timeout before it may stand: its links tell it first whether
   its coordinator lives.
-* A coordinator that has not heard from a majority within ``REACHABLE_S``
-  steps down (check-quorum), so a coordinator cut off in
-  a minority stops serving.
+* A coordinator steps down when the members it has not heard from within ``REACHABLE_S``
+  are a majority, enough to elect another without it (check-quorum), so a coordinator cut
+  off in a minority stops serving. In an even swarm split in half (two peers, one stalled)
+  neither half can elect: the coordinator keeps serving, and its half keeps the API.
 
 Terms and votes are not persisted across restarts. Raft persists them so a
 restarted voter cannot vote twice in one term and so elect two leaders whose
@@ -231,9 +232,9 @@ class Election:
         """Act on every deadline that has passed by ``now``."""
         self._note_time(now)
         if self.role is Role.LEADER:
-            heard = 1 + sum(self.reachable(p, now) for p in self._members)
-            if heard < self.quorum():
-                self._lose_leader(now)  # check-quorum: cut off in a minority
+            unheard = sum(not self.reachable(p, now) for p in self._members)
+            if unheard >= self.quorum():
+                self._lose_leader(now)  # check-quorum: those we cannot hear could elect without us
                 return
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + HEARTBEAT_S

@@ -45,6 +45,11 @@ STARTUP_QUIET_S = 2.0
 # for at most this long (seconds): one of them may coordinate already.
 JOIN_GRACE_S = 10.0
 LEFT_SILENCE_S = 2.0  # link silence (seconds) that, with no signaling presence, means a peer left
+# After this process slept (SIGSTOP, a laptop lid; its ticks stopped for more than WAKE_GAP_S),
+# nobody is forgotten for this long (seconds): the peers that left our signaling server while we
+# slept were not leaving the swarm, and a peer that dropped a dead server tries it again only
+# after the rendezvous's DEAD_RETRY_S (5 s).
+WAKE_GRACE_S = 8.0
 
 
 class ElectionDriver:
@@ -73,6 +78,8 @@ class ElectionDriver:
         self._tasks = OwnedTasks("election")
         self._started = time.monotonic()  # reset by start()
         self._wake = asyncio.Event()
+        self._last_tick: float | None = None
+        self._woke_at = float("-inf")  # when this process last resumed after sleeping
 
     # ------------------------------------------------------------------ what the roles read
     @property
@@ -157,6 +164,7 @@ class ElectionDriver:
     async def _tick(self) -> None:
         """One round: liveness and membership from the links, the election's timers, its messages."""
         now = time.monotonic()
+        self._note_tick(now)
         for peer, link in list(self.node.links.items()):
             self.core.heard_from(peer, link.last_heard)  # any inbound byte, link heartbeats included
         self._forget_departed(now)
@@ -171,6 +179,12 @@ class ElectionDriver:
             await asyncio.wait_for(self._wake.wait(), delay)
         except TimeoutError:
             pass
+
+    def _note_tick(self, now: float) -> None:
+        """A tick more than ``WAKE_GAP_S`` after the last one: this process slept."""
+        if self._last_tick is not None and now - self._last_tick > el.WAKE_GAP_S:
+            self._woke_at = now
+        self._last_tick = now
 
     async def _flush(self) -> None:
         """Send what the election wants sent, then act on its events."""
@@ -293,13 +307,19 @@ class ElectionDriver:
         survivors of a small swarm can still elect.
 
         A peer cut off by the network (not by leaving) stays listed by the signaling server of
-        its side and keeps counting. If a partition also splits signaling, each side ends up
-        with its own coordinator; each holds the whole model, so each still gives the right
-        tokens, and the sides merge again through the election when they meet.
+        its side and keeps counting. For ``WAKE_GRACE_S`` after this process slept nobody is
+        forgotten: had it hosted signaling, the others left its server because it stopped
+        answering, and one that forgot the coordinator would lead alone on waking (once: a
+        stage peer stalled 10 s took the coordinator's role, in a new term on another port).
+        If a partition also splits signaling, each side ends up with its own coordinator; each
+        holds the whole model, so each still gives the right tokens, and the sides merge again
+        through the election when they meet.
         """
         present = getattr(self.node.rendezvous, "peers", None)
         if not present:
             return  # between signaling servers: we are the one cut off, not them
+        if now - self._woke_at < WAKE_GRACE_S:
+            return  # we slept: those who left our server meanwhile left us, not the swarm
         for peer in self.core.members:
             if peer == self.node.peer_id or peer in present:
                 continue
