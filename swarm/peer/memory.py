@@ -220,10 +220,12 @@ def set_context(tokens: int | None) -> None:
 
 def context_tokens(max_positions: int = 0) -> int:
     """Tokens of KV cache a plan reserves per layer, for all sequences in flight together:
-    ``join --context``, else :data:`DEFAULT_CONTEXT` — never more than the model's context
+    ``join --context`` as given (it may pass the model's context: several sequences, each
+    within the model's context ``max_positions``), else :data:`DEFAULT_CONTEXT`, at most
     ``max_positions`` (its ``max_position_embeddings``; 0: unknown)."""
-    n = _context[0] or DEFAULT_CONTEXT
-    return min(n, max_positions) if max_positions > 0 else n
+    if _context[0]:
+        return _context[0]
+    return min(DEFAULT_CONTEXT, max_positions) if max_positions > 0 else DEFAULT_CONTEXT
 
 
 def kv_cache_bytes(layers: int, tokens: int, n_kv_heads: int, head_dim: int) -> int:

@@ -52,7 +52,8 @@ async def test_four_concurrent_requests_through_the_swarm_equal_their_solo_runs(
     procs = []
     for i in range(2):  # one after the other: each measures its FFN speed at start
         procs.append(lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(model_dir), "--key", key.code,
-                                   "--name", f"host{i}", "--max-batch", "4", "--layout", "ranges"],
+                                   "--name", f"host{i}", "--max-batch", "4", "--layout", "ranges",
+                                   "--context", str(4 * 256)],  # KV cache for four sequences of the model's 256 positions
                                env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}))
         await until(lambda: read_status(lab, i) is not None, 60, f"host{i} started", procs)
     docs = lambda: {i: read_status(lab, i) for i in range(2)}  # noqa: E731

@@ -62,6 +62,8 @@ def test_context_defaults_to_4096_within_the_models_context(monkeypatch):
     assert memory.context_tokens(40960) == 4096 and memory.context_tokens(2048) == 2048
     memory.set_context(1000)
     assert memory.context_tokens(40960) == 1000 and memory.context_tokens(0) == 1000
+    memory.set_context(3000)  # all sequences together: may pass one sequence's context
+    assert memory.context_tokens(2048) == 3000
     with pytest.raises(ValueError, match="--context must be at least 1"):
         memory.set_context(0)
 
