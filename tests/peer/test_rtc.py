@@ -6,7 +6,9 @@ An aiortc upgrade that moves one of them fails here, naming it, before any link 
 from __future__ import annotations
 
 import asyncio
+import dis
 import gc
+import logging
 import math
 import os
 import re
@@ -276,3 +278,83 @@ def test_closing_a_link_under_traffic_leaves_no_unretrieved_task_error() -> None
         return [(c.get("message"), repr(c.get("exception"))) for c in reported]
 
     assert run_in_netns(main) == []
+
+
+def test_every_aiortc_internal_the_module_touches_is_listed_and_exists() -> None:
+    """Each private aiortc name swarm/peer/net/rtc.py reads, replaces or copies is in one of its
+    lists, and the installed aiortc has each: an upgrade that drops one fails here, naming it."""
+    code = open(rtc.__file__, encoding="utf-8").read().split('"""', 2)[2]  # past the module docstring
+    touched = set(re.findall(r"\b(?:_sctp|RTCSctpTransport|sctp|self)\.(_[a-z]\w*)", code))
+    touched |= set(re.findall(r'"(_[a-z]\w*)"', code))
+    ours = {name for name in touched if name.startswith("_colibri")}
+    elsewhere = {"_ssl"}  # RTCDtlsTransport's, checked by remote_certificate and accept_jumbo_records
+    listed = set(rtc.SCTP_METHODS_USED) | set(rtc.SCTP_STATE_READ)
+    assert touched - ours - elsewhere - listed == set()
+    globals_read = set(re.findall(r"\b_sctp\.([A-Z]\w*)", code)) - {"RTCSctpTransport"}
+    assert globals_read <= set(rtc.SCTP_GLOBALS_USED), globals_read - set(rtc.SCTP_GLOBALS_USED)
+    assert [name for name in rtc.SCTP_GLOBALS_USED if not hasattr(sctp, name)] == []
+    assert [name for name in rtc.SCTP_METHODS_USED if not hasattr(sctp.RTCSctpTransport, name)] == []
+    rtc.configure_aiortc()
+    assert all(getattr(getattr(sctp.RTCSctpTransport, name), rtc._PATCHED, False) for name in rtc.SCTP_METHODS_WRAPPED)
+
+
+def test_the_eager_send_is_aiortcs_method_with_only_its_flush_started_at_once() -> None:
+    """flush_eagerly runs aiortc's own _data_channel_send with another ``asyncio`` global: that
+    is right only while the method's one use of asyncio is ``ensure_future`` of the flush."""
+    fn = sctp.RTCSctpTransport._data_channel_send
+    ins = list(dis.get_instructions(fn))
+    asyncio_uses = [after.argval for load, after in zip(ins, ins[1:])
+                    if load.opname == "LOAD_GLOBAL" and load.argval == "asyncio"]
+    assert asyncio_uses == ["ensure_future"], asyncio_uses
+    assert "_data_channel_flush" in fn.__code__.co_names and fn.__closure__ is None
+    copy = rtc._eager_send_method()
+    assert copy.__code__ is fn.__code__
+    changed = {k for k, v in copy.__globals__.items() if vars(sctp).get(k, object()) is not v}
+    assert changed == {"asyncio"}, changed
+
+
+def test_flush_eagerly_refuses_an_aiortc_that_flushes_otherwise(monkeypatch) -> None:
+    def send_without_a_task(self, channel, data) -> None:
+        self._data_channel_queue.append((channel, 51, data))
+
+    monkeypatch.setattr(sctp.RTCSctpTransport, "_data_channel_send", send_without_a_task)
+    with pytest.raises(LocalProtocolError, match="_data_channel_send"):
+        rtc.flush_eagerly(RTCPeerConnection(RTCConfiguration(iceServers=[])))
+
+
+def test_a_flush_that_fails_is_logged_and_not_raised(caplog) -> None:
+    async def failing() -> None:
+        raise ConnectionError("Cannot send encrypted data, not connected")
+
+    with caplog.at_level(logging.INFO, logger=rtc.__name__):
+        assert rtc._EagerAsyncio.ensure_future(failing()) is None
+    assert "an SCTP flush failed" in caplog.text
+
+
+def test_with_flush_eagerly_a_message_leaves_within_send_and_messages_keep_their_order() -> None:
+    """aiortc leaves a message queued until its flush task runs; after flush_eagerly the message
+    is handed to the SCTP association (and its packets sent) before ``send`` returns."""
+    rtc.configure_aiortc()
+
+    async def main():
+        a, b, ca, cb = await _connected_pair(Identity.generate(), Identity.generate())
+        got: asyncio.Queue[bytes] = asyncio.Queue()
+        cb.on("message", got.put_nowait)
+        ca.send(b"lazy")
+        queued_lazily = len(a.sctp._data_channel_queue)
+        assert await asyncio.wait_for(got.get(), 10) == b"lazy"
+        rtc.flush_eagerly(a)
+        before = _sent(a)
+        messages = [bytes([i]) * 1000 for i in range(3)]  # one packet each, within the window
+        left = []
+        for message in messages:
+            ca.send(message)
+            left.append(len(a.sctp._data_channel_queue))
+        sent_within = _sent(a) - before
+        received = [await asyncio.wait_for(got.get(), 10) for _ in messages]
+        await a.close()
+        await b.close()
+        return queued_lazily, left, sent_within, received == messages
+
+    queued_lazily, left, sent_within, in_order = run_in_netns(main)
+    assert queued_lazily == 1 and left == [0] * 3 and sent_within > 0 and in_order, (queued_lazily, left, sent_within)

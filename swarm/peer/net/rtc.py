@@ -1,6 +1,6 @@
 """The aiortc internals this package relies on, in one place.
 
-aiortc (1.14–1.16) offers no public way to do seven things a swarm link needs, so this module
+aiortc (1.14–1.16) offers no public way to do eight things a swarm link needs, so this module
 reaches into its private names, and nothing else in the package does:
 
 * **Our own DTLS certificate.** ``RTCPeerConnection`` makes a fresh certificate in ``__init__``
@@ -51,6 +51,14 @@ reaches into its private names, and nothing else in the package does:
   ``protocol is shutdown``, which asyncio logs as "Task exception was never retrieved".
   :func:`configure_aiortc` wraps ``RTCSctpTransport._send_chunk`` to drop such a packet with a
   DEBUG line.
+* **A message leaves within ``send``.** aiortc's ``RTCSctpTransport._data_channel_send`` queues
+  a message and flushes the queue in a task, a loop iteration later. :func:`flush_eagerly`
+  gives a link's association a copy of that method whose module global ``asyncio`` is one whose
+  ``ensure_future`` runs the flush at once (:mod:`swarm.peer.net.eager`).
+
+Every internal named here is in :data:`SCTP_GLOBALS_USED`, :data:`SCTP_METHODS_USED` or
+:data:`SCTP_STATE_READ` (the certificate list and ``RTCDtlsTransport._ssl`` are an instance's,
+checked where they are used).
 
 Each function raises :class:`~swarm.errors.LocalProtocolError` naming the missing internal when an
 aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks each against the installed
@@ -137,6 +145,14 @@ SACK_DELAY_S = 0.01
 SCTP_STATE_READ = ("_outbound_queue", "_flight_size", "_cwnd", "_fast_recovery_exit",
                    "_sack_needed", "_sack_misordered", "_sack_duplicates", "_association_state")
 _PATCHED = "_colibri_swarm_patch"
+# The aiortc.rtcsctptransport globals this module replaces process-wide (configure_aiortc) or reads.
+SCTP_GLOBALS_REPLACED = ("SCTP_RTO_MIN", "SCTP_MAX_PACKET_LENGTH", "USERDATA_MAX_LENGTH")
+SCTP_GLOBALS_USED = SCTP_GLOBALS_REPLACED + ("HeartbeatChunk", "HeartbeatAckChunk")
+# The RTCSctpTransport methods this module wraps process-wide (configure_aiortc), replaces on one
+# association (path_carries) or runs copies of with other module globals (flush_eagerly, the jumbo
+# copies). tests/peer/test_rtc.py checks that each exists and that each copy reads what it expects.
+SCTP_METHODS_WRAPPED = ("_transmit", "_send_sack", "_send_chunk")
+SCTP_METHODS_USED = SCTP_METHODS_WRAPPED + ("_receive_chunk", "_data_channel_send") + JUMBO_METHODS
 
 
 def _transmit_whole_window(original):
@@ -250,7 +266,7 @@ def configure_aiortc() -> None:
     ``rtcsctptransport.SCTP_RTO_MIN``, ``SCTP_MAX_PACKET_LENGTH``, ``USERDATA_MAX_LENGTH``,
     ``RTCSctpTransport._transmit``, ``_send_sack`` or ``_send_chunk``.
     """
-    for name in ("SCTP_RTO_MIN", "SCTP_MAX_PACKET_LENGTH", "USERDATA_MAX_LENGTH"):
+    for name in SCTP_GLOBALS_REPLACED:
         if not hasattr(_sctp, name):
             raise _moved(f"aiortc.rtcsctptransport.{name}")
     _sctp.SCTP_RTO_MIN = SCTP_RTO_MIN_S
