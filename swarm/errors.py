@@ -125,3 +125,13 @@ class ContextLengthError(SwarmError):
 
     Raised before any work; the message names the prompt's token count, ``max_tokens`` and the limit.
     """
+
+
+class CoordinatorChangedError(SwarmError):
+    """This peer stopped serving the swarm's API mid-request: it stepped down (another peer leads
+    a newer term) or it is stopping. The request did not finish here; send it again to the
+    current coordinator (``colibri-swarm generate`` and ``chat`` do so by themselves).
+
+    The API answers it as 503 with ``code`` :data:`CODE` (in a stream: an error event)."""
+
+    CODE = "coordinator_changed"

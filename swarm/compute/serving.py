@@ -196,6 +196,20 @@ class BatchScheduler:
                 self.left.append((seq.ident, 0, len(seq.prompt), 0))
         seq.out.put(_DONE)
 
+    def fail_all(self, exc: BaseException) -> int:
+        """End every running and waiting sequence now with ``exc`` (raised by its
+        :class:`TokenStream`); the step in flight finishes and its results are dropped.
+        Sequences submitted later run as usual. Returns how many sequences were failed."""
+        with self._cond:
+            failed = [s for s in self._running if not s.cancelled] + list(self._waiting)
+            for seq in self._waiting:
+                self.left.append((seq.ident, 0, len(seq.prompt), 0))
+            self._waiting.clear()
+            for seq in failed:
+                seq.cancelled = True
+                seq.out.put(exc)
+        return len(failed)
+
     def snapshot(self) -> dict[str, Any]:
         """The slots now (tests, status): ``running`` and ``waiting`` ids, ``prefilling``: id →
         prompt tokens read so far for running sequences still reading their prompt, ``steps``."""

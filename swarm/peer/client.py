@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.errors import SwarmError
+from swarm.errors import CoordinatorChangedError, SwarmError
 
 API_KEY_ENV = "COLIBRI_SWARM_API_KEY"
 READ_TIMEOUT_S = 600.0  # socket timeout: a reply may wait behind another user's generation
@@ -156,7 +156,11 @@ def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
     try:
         response = urllib.request.urlopen(req, timeout=READ_TIMEOUT_S, context=endpoint.tls)
     except urllib.error.HTTPError as exc:
-        raise SwarmError(f"the coordinator's API at {endpoint.url} refused the request: {_error_text(exc)}") from None
+        error = _error_of(exc)
+        message = f"the coordinator's API at {endpoint.url} refused the request: {_error_text(exc, error)}"
+        if error.get("code") == CoordinatorChangedError.CODE:  # it stepped down: the next one may answer
+            raise ApiUnavailableError(message) from None
+        raise SwarmError(message) from None
     except (urllib.error.URLError, OSError) as exc:
         raise ApiUnavailableError(f"cannot reach the coordinator's API at {endpoint.url}: "
                                   f"{getattr(exc, 'reason', exc)}; is `colibri-swarm join` running?") from None
@@ -178,7 +182,11 @@ def _read_events(endpoint: Endpoint, response: Any) -> Iterator[str]:
             except ValueError:
                 raise SwarmError(f"the API at {endpoint.url} sent a malformed event: {payload[:80]!r}") from None
             if "error" in event:
-                raise SwarmError(f"the swarm failed the request: {event['error'].get('message')}")
+                error = event["error"] if isinstance(event["error"], dict) else {}
+                message = f"the swarm failed the request: {error.get('message')}"
+                if error.get("code") == CoordinatorChangedError.CODE:  # handed back: ask the next coordinator
+                    raise ApiUnavailableError(message)
+                raise SwarmError(message)
             for choice in event.get("choices") or ():
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if piece:
@@ -239,8 +247,15 @@ def _next_endpoint(last: Endpoint) -> Endpoint:
     return found if found is not None else last
 
 
-def _error_text(exc: urllib.error.HTTPError) -> str:
+def _error_of(exc: urllib.error.HTTPError) -> dict:
+    """The OpenAI ``error`` object of a refused request's body ({} when it has none)."""
     try:
-        return f"{exc.code} {json.loads(exc.read())['error']['message']}"
+        error = json.loads(exc.read())["error"]
     except (ValueError, KeyError, TypeError, OSError):
-        return f"HTTP {exc.code} {exc.reason}"
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+def _error_text(exc: urllib.error.HTTPError, error: dict) -> str:
+    message = error.get("message")
+    return f"{exc.code} {message}" if isinstance(message, str) else f"HTTP {exc.code} {exc.reason}"

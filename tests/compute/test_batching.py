@@ -121,6 +121,25 @@ def test_beyond_the_queue_a_request_is_refused_and_a_cancelled_one_leaves(model)
     assert s.snapshot()["running"] == []
 
 
+def test_fail_all_ends_running_and_waiting_sequences_and_later_ones_run(model):
+    """What a coordinator that steps down does to its API's requests: each ends with the error
+    given, the one mid-prefill within its step, and the scheduler serves the next as before."""
+    s = BatchScheduler(model, max_batch=1, max_queue=1, chunk=4, prefill_rows=4)
+    running = s.submit([1] * 240, SamplingParams(max_tokens=10))
+    waiting = s.submit([2, 3], SamplingParams(max_tokens=2))
+    while running.ident not in s.snapshot()["prefilling"]:
+        time.sleep(0.001)
+    error = RuntimeError("stepped down")
+    assert s.fail_all(error) == 2
+    for stream in (running, waiting):
+        with pytest.raises(RuntimeError, match="stepped down"):
+            list(stream)
+        assert list(stream) == []  # ended for good
+    assert s.snapshot()["waiting"] == [] and s.fail_all(error) == 0
+    params = SamplingParams(max_tokens=3)
+    assert list(s.submit([4, 5], params)) == list(generate(model, [4, 5], params))
+
+
 def test_sequences_wait_until_their_positions_fit_the_reserved_context(smollm2_model):
     """With ``max_positions`` (the KV cache a swarm's memory plan reserves), a sequence whose
     prompt + max_tokens would take the running ones past it waits in the queue until they end,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 
 import aiohttp
 import openai
@@ -242,3 +243,62 @@ async def test_sampling_fields_reach_the_engine(server, engine):
         model="smollm2-135m-instruct-q4_1", messages=messages, max_tokens=MAX_TOKENS,
         temperature=1.3, top_p=0.95, seed=11, extra_body={"top_k": 50})
     assert r.choices[0].message.content == want
+
+
+async def test_a_closing_server_hands_its_streams_back_within_a_second(engine, oracle, tmp_path, monkeypatch):
+    """A coordinator that steps down closes its API: a stream in flight ends within a second with
+    an error event coded ``coordinator_changed`` (not after its last token), and ``generate``'s
+    client sends the request to the next coordinator, whose reply it shows once: the local text."""
+    import json
+    import threading
+    import time
+
+    from swarm.peer.client import Endpoint, stream_chat_retrying
+    from swarm.peer.status import STATUS_FILE
+
+    model, tok = engine
+    deposed = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="m"), KEY)
+    successor = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="m"), KEY)
+    port, next_port = await deposed.start("127.0.0.1", 0), await successor.start("127.0.0.1", 0)
+    monkeypatch.setenv("COLIBRI_SWARM_CONFIG_DIR", str(tmp_path))  # how the client finds the next one
+    (tmp_path / STATUS_FILE).write_text(json.dumps({"pid": os.getpid(), "updated": time.time() + 3600,
+                                                    "role": "worker", "api_url": f"http://127.0.0.1:{next_port}/v1"}))
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": MAX_TOKENS, "temperature": 0}
+    slow = {**body, "max_tokens": 400}
+    try:
+        # The raw stream: the error event, its code, and how soon after close() it came.
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**slow, "stream": True},
+                             headers={"Authorization": f"Bearer {KEY.api_token}"})
+            await r.content.readline()  # the role chunk: the sequence is admitted
+            await r.content.readline()
+            closing = asyncio.create_task(deposed.close())
+            t0 = time.monotonic()
+            events = [line async for line in r.content if line.startswith(b"data: ")]
+            ended_s = time.monotonic() - t0
+            await closing
+        assert ended_s < 1.0, ended_s
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == "coordinator_changed" and events[-1].strip() == b"data: [DONE]"
+        assert len(events) < 50, "the stream ran on after the server began closing"
+
+        # The client: a request handed back midway is finished by the successor, shown once.
+        deposed = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="m"), KEY)
+        port = await deposed.start("127.0.0.1", 0)
+        pieces: list[str] = []
+        first = threading.Event()
+
+        def client() -> None:
+            for piece in stream_chat_retrying(Endpoint(f"http://127.0.0.1:{port}/v1", KEY.api_token), slow):
+                pieces.append(piece)
+                first.set()
+
+        done = asyncio.get_running_loop().run_in_executor(None, client)
+        await asyncio.get_running_loop().run_in_executor(None, first.wait, 60)
+        await deposed.close()
+        await asyncio.wait_for(done, 120)
+        text = "".join(pieces)
+        assert text.startswith(oracle[PROMPTS[0]][0]) and len(pieces) > 1
+    finally:
+        await deposed.close()
+        await successor.close()

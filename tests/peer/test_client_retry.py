@@ -27,13 +27,26 @@ def _sse(piece: str) -> bytes:
     return f"data: {json.dumps({'choices': [{'delta': {'content': piece}}]})}\n\n".encode()
 
 
-def _app(pieces: list[str], *, break_after: int | None) -> web.Application:
+def _error(code: str) -> dict:
+    return {"error": {"message": f"this peer stopped serving the swarm's API ({code})", "type": "server_error",
+                      "param": None, "code": code}}
+
+
+def _app(pieces: list[str], *, break_after: int | None, hand_back_after: int | None = None,
+         code: str = "coordinator_changed") -> web.Application:
+    HANDED_BACK = _error(code)
+
     async def completions(request: web.Request) -> web.StreamResponse:
+        if hand_back_after == -1:  # stepped down before the request: a 503 naming it
+            return web.json_response(HANDED_BACK, status=503, headers={"Retry-After": "1"})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i, piece in enumerate(pieces):
             if i == break_after:
                 request.transport.abort()  # the coordinator's process is gone: no end of stream
+                return resp
+            if i == hand_back_after:  # stepped down midway: an error event, then the end
+                await resp.write(f"data: {json.dumps(HANDED_BACK)}\n\ndata: [DONE]\n\n".encode())
                 return resp
             await resp.write(_sse(piece))
         await resp.write(b"data: [DONE]\n\n")
@@ -60,8 +73,10 @@ def serve() -> Iterator:
         runners.append(runner)
         return runner.addresses[0][1]
 
-    def make(pieces: list[str], break_after: int | None = None) -> Endpoint:
-        port = asyncio.run_coroutine_threadsafe(start(_app(pieces, break_after=break_after)), loop).result(10)
+    def make(pieces: list[str], break_after: int | None = None, hand_back_after: int | None = None,
+             code: str = "coordinator_changed") -> Endpoint:
+        app = _app(pieces, break_after=break_after, hand_back_after=hand_back_after, code=code)
+        port = asyncio.run_coroutine_threadsafe(start(app), loop).result(10)
         return Endpoint(f"http://127.0.0.1:{port}/v1", "token")
 
     yield make
@@ -111,6 +126,27 @@ def test_retried_on_the_next_coordinator_and_shown_once(serve, local_peer):
     pieces = list(stream_chat_retrying(dying, BODY, on_retry=retries.append))
     assert "".join(pieces) == "".join(REPLY)
     assert pieces[:2] == REPLY[:2] and len(retries) == 1 and isinstance(retries[0], ApiUnavailableError)
+
+
+@pytest.mark.parametrize("after", [-1, 0, 2])
+def test_a_request_handed_back_by_a_deposed_coordinator_is_retried(serve, local_peer, after):
+    """A coordinator that steps down fails its requests with code ``coordinator_changed`` (a 503,
+    or an error event mid-stream): the client sends them to the next one; any other error is final."""
+    deposed = serve(REPLY, hand_back_after=after)
+    local_peer(serve(["Hello, world."]).url)
+    retries: list[SwarmError] = []
+    pieces = list(stream_chat_retrying(deposed, BODY, on_retry=retries.append))
+    assert "".join(pieces) == "".join(REPLY) and len(retries) == 1
+    assert isinstance(retries[0], ApiUnavailableError) and "stopped serving" in str(retries[0])
+
+
+@pytest.mark.parametrize("after", [-1, 1])
+def test_another_error_is_not_retried(serve, local_peer, after):
+    failing = serve(REPLY, hand_back_after=after, code="server_error")
+    local_peer(serve(REPLY).url)
+    with pytest.raises(SwarmError, match="server_error") as info:
+        list(stream_chat_retrying(failing, BODY))
+    assert not isinstance(info.value, ApiUnavailableError)
 
 
 def test_a_different_reply_after_the_retry_is_refused(serve, local_peer):

@@ -58,7 +58,7 @@ from aiohttp import web
 from swarm.compute.serving import BatchScheduler, QueueFullError, TokenStream
 from swarm.compute.textgen import (MAX_TEMPERATURE, GenerationStats, context_limit, encode_prompt, reply_pieces,
                                    with_stop_tokens)
-from swarm.errors import ChatTemplateError, ContextLengthError, LocalProtocolError, SwarmError
+from swarm.errors import ChatTemplateError, ContextLengthError, CoordinatorChangedError, LocalProtocolError, SwarmError
 from swarm.httpserver import HttpServer
 
 log = logging.getLogger(__name__)
@@ -289,6 +289,10 @@ class EngineBackend:
         """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest backend)."""
         self.ffn = ffn
 
+    def fail_all(self, exc: BaseException) -> int:
+        """End every admitted request now with ``exc`` (:meth:`BatchScheduler.fail_all`)."""
+        return self.scheduler.fail_all(exc)
+
     def prepare(self, request: ChatRequest) -> ChatRequest:
         """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
         to what the context leaves (as OpenAI's API does).
@@ -392,6 +396,7 @@ class ApiServer:
         self._http: HttpServer | None = None
         self._key: Any = None
         self._advertising: asyncio.Task | None = None
+        self._handed_back: CoordinatorChangedError | None = None  # set by close(): later requests get it
         self.scheme: str | None = None
         self.generations = 0  # finished or stopped generations, for status
         self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard: set_dashboard()
@@ -476,6 +481,18 @@ class ApiServer:
             await asyncio.shield(zc.async_close())
 
     async def close(self) -> None:
+        """Stop serving: requests in flight end at once with :class:`CoordinatorChangedError`
+        (a 503 naming it, or an error event in a stream) rather than run on while the server
+        closes, so a client sends them to the current coordinator within a second; then the
+        mDNS record goes, then the HTTP server."""
+        self._handed_back = CoordinatorChangedError(
+            "this peer stopped serving the swarm's API (it stepped down, or it is stopping); "
+            "send the request again to the current coordinator")
+        fail_all = getattr(self.backend, "fail_all", None)
+        if fail_all is not None:
+            failed = fail_all(self._handed_back)
+            if failed:
+                log.info("API closing: %d request(s) in flight handed back to their clients", failed)
         if self._advertising is not None:
             self._advertising.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -504,8 +521,8 @@ class ApiServer:
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
         except SwarmError as exc:  # the engine or the swarm failed this request (e.g. lost its term)
-            error = ApiError(f"generation failed: {exc}", status=503, type="server_error")
-            return web.json_response(error.body(), status=error.status)
+            error = _unavailable(exc)
+            return web.json_response(error.body(), status=error.status, headers=error.headers)
 
     # ------------------------------------------------------------- routes
 
@@ -527,6 +544,8 @@ class ApiServer:
         """Prepare, then answer ``chat`` as a chat completion, or a text completion when it
         carries a raw ``prompt``; whole or streamed."""
         param = "messages" if chat.prompt is None else "prompt"
+        if self._handed_back is not None:  # closing: nothing new starts here
+            raise self._handed_back
         loop = asyncio.get_running_loop()
         try:
             chat = await loop.run_in_executor(self._prepare_executor, self.backend.prepare, chat)
@@ -537,6 +556,8 @@ class ApiServer:
         ident = f"{'chatcmpl' if chat.prompt is None else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         stats = GenerationStats()
+        if self._handed_back is not None:  # the server began closing while the prompt was encoded
+            raise self._handed_back
         try:
             reply = self.backend.generate(chat, stats)  # admitted now, or 429 before any byte is sent
         except QueueFullError as exc:
@@ -598,7 +619,7 @@ class ApiServer:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except SwarmError as exc:  # e.g. the coordinator lost its term mid-generation
-            error = ApiError(f"generation failed: {exc}", status=503, type="server_error")
+            error = _unavailable(exc)
             with contextlib.suppress(ConnectionError):
                 await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\ndata: [DONE]\n\n")
                 await response.write_eof()
@@ -655,6 +676,15 @@ class ApiServer:
             self.generations += 1
             if self.dashboard is not None:  # a stopped generation counts too: its tokens were computed
                 self.dashboard.generation_done(stats, time.perf_counter() - started)
+
+
+def _unavailable(exc: SwarmError) -> ApiError:
+    """The 503 for a request the swarm failed; one this peer handed back when it stopped
+    coordinating carries ``code`` ``coordinator_changed`` and ``Retry-After: 1``."""
+    if isinstance(exc, CoordinatorChangedError):
+        return ApiError(str(exc), status=503, type="server_error", code=CoordinatorChangedError.CODE,
+                        headers={"Retry-After": "1"})
+    return ApiError(f"generation failed: {exc}", status=503, type="server_error")
 
 
 def _cancel(reply: Any) -> None:
