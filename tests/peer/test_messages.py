@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import typing
 from typing import Literal
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from swarm.errors import LocalProtocolError, MessageError
 from swarm.peer.net import messages as m
+from swarm.peer.net import schema
 from swarm.peer.net import wire
 
 PA, PB = "a" * 26, "b2" * 13
@@ -100,6 +102,10 @@ def assert_same(a: object, b: object) -> None:
 
 def test_every_kind_has_a_sample() -> None:
     assert {type(s) for s in samples()} == set(m.KINDS.values())
+
+
+def test_the_message_union_names_every_kind() -> None:
+    assert set(typing.get_args(m.Message)) == set(m.KINDS.values())
 
 
 @pytest.mark.parametrize("msg", samples(), ids=lambda s: type(s).__name__)
@@ -260,7 +266,7 @@ def test_weight_chunk_verify() -> None:
 
 def test_a_new_kind_is_a_local_change() -> None:
     @m.message(4000)
-    class Probe(m._Base):
+    class Probe(m.MessageBase):
         request_id: int
         tags: tuple[str, ...]
         scale: float | None
@@ -270,7 +276,7 @@ def test_a_new_kind_is_a_local_change() -> None:
         p = Probe(request_id=3, tags=("a", "b"), scale=None, x=np.ones(3, np.float16))
         assert_same(m.decode(m.encode(p)), p)
         with pytest.raises(TypeError, match="already used"):
-            m.message(4000)(type("Other", (m._Base,), {"__annotations__": {}}))
+            m.message(4000)(type("Other", (m.MessageBase,), {"__annotations__": {}}))
     finally:
         del m.KINDS[4000]
 
@@ -280,7 +286,7 @@ def test_a_new_kind_is_a_local_change() -> None:
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-ints = st.integers(0, m.MAX_INT)
+ints = st.integers(0, schema.MAX_INT)
 floats = st.floats(allow_nan=False, allow_infinity=False)
 peer_ids = st.text("abcdefghijklmnopqrstuvwxyz234567", min_size=26, max_size=26)
 texts = st.text(max_size=40)
@@ -377,7 +383,7 @@ def test_mutated_frames_of_every_kind_give_defined_errors() -> None:
 _SCHEMA_TYPES = (int, float, str, bool, Literal["a", "b"], int | None, tuple[int, ...], tuple[int, str],
                  dict[str, float], m.StageSegment, tuple[m.StageSegment, ...])
 _VALUES = (0, 1, -1, 2**53, 2**53 - 1, 1.5, 2.0, float("nan"), float("inf"), 10**400, True, False, None, "a",
-           "c", "x" * (m.MAX_STR + 1), [], [1, 2], (1, "a"), [1, "a", 2], {"k": 1.0}, {"k": "v"}, {1: 1.0},
+           "c", "x" * (schema.MAX_STR + 1), [], [1, 2], (1, "a"), [1, "a", 2], {"k": 1.0}, {"k": "v"}, {1: 1.0},
            {"sequence": 1, "start": 0, "rows": 2}, {"sequence": 1, "start": 0}, m.StageSegment(1, 0, 2),
            [{"sequence": 1, "start": 0, "rows": 2}], [m.StageSegment(1, 0, 2)])
 
@@ -387,12 +393,12 @@ def test_compiled_checks_agree_with_the_schema_rules(tp) -> None:
     # the per-type closures used on the hot path accept, refuse and convert exactly as the rules do
     for v in _VALUES:
         try:
-            want = m._check_value(v, tp, "f")
-        except m._Invalid:
-            with pytest.raises(m._Invalid):
-                m._checker(tp)(v)
+            want = schema._check_value(v, tp, "f")
+        except schema.Invalid:
+            with pytest.raises(schema.Invalid):
+                schema._checker(tp)(v)
             continue
-        got = m._checker(tp)(v)
+        got = schema._checker(tp)(v)
         assert got == want and type(got) is type(want), (tp, v)
-        to_json = m._jsonifier(tp)
-        assert (got if to_json is None else to_json(got)) == m._to_json(got, tp), (tp, v)
+        to_json = schema._jsonifier(tp)
+        assert (got if to_json is None else to_json(got)) == schema._to_json(got, tp), (tp, v)

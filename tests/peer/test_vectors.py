@@ -17,6 +17,7 @@ import pytest
 
 import swarm.errors as errors
 from swarm.peer.net import messages as m
+from swarm.peer.net import schema
 from swarm.peer.net import wire
 from swarm.peer.net.auth import ChannelAuth, Role
 from swarm.keys.swarmkey import SwarmKey, decode_code
@@ -85,8 +86,8 @@ def test_message_vector_decodes_to_its_json(path: Path) -> None:
 def test_message_built_from_json_encodes_to_the_vector_bytes(path: Path) -> None:
     want = _load(path)
     cls = m.KINDS[want["kind"]]
-    hints = m._hints(cls)
-    fields = {name: m._check_value(v, hints[name], name) for name, v in want["fields"].items()}
+    hints = schema._hints(cls)
+    fields = {name: schema._check_value(v, hints[name], name) for name, v in want["fields"].items()}
     tensors = {name: _tensor_from_json(t) for name, t in want["tensors"].items()}
     rid = {"request_id": want["request_id"]} if "request_id" in hints else {}
     assert m.encode(cls(**fields, **tensors, **rid)) == path.read_bytes()

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from swarm.peer.net import messages as m  # noqa: E402
+from swarm.peer.net import schema  # noqa: E402
 from swarm.peer.net import wire  # noqa: E402
 from swarm.peer.net.auth import ChannelAuth, Role, transcript  # noqa: E402
 from swarm.keys.swarmkey import SwarmKey  # noqa: E402
@@ -144,7 +145,7 @@ def message_json(msg: object) -> dict:
         if isinstance(v, np.ndarray):
             tensors[f.name] = tensor_json(v)
         else:
-            fields[f.name] = json.loads(json.dumps(m._to_json(v, m._hints(cls)[f.name])))
+            fields[f.name] = json.loads(json.dumps(schema._to_json(v, schema._hints(cls)[f.name])))
     return {"kind": cls.KIND, "name": cls.__name__, "request_id": getattr(msg, "request_id", 0),
             "fields": fields, "tensors": tensors}
 
