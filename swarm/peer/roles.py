@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError
 from swarm.peer.coordinator.role import CoordinatorRole, check_layout
-from swarm.peer.election.driver import STARTUP_QUIET_S, ElectionDriver
+from swarm.peer.election.driver import MESH_FORMING_QUIET_S, ElectionDriver
 from swarm.peer.net.messages import Error
 from swarm.peer.worker.role import WorkerRole
 
@@ -48,7 +48,7 @@ class SwarmRoles:
 
     def __init__(self, node: Node, model: Model | None = None, *, tokenizer: TextTokenizer | None = None,
                  verify: float = 0.0, api_host: str = "0.0.0.0", api_port: int | None = None, rng: random.Random | None = None,
-                 serve_api: bool = True, startup_quiet_s: float = STARTUP_QUIET_S, layout: str = "ranges",
+                 serve_api: bool = True, startup_quiet_s: float = MESH_FORMING_QUIET_S, layout: str = "ranges",
                  api_tls: bool | None = None) -> None:
         if model is not None and model.content_hash() != node.hello.model_hash:
             raise LocalProtocolError("the node's hello must name the hash of the model it serves")

@@ -46,9 +46,10 @@ restarted voter cannot vote twice in one term and so elect two leaders whose
 logs diverge. Here there is no log: workers are stateless and answer each
 request on its own, and every request carries its term, so a second coordinator
 in one term could at worst serve its own requests correctly. To keep even that
-out, a freshly started member stays a silent voter for ``STARTUP_QUIET_S``
-(longer than any election round), so any election it took part in before the
-restart has ended — with a leader it will then hear of, or in a later term.
+out, a freshly started member stays a silent voter for ``startup_quiet_s`` (the driver
+passes its ``MESH_FORMING_QUIET_S``, longer than any election round), so any election it
+took part in before the restart has ended — with a leader it will then hear of, or in a
+later term.
 
 Membership: the quorum is a majority of the voting members known to this peer
 (every Python peer, eligible or not; browser peers do not vote). A member whose
@@ -74,7 +75,7 @@ REACHABLE_S = 2.5  # heard within this long → reachable (links beat every 1 s:
 ELECTION_TIMEOUT_S = 1.0
 RANK_STEP_S = 0.4  # each rank below the most capable waits this much longer
 JITTER_S = 0.3  # uniform random extra, so equal ranks rarely collide
-STARTUP_QUIET_S = 0.0  # see module docstring; the adapter may raise it
+RESTART_QUIET_S = 0.0  # the core's default startup quiet: none (module docstring); the driver passes its own
 WAKE_GAP_S = 1.0  # a call this long past the timer get_timer() gave means this process slept
 
 
@@ -148,7 +149,7 @@ class Election:
         capability: float,
         now: float,
         rng: random.Random | None = None,
-        startup_quiet_s: float = STARTUP_QUIET_S,
+        startup_quiet_s: float = RESTART_QUIET_S,
     ) -> None:
         self.peer_id = peer_id
         self.eligible = eligible

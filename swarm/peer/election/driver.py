@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 TICK_S = 0.05  # the driver wakes at least this often (seconds)
 # A fresh peer neither stands nor votes this long (seconds): enough for the mesh to form, so
 # peers that start together elect one coordinator instead of each leading a quorum of one.
-STARTUP_QUIET_S = 2.0
+MESH_FORMING_QUIET_S = 2.0
 # A joining peer does not stand while Python peers it sees on signaling are not linked yet,
 # for at most this long (seconds): one of them may coordinate already.
 JOIN_GRACE_S = 10.0
@@ -64,7 +64,7 @@ class ElectionDriver:
     def __init__(self, node: Node, holds_model: bool, *,
                  on_leader: Callable[[int, str | None], Awaitable[None]],
                  on_admitted: Callable[[Link], None],
-                 rng: random.Random | None = None, startup_quiet_s: float = STARTUP_QUIET_S) -> None:
+                 rng: random.Random | None = None, startup_quiet_s: float = MESH_FORMING_QUIET_S) -> None:
         self.node = node
         # The model this peer's swarm runs: its own, or (without one) the model most of its Python
         # peers hold — a peer without a model must not bridge two swarms of different models.
