@@ -22,7 +22,7 @@ from swarm.errors import VerificationError
 from swarm.peer.net import messages as M
 from swarm.peer.coordinator.dispatch import RemoteFFN
 from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan
-from swarm.peer.net.transport import LoopbackNet
+from tests.fakes import LoopbackNet
 from swarm.peer.worker.ffn import Worker
 from tests.peer._swarm_models import COORD, FAMILIES, PROMPT, W1, W2, build, greedy
 

@@ -1,4 +1,6 @@
-"""An in-process message network for tests and benchmarks: real wire encoding, no sockets.
+"""Test fakes shared by the tests.
+
+:class:`LoopbackNet`: an in-process message network, real wire encoding, no sockets.
 
 Each peer attaches a handler; :meth:`LoopbackNet.send` encodes the message with
 :func:`swarm.peer.net.messages.encode`, lets an optional ``tamper`` hook drop, delay
@@ -8,7 +10,7 @@ one from the network — and hands the message to the destination's handler on
 that destination's own thread, in order, like one reliable ordered data channel.
 Frames that fail to decode are dropped and counted, as a link would drop them.
 
-Real links (:mod:`swarm.peer.net.link`) replace this in the loopback and multi-host
+Real links (:mod:`swarm.peer.net.link`) take its place in the loopback and multi-host
 tests; the coordinator and worker only see ``send(peer, msg)`` and handlers.
 """
 
