@@ -44,7 +44,8 @@ def main() -> None:
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
     from swarm.peer.coordinator.dispatch import RemoteFFN
-    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+    from swarm.peer.weights.sizes import model_shape
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a model file or directory")
@@ -54,7 +55,7 @@ def main() -> None:
         raise SystemExit("--steps must be at least 4")
     model = load_model(args.model)
     model.materialize()
-    plan = build_plan(ModelShape.from_model(model), PeerCapacity("coordinator", 0, 1.0), [], term=1, version=1,
+    plan = build_plan(model_shape(model), PeerCapacity("coordinator", 0, 1.0), [], term=1, version=1,
                       coordinator_budget=1 << 50)
     ffns = {"local": LocalFFN(model), "dispatch": RemoteFFN(model, plan, _NoLinks())}
     caches = {name: model.new_cache(args.steps + 2) for name in ffns}

@@ -58,6 +58,7 @@ def install(role: str) -> None:
     from swarm.peer.coordinator import role as coordinator_mod
     from swarm.peer.worker import role as worker_mod
     from swarm.peer.coordinator import stages as stages_mod
+    from swarm.peer.worker import stages as worker_stages
     from swarm.peer.net import link as link_mod
     from swarm.peer.net import messages
 
@@ -134,7 +135,7 @@ def install(role: str) -> None:
 
         stages_mod._check_answer = traced_check
     else:
-        handle = stages_mod.StageRunner.handle
+        handle = worker_stages.StageRunner.handle
 
         @functools.wraps(handle)
         def traced_handle(self, msg):
@@ -143,7 +144,7 @@ def install(role: str) -> None:
             mark(msg.request_id, "w_computed")
             return out
 
-        stages_mod.StageRunner.handle = traced_handle
+        worker_stages.StageRunner.handle = traced_handle
         on_req = worker_mod.WorkerRole._on_stage_request
 
         @functools.wraps(on_req)

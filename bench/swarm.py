@@ -297,7 +297,7 @@ async def _worker_main(path: str, signal_url: str, key_code: str, name: str) -> 
     from swarm.keys.swarmkey import SwarmKey
 
     if os.environ.get("COLIBRI_BENCH_INLINE_MAX_S"):  # 0: every stage step on the compute thread (as before)
-        from swarm.peer.coordinator import stages
+        from swarm.peer.worker import stages
 
         stages.INLINE_MAX_S = float(os.environ["COLIBRI_BENCH_INLINE_MAX_S"])
     trace = os.environ.get("COLIBRI_STAGE_TRACE")

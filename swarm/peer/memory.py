@@ -25,7 +25,7 @@ Its **allowance** (the ``memory_budget`` of its hello, bytes) is that limit less
 The allowance pays for weights, the KV cache and activations. What those two cost depends on
 the layers a peer is planned (a stage peer keeps keys/values of its own layers, a range peer
 none), so the coordinator's planner takes them out of it
-(:meth:`swarm.peer.coordinator.planner.ModelShape.weight_budget`, :mod:`~swarm.peer.coordinator.costmodel`),
+(:meth:`swarm.peer.plan.ModelShape.weight_budget`, :mod:`~swarm.peer.coordinator.costmodel`),
 from the model's shape, the context (:func:`context_tokens`, ``join --context``) and the rows
 of one step (:data:`STEP_ROWS`): :func:`kv_cache_bytes`, :func:`activation_bytes`. All of the
 arithmetic is in pure functions (:func:`allowance`) fed numbers; :func:`measure_allowance` reads

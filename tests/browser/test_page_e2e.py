@@ -341,7 +341,8 @@ def test_page_serves_a_generation_and_its_loss_changes_no_token(swarm, e2e_brows
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
     from swarm.peer.coordinator.dispatch import RemoteFFN
-    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+    from swarm.peer.plan import ModelShape
 
     ctx = e2e_browser.new_context(ignore_https_errors=True)
     page = ctx.new_page()

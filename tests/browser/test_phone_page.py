@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from swarm.peer.net import messages as M
-from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+from swarm.peer.plan import ModelShape
 from swarm.peer.weights.slices import ModelSlicer, SliceSpan
 from swarm.keys.swarmkey import SwarmKey
 from tests.browser.test_page_e2e import PythonSwarm, _page_url, _wait_state, e2e_browser, lan_address, smollm2_path  # noqa: F401

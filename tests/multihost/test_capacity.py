@@ -134,11 +134,11 @@ async def test_capped_peers_run_a_model_none_can_hold(netns_lab, big_moe):
     require(MemoryCgroup.ROOT.joinpath("cgroup.procs").exists(),
             "the cgroup v1 memory controller at /sys/fs/cgroup/memory (writable as root)")
     from swarm.compute.model import load_model
-    from swarm.peer.coordinator.planner import ModelShape
+    from swarm.peer.weights.sizes import model_shape
 
     size = big_moe.stat().st_size
     assert size >= 400 << 20
-    shape = ModelShape.from_model(load_model(big_moe))
+    shape = model_shape(load_model(big_moe))
     expected = reference(big_moe, PROMPT)
     gc.collect()  # unmap this process's copies: mapped pages stay cached (and charged to this process)
     assert len(expected) >= KILL_AT + 8, f"the reply ends too soon to kill a worker in it: {expected!r}"

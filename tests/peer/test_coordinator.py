@@ -21,7 +21,9 @@ from swarm.compute.model import load_model
 from swarm.errors import VerificationError
 from swarm.peer.net import messages as M
 from swarm.peer.coordinator.dispatch import RemoteFFN
-from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan
+from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+from swarm.peer.plan import ModelShape, Plan
+from swarm.peer.weights.sizes import model_shape
 from tests.fakes import LoopbackNet
 from swarm.peer.worker.ffn import Worker
 from tests.peer._swarm_models import COORD, FAMILIES, PROMPT, W1, W2, build, greedy
@@ -423,7 +425,7 @@ def test_a_killed_workers_experts_are_read_from_the_file_and_not_kept(tmp_path):
     path = random_moe_gguf(tmp_path / "moe.gguf", layers=2, hidden=256, experts=32, top_k=8, expert_ffn=512,
                            heads=4, kv_heads=2)
     model = load_model(path)
-    shape = ModelShape.from_model(model)
+    shape = model_shape(model)
     plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=1, version=1,
                       coordinator_budget=4 * shape.expert_bytes)  # its speed would earn it 1/3: the budget wins
     assert plan.bytes_of(COORD, shape) <= 4 * shape.expert_bytes and plan.streamed_bytes == 0
@@ -497,7 +499,7 @@ def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, 
     path = random_moe_gguf(tmp_path / "moe.gguf", layers=2, hidden=256, experts=32, top_k=8, expert_ffn=1024,
                            heads=4, kv_heads=2)
     model = load_model(path)
-    shape = ModelShape.from_model(model)
+    shape = model_shape(model)
     budget = 4 * shape.expert_bytes
     # The budget rule (docs/capacity.md): a range worker's weights get its allowance less one
     # step's activations: 192 rows × (8 hidden-wide copies + q/k/v + gate and up of the top 8

@@ -16,7 +16,7 @@ import pytest
 from swarm.compute.model import load_model
 from swarm.peer.coordinator import deadlines as D
 from swarm.peer.coordinator.costmodel import LayerCosts
-from swarm.peer.coordinator.stages import Stage, StageLayout
+from swarm.peer.plan import Stage, StageLayout
 from swarm.peer.net.messages import StageRequest
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 from tests.peer.test_stages import staged

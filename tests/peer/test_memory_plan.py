@@ -12,8 +12,9 @@ import pytest
 from swarm.peer import memory
 from swarm.peer.coordinator import costmodel
 from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost
-from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan, reserve_of, shortfall
+from swarm.peer.coordinator.planner import PeerCapacity, build_plan, shortfall
 from swarm.peer.coordinator.stages import choose_stages
+from swarm.peer.plan import ModelShape, reserve_of
 
 MIB, GIB = 1 << 20, 1 << 30
 STATUS = "Name:\tpython3\nVmRSS:\t  812344 kB\nRssAnon:\t  307200 kB\nRssFile:\t  505144 kB\nRssShmem:\t       0 kB\n"

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.errors import RemoteProtocolError
-from swarm.peer.coordinator.planner import MAX_RTT_S, ModelShape, PeerCapacity, Plan, Span, build_plan, check_plan
+from swarm.peer.coordinator.planner import MAX_RTT_S, PeerCapacity, build_plan
+from swarm.peer.plan import ModelShape, Plan, Span, check_plan
+from swarm.peer.weights.sizes import model_shape
 
 shapes = st.builds(
     lambda h, e, fm, f, n_moe, n_dense, bpw: ModelShape(
@@ -178,7 +180,7 @@ def test_model_shape_counts_the_encoded_bytes_of_the_file(tmp_path):
     Q4_K = __import__("gguf").GGMLQuantizationType.Q4_K
     path = random_moe_gguf(tmp_path / "m.gguf", layers=2, hidden=256, experts=4, top_k=2, expert_ffn=256,
                            heads=4, kv_heads=2, down=Q4_K)
-    shape = ModelShape.from_model(load_model(path))
+    shape = model_shape(load_model(path))
     gate_up = 2 * 256 * 256 * 34 // 32  # Q8_0
     assert shape.expert_bytes == gate_up + 256 * 256 * 144 // 256  # Q4_K down: 144 bytes per 256
     assert shape.page_expert_nbytes == gate_up + 256 * 256 * 34 // 32  # the page holds Q8_0 for Q4_K

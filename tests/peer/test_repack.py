@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from swarm.errors import LocalProtocolError
-from swarm.peer.coordinator.planner import ModelShape
+from swarm.peer.plan import ModelShape
 from swarm.peer.weights.repack import PAGE_ENCODINGS, page_readable, repack_for_page
 from swarm.peer.weights.shipping_aio import PlanShipper
 from swarm.peer.weights.slices import ModelSlicer, SliceSpan, decode_slice

@@ -445,7 +445,8 @@ def test_worker_without_the_model_gets_its_plan_slices_and_answers_like_one_with
 
     from swarm.compute.model import load_model
     from swarm.peer.net import messages as M
-    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+    from swarm.peer.plan import ModelShape
     from swarm.peer.weights.shipping_aio import PlanShipper, SliceFetcher, fetch_plan_slices, shape_from_meta
     from swarm.peer.weights.slices import specs_for
     from swarm.peer.worker.ffn import Worker

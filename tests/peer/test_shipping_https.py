@@ -334,7 +334,8 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
     HTTPS server cannot be reached, the worker says so and takes the data channel; both give
     the bytes a local cut of the model gives."""
     from swarm.compute.model import load_model
-    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+    from swarm.peer.plan import ModelShape
     from swarm.peer.weights.shipping_aio import PlanShipper, SliceFetcher, fetch_plan_slices
     from swarm.peer.weights.slices import ModelSlicer, SliceSpan, specs_for
     from tests.peer._swarm_models import build

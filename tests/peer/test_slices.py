@@ -304,7 +304,8 @@ def test_worker_on_shipped_slices_answers_like_a_worker_with_the_model(tmp_path)
     """Every slice a plan gives a worker, shipped and decoded, serves the Worker bit for bit."""
     from swarm.compute.model import load_model
     from swarm.peer.net import messages as M
-    from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+    from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+    from swarm.peer.plan import ModelShape
     from swarm.peer.weights.slices import ShippedWeights, specs_for
     from swarm.peer.worker.ffn import Worker
 

@@ -16,7 +16,9 @@ from swarm.compute.model import load_model
 from swarm.errors import LocalProtocolError, MessageError
 from swarm.peer.net import messages as m
 from swarm.compute.serving import MAX_BATCH_LIMIT
-from swarm.peer.coordinator.stages import INLINE_ROWS, MAX_SEQUENCES, Stage, StagedFFN, StageLayout, StageRunner, split_layers
+from swarm.peer.coordinator.stages import StagedFFN
+from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout, split_layers
+from swarm.peer.worker.stages import MAX_SEQUENCES, StageRunner
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 
 MOE = "qwen3_moe"  # MoE layers 0 and 2, dense layer 1

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from swarm.compute.model import load_model
-from swarm.peer.coordinator.stages import Stage
+from swarm.peer.plan import Stage
 from tests.peer._swarm_models import COORD, W1, W2, build
 from tests.peer.test_stages import greedy_alone, staged
 

@@ -15,7 +15,7 @@ import pytest
 
 from swarm.compute.model import load_model
 from swarm.peer.coordinator.role import READMIT_S
-from swarm.peer.coordinator.stages import Stage, StageLayout
+from swarm.peer.plan import Stage, StageLayout
 from tests.peer._links import run_in_netns
 from tests.peer._swarm_models import build
 from tests.peer.test_stages_failover import SERVING_CAPACITY, prompt_of

@@ -255,7 +255,7 @@ def test_a_stage_peer_that_lost_its_stage_plan_is_sent_it_again(tmp_path):
     once a probe is answered, hands the layers back; no token changes."""
     import time
 
-    from swarm.peer.coordinator.stages import StageRunner
+    from swarm.peer.worker.stages import StageRunner
 
     model_dir = build("qwen3_moe", tmp_path)
 

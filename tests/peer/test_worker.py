@@ -15,7 +15,8 @@ from swarm.errors import MessageError, RemoteProtocolError, StaleTermError
 from swarm.peer.net import messages as M
 from swarm.peer.net import wire
 from swarm.peer.worker import ffn as worker_mod
-from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, build_plan
+from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+from swarm.peer.plan import ModelShape
 from swarm.peer.election.driver import ElectionDriver
 from swarm.keys.identity import Identity
 from swarm.peer.node import Node

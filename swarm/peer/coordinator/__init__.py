@@ -2,5 +2,6 @@
 the planner and its cost model, dispatch of FFN rows to workers (dispatch, stages' coordinator
 side), and what it serves: the OpenAI API (api, api_tls) and the dashboard.
 
-May import swarm.compute, swarm.peer.net and swarm.peer.weights; never swarm.peer.worker.
+May import swarm.compute, swarm.peer.net, swarm.peer.plan and swarm.peer.weights; never
+swarm.peer.worker.
 """

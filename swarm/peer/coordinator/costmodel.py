@@ -88,7 +88,7 @@ class LayerCosts:
     Not weights (bytes; empty or 0 when not counted): ``kv_bytes[i]`` the KV cache of layer ``i``
     for the reserved context, ``step_bytes`` a worker's activations of one step,
     ``coord_step_bytes`` the coordinator's, ``record_bytes`` the rows it records per worker stage
-    (:func:`swarm.peer.coordinator.planner.reserve_of`)."""
+    (:func:`swarm.peer.plan.reserve_of`)."""
 
     attn_flops: tuple[float, ...]
     ffn_flops: tuple[float, ...]
@@ -129,7 +129,7 @@ class LayerCosts:
     def from_model(cls, model, context: int | None = None) -> "LayerCosts":
         """From a :class:`swarm.compute.model.Model`: sizes from the file's header (no weight is
         read); the KV cache for ``context`` tokens (default :func:`swarm.peer.memory.context_tokens`)."""
-        from swarm.peer.coordinator.planner import reserve_of
+        from swarm.peer.plan import reserve_of
 
         c, ck = model.config, model.checkpoint
         H = c.hidden_size

@@ -109,7 +109,7 @@ from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnsw
 from swarm.peer.coordinator.deadlines import (  # noqa: F401  (the deadline rule's names, as before)
     DEADLINE_MAX_S, DEADLINE_MIN_S, DEADLINE_SAFETY, FIRST_DEADLINE_S, LATE_KEPT_S, MISS_LIMIT, NOT_READY_RETRY_S,
     SILENCE_S, Deadlines, PeerTiming, Sent, wait_answer)
-from swarm.peer.coordinator.planner import Plan
+from swarm.peer.plan import Plan
 
 log = logging.getLogger(__name__)
 

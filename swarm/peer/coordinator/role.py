@@ -1,6 +1,6 @@
 """The coordinator role: what this peer does while the election makes it the coordinator.
 
-It builds a :class:`~swarm.peer.coordinator.planner.Plan` from the hellos of the peers that can
+It builds a :class:`~swarm.peer.plan.Plan` from the hellos of the peers that can
 compute (Python peers with our model or none, and the browser peers linked to it), sends it to
 them, wraps the model in a :class:`~swarm.peer.coordinator.dispatch.RemoteFFN` and serves the
 OpenAI API with it. A peer that fails or whose link goes down gets no more work: the plan is
@@ -42,11 +42,13 @@ from typing import TYPE_CHECKING, Any
 from swarm.errors import LocalProtocolError, SwarmError
 from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S, LayerCosts, PeerCost, observed_gflops
 from swarm.peer.coordinator.dispatch import RemoteFFN
-from swarm.peer.coordinator.planner import ModelShape, PeerCapacity, Plan, build_plan, shortfall
-from swarm.peer.coordinator.stages import LAYOUTS, Stage, StagedFFN, StageLayout, choose_stages
+from swarm.peer.coordinator.planner import PeerCapacity, build_plan, shortfall
+from swarm.peer.coordinator.stages import LAYOUTS, StagedFFN, choose_stages
+from swarm.peer.plan import Plan, Stage, StageLayout
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageAnswer, StageRequest
 from swarm.peer.tasks import OwnedTasks, send_logged
 from swarm.peer.weights.shipping_aio import PlanShipper
+from swarm.peer.weights.sizes import model_shape
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
@@ -108,7 +110,7 @@ class CoordinatorRole:
         self.model = model
         self.election = election
         self.model_hash = node.hello.model_hash
-        self.shape = ModelShape.from_model(model) if model is not None else None  # encoded sizes: budgets
+        self.shape = model_shape(model) if model is not None else None  # encoded sizes: budgets
         self.verify = verify
         self.layout = check_layout(layout)
         self.ffn: RemoteFFN | None = None

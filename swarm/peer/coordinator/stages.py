@@ -1,27 +1,26 @@
-"""Layer stages: a peer runs a contiguous range of layers — attention with its KV cache, and
-the layers' FFN/MoE — so a token crosses the LAN once per stage instead of once per layer.
+"""The coordinator's side of layer stages: a peer runs a contiguous range of layers — attention
+with its KV cache, and the layers' FFN/MoE — so a token crosses the LAN once per stage instead of
+once per layer.
 
 Theory of operation
 -------------------
-A :class:`StageLayout` cuts the layers ``0 .. n_layers-1`` into contiguous :class:`Stage` s in
+A :class:`~swarm.peer.plan.StageLayout` cuts the layers ``0 .. n_layers-1`` into contiguous :class:`Stage` s in
 the order the hidden state visits them. The coordinator keeps the embeddings, the final norm,
 the head and sampling: ``Model.forward`` embeds the tokens and hands the rows [T, H] to
 :meth:`StagedFFN.run_layers`, which runs each stage in turn — its own with
 ``Model.layers`` (the FFN of those layers through ``inner``, e.g. a
 :class:`~swarm.peer.coordinator.dispatch.RemoteFFN` that still hands expert and dense ranges out), a
-worker's as one :class:`StageRequest` whose :class:`StageAnswer` carries the rows on. A stage
-runs the engine's own ``Model.layers`` on the same rows, so the logits are the local run's
+worker's as one :class:`StageRequest` whose :class:`StageAnswer` carries the rows on (the
+worker's side: :mod:`swarm.peer.worker.stages`). A stage runs the engine's own ``Model.layers`` on the same rows, so the logits are the local run's
 bits. A step of several sequences (continuous batching: ``Model.forward_batch`` hands
 :meth:`StagedFFN.run_layers_batch` the union of their rows) crosses each stage together: one
 request per stage peer and step, a segment per sequence, attention per sequence on its own KV
 cache and the rest on the union (``Model.layers_batch``), each row with its solo bits.
 Everything that fails, misses or rebuilds stays per sequence.
 
-KV caches. Each stage holds the keys/values of its layers for every sequence in flight, keyed
-by the sequence id the coordinator gives each new cache (``start == 0``). A request for
-positions ``start ..`` first truncates the stage's cache to ``start`` (re-running a suffix is a
-smaller ``start``); a stage that holds fewer positions answers ``cache_gap`` and the
-coordinator resends the sequence from position 0.
+KV caches. Each stage keeps the keys/values of its layers per sequence, keyed by the sequence id
+the coordinator gives each new cache; a stage that holds fewer positions than a request assumes
+answers ``cache_gap`` and the coordinator resends the sequence from position 0.
 
 Failover. The coordinator records, per sequence, the rows that entered each stage (``[L, H]``
 f32 per stage boundary, a few MB for thousands of positions). A stage whose step does not come
@@ -44,16 +43,10 @@ probed every ``NOT_READY_RETRY_S`` and sent that sequence's stage plan again (th
 over, boundaries never move), so its recorded rows always match its stages; a new layout
 applies to the next sequence.
 
-A stage peer keeps keys/values for its own layers only (:class:`StageCache`). A short step (a
-decode token: :meth:`StageRunner.take_inline`) runs on the event loop that received it,
-sparing the two thread hand-offs to the compute thread and back.
-
 Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, the dispatcher's ``send`` is a
 thread-safe non-blocking hand-off, and answers arrive through :meth:`StagedFFN.deliver` /
 :meth:`StagedFFN.peer_down` from the event loop. Request ids have the top bit set, so they
 never collide with RemoteFFN's on the same link.
-
-The worker side is :class:`StageRunner`: synchronous, CPU-heavy, run off the event loop.
 """
 
 from __future__ import annotations
@@ -64,272 +57,24 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from swarm.compute.ffn import LocalFFN
-from swarm.compute.model import KVCache
-from swarm.compute.serving import MAX_BATCH_LIMIT
-from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
+from swarm.errors import LocalProtocolError, RemoteProtocolError
 from swarm.peer.coordinator.deadlines import MISS_LIMIT, NOT_READY_RETRY_S, Deadlines, PeerTiming, Sent, wait_answer
 from swarm.peer.coordinator.dispatch import Dispatcher
-from swarm.peer.net.messages import Error, StageAnswer, StageAssignment, StagePlan, StageRequest, StageSegment
-from swarm.peer.coordinator.planner import Span
+from swarm.peer.net.messages import Error, StageAnswer, StageRequest, StageSegment
+from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout, split_layers
 
 log = logging.getLogger(__name__)
 
 F32 = np.float32
-KEEP_PLANS = 4  # stage layouts of the current term a worker still serves
-MAX_SEQUENCES = 8  # KV caches a stage keeps beyond those of the step at hand (least recently used dropped first)
-MAX_STAGE_ROWS = 16384  # rows per stage request (a long prefill is still one batch)
 REQUEST_ID_BASE = 1 << 31  # stage request ids: top bit set, apart from RemoteFFN's
-# A stage step of at most INLINE_ROWS rows whose last such step took at most INLINE_MAX_S is run on
-# the event loop that received it: two thread hand-offs (to the compute thread and back) cost more
-# than the step on a busy machine, and blocking the loop this long delays no heartbeat.
-INLINE_ROWS = 8
-INLINE_MAX_S = 0.1
 
 
-class StageCache(KVCache):
-    """A KV cache for a stage's layers ``lo .. hi-1``: their arrays from the start, the other
-    layers' never (a worker runs only its own; :class:`~swarm.compute.model.KVCache` allocates a
-    layer when it first runs). Same interface as :class:`~swarm.compute.model.KVCache`."""
-
-    def __init__(self, config, lo: int, hi: int, capacity: int = 16) -> None:
-        self.own = range(lo, hi)
-        super().__init__(config, capacity)
-        for layer in self.own:
-            self.layer(layer)
-
-
-@dataclass(frozen=True)
-class Stage(Span):
-    """``peer`` runs layers ``start .. stop-1`` (a span whose units are layers)."""
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """Stages of plan ``version`` in ``term``, in the order the hidden state visits them,
-    tiling ``0 .. n_layers-1``; ``coordinator`` runs its stages itself."""
-
-    term: int
-    version: int
-    coordinator: str
-    stages: tuple[Stage, ...]
-
-    def __post_init__(self) -> None:
-        at = 0
-        for s in self.stages:
-            if s.start != at or s.stop <= s.start:
-                raise LocalProtocolError(f"stage layout v{self.version}: {s} does not follow layer {at}")
-            at = s.stop
-
-    @property
-    def n_layers(self) -> int:
-        return self.stages[-1].stop if self.stages else 0
-
-    def workers(self) -> tuple[str, ...]:
-        """Peers other than the coordinator that run a stage, in visiting order."""
-        return tuple(dict.fromkeys(s.peer for s in self.stages if s.peer != self.coordinator))
-
-    def holds(self, peer: str, start: int, stop: int) -> bool:
-        return Stage(peer, start, stop) in self.stages
-
-    def to_message(self) -> StagePlan:
-        return StagePlan(self.term, self.version, tuple(StageAssignment(s.peer, s.start, s.stop) for s in self.stages))
-
-    @classmethod
-    def from_message(cls, msg: StagePlan, coordinator: str, n_layers: int) -> "StageLayout":
-        """The layout ``coordinator`` announced; RemoteProtocolError unless it tiles ``0:n_layers``."""
-        stages = tuple(Stage(a.peer, a.layer_start, a.layer_stop) for a in msg.stages)
-        if not stages or stages[-1].stop != n_layers:
-            raise RemoteProtocolError(f"stage plan v{msg.version} covers layers 0:{stages[-1].stop if stages else 0}, "
-                                      f"not the model's 0:{n_layers}")
-        return cls(msg.term, msg.version, coordinator, stages)
-
-
-def split_layers(n_layers: int, peers: Sequence[str], weights: Sequence[float]) -> tuple[Stage, ...]:
-    """Contiguous layer ranges in ``peers`` order, sizes ∝ ``weights`` (largest remainder);
-    a peer of weight 0 gets none, every other peer at least one layer when there are enough.
-    Raises LocalProtocolError when no weight is positive."""
-    used = [(p, w) for p, w in zip(peers, weights, strict=True) if w > 0]
-    if not used or n_layers <= 0:
-        raise LocalProtocolError("split_layers needs layers and at least one peer of positive weight")
-    used = used[:n_layers]
-    total = sum(w for _, w in used)
-    exact = [n_layers * w / total for _, w in used]
-    counts = [max(1, int(x)) for x in exact]
-    while sum(counts) > n_layers:  # the minimum of one layer each overshot: take from the largest
-        counts[max(range(len(counts)), key=lambda i: counts[i] - exact[i])] -= 1
-    for i in sorted(range(len(used)), key=lambda i: counts[i] - exact[i])[: n_layers - sum(counts)]:
-        counts[i] += 1
-    out, at = [], 0
-    for (p, _), c in zip(used, counts):
-        if c:
-            out.append(Stage(p, at, at + c))
-            at += c
-    return tuple(out)
-
-
-# ------------------------------------------------------------------------------- worker side
-class StageRunner:
-    """Answers :class:`StageRequest` s for peer ``peer_id`` from ``model`` (a memory-mapped
-    :class:`swarm.compute.model.Model`: only the stage's layers are ever read), keeping a KV
-    cache per sequence. Every field of a request is checked before it reaches a kernel; a bad
-    one earns an :class:`Error` naming it (codes ``stale_term``, ``bad_request``, ``cache_gap``).
-    """
-
-    def __init__(self, peer_id: str, model, max_sequences: int = MAX_SEQUENCES) -> None:
-        self.peer_id = peer_id
-        self.model = model
-        self.max_sequences = max_sequences
-        self._layouts: dict[tuple[int, int], StageLayout] = {}
-        self.term = 0
-        self._caches: OrderedDict[tuple[int, int, int], object] = OrderedDict()  # (sequence, lo, hi) → KVCache
-        self._lock = threading.Lock()
-        self._busy = 0  # requests queued for the compute thread or being computed
-        self._step_s: dict[tuple[int, int], float] = {}  # (lo, hi) → seconds per row of its last short step
-        self.served = 0
-        self.inline = 0  # requests that take_inline said to run on the receiving thread
-
-    def take_inline(self, msg: StageRequest) -> bool:
-        """Whether to run ``msg`` on the thread that received it (the event loop; counted in
-        ``inline``): at most ``INLINE_ROWS`` rows, its stage's last short step took at most
-        ``INLINE_MAX_S``, and no other request is queued or being computed (they would race for the CPU,
-        and a sequence's steps must keep their order)."""
-        rows = msg.x.shape[0] if isinstance(msg.x, np.ndarray) and msg.x.ndim == 2 else INLINE_ROWS + 1
-        s = self._step_s.get((msg.layer_start, msg.layer_stop))
-        if rows <= INLINE_ROWS and not self._busy and s is not None and s * rows <= INLINE_MAX_S:
-            self.inline += 1
-            return True
-        return False
-
-    def submit(self, executor: cf.Executor, msg: StageRequest) -> cf.Future:
-        """Queue ``handle(msg)`` on ``executor``; the request counts as busy from now until it is
-        answered (or cancelled unstarted), so :meth:`take_inline` never runs a step beside it."""
-        with self._lock:
-            self._busy += 1
-        try:
-            fut = executor.submit(self.handle, msg)
-        except BaseException:
-            self._release()
-            raise
-        fut.add_done_callback(lambda _: self._release())
-        return fut
-
-    def _release(self) -> None:
-        with self._lock:
-            self._busy -= 1
-
-    def accept(self, layout: StageLayout) -> None:
-        """Serve ``layout`` (and up to ``KEEP_PLANS - 1`` earlier ones of its term, for the
-        sequences that started under them). StaleTermError for an older term."""
-        with self._lock:
-            if layout.term < self.term:
-                raise StaleTermError(f"stage plan of term {layout.term}: this peer is in term {self.term}")
-            kept = [p for p in self._layouts.values() if p.term == layout.term] + [layout]
-            self._layouts = {(p.term, p.version): p for p in kept[-KEEP_PLANS:]}
-            self.term = layout.term
-            ranges = {(s.start, s.stop) for p in self._layouts.values() for s in p.stages if s.peer == self.peer_id}
-            for key in [k for k in self._caches if k[1:] not in ranges]:
-                del self._caches[key]
-
-    def serves(self, term: int, version: int) -> bool:
-        """Whether requests of plan ``version`` of ``term`` are served."""
-        return (term, version) in self._layouts
-
-    def prepare(self) -> None:
-        """Open this peer's layers of the newest layout now — attention, router, every expert or
-        the dense MLP — not in its first (deadline-bound) requests."""
-        layout = max(self._layouts.values(), key=lambda p: p.version, default=None)
-        m = self.model
-        for s in layout.stages if layout else ():
-            for layer in range(s.start, s.stop) if s.peer == self.peer_id else ():
-                m.attention_weights(layer)
-                if not m.is_moe_layer(layer):
-                    m.dense_weights(layer)
-                    continue
-                m.router(layer)
-                for e in range(m.config.n_experts):
-                    m.expert_weights(layer, e)
-                if m.has_shared_expert(layer):
-                    m.shared_expert_weights(layer)
-
-    def handle(self, msg: StageRequest) -> StageAnswer | Error:
-        """Run the request's rows through its layers, or refuse it with an Error."""
-        with self._lock:
-            self._busy += 1
-        try:
-            return self._answer(msg)
-        except StaleTermError as exc:
-            return Error(msg.request_id, "stale_term", str(exc))
-        except _CacheGap as exc:
-            return Error(msg.request_id, "cache_gap", str(exc))
-        except (RemoteProtocolError, ValueError) as exc:  # ValueError: the model refused the rows
-            log.warning("refused stage request %s: %s", msg.request_id, exc)
-            return Error(msg.request_id, "bad_request", str(exc))
-        finally:
-            self._release()
-
-    def _answer(self, msg: StageRequest) -> StageAnswer:
-        layout = self._layouts.get((msg.term, msg.plan_version))
-        if layout is None:
-            have = ", ".join(f"term {t} v{v}" for t, v in sorted(self._layouts)) or "no stage plan yet"
-            raise StaleTermError(f"stage request of term {msg.term} v{msg.plan_version}: this peer serves {have}")
-        lo, hi, x = msg.layer_start, msg.layer_stop, msg.x
-        if not layout.holds(self.peer_id, lo, hi):
-            raise RemoteProtocolError(f"layers {lo}:{hi} are not a stage of this peer in plan v{msg.plan_version}")
-        H = self.model.config.hidden_size
-        if x.dtype != F32 or x.shape[1] != H or x.shape[0] > MAX_STAGE_ROWS:
-            raise RemoteProtocolError(f"rows must be [1..{MAX_STAGE_ROWS}, {H}] float32, got {x.shape} {x.dtype}")
-        if not np.isfinite(x).all():
-            raise RemoteProtocolError("rows hold NaN or infinity")
-        if len(msg.segments) > MAX_BATCH_LIMIT:
-            raise RemoteProtocolError(f"{len(msg.segments)} sequences in one step; at most {MAX_BATCH_LIMIT}")
-        with self._lock:
-            caches, gaps = [], []
-            for s in msg.segments:  # every sequence is checked before any cache changes
-                cache = self._caches.get((s.sequence, lo, hi))
-                if s.start == 0:
-                    cache = StageCache(self.model.config, lo, hi)
-                elif cache is None or cache.length < s.start:
-                    gaps.append(f"sequence {s.sequence}: holds {0 if cache is None else cache.length} "
-                                f"positions, the request starts at {s.start}")
-                caches.append(cache)
-            if gaps:
-                raise _CacheGap(f"layers {lo}:{hi}: " + "; ".join(gaps) + "; resend from position 0")
-            for s, cache in zip(msg.segments, caches):
-                self._caches.pop((s.sequence, lo, hi), None)
-                self._caches[(s.sequence, lo, hi)] = cache  # most recently used last
-            # Per stage range held, as many sequences as this step carries (the most recently used:
-            # never dropped for a big step) or max_sequences.
-            keep = max(self.max_sequences, len(caches)) * len({k[1:] for k in self._caches})
-            while len(self._caches) > keep:
-                self._caches.popitem(last=False)
-        for s, cache in zip(msg.segments, caches):
-            cache.truncate(s.start)
-        t0 = time.perf_counter()
-        if len(msg.segments) == 1:
-            out = self.model.layers(x, caches[0], msg.segments[0].start, lo, hi)
-        else:
-            out = self.model.layers_batch(x, [(c, s.start, s.rows) for s, c in zip(msg.segments, caches)], lo, hi)
-        compute_s = time.perf_counter() - t0
-        if x.shape[0] <= INLINE_ROWS:
-            self._step_s[(lo, hi)] = compute_s / x.shape[0]
-        for s, cache in zip(msg.segments, caches):
-            cache.length = s.start + s.rows
-        self.served += 1
-        return StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.segments, lo, hi, compute_s, out)
-
-
-class _CacheGap(Exception):
-    """The stage holds fewer positions of a sequence than a request assumes."""
-
-
-# -------------------------------------------------------------------------- coordinator side
 @dataclass
 class _Sequence:
     """What the coordinator knows about one sequence under stages."""

@@ -1,7 +1,8 @@
 """Weight slices and their transfer, used by both roles: cutting a model file into the ranges
-a plan assigns (slices, repack), the chunked, hashed transfer protocol (shipping) and its
-transports over a data channel (shipping_aio) or HTTPS (slice_http).
+a plan assigns (slices, repack), a model file's sizes for the planner (sizes), the chunked, hashed
+transfer protocol (shipping) and its transports over a data channel (shipping_aio) or HTTPS
+(slice_http).
 
-May import swarm.compute, swarm.peer.net, swarm.peer.memory and the model shape of
-swarm.peer.coordinator.planner; nothing else of either role.
+May import swarm.compute, swarm.peer.net, swarm.peer.memory and swarm.peer.plan; nothing of either
+role.
 """

@@ -53,7 +53,7 @@ from swarm.peer.weights.shipping import (
 )
 
 if TYPE_CHECKING:
-    from swarm.peer.coordinator.planner import ModelShape
+    from swarm.peer.plan import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class PlanShipper:
     """The coordinator ships each worker the slices a plan gives it (workers without the model).
 
     Slices are cut from ``model_path`` in the file's own encoding (:mod:`swarm.peer.weights.slices`);
-    each manifest's meta also carries the model's :class:`~swarm.peer.coordinator.planner.ModelShape`
+    each manifest's meta also carries the model's :class:`~swarm.peer.plan.ModelShape`
     (``meta["shape"]``), so a worker without the file can check requests against it. A browser
     peer gets tensors its kernels cannot read (K-quants, Q5_x, ...) repacked once to Q8_0
     (:mod:`swarm.peer.weights.repack`); Q4_0/Q4_1/Q8_0 and float tensors ship as in the file.
@@ -353,8 +353,8 @@ class PlanShipper:
 
 
 def shape_from_meta(meta: Any) -> Any:
-    """The :class:`~swarm.peer.coordinator.planner.ModelShape` a shipped manifest carries. RemoteProtocolError if malformed."""
-    from swarm.peer.coordinator.planner import ModelShape
+    """The :class:`~swarm.peer.plan.ModelShape` a shipped manifest carries. RemoteProtocolError if malformed."""
+    from swarm.peer.plan import ModelShape
 
     shape = meta.get("shape") if isinstance(meta, dict) else None
     try:

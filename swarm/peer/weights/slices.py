@@ -388,7 +388,7 @@ def decode_slice(blob: bytes | memoryview, meta: Mapping[str, Any]) -> SliceWeig
 
 
 def specs_for(plan: Any, peer_id: str) -> list[SliceSpan]:
-    """The slices ``peer_id`` needs under ``plan`` (a :class:`swarm.peer.coordinator.planner.Plan`), layer order."""
+    """The slices ``peer_id`` needs under ``plan`` (a :class:`swarm.peer.plan.Plan`), layer order."""
     specs = [SliceSpan(layer, "experts", s.start, s.stop)
              for layer, spans in plan.experts.items() for s in spans if s.peer == peer_id]
     specs += [SliceSpan(layer, "dense", s.start, s.stop)

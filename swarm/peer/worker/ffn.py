@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A worker holds no KV cache and no sequence: each request is answered on its own.
-It keeps the latest :class:`~swarm.peer.coordinator.planner.Plan` it accepted from the
+It keeps the latest :class:`~swarm.peer.plan.Plan` it accepted from the
 coordinator (and a few before it of the same term, for the step in flight
 when the plan changed) and answers only requests that carry one of those terms and versions,
 for the layer, experts and dense ranges the plan gives *this* peer. Everything
@@ -39,7 +39,7 @@ from swarm.compute.ffn import swiglu_ffn
 from swarm.compute.kernels import MLPWeights
 from swarm.errors import RemoteProtocolError, StaleTermError
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
-from swarm.peer.coordinator.planner import ModelShape, Plan
+from swarm.peer.plan import ModelShape, Plan
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 FFN requests (``ExpertRequest``, ``DenseRequest``) are answered by a
 :class:`~swarm.peer.worker.ffn.Worker`, stage requests by a
-:class:`~swarm.peer.coordinator.stages.StageRunner`, both in one compute thread, off the event
+:class:`~swarm.peer.worker.stages.StageRunner`, both in one compute thread, off the event
 loop, in arrival order. A request whose term is stale gets an ``Error`` of code ``stale_term``;
 a peer without a model answers ``model``.
 
@@ -22,14 +22,15 @@ import logging
 from typing import TYPE_CHECKING
 
 from swarm.errors import RemoteProtocolError, StaleTermError, SwarmError
-from swarm.peer.coordinator.planner import ModelShape, Plan
-from swarm.peer.coordinator.stages import StageLayout, StageRunner
 from swarm.peer.net.messages import DenseRequest, Error, ExpertRequest, PlanMessage, StagePlan, StageRequest
+from swarm.peer.plan import Plan, StageLayout
 from swarm.peer.tasks import send_logged
 from swarm.peer.weights.shipping import SliceCache
 from swarm.peer.weights.shipping_aio import SliceFetcher, fetch_plan_slices
+from swarm.peer.weights.sizes import model_shape
 from swarm.peer.weights.slices import SliceSpan
 from swarm.peer.worker.ffn import Worker
+from swarm.peer.worker.stages import StageRunner
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
@@ -54,7 +55,7 @@ class WorkerRole:
         self.node = node
         self.model = model
         self.election = election
-        self.shape = ModelShape.from_model(model) if model is not None else None  # learned from slices otherwise
+        self.shape = model_shape(model) if model is not None else None  # learned from slices otherwise
         self.server: Worker | None = Worker(node.peer_id, self.shape, model) if model is not None else None
         self.stage_runner = StageRunner(node.peer_id, model) if model is not None else None
         self._fetchers: dict[str, SliceFetcher] = {}  # without a model: per link to a peer that has one
