@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 A link owns one peer connection and one ordered, reliable data channel on it (negotiated
 stream id 0, created on both sides before the SDP offer, so neither side waits for DCEP).
-It goes through these states, in this order only::
+This module is the asyncio adapter: the greeting, heartbeats, liveness and the states are
+decided by the sans-I/O :class:`~swarm.peer.net.link_protocol.LinkProtocol`, which goes
+through these states, in this order only::
 
     CONNECTING ──channel open──▶ AUTHENTICATING ──proof ok──▶ GREETING ──hello ok──▶ OPEN
          └──────────────── any failure / timeout / remote close ─────────────────▶ CLOSED
@@ -36,11 +38,8 @@ Every task the link starts is owned by it and cancelled in :meth:`Link.close`.
 from __future__ import annotations
 
 import asyncio
-import collections
-import enum
 import logging
 import re
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -51,28 +50,30 @@ from aiortc.rtcdtlstransport import RTCCertificate
 
 from swarm.errors import (
     AuthenticationError,
-    IdentityError,
     LocalProtocolError,
     PeerLostError,
     RemoteProtocolError,
     SwarmError,
     VersionMismatchError,
 )
-from swarm.peer.net import auth, eager, messages, rtc, wire
 from swarm.keys.identity import peer_id_of_certificate
-from swarm.peer.net.messages import Error, Hello, LinkHeartbeat, WeightsHeld
+from swarm.peer.net import auth, eager, messages, rtc, wire
+from swarm.peer.net.link_protocol import (
+    DEAD_AFTER_S,
+    HANDSHAKE_TIMEOUT_S,
+    HEARTBEAT_S,
+    JUMBO_REPROBE_S,
+    Deliver,
+    Echo,
+    Greeted,
+    LinkProtocol,
+    LinkState,
+)
+from swarm.peer.net.messages import Hello, Message, WeightsHeld
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 1.0  # seconds between heartbeats on an open link
-DEAD_AFTER_S = 5.0  # seconds without any inbound byte before the link is declared dead
-# Seconds after a failed jumbo packet probe (rtc.path_carries) before each next one.
-JUMBO_REPROBE_S = (5.0, 30.0)
-HANDSHAKE_TIMEOUT_S = 10.0  # seconds from connect to OPEN (ICE + DTLS + auth + hello)
-RTT_SAMPLES = 9  # heartbeat round trips kept; rtt_s is their median
 HELD_MAX = 64  # unclaimed inbound messages kept for a handler yet to register; the oldest go first
-
-MAX_ERROR_CHARS = 1000  # the longest refusal text sent to a remote
 
 CHANNEL_LABEL = "colibri-swarm"
 CHANNEL_ID = 0  # negotiated stream id of the one data channel of a link
@@ -85,14 +86,6 @@ SEND_LOW_WATER = 256 << 10
 
 # RFC 8841 §6: assume 64 KiB when the remote SDP names no a=max-message-size.
 DEFAULT_MAX_MESSAGE_SIZE = wire.DEFAULT_REMOTE_MAX_MESSAGE_SIZE
-
-
-class LinkState(enum.Enum):
-    CONNECTING = "connecting"
-    AUTHENTICATING = "authenticating"
-    GREETING = "greeting"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 _FINGERPRINT_RE = re.compile(r"^a=fingerprint:sha-256 ([0-9A-Fa-f:]{95})\s*$", re.MULTILINE)
@@ -134,7 +127,7 @@ def new_peer_connection(certificate: RTCCertificate) -> tuple[RTCPeerConnection,
     return pc, channel
 
 
-Handler = Callable[["Link", Any], Awaitable[None] | None]
+Handler = Callable[["Link", Any], Awaitable[None] | None]  # Any: each handler takes the one kind it is registered for
 
 _CLOSED = object()  # put in the inbox when the link closes: wakes receive()
 
@@ -183,16 +176,15 @@ class Link:
         self.local_hello = local_hello
         self.expected_peer_id = expected_peer_id
         self.remote_kind = remote_kind
-        self.state = LinkState.CONNECTING
-        self.peer_id: str | None = None
-        self.hello: Hello | None = None
-        self.rtt_s: float | None = None
-        self.weights_held: WeightsHeld | None = None
+        self.protocol = LinkProtocol(
+            local_hello, now=time.monotonic(), expected_peer_id=expected_peer_id, remote_kind=remote_kind,
+            handshake_timeout_s=handshake_timeout_s, dead_after_s=dead_after_s,
+            jumbo_packets=rtc.SCTP_JUMBO_PACKET_LENGTH if jumbo_packets else None,
+        )
         self.close_reason: str | None = None
         self.remote_max_message_size = DEFAULT_MAX_MESSAGE_SIZE
         # the largest SCTP packet this link sends: jumbo once a probe to a Python peer came back (rtc.py)
         self.sctp_packet_length = rtc.SCTP_MAX_PACKET_LENGTH
-        self._remote_packet_length: int | None = None
         self._jumbo_packets = jumbo_packets  # False: neither offer nor send them (a LAN that drops IP fragments)
         # Benchmarks only: seconds each message waits before it is sent, standing in for a slower
         # network (Wi-Fi) where no netem is available. 0 in the product.
@@ -202,7 +194,6 @@ class Link:
         self._auth_key = auth_key
         self._handshake_timeout_s = handshake_timeout_s
         self._heartbeat_s = heartbeat_s
-        self._dead_after_s = dead_after_s
         self._auth: auth.ChannelAuth | None = None
         self._reassembler = wire.Reassembler()
         self._fragmenter = wire.Fragmenter(DEFAULT_MAX_MESSAGE_SIZE)
@@ -214,14 +205,10 @@ class Link:
         self._send_lock = asyncio.Lock()
         self._drained = asyncio.Event()
         self._drained.set()
-        self._last_heard = time.monotonic()
         self.bytes_received = 0  # inbound data-channel bytes, every frame and fragment (benchmarks)
         self._tasks: set[asyncio.Task] = set()
         self._close_callbacks: list[Callable[[Link], None]] = []
-        self._ping_sent: dict[int, float] = {}
-        self._ping_seq = 0
         self._pc_closing: asyncio.Task | None = None
-        self._rtt_samples: collections.deque[float] = collections.deque(maxlen=RTT_SAMPLES)
 
         channel.bufferedAmountLowThreshold = SEND_LOW_WATER
         channel.on("open", self._on_channel_open)
@@ -271,7 +258,7 @@ class Link:
             raise RemoteProtocolError(f"the remote SDP {kind} has an unusable a=max-message-size: {exc}") from None
         self.remote_max_message_size = self._fragmenter.max_message_size
         try:
-            self._remote_packet_length = rtc.jumbo_packet_length(sdp)
+            self.protocol.remote_packet_length = rtc.jumbo_packet_length(sdp)
         except ValueError as exc:
             raise RemoteProtocolError(f"the remote SDP {kind}: {exc}") from None
         try:
@@ -295,9 +282,30 @@ class Link:
         return self.state is LinkState.OPEN
 
     @property
+    def state(self) -> LinkState:
+        return self.protocol.state
+
+    @property
+    def peer_id(self) -> str | None:
+        """The remote peer id the channel proved (None before)."""
+        return self.protocol.peer_id
+
+    @property
+    def hello(self) -> Hello | None:
+        return self.protocol.hello
+
+    @property
+    def rtt_s(self) -> float | None:
+        return self.protocol.rtt_s
+
+    @property
+    def weights_held(self) -> WeightsHeld | None:
+        return self.protocol.weights_held
+
+    @property
     def last_heard(self) -> float:
         """When the remote last sent anything (heartbeats included), ``time.monotonic()`` seconds."""
-        return self._last_heard
+        return self.protocol.last_heard
 
     def on_close(self, callback: Callable[[Link], None]) -> None:
         """Call ``callback(link)`` once, when the link closes for any reason."""
@@ -337,10 +345,9 @@ class Link:
 
     def _fail(self, reason: str, error: SwarmError | None = None, expected: bool = False) -> None:
         """Close for ``reason``; logged as a warning unless ``expected`` or the link was open."""
-        if self.state is LinkState.CLOSED:
+        was = self.protocol.close()
+        if was is None:
             return
-        was = self.state
-        self.state = LinkState.CLOSED
         self.close_reason = reason
         self._packets_settled.set()  # nothing more will be sent: no one waits for a probe
         unexpected = not expected and was is not LinkState.OPEN
@@ -387,25 +394,21 @@ class Link:
             self._fail(f"the peer connection is {state}")
 
     async def _watchdog(self) -> None:
-        deadline = time.monotonic() + self._handshake_timeout_s
         while self.state is not LinkState.OPEN:
-            if time.monotonic() >= deadline:
-                self._fail(f"no authenticated link within {self._handshake_timeout_s:g} s ({self.state.value})")
+            overdue = self.protocol.overdue(time.monotonic())
+            if overdue is not None:
+                self._fail(overdue)
                 return
             await asyncio.sleep(min(0.1, self._heartbeat_s))
         while True:
             now = time.monotonic()
             for mid in self._reassembler.handle_timer(now):
                 log.warning("dropped message %d from %s: no fragment for %g s", mid, self.peer_id, self._reassembler.abandon_s)
-            silence = now - self._last_heard
-            if silence >= self._dead_after_s:
-                self._fail(f"nothing heard for {silence:.1f} s (dead after {self._dead_after_s:g} s)")
+            overdue = self.protocol.overdue(now)
+            if overdue is not None:
+                self._fail(overdue)
                 return
-            self._ping_seq += 1
-            self._ping_sent[self._ping_seq] = now
-            if len(self._ping_sent) > 16:  # unanswered pings: forget the oldest
-                self._ping_sent.pop(min(self._ping_sent))
-            self._send_now(messages.encode(LinkHeartbeat(seq=self._ping_seq, sent_s=now)))
+            self._send_now(messages.encode(self.protocol.ping(now)))
             await asyncio.sleep(self._heartbeat_s)
 
     # -- inbound --------------------------------------------------------------------------------
@@ -422,12 +425,13 @@ class Link:
         except LocalProtocolError as exc:
             self._fail(str(exc), error=exc)
             return
-        self.state = LinkState.AUTHENTICATING
+        self.protocol.channel_open()
         for out in self._auth.start():
             self.channel.send(out)
 
     def _on_channel_message(self, data: bytes | str) -> None:
-        self._last_heard = time.monotonic()
+        now = time.monotonic()
+        self.protocol.heard(now)
         self.bytes_received += len(data)
         try:
             if isinstance(data, str):
@@ -436,12 +440,12 @@ class Link:
                 # whole, small frames only: the reassembler (which buffers) is not for strangers
                 self._on_auth_frame(data)
                 return
-            frame = self._reassembler.feed(data, self._last_heard)
+            frame = self._reassembler.feed(data, now)
             if frame is None:
                 return
             match self.state:
                 case LinkState.GREETING | LinkState.OPEN:
-                    self._on_message(messages.decode(frame))
+                    self._on_message(messages.decode(frame), now)
                 case _:
                     raise RemoteProtocolError(f"a message arrived in state {self.state.value}")
         except AuthenticationError as exc:
@@ -456,56 +460,35 @@ class Link:
             self.channel.send(out)
         if not self._auth.authenticated:
             return
-        if self.expected_peer_id is not None and self._auth.remote_peer_id != self.expected_peer_id:
-            raise AuthenticationError(
-                f"the channel proved peer id {self._auth.remote_peer_id}, "
-                f"but signaling announced {self.expected_peer_id}"
-            )
-        self.peer_id = self._auth.remote_peer_id
-        self.state = LinkState.GREETING
-        self._send_now(messages.encode(self.local_hello))
+        assert self._auth.remote_peer_id is not None  # authenticated
+        self._send_now(messages.encode(self.protocol.authenticated(self._auth.remote_peer_id)))
 
-    def _on_message(self, message: Any) -> None:
-        if isinstance(message, Error) and message.request_id == 0 and (
-            message.code == "version" or self.state is LinkState.GREETING
-        ):  # the remote refuses the channel itself; other refusals go to the handlers (roles)
-            error = VersionMismatchError if message.code == "version" else RemoteProtocolError
-            raise error(f"peer {self.peer_id} refused the link ({message.code}): {message.message}")
-        if self.state is LinkState.GREETING:
-            if not isinstance(message, Hello):
-                raise RemoteProtocolError(f"expected a Hello first, got {type(message).__name__}")
-            try:
-                self._check_hello(message)
-            except VersionMismatchError as exc:
-                # tell the remote why (docs/protocol.md §7); queued before the close, so it goes first
-                refusal = Error(request_id=0, code="version", message=str(exc)[:MAX_ERROR_CHARS])
-                for fragment in self._fragmenter.split(messages.encode(refusal)):
-                    self.channel.send(fragment)
-                raise
-            self.hello = message
-            if self._jumbo_packets and self._remote_packet_length is not None:  # it reads jumbo records by now
-                self._spawn(self._try_jumbo_packets(min(self._remote_packet_length, rtc.SCTP_JUMBO_PACKET_LENGTH)))
-            else:
-                self._packets_settled.set()
-            self.state = LinkState.OPEN
-            log.info("link to %s open (version %s)", self.peer_id, message.protocol_version)
-            self._established.set_result(message)
-            return
-        if isinstance(message, LinkHeartbeat):
-            if self._ping_sent.get(message.seq) != message.sent_s:
-                self._send_now(messages.encode(message))  # the remote's ping: echo it unchanged
-            else:
-                del self._ping_sent[message.seq]
-                self._rtt_samples.append(time.monotonic() - message.sent_s)
-                # the median of recent samples: one heartbeat queued behind a large message
-                # must not skew the estimate that placement and deadlines are built on
-                self.rtt_s = statistics.median(self._rtt_samples)
-            return
-        if isinstance(message, WeightsHeld):
-            self.weights_held = message
-            return
-        if isinstance(message, Hello):
-            raise RemoteProtocolError("a second Hello arrived on an open link")
+    def _on_message(self, message: Message, now: float) -> None:
+        match self.protocol.receive(message, now):
+            case Greeted(hello):
+                self._greeted(hello)
+            case Echo(heartbeat):
+                self._send_now(messages.encode(heartbeat))
+            case Deliver(delivered):
+                self._dispatch(delivered)
+
+    def _greeted(self, hello: Hello) -> None:
+        try:
+            self._check_hello(hello)
+        except VersionMismatchError as exc:
+            # tell the remote why (docs/protocol.md §7); queued before the close, so it goes first
+            for fragment in self._fragmenter.split(messages.encode(self.protocol.refusal(exc))):
+                self.channel.send(fragment)
+            raise
+        jumbo = self.protocol.open(hello)
+        if jumbo is not None:  # it reads jumbo records by now
+            self._spawn(self._try_jumbo_packets(jumbo))
+        else:
+            self._packets_settled.set()
+        log.info("link to %s open (version %s)", self.peer_id, hello.protocol_version)
+        self._established.set_result(hello)
+
+    def _dispatch(self, message: Message) -> None:
         handler = self._handlers.get(type(message))
         if handler is None:
             if self._inbox.qsize() >= HELD_MAX:  # a type this peer never handles must not pile up
@@ -577,28 +560,7 @@ class Link:
             log.exception("message handler on link to %s failed", self.peer_id)
 
     def _check_hello(self, hello: Hello) -> None:
-        if hello.peer_id != self.peer_id:
-            raise AuthenticationError(f"Hello names peer {hello.peer_id}, but the channel proved {self.peer_id}")
-        if self.remote_kind is not None and hello.peer_kind != self.remote_kind:
-            raise AuthenticationError(
-                f"peer {hello.peer_id} joined signaling as a {self.remote_kind} peer but its Hello says {hello.peer_kind}"
-            )
-        if hello.peer_kind == "python":
-            try:
-                certified = peer_id_of_certificate(rtc.remote_certificate(self.pc))
-            except IdentityError as exc:
-                raise AuthenticationError(f"peer {hello.peer_id}'s DTLS certificate: {exc}") from None
-            if certified != hello.peer_id:
-                raise AuthenticationError(
-                    f"peer {hello.peer_id} presented the DTLS certificate of peer {certified}: "
-                    "a Python peer's id must be the hash of its certificate key (it claims another peer's id)"
-                )
-        ours = self.local_hello.protocol_version
-        if hello.protocol_version != ours:
-            raise VersionMismatchError(
-                f"peer {self.peer_id} speaks protocol version {hello.protocol_version}, we speak {ours}; "
-                "upgrade colibri-swarm on the older peer"
-            )
+        self.protocol.check_hello(hello, lambda: peer_id_of_certificate(rtc.remote_certificate(self.pc)))
 
     # -- handlers and receive ---------------------------------------------------------------------
 
@@ -635,7 +597,7 @@ class Link:
 
     # -- outbound ---------------------------------------------------------------------------------
 
-    async def send(self, message: Any) -> None:
+    async def send(self, message: Message) -> None:
         """Send one message; wait while aiortc holds more than :data:`SEND_HIGH_WATER` bytes.
 
         Messages larger than the remote max-message-size are split into fragments; a message is
