@@ -28,7 +28,10 @@ def require(condition: bool, what: str) -> None:
 
 LEAK_GRACE_S = 3.0  # seconds a thread started by a test may take to end after it (a closing socket, a join)
 # Process-wide daemon threads of third-party libraries, started on first use and never stopped.
-ALLOWED_THREADS = ("tqdm_monitor",)  # tqdm's monitor of slow progress bars (default_model's download bar)
+ALLOWED_THREADS = (
+    "tqdm_monitor",  # tqdm's monitor of slow progress bars (default_model's download bar)
+    "compute-",  # the engine's process-wide pool of compute threads (swarm/compute/threads.py), by prefix
+)
 
 _started_in_module: dict[threading.Thread, str] = {}  # thread → the test during which it started
 
@@ -79,7 +82,7 @@ def no_leaked_threads_or_tasks(request, monkeypatch):
 
     monkeypatch.setattr(asyncio.Runner, "close", close_checking_tasks)
     yield
-    new = [t for t in threading.enumerate() if t not in threads_before and t.name not in ALLOWED_THREADS]
+    new = [t for t in threading.enumerate() if t not in threads_before and not t.name.startswith(ALLOWED_THREADS)]
     for thread in _threads_still_running(new):
         _started_in_module.setdefault(thread, request.node.nodeid)
     if pending:

@@ -105,6 +105,23 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", metavar="TEXT", help="system prompt for the chat template")
 
 
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", metavar="N", type=_int_at_least(1, "--threads"),
+                   help="compute on N threads (default: the cores this process may use, CPU affinity and "
+                   "cgroup quota respected); results are the same bits at any count")
+
+
+def _use_compute_options(args: argparse.Namespace) -> None:
+    """``--threads`` for this process and the peers it starts, and a line on stderr while the
+    kernels compile (the first run on a machine: a minute, not in silence)."""
+    if getattr(args, "threads", None):
+        os.environ["COLIBRI_SWARM_THREADS"] = str(args.threads)  # swarm.compute.threads.THREADS_ENV
+    from swarm.compute import quant, threads
+
+    threads.set_threads(args.threads if getattr(args, "threads", None) else None)
+    quant.on_compiling(lambda line: print(line, file=sys.stderr, flush=True))
+
+
 def _check_sampling(args: argparse.Namespace) -> None:
     """The sampling options of ``generate`` and ``chat``, checked before any work (one line each)."""
     from swarm.cli.generate import sampling_kwargs
@@ -129,6 +146,7 @@ def _check_generate(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     _check_generate(args)
+    _use_compute_options(args)
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
     if args.swarm or args.api or not (args.local or args.model):
@@ -155,6 +173,7 @@ def _join(args: argparse.Namespace) -> int:
         if swarmkey.load() is None:  # a new key here could never join the swarm at --signal
             raise SwarmError("--signal joins an existing swarm, whose key this machine does not have: add "
                              "--key CODE (`colibri-swarm key` on a peer of that swarm shows it)")
+    _use_compute_options(args)
     from swarm.cli.join import main_join
 
     return main_join(args)
@@ -168,6 +187,8 @@ def _status(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     _check_sampling(args)
+    if args.threads:
+        os.environ["COLIBRI_SWARM_THREADS"] = str(args.threads)  # swarm.compute.threads.THREADS_ENV
     from swarm.cli.chat import main_chat
 
     return main_chat(args)
@@ -205,12 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "https://HOST:PORT/v1 (default: the local peer's, or found by mDNS)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template (through the swarm: its "
                    "/v1/completions)")
+    _add_threads_arg(p)
     p.set_defaults(func=_generate)
 
     p = _command(sub, "chat", "chat with the swarm's coordinator (a REPL with history)")
     _add_sampling_args(p)
     p.add_argument("--api", metavar="URL", type=_api_url,
                    help="the coordinator's API base URL, e.g. https://HOST:PORT/v1 (default: found by mDNS)")
+    _add_threads_arg(p)
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("join", help="make this machine a peer of the swarm on this LAN",
@@ -267,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the event loop the peer runs on: uvloop (about half the round trip of a data-channel "
                    "message), asyncio's own, or auto (the default): uvloop where installed, asyncio while "
                    "$COLIBRI_SWARM_SLOW_CALLBACK_S is set")
+    _add_threads_arg(p)
     p.set_defaults(func=_join)
 
     p = _command(sub, "key", "show the swarm key as a code and a QR code (creates one if none), the API token "

@@ -11,7 +11,8 @@ A row's result depends only on the row: every function here (and every ``QMatrix
 computes an output row from its input row — for :func:`attention`, from its query, its position
 and the cache up to it — by one fixed sequence of float32 operations, never by a library kernel
 chosen by the row count. So a row gets the same bits alone, resent with others, in any prefill
-chunk, or beside other sequences' rows.
+chunk, beside other sequences' rows, or at any thread count (rows, heads and elements are
+spread over the process's compute threads by swarm/compute/threads.py, never a reduction).
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from swarm.compute.quant import QMatrix, _kernels, as_qmatrix
+from swarm.compute import threads
+from swarm.compute.quant import QMatrix, _kernels, as_qmatrix, compiling
 
 F32 = np.float32
+# Smallest share of an element-wise pass (elements) and of attention (query rows × positions ×
+# head dim) handed to another thread: below them, handing it over costs more than it saves.
+MIN_ELEMENTWISE = 1 << 16
+MIN_ATTENTION_WORK = 1 << 18
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -38,7 +44,14 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
                          f"got x {x.dtype} {x.shape}, weight {weight.dtype} {weight.shape}")
     D = x.shape[-1]
     out = np.empty(x.shape, F32)
-    (_row or _row_kernels()).rms_norm(x.reshape(-1, D), weight.reshape(-1, D), F32(eps), out.reshape(-1, D))
+    kernel = (_row or _row_kernels()).rms_norm
+    xs, ws, outs = x.reshape(-1, D), weight.reshape(-1, D), out.reshape(-1, D)
+    R, Rw = xs.shape[0], ws.shape[0]
+    parts = threads.parts_for(R * D, MIN_ELEMENTWISE)
+    if parts == 1:
+        kernel(xs, ws, F32(eps), outs)
+    else:  # ranges of whole weight periods (row r takes weight row r % Rw), one per thread
+        threads.run_chunks(lambda lo, hi: kernel(xs[lo:hi], ws, F32(eps), outs[lo:hi]), threads.split(R, parts, Rw))
     return out
 
 
@@ -134,8 +147,17 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
                          f"k, v [nkv={nkv}, C={C}, hd={k.shape[2]}] (nh a multiple of nkv, start + T <= C)")
     out = np.empty((T, nh * hd), F32)
     row = _row or _row_kernels()
-    row.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), start, out,
-                  np.empty((row.M, start + T), F32), np.empty((row.M, hd), F32))
+    q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+    items = nkv * -(-T * (nh // nkv) // row.M)  # (key/value head, block of M query rows)
+
+    def part(i0: int, i1: int) -> None:  # scratch of its own: parts run on several threads
+        row.attention(q, k, v, start, out, np.empty((row.M, start + T), F32), np.empty((row.M, hd), F32), i0, i1)
+
+    parts = threads.parts_for(T * nh * (start + T) * hd, MIN_ATTENTION_WORK)
+    if parts == 1:
+        part(0, items)
+    else:  # later query rows see more positions: more parts than threads even out their sizes
+        threads.run_chunks(part, threads.split(items, parts if T == 1 else 4 * parts))
     return out
 
 
@@ -187,9 +209,19 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """``g <- silu(g) * u = g / (1 + exp(-g)) * u`` in place and returned; g, u float32 [n, F]
     C-contiguous (as :meth:`QMatrix.matmul` returns them). numpy's float32 exp, then one
     compiled pass for the rest: the bits of the numpy expression, in three calls instead of five."""
-    e = np.negative(g)
-    np.exp(e, out=e)
-    (_row or _row_kernels()).silu_mul(g, u, e)
+    kernel = (_row or _row_kernels()).silu_mul
+
+    def part(lo: int, hi: int) -> None:  # elements lo:hi of the flattened arrays, as [1, hi-lo]
+        gp, up = g.reshape(1, -1)[:, lo:hi], u.reshape(1, -1)[:, lo:hi]
+        e = np.negative(gp)
+        np.exp(e, out=e)
+        kernel(gp, up, e)
+
+    parts = threads.parts_for(g.size, MIN_ELEMENTWISE)
+    if parts == 1:
+        part(0, g.size)
+    else:
+        threads.run_chunks(part, threads.split(g.size, parts, 64))
     return g
 
 
@@ -207,11 +239,18 @@ def _row_kernels():
     global _row
     if _row is None:
         _kernels()
+        with compiling("row kernels (norms, SwiGLU, attention)"):
+            _load_row_kernels()
+    return _row
+
+
+def _load_row_kernels() -> None:
+    global _row
+    if _row is None:
         from swarm.compute import rowkernels
         one = np.ones((1, 1), F32)
         rowkernels.silu_mul(one.copy(), one, one)  # compile or load from the cache now
         rowkernels.rms_norm(one, one, F32(1e-6), one.copy())
         rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
-                             one.copy(), np.ones((rowkernels.M, 4), F32), np.ones((rowkernels.M, 1), F32))
+                             one.copy(), np.ones((rowkernels.M, 4), F32), np.ones((rowkernels.M, 1), F32), 0, 1)
         _row = rowkernels
-    return _row

@@ -3,9 +3,9 @@
 Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of 32 weights), 5 Q4_K, 6 Q5_K, 7 Q6_K
 (super-blocks of 256) — block layouts as ggml defines them (``d``, ``m``, ``dmin`` are IEEE
 halves read through a 65536-entry table). :func:`dequant` takes kinds 0–4 only.
-Each kernel has a one-thread form, which releases the GIL (other Python threads — the event
-loop, a loopback peer — run meanwhile), and a ``*_parallel`` form over numba's thread pool
-(compiled only where more than one thread is asked for: the pool costs ~60 MiB of RSS). Each
+Each kernel runs on one thread over a range of output rows and releases the GIL: the caller
+spreads ranges over the process's compute threads (swarm/compute/threads.py), and other Python
+threads — the event loop, a loopback peer — run meanwhile. Each
 output element is computed by one fixed sequence of float32 operations (the tile template
 below), so its bits do not depend on T, on which rows a call holds, or on the thread count.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, prange, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -412,21 +412,12 @@ def _rows(kind, w, x, out, lo, hi):
         _rows7(w, x, out, lo, hi)
 
 
-_CHUNK = 64  # rows per parallel work item
-
-
 @njit(cache=True, nogil=True)
-def matmul(kind, w, x, out):
-    """out[t, r] = Σ_k W[r, k] x[t, k] for uint8 ``w`` [R, row_bytes], float32 ``x`` [T, K],
-    ``out`` float32 [T, R] (written in place). One thread."""
-    _rows(kind, w, x, out, 0, w.shape[0])
-
-
-@njit(parallel=True, cache=True)
-def matmul_parallel(kind, w, x, out):
-    """:func:`matmul` with chunks of rows spread over numba's threads (same bits)."""
-    for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
-        _rows(kind, w, x, out, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
+def matmul(kind, w, x, out, lo, hi):
+    """out[t, r] = Σ_k W[r, k] x[t, k] for rows ``lo ≤ r < hi`` of uint8 ``w`` [R, row_bytes],
+    float32 ``x`` [T, K], ``out`` float32 [T, R] (written in place). One thread; the caller
+    spreads ranges of rows over threads (swarm/compute/threads.py), the same bits."""
+    _rows(kind, w, x, out, lo, hi)
 
 
 @intrinsic
@@ -511,17 +502,11 @@ _rows_f32 = _f32_rows_kernel()
 
 
 @njit(cache=True, nogil=True)
-def matmul_f32(w, x, out, c0):
-    """out[t, c0 + r] = Σ_k W[r, k] x[t, k] for float32 ``w`` [R, K] (rows C-contiguous), float32
-    ``x`` [T, K], ``out`` float32 [T, ≥ c0 + R] (written in place). One thread."""
-    _rows_f32(w, x, out, c0, 0, w.shape[0])
-
-
-@njit(parallel=True, cache=True)
-def matmul_f32_parallel(w, x, out, c0):
-    """:func:`matmul_f32` with chunks of rows spread over numba's threads (same bits)."""
-    for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
-        _rows_f32(w, x, out, c0, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
+def matmul_f32(w, x, out, c0, lo, hi):
+    """out[t, c0 + r] = Σ_k W[r, k] x[t, k] for rows ``lo ≤ r < hi`` of float32 ``w`` [R, K]
+    (rows C-contiguous), float32 ``x`` [T, K], ``out`` float32 [T, ≥ c0 + R] (written in
+    place). One thread."""
+    _rows_f32(w, x, out, c0, lo, hi)
 
 
 _rows_f16, _rows_bf16 = _f32_rows_kernel("_h2f"), _f32_rows_kernel("_bf2f")
@@ -536,17 +521,11 @@ def _rows_half(kind, w, x, out, lo, hi):
 
 
 @njit(cache=True, nogil=True)
-def matmul_half(kind, w, x, out):
-    """out[t, r] = Σ_k W[r, k] x[t, k] for 16-bit weights ``w`` uint16 [R, K] (kind 0: IEEE
-    half, 1: bfloat16), float32 ``x`` [T, K], ``out`` float32 [T, R]. One thread."""
-    _rows_half(kind, w, x, out, 0, w.shape[0])
-
-
-@njit(parallel=True, cache=True)
-def matmul_half_parallel(kind, w, x, out):
-    """:func:`matmul_half` with chunks of rows spread over numba's threads (same bits)."""
-    for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
-        _rows_half(kind, w, x, out, c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK))
+def matmul_half(kind, w, x, out, lo, hi):
+    """out[t, r] = Σ_k W[r, k] x[t, k] for rows ``lo ≤ r < hi`` of 16-bit weights ``w`` uint16
+    [R, K] (kind 0: IEEE half, 1: bfloat16), float32 ``x`` [T, K], ``out`` float32 [T, R].
+    One thread."""
+    _rows_half(kind, w, x, out, lo, hi)
 
 
 @njit(inline="always")
@@ -598,11 +577,3 @@ def dequant(kind, w, out):
     operations as ``gguf.quants.dequantize`` (so the values are identical). One thread."""
     for r in range(w.shape[0]):
         _dequant_row(kind, w[r], out[r])
-
-
-@njit(parallel=True, cache=True)
-def dequant_parallel(kind, w, out):
-    """:func:`dequant` with chunks of rows spread over numba's threads."""
-    for c in prange((w.shape[0] + _CHUNK - 1) // _CHUNK):
-        for r in range(c * _CHUNK, min(w.shape[0], (c + 1) * _CHUNK)):
-            _dequant_row(kind, w[r], out[r])

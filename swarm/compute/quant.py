@@ -28,7 +28,8 @@ calls of at most ``SMALL_T`` activation rows (a longer prefill is cut into such 
 
 **A row's result depends only on the row.** Every tile shape performs the same sequence of
 operations per output element, so an output's bits do not depend on T, on which other weight
-or activation rows a call holds, or on the thread count. No path calls BLAS, whose kernels — and
+or activation rows a call holds, or on the thread count: a product is cut into ranges of output
+rows spread over the process's compute threads (swarm/compute/threads.py). No path calls BLAS, whose kernels — and
 so a row's bits — change with the number of rows in the call: a row resent with another, a KV
 cache rebuilt from a whole history in one call, a prompt cut into other chunks, or a batch of
 several sequences all give each row its solo bits.
@@ -44,17 +45,24 @@ import contextlib
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
+from swarm.compute import threads
+
 F32 = np.float32
 # Activation rows per kernel call: a longer prefill is cut into calls of this many rows, which
 # stay in cache while the weights stream past (the kernels run at ~70 GFLOP/s on one core at
 # any T ≥ 4; bench/results/kernels.md).
 SMALL_T = 64
+# Smallest share of a matrix product handed to another thread, in weight bytes (scaled up with
+# the activation rows): below it, handing it over costs more than it saves.
+MIN_CHUNK_BYTES = 128 << 10
 # Largest decoded float32 tile of weight rows (bytes): little memory next to the compact weights.
 _TILE_BYTES = 4 << 20
 
@@ -194,31 +202,39 @@ class QMatrix:
             x = np.array(x, dtype=F32, order="C")
         dst = out if out.flags.c_contiguous else np.empty((T, R), F32)
         k = _compiled or _kernels()
-        if self._kind >= 0:
-            if T <= SMALL_T:  # decode: the hot path, kept short
-                k.matmul(self._kind, self.data, x, dst)
-            else:
-                for t0 in range(0, T, SMALL_T):
-                    k.matmul(self._kind, self.data, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T])
-        elif self.qtype == QT.F32:
-            w = self.data.view(F32)
-            for t0 in range(0, T, SMALL_T):
-                k.matmul_f32(w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], 0)
-        elif self.qtype in _HALF:  # converted to float32 as read: the bits of decoded tiles
-            w = self.data.view(np.uint16)
-            for t0 in range(0, T, SMALL_T):
-                k.matmul_half(_HALF[self.qtype], w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T])
-        else:  # decoded to float32 a tile of weight rows at a time, then the float32 kernel
-            tile = max(16, min(R, _TILE_BYTES // (4 * self.cols)))
-            buf = _tile_buffer(tile * self.cols).reshape(tile, self.cols)
-            for lo in range(0, R, tile):
-                hi = min(R, lo + tile)
-                w = self.dequantize(lo, hi, buf[:hi - lo])
-                for t0 in range(0, T, SMALL_T):
-                    k.matmul_f32(w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo)
+        parts = threads.parts_for(self.data.nbytes * (3 + min(T, SMALL_T)) / 4, MIN_CHUNK_BYTES)
+        if self._kind >= 0 and T <= SMALL_T and parts == 1:  # decode on one thread: the hot path, kept short
+            k.matmul(self._kind, self.data, x, dst, 0, R)
+        elif parts == 1:
+            self._matmul_rows(k, x, dst, 0, R)
+        else:  # ranges of output rows on the compute threads: each element's bits unchanged
+            threads.run_chunks(lambda lo, hi: self._matmul_rows(k, x, dst, lo, hi), threads.split(R, parts, 8))
         if dst is not out:
             out[...] = dst
         return out
+
+    def _matmul_rows(self, k, x: np.ndarray, dst: np.ndarray, lo: int, hi: int) -> None:
+        """Columns ``lo:hi`` of ``dst`` [T, R] = ``x @ W[lo:hi].T`` on this thread."""
+        T = x.shape[0]
+        if self._kind >= 0:
+            for t0 in range(0, T, SMALL_T):
+                k.matmul(self._kind, self.data, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo, hi)
+        elif self.qtype == QT.F32:
+            w = self.data.view(F32)
+            for t0 in range(0, T, SMALL_T):
+                k.matmul_f32(w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], 0, lo, hi)
+        elif self.qtype in _HALF:  # converted to float32 as read: the bits of decoded tiles
+            w = self.data.view(np.uint16)
+            for t0 in range(0, T, SMALL_T):
+                k.matmul_half(_HALF[self.qtype], w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo, hi)
+        else:  # decoded to float32 a tile of weight rows at a time, then the float32 kernel
+            tile = max(16, min(hi - lo, _TILE_BYTES // (4 * self.cols)))
+            buf = _tile_buffer(tile * self.cols).reshape(tile, self.cols)
+            for r0 in range(lo, hi, tile):
+                r1 = min(hi, r0 + tile)
+                w = self.dequantize(r0, r1, buf[:r1 - r0])
+                for t0 in range(0, T, SMALL_T):
+                    k.matmul_f32(w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], r0, 0, r1 - r0)
 
 
 def as_qmatrix(w) -> QMatrix:
@@ -242,60 +258,81 @@ _compiled = None
 _import_lock = threading.Lock()
 
 
-class _Kernels:
-    """The one-thread kernels (GIL released, safe from any thread), or the parallel ones behind
-    a lock: numba's portable thread pool ("workqueue", the one every platform has) aborts on
-    launches from two threads at once (loopback peers, a coordinator answering its own rows)."""
-
-    def __init__(self, module, parallel: bool):
-        if parallel:
-            lock = threading.Lock()
-
-            def locked(kernel):
-                def run(*args):
-                    with lock:
-                        kernel(*args)
-                return run
-
-            self.matmul, self.dequant = locked(module.matmul_parallel), locked(module.dequant_parallel)
-            self.matmul_f32 = locked(module.matmul_f32_parallel)
-            self.matmul_half = locked(module.matmul_half_parallel)
-        else:  # the compiled functions themselves: no wrapper on the decode path
-            self.matmul, self.dequant, self.matmul_f32 = module.matmul, module.dequant, module.matmul_f32
-            self.matmul_half = module.matmul_half
-
-
-def _kernels() -> _Kernels:
+def _kernels():
     """The numba kernels, imported (and compiled or loaded from numba's cache) on first use."""
     global _compiled
     if _compiled is None:
         with _import_lock:
             if _compiled is None:
                 os.environ.setdefault("NUMBA_CACHE_DIR", _numba_cache_dir())
-                # One kernel thread unless NUMBA_NUM_THREADS says otherwise: on a busy machine a
-                # parallel launch waits for every thread to be scheduled, hundreds of times a token.
+                # numba's own thread pool is never started (the kernels are one-thread; threads.py
+                # spreads them): one thread keeps it from sizing itself to the machine if asked.
                 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
                 with _without_scipy():
-                    import numba
-
-                    from swarm.compute import qkernels
-                    k = _Kernels(qkernels, parallel=numba.config.NUMBA_NUM_THREADS > 1)
-                    # Run each once on a tiny input: compiles (first run on a machine) or loads the cache.
-                    w = np.zeros((1, 34), np.uint8)
-                    w.flags.writeable = False
-                    x = np.zeros((1, 32), F32)
-                    k.matmul(0, w, x, np.empty((1, 1), F32))
-                    k.dequant(0, w, np.empty((1, 32), F32))
-                    f = np.zeros((1, 32), F32)  # float32 weights: writable (decoded tiles), read-only (F32 files)
-                    k.matmul_f32(f, x, np.empty((1, 1), F32), 0)
-                    f.flags.writeable = False
-                    k.matmul_f32(f, x, np.empty((1, 1), F32), 0)
-                    h = np.zeros((1, 32), np.uint16)
-                    h.flags.writeable = False
-                    k.matmul_half(0, h, x, np.empty((1, 1), F32))
+                    with compiling("block kernels (Q4_0 … Q8_0, K-quants)"):
+                        from swarm.compute import qkernels as k
+                        # Run each once on a tiny input: compiles (first run on a machine) or loads the cache.
+                        w = np.zeros((1, 34), np.uint8)
+                        w.flags.writeable = False
+                        x = np.zeros((1, 32), F32)
+                        k.matmul(0, w, x, np.empty((1, 1), F32), 0, 1)
+                        k.dequant(0, w, np.empty((1, 32), F32))
+                    with compiling("float kernels (F32, F16, BF16)"):
+                        f = np.zeros((1, 32), F32)  # float32 weights: writable (decoded tiles), read-only (F32 files)
+                        k.matmul_f32(f, x, np.empty((1, 1), F32), 0, 0, 1)
+                        f.flags.writeable = False
+                        k.matmul_f32(f, x, np.empty((1, 1), F32), 0, 0, 1)
+                        h = np.zeros((1, 32), np.uint16)
+                        h.flags.writeable = False
+                        k.matmul_half(0, h, x, np.empty((1, 1), F32), 0, 1)
                 _release_clean_pages("llvmlite")
                 _compiled = k
     return _compiled
+
+
+# Loading the kernels from numba's cache takes well under this; compiling them (the first run on
+# a machine, or after an update), about a minute: past it, the user is told.
+COMPILE_NOTICE_S = 2.0
+COMPILING = "compiling kernels for this CPU, once: ~1 min"
+_notice: Callable[[str], None] | None = None
+_told = False
+
+
+def on_compiling(notice: Callable[[str], None] | None) -> None:
+    """Have ``notice(line)`` called while the kernels compile rather than load from numba's
+    cache: :data:`COMPILING` once, when a kernel group has taken COMPILE_NOTICE_S, then a line as
+    each group is done (the command line prints them on stderr). None: say nothing."""
+    global _notice
+    _notice = notice
+
+
+@contextlib.contextmanager
+def compiling(group: str):
+    """Around loading (or compiling) one group of kernels: tells :func:`on_compiling`'s callback
+    when it takes longer than loading from the cache does."""
+    notice = _notice
+    if notice is None:
+        yield
+        return
+    told = threading.Event()
+
+    def tell() -> None:
+        global _told
+        if not _told:
+            _told = True
+            notice(COMPILING)
+        told.set()
+
+    start = time.monotonic()
+    timer = threading.Timer(COMPILE_NOTICE_S, tell)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+    if told.is_set() or _told:
+        notice(f"  {group}: {time.monotonic() - start:.0f} s")
 
 
 @contextlib.contextmanager

@@ -305,11 +305,14 @@ def _weighted(m, af, aoff, vf, vo, hd, sf, soff, s0, s1, nb, init):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def attention(q, k, v, start, out, scores, acc):  # pragma: no cover - compiled
+def attention(q, k, v, start, out, scores, acc, i0, i1):  # pragma: no cover - compiled
     """Causal grouped-query attention: for q [T, nh, hd] (scaled), k, v [nkv, C, hd] (positions
     ``0 .. start+T-1`` filled), all C-contiguous, query t (position start + t) of head h attends
     to positions ``0 .. start+t`` of key/value head ``h // (nh / nkv)``; result into out
-    [T, nh*hd]; scratch ``scores`` float32 [M, ≥ start+T], ``acc`` float32 [M, hd].
+    [T, nh*hd]; scratch ``scores`` float32 [M, ≥ start+T], ``acc`` float32 [M, hd]. Computes
+    work items ``i0 ≤ i < i1`` of ``nkv · ceil(T·g / M)`` (g = nh / nkv): item i is key/value
+    head ``i // ceil(T·g / M)``'s block ``i % ceil(T·g / M)`` of M query rows — disjoint parts
+    of ``out``, so ranges of items run on several threads at once (each with its own scratch).
 
     Per query row, float32 in one fixed order whatever T: q·k by :func:`_dot8_rows` (eight
     lanes, fused multiply-add, reduced pairwise), the elements past the last multiple of 8
@@ -338,51 +341,53 @@ def attention(q, k, v, start, out, scores, acc):  # pragma: no cover - compiled
     for r in range(M):
         soff[r] = r * sw
         aoff[r] = r * hd
-    for kvh in range(nkv):
+    nblk = (T * g + M - 1) // M
+    for item in range(i0, i1):  # (key/value head, block of M rows), in that order
+        kvh = item // nblk
+        r0 = (item % nblk) * M
         kv0 = kvh * C * hd
-        for r0 in range(0, T * g, M):
-            m = min(M, T * g - r0)
-            for r in range(m):
-                t = (r0 + r) // g
-                h = kvh * g + (r0 + r) % g
-                qoff[r] = (t * nh + h) * hd
-                ns[r] = start + t + 1
-            shared = ns[0]  # positions every row of the block sees (rows ordered by position)
-            _dots(m, qf, qoff, kf, kv0, hd, 0, shared, nb, sf, soff)
-            for r in range(m):
-                n = ns[r]
-                if n > shared:
-                    _dot_rows1(qf, qoff[r:r + 1], kf, kv0, hd, shared, n, nb, sf, soff[r:r + 1])
-                so = soff[r]
-                if n8 < hd:
-                    for s in range(n):
-                        sc = sf[so + s]
-                        for c in range(n8, hd):
-                            sc = _fma(qf[qoff[r] + c], kf[kv0 + s * hd + c], sc)
-                        sf[so + s] = sc
-                n8s = n - n % 8
-                mx = _max8(sf, so, n8s // 8)
-                for s in range(n8s, n):
-                    if sf[so + s] > mx:
-                        mx = sf[so + s]
-                _expf_shifted8(sf, so, n8s // 8, mx)
-                for s in range(n8s, n):
-                    sf[so + s] = _expf(sf[so + s] - mx)
-                d = _vsum8(sf, so, n8s // 8)
-                for s in range(n8s, n):
-                    d += sf[so + s]
-                denom[r] = d
-            _weighted(m, af, aoff, vf, kv0, hd, sf, soff, 0, shared, nb, False)
-            for r in range(m):
-                n = ns[r]
-                if n > shared:
-                    _wrows1(af, aoff[r:r + 1], vf, kv0, hd, sf, soff[r:r + 1], shared, n, nb, True)
-                for c in range(n8, hd):
-                    a = F32(0.0)
-                    for s in range(n):
-                        a = _fma(sf[soff[r] + s], vf[kv0 + s * hd + c], a)
-                    af[aoff[r] + c] = a
-                t = (r0 + r) // g
-                h = kvh * g + (r0 + r) % g
-                for i in range(hd):
-                    out[t, h * hd + i] = af[aoff[r] + i] / denom[r]
+        m = min(M, T * g - r0)
+        for r in range(m):
+            t = (r0 + r) // g
+            h = kvh * g + (r0 + r) % g
+            qoff[r] = (t * nh + h) * hd
+            ns[r] = start + t + 1
+        shared = ns[0]  # positions every row of the block sees (rows ordered by position)
+        _dots(m, qf, qoff, kf, kv0, hd, 0, shared, nb, sf, soff)
+        for r in range(m):
+            n = ns[r]
+            if n > shared:
+                _dot_rows1(qf, qoff[r:r + 1], kf, kv0, hd, shared, n, nb, sf, soff[r:r + 1])
+            so = soff[r]
+            if n8 < hd:
+                for s in range(n):
+                    sc = sf[so + s]
+                    for c in range(n8, hd):
+                        sc = _fma(qf[qoff[r] + c], kf[kv0 + s * hd + c], sc)
+                    sf[so + s] = sc
+            n8s = n - n % 8
+            mx = _max8(sf, so, n8s // 8)
+            for s in range(n8s, n):
+                if sf[so + s] > mx:
+                    mx = sf[so + s]
+            _expf_shifted8(sf, so, n8s // 8, mx)
+            for s in range(n8s, n):
+                sf[so + s] = _expf(sf[so + s] - mx)
+            d = _vsum8(sf, so, n8s // 8)
+            for s in range(n8s, n):
+                d += sf[so + s]
+            denom[r] = d
+        _weighted(m, af, aoff, vf, kv0, hd, sf, soff, 0, shared, nb, False)
+        for r in range(m):
+            n = ns[r]
+            if n > shared:
+                _wrows1(af, aoff[r:r + 1], vf, kv0, hd, sf, soff[r:r + 1], shared, n, nb, True)
+            for c in range(n8, hd):
+                a = F32(0.0)
+                for s in range(n):
+                    a = _fma(sf[soff[r] + s], vf[kv0 + s * hd + c], a)
+                af[aoff[r] + c] = a
+            t = (r0 + r) // g
+            h = kvh * g + (r0 + r) % g
+            for i in range(hd):
+                out[t, h * hd + i] = af[aoff[r] + i] / denom[r]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -144,38 +141,25 @@ def test_block_kernel_activation_rows_do_not_depend_on_the_other_rows(qtype):
         np.testing.assert_array_equal(m.rows(5, 12).matmul(x[a:b]), alone[a:b, 5:12], err_msg=f"rows {a}:{b}")
 
 
-_THREADS_CHILD = """
-import sys, numpy as np
-from swarm.compute import quant
-from tests.compute.test_quant_kernels import COMPILED_K, PLAIN, QUANTIZED, encoded, ROWS
-quant.prepare_kernels()
-import numba
-assert numba.get_num_threads() == 2, numba.get_num_threads()  # so the parallel kernels run
-x = np.random.default_rng(5).normal(size=(100, 256)).astype(np.float32)
-out = {}
-for q in QUANTIZED + COMPILED_K + PLAIN:
-    m = quant.QMatrix(encoded(q, 3 * ROWS, 256, 13), q, 256)
-    for T in (1, 5, 37, 100):
-        out[f"{q.name}_{T}"] = m.matmul(x[:T])
-np.savez(sys.argv[1], **out)
-"""
+def test_block_kernels_give_the_same_bits_on_several_threads(monkeypatch):
+    """Products cut into ranges of output rows over 2 and 3 compute threads give each output the
+    bits of the one-thread kernels: block, K-quant, float32, 16-bit and decoded-tile paths."""
+    from swarm.compute import quant, threads
 
-
-@pytest.mark.slow
-def test_block_kernels_give_the_same_bits_on_two_threads(tmp_path):
-    """The parallel kernels (``NUMBA_NUM_THREADS`` = 2, rows split in chunks over numba's
-    threads) give each output the bits of the one-thread kernels: block and float32 kernels."""
-    path = tmp_path / "two_threads.npz"
-    env = {**os.environ, "NUMBA_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _THREADS_CHILD, str(path)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = np.load(path)
+    monkeypatch.setattr(quant, "MIN_CHUNK_BYTES", 1)
+    before = threads.threads()
     x = np.random.default_rng(5).normal(size=(100, 256)).astype(F32)
-    for q in QUANTIZED + COMPILED_K + PLAIN:
-        m = QMatrix(encoded(q, 3 * ROWS, 256, 13), q, 256)
-        for T in (1, 5, 37, 100):
-            np.testing.assert_array_equal(got[f"{q.name}_{T}"], m.matmul(x[:T]), err_msg=f"{q.name} T={T}")
+    try:
+        for q in QUANTIZED + K_QUANTS + PLAIN:
+            m = QMatrix(encoded(q, 3 * ROWS, 256, 13), q, 256)
+            for T in (1, 5, 37, 100):
+                threads.set_threads(1)
+                want = m.matmul(x[:T])
+                for n in (2, 3):
+                    threads.set_threads(n)
+                    np.testing.assert_array_equal(m.matmul(x[:T]), want, err_msg=f"{q.name} T={T} threads={n}")
+    finally:
+        threads.set_threads(before)
 
 
 def test_columns_keep_the_encoding_on_block_bounds_else_float32():

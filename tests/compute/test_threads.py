@@ -1,0 +1,190 @@
+"""The compute threads: a model's logits are the same bits at any thread count, for every
+encoding the engine multiplies by; the default count follows affinity and the cgroup quota."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from swarm.compute import kernels, quant, threads
+from swarm.compute.model import load_model
+from tests.compute.test_quant_kernels import COMPILED_K, K_HALVES, PLAIN, QUANTIZED
+
+F32 = np.float32
+# hidden and expert FFN a multiple of 256 (the K-quants' super-block); 2 key/value heads of 4
+H, F, E, TOP_K, HEADS, KV_HEADS, HD, VOCAB, LAYERS = 256, 256, 4, 2, 4, 2, 64, 96, 2
+
+
+def _matrix(rng: np.random.Generator, shape: tuple[int, ...], qtype: QT, std: float) -> np.ndarray:
+    """``shape`` [..., rows, cols] of weights of about ``std`` in ``qtype``'s bytes (F32: floats)."""
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    if qtype in COMPILED_K:  # gguf cannot write K-quants: random blocks with small scales
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+        d = std / 8 if qtype != QT.Q6_K else std / 512  # Q6_K: d · int8 sub-scale · (q - 32)
+        for at in K_HALVES[qtype]:
+            raw[:, at:at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+        return raw.reshape(*shape[:-1], cols // block * size)
+    w = (rng.standard_normal(shape, dtype=F32) * F32(std)).astype(F32)
+    return w if qtype == QT.F32 else gguf.quants.quantize(w, qtype)
+
+
+def write_tiny_moe(path: Path, qtype: QT, seed: int = 0) -> Path:
+    """A random 2-layer Qwen3-MoE (4 experts, top 2, GQA 4/2) with every matrix in ``qtype``."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(F)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_key_length(HD)
+    w.add_value_length(HD)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(E)
+    w.add_expert_used_count(TOP_K)
+    w.add_expert_feed_forward_length(F)
+
+    def put(name: str, shape: tuple[int, ...], std: float) -> None:
+        a = _matrix(rng, shape, qtype, std)
+        w.add_tensor(name, a, raw_dtype=None if qtype == QT.F32 else qtype)
+
+    put("token_embd.weight", (VOCAB, H), 1.0)
+    w.add_tensor("output_norm.weight", np.ones(H, F32))
+    put("output.weight", (VOCAB, H), H ** -0.5)
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        for norm, n in (("attn_norm", H), ("ffn_norm", H), ("attn_q_norm", HD), ("attn_k_norm", HD)):
+            w.add_tensor(b + norm + ".weight", (1 + 0.1 * rng.standard_normal(n)).astype(F32))
+        w.add_tensor(b + "ffn_gate_inp.weight", rng.standard_normal((E, H), dtype=F32) * F32(H ** -0.5))
+        put(b + "attn_q.weight", (HEADS * HD, H), H ** -0.5)
+        put(b + "attn_k.weight", (KV_HEADS * HD, H), H ** -0.5)
+        put(b + "attn_v.weight", (KV_HEADS * HD, H), H ** -0.5)
+        put(b + "attn_output.weight", (H, HEADS * HD), (HEADS * HD) ** -0.5)
+        put(b + "ffn_gate_exps.weight", (E, F, H), H ** -0.5)
+        put(b + "ffn_up_exps.weight", (E, F, H), H ** -0.5)
+        put(b + "ffn_down_exps.weight", (E, H, F), F ** -0.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def every_call_split(monkeypatch):
+    """No call too small to cut: every product, norm, SwiGLU and attention runs in parts."""
+    monkeypatch.setattr(quant, "MIN_CHUNK_BYTES", 1)
+    monkeypatch.setattr(kernels, "MIN_ELEMENTWISE", 1)
+    monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 1)
+    before = threads.threads()
+    yield
+    threads.set_threads(before)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED + COMPILED_K + PLAIN, ids=lambda q: q.name)
+def test_logits_are_the_same_bits_at_any_thread_count(qtype, tmp_path, every_call_split):
+    """A 9-token prefill, then two decode steps, of a random MoE in ``qtype``: the logits at 2,
+    3 and 8 threads are those at 1, bit for bit."""
+    model = load_model(write_tiny_moe(tmp_path / f"{qtype.name}.gguf", qtype))
+    tokens = np.random.default_rng(1).integers(0, VOCAB, 11).tolist()
+
+    def logits(n: int) -> np.ndarray:
+        threads.set_threads(n)
+        cache = model.new_cache()
+        steps = [model.forward(tokens[:9], cache), model.forward(tokens[9:10], cache),
+                 model.forward(tokens[10:], cache)]
+        return np.concatenate(steps)
+
+    one = logits(1)
+    assert np.isfinite(one).all() and one.std() > 0
+    for n in (2, 3, 8):
+        np.testing.assert_array_equal(logits(n), one, err_msg=f"{qtype.name} at {n} threads")
+
+
+def test_calls_from_several_threads_at_once_share_the_pool(every_call_split):
+    """Products started from four threads at once (loopback peers in one process) each get the
+    bits of the one-thread call: no lock, no launch that aborts."""
+    m = quant.QMatrix(np.ascontiguousarray(_matrix(np.random.default_rng(2), (300, 256), QT.Q4_K, 0.1)),
+                      QT.Q4_K, 256)
+    x = np.random.default_rng(3).standard_normal((5, 256), dtype=F32)
+    threads.set_threads(1)
+    want = m.matmul(x)
+    threads.set_threads(3)
+    got, errors = [], []
+
+    def call() -> None:
+        try:
+            for _ in range(20):
+                got.append(m.matmul(x))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    callers = [threading.Thread(target=call) for _ in range(4)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join()
+    assert not errors and len(got) == 80
+    assert all(np.array_equal(g, want) for g in got)
+
+
+def test_an_exception_in_a_part_reaches_the_caller():
+    threads.set_threads(3)
+    try:
+        def part(lo: int, hi: int) -> None:
+            if lo > 0:
+                raise RuntimeError(f"part {lo}")
+
+        with pytest.raises(RuntimeError, match="part"):
+            threads.run_chunks(part, threads.split(30, 3))
+    finally:
+        threads.set_threads(None)
+
+
+def test_split_covers_the_range_on_aligned_bounds():
+    assert threads.split(100, 3, 8) == [(0, 32), (32, 64), (64, 100)]
+    assert threads.split(5, 8) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert threads.split(10, 4, 64) == [(0, 10)]
+
+
+def test_available_cores_respect_the_cgroup_quota(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/peer.slice\n")
+    (tmp_path / "peer.slice").mkdir()
+    (tmp_path / "peer.slice" / "cpu.max").write_text("250000 100000\n")
+    assert threads.cgroup_cpu_quota(tmp_path, proc) == 2.5
+    assert threads.available_cores(tmp_path, proc) == min(3, threads.available_cores(tmp_path / "none", proc))
+    (tmp_path / "peer.slice" / "cpu.max").write_text("max 100000\n")
+    assert threads.cgroup_cpu_quota(tmp_path, proc) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    proc.write_text("4:cpu,cpuacct:/\n")
+    assert threads.cgroup_cpu_quota(v1, proc) == 0.5
+    assert threads.available_cores(v1, proc) == 1
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert threads.cgroup_cpu_quota(v1, proc) is None
+
+
+def test_thread_count_from_the_environment(monkeypatch):
+    before = threads.threads()
+    try:
+        monkeypatch.setenv(threads.THREADS_ENV, "5")
+        monkeypatch.setattr(threads, "_threads", None)
+        assert threads.threads() == 5
+        monkeypatch.setenv(threads.THREADS_ENV, "0")  # not a count: the cores
+        monkeypatch.setattr(threads, "_threads", None)
+        assert threads.threads() == threads.available_cores()
+        with pytest.raises(ValueError, match="whole number ≥ 1"):
+            threads.set_threads(0)
+    finally:
+        threads.set_threads(before)
