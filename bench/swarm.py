@@ -97,7 +97,7 @@ LOOP_ENV = "COLIBRI_BENCH_LOOP"  # the event loop (join --loop's names) the driv
 
 def _bench_timeouts() -> float:
     """Lengthen the timeouts (see above); returns the product's request deadline floor (s)."""
-    from swarm.peer.coordinator import deadlines as coordinator
+    from swarm.peer.coordinator import tracker as coordinator
     from swarm.peer.election import core as election
 
     election.ELECTION_TIMEOUT_S = BENCH_ELECTION_TIMEOUT_S
@@ -549,7 +549,7 @@ async def _coordinator_main(path: str, n_prompt: int, n_decode: int, max_peers: 
                 killed_at.append(time.monotonic())
 
         _progress("recovery from a killed worker")
-        from swarm.peer.coordinator import deadlines as coordinator
+        from swarm.peer.coordinator import tracker as coordinator
 
         coordinator.DEADLINE_MIN_S = PRODUCT_DEADLINE_MIN_S[0]
         await _until(lambda: roles.coordinator.ffn is not None and len(roles.coordinator.ffn.plan.workers()) >= 1, 60, "a coordinator with workers")

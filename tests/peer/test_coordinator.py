@@ -176,7 +176,7 @@ def _replace(msg, a):
 
 @pytest.mark.parametrize("edit", [nan_rows, wrong_shape, wrong_layer, garbage, drop])
 def test_bad_answers_are_recomputed_and_tokens_do_not_change(checkpoints, edit, monkeypatch):
-    import swarm.peer.coordinator.deadlines as C
+    import swarm.peer.coordinator.tracker as C
 
     monkeypatch.setattr(C, "FIRST_DEADLINE_S", 0.5)  # a dropped answer is declared lost quickly
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=rewrite_answers(W1, edit))
@@ -321,7 +321,7 @@ def test_smollm2_dense_ranges_on_two_peers(monkeypatch):
     the unsplit engine on 3 chat prompts, logits within 1e-4 (+1e-5 relative) — and
     bit-identical to LocalFFN under the same plan."""
     # Every answer must come from the worker: deadlines long enough for a loaded shared machine.
-    monkeypatch.setattr("swarm.peer.coordinator.deadlines.DEADLINE_MIN_S", 30.0)
+    monkeypatch.setattr("swarm.peer.coordinator.tracker.DEADLINE_MIN_S", 30.0)
     from swarm.compute.default_model import default_model_path
     from swarm.compute.tokenizer import tokenizer_for
 
@@ -469,7 +469,8 @@ def _prefilled(model, ids):
 def test_a_changed_share_gets_the_first_request_deadline_again():
     """A worker whose share changed loads new slices before its first answer: that request gets
     FIRST_DEADLINE_S, and its time is not taken as the peer's compute speed."""
-    from swarm.peer.coordinator.dispatch import FIRST_DEADLINE_S, PeerTiming, _share
+    from swarm.peer.coordinator.dispatch import _share
+    from swarm.peer.coordinator.tracker import FIRST_DEADLINE_S, PeerTiming
 
     t = PeerTiming(rtt_s=0.001)
     assert t.deadline_s(8) == FIRST_DEADLINE_S
@@ -493,7 +494,7 @@ def test_a_changed_share_gets_the_first_request_deadline_again():
 def test_experts_beyond_the_coordinators_budget_are_streamed_not_kept(tmp_path, monkeypatch):
     """A swarm too small for the model: the coordinator computes the shortfall from its mapped
     file at each use, with the local run's bits, and its resident set stays near its budget."""
-    monkeypatch.setattr("swarm.peer.coordinator.deadlines.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
+    monkeypatch.setattr("swarm.peer.coordinator.tracker.DEADLINE_MIN_S", 30.0)  # a loaded machine: no missed answers
     from tests.multihost.test_capacity import random_moe_gguf
 
     path = random_moe_gguf(tmp_path / "moe.gguf", layers=2, hidden=256, experts=32, top_k=8, expert_ffn=1024,
@@ -561,8 +562,7 @@ def test_one_late_answer_is_recomputed_and_the_worker_kept(checkpoints):
         seen.append(msg.request_id)
         if len(seen) != 8:  # the 8th request: past the prefill, the deadline is a learned one
             return 0.0
-        with swarm.ffn._lock:
-            p = swarm.ffn._pending[msg.request_id]
+        p = swarm.ffn.tracker.pending_of(msg.request_id)
         return p.deadline - p.sent_at + 0.2
 
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 1, slow=slow)
@@ -596,7 +596,7 @@ def test_a_worker_that_stops_answering_is_recomputed_within_the_bound(checkpoint
         assert [p for p, _ in swarm.failed] == [W1]
         reason = swarm.failed[0][1]
         assert ("nothing heard" in reason) if silent else (f"{MISS_LIMIT} misses" in reason), reason
-        missed = [p for p in swarm.ffn.deadlines._late.values() if p.peer == W1]
+        missed = [p for p in swarm.ffn.tracker._late.values() if p.peer == W1]
         assert len(missed) == (1 if silent else MISS_LIMIT)
         t = swarm.ffn.timing[W1]
         for p in missed:  # no wait beyond the ceiling: the bound is MISS_LIMIT × ceiling
@@ -613,7 +613,7 @@ def test_a_worker_that_stops_answering_and_beating_costs_one_deadline_then_fails
     further miss counted — until it is marked down when its link has been silent SILENCE_S
     (its last contact set back that far at step 5). W2 keeps its share; tokens and logits
     are the local run's."""
-    from swarm.peer.coordinator.deadlines import SILENCE_S
+    from swarm.peer.coordinator.tracker import SILENCE_S
 
     hung = threading.Event()
     swarm = InProcSwarm(checkpoints["qwen3_moe"], 2, tamper=rewrite_answers(W1, lambda m: None if hung.is_set() else m))
@@ -634,9 +634,9 @@ def test_a_worker_that_stops_answering_and_beating_costs_one_deadline_then_fails
         assert_same(got, local_reference(swarm, n=8))
         assert sent.count((W1, True)) == 1  # the missed request; not one per doubled deadline
         assert sent.count((W2, True)) >= 6 * 2  # W2 still has its share in every layer it holds
-        missed = [s for s in swarm.ffn.deadlines._late.values() if s.peer == W1]
+        missed = [s for s in swarm.ffn.tracker._late.values() if s.peer == W1]
         assert len(missed) == 1 and swarm.ffn.timing[W1].misses == 1
-        assert swarm.ffn.deadlines.withheld >= 2  # steps 3 and 4 at least: computed here, not sent
+        assert swarm.ffn.tracker.withheld >= 2  # steps 3 and 4 at least: computed here, not sent
         assert [p for p, _ in swarm.failed] == [W1] and "nothing heard" in swarm.failed[0][1], swarm.failed
         assert swarm.ffn.failed == {W1} and W2 not in swarm.ffn.failed
     finally:
@@ -647,7 +647,7 @@ def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, m
     """The plan never reached W1: its refusal (stale_term, no plan yet) is not a failure. Its
     rows are recomputed, it gets no more requests of that plan but a probe now and then, it is
     sent the plan again, and once it has it, it computes its share."""
-    import swarm.peer.coordinator.dispatch as C
+    import swarm.peer.coordinator.tracker as C
 
     refusals, resent = [], []
 

@@ -1,4 +1,4 @@
-"""The deadline rule both dispatchers follow (swarm/peer/coordinator/deadlines.py), and the
+"""The deadline rule both dispatchers follow (swarm/peer/coordinator/tracker.py), and the
 stages under it: a stage's first pass gets a deadline for reading its layers from disk, a late
 answer is timed (slow, not gone), a miss fails a peer only at its first request, at MISS_LIMIT in
 a row or after SILENCE_S of silence, and a peer that missed and has not been heard since is
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from swarm.compute.model import load_model
-from swarm.peer.coordinator import deadlines as D
+from swarm.peer.coordinator import tracker as D
 from swarm.peer.coordinator.costmodel import LayerCosts
 from swarm.peer.plan import Stage, StageLayout
 from swarm.peer.net.messages import StageRequest
@@ -28,7 +28,7 @@ def moe_dir(tmp_path_factory):
 
 
 def test_the_rule_in_time_late_missed_and_first():
-    d = D.Deadlines()
+    d = D.RequestTracker()
     d.of(W1).rtt_s = 0.001
     d.loading(W1, 6 * 10**9)  # a 6 GB stage, not answered yet
     first = d.sent(W1, 10, now=0.0)
@@ -46,15 +46,15 @@ def test_the_rule_in_time_late_missed_and_first():
     for i in range(D.MISS_LIMIT - 1):
         assert d.missed(20 + i, d.sent(W1, 1, now=11.0), now=20.0, heard=19.9) is None
     assert "misses in a row" in d.missed(30, d.sent(W1, 1, now=21.0), now=30.0, heard=29.9)
-    assert "nothing heard" in D.Deadlines().missed(1, quick, now=20.0, heard=20.0 - D.SILENCE_S - 1)
+    assert "nothing heard" in D.RequestTracker().missed(1, quick, now=20.0, heard=20.0 - D.SILENCE_S - 1)
     d.loading(W1, 0)
     assert "first request" in d.missed(31, d.sent(W1, 1, now=40.0), now=80.0, heard=79.9)
-    assert D.Deadlines.gone_silent(quick, now=9.0 + D.SILENCE_S + 0.1, heard=9.0)
-    assert not D.Deadlines.gone_silent(quick, now=9.0 + D.SILENCE_S + 0.1, heard=9.0 + D.SILENCE_S)
+    assert D.RequestTracker.gone_silent(quick, now=9.0 + D.SILENCE_S + 0.1, heard=9.0)
+    assert not D.RequestTracker.gone_silent(quick, now=9.0 + D.SILENCE_S + 0.1, heard=9.0 + D.SILENCE_S)
 
 
 def test_a_peer_that_missed_and_was_not_heard_since_is_suspect_until_heard():
-    d = D.Deadlines()
+    d = D.RequestTracker()
     d.answered(d.sent(W1, 10, now=0.0), now=0.01)  # answered once: deadlines from its speed
     s = d.sent(W1, 1, now=10.0)
     assert not s.first and s.deadline - 10.0 == D.DEADLINE_MIN_S
@@ -65,9 +65,9 @@ def test_a_peer_that_missed_and_was_not_heard_since_is_suspect_until_heard():
     assert not d.suspect(W1, heard=10.2)  # a heartbeat after the request: it is sent again
     assert not d.suspect(W1, heard=None)  # last contact unknown: never suspect
     assert d.of(W1).misses == 1  # suspect, nothing sent: no further miss
-    assert D.Deadlines.silence(now=10.3, heard=9.5) is None
-    assert D.Deadlines.silence(now=9.5 + D.SILENCE_S + 0.1, heard=9.5) == f"nothing heard for {D.SILENCE_S + 0.1:.1f} s"
-    assert D.Deadlines.silence(now=100.0, heard=None) is None
+    assert D.RequestTracker.silence(now=10.3, heard=9.5) is None
+    assert D.RequestTracker.silence(now=9.5 + D.SILENCE_S + 0.1, heard=9.5) == f"nothing heard for {D.SILENCE_S + 0.1:.1f} s"
+    assert D.RequestTracker.silence(now=100.0, heard=None) is None
     assert d.late(1, W1, now=10.6)  # its late answer: heard, slow, not gone
     assert not d.suspect(W1, heard=9.5) and d.of(W1).misses == 0
     assert d.missed(2, d.sent(W1, 1, now=11.0), now=11.3, heard=10.9) is None
@@ -110,7 +110,7 @@ def test_a_stage_peer_that_stops_answering_and_beating_costs_one_wait_then_fails
     assert run[0] == ref[0] and all(np.array_equal(a, b) for a, b in zip(run[1], ref[1], strict=True))
     assert sent.count((W1, True)) == 1  # the missed step; not one per doubled deadline
     assert ffn.misses - misses[0] == 1  # its stopped steps: one miss
-    assert ffn.deadlines.withheld == 3  # steps 3 and 4 ran here at once; at step 5 it failed
+    assert ffn.tracker.withheld == 3  # steps 3 and 4 ran here at once; at step 5 it failed
     assert [p for p, _ in hand.failed] == [W1] and "nothing heard" in hand.failed[0][1], hand.failed
     assert ffn.failed == {W1} and ffn.timing[W1].failures == 1
 
@@ -144,8 +144,8 @@ def test_a_healthy_stage_peer_on_its_first_pass_of_a_new_stage_is_not_declared_l
     short = ffn.timing[W1].deadline_s(len(PROMPT))
     assert short < 1.0  # what the old rule gave the cold first pass
     sent = []
-    orig = ffn.deadlines.sent
-    ffn.deadlines.sent = lambda *a: sent.append(orig(*a)) or sent[-1]
+    orig = ffn.tracker.sent
+    ffn.tracker.sent = lambda *a: sent.append(orig(*a)) or sent[-1]
     run = greedy(model, ffn, PROMPT, 3)
     hand.join()
     ref = greedy(load_model(moe_dir), None, PROMPT, 3)
@@ -185,3 +185,24 @@ def test_a_late_stage_answer_is_timed_slow_not_gone(moe_dir, monkeypatch):
     t = ffn.timing[W1]
     assert ffn.misses == 1 and t.late == 1 and not ffn.failed and not hand.failed
     assert t.misses == 0 and t.deadline_s(1) > 0.4  # its deadline now covers what it took
+
+
+def test_an_answer_that_comes_as_the_wait_ends_is_used_not_counted_as_a_miss():
+    """The answer arrives after the wait timed out but before the miss is recorded: expire() takes
+    the request out and records the miss in one step under the tracker's lock, so the answer is
+    used and no miss counted (it was once dropped and counted as one)."""
+    d = D.RequestTracker()
+    d.answered(d.sent(W1, 1, now=0.0), now=0.01)
+    req = StageRequest(7, 1, 1, (), 0, 1, np.zeros((1, 4), np.float32))
+    p = d.track(7, req, W1, 1, now=1.0)
+    answer = type("Answer", (), {"request_id": 7})()
+    assert not d.deliver(W1, answer, now=1.0 + D.DEADLINE_MIN_S + 0.01)  # in flight still: not late
+    assert d.expire(p, now=1.0 + D.DEADLINE_MIN_S + 0.02, heard=1.2) is None
+    assert p.future.result(timeout=0) is answer and d.of(W1).misses == 0 and not d.suspect(W1, heard=0.5)
+    clock = iter([5.0, 5.0, 5.0]).__next__  # a wait that starts past the deadline
+    assert D.wait_answer(d, p, clock, lambda peer: 4.9) is answer
+    q = d.track(8, StageRequest(8, 1, 1, (), 0, 1, np.zeros((1, 4), np.float32)), W1, 1, now=10.0)
+    missed = D.wait_answer(d, q, iter([10.0 + D.DEADLINE_MIN_S] * 3).__next__, lambda peer: 10.1)
+    assert isinstance(missed, D.Missed) and missed.misses == 1 and missed.why is None
+    assert d.deliver(W1, type("Answer", (), {"request_id": 8})(), now=10.5)  # then timed: slow, not gone
+    assert d.of(W1).misses == 0 and d.of(W1).late == 1

@@ -33,7 +33,7 @@ An async forward would have meant rewriting the engine around the seam; a thread
 keeps the engine untouched and the event loop free.
 
 Failure. Every request has a deadline that follows what the peer's answers
-took (:mod:`swarm.peer.coordinator.deadlines`, the rule the stages follow too): a
+took (:mod:`swarm.peer.coordinator.tracker`, the rule the stages follow too): a
 high quantile of its recent answer times beyond its per-row compute, plus that
 compute for the request's rows, times a safety factor, within a floor and a
 ceiling. Answers that come after their deadline still count as observations, so
@@ -50,7 +50,7 @@ late answer within the ceiling resets the count: that peer is slow, not gone, an
 its deadline now covers it), at once when its link has been silent for
 ``SILENCE_S``, or when it misses its first request under a new share.
 After a miss, a peer not heard from since that request was sent is suspect
-(:meth:`~swarm.peer.coordinator.deadlines.Deadlines.suspect`): it is sent nothing
+(:meth:`~swarm.peer.coordinator.tracker.RequestTracker.suspect`): it is sent nothing
 and its rows are computed here at once, without waiting or counting misses, until
 it is heard again (a heartbeat, its late answer) or fails by silence — so a killed
 worker costs one deadline, not ``MISS_LIMIT`` doubled ones.
@@ -89,14 +89,11 @@ WebGPU); a mismatch raises :class:`VerificationError`.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import itertools
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -106,9 +103,7 @@ from swarm.compute.ffn import (LocalFFN, combine, expert_rows, route, run_length
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageRequest
-from swarm.peer.coordinator.deadlines import (  # noqa: F401  (the deadline rule's names, as before)
-    DEADLINE_MAX_S, DEADLINE_MIN_S, DEADLINE_SAFETY, FIRST_DEADLINE_S, LATE_KEPT_S, MISS_LIMIT, NOT_READY_RETRY_S,
-    SILENCE_S, Deadlines, PeerTiming, Sent, wait_answer)
+from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -118,29 +113,6 @@ F32 = np.float32
 # --verify for peers of another numeric build (WebGPU f32 kernels): float32 reassociation only.
 APPROX_RTOL = 1e-3
 APPROX_ATOL = 1e-4
-
-
-@dataclass
-class _Pending:
-    request: ExpertRequest | DenseRequest
-    future: cf.Future
-    sent: Sent  # to whom, when, due when; first: a miss fails it at once
-
-    @property
-    def peer(self) -> str:
-        return self.sent.peer
-
-    @property
-    def sent_at(self) -> float:
-        return self.sent.sent_at
-
-    @property
-    def deadline(self) -> float:
-        return self.sent.deadline
-
-    @property
-    def rows(self) -> int:
-        return self.sent.rows
 
 
 class Dispatcher(Protocol):
@@ -192,18 +164,16 @@ class RemoteFFN:
         self.plan = plan
         self.dispatcher = dispatcher
         self.verify = verify
-        self.not_ready: dict[str, tuple[int, int, float]] = {}  # peer → (term, version, next probe time)
-        self.deadlines = Deadlines()  # the deadline rule (swarm/peer/coordinator/deadlines.py)
-        self.timing: dict[str, PeerTiming] = self.deadlines.timing
-        self.failed: set[str] = set()  # peers given no more work until a new plan
+        self.tracker = RequestTracker()  # the requests in flight and the failure rule (tracker.py)
+        self.timing = self.tracker.timing  # peer → PeerTiming
+        self.not_ready = self.tracker.not_ready  # peer → (term, version, next probe time)
+        self.failed = self.tracker.failed  # peers given no more work until a new plan
         self.verified = 0  # remote answers recomputed and found equal
         self.remote_rows = 0  # rows answered by peers (status, tests)
         self.local_fallbacks = 0  # requests recomputed here after a failure
         self._rng = rng or random.Random()
         self._clock = clock
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()
         self._next_plan: Plan | None = None
         self._next_warming: dict[str, float] = {}
         self.warming_until: dict[str, float] = {}  # peer → clock time its warm-up window ends
@@ -214,31 +184,17 @@ class RemoteFFN:
 
     # ----------------------------------------------------------- event-loop side
     def deliver(self, peer: str, msg: ExpertAnswer | DenseAnswer | Error) -> None:
-        """An answer (or Error) arrived from ``peer``. Thread-safe; unknown ids are dropped."""
-        with self._lock:
-            p = self._pending.get(msg.request_id)
-            if p is None or p.peer != peer:
-                if isinstance(msg, (ExpertAnswer, DenseAnswer)):  # recomputed already, but its time counts
-                    self.deadlines.late(msg.request_id, peer, self._clock())
-                return  # otherwise a forged id, or one already given up on
-            del self._pending[msg.request_id]
-        if not p.future.done():
-            p.future.set_result(msg)
+        """An answer (or Error) arrived from ``peer``. Thread-safe; unknown ids are dropped, a late
+        answer (recomputed already) is timed."""
+        self.tracker.deliver(peer, msg, self._clock())
 
     def peer_down(self, peer: str, reason: str = "link closed") -> None:
         """``peer``'s link went away: its pending requests fail now rather than at their deadline."""
-        with self._lock:
-            lost = [rid for rid, p in self._pending.items() if p.peer == peer]
-            pending = [self._pending.pop(rid) for rid in lost]
-            self.deadlines.forget(peer)
-        for p in pending:
-            if not p.future.done():
-                p.future.set_exception(ConnectionError(reason))
+        self.tracker.peer_down(peer, reason)
 
     def set_rtt(self, peer: str, rtt_s: float) -> None:
         """Measured link round trip of ``peer`` (from the link's heartbeats)."""
-        with self._lock:
-            self.timing.setdefault(peer, PeerTiming()).rtt_s = float(rtt_s)
+        self.tracker.set_rtt(peer, rtt_s)
 
     def set_plan(self, plan: Plan, warming: dict[str, float] | None = None) -> None:
         """Use ``plan`` from the next step on (applied at layer 0, never inside a step).
@@ -272,13 +228,11 @@ class RemoteFFN:
         if layer == 0 and self._next_plan is not None:
             for peer in self._next_plan.peers:  # a changed share means new slices to load first
                 if _share(self._next_plan, peer) != _share(self.plan, peer):
-                    self.timing.setdefault(peer, PeerTiming()).fresh = True
+                    self.tracker.of(peer).fresh = True
             self.plan, self._next_plan = self._next_plan, None
             now = self._clock()
             self.warming_until.update({p: now + s for p, s in self._next_warming.items()})
-            self.failed.clear()
-            for t in self.timing.values():
-                t.misses = 0
+            self.tracker.readmit()
             self._dense_slices.clear()
             self._streamed = self._streamed_experts(self.plan)
             self._local, self._whole_here = self._layers_here(self.plan)
@@ -290,48 +244,36 @@ class RemoteFFN:
         return self._dense(layer, x, seg)
 
     def _remote(self, peer: str) -> bool:
-        if peer == self.plan.coordinator or peer in self.failed:
+        """Whether ``peer``'s rows go to it this step (the tracker's rule: not failed, not suspect, not
+        held as not ready); a suspect peer whose link has been silent fails, as at a miss."""
+        if peer == self.plan.coordinator:
             return False
-        heard = self.dispatcher.last_heard(peer)
-        with self._lock:  # suspect (deadlines.py): sent nothing, its rows computed here at once
-            suspect, why = self.deadlines.hold(peer, self._clock(), heard)
-        if why is not None:  # and silent SILENCE_S: failed, as at a miss
+        send, why = self.tracker.may_send(peer, self.plan.term, self.plan.version, self._clock(),
+                                          self.dispatcher.last_heard(peer))
+        if why is not None:
             self._fail(peer, why)
-        if suspect:
-            return False
-        held = self.not_ready.get(peer)
-        if held is None:
-            return True
-        term, version, probe_at = held
-        if (term, version) != (self.plan.term, self.plan.version):
-            del self.not_ready[peer]  # a newer plan: sent to it before this step's requests
-            return True
-        return self._clock() >= probe_at
+        return send
 
-    def _dispatch(self, peer: str, make: Callable[[int], ExpertRequest | DenseRequest], rows: int) -> _Pending:
+    def _dispatch(self, peer: str, make: Callable[[int], ExpertRequest | DenseRequest], rows: int) -> Pending:
         rid = next(self._ids) & 0xFFFF_FFFF or next(self._ids)
         req = make(rid)
-        now = self._clock()
-        with self._lock:
-            p = _Pending(req, cf.Future(), self.deadlines.sent(peer, rows, now))
-            self._pending[rid] = p
+        p = self.tracker.track(rid, req, peer, rows, self._clock())
         try:
             self.dispatcher.send(peer, req)
         except Exception as exc:  # the link is gone: the rows are recomputed here
-            with self._lock:
-                self._pending.pop(rid, None)
+            self.tracker.withdraw(p)
             p.future.set_exception(ConnectionError(f"send failed: {exc}"))
         return p
 
-    def _await(self, p: _Pending) -> ExpertAnswer | DenseAnswer | None:
+    def _await(self, p: Pending) -> ExpertAnswer | DenseAnswer | None:
         """The peer's answer, or None after a failure (already recorded)."""
         try:
-            msg = wait_answer(p.future, p.sent, self._clock, self.dispatcher.last_heard)
-        except cf.TimeoutError:
-            self._missed(p)
-            return None
+            msg = wait_answer(self.tracker, p, self._clock, self.dispatcher.last_heard)
         except ConnectionError as exc:
             self._fail(p.peer, str(exc))
+            return None
+        if isinstance(msg, Missed):
+            self._missed(p, msg)
             return None
         if isinstance(msg, Error):
             if msg.code == "stale_term":  # it has not accepted this plan: not ready, not failed
@@ -347,47 +289,35 @@ class RemoteFFN:
         except RemoteProtocolError as exc:
             self._fail(p.peer, f"malformed answer: {exc}")
             return None
-        with self._lock:
-            self.deadlines.answered(p.sent, self._clock())
-        self.not_ready.pop(p.peer, None)  # it answers under this plan: it has it
+        self.tracker.answered(p.sent, self._clock())  # it answers under this plan: it has it
         self.remote_rows += p.rows
         return msg
 
-    def _missed(self, p: _Pending) -> None:
+    def _missed(self, p: Pending, missed: Missed) -> None:
         """``p``'s deadline passed: its rows are recomputed; the peer fails only when that is
         no longer chance (module docstring). Its answer, should it come, is still timed."""
-        now, heard = self._clock(), self.dispatcher.last_heard(p.peer)
-        with self._lock:
-            self._pending.pop(p.request.request_id, None)
-            why = self.deadlines.missed(p.request.request_id, p.sent, now, heard)
-            misses = self.timing[p.peer].misses
         what = f"no answer within {p.deadline - p.sent_at:.3f} s (layer {p.request.layer})"
-        if why is not None:
-            self._fail(p.peer, f"{what}; {why}")
+        if missed.why is not None:
+            self._fail(p.peer, f"{what}; {missed.why}")
             return
         self.local_fallbacks += 1
-        log.info("peer %s: %s, miss %d of %d in a row; its rows recomputed here", p.peer, what, misses, MISS_LIMIT)
+        log.info("peer %s: %s, miss %d of %d in a row; its rows recomputed here", p.peer, what, missed.misses,
+                 MISS_LIMIT)
 
-    def _not_ready(self, p: _Pending, msg: Error) -> None:
+    def _not_ready(self, p: Pending, msg: Error) -> None:
         """``p.peer`` refused ``p`` for not serving its plan: recompute, hold its requests of this
         plan but for a probe now and then, and have the owner send it the plan again."""
         self.local_fallbacks += 1
         req = p.request
-        first = self.not_ready.get(p.peer, (0, 0, 0.0))[:2] != (req.term, req.plan_version)
-        self.not_ready[p.peer] = (req.term, req.plan_version, self._clock() + NOT_READY_RETRY_S)
-        if first:
+        if self.tracker.hold_not_ready(p.peer, req.term, req.plan_version, self._clock()):
             reason = f"has not accepted plan v{req.plan_version} of term {req.term} yet: {msg.message}"
             log.info("peer %s %s; its rows are recomputed here until it has", p.peer, reason)
             self.dispatcher.peer_not_ready(p.peer, reason)
 
     def _fail(self, peer: str, reason: str) -> None:
         self.local_fallbacks += 1
-        with self._lock:
-            t = self.timing.setdefault(peer, PeerTiming())
-            t.failures += 1
-        if peer in self.failed:
+        if not self.tracker.fail(peer):
             return
-        self.failed.add(peer)
         log.warning("peer %s marked down: %s; its rows are computed by the coordinator", peer, reason)
         self.dispatcher.peer_failed(peer, reason)
 

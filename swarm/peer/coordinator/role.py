@@ -451,7 +451,7 @@ class CoordinatorRole:
         h = self.node.hello
         own = self.model.embed.nbytes + (0 if self.model.head is self.model.embed else self.model.head.nbytes)
         me = PeerCost(self.node.peer_id, max(h.memory_budget - own, 0), h.ffn_gflops)
-        mine = self.stages.local_timing.s_per_row_layer if self.stages is not None else None
+        mine = self.stages.tracker.local_timing.s_per_row_layer if self.stages is not None else None
         if mine:  # our own layers' timing, in the unit the workers' answers are priced in
             me = PeerCost(me.peer_id, me.memory_bytes, observed_gflops(self._layer_flops(), mine), observed=True)
         costs, range_only = [], []

@@ -27,8 +27,8 @@ f32 per stage boundary, a few MB for thousands of positions). A stage whose step
 back runs that step's layers on the coordinator (its mapped file holds them); before the first
 such step the coordinator rebuilds those layers' KV cache by running the recorded rows through
 them (whatever the capacity of the coordinator's cache: it grows then). What happens to the
-peer follows the FFN ranges' rule (:mod:`swarm.peer.coordinator.deadlines`, one helper for
-both): a link gone, a refusal or a malformed answer fails it at once (the owner re-plans); a
+peer follows the FFN ranges' rule (:class:`~swarm.peer.coordinator.tracker.RequestTracker`,
+one for both): a link gone, a refusal or a malformed answer fails it at once (the owner re-plans); a
 deadline follows its observed answer times, and its first request for a stage it has not
 answered yet gets one for reading that stage's layers from disk; a missed deadline is counted
 (its answer, should it come, is timed: slow, not gone), and fails it only at ``MISS_LIMIT``
@@ -51,7 +51,6 @@ never collide with RemoteFFN's on the same link.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import itertools
 import logging
 import threading
@@ -64,7 +63,7 @@ import numpy as np
 
 from swarm.compute.ffn import LocalFFN
 from swarm.errors import LocalProtocolError, RemoteProtocolError
-from swarm.peer.coordinator.deadlines import MISS_LIMIT, NOT_READY_RETRY_S, Deadlines, PeerTiming, Sent, wait_answer
+from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.coordinator.dispatch import Dispatcher
 from swarm.peer.net.messages import Error, StageAnswer, StageRequest, StageSegment
 from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout, split_layers
@@ -117,29 +116,6 @@ class _Part:
     history: np.ndarray | None = None  # every row that entered the current stage [start+T, H]
 
 
-@dataclass
-class LayerTiming:
-    """Seconds per row per layer of the layers run here (EWMA; None before any)."""
-
-    s_per_row_layer: float | None = None
-
-    def observe(self, elapsed_s: float, rows: int, layers: int) -> None:
-        sample = elapsed_s / max(rows * layers, 1)
-        prev = self.s_per_row_layer
-        self.s_per_row_layer = sample if prev is None else 0.8 * prev + 0.2 * sample
-
-
-@dataclass
-class _Pending:
-    request: StageRequest
-    future: cf.Future
-    sent: Sent  # to whom, when, due when; first: a miss fails it at once
-
-    @property
-    def peer(self) -> str:
-        return self.sent.peer
-
-
 class StagedFFN:
     """The coordinator's backend for a stage layout; see the module docstring.
 
@@ -157,50 +133,36 @@ class StagedFFN:
         self.layout = layout
         self.dispatcher = dispatcher
         self.inner = inner if inner is not None else LocalFFN(model)
-        self.deadlines = Deadlines()  # the deadline rule (swarm/peer/coordinator/deadlines.py)
-        self.timing: dict[str, PeerTiming] = self.deadlines.timing
-        self.failed: set[str] = set()  # peers given no more work until a layout has them again
+        self.tracker = RequestTracker()  # the requests in flight and the failure rule (tracker.py)
+        self.timing = self.tracker.timing  # peer → PeerTiming
+        self.failed = self.tracker.failed  # peers given no more work until a layout has them again
+        self.not_ready = self.tracker.not_ready  # peer → (term, version, next probe time)
+        self.layer_timing = self.tracker.layer_timing  # each stage peer's compute, from its answers
+        self.message_overhead = self.tracker.message_overhead  # peer → a short step's wait beyond RTT and compute
         self.warm: dict[str, set[tuple[int, int]]] = {}  # peer → the stages it has answered (loaded)
         self._layer_bytes: tuple[int, ...] | None = None  # weight bytes per layer (from the file's header)
         self.remote_steps = 0  # stage requests answered by peers
         self.rebuilt_positions = 0  # positions recomputed here to rebuild a failed stage's KV cache
-        self.local_timing = LayerTiming()  # the coordinator's own layers: its observed speed
-        self.layer_timing: dict[str, LayerTiming] = {}  # each stage peer's compute, from its answers
-        self.message_overhead: dict[str, float] = {}  # peer → a short step's wait beyond RTT and compute (EWMA, s)
         self._clock = clock
         self._ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._sequences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache → _Sequence
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # warm: the token loop and the event loop update it
         self.misses = 0  # stage steps recomputed here after a missed deadline (the peer kept)
-        self.not_ready: dict[str, tuple[int, int, float]] = {}  # peer → (term, version, next probe time)
 
     # ----------------------------------------------------------- event-loop side
     def deliver(self, peer: str, msg: StageAnswer | Error) -> None:
         """An answer (or Error) from ``peer``. Thread-safe; unknown ids are dropped."""
-        with self._lock:
-            p = self._pending.get(msg.request_id)
-            if p is None or p.peer != peer:
-                # past its deadline and recomputed here: slow, not gone (its time counts)
-                if isinstance(msg, StageAnswer) and self.deadlines.late(msg.request_id, peer, self._clock()):
-                    self.warm.setdefault(peer, set()).add((msg.layer_start, msg.layer_stop))
-                return
-            del self._pending[msg.request_id]
-        if not p.future.done():
-            p.future.set_result(msg)
+        if self.tracker.deliver(peer, msg, self._clock()):  # past its deadline, recomputed here: timed
+            with self._lock:
+                self.warm.setdefault(peer, set()).add((msg.layer_start, msg.layer_stop))
 
     def peer_down(self, peer: str, reason: str = "link closed") -> None:
         """``peer``'s link went away: its pending requests fail now."""
-        with self._lock:
-            lost = [self._pending.pop(rid) for rid, p in list(self._pending.items()) if p.peer == peer]
-            self.deadlines.forget(peer)
-        for p in lost:
-            if not p.future.done():
-                p.future.set_exception(ConnectionError(reason))
+        self.tracker.peer_down(peer, reason)
 
     def set_rtt(self, peer: str, rtt_s: float) -> None:
-        self.timing.setdefault(peer, PeerTiming()).rtt_s = float(rtt_s)
+        self.tracker.set_rtt(peer, rtt_s)
 
     def set_layout(self, layout: StageLayout, inner=None) -> None:
         """Use ``layout`` for sequences that start from now on (those in flight keep theirs), and
@@ -212,9 +174,7 @@ class StagedFFN:
             self.inner = inner
         # A failed peer stays failed for the sequences still under older layouts until a layout
         # has it again (the owner keeps a peer marked down out of its plans for a while).
-        self.failed -= set(layout.workers())
-        for t in self.timing.values():
-            t.misses = 0
+        self.tracker.readmit(layout.workers())
 
     # ------------------------------------------------------------ token-loop side
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -259,25 +219,14 @@ class StagedFFN:
         return parts[0].x if len(parts) == 1 else np.concatenate([p.x for p in parts])
 
     def _may_send(self, peer: str, layout: StageLayout) -> bool:
-        """Not failed, not suspect, and not held as not ready under ``layout`` (but for a probe
-        now and then)."""
-        if peer in self.failed:
-            return False
-        with self._lock:  # suspect: this step runs here, as on a failover, and the peer is kept
-            suspect, why = self.deadlines.hold(peer, self._clock(), self.dispatcher.last_heard(peer))
-        if why is not None:  # unless its link has been silent SILENCE_S: failed, as at a miss
+        """Whether ``peer`` runs its stage this step (the tracker's rule: not failed, not suspect, not
+        held as not ready under ``layout``); a suspect peer whose link has been silent fails, as at
+        a miss. Otherwise its layers run here, as on a failover, and the peer is kept."""
+        send, why = self.tracker.may_send(peer, layout.term, layout.version, self._clock(),
+                                          self.dispatcher.last_heard(peer))
+        if why is not None:
             self._fail(peer, why)
-        return not suspect and self._ready(peer, layout)
-
-    def _ready(self, peer: str, layout: StageLayout) -> bool:
-        """Not held as not ready under ``layout`` (but for a probe now and then)."""
-        held = self.not_ready.get(peer)
-        if held is None:
-            return True
-        if held[:2] != (layout.term, layout.version):
-            del self.not_ready[peer]  # a newer layout: it was sent that one
-            return True
-        return self._clock() >= held[2]
+        return send
 
     def _local(self, group: list[_Part], stage: Stage) -> list[np.ndarray]:
         key = (stage.start, stage.stop)
@@ -295,7 +244,7 @@ class StagedFFN:
             out = self.model.layers_batch(rows, [(p.cache, p.start, p.x.shape[0]) for p in group],
                                           stage.start, stage.stop, self.inner)
             outs = np.split(out, np.cumsum([p.x.shape[0] for p in group])[:-1])
-        self.local_timing.observe(self._clock() - t0, sum(o.shape[0] for o in outs), stage.stop - stage.start)
+        self.tracker.observe_local(self._clock() - t0, sum(o.shape[0] for o in outs), stage.stop - stage.start)
         for p in group:
             p.seq.local[key] = p.history.shape[0]
         return outs
@@ -337,30 +286,23 @@ class StagedFFN:
         req = StageRequest(rid, lay.term, lay.version, segments, stage.start, stage.stop, rows)
         span = (stage.start, stage.stop)
         with self._lock:
-            if span not in self.warm.get(stage.peer, ()):  # its first pass may read the layers from disk
-                self.deadlines.loading(stage.peer, self._stage_bytes(*span))
-            p = _Pending(req, cf.Future(), self.deadlines.sent(stage.peer, rows.shape[0], self._clock()))
-            self._pending[rid] = p
-        timing = self.timing[stage.peer]
+            cold = span not in self.warm.get(stage.peer, ())
+        if cold:  # its first pass may read the layers from disk
+            self.tracker.loading(stage.peer, self._stage_bytes(*span))
+        p = self.tracker.track(rid, req, stage.peer, rows.shape[0], self._clock())
         try:
             self.dispatcher.send(stage.peer, req)
         except Exception as exc:  # the link is gone
-            with self._lock:
-                self._pending.pop(rid, None)
+            self.tracker.withdraw(p)
             self._fail(stage.peer, f"send failed: {exc}")
             return None
         try:
-            try:
-                msg = wait_answer(p.future, p.sent, self._clock, self.dispatcher.last_heard)
-            except cf.TimeoutError:
-                with self._lock:
-                    taken = self._pending.pop(rid, None) is None  # deliver (or peer_down) took it
-                if not taken:
-                    self._missed(p)
-                    return None
-                msg = p.future.result()  # late, but before anything was recomputed: used
+            msg = wait_answer(self.tracker, p, self._clock, self.dispatcher.last_heard)
         except ConnectionError as exc:
             self._fail(stage.peer, str(exc))
+            return None
+        if isinstance(msg, Missed):
+            self._missed(p, msg)
             return None
         if isinstance(msg, Error):
             return msg
@@ -370,39 +312,30 @@ class StagedFFN:
             self._fail(stage.peer, f"malformed answer: {exc}")
             return None
         elapsed = self._clock() - p.sent.sent_at
+        self.tracker.answered(p.sent, self._clock())  # it answers under this layout: it has it
         with self._lock:
-            self.deadlines.answered(p.sent, self._clock())
             self.warm.setdefault(stage.peer, set()).add(span)
-        self.not_ready.pop(stage.peer, None)  # it answers under this layout: it has it
-        # For the planner: its compute alone, as it reports it (at most the whole wait), and what
-        # the message cost beyond the round trip — a short step's, as a prefill's rows take
-        # their own time on the link.
-        compute = min(max(msg.compute_s, 0.0), elapsed)
-        self.layer_timing.setdefault(stage.peer, LayerTiming()).observe(compute, rows.shape[0], stage.stop - stage.start)
-        if rows.shape[0] <= INLINE_ROWS:
-            sample = max(elapsed - compute - timing.rtt_s, 0.0)
-            prev = self.message_overhead.get(stage.peer)
-            self.message_overhead[stage.peer] = sample if prev is None else 0.8 * prev + 0.2 * sample
+        # For the planner: its compute alone, as it reports it, and what a short step's message
+        # cost beyond the round trip.
+        self.tracker.observe_stage(stage.peer, msg.compute_s, elapsed, rows.shape[0], stage.stop - stage.start,
+                                   short=rows.shape[0] <= INLINE_ROWS)
         return msg
 
-    def _missed(self, p: _Pending) -> None:
+    def _missed(self, p: Pending, missed: Missed) -> None:
         """``p``'s deadline passed (or its link went silent): this step runs its layers here. By
-        the FFN ranges' rule (:mod:`~swarm.peer.coordinator.deadlines`) the peer fails only at its
+        the FFN ranges' rule (:mod:`~swarm.peer.coordinator.tracker`) the peer fails only at its
         first request under a stage, after ``MISS_LIMIT`` misses in a row, or when its link is
         silent ``SILENCE_S``; otherwise its next step is sent to it again (with the rows it
         missed), and its answer to this one, should it come, is timed: slow, not gone."""
-        req, now, heard = p.request, self._clock(), self.dispatcher.last_heard(p.peer)
-        with self._lock:
-            why = self.deadlines.missed(req.request_id, p.sent, now, heard)
-            misses = self.timing[p.peer].misses
+        req, now = p.request, self._clock()
         what = (f"no answer within {now - p.sent.sent_at:.3f} s of a {p.sent.deadline - p.sent.sent_at:.3f} s deadline "
                 f"(layers {req.layer_start}:{req.layer_stop})")
-        if why is not None:
-            self._fail(p.peer, f"{what}; {why}")
+        if missed.why is not None:
+            self._fail(p.peer, f"{what}; {missed.why}")
             return
         self.misses += 1
         log.info("stage peer %s: %s, miss %d of %d in a row; its layers run here this step",
-                 p.peer, what, misses, MISS_LIMIT)
+                 p.peer, what, missed.misses, MISS_LIMIT)
 
     def _stage_bytes(self, lo: int, hi: int) -> int:
         """Weight bytes of layers ``lo .. hi-1`` as stored (the file's header: nothing read)."""
@@ -417,9 +350,7 @@ class StagedFFN:
         """``peer`` does not serve ``layout`` (it lost or refused the stage plan): its layers run
         here, it gets one probe every ``NOT_READY_RETRY_S``, and with each refusal ``layout`` again —
         the one this sequence runs under, which a newer plan may have replaced as the newest."""
-        first = self.not_ready.get(peer, (0, 0, 0.0))[:2] != (layout.term, layout.version)
-        self.not_ready[peer] = (layout.term, layout.version, self._clock() + NOT_READY_RETRY_S)
-        if first:
+        if self.tracker.hold_not_ready(peer, layout.term, layout.version, self._clock()):
             log.info("stage peer %s has not accepted stage plan v%d of term %d (%s); its layers run here "
                      "until it has", peer, layout.version, layout.term, msg.message)
         try:  # at every refused probe: the plan sent before may have been lost or refused
@@ -429,11 +360,9 @@ class StagedFFN:
 
     def _fail(self, peer: str, reason: str) -> None:
         with self._lock:
-            self.deadlines.of(peer).failures += 1
             self.warm.pop(peer, None)  # back in a later layout, it may have to load its stage again
-        if peer in self.failed:
+        if not self.tracker.fail(peer):
             return
-        self.failed.add(peer)
         log.warning("stage peer %s marked down: %s; its layers run on the coordinator", peer, reason)
         self.dispatcher.peer_failed(peer, reason)
 
