@@ -363,7 +363,7 @@ class Election:
         self._maybe_win(now)
 
     def _maybe_win(self, now: float) -> None:
-        if self.role is Role.CANDIDATE and len(self._votes) >= self.quorum():
+        if self.role is Role.CANDIDATE and self._standing is not None and len(self._votes) >= self.quorum():
             self.term, self.voted_for, self._standing = self._standing, self.peer_id, None
             self.role = Role.LEADER
             self.leader = self.peer_id

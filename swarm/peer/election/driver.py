@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
 from swarm.peer.election import core as el
-from swarm.peer.net.messages import Error, LeaderHeartbeat, RequestVote, Vote
+from swarm.peer.net.messages import Error, Hello, LeaderHeartbeat, RequestVote, Vote
 from swarm.peer.tasks import OwnedTasks, send_logged
 
 if TYPE_CHECKING:
@@ -190,6 +190,7 @@ class ElectionDriver:
         """Send what the election wants sent, then act on its events."""
         e = self.core
         for dest, msg in e.messages_to_send():
+            wire: LeaderHeartbeat | RequestVote | Vote
             match msg:
                 case el.LeaderHeartbeat():
                     wire = LeaderHeartbeat(msg.term, msg.leader)
@@ -211,19 +212,20 @@ class ElectionDriver:
 
     # ------------------------------------------------------------------ messages
     def _receive(self, link: Link, msg: el.RequestVote | el.Vote | el.LeaderHeartbeat) -> None:
-        if link.peer_id not in self.core.members:
+        peer = link.peer_id
+        if peer is None or peer not in self.core.members:
             return  # refused peers (another model) and browser peers take no part in the election
         try:
-            self.core.receive(link.peer_id, msg, time.monotonic())
+            self.core.receive(peer, msg, time.monotonic())
         except RemoteProtocolError as exc:
-            log.warning("election message from %s refused: %s", link.peer_id, exc)
+            log.warning("election message from %s refused: %s", peer, exc)
         self._wake.set()
 
     def _on_request_vote(self, link: Link, msg: RequestVote) -> None:
         self._receive(link, el.RequestVote(msg.term, msg.candidate))
 
     def _on_vote(self, link: Link, msg: Vote) -> None:
-        self._receive(link, el.Vote(msg.term, link.peer_id, msg.granted))
+        self._receive(link, el.Vote(msg.term, _remote(link)[0], msg.granted))
 
     def _on_leader_heartbeat(self, link: Link, msg: LeaderHeartbeat) -> None:
         self._receive(link, el.LeaderHeartbeat(msg.term, msg.leader))
@@ -231,10 +233,11 @@ class ElectionDriver:
     def refused_by(self, link: Link, msg: Error) -> None:
         """A channel-level ``Error`` (request id 0) from ``link``'s peer: one of code ``model``
         says it runs another model, so it will never vote for us."""
-        log.warning("peer %s: %s: %s", link.peer_id, msg.code, msg.message)
+        peer, _ = _remote(link)
+        log.warning("peer %s: %s: %s", peer, msg.code, msg.message)
         if msg.code == "model":
-            self._refused.setdefault(link.peer_id, msg.message)
-            self.core.remove_member(link.peer_id, time.monotonic())
+            self._refused.setdefault(peer, msg.message)
+            self.core.remove_member(peer, time.monotonic())
 
     # ------------------------------------------------------------------ membership
     def link_up(self, link: Link) -> None:
@@ -249,7 +252,7 @@ class ElectionDriver:
     def _admit(self, link: Link) -> None:
         """Make a Python peer a voting member (eligible when it holds this swarm's model), or
         refuse it by name when it holds another model."""
-        hello, peer = link.hello, link.peer_id
+        peer, hello = _remote(link)
         if self._refuse_other_model(link):
             return
         eligible = hello.model_hash is not None and self.swarm_model in (None, hello.model_hash)
@@ -272,15 +275,16 @@ class ElectionDriver:
         for link in list(self.node.links.values()):
             if link.hello is not None and link.hello.peer_kind == "python":
                 if link.hello.model_hash in (None, best):
-                    self._refused.pop(link.peer_id, None)
-                    self._refusals_sent.discard(link.peer_id)
+                    peer, _ = _remote(link)
+                    self._refused.pop(peer, None)
+                    self._refusals_sent.discard(peer)
                 self._admit(link)
         return True
 
     def _refuse_other_model(self, link: Link) -> bool:
         """Refuse ``link``'s peer by name if it holds another model than this swarm runs (a
         member that could never vote for us would only block the quorum)."""
-        hello, peer = link.hello, link.peer_id
+        peer, hello = _remote(link)
         if hello.model_hash is None or self.swarm_model is None or hello.model_hash == self.swarm_model:
             return False
         why = (f"peer {hello.name!r} ({peer}) holds model {hello.model_hash[:12]}…, "
@@ -340,3 +344,11 @@ class ElectionDriver:
                 continue
             log.info("peer %s is back", peer)
             self._admit(link)
+
+
+def _remote(link: Link) -> tuple[str, Hello]:
+    """An open link's peer id and Hello (both are set once a link opens; the election hears only
+    open links)."""
+    if link.peer_id is None or link.hello is None:
+        raise LocalProtocolError(f"the link is not open ({link.state.value}): no peer id or Hello yet")
+    return link.peer_id, link.hello

@@ -517,7 +517,7 @@ class Link:
                 return
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            task.add_done_callback(lambda _task, coro=result: coro.close())
+            task.add_done_callback(lambda _task: result.close())
 
     async def _try_jumbo_packets(self, length: int) -> None:
         """Send jumbo packets of ``length`` bytes from now on if the path carries them both ways

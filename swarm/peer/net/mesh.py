@@ -107,10 +107,10 @@ class Mesh:
 
     def sync(self, presence: Iterable[PeerInfo]) -> None:
         """Take a full presence list (on every (re)connection to a signaling server)."""
-        presence = {p.peer_id: p for p in presence if p.peer_id != self.peer_id}
-        for gone in set(self._present) - set(presence):
+        present = {p.peer_id: p for p in presence if p.peer_id != self.peer_id}
+        for gone in set(self._present) - set(present):
             self.peer_left(gone)
-        for info in presence.values():
+        for info in present.values():
             self.peer_joined(info)
 
     def peer_joined(self, info: PeerInfo) -> None:
@@ -149,6 +149,7 @@ class Mesh:
         kind, session = data.get("type"), data.get("session", "")
         if not isinstance(session, str) or len(session) > 64:
             raise RemoteProtocolError("'session' must be a string of at most 64 characters")
+        attempt: _Attempt | None
         match kind:
             case "offer":
                 sdp = _sdp(data)
@@ -249,8 +250,8 @@ class Mesh:
             # (plans and requests go to it); the old closes in the background.
             del self.links[peer_id]
             log.info("link down: %s (replaced by a new link: the peer started over)", peer_id)
-            for cb in list(self.on_link_down):
-                _call(cb, peer_id)
+            for down in list(self.on_link_down):
+                _call(down, peer_id)
             self._spawn(old.close("replaced by a new link (the peer started over)"))
         self.links[peer_id] = link
         link.on_close(self._on_link_closed)

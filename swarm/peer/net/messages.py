@@ -267,7 +267,7 @@ class ExpertRequest(MessageBase):
     expert_ids: Annotated[np.ndarray, IDS]
     row_counts: Annotated[np.ndarray, IDS]
     rows: Annotated[np.ndarray, ROWS]
-    segments: Annotated[np.ndarray, IDS] = None
+    segments: Annotated[np.ndarray, IDS] = None  # type: ignore[assignment]  # filled in below
 
     def __post_init__(self) -> None:
         if self.segments is None:
@@ -308,7 +308,7 @@ class DenseRequest(MessageBase):
     layer: int
     ranges: tuple[tuple[int, int], ...]
     x: Annotated[np.ndarray, ROWS]
-    segments: Annotated[np.ndarray, IDS] = None
+    segments: Annotated[np.ndarray, IDS] = None  # type: ignore[assignment]  # filled in below
 
     def __post_init__(self) -> None:
         if self.segments is None:
@@ -486,7 +486,7 @@ class WeightChunk(MessageBase):
 
     def verify(self) -> None:
         """Raise MessageError if ``data`` does not hash to ``sha256`` (the receiver re-fetches)."""
-        got = hashlib.sha256(self.data).hexdigest()
+        got = hashlib.sha256(self.data.data).hexdigest()
         if got != self.sha256:
             raise MessageError(f"weight chunk {self.name}@{self.offset}: SHA-256 {got} differs from {self.sha256}")
 

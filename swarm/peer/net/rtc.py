@@ -73,6 +73,7 @@ import logging
 import os
 import re
 import types
+from typing import Any, cast
 
 import aiortc
 import aiortc.rtcsctptransport as _sctp
@@ -179,7 +180,7 @@ def _transmit_whole_window(original):
                 return
 
     setattr(transmit, _PATCHED, True)
-    transmit.original = original
+    setattr(transmit, "original", original)
     return transmit
 
 
@@ -241,11 +242,19 @@ def _dropped_once_dtls_ended(original):
             log.debug("SCTP %s not sent: the DTLS session has ended (%r)", type(chunk).__name__, exc)
 
     setattr(send_chunk, _PATCHED, True)
-    send_chunk.original = original
+    setattr(send_chunk, "original", original)
     return send_chunk
 
 
 _CERTIFICATES_ATTR = "_RTCPeerConnection__certificates"
+
+
+def _association(pc: RTCPeerConnection) -> Any:
+    """``pc``'s SCTP transport, typed Any: this module reads and replaces its private names.
+    Raises LocalProtocolError before the connection has one."""
+    if pc.sctp is None:
+        raise LocalProtocolError("the peer connection has no data channel transport yet")
+    return pc.sctp
 
 
 def _moved(what: str) -> LocalProtocolError:
@@ -269,7 +278,7 @@ def configure_aiortc() -> None:
     for name in SCTP_GLOBALS_REPLACED:
         if not hasattr(_sctp, name):
             raise _moved(f"aiortc.rtcsctptransport.{name}")
-    _sctp.SCTP_RTO_MIN = SCTP_RTO_MIN_S
+    _sctp.SCTP_RTO_MIN = SCTP_RTO_MIN_S  # type: ignore[assignment]  # aiortc's is an int of seconds
     _sctp.SCTP_MAX_PACKET_LENGTH = SCTP_MAX_PACKET_LENGTH
     _sctp.USERDATA_MAX_LENGTH = SCTP_USERDATA_MAX_LENGTH
     transport = _sctp.RTCSctpTransport
@@ -357,8 +366,8 @@ def accept_jumbo_records(pc: RTCPeerConnection) -> None:
     conn = getattr(getattr(sctp, "transport", None), "_ssl", None)
     if not isinstance(conn, SSL.Connection):
         raise _moved("RTCDtlsTransport._ssl (the DTLS session)")
-    conn.recv = functools.partial(_recv_whole_record, conn)
-    conn.bio_read = functools.partial(_bio_read_whole_record, conn)
+    conn.recv = functools.partial(_recv_whole_record, conn)  # type: ignore[method-assign]
+    conn.bio_read = functools.partial(_bio_read_whole_record, conn)  # type: ignore[method-assign]
 
 
 class _EagerAsyncio:
@@ -386,7 +395,8 @@ def _with_globals(fn: types.FunctionType, scope: dict) -> types.FunctionType:
 
 @functools.cache
 def _eager_send_method() -> types.FunctionType:
-    return _with_globals(_sctp.RTCSctpTransport._data_channel_send, dict(vars(_sctp), asyncio=_EagerAsyncio()))
+    fn = cast(types.FunctionType, _sctp.RTCSctpTransport._data_channel_send)
+    return _with_globals(fn, dict(vars(_sctp), asyncio=_EagerAsyncio()))
 
 
 def flush_eagerly(pc: RTCPeerConnection) -> None:
@@ -402,7 +412,8 @@ def flush_eagerly(pc: RTCPeerConnection) -> None:
     fn = getattr(_sctp.RTCSctpTransport, "_data_channel_send", None)
     if fn is None or "ensure_future" not in fn.__code__.co_names:
         raise _moved("aiortc.rtcsctptransport.RTCSctpTransport._data_channel_send (its asyncio.ensure_future flush)")
-    pc.sctp._data_channel_send = types.MethodType(_eager_send_method(), pc.sctp)
+    sctp = _association(pc)
+    sctp._data_channel_send = types.MethodType(_eager_send_method(), sctp)
 
 
 @functools.cache
@@ -423,7 +434,7 @@ async def path_carries(pc: RTCPeerConnection, packet_length: int, *, probes: int
     for its HEARTBEAT ACK. Both ends must read records that large (:func:`accept_jumbo_records`;
     the remote's SDP says it does). Chunks other than our probes' echoes go to aiortc as before.
     Raises LocalProtocolError when aiortc no longer has the methods this relies on."""
-    sctp = pc.sctp
+    sctp = _association(pc)
     for name in ("_send_chunk", "_receive_chunk"):
         if not hasattr(_sctp.RTCSctpTransport, name):
             raise _moved(f"aiortc.rtcsctptransport.RTCSctpTransport.{name}")
@@ -471,7 +482,7 @@ def send_jumbo_packets(pc: RTCPeerConnection, packet_length: int) -> None:
     ends' SDP allow; the remote has called :func:`accept_jumbo_records`). Its congestion window
     and bursts are counted in those packets, as aiortc counts them in its own. Raises
     LocalProtocolError when aiortc no longer has a method this relies on."""
-    sctp = pc.sctp
+    sctp = _association(pc)
     for name in JUMBO_METHODS:
         if not hasattr(_sctp.RTCSctpTransport, name):
             raise _moved(f"aiortc.rtcsctptransport.RTCSctpTransport.{name}")

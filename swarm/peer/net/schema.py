@@ -33,7 +33,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, dataclass_transform
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, cast, dataclass_transform
 
 import numpy as np
 
@@ -43,6 +43,14 @@ from swarm.peer.net import wire
 MAX_STR = 4096  # characters per string field
 MAX_INT = 2**53 - 1  # largest integer a JS number holds exactly
 MAX_FLOAT_INT = 2**1023  # integers of a float field below this convert to a finite float
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _cached(fn: _F) -> _F:
+    """``functools.cache`` that keeps ``fn``'s signature for the type checker (mypy takes a class
+    for an unhashable argument of the cache's own)."""
+    return cast(_F, functools.cache(fn))
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,7 @@ def _check_value(v: Any, tp: Any, where: str) -> Any:
         if type(v) is not dict:
             raise Invalid(f"{where}: expected an object, got {v!r:.60}")
         return {_check_value(k, str, f"{where} key"): _check_value(x, val_tp, f"{where}.{k}") for k, x in v.items()}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if type(v) is tp:
             v = _to_json(v, tp)
         if type(v) is not dict:
@@ -122,7 +130,7 @@ def _check_value(v: Any, tp: Any, where: str) -> Any:
 
 def _to_json(v: Any, tp: Any) -> Any:
     """The JSON form of a Python field value (tuples → lists, dataclasses → objects)."""
-    if dataclasses.is_dataclass(tp) and dataclasses.is_dataclass(v):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp) and dataclasses.is_dataclass(v):
         return {name: _to_json(getattr(v, name), ftp) for name, ftp in _plain_fields(tp).items()}
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType) and v is not None:
@@ -144,7 +152,7 @@ def _to_json(v: Any, tp: Any) -> Any:
 # interpreting versions above, which raise the message naming the field.
 
 
-@functools.cache
+@_cached
 def _checker(tp: Any) -> Callable[[Any], Any]:
     """A function: JSON or Python value → its Python form under ``tp``; Invalid when it breaks it."""
     origin = typing.get_origin(tp)
@@ -207,7 +215,7 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
             if type(v) is not dict:
                 raise Invalid
             return {key(k): value(x) for k, x in v.items()}
-    elif dataclasses.is_dataclass(tp):
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         fields = tuple((name, _checker(ftp)) for name, ftp in _plain_fields(tp).items())
         names = frozenset(_plain_fields(tp))
 
@@ -223,7 +231,7 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
     return check
 
 
-@functools.cache
+@_cached
 def _jsonifier(tp: Any) -> Callable[[Any], Any] | None:
     """A function: checked Python value → its JSON form under ``tp``; None where that is the value."""
     origin = typing.get_origin(tp)
@@ -241,19 +249,19 @@ def _jsonifier(tp: Any) -> Callable[[Any], Any] | None:
     if origin is dict:
         value = _jsonifier(typing.get_args(tp)[1])
         return None if value is None else (lambda v: {k: value(x) for k, x in v.items()})
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         fields = tuple((name, _jsonifier(ftp) or (lambda x: x)) for name, ftp in _plain_fields(tp).items())
         return lambda v: {name: j(getattr(v, name)) for name, j in fields}
     return None
 
 
-@functools.cache
+@_cached
 def _compiled_fields(cls: type) -> tuple[tuple[str, Callable[[Any], Any], Callable[[Any], Any] | None], ...]:
     """(name, checker, jsonifier) of each plain field of a message kind."""
     return tuple((name, _checker(tp), _jsonifier(tp)) for name, tp in _plain_fields(cls).items())
 
 
-@functools.cache
+@_cached
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
@@ -264,7 +272,7 @@ def _tensor_spec(tp: Any) -> TensorSpec | None:
     return None
 
 
-@functools.cache
+@_cached
 def _plain_fields(cls: type) -> dict[str, Any]:
     """JSON fields of a message or nested record, in declaration order."""
     hints = _hints(cls)
@@ -275,7 +283,7 @@ def _plain_fields(cls: type) -> dict[str, Any]:
     }
 
 
-@functools.cache
+@_cached
 def _tensor_fields(cls: type) -> dict[str, TensorSpec]:
     hints = _hints(cls)
     specs = {f.name: _tensor_spec(hints[f.name]) for f in dataclasses.fields(cls)}
@@ -334,7 +342,7 @@ _JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allo
 def encode(msg: MessageBase) -> bytes:
     """The frame that carries ``msg``. LocalProtocolError if a field breaks the kind's schema."""
     cls = type(msg)
-    if KINDS.get(getattr(cls, "KIND", None)) is not cls:
+    if KINDS.get(getattr(cls, "KIND", -1)) is not cls:
         raise LocalProtocolError(f"{cls.__name__} is not a registered wire message")
     compiled = _compiled_fields(cls)
     try:

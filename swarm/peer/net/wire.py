@@ -23,7 +23,8 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ _CODE_BY_NAME = {name: code for code, (name, _) in DTYPES.items()}
 
 def dtype_name(a: np.ndarray) -> str:
     """The wire dtype name of an array (``f32 f16 bf16 i32 u8``); LocalProtocolError if none fits."""
-    meta = a.dtype.metadata or {}
+    meta: Mapping[str, Any] = a.dtype.metadata or {}
     if meta.get("wire") == "bf16":
         return "bf16"
     for name, dt in DTYPES.values():
@@ -115,14 +116,15 @@ def encode_frame(
     table_at = HEADER_BYTES + len(meta) + _pad(len(meta))
     table_len = sum(_TENSOR_ENTRY.size + 4 * t.ndim for t in tensors)
     offset = table_at + table_len + _pad(table_len)
-    entries, blocks = [], []
+    entries: list[bytes] = []
+    blocks: list[bytes | memoryview] = []
     for t in tensors:
         code = _CODE_BY_NAME[dtype_name(t)]
         if t.ndim > MAX_RANK or any(d > U32_MAX for d in t.shape):
             raise LocalProtocolError(f"tensor of shape {t.shape} exceeds rank {MAX_RANK} or u32 dims")
         data = np.ascontiguousarray(t, dtype=t.dtype.newbyteorder("<") if t.dtype.itemsize > 1 else t.dtype)
         entries.append(_TENSOR_ENTRY.pack(code, t.ndim, 0, offset) + struct.pack(f"<{t.ndim}I", *t.shape))
-        blocks += [memoryview(data.reshape(-1).view(np.uint8)), bytes(_pad(data.nbytes))]
+        blocks += [data.reshape(-1).view(np.uint8).data, bytes(_pad(data.nbytes))]
         offset += data.nbytes + _pad(data.nbytes)
     if offset > MAX_FRAME_BYTES:
         raise LocalProtocolError(f"frame of {offset} bytes exceeds {MAX_FRAME_BYTES}")
@@ -281,7 +283,7 @@ class Reassembler:
     def buffered_bytes(self) -> int:
         return sum(len(p.buf) for p in self._partial.values())
 
-    def feed(self, data: bytes | bytearray | memoryview, now: float) -> bytes | bytearray | None:
+    def feed(self, data: bytes | bytearray | memoryview, now: float) -> bytes | bytearray | memoryview | None:
         """Feed one data-channel message; returns a whole frame when one is complete, else None.
 
         A message with frame magic is already whole and is returned as is (decode it with
@@ -303,7 +305,8 @@ class Reassembler:
             raise ReassemblyError(f"fragment of version {version} / flags {flags}; expected {PROTOCOL_VERSION} / 0")
         part = self._partial.get(mid)
         if part is None:
-            return self._start(mid, index, count, total, payload, now)
+            self._start(mid, index, count, total, payload, now)
+            return None
         try:
             if index != part.next_index or count != part.count or total != len(part.buf):
                 raise ReassemblyError(
