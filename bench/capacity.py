@@ -66,7 +66,8 @@ import json, resource, sys, time
 from swarm.compute.model import load_model
 from swarm.compute.textgen import GenerationStats
 from swarm.compute.tokenizer import tokenizer_for
-from swarm.peer.coordinator.api import EngineBackend, parse_completion_request
+from swarm.peer.coordinator.api_engine import EngineBackend
+from swarm.peer.coordinator.api_request import parse_completion_request
 path, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model = load_model(path)
 backend = EngineBackend(model, tokenizer_for(model), model_id=model.path.name)

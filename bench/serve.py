@@ -155,7 +155,8 @@ async def measure(url: str, token: str | None, levels: list[int], rounds: int, n
 
 
 async def _serve_local(model, tokenizer, args) -> dict:
-    from swarm.peer.coordinator.api import ApiServer, EngineBackend
+    from swarm.peer.coordinator.api import ApiServer
+    from swarm.peer.coordinator.api_engine import EngineBackend
 
     backend = EngineBackend(model, tokenizer, model_id="bench", max_batch=max(args.levels))
     api = ApiServer(backend, ["bench-token"])
@@ -170,7 +171,8 @@ async def _serve_local(model, tokenizer, args) -> dict:
 async def _serve_swarm(path: Path, model, tokenizer, args) -> dict:
     from swarm.keys.identity import Identity
     from swarm.keys.swarmkey import SwarmKey
-    from swarm.peer.coordinator.api import ApiServer, EngineBackend
+    from swarm.peer.coordinator.api import ApiServer
+    from swarm.peer.coordinator.api_engine import EngineBackend
     from swarm.peer.node import Node
     from swarm.peer.roles import SwarmRoles
     from swarm.signaling.server import SignalingServer

@@ -142,7 +142,7 @@ def test_generate_and_chat_check_their_arguments_before_any_work(no_key, capsys,
 def test_the_cli_and_the_api_agree_on_the_highest_temperature():
     from swarm.cli.generate import sampling_kwargs
     from swarm.compute.textgen import MAX_TEMPERATURE
-    from swarm.peer.coordinator.api import ApiError, parse_chat_request
+    from swarm.peer.coordinator.api_request import ApiError, parse_chat_request
 
     body = {"messages": [{"role": "user", "content": "hi"}]}
     args = build_parser().parse_args(["chat", "--temperature", str(MAX_TEMPERATURE)])

@@ -18,7 +18,9 @@ import pytest
 
 from swarm.compute.model import load_model
 from swarm.compute.tokenizer import tokenizer_for
-from swarm.peer.coordinator.api import EngineBackend, GenerationStats, parse_chat_request
+from swarm.compute.textgen import GenerationStats
+from swarm.peer.coordinator.api_engine import EngineBackend
+from swarm.peer.coordinator.api_request import parse_chat_request
 from swarm.keys.swarmkey import SwarmKey
 from tests.multihost.test_mesh_multihost import read_status, until
 from tests.peer._swarm_models import add_char_tokenizer, build

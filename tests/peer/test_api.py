@@ -14,8 +14,10 @@ import aiohttp
 import openai
 import pytest
 
-from swarm.peer.coordinator.api import ApiServer, EngineBackend, StopMatcher, parse_chat_request, ApiError
 from swarm.keys.swarmkey import SwarmKey
+from swarm.peer.coordinator.api import ApiServer
+from swarm.peer.coordinator.api_engine import EngineBackend
+from swarm.peer.coordinator.api_request import ApiError, StopMatcher, parse_chat_request
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 MAX_TOKENS = 8

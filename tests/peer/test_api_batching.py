@@ -13,7 +13,8 @@ import pytest
 from swarm.compute.model import load_model
 from swarm.compute.tokenizer import tokenizer_for
 from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.coordinator.api import ApiServer, EngineBackend
+from swarm.peer.coordinator.api import ApiServer
+from swarm.peer.coordinator.api_engine import EngineBackend
 from swarm.peer.coordinator.dashboard import Dashboard
 from tests.peer._swarm_models import add_char_tokenizer, build
 

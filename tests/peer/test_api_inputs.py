@@ -15,8 +15,9 @@ import aiohttp
 import openai
 import pytest
 
-from swarm.peer.coordinator.api import ApiServer, EngineBackend
 from swarm.keys.swarmkey import SwarmKey
+from swarm.peer.coordinator.api import ApiServer
+from swarm.peer.coordinator.api_engine import EngineBackend
 
 KEY = SwarmKey(bytes(range(1, 33)))
 MODEL_ID = "smollm2"
@@ -157,7 +158,7 @@ async def test_a_stream_keeps_its_pace_while_huge_prompts_are_refused(url):
 
 async def test_default_max_tokens_shrinks_to_what_the_context_leaves(backend, engine):
     """Without max_tokens, a long prompt gets the positions left (as OpenAI's API), not a 400."""
-    from swarm.peer.coordinator.api import parse_chat_request
+    from swarm.peer.coordinator.api_request import parse_chat_request
 
     model, tok = engine
     ctx = model.config.max_position_embeddings

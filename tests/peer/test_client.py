@@ -13,7 +13,8 @@ import threading
 import pytest
 
 from swarm.errors import SwarmError
-from swarm.peer.coordinator.api import ApiServer, EngineBackend
+from swarm.peer.coordinator.api import ApiServer
+from swarm.peer.coordinator.api_engine import EngineBackend
 from swarm.cli.chat import main_chat
 from swarm.peer.client import Endpoint, find_endpoint, stream_chat
 from swarm.keys.swarmkey import SwarmKey

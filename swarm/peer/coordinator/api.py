@@ -20,13 +20,15 @@ Transport: HTTPS with a server certificate issued by the swarm's API CA
 asked for explicitly (``tls=False``, ``join --api-plain-http``), which exposes prompts,
 replies and the token to the network.
 
-Every request field is validated (:func:`parse_chat_request`); a bad one → 400 in OpenAI's
+Every request field is validated (:func:`~swarm.peer.coordinator.api_request.parse_chat_request`,
+the request model, in ``api_request.py``); a bad one → 400 in OpenAI's
 error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field. So is a
 body that is not JSON, nested too deeply, or not valid Unicode; and a prompt that with
 ``max_tokens`` does not fit the model's context (checked before any generation).
 
 Generation: continuous batching (:mod:`swarm.compute.serving`, docs/serving.md). The engine
-is a :class:`ChatBackend`; :class:`EngineBackend` hands each request to a
+is a :class:`~swarm.peer.coordinator.api_engine.ChatBackend`;
+:class:`~swarm.peer.coordinator.api_engine.EngineBackend` hands each request to a
 :class:`~swarm.compute.serving.BatchScheduler`, whose one thread runs the forward steps of every
 running sequence together — with any FFN backend (``LocalFFN`` here, the coordinator's
 ``RemoteFFN`` in the swarm) — so the event loop, which also carries the swarm's data channels,
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import ipaddress
 import json
@@ -50,325 +51,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
-from swarm.compute.serving import BatchScheduler, QueueFullError, TokenStream
-from swarm.compute.textgen import (MAX_TEMPERATURE, GenerationStats, context_limit, encode_prompt, reply_pieces,
-                                   with_stop_tokens)
+from swarm.compute.serving import QueueFullError
+from swarm.compute.textgen import GenerationStats
 from swarm.errors import ChatTemplateError, ContextLengthError, CoordinatorChangedError, LocalProtocolError, SwarmError
 from swarm.httpserver import HttpServer
+from swarm.peer.coordinator.api_engine import ChatBackend
+from swarm.peer.coordinator.api_request import (MAX_BODY_BYTES, ApiError, ChatRequest, StopMatcher, parse_chat_request,
+                                                parse_completion_request)
 
 log = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 1 << 20
-MAX_MESSAGES = 512
-MAX_STOP_STRINGS = 4  # as OpenAI
-DEFAULT_MAX_TOKENS = 512
-ROLES = ("system", "developer", "user", "assistant")
-
-
-# ---------------------------------------------------------------------------- requests
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """A validated ``POST /v1/chat/completions`` body.
-
-    ``messages``: ``[{"role", "content": str}]`` (``developer`` is mapped to ``system``,
-    content parts are joined); ``temperature`` in [0, 2] (0: greedy); ``top_p`` in (0, 1];
-    ``max_tokens`` ≥ 1 (``max_tokens_set``: the client chose it; else it shrinks to what the
-    context leaves); ``stop``: up to 4 non-empty strings that end the reply (not included);
-    ``prompt``: the raw prompt of ``POST /v1/completions`` (then encoded as is, without the
-    chat template; ``messages`` holds it as one user message);
-    ``prompt_ids``: the encoded, checked prompt once :meth:`ChatBackend.prepare` ran.
-    """
-
-    messages: tuple[dict[str, str], ...]
-    model: str | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # an extension (as vLLM's): keep the k most likely tokens; 0 = all
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stream: bool = False
-    include_usage: bool = False
-    max_tokens_set: bool = False
-    prompt: str | None = None
-    prompt_ids: tuple[int, ...] | None = None
-
-
-class ApiError(SwarmError):
-    """A request the API refuses; ``status`` and the OpenAI error fields go to the client."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param, self.type, self.code = status, param, type, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ApiError(f"'{name}' must be a number, got {value!r}", param=name)
-    if not (lo < value if lo_open else lo <= value) or value > hi:
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise ApiError(f"'{name}' must be in {bound}, got {value}", param=name)
-    return float(value)
-
-
-def _content(value: Any, i: int) -> str:
-    if isinstance(value, list):  # content parts: only text parts can be served by a text model
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(f"'messages[{i}].content' parts must be {{\"type\": \"text\", \"text\": str}}",
-                               param=f"messages[{i}].content")
-            texts.append(part["text"])
-        value = "".join(texts)
-    if not isinstance(value, str):
-        raise ApiError(f"'messages[{i}].content' must be a string or a list of text parts",
-                       param=f"messages[{i}].content")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:  # JSON allows "\ud800" escapes; no tokenizer can take them
-        raise ApiError(f"'messages[{i}].content' is not valid Unicode: a lone surrogate "
-                       f"{value[exc.start]!r} at character {exc.start}", param=f"messages[{i}].content") from None
-    return value
-
-
-def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
-    """Validate a decoded JSON body; unknown fields are ignored (clients send many).
-
-    Raises:
-        ApiError: 400 naming the bad field (``param``), or 404 for another model id.
-    """
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError("'model' must be a string", param="model")
-    if model not in (None, model_id):
-        raise ApiError(f"The model '{model}' does not exist; this swarm serves '{model_id}' (see GET /v1/models)",
-                       param="model", status=404, code="model_not_found")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise ApiError("'messages' must be a non-empty array", param="messages")
-    if len(raw) > MAX_MESSAGES:
-        raise ApiError(f"'messages' has {len(raw)} entries; at most {MAX_MESSAGES}", param="messages")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise ApiError(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
-        role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}",
-                           param=f"messages[{i}].role")
-        messages.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)})
-
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens_set = max_tokens is not None
-    if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
-    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
-        raise ApiError(f"'max_tokens' must be an integer in [1, {max_tokens_limit}], got {max_tokens!r}",
-                       param="max_tokens")
-    top_k = body.get("top_k", 0)
-    if top_k is None:
-        top_k = 0
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ApiError(f"'top_k' must be a non-negative integer (0 = all tokens), got {top_k!r}", param="top_k")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ApiError(f"'seed' must be a non-negative integer, got {seed!r}", param="seed")
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else None
-    if stops is None or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(f"'stop' must be a non-empty string or an array of up to {MAX_STOP_STRINGS} of them",
-                       param="stop")
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise ApiError(f"'stream' must be a boolean, got {stream!r}", param="stream")
-    n = body.get("n", 1)
-    if n not in (None, 1) or isinstance(n, bool):
-        raise ApiError("'n' must be 1: the swarm generates one choice per request", param="n")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise ApiError("'stream_options' must be an object with a boolean 'include_usage'", param="stream_options")
-    return ChatRequest(
-        messages=tuple(messages),
-        model=model,
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=top_k,
-        seed=seed,
-        stop=stops,
-        stream=bool(stream),
-        include_usage=bool(options.get("include_usage", False)),
-        max_tokens_set=max_tokens_set,
-    )
-
-
-def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
-    """Validate a ``POST /v1/completions`` body: ``prompt``, one non-empty string (or an array
-    of exactly one), and the fields of :func:`parse_chat_request`.
-
-    Raises:
-        ApiError: 400 naming the bad field, or 404 for another model id.
-    """
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError("'prompt' must be a non-empty string (one prompt per request)", param="prompt")
-    chat = parse_chat_request({**body, "messages": [{"role": "user", "content": prompt}]},
-                              model_id=model_id, max_tokens_limit=max_tokens_limit)
-    return dataclasses.replace(chat, prompt=chat.messages[0]["content"])
-
-
-# ---------------------------------------------------------------------------- backends
-
-
-class ChatBackend(Protocol):
-    """What the API runs. ``prepare`` encodes and checks the prompt (raising
-    :class:`~swarm.errors.ContextLengthError` or :class:`~swarm.errors.ChatTemplateError`
-    before any generation; run in a thread); ``generate`` is called on the event loop and must
-    not block: it admits the request (or raises
-    :class:`~swarm.compute.serving.QueueFullError`) and returns a *blocking* iterator of text
-    pieces (iterated in a thread) that fills ``stats`` as it goes; its ``cancel()``, when it
-    has one, is called from the event loop when the client goes away. ``concurrency``: how many
-    requests it takes at once (running and queued)."""
-
-    model_id: str
-    max_tokens_limit: int
-    concurrency: int
-
-    def prepare(self, request: ChatRequest) -> ChatRequest: ...
-
-    def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str]: ...
-
-
-class EngineBackend:
-    """The numpy engine behind the API: the chat template, the context check and the token
-    loop of :mod:`swarm.compute.textgen` (the ``generate`` command's own).
-
-    ``ffn`` is the engine's FFN backend: None for ``LocalFFN`` (one machine), the
-    coordinator's ``RemoteFFN`` in the swarm — the tokens are the same either way; it may be
-    replaced at any time (read at each step). ``max_batch`` sequences run at once and
-    ``max_queue`` wait (:class:`~swarm.compute.serving.BatchScheduler`; None: the process's
-    defaults, ``join --max-batch/--max-queue``).
-    """
-
-    def __init__(self, model: Any, tokenizer: Any, *, model_id: str, ffn: Any = None,
-                 max_tokens_limit: int | None = None, max_batch: int | None = None,
-                 max_queue: int | None = None, context: int | None = None) -> None:
-        self.model, self.tokenizer, self.ffn = model, tokenizer, ffn
-        self.model_id = model_id
-        # ``context``: positions of KV cache this server may hold, all sequences together (the memory
-        # plan's reserve): one sequence never takes more, and sequences wait until theirs fit.
-        self.context = context
-        self.max_tokens_limit = max_tokens_limit or context_limit(model.config, context) or 8192
-        self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue,
-                                        max_positions=context)
-        self.concurrency = self.scheduler.max_batch + self.scheduler.max_queue
-
-    def set_ffn(self, ffn: Any) -> None:
-        """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest backend)."""
-        self.ffn = ffn
-
-    def fail_all(self, exc: BaseException) -> int:
-        """End every admitted request now with ``exc`` (:meth:`BatchScheduler.fail_all`)."""
-        return self.scheduler.fail_all(exc)
-
-    def prepare(self, request: ChatRequest) -> ChatRequest:
-        """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
-        to what the context leaves (as OpenAI's API does).
-
-        Raises: ContextLengthError (the numbers named), ChatTemplateError, ModelFileError.
-        """
-        messages = request.prompt if request.prompt is not None else list(request.messages)
-        limit = context_limit(self.model.config, self.context)
-        if request.max_tokens_set or limit is None:
-            ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens, self.context)
-            return dataclasses.replace(request, prompt_ids=tuple(ids))
-        ids = encode_prompt(self.model, self.tokenizer, messages, 1, self.context)
-        return dataclasses.replace(request, prompt_ids=tuple(ids), max_tokens=min(request.max_tokens, limit - len(ids)))
-
-    def generate(self, request: ChatRequest, stats: GenerationStats) -> Reply:
-        """Admit ``request`` to the batch (non-blocking once prepared) and return its reply.
-
-        Raises: QueueFullError when every slot and queue place is taken; as :meth:`prepare`
-        for a request not prepared yet.
-        """
-        from swarm.compute.sampling import SamplingParams
-
-        if request.prompt_ids is None:
-            request = self.prepare(request)
-        params = with_stop_tokens(self.model, self.tokenizer, SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-            seed=request.seed, max_tokens=request.max_tokens))
-        tokens = self.scheduler.submit(request.prompt_ids, params)
-        return Reply(tokens, reply_pieces(tokens, self.tokenizer, params, len(request.prompt_ids), stats))
-
-
-class Reply:
-    """Text pieces of one admitted request (a blocking iterator); :meth:`cancel` (any thread)
-    takes its sequence out of the batch and ends the iteration; :meth:`close` does the same."""
-
-    def __init__(self, tokens: TokenStream, pieces: Iterator[str]) -> None:
-        self.tokens, self._pieces = tokens, pieces
-
-    def __iter__(self) -> Iterator[str]:
-        return self
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-    def cancel(self) -> None:
-        self.tokens.cancel()
-
-    close = cancel  # what iterating code calls when it stops early
-
-
-class StopMatcher:
-    """Cuts a text stream at the first of ``stops``, holding back what could begin one.
-
-    ``push(text)`` returns ``(safe_text, stopped)``; ``flush()`` returns what was held back
-    when the stream ends without a stop. The concatenation of the returned text equals
-    the input up to (not including) the first stop string.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = tuple(stops)
-        self._held = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return buf[: min(hits)], True
-        keep = max((k for s in self._stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep], False
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
 
 # ---------------------------------------------------------------------------- server
 

@@ -1,0 +1,115 @@
+"""The engine behind the coordinator's API: the :class:`ChatBackend` protocol the server runs,
+and :class:`EngineBackend`, which encodes a request with the model's chat template, checks it
+against the context and hands it to the continuous-batching scheduler
+(:mod:`swarm.compute.serving`); :class:`Reply` is one admitted request's text pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from swarm.compute.serving import BatchScheduler, TokenStream
+from swarm.compute.textgen import GenerationStats, context_limit, encode_prompt, reply_pieces, with_stop_tokens
+from swarm.peer.coordinator.api_request import ChatRequest
+
+class ChatBackend(Protocol):
+    """What the API runs. ``prepare`` encodes and checks the prompt (raising
+    :class:`~swarm.errors.ContextLengthError` or :class:`~swarm.errors.ChatTemplateError`
+    before any generation; run in a thread); ``generate`` is called on the event loop and must
+    not block: it admits the request (or raises
+    :class:`~swarm.compute.serving.QueueFullError`) and returns a *blocking* iterator of text
+    pieces (iterated in a thread) that fills ``stats`` as it goes; its ``cancel()``, when it
+    has one, is called from the event loop when the client goes away. ``concurrency``: how many
+    requests it takes at once (running and queued)."""
+
+    model_id: str
+    max_tokens_limit: int
+    concurrency: int
+
+    def prepare(self, request: ChatRequest) -> ChatRequest: ...
+
+    def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str]: ...
+
+
+class EngineBackend:
+    """The numpy engine behind the API: the chat template, the context check and the token
+    loop of :mod:`swarm.compute.textgen` (the ``generate`` command's own).
+
+    ``ffn`` is the engine's FFN backend: None for ``LocalFFN`` (one machine), the
+    coordinator's ``RemoteFFN`` in the swarm — the tokens are the same either way; it may be
+    replaced at any time (read at each step). ``max_batch`` sequences run at once and
+    ``max_queue`` wait (:class:`~swarm.compute.serving.BatchScheduler`; None: the process's
+    defaults, ``join --max-batch/--max-queue``).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, model_id: str, ffn: Any = None,
+                 max_tokens_limit: int | None = None, max_batch: int | None = None,
+                 max_queue: int | None = None, context: int | None = None) -> None:
+        self.model, self.tokenizer, self.ffn = model, tokenizer, ffn
+        self.model_id = model_id
+        # ``context``: positions of KV cache this server may hold, all sequences together (the memory
+        # plan's reserve): one sequence never takes more, and sequences wait until theirs fit.
+        self.context = context
+        self.max_tokens_limit = max_tokens_limit or context_limit(model.config, context) or 8192
+        self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue,
+                                        max_positions=context)
+        self.concurrency = self.scheduler.max_batch + self.scheduler.max_queue
+
+    def set_ffn(self, ffn: Any) -> None:
+        """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest backend)."""
+        self.ffn = ffn
+
+    def fail_all(self, exc: BaseException) -> int:
+        """End every admitted request now with ``exc`` (:meth:`BatchScheduler.fail_all`)."""
+        return self.scheduler.fail_all(exc)
+
+    def prepare(self, request: ChatRequest) -> ChatRequest:
+        """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
+        to what the context leaves (as OpenAI's API does).
+
+        Raises: ContextLengthError (the numbers named), ChatTemplateError, ModelFileError.
+        """
+        messages = request.prompt if request.prompt is not None else list(request.messages)
+        limit = context_limit(self.model.config, self.context)
+        if request.max_tokens_set or limit is None:
+            ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens, self.context)
+            return dataclasses.replace(request, prompt_ids=tuple(ids))
+        ids = encode_prompt(self.model, self.tokenizer, messages, 1, self.context)
+        return dataclasses.replace(request, prompt_ids=tuple(ids), max_tokens=min(request.max_tokens, limit - len(ids)))
+
+    def generate(self, request: ChatRequest, stats: GenerationStats) -> Reply:
+        """Admit ``request`` to the batch (non-blocking once prepared) and return its reply.
+
+        Raises: QueueFullError when every slot and queue place is taken; as :meth:`prepare`
+        for a request not prepared yet.
+        """
+        from swarm.compute.sampling import SamplingParams
+
+        if request.prompt_ids is None:
+            request = self.prepare(request)
+        params = with_stop_tokens(self.model, self.tokenizer, SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            seed=request.seed, max_tokens=request.max_tokens))
+        tokens = self.scheduler.submit(request.prompt_ids, params)
+        return Reply(tokens, reply_pieces(tokens, self.tokenizer, params, len(request.prompt_ids), stats))
+
+
+class Reply:
+    """Text pieces of one admitted request (a blocking iterator); :meth:`cancel` (any thread)
+    takes its sequence out of the batch and ends the iteration; :meth:`close` does the same."""
+
+    def __init__(self, tokens: TokenStream, pieces: Iterator[str]) -> None:
+        self.tokens, self._pieces = tokens, pieces
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def cancel(self) -> None:
+        self.tokens.cancel()
+
+    close = cancel  # what iterating code calls when it stops early
