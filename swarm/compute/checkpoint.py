@@ -34,7 +34,8 @@ from swarm.errors import ModelFileError
 # Per-layer parts the engine asks for.
 LAYER_PARTS = ("attn_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
                "ffn_norm", "gate", "up", "down", "router", "shexp_gate_proj", "shexp_up",
-               "shexp_down", "shexp_gate")
+               "shexp_down", "shexp_gate", "router_bias", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm",
+               "kv_b", "k_b", "v_b")
 
 _HF_LAYER = {
     "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
@@ -46,7 +47,15 @@ _HF_LAYER = {
     "router": "mlp.gate.weight",
     "shexp_gate_proj": "mlp.shared_expert.gate_proj.weight", "shexp_up": "mlp.shared_expert.up_proj.weight",
     "shexp_down": "mlp.shared_expert.down_proj.weight", "shexp_gate": "mlp.shared_expert_gate.weight",
+    "router_bias": "mlp.gate.e_score_correction_bias",
+    "q_a": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b": "self_attn.q_b_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight", "kv_b": "self_attn.kv_b_proj.weight",
 }
+# GLM-4.5 and DeepSeek-V3 name their (fused) shared experts in the plural.
+_HF_SHARED_EXPERTS = {"shexp_gate_proj": "mlp.shared_experts.gate_proj.weight",
+                      "shexp_up": "mlp.shared_experts.up_proj.weight",
+                      "shexp_down": "mlp.shared_experts.down_proj.weight"}
 _GGUF_LAYER = {
     "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
     "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
@@ -56,6 +65,10 @@ _GGUF_LAYER = {
     "router": "ffn_gate_inp.weight",
     "shexp_gate_proj": "ffn_gate_shexp.weight", "shexp_up": "ffn_up_shexp.weight",
     "shexp_down": "ffn_down_shexp.weight", "shexp_gate": "ffn_gate_inp_shexp.weight",
+    "router_bias": "exp_probs_b.bias",
+    "q_a": "attn_q_a.weight", "q_a_norm": "attn_q_a_norm.weight", "q_b": "attn_q_b.weight",
+    "kv_a": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight", "kv_b": "attn_kv_b.weight",
+    "k_b": "attn_k_b.weight", "v_b": "attn_v_b.weight",
 }
 
 
@@ -123,13 +136,21 @@ class Checkpoint:
         qn = {"head": (hd,), "proj": (q,)}.get(c.qk_norm or "", ())
         kn = {"head": (hd,), "proj": (kv,)}.get(c.qk_norm or "", ())
         Fs = c.shared_expert_intermediate_size
+        if c.is_mla:  # per head: query/key nope + rope dims, value v_head_dim; cache rank + rope
+            nope, rope, vd, rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+            q, nh = c.n_heads * (nope + rope), c.n_heads
+            mla = {"q": (q, H), "q_a": (c.q_lora_rank, H), "q_a_norm": (c.q_lora_rank,), "q_b": (q, c.q_lora_rank),
+                   "kv_a": (rank + rope, H), "kv_a_norm": (rank,), "kv_b": (nh * (nope + vd), rank),
+                   "k_b": (nh, rank, nope), "v_b": (nh, vd, rank), "o": (H, nh * vd)}
+            if part in mla:
+                return mla[part]
         return {
             "embed": (c.vocab_size, H), "head": (c.vocab_size, H), "norm": (H,), "rope_freqs": (hd // 2,),
             "attn_norm": (H,), "ffn_norm": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
             "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "q_norm": qn, "k_norm": kn,
             "gate": (c.intermediate_size, H), "up": (c.intermediate_size, H), "down": (H, c.intermediate_size),
             "router": (c.n_experts, H), "shexp_gate_proj": (Fs, H), "shexp_up": (Fs, H),
-            "shexp_down": (H, Fs), "shexp_gate": (1, H),
+            "shexp_down": (H, Fs), "shexp_gate": (1, H), "router_bias": (c.n_experts,),
         }[part]
 
     def shape_of(self, part: str, layer: int | None = None) -> tuple[int, ...] | None:
@@ -140,7 +161,13 @@ class Checkpoint:
     def required_parts(self, layer: int) -> list[str]:
         """The per-layer parts ``config`` says this layer must have."""
         c = self.config
-        parts = ["attn_norm", "ffn_norm", "q", "k", "v", "o"]
+        if c.is_mla:
+            parts = ["attn_norm", "ffn_norm", "kv_a", "kv_a_norm", "o"]
+            parts += ["q_a", "q_a_norm", "q_b"] if c.q_lora_rank else ["q"]
+            # llama.cpp's converter splits kv_b into k_b (transposed per head) and v_b
+            parts += ["k_b", "v_b"] if self.has("k_b", layer) else ["kv_b"]
+        else:
+            parts = ["attn_norm", "ffn_norm", "q", "k", "v", "o"]
         if c.attention_bias:
             parts += ["q_bias", "k_bias", "v_bias"]
         if c.qk_norm:
@@ -149,9 +176,44 @@ class Checkpoint:
             parts += ["gate", "up", "down"]
         else:
             parts.append("router")
-            if c.shared_expert_intermediate_size:  # Qwen2-MoE: a sigmoid gate scales the shared expert
-                parts += ["shexp_gate_proj", "shexp_up", "shexp_down", "shexp_gate"]
+            if c.shared_expert_intermediate_size:
+                parts += ["shexp_gate_proj", "shexp_up", "shexp_down"]
+            if c.shared_expert_intermediate_size and c.family == "qwen2_moe":  # a sigmoid gate scales it
+                parts.append("shexp_gate")
+            if self.has("router_bias", layer):
+                parts.append("router_bias")
         return parts
+
+    def mla_heads(self, layer: int) -> tuple[list[QMatrix], list[QMatrix]]:
+        """Multi-head latent attention's per-head up-projections of layer ``layer``, as the
+        latent cache uses them: ``(k_absorb, v_up)``, one QMatrix per head, ``k_absorb[h]``
+        [kv_lora_rank, qk_nope_head_dim] (the key up-projection transposed: it maps head h's
+        query into the latent space) and ``v_up[h]`` [v_head_dim, kv_lora_rank].
+
+        From llama.cpp's ``attn_k_b`` / ``attn_v_b`` (compact, as stored), else from
+        ``kv_b_proj`` [nh*(nope+v), rank]: the value rows compact, the key rows decoded to
+        float32 and transposed. Raises ModelFileError when missing or misshapen."""
+        c = self.config
+        nh, nope, vd = c.n_heads, c.qk_nope_head_dim, c.v_head_dim
+        if self.has("k_b", layer):
+            return [self._stacked_matrix("k_b", layer, h) for h in range(nh)], \
+                   [self._stacked_matrix("v_b", layer, h) for h in range(nh)]
+        kv_b = self.matrix("kv_b", layer)
+        keys = self.load("kv_b", layer).reshape(nh, nope + vd, c.kv_lora_rank)[:, :nope]  # [nh, nope, rank]
+        k_absorb = [QMatrix.from_float(np.ascontiguousarray(keys[h].T)) for h in range(nh)]
+        v_up = [kv_b.rows(h * (nope + vd) + nope, (h + 1) * (nope + vd)) for h in range(nh)]
+        return k_absorb, v_up
+
+    def _stacked_matrix(self, part: str, layer: int, index: int) -> QMatrix:
+        """Matrix ``index`` of the 3-D tensor ``part`` (GGUF only)."""
+        raise NotImplementedError
+
+    def matrix_nbytes(self, part: str, layer: int | None = None) -> int:
+        """Bytes of weight matrix ``part`` (a 3-D stack of per-head matrices too) as stored."""
+        shape = self.expected_shape(part)
+        if len(shape) == 3:
+            return self._stacked_matrix(part, layer, 0).nbytes * shape[0]
+        return self.matrix(part, layer).nbytes
 
     def validate(self) -> None:
         """Check every tensor the config needs is present with the right shape, from the
@@ -264,6 +326,10 @@ class GGUFCheckpoint(Checkpoint):
         g, u, d = (self.file.matrix(name, e) for name, _ in self._expert_tensors(layer))
         return g, u, d
 
+    def _stacked_matrix(self, part: str, layer: int, index: int) -> QMatrix:
+        name = self._name(part, layer)
+        return self._check_matrix(name, self.file.matrix(name, index), self.expected_shape(part)[1:])
+
 
 class HFCheckpoint(Checkpoint):
     """A HF directory: ``config.json`` + ``*.safetensors`` (sharded or not)."""
@@ -322,10 +388,13 @@ class HFCheckpoint(Checkpoint):
         name = f"model.layers.{layer}.{_HF_LAYER[part]}"
         if part == "router" and name not in self.st:
             name = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+        if part in _HF_SHARED_EXPERTS and name not in self.st:
+            name = f"model.layers.{layer}.{_HF_SHARED_EXPERTS[part]}"
         return name
 
     def has(self, part: str, layer: int | None = None) -> bool:
-        return self._name(part, layer) in self.st
+        return part in _HF_LAYER and self._name(part, layer) in self.st if layer is not None else \
+            self._name(part, layer) in self.st
 
     @property
     def identity_files(self) -> list[tuple[Path, int]]:

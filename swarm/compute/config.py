@@ -6,13 +6,17 @@ family's transformers configuration class (transformers 5.x ``configuration_<fam
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.errors import ModelFileError
 
 # HF ``model_type`` → the family name used inside the engine.
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral",
+               "glm4_moe", "deepseek_v3")
+# HF ``model_type`` values read as another family (Kimi-K2 is DeepSeek-V3's architecture).
+HF_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 # Per-family defaults of transformers' configuration classes for the fields we read.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -35,6 +39,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   num_experts_per_tok=8, num_experts=64),
     "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, attention_bias=False, head_dim=None,
                     bos_token_id=1, eos_token_id=2, num_experts_per_tok=2, num_local_experts=8),
+    "glm4_moe": dict(rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False, head_dim=None,
+                     bos_token_id=None, eos_token_id=None, norm_topk_prob=True, num_experts_per_tok=8,
+                     n_routed_experts=128, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1,
+                     topk_group=1, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=False),
+    "deepseek_v3": dict(rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False, head_dim=None,
+                        bos_token_id=0, eos_token_id=1, norm_topk_prob=True, num_experts_per_tok=8,
+                        n_routed_experts=256, n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
+                        topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rope_interleave=True),
 }
 
 
@@ -46,8 +59,22 @@ class ModelConfig:
     llama GGUF). ``qk_norm`` is ``None``, ``"head"`` (RMSNorm over each head, Qwen3) or
     ``"proj"`` (RMSNorm over the whole Q / K projection, OLMoE). ``moe_layers`` lists the
     layer indices whose MLP is a mixture of experts; the others are dense.
-    ``eos_token_ids`` is a tuple (HF allows a list). ``rope_scaling`` is None or llama3's
-    frequency-scaling parameters. ``extra`` keeps the raw config.json (HF).
+    ``eos_token_ids`` is a tuple (HF allows a list). ``rope_scaling`` is None, llama3's
+    frequency-scaling parameters or YaRN's. ``rotary_dim`` is how many leading dims of each
+    head RoPE rotates (0: all; GLM-4.5 rotates half). ``extra`` keeps the raw config.json (HF).
+
+    Routing (MoE layers): ``scoring`` is ``"softmax"`` or ``"sigmoid"``; ``n_group`` /
+    ``topk_group`` limit the top-k to the best groups of experts and ``routed_scaling_factor``
+    multiplies the combine weights (DeepSeek-V3, GLM-4.5; :func:`swarm.compute.ffn.route`).
+
+    Multi-head latent attention (DeepSeek-V3; ``kv_lora_rank`` > 0): queries through a rank
+    ``q_lora_rank`` bottleneck (0: one projection), keys and values from one compressed vector
+    of ``kv_lora_rank`` per position plus a ``qk_rope_head_dim`` RoPE key shared by the heads;
+    each head's query/key is ``qk_nope_head_dim + qk_rope_head_dim`` wide, its value
+    ``v_head_dim``. The KV cache keeps the compressed vector and the RoPE key only: one
+    "key/value head" (``n_kv_heads == 1``) of ``head_dim == kv_lora_rank + qk_rope_head_dim``,
+    as llama.cpp counts it. ``attention_scale`` overrides the softmax scale
+    (``1/sqrt(head_dim)`` when None).
     """
 
     family: str
@@ -76,6 +103,18 @@ class ModelConfig:
     max_position_embeddings: int = 0
     rope_scaling: dict | None = field(default=None, compare=False)
     sliding_window: int | None = None  # attention window; longer sequences are refused
+    rotary_dim: int = 0
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    attention_scale: float | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -85,6 +124,24 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dims of a query/key head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3): the cache keeps the compressed KV."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Float32 values one layer's KV cache keeps per position: keys and values of every
+        key/value head, or for MLA the compressed vector and the RoPE key (kept once)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.n_kv_heads * self.head_dim
 
 
 def _need(cfg: dict, key: str, where: str) -> Any:
@@ -110,7 +167,19 @@ def _rope(cfg: dict, default: float, where: str) -> tuple[float, dict | None]:
         except (KeyError, TypeError, ValueError):
             raise ModelFileError(f"{where}: llama3 rope parameters are incomplete: {params}") from None
         return theta, dict(scaling, rope_type="llama3")
-    raise ModelFileError(f"{where}: rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    if rope_type == "yarn":
+        try:
+            factor = float(params["factor"]) if params.get("factor") is not None else (
+                float(cfg["max_position_embeddings"]) / float(params["original_max_position_embeddings"]))
+            scaling = dict(rope_type="yarn", factor=factor,
+                           original_max_position_embeddings=float(params["original_max_position_embeddings"]),
+                           beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                           mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+                           attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
+        except (KeyError, TypeError, ValueError):
+            raise ModelFileError(f"{where}: yarn rope parameters are incomplete: {params}") from None
+        return theta, scaling
+    raise ModelFileError(f"{where}: rope_type {rope_type!r} is not supported (only 'default', 'llama3' and 'yarn')")
 
 
 def _sliding_window(cfg: dict, family: str) -> int | None:
@@ -135,7 +204,9 @@ _HF_NUMERIC = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
                "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                "num_experts", "num_local_experts", "num_experts_per_tok", "decoder_sparse_step",
                "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "clip_qkv",
-               "bos_token_id", "sliding_window")
+               "bos_token_id", "sliding_window", "n_routed_experts", "n_shared_experts", "routed_scaling_factor",
+               "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
+               "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "partial_rotary_factor")
 
 
 def _check_numbers(values: dict, keys, where: str) -> None:
@@ -171,7 +242,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     ``where`` names the file in error messages. Raises ModelFileError for an unknown
     ``model_type``, a missing required field, a field of the wrong type or inconsistent sizes.
     """
-    family = cfg.get("model_type")
+    family = HF_ALIASES.get(cfg.get("model_type"), cfg.get("model_type"))
     if family not in HF_FAMILIES:
         raise ModelFileError(
             f"{where}: model_type {family!r} is not supported (supported: {', '.join(HF_FAMILIES)})")
@@ -217,15 +288,26 @@ def _config_from_hf(cfg: dict, family: str, where: str) -> ModelConfig:
         moe = dict(n_experts=n_exp, top_k=int(cfg.get("num_experts_per_tok", d["num_experts_per_tok"])),
                    moe_intermediate_size=int(_need(cfg, "intermediate_size", where)),
                    norm_topk_prob=True, moe_layers=tuple(range(n_layers)))
+    elif family in ("glm4_moe", "deepseek_v3"):
+        moe = _sigmoid_moe_from_hf(cfg, d, n_layers, where)
 
+    attn: dict[str, Any] = {}
     qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}.get(family)
+    rope_theta, rope_scaling = _rope(cfg, d["rope_theta"], where)
+    if family == "glm4_moe":
+        qk_norm = "head" if cfg.get("use_qk_norm", d["use_qk_norm"]) else None
+        factor = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", d["partial_rotary_factor"]))
+        attn["rotary_dim"] = int(int(head_dim) * float(factor))
+    elif family == "deepseek_v3":
+        attn = _mla_from_hf(cfg, d, rope_scaling, where)
+        n_kv, head_dim = 1, attn["kv_lora_rank"] + attn["qk_rope_head_dim"]
     if family in ("qwen2", "qwen2_moe"):
         attention_bias = bool(cfg.get("qkv_bias", True))
     else:
         attention_bias = bool(cfg.get("attention_bias", d["attention_bias"]))
     bos = cfg.get("bos_token_id", d["bos_token_id"])
     eos = cfg.get("eos_token_id", d["eos_token_id"])
-    rope_theta, rope_scaling = _rope(cfg, d["rope_theta"], where)
     return ModelConfig(
         family=family,
         vocab_size=int(_need(cfg, "vocab_size", where)),
@@ -248,18 +330,68 @@ def _config_from_hf(cfg: dict, family: str, where: str) -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         extra=dict(cfg),
         **moe,
+        **attn,
     )
+
+
+def _sigmoid_moe_from_hf(cfg: dict, d: dict, n_layers: int, where: str) -> dict[str, Any]:
+    """The MoE fields of GLM-4.5 / DeepSeek-V3: ``first_k_dense_replace`` dense layers, then
+    routed experts (sigmoid scores, selection bias, groups, routed scaling) beside
+    ``n_shared_experts`` shared experts fused into one MLP."""
+    n_exp = int(cfg.get("n_routed_experts", d["n_routed_experts"]) or 0)
+    first = int(cfg.get("first_k_dense_replace", d["first_k_dense_replace"]) or 0)
+    step = int(cfg.get("moe_layer_freq", 1) or 1)
+    scoring = cfg.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ModelFileError(f"{where}: scoring_func {scoring!r} is not supported (only 'sigmoid')")
+    moe_ff = int(_need(cfg, "moe_intermediate_size", where))
+    n_shared = int(cfg.get("n_shared_experts", d["n_shared_experts"]) or 0)
+    return dict(n_experts=n_exp, top_k=int(cfg.get("num_experts_per_tok", d["num_experts_per_tok"])),
+                moe_intermediate_size=moe_ff, shared_expert_intermediate_size=moe_ff * n_shared,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", d["norm_topk_prob"])),
+                moe_layers=tuple(i for i in range(n_layers) if n_exp > 0 and i >= first and i % step == 0),
+                scoring="sigmoid", n_group=int(cfg.get("n_group", d["n_group"]) or 1),
+                topk_group=int(cfg.get("topk_group", d["topk_group"]) or 1),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", d["routed_scaling_factor"])))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1;
+    transformers ``yarn_get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _mla_from_hf(cfg: dict, d: dict, rope_scaling: dict | None, where: str) -> dict[str, Any]:
+    """The attention fields of DeepSeek-V3's multi-head latent attention."""
+    nope = int(cfg.get("qk_nope_head_dim", d["qk_nope_head_dim"]))
+    rope = int(cfg.get("qk_rope_head_dim", d["qk_rope_head_dim"]))
+    scale = (nope + rope) ** -0.5
+    if rope_scaling and rope_scaling.get("rope_type") == "yarn" and rope_scaling.get("mscale_all_dim"):
+        m = yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"])
+        scale = scale * m * m  # transformers yarn_apply_mscale: the non-rotary dims too
+    q_rank = cfg.get("q_lora_rank", d["q_lora_rank"])
+    return dict(q_lora_rank=int(q_rank or 0), kv_lora_rank=int(cfg.get("kv_lora_rank", d["kv_lora_rank"])),
+                qk_nope_head_dim=nope, qk_rope_head_dim=rope, rotary_dim=rope,
+                v_head_dim=int(cfg.get("v_head_dim", d["v_head_dim"])),
+                rope_interleave=bool(cfg.get("rope_interleave", d["rope_interleave"])), attention_scale=scale)
 
 
 # GGUF ``{arch}.`` metadata we read as numbers.
 _GGUF_NUMERIC = ("embedding_length", "block_count", "attention.head_count", "attention.head_count_kv",
                  "attention.key_length", "vocab_size", "expert_count", "expert_used_count",
                  "expert_feed_forward_length", "expert_shared_feed_forward_length", "feed_forward_length",
-                 "attention.layer_norm_rms_epsilon", "rope.freq_base", "context_length")
+                 "attention.layer_norm_rms_epsilon", "rope.freq_base", "context_length",
+                 "rope.dimension_count", "nextn_predict_layers", "leading_dense_block_count", "expert_shared_count",
+                 "expert_weights_scale", "expert_group_count", "expert_group_used_count", "expert_gating_func",
+                 "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
+                 "attention.value_length_mla", "attention.value_length", "rope.scaling.factor",
+                 "rope.scaling.original_context_length", "rope.scaling.yarn_log_multiplier")
 
 # GGUF ``general.architecture`` → engine family.
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+                 "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
+# llama.cpp's ``{arch}.expert_gating_func`` (llama_expert_gating_func_type).
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}
 
 
 def config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], where: str) -> ModelConfig:
@@ -289,11 +421,10 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
             raise ModelFileError(f"{where}: required metadata field {full!r} is missing")
         return kv[full]
 
-    scaling = kv.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelFileError(f"{where}: metadata {arch}.rope.scaling.type = {scaling!r} is not supported")
+    rope_scaling = _gguf_rope_scaling(kv, arch, where)
     hidden = int(need("embedding_length"))
-    n_layers = int(need("block_count"))
+    # llama.cpp counts GLM-4.5's NextN/MTP layers as blocks after the model's own; we skip them
+    n_layers = int(need("block_count")) - int(kv.get(f"{arch}.nextn_predict_layers", 0))
     n_heads = int(need("attention.head_count"))
     n_kv = int(kv.get(f"{arch}.attention.head_count_kv", n_heads))
     head_dim = int(kv.get(f"{arch}.attention.key_length", hidden // n_heads))
@@ -308,16 +439,33 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
         first = "blk.0.ffn_gate_exps.weight"
         moe_ff = int(kv.get(f"{arch}.expert_feed_forward_length",
                             tensor_shapes.get(first, (0, 0, 0))[1]))
-        norm = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}[family]
+        norm = {"qwen2_moe": False, "olmoe": False}.get(family, True)
         norm = bool(kv.get(f"{arch}.expert_weights_norm", norm))
         layers = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes)
         moe = dict(n_experts=n_exp, top_k=int(need("expert_used_count")),
                    moe_intermediate_size=moe_ff, norm_topk_prob=norm, moe_layers=layers)
+        shexp = f"blk.{layers[0] if layers else 0}.ffn_gate_shexp.weight"
         if family == "qwen2_moe":
             moe["shared_expert_intermediate_size"] = int(kv.get(
-                f"{arch}.expert_shared_feed_forward_length",
-                tensor_shapes.get("blk.0.ffn_gate_shexp.weight", (0,))[0]))
+                f"{arch}.expert_shared_feed_forward_length", tensor_shapes.get(shexp, (0,))[0]))
+        elif family in ("glm4_moe", "deepseek_v3"):
+            gating = int(kv.get(f"{arch}.expert_gating_func", 2 if family == "glm4_moe" else 1))
+            if gating not in _GGUF_GATING:
+                raise ModelFileError(f"{where}: metadata {arch}.expert_gating_func = {gating} is not supported")
+            moe.update(shared_expert_intermediate_size=tensor_shapes.get(shexp, (0,))[0] if shexp in tensor_shapes
+                       else moe_ff * int(kv.get(f"{arch}.expert_shared_count", 0)),
+                       scoring=_GGUF_GATING[gating],
+                       n_group=int(kv.get(f"{arch}.expert_group_count", 0) or 1),
+                       topk_group=int(kv.get(f"{arch}.expert_group_used_count", 0) or 1),
+                       routed_scaling_factor=float(kv.get(f"{arch}.expert_weights_scale", 1.0) or 1.0))
     qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}.get(family)
+    attn: dict[str, Any] = {}
+    if family == "glm4_moe":
+        qk_norm = "head" if "blk.0.attn_q_norm.weight" in tensor_shapes else None
+        attn["rotary_dim"] = int(kv.get(f"{arch}.rope.dimension_count", head_dim))
+    elif family == "deepseek_v3":
+        attn = _mla_from_gguf(kv, arch, n_heads, rope_scaling, where)
+        n_kv, head_dim = 1, attn["kv_lora_rank"] + attn["qk_rope_head_dim"]
     bos = kv.get("tokenizer.ggml.bos_token_id")
     eos = kv.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -331,6 +479,7 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
         intermediate_size=int(kv.get(f"{arch}.feed_forward_length", 0)),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(kv.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         qk_norm=qk_norm,
@@ -338,4 +487,46 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
         eos_token_ids=_eos_tuple(eos),
         max_position_embeddings=int(kv.get(f"{arch}.context_length", 0)),
         **moe,
+        **attn,
     )
+
+
+def _gguf_rope_scaling(kv: dict[str, Any], arch: str, where: str) -> dict | None:
+    """None for plain RoPE, or YaRN's parameters as :func:`_rope` gives them, from llama.cpp's
+    ``{arch}.rope.scaling.*`` keys (it writes ``yarn_log_multiplier = 0.1 * mscale_all_dim``;
+    ``mscale`` is taken equal to it, as in DeepSeek-V3's and Kimi-K2's configs)."""
+    scaling = kv.get(f"{arch}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    if scaling != "yarn":
+        raise ModelFileError(f"{where}: metadata {arch}.rope.scaling.type = {scaling!r} is not supported "
+                             f"(only 'none' and 'yarn')")
+    try:
+        mscale_all = float(kv.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        return dict(rope_type="yarn", factor=float(kv[f"{arch}.rope.scaling.factor"]),
+                    original_max_position_embeddings=float(kv[f"{arch}.rope.scaling.original_context_length"]),
+                    beta_fast=float(kv.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(kv.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                    mscale=mscale_all, mscale_all_dim=mscale_all, attention_factor=None, truncate=True)
+    except KeyError as e:
+        raise ModelFileError(f"{where}: yarn rope scaling needs metadata {e.args[0]!r}") from None
+
+
+def _mla_from_gguf(kv: dict[str, Any], arch: str, n_heads: int, rope_scaling: dict | None,
+                   where: str) -> dict[str, Any]:
+    """The attention fields of multi-head latent attention from llama.cpp's ``deepseek2`` keys:
+    ``key_length_mla`` / ``value_length_mla`` per head (files written before llama.cpp's MLA
+    cache carry the per-head sizes in ``key_length`` / ``value_length`` instead)."""
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in kv:
+            raise ModelFileError(f"{where}: required metadata field {full!r} is missing")
+        return kv[full]
+
+    rope = int(need("rope.dimension_count"))
+    key = int(kv.get(f"{arch}.attention.key_length_mla", need("attention.key_length")))
+    value = int(kv.get(f"{arch}.attention.value_length_mla", need("attention.value_length")))
+    hf = {"qk_nope_head_dim": key - rope, "qk_rope_head_dim": rope, "v_head_dim": value,
+          "q_lora_rank": int(kv.get(f"{arch}.attention.q_lora_rank", 0)),
+          "kv_lora_rank": int(need("attention.kv_lora_rank")), "rope_interleave": True}
+    return _mla_from_hf(hf, _FAMILY_DEFAULTS["deepseek_v3"], rope_scaling, where)

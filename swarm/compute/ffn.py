@@ -44,7 +44,7 @@ needs it (attention runs per sequence on its own cache).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -111,20 +111,31 @@ class Routing:
 @dataclass(frozen=True)
 class RoutingConfig:
     """How one MoE layer routes: ``scoring`` ('softmax' | 'sigmoid'), ``top_k``,
-    ``norm_topk_prob`` (renormalise the k weights to sum 1) and the number of experts."""
+    ``norm_topk_prob`` (renormalise the k weights to sum 1), the number of experts, and for the
+    DeepSeek-V3 style of router: ``selection_bias`` [E] f32 (``e_score_correction_bias``, added
+    for choosing only), ``n_group`` / ``topk_group`` (top-k only within the ``topk_group``
+    best of ``n_group`` equal groups of experts) and ``routed_scaling_factor`` (multiplies the
+    final weights)."""
 
     n_experts: int
     top_k: int
     norm_topk_prob: bool
     scoring: Literal["softmax", "sigmoid"] = "softmax"
+    selection_bias: np.ndarray | None = field(default=None, compare=False)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def kwargs(self) -> dict:
         """Keyword arguments for :func:`route`."""
-        return dict(scoring=self.scoring, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+        return dict(scoring=self.scoring, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
+                    selection_bias=self.selection_bias, n_group=self.n_group, topk_group=self.topk_group,
+                    routed_scaling_factor=self.routed_scaling_factor)
 
 
 def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
-          norm_topk_prob: bool, selection_bias: np.ndarray | None = None) -> Routing:
+          norm_topk_prob: bool, selection_bias: np.ndarray | None = None, n_group: int = 1,
+          topk_group: int = 1, routed_scaling_factor: float = 1.0) -> Routing:
     """Choose ``top_k`` experts per row and their combine weights.
 
     router_logits [T, E] f32. Scores are ``softmax`` over experts (Mixtral, Qwen-MoE,
@@ -133,7 +144,11 @@ def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
     (DeepSeek-V3's ``e_score_correction_bias``). Ties go to the lowest expert index
     (a stable sort on descending score). With ``norm_topk_prob`` the k weights are divided
     by their sum (transformers' ``router_top_value /= router_top_value.sum(-1)``).
-    Raises ValueError on a bad shape, dtype or k.
+    Group-limited routing (DeepSeek-V3 ``DeepseekV3TopkRouter``): with ``n_group`` > 1 the
+    experts form ``n_group`` equal groups, a group scores the sum of its two best choice scores,
+    and only the experts of the ``topk_group`` best groups can be chosen. The weights are then
+    multiplied by ``routed_scaling_factor``.
+    Raises ValueError on a bad shape, dtype, k or grouping.
     """
     if router_logits.ndim != 2 or router_logits.dtype != F32:
         raise ValueError(f"router logits must be [T, E] float32, got {router_logits.shape} {router_logits.dtype}")
@@ -151,6 +166,8 @@ def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
         if selection_bias.shape != (E,):
             raise ValueError(f"selection_bias must have shape ({E},), got {selection_bias.shape}")
         choice = scores + selection_bias.astype(F32)
+    if n_group > 1:
+        choice = _group_limited(choice, n_group, topk_group)
     if T == 1:  # decode: the same choice and values, without take_along_axis's index arrays
         best = np.argsort(-choice[0], kind="stable")[:top_k]
         experts = best.astype(np.int64).reshape(1, top_k)
@@ -160,7 +177,24 @@ def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
         weights = np.take_along_axis(scores, experts, axis=-1)  # [T, k]
     if norm_topk_prob:
         weights = weights / np.add.reduce(weights, axis=-1, keepdims=True, dtype=F32)  # = np.sum
+    if routed_scaling_factor != 1.0:
+        weights = weights * F32(routed_scaling_factor)
     return Routing(experts, np.ascontiguousarray(weights, dtype=F32))
+
+
+def _group_limited(choice: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
+    """``choice`` [T, E] with the experts outside each row's ``topk_group`` best groups set to
+    -inf; a group's score is the sum of its two best choice scores (ties to the lower group)."""
+    T, E = choice.shape
+    if E % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"{E} experts cannot form {n_group} groups of which {topk_group} are kept")
+    grouped = choice.reshape(T, n_group, E // n_group)
+    best2 = -np.sort(-grouped, axis=-1)[..., :2]  # [T, G, 2]
+    group_scores = best2[..., 0] + best2[..., 1] if best2.shape[-1] == 2 else best2[..., 0]
+    keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]  # [T, topk_group]
+    mask = np.zeros((T, n_group), bool)
+    np.put_along_axis(mask, keep, True, axis=-1)
+    return np.where(np.repeat(mask, E // n_group, axis=-1), choice, F32(-np.inf)).astype(F32)
 
 
 def _one_row_slots(routing: Routing) -> list[tuple[int, int]] | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from swarm.compute.attention_mla import MLAWeights, load_mla_weights, mla_attention
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
 from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, shared_expert
@@ -25,8 +26,10 @@ from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, rm
                                    llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
                                    signed_sin)
 from swarm.compute.quant import QMatrix, prepare_kernels
+from swarm.compute.rope import apply_partial_rope, yarn_attention_factor, yarn_inv_freq
 
 F32 = np.float32
+ATTENTION_MATRICES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_b", "v_b")
 
 
 class KVCache:
@@ -40,6 +43,10 @@ class KVCache:
     position of the sequence while its arrays grow only when its own layers run (never, for a
     coordinator without a stage of its own); a stage that moves to it later writes those
     positions, growing the arrays then.
+
+    Multi-head latent attention (``config.is_mla``) keeps one array per layer, [1, capacity,
+    kv_lora_rank + qk_rope_head_dim] (the compressed KV and the RoPE key of each position,
+    :mod:`swarm.compute.attention_mla`): ``k[layer]`` and ``v[layer]`` are that same array.
     """
 
     def __init__(self, config: ModelConfig, capacity: int = 256):
@@ -54,20 +61,28 @@ class KVCache:
         """Layer ``i``'s (keys, values), each [nkv, capacity, hd] f32, allocated on first use."""
         if self.k[i] is None:
             shape = (self.config.n_kv_heads, self.capacity, self.config.head_dim)
-            self.k[i], self.v[i] = np.zeros(shape, F32), np.zeros(shape, F32)
+            self.k[i] = np.zeros(shape, F32)
+            self.v[i] = self.k[i] if self._latent else np.zeros(shape, F32)
         return self.k[i], self.v[i]
+
+    @property
+    def _latent(self) -> bool:
+        return getattr(self.config, "is_mla", False)
 
     def _grow(self, capacity: int) -> None:
         c = self.config
         shape = (c.n_kv_heads, capacity, c.head_dim)
-        for arrays in (self.k, self.v):
-            for i, a in enumerate(arrays):
-                if a is None:
-                    continue
-                b = np.zeros(shape, F32)
-                held = min(self.length, a.shape[1])  # see the class docstring: length may pass capacity
-                b[:, :held] = a[:, :held]
-                arrays[i] = b
+
+        def grown(a: np.ndarray) -> np.ndarray:
+            b = np.zeros(shape, F32)
+            held = min(self.length, a.shape[1])  # see the class docstring: length may pass capacity
+            b[:, :held] = a[:, :held]
+            return b
+
+        for i, a in enumerate(self.k):
+            if a is not None:
+                self.k[i] = grown(a)
+                self.v[i] = self.k[i] if self._latent else grown(self.v[i])
         self.capacity = capacity
 
     def reserve(self, total: int) -> None:
@@ -129,17 +144,27 @@ class Model:
         self._experts: dict[tuple[int, int], MLPWeights] = {}
         self._routers: dict[int, QMatrix] = {}
         self._shared: dict[int, tuple[MLPWeights, np.ndarray | None]] = {}
+        self._routing: dict[int, RoutingConfig] = {}
         self._hash: str | None = None
         c = self.config
-        self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta)
-        if c.rope_scaling and c.rope_scaling.get("rope_type") == "llama3":
+        self._inv_freq = rope_inv_freq(c.rope_dim, c.rope_theta)
+        self._rope_factor = 1.0  # YaRN's attention factor on cos and sin
+        rope_type = c.rope_scaling.get("rope_type") if c.rope_scaling else None
+        if rope_type == "llama3":
             params = {k: v for k, v in c.rope_scaling.items() if k != "rope_type"}
             self._inv_freq = llama3_inv_freq(self._inv_freq, **params)
+        elif rope_type == "yarn":
+            self._inv_freq = yarn_inv_freq(c.rope_dim, c.rope_theta, **c.rope_scaling)
+            self._rope_factor = yarn_attention_factor(**c.rope_scaling)
         if checkpoint.has("rope_freqs"):  # llama.cpp stores llama3's scaling as per-frequency divisors
             freqs = checkpoint.load("rope_freqs")
             self._inv_freq = (self._inv_freq / freqs).astype(F32)
-        self._cos = np.zeros((0, c.head_dim), F32)
-        self._sin = np.zeros((0, c.head_dim), F32)
+        self._cos = np.zeros((0, c.rope_dim), F32)
+        self._sin = np.zeros((0, c.rope_dim), F32)
+        # per-head factor on query/key heads: the softmax scale on queries, 1 on keys
+        self._head_scale = np.ones((c.n_heads + c.n_kv_heads, 1), F32)
+        self._head_scale[:c.n_heads] = F32(c.attention_scale if c.attention_scale is not None
+                                           else 1.0 / np.sqrt(c.head_dim))
 
     # ---- identity -------------------------------------------------------------------------
     def content_hash(self) -> str:
@@ -170,7 +195,7 @@ class Model:
         return self.checkpoint.matrix("head")
 
     # ---- per-layer weights ----------------------------------------------------------------
-    def attention_weights(self, layer: int) -> AttentionWeights:
+    def attention_weights(self, layer: int) -> AttentionWeights | MLAWeights:
         w = self._attn.get(layer)
         if w is None:
             with self._lock:
@@ -178,8 +203,10 @@ class Model:
                 self._attn[layer] = w
         return w
 
-    def _load_attention(self, layer: int) -> AttentionWeights:
+    def _load_attention(self, layer: int) -> AttentionWeights | MLAWeights:
         ck, c = self.checkpoint, self.config
+        if c.is_mla:
+            return load_mla_weights(ck, layer)
         q, k, v = (ck.matrix(p, layer) for p in ("q", "k", "v"))
         bias = None
         if ck.has("q_bias", layer):
@@ -194,6 +221,12 @@ class Model:
         return AttentionWeights(
             attn_norm=ck.load("attn_norm", layer), ffn_norm=ck.load("ffn_norm", layer),
             q=q, k=k, v=v, qkv_bias=bias, o=ck.matrix("o", layer), q_norm=qn, k_norm=kn)
+
+    def attention_nbytes(self, layer: int) -> int:
+        """Bytes of layer ``layer``'s attention matrices as the file stores them (from the
+        header; nothing is decoded): Q, K, V, O, or MLA's projections."""
+        ck = self.checkpoint
+        return sum(ck.matrix_nbytes(p, layer) for p in ck.required_parts(layer) if p in ATTENTION_MATRICES)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.config.is_moe_layer(layer)
@@ -256,8 +289,18 @@ class Model:
         return self.router(layer).matmul(x)
 
     def routing_config(self, layer: int) -> RoutingConfig:
+        """How MoE layer ``layer`` routes (:func:`swarm.compute.ffn.route`): the config's scoring,
+        top-k, renormalisation, groups and routed scaling, and the layer's selection bias
+        (``e_score_correction_bias``) when the file has one."""
         c = self.config
-        return RoutingConfig(n_experts=c.n_experts, top_k=c.top_k, norm_topk_prob=c.norm_topk_prob)
+        rc = self._routing.get(layer)
+        if rc is None:
+            bias = self.checkpoint.load("router_bias", layer) if self.checkpoint.has("router_bias", layer) else None
+            rc = self._routing[layer] = RoutingConfig(
+                n_experts=c.n_experts, top_k=c.top_k, norm_topk_prob=c.norm_topk_prob, scoring=c.scoring,
+                selection_bias=bias, n_group=c.n_group, topk_group=c.topk_group,
+                routed_scaling_factor=c.routed_scaling_factor)
+        return rc
 
     def has_shared_expert(self, layer: int) -> bool:
         return self.is_moe_layer(layer) and self.config.shared_expert_intermediate_size > 0
@@ -301,22 +344,35 @@ class Model:
             with self._lock:
                 n = max(2 * self._cos.shape[0], start + T, 256)
                 self._cos, self._sin = rope_tables(np.arange(n), self._inv_freq)
+                if self._rope_factor != 1.0:
+                    self._cos, self._sin = self._cos * F32(self._rope_factor), self._sin * F32(self._rope_factor)
         return self._cos[start:start + T], self._sin[start:start + T]
 
     def _qk_tables(self, start: int, T: int) -> tuple[np.ndarray, np.ndarray]:
-        """RoPE tables for Q and K heads side by side, [T, nh+nkv, hd]: cos and signed sin, with
-        the attention scale 1/sqrt(hd) folded into the query rows (once per forward call)."""
-        c = self.config
+        """RoPE tables for Q and K heads side by side, [T, nh+nkv, r] (r rotated dims of a head):
+        cos and signed sin, with the attention scale (1/sqrt(hd) unless the config sets one)
+        folded into the query rows (once per forward call). For MLA, [T, 1, r] unscaled: one
+        table for the query heads and the shared RoPE key (:func:`mla_attention`)."""
         cos, sin = self._rope(start, T)
-        scale = np.ones((c.n_heads + c.n_kv_heads, 1), F32)
-        scale[:c.n_heads] = F32(1.0 / np.sqrt(c.head_dim))
+        if self.config.is_mla:
+            return cos[:, None, :], signed_sin(sin)[:, None, :]
+        scale = self._head_scale
         return cos[:, None, :] * scale, signed_sin(sin)[:, None, :] * scale
+
+    def _rotate(self, qk: np.ndarray, cos_qk: np.ndarray, sin_qk: np.ndarray) -> np.ndarray:
+        """RoPE on the stacked query and key heads qk [T, nh+nkv, hd] (all dims, or the leading
+        ``rotary_dim``); queries come out scaled by the attention scale."""
+        if self.config.rope_dim == self.config.head_dim:
+            return apply_rope_swapped(qk, cos_qk, sin_qk)
+        return apply_partial_rope(qk, cos_qk, sin_qk, self._head_scale)
 
     def _attention(self, layer: int, h: np.ndarray, cache: KVCache, start: int,
                    cos_qk: np.ndarray, sin_qk: np.ndarray) -> np.ndarray:
         """Self-attention of h [T, H] (normed) at positions ``start ..``; writes K/V to ``cache``."""
         c, w = self.config, self.attention_weights(layer)
         T = h.shape[0]
+        if c.is_mla:
+            return mla_attention(c, w, layer, h, [(0, T, cache, start)], cos_qk, sin_qk)
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq = nh * hd
         nk = nkv * hd
@@ -334,7 +390,7 @@ class Model:
         qk = qkv[:, :nq + nkv * hd].reshape(T, nh + nkv, hd)
         if c.qk_norm == "head":  # Qwen3: RMSNorm over each head (q and k weights stacked per head)
             qk = rms_norm(qk, w.q_norm, c.rms_norm_eps)
-        qk = apply_rope_swapped(qk, cos_qk, sin_qk)  # queries come out scaled by 1/sqrt(hd)
+        qk = self._rotate(qk, cos_qk, sin_qk)  # queries come out scaled by the attention scale
         end = start + T
         k, v = cache.layer(layer)
         k[:, start:end] = qk[:, nh:].transpose(1, 0, 2)
@@ -477,6 +533,8 @@ class Model:
         cache."""
         c, w = self.config, self.attention_weights(layer)
         T = h.shape[0]
+        if c.is_mla:
+            return mla_attention(c, w, layer, h, seqs, cos_qk, sin_qk)
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq, nk = nh * hd, nkv * hd
         qkv = np.empty((T, nq + 2 * nk), F32)
@@ -493,7 +551,7 @@ class Model:
         qk = qkv[:, :nq + nk].reshape(T, nh + nkv, hd)
         if c.qk_norm == "head":
             qk = rms_norm(qk, w.q_norm, c.rms_norm_eps)
-        qk = apply_rope_swapped(qk, cos_qk, sin_qk)
+        qk = self._rotate(qk, cos_qk, sin_qk)
         out = np.empty((T, nq), F32)
         for a, b, cache, start in seqs:
             end = start + b - a

@@ -37,6 +37,17 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_weight(w: gguf.GGUFWriter, name: str, a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
+    """Add tensor ``a`` to ``w``: in ``qtype`` when it is a matrix whose rows fit the type's
+    blocks, else in F32."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if a.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and a.shape[-1] % block == 0:
+        w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, a)
+
+
 def write_gguf_from_hf(hf_model, family: str, path: Path,
                        qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                        extra: dict[str, np.ndarray] | None = None, split_max_tensors: int = 0) -> Path:
@@ -70,12 +81,7 @@ def write_gguf_from_hf(hf_model, family: str, path: Path,
     state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
 
     def put(name, a):
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        block = gguf.GGML_QUANT_SIZES[qtype][0]
-        if a.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and a.shape[-1] % block == 0:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a)
+        add_weight(w, name, a, qtype)
 
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)

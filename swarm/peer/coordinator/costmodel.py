@@ -136,7 +136,7 @@ class LayerCosts:
         attn_w = H * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * H
         attn_b, ffn_b, ffn_f = [], [], []
         for layer in range(c.n_layers):
-            attn_b.append(sum(ck.matrix(p, layer).nbytes for p in ("q", "k", "v", "o")))
+            attn_b.append(model.attention_nbytes(layer))
             if c.is_moe_layer(layer):
                 one = sum(q.nbytes for q in ck.expert_matrices(layer, 0))
                 active = 3 * H * c.moe_intermediate_size * c.top_k + 3 * H * c.shared_expert_intermediate_size

@@ -124,7 +124,8 @@ def reserve_of(cfg, context: int | None = None) -> dict[str, int]:
               if cfg.n_experts else 0, cfg.intermediate_size or 0)
     step = memory.activation_bytes(memory.STEP_ROWS, H, attn, ffn)
     logits = memory.activation_bytes(memory.STEP_ROWS, 0, 0, 0, vocab=cfg.vocab_size)
-    return {"kv_layer_bytes": memory.kv_cache_bytes(1, ctx, cfg.n_kv_heads, hd), "step_bytes": step,
+    kv_values = getattr(cfg, "kv_values_per_token", 2 * cfg.n_kv_heads * hd)  # MLA: the latent, once
+    return {"kv_layer_bytes": ctx * kv_values * memory.KV_BYTES_PER_VALUE, "step_bytes": step,
             "coordinator_step_bytes": step + logits, "record_bytes": ctx * H * memory.ACT_BYTES_PER_VALUE,
             "context": ctx}
 

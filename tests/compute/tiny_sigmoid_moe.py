@@ -1,0 +1,204 @@
+"""Tiny random GLM-4.5 (``glm4_moe``) and DeepSeek-V3 (``deepseek_v3``) checkpoints built by
+transformers, and the same weights written as GGUF the way llama.cpp's ``convert_hf_to_gguf.py``
+writes them (``Glm4MoeModel`` → arch ``glm4moe``, ``DeepseekV2Model`` → arch ``deepseek2``).
+
+Both families route with sigmoid scores, a selection-only bias (``e_score_correction_bias``,
+set to random values here so that it changes choices), ``routed_scaling_factor`` and a fused
+shared expert after ``first_k_dense_replace`` dense layers; DeepSeek-V3 also limits the top-k to
+the best groups of experts. Routers are scaled by ``ROUTER_SCALE`` so the choices are decisive
+without saturating the sigmoid (a saturated sigmoid ties at 1.0).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from tests.compute.tiny_gguf import add_weight
+
+ROUTER_SCALE = 3.0
+_BASE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=96, intermediate_size=48,
+             moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, initializer_range=0.08,
+             max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0,
+            mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
+
+# name → (model_type, config kwargs, seed)
+TINY = {
+    "glm4_moe": ("glm4_moe", dict(_BASE, num_key_value_heads=2, head_dim=32, attention_bias=True, use_qk_norm=True,
+                                  partial_rotary_factor=0.5, n_group=1, topk_group=1, num_nextn_predict_layers=1), 21),
+    "glm4_moe_air": ("glm4_moe", dict(_BASE, num_key_value_heads=2, head_dim=24, attention_bias=True,
+                                      use_qk_norm=False, partial_rotary_factor=0.5, first_k_dense_replace=2), 22),
+    "deepseek_v3": ("deepseek_v3", dict(_BASE, num_key_value_heads=4, n_group=4, topk_group=2, q_lora_rank=24, kv_lora_rank=32,
+                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_parameters=YARN), 23),
+    "deepseek_v3_no_q_lora": ("deepseek_v3", dict(_BASE, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=None, kv_lora_rank=32,
+                                                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16), 24),
+}
+GGUF_ARCH = {"glm4_moe": "glm4moe", "deepseek_v3": "deepseek2"}
+
+
+def build(name: str, out_dir: Path):
+    """Create, save and return ``(hf_model, out_dir)`` for one of :data:`TINY` (float32, eval).
+    A GLM-4.5 file also carries its NextN/MTP layer's tensors (``model.layers.{n_layers}.*``),
+    which the engine must skip."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, kwargs, seed = TINY[name]
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager",
+                                             attn_implementation="eager").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.weight.mul_(ROUTER_SCALE)
+                gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape) * 0.3)
+    model.save_pretrained(out_dir)
+    if model_type == "glm4_moe":
+        files = sorted(out_dir.glob("*.safetensors"))
+        assert len(files) == 1, files
+        tensors = load_file(str(files[0]))
+        n, rng = config.num_hidden_layers, np.random.default_rng(seed)
+        mtp = {f"model.layers.{n}.{k}": rng.standard_normal(shape).astype(np.float32) for k, shape in
+               (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+                ("self_attn.q_proj.weight", (4 * kwargs["head_dim"], 64)), ("input_layernorm.weight", (64,)))}
+        save_file({**tensors, **mtp}, str(files[0]), metadata={"format": "pt"})
+    return model, out_dir
+
+
+def f16_rounded(hf_model):
+    """A copy of ``hf_model`` whose matrices are rounded through float16, as a GGUF written
+    with F16 matrices holds them (norms and biases stay float32)."""
+    import torch
+
+    twin = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            if p.ndim >= 2:
+                p.copy_(p.half().float())
+    return twin
+
+
+def write_gguf(hf_model, path: Path, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+               kv_b: bool = False) -> Path:
+    """Write ``hf_model`` (glm4_moe or deepseek_v3) as llama.cpp's converter does: its names and
+    metadata keys, experts stacked [E, F, H] / [E, H, F], DeepSeek's ``kv_b_proj`` split into
+    ``attn_k_b`` [nh, rank, nope] (transposed per head) and ``attn_v_b`` [nh, v, rank] (or kept
+    whole as ``attn_kv_b`` with ``kv_b``, as files written before llama.cpp's MLA cache hold it).
+    Matrices whose rows fit ``qtype``'s blocks are written in ``qtype``, the rest in F32.
+    A GLM file gets a NextN/MTP block after the model's own (``nextn_predict_layers`` = 1)."""
+    cfg = hf_model.config
+    family = cfg.model_type
+    arch = GGUF_ARCH[family]
+    n = cfg.num_hidden_layers
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if family == "glm4_moe":
+        w.add_block_count(n + 1)
+        w.add_nextn_predict_layers(1)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+    else:
+        rank, rope, nope, vd = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        w.add_block_count(n)
+        w.add_head_count_kv(1)
+        if cfg.q_lora_rank is not None:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_kv_lora_rank(rank)
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(vd)
+        w.add_rope_dimension_count(rope)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        rp = cfg.rope_parameters
+        if rp.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rp["factor"])
+            w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
+    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+
+    def put(name, a):
+        add_weight(w, name, a, qtype)
+
+    put("token_embd.weight", state.pop("model.embed_tokens.weight"))
+    put("output_norm.weight", state.pop("model.norm.weight"))
+    put("output.weight", state.pop("lm_head.weight"))
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+             "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+             "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+             "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+             "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+             "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+             "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+             "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+             "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
+    for layer in range(n):
+        p = f"model.layers.{layer}."
+        for hf_name, g_name in names.items():
+            a = state.pop(p + hf_name, None)
+            if a is not None:
+                put(f"blk.{layer}.{g_name}", a)
+        kvb = state.pop(p + "self_attn.kv_b_proj.weight", None)
+        if kvb is not None and kv_b:
+            put(f"blk.{layer}.attn_kv_b.weight", kvb)
+        elif kvb is not None:  # llama.cpp: k_b transposed per head, v_b as is
+            heads = kvb.reshape(cfg.num_attention_heads, nope + vd, rank)
+            put(f"blk.{layer}.attn_k_b.weight", heads[:, :nope].transpose(0, 2, 1))
+            put(f"blk.{layer}.attn_v_b.weight", heads[:, nope:])
+        gu = state.pop(p + "mlp.experts.gate_up_proj", None)
+        if gu is not None:
+            F = gu.shape[1] // 2
+            put(f"blk.{layer}.ffn_gate_exps.weight", gu[:, :F])
+            put(f"blk.{layer}.ffn_up_exps.weight", gu[:, F:])
+            put(f"blk.{layer}.ffn_down_exps.weight", state.pop(p + "mlp.experts.down_proj"))
+    if family == "glm4_moe":  # the NextN/MTP block: a whole layer plus its own tensors, unused
+        rng = np.random.default_rng(0)
+        for name, shape in (("attn_norm.weight", (64,)), ("attn_q.weight", (4 * cfg.head_dim, 64)),
+                            ("nextn.eh_proj.weight", (64, 128)), ("nextn.enorm.weight", (64,)),
+                            ("nextn.hnorm.weight", (64,)), ("nextn.shared_head_norm.weight", (64,))):
+            put(f"blk.{n}.{name}", rng.standard_normal(shape))
+    assert not [k for k in state if not k.endswith("rotary_emb.inv_freq")], sorted(state)[:5]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def saved_config(out_dir: Path) -> dict:
+    return json.loads((out_dir / "config.json").read_text())
