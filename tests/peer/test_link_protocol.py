@@ -3,7 +3,9 @@ turn, driven by messages and ``now`` alone (no sockets, no sleeps)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 
 import pytest
 
@@ -107,3 +109,11 @@ def test_a_jumbo_probe_is_due_only_when_both_ends_offer_jumbo_packets(ours, thei
     p = greeting(jumbo_packets=ours)
     p.remote_packet_length = theirs
     assert p.open(hello(B)) == probe
+
+
+@pytest.mark.parametrize("module", ["swarm.peer.net.link_protocol", "swarm.peer.net.schema", "swarm.peer.net.messages"])
+def test_the_cores_read_no_clock_and_touch_no_socket(module) -> None:
+    tree = ast.parse(open(importlib.import_module(module).__file__, encoding="utf-8").read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not imported & {"asyncio", "time", "socket", "aiortc", "aiohttp"}, imported
