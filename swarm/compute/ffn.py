@@ -49,6 +49,7 @@ from typing import Literal, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from swarm.compute import threads
 from swarm.compute.kernels import MLPWeights, sigmoid, softmax, swiglu
 from swarm.compute.quant import as_qmatrix
 
@@ -346,8 +347,10 @@ class LocalFFN:
         if self._moe[layer]:
             T, H = x.shape
             routing = route(m.router_logits(layer, x, seg), **m.routing_config(layer).kwargs())
-            if T == 1:  # decode: every expert takes the one row as it is
-                outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x) for e in expert_rows(routing)}
+            if T == 1:  # decode: every expert takes the one row as it is, one expert per thread
+                experts = list(expert_rows(routing))
+                outputs = dict(zip(experts, threads.map_each(
+                    lambda e: swiglu_ffn(m.expert_weights(layer, e), x), experts)))
             else:
                 outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x[rows])
                            for e, rows in expert_rows(routing).items()}
