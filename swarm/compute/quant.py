@@ -61,8 +61,9 @@ F32 = np.float32
 # any T ≥ 4; bench/results/kernels.md).
 SMALL_T = 64
 # Smallest share of a matrix product handed to another thread, in weight bytes (scaled up with
-# the activation rows): below it, handing it over costs more than it saves.
-MIN_CHUNK_BYTES = 128 << 10
+# the activation rows): below it, handing it over (waking a thread: tens of µs on a busy
+# machine) costs more than it saves. A decode product of 512 KiB takes ~80 µs on one core.
+MIN_CHUNK_BYTES = 512 << 10
 # Largest decoded float32 tile of weight rows (bytes): little memory next to the compact weights.
 _TILE_BYTES = 4 << 20
 

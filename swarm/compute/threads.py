@@ -31,6 +31,9 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T_, R_ = TypeVar("T_"), TypeVar("R_")
 
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -181,6 +184,18 @@ def run_chunks(fn: Callable[..., None], chunks: Sequence[tuple]) -> None:
     job.done.wait()
     if job.error is not None:
         raise job.error
+
+
+def map_each(fn: Callable[[T_], R_], items: Sequence[T_]) -> list[R_]:
+    """``[fn(item) for item in items]`` with the items spread over the compute threads (each
+    computed whole by one thread, as alone: the same bits), results in the items' order."""
+    results: list = [None] * len(items)
+
+    def one(i: int) -> None:
+        results[i] = fn(items[i])
+
+    run_chunks(one, [(i,) for i in range(len(items))])
+    return results
 
 
 def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
