@@ -5,6 +5,9 @@ For an HF directory it is ``tokenizer.json`` as saved; for a GGUF file it is ass
 from the metadata llama.cpp writes (``tokenizer.ggml.tokens`` / ``merges`` /
 ``token_type`` / ``pre``) as a ``tokenizers`` BPE model with the pre-tokenizer that
 llama.cpp uses for that ``pre`` name — the library does the BPE, we only pick its parts.
+A ``pre`` name without a known split is refused by name. A SentencePiece vocabulary
+(``tokenizer.ggml.model == "llama"``: tokens, ``scores``, byte tokens) becomes a BPE with
+byte fallback whose merges follow the scores, as llama.cpp's SPM tokenizer merges.
 This is what transformers' GGUF conversion does too (``integrations/gguf``), without
 needing transformers at run time.
 
@@ -43,14 +46,48 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_REGEX_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+# GPT-4o's (o200k) split, as its tokenizer.json writes it (llama.cpp GPT4O, MINIMAX_M2)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_PORO_SPLIT = r" ?[^(\s|.,!?…。，、।۔،)]+"
+# tokenizer.ggml.pre → the regexes llama.cpp splits text with, one after the other
+# (llm_tokenizer_bpe, src/llama-vocab.cpp), then the byte-level alphabet.
+_REGEX_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "smaug-bpe", "dbrx", "glm4", "chatglm-bpe"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"),
+                    (_QWEN2_SPLIT,)),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _DEEPSEEK3_SPLITS),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_GPT4O_SPLIT,)),
+    "tekken": (_TEKKEN_SPLIT,),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, r"[0-9][0-9][0-9]"),
+    **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), (_PORO_SPLIT,)),
+    "viking": (_PORO_SPLIT, r"\p{N}"),
 }
 # These split every digit on its own first, then apply GPT-2's regex (llama.cpp groups
 # STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA this way).
 _DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+# GPT-2's regex alone (llama.cpp GPT2, MPT, OLMO, JAIS, TRILLION, GRANITE_DOCLING); "default"
+# and a file without the field too, as transformers reads them.
+_GPT2_PRES = {"default", "gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en", "jina-v2-es",
+              "jina-v2-de", "jina-v2-code", "roberta-bpe", "a.x-4.0", "mellum", "mpt", "olmo", "jais", "trillion",
+              "granite-docling", "exaone4"}
 
 _TOKEN_TYPE_CONTROL = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -246,10 +283,10 @@ def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
         return kv[name]
 
     kind = field("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelFileError(
-            f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "use the model's Hugging Face directory with tokenizer.json instead"
+            f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2', and "
+            "SentencePiece BPE, 'llama'); use the model's Hugging Face directory with tokenizer.json instead"
         )
 
     def strings(name: str) -> Sequence[str]:
@@ -259,28 +296,15 @@ def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
         return value
 
     tokens = strings("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in strings("tokenizer.ggml.merges")]
     types = field("tokenizer.ggml.token_type", [1] * len(tokens))
     if len(types) != len(tokens):
         raise ModelFileError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-
-    # Byte-level vocabularies spell every byte with a printable stand-in (GPT-2's
-    # bytes_to_unicode); a token written in raw characters is respelled in that alphabet —
-    # except control and user-defined tokens, which are matched by their text as written
-    # (DeepSeek-R1 distills' fullwidth "<｜User｜>"), so they keep that text and their id.
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    added = {_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED}
-    vocab = {
-        (t if ty in added or set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-        for i, (t, ty) in enumerate(zip(tokens, types))
-    }
-    try:
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    except Exception as exc:
-        raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc})") from exc
-    tok.pre_tokenizer = _gguf_pre_tokenizer(field("tokenizer.ggml.pre", "default"))
-    tok.decoder = decoders.ByteLevel()
+    if kind == "llama":
+        tok = _sentencepiece_tokenizer(path, tokens, field("tokenizer.ggml.scores"),
+                                       bool(field("tokenizer.ggml.add_space_prefix", True)))
+    else:
+        tok = _byte_level_tokenizer(path, tokens, strings("tokenizer.ggml.merges"), types,
+                                    field("tokenizer.ggml.pre", "default"))
     control = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     user = [t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED]
@@ -307,27 +331,92 @@ def _load_gguf(path: Path, kv: Mapping[str, Any]) -> TextTokenizer:
     template = field("tokenizer.chat_template", None)
     if template is not None and not isinstance(template, str):
         raise ModelFileError(f"{path}: GGUF metadata field 'tokenizer.chat_template' is not a string")
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+    add_bos = bool(field("tokenizer.ggml.add_bos_token", kind == "llama"))
     return TextTokenizer(
         tokenizer=tok,
         chat_template=template,
         bos_token_id=bos,
-        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+        add_bos=add_bos and bos is not None,
         eos_token_ids=tuple(dict.fromkeys(i for i in (eos, eot) if i is not None)),
         special_tokens=special,
         source=str(path),
     )
 
 
-def _gguf_pre_tokenizer(pre: str):
+def _sentencepiece_tokenizer(path: Path, tokens: Sequence[str], scores: Any, add_space_prefix: bool) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (llama.cpp ``llm_tokenizer_spm``): spaces written ``▁``,
+    one ``▁`` before the text, then the adjacent pair whose merged token scores highest merged
+    first, and a character outside the vocabulary spelled by its ``<0xXX>`` byte tokens. As a
+    ``tokenizers`` BPE whose merges are every split of a token into two tokens, best score first
+    (transformers' ``generate_merges``, which its GGUF reader uses as well)."""
+    if isinstance(scores, str) or not isinstance(scores, Sequence) or len(scores) != len(tokens) \
+            or not all(isinstance(x, (int, float)) for x in scores):
+        raise ModelFileError(f"{path}: tokenizer.ggml.scores must be one number per token ({len(tokens)})")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        merges += [(a, b, score) for a, b in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], fuse_unk=True,
+                                   byte_fallback=True, unk_token="<unk>" if "<unk>" in vocab else None))
+    except Exception as exc:
+        raise ModelFileError(f"{path}: tokenizer.ggml.tokens do not make a SentencePiece vocabulary ({exc})") from exc
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", split=False,
+                                                 prepend_scheme="first" if add_space_prefix else "never")
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if add_space_prefix else []))
+    return tok
+
+
+def _byte_level_tokenizer(path: Path, tokens: Sequence[str], merge_lines: Sequence[str], types: Sequence[int],
+                          pre: Any) -> Tokenizer:
+    """A byte-level BPE vocabulary (llama.cpp ``llm_tokenizer_bpe``) with the text split of
+    ``tokenizer.ggml.pre``."""
+    merges = [tuple(m.split(" ", 1)) for m in merge_lines]
+
+    # Byte-level vocabularies spell every byte with a printable stand-in (GPT-2's
+    # bytes_to_unicode); a token written in raw characters is respelled in that alphabet —
+    # except control and user-defined tokens, which are matched by their text as written
+    # (DeepSeek-R1 distills' fullwidth "<｜User｜>"), so they keep that text and their id.
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    added = {_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED}
+    vocab = {
+        (t if ty in added or set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, (t, ty) in enumerate(zip(tokens, types))
+    }
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as exc:
+        raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc})") from exc
+    tok.pre_tokenizer = _gguf_pre_tokenizer(path, pre)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gguf_pre_tokenizer(path: Path, pre: Any):
+    """The text split llama.cpp applies for ``tokenizer.ggml.pre`` (then the byte alphabet).
+    Raises ModelFileError for a name it does not map here, rather than splitting text as some
+    other tokenizer would (wrong tokens, no error)."""
+    pre = pre if isinstance(pre, str) else repr(pre)
     if pre in _REGEX_SPLITS:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in _REGEX_SPLITS[pre]),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
     if pre in _DIGIT_SPLIT_PRES:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level
+    if pre in _GPT2_PRES:
+        return byte_level
+    known = sorted([*_REGEX_SPLITS, *_DIGIT_SPLIT_PRES, *_GPT2_PRES])
+    raise ModelFileError(
+        f"{path}: tokenizer.ggml.pre {pre!r} is not supported (its text split is unknown here, and another "
+        f"would give wrong tokens); supported: {', '.join(known)}. Use the model's Hugging Face directory "
+        "with tokenizer.json instead")
 
 
 def _normalizer_only_grows(state: Mapping[str, Any]) -> bool:

@@ -170,9 +170,9 @@ def _tiny_gguf(path, **fields):
 
 
 def test_bad_gguf_tokenizer_fields(tmp_path):
-    sp = _tiny_gguf(tmp_path / "sp.gguf", tokenizer__ggml__model="llama", tokenizer__ggml__tokens=["a", "b"])
-    with pytest.raises(ModelFileError, match=r"sp\.gguf: tokenizer\.ggml\.model 'llama' is not supported"):
-        load_tokenizer(sp)
+    wpm = _tiny_gguf(tmp_path / "wpm.gguf", tokenizer__ggml__model="bert", tokenizer__ggml__tokens=["a", "b"])
+    with pytest.raises(ModelFileError, match=r"wpm\.gguf: tokenizer\.ggml\.model 'bert' is not supported"):
+        load_tokenizer(wpm)
     no_merges = _tiny_gguf(tmp_path / "nm.gguf", tokenizer__ggml__model="gpt2", tokenizer__ggml__tokens=["a", "b"])
     with pytest.raises(ModelFileError, match=r"nm\.gguf: GGUF metadata field 'tokenizer\.ggml\.merges' is missing"):
         load_tokenizer(no_merges)
@@ -225,7 +225,7 @@ PRE_TEXTS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2"])
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2", "gpt-4o", "tekken"])
 def test_gguf_pre_tokenizers_match_transformers(tmp_path, smollm2_model, pre):
     """The same vocabulary under other ``tokenizer.ggml.pre`` names splits text as transformers does."""
     from transformers import AutoTokenizer

@@ -1,0 +1,123 @@
+"""GGUF tokenizers beyond byte-level BPE: a SentencePiece vocabulary (``tokenizer.ggml.model =
+"llama"``, as Llama-2, Mistral-7B and Mixtral-8x7B files carry) against transformers' GGUF reader
+on multilingual, code and emoji text, and an unknown ``tokenizer.ggml.pre`` refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.compute.tokenizer import load_tokenizer
+from swarm.errors import ModelFileError
+from tests.compute.test_tokenizer import TEXTS, _tiny_gguf
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. I'm sure they'll say we've done it.",
+    "def f(x):\n    return x ** 2  # square\n\nfor i in range(10):\n    print(i, f(i))\n",
+    "Le café est très bon, naïve Ünïcödé straße. Привет, как дела? Γειά σου κόσμε.",
+    "日本語のテキストと中文字符。今日はいい天気ですね。",
+    "price: 12345 dollars, 3.14159, 2024-11-30, 100% done!",
+]
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def _sentencepiece_vocab(size: int = 420) -> tuple[list[str], list[float], list[int]]:
+    """A Llama-style SentencePiece BPE vocabulary: ``<unk>``, ``<s>``, ``</s>``, the 256 byte
+    tokens ``<0x00>``…``<0xFF>``, then pieces learned on :data:`CORPUS`, scored by merge order
+    (``-rank``, as SentencePiece's BPE trainer writes them); llama.cpp token types 2 unknown,
+    3 control, 6 byte, 1 normal."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    trainer = SentencePieceBPETokenizer()
+    trainer.train_from_iterator(CORPUS * 4, vocab_size=size, min_frequency=2, special_tokens=SPECIALS,
+                                show_progress=False)
+    learned = [t for t, _ in sorted(trainer.get_vocab().items(), key=lambda kv: kv[1]) if t not in SPECIALS]
+    tokens = SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + learned
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(learned))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(learned)
+    return tokens, scores, types
+
+
+def _write(path, model: str, **fields):
+    """A GGUF file with ``tokenizer.ggml.model = model`` and ``tokenizer.ggml.<name>`` fields."""
+    return _tiny_gguf(path, tokenizer__ggml__model=model, **{f"tokenizer__ggml__{k}": v for k, v in fields.items()})
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_gguf(tmp_path_factory):
+    tokens, scores, types = _sentencepiece_vocab()
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    return _write(path, "llama", tokens=tokens, scores=scores, token_type=types, bos_token_id=1, eos_token_id=2,
+                  unknown_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_pair(sentencepiece_gguf):
+    from transformers import AutoTokenizer
+
+    oracle = AutoTokenizer.from_pretrained(sentencepiece_gguf.parent, gguf_file=sentencepiece_gguf.name)
+    return load_tokenizer(sentencepiece_gguf), oracle
+
+
+@pytest.mark.parametrize("text", TEXTS + CORPUS)
+def test_sentencepiece_gguf_ids_match_transformers(sentencepiece_pair, text):
+    ours, oracle = sentencepiece_pair
+    ids = ours.encode(text)
+    assert ids == oracle.encode(text)
+    assert ours.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+
+
+def test_sentencepiece_gguf_adds_bos_spells_unknown_characters_in_bytes_and_streams(sentencepiece_pair):
+    ours, _ = sentencepiece_pair
+    ids = ours.encode("hi 🤗")
+    assert ids[0] == ours.bos_token_id == 1 and ours.add_bos  # llama.cpp's default for SentencePiece
+    assert [ours.tokenizer.id_to_token(i) for i in ids[-4:]] == ["<0xF0>", "<0x9F>", "<0xA4>", "<0x97>"]
+    stream = ours.stream_decoder()
+    pieces = [stream.push(i) for i in ids[1:]] + [stream.flush()]
+    assert "".join(pieces) == "hi 🤗" and "\ufffd" not in "".join(pieces)
+    assert ours.encode("</s>", add_special_tokens=False) == [2]  # control tokens stay whole
+
+
+def test_sentencepiece_without_a_space_prefix(tmp_path):
+    tokens, scores, types = _sentencepiece_vocab()
+    plain = load_tokenizer(_write(tmp_path / "a.gguf", "llama", tokens=tokens, scores=scores, token_type=types))
+    bare = load_tokenizer(_write(tmp_path / "b.gguf", "llama", tokens=tokens, scores=scores, token_type=types,
+                                 add_space_prefix=False))
+    assert plain.tokenizer.id_to_token(plain.encode("The", add_special_tokens=False)[0]).startswith("▁")
+    assert not bare.tokenizer.id_to_token(bare.encode("The", add_special_tokens=False)[0]).startswith("▁")
+    assert bare.decode(bare.encode("The fox", add_special_tokens=False)) == "The fox"
+
+
+def test_sentencepiece_needs_scores(tmp_path):
+    tokens, _, types = _sentencepiece_vocab()
+    with pytest.raises(ModelFileError, match=r"'tokenizer\.ggml\.scores' is missing"):
+        load_tokenizer(_write(tmp_path / "s.gguf", "llama", tokens=tokens, token_type=types))
+
+
+def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
+    path = _write(tmp_path / "p.gguf", "gpt2", tokens=["a", "b", "ab"], merges=["a b"], pre="no-such-split")
+    with pytest.raises(ModelFileError, match=r"tokenizer\.ggml\.pre 'no-such-split' is not supported .*deepseek-v3"):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4", "gpt-4o", "tekken", "falcon", "viking", "deepseek-coder"])
+def test_known_pre_tokenizers_keep_every_character(tmp_path, pre):
+    """Each split llama.cpp maps compiles and loses no text (the pieces join to the text)."""
+    path = _write(tmp_path / "k.gguf", "gpt2", tokens=["a", "b", "ab"], merges=["a b"], pre=pre)
+    split = load_tokenizer(path).tokenizer.pre_tokenizer
+    for text in TEXTS:
+        assert "".join(w for w, _ in split.pre_tokenize_str(text)) == _byte_spelled(text)
+
+
+def _byte_spelled(text: str) -> str:
+    from swarm.compute.tokenizer import _bytes_to_unicode
+
+    spelling = _bytes_to_unicode()
+    return "".join(spelling[b] for b in text.encode("utf-8"))
+
+
+def test_deepseek_v3_split_groups_digits_in_threes_and_keeps_kana_apart(tmp_path):
+    tok = load_tokenizer(_write(tmp_path / "d.gguf", "gpt2", tokens=["a", "b", "ab"], merges=["a b"],
+                                pre="deepseek-v3"))
+    pieces = [w for w, _ in tok.tokenizer.pre_tokenizer.pre_tokenize_str("x1234567 日本語のtext")]
+    spelled = [_byte_spelled(p) for p in ("x", "123", "456", "7", " ", "日本語の", "text")]
+    assert pieces == spelled
