@@ -55,7 +55,7 @@ def _importers(source: str, target: str) -> list[str]:
 
 
 def test_the_graph_is_read():
-    assert "swarm.peer.roles" in IMPORTS and "swarm.peer.coordinator.dispatch" in IMPORTS["swarm.peer.coordinator.role"]
+    assert "swarm.peer.roles" in IMPORTS and "swarm.peer.coordinator.dispatch" in IMPORTS["swarm.peer.coordinator.handoff"]
     # the rules below see what they forbid: both roles import the plan room, deferred imports too
     assert _importers("swarm.peer.worker", "swarm.peer.plan") and _importers("swarm.peer.coordinator", "swarm.peer.plan")
     assert "swarm.peer.memory" in IMPORTS["swarm.peer.plan.shape"]  # an import inside a function

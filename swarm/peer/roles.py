@@ -21,7 +21,8 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError
-from swarm.peer.coordinator.role import CoordinatorRole, check_layout
+from swarm.peer.coordinator.planning import check_layout
+from swarm.peer.coordinator.role import CoordinatorRole
 from swarm.peer.election.driver import MESH_FORMING_QUIET_S, ElectionDriver
 from swarm.peer.net.messages import Error
 from swarm.peer.worker.role import WorkerRole

@@ -13,7 +13,7 @@ from swarm.peer import memory
 from swarm.peer.coordinator import costmodel
 from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost
 from swarm.peer.coordinator.planner import PeerCapacity, build_plan, shortfall
-from swarm.peer.coordinator.stages import choose_stages
+from swarm.peer.coordinator.planning import choose_stages
 from swarm.peer.plan import ModelShape, reserve_of
 
 MIB, GIB = 1 << 20, 1 << 30

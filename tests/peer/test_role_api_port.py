@@ -10,7 +10,8 @@ import socket
 from swarm.compute.model import load_model
 from swarm.keys.identity import Identity
 from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.coordinator.role import API_PORT_FILE, CoordinatorRole
+from swarm.peer.coordinator.api_host import API_PORT_FILE
+from swarm.peer.coordinator.role import CoordinatorRole
 from swarm.peer.node import Node
 from tests.peer._swarm_models import build
 
@@ -42,7 +43,7 @@ def test_the_api_port_is_remembered_in_the_config_directory_and_a_taken_one_give
     assert first == again != 0
     assert (tmp_path / API_PORT_FILE).read_text().strip() == str(first)
 
-    with socket.socket() as taken, caplog.at_level(logging.WARNING, logger="swarm.peer.coordinator.role"):
+    with socket.socket() as taken, caplog.at_level(logging.WARNING, logger="swarm.peer.coordinator.api_host"):
         remembered, fresh = asyncio.run(_serve_twice(tmp_path, model, taken))
     assert remembered == first and fresh not in (0, first)
     assert f"the API's port {first} is taken" in caplog.text

@@ -66,7 +66,7 @@ from swarm.errors import LocalProtocolError, RemoteProtocolError
 from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.coordinator.dispatch import Dispatcher
 from swarm.peer.net.messages import Error, StageAnswer, StageRequest, StageSegment
-from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout, split_layers
+from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout
 
 log = logging.getLogger(__name__)
 
@@ -380,48 +380,3 @@ def _check_answer(req: StageRequest, msg: object) -> None:
     if not np.isfinite(msg.x).all():
         raise RemoteProtocolError("rows hold NaN or infinity")
 
-
-# ------------------------------------------------------------------------------- layout choice
-LAYOUTS = ("ranges", "stages", "mix", "auto")
-
-
-def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tuple[Stage, ...] | None, dict]:
-    """The stages of the next plan, or None for per-layer ranges; and the cost report (its
-    ``choice`` is ``"mix"`` when the coordinator's stage's FFN is to be cut into ranges).
-
-    ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
-    to their speed — where that puts a peer past its memory (weights, KV cache, activations:
-    :func:`~swarm.peer.coordinator.costmodel.stage_fit`), each peer as many layers as it holds
-    instead, and ranges when no stage layout fits; ``"mix"`` takes the cost model's best mix
-    (the coordinator's stage ``0 .. k-1`` with its FFN cut into ranges over every peer,
-    whole-layer stages of the workers after it), or the fastest placement when no mix fits;
-    ``"auto"`` takes the fastest placement that fits by the cost model
-    (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator alone is one stage of all
-    layers): local, ranges, stages or mix.
-    ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
-    :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model);
-    ``range_only``: peers that can take FFN ranges only (browser pages, peers without the model
-    file), priced under ranges alone. Raises LocalProtocolError for another mode.
-    """
-    from swarm.peer.coordinator import costmodel
-
-    if mode not in ("stages", "mix", "auto"):
-        raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages', 'mix' or 'auto' only")
-    best, estimates = costmodel.choose(costs, coord, workers, range_only=range_only)
-    if mode == "stages":
-        split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)],
-                             [coord.gflops, *(w.gflops for w in workers)])
-        best = costmodel.estimate_stages(costs, coord, workers, tuple((s.peer, s.start, s.stop) for s in split))
-        estimates = [*estimates, best]
-        if not best.fits:  # a split by speed past someone's memory: each peer as many layers as it holds
-            best = next(e for e in estimates if e.layout == "stages")
-        if not best.fits:  # no stage layout fits: ranges, the coordinator streaming what nobody holds
-            best = next(e for e in estimates if e.layout == "ranges")
-    mix = next(e for e in estimates if e.layout == "mix")
-    if mode == "mix" and mix.fits:
-        best = mix
-    report = costmodel.report(costs, coord, [*workers, *range_only], best, estimates)
-    report["mode"] = mode
-    if best.layout == "ranges":
-        return None, report
-    return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report

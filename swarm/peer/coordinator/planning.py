@@ -1,0 +1,219 @@
+"""The coordinator's next plan: its layout (per-layer ranges, stages, a mix of both, or whichever
+the cost model prices fastest), the cost model's inputs — the peers' hellos and what their answers
+showed (the dispatchers' :class:`~swarm.peer.coordinator.tracker.Observations`) — the
+coordinator's budget, and the placement (:func:`~swarm.peer.coordinator.planner.build_plan`).
+Pure: the role hands it the peers and the observations, and sends what it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+from swarm.errors import LocalProtocolError
+from swarm.peer.coordinator import costmodel
+from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S, LayerCosts, PeerCost, observed_gflops
+from swarm.peer.coordinator.planner import PeerCapacity, build_plan, shortfall
+from swarm.peer.coordinator.tracker import Observations
+from swarm.peer.plan import ModelShape, Plan, Stage, StageLayout, split_layers
+
+if TYPE_CHECKING:
+    from swarm.compute.model import Model
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("ranges", "stages", "mix", "auto")
+
+
+def check_layout(layout: str) -> str:
+    """``layout`` if it names one; LocalProtocolError naming the choices otherwise."""
+    if layout not in LAYOUTS:
+        raise LocalProtocolError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    return layout
+
+
+LAYOUTS = ("ranges", "stages", "mix", "auto")
+
+
+def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tuple[Stage, ...] | None, dict]:
+    """The stages of the next plan, or None for per-layer ranges; and the cost report (its
+    ``choice`` is ``"mix"`` when the coordinator's stage's FFN is to be cut into ranges).
+
+    ``mode``: ``"stages"`` splits the layers over the coordinator and ``workers`` in proportion
+    to their speed — where that puts a peer past its memory (weights, KV cache, activations:
+    :func:`~swarm.peer.coordinator.costmodel.stage_fit`), each peer as many layers as it holds
+    instead, and ranges when no stage layout fits; ``"mix"`` takes the cost model's best mix
+    (the coordinator's stage ``0 .. k-1`` with its FFN cut into ranges over every peer,
+    whole-layer stages of the workers after it), or the fastest placement when no mix fits;
+    ``"auto"`` takes the fastest placement that fits by the cost model
+    (:func:`swarm.peer.coordinator.costmodel.choose`; the coordinator alone is one stage of all
+    layers): local, ranges, stages or mix.
+    ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
+    :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model);
+    ``range_only``: peers that can take FFN ranges only (browser pages, peers without the model
+    file), priced under ranges alone. Raises LocalProtocolError for another mode.
+    """
+    if mode not in ("stages", "mix", "auto"):
+        raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages', 'mix' or 'auto' only")
+    best, estimates = costmodel.choose(costs, coord, workers, range_only=range_only)
+    if mode == "stages":
+        split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)],
+                             [coord.gflops, *(w.gflops for w in workers)])
+        best = costmodel.estimate_stages(costs, coord, workers, tuple((s.peer, s.start, s.stop) for s in split))
+        estimates = [*estimates, best]
+        if not best.fits:  # a split by speed past someone's memory: each peer as many layers as it holds
+            best = next(e for e in estimates if e.layout == "stages")
+        if not best.fits:  # no stage layout fits: ranges, the coordinator streaming what nobody holds
+            best = next(e for e in estimates if e.layout == "ranges")
+    mix = next(e for e in estimates if e.layout == "mix")
+    if mode == "mix" and mix.fits:
+        best = mix
+    report = costmodel.report(costs, coord, [*workers, *range_only], best, estimates)
+    report["mode"] = mode
+    if best.layout == "ranges":
+        return None, report
+    return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report
+
+
+class Planning:
+    """The plans of the coordinator ``peer_id`` for ``model`` (its ``shape``: the encoded sizes):
+    the ``layout`` asked for, and the newest plan's ``version``, ``stage_layout`` (None: ranges),
+    ``cut_layers`` (a mix: the coordinator's stage, whose FFN is cut into ranges; None: all),
+    ``shortfall`` (what it lacks, :func:`~swarm.peer.coordinator.planner.shortfall`) and
+    ``cost_report`` (the cost model's inputs and prices, for ``status --json``)."""
+
+    def __init__(self, model: Model, shape: ModelShape, peer_id: str, layout: str = "ranges") -> None:
+        self.model, self.shape, self.peer_id = model, shape, peer_id
+        self.layout = check_layout(layout)
+        self.version = 0
+        self.stage_layout: StageLayout | None = None
+        self.cut_layers: range | None = None
+        self.shortfall: dict | None = None
+        self.cost_report: dict | None = None
+        self.costs = LayerCosts.from_model(model) if layout != "ranges" else None
+
+    def set_layout(self, layout: str) -> None:
+        """Use ``layout`` from the next plan on; LocalProtocolError for another name."""
+        self.layout = check_layout(layout)
+        if layout != "ranges" and self.costs is None:
+            self.costs = LayerCosts.from_model(self.model)
+
+    def new_plan(self, term: int, memory_budget: int, gflops: float, workers: list[PeerCapacity],
+                 holders: Collection[str], in_use: Plan | None = None, ranges: Observations | None = None,
+                 stages: Observations | None = None) -> Plan:
+        """The next plan of ``term`` over the coordinator (its hello's ``memory_budget`` and
+        ``gflops``) and ``workers``; ``holders``: the peers with the model file (they may run
+        stages); ``in_use`` and ``ranges``: the plan RemoteFFN runs and what its answers showed,
+        ``stages``: what the stage answers showed (None: none yet)."""
+        self.version += 1
+        me = PeerCapacity(self.peer_id, 0, gflops)
+        takers = self._plan_layout(term, memory_budget, gflops, workers, holders, in_use, ranges, stages)
+        lay = self.stage_layout
+        stage_workers = len(lay.workers()) if lay is not None else 0
+        own = {i for s in lay.stages if s.peer == self.peer_id for i in range(s.start, s.stop)} if lay else None
+        own_layers = len(own) if own is not None else None
+        # Our allowance less what only we hold (embeddings, attention, routers, norms, head), the KV
+        # cache and activations. Under stages the attention of the workers' layers is not ours to
+        # keep (the cost model's rule).
+        not_run = sum(b for i, b in enumerate(self.costs.attn_bytes) if i not in own) if own is not None else 0
+        budget = self.shape.coordinator_weight_budget(memory_budget, stage_workers, own_layers, not_run)
+        cut = self.cut_layers
+        if own is not None and cut is None:
+            # Whole stages: the budget covers the coordinator's own stages' FFN; the workers' layers
+            # run here only after a stage fails (from the mapped file), outside the budget.
+            cut = sorted(own)
+        plan = build_plan(self.shape, me, takers, term=term, version=self.version, coordinator_budget=budget, layers=cut)
+        self.shortfall = shortfall(plan, self.shape, coordinator_allowance=memory_budget, worker_stages=stage_workers,
+                                   kv_layers=own_layers, not_run_bytes=not_run)
+        if self.shortfall:
+            log.warning("plan v%d: %s", plan.version, self.shortfall["message"])
+        return plan
+
+    def _plan_layout(self, term: int, memory_budget: int, gflops: float, workers: list[PeerCapacity],
+                     holders: Collection[str], in_use: Plan | None, ranges: Observations | None,
+                     stages: Observations | None) -> list[PeerCapacity]:
+        """Choose the next plan's layout: sets the stage layout (None: per-layer ranges), the
+        layers whose FFN is cut (a mix: the coordinator's stage; None: all) and the cost report;
+        returns the workers that get FFN ranges (none under stages; under a mix each with the
+        memory its stage leaves)."""
+        self.stage_layout = self.cut_layers = None
+        if self.layout == "ranges":
+            return workers
+        holding = [w for w in workers if w.kind == "python" and w.peer_id in holders]
+        m = self.model
+        own = m.embed.nbytes + (0 if m.head is m.embed else m.head.nbytes)
+        me = PeerCost(self.peer_id, max(memory_budget - own, 0), gflops)
+        mine = stages.local_s_per_row_layer if stages is not None else None
+        if mine:  # our own layers' timing, in the unit the workers' answers are priced in
+            me = PeerCost(me.peer_id, me.memory_bytes, observed_gflops(self._layer_flops(), mine), observed=True)
+        costs, range_only = [], []
+        for w in workers:  # a peer that cannot run a stage (a page, no model file) still takes ranges
+            gflops_w, seen = self._speed(w.peer_id, w.ffn_speed, in_use, ranges, stages)
+            o = stages.of(w.peer_id) if stages is not None else None
+            overhead = o.overhead_s if o is not None and o.overhead_s is not None else MESSAGE_OVERHEAD_S
+            (costs if w in holding else range_only).append(PeerCost(
+                w.peer_id, w.memory_bytes, gflops_w, w.rtt_s, observed=seen, overhead_s=overhead))
+        chosen, self.cost_report = choose_stages(self.layout, self.costs, me, costs, range_only)
+        if chosen is None:
+            return workers
+        self.stage_layout = StageLayout(term, self.version, self.peer_id, chosen)
+        if self.cost_report.get("choice") != "mix":
+            return []
+        first = chosen[0]  # a mix: the coordinator's stage comes first, its FFN cut over the holders
+        self.cut_layers = range(first.start, first.stop)
+        held = {s.peer: sum(self.costs.stage_bytes(i) for i in range(s.start, s.stop)) for s in chosen[1:]}
+        return [dataclasses.replace(w, memory_bytes=max(w.memory_bytes - held.get(w.peer_id, 0), 0)) for w in holding]
+
+    def _layer_flops(self) -> float:
+        """FLOPs of one row through one average layer (attention and FFN)."""
+        return (sum(self.costs.attn_flops) + sum(self.costs.ffn_flops)) / self.costs.n_layers
+
+    def _speed(self, peer: str, claimed: float, in_use: Plan | None, ranges: Observations | None,
+               stages: Observations | None) -> tuple[float, bool]:
+        """(GFLOP/s, observed?): from its answers (stage or FFN) when it gave any, else its hello's figure."""
+        o = stages.of(peer) if stages is not None else None
+        if o is not None and o.s_per_row_layer:
+            return observed_gflops(self._layer_flops(), o.s_per_row_layer), True
+        o = ranges.of(peer) if ranges is not None else None
+        if o is not None and o.s_per_row and in_use is not None:  # its FFN answers: FLOPs of one row of its share
+            c, plan = self.model.config, in_use
+            span = next((plan.dense_span(layer, peer) for layer in plan.dense if plan.dense_span(layer, peer)), None)
+            width = len(span) if span else (c.moe_intermediate_size if plan.experts else 0)
+            seen = observed_gflops(2.0 * 3 * c.hidden_size * width, o.s_per_row)
+            if seen is not None:
+                return seen, True
+        return claimed, False
+
+    def stages_to_run(self, term: int) -> StageLayout | None:
+        """The stage layout to dispatch: the newest plan's, or under a layout other than ranges
+        that chose ranges, the coordinator alone as one stage of every layer; None under ranges."""
+        if self.layout == "ranges":
+            return None
+        me = self.peer_id
+        return self.stage_layout or StageLayout(term, self.version, me, (Stage(me, 0, self.model.config.n_layers),))
+
+    def status(self) -> dict[str, Any]:
+        """What status shows of the newest plan besides its spans: what it lacks (if anything) and,
+        under a layout other than ranges, the layout it took, its stages and the cost report."""
+        out: dict[str, Any] = {"shortfall": self.shortfall} if self.shortfall else {}
+        if self.layout != "ranges":
+            lay = self.stage_layout
+            out.update({"layout": ("mix" if self.cut_layers else "stages") if lay else "ranges",
+                        "stages": [[s.peer, s.start, s.stop] for s in lay.stages] if lay else [],
+                        "cost": self.cost_report})
+        return out
+
+
+def observed(plan: Plan, shape: ModelShape, seen: Observations) -> dict[str, Any]:
+    """What the coordinator measured, per peer of ``plan``: weight bytes held, ms per row of FFN
+    work (an average over recent answers), requests and failures (``status --json``)."""
+    peers = {}
+    for peer in plan.peers:
+        o = seen.of(peer)
+        peers[peer] = {"weight_bytes": plan.bytes_of(peer, shape),
+                       "ms_per_row": round(o.s_per_row * 1e3, 4) if o is not None and o.s_per_row else None,
+                       "requests": o.requests if o is not None else 0,
+                       "failed": peer in seen.failed}
+    return {"peers": peers}
