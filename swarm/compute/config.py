@@ -247,6 +247,11 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
         raise ModelFileError(
             f"{where}: model_type {family!r} is not supported (supported: {', '.join(HF_FAMILIES)})")
     _check_numbers(cfg, _HF_NUMERIC, where)
+    quant = cfg.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method"):
+        raise ModelFileError(
+            f"{where}: weights quantized with {quant['quant_method']!r} (quantization_config) are not supported; "
+            "use a BF16/F16/F32 copy or a GGUF file of the model")
     return check_config(_config_from_hf(cfg, family, where), where)
 
 

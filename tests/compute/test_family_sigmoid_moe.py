@@ -193,3 +193,57 @@ def test_planner_sizes_of_the_new_families(tiny_sig):
         costs = LayerCosts.from_model(model)
         assert costs.kv_bytes == (shape.kv_layer_bytes,) * 3
         assert costs.attn_bytes[0] == model.attention_nbytes(0) > 0
+
+
+# The published configs (the fields the engine reads), to check the sizes at full scale.
+DEEPSEEK_V3_CONFIG = dict(
+    model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+    num_key_value_heads=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+    n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3, moe_layer_freq=1, n_group=8, topk_group=4,
+    routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    rope_theta=10000, rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                                        beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    max_position_embeddings=163840, vocab_size=129280, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    hidden_act="silu", bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=1)
+GLM45_AIR_CONFIG = dict(
+    model_type="glm4_moe", hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+    head_dim=128, partial_rotary_factor=0.5, intermediate_size=10944, moe_intermediate_size=1408,
+    n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, n_group=1,
+    topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True, use_qk_norm=False,
+    rope_theta=1000000, max_position_embeddings=131072, vocab_size=151552, rms_norm_eps=1e-5,
+    num_nextn_predict_layers=1, tie_word_embeddings=False, hidden_act="silu", eos_token_id=[151329, 151336, 151338])
+
+
+def test_published_configs_read_at_full_scale():
+    from swarm.compute.config import config_from_hf
+    from swarm.peer import memory
+    from swarm.peer.plan import ModelShape
+
+    ds = config_from_hf(DEEPSEEK_V3_CONFIG, "deepseek-v3/config.json")
+    assert ds.is_mla and ds.n_layers == 61 and ds.moe_layers == tuple(range(3, 61))
+    assert (ds.n_kv_heads, ds.head_dim, ds.kv_values_per_token) == (1, 576, 576)
+    assert ds.shared_expert_intermediate_size == 2048 and (ds.n_group, ds.topk_group) == (8, 4)
+    m = 0.1 * 1.0 * np.log(40) + 1.0
+    assert ds.attention_scale == pytest.approx(192 ** -0.5 * m * m)
+    shape = ModelShape.from_config(ds)
+    ctx = memory.context_tokens(163840)
+    assert shape.kv_layer_bytes == ctx * 576 * 4  # the latent, not 128 heads of keys (192) and values (128)
+    kimi = config_from_hf(dict(DEEPSEEK_V3_CONFIG, model_type="kimi_k2", n_group=1, topk_group=1,
+                               num_attention_heads=64, rope_scaling=dict(DEEPSEEK_V3_CONFIG["rope_scaling"], factor=32)),
+                          "kimi-k2/config.json")
+    assert kimi.family == "deepseek_v3" and kimi.n_heads == 64
+
+    air = config_from_hf(GLM45_AIR_CONFIG, "glm-4.5-air/config.json")
+    assert air.n_layers == 46 and air.moe_layers == tuple(range(1, 46)) and air.rotary_dim == 64
+    assert air.qk_norm is None and air.attention_bias and air.shared_expert_intermediate_size == 1408
+    assert ModelShape.from_config(air).kv_layer_bytes == memory.context_tokens(131072) * 2 * 8 * 128 * 4
+
+
+def test_fp8_checkpoint_is_refused_by_name():
+    from swarm.compute.config import config_from_hf
+    from swarm.errors import ModelFileError
+
+    cfg = dict(DEEPSEEK_V3_CONFIG, quantization_config=dict(quant_method="fp8", weight_block_size=[128, 128]))
+    with pytest.raises(ModelFileError, match=r"quantized with 'fp8'.*BF16/F16/F32 copy or a GGUF"):
+        config_from_hf(cfg, "deepseek-v3/config.json")
