@@ -259,6 +259,9 @@ class GGUFCheckpoint(Checkpoint):
         self.config = config_from_gguf(self.file.kv, self.file.shapes, str(self.path))
         # llama.cpp permutes Q/K rows for its llama architecture only (Mixtral is written as llama).
         self._permuted = self.file.kv.get("general.architecture") == "llama"
+        # GLM-4.5's norm before the MLP is post_attention_norm in llama.cpp's glm4moe files
+        self._ffn_norm = "post_attention_norm.weight" if self.file.kv.get("general.architecture") == "glm4moe" \
+            else _GGUF_LAYER["ffn_norm"]
 
     @property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -283,6 +286,8 @@ class GGUFCheckpoint(Checkpoint):
         if layer is None:
             return {"embed": "token_embd.weight", "norm": "output_norm.weight",
                     "head": "output.weight", "rope_freqs": "rope_freqs.weight"}[part]
+        if part == "ffn_norm":
+            return f"blk.{layer}.{self._ffn_norm}"
         return f"blk.{layer}.{_GGUF_LAYER[part]}"
 
     def has(self, part: str, layer: int | None = None) -> bool:

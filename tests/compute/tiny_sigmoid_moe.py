@@ -149,30 +149,23 @@ def write_gguf(hf_model, path: Path, qtype: gguf.GGMLQuantizationType = gguf.GGM
     def put(name, a):
         add_weight(w, name, a, qtype)
 
-    put("token_embd.weight", state.pop("model.embed_tokens.weight"))
-    put("output_norm.weight", state.pop("model.norm.weight"))
-    put("output.weight", state.pop("lm_head.weight"))
-    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-             "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-             "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
-             "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
-             "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-             "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
-             "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-             "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-             "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-             "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
+    # names as convert_hf_to_gguf.py maps them: gguf's TensorNameMap for the architecture, with
+    # its rename of e_score_correction_bias to e_score_correction.bias
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE if arch == "glm4moe" else gguf.MODEL_ARCH.DEEPSEEK2, n)
+
+    def gguf_name(hf_name: str) -> str:
+        name = names.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
+                              try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        return name
+
+    for hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        put(gguf_name(hf_name), state.pop(hf_name))
     for layer in range(n):
         p = f"model.layers.{layer}."
-        for hf_name, g_name in names.items():
-            a = state.pop(p + hf_name, None)
-            if a is not None:
-                put(f"blk.{layer}.{g_name}", a)
+        for hf_name in [k for k in state if k.startswith(p)]:
+            if not hf_name.endswith(("kv_b_proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+                put(gguf_name(hf_name), state.pop(hf_name))
         kvb = state.pop(p + "self_attn.kv_b_proj.weight", None)
         if kvb is not None and kv_b:
             put(f"blk.{layer}.attn_kv_b.weight", kvb)
