@@ -45,13 +45,16 @@ needs it (attention runs per sequence on its own cache).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from swarm.compute import threads
 from swarm.compute.kernels import MLPWeights, sigmoid, softmax, swiglu
 from swarm.compute.quant import as_qmatrix
+
+if TYPE_CHECKING:
+    from swarm.compute.model import KVCache, Model
 
 F32 = np.float32
 
@@ -65,6 +68,23 @@ class FFNBackend(Protocol):
         """x [T, H] f32 (already post-attention-normed) → [T, H] f32. ``segments``: the rows'
         sequences (lengths in row order, module docstring); None: one sequence. The forward
         pass passes it only when a step holds more than one sequence."""
+        ...
+
+
+@runtime_checkable
+class LayerBackend(FFNBackend, Protocol):
+    """An FFN backend that runs whole layers itself (the swarm's stage dispatch): the forward pass
+    hands it the embedded rows instead of running the layers, then applies the final norm and the
+    head to what it returns."""
+
+    def run_layers(self, model: Model, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+        """x [T, H] f32: embedded rows at positions ``start ..`` of ``cache``'s sequence → the rows
+        after the last layer [T, H] f32."""
+        ...
+
+    def run_layers_batch(self, model: Model, x: np.ndarray, seqs: list[tuple[KVCache, int, int]]) -> np.ndarray:
+        """One step of several sequences: x [sum T_i, H] f32 holds each sequence's embedded rows in
+        turn, ``seqs[i] = (cache, start, T_i)`` → the rows after the last layer [sum T_i, H] f32."""
         ...
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from swarm.compute.attention_mla import MLAWeights, load_mla_weights, mla_attention
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
-from swarm.compute.ffn import FFNBackend, LocalFFN, RoutingConfig, shared_expert
+from swarm.compute.ffn import FFNBackend, LayerBackend, LocalFFN, RoutingConfig, shared_expert
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, rms_norm,
                                    llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
                                    signed_sin)
@@ -404,8 +404,7 @@ class Model:
 
         Returns logits [T, V] f32 (``[1, V]`` for the last token with ``last_only``). Every
         MLP / MoE output comes from ``ffn.ffn(layer, x)`` (default: :class:`LocalFFN`). A
-        backend that also has ``run_layers(model, x, cache, start) -> x`` (the swarm's stage
-        dispatch) is handed the embedded rows and runs all layers itself (:meth:`layers` on
+        :class:`~swarm.compute.ffn.LayerBackend` (the swarm's stage dispatch) is handed the embedded rows and runs all layers itself (:meth:`layers` on
         its own share), after which forward applies the final norm and the head.
         Raises ValueError for an empty sequence or a token id outside the vocabulary; if the
         backend raises, ``cache.length`` is unchanged (the call can be retried).
@@ -423,9 +422,8 @@ class Model:
             raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
                              f"({c.sliding_window}); sliding-window attention is not supported")
         x = self.embed.take(ids)  # [T, H] f32
-        run_layers = getattr(ffn, "run_layers", None)  # a LayerBackend: whole layers elsewhere (stages)
-        if run_layers is not None:
-            x = run_layers(self, x, cache, start)
+        if isinstance(ffn, LayerBackend):  # whole layers elsewhere (stages)
+            x = ffn.run_layers(self, x, cache, start)
         else:
             x = self.layers(x, cache, start, 0, c.n_layers, ffn)
         cache.length = start + T
@@ -444,10 +442,8 @@ class Model:
         to what :meth:`forward` gives the same tokens on the same cache alone (``last_only``):
         attention runs per sequence on its own cache, the rest on the union of the rows, where
         a row's result depends only on the row (swarm/compute/ffn.py, "Segments"). The FFN backend gets the union of the rows and their
-        ``segments``. A backend that runs whole layers itself gets the embedded rows of all
-        sequences at once through ``run_layers_batch(model, x, [(cache, start, T), ...]) -> x``
-        (the stage layout); one with ``run_layers`` only is served one sequence after the other
-        through :meth:`forward`.
+        ``segments``. A :class:`~swarm.compute.ffn.LayerBackend` (the stage layout) gets the
+        embedded rows of all sequences at once through its ``run_layers_batch``.
         Raises ValueError as :meth:`forward`; if the backend raises, no cache length changes.
         """
         if ffn is None:
@@ -470,11 +466,8 @@ class Model:
                 raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
                                  f"({c.sliding_window}); sliding-window attention is not supported")
         x = self.embed.take(flat)
-        run_layers_batch = getattr(ffn, "run_layers_batch", None)  # a LayerBackend: whole layers elsewhere
-        if run_layers_batch is not None:
-            x = run_layers_batch(self, x, seqs)
-        elif getattr(ffn, "run_layers", None) is not None:
-            return np.concatenate([self.forward(t, c, ffn, last_only=True) for t, c in parts])
+        if isinstance(ffn, LayerBackend):  # whole layers elsewhere (stages)
+            x = ffn.run_layers_batch(self, x, seqs)
         else:
             x = self.layers_batch(x, seqs, 0, c.n_layers, ffn)
         for cache, start, T in seqs:

@@ -94,7 +94,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -105,6 +105,9 @@ from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageRequest
 from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.plan import Plan
+
+if TYPE_CHECKING:
+    from swarm.compute.model import Model
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ class RemoteFFN:
 
     def __init__(
         self,
-        model,
+        model: Model,
         plan: Plan,
         dispatcher: Dispatcher,
         *,

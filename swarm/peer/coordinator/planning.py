@@ -117,9 +117,9 @@ class Planning:
         # Our allowance less what only we hold (embeddings, attention, routers, norms, head), the KV
         # cache and activations. Under stages the attention of the workers' layers is not ours to
         # keep (the cost model's rule).
-        not_run = sum(b for i, b in enumerate(self.costs.attn_bytes) if i not in own) if own is not None else 0
+        not_run = sum(b for i, b in enumerate(self._layer_costs().attn_bytes) if i not in own) if own is not None else 0
         budget = self.shape.coordinator_weight_budget(memory_budget, stage_workers, own_layers, not_run)
-        cut = self.cut_layers
+        cut: Collection[int] | None = self.cut_layers
         if own is not None and cut is None:
             # Whole stages: the budget covers the coordinator's own stages' FFN; the workers' layers
             # run here only after a stage fails (from the mapped file), outside the budget.
@@ -146,16 +146,18 @@ class Planning:
         own = m.embed.nbytes + (0 if m.head is m.embed else m.head.nbytes)
         me = PeerCost(self.peer_id, max(memory_budget - own, 0), gflops)
         mine = stages.local_s_per_row_layer if stages is not None else None
-        if mine:  # our own layers' timing, in the unit the workers' answers are priced in
-            me = PeerCost(me.peer_id, me.memory_bytes, observed_gflops(self._layer_flops(), mine), observed=True)
-        costs, range_only = [], []
+        seen_here = observed_gflops(self._layer_flops(), mine)  # our own layers, in the unit the workers' are priced in
+        if seen_here is not None:
+            me = PeerCost(me.peer_id, me.memory_bytes, seen_here, observed=True)
+        costs: list[PeerCost] = []
+        range_only: list[PeerCost] = []
         for w in workers:  # a peer that cannot run a stage (a page, no model file) still takes ranges
             gflops_w, seen = self._speed(w.peer_id, w.ffn_speed, in_use, ranges, stages)
             o = stages.of(w.peer_id) if stages is not None else None
             overhead = o.overhead_s if o is not None and o.overhead_s is not None else MESSAGE_OVERHEAD_S
             (costs if w in holding else range_only).append(PeerCost(
                 w.peer_id, w.memory_bytes, gflops_w, w.rtt_s, observed=seen, overhead_s=overhead))
-        chosen, self.cost_report = choose_stages(self.layout, self.costs, me, costs, range_only)
+        chosen, self.cost_report = choose_stages(self.layout, self._layer_costs(), me, costs, range_only)
         if chosen is None:
             return workers
         self.stage_layout = StageLayout(term, self.version, self.peer_id, chosen)
@@ -163,19 +165,26 @@ class Planning:
             return []
         first = chosen[0]  # a mix: the coordinator's stage comes first, its FFN cut over the holders
         self.cut_layers = range(first.start, first.stop)
-        held = {s.peer: sum(self.costs.stage_bytes(i) for i in range(s.start, s.stop)) for s in chosen[1:]}
+        held = {s.peer: sum(self._layer_costs().stage_bytes(i) for i in range(s.start, s.stop)) for s in chosen[1:]}
         return [dataclasses.replace(w, memory_bytes=max(w.memory_bytes - held.get(w.peer_id, 0), 0)) for w in holding]
+
+    def _layer_costs(self) -> LayerCosts:
+        if self.costs is None:
+            self.costs = LayerCosts.from_model(self.model)
+        return self.costs
 
     def _layer_flops(self) -> float:
         """FLOPs of one row through one average layer (attention and FFN)."""
-        return (sum(self.costs.attn_flops) + sum(self.costs.ffn_flops)) / self.costs.n_layers
+        costs = self._layer_costs()
+        return (sum(costs.attn_flops) + sum(costs.ffn_flops)) / costs.n_layers
 
     def _speed(self, peer: str, claimed: float, in_use: Plan | None, ranges: Observations | None,
                stages: Observations | None) -> tuple[float, bool]:
         """(GFLOP/s, observed?): from its answers (stage or FFN) when it gave any, else its hello's figure."""
         o = stages.of(peer) if stages is not None else None
-        if o is not None and o.s_per_row_layer:
-            return observed_gflops(self._layer_flops(), o.s_per_row_layer), True
+        seen = observed_gflops(self._layer_flops(), o.s_per_row_layer) if o is not None else None
+        if seen is not None:
+            return seen, True
         o = ranges.of(peer) if ranges is not None else None
         if o is not None and o.s_per_row and in_use is not None:  # its FFN answers: FLOPs of one row of its share
             c, plan = self.model.config, in_use

@@ -56,17 +56,21 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from swarm.compute.ffn import LocalFFN
+from swarm.compute.ffn import FFNBackend, LocalFFN
 from swarm.errors import LocalProtocolError, RemoteProtocolError
 from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.coordinator.dispatch import Dispatcher
 from swarm.peer.net.messages import Error, StageAnswer, StageRequest, StageSegment
 from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout
+
+if TYPE_CHECKING:
+    from swarm.compute.model import KVCache, Model
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +121,15 @@ class _Part:
 
 
 class StagedFFN:
-    """The coordinator's backend for a stage layout; see the module docstring.
+    """The coordinator's backend for a stage layout (a :class:`~swarm.compute.ffn.LayerBackend`);
+    see the module docstring.
 
     ``model``: the whole model (mapped); ``layout``: the stages; ``dispatcher``: the links
     (:class:`~swarm.peer.coordinator.dispatch.Dispatcher`; told once per failed stage peer);
     ``inner``: the FFN backend of the coordinator's own layers (default: the model's local one).
     """
 
-    def __init__(self, model, layout: StageLayout, dispatcher: Dispatcher, inner=None, *,
+    def __init__(self, model: Model, layout: StageLayout, dispatcher: Dispatcher, inner: FFNBackend | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if layout.n_layers != model.config.n_layers:
             raise LocalProtocolError(f"stage layout covers {layout.n_layers} layers, the model has "
@@ -164,7 +169,7 @@ class StagedFFN:
     def set_rtt(self, peer: str, rtt_s: float) -> None:
         self.tracker.set_rtt(peer, rtt_s)
 
-    def set_layout(self, layout: StageLayout, inner=None) -> None:
+    def set_layout(self, layout: StageLayout, inner: FFNBackend | None = None) -> None:
         """Use ``layout`` for sequences that start from now on (those in flight keep theirs), and
         ``inner`` (if given) for the FFN of the coordinator's own layers."""
         if layout.n_layers != self.model.config.n_layers:
@@ -177,16 +182,16 @@ class StagedFFN:
         self.tracker.readmit(layout.workers())
 
     # ------------------------------------------------------------ token-loop side
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def ffn(self, layer: int, x: np.ndarray, segments: Sequence[int] | None = None) -> np.ndarray:
         """The FFN of the coordinator's own layers (FFNBackend)."""
-        return self.inner.ffn(layer, x)
+        return self.inner.ffn(layer, x, segments)
 
-    def run_layers(self, model, x: np.ndarray, cache, start: int) -> np.ndarray:
+    def run_layers(self, model: Model, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         """Run the embedded rows x [T, H] f32 at positions ``start ..`` through every stage; returns
         the rows after the last layer [T, H] f32 (``Model.forward``'s LayerBackend hook)."""
         return self.run_layers_batch(model, x, [(cache, start, x.shape[0])])
 
-    def run_layers_batch(self, model, x: np.ndarray, seqs: list[tuple[object, int, int]]) -> np.ndarray:
+    def run_layers_batch(self, model: Model, x: np.ndarray, seqs: list[tuple[KVCache, int, int]]) -> np.ndarray:
         """One step of several sequences (``Model.forward_batch``'s LayerBackend hook): ``x``
         [sum T_i, H] f32 holds each sequence's embedded rows in turn, ``seqs[i] = (cache, start,
         T_i)``. Sequences under the same layout cross each stage together — one StageRequest per

@@ -117,7 +117,7 @@ class PeerTiming:
 
     def deadline_s(self, rows: int) -> float:
         """Seconds to wait for the answer to a request of ``rows`` rows (module docstring)."""
-        if self.first:
+        if self.first or self.s_per_row is None:
             return first_deadline_s(self.load_bytes)
         expected = DEADLINE_SAFETY * (self.rtt_s + self.overhead_s() + self.s_per_row * rows)
         return min(max(expected, DEADLINE_MIN_S) * 2.0 ** self.misses, self.ceiling_s(rows))

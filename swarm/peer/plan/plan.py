@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from swarm.errors import RemoteProtocolError
 from swarm.peer.net.messages import Assignment, PlanMessage
@@ -77,8 +78,9 @@ class Plan:
                 "peers": list(self.peers), "experts": enc(self.experts), "dense": enc(self.dense)}
 
     @classmethod
-    def from_dict(cls, d: object, shape: ModelShape) -> "Plan":
-        """Parse and check a plan received from the network against the model's shape.
+    def from_dict(cls, d: Any, shape: ModelShape) -> "Plan":
+        """Parse and check a plan received from the network (``d``: decoded JSON, untrusted) against
+        the model's shape.
 
         Raises RemoteProtocolError naming the field when a type is wrong, a layer
         is not of that kind in the model, or the spans do not tile the layer.

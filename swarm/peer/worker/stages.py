@@ -69,7 +69,7 @@ class StageRunner:
         self.max_sequences = max_sequences
         self._layouts: dict[tuple[int, int], StageLayout] = {}
         self.term = 0
-        self._caches: OrderedDict[tuple[int, int, int], object] = OrderedDict()  # (sequence, lo, hi) → KVCache
+        self._caches: OrderedDict[tuple[int, int, int], StageCache] = OrderedDict()  # (sequence, lo, hi) → its cache
         self._lock = threading.Lock()
         self._busy = 0  # requests queued for the compute thread or being computed
         self._step_s: dict[tuple[int, int], float] = {}  # (lo, hi) → seconds per row of its last short step
@@ -171,7 +171,8 @@ class StageRunner:
         if len(msg.segments) > MAX_BATCH_LIMIT:
             raise RemoteProtocolError(f"{len(msg.segments)} sequences in one step; at most {MAX_BATCH_LIMIT}")
         with self._lock:
-            caches, gaps = [], []
+            caches: list[StageCache] = []
+            gaps: list[str] = []
             for s in msg.segments:  # every sequence is checked before any cache changes
                 cache = self._caches.get((s.sequence, lo, hi))
                 if s.start == 0:
@@ -179,6 +180,7 @@ class StageRunner:
                 elif cache is None or cache.length < s.start:
                     gaps.append(f"sequence {s.sequence}: holds {0 if cache is None else cache.length} "
                                 f"positions, the request starts at {s.start}")
+                    continue
                 caches.append(cache)
             if gaps:
                 raise _CacheGap(f"layers {lo}:{hi}: " + "; ".join(gaps) + "; resend from position 0")
