@@ -13,9 +13,11 @@ Interface for ``colibri-swarm join`` (swarm.peer.node)::
 
 Theory of operation. A :class:`~swarm.discovery.mdns.ServerBrowser` runs for the whole life of
 the peer. To connect, the peer tries the server :func:`~swarm.discovery.choice.pick_server`
-names (oldest live one); a server that refuses or drops it is set aside for ``DEAD_RETRY_S``,
-doubling with each failure in a row up to ``DEAD_RETRY_MAX_S`` (a record mDNS keeps listing after
-its host died costs one attempt every 5 minutes, not one every few seconds).
+names (oldest live one); a server that refuses or drops it is set aside for ``DEAD_RETRY_S``
+while it has been failing for less than ``DEAD_PATIENCE_S`` (its host may be a laptop with its lid
+closed: once it wakes, its swarm must find it again within seconds, or the two sides of a split
+signaling elect apart), then doubling with each failure up to ``DEAD_RETRY_MAX_S`` (a record mDNS
+keeps listing after its host died costs one attempt every 5 minutes, not one every few seconds).
 With none found before a deadline, the peer hosts one: the deadline is the discovery window
 for a fresh peer, and :func:`~swarm.discovery.choice.takeover_delay` after losing a server,
 so the lowest surviving Python peer id hosts anew and the others find it by mDNS. While
@@ -74,7 +76,8 @@ from swarm.signaling.server import SignalingServer
 log = logging.getLogger(__name__)
 
 DEAD_RETRY_S = 5.0  # a server that refused or dropped us is tried again after this long …
-DEAD_RETRY_MAX_S = 300.0  # … doubling at each failure in a row, up to this: a dead record mDNS still lists
+DEAD_PATIENCE_S = 60.0  # … for as long as it has failed for less than this (a sleeping host wakes) …
+DEAD_RETRY_MAX_S = 300.0  # … then doubling at each failure, up to this: a dead record mDNS still lists
 # (its host gone without a goodbye) costs a connection attempt every 5 minutes, not every 6 s
 RECHECK_S = 2.0  # while connected, look this often for a better server even without mDNS news
 CONNECT_TIMEOUT_S = 3.0  # per address; a LAN answers in milliseconds
@@ -127,6 +130,7 @@ class Rendezvous:
         self._advertiser: Advertiser | None = None
         self._dead: dict[tuple[str, float], float] = {}  # server key -> when it may be tried again (monotonic)
         self._failures_of: dict[tuple[str, float], int] = {}  # server key -> failed attempts in a row
+        self._failing_since: dict[tuple[str, float], float] = {}  # server key -> its first failure in a row
         self._events: asyncio.Queue[Event | None] = asyncio.Queue()
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -409,19 +413,23 @@ class Rendezvous:
                 log.info("signaling server %s at %s: %s", record.host, address, exc)
             else:
                 self._failures_of.pop(record.key, None)
+                self._failing_since.pop(record.key, None)
                 self._dead.pop(record.key, None)
                 return client
         self._set_aside(record)
         return None
 
     def _set_aside(self, record: ServerRecord) -> None:
-        """A learned server that failed: tried again after DEAD_RETRY_S, doubling with each failure
-        in a row up to DEAD_RETRY_MAX_S (a restarted server is a new record, tried at once)."""
+        """A learned server that failed: tried again after DEAD_RETRY_S while it has failed for
+        less than DEAD_PATIENCE_S, then after a pause doubling with each failure up to
+        DEAD_RETRY_MAX_S (a restarted server is a new record, tried at once)."""
+        now = time.monotonic()
         failures = self._failures_of.get(record.key, 0) + 1
         self._failures_of[record.key] = failures
-        pause = min(DEAD_RETRY_S * 2 ** min(failures - 1, 32), DEAD_RETRY_MAX_S)  # capped: no float overflow
-        self._dead[record.key] = time.monotonic() + pause
-        if pause == DEAD_RETRY_MAX_S > DEAD_RETRY_S * 2 ** min(failures - 2, 32):  # the first pause at the cap
+        since = self._failing_since.setdefault(record.key, now)
+        pause = dead_retry_pause(now - since, failures)
+        self._dead[record.key] = now + pause
+        if pause == DEAD_RETRY_MAX_S > dead_retry_pause(now - since, failures - 1):  # the first pause at the cap
             log.info("signaling server of %s failed %d times in a row: set aside, tried again every %g s until "
                      "it announces a restart", record.host, failures, DEAD_RETRY_MAX_S)
 
@@ -472,10 +480,21 @@ class Rendezvous:
         self._dead = {k: t for k, t in self._dead.items() if now < t}
         listed = {r.key for r in self._browser.records.values()} if self._browser is not None else set()
         self._failures_of = {k: n for k, n in self._failures_of.items() if k in listed or k in self._dead}
+        self._failing_since = {k: t for k, t in self._failing_since.items() if k in self._failures_of}
         return set(self._dead)
 
     def _next_dead_expiry(self) -> float:
         return min(self._dead.values(), default=float("inf"))
+
+
+def dead_retry_pause(failing_s: float, failures: int) -> float:
+    """Seconds before a signaling server that has failed ``failures`` times in a row, the first
+    ``failing_s`` seconds ago, is tried again: ``DEAD_RETRY_S`` within ``DEAD_PATIENCE_S``, then
+    doubling per failure past that window, capped at ``DEAD_RETRY_MAX_S``."""
+    if failing_s < DEAD_PATIENCE_S:
+        return DEAD_RETRY_S
+    past = max(failures - int(DEAD_PATIENCE_S // DEAD_RETRY_S), 1)  # failures after the patient window
+    return min(DEAD_RETRY_S * 2 ** min(past, 32), DEAD_RETRY_MAX_S)  # capped: no float overflow
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -47,9 +47,10 @@ JOIN_GRACE_S = 10.0
 LEFT_SILENCE_S = 2.0  # link silence (seconds) that, with no signaling presence, means a peer left
 # After this process slept (SIGSTOP, a laptop lid; its ticks stopped for more than WAKE_GAP_S),
 # nobody is forgotten for this long (seconds): the peers that left our signaling server while we
-# slept were not leaving the swarm, and a peer that dropped a dead server tries it again only
-# after the rendezvous's DEAD_RETRY_S (5 s).
-WAKE_GRACE_S = 8.0
+# slept were not leaving the swarm: a peer that dropped our server tries it again within the
+# rendezvous's DEAD_RETRY_S (5 s, in a stall of up to DEAD_PATIENCE_S), then moves to it (older
+# servers win) within its RECHECK_S (2 s), with room to spare on a busy machine.
+WAKE_GRACE_S = 15.0
 
 
 class ElectionDriver:
