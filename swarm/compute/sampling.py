@@ -1,5 +1,13 @@
 """Sampling and the generation loop (a generator of token ids).
 
+Before any filter, a sequence's logits are adjusted by its request (:func:`adjust_logits`):
+``logit_bias`` adds a constant per token id, then ``presence_penalty`` and
+``frequency_penalty`` subtract, per token ``j`` generated ``c[j]`` times so far,
+``c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`` (OpenAI API reference,
+"Parameter details", frequency and presence penalties). All of it runs where the logits are
+sampled — on the coordinator, after the forward pass — so the forward pass, and every peer's
+part of it, is the same with or without them.
+
 Order of the filters follows transformers' ``LogitsProcessor`` chain for
 ``generate(do_sample=True)``: temperature, then top-k, then top-p (nucleus; the
 smallest set of most likely tokens whose probability reaches ``top_p``).
@@ -10,8 +18,9 @@ into NaN probabilities, and the distribution is one-hot well before that.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -23,13 +32,20 @@ TEMPERATURE_FLOOR = 1e-5  # below this, sampling is greedy
 # flowing between chunks) and its scratch memory. A row's bits do not depend on it: every
 # kernel computes a row from that row alone (swarm/compute/quant.py).
 PREFILL_CHUNK = 64
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI)
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's top_logprobs)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature`` ≥ 0 (below :data:`TEMPERATURE_FLOOR`: greedy), ``top_k`` ≥ 0 (0: off), 0 < ``top_p`` ≤ 1,
     ``seed`` (None: fresh entropy), ``max_tokens`` ≥ 0, ``stop_tokens`` (ids that end the
-    reply; the stop token itself is yielded last)."""
+    reply; the stop token itself is yielded last); ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2] and ``logit_bias`` (``(token id, bias)`` pairs, bias in
+    [-100, 100]) adjust the logits (:func:`adjust_logits`); ``logprobs``: None reports none,
+    ``k`` ≥ 0 reports each sampled token's log-probability and the ``k`` most likely tokens'
+    (:class:`Sampled`)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -37,6 +53,10 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop_tokens: tuple[int, ...] = field(default=())
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -49,6 +69,86 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.seed is not None and self.seed < 0:  # numpy's default_rng refuses negative seeds
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS or t < 0 for t, b in self.logit_bias):
+            raise ValueError(f"logit_bias must map token ids >= 0 to [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether :func:`adjust_logits` changes anything under these params."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled token. With ``params.logprobs`` set: ``logprob``, the token's log-probability
+    under the model's distribution (the log-softmax of the raw logits, float32, before any
+    adjustment or filter — what the model says, whatever the request did to pick), and ``top``:
+    the ``params.logprobs`` most likely ``(id, logprob)``, most likely first (ties: lower id)."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def adjust_logits(logits: np.ndarray, params: SamplingParams, counts: Mapping[int, int]) -> np.ndarray:
+    """Logits [V] f32 with ``params.logit_bias`` added, then the presence and frequency
+    penalties subtracted for the tokens generated so far (``counts``: id → times generated),
+    in float32: ``z[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`` (OpenAI).
+    Returns ``logits`` itself when nothing changes it, else a new array."""
+    if not params.adjusts_logits:
+        return logits
+    z = logits.astype(F32, copy=True)
+    if params.logit_bias:
+        ids = np.fromiter((t for t, _ in params.logit_bias), np.int64, len(params.logit_bias))
+        z[ids] += np.array([b for _, b in params.logit_bias], F32)
+    if counts and (params.presence_penalty or params.frequency_penalty):
+        ids = np.fromiter(counts.keys(), np.int64, len(counts))
+        c = np.fromiter(counts.values(), F32, len(counts))
+        z[ids] -= c * F32(params.frequency_penalty) + F32(params.presence_penalty)
+    return z
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log-softmax of logits [V] in float32: ``z - max(z) - log(sum(exp(z - max(z))))``."""
+    z = logits.astype(F32, copy=False)
+    shifted = z - z.max()
+    return shifted - np.log(np.add.reduce(np.exp(shifted), dtype=F32))
+
+
+def top_logprobs(logprobs: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely ``(id, logprob)`` of ``logprobs`` [V], most likely first, ties to
+    the lower id."""
+    if k <= 0:
+        return ()
+    k = min(k, logprobs.size)
+    best = np.argpartition(-logprobs, k - 1)[:k]
+    best = best[np.lexsort((best, -logprobs[best]))]
+    return tuple((int(i), float(logprobs[i])) for i in best)
+
+
+class Sampler:
+    """One sequence's sampling: its random generator (seeded by ``params.seed``) and the counts
+    of the tokens it generated (for the penalties). Calling it with the next logits [V] f32
+    picks a token (:func:`adjust_logits`, then :func:`sample`) and counts it."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.counts: Counter[int] = Counter()
+
+    def __call__(self, logits: np.ndarray) -> Sampled:
+        params = self.params
+        token = sample(adjust_logits(logits, params, self.counts), params, self.rng)
+        self.counts[token] += 1
+        if params.logprobs is None:
+            return Sampled(token)
+        lp = log_softmax(logits)
+        return Sampled(token, float(lp[token]), top_logprobs(lp, params.logprobs))
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -81,9 +181,10 @@ def generate(model, prompt_tokens: Iterable[int], params: SamplingParams | None 
     cuts it); each new token is then decoded with the KV cache.
     Stops after ``params.max_tokens`` tokens or after yielding a stop token. ``ffn`` is the
     FFN backend (default: local). ``cache`` may carry an earlier conversation's prefix.
+    Each token is picked by one :class:`Sampler`, as the batch scheduler picks it.
     """
     params = params or SamplingParams()
-    rng = np.random.default_rng(params.seed)
+    sampler = Sampler(params)
     cache = cache if cache is not None else model.new_cache()
     tokens = list(prompt_tokens)
     if not tokens:
@@ -94,7 +195,7 @@ def generate(model, prompt_tokens: Iterable[int], params: SamplingParams | None 
     for lo in range(0, len(tokens), PREFILL_CHUNK):
         logits = model.forward(tokens[lo:lo + PREFILL_CHUNK], cache, ffn=ffn, last_only=True)[0]
     for i in range(params.max_tokens):
-        tok = sample(logits, params, rng)
+        tok = sampler(logits).token
         yield tok
         if tok in stops or i + 1 == params.max_tokens:
             return

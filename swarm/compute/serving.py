@@ -15,7 +15,8 @@ is none. Each step takes, in arrival order, every running sequence's next rows:
 own KV cache (which grows with the sequence, never reserved from the prompt), the FFN over the
 union of the rows with their segments, so every row is bit-identical to its solo run and the
 sequence's tokens do not depend on its neighbours. After the step, each sequence that produced
-logits samples its next token with its own generator (:func:`swarm.compute.sampling.sample`).
+logits samples its next token with its own :class:`~swarm.compute.sampling.Sampler` (its
+generator, its penalties and logit bias, its logprobs), here on the scheduler's machine.
 
 Sequences join and leave between steps. At most ``max_batch`` run, and with ``max_positions``
 only as many as whose prompt + ``max_tokens`` fit that many KV positions together (a swarm's
@@ -38,9 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from swarm.compute.sampling import PREFILL_CHUNK, SamplingParams, sample
+from swarm.compute.sampling import PREFILL_CHUNK, Sampled, Sampler, SamplingParams
 from swarm.errors import SwarmError
 
 CHUNK_TOKENS = PREFILL_CHUNK  # prompt rows per prefill chunk: where generate() cuts a prompt too
@@ -88,7 +87,7 @@ class _Seq:
     generated: int = 0
     cancelled: bool = False
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    rng: np.random.Generator | None = None
+    sampler: Sampler | None = None
 
     def next_rows(self, chunk: int) -> list[int]:
         if self.fed < len(self.prompt):
@@ -97,7 +96,9 @@ class _Seq:
 
 
 class TokenStream:
-    """The token ids of one sequence, as the scheduler produces them (a blocking iterator).
+    """The token ids of one sequence, as the scheduler produces them (a blocking iterator);
+    :meth:`sampled` iterates the same tokens as :class:`~swarm.compute.sampling.Sampled`, with
+    their logprobs when the sequence's params ask for them.
 
     Ends after a stop token (yielded) or ``max_tokens``; raises what failed its step (e.g. a
     :class:`~swarm.errors.SwarmError` of the swarm). :meth:`cancel` (any thread) takes the
@@ -115,6 +116,10 @@ class TokenStream:
         return self
 
     def __next__(self) -> int:
+        return self.next_sampled().token
+
+    def next_sampled(self) -> Sampled:
+        """The next token with its logprobs (blocks); StopIteration at the end."""
         item = self._seq.out.get()
         if item is _DONE:
             self._seq.out.put(_DONE)  # later calls end too
@@ -123,6 +128,14 @@ class TokenStream:
             self._seq.out.put(_DONE)
             raise item
         return item
+
+    def sampled(self) -> Iterator[Sampled]:
+        """The remaining tokens as :class:`~swarm.compute.sampling.Sampled`."""
+        while True:
+            try:
+                yield self.next_sampled()
+            except StopIteration:
+                return
 
     def cancel(self) -> None:
         self._scheduler.cancel(self._seq)
@@ -235,7 +248,7 @@ class BatchScheduler:
                 while self._waiting and len(self._running) < self.max_batch and self._fits(self._waiting[0]):
                     seq = self._waiting.popleft()
                     seq.cache = self.model.new_cache(capacity=16)
-                    seq.rng = np.random.default_rng(seq.params.seed)
+                    seq.sampler = Sampler(seq.params)
                     self._running.append(seq)
                 if not self._running:
                     self._thread = None
@@ -286,10 +299,11 @@ class BatchScheduler:
                     continue  # more prompt to read: this chunk's logits are not needed
             if seq.cancelled:
                 continue
-            tok = sample(row, seq.params, seq.rng)
+            picked = seq.sampler(row)
+            tok = picked.token
             seq.generated += 1
             seq.last = tok
-            seq.out.put(tok)
+            seq.out.put(picked)
             if tok in seq.params.stop_tokens or seq.generated >= seq.params.max_tokens:
                 with self._cond:
                     seq.cancelled = True  # finished: its slot is free from the next step on

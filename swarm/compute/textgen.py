@@ -11,12 +11,16 @@ swarm's API encodes through the same function and turns the tokens of its batch 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
-from swarm.compute.sampling import SamplingParams, generate
-from swarm.compute.tokenizer import TextTokenizer
+from tokenizers import decoders
+
+from swarm.compute.sampling import Sampled, SamplingParams, generate
+from swarm.compute.tokenizer import TextTokenizer, _bytes_to_unicode
 from swarm.errors import ContextLengthError, ModelFileError, SwarmError
 
 MAX_TEMPERATURE = 2.0  # the highest sampling temperature the CLI and the API accept (OpenAI's bound)
@@ -130,20 +134,68 @@ def reply_pieces(tokens: Iterable[int], tokenizer: TextTokenizer, params: Sampli
                  stats: GenerationStats | None = None) -> Iterator[str]:
     """Text pieces of generated ``tokens`` (complete UTF-8 each), up to the first of
     ``params.stop_tokens`` (not printed); ``stats`` counts them and says why the reply ended."""
+    for piece in sampled_pieces((Sampled(t) for t in tokens), tokenizer, params, prompt_tokens, stats):
+        if piece.text:
+            yield piece.text
+
+
+@dataclass(frozen=True)
+class ReplyPiece:
+    """A piece of reply text and the generated tokens that completed it (in order; a token
+    whose bytes end mid-character goes with the piece its next token completes)."""
+
+    text: str
+    tokens: tuple[Sampled, ...]
+
+
+def sampled_pieces(sampled: Iterable[Sampled], tokenizer: TextTokenizer, params: SamplingParams,
+                   prompt_tokens: int, stats: GenerationStats | None = None) -> Iterator[ReplyPiece]:
+    """:func:`reply_pieces` that keeps each piece's tokens (with their logprobs): the pieces'
+    texts joined are the reply; their tokens, every generated token but a final stop token."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = prompt_tokens
     stats.finish_reason = "length"
     stop = set(params.stop_tokens)
     decoder = tokenizer.stream_decoder()
-    for token in tokens:
+    held: list[Sampled] = []
+    for item in sampled:
         stats.completion_tokens += 1
-        if token in stop:
+        if item.token in stop:
             stats.finish_reason = "stop"
             break
-        if piece := decoder.push(token):
-            yield piece
-    if rest := decoder.flush():
-        yield rest
+        held.append(item)
+        if piece := decoder.push(item.token):
+            yield ReplyPiece(piece, tuple(held))
+            held = []
+    rest = decoder.flush()
+    if rest or held:
+        yield ReplyPiece(rest, tuple(held))
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: TextTokenizer, token: int) -> bytes:
+    """The bytes token id ``token`` stands for (OpenAI's logprobs ``bytes``): a byte-level
+    vocabulary's entry respelled from GPT-2's byte alphabet, a byte-fallback ``<0xHH>`` its
+    byte, anything else its decoded text as UTF-8. A token may hold part of a character."""
+    piece = tokenizer.tokenizer.id_to_token(token)
+    if piece is None:
+        return b""
+    if isinstance(tokenizer.tokenizer.decoder, decoders.ByteLevel):
+        table = _byte_alphabet()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode()
+    if m := _BYTE_FALLBACK.fullmatch(piece):
+        return bytes([int(m.group(1), 16)])
+    return tokenizer.decode([token], skip_special_tokens=False).encode()
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: stand-in character → byte."""
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def generate_text(

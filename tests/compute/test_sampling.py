@@ -114,3 +114,96 @@ def test_generate_prefills_once_then_decodes_and_stops():
     assert list(generate(m, [1], SamplingParams(max_tokens=2))) == [3, 5]
     assert m.calls == [[1], [3]]  # no forward after the last token
     assert list(generate(_Script([1]), [1], SamplingParams(max_tokens=0))) == []
+
+
+# ---------------------------------------------------------------- penalties, logit bias, logprobs
+
+
+def _penalized64(logits, counts, presence, frequency, bias):
+    """OpenAI's rule in float64: mu[j] + bias[j] - c[j] * frequency - (c[j] > 0) * presence."""
+    z = logits.astype(np.float64)
+    for t, b in bias.items():
+        z[t] += b
+    for t, c in counts.items():
+        z[t] -= c * frequency + (c > 0) * presence
+    return z
+
+
+def test_adjust_logits_follows_openais_formula():
+    from swarm.compute.sampling import adjust_logits
+
+    counts = {6: 3, 0: 1, 4: 2}
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=1.25, logit_bias=((1, 4.0), (6, -0.5)))
+    got = adjust_logits(LOGITS, params, counts)
+    want = _penalized64(LOGITS, counts, 0.5, 1.25, {1: 4.0, 6: -0.5})
+    assert got.dtype == np.float32 and np.allclose(got, want, atol=1e-6)
+    assert np.argmax(got) == 1  # the bias beat the best raw token, which the penalties pushed down
+    assert adjust_logits(LOGITS, SamplingParams(), counts) is LOGITS  # nothing asked: the same array
+    assert np.array_equal(LOGITS, np.array([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, 3.0, -2.0], np.float32))  # not written
+
+
+def test_a_negative_penalty_rewards_what_was_said():
+    from swarm.compute.sampling import adjust_logits
+
+    got = adjust_logits(LOGITS, SamplingParams(presence_penalty=-2.0), {2: 1})
+    assert got[2] == LOGITS[2] + 2 == LOGITS[6] == got[6] and np.argmax(got) == 2  # a tie: the lower id
+
+
+def test_log_softmax_and_top_logprobs_against_float64():
+    from swarm.compute.sampling import log_softmax, top_logprobs
+
+    rng = np.random.default_rng(3)
+    z = (rng.standard_normal(49152) * 4).astype(np.float32)
+    lp = log_softmax(z)
+    z64 = z.astype(np.float64)
+    want = z64 - z64.max() - np.log(np.exp(z64 - z64.max()).sum())
+    assert lp.dtype == np.float32 and np.abs(lp - want).max() < 1e-4
+    top = top_logprobs(lp, 5)
+    assert [t for t, _ in top] == list(np.argsort(-want, kind="stable")[:5])
+    assert all(abs(v - want[t]) < 1e-4 for t, v in top)
+    tied = np.array([0.0, 1.0, 1.0, 0.5], np.float32)
+    assert [t for t, _ in top_logprobs(log_softmax(tied), 3)] == [1, 2, 3]  # ties: the lower id first
+    assert top_logprobs(lp, 0) == ()
+
+
+def test_sampler_reports_the_raw_distribution_and_counts_its_picks():
+    """Logprobs are the model's (raw logits), whatever the penalties made the sampler pick."""
+    from swarm.compute.sampling import Sampler
+
+    s = Sampler(SamplingParams(frequency_penalty=2.0, logprobs=2))
+    first, second = s(LOGITS), s(LOGITS)
+    assert first.token == 6 and second.token == 0  # 3.0 - 2 < 2.0: the repeat is penalized
+    lp64 = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    assert abs(second.logprob - lp64[0]) < 1e-6
+    assert [t for t, _ in second.top] == [6, 0] and abs(second.top[0][1] - lp64[6]) < 1e-6
+    assert s.counts == {6: 1, 0: 1}
+    assert Sampler(SamplingParams())(LOGITS).logprob is None
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
+                                 dict(logit_bias=((3, 101.0),)), dict(logit_bias=((-1, 1.0),)),
+                                 dict(logprobs=21), dict(logprobs=-1)])
+def test_penalty_bias_and_logprobs_bounds(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_generate_applies_penalties_as_a_float64_reimplementation(smollm2_model):
+    """The CLI's and the swarm's token loop: greedy with penalties and a bias on SmolLM2's own
+    logits equals the same rule applied in float64 by hand, and differs from plain greedy."""
+    from swarm.compute.sampling import PREFILL_CHUNK
+
+    model = smollm2_model
+    prompt = [1, 504, 3, 9, 504, 3, 9, 504]
+    params = SamplingParams(max_tokens=12, presence_penalty=0.8, frequency_penalty=1.5, logit_bias=((504, 5.0),))
+    cache = model.new_cache()
+    for lo in range(0, len(prompt), PREFILL_CHUNK):
+        logits = model.forward(prompt[lo:lo + PREFILL_CHUNK], cache, last_only=True)[0]
+    want, counts = [], {}
+    for _ in range(params.max_tokens):
+        tok = int(np.argmax(_penalized64(logits, counts, 0.8, 1.5, {504: 5.0})))
+        want.append(tok)
+        counts[tok] = counts.get(tok, 0) + 1
+        logits = model.forward([tok], cache, last_only=True)[0]
+    assert list(generate(model, prompt, params)) == want
+    assert want != list(generate(model, prompt, SamplingParams(max_tokens=12)))

@@ -21,8 +21,11 @@ asked for explicitly (``tls=False``, ``join --api-plain-http``), which exposes p
 replies and the token to the network.
 
 Every request field is validated (:func:`~swarm.peer.coordinator.api_request.parse_chat_request`,
-the request model, in ``api_request.py``); a bad one → 400 in OpenAI's
-error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field. So is a
+the request model, in ``api_request.py``); a bad one, or one this server does not serve (tools,
+``response_format``, ``echo``, unknown fields …: docs/serving.md, "Request fields"), → 400 in
+OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field.
+``logprobs`` are reported per token (chat: ``choices[].logprobs.content[]``; completions: tokens,
+token_logprobs, top_logprobs, text_offset), whole and in stream chunks. So is a
 body that is not JSON, nested too deeply, or not valid Unicode; and a prompt that with
 ``max_tokens`` does not fit the model's context (checked before any generation).
 
@@ -59,7 +62,7 @@ from swarm.compute.serving import QueueFullError
 from swarm.compute.textgen import GenerationStats
 from swarm.errors import ChatTemplateError, ContextLengthError, CoordinatorChangedError, LocalProtocolError, SwarmError
 from swarm.httpserver import HttpServer
-from swarm.peer.coordinator.api_engine import ChatBackend
+from swarm.peer.coordinator.api_engine import ChatBackend, Piece, TokenLogprob
 from swarm.peer.coordinator.api_request import (MAX_BODY_BYTES, ApiError, ChatRequest, StopMatcher, parse_chat_request,
                                                 parse_completion_request)
 
@@ -227,12 +230,14 @@ class ApiServer:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         chat = parse_chat_request(await _json_body(request), model_id=self.backend.model_id,
-                                  max_tokens_limit=self.backend.max_tokens_limit)
+                                  max_tokens_limit=self.backend.max_tokens_limit,
+                                  vocab_size=getattr(self.backend, "vocab_size", None))
         return await self._answer(request, chat)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         chat = parse_completion_request(await _json_body(request), model_id=self.backend.model_id,
-                                        max_tokens_limit=self.backend.max_tokens_limit)
+                                        max_tokens_limit=self.backend.max_tokens_limit,
+                                        vocab_size=getattr(self.backend, "vocab_size", None))
         return await self._answer(request, chat)
 
     async def _answer(self, request: web.Request, chat: ChatRequest) -> web.StreamResponse:
@@ -261,14 +266,19 @@ class ApiServer:
         try:
             if chat.stream:
                 return await self._stream(request, chat, ident, created, reply, stats)
+            texts, tokens = [], []
             async with contextlib.aclosing(self._pieces(chat, stats, reply)) as pieces:
-                text = "".join([piece async for piece in pieces])
+                async for piece, piece_tokens in pieces:
+                    texts.append(piece)
+                    tokens += piece_tokens
+            text = "".join(texts)
             choice = ({"text": text} if chat.prompt is not None
                       else {"message": {"role": "assistant", "content": text}})
             return web.json_response({
                 "id": ident, "object": "chat.completion" if chat.prompt is None else "text_completion",
                 "created": created, "model": self.backend.model_id,
-                "choices": [{"index": 0, **choice, "finish_reason": stats.finish_reason, "logprobs": None}],
+                "choices": [{"index": 0, **choice, "finish_reason": stats.finish_reason,
+                             "logprobs": _logprobs(chat, tokens)}],
                 "usage": _usage(stats),
             })
         except asyncio.CancelledError:
@@ -287,10 +297,11 @@ class ApiServer:
         text = chat.prompt is not None  # a text completion: its chunks carry "text", no role or delta
         kind = "text_completion" if text else "chat.completion.chunk"
 
-        def chunk(delta: dict, finish: str | None = None, **extra: Any) -> bytes:
+        def chunk(delta: dict, finish: str | None = None, tokens: Sequence[tuple[int, TokenLogprob]] = ()) -> bytes:
             piece = {"text": delta.get("content", "")} if text else {"delta": delta}
             obj = {"id": ident, "object": kind, "created": created, "model": self.backend.model_id,
-                   "choices": [{"index": 0, **piece, "finish_reason": finish, "logprobs": None}], **extra}
+                   "choices": [{"index": 0, **piece, "finish_reason": finish,
+                                "logprobs": _logprobs(chat, tokens) if tokens else None}]}
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
         try:
@@ -298,8 +309,8 @@ class ApiServer:
                 await response.write(chunk({"role": "assistant", "content": ""}))
             # aclosing: a client that goes away ends the generation (and frees its slot) now.
             async with contextlib.aclosing(self._pieces(chat, stats, reply)) as pieces:
-                async for piece in pieces:
-                    await response.write(chunk({"content": piece}))
+                async for piece, tokens in pieces:
+                    await response.write(chunk({"content": piece}, tokens=tokens))
             await response.write(chunk({}, stats.finish_reason))
             if chat.include_usage:
                 obj = {"id": ident, "object": kind, "created": created,
@@ -322,9 +333,12 @@ class ApiServer:
 
     # ------------------------------------------------------------- the token loop
 
-    async def _pieces(self, chat: ChatRequest, stats: GenerationStats, reply: Iterator[str]) -> AsyncIterator[str]:
+    async def _pieces(self, chat: ChatRequest, stats: GenerationStats,
+                      reply: Iterator[str | Piece]) -> AsyncIterator[tuple[str, list[tuple[int, TokenLogprob]]]]:
         """Text pieces of one admitted generation (``reply``, iterated in a worker thread), stop
-        strings applied."""
+        strings applied, each with the tokens whose text it ends (``(offset, token)``: where the
+        token's text starts in the reply, in characters); a token cut by a stop string goes with
+        the text before the cut when some of its text is there."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancel = threading.Event()
@@ -343,6 +357,7 @@ class ApiServer:
                 getattr(reply, "close", lambda: None)()
 
         stopper = StopMatcher(chat.stop)
+        tokens = _TokenOffsets()
         started = time.perf_counter()
         future = loop.run_in_executor(self._executor, run)
         try:
@@ -355,12 +370,17 @@ class ApiServer:
                     raise ApiError(f"generation failed: {value!r}", status=500, type="server_error")
                 if kind == "done":
                     rest = stopper.flush()
-                    if rest:
-                        yield rest
+                    tokens.emitted += len(rest)
+                    if rest or tokens.pending:
+                        yield rest, tokens.release(everything=True)
                     return
-                text, stopped = stopper.push(value)
-                if text:
-                    yield text
+                piece = value if isinstance(value, Piece) else Piece(value)
+                tokens.push(piece)
+                text, stopped = stopper.push(piece.text)
+                tokens.emitted += len(text)
+                done = tokens.release(stopped=stopped)
+                if text or done:
+                    yield text, done
                 if stopped:
                     stats.finish_reason = "stop"
                     return
@@ -409,6 +429,55 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class _TokenOffsets:
+    """Where each token of a reply starts in its text, and which tokens the text emitted so far
+    (``emitted`` characters, after stop strings) has finished."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, int, TokenLogprob]] = []  # (start, end, token) in characters
+        self.pushed = 0  # characters pushed so far
+        self.emitted = 0
+
+    def push(self, piece: Piece) -> None:
+        """Offsets of ``piece``'s tokens: each starts where the text of those before it in the piece ends."""
+        raw = b""
+        for i, token in enumerate(piece.tokens):
+            start = self.pushed + min(len(raw.decode("utf-8", "ignore")), len(piece.text))
+            raw += token.bytes
+            end = self.pushed + (len(piece.text) if i == len(piece.tokens) - 1
+                                 else min(len(raw.decode("utf-8", "ignore")), len(piece.text)))
+            self.pending.append((start, end, token))
+        self.pushed += len(piece.text)
+
+    def release(self, *, stopped: bool = False, everything: bool = False) -> list[tuple[int, TokenLogprob]]:
+        """The tokens whose text is all emitted (with ``stopped``: whose text starts before the
+        cut; the rest never will be); ``everything``: all that remain."""
+        if everything:
+            done = self.pending
+        elif stopped:
+            done = [p for p in self.pending if p[0] < self.emitted or p[1] == p[0] <= self.emitted]
+        else:
+            done = [p for p in self.pending if p[1] <= self.emitted]
+        self.pending = [] if everything or stopped else self.pending[len(done):]
+        return [(start, token) for start, _, token in done]
+
+
+def _logprobs(chat: ChatRequest, tokens: Sequence[tuple[int, TokenLogprob]]) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice for ``tokens`` (``(offset, token)``); None when the
+    request asked for none. Chat: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+    text completions: ``{tokens, token_logprobs, top_logprobs, text_offset}``, whose
+    ``top_logprobs`` hold the sampled token too (OpenAI's legacy rule)."""
+    if chat.logprobs is None:
+        return None
+    if chat.prompt is None:
+        return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+                             "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(b)} for a, b, lp in t.top]}
+                            for _, t in tokens], "refusal": None}
+    return {"tokens": [t.token for _, t in tokens], "token_logprobs": [t.logprob for _, t in tokens],
+            "top_logprobs": [{**{a: lp for a, _, lp in t.top}, t.token: t.logprob} for _, t in tokens],
+            "text_offset": [offset for offset, _ in tokens]}
 
 
 def _usage(stats: GenerationStats) -> dict[str, int]:

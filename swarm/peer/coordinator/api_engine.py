@@ -1,18 +1,23 @@
 """The engine behind the coordinator's API: the :class:`ChatBackend` protocol the server runs,
 and :class:`EngineBackend`, which encodes a request with the model's chat template, checks it
 against the context and hands it to the continuous-batching scheduler
-(:mod:`swarm.compute.serving`); :class:`Reply` is one admitted request's text pieces.
+(:mod:`swarm.compute.serving`); :class:`Reply` is one admitted request's text pieces
+(:class:`Piece`, with their tokens' logprobs when the request asks for them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from swarm.compute.sampling import Sampled
 from swarm.compute.serving import BatchScheduler, TokenStream
-from swarm.compute.textgen import GenerationStats, context_limit, encode_prompt, reply_pieces, with_stop_tokens
+from swarm.compute.textgen import (GenerationStats, ReplyPiece, context_limit, encode_prompt, sampled_pieces,
+                                   token_bytes, with_stop_tokens)
 from swarm.peer.coordinator.api_request import ChatRequest
+
 
 class ChatBackend(Protocol):
     """What the API runs. ``prepare`` encodes and checks the prompt (raising
@@ -20,7 +25,8 @@ class ChatBackend(Protocol):
     before any generation; run in a thread); ``generate`` is called on the event loop and must
     not block: it admits the request (or raises
     :class:`~swarm.compute.serving.QueueFullError`) and returns a *blocking* iterator of text
-    pieces (iterated in a thread) that fills ``stats`` as it goes; its ``cancel()``, when it
+    pieces — ``str``, or :class:`Piece` with the logprobs of its tokens — (iterated in a thread)
+    that fills ``stats`` as it goes; its ``cancel()``, when it
     has one, is called from the event loop when the client goes away. ``concurrency``: how many
     requests it takes at once (running and queued)."""
 
@@ -30,7 +36,27 @@ class ChatBackend(Protocol):
 
     def prepare(self, request: ChatRequest) -> ChatRequest: ...
 
-    def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str]: ...
+    def generate(self, request: ChatRequest, stats: GenerationStats) -> Iterator[str | Piece]: ...
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token of a reply as OpenAI's logprobs report it: its text (``bytes`` decoded, a
+    partial character as U+FFFD), its bytes, its log-probability (None when not asked for) and
+    its most likely alternatives ``(text, bytes, logprob)``, most likely first."""
+
+    token: str
+    bytes: bytes
+    logprob: float | None
+    top: tuple[tuple[str, bytes, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of reply text and the tokens that completed it."""
+
+    text: str
+    tokens: tuple[TokenLogprob, ...] = ()
 
 
 class EngineBackend:
@@ -53,6 +79,7 @@ class EngineBackend:
         # plan's reserve): one sequence never takes more, and sequences wait until theirs fit.
         self.context = context
         self.max_tokens_limit = max_tokens_limit or context_limit(model.config, context) or 8192
+        self.vocab_size = model.config.vocab_size  # logit_bias ids are checked against it
         self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue,
                                         max_positions=context)
         self.concurrency = self.scheduler.max_batch + self.scheduler.max_queue
@@ -91,22 +118,37 @@ class EngineBackend:
             request = self.prepare(request)
         params = with_stop_tokens(self.model, self.tokenizer, SamplingParams(
             temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-            seed=request.seed, max_tokens=request.max_tokens))
+            seed=request.seed, max_tokens=request.max_tokens, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias, logprobs=request.logprobs))
         tokens = self.scheduler.submit(request.prompt_ids, params)
-        return Reply(tokens, reply_pieces(tokens, self.tokenizer, params, len(request.prompt_ids), stats))
+        pieces = sampled_pieces(tokens.sampled(), self.tokenizer, params, len(request.prompt_ids), stats)
+        if request.logprobs is None:
+            return Reply(tokens, (Piece(p.text) for p in pieces if p.text))
+        return Reply(tokens, (self._piece(p) for p in pieces))
+
+    def _piece(self, piece: ReplyPiece) -> Piece:
+        return Piece(piece.text, tuple(self._token(s) for s in piece.tokens))
+
+    def _token(self, sampled: Sampled) -> TokenLogprob:
+        def text(token: int) -> tuple[str, bytes]:
+            raw = token_bytes(self.tokenizer, token)
+            return raw.decode("utf-8", "replace"), raw
+
+        return TokenLogprob(*text(sampled.token), sampled.logprob,
+                            tuple((*text(t), lp) for t, lp in sampled.top))
 
 
 class Reply:
     """Text pieces of one admitted request (a blocking iterator); :meth:`cancel` (any thread)
     takes its sequence out of the batch and ends the iteration; :meth:`close` does the same."""
 
-    def __init__(self, tokens: TokenStream, pieces: Iterator[str]) -> None:
+    def __init__(self, tokens: TokenStream, pieces: Iterator[Piece]) -> None:
         self.tokens, self._pieces = tokens, pieces
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[Piece]:
         return self
 
-    def __next__(self) -> str:
+    def __next__(self) -> Piece:
         return next(self._pieces)
 
     def cancel(self) -> None:

@@ -2,7 +2,8 @@
 
 :func:`parse_chat_request` (``POST /v1/chat/completions``) and :func:`parse_completion_request`
 (``POST /v1/completions``) turn a decoded JSON body into a :class:`ChatRequest` or raise
-:class:`ApiError` (400, OpenAI's error shape) naming the field; :class:`StopMatcher` applies a
+:class:`ApiError` (400, OpenAI's error shape) naming the field — a bad value, or a field this
+server does not serve (:data:`NOT_SERVED`, unknown fields: never silently ignored); :class:`StopMatcher` applies a
 request's ``stop`` strings to the text as it streams. Nothing here does I/O.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.compute.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from swarm.compute.textgen import MAX_TEMPERATURE
 from swarm.errors import SwarmError
 
@@ -36,7 +38,11 @@ class ChatRequest:
     context leaves); ``stop``: up to 4 non-empty strings that end the reply (not included);
     ``prompt``: the raw prompt of ``POST /v1/completions`` (then encoded as is, without the
     chat template; ``messages`` holds it as one user message);
-    ``prompt_ids``: the encoded, checked prompt once :meth:`ChatBackend.prepare` ran.
+    ``prompt_ids``: the encoded, checked prompt once :meth:`ChatBackend.prepare` ran;
+    ``presence_penalty``, ``frequency_penalty`` in [-2, 2] and ``logit_bias`` (``(id, bias)``)
+    adjust the logits before sampling; ``logprobs``: None reports no logprobs, ``k`` ≥ 0 each
+    token's and its ``k`` most likely alternatives' (chat's ``top_logprobs``, completions'
+    ``logprobs``).
     """
 
     messages: tuple[dict[str, str], ...]
@@ -52,6 +58,10 @@ class ChatRequest:
     max_tokens_set: bool = False
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
 
 class ApiError(SwarmError):
@@ -68,6 +78,59 @@ class ApiError(SwarmError):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
+# ---------------------------------------------------------------------------- fields
+
+# What each route serves. A field outside these, or one of NOT_SERVED with a value that asks for
+# something, is refused with a 400 naming it: a client never gets a 200 that silently did less
+# than it asked. A field sent as null counts as not sent.
+SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+})
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
+# Accepted and without effect on the reply: identifiers and bookkeeping for OpenAI's own platform.
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "parallel_tool_calls"})  # parallel_tool_calls: moot, since tools are refused
+# field → (values that ask for nothing and are accepted, why anything else is refused)
+NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": (([],), "this server does not parse tool calls; describe the tools in the prompt instead"),
+    "tool_choice": (("none", "auto"), "this server serves no tools"),
+    "functions": (([],), "this server does not parse function calls"),
+    "function_call": (("none",), "this server does not parse function calls"),
+    "response_format": (({"type": "text"},), "output is not constrained to JSON; only {\"type\": \"text\"} is served"),
+    "echo": ((False,), "the reply never repeats the prompt"),
+    "suffix": (("",), "the model is not asked to fill in between a prompt and a suffix"),
+    "best_of": ((1,), "one completion is generated per request"),
+    "modalities": ((["text"],), "the model writes text only"),
+    "audio": ((), "the model writes text only"),
+    "prediction": ((), "predicted outputs are not used"),
+    "reasoning_effort": ((), "the model's reasoning is not configurable"),
+    "verbosity": ((), "the model's verbosity is not configurable"),
+    "web_search_options": ((), "this server does not search the web"),
+}
+MESSAGE_FIELDS = frozenset({"role", "content"})
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions' logprobs
+
+
+def not_served(field: str, why: str) -> ApiError:
+    """The 400 for a field this server does not serve (``param`` names it)."""
+    return ApiError(f"`{field}` is not served by this server: {why}", param=field, code="unsupported_parameter")
+
+
+def _check_fields(body: dict, served: frozenset[str], route: str) -> None:
+    for name, value in body.items():
+        if value is None or name in served or name in IGNORED_FIELDS:
+            continue
+        if name in NOT_SERVED:
+            harmless, why = NOT_SERVED[name]
+            if value not in harmless:
+                raise not_served(name, why)
+            continue
+        raise not_served(name, f"it is not a field of {route} that this server knows")
+
+
 def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
     value = body.get(name)
     if value is None:
@@ -78,6 +141,23 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_o
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise ApiError(f"'{name}' must be in {bound}, got {value}", param=name)
     return float(value)
+
+
+def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi):
+        raise ApiError(f"'{name}' must be an integer in [{lo}, {hi}], got {value!r}", param=name)
+    return value
+
+
+def _unicode(value: str, param: str) -> str:
+    """``value`` if it is valid Unicode; JSON allows "\ud800" escapes, which no tokenizer can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(f"'{param}' is not valid Unicode: a lone surrogate {value[exc.start]!r} at character "
+                       f"{exc.start}", param=param) from None
+    return value
 
 
 def _content(value: Any, i: int) -> str:
@@ -92,29 +172,10 @@ def _content(value: Any, i: int) -> str:
     if not isinstance(value, str):
         raise ApiError(f"'messages[{i}].content' must be a string or a list of text parts",
                        param=f"messages[{i}].content")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:  # JSON allows "\ud800" escapes; no tokenizer can take them
-        raise ApiError(f"'messages[{i}].content' is not valid Unicode: a lone surrogate "
-                       f"{value[exc.start]!r} at character {exc.start}", param=f"messages[{i}].content") from None
-    return value
+    return _unicode(value, f"messages[{i}].content")
 
 
-def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
-    """Validate a decoded JSON body; unknown fields are ignored (clients send many).
-
-    Raises:
-        ApiError: 400 naming the bad field (``param``), or 404 for another model id.
-    """
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError("'model' must be a string", param="model")
-    if model not in (None, model_id):
-        raise ApiError(f"The model '{model}' does not exist; this swarm serves '{model_id}' (see GET /v1/models)",
-                       param="model", status=404, code="model_not_found")
-    raw = body.get("messages")
+def _messages(raw: Any) -> tuple[dict[str, str], ...]:
     if not isinstance(raw, list) or not raw:
         raise ApiError("'messages' must be a non-empty array", param="messages")
     if len(raw) > MAX_MESSAGES:
@@ -124,11 +185,42 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
         if not isinstance(m, dict):
             raise ApiError(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
         role = m.get("role")
+        if role in ("tool", "function"):
+            raise not_served(f"messages[{i}].role", f"the '{role}' role answers a tool call, and this server "
+                             "serves no tools")
         if role not in ROLES:
             raise ApiError(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}",
                            param=f"messages[{i}].role")
+        for name, value in m.items():  # name, tool_calls …: not rendered, so refused ([] and null ask nothing)
+            if name not in MESSAGE_FIELDS and value not in (None, [], ""):
+                raise not_served(f"messages[{i}].{name}", "messages are rendered from their role and content only")
         messages.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)})
+    return tuple(messages)
 
+
+def _logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError("'logit_bias' must be an object mapping token ids (as strings) to numbers in [-100, 100]",
+                       param="logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ApiError(f"'logit_bias' keys must be token ids written in decimal, got {key!r}", param="logit_bias")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise ApiError(f"'logit_bias' names token {token}, but the model's vocabulary has {vocab_size} "
+                           f"ids (0 to {vocab_size - 1})", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ApiError(f"'logit_bias[\"{key}\"]' must be a number in [-100, 100], got {bias!r}",
+                           param="logit_bias")
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def _sampling(body: dict, *, max_tokens_limit: int, vocab_size: int | None) -> dict[str, Any]:
+    """The fields chat and text completions share, as ChatRequest keyword arguments."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens_set = max_tokens is not None
     if max_tokens is None:
@@ -149,6 +241,8 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
     if stops is None or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(f"'stop' must be a non-empty string or an array of up to {MAX_STOP_STRINGS} of them",
                        param="stop")
+    for s in stops:
+        _unicode(s, "stop")
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(f"'stream' must be a boolean, got {stream!r}", param="stream")
@@ -158,9 +252,7 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise ApiError("'stream_options' must be an object with a boolean 'include_usage'", param="stream_options")
-    return ChatRequest(
-        messages=tuple(messages),
-        model=model,
+    return dict(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -170,26 +262,66 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int) -> Ch
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
         max_tokens_set=max_tokens_set,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
     )
 
 
-def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
-    """Validate a ``POST /v1/completions`` body: ``prompt``, one non-empty string (or an array
-    of exactly one), and the fields of :func:`parse_chat_request`.
-
-    Raises:
-        ApiError: 400 naming the bad field, or 404 for another model id.
-    """
+def _model(body: Any, model_id: str) -> str | None:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("'model' must be a string", param="model")
+    if model not in (None, model_id):
+        raise ApiError(f"The model '{model}' does not exist; this swarm serves '{model_id}' (see GET /v1/models)",
+                       param="model", status=404, code="model_not_found")
+    return model
+
+
+def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int,
+                       vocab_size: int | None = None) -> ChatRequest:
+    """Validate a decoded ``POST /v1/chat/completions`` body: each field served (checked, and
+    ``logit_bias`` ids against ``vocab_size`` when given) or refused (:data:`NOT_SERVED`,
+    unknown fields); :data:`IGNORED_FIELDS` are accepted.
+
+    Raises:
+        ApiError: 400 naming the bad or unserved field (``param``), or 404 for another model id.
+    """
+    model = _model(body, model_id)
+    _check_fields(body, CHAT_FIELDS, "chat completions")
+    messages = _messages(body.get("messages"))
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ApiError(f"'logprobs' must be a boolean, got {logprobs!r}", param="logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return ChatRequest(messages=messages, model=model, logprobs=(top or 0) if logprobs else None,
+                       **_sampling(body, max_tokens_limit=max_tokens_limit, vocab_size=vocab_size))
+
+
+def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int,
+                             vocab_size: int | None = None) -> ChatRequest:
+    """Validate a ``POST /v1/completions`` body: ``prompt``, one non-empty string (or an array
+    of exactly one); ``logprobs``, the number of alternatives (0 to 5) to report per token; and
+    the sampling fields of :func:`parse_chat_request`.
+
+    Raises:
+        ApiError: 400 naming the bad or unserved field, or 404 for another model id.
+    """
+    model = _model(body, model_id)
+    _check_fields(body, COMPLETION_FIELDS, "text completions")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError("'prompt' must be a non-empty string (one prompt per request)", param="prompt")
-    chat = parse_chat_request({**body, "messages": [{"role": "user", "content": prompt}]},
-                              model_id=model_id, max_tokens_limit=max_tokens_limit)
-    return dataclasses.replace(chat, prompt=chat.messages[0]["content"])
+    prompt = _unicode(prompt, "prompt")
+    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    return ChatRequest(messages=({"role": "user", "content": prompt},), model=model, prompt=prompt, logprobs=logprobs,
+                       **_sampling(body, max_tokens_limit=max_tokens_limit, vocab_size=vocab_size))
 
 
 class StopMatcher:
