@@ -37,10 +37,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.compute.sampling import PREFILL_CHUNK, Sampled, Sampler, SamplingParams
 from swarm.errors import SwarmError
+
+if TYPE_CHECKING:
+    from swarm.compute.ffn import FFNBackend
+    from swarm.compute.model import Model
 
 CHUNK_TOKENS = PREFILL_CHUNK  # prompt rows per prefill chunk: where generate() cuts a prompt too
 PREFILL_ROWS = 128  # prefill rows per step, all newcomers together (the first chunk always goes)
@@ -81,7 +85,7 @@ class _Seq:
     ident: int
     prompt: list[int]
     params: SamplingParams
-    cache: Any = None
+    cache: Any = None  # its KVCache once admitted
     fed: int = 0  # prompt tokens already in the cache
     last: int | None = None  # the sampled token the next decode step feeds
     generated: int = 0
@@ -151,7 +155,7 @@ class BatchScheduler:
     chunk; ``prefill_rows`` ≥ ``chunk`` prompt rows per step. Raises ValueError for a bad limit.
     """
 
-    def __init__(self, model: Any, ffn: Callable[[], Any] = lambda: None, *, max_batch: int | None = None,
+    def __init__(self, model: Model, ffn: Callable[[], FFNBackend | None] = lambda: None, *, max_batch: int | None = None,
                  max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS,
                  max_positions: int | None = None) -> None:
         max_batch = _limits["max_batch"] if max_batch is None else max_batch
