@@ -30,16 +30,16 @@ The rule
 * **Miss.** A missed deadline fails the peer only at its first request (it could not even load),
   at ``MISS_LIMIT`` misses in a row, or when its link has been silent ``SILENCE_S`` (links beat
   every second); otherwise the next step is sent to it again. A wait also ends early when the
-  link has been silent ``SILENCE_S`` (:meth:`Deadlines.gone_silent`), so a generous first
+  link has been silent ``SILENCE_S`` (:meth:`RequestTracker.gone_silent`), so a generous first
   deadline does not stall a run behind a stopped peer.
-* **Suspect.** A peer with a missed request still unanswered (kept for :meth:`Deadlines.late`)
+* **Suspect.** A peer with a missed request still unanswered (kept for :meth:`RequestTracker.late`)
   and nothing heard from it since that request was sent (links beat every second) is suspect
-  (:meth:`Deadlines.suspect`): it gets no request and no wait — its rows, or its stage's
+  (:meth:`RequestTracker.suspect`): it gets no request and no wait — its rows, or its stage's
   layers, are computed by the coordinator at once (the same bits), and no miss is counted for
   what was never sent. So a stopped or killed peer costs a run one deadline, not the sum of
   its doubled deadlines. It is sent requests again as soon as anything is heard from it (a
   heartbeat, its late answer), or is failed when its link has been silent ``SILENCE_S``
-  (:meth:`Deadlines.silence`), as at a miss (:meth:`Deadlines.hold` says both). A peer whose
+  (:meth:`RequestTracker.silence`), as at a miss (:meth:`RequestTracker.may_send` says both). A peer whose
   last contact is unknown (``heard`` None) is never suspect.
 * **Not ready.** A ``stale_term`` refusal (the peer does not serve that plan or layout: it lost or
   refused it) is no failure: the peer's rows are computed by the coordinator, it is held
