@@ -2,7 +2,7 @@
 and :class:`EngineBackend`, which encodes a request with the model's chat template, checks it
 against the context and hands it to the continuous-batching scheduler
 (:mod:`swarm.compute.serving`); :class:`Reply` is one admitted request's text pieces
-(:class:`Piece`, with their tokens' logprobs when the request asks for them).
+(``str``, or :class:`Piece` with their tokens' logprobs when the request asks for them).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class EngineBackend:
         tokens = self.scheduler.submit(request.prompt_ids, params)
         pieces = sampled_pieces(tokens.sampled(), self.tokenizer, params, len(request.prompt_ids), stats)
         if request.logprobs is None:
-            return Reply(tokens, (Piece(p.text) for p in pieces if p.text))
+            return Reply(tokens, (p.text for p in pieces if p.text))
         return Reply(tokens, (self._piece(p) for p in pieces))
 
     def _piece(self, piece: ReplyPiece) -> Piece:
@@ -142,13 +142,13 @@ class Reply:
     """Text pieces of one admitted request (a blocking iterator); :meth:`cancel` (any thread)
     takes its sequence out of the batch and ends the iteration; :meth:`close` does the same."""
 
-    def __init__(self, tokens: TokenStream, pieces: Iterator[Piece]) -> None:
+    def __init__(self, tokens: TokenStream, pieces: Iterator[str | Piece]) -> None:
         self.tokens, self._pieces = tokens, pieces
 
-    def __iter__(self) -> Iterator[Piece]:
+    def __iter__(self) -> Iterator[str | Piece]:
         return self
 
-    def __next__(self) -> Piece:
+    def __next__(self) -> str | Piece:
         return next(self._pieces)
 
     def cancel(self) -> None:
