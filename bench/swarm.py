@@ -80,6 +80,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 from swarm.cli.join import EVENT_LOOPS, freeze_heap, pick_loop, run_on_loop  # noqa: E402
+from swarm.compute.ffn import LayerBackend  # noqa: E402
 
 
 ADDRESS = "10.215.0.1"
@@ -157,7 +158,7 @@ class TimedFFN:
 
     def __init__(self, inner):
         self.inner, self.on, self.calls, self.seconds = inner, False, 0, 0.0
-        if hasattr(inner, "run_layers"):  # a stage dispatch runs whole layers: forward must see it
+        if isinstance(inner, LayerBackend):  # a stage dispatch runs whole layers: forward must see it
             self.run_layers = inner.run_layers
             self.run_layers_batch = inner.run_layers_batch
 
