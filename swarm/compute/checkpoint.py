@@ -395,6 +395,9 @@ class HFCheckpoint(Checkpoint):
             name = f"model.layers.{layer}.block_sparse_moe.gate.weight"
         if part in _HF_SHARED_EXPERTS and name not in self.st:
             name = f"model.layers.{layer}.{_HF_SHARED_EXPERTS[part]}"
+        if part == "router_bias" and name not in self.st:  # MiniMax-M2 keeps it on the MoE block
+            name = next((n for n in (f"model.layers.{layer}.{p}.e_score_correction_bias"
+                                     for p in ("mlp", "block_sparse_moe")) if n in self.st), name)
         return name
 
     def has(self, part: str, layer: int | None = None) -> bool:

@@ -14,7 +14,7 @@ from swarm.errors import ModelFileError
 
 # HF ``model_type`` → the family name used inside the engine.
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral",
-               "glm4_moe", "deepseek_v3")
+               "glm4_moe", "deepseek_v3", "minimax_m2")
 # HF ``model_type`` values read as another family (Kimi-K2 is DeepSeek-V3's architecture).
 HF_ALIASES = {"kimi_k2": "deepseek_v3"}
 
@@ -48,6 +48,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         n_routed_experts=256, n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
                         topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
                         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rope_interleave=True),
+    "minimax_m2": dict(rms_norm_eps=1e-6, rope_theta=5e6, attention_bias=False, head_dim=128, bos_token_id=200034,
+                       eos_token_id=200020, num_experts_per_tok=8, num_local_experts=256, use_qk_norm=True),
 }
 
 
@@ -206,7 +208,7 @@ _HF_NUMERIC = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
                "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "clip_qkv",
                "bos_token_id", "sliding_window", "n_routed_experts", "n_shared_experts", "routed_scaling_factor",
                "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
-               "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "partial_rotary_factor")
+               "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "partial_rotary_factor", "rotary_dim")
 
 
 def _check_numbers(values: dict, keys, where: str) -> None:
@@ -295,6 +297,14 @@ def _config_from_hf(cfg: dict, family: str, where: str) -> ModelConfig:
                    norm_topk_prob=True, moe_layers=tuple(range(n_layers)))
     elif family in ("glm4_moe", "deepseek_v3"):
         moe = _sigmoid_moe_from_hf(cfg, d, n_layers, where)
+    elif family == "minimax_m2":  # every layer routed, sigmoid + selection bias, renormalised; no shared expert
+        n_exp = int(cfg.get("num_local_experts", cfg.get("num_experts", d["num_local_experts"])))
+        scoring = cfg.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ModelFileError(f"{where}: scoring_func {scoring!r} is not supported (only 'sigmoid')")
+        moe = dict(n_experts=n_exp, top_k=int(cfg.get("num_experts_per_tok", d["num_experts_per_tok"])),
+                   moe_intermediate_size=int(_need(cfg, "intermediate_size", where)), norm_topk_prob=True,
+                   moe_layers=tuple(range(n_layers)), scoring="sigmoid")
 
     attn: dict[str, Any] = {}
     qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}.get(family)
@@ -307,6 +317,11 @@ def _config_from_hf(cfg: dict, family: str, where: str) -> ModelConfig:
     elif family == "deepseek_v3":
         attn = _mla_from_hf(cfg, d, rope_scaling, where)
         n_kv, head_dim = 1, attn["kv_lora_rank"] + attn["qk_rope_head_dim"]
+    elif family == "minimax_m2":  # RMSNorm over the whole Q / K projections; RoPE on rotary_dim dims
+        qk_norm = "proj" if cfg.get("use_qk_norm", d["use_qk_norm"]) else None
+        factor = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor"))
+        rotary = cfg.get("rotary_dim") or (int(int(head_dim) * float(factor)) if factor else 0)
+        attn["rotary_dim"] = int(rotary) if rotary and int(rotary) < int(head_dim) else 0
     if family in ("qwen2", "qwen2_moe"):
         attention_bias = bool(cfg.get("qkv_bias", True))
     else:
@@ -394,7 +409,8 @@ _GGUF_NUMERIC = ("embedding_length", "block_count", "attention.head_count", "att
 
 # GGUF ``general.architecture`` → engine family.
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
+                 "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",
+                 "minimax-m2": "minimax_m2"}
 # llama.cpp's ``{arch}.expert_gating_func`` (llama_expert_gating_func_type).
 _GGUF_GATING = {1: "softmax", 2: "sigmoid"}
 
@@ -453,8 +469,8 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
         if family == "qwen2_moe":
             moe["shared_expert_intermediate_size"] = int(kv.get(
                 f"{arch}.expert_shared_feed_forward_length", tensor_shapes.get(shexp, (0,))[0]))
-        elif family in ("glm4_moe", "deepseek_v3"):
-            gating = int(kv.get(f"{arch}.expert_gating_func", 2 if family == "glm4_moe" else 1))
+        elif family in ("glm4_moe", "deepseek_v3", "minimax_m2"):
+            gating = int(kv.get(f"{arch}.expert_gating_func", 1 if family == "deepseek_v3" else 2))
             if gating not in _GGUF_GATING:
                 raise ModelFileError(f"{where}: metadata {arch}.expert_gating_func = {gating} is not supported")
             moe.update(shared_expert_intermediate_size=tensor_shapes.get(shexp, (0,))[0] if shexp in tensor_shapes
@@ -471,6 +487,10 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
     elif family == "deepseek_v3":
         attn = _mla_from_gguf(kv, arch, n_heads, rope_scaling, where)
         n_kv, head_dim = 1, attn["kv_lora_rank"] + attn["qk_rope_head_dim"]
+    elif family == "minimax_m2":
+        qk_norm = "proj" if "blk.0.attn_q_norm.weight" in tensor_shapes else None
+        rotary = int(kv.get(f"{arch}.rope.dimension_count", head_dim))
+        attn["rotary_dim"] = rotary if rotary < head_dim else 0
     bos = kv.get("tokenizer.ggml.bos_token_id")
     eos = kv.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(

@@ -1,5 +1,5 @@
-"""GLM-4.5 (``glm4_moe`` / GGUF ``glm4moe``) and DeepSeek-V3 (``deepseek_v3`` / GGUF
-``deepseek2``) against transformers on tiny random checkpoints: HF safetensors and GGUF (F32,
+"""GLM-4.5 (``glm4_moe`` / GGUF ``glm4moe``), DeepSeek-V3 (``deepseek_v3`` / GGUF
+``deepseek2``) and MiniMax-M2 (``minimax_m2`` / GGUF ``minimax-m2``) against transformers on tiny random checkpoints: HF safetensors and GGUF (F32,
 F16, Q8_0, and DeepSeek's older ``attn_kv_b`` layout), prefill then decode steps, layer ranges
 run on separate caches (stages), several sequences in one step, the latent KV cache, and the
 routing options against transformers' router."""
@@ -17,6 +17,7 @@ from tests.compute.tiny_models import hf_greedy, hf_logits
 from tests.compute.tiny_sigmoid_moe import TINY, build, f16_rounded, write_gguf
 
 NAMES = list(TINY)
+FAMILIES = ["glm4_moe", "deepseek_v3", "minimax_m2"]  # one tiny model of each
 TOKENS = [int(t) for t in np.random.default_rng(3).integers(0, 96, 12)]
 PREFILL = 7  # then one decode step per remaining token
 
@@ -61,7 +62,7 @@ def test_decode_steps_give_the_bits_of_one_prefill(tiny_sig, name):
     np.testing.assert_array_equal(prefill_then_decode(model, TOKENS), model.forward(TOKENS, model.new_cache()))
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_tokens_match_transformers(tiny_sig, name):
     hf, path = tiny_sig(name)
     ours = list(generate(load_model(path), TOKENS[:5], SamplingParams(max_tokens=6)))
@@ -77,7 +78,7 @@ def test_gguf_matches_transformers(tiny_sig, name, tmp_path):
     np.testing.assert_allclose(prefill_then_decode(model, TOKENS), hf_logits(hf, TOKENS), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_f16_gguf_matches_transformers_on_the_same_weights(tiny_sig, name, tmp_path):
     hf, _ = tiny_sig(name)
     model = load_model(write_gguf(hf, tmp_path / "m.gguf", QT.F16))
@@ -86,7 +87,7 @@ def test_f16_gguf_matches_transformers_on_the_same_weights(tiny_sig, name, tmp_p
     np.testing.assert_allclose(prefill_then_decode(model, TOKENS), hf_logits(twin, TOKENS), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_q8_0_gguf_is_close_and_greedy_agrees(tiny_sig, name, tmp_path):
     hf, _ = tiny_sig(name)
     model = load_model(write_gguf(hf, tmp_path / "m.gguf", QT.Q8_0))
@@ -106,7 +107,7 @@ def test_deepseek_gguf_with_a_whole_kv_b_gives_the_same_logits(tiny_sig, tmp_pat
                                rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_layer_ranges_on_separate_caches_give_the_whole_models_bits(tiny_sig, name):
     """Stages: layers 0:2 on one peer's cache, 2:3 on another's, prefill then decode steps."""
     model = load_model(tiny_sig(name)[1])
@@ -124,7 +125,7 @@ def test_layer_ranges_on_separate_caches_give_the_whole_models_bits(tiny_sig, na
     np.testing.assert_array_equal(np.concatenate(staged), whole)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_a_batch_of_sequences_gives_each_its_solo_bits(tiny_sig, name):
     model = load_model(tiny_sig(name)[1])
     a, b = TOKENS[:PREFILL], TOKENS[3:]
@@ -161,9 +162,14 @@ def test_routing_options_come_from_the_file(tiny_sig):
     rc = ds.routing_config(2)
     assert (rc.n_group, rc.topk_group, rc.routed_scaling_factor) == (4, 2, 2.5)
     assert ds.config.rope_scaling["rope_type"] == "yarn"
+    mm = load_model(tiny_sig("minimax_m2")[1])
+    rc = mm.routing_config(0)
+    assert (rc.scoring, rc.norm_topk_prob, rc.routed_scaling_factor, rc.n_group) == ("sigmoid", True, 1.0, 1)
+    assert rc.selection_bias is not None and mm.config.moe_layers == (0, 1, 2) and not mm.has_shared_expert(0)
+    assert mm.config.rotary_dim == 16 and mm.config.qk_norm == "proj"
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_route_matches_transformers_router(tiny_sig, name):
     """Our route() with the layer's routing config picks transformers' experts with its weights."""
     import torch
@@ -173,8 +179,12 @@ def test_route_matches_transformers_router(tiny_sig, name):
     layer = model.config.moe_layers[-1]
     x = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
     r = route(model.router_logits(layer, x), **model.routing_config(layer).kwargs())
+    mlp = hf.model.layers[layer].mlp
     with torch.no_grad():
-        _, weights, experts = hf.model.layers[layer].mlp.gate(torch.from_numpy(x))
+        if name == "minimax_m2":  # its router takes the block's bias
+            _, weights, experts = mlp.gate(torch.from_numpy(x), mlp.e_score_correction_bias)
+        else:
+            _, weights, experts = mlp.gate(torch.from_numpy(x))
     order = np.argsort(experts.numpy(), axis=1)
     want_e = np.take_along_axis(experts.numpy(), order, axis=1)
     want_w = np.take_along_axis(weights.numpy(), order, axis=1)
@@ -190,7 +200,7 @@ def test_planner_sizes_of_the_new_families(tiny_sig):
     from swarm.peer.coordinator.costmodel import LayerCosts
     from swarm.peer.weights.sizes import model_shape
 
-    for name in ("glm4_moe", "deepseek_v3"):
+    for name in FAMILIES:
         model = load_model(tiny_sig(name)[1])
         shape = model_shape(model)
         assert shape.moe_layers == model.config.moe_layers and shape.n_experts == 8
@@ -223,6 +233,14 @@ GLM45_AIR_CONFIG = dict(
     num_nextn_predict_layers=1, tie_word_embeddings=False, hidden_act="silu", eos_token_id=[151329, 151336, 151338])
 
 
+MINIMAX_M2_CONFIG = dict(
+    model_type="minimax_m2", hidden_size=3072, num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8,
+    head_dim=128, rotary_dim=64, intermediate_size=1536, num_local_experts=256, num_experts_per_tok=8,
+    use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True, rope_theta=5000000,
+    max_position_embeddings=196608, vocab_size=200064, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    hidden_act="silu", bos_token_id=200034, eos_token_id=200020)
+
+
 def test_published_configs_read_at_full_scale():
     from swarm.compute.config import config_from_hf
     from swarm.peer import memory
@@ -246,6 +264,10 @@ def test_published_configs_read_at_full_scale():
     assert air.n_layers == 46 and air.moe_layers == tuple(range(1, 46)) and air.rotary_dim == 64
     assert air.qk_norm is None and air.attention_bias and air.shared_expert_intermediate_size == 1408
     assert ModelShape.from_config(air).kv_layer_bytes == memory.context_tokens(131072) * 2 * 8 * 128 * 4
+
+    mm = config_from_hf(MINIMAX_M2_CONFIG, "minimax-m2/config.json")
+    assert mm.moe_layers == tuple(range(62)) and (mm.n_experts, mm.top_k, mm.moe_intermediate_size) == (256, 8, 1536)
+    assert (mm.rotary_dim, mm.qk_norm, mm.scoring, mm.shared_expert_intermediate_size) == (64, "proj", "sigmoid", 0)
 
 
 def test_fp8_checkpoint_is_refused_by_name():

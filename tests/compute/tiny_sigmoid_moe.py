@@ -1,11 +1,11 @@
-"""Tiny random GLM-4.5 (``glm4_moe``) and DeepSeek-V3 (``deepseek_v3``) checkpoints built by
-transformers, and the same weights written as GGUF the way llama.cpp's ``convert_hf_to_gguf.py``
-writes them (``Glm4MoeModel`` → arch ``glm4moe``, ``DeepseekV2Model`` → arch ``deepseek2``).
+"""Tiny random GLM-4.5 (``glm4_moe``), DeepSeek-V3 (``deepseek_v3``) and MiniMax-M2
+(``minimax_m2``) checkpoints built by transformers, and the same weights written as GGUF the way
+llama.cpp's ``convert_hf_to_gguf.py`` writes them (arch ``glm4moe``, ``deepseek2``, ``minimax-m2``).
 
-Both families route with sigmoid scores, a selection-only bias (``e_score_correction_bias``,
-set to random values here so that it changes choices), ``routed_scaling_factor`` and a fused
-shared expert after ``first_k_dense_replace`` dense layers; DeepSeek-V3 also limits the top-k to
-the best groups of experts. Routers are scaled by ``ROUTER_SCALE`` so the choices are decisive
+All three route with sigmoid scores and a selection-only bias (``e_score_correction_bias``,
+set to random values here so that it changes choices); GLM-4.5 and DeepSeek-V3 add
+``routed_scaling_factor`` and a fused shared expert after ``first_k_dense_replace`` dense layers,
+DeepSeek-V3 limits the top-k to the best groups of experts. Routers are scaled by ``ROUTER_SCALE`` so the choices are decisive
 without saturating the sigmoid (a saturated sigmoid ties at 1.0).
 """
 
@@ -38,8 +38,15 @@ TINY = {
                                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_parameters=YARN), 23),
     "deepseek_v3_no_q_lora": ("deepseek_v3", dict(_BASE, num_key_value_heads=4, n_group=2, topk_group=1, q_lora_rank=None, kv_lora_rank=32,
                                                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16), 24),
+    "minimax_m2": ("minimax_m2", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=32, rotary_dim=16, vocab_size=96, intermediate_size=32,
+                                      num_local_experts=8, num_experts_per_tok=2, initializer_range=0.08,
+                                      max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                      rope_theta=5e6, bos_token_id=1, eos_token_id=2), 25),
 }
-GGUF_ARCH = {"glm4_moe": "glm4moe", "deepseek_v3": "deepseek2"}
+GGUF_ARCH = {"glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "minimax_m2": "minimax-m2"}
+_NAME_MAPS = {"glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
+              "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2}
 
 
 def build(name: str, out_dir: Path):
@@ -58,9 +65,10 @@ def build(name: str, out_dir: Path):
     with torch.no_grad():
         for layer in model.model.layers:
             gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            owner = gate if hasattr(gate, "e_score_correction_bias") else layer.mlp  # MiniMax-M2: on the block
+            if gate is not None and hasattr(owner, "e_score_correction_bias"):
                 gate.weight.mul_(ROUTER_SCALE)
-                gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape) * 0.3)
+                owner.e_score_correction_bias.copy_(torch.randn(owner.e_score_correction_bias.shape) * 0.3)
     model.save_pretrained(out_dir)
     if model_type == "glm4_moe":
         files = sorted(out_dir.glob("*.safetensors"))
@@ -107,17 +115,25 @@ def write_gguf(hf_model, path: Path, qtype: gguf.GGMLQuantizationType = gguf.GGM
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_count(cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_shared_count(cfg.n_shared_experts)
-    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
-    w.add_expert_weights_scale(cfg.routed_scaling_factor)
-    w.add_expert_weights_norm(cfg.norm_topk_prob)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    if family == "glm4_moe":
+    if family != "minimax_m2":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if family == "minimax_m2":
+        w.add_block_count(n)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+    elif family == "glm4_moe":
         w.add_block_count(n + 1)
         w.add_nextn_predict_layers(1)
         w.add_head_count_kv(cfg.num_key_value_heads)
@@ -151,7 +167,7 @@ def write_gguf(hf_model, path: Path, qtype: gguf.GGMLQuantizationType = gguf.GGM
 
     # names as convert_hf_to_gguf.py maps them: gguf's TensorNameMap for the architecture, with
     # its rename of e_score_correction_bias to e_score_correction.bias
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE if arch == "glm4moe" else gguf.MODEL_ARCH.DEEPSEEK2, n)
+    names = gguf.get_tensor_name_map(_NAME_MAPS[arch], n)
 
     def gguf_name(hf_name: str) -> str:
         name = names.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
