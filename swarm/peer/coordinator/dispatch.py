@@ -93,7 +93,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -102,7 +102,7 @@ from swarm.compute.ffn import (LocalFFN, combine, expert_rows, route, run_length
                                swiglu_rows)
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.memory import release_pages
-from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageRequest
+from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StagePlan, StageRequest
 from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.plan import Plan
 
@@ -122,8 +122,9 @@ class Dispatcher(Protocol):
     """How :class:`RemoteFFN` and :class:`~swarm.peer.coordinator.stages.StagedFFN` reach the
     workers. Every method is called from the token-loop thread and must not block."""
 
-    def send(self, peer: str, msg: ExpertRequest | DenseRequest | StageRequest) -> None:
-        """Hand ``msg`` to ``peer``'s link; raises ConnectionError when there is no link."""
+    def send(self, peer: str, msg: ExpertRequest | DenseRequest | StageRequest | StagePlan) -> None:
+        """Hand ``msg`` (a request, or a stage plan sent again) to ``peer``'s link; raises
+        ConnectionError when there is no link."""
 
     def last_heard(self, peer: str) -> float | None:
         """Clock time (monotonic s) of the last byte received from ``peer``; None: unknown."""
@@ -223,7 +224,7 @@ class RemoteFFN:
         return self._next_plan
 
     # ------------------------------------------------------------ token-loop side
-    def ffn(self, layer: int, x: np.ndarray, segments: list[int] | None = None) -> np.ndarray:
+    def ffn(self, layer: int, x: np.ndarray, segments: Sequence[int] | None = None) -> np.ndarray:
         """x [T, H] f32 (post-attention-normed rows) → [T, H] f32, as LocalFFN under ``plan``;
         ``segments``: the row counts of the step's sequences (None: one sequence)."""
         if x.dtype != F32 or x.ndim != 2:

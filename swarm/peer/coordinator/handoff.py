@@ -15,7 +15,8 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import SwarmError
-from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageAnswer, StageRequest
+from swarm.peer.net.messages import (DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageAnswer, StagePlan,
+                                     StageRequest)
 from swarm.peer.tasks import OwnedTasks
 
 from swarm.peer.coordinator.dispatch import RemoteFFN
@@ -124,7 +125,7 @@ class LoopDispatcher:
         return True
 
     # ------------------------------------------------- token-loop thread → event loop
-    def send(self, peer: str, msg: ExpertRequest | DenseRequest | StageRequest) -> None:
+    def send(self, peer: str, msg: ExpertRequest | DenseRequest | StageRequest | StagePlan) -> None:
         """Queue ``msg`` on ``peer``'s link; ConnectionError when there is none."""
         link = self.node.links.get(peer)
         if link is None:
@@ -132,7 +133,7 @@ class LoopDispatcher:
         # eager: the message is encoded and leaves within this callback, not a loop iteration later
         self._loop.call_soon_threadsafe(lambda: self._tasks.spawn(self._send_request(link, msg), "request", eager=True))
 
-    async def _send_request(self, link: Link, msg: ExpertRequest | DenseRequest | StageRequest) -> None:
+    async def _send_request(self, link: Link, msg: ExpertRequest | DenseRequest | StageRequest | StagePlan) -> None:
         try:
             await link.send(msg)
         except SwarmError as exc:

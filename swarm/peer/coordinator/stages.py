@@ -101,7 +101,7 @@ class _Sequence:
         buf = self.inputs.get(layer)
         if buf is None or buf.shape[0] < end:
             grown = np.empty((max(end, 2 * (0 if buf is None else buf.shape[0]), 64), x.shape[1]), F32)
-            if start:
+            if start and buf is not None:  # held ≥ start: the buffer holds them
                 grown[:start] = buf[:start]
             buf = self.inputs[layer] = grown
         buf[start:end] = x
@@ -114,10 +114,10 @@ class _Part:
     """One sequence of a step on the coordinator: its rows as they cross the stages."""
 
     seq: _Sequence
-    cache: object
+    cache: KVCache
     start: int
     x: np.ndarray  # its rows entering the next stage [T, H]
-    history: np.ndarray | None = None  # every row that entered the current stage [start+T, H]
+    history: np.ndarray = field(default_factory=lambda: np.empty((0, 0), F32))  # every row that entered the current stage [start+T, H]
 
 
 class StagedFFN:
@@ -158,7 +158,7 @@ class StagedFFN:
     # ----------------------------------------------------------- event-loop side
     def deliver(self, peer: str, msg: StageAnswer | Error) -> None:
         """An answer (or Error) from ``peer``. Thread-safe; unknown ids are dropped."""
-        if self.tracker.deliver(peer, msg, self._clock()):  # past its deadline, recomputed here: timed
+        if self.tracker.deliver(peer, msg, self._clock()) and isinstance(msg, StageAnswer):  # late, recomputed here: timed
             with self._lock:
                 self.warm.setdefault(peer, set()).add((msg.layer_start, msg.layer_stop))
 
