@@ -15,15 +15,14 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import SwarmError
+from swarm.peer.coordinator.dispatch import RemoteFFN
+from swarm.peer.coordinator.planning import observed
+from swarm.peer.coordinator.stages import StagedFFN
+from swarm.peer.coordinator.tracker import Observations
 from swarm.peer.net.messages import (DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageAnswer, StagePlan,
                                      StageRequest)
-from swarm.peer.tasks import OwnedTasks
-
-from swarm.peer.coordinator.dispatch import RemoteFFN
-from swarm.peer.coordinator.stages import StagedFFN
-from swarm.peer.coordinator.planning import observed
-from swarm.peer.coordinator.tracker import Observations
 from swarm.peer.plan import ModelShape, Plan, StageLayout
+from swarm.peer.tasks import OwnedTasks
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
