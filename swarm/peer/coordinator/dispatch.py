@@ -101,9 +101,9 @@ import numpy as np
 from swarm.compute.ffn import (LocalFFN, combine, expert_rows, route, run_lengths, segment_ids, sum_partials,
                                swiglu_rows)
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
+from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StagePlan, StageRequest
-from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.plan import Plan
 
 if TYPE_CHECKING:

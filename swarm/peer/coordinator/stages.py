@@ -64,8 +64,8 @@ import numpy as np
 
 from swarm.compute.ffn import FFNBackend, LocalFFN
 from swarm.errors import LocalProtocolError, RemoteProtocolError
-from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.coordinator.dispatch import Dispatcher
+from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.net.messages import Error, StageAnswer, StageRequest, StageSegment
 from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout
 
