@@ -175,6 +175,7 @@ class BatchScheduler:
         # The last sequences that left: (id, prompt tokens read, prompt length, tokens generated).
         self.left: deque[tuple[int, int, int, int]] = deque(maxlen=64)
         self.step_s = 0.0  # moving average of a step's wall time
+        self.step_s_total = 0.0  # the wall time of every step so far (metrics)
         self.peak_batch = 0  # the most sequences one step has carried
 
     # ------------------------------------------------------------ callers' side
@@ -292,6 +293,7 @@ class BatchScheduler:
             return
         dt = time.perf_counter() - t0
         self.step_s = dt if self.steps == 0 else 0.8 * self.step_s + 0.2 * dt
+        self.step_s_total += dt
         self.steps += 1
         if len(step) > self.peak_batch:
             self.peak_batch = len(step)

@@ -63,6 +63,7 @@ from swarm.compute.textgen import GenerationStats
 from swarm.errors import ChatTemplateError, ContextLengthError, CoordinatorChangedError, LocalProtocolError, SwarmError
 from swarm.httpserver import HttpServer
 from swarm.peer.coordinator.api_engine import ChatBackend, Piece, TokenLogprob
+from swarm.peer.coordinator.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
 from swarm.peer.coordinator.api_request import (MAX_BODY_BYTES, ApiError, ChatRequest, StopMatcher, parse_chat_request,
                                                 parse_completion_request)
 
@@ -72,6 +73,9 @@ log = logging.getLogger(__name__)
 
 BACKEND = web.AppKey("backend", object)
 SERVER = web.AppKey("server", object)
+STATS = web.RequestKey("stats", GenerationStats)  # a generation's counts, for the access log
+ARRIVED = web.RequestKey("arrived", float)  # time.perf_counter() when the request reached the app
+access_log = logging.getLogger("swarm.api.access")
 
 
 class ApiServer:
@@ -98,6 +102,7 @@ class ApiServer:
         self.scheme: str | None = None
         self.generations = 0  # finished or stopped generations, for status
         self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard: set_dashboard()
+        self.metrics = ApiMetrics()
 
     def set_dashboard(self, dashboard: Any) -> None:
         """Serve ``dashboard``'s page and routes (set before :meth:`start`); it is told of each
@@ -113,9 +118,10 @@ class ApiServer:
         return server
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors_and_auth])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._access, self._errors_and_auth])
         app[BACKEND] = self.backend
         app[SERVER] = self
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
@@ -205,6 +211,34 @@ class ApiServer:
     # ------------------------------------------------------------- middleware
 
     @web.middleware
+    async def _access(self, request: web.Request, handler):
+        """Count every request and log one line for it: method, path, status, seconds, and a
+        generation's tokens (no prompt text). The dashboard's own routes log at DEBUG (it polls)."""
+        started = request[ARRIVED] = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = CLIENT_GONE
+            raise
+        finally:
+            seconds = time.perf_counter() - started
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "other"
+            self.metrics.request_done(request.method, route, status, seconds)
+            stats = request.get(STATS)
+            tokens = (f" prompt_tokens={stats.prompt_tokens} completion_tokens={stats.completion_tokens}"
+                      if stats is not None else "")
+            level = logging.DEBUG if route.startswith("/dashboard") else logging.INFO
+            access_log.log(level, "%s %s %s %d %.3f s%s", request.remote, request.method, request.path, status,
+                           seconds, tokens)
+
+    @web.middleware
     async def _errors_and_auth(self, request: web.Request, handler):
         try:
             if self.dashboard is not None and self.dashboard.is_public(request):
@@ -223,6 +257,11 @@ class ApiServer:
             return web.json_response(error.body(), status=error.status, headers=error.headers)
 
     # ------------------------------------------------------------- routes
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        load = getattr(self.backend, "load", None)
+        return web.Response(body=self.metrics.render(load() if load is not None else None).encode(),
+                            headers={"Content-Type": CONTENT_TYPE})
 
     async def _models(self, request: web.Request) -> web.Response:
         model = {"id": self.backend.model_id, "object": "model", "created": 0, "owned_by": "colibri-swarm"}
@@ -256,6 +295,7 @@ class ApiServer:
         ident = f"{'chatcmpl' if chat.prompt is None else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         stats = GenerationStats()
+        request[STATS] = stats
         if self._handed_back is not None:  # the server began closing while the prompt was encoded
             raise self._handed_back
         try:
@@ -267,7 +307,7 @@ class ApiServer:
             if chat.stream:
                 return await self._stream(request, chat, ident, created, reply, stats)
             texts, tokens = [], []
-            async with contextlib.aclosing(self._pieces(chat, stats, reply)) as pieces:
+            async with contextlib.aclosing(self._pieces(chat, stats, reply, request)) as pieces:
                 async for piece, piece_tokens in pieces:
                     texts.append(piece)
                     tokens += piece_tokens
@@ -308,7 +348,7 @@ class ApiServer:
             if not text:
                 await response.write(chunk({"role": "assistant", "content": ""}))
             # aclosing: a client that goes away ends the generation (and frees its slot) now.
-            async with contextlib.aclosing(self._pieces(chat, stats, reply)) as pieces:
+            async with contextlib.aclosing(self._pieces(chat, stats, reply, request)) as pieces:
                 async for piece, tokens in pieces:
                     await response.write(chunk({"content": piece}, tokens=tokens))
             await response.write(chunk({}, stats.finish_reason))
@@ -333,8 +373,8 @@ class ApiServer:
 
     # ------------------------------------------------------------- the token loop
 
-    async def _pieces(self, chat: ChatRequest, stats: GenerationStats,
-                      reply: Iterator[str | Piece]) -> AsyncIterator[tuple[str, list[tuple[int, TokenLogprob]]]]:
+    async def _pieces(self, chat: ChatRequest, stats: GenerationStats, reply: Iterator[str | Piece],
+                      request: web.Request) -> AsyncIterator[tuple[str, list[tuple[int, TokenLogprob]]]]:
         """Text pieces of one admitted generation (``reply``, iterated in a worker thread), stop
         strings applied, each with the tokens whose text it ends (``(offset, token)``: where the
         token's text starts in the reply, in characters); a token cut by a stop string goes with
@@ -359,6 +399,7 @@ class ApiServer:
         stopper = StopMatcher(chat.stop)
         tokens = _TokenOffsets()
         started = time.perf_counter()
+        first = True
         future = loop.run_in_executor(self._executor, run)
         try:
             while True:
@@ -375,6 +416,9 @@ class ApiServer:
                         yield rest, tokens.release(everything=True)
                     return
                 piece = value if isinstance(value, Piece) else Piece(value)
+                if first:
+                    first = False
+                    self.metrics.first_token(time.perf_counter() - request[ARRIVED])
                 tokens.push(piece)
                 text, stopped = stopper.push(piece.text)
                 tokens.emitted += len(text)
@@ -389,6 +433,7 @@ class ApiServer:
             _cancel(reply)  # wakes the thread even while the prompt is still being read
             await asyncio.shield(future)
             self.generations += 1
+            self.metrics.generation_done(stats.prompt_tokens, stats.completion_tokens)
             if self.dashboard is not None:  # a stopped generation counts too: its tokens were computed
                 self.dashboard.generation_done(stats, time.perf_counter() - started)
 

@@ -92,6 +92,13 @@ class EngineBackend:
         """End every admitted request now with ``exc`` (:meth:`BatchScheduler.fail_all`)."""
         return self.scheduler.fail_all(exc)
 
+    def load(self) -> dict[str, float]:
+        """Sequences ``running`` and ``waiting`` now, forward ``steps`` run and their total
+        ``step_seconds`` (for ``GET /metrics``)."""
+        now = self.scheduler.snapshot()
+        return {"running": len(now["running"]), "waiting": len(now["waiting"]), "steps": now["steps"],
+                "step_seconds": self.scheduler.step_s_total}
+
     def prepare(self, request: ChatRequest) -> ChatRequest:
         """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
         to what the context leaves (as OpenAI's API does).
