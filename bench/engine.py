@@ -2,10 +2,13 @@
 
     python3 bench/engine.py [--model PATH] [--threads 1,2,4] [--prompt-tokens 128] [--decode-tokens 64]
     python3 bench/engine.py --make-moe PATH   # write the random 64-expert Qwen3-MoE Q8_0 GGUF (~1 GB)
+    python3 bench/engine.py --make-moe-2g PATH Q4_K_M   # 12 layers of 64 experts, 2.4 GB (Q8_0: 4.2 GB)
 
-llama.cpp runs through llama-cpp-python (a benchmark-only package, built with
-``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"`` where a native
-build dies with an illegal instruction); transformers reads the GGUF itself.
+Each thread count is measured in turn; the JSON has one entry per count in ``runs``, with the
+copy bandwidth at that count beside the engines, and the machine (CPU, cores, flags) once.
+llama.cpp runs through llama-cpp-python (a benchmark-only package; build it for the CPU's own
+instruction set): its version and ``llama_print_system_info()`` are recorded under ``build``.
+transformers reads the GGUF itself.
 
 Each engine runs in its own child process (this script with ``--worker NAME``), so the
 peak RSS reported is that engine's alone, and both get the same BLAS/OpenMP thread limits
