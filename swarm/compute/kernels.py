@@ -235,8 +235,7 @@ def prepare_row_kernels() -> None:
 
 def _row_kernels():
     """The compiled element-wise kernels (swarm/compute/rowkernels.py), loaded on first use
-    after the block kernels, which set numba's cache directory and thread count."""
-    global _row
+    after the block kernels, which set numba's cache directory."""
     if _row is None:
         _kernels()
         with compiling("row kernels (norms, SwiGLU, attention)"):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -19,7 +17,6 @@ COMPILED_K = [QT.Q4_K, QT.Q5_K, QT.Q6_K]  # K-quants with a compiled block kerne
 K_HALVES = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
 PLAIN = [QT.F32, QT.F16, QT.BF16]
 ROWS = 67  # odd, and not a multiple of the kernels' 64-row chunks
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def encoded(qtype: QT, rows: int, cols: int, seed: int) -> np.ndarray:
