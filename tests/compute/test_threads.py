@@ -188,3 +188,36 @@ def test_thread_count_from_the_environment(monkeypatch):
             threads.set_threads(0)
     finally:
         threads.set_threads(before)
+
+
+def test_threads_option_on_the_commands(capsys):
+    from swarm.cli import build_parser
+
+    for command in (["generate", "hi"], ["chat"], ["join"]):
+        assert build_parser().parse_args([*command, "--threads", "3"]).threads == 3
+        assert build_parser().parse_args(command).threads is None
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--threads", "0"])
+        assert "--threads must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_a_slow_kernel_load_is_announced(monkeypatch):
+    """Past COMPILE_NOTICE_S the user is told the kernels are compiling, once, then each group's
+    time; a quick load (numba's cache) says nothing."""
+    import time
+
+    lines: list[str] = []
+    monkeypatch.setattr(quant, "COMPILE_NOTICE_S", 0.05)
+    monkeypatch.setattr(quant, "_told", False)
+    quant.on_compiling(lines.append)
+    try:
+        with quant.compiling("quick"):
+            pass
+        assert lines == []
+        for group in ("first", "second"):
+            with quant.compiling(group):
+                time.sleep(0.2)
+    finally:
+        quant.on_compiling(None)
+    assert lines[0] == quant.COMPILING and len(lines) == 3
+    assert lines[1].startswith("  first: ") and lines[2].startswith("  second: ")
