@@ -13,7 +13,8 @@ are done. So
 * several threads may call at once (loopback peers in one process, a coordinator computing its
   share while it serves): no process-wide lock, the calls' chunks interleave on the same
   workers, and a caller never waits for a chunk nobody has started — it takes it itself, so a
-  busy machine (workers not scheduled) degrades to the caller's own speed, not below;
+  busy machine (workers not scheduled) degrades to about the caller's own speed (plus the wait
+  for a chunk that a late worker did start);
 * one pool per process: three peers in one process share ``threads() - 1`` workers rather than
   spawning three sets.
 
