@@ -19,8 +19,9 @@ into NaN probabilities, and the distribution is one-hot well before that.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -37,6 +38,15 @@ MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI)
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's top_logprobs)
 
 
+class Constraint(Protocol):
+    """What a sequence's output must follow (:mod:`swarm.compute.constrain`): ``allowed()`` is
+    the mask of the tokens that may come next (bool [V]); ``advance(token)`` takes the sampled one."""
+
+    def allowed(self) -> np.ndarray: ...
+
+    def advance(self, token: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature`` ≥ 0 (below :data:`TEMPERATURE_FLOOR`: greedy), ``top_k`` ≥ 0 (0: off), 0 < ``top_p`` ≤ 1,
@@ -45,7 +55,8 @@ class SamplingParams:
     ``frequency_penalty`` in [-2, 2] and ``logit_bias`` (``(token id, bias)`` pairs, bias in
     [-100, 100]) adjust the logits (:func:`adjust_logits`); ``logprobs``: None reports none,
     ``k`` ≥ 0 reports each sampled token's log-probability and the ``k`` most likely tokens'
-    (:class:`Sampled`)."""
+    (:class:`Sampled`); ``constraint``: makes each sequence's :class:`Constraint` (e.g. a
+    :class:`~swarm.compute.constrain.JsonGrammar`), whose mask is applied after the adjustments."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -57,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    constraint: Callable[[], Constraint] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -132,18 +144,25 @@ def top_logprobs(logprobs: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
 
 
 class Sampler:
-    """One sequence's sampling: its random generator (seeded by ``params.seed``) and the counts
-    of the tokens it generated (for the penalties). Calling it with the next logits [V] f32
-    picks a token (:func:`adjust_logits`, then :func:`sample`) and counts it."""
+    """One sequence's sampling: its random generator (seeded by ``params.seed``), the counts
+    of the tokens it generated (for the penalties) and its constraint. Calling it with the next
+    logits [V] f32 picks a token (:func:`adjust_logits`, the constraint's mask — disallowed
+    tokens to -inf —, then :func:`sample`) and counts it."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
         self.counts: Counter[int] = Counter()
+        self.constraint = params.constraint() if params.constraint is not None else None
 
     def __call__(self, logits: np.ndarray) -> Sampled:
         params = self.params
-        token = sample(adjust_logits(logits, params, self.counts), params, self.rng)
+        z = adjust_logits(logits, params, self.counts)
+        if self.constraint is not None:
+            z = np.where(self.constraint.allowed(), z, F32(-np.inf)).astype(F32, copy=False)
+        token = sample(z, params, self.rng)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         self.counts[token] += 1
         if params.logprobs is None:
             return Sampled(token)

@@ -305,7 +305,13 @@ class BatchScheduler:
                     continue  # more prompt to read: this chunk's logits are not needed
             if seq.cancelled:
                 continue
-            picked = seq.sampler(row)
+            try:
+                picked = seq.sampler(row)
+            except Exception as exc:  # e.g. its constraint failed: this sequence fails, the rest go on
+                with self._cond:
+                    seq.cancelled = True
+                seq.out.put(exc)
+                continue
             tok = picked.token
             seq.generated += 1
             seq.last = tok

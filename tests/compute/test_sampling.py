@@ -207,3 +207,36 @@ def test_generate_applies_penalties_as_a_float64_reimplementation(smollm2_model)
         logits = model.forward([tok], cache, last_only=True)[0]
     assert list(generate(model, prompt, params)) == want
     assert want != list(generate(model, prompt, SamplingParams(max_tokens=12)))
+
+
+class _OnlyThese:
+    """A constraint that allows ``ids`` only, recording what it was given."""
+
+    def __init__(self, ids):
+        self.ids, self.taken = list(ids), []
+
+    def allowed(self):
+        mask = np.zeros(V, bool)
+        mask[self.ids] = True
+        return mask
+
+    def advance(self, token):
+        self.taken.append(token)
+
+
+def test_a_constraint_masks_after_the_adjustments():
+    """The best allowed token wins (greedy and sampled), after bias; logprobs stay the raw ones."""
+    from swarm.compute.sampling import Sampler
+
+    made = []
+
+    def constraint():
+        made.append(_OnlyThese([1, 2, 4]))
+        return made[-1]
+
+    s = Sampler(SamplingParams(logit_bias=((4, 2.0),), constraint=constraint, logprobs=1))
+    first = s(LOGITS)
+    assert first.token == 4 and made[0].taken == [4]  # 0.0 + 2 beats 1.5 and 1.0; 6 and 0 are masked
+    assert first.top[0][0] == 6  # the model's own favourite, reported though it was not allowed
+    sampled = Sampler(SamplingParams(temperature=1.0, seed=3, constraint=constraint))
+    assert {sampled(LOGITS).token for _ in range(200)} <= {1, 2, 4}

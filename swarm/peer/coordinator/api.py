@@ -22,10 +22,12 @@ replies and the token to the network.
 
 Every request field is validated (:func:`~swarm.peer.coordinator.api_request.parse_chat_request`,
 the request model, in ``api_request.py``); a bad one, or one this server does not serve (tools,
-``response_format``, ``echo``, unknown fields …: docs/serving.md, "Request fields"), → 400 in
+``echo``, ``suffix``, unknown fields …: docs/serving.md, "Request fields"), → 400 in
 OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field.
 ``logprobs`` are reported per token (chat: ``choices[].logprobs.content[]``; completions: tokens,
-token_logprobs, top_logprobs, text_offset), whole and in stream chunks. So is a
+token_logprobs, top_logprobs, text_offset), whole and in stream chunks.
+``response_format`` (``json_object``, ``json_schema``) is enforced while sampling
+(:mod:`swarm.compute.constrain`). So is a
 body that is not JSON, nested too deeply, or not valid Unicode; and a prompt that with
 ``max_tokens`` does not fit the model's context (checked before any generation).
 
@@ -58,6 +60,7 @@ from typing import Any
 
 from aiohttp import web
 
+from swarm.compute.constrain import GrammarError
 from swarm.compute.serving import QueueFullError
 from swarm.compute.textgen import GenerationStats
 from swarm.errors import ChatTemplateError, ContextLengthError, CoordinatorChangedError, LocalProtocolError, SwarmError
@@ -292,6 +295,8 @@ class ApiServer:
             raise ApiError(str(exc), param=param, code="context_length_exceeded") from None
         except ChatTemplateError as exc:
             raise ApiError(str(exc), param=param) from None
+        except GrammarError as exc:
+            raise ApiError(f"'response_format': {exc}", param="response_format") from None
         ident = f"{'chatcmpl' if chat.prompt is None else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         stats = GenerationStats()

@@ -8,10 +8,12 @@ against the context and hands it to the continuous-batching scheduler
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from swarm.compute.constrain import JsonGrammar
 from swarm.compute.sampling import Sampled
 from swarm.compute.serving import BatchScheduler, TokenStream
 from swarm.compute.textgen import (GenerationStats, ReplyPiece, context_limit, encode_prompt, sampled_pieces,
@@ -103,8 +105,15 @@ class EngineBackend:
         """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
         to what the context leaves (as OpenAI's API does).
 
-        Raises: ContextLengthError (the numbers named), ChatTemplateError, ModelFileError.
+        Its ``json_schema``, when it has one, is compiled into its ``constraint``
+        (:class:`~swarm.compute.constrain.JsonGrammar`).
+
+        Raises: ContextLengthError (the numbers named), ChatTemplateError, ModelFileError,
+        GrammarError (a schema that cannot constrain output).
         """
+        if request.json_schema is not None and request.constraint is None:
+            request = dataclasses.replace(request, constraint=JsonGrammar(
+                self.tokenizer, self.model.config.vocab_size, json.loads(request.json_schema)))
         messages = request.prompt if request.prompt is not None else list(request.messages)
         limit = context_limit(self.model.config, self.context)
         if request.max_tokens_set or limit is None:
@@ -126,7 +135,8 @@ class EngineBackend:
         params = with_stop_tokens(self.model, self.tokenizer, SamplingParams(
             temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
             seed=request.seed, max_tokens=request.max_tokens, presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias, logprobs=request.logprobs))
+            frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias, logprobs=request.logprobs,
+            constraint=request.constraint))
         tokens = self.scheduler.submit(request.prompt_ids, params)
         pieces = sampled_pieces(tokens.sampled(), self.tokenizer, params, len(request.prompt_ids), stats)
         if request.logprobs is None:

@@ -10,6 +10,7 @@ request's ``stop`` strings to the text as it streams. Nothing here does I/O.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,9 @@ class ChatRequest:
     ``presence_penalty``, ``frequency_penalty`` in [-2, 2] and ``logit_bias`` (``(id, bias)``)
     adjust the logits before sampling; ``logprobs``: None reports no logprobs, ``k`` ≥ 0 each
     token's and its ``k`` most likely alternatives' (chat's ``top_logprobs``, completions'
-    ``logprobs``).
+    ``logprobs``); ``json_schema``: the JSON schema (as JSON text) the reply must follow
+    (``response_format``; ``{"type": "object"}`` for ``json_object``), compiled by
+    :meth:`ChatBackend.prepare` into ``constraint``.
     """
 
     messages: tuple[dict[str, str], ...]
@@ -62,6 +65,8 @@ class ChatRequest:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    json_schema: str | None = None
+    constraint: Any = dataclasses.field(default=None, compare=False)
 
 
 class ApiError(SwarmError):
@@ -87,7 +92,7 @@ SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
 })
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
 # Accepted and without effect on the reply: identifiers and bookkeeping for OpenAI's own platform.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -98,7 +103,6 @@ NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": (("none", "auto"), "this server serves no tools"),
     "functions": (([],), "this server does not parse function calls"),
     "function_call": (("none",), "this server does not parse function calls"),
-    "response_format": (({"type": "text"},), "output is not constrained to JSON; only {\"type\": \"text\"} is served"),
     "echo": ((False,), "the reply never repeats the prompt"),
     "suffix": (("",), "the model is not asked to fill in between a prompt and a suffix"),
     "best_of": ((1,), "one completion is generated per request"),
@@ -268,6 +272,34 @@ def _sampling(body: dict, *, max_tokens_limit: int, vocab_size: int | None) -> d
     )
 
 
+def _response_format(value: Any) -> str | None:
+    """The JSON schema a ``response_format`` asks the reply to follow, as JSON text; None for text.
+
+    OpenAI's shapes: ``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON object) and
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``."""
+    param = "response_format"
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind != "json_schema":
+        raise ApiError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       param=param)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ApiError("'response_format.json_schema' must be an object with a string 'name'", param=param)
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ApiError("'response_format.json_schema.schema' must be a JSON schema object", param=param)
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise ApiError("'response_format.json_schema.strict' must be a boolean", param=param)
+    return json.dumps(schema)
+
+
 def _model(body: Any, model_id: str) -> str | None:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
@@ -299,6 +331,7 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int,
     if top is not None and not logprobs:
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return ChatRequest(messages=messages, model=model, logprobs=(top or 0) if logprobs else None,
+                       json_schema=_response_format(body.get("response_format")),
                        **_sampling(body, max_tokens_limit=max_tokens_limit, vocab_size=vocab_size))
 
 
