@@ -38,7 +38,7 @@ from bench.random_gguf import PRESETS, write_qwen3moe  # noqa: E402
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
           "cheaper than ever before, and")
-PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "COLIBRI_SWARM_THREADS": "1"}
 
 # The request in a namespace: the API's raw completion, streamed, each piece timed.
 CLIENT = """

@@ -253,6 +253,9 @@ class NetnsLab:
             "COLIBRI_SWARM_CACHE_DIR": str(home / "cache"),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
             "PYTHONUNBUFFERED": "1",
+            # Each namespace models a one-core machine: the peers of a test share this machine's
+            # cores, and threads of one peer would only contend with the others'.
+            "COLIBRI_SWARM_THREADS": "1",
         })
         return env
 

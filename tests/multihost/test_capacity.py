@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 PROMPT = "hello swarm"
 KILL_AT = 20  # characters of the reply after which a worker is killed
 FORM_S = 180.0  # three capped peers start, ship ~300 MB of slices on 2 shared cores and plan
-PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+PEER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "COLIBRI_SWARM_THREADS": "1"}
 # Each peer's cap: the Python baseline of a coordinator (interpreter, libraries, tokenizer,
 # model header; its whole resident set), measured, plus this much (~half the model): no peer
 # can hold the model, the three together can, and once a worker is killed the two left cannot
