@@ -2,7 +2,8 @@
 
 A :class:`JsonGrammar` is a request's schema compiled by llguidance (its JSON-schema compiler,
 whitespace fixed to ``", "`` and ``": "`` so a small model cannot wander off into blank lines);
-calling it gives one sequence's :class:`JsonConstraint`, whose :meth:`~JsonConstraint.allowed`
+a :class:`Grammar` of :func:`tool_call_grammar` forces one tool call in the chat template's
+format. Calling either gives one sequence's :class:`JsonConstraint`, whose :meth:`~JsonConstraint.allowed`
 is the mask of tokens that keep the reply a prefix of a document the schema accepts, and which
 :meth:`~JsonConstraint.advance` moves past each sampled token. Once the document is complete,
 only the end-of-sequence token is allowed. The :class:`~swarm.compute.sampling.Sampler` applies
@@ -50,31 +51,55 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: int) -> Any:
         return held[1]
 
 
-class JsonGrammar:
-    """``schema`` (a JSON schema, as a dict) compiled for ``tokenizer`` (a
-    :class:`~swarm.compute.tokenizer.TextTokenizer`) over ``vocab_size`` logits; the end of the
-    document is ``tokenizer.eos_token_ids[0]``. Call it for a fresh :class:`JsonConstraint`.
+class Grammar:
+    """An llguidance ``grammar`` (from :func:`json_grammar` or :func:`tool_call_grammar`)
+    compiled for ``tokenizer`` (a :class:`~swarm.compute.tokenizer.TextTokenizer`) over
+    ``vocab_size`` logits; the end of the output is ``tokenizer.eos_token_ids[0]``. Call it for a
+    fresh :class:`JsonConstraint`.
 
     Raises: GrammarError naming what the compiler refused.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, schema: dict[str, Any]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, grammar: str) -> None:
         import llguidance
 
         if not tokenizer.eos_token_ids:
-            raise GrammarError("the tokenizer has no end-of-sequence token to end a JSON reply with")
+            raise GrammarError("the tokenizer has no end-of-sequence token to end a constrained reply with")
         self.vocab_size = vocab_size
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size, tokenizer.eos_token_ids[0])
-        try:
-            self._grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
-        except (ValueError, TypeError) as exc:
-            raise GrammarError(f"not a JSON schema: {exc}") from None
+        self._grammar = grammar
         probe = llguidance.LLMatcher(self._tokenizer, self._grammar, log_level=0)
         if probe.is_error():
             raise GrammarError(f"the schema cannot constrain output: {probe.get_error()}")
 
     def __call__(self) -> JsonConstraint:
         return JsonConstraint(self._tokenizer, self._grammar, self.vocab_size)
+
+
+class JsonGrammar(Grammar):
+    """Output that is one JSON document ``schema`` (a JSON schema, as a dict) accepts."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, schema: dict[str, Any]) -> None:
+        super().__init__(tokenizer, vocab_size, json_grammar(schema))
+
+
+def json_grammar(schema: dict[str, Any]) -> str:
+    """The llguidance grammar of the JSON documents ``schema`` accepts (compact: :data:`JSON_OPTIONS`).
+
+    Raises: GrammarError for a schema that is not a JSON object."""
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"not a JSON schema: {exc}") from None
+
+
+def tool_call_grammar(schema: dict[str, Any], opening: str, closing: str) -> str:
+    """The grammar of one tool call written as ``opening`` + a JSON document ``schema`` accepts +
+    ``closing`` (Lark, with llguidance's ``%json``; compact JSON as :func:`json_grammar`)."""
+    schema = {**schema, "x-guidance": JSON_OPTIONS}
+    return f"start: {json.dumps(opening)} call {json.dumps(closing)}\ncall: %json {json.dumps(schema)}"
 
 
 class JsonConstraint:

@@ -56,12 +56,14 @@ def _context_words(config: Any, limit: int) -> str:
 
 
 def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mapping[str, Any]] | str,
-                  max_tokens: int, context: int | None = None) -> list[int]:
+                  max_tokens: int, context: int | None = None, *,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """The prompt's token ids, checked before any work is done.
 
     messages: chat messages (``[{"role", "content"}, ...]``), rendered with the checkpoint's
         chat template and its generation prompt; or a ``str``, encoded as is (with BOS when
         the checkpoint asks for it) — ``--raw``.
+    tools: function tools handed to the chat template (OpenAI's shape).
     max_tokens: the most tokens the reply may take; prompt + reply must fit
         :func:`context_limit` (of ``context``, a server's own bound, when given).
     Raises: :class:`~swarm.errors.ChatTemplateError` if the template rejects the messages;
@@ -69,7 +71,8 @@ def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mappi
     vocabulary; :class:`~swarm.errors.ContextLengthError` naming the numbers when the prompt
     and ``max_tokens`` do not fit; :class:`~swarm.errors.SwarmError` for an empty prompt.
     """
-    text = messages if isinstance(messages, str) else tokenizer.apply_chat_template(messages)
+    text = messages if isinstance(messages, str) else tokenizer.apply_chat_template(
+        messages, **({"tools": tools} if tools else {}))
     limit = context_limit(model.config, context)
     fewest = tokenizer.fewest_tokens(text) if limit is not None else None
     if fewest is not None and fewest + max_tokens > limit:  # surely too long: refused without encoding it

@@ -134,8 +134,11 @@ class TextTokenizer:
         """Text of ``ids``; bytes that do not form UTF-8 become U+FFFD."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}, ...]``).
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}, ...]``); ``tools``
+        (OpenAI's ``[{"type": "function", "function": {...}}]``) are handed to the template as
+        transformers does, for a template that writes them.
 
         Raises: :class:`~swarm.errors.ChatTemplateError` when the checkpoint has no
         template, or the template rejects the messages or fails to render.
@@ -144,7 +147,8 @@ class TextTokenizer:
             raise ChatTemplateError(f"{self.source} has no chat template; pass --raw to send the prompt as is")
         try:
             return self._compiled_template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens,
+                **({"tools": list(tools)} if tools is not None else {})
             )
         except ChatTemplateError:
             raise

@@ -27,7 +27,8 @@ OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` naming 
 ``logprobs`` are reported per token (chat: ``choices[].logprobs.content[]``; completions: tokens,
 token_logprobs, top_logprobs, text_offset), whole and in stream chunks.
 ``response_format`` (``json_object``, ``json_schema``) is enforced while sampling
-(:mod:`swarm.compute.constrain`). So is a
+(:mod:`swarm.compute.constrain`). ``tools`` and ``tool_choice`` are rendered by the model's chat template and
+its ``<tool_call>`` blocks read back as ``tool_calls`` (:mod:`swarm.peer.coordinator.api_tools`). So is a
 body that is not JSON, nested too deeply, or not valid Unicode; and a prompt that with
 ``max_tokens`` does not fit the model's context (checked before any generation).
 
@@ -67,8 +68,9 @@ from swarm.errors import ChatTemplateError, ContextLengthError, CoordinatorChang
 from swarm.httpserver import HttpServer
 from swarm.peer.coordinator.api_engine import ChatBackend, Piece, TokenLogprob
 from swarm.peer.coordinator.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
-from swarm.peer.coordinator.api_request import (MAX_BODY_BYTES, ApiError, ChatRequest, StopMatcher, parse_chat_request,
-                                                parse_completion_request)
+from swarm.peer.coordinator.api_tools import ToolsNotServed, parse_tool_calls
+from swarm.peer.coordinator.api_request import (MAX_BODY_BYTES, ApiError, ChatRequest, StopMatcher, not_served,
+                                                parse_chat_request, parse_completion_request)
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +299,8 @@ class ApiServer:
             raise ApiError(str(exc), param=param) from None
         except GrammarError as exc:
             raise ApiError(f"'response_format': {exc}", param="response_format") from None
+        except ToolsNotServed as exc:
+            raise not_served(exc.param, str(exc)) from None
         ident = f"{'chatcmpl' if chat.prompt is None else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         stats = GenerationStats()
@@ -317,12 +321,19 @@ class ApiServer:
                     texts.append(piece)
                     tokens += piece_tokens
             text = "".join(texts)
-            choice = ({"text": text} if chat.prompt is not None
-                      else {"message": {"role": "assistant", "content": text}})
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = stats.finish_reason
+            if _parses_tool_calls(chat):
+                content, calls = parse_tool_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.openai() for c in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"text": text} if chat.prompt is not None else {"message": message}
             return web.json_response({
                 "id": ident, "object": "chat.completion" if chat.prompt is None else "text_completion",
                 "created": created, "model": self.backend.model_id,
-                "choices": [{"index": 0, **choice, "finish_reason": stats.finish_reason,
+                "choices": [{"index": 0, **choice, "finish_reason": finish,
                              "logprobs": _logprobs(chat, tokens)}],
                 "usage": _usage(stats),
             })
@@ -353,10 +364,26 @@ class ApiServer:
             if not text:
                 await response.write(chunk({"role": "assistant", "content": ""}))
             # aclosing: a client that goes away ends the generation (and frees its slot) now.
+            held: list[tuple[str, list[tuple[int, TokenLogprob]]]] = []
             async with contextlib.aclosing(self._pieces(chat, stats, reply, request)) as pieces:
                 async for piece, tokens in pieces:
-                    await response.write(chunk({"content": piece}, tokens=tokens))
-            await response.write(chunk({}, stats.finish_reason))
+                    if _parses_tool_calls(chat):
+                        held.append((piece, tokens))  # calls are read from the whole reply: sent at its end
+                    else:
+                        await response.write(chunk({"content": piece}, tokens=tokens))
+            finish = stats.finish_reason
+            if held:
+                content, calls = parse_tool_calls("".join(p for p, _ in held))
+                every = [t for _, tokens in held for t in tokens]
+                if not calls:
+                    await response.write(chunk({"content": content}, tokens=every))
+                else:
+                    if content:
+                        await response.write(chunk({"content": content}))
+                    await response.write(chunk({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]},
+                                               tokens=every))
+                    finish = "tool_calls" if finish == "stop" else finish
+            await response.write(chunk({}, finish))
             if chat.include_usage:
                 obj = {"id": ident, "object": kind, "created": created,
                        "model": self.backend.model_id, "choices": [], "usage": _usage(stats)}
@@ -512,6 +539,11 @@ class _TokenOffsets:
             done = [p for p in self.pending if p[1] <= self.emitted]
         self.pending = [] if everything or stopped else self.pending[len(done):]
         return [(start, token) for start, _, token in done]
+
+
+def _parses_tool_calls(chat: ChatRequest) -> bool:
+    """Whether the reply's tool calls are read back (a chat with tools, and a choice but none)."""
+    return chat.prompt is None and bool(chat.tools) and chat.tool_choice != "none"
 
 
 def _logprobs(chat: ChatRequest, tokens: Sequence[tuple[int, TokenLogprob]]) -> dict[str, Any] | None:

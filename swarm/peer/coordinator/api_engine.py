@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from swarm.compute.constrain import JsonGrammar
+from swarm.compute.constrain import Grammar, JsonGrammar, tool_call_grammar
 from swarm.compute.sampling import Sampled
 from swarm.compute.serving import BatchScheduler, TokenStream
 from swarm.compute.textgen import (GenerationStats, ReplyPiece, context_limit, encode_prompt, sampled_pieces,
                                    token_bytes, with_stop_tokens)
 from swarm.peer.coordinator.api_request import ChatRequest
+from swarm.peer.coordinator.api_tools import check_tools_served, forced_call_schema, template_messages
 
 
 class ChatBackend(Protocol):
@@ -106,20 +107,31 @@ class EngineBackend:
         to what the context leaves (as OpenAI's API does).
 
         Its ``json_schema``, when it has one, is compiled into its ``constraint``
-        (:class:`~swarm.compute.constrain.JsonGrammar`).
+        (:class:`~swarm.compute.constrain.JsonGrammar`); so is a forced tool call
+        (``tool_choice`` ``required`` or a function: :mod:`swarm.peer.coordinator.api_tools`).
+        Tools and tool messages are rendered by the chat template.
 
         Raises: ContextLengthError (the numbers named), ChatTemplateError, ModelFileError,
-        GrammarError (a schema that cannot constrain output).
+        GrammarError (a schema that cannot constrain output), ToolsNotServed (tools for a
+        template without a tool format).
         """
+        vocab = self.model.config.vocab_size
         if request.json_schema is not None and request.constraint is None:
             request = dataclasses.replace(request, constraint=JsonGrammar(
-                self.tokenizer, self.model.config.vocab_size, json.loads(request.json_schema)))
-        messages = request.prompt if request.prompt is not None else list(request.messages)
+                self.tokenizer, vocab, json.loads(request.json_schema)))
+        fmt = None if request.prompt is not None else check_tools_served(
+            self.tokenizer.chat_template, request.tools, request.messages)
+        if fmt is not None and request.tool_choice in ("required", "function") and request.constraint is None:
+            schema = forced_call_schema(list(request.tools), request.tool_name)
+            request = dataclasses.replace(request, constraint=Grammar(self.tokenizer, vocab,
+                                                                       tool_call_grammar(schema, *fmt)))
+        messages = request.prompt if request.prompt is not None else template_messages(request.messages)
+        tools = list(request.tools) or None
         limit = context_limit(self.model.config, self.context)
         if request.max_tokens_set or limit is None:
-            ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens, self.context)
+            ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens, self.context, tools=tools)
             return dataclasses.replace(request, prompt_ids=tuple(ids))
-        ids = encode_prompt(self.model, self.tokenizer, messages, 1, self.context)
+        ids = encode_prompt(self.model, self.tokenizer, messages, 1, self.context, tools=tools)
         return dataclasses.replace(request, prompt_ids=tuple(ids), max_tokens=min(request.max_tokens, limit - len(ids)))
 
     def generate(self, request: ChatRequest, stats: GenerationStats) -> Reply:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,9 @@ from swarm.errors import SwarmError
 MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 512
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_TOOLS = 128  # as OpenAI
 DEFAULT_MAX_TOKENS = 512
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # ---------------------------------------------------------------------------- requests
@@ -45,10 +47,12 @@ class ChatRequest:
     token's and its ``k`` most likely alternatives' (chat's ``top_logprobs``, completions'
     ``logprobs``); ``json_schema``: the JSON schema (as JSON text) the reply must follow
     (``response_format``; ``{"type": "object"}`` for ``json_object``), compiled by
-    :meth:`ChatBackend.prepare` into ``constraint``.
+    :meth:`ChatBackend.prepare` into ``constraint``; ``tools`` (OpenAI's function tools),
+    ``tool_choice`` (``none``, ``auto``, ``required``, or ``function``: the one named
+    ``tool_name``) — messages may then carry an assistant's ``tool_calls`` and ``tool`` results.
     """
 
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     model: str | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
@@ -66,6 +70,9 @@ class ChatRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     json_schema: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "none"
+    tool_name: str | None = None
     constraint: Any = dataclasses.field(default=None, compare=False)
 
 
@@ -92,15 +99,16 @@ SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
 })
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                 "tool_choice"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
 # Accepted and without effect on the reply: identifiers and bookkeeping for OpenAI's own platform.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "parallel_tool_calls"})  # parallel_tool_calls: moot, since tools are refused
+                            "parallel_tool_calls"})  # parallel_tool_calls: a reply's calls are all parsed
 # field → (values that ask for nothing and are accepted, why anything else is refused)
 NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": (([],), "this server does not parse tool calls; describe the tools in the prompt instead"),
-    "tool_choice": (("none", "auto"), "this server serves no tools"),
+    "tools": (([],), "text completions take no tools; send them to chat completions"),
+    "tool_choice": (("none", "auto"), "text completions take no tools; send them to chat completions"),
     "functions": (([],), "this server does not parse function calls"),
     "function_call": (("none",), "this server does not parse function calls"),
     "echo": ((False,), "the reply never repeats the prompt"),
@@ -114,6 +122,7 @@ NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "web_search_options": ((), "this server does not search the web"),
 }
 MESSAGE_FIELDS = frozenset({"role", "content"})
+MESSAGE_EXTRA = {"assistant": frozenset({"tool_calls"}), "tool": frozenset({"tool_call_id"})}
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions' logprobs
 
@@ -179,7 +188,7 @@ def _content(value: Any, i: int) -> str:
     return _unicode(value, f"messages[{i}].content")
 
 
-def _messages(raw: Any) -> tuple[dict[str, str], ...]:
+def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(raw, list) or not raw:
         raise ApiError("'messages' must be a non-empty array", param="messages")
     if len(raw) > MAX_MESSAGES:
@@ -189,17 +198,102 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
         if not isinstance(m, dict):
             raise ApiError(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise not_served(f"messages[{i}].role", f"the '{role}' role answers a tool call, and this server "
-                             "serves no tools")
+        if role == "function":
+            raise not_served(f"messages[{i}].role", "the 'function' role answers a function call, which this "
+                             "server does not parse; use tools and the 'tool' role")
         if role not in ROLES:
             raise ApiError(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}",
                            param=f"messages[{i}].role")
-        for name, value in m.items():  # name, tool_calls …: not rendered, so refused ([] and null ask nothing)
-            if name not in MESSAGE_FIELDS and value not in (None, [], ""):
-                raise not_served(f"messages[{i}].{name}", "messages are rendered from their role and content only")
-        messages.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)})
+        known = MESSAGE_FIELDS | MESSAGE_EXTRA.get(role, frozenset())
+        for name, value in m.items():  # name, audio …: not rendered, so refused ([] and null ask nothing)
+            if name not in known and value not in (None, [], ""):
+                raise not_served(f"messages[{i}].{name}", "messages are rendered from their role, content, "
+                                 "an assistant's tool_calls and a tool's tool_call_id only")
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        calls = m.get("tool_calls") or []
+        if role == "assistant" and calls:
+            message["tool_calls"] = _tool_calls(calls, i)
+            message["content"] = "" if m.get("content") is None else _content(m.get("content"), i)
+        else:
+            message["content"] = _content(m.get("content"), i)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(f"'messages[{i}].tool_call_id' must be the id of the call this answers",
+                               param=f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        messages.append(message)
     return tuple(messages)
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(f"'{param}' must be an array", param=param)
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(call.get("id"), str)
+                or call.get("type", "function") != "function" or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments"), str)):
+            raise ApiError(f"'{param}' entries must be {{\"id\", \"type\": \"function\", \"function\": "
+                           f"{{\"name\", \"arguments\": JSON text}}}}", param=param)
+        try:
+            if not isinstance(json.loads(function["arguments"]), dict):
+                raise ValueError
+        except ValueError:
+            raise ApiError(f"'{param}': the arguments of {function['name']!r} must be a JSON object as text",
+                           param=param) from None
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return out
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tools(value: Any) -> tuple[dict[str, Any], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise ApiError(f"'tools' must be an array of up to {MAX_TOOLS} function tools", param="tools")
+    tools = []
+    for k, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise ApiError(f"'tools[{k}]' must be {{\"type\": \"function\", \"function\": {{...}}}}", param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise ApiError(f"'tools[{k}].function.name' must be 1 to 64 letters, digits, _ or -", param="tools")
+        if not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
+            raise ApiError(f"'tools[{k}].function': 'parameters' must be a JSON schema object and 'description' "
+                           "a string", param="tools")
+        kept = {key: function[key] for key in ("name", "description", "parameters") if function.get(key) is not None}
+        tools.append({"type": "function", "function": kept})
+    if len({t["function"]["name"] for t in tools}) < len(tools):
+        raise ApiError("'tools' names a function twice", param="tools")
+    return tuple(tools)
+
+
+def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, str | None]:
+    """``(choice, function name)``: choice ``none``, ``auto``, ``required`` or ``function``."""
+    if value is None:
+        return ("auto" if tools else "none"), None
+    if value in ("none", "auto"):
+        return (value if tools else "none"), None
+    names = [t["function"]["name"] for t in tools]
+    if value == "required":
+        choice, name = "required", None
+    elif isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        choice, name = "function", value["function"].get("name")
+        if tools and name not in names:
+            raise ApiError(f"'tool_choice' names {name!r}, which is not one of 'tools' ({', '.join(names)})",
+                           param="tool_choice")
+    else:
+        raise ApiError("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", param="tool_choice")
+    if not tools:
+        raise ApiError(f"'tool_choice' {value!r} needs 'tools'", param="tool_choice")
+    return choice, name
 
 
 def _logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
@@ -330,8 +424,14 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int,
     top = _int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    tools = _tools(body.get("tools"))
+    tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
+    json_schema = _response_format(body.get("response_format"))
+    if json_schema is not None and tool_choice in ("required", "function"):
+        raise ApiError("'tool_choice' forces a tool call, which 'response_format' would forbid; ask for one of them",
+                       param="tool_choice")
     return ChatRequest(messages=messages, model=model, logprobs=(top or 0) if logprobs else None,
-                       json_schema=_response_format(body.get("response_format")),
+                       json_schema=json_schema, tools=tools, tool_choice=tool_choice, tool_name=tool_name,
                        **_sampling(body, max_tokens_limit=max_tokens_limit, vocab_size=vocab_size))
 
 
