@@ -8,7 +8,11 @@ strings and crosses the object's structure as a reply does. ``mask`` is the libr
 mask, plus taking the token: a library may compute ahead there); ``apply``, numpy's or torch's.
 Prints JSON (median and p90 per step, in ms).
 
-    python3 bench/constrain.py [--tokens 200]
+    python3 bench/constrain.py [--tokens 200] [--vocab 150000]
+
+``--vocab N`` above the model's grows its vocabulary to N entries, each new one two of its
+tokens joined (so the entries stay text-like), to measure a larger vocabulary's masks (Qwen's
+is ~151k) without its files.
 """
 
 from __future__ import annotations
@@ -133,14 +137,38 @@ def _hf(tok):
     return PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer, eos_token=tok.tokenizer.id_to_token(tok.eos_token_ids[0]))
 
 
+def _grown(tok, n: int):
+    """``tok`` with its BPE vocabulary grown to ``n`` entries (new ids after the old ones)."""
+    import dataclasses
+
+    from tokenizers import Tokenizer
+
+    state = json.loads(tok.tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    pieces = sorted(vocab, key=vocab.get)
+    rng = np.random.default_rng(1)
+    next_id = max(tok.vocab_size, max(vocab.values()) + 1)
+    while next_id < n:
+        a, b = pieces[rng.integers(len(pieces))], pieces[rng.integers(len(pieces))]
+        if a + b not in vocab:
+            vocab[a + b] = next_id
+            next_id += 1
+    for added in state.get("added_tokens", []):
+        vocab.pop(added["content"], None)
+    return dataclasses.replace(tok, tokenizer=Tokenizer.from_str(json.dumps(state)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--vocab", type=int, default=0, help="grow the vocabulary to this many entries")
     args = ap.parse_args()
     from swarm.compute.default_model import default_model_path
     from swarm.compute.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
+    if args.vocab > tok.vocab_size:
+        tok = _grown(tok, args.vocab)
     results = {"vocab": tok.vocab_size, "schema": SCHEMA}
     for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
         try:
