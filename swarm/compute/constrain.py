@@ -41,7 +41,10 @@ class GrammarError(SwarmError):
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: int) -> Any:
     """llguidance's view of ``tokenizer`` (built once per tokenizer: ~0.2 s for 49k tokens)."""
-    import llguidance
+    try:
+        import llguidance
+    except ImportError:  # a declared dependency; missing only from a broken install
+        raise GrammarError("constrained output needs the llguidance package (pip install llguidance)") from None
 
     with _lock:
         held = _tokenizers.get(id(tokenizer))
