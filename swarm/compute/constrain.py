@@ -39,12 +39,17 @@ class GrammarError(SwarmError):
     """A schema that cannot constrain output (not a JSON schema, or one llguidance refuses)."""
 
 
-def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: int) -> Any:
-    """llguidance's view of ``tokenizer`` (built once per tokenizer: ~0.2 s for 49k tokens)."""
+def _llguidance() -> Any:
     try:
         import llguidance
     except ImportError:  # a declared dependency; missing only from a broken install
         raise GrammarError("constrained output needs the llguidance package (pip install llguidance)") from None
+    return llguidance
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: int) -> Any:
+    """llguidance's view of ``tokenizer`` (built once per tokenizer: ~0.2 s for 49k tokens)."""
+    llguidance = _llguidance()
 
     with _lock:
         held = _tokenizers.get(id(tokenizer))
@@ -65,7 +70,7 @@ class Grammar:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, grammar: str) -> None:
-        import llguidance
+        llguidance = _llguidance()
 
         if not tokenizer.eos_token_ids:
             raise GrammarError("the tokenizer has no end-of-sequence token to end a constrained reply with")
@@ -91,7 +96,7 @@ def json_grammar(schema: dict[str, Any]) -> str:
     """The llguidance grammar of the JSON documents ``schema`` accepts (compact: :data:`JSON_OPTIONS`).
 
     Raises: GrammarError for a schema that is not a JSON object."""
-    import llguidance
+    llguidance = _llguidance()
 
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
