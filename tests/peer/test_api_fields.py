@@ -98,7 +98,7 @@ CHAT_REFUSED = [
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
 ]
 COMPLETION_REFUSED = [
-    ({"echo": True}, "echo"),
+    ({"echo": True, "logprobs": 1}, "echo"),
     ({"suffix": "return x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"top_logprobs": 2}, "top_logprobs"),  # a chat field
@@ -194,8 +194,8 @@ async def test_refusals_reach_the_client_in_openais_shape(url):
         await client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=4, extra_body={"min_p": 0.1})
     assert info.value.body["param"] == "min_p"
     with pytest.raises(openai.BadRequestError) as info:
-        await client.completions.create(model=MODEL_ID, prompt="x", max_tokens=4, echo=True)
-    assert info.value.body["param"] == "echo"
+        await client.completions.create(model=MODEL_ID, prompt="x", max_tokens=4, suffix="y")
+    assert info.value.body["param"] == "suffix"
     await client.close()
 
 
@@ -359,3 +359,20 @@ def test_body_is_json_serializable_floats():
     assert json.loads(json.dumps(_logprobs(chat, [(0, t)]))) == {"content": [
         {"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.25,
                                                                             "bytes": [97]}]}], "refusal": None}
+
+
+async def test_completions_echo_puts_the_prompt_first(url, engine):
+    """``echo``: the prompt, then the local greedy completion; streamed, the prompt comes first."""
+    model, tok = engine
+    prompt_text = "The three primary colours are"
+    text, _ = _reply(tok, _greedy_steps(model, tok.encode(prompt_text), 6))
+    client = _client(url)
+    r = await client.completions.create(model=MODEL_ID, prompt=prompt_text, max_tokens=6, temperature=0, echo=True)
+    assert r.choices[0].text == prompt_text + text
+    stream = await client.completions.create(model=MODEL_ID, prompt=prompt_text, max_tokens=6, temperature=0,
+                                             echo=True, stream=True)
+    pieces = [c.choices[0].text async for c in stream if c.choices]
+    assert pieces[0] == prompt_text and "".join(pieces) == prompt_text + text
+    await client.close()
+    gc.collect()
+    await asyncio.sleep(0.05)

@@ -329,7 +329,8 @@ class ApiServer:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [c.openai() for c in calls]}
                     finish = "tool_calls" if finish == "stop" else finish
-            choice = {"text": text} if chat.prompt is not None else {"message": message}
+            echo = chat.prompt if chat.echo else ""
+            choice = {"text": echo + text} if chat.prompt is not None else {"message": message}
             return web.json_response({
                 "id": ident, "object": "chat.completion" if chat.prompt is None else "text_completion",
                 "created": created, "model": self.backend.model_id,
@@ -363,6 +364,8 @@ class ApiServer:
         try:
             if not text:
                 await response.write(chunk({"role": "assistant", "content": ""}))
+            elif chat.echo:
+                await response.write(chunk({"content": chat.prompt}))
             # aclosing: a client that goes away ends the generation (and frees its slot) now.
             held: list[tuple[str, list[tuple[int, TokenLogprob]]]] = []
             async with contextlib.aclosing(self._pieces(chat, stats, reply, request)) as pieces:

@@ -73,6 +73,7 @@ class ChatRequest:
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str = "none"
     tool_name: str | None = None
+    echo: bool = False
     constraint: Any = dataclasses.field(default=None, compare=False)
 
 
@@ -101,7 +102,7 @@ SAMPLING_FIELDS = frozenset({
 })
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                  "tool_choice"}
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo"}
 # Accepted and without effect on the reply: identifiers and bookkeeping for OpenAI's own platform.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
                             "parallel_tool_calls"})  # parallel_tool_calls: a reply's calls are all parsed
@@ -438,8 +439,9 @@ def parse_chat_request(body: Any, *, model_id: str, max_tokens_limit: int,
 def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int,
                              vocab_size: int | None = None) -> ChatRequest:
     """Validate a ``POST /v1/completions`` body: ``prompt``, one non-empty string (or an array
-    of exactly one); ``logprobs``, the number of alternatives (0 to 5) to report per token; and
-    the sampling fields of :func:`parse_chat_request`.
+    of exactly one); ``logprobs``, the number of alternatives (0 to 5) to report per token;
+    ``echo`` (the prompt, then the completion; not with ``logprobs``); and the sampling fields
+    of :func:`parse_chat_request`.
 
     Raises:
         ApiError: 400 naming the bad or unserved field, or 404 for another model id.
@@ -453,7 +455,14 @@ def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int,
         raise ApiError("'prompt' must be a non-empty string (one prompt per request)", param="prompt")
     prompt = _unicode(prompt, "prompt")
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise ApiError(f"'echo' must be a boolean, got {echo!r}", param="echo")
+    if echo and logprobs is not None:
+        raise not_served("echo", "with 'logprobs' it would report the prompt's tokens, whose logprobs are not "
+                         "computed; ask for one of them")
     return ChatRequest(messages=({"role": "user", "content": prompt},), model=model, prompt=prompt, logprobs=logprobs,
+                       echo=bool(echo),
                        **_sampling(body, max_tokens_limit=max_tokens_limit, vocab_size=vocab_size))
 
 
