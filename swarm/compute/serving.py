@@ -96,6 +96,7 @@ class _Seq:
     def next_rows(self, chunk: int) -> list[int]:
         if self.fed < len(self.prompt):
             return self.prompt[self.fed:min(self.fed + chunk, len(self.prompt))]
+        assert self.last is not None  # a sequence past its prompt has sampled a token
         return [self.last]
 
 
@@ -305,6 +306,7 @@ class BatchScheduler:
                     continue  # more prompt to read: this chunk's logits are not needed
             if seq.cancelled:
                 continue
+            assert seq.sampler is not None  # made when the sequence joined
             try:
                 picked = seq.sampler(row)
             except Exception as exc:  # e.g. its constraint failed: this sequence fails, the rest go on

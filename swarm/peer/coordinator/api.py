@@ -55,7 +55,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -329,7 +329,7 @@ class ApiServer:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [c.openai() for c in calls]}
                     finish = "tool_calls" if finish == "stop" else finish
-            echo = chat.prompt if chat.echo else ""
+            echo = (chat.prompt or "") if chat.echo else ""
             choice = {"text": echo + text} if chat.prompt is not None else {"message": message}
             return web.json_response({
                 "id": ident, "object": "chat.completion" if chat.prompt is None else "text_completion",
@@ -347,7 +347,7 @@ class ApiServer:
             _cancel(reply)
 
     async def _stream(self, request: web.Request, chat: ChatRequest, ident: str, created: int,
-                      reply: Iterator[str], stats: GenerationStats) -> web.StreamResponse:
+                      reply: Iterator[str | Piece], stats: GenerationStats) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -409,7 +409,7 @@ class ApiServer:
     # ------------------------------------------------------------- the token loop
 
     async def _pieces(self, chat: ChatRequest, stats: GenerationStats, reply: Iterator[str | Piece],
-                      request: web.Request) -> AsyncIterator[tuple[str, list[tuple[int, TokenLogprob]]]]:
+                      request: web.Request) -> AsyncGenerator[tuple[str, list[tuple[int, TokenLogprob]]], None]:
         """Text pieces of one admitted generation (``reply``, iterated in a worker thread), stop
         strings applied, each with the tokens whose text it ends (``(offset, token)``: where the
         token's text starts in the reply, in characters); a token cut by a stop string goes with

@@ -7,6 +7,7 @@ against the context and hands it to the continuous-batching scheduler
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -49,9 +50,9 @@ class TokenLogprob:
     its most likely alternatives ``(text, bytes, logprob)``, most likely first."""
 
     token: str
-    bytes: bytes
+    bytes: builtins.bytes
     logprob: float | None
-    top: tuple[tuple[str, bytes, float], ...] = ()
+    top: tuple[tuple[str, builtins.bytes, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,10 @@ class EngineBackend:
             seed=request.seed, max_tokens=request.max_tokens, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias, logprobs=request.logprobs,
             constraint=request.constraint))
-        tokens = self.scheduler.submit(request.prompt_ids, params)
-        pieces = sampled_pieces(tokens.sampled(), self.tokenizer, params, len(request.prompt_ids), stats)
+        prompt_ids = request.prompt_ids
+        assert prompt_ids is not None  # prepared above
+        tokens = self.scheduler.submit(prompt_ids, params)
+        pieces = sampled_pieces(tokens.sampled(), self.tokenizer, params, len(prompt_ids), stats)
         if request.logprobs is None:
             return Reply(tokens, (p.text for p in pieces if p.text))
         return Reply(tokens, (self._piece(p) for p in pieces))

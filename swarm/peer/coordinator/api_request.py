@@ -257,7 +257,7 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         return ()
     if not isinstance(value, list) or len(value) > MAX_TOOLS:
         raise ApiError(f"'tools' must be an array of up to {MAX_TOOLS} function tools", param="tools")
-    tools = []
+    tools: list[dict[str, Any]] = []
     for k, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type") != "function":
