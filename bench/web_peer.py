@@ -1,15 +1,20 @@
 """Benchmark of the browser peer's WGSL kernels; prints one JSON document.
 
     python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
+    python3 bench/web_peer.py --blocks [--blocks-shape H,F] [--reps N]
 
 For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format (f32, f16, q8 and the
-GGUF blocks q4_0, q4_1, q8_0) it reports seconds per call, GFLOP/s and GB/s (weight bytes as held,
+GGUF blocks q4_0, q4_1, q8_0, q4_k, q5_k, q6_k) it reports seconds per call, GFLOP/s and GB/s (weight bytes as held,
 block scales included, + activation bytes moved once), and per shape the bytes each format holds
 against float32 ("compact"), on:
 - lavapipe: the WGSL through wgpu-py on Mesa's Vulkan CPU driver (or on a real GPU: whatever
   adapter wgpu picks, described in the output);
 - swiftshader: the same WGSL through the page's own modules in headless Chromium.
 Decode is bandwidth-bound (T = 1): GB/s against the device's memory bandwidth is the figure of merit.
+With --blocks, only the wgpu adapter, per block type on one shape (default H 4096, F 14336, a
+Mixtral expert): GB/s of weights read at T = 1 and GFLOP/s at T = 64 (both kernels), beside the
+device's buffer-to-buffer copy bandwidth (read + write bytes per second, wgpu's copy_buffer_to_buffer).
+Block weights are random valid blocks (K.random_blocks): timing does not depend on their values.
 With --e2e, through the real page (signaling, authenticated WebRTC link, worker.js): MiB/s of
 weight shipping to the page and DenseRequest round-trip latency as the coordinator sees it.
 """
@@ -58,6 +63,116 @@ def _weights(h, f, seed=0):
     return wg, wu, wd
 
 
+def _upload(gpu, fmt, wg, wu, wd):
+    """Upload one SwiGLU block as `fmt`: float formats from the float32 weights, block formats as the
+    file's blocks (gguf's quantizer; random valid K-quant blocks, which gguf-py cannot quantize to)."""
+    if fmt in K.K_FORMATS:
+        rng = np.random.default_rng(0)
+        return gpu.upload(*(K.random_blocks(rng, *w.shape, fmt, 1e-4) for w in (wg, wu, wd)), fmt)
+    return gpu.upload(wg, wu, wd, fmt)
+
+
+COPY_WGSL = """
+@group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> dst: array<vec4<f32>>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let stride = nw.x * 256u;
+    for (var i = gid.x; i < arrayLength(&src); i += stride) {
+        dst[i] = src[i];
+    }
+}
+"""
+
+
+def copy_bandwidth(gpu, nbytes: int = 1 << 27, reps: int = 20) -> dict:
+    """The device's copy rates, read + write bytes per second (GB/s): ``copy_buffer_to_buffer``
+    and a WGSL copy kernel (vec4 loads and stores, 65535 workgroups of 256 striding), 128 MiB buffers."""
+    wg = gpu._wgpu
+    dev = gpu._device()
+    usage = wg.BufferUsage.COPY_SRC | wg.BufferUsage.COPY_DST | wg.BufferUsage.STORAGE
+    a, b = dev.create_buffer(size=nbytes, usage=usage), dev.create_buffer(size=nbytes, usage=usage)
+    probe = dev.create_buffer(size=16, usage=wg.BufferUsage.COPY_DST | wg.BufferUsage.MAP_READ)
+    pipe = dev.create_compute_pipeline(layout="auto", compute={
+        "module": dev.create_shader_module(code=COPY_WGSL), "entry_point": "main"})
+    bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+        {"binding": 0, "resource": {"buffer": a}}, {"binding": 1, "resource": {"buffer": b}}])
+
+    def run(n, shader):
+        enc = dev.create_command_encoder()
+        for _ in range(n):
+            if shader:
+                cpass = enc.begin_compute_pass()
+                cpass.set_pipeline(pipe)
+                cpass.set_bind_group(0, bind)
+                cpass.dispatch_workgroups(min(65535, nbytes // 16 // 256), 1, 1)
+                cpass.end()
+            else:
+                enc.copy_buffer_to_buffer(a, 0, b, 0, nbytes)
+        enc.copy_buffer_to_buffer(b, 0, probe, 0, 16)
+        t0 = time.perf_counter()
+        dev.queue.submit([enc.finish()])
+        probe.map_sync("READ")
+        probe.unmap()
+        return time.perf_counter() - t0
+
+    out = {}
+    for name, shader in (("copy_buffer_to_buffer_gbps", False), ("wgsl_copy_gbps", True)):
+        run(1, shader)
+        out[name] = round(2 * nbytes * reps / min(run(reps, shader) for _ in range(3)) / 1e9, 1)
+    for buf in (a, b, probe):
+        buf.destroy()
+    try:  # the same figure from CUDA where torch is installed (not through Vulkan)
+        import torch
+
+        if torch.cuda.is_available():
+            x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+            y = torch.empty_like(x)
+            y.copy_(x)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                y.copy_(x)
+            torch.cuda.synchronize()
+            out["torch_cuda_copy_gbps"] = round(2 * nbytes * reps / (time.perf_counter() - t0) / 1e9, 1)
+    except ImportError:
+        pass
+    return out
+
+
+def bench_blocks(h, f, reps, workgroup_size, formats=("f32", "f16") + K.BLOCK_FORMATS):
+    """Per weight format, both kernels on one SwiGLU block [F, H]: T = 1 GB/s of weights read and
+    T = 64 GFLOP/s, each format on a fresh device (see bench_wgpu), beside the copy bandwidth."""
+    from web_peer.wgpu_host import WgpuFfn
+
+    with WgpuFfn(workgroup_size=workgroup_size) as gpu:
+        info = gpu.adapter.info
+        out = {"adapter": {k: info[k] for k in ("vendor", "device", "description", "backend_type", "adapter_type")},
+               "workgroup_size": gpu.workgroup_size, "H": h, "F": f,
+               "copy": copy_bandwidth(gpu), "formats": []}
+        out["copy_gbps"] = max(out["copy"].values())  # the reference: the best copy this device showed
+        formats = [fm for fm in formats if fm in gpu.formats]
+    wg, wu, wd = _weights(h, f)
+    for fmt in formats:
+        with WgpuFfn(workgroup_size=workgroup_size) as gpu:
+            w = _upload(gpu, fmt, wg, wu, wd)
+            t1 = gpu.time_kernel("ffn", w, 1, reps)
+            t64 = gpu.time_kernel("ffn", w, 64, max(3, reps // 4))
+            # The answer on this device against the twin's weights in float64 (not timed).
+            x = np.random.default_rng(1).standard_normal((2, h)).astype(np.float32)
+            y = gpu.ffn(x, w)
+            ref = K.swiglu_ffn_f64(x, *(K.unpack_matrix(m.packed) for m in (w.gate, w.up, w.down)))
+        e1, e64 = _entry("wgpu", "ffn", fmt, 1, h, f, t1), _entry("wgpu", "ffn", fmt, 64, h, f, t64)
+        weight_gbps = w.nbytes / t1 / 1e9
+        out["formats"].append({"format": fmt, "weight_bytes": w.nbytes,
+                               "bits_per_weight": round(8 * w.nbytes / (3 * h * f), 3),
+                               "t1_ms": e1["ms"], "t1_weight_gbps": round(weight_gbps, 1),
+                               "t1_of_copy": round(weight_gbps / out["copy_gbps"], 3),
+                               "t64_ms": e64["ms"], "t64_gflops": e64["gflops"],
+                               "rel_error_vs_twin_f64": float(np.abs(y - ref).max() / np.abs(ref).max())})
+    return out
+
+
 def bench_wgpu(shapes, reps, workgroup_size):
     from web_peer.wgpu_host import WgpuFfn
 
@@ -72,7 +187,7 @@ def bench_wgpu(shapes, reps, workgroup_size):
             # A fresh device per format: on the H200 a kernel timed after other formats' uploads on the
             # same device ran up to 4x slower (buffer placement), which would skew the comparison.
             with WgpuFfn(workgroup_size=workgroup_size) as gpu:
-                w = gpu.upload(wg, wu, wd, fmt)  # block formats: quantized by gguf, as a file holds them
+                w = _upload(gpu, fmt, wg, wu, wd)  # block formats: the file's blocks
                 if not any((c["format"], c["H"], c["F"]) == (fmt, h, f) for c in out["compact"]):
                     out["compact"].append({"format": fmt, "H": h, "F": f, "bytes": w.nbytes,
                                            "f32_bytes": 3 * h * f * 4, "of_f32": round(w.nbytes / (3 * h * f * 4), 4)})
@@ -148,7 +263,10 @@ def bench_chromium(shapes, reps, formats=("f32", "q8") + K.BLOCK_FORMATS):
                 for fmt in formats:
                     blocks = None
                     if fmt in K.BLOCK_FORMATS:
-                        blocks = {"encoding": fmt.upper(), **{name: base64.b64encode(K.quantize_blocks(w, fmt)).decode()
+                        rng = np.random.default_rng(0)
+                        raw = (lambda w: K.random_blocks(rng, *w.shape, fmt)) if fmt in K.K_FORMATS else (
+                            lambda w: K.quantize_blocks(w, fmt))
+                        blocks = {"encoding": fmt.upper(), **{name: base64.b64encode(raw(w)).decode()
                                                              for name, w in (("gate", wg), ("up", wu), ("down", wd))}}
                     r = page.evaluate(CHROMIUM_BENCH, dict(h=h, f=f, t=t, fmt=fmt, reps=reps, seed=1, blocks=blocks))
                     out["adapter"] = r["adapter"]
@@ -235,7 +353,19 @@ def main(argv=None):
     ap.add_argument("--e2e", action="store_true",
                     help="also the page end to end: weight shipping MiB/s and request latency over WebRTC")
     ap.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
+    ap.add_argument("--blocks", action="store_true",
+                    help="only wgpu, per block type: T=1 GB/s and T=64 GFLOP/s beside the copy bandwidth")
+    ap.add_argument("--blocks-shape", default="4096,14336", help="H,F of --blocks")
     args = ap.parse_args(argv)
+    if args.blocks:
+        h, f = (int(v) for v in args.blocks_shape.split(","))
+        t0 = time.perf_counter()
+        report = {"bench": "web_peer block kernels", "reps": args.reps,
+                  "wgpu": bench_blocks(h, f, args.reps, args.workgroup_size)}
+        report["wall_s"] = round(time.perf_counter() - t0, 2)
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        return
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     elif args.quick:

@@ -1,9 +1,11 @@
-// Helpers of the GGUF block preludes (weights_q4_0/q4_1/q8_0.wgsl); planes in web_peer/kernels.py.
+// Helpers of the GGUF block preludes (weights_<fmt>.wgsl); planes in web_peer/kernels.py.
 // A kernel reads the quant plane in 16-byte units (vec4<u32>, 4 words): unit v of a row belongs
-// to block v / UNITS_PER_BLOCK of the row. Each prelude says which x vec4 word i of unit v
-// multiplies (x_pair) and dequantizes a word (dequant_word: column 0 multiplies x_pair.x,
-// column 1 x_pair.y when PAIRED). No arrays: a dynamically indexed one cost the H200 20x.
-// The kernel bodies name their input binding `x` (unit_dot2 reads it).
+// to block v / UNITS_PER_BLOCK of the row (a block holds QK weights). Each prelude says which x
+// vec4 word i of unit v multiplies (x_pair) and dequantizes unit v (load_unit: column 0 of a
+// word multiplies x_pair.x, column 1 x_pair.y when PAIRED). No arrays: a dynamically indexed
+// one cost the H200 20x. The kernel bodies name their input binding `x` (unit_dot2 reads it) and
+// give the preludes their planes as quant(m, i) (vec4 i of matrix m's quant plane) and
+// scale(m, i) (word i of its scale plane); m = 0 is W_gate or W_down, 1 is W_up.
 
 // Half `b & 1` of an f16 pair: d of block b where two blocks share a scale word.
 fn pair_half(word: u32, b: u32) -> vec2<f32> {
@@ -32,8 +34,9 @@ struct Unit {
     w3: mat2x4<f32>,
 }
 
-fn dequant_unit(q: vec4<u32>, dm: vec2<f32>) -> Unit {
-    return Unit(dequant_word(q.x, dm), dequant_word(q.y, dm), dequant_word(q.z, dm), dequant_word(q.w, dm));
+// The 4 bytes of a word as unsigned values.
+fn bytes_u8(q: u32) -> vec4<f32> {
+    return vec4<f32>((vec4<u32>(q) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(255u));
 }
 
 // (a . x, b . x) over unit v of a row, for the input row starting at vec4 xr of `x` (the kernel's

@@ -1,6 +1,6 @@
 // Down projection on GGUF blocks: y[t, row0 + r] = h[t] . w_down[r], weights dequantized here,
 // sums in f32. Bindings and work split as down.wgsl; planes as in swiglu_blocks.wgsl:
-//   x      [T, K4]        vec4<f32>  SwiGLU activations h, K4 = F / 4 (F a multiple of 32)
+//   x      [T, K4]        vec4<f32>  SwiGLU activations h, K4 = F / 4 (F a multiple of QK)
 //   w_down [R, NV]        vec4<u32>  quant plane of one part (R rows) of W_down [H, F]
 //   s_down                u32        its scale plane
 //   y      [T, H]         f32        output; this dispatch writes columns row0 .. row0 + R
@@ -11,6 +11,14 @@
 @group(0) @binding(3) var<storage, read> s_down: array<u32>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
 
+fn quant(m: u32, i: u32) -> vec4<u32> {
+    return w_down[i];
+}
+
+fn scale(m: u32, i: u32) -> u32 {
+    return s_down[i];
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let r = wid.x + wid.y * p.tile_x;
@@ -18,12 +26,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         return;  // workgroup-uniform
     }
     let t0 = wid.z * TB;
-    let nb = p.k4 / 8u;
+    let nb = p.k4 * 4u / QK;
     let nv = nb * UNITS_PER_BLOCK;
     var acc: array<f32, TB>;
     for (var v = lid; v < nv; v += WG) {
-        let b = r * nb + v / UNITS_PER_BLOCK;
-        let w = dequant_unit(w_down[r * nv + v], block_scale(s_down[scale_word(b)], b));
+        let w = load_unit(0u, r, v, nb);
         for (var t = 0u; t < TB; t++) {
             let tt = t0 + t;
             if (tt < p.t_rows) {

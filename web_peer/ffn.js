@@ -5,16 +5,20 @@
 // byte): row-major [rows, K] with K zero-padded to a multiple of 4; formats f32, f16 (needs
 // shader-f16) and q8 (int8 per row + one f32 scale per row: scale = max|row| / 127,
 // q = round-half-even(w / scale)), packed here from float32; and the GGUF block formats q4_0,
-// q4_1, q8_0, kept in the file's blocks, split once into a quant plane and an f16 scale plane
-// (no bytes added; kernels.py says why). Each matrix is cut into parts of whole rows so no binding
+// q4_1, q8_0, q4_k, q5_k, q6_k, kept in the file's blocks, split once into a quant plane and a
+// scale plane (no bytes added; kernels.py says why). Each matrix is cut into parts of whole rows so no binding
 // exceeds the context's maxBinding. Activations are cut into blocks of rows under the same limit.
 import { KernelError, BLOCK_FORMATS } from "./gpu.js";
 import { SwigluKernel } from "./swiglu.js";
 import { DownKernel } from "./down.js";
 
 const BYTES = { f32: 4, f16: 2, q8: 1 };
-// block format → [bytes per 32-weight block in the file, f16 scales per block, u32 quant words per block]
-const BLOCKS = { q4_0: [18, 1, 4], q4_1: [20, 2, 4], q8_0: [34, 1, 8] };
+// block format → [weights per block, bytes per block in the file, [a, b): the block's bytes that
+// go to the scale plane] (kernels.py _SCALE_BYTES); the other bytes, in order, are the quant plane.
+const BLOCKS = {
+  q4_0: [32, 18, 0, 2], q4_1: [32, 20, 0, 4], q8_0: [32, 34, 0, 2],
+  q4_k: [256, 144, 0, 16], q5_k: [256, 176, 0, 16], q6_k: [256, 210, 208, 210],
+};
 
 export const pad4 = (n) => Math.ceil(n / 4) * 4;
 
@@ -77,23 +81,24 @@ export function blockFormat(encoding) {
 }
 
 /**
- * Repack GGUF blocks (Uint8Array of n rows of k / 32 blocks, as in the file) into the kernels'
+ * Repack GGUF blocks (Uint8Array of n rows of k / QK blocks, as in the file) into the kernels'
  * two planes, zero rows up to `rows`. Returns {fmt, rows, cols: k, data (quant plane),
- * scale (f16 plane, bytes), rowBytes, scaleRowBytes, parts}; same bytes as kernels.py's.
+ * scale (scale plane, bytes), rowBytes, scaleRowBytes, parts}; same bytes as kernels.py's.
  */
 export function packBlocks(bytes, n, k, fmt, maxBinding, rows = n) {
-  const [size, nScales, words] = BLOCKS[fmt] ?? [];
+  const [qk, size, a, z] = BLOCKS[fmt] ?? [];
   if (!size) throw new KernelError(`unknown block format ${fmt}; expected one of ${BLOCK_FORMATS.join(", ")}`);
-  if (k % 32) throw new KernelError(`${fmt} needs rows of a multiple of 32 weights, got ${k}`);
-  const nb = k / 32, sb = 2 * nScales, qb = 4 * words;
+  if (k % qk) throw new KernelError(`${fmt} needs rows of a multiple of ${qk} weights, got ${k}`);
+  const nb = k / qk, sb = z - a, qb = size - sb;
   if (!(bytes instanceof Uint8Array) || bytes.length !== n * nb * size) {
     throw new KernelError(`${fmt} weights of ${n}x${k} must be a Uint8Array of ${n * nb * size} bytes, got ${bytes?.constructor?.name} of ${bytes?.length}`);
   }
   const data = new Uint8Array(rows * nb * qb);
   const scale = new Uint8Array(rows * nb * sb);
   for (let b = 0, at = 0; b < n * nb; b++, at += size) {
-    for (let j = 0; j < sb; j++) scale[b * sb + j] = bytes[at + j];
-    data.set(bytes.subarray(at + sb, at + size), b * qb);
+    scale.set(bytes.subarray(at + a, at + z), b * sb);
+    data.set(bytes.subarray(at, at + a), b * qb);
+    data.set(bytes.subarray(at + z, at + size), b * qb + a);
   }
   return { fmt, rows, cols: k, data, scale, rowBytes: nb * qb, scaleRowBytes: nb * sb, parts: splitRows(rows, nb * qb, maxBinding) };
 }
@@ -119,7 +124,7 @@ export class FfnBlock {
    * @param {import("./gpu.js").GpuContext} ctx
    * @param {{hidden: number, inter: number, fmt?: string, wGate, wUp, wDown}} w
    *   wGate, wUp [inter, hidden]; wDown [hidden, inter]; row-major. Each is a Float32Array
-   *   (packed as `fmt`, default f32) or GGUF blocks {encoding: "Q4_0"|"Q4_1"|"Q8_0", bytes:
+   *   (packed as `fmt`, default f32) or GGUF blocks {encoding: "Q4_0"|"Q4_1"|"Q8_0"|"Q4_K"|"Q5_K"|"Q6_K", bytes:
    *   Uint8Array} kept as they are (wGate and wUp in one encoding).
    */
   constructor(ctx, { hidden, inter, fmt = "f32", wGate, wUp, wDown }) {

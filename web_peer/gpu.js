@@ -16,8 +16,10 @@ export class NoWebGPUError extends Error {
   constructor(message) { super(message); this.name = "NoWebGPUError"; }
 }
 
-// GGUF block formats: the file's 32-weight blocks, dequantized in the kernel (web_peer/kernels.py).
-export const BLOCK_FORMATS = ["q4_0", "q4_1", "q8_0"];
+// GGUF block formats: the file's blocks (32 weights; 256 for the K-quants), dequantized in the
+// kernel (web_peer/kernels.py).
+export const BLOCK_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"];
+const K_FORMATS = ["q4_k", "q5_k", "q6_k"];
 export const FORMATS = ["f32", "f16", "q8", ...BLOCK_FORMATS];
 export const TB = 8;  // activation rows per workgroup: `const TB` in swiglu.wgsl and down.wgsl
 export const MAX_WORKGROUPS_PER_DIM = 65535;
@@ -114,8 +116,9 @@ export class GpuContext {
   }
 
   /**
-   * The WGSL of `kernel` for weight format `fmt`: weights_<fmt>.wgsl (and blocks.wgsl for block
-   * formats), rows.wgsl, then <kernel>.wgsl (<kernel>_blocks.wgsl): kernels.py wgsl_files.
+   * The WGSL of `kernel` for weight format `fmt`: weights_<fmt>.wgsl (and blocks.wgsl, then
+   * blocks_32.wgsl or blocks_k.wgsl for block formats), rows.wgsl, then <kernel>.wgsl
+   * (<kernel>_blocks.wgsl): kernels.py wgsl_files.
    */
   async source(kernel, fmt) {
     const key = `${kernel}/${fmt}`;
@@ -126,7 +129,7 @@ export class GpuContext {
         return r.text();
       };
       const names = BLOCK_FORMATS.includes(fmt)
-        ? [`weights_${fmt}.wgsl`, "blocks.wgsl", "rows.wgsl", `${kernel}_blocks.wgsl`]
+        ? [`weights_${fmt}.wgsl`, "blocks.wgsl", K_FORMATS.includes(fmt) ? "blocks_k.wgsl" : "blocks_32.wgsl", "rows.wgsl", `${kernel}_blocks.wgsl`]
         : [`weights_${fmt}.wgsl`, "rows.wgsl", `${kernel}.wgsl`];
       this._sources.set(key, (await Promise.all(names.map(get))).join("\n"));
     }

@@ -11,7 +11,7 @@ range** is the same block over a contiguous slice r of a dense MLP's intermediat
 (W_gate[r], W_up[r], W_down[:, r]); the coordinator sums range partials in range order. The two
 WGSL files are the kernels; ``weights_{f32,f16,q8}.wgsl`` are preludes that give the weight format.
 The GGUF block formats use ``swiglu_blocks.wgsl`` / ``down_blocks.wgsl`` with preludes
-``weights_{q4_0,q4_1,q8_0}.wgsl`` (same bindings, same work split, per-block scales).
+``weights_{q4_0,q4_1,q8_0,q4_k,q5_k,q6_k}.wgsl`` (same bindings, same work split, per-block scales).
 The functions here compute exactly what the kernels compute (float32, same formulas) so the GPU
 results can be checked against them, and them against float64.
 
@@ -25,6 +25,10 @@ Weight formats (one name used by Python, JS and the wire):
   q4_0 w = d * (q - 8) (18 bytes a block), q4_1 w = d * q + m (20), q8_0 w = d * q (34);
   d and m are f16, q 4-bit unsigned nibbles or int8. 4.5 to 8.5 bits per weight: 3.8-7x what f32
   holds in the same memory.
+- ``q4_k``, ``q5_k``, ``q6_k``: the K-quant super-blocks of 256 weights (block_q4_K, block_q5_K,
+  block_q6_K; 144, 176 and 210 bytes: 4.5, 5.5 and 6.56 bits per weight), dequantized inside the
+  kernel exactly as gguf-py's ``dequantize``: q4_k/q5_k w = (d * sc) * q - dmin * m with 6-bit
+  sc, m per 32 weights; q6_k w = (d * sc) * (q - 32) with int8 sc per 16 weights.
 
 Block layout on the GPU. WGSL reads storage as u32 words, and 18- and 34-byte blocks sit at
 2-byte offsets every other block. Rather than assemble every quant word from two loads and
@@ -32,11 +36,15 @@ shifts, a matrix is repacked once on arrival into two planes with the file's byt
 ``data``, the quant bytes of every block (4 words a block for q4_*, byte j holding weight j in
 its low nibble and weight j + 16 in its high one, as in the file; 8 words for q8_0), and
 ``scale``, the f16 scales (q4_0/q8_0: d per block; q4_1: d, m per block), read with
-unpack2x16float. Same bytes as the file (a part whose block count is odd pads 2 bytes), and each
-plane is aligned, so every word is one load.
+unpack2x16float. The K-quants split the same way: q4_k/q5_k keep their 16-byte head (d, dmin,
+12 bytes of 6-bit scales) in the scale plane and qs (q5_k: qh, qs) in the quant plane; q6_k keeps
+ql, qh and its int8 scales (208 bytes) as quant and its trailing f16 d as scale. Same bytes as
+the file (a part whose block count is odd pads 2 bytes), and each plane is aligned, so every word
+is one load.
 
 Layout rules. Every weight matrix is row-major ``[rows, K]`` with K padded to a multiple of 4 with
-zeros (a WGSL ``vec4``/packed ``u32`` holds 4 weights); block formats need K a multiple of 32. A matrix is cut into **parts** of whole rows
+zeros (a WGSL ``vec4``/packed ``u32`` holds 4 weights); block formats need K a multiple of their
+block (32 weights; 256 for the K-quants). A matrix is cut into **parts** of whole rows
 so no GPU buffer binding exceeds the adapter's ``maxStorageBufferBindingSize`` (128 MiB on many
 phones); each part is one dispatch writing its own output columns.
 """
@@ -53,11 +61,14 @@ from gguf.quants import quantize as gguf_quantize
 
 from swarm.errors import KernelError
 
-BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")  # GGUF block types the kernels read in their own blocks
+BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")  # GGUF types the kernels read in their own blocks
+K_FORMATS = ("q4_k", "q5_k", "q6_k")  # super-blocks of 256 weights; gguf-py has no quantizer for them
 FORMATS = ("f32", "f16", "q8") + BLOCK_FORMATS
-QK = 32  # weights per block
-# block format → (f16 scales per block, u32 quant words per block)
-_BLOCK_LAYOUT = {"q4_0": (1, 4), "q4_1": (2, 4), "q8_0": (1, 8)}
+QK = 32  # weights per block of q4_0, q4_1, q8_0
+QK_K = 256  # weights per K-quant super-block
+# block format → the byte range [a, b) of a file block that goes to the scale plane (the rest, in
+# order, is the quant plane; module docstring)
+_SCALE_BYTES = {"q4_0": (0, 2), "q4_1": (0, 4), "q8_0": (0, 2), "q4_k": (0, 16), "q5_k": (0, 16), "q6_k": (208, 210)}
 KERNELS = ("swiglu", "down")
 TB = 8  # activation rows per workgroup; must equal `const TB` in swiglu.wgsl and down.wgsl
 MAX_WORKGROUPS_PER_DIM = 65535  # WebGPU default maxComputeWorkgroupsPerDimension
@@ -142,10 +153,21 @@ def _check_format(fmt: str) -> None:
 
 
 def ggml_type(fmt: str) -> GGMLQuantizationType:
-    """The GGUF type of block format `fmt` ("q4_1" → Q4_1)."""
+    """The GGUF type of block format `fmt` ("q4_1" → Q4_1, "q4_k" → Q4_K)."""
     if fmt not in BLOCK_FORMATS:
         raise KernelError(f"{fmt!r} is not a block format; expected one of {BLOCK_FORMATS}")
     return GGMLQuantizationType[fmt.upper()]
+
+
+def block_size(fmt: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of block format `fmt` in the file (q4_k: 256, 144)."""
+    return GGML_QUANT_SIZES[ggml_type(fmt)]
+
+
+def _plane_bytes(fmt: str) -> tuple[int, int]:
+    """(quant bytes, scale bytes) of one block of `fmt` on the GPU."""
+    a, b = _SCALE_BYTES[fmt]
+    return block_size(fmt)[1] - (b - a), b - a
 
 
 def block_format(encoding: str) -> str | None:
@@ -155,11 +177,35 @@ def block_format(encoding: str) -> str | None:
 
 
 def quantize_blocks(w: np.ndarray, fmt: str) -> np.ndarray:
-    """float32 w [N, K] (K a multiple of 32) → the file's blocks, uint8 [N, K / 32 * block bytes] (gguf's quantizer)."""
+    """float32 w [N, K] (K a multiple of 32) → the file's blocks, uint8 [N, K / 32 * block bytes] (gguf's quantizer).
+
+    K-quants have no quantizer in gguf-py: KernelError (take the file's blocks, or :func:`random_blocks`).
+    """
     _f32(w, "w", 2)
+    if fmt in K_FORMATS:
+        raise KernelError(f"gguf-py cannot quantize to {fmt}; give the file's blocks")
     if w.shape[1] % QK:
         raise KernelError(f"{fmt} needs rows of a multiple of {QK} weights, got {w.shape[1]}")
     return gguf_quantize(w, ggml_type(fmt))
+
+
+# Byte offsets of the f16 fields that scale a K-quant block: d, and dmin where it has one.
+_K_SCALE_FIELDS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, fmt: str, scale: float = 1e-3) -> np.ndarray:
+    """Random valid blocks of block format `fmt` for a [rows, cols] matrix: uint8 [rows, cols /
+    block * block bytes]. Every quant and sub-scale bit is random; the f16 d (and dmin) fields are
+    uniform in [scale, 4 scale) so every weight is finite. For tests and benchmarks of the K-quants,
+    which gguf-py cannot quantize to."""
+    weights, size = block_size(fmt)
+    if cols % weights:
+        raise KernelError(f"{fmt} needs rows of a multiple of {weights} weights, got {cols}")
+    n = rows * cols // weights
+    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for at in _K_SCALE_FIELDS.get(fmt, (0,) if fmt != "q4_1" else (0, 2)):
+        raw[:, at:at + 2] = rng.uniform(scale, 4 * scale, n).astype("<f2")[:, None].view(np.uint8)
+    return raw.reshape(rows, cols // weights * size)
 
 
 def matrix_shape(w: np.ndarray, name: str, fmt: str) -> tuple[int, int]:
@@ -167,10 +213,10 @@ def matrix_shape(w: np.ndarray, name: str, fmt: str) -> tuple[int, int]:
     blocks). Raises KernelError naming `name` when it is neither."""
     _check_format(fmt)
     if fmt in BLOCK_FORMATS and isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 2:
-        size = GGML_QUANT_SIZES[ggml_type(fmt)][1]
+        weights, size = block_size(fmt)
         if w.shape[1] % size:
             raise KernelError(f"{name}: {fmt} rows must be whole {size}-byte blocks, got {w.shape[1]} bytes")
-        return w.shape[0], w.shape[1] // size * QK
+        return w.shape[0], w.shape[1] // size * weights
     return _f32(w, name, 2).shape
 
 
@@ -191,7 +237,8 @@ def bytes_per_weight(fmt: str) -> float:
     formats count their scales: 18/32, 20/32, 34/32)."""
     _check_format(fmt)
     if fmt in BLOCK_FORMATS:
-        return GGML_QUANT_SIZES[ggml_type(fmt)][1] / QK
+        weights, size = block_size(fmt)
+        return size / weights
     return {"f32": 4, "f16": 2, "q8": 1}[fmt]
 
 
@@ -213,13 +260,13 @@ class PackedMatrix:
 
     data: the packed bytes of all rows (f32/f16 little-endian floats, q8 int8 bytes, block
     formats the quant plane). scale: q8 float32 [rows] per-row scales; block formats uint16
-    [rows * scales_per_row] f16 bits; None otherwise.
+    [rows * scales_per_row], the scale plane's bytes (f16 bits; the K-quants' heads); None otherwise.
     parts: (first_row, end_row) per GPU binding, each at most the binding limit.
     """
 
     fmt: str
     rows: int
-    cols: int  # K padded to a multiple of 4 (block formats: K, a multiple of 32)
+    cols: int  # K padded to a multiple of 4 (block formats: K, whole blocks)
     data: bytes
     scale: np.ndarray | None
     parts: tuple[tuple[int, int], ...]
@@ -227,13 +274,13 @@ class PackedMatrix:
     @property
     def row_bytes(self) -> int:
         if self.fmt in BLOCK_FORMATS:
-            return self.cols // QK * _BLOCK_LAYOUT[self.fmt][1] * 4
+            return self.cols // block_size(self.fmt)[0] * _plane_bytes(self.fmt)[0]
         return self.cols * bytes_per_weight(self.fmt)
 
     @property
     def scales_per_row(self) -> int:
         if self.fmt in BLOCK_FORMATS:
-            return self.cols // QK * _BLOCK_LAYOUT[self.fmt][0]
+            return self.cols // block_size(self.fmt)[0] * _plane_bytes(self.fmt)[1] // 2
         return 1 if self.scale is not None else 0
 
     @property
@@ -270,8 +317,8 @@ def pack_matrix(w: np.ndarray, fmt: str, max_binding: int, rows: int | None = No
     """Pack w [N, K] as `fmt`, zero-padded to [rows or N, K'], in parts ≤ max_binding.
 
     Float formats take float32 w (K' = pad4(K)). Block formats take the file's blocks, uint8
-    [N, K / 32 * block bytes] (K' = K), or float32 w [N, K], quantized here by gguf's quantizer;
-    padding rows are zero blocks (d = m = 0: zero weights).
+    [N, K / block * block bytes] (K' = K), or float32 w [N, K], quantized here by gguf's quantizer
+    (not the K-quants); padding rows are zero blocks (d = dmin = 0: zero weights).
     """
     _check_format(fmt)
     if fmt in BLOCK_FORMATS:
@@ -293,26 +340,37 @@ def pack_matrix(w: np.ndarray, fmt: str, max_binding: int, rows: int | None = No
 
 def _pack_blocks(raw: np.ndarray, fmt: str, max_binding: int, rows: int | None) -> PackedMatrix:
     """The file's blocks uint8 [N, row bytes] → the two planes (module docstring)."""
-    n_scales, words = _BLOCK_LAYOUT[fmt]
-    size = GGML_QUANT_SIZES[ggml_type(fmt)][1]
+    weights, size = block_size(fmt)
+    a, b = _SCALE_BYTES[fmt]
     if raw.ndim != 2 or raw.shape[1] % size:
         raise KernelError(f"{fmt} rows must be whole {size}-byte blocks, got an array of shape {raw.shape}")
     n, nb = raw.shape[0], raw.shape[1] // size
     rows = n if rows is None else rows
     blocks = np.zeros((rows, nb, size), np.uint8)
     blocks[:n] = raw.reshape(n, nb, size)
-    scale = np.ascontiguousarray(blocks[..., : 2 * n_scales]).view("<u2").reshape(-1)
-    data = np.ascontiguousarray(blocks[..., 2 * n_scales :]).tobytes()
-    assert len(data) == rows * nb * words * 4
-    parts = split_rows(rows, nb * words * 4, max_binding)
-    return PackedMatrix(fmt, rows, nb * QK, data, scale, parts)
+    scale = np.ascontiguousarray(blocks[..., a:b]).view("<u2").reshape(-1)
+    data = np.concatenate([blocks[..., :a], blocks[..., b:]], axis=-1).tobytes()
+    quant_bytes = _plane_bytes(fmt)[0]
+    assert quant_bytes % 16 == 0 and len(data) == rows * nb * quant_bytes
+    parts = split_rows(rows, nb * quant_bytes, max_binding)
+    return PackedMatrix(fmt, rows, nb * weights, data, scale, parts)
+
+
+def file_blocks(m: PackedMatrix) -> np.ndarray:
+    """The file's blocks of a block-format PackedMatrix (padding rows included): uint8 [rows, nb, size]."""
+    weights, size = block_size(m.fmt)
+    a, b = _SCALE_BYTES[m.fmt]
+    nb = m.cols // weights
+    quant = np.frombuffer(m.data, np.uint8).reshape(m.rows, nb, size - (b - a))
+    scale = m.scale.view(np.uint8).reshape(m.rows, nb, b - a)
+    return np.concatenate([quant[..., :a], scale, quant[..., a:]], axis=-1)
 
 
 def unpack_matrix(m: PackedMatrix) -> np.ndarray:
     """The float32 [rows, cols] a kernel reads from a PackedMatrix (for twins and tests).
 
     Block formats dequantize as llama.cpp and gguf-py do, in float32: q4_0 d * (q - 8),
-    q4_1 d * q + m, q8_0 d * q.
+    q4_1 d * q + m, q8_0 d * q; the K-quants as :func:`dequantize_k` (the kernels' twin).
     """
     if m.fmt == "f32":
         return np.frombuffer(m.data, "<f4").reshape(m.rows, m.cols).astype(np.float32)
@@ -320,6 +378,8 @@ def unpack_matrix(m: PackedMatrix) -> np.ndarray:
         return np.frombuffer(m.data, "<f2").reshape(m.rows, m.cols).astype(np.float32)
     if m.fmt == "q8":
         return dequantize_q8(np.frombuffer(m.data, np.int8).reshape(m.rows, m.cols), m.scale)
+    if m.fmt in K_FORMATS:
+        return dequantize_k(file_blocks(m).reshape(-1, block_size(m.fmt)[1]), m.fmt).reshape(m.rows, m.cols)
     nb = m.cols // QK
     sc = m.scale.view("<f2").astype(np.float32).reshape(m.rows, nb, -1)
     d = sc[..., :1]
@@ -332,6 +392,44 @@ def unpack_matrix(m: PackedMatrix) -> np.ndarray:
     return w.reshape(m.rows, m.cols)
 
 
+def _k_scale_min(head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """6-bit (sc, m) of the 8 sub-blocks of Q4_K/Q5_K blocks: head uint8 [n, 16] (d, dmin, scales[12])
+    → two float32 [n, 8] (ggml's get_scale_min_k4; blocks_k.wgsl k_scale_min)."""
+    q = head[:, 4:16].astype(np.uint32)
+    sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def dequantize_k(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """Twin of the K-quant preludes: blocks uint8 [n, block bytes] as in the file → float32 [n, 256].
+
+    q4_k/q5_k: w[32s + l] = (d * sc[s]) * q - dmin * m[s], q = nibble (s % 2) of qs[32 (s / 2) + l]
+    (q5_k: plus bit s of qh[l] as bit 4). q6_k: w[128n + 32g + l] = (d * sc[8n + 2g + l / 16]) * (q - 32),
+    q = nibble (g / 2) of ql[64n + 32 (g % 2) + l] | bits 2g of qh[32n + l] << 4. ggml's
+    dequantize_row_q{4,5,6}_K; every product rounded to float32 in that order, as gguf-py's dequantize.
+    """
+    n = blocks.shape[0]
+    f16 = lambda at: blocks[:, at:at + 2].copy().view("<f2").astype(np.float32)  # noqa: E731  [n, 1]
+    if fmt in ("q4_k", "q5_k"):
+        sc, mn = _k_scale_min(blocks[:, :16])
+        d, dmin = f16(0) * sc, f16(2) * mn  # [n, 8]
+        qs = blocks[:, -128:].reshape(n, 4, 1, 32)  # [n, j, 1, l]
+        q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(n, 8, 32)  # sub-block 2j + nibble
+        if fmt == "q5_k":
+            qh = blocks[:, 16:48].reshape(n, 1, 32)
+            q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4)
+        return (d[..., None] * q.astype(np.float32) - dmin[..., None]).reshape(n, QK_K)
+    if fmt == "q6_k":
+        ql = blocks[:, :128].reshape(n, 2, 1, 2, 32)    # [n, half n, nibble, g % 2, l]
+        qh = blocks[:, 128:192].reshape(n, 2, 1, 32)    # [n, half n, 1, l]
+        low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)) & 15
+        q = low.reshape(n, 2, 4, 32) | (((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3) << 4)
+        d = f16(208) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
+        return (d.reshape(n, 16, 1) * (q.reshape(n, 16, 16).astype(np.float32) - np.float32(32))).reshape(n, QK_K)
+    raise KernelError(f"{fmt!r} is not a K-quant; expected one of {K_FORMATS}")
+
+
 def dispatch_grid(n_rows: int, t_rows: int) -> tuple[int, int, int]:
     """Workgroup counts (x, y, z) for one part: x*y ≥ n_rows weight rows, z = blocks of TB rows."""
     tile_x = min(n_rows, MAX_WORKGROUPS_PER_DIM)
@@ -342,13 +440,15 @@ def dispatch_grid(n_rows: int, t_rows: int) -> tuple[int, int, int]:
 
 def wgsl_files(kernel: str, fmt: str) -> tuple[str, ...]:
     """The WGSL files of `kernel` for `fmt`, in order: the weight prelude ``weights_<fmt>.wgsl``
-    (and ``blocks.wgsl``, the block preludes' helpers), ``rows.wgsl`` (what all kernels share),
-    then the body ``<kernel>.wgsl`` (``<kernel>_blocks.wgsl`` for block formats)."""
+    (and the block preludes' helpers: ``blocks.wgsl``, then ``blocks_32.wgsl`` or, for the
+    K-quants, ``blocks_k.wgsl``), ``rows.wgsl`` (what all kernels share), then the body
+    ``<kernel>.wgsl`` (``<kernel>_blocks.wgsl`` for block formats)."""
     if kernel not in KERNELS:
         raise KernelError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     _check_format(fmt)
     if fmt in BLOCK_FORMATS:
-        return f"weights_{fmt}.wgsl", "blocks.wgsl", "rows.wgsl", f"{kernel}_blocks.wgsl"
+        helpers = "blocks_k.wgsl" if fmt in K_FORMATS else "blocks_32.wgsl"
+        return f"weights_{fmt}.wgsl", "blocks.wgsl", helpers, "rows.wgsl", f"{kernel}_blocks.wgsl"
     return f"weights_{fmt}.wgsl", "rows.wgsl", f"{kernel}.wgsl"
 
 

@@ -11,7 +11,7 @@
 // drops, then offer again; "Stop" closes the link and the signaling session and stays out.
 // window.colibri exposes the live objects for tests (events: each state entered, in order).
 import { parseSwarmKey, deriveKey, AuthenticationError, KeyCodeError } from "./auth.js";
-import { GpuContext, NoWebGPUError } from "./gpu.js";
+import { BLOCK_FORMATS, GpuContext, NoWebGPUError } from "./gpu.js";
 import { FfnBlock } from "./ffn.js";
 import { PeerLink } from "./peerlink.js";
 import { SignalingClient, signalingUrl } from "./signaling.js";
@@ -60,6 +60,14 @@ async function measureGflops(gpu) {
 }
 
 /** Bytes of weights this page offers: ?budget=, else a quarter of the device's memory. */
+/**
+ * The Hello's build.blas: "webgpu" and the block kernels this page has, which the coordinator
+ * reads (swarm/peer/weights/repack.py page_encodings) to ship those GGUF types as in the file.
+ */
+function kernelsBlas() {
+  return `webgpu kernels:${BLOCK_FORMATS.join(",")}`;
+}
+
 function memoryBudget() {
   if (params.has("budget")) return Math.max(0, Math.floor(Number(params.get("budget")) || 0));
   // navigator.deviceMemory is rounded and capped at 8 GiB by browsers; 4 GiB when unknown.
@@ -158,7 +166,7 @@ async function main() {
   app.peerId = peerId;
   const hello = {
     peer_id: peerId, protocol_version: PROTOCOL_VERSION,
-    build: { package: "web_peer", numpy: "", blas: "webgpu", arch: d.description || d.architecture || "webgpu", kernel_dtype: gpu.formats.includes(format) ? format : "f32" },
+    build: { package: "web_peer", numpy: "", blas: kernelsBlas(), arch: d.description || d.architecture || "webgpu", kernel_dtype: gpu.formats.includes(format) ? format : "f32" },
     model_hash: null, memory_budget: memoryBudget(), ffn_gflops: await measureGflops(gpu), peer_kind: "browser",
     adapter_limits: d.limits, adapter_features: d.features, name: (params.get("name") ?? "browser").slice(0, 64),
   };

@@ -1,5 +1,5 @@
-// Weight slices shipped by the coordinator, decoded in the page: GGUF Q4_0/Q4_1/Q8_0 blocks stay
-// blocks (the kernels read them), other encodings decode to float32.
+// Weight slices shipped by the coordinator, decoded in the page: GGUF Q4_0/Q4_1/Q8_0 and
+// Q4_K/Q5_K/Q6_K blocks stay blocks (the kernels read them), other encodings decode to float32.
 //
 // A slice (swarm/peer/weights/slices.py) is one blob of the FFN tensors of one layer — roles gate, up,
 // down — in the model file's own encoding, plus a JSON meta:
@@ -7,8 +7,9 @@
 //    tensors: [{role, encoding, shape, offset, nbytes}, ...]}   (gate, up, down in that order)
 // dense: gate/up [r, H], down [H, r]; experts: gate/up [n, F, H], down [n, H, F].
 // Decoding follows gguf-py's dequantize block for block, in float32, so a slice decodes to the
-// same bits as Python's decode_slice (tested). Encodings: F32, F16, BF16, Q8_0, Q4_0, Q4_1; the
-// coordinator repacks other types (K-quants, Q5_x) to Q8_0 before shipping them to a page.
+// same bits as Python's decode_slice (tested). Encodings: F32, F16, BF16, Q8_0, Q4_0, Q4_1, and
+// the K-quants Q4_K, Q5_K, Q6_K as blocks only (the page announces their kernels in its Hello,
+// main.js); the coordinator repacks other types (Q5_x, IQ, ...) to Q8_0 before shipping them.
 
 export class SliceError extends Error {
   constructor(message) { super(message); this.name = "SliceError"; }
@@ -64,11 +65,13 @@ export function dequantize(bytes, encoding, n) {
 }
 
 /** ggml types whose blocks the GPU kernels read as they are (gpu.js BLOCK_FORMATS). */
-export const KERNEL_BLOCKS = ["Q4_0", "Q4_1", "Q8_0"];
+export const KERNEL_BLOCKS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"];
+// K-quant super-blocks: [weights, bytes] per block; kept as blocks, never decoded here.
+const K_BLOCKS = { Q4_K: [256, 144], Q5_K: [256, 176], Q6_K: [256, 210] };
 
 /**
  * Decode a slice: blob (Uint8Array) + meta → {spec, hidden, gate, up, down}, each tensor
- * {shape, data: Float32Array}; with keepBlocks, a Q4_0/Q4_1/Q8_0 tensor is instead
+ * {shape, data: Float32Array}; with keepBlocks, a tensor of KERNEL_BLOCKS is instead
  * {shape, encoding, bytes: Uint8Array} (its blocks, a view of the blob). Every meta field is
  * checked against the blob; SliceError names what is wrong.
  */
@@ -88,7 +91,7 @@ export function decodeSlice(blob, meta, { keepBlocks = false } = {}) {
     const n = shape.reduce((a, b) => a * b, 1);
     const bytes = blob.subarray(offset, offset + nbytes);
     if (keepBlocks && KERNEL_BLOCKS.includes(encoding)) {
-      const [block, size] = ENCODINGS[encoding];
+      const [block, size] = ENCODINGS[encoding] ?? K_BLOCKS[encoding];
       if (shape.at(-1) % block || nbytes !== (n / block) * size) throw new SliceError(`${n} weights of ${encoding} cannot be ${nbytes} bytes`);
       out[role] = { shape, encoding, bytes };
     } else {

@@ -1,10 +1,10 @@
 // SwiGLU gate/up on GGUF blocks: h[t, row0 + r] = silu(x[t] . w_gate[r]) * (x[t] . w_up[r]),
 // weights dequantized here, sums in f32. The same math, bindings and work split as swiglu.wgsl;
-// the weights are a block prelude's two planes (weights_q4_0/q4_1/q8_0.wgsl, web_peer/kernels.py):
-//   x      [T, K4]        vec4<f32>  activations, K4 = K / 4 (K a multiple of 32)
+// the weights are a block prelude's two planes (weights_<fmt>.wgsl, web_peer/kernels.py):
+//   x      [T, K4]        vec4<f32>  activations, K4 = K / 4 (K a multiple of the block's QK)
 //   w_gate [R, NV]        vec4<u32>  quant plane of one part (R rows) of W_gate [F, K], NV units a row
 //   w_up   [R, NV]        vec4<u32>  the same rows of W_up
-//   s_gate, s_up          u32        scale planes (f16 pairs; scale_word/block_scale read them)
+//   s_gate, s_up          u32        scale planes (the prelude's load_unit reads them)
 //   h      [T, F]         f32        output; this dispatch writes columns row0 .. row0 + R
 // One workgroup per weight row and block of TB rows of x; its WG threads stride over the row's
 // 16-byte quant units (adjacent threads read adjacent units), then workgroup_sum (rows.wgsl).
@@ -17,6 +17,20 @@
 @group(0) @binding(5) var<storage, read> s_up: array<u32>;
 @group(0) @binding(6) var<storage, read_write> h: array<f32>;
 
+fn quant(m: u32, i: u32) -> vec4<u32> {
+    if (m == 0u) {
+        return w_gate[i];
+    }
+    return w_up[i];
+}
+
+fn scale(m: u32, i: u32) -> u32 {
+    if (m == 0u) {
+        return s_gate[i];
+    }
+    return s_up[i];
+}
+
 fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
 }
@@ -28,15 +42,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         return;  // workgroup-uniform: r depends on the workgroup id only
     }
     let t0 = wid.z * TB;
-    let nb = p.k4 / 8u;            // blocks per row
+    let nb = p.k4 * 4u / QK;        // blocks per row
     let nv = nb * UNITS_PER_BLOCK;  // quant units per row
     var acc_g: array<f32, TB>;
     var acc_u: array<f32, TB>;
     for (var v = lid; v < nv; v += WG) {
-        let b = r * nb + v / UNITS_PER_BLOCK;
         // Dequantized once per unit, used for every row of x; one accumulator update per row.
-        let wg = dequant_unit(w_gate[r * nv + v], block_scale(s_gate[scale_word(b)], b));
-        let wu = dequant_unit(w_up[r * nv + v], block_scale(s_up[scale_word(b)], b));
+        let wg = load_unit(0u, r, v, nb);
+        let wu = load_unit(1u, r, v, nb);
         for (var t = 0u; t < TB; t++) {
             let tt = t0 + t;
             if (tt < p.t_rows) {

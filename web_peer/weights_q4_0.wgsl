@@ -1,6 +1,7 @@
 // Weight format: GGUF Q4_0 blocks of 32 weights, w = d * (q - 8), d f16, q unsigned 4-bit.
 // Quant plane: 16 bytes per block, one unit (byte j = weight j | weight j + 16 << 4, as in the
 // file). Scale plane: one f16 d per block, two per u32.
+const QK: u32 = 32u;
 const UNITS_PER_BLOCK: u32 = 1u;
 const PAIRED: bool = true;
 

@@ -1,5 +1,6 @@
 // Weight format: GGUF Q4_1 blocks of 32 weights, w = d * q + m, d and m f16, q unsigned 4-bit.
 // Quant plane: as Q4_0. Scale plane: one u32 per block, d low half, m high half (the file's order).
+const QK: u32 = 32u;
 const UNITS_PER_BLOCK: u32 = 1u;
 const PAIRED: bool = true;
 

@@ -1,6 +1,7 @@
 // Weight format: GGUF Q8_0 blocks of 32 weights, w = d * q, d f16, q int8.
 // Quant plane: 32 bytes per block, two units of 16 int8 (little-endian bytes).
 // Scale plane: one f16 d per block, two per u32.
+const QK: u32 = 32u;
 const UNITS_PER_BLOCK: u32 = 2u;
 const PAIRED: bool = false;  // a word is 4 weights: column 1 of dequant_word is unused
 

@@ -7,7 +7,7 @@
 //   Cache Storage if it is there (verified), else pull it: WeightChunkRequest runs, at most WINDOW
 //   chunks in flight, each chunk checked against the manifest's SHA-256 (never the digest the chunk
 //   carries), the whole blob against the slice id; then decode it and upload it to the GPU: GGUF
-//   Q4_0/Q4_1/Q8_0 tensors stay in their blocks (compact on the GPU), others go as float32 in `format`.
+//   Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors stay in their blocks (compact on the GPU), others go as float32 in `format`.
 //   A manifest with `https` is fetched from the shipper's HTTPS slice server first (storage.js
 //   fetchSliceHttps, same checks); if that fails the page says why in the console and pulls it here.
 // - ExpertRequest / DenseRequest: run each expert / range as one FfnBlock; answer with the same

@@ -57,7 +57,7 @@ def test_swiglu_ffn_in_chromium_matches_twin(page, fmt, shape):
     rng = np.random.default_rng(11)
     x, wg, wu, wd = ffn_block(rng, *shape)
     r = _run(page, x, wg, wu, wd, fmt)
-    assert r["formats"] == ["f32", "q8", "q4_0", "q4_1", "q8_0"]  # SwiftShader has no shader-f16
+    assert r["formats"] == ["f32", "q8", *K.BLOCK_FORMATS]  # SwiftShader has no shader-f16
     eff = [K.as_format(w, fmt) for w in (wg, wu, wd)]
     assert rel_error(r["ys"][0], K.swiglu_ffn(x, *eff)) <= 1e-5
     assert rel_error(r["ys"][0], K.swiglu_ffn_f64(x, *eff)) <= 1e-5
@@ -152,13 +152,23 @@ def test_no_webgpu_is_a_clear_cannot_serve(chromium, web_peer_url):
     assert r.startswith("NoWebGPUError: this browser has no WebGPU"), r
 
 
-@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
-@pytest.mark.parametrize("shape", [(1, 64, 128), (37, 576, 256)])
+BLOCKS_32 = tuple(f for f in K.BLOCK_FORMATS if f not in K.K_FORMATS)
+
+
+def _raws(rng, fmt, wg, wu, wd):
+    """The file's blocks of each matrix: gguf's quantizer, or random K-quant blocks of the same shape."""
+    if fmt in K.K_FORMATS:
+        return [K.random_blocks(rng, *w.shape, fmt, 2e-4) for w in (wg, wu, wd)]
+    return [K.quantize_blocks(w, fmt) for w in (wg, wu, wd)]
+
+
+@pytest.mark.parametrize("fmt,shape", [(f, s) for f in BLOCKS_32 for s in [(1, 64, 128), (37, 576, 256)]]
+                         + [(f, s) for f in K.K_FORMATS for s in [(1, 256, 256), (9, 512, 256)]])
 def test_block_ffn_in_chromium_matches_twin_and_gguf(page, fmt, shape):
     # The file's blocks handed to FfnBlock as they are: repacked in JS, computed in the kernels.
     rng = np.random.default_rng(14)
     x, wg, wu, wd = ffn_block(rng, *shape)
-    raws = [K.quantize_blocks(w, fmt) for w in (wg, wu, wd)]
+    raws = _raws(rng, fmt, wg, wu, wd)
     r = _run(page, x, *raws, "f32", blocks=fmt.upper(), f=shape[2])
     twin = [K.unpack_matrix(K.pack_matrix(raw, fmt, 1 << 30)) for raw in raws]
     assert rel_error(r["ys"][0], K.swiglu_ffn(x, *twin)) <= 1e-5
@@ -181,18 +191,20 @@ def test_q4_1_blocks_with_float_down_in_chromium(page):
 @pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
 def test_js_block_packing_equals_python(page, fmt):
     rng = np.random.default_rng(16)
-    raw = K.quantize_blocks(rng.standard_normal((5, 96)).astype(np.float32), fmt)
-    r = page.evaluate("""async ({raw, fmt}) => {
+    cols = 3 * K.block_size(fmt)[0]  # an odd block count: the scale plane ends mid-word
+    raw = _raws(rng, fmt, *[rng.standard_normal((5, cols)).astype(np.float32)] * 3)[0]
+    cap = 2 * K.pack_matrix(raw, fmt, 1 << 20).row_bytes  # parts of two rows
+    r = page.evaluate("""async ({raw, fmt, cols, cap}) => {
       const { packBlocks } = await import("/ffn.js");
       const u8 = (s) => Uint8Array.from(atob(s), (c) => c.charCodeAt(0));
       const b = (a) => btoa(String.fromCharCode(...new Uint8Array(a.buffer, a.byteOffset, a.byteLength)));
-      const m = packBlocks(u8(raw), 5, 96, fmt, 100, 8);
+      const m = packBlocks(u8(raw), 5, cols, fmt, cap, 8);
       let bad;
-      try { packBlocks(u8(raw).subarray(1), 5, 96, fmt, 100); } catch (e) { bad = `${e.name}: ${e.message}`; }
+      try { packBlocks(u8(raw).subarray(1), 5, cols, fmt, cap); } catch (e) { bad = `${e.name}: ${e.message}`; }
       return { data: b(m.data), scale: b(m.scale), parts: m.parts, cols: m.cols, bad };
-    }""", dict(raw=b64(raw), fmt=fmt))
-    m = K.pack_matrix(raw, fmt, 100, rows=8)
+    }""", dict(raw=b64(raw), fmt=fmt, cols=cols, cap=cap))
+    m = K.pack_matrix(raw, fmt, cap, rows=8)
     assert unb64(r["data"], np.uint8).tobytes() == m.data
     assert unb64(r["scale"], np.uint8).tobytes() == m.scale.tobytes()
-    assert r["cols"] == m.cols == 96 and [tuple(p) for p in r["parts"]] == list(m.parts)
+    assert r["cols"] == m.cols == cols and [tuple(p) for p in r["parts"]] == list(m.parts) and len(m.parts) == 4
     assert r["bad"].startswith("KernelError") and "Uint8Array" in r["bad"]

@@ -55,7 +55,7 @@ def new_gpu():
 def test_lavapipe_has_shader_f16(gpu):
     # The design relies on lavapipe to test the f16 path; without the feature that path is untested.
     assert gpu.has_f16, f"adapter {gpu.adapter.info['device']} lacks shader-f16"
-    assert gpu.formats == ("f32", "f16", "q8", "q4_0", "q4_1", "q8_0")
+    assert gpu.formats == ("f32", "f16", "q8", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "q8"])
@@ -162,13 +162,15 @@ def test_q8_packing_round_trip():
 # ---- GGUF block formats ----------------------------------------------------------------------
 
 BLOCK_SHAPES = [(1, 64, 128), (37, 96, 64), (3, 576, 1536)]  # H, F multiples of 32; T = 1 and 37
+K_SHAPES = [(1, 256, 256), (37, 256, 512), (3, 768, 1536)]  # H, F multiples of 256
+BLOCKS_32 = tuple(f for f in K.BLOCK_FORMATS if f not in K.K_FORMATS)
 
 
 def _gguf_f64(raw: np.ndarray, fmt: str) -> np.ndarray:
     return dequantize(raw, GGMLQuantizationType[fmt.upper()]).astype(np.float64)
 
 
-@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", BLOCKS_32)
 def test_block_twin_dequantizes_as_gguf(fmt):
     # The repacked planes hold the file's bytes: the twin's weights equal gguf's bit for bit,
     # padding rows are zero, and the planes together are the file's size (+2 bytes for an odd block count).
@@ -199,12 +201,31 @@ def test_block_twin_on_the_files_own_q4_1_rows():
     assert np.array_equal(K.unpack_matrix(m), dequantize(raw, GGMLQuantizationType.Q4_1))
 
 
-@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
-@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+@pytest.mark.parametrize("fmt", K.K_FORMATS)
+def test_k_twin_dequantizes_as_gguf(fmt):
+    # Random blocks, every bit random but the f16 d/dmin fields (finite): the twin's decoding of
+    # the planes equals gguf-py's dequantize bit for bit, padding rows are zero, and the planes
+    # together are the file's bytes (+2 for q6_k's d plane at an odd block count).
+    rng = np.random.default_rng(24)
+    raw = K.random_blocks(rng, 7, 3 * K.QK_K, fmt)
+    raw[3, : raw.shape[1] // 3] = 0  # a zero block: d = dmin = 0
+    m = K.pack_matrix(raw, fmt, 1 << 20, rows=8)
+    back = K.unpack_matrix(m)
+    assert back.dtype == np.float32 and back.shape == (8, 3 * K.QK_K)
+    assert np.array_equal(back[:7], dequantize(raw, GGMLQuantizationType[fmt.upper()]))
+    assert not back[7].any()
+    assert m.nbytes == 8 / 7 * raw.nbytes
+    assert K.matrix_shape(raw, "w", fmt) == (7, 3 * K.QK_K)
+    with pytest.raises(KernelError, match="cannot quantize"):
+        K.quantize_blocks(np.zeros((1, 256), np.float32), fmt)
+
+
+@pytest.mark.parametrize("fmt,shape", [(f, s) for f in BLOCKS_32 for s in BLOCK_SHAPES]
+                         + [(f, s) for f in K.K_FORMATS for s in K_SHAPES])
 def test_block_ffn_matches_twin_and_gguf(gpu, fmt, shape):
     rng = np.random.default_rng(hash((fmt, shape)) % 2**32)
     x, wg, wu, wd = ffn_block(rng, *shape)
-    raws = [K.quantize_blocks(w, fmt) for w in (wg, wu, wd)]
+    raws = _raws(rng, fmt, wg, wu, wd)
     w = gpu.upload(*raws, fmt)
     assert w.nbytes <= 1.1 * sum(r.nbytes for r in raws)
     y = gpu.ffn(x, w)
@@ -212,6 +233,53 @@ def test_block_ffn_matches_twin_and_gguf(gpu, fmt, shape):
     twin = [K.unpack_matrix(K.pack_matrix(r, fmt, 1 << 30)) for r in raws]
     assert rel_error(y, K.swiglu_ffn(x, *twin)) <= 1e-5
     assert rel_error(y, K.swiglu_ffn_f64(x, *(_gguf_f64(r, fmt) for r in raws))) <= 1e-5
+
+
+def _raws(rng, fmt, wg, wu, wd):
+    """The file's blocks of each matrix: gguf's quantizer, or random K-quant blocks of the same shape."""
+    if fmt in K.K_FORMATS:
+        return [K.random_blocks(rng, *w.shape, fmt, 2e-4) for w in (wg, wu, wd)]
+    return [K.quantize_blocks(w, fmt) for w in (wg, wu, wd)]
+
+
+def _columns(raw: np.ndarray, fmt: str, c0: int, c1: int) -> np.ndarray:
+    """Columns [c0, c1) of a matrix given as float32 or the file's blocks, dequantized by gguf-py."""
+    if fmt == "f32":
+        return raw[:, c0:c1]
+    weights, size = K.block_size(fmt)
+    return _gguf_f64(np.ascontiguousarray(raw[:, c0 // weights * size : c1 // weights * size]), fmt).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+@pytest.mark.parametrize("rows", [65535, 65536, 151936])
+def test_rows_beyond_one_dispatch_dimension(new_gpu, fmt, rows):
+    # F = 65535 (padded to 65536), 65536 and 151936 (a Qwen vocabulary) weight rows of one block
+    # each, bindings capped at 65536 rows: the grid folds rows past 65535 workgroups into y, and
+    # 151936 rows go as three parts. Down takes the F columns as blocks where they are whole
+    # blocks, else Q8_0 (whole 32-column blocks) or float32, as slices.py ships them.
+    weights, _ = K.block_size(fmt)
+    h = weights
+    down_fmt = next(f for f in (fmt, "q8_0", "f32") if f == "f32" or rows % K.block_size(f)[0] == 0)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((2, h)).astype(np.float32)
+    rg, ru = (K.random_blocks(rng, rows, h, fmt, 2e-4) if fmt in K.K_FORMATS
+              else K.quantize_blocks(rng.standard_normal((rows, h)).astype(np.float32) * 0.2, fmt) for _ in "gu")
+    wd = (rng.standard_normal((h, rows)) * 0.01).astype(np.float32)
+    rd = wd if down_fmt == "f32" else (K.random_blocks(rng, h, rows, down_fmt, 1e-3) if down_fmt in K.K_FORMATS
+                                       else K.quantize_blocks(wd, down_fmt))
+    cap = 65536 * K.pack_matrix(rg[:1], fmt, 1 << 30).row_bytes
+    gpu = new_gpu(max_binding=cap)
+    w = gpu.upload(rg, ru, rd, fmt, down_fmt=down_fmt)
+    want_parts = {65535: [65536], 65536: [65536], 151936: [65536, 65536, 20864]}[rows]
+    assert [b - a for a, b in w.gate.packed.parts] == want_parts
+    assert K.dispatch_grid(65536, 2) == (65535, 2, 1)
+    y = gpu.ffn(x, w)
+    ref = np.zeros((2, h), np.float64)
+    for c0 in range(0, rows, 8192):  # the reference in column chunks (float32 weights of 151936 rows are 155 MB)
+        c1 = min(c0 + 8192, rows)
+        g, u = (_gguf_f64(np.ascontiguousarray(r[c0:c1]), fmt) for r in (rg, ru))
+        ref += K.swiglu_ffn_f64(x, g, u, _columns(rd, down_fmt, c0, c1))
+    assert rel_error(y, ref) <= 1e-5
 
 
 def test_blocks_with_an_unaligned_float_down(gpu):

@@ -105,11 +105,17 @@ INSTALL = """async ({blob, meta, x, t, keys}) => {
 
 
 def _slice(kind, encodings, shapes, start=0, seed=3):
+    """A slice of the given encodings: gguf's quantizer, or random blocks for the K-quants (which it cannot write)."""
+    from web_peer import kernels as K
+
     rng = np.random.default_rng(seed)
     blob, tensors = b"", []
     for role, enc, shape in zip(("gate", "up", "down"), encodings, shapes):
-        a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-        raw = gguf.quants.quantize(a.reshape(-1, shape[-1]), GGMLQuantizationType[enc]).tobytes()
+        if enc.lower() in K.K_FORMATS:
+            raw = K.random_blocks(rng, int(np.prod(shape[:-1])), shape[-1], enc.lower(), 2e-4).tobytes()
+        else:
+            a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+            raw = gguf.quants.quantize(a.reshape(-1, shape[-1]), GGMLQuantizationType[enc]).tobytes()
         tensors.append({"role": role, "encoding": enc, "shape": list(shape), "offset": len(blob), "nbytes": len(raw)})
         blob += raw
     n = shapes[0][0]
@@ -130,16 +136,44 @@ def test_worker_installs_block_slices(page):
         (_slice("dense", ("Q4_0", "Q8_0", "Q8_0"), [(96, 64), (96, 64), (64, 96)], start=32),
          {"4/dense/32/128": (None, "f32", "q8_0")}),
     ]
+    _check_installed(page, cases, x)
+
+
+def _check_installed(page, cases, x):
+    """Install each (slice, {block key: (expert index or None, fmt, down fmt)}) in the page's
+    BrowserWorker: each block's formats, and its answer on x against gguf's weights in float64;
+    experts' blocks hold the slice's bytes, nothing added."""
+    from web_peer import kernels as K
+
+    t, h = x.shape
     for (blob, meta), want in cases:
         got = page.evaluate(INSTALL, {"blob": base64.b64encode(blob).decode(), "meta": meta,
-                                      "x": base64.b64encode(x.tobytes()).decode(), "t": 3, "keys": list(want)})
+                                      "x": base64.b64encode(x.tobytes()).decode(), "t": t, "keys": list(want)})
         w = decode_slice(blob, meta)
         for key, (i, fmt, down_fmt) in want.items():
             g = got[key]
             assert (g["fmt"], g["downFmt"]) == (fmt, down_fmt), key
             gate, up, down = (w.gate, w.up, w.down) if i is None else (w.gate[i], w.up[i], w.down[i])
-            y = np.frombuffer(base64.b64decode(g["y"]), np.float32).reshape(3, 64)
+            y = np.frombuffer(base64.b64decode(g["y"]), np.float32).reshape(t, h)
             ref = K.swiglu_ffn_f64(x, gate, up, down)
             assert np.abs(y - ref).max() / np.abs(ref).max() <= 1e-5, key
-        if meta["spec"]["kind"] == "experts":
+        if meta["spec"]["kind"] == "experts" or all(v[1] != "f32" for v in want.values()):
             assert sum(g["gpuBytes"] for g in got.values()) == len(blob)  # the blocks, nothing added
+
+
+def test_worker_installs_k_quant_slices(page):
+    # Q4_K_M's mix: gate/up Q4_K, down Q6_K (and Q5_K experts) stay in the file's super-blocks on
+    # the GPU, the bytes as shipped; the answers equal gguf-py's dequantization in float64. Without
+    # keepBlocks a K-quant cannot be decoded to float32 by the page, and says so.
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    cases = [
+        (_slice("dense", ("Q4_K", "Q4_K", "Q6_K"), [(512, 256), (512, 256), (256, 512)], start=256, seed=5),
+         {"4/dense/256/768": (None, "q4_k", "q6_k")}),
+        (_slice("experts", ("Q5_K", "Q5_K", "Q4_K"), [(2, 256, 256), (2, 256, 256), (2, 256, 256)], start=1, seed=5),
+         {f"4/expert/{1 + i}": (i, "q5_k", "q4_k") for i in range(2)}),
+    ]
+    _check_installed(page, cases, x)
+    blob, meta = cases[0][0]
+    r = page.evaluate(DECODE, {"blob": base64.b64encode(blob).decode(), "meta": meta})
+    assert r["error"].startswith("SliceError") and "Q4_K" in r["error"]

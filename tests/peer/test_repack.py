@@ -1,6 +1,7 @@
 """Slices for the browser peer: K-quant and Q5_x tensors are repacked to Q8_0 once by the
 coordinator (swarm/peer/weights/repack.py), within Q8_0's rounding of gguf-py's float64 dequantization;
-Q4_0/Q4_1/Q8_0 and float tensors ship as in the file."""
+Q4_0/Q4_1/Q8_0 and float tensors ship as in the file, and so do Q4_K/Q5_K/Q6_K to a page whose
+Hello announces their kernels."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from gguf import GGMLQuantizationType as QT
 
 from swarm.errors import LocalProtocolError
 from swarm.peer.plan import ModelShape
-from swarm.peer.weights.repack import PAGE_ENCODINGS, page_readable, repack_for_page
+from swarm.peer.net.messages import NumericBuild
+from swarm.peer.weights.repack import K_ENCODINGS, PAGE_ENCODINGS, page_encodings, page_readable, repack_for_page
 from swarm.peer.weights.shipping_aio import PlanShipper
 from swarm.peer.weights.slices import ModelSlicer, SliceSpan, decode_slice
 
@@ -91,6 +93,44 @@ def test_bad_tensors_are_refused():
         repack_for_page(blob, unknown)
 
 
+def _build(blas: str) -> NumericBuild:
+    return NumericBuild(package="web_peer", numpy="", blas=blas, arch="webgpu", kernel_dtype="f32")
+
+
+def test_page_encodings_from_the_hello():
+    assert page_encodings(_build("webgpu")) == PAGE_ENCODINGS  # an older page: no K-quant kernels
+    assert page_encodings(_build("webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k")) == PAGE_ENCODINGS | K_ENCODINGS
+    assert page_encodings(_build("webgpu kernels:q4_k,iq4_xs")) == PAGE_ENCODINGS | {"Q4_K"}  # unknown names ignored
+    assert page_encodings(None) == PAGE_ENCODINGS
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+def test_k_quants_ship_as_in_the_file_to_a_page_with_their_kernels(qtype):
+    blob, meta = _dense_slice(qtype)
+    k = page_encodings(_build("webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k"))
+    assert page_readable(meta, k)
+    out, out_meta = repack_for_page(blob, meta, k)
+    assert out == blob and out_meta == meta
+
+
+def test_mixed_gate_and_up_with_a_k_quant_are_repacked():
+    # One swiglu kernel reads gate and up in one format, and a page decodes only the older types to
+    # float32: a Q4_K gate with a Q8_0 up goes as Q8_0, a Q6_K down stays.
+    k = PAGE_ENCODINGS | K_ENCODINGS
+    blobs = [_dense_slice(q, seed=3) for q in (QT.Q4_K, QT.Q8_0, QT.Q6_K)]
+    parts = [b[m["tensors"][i]["offset"] : m["tensors"][i]["offset"] + m["tensors"][i]["nbytes"]]
+             for i, (b, m) in enumerate(blobs)]
+    tensors, at = [], 0
+    for i, (raw, (_, m)) in enumerate(zip(parts, blobs)):
+        tensors.append({**m["tensors"][i], "offset": at})
+        at += len(raw)
+    meta = {**blobs[0][1], "tensors": tensors}
+    assert not page_readable(meta, k)
+    out, out_meta = repack_for_page(b"".join(parts), meta, k)
+    assert [t["encoding"] for t in out_meta["tensors"]] == ["Q8_0", "Q8_0", "Q6_K"]
+    assert out_meta["tensors"][0]["repacked_from"] == "Q4_K" and out.endswith(parts[2])
+
+
 def test_plan_shipper_repacks_once_and_for_browsers_only(tmp_path):
     # A GGUF whose MLP is Q6_K: Python workers get Q6_K as in the file, a page gets Q8_0.
     rng = np.random.default_rng(2)
@@ -109,11 +149,14 @@ def test_plan_shipper_repacks_once_and_for_browsers_only(tmp_path):
     async def manifests():
         shipper = PlanShipper(path, "ab" * 32, shape)
         python, page = await shipper.manifest_for(spec), await shipper.manifest_for(spec, browser=True)
-        return python, page, await shipper.manifest_for(spec, browser=True), shipper
+        k_page = await shipper.manifest_for(spec, True, PAGE_ENCODINGS | K_ENCODINGS)
+        return python, page, await shipper.manifest_for(spec, browser=True), k_page
 
-    python, page, again, _ = asyncio.run(manifests())
+    python, page, again, k_page = asyncio.run(manifests())
     assert [t["encoding"] for t in python.meta["tensors"]] == ["Q6_K"] * 3
     assert [t["encoding"] for t in page.meta["tensors"]] == ["Q8_0"] * 3
+    # A page with the K-quant kernels gets the file's bytes: the Python workers' slice.
+    assert k_page.slice_id == python.slice_id and [t["encoding"] for t in k_page.meta["tensors"]] == ["Q6_K"] * 3
     assert again is page and page.slice_id != python.slice_id  # repacked once, cached by slice
     want = repack_for_page(*ModelSlicer(path).extract(spec))[0]
     assert page.slice_id == hashlib.sha256(want).digest()  # the offered bytes are the repacked slice

@@ -1,8 +1,11 @@
 """Slices for the browser peer: tensors the page cannot read are repacked to Q8_0, once, by the coordinator.
 
 The page's WebGPU kernels read GGUF Q4_0, Q4_1 and Q8_0 blocks as they are, and F32, F16 and
-BF16 elements (see ``web_peer/kernels.py``). A slice holding any other type — the K-quants
-(Q2_K … Q6_K), Q5_0/Q5_1, the IQ types — is rewritten before it is offered to a page: each such
+BF16 elements (see ``web_peer/kernels.py``); a page that announces the K-quant kernels (its
+Hello's ``build.blas`` reads ``webgpu kernels:q4_0,...,q6_k``; :func:`page_encodings`) also reads
+Q4_K, Q5_K and Q6_K blocks as they are, so it gets the file's numbers at the file's size. A
+slice holding any other type — Q2_K, Q3_K, Q5_0/Q5_1, the IQ types, and the K-quants for a page
+that does not announce them — is rewritten before it is offered to a page: each such
 tensor is dequantized by gguf-py (the engine's own dequantization) and quantized to Q8_0 by
 gguf-py's port of llama.cpp's reference quantizer, a block of rows at a time, so no whole
 tensor is ever expanded to float32. The repacked slice has its own SHA-256, so the coordinator
@@ -28,20 +31,48 @@ from gguf.quants import dequantize, quantize
 
 from swarm.errors import LocalProtocolError
 
-PAGE_ENCODINGS = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})  # what the page reads
+PAGE_ENCODINGS = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})  # what every page reads
+K_ENCODINGS = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # what a page announcing the K-quant kernels adds
+KERNELS_PREFIX = "kernels:"  # the word of a page's build.blas that lists its block kernels
 TARGET = "Q8_0"
 _ROWS_PER_STEP = 1024  # rows dequantized at a time (bounds the float32 working set)
 
 
-def page_readable(meta: Mapping[str, Any]) -> bool:
-    """True when every tensor of a slice's meta is in an encoding the page reads."""
-    return all(t.get("encoding") in PAGE_ENCODINGS for t in meta.get("tensors", ()))
+def page_encodings(build: Any) -> frozenset[str]:
+    """The GGUF types a page reads as they are, from its Hello's ``build`` (a NumericBuild).
+
+    The page names its block kernels in ``build.blas``: ``"webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k"``
+    (web_peer/main.js). A page that names none (an older page: ``"webgpu"``) reads PAGE_ENCODINGS;
+    announced types outside PAGE_ENCODINGS | K_ENCODINGS are ignored.
+    """
+    words = str(getattr(build, "blas", "") or "").split()
+    named = {k.upper() for w in words if w.startswith(KERNELS_PREFIX) for k in w[len(KERNELS_PREFIX):].split(",")}
+    return PAGE_ENCODINGS | (named & K_ENCODINGS)
 
 
-def repack_for_page(blob: bytes | memoryview, meta: Mapping[str, Any]) -> tuple[bytes, dict[str, Any]]:
+def page_readable(meta: Mapping[str, Any], encodings: frozenset[str] = PAGE_ENCODINGS) -> bool:
+    """True when every tensor of a slice's meta is in one of ``encodings`` (what the page reads)."""
+    return not _to_repack(meta, encodings)
+
+
+def _to_repack(meta: Mapping[str, Any], encodings: frozenset[str]) -> set[str]:
+    """Roles of the tensors to requantize: those the page cannot read, and gate and up both when
+    they differ and either is a K-quant (one kernel reads gate and up together, and the page
+    decodes to float32 only the types of PAGE_ENCODINGS)."""
+    tensors = {t.get("role"): t.get("encoding") for t in meta.get("tensors", ())}
+    out = {t.get("role") for t in meta.get("tensors", ()) if t.get("encoding") not in encodings}
+    gate, up = tensors.get("gate"), tensors.get("up")
+    if gate != up and {gate, up} & K_ENCODINGS:
+        out |= {role for role in ("gate", "up") if tensors.get(role) in K_ENCODINGS}
+    return out
+
+
+def repack_for_page(blob: bytes | memoryview, meta: Mapping[str, Any],
+                    encodings: frozenset[str] = PAGE_ENCODINGS) -> tuple[bytes, dict[str, Any]]:
     """The slice (``blob``, ``meta`` as :meth:`swarm.peer.weights.slices.ModelSlicer.extract` gives) with
     every tensor the page cannot read requantized to Q8_0; the others keep their bytes.
 
+    ``encodings``: the types the page reads as they are (:func:`page_encodings` of its Hello).
     Returns a new blob and meta (same spec and tensor order; a repacked tensor's entry names
     ``encoding: "Q8_0"`` and, in ``repacked_from``, the file's type). A slice the page already
     reads comes back unchanged.
@@ -50,7 +81,8 @@ def repack_for_page(blob: bytes | memoryview, meta: Mapping[str, Any]) -> tuple[
         LocalProtocolError: a tensor's bytes do not match its shape and encoding, or its rows
             are not a multiple of 32 weights (Q8_0's block).
     """
-    if page_readable(meta):
+    repack = _to_repack(meta, encodings)
+    if not repack:
         return bytes(blob), dict(meta)
     buf = np.frombuffer(blob, np.uint8)
     out = bytearray()
@@ -59,7 +91,7 @@ def repack_for_page(blob: bytes | memoryview, meta: Mapping[str, Any]) -> tuple[
         encoding, shape = t["encoding"], list(t["shape"])
         raw = buf[t["offset"] : t["offset"] + t["nbytes"]]
         entry = dict(t, offset=len(out))
-        if encoding not in PAGE_ENCODINGS:
+        if t.get("role") in repack:
             raw = _to_q8_0(raw, encoding, shape, t.get("role", "?"))
             entry.update(encoding=TARGET, nbytes=raw.nbytes, repacked_from=encoding)
         out += raw.tobytes()

@@ -257,8 +257,9 @@ class PlanShipper:
     Slices are cut from ``model_path`` in the file's own encoding (:mod:`swarm.peer.weights.slices`);
     each manifest's meta also carries the model's :class:`~swarm.peer.plan.ModelShape`
     (``meta["shape"]``), so a worker without the file can check requests against it. A browser
-    peer gets tensors its kernels cannot read (K-quants, Q5_x, ...) repacked once to Q8_0
-    (:mod:`swarm.peer.weights.repack`); Q4_0/Q4_1/Q8_0 and float tensors ship as in the file.
+    peer gets tensors its kernels cannot read (Q5_x, IQ, ..., K-quants for a page that does not
+    announce their kernels) repacked once to Q8_0 (:mod:`swarm.peer.weights.repack`); Q4_0/Q4_1/Q8_0,
+    float tensors and announced K-quants ship as in the file.
 
     With ``token_key`` (the swarm key's :attr:`~swarm.keys.swarmkey.SwarmKey.slice_token_key`)
     the shipper also serves its slices over HTTPS (:class:`~swarm.peer.weights.slice_http.SliceHttpServer`,
@@ -322,26 +323,32 @@ class PlanShipper:
         """Offer ``link``'s peer every slice ``plan`` gives it; returns the manifests sent."""
         from swarm.peer.weights.slices import specs_for
 
+        from swarm.peer.weights.repack import page_encodings
+
         sent = []
-        browser = getattr(getattr(link, "hello", None), "peer_kind", None) == "browser"
+        hello = getattr(link, "hello", None)
+        browser = getattr(hello, "peer_kind", None) == "browser"
+        encodings = page_encodings(getattr(hello, "build", None)) if browser else None
         http = await self.https_server()
         for spec in specs_for(plan, link.peer_id):
-            manifest = await self.manifest_for(spec, browser)
+            manifest = await self.manifest_for(spec, browser, encodings)
             await self.server.offer(link, manifest, http.source_for(manifest) if http else None)
             sent.append(manifest)
         return sent
 
-    async def manifest_for(self, spec: Any, browser: bool = False) -> Manifest:
-        """The manifest of ``spec``'s slice (cut, and for a browser peer repacked, once)."""
-        from swarm.peer.weights.repack import repack_for_page
+    async def manifest_for(self, spec: Any, browser: bool = False, encodings: frozenset[str] | None = None) -> Manifest:
+        """The manifest of ``spec``'s slice (cut, and for a browser peer repacked, once per set of
+        ``encodings`` it reads: :func:`~swarm.peer.weights.repack.page_encodings`; default the oldest page's)."""
+        from swarm.peer.weights.repack import PAGE_ENCODINGS, repack_for_page
 
-        manifest = self._manifests.get((spec, browser))
+        encodings = (encodings or PAGE_ENCODINGS) if browser else None
+        manifest = self._manifests.get((spec, encodings))
         if manifest is None:
             blob, meta = await asyncio.to_thread(self.slicer.extract, spec)
             if browser:
-                blob, meta = await asyncio.to_thread(repack_for_page, blob, meta)
+                blob, meta = await asyncio.to_thread(repack_for_page, blob, meta, encodings)
             meta["shape"] = dataclasses.asdict(self.shape)
-            manifest = self._manifests[(spec, browser)] = await asyncio.to_thread(self._keep, blob, meta)
+            manifest = self._manifests[(spec, encodings)] = await asyncio.to_thread(self._keep, blob, meta)
         return manifest
 
     def _keep(self, blob: bytes, meta: dict[str, Any]) -> Manifest:
