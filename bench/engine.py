@@ -3,6 +3,8 @@
     python3 bench/engine.py [--model PATH] [--threads 1,2,4] [--prompt-tokens 128] [--decode-tokens 64]
     python3 bench/engine.py --make-moe PATH   # write the random 64-expert Qwen3-MoE Q8_0 GGUF (~1 GB)
     python3 bench/engine.py --make-moe-2g PATH Q4_K_M   # 12 layers of 64 experts, 2.4 GB (Q8_0: 4.2 GB)
+    python3 bench/engine.py --make-tokenizer TOK.gguf   # the default model's tokenizer alone (~2 MB)
+    python3 bench/engine.py --tokenizer-from TOK.gguf --make-moe-2g PATH Q8_0   # without the default model
 
 Each thread count is measured in turn; the JSON has one entry per count in ``runs``, with the
 copy bandwidth at that count beside the engines, and the machine (CPU, cores, flags) once.
@@ -59,6 +61,12 @@ def main() -> int:
     ap.add_argument("--make-moe-2g", nargs=2, metavar=("PATH", "TYPE"),
                     help="write a random Qwen3-MoE of 12 layers, 64 experts (top 8) of 2048x768, in TYPE "
                     "(Q8_0: 4.3 GB, Q4_K_M: llama.cpp's mix of Q4_K and Q6_K, 2.5 GB) to PATH and exit")
+    ap.add_argument("--make-tokenizer", metavar="PATH",
+                    help="write a GGUF holding only the default model's tokenizer to PATH and exit (a small file to "
+                    "take to a machine that cannot fetch the default model)")
+    ap.add_argument("--tokenizer-from", metavar="GGUF",
+                    help="the GGUF whose tokenizer --make-moe/--make-moe-2g copy (default: the default model's; "
+                    "also $BENCH_TOKENIZER_GGUF)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -66,6 +74,11 @@ def main() -> int:
         return _worker(args)
 
     sys.path.insert(0, str(REPO))
+    if args.tokenizer_from:
+        os.environ["BENCH_TOKENIZER_GGUF"] = args.tokenizer_from
+    if args.make_tokenizer:
+        print(write_tokenizer_gguf(Path(args.make_tokenizer)))
+        return 0
     if args.make_moe:
         print(write_random_moe(Path(args.make_moe)))
         return 0
@@ -90,7 +103,9 @@ def main() -> int:
 
 def _measure(args: argparse.Namespace, prompt: str, threads: int) -> dict:
     """Every engine at ``threads`` threads, each in its own child process; their ratios."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), COLIBRI_SWARM_THREADS=str(threads), NUMBA_NUM_THREADS="1")
+    # the repository first, then any path already set (packages installed with pip --target)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, COLIBRI_SWARM_THREADS=str(threads), NUMBA_NUM_THREADS="1")
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     report: dict = {"threads": threads, "load_average_before": [round(x, 2) for x in os.getloadavg()],
@@ -342,13 +357,40 @@ def qwen3moe_writer(path: Path, *, layers: int, hidden: int, experts: int, top_k
     w.add_expert_count(experts)
     w.add_expert_used_count(top_k)
     w.add_expert_feed_forward_length(expert_ffn)
+    _copy_tokenizer(source, w)
+    return w, len(source.kv["tokenizer.ggml.tokens"])
+
+
+def _copy_tokenizer(source, w) -> None:
+    """Every ``tokenizer.*`` key of ``source`` (a ``GGUFFile``) into the writer ``w``."""
+    import gguf
+
     for key, value in source.kv.items():
         if key.startswith("tokenizer."):
             vtype = source.value_types[key]
             value = list(value) if vtype == gguf.GGUFValueType.ARRAY else value
             sub = gguf.GGUFValueType.get_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY and value else None
             w.add_key_value(key, value, vtype, sub_type=sub)
-    return w, len(source.kv["tokenizer.ggml.tokens"])
+
+
+def write_tokenizer_gguf(path: Path) -> Path:
+    """A GGUF of no tensors holding the default model's tokenizer keys (~2 MB): what
+    ``--tokenizer-from`` / ``$BENCH_TOKENIZER_GGUF`` take on a machine without the default model."""
+    import gguf
+
+    from swarm.compute.default_model import default_model_path
+    from swarm.compute.tensors import GGUFFile
+
+    source = GGUFFile(default_model_path())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), source.kv.get("general.architecture", "llama"))
+    w.add_name("tokenizer of the default model (bench/engine.py --make-tokenizer)")
+    _copy_tokenizer(source, w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts: int = 64, top_k: int = 8,
