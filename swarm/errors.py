@@ -132,6 +132,11 @@ class CoordinatorChangedError(SwarmError):
     a newer term) or it is stopping. The request did not finish here; send it again to the
     current coordinator (``colibri-swarm generate`` and ``chat`` do so by themselves).
 
-    The API answers it as 503 with ``code`` :data:`CODE` (in a stream: an error event)."""
+    The API answers it as 503 with ``code`` :data:`CODE` (in a stream: an error event), and with
+    ``coordinator_url`` (the current coordinator's base URL, ``https://HOST:PORT``) once known."""
 
     CODE = "coordinator_changed"
+
+    def __init__(self, message: str, coordinator_url: str | None = None) -> None:
+        super().__init__(message)
+        self.coordinator_url = coordinator_url

@@ -129,11 +129,22 @@ function render(doc) {
 async function api(path, init = {}) {
   const response = await fetch(path, { ...init, headers: { ...init.headers, Authorization: `Bearer ${app.token}` } });
   if (!response.ok) {
-    let why = `${response.status} ${response.statusText}`;
-    try { why = (await response.json()).error?.message ?? why; } catch { /* not JSON */ }
-    throw new Error(why);
+    let why = `${response.status} ${response.statusText}`, error = null;
+    try { error = (await response.json()).error ?? null; why = error?.message ?? why; } catch { /* not JSON */ }
+    throw Object.assign(new Error(why), { error });
   }
   return response;
+}
+
+/** Where to go when this server stepped down and names the swarm's coordinator now (same scheme:
+ *  the key in the fragment goes nowhere but to a page served the same way); null otherwise. */
+export function followUrl(error, here) {
+  const url = error?.code === "coordinator_changed" ? error.coordinator_url : null;
+  if (typeof url !== "string") return null;
+  let next;
+  try { next = new URL("/dashboard/", url); } catch { return null; }
+  if (next.protocol !== here.protocol || next.origin === here.origin) return null;
+  return next.href + here.hash;
 }
 
 async function poll() {
@@ -141,6 +152,12 @@ async function poll() {
     render(await (await api("/dashboard/state")).json());
     $("error").textContent = "";
   } catch (e) {
+    const next = followUrl(e.error, window.location);
+    if (next) {
+      $("error").textContent = `the coordinator changed: following it to ${new URL(next).host}`;
+      window.location.assign(next);
+      return;
+    }
     $("error").textContent = `cannot read the swarm's state: ${e.message}`;
   }
   setTimeout(poll, POLL_MS);

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import http.client
 import json
 import os
@@ -38,8 +39,13 @@ RETRY_PAUSE_S = 0.5  # between attempts to find and reach it (seconds)
 
 
 class ApiUnavailableError(SwarmError):
-    """The coordinator's API could not be reached or dropped the stream midway: the request may
-    succeed on the coordinator elected next (see :func:`stream_chat_retrying`)."""
+    """The coordinator's API could not be reached, dropped the stream midway or handed the
+    request back: the request may succeed on the coordinator elected next (see
+    :func:`stream_chat_retrying`); ``coordinator_url``: where a deposed one said it is now."""
+
+    def __init__(self, message: str, coordinator_url: str | None = None) -> None:
+        super().__init__(message)
+        self.coordinator_url = coordinator_url
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,7 @@ def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
         error = _error_of(exc)
         message = f"the coordinator's API at {endpoint.url} refused the request: {_error_text(exc, error)}"
         if error.get("code") == CoordinatorChangedError.CODE:  # it stepped down: the next one may answer
-            raise ApiUnavailableError(message) from None
+            raise ApiUnavailableError(message, _url_of(error)) from None
         raise SwarmError(message) from None
     except (urllib.error.URLError, OSError) as exc:
         raise ApiUnavailableError(f"cannot reach the coordinator's API at {endpoint.url}: "
@@ -185,7 +191,7 @@ def _read_events(endpoint: Endpoint, response: Any) -> Iterator[str]:
                 error = event["error"] if isinstance(event["error"], dict) else {}
                 message = f"the swarm failed the request: {error.get('message')}"
                 if error.get("code") == CoordinatorChangedError.CODE:  # handed back: ask the next coordinator
-                    raise ApiUnavailableError(message)
+                    raise ApiUnavailableError(message, _url_of(error))
                 raise SwarmError(message)
             for choice in event.get("choices") or ():
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content")
@@ -234,7 +240,13 @@ def stream_chat_retrying(endpoint: Endpoint, body: Mapping[str, Any], *, redisco
                     on_retry(exc)
             elif now >= deadline:
                 raise SwarmError(f"{exc}; no coordinator answered within {retry_s:g} s") from None
-            endpoint = _next_endpoint(endpoint)
+            if exc.coordinator_url is not None and exc.coordinator_url.split(":")[0] == endpoint.url.split(":")[0]:
+                # the deposed coordinator said where the swarm's API is now (the same scheme only:
+                # HTTPS stays pinned to the swarm's CA, the token never goes out in plain HTTP)
+                endpoint = dataclasses.replace(endpoint, url=f"{exc.coordinator_url}/v1")
+                time.sleep(RETRY_PAUSE_S)
+            else:
+                endpoint = _next_endpoint(endpoint)
 
 
 def _next_endpoint(last: Endpoint) -> Endpoint:
@@ -245,6 +257,14 @@ def _next_endpoint(last: Endpoint) -> Endpoint:
     except SwarmError:
         return last  # no record yet: the election may still be running; the caller tries again
     return found if found is not None else last
+
+
+def _url_of(error: dict) -> str | None:
+    """The ``coordinator_url`` a deposed coordinator's error names, if it is an HTTP(S) base URL."""
+    url = error.get("coordinator_url")
+    if isinstance(url, str) and url.startswith(("https://", "http://")) and len(url) < 256 and url.isprintable():
+        return url.rstrip("/")
+    return None
 
 
 def _error_of(exc: urllib.error.HTTPError) -> dict:

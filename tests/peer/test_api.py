@@ -304,3 +304,52 @@ async def test_a_closing_server_hands_its_streams_back_within_a_second(engine, o
     finally:
         await deposed.close()
         await successor.close()
+
+
+async def test_a_deposed_server_sends_its_clients_to_the_next_coordinator(engine, oracle, tmp_path, monkeypatch):
+    """A coordinator that steps down keeps answering at its address (ApiServer.hand_over): it
+    finds the next coordinator's API on mDNS and answers every request with a 503 coded
+    ``coordinator_changed`` naming it (``coordinator_url``); generate's client goes there at once
+    (no mDNS search of its own) and shows the local text; the dashboard page is still served."""
+    from swarm.peer import client as client_mod
+    from swarm.peer.client import Endpoint, stream_chat_retrying
+    from swarm.peer.coordinator.dashboard import Dashboard
+
+    key = SwarmKey(os.urandom(32))  # a swarm of its own: other swarms' mDNS records are not ours
+    model, tok = engine
+    deposed = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="m"), key)
+    Dashboard(lambda: {"swarm_id": key.swarm_id}).attach(deposed)
+    successor = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="m"), key)
+    port = await deposed.start("0.0.0.0", 0, tls=False, advertise=("peer-a", 1))
+    next_port = await successor.start("0.0.0.0", 0, tls=False, advertise=("peer-b", 2))
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": MAX_TOKENS, "temperature": 0}
+    headers = {"Authorization": f"Bearer {key.api_token}"}
+    try:
+        await deposed.hand_over()
+        for _ in range(150):  # mDNS: the successor's record (its first announcements take ~1 s)
+            if deposed.successor is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert deposed.successor is not None and deposed.successor.startswith("http://")
+        assert deposed.successor.endswith(f":{next_port}")
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=headers)
+            error = (await r.json())["error"]
+            assert (r.status, error["code"], error["coordinator_url"]) == (503, "coordinator_changed", deposed.successor)
+            r = await s.get(f"http://127.0.0.1:{port}/dashboard/state", headers=headers)
+            assert r.status == 503 and (await r.json())["error"]["coordinator_url"] == deposed.successor
+            r = await s.get(f"http://127.0.0.1:{port}/dashboard/")  # the page itself: still here, no secret in it
+            assert r.status == 200 and "dashboard" in (await r.text()).lower()
+            r = await s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+            assert r.status == 401  # a stranger learns nothing, not even where the coordinator went
+
+        def no_search(last):
+            raise AssertionError("the client searched mDNS although the deposed coordinator named the next one")
+
+        monkeypatch.setattr(client_mod, "_next_endpoint", no_search)
+        text = await asyncio.get_running_loop().run_in_executor(None, lambda: "".join(stream_chat_retrying(
+            Endpoint(f"http://127.0.0.1:{port}/v1", key.api_token), body)))
+        assert text == oracle[PROMPTS[0]][0]
+    finally:
+        await deposed.close()
+        await successor.close()

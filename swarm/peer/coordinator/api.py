@@ -74,6 +74,10 @@ from swarm.peer.coordinator.api_request import (MAX_BODY_BYTES, ApiError, ChatRe
 
 log = logging.getLogger(__name__)
 
+FOLLOW_S = 1.0  # after hand_over(): how often to look for the next coordinator's API until found (s)
+FOLLOW_REFRESH_S = 5.0  # … and then, as it may change again (s)
+FOLLOW_FIND_S = 1.5  # one mDNS browse (s)
+
 # ---------------------------------------------------------------------------- server
 
 BACKEND = web.AppKey("backend", object)
@@ -103,7 +107,10 @@ class ApiServer:
         self._http: HttpServer | None = None
         self._key: Any = None
         self._advertising: asyncio.Task | None = None
-        self._handed_back: CoordinatorChangedError | None = None  # set by close(): later requests get it
+        self._handed_back: CoordinatorChangedError | None = None  # set by hand_over()/close(): requests get it
+        self._advertised: tuple[str, int] | None = None  # (peer id, term) this server announced on mDNS
+        self._following: asyncio.Task | None = None  # after hand_over(): looks for the next coordinator
+        self.successor: str | None = None  # the current coordinator's base URL, once hand_over() found it
         self.scheme: str | None = None
         self.generations = 0  # finished or stopped generations, for status
         self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard: set_dashboard()
@@ -168,6 +175,7 @@ class ApiServer:
         self._http = HttpServer(self.app(), name="API", handler_cancellation=True)
         bound = await self._http.start(host, port, ssl_context)  # the bound port when 0 was asked
         if advertise is not None and self._key is not None:
+            self._advertised = advertise
             self._advertising = asyncio.create_task(self._advertise(*advertise, bound, addresses))
         return bound
 
@@ -189,29 +197,87 @@ class ApiServer:
             await asyncio.shield(ad.close())
             await asyncio.shield(zc.async_close())
 
+    async def hand_over(self) -> None:
+        """Stop serving as the coordinator, but keep answering at this address: requests in flight
+        end at once with :class:`CoordinatorChangedError` (a 503 coded ``coordinator_changed``, or
+        an error event in a stream), and so does every authenticated request from now on — naming
+        the current coordinator's URL (``coordinator_url``, :attr:`successor`) once its mDNS record
+        shows it, so the dashboard and the clients that follow the swarm move there within
+        seconds. The mDNS record of this server goes at once; the dashboard's page and files are
+        still served. :meth:`close` ends it."""
+        self._hand_back(CoordinatorChangedError(
+            "this peer stopped coordinating the swarm (another peer leads a newer term); "
+            "send the request again to the current coordinator"))
+        await self._stop_advertising()
+        if self._key is not None and self._following is None:
+            self._following = asyncio.create_task(self._follow(), name="API successor")
+
     async def close(self) -> None:
         """Stop serving: requests in flight end at once with :class:`CoordinatorChangedError`
         (a 503 naming it, or an error event in a stream) rather than run on while the server
         closes, so a client sends them to the current coordinator within a second; then the
         mDNS record goes, then the HTTP server."""
-        self._handed_back = CoordinatorChangedError(
-            "this peer stopped serving the swarm's API (it stepped down, or it is stopping); "
-            "send the request again to the current coordinator")
-        fail_all = getattr(self.backend, "fail_all", None)
-        if fail_all is not None:
-            failed = fail_all(self._handed_back)
-            if failed:
-                log.info("API closing: %d request(s) in flight handed back to their clients", failed)
-        if self._advertising is not None:
-            self._advertising.cancel()
+        if self._handed_back is None:
+            self._hand_back(CoordinatorChangedError(
+                "this peer stopped serving the swarm's API (it stepped down, or it is stopping); "
+                "send the request again to the current coordinator"))
+        if self._following is not None:
+            self._following.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._advertising
-            self._advertising = None
+                await self._following
+            self._following = None
+        await self._stop_advertising()
         if self._http is not None:
             await self._http.close()
             self._http = None
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._prepare_executor.shutdown(wait=True, cancel_futures=True)
+
+    def _hand_back(self, error: CoordinatorChangedError) -> None:
+        """``error`` for every request from now on, and for those admitted now (failed at once)."""
+        self._handed_back = error
+        fail_all = getattr(self.backend, "fail_all", None)
+        if fail_all is not None:
+            failed = fail_all(error)
+            if failed:
+                log.info("API handed %d request(s) in flight back to their clients", failed)
+
+    async def _stop_advertising(self) -> None:
+        if self._advertising is not None:
+            self._advertising.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._advertising
+            self._advertising = None
+
+    async def _follow(self) -> None:
+        """Browse mDNS for the API of another coordinator of this swarm (the newest term):
+        every FOLLOW_S until found, then every FOLLOW_REFRESH_S (it may change again)."""
+        from swarm.discovery.api_record import find_api
+        from swarm.discovery.mdns import open_zeroconf
+
+        own = self._advertised[0] if self._advertised is not None else None
+        zc = open_zeroconf()
+        try:
+            while True:
+                try:
+                    record = await find_api(self._key.swarm_id, timeout_s=FOLLOW_FIND_S, zc=zc)
+                except SwarmError:
+                    record = None  # none advertised yet: the election may still be running
+                if record is not None and record.host != own:
+                    url = record.url.removesuffix("/v1")
+                    if url != self.successor:
+                        log.info("the swarm's coordinator is now at %s: clients of this address are sent there", url)
+                        self.successor = url
+                        self._handed_back = CoordinatorChangedError(
+                            f"this peer stopped coordinating the swarm; the coordinator is now at {url}",
+                            coordinator_url=url)
+                await asyncio.sleep(FOLLOW_S if self.successor is None else FOLLOW_REFRESH_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("could not look for the next coordinator on mDNS", exc_info=True)
+        finally:
+            await asyncio.shield(zc.async_close())
 
     # ------------------------------------------------------------- middleware
 
@@ -254,6 +320,8 @@ class ApiServer:
             if scheme.lower() != "bearer" or not any(hmac.compare_digest(token_b, t) for t in self._tokens):
                 raise ApiError("Incorrect API key provided: use the swarm's API token (`colibri-swarm key`) "
                                "as the bearer token", status=401, code="invalid_api_key")
+            if self._handed_back is not None:  # handed over or closing: the coordinator is elsewhere
+                raise self._handed_back
             return await handler(request)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
@@ -477,8 +545,9 @@ def _unavailable(exc: SwarmError) -> ApiError:
     """The 503 for a request the swarm failed; one this peer handed back when it stopped
     coordinating carries ``code`` ``coordinator_changed`` and ``Retry-After: 1``."""
     if isinstance(exc, CoordinatorChangedError):
+        extra = {"coordinator_url": exc.coordinator_url} if exc.coordinator_url else None
         return ApiError(str(exc), status=503, type="server_error", code=CoordinatorChangedError.CODE,
-                        headers={"Retry-After": "1"})
+                        headers={"Retry-After": "1"}, extra=extra)
     return ApiError(f"generation failed: {exc}", status=503, type="server_error")
 
 

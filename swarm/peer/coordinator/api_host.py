@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 API_PORT_FILE = "api_port"  # in the config directory: the port the API last served on, tried first next time
+# After stepping down, the API keeps answering at its address this long (seconds), sending every
+# client on to the new coordinator (ApiServer.hand_over): a dashboard open here follows it.
+HAND_OVER_LINGER_S = 60.0
 
 
 def read_api_port(path: Path) -> int:
@@ -66,9 +69,8 @@ class ApiHost:
 
     async def open(self, term: int, ffn: FFNBackend | None) -> None:
         """Serve the API of ``term`` (advertised by mDNS) with ``ffn``; already open: use ``ffn``."""
-        if self._closing is not None:  # of the last term: its port may be the one we want
-            await asyncio.shield(self._closing)
-            self._closing = None
+        if self._closing is not None:  # the last term's, handed over: its port is the one we want
+            await self.closed()
         if self._backend is not None:
             self._backend.set_ffn(ffn)
             return
@@ -107,15 +109,29 @@ class ApiHost:
         return {"api_port": self.port, "api_scheme": self.api.scheme if self.api is not None else None}
 
     def close_soon(self, tasks: OwnedTasks) -> None:
-        """Close the API in the background (a task of ``tasks``): its mDNS record first, so clients
-        find the next coordinator; the next :meth:`open` or :meth:`close` awaits it."""
-        if self.api is not None:
-            self._closing = tasks.spawn(self.close(), "close-api")
+        """Step down from serving, in the background (a task of ``tasks``): the API hands its
+        requests back and its mDNS record goes at once, so clients find the next coordinator;
+        it keeps answering at its address for ``HAND_OVER_LINGER_S``, sending clients there
+        (:meth:`ApiServer.hand_over`), then closes. :meth:`closed` (and the next :meth:`open`)
+        ends that at once."""
+        if self.api is not None and self._closing is None:
+            self._closing = tasks.spawn(self._hand_over(self.api), "close-api")
+
+    async def _hand_over(self, api: ApiServer) -> None:
+        try:
+            await api.hand_over()
+            await asyncio.sleep(HAND_OVER_LINGER_S)
+        finally:
+            if self.api is api:
+                await self.close()
 
     async def closed(self) -> None:
-        """Wait for a close in progress (:meth:`close_soon`) to finish."""
+        """End a step-down in progress (:meth:`close_soon`) now: the API closed, its port free."""
         if self._closing is not None:
-            await asyncio.wait([self._closing])
+            closing, self._closing = self._closing, None
+            closing.cancel()
+            await asyncio.wait([closing])
+            await self.close()  # had the cancel come before the task began
 
     async def close(self) -> None:
         if self.api is not None:

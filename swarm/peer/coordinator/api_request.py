@@ -82,13 +82,15 @@ class ApiError(SwarmError):
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
                  type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status, self.param, self.type, self.code = status, param, type, code
         self.headers = headers or {}
+        self.extra = extra or {}  # more fields of the error object (e.g. ``coordinator_url``)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
 
 # ---------------------------------------------------------------------------- fields

@@ -89,7 +89,7 @@ class CoordinatorRole(LoopDispatcher):
         come while the node closes its links plan nothing), close the API and the slice server."""
         self.ffn = self.stages = None
         self._coordinating = None
-        await self._api.closed()  # a step-down's close: let it finish, not cancel it midway
+        await self._api.closed()  # a step-down's handed-over API: closed now
         await self._tasks.close()
         await self._api.close()
         if self._announcer is not None:
