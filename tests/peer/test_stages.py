@@ -132,6 +132,7 @@ PROMPTS = [PROMPT, PROMPT[3:8], [9, 2, 77, 5, 31, 60, 12, 8, 4, 50, 21, 11, 70]]
 @pytest.mark.parametrize("replan", [False, True], ids=["one-layout", "re-planned-same-stages"])
 def test_sequences_batched_through_stages_cross_each_stage_in_one_request_with_their_solo_bits(moe_dir, replan):
     model, ffn, hand, runners = staged(moe_dir, (Stage(COORD, 0, 1), Stage(W1, 1, 2), Stage(W2, 2, 3)))
+    ffn.pipeline_groups = 1  # the step's sequences as one group (pipelined: test_stages_pipeline.py)
     sent = []
     send = hand.send
     hand.send = lambda peer, req: (sent.append((peer, [s.sequence for s in req.segments])), send(peer, req))

@@ -418,3 +418,19 @@ def observed_gflops(flops_per_row: float, s_per_row: float | None) -> float | No
     if not s_per_row or s_per_row <= 0 or flops_per_row <= 0:
         return None
     return flops_per_row / s_per_row / 1e9
+
+
+PIPELINE_GROUPS_PER_STAGE = 1  # groups per stage a step of many sequences splits into (one in flight at each)
+
+
+def pipeline_groups(n_sequences: int, n_stages: int) -> int:
+    """How many groups a step of ``n_sequences`` is cut into over ``n_stages`` stages, pipelined
+    (:mod:`swarm.peer.coordinator.stages`): 1 (none) for one sequence or one stage; otherwise
+    ``PIPELINE_GROUPS_PER_STAGE`` per stage, at most one per sequence. A step of G groups over S
+    stages takes G + S - 1 group-stage times: more groups fill the pipeline better (G of every
+    G + S - 1 stage slots busy), but each costs every stage a message and its fixed per-call
+    time (on a CPU a group of 2 decode rows costs far more than a quarter of 8:
+    bench/results/pipeline.md measured 4 and 8 groups of 8 streams slower than 2)."""
+    if n_sequences < 2 or n_stages < 2:
+        return 1
+    return min(n_sequences, PIPELINE_GROUPS_PER_STAGE * n_stages)

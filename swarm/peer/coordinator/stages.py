@@ -18,6 +18,16 @@ request per stage peer and step, a segment per sequence, attention per sequence 
 cache and the rest on the union (``Model.layers_batch``), each row with its solo bits.
 Everything that fails, misses or rebuilds stays per sequence.
 
+Pipelining. With several sequences over several stages, a step's sequences are cut into groups
+(contiguous, about equal rows; how many: :func:`~swarm.peer.coordinator.costmodel.pipeline_groups`,
+or ``pipeline_groups`` when set) that cross the stages as a wavefront: one lane per stage takes
+the groups in order, so group g is at stage s while group g+1 is at stage s-1 and every stage
+peer computes while the others do. A group crosses a stage as a step did before: one request per
+stage peer per group, its own sequences' segments. A sequence is in one group, and a group at
+one stage at a time, so its records, its KV caches and its failover are as without groups; a
+stage that fails for one group runs here for it (the coordinator's own layers and failovers one
+group at a time), and the next group meets the same rule. One sequence is never split.
+
 KV caches. Each stage keeps the keys/values of its layers per sequence, keyed by the sequence id
 the coordinator gives each new cache; a stage that holds fewer positions than a request assumes
 answers ``cache_gap`` and the coordinator resends the sequence from position 0.
@@ -51,6 +61,7 @@ never collide with RemoteFFN's on the same link.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import itertools
 import logging
 import threading
@@ -154,6 +165,11 @@ class StagedFFN:
         self._sequences: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache → _Sequence
         self._lock = threading.Lock()  # warm: the token loop and the event loop update it
         self.misses = 0  # stage steps recomputed here after a missed deadline (the peer kept)
+        # groups a step of several sequences splits into, pipelined over the stages (None: the
+        # cost model's choice, costmodel.pipeline_groups; 1: none, the stages one after the other)
+        self.pipeline_groups: int | None = None
+        self.pipelined_steps = 0  # steps whose sequences crossed the stages in groups, pipelined
+        self._compute = threading.Lock()  # layers run here one group at a time
 
     # ----------------------------------------------------------- event-loop side
     def deliver(self, peer: str, msg: StageAnswer | Error) -> None:
@@ -211,17 +227,70 @@ class StagedFFN:
             groups.setdefault((p.seq.layout.term, p.seq.layout.stages), []).append(p)
         for group in groups.values():
             layout = max((p.seq.layout for p in group), key=lambda lay: lay.version)
-            for stage in layout.stages:
-                for p in group:
-                    p.history = p.seq.record(stage.start, p.start, p.x)
-                out = None
-                if stage.peer != layout.coordinator and self._may_send(stage.peer, layout):
-                    out = self._remote(group, stage, layout)
-                if out is None:
-                    out = self._local(group, stage)
-                for p, y in zip(group, out):
-                    p.x = y
+            micro = micro_groups(group, self._n_groups(len(group), len(layout.stages)))
+            if len(micro) > 1:
+                self._pipeline(micro, layout)
+            else:
+                for stage in layout.stages:
+                    self._run_stage(group, stage, layout)
         return parts[0].x if len(parts) == 1 else np.concatenate([p.x for p in parts])
+
+    def _n_groups(self, n_sequences: int, n_stages: int) -> int:
+        """How many groups a step of ``n_sequences`` splits into over ``n_stages`` stages (1: none)."""
+        if n_stages < 2 or n_sequences < 2 or self.pipeline_groups == 1:
+            return 1
+        if self.pipeline_groups is not None:
+            return min(n_sequences, self.pipeline_groups)
+        from swarm.peer.coordinator.costmodel import pipeline_groups
+
+        return pipeline_groups(n_sequences, n_stages)
+
+    def _run_stage(self, group: list[_Part], stage: Stage, layout: StageLayout) -> None:
+        """``group``'s rows through ``stage``: on its peer, or here (its own stage, or a failover)."""
+        for p in group:
+            p.history = p.seq.record(stage.start, p.start, p.x)
+        out = None
+        if stage.peer != layout.coordinator and self._may_send(stage.peer, layout):
+            out = self._remote(group, stage, layout)
+        if out is None:
+            out = self._local(group, stage)
+        for p, y in zip(group, out):
+            p.x = y
+
+    def _pipeline(self, micro: list[list[_Part]], layout: StageLayout) -> None:
+        """A step's groups through the stages as a wavefront: one lane per stage takes the groups
+        in order, group g entering stage s once it has left stage s-1 and group g-1 has left stage
+        s, so group g is at stage s while group g+1 is at stage s-1. Each lane is a thread (the
+        last one this thread; the others started for the step and joined); a lane waits on its
+        peer's answer or runs the stage here (its own stage, or a failover: one group at a time,
+        ``_compute``). A failure stays per group and stage: the lane's failover runs that group
+        here and the next group goes through the same rule (``_may_send``)."""
+        stages = layout.stages
+        done: list[list[cf.Future[None]]] = [[cf.Future() for _ in stages] for _ in micro]
+
+        def lane(s: int) -> None:
+            for g, group in enumerate(micro):
+                fut = done[g][s]
+                try:
+                    if s:
+                        done[g][s - 1].result()
+                    self._run_stage(group, stages[s], layout)
+                except BaseException as exc:  # handed on: the caller raises it
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(None)
+
+        lanes = [threading.Thread(target=lane, args=(s,), name=f"stage-lane-{s}", daemon=True)
+                 for s in range(len(stages) - 1)]
+        for t in lanes:
+            t.start()
+        lane(len(stages) - 1)
+        for t in lanes:  # each ends once its groups are through (or failed): no wait is unbounded
+            t.join()
+        with self._lock:
+            self.pipelined_steps += 1
+        for row in done:
+            row[-1].result()
 
     def _may_send(self, peer: str, layout: StageLayout) -> bool:
         """Whether ``peer`` runs its stage this step (the tracker's rule: not failed, not suspect, not
@@ -234,12 +303,16 @@ class StagedFFN:
         return send
 
     def _local(self, group: list[_Part], stage: Stage) -> list[np.ndarray]:
+        with self._compute:
+            return self._local_locked(group, stage)
+
+    def _local_locked(self, group: list[_Part], stage: Stage) -> list[np.ndarray]:
         key = (stage.start, stage.stop)
         for p in group:
             have = min(p.seq.local.get(key, 0), p.start)
             if have < p.start:  # a stage that moved here: rebuild its KV cache from the rows that entered it
                 self.model.layers(p.history[have:p.start], p.cache, have, stage.start, stage.stop, self.inner)
-                self.rebuilt_positions += p.start - have
+                self.rebuilt_positions += p.start - have  # under _compute
         t0 = self._clock()
         if len(group) == 1:
             (p,) = group
@@ -273,7 +346,8 @@ class StagedFFN:
             return None
         if msg is None:
             return None
-        self.remote_steps += 1
+        with self._lock:
+            self.remote_steps += 1
         outs, at = [], 0
         for p, first in zip(group, firsts):
             p.seq.remote[key] = p.history.shape[0]
@@ -338,7 +412,8 @@ class StagedFFN:
         if missed.why is not None:
             self._fail(p.peer, f"{what}; {missed.why}")
             return
-        self.misses += 1
+        with self._lock:
+            self.misses += 1
         log.info("stage peer %s: %s, miss %d of %d in a row; its layers run here this step",
                  p.peer, what, missed.misses, MISS_LIMIT)
 
@@ -385,3 +460,21 @@ def _check_answer(req: StageRequest, msg: object) -> None:
     if not np.isfinite(msg.x).all():
         raise RemoteProtocolError("rows hold NaN or infinity")
 
+
+
+def micro_groups(parts: list[_Part], n: int) -> list[list[_Part]]:
+    """``parts`` cut into ``n`` contiguous groups of about equal rows (a prefill weighs its rows),
+    none empty; in their order, so the step's rows come back in place."""
+    n = max(1, min(n, len(parts)))
+    if n == 1:
+        return [parts]
+    rows = np.cumsum([p.x.shape[0] for p in parts])
+    total = int(rows[-1])
+    groups: list[list[_Part]] = [[] for _ in range(n)]
+    g = 0
+    for i, (p, r) in enumerate(zip(parts, rows)):
+        groups[g].append(p)
+        left = len(parts) - i - 1
+        if g < n - 1 and (r >= total * (g + 1) / n or left == n - 1 - g):
+            g += 1
+    return [grp for grp in groups if grp]
