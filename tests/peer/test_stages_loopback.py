@@ -129,16 +129,31 @@ def test_a_moe_stage_plan_over_real_links_gives_the_local_bits(tmp_path):
 
 def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tmp_path):
     """Continuous batching over real links: three sequences joining one step apart share every
-    step, one StageRequest per step for the worker's stage; each gets its solo local run's bits."""
+    step, pipelined in groups over the coordinator's stage and the worker's (one StageRequest per
+    group and step for the worker's stage); each gets its solo local run's bits, and a group is
+    in flight at the worker while the coordinator computes its own stage for another."""
+    import time
+
+    from swarm.peer.coordinator.costmodel import pipeline_groups
     from tests.peer.test_stages import PROMPTS, greedy_alone, greedy_together
 
     model_dir = build("qwen3_moe", tmp_path)
+    stamps: dict[str, list] = {"local": [], "remote": []}
+
+    def stamped(kind, method):
+        def run(group, *args):
+            t0 = time.monotonic()
+            out = method(group, *args)
+            stamps[kind].append((t0, time.monotonic(), {p.seq.id for p in group}, out is not None))
+            return out
+        return run
 
     async def main():
         async with stage_pair(tmp_path, model_dir) as (coord, worker):
+            st = coord.roles.coordinator.stages
+            st._local, st._remote = stamped("local", st._local), stamped("remote", st._remote)
             run = await asyncio.to_thread(greedy_together, coord.roles.model, coord.roles.coordinator.engine_ffn,
                                           PROMPTS, 6)
-            st = coord.roles.coordinator.stages
             return run, worker.roles.worker.stage_runner.served, st.remote_steps, st.failed, st.misses
 
     (tokens, logits), served, remote, failed, misses = run_in_netns(main, timeout_s=240, prefix="cst",
@@ -148,10 +163,16 @@ def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tm
         ref = greedy_alone(ref_model, prompt, 6)
         assert tokens[i] == ref[0]
         assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
-    # one request per step, not one per sequence; a step whose deadline a stall on a loaded
-    # machine outran ran here (same bits), its request still served by the worker
-    assert not failed and remote + misses == 6 + len(PROMPTS)
-    assert remote <= served <= 6 + len(PROMPTS)
+    # one request per group and step, not one per sequence; a step whose deadline a stall on a
+    # loaded machine outran ran here (same bits), its request still served by the worker
+    active = [sum(i <= step <= i + 6 for i in range(len(PROMPTS))) for step in range(6 + len(PROMPTS))]
+    requests = sum(pipeline_groups(n, 2) for n in active)
+    assert requests > len(active)  # steps of several sequences were split
+    assert not failed and remote + misses == requests
+    assert remote <= served <= requests
+    # the wavefront: the worker had one group while the coordinator ran its stage for another
+    assert any(r[0] < lo[1] and lo[0] < r[1] and not r[2] & lo[2] and r[3]
+               for r in stamps["remote"] for lo in stamps["local"])
 
 
 def test_a_coordinator_that_cannot_hold_its_stages_ffn_hands_it_out_as_ranges(tmp_path):

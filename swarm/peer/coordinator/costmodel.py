@@ -36,9 +36,18 @@ The estimate of one step of ``T`` tokens (``T = 1``: decode; the prompt length: 
 * ``ranges``: per layer, attention on the coordinator, then the slowest of the coordinator's
   FFN share and each worker's (its message + its share of the FFN FLOPs);
 * ``stages``: the sum over stages of their layers' FLOPs / their speed, plus one message per
-  stage held by a worker. Stages run one after the other (one sequence: no pipelining), so
-  the layers go to the fastest peers first, as many as each one's memory holds: every stage
-  added costs a message, none saves compute.
+  stage held by a worker. For one sequence stages run one after the other, so the layers go to
+  the fastest peers first, as many as each one's memory holds: every stage added costs a
+  message, none saves compute.
+
+Several sequences (:func:`serving_step_s`): a step's sequences cross the stages in groups,
+pipelined (:mod:`swarm.peer.coordinator.stages`), so the stage peers compute at once; a step
+costs the first group's pass through every stage plus one bottleneck stage per further group.
+A call costs its weights read once (``WEIGHT_BYTES_PER_S``) plus FLOPs per row, so a step of
+many rows on one machine is cheaper per row, and groups pay that fixed part once each.
+:func:`choose` given ``sequences`` > 1 prices the coordinator alone against its layers split
+by speed over the holders, pipelined, and takes the stages when they serve ``REMOTE_MARGIN``
+faster (``serving_tok_s`` of each, and a note).
 
 :func:`choose` prices every candidate that fits in memory and picks the lowest decode time
 (prefill time breaks ties). Its inputs and every estimate are returned as plain dicts for
@@ -49,7 +58,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 MESSAGE_OVERHEAD_S = 0.0008  # a message's cost beyond the raw RTT (namespace LAN: 1.18 ms vs 0.42 ms)
 LINK_BYTES_PER_S = 10 * 2**20  # one aiortc data channel, pure-Python SCTP (bench/link.py)
@@ -164,6 +173,7 @@ class Estimate:
     stages: tuple[tuple[str, int, int], ...] = ()
     shares: tuple[tuple[str, float], ...] = ()
     note: str = ""
+    serving_tok_s: float | None = None  # tokens per second with ``choose``'s sequences running (local, stages)
 
 
 def _message_s(peer: PeerCost, rows: int, costs: LayerCosts) -> float:
@@ -369,7 +379,8 @@ BUILDABLE = ("local", "ranges", "stages", "mix")  # the layouts a coordinator ca
 
 
 def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
-           layouts: Sequence[str] = BUILDABLE, range_only: Sequence[PeerCost] = ()) -> tuple[Estimate, list[Estimate]]:
+           layouts: Sequence[str] = BUILDABLE, range_only: Sequence[PeerCost] = (),
+           sequences: int = 1) -> tuple[Estimate, list[Estimate]]:
     """Price the ``layouts`` asked for and return (the fastest that fits, all estimates).
 
     ``workers`` can run anything; ``range_only`` peers compute FFN ranges only (browser pages,
@@ -377,6 +388,12 @@ def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
     (``local``, when it fits) is kept unless another placement's decode estimate is at least
     ``REMOTE_MARGIN`` lower. Falls back to ``ranges`` (the coordinator streams what nobody
     holds) when none fits.
+
+    ``sequences`` > 1 (several users served): the coordinator alone, when chosen, is also priced
+    against its stages split over every holder by speed, pipelined (:func:`serving_step_s`):
+    the stages are chosen when a step of that many sequences takes ``REMOTE_MARGIN`` less time
+    than alone, with a note saying so (throughput, not one user's latency). With one sequence
+    nothing changes.
     """
     makers = {"local": lambda: estimate_local(costs, coord),
               "ranges": lambda: estimate_ranges(costs, coord, [*workers, *range_only]),
@@ -393,7 +410,35 @@ def choose(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
     alone = next((e for e in fitting if e.layout == "local"), None)
     if alone is not None and best.decode_s > (1 - REMOTE_MARGIN) * alone.decode_s:
         best = alone
+    if sequences > 1 and best is alone and alone is not None and workers and "stages" in layouts:
+        best, estimates = _choose_for_throughput(costs, coord, workers, alone, estimates, sequences)
     return best, estimates
+
+
+def _choose_for_throughput(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost], alone: Estimate,
+                           estimates: list[Estimate], sequences: int) -> tuple[Estimate, list[Estimate]]:
+    """The coordinator alone against its layers split over it and ``workers`` by speed,
+    pipelined, with ``sequences`` running; the stages when they serve ``REMOTE_MARGIN`` faster."""
+    from swarm.peer.plan import split_layers
+
+    split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)],
+                         [coord.gflops, *(w.gflops for w in workers)])
+    layout = tuple((st.peer, st.start, st.stop) for st in split)
+    local_s = serving_step_s(costs, coord, workers, alone.stages, sequences)
+    alone = replace(alone, serving_tok_s=sequences / local_s)
+    estimates = [alone if e.layout == "local" else e for e in estimates]
+    if len(layout) < 2:
+        return alone, estimates
+    staged = estimate_stages(costs, coord, workers, layout)
+    staged_s = serving_step_s(costs, coord, workers, layout, sequences)
+    staged = replace(staged, serving_tok_s=sequences / staged_s)
+    if not staged.fits or staged_s > (1 - REMOTE_MARGIN) * local_s:
+        return alone, [*estimates, staged]
+    why = (f"{sequences} sequences pipelined over {len(layout)} stages: {staged.serving_tok_s:.1f} tok/s against "
+           f"{alone.serving_tok_s:.1f} on the coordinator alone (one sequence: {1 / staged.decode_s:.1f} against "
+           f"{1 / alone.decode_s:.1f})")
+    staged = replace(staged, note=why)
+    return staged, [*estimates, staged]
 
 
 def report(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost], best: Estimate,
@@ -434,3 +479,29 @@ def pipeline_groups(n_sequences: int, n_stages: int) -> int:
     if n_sequences < 2 or n_stages < 2:
         return 1
     return min(n_sequences, PIPELINE_GROUPS_PER_STAGE * n_stages)
+
+
+WEIGHT_BYTES_PER_S = 20e9  # a CPU reading a layer's weights once per call, whatever its rows (bench/results/pipeline.md)
+
+
+def _stage_call_s(costs: LayerCosts, peer: PeerCost, lo: int, hi: int, rows: float, remote: bool) -> float:
+    """One call of layers ``lo .. hi-1`` on ``peer`` for ``rows`` rows: its weights read once,
+    its FLOPs per row, and a message when it is not the coordinator's."""
+    t = sum(costs.layer_bytes(i) for i in range(lo, hi)) / WEIGHT_BYTES_PER_S
+    t += rows * sum(costs.attn_flops[i] + costs.ffn_flops[i] for i in range(lo, hi)) / _gflops(peer)
+    return t + (_message_s(peer, max(1, math.ceil(rows)), costs) if remote else 0.0)
+
+
+def serving_step_s(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
+                   stages: Sequence[tuple[str, int, int]], sequences: int, groups: int | None = None) -> float:
+    """One decode step of ``sequences`` running sequences through ``stages`` (the coordinator
+    alone: one stage of every layer), cut into ``groups`` (default :func:`pipeline_groups`)
+    that cross the stages as a wavefront: the first group through every stage, then each other
+    group one bottleneck stage later — ``sum(stage) + (G - 1) * max(stage)`` for groups of
+    ``sequences / G`` rows — and the head for every row. A stage's call costs its weights read
+    once (``WEIGHT_BYTES_PER_S``) plus its FLOPs per row, so a bigger group is cheaper per row
+    and splitting costs each stage one more weight pass and message per group."""
+    peers = {p.peer_id: p for p in (coord, *workers)}
+    g = groups if groups is not None else pipeline_groups(sequences, len(stages))
+    calls = [_stage_call_s(costs, peers[pid], lo, hi, sequences / g, pid != coord.peer_id) for pid, lo, hi in stages]
+    return sum(calls) + (g - 1) * max(calls) + sequences * costs.head_flops / _gflops(coord)

@@ -37,7 +37,8 @@ def check_layout(layout: str) -> str:
 LAYOUTS = ("ranges", "stages", "mix", "auto")
 
 
-def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tuple[Stage, ...] | None, dict]:
+def choose_stages(mode: str, costs, coord, workers, range_only=(), sequences: int = 1
+                  ) -> tuple[tuple[Stage, ...] | None, dict]:
     """The stages of the next plan, or None for per-layer ranges; and the cost report (its
     ``choice`` is ``"mix"`` when the coordinator's stage's FFN is to be cut into ranges).
 
@@ -53,11 +54,15 @@ def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tupl
     ``costs``: :class:`~swarm.peer.coordinator.costmodel.LayerCosts`; ``coord``, ``workers``:
     :class:`~swarm.peer.coordinator.costmodel.PeerCost` (workers that hold the model);
     ``range_only``: peers that can take FFN ranges only (browser pages, peers without the model
-    file), priced under ranges alone. Raises LocalProtocolError for another mode.
+    file), priced under ranges alone. ``sequences``: how many sequences run at once; above one,
+    ``"auto"`` may split a model the coordinator holds into pipelined stages for throughput
+    (:func:`~swarm.peer.coordinator.costmodel.choose`; the choice's ``note`` says why). Raises
+    LocalProtocolError for another mode.
     """
     if mode not in ("stages", "mix", "auto"):
         raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages', 'mix' or 'auto' only")
-    best, estimates = costmodel.choose(costs, coord, workers, range_only=range_only)
+    best, estimates = costmodel.choose(costs, coord, workers, range_only=range_only,
+                                       sequences=sequences if mode == "auto" else 1)
     if mode == "stages":
         split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)],
                              [coord.gflops, *(w.gflops for w in workers)])
@@ -72,6 +77,9 @@ def choose_stages(mode: str, costs, coord, workers, range_only=()) -> tuple[tupl
         best = mix
     report = costmodel.report(costs, coord, [*workers, *range_only], best, estimates)
     report["mode"] = mode
+    report["sequences"] = sequences
+    if best.note:
+        report["why"] = best.note
     if best.layout == "ranges":
         return None, report
     return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report
@@ -93,6 +101,9 @@ class Planning:
         self.shortfall: dict | None = None
         self.cost_report: dict | None = None
         self.costs = LayerCosts.from_model(model) if layout != "ranges" else None
+        # sequences served at once, as the serving side last reported (1: price for one user);
+        # under "auto", several may split a model the coordinator holds into pipelined stages
+        self.sequences = 1
 
     def set_layout(self, layout: str) -> None:
         """Use ``layout`` from the next plan on; LocalProtocolError for another name."""
@@ -157,7 +168,8 @@ class Planning:
             overhead = o.overhead_s if o is not None and o.overhead_s is not None else MESSAGE_OVERHEAD_S
             (costs if w in holding else range_only).append(PeerCost(
                 w.peer_id, w.memory_bytes, gflops_w, w.rtt_s, observed=seen, overhead_s=overhead))
-        chosen, self.cost_report = choose_stages(self.layout, self._layer_costs(), me, costs, range_only)
+        chosen, self.cost_report = choose_stages(self.layout, self._layer_costs(), me, costs, range_only,
+                                                 self.sequences)
         if chosen is None:
             return workers
         self.stage_layout = StageLayout(term, self.version, self.peer_id, chosen)

@@ -1,0 +1,81 @@
+"""The planner's price of pipelined stages: a step of several sequences through stages costs the
+first group's pass plus one bottleneck stage per further group; with one sequence nothing
+changes; ``auto`` splits a model the coordinator holds into stages only when several sequences
+run and the pipeline serves them ``REMOTE_MARGIN`` faster, and says why."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.peer.coordinator import costmodel as cm
+from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost
+from swarm.peer.coordinator.planning import choose_stages
+
+MB = 2**20
+
+
+def layers(n=24, ffn_flops=2e7, ffn_bytes=4 * MB) -> LayerCosts:
+    return LayerCosts((2e6,) * n, (ffn_flops,) * n, (MB,) * n, (ffn_bytes,) * n, 1e7, 1024)
+
+
+def pair(rtt_s=0.002, gflops=10.0):
+    return PeerCost("c", 10**12, gflops), [PeerCost("w1", 10**12, gflops, rtt_s)]
+
+
+def test_one_sequence_and_one_stage_are_not_split():
+    costs = layers()
+    coord, workers = pair()
+    assert cm.pipeline_groups(1, 2) == 1 and cm.pipeline_groups(8, 1) == 1
+    # the coordinator alone: one call of every layer, the head per row
+    alone = cm.serving_step_s(costs, coord, workers, (("c", 0, 24),), 8)
+    assert alone == pytest.approx(cm._stage_call_s(costs, coord, 0, 24, 8, False) + 8 * 1e7 / 1e10)
+    # a step of one sequence over two stages: the stages in turn
+    two = (("c", 0, 12), ("w1", 12, 24))
+    one = cm.serving_step_s(costs, coord, workers, two, 1)
+    assert one == pytest.approx(sum(cm._stage_call_s(costs, coord if p == "c" else workers[0], lo, hi, 1, p != "c")
+                                    for p, lo, hi in two) + 1e7 / 1e10)
+
+
+def test_a_pipelined_step_is_the_first_pass_plus_a_bottleneck_per_further_group():
+    costs = layers()
+    coord, workers = pair()
+    two = (("c", 0, 12), ("w1", 12, 24))
+    calls = [cm._stage_call_s(costs, coord, 0, 12, 4, False), cm._stage_call_s(costs, workers[0], 12, 24, 4, True)]
+    assert cm.serving_step_s(costs, coord, workers, two, 8, groups=2) == pytest.approx(
+        sum(calls) + max(calls) + 8 * 1e7 / 1e10)
+    in_turn = cm.serving_step_s(costs, coord, workers, two, 8, groups=1)
+    assert cm.serving_step_s(costs, coord, workers, two, 8) < in_turn  # two peers at once
+
+
+def test_auto_keeps_the_coordinator_alone_for_one_sequence_and_splits_for_several():
+    costs = layers()
+    coord, workers = pair()
+    best, _ = cm.choose(costs, coord, workers)
+    assert best.layout == "local"  # one user: a split only adds a message
+    best, estimates = cm.choose(costs, coord, workers, sequences=8)
+    assert best.layout == "stages" and best.stages == (("c", 0, 12), ("w1", 12, 24))
+    alone = next(e for e in estimates if e.layout == "local")
+    assert best.serving_tok_s >= alone.serving_tok_s / (1 - cm.REMOTE_MARGIN)
+    assert "8 sequences pipelined over 2 stages" in best.note
+    stages, report = choose_stages("auto", costs, coord, workers, sequences=8)
+    assert [s.peer for s in stages] == ["c", "w1"] and report["sequences"] == 8 and "pipelined" in report["why"]
+    stages, report = choose_stages("auto", costs, coord, workers)
+    assert [s.peer for s in stages] == ["c"] and "why" not in report
+
+
+def test_weights_that_dominate_a_step_keep_the_coordinator_alone():
+    """Decode on a CPU reads every weight once per call: when that is most of a step (few FLOPs
+    per byte), splitting 8 sequences into groups pays it once more per group and gains too little."""
+    costs = layers(ffn_flops=2e6, ffn_bytes=200 * MB)
+    coord, workers = pair()
+    best, estimates = cm.choose(costs, coord, workers, sequences=8)
+    assert best.layout == "local" and best.serving_tok_s is not None
+    staged = [e for e in estimates if e.layout == "stages" and e.serving_tok_s is not None]
+    assert staged and staged[-1].serving_tok_s < best.serving_tok_s / (1 - cm.REMOTE_MARGIN)
+
+
+def test_a_slow_link_keeps_the_coordinator_alone():
+    costs = layers(ffn_flops=2e7)
+    coord, workers = pair(rtt_s=0.05)
+    best, _ = cm.choose(costs, coord, workers, sequences=8)
+    assert best.layout == "local"
