@@ -130,7 +130,7 @@ async def test_restart_and_stalls_keep_one_coordinator(netns_lab, model_dir, exp
                 "the deposed coordinator to step down", procs)
     stepped = time.monotonic() - woke
     retry = await client.wait_for(lambda e: e.get("event") in ("retry", "done", "error"), 30)
-    assert retry["event"] == "retry" and "stopped serving" in retry["error"], retry  # not finished there
+    assert retry["event"] == "retry" and "stopped coordinating" in retry["error"], retry  # not finished there
     done = await client.wait_for(lambda e: e.get("event") in ("done", "error"), 120)
     print(json.dumps({"event": "step down", "fault": f"coordinator stalled {DEPOSED_STALL_S} s with a request "
                       "streaming", "seconds": round(stepped, 2), "handed_back_after_wake_s": round(retry["t"] - woke, 2),
