@@ -204,3 +204,30 @@ def test_a_stage_peer_killed_with_groups_in_flight_keeps_every_token(moe_dir, re
     # its layers' KV cache rebuilt here, for the sequences it had answered, from the rows that
     # had entered them (none when its very first request was the one lost)
     assert (ffn.rebuilt_positions > 0) == (nth > 1)
+
+
+def test_steps_of_two_batches_at_once_pipeline_across_steps_with_solo_bits(moe_dir, reference):
+    """Two token loops (two batch schedulers' worth) share the StagedFFN, each stepping its own
+    sequences: while one batch is at the second stage peer the other is at the first, step after
+    step, with no drain between steps."""
+    model, ffn, hand, runners = staged(moe_dir, TWO_WORKERS)
+    ffn.pipeline_groups = 1  # each batch one group: the overlap comes from the two loops
+    stamped = Stamped(hand)
+    ps = prompts(6)
+    halves = [ps[0::2], ps[1::2]]
+    results: list = [None, None]
+
+    def loop(k):
+        results[k] = greedy_steps(model, ffn, halves[k], DECODE)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    hand.join()
+    for half, (tokens, logits) in zip(halves, results):
+        check_solo(reference, half, tokens, logits)
+    assert not ffn.failed and ffn.pipelined_steps == 0
+    assert all(r.served == 2 * (DECODE + 1) for r in runners.values())
+    assert stamped.overlaps(W1, W2)

@@ -54,7 +54,10 @@ over, boundaries never move), so its recorded rows always match its stages; a ne
 applies to the next sequence.
 
 Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, the dispatcher's ``send`` is a
-thread-safe non-blocking hand-off, and answers arrive through :meth:`StagedFFN.deliver` /
+thread-safe non-blocking hand-off (a pipelined step's lanes call it from threads of their own;
+steps of separate batches on separate threads — one batch scheduler per group, each stepping its
+own sequences, so a group need not wait for the others' step to end — may run at once too: the
+sequences' records are per sequence, the coordinator's own layers run one group at a time), and answers arrive through :meth:`StagedFFN.deliver` /
 :meth:`StagedFFN.peer_down` from the event loop. Request ids have the top bit set, so they
 never collide with RemoteFFN's on the same link.
 """
@@ -215,11 +218,12 @@ class StagedFFN:
         sequence alone would get. Returns the rows after the last layer [sum T_i, H] f32."""
         bounds = np.concatenate([[0], np.cumsum([T for _, _, T in seqs])]).astype(int).tolist()
         parts = []
-        for i, (cache, start, _) in enumerate(seqs):
-            seq = self._sequences.get(cache)
-            if start == 0 or seq is None:
-                seq = self._sequences[cache] = _Sequence(next(self._seq_ids), self.layout)
-            parts.append(_Part(seq, cache, start, x[bounds[i]:bounds[i + 1]]))
+        with self._lock:  # steps of other batches may run at once (one scheduler per group)
+            for i, (cache, start, _) in enumerate(seqs):
+                seq = self._sequences.get(cache)
+                if start == 0 or seq is None:
+                    seq = self._sequences[cache] = _Sequence(next(self._seq_ids), self.layout)
+                parts.append(_Part(seq, cache, start, x[bounds[i]:bounds[i + 1]]))
         # Sequences whose layouts have the same stages (a re-plan that moved nothing makes a new
         # version) cross them together, under the newest of those versions.
         groups: dict[tuple, list[_Part]] = {}
