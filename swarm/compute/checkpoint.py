@@ -35,7 +35,7 @@ from swarm.errors import ModelFileError
 LAYER_PARTS = ("attn_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
                "ffn_norm", "gate", "up", "down", "router", "shexp_gate_proj", "shexp_up",
                "shexp_down", "shexp_gate", "router_bias", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm",
-               "kv_b", "k_b", "v_b")
+               "kv_b", "k_b", "v_b", "o_bias", "sinks", "router_logit_bias")
 
 _HF_LAYER = {
     "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
@@ -51,6 +51,7 @@ _HF_LAYER = {
     "q_a": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
     "q_b": "self_attn.q_b_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
     "kv_a_norm": "self_attn.kv_a_layernorm.weight", "kv_b": "self_attn.kv_b_proj.weight",
+    "o_bias": "self_attn.o_proj.bias", "sinks": "self_attn.sinks", "router_logit_bias": "mlp.router.bias",
 }
 # GLM-4.5 and DeepSeek-V3 name their (fused) shared experts in the plural.
 _HF_SHARED_EXPERTS = {"shexp_gate_proj": "mlp.shared_experts.gate_proj.weight",
@@ -69,6 +70,7 @@ _GGUF_LAYER = {
     "q_a": "attn_q_a.weight", "q_a_norm": "attn_q_a_norm.weight", "q_b": "attn_q_b.weight",
     "kv_a": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight", "kv_b": "attn_kv_b.weight",
     "k_b": "attn_k_b.weight", "v_b": "attn_v_b.weight",
+    "o_bias": "attn_output.bias", "sinks": "attn_sinks.weight", "router_logit_bias": "ffn_gate_inp.bias",
 }
 
 
@@ -117,6 +119,11 @@ class Checkpoint:
         """``(gate [F,H], up [F,H], down [H,F])`` of expert ``e`` of MoE layer ``layer``, compact."""
         raise NotImplementedError
 
+    def expert_biases(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(gate [F], up [F], down [H])`` biases of expert ``e`` (gpt-oss), float32.
+        Raises ModelFileError when missing or misshapen."""
+        raise NotImplementedError
+
     def _check_matrix(self, name: str, m: QMatrix, shape: tuple[int, ...]) -> QMatrix:
         if m.shape != tuple(shape):
             raise ModelFileError(f"{self.path}: tensor {name!r} has shape {m.shape}, expected {tuple(shape)}")
@@ -151,6 +158,7 @@ class Checkpoint:
             "gate": (c.intermediate_size, H), "up": (c.intermediate_size, H), "down": (H, c.intermediate_size),
             "router": (c.n_experts, H), "shexp_gate_proj": (Fs, H), "shexp_up": (Fs, H),
             "shexp_down": (H, Fs), "shexp_gate": (1, H), "router_bias": (c.n_experts,),
+            "o_bias": (H,), "sinks": (c.n_heads,), "router_logit_bias": (c.n_experts,),
         }[part]
 
     def shape_of(self, part: str, layer: int | None = None) -> tuple[int, ...] | None:
@@ -170,6 +178,10 @@ class Checkpoint:
             parts = ["attn_norm", "ffn_norm", "q", "k", "v", "o"]
         if c.attention_bias:
             parts += ["q_bias", "k_bias", "v_bias"]
+        if c.output_bias:
+            parts.append("o_bias")
+        if c.attention_sinks:
+            parts.append("sinks")
         if c.qk_norm:
             parts += ["q_norm", "k_norm"]
         if not c.is_moe_layer(layer):
@@ -182,6 +194,8 @@ class Checkpoint:
                 parts.append("shexp_gate")
             if self.has("router_bias", layer):
                 parts.append("router_bias")
+            if c.expert_bias:
+                parts.append("router_logit_bias")
         return parts
 
     def mla_heads(self, layer: int) -> tuple[list[QMatrix], list[QMatrix]]:
@@ -260,8 +274,8 @@ class GGUFCheckpoint(Checkpoint):
         # llama.cpp permutes Q/K rows for its llama architecture only (Mixtral is written as llama).
         self._permuted = self.file.kv.get("general.architecture") == "llama"
         # GLM-4.5's norm before the MLP is post_attention_norm in llama.cpp's glm4moe files
-        self._ffn_norm = "post_attention_norm.weight" if self.file.kv.get("general.architecture") == "glm4moe" \
-            else _GGUF_LAYER["ffn_norm"]
+        self._ffn_norm = "post_attention_norm.weight" if self.file.kv.get("general.architecture") in (
+            "glm4moe", "gpt-oss") else _GGUF_LAYER["ffn_norm"]
 
     @property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -331,6 +345,17 @@ class GGUFCheckpoint(Checkpoint):
         g, u, d = (self.file.matrix(name, e) for name, _ in self._expert_tensors(layer))
         return g, u, d
 
+    def expert_biases(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c = self.config
+        out = []
+        for part, n in (("gate", c.moe_intermediate_size), ("up", c.moe_intermediate_size), ("down", c.hidden_size)):
+            name = f"blk.{layer}.ffn_{part}_exps.bias"
+            if self.file.shapes.get(name) != (c.n_experts, n):
+                raise ModelFileError(f"{self.path}: tensor {name!r} has shape {self.file.shapes.get(name)}, "
+                                     f"expected {(c.n_experts, n)}")
+            out.append(self._check(name, self.file.load(name, e), (n,)))
+        return out[0], out[1], out[2]
+
     def _stacked_matrix(self, part: str, layer: int, index: int) -> QMatrix:
         name = self._name(part, layer)
         return self._check_matrix(name, self.file.matrix(name, index), self.expected_shape(part)[1:])
@@ -367,6 +392,10 @@ class HFCheckpoint(Checkpoint):
                            if f"{base}.{p}.experts.gate_up_proj" in self.st), "mlp")
             want = {f"{base}.{prefix}.experts.gate_up_proj": (E, 2 * F, H),
                     f"{base}.{prefix}.experts.down_proj": (E, H, F)}
+            if c.family == "gpt_oss":  # [in, out] per expert, gate and up rows interleaved; biases
+                want = {f"{base}.mlp.experts.gate_up_proj": (E, H, 2 * F), f"{base}.mlp.experts.down_proj": (E, F, H),
+                        f"{base}.mlp.experts.gate_up_proj_bias": (E, 2 * F),
+                        f"{base}.mlp.experts.down_proj_bias": (E, H)}
         else:
             want = {}
             for e in range(E):
@@ -392,7 +421,8 @@ class HFCheckpoint(Checkpoint):
                     "head": "lm_head.weight", "rope_freqs": "(none)"}[part]
         name = f"model.layers.{layer}.{_HF_LAYER[part]}"
         if part == "router" and name not in self.st:
-            name = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+            name = next((n for n in (f"model.layers.{layer}.{p}.weight" for p in ("block_sparse_moe.gate", "mlp.router"))
+                         if n in self.st), f"model.layers.{layer}.block_sparse_moe.gate.weight")
         if part in _HF_SHARED_EXPERTS and name not in self.st:
             name = f"model.layers.{layer}.{_HF_SHARED_EXPERTS[part]}"
         if part == "router_bias" and name not in self.st:  # MiniMax-M2 keeps it on the MoE block
@@ -449,6 +479,13 @@ class HFCheckpoint(Checkpoint):
     def expert_matrices(self, layer: int, e: int) -> tuple[QMatrix, QMatrix, QMatrix]:
         c = self.config
         F, H = c.moe_intermediate_size, c.hidden_size
+        if c.family == "gpt_oss":  # stored [in, out] with gate/up interleaved: decoded, transposed
+            base = f"model.layers.{layer}.mlp.experts"
+            gu = self.st.load(f"{base}.gate_up_proj", e)  # [H, 2F]: gate, up, gate, up, ...
+            down = self.st.load(f"{base}.down_proj", e)  # [F, H]
+            return (QMatrix.from_float(np.ascontiguousarray(gu[:, 0::2].T)),
+                    QMatrix.from_float(np.ascontiguousarray(gu[:, 1::2].T)),
+                    QMatrix.from_float(np.ascontiguousarray(down.T)))
         stacked = self._stacked_names(layer)
         if stacked:
             gu = self.st.matrix(stacked[0], e)  # [2F, H]: gate rows then up rows
@@ -457,6 +494,15 @@ class HFCheckpoint(Checkpoint):
         shapes = ((F, H), (F, H), (H, F))
         g, u, d = (self._check_matrix(n, self.st.matrix(n), s) for n, s in zip(names, shapes))
         return g, u, d
+
+
+    def expert_biases(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c = self.config
+        base = f"model.layers.{layer}.mlp.experts"
+        gu = self._check(f"{base}.gate_up_proj_bias", self.st.load(f"{base}.gate_up_proj_bias", e),
+                         (2 * c.moe_intermediate_size,))
+        down = self._check(f"{base}.down_proj_bias", self.st.load(f"{base}.down_proj_bias", e), (c.hidden_size,))
+        return np.ascontiguousarray(gu[0::2]), np.ascontiguousarray(gu[1::2]), down
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -14,7 +14,7 @@ from swarm.errors import ModelFileError
 
 # HF ``model_type`` → the family name used inside the engine.
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral",
-               "glm4_moe", "deepseek_v3", "minimax_m2")
+               "glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss")
 # HF ``model_type`` values read as another family (Kimi-K2 is DeepSeek-V3's architecture).
 HF_ALIASES = {"kimi_k2": "deepseek_v3"}
 
@@ -50,6 +50,9 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rope_interleave=True),
     "minimax_m2": dict(rms_norm_eps=1e-6, rope_theta=5e6, attention_bias=False, head_dim=128, bos_token_id=200034,
                        eos_token_id=200020, num_experts_per_tok=8, num_local_experts=256, use_qk_norm=True),
+    "gpt_oss": dict(rms_norm_eps=1e-5, rope_theta=150000.0, attention_bias=True, head_dim=64, bos_token_id=None,
+                    eos_token_id=None, num_experts_per_tok=4, num_local_experts=128, sliding_window=128,
+                    swiglu_limit=7.0, swiglu_alpha=1.702),
 }
 
 
@@ -77,6 +80,13 @@ class ModelConfig:
     "key/value head" (``n_kv_heads == 1``) of ``head_dim == kv_lora_rank + qk_rope_head_dim``,
     as llama.cpp counts it. ``attention_scale`` overrides the softmax scale
     (``1/sqrt(head_dim)`` when None).
+
+    gpt-oss: ``layer_windows`` gives each layer's attention window (0: full attention; empty:
+    every layer full), ``attention_sinks`` a learned logit per query head in each softmax's
+    denominator, ``output_bias`` a bias on the attention output projection, ``expert_bias``
+    biases on every expert's projections, ``swiglu_limit`` > 0 its clamped SwiGLU
+    (:func:`swarm.compute.kernels.swiglu`, with ``swiglu_alpha``) and ``scoring ==
+    "topk_softmax"`` a softmax over the top-k router logits (the router has a bias too).
     """
 
     family: str
@@ -117,6 +127,12 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False
     attention_scale: float | None = None
+    layer_windows: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    output_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -126,6 +142,10 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def layer_window(self, layer: int) -> int:
+        """Layer ``layer``'s attention window in positions (0: it attends to every earlier one)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def rope_dim(self) -> int:
@@ -208,7 +228,8 @@ _HF_NUMERIC = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
                "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "clip_qkv",
                "bos_token_id", "sliding_window", "n_routed_experts", "n_shared_experts", "routed_scaling_factor",
                "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
-               "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "partial_rotary_factor", "rotary_dim")
+               "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "partial_rotary_factor", "rotary_dim",
+               "swiglu_limit", "swiglu_alpha")
 
 
 def _check_numbers(values: dict, keys, where: str) -> None:
@@ -306,6 +327,8 @@ def _config_from_hf(cfg: dict, family: str, where: str) -> ModelConfig:
                    moe_intermediate_size=int(_need(cfg, "intermediate_size", where)), norm_topk_prob=True,
                    moe_layers=tuple(range(n_layers)), scoring="sigmoid")
 
+    if family == "gpt_oss":
+        moe = _gpt_oss_from_hf(cfg, d, n_layers, where)
     attn: dict[str, Any] = {}
     qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}.get(family)
     rope_theta, rope_scaling = _rope(cfg, d["rope_theta"], where)
@@ -352,6 +375,25 @@ def _config_from_hf(cfg: dict, family: str, where: str) -> ModelConfig:
         **moe,
         **attn,
     )
+
+
+def _gpt_oss_from_hf(cfg: dict, d: dict, n_layers: int, where: str) -> dict[str, Any]:
+    """gpt-oss's fields: every layer routed (top-k logits, then softmax), biased experts with the
+    clamped SwiGLU, attention sinks and output bias, ``layer_types`` choosing sliding-window or
+    full attention per layer (transformers ``GptOssConfig``: even layers slide by default)."""
+    n_exp = int(cfg.get("num_local_experts", d["num_local_experts"]))
+    window = int(cfg.get("sliding_window") or d["sliding_window"])
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                       for i in range(n_layers)]
+    if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelFileError(f"{where}: layer_types must name 'sliding_attention' or 'full_attention' "
+                             f"for each of the {n_layers} layers, got {types}")
+    return dict(n_experts=n_exp, top_k=int(cfg.get("num_experts_per_tok", d["num_experts_per_tok"])),
+                moe_intermediate_size=int(_need(cfg, "intermediate_size", where)), moe_layers=tuple(range(n_layers)),
+                scoring="topk_softmax", expert_bias=True, attention_sinks=True, output_bias=True,
+                swiglu_limit=float(cfg.get("swiglu_limit") or d["swiglu_limit"]),
+                swiglu_alpha=float(cfg.get("swiglu_alpha") or d["swiglu_alpha"]),
+                layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types))
 
 
 def _sigmoid_moe_from_hf(cfg: dict, d: dict, n_layers: int, where: str) -> dict[str, Any]:
@@ -405,12 +447,13 @@ _GGUF_NUMERIC = ("embedding_length", "block_count", "attention.head_count", "att
                  "expert_weights_scale", "expert_group_count", "expert_group_used_count", "expert_gating_func",
                  "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
                  "attention.value_length_mla", "attention.value_length", "rope.scaling.factor",
-                 "rope.scaling.original_context_length", "rope.scaling.yarn_log_multiplier")
+                 "rope.scaling.original_context_length", "rope.scaling.yarn_log_multiplier",
+                 "attention.sliding_window")
 
 # GGUF ``general.architecture`` → engine family.
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
                  "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",
-                 "minimax-m2": "minimax_m2"}
+                 "minimax-m2": "minimax_m2", "gpt-oss": "gpt_oss"}
 # llama.cpp's ``{arch}.expert_gating_func`` (llama_expert_gating_func_type).
 _GGUF_GATING = {1: "softmax", 2: "sigmoid"}
 
@@ -479,6 +522,15 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
                        n_group=int(kv.get(f"{arch}.expert_group_count", 0) or 1),
                        topk_group=int(kv.get(f"{arch}.expert_group_used_count", 0) or 1),
                        routed_scaling_factor=float(kv.get(f"{arch}.expert_weights_scale", 1.0) or 1.0))
+    if family == "gpt_oss":  # llama.cpp: every other layer slides, the first included (swa pattern 2)
+        window = int(need("attention.sliding_window"))
+        moe.update(scoring="topk_softmax", norm_topk_prob=False, swiglu_limit=7.0, swiglu_alpha=1.702,
+                   expert_bias="blk.0.ffn_gate_exps.bias" in tensor_shapes,
+                   attention_sinks="blk.0.attn_sinks.weight" in tensor_shapes,
+                   output_bias="blk.0.attn_output.bias" in tensor_shapes,
+                   layer_windows=tuple(0 if i % 2 else window for i in range(n_layers)))
+        if rope_scaling:  # as transformers' GptOssConfig: YaRN's ramp without rounding its ends
+            rope_scaling["truncate"] = False
     qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}.get(family)
     attn: dict[str, Any] = {}
     if family == "glm4_moe":

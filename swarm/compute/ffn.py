@@ -141,7 +141,7 @@ class RoutingConfig:
     n_experts: int
     top_k: int
     norm_topk_prob: bool
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    scoring: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
     selection_bias: np.ndarray | None = field(default=None, compare=False)
     n_group: int = 1
     topk_group: int = 1
@@ -168,7 +168,8 @@ def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
     Group-limited routing (DeepSeek-V3 ``DeepseekV3TopkRouter``): with ``n_group`` > 1 the
     experts form ``n_group`` equal groups, a group scores the sum of its two best choice scores,
     and only the experts of the ``topk_group`` best groups can be chosen. The weights are then
-    multiplied by ``routed_scaling_factor``.
+    multiplied by ``routed_scaling_factor``. ``topk_softmax`` (gpt-oss ``GptOssTopKRouter``)
+    chooses the k largest logits and softmaxes over those k only.
     Raises ValueError on a bad shape, dtype, k or grouping.
     """
     if router_logits.ndim != 2 or router_logits.dtype != F32:
@@ -176,12 +177,16 @@ def route(router_logits: np.ndarray, *, scoring: str = "softmax", top_k: int,
     T, E = router_logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be within 1..{E}")
+    if scoring == "topk_softmax":
+        experts = np.argsort(-router_logits, axis=-1, kind="stable")[:, :top_k].astype(np.int64)  # [T, k]
+        weights = softmax(np.take_along_axis(router_logits, experts, axis=-1), axis=-1)
+        return Routing(experts, np.ascontiguousarray(weights, dtype=F32))
     if scoring == "softmax":
         scores = softmax(router_logits, axis=-1)
     elif scoring == "sigmoid":
         scores = sigmoid(router_logits)
     else:
-        raise ValueError(f"unknown router scoring {scoring!r} (expected 'softmax' or 'sigmoid')")
+        raise ValueError(f"unknown router scoring {scoring!r} (expected 'softmax', 'sigmoid' or 'topk_softmax')")
     choice = scores
     if selection_bias is not None:
         if selection_bias.shape != (E,):

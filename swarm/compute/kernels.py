@@ -137,14 +137,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     alone: a row's result depends only on that query, its position and the cache up to it,
     never on T or the other rows (a matrix-product library gives no such promise: its kernels
     change with the row count). Raises ValueError on other shapes or dtypes."""
-    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.dtype != F32 or k.dtype != F32 or v.dtype != F32:
-        raise ValueError(f"attention needs float32 q [T, nh, hd] and k, v [nkv, C, hd], got q {q.dtype} "
-                         f"{q.shape}, k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
+    check_attention_shapes(q, k, v, start)
     T, nh, hd = q.shape
-    nkv, C, _ = k.shape
-    if k.shape[2] != hd or nh % nkv or not 0 <= start <= C - T:
-        raise ValueError(f"attention: q [T={T}, nh={nh}, hd={hd}] at position {start} does not fit "
-                         f"k, v [nkv={nkv}, C={C}, hd={k.shape[2]}] (nh a multiple of nkv, start + T <= C)")
+    nkv = k.shape[0]
     out = np.empty((T, nh * hd), F32)
     row = _row or _row_kernels()
     q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
@@ -161,6 +156,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     return out
 
 
+def check_attention_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> None:
+    """Raise ValueError unless q [T, nh, hd] and k, v [nkv, C, hd] are float32, nh is a multiple
+    of nkv and positions ``start .. start+T-1`` fit the cache."""
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.dtype != F32 or k.dtype != F32 or v.dtype != F32:
+        raise ValueError(f"attention needs float32 q [T, nh, hd] and k, v [nkv, C, hd], got q {q.dtype} "
+                         f"{q.shape}, k {k.dtype} {k.shape}, v {v.dtype} {v.shape}")
+    T, nh, hd = q.shape
+    nkv, C, _ = k.shape
+    if k.shape[2] != hd or nh % nkv or not 0 <= start <= C - T:
+        raise ValueError(f"attention: q [T={T}, nh={nh}, hd={hd}] at position {start} does not fit "
+                         f"k, v [nkv={nkv}, C={C}, hd={k.shape[2]}] (nh a multiple of nkv, start + T <= C)")
+
+
 @dataclass(frozen=True)
 class MLPWeights:
     """One SwiGLU MLP (a dense MLP, a slice of one, an expert, or a shared expert), compact.
@@ -168,11 +176,17 @@ class MLPWeights:
     ``gate``, ``up`` [F, H] and ``down`` [H, F] are :class:`~swarm.compute.quant.QMatrix` in
     PyTorch orientation, in the file's encoding (views of the mapped file where they come from
     one). Construct from float32 arrays with :meth:`from_torch`.
+
+    gpt-oss's experts: ``bias`` = (gate [F], up [F], down [H]) f32 added after each product,
+    and ``swiglu_limit`` > 0 selects its clamped SwiGLU (:func:`swiglu`) with ``swiglu_alpha``.
     """
 
     gate: QMatrix
     up: QMatrix
     down: QMatrix
+    bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_torch(cls, gate, up, down) -> "MLPWeights":
@@ -194,15 +208,42 @@ class MLPWeights:
         F = self.intermediate_size
         if not 0 <= lo < hi <= F:
             raise ValueError(f"dense range {lo}:{hi} is outside 0:{F}")
+        if self.bias is not None or self.swiglu_limit:
+            raise ValueError("an MLP with biases or a clamped SwiGLU (gpt-oss) is not cut into ranges")
         return MLPWeights(self.gate.rows(lo, hi), self.up.rows(lo, hi), self.down.columns(lo, hi))
 
 
 def swiglu(w: MLPWeights, x: np.ndarray) -> np.ndarray:
-    """``W_down (silu(W_gate x) * W_up x)`` for rows x [n, H] f32 → [n, H] f32."""
+    """``W_down (silu(W_gate x) * W_up x)`` for rows x [n, H] f32 → [n, H] f32.
+
+    With ``w.swiglu_limit`` > 0 (gpt-oss, transformers ``GptOssExperts``): ``g = W_gate x + b_g``
+    clamped above at the limit, ``u = W_up x + b_u`` clamped to ±limit, then
+    ``W_down ((u + 1) * g * sigmoid(alpha * g)) + b_d``. Every step is element-wise on a row."""
+    if w.bias is not None or w.swiglu_limit:
+        return _swiglu_clamped(w, x)
     g = w.gate.matmul(x)  # [n, F]
     u = w.up.matmul(x)
     silu_mul(g, u)
     return w.down.matmul(g)  # [n, H]
+
+
+def _swiglu_clamped(w: MLPWeights, x: np.ndarray) -> np.ndarray:
+    g = w.gate.matmul(x)  # [n, F]
+    u = w.up.matmul(x)
+    if w.bias is not None:
+        g += w.bias[0]
+        u += w.bias[1]
+    if w.swiglu_limit:
+        limit = F32(w.swiglu_limit)
+        np.minimum(g, limit, out=g)
+        np.clip(u, -limit, limit, out=u)
+        h = (u + F32(1.0)) * (g * sigmoid(g * F32(w.swiglu_alpha)))
+    else:
+        h = silu_mul(g, u)
+    y = w.down.matmul(np.ascontiguousarray(h, dtype=F32))  # [n, H]
+    if w.bias is not None:
+        y += w.bias[2]
+    return y
 
 
 def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:

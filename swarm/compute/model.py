@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from swarm.compute.attention_mla import MLAWeights, load_mla_weights, mla_attention
+from swarm.compute.attention_sinks import sink_attention
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
 from swarm.compute.ffn import FFNBackend, LayerBackend, LocalFFN, RoutingConfig, shared_expert
@@ -107,7 +108,8 @@ class AttentionWeights:
     """One layer's attention: ``q`` [nh*hd, H], ``k`` and ``v`` [nkv*hd, H], ``o`` [H, nh*hd]
     (compact, PyTorch orientation); ``qkv_bias`` [(nh+2nkv)*hd] or None; norms [H] f32. ``qk_norm == "proj"``: ``q_norm`` [nh*hd], ``k_norm``
     [nkv*hd]; ``"head"``: ``q_norm`` [nh+nkv, hd] (the q weight per query head, then the k
-    weight per key head) and ``k_norm`` None."""
+    weight per key head) and ``k_norm`` None. gpt-oss: ``o_bias`` [H] after the output
+    projection, ``sinks`` [nh] (:mod:`swarm.compute.attention_sinks`)."""
 
     attn_norm: np.ndarray
     ffn_norm: np.ndarray
@@ -118,6 +120,8 @@ class AttentionWeights:
     o: QMatrix
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
+    o_bias: np.ndarray | None = None
+    sinks: np.ndarray | None = None
 
 
 class Model:
@@ -143,6 +147,7 @@ class Model:
         self._dense: dict[int, MLPWeights] = {}
         self._experts: dict[tuple[int, int], MLPWeights] = {}
         self._routers: dict[int, QMatrix] = {}
+        self._router_biases: dict[int, np.ndarray] = {}
         self._shared: dict[int, tuple[MLPWeights, np.ndarray | None]] = {}
         self._routing: dict[int, RoutingConfig] = {}
         self._hash: str | None = None
@@ -220,7 +225,9 @@ class Model:
             kn = None
         return AttentionWeights(
             attn_norm=ck.load("attn_norm", layer), ffn_norm=ck.load("ffn_norm", layer),
-            q=q, k=k, v=v, qkv_bias=bias, o=ck.matrix("o", layer), q_norm=qn, k_norm=kn)
+            q=q, k=k, v=v, qkv_bias=bias, o=ck.matrix("o", layer), q_norm=qn, k_norm=kn,
+            o_bias=ck.load("o_bias", layer) if c.output_bias else None,
+            sinks=ck.load("sinks", layer) if c.attention_sinks else None)
 
     def attention_nbytes(self, layer: int) -> int:
         """Bytes of layer ``layer``'s attention matrices as the file stores them (from the
@@ -269,7 +276,10 @@ class Model:
                 raise ValueError(f"layer {layer} is dense; it has no experts")
             if not 0 <= e < self.config.n_experts:
                 raise ValueError(f"expert {e} is outside 0..{self.config.n_experts - 1}")
-            w = MLPWeights(*self.checkpoint.expert_matrices(layer, e))
+            c = self.config
+            bias = self.checkpoint.expert_biases(layer, e) if c.expert_bias else None
+            w = MLPWeights(*self.checkpoint.expert_matrices(layer, e), bias=bias,
+                           swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha)
             with self._lock:
                 self._experts[key] = w
         return w
@@ -284,9 +294,18 @@ class Model:
 
     def router_logits(self, layer: int, x: np.ndarray, seg: np.ndarray | None = None) -> np.ndarray:
         """x [T, H] f32 → router logits [T, E] f32 (:meth:`QMatrix.matmul`: a row's logits depend
-        only on the row). ``seg``: accepted for the callers that pass the rows' segment ids;
-        not needed."""
-        return self.router(layer).matmul(x)
+        only on the row), plus the router's bias where it has one (gpt-oss). ``seg``: accepted
+        for the callers that pass the rows' segment ids; not needed."""
+        logits = self.router(layer).matmul(x)
+        if self.config.expert_bias:
+            logits += self._router_logit_bias(layer)
+        return logits
+
+    def _router_logit_bias(self, layer: int) -> np.ndarray:
+        b = self._router_biases.get(layer)
+        if b is None:
+            b = self._router_biases[layer] = self.checkpoint.load("router_logit_bias", layer)
+        return b
 
     def routing_config(self, layer: int) -> RoutingConfig:
         """How MoE layer ``layer`` routes (:func:`swarm.compute.ffn.route`): the config's scoring,
@@ -395,8 +414,24 @@ class Model:
         k, v = cache.layer(layer)
         k[:, start:end] = qk[:, nh:].transpose(1, 0, 2)
         v[:, start:end] = qkv[:, nq + nkv * hd:].reshape(T, nkv, hd).transpose(1, 0, 2)
-        out = attention(qk[:, :nh], k, v, start)
-        return w.o.matmul(out)
+        return self._attend_out(layer, w, qk[:, :nh], k, v, start)
+
+    def _attend_out(self, layer: int, w: AttentionWeights, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    start: int, o_proj: bool = True) -> np.ndarray:
+        """Attention of queries q [T, nh, hd] over the cache (``attention``, or with gpt-oss's
+        sinks and window), then the output projection (and its bias) unless ``o_proj`` is
+        False: [T, H] f32 (or [T, nh*hd])."""
+        window = self.config.layer_window(layer)
+        if w.sinks is None and not window:
+            out = attention(q, k, v, start)
+        else:
+            out = sink_attention(q, k, v, start, w.sinks, window)
+        if not o_proj:
+            return out
+        y = w.o.matmul(out)
+        if w.o_bias is not None:
+            y += w.o_bias
+        return y
 
     def forward(self, tokens, cache: KVCache, ffn: FFNBackend | None = None,
                 last_only: bool = False) -> np.ndarray:
@@ -551,8 +586,11 @@ class Model:
             k, v = cache.layer(layer)
             k[:, start:end] = qk[a:b, nh:].transpose(1, 0, 2)
             v[:, start:end] = qkv[a:b, nq + nk:].reshape(b - a, nkv, hd).transpose(1, 0, 2)
-            out[a:b] = attention(qk[a:b, :nh], k, v, start)
-        return w.o.matmul(out)
+            out[a:b] = self._attend_out(layer, w, qk[a:b, :nh], k, v, start, o_proj=False)
+        y = w.o.matmul(out)
+        if w.o_bias is not None:
+            y += w.o_bias
+        return y
 
     def layers(self, x: np.ndarray, cache: KVCache, start: int, lo: int, hi: int,
                ffn: FFNBackend | None = None) -> np.ndarray:

@@ -231,6 +231,7 @@ class ModelSlicer:
         return self._raw_dense(layer, "down")
 
     def _raw_experts(self, layer: int) -> tuple[_Raw, _Raw, _Raw]:
+        self._refuse_biased_experts(layer)
         if self.format == "gguf":
             return tuple(self._gguf_raw(f"blk.{layer}.ffn_{role}_exps.weight") for role in ROLES)
         prefix = f"model.layers.{layer}"
@@ -256,6 +257,18 @@ class ModelSlicer:
                     out.append(_Raw(_LazyStack([p.data for p in per]), per[0].encoding, per[0].cols))
                 return tuple(out)
         raise ModelFileError(f"{self.path}: layer {layer} has no MoE expert tensors (per-expert, stacked or Mixtral)")
+
+    def _refuse_biased_experts(self, layer: int) -> None:
+        """A slice carries the three expert matrices only: experts with biases (gpt-oss) would
+        compute wrong numbers on a peer without the file, so they are not cut."""
+        names = ([f"blk.{layer}.ffn_gate_exps.bias"] if self.format == "gguf" else
+                 [f"model.layers.{layer}.mlp.experts.gate_up_proj_bias"])
+        biased = [n for n in names if (n in self._gguf if self.format == "gguf" else n in self._st)]
+        if biased:
+            raise ModelFileError(
+                f"{self.path}: the experts of layer {layer} have biases ({biased[0]}; gpt-oss), which expert "
+                "slices do not carry yet: they cannot be shipped to a peer or a browser page without the "
+                "model file; give every worker a copy of the model file")
 
     def _gguf_raw(self, name: str) -> _Raw:
         if name not in self._gguf:
