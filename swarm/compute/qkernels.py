@@ -1,8 +1,10 @@
 """Compiled (numba) block kernels for :mod:`swarm.compute.quant`; import through ``quant._kernels``.
 
 Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of 32 weights), 5 Q4_K, 6 Q5_K, 7 Q6_K
-(super-blocks of 256) — block layouts as ggml defines them (``d``, ``m``, ``dmin`` are IEEE
-halves read through a 65536-entry table). :func:`dequant` takes kinds 0–4 only.
+(super-blocks of 256), 8 MXFP4 (blocks of 32: an E8M0 scale byte, then 16 bytes of 4-bit E2M1
+codes, low nibbles the first 16 weights) — block layouts as ggml defines them (``d``, ``m``,
+``dmin`` are IEEE halves read through a 65536-entry table; MXFP4's scale and codes through
+tables of ``gguf.quants.MXFP4``'s values). :func:`dequant` takes kinds 0–4 and 8.
 Each kernel runs on one thread over a range of output rows and releases the GIL: the caller
 spreads ranges over the process's compute threads (swarm/compute/threads.py), and other Python
 threads — the event loop, a loopback peer — run meanwhile. Each
@@ -21,6 +23,11 @@ from numba.extending import intrinsic
 F32 = np.float32
 # Every IEEE half bit pattern's float32 value: how block scales are read.
 _F16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(F32)
+# MXFP4: every E8M0 scale byte's float32 value (half the power of two, as ggml's
+# ``ggml_e8m0_to_fp32_half``: the codes below are doubled) and the 16 E2M1 codes, doubled.
+_E8M0 = np.where(np.arange(256) < 2, np.uint32(0x00200000) << np.arange(256).astype(np.uint32),
+                 (np.arange(256).astype(np.uint32) - np.uint32(1)) << np.uint32(23)).astype(np.uint32).view(F32)
+_MXV = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], F32)
 
 
 @njit(inline="always")
@@ -197,6 +204,8 @@ _TYPES = {
         "a{n}, b{n} = _f5(w{n}[o + 6 + j], h{n}, j); lo{n} = a{n} - F32(16.0); hi{n} = b{n} - F32(16.0)"),
     4: (24, "affine", "d{n} = _half(w{n}, o, _F16); m{n} = _half(w{n}, o + 2, _F16); h{n} = _u32(w{n}, o + 4)",
         "a{n}, b{n} = _f5(w{n}[o + 8 + j], h{n}, j); lo{n} = _fma(d{n}, a{n}, m{n}); hi{n} = _fma(d{n}, b{n}, m{n})"),
+    8: (17, "scaled", "d{n} = _E8M0[np.int64(w{n}[o])]",
+        "q{n} = w{n}[o + 1 + j]; lo{n} = _MXV[np.int64(q{n} & np.uint8(15))]; hi{n} = _MXV[np.int64(q{n} >> np.uint8(4))]"),
 }
 # Tile shapes (NR weight rows × TT activation rows), chosen by measurement (AVX-512 machine):
 # decode takes 4 rows a pass (x loads shared by 4 rows); several activation rows take 2 × 4,
@@ -237,7 +246,7 @@ def _compile_tile(kind: int, nr: int, tt: int):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _half=_half, _u32=_u32,
                  _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
                  _prefetch_ahead=_prefetch_ahead, _k4_scales=_k4_scales, _k6_scales=_k6_scales,
-                 _k5=_k5, _k6=_k6)
+                 _k5=_k5, _k6=_k6, _E8M0=_E8M0, _MXV=_MXV)
     source = _k_tile_source(kind, nr, tt) if kind in _K_TYPES else _tile_source(kind, nr, tt)
     exec(compile(source, f"<{__name__} tile {kind} {nr}x{tt}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])  # a call per tile cost ~8 % at T = 16
@@ -389,7 +398,7 @@ def _rows_kernel(kind: int):
 
 
 _ROWS = tuple(_rows_kernel(kind) for kind in sorted({**_TYPES, **_K_TYPES}))
-_rows0, _rows1, _rows2, _rows3, _rows4, _rows5, _rows6, _rows7 = _ROWS
+_rows0, _rows1, _rows2, _rows3, _rows4, _rows5, _rows6, _rows7, _rows8 = _ROWS
 
 
 @njit(nogil=True)
@@ -408,8 +417,10 @@ def _rows(kind, w, x, out, lo, hi):
         _rows5(w, x, out, lo, hi)
     elif kind == 6:
         _rows6(w, x, out, lo, hi)
-    else:
+    elif kind == 7:
         _rows7(w, x, out, lo, hi)
+    else:
+        _rows8(w, x, out, lo, hi)
 
 
 @njit(cache=True, nogil=True)
@@ -554,6 +565,14 @@ def _dequant_row(kind, row, dst):
                 q = row[o + 4 + j]
                 dst[b * 32 + j] = d * F32(q & 15) + m
                 dst[b * 32 + 16 + j] = d * F32(q >> 4) + m
+    elif kind == 8:
+        for b in range(nb):
+            o = b * 17
+            d = _E8M0[np.int64(row[o])]
+            for j in range(16):
+                q = row[o + 1 + j]
+                dst[b * 32 + j] = d * _MXV[np.int64(q & np.uint8(15))]
+                dst[b * 32 + 16 + j] = d * _MXV[np.int64(q >> np.uint8(4))]
     else:
         off = 6 if kind == 3 else 8
         for b in range(nb):

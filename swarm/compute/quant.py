@@ -9,7 +9,7 @@ mapped — nothing is expanded to float32 beyond one tile at a time.
 Numerics of :meth:`QMatrix.matmul` (``x`` float32 ``[T, cols]`` → float32 ``[T, rows]``), in
 calls of at most ``SMALL_T`` activation rows (a longer prefill is cut into such calls):
 
-* **Q4_0, Q4_1, Q5_0, Q5_1, Q8_0**: a compiled block kernel (numba) decodes each block of a few
+* **Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4**: a compiled block kernel (numba) decodes each block of a few
   weight rows once, to float32 ``d·q + m``, and applies it to a few float32 activation rows;
   each (weight row, activation row) pair keeps float32 lane sums (one per position in a block),
   each accumulated by fused multiply-add over the blocks in order, then reduced in one fixed
@@ -68,11 +68,12 @@ MIN_CHUNK_BYTES = 512 << 10
 _TILE_BYTES = 4 << 20
 
 # ggml types with a compiled kernel → kernel code used by the numba functions below.
-_KIND = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}
+_KIND = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7,
+         QT.MXFP4: 8}
 # 16-bit float types → kernel code of ``qkernels.matmul_half``.
 _HALF = {QT.F16: 0, QT.BF16: 1}
 # Kinds whose compiled decoder gives gguf's values (the K-quants are decoded by gguf's own).
-_DEQUANT_KIND = {q: k for q, k in _KIND.items() if k <= 4}
+_DEQUANT_KIND = {q: k for q, k in _KIND.items() if k <= 4 or q == QT.MXFP4}
 
 
 def block_size(qtype: QT) -> tuple[int, int]:
@@ -270,7 +271,7 @@ def _kernels():
                 # spreads them): one thread keeps it from sizing itself to the machine if asked.
                 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
                 with _without_scipy():
-                    with compiling("block kernels (Q4_0 … Q8_0, K-quants)"):
+                    with compiling("block kernels (Q4_0 … Q8_0, K-quants, MXFP4)"):
                         from swarm.compute import qkernels as k
                         # Run each once on a tiny input: compiles (first run on a machine) or loads the cache.
                         w = np.zeros((1, 34), np.uint8)

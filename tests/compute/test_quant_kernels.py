@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QT
 from swarm.compute.quant import SMALL_T, QMatrix
 
 F32 = np.float32
-QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]  # gguf can write these
+QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4]  # gguf can write these
 K_QUANTS = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]  # gguf only reads these
 COMPILED_K = [QT.Q4_K, QT.Q5_K, QT.Q6_K]  # K-quants with a compiled block kernel
 # byte offsets of each super-block's float16 scales (d, and dmin where there is one)
