@@ -26,6 +26,22 @@ the single stream's.
 
 ``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every process.
 
+``--pipeline`` (no namespace, no root): micro-batch pipelining over two stage peers against one
+peer alone, each peer a process pinned to its own core (``taskset``; ``--cores``, one per peer,
+``COLIBRI_BENCH_THREADS`` compute threads each). The coordinator process runs the first
+``--split`` layers, the embeddings, the head and sampling; a stage worker process
+(:class:`~swarm.peer.worker.stages.StageRunner`) the rest, linked by a pipe that carries the
+product's encoded ``StageRequest``/``StageAnswer`` frames (the stage protocol without WebRTC: no
+data channel cost). The engine's batch scheduler serves ``--streams`` concurrent greedy streams
+of ``--tokens`` tokens: one peer alone (``LocalFFN``), the two stages one after the other
+(``pipeline_groups = 1``) and pipelined (the cost model's groups, or ``--groups``), one stream
+through each, and two batch schedulers sharing the stages (each stepping half the streams as
+one group: a group's next step starts while the other's runs, no drain between steps).
+Per run: aggregate tok/s, p50/p95 time per output token (between a stream's tokens), and
+whether each stream's tokens equal its solo run on one machine. Writes the JSON to ``--out``.
+
+    python3 bench/serve.py --pipeline [--model smollm2] [--streams 8] [--tokens 48] [--cores 0,1]
+
 ``--trace`` (swarm only, one process pair) adds ``trace``: per step size, the median step and
 where one layer's round trip goes (token loop → event loop → encode → data channel → worker →
 compute → back), the coordinator's own share, and SCTP packets counted in the measured rounds
@@ -271,6 +287,197 @@ async def _main_in_netns(args) -> dict:
     return {"local": local, "swarm_2_peers": swarm}
 
 
+# ---------------------------------------------------------------- --pipeline: stages pipelined
+
+def _peer_id(name: str) -> str:
+    import base64
+    import hashlib
+
+    return base64.b32encode(hashlib.sha256(name.encode()).digest()[:16]).decode().lower().rstrip("=")
+
+
+PIPE_COORD, PIPE_WORKER = _peer_id("bench-coordinator"), _peer_id("bench-stage-worker")
+
+
+def _write_frame(f, lock, msg) -> None:
+    from swarm.peer.net import messages
+
+    data = messages.encode(msg)
+    with lock:
+        f.write(len(data).to_bytes(4, "little") + data)
+        f.flush()
+
+
+def _read_frame(f):
+    from swarm.peer.net import messages
+
+    head = f.read(4)
+    if len(head) < 4:
+        return None
+    return messages.decode(f.read(int.from_bytes(head, "little")))
+
+
+def _stage_worker_main(path: str) -> None:
+    """The stage worker process: StagePlan and StageRequest frames on stdin, answers on stdout."""
+    import threading
+
+    from swarm.compute import threads
+    from swarm.compute.model import load_model
+    from swarm.peer.net.messages import StagePlan
+    from swarm.peer.plan import StageLayout
+    from swarm.peer.worker.stages import StageRunner
+
+    threads.set_threads(int(swarm_bench.BLAS_THREADS))
+    model = load_model(path)
+    model.materialize()
+    runner = StageRunner(PIPE_WORKER, model)
+    inp, out, lock = sys.stdin.buffer, sys.stdout.buffer, threading.Lock()
+    while (msg := _read_frame(inp)) is not None:
+        if isinstance(msg, StagePlan):
+            runner.accept(StageLayout.from_message(msg, PIPE_COORD, model.config.n_layers))
+        else:
+            _write_frame(out, lock, runner.handle(msg))
+
+
+class _PipeLink:
+    """The dispatcher StagedFFN sees: frames to the worker process's stdin, answers read from its
+    stdout on a thread of their own (the event loop's part) and delivered."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.proc, self.lock, self.ffn, self.failures = proc, threading.Lock(), None, []
+        self.reader = threading.Thread(target=self._read, name="pipe-answers", daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        while (msg := _read_frame(self.proc.stdout)) is not None:
+            self.ffn.deliver(PIPE_WORKER, msg)
+
+    def send(self, peer, msg):
+        _write_frame(self.proc.stdin, self.lock, msg)
+
+    def last_heard(self, peer):
+        return None
+
+    def peer_failed(self, peer, reason):
+        self.failures.append(reason)
+
+    def peer_not_ready(self, peer, reason):
+        pass
+
+
+def _serve_streams(model, ffn, prompt_ids, n_tokens, schedulers=1):
+    """The prompts as concurrent greedy streams through the batch scheduler (``schedulers`` of
+    them sharing ``ffn``, stream i on scheduler i mod k: each steps its own sequences, so one's
+    step need not wait for the other's); (tokens per stream, aggregate tok/s, seconds between a
+    stream's tokens)."""
+    import threading
+
+    from swarm.compute.sampling import SamplingParams
+    from swarm.compute.serving import BatchScheduler
+
+    n = len(prompt_ids)
+    scheds = [BatchScheduler(model, lambda: ffn, max_batch=n, max_queue=n) for _ in range(schedulers)]
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, stop_tokens=())
+    times, tokens = [[] for _ in range(n)], [[] for _ in range(n)]
+
+    def consume(i, stream):
+        for tok in stream:
+            times[i].append(time.perf_counter())
+            tokens[i].append(tok)
+
+    t0 = time.perf_counter()
+    streams = [scheds[i % schedulers].submit(p, params) for i, p in enumerate(prompt_ids)]
+    workers = [threading.Thread(target=consume, args=(i, st)) for i, st in enumerate(streams)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = max(t[-1] for t in times) - t0
+    gaps = [b - a for t in times for a, b in zip(t, t[1:])]
+    return tokens, sum(map(len, tokens)) / wall, gaps
+
+
+def _pipeline_main(args) -> dict:
+    from swarm.compute import threads
+    from swarm.compute.ffn import LocalFFN
+    from swarm.compute.model import load_model
+    from swarm.compute.tokenizer import tokenizer_for
+    from swarm.peer.coordinator.stages import StagedFFN
+    from swarm.peer.plan import Stage, StageLayout
+
+    cores = [int(c) for c in args.cores.split(",")]
+    os.sched_setaffinity(0, {cores[0]})  # this process: the coordinator, or the one peer alone
+    threads.set_threads(int(swarm_bench.BLAS_THREADS))
+    path = swarm_bench.model_path(args.model)
+    model = load_model(path)
+    model.materialize()
+    n_layers = model.config.n_layers
+    split = args.split if args.split is not None else n_layers // 2
+    tok = tokenizer_for(model)
+    texts = prompts(args.streams, args.prompt_tokens)
+    prompt_ids = [tok.encode(t) for t in texts]
+    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+                       "arch": platform.machine(), "threads_per_peer": int(swarm_bench.BLAS_THREADS),
+                       "cores": cores, "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
+           "model": args.model, "layers": n_layers, "stages": [["coordinator", 0, split], ["worker", split, n_layers]],
+           "streams": args.streams, "tokens_per_stream": args.tokens, "link": "pipe (stage frames, no WebRTC)",
+           "runs": {}}
+
+    def record(name, toks, tps, gaps, solo):
+        out["runs"][name] = {"aggregate_tok_s": round(tps, 2),
+                             "p50_token_ms": round(1000 * _pct(gaps, 0.5), 2) if gaps else None,
+                             "p95_token_ms": round(1000 * _pct(gaps, 0.95), 2) if gaps else None,
+                             "equal_to_solo": [a == b for a, b in zip(toks, solo)]}
+        swarm_bench._progress(f"{name}: {tps:.1f} tok/s")
+
+    local = LocalFFN(model)
+    swarm_bench._progress("solo runs")
+    solo = [_serve_streams(model, local, [p], args.tokens)[0][0] for p in prompt_ids]
+    toks, tps, gaps = _serve_streams(model, local, prompt_ids, args.tokens)
+    record("one_peer", toks, tps, gaps, solo)
+    toks, tps, gaps = _serve_streams(model, local, prompt_ids[:1], args.tokens)
+    record("one_peer_1_stream", toks, tps, gaps, solo[:1])
+
+    worker = subprocess.Popen(["taskset", "-c", str(cores[1]), sys.executable, __file__, "--_stage_worker", str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        link = _PipeLink(worker)
+        layout = StageLayout(1, 1, PIPE_COORD, (Stage(PIPE_COORD, 0, split), Stage(PIPE_WORKER, split, n_layers)))
+        link.send(PIPE_WORKER, layout.to_message())
+        ffn = link.ffn = StagedFFN(model, layout, link)
+        _serve_streams(model, ffn, prompt_ids[:1], 4)  # the worker loads its layers
+        for name, groups, ids in (("stages_in_turn", 1, prompt_ids), ("stages_pipelined", args.groups, prompt_ids),
+                                  ("stages_in_turn_1_stream", 1, prompt_ids[:1]),
+                                  ("stages_pipelined_1_stream", args.groups, prompt_ids[:1])):
+            ffn.pipeline_groups = groups
+            toks, tps, gaps = _serve_streams(model, ffn, ids, args.tokens)
+            record(name, toks, tps, gaps, solo)
+        ffn.pipeline_groups = 1
+        toks, tps, gaps = _serve_streams(model, ffn, prompt_ids, args.tokens, schedulers=2)
+        record("stages_two_schedulers", toks, tps, gaps, solo)
+        toks, tps, gaps = _serve_streams(model, local, prompt_ids, args.tokens, schedulers=2)
+        record("one_peer_two_schedulers", toks, tps, gaps, solo)
+        out["pipelined_steps"], out["stage_failures"] = ffn.pipelined_steps, link.failures
+    finally:
+        worker.stdin.close()
+        worker.wait(30)
+    from swarm.peer.coordinator.costmodel import pipeline_groups
+
+    r = out["runs"]
+    out["groups"] = args.groups or pipeline_groups(args.streams, 2)
+    out["ratio_pipelined_vs_one_peer"] = round(r["stages_pipelined"]["aggregate_tok_s"] / r["one_peer"]["aggregate_tok_s"], 3)
+    out["ratio_in_turn_vs_one_peer"] = round(r["stages_in_turn"]["aggregate_tok_s"] / r["one_peer"]["aggregate_tok_s"], 3)
+    out["ratio_pipelined_vs_in_turn_1_stream"] = round(r["stages_pipelined_1_stream"]["aggregate_tok_s"]
+                                                        / r["stages_in_turn_1_stream"]["aggregate_tok_s"], 3)
+    out["ratio_two_schedulers_vs_one_peer"] = round(r["stages_two_schedulers"]["aggregate_tok_s"]
+                                                    / r["one_peer"]["aggregate_tok_s"], 3)
+    out["all_equal_to_solo"] = all(all(v["equal_to_solo"]) for v in r.values())
+    out["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 or olmoe (bench/swarm.py's models)")
@@ -283,11 +490,28 @@ def main() -> None:
                         help="swarm only: where each layer's round trip goes (bench/ffn_trace.py)")
     parser.add_argument("--loop", choices=swarm_bench.EVENT_LOOPS, default="auto",
                         help="every peer process's event loop, as join --loop (default auto: uvloop where installed)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="stages pipelined over two pinned peer processes vs one peer (no root)")
+    parser.add_argument("--streams", type=int, default=8, help="--pipeline: concurrent streams")
+    parser.add_argument("--cores", default="0,1", help="--pipeline: the coordinator's core, the stage worker's")
+    parser.add_argument("--split", type=int, help="--pipeline: the coordinator's layers (default half)")
+    parser.add_argument("--groups", type=int, help="--pipeline: groups per step (default: the cost model's)")
+    parser.add_argument("--out", help="--pipeline: also write the JSON here")
     parser.add_argument("--_inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_stage_worker", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--_worker", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--signal", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args._stage_worker:
+        _stage_worker_main(args._stage_worker)
+        return
+    if args.pipeline:
+        result = json.dumps(_pipeline_main(args), indent=2)
+        print(result)
+        if args.out:
+            Path(args.out).write_text(result + "\n")
+        return
     os.environ[swarm_bench.LOOP_ENV] = os.environ.get(swarm_bench.LOOP_ENV, args.loop)  # the driver's, inherited
     asyncio.run = functools.partial(swarm_bench.run_on_loop, asked=os.environ[swarm_bench.LOOP_ENV])
     if args._worker:  # the traced worker (--trace)
