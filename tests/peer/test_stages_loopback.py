@@ -2,7 +2,10 @@
 data channels, SwarmRoles with ``layout="stages"`` — and the oracle is the local engine: a
 stage plan gives the local run's tokens and bit-identical logits, on dense SmolLM2 and on a
 tiny random MoE; a stage peer that leaves at token 10 changes nothing in the tokens (its layers
-move to the coordinator, their KV cache rebuilt from the rows that had entered them).
+move to the coordinator, their KV cache rebuilt from the rows that had entered them). Several
+sequences are pipelined in groups over the stages: the same bits, groups in flight at the
+worker while the coordinator computes its stage for another, and a worker lost with groups in
+flight changes no sequence.
 
 One event loop inside a fresh network namespace (aioice skips 127.0.0.1); the token loop runs
 in a thread, as in ``join``.
@@ -173,6 +176,49 @@ def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tm
     # the wavefront: the worker had one group while the coordinator ran its stage for another
     assert any(r[0] < lo[1] and lo[0] < r[1] and not r[2] & lo[2] and r[3]
                for r in stamps["remote"] for lo in stamps["local"])
+
+
+def test_a_stage_peer_lost_with_groups_in_flight_changes_no_sequence(tmp_path):
+    """Three sequences pipelined in groups over the coordinator's stage and the worker's; the
+    worker stops while a step's groups cross the stages (its link closes under whichever group
+    it holds): every sequence keeps its solo local run's tokens and bits, the worker's layers
+    run on the coordinator from then on, their KV cache rebuilt from the recorded rows."""
+    from tests.peer.test_stages import PROMPTS, greedy_alone, greedy_together
+
+    model_dir = build("qwen3_moe", tmp_path)
+    kill_at = 4  # every sequence running: the step is cut into two groups
+
+    async def main():
+        async with stage_pair(tmp_path, model_dir) as (coord, worker):
+            loop = asyncio.get_running_loop()
+            gone = asyncio.Event()
+            st = coord.roles.coordinator.stages
+            runner = worker.roles.worker.stage_runner
+            handle = runner.handle
+
+            def on_step(step):
+                if step == kill_at:  # stopped as the step's first request reaches it
+                    def stopping(msg):
+                        runner.handle = handle
+                        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(worker.stop()).add_done_callback(
+                            lambda _: gone.set()))
+                        return handle(msg)
+                    runner.handle = stopping
+
+            run = await asyncio.to_thread(greedy_together, coord.roles.model, coord.roles.coordinator.engine_ffn,
+                                          PROMPTS, 8, on_step)
+            await gone.wait()
+            failed = {peer for peer, t in st.timing.items() if t.failures}
+            return run, failed, worker.node.peer_id, st.rebuilt_positions, st.pipelined_steps
+
+    (tokens, logits), failed, worker_id, rebuilt, pipelined = run_in_netns(main, timeout_s=240, prefix="cst",
+                                                                           address=ADDRESS)
+    ref_model = load_model(model_dir)
+    for i, prompt in enumerate(PROMPTS):
+        ref = greedy_alone(ref_model, prompt, 8)
+        assert tokens[i] == ref[0]
+        assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
+    assert failed == {worker_id} and rebuilt > 0 and pipelined >= kill_at
 
 
 def test_a_coordinator_that_cannot_hold_its_stages_ffn_hands_it_out_as_ranges(tmp_path):
