@@ -130,6 +130,17 @@ def test_a_moe_stage_plan_over_real_links_gives_the_local_bits(tmp_path):
     assert 1 <= inline <= 11
 
 
+def assert_each_solo(model_dir, tokens, logits, n):
+    """Each of ``PROMPTS``' runs (tokens, logits) is its solo local run's of ``n`` decode steps."""
+    from tests.peer.test_stages import PROMPTS, greedy_alone
+
+    ref_model = load_model(model_dir)
+    for i, prompt in enumerate(PROMPTS):
+        ref = greedy_alone(ref_model, prompt, n)
+        assert tokens[i] == ref[0]
+        assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
+
+
 def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tmp_path):
     """Continuous batching over real links: three sequences joining one step apart share every
     step, pipelined in groups over the coordinator's stage and the worker's (one StageRequest per
@@ -138,7 +149,7 @@ def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tm
     import time
 
     from swarm.peer.coordinator.costmodel import pipeline_groups
-    from tests.peer.test_stages import PROMPTS, greedy_alone, greedy_together
+    from tests.peer.test_stages import PROMPTS, greedy_together
 
     model_dir = build("qwen3_moe", tmp_path)
     stamps: dict[str, list] = {"local": [], "remote": []}
@@ -161,11 +172,7 @@ def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tm
 
     (tokens, logits), served, remote, failed, misses = run_in_netns(main, timeout_s=240, prefix="cst",
                                                                     address=ADDRESS)
-    ref_model = load_model(model_dir)
-    for i, prompt in enumerate(PROMPTS):
-        ref = greedy_alone(ref_model, prompt, 6)
-        assert tokens[i] == ref[0]
-        assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
+    assert_each_solo(model_dir, tokens, logits, 6)
     # one request per group and step, not one per sequence; a step whose deadline a stall on a
     # loaded machine outran ran here (same bits), its request still served by the worker
     active = [sum(i <= step <= i + 6 for i in range(len(PROMPTS))) for step in range(6 + len(PROMPTS))]
@@ -183,7 +190,7 @@ def test_a_stage_peer_lost_with_groups_in_flight_changes_no_sequence(tmp_path):
     worker stops while a step's groups cross the stages (its link closes under whichever group
     it holds): every sequence keeps its solo local run's tokens and bits, the worker's layers
     run on the coordinator from then on, their KV cache rebuilt from the recorded rows."""
-    from tests.peer.test_stages import PROMPTS, greedy_alone, greedy_together
+    from tests.peer.test_stages import PROMPTS, greedy_together
 
     model_dir = build("qwen3_moe", tmp_path)
     kill_at = 4  # every sequence running: the step is cut into two groups
@@ -213,11 +220,7 @@ def test_a_stage_peer_lost_with_groups_in_flight_changes_no_sequence(tmp_path):
 
     (tokens, logits), failed, worker_id, rebuilt, pipelined = run_in_netns(main, timeout_s=240, prefix="cst",
                                                                            address=ADDRESS)
-    ref_model = load_model(model_dir)
-    for i, prompt in enumerate(PROMPTS):
-        ref = greedy_alone(ref_model, prompt, 8)
-        assert tokens[i] == ref[0]
-        assert all(np.array_equal(a, b) for a, b in zip(logits[i], ref[1], strict=True))
+    assert_each_solo(model_dir, tokens, logits, 8)
     assert failed == {worker_id} and rebuilt > 0 and pipelined >= kill_at
 
 
