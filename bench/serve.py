@@ -467,12 +467,12 @@ def _pipeline_main(args) -> dict:
 
     r = out["runs"]
     out["groups"] = args.groups or pipeline_groups(args.streams, 2)
-    out["ratio_pipelined_vs_one_peer"] = round(r["stages_pipelined"]["aggregate_tok_s"] / r["one_peer"]["aggregate_tok_s"], 3)
-    out["ratio_in_turn_vs_one_peer"] = round(r["stages_in_turn"]["aggregate_tok_s"] / r["one_peer"]["aggregate_tok_s"], 3)
-    out["ratio_pipelined_vs_in_turn_1_stream"] = round(r["stages_pipelined_1_stream"]["aggregate_tok_s"]
-                                                        / r["stages_in_turn_1_stream"]["aggregate_tok_s"], 3)
-    out["ratio_two_schedulers_vs_one_peer"] = round(r["stages_two_schedulers"]["aggregate_tok_s"]
-                                                    / r["one_peer"]["aggregate_tok_s"], 3)
+    tok_s = {name: run["aggregate_tok_s"] for name, run in r.items()}
+    out["ratio_pipelined_vs_one_peer"] = round(tok_s["stages_pipelined"] / tok_s["one_peer"], 3)
+    out["ratio_in_turn_vs_one_peer"] = round(tok_s["stages_in_turn"] / tok_s["one_peer"], 3)
+    out["ratio_pipelined_vs_in_turn_1_stream"] = round(tok_s["stages_pipelined_1_stream"]
+                                                        / tok_s["stages_in_turn_1_stream"], 3)
+    out["ratio_two_schedulers_vs_one_peer"] = round(tok_s["stages_two_schedulers"] / tok_s["one_peer"], 3)
     out["all_equal_to_solo"] = all(all(v["equal_to_solo"]) for v in r.values())
     out["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     return out

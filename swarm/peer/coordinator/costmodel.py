@@ -481,7 +481,9 @@ def pipeline_groups(n_sequences: int, n_stages: int) -> int:
     return min(n_sequences, PIPELINE_GROUPS_PER_STAGE * n_stages)
 
 
-WEIGHT_BYTES_PER_S = 20e9  # a CPU reading a layer's weights once per call, whatever its rows (bench/results/pipeline.md)
+# a CPU reads a layer's weights once per call, whatever its rows (SmolLM2 on this project's 2-core
+# bench machine: one decode row 6 ms, eight 22 ms — bench/results/pipeline.md)
+WEIGHT_BYTES_PER_S = 20e9
 
 
 def _stage_call_s(costs: LayerCosts, peer: PeerCost, lo: int, hi: int, rows: float, remote: bool) -> float:

@@ -53,13 +53,13 @@ probed every ``NOT_READY_RETRY_S`` and sent that sequence's stage plan again (th
 over, boundaries never move), so its recorded rows always match its stages; a new layout
 applies to the next sequence.
 
-Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, the dispatcher's ``send`` is a
-thread-safe non-blocking hand-off (a pipelined step's lanes call it from threads of their own;
-steps of separate batches on separate threads — one batch scheduler per group, each stepping its
-own sequences, so a group need not wait for the others' step to end — may run at once too: the
-sequences' records are per sequence, the coordinator's own layers run one group at a time), and answers arrive through :meth:`StagedFFN.deliver` /
-:meth:`StagedFFN.peer_down` from the event loop. Request ids have the top bit set, so they
-never collide with RemoteFFN's on the same link.
+Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, the dispatcher's ``send``
+is a thread-safe non-blocking hand-off (a pipelined step's lanes call it from threads of their
+own), and answers arrive through :meth:`StagedFFN.deliver` / :meth:`StagedFFN.peer_down` from
+the event loop. Steps of separate batches may run at once on separate threads (one batch
+scheduler per group, each stepping its own sequences, so a group need not wait for the others'
+step to end): the records are per sequence, and the coordinator's own layers run one group at a
+time. Request ids have the top bit set, so they never collide with RemoteFFN's on the same link.
 """
 
 from __future__ import annotations
