@@ -497,7 +497,7 @@ Message = Union[
     ExpertRequest, ExpertAnswer, DenseRequest, DenseAnswer, StageRequest, StageAnswer,
     WeightManifest, WeightChunkRequest, WeightChunk,
 ]
-"""Every message kind (tests/peer/test_messages.py checks it names each registered one)."""
+"""Every message kind (tests/peer/net/test_messages.py checks it names each registered one)."""
 
 
 def encode(msg: Message) -> bytes:

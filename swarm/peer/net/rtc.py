@@ -61,7 +61,7 @@ Every internal named here is in :data:`SCTP_GLOBALS_USED`, :data:`SCTP_METHODS_U
 checked where they are used).
 
 Each function raises :class:`~swarm.errors.LocalProtocolError` naming the missing internal when an
-aiortc upgrade moves it, and ``tests/peer/test_rtc.py`` checks each against the installed
+aiortc upgrade moves it, and ``tests/peer/net/test_rtc.py`` checks each against the installed
 aiortc, so an upgrade fails there first and loudly.
 """
 
@@ -122,7 +122,7 @@ DTLS_RECORD_READ_BYTES = 1 << 15  # what our DTLS reads at once: a whole jumbo r
 # A jumbo packet holds what 12 MTU-sized ones do: acknowledge every second one (RFC 4960 §6.2's
 # rule), or a message of a few of them waits SACK_DELAY_S for the window to open.
 JUMBO_SACK_EVERY_PACKETS = 2
-# The RTCSctpTransport methods that read USERDATA_MAX_LENGTH (tests/peer/test_rtc.py checks the list).
+# The RTCSctpTransport methods that read USERDATA_MAX_LENGTH (tests/peer/net/test_rtc.py checks the list).
 JUMBO_METHODS = ("_send", "_transmit", "_receive_sack_chunk", "_t3_expired")
 # Probing the path for jumbo packets (path_carries): each probe waits this long for its echo (a
 # LAN's round trip is ~1 ms; a loaded peer's event loop can hold it for tens of ms), and a lost
@@ -142,7 +142,7 @@ SACK_EVERY_PACKETS = 8
 SACK_DELAY_S = 0.01
 
 # The RTCSctpTransport attributes the two wrappers below read (its own methods read them too,
-# which tests/peer/test_rtc.py checks).
+# which tests/peer/net/test_rtc.py checks).
 SCTP_STATE_READ = ("_outbound_queue", "_flight_size", "_cwnd", "_fast_recovery_exit",
                    "_sack_needed", "_sack_misordered", "_sack_duplicates", "_association_state")
 _PATCHED = "_colibri_swarm_patch"
@@ -151,7 +151,7 @@ SCTP_GLOBALS_REPLACED = ("SCTP_RTO_MIN", "SCTP_MAX_PACKET_LENGTH", "USERDATA_MAX
 SCTP_GLOBALS_USED = SCTP_GLOBALS_REPLACED + ("HeartbeatChunk", "HeartbeatAckChunk")
 # The RTCSctpTransport methods this module wraps process-wide (configure_aiortc), replaces on one
 # association (path_carries) or runs copies of with other module globals (flush_eagerly, the jumbo
-# copies). tests/peer/test_rtc.py checks that each exists and that each copy reads what it expects.
+# copies). tests/peer/net/test_rtc.py checks that each exists and that each copy reads what it expects.
 SCTP_METHODS_WRAPPED = ("_transmit", "_send_sack", "_send_chunk")
 SCTP_METHODS_USED = SCTP_METHODS_WRAPPED + ("_receive_chunk", "_data_channel_send") + JUMBO_METHODS
 

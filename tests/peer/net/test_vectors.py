@@ -22,7 +22,7 @@ from swarm.peer.net import wire
 from swarm.peer.net.auth import ChannelAuth, Role
 from swarm.keys.swarmkey import SwarmKey, decode_code
 
-VECTORS = Path(__file__).resolve().parents[1] / "vectors"
+VECTORS = Path(__file__).resolve().parents[2] / "vectors"
 MESSAGES = sorted((VECTORS / "messages").glob("*.bin"))
 MALFORMED = sorted((VECTORS / "malformed").glob("*.bin"))
 

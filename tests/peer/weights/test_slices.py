@@ -166,7 +166,7 @@ def test_extract_holds_one_copy_of_the_slice(tmp_path):
     import sys
 
     out = subprocess.run([sys.executable, "-c", _PEAK_RSS_PROBE, str(tmp_path / "big.gguf")], capture_output=True,
-                         text=True, check=True, cwd=Path(__file__).resolve().parents[2])
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[3])
     got = json.loads(out.stdout)
     assert got["slice"] >= 100e6
     assert got["growth"] <= 1.3 * got["slice"], f"peak grew {got['growth'] / got['slice']:.2f}× the slice"

@@ -18,8 +18,8 @@ from swarm.peer.coordinator.role import READMIT_S
 from swarm.peer.plan import Stage, StageLayout
 from tests.peer._links import run_in_netns
 from tests.peer._swarm_models import build
-from tests.peer.test_stages_failover import SERVING_CAPACITY, prompt_of
-from tests.peer.test_stages_loopback import ADDRESS, FAST_LINKS, stage_pair, staged, start_stage_swarm
+from tests.peer.coordinator.test_stages_failover import SERVING_CAPACITY, prompt_of
+from tests.peer.coordinator.test_stages_loopback import ADDRESS, FAST_LINKS, stage_pair, staged, start_stage_swarm
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ stages under it: a stage's first pass gets a deadline for reading its layers fro
 answer is timed (slow, not gone), a miss fails a peer only at its first request, at MISS_LIMIT in
 a row or after SILENCE_S of silence, and a peer that missed and has not been heard since is
 sent nothing (suspect) until it is heard or fails by silence. In process: StagedFFN against
-StageRunners on other threads (tests/peer/test_stages.py); the oracle is the local engine."""
+StageRunners on other threads (tests/peer/coordinator/test_stages.py); the oracle is the local engine."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from swarm.peer.coordinator.costmodel import LayerCosts
 from swarm.peer.plan import Stage, StageLayout
 from swarm.peer.net.messages import StageRequest
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
-from tests.peer.test_stages import staged
+from tests.peer.coordinator.test_stages import staged
 
 
 @pytest.fixture(scope="module")

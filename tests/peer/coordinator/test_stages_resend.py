@@ -19,7 +19,7 @@ from swarm.compute.model import load_model
 from swarm.compute.quant import SMALL_T
 from tests.peer._links import run_in_netns
 from tests.peer._swarm_models import build, greedy
-from tests.peer.test_stages_loopback import ADDRESS, stage_pair
+from tests.peer.coordinator.test_stages_loopback import ADDRESS, stage_pair
 
 pytestmark = pytest.mark.slow
 

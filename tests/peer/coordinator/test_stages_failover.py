@@ -3,7 +3,7 @@ cache for the moved layers is rebuilt from the rows that had entered them, whate
 (the engine's serving loop starts caches at 16 positions, and a coordinator that runs no layer of
 its own never grows them), and the run goes on with the local run's bits.
 
-In process (StageRunners answering on other threads, see tests/peer/test_stages.py); the oracle is
+In process (StageRunners answering on other threads, see tests/peer/coordinator/test_stages.py); the oracle is
 the local engine, one sequence alone."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from swarm.compute.model import load_model
 from swarm.peer.plan import Stage
 from tests.peer._swarm_models import COORD, W1, W2, build
-from tests.peer.test_stages import greedy_alone, staged
+from tests.peer.coordinator.test_stages import greedy_alone, staged
 
 MOE = "qwen3_moe"
 SERVING_CAPACITY = 16  # what swarm/compute/serving.py gives each new sequence's cache

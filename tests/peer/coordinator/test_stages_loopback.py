@@ -132,7 +132,7 @@ def test_a_moe_stage_plan_over_real_links_gives_the_local_bits(tmp_path):
 
 def assert_each_solo(model_dir, tokens, logits, n):
     """Each of ``PROMPTS``' runs (tokens, logits) is its solo local run's of ``n`` decode steps."""
-    from tests.peer.test_stages import PROMPTS, greedy_alone
+    from tests.peer.coordinator.test_stages import PROMPTS, greedy_alone
 
     ref_model = load_model(model_dir)
     for i, prompt in enumerate(PROMPTS):
@@ -149,7 +149,7 @@ def test_three_sequences_batched_through_two_stages_each_give_their_solo_bits(tm
     import time
 
     from swarm.peer.coordinator.costmodel import pipeline_groups
-    from tests.peer.test_stages import PROMPTS, greedy_together
+    from tests.peer.coordinator.test_stages import PROMPTS, greedy_together
 
     model_dir = build("qwen3_moe", tmp_path)
     stamps: dict[str, list] = {"local": [], "remote": []}
@@ -190,7 +190,7 @@ def test_a_stage_peer_lost_with_groups_in_flight_changes_no_sequence(tmp_path):
     worker stops while a step's groups cross the stages (its link closes under whichever group
     it holds): every sequence keeps its solo local run's tokens and bits, the worker's layers
     run on the coordinator from then on, their KV cache rebuilt from the recorded rows."""
-    from tests.peer.test_stages import PROMPTS, greedy_together
+    from tests.peer.coordinator.test_stages import PROMPTS, greedy_together
 
     model_dir = build("qwen3_moe", tmp_path)
     kill_at = 4  # every sequence running: the step is cut into two groups

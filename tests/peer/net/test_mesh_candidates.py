@@ -23,7 +23,7 @@ from swarm.peer.net.mesh import CANDIDATE_TIMEOUT_S, Mesh
 from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.messages import PeerInfo
 from tests.peer._links import hello, run_in_netns
-from tests.peer.test_mesh_loopback import _split_candidates
+from tests.peer.net.test_mesh_loopback import _split_candidates
 
 UNANSWERED = 16
 # The link must open within this many seconds of the offer, however many unanswered candidates

@@ -1,6 +1,6 @@
 """Tools through the chat API, in the format of the model's own chat template.
 
-SmolLM2's template has no tool format (refused: tests/peer/test_api_fields.py); here the same
+SmolLM2's template has no tool format (refused: tests/peer/coordinator/test_api_fields.py); here the same
 weights and tokenizer carry Qwen2.5's template, which writes tools into the system text and asks
 for ``<tool_call>`` blocks. Oracles: the local run on the prompt the template renders (the same
 text, the same tokens), ``jsonschema`` for the arguments against the function's parameters.

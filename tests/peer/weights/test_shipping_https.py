@@ -339,7 +339,7 @@ def test_plan_slices_ship_over_https_and_fall_back_to_the_data_channel(tmp_path,
     from swarm.peer.weights.shipping_aio import PlanShipper, SliceFetcher, fetch_plan_slices
     from swarm.peer.weights.slices import ModelSlicer, SliceSpan, specs_for
     from tests.peer._swarm_models import build
-    from tests.peer.test_shipping import COORDINATOR, WORKER, _linked_pair, _run_in_netns
+    from tests.peer.weights.test_shipping import COORDINATOR, WORKER, _linked_pair, _run_in_netns
 
     path = build("qwen3_moe", tmp_path)
     model = load_model(path)

@@ -21,7 +21,7 @@ from swarm.peer.coordinator.stages import micro_groups
 from swarm.peer.net import messages as m
 from swarm.peer.plan import Stage
 from tests.peer._swarm_models import COORD, W1, W2, build
-from tests.peer.test_stages import greedy_alone, greedy_together, staged
+from tests.peer.coordinator.test_stages import greedy_alone, greedy_together, staged
 
 MOE = "qwen3_moe"
 DECODE = 5

@@ -13,7 +13,7 @@ from swarm.compute.sampling import SamplingParams
 from swarm.compute.serving import BatchScheduler
 from swarm.peer.net import messages as M
 from tests.compute.tiny_models import build_tiny
-from tests.peer.test_coordinator import InProcSwarm
+from tests.peer.coordinator.test_coordinator import InProcSwarm
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
