@@ -37,6 +37,9 @@ of ``--tokens`` tokens: one peer alone (``LocalFFN``), the two stages one after 
 (``pipeline_groups = 1``) and pipelined (the cost model's groups, or ``--groups``), one stream
 through each, and two batch schedulers sharing the stages (each stepping half the streams as
 one group: a group's next step starts while the other's runs, no drain between steps).
+Then the product's path: the OpenAI API (``ApiServer`` and ``EngineBackend``, streaming
+``/v1/completions``) over one peer alone and over the two stages, where the backend runs one
+batch scheduler per stage by itself; ``api_*`` rows, each stream's text against its solo reply.
 Per run: aggregate tok/s, p50/p95 time per output token (between a stream's tokens), and
 whether each stream's tokens equal its solo run on one machine. Writes the JSON to ``--out``.
 
@@ -100,7 +103,7 @@ async def _stream(session, url: str, token: str | None, prompt: str, max_tokens:
             "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, text, times = None, 0, "", []
     start = time.perf_counter()
     async with session.post(f"{url}/completions", json=body, headers=headers) as r:
         if r.status != 200:
@@ -111,11 +114,14 @@ async def _stream(session, url: str, token: str | None, prompt: str, max_tokens:
             obj = json.loads(line[6:])
             if obj.get("usage"):
                 tokens = obj["usage"]["completion_tokens"]
-            elif first is None and obj["choices"] and obj["choices"][0].get("text"):
-                first = time.perf_counter() - t0
+            elif obj["choices"] and obj["choices"][0].get("text"):
+                times.append(time.perf_counter())
+                text += obj["choices"][0]["text"]
+                if first is None:
+                    first = times[-1] - t0
     end = time.perf_counter()
     return {"ttft_s": first, "tokens": tokens, "start": start, "first": None if first is None else start + first,
-            "end": end}
+            "end": end, "text": text, "times": times}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -399,6 +405,31 @@ def _serve_streams(model, ffn, prompt_ids, n_tokens, schedulers=1):
     return tokens, sum(map(len, tokens)) / wall, gaps
 
 
+async def _api_streams(model, tokenizer, ffn, texts, n_tokens):
+    """The prompts as concurrent streaming ``/v1/completions`` requests to the product's API over
+    ``ffn`` (None: this peer alone); (texts, aggregate tok/s, seconds between a stream's chunks,
+    the backend's schedulers that stepped)."""
+    import aiohttp
+
+    from swarm.peer.coordinator.api import ApiServer
+    from swarm.peer.coordinator.api_engine import EngineBackend
+
+    backend = EngineBackend(model, tokenizer, model_id="bench", ffn=ffn, max_batch=len(texts), max_queue=len(texts))
+    api = ApiServer(backend, ["bench-token"])
+    port = await api.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*[_stream(s, f"http://127.0.0.1:{port}/v1", "bench-token", t, n_tokens)
+                                         for t in texts])
+            wall = time.perf_counter() - t0
+    finally:
+        await api.close()
+    gaps = [b - a for g in got for a, b in zip(g["times"], g["times"][1:])]
+    stepped = sum(sched.steps > 0 for sched in backend.scheduler.schedulers)
+    return [g["text"] for g in got], sum(g["tokens"] for g in got) / wall, gaps, stepped
+
+
 def _pipeline_main(args) -> dict:
     from swarm.compute import threads
     from swarm.compute.ffn import LocalFFN
@@ -459,6 +490,16 @@ def _pipeline_main(args) -> dict:
         record("stages_two_schedulers", toks, tps, gaps, solo)
         toks, tps, gaps = _serve_streams(model, local, prompt_ids, args.tokens, schedulers=2)
         record("one_peer_two_schedulers", toks, tps, gaps, solo)
+        # The product's path: the API, its backend choosing its schedulers (one per stage here)
+        ffn.pipeline_groups = args.groups
+        swarm_bench._progress("API solo runs")
+        api_solo = [asyncio.run(_api_streams(model, tok, None, [t], args.tokens))[0][0] for t in texts]
+        for name, backend_ffn, ids in (("api_one_peer", None, texts), ("api_stages", ffn, texts),
+                                       ("api_one_peer_1_stream", None, texts[:1]),
+                                       ("api_stages_1_stream", ffn, texts[:1])):
+            got, tps, gaps, stepped = asyncio.run(_api_streams(model, tok, backend_ffn, ids, args.tokens))
+            record(name, got, tps, gaps, api_solo)
+            out["runs"][name]["schedulers_stepped"] = stepped
         out["pipelined_steps"], out["stage_failures"] = ffn.pipelined_steps, link.failures
     finally:
         worker.stdin.close()
@@ -473,6 +514,9 @@ def _pipeline_main(args) -> dict:
     out["ratio_pipelined_vs_in_turn_1_stream"] = round(tok_s["stages_pipelined_1_stream"]
                                                         / tok_s["stages_in_turn_1_stream"], 3)
     out["ratio_two_schedulers_vs_one_peer"] = round(tok_s["stages_two_schedulers"] / tok_s["one_peer"], 3)
+    out["ratio_api_stages_vs_api_one_peer"] = round(tok_s["api_stages"] / tok_s["api_one_peer"], 3)
+    out["ratio_api_stages_vs_api_one_peer_1_stream"] = round(tok_s["api_stages_1_stream"]
+                                                             / tok_s["api_one_peer_1_stream"], 3)
     out["all_equal_to_solo"] = all(all(v["equal_to_solo"]) for v in r.values())
     out["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     return out

@@ -83,13 +83,16 @@ function renderPeers(doc) {
 function renderPlan(doc) {
   const plan = doc.placement;
   $("plan-version").textContent = plan ? `v${plan.version} · term ${plan.term}` : "";
-  if (!plan) { $("plan-summary").textContent = "no plan yet"; $("plan-json").textContent = ""; $("plan-shortfall").textContent = ""; return; }
+  if (!plan) { $("plan-summary").textContent = "no plan yet"; $("plan-json").textContent = ""; $("plan-shortfall").textContent = ""; $("plan-why").textContent = ""; return; }
   const what = Object.entries(doc.shares?.kinds ?? {}).map(([k, n]) => `${n} layer${n === 1 ? "" : "s"} of ${k === "dense" ? "dense MLP rows" : k}`).join(", ");
   // Fields other than the per-layer spans (e.g. stages), as they are: the page does not need to know them.
   const perLayer = (v) => v && typeof v === "object" && !Array.isArray(v) && Object.keys(v).every((l) => /^\d+$/.test(l));
   // The swarm cannot hold the model: what is missing and the speed to expect, in the coordinator's words.
   $("plan-shortfall").textContent = plan.shortfall?.message ? `memory: ${plan.shortfall.message}` : "";
-  const other = Object.entries(plan).filter(([k, v]) => !["version", "term", "coordinator", "peers", "shortfall"].includes(k) && !perLayer(v))
+  // Why the cost model chose this layout (e.g. stages for throughput with several users), in one line.
+  const cost = plan.cost, n = cost?.sequences ?? 1;
+  $("plan-why").textContent = cost ? `${cost.choice ?? plan.layout ?? ""} for ${n} sequence${n === 1 ? "" : "s"}${cost.why ? `: ${cost.why}` : ""}` : "";
+  const other = Object.entries(plan).filter(([k, v]) => !["version", "term", "coordinator", "peers", "shortfall", "cost"].includes(k) && !perLayer(v))
     .map(([k, v]) => `${k} ${typeof v === "object" ? JSON.stringify(v) : v}`);
   $("plan-summary").textContent = `${plan.peers?.length ?? 0} peers over ${what || "no layers"}${other.length ? ` · ${other.join(" · ")}` : ""}`;
   $("plan-json").textContent = JSON.stringify(plan, null, 1);

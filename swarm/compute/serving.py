@@ -24,6 +24,14 @@ memory plan reserves the KV cache of ``join --context`` positions); up to ``max_
 in arrival order; beyond that :meth:`BatchScheduler.submit` raises :class:`QueueFullError`
 with a suggested wait. A cancelled sequence (its client went away) leaves at the end of the step
 in flight — within one chunk of prefill or one decode step — and its slot goes to the next.
+
+Several schedulers (:class:`SchedulerPool`): when the FFN backend runs stages on other peers,
+one scheduler's step waits for every stage in turn; two schedulers sharing the stages keep them
+busy, one's step at a stage while the other's is at the next. A pool's schedulers share one
+lock and one set of limits — ``max_batch`` running, ``max_queue`` waiting and ``max_positions``
+over all of them, admitted in arrival order across them — and each steps its own sequences on
+its own thread. A new sequence goes to the least loaded of the first ``width`` schedulers and
+stays there; with ``width`` 1 the pool is one scheduler as above.
 """
 
 from __future__ import annotations
@@ -154,11 +162,13 @@ class BatchScheduler:
     ≥ 1 sequences run at once, ``max_queue`` ≥ 0 wait (None: :func:`set_default_limits`'s, at
     first :data:`MAX_BATCH` and :data:`MAX_QUEUE`); ``chunk`` ≥ 1 prompt rows per prefill
     chunk; ``prefill_rows`` ≥ ``chunk`` prompt rows per step. Raises ValueError for a bad limit.
+    ``pool``: the :class:`SchedulerPool` it belongs to (its lock, and its limits held over every
+    member), made by the pool; None: on its own.
     """
 
     def __init__(self, model: Model, ffn: Callable[[], FFNBackend | None] = lambda: None, *, max_batch: int | None = None,
                  max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, pool: SchedulerPool | None = None) -> None:
         max_batch = _limits["max_batch"] if max_batch is None else max_batch
         max_queue = _limits["max_queue"] if max_queue is None else max_queue
         if max_batch < 1 or max_queue < 0 or chunk < 1 or prefill_rows < chunk:
@@ -167,11 +177,13 @@ class BatchScheduler:
         self.model, self._ffn = model, ffn
         self.max_batch, self.max_queue, self.chunk, self.prefill_rows = max_batch, max_queue, chunk, prefill_rows
         self.max_positions = max_positions  # KV positions all running sequences may claim together (None: no bound)
-        self._cond = threading.Condition()
+        self._pool = pool
+        self._cond = pool.cond if pool is not None else threading.Condition()  # re-entrant: a pool's submit holds it
         self._running: list[_Seq] = []
         self._waiting: deque[_Seq] = deque()
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count(1)
+        # ids in arrival order (a pool's shared by its members: admission follows them)
+        self._ids = pool.ids if pool is not None else itertools.count(1)
         self.steps = 0  # forward steps run (status, tests)
         # The last sequences that left: (id, prompt tokens read, prompt length, tokens generated).
         self.left: deque[tuple[int, int, int, int]] = deque(maxlen=64)
@@ -190,21 +202,38 @@ class BatchScheduler:
             raise ValueError("a sequence needs at least one prompt token")
         seq = _Seq(0, [int(t) for t in prompt_ids], params)
         with self._cond:
-            running = sum(not s.cancelled for s in self._running)  # the cancelled leave after this step
-            if running + len(self._waiting) >= self.max_batch + self.max_queue:
+            running = self._running_count()  # the cancelled leave after this step
+            waiting = sum(len(m._waiting) for m in self._members())
+            if running + waiting >= self.max_batch + self.max_queue:
                 raise QueueFullError(
-                    f"the server is busy: {running} sequences run and {len(self._waiting)} wait "
+                    f"the server is busy: {running} sequences run and {waiting} wait "
                     f"(at most {self.max_batch} + {self.max_queue}); retry later", self._retry_after_s())
             seq.ident = next(self._ids)
             if params.max_tokens == 0:
                 seq.out.put(_DONE)
                 return TokenStream(self, seq)
             self._waiting.append(seq)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="swarm-batch", daemon=True)
-                self._thread.start()
+            self._wake()
             self._cond.notify_all()
         return TokenStream(self, seq)
+
+    def load(self) -> int:
+        """Sequences running (not cancelled) and waiting here (a pool sends a new one to the least)."""
+        with self._cond:
+            return sum(not s.cancelled for s in self._running) + len(self._waiting)
+
+    def _members(self) -> list[BatchScheduler]:
+        """The schedulers whose sequences count against the limits: the pool's, or this one."""
+        return self._pool.schedulers if self._pool is not None else [self]
+
+    def _running_count(self) -> int:
+        return sum(not s.cancelled for m in self._members() for s in m._running)
+
+    def _wake(self) -> None:
+        """Start the step thread if none runs (under the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="swarm-batch", daemon=True)
+            self._thread.start()
 
     def cancel(self, seq: _Seq) -> None:
         """Take ``seq`` out: from the queue now, from the batch at the end of the step in flight."""
@@ -242,7 +271,7 @@ class BatchScheduler:
         """Seconds until a slot is likely free: the fewest steps a running sequence has left
         (its max_tokens; it may stop sooner), at the recent step time."""
         left = min((s.params.max_tokens - s.generated + math.ceil((len(s.prompt) - s.fed) / self.chunk)
-                    for s in self._running), default=1)
+                    for m in self._members() for s in m._running), default=1)
         return int(min(max(math.ceil(left * self.step_s), RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S))
 
     # ------------------------------------------------------------ the step thread
@@ -251,24 +280,36 @@ class BatchScheduler:
             with self._cond:
                 self.left.extend((s.ident, s.fed, len(s.prompt), s.generated) for s in self._running if s.cancelled)
                 self._running = [s for s in self._running if not s.cancelled]
-                while self._waiting and len(self._running) < self.max_batch and self._fits(self._waiting[0]):
+                while self._waiting and self._admissible(self._waiting[0]):
                     seq = self._waiting.popleft()
                     seq.cache = self.model.new_cache(capacity=16)
                     seq.sampler = Sampler(seq.params)
                     self._running.append(seq)
+                for other in self._members():  # a slot freed here may be the one another member's head waits for
+                    if other is not self and other._waiting and other._admissible(other._waiting[0]):
+                        other._wake()
                 if not self._running:
                     self._thread = None
                     return
                 step = self._plan_step()
             self._step(step)
 
+    def _admissible(self, seq: _Seq) -> bool:
+        """Whether ``seq`` (the head of this queue) starts now: a slot free (``max_batch`` over
+        every member), its positions fit, and no member holds an older waiting sequence."""
+        members = self._members()  # another member's finished sequences count until its next step ends
+        if sum(len(m._running) for m in members) >= self.max_batch or not self._fits(seq):
+            return False
+        return all(not m._waiting or m._waiting[0].ident >= seq.ident for m in members)
+
     def _fits(self, seq: _Seq) -> bool:
         """Whether ``seq``'s positions (prompt + max_tokens) fit ``max_positions`` beside the
-        running sequences' claims; a sequence alone always starts (its request was checked
-        against the context when it was encoded)."""
-        if self.max_positions is None or not self._running:
+        running sequences' claims (every member's); a sequence alone always starts (its request
+        was checked against the context when it was encoded)."""
+        running = [s for m in self._members() for s in m._running]
+        if self.max_positions is None or not running:
             return True
-        claimed = sum(len(s.prompt) + s.params.max_tokens for s in self._running)
+        claimed = sum(len(s.prompt) + s.params.max_tokens for s in running)
         return claimed + len(seq.prompt) + seq.params.max_tokens <= self.max_positions
 
     def _plan_step(self) -> list[tuple[_Seq, list[int]]]:
@@ -322,3 +363,76 @@ class BatchScheduler:
                 with self._cond:
                     seq.cancelled = True  # finished: its slot is free from the next step on
                 seq.out.put(_DONE)
+
+
+class SchedulerPool:
+    """Batch schedulers of ``model`` and ``ffn`` under one set of limits (module docstring):
+    ``max_batch`` sequences run and ``max_queue`` wait over all of them (None:
+    :func:`set_default_limits`'s), their prompts + ``max_tokens`` within ``max_positions``
+    together; ``chunk``, ``prefill_rows`` as :class:`BatchScheduler`'s. :meth:`submit` sends a
+    new sequence to the least loaded of the first :attr:`width` schedulers (1 at first; ties:
+    the first), where it stays. Raises ValueError for a bad limit."""
+
+    def __init__(self, model: Model, ffn: Callable[[], FFNBackend | None] = lambda: None, *, max_batch: int | None = None,
+                 max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS,
+                 max_positions: int | None = None) -> None:
+        self.cond = threading.Condition()  # every member's lock
+        self.ids = itertools.count(1)  # every member's sequence ids, in arrival order
+        self.max_batch = _limits["max_batch"] if max_batch is None else max_batch  # members made later: the same
+        self.max_queue = _limits["max_queue"] if max_queue is None else max_queue
+        self.max_positions = max_positions
+        self._make = lambda: BatchScheduler(model, ffn, max_batch=self.max_batch, max_queue=self.max_queue, chunk=chunk,
+                                            prefill_rows=prefill_rows, max_positions=max_positions, pool=self)
+        self.schedulers: list[BatchScheduler] = [self._make()]
+        self.width = 1
+
+    def set_width(self, n: int) -> None:
+        """New sequences go to the first ``n`` schedulers from now on (at least 1, at most
+        ``max_batch``: made when first needed); sequences running elsewhere stay where they are."""
+        with self.cond:
+            self.width = max(1, min(n, self.max_batch))
+            while len(self.schedulers) < self.width:
+                self.schedulers.append(self._make())
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> TokenStream:
+        """:meth:`BatchScheduler.submit` on the least loaded of the first ``width`` schedulers
+        (QueueFullError when the pool's limits are full)."""
+        with self.cond:
+            target = min(self.schedulers[:self.width], key=lambda m: m.load())
+            return target.submit(prompt_ids, params)
+
+    def fail_all(self, exc: BaseException) -> int:
+        """:meth:`BatchScheduler.fail_all` on every member; how many sequences were failed."""
+        with self.cond:
+            return sum(m.fail_all(exc) for m in self.schedulers)
+
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`BatchScheduler.snapshot` over every member (ids are unique in a pool)."""
+        with self.cond:
+            snaps = [m.snapshot() for m in self.schedulers]
+        return {"running": [i for s in snaps for i in s["running"]], "waiting": [i for s in snaps for i in s["waiting"]],
+                "prefilling": {k: v for s in snaps for k, v in s["prefilling"].items()},
+                "steps": sum(s["steps"] for s in snaps)}
+
+    def running(self) -> int:
+        """Sequences running now (not cancelled), every member's."""
+        with self.cond:
+            return self.schedulers[0]._running_count()
+
+    @property
+    def steps(self) -> int:
+        return sum(m.steps for m in self.schedulers)
+
+    @property
+    def step_s_total(self) -> float:
+        return sum(m.step_s_total for m in self.schedulers)
+
+    @property
+    def peak_batch(self) -> int:
+        return max(m.peak_batch for m in self.schedulers)
+
+    @property
+    def left(self) -> list[tuple[int, int, int, int]]:
+        """The last sequences that left, every member's (:attr:`BatchScheduler.left`)."""
+        with self.cond:
+            return [x for m in self.schedulers for x in m.left]

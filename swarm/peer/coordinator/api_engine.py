@@ -1,7 +1,8 @@
 """The engine behind the coordinator's API: the :class:`ChatBackend` protocol the server runs,
 and :class:`EngineBackend`, which encodes a request with the model's chat template, checks it
-against the context and hands it to the continuous-batching scheduler
-(:mod:`swarm.compute.serving`); :class:`Reply` is one admitted request's text pieces
+against the context and hands it to the continuous-batching schedulers
+(:mod:`swarm.compute.serving`: one, or one per stage when stages run on other peers);
+:class:`Reply` is one admitted request's text pieces
 (``str``, or :class:`Piece` with their tokens' logprobs when the request asks for them).
 """
 
@@ -16,11 +17,12 @@ from typing import Any, Protocol
 
 from swarm.compute.constrain import Grammar, JsonGrammar, tool_call_grammar
 from swarm.compute.sampling import Sampled
-from swarm.compute.serving import BatchScheduler, TokenStream
+from swarm.compute.serving import SchedulerPool, TokenStream
 from swarm.compute.textgen import (GenerationStats, ReplyPiece, context_limit, encode_prompt, sampled_pieces,
                                    token_bytes, with_stop_tokens)
 from swarm.peer.coordinator.api_request import ChatRequest
 from swarm.peer.coordinator.api_tools import check_tools_served, forced_call_schema, template_messages
+from swarm.peer.coordinator.stages import StagedFFN
 
 
 class ChatBackend(Protocol):
@@ -72,6 +74,14 @@ class EngineBackend:
     replaced at any time (read at each step). ``max_batch`` sequences run at once and
     ``max_queue`` wait (:class:`~swarm.compute.serving.BatchScheduler`; None: the process's
     defaults, ``join --max-batch/--max-queue``).
+
+    Stages on other peers: while ``ffn`` is a stage dispatch with more than one stage and a
+    worker among them, one batch scheduler per stage steps its own sequences through it (a
+    :class:`~swarm.compute.serving.SchedulerPool`), so one scheduler's step is at one stage while
+    another's is at the next; a new request goes to the least loaded and its sequence stays
+    there. ``max_batch``, ``max_queue`` and ``context`` hold for all of them together. Otherwise
+    (and with one stage) one scheduler, as on one machine. A sequence's tokens are its solo
+    run's either way (every row is batch-invariant).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, ffn: Any = None,
@@ -84,13 +94,20 @@ class EngineBackend:
         self.context = context
         self.max_tokens_limit = max_tokens_limit or context_limit(model.config, context) or 8192
         self.vocab_size = model.config.vocab_size  # logit_bias ids are checked against it
-        self.scheduler = BatchScheduler(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue,
-                                        max_positions=context)
+        self.scheduler = SchedulerPool(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue,
+                                       max_positions=context)
+        self.scheduler.set_width(schedulers_for(ffn))
         self.concurrency = self.scheduler.max_batch + self.scheduler.max_queue
 
     def set_ffn(self, ffn: Any) -> None:
-        """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest backend)."""
+        """Requests that start from now on compute their FFN with ``ffn`` (the coordinator's newest
+        backend), over as many schedulers as it has stages on other peers (:func:`schedulers_for`)."""
         self.ffn = ffn
+        self.scheduler.set_width(schedulers_for(ffn))
+
+    def running(self) -> int:
+        """Sequences running now, every scheduler's (the planner's load)."""
+        return self.scheduler.running()
 
     def fail_all(self, exc: BaseException) -> int:
         """End every admitted request now with ``exc`` (:meth:`BatchScheduler.fail_all`)."""
@@ -168,6 +185,14 @@ class EngineBackend:
 
         return TokenLogprob(*text(sampled.token), sampled.logprob,
                             tuple((*text(t), lp) for t, lp in sampled.top))
+
+
+def schedulers_for(ffn: Any) -> int:
+    """How many batch schedulers serve over ``ffn``: one per stage of a stage dispatch whose
+    stages include one on another peer (the stages then pipeline the schedulers' steps), else 1."""
+    if not isinstance(ffn, StagedFFN) or not ffn.layout.workers():
+        return 1
+    return len(ffn.layout.stages)
 
 
 class Reply:

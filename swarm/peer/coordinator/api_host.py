@@ -67,6 +67,10 @@ class ApiHost:
         if self._backend is not None:
             self._backend.set_ffn(ffn)
 
+    def running(self) -> int | None:
+        """Sequences the API runs now (None while it is not open)."""
+        return self._backend.running() if self._backend is not None else None
+
     async def open(self, term: int, ffn: FFNBackend | None) -> None:
         """Serve the API of ``term`` (advertised by mDNS) with ``ffn``; already open: use ``ffn``."""
         if self._closing is not None:  # the last term's, handed over: its port is the one we want

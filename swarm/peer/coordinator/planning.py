@@ -3,13 +3,20 @@ the cost model prices fastest), the cost model's inputs — the peers' hellos an
 showed (the dispatchers' :class:`~swarm.peer.coordinator.tracker.Observations`) — the
 coordinator's budget, and the placement (:func:`~swarm.peer.coordinator.planner.build_plan`).
 Pure: the role hands it the peers and the observations, and sends what it returns.
+
+The load: under ``auto`` the cost model prices a plan for the sequences served at once
+(:attr:`Planning.sequences`). :class:`LoadWatch`, fed the running sequences and the time, says
+when a new count changes the layout chosen — the most sequences over ``LOAD_WINDOW_S``, the
+changed choice held ``LOAD_HOLD_S``, at most one such re-plan per ``LOAD_REPLAN_GAP_S`` — so a
+load that comes and goes does not re-plan at every request.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection
+from collections import deque
+from collections.abc import Callable, Collection, Hashable
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError
@@ -25,6 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LAYOUTS = ("ranges", "stages", "mix", "auto")
+LOAD_WINDOW_S = 10.0  # the load planned for: the most sequences running at once over this window (seconds)
+LOAD_HOLD_S = 5.0  # a layout choice changed by the load must hold this long before it re-plans (seconds)
+LOAD_REPLAN_GAP_S = 30.0  # at least this long between two re-plans for the load (seconds)
 
 
 def check_layout(layout: str) -> str:
@@ -32,9 +42,6 @@ def check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
         raise LocalProtocolError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
     return layout
-
-
-LAYOUTS = ("ranges", "stages", "mix", "auto")
 
 
 def choose_stages(mode: str, costs, coord, workers, range_only=(), sequences: int = 1
@@ -104,6 +111,8 @@ class Planning:
         # sequences served at once, as the serving side last reported (1: price for one user);
         # under "auto", several may split a model the coordinator holds into pipelined stages
         self.sequences = 1
+        self._priced: tuple | None = None  # the last plan's cost-model inputs (choice_for)
+        self._choices: dict[int, Hashable] = {}  # sequences → choice_for's answer under those inputs
 
     def set_layout(self, layout: str) -> None:
         """Use ``layout`` from the next plan on; LocalProtocolError for another name."""
@@ -168,6 +177,7 @@ class Planning:
             overhead = o.overhead_s if o is not None and o.overhead_s is not None else MESSAGE_OVERHEAD_S
             (costs if w in holding else range_only).append(PeerCost(
                 w.peer_id, w.memory_bytes, gflops_w, w.rtt_s, observed=seen, overhead_s=overhead))
+        self._priced, self._choices = (self.layout, me, tuple(costs), tuple(range_only)), {}
         chosen, self.cost_report = choose_stages(self.layout, self._layer_costs(), me, costs, range_only,
                                                  self.sequences)
         if chosen is None:
@@ -179,6 +189,18 @@ class Planning:
         self.cut_layers = range(first.start, first.stop)
         held = {s.peer: sum(self._layer_costs().stage_bytes(i) for i in range(s.start, s.stop)) for s in chosen[1:]}
         return [dataclasses.replace(w, memory_bytes=max(w.memory_bytes - held.get(w.peer_id, 0), 0)) for w in holding]
+
+    def choice_for(self, sequences: int) -> Hashable:
+        """What the last plan's layout choice would be with ``sequences`` running (the layout and
+        its stages), from that plan's inputs; the same for every count under a layout other than
+        ``auto`` or before the first plan (the load changes nothing there)."""
+        if self._priced is None or self._priced[0] != "auto":
+            return None
+        if sequences not in self._choices:
+            _, me, costs, range_only = self._priced
+            chosen, report = choose_stages("auto", self._layer_costs(), me, list(costs), list(range_only), sequences)
+            self._choices[sequences] = (report.get("choice"), chosen)
+        return self._choices[sequences]
 
     def _layer_costs(self) -> LayerCosts:
         if self.costs is None:
@@ -238,3 +260,34 @@ def observed(plan: Plan, shape: ModelShape, seen: Observations) -> dict[str, Any
                        "requests": o.requests if o is not None else 0,
                        "failed": peer in seen.failed}
     return {"peers": peers}
+
+
+class LoadWatch:
+    """When the load served changes the plan (module docstring). Pure: :meth:`observe` is fed
+    the time and the sequences running; ``planned``: the count the newest plan was priced for."""
+
+    def __init__(self) -> None:
+        self.planned = 1
+        self._seen: deque[tuple[float, int]] = deque()  # (now s, sequences running)
+        self._changed_since: float | None = None  # when the choice first differed from the plan's
+        self._replanned_at: float | None = None
+
+    def observe(self, now: float, running: int, choice: Callable[[int], Hashable]) -> int | None:
+        """Record ``running`` sequences at ``now`` (monotonic s); the count to plan for when the
+        load changes the layout ``choice`` (a count → the choice it gives) and has held
+        ``LOAD_HOLD_S``, ``LOAD_REPLAN_GAP_S`` after the last such re-plan; None otherwise."""
+        self._seen.append((now, running))
+        while self._seen and self._seen[0][0] < now - LOAD_WINDOW_S:
+            self._seen.popleft()
+        load = max(1, max(n for _, n in self._seen))
+        if load == self.planned or choice(load) == choice(self.planned):
+            self._changed_since = None
+            return None
+        if self._changed_since is None:
+            self._changed_since = now
+        if now - self._changed_since < LOAD_HOLD_S:
+            return None
+        if self._replanned_at is not None and now - self._replanned_at < LOAD_REPLAN_GAP_S:
+            return None
+        self.planned, self._changed_since, self._replanned_at = load, None, now
+        return load

@@ -7,7 +7,10 @@ A peer that fails or whose link goes down gets no more work: the plan is rebuilt
 dispatch switches to it at the next step. A failed peer that is reachable again gets work back
 after ``READMIT_S`` (checked every ``PLAN_CHECK_S``: a stalled peer's link never goes down, so no
 event says it is back); peers that join get work from the next plan. A worker that refuses a
-request as not serving its plan (``stale_term``) keeps its place and is sent the plan again.
+request as not serving its plan (``stale_term``) keeps its place and is sent the plan again. At
+the same check the sequences the API runs are fed to the planner
+(:class:`~swarm.peer.coordinator.planning.LoadWatch`): under ``auto`` it re-plans when the load
+changes the layout the cost model chooses.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from swarm.peer.coordinator.announce import PlanAnnouncer
 from swarm.peer.coordinator.api_host import ApiHost
 from swarm.peer.coordinator.handoff import LoopDispatcher
 from swarm.peer.coordinator.planner import PeerCapacity
-from swarm.peer.coordinator.planning import Planning, check_layout
+from swarm.peer.coordinator.planning import LoadWatch, Planning, check_layout
 from swarm.peer.plan import Plan
 from swarm.peer.tasks import OwnedTasks
 from swarm.peer.weights.sizes import model_shape
@@ -62,6 +65,7 @@ class CoordinatorRole(LoopDispatcher):
         self._planned: set[str] = set()  # the workers of the newest plan
         self._announcer = PlanAnnouncer(node, model, self.shape) if model is not None else None
         self._coordinating: asyncio.Task | None = None
+        self._load = LoadWatch()  # the sequences served, fed to the planner
         self._tasks = OwnedTasks("coordinator")
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -172,6 +176,18 @@ class CoordinatorRole(LoopDispatcher):
             await asyncio.sleep(PLAN_CHECK_S)
             if self.ffn is not None and not self.replan_pending and {w.peer_id for w in self._workers()} != self._planned:
                 self._schedule_replan()
+            self._watch_load()
+
+    def _watch_load(self) -> None:
+        """Feed the sequences the API runs to the planner; re-plan when they change its choice."""
+        running = self._api.running()
+        if running is None or self.planning is None or self.ffn is None:
+            return
+        sequences = self._load.observe(time.monotonic(), running, self.planning.choice_for)
+        if sequences is not None:
+            log.info("%d sequences served at once: re-planning for them", sequences)
+            self.planning.sequences = sequences
+            self._schedule_replan()
 
     def _schedule_replan(self) -> None:
         if not self.replan_pending:

@@ -1,0 +1,83 @@
+"""Several batch schedulers under one set of limits (``SchedulerPool``): a new sequence goes to
+the least loaded member and stays there; ``max_batch`` and ``max_queue`` hold over all members
+together; sequences are admitted in arrival order across them; each sequence's tokens are its
+solo run's; with width 1 the pool is one scheduler."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from swarm.compute.model import load_model
+from swarm.compute.sampling import SamplingParams
+from swarm.compute.serving import BatchScheduler, QueueFullError, SchedulerPool
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return load_model(tiny("qwen2_moe")[1])
+
+
+def alone(model, prompt, params):
+    return list(BatchScheduler(model, max_batch=1, chunk=4, prefill_rows=4).submit(prompt, params))
+
+
+def wait_for(what, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := what()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+    return got
+
+
+def test_the_limits_hold_over_every_member_and_each_sequence_keeps_its_solo_tokens(model):
+    pool = SchedulerPool(model, max_batch=2, max_queue=1, chunk=4, prefill_rows=4)
+    pool.set_width(2)
+    jobs = [([1] * 160, SamplingParams(max_tokens=3)), ([2] * 160, SamplingParams(max_tokens=3)),
+            ([3, 4], SamplingParams(max_tokens=2))]
+    streams = [pool.submit(p, q) for p, q in jobs]
+    with pytest.raises(QueueFullError):  # 2 running + 1 waiting over both members: full
+        pool.submit([5], SamplingParams(max_tokens=1))
+    wait_for(lambda: len(pool.snapshot()["running"]) == 2)
+    # the first two on a member each (the least loaded), the third waits though each member has
+    # room for more of its own: max_batch is the pool's
+    assert [m.snapshot()["running"] for m in pool.schedulers] == [[streams[0].ident], [streams[1].ident]]
+    assert pool.snapshot()["waiting"] == [streams[2].ident]
+    got = [list(s) for s in streams]
+    assert got == [alone(model, p, q) for p, q in jobs]
+    assert all(m.steps > 0 for m in pool.schedulers) and pool.peak_batch <= 2
+    assert pool.snapshot()["running"] == [] and len(pool.left) == 3
+
+
+def test_width_one_is_one_scheduler_and_a_wider_pool_spreads_new_sequences(model):
+    pool = SchedulerPool(model, max_batch=4, chunk=4, prefill_rows=4)
+    params = SamplingParams(max_tokens=2)
+    streams = [pool.submit([7, 8, 9], params) for _ in range(3)]
+    assert [list(s) for s in streams] == [alone(model, [7, 8, 9], params)] * 3
+    assert len(pool.schedulers) == 1 and pool.schedulers[0].steps > 0
+    pool.set_width(3)
+    streams = [pool.submit([1] * 40, params) for _ in range(3)]  # each to the least loaded: one apiece
+    assert sorted(len(m.snapshot()["running"]) + len(m.snapshot()["waiting"]) for m in pool.schedulers) == [1, 1, 1]
+    assert [list(s) for s in streams] == [alone(model, [1] * 40, params)] * 3
+    pool.set_width(1)  # the others take nothing new
+    before = [m.steps for m in pool.schedulers]
+    assert list(pool.submit([7, 8, 9], params)) == alone(model, [7, 8, 9], params)
+    assert [m.steps for m in pool.schedulers][1:] == before[1:]
+
+
+def test_a_member_with_the_oldest_waiting_sequence_is_woken_when_another_frees_a_slot(model):
+    """Member 0 runs a long prompt, member 1 a short one; two more wait, one on each (member 0's
+    older). When the short one ends, member 0's waiting sequence takes the slot first (arrival
+    order across members) and member 1's thread ends with its own still waiting; when that one
+    ends too, member 0 wakes member 1, whose sequence then runs beside the long prompt."""
+    pool = SchedulerPool(model, max_batch=2, max_queue=4, chunk=4, prefill_rows=4)
+    pool.set_width(2)
+    params = SamplingParams(max_tokens=2)
+    long = pool.submit([1] * 400, params)  # member 0: 100 prefill steps
+    short = pool.submit([2, 3], params)  # member 1
+    queued = [pool.submit([4, 5], params), pool.submit([6, 7], params)]  # member 0, then member 1
+    wait_for(lambda: {queued[0].ident, queued[1].ident} <= {x[0] for x in pool.left})  # both ran and left
+    assert [list(s) for s in (short, *queued)] == [alone(model, p, params) for p in ([2, 3], [4, 5], [6, 7])]
+    assert list(long) == alone(model, [1] * 400, params)
+    assert pool.snapshot() == {"running": [], "waiting": [], "prefilling": {}, "steps": pool.steps}
