@@ -115,8 +115,10 @@ class SignalingUnavailableError(SwarmError):
 class VerificationError(SwarmError):
     """``--verify``: a peer's answer differed from the coordinator's own recomputation of it.
 
-    The message names the peer and the layer; generation stops rather than emit tokens that
-    depend on numbers nobody can vouch for.
+    The message names the peer and the layer. For an FFN range answer generation stops rather
+    than emit tokens that depend on numbers nobody can vouch for; a stage answer is discarded
+    instead, its layers run on the coordinator and the peer is never trusted again
+    (swarm/peer/coordinator/stage_verify.py).
     """
 
 

@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "valid across restarts (default: a free port, chosen anew at each start)")
     p.add_argument("--name", metavar="NAME", help="a name for this peer, shown in status")
     p.add_argument("--verify", type=_percent, default=0.0, metavar="PERCENT",
-                   help="recompute this share of remote answers locally; stop on a mismatch")
+                   help="recompute this share of remote answers locally: a wrong FFN range answer stops "
+                   "generation, a wrong stage answer is recomputed and its peer dropped (docs/security.md)")
     p.add_argument("--layout", choices=("ranges", "stages", "mix", "auto"), default="auto",
                    help="as coordinator: let the cost model choose from measured speed, memory and round trips "
                    "(auto, the default), cut every layer's experts/MLP over the peers (ranges), give peers "

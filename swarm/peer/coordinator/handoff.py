@@ -12,11 +12,13 @@ coordinator role is one (it says what a failed or not-ready peer means).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import SwarmError
 from swarm.peer.coordinator.dispatch import RemoteFFN
 from swarm.peer.coordinator.planning import observed
+from swarm.peer.coordinator.stage_verify import VERIFY_FAILED
 from swarm.peer.coordinator.stages import StagedFFN
 from swarm.peer.coordinator.tracker import Observations
 from swarm.peer.net.messages import (DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageAnswer, StagePlan,
@@ -49,9 +51,17 @@ class LoopDispatcher:
     _loop: asyncio.AbstractEventLoop | None
 
     def observed(self) -> dict[str, Any]:
-        """What this coordinator measured, per peer of its plan (status); empty elsewhere."""
-        ffn = self.ffn
-        return {} if ffn is None or self.shape is None else observed(ffn.plan, self.shape, ffn.tracker.observations())
+        """What this coordinator measured, per peer of its plan (status); empty elsewhere. Under
+        stages with ``--verify``, what checking their answers cost and whom it caught
+        (``stage_verify``)."""
+        ffn, st = self.ffn, self.stages
+        if ffn is None or self.shape is None:
+            return {}
+        out = observed(ffn.plan, self.shape, ffn.tracker.observations())
+        if st is not None and st.verifier.share > 0:
+            seen = st.tracker.observations()
+            out["stage_verify"] = {**dataclasses.asdict(seen.verify), "distrusted": dict(seen.distrusted)}
+        return out
 
     def _observations(self) -> tuple[Plan | None, Observations | None, Observations | None]:
         """The plan RemoteFFN runs, what its answers showed, what the stage answers showed (None: none)."""
@@ -97,9 +107,10 @@ class LoopDispatcher:
             self.stages = None
             return
         if self.stages is None:
-            self.stages = StagedFFN(self.model, layout, self, inner=self.ffn)
+            self.stages = StagedFFN(self.model, layout, self, inner=self.ffn, verify=self.verify)
         else:
             self.stages.set_layout(layout, inner=self.ffn)
+        self.stages.set_approximate(self._approximate())
         self._copy_rtts(self.stages)
 
     def _copy_rtts(self, backend: RemoteFFN | StagedFFN) -> None:
@@ -143,8 +154,15 @@ class LoopDispatcher:
             backend.peer_down(peer, reason)
 
     def peer_failed(self, peer: str, reason: str) -> None:
-        """Re-plan without ``peer`` (on the event loop)."""
+        """Re-plan without ``peer`` (on the event loop); a stage answer ``--verify`` found wrong is
+        an event of its own in status, with the VerificationError's text."""
+        if reason.startswith(VERIFY_FAILED):
+            self._loop.call_soon_threadsafe(self._record_verify_failure, peer, reason)
         self._loop.call_soon_threadsafe(self.mark_down, peer)
+
+    def _record_verify_failure(self, peer: str, reason: str) -> None:
+        link = self.node.links.get(peer)
+        self.node.record(VERIFY_FAILED, peer, link.hello.name if link is not None and link.hello else "", reason)
 
     def last_heard(self, peer: str) -> float | None:
         """A link's liveness (monotonic s of its last inbound byte); None without a link."""

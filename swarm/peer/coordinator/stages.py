@@ -53,6 +53,15 @@ probed every ``NOT_READY_RETRY_S`` and sent that sequence's stage plan again (th
 over, boundaries never move), so its recorded rows always match its stages; a new layout
 applies to the next sequence.
 
+Trust. With ``verify`` > 0 (``join --verify PERCENT``) that share of the rows of each stage
+answer is re-run here through the stage's layers and compared — bit for bit for a peer of our
+numeric build, within a bound for the others — against a lazily rebuilt shadow KV cache per
+sequence and stage (:mod:`~swarm.peer.coordinator.stage_verify` says why and what it costs).
+A mismatch discards the answer: the stage runs here for that step (as on a failover), the peer
+is marked down by the tracker's rule and never trusted again (``RequestTracker.distrust``),
+and the owner is told with the VerificationError's text, so the generation goes on with the
+local run's tokens.
+
 Threading is RemoteFFN's: ``run_layers`` runs in the token-loop thread, the dispatcher's ``send``
 is a thread-safe non-blocking hand-off (a pipelined step's lanes call it from threads of their
 own), and answers arrive through :meth:`StagedFFN.deliver` / :meth:`StagedFFN.peer_down` from
@@ -67,6 +76,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import logging
+import random
 import threading
 import time
 import weakref
@@ -77,8 +87,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from swarm.compute.ffn import FFNBackend, LocalFFN
-from swarm.errors import LocalProtocolError, RemoteProtocolError
+from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.coordinator.dispatch import Dispatcher
+from swarm.peer.coordinator.stage_verify import VERIFY_FAILED, Answered, Shadow, StageVerifier
 from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.net.messages import Error, StageAnswer, StageRequest, StageSegment
 from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout
@@ -102,6 +113,7 @@ class _Sequence:
     held: dict[int, int] = field(default_factory=dict)  # stage's first layer → positions L in its buffer
     local: dict[tuple[int, int], int] = field(default_factory=dict)  # (lo, hi) → positions in our cache
     remote: dict[tuple[str, int, int], int] = field(default_factory=dict)  # (peer, lo, hi) → positions it holds
+    shadows: dict[tuple[int, int], Shadow] = field(default_factory=dict)  # (lo, hi) → --verify's KV cache
 
     def record(self, layer: int, start: int, x: np.ndarray) -> np.ndarray:
         """Keep ``x`` as positions ``start ..`` of the rows entering ``layer``; returns all [start+T, H]
@@ -140,10 +152,12 @@ class StagedFFN:
 
     ``model``: the whole model (mapped); ``layout``: the stages; ``dispatcher``: the links
     (:class:`~swarm.peer.coordinator.dispatch.Dispatcher`; told once per failed stage peer);
-    ``inner``: the FFN backend of the coordinator's own layers (default: the model's local one).
+    ``inner``: the FFN backend of the coordinator's own layers (default: the model's local one);
+    ``verify``: share (0..1) of the rows of stage answers re-run here and compared ("Trust").
     """
 
     def __init__(self, model: Model, layout: StageLayout, dispatcher: Dispatcher, inner: FFNBackend | None = None, *,
+                 verify: float = 0.0, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if layout.n_layers != model.config.n_layers:
             raise LocalProtocolError(f"stage layout covers {layout.n_layers} layers, the model has "
@@ -173,6 +187,7 @@ class StagedFFN:
         self.pipeline_groups: int | None = None
         self.pipelined_steps = 0  # steps whose sequences crossed the stages in groups, pipelined
         self._compute = threading.Lock()  # layers run here one group at a time
+        self.verifier = StageVerifier(model, verify, rng)  # --verify (stage_verify.py)
 
     # ----------------------------------------------------------- event-loop side
     def deliver(self, peer: str, msg: StageAnswer | Error) -> None:
@@ -199,6 +214,14 @@ class StagedFFN:
         # A failed peer stays failed for the sequences still under older layouts until a layout
         # has it again (the owner keeps a peer marked down out of its plans for a while).
         self.tracker.readmit(layout.workers())
+        for peer in layout.workers():  # a peer caught lying stays out: the owner is told again
+            why = self.tracker.distrusted.get(peer)
+            if why is not None:
+                self.dispatcher.peer_failed(peer, f"{VERIFY_FAILED}: {why}")
+
+    def set_approximate(self, peers: set[str]) -> None:
+        """``peers`` (of another numeric build) are verified within a bound, not bit for bit."""
+        self.verifier.approximate = set(peers)
 
     # ------------------------------------------------------------ token-loop side
     def ffn(self, layer: int, x: np.ndarray, segments: Sequence[int] | None = None) -> np.ndarray:
@@ -357,7 +380,31 @@ class StagedFFN:
             p.seq.remote[key] = p.history.shape[0]
             at += p.history.shape[0] - first
             outs.append(np.ascontiguousarray(msg.x[at - p.x.shape[0]:at]))
+        if self.verifier.share > 0 and not self._verified(group, stage, outs):
+            return None  # a wrong answer: discarded, the stage runs here
         return outs
+
+    def _verified(self, group: list[_Part], stage: Stage, outs: list[np.ndarray]) -> bool:
+        """``--verify``: check a sampled share of the rows of ``stage.peer``'s answer ``outs``
+        (each sequence's [T_i, H]) against the stage's layers run here (stage_verify.py); on a
+        mismatch the peer is distrusted and False returned."""
+        key = (stage.start, stage.stop)
+        parts = []
+        for p, y in zip(group, outs):
+            shadow = p.seq.shadows.get(key)
+            if shadow is None:
+                shadow = p.seq.shadows[key] = self.verifier.shadow()
+            parts.append(Answered(p.seq.id, shadow, p.history, p.start, y))
+        try:
+            with self._compute:  # layers run here one group at a time
+                checked = self.verifier.check(stage.peer, stage.start, stage.stop, parts)
+        except VerificationError as exc:
+            self.tracker.verified(sum(y.shape[0] for y in outs))
+            self._distrust(stage.peer, exc)
+            return False
+        self.tracker.verified(sum(y.shape[0] for y in outs), checked.rows_checked, checked.rows_computed,
+                              checked.seconds)
+        return True
 
     def _call(self, stage: Stage, lay: StageLayout, group: list[_Part], firsts: list[int]
               ) -> StageAnswer | Error | None:
@@ -441,6 +488,17 @@ class StagedFFN:
             self.dispatcher.send(peer, layout.to_message())
         except ConnectionError:
             pass  # its link is gone: the owner re-plans
+
+    def _distrust(self, peer: str, exc: VerificationError) -> None:
+        """``peer``'s answer was wrong: it is marked down and never trusted again
+        (``RequestTracker.distrust``); the owner is told why."""
+        with self._lock:
+            self.warm.pop(peer, None)
+        if not self.tracker.distrust(peer, str(exc)):
+            return
+        reason = f"{VERIFY_FAILED}: {exc}"
+        log.warning("stage peer %s marked down: %s", peer, reason)
+        self.dispatcher.peer_failed(peer, reason)
 
     def _fail(self, peer: str, reason: str) -> None:
         with self._lock:

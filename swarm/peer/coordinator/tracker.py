@@ -48,6 +48,9 @@ The rule
 * **Failed.** A closed link, a malformed answer, a refusal or a miss that fails it
   (:meth:`RequestTracker.fail`): the peer gets no more work until a new plan has it again
   (:meth:`RequestTracker.readmit`).
+* **Distrusted.** A stage answer that ``--verify`` found wrong (:meth:`RequestTracker.distrust`):
+  the peer fails as above and no new plan readmits it — a peer that lied once is not asked again.
+  The cost of checking is counted (:meth:`RequestTracker.verified`, :class:`VerifyCost`).
 """
 
 from __future__ import annotations
@@ -219,13 +222,31 @@ class PeerObservation:
 
 
 @dataclass(frozen=True)
+class VerifyCost:
+    """What ``--verify`` cost on stage answers: ``answers`` checked (a row of them sampled),
+    ``rows_checked`` against the peer's, ``rows_computed`` here to check them (the shadow caches'
+    catch-up included; :mod:`~swarm.peer.coordinator.stage_verify`), ``seconds`` of that compute,
+    and ``rows_answered``: every row the stage peers answered, the base of the share."""
+
+    answers: int = 0
+    rows_checked: int = 0
+    rows_computed: int = 0
+    seconds: float = 0.0
+    rows_answered: int = 0
+
+
+@dataclass(frozen=True)
 class Observations:
     """A snapshot of a :class:`RequestTracker`: per peer what its answers showed, the peers
-    failed, and ``local_s_per_row_layer``: the coordinator's own layers' speed (stages only)."""
+    failed, ``local_s_per_row_layer``: the coordinator's own layers' speed (stages only), what
+    checking answers cost (``verify``) and the peers no longer trusted, each with why
+    (``distrusted``: the VerificationError's text)."""
 
     peers: Mapping[str, PeerObservation]
     failed: frozenset[str] = frozenset()
     local_s_per_row_layer: float | None = None
+    verify: VerifyCost = VerifyCost()
+    distrusted: Mapping[str, str] = field(default_factory=dict)
 
     def of(self, peer: str) -> PeerObservation | None:
         return self.peers.get(peer)
@@ -244,6 +265,8 @@ class RequestTracker:
         self.message_overhead: dict[str, float] = {}  # peer → a short step's wait beyond RTT and compute (EWMA, s)
         self.local_timing = LayerTiming()  # the coordinator's own layers under stages
         self.withheld = 0  # requests not sent to a suspect peer (its rows computed by the coordinator)
+        self.distrusted: dict[str, str] = {}  # peer → why its answers are no longer trusted (never readmitted)
+        self.verify_cost = VerifyCost()
         self._pending: dict[int, Pending] = {}
         self._late: dict[int, Sent] = {}
         self._lock = threading.RLock()
@@ -445,13 +468,32 @@ class RequestTracker:
             self.failed.add(peer)
             return True
 
+    def distrust(self, peer: str, why: str) -> bool:
+        """``peer`` answered wrong (``why``: the VerificationError's text): it fails, and stays
+        failed whatever plan comes. Returns whether it was not failed already (:meth:`fail`)."""
+        with self._lock:
+            self.distrusted.setdefault(peer, why)
+            return self.fail(peer)
+
+    def verified(self, rows_answered: int, rows_checked: int = 0, rows_computed: int = 0,
+                 seconds: float = 0.0) -> None:
+        """Count an answer of ``rows_answered`` rows, of which ``rows_checked`` were checked by
+        computing ``rows_computed`` here in ``seconds`` (:class:`VerifyCost`)."""
+        with self._lock:
+            v = self.verify_cost
+            self.verify_cost = VerifyCost(v.answers + (rows_checked > 0), v.rows_checked + rows_checked,
+                                          v.rows_computed + rows_computed, v.seconds + seconds,
+                                          v.rows_answered + rows_answered)
+
     def readmit(self, peers: Iterable[str] | None = None) -> None:
-        """A new plan: ``peers`` (None: every peer) may get work again, and every miss count starts afresh."""
+        """A new plan: ``peers`` (None: every peer) may get work again — but those distrusted —
+        and every miss count starts afresh."""
         with self._lock:
             if peers is None:
                 self.failed.clear()
             else:
                 self.failed.difference_update(peers)
+            self.failed.update(self.distrusted)
             for t in self.timing.values():
                 t.misses = 0
 
@@ -462,7 +504,8 @@ class RequestTracker:
                                         self.layer_timing[p].s_per_row_layer if p in self.layer_timing else None,
                                         self.message_overhead.get(p))
                      for p, t in self.timing.items()}
-            return Observations(peers, frozenset(self.failed), self.local_timing.s_per_row_layer)
+            return Observations(peers, frozenset(self.failed), self.local_timing.s_per_row_layer,
+                                self.verify_cost, dict(self.distrusted))
 
 
 def _rid(p: Pending) -> int:
