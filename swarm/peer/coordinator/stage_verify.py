@@ -40,9 +40,10 @@ gives each row the bits the peer's own steps gave it. A peer of our numeric buil
 bit for bit; one of another build within ``STAGE_RTOL`` × the stage's layers × the row's
 largest magnitude (+ ``APPROX_ATOL``): float32 reassociation compounding over the layers.
 
-A mismatch raises :class:`~swarm.errors.VerificationError` naming the peer, the layers, the
-sequence and the position; :class:`~swarm.peer.coordinator.stages.StagedFFN` then discards the
-answer, runs the stage here and stops trusting the peer.
+A mismatch gives a :class:`~swarm.errors.VerificationError` naming the peer, the layers, the
+sequence and the position (returned, with what the check cost, not raised);
+:class:`~swarm.peer.coordinator.stages.StagedFFN` then discards the answer, runs the stage here
+and stops trusting the peer.
 """
 
 from __future__ import annotations
@@ -125,13 +126,14 @@ class StageVerifier:
                 return i + 1
         return 0
 
-    def check(self, peer: str, lo: int, hi: int, parts: Sequence[Answered]) -> Checked:
+    def check(self, peer: str, lo: int, hi: int, parts: Sequence[Answered]) -> tuple[Checked, VerificationError | None]:
         """Check ``peer``'s answer for layers ``lo .. hi-1`` (``parts``: each sequence's rows of
-        it): sample rows, catch the shadows up, compare. Raises VerificationError on a mismatch
-        (the shadows stay consistent: they hold what the recorded rows give)."""
+        it): sample rows, catch the shadows up, compare. Returns what it cost and, on a mismatch,
+        the VerificationError naming it (the shadows stay consistent either way: they hold what
+        the recorded rows give)."""
         todo = [(a, n) for a in parts if (n := self.sampled(a.answer.shape[0]))]
         if not todo:
-            return Checked(0, 0, 0.0)
+            return Checked(0, 0, 0.0), None
         t0 = self._clock()
         runs: list[tuple[KVCache, int, int]] = []
         for a, n in todo:
@@ -146,22 +148,25 @@ class StageVerifier:
             a.shadow.held = a.shadow.cache.length = a.start + n
         checked = Checked(sum(n for _, n in todo), out.shape[0], self._clock() - t0)
         for (a, n), y, first in zip(todo, outs, firsts):
-            self._compare(peer, lo, hi, a, a.answer[:n], y[first:])
-        return checked
+            wrong = self._compare(peer, lo, hi, a, a.answer[:n], y[first:])
+            if wrong is not None:
+                return checked, wrong
+        return checked, None
 
-    def _compare(self, peer: str, lo: int, hi: int, a: Answered, remote: np.ndarray, local: np.ndarray) -> None:
-        """VerificationError unless ``remote`` [n, H] equals ``local`` (bit for bit; within the
-        bound for a peer of another build)."""
+    def _compare(self, peer: str, lo: int, hi: int, a: Answered, remote: np.ndarray,
+                 local: np.ndarray) -> VerificationError | None:
+        """None if ``remote`` [n, H] equals ``local`` (bit for bit; within the bound for a peer of
+        another build), else the VerificationError naming the first row that differs."""
         if peer in self.approximate:
             scale = np.abs(local).max(axis=1, keepdims=True)
             bad = (np.abs(remote - local) > STAGE_RTOL * (hi - lo) * scale + APPROX_ATOL).any(axis=1)
         else:
             bad = (remote != local).any(axis=1)
         if not bad.any():
-            return
+            return None
         r = int(np.argmax(bad))
         diff = float(np.max(np.abs(remote[r] - local[r])))
-        raise VerificationError(
+        return VerificationError(
             f"peer {peer} answered layers {lo}:{hi} (layer {lo} to {hi - 1}) of sequence {a.sequence} at "
             f"position {a.start + r} with numbers that differ from the coordinator's recomputation "
             f"(max |diff| {diff:.3g}); its answers are no longer trusted and its layers run on the coordinator")

@@ -395,15 +395,13 @@ class StagedFFN:
             if shadow is None:
                 shadow = p.seq.shadows[key] = self.verifier.shadow()
             parts.append(Answered(p.seq.id, shadow, p.history, p.start, y))
-        try:
-            with self._compute:  # layers run here one group at a time
-                checked = self.verifier.check(stage.peer, stage.start, stage.stop, parts)
-        except VerificationError as exc:
-            self.tracker.verified(sum(y.shape[0] for y in outs))
-            self._distrust(stage.peer, exc)
-            return False
+        with self._compute:  # layers run here one group at a time
+            checked, wrong = self.verifier.check(stage.peer, stage.start, stage.stop, parts)
         self.tracker.verified(sum(y.shape[0] for y in outs), checked.rows_checked, checked.rows_computed,
                               checked.seconds)
+        if wrong is not None:
+            self._distrust(stage.peer, wrong)
+            return False
         return True
 
     def _call(self, stage: Stage, lay: StageLayout, group: list[_Part], firsts: list[int]

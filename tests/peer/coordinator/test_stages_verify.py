@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from swarm.compute.model import load_model
 from swarm.peer.coordinator.handoff import LoopDispatcher
 from swarm.peer.coordinator.stage_verify import VERIFY_FAILED
 from swarm.peer.coordinator.stages import StagedFFN
-from swarm.peer.coordinator.tracker import VerifyCost
+from swarm.peer.coordinator.tracker import RequestTracker, VerifyCost
 from swarm.peer.net import messages as m
 from swarm.peer.plan import Stage, StageLayout
 from swarm.peer.worker.stages import StageRunner
@@ -222,6 +223,18 @@ def test_without_verify_no_row_is_checked_and_no_shadow_kept(moe_dir):
     model.forward(PROMPT, cache, ffn=ffn)
     hand.join()
     assert not ffn.failed and not hand.failed and ffn.tracker.observations().verify == VerifyCost()
+
+
+def test_status_shows_what_checking_cost_and_whom_it_caught(moe_dir):
+    model, ffn, hand, _ = verified(moe_dir, TWO, 1.0, liars={W1: "ulp"})
+    greedy(model, ffn, PROMPT, 2)
+    hand.join()
+    owner = LoopDispatcher()
+    owner.ffn = SimpleNamespace(plan=SimpleNamespace(peers=()), tracker=RequestTracker())  # no FFN ranges
+    owner.shape, owner.stages = object(), ffn
+    seen = owner.observed()["stage_verify"]
+    assert seen["rows_checked"] == seen["rows_computed"] == len(PROMPT) and seen["seconds"] > 0
+    assert list(seen["distrusted"]) == [W1] and "layers 1:3" in seen["distrusted"][W1]
 
 
 def test_a_verification_failure_is_an_event_of_its_own_in_status():
