@@ -73,6 +73,13 @@ class OwnedTasks:
         await self.cancel_all()
 
 
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel ``task`` (None: nothing to do) and wait until it has ended, whatever it raised."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def send_logged(link: Link, msg: object) -> None:
     """Send ``msg`` on ``link``; a failure (link closing, message refused) is logged only."""
     try:

@@ -71,6 +71,7 @@ from swarm.peer.coordinator.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMet
 from swarm.peer.coordinator.api_tools import ToolsNotServed, parse_tool_calls
 from swarm.peer.coordinator.api_request import (MAX_BODY_BYTES, ApiError, ChatRequest, StopMatcher, not_served,
                                                 parse_chat_request, parse_completion_request)
+from swarm.peer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -221,11 +222,8 @@ class ApiServer:
             self._hand_back(CoordinatorChangedError(
                 "this peer stopped serving the swarm's API (it stepped down, or it is stopping); "
                 "send the request again to the current coordinator"))
-        if self._following is not None:
-            self._following.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._following
-            self._following = None
+        following, self._following = self._following, None
+        await cancel_and_wait(following)
         await self._stop_advertising()
         if self._http is not None:
             await self._http.close()
@@ -243,11 +241,8 @@ class ApiServer:
                 log.info("API handed %d request(s) in flight back to their clients", failed)
 
     async def _stop_advertising(self) -> None:
-        if self._advertising is not None:
-            self._advertising.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._advertising
-            self._advertising = None
+        advertising, self._advertising = self._advertising, None
+        await cancel_and_wait(advertising)
 
     async def _follow(self) -> None:
         """Browse mDNS for the API of another coordinator of this swarm (the newest term):

@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.peer.tasks import cancel_and_wait
+
 if TYPE_CHECKING:
     from swarm.compute.ffn import FFNBackend
     from swarm.compute.model import Model
@@ -133,8 +135,7 @@ class ApiHost:
         """End a step-down in progress (:meth:`close_soon`) now: the API closed, its port free."""
         if self._closing is not None:
             closing, self._closing = self._closing, None
-            closing.cancel()
-            await asyncio.wait([closing])
+            await cancel_and_wait(closing)
             await self.close()  # had the cancel come before the task began
 
     async def close(self) -> None:

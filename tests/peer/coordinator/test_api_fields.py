@@ -19,10 +19,9 @@ import openai
 import pytest
 
 from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.coordinator.api import ApiServer
-from swarm.peer.coordinator.api_engine import EngineBackend
 from swarm.peer.coordinator.api_request import (IGNORED_FIELDS, ApiError, parse_chat_request,
                                                 parse_completion_request)
+from tests.peer.coordinator._api import openai_client, serving
 
 KEY = SwarmKey(bytes(range(2, 34)))
 MODEL_ID = "smollm2"
@@ -32,15 +31,12 @@ USER = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture
 async def url(engine):
-    model, tok = engine
-    api = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id=MODEL_ID), KEY)
-    port = await api.start("127.0.0.1", 0)
-    yield f"http://127.0.0.1:{port}/v1"
-    await api.close()
+    async with serving(*engine, KEY, MODEL_ID) as base:
+        yield base
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url, api_key=KEY.api_token, max_retries=0, timeout=120)
+    return openai_client(url, KEY)
 
 
 async def _post(url: str, route: str, body: dict) -> tuple[int, dict]:

@@ -17,10 +17,8 @@ import openai
 import pytest
 
 from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.coordinator.api import ApiServer
-from swarm.peer.coordinator.api_engine import EngineBackend
+from tests.peer.coordinator._api import openai_client, serving
 
-pytest.importorskip("llguidance")
 
 KEY = SwarmKey(bytes(range(4, 36)))
 HEADERS = {"Authorization": f"Bearer {KEY.api_token}"}
@@ -40,15 +38,12 @@ MAX_TOKENS = 80
 
 @pytest.fixture
 async def url(engine):
-    model, tok = engine
-    api = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="m"), KEY)
-    port = await api.start("127.0.0.1", 0)
-    yield f"http://127.0.0.1:{port}/v1"
-    await api.close()
+    async with serving(*engine, KEY) as base:
+        yield base
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url, api_key=KEY.api_token, max_retries=0, timeout=120)
+    return openai_client(url, KEY)
 
 
 def _local(engine, schema, max_tokens=MAX_TOKENS):

@@ -18,11 +18,9 @@ import openai
 import pytest
 
 from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.coordinator.api import ApiServer
-from swarm.peer.coordinator.api_engine import EngineBackend
 from swarm.peer.coordinator.api_tools import HERMES, forced_call_schema, parse_tool_calls, tool_format
+from tests.peer.coordinator._api import openai_client, serving
 
-pytest.importorskip("llguidance")
 
 KEY = SwarmKey(bytes(range(5, 37)))
 # Qwen2.5-Instruct's chat template (its tool format is Hermes'), as its tokenizer_config.json has it.
@@ -78,15 +76,12 @@ def tool_engine(engine):
 
 @pytest.fixture
 async def url(tool_engine):
-    model, tok = tool_engine
-    api = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="m"), KEY)
-    port = await api.start("127.0.0.1", 0)
-    yield f"http://127.0.0.1:{port}/v1"
-    await api.close()
+    async with serving(*tool_engine, KEY) as base:
+        yield base
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url, api_key=KEY.api_token, max_retries=0, timeout=120)
+    return openai_client(url, KEY)
 
 
 def _local(tool_engine, messages, name=None, forced=True):
