@@ -120,9 +120,17 @@ async def test_restart_and_stalls_keep_one_coordinator(netns_lab, model_dir, exp
     # and shows the local text once. One coordinator after.
     old = state["coordinator"]
     follower = a_worker(state)
-    client = lab.spawn(follower, ["-c", FOLLOWING_CLIENT, PROMPT, str(LONG_TOKENS)])
-    await client.wait_for(lambda e: e.get("event") == "piece", 60)
-    lab.stop(old)
+    for _ in range(3):  # the tiny model may finish its reply before SIGSTOP lands: then again
+        client = lab.spawn(follower, ["-c", FOLLOWING_CLIENT, PROMPT, str(LONG_TOKENS)])
+        await client.wait_for(lambda e: e.get("event") == "piece", 60)
+        lab.stop(old)
+        stopped = time.monotonic()
+        await asyncio.sleep(0.5)
+        client.poll()
+        if not any(e.get("event") == "done" and e["t"] <= stopped + 0.1 for e in client.events):
+            break
+        lab.cont(old)
+        await asyncio.sleep(1.0)
     await asyncio.sleep(DEPOSED_STALL_S)
     lab.cont(old)
     woke = time.monotonic()
