@@ -49,8 +49,7 @@ from typing import TYPE_CHECKING, Literal, Mapping, Protocol, Sequence, runtime_
 
 import numpy as np
 
-from swarm.compute import threads
-from swarm.compute.kernels import MLPWeights, sigmoid, softmax, swiglu
+from swarm.compute.kernels import MLPWeights, sigmoid, softmax, swiglu, swiglu_many
 from swarm.compute.quant import as_qmatrix
 
 if TYPE_CHECKING:
@@ -372,13 +371,12 @@ class LocalFFN:
         if self._moe[layer]:
             T, H = x.shape
             routing = route(m.router_logits(layer, x, seg), **m.routing_config(layer).kwargs())
-            if T == 1:  # decode: every expert takes the one row as it is, one expert per thread
-                experts = list(expert_rows(routing))
-                outputs = dict(zip(experts, threads.map_each(
-                    lambda e: swiglu_ffn(m.expert_weights(layer, e), x), experts)))
+            selected = expert_rows(routing)
+            if T == 1:  # decode: every expert takes the one row as it is
+                xs = [np.ascontiguousarray(x)] * len(selected)
             else:
-                outputs = {e: swiglu_ffn(m.expert_weights(layer, e), x[rows])
-                           for e, rows in expert_rows(routing).items()}
+                xs = [np.ascontiguousarray(x[rows]) for rows in selected.values()]
+            outputs = dict(zip(selected, swiglu_many([m.expert_weights(layer, e) for e in selected], xs)))
             return combine(T, H, routing, outputs, shared=m.shared_expert_output(layer, x, seg))
         ranges = self.plan.get(layer)
         if not ranges:

@@ -17,12 +17,13 @@ spread over the process's compute threads by swarm/compute/threads.py, never a r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from swarm.compute import threads
-from swarm.compute.quant import QMatrix, _kernels, as_qmatrix, compiling
+from swarm.compute.quant import QMatrix, _kernels, as_qmatrix, compiling, matmul_many
 
 F32 = np.float32
 # Smallest share of an element-wise pass (elements) and of attention (query rows × positions ×
@@ -225,6 +226,21 @@ def swiglu(w: MLPWeights, x: np.ndarray) -> np.ndarray:
     u = w.up.matmul(x)
     silu_mul(g, u)
     return w.down.matmul(g)  # [n, H]
+
+
+def swiglu_many(ws: Sequence[MLPWeights], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``[swiglu(w, x) for w, x in zip(ws, xs)]`` (each x float32 C-contiguous [n_i, H] → [n_i, H]),
+    the bits of each, with the products of all of them handed to the compute threads together
+    (:func:`~swarm.compute.quant.matmul_many`): every gate and up product in one hand-off, every
+    down product in another — so a decode step's experts, each too small to split well, share
+    all the threads."""
+    if any(w.bias is not None or w.swiglu_limit for w in ws):
+        return [swiglu(w, x) for w, x in zip(ws, xs)]
+    n = len(ws)
+    gu = matmul_many([(w.gate, x, None) for w, x in zip(ws, xs)] + [(w.up, x, None) for w, x in zip(ws, xs)])
+    for g, u in zip(gu[:n], gu[n:]):
+        silu_mul(g, u)
+    return matmul_many([(w.down, g, None) for w, g in zip(ws, gu[:n])])  # [n_i, H] each
 
 
 def _swiglu_clamped(w: MLPWeights, x: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from swarm.compute.ffn import FFNBackend, LayerBackend, LocalFFN, RoutingConfig,
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, rms_norm,
                                    llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
                                    signed_sin)
-from swarm.compute.quant import QMatrix, prepare_kernels
+from swarm.compute.quant import QMatrix, matmul_many, prepare_kernels
 from swarm.compute.rope import apply_partial_rope, yarn_attention_factor, yarn_inv_freq
 
 F32 = np.float32
@@ -396,9 +396,7 @@ class Model:
         nq = nh * hd
         nk = nkv * hd
         qkv = np.empty((T, nq + 2 * nk), F32)  # [T, (nh + 2 nkv) hd]
-        w.q.matmul(h, out=qkv[:, :nq])
-        w.k.matmul(h, out=qkv[:, nq:nq + nk])
-        w.v.matmul(h, out=qkv[:, nq + nk:])
+        matmul_many([(w.q, h, qkv[:, :nq]), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
         if w.qkv_bias is not None:
             qkv += w.qkv_bias
         if c.qk_norm == "proj":  # OLMoE: RMSNorm over the whole Q and K projections
@@ -566,9 +564,7 @@ class Model:
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq, nk = nh * hd, nkv * hd
         qkv = np.empty((T, nq + 2 * nk), F32)
-        w.q.matmul(h, out=qkv[:, :nq])
-        w.k.matmul(h, out=qkv[:, nq:nq + nk])
-        w.v.matmul(h, out=qkv[:, nq + nk:])
+        matmul_many([(w.q, h, qkv[:, :nq]), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
         if w.qkv_bias is not None:
             qkv += w.qkv_bias
         if c.qk_norm == "proj":

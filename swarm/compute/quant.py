@@ -46,7 +46,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -190,30 +190,33 @@ class QMatrix:
         ``out``: float32 ``[T, rows]`` to write the result into (any strides), or None.
         Raises ValueError on a shape or dtype mismatch of ``x`` or ``out``.
         """
+        x, dst = self._operands(x, out)
+        k = _compiled or _kernels()
+        T, R = dst.shape
+        if self._kind >= 0 and T <= SMALL_T and threads.threads() == 1:  # decode on one thread: the hot path, kept short
+            k.matmul(self._kind, self.data, x, dst, 0, R)
+        else:
+            _run_products(k, [(self, x, dst)])
+        if out is None:
+            return dst
+        if dst is not out:
+            out[...] = dst
+        return out
+
+    def _operands(self, x: np.ndarray, out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """``x`` as the kernels take it (float32 C-order, writable) and a C-contiguous result
+        array (``out`` itself where it is one). Raises ValueError on a shape or dtype mismatch."""
         if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
             raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {x.shape}")
         T, R = x.shape[0], self.data.shape[0]
-        if out is None:
-            out = np.empty((T, R), F32)
-        elif out.dtype != F32 or out.shape != (T, R):  # the kernels write without bounds checks
+        if out is not None and (out.dtype != F32 or out.shape != (T, R)):  # the kernels write without bounds checks
             raise ValueError(f"out must be float32 [T, rows] = [{T}, {R}], got {out.dtype} {out.shape}")
         if not (x.flags.c_contiguous and x.flags.writeable):
             # One compiled signature per kernel: to numba a read-only array (rows decoded from the
             # wire) is another type, which a worker would compile on its first request (a minute
             # of CPU and hundreds of MB of LLVM memory for the block kernels).
             x = np.array(x, dtype=F32, order="C")
-        dst = out if out.flags.c_contiguous else np.empty((T, R), F32)
-        k = _compiled or _kernels()
-        parts = threads.parts_for(self.data.nbytes * (3 + min(T, SMALL_T)) / 4, MIN_CHUNK_BYTES)
-        if self._kind >= 0 and T <= SMALL_T and parts == 1:  # decode on one thread: the hot path, kept short
-            k.matmul(self._kind, self.data, x, dst, 0, R)
-        elif parts == 1:
-            self._matmul_rows(k, x, dst, 0, R)
-        else:  # ranges of output rows on the compute threads: each element's bits unchanged
-            threads.run_chunks(lambda lo, hi: self._matmul_rows(k, x, dst, lo, hi), threads.split(R, parts, 8))
-        if dst is not out:
-            out[...] = dst
-        return out
+        return x, (out if out is not None and out.flags.c_contiguous else np.empty((T, R), F32))
 
     def _matmul_rows(self, k, x: np.ndarray, dst: np.ndarray, lo: int, hi: int) -> None:
         """Columns ``lo:hi`` of ``dst`` [T, R] = ``x @ W[lo:hi].T`` on this thread."""
@@ -242,6 +245,43 @@ class QMatrix:
 def as_qmatrix(w) -> QMatrix:
     """``w`` when it is a QMatrix, else a float32 2-D array wrapped as an F32 QMatrix."""
     return w if isinstance(w, QMatrix) else QMatrix.from_float(w)
+
+
+def matmul_many(products: Sequence[tuple[QMatrix, np.ndarray, np.ndarray | None]]) -> list[np.ndarray]:
+    """``[w.matmul(x, out) for w, x, out in products]`` handed to the compute threads at once:
+    the output rows of all the products are cut together into one chunk per thread (a chunk may
+    end one product and start the next), so several small products — a decode step's experts,
+    a layer's query, key and value projections — keep every thread busy where each alone is too
+    small to split. Each element's bits are those of its product computed alone.
+
+    Each ``x`` float32 [T_i, cols_i]; each ``out`` float32 [T_i, rows_i] or None. Returns the
+    results in order (``out`` where given). Raises ValueError as :meth:`QMatrix.matmul` does."""
+    operands = [(w, *w._operands(x, out)) for w, x, out in products]
+    _run_products(_compiled or _kernels(), operands)
+    results = []
+    for (w, x, dst), (_, _, out) in zip(operands, products):
+        if out is not None and dst is not out:
+            out[...] = dst
+        results.append(dst if out is None else out)
+    return results
+
+
+def _run_products(k, operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> None:
+    """``dst = x @ W.T`` for each ``(W, x, dst)``, output rows spread over the compute threads."""
+    # A weight row's work: its bytes, weighted up with the activation rows it meets.
+    sizes = [(w.data.shape[0], w.data.shape[1] * (3 + min(x.shape[0], SMALL_T)) / 4) for w, x, _ in operands]
+    parts = threads.parts_for(sum(n * b for n, b in sizes), MIN_CHUNK_BYTES)
+    if parts == 1:
+        for w, x, dst in operands:
+            w._matmul_rows(k, x, dst, 0, dst.shape[1])
+        return
+
+    def part(chunk: list[tuple[int, int, int]]) -> None:
+        for i, lo, hi in chunk:
+            w, x, dst = operands[i]
+            w._matmul_rows(k, x, dst, lo, hi)
+
+    threads.run_chunks(part, [(c,) for c in threads.split_weighted(sizes, parts, 8)])
 
 
 # ---- helpers ----------------------------------------------------------------------------------

@@ -32,9 +32,6 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
-
-T_, R_ = TypeVar("T_"), TypeVar("R_")
 
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -187,18 +184,6 @@ def run_chunks(fn: Callable[..., None], chunks: Sequence[tuple]) -> None:
         raise job.error
 
 
-def map_each(fn: Callable[[T_], R_], items: Sequence[T_]) -> list[R_]:
-    """``[fn(item) for item in items]`` with the items spread over the compute threads (each
-    computed whole by one thread, as alone: the same bits), results in the items' order."""
-    results: list = [None] * len(items)
-
-    def one(i: int) -> None:
-        results[i] = fn(items[i])
-
-    run_chunks(one, [(i,) for i in range(len(items))])
-    return results
-
-
 def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """``0:n`` cut into at most ``parts`` ranges of nearly equal size, inner bounds on multiples
     of ``align`` (as ``(lo, hi)`` pairs, ascending, none empty)."""
@@ -206,6 +191,32 @@ def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     parts = max(1, min(parts, units))
     bounds = [min(n, (units * i // parts) * align) for i in range(parts + 1)]
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def split_weighted(sizes: Sequence[tuple[int, float]], parts: int, align: int = 1) -> list[list[tuple[int, int, int]]]:
+    """Several ranges cut together into at most ``parts`` chunks of nearly equal work: ``sizes``
+    gives each range ``i`` as ``(n_i, work per element)``; a chunk is a list of ``(i, lo, hi)``
+    (``lo:hi`` within ``0:n_i``, inner bounds on multiples of ``align``), and may span the end of
+    one range and the start of the next. The chunks cover every element once, in order."""
+    total = sum(n * w for n, w in sizes)
+    target = total / max(1, parts)
+    chunks: list[list[tuple[int, int, int]]] = []
+    chunk: list[tuple[int, int, int]] = []
+    filled = 0.0
+    for i, (n, w) in enumerate(sizes):
+        lo = 0
+        while lo < n:
+            take = max(align, int((target - filled) / w) // align * align) if w > 0 else n
+            hi = min(n, lo + take)
+            chunk.append((i, lo, hi))
+            filled += (hi - lo) * w
+            lo = hi
+            if filled >= target * (1 - 1e-9) and len(chunks) < parts - 1:
+                chunks.append(chunk)
+                chunk, filled = [], 0.0
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def parts_for(work: float, min_work: float) -> int:

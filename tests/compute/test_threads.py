@@ -136,6 +136,43 @@ def test_calls_from_several_threads_at_once_share_the_pool(every_call_split):
     assert all(np.array_equal(g, want) for g in got)
 
 
+@pytest.mark.parametrize("T", [1, 5, 70])
+def test_products_handed_over_together_keep_their_bits(T, every_call_split):
+    """Products of several encodings and shapes cut together into chunks that span them: each
+    result is its product's one-thread bits at 2, 3 and 8 threads, into a strided ``out`` too,
+    and matches the float64 product of the dequantized weights."""
+    rng = np.random.default_rng(4)
+    ms = [quant.QMatrix(np.ascontiguousarray(_matrix(rng, (rows, 256), qtype, 0.1)).reshape(rows, -1), qtype, 256)
+          if qtype != QT.F32 else quant.QMatrix.from_float(_matrix(rng, (rows, 256), qtype, 0.1))
+          for rows, qtype in ((300, QT.Q4_K), (8, QT.Q8_0), (96, QT.F32), (40, QT.Q6_K))]
+    xs = [rng.standard_normal((T, 256), dtype=F32) for _ in ms]
+    threads.set_threads(1)
+    want = [m.matmul(x) for m, x in zip(ms, xs)]
+    for m, x, y in zip(ms, xs, want):
+        np.testing.assert_allclose(y, x.astype(np.float64) @ m.dequantize().astype(np.float64).T, rtol=1e-4, atol=1e-4)
+    for n in (1, 2, 3, 8):
+        threads.set_threads(n)
+        wide = np.full((T, ms[1].shape[0] + 3), np.nan, F32)
+        got = quant.matmul_many([(ms[0], xs[0], None), (ms[1], xs[1], wide[:, 3:]), (ms[2], xs[2], None),
+                                 (ms[3], xs[3], None)])
+        assert got[1].base is wide and np.isnan(wide[:, :3]).all()
+        for i, (g, w) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(g, w, err_msg=f"product {i} at {n} threads")
+
+
+def test_split_weighted_covers_every_range_once():
+    chunks = threads.split_weighted([(100, 1.0), (20, 5.0), (3, 1.0)], 4, 8)
+    assert len(chunks) == 4
+    flat = [piece for chunk in chunks for piece in chunk]
+    for i, n in enumerate((100, 20, 3)):  # each range's pieces ascending and adjacent, covering 0:n
+        pieces = [(lo, hi) for j, lo, hi in flat if j == i]
+        assert pieces[0][0] == 0 and pieces[-1][1] == n and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        assert all(lo % 8 == 0 for lo, _ in pieces)
+    work = [sum((hi - lo) * (1.0, 5.0, 1.0)[i] for i, lo, hi in chunk) for chunk in chunks]
+    assert max(work) <= 223 / 4 + 8 * 5 and [i for i, _, _ in flat] == sorted(i for i, _, _ in flat)
+    assert threads.split_weighted([(5, 1.0)], 8) == [[(0, 0, 1)], [(0, 1, 2)], [(0, 2, 3)], [(0, 3, 4)], [(0, 4, 5)]]
+
+
 def test_an_exception_in_a_part_reaches_the_caller():
     threads.set_threads(3)
     try:
