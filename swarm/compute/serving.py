@@ -25,6 +25,12 @@ in arrival order; beyond that :meth:`BatchScheduler.submit` raises :class:`Queue
 with a suggested wait. A cancelled sequence (its client went away) leaves at the end of the step
 in flight — within one chunk of prefill or one decode step — and its slot goes to the next.
 
+Prefix reuse (:mod:`swarm.compute.prefix`): a sequence that leaves keeps its KV cache in the
+scheduler's (a pool's: shared) :class:`~swarm.compute.prefix.PrefixStore`, within the positions
+``max_positions`` leaves beside the running sequences' claims; a sequence that joins with a prompt
+starting with those tokens takes the cache over and prefills only the rest of its prompt, in the
+same chunk bounds. Its tokens are those of a full prefill (every row's keys/values are its own).
+
 Several schedulers (:class:`SchedulerPool`): when the FFN backend runs stages on other peers,
 one scheduler's step waits for every stage in turn; two schedulers sharing the stages keep them
 busy, one's step at a stage while the other's is at the next. A pool's schedulers share one
@@ -47,6 +53,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from swarm.compute.ffn import LayerBackend
+from swarm.compute.prefix import PrefixStore
 from swarm.compute.sampling import PREFILL_CHUNK, Sampled, Sampler, SamplingParams
 from swarm.errors import SwarmError
 
@@ -98,12 +106,16 @@ class _Seq:
     last: int | None = None  # the sampled token the next decode step feeds
     generated: int = 0
     cancelled: bool = False
+    failed: bool = False  # its step failed: its cache is not kept for reuse
+    reused: int = 0  # prompt tokens its cache held when it joined (prefix reuse)
+    emitted: list[int] = field(default_factory=list)  # every sampled token, in order
+    owner: object | None = None  # the layer backend of its last step (prefix.py), None: KV all here
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     sampler: Sampler | None = None
 
     def next_rows(self, chunk: int) -> list[int]:
-        if self.fed < len(self.prompt):
-            return self.prompt[self.fed:min(self.fed + chunk, len(self.prompt))]
+        if self.fed < len(self.prompt):  # to the next chunk bound: a reused prefix keeps the cuts
+            return self.prompt[self.fed:min((self.fed // chunk + 1) * chunk, len(self.prompt))]
         assert self.last is not None  # a sequence past its prompt has sampled a token
         return [self.last]
 
@@ -124,6 +136,12 @@ class TokenStream:
     @property
     def ident(self) -> int:
         return self._seq.ident
+
+    @property
+    def reused(self) -> int:
+        """Prompt tokens taken from a kept KV cache (prefix reuse), not prefilled; known once the
+        sequence has joined the batch (before its first token)."""
+        return self._seq.reused
 
     def __iter__(self) -> TokenStream:
         return self
@@ -163,12 +181,15 @@ class BatchScheduler:
     first :data:`MAX_BATCH` and :data:`MAX_QUEUE`); ``chunk`` ≥ 1 prompt rows per prefill
     chunk; ``prefill_rows`` ≥ ``chunk`` prompt rows per step. Raises ValueError for a bad limit.
     ``pool``: the :class:`SchedulerPool` it belongs to (its lock, and its limits held over every
-    member), made by the pool; None: on its own.
+    member), made by the pool; None: on its own. ``prefix_reuse``: keep finished sequences' KV
+    caches for later prompts that start with their tokens (module docstring; a pool's setting
+    for its members).
     """
 
     def __init__(self, model: Model, ffn: Callable[[], FFNBackend | None] = lambda: None, *, max_batch: int | None = None,
                  max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS,
-                 max_positions: int | None = None, pool: SchedulerPool | None = None) -> None:
+                 max_positions: int | None = None, pool: SchedulerPool | None = None,
+                 prefix_reuse: bool = True) -> None:
         max_batch = _limits["max_batch"] if max_batch is None else max_batch
         max_queue = _limits["max_queue"] if max_queue is None else max_queue
         if max_batch < 1 or max_queue < 0 or chunk < 1 or prefill_rows < chunk:
@@ -190,6 +211,9 @@ class BatchScheduler:
         self.step_s = 0.0  # moving average of a step's wall time
         self.step_s_total = 0.0  # the wall time of every step so far (metrics)
         self.peak_batch = 0  # the most sequences one step has carried
+        self.prefix_reuse = prefix_reuse
+        self.prefixes = pool.prefixes if pool is not None else PrefixStore()  # kept KV caches
+        self.prompt_tokens_prefilled = 0  # prompt rows run through the model (reused ones are not)
 
     # ------------------------------------------------------------ callers' side
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> TokenStream:
@@ -254,7 +278,7 @@ class BatchScheduler:
                 self.left.append((seq.ident, 0, len(seq.prompt), 0))
             self._waiting.clear()
             for seq in failed:
-                seq.cancelled = True
+                seq.cancelled = seq.failed = True
                 seq.out.put(exc)
         return len(failed)
 
@@ -278,13 +302,13 @@ class BatchScheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self.left.extend((s.ident, s.fed, len(s.prompt), s.generated) for s in self._running if s.cancelled)
+                gone = [s for s in self._running if s.cancelled]
+                self.left.extend((s.ident, s.fed, len(s.prompt), s.generated) for s in gone)
                 self._running = [s for s in self._running if not s.cancelled]
+                for seq in gone:
+                    self._retire(seq)
                 while self._waiting and self._admissible(self._waiting[0]):
-                    seq = self._waiting.popleft()
-                    seq.cache = self.model.new_cache(capacity=16)
-                    seq.sampler = Sampler(seq.params)
-                    self._running.append(seq)
+                    self._start(self._waiting.popleft())
                 for other in self._members():  # a slot freed here may be the one another member's head waits for
                     if other is not self and other._waiting and other._admissible(other._waiting[0]):
                         other._wake()
@@ -293,6 +317,32 @@ class BatchScheduler:
                     return
                 step = self._plan_step()
             self._step(step)
+
+    def _claimed(self) -> int:
+        """KV positions the running sequences claim (prompt + max_tokens each), every member's."""
+        return sum(len(s.prompt) + s.params.max_tokens for m in self._members() for s in m._running if not s.cancelled)
+
+    def _room(self) -> int | None:
+        """Positions the kept caches may hold: what ``max_positions`` leaves beside the claims."""
+        return None if self.max_positions is None else self.max_positions - self._claimed()
+
+    def _start(self, seq: _Seq) -> None:
+        """``seq`` joins the batch (under the lock): a kept cache holding a prefix of its prompt,
+        or a new one; kept caches are evicted until they fit beside its claim."""
+        ffn = self._ffn()
+        owner = ffn if isinstance(ffn, LayerBackend) else None
+        cache, reused = self.prefixes.take(seq.prompt, owner) if self.prefix_reuse else (None, 0)
+        seq.cache = cache if cache is not None else self.model.new_cache(capacity=16)
+        seq.fed = seq.reused = reused
+        seq.owner = owner
+        seq.sampler = Sampler(seq.params)
+        self._running.append(seq)
+        self.prefixes.make_room(self._room())
+
+    def _retire(self, seq: _Seq) -> None:
+        """``seq`` has left (under the lock): its cache is kept for reuse unless its step failed."""
+        if self.prefix_reuse and not seq.failed and seq.cache is not None:
+            self.prefixes.keep(seq.prompt + seq.emitted, seq.cache, seq.owner, self._room())
 
     def _admissible(self, seq: _Seq) -> bool:
         """Whether ``seq`` (the head of this queue) starts now: a slot free (``max_batch`` over
@@ -325,12 +375,17 @@ class BatchScheduler:
 
     def _step(self, step: list[tuple[_Seq, list[int]]]) -> None:
         t0 = time.perf_counter()
+        ffn = self._ffn()
+        owner = ffn if isinstance(ffn, LayerBackend) else None
+        for seq, _ in step:
+            if seq.owner is not owner:  # a cache filled under another backend is never kept
+                seq.failed = True
         try:
-            logits = self.model.forward_batch([(rows, seq.cache) for seq, rows in step], ffn=self._ffn())
+            logits = self.model.forward_batch([(rows, seq.cache) for seq, rows in step], ffn=ffn)
         except BaseException as exc:  # the step failed: so do its sequences (the rest go on)
             with self._cond:
                 for seq, _ in step:
-                    seq.cancelled = True
+                    seq.cancelled = seq.failed = True
                     seq.out.put(exc)
             return
         dt = time.perf_counter() - t0
@@ -343,6 +398,7 @@ class BatchScheduler:
         for (seq, rows), row in zip(step, logits):
             if seq.fed < len(seq.prompt):
                 seq.fed += len(rows)
+                self.prompt_tokens_prefilled += len(rows)
                 if seq.fed < len(seq.prompt):
                     continue  # more prompt to read: this chunk's logits are not needed
             if seq.cancelled:
@@ -352,12 +408,13 @@ class BatchScheduler:
                 picked = seq.sampler(row)
             except Exception as exc:  # e.g. its constraint failed: this sequence fails, the rest go on
                 with self._cond:
-                    seq.cancelled = True
+                    seq.cancelled = seq.failed = True
                 seq.out.put(exc)
                 continue
             tok = picked.token
             seq.generated += 1
             seq.last = tok
+            seq.emitted.append(tok)
             seq.out.put(picked)
             if tok in seq.params.stop_tokens or seq.generated >= seq.params.max_tokens:
                 with self._cond:
@@ -375,14 +432,16 @@ class SchedulerPool:
 
     def __init__(self, model: Model, ffn: Callable[[], FFNBackend | None] = lambda: None, *, max_batch: int | None = None,
                  max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, prefix_reuse: bool = True) -> None:
         self.cond = threading.Condition()  # every member's lock
+        self.prefixes = PrefixStore()  # kept KV caches, every member's (prefix reuse)
         self.ids = itertools.count(1)  # every member's sequence ids, in arrival order
         self.max_batch = _limits["max_batch"] if max_batch is None else max_batch  # members made later: the same
         self.max_queue = _limits["max_queue"] if max_queue is None else max_queue
         self.max_positions = max_positions
         self._make = lambda: BatchScheduler(model, ffn, max_batch=self.max_batch, max_queue=self.max_queue, chunk=chunk,
-                                            prefill_rows=prefill_rows, max_positions=max_positions, pool=self)
+                                            prefill_rows=prefill_rows, max_positions=max_positions, pool=self,
+                                            prefix_reuse=prefix_reuse)
         self.schedulers: list[BatchScheduler] = [self._make()]
         self.width = 1
 
@@ -426,6 +485,10 @@ class SchedulerPool:
     @property
     def step_s_total(self) -> float:
         return sum(m.step_s_total for m in self.schedulers)
+
+    @property
+    def prompt_tokens_prefilled(self) -> int:
+        return sum(m.prompt_tokens_prefilled for m in self.schedulers)
 
     @property
     def peak_batch(self) -> int:
