@@ -30,10 +30,13 @@ MAX_TEMPERATURE = 2.0  # the highest sampling temperature the CLI and the API ac
 class GenerationStats:
     """What a generation reports as it runs: token counts and OpenAI's ``finish_reason``.
 
-    ``completion_tokens`` counts every generated id, a final stop token included.
+    ``completion_tokens`` counts every generated id, a final stop token included;
+    ``cached_tokens``: prompt tokens whose KV cache an earlier sequence left (prefix reuse), not
+    prefilled again.
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str = "stop"  # "stop" (a stop token or string) or "length" (max_tokens)
 

@@ -48,9 +48,11 @@ class Recording(EngineBackend):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.seen: list[list[dict]] = []
+        self.stats: list = []  # each request's GenerationStats
 
     def generate(self, request, stats):
         self.seen.append([dict(m) for m in request.messages])
+        self.stats.append(stats)
         return super().generate(request, stats)
 
 
@@ -97,6 +99,7 @@ def test_chat_repl_keeps_history_and_reset_clears_it(live_api, engine, stored_ke
     url, backend, *_ = live_api
     script = iter([PROMPTS[0], "", "/bogus", PROMPTS[1], "/reset", PROMPTS[1], "/exit", "never read"])
     backend.seen.clear()
+    backend.stats.clear()
     assert main_chat(_args(api=url, system="Be brief."), input_fn=lambda prompt: next(script)) == 0
     out = capsys.readouterr().out
     first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
@@ -104,6 +107,10 @@ def test_chat_repl_keeps_history_and_reset_clears_it(live_api, engine, stored_ke
     second = [*first, {"role": "assistant", "content": reply1}, {"role": "user", "content": PROMPTS[1]}]
     third = [first[0], {"role": "user", "content": PROMPTS[1]}]
     assert backend.seen == [first, second, third]  # history grows; /reset keeps only the system prompt
+    # the second turn continues from the first's KV cache: its prompt and every generated token
+    # but the last (never fed) are not prefilled again (prefix reuse)
+    turn1, turn2, _ = backend.stats
+    assert turn2.cached_tokens == turn1.prompt_tokens + turn1.completion_tokens - 1 > 0
     assert reply1 in out and _greedy(engine, second) in out and _greedy(engine, third) in out
     assert "unknown command /bogus" in out and "conversation cleared" in out
 

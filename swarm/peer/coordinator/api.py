@@ -629,6 +629,7 @@ def _logprobs(chat: ChatRequest, tokens: Sequence[tuple[int, TokenLogprob]]) -> 
             "text_offset": [offset for offset, _ in tokens]}
 
 
-def _usage(stats: GenerationStats) -> dict[str, int]:
+def _usage(stats: GenerationStats) -> dict[str, Any]:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}

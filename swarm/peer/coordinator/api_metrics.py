@@ -97,6 +97,20 @@ class ApiMetrics:
                     f"# TYPE {p}step_duration_seconds summary",
                     f"{p}step_duration_seconds_sum {_number(load['step_seconds'])}",
                     f"{p}step_duration_seconds_count {int(load['steps'])}"]
+            if "prefilled" in load:
+                out += [f"# HELP {p}prompt_tokens_prefilled_total Prompt tokens run through the model.",
+                        f"# TYPE {p}prompt_tokens_prefilled_total counter",
+                        f"{p}prompt_tokens_prefilled_total {int(load['prefilled'])}",
+                        f"# HELP {p}prompt_tokens_reused_total Prompt tokens whose KV cache an earlier "
+                        "sequence left (prefix reuse), not prefilled.",
+                        f"# TYPE {p}prompt_tokens_reused_total counter",
+                        f"{p}prompt_tokens_reused_total {int(load['reused'])}",
+                        f"# HELP {p}prefix_cache_positions KV positions kept for prefix reuse now.",
+                        f"# TYPE {p}prefix_cache_positions gauge",
+                        f"{p}prefix_cache_positions {int(load['prefix_positions'])}",
+                        f"# HELP {p}prefix_cache_evictions_total Kept KV caches evicted to make room.",
+                        f"# TYPE {p}prefix_cache_evictions_total counter",
+                        f"{p}prefix_cache_evictions_total {int(load['prefix_evictions'])}"]
         return "\n".join(out) + "\n"
 
 

@@ -14,9 +14,11 @@ from swarm.peer.coordinator.api_engine import EngineBackend
 
 
 @contextlib.asynccontextmanager
-async def serving(model: Any, tokenizer: Any, key: SwarmKey, model_id: str = "m") -> AsyncIterator[str]:
-    """The API over ``model`` on a free loopback port (plain HTTP); yields its base URL ``…/v1``."""
-    api = ApiServer.for_swarm_key(EngineBackend(model, tokenizer, model_id=model_id), key)
+async def serving(model: Any, tokenizer: Any, key: SwarmKey, model_id: str = "m", **backend: Any
+                  ) -> AsyncIterator[str]:
+    """The API over ``model`` on a free loopback port (plain HTTP); yields its base URL ``…/v1``.
+    ``backend``: more :class:`EngineBackend` arguments (e.g. ``prefix_reuse=False``)."""
+    api = ApiServer.for_swarm_key(EngineBackend(model, tokenizer, model_id=model_id, **backend), key)
     port = await api.start("127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{port}/v1"
