@@ -31,11 +31,15 @@ from swarm.compute.quant import QMatrix
 from swarm.compute.tensors import GGUFFile, SafetensorsDir
 from swarm.errors import ModelFileError
 
+# Gated DeltaNet's parts (swarm/compute/deltanet.py); ``lin_decay`` is A = -exp(A_log).
+_LINEAR_PARTS = ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_out", "lin_conv", "lin_dt", "lin_decay", "lin_norm")
+# Qwen3.5 scales by (1 + weight) in these RMSNorms; llama.cpp's converter stores 1 + weight.
+_ZERO_CENTERED_NORMS = ("attn_norm", "ffn_norm", "norm", "q_norm", "k_norm")
 # Per-layer parts the engine asks for.
 LAYER_PARTS = ("attn_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
                "ffn_norm", "gate", "up", "down", "router", "shexp_gate_proj", "shexp_up",
                "shexp_down", "shexp_gate", "router_bias", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm",
-               "kv_b", "k_b", "v_b", "o_bias", "sinks", "router_logit_bias")
+               "kv_b", "k_b", "v_b", "o_bias", "sinks", "router_logit_bias", *_LINEAR_PARTS)
 
 _HF_LAYER = {
     "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
@@ -52,6 +56,10 @@ _HF_LAYER = {
     "q_b": "self_attn.q_b_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
     "kv_a_norm": "self_attn.kv_a_layernorm.weight", "kv_b": "self_attn.kv_b_proj.weight",
     "o_bias": "self_attn.o_proj.bias", "sinks": "self_attn.sinks", "router_logit_bias": "mlp.router.bias",
+    "lin_qkv": "linear_attn.in_proj_qkv.weight", "lin_z": "linear_attn.in_proj_z.weight",
+    "lin_b": "linear_attn.in_proj_b.weight", "lin_a": "linear_attn.in_proj_a.weight",
+    "lin_out": "linear_attn.out_proj.weight", "lin_conv": "linear_attn.conv1d.weight", "lin_dt": "linear_attn.dt_bias",
+    "lin_decay": "linear_attn.A_log", "lin_norm": "linear_attn.norm.weight",
 }
 # GLM-4.5 and DeepSeek-V3 name their (fused) shared experts in the plural.
 _HF_SHARED_EXPERTS = {"shexp_gate_proj": "mlp.shared_experts.gate_proj.weight",
@@ -71,6 +79,9 @@ _GGUF_LAYER = {
     "kv_a": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight", "kv_b": "attn_kv_b.weight",
     "k_b": "attn_k_b.weight", "v_b": "attn_v_b.weight",
     "o_bias": "attn_output.bias", "sinks": "attn_sinks.weight", "router_logit_bias": "ffn_gate_inp.bias",
+    "lin_qkv": "attn_qkv.weight", "lin_z": "attn_gate.weight", "lin_b": "ssm_beta.weight", "lin_a": "ssm_alpha.weight",
+    "lin_out": "ssm_out.weight", "lin_conv": "ssm_conv1d.weight", "lin_dt": "ssm_dt.bias", "lin_decay": "ssm_a",
+    "lin_norm": "ssm_norm.weight",
 }
 
 
@@ -143,6 +154,16 @@ class Checkpoint:
         qn = {"head": (hd,), "proj": (q,)}.get(c.qk_norm or "", ())
         kn = {"head": (hd,), "proj": (kv,)}.get(c.qk_norm or "", ())
         Fs = c.shared_expert_intermediate_size
+        if c.attn_output_gate:  # the query projection carries each head's output gate beside its query
+            q *= 2
+        if c.linear_layers:
+            nv, vd = c.linear_value_heads, c.linear_value_heads * c.linear_value_head_dim
+            conv = 2 * c.linear_key_heads * c.linear_key_head_dim + vd
+            linear = {"lin_qkv": (conv, H), "lin_z": (vd, H), "lin_b": (nv, H), "lin_a": (nv, H), "lin_out": (H, vd),
+                      "lin_conv": (conv, c.linear_conv_kernel), "lin_dt": (nv,), "lin_decay": (nv,),
+                      "lin_norm": (c.linear_value_head_dim,)}
+            if part in linear:
+                return linear[part]
         if c.is_mla:  # per head: query/key nope + rope dims, value v_head_dim; cache rank + rope
             nope, rope, vd, rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
             q, nh = c.n_heads * (nope + rope), c.n_heads
@@ -153,7 +174,8 @@ class Checkpoint:
                 return mla[part]
         return {
             "embed": (c.vocab_size, H), "head": (c.vocab_size, H), "norm": (H,), "rope_freqs": (hd // 2,),
-            "attn_norm": (H,), "ffn_norm": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
+            "attn_norm": (H,), "ffn_norm": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H),
+            "o": (H, c.n_heads * hd),
             "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "q_norm": qn, "k_norm": kn,
             "gate": (c.intermediate_size, H), "up": (c.intermediate_size, H), "down": (H, c.intermediate_size),
             "router": (c.n_experts, H), "shexp_gate_proj": (Fs, H), "shexp_up": (Fs, H),
@@ -174,6 +196,8 @@ class Checkpoint:
             parts += ["q_a", "q_a_norm", "q_b"] if c.q_lora_rank else ["q"]
             # llama.cpp's converter splits kv_b into k_b (transposed per head) and v_b
             parts += ["k_b", "v_b"] if self.has("k_b", layer) else ["kv_b"]
+        elif c.is_linear_layer(layer):
+            parts = ["attn_norm", "ffn_norm", *_LINEAR_PARTS]
         else:
             parts = ["attn_norm", "ffn_norm", "q", "k", "v", "o"]
         if c.attention_bias:
@@ -182,7 +206,7 @@ class Checkpoint:
             parts.append("o_bias")
         if c.attention_sinks:
             parts.append("sinks")
-        if c.qk_norm:
+        if c.qk_norm and not c.is_linear_layer(layer):
             parts += ["q_norm", "k_norm"]
         if not c.is_moe_layer(layer):
             parts += ["gate", "up", "down"]
@@ -190,7 +214,7 @@ class Checkpoint:
             parts.append("router")
             if c.shared_expert_intermediate_size:
                 parts += ["shexp_gate_proj", "shexp_up", "shexp_down"]
-            if c.shared_expert_intermediate_size and c.family == "qwen2_moe":  # a sigmoid gate scales it
+            if c.shared_expert_intermediate_size and c.family in ("qwen2_moe", "qwen3_5_moe"):  # a sigmoid gate scales it
                 parts.append("shexp_gate")
             if self.has("router_bias", layer):
                 parts.append("router_bias")
@@ -246,6 +270,8 @@ class Checkpoint:
             want = self.expected_shape(part)
             if part == "shexp_gate" and got == want[1:]:
                 continue
+            if part == "lin_conv" and tuple(got) == (want[0], 1, want[1]):  # HF's Conv1d weight [C, 1, K]
+                continue
             if tuple(got) != want:
                 raise ModelFileError(f"{self.path}: tensor {name!r} has shape {tuple(got)}, expected {want}")
         for layer in c.moe_layers:
@@ -275,7 +301,7 @@ class GGUFCheckpoint(Checkpoint):
         self._permuted = self.file.kv.get("general.architecture") == "llama"
         # GLM-4.5's norm before the MLP is post_attention_norm in llama.cpp's glm4moe files
         self._ffn_norm = "post_attention_norm.weight" if self.file.kv.get("general.architecture") in (
-            "glm4moe", "gpt-oss") else _GGUF_LAYER["ffn_norm"]
+            "glm4moe", "gpt-oss", "qwen35moe") else _GGUF_LAYER["ffn_norm"]
 
     @property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -383,10 +409,16 @@ class HFCheckpoint(Checkpoint):
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return self.st.shapes
 
+    @cached_property
+    def _model(self) -> str:
+        """Where the text model's tensors live: ``model``, or ``model.language_model`` in a
+        multimodal checkpoint (Qwen3.5-MoE's), whose vision tower is never read."""
+        return "model.language_model" if "model.language_model.embed_tokens.weight" in self.st else "model"
+
     def _validate_experts(self, layer: int) -> None:
         c = self.config
         F, H, E = c.moe_intermediate_size, c.hidden_size, c.n_experts
-        base = f"model.layers.{layer}"
+        base = f"{self._model}.layers.{layer}"
         if self._expert_layout == "stacked":
             prefix = next((p for p in ("mlp", "block_sparse_moe")
                            if f"{base}.{p}.experts.gate_up_proj" in self.st), "mlp")
@@ -410,23 +442,23 @@ class HFCheckpoint(Checkpoint):
 
     def _expert_names(self, layer: int, e: int) -> list[str]:
         """Per-expert tensor names (gate, up, down) of expert ``e``."""
-        base = f"model.layers.{layer}"
+        base = f"{self._model}.layers.{layer}"
         if f"{base}.block_sparse_moe.experts.{e}.w1.weight" in self.st:
             return [f"{base}.block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
         return [f"{base}.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
 
     def _name(self, part: str, layer: int | None) -> str:
         if layer is None:
-            return {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+            return {"embed": f"{self._model}.embed_tokens.weight", "norm": f"{self._model}.norm.weight",
                     "head": "lm_head.weight", "rope_freqs": "(none)"}[part]
-        name = f"model.layers.{layer}.{_HF_LAYER[part]}"
+        name = f"{self._model}.layers.{layer}.{_HF_LAYER[part]}"
         if part == "router" and name not in self.st:
-            name = next((n for n in (f"model.layers.{layer}.{p}.weight" for p in ("block_sparse_moe.gate", "mlp.router"))
-                         if n in self.st), f"model.layers.{layer}.block_sparse_moe.gate.weight")
+            name = next((n for n in (f"{self._model}.layers.{layer}.{p}.weight" for p in ("block_sparse_moe.gate", "mlp.router"))
+                         if n in self.st), f"{self._model}.layers.{layer}.block_sparse_moe.gate.weight")
         if part in _HF_SHARED_EXPERTS and name not in self.st:
-            name = f"model.layers.{layer}.{_HF_SHARED_EXPERTS[part]}"
+            name = f"{self._model}.layers.{layer}.{_HF_SHARED_EXPERTS[part]}"
         if part == "router_bias" and name not in self.st:  # MiniMax-M2 keeps it on the MoE block
-            name = next((n for n in (f"model.layers.{layer}.{p}.e_score_correction_bias"
+            name = next((n for n in (f"{self._model}.layers.{layer}.{p}.e_score_correction_bias"
                                      for p in ("mlp", "block_sparse_moe")) if n in self.st), name)
         return name
 
@@ -443,7 +475,14 @@ class HFCheckpoint(Checkpoint):
 
     def load(self, part: str, layer: int | None = None) -> np.ndarray:
         name = self._name(part, layer)
-        return self._check(name, self.st.load(name), self.expected_shape(part))
+        a = self.st.load(name)
+        if part == "lin_conv":  # Conv1d's [C, 1, K] as GGUF stores it, [C, K]
+            a = a.reshape(a.shape[0], -1)
+        elif part == "lin_decay":  # A_log → A = -exp(A_log), as llama.cpp's converter stores it
+            a = -np.exp(a)
+        elif part in _ZERO_CENTERED_NORMS and self.config.family == "qwen3_5_moe":
+            a = a + np.float32(1)
+        return self._check(name, a, self.expected_shape(part))
 
     def matrix(self, part: str, layer: int | None = None) -> QMatrix:
         name = self._name(part, layer)
@@ -454,7 +493,7 @@ class HFCheckpoint(Checkpoint):
         """``stacked`` when the file holds ``experts.gate_up_proj``, else ``per_expert``."""
         layer = self.config.moe_layers[0]
         for prefix in ("mlp", "block_sparse_moe"):
-            if f"model.layers.{layer}.{prefix}.experts.gate_up_proj" in self.st:
+            if f"{self._model}.layers.{layer}.{prefix}.experts.gate_up_proj" in self.st:
                 return "stacked"
         return "per_expert"
 
@@ -462,7 +501,7 @@ class HFCheckpoint(Checkpoint):
         """(gate_up, down) names of a stacked-experts layer (shapes checked), else None."""
         c = self.config
         F, H = c.moe_intermediate_size, c.hidden_size
-        base = f"model.layers.{layer}"
+        base = f"{self._model}.layers.{layer}"
         if self._expert_layout == "stacked":
             prefix = next(p for p in ("mlp", "block_sparse_moe")
                           if f"{base}.{p}.experts.gate_up_proj" in self.st)
@@ -480,7 +519,7 @@ class HFCheckpoint(Checkpoint):
         c = self.config
         F, H = c.moe_intermediate_size, c.hidden_size
         if c.family == "gpt_oss":  # stored [in, out] with gate/up interleaved: decoded, transposed
-            base = f"model.layers.{layer}.mlp.experts"
+            base = f"{self._model}.layers.{layer}.mlp.experts"
             gu = self.st.load(f"{base}.gate_up_proj", e)  # [H, 2F]: gate, up, gate, up, ...
             down = self.st.load(f"{base}.down_proj", e)  # [F, H]
             return (QMatrix.from_float(np.ascontiguousarray(gu[:, 0::2].T)),
@@ -498,7 +537,7 @@ class HFCheckpoint(Checkpoint):
 
     def expert_biases(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self.config
-        base = f"model.layers.{layer}.mlp.experts"
+        base = f"{self._model}.layers.{layer}.mlp.experts"
         gu = self._check(f"{base}.gate_up_proj_bias", self.st.load(f"{base}.gate_up_proj_bias", e),
                          (2 * c.moe_intermediate_size,))
         down = self._check(f"{base}.down_proj_bias", self.st.load(f"{base}.down_proj_bias", e), (c.hidden_size,))

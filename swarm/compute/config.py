@@ -14,9 +14,10 @@ from swarm.errors import ModelFileError
 
 # HF ``model_type`` → the family name used inside the engine.
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral",
-               "glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss")
-# HF ``model_type`` values read as another family (Kimi-K2 is DeepSeek-V3's architecture).
-HF_ALIASES = {"kimi_k2": "deepseek_v3"}
+               "glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss", "qwen3_5_moe")
+# HF ``model_type`` values read as another family (Kimi-K2 is DeepSeek-V3's architecture; a
+# Qwen3.5-MoE text-only checkpoint names its text model's type).
+HF_ALIASES = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 # Per-family defaults of transformers' configuration classes for the fields we read.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -53,6 +54,10 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": dict(rms_norm_eps=1e-5, rope_theta=150000.0, attention_bias=True, head_dim=64, bos_token_id=None,
                     eos_token_id=None, num_experts_per_tok=4, num_local_experts=128, sliding_window=128,
                     swiglu_limit=7.0, swiglu_alpha=1.702),
+    "qwen3_5_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False, head_dim=256, bos_token_id=None,
+                        eos_token_id=None, num_experts_per_tok=8, num_experts=256, partial_rotary_factor=0.25,
+                        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_num_key_heads=16, linear_num_value_heads=32, full_attention_interval=4),
 }
 
 
@@ -87,6 +92,14 @@ class ModelConfig:
     biases on every expert's projections, ``swiglu_limit`` > 0 its clamped SwiGLU
     (:func:`swarm.compute.kernels.swiglu`, with ``swiglu_alpha``) and ``scoring ==
     "topk_softmax"`` a softmax over the top-k router logits (the router has a bias too).
+
+    Qwen3.5-MoE (hybrid attention): ``linear_layers`` lists the Gated DeltaNet layers
+    (:mod:`swarm.compute.deltanet`: ``linear_key_heads`` query/key heads of
+    ``linear_key_head_dim``, ``linear_value_heads`` value heads of ``linear_value_head_dim``, a
+    causal convolution of ``linear_conv_kernel`` taps; ``linear_v_tiled``: value heads stored
+    in llama.cpp's tiled order, value head j reading key head j % ``linear_key_heads`` instead of
+    j // (value heads per key head)); the other layers are full attention whose query projection
+    carries an output gate per head (``attn_output_gate``).
     """
 
     family: str
@@ -133,6 +146,14 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    linear_layers: tuple[int, ...] = ()
+    linear_conv_kernel: int = 0
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_v_tiled: bool = False
+    attn_output_gate: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -146,6 +167,10 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int:
         """Layer ``layer``'s attention window in positions (0: it attends to every earlier one)."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` is Gated DeltaNet linear attention (a recurrent state, no KV cache)."""
+        return layer in self.linear_layers
 
     @property
     def rope_dim(self) -> int:
@@ -229,7 +254,8 @@ _HF_NUMERIC = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
                "bos_token_id", "sliding_window", "n_routed_experts", "n_shared_experts", "routed_scaling_factor",
                "n_group", "topk_group", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
                "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "partial_rotary_factor", "rotary_dim",
-               "swiglu_limit", "swiglu_alpha")
+               "swiglu_limit", "swiglu_alpha", "linear_conv_kernel_dim", "linear_key_head_dim",
+               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval")
 
 
 def _check_numbers(values: dict, keys, where: str) -> None:
@@ -256,6 +282,13 @@ def check_config(c: "ModelConfig", where: str) -> "ModelConfig":
         raise ModelFileError(f"{where}: expert intermediate size must be positive")
     if len(c.moe_layers) < c.n_layers and c.intermediate_size <= 0:
         raise ModelFileError(f"{where}: intermediate_size must be positive for the dense layers")
+    if c.linear_layers:
+        sizes = (c.linear_conv_kernel, c.linear_key_heads, c.linear_value_heads, c.linear_key_head_dim,
+                 c.linear_value_head_dim)
+        if min(sizes) <= 0 or c.linear_value_heads % c.linear_key_heads:
+            raise ModelFileError(f"{where}: linear attention needs positive sizes and value heads a multiple of "
+                                 f"the key heads, got (conv kernel, key heads, value heads, key dim, value dim) "
+                                 f"= {sizes}")
     return c
 
 
@@ -265,6 +298,8 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     ``where`` names the file in error messages. Raises ModelFileError for an unknown
     ``model_type``, a missing required field, a field of the wrong type or inconsistent sizes.
     """
+    if isinstance(cfg.get("text_config"), dict):  # a multimodal checkpoint: its text model is read
+        cfg = {**cfg, **cfg["text_config"]}
     family = HF_ALIASES.get(cfg.get("model_type"), cfg.get("model_type"))
     if family not in HF_FAMILIES:
         raise ModelFileError(
@@ -330,7 +365,9 @@ def _config_from_hf(cfg: dict, family: str, where: str) -> ModelConfig:
     if family == "gpt_oss":
         moe = _gpt_oss_from_hf(cfg, d, n_layers, where)
     attn: dict[str, Any] = {}
-    qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}.get(family)
+    if family == "qwen3_5_moe":
+        moe, attn = _qwen3_5_moe_from_hf(cfg, d, n_layers, int(head_dim), where)
+    qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj", "qwen3_5_moe": "head"}.get(family)
     rope_theta, rope_scaling = _rope(cfg, d["rope_theta"], where)
     if family == "glm4_moe":
         qk_norm = "head" if cfg.get("use_qk_norm", d["use_qk_norm"]) else None
@@ -396,6 +433,36 @@ def _gpt_oss_from_hf(cfg: dict, d: dict, n_layers: int, where: str) -> dict[str,
                 layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types))
 
 
+def _qwen3_5_moe_from_hf(cfg: dict, d: dict, n_layers: int, head_dim: int,
+                         where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen3.5-MoE's (MoE fields, attention fields): every layer routed (softmax, top-k
+    renormalised) beside a sigmoid-gated shared expert; ``layer_types`` (default: every
+    ``full_attention_interval``-th layer full) choosing Gated DeltaNet or gated full attention,
+    whose RoPE turns ``partial_rotary_factor`` of each head (transformers ``Qwen3_5MoeTextConfig``)."""
+    n_exp = int(cfg.get("num_experts", d["num_experts"]))
+    moe = dict(n_experts=n_exp, top_k=int(cfg.get("num_experts_per_tok", d["num_experts_per_tok"])),
+               moe_intermediate_size=int(_need(cfg, "moe_intermediate_size", where)),
+               shared_expert_intermediate_size=int(_need(cfg, "shared_expert_intermediate_size", where)),
+               norm_topk_prob=True, moe_layers=tuple(range(n_layers)))
+    interval = int(cfg.get("full_attention_interval") or d["full_attention_interval"])
+    types = cfg.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                       for i in range(n_layers)]
+    if len(types) != n_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ModelFileError(f"{where}: layer_types must name 'linear_attention' or 'full_attention' "
+                             f"for each of the {n_layers} layers, got {types}")
+    factor = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", d["partial_rotary_factor"]))
+    rotary = int(head_dim * float(factor))
+    attn = dict(rotary_dim=rotary if rotary < head_dim else 0, attn_output_gate=True,
+                linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim") or d["linear_conv_kernel_dim"]),
+                linear_key_heads=int(cfg.get("linear_num_key_heads") or d["linear_num_key_heads"]),
+                linear_value_heads=int(cfg.get("linear_num_value_heads") or d["linear_num_value_heads"]),
+                linear_key_head_dim=int(cfg.get("linear_key_head_dim") or d["linear_key_head_dim"]),
+                linear_value_head_dim=int(cfg.get("linear_value_head_dim") or d["linear_value_head_dim"]))
+    return moe, attn
+
+
 def _sigmoid_moe_from_hf(cfg: dict, d: dict, n_layers: int, where: str) -> dict[str, Any]:
     """The MoE fields of GLM-4.5 / DeepSeek-V3: ``first_k_dense_replace`` dense layers, then
     routed experts (sigmoid scores, selection bias, groups, routed scaling) beside
@@ -448,12 +515,13 @@ _GGUF_NUMERIC = ("embedding_length", "block_count", "attention.head_count", "att
                  "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
                  "attention.value_length_mla", "attention.value_length", "rope.scaling.factor",
                  "rope.scaling.original_context_length", "rope.scaling.yarn_log_multiplier",
-                 "attention.sliding_window")
+                 "attention.sliding_window", "ssm.conv_kernel", "ssm.state_size", "ssm.group_count",
+                 "ssm.time_step_rank", "ssm.inner_size")
 
 # GGUF ``general.architecture`` → engine family.
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
                  "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",
-                 "minimax-m2": "minimax_m2", "gpt-oss": "gpt_oss"}
+                 "minimax-m2": "minimax_m2", "gpt-oss": "gpt_oss", "qwen35moe": "qwen3_5_moe"}
 # llama.cpp's ``{arch}.expert_gating_func`` (llama_expert_gating_func_type).
 _GGUF_GATING = {1: "softmax", 2: "sigmoid"}
 
@@ -509,7 +577,7 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
         moe = dict(n_experts=n_exp, top_k=int(need("expert_used_count")),
                    moe_intermediate_size=moe_ff, norm_topk_prob=norm, moe_layers=layers)
         shexp = f"blk.{layers[0] if layers else 0}.ffn_gate_shexp.weight"
-        if family == "qwen2_moe":
+        if family in ("qwen2_moe", "qwen3_5_moe"):
             moe["shared_expert_intermediate_size"] = int(kv.get(
                 f"{arch}.expert_shared_feed_forward_length", tensor_shapes.get(shexp, (0,))[0]))
         elif family in ("glm4_moe", "deepseek_v3", "minimax_m2"):
@@ -543,6 +611,9 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
         qk_norm = "proj" if "blk.0.attn_q_norm.weight" in tensor_shapes else None
         rotary = int(kv.get(f"{arch}.rope.dimension_count", head_dim))
         attn["rotary_dim"] = rotary if rotary < head_dim else 0
+    elif family == "qwen3_5_moe":
+        qk_norm = "head"
+        attn = _qwen3_5_moe_from_gguf(kv, arch, n_layers, head_dim, tensor_shapes, need)
     bos = kv.get("tokenizer.ggml.bos_token_id")
     eos = kv.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -566,6 +637,21 @@ def _config_from_gguf(kv: dict[str, Any], tensor_shapes: dict[str, tuple[int, ..
         **moe,
         **attn,
     )
+
+
+def _qwen3_5_moe_from_gguf(kv: dict[str, Any], arch: str, n_layers: int, head_dim: int,
+                           tensor_shapes: dict[str, tuple[int, ...]], need) -> dict[str, Any]:
+    """Qwen3.5-MoE's attention fields from llama.cpp's ``qwen35moe`` keys: a layer with an
+    ``ssm_a`` tensor is Gated DeltaNet (``ssm.group_count`` key heads of ``ssm.state_size``,
+    ``ssm.time_step_rank`` value heads sharing ``ssm.inner_size``, ``ssm.conv_kernel`` taps;
+    its converter stores value heads tiled when there are more of them than key heads)."""
+    rotary = int(kv.get(f"{arch}.rope.dimension_count", head_dim))
+    n_k, n_v = int(need("ssm.group_count")), int(need("ssm.time_step_rank"))
+    return dict(rotary_dim=rotary if rotary < head_dim else 0, attn_output_gate=True,
+                linear_layers=tuple(i for i in range(n_layers) if f"blk.{i}.ssm_a" in tensor_shapes),
+                linear_conv_kernel=int(need("ssm.conv_kernel")), linear_key_heads=n_k, linear_value_heads=n_v,
+                linear_key_head_dim=int(need("ssm.state_size")),
+                linear_value_head_dim=int(need("ssm.inner_size")) // max(n_v, 1), linear_v_tiled=n_k != n_v)
 
 
 def _gguf_rope_scaling(kv: dict[str, Any], arch: str, where: str) -> dict | None:

@@ -22,15 +22,17 @@ from swarm.compute.attention_mla import MLAWeights, load_mla_weights, mla_attent
 from swarm.compute.attention_sinks import sink_attention
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
+from swarm.compute.deltanet import DeltaNetWeights, RecurrentState, deltanet_attention, load_deltanet_weights
 from swarm.compute.ffn import FFNBackend, LayerBackend, LocalFFN, RoutingConfig, shared_expert
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, rms_norm,
                                    llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
-                                   signed_sin)
+                                   sigmoid, signed_sin)
 from swarm.compute.quant import QMatrix, matmul_many, prepare_kernels
 from swarm.compute.rope import apply_partial_rope, yarn_attention_factor, yarn_inv_freq
 
 F32 = np.float32
-ATTENTION_MATRICES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_b", "v_b")
+ATTENTION_MATRICES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_b", "v_b",
+                      "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_out")
 
 
 class KVCache:
@@ -48,6 +50,11 @@ class KVCache:
     Multi-head latent attention (``config.is_mla``) keeps one array per layer, [1, capacity,
     kv_lora_rank + qk_rope_head_dim] (the compressed KV and the RoPE key of each position,
     :mod:`swarm.compute.attention_mla`): ``k[layer]`` and ``v[layer]`` are that same array.
+
+    A Gated DeltaNet layer (``config.linear_layers``) keeps no keys/values: ``states[layer]`` is
+    the sequence's :class:`~swarm.compute.deltanet.RecurrentState` there (:meth:`recurrent`),
+    which only runs on from its own position, from the one before its last step or from 0
+    (:meth:`resumes`).
     """
 
     def __init__(self, config: ModelConfig, capacity: int = 256):
@@ -56,10 +63,32 @@ class KVCache:
         self.capacity = 0
         self.k: list[np.ndarray | None] = [None] * config.n_layers
         self.v: list[np.ndarray | None] = [None] * config.n_layers
+        self.states: list[RecurrentState | None] = [None] * config.n_layers
         self._grow(capacity)
 
+    def recurrent(self, i: int) -> RecurrentState:
+        """Linear-attention layer ``i``'s recurrent state, allocated (zeros, position 0) on first use."""
+        state = self.states[i]
+        if state is None:
+            state = self.states[i] = RecurrentState(self.config)
+        return state
+
+    def resumes(self, start: int, lo: int = 0, hi: int | None = None) -> bool:
+        """Whether layers ``lo .. hi-1`` can run rows from position ``start``: always for KV rows
+        (a suffix re-run overwrites them); a recurrent state only from its own position, the
+        one before its last step, or 0 (:class:`~swarm.compute.deltanet.RecurrentState`)."""
+        layers = range(lo, self.config.n_layers if hi is None else hi)
+        return all(start == 0 if self.states[i] is None else self.states[i].resumes(start)
+                   for i in layers if self.config.is_linear_layer(i))
+
     def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Layer ``i``'s (keys, values), each [nkv, capacity, hd] f32, allocated on first use."""
+        """Layer ``i``'s (keys, values), each [nkv, capacity, hd] f32, allocated on first use
+        (a linear-attention layer: its recurrent state is allocated instead, and the pair is
+        empty [nkv, 0, hd] arrays)."""
+        if self.config.is_linear_layer(i):
+            self.recurrent(i)
+            empty = np.zeros((self.config.n_kv_heads, 0, self.config.head_dim), F32)
+            return empty, empty
         if self.k[i] is None:
             shape = (self.config.n_kv_heads, self.capacity, self.config.head_dim)
             self.k[i] = np.zeros(shape, F32)
@@ -200,7 +229,7 @@ class Model:
         return self.checkpoint.matrix("head")
 
     # ---- per-layer weights ----------------------------------------------------------------
-    def attention_weights(self, layer: int) -> AttentionWeights | MLAWeights:
+    def attention_weights(self, layer: int) -> AttentionWeights | MLAWeights | DeltaNetWeights:
         w = self._attn.get(layer)
         if w is None:
             with self._lock:
@@ -208,10 +237,12 @@ class Model:
                 self._attn[layer] = w
         return w
 
-    def _load_attention(self, layer: int) -> AttentionWeights | MLAWeights:
+    def _load_attention(self, layer: int) -> AttentionWeights | MLAWeights | DeltaNetWeights:
         ck, c = self.checkpoint, self.config
         if c.is_mla:
             return load_mla_weights(ck, layer)
+        if c.is_linear_layer(layer):
+            return load_deltanet_weights(ck, layer)
         q, k, v = (ck.matrix(p, layer) for p in ("q", "k", "v"))
         bias = None
         if ck.has("q_bias", layer):
@@ -392,6 +423,8 @@ class Model:
         T = h.shape[0]
         if c.is_mla:
             return mla_attention(c, w, layer, h, [(0, T, cache, start)], cos_qk, sin_qk)
+        if c.linear_layers or c.attn_output_gate:  # Qwen3.5: one path for one sequence and several
+            return self._attention_rows(layer, h, [(0, T, cache, start)], cos_qk, sin_qk)
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq = nh * hd
         nk = nkv * hd
@@ -561,10 +594,20 @@ class Model:
         T = h.shape[0]
         if c.is_mla:
             return mla_attention(c, w, layer, h, seqs, cos_qk, sin_qk)
+        if c.is_linear_layer(layer):
+            return deltanet_attention(c, w, layer, h, seqs)
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq, nk = nh * hd, nkv * hd
         qkv = np.empty((T, nq + 2 * nk), F32)
-        matmul_many([(w.q, h, qkv[:, :nq]), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
+        gate = None
+        if c.attn_output_gate:  # Qwen3.5: each head's query, then its output gate: [T, nh, 2 hd]
+            q_gate = np.empty((T, 2 * nq), F32)
+            matmul_many([(w.q, h, q_gate), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
+            q_gate = q_gate.reshape(T, nh, 2 * hd)
+            qkv[:, :nq] = q_gate[..., :hd].reshape(T, nq)
+            gate = sigmoid(q_gate[..., hd:].reshape(T, nq))
+        else:
+            matmul_many([(w.q, h, qkv[:, :nq]), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
         if w.qkv_bias is not None:
             qkv += w.qkv_bias
         if c.qk_norm == "proj":
@@ -583,6 +626,8 @@ class Model:
             k[:, start:end] = qk[a:b, nh:].transpose(1, 0, 2)
             v[:, start:end] = qkv[a:b, nq + nk:].reshape(b - a, nkv, hd).transpose(1, 0, 2)
             out[a:b] = self._attend_out(layer, w, qk[a:b, :nh], k, v, start, o_proj=False)
+        if gate is not None:
+            out *= gate
         y = w.o.matmul(out)
         if w.o_bias is not None:
             y += w.o_bias

@@ -1,0 +1,155 @@
+"""Qwen3.5-MoE (``qwen3_5_moe`` / GGUF ``qwen35moe``) against transformers on a tiny random
+checkpoint: Gated DeltaNet layers (causal conv state + recurrent state per sequence), gated full
+attention (output gate, per-head QK-norm, partial RoPE), zero-centered RMSNorms, softmax top-k
+routing beside a sigmoid-gated shared expert. HF safetensors (text-only and the multimodal
+layout), GGUF as llama.cpp's converter writes it (tiled value heads), prefill chunks of any
+length against token-by-token decoding, a batch of sequences, layer ranges on separate caches,
+and which positions a recurrent state can run on from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from swarm.compute import SamplingParams, generate, load_model
+from swarm.compute.kernels import rms_norm
+from tests.compute.tiny_models import hf_greedy, hf_logits
+from tests.compute.tiny_qwen3_5_moe import build, write_gguf
+
+TOKENS = [int(t) for t in np.random.default_rng(3).integers(0, 96, 12)]
+PREFILL = 7  # then one decode step per remaining token
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(transformers model, HF checkpoint dir), built once per module."""
+    return build(tmp_path_factory.mktemp("qwen3_5_moe"))
+
+
+def in_chunks(model, tokens, sizes):
+    """Logits [T, V] of ``tokens`` fed in chunks of ``sizes`` (the last repeated) on one cache."""
+    cache, out, at, i = model.new_cache(capacity=4), [], 0, 0
+    while at < len(tokens):
+        n = sizes[min(i, len(sizes) - 1)]
+        out.append(model.forward(tokens[at:at + n], cache))
+        at, i = at + n, i + 1
+    return np.concatenate(out), cache
+
+
+def test_config_reads_the_family(tiny):
+    c = load_model(tiny[1]).config
+    assert c.family == "qwen3_5_moe" and c.linear_layers == (0, 2) and c.attn_output_gate
+    assert (c.linear_key_heads, c.linear_value_heads, c.linear_key_head_dim, c.linear_conv_kernel) == (2, 4, 8, 4)
+    assert c.rotary_dim == 4 and c.qk_norm == "head" and not c.linear_v_tiled
+    assert c.moe_layers == (0, 1, 2) and c.norm_topk_prob and c.shared_expert_intermediate_size == 40
+
+
+def test_logits_match_transformers(tiny):
+    hf, path = tiny
+    ours, ref = in_chunks(load_model(path), TOKENS, [PREFILL, 1])[0], hf_logits(hf, TOKENS)
+    assert ours.dtype == np.float32 and ours.shape == ref.shape == (12, 96)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=ATOL)
+
+
+def test_greedy_tokens_match_transformers(tiny):
+    hf, path = tiny
+    ours = list(generate(load_model(path), TOKENS[:5], SamplingParams(max_tokens=8)))
+    assert ours == hf_greedy(hf, TOKENS[:5], 8)
+
+
+def test_gguf_matches_transformers(tiny, tmp_path):
+    """llama.cpp's layout: 1 + weight stored, -exp(A_log), value heads tiled (4 over 2 key heads)."""
+    hf, _ = tiny
+    model = load_model(write_gguf(hf, tmp_path / "m.gguf"))
+    assert model.format == "gguf" and model.config.family == "qwen3_5_moe" and model.config.linear_v_tiled
+    assert model.config.linear_layers == (0, 2) and model.config.rotary_dim == 4
+    np.testing.assert_allclose(in_chunks(model, TOKENS, [PREFILL, 1])[0], hf_logits(hf, TOKENS), rtol=0, atol=ATOL)
+
+
+def test_multimodal_layout_reads_the_text_model(tiny, tmp_path):
+    """A checkpoint as Qwen3.5-MoE ships (``text_config``, tensors under ``model.language_model.``,
+    a vision tower beside them) gives the text-only checkpoint's bits."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny[1]
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    out = tmp_path / "mm"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(model_type="qwen3_5_moe", text_config=text,
+                                                     vision_config=dict(depth=1), tie_word_embeddings=False)))
+    for f in src.glob("generation_config.json"):
+        shutil.copy(f, out)
+    np.testing.assert_array_equal(in_chunks(load_model(out), TOKENS, [5])[0],
+                                  in_chunks(load_model(src), TOKENS, [5])[0])
+
+
+@pytest.mark.parametrize("sizes", [[12], [1], [3], [5, 2]], ids=["one-chunk", "token-by-token", "chunks-of-3", "5-then-2"])
+def test_any_chunking_gives_the_same_state_and_logits_bits(tiny, sizes):
+    """The recurrence runs position by position whatever the chunk (swarm/compute/deltanet.py)."""
+    model = load_model(tiny[1])
+    want, want_cache = in_chunks(model, TOKENS, [7, 1])
+    got, cache = in_chunks(model, TOKENS, sizes)
+    np.testing.assert_array_equal(got, want)
+    for layer in model.config.linear_layers:
+        a, b = cache.recurrent(layer), want_cache.recurrent(layer)
+        assert a.position == b.position == len(TOKENS)
+        np.testing.assert_array_equal(a.ssm, b.ssm)
+        np.testing.assert_array_equal(a.conv, b.conv)
+
+
+def test_a_batch_of_sequences_gives_each_its_solo_bits(tiny):
+    model = load_model(tiny[1])
+    a, b = TOKENS[:PREFILL], TOKENS[3:]
+    solo = [model.forward(t, model.new_cache(), last_only=True) for t in (a, b)]
+    caches = [model.new_cache(), model.new_cache()]
+    np.testing.assert_array_equal(model.forward_batch([(a, caches[0]), (b, caches[1])]), np.concatenate(solo))
+    solo_caches = [model.new_cache(), model.new_cache()]
+    for t, cache in zip((a, b), solo_caches):
+        model.forward(t, cache)
+    step = model.forward_batch([([5], caches[0]), ([9], caches[1])])  # a decode step of each beside the other
+    np.testing.assert_array_equal(step, np.concatenate([model.forward([5], solo_caches[0], last_only=True),
+                                                        model.forward([9], solo_caches[1], last_only=True)]))
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_layer_ranges_on_separate_caches_give_the_whole_models_bits(tiny, fmt, tmp_path):
+    """Stages: layers 0:2 on one peer's cache, 2:3 on another's; each holds only its layers' state."""
+    model = load_model(tiny[1] if fmt == "hf" else write_gguf(tiny[0], tmp_path / "m.gguf"))
+    whole = in_chunks(model, TOKENS, [PREFILL, 1])[0]
+    first, second = model.new_cache(capacity=4), model.new_cache(capacity=4)
+    staged, start = [], 0
+    for chunk in [TOKENS[:PREFILL]] + [[t] for t in TOKENS[PREFILL:]]:
+        x = model.layers(model.embed.take(np.array(chunk)), first, start, 0, 2)
+        x = model.layers(x, second, start, 2, model.config.n_layers)
+        start += len(chunk)
+        staged.append(model.head.matmul(rms_norm(x, model.final_norm, model.config.rms_norm_eps)))
+    assert first.states[2] is None and second.states[0] is None and second.k[1] is None
+    np.testing.assert_array_equal(np.concatenate(staged), whole)
+
+
+def test_a_state_runs_on_from_its_position_the_one_before_or_zero(tiny):
+    """A step re-run from the same position (a retried step) gives its bits again; rows from an
+    earlier position are refused by name (the sequence must be replayed from 0)."""
+    model = load_model(tiny[1])
+    cache = model.new_cache()
+    model.forward(TOKENS[:PREFILL], cache)
+    first = model.forward(TOKENS[PREFILL:PREFILL + 1], cache)
+    assert cache.resumes(PREFILL + 1) and cache.resumes(PREFILL) and cache.resumes(0)
+    assert not cache.resumes(3) and cache.resumes(3, 1, 2)  # layer 1 keeps KV rows, no state
+    cache.truncate(PREFILL)
+    np.testing.assert_array_equal(model.forward(TOKENS[PREFILL:PREFILL + 1], cache), first)
+    cache.truncate(3)
+    with pytest.raises(ValueError, match=r"recurrent state holds position 8; rows from position 3 need the "
+                                         r"sequence from position 0"):
+        model.forward(TOKENS[3:5], cache)
+    cache.truncate(0)
+    np.testing.assert_array_equal(model.forward(TOKENS[:PREFILL], cache),
+                                  model.forward(TOKENS[:PREFILL], model.new_cache()))
