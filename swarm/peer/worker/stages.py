@@ -6,8 +6,10 @@ the engine's own ``Model.layers`` on the rows, so the coordinator gets the local
 KV caches. Each stage holds the keys/values of its layers for every sequence in flight, keyed by
 the sequence id the coordinator gives each new cache (``start == 0``). A request for positions
 ``start ..`` first truncates the stage's cache to ``start`` (re-running a suffix is a smaller
-``start``); a stage that holds fewer positions answers ``cache_gap`` and the coordinator resends
-the sequence from position 0. A stage peer keeps keys/values for its own layers only.
+``start``; so is the coordinator's prefix reuse, which continues a finished sequence's cache from
+the prefix a new prompt shares with it); a stage that holds fewer positions answers ``cache_gap``
+and the coordinator resends the sequence from position 0. A stage peer keeps keys/values for its
+own layers only, and those of finished sequences until ``max_sequences`` newer ones push them out.
 
 Threading. Synchronous and CPU-heavy: run off the event loop, except a short step (a decode
 token: :meth:`StageRunner.take_inline`), which runs on the event loop that received it, sparing
@@ -117,6 +119,13 @@ class StageRunner:
             ranges = {(s.start, s.stop) for p in self._layouts.values() for s in p.stages if s.peer == self.peer_id}
             for key in [k for k in self._caches if k[1:] not in ranges]:
                 del self._caches[key]
+
+    def forget(self) -> int:
+        """Drop every sequence's KV cache (as a restart does); returns how many were held."""
+        with self._lock:
+            n = len(self._caches)
+            self._caches.clear()
+        return n
 
     def serves(self, term: int, version: int) -> bool:
         """Whether requests of plan ``version`` of ``term`` are served."""
