@@ -468,17 +468,21 @@ def observed_gflops(flops_per_row: float, s_per_row: float | None) -> float | No
 PIPELINE_GROUPS_PER_STAGE = 1  # groups per stage a step of many sequences splits into (one in flight at each)
 
 
-def pipeline_groups(n_sequences: int, n_stages: int) -> int:
+def pipeline_groups(n_sequences: int, n_stages: int, schedulers: int = 1) -> int:
     """How many groups a step of ``n_sequences`` is cut into over ``n_stages`` stages, pipelined
     (:mod:`swarm.peer.coordinator.stages`): 1 (none) for one sequence or one stage; otherwise
     ``PIPELINE_GROUPS_PER_STAGE`` per stage, at most one per sequence. A step of G groups over S
     stages takes G + S - 1 group-stage times: more groups fill the pipeline better (G of every
     G + S - 1 stage slots busy), but each costs every stage a message and its fixed per-call
     time (on a CPU a group of 2 decode rows costs far more than a quarter of 8:
-    bench/results/pipeline.md measured 4 and 8 groups of 8 streams slower than 2)."""
-    if n_sequences < 2 or n_stages < 2:
+    bench/results/pipeline.md measured 4 and 8 groups of 8 streams slower than 2).
+
+    ``schedulers`` batch schedulers stepping through the stages at once (the API's pool) each
+    keep a step in flight already: a step is cut only into the groups they leave the stages
+    short of, none once there are as many schedulers as stages."""
+    if n_sequences < 2 or n_stages < 2 or schedulers >= n_stages:
         return 1
-    return min(n_sequences, PIPELINE_GROUPS_PER_STAGE * n_stages)
+    return min(n_sequences, PIPELINE_GROUPS_PER_STAGE * -(-n_stages // max(1, schedulers)))
 
 
 # a CPU reads a layer's weights once per call, whatever its rows (SmolLM2 on this project's 2-core

@@ -185,6 +185,7 @@ class StagedFFN:
         # groups a step of several sequences splits into, pipelined over the stages (None: the
         # cost model's choice, costmodel.pipeline_groups; 1: none, the stages one after the other)
         self.pipeline_groups: int | None = None
+        self.schedulers = 1  # batch schedulers stepping through these stages at once (set_schedulers)
         self.pipelined_steps = 0  # steps whose sequences crossed the stages in groups, pipelined
         self._compute = threading.Lock()  # layers run here one group at a time
         self.verifier = StageVerifier(model, verify, rng)  # --verify (stage_verify.py)
@@ -218,6 +219,14 @@ class StagedFFN:
             why = self.tracker.distrusted.get(peer)
             if why is not None:
                 self.dispatcher.peer_failed(peer, f"{VERIFY_FAILED}: {why}")
+
+    def set_schedulers(self, n: int) -> None:
+        """``n`` ≥ 1 batch schedulers step through these stages at once (the API's pool): each
+        one's step is a group in flight already, so a step is cut into groups only to fill the
+        stages they leave idle (:func:`~swarm.peer.coordinator.costmodel.pipeline_groups`)."""
+        if n < 1:
+            raise ValueError(f"schedulers must be ≥ 1, got {n}")
+        self.schedulers = n
 
     def set_approximate(self, peers: set[str]) -> None:
         """``peers`` (of another numeric build) are verified within a bound, not bit for bit."""
@@ -270,7 +279,7 @@ class StagedFFN:
             return min(n_sequences, self.pipeline_groups)
         from swarm.peer.coordinator.costmodel import pipeline_groups
 
-        return pipeline_groups(n_sequences, n_stages)
+        return pipeline_groups(n_sequences, n_stages, self.schedulers)
 
     def _run_stage(self, group: list[_Part], stage: Stage, layout: StageLayout) -> None:
         """``group``'s rows through ``stage``: on its peer, or here (its own stage, or a failover)."""

@@ -56,7 +56,7 @@ def staged_backend(model_dir, **limits):
 async def test_concurrent_requests_over_two_stage_peers_get_their_solo_text_with_the_schedulers_overlapping(
         model_dir, solo):
     backend, ffn, hand = staged_backend(model_dir, max_batch=8)
-    ffn.pipeline_groups = 1  # no groups within a step: any overlap comes from the two schedulers
+    assert ffn.schedulers == 2  # told by the backend: its steps are cut into no groups
     stamped = Stamped(hand)
     pool = backend.scheduler
     assert pool.width == 2 == len(pool.schedulers)
@@ -70,6 +70,7 @@ async def test_concurrent_requests_over_two_stage_peers_get_their_solo_text_with
     assert together == [solo[p] for p in PROMPTS] and all(together)
     assert all(sched.steps > 0 for sched in pool.schedulers)  # both served some of them
     assert stamped.overlaps(W1, W2)  # one scheduler's step at the second stage peer while the other's at the first
+    # any overlap came from the two schedulers: no step was cut into groups
     assert not ffn.failed and ffn.pipelined_steps == 0, (ffn.failed, ffn.pipelined_steps)
 
 

@@ -26,6 +26,9 @@ def test_one_sequence_and_one_stage_are_not_split():
     costs = layers()
     coord, workers = pair()
     assert cm.pipeline_groups(1, 2) == 1 and cm.pipeline_groups(8, 1) == 1
+    # schedulers stepping at once are groups in flight already: a step is cut only to fill the rest
+    assert cm.pipeline_groups(8, 2, schedulers=2) == 1 and cm.pipeline_groups(8, 3, schedulers=3) == 1
+    assert cm.pipeline_groups(8, 3, schedulers=2) == 2 and cm.pipeline_groups(8, 2) == 2
     # the coordinator alone: one call of every layer, the head per row
     alone = cm.serving_step_s(costs, coord, workers, (("c", 0, 24),), 8)
     assert alone == pytest.approx(cm._stage_call_s(costs, coord, 0, 24, 8, False) + 8 * 1e7 / 1e10)
