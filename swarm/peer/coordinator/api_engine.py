@@ -79,14 +79,16 @@ class EngineBackend:
     worker among them, one batch scheduler per stage steps its own sequences through it (a
     :class:`~swarm.compute.serving.SchedulerPool`), so one scheduler's step is at one stage while
     another's is at the next; a new request goes to the least loaded and its sequence stays
-    there. ``max_batch``, ``max_queue`` and ``context`` hold for all of them together. Otherwise
+    there. ``max_batch``, ``max_queue`` and ``context`` hold for all of them together; finished
+    sequences' KV caches are kept for prompts that start with their tokens (``prefix_reuse``,
+    :mod:`swarm.compute.prefix`) within the ``context`` positions the running ones leave. Otherwise
     (and with one stage) one scheduler, as on one machine. A sequence's tokens are its solo
     run's either way (every row is batch-invariant).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, ffn: Any = None,
                  max_tokens_limit: int | None = None, max_batch: int | None = None,
-                 max_queue: int | None = None, context: int | None = None) -> None:
+                 max_queue: int | None = None, context: int | None = None, prefix_reuse: bool = True) -> None:
         self.model, self.tokenizer, self.ffn = model, tokenizer, ffn
         self.model_id = model_id
         # ``context``: positions of KV cache this server may hold, all sequences together (the memory
@@ -95,7 +97,7 @@ class EngineBackend:
         self.max_tokens_limit = max_tokens_limit or context_limit(model.config, context) or 8192
         self.vocab_size = model.config.vocab_size  # logit_bias ids are checked against it
         self.scheduler = SchedulerPool(model, lambda: self.ffn, max_batch=max_batch, max_queue=max_queue,
-                                       max_positions=context)
+                                       max_positions=context, prefix_reuse=prefix_reuse)
         self._share(ffn)
         self.concurrency = self.scheduler.max_batch + self.scheduler.max_queue
 
@@ -123,10 +125,16 @@ class EngineBackend:
 
     def load(self) -> dict[str, float]:
         """Sequences ``running`` and ``waiting`` now, forward ``steps`` run and their total
-        ``step_seconds`` (for ``GET /metrics``)."""
+        ``step_seconds``, prompt tokens ``prefilled`` and ``reused`` (prefix reuse) so far, KV
+        positions ``prefix_positions`` kept for reuse now and ``prefix_evictions`` so far (for
+        ``GET /metrics`` and status)."""
         now = self.scheduler.snapshot()
+        pool = self.scheduler
+        with pool.cond:
+            kept, evicted, reused = pool.prefixes.positions(), pool.prefixes.evicted, pool.prefixes.reused_tokens
         return {"running": len(now["running"]), "waiting": len(now["waiting"]), "steps": now["steps"],
-                "step_seconds": self.scheduler.step_s_total}
+                "step_seconds": pool.step_s_total, "prefilled": pool.prompt_tokens_prefilled, "reused": reused,
+                "prefix_positions": kept, "prefix_evictions": evicted}
 
     def prepare(self, request: ChatRequest) -> ChatRequest:
         """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks
@@ -178,7 +186,7 @@ class EngineBackend:
         prompt_ids = request.prompt_ids
         assert prompt_ids is not None  # prepared above
         tokens = self.scheduler.submit(prompt_ids, params)
-        pieces = sampled_pieces(tokens.sampled(), self.tokenizer, params, len(prompt_ids), stats)
+        pieces = sampled_pieces(_counting_reuse(tokens, stats), self.tokenizer, params, len(prompt_ids), stats)
         if request.logprobs is None:
             return Reply(tokens, (p.text for p in pieces if p.text))
         return Reply(tokens, (self._piece(p) for p in pieces))
@@ -193,6 +201,13 @@ class EngineBackend:
 
         return TokenLogprob(*text(sampled.token), sampled.logprob,
                             tuple((*text(t), lp) for t, lp in sampled.top))
+
+
+def _counting_reuse(tokens: TokenStream, stats: GenerationStats) -> Iterator[Sampled]:
+    """``tokens.sampled()``, setting ``stats.cached_tokens`` once the sequence has joined."""
+    for sampled in tokens.sampled():
+        stats.cached_tokens = tokens.reused
+        yield sampled
 
 
 def schedulers_for(ffn: Any) -> int:
