@@ -64,6 +64,10 @@ SMALL_T = 64
 # the activation rows): below it, handing it over (waking a thread: tens of µs on a busy
 # machine) costs more than it saves. A decode product of 512 KiB takes ~80 µs on one core.
 MIN_CHUNK_BYTES = 512 << 10
+# Work of one tile of a group of block-kernel products (weight bytes, scaled up with the
+# activation rows as above): ~5 µs on one core, small enough to even out 16 threads' shares,
+# large enough that handing it out (an atomic add, ~0.1 µs) costs nothing.
+GROUP_TILE_BYTES = 48 << 10
 # Largest decoded float32 tile of weight rows (bytes): little memory next to the compact weights.
 _TILE_BYTES = 4 << 20
 
@@ -267,7 +271,15 @@ def matmul_many(products: Sequence[tuple[QMatrix, np.ndarray, np.ndarray | None]
 
 
 def _run_products(k, operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> None:
-    """``dst = x @ W.T`` for each ``(W, x, dst)``, output rows spread over the compute threads."""
+    """``dst = x @ W.T`` for each ``(W, x, dst)``, output rows spread over the compute threads:
+    block-kernel products of at most SMALL_T rows as one compiled group (:func:`_run_group`),
+    the rest in ranges of rows handed out from Python."""
+    grouped = [o for o in operands if o[0]._kind >= 0 and o[1].shape[0] <= SMALL_T and o[0].data.flags.c_contiguous]
+    if grouped:
+        _run_group(grouped)
+        if len(grouped) == len(operands):
+            return
+        operands = [o for o in operands if not any(o is g for g in grouped)]
     # A weight row's work: its bytes, weighted up with the activation rows it meets.
     sizes = [(w.data.shape[0], w.data.shape[1] * (3 + min(x.shape[0], SMALL_T)) / 4) for w, x, _ in operands]
     parts = threads.parts_for(sum(n * b for n, b in sizes), MIN_CHUNK_BYTES)
@@ -282,6 +294,55 @@ def _run_products(k, operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]])
             w._matmul_rows(k, x, dst, lo, hi)
 
     threads.run_chunks(part, [(c,) for c in threads.split_weighted(sizes, parts, 8)])
+
+
+def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> None:
+    """Block-kernel products (C-contiguous weights, x and dst checked by ``_operands``; T ≤
+    SMALL_T) in tiles of about GROUP_TILE_BYTES of work, which the calling thread and the pool's
+    workers take from one atomic counter in compiled code (swarm/compute/groupkernel.py)."""
+    g = _group or _group_kernel()
+    table = np.empty((len(operands), g.NCOLS), np.int64)
+    first, work = 0, 0.0
+    for row, (w, x, dst) in zip(table, operands):
+        (R, RB), T = w.data.shape, x.shape[0]
+        row_work = RB * (3 + T) / 4
+        tile = max(8, int(GROUP_TILE_BYTES / row_work) // 8 * 8)
+        row[:] = (w._kind, _address(w.data), R, RB, _address(x), T, x.shape[1], _address(dst), tile, first)
+        first += -(-R // tile)
+        work += R * row_work
+    counter = np.zeros(1, np.int64)
+    # Threads asked to join: one per 4 tiles. A late one finds the tiles taken and costs the
+    # caller nothing, so the bar is lower than MIN_CHUNK_BYTES (fixed ranges wait for their thread).
+    parts = threads.parts_for(work, 4 * GROUP_TILE_BYTES)
+    if parts == 1:
+        g.run_group(table, counter, first)
+    else:  # one call per thread that joins: each takes tiles until none is left
+        threads.run_chunks(g.run_group, [(table, counter, first)] * parts)
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+_group = None
+
+
+def _group_kernel():
+    """The compiled group kernel (swarm/compute/groupkernel.py), loaded on first use after the
+    block kernels, whose compiled code it links."""
+    global _group
+    if _group is None:
+        _kernels()
+        with _import_lock, compiling("group kernel"):
+            if _group is None:
+                from swarm.compute import groupkernel as g
+                w = np.zeros((1, 34), np.uint8)
+                x = np.zeros((1, 32), F32)
+                out = np.empty((1, 1), F32)
+                table = np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64)
+                g.run_group(table, np.zeros(1, np.int64), 1)  # compile or load from the cache now
+                _group = g
+    return _group
 
 
 # ---- helpers ----------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ def write_tiny_moe(path: Path, qtype: QT, seed: int = 0) -> Path:
 def every_call_split(monkeypatch):
     """No call too small to cut: every product, norm, SwiGLU and attention runs in parts."""
     monkeypatch.setattr(quant, "MIN_CHUNK_BYTES", 1)
+    monkeypatch.setattr(quant, "GROUP_TILE_BYTES", 1)  # tiles of 8 rows, every thread asked to join
     monkeypatch.setattr(kernels, "MIN_ELEMENTWISE", 1)
     monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 1)
     before = threads.threads()
@@ -158,6 +159,31 @@ def test_products_handed_over_together_keep_their_bits(T, every_call_split):
         assert got[1].base is wide and np.isnan(wide[:, :3]).all()
         for i, (g, w) in enumerate(zip(got, want)):
             np.testing.assert_array_equal(g, w, err_msg=f"product {i} at {n} threads")
+
+
+def test_a_group_is_shared_by_the_threads_that_run_it(every_call_split):
+    """Threads running one group call take its tiles from one counter: every tile is computed
+    once (the counts add up), and the results are the one-thread products' bits."""
+    rng = np.random.default_rng(5)
+    ms = [quant.QMatrix(np.ascontiguousarray(_matrix(rng, (rows, 512), QT.Q4_K, 0.1)), QT.Q4_K, 512)
+          for rows in (200, 64, 136)]
+    x = rng.standard_normal((1, 512), dtype=F32)
+    threads.set_threads(1)
+    want = [m.matmul(x) for m in ms]
+    got = [np.full((1, m.shape[0]), np.nan, F32) for m in ms]
+    g = quant._group_kernel()
+    table = np.array([[m._kind, quant._address(m.data), m.shape[0], m.data.shape[1], quant._address(x), 1, 512,
+                       quant._address(y), 8, first] for m, y, first in zip(ms, got, (0, 25, 33))], np.int64)
+    counter, done = np.zeros(1, np.int64), []
+    runners = [threading.Thread(target=lambda: done.append(g.run_group(table, counter, 50))) for _ in range(3)]
+    for r in runners:
+        r.start()
+    done.append(g.run_group(table, counter, 50))
+    for r in runners:
+        r.join()
+    assert sum(done) == 50 and counter[0] >= 50
+    for y, w in zip(got, want):
+        np.testing.assert_array_equal(y, w)
 
 
 def test_split_weighted_covers_every_range_once():
