@@ -494,8 +494,9 @@ def _release_clean_pages(library: str) -> int:
 
 
 def prepare_kernels() -> None:
-    """Load (or, the first time on a machine, compile: seconds) the block kernels now."""
-    _kernels()
+    """Load (or, the first time on a machine, compile: about a minute) the block kernels and
+    the group kernel that runs them on several threads now."""
+    _group_kernel()
 
 
 def _numba_cache_dir() -> str:
