@@ -96,13 +96,15 @@ class PrefixStore:
     def take(self, prompt: Sequence[int], owner: object | None) -> tuple[KVCache | None, int]:
         """The cache of the entry under ``owner`` sharing the longest prefix with ``prompt`` (at
         least half of the entry), truncated to ``n`` positions, and ``n``: the prompt tokens it
-        holds, at most ``len(prompt) - 1``. (None, 0) when no entry fits."""
+        holds, at most ``len(prompt) - 1``. (None, 0) when no entry fits. A cache with a recurrent
+        state (Qwen3.5's linear attention) fits only where its state can run on from: the whole
+        cache, as a conversation's next turn continues it (:meth:`KVCache.resumes`)."""
         best, best_n = None, 0
         for key, entry in self._entries.items():
             if entry.owner is not owner:
                 continue
             n = _common_prefix(entry.tokens, prompt, len(prompt) - 1)
-            if n > best_n and 2 * n >= len(entry.tokens):
+            if n > best_n and 2 * n >= len(entry.tokens) and entry.cache.resumes(n):
                 best, best_n = key, n
         if best is None:
             return None, 0

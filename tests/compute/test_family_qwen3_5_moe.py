@@ -153,3 +153,19 @@ def test_a_state_runs_on_from_its_position_the_one_before_or_zero(tiny):
     cache.truncate(0)
     np.testing.assert_array_equal(model.forward(TOKENS[:PREFILL], cache),
                                   model.forward(TOKENS[:PREFILL], model.new_cache()))
+
+
+def test_prefix_reuse_takes_a_recurrent_cache_only_where_its_state_runs_on(tiny):
+    """A conversation's next turn continues the whole cache (its state's position) with the bits of
+    a fresh prefill; a prompt that shares only part of it finds no entry (the state cannot go back)."""
+    from swarm.compute.prefix import PrefixStore
+
+    model = load_model(tiny[1])
+    store, cache = PrefixStore(), model.new_cache()
+    model.forward(TOKENS[:8], cache)
+    store.keep(TOKENS[:8], cache, None, None)
+    assert store.take(TOKENS[:6] + [1, 2, 3], None) == (None, 0)
+    taken, n = store.take(TOKENS, None)
+    assert taken is cache and n == 8
+    np.testing.assert_array_equal(model.forward(TOKENS[8:], taken, last_only=True),
+                                  model.forward(TOKENS, model.new_cache(), last_only=True))

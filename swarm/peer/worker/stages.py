@@ -7,8 +7,9 @@ KV caches. Each stage holds the keys/values of its layers for every sequence in 
 the sequence id the coordinator gives each new cache (``start == 0``). A request for positions
 ``start ..`` first truncates the stage's cache to ``start`` (re-running a suffix is a smaller
 ``start``; so is the coordinator's prefix reuse, which continues a finished sequence's cache from
-the prefix a new prompt shares with it); a stage that holds fewer positions answers ``cache_gap``
-and the coordinator resends the sequence from position 0. A stage peer keeps keys/values for its
+the prefix a new prompt shares with it); a stage that holds fewer positions, or whose layers keep a
+recurrent state that cannot run on from ``start`` (:class:`~swarm.compute.deltanet.RecurrentState`),
+answers ``cache_gap`` and the coordinator resends the sequence from position 0. A stage peer keeps keys/values for its
 own layers only, and those of finished sequences until ``max_sequences`` newer ones push them out.
 
 Threading. Synchronous and CPU-heavy: run off the event loop, except a short step (a decode
@@ -189,6 +190,9 @@ class StageRunner:
                 elif cache is None or cache.length < s.start:
                     gaps.append(f"sequence {s.sequence}: holds {0 if cache is None else cache.length} "
                                 f"positions, the request starts at {s.start}")
+                    continue
+                elif not cache.resumes(s.start, lo, hi):  # a recurrent state cannot go back there
+                    gaps.append(f"sequence {s.sequence}: its recurrent state cannot run on from position {s.start}")
                     continue
                 caches.append(cache)
             if gaps:
