@@ -419,11 +419,7 @@ def _choose_for_throughput(costs: LayerCosts, coord: PeerCost, workers: Sequence
                            estimates: list[Estimate], sequences: int) -> tuple[Estimate, list[Estimate]]:
     """The coordinator alone against its layers split over it and ``workers`` by speed,
     pipelined, with ``sequences`` running; the stages when they serve ``REMOTE_MARGIN`` faster."""
-    from swarm.peer.plan import split_layers
-
-    split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)],
-                         [coord.gflops, *(w.gflops for w in workers)])
-    layout = tuple((st.peer, st.start, st.stop) for st in split)
+    layout = throughput_split(costs, coord, workers)
     local_s = serving_step_s(costs, coord, workers, alone.stages, sequences)
     alone = replace(alone, serving_tok_s=sequences / local_s)
     estimates = [alone if e.layout == "local" else e for e in estimates]
@@ -439,6 +435,23 @@ def _choose_for_throughput(costs: LayerCosts, coord: PeerCost, workers: Sequence
            f"{1 / alone.decode_s:.1f})")
     staged = replace(staged, note=why)
     return staged, [*estimates, staged]
+
+
+def throughput_split(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]) -> tuple[tuple[str, int, int], ...]:
+    """The layers cut over the coordinator and ``workers`` (in that order) so that every peer is
+    busy as long per token when the stages are pipelined: each peer's share of all the FLOPs ∝
+    its speed, the head's counted in the coordinator's (it runs the head for every row), so the
+    coordinator takes that many fewer layers — at least one. ``(peer, start, stop)`` per stage.
+    (SmolLM2-135M: the head is a fifth of a token's FLOPs; 15/15 layers leave the coordinator
+    the bottleneck, 11/19 balance two equal peers.)"""
+    from swarm.peer.plan import split_layers
+
+    speeds = [_gflops(p) for p in (coord, *workers)]
+    layer_flops = sum(costs.attn_flops) + sum(costs.ffn_flops)
+    shares = [(layer_flops + costs.head_flops) * v / sum(speeds) for v in speeds]  # FLOPs per token each
+    shares[0] = max(shares[0] - costs.head_flops, 0.5 * layer_flops / costs.n_layers)  # its layers: ≥ one
+    split = split_layers(costs.n_layers, [coord.peer_id, *(w.peer_id for w in workers)], shares)
+    return tuple((st.peer, st.start, st.stop) for st in split)
 
 
 def report(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost], best: Estimate,

@@ -82,3 +82,21 @@ def test_a_slow_link_keeps_the_coordinator_alone():
     coord, workers = pair(rtt_s=0.05)
     best, _ = cm.choose(costs, coord, workers, sequences=8)
     assert best.layout == "local"
+
+
+def test_the_throughput_split_leaves_the_coordinator_room_for_the_head():
+    """Pipelined, the busiest peer sets the pace; the coordinator also runs the head for every
+    row, so it takes that many fewer layers (SmolLM2's shape: 30 layers, the head a fifth)."""
+    costs = LayerCosts((2e6,) * 30, (5e6,) * 30, (MB,) * 30, (MB,) * 30, 5.6e7, 1024)
+    coord, workers = pair()
+    split = cm.throughput_split(costs, coord, workers)
+    assert split == (("c", 0, 11), ("w1", 11, 30))
+    work = [(hi - lo) * 7e6 + (costs.head_flops if p == "c" else 0) for p, lo, hi in split]
+    assert abs(work[0] - work[1]) <= 7e6  # within a layer of each other
+    # a worker twice as fast takes twice the coordinator's work, head included
+    fast = [PeerCost("w1", 10**12, 20.0, 0.002)]
+    (_, lo, hi), _ = cm.throughput_split(costs, coord, fast)
+    assert hi - lo == 5 and abs(2 * (5 * 7e6 + 5.6e7) - 25 * 7e6) <= 2 * 7e6
+    # a head heavier than the coordinator's share leaves it one layer, never none
+    heavy = LayerCosts((2e6,) * 30, (5e6,) * 30, (MB,) * 30, (MB,) * 30, 5e8, 1024)
+    assert cm.throughput_split(heavy, coord, workers)[0] == ("c", 0, 1)
