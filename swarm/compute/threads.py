@@ -5,7 +5,8 @@ into *chunks* — ranges of output rows, or of attention heads — each computed
 compiled kernel, which releases the GIL. :func:`run_chunks` hands a call's chunks to the
 process's shared pool and works on them itself: chunks are taken from one counter, first come
 first served, by the calling thread and by the pool's workers, and the call returns when all
-are done. So
+are done. (Block-kernel products go further: each thread that takes a chunk runs one
+compiled call that takes the products' tiles from an atomic counter, swarm/compute/groupkernel.py.) So
 
 * a chunk's result does not depend on which thread computed it or how the rows were cut: each
   output element keeps its one sequence of float32 operations (the kernels' promise), and the
