@@ -19,7 +19,8 @@ An entry is taken only when the shared prefix is at least half of it: a short co
 
 The ``owner`` of an entry is the layer backend that holds part of its keys/values (the stage
 dispatch: the rest lives on stage peers, keyed by the sequence that filled it), or None when the
-cache holds every layer's keys/values here. An entry is reused under the same owner only.
+cache holds every layer's keys/values here. An entry is reused under the same owner only, and
+dropped at the first :meth:`PrefixStore.take` under another (its backend was replaced).
 
 Memory. The store holds positions nobody else needs: ``keep`` and ``make_room`` are given the
 positions left beside the running sequences' claims (prompt + ``max_tokens`` each, within the
@@ -98,11 +99,13 @@ class PrefixStore:
         least half of the entry), truncated to ``n`` positions, and ``n``: the prompt tokens it
         holds, at most ``len(prompt) - 1``. (None, 0) when no entry fits. A cache with a recurrent
         state (Qwen3.5's linear attention) fits only where its state can run on from: the whole
-        cache, as a conversation's next turn continues it (:meth:`KVCache.resumes`)."""
+        cache, as a conversation's next turn continues it (:meth:`KVCache.resumes`). Entries of
+        another owner are dropped."""
+        for key in [k for k, e in self._entries.items() if e.owner is not owner]:
+            del self._entries[key]
+            self.evicted += 1
         best, best_n = None, 0
         for key, entry in self._entries.items():
-            if entry.owner is not owner:
-                continue
             n = _common_prefix(entry.tokens, prompt, len(prompt) - 1)
             if n > best_n and 2 * n >= len(entry.tokens) and entry.cache.resumes(n):
                 best, best_n = key, n

@@ -89,3 +89,15 @@ def test_kept_caches_are_evicted_least_recently_used_when_a_request_needs_their_
     assert reused == 0 and len(got) == 4 and sched.prefixes.evicted == evicted + held
     fresh = BatchScheduler(model, chunk=8, prefill_rows=16, prefix_reuse=False)
     assert got == run(fresh, [8] * 60, params)[0]
+
+
+def test_a_cache_is_reused_under_the_backend_that_filled_it_only(model):
+    store = PrefixStore()
+    cache = model.new_cache(capacity=16)
+    model.forward(FIRST, cache)
+    stages = object()  # a layer backend holding part of the keys/values elsewhere
+    store.keep(FIRST, cache, stages, None)
+    assert store.take(FIRST + [1], stages) == (cache, len(FIRST))
+    store.keep(FIRST, cache, stages, None)
+    assert store.take(FIRST + [1], None) == (None, 0)  # the keys/values here are not all of them
+    assert len(store) == 0 and store.evicted == 1  # its backend was replaced: dropped
