@@ -46,6 +46,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: Qwen2's with combining marks kept in words (llama.cpp QWEN35, from its tokenizer.json)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # GPT-4o's (o200k) split, as its tokenizer.json writes it (llama.cpp GPT4O, MINIMAX_M2)
 _GPT4O_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -74,6 +79,7 @@ _REGEX_SPLITS: dict[str, tuple[str, ...]] = {
                     (_QWEN2_SPLIT,)),
     **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _DEEPSEEK3_SPLITS),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_GPT4O_SPLIT,)),
+    "qwen35": (_QWEN35_SPLIT,),
     "tekken": (_TEKKEN_SPLIT,),
     "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, r"[0-9][0-9][0-9]"),

@@ -169,3 +169,22 @@ def test_prefix_reuse_takes_a_recurrent_cache_only_where_its_state_runs_on(tiny)
     assert taken is cache and n == 8
     np.testing.assert_array_equal(model.forward(TOKENS[8:], taken, last_only=True),
                                   model.forward(TOKENS, model.new_cache(), last_only=True))
+
+
+# llama.cpp's regex for tokenizer.ggml.pre "qwen35" as src/llama-vocab.cpp writes it (case folded by hand)
+LLAMA_CPP_QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def test_qwen35_gguf_text_split_is_llama_cpps(tmp_path):
+    """Qwen3.5 GGUFs name their split ``qwen35``: Qwen2's with combining marks kept inside words
+    (Devanagari, Thai, accents written apart), checked against llama.cpp's regex run by ``regex``."""
+    import regex
+
+    from swarm.compute.tokenizer import _gguf_pre_tokenizer
+
+    text = "नमस्ते दुनिया! It's 2026, café\u0301 ๑๒ สวัสดี\n\n  def f(x):\treturn x**2 🙂🙂 I'LL"
+    ours = [span for _, span in _gguf_pre_tokenizer(tmp_path / "m.gguf", "qwen35").pre_tokenize_str(text)]
+    assert ours == [m.span() for m in regex.finditer(LLAMA_CPP_QWEN35, text)]
+    qwen2 = [span for _, span in _gguf_pre_tokenizer(tmp_path / "m.gguf", "qwen2").pre_tokenize_str(text)]
+    assert qwen2 != ours  # the marks matter on this text
