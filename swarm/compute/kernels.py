@@ -220,46 +220,36 @@ def swiglu(w: MLPWeights, x: np.ndarray) -> np.ndarray:
     With ``w.swiglu_limit`` > 0 (gpt-oss, transformers ``GptOssExperts``): ``g = W_gate x + b_g``
     clamped above at the limit, ``u = W_up x + b_u`` clamped to ±limit, then
     ``W_down ((u + 1) * g * sigmoid(alpha * g)) + b_d``. Every step is element-wise on a row."""
-    if w.bias is not None or w.swiglu_limit:
-        return _swiglu_clamped(w, x)
-    g = w.gate.matmul(x)  # [n, F]
-    u = w.up.matmul(x)
-    silu_mul(g, u)
-    return w.down.matmul(g)  # [n, H]
+    return swiglu_many([w], [x])[0]
 
 
 def swiglu_many(ws: Sequence[MLPWeights], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """``[swiglu(w, x) for w, x in zip(ws, xs)]`` (each x float32 C-contiguous [n_i, H] → [n_i, H]),
-    the bits of each, with the products of all of them handed to the compute threads together
-    (:func:`~swarm.compute.quant.matmul_many`): every gate and up product in one hand-off, every
-    down product in another — so a decode step's experts, each too small to split well, share
-    all the threads."""
-    if any(w.bias is not None or w.swiglu_limit for w in ws):
-        return [swiglu(w, x) for w, x in zip(ws, xs)]
+    """``[swiglu(w, x) for w, x in zip(ws, xs)]`` (each x float32 [n_i, H] → [n_i, H] f32), the
+    bits of each, with the products of all of them handed to the compute threads together
+    (:func:`~swarm.compute.quant.matmul_many`): every gate and up product at once, then every
+    down product — so a decode step's experts, each too small to split well, share all the
+    threads."""
     n = len(ws)
     gu = matmul_many([(w.gate, x, None) for w, x in zip(ws, xs)] + [(w.up, x, None) for w, x in zip(ws, xs)])
-    for g, u in zip(gu[:n], gu[n:]):
-        silu_mul(g, u)
-    return matmul_many([(w.down, g, None) for w, g in zip(ws, gu[:n])])  # [n_i, H] each
+    hs = [_activation(w, g, u) for w, g, u in zip(ws, gu[:n], gu[n:])]  # [n_i, F] each
+    ys = matmul_many([(w.down, h, None) for w, h in zip(ws, hs)])  # [n_i, H] each
+    for w, y in zip(ws, ys):
+        if w.bias is not None:
+            y += w.bias[2]
+    return ys
 
 
-def _swiglu_clamped(w: MLPWeights, x: np.ndarray) -> np.ndarray:
-    g = w.gate.matmul(x)  # [n, F]
-    u = w.up.matmul(x)
+def _activation(w: MLPWeights, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """SwiGLU's element-wise step on the gate and up products g, u [n, F] f32 (g may be reused)."""
     if w.bias is not None:
         g += w.bias[0]
         u += w.bias[1]
-    if w.swiglu_limit:
-        limit = F32(w.swiglu_limit)
-        np.minimum(g, limit, out=g)
-        np.clip(u, -limit, limit, out=u)
-        h = (u + F32(1.0)) * (g * sigmoid(g * F32(w.swiglu_alpha)))
-    else:
-        h = silu_mul(g, u)
-    y = w.down.matmul(np.ascontiguousarray(h, dtype=F32))  # [n, H]
-    if w.bias is not None:
-        y += w.bias[2]
-    return y
+    if not w.swiglu_limit:
+        return silu_mul(g, u)
+    limit = F32(w.swiglu_limit)
+    np.minimum(g, limit, out=g)
+    np.clip(u, -limit, limit, out=u)
+    return np.ascontiguousarray((u + F32(1.0)) * (g * sigmoid(g * F32(w.swiglu_alpha))), dtype=F32)
 
 
 def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
