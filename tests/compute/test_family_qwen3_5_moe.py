@@ -72,7 +72,7 @@ def test_gguf_matches_transformers(tiny, tmp_path):
 
 def test_multimodal_layout_reads_the_text_model(tiny, tmp_path):
     """A checkpoint as Qwen3.5-MoE ships (``text_config``, tensors under ``model.language_model.``,
-    a vision tower beside them) gives the text-only checkpoint's bits."""
+    a vision tower beside them) gives the text-only checkpoint's bits and expert slices."""
     from safetensors.numpy import load_file, save_file
 
     src = tiny[1]
@@ -89,6 +89,10 @@ def test_multimodal_layout_reads_the_text_model(tiny, tmp_path):
         shutil.copy(f, out)
     np.testing.assert_array_equal(in_chunks(load_model(out), TOKENS, [5])[0],
                                   in_chunks(load_model(src), TOKENS, [5])[0])
+    from swarm.peer.weights.slices import ModelSlicer, SliceSpan  # shipped expert slices too
+
+    span = SliceSpan(layer=1, kind="experts", start=2, stop=5)
+    assert ModelSlicer(out).extract(span)[0] == ModelSlicer(src).extract(span)[0]
 
 
 @pytest.mark.parametrize("sizes", [[12], [1], [3], [5, 2]], ids=["one-chunk", "token-by-token", "chunks-of-3", "5-then-2"])

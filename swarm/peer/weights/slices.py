@@ -159,6 +159,9 @@ class ModelSlicer:
                 for name, info in header.items():
                     if name != "__metadata__":
                         self._st[name] = (data, info)
+            # a multimodal checkpoint (Qwen3.5-MoE's) keeps its text model under model.language_model
+            self._layers = ("model.language_model.layers" if "model.language_model.embed_tokens.weight" in self._st
+                            else "model.layers")
         else:
             raise ModelFileError(f"{self.path}: not a .gguf file or a directory with *.safetensors")
 
@@ -225,7 +228,7 @@ class ModelSlicer:
     def _raw_dense(self, layer: int, role: str) -> _Raw:
         if self.format == "gguf":
             return self._gguf_raw(f"blk.{layer}.ffn_{role}.weight")
-        return self._st_raw(f"model.layers.{layer}.mlp.{role}_proj.weight")
+        return self._st_raw(f"{self._layers}.{layer}.mlp.{role}_proj.weight")
 
     def _raw_down_dense(self, layer: int) -> _Raw:
         return self._raw_dense(layer, "down")
@@ -234,7 +237,7 @@ class ModelSlicer:
         self._refuse_biased_experts(layer)
         if self.format == "gguf":
             return tuple(self._gguf_raw(f"blk.{layer}.ffn_{role}_exps.weight") for role in ROLES)
-        prefix = f"model.layers.{layer}"
+        prefix = f"{self._layers}.{layer}"
         stacked = f"{prefix}.mlp.experts.gate_up_proj"
         if stacked in self._st or stacked + ".weight" in self._st:
             gate_up = self._st_raw(stacked if stacked in self._st else stacked + ".weight")
@@ -262,7 +265,7 @@ class ModelSlicer:
         """A slice carries the three expert matrices only: experts with biases (gpt-oss) would
         compute wrong numbers on a peer without the file, so they are not cut."""
         names = ([f"blk.{layer}.ffn_gate_exps.bias"] if self.format == "gguf" else
-                 [f"model.layers.{layer}.mlp.experts.gate_up_proj_bias"])
+                 [f"{self._layers}.{layer}.mlp.experts.gate_up_proj_bias"])
         biased = [n for n in names if (n in self._gguf if self.format == "gguf" else n in self._st)]
         if biased:
             raise ModelFileError(

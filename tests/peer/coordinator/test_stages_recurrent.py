@@ -2,8 +2,9 @@
 random Qwen3.5-MoE: Gated DeltaNet layers 0 and 2, gated full attention layer 1): the state
 moves with the stage as KV rows do, a stage lost mid-generation has its state rebuilt on the
 coordinator from the rows that had entered it, a stage peer that lost it is sent the sequence
-again, and a re-sent step is served from the state before it. The oracle is the local engine,
-each sequence alone; in process (StageRunners on other threads) and over a real link."""
+again, and a re-sent step is served from the state before it; expert ranges on workers as for
+any MoE. The oracle is the local engine, each sequence alone; in process (StageRunners on other
+threads) and over a real link."""
 
 from __future__ import annotations
 
@@ -93,6 +94,20 @@ def test_a_resent_step_is_served_and_an_earlier_start_is_a_cache_gap(model_dir):
     assert "recurrent state cannot run on from position 3" in refused.message
     whole = runner.handle(request(5, 0, x))
     np.testing.assert_array_equal(whole.x[6:8], first.x)
+
+
+def test_expert_ranges_on_two_workers_give_the_local_bits(model_dir):
+    """Per-layer ranges: the routed experts of every layer on two workers, the linear layers'
+    states and the gated shared expert on the coordinator."""
+    from tests.peer.coordinator.test_coordinator import InProcSwarm, assert_same, local_reference
+
+    swarm = InProcSwarm(model_dir, 2)
+    try:
+        assert_same(greedy(swarm.model, swarm.ffn), local_reference(swarm))
+        assert not swarm.failed and swarm.ffn.local_fallbacks == 0
+        assert all(worker.served > 0 for worker in swarm.workers.values())
+    finally:
+        swarm.close()
 
 
 @pytest.mark.slow
