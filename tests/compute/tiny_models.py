@@ -37,13 +37,14 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def build_tiny(family: str, out_dir: Path):
-    """Create, save and return ``(hf_model, out_dir)`` for one family (float32, eval mode)."""
+def build_tiny(family: str, out_dir: Path, **overrides):
+    """Create, save and return ``(hf_model, out_dir)`` for one family (float32, eval mode);
+    ``overrides``: config values that replace :data:`TINY`'s."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs, seed, drop = TINY[family]
-    config = AutoConfig.for_model(family, **kwargs)
+    config = AutoConfig.for_model(family, **dict(kwargs, **overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager",
                                              attn_implementation="eager").eval()

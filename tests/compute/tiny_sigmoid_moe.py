@@ -49,8 +49,9 @@ _NAME_MAPS = {"glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek2": gguf.MODEL_ARCH.
               "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2}
 
 
-def build(name: str, out_dir: Path):
-    """Create, save and return ``(hf_model, out_dir)`` for one of :data:`TINY` (float32, eval).
+def build(name: str, out_dir: Path, **overrides):
+    """Create, save and return ``(hf_model, out_dir)`` for one of :data:`TINY` (float32, eval);
+    ``overrides``: config values that replace its own.
     A GLM-4.5 file also carries its NextN/MTP layer's tensors (``model.layers.{n_layers}.*``),
     which the engine must skip."""
     import torch
@@ -58,7 +59,7 @@ def build(name: str, out_dir: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, kwargs, seed = TINY[name]
-    config = AutoConfig.for_model(model_type, **kwargs)
+    config = AutoConfig.for_model(model_type, **dict(kwargs, **overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager",
                                              attn_implementation="eager").eval()
