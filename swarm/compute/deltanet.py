@@ -158,15 +158,37 @@ def causal_conv(x: np.ndarray, state: np.ndarray, w: np.ndarray) -> np.ndarray:
 def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
                      ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The recurrence over T positions, one at a time: q, k [T, nv, dk] (per value head), v [T, nv, dv],
-    decay = exp(g) and beta [T, nv], state ``ssm`` [nv, dk, dv] → (outputs [T, nv, dv], new state)."""
+    decay = exp(g) and beta [T, nv], state ``ssm`` [nv, dk, dv], all float32 → (outputs [T, nv, dv],
+    the new state: a new array, ``ssm`` is left as it was). Compiled: :mod:`swarm.compute.deltakernel`."""
+    arrays = [np.ascontiguousarray(a, dtype=F32) for a in (q, k, v, decay, beta)]
+    state = np.array(ssm, dtype=F32, order="C")  # copied: the caller may keep the old state
     out = np.empty(v.shape, F32)
-    for t in range(q.shape[0]):
-        ssm = ssm * decay[t, :, None, None]
-        predicted = (ssm * k[t, :, :, None]).sum(axis=1)  # [nv, dv]
-        delta = (v[t] - predicted) * beta[t, :, None]
-        ssm = ssm + k[t, :, :, None] * delta[:, None, :]
-        out[t] = (ssm * q[t, :, :, None]).sum(axis=1)
-    return out, ssm
+    _kernel()(*arrays, state, out)
+    return out, state
+
+
+_delta_rule = None
+
+
+def prepare_kernel() -> None:
+    """Load (or, the first time on a machine, compile) the recurrence now, not in a first request."""
+    _kernel()
+
+
+def _kernel():
+    """The compiled recurrence, loaded (or compiled once per machine) on first use, after the block
+    kernels, which set numba's cache directory."""
+    global _delta_rule
+    if _delta_rule is None:
+        from swarm.compute.kernels import prepare_row_kernels
+        from swarm.compute.quant import compiling
+
+        prepare_row_kernels()
+        with compiling("Gated DeltaNet recurrence"):
+            from swarm.compute.deltakernel import delta_rule
+
+            _delta_rule = delta_rule
+    return _delta_rule
 
 
 def deltanet_attention(c: ModelConfig, w: DeltaNetWeights, layer: int, h: np.ndarray, seqs: list) -> np.ndarray:

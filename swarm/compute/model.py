@@ -22,7 +22,8 @@ from swarm.compute.attention_mla import MLAWeights, load_mla_weights, mla_attent
 from swarm.compute.attention_sinks import sink_attention
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
-from swarm.compute.deltanet import DeltaNetWeights, RecurrentState, deltanet_attention, load_deltanet_weights
+from swarm.compute.deltanet import (DeltaNetWeights, RecurrentState, deltanet_attention, load_deltanet_weights,
+                                    prepare_kernel as prepare_deltanet_kernel)
 from swarm.compute.ffn import FFNBackend, LayerBackend, LocalFFN, RoutingConfig, shared_expert
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, rms_norm,
                                    llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
@@ -172,6 +173,8 @@ class Model:
         self._lock = threading.RLock()
         prepare_kernels()  # compile or load them now, not inside the first (deadline-bound) request
         prepare_row_kernels()
+        if checkpoint.config.linear_layers:
+            prepare_deltanet_kernel()
         self._attn: dict[int, AttentionWeights] = {}
         self._dense: dict[int, MLPWeights] = {}
         self._experts: dict[tuple[int, int], MLPWeights] = {}

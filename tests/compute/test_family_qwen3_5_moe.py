@@ -192,3 +192,28 @@ def test_qwen35_gguf_text_split_is_llama_cpps(tmp_path):
     assert ours == [m.span() for m in regex.finditer(LLAMA_CPP_QWEN35, text)]
     qwen2 = [span for _, span in _gguf_pre_tokenizer(tmp_path / "m.gguf", "qwen2").pre_tokenize_str(text)]
     assert qwen2 != ours  # the marks matter on this text
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_compiled_recurrence_matches_float64_and_leaves_the_old_state(T):
+    """The delta rule (transformers ``torch_recurrent_gated_delta_rule``) in float64 numpy is the
+    oracle; odd head sizes; the state handed in stays as it was (a re-sent step needs it)."""
+    from swarm.compute.deltanet import gated_delta_rule
+
+    rng = np.random.default_rng(T)
+    nv, dk, dv = 3, 5, 7
+    q, k = (rng.standard_normal((T, nv, dk)).astype(np.float32) / 3 for _ in range(2))
+    v = rng.standard_normal((T, nv, dv)).astype(np.float32)
+    decay, beta = (rng.uniform(0.2, 1, (T, nv)).astype(np.float32) for _ in range(2))
+    ssm = rng.standard_normal((nv, dk, dv)).astype(np.float32)
+    before = ssm.copy()
+    out, state = gated_delta_rule(q, k, v, decay, beta, ssm)
+    s, want = ssm.astype(np.float64), np.empty((T, nv, dv))
+    for t in range(T):
+        s = s * decay[t, :, None, None]
+        delta = (v[t] - np.einsum("hkv,hk->hv", s, k[t])) * beta[t, :, None]
+        s = s + k[t, :, :, None] * delta[:, None, :]
+        want[t] = np.einsum("hkv,hk->hv", s, q[t])
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(state, s, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(ssm, before)
