@@ -328,7 +328,9 @@ class ApiServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         load = getattr(self.backend, "load", None)
-        return web.Response(body=self.metrics.render(load() if load is not None else None).encode(),
+        swarm = getattr(self.backend, "swarm_load", None)
+        return web.Response(body=self.metrics.render(load() if load is not None else None,
+                                                     swarm() if swarm is not None else None).encode(),
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -497,7 +499,7 @@ class ApiServer:
         stopper = StopMatcher(chat.stop)
         tokens = _TokenOffsets()
         started = time.perf_counter()
-        first = True
+        first_at: float | None = None
         future = loop.run_in_executor(self._executor, run)
         try:
             while True:
@@ -514,9 +516,9 @@ class ApiServer:
                         yield rest, tokens.release(everything=True)
                     return
                 piece = value if isinstance(value, Piece) else Piece(value)
-                if first:
-                    first = False
-                    self.metrics.first_token(time.perf_counter() - request[ARRIVED])
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    self.metrics.first_token(first_at - request[ARRIVED])
                 tokens.push(piece)
                 text, stopped = stopper.push(piece.text)
                 tokens.emitted += len(text)
@@ -531,7 +533,8 @@ class ApiServer:
             _cancel(reply)  # wakes the thread even while the prompt is still being read
             await asyncio.shield(future)
             self.generations += 1
-            self.metrics.generation_done(stats.prompt_tokens, stats.completion_tokens)
+            self.metrics.generation_done(stats.prompt_tokens, stats.completion_tokens,
+                                         None if first_at is None else time.perf_counter() - first_at)
             if self.dashboard is not None:  # a stopped generation counts too: its tokens were computed
                 self.dashboard.generation_done(stats, time.perf_counter() - started)
 

@@ -20,8 +20,10 @@ from swarm.compute.sampling import Sampled
 from swarm.compute.serving import SchedulerPool, TokenStream
 from swarm.compute.textgen import (GenerationStats, ReplyPiece, context_limit, encode_prompt, sampled_pieces,
                                    token_bytes, with_stop_tokens)
+from swarm.peer.coordinator.api_metrics import Histogram, SwarmLoad
 from swarm.peer.coordinator.api_request import ChatRequest
 from swarm.peer.coordinator.api_tools import check_tools_served, forced_call_schema, template_messages
+from swarm.peer.coordinator.dispatch import RemoteFFN
 from swarm.peer.coordinator.stages import StagedFFN
 
 
@@ -135,6 +137,29 @@ class EngineBackend:
         return {"running": len(now["running"]), "waiting": len(now["waiting"]), "steps": now["steps"],
                 "step_seconds": pool.step_s_total, "prefilled": pool.prompt_tokens_prefilled, "reused": reused,
                 "prefix_positions": kept, "prefix_evictions": evicted}
+
+    def swarm_load(self) -> SwarmLoad | None:
+        """The dispatch's plan version, each peer's answer times and marked-down count (for
+        ``GET /metrics``), over the stage dispatch and the FFN ranges alike; None on one machine."""
+        ffn, trackers, version = self.ffn, [], 0
+        if isinstance(ffn, StagedFFN):
+            trackers.append(ffn.tracker)
+            version, ffn = ffn.layout.version, ffn.inner
+        if isinstance(ffn, RemoteFFN):
+            trackers.append(ffn.tracker)
+            version = ffn.plan.version  # the plan's version (a stage layout is one of its parts)
+        if not trackers:
+            return None
+        answers: dict[str, Histogram] = {}
+        down: dict[str, int] = {}
+        for tracker in trackers:
+            for peer, (hist, failures) in tracker.answer_times().items():
+                if peer in answers:
+                    answers[peer].merge(hist)
+                else:
+                    answers[peer] = hist
+                down[peer] = down.get(peer, 0) + failures
+        return SwarmLoad(version, answers, down)
 
     def prepare(self, request: ChatRequest) -> ChatRequest:
         """``request`` with its encoded prompt; a ``max_tokens`` the client did not set shrinks

@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "colibri_swarm_"
 # Bucket bounds in seconds: a token on a busy 2-core machine takes ~20 ms, a long prompt seconds.
 REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TPOT_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # a token every ~20 ms on 2 cores
 CLIENT_GONE = 499  # the status logged and counted for a request whose client went away (nginx's)
 
 
@@ -36,10 +38,24 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{_number(b)}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {_number(self.sum)}",
-                      f"{name}_count {self.count}"]
+    def copy(self) -> Histogram:
+        twin = Histogram(self.buckets)
+        twin.counts, twin.sum, twin.count = list(self.counts), self.sum, self.count
+        return twin
+
+    def merge(self, other: Histogram) -> None:
+        """Add ``other``'s observations (the same buckets)."""
+        assert other.buckets == self.buckets
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.sum += other.sum
+        self.count += other.count
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        """The exposition lines; ``labels``: more labels, e.g. ``peer="x",``."""
+        out = [f'{name}_bucket{{{labels}le="{_number(b)}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        tail = "{" + labels.rstrip(",") + "}" if labels else ""
+        return out + [f'{name}_bucket{{{labels}le="+Inf"}} {self.count}', f"{name}_sum{tail} {_number(self.sum)}",
+                      f"{name}_count{tail} {self.count}"]
 
 
 class ApiMetrics:
@@ -49,6 +65,7 @@ class ApiMetrics:
         self.requests: Counter[tuple[str, str, int]] = Counter()  # (method, route, status) → requests
         self.request_seconds = Histogram(REQUEST_BUCKETS_S)
         self.ttft_seconds = Histogram(TTFT_BUCKETS_S)
+        self.tpot_seconds = Histogram(TPOT_BUCKETS_S)
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
@@ -57,17 +74,22 @@ class ApiMetrics:
         self.requests[(method, route, status)] += 1
         self.request_seconds.observe(seconds)
 
-    def generation_done(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def generation_done(self, prompt_tokens: int, completion_tokens: int, decode_seconds: float | None = None) -> None:
+        """A generation ended; ``decode_seconds``: from its first text to its end (its time per
+        output token is that over the tokens after the first)."""
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
+        if decode_seconds is not None and completion_tokens > 1:
+            self.tpot_seconds.observe(decode_seconds / (completion_tokens - 1))
 
     def first_token(self, seconds: float) -> None:
         """A reply's first text arrived ``seconds`` after its request did."""
         self.ttft_seconds.observe(seconds)
 
-    def render(self, load: Mapping[str, float] | None = None) -> str:
+    def render(self, load: Mapping[str, float] | None = None, swarm: SwarmLoad | None = None) -> str:
         """The exposition text. ``load`` (the backend's, when it has one): ``running`` and
-        ``waiting`` sequences, ``steps`` run and ``step_seconds`` (their total wall time)."""
+        ``waiting`` sequences, ``steps`` run and ``step_seconds`` (their total wall time), prompt
+        tokens ``prefilled`` and ``reused``; ``swarm``: the plan and the peers' answers."""
         p = PREFIX
         out = [f"# HELP {p}api_requests_total HTTP requests answered, by method, route and status "
                f"({CLIENT_GONE}: the client went away).",
@@ -80,6 +102,10 @@ class ApiMetrics:
                 f"# HELP {p}time_to_first_token_seconds Time from a generation request's arrival to its first text.",
                 f"# TYPE {p}time_to_first_token_seconds histogram",
                 *self.ttft_seconds.lines(f"{p}time_to_first_token_seconds"),
+                f"# HELP {p}time_per_output_token_seconds A generation's time from its first text to its end "
+                "per token after the first.",
+                f"# TYPE {p}time_per_output_token_seconds histogram",
+                *self.tpot_seconds.lines(f"{p}time_per_output_token_seconds"),
                 f"# HELP {p}prompt_tokens_total Prompt tokens of the generations served.",
                 f"# TYPE {p}prompt_tokens_total counter",
                 f"{p}prompt_tokens_total {self.prompt_tokens}",
@@ -111,7 +137,37 @@ class ApiMetrics:
                         f"# HELP {p}prefix_cache_evictions_total Kept KV caches evicted to make room.",
                         f"# TYPE {p}prefix_cache_evictions_total counter",
                         f"{p}prefix_cache_evictions_total {int(load['prefix_evictions'])}"]
+        if swarm is not None:
+            out += self._swarm_lines(swarm)
         return "\n".join(out) + "\n"
+
+
+    @staticmethod
+    def _swarm_lines(swarm: SwarmLoad) -> list[str]:
+        p = PREFIX
+        out = [f"# HELP {p}plan_version The version of the plan the coordinator runs (0: none).",
+               f"# TYPE {p}plan_version gauge",
+               f"{p}plan_version {swarm.plan_version}",
+               f"# HELP {p}peer_answer_seconds Time from a request to a peer to its answer, by peer "
+               "(FFN ranges and stages; late answers too).",
+               f"# TYPE {p}peer_answer_seconds histogram"]
+        for peer, hist in sorted(swarm.answers.items()):
+            out += hist.lines(f"{p}peer_answer_seconds", f'peer="{_label(peer)}",')
+        out += [f"# HELP {p}peer_marked_down_total Times a peer was marked down (gone, wrong, refused or "
+                "late again and again), by peer.",
+                f"# TYPE {p}peer_marked_down_total counter"]
+        out += [f'{p}peer_marked_down_total{{peer="{_label(peer)}"}} {n}' for peer, n in sorted(swarm.marked_down.items())]
+        return out
+
+
+@dataclass(frozen=True)
+class SwarmLoad:
+    """What the coordinator's dispatch has seen: its plan's version, each peer's answer times
+    (s) and how often each was marked down."""
+
+    plan_version: int
+    answers: Mapping[str, Histogram]
+    marked_down: Mapping[str, int]
 
 
 def _number(x: float) -> str:

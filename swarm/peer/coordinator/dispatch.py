@@ -266,7 +266,8 @@ class RemoteFFN:
             self.dispatcher.send(peer, req)
         except Exception as exc:  # the link is gone: the rows are recomputed here
             self.tracker.withdraw(p)
-            p.future.set_exception(ConnectionError(f"send failed: {exc}"))
+            if not p.future.done():  # the link's loss may have failed it already (peer_down)
+                p.future.set_exception(ConnectionError(f"send failed: {exc}"))
         return p
 
     def _await(self, p: Pending) -> ExpertAnswer | DenseAnswer | None:

@@ -62,6 +62,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.peer.coordinator.api_metrics import Histogram
 from swarm.peer.net.messages import Error
 
 # Deadline of one request (seconds), see PeerTiming.deadline_s.
@@ -77,6 +78,9 @@ SILENCE_S = 2.5  # a peer that missed a deadline and sent nothing this long is f
 NOT_READY_RETRY_S = 0.5  # a peer that has not accepted the plan gets one probe request this often
 LATE_KEPT_S = 60.0  # late answers are still timed this long after their request
 EWMA = 0.2  # weight of the newest sample in the per-row compute estimate
+# GET /metrics' buckets of a peer's answer times (s): a decode step's answer on a LAN takes ms, a
+# long prefill's or a first request's seconds.
+ANSWER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0)
 
 
 def first_deadline_s(load_bytes: int = 0) -> float:
@@ -105,6 +109,7 @@ class PeerTiming:
     fresh: bool = True  # no answer yet under its current share (its slices may still be coming)
     load_bytes: int = 0  # weight bytes of the share or stage it has not answered yet
     overheads: deque = field(default_factory=lambda: deque(maxlen=OVERHEAD_SAMPLES))
+    answers: Histogram = field(default_factory=lambda: Histogram(ANSWER_BUCKETS_S))  # every answer's time
 
     def overhead_s(self) -> float:
         """The OVERHEAD_QUANTILE of the recent overheads (0 before any)."""
@@ -142,6 +147,7 @@ class PeerTiming:
         self.fresh = False
         self.load_bytes = 0
         self.requests += 1
+        self.answers.observe(elapsed_s)
 
 
 @dataclass
@@ -272,6 +278,12 @@ class RequestTracker:
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ timing
+    def answer_times(self) -> dict[str, tuple[Histogram, int]]:
+        """Per peer: a copy of its answer-time histogram (s, every answer timed, late ones too)
+        and how often it was marked down (GET /metrics)."""
+        with self._lock:
+            return {p: (t.answers.copy(), t.failures) for p, t in self.timing.items()}
+
     def of(self, peer: str) -> PeerTiming:
         with self._lock:
             return self.timing.setdefault(peer, PeerTiming())

@@ -53,9 +53,14 @@ def parse(text: str) -> dict[str, float]:
         assert name in types or family in types or f"{family}_total" in types, f"no TYPE before {line}"
         samples[name + (m.group(2) or "")] = float(m.group(3))
     for name, kind in types.items():
-        if kind == "histogram":
-            buckets = [v for k, v in samples.items() if k.startswith(name + "_bucket")]
-            assert buckets == sorted(buckets) and buckets[-1] == samples[name + "_count"]
+        if kind != "histogram":
+            continue
+        series: dict[str, list[float]] = {}  # per set of labels besides le
+        for k, v in samples.items():
+            if k.startswith(name + "_bucket"):
+                series.setdefault(re.sub(r',?le="[^"]*"', "", k[len(name + "_bucket"):]), []).append(v)
+        for labels, buckets in series.items():
+            assert buckets == sorted(buckets) and buckets[-1] == samples[f"{name}_count{labels if labels != '{}' else ''}"]
     return samples
 
 
