@@ -26,24 +26,26 @@ the single stream's.
 
 ``COLIBRI_BENCH_THREADS`` (default 1) sets the BLAS threads of every process.
 
-``--pipeline`` (no namespace, no root): micro-batch pipelining over two stage peers against one
-peer alone, each peer a process pinned to its own core (``taskset``; ``--cores``, one per peer,
-``COLIBRI_BENCH_THREADS`` compute threads each). The coordinator process runs the first
-``--split`` layers, the embeddings, the head and sampling; a stage worker process
-(:class:`~swarm.peer.worker.stages.StageRunner`) the rest, linked by a pipe that carries the
-product's encoded ``StageRequest``/``StageAnswer`` frames (the stage protocol without WebRTC: no
-data channel cost). The engine's batch scheduler serves ``--streams`` concurrent greedy streams
-of ``--tokens`` tokens: one peer alone (``LocalFFN``), the two stages one after the other
-(``pipeline_groups = 1``) and pipelined (the cost model's groups, or ``--groups``), one stream
-through each, and two batch schedulers sharing the stages (each stepping half the streams as
-one group: a group's next step starts while the other's runs, no drain between steps).
-Then the product's path: the OpenAI API (``ApiServer`` and ``EngineBackend``, streaming
-``/v1/completions``) over one peer alone and over the two stages, where the backend runs one
-batch scheduler per stage by itself; ``api_*`` rows, each stream's text against its solo reply.
-Per run: aggregate tok/s, p50/p95 time per output token (between a stream's tokens), and
-whether each stream's tokens equal its solo run on one machine. Writes the JSON to ``--out``.
+``--pipeline`` (no namespace, no root): stages pipelined across the sequences of a batch against
+one peer alone, each peer a process pinned to its own cores (``taskset``; ``--cores``, one list
+per peer, the coordinator's first; ``COLIBRI_BENCH_THREADS`` compute threads each). The
+coordinator process runs the embeddings, the first stage, the head and sampling; one stage
+worker process per further peer (:class:`~swarm.peer.worker.stages.StageRunner`) the others,
+each linked by a pipe that carries the product's encoded ``StageRequest``/``StageAnswer`` frames
+(the stage protocol without WebRTC: no data channel cost). The layers are cut as the planner
+cuts them for throughput (``costmodel.throughput_split`` over equal peers: the coordinator,
+which also runs the head, takes fewer), or at ``--split``. Each ``--rounds`` round runs, for one
+stream and for every ``--streams`` level, in turn: one peer alone (``LocalFFN``) and the stages
+with one batch scheduler per stage (raw schedulers, no API), then the product's path — the
+OpenAI API (``ApiServer`` and ``EngineBackend``, streaming ``/v1/completions``) over one peer and
+over the stages, where the backend runs one scheduler per stage by itself. Interleaving puts
+other work on a shared machine into both sides of each ratio. Per run: aggregate tok/s, p50/p95
+time per output token (between a stream's tokens), CPU ms per token of the coordinator process
+and of the stage workers together, and whether each stream's tokens (API: text) equal its solo
+run on one peer; per level the ratios per round and their median. Writes the JSON to ``--out``.
 
-    python3 bench/serve.py --pipeline [--model smollm2] [--streams 8] [--tokens 48] [--cores 0,1]
+    python3 bench/serve.py --pipeline [--model smollm2|PATH] [--streams 8,16] [--tokens 64] [--rounds 2] [--cores 0,1]
+    COLIBRI_BENCH_THREADS=8 python3 bench/serve.py --pipeline --cores 0-7,8-15   # 16 cores, 8 a peer
 
 ``--trace`` (swarm only, one process pair) adds ``trace``: per step size, the median step and
 where one layer's round trip goes (token loop → event loop → encode → data channel → worker →
@@ -302,7 +304,12 @@ def _peer_id(name: str) -> str:
     return base64.b32encode(hashlib.sha256(name.encode()).digest()[:16]).decode().lower().rstrip("=")
 
 
-PIPE_COORD, PIPE_WORKER = _peer_id("bench-coordinator"), _peer_id("bench-stage-worker")
+PIPE_COORD = _peer_id("bench-coordinator")
+STAGE_PEER_ENV = "COLIBRI_BENCH_STAGE_PEER"  # a stage worker process's peer id
+
+
+def _stage_peer(i: int) -> str:
+    return _peer_id("bench-stage-worker" if i == 0 else f"bench-stage-worker-{i}")
 
 
 def _write_frame(f, lock, msg) -> None:
@@ -336,7 +343,7 @@ def _stage_worker_main(path: str) -> None:
     threads.set_threads(int(swarm_bench.BLAS_THREADS))
     model = load_model(path)
     model.materialize()
-    runner = StageRunner(PIPE_WORKER, model)
+    runner = StageRunner(os.environ[STAGE_PEER_ENV], model)
     inp, out, lock = sys.stdin.buffer, sys.stdout.buffer, threading.Lock()
     while (msg := _read_frame(inp)) is not None:
         if isinstance(msg, StagePlan):
@@ -346,22 +353,24 @@ def _stage_worker_main(path: str) -> None:
 
 
 class _PipeLink:
-    """The dispatcher StagedFFN sees: frames to the worker process's stdin, answers read from its
-    stdout on a thread of their own (the event loop's part) and delivered."""
+    """The dispatcher StagedFFN sees: frames to each stage worker process's stdin (``procs``:
+    peer id → process), answers read from its stdout on a thread of its own (the event loop's
+    part) and delivered."""
 
-    def __init__(self, proc):
+    def __init__(self, procs):
         import threading
 
-        self.proc, self.lock, self.ffn, self.failures = proc, threading.Lock(), None, []
-        self.reader = threading.Thread(target=self._read, name="pipe-answers", daemon=True)
-        self.reader.start()
+        self.procs, self.ffn, self.failures = procs, None, []
+        self.locks = {peer: threading.Lock() for peer in procs}
+        for peer, proc in procs.items():
+            threading.Thread(target=self._read, args=(peer, proc), name="pipe-answers", daemon=True).start()
 
-    def _read(self):
-        while (msg := _read_frame(self.proc.stdout)) is not None:
-            self.ffn.deliver(PIPE_WORKER, msg)
+    def _read(self, peer, proc):
+        while (msg := _read_frame(proc.stdout)) is not None:
+            self.ffn.deliver(peer, msg)
 
     def send(self, peer, msg):
-        _write_frame(self.proc.stdin, self.lock, msg)
+        _write_frame(self.procs[peer].stdin, self.locks[peer], msg)
 
     def last_heard(self, peer):
         return None
@@ -408,7 +417,7 @@ def _serve_streams(model, ffn, prompt_ids, n_tokens, schedulers=1):
 async def _api_streams(model, tokenizer, ffn, texts, n_tokens):
     """The prompts as concurrent streaming ``/v1/completions`` requests to the product's API over
     ``ffn`` (None: this peer alone); (texts, aggregate tok/s, seconds between a stream's chunks,
-    the backend's schedulers that stepped)."""
+    the backend's schedulers that stepped, tokens in all)."""
     import aiohttp
 
     from swarm.peer.coordinator.api import ApiServer
@@ -427,7 +436,14 @@ async def _api_streams(model, tokenizer, ffn, texts, n_tokens):
         await api.close()
     gaps = [b - a for g in got for a, b in zip(g["times"], g["times"][1:])]
     stepped = sum(sched.steps > 0 for sched in backend.scheduler.schedulers)
-    return [g["text"] for g in got], sum(g["tokens"] for g in got) / wall, gaps, stepped
+    n_tok = sum(g["tokens"] for g in got)
+    return [g["text"] for g in got], n_tok / wall, gaps, stepped, n_tok
+
+
+def _cpu_list(spec: str) -> set[int]:
+    """``"0-7"`` or ``"3"`` (taskset's list syntax, one range) as a set of core numbers."""
+    lo, _, hi = spec.partition("-")
+    return set(range(int(lo), int(hi or lo) + 1))
 
 
 def _pipeline_main(args) -> dict:
@@ -435,89 +451,110 @@ def _pipeline_main(args) -> dict:
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
     from swarm.compute.tokenizer import tokenizer_for
+    from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost, throughput_split
     from swarm.peer.coordinator.stages import StagedFFN
     from swarm.peer.plan import Stage, StageLayout
 
-    cores = [int(c) for c in args.cores.split(",")]
-    os.sched_setaffinity(0, {cores[0]})  # this process: the coordinator, or the one peer alone
+    cores = [_cpu_list(c) for c in args.cores.split(",")]  # each peer's cores
+    os.sched_setaffinity(0, cores[0])  # this process: the coordinator, or the one peer alone
     threads.set_threads(int(swarm_bench.BLAS_THREADS))
     path = swarm_bench.model_path(args.model)
     model = load_model(path)
     model.materialize()
     n_layers = model.config.n_layers
-    split = args.split if args.split is not None else n_layers // 2
+    peers = [PIPE_COORD, *(_stage_peer(i) for i in range(len(cores) - 1))]
+    if args.split is None:  # the planner's split for throughput over equal peers (the head on ours)
+        equal = [PeerCost(p, 10**12, 1.0) for p in peers]
+        stages = throughput_split(LayerCosts.from_model(model), equal[0], equal[1:])
+    else:
+        bounds = [0, *(int(b) for b in str(args.split).split(",")), n_layers]
+        stages = tuple((p, lo, hi) for p, lo, hi in zip(peers, bounds, bounds[1:], strict=True))
+    levels = [int(n) for n in str(args.streams).split(",")]
     tok = tokenizer_for(model)
-    texts = prompts(args.streams, args.prompt_tokens)
+    texts = prompts(max(levels), args.prompt_tokens)
     prompt_ids = [tok.encode(t) for t in texts]
-    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+    out = {"command": "python3 bench/serve.py " + " ".join(sys.argv[1:]),
+           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
                        "arch": platform.machine(), "threads_per_peer": int(swarm_bench.BLAS_THREADS),
-                       "cores": cores, "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
-           "model": args.model, "layers": n_layers, "stages": [["coordinator", 0, split], ["worker", split, n_layers]],
-           "streams": args.streams, "tokens_per_stream": args.tokens, "link": "pipe (stage frames, no WebRTC)",
-           "runs": {}}
+                       "cores": [sorted(c) for c in cores], "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
+           "model": args.model, "layers": n_layers,
+           "stages": [["coordinator" if p == PIPE_COORD else f"worker {peers.index(p)}", lo, hi] for p, lo, hi in stages],
+           "streams": levels, "tokens_per_stream": args.tokens, "rounds": args.rounds,
+           "link": "pipe (stage frames, no WebRTC)", "runs": {}}
+    runs = out["runs"]
 
-    def record(name, toks, tps, gaps, solo):
-        out["runs"][name] = {"aggregate_tok_s": round(tps, 2),
-                             "p50_token_ms": round(1000 * _pct(gaps, 0.5), 2) if gaps else None,
-                             "p95_token_ms": round(1000 * _pct(gaps, 0.95), 2) if gaps else None,
-                             "equal_to_solo": [a == b for a, b in zip(toks, solo)]}
+    def cpu_s():  # CPU seconds so far of this process and of the stage workers' (Linux /proc)
+        theirs = 0.0
+        for proc in workers.values():
+            with open(f"/proc/{proc.pid}/stat") as f:
+                utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+            theirs += (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+        return sum(os.times()[:2]), theirs
+
+    def record(name, toks, tps, gaps, solo, cpu0, n_tok=None, **extra):
+        cpu1, n_tok = cpu_s(), n_tok or sum(map(len, toks))
+        extra = {"coordinator_cpu_ms_per_token": round(1000 * (cpu1[0] - cpu0[0]) / n_tok, 3),
+                 "workers_cpu_ms_per_token": round(1000 * (cpu1[1] - cpu0[1]) / n_tok, 3), **extra}
+        runs.setdefault(name, []).append({
+            "aggregate_tok_s": round(tps, 2), "p50_token_ms": round(1000 * _pct(gaps, 0.5), 2) if gaps else None,
+            "p95_token_ms": round(1000 * _pct(gaps, 0.95), 2) if gaps else None,
+            "equal_to_solo": all(a == b for a, b in zip(toks, solo[:len(toks)], strict=True)), **extra})
         swarm_bench._progress(f"{name}: {tps:.1f} tok/s")
 
-    local = LocalFFN(model)
+    local, workers = LocalFFN(model), {}
     swarm_bench._progress("solo runs")
     solo = [_serve_streams(model, local, [p], args.tokens)[0][0] for p in prompt_ids]
-    toks, tps, gaps = _serve_streams(model, local, prompt_ids, args.tokens)
-    record("one_peer", toks, tps, gaps, solo)
-    toks, tps, gaps = _serve_streams(model, local, prompt_ids[:1], args.tokens)
-    record("one_peer_1_stream", toks, tps, gaps, solo[:1])
-
-    worker = subprocess.Popen(["taskset", "-c", str(cores[1]), sys.executable, __file__, "--_stage_worker", str(path)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    api_solo = [asyncio.run(_api_streams(model, tok, None, [t], args.tokens))[0][0] for t in texts]
+    workers = {p: subprocess.Popen(["taskset", "-c", ",".join(map(str, sorted(c))), sys.executable, __file__,
+                                    "--_stage_worker", str(path)], env={**os.environ, STAGE_PEER_ENV: p},
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+               for p, c in zip(peers[1:], cores[1:])}
     try:
-        link = _PipeLink(worker)
-        layout = StageLayout(1, 1, PIPE_COORD, (Stage(PIPE_COORD, 0, split), Stage(PIPE_WORKER, split, n_layers)))
-        link.send(PIPE_WORKER, layout.to_message())
+        link = _PipeLink(workers)
+        layout = StageLayout(1, 1, PIPE_COORD, tuple(Stage(*st) for st in stages))
+        for p in workers:
+            link.send(p, layout.to_message())
         ffn = link.ffn = StagedFFN(model, layout, link)
+        width = len(stages)  # the API's pool: one scheduler per stage (api_engine.schedulers_for)
         _serve_streams(model, ffn, prompt_ids[:1], 4)  # the worker loads its layers
-        for name, groups, ids in (("stages_in_turn", 1, prompt_ids), ("stages_pipelined", args.groups, prompt_ids),
-                                  ("stages_in_turn_1_stream", 1, prompt_ids[:1]),
-                                  ("stages_pipelined_1_stream", args.groups, prompt_ids[:1])):
-            ffn.pipeline_groups = groups
-            toks, tps, gaps = _serve_streams(model, ffn, ids, args.tokens)
-            record(name, toks, tps, gaps, solo)
-        ffn.pipeline_groups = 1
-        toks, tps, gaps = _serve_streams(model, ffn, prompt_ids, args.tokens, schedulers=2)
-        record("stages_two_schedulers", toks, tps, gaps, solo)
-        toks, tps, gaps = _serve_streams(model, local, prompt_ids, args.tokens, schedulers=2)
-        record("one_peer_two_schedulers", toks, tps, gaps, solo)
-        # The product's path: the API, its backend choosing its schedulers (one per stage here)
-        ffn.pipeline_groups = args.groups
-        swarm_bench._progress("API solo runs")
-        api_solo = [asyncio.run(_api_streams(model, tok, None, [t], args.tokens))[0][0] for t in texts]
-        for name, backend_ffn, ids in (("api_one_peer", None, texts), ("api_stages", ffn, texts),
-                                       ("api_one_peer_1_stream", None, texts[:1]),
-                                       ("api_stages_1_stream", ffn, texts[:1])):
-            got, tps, gaps, stepped = asyncio.run(_api_streams(model, tok, backend_ffn, ids, args.tokens))
-            record(name, got, tps, gaps, api_solo)
-            out["runs"][name]["schedulers_stepped"] = stepped
+        # Interleaved rounds: each round runs every configuration once, one peer beside the
+        # stages, so load from other work on the machine hits both sides of a ratio alike.
+        for r in range(args.rounds):
+            for n in [1, *levels]:
+                ids, tx = prompt_ids[:n], texts[:n]
+                cpu0 = cpu_s()
+                toks, tps, gaps = _serve_streams(model, local, ids, args.tokens)
+                record(f"one_peer_{n}", toks, tps, gaps, solo, cpu0)
+                ffn.set_schedulers(width)  # as the API's pool tells it: no groups within a step
+                cpu0 = cpu_s()
+                toks, tps, gaps = _serve_streams(model, ffn, ids, args.tokens, schedulers=min(width, n))
+                record(f"stages_schedulers_{n}", toks, tps, gaps, solo, cpu0)
+                cpu0 = cpu_s()
+                got, tps, gaps, _, n_tok = asyncio.run(_api_streams(model, tok, None, tx, args.tokens))
+                record(f"api_one_peer_{n}", got, tps, gaps, api_solo, cpu0, n_tok)
+                cpu0 = cpu_s()
+                got, tps, gaps, stepped, n_tok = asyncio.run(_api_streams(model, tok, ffn, tx, args.tokens))
+                record(f"api_stages_{n}", got, tps, gaps, api_solo, cpu0, n_tok, schedulers_stepped=stepped)
+            out["load_avg_1m_after_round"] = [*out.get("load_avg_1m_after_round", []), round(os.getloadavg()[0], 2)]
         out["pipelined_steps"], out["stage_failures"] = ffn.pipelined_steps, link.failures
     finally:
-        worker.stdin.close()
-        worker.wait(30)
-    from swarm.peer.coordinator.costmodel import pipeline_groups
+        for proc in workers.values():
+            proc.stdin.close()
+        for proc in workers.values():
+            proc.wait(30)
 
-    r = out["runs"]
-    out["groups"] = args.groups or pipeline_groups(args.streams, 2)
-    tok_s = {name: run["aggregate_tok_s"] for name, run in r.items()}
-    out["ratio_pipelined_vs_one_peer"] = round(tok_s["stages_pipelined"] / tok_s["one_peer"], 3)
-    out["ratio_in_turn_vs_one_peer"] = round(tok_s["stages_in_turn"] / tok_s["one_peer"], 3)
-    out["ratio_pipelined_vs_in_turn_1_stream"] = round(tok_s["stages_pipelined_1_stream"]
-                                                        / tok_s["stages_in_turn_1_stream"], 3)
-    out["ratio_two_schedulers_vs_one_peer"] = round(tok_s["stages_two_schedulers"] / tok_s["one_peer"], 3)
-    out["ratio_api_stages_vs_api_one_peer"] = round(tok_s["api_stages"] / tok_s["api_one_peer"], 3)
-    out["ratio_api_stages_vs_api_one_peer_1_stream"] = round(tok_s["api_stages_1_stream"]
-                                                             / tok_s["api_one_peer_1_stream"], 3)
-    out["all_equal_to_solo"] = all(all(v["equal_to_solo"]) for v in r.values())
+    def ratios(a, b):  # per round, and their median
+        per = [round(x["aggregate_tok_s"] / y["aggregate_tok_s"], 3) for x, y in zip(runs[a], runs[b])]
+        return {"per_round": per, "median": statistics.median(per)}
+
+    out["ratios"] = {}
+    for n in [1, *levels]:
+        out["ratios"][f"{n}_streams"] = {"api_stages_vs_api_one_peer": ratios(f"api_stages_{n}", f"api_one_peer_{n}"),
+                                         "raw_stages_vs_raw_one_peer": ratios(f"stages_schedulers_{n}",
+                                                                              f"one_peer_{n}")}
+    keys = ("aggregate_tok_s", "p50_token_ms", "p95_token_ms", "coordinator_cpu_ms_per_token", "workers_cpu_ms_per_token")
+    out["medians"] = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in runs.items()}
+    out["all_equal_to_solo"] = all(x["equal_to_solo"] for rs in runs.values() for x in rs)
     out["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     return out
 
@@ -536,10 +573,11 @@ def main() -> None:
                         help="every peer process's event loop, as join --loop (default auto: uvloop where installed)")
     parser.add_argument("--pipeline", action="store_true",
                         help="stages pipelined over two pinned peer processes vs one peer (no root)")
-    parser.add_argument("--streams", type=int, default=8, help="--pipeline: concurrent streams")
-    parser.add_argument("--cores", default="0,1", help="--pipeline: the coordinator's core, the stage worker's")
-    parser.add_argument("--split", type=int, help="--pipeline: the coordinator's layers (default half)")
-    parser.add_argument("--groups", type=int, help="--pipeline: groups per step (default: the cost model's)")
+    parser.add_argument("--streams", default="8,16", help="--pipeline: concurrent streams, comma-separated levels")
+    parser.add_argument("--cores", default="0,1",
+                        help="--pipeline: each peer's cores, the coordinator's first (e.g. 0-7,8-15; three peers: 0,1,2)")
+    parser.add_argument("--split", help="--pipeline: where each stage after the coordinator's starts, e.g. 11 "
+                        "(default: the planner's throughput split)")
     parser.add_argument("--out", help="--pipeline: also write the JSON here")
     parser.add_argument("--_inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_stage_worker", metavar="PATH", help=argparse.SUPPRESS)
