@@ -23,8 +23,15 @@ calls of at most ``SMALL_T`` activation rows (a longer prefill is cut into such 
   in one fixed order.
 * **F16, BF16**: the float32 kernel with each weight converted (exactly) as it is read: the
   bits of a float32 copy of the matrix, without one.
-* **every other type** (Q2_K, Q3_K, IQ*, …): tiles of weight rows decoded to float32 by
+* **Q2_K, Q3_K, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M**: a
+  compiled kernel per type (swarm/compute/lowbit.py) decodes each (super-)block of a few weight
+  rows once to gguf's float32 values and applies them with the float32 kernel's operations: the
+  bits of the float32 kernel on ``gguf.quants.dequantize``'s matrix, without decoding it.
+* **every other type** (TQ1_0, TQ2_0, …): tiles of weight rows decoded to float32 by
   ``gguf.quants.dequantize`` (exact values) into a reused buffer, then the float32 kernel.
+
+Rows for an embedding lookup (:meth:`QMatrix.take`) are decoded by compiled kernels for every
+type above (the K-quants' by lowbit.py's decoders, gguf's values bit for bit).
 
 **A row's result depends only on the row.** Every tile shape performs the same sequence of
 operations per output element, so an output's bits do not depend on T, on which other weight
@@ -76,8 +83,11 @@ _KIND = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5,
          QT.MXFP4: 8}
 # 16-bit float types → kernel code of ``qkernels.matmul_half``.
 _HALF = {QT.F16: 0, QT.BF16: 1}
-# Kinds whose compiled decoder gives gguf's values (the K-quants are decoded by gguf's own).
+# Kinds whose compiled decoder gives gguf's values (the K-quants are decoded by lowbit.py's).
 _DEQUANT_KIND = {q: k for q, k in _KIND.items() if k <= 4 or q == QT.MXFP4}
+# Types with a kernel of their own in swarm/compute/lowbit.py (decoding; products where not in _KIND).
+_LOWBIT = frozenset((QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.IQ2_XXS, QT.IQ2_XS,
+                     QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M))
 
 
 def block_size(qtype: QT) -> tuple[int, int]:
@@ -170,6 +180,8 @@ class QMatrix:
             out[...] = raw.view(F32)
         elif self.qtype in _DEQUANT_KIND:
             _kernels().dequant(_DEQUANT_KIND[self.qtype], raw, out)
+        elif self.qtype in _LOWBIT:
+            _lowbit(self.qtype)(1, raw, out, out, 0, hi - lo)
         elif self.qtype == QT.F16:  # exact widening, as gguf's, without its per-call reshaping
             out[...] = raw.view(np.float16)
         elif self.qtype == QT.BF16:
@@ -236,6 +248,10 @@ class QMatrix:
             w = self.data.view(np.uint16)
             for t0 in range(0, T, SMALL_T):
                 k.matmul_half(_HALF[self.qtype], w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo, hi)
+        elif self.qtype in _LOWBIT:
+            kernel = _lowbit(self.qtype)
+            for t0 in range(0, T, SMALL_T):
+                kernel(0, self.data, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo, hi)
         else:  # decoded to float32 a tile of weight rows at a time, then the float32 kernel
             tile = max(16, min(hi - lo, _TILE_BYTES // (4 * self.cols)))
             buf = _tile_buffer(tile * self.cols).reshape(tile, self.cols)
@@ -391,6 +407,30 @@ def _kernels():
                 _release_clean_pages("llvmlite")
                 _compiled = k
     return _compiled
+
+
+_lowbit_kernels: dict = {}
+_lowbit_lock = threading.Lock()
+
+
+def _lowbit(qtype: QT):
+    """``qtype``'s kernel in swarm/compute/lowbit.py, loaded (or compiled: seconds) on first use."""
+    kernel = _lowbit_kernels.get(qtype)
+    if kernel is None:
+        _kernels()  # numba's environment as the block kernels set it up
+        with _lowbit_lock:
+            kernel = _lowbit_kernels.get(qtype)
+            if kernel is None:
+                from swarm.compute import lowbit
+                block, type_size = block_size(qtype)
+                w = np.zeros((1, type_size), np.uint8)
+                w.flags.writeable = False
+                out = np.empty((1, block), F32)
+                kernel = lowbit.kernel(qtype)
+                with compiling(f"{qtype.name} kernels"):  # run once on a tiny input: load or compile
+                    kernel(1, w, out, out, 0, 1)
+                _lowbit_kernels[qtype] = kernel
+    return kernel
 
 
 # Loading the kernels from numba's cache takes well under this; compiling them (the first run on

@@ -12,7 +12,9 @@ from swarm.compute.quant import SMALL_T, QMatrix
 F32 = np.float32
 QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4]  # gguf can write these
 K_QUANTS = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]  # gguf only reads these
-COMPILED_K = [QT.Q4_K, QT.Q5_K, QT.Q6_K]  # K-quants with a compiled block kernel
+COMPILED_K = [QT.Q4_K, QT.Q5_K, QT.Q6_K]  # K-quants with a block kernel in qkernels.py
+IQ = [QT.IQ4_NL, QT.IQ4_XS, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M]  # read only
+LOWBIT = [QT.Q2_K, QT.Q3_K] + IQ  # products by swarm/compute/lowbit.py
 # byte offsets of each super-block's float16 scales (d, and dmin where there is one)
 K_HALVES = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
 PLAIN = [QT.F32, QT.F16, QT.BF16]
@@ -20,10 +22,10 @@ ROWS = 67  # odd, and not a multiple of the kernels' 64-row chunks
 
 
 def encoded(qtype: QT, rows: int, cols: int, seed: int) -> np.ndarray:
-    """uint8 [rows, row_bytes] of ``qtype``: quantized normal weights, or (K-quants, which gguf
-    cannot write) random blocks, keeping rows whose scales decode to finite values."""
+    """uint8 [rows, row_bytes] of ``qtype``: quantized normal weights, or (K-quants and IQ types,
+    which gguf cannot write) random blocks, keeping rows whose scales decode to finite values."""
     rng = np.random.default_rng(seed)
-    if qtype in K_QUANTS:
+    if qtype in K_QUANTS or qtype in IQ:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(8 * rows, cols // block * size), dtype=np.uint8)
         with np.errstate(all="ignore"):
@@ -57,10 +59,10 @@ def check_against_float64(m: QMatrix, x: np.ndarray, got: np.ndarray) -> np.ndar
 
 
 @pytest.mark.parametrize("T", [1, 37, SMALL_T + 1])
-@pytest.mark.parametrize("qtype", QUANTIZED + K_QUANTS + PLAIN, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANTIZED + K_QUANTS + IQ + PLAIN, ids=lambda q: q.name)
 def test_matmul_against_float64_dequantization(qtype, T):
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    cols = 2 * 256 if qtype in K_QUANTS else 3 * 32  # an odd number of 32-blocks
+    cols = 2 * 256 if qtype in K_QUANTS else 3 * block if qtype in IQ else 3 * 32  # odd counts of 32-blocks
     m = QMatrix(encoded(qtype, ROWS, cols, int(qtype)), qtype, cols)
     assert m.shape == (ROWS, cols) and cols % block == 0
     check_product(m, T, seed=T)
@@ -98,16 +100,43 @@ def test_half_kernels_give_the_bits_of_a_float32_copy(qtype):
         np.testing.assert_array_equal(m.matmul(x), copy.matmul(x), err_msg=f"T={T}")
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED + PLAIN, ids=lambda q: q.name)
-def test_dequantize_is_exactly_ggufs(qtype):
-    m = QMatrix(encoded(qtype, ROWS, 96, 1), qtype, 96)
+@pytest.fixture
+def compiled_only(monkeypatch):
+    """gguf-py's numpy decoding made to fail inside QMatrix: what passes ran compiled code."""
+    from swarm.compute import quant
+
+    def refuse(raw, qtype):
+        raise AssertionError(f"{qtype.name} was decoded by gguf-py's numpy path")
+    monkeypatch.setattr(quant, "gguf_dequantize", refuse)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 37, SMALL_T + 1])
+@pytest.mark.parametrize("qtype", LOWBIT, ids=lambda q: q.name)
+def test_lowbit_kernels_give_the_bits_of_the_float32_kernel_on_ggufs_values(qtype, T, compiled_only):
+    """The low-bit kernels decode each block to gguf's float32 values and apply them with the
+    float32 kernel's operations: the bits of that kernel on ``gguf.quants.dequantize``'s matrix
+    (so, like it, whatever T, tile or thread count), odd row counts and views included."""
+    cols = 3 * gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = encoded(qtype, ROWS, cols, 30 + T)
+    m, copy = QMatrix(raw, qtype, cols), QMatrix.from_float(gguf.quants.dequantize(raw, qtype))
+    x = np.random.default_rng(T).normal(size=(T, cols)).astype(F32)
+    np.testing.assert_array_equal(m.matmul(x), copy.matmul(x))
+    np.testing.assert_array_equal(m.rows(3, 10).matmul(x), copy.rows(3, 10).matmul(x))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED + K_QUANTS + IQ + PLAIN, ids=lambda q: q.name)
+def test_dequantize_is_exactly_ggufs(qtype, compiled_only):
+    """Every type with a compiled decoder (all of these but F32/F16/BF16, which are views)
+    decodes whole rows and embedding rows to gguf's values, bit for bit."""
+    cols = 3 * gguf.GGML_QUANT_SIZES[qtype][0] if qtype in K_QUANTS or qtype in IQ else 96
+    m = QMatrix(encoded(qtype, ROWS, cols, 1), qtype, cols)
     np.testing.assert_array_equal(m.dequantize(), gguf.quants.dequantize(m.data, qtype))
     np.testing.assert_array_equal(m.dequantize(5, 9), gguf.quants.dequantize(m.data[5:9], qtype))
     np.testing.assert_array_equal(m.take([3, 0, 3]), gguf.quants.dequantize(m.data[[3, 0, 3]], qtype))
 
 
 @pytest.mark.parametrize("T", [1, 3, 37])
-@pytest.mark.parametrize("qtype", QUANTIZED + COMPILED_K, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANTIZED + COMPILED_K + LOWBIT, ids=lambda q: q.name)
 def test_block_kernel_rows_do_not_depend_on_the_other_rows(qtype, T):
     """The block kernels sum each output alone, in one order: rows lo:hi of a call are the bits
     of a call on those rows alone, whatever tile of weight rows they fall in (odd starts, short
@@ -122,7 +151,7 @@ def test_block_kernel_rows_do_not_depend_on_the_other_rows(qtype, T):
         np.testing.assert_array_equal(part.matmul(x), whole[:, lo:hi])
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED + COMPILED_K, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANTIZED + COMPILED_K + LOWBIT, ids=lambda q: q.name)
 def test_block_kernel_activation_rows_do_not_depend_on_the_other_rows(qtype):
     """An activation row gets the same bits alone (decode), in any batch of up to SMALL_T rows
     and at any place in it (batched decode, a MoE expert's rows), whatever tile of activation
@@ -147,7 +176,7 @@ def test_block_kernels_give_the_same_bits_on_several_threads(monkeypatch):
     before = threads.threads()
     x = np.random.default_rng(5).normal(size=(100, 256)).astype(F32)
     try:
-        for q in QUANTIZED + K_QUANTS + PLAIN:
+        for q in QUANTIZED + K_QUANTS + IQ + PLAIN:
             m = QMatrix(encoded(q, 3 * ROWS, 256, 13), q, 256)
             for T in (1, 5, 37, 100):
                 threads.set_threads(1)

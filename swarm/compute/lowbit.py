@@ -1,0 +1,424 @@
+"""Compiled (numba) kernels for the low-bit GGUF types of 2- and 3-bit files — Q2_K, Q3_K,
+IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M — and the row decoders
+(embedding lookups, unaligned column cuts) of those and of Q4_K, Q5_K, Q6_K. Import through
+``quant._lowbit``, which loads one type's kernel (from numba's cache, or compiling it: seconds)
+the first time a matrix of that type is used.
+
+**Decoders.** Per type one ``_dec_*(w, o, d, do)``: the block (super-block of 256, or IQ4_NL's
+32) at byte ``o`` of weight row ``w`` (uint8) into float32 ``d[do:do + block]``, by the float32
+operations ``gguf.quants`` dequantizes with, in its order (``d·sc·q − dmin·m`` as two roundings,
+``(d·(0.5 + s))·0.25``, …): the values are gguf's, bit for bit. Grids and sign tables are read
+from ``gguf.quants`` (``IQ2_XXS.ksigns``, each class's ``grid``, ``IQ4_NL.kvalues``).
+
+**Products.** A tile of weight rows × activation rows (:data:`qkernels._TILES`): each block of
+the tile's weight rows is decoded once into a stack buffer and applied to the tile's activation
+rows, element k of the row into lane k % 32 by fused multiply-add, k ascending, the lanes reduced
+in :func:`qkernels._lane_sum`'s order: the operations of the float32 kernel
+(``qkernels.matmul_f32``) on gguf's decoded matrix, so an output's bits are that kernel's — the
+decoded-tile path these types took before — whatever T, the rows beside it or the thread count.
+
+One cached entry point per type (``q2_k(op, w, x, out, lo, hi)`` …): op 0 multiplies (out
+[T, R] columns lo:hi = x [T, K] @ W[lo:hi].T), op 1 decodes rows lo:hi of ``w`` into out
+[hi - lo, K] (``x`` unused). A type's kernels compile only when a matrix of that type is used.
+"""
+
+from __future__ import annotations
+
+import gguf.quants as gq
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from numba import carray, njit
+
+from swarm.compute.qkernels import (_F16, _PREFETCH_BYTES, _TILES, _fma, _half, _prefetch_ahead, _stack, _sum32,
+                                    _u32)
+
+F32 = np.float32
+
+
+def _grid(cls) -> np.ndarray:
+    """``cls``'s grid (float32 [entries, 4 or 8]) as gguf-py unpacks it."""
+    cls.init_grid()
+    return np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=F32)
+
+
+_KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).copy()  # 7 sign bits → 8 (odd parity)
+_KVALUES = np.array(gq.IQ4_NL.kvalues, F32)
+_IQ2XXS, _IQ2XS, _IQ2S = _grid(gq.IQ2_XXS), _grid(gq.IQ2_XS), _grid(gq.IQ2_S)
+_IQ3XXS, _IQ3S, _IQ1 = _grid(gq.IQ3_XXS), _grid(gq.IQ3_S), _grid(gq.IQ1_S)
+_DELTA = F32(gq.IQ1_S.delta)
+assert gq.IQ1_M.grid_hex == gq.IQ1_S.grid_hex and gq.IQ1_M.delta == gq.IQ1_S.delta
+
+
+@njit(inline="always")
+def _u16(w, o):
+    return np.uint32(w[o]) | (np.uint32(w[o + 1]) << np.uint32(8))
+
+
+@njit(inline="always")
+def _sign(v, bits, e):
+    """``v`` negated when bit ``e`` of ``bits`` is set (gguf multiplies by ±1: exact)."""
+    return -v if (bits >> e) & 1 else v
+
+
+# ---- decoders, one per type: block at byte o of row w → d[do:do + block] -----------------------
+@njit(nogil=True)
+def _dec_q2_k(w, o, d, do):
+    dd = _half(w, o + 80, _F16)
+    dmin = _half(w, o + 82, _F16)
+    for k in range(16):  # sub-blocks of 16: positions 128h + 32s + l, k = 8h + 2s + l // 16
+        sc = w[o + k]
+        dl = dd * F32(sc & 15)
+        ml = dmin * F32(sc >> 4)
+        h, s, l0 = k // 8, (k % 8) // 2, 16 * (k % 2)
+        for l in range(l0, l0 + 16):
+            q = (w[o + 16 + 32 * h + l] >> np.uint8(2 * s)) & np.uint8(3)
+            d[do + 128 * h + 32 * s + l] = dl * F32(q) - ml
+
+
+@njit(nogil=True)
+def _dec_q3_k(w, o, d, do):
+    dd = _half(w, o + 108, _F16)
+    for k in range(16):
+        lo = (np.int32(w[o + 96 + k % 8]) >> (4 * (k // 8))) & 15
+        hi = (np.int32(w[o + 104 + k % 4]) >> (2 * (k // 4))) & 3
+        dl = dd * F32((lo | (hi << 4)) - 32)
+        h, s, l0 = k // 8, (k % 8) // 2, 16 * (k % 2)
+        for l in range(l0, l0 + 16):
+            q = (np.int32(w[o + 32 + 32 * h + l]) >> (2 * s)) & 3
+            m = (np.int32(w[o + l]) >> (4 * h + s)) & 1  # hmask bit (p // 32) of byte p % 32
+            d[do + 128 * h + 32 * s + l] = dl * F32(q - 4 * (1 - m))
+
+
+@njit(inline="always")
+def _k4_scale_min(w, o, j):
+    """Q4_K/Q5_K's 6-bit scale and minimum of sub-block ``j`` (gguf's ``get_scale_min``)."""
+    if j < 4:
+        return np.int32(w[o + 4 + j]) & 63, np.int32(w[o + 8 + j]) & 63
+    c = np.int32(w[o + 8 + j])
+    return (c & 15) | ((np.int32(w[o + j]) >> 2) & 48), (c >> 4) | ((np.int32(w[o + 4 + j]) >> 2) & 48)
+
+
+@njit(nogil=True)
+def _dec_q4_k(w, o, d, do):
+    dd = _half(w, o, _F16)
+    dmin = _half(w, o + 2, _F16)
+    for k in range(8):  # positions 64i + 32s + l, k = 2i + s
+        sc, m = _k4_scale_min(w, o, k)
+        dl = dd * F32(sc)
+        ml = dmin * F32(m)
+        i, s = k // 2, k % 2
+        for l in range(32):
+            q = (w[o + 16 + 32 * i + l] >> np.uint8(4 * s)) & np.uint8(15)
+            d[do + 32 * k + l] = dl * F32(q) - ml
+
+
+@njit(nogil=True)
+def _dec_q5_k(w, o, d, do):
+    dd = _half(w, o, _F16)
+    dmin = _half(w, o + 2, _F16)
+    for k in range(8):
+        sc, m = _k4_scale_min(w, o, k)
+        dl = dd * F32(sc)
+        ml = dmin * F32(m)
+        i, s = k // 2, k % 2
+        for l in range(32):
+            q = (np.int32(w[o + 48 + 32 * i + l]) >> (4 * s)) & 15
+            q |= ((np.int32(w[o + 16 + l]) >> k) & 1) << 4
+            d[do + 32 * k + l] = dl * F32(q) - ml
+
+
+@njit(nogil=True)
+def _dec_q6_k(w, o, d, do):
+    dd = _half(w, o + 208, _F16)
+    for k in range(16):  # positions 128h + 32s + l (l < 32), k = p // 16
+        dl = dd * F32(np.int8(w[o + 192 + k]))
+        h, s, l0 = k // 8, (k % 8) // 2, 16 * (k % 2)
+        for l in range(l0, l0 + 16):
+            ql = (np.int32(w[o + 64 * h + 32 * (s % 2) + l]) >> (4 * (s // 2))) & 15
+            qh = (np.int32(w[o + 128 + 32 * h + l]) >> (2 * s)) & 3
+            d[do + 128 * h + 32 * s + l] = dl * F32((ql | (qh << 4)) - 32)
+
+
+@njit(nogil=True)
+def _dec_iq4_nl(w, o, d, do):
+    dd = _half(w, o, _F16)
+    for l in range(16):
+        q = w[o + 2 + l]
+        d[do + l] = dd * _KVALUES[np.int64(q & np.uint8(15))]
+        d[do + 16 + l] = dd * _KVALUES[np.int64(q >> np.uint8(4))]
+
+
+@njit(nogil=True)
+def _dec_iq4_xs(w, o, d, do):
+    dd = _half(w, o, _F16)
+    sh = _u16(w, o + 2)
+    for k in range(8):
+        lo = (np.int32(w[o + 4 + k // 2]) >> (4 * (k % 2))) & 15
+        hi = np.int32(sh >> np.uint32(2 * k)) & 3
+        dl = dd * F32((lo | (hi << 4)) - 32)
+        for l in range(16):
+            q = w[o + 8 + 16 * k + l]
+            d[do + 32 * k + l] = dl * _KVALUES[np.int64(q & np.uint8(15))]
+            d[do + 32 * k + 16 + l] = dl * _KVALUES[np.int64(q >> np.uint8(4))]
+
+
+@njit(nogil=True)
+def _dec_iq2_xxs(w, o, d, do):
+    dd = _half(w, o, _F16)
+    for ib in range(8):  # 32 weights: 4 grid bytes, then 4 × 7 sign bits and a 4-bit scale
+        aux = _u32(w, o + 6 + 8 * ib)
+        db = dd * (F32(0.5) + F32(aux >> np.uint32(28))) * F32(0.25)
+        for g in range(4):
+            row = np.int64(w[o + 2 + 8 * ib + g])
+            signs = np.int32(_KSIGNS[np.int64((aux >> np.uint32(7 * g)) & np.uint32(127))])
+            for e in range(8):
+                d[do + 32 * ib + 8 * g + e] = _sign(db * _IQ2XXS[row, e], signs, e)
+
+
+@njit(nogil=True)
+def _dec_iq2_xs(w, o, d, do):
+    dd = _half(w, o, _F16)
+    for i in range(16):  # 16 weights: two 9-bit grid indices with 7 sign bits each
+        s = (np.int32(w[o + 66 + i // 2]) >> (4 * (i % 2))) & 15
+        db = dd * (F32(0.5) + F32(s)) * F32(0.25)
+        for half in range(2):
+            u = _u16(w, o + 2 + 2 * (2 * i + half))
+            row = np.int64(u & np.uint32(511))
+            signs = np.int32(_KSIGNS[np.int64(u >> np.uint32(9))])
+            for e in range(8):
+                d[do + 16 * i + 8 * half + e] = _sign(db * _IQ2XS[row, e], signs, e)
+
+
+@njit(nogil=True)
+def _dec_iq2_s(w, o, d, do):
+    dd = _half(w, o, _F16)
+    for i in range(16):
+        s = (np.int32(w[o + 74 + i // 2]) >> (4 * (i % 2))) & 15
+        db = dd * (F32(0.5) + F32(s)) * F32(0.25)
+        for half in range(2):
+            e8 = 2 * i + half  # group of 8: 8 grid-index bits, 2 more in qh, a sign byte
+            row = np.int64(w[o + 2 + e8]) | (((np.int64(w[o + 66 + e8 // 4]) >> (2 * (e8 % 4))) & 3) << 8)
+            signs = np.int32(w[o + 34 + e8])
+            for e in range(8):
+                d[do + 8 * e8 + e] = _sign(db * _IQ2S[row, e], signs, e)
+
+
+@njit(nogil=True)
+def _dec_iq3_xxs(w, o, d, do):
+    dd = _half(w, o, _F16)
+    for ib in range(8):
+        aux = _u32(w, o + 66 + 4 * ib)
+        db = dd * (F32(0.5) + F32(aux >> np.uint32(28))) * F32(0.5)
+        for g in range(4):
+            signs = np.int32(_KSIGNS[np.int64((aux >> np.uint32(7 * g)) & np.uint32(127))])
+            for e in range(8):
+                row = np.int64(w[o + 2 + 8 * ib + 2 * g + e // 4])
+                d[do + 32 * ib + 8 * g + e] = _sign(db * _IQ3XXS[row, e % 4], signs, e)
+
+
+@njit(nogil=True)
+def _dec_iq3_s(w, o, d, do):
+    dd = _half(w, o, _F16)
+    for ib in range(8):
+        s = (np.int32(w[o + 106 + ib // 2]) >> (4 * (ib % 2))) & 15
+        db = dd * F32(1 + 2 * s)
+        for g in range(4):
+            signs = np.int32(w[o + 74 + 4 * ib + g])
+            for e in range(8):
+                q = 8 * ib + 2 * g + e // 4  # grid index: a byte and one bit of qh
+                row = np.int64(w[o + 2 + q]) | (((np.int64(w[o + 66 + q // 8]) >> (q % 8)) & 1) << 8)
+                d[do + 32 * ib + 8 * g + e] = _sign(db * _IQ3S[row, e % 4], signs, e)
+
+
+@njit(nogil=True)
+def _dec_iq1_s(w, o, d, do):
+    dd = _half(w, o, _F16)
+    for ib in range(8):
+        h = np.int64(_u16(w, o + 34 + 2 * ib))
+        dl = dd * F32(2 * ((h >> 12) & 7) + 1)
+        delta = -_DELTA if h & 0x8000 else _DELTA
+        for g in range(4):
+            row = np.int64(w[o + 2 + 4 * ib + g]) | (((h >> (3 * g)) & 7) << 8)
+            for e in range(8):
+                d[do + 32 * ib + 8 * g + e] = dl * (_IQ1[row, e] + delta)
+
+
+@njit(nogil=True)
+def _dec_iq1_m(w, o, d, do):
+    s0, s1 = np.int64(_u16(w, o + 48)), np.int64(_u16(w, o + 50))
+    s2, s3 = np.int64(_u16(w, o + 52)), np.int64(_u16(w, o + 54))
+    bits = ((s0 & 0xF000) >> 12) | ((s1 & 0xF000) >> 8) | ((s2 & 0xF000) >> 4) | (s3 & 0xF000)
+    dd = _F16[bits]  # the half scale is spread over the top nibbles of the four scale words
+    for g in range(32):  # groups of 8: a grid byte, a nibble of qh (3 index bits, the delta's sign)
+        k = g // 2  # sub-block of 16: 3-bit scale k % 4 of scale word k // 4
+        sc = (np.int64(_u16(w, o + 48 + 2 * (k // 4))) >> (3 * (k % 4))) & 7
+        dl = dd * F32(2 * sc + 1)
+        nib = (np.int64(w[o + 32 + g // 2]) >> (4 * (g % 2))) & 15
+        row = np.int64(w[o + g]) | ((nib & 7) << 8)
+        delta = -_DELTA if nib & 8 else _DELTA
+        for e in range(8):
+            d[do + 8 * g + e] = dl * (_IQ1[row, e] + delta)
+
+
+# type → its decoder's name; block sizes from gguf.
+DECODERS = {QT.Q2_K: "_dec_q2_k", QT.Q3_K: "_dec_q3_k", QT.Q4_K: "_dec_q4_k", QT.Q5_K: "_dec_q5_k",
+            QT.Q6_K: "_dec_q6_k", QT.IQ4_NL: "_dec_iq4_nl", QT.IQ4_XS: "_dec_iq4_xs", QT.IQ2_XXS: "_dec_iq2_xxs",
+            QT.IQ2_XS: "_dec_iq2_xs", QT.IQ2_S: "_dec_iq2_s", QT.IQ3_XXS: "_dec_iq3_xxs", QT.IQ3_S: "_dec_iq3_s",
+            QT.IQ1_S: "_dec_iq1_s", QT.IQ1_M: "_dec_iq1_m"}
+# Types whose products these kernels compute (Q4_K, Q5_K, Q6_K have block kernels of their own).
+PRODUCTS = tuple(q for q in DECODERS if q not in (QT.Q4_K, QT.Q5_K, QT.Q6_K))
+
+
+def _tile_source(qtype: QT, nr: int, tt: int) -> str:
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, acts = range(nr), range(tt)
+    lines = ["def tile(w, r0, hi, x, t0, out, ahead, end):"]
+    lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]  # a short tile repeats its last row
+    lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
+    lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n in rows for t in acts]
+    lines += [f"    d{n} = carray(_stack({block}), {block})" for n in rows]
+    lines += ["    for j in range(32):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
+    lines += [f"    for b in range(x0.shape[0] // {block}):", f"        o = b * {size}", f"        xo = b * {block}"]
+    lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
+    lines += [f"        {DECODERS[qtype]}(w{n}, o, d{n}, 0)" for n in rows]
+    lines += [f"        for c in range({block // 32}):", "            for j in range(32):"]
+    lines += [f"                xv{t} = x{t}[xo + 32 * c + j]" for t in acts]
+    lines += [f"                wv{n} = d{n}[32 * c + j]" for n in rows]
+    lines += [f"                s{n}_{t}[j] = _fma(wv{n}, xv{t}, s{n}_{t}[j])" for n in rows for t in acts]
+    for n in rows:
+        lines.append(f"    if r0 + {n} < hi:")
+        lines += [f"        out[t0 + {t}, r0 + {n}] = _sum32(s{n}_{t})" for t in acts]
+    return "\n".join(lines)
+
+
+def _rows_kernel(qtype: QT):
+    """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``, tiled as qkernels' kernels."""
+    scope = {**globals(), "min": min}
+    tiles = []
+    for nr, tt in _TILES:
+        exec(compile(_tile_source(qtype, nr, tt), f"<{__name__} {qtype.name} tile {nr}x{tt}>", "exec"), scope)
+        tiles.append(njit(nogil=True, inline="always")(scope["tile"]))
+    (n1, _), (n4, _), _, _ = _TILES
+    one, four, two, single = tiles
+
+    @njit(nogil=True)
+    def rows(w, x, out, lo, hi):
+        T = x.shape[0]
+        stride = w.strides[0]
+        end = w.shape[0] * stride
+        if T == 1:
+            for r0 in range(lo, hi, n1):
+                one(w, r0, hi, x, 0, out, r0 * stride + _PREFETCH_BYTES, end)
+            return
+        for r0 in range(lo, hi, n4):
+            ahead = r0 * stride + _PREFETCH_BYTES
+            t0 = 0
+            while t0 + 4 <= T:
+                four(w, r0, hi, x, t0, out, ahead, end)
+                t0 += 4
+            if t0 + 2 <= T:
+                two(w, r0, hi, x, t0, out, ahead, end)
+                t0 += 2
+            if t0 < T:
+                single(w, r0, hi, x, t0, out, ahead, end)
+    return rows
+
+
+def _decode_kernel(qtype: QT):
+    """Rows lo:hi of uint8 w [R, row_bytes] decoded into float32 out [hi - lo, K]."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    decode = globals()[DECODERS[qtype]]
+
+    @njit(nogil=True)
+    def rows(w, out, lo, hi):
+        for r in range(lo, hi):
+            for b in range(out.shape[1] // block):
+                decode(w[r], b * size, out[r - lo], b * block)
+    return rows
+
+
+_mm = {q: _rows_kernel(q) for q in PRODUCTS}
+_dq = {q: _decode_kernel(q) for q in DECODERS}
+(_mm_q2_k, _mm_q3_k, _mm_iq4_nl, _mm_iq4_xs, _mm_iq2_xxs, _mm_iq2_xs, _mm_iq2_s, _mm_iq3_xxs, _mm_iq3_s,
+ _mm_iq1_s, _mm_iq1_m) = (_mm[q] for q in PRODUCTS)
+(_dq_q2_k, _dq_q3_k, _dq_q4_k, _dq_q5_k, _dq_q6_k, _dq_iq4_nl, _dq_iq4_xs, _dq_iq2_xxs, _dq_iq2_xs, _dq_iq2_s,
+ _dq_iq3_xxs, _dq_iq3_s, _dq_iq1_s, _dq_iq1_m) = (_dq[q] for q in DECODERS)
+
+
+# One cached entry point per type (numba caches functions of a source file, not closures):
+# op 0 multiplies, op 1 decodes (module docstring). One signature each: w read-only uint8
+# [R, row_bytes], x and out writable float32 [·, ·] C-contiguous.
+@njit(cache=True, nogil=True)
+def q2_k(op, w, x, out, lo, hi):
+    _mm_q2_k(w, x, out, lo, hi) if op == 0 else _dq_q2_k(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def q3_k(op, w, x, out, lo, hi):
+    _mm_q3_k(w, x, out, lo, hi) if op == 0 else _dq_q3_k(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def q4_k(op, w, x, out, lo, hi):
+    _dq_q4_k(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def q5_k(op, w, x, out, lo, hi):
+    _dq_q5_k(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def q6_k(op, w, x, out, lo, hi):
+    _dq_q6_k(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq4_nl(op, w, x, out, lo, hi):
+    _mm_iq4_nl(w, x, out, lo, hi) if op == 0 else _dq_iq4_nl(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq4_xs(op, w, x, out, lo, hi):
+    _mm_iq4_xs(w, x, out, lo, hi) if op == 0 else _dq_iq4_xs(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq2_xxs(op, w, x, out, lo, hi):
+    _mm_iq2_xxs(w, x, out, lo, hi) if op == 0 else _dq_iq2_xxs(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq2_xs(op, w, x, out, lo, hi):
+    _mm_iq2_xs(w, x, out, lo, hi) if op == 0 else _dq_iq2_xs(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq2_s(op, w, x, out, lo, hi):
+    _mm_iq2_s(w, x, out, lo, hi) if op == 0 else _dq_iq2_s(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq3_xxs(op, w, x, out, lo, hi):
+    _mm_iq3_xxs(w, x, out, lo, hi) if op == 0 else _dq_iq3_xxs(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq3_s(op, w, x, out, lo, hi):
+    _mm_iq3_s(w, x, out, lo, hi) if op == 0 else _dq_iq3_s(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq1_s(op, w, x, out, lo, hi):
+    _mm_iq1_s(w, x, out, lo, hi) if op == 0 else _dq_iq1_s(w, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def iq1_m(op, w, x, out, lo, hi):
+    _mm_iq1_m(w, x, out, lo, hi) if op == 0 else _dq_iq1_m(w, out, lo, hi)
+
+
+def kernel(qtype: QT):
+    """The entry point of ``qtype`` (a key of :data:`DECODERS`); KeyError for any other."""
+    return globals()[DECODERS[qtype].removeprefix("_dec_")]
