@@ -70,15 +70,50 @@ _DEEPSEEK3_SPLITS = (
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 _PORO_SPLIT = r" ?[^(\s|.,!?…。，、।۔،)]+"
+# Kimi-K2's (tokenization_kimi.py; llama.cpp splits it with custom code): Han runs apart, GPT-4o's
+# letter runs without Han, digits in threes. [A&&[^B]] is a class intersection (Oniguruma, regex V1).
+_KIMI_K2_SPLIT = (
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Single-regex splits of other tokenizer.json files, as llama.cpp lists them (src/llama-vocab.cpp)
+_SEED_CODER_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BAILINGMOE_SPLIT = (
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
+_UFAKZEKA_SPLIT = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_JAIS2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)|\s{4}(?!\S)"
+    r"|\s{1,2}(?!\S)|\s{1}"
+)
+_TINY_AYA_SPLITS = (r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O_SPLIT)
+_MINICPM5_SPLITS = (
+    r"\p{N}{1,3}",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 # tokenizer.ggml.pre → the regexes llama.cpp splits text with, one after the other
 # (llm_tokenizer_bpe, src/llama-vocab.cpp), then the byte-level alphabet.
 _REGEX_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                     "smaug-bpe", "dbrx", "glm4", "chatglm-bpe"), (_LLAMA3_SPLIT,)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"),
-                    (_QWEN2_SPLIT,)),
-    **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _DEEPSEEK3_SPLITS),
-    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_GPT4O_SPLIT,)),
+                     "smaug-bpe", "dbrx", "glm4", "glm5", "chatglm-bpe", "jina-v5-nano"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2", "f2llmv2",
+                     "solar-open"), (_QWEN2_SPLIT,)),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK3_SPLITS),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2", "kanana2", "talkie"), (_GPT4O_SPLIT,)),
+    "kimi-k2": (_KIMI_K2_SPLIT,),
+    "seed-coder": (_SEED_CODER_SPLIT,),
+    **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), (_BAILINGMOE_SPLIT,)),
+    "ufakzeka": (_UFAKZEKA_SPLIT,),
+    "jais-2": (_JAIS2_SPLIT,),
+    **dict.fromkeys(("tiny_aya", "cohere2moe"), _TINY_AYA_SPLITS),
+    "minicpm5": _MINICPM5_SPLITS,
     "qwen35": (_QWEN35_SPLIT,),
     "tekken": (_TEKKEN_SPLIT,),
     "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
@@ -88,7 +123,7 @@ _REGEX_SPLITS: dict[str, tuple[str, ...]] = {
 }
 # These split every digit on its own first, then apply GPT-2's regex (llama.cpp groups
 # STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA this way).
-_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"}
 # GPT-2's regex alone (llama.cpp GPT2, MPT, OLMO, JAIS, TRILLION, GRANITE_DOCLING); "default"
 # and a file without the field too, as transformers reads them.
 _GPT2_PRES = {"default", "gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en", "jina-v2-es",

@@ -121,3 +121,88 @@ def test_deepseek_v3_split_groups_digits_in_threes_and_keeps_kana_apart(tmp_path
     pieces = [w for w, _ in tok.tokenizer.pre_tokenizer.pre_tokenize_str("x1234567 日本語のtext")]
     spelled = [_byte_spelled(p) for p in ("x", "123", "456", "7", " ", "日本語の", "text")]
     assert pieces == spelled
+
+
+# llama.cpp's regexes for tokenizer.ggml.pre names (src/llama-vocab.cpp, its case-folded forms),
+# applied one after the other; Kimi-K2's is tokenization_kimi.py's, which llama.cpp runs as custom code.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTIONS + "?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS + "?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA_CPP_SPLITS = {
+    "seed-coder": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "bailingmoe": (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",),
+    "ufakzeka": (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "jais-2": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)"
+               r"|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}",),
+    "tiny_aya": (r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O),
+    "minicpm5": (r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "kanana2": (_GPT4O,),
+    "kimi-k2": (r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+                r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+}
+SPLIT_TEXTS = [*TEXTS, *CORPUS, "你好world 日本語のtext 汉字ABC你好Def", "1234567 12 123456 x1 9.99", "I'M sure WE'LL 'D've",
+               "a" + " " * 40 + "b\n\n   \tc", "ক্ষ हिन्दी ไทย é e\u0301"]
+
+
+def _llama_cpp_spans(regexes: tuple[str, ...], text: str) -> list[tuple[int, int]]:
+    """Each regex splits every piece left by the ones before into its matches and the gaps
+    between them (llama.cpp's unicode_regex_split)."""
+    import regex
+
+    pieces = [(0, len(text))]
+    for rx in regexes:
+        pattern, out = regex.compile(rx, regex.V1), []
+        for a, b in pieces:
+            pos = a
+            for m in pattern.finditer(text[a:b]):
+                if m.end() == m.start():
+                    continue
+                if a + m.start() > pos:
+                    out.append((pos, a + m.start()))
+                out.append((a + m.start(), a + m.end()))
+                pos = a + m.end()
+            if pos < b:
+                out.append((pos, b))
+        pieces = out
+    return pieces
+
+
+@pytest.mark.parametrize("pre", list(LLAMA_CPP_SPLITS))
+def test_pre_tokenizer_splits_as_llama_cpp(tmp_path, pre):
+    from swarm.compute.tokenizer import _gguf_pre_tokenizer
+
+    split = _gguf_pre_tokenizer(tmp_path / "m.gguf", pre)
+    for text in SPLIT_TEXTS:
+        assert [span for _, span in split.pre_tokenize_str(text)] == _llama_cpp_spans(LLAMA_CPP_SPLITS[pre], text), text
+
+
+# tokenizer.ggml.pre names llama.cpp's converter writes that the engine refuses (by name): SentencePiece-
+# or WordPiece-style vocabularies kept in BPE files, custom split code, embedding-model options.
+NOT_MAPPED = {"afmoe", "bert-bge", "bert-bge-large", "chameleon", "chatglm-spm", "deepseek-llm", "exaone-moe",
+              "gemma4", "granite-embed-multi-311m", "granite-embed-multi-97m", "jina-v2-en", "laguna", "modern-bert",
+              "sarvam-moe", "spark2_5", "superbpe", "whitespace", "youtu"}
+
+
+def test_every_pre_name_of_llama_cpps_converter_is_mapped_or_refused_by_name(tmp_path):
+    import re
+
+    from swarm.compute.tokenizer import _gguf_pre_tokenizer
+    from tests.compute.llama_converter import converter_script
+
+    conversion = converter_script().parent / "conversion"
+    names = set()
+    for source in conversion.glob("*.py"):
+        text = source.read_text(encoding="utf-8")
+        names |= set(re.findall(r'res = "([^"]+)"', text)) | set(re.findall(r'add_tokenizer_pre\("([^"]+)"\)', text))
+    assert {"smollm", "kimi-k2", "qwen35", "deepseek-v3", "glm4", "minimax-m2"} <= names
+    for name in sorted(names - NOT_MAPPED):
+        _gguf_pre_tokenizer(tmp_path / "m.gguf", name)
+    for name in sorted(names & NOT_MAPPED):
+        with pytest.raises(ModelFileError, match=f"tokenizer\\.ggml\\.pre '{re.escape(name)}' is not supported"):
+            _gguf_pre_tokenizer(tmp_path / "m.gguf", name)
