@@ -19,7 +19,7 @@ into NaN probabilities, and the distribution is one-hot well before that.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,7 +56,9 @@ class SamplingParams:
     [-100, 100]) adjust the logits (:func:`adjust_logits`); ``logprobs``: None reports none,
     ``k`` ≥ 0 reports each sampled token's log-probability and the ``k`` most likely tokens'
     (:class:`Sampled`); ``constraint``: makes each sequence's :class:`Constraint` (e.g. a
-    :class:`~swarm.compute.constrain.JsonGrammar`), whose mask is applied after the adjustments."""
+    :class:`~swarm.compute.constrain.JsonGrammar`), whose mask is applied after the adjustments;
+    ``prompt_logprobs`` (with ``logprobs``): report the prompt's tokens too, each under the
+    distribution after the tokens before it (:func:`scored`; the first token has none)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -69,6 +71,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     constraint: Callable[[], Constraint] | None = field(default=None, compare=False)
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -88,6 +91,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids >= 0 to [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ValueError("prompt_logprobs needs logprobs (how many alternatives to report)")
 
     @property
     def adjusts_logits(self) -> bool:
@@ -168,6 +173,18 @@ class Sampler:
             return Sampled(token)
         lp = log_softmax(logits)
         return Sampled(token, float(lp[token]), top_logprobs(lp, params.logprobs))
+
+
+def scored(logits: np.ndarray, tokens: Sequence[int], k: int) -> list[Sampled]:
+    """Each of ``tokens`` [n] as :class:`Sampled` under the matching row of ``logits`` [≥ n, V]
+    f32 (row i: the distribution that ``tokens[i]`` was drawn from — for a prompt, the row of
+    the token before it): its logprob and the ``k`` most likely, the log-softmax of the raw
+    logits as for a sampled token."""
+    out = []
+    for i, token in enumerate(tokens):
+        lp = log_softmax(logits[i])
+        out.append(Sampled(int(token), float(lp[token]), top_logprobs(lp, k)))
+    return out
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

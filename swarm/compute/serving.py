@@ -53,9 +53,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from swarm.compute.ffn import LayerBackend
 from swarm.compute.prefix import PrefixStore
-from swarm.compute.sampling import PREFILL_CHUNK, Sampled, Sampler, SamplingParams
+from swarm.compute.sampling import PREFILL_CHUNK, Sampled, Sampler, SamplingParams, scored
 from swarm.errors import SwarmError
 
 if TYPE_CHECKING:
@@ -110,6 +112,7 @@ class _Seq:
     reused: int = 0  # prompt tokens its cache held when it joined (prefix reuse)
     emitted: list[int] = field(default_factory=list)  # every sampled token, in order
     owner: object | None = None  # the layer backend of its last step (prefix.py), None: KV all here
+    prompt_scored: list[Sampled] = field(default_factory=list)  # params.prompt_logprobs: its prompt's tokens
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     sampler: Sampler | None = None
 
@@ -142,6 +145,12 @@ class TokenStream:
         """Prompt tokens taken from a kept KV cache (prefix reuse), not prefilled; known once the
         sequence has joined the batch (before its first token)."""
         return self._seq.reused
+
+    @property
+    def prompt_sampled(self) -> list[Sampled]:
+        """With ``params.prompt_logprobs``: the prompt's tokens with their logprobs (the first
+        with none), complete once the first generated token has come (or the stream ended)."""
+        return self._seq.prompt_scored
 
     def __iter__(self) -> TokenStream:
         return self
@@ -331,7 +340,11 @@ class BatchScheduler:
         or a new one; kept caches are evicted until they fit beside its claim."""
         ffn = self._ffn()
         owner = ffn if isinstance(ffn, LayerBackend) else None
-        cache, reused = self.prefixes.take(seq.prompt, owner) if self.prefix_reuse else (None, 0)
+        # prompt logprobs need every prompt row's logits: no prefix is reused for them
+        reuse = self.prefix_reuse and not seq.params.prompt_logprobs
+        cache, reused = self.prefixes.take(seq.prompt, owner) if reuse else (None, 0)
+        if seq.params.prompt_logprobs:
+            seq.prompt_scored.append(Sampled(seq.prompt[0]))
         seq.cache = cache if cache is not None else self.model.new_cache(capacity=16)
         seq.fed = seq.reused = reused
         seq.owner = owner
@@ -373,6 +386,27 @@ class BatchScheduler:
             step.append((seq, rows))
         return step
 
+    def _forward(self, step: list[tuple[_Seq, list[int]]], ffn: Any) -> list[np.ndarray]:
+        """The step's rows through the model: each sequence's last row's logits [V] f32. A
+        sequence that asks for its prompt's logprobs runs its prefill chunk alone with every
+        row's logits (the same bits: every row is batch-invariant), which score its next prompt
+        tokens."""
+        whole = [i for i, (seq, _) in enumerate(step) if seq.params.prompt_logprobs and seq.fed < len(seq.prompt)]
+        rest = [i for i in range(len(step)) if i not in whole]
+        out: list[np.ndarray] = [np.empty(0, np.float32)] * len(step)
+        if rest:
+            for i, row in zip(rest, self.model.forward_batch([(step[i][1], step[i][0].cache) for i in rest], ffn=ffn)):
+                out[i] = row
+        for i in whole:
+            seq, rows = step[i]
+            every = self.model.forward(rows, seq.cache, ffn=ffn)  # [T, V]
+            n = min(len(rows), len(seq.prompt) - seq.fed - 1)  # rows whose next token is a prompt token
+            nxt = seq.prompt[seq.fed + 1:seq.fed + 1 + n]
+            assert seq.params.logprobs is not None  # SamplingParams checks prompt_logprobs needs it
+            seq.prompt_scored.extend(scored(every, nxt, seq.params.logprobs))
+            out[i] = every[-1]
+        return out
+
     def _step(self, step: list[tuple[_Seq, list[int]]]) -> None:
         t0 = time.perf_counter()
         ffn = self._ffn()
@@ -381,7 +415,7 @@ class BatchScheduler:
             if seq.owner is not owner:  # a cache filled under another backend is never kept
                 seq.failed = True
         try:
-            logits = self.model.forward_batch([(rows, seq.cache) for seq, rows in step], ffn=ffn)
+            logits = self._forward(step, ffn)
         except BaseException as exc:  # the step failed: so do its sequences (the rest go on)
             with self._cond:
                 for seq, _ in step:
