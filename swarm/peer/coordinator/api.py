@@ -21,11 +21,12 @@ asked for explicitly (``tls=False``, ``join --api-plain-http``), which exposes p
 replies and the token to the network.
 
 Every request field is validated (:func:`~swarm.peer.coordinator.api_request.parse_chat_request`,
-the request model, in ``api_request.py``); a bad one, or one this server does not serve (tools,
-``echo``, ``suffix``, unknown fields …: docs/serving.md, "Request fields"), → 400 in
+the request model, in ``api_request.py``); a bad one, or one this server does not serve (tools
+where the template has no tool format, ``suffix``, unknown fields …: docs/serving.md, "Request fields"), → 400 in
 OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field.
 ``logprobs`` are reported per token (chat: ``choices[].logprobs.content[]``; completions: tokens,
-token_logprobs, top_logprobs, text_offset), whole and in stream chunks.
+token_logprobs, top_logprobs, text_offset; with ``echo``, the prompt's tokens first, the first
+with null), whole and in stream chunks.
 ``response_format`` (``json_object``, ``json_schema``) is enforced while sampling
 (:mod:`swarm.compute.constrain`). ``tools`` and ``tool_choice`` are rendered by the model's chat template and
 its ``<tool_call>`` blocks read back as ``tool_calls`` (:mod:`swarm.peer.coordinator.api_tools`). So is a
@@ -386,6 +387,7 @@ class ApiServer:
                     texts.append(piece)
                     tokens += piece_tokens
             text = "".join(texts)
+            tokens = _echoed(reply) + tokens
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = stats.finish_reason
             if _parses_tool_calls(chat):
@@ -429,16 +431,22 @@ class ApiServer:
         try:
             if not text:
                 await response.write(chunk({"role": "assistant", "content": ""}))
-            elif chat.echo:
+            elif chat.echo and chat.logprobs is None:
                 await response.write(chunk({"content": chat.prompt}))
+            echo_due = text and chat.echo and chat.logprobs is not None  # with its tokens, once they are scored
             # aclosing: a client that goes away ends the generation (and frees its slot) now.
             held: list[tuple[str, list[tuple[int, TokenLogprob]]]] = []
             async with contextlib.aclosing(self._pieces(chat, stats, reply, request)) as pieces:
                 async for piece, tokens in pieces:
+                    if echo_due:
+                        echo_due = False
+                        await response.write(chunk({"content": chat.prompt}, tokens=_echoed(reply)))
                     if _parses_tool_calls(chat):
                         held.append((piece, tokens))  # calls are read from the whole reply: sent at its end
                     else:
                         await response.write(chunk({"content": piece}, tokens=tokens))
+            if echo_due:  # no text came: the prompt still goes first
+                await response.write(chunk({"content": chat.prompt}, tokens=_echoed(reply)))
             finish = stats.finish_reason
             if held:
                 content, calls = parse_tool_calls("".join(p for p, _ in held))
@@ -497,7 +505,7 @@ class ApiServer:
                 getattr(reply, "close", lambda: None)()
 
         stopper = StopMatcher(chat.stop)
-        tokens = _TokenOffsets()
+        tokens = _TokenOffsets(len(chat.prompt) if chat.echo and chat.prompt is not None else 0)
         started = time.perf_counter()
         first_at: float | None = None
         future = loop.run_in_executor(self._executor, run)
@@ -582,10 +590,11 @@ class _TokenOffsets:
     """Where each token of a reply starts in its text, and which tokens the text emitted so far
     (``emitted`` characters, after stop strings) has finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
+        """``start``: where the reply begins in the text (after an echoed prompt)."""
         self.pending: list[tuple[int, int, TokenLogprob]] = []  # (start, end, token) in characters
-        self.pushed = 0  # characters pushed so far
-        self.emitted = 0
+        self.pushed = start  # characters pushed so far
+        self.emitted = start
 
     def push(self, piece: Piece) -> None:
         """Offsets of ``piece``'s tokens: each starts where the text of those before it in the piece ends."""
@@ -611,6 +620,16 @@ class _TokenOffsets:
         return [(start, token) for start, _, token in done]
 
 
+def _echoed(reply: Any) -> list[tuple[int, TokenLogprob]]:
+    """The echoed prompt's tokens with their offsets in it (``(offset, token)``; none unless the
+    request echoes its prompt with logprobs)."""
+    out, at = [], 0
+    for token in getattr(reply, "prompt_logprobs", list)():
+        out.append((at, token))
+        at += len(token.token)
+    return out
+
+
 def _parses_tool_calls(chat: ChatRequest) -> bool:
     """Whether the reply's tool calls are read back (a chat with tools, and a choice but none)."""
     return chat.prompt is None and bool(chat.tools) and chat.tool_choice != "none"
@@ -628,7 +647,8 @@ def _logprobs(chat: ChatRequest, tokens: Sequence[tuple[int, TokenLogprob]]) -> 
                              "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(b)} for a, b, lp in t.top]}
                             for _, t in tokens], "refusal": None}
     return {"tokens": [t.token for _, t in tokens], "token_logprobs": [t.logprob for _, t in tokens],
-            "top_logprobs": [{**{a: lp for a, _, lp in t.top}, t.token: t.logprob} for _, t in tokens],
+            "top_logprobs": [None if t.logprob is None else {**{a: lp for a, _, lp in t.top}, t.token: t.logprob}
+                             for _, t in tokens],  # an echoed prompt's first token: null, as OpenAI's
             "text_offset": [offset for offset, _ in tokens]}
 
 

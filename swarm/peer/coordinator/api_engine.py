@@ -11,7 +11,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -207,14 +207,14 @@ class EngineBackend:
             temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
             seed=request.seed, max_tokens=request.max_tokens, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias, logprobs=request.logprobs,
-            constraint=request.constraint))
+            constraint=request.constraint, prompt_logprobs=request.echo and request.logprobs is not None))
         prompt_ids = request.prompt_ids
         assert prompt_ids is not None  # prepared above
         tokens = self.scheduler.submit(prompt_ids, params)
         pieces = sampled_pieces(_counting_reuse(tokens, stats), self.tokenizer, params, len(prompt_ids), stats)
         if request.logprobs is None:
             return Reply(tokens, (p.text for p in pieces if p.text))
-        return Reply(tokens, (self._piece(p) for p in pieces))
+        return Reply(tokens, (self._piece(p) for p in pieces), self._token)
 
     def _piece(self, piece: ReplyPiece) -> Piece:
         return Piece(piece.text, tuple(self._token(s) for s in piece.tokens))
@@ -247,8 +247,15 @@ class Reply:
     """Text pieces of one admitted request (a blocking iterator); :meth:`cancel` (any thread)
     takes its sequence out of the batch and ends the iteration; :meth:`close` does the same."""
 
-    def __init__(self, tokens: TokenStream, pieces: Iterator[str | Piece]) -> None:
-        self.tokens, self._pieces = tokens, pieces
+    def __init__(self, tokens: TokenStream, pieces: Iterator[str | Piece],
+                 as_logprob: Callable[[Sampled], TokenLogprob] | None = None) -> None:
+        self.tokens, self._pieces, self._as_logprob = tokens, pieces, as_logprob
+
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        """The prompt's tokens with their logprobs (the first's None) when the request echoes
+        its prompt with logprobs, else []; complete once the first piece has come."""
+        convert = self._as_logprob
+        return [] if convert is None else [convert(s) for s in self.tokens.prompt_sampled]
 
     def __iter__(self) -> Iterator[str | Piece]:
         return self

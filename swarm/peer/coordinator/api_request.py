@@ -442,7 +442,8 @@ def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int,
                              vocab_size: int | None = None) -> ChatRequest:
     """Validate a ``POST /v1/completions`` body: ``prompt``, one non-empty string (or an array
     of exactly one); ``logprobs``, the number of alternatives (0 to 5) to report per token;
-    ``echo`` (the prompt, then the completion; not with ``logprobs``); and the sampling fields
+    ``echo`` (the prompt, then the completion; with ``logprobs``, the prompt's tokens come first
+    in them, the first with a null logprob, as OpenAI's legacy API); and the sampling fields
     of :func:`parse_chat_request`.
 
     Raises:
@@ -460,9 +461,6 @@ def parse_completion_request(body: Any, *, model_id: str, max_tokens_limit: int,
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise ApiError(f"'echo' must be a boolean, got {echo!r}", param="echo")
-    if echo and logprobs is not None:
-        raise not_served("echo", "with 'logprobs' it would report the prompt's tokens, whose logprobs are not "
-                         "computed; ask for one of them")
     return ChatRequest(messages=({"role": "user", "content": prompt},), model=model, prompt=prompt, logprobs=logprobs,
                        echo=bool(echo),
                        **_sampling(body, max_tokens_limit=max_tokens_limit, vocab_size=vocab_size))

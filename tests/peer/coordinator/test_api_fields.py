@@ -94,7 +94,6 @@ CHAT_REFUSED = [
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
 ]
 COMPLETION_REFUSED = [
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"suffix": "return x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"top_logprobs": 2}, "top_logprobs"),  # a chat field
@@ -355,6 +354,42 @@ def test_body_is_json_serializable_floats():
     assert json.loads(json.dumps(_logprobs(chat, [(0, t)]))) == {"content": [
         {"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.25,
                                                                             "bytes": [97]}]}], "refusal": None}
+
+
+async def test_completions_echo_with_logprobs_scores_the_prompt(url, engine):
+    """``echo`` with ``logprobs``: the prompt's tokens come first in the logprobs, the first with
+    null (no token before it), each other one scored by the local logits of the row before it;
+    then the completion's, their offsets in the echoed text. Streamed: the same, the prompt's
+    with the first chunk."""
+    model, tok = engine
+    prompt_text = "The three primary colours are"
+    ids = tok.encode(prompt_text)
+    logits = model.forward(ids, model.new_cache())  # [T, V]: row i scores token i + 1
+    client = _client(url)
+    r = await client.completions.create(model=MODEL_ID, prompt=prompt_text, max_tokens=4, temperature=0, echo=True,
+                                        logprobs=2)
+    lp = r.choices[0].logprobs
+    n = len(ids)
+    assert r.choices[0].text.startswith(prompt_text) and "".join(lp.tokens) == r.choices[0].text
+    assert lp.tokens[:n] == [_bytes(tok, t).decode() for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, n):
+        ref = _log_softmax64(logits[i - 1])
+        assert abs(lp.token_logprobs[i] - ref[ids[i]]) < 1e-4
+        best = np.argsort(-ref, kind="stable")[:2]
+        assert set(lp.top_logprobs[i]) == {_bytes(tok, t).decode() for t in best} | {lp.tokens[i]}
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert lp.text_offset[n] == len(prompt_text)  # the completion's offsets in the echoed text
+    assert max(lp.top_logprobs[n].values()) == lp.token_logprobs[n]  # greedy: its first token the likeliest
+    stream = await client.completions.create(model=MODEL_ID, prompt=prompt_text, max_tokens=4, temperature=0,
+                                             echo=True, logprobs=2, stream=True)
+    chunks = [c.choices[0] async for c in stream if c.choices]
+    assert chunks[0].text == prompt_text and chunks[0].logprobs.tokens == lp.tokens[:n]
+    assert sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), []) == lp.token_logprobs
+    assert sum((c.logprobs.text_offset for c in chunks if c.logprobs), []) == lp.text_offset
+    await client.close()
+    gc.collect()
+    await asyncio.sleep(0.05)
 
 
 async def test_completions_echo_puts_the_prompt_first(url, engine):
