@@ -138,7 +138,10 @@ class StageVerifier:
         runs: list[tuple[KVCache, int, int]] = []
         for a, n in todo:
             sh = a.shadow
-            sh.held = sh.cache.length = min(sh.held, a.start)  # positions from start on are being re-run
+            start = min(sh.held, a.start)  # positions from start on are being re-run
+            if not sh.cache.resumes(start, lo, hi):  # a recurrent state cannot go back there: replay from 0
+                start = 0
+            sh.held = sh.cache.length = start
             runs.append((sh.cache, sh.held, a.start + n - sh.held))
         rows = np.concatenate([a.history[a.shadow.held:a.start + n] for a, n in todo])
         out = self.model.layers_batch(rows, runs, lo, hi)  # [sum of catch-up rows, H]

@@ -96,6 +96,43 @@ def test_a_resent_step_is_served_and_an_earlier_start_is_a_cache_gap(model_dir):
     np.testing.assert_array_equal(whole.x[6:8], first.x)
 
 
+@pytest.mark.parametrize("resend", [0, 1, 2], ids=["in-order", "last-step-sent-again", "two-steps-sent-again"])
+def test_verify_checks_recurrent_stages_on_shadow_states(model_dir, reference, resend):
+    """``--verify 100``: every stage answer re-run here on a shadow state per sequence, the answers
+    found right; the last step sent again runs from the states before it (peer and shadow), two
+    steps back are a cache_gap and the sequence is sent from position 0."""
+    import random
+
+    from swarm.peer.coordinator.stages import StagedFFN
+
+    model, _, hand, _ = staged(model_dir, (Stage(W1, 0, 2), Stage(COORD, 2, 3)))
+    ffn = hand.ffn = StagedFFN(model, StageLayout(1, 1, COORD, (Stage(W1, 0, 2), Stage(COORD, 2, 3))), hand,
+                               verify=1.0, rng=random.Random(0))
+
+    def on_step(step):
+        if resend and step == 3:  # as after missed deadlines: the stage gets the last steps' rows again
+            hand.join()
+            for seq in list(ffn._sequences.values()):
+                key = next(iter(seq.remote))
+                seq.remote[key] -= resend
+
+    firsts, send = [], hand.send  # every segment's first position, as sent
+
+    def recording(peer, req):
+        if isinstance(req, m.StageRequest):
+            firsts.extend(s.start for s in req.segments)
+        send(peer, req)
+
+    hand.send = recording
+    tokens, logits = greedy_batch(model, ffn, PROMPTS, DECODE, on_step)
+    hand.join()
+    assert_solo(reference, tokens, logits)
+    assert not hand.failed
+    step3 = [len(p) + 2 for p in PROMPTS]  # the positions step 3 starts at
+    assert all(n - resend in firsts for n in step3)
+    assert firsts.count(0) == len(PROMPTS) * (2 if resend == 2 else 1)  # a cache_gap: sent from 0 again
+
+
 def test_expert_ranges_on_two_workers_give_the_local_bits(model_dir):
     """Per-layer ranges: the routed experts of every layer on two workers, the linear layers'
     states and the gated shared expert on the coordinator."""
