@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from swarm.compute import SamplingParams, generate, load_model
 from swarm.compute.ffn import route
 from swarm.compute.kernels import rms_norm
+from tests.compute.family_checks import assert_batch_gives_solo_bits, two_stage_logits
 from tests.compute.tiny_gpt_oss import build, rounded, write_gguf
 from tests.compute.tiny_models import hf_greedy, hf_logits
 
@@ -102,35 +103,13 @@ def test_quantized_gguf_matches_transformers_on_the_same_values(tiny, tmp_path, 
 def test_layer_ranges_on_separate_caches_give_the_whole_models_bits(tiny, fmt, tmp_path):
     """Stages: layers 0:2 on one peer's cache, 2:3 on another's, prefill then decode steps."""
     model = load_model(tiny[1] if fmt == "hf" else write_gguf(tiny[0], tmp_path / "m.gguf"))
-    whole = prefill_then_decode(model, TOKENS)
-    first, second = model.new_cache(capacity=4), model.new_cache(capacity=4)
-    staged, start = [], 0
-    for chunk in [TOKENS[:PREFILL]] + [[t] for t in TOKENS[PREFILL:]]:
-        x = model.embed.take(np.array(chunk))
-        x = model.layers(x, first, start, 0, 2)
-        x = model.layers(x, second, start, 2, model.config.n_layers)
-        start += len(chunk)
-        staged.append(model.head.matmul(rms_norm(x, model.final_norm, model.config.rms_norm_eps)))
+    staged, first, second = two_stage_logits(model, TOKENS, PREFILL, 2)
     assert first.k[2] is None and second.k[0] is None
-    np.testing.assert_array_equal(np.concatenate(staged), whole)
+    np.testing.assert_array_equal(staged, prefill_then_decode(model, TOKENS))
 
 
 def test_a_batch_of_sequences_gives_each_its_solo_bits(tiny):
-    model = load_model(tiny[1])
-    a, b = TOKENS[:PREFILL], TOKENS[3:]
-    solo = [model.forward(t, model.new_cache(), last_only=True) for t in (a, b)]
-    batch = model.forward_batch([(a, model.new_cache()), (b, model.new_cache())])
-    np.testing.assert_array_equal(batch, np.concatenate(solo))
-    # and a decode step of each beside the other
-    caches = [model.new_cache(), model.new_cache()]
-    for t, cache in zip((a, b), caches):
-        model.forward(t, cache)
-    solo_caches = [model.new_cache(), model.new_cache()]
-    for t, cache in zip((a, b), solo_caches):
-        model.forward(t, cache)
-    step = model.forward_batch([([5], caches[0]), ([9], caches[1])])
-    np.testing.assert_array_equal(step, np.concatenate([model.forward([5], solo_caches[0], last_only=True),
-                                                        model.forward([9], solo_caches[1], last_only=True)]))
+    assert_batch_gives_solo_bits(load_model(tiny[1]), TOKENS[:PREFILL], TOKENS[3:])
 
 
 def test_route_matches_transformers_router(tiny):

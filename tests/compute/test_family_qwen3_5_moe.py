@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from swarm.compute import SamplingParams, generate, load_model
-from swarm.compute.kernels import rms_norm
+from tests.compute.family_checks import assert_batch_gives_solo_bits, two_stage_logits
 from tests.compute.tiny_models import hf_greedy, hf_logits
 from tests.compute.tiny_qwen3_5_moe import build, write_gguf
 
@@ -110,33 +110,16 @@ def test_any_chunking_gives_the_same_state_and_logits_bits(tiny, sizes):
 
 
 def test_a_batch_of_sequences_gives_each_its_solo_bits(tiny):
-    model = load_model(tiny[1])
-    a, b = TOKENS[:PREFILL], TOKENS[3:]
-    solo = [model.forward(t, model.new_cache(), last_only=True) for t in (a, b)]
-    caches = [model.new_cache(), model.new_cache()]
-    np.testing.assert_array_equal(model.forward_batch([(a, caches[0]), (b, caches[1])]), np.concatenate(solo))
-    solo_caches = [model.new_cache(), model.new_cache()]
-    for t, cache in zip((a, b), solo_caches):
-        model.forward(t, cache)
-    step = model.forward_batch([([5], caches[0]), ([9], caches[1])])  # a decode step of each beside the other
-    np.testing.assert_array_equal(step, np.concatenate([model.forward([5], solo_caches[0], last_only=True),
-                                                        model.forward([9], solo_caches[1], last_only=True)]))
+    assert_batch_gives_solo_bits(load_model(tiny[1]), TOKENS[:PREFILL], TOKENS[3:])
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 def test_layer_ranges_on_separate_caches_give_the_whole_models_bits(tiny, fmt, tmp_path):
     """Stages: layers 0:2 on one peer's cache, 2:3 on another's; each holds only its layers' state."""
     model = load_model(tiny[1] if fmt == "hf" else write_gguf(tiny[0], tmp_path / "m.gguf"))
-    whole = in_chunks(model, TOKENS, [PREFILL, 1])[0]
-    first, second = model.new_cache(capacity=4), model.new_cache(capacity=4)
-    staged, start = [], 0
-    for chunk in [TOKENS[:PREFILL]] + [[t] for t in TOKENS[PREFILL:]]:
-        x = model.layers(model.embed.take(np.array(chunk)), first, start, 0, 2)
-        x = model.layers(x, second, start, 2, model.config.n_layers)
-        start += len(chunk)
-        staged.append(model.head.matmul(rms_norm(x, model.final_norm, model.config.rms_norm_eps)))
+    staged, first, second = two_stage_logits(model, TOKENS, PREFILL, 2)
     assert first.states[2] is None and second.states[0] is None and second.k[1] is None
-    np.testing.assert_array_equal(np.concatenate(staged), whole)
+    np.testing.assert_array_equal(staged, in_chunks(model, TOKENS, [PREFILL, 1])[0])
 
 
 def test_a_state_runs_on_from_its_position_the_one_before_or_zero(tiny):
