@@ -74,12 +74,13 @@ class PrefixStore:
     def keep(self, tokens: Sequence[int], cache: KVCache, owner: object | None, room: int | None) -> None:
         """Store ``cache``, which holds the keys/values of ``tokens[:cache.length]``, then evict
         least recently used entries until the store holds at most ``room`` positions (None: no
-        bound but ``max_entries``); a cache larger than ``room`` alone is not kept.
-        A cache of another kind than :class:`~swarm.compute.model.KVCache` (e.g. a recurrent
-        state, which cannot go back to a prefix) is not kept."""
+        bound but ``max_entries``); a cache larger than ``room`` alone is not kept (nor evicts any).
+        A cache of another class than :class:`~swarm.compute.model.KVCache` (whose truncation
+        this store cannot vouch for) is not kept."""
         from swarm.compute.model import KVCache
 
-        if type(cache) is not KVCache or cache.length < 1 or len(tokens) < cache.length:
+        if (type(cache) is not KVCache or cache.length < 1 or len(tokens) < cache.length
+                or (room is not None and cache.length > room)):
             return
         self._keys += 1
         self._entries[self._keys] = Retained(tuple(tokens[:cache.length]), cache, owner)
