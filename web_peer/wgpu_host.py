@@ -1,8 +1,10 @@
 """Run the browser peer's WGSL kernels natively through wgpu-py (Vulkan: Mesa lavapipe, or a GPU).
 
 This host mirrors the page's gpu.js / ffn.js step for step — same WGSL files, same weight parts,
-same dispatch grid — so the kernels are tested and benchmarked outside the browser too. It is a
-test and bench tool: `wgpu` is a test dependency, imported only here.
+same dispatch grid — so the kernels are tested and benchmarked outside the browser, and a Python
+peer computes with them on its own GPU (`join --gpu`, swarm/peer/worker/gpu.py). `wgpu` is the
+optional dependency `colibri-swarm[gpu]`, imported only here. Every call blocks until the GPU
+is done: a peer makes them off its event loop (the worker's compute thread).
 
     gpu = WgpuFfn(max_binding=64 << 20)          # cap bindings below the adapter's limit
     w = gpu.upload(w_gate, w_up, w_down, "q8")   # [F, H], [F, H], [H, F] float32 → GPU parts
@@ -72,7 +74,7 @@ class WgpuFfn:
 
     def __init__(self, max_binding: int | None = None, workgroup_size: int | None = None,
                  power_preference: str = "high-performance"):
-        import wgpu  # test/bench dependency
+        import wgpu  # the [gpu] extra
 
         self._wgpu = wgpu
         self.adapter = wgpu.gpu.request_adapter_sync(power_preference=power_preference)

@@ -258,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "first layers here with their experts/MLP cut over the peers and give the rest as stages "
                    "(mix); see docs/planner.md")
     p.add_argument("--no-model", action="store_true", help="join as a worker without the model (weights are shipped)")
+    # Names as in swarm.peer.worker.gpu.GPU_MODES (not imported here: numpy stays out of the CLI's start).
+    p.add_argument("--gpu", choices=("off", "auto", "on"), default="off",
+                   help="compute this peer's expert and MLP ranges on the GPU with the peer page's WGSL "
+                   "kernels through wgpu (pip install 'colibri-swarm[gpu]'): on (any adapter, failing "
+                   "without one), auto (a GPU adapter if one is found, never a software one), or off (the "
+                   "default: the engine's CPU kernels, whose bits every CPU peer shares); docs/weights.md")
     p.add_argument("--api-port", metavar="PORT", type=_int_at_least(1, "--api-port", 65535),
                    help="as coordinator: serve the OpenAI API on this TCP port (default: the port this config "
                    "directory served on before, else a free one, then kept, so the URL survives elections; a "

@@ -121,11 +121,12 @@ async def _run_peer(args: Any, console: Any) -> None:
     key, created = _swarm_key(args, swarmkey)
     ident = identity.load_or_create()
     model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
-    gflops = await asyncio.to_thread(measure_ffn_gflops)
+    gpu = await asyncio.to_thread(_open_gpu, getattr(args, "gpu", "off"), console)  # blocks: adapter, device
+    gflops = await asyncio.to_thread(gpu.measure_gflops if gpu is not None else measure_ffn_gflops)
     allowance = await asyncio.to_thread(_measure_memory, args, model)
     await freeze_heap()
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
-                ffn_gflops=gflops,
+                ffn_gflops=gflops, build=gpu.build() if gpu is not None else None,
                 signal_url=args.signal, memory_budget=allowance.bytes,
                 model_hash=model.content_hash() if model is not None else None,
                 rendezvous_options={"bind_port": args.port} if getattr(args, "port", None) else None,
@@ -148,7 +149,7 @@ async def _run_peer(args: Any, console: Any) -> None:
         set_default_limits(getattr(args, "max_batch", None), getattr(args, "max_queue", None))  # the API's batch
         roles = await SwarmRoles.create(node, model, verify=args.verify / 100, layout=getattr(args, "layout", "ranges"),
                                         api_tls=False if getattr(args, "api_plain_http", False) else None,
-                                        api_port=getattr(args, "api_port", None))
+                                        api_port=getattr(args, "api_port", None), device=gpu)
         await freeze_heap()  # the tokenizer and the model's index too
         await roles.start()
         _print_header(console, node)
@@ -176,6 +177,19 @@ async def _run_peer(args: Any, console: Any) -> None:
         pass
     finally:
         await _leave(node, roles)
+        if gpu is not None:
+            await asyncio.to_thread(gpu.close)
+
+
+def _open_gpu(mode: str, console: Any) -> Any:
+    """The FFN device of ``--gpu MODE`` (swarm/peer/worker/gpu.py), said in one line; None: the CPU."""
+    from swarm.peer.worker.gpu import GpuFfn
+
+    gpu = GpuFfn.open(mode)
+    if gpu is not None:
+        console.print(f"GPU: [bold]{esc(gpu.adapter)}[/] ({esc(gpu.backend)}) computes this peer's "
+                      "expert and MLP ranges with the WGSL kernels")
+    return gpu
 
 
 def _measure_memory(args: Any, model: Any) -> Any:

@@ -110,6 +110,7 @@ class Node:
         model_hash: str | None = None,
         memory_budget: int | None = None,
         ffn_gflops: float | None = None,
+        build: NumericBuild | None = None,
         status_path: Path | None = None,
         link_options: dict[str, Any] | None = None,
         rendezvous_options: dict[str, Any] | None = None,
@@ -126,7 +127,7 @@ class Node:
         # peer id → (name, kind) from its presence and hello, kept after it leaves: events name it
         self.known: dict[str, tuple[str, str]] = {}
         self.hello = Hello(
-            peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=numeric_build(), model_hash=model_hash,
+            peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=build or numeric_build(), model_hash=model_hash,
             memory_budget=default_memory_budget() if memory_budget is None else memory_budget,
             ffn_gflops=measure_ffn_gflops() if ffn_gflops is None else ffn_gflops,
             peer_kind="python", adapter_limits={}, adapter_features=(), name=self.name[:64],

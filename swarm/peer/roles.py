@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from swarm.compute.tokenizer import TextTokenizer
     from swarm.peer.net.link import Link
     from swarm.peer.node import Node
+    from swarm.peer.worker.ffn import FfnDevice
 
 
 class SwarmRoles:
@@ -43,14 +44,15 @@ class SwarmRoles:
     (:mod:`swarm.peer.coordinator.role`). ``api_host`` / ``api_port``: where the coordinator
     serves the OpenAI API (port 0: any free port; None: the port this config directory
     remembers, so a coordinator elected again here keeps its URL; see ``coordinator.api_port``); ``api_tls``:
-    HTTPS or not (None: HTTPS unless ``api_host`` is loopback). Raises LocalProtocolError when
+    HTTPS or not (None: HTTPS unless ``api_host`` is loopback). ``device``: where this peer's
+    FFN ranges run as a worker (None: the CPU; ``join --gpu``: :mod:`swarm.peer.worker.gpu`). Raises LocalProtocolError when
     the node's hello names another model than ``model``, or for an unknown layout.
     """
 
     def __init__(self, node: Node, model: Model | None = None, *, tokenizer: TextTokenizer | None = None,
                  verify: float = 0.0, api_host: str = "0.0.0.0", api_port: int | None = None, rng: random.Random | None = None,
                  serve_api: bool = True, startup_quiet_s: float = MESH_FORMING_QUIET_S, layout: str = "ranges",
-                 api_tls: bool | None = None) -> None:
+                 api_tls: bool | None = None, device: FfnDevice | None = None) -> None:
         if model is not None and model.content_hash() != node.hello.model_hash:
             raise LocalProtocolError("the node's hello must name the hash of the model it serves")
         check_layout(layout)
@@ -65,7 +67,7 @@ class SwarmRoles:
         self.coordinator = CoordinatorRole(node, model, self.election, verify=verify, layout=layout,
                                            tokenizer=tokenizer, serve_api=serve_api, api_host=api_host,
                                            api_port=api_port, api_tls=api_tls)
-        self.worker = WorkerRole(node, model, self.election)
+        self.worker = WorkerRole(node, model, self.election, device)
 
     @classmethod
     async def create(cls, node: Node, model: Model | None = None, **options: Any) -> SwarmRoles:

@@ -92,14 +92,17 @@ def repack_for_page(blob: bytes | memoryview, meta: Mapping[str, Any],
         raw = buf[t["offset"] : t["offset"] + t["nbytes"]]
         entry = dict(t, offset=len(out))
         if t.get("role") in repack:
-            raw = _to_q8_0(raw, encoding, shape, t.get("role", "?"))
+            raw = requantize_q8_0(raw, encoding, shape, t.get("role", "?"))
             entry.update(encoding=TARGET, nbytes=raw.nbytes, repacked_from=encoding)
         out += raw.tobytes()
         tensors.append(entry)
     return bytes(out), {**meta, "tensors": tensors}
 
 
-def _to_q8_0(raw: np.ndarray, encoding: str, shape: list[int], role: str) -> np.ndarray:
+def requantize_q8_0(raw: np.ndarray, encoding: str, shape: list[int], role: str) -> np.ndarray:
+    """One tensor's bytes ``raw`` (GGUF type name ``encoding``, logical ``shape``) as Q8_0 blocks,
+    uint8 [rows, cols / 32 * 34]; ``role`` names it in errors. Raises LocalProtocolError for an
+    unknown type, bytes that do not fit the shape, or rows not a multiple of 32 weights."""
     try:
         qtype = GGMLQuantizationType[encoding]
         block, type_size = GGML_QUANT_SIZES[qtype]

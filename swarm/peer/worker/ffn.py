@@ -23,6 +23,12 @@ over all the rows of the request: every kernel computes a row from that row alon
 of several sequences (the request's ``segments``, checked by the codec) need no per-sequence
 work here, and the coordinator gets the bits its local path would compute.
 
+On a GPU peer (``join --gpu``) an :class:`FfnDevice` other than the CPU's holds the slices
+(uploaded once, when a plan is accepted) and runs the same SwiGLU block with the browser peer's
+WGSL kernels (:mod:`swarm.peer.worker.gpu`): another numeric build, checked by the coordinator
+within a bound rather than bit for bit. A kernel error answers ``internal`` and drops the
+uploaded slices (the device was reset); the next plan or request uploads them again.
+
 :meth:`Worker.handle` is synchronous and CPU-heavy: the asyncio adapter runs it
 in one worker thread (requests in arrival order), never on the event loop.
 """
@@ -31,13 +37,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from swarm.compute.ffn import swiglu_ffn
 from swarm.compute.kernels import MLPWeights
-from swarm.errors import RemoteProtocolError, StaleTermError
+from swarm.errors import KernelError, RemoteProtocolError, StaleTermError
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
 from swarm.peer.plan import ModelShape, Plan
 
@@ -56,21 +62,45 @@ class SliceSource(Protocol):
     def dense_weights(self, layer: int, lo: int | None = None, hi: int | None = None) -> MLPWeights: ...
 
 
+class FfnDevice(Protocol):
+    """Where a worker's SwiGLU blocks run: ``load`` takes one block's weights as the source gives
+    them and returns what ``run`` computes from (it has ``nbytes``: the bytes it holds);
+    ``run(weights, x)`` maps rows x [n, H] float32 to [n, H] float32. Raises KernelError when it
+    cannot (a GPU error: the device is reset)."""
+
+    def load(self, weights: MLPWeights) -> Any: ...
+
+    def run(self, weights: Any, x: np.ndarray) -> np.ndarray: ...
+
+
+class CpuFfn:
+    """The engine's own compiled kernels: the weights as the source gives them (mapped file
+    views or shipped slices), :func:`swarm.compute.ffn.swiglu_ffn`."""
+
+    def load(self, weights: MLPWeights) -> MLPWeights:
+        return weights
+
+    def run(self, weights: MLPWeights, x: np.ndarray) -> np.ndarray:
+        return swiglu_ffn(weights, x)
+
+
 class Worker:
     """Answers :class:`ExpertRequest` / :class:`DenseRequest` for peer ``peer_id``.
 
-    ``shape`` gives the model's sizes for validation; ``source`` the weights.
+    ``shape`` gives the model's sizes for validation; ``source`` the weights; ``device`` where
+    they are held and computed (default the CPU: :class:`CpuFfn`).
     """
 
-    def __init__(self, peer_id: str, shape: ModelShape, source: SliceSource) -> None:
+    def __init__(self, peer_id: str, shape: ModelShape, source: SliceSource, device: FfnDevice | None = None) -> None:
         self.peer_id = peer_id
         self.shape = shape
         self.source = source
+        self.device: FfnDevice = device or CpuFfn()
         self.plan: Plan | None = None  # the newest accepted plan
         self._plans: dict[tuple[int, int], Plan] = {}  # (term, version) → plan still served
         self.term = 0  # the newest term seen in a plan
-        self._experts: dict[tuple[int, int], MLPWeights] = {}
-        self._dense: dict[tuple[int, int, int], MLPWeights] = {}
+        self._experts: dict[tuple[int, int], Any] = {}  # what self.device.load made of each slice
+        self._dense: dict[tuple[int, int, int], Any] = {}
         self._lock = threading.Lock()
         self.served = 0  # answered requests (status, tests)
 
@@ -127,21 +157,22 @@ class Worker:
                     total += self._dense_slice(layer, s.start, s.stop).nbytes
         return total
 
-    def _expert(self, layer: int, e: int) -> MLPWeights:
+    def _expert(self, layer: int, e: int) -> Any:
         w = self._experts.get((layer, e))
         if w is None:
-            w = self._experts[(layer, e)] = self.source.expert_weights(layer, e)
+            w = self._experts[(layer, e)] = self.device.load(self.source.expert_weights(layer, e))
         return w
 
-    def _dense_slice(self, layer: int, lo: int, hi: int) -> MLPWeights:
+    def _dense_slice(self, layer: int, lo: int, hi: int) -> Any:
         w = self._dense.get((layer, lo, hi))
         if w is None:
-            w = self._dense[(layer, lo, hi)] = self.source.dense_weights(layer, lo, hi)
+            w = self._dense[(layer, lo, hi)] = self.device.load(self.source.dense_weights(layer, lo, hi))
         return w
 
     # ------------------------------------------------------------------ requests
     def handle(self, msg: ExpertRequest | DenseRequest) -> ExpertAnswer | DenseAnswer | Error:
-        """Answer one request, or refuse it with an Error (``stale_term``, ``bad_request``)."""
+        """Answer one request, or refuse it with an Error (``stale_term``, ``bad_request``;
+        ``internal`` when the device failed: its uploaded slices are dropped)."""
         try:
             match msg:
                 case ExpertRequest():
@@ -155,6 +186,11 @@ class Worker:
         except RemoteProtocolError as exc:
             log.warning("refused FFN request %s: %s", getattr(msg, "request_id", "?"), exc)
             return Error(getattr(msg, "request_id", 0), "bad_request", str(exc))
+        except KernelError as exc:
+            log.warning("FFN request %s failed on the device: %s", msg.request_id, exc)
+            with self._lock:
+                self._experts, self._dense = {}, {}  # uploaded to a device that was reset
+            return Error(msg.request_id, "internal", str(exc))
         self.served += 1
         return answer
 
@@ -187,7 +223,7 @@ class Worker:
         for i, e in enumerate(ids.tolist()):
             a, b = bounds[i], bounds[i + 1]
             if b > a:
-                outputs[a:b] = swiglu_ffn(self._expert(msg.layer, e), msg.rows[a:b])
+                outputs[a:b] = self.device.run(self._expert(msg.layer, e), msg.rows[a:b])
         return ExpertAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer,
                             msg.expert_ids, msg.row_counts, outputs)
 
@@ -198,5 +234,5 @@ class Worker:
         if tuple(msg.ranges) != want:
             raise RemoteProtocolError(f"layer {msg.layer}: ranges {list(msg.ranges)} are not this worker's "
                                       f"{list(want) if want else 'none'} in plan v{plan.version}")
-        partials = np.stack([swiglu_ffn(self._dense_slice(msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
+        partials = np.stack([self.device.run(self._dense_slice(msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
         return DenseAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer, msg.ranges, partials)

@@ -29,7 +29,7 @@ from swarm.peer.weights.shipping import SliceCache
 from swarm.peer.weights.shipping_aio import SliceFetcher, fetch_plan_slices
 from swarm.peer.weights.sizes import model_shape
 from swarm.peer.weights.slices import SliceSpan
-from swarm.peer.worker.ffn import Worker
+from swarm.peer.worker.ffn import FfnDevice, Worker
 from swarm.peer.worker.stages import StageRunner
 
 if TYPE_CHECKING:
@@ -48,15 +48,18 @@ class WorkerRole:
     """Serves the coordinator's plans and requests on ``node`` (module docstring).
 
     ``model``: the whole model this peer holds (None: slices are shipped to it); ``election``:
-    whose terms and coordinator a plan must match.
+    whose terms and coordinator a plan must match; ``device``: where FFN ranges are held and
+    computed (None: the CPU; a :class:`~swarm.peer.worker.gpu.GpuFfn` under ``join --gpu``).
     """
 
-    def __init__(self, node: Node, model: Model | None, election: ElectionDriver) -> None:
+    def __init__(self, node: Node, model: Model | None, election: ElectionDriver,
+                 device: FfnDevice | None = None) -> None:
         self.node = node
         self.model = model
         self.election = election
+        self.device = device
         self.shape = model_shape(model) if model is not None else None  # learned from slices otherwise
-        self.server: Worker | None = Worker(node.peer_id, self.shape, model) if model is not None else None
+        self.server: Worker | None = Worker(node.peer_id, self.shape, model, device) if model is not None else None
         self.stage_runner = StageRunner(node.peer_id, model) if model is not None else None
         self._fetchers: dict[str, SliceFetcher] = {}  # without a model: per link to a peer that has one
         self._plans_ready: dict[tuple[int, int], asyncio.Event] = {}  # (term, version) → slices in
@@ -140,7 +143,7 @@ class WorkerRole:
             raise RemoteProtocolError("the coordinator's model shape changed under this worker")
         self.shape = shape
         if self.server is None:
-            self.server = Worker(me, shape, shipped)
+            self.server = Worker(me, shape, shipped, self.device)
         else:
             self.server.use_source(shipped)  # slices of the plans still served are already decoded
 
