@@ -21,8 +21,8 @@ class ModelShape:
     encoded ones, in bytes: ``expert_nbytes`` (one routed expert: gate, up, down,
     the largest over layers), ``column_nbytes`` (one dense intermediate unit),
     ``page_expert_nbytes`` / ``page_column_nbytes`` (the same on a browser peer:
-    tensors its kernels cannot read are repacked to Q8_0, 34 bytes per 32
-    weights) and ``resident_nbytes`` (what only the coordinator holds:
+    its kernels read Q4_0, Q4_1, Q8_0 and the K-quants as they are; other
+    tensors are repacked to Q8_0, 34 bytes per 32 weights) and ``resident_nbytes`` (what only the coordinator holds:
     embeddings, attention, routers as float32, norms, head, shared experts).
 
     What is not a weight, in bytes (from the config and :func:`swarm.peer.memory.context_tokens`;

@@ -52,11 +52,11 @@ def page_encodings(build: Any) -> frozenset[str]:
 
 def page_readable(meta: Mapping[str, Any], encodings: frozenset[str] = PAGE_ENCODINGS) -> bool:
     """True when every tensor of a slice's meta is in one of ``encodings`` (what the page reads)."""
-    return not _to_repack(meta, encodings)
+    return not roles_to_repack(meta, encodings)
 
 
-def _to_repack(meta: Mapping[str, Any], encodings: frozenset[str]) -> set[str]:
-    """Roles of the tensors to requantize: those the page cannot read, and gate and up both when
+def roles_to_repack(meta: Mapping[str, Any], encodings: frozenset[str]) -> set[str]:
+    """``meta``: a slice's (or any ``{"tensors": [{"role", "encoding"}, ...]}``). Roles of the tensors to requantize: those the page cannot read, and gate and up both when
     they differ and either is a K-quant (one kernel reads gate and up together, and the page
     decodes to float32 only the types of PAGE_ENCODINGS)."""
     tensors = {t.get("role"): t.get("encoding") for t in meta.get("tensors", ())}
@@ -81,7 +81,7 @@ def repack_for_page(blob: bytes | memoryview, meta: Mapping[str, Any],
         LocalProtocolError: a tensor's bytes do not match its shape and encoding, or its rows
             are not a multiple of 32 weights (Q8_0's block).
     """
-    repack = _to_repack(meta, encodings)
+    repack = roles_to_repack(meta, encodings)
     if not repack:
         return bytes(blob), dict(meta)
     buf = np.frombuffer(blob, np.uint8)

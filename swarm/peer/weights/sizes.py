@@ -1,5 +1,8 @@
 """A model file's sizes for the planner: :class:`~swarm.peer.plan.ModelShape` with the encoded
-bytes of every FFN unit as the file stores them and as a browser peer holds them."""
+bytes of every FFN unit as the file stores them and as a browser peer holds them: the file's
+bytes for what its kernels read as they are (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K,
+which every page of this release announces; F32, F16, BF16), Q8_0's for what the coordinator
+repacks for it (:func:`~swarm.peer.weights.repack.roles_to_repack`, the rule shipping follows)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from swarm.peer.plan import Q8_0_BYTES, ModelShape
-from swarm.peer.weights.repack import PAGE_ENCODINGS
+from swarm.peer.weights.repack import K_ENCODINGS, PAGE_ENCODINGS, roles_to_repack
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
@@ -23,8 +26,11 @@ def model_shape(model: Model) -> ModelShape:
 
     def sizes(mats, per: int) -> tuple[int, int]:
         own = sum(m.nbytes for m in mats)
-        page = sum(m.nbytes if m.qtype.name in PAGE_ENCODINGS else math.ceil(m.data.shape[0] * m.cols * Q8_0_BYTES)
-                   for m in mats)
+        roles = dict(zip(("gate", "up", "down"), mats, strict=True))
+        repacked = roles_to_repack({"tensors": [{"role": r, "encoding": m.qtype.name} for r, m in roles.items()]},
+                                   PAGE_ENCODINGS | K_ENCODINGS)
+        page = sum(math.ceil(m.data.shape[0] * m.cols * Q8_0_BYTES) if r in repacked else m.nbytes
+                   for r, m in roles.items())
         return math.ceil(own / per), math.ceil(page / per)
 
     expert = [sizes(ck.expert_matrices(layer, 0), 1) for layer in base.moe_layers]

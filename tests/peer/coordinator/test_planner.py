@@ -173,17 +173,22 @@ def test_a_browser_budget_counts_its_q8_repacks():
     assert len(plan.expert_span(0, "q")) == 19  # the same budget holds more in the file's own blocks
 
 
-def test_model_shape_counts_the_encoded_bytes_of_the_file(tmp_path):
+@pytest.mark.parametrize("down, page_down_bytes", [
+    ("Q4_K", 144 / 256),  # the page's and a GPU peer's kernels read Q4_K blocks as they are: the file's size
+    ("Q5_0", 34 / 32),  # no kernel reads Q5_0: the coordinator repacks it to Q8_0 for a page
+])
+def test_model_shape_counts_the_encoded_bytes_of_the_file(tmp_path, down, page_down_bytes):
     from swarm.compute.model import load_model
     from tests.multihost.test_capacity import random_moe_gguf
 
-    Q4_K = __import__("gguf").GGMLQuantizationType.Q4_K
+    qtype = __import__("gguf").GGMLQuantizationType[down]
     path = random_moe_gguf(tmp_path / "m.gguf", layers=2, hidden=256, experts=4, top_k=2, expert_ffn=256,
-                           heads=4, kv_heads=2, down=Q4_K)
+                           heads=4, kv_heads=2, down=qtype)
     shape = model_shape(load_model(path))
+    block, size = __import__("gguf").GGML_QUANT_SIZES[qtype]
     gate_up = 2 * 256 * 256 * 34 // 32  # Q8_0
-    assert shape.expert_bytes == gate_up + 256 * 256 * 144 // 256  # Q4_K down: 144 bytes per 256
-    assert shape.page_expert_nbytes == gate_up + 256 * 256 * 34 // 32  # the page holds Q8_0 for Q4_K
+    assert shape.expert_bytes == gate_up + 256 * 256 * size // block
+    assert shape.page_expert_nbytes == gate_up + 256 * 256 * page_down_bytes
     ffn = 2 * 4 * shape.expert_bytes
     assert shape.ffn_bytes() == ffn
     routers = 2 * 4 * 256 * 4
