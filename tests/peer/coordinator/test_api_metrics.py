@@ -58,7 +58,8 @@ def parse(text: str) -> dict[str, float]:
         series: dict[str, list[float]] = {}  # per set of labels besides le
         for k, v in samples.items():
             if k.startswith(name + "_bucket"):
-                series.setdefault(re.sub(r',?le="[^"]*"', "", k[len(name + "_bucket"):]), []).append(v)
+                labels = re.sub(r'(,?)le="[^"]*"(,?)', lambda m: "," if m[1] and m[2] else "", k[len(name + "_bucket"):])
+                series.setdefault(labels, []).append(v)
         for labels, buckets in series.items():
             assert buckets == sorted(buckets) and buckets[-1] == samples[f"{name}_count{labels if labels != '{}' else ''}"]
     return samples

@@ -59,7 +59,7 @@ async def test_metrics_show_the_plan_each_peers_answer_times_and_marked_down_cou
     assert got[f"{p}plan_version"] == swarm.ffn.plan.version == 1
     assert got[f'{p}peer_answer_seconds_count{{peer="{W1}"}}'] == sent[W1] > 0  # every request answered
     assert got[f'{p}peer_answer_seconds_count{{peer="{W2}"}}'] == 4  # those before its link went
-    assert got[f'{p}peer_answer_seconds_bucket{{peer="{W1}",le="+Inf"}}'] == sent[W1]
+    assert got[f'{p}peer_answer_seconds_bucket{{le="+Inf",peer="{W1}"}}'] == sent[W1]
     assert got[f'{p}peer_answer_seconds_sum{{peer="{W1}"}}'] > 0
     assert got[f'{p}peer_marked_down_total{{peer="{W2}"}}'] == 1 and swarm.failed[0][0] == W2
     assert got[f'{p}peer_marked_down_total{{peer="{W1}"}}'] == 0
