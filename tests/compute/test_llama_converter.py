@@ -12,8 +12,8 @@ what the released models' config.json say where the converter relies on it (Deep
 from __future__ import annotations
 
 import json
+from functools import partial
 
-import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -30,17 +30,19 @@ VOCAB = 49152 + 8  # SmolLM2's ids, GLM's chat tokens, a few unused
 TOKENS = [int(t) for t in np.random.default_rng(5).integers(0, 49152, 12)]
 ATOL = 2e-5  # the float32 bound of the family tests (1e-5 over 96 logits), over 49160 logits here
 
-# name → (builder, config overrides beside the vocabulary, extra config.json keys)
+# name → (build(out_dir, **config), config overrides beside the vocabulary, extra config.json keys)
 CASES = {
-    "llama": (tiny_models.build_tiny, {}, {}),
-    "qwen3": (tiny_models.build_tiny, {}, {}),
-    "mixtral": (tiny_models.build_tiny, {}, {}),
-    "qwen3_moe": (tiny_models.build_tiny, {"mlp_only_layers": []}, {}),  # the converter maps no dense layer
-    "olmoe": (tiny_models.build_tiny, {"rms_norm_eps": 1e-5, "clip_qkv": None}, {}),
-    "glm4_moe": (tiny_sigmoid_moe.build, {}, {}),
-    "deepseek_v3": (tiny_sigmoid_moe.build, {}, {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}),
-    "minimax_m2": (tiny_sigmoid_moe.build, {}, {}),
-    "gpt_oss": (None, {}, {}),
+    "llama": (partial(tiny_models.build_tiny, "llama"), {}, {}),
+    "qwen3": (partial(tiny_models.build_tiny, "qwen3"), {}, {}),
+    "mixtral": (partial(tiny_models.build_tiny, "mixtral"), {}, {}),
+    # the converter has no name for a dense MLP in a qwen3moe file
+    "qwen3_moe": (partial(tiny_models.build_tiny, "qwen3_moe"), {"mlp_only_layers": []}, {}),
+    "olmoe": (partial(tiny_models.build_tiny, "olmoe"), {"rms_norm_eps": 1e-5, "clip_qkv": None}, {}),
+    "glm4_moe": (partial(tiny_sigmoid_moe.build, "glm4_moe"), {}, {}),
+    "deepseek_v3": (partial(tiny_sigmoid_moe.build, "deepseek_v3"), {},
+                    {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}),
+    "minimax_m2": (partial(tiny_sigmoid_moe.build, "minimax_m2"), {}, {}),
+    "gpt_oss": (tiny_gpt_oss.build, {}, {}),
 }
 
 
@@ -53,17 +55,18 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, smollm2_tokenizer):
-    """(name, outtype) → (transformers model, GGUF path): built and converted once per module."""
+    """(name, outtype) → (transformers model, GGUF path): built and converted once per module.
+    Outtype ``mxfp4`` (gpt_oss): a checkpoint with MXFP4 experts, the model holding their values."""
     done: dict = {}
 
     def get(name: str, outtype: str = "f32"):
         if (name, outtype) not in done:
             builder, overrides, released = CASES[name]
             hf_dir = tmp_path_factory.mktemp(name)
-            if builder is None:
-                hf, _ = tiny_gpt_oss.build(hf_dir, vocab_size=VOCAB, **overrides)
-            else:
-                hf, _ = builder(name, hf_dir, vocab_size=VOCAB, **overrides)
+            hf, _ = builder(hf_dir, vocab_size=VOCAB, **overrides)
+            if outtype == "mxfp4":  # experts stored as openai publishes gpt-oss; the rest converted as f32
+                tiny_gpt_oss.save_mxfp4(hf, hf_dir)
+                hf = tiny_gpt_oss.rounded(hf, QT.F32, QT.MXFP4)
             cfg = json.loads((hf_dir / "config.json").read_text())
             (hf_dir / "config.json").write_text(json.dumps({**cfg, **released}))
             smollm2_tokenizer.save_pretrained(hf_dir)
@@ -73,14 +76,15 @@ def converted(tmp_path_factory, smollm2_tokenizer):
                 glm = AutoTokenizer.from_pretrained(hf_dir)
                 glm.add_tokens(GLM_TOKENS, special_tokens=True)
                 glm.save_pretrained(hf_dir)
-            done[name, outtype] = hf, convert(hf_dir, hf_dir / f"{name}-{outtype}.gguf", outtype)
+            done[name, outtype] = hf, convert(hf_dir, hf_dir / f"{name}-{outtype}.gguf",
+                                              "f32" if outtype == "mxfp4" else outtype)
         return done[name, outtype]
 
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name in CASES if name != "mixtral"])  # mixtral: as Q8_0 below
 def test_converted_gguf_gives_transformers_tokens_and_logits(converted, name):
     hf, path = converted(name)
     model = load_model(path)
@@ -95,7 +99,7 @@ def test_converted_gguf_gives_transformers_tokens_and_logits(converted, name):
 def as_q8_0_file(hf_model):
     """A copy of ``hf_model`` holding the values the converter's ``--outtype q8_0`` file holds:
     matrices whose rows fit Q8_0's 32-weight blocks through Q8_0, other matrices through F16,
-    routers, norms and biases float32 (its rule for llama-arch and GLM files)."""
+    routers, norms and biases float32."""
     import copy
 
     import torch
@@ -103,19 +107,14 @@ def as_q8_0_file(hf_model):
     twin = copy.deepcopy(hf_model)
     with torch.no_grad():
         for name, p in twin.named_parameters():
-            if p.ndim < 2 or name.endswith("mlp.gate.weight"):
-                continue
-            a = p.numpy()
-            if a.shape[-1] % 32:
-                p.copy_(p.half().float())
-            else:
-                q = gguf.quants.dequantize(gguf.quants.quantize(a, QT.Q8_0), QT.Q8_0).reshape(a.shape)
-                p.copy_(torch.from_numpy(q))
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+                fits = p.shape[-1] % 32 == 0
+                p.copy_(torch.from_numpy(tiny_gpt_oss.through(p.numpy(), QT.Q8_0)) if fits else p.half().float())
     return twin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("name", ["mixtral"])
 def test_q8_0_conversion_gives_the_files_values_tokens(converted, name):
     """Against transformers on the values the file holds: Q8_0 where rows fit its blocks, F16
     where they do not (the converter's fallback), routers and norms float32."""
@@ -144,3 +143,16 @@ def test_converted_tokenizer_gives_transformers_ids(converted, smollm2_tokenizer
             continue
         assert ours.encode(text, add_special_tokens=False) == want, text
         assert ours.decode(want) == smollm2_tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_checkpoint_converts_to_mxfp4_experts_we_read(converted):
+    """gpt-oss as published (MXFP4 ``_blocks``/``_scales``): the converter repacks the experts into
+    GGUF MXFP4 blocks, which give transformers' tokens and logits on the same values."""
+    hf, path = converted("gpt_oss", "mxfp4")
+    model = load_model(path)
+    for part in ("gate", "up", "down"):
+        assert model.checkpoint.file.qtype(f"blk.0.ffn_{part}_exps.weight") == QT.MXFP4
+    np.testing.assert_allclose(model.forward(TOKENS, model.new_cache()), tiny_models.hf_logits(hf, TOKENS),
+                               rtol=0, atol=ATOL)
+    assert list(generate(model, TOKENS[:5], SamplingParams(max_tokens=6))) == tiny_models.hf_greedy(hf, TOKENS[:5], 6)

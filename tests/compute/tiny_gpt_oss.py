@@ -137,3 +137,39 @@ def write_gguf(hf_model, path: Path, qtype: gguf.GGMLQuantizationType = gguf.GGM
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def mxfp4_blocks(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``a`` [..., out, in] (in a multiple of 32) as gpt-oss's safetensors hold MXFP4 experts:
+    ``(blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32])``, one E8M0 exponent per
+    32 weights and two E2M1 codes a byte, the even element in the low nibble (transformers'
+    ``convert_moe_packed_tensors``). The values are gguf-py's MXFP4 quantization of ``a``, whose
+    block keeps the exponent, then element j in the low and j + 16 in the high nibble of byte j."""
+    q = gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), gguf.GGMLQuantizationType.MXFP4)
+    q = q.reshape(*a.shape[:-1], a.shape[-1] // 32, 17)
+    codes = np.concatenate([q[..., 1:] & 0x0F, q[..., 1:] >> 4], axis=-1)  # [..., in/32, 32] in order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), np.ascontiguousarray(q[..., 0])
+
+
+def save_mxfp4(hf_model, out_dir: Path) -> Path:
+    """Re-save ``out_dir`` (``hf_model`` saved there) with its experts in MXFP4 as openai
+    publishes gpt-oss: ``experts.{gate_up,down}_proj_{blocks,scales}`` [E, out, …] beside float
+    biases, and ``quantization_config.quant_method = "mxfp4"``. Their values are those
+    :func:`rounded` gives with ``expert_qtype`` MXFP4."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    tensors = {k: v.detach().numpy().copy() for k, v in hf_model.state_dict().items()}
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_blocks(tensors.pop(name).transpose(0, 2, 1))  # [E, in, out] → [E, out, in]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    for old in out_dir.glob("*.safetensors"):
+        old.unlink()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                       "model.layers.*.mlp.router",
+                                                                                       "model.embed_tokens", "lm_head"]}
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir
