@@ -200,3 +200,36 @@ def test_compiled_recurrence_matches_float64_and_leaves_the_old_state(T):
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
     np.testing.assert_allclose(state, s, rtol=0, atol=1e-5)
     np.testing.assert_array_equal(ssm, before)
+
+
+@pytest.mark.slow
+def test_llama_cpps_converter_output_gives_transformers_logits_and_token_ids(smollm2_path, tmp_path):
+    """The checkpoint, with the MTP block releases carry, converted by llama.cpp's own
+    ``convert_hf_to_gguf.py`` (its MTP block as an extra layer, value heads tiled, norms
+    ``1 + weight``): our loader gives transformers' logits and greedy tokens, and the file's
+    ``qwen35`` split over SmolLM2's vocabulary gives the ids of transformers' Qwen3.5 tokenizer
+    (which applies that split to any vocabulary) on multilingual, code and emoji text."""
+    from transformers import AutoTokenizer
+
+    from swarm.compute.tokenizer import load_tokenizer
+    from tests.compute.test_tokenizer import TEXTS
+    from tests.compute.test_tokenizer_gguf_kinds import CORPUS
+    from tests.compute.tiny_qwen3_5_moe import add_mtp_layer, convert_with_llama_cpp
+
+    hf_dir = tmp_path / "hf"
+    hf, _ = build(hf_dir, vocab_size=49160)
+    add_mtp_layer(hf_dir)
+    AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name).save_pretrained(hf_dir)
+    path = convert_with_llama_cpp(hf_dir, tmp_path / "m.gguf")
+    model = load_model(path)
+    assert model.metadata["qwen35moe.nextn_predict_layers"] == 1 and model.config.n_layers == 3
+    assert model.config.linear_layers == (0, 2) and model.config.linear_v_tiled
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, 49152, 12)]
+    ours = in_chunks(model, tokens, [PREFILL, 1])[0]
+    np.testing.assert_allclose(ours, hf_logits(hf, tokens), rtol=0, atol=ATOL)
+    assert list(generate(model, tokens[:5], SamplingParams(max_tokens=6))) == hf_greedy(hf, tokens[:5], 6)
+    want_tokenizer, ours_tokenizer = AutoTokenizer.from_pretrained(hf_dir), load_tokenizer(path)
+    assert type(want_tokenizer).__name__ == "Qwen3_5Tokenizer"
+    for text in [*TEXTS, *CORPUS]:
+        assert ours_tokenizer.encode(text, add_special_tokens=False) == \
+            want_tokenizer.encode(text, add_special_tokens=False), text

@@ -147,3 +147,59 @@ def write_gguf(hf_model, path: Path, qtype: gguf.GGMLQuantizationType = gguf.GGM
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def add_mtp_layer(out_dir: Path, source_layer: int = 1) -> None:
+    """Give the saved checkpoint the multi-token-prediction block Qwen3.5 releases carry
+    (``mtp_num_hidden_layers: 1``, ``mtp.*`` tensors: a copy of full-attention layer
+    ``source_layer`` and random ``fc`` / norms), which transformers does not build and the
+    engine never reads."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    file = out_dir / "model.safetensors"
+    tensors = load_file(str(file))
+    H = tensors["model.norm.weight"].shape[0]
+    prefix = f"model.layers.{source_layer}."
+    tensors.update({"mtp.layers.0." + k[len(prefix):]: v.copy() for k, v in tensors.items() if k.startswith(prefix)})
+    rng = np.random.default_rng(7)
+    tensors["mtp.fc.weight"] = rng.standard_normal((H, 2 * H)).astype(np.float32)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = rng.standard_normal(H).astype(np.float32) * 0.1
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    cfg = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}, indent=2))
+
+
+# Runs llama.cpp's converter with the tokenizer's split named as Qwen3.5 releases get it: the
+# converter names it by hashing how the checkpoint's tokenizer encodes a probe text, a hash only
+# Qwen3.5's own 248k-token vocabulary gives.
+_CONVERT_AS_QWEN35 = """
+import runpy, sys
+script = sys.argv[1]
+sys.path.insert(0, script.rsplit("/", 1)[0])
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert_with_llama_cpp(hf_dir: Path, outfile: Path) -> Path:
+    """``hf_dir`` converted to F32 GGUF by llama.cpp's ``convert_hf_to_gguf.py``
+    (tests/compute/llama_converter.py), ``tokenizer.ggml.pre`` = ``qwen35``.
+    Raises ConverterMissing, or RuntimeError with the converter's last lines when it fails."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.compute.llama_converter import converter_script
+
+    script = converter_script()
+    env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))
+    done = subprocess.run([sys.executable, "-c", _CONVERT_AS_QWEN35, str(script), str(hf_dir), "--outtype", "f32",
+                           "--outfile", str(outfile)], capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError("convert_hf_to_gguf.py failed:\n" + "\n".join((done.stdout + done.stderr).splitlines()[-25:]))
+    return outfile
