@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from swarm.compute import SamplingParams, generate, load_model
 from swarm.compute.tokenizer import load_tokenizer
 from tests.compute import tiny_gpt_oss, tiny_models, tiny_sigmoid_moe
-from tests.compute.llama_converter import convert
+from tests.compute.llama_converter import ENV_VAR, ConverterMissing, convert
 from tests.compute.test_tokenizer import TEXTS
 from tests.compute.test_tokenizer_gguf_kinds import CORPUS
 
@@ -156,3 +156,9 @@ def test_gpt_oss_mxfp4_checkpoint_converts_to_mxfp4_experts_we_read(converted):
     np.testing.assert_allclose(model.forward(TOKENS, model.new_cache()), tiny_models.hf_logits(hf, TOKENS),
                                rtol=0, atol=ATOL)
     assert list(generate(model, TOKENS[:5], SamplingParams(max_tokens=6))) == tiny_models.hf_greedy(hf, TOKENS[:5], 6)
+
+
+def test_a_missing_converter_is_named_with_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(ConverterMissing, match=r"nowhere.*python3 -m tests\.compute\.llama_converter"):
+        convert(tmp_path, tmp_path / "m.gguf")
