@@ -5,6 +5,10 @@ Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of 32 weights), 5 Q4_K, 6 
 codes, low nibbles the first 16 weights) — block layouts as ggml defines them (``d``, ``m``,
 ``dmin`` are IEEE halves read through a 65536-entry table; MXFP4's scale and codes through
 tables of ``gguf.quants.MXFP4``'s values). :func:`dequant` takes kinds 0–4 and 8.
+Q4_K's decode tiles take AVX-512 vector code where the CPU has it (:data:`AVX512`): each
+weight read by ``vpermps`` from a 16-entry table of its sub-block's ``fma(d·sc, q, -dmin·m)``,
+the same values and operations as the portable form. :func:`run_group` computes a group of
+products tile by tile on every thread that runs it (swarm/compute/quant.py's ``matmul_many``).
 Each kernel runs on one thread over a range of output rows and releases the GIL: the caller
 spreads ranges over the process's compute threads (swarm/compute/threads.py), and other Python
 threads — the event loop, a loopback peer — run meanwhile. Each
@@ -15,12 +19,28 @@ below), so its bits do not depend on T, on which rows a call holds, or on the th
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import carray, njit, types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
 
 F32 = np.float32
+
+
+def _host_has_avx512() -> bool:
+    if config.CPU_NAME:  # compiling for a named CPU (a portable cache): no host-only instructions
+        return False
+    try:
+        return bool(binding.get_host_cpu_features().get("avx512f", False))
+    except RuntimeError:  # features unknown on this platform
+        return False
+
+
+# Whether the kernels are compiled for a CPU with AVX-512F (numba compiles for the host unless
+# NUMBA_CPU_NAME names another CPU: then the portable form): Q4_K's decode tiles use it.
+AVX512 = _host_has_avx512()
+
 # Every IEEE half bit pattern's float32 value: how block scales are read.
 _F16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(F32)
 # MXFP4: every E8M0 scale byte's float32 value (half the power of two, as ggml's
@@ -251,12 +271,12 @@ def _tile_source(kind: int, nr: int, tt: int) -> str:
     return "\n".join(lines)
 
 
-def _compile_tile(kind: int, nr: int, tt: int):
+def _compile_tile(kind: int, nr: int, tt: int, permute: bool = AVX512):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _half=_half, _u32=_u32,
                  _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
                  _prefetch_ahead=_prefetch_ahead, _k4_scales=_k4_scales, _k6_scales=_k6_scales,
-                 _k5=_k5, _k6=_k6, _E8M0=_E8M0, _e2m1=_e2m1)
-    source = _k_tile_source(kind, nr, tt) if kind in _K_TYPES else _tile_source(kind, nr, tt)
+                 _k5=_k5, _k6=_k6, _E8M0=_E8M0, _e2m1=_e2m1, _q4k_block=_q4k_block)
+    source = _k_tile_source(kind, nr, tt, permute) if kind in _K_TYPES else _tile_source(kind, nr, tt)
     exec(compile(source, f"<{__name__} tile {kind} {nr}x{tt}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])  # a call per tile cost ~8 % at T = 16
 
@@ -323,7 +343,80 @@ def _k6(ql, qh, shift):
     return F32(np.uint8(v)) - F32(32.0)
 
 
-def _k_tile_source(kind: int, nr: int, tt: int) -> str:
+# Q4_K's decode tiles in AVX-512 vector code (where AVX512): the same float32 operations, fewer
+# instructions.
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_V16, _I16 = ir.VectorType(ir.FloatType(), 16), ir.VectorType(_I32, 16)
+_V8F, _I8V = ir.VectorType(ir.FloatType(), 8), ir.VectorType(_I32, 8)
+_BYTES16 = ir.VectorType(ir.IntType(8), 16)
+
+
+@intrinsic
+def _q4k_block(typingctx, s, w, o, x, xo, d, dmin):
+    """One Q4_K super-block of weight row ``w`` (uint8, its 144 bytes at ``o``; ``d``, ``dmin``
+    its two scales as float32) against ``x[xo:xo + 256]`` (float32), into the 32 float32 lane
+    sums ``s``: per 64-weight chunk i, lane l takes ``fma(w_lo, x[64i + l], s[l])`` then
+    ``fma(w_hi, x[64i + 32 + l], ·)`` — the operations and order of qkernels' Q4_K tile. The
+    sub-block scales ``d·sc`` and minimums ``-(dmin·m)`` are unpacked as vectors, and each
+    weight ``fma(d·sc, q, -(dmin·m))`` is read from a 16-entry table of those values (one
+    fused multiply-add per possible q, so the same bits) by ``vpermps`` on the nibble."""
+    sig = types.none(s, w, o, x, xo, d, dmin)
+
+    def codegen(context, builder, sig, args):
+        def data(i):
+            return context.make_array(sig.args[i])(context, builder, args[i]).data
+        ps, pw, px = data(0), data(1), data(3)
+        o, xo, d, dmin = args[2], args[4], args[5], args[6]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
+        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16]),
+                                              "llvm.x86.avx512.permvar.sf.512")
+
+        def splat(v, ty=_V16, n=16):
+            e = builder.insert_element(ir.Constant(ty, ir.Undefined), v, _I32(0))
+            return builder.shuffle_vector(e, e, ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+        def c8(v):
+            return ir.Constant(_I8V, [v] * 8)
+
+        # 12 bytes of 6-bit scales and minimums at o + 4 (ggml's packing): a, b, c = bytes 4-7, 8-11, 12-15
+        head = builder.load(builder.bitcast(builder.gep(pw, [o]), ir.PointerType(_BYTES16)), align=1)
+
+        def pick(first):
+            return builder.zext(builder.shuffle_vector(head, head, ir.Constant(_I8V, list(range(first, first + 4)) * 2)), _I8V)
+        a, b, c = pick(4), pick(8), pick(12)
+        sc_lo = builder.and_(a, c8(63))
+        sc_hi = builder.or_(builder.and_(c, c8(15)), builder.shl(builder.lshr(a, c8(6)), c8(4)))
+        mn_lo = builder.and_(b, c8(63))
+        mn_hi = builder.or_(builder.lshr(c, c8(4)), builder.shl(builder.lshr(b, c8(6)), c8(4)))
+        halves = ir.Constant(_I8V, [0, 1, 2, 3, 12, 13, 14, 15])  # j < 4 from *_lo, j ≥ 4 from *_hi
+        sc = builder.fmul(splat(d, _V8F, 8), builder.sitofp(builder.shuffle_vector(sc_lo, sc_hi, halves), _V8F))
+        mn = builder.fneg(builder.fmul(splat(dmin, _V8F, 8), builder.sitofp(builder.shuffle_vector(mn_lo, mn_hi, halves), _V8F)))
+        iota = ir.Constant(_V16, [float(k) for k in range(16)])
+        vp = ir.PointerType(_V16)
+        nibble = ir.Constant(_I16, [4] * 16)
+        lanes = [builder.bitcast(builder.gep(ps, [_I64(16 * h)]), vp) for h in range(2)]
+        accs = [builder.load(p, align=4) for p in lanes]
+        for i in range(4):
+            tables = [builder.call(fma, [splat(builder.extract_element(sc, _I32(j))), iota,
+                                         splat(builder.extract_element(mn, _I32(j)))]) for j in (2 * i, 2 * i + 1)]
+            for h in range(2):  # lanes 16h .. 16h + 15
+                q = builder.load(builder.bitcast(builder.gep(pw, [builder.add(o, _I64(16 + 32 * i + 16 * h))]),
+                                                 ir.PointerType(_BYTES16)), align=1)
+                q = builder.zext(q, _I16)
+                lo = builder.call(perm, [tables[0], q])  # vpermps reads the low 4 bits of each index
+                hi = builder.call(perm, [tables[1], builder.lshr(q, nibble)])
+                xl = builder.load(builder.bitcast(builder.gep(px, [builder.add(xo, _I64(64 * i + 16 * h))]), vp), align=4)
+                xh = builder.load(builder.bitcast(builder.gep(px, [builder.add(xo, _I64(64 * i + 32 + 16 * h))]), vp),
+                                  align=4)
+                accs[h] = builder.call(fma, [lo, xl, accs[h]])
+                accs[h] = builder.call(fma, [hi, xh, accs[h]])
+        for p, acc in zip(lanes, accs):
+            builder.store(acc, p, align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _k_tile_source(kind: int, nr: int, tt: int, permute: bool = AVX512) -> str:
     size, scales, form = _K_TYPES[kind]
     rows, acts = range(nr), range(tt)
     lines = ["def tile(w, r0, hi, x, t0, out, ahead, end):"]
@@ -335,6 +428,11 @@ def _k_tile_source(kind: int, nr: int, tt: int) -> str:
     lines += ["    for j in range(32):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
     lines += ["    for b in range(x0.shape[0] // 256):", f"        o = b * {size}", "        xo = b * 256"]
     lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
+    if form == "q4" and tt == 1 and permute:  # the same operations, in vector code of AVX-512
+        lines += [f"        _q4k_block(s{n}_0, w{n}, o, x0, xo, _half(w{n}, o, _F16), _half(w{n}, o + 2, _F16))"
+                  for n in rows]
+        lines += [f"    if r0 + {n} < hi:\n        out[t0, r0 + {n}] = _sum32(s{n}_0)" for n in rows]
+        return "\n".join(lines)
     lines += ["        " + scales.format(n=n) for n in rows]
     body = []
     if form in ("q4", "q5"):
@@ -378,10 +476,11 @@ def _k_tile_source(kind: int, nr: int, tt: int) -> str:
     return "\n".join(lines)
 
 
-def _rows_kernel(kind: int):
-    """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says."""
+def _rows_kernel(kind: int, permute: bool = AVX512):
+    """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says
+    (``permute``: Q4_K's decode tiles in AVX-512 vector code, the same bits)."""
     (n1, _), (n4, _), _, _ = _TILES
-    one, four, two, single = (_compile_tile(kind, nr, tt) for nr, tt in _TILES)
+    one, four, two, single = (_compile_tile(kind, nr, tt, permute) for nr, tt in _TILES)
 
     @njit(nogil=True)
     def rows(w, x, out, lo, hi):
@@ -438,6 +537,87 @@ def matmul(kind, w, x, out, lo, hi):
     float32 ``x`` [T, K], ``out`` float32 [T, R] (written in place). One thread; the caller
     spreads ranges of rows over threads (swarm/compute/threads.py), the same bits."""
     _rows(kind, w, x, out, lo, hi)
+
+
+# ---- a group of products, tile by tile, on however many threads run it ----------------------
+# Theory of operation. A group is described by a table: one row per product ``out = x @ W.T``
+# (its kind, the addresses and shapes of ``W``, ``x`` and ``out``, and how many weight rows a
+# *tile* of it holds). The group's tiles are numbered across the products in order; each thread
+# that runs :func:`run_group` on the table takes the next tile number from a shared counter (an
+# atomic add), computes that tile with the block kernels (:func:`_rows`,
+# one thread over a range of output rows), and takes the next, until none is left. So a thread
+# costs the pool one Python call per group, not one per tile, and tiles small enough to keep 16
+# threads evenly busy cost ~0.1 µs each to hand out. A tile's result does not depend on which
+# thread computed it: each output element keeps its one sequence of float32 operations.
+#
+# The addresses come from arrays the caller keeps alive for the call; the caller checks every
+# shape (:meth:`QMatrix._operands`) before the table is written, since the compiled side trusts it.
+# It lives in this file because numba's cache of a function is checked against its own source
+# file only: a kernel changed here must invalidate the group's compiled copy of it too.
+
+# Columns of a group table (int64 [n, NCOLS]).
+KIND, W, W_ROWS, W_ROW_BYTES, X, T, K, OUT, TILE_ROWS, FIRST_TILE = range(10)
+NCOLS = 10
+
+
+def _view(dtype, readonly: bool):
+    """An intrinsic: the C-order 2-D array of ``dtype`` at address ``addr`` with ``rows × cols``
+    elements, owning nothing (as ``numba.carray``), read-only or not: the types ``matmul``
+    passes the block kernels, so ``run_group`` links their compiled code rather than compiling
+    it again."""
+    aryty = types.Array(dtype, 2, "C", readonly=readonly)
+
+    @intrinsic
+    def view(typingctx, addr, rows, cols):
+        sig = aryty(types.int64, types.int64, types.int64)
+
+        def codegen(context, builder, sig, args):
+            addr, rows, cols = args
+            ary = context.make_array(aryty)(context, builder)
+            itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(dtype)))
+            data = builder.inttoptr(addr, context.get_data_type(dtype).as_pointer())
+            populate_array(ary, data=data, shape=[rows, cols], strides=[builder.mul(cols, itemsize), itemsize],
+                           itemsize=itemsize, meminfo=None)
+            return ary._getvalue()
+        return sig, codegen
+    return view
+
+
+_weights = _view(types.uint8, True)
+_floats = _view(types.float32, False)
+
+
+@intrinsic
+def _take(typingctx, counter):
+    """``counter[0] += 1`` atomically (int64 array); returns the value before."""
+    sig = types.int64(counter)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def run_group(table, counter, tiles):  # pragma: no cover - compiled
+    """Compute tiles of the group ``table`` (int64 [n, NCOLS]) until ``counter`` (int64 [1],
+    shared by every thread running this call) passes ``tiles``, the group's tile count. Returns
+    the tiles this thread computed. Releases the GIL."""
+    done = 0
+    i = 0
+    while True:
+        t = _take(counter)
+        if t >= tiles:
+            return done
+        while i + 1 < table.shape[0] and table[i + 1, FIRST_TILE] <= t:  # a thread's t only grows
+            i += 1
+        rows, step = table[i, W_ROWS], table[i, TILE_ROWS]
+        lo = (t - table[i, FIRST_TILE]) * step
+        w = _weights(table[i, W], rows, table[i, W_ROW_BYTES])
+        x = _floats(table[i, X], table[i, T], table[i, K])
+        out = _floats(table[i, OUT], table[i, T], rows)
+        _rows(table[i, KIND], w, x, out, lo, min(rows, lo + step))
+        done += 1
 
 
 @intrinsic

@@ -315,9 +315,9 @@ def _run_products(k, operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]])
 def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> None:
     """Block-kernel products (C-contiguous weights, x and dst checked by ``_operands``; T ≤
     SMALL_T) in tiles of about GROUP_TILE_BYTES of work, which the calling thread and the pool's
-    workers take from one atomic counter in compiled code (swarm/compute/groupkernel.py)."""
-    g = _group or _group_kernel()
-    table = np.empty((len(operands), g.NCOLS), np.int64)
+    workers take from one atomic counter in compiled code (``qkernels.run_group``)."""
+    k = _compiled or _kernels()
+    table = np.empty((len(operands), k.NCOLS), np.int64)
     first, work = 0, 0.0
     for row, (w, x, dst) in zip(table, operands):
         (R, RB), T = w.data.shape, x.shape[0]
@@ -331,34 +331,13 @@ def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> No
     # caller nothing, so the bar is lower than MIN_CHUNK_BYTES (fixed ranges wait for their thread).
     parts = threads.parts_for(work, 4 * GROUP_TILE_BYTES)
     if parts == 1:
-        g.run_group(table, counter, first)
+        k.run_group(table, counter, first)
     else:  # one call per thread that joins: each takes tiles until none is left
-        threads.run_chunks(g.run_group, [(table, counter, first)] * parts)
+        threads.run_chunks(k.run_group, [(table, counter, first)] * parts)
 
 
 def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
-
-
-_group = None
-
-
-def _group_kernel():
-    """The compiled group kernel (swarm/compute/groupkernel.py), loaded on first use after the
-    block kernels, whose compiled code it links."""
-    global _group
-    if _group is None:
-        _kernels()
-        with _import_lock, compiling("group kernel"):
-            if _group is None:
-                from swarm.compute import groupkernel as g
-                w = np.zeros((1, 34), np.uint8)
-                x = np.zeros((1, 32), F32)
-                out = np.empty((1, 1), F32)
-                table = np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64)
-                g.run_group(table, np.zeros(1, np.int64), 1)  # compile or load from the cache now
-                _group = g
-    return _group
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -396,6 +375,9 @@ def _kernels():
                         x = np.zeros((1, 32), F32)
                         k.matmul(0, w, x, np.empty((1, 1), F32), 0, 1)
                         k.dequant(0, w, np.empty((1, 32), F32))
+                        out = np.empty((1, 1), F32)
+                        table = np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64)
+                        k.run_group(table, np.zeros(1, np.int64), 1)
                     with compiling("float kernels (F32, F16, BF16)"):
                         f = np.zeros((1, 32), F32)  # float32 weights: writable (decoded tiles), read-only (F32 files)
                         k.matmul_f32(f, x, np.empty((1, 1), F32), 0, 0, 1)
@@ -534,9 +516,8 @@ def _release_clean_pages(library: str) -> int:
 
 
 def prepare_kernels() -> None:
-    """Load (or, the first time on a machine, compile: about a minute) the block kernels and
-    the group kernel that runs them on several threads now."""
-    _group_kernel()
+    """Load (or, the first time on a machine, compile: about a minute) the block kernels now."""
+    _kernels()
 
 
 def _numba_cache_dir() -> str:

@@ -6,7 +6,7 @@ compiled kernel, which releases the GIL. :func:`run_chunks` hands a call's chunk
 process's shared pool and works on them itself: chunks are taken from one counter, first come
 first served, by the calling thread and by the pool's workers, and the call returns when all
 are done. (Block-kernel products go further: each thread that takes a chunk runs one
-compiled call that takes the products' tiles from an atomic counter, swarm/compute/groupkernel.py.) So
+compiled call that takes the products' tiles from an atomic counter, qkernels.run_group.) So
 
 * a chunk's result does not depend on which thread computed it or how the rows were cut: each
   output element keeps its one sequence of float32 operations (the kernels' promise), and the

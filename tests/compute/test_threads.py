@@ -171,7 +171,7 @@ def test_a_group_is_shared_by_the_threads_that_run_it(every_call_split):
     threads.set_threads(1)
     want = [m.matmul(x) for m in ms]
     got = [np.full((1, m.shape[0]), np.nan, F32) for m in ms]
-    g = quant._group_kernel()
+    g = quant._kernels()
     table = np.array([[m._kind, quant._address(m.data), m.shape[0], m.data.shape[1], quant._address(x), 1, 512,
                        quant._address(y), 8, first] for m, y, first in zip(ms, got, (0, 25, 33))], np.int64)
     counter, done = np.zeros(1, np.int64), []
