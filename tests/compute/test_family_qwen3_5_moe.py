@@ -233,3 +233,35 @@ def test_llama_cpps_converter_output_gives_transformers_logits_and_token_ids(smo
     for text in [*TEXTS, *CORPUS]:
         assert ours_tokenizer.encode(text, add_special_tokens=False) == \
             want_tokenizer.encode(text, add_special_tokens=False), text
+
+
+def test_the_released_config_reads_at_full_scale():
+    """transformers' own Qwen3_5MoeConfig (Qwen3.5-35B-A3B's shape, ``text_config`` nested in the
+    multimodal config) read, and sized for the planner."""
+    from transformers import Qwen3_5MoeConfig
+
+    from swarm.compute.config import config_from_hf
+    from swarm.peer.plan import ModelShape
+
+    c = config_from_hf(Qwen3_5MoeConfig().to_dict(), "Qwen3.5-35B-A3B/config.json")
+    assert c.family == "qwen3_5_moe" and c.n_layers == 40 and (c.hidden_size, c.head_dim) == (2048, 256)
+    assert c.linear_layers == tuple(i for i in range(40) if i % 4 != 3) and c.rotary_dim == 64
+    assert (c.linear_key_heads, c.linear_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (16, 32, 128, 128)
+    assert (c.n_experts, c.top_k, c.moe_intermediate_size, c.shared_expert_intermediate_size) == (256, 8, 512, 512)
+    assert c.vocab_size == 248320 and not c.tie_word_embeddings
+    shape = ModelShape.from_config(c)
+    assert shape.moe_layers == tuple(range(40)) and not shape.dense_layers and shape.n_experts == 256
+
+
+def test_planner_sizes_count_the_linear_attention_weights(tiny):
+    from swarm.peer.coordinator.costmodel import LayerCosts
+    from swarm.peer.weights.sizes import model_shape
+
+    model = load_model(tiny[1])
+    shape = model_shape(model)
+    assert shape.moe_layers == (0, 1, 2) and shape.expert_nbytes == 3 * 32 * 64 * 4
+    C = 2 * 2 * 8 + 4 * 8  # the conv channels: queries, keys, values
+    linear = (C * 64 + 32 * 64 + 4 * 64 * 2 + 64 * 32) * 4  # in_proj_qkv, in_proj_z, in_proj_b/a, out_proj
+    gated = (2 * 64 * 64 + 2 * 32 * 64 + 64 * 64) * 4  # q with its gate, k, v, o
+    assert [model.attention_nbytes(i) for i in range(3)] == [linear, gated, linear]
+    assert LayerCosts.from_model(model).attn_bytes[:3] == (linear, gated, linear)
