@@ -10,7 +10,9 @@ the sequence id the coordinator gives each new cache (``start == 0``). A request
 the prefix a new prompt shares with it); a stage that holds fewer positions, or whose layers keep a
 recurrent state that cannot run on from ``start`` (:class:`~swarm.compute.deltanet.RecurrentState`),
 answers ``cache_gap`` and the coordinator resends the sequence from position 0. A stage peer keeps keys/values for its
-own layers only, and those of finished sequences until ``max_sequences`` newer ones push them out.
+own layers only, and those of finished sequences until ``max_sequences`` newer ones push them out;
+a sequence stepped within ``IN_FLIGHT_S`` is in flight and never dropped (several batch schedulers
+step their own sequences in turn).
 
 Threading. Synchronous and CPU-heavy: run off the event loop, except a short step (a decode
 token: :meth:`StageRunner.take_inline`), which runs on the event loop that received it, sparing
@@ -25,6 +27,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,7 +41,11 @@ log = logging.getLogger(__name__)
 
 F32 = np.float32
 KEEP_PLANS = 4  # stage layouts of the current term a worker still serves
-MAX_SEQUENCES = 8  # KV caches a stage keeps beyond those of the step at hand (least recently used dropped first)
+MAX_SEQUENCES = 8  # KV caches a stage keeps beyond those in flight (least recently used dropped first)
+# A sequence stepped within this long is in flight: its cache is never dropped. Several batch
+# schedulers (the API's pool) step disjoint sequences in turn; keeping only the step at hand's
+# made each scheduler's step evict the other's caches, and every step resent them from position 0.
+IN_FLIGHT_S = 5.0
 MAX_STAGE_ROWS = 16384  # rows per stage request (a long prefill is still one batch)
 # A stage step of at most INLINE_ROWS rows whose last such step took at most INLINE_MAX_S is run on
 # the event loop that received it: two thread hand-offs (to the compute thread and back) cost more
@@ -66,13 +73,16 @@ class StageRunner:
     one earns an :class:`Error` naming it (codes ``stale_term``, ``bad_request``, ``cache_gap``).
     """
 
-    def __init__(self, peer_id: str, model, max_sequences: int = MAX_SEQUENCES) -> None:
+    def __init__(self, peer_id: str, model, max_sequences: int = MAX_SEQUENCES, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.peer_id = peer_id
+        self._clock = clock
         self.model = model
         self.max_sequences = max_sequences
         self._layouts: dict[tuple[int, int], StageLayout] = {}
         self.term = 0
         self._caches: OrderedDict[tuple[int, int, int], StageCache] = OrderedDict()  # (sequence, lo, hi) → its cache
+        self._used: dict[tuple[int, int, int], float] = {}  # the same keys → when last stepped (clock)
         self._lock = threading.Lock()
         self._busy = 0  # requests queued for the compute thread or being computed
         self._step_s: dict[tuple[int, int], float] = {}  # (lo, hi) → seconds per row of its last short step
@@ -120,12 +130,14 @@ class StageRunner:
             ranges = {(s.start, s.stop) for p in self._layouts.values() for s in p.stages if s.peer == self.peer_id}
             for key in [k for k in self._caches if k[1:] not in ranges]:
                 del self._caches[key]
+                self._used.pop(key, None)
 
     def forget(self) -> int:
         """Drop every sequence's KV cache (as a restart does); returns how many were held."""
         with self._lock:
             n = len(self._caches)
             self._caches.clear()
+            self._used.clear()
         return n
 
     def serves(self, term: int, version: int) -> bool:
@@ -197,14 +209,16 @@ class StageRunner:
                 caches.append(cache)
             if gaps:
                 raise _CacheGap(f"layers {lo}:{hi}: " + "; ".join(gaps) + "; resend from position 0")
+            now = self._clock()
             for s, cache in zip(msg.segments, caches):
                 self._caches.pop((s.sequence, lo, hi), None)
                 self._caches[(s.sequence, lo, hi)] = cache  # most recently used last
-            # Per stage range held, as many sequences as this step carries (the most recently used:
-            # never dropped for a big step) or max_sequences.
-            keep = max(self.max_sequences, len(caches)) * len({k[1:] for k in self._caches})
-            while len(self._caches) > keep:
-                self._caches.popitem(last=False)
+                self._used[(s.sequence, lo, hi)] = now
+            # Per stage range held, max_sequences beyond those in flight (stepped within
+            # IN_FLIGHT_S: this step's, and other schedulers' steps between ours).
+            keep = self.max_sequences * len({k[1:] for k in self._caches})
+            while len(self._caches) > keep and now - self._used[next(iter(self._caches))] > IN_FLIGHT_S:
+                self._used.pop(self._caches.popitem(last=False)[0])
         for s, cache in zip(msg.segments, caches):
             cache.truncate(s.start)
         t0 = time.perf_counter()

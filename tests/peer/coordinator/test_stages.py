@@ -18,7 +18,7 @@ from swarm.peer.net import messages as m
 from swarm.compute.serving import MAX_BATCH_LIMIT
 from swarm.peer.coordinator.stages import StagedFFN
 from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout, split_layers
-from swarm.peer.worker.stages import MAX_SEQUENCES, StageRunner
+from swarm.peer.worker.stages import IN_FLIGHT_S, MAX_SEQUENCES, StageRunner
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 
 MOE = "qwen3_moe"  # MoE layers 0 and 2, dense layer 1
@@ -335,10 +335,12 @@ def test_the_stage_runner_refuses_what_is_not_its_own(moe_dir):
 
 def test_a_step_of_more_sequences_than_a_stage_keeps_is_served_and_keeps_them_all(moe_dir):
     """A coordinator batching more sequences than MAX_SEQUENCES (join --max-batch 12): each step is
-    served and no sequence of it is dropped (its next step finds its cache); beyond
-    MAX_BATCH_LIMIT sequences a step is refused, naming the limit."""
+    served and no sequence of it is dropped (its next step finds its cache), nor while other
+    steps come between (several schedulers); beyond MAX_BATCH_LIMIT sequences a step is refused,
+    naming the limit."""
     layout = StageLayout(1, 1, COORD, (Stage(COORD, 0, 1), Stage(W1, 1, 3)))
-    runner = StageRunner(W1, load_model(moe_dir))
+    now = [0.0]
+    runner = StageRunner(W1, load_model(moe_dir), clock=lambda: now[0])
     runner.accept(layout)
     n = MAX_SEQUENCES + 4
     step = lambda start, count=n: m.StageRequest(  # noqa: E731
@@ -348,12 +350,21 @@ def test_a_step_of_more_sequences_than_a_stage_keeps_is_served_and_keeps_them_al
     assert runner.served == 3
     too_many = runner.handle(step(0, MAX_BATCH_LIMIT + 1))
     assert too_many.code == "bad_request" and f"at most {MAX_BATCH_LIMIT}" in too_many.message
-    # Once steps are small again, the least recently used give way, down to MAX_SEQUENCES.
     one = lambda seq, start: m.StageRequest(  # noqa: E731
         5, 1, 1, (m.StageSegment(seq, start, 1),), 1, 3, np.ones((1, 64), np.float32))
-    assert isinstance(runner.handle(one(100, 0)), m.StageAnswer)
-    assert runner.handle(one(0, 3)).code == "cache_gap"
-    assert isinstance(runner.handle(one(n - 1, 3)), m.StageAnswer)
+    # Steps of one sequence each in between (another scheduler's): those stepped within
+    # IN_FLIGHT_S are in flight and kept, whatever MAX_SEQUENCES says.
+    now[0] += IN_FLIGHT_S / 2
+    for seq in range(100, 100 + MAX_SEQUENCES):
+        assert isinstance(runner.handle(one(seq, 0)), m.StageAnswer)
+    assert isinstance(runner.handle(one(0, 3)), m.StageAnswer)
+    # Once they have not been stepped for IN_FLIGHT_S, the least recently used give way, down to
+    # MAX_SEQUENCES.
+    now[0] += IN_FLIGHT_S * 2
+    assert isinstance(runner.handle(one(200, 0)), m.StageAnswer)
+    assert runner.handle(one(1, 3)).code == "cache_gap"
+    assert isinstance(runner.handle(one(200, 1)), m.StageAnswer)
+    assert isinstance(runner.handle(one(100 + MAX_SEQUENCES - 1, 1)), m.StageAnswer)
 
 
 def test_stage_messages_check_their_fields():

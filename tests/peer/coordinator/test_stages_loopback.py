@@ -5,7 +5,8 @@ tiny random MoE; a stage peer that leaves at token 10 changes nothing in the tok
 move to the coordinator, their KV cache rebuilt from the rows that had entered them). Several
 sequences are pipelined in groups over the stages: the same bits, groups in flight at the
 worker while the coordinator computes its stage for another, and a worker lost with groups in
-flight changes no sequence.
+flight changes no sequence; two batches stepping at once (the API's schedulers) overlap on both
+peers and survive the worker killed mid-flight.
 
 One event loop inside a fresh network namespace (aioice skips 127.0.0.1); the token loop runs
 in a thread, as in ``join``.
@@ -222,6 +223,70 @@ def test_a_stage_peer_lost_with_groups_in_flight_changes_no_sequence(tmp_path):
                                                                            address=ADDRESS)
     assert_each_solo(model_dir, tokens, logits, 8)
     assert failed == {worker_id} and rebuilt > 0 and pipelined >= kill_at
+
+
+def test_two_batches_stepping_at_once_overlap_on_both_peers_and_survive_a_stage_peer_killed(tmp_path):
+    """The API's way of pipelining over real links: two batches step through the same stages at
+    once (one thread each, as two batch schedulers; no step cut into groups). Stamped on both
+    peers, the worker computes one batch's rows while the coordinator computes its own stage for
+    the other's; the worker then stops with steps in flight, and every sequence keeps its solo
+    local run's tokens and logits, bit for bit (its layers rebuilt on the coordinator)."""
+    import time
+
+    from tests.peer.coordinator.test_stages import PROMPTS, greedy_together
+
+    model_dir = build("qwen3_moe", tmp_path)
+    n, kill_at = 8, 5
+    SLOW_STAGE_S = 0.01  # noqa: N806
+    stamps: dict[str, list] = {"coordinator": [], "worker": []}
+
+    async def main():
+        async with stage_pair(tmp_path, model_dir) as (coord, worker):
+            loop = asyncio.get_running_loop()
+            gone = asyncio.Event()
+            st = coord.roles.coordinator.stages
+            st.set_schedulers(2)  # as the API's pool tells it
+            runner = worker.roles.worker.stage_runner
+            handle, local = runner.handle, st._local
+
+            def worker_stamped(msg):  # on the worker peer: the rows it computes, and for whom
+                t0 = time.monotonic()
+                out = handle(msg)
+                time.sleep(SLOW_STAGE_S)  # a slower peer: its steps long enough to see beside the coordinator's
+                stamps["worker"].append((t0, time.monotonic(), {s.sequence for s in msg.segments}))
+                return out
+
+            def coord_stamped(group, stage):  # on the coordinator: its own stage's compute
+                t0 = time.monotonic()
+                out = local(group, stage)
+                stamps["coordinator"].append((t0, time.monotonic(), {p.seq.id for p in group}))
+                return out
+
+            def stopping(msg):  # the worker leaves as this request reaches it
+                runner.handle = handle
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(worker.stop()).add_done_callback(
+                    lambda _: gone.set()))
+                return handle(msg)
+
+            def on_step(step):
+                if step == kill_at:
+                    runner.handle = stopping
+
+            runner.handle, st._local = worker_stamped, coord_stamped
+            model, ffn = coord.roles.model, coord.roles.coordinator.engine_ffn
+            (tok_a, log_a), (tok_b, log_b) = await asyncio.gather(
+                asyncio.to_thread(greedy_together, model, ffn, PROMPTS[:1], n, on_step),
+                asyncio.to_thread(greedy_together, model, ffn, PROMPTS[1:], n))
+            await gone.wait()
+            failed = {peer for peer, t in st.timing.items() if t.failures}
+            return (tok_a + tok_b, log_a + log_b), failed, worker.node.peer_id, st.rebuilt_positions, st.pipelined_steps
+
+    (tokens, logits), failed, worker_id, rebuilt, pipelined = run_in_netns(main, timeout_s=240, prefix="cst",
+                                                                           address=ADDRESS)
+    assert_each_solo(model_dir, tokens, logits, n)
+    assert failed == {worker_id} and rebuilt > 0 and pipelined == 0
+    assert any(w[0] < c[1] and c[0] < w[1] and not w[2] & c[2]
+               for w in stamps["worker"] for c in stamps["coordinator"])
 
 
 def test_a_coordinator_that_cannot_hold_its_stages_ffn_hands_it_out_as_ranges(tmp_path):
