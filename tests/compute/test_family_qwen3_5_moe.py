@@ -265,3 +265,17 @@ def test_planner_sizes_count_the_linear_attention_weights(tiny):
     gated = (2 * 64 * 64 + 2 * 32 * 64 + 64 * 64) * 4  # q with its gate, k, v, o
     assert [model.attention_nbytes(i) for i in range(3)] == [linear, gated, linear]
     assert LayerCosts.from_model(model).attn_bytes[:3] == (linear, gated, linear)
+
+
+def test_bad_hybrid_configs_are_refused_by_name(tiny):
+    from swarm.compute.config import config_from_hf
+    from swarm.errors import ModelFileError
+
+    cfg = json.loads((tiny[1] / "config.json").read_text())
+    with pytest.raises(ModelFileError, match=r"layer_types must name 'linear_attention' or 'full_attention' for each "
+                                             r"of the 3 layers, got \['linear_attention', 'sliding_attention'"):
+        config_from_hf(dict(cfg, layer_types=["linear_attention", "sliding_attention", "full_attention"]), "c.json")
+    with pytest.raises(ModelFileError, match=r"value heads a multiple of the key heads.*\(4, 2, 3, 8, 8\)"):
+        config_from_hf(dict(cfg, linear_num_value_heads=3), "c.json")
+    with pytest.raises(ModelFileError, match=r"model_type 'qwen3_5' is not supported"):
+        config_from_hf(dict(cfg, model_type="qwen3_5"), "c.json")
