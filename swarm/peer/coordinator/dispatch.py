@@ -82,9 +82,10 @@ a while: within its warm-up window (:meth:`set_plan`'s ``warming``) an
 :class:`Error` answer is recomputed here without marking the peer failed.
 
 Trust. With ``verify`` > 0 that share of remote answers is recomputed locally
-and compared — bit for bit for peers of our numeric build, within
-``APPROX_RTOL``/``APPROX_ATOL`` for the others (``approximate`` peers, e.g.
-WebGPU); a mismatch raises :class:`VerificationError`.
+and compared — bit for bit for peers of our numeric build, within the bound of the
+format and reduction length for the others (``approximate`` peers, e.g. a WebGPU page or a
+GPU peer; ``repacked`` ones compute on a Q8_0 repack: :mod:`~swarm.peer.coordinator.bounds`);
+a mismatch raises :class:`VerificationError`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ import numpy as np
 from swarm.compute.ffn import (LocalFFN, combine, expert_rows, route, run_lengths, segment_ids, sum_partials,
                                swiglu_rows)
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
+from swarm.peer.coordinator.bounds import ffn_rtol, rows_outside
 from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
 from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StagePlan, StageRequest
@@ -112,10 +114,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 F32 = np.float32
-
-# --verify for peers of another numeric build (WebGPU f32 kernels): float32 reassociation only.
-APPROX_RTOL = 1e-3
-APPROX_ATOL = 1e-4
 
 
 class Dispatcher(Protocol):
@@ -181,7 +179,8 @@ class RemoteFFN:
         self._next_plan: Plan | None = None
         self._next_warming: dict[str, float] = {}
         self.warming_until: dict[str, float] = {}  # peer → clock time its warm-up window ends
-        self.approximate: set[str] = set()  # peers verified within a tolerance, not bit for bit
+        self.approximate: set[str] = set()  # peers verified within a bound, not bit for bit
+        self.repacked: set[str] = set()  # of those, the ones computing on a Q8_0 repack
         self._dense_slices: dict[tuple[int, int, int], object] = {}
         self._streamed = self._streamed_experts(plan)
         self._local, self._whole_here = self._layers_here(plan)
@@ -214,9 +213,11 @@ class RemoteFFN:
         now = self._clock()
         self.warming_until.update({p: now + s for p, s in warming.items()})
 
-    def set_approximate(self, peers: set[str]) -> None:
-        """``peers`` (of another numeric build) are verified within a tolerance, not bit for bit."""
+    def set_approximate(self, peers: set[str], repacked: set[str] = frozenset()) -> None:
+        """``peers`` (of another numeric build) are verified within a bound, not bit for bit;
+        ``repacked`` (some of them) compute on a Q8_0 repack of the file's blocks: a wider one."""
         self.approximate = set(peers)
+        self.repacked = set(repacked) & self.approximate
 
     @property
     def pending_plan(self) -> Plan | None:
@@ -349,9 +350,13 @@ class RemoteFFN:
     def _should_verify(self) -> bool:
         return self.verify > 0 and self._rng.random() < self.verify
 
-    def _verify(self, peer: str, layer: int, what: str, remote: np.ndarray, local: np.ndarray) -> None:
-        same = (np.allclose(remote, local, rtol=APPROX_RTOL, atol=APPROX_ATOL) if peer in self.approximate
-                else np.array_equal(remote, local))
+    def _verify(self, peer: str, layer: int, what: str, remote: np.ndarray, local: np.ndarray, inter: int) -> None:
+        """Compare ``peer``'s answer with ``local`` (an expert's or a dense range ``inter`` wide)."""
+        if peer in self.approximate:
+            rtol = ffn_rtol(self.model.config.hidden_size, inter, peer in self.repacked)
+            same = not rows_outside(remote, local, rtol).any()
+        else:
+            same = np.array_equal(remote, local)
         if not same:
             diff = float(np.max(np.abs(remote - local)))
             raise VerificationError(f"peer {peer} answered layer {layer} ({what}) with numbers that differ from "
@@ -400,7 +405,7 @@ class RemoteFFN:
             if self._should_verify():
                 for e in experts:
                     self._verify(p.peer, layer, f"expert {e}", remote[e],
-                                 self._expert(layer, e, x[rows_of[e]], seg_of[e]))
+                                 self._expert(layer, e, x[rows_of[e]], seg_of[e]), m.config.moe_intermediate_size)
             outputs.update(remote)
         return combine(T, H, routing, outputs, shared=shared)
 
@@ -474,5 +479,5 @@ class RemoteFFN:
             partials[i] = msg.partials[0]
             if self._should_verify():
                 self._verify(p.peer, layer, f"dense {s.start}:{s.stop}", partials[i],
-                             swiglu_rows(self._slice(layer, s.start, s.stop), x, seg))
+                             swiglu_rows(self._slice(layer, s.start, s.stop), x, seg), s.stop - s.start)
         return sum_partials(partials)

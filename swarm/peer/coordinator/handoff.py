@@ -25,6 +25,8 @@ from swarm.peer.net.messages import (DenseAnswer, DenseRequest, Error, ExpertAns
                                      StageRequest)
 from swarm.peer.plan import ModelShape, Plan, StageLayout
 from swarm.peer.tasks import OwnedTasks
+from swarm.peer.weights.repack import KERNELS_PREFIX, page_encodings
+from swarm.peer.weights.sizes import repacks_for
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
@@ -81,12 +83,12 @@ class LoopDispatcher:
         """Dispatch ``plan``'s FFN ranges (a new term)."""
         self.ffn = RemoteFFN(self.model, plan, self, verify=self.verify)
         self._copy_rtts(self.ffn)
-        self.ffn.set_approximate(self._approximate())
+        self.ffn.set_approximate(*self._approximate())
         self.ffn.warm(self._warming(plan))
 
     def _use_plan(self, plan: Plan) -> None:
         """RemoteFFN switches to ``plan`` at its next step."""
-        self.ffn.set_approximate(self._approximate())
+        self.ffn.set_approximate(*self._approximate())
         self.ffn.set_plan(plan, warming=self._warming(plan))
 
     def _warming(self, plan: Plan) -> dict[str, float]:
@@ -95,10 +97,15 @@ class LoopDispatcher:
         return {p: BROWSER_WARMUP_S for p in plan.workers()
                 if p in self.node.links and self.node.links[p].hello.peer_kind == "browser"}
 
-    def _approximate(self) -> set[str]:
-        """Peers of another numeric build (docs/architecture.md §5): verified within a tolerance."""
+    def _approximate(self) -> tuple[set[str], set[str]]:
+        """Peers of another numeric build (docs/architecture.md §5), verified within a bound, and
+        those of them whose kernels compute some of the model on a Q8_0 repack (a page's or GPU
+        peer's build names its kernels: :func:`~swarm.peer.weights.repack.page_encodings`)."""
         ours = self.node.hello.build
-        return {p for p, link in self.node.links.items() if link.hello.build != ours}
+        other = {p: link.hello for p, link in self.node.links.items() if link.hello.build != ours}
+        repacked = {p for p, h in other.items() if (h.peer_kind == "browser" or KERNELS_PREFIX in h.build.blas)
+                    and repacks_for(self.model, page_encodings(h.build))}  # the file's header only
+        return set(other), repacked
 
     def _use_stages(self, layout: StageLayout | None) -> None:
         """Wrap RemoteFFN in the stage dispatch of ``layout`` (or hand it the new layout); None:
@@ -110,7 +117,7 @@ class LoopDispatcher:
             self.stages = StagedFFN(self.model, layout, self, inner=self.ffn, verify=self.verify)
         else:
             self.stages.set_layout(layout, inner=self.ffn)
-        self.stages.set_approximate(self._approximate())
+        self.stages.set_approximate(self._approximate()[0])
         self._copy_rtts(self.stages)
 
     def _copy_rtts(self, backend: RemoteFFN | StagedFFN) -> None:

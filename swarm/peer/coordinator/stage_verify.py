@@ -37,8 +37,9 @@ Exactness. The shadow runs the model's own FFN (``LocalFFN``), as a
 its position and the cache before it, never on how the positions were cut into steps
 (:func:`swarm.compute.kernels.attention`; :mod:`swarm.compute.ffn`, "Segments"): the catch-up
 gives each row the bits the peer's own steps gave it. A peer of our numeric build must match
-bit for bit; one of another build within ``STAGE_RTOL`` × the stage's layers × the row's
-largest magnitude (+ ``APPROX_ATOL``): float32 reassociation compounding over the layers.
+bit for bit; one of another build within :func:`~swarm.peer.coordinator.bounds.stage_rtol` × the
+row's largest magnitude (+ ``bounds.ATOL``): float32 reassociation over each layer's reductions
+(hidden size, FFN width, positions attended), compounding over the stage's layers.
 
 A mismatch gives a :class:`~swarm.errors.VerificationError` naming the peer, the layers, the
 sequence and the position (returned, with what the check cost, not raised);
@@ -57,12 +58,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from swarm.errors import LocalProtocolError, VerificationError
-from swarm.peer.coordinator.dispatch import APPROX_ATOL, APPROX_RTOL
+from swarm.peer.coordinator.bounds import rows_outside, stage_rtol
 
 if TYPE_CHECKING:
     from swarm.compute.model import KVCache, Model
 
-STAGE_RTOL = APPROX_RTOL  # per layer of the stage, relative to the row's largest magnitude
 VERIFY_FAILED = "verification failed"  # how a stage peer's mark-down reason begins after a mismatch
 SHADOW_CAPACITY = 16  # positions a new shadow cache starts with (it doubles as it fills)
 
@@ -161,8 +161,9 @@ class StageVerifier:
         """None if ``remote`` [n, H] equals ``local`` (bit for bit; within the bound for a peer of
         another build), else the VerificationError naming the first row that differs."""
         if peer in self.approximate:
-            scale = np.abs(local).max(axis=1, keepdims=True)
-            bad = (np.abs(remote - local) > STAGE_RTOL * (hi - lo) * scale + APPROX_ATOL).any(axis=1)
+            cfg = self.model.config
+            width = max(cfg.intermediate_size or 0, cfg.top_k * cfg.moe_intermediate_size)  # one row's FFN
+            bad = rows_outside(remote, local, stage_rtol(hi - lo, cfg.hidden_size, width, a.start + len(remote)))
         else:
             bad = (remote != local).any(axis=1)
         if not bad.any():

@@ -16,6 +16,27 @@ from swarm.peer.weights.repack import K_ENCODINGS, PAGE_ENCODINGS, roles_to_repa
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
+    from swarm.compute.quant import QMatrix
+
+
+def _units(model: Model, base: ModelShape) -> tuple[list[dict[str, QMatrix]], list[dict[str, QMatrix]]]:
+    """gate/up/down of one expert of each MoE layer, and of each dense MLP (header reads only)."""
+    ck = model.checkpoint
+    roles = ("gate", "up", "down")
+    return ([dict(zip(roles, ck.expert_matrices(layer, 0), strict=True)) for layer in base.moe_layers],
+            [{r: ck.matrix(r, layer) for r in roles} for layer in base.dense_layers])
+
+
+def _repacked_roles(unit: dict[str, QMatrix], encodings: frozenset[str]) -> set[str]:
+    return roles_to_repack({"tensors": [{"role": r, "encoding": m.qtype.name} for r, m in unit.items()]}, encodings)
+
+
+def repacks_for(model: Model, encodings: frozenset[str]) -> bool:
+    """True when a peer whose kernels read ``encodings`` as they are (a page's or a GPU peer's:
+    :func:`~swarm.peer.weights.repack.page_encodings`) computes some FFN block of ``model`` on a
+    Q8_0 repack. Only the file's header is read."""
+    experts, dense = _units(model, ModelShape.from_config(model.config))
+    return any(_repacked_roles(unit, encodings) for unit in experts + dense)
 
 
 def model_shape(model: Model) -> ModelShape:
@@ -24,18 +45,16 @@ def model_shape(model: Model) -> ModelShape:
     base = ModelShape.from_config(model.config)
     ck = model.checkpoint
 
-    def sizes(mats, per: int) -> tuple[int, int]:
-        own = sum(m.nbytes for m in mats)
-        roles = dict(zip(("gate", "up", "down"), mats, strict=True))
-        repacked = roles_to_repack({"tensors": [{"role": r, "encoding": m.qtype.name} for r, m in roles.items()]},
-                                   PAGE_ENCODINGS | K_ENCODINGS)
+    def sizes(unit: dict[str, QMatrix], per: int) -> tuple[int, int]:
+        own = sum(m.nbytes for m in unit.values())
+        repacked = _repacked_roles(unit, PAGE_ENCODINGS | K_ENCODINGS)
         page = sum(math.ceil(m.data.shape[0] * m.cols * Q8_0_BYTES) if r in repacked else m.nbytes
-                   for r, m in roles.items())
+                   for r, m in unit.items())
         return math.ceil(own / per), math.ceil(page / per)
 
-    expert = [sizes(ck.expert_matrices(layer, 0), 1) for layer in base.moe_layers]
-    column = [sizes([ck.matrix(p, layer) for p in ("gate", "up", "down")], base.intermediate_size)
-              for layer in base.dense_layers]
+    experts, dense = _units(model, base)
+    expert = [sizes(unit, 1) for unit in experts]
+    column = [sizes(unit, base.intermediate_size) for unit in dense]
     e_own, e_page = (max(x) for x in zip(*expert)) if expert else (0, 0)
     c_own, c_page = (max(x) for x in zip(*column)) if column else (0, 0)
     files = sum(os.path.getsize(p) for p in getattr(ck, "files", [model.path]) if os.path.isfile(p))

@@ -20,7 +20,7 @@ through the engine's kernels.
 Numerics. The kernels sum in float32 in another order than the engine's CPU kernels: a GPU
 peer is another numeric build (its Hello's ``build.blas`` names ``wgpu``, the adapter and the
 kernels), so the coordinator checks its answers within the format's bound
-(:func:`swarm.peer.coordinator.dispatch.approx_bound`), not bit for bit. Peers with the same
+(:mod:`swarm.peer.coordinator.bounds`), not bit for bit. Peers with the same
 adapter and kernels give each other's bits.
 
 ``--gpu auto`` takes a GPU adapter when ``wgpu`` is installed and one is found, never a CPU

@@ -1,0 +1,76 @@
+"""A GPU peer's FFN device (swarm/peer/worker/gpu.py) on wgpu (lavapipe in CI): every encoding a
+file may hold reaches the WGSL kernels as the file stores it — or, where no kernel reads it, as
+its Q8_0 requantization — and the answers equal the engine's CPU kernels within the bound
+``--verify`` holds another numeric build to (the oracle: swarm.compute.ffn.swiglu_ffn on the
+same weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize
+
+from swarm.compute.ffn import swiglu_ffn
+from swarm.compute.kernels import MLPWeights
+from swarm.compute.quant import QMatrix
+from swarm.peer.coordinator.bounds import ffn_rtol, rows_outside
+from swarm.peer.worker.gpu import GpuFfn
+from web_peer.kernels import random_blocks
+
+pytestmark = pytest.mark.browser
+
+H, F, T = 256, 256, 5
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    device = GpuFfn.open("on")
+    yield device
+    device.close()
+
+
+def matrix(rng, rows, cols, qtype):
+    """[rows, cols] weights of ``qtype`` with outputs of order one."""
+    name = qtype.name.lower()
+    if name in ("q4_k", "q5_k", "q6_k"):  # gguf-py has no quantizer for them: random valid blocks
+        return QMatrix(random_blocks(rng, rows, cols, name, scale=2e-4), qtype, cols)
+    w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(cols ** -0.5)
+    if qtype == QT.F32:
+        return QMatrix.from_float(w)
+    if qtype == QT.F16:
+        return QMatrix(w.astype(np.float16).view(np.uint8), qtype, cols)
+    return QMatrix(quantize(w, qtype), qtype, cols)
+
+
+@pytest.mark.parametrize("qtype, kernel", [
+    (QT.Q4_0, "q4_0"), (QT.Q4_1, "q4_1"), (QT.Q8_0, "q8_0"), (QT.Q4_K, "q4_k"), (QT.Q5_K, "q5_k"),
+    (QT.Q6_K, "q6_k"), (QT.F32, "f32"), (QT.F16, None), (QT.Q5_0, "q8_0"),
+])
+def test_each_encoding_runs_on_the_gpu_as_the_file_stores_it(gpu, qtype, kernel):
+    rng = np.random.default_rng(int(qtype))
+    w = MLPWeights(matrix(rng, F, H, qtype), matrix(rng, F, H, qtype), matrix(rng, H, F, qtype))
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    held = gpu.load(w)
+    assert held.cpu is None  # on the GPU
+    want = kernel or ("f16" if "f16" in gpu.host.formats else "q8_0")  # F16 without shader-f16: Q8_0
+    assert (held.gpu.fmt, held.gpu.down_fmt) == (want, want)
+    repacked = want == "q8_0" and qtype != QT.Q8_0
+    if not repacked:
+        assert held.nbytes == w.nbytes  # the file's bytes, never float32 for a compact encoding
+    local, remote = swiglu_ffn(w, x), gpu.run(held, x)
+    assert not rows_outside(remote, local, ffn_rtol(H, F, repacked)).any()
+
+
+def test_blocks_the_kernels_cannot_take_run_on_the_cpu(gpu):
+    rng = np.random.default_rng(7)
+    base = MLPWeights(*(matrix(rng, r, c, QT.Q8_0) for r, c in ((F, H), (F, H), (H, F))))
+    biased = MLPWeights(base.gate, base.up, base.down, bias=(np.ones(F, np.float32), np.ones(F, np.float32),
+                                                             np.ones(H, np.float32)), swiglu_limit=7.0)
+    held = gpu.load(biased)
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    assert held.gpu is None and np.array_equal(gpu.run(held, x), swiglu_ffn(biased, x))  # the engine's bits
+    mixed = MLPWeights(base.gate, matrix(rng, F, H, QT.Q4_0), base.down)  # gate and up of two encodings
+    held = gpu.load(mixed)
+    assert held.gpu.fmt == "q8_0"  # one kernel reads both: requantized together
+    assert not rows_outside(gpu.run(held, x), swiglu_ffn(mixed, x), ffn_rtol(H, F, repacked=True)).any()
