@@ -36,6 +36,7 @@ import logging
 import platform
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from swarm.errors import KernelError, LocalProtocolError, SwarmError
 from swarm.peer.net.messages import NumericBuild
 from swarm.peer.weights.repack import requantize_q8_0
 
+if TYPE_CHECKING:
+    from web_peer.wgpu_host import GpuFfnWeights, WgpuFfn
+
 log = logging.getLogger(__name__)
 
 GPU_MODES = ("off", "auto", "on")  # `join --gpu`
@@ -57,13 +61,13 @@ class GpuWeights:
     """One SwiGLU block as a GPU peer holds it: ``gpu`` (a ``web_peer.wgpu_host.GpuFfnWeights``)
     or, for a block the kernels cannot take, ``cpu`` (the engine's weights)."""
 
-    gpu: object | None = None
+    gpu: GpuFfnWeights | None = None
     cpu: MLPWeights | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes held: the GPU buffers (both planes of every matrix), or the engine's weights."""
-        held = self.gpu if self.gpu is not None else self.cpu
+        held: GpuFfnWeights | MLPWeights | None = self.gpu if self.gpu is not None else self.cpu
         return int(held.nbytes) if held is not None else 0
 
 
@@ -95,7 +99,7 @@ class GpuFfn:
     ``web_peer.wgpu_host.WgpuFfn`` on the adapter to use. Called from the worker's one compute
     thread only."""
 
-    def __init__(self, host) -> None:
+    def __init__(self, host: WgpuFfn) -> None:
         self.host = host
         info = host.adapter.info
         self.adapter = f"{info.get('device') or info.get('vendor') or '?'}".strip()
@@ -159,6 +163,7 @@ class GpuFfn:
         """y [n, H] float32 = down(swiglu(x)) for rows x [n, H] float32. Raises KernelError on a
         GPU error (the device is then reset) or a non-finite result."""
         if weights.gpu is None:
+            assert weights.cpu is not None
             return swiglu_ffn(weights.cpu, x)
         return self.host.ffn(np.ascontiguousarray(x, dtype=np.float32), weights.gpu)
 
@@ -185,9 +190,9 @@ class GpuFfn:
 
         rng = np.random.default_rng(0)
         scale = np.float32(hidden**-0.5)
-        mats = [quantize_blocks(rng.standard_normal(shape, dtype=np.float32) * scale, "q8_0")
-                for shape in ((ffn, hidden), (ffn, hidden), (hidden, ffn))]
-        w = self.host.upload(*mats, "q8_0")
+        gate, up, down = (quantize_blocks(rng.standard_normal(shape, dtype=np.float32) * scale, "q8_0")
+                          for shape in ((ffn, hidden), (ffn, hidden), (hidden, ffn)))
+        w = self.host.upload(gate, up, down, "q8_0")
         x = rng.standard_normal((rows, hidden), dtype=np.float32)
         self.host.ffn(x, w)
         best = float("inf")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,9 @@ from hypothesis import strategies as st
 from swarm.errors import RemoteProtocolError
 from swarm.peer.coordinator.planner import MAX_RTT_S, PeerCapacity, build_plan
 from swarm.peer.plan import ModelShape, Plan, Span, check_plan
-from swarm.peer.weights.sizes import model_shape
+from swarm.peer.net.messages import NumericBuild
+from swarm.peer.weights.repack import page_encodings
+from swarm.peer.weights.sizes import model_shape, repacks_for
 
 shapes = st.builds(
     lambda h, e, fm, f, n_moe, n_dense, bpw: ModelShape(
@@ -193,6 +196,10 @@ def test_model_shape_counts_the_encoded_bytes_of_the_file(tmp_path, down, page_d
     assert shape.ffn_bytes() == ffn
     routers = 2 * 4 * 256 * 4
     assert shape.resident_nbytes == path.stat().st_size - ffn + routers
+    # --verify widens its bound for a peer whose kernels compute on a repack (bounds.py)
+    kernels = NumericBuild("0", "0", "webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k", "wasm", "f32")
+    assert repacks_for(load_model(path), page_encodings(kernels)) == (down == "Q5_0")
+    assert repacks_for(load_model(path), page_encodings(dataclasses.replace(kernels, blas="webgpu")))  # no K kernels
 
 
 def test_subnormal_speeds_still_tile_every_layer():
