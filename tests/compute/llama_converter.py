@@ -51,17 +51,17 @@ def converter_script() -> Path:
     return script
 
 
-def convert(hf_dir: Path, outfile: Path, outtype: str = "f32") -> Path:
+def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", *options: str) -> Path:
     """Convert the HF checkpoint ``hf_dir`` (config.json, safetensors, tokenizer files) into the
     GGUF file ``outfile`` with llama.cpp's converter; ``outtype``: its ``--outtype`` (``f32``,
-    ``f16``, ``bf16``, ``q8_0``).
+    ``f16``, ``bf16``, ``q8_0``); ``options``: more of its options (``--vocab-only``, ``--no-mtp``).
 
     Raises: :class:`ConverterMissing`; RuntimeError with the converter's last output lines when
     it fails."""
     script = converter_script()
     env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))
     done = subprocess.run(
-        [sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(outfile)],
+        [sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(outfile), *options],
         capture_output=True, text=True, env=env, timeout=_CONVERT_TIMEOUT_S)
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])

@@ -20,30 +20,37 @@ from gguf import GGMLQuantizationType as QT
 
 from swarm.compute import SamplingParams, generate, load_model
 from swarm.compute.tokenizer import load_tokenizer
-from tests.compute import tiny_gpt_oss, tiny_models, tiny_sigmoid_moe
+from tests.compute import qwen_vocab, tiny_gpt_oss, tiny_models, tiny_qwen3_5_moe, tiny_sigmoid_moe
 from tests.compute.llama_converter import ENV_VAR, ConverterMissing, convert
+from tests.compute.test_family_qwen3_5_moe import ATOL as QWEN3_5_MOE_ATOL
 from tests.compute.test_tokenizer import TEXTS
 from tests.compute.test_tokenizer_gguf_kinds import CORPUS
 
 GLM_TOKENS = ["[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|observation|>"]
 VOCAB = 49152 + 8  # SmolLM2's ids, GLM's chat tokens, a few unused
 TOKENS = [int(t) for t in np.random.default_rng(5).integers(0, 49152, 12)]
-ATOL = 2e-5  # the float32 bound of the family tests (1e-5 over 96 logits), over 49160 logits here
+ATOL = 2e-5  # the float32 bound of the family tests (1e-5 over 96 logits), over 49,160 to 248,047 here
+FAMILY_ATOL = {"qwen3_5_moe": QWEN3_5_MOE_ATOL}  # its recurrent layers' own bound
 
-# name → (build(out_dir, **config), config overrides beside the vocabulary, extra config.json keys)
+# name → (build(out_dir, **config), config overrides, extra config.json keys, Qwen vocabulary or
+# None for SmolLM2's): transformers gives qwen2's and qwen3_5_moe's model types Qwen's own split
+# whatever tokenizer.json says, so they carry Qwen's real vocabularies (tied embeddings: smaller)
 CASES = {
-    "llama": (partial(tiny_models.build_tiny, "llama"), {}, {}),
-    "qwen3": (partial(tiny_models.build_tiny, "qwen3"), {}, {}),
-    "mixtral": (partial(tiny_models.build_tiny, "mixtral"), {}, {}),
+    "llama": (partial(tiny_models.build_tiny, "llama"), {}, {}, None),
+    "qwen2": (partial(tiny_models.build_tiny, "qwen2"), {"tie_word_embeddings": True}, {}, "qwen2"),
+    "qwen3": (partial(tiny_models.build_tiny, "qwen3"), {}, {}, None),
+    "mixtral": (partial(tiny_models.build_tiny, "mixtral"), {}, {}, None),
     # the converter has no name for a dense MLP in a qwen3moe file
-    "qwen3_moe": (partial(tiny_models.build_tiny, "qwen3_moe"), {"mlp_only_layers": []}, {}),
-    "olmoe": (partial(tiny_models.build_tiny, "olmoe"), {"rms_norm_eps": 1e-5, "clip_qkv": None}, {}),
-    "glm4_moe": (partial(tiny_sigmoid_moe.build, "glm4_moe"), {}, {}),
+    "qwen3_moe": (partial(tiny_models.build_tiny, "qwen3_moe"), {"mlp_only_layers": []}, {}, None),
+    "olmoe": (partial(tiny_models.build_tiny, "olmoe"), {"rms_norm_eps": 1e-5, "clip_qkv": None}, {}, None),
+    "glm4_moe": (partial(tiny_sigmoid_moe.build, "glm4_moe"), {}, {}, None),
     "deepseek_v3": (partial(tiny_sigmoid_moe.build, "deepseek_v3"), {},
-                    {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}),
-    "minimax_m2": (partial(tiny_sigmoid_moe.build, "minimax_m2"), {}, {}),
-    "gpt_oss": (tiny_gpt_oss.build, {}, {}),
+                    {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, None),
+    "minimax_m2": (partial(tiny_sigmoid_moe.build, "minimax_m2"), {}, {}, None),
+    "gpt_oss": (tiny_gpt_oss.build, {}, {}, None),
+    "qwen3_5_moe": (tiny_qwen3_5_moe.build, {"tie_word_embeddings": True}, {}, "qwen35"),
 }
+CONVERTER_OPTIONS = {"qwen3_5_moe": ("--no-mtp",)}  # the tiny checkpoint has no MTP layer to export
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +68,17 @@ def converted(tmp_path_factory, smollm2_tokenizer):
 
     def get(name: str, outtype: str = "f32"):
         if (name, outtype) not in done:
-            builder, overrides, released = CASES[name]
+            builder, overrides, released, qwen = CASES[name]
             hf_dir = tmp_path_factory.mktemp(name)
-            hf, _ = builder(hf_dir, vocab_size=VOCAB, **overrides)
+            vocab = VOCAB if qwen is None else qwen_vocab.write_tokenizer(qwen, hf_dir)
+            hf, _ = builder(hf_dir, vocab_size=vocab, **overrides)
             if outtype == "mxfp4":  # experts stored as openai publishes gpt-oss; the rest converted as f32
                 tiny_gpt_oss.save_mxfp4(hf, hf_dir)
                 hf = tiny_gpt_oss.rounded(hf, QT.F32, QT.MXFP4)
             cfg = json.loads((hf_dir / "config.json").read_text())
             (hf_dir / "config.json").write_text(json.dumps({**cfg, **released}))
-            smollm2_tokenizer.save_pretrained(hf_dir)
+            if qwen is None:
+                smollm2_tokenizer.save_pretrained(hf_dir)
             if name == "glm4_moe":
                 from transformers import AutoTokenizer
 
@@ -77,7 +86,7 @@ def converted(tmp_path_factory, smollm2_tokenizer):
                 glm.add_tokens(GLM_TOKENS, special_tokens=True)
                 glm.save_pretrained(hf_dir)
             done[name, outtype] = hf, convert(hf_dir, hf_dir / f"{name}-{outtype}.gguf",
-                                              "f32" if outtype == "mxfp4" else outtype)
+                                              "f32" if outtype == "mxfp4" else outtype, *CONVERTER_OPTIONS.get(name, ()))
         return done[name, outtype]
 
     return get
@@ -88,11 +97,11 @@ def converted(tmp_path_factory, smollm2_tokenizer):
 def test_converted_gguf_gives_transformers_tokens_and_logits(converted, name):
     hf, path = converted(name)
     model = load_model(path)
-    assert model.format == "gguf" and model.config.family == hf.config.model_type
+    assert model.format == "gguf" and model.config.family == hf.config.model_type.removesuffix("_text")
     assert model.config.n_layers == hf.config.num_hidden_layers  # GLM's NextN/MTP block skipped
     ours, ref = model.forward(TOKENS, model.new_cache()), tiny_models.hf_logits(hf, TOKENS)
-    assert ours.dtype == np.float32 and ours.shape == ref.shape == (12, VOCAB)
-    np.testing.assert_allclose(ours, ref, rtol=0, atol=ATOL)
+    assert ours.dtype == np.float32 and ours.shape == ref.shape == (12, hf.config.vocab_size)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=FAMILY_ATOL.get(name, ATOL))
     assert list(generate(model, TOKENS[:5], SamplingParams(max_tokens=6))) == tiny_models.hf_greedy(hf, TOKENS[:5], 6)
 
 
@@ -129,33 +138,21 @@ def test_q8_0_conversion_gives_the_files_values_tokens(converted, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "glm4_moe"])
-def test_converted_tokenizer_gives_transformers_ids(converted, smollm2_tokenizer, name):
-    """The converter's ``tokenizer.ggml.*`` (pre ``smollm``) read by us encodes as the checkpoint's
-    own tokenizer does, GLM's added chat tokens included."""
+@pytest.mark.parametrize(("name", "pre"), [("llama", "smollm"), ("glm4_moe", "smollm"), ("qwen2", "qwen2"),
+                                           ("qwen3_5_moe", "qwen35")])
+def test_converted_tokenizer_gives_transformers_ids(converted, name, pre):
+    """The converter's ``tokenizer.ggml.*`` read by us encodes as transformers' tokenizer of the
+    checkpoint does (SmolLM2's; Qwen2's and Qwen3.5's real vocabularies), added chat tokens included."""
+    from transformers import AutoTokenizer
+
     _, path = converted(name)
+    oracle = AutoTokenizer.from_pretrained(path.parent)
     ours = load_tokenizer(path)
-    assert load_model(path).metadata["tokenizer.ggml.pre"] == "smollm"
-    for text in [*TEXTS, *CORPUS, "[gMASK]<sop><|user|>\nhi<|assistant|>"]:
-        want = smollm2_tokenizer.encode(text, add_special_tokens=False)
-        if name == "glm4_moe" and "[gMASK]" in text:
-            assert ours.encode(text, add_special_tokens=False)[:3] == [49152, 49153, 49154]
-            continue
+    assert load_model(path).metadata["tokenizer.ggml.pre"] == pre
+    for text in [*TEXTS, *CORPUS, "[gMASK]<sop><|user|>\nhi<|assistant|><|im_start|>user\nhi<|im_end|>"]:
+        want = oracle.encode(text, add_special_tokens=False)
         assert ours.encode(text, add_special_tokens=False) == want, text
-        assert ours.decode(want) == smollm2_tokenizer.decode(want, skip_special_tokens=True)
-
-
-@pytest.mark.slow
-def test_gpt_oss_mxfp4_checkpoint_converts_to_mxfp4_experts_we_read(converted):
-    """gpt-oss as published (MXFP4 ``_blocks``/``_scales``): the converter repacks the experts into
-    GGUF MXFP4 blocks, which give transformers' tokens and logits on the same values."""
-    hf, path = converted("gpt_oss", "mxfp4")
-    model = load_model(path)
-    for part in ("gate", "up", "down"):
-        assert model.checkpoint.file.qtype(f"blk.0.ffn_{part}_exps.weight") == QT.MXFP4
-    np.testing.assert_allclose(model.forward(TOKENS, model.new_cache()), tiny_models.hf_logits(hf, TOKENS),
-                               rtol=0, atol=ATOL)
-    assert list(generate(model, TOKENS[:5], SamplingParams(max_tokens=6))) == tiny_models.hf_greedy(hf, TOKENS[:5], 6)
+        assert ours.decode(want) == oracle.decode(want, skip_special_tokens=True)
 
 
 def test_a_missing_converter_is_named_with_how_to_fetch_it(tmp_path, monkeypatch):
