@@ -9,7 +9,8 @@ weights, measured FFN throughput, round trip) into a :class:`Plan`:
   :class:`Span` s, one per peer that gets any, in the plan's peer order;
 * every dense MLP's intermediate dimension ``0..F-1`` is cut the same way, so
   the partial outputs of the spans sum to the full MLP (the coordinator adds
-  them in span order);
+  them in span order), on multiples of :attr:`ModelShape.dense_block` (the
+  ``down`` tensor's block: a column range of whole blocks stays in its encoding);
 * shared experts (Qwen2-MoE) are not in the plan: they stay with the
   coordinator, with the embeddings, attention, routers, norms and head.
 
@@ -154,17 +155,19 @@ def build_plan(
     budget = {coordinator.peer_id: c_budget, **held_max}
     used = {p: 0 for p in peers}
 
-    def spans_for(width: int, column: bool, layers: Sequence[int]) -> dict:
-        unit = {p: shape.unit_bytes(cap_of[p].kind if p in cap_of else "python")[column] for p in peers}
+    def spans_for(width: int, column: bool, layers: Sequence[int], step: int = 1) -> dict:
+        """Spans of ``0..width`` on multiples of ``step`` (the last one may end short of one)."""
+        units = -(-width // step)
+        unit = {p: shape.unit_bytes(cap_of[p].kind if p in cap_of else "python")[column] * step for p in peers}
 
         def room(p: str) -> int:
             if not unit[p] or budget[p] == math.inf:
-                return width  # unbounded: all of a layer
+                return units  # unbounded: all of a layer
             return max(int((budget[p] - used[p]) // unit[p]), 0)
 
         table = {}
         for layer in layers:
-            counts = _cut(width, peers, share, layer)
+            counts = _cut(units, peers, share, layer)
             # Rounding may push a worker past its budget: hand those units to the coordinator.
             for i, p in enumerate(peers[1:], start=1):
                 if counts[i] > room(p):
@@ -186,13 +189,14 @@ def build_plan(
             spans, at = [], 0
             for p, c in zip(peers, counts):
                 if c:
-                    spans.append(Span(p, at, at + c))
+                    spans.append(Span(p, at * step, min((at + c) * step, width)))
                     at += c
             table[layer] = tuple(spans)
         return table
 
     experts = spans_for(shape.n_experts, False, shape.moe_layers) if shape.n_experts else {}
-    dense = spans_for(shape.intermediate_size, True, shape.dense_layers) if shape.intermediate_size else {}
+    dense = (spans_for(shape.intermediate_size, True, shape.dense_layers, max(shape.dense_block, 1))
+             if shape.intermediate_size else {})
     streamed = 0 if coordinator_budget is None else max(used[coordinator.peer_id] - c_budget, 0)
     plan = Plan(version, term, coordinator.peer_id, peers, experts, dense, streamed_bytes=int(streamed))
     check_plan(plan, shape)

@@ -23,7 +23,10 @@ class ModelShape:
     ``page_expert_nbytes`` / ``page_column_nbytes`` (the same on a browser peer:
     its kernels read Q4_0, Q4_1, Q8_0 and the K-quants as they are; other
     tensors are repacked to Q8_0, 34 bytes per 32 weights) and ``resident_nbytes`` (what only the coordinator holds:
-    embeddings, attention, routers as float32, norms, head, shared experts).
+    embeddings, attention, routers as float32, norms, head, shared experts). ``dense_block``:
+    the multiple dense ranges are cut on — the block of the dense ``down`` tensors' encoding
+    (32 for Q4_0 … Q8_0, 256 for the K-quants, 1 for float elements) — so a ``down`` column
+    range keeps its encoding, and its bytes are what ``column_nbytes`` budgets.
 
     What is not a weight, in bytes (from the config and :func:`swarm.peer.memory.context_tokens`;
     0 when not given): ``kv_layer_bytes``, the KV cache of one layer for the reserved context;
@@ -44,6 +47,7 @@ class ModelShape:
     page_expert_nbytes: int = 0
     page_column_nbytes: int = 0
     resident_nbytes: int = 0
+    dense_block: int = 1
     # what is not a weight, and what sizes it (see above)
     n_layers: int = 0
     top_k: int = 0

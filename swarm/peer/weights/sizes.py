@@ -11,6 +11,8 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+from gguf import GGML_QUANT_SIZES
+
 from swarm.peer.plan import Q8_0_BYTES, ModelShape
 from swarm.peer.weights.repack import K_ENCODINGS, PAGE_ENCODINGS, roles_to_repack
 
@@ -55,10 +57,13 @@ def model_shape(model: Model) -> ModelShape:
     experts, dense = _units(model, base)
     expert = [sizes(unit, 1) for unit in experts]
     column = [sizes(unit, base.intermediate_size) for unit in dense]
+    # dense ranges are cut on whole blocks of every dense layer's down (its columns are in blocks)
+    block = math.lcm(1, *(GGML_QUANT_SIZES[unit["down"].qtype][0] for unit in dense))
     e_own, e_page = (max(x) for x in zip(*expert)) if expert else (0, 0)
     c_own, c_page = (max(x) for x in zip(*column)) if column else (0, 0)
     files = sum(os.path.getsize(p) for p in getattr(ck, "files", [model.path]) if os.path.isfile(p))
     ffn = len(base.moe_layers) * base.n_experts * e_own + len(base.dense_layers) * base.intermediate_size * c_own
     routers = len(base.moe_layers) * base.n_experts * base.hidden_size * 4  # decoded to float32
     return dataclasses.replace(base, expert_nbytes=e_own, column_nbytes=c_own, page_expert_nbytes=e_page,
-                               page_column_nbytes=c_page, resident_nbytes=max(files - ffn, 0) + routers)
+                               page_column_nbytes=c_page, resident_nbytes=max(files - ffn, 0) + routers,
+                               dense_block=block)
