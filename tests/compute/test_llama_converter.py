@@ -4,11 +4,11 @@ tokens and logits, and the converter's tokenizer metadata gives transformers' to
 
 The converter names the pre-tokenizer by hashing how the checkpoint's tokenizer splits a probe
 text, so each checkpoint carries a real tokenizer it knows: the default model's (SmolLM2,
-``smollm``), with GLM's chat tokens added for the GLM converter, which reads them. Configs follow
-what the released models' config.json say where the converter relies on it (DeepSeek-V3's
-``scoring_func``; OLMoE's epsilon, which the converter writes as 1e-5 whatever the config says).
+``smollm``; GLM's chat tokens added for the GLM converter, which reads them), or Qwen2's and
+Qwen3.5's real vocabularies (tests/compute/qwen_vocab.py). Configs follow what the released
+models' config.json say where the converter relies on it (DeepSeek-V3's ``scoring_func``; OLMoE's
+epsilon, which the converter writes as 1e-5 whatever the config says).
 """
-
 from __future__ import annotations
 
 import json
@@ -19,6 +19,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from swarm.compute import SamplingParams, generate, load_model
+from swarm.compute.tensors import GGUFFile
 from swarm.compute.tokenizer import load_tokenizer
 from tests.compute import qwen_vocab, tiny_gpt_oss, tiny_models, tiny_qwen3_5_moe, tiny_sigmoid_moe
 from tests.compute.llama_converter import ENV_VAR, ConverterMissing, convert
@@ -85,8 +86,9 @@ def converted(tmp_path_factory, smollm2_tokenizer):
                 glm = AutoTokenizer.from_pretrained(hf_dir)
                 glm.add_tokens(GLM_TOKENS, special_tokens=True)
                 glm.save_pretrained(hf_dir)
-            done[name, outtype] = hf, convert(hf_dir, hf_dir / f"{name}-{outtype}.gguf",
-                                              "f32" if outtype == "mxfp4" else outtype, *CONVERTER_OPTIONS.get(name, ()))
+            options = CONVERTER_OPTIONS.get(name, ())
+            outfile = hf_dir / f"{name}-{outtype}.gguf"
+            done[name, outtype] = hf, convert(hf_dir, outfile, "f32" if outtype == "mxfp4" else outtype, *options)
         return done[name, outtype]
 
     return get
@@ -148,11 +150,24 @@ def test_converted_tokenizer_gives_transformers_ids(converted, name, pre):
     _, path = converted(name)
     oracle = AutoTokenizer.from_pretrained(path.parent)
     ours = load_tokenizer(path)
-    assert load_model(path).metadata["tokenizer.ggml.pre"] == pre
+    assert GGUFFile(path).kv["tokenizer.ggml.pre"] == pre
     for text in [*TEXTS, *CORPUS, "[gMASK]<sop><|user|>\nhi<|assistant|><|im_start|>user\nhi<|im_end|>"]:
         want = oracle.encode(text, add_special_tokens=False)
         assert ours.encode(text, add_special_tokens=False) == want, text
         assert ours.decode(want) == oracle.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_checkpoint_converts_to_mxfp4_experts_we_read(converted):
+    """gpt-oss as published (MXFP4 ``_blocks``/``_scales``): the converter repacks the experts into
+    GGUF MXFP4 blocks, which give transformers' tokens and logits on the same values."""
+    hf, path = converted("gpt_oss", "mxfp4")
+    model = load_model(path)
+    for part in ("gate", "up", "down"):
+        assert model.checkpoint.file.qtype(f"blk.0.ffn_{part}_exps.weight") == QT.MXFP4
+    np.testing.assert_allclose(model.forward(TOKENS, model.new_cache()), tiny_models.hf_logits(hf, TOKENS),
+                               rtol=0, atol=ATOL)
+    assert list(generate(model, TOKENS[:5], SamplingParams(max_tokens=6))) == tiny_models.hf_greedy(hf, TOKENS[:5], 6)
 
 
 def test_a_missing_converter_is_named_with_how_to_fetch_it(tmp_path, monkeypatch):
