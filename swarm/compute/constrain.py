@@ -2,8 +2,9 @@
 
 A :class:`JsonGrammar` is a request's schema compiled by llguidance (its JSON-schema compiler,
 whitespace fixed to ``", "`` and ``": "`` so a small model cannot wander off into blank lines);
-a :class:`Grammar` of :func:`tool_call_grammar` forces one tool call in the chat template's
-format. Calling either gives one sequence's :class:`JsonConstraint`, whose :meth:`~JsonConstraint.allowed`
+a :class:`Grammar` of a tool format's grammar
+(:meth:`swarm.peer.coordinator.api_tools.ToolFormat.grammar`) forces one tool call in the chat
+template's format. Calling either gives one sequence's :class:`JsonConstraint`, whose :meth:`~JsonConstraint.allowed`
 is the mask of tokens that keep the reply a prefix of a document the schema accepts, and which
 :meth:`~JsonConstraint.advance` moves past each sampled token. Once the document is complete,
 only the end-of-sequence token is allowed. The :class:`~swarm.compute.sampling.Sampler` applies
@@ -61,7 +62,7 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: int) -> Any:
 
 
 class Grammar:
-    """An llguidance ``grammar`` (from :func:`json_grammar` or :func:`tool_call_grammar`)
+    """An llguidance ``grammar`` (from :func:`json_grammar`, or a tool format's Lark grammar)
     compiled for ``tokenizer`` (a :class:`~swarm.compute.tokenizer.TextTokenizer`) over
     ``vocab_size`` logits; the end of the output is ``tokenizer.eos_token_ids[0]``. Call it for a
     fresh :class:`JsonConstraint`.
@@ -102,13 +103,6 @@ def json_grammar(schema: dict[str, Any]) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"not a JSON schema: {exc}") from None
-
-
-def tool_call_grammar(schema: dict[str, Any], opening: str, closing: str) -> str:
-    """The grammar of one tool call written as ``opening`` + a JSON document ``schema`` accepts +
-    ``closing`` (Lark, with llguidance's ``%json``; compact JSON as :func:`json_grammar`)."""
-    schema = {**schema, "x-guidance": JSON_OPTIONS}
-    return f"start: {json.dumps(opening)} call {json.dumps(closing)}\ncall: %json {json.dumps(schema)}"
 
 
 class JsonConstraint:

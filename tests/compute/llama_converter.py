@@ -2,7 +2,8 @@
 users make with it load: the copy of llama.cpp's source shipped in the ``llama-cpp-python`` sdist
 on PyPI, pinned to :data:`VERSION`.
 
-Only ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` are kept, in
+Only ``convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/`` and ``models/templates/`` (the chat
+templates of released models, which the API's tool formats are checked against) are kept, in
 ``$COLIBRI_SWARM_LLAMA_CONVERTER`` or else ``<user cache>/llama.cpp-converter-<VERSION>``.
 ``python3 -m tests.compute.llama_converter`` fetches them there unless present (``.ci/run`` does); tests never
 fetch. The converter runs as a subprocess with its own ``gguf-py`` first on the path, so its
@@ -21,7 +22,7 @@ from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp's source
 ENV_VAR = "COLIBRI_SWARM_LLAMA_CONVERTER"
-_KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+_KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")
 _CONVERT_TIMEOUT_S = 300
 
 
@@ -43,11 +44,12 @@ def converter_script() -> Path:
 
     Raises: :class:`ConverterMissing` saying how to fetch it."""
     script = converter_dir() / "convert_hf_to_gguf.py"
-    if not (script.is_file() and (script.parent / "conversion").is_dir() and (script.parent / "gguf-py").is_dir()):
+    if not (script.is_file() and all((script.parent / part).is_dir()
+                                     for part in ("conversion", "gguf-py", "models/templates"))):
         raise ConverterMissing(
             f"llama.cpp's converter is not in {script.parent} (set {ENV_VAR} to move it); fetch it with "
             f"'python3 -m tests.compute.llama_converter' (downloads the llama-cpp-python=={VERSION} sdist "
-            "from PyPI and keeps convert_hf_to_gguf.py, conversion/ and gguf-py/)")
+            "from PyPI and keeps convert_hf_to_gguf.py, conversion/, gguf-py/ and models/templates/)")
     return script
 
 
@@ -67,6 +69,14 @@ def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", *options: str) ->
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} (exit {done.returncode}):\n{tail}")
     return outfile
+
+
+def chat_template(name: str) -> str:
+    """The chat template ``name`` (a file of llama.cpp's ``models/templates/``, e.g.
+    ``GLM-4.6.jinja``) as its model ships it.
+
+    Raises: :class:`ConverterMissing` saying how to fetch the copy."""
+    return (converter_script().parent / "models" / "templates" / name).read_text(encoding="utf-8")
 
 
 def fetch(dest: Path) -> Path:

@@ -391,7 +391,7 @@ class ApiServer:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = stats.finish_reason
             if _parses_tool_calls(chat):
-                content, calls = parse_tool_calls(text)
+                content, calls = parse_tool_calls(text, chat.tool_format, chat.tools)
                 if calls:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [c.openai() for c in calls]}
@@ -449,7 +449,7 @@ class ApiServer:
                 await response.write(chunk({"content": chat.prompt}, tokens=_echoed(reply)))
             finish = stats.finish_reason
             if held:
-                content, calls = parse_tool_calls("".join(p for p, _ in held))
+                content, calls = parse_tool_calls("".join(p for p, _ in held), chat.tool_format, chat.tools)
                 every = [t for _, tokens in held for t in tokens]
                 if not calls:
                     await response.write(chunk({"content": content}, tokens=every))

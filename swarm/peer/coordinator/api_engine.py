@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from swarm.compute.constrain import Grammar, JsonGrammar, tool_call_grammar
+from swarm.compute.constrain import Grammar, JsonGrammar
 from swarm.compute.sampling import Sampled
 from swarm.compute.serving import SchedulerPool, TokenStream
 from swarm.compute.textgen import (GenerationStats, ReplyPiece, context_limit, encode_prompt, sampled_pieces,
                                    token_bytes, with_stop_tokens)
 from swarm.peer.coordinator.api_metrics import Histogram, SwarmLoad
 from swarm.peer.coordinator.api_request import ChatRequest
-from swarm.peer.coordinator.api_tools import check_tools_served, forced_call_schema, template_messages
+from swarm.peer.coordinator.api_tools import check_tools_served, template_messages
 from swarm.peer.coordinator.dispatch import RemoteFFN
 from swarm.peer.coordinator.stages import StagedFFN
 
@@ -179,11 +179,12 @@ class EngineBackend:
             request = dataclasses.replace(request, constraint=JsonGrammar(
                 self.tokenizer, vocab, json.loads(request.json_schema)))
         fmt = None if request.prompt is not None else check_tools_served(
-            self.tokenizer.chat_template, request.tools, request.messages)
+            self.tokenizer.chat_template, request.tools, request.messages, self.tokenizer.special_tokens)
+        if fmt is not None:
+            request = dataclasses.replace(request, tool_format=fmt)
         if fmt is not None and request.tool_choice in ("required", "function") and request.constraint is None:
-            schema = forced_call_schema(list(request.tools), request.tool_name)
-            request = dataclasses.replace(request, constraint=Grammar(self.tokenizer, vocab,
-                                                                       tool_call_grammar(schema, *fmt)))
+            request = dataclasses.replace(request, constraint=Grammar(
+                self.tokenizer, vocab, fmt.grammar(list(request.tools), request.tool_name)))
         messages = request.prompt if request.prompt is not None else template_messages(request.messages)
         tools = list(request.tools) or None
         limit = context_limit(self.model.config, self.context)

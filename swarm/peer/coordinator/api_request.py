@@ -75,6 +75,7 @@ class ChatRequest:
     tool_name: str | None = None
     echo: bool = False
     constraint: Any = dataclasses.field(default=None, compare=False)
+    tool_format: Any = dataclasses.field(default=None, compare=False)  # the template's (api_tools), set by prepare
 
 
 class ApiError(SwarmError):

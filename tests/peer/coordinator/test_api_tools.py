@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.coordinator.api_tools import HERMES, forced_call_schema, parse_tool_calls, tool_format
+from swarm.peer.coordinator.api_tools import Hermes, parse_tool_calls, tool_format
 from tests.peer.coordinator._api import openai_client, serving
 
 
@@ -87,19 +87,19 @@ def _client(url: str) -> openai.AsyncOpenAI:
 def _local(tool_engine, messages, name=None, forced=True):
     """The local run: the template's prompt with the tools, the forced call's grammar when
     ``forced``; returns (prompt ids, rendered prompt, reply text)."""
-    from swarm.compute.constrain import Grammar, tool_call_grammar
+    from swarm.compute.constrain import Grammar
     from swarm.compute.sampling import SamplingParams
     from swarm.compute.textgen import encode_prompt, stream_reply
 
     model, tok = tool_engine
     ids = encode_prompt(model, tok, messages, MAX_TOKENS, tools=TOOLS)
-    grammar = Grammar(tok, model.config.vocab_size, tool_call_grammar(forced_call_schema(TOOLS, name), *HERMES))
+    grammar = Grammar(tok, model.config.vocab_size, Hermes().grammar(TOOLS, name))
     params = SamplingParams(max_tokens=MAX_TOKENS, constraint=grammar if forced else None)
     return ids, tok.apply_chat_template(messages, tools=TOOLS), "".join(stream_reply(model, tok, ids, params))
 
 
 def test_the_template_decides_whether_tools_are_served(engine):
-    assert tool_format(QWEN_TEMPLATE) == HERMES
+    assert isinstance(tool_format(QWEN_TEMPLATE), Hermes)
     assert tool_format(engine[1].chat_template) is None  # SmolLM2's: refused by name
 
 
