@@ -570,6 +570,23 @@ def _read_json(file: Path) -> dict:
 # --- chat template --------------------------------------------------------------------------
 
 
+def _generation_tag():
+    """transformers' ``{% generation %}…{% endgeneration %}`` (it marks the assistant's text for
+    training masks): rendered as its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationTag
+
+
 def _compile_template(source: str):
     """Compile in Jinja2's immutable sandbox, with transformers' environment and helpers."""
     import jinja2
@@ -582,7 +599,8 @@ def _compile_template(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _generation_tag()])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
