@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,7 +52,26 @@ CASES = {
     "gpt_oss": (tiny_gpt_oss.build, {}, {}, None),
     "qwen3_5_moe": (tiny_qwen3_5_moe.build, {"tie_word_embeddings": True}, {}, "qwen35"),
 }
-CONVERTER_OPTIONS = {"qwen3_5_moe": ("--no-mtp",)}  # the tiny checkpoint has no MTP layer to export
+
+
+def add_mtp_layer(hf_dir: Path) -> None:
+    """Give a saved tiny Qwen3.5-MoE checkpoint the MTP module the released ones carry
+    (``mtp_num_hidden_layers: 1``; ``mtp.fc``, its norms and one full-attention layer under
+    ``mtp.layers.0``, here layer 1's weights), which the converter writes as a NextN block."""
+    from safetensors.numpy import load_file, save_file
+
+    file = hf_dir / "model.safetensors"
+    tensors = load_file(str(file))
+    h = tensors["model.norm.weight"].shape[0]
+    rng = np.random.default_rng(0)
+    mtp = {k.replace("model.layers.1.", "mtp.layers.0."): v.copy() for k, v in tensors.items()
+           if k.startswith("model.layers.1.")}
+    mtp["mtp.fc.weight"] = rng.standard_normal((h, 2 * h)).astype(np.float32)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = rng.standard_normal(h).astype(np.float32)
+    save_file({**tensors, **mtp}, str(file), metadata={"format": "pt"})
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +106,10 @@ def converted(tmp_path_factory, smollm2_tokenizer):
                 glm = AutoTokenizer.from_pretrained(hf_dir)
                 glm.add_tokens(GLM_TOKENS, special_tokens=True)
                 glm.save_pretrained(hf_dir)
-            options = CONVERTER_OPTIONS.get(name, ())
+            if name == "qwen3_5_moe":
+                add_mtp_layer(hf_dir)
             outfile = hf_dir / f"{name}-{outtype}.gguf"
-            done[name, outtype] = hf, convert(hf_dir, outfile, "f32" if outtype == "mxfp4" else outtype, *options)
+            done[name, outtype] = hf, convert(hf_dir, outfile, "f32" if outtype == "mxfp4" else outtype)
         return done[name, outtype]
 
     return get
@@ -100,7 +121,9 @@ def test_converted_gguf_gives_transformers_tokens_and_logits(converted, name):
     hf, path = converted(name)
     model = load_model(path)
     assert model.format == "gguf" and model.config.family == hf.config.model_type.removesuffix("_text")
-    assert model.config.n_layers == hf.config.num_hidden_layers  # GLM's NextN/MTP block skipped
+    assert model.config.n_layers == hf.config.num_hidden_layers
+    if name in ("glm4_moe", "qwen3_5_moe"):  # the file holds their NextN/MTP block, which is skipped
+        assert model.metadata[f"{model.metadata['general.architecture']}.nextn_predict_layers"] == 1
     ours, ref = model.forward(TOKENS, model.new_cache()), tiny_models.hf_logits(hf, TOKENS)
     assert ours.dtype == np.float32 and ours.shape == ref.shape == (12, hf.config.vocab_size)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=FAMILY_ATOL.get(name, ATOL))
