@@ -5,7 +5,7 @@
 // byte): row-major [rows, K] with K zero-padded to a multiple of 4; formats f32, f16 (needs
 // shader-f16) and q8 (int8 per row + one f32 scale per row: scale = max|row| / 127,
 // q = round-half-even(w / scale)), packed here from float32; and the GGUF block formats q4_0,
-// q4_1, q8_0, q4_k, q5_k, q6_k, kept in the file's blocks, split once into a quant plane and a
+// q4_1, q8_0, q4_k, q5_k, q6_k, iq4_xs, kept in the file's blocks, split once into a quant plane and a
 // scale plane (no bytes added; kernels.py says why). Each matrix is cut into parts of whole rows so no binding
 // exceeds the context's maxBinding. Activations are cut into blocks of rows under the same limit.
 import { KernelError, BLOCK_FORMATS } from "./gpu.js";
@@ -17,7 +17,7 @@ const BYTES = { f32: 4, f16: 2, q8: 1 };
 // go to the scale plane] (kernels.py _SCALE_BYTES); the other bytes, in order, are the quant plane.
 const BLOCKS = {
   q4_0: [32, 18, 0, 2], q4_1: [32, 20, 0, 4], q8_0: [32, 34, 0, 2],
-  q4_k: [256, 144, 0, 16], q5_k: [256, 176, 0, 16], q6_k: [256, 210, 208, 210],
+  q4_k: [256, 144, 0, 16], q5_k: [256, 176, 0, 16], q6_k: [256, 210, 208, 210], iq4_xs: [256, 136, 0, 8],
 };
 
 export const pad4 = (n) => Math.ceil(n / 4) * 4;

@@ -18,8 +18,8 @@ export class NoWebGPUError extends Error {
 
 // GGUF block formats: the file's blocks (32 weights; 256 for the K-quants), dequantized in the
 // kernel (web_peer/kernels.py).
-export const BLOCK_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"];
-const K_FORMATS = ["q4_k", "q5_k", "q6_k"];
+export const BLOCK_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"];
+const K_FORMATS = ["q4_k", "q5_k", "q6_k", "iq4_xs"];
 export const FORMATS = ["f32", "f16", "q8", ...BLOCK_FORMATS];
 export const TB = 8;  // activation rows per workgroup: `const TB` in swiglu.wgsl and down.wgsl
 export const MAX_WORKGROUPS_PER_DIM = 65535;

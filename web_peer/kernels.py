@@ -11,7 +11,7 @@ range** is the same block over a contiguous slice r of a dense MLP's intermediat
 (W_gate[r], W_up[r], W_down[:, r]); the coordinator sums range partials in range order. The two
 WGSL files are the kernels; ``weights_{f32,f16,q8}.wgsl`` are preludes that give the weight format.
 The GGUF block formats use ``swiglu_blocks.wgsl`` / ``down_blocks.wgsl`` with preludes
-``weights_{q4_0,q4_1,q8_0,q4_k,q5_k,q6_k}.wgsl`` (same bindings, same work split, per-block scales).
+``weights_{q4_0,q4_1,q8_0,q4_k,q5_k,q6_k,iq4_xs}.wgsl`` (same bindings, same work split, per-block scales).
 The functions here compute exactly what the kernels compute (float32, same formulas) so the GPU
 results can be checked against them, and them against float64.
 
@@ -29,6 +29,9 @@ Weight formats (one name used by Python, JS and the wire):
   block_q6_K; 144, 176 and 210 bytes: 4.5, 5.5 and 6.56 bits per weight), dequantized inside the
   kernel exactly as gguf-py's ``dequantize``: q4_k/q5_k w = (d * sc) * q - dmin * m with 6-bit
   sc, m per 32 weights; q6_k w = (d * sc) * (q - 32) with int8 sc per 16 weights.
+- ``iq4_xs``: block_iq4_xs, 256 weights in 136 bytes (4.25 bits per weight): w = (d * (ls - 32)) *
+  kv[q], q a 4-bit index into IQ4_NL's 16 int8 levels, ls a 6-bit scale per 32 weights. Its
+  8-byte head (d, scales_h, scales_l) goes to the scale plane, qs to the quant plane.
 
 Block layout on the GPU. WGSL reads storage as u32 words, and 18- and 34-byte blocks sit at
 2-byte offsets every other block. Rather than assemble every quant word from two loads and
@@ -57,18 +60,20 @@ from importlib import resources
 import numpy as np
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import IQ4_NL
 from gguf.quants import quantize as gguf_quantize
 
 from swarm.errors import KernelError
 
-BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")  # GGUF types the kernels read in their own blocks
-K_FORMATS = ("q4_k", "q5_k", "q6_k")  # super-blocks of 256 weights; gguf-py has no quantizer for them
+BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")  # GGUF types the kernels read in their own blocks
+K_FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_xs")  # super-blocks of 256 weights; gguf-py has no quantizer for them
 FORMATS = ("f32", "f16", "q8") + BLOCK_FORMATS
 QK = 32  # weights per block of q4_0, q4_1, q8_0
 QK_K = 256  # weights per K-quant super-block
 # block format → the byte range [a, b) of a file block that goes to the scale plane (the rest, in
 # order, is the quant plane; module docstring)
-_SCALE_BYTES = {"q4_0": (0, 2), "q4_1": (0, 4), "q8_0": (0, 2), "q4_k": (0, 16), "q5_k": (0, 16), "q6_k": (208, 210)}
+_SCALE_BYTES = {"q4_0": (0, 2), "q4_1": (0, 4), "q8_0": (0, 2), "q4_k": (0, 16), "q5_k": (0, 16), "q6_k": (208, 210),
+                "iq4_xs": (0, 8)}
 KERNELS = ("swiglu", "down")
 TB = 8  # activation rows per workgroup; must equal `const TB` in swiglu.wgsl and down.wgsl
 MAX_WORKGROUPS_PER_DIM = 65535  # WebGPU default maxComputeWorkgroupsPerDimension
@@ -190,7 +195,8 @@ def quantize_blocks(w: np.ndarray, fmt: str) -> np.ndarray:
 
 
 # Byte offsets of the f16 fields that scale a K-quant block: d, and dmin where it has one.
-_K_SCALE_FIELDS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+_K_SCALE_FIELDS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}
+IQ4_NL_LEVELS = np.array(IQ4_NL.kvalues, np.float32)  # IQ4_XS's 16 levels (ggml's kvalues_iq4nl)
 
 
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, fmt: str, scale: float = 1e-3) -> np.ndarray:
@@ -406,8 +412,10 @@ def dequantize_k(blocks: np.ndarray, fmt: str) -> np.ndarray:
 
     q4_k/q5_k: w[32s + l] = (d * sc[s]) * q - dmin * m[s], q = nibble (s % 2) of qs[32 (s / 2) + l]
     (q5_k: plus bit s of qh[l] as bit 4). q6_k: w[128n + 32g + l] = (d * sc[8n + 2g + l / 16]) * (q - 32),
-    q = nibble (g / 2) of ql[64n + 32 (g % 2) + l] | bits 2g of qh[32n + l] << 4. ggml's
-    dequantize_row_q{4,5,6}_K; every product rounded to float32 in that order, as gguf-py's dequantize.
+    q = nibble (g / 2) of ql[64n + 32 (g % 2) + l] | bits 2g of qh[32n + l] << 4. iq4_xs:
+    w[32s + l] = (d * (ls[s] - 32)) * kv[q], q = nibble (l / 16) of qs[16s + l % 16], ls[s] = nibble s of
+    scales_l | bits 2s of scales_h << 4. ggml's dequantize_row_q{4,5,6}_K and _iq4_xs; every product
+    rounded to float32 in that order, as gguf-py's dequantize.
     """
     n = blocks.shape[0]
     f16 = lambda at: blocks[:, at:at + 2].copy().view("<f2").astype(np.float32)  # noqa: E731  [n, 1]
@@ -427,6 +435,15 @@ def dequantize_k(blocks: np.ndarray, fmt: str) -> np.ndarray:
         q = low.reshape(n, 2, 4, 32) | (((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3) << 4)
         d = f16(208) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
         return (d.reshape(n, 16, 1) * (q.reshape(n, 16, 16).astype(np.float32) - np.float32(32))).reshape(n, QK_K)
+    if fmt == "iq4_xs":
+        s = np.arange(8)
+        high = blocks[:, 2:4].copy().view("<u2").astype(np.uint32)  # [n, 1] scales_h
+        low = blocks[:, 4:8].astype(np.uint32)  # [n, 4] scales_l
+        ls = ((low[:, s // 2] >> (4 * (s % 2))) & 15) | (((high >> (2 * s)) & 3) << 4)  # [n, 8]
+        dl = f16(0) * (ls.astype(np.int32) - 32).astype(np.float32)  # [n, 8]
+        qs = blocks[:, 8:].reshape(n, 8, 1, 16)
+        q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(n, 8, 32)
+        return (dl[..., None] * IQ4_NL_LEVELS[q]).reshape(n, QK_K)
     raise KernelError(f"{fmt!r} is not a K-quant; expected one of {K_FORMATS}")
 
 

@@ -1,5 +1,5 @@
 // Weight slices shipped by the coordinator, decoded in the page: GGUF Q4_0/Q4_1/Q8_0 and
-// Q4_K/Q5_K/Q6_K blocks stay blocks (the kernels read them), other encodings decode to float32.
+// Q4_K/Q5_K/Q6_K/IQ4_XS blocks stay blocks (the kernels read them), other encodings decode to float32.
 //
 // A slice (swarm/peer/weights/slices.py) is one blob of the FFN tensors of one layer — roles gate, up,
 // down — in the model file's own encoding, plus a JSON meta:
@@ -8,7 +8,7 @@
 // dense: gate/up [r, H], down [H, r]; experts: gate/up [n, F, H], down [n, H, F].
 // Decoding follows gguf-py's dequantize block for block, in float32, so a slice decodes to the
 // same bits as Python's decode_slice (tested). Encodings: F32, F16, BF16, Q8_0, Q4_0, Q4_1, and
-// the K-quants Q4_K, Q5_K, Q6_K as blocks only (the page announces their kernels in its Hello,
+// the K-quants Q4_K, Q5_K, Q6_K and IQ4_XS as blocks only (the page announces their kernels in its Hello,
 // main.js); the coordinator repacks other types (Q5_x, IQ, ...) to Q8_0 before shipping them.
 
 export class SliceError extends Error {
@@ -65,9 +65,9 @@ export function dequantize(bytes, encoding, n) {
 }
 
 /** ggml types whose blocks the GPU kernels read as they are (gpu.js BLOCK_FORMATS). */
-export const KERNEL_BLOCKS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"];
-// K-quant super-blocks: [weights, bytes] per block; kept as blocks, never decoded here.
-const K_BLOCKS = { Q4_K: [256, 144], Q5_K: [256, 176], Q6_K: [256, 210] };
+export const KERNEL_BLOCKS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"];
+// Super-blocks of 256: [weights, bytes] per block; kept as blocks, never decoded here.
+const K_BLOCKS = { Q4_K: [256, 144], Q5_K: [256, 176], Q6_K: [256, 210], IQ4_XS: [256, 136] };
 
 /**
  * Decode a slice: blob (Uint8Array) + meta → {spec, hidden, gate, up, down}, each tensor

@@ -3,8 +3,8 @@
 The page's WebGPU kernels read GGUF Q4_0, Q4_1 and Q8_0 blocks as they are, and F32, F16 and
 BF16 elements (see ``web_peer/kernels.py``); a page that announces the K-quant kernels (its
 Hello's ``build.blas`` reads ``webgpu kernels:q4_0,...,q6_k``; :func:`page_encodings`) also reads
-Q4_K, Q5_K and Q6_K blocks as they are, so it gets the file's numbers at the file's size. A
-slice holding any other type — Q2_K, Q3_K, Q5_0/Q5_1, the IQ types, and the K-quants for a page
+Q4_K, Q5_K, Q6_K and IQ4_XS blocks as they are, so it gets the file's numbers at the file's size. A
+slice holding any other type — Q2_K, Q3_K, Q5_0/Q5_1, the other IQ types, and these for a page
 that does not announce them — is rewritten before it is offered to a page: each such
 tensor is dequantized by gguf-py (the engine's own dequantization) and quantized to Q8_0 by
 gguf-py's port of llama.cpp's reference quantizer, a block of rows at a time, so no whole
@@ -32,7 +32,7 @@ from gguf.quants import dequantize, quantize
 from swarm.errors import LocalProtocolError
 
 PAGE_ENCODINGS = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})  # what every page reads
-K_ENCODINGS = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # what a page announcing the K-quant kernels adds
+K_ENCODINGS = frozenset({"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})  # what a page announcing the super-block kernels adds
 KERNELS_PREFIX = "kernels:"  # the word of a page's build.blas that lists its block kernels
 TARGET = "Q8_0"
 _ROWS_PER_STEP = 1024  # rows dequantized at a time (bounds the float32 working set)

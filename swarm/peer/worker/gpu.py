@@ -6,7 +6,7 @@ Theory of operation
 -------------------
 :class:`GpuFfn` is a :class:`~swarm.peer.worker.ffn.FfnDevice`: when the worker accepts a plan,
 each of its SwiGLU blocks (one expert, or one dense range) is uploaded once, in the encoding the
-file stores it in — the GGUF blocks Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K as they are, F32 and
+file stores it in — the GGUF blocks Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS as they are, F32 and
 F16 as elements — and each request runs ``swiglu.wgsl`` then ``down.wgsl`` over its rows
 (:class:`web_peer.wgpu_host.WgpuFfn`, the twin of the page's ``gpu.js``). What the kernels do
 not read is requantized to Q8_0 first, as the coordinator does for a page

@@ -33,7 +33,7 @@ def _blocks(rng, qtype: QT, rows: int, cols: int) -> np.ndarray:
     except (NotImplementedError, gguf.quants.QuantError):
         pass
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    scales = {QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [size - 2]}[qtype]  # d (and dmin) offsets
+    scales = {QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [size - 2], QT.IQ4_XS: [0]}[qtype]  # d (and dmin) offsets
     for at in scales:
         raw[:, at : at + 2] = rng.uniform(1e-3, 4e-3, len(raw)).astype("<f2")[:, None].view(np.uint8)
     return raw.reshape(rows, -1)
@@ -49,7 +49,7 @@ def _dense_slice(qtype: QT, seed: int = 0):
     return blob, {"version": 1, "format": "gguf", "spec": {"layer": 0, "kind": "dense", "start": 0, "stop": R}, "tensors": tensors}
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q5_0, QT.Q5_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, QT.Q5_0, QT.Q5_1], ids=lambda q: q.name)
 def test_repack_to_q8_0_within_its_rounding(qtype):
     blob, meta = _dense_slice(qtype)
     assert not page_readable(meta)
@@ -99,15 +99,16 @@ def _build(blas: str) -> NumericBuild:
 
 def test_page_encodings_from_the_hello():
     assert page_encodings(_build("webgpu")) == PAGE_ENCODINGS  # an older page: no K-quant kernels
-    assert page_encodings(_build("webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k")) == PAGE_ENCODINGS | K_ENCODINGS
-    assert page_encodings(_build("webgpu kernels:q4_k,iq4_xs")) == PAGE_ENCODINGS | {"Q4_K"}  # unknown names ignored
+    assert page_encodings(_build("webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k,iq4_xs")) == PAGE_ENCODINGS | K_ENCODINGS
+    assert page_encodings(_build("webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k")) == PAGE_ENCODINGS | K_ENCODINGS - {"IQ4_XS"}
+    assert page_encodings(_build("webgpu kernels:q4_k,iq2_xxs")) == PAGE_ENCODINGS | {"Q4_K"}  # unknown names ignored
     assert page_encodings(None) == PAGE_ENCODINGS
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS], ids=lambda q: q.name)
 def test_k_quants_ship_as_in_the_file_to_a_page_with_their_kernels(qtype):
     blob, meta = _dense_slice(qtype)
-    k = page_encodings(_build("webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k"))
+    k = page_encodings(_build("webgpu kernels:q4_0,q4_1,q8_0,q4_k,q5_k,q6_k,iq4_xs"))
     assert page_readable(meta, k)
     out, out_meta = repack_for_page(blob, meta, k)
     assert out == blob and out_meta == meta

@@ -33,7 +33,7 @@ def gpu():
 def matrix(rng, rows, cols, qtype):
     """[rows, cols] weights of ``qtype`` with outputs of order one."""
     name = qtype.name.lower()
-    if name in ("q4_k", "q5_k", "q6_k"):  # gguf-py has no quantizer for them: random valid blocks
+    if name in ("q4_k", "q5_k", "q6_k", "iq4_xs"):  # gguf-py has no quantizer for them: random valid blocks
         return QMatrix(random_blocks(rng, rows, cols, name, scale=2e-4), qtype, cols)
     w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(cols ** -0.5)
     if qtype == QT.F32:
@@ -45,7 +45,7 @@ def matrix(rng, rows, cols, qtype):
 
 @pytest.mark.parametrize("qtype, kernel", [
     (QT.Q4_0, "q4_0"), (QT.Q4_1, "q4_1"), (QT.Q8_0, "q8_0"), (QT.Q4_K, "q4_k"), (QT.Q5_K, "q5_k"),
-    (QT.Q6_K, "q6_k"), (QT.F32, "f32"), (QT.F16, None), (QT.Q5_0, "q8_0"),
+    (QT.Q6_K, "q6_k"), (QT.IQ4_XS, "iq4_xs"), (QT.F32, "f32"), (QT.F16, None), (QT.Q5_0, "q8_0"),
 ])
 def test_each_encoding_runs_on_the_gpu_as_the_file_stores_it(gpu, qtype, kernel):
     rng = np.random.default_rng(int(qtype))
