@@ -40,9 +40,10 @@ The estimate of one step of ``T`` tokens (``T = 1``: decode; the prompt length: 
   the fastest peers first, as many as each one's memory holds: every stage added costs a
   message, none saves compute.
 
-Several sequences (:func:`serving_step_s`): a step's sequences cross the stages in groups,
-pipelined (:mod:`swarm.peer.coordinator.stages`), so the stage peers compute at once; a step
-costs the first group's pass through every stage plus one bottleneck stage per further group.
+Several sequences (:func:`serving_step_s`): the API runs one batch scheduler per stage, each
+stepping its share of the sequences through every stage with no drain, so the stage peers
+compute at once; a token of every sequence costs the longer of one scheduler's pass and the
+busiest peer's work for every scheduler's step.
 A call costs its weights read once (``WEIGHT_BYTES_PER_S``) plus FLOPs per row, so a step of
 many rows on one machine is cheaper per row, and groups pay that fixed part once each.
 :func:`choose` given ``sequences`` > 1 prices the coordinator alone against its layers split
@@ -156,7 +157,7 @@ class LayerCosts:
             ffn_f.append(2.0 * active)
         r = reserve_of(c, context)
         return cls(tuple([2.0 * attn_w] * c.n_layers), tuple(ffn_f), tuple(attn_b), tuple(ffn_b),
-                   2.0 * H * c.vocab_size, H, kv_bytes=(r["kv_layer_bytes"],) * c.n_layers,
+                   2.0 * H * c.vocab_size, H, kv_bytes=r["kv_bytes"],
                    step_bytes=r["step_bytes"], coord_step_bytes=r["coordinator_step_bytes"], record_bytes=r["record_bytes"])
 
 
@@ -513,14 +514,21 @@ def _stage_call_s(costs: LayerCosts, peer: PeerCost, lo: int, hi: int, rows: flo
 
 def serving_step_s(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
                    stages: Sequence[tuple[str, int, int]], sequences: int, groups: int | None = None) -> float:
-    """One decode step of ``sequences`` running sequences through ``stages`` (the coordinator
-    alone: one stage of every layer), cut into ``groups`` (default :func:`pipeline_groups`)
-    that cross the stages as a wavefront: the first group through every stage, then each other
-    group one bottleneck stage later — ``sum(stage) + (G - 1) * max(stage)`` for groups of
-    ``sequences / G`` rows — and the head for every row. A stage's call costs its weights read
-    once (``WEIGHT_BYTES_PER_S``) plus its FLOPs per row, so a bigger group is cheaper per row
-    and splitting costs each stage one more weight pass and message per group."""
+    """Seconds for every one of ``sequences`` running sequences to decode a token through
+    ``stages`` (the coordinator alone: one stage of every layer), as the API serves them: one
+    batch scheduler per stage (``groups``, default ``min(sequences, len(stages))``), each
+    stepping ``sequences / G`` of them through every stage with no drain between steps (docs/
+    serving.md, "Stage layout"). That takes the longer of one scheduler's pass — every stage's
+    call, then the head for its rows on the coordinator — and the busiest peer's work for all G
+    steps: its calls (the coordinator's with the head) G times. A call costs its weights read
+    once (``WEIGHT_BYTES_PER_S``) plus its FLOPs per row, so a bigger group is cheaper per row and
+    each scheduler costs every stage one more weight pass and message."""
     peers = {p.peer_id: p for p in (coord, *workers)}
-    g = groups if groups is not None else pipeline_groups(sequences, len(stages))
-    calls = [_stage_call_s(costs, peers[pid], lo, hi, sequences / g, pid != coord.peer_id) for pid, lo, hi in stages]
-    return sum(calls) + (g - 1) * max(calls) + sequences * costs.head_flops / _gflops(coord)
+    g = max(1, min(sequences, groups if groups is not None else len(stages)))
+    rows = sequences / g
+    calls = [_stage_call_s(costs, peers[pid], lo, hi, rows, pid != coord.peer_id) for pid, lo, hi in stages]
+    head = rows * costs.head_flops / _gflops(coord)
+    busy = {coord.peer_id: head}
+    for (pid, _, _), call in zip(stages, calls):
+        busy[pid] = busy.get(pid, 0.0) + call
+    return max(sum(calls) + head, g * max(busy.values()))

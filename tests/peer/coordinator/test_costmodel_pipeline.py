@@ -1,5 +1,5 @@
-"""The planner's price of pipelined stages: a step of several sequences through stages costs the
-first group's pass plus one bottleneck stage per further group; with one sequence nothing
+"""The planner's price of pipelined stages: one scheduler per stage, a token of every sequence
+costing the longer of one scheduler's pass and the busiest peer's work; with one sequence nothing
 changes; ``auto`` splits a model the coordinator holds into stages only when several sequences
 run and the pipeline serves them ``REMOTE_MARGIN`` faster, and says why."""
 
@@ -39,15 +39,22 @@ def test_one_sequence_and_one_stage_are_not_split():
                                     for p, lo, hi in two) + 1e7 / 1e10)
 
 
-def test_a_pipelined_step_is_the_first_pass_plus_a_bottleneck_per_further_group():
+def test_schedulers_per_stage_take_the_longer_of_one_pass_and_the_busiest_peers_work():
     costs = layers()
     coord, workers = pair()
     two = (("c", 0, 12), ("w1", 12, 24))
     calls = [cm._stage_call_s(costs, coord, 0, 12, 4, False), cm._stage_call_s(costs, workers[0], 12, 24, 4, True)]
-    assert cm.serving_step_s(costs, coord, workers, two, 8, groups=2) == pytest.approx(
-        sum(calls) + max(calls) + 8 * 1e7 / 1e10)
+    head = 4 * 1e7 / 1e10  # the head for one scheduler's 4 rows
+    pipelined = cm.serving_step_s(costs, coord, workers, two, 8)  # two schedulers of 4 sequences
+    assert pipelined == pytest.approx(max(sum(calls) + head, 2 * (calls[0] + head), 2 * calls[1]))
+    # a slow worker: its two calls set the pace, not one scheduler's pass
+    slow = [cm.PeerCost("w1", 10**12, 2.0, 0.002)]
+    slow_call = cm._stage_call_s(costs, slow[0], 12, 24, 4, True)
+    assert cm.serving_step_s(costs, coord, slow, two, 8) == pytest.approx(2 * slow_call)
     in_turn = cm.serving_step_s(costs, coord, workers, two, 8, groups=1)
-    assert cm.serving_step_s(costs, coord, workers, two, 8) < in_turn  # two peers at once
+    assert in_turn == pytest.approx(cm._stage_call_s(costs, coord, 0, 12, 8, False)
+                                    + cm._stage_call_s(costs, workers[0], 12, 24, 8, True) + 8 * 1e7 / 1e10)
+    assert pipelined < in_turn  # two peers at once
 
 
 def test_auto_keeps_the_coordinator_alone_for_one_sequence_and_splits_for_several():
@@ -78,10 +85,13 @@ def test_weights_that_dominate_a_step_keep_the_coordinator_alone():
 
 
 def test_a_slow_link_keeps_the_coordinator_alone():
+    """A step of 8 here computes for 0.44 s alone: a 50 ms link still pays (the schedulers overlap
+    it), one of 200 ms no longer does (the worker's calls with their messages outlast it)."""
     costs = layers(ffn_flops=2e7)
     coord, workers = pair(rtt_s=0.05)
-    best, _ = cm.choose(costs, coord, workers, sequences=8)
-    assert best.layout == "local"
+    assert cm.choose(costs, coord, workers, sequences=8)[0].layout == "stages"
+    coord, workers = pair(rtt_s=0.2)
+    assert cm.choose(costs, coord, workers, sequences=8)[0].layout == "local"
 
 
 def test_the_throughput_split_leaves_the_coordinator_room_for_the_head():
