@@ -15,9 +15,9 @@ with ``gguf.quants``' dequantization. Candidates:
 - ``numpy_tiles``: ``gguf.quants.dequantize`` of the whole matrix, then BLAS (the fallback);
 - ``colibri``: :class:`swarm.compute.quant.QMatrix` — numba block kernels at every T (calls
   of at most ``SMALL_T`` rows; a row's result depends only on the row);
-- ``colibri_tiles``: for the K-quants with a compiled kernel, and F16/BF16, the path they took
-  before it: rows decoded to float32 (K-quants by ``gguf.quants.dequantize``, in tiles), then the
-  compiled float32 kernel (what Q2_K, Q3_K and the IQ types still take);
+- ``colibri_tiles``: for the types with a compiled kernel of their own (K-quants, the IQ types,
+  F16/BF16), the path they took before it: rows decoded to float32 (by
+  ``gguf.quants.dequantize``), then the compiled float32 kernel;
 - ``colibri_cold`` (T = 1): the same over 128 MiB of copies of the matrix, cycled, so the
   weights come from memory as in a model's decode (the other figures are for a matrix in cache);
 - ``onnxruntime``: ``com.microsoft::MatMulNBits`` (Q4_0 and Q8_0 repacked to its layout; Q4_1
@@ -66,7 +66,7 @@ def main() -> int:
     import numpy as np
     from gguf import GGMLQuantizationType as QT
 
-    from swarm.compute.quant import SMALL_T, QMatrix, prepare_kernels
+    from swarm.compute.quant import _LOWBIT, SMALL_T, QMatrix, prepare_kernels
 
     prepare_kernels()
     if args.attention:
@@ -91,6 +91,8 @@ def main() -> int:
                 tiles = k_tiles.matmul
             elif qtype in (QT.F16, QT.BF16):  # before their kernels: decoded to float32, then that kernel
                 tiles = lambda x: QMatrix.from_float(m.dequantize()).matmul(x)  # noqa: E731
+            elif m._kind < 0 and qtype in _LOWBIT:  # before theirs: gguf's numpy decoding, then that kernel
+                tiles = lambda x: QMatrix.from_float(gguf.quants.dequantize(q, qtype)).matmul(x)  # noqa: E731
             session = ort(q, qtype, R, K) if ort else None
             # the same matrix in enough copies to overflow the caches: decode reads a model from memory
             cold = [QMatrix(q.copy(), qtype, K) for _ in range(-(-_COLD_BYTES // q.nbytes))]
@@ -166,8 +168,8 @@ def _attention(clock, repeats: int) -> list[dict]:
 
 def _encode(w32, qtype, rng):
     """uint8 blocks of ``qtype`` for float32 ``w32`` [R, K]: gguf's quantizer where it has one;
-    else (K-quants) random blocks whose float16 scales are set to 2^-6 (d) and 2^-8 (dmin), so
-    every weight is finite — speed does not depend on the values."""
+    else (K-quants, IQ types) random blocks whose float16 scales are set to 2^-6 (d) and 2^-8
+    (dmin), so every weight is finite — speed does not depend on the values."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as QT
@@ -178,10 +180,14 @@ def _encode(w32, qtype, rng):
         pass
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(w32.shape[0], w32.shape[1] // block, size), dtype=np.uint8)
-    halves = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
-    if qtype not in halves:
+    halves = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
+              **{q: (0,) for q in (QT.IQ4_NL, QT.IQ4_XS, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S,
+                                   QT.IQ1_S)}}
+    if qtype == QT.IQ1_M:  # its scale's bits are the top nibbles of 4 words: sign and exponent kept small
+        raw[:, :, 55] &= 0x3F
+    elif qtype not in halves:
         raise SystemExit(f"bench/kernels.py: no encoder for {qtype.name}")
-    for off, value in zip(halves[qtype], (2.0 ** -6, 2.0 ** -8)):
+    for off, value in zip(halves.get(qtype, ()), (2.0 ** -6, 2.0 ** -8)):
         raw[:, :, off:off + 2] = np.array([value], np.float16).view(np.uint8)
     return raw.reshape(w32.shape[0], -1)
 

@@ -42,7 +42,10 @@ def _grid(cls) -> np.ndarray:
     return np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=F32)
 
 
-_KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).copy()  # 7 sign bits → 8 (odd parity)
+_KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8)  # 7 sign bits → 8 (odd parity)
+# ±1.0 per bit of a sign byte (gguf multiplies by these): [256, 8], and of the 128 ksigns [128, 8].
+_SIGN8 = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, F32(-1), F32(1)).astype(F32)
+_KSIGN8 = np.ascontiguousarray(_SIGN8[_KSIGNS])
 _KVALUES = np.array(gq.IQ4_NL.kvalues, F32)
 _IQ2XXS, _IQ2XS, _IQ2S = _grid(gq.IQ2_XXS), _grid(gq.IQ2_XS), _grid(gq.IQ2_S)
 _IQ3XXS, _IQ3S, _IQ1 = _grid(gq.IQ3_XXS), _grid(gq.IQ3_S), _grid(gq.IQ1_S)
@@ -55,39 +58,37 @@ def _u16(w, o):
     return np.uint32(w[o]) | (np.uint32(w[o + 1]) << np.uint32(8))
 
 
-@njit(inline="always")
-def _sign(v, bits, e):
-    """``v`` negated when bit ``e`` of ``bits`` is set (gguf multiplies by ±1: exact)."""
-    return -v if (bits >> e) & 1 else v
-
-
 # ---- decoders, one per type: block at byte o of row w → d[do:do + block] -----------------------
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_q2_k(w, o, d, do):
     dd = _half(w, o + 80, _F16)
     dmin = _half(w, o + 82, _F16)
-    for k in range(16):  # sub-blocks of 16: positions 128h + 32s + l, k = 8h + 2s + l // 16
-        sc = w[o + k]
-        dl = dd * F32(sc & 15)
-        ml = dmin * F32(sc >> 4)
-        h, s, l0 = k // 8, (k % 8) // 2, 16 * (k % 2)
-        for l in range(l0, l0 + 16):
-            q = (w[o + 16 + 32 * h + l] >> np.uint8(2 * s)) & np.uint8(3)
-            d[do + 128 * h + 32 * s + l] = dl * F32(q) - ml
+    for c in range(8):  # 32 positions 128h + 32s + l: 2 bits at shift 2s of byte 32h + l
+        h, s = c // 4, c % 4
+        sa, sb = w[o + 2 * c], w[o + 2 * c + 1]  # sub-blocks 2c, 2c + 1 of 16
+        dla, mla = dd * F32(sa & np.uint8(15)), dmin * F32(sa >> np.uint8(4))
+        dlb, mlb = dd * F32(sb & np.uint8(15)), dmin * F32(sb >> np.uint8(4))
+        sh = np.uint8(2 * s)
+        for l in range(32):
+            q = F32(np.uint8(np.uint8(w[o + 16 + 32 * h + l] >> sh) & np.uint8(3)))
+            d[do + 32 * c + l] = (dla if l < 16 else dlb) * q - (mla if l < 16 else mlb)
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_q3_k(w, o, d, do):
     dd = _half(w, o + 108, _F16)
-    for k in range(16):
-        lo = (np.int32(w[o + 96 + k % 8]) >> (4 * (k // 8))) & 15
-        hi = (np.int32(w[o + 104 + k % 4]) >> (2 * (k // 4))) & 3
-        dl = dd * F32((lo | (hi << 4)) - 32)
-        h, s, l0 = k // 8, (k % 8) // 2, 16 * (k % 2)
-        for l in range(l0, l0 + 16):
-            q = (np.int32(w[o + 32 + 32 * h + l]) >> (2 * s)) & 3
-            m = (np.int32(w[o + l]) >> (4 * h + s)) & 1  # hmask bit (p // 32) of byte p % 32
-            d[do + 128 * h + 32 * s + l] = dl * F32(q - 4 * (1 - m))
+    for c in range(8):  # 32 positions 128h + 32s + l: 2 bits of byte 32h + l, hmask bit c of byte l
+        h, s = c // 4, c % 4
+        k = 2 * c  # sub-blocks k, k + 1 of 16: 6-bit scales, 4 low bits and 2 high ones
+        sa = ((np.int32(w[o + 96 + k % 8]) >> (4 * (k // 8))) & 15) | (((np.int32(w[o + 104 + k % 4]) >> (2 * (k // 4))) & 3) << 4)
+        k += 1
+        sb = ((np.int32(w[o + 96 + k % 8]) >> (4 * (k // 8))) & 15) | (((np.int32(w[o + 104 + k % 4]) >> (2 * (k // 4))) & 3) << 4)
+        dla, dlb = dd * F32(sa - 32), dd * F32(sb - 32)
+        sh, hc = np.uint8(2 * s), np.uint8(c)
+        for l in range(32):
+            q = F32(np.uint8(np.uint8(w[o + 32 + 32 * h + l] >> sh) & np.uint8(3)))
+            m = np.uint8(np.uint8(w[o + l] >> hc) & np.uint8(1))
+            d[do + 32 * c + l] = (dla if l < 16 else dlb) * (q - F32(np.uint8(4) - np.uint8(m << np.uint8(2))))
 
 
 @njit(inline="always")
@@ -140,7 +141,7 @@ def _dec_q6_k(w, o, d, do):
             d[do + 128 * h + 32 * s + l] = dl * F32((ql | (qh << 4)) - 32)
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq4_nl(w, o, d, do):
     dd = _half(w, o, _F16)
     for l in range(16):
@@ -149,7 +150,7 @@ def _dec_iq4_nl(w, o, d, do):
         d[do + 16 + l] = dd * _KVALUES[np.int64(q >> np.uint8(4))]
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq4_xs(w, o, d, do):
     dd = _half(w, o, _F16)
     sh = _u16(w, o + 2)
@@ -163,7 +164,7 @@ def _dec_iq4_xs(w, o, d, do):
             d[do + 32 * k + 16 + l] = dl * _KVALUES[np.int64(q >> np.uint8(4))]
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq2_xxs(w, o, d, do):
     dd = _half(w, o, _F16)
     for ib in range(8):  # 32 weights: 4 grid bytes, then 4 × 7 sign bits and a 4-bit scale
@@ -171,12 +172,12 @@ def _dec_iq2_xxs(w, o, d, do):
         db = dd * (F32(0.5) + F32(aux >> np.uint32(28))) * F32(0.25)
         for g in range(4):
             row = np.int64(w[o + 2 + 8 * ib + g])
-            signs = np.int32(_KSIGNS[np.int64((aux >> np.uint32(7 * g)) & np.uint32(127))])
+            signs = np.int64((aux >> np.uint32(7 * g)) & np.uint32(127))
             for e in range(8):
-                d[do + 32 * ib + 8 * g + e] = _sign(db * _IQ2XXS[row, e], signs, e)
+                d[do + 32 * ib + 8 * g + e] = db * _IQ2XXS[row, e] * _KSIGN8[signs, e]
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq2_xs(w, o, d, do):
     dd = _half(w, o, _F16)
     for i in range(16):  # 16 weights: two 9-bit grid indices with 7 sign bits each
@@ -185,12 +186,12 @@ def _dec_iq2_xs(w, o, d, do):
         for half in range(2):
             u = _u16(w, o + 2 + 2 * (2 * i + half))
             row = np.int64(u & np.uint32(511))
-            signs = np.int32(_KSIGNS[np.int64(u >> np.uint32(9))])
+            signs = np.int64(u >> np.uint32(9))
             for e in range(8):
-                d[do + 16 * i + 8 * half + e] = _sign(db * _IQ2XS[row, e], signs, e)
+                d[do + 16 * i + 8 * half + e] = db * _IQ2XS[row, e] * _KSIGN8[signs, e]
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq2_s(w, o, d, do):
     dd = _half(w, o, _F16)
     for i in range(16):
@@ -199,39 +200,43 @@ def _dec_iq2_s(w, o, d, do):
         for half in range(2):
             e8 = 2 * i + half  # group of 8: 8 grid-index bits, 2 more in qh, a sign byte
             row = np.int64(w[o + 2 + e8]) | (((np.int64(w[o + 66 + e8 // 4]) >> (2 * (e8 % 4))) & 3) << 8)
-            signs = np.int32(w[o + 34 + e8])
+            signs = np.int64(w[o + 34 + e8])
             for e in range(8):
-                d[do + 8 * e8 + e] = _sign(db * _IQ2S[row, e], signs, e)
+                d[do + 8 * e8 + e] = db * _IQ2S[row, e] * _SIGN8[signs, e]
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq3_xxs(w, o, d, do):
     dd = _half(w, o, _F16)
     for ib in range(8):
         aux = _u32(w, o + 66 + 4 * ib)
         db = dd * (F32(0.5) + F32(aux >> np.uint32(28))) * F32(0.5)
         for g in range(4):
-            signs = np.int32(_KSIGNS[np.int64((aux >> np.uint32(7 * g)) & np.uint32(127))])
-            for e in range(8):
-                row = np.int64(w[o + 2 + 8 * ib + 2 * g + e // 4])
-                d[do + 32 * ib + 8 * g + e] = _sign(db * _IQ3XXS[row, e % 4], signs, e)
+            signs = np.int64((aux >> np.uint32(7 * g)) & np.uint32(127))
+            ra, rb = np.int64(w[o + 2 + 8 * ib + 2 * g]), np.int64(w[o + 3 + 8 * ib + 2 * g])  # 4 weights each
+            for e in range(4):
+                d[do + 32 * ib + 8 * g + e] = db * _IQ3XXS[ra, e] * _KSIGN8[signs, e]
+                d[do + 32 * ib + 8 * g + 4 + e] = db * _IQ3XXS[rb, e] * _KSIGN8[signs, 4 + e]
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq3_s(w, o, d, do):
     dd = _half(w, o, _F16)
     for ib in range(8):
         s = (np.int32(w[o + 106 + ib // 2]) >> (4 * (ib % 2))) & 15
         db = dd * F32(1 + 2 * s)
         for g in range(4):
-            signs = np.int32(w[o + 74 + 4 * ib + g])
-            for e in range(8):
-                q = 8 * ib + 2 * g + e // 4  # grid index: a byte and one bit of qh
-                row = np.int64(w[o + 2 + q]) | (((np.int64(w[o + 66 + q // 8]) >> (q % 8)) & 1) << 8)
-                d[do + 32 * ib + 8 * g + e] = _sign(db * _IQ3S[row, e % 4], signs, e)
+            signs = np.int64(w[o + 74 + 4 * ib + g])
+            qa = 8 * ib + 2 * g  # grid indices qa, qa + 1 (4 weights each): a byte and a bit of qh
+            hb = np.int64(w[o + 66 + ib])
+            ra = np.int64(w[o + 2 + qa]) | (((hb >> (2 * g)) & 1) << 8)
+            rb = np.int64(w[o + 3 + qa]) | (((hb >> (2 * g + 1)) & 1) << 8)
+            for e in range(4):
+                d[do + 32 * ib + 8 * g + e] = db * _IQ3S[ra, e] * _SIGN8[signs, e]
+                d[do + 32 * ib + 8 * g + 4 + e] = db * _IQ3S[rb, e] * _SIGN8[signs, 4 + e]
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq1_s(w, o, d, do):
     dd = _half(w, o, _F16)
     for ib in range(8):
@@ -244,7 +249,7 @@ def _dec_iq1_s(w, o, d, do):
                 d[do + 32 * ib + 8 * g + e] = dl * (_IQ1[row, e] + delta)
 
 
-@njit(nogil=True)
+@njit(inline="always")
 def _dec_iq1_m(w, o, d, do):
     s0, s1 = np.int64(_u16(w, o + 48)), np.int64(_u16(w, o + 50))
     s2, s3 = np.int64(_u16(w, o + 52)), np.int64(_u16(w, o + 54))
@@ -273,7 +278,7 @@ PRODUCTS = tuple(q for q in DECODERS if q not in (QT.Q4_K, QT.Q5_K, QT.Q6_K))
 def _tile_source(qtype: QT, nr: int, tt: int) -> str:
     block, size = GGML_QUANT_SIZES[qtype]
     rows, acts = range(nr), range(tt)
-    lines = ["def tile(w, r0, hi, x, t0, out, ahead, end):"]
+    lines = [f"def tile_{qtype.name}_{nr}x{tt}(w, r0, hi, x, t0, out, ahead, end):"]
     lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]  # a short tile repeats its last row
     lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
     lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n in rows for t in acts]
@@ -298,11 +303,10 @@ def _rows_kernel(qtype: QT):
     tiles = []
     for nr, tt in _TILES:
         exec(compile(_tile_source(qtype, nr, tt), f"<{__name__} {qtype.name} tile {nr}x{tt}>", "exec"), scope)
-        tiles.append(njit(nogil=True, inline="always")(scope["tile"]))
+        tiles.append(njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"]))
     (n1, _), (n4, _), _, _ = _TILES
     one, four, two, single = tiles
 
-    @njit(nogil=True)
     def rows(w, x, out, lo, hi):
         T = x.shape[0]
         stride = w.strides[0]
@@ -322,7 +326,15 @@ def _rows_kernel(qtype: QT):
                 t0 += 2
             if t0 < T:
                 single(w, r0, hi, x, t0, out, ahead, end)
-    return rows
+    return _named(rows, f"matmul_rows_{qtype.name}")
+
+
+def _named(fn, name: str):
+    """``fn`` compiled under a name of its own: numba names a compiled function by module and
+    qualified name (plus a per-process counter), so two types' kernels compiled in different
+    processes and loaded from the cache into one would otherwise link to one another's code."""
+    fn.__name__ = fn.__qualname__ = name
+    return njit(nogil=True)(fn)
 
 
 def _decode_kernel(qtype: QT):
@@ -330,12 +342,11 @@ def _decode_kernel(qtype: QT):
     block, size = GGML_QUANT_SIZES[qtype]
     decode = globals()[DECODERS[qtype]]
 
-    @njit(nogil=True)
     def rows(w, out, lo, hi):
         for r in range(lo, hi):
             for b in range(out.shape[1] // block):
                 decode(w[r], b * size, out[r - lo], b * block)
-    return rows
+    return _named(rows, f"decode_rows_{qtype.name}")
 
 
 _mm = {q: _rows_kernel(q) for q in PRODUCTS}
@@ -361,16 +372,22 @@ def q3_k(op, w, x, out, lo, hi):
 
 @njit(cache=True, nogil=True)
 def q4_k(op, w, x, out, lo, hi):
+    if op != 1:
+        raise ValueError("Q4_K products are qkernels.matmul's")
     _dq_q4_k(w, out, lo, hi)
 
 
 @njit(cache=True, nogil=True)
 def q5_k(op, w, x, out, lo, hi):
+    if op != 1:
+        raise ValueError("Q5_K products are qkernels.matmul's")
     _dq_q5_k(w, out, lo, hi)
 
 
 @njit(cache=True, nogil=True)
 def q6_k(op, w, x, out, lo, hi):
+    if op != 1:
+        raise ValueError("Q6_K products are qkernels.matmul's")
     _dq_q6_k(w, out, lo, hi)
 
 

@@ -248,7 +248,7 @@ class QMatrix:
             w = self.data.view(np.uint16)
             for t0 in range(0, T, SMALL_T):
                 k.matmul_half(_HALF[self.qtype], w, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo, hi)
-        elif self.qtype in _LOWBIT:
+        elif self.qtype in _LOWBIT and self.qtype not in _KIND:
             kernel = _lowbit(self.qtype)
             for t0 in range(0, T, SMALL_T):
                 kernel(0, self.data, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo, hi)

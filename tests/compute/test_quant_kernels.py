@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -344,3 +347,29 @@ def test_k_quant_model_matches_transformers(qtype, tmp_path, monkeypatch):
         want = hf(torch.tensor([tokens])).logits[0].numpy()
     got = model.forward(tokens, model.new_cache())
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_kernels_compiled_in_different_processes_link_to_their_own_code(tmp_path):
+    """Each type's kernel compiles in the process that first uses it and is cached; two compiled
+    in different processes, then loaded into one, once shared a symbol name (numba's per-process
+    counter) and one type ran the other's decoder. Q4_K and Q5_K rows: the cheapest to compile."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, numpy as np, gguf
+from gguf import GGMLQuantizationType as QT
+from swarm.compute import lowbit
+from tests.compute.test_quant_kernels import encoded
+for name in sys.argv[1:]:
+    raw = encoded(QT[name], 5, 512, 3)
+    raw.flags.writeable = False
+    out = np.empty((5, 512), np.float32)
+    lowbit.kernel(QT[name])(1, raw, out, out, 0, 5)
+    assert np.array_equal(out, gguf.quants.dequantize(raw, QT[name])), name
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    for names in (["Q4_K"], ["Q5_K"], ["Q4_K", "Q5_K"], ["Q5_K", "Q4_K"]):
+        run = subprocess.run([sys.executable, "-c", code, *names], env=env, capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+        assert run.returncode == 0, (names, run.stderr[-2000:])
