@@ -168,6 +168,18 @@ class ModelConfig:
         """Layer ``layer``'s attention window in positions (0: it attends to every earlier one)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    @property
+    def state_values_per_sequence(self) -> int:
+        """Float32 values one sequence's recurrent state keeps in one linear-attention layer
+        (:class:`swarm.compute.deltanet.RecurrentState`): the convolution's last K-1 rows of C
+        channels and the [value heads, key dim, value dim] state, twice (the state before the last
+        step is kept so a step can be re-run); 0 for a model without linear attention."""
+        if not self.linear_layers:
+            return 0
+        channels = 2 * self.linear_key_heads * self.linear_key_head_dim + self.linear_value_heads * self.linear_value_head_dim
+        return 2 * ((self.linear_conv_kernel - 1) * channels
+                    + self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim)
+
     def is_linear_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` is Gated DeltaNet linear attention (a recurrent state, no KV cache)."""
         return layer in self.linear_layers

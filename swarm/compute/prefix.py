@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from swarm.compute.model import KVCache
 
 MAX_ENTRIES = 16  # caches kept when no position bound is given
+# Kept caches holding recurrent states (Qwen3.5's linear attention): each holds a state per
+# linear layer whatever its length, which positions do not bound; the memory plan reserves
+# states for this many beside the running sequences (swarm.peer.plan.reserve_of).
+MAX_STATE_ENTRIES = 8
 
 
 @dataclass(eq=False)
@@ -89,10 +93,15 @@ class PrefixStore:
 
     def make_room(self, room: int | None) -> None:
         """Evict least recently used entries until at most ``room`` positions (None: at most
-        ``max_entries`` entries) are held."""
+        ``max_entries`` entries) are held, and at most :data:`MAX_STATE_ENTRIES` of them hold
+        recurrent states."""
         while self._entries and (len(self._entries) > self.max_entries or
                                  (room is not None and self.positions() > room)):
             self._entries.popitem(last=False)
+            self.evicted += 1
+        stateful = [k for k, e in self._entries.items() if any(st is not None for st in e.cache.states)]
+        for k in stateful[:max(len(stateful) - MAX_STATE_ENTRIES, 0)]:  # the least recently used go
+            del self._entries[k]
             self.evicted += 1
 
     def take(self, prompt: Sequence[int], owner: object | None) -> tuple[KVCache | None, int]:

@@ -90,6 +90,11 @@ def set_default_limits(max_batch: int | None = None, max_queue: int | None = Non
         _limits["max_queue"] = max_queue
 
 
+def default_max_batch() -> int:
+    """Sequences a scheduler runs at once by default in this process (``join --max-batch``)."""
+    return _limits["max_batch"]
+
+
 class QueueFullError(SwarmError):
     """Every slot and every queue place is taken; ``retry_after_s``: a suggested wait (s, ≥ 1)."""
 

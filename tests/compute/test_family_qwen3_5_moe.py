@@ -253,6 +253,62 @@ def test_the_released_config_reads_at_full_scale():
     assert shape.moe_layers == tuple(range(40)) and not shape.dense_layers and shape.n_experts == 256
 
 
+def test_the_memory_plan_prices_states_for_linear_layers_and_kv_for_full_ones():
+    """Qwen3.5-35B-A3B's shape: a full-attention layer reserves keys and values of its 2 KV heads
+    for the context; a linear-attention layer the states (twice: the one before the last step
+    too) of the sequences that may hold one — --max-batch running and the prefix store's kept
+    ones — whatever the context. Measured against what the engine allocates."""
+    from transformers import Qwen3_5MoeConfig
+
+    from swarm.compute.config import config_from_hf
+    from swarm.compute.deltanet import RecurrentState
+    from swarm.compute.prefix import MAX_STATE_ENTRIES
+    from swarm.compute.serving import default_max_batch
+    from swarm.peer import memory
+    from swarm.peer.plan import ModelShape
+    from swarm.peer.plan.shape import reserve_of
+
+    c = config_from_hf(Qwen3_5MoeConfig().to_dict(), "Qwen3.5-35B-A3B/config.json")
+    state = RecurrentState(c)
+    state.advance(0, 1, state.conv.copy(), state.ssm.copy())
+    state.advance(1, 2, state.conv.copy(), state.ssm.copy())  # now it keeps the previous step's too
+    held = sum(a.nbytes for a in (state.conv, state.ssm, *state.previous[1:]))
+    assert c.state_values_per_sequence * 4 == held
+    r = reserve_of(c, context=4096)
+    full = 4096 * 2 * 2 * 256 * 4
+    sequences = default_max_batch() + MAX_STATE_ENTRIES
+    assert r["kv_bytes"] == tuple(full if i % 4 == 3 else sequences * held for i in range(40))
+    assert r["kv_layer_bytes"] == full
+    shape = ModelShape.from_config(c)
+    whole = shape.coordinator_fixed_bytes()
+    assert whole - shape.resident_nbytes - shape.coordinator_step_bytes == sum(shape.kv_bytes)
+    assert shape.coordinator_fixed_bytes(kv_layers=4) - shape.coordinator_fixed_bytes(kv_layers=3) == shape.kv_bytes[3]
+    assert reserve_of(c, context=4096, sequences=1)["kv_bytes"][0] == held
+
+
+def test_kept_caches_with_states_are_bounded(tiny):
+    """The prefix store keeps at most MAX_STATE_ENTRIES caches holding recurrent states (each a
+    state per linear layer, which positions do not bound), dropping the least recently used."""
+    from swarm.compute.model import KVCache
+    from swarm.compute.prefix import MAX_STATE_ENTRIES, PrefixStore
+
+    model = load_model(tiny[1])
+    store = PrefixStore(max_entries=100)
+    caches = []
+    for n in range(MAX_STATE_ENTRIES + 3):
+        cache = KVCache(model.config, 4)
+        for layer in model.config.linear_layers:  # as if two positions ran
+            state = cache.recurrent(layer)
+            state.advance(0, 2, state.conv, state.ssm)
+        cache.length = 2
+        caches.append(cache)
+        store.keep((n, n), cache, None, None)
+    assert len(store) == MAX_STATE_ENTRIES and store.evicted == 3
+    assert store.take((0, 0, 5), None) == (None, 0)  # the oldest went
+    taken, reused = store.take((MAX_STATE_ENTRIES + 2, MAX_STATE_ENTRIES + 2, 5), None)
+    assert taken is caches[-1] and reused == 2
+
+
 def test_planner_sizes_count_the_linear_attention_weights(tiny):
     from swarm.peer.coordinator.costmodel import LayerCosts
     from swarm.peer.weights.sizes import model_shape

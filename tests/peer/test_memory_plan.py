@@ -80,7 +80,7 @@ def qwen3_30b_config(**over) -> SimpleNamespace:
 def model(cfg, expert_nbytes: int, column_nbytes: int, attn_nbytes: int, embed_nbytes: int, context: int):
     """(ModelShape, LayerCosts, embeddings + head bytes) of a model of ``cfg``, as the role builds them."""
     r = reserve_of(cfg, context)
-    shape = dataclasses.replace(ModelShape.from_config(cfg), kv_layer_bytes=r["kv_layer_bytes"],
+    shape = dataclasses.replace(ModelShape.from_config(cfg), kv_layer_bytes=r["kv_layer_bytes"], kv_bytes=r["kv_bytes"],
                                 step_bytes=r["step_bytes"], coordinator_step_bytes=r["coordinator_step_bytes"],
                                 record_bytes=r["record_bytes"], expert_nbytes=expert_nbytes, column_nbytes=column_nbytes)
     moe = set(shape.moe_layers)
@@ -89,7 +89,7 @@ def model(cfg, expert_nbytes: int, column_nbytes: int, attn_nbytes: int, embed_n
     shape = dataclasses.replace(shape, resident_nbytes=embed_nbytes + cfg.n_layers * attn_nbytes
                                 + len(moe) * cfg.n_experts * cfg.hidden_size * 4)
     costs = LayerCosts((1e6,) * cfg.n_layers, (1e6,) * cfg.n_layers, (attn_nbytes,) * cfg.n_layers, ffn, 1e6,
-                       cfg.hidden_size, kv_bytes=(r["kv_layer_bytes"],) * cfg.n_layers, step_bytes=r["step_bytes"],
+                       cfg.hidden_size, kv_bytes=r["kv_bytes"], step_bytes=r["step_bytes"],
                        coord_step_bytes=r["coordinator_step_bytes"], record_bytes=r["record_bytes"])
     return shape, costs, embed_nbytes
 

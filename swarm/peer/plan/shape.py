@@ -5,6 +5,7 @@ numbers; :func:`swarm.peer.weights.sizes.model_shape` reads them from a model fi
 from __future__ import annotations
 
 import math
+from typing import Any
 from dataclasses import dataclass
 
 Q8_0_BYTES = 34 / 32  # bytes per weight of a Q8_0 block (f16 scale + 32 int8): a browser's repack
@@ -30,6 +31,7 @@ class ModelShape:
 
     What is not a weight, in bytes (from the config and :func:`swarm.peer.memory.context_tokens`;
     0 when not given): ``kv_layer_bytes``, the KV cache of one layer for the reserved context;
+    ``kv_bytes``, per layer, that or a linear-attention layer's recurrent states (:func:`reserve_of`);
     ``step_bytes``, a worker's activations in one step (:data:`swarm.peer.memory.STEP_ROWS` rows);
     ``coordinator_step_bytes``, the coordinator's (its head's logits too); ``record_bytes``, the
     rows it records per worker stage; ``n_layers``; ``top_k``, the experts a token uses.
@@ -52,6 +54,7 @@ class ModelShape:
     n_layers: int = 0
     top_k: int = 0
     kv_layer_bytes: int = 0
+    kv_bytes: tuple[int, ...] = ()
     step_bytes: int = 0
     coordinator_step_bytes: int = 0
     record_bytes: int = 0
@@ -64,7 +67,7 @@ class ModelShape:
         r = reserve_of(cfg)
         return cls(cfg.hidden_size, cfg.n_experts, cfg.moe_intermediate_size, cfg.intermediate_size,
                    moe, dense, bytes_per_weight, n_layers=cfg.n_layers, top_k=cfg.top_k if moe else 0, kv_layer_bytes=r["kv_layer_bytes"],
-                   step_bytes=r["step_bytes"], coordinator_step_bytes=r["coordinator_step_bytes"],
+                   kv_bytes=r["kv_bytes"], step_bytes=r["step_bytes"], coordinator_step_bytes=r["coordinator_step_bytes"],
                    record_bytes=r["record_bytes"])
 
     def worker_weight_budget(self, allowance: int) -> int:
@@ -81,7 +84,8 @@ class ModelShape:
         stages' layers — a KV cache holds arrays only for the layers that run), its activations
         and the rows it records for ``worker_stages`` stages held by workers."""
         kv = self.n_layers if kv_layers is None else kv_layers
-        return (self.resident_nbytes - not_run_bytes + kv * self.kv_layer_bytes + self.coordinator_step_bytes
+        kv_bytes = sum(self.kv_bytes[:kv]) if self.kv_bytes else kv * self.kv_layer_bytes  # its layers come first
+        return (self.resident_nbytes - not_run_bytes + kv_bytes + self.coordinator_step_bytes
                 + worker_stages * self.record_bytes)
 
     def coordinator_weight_budget(self, allowance: int, worker_stages: int = 0, kv_layers: int | None = None,
@@ -112,10 +116,13 @@ class ModelShape:
         return len(self.moe_layers) * self.n_experts * e + len(self.dense_layers) * self.intermediate_size * c
 
 
-def reserve_of(cfg, context: int | None = None) -> dict[str, int]:
+def reserve_of(cfg, context: int | None = None, sequences: int | None = None) -> dict[str, Any]:
     """What a peer keeps besides weights for a model of config ``cfg`` (bytes): ``kv_layer_bytes``
     (one layer's keys and values for ``context`` tokens, default
-    :func:`swarm.peer.memory.context_tokens`), ``step_bytes`` (a worker's activations of one
+    :func:`swarm.peer.memory.context_tokens`), ``kv_bytes`` (per layer: that, or for a
+    linear-attention layer the recurrent states of ``sequences`` sequences — default the
+    process's ``--max-batch`` running and the prefix store's kept ones — whatever the context),
+    ``step_bytes`` (a worker's activations of one
     step), ``coordinator_step_bytes`` (the coordinator's, with the head's logits for every row of
     a decode batch), ``record_bytes`` (the rows the coordinator records per worker stage, for
     failover: ``context`` rows of the hidden size), ``context`` (tokens)."""
@@ -129,7 +136,16 @@ def reserve_of(cfg, context: int | None = None) -> dict[str, int]:
     step = memory.activation_bytes(memory.STEP_ROWS, H, attn, ffn)
     logits = memory.activation_bytes(memory.STEP_ROWS, 0, 0, 0, vocab=cfg.vocab_size)
     kv_values = getattr(cfg, "kv_values_per_token", 2 * cfg.n_kv_heads * hd)  # MLA: the latent, once
-    return {"kv_layer_bytes": ctx * kv_values * memory.KV_BYTES_PER_VALUE, "step_bytes": step,
-            "coordinator_step_bytes": step + logits, "record_bytes": ctx * H * memory.ACT_BYTES_PER_VALUE,
-            "context": ctx}
+    kv_layer = ctx * kv_values * memory.KV_BYTES_PER_VALUE
+    linear = set(getattr(cfg, "linear_layers", ()))
+    states = 0
+    if linear:
+        from swarm.compute.prefix import MAX_STATE_ENTRIES
+        from swarm.compute.serving import default_max_batch
+
+        sequences = sequences or default_max_batch() + MAX_STATE_ENTRIES
+        states = sequences * cfg.state_values_per_sequence * memory.KV_BYTES_PER_VALUE
+    return {"kv_layer_bytes": kv_layer, "kv_bytes": tuple(states if i in linear else kv_layer for i in range(cfg.n_layers)),
+            "step_bytes": step, "coordinator_step_bytes": step + logits,
+            "record_bytes": ctx * H * memory.ACT_BYTES_PER_VALUE, "context": ctx}
 
