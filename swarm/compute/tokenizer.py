@@ -94,6 +94,17 @@ _JAIS2_SPLIT = (
     r"|\s{1,2}(?!\S)|\s{1}"
 )
 _TINY_AYA_SPLITS = (r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O_SPLIT)
+_EXAONE_MOE_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"
+)
+_SPARK2_5_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+",
+    r"\p{N}",
+)
 _MINICPM5_SPLITS = (
     r"\p{N}{1,3}",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -114,6 +125,9 @@ _REGEX_SPLITS: dict[str, tuple[str, ...]] = {
     "jais-2": (_JAIS2_SPLIT,),
     **dict.fromkeys(("tiny_aya", "cohere2moe"), _TINY_AYA_SPLITS),
     "minicpm5": _MINICPM5_SPLITS,
+    "exaone-moe": (_EXAONE_MOE_SPLIT,),
+    "spark2_5": _SPARK2_5_SPLITS,
+    "laguna": (r"[^\n]+|[\n]+", _QWEN2_SPLIT),  # lines first, then Qwen2's split
     "qwen35": (_QWEN35_SPLIT,),
     "tekken": (_TEKKEN_SPLIT,),
     "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"),

@@ -142,6 +142,13 @@ LLAMA_CPP_SPLITS = {
     "minicpm5": (r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+"),
     "kanana2": (_GPT4O,),
+    "exaone-moe": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+",),
+    "spark2_5": (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+                 r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+                 r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}"),
+    "laguna": (r"[^\n]+|[\n]+", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+"),
     "kimi-k2": (r"[\p{Han}]+"
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
@@ -149,7 +156,7 @@ LLAMA_CPP_SPLITS = {
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
 }
 SPLIT_TEXTS = [*TEXTS, *CORPUS, "你好world 日本語のtext 汉字ABC你好Def", "1234567 12 123456 x1 9.99",
-               "I'M sure WE'LL 'D've",
+               "I'M sure WE'LL 'D've", "#include <stdio.h>\n\nint main() { return a.b->c; } // x\r\n",
                "a" + " " * 40 + "b\n\n   \tc", "ক্ষ हिन्दी ไทย é e\u0301"]
 
 
@@ -187,9 +194,9 @@ def test_pre_tokenizer_splits_as_llama_cpp(tmp_path, pre):
 
 # tokenizer.ggml.pre names llama.cpp's converter writes that the engine refuses (by name): SentencePiece-
 # or WordPiece-style vocabularies kept in BPE files, custom split code, embedding-model options.
-NOT_MAPPED = {"afmoe", "bert-bge", "bert-bge-large", "chameleon", "chatglm-spm", "deepseek-llm", "exaone-moe",
-              "gemma4", "granite-embed-multi-311m", "granite-embed-multi-97m", "jina-v2-en", "laguna", "modern-bert",
-              "sarvam-moe", "spark2_5", "superbpe", "whitespace", "youtu"}
+NOT_MAPPED = {"afmoe", "bert-bge", "bert-bge-large", "chameleon", "chatglm-spm", "deepseek-llm", "gemma4",
+              "granite-embed-multi-311m", "granite-embed-multi-97m", "jina-v2-en", "modern-bert", "sarvam-moe",
+              "superbpe", "whitespace", "youtu"}
 
 
 def test_every_pre_name_of_llama_cpps_converter_is_mapped_or_refused_by_name(tmp_path):
