@@ -10,12 +10,13 @@ operations ``gguf.quants`` dequantizes with, in its order (``d·sc·q − dmin·
 ``(d·(0.5 + s))·0.25``, …): the values are gguf's, bit for bit. Grids and sign tables are read
 from ``gguf.quants`` (``IQ2_XXS.ksigns``, each class's ``grid``, ``IQ4_NL.kvalues``).
 
-**Products.** A tile of weight rows × activation rows (:data:`qkernels._TILES`): each block of
-the tile's weight rows is decoded once into a stack buffer and applied to the tile's activation
-rows, element k of the row into lane k % 32 by fused multiply-add, k ascending, the lanes reduced
-in :func:`qkernels._lane_sum`'s order: the operations of the float32 kernel
-(``qkernels.matmul_f32``) on gguf's decoded matrix, so an output's bits are that kernel's — the
-decoded-tile path these types took before — whatever T, the rows beside it or the thread count.
+**Products.** Decode (T = 1): 4 weight rows at a time, each block decoded once into a stack
+buffer and applied to the activation row. Several rows (T > 1): a few weight rows decoded whole,
+then qkernels' float32 tiles over every activation row. Either way element k of a row goes into
+lane k % 32 by fused multiply-add, k ascending, the lanes reduced in
+:func:`qkernels._lane_sum`'s order: the operations of the float32 kernel (``qkernels.matmul_f32``)
+on gguf's decoded matrix, so an output's bits are that kernel's — the decoded-tile path these
+types took before — whatever T, the rows beside it or the thread count.
 
 One cached entry point per type (``q2_k(op, w, x, out, lo, hi)`` …): op 0 multiplies (out
 [T, R] columns lo:hi = x [T, K] @ W[lo:hi].T), op 1 decodes rows lo:hi of ``w`` into out
@@ -30,10 +31,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from numba import carray, njit
 
-from swarm.compute.qkernels import (_F16, _PREFETCH_BYTES, _TILES, _fma, _half, _prefetch_ahead, _stack, _sum32,
-                                    _u32)
+from swarm.compute.qkernels import (_F16, _PREFETCH_BYTES, _TILES, _fma, _half, _prefetch_ahead, _rows_f32, _stack,
+                                    _sum32, _u32)
 
 F32 = np.float32
+# Weight rows decoded at a time when T > 1 (float32 [rows, K]: 32 KiB per 1024 columns).
+_DECODED_ROWS = 8
 
 
 def _grid(cls) -> np.ndarray:
@@ -298,34 +301,33 @@ def _tile_source(qtype: QT, nr: int, tt: int) -> str:
 
 
 def _rows_kernel(qtype: QT):
-    """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``, tiled as qkernels' kernels."""
+    """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``. T = 1: tiles of 4 weight rows
+    decoded block by block on the stack (decode reads each weight once). T > 1: runs of
+    ``_DECODED_ROWS`` weight rows decoded whole, then qkernels' float32 tiles over all T rows
+    (each weight decoded once per call, not once per 4 activation rows). Both apply each weight
+    with the float32 kernel's operations in its order: the same bits."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    decode = globals()[DECODERS[qtype]]
     scope = {**globals(), "min": min}
-    tiles = []
-    for nr, tt in _TILES:
-        exec(compile(_tile_source(qtype, nr, tt), f"<{__name__} {qtype.name} tile {nr}x{tt}>", "exec"), scope)
-        tiles.append(njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"]))
-    (n1, _), (n4, _), _, _ = _TILES
-    one, four, two, single = tiles
+    nr, tt = _TILES[0]
+    exec(compile(_tile_source(qtype, nr, tt), f"<{__name__} {qtype.name} tile {nr}x{tt}>", "exec"), scope)
+    one = njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"])
 
     def rows(w, x, out, lo, hi):
-        T = x.shape[0]
-        stride = w.strides[0]
-        end = w.shape[0] * stride
+        T, K = x.shape
         if T == 1:
-            for r0 in range(lo, hi, n1):
+            stride = w.strides[0]
+            end = w.shape[0] * stride
+            for r0 in range(lo, hi, nr):
                 one(w, r0, hi, x, 0, out, r0 * stride + _PREFETCH_BYTES, end)
             return
-        for r0 in range(lo, hi, n4):
-            ahead = r0 * stride + _PREFETCH_BYTES
-            t0 = 0
-            while t0 + 4 <= T:
-                four(w, r0, hi, x, t0, out, ahead, end)
-                t0 += 4
-            if t0 + 2 <= T:
-                two(w, r0, hi, x, t0, out, ahead, end)
-                t0 += 2
-            if t0 < T:
-                single(w, r0, hi, x, t0, out, ahead, end)
+        buf = np.empty((_DECODED_ROWS, K), F32)
+        for r0 in range(lo, hi, _DECODED_ROWS):
+            n = min(hi - r0, _DECODED_ROWS)
+            for r in range(n):
+                for b in range(K // block):
+                    decode(w[r0 + r], b * size, buf[r], b * block)
+            _rows_f32(buf, x, out, r0, 0, n)
     return _named(rows, f"matmul_rows_{qtype.name}")
 
 
