@@ -299,6 +299,7 @@ class Node:
                 "ffn_gflops": round(hello.ffn_gflops, 2) if hello else None,
                 "model_hash": hello.model_hash if hello else None,
                 "arch": hello.build.arch if hello else None,  # tells a Mac (arm64) from Linux (aarch64, x86_64)
+                "gpu": hello.build.gpu_adapter if hello else None,  # the adapter a GPU peer computes on
             })
         server = rv.server
         return {
@@ -314,6 +315,7 @@ class Node:
             "signaling_fingerprint": server.certificate.fingerprint if server is not None else None,
             "signaling_port": server.port if server is not None else None,
             "ffn_gflops": round(self.hello.ffn_gflops, 2),
+            "gpu": self.hello.build.gpu_adapter,
             "memory_budget": self.hello.memory_budget,
             "system": platform.system(),
             "placement": self.placement,

@@ -127,12 +127,17 @@ def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
 
 
 def peer_kind(peer: dict[str, Any], doc: dict[str, Any]) -> str:
-    """"Mac", "Linux" or "phone" (any browser peer), as the dashboard says it (web_peer/dashboard.js)."""
+    """"Mac", "Linux" or "phone" (any browser peer), as the dashboard says it (web_peer/dashboard.js);
+    a GPU peer's adapter on a second line ("Linux\nGPU llvmpipe …")."""
     if peer.get("kind") == "browser":
         return "phone"
-    if peer["peer_id"] == doc["peer_id"]:
-        return "Mac" if doc.get("system") == "Darwin" else str(doc.get("system") or "Linux")
-    return "Mac" if peer.get("arch") == "arm64" else "Linux"  # macOS reports arm64, Linux aarch64 / x86_64
+    own = peer["peer_id"] == doc["peer_id"]
+    if own:
+        kind = "Mac" if doc.get("system") == "Darwin" else str(doc.get("system") or "Linux")
+    else:
+        kind = "Mac" if peer.get("arch") == "arm64" else "Linux"  # macOS reports arm64, Linux aarch64 / x86_64
+    gpu = doc.get("gpu") if own else peer.get("gpu")
+    return f"{kind}\nGPU {gpu}" if gpu else kind
 
 
 def _role(peer_id: str, doc: dict[str, Any], placement: dict[str, Any]) -> str:

@@ -132,3 +132,19 @@ def test_status_watch_redraws_until_interrupted(tmp_path):
     assert "pixel" in out and "phone" in out and "Mac" in out and "coordinator" in out
     assert "q" * 26 in out and "pixel: layers 0–29: MLP rows 1274–1536" in out
     assert "replanned" in out and "Traceback" not in err
+
+
+def test_a_gpu_peer_is_shown_with_its_adapter():
+    """A GPU peer (join --gpu) announces its adapter in its build; status names it under the machine."""
+    from swarm.peer.net.messages import NumericBuild
+    from swarm.peer.status import peer_kind
+
+    gpu = NumericBuild("0.1.0", "2.0", "wgpu 0.32.0 Metal kernels:q4_0,q4_k adapter:Apple M2 Pro", "arm64", "f32")
+    assert gpu.gpu_adapter == "Apple M2 Pro"
+    for blas in ("openblas 0.3.27", "webgpu kernels:q4_0,q4_k", "wgpu 0.32.0 Vulkan kernels:q4_0"):
+        assert NumericBuild("0.1.0", "2.0", blas, "x86_64", "f32").gpu_adapter is None, blas
+    doc = {"peer_id": "me", "system": "Linux", "gpu": None}
+    assert peer_kind({"peer_id": "p", "kind": "python", "arch": "arm64", "gpu": gpu.gpu_adapter}, doc) == \
+        "Mac\nGPU Apple M2 Pro"
+    assert peer_kind({"peer_id": "me", "kind": "python"}, {**doc, "gpu": "llvmpipe"}) == "Linux\nGPU llvmpipe"
+    assert peer_kind({"peer_id": "q", "kind": "python", "arch": "x86_64"}, doc) == "Linux"

@@ -61,6 +61,8 @@ def test_a_gpu_peer_serves_its_share_with_the_wgsl_kernels_and_the_tokens_are_th
             ffn = coordinator.ffn
             hello = peers[0].node.links[gpu_ident.peer_id].hello
             run = await asyncio.to_thread(greedy, model, ffn)
+            shown = {p["peer_id"]: p.get("gpu") for p in peers[0].node.status()["peers"]}
+            assert shown == {gpu_ident.peer_id: gpu.adapter}  # status names the GPU peer's adapter
             worker = peers[1].roles.worker.server
             return (run, ffn.plan, worker.served, ffn.verified, ffn.local_fallbacks, set(ffn.failed),
                     hello.build.blas, gpu.adapter, hello.ffn_gflops, gflops, gpu.cpu_blocks, type(worker.source).__name__)

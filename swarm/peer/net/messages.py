@@ -69,6 +69,9 @@ class AuthProof(MessageBase):
         _hex64(self.channel_mac, "channel_mac")
 
 
+ADAPTER_PREFIX = "adapter:"  # the last word of a GPU peer's build.blas: its adapter's name
+
+
 @dataclass(frozen=True)
 class NumericBuild:
     """What decides bit-exactness of a peer's FFN results (docs/architecture.md §5)."""
@@ -78,6 +81,13 @@ class NumericBuild:
     blas: str  # e.g. "openblas 0.3.27"; "webgpu" for browser peers
     arch: str  # platform.machine(), e.g. "x86_64"
     kernel_dtype: str  # "f32", "f16", ...
+
+    @property
+    def gpu_adapter(self) -> str | None:
+        """The GPU adapter a Python GPU peer computes on (``join --gpu``: ``blas`` reads ``wgpu …
+        adapter:NAME``, swarm/peer/worker/gpu.py), else None."""
+        head, sep, name = self.blas.partition(" " + ADAPTER_PREFIX)
+        return name if sep and head.startswith("wgpu ") else None
 
 
 @message(3)

@@ -45,7 +45,7 @@ from swarm.compute.ffn import swiglu_ffn
 from swarm.compute.kernels import MLPWeights
 from swarm.compute.quant import QMatrix
 from swarm.errors import KernelError, LocalProtocolError, SwarmError
-from swarm.peer.net.messages import NumericBuild
+from swarm.peer.net.messages import ADAPTER_PREFIX, NumericBuild
 from swarm.peer.weights.repack import requantize_q8_0
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class GpuFfn:
 
         return NumericBuild(package=__version__, numpy=np.__version__,
                             blas=f"wgpu {wgpu.__version__} {self.backend} kernels:{','.join(BLOCK_FORMATS)} "
-                                 f"adapter:{self.adapter}",
+                                 f"{ADAPTER_PREFIX}{self.adapter}",
                             arch=platform.machine(), kernel_dtype="f32")
 
     def measure_gflops(self, hidden: int = 576, ffn: int = 1536, rows: int = 8, repeats: int = 5) -> float:
