@@ -74,3 +74,18 @@ def test_blocks_the_kernels_cannot_take_run_on_the_cpu(gpu):
     held = gpu.load(mixed)
     assert held.gpu.fmt == "q8_0"  # one kernel reads both: requantized together
     assert not rows_outside(gpu.run(held, x), swiglu_ffn(mixed, x), ffn_rtol(H, F, repacked=True)).any()
+
+
+def test_auto_takes_no_software_adapter_and_a_bad_mode_is_named(gpu):
+    from swarm.errors import SwarmError
+
+    assert GpuFfn.open("off") is None
+    auto = GpuFfn.open("auto")
+    try:
+        software = gpu.host.adapter.info["adapter_type"] == "CPU"  # lavapipe in CI
+        assert (auto is None) == software
+    finally:
+        if auto is not None:
+            auto.close()
+    with pytest.raises(SwarmError, match="unknown --gpu mode 'fast'"):
+        GpuFfn.open("fast")
