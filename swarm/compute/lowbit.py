@@ -10,9 +10,9 @@ operations ``gguf.quants`` dequantizes with, in its order (``d·sc·q − dmin·
 ``(d·(0.5 + s))·0.25``, …): the values are gguf's, bit for bit. Grids and sign tables are read
 from ``gguf.quants`` (``IQ2_XXS.ksigns``, each class's ``grid``, ``IQ4_NL.kvalues``).
 
-**Products.** Decode (T = 1): 4 weight rows at a time, each block decoded once into a stack
-buffer and applied to the activation row. Several rows (T > 1): a few weight rows decoded whole,
-then qkernels' float32 tiles over every activation row. Either way element k of a row goes into
+**Products.** A few weight rows decoded whole, then qkernels' float32 tiles over every
+activation row; for Q2_K, Q3_K and IQ4_NL at T = 1, 4 weight rows at a time, each block decoded
+once into a stack buffer and applied to the activation row. Either way element k of a row goes into
 lane k % 32 by fused multiply-add, k ascending, the lanes reduced in
 :func:`qkernels._lane_sum`'s order: the operations of the float32 kernel (``qkernels.matmul_f32``)
 on gguf's decoded matrix, so an output's bits are that kernel's — the decoded-tile path these
@@ -35,8 +35,13 @@ from swarm.compute.qkernels import (_F16, _PREFETCH_BYTES, _TILES, _fma, _half, 
                                     _sum32, _u32)
 
 F32 = np.float32
-# Weight rows decoded at a time when T > 1 (float32 [rows, K]: 32 KiB per 1024 columns).
+# Weight rows decoded at a time before the float32 tiles run (float32 [rows, K]: 32 KiB per 1024
+# columns).
 _DECODED_ROWS = 8
+# Types whose decode (32-wide loops that vectorise) is fast enough to interleave with a decode
+# product's dot products (T = 1): 1.2–1.4x faster there than decoding rows first; the grid types
+# and IQ4_XS, whose decoders gather, are 2–3x faster decoding rows first (bench/results/kernels.md).
+_FUSED = (QT.Q2_K, QT.Q3_K, QT.IQ4_NL)
 
 
 def _grid(cls) -> np.ndarray:
@@ -301,26 +306,16 @@ def _tile_source(qtype: QT, nr: int, tt: int) -> str:
 
 
 def _rows_kernel(qtype: QT):
-    """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``. T = 1: tiles of 4 weight rows
-    decoded block by block on the stack (decode reads each weight once). T > 1: runs of
-    ``_DECODED_ROWS`` weight rows decoded whole, then qkernels' float32 tiles over all T rows
-    (each weight decoded once per call, not once per 4 activation rows). Both apply each weight
-    with the float32 kernel's operations in its order: the same bits."""
+    """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``: runs of ``_DECODED_ROWS``
+    weight rows decoded whole, then qkernels' float32 tiles over every activation row (each
+    weight decoded once per call); for the types of :data:`_FUSED`, at T = 1, tiles of 4 weight
+    rows decoded block by block on the stack and applied as they are decoded. Both apply each
+    weight with the float32 kernel's operations in its order: the same bits."""
     block, size = GGML_QUANT_SIZES[qtype]
     decode = globals()[DECODERS[qtype]]
-    scope = {**globals(), "min": min}
-    nr, tt = _TILES[0]
-    exec(compile(_tile_source(qtype, nr, tt), f"<{__name__} {qtype.name} tile {nr}x{tt}>", "exec"), scope)
-    one = njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"])
 
-    def rows(w, x, out, lo, hi):
-        T, K = x.shape
-        if T == 1:
-            stride = w.strides[0]
-            end = w.shape[0] * stride
-            for r0 in range(lo, hi, nr):
-                one(w, r0, hi, x, 0, out, r0 * stride + _PREFETCH_BYTES, end)
-            return
+    def decoded(w, x, out, lo, hi):
+        K = x.shape[1]
         buf = np.empty((_DECODED_ROWS, K), F32)
         for r0 in range(lo, hi, _DECODED_ROWS):
             n = min(hi - r0, _DECODED_ROWS)
@@ -328,6 +323,23 @@ def _rows_kernel(qtype: QT):
                 for b in range(K // block):
                     decode(w[r0 + r], b * size, buf[r], b * block)
             _rows_f32(buf, x, out, r0, 0, n)
+
+    if qtype not in _FUSED:
+        return _named(decoded, f"matmul_rows_{qtype.name}")
+    whole = _named(decoded, f"matmul_decoded_{qtype.name}")
+    scope = {**globals(), "min": min}
+    nr, tt = _TILES[0]
+    exec(compile(_tile_source(qtype, nr, tt), f"<{__name__} {qtype.name} tile {nr}x{tt}>", "exec"), scope)
+    one = njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"])
+
+    def rows(w, x, out, lo, hi):
+        if x.shape[0] > 1:
+            whole(w, x, out, lo, hi)
+            return
+        stride = w.strides[0]
+        end = w.shape[0] * stride
+        for r0 in range(lo, hi, nr):
+            one(w, r0, hi, x, 0, out, r0 * stride + _PREFETCH_BYTES, end)
     return _named(rows, f"matmul_rows_{qtype.name}")
 
 
