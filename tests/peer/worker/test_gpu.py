@@ -89,3 +89,36 @@ def test_auto_takes_no_software_adapter_and_a_bad_mode_is_named(gpu):
             auto.close()
     with pytest.raises(SwarmError, match="unknown --gpu mode 'fast'"):
         GpuFfn.open("fast")
+
+
+def test_a_worker_on_the_gpu_answers_within_the_bound_and_recovers_from_a_lost_device(gpu, tmp_path):
+    """The Worker with this device (join --gpu) answers an expert request of the tiny MoE within
+    --verify's bound of the engine; when the device is lost, the request is refused as
+    ``internal`` (the coordinator recomputes it) and the next one uploads again and is answered."""
+    from swarm.compute.model import load_model
+    from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+    from swarm.peer.net import messages as M
+    from swarm.peer.plan import ModelShape
+    from swarm.peer.worker.ffn import Worker
+    from tests.peer._swarm_models import COORD, W1, build
+
+    model = load_model(build("qwen3_moe", tmp_path))
+    shape = ModelShape.from_config(model.config)
+    plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), [PeerCapacity(W1, 10**9, 1.0)], term=1, version=1)
+    worker = Worker(W1, shape, model, gpu)
+    worker.accept_plan(plan)
+    assert worker.prepare() > 0  # uploaded when the plan is accepted
+    e = plan.expert_span(0, W1).start
+    x = np.random.default_rng(3).standard_normal((4, shape.hidden_size), dtype=np.float32)
+
+    def ask(rid):
+        return worker.handle(M.ExpertRequest(rid, 1, 1, 0, np.array([e], np.int32), np.array([4], np.int32), x))
+
+    local = swiglu_ffn(model.expert_weights(0, e), x)
+    first = ask(1)
+    assert not rows_outside(first.outputs, local, ffn_rtol(shape.hidden_size, shape.moe_intermediate_size)).any()
+    gpu.host.drop_device()  # as after a GPU error
+    refused = ask(2)
+    assert isinstance(refused, M.Error) and refused.code == "internal" and "lost" in refused.message
+    again = ask(3)
+    assert isinstance(again, M.ExpertAnswer) and np.array_equal(again.outputs, first.outputs)  # same kernels, same bits
