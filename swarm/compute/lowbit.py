@@ -29,10 +29,10 @@ import gguf.quants as gq
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
-from numba import carray, njit
+from numba import carray, njit  # noqa: F401 (carray: used by the generated tile source)
 
-from swarm.compute.qkernels import (_F16, _PREFETCH_BYTES, _TILES, _fma, _half, _prefetch_ahead, _rows_f32, _stack,
-                                    _sum32, _u32)
+from swarm.compute.qkernels import _F16, _PREFETCH_BYTES, _TILES, _half, _rows_f32, _u32
+from swarm.compute.qkernels import _fma, _prefetch_ahead, _stack, _sum32  # noqa: F401 (the tile source's)
 
 F32 = np.float32
 # Weight rows decoded at a time before the float32 tiles run (float32 [rows, K]: 32 KiB per 1024
@@ -83,15 +83,18 @@ def _dec_q2_k(w, o, d, do):
 
 
 @njit(inline="always")
+def _q3_scale(w, o, k):
+    """Q3_K's 6-bit scale of sub-block ``k`` (of 16): 4 low bits, then 2 high ones, as gguf packs them."""
+    lo = (np.int32(w[o + 96 + k % 8]) >> (4 * (k // 8))) & 15
+    return lo | (((np.int32(w[o + 104 + k % 4]) >> (2 * (k // 4))) & 3) << 4)
+
+
+@njit(inline="always")
 def _dec_q3_k(w, o, d, do):
     dd = _half(w, o + 108, _F16)
     for c in range(8):  # 32 positions 128h + 32s + l: 2 bits of byte 32h + l, hmask bit c of byte l
         h, s = c // 4, c % 4
-        k = 2 * c  # sub-blocks k, k + 1 of 16: 6-bit scales, 4 low bits and 2 high ones
-        sa = ((np.int32(w[o + 96 + k % 8]) >> (4 * (k // 8))) & 15) | (((np.int32(w[o + 104 + k % 4]) >> (2 * (k // 4))) & 3) << 4)
-        k += 1
-        sb = ((np.int32(w[o + 96 + k % 8]) >> (4 * (k // 8))) & 15) | (((np.int32(w[o + 104 + k % 4]) >> (2 * (k // 4))) & 3) << 4)
-        dla, dlb = dd * F32(sa - 32), dd * F32(sb - 32)
+        dla, dlb = dd * F32(_q3_scale(w, o, 2 * c) - 32), dd * F32(_q3_scale(w, o, 2 * c + 1) - 32)
         sh, hc = np.uint8(2 * s), np.uint8(c)
         for l in range(32):
             q = F32(np.uint8(np.uint8(w[o + 32 + 32 * h + l] >> sh) & np.uint8(3)))
