@@ -21,6 +21,9 @@ types took before — whatever T, the rows beside it or the thread count.
 One cached entry point per type (``q2_k(op, w, x, out, lo, hi)`` …): op 0 multiplies (out
 [T, R] columns lo:hi = x [T, K] @ W[lo:hi].T), op 1 decodes rows lo:hi of ``w`` into out
 [hi - lo, K] (``x`` unused). A type's kernels compile only when a matrix of that type is used.
+They compile in qkernels' helpers and float32 tiles, and numba checks a cached function against
+its own source file only: a change to qkernels.py reaches these kernels once this file changes
+too (or numba's cache is cleared) — the bit-equality tests with the float32 kernel tell.
 """
 
 from __future__ import annotations
