@@ -53,6 +53,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -520,6 +521,19 @@ def prepare_kernels() -> None:
     _kernels()
 
 
+# The files whose functions numba caches. numba checks a cached function against its own file
+# only, and some inline functions of others (lowbit.py and rowkernels.py use qkernels.py's): the
+# cache lives in a folder named by all of their contents, so a change to any (an upgrade, an
+# edit) starts a fresh one rather than loading a stale kernel.
+_CACHED_SOURCES = ("qkernels.py", "lowbit.py", "rowkernels.py", "deltakernel.py")
+
+
 def _numba_cache_dir() -> str:
+    import hashlib
+
     from swarm.paths import cache_dir
-    return str(cache_dir() / "numba")
+
+    digest = hashlib.sha256()
+    for name in _CACHED_SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return str(cache_dir() / "numba" / digest.hexdigest()[:16])

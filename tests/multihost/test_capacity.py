@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 import pytest
 
-from swarm.paths import cache_dir
+from swarm.compute.quant import _numba_cache_dir
 from swarm.keys.swarmkey import SwarmKey
 from tests.conftest import require
 from tests.multihost.netns import REPO_ROOT, MemoryCgroup, remove_stale_cgroups
@@ -150,7 +150,7 @@ async def test_capped_peers_run_a_model_none_can_hold(netns_lab, big_moe):
     # The block kernels as this machine compiled them for the reference run: a peer loads them
     # from there, as it would from its own cache after its first run (compiling takes ~250 MB
     # of LLVM's memory once, which is not what this test measures).
-    numba_cache = os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir() / "numba")
+    numba_cache = os.environ.get("NUMBA_CACHE_DIR") or _numba_cache_dir()
 
     remove_stale_cgroups()
     lab = netns_lab(3)
