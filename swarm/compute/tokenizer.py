@@ -5,7 +5,8 @@ For an HF directory it is ``tokenizer.json`` as saved; for a GGUF file it is ass
 from the metadata llama.cpp writes (``tokenizer.ggml.tokens`` / ``merges`` /
 ``token_type`` / ``pre``) as a ``tokenizers`` BPE model with the pre-tokenizer that
 llama.cpp uses for that ``pre`` name — the library does the BPE, we only pick its parts.
-A ``pre`` name without a known split is refused by name. A SentencePiece vocabulary
+A ``pre`` name without a known split is refused by name; one whose vocabulary is not
+byte-level (SentencePiece-style or WordPiece) is refused saying so. A SentencePiece vocabulary
 (``tokenizer.ggml.model == "llama"``: tokens, ``scores``, byte tokens) becomes a BPE with
 byte fallback whose merges follow the scores, as llama.cpp's SPM tokenizer merges.
 This is what transformers' GGUF conversion does too (``integrations/gguf``), without
@@ -109,6 +110,57 @@ _MINICPM5_SPLITS = (
     r"\p{N}{1,3}",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+# DeepSeek-LLM's (its tokenizer.json, as llama.cpp lists it): letter runs of a listed set of scripts,
+# ASCII and fullwidth punctuation runs, trailing whitespace, CJK runs, digit runs
+_DEEPSEEK_LLM_SPLITS = (
+    r"[\r\n]",
+    r"\s?[A-Za-z" "\u00b5" r"À-ÖØ-öø-ƺƼ-ƿ" "\u01c4" r"-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-" "\u03f5"
+    r"Ϸ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-" "\u1f7d" r"ᾀ-ᾴᾶ-ᾼ" "\u1fbe" r"ῂ-ῄῆ-ῌῐ-" "\u1fd3"
+    r"ῖ-" "\u1fdb" r"ῠ-Ῥῲ-ῴῶ-ῼ" "\u2102\u2107\u210a" r"-" "\u2113\u2115\u2119" r"-"
+    "\u211d\u2124\u2126\u2128\u212a" r"-" "\u212d\u212f" r"-" "\u2134\u2139\u213c" r"-" "\u213f\u2145" r"-"
+    "\u2149" r"ⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿ" "\ufb00" r"-" "\ufb06\ufb13" r"-" "\ufb17\uff21" r"-"
+    "\uff3a\uff41" r"-" "\uff5a" r"𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~" "\uff01" r"-" "\uff0f\uff1a" r"-" "\uff5e" r"‘-‟" "\u3000" r"-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-" "\ud7ff" r"]+",
+    r"\p{N}+",
+)
+# Youtu-LLM's: Hangul, CJK punctuation, Bopomofo and Han/kana runs apart, then GPT-4o's split with single digits
+_YOUTU_SPLITS = (
+    r"[가-힣" "\u3131" r"-" "\u318e" r"]+|[" "\uff01\u2026" r"“”‘’—" "\uff1a\uff1b\uff0c" r"、-〿" "\ufe30" r"-"
+    "\ufe4f" r"]+|[ㄅ-ㄯ]+|[一-龥" "\u3040" r"-" "\u309f" r"゠-" "\u30ff" r"]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# Chameleon's: sentinel and image tokens, tabs/newlines and 4- or 2-space runs, single digits, single
+# punctuation marks, then GPT-2's regex
+_CHAMELEON_SPLITS = (r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", r"([\t\n]|    |  )", r"\p{N}",
+                     r"[\p{P}!-/:-@\[-`{-~]", _GPT2_SPLIT)
+# granite-embedding-97m-multilingual-r2's, as llama.cpp writes it: GPT-4o's split with its case classes as
+# lookaheads (letters or marks but a-z, then letters or marks but A-Z), so a non-ASCII letter counts as
+# either case ("aÉb" is one piece, where GPT-4o's \p{Lu}/\p{Ll} classes cut it after "a")
+_GRANITE_EMB_MULTI_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# SuperBPE's: digit runs, each cut before every position with a multiple of three digits after it
+# (a zero-width match, which splits as llama.cpp's offsets do); no whitespace split: its tokens span words
+_SUPERBPE_SPLITS = (r"\p{N}+", r"(?=(\d{3})+(?!\d))")
+# AFMoE's (Trinity): llama.cpp's custom digit split (unicode_regex_split_custom_afmoe) cuts each digit run
+# in threes from the right, the first group keeping the text before it since the last cut: that is this
+# regex's matches each merged with the gap before it. Then CJK and other Asian script runs, then
+# DeepSeek-V3's third regex.
+_AFMOE_DIGITS = r"\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"
+_AFMOE_SPLITS = (
+    _AFMOE_DIGITS,
+    r"[一-鿿㐀-䶿豈-" "\ufaff\u3040" r"-" "\u309f" r"゠-" "\u30ff\uff65" r"-" "\uff9f\u2f00" r"-" "\u2fdf" r"เ-"
+    "\u0e7f\u0e80" r"-" "\u0eff" r"ក-" "\u17ff" r"က-႟ꩠ-ꩿꧠ-" "\ua9ff" r"가-" "\ud7af" r"ᄀ-ᇿ]+",
+    _DEEPSEEK3_SPLITS[2],
+)
+# How a split's matches are kept (tokenizers' SplitDelimiterBehavior): each apart unless listed
+_SPLIT_BEHAVIOR = {_AFMOE_DIGITS: "merged_with_previous"}
 # tokenizer.ggml.pre → the regexes llama.cpp splits text with, one after the other
 # (llm_tokenizer_bpe, src/llama-vocab.cpp), then the byte-level alphabet.
 _REGEX_SPLITS: dict[str, tuple[str, ...]] = {
@@ -134,15 +186,33 @@ _REGEX_SPLITS: dict[str, tuple[str, ...]] = {
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, r"[0-9][0-9][0-9]"),
     **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), (_PORO_SPLIT,)),
     "viking": (_PORO_SPLIT, r"\p{N}"),
+    "deepseek-llm": _DEEPSEEK_LLM_SPLITS,
+    "youtu": _YOUTU_SPLITS,
+    "chameleon": _CHAMELEON_SPLITS,
+    "granite-embed-multi-97m": (_GRANITE_EMB_MULTI_SPLIT,),
+    "superbpe": _SUPERBPE_SPLITS,
+    "afmoe": _AFMOE_SPLITS,
 }
 # These split every digit on its own first, then apply GPT-2's regex (llama.cpp groups
 # STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA this way).
 _DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"}
 # GPT-2's regex alone (llama.cpp GPT2, MPT, OLMO, JAIS, TRILLION, GRANITE_DOCLING); "default"
-# and a file without the field too, as transformers reads them.
+# and a file without the field too, as transformers reads them. (llama.cpp also lets modern-bert's
+# "[MASK]" take the spaces before it, a token attribute kept by no GGUF field and not applied here.)
 _GPT2_PRES = {"default", "gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en", "jina-v2-es",
               "jina-v2-de", "jina-v2-code", "roberta-bpe", "a.x-4.0", "mellum", "mpt", "olmo", "jais", "trillion",
-              "granite-docling", "exaone4"}
+              "granite-docling", "exaone4", "modern-bert"}
+# Names llama.cpp's converter writes whose vocabulary is no byte-level BPE, each with why it is refused.
+_SPM_STYLE_BPE = ("llama.cpp runs it as SentencePiece-style BPE over raw UTF-8 (spaces written '▁', text "
+                  "cut at newlines only), not over byte-level pieces")
+_NOT_BYTE_LEVEL_PRES = {
+    **dict.fromkeys(("gemma4", "granite-embed-multi-311m", "sarvam-moe"), _SPM_STYLE_BPE),
+    "whitespace": ("its vocabulary is split at whitespace, which is dropped, and matched as raw UTF-8 "
+                   "(tokenizer.ggml.model 'whitespace' in llama.cpp)"),
+    "chatglm-spm": "it names ChatGLM's SentencePiece vocabulary, which llama.cpp refuses in a BPE file too",
+    **dict.fromkeys(("bert-bge", "bert-bge-large", "jina-v2-en"),
+                    "it names a WordPiece (BERT) vocabulary, which llama.cpp refuses in a BPE file too"),
+}
 
 _TOKEN_TYPE_CONTROL = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -463,7 +533,8 @@ def _gguf_pre_tokenizer(path: Path, pre: Any):
     pre = pre if isinstance(pre, str) else repr(pre)
     if pre in _REGEX_SPLITS:
         return pre_tokenizers.Sequence([
-            *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in _REGEX_SPLITS[pre]),
+            *(pre_tokenizers.Split(Regex(regex), behavior=_SPLIT_BEHAVIOR.get(regex, "isolated"))
+              for regex in _REGEX_SPLITS[pre]),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
@@ -471,6 +542,10 @@ def _gguf_pre_tokenizer(path: Path, pre: Any):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2_PRES:
         return byte_level
+    if pre in _NOT_BYTE_LEVEL_PRES:
+        raise ModelFileError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not supported in a byte-level BPE file: "
+            f"{_NOT_BYTE_LEVEL_PRES[pre]}. Use the model's Hugging Face directory with tokenizer.json instead")
     known = sorted([*_REGEX_SPLITS, *_DIGIT_SPLIT_PRES, *_GPT2_PRES])
     raise ModelFileError(
         f"{path}: tokenizer.ggml.pre {pre!r} is not supported (its text split is unknown here, and another "

@@ -99,7 +99,8 @@ def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
         load_tokenizer(path)
 
 
-@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4", "gpt-4o", "tekken", "falcon", "viking", "deepseek-coder"])
+@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4", "gpt-4o", "tekken", "falcon", "viking", "deepseek-coder",
+                                 "afmoe", "superbpe", "chameleon"])
 def test_known_pre_tokenizers_keep_every_character(tmp_path, pre):
     """Each split llama.cpp maps compiles and loses no text (the pieces join to the text)."""
     path = _write(tmp_path / "k.gguf", "gpt2", tokens=["a", "b", "ab"], merges=["a b"], pre=pre)
@@ -123,8 +124,38 @@ def test_deepseek_v3_split_groups_digits_in_threes_and_keeps_kana_apart(tmp_path
     assert pieces == spelled
 
 
+def _afmoe_digit_spans(text: str, a: int, b: int) -> list[tuple[int, int]]:
+    """llama.cpp's custom AFMoE digit split of ``text[a:b]`` (unicode_regex_split_custom_afmoe), line
+    for line: each run of numbers in threes from the right, the first piece also taking whatever
+    text came since the previous piece ended; the text after the last run one piece."""
+    import unicodedata
+
+    def is_number(i: int) -> bool:
+        return i < b and unicodedata.category(text[i]).startswith("N")
+
+    out, prev, pos = [], a, a
+    while pos < b:
+        if not is_number(pos):
+            pos += 1
+            continue
+        start = pos
+        while is_number(pos):
+            pos += 1
+        current = start + (pos - start) % 3
+        if current > start:
+            out.append((prev, current))
+            prev = current
+        while current < pos:
+            out.append((prev, current + 3))
+            prev = current = current + 3
+    if prev < b:
+        out.append((prev, b))
+    return out
+
+
 # llama.cpp's regexes for tokenizer.ggml.pre names (src/llama-vocab.cpp, its case-folded forms),
-# applied one after the other; Kimi-K2's is tokenization_kimi.py's, which llama.cpp runs as custom code.
+# applied one after the other; Kimi-K2's is tokenization_kimi.py's, which llama.cpp runs as custom code,
+# and AFMoE's digit split is llama.cpp's custom code itself.
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTIONS + "?"
           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS + "?"
@@ -154,24 +185,80 @@ LLAMA_CPP_SPLITS = {
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
                 r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "deepseek-llm": (
+        r"[" "\u000d\u000a" r"]",
+        r"\s?[A-Za-z" "\u00b5" r"À-ÖØ-öø-ƺƼ-ƿ" "\u01c4" r"-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-" "\u03f5"
+        r"Ϸ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-" "\u1f7d" r"ᾀ-ᾴᾶ-ᾼ" "\u1fbe" r"ῂ-ῄῆ-ῌῐ-"
+        "\u1fd3" r"ῖ-" "\u1fdb" r"ῠ-Ῥῲ-ῴῶ-ῼ" "\u2102\u2107\u210a" r"-" "\u2113\u2115\u2119" r"-"
+        "\u211d\u2124\u2126\u2128\u212a" r"-" "\u212d\u212f" r"-" "\u2134\u2139\u213c" r"-" "\u213f\u2145" r"-"
+        "\u2149" r"ⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿ" "\ufb00" r"-" "\ufb06\ufb13" r"-" "\ufb17\uff21" r"-"
+        "\uff3a\uff41" r"-" "\uff5a" r"𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+        r"\s?[!-/:-~" "\uff01" r"-" "\uff0f\uff1a" r"-" "\uff5e" r"‘-‟" "\u3000" r"-。]+",
+        r"\s+$",
+        r"[一-龥ࠀ-一가-" "\ud7ff" r"]+",
+        r"\p{N}+",
+    ),
+    "youtu": (
+        r"[가-힣" "\u3131" r"-" "\u318e" r"]+|[" "\uff01\u2026" r"“”‘’—" "\uff1a\uff1b\uff0c" r"、-〿" "\ufe30" r"-"
+        "\ufe4f" r"]+|[ㄅ-ㄯ]+|[一-龥" "\u3040" r"-" "\u309f" r"゠-" "\u30ff" r"]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?:'[sS]|'[tT]|'[rR][eE]|"
+        r"'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}"
+        r"\p{Lo}\p{M}]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n"
+        r"/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "chameleon": (
+        r"<sentinel:[0-9]+>",
+        r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+        r"([\t\n]|    |  )",
+        r"\p{N}",
+        r"[\p{P}!-/:-@\[-`{-~]",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    ),
+    "granite-embed-multi-97m": (
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV"
+        r"][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))"
+        r"*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*"
+        r"[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "superbpe": (
+        r"\p{N}+",
+        r"(?=(\d{3})+(?!\d))",
+    ),
+    "afmoe": (
+        _afmoe_digit_spans,
+        r"[一-鿿㐀-䶿豈-" "\ufaff\u3040" r"-" "\u309f" r"゠-" "\u30ff\uff65" r"-" "\uff9f\u2f00" r"-" "\u2fdf" r"เ-"
+        "\u0e7f\u0e80" r"-" "\u0eff" r"ក-" "\u17ff" r"က-႟ꩠ-ꩿꧠ-" "\ua9ff" r"가-" "\ud7af" r"ᄀ-ᇿ]+",
+        r"[!" "\u0022"
+        r"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r"
+        r"\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
 }
 SPLIT_TEXTS = [*TEXTS, *CORPUS, "你好world 日本語のtext 汉字ABC你好Def", "1234567 12 123456 x1 9.99",
                "I'M sure WE'LL 'D've", "#include <stdio.h>\n\nint main() { return a.b->c; } // x\r\n",
-               "a" + " " * 40 + "b\n\n   \tc", "ক্ষ हिन्दी ไทย é e\u0301"]
+               "a" + " " * 40 + "b\n\n   \tc", "ক্ষ हिन्दी ไทย é e\u0301",
+               "a  12 x1234 (5)  \t 123456789, end   ", "ÉCOLE naïveÉTÉ aÉb ǅungla ſ", "한국어 ㄱㄴ ㄅㄆ！，“引用”。、ｶﾀｶﾅ",
+               "<sentinel:12>IMGIMGABZ IMGIMGJZ  x    y\t\n", "١٢٣٤٥ ２０２４ ⅫⅢ", "ａｂｃ Ｘ 𐐀𐐨 K Ω"]
 
 
-def _llama_cpp_spans(regexes: tuple[str, ...], text: str) -> list[tuple[int, int]]:
+def _llama_cpp_spans(regexes: tuple, text: str) -> list[tuple[int, int]]:
     """Each regex splits every piece left by the ones before into its matches and the gaps
-    between them (llama.cpp's unicode_regex_split)."""
+    between them, an empty match cutting the piece where it is (llama.cpp's unicode_regex_split
+    and its offsets, empty ones dropped); a function instead of a regex splits a piece itself."""
     import regex
 
     pieces = [(0, len(text))]
     for rx in regexes:
+        if callable(rx):
+            pieces = [span for a, b in pieces for span in rx(text, a, b)]
+            continue
         pattern, out = regex.compile(rx, regex.V1), []
         for a, b in pieces:
             pos = a
             for m in pattern.finditer(text[a:b]):
                 if m.end() == m.start():
+                    if a + m.start() > pos:
+                        out.append((pos, a + m.start()))
+                        pos = a + m.start()
                     continue
                 if a + m.start() > pos:
                     out.append((pos, a + m.start()))
@@ -192,11 +279,10 @@ def test_pre_tokenizer_splits_as_llama_cpp(tmp_path, pre):
         assert [span for _, span in split.pre_tokenize_str(text)] == _llama_cpp_spans(LLAMA_CPP_SPLITS[pre], text), text
 
 
-# tokenizer.ggml.pre names llama.cpp's converter writes that the engine refuses (by name): SentencePiece-
-# or WordPiece-style vocabularies kept in BPE files, custom split code, embedding-model options.
-NOT_MAPPED = {"afmoe", "bert-bge", "bert-bge-large", "chameleon", "chatglm-spm", "deepseek-llm", "gemma4",
-              "granite-embed-multi-311m", "granite-embed-multi-97m", "jina-v2-en", "modern-bert", "sarvam-moe",
-              "superbpe", "whitespace", "youtu"}
+# tokenizer.ggml.pre names llama.cpp's converter writes that the engine refuses, each saying why: vocabularies
+# that are not byte-level (SentencePiece-style BPE over raw UTF-8, whitespace, SentencePiece, WordPiece).
+NOT_MAPPED = {"bert-bge", "bert-bge-large", "chatglm-spm", "gemma4", "granite-embed-multi-311m", "jina-v2-en",
+              "sarvam-moe", "whitespace"}
 
 
 def test_every_pre_name_of_llama_cpps_converter_is_mapped_or_refused_by_name(tmp_path):
@@ -214,5 +300,6 @@ def test_every_pre_name_of_llama_cpps_converter_is_mapped_or_refused_by_name(tmp
     for name in sorted(names - NOT_MAPPED):
         _gguf_pre_tokenizer(tmp_path / "m.gguf", name)
     for name in sorted(names & NOT_MAPPED):
-        with pytest.raises(ModelFileError, match=f"tokenizer\\.ggml\\.pre '{re.escape(name)}' is not supported"):
+        with pytest.raises(ModelFileError, match=f"tokenizer\\.ggml\\.pre '{re.escape(name)}' is not supported in a "
+                                                 "byte-level BPE file: (llama.cpp runs|its vocabulary|it names)"):
             _gguf_pre_tokenizer(tmp_path / "m.gguf", name)
