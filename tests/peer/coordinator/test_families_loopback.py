@@ -1,8 +1,11 @@
-"""The families added beside Qwen3.5-MoE — GLM-4.5 MoE, DeepSeek-V3 (MLA, latent KV cache),
-MiniMax-M2, gpt-oss — over real links, two peers on this machine, the oracle the local engine:
+"""The families added for the big open models — GLM-4.5 MoE, DeepSeek-V3 (MLA, latent KV cache),
+MiniMax-M2, gpt-oss, Qwen3.5-MoE (linear attention: a recurrent state per sequence) — over real
+links, two peers on this machine, the oracle the local engine:
 
 - stages: the worker (half the coordinator's speed) holds layer 2 — attention, its KV cache
-  (DeepSeek-V3's latent one, gpt-oss's sliding-window layer with sinks) and the MoE FFN; the logits are the local run's bits until the
+  (DeepSeek-V3's latent one, gpt-oss's sliding-window layer with sinks; Qwen3.5's is a
+  linear-attention layer, its recurrent state rebuilt instead) and the MoE FFN; the logits are
+  the local run's bits until the
   worker is stopped at decode step 4, and its layers then move to the coordinator, their cache
   rebuilt from the rows that had entered them: the same tokens and bits to the end;
 - ranges: every MoE layer's experts cut between the two peers, and the dense first layers
@@ -11,7 +14,8 @@ MiniMax-M2, gpt-oss — over real links, two peers on this machine, the oracle t
   worker computes its expert range from its own copy of the model file through
   ``Model.expert_weights`` (biases and clamped SwiGLU included), as every worker here does.
 
-Each tiny random checkpoint (tests/compute/tiny_sigmoid_moe.py, tiny_gpt_oss.py) is built once.
+Each tiny random checkpoint (tests/compute/tiny_sigmoid_moe.py, tiny_gpt_oss.py,
+tiny_qwen3_5_moe.py) is built once.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tests.peer.test_swarm_loopback import until
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss"]
+FAMILIES = ["glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss", "qwen3_5_moe"]
 DECODE, KILL_AT = 8, 4
 
 
@@ -45,6 +49,9 @@ def checkpoint(tmp_path_factory):
             if family == "gpt_oss":
                 from tests.compute.tiny_gpt_oss import build
                 built[family] = build(out)[1]
+            elif family == "qwen3_5_moe":
+                from tests.compute.tiny_qwen3_5_moe import build as build_qwen
+                built[family] = build_qwen(out)[1]
             else:
                 from tests.compute.tiny_sigmoid_moe import build
                 built[family] = build(family, out)[1]
@@ -107,7 +114,7 @@ def test_expert_ranges_over_a_real_link_give_the_local_bits(checkpoint, family, 
     c = model.config
     assert all(plan.expert_span(layer, worker_id) is not None for layer in c.moe_layers)
     dense = [layer for layer in range(c.n_layers) if layer not in c.moe_layers]
-    assert dense == ([] if family in ("minimax_m2", "gpt_oss") else [0])
+    assert dense == ([] if family in ("minimax_m2", "gpt_oss", "qwen3_5_moe") else [0])
     assert all(plan.dense_span(layer, worker_id) is not None for layer in dense)
     assert_same_run(run, greedy(model, LocalFFN(model, plan.dense_ranges()), PROMPT, DECODE))
     # a request whose deadline a stall on a loaded machine outran is recomputed here (same bits)
