@@ -55,7 +55,7 @@ def new_gpu():
 def test_lavapipe_has_shader_f16(gpu):
     # The design relies on lavapipe to test the f16 path; without the feature that path is untested.
     assert gpu.has_f16, f"adapter {gpu.adapter.info['device']} lacks shader-f16"
-    assert gpu.formats == ("f32", "f16", "q8", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+    assert gpu.formats == ("f32", "f16", "q8", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "q8"])
