@@ -370,11 +370,13 @@ def shape_from_meta(meta: Any) -> Any:
         raise RemoteProtocolError(f"weight manifest: no valid model shape in its meta ({shape!r:.80})") from None
     ints = (out.hidden_size, out.n_experts, out.moe_intermediate_size, out.intermediate_size,
             *(out.moe_layers if isinstance(out.moe_layers, (list, tuple)) else [None]),
-            *(out.dense_layers if isinstance(out.dense_layers, (list, tuple)) else [None]))
+            *(out.dense_layers if isinstance(out.dense_layers, (list, tuple)) else [None]),
+            *(out.kv_bytes if isinstance(out.kv_bytes, (list, tuple)) else [None]))
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints) or out.hidden_size == 0:
         raise RemoteProtocolError(f"weight manifest: model shape {shape!r:.80} has bad sizes")
-    # JSON gives lists; the shape's layer fields are tuples.
-    return dataclasses.replace(out, moe_layers=tuple(out.moe_layers), dense_layers=tuple(out.dense_layers))
+    # JSON gives lists; the shape's per-layer fields are tuples.
+    return dataclasses.replace(out, moe_layers=tuple(out.moe_layers), dense_layers=tuple(out.dense_layers),
+                               kv_bytes=tuple(out.kv_bytes))
 
 
 async def fetch_plan_slices(fetcher: SliceFetcher, specs: Iterable[Any],
