@@ -104,7 +104,7 @@ class QMatrix:
     Raises ValueError when the byte count does not fit the shape and encoding.
     """
 
-    __slots__ = ("data", "qtype", "cols", "_kind")
+    __slots__ = ("data", "qtype", "cols", "_kind", "_addr")
 
     def __init__(self, data: np.ndarray, qtype: QT, cols: int):
         qtype = QT(qtype)
@@ -120,6 +120,7 @@ class QMatrix:
             data.flags.writeable = False
         self.data, self.qtype, self.cols = data, qtype, int(cols)
         self._kind = _KIND.get(qtype, -1)  # looked up once: matmul runs hundreds of times a token
+        self._addr = _address(data)  # for the group table (a decode token builds hundreds of rows)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -318,15 +319,17 @@ def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> No
     SMALL_T) in tiles of about GROUP_TILE_BYTES of work, which the calling thread and the pool's
     workers take from one atomic counter in compiled code (``qkernels.run_group``)."""
     k = _compiled or _kernels()
-    table = np.empty((len(operands), k.NCOLS), np.int64)
+    address = _pointer
+    rows = []
     first, work = 0, 0.0
-    for row, (w, x, dst) in zip(table, operands):
+    for w, x, dst in operands:
         (R, RB), T = w.data.shape, x.shape[0]
         row_work = RB * (3 + T) / 4
         tile = max(8, int(GROUP_TILE_BYTES / row_work) // 8 * 8)
-        row[:] = (w._kind, _address(w.data), R, RB, _address(x), T, x.shape[1], _address(dst), tile, first)
+        rows.append((w._kind, w._addr, R, RB, address(x), T, x.shape[1], address(dst), tile, first))
         first += -(-R // tile)
         work += R * row_work
+    table = np.array(rows, np.int64)
     counter = np.zeros(1, np.int64)
     # Threads asked to join: one per 4 tiles. A late one finds the tiles taken and costs the
     # caller nothing, so the bar is lower than MIN_CHUNK_BYTES (fixed ranges wait for their thread).
@@ -339,6 +342,9 @@ def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> No
 
 def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
+
+
+_pointer = _address  # the compiled twin once the kernels load (swarm/compute/pointers.py)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -359,7 +365,7 @@ _import_lock = threading.Lock()
 
 def _kernels():
     """The numba kernels, imported (and compiled or loaded from numba's cache) on first use."""
-    global _compiled
+    global _compiled, _pointer
     if _compiled is None:
         with _import_lock:
             if _compiled is None:
@@ -387,6 +393,9 @@ def _kernels():
                         h = np.zeros((1, 32), np.uint16)
                         h.flags.writeable = False
                         k.matmul_half(0, h, x, np.empty((1, 1), F32), 0, 1)
+                    from swarm.compute import pointers
+                    pointers.address(x)  # activations and outputs: float32 [T, n] C-order, writable
+                    _pointer = pointers.address
                 _release_clean_pages("llvmlite")
                 _compiled = k
     return _compiled
@@ -525,7 +534,7 @@ def prepare_kernels() -> None:
 # only, and some inline functions of others (lowbit.py and rowkernels.py use qkernels.py's): the
 # cache lives in a folder named by all of their contents, so a change to any (an upgrade, an
 # edit) starts a fresh one rather than loading a stale kernel.
-_CACHED_SOURCES = ("qkernels.py", "lowbit.py", "rowkernels.py", "deltakernel.py")
+_CACHED_SOURCES = ("qkernels.py", "lowbit.py", "rowkernels.py", "deltakernel.py", "pointers.py")
 
 
 def _numba_cache_dir() -> str:
