@@ -230,8 +230,20 @@ def swiglu_many(ws: Sequence[MLPWeights], xs: Sequence[np.ndarray]) -> list[np.n
     down product — so a decode step's experts, each too small to split well, share all the
     threads."""
     n = len(ws)
-    gu = matmul_many([(w.gate, x, None) for w, x in zip(ws, xs)] + [(w.up, x, None) for w, x in zip(ws, xs)])
-    hs = [_activation(w, g, u) for w, g, u in zip(ws, gu[:n], gu[n:])]  # [n_i, F] each
+    if n > 1 and all(w.bias is None and not w.swiglu_limit for w in ws):
+        # Gate and up products written into two flat buffers, so the activation (element-wise)
+        # is one call for all of them: a decode step's experts, ~3 µs each called one by one.
+        sizes = [x.shape[0] * w.gate.shape[0] for w, x in zip(ws, xs)]
+        ends = np.cumsum(sizes).tolist()
+        g_all, u_all = np.empty(ends[-1], F32), np.empty(ends[-1], F32)
+        gs = [g_all[e - k:e].reshape(x.shape[0], -1) for e, k, x in zip(ends, sizes, xs)]
+        us = [u_all[e - k:e].reshape(x.shape[0], -1) for e, k, x in zip(ends, sizes, xs)]
+        matmul_many([(w.gate, x, g) for w, x, g in zip(ws, xs, gs)] + [(w.up, x, u) for w, x, u in zip(ws, xs, us)])
+        silu_mul(g_all.reshape(1, -1), u_all.reshape(1, -1))
+        hs = gs
+    else:
+        gu = matmul_many([(w.gate, x, None) for w, x in zip(ws, xs)] + [(w.up, x, None) for w, x in zip(ws, xs)])
+        hs = [_activation(w, g, u) for w, g, u in zip(ws, gu[:n], gu[n:])]  # [n_i, F] each
     ys = matmul_many([(w.down, h, None) for w, h in zip(ws, hs)])  # [n_i, H] each
     for w, y in zip(ws, ys):
         if w.bias is not None:
