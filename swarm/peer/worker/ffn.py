@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from swarm.compute.ffn import swiglu_ffn
-from swarm.compute.kernels import MLPWeights
+from swarm.compute.kernels import MLPWeights, swiglu_many
 from swarm.errors import KernelError, RemoteProtocolError, StaleTermError
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
 from swarm.peer.plan import ModelShape, Plan
@@ -82,6 +82,11 @@ class CpuFfn:
 
     def run(self, weights: MLPWeights, x: np.ndarray) -> np.ndarray:
         return swiglu_ffn(weights, x)
+
+    def run_many(self, weights: list[MLPWeights], xs: list[np.ndarray]) -> list[np.ndarray]:
+        """``[run(w, x) for w, x in zip(weights, xs)]`` with the products of all of them handed
+        to the compute threads at once (a request's experts, each too small to split well)."""
+        return swiglu_many(weights, xs)
 
 
 class Worker:
@@ -220,10 +225,15 @@ class Worker:
         counts = msg.row_counts.astype(np.int64)
         bounds = np.concatenate([[0], np.cumsum(counts)])
         outputs = np.empty_like(msg.rows)
-        for i, e in enumerate(ids.tolist()):
-            a, b = bounds[i], bounds[i + 1]
-            if b > a:
-                outputs[a:b] = self.device.run(self._expert(msg.layer, e), msg.rows[a:b])
+        parts = [(self._expert(msg.layer, e), bounds[i], bounds[i + 1]) for i, e in enumerate(ids.tolist())
+                 if bounds[i + 1] > bounds[i]]
+        run_many = getattr(self.device, "run_many", None)
+        if run_many is not None:  # the request's experts as one group of products
+            ys = run_many([w for w, _, _ in parts], [np.ascontiguousarray(msg.rows[a:b]) for _, a, b in parts])
+        else:
+            ys = [self.device.run(w, msg.rows[a:b]) for w, a, b in parts]
+        for (_, a, b), y in zip(parts, ys):
+            outputs[a:b] = y
         return ExpertAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer,
                             msg.expert_ids, msg.row_counts, outputs)
 
