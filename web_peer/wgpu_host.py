@@ -10,6 +10,8 @@ is done: a peer makes them off its event loop (the worker's compute thread).
     w = gpu.upload(w_gate, w_up, w_down, "q8")   # [F, H], [F, H], [H, F] float32 → GPU parts
     y = gpu.ffn(x, w)                            # x [T, H] float32 → y [T, H] float32
     w = gpu.upload(raw_g, raw_u, raw_d, "q4_1")  # GGUF Q4_1 blocks as in the file (uint8 rows)
+    m = gpu.upload_linear(raw_q, "q8_0")         # one matrix W [N, K] for y = x @ W.T
+    q, k = gpu.matmul_many([(m, x), (m2, x)])    # x [T, K] float32 → [T, N] float32 each, one submit
 
 Errors: KernelError for bad shapes/formats, limits that cannot be met, and any GPU error (the
 device is then dropped and a fresh one made on the next call).
@@ -18,6 +20,7 @@ device is then dropped and a fresh one made on the next call).
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +64,23 @@ class GpuFfnWeights:
     def nbytes(self) -> int:
         """Weight bytes held (both planes of every matrix)."""
         return sum(m.packed.nbytes for m in (self.gate, self.up, self.down))
+
+
+@dataclass
+class GpuLinear:
+    """One weight matrix W [rows, cols] on the GPU for y = x @ W.T, through the down kernel (its
+    product is exactly that: one workgroup per weight row); ``fmt`` as :class:`GpuFfnWeights`'."""
+
+    fmt: str
+    rows: int
+    cols: int
+    matrix: GpuMatrix
+    device: object = None  # the device holding the buffers; a fresh device needs a new upload
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes held (both planes)."""
+        return self.matrix.packed.nbytes
 
 
 class WgpuFfn:
@@ -180,6 +200,72 @@ class WgpuFfn:
         except self._wgpu.GPUError as e:
             self.drop_device()
             raise KernelError(f"GPU error while uploading weights: {e}") from e
+
+    def upload_linear(self, w: np.ndarray, fmt: str) -> GpuLinear:
+        """Pack and upload one matrix W [N, K] for :meth:`matmul_many`: float32 for the float
+        formats, the file's blocks (uint8 [N, K / block * block bytes]) or float32 for the block
+        formats, as :meth:`upload`. Raises KernelError on a bad shape or format, or a GPU error."""
+        rows, cols = K.matrix_shape(w, "w", fmt)
+        self._pipeline("down", fmt)
+        try:
+            return GpuLinear(fmt, rows, cols, self._upload_matrix(K.pack_matrix(w, fmt, self.max_binding)), self.device)
+        except self._wgpu.GPUError as e:
+            self.drop_device()
+            raise KernelError(f"GPU error while uploading weights: {e}") from e
+
+    def matmul_many(self, products: Sequence[tuple[GpuLinear, np.ndarray]]) -> list[np.ndarray]:
+        """``[x @ W.T for W, x in products]``: each x float32 [T, W.cols] → float32 [T, W.rows],
+        all in one submission (an x shared by several products is uploaded once). Raises
+        KernelError for weights of a lost device, a shape mismatch, non-finite input or output,
+        or a GPU error (the device is then reset)."""
+        for w, x in products:
+            K._f32(x, "x", 2)
+            if w.device is not self.device or self.device is None:
+                raise KernelError("these weights were uploaded to a device that was lost; upload them again")
+            if x.shape[1] != w.cols:
+                raise KernelError(f"x has {x.shape[1]} columns; this matrix expects {w.cols}")
+            if not np.isfinite(x).all():
+                raise KernelError("x holds NaN or infinity; refusing to compute")
+        if not products:
+            return []
+        widest = max(max(w.matrix.packed.cols, w.rows) for w, _ in products) * 4  # bytes of an activation row
+        block = max(1, self.max_binding // widest)
+        longest = max(x.shape[0] for _, x in products)
+        parts = [self._linear_block([(w, x[t:t + block]) for w, x in products]) for t in range(0, longest, block)]
+        return [np.concatenate([p[i] for p in parts]) if parts else np.zeros((0, w.rows), np.float32)
+                for i, (w, _) in enumerate(products)]
+
+    def _linear_block(self, products: list[tuple[GpuLinear, np.ndarray]]) -> list[np.ndarray]:
+        """:meth:`matmul_many` on rows that fit one binding, in one submission."""
+        wg = self._wgpu
+        try:
+            dev = self._device()
+            inputs: dict[int, object] = {}  # id(x) → its buffer: q, k and v share their rows
+            outs = []
+            enc = dev.create_command_encoder()
+            for w, x in products:
+                t_rows, kp = x.shape[0], w.matrix.packed.cols
+                if t_rows == 0:
+                    outs.append(None)
+                    continue
+                key = (id(x), kp)
+                if key not in inputs:
+                    inputs[key] = self._buffer(K.pad_matrix(x, t_rows, kp).tobytes(), wg.BufferUsage.STORAGE)
+                yb = dev.create_buffer(size=max(16, t_rows * w.rows * 4),
+                                       usage=wg.BufferUsage.STORAGE | wg.BufferUsage.COPY_SRC)
+                self.largest_binding = max(self.largest_binding, t_rows * w.rows * 4)
+                self._dispatch(enc, "down", w.fmt, t_rows, kp // 4, w.rows, inputs[key], [w.matrix], yb)
+                outs.append(yb)
+            dev.queue.submit([enc.finish()])
+            ys = [np.zeros((x.shape[0], w.rows), np.float32) if yb is None else
+                  np.frombuffer(dev.queue.read_buffer(yb), np.float32)[:x.shape[0] * w.rows].reshape(x.shape[0], w.rows)
+                  for (w, x), yb in zip(products, outs)]
+        except wg.GPUError as e:
+            self.drop_device()
+            raise KernelError(f"GPU error during the request; the device was reset: {e}") from e
+        if not all(np.isfinite(y).all() for y in ys):
+            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
+        return ys
 
     # ---- compute ----------------------------------------------------------------------------
 

@@ -9,12 +9,14 @@ coordinator touches attention and routers, a worker only the experts
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -34,6 +36,15 @@ from swarm.compute.rope import apply_partial_rope, yarn_attention_factor, yarn_i
 F32 = np.float32
 ATTENTION_MATRICES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_b", "v_b",
                       "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_out")
+
+
+class ProductDevice(Protocol):
+    """Where a model view computes its layers' attention projections (Q, K, V, O):
+    ``matmul_many`` keeps :func:`swarm.compute.quant.matmul_many`'s contract — each (W
+    [rows, cols] QMatrix, x float32 [T, cols], out float32 [T, rows] or None) gives x @ W.T,
+    written into ``out`` where given; returns the results in order."""
+
+    def matmul_many(self, products: Sequence[tuple[QMatrix, np.ndarray, np.ndarray | None]]) -> list[np.ndarray]: ...
 
 
 class KVCache:
@@ -164,6 +175,8 @@ class Model:
     may run concurrently.
     """
 
+    products: ProductDevice | None = None  # None: the engine's kernels; a view's device (with_products)
+
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
         self.path: Path = checkpoint.path
@@ -213,6 +226,21 @@ class Model:
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.config, capacity)
+
+    def with_products(self, device: ProductDevice) -> Model:
+        """A view of this model whose attention projections (Q, K, V, O of standard attention)
+        run on ``device`` (a GPU stage peer's); it shares the weights, their lock and caches.
+        This model keeps the engine's kernels (it may coordinate, and verify others, meanwhile)."""
+        view = copy.copy(self)
+        view.products = device
+        return view
+
+    def _project(self, products: list[tuple[QMatrix, np.ndarray, np.ndarray | None]]) -> list[np.ndarray]:
+        """Attention's products on this view's device (:meth:`with_products`)."""
+        return matmul_many(products) if self.products is None else self.products.matmul_many(products)
+
+    def _product(self, w: QMatrix, x: np.ndarray) -> np.ndarray:
+        return w.matmul(x) if self.products is None else self.products.matmul_many([(w, x, None)])[0]
 
     # ---- global weights -------------------------------------------------------------------
     @cached_property
@@ -432,7 +460,7 @@ class Model:
         nq = nh * hd
         nk = nkv * hd
         qkv = np.empty((T, nq + 2 * nk), F32)  # [T, (nh + 2 nkv) hd]
-        matmul_many([(w.q, h, qkv[:, :nq]), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
+        self._project([(w.q, h, qkv[:, :nq]), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
         if w.qkv_bias is not None:
             qkv += w.qkv_bias
         if c.qk_norm == "proj":  # OLMoE: RMSNorm over the whole Q and K projections
@@ -462,7 +490,7 @@ class Model:
             out = sink_attention(q, k, v, start, w.sinks, window)
         if not o_proj:
             return out
-        y = w.o.matmul(out)
+        y = self._product(w.o, out)
         if w.o_bias is not None:
             y += w.o_bias
         return y
@@ -605,12 +633,12 @@ class Model:
         gate = None
         if c.attn_output_gate:  # Qwen3.5: each head's query, then its output gate: [T, nh, 2 hd]
             q_gate = np.empty((T, 2 * nq), F32)
-            matmul_many([(w.q, h, q_gate), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
+            self._project([(w.q, h, q_gate), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
             q_gate = q_gate.reshape(T, nh, 2 * hd)
             qkv[:, :nq] = q_gate[..., :hd].reshape(T, nq)
             gate = sigmoid(q_gate[..., hd:].reshape(T, nq))
         else:
-            matmul_many([(w.q, h, qkv[:, :nq]), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
+            self._project([(w.q, h, qkv[:, :nq]), (w.k, h, qkv[:, nq:nq + nk]), (w.v, h, qkv[:, nq + nk:])])
         if w.qkv_bias is not None:
             qkv += w.qkv_bias
         if c.qk_norm == "proj":
@@ -631,7 +659,7 @@ class Model:
             out[a:b] = self._attend_out(layer, w, qk[a:b, :nh], k, v, start, o_proj=False)
         if gate is not None:
             out *= gate
-        y = w.o.matmul(out)
+        y = self._product(w.o, out)
         if w.o_bias is not None:
             y += w.o_bias
         return y

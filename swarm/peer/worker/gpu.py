@@ -35,21 +35,24 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from swarm import __version__
-from swarm.compute.ffn import swiglu_ffn
-from swarm.compute.kernels import MLPWeights
-from swarm.compute.quant import QMatrix
+from swarm.compute.ffn import combine, expert_rows, route, segment_ids, swiglu_ffn
+from swarm.compute.kernels import MLPWeights, sigmoid
+from swarm.compute.model import AttentionWeights
+from swarm.compute.quant import QMatrix, as_qmatrix, matmul_many
 from swarm.errors import KernelError, LocalProtocolError, SwarmError
 from swarm.peer.net.messages import ADAPTER_PREFIX, NumericBuild
 from swarm.peer.weights.repack import requantize_q8_0
 
 if TYPE_CHECKING:
-    from web_peer.wgpu_host import GpuFfnWeights, WgpuFfn
+    from swarm.compute.model import Model
+    from web_peer.wgpu_host import GpuFfnWeights, GpuLinear, WgpuFfn
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +74,12 @@ class GpuWeights:
         return int(held.nbytes) if held is not None else 0
 
 
-def kernel_operand(m: QMatrix, formats: tuple[str, ...], role: str) -> tuple[np.ndarray, str]:
+def kernel_operand(m: QMatrix, formats: tuple[str, ...], role: str, repack: bool = True) -> tuple[np.ndarray, str] | None:
     """What ``WgpuFfn.upload`` takes for matrix ``m`` (rows × cols, in the file's encoding):
     (uint8 blocks [rows, row bytes], block format) for the block formats in ``formats``, (float32
-    [rows, cols], "f32" or "f16") for F32 and F16 elements, else the Q8_0 requantization.
-    ``role`` names the matrix in errors. Raises LocalProtocolError when a requantization is
-    needed and the rows are not a multiple of 32 weights."""
+    [rows, cols], "f32" or "f16") for F32 and F16 elements, else the Q8_0 requantization (None
+    without ``repack``). ``role`` names the matrix in errors. Raises LocalProtocolError when a
+    requantization is needed and the rows are not a multiple of 32 weights."""
     from web_peer.kernels import block_format
 
     name = m.qtype.name
@@ -87,7 +90,7 @@ def kernel_operand(m: QMatrix, formats: tuple[str, ...], role: str) -> tuple[np.
         return np.ascontiguousarray(m.data).view(np.float32), "f32"
     if name == "F16" and "f16" in formats:
         return np.ascontiguousarray(m.data).view(np.float16).astype(np.float32), "f16"
-    return _q8_0(m, role), "q8_0"
+    return (_q8_0(m, role), "q8_0") if repack else None
 
 
 def _q8_0(m: QMatrix, role: str) -> np.ndarray:
@@ -142,15 +145,19 @@ class GpuFfn:
 
     # ---- FfnDevice ----------------------------------------------------------------------------
 
-    def load(self, weights: MLPWeights) -> GpuWeights:
-        """Upload one SwiGLU block (module docstring). Raises KernelError on a GPU error."""
+    def load(self, weights: MLPWeights, repack: bool = True) -> GpuWeights:
+        """Upload one SwiGLU block (module docstring); without ``repack``, a block that would
+        need a Q8_0 requantization stays on the CPU instead. Raises KernelError on a GPU error."""
         if weights.bias is not None or weights.swiglu_limit:
             self.cpu_blocks += 1
             return GpuWeights(cpu=weights)
         formats = self.host.formats
         try:
-            (g, gf), (u, uf), (d, df) = (kernel_operand(m, formats, role) for m, role in (
-                (weights.gate, "gate"), (weights.up, "up"), (weights.down, "down")))
+            ops = [kernel_operand(m, formats, role, repack) for m, role in (
+                (weights.gate, "gate"), (weights.up, "up"), (weights.down, "down"))]
+            if None in ops or (not repack and ops[0][1] != ops[1][1]):
+                raise LocalProtocolError("its encodings need a Q8_0 repack, which a stage does not take")
+            (g, gf), (u, uf), (d, df) = ops
             if gf != uf:  # one kernel reads gate and up together
                 g, u, gf = _q8_0(weights.gate, "gate"), _q8_0(weights.up, "up"), "q8_0"
         except LocalProtocolError as exc:
@@ -201,3 +208,119 @@ class GpuFfn:
             self.host.ffn(x, w)
             best = min(best, time.perf_counter() - t)
         return 3 * 2 * rows * hidden * ffn / best / 1e9
+
+
+DENSE, SHARED = -1, -2  # GpuStage's block keys besides expert indices: a layer's dense MLP, its shared expert
+
+
+class GpuStage:
+    """A GPU peer's stages (module docstring, "Stages"): the
+    :class:`~swarm.compute.model.ProductDevice` of a StageRunner's model view — each layer's
+    Q, K, V and O projections — and the FFN backend of its layers — the dense SwiGLU, or the
+    selected experts and the shared expert — on ``gpu``, for the layers of ``model``.
+
+    Routing, norms, RoPE, attention over the KV cache, biases and the combine stay the engine's
+    own code on the CPU, as does every matrix the kernels do not read in the file's encoding:
+    a stage never computes on a Q8_0 repack (its answers are held to
+    :func:`~swarm.peer.coordinator.bounds.stage_rtol`, which has no repack term). Weights are
+    uploaded by :meth:`load_layer` when a stage plan is accepted, else on first use. Called
+    from the worker's one compute thread only. Raises KernelError on a GPU error (then
+    :meth:`reset` drops the uploads; the next request uploads again)."""
+
+    def __init__(self, gpu: GpuFfn, model: Model) -> None:
+        self.gpu = gpu
+        self.model = model
+        self._linear: dict[QMatrix, GpuLinear | None] = {}  # attention matrix → on the GPU, or None: the CPU
+        self._blocks: dict[tuple[int, int], GpuWeights] = {}  # (layer, expert | DENSE | SHARED) → SwiGLU block
+
+    def load_layer(self, layer: int) -> int:
+        """Upload layer ``layer``'s attention projections and FFN blocks (every expert of a MoE
+        layer) now; returns the bytes held for them."""
+        m = self.model
+        w = m.attention_weights(layer)
+        total = sum(g.nbytes for g in map(self._linear_of, _projections(w)) if g is not None)
+        if not m.is_moe_layer(layer):
+            return total + self._block(layer, DENSE).nbytes
+        keys = [*range(m.config.n_experts), *([SHARED] if m.has_shared_expert(layer) else [])]
+        return total + sum(self._block(layer, e).nbytes for e in keys)
+
+    def keep_layers(self, layers: set[int]) -> None:
+        """Drop the uploads of every layer outside ``layers`` (a stage plan moved them away)."""
+        keep = {q for layer in layers for q in _projections(self.model.attention_weights(layer))}
+        self._linear = {q: g for q, g in self._linear.items() if q in keep}
+        self._blocks = {k: v for k, v in self._blocks.items() if k[0] in layers}
+
+    def reset(self) -> None:
+        """Forget every upload (after a GPU error: the device was reset)."""
+        self._linear, self._blocks = {}, {}
+
+    def held(self) -> dict:
+        """What is uploaded (status, tests): ``gpu`` matrices and SwiGLU blocks on the GPU,
+        ``cpu`` those the kernels do not read (run by the engine), ``formats`` the kernel formats
+        in use (a set of names: "q4_k", "f32", ...)."""
+        gpu = [g for g in self._linear.values() if g is not None] + [b.gpu for b in self._blocks.values() if b.gpu]
+        formats = {g.fmt for g in gpu} | {b.gpu.down_fmt for b in self._blocks.values() if b.gpu}
+        return {"gpu": len(gpu), "cpu": len(self._linear) + len(self._blocks) - len(gpu), "formats": formats}
+
+    # ---- ProductDevice: the attention projections ----------------------------------------------
+
+    def matmul_many(self, products: Sequence[tuple[QMatrix, np.ndarray, np.ndarray | None]]) -> list[np.ndarray]:
+        """``x @ W.T`` for each (W, x float32 [T, cols], out float32 [T, rows] or None), written
+        into ``out`` where given: on the GPU in one submission, but for matrices the kernels do
+        not read, which run through the engine's :func:`~swarm.compute.quant.matmul_many`."""
+        held = [self._linear_of(w) for w, _, _ in products]
+        results: list[np.ndarray | None] = [None] * len(products)
+        cpu = [i for i, g in enumerate(held) if g is None]
+        gpu = [i for i, g in enumerate(held) if g is not None]
+        for i, y in zip(cpu, matmul_many([products[i] for i in cpu]) if cpu else ()):
+            results[i] = y
+        xs: dict[int, np.ndarray] = {}  # one C-order copy of an x several products share (Q, K, V)
+        operands = [(held[i], xs.setdefault(id(products[i][1]), np.ascontiguousarray(products[i][1], np.float32)))
+                    for i in gpu]
+        for i, y in zip(gpu, self.gpu.host.matmul_many(operands) if gpu else ()):
+            out = products[i][2]
+            if out is not None:
+                out[...] = y
+            results[i] = y if out is None else out
+        return results  # type: ignore[return-value]
+
+    def _linear_of(self, w: QMatrix) -> GpuLinear | None:
+        if w not in self._linear:
+            op = kernel_operand(w, self.gpu.host.formats, "attention", repack=False)
+            self._linear[w] = None if op is None else self.gpu.host.upload_linear(*op)
+        return self._linear[w]
+
+    # ---- FFNBackend: the layer's MLP or MoE ----------------------------------------------------
+
+    def ffn(self, layer: int, x: np.ndarray, segments: Sequence[int] | None = None) -> np.ndarray:
+        """x [T, H] f32 (post-attention-normed) → [T, H] f32: :class:`~swarm.compute.ffn.LocalFFN`'s
+        composition (route, each selected expert over its rows, combine in expert order, the
+        shared expert last) with every SwiGLU block on the GPU."""
+        m = self.model
+        if not m.is_moe_layer(layer):
+            return self.gpu.run(self._block(layer, DENSE), x)
+        T, H = x.shape
+        seg = segment_ids(segments, T)
+        routing = route(m.router_logits(layer, x, seg), **m.routing_config(layer).kwargs())
+        outputs = {e: self.gpu.run(self._block(layer, e), x[rows]) for e, rows in expert_rows(routing).items()}
+        shared = None
+        if m.has_shared_expert(layer):
+            shared = self.gpu.run(self._block(layer, SHARED), x)
+            gate = m.shared_expert_weights(layer)[1]
+            if gate is not None:  # Qwen2-MoE's sigmoid gate, as swarm.compute.ffn.shared_expert
+                shared = sigmoid(as_qmatrix(gate).matmul(np.ascontiguousarray(x))) * shared
+        return combine(T, H, routing, outputs, shared=shared)
+
+    def _block(self, layer: int, e: int) -> GpuWeights:
+        held = self._blocks.get((layer, e))
+        if held is None:
+            m = self.model
+            w = (m.dense_weights(layer) if e == DENSE else m.shared_expert_weights(layer)[0] if e == SHARED
+                 else m.expert_weights(layer, e))
+            held = self._blocks[(layer, e)] = self.gpu.load(w, repack=False)
+        return held
+
+
+def _projections(w: object) -> tuple[QMatrix, ...]:
+    """Q, K, V, O of standard attention weights; none for MLA or linear attention (the CPU's)."""
+    return (w.q, w.k, w.v, w.o) if isinstance(w, AttentionWeights) else ()

@@ -30,6 +30,7 @@ from swarm.peer.weights.shipping_aio import SliceFetcher, fetch_plan_slices
 from swarm.peer.weights.sizes import model_shape
 from swarm.peer.weights.slices import SliceSpan
 from swarm.peer.worker.ffn import FfnDevice, Worker
+from swarm.peer.worker.gpu import GpuFfn, GpuStage
 from swarm.peer.worker.stages import StageRunner
 
 if TYPE_CHECKING:
@@ -49,7 +50,9 @@ class WorkerRole:
 
     ``model``: the whole model this peer holds (None: slices are shipped to it); ``election``:
     whose terms and coordinator a plan must match; ``device``: where FFN ranges are held and
-    computed (None: the CPU; a :class:`~swarm.peer.worker.gpu.GpuFfn` under ``join --gpu``).
+    computed (None: the CPU; a :class:`~swarm.peer.worker.gpu.GpuFfn` under ``join --gpu``, which
+    then computes the weight products of this peer's stages too: a
+    :class:`~swarm.peer.worker.gpu.GpuStage`).
     """
 
     def __init__(self, node: Node, model: Model | None, election: ElectionDriver,
@@ -60,7 +63,8 @@ class WorkerRole:
         self.device = device
         self.shape = model_shape(model) if model is not None else None  # learned from slices otherwise
         self.server: Worker | None = Worker(node.peer_id, self.shape, model, device) if model is not None else None
-        self.stage_runner = StageRunner(node.peer_id, model) if model is not None else None
+        stage_device = GpuStage(device, model) if isinstance(device, GpuFfn) and model is not None else None
+        self.stage_runner = StageRunner(node.peer_id, model, device=stage_device) if model is not None else None
         self._fetchers: dict[str, SliceFetcher] = {}  # without a model: per link to a peer that has one
         self._plans_ready: dict[tuple[int, int], asyncio.Event] = {}  # (term, version) → slices in
         self._ship_lock = asyncio.Lock()

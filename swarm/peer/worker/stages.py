@@ -14,9 +14,17 @@ own layers only, and those of finished sequences until ``max_sequences`` newer o
 a sequence stepped within ``IN_FLIGHT_S`` is in flight and never dropped (several batch schedulers
 step their own sequences in turn).
 
+GPU. On a GPU peer (``join --gpu``) a :class:`StageDevice`
+(:class:`~swarm.peer.worker.gpu.GpuStage`) computes each layer's weight products — Q, K, V, O
+and the FFN — through a view of the model (:meth:`~swarm.compute.model.Model.with_products`)
+and as the FFN backend of ``Model.layers``: the same layer code, another numeric build, whose
+answers the coordinator checks within a bound. A device error answers ``internal`` and drops
+the uploads (the device was reset); the next request uploads again.
+
 Threading. Synchronous and CPU-heavy: run off the event loop, except a short step (a decode
 token: :meth:`StageRunner.take_inline`), which runs on the event loop that received it, sparing
-the two thread hand-offs to the compute thread and back. The coordinator's side is
+the two thread hand-offs to the compute thread and back — never on a GPU peer, whose device is
+used from the compute thread only (its FFN ranges share it). The coordinator's side is
 :mod:`swarm.peer.coordinator.stages`.
 """
 
@@ -28,12 +36,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
-from swarm.compute.model import KVCache
+from swarm.compute.ffn import FFNBackend
+from swarm.compute.model import KVCache, ProductDevice
 from swarm.compute.serving import MAX_BATCH_LIMIT
-from swarm.errors import RemoteProtocolError, StaleTermError
+from swarm.errors import KernelError, RemoteProtocolError, StaleTermError
 from swarm.peer.net.messages import Error, StageAnswer, StageRequest
 from swarm.peer.plan import INLINE_ROWS, StageLayout
 
@@ -66,18 +76,40 @@ class StageCache(KVCache):
 
 
 
+class StageDevice(ProductDevice, FFNBackend, Protocol):
+    """Where a GPU peer's stage layers compute their weight products (module docstring, "GPU"):
+    the attention projections (``matmul_many``) and the FFN (``ffn``) of the layers it holds.
+    Its methods raise KernelError when the device fails."""
+
+    def load_layer(self, layer: int) -> int:
+        """Upload layer ``layer``'s weights now; returns the bytes held for them."""
+        ...
+
+    def keep_layers(self, layers: set[int]) -> None:
+        """Drop the weights of every other layer."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every upload (the device was reset)."""
+        ...
+
+
 class StageRunner:
     """Answers :class:`StageRequest` s for peer ``peer_id`` from ``model`` (a memory-mapped
     :class:`swarm.compute.model.Model`: only the stage's layers are ever read), keeping a KV
     cache per sequence. Every field of a request is checked before it reaches a kernel; a bad
-    one earns an :class:`Error` naming it (codes ``stale_term``, ``bad_request``, ``cache_gap``).
+    one earns an :class:`Error` naming it (codes ``stale_term``, ``bad_request``, ``cache_gap``;
+    ``internal`` when ``device`` failed). ``device``: where the layers' weight products run
+    (None: the engine's kernels; module docstring, "GPU").
     """
 
     def __init__(self, peer_id: str, model, max_sequences: int = MAX_SEQUENCES, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, device: StageDevice | None = None) -> None:
         self.peer_id = peer_id
         self._clock = clock
         self.model = model
+        self.device = device
+        self._layers = model.with_products(device) if device is not None else model  # runs the layers
         self.max_sequences = max_sequences
         self._layouts: dict[tuple[int, int], StageLayout] = {}
         self.term = 0
@@ -96,7 +128,7 @@ class StageRunner:
         and a sequence's steps must keep their order)."""
         rows = msg.x.shape[0] if isinstance(msg.x, np.ndarray) and msg.x.ndim == 2 else INLINE_ROWS + 1
         s = self._step_s.get((msg.layer_start, msg.layer_stop))
-        if rows <= INLINE_ROWS and not self._busy and s is not None and s * rows <= INLINE_MAX_S:
+        if self.device is None and rows <= INLINE_ROWS and not self._busy and s is not None and s * rows <= INLINE_MAX_S:
             self.inline += 1
             return True
         return False
@@ -146,9 +178,21 @@ class StageRunner:
 
     def prepare(self) -> None:
         """Open this peer's layers of the newest layout now — attention, router, every expert or
-        the dense MLP — not in its first (deadline-bound) requests."""
+        the dense MLP, uploaded to the device if it has one — not in its first (deadline-bound)
+        requests. Raises KernelError when the device fails."""
         layout = max(self._layouts.values(), key=lambda p: p.version, default=None)
         m = self.model
+        if self.device is not None:  # here, on the compute thread: the device is used from it only
+            with self._lock:
+                mine = {layer for p in self._layouts.values() for s in p.stages if s.peer == self.peer_id
+                        for layer in range(s.start, s.stop)}
+            self.device.keep_layers(mine)  # the uploads of stages no layout served gives this peer go
+            try:
+                for layer in sorted(mine):
+                    self.device.load_layer(layer)
+            except KernelError:
+                self.device.reset()
+                raise
         for s in layout.stages if layout else ():
             for layer in range(s.start, s.stop) if s.peer == self.peer_id else ():
                 m.attention_weights(layer)
@@ -174,6 +218,11 @@ class StageRunner:
         except (RemoteProtocolError, ValueError) as exc:  # ValueError: the model refused the rows
             log.warning("refused stage request %s: %s", msg.request_id, exc)
             return Error(msg.request_id, "bad_request", str(exc))
+        except KernelError as exc:
+            log.warning("stage request %s failed on the device: %s", msg.request_id, exc)
+            if self.device is not None:
+                self.device.reset()
+            return Error(msg.request_id, "internal", str(exc))
         finally:
             self._release()
 
@@ -222,10 +271,11 @@ class StageRunner:
         for s, cache in zip(msg.segments, caches):
             cache.truncate(s.start)
         t0 = time.perf_counter()
+        m, ffn = self._layers, self.device
         if len(msg.segments) == 1:
-            out = self.model.layers(x, caches[0], msg.segments[0].start, lo, hi)
+            out = m.layers(x, caches[0], msg.segments[0].start, lo, hi, ffn)
         else:
-            out = self.model.layers_batch(x, [(c, s.start, s.rows) for s, c in zip(msg.segments, caches)], lo, hi)
+            out = m.layers_batch(x, [(c, s.start, s.rows) for s, c in zip(msg.segments, caches)], lo, hi, ffn)
         compute_s = time.perf_counter() - t0
         if x.shape[0] <= INLINE_ROWS:
             self._step_s[(lo, hi)] = compute_s / x.shape[0]

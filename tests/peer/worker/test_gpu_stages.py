@@ -1,0 +1,121 @@
+"""A GPU peer's stages (swarm/peer/worker/gpu.py, GpuStage) on wgpu (lavapipe in CI): a
+StageRunner with the GPU device runs each layer's Q, K, V, O and FFN products with the WGSL
+kernels on the file's own encoding, and its answers — a prefill, decode steps, a step of two
+sequences — equal the CPU StageRunner's within the bound ``--verify`` holds another numeric
+build's stage answers to (bounds.stage_rtol; the oracle: the engine's own layers on the same
+weights). A lost device answers ``internal``; the next request uploads again."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from swarm.compute.model import load_model
+from swarm.peer.coordinator.bounds import rows_outside, stage_rtol
+from swarm.peer.net import messages as M
+from swarm.peer.plan import Stage, StageLayout
+from swarm.peer.worker.gpu import GpuFfn, GpuStage
+from swarm.peer.worker.stages import StageRunner
+from tests.compute.test_quant_kernels import quantize_k
+from tests.compute.tiny_gguf import write_gguf_from_hf
+from tests.compute.tiny_models import build_tiny
+from tests.peer._swarm_models import COORD, W1
+
+pytestmark = pytest.mark.browser
+
+# Every matrix of this llama fits a K-quant super-block (256 weights), so Q4_K covers them all.
+WIDE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+KERNEL = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_K: "q4_k"}
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    device = GpuFfn.open("on")
+    yield device
+    device.close()
+
+
+def gguf_model(tmp_path, monkeypatch, family: str, qtype: QT, **overrides):
+    """The tiny ``family`` checkpoint as a GGUF of ``qtype`` (K-quants by the tests' writer)."""
+    hf, _ = build_tiny(family, tmp_path / "hf", **overrides)
+    if qtype == QT.Q4_K:  # gguf-py cannot write K-quants
+        plain = gguf.quants.quantize
+        monkeypatch.setattr(gguf.quants, "quantize", lambda a, q: quantize_k(a, q) if q == QT.Q4_K else plain(a, q))
+    return load_model(write_gguf_from_hf(hf, family, tmp_path / f"{family}-{qtype.name}.gguf", qtype))
+
+
+def runners(model, gpu, stop: int) -> tuple[StageRunner, StageRunner, GpuStage]:
+    """A CPU StageRunner and a GPU one, both serving layers 0:stop of ``model`` as peer W1."""
+    layout = StageLayout(1, 1, COORD, (Stage(W1, 0, stop),) + ((Stage(COORD, stop, model.config.n_layers),)
+                                                               if stop < model.config.n_layers else ()))
+    device = GpuStage(gpu, model)
+    cpu, on_gpu = StageRunner(W1, model), StageRunner(W1, model, device=device)
+    for r in (cpu, on_gpu):
+        r.accept(layout)
+        r.prepare()
+    return cpu, on_gpu, device
+
+
+def request(rid: int, segments: list[tuple[int, int, int]], x: np.ndarray, stop: int) -> M.StageRequest:
+    """Rows x of ``segments`` ((sequence, start, rows) each) for layers 0:stop."""
+    return M.StageRequest(rid, 1, 1, tuple(M.StageSegment(*s) for s in segments), 0, stop, x)
+
+
+def assert_within_bound(model, stop: int, cpu: StageRunner, on_gpu: StageRunner, req: M.StageRequest) -> np.ndarray:
+    """Both runners answer ``req``; the GPU's rows are within the stage bound of the CPU's
+    (bit-identical answers would mean the GPU computed nothing). Returns the GPU's rows."""
+    local, remote = cpu.handle(req), on_gpu.handle(req)
+    assert isinstance(local, M.StageAnswer) and isinstance(remote, M.StageAnswer), (local, remote)
+    c = model.config
+    width = max(c.intermediate_size or 0, c.top_k * c.moe_intermediate_size)
+    context = max(s.start + s.rows for s in req.segments)
+    assert not rows_outside(remote.x, local.x, stage_rtol(stop, c.hidden_size, width, context)).any()
+    assert not np.array_equal(remote.x, local.x)
+    return remote.x
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_K], ids=lambda q: q.name)
+def test_a_gpu_stage_of_each_encoding_answers_within_the_stage_bound(gpu, tmp_path, monkeypatch, qtype):
+    model = gguf_model(tmp_path, monkeypatch, "llama", qtype, **WIDE)
+    stop = model.config.n_layers
+    cpu, on_gpu, device = runners(model, gpu, stop)
+    held = device.held()
+    assert held["cpu"] == 0 and held["formats"] == {KERNEL[qtype]}  # every product on the GPU, as the file stores it
+    H = model.config.hidden_size
+    rng = np.random.default_rng(int(qtype))
+    assert_within_bound(model, stop, cpu, on_gpu, request(1, [(5, 0, 7)], rng.standard_normal((7, H), np.float32), stop))
+    for step in range(3):  # decode steps over the cached keys/values
+        x = rng.standard_normal((1, H), np.float32)
+        assert_within_bound(model, stop, cpu, on_gpu, request(2 + step, [(5, 7 + step, 1)], x, stop))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_gpu_moe_stage_of_two_sequences_answers_within_the_stage_bound(gpu, tmp_path, monkeypatch, family):
+    """MoE layers (the selected experts on the GPU; Qwen2-MoE's gated shared expert too) and a
+    dense layer (Qwen3-MoE's layer 1), Q8_0 blocks; a step of two sequences (prefill beside a
+    decode row) goes through the batch path."""
+    model = gguf_model(tmp_path, monkeypatch, family, QT.Q8_0)
+    cpu, on_gpu, device = runners(model, gpu, 2)
+    held = device.held()  # matrices of 40 or 48 columns are F32 in the file (no whole Q8_0 blocks)
+    assert held["cpu"] == 0 and "q8_0" in held["formats"] <= {"q8_0", "f32"}
+    H = model.config.hidden_size
+    rng = np.random.default_rng(3)
+    assert_within_bound(model, 2, cpu, on_gpu, request(1, [(1, 0, 6)], rng.standard_normal((6, H), np.float32), 2))
+    x = rng.standard_normal((5, H), np.float32)
+    assert_within_bound(model, 2, cpu, on_gpu, request(2, [(1, 6, 1), (2, 0, 4)], x, 2))
+
+
+def test_a_lost_device_answers_internal_and_the_next_step_uploads_again(gpu, tmp_path, monkeypatch):
+    model = gguf_model(tmp_path, monkeypatch, "qwen3_moe", QT.F32)
+    cpu, on_gpu, device = runners(model, gpu, 3)
+    H = model.config.hidden_size
+    x = np.random.default_rng(5).standard_normal((4, H), np.float32)
+    first = assert_within_bound(model, 3, cpu, on_gpu, request(1, [(1, 0, 4)], x, 3))
+    assert not on_gpu.take_inline(request(2, [(1, 4, 1)], x[:1], 3))  # the device is the compute thread's
+    gpu.host.drop_device()  # as after a GPU error
+    refused = on_gpu.handle(request(2, [(1, 0, 4)], x, 3))
+    assert isinstance(refused, M.Error) and refused.code == "internal" and "lost" in refused.message
+    again = on_gpu.handle(request(3, [(1, 0, 4)], x, 3))
+    assert isinstance(again, M.StageAnswer) and np.array_equal(again.x, first)  # same kernels, same bits
