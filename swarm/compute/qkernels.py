@@ -5,9 +5,10 @@ Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of 32 weights), 5 Q4_K, 6 
 codes, low nibbles the first 16 weights) — block layouts as ggml defines them (``d``, ``m``,
 ``dmin`` are IEEE halves read through a 65536-entry table; MXFP4's scale and codes through
 tables of ``gguf.quants.MXFP4``'s values). :func:`dequant` takes kinds 0–4 and 8.
-Q4_K's decode tiles take AVX-512 vector code where the CPU has it (:data:`AVX512`): each
-weight read by ``vpermps`` from a 16-entry table of its sub-block's ``fma(d·sc, q, -dmin·m)``,
-the same values and operations as the portable form. :func:`run_group` computes a group of
+The K-quant tiles take AVX-512 vector code where the CPU has it (:data:`AVX512`,
+:func:`_k_block`): each weight decoded in registers to the float32 value of the portable form
+(Q4_K, Q5_K by ``vpermps``/``vpermi2ps`` from a table of its sub-block's
+``fma(d·sc, q, -dmin·m)``), then the same operations in the same order. :func:`run_group` computes a group of
 products tile by tile on every thread that runs it (swarm/compute/quant.py's ``matmul_many``).
 Each kernel runs on one thread over a range of output rows and releases the GIL: the caller
 spreads ranges over the process's compute threads (swarm/compute/threads.py), and other Python
@@ -38,7 +39,7 @@ def _host_has_avx512() -> bool:
 
 
 # Whether the kernels are compiled for a CPU with AVX-512F (numba compiles for the host unless
-# NUMBA_CPU_NAME names another CPU: then the portable form): Q4_K's decode tiles use it.
+# NUMBA_CPU_NAME names another CPU: then the portable form): the K-quant tiles use it.
 AVX512 = _host_has_avx512()
 
 # Every IEEE half bit pattern's float32 value: how block scales are read.
@@ -271,12 +272,13 @@ def _tile_source(kind: int, nr: int, tt: int) -> str:
     return "\n".join(lines)
 
 
-def _compile_tile(kind: int, nr: int, tt: int, permute: bool = AVX512):
+def _compile_tile(kind: int, nr: int, tt: int, avx512: bool = AVX512):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _half=_half, _u32=_u32,
                  _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
                  _prefetch_ahead=_prefetch_ahead, _k4_scales=_k4_scales, _k6_scales=_k6_scales,
-                 _k5=_k5, _k6=_k6, _E8M0=_E8M0, _e2m1=_e2m1, _q4k_block=_q4k_block)
-    source = _k_tile_source(kind, nr, tt, permute) if kind in _K_TYPES else _tile_source(kind, nr, tt)
+                 _k5=_k5, _k6=_k6, _E8M0=_E8M0, _e2m1=_e2m1,
+                 **{f"_k_block{k}": b for k, b in _k_blocks.items()})
+    source = _k_tile_source(kind, nr, tt, avx512) if kind in _K_TYPES else _tile_source(kind, nr, tt)
     exec(compile(source, f"<{__name__} tile {kind} {nr}x{tt}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])  # a call per tile cost ~8 % at T = 16
 
@@ -343,95 +345,192 @@ def _k6(ql, qh, shift):
     return F32(np.uint8(v)) - F32(32.0)
 
 
-# Q4_K's decode tiles in AVX-512 vector code (where AVX512): the same float32 operations, fewer
-# instructions.
+# The K-quant tiles in AVX-512 vector code (where AVX512): per super-block, each weight row's
+# scales are unpacked as vectors and its weights decoded 16 at a time in registers, then applied
+# to every activation row of the tile — the same float32 values and operations, per output
+# element and in the same order, as the portable form above.
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _V16, _I16 = ir.VectorType(ir.FloatType(), 16), ir.VectorType(_I32, 16)
 _V8F, _I8V = ir.VectorType(ir.FloatType(), 8), ir.VectorType(_I32, 8)
 _BYTES16 = ir.VectorType(ir.IntType(8), 16)
 
 
-@intrinsic
-def _q4k_block(typingctx, s, w, o, x, xo, d, dmin):
-    """One Q4_K super-block of weight row ``w`` (uint8, its 144 bytes at ``o``; ``d``, ``dmin``
-    its two scales as float32) against ``x[xo:xo + 256]`` (float32), into the 32 float32 lane
-    sums ``s``: per 64-weight chunk i, lane l takes ``fma(w_lo, x[64i + l], s[l])`` then
-    ``fma(w_hi, x[64i + 32 + l], ·)`` — the operations and order of qkernels' Q4_K tile. The
-    sub-block scales ``d·sc`` and minimums ``-(dmin·m)`` are unpacked as vectors, and each
-    weight ``fma(d·sc, q, -(dmin·m))`` is read from a 16-entry table of those values (one
-    fused multiply-add per possible q, so the same bits) by ``vpermps`` on the nibble."""
-    sig = types.none(s, w, o, x, xo, d, dmin)
+def _k_block(form: str):
+    """An intrinsic ``block(s, w, scales, o, x, xo)``: one super-block (byte ``o``, columns
+    ``xo:xo + 256``) of the K-quant ``form`` ("q4" Q4_K, "q5" Q5_K, "q6" Q6_K) for a tile of
+    NR weight rows ``w`` (a tuple of uint8 rows) by TT activation rows ``x`` (a tuple of
+    float32 rows), into the NR·TT 32-lane float32 sums ``s`` (a tuple, row-major: weight row,
+    then activation row). ``scales``: each weight row's super-block scales as float32 — Q4_K
+    and Q5_K ``d, dmin``, Q6_K ``d``. Per lane the operations and order of the portable tile:
 
-    def codegen(context, builder, sig, args):
-        def data(i):
-            return context.make_array(sig.args[i])(context, builder, args[i]).data
-        ps, pw, px = data(0), data(1), data(3)
-        o, xo, d, dmin = args[2], args[4], args[5], args[6]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
-        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16]),
-                                              "llvm.x86.avx512.permvar.sf.512")
+    - Q4_K: each weight ``fma(d·sc, q, -(dmin·m))`` read by ``vpermps`` from a 16-entry table of
+      its sub-block's values (one fused multiply-add per possible q, so the same bits);
+    - Q5_K: the same from a 32-entry table, two registers read by ``vpermi2ps``;
+    - Q6_K: each weight ``(d·sc)·(q - 32)``, q - 32 converted from 32-bit integers (exact).
+    """
+    @intrinsic
+    def block(typingctx, s, w, scales, o, x, xo):
+        nr, tt = len(w.types), len(x.types)
+        if len(s.types) != nr * tt or len(scales.types) != nr * (1 if form == "q6" else 2):
+            return None
+        sig = types.none(s, w, scales, o, x, xo)
 
-        def splat(v, ty=_V16, n=16):
-            e = builder.insert_element(ir.Constant(ty, ir.Undefined), v, _I32(0))
-            return builder.shuffle_vector(e, e, ir.Constant(ir.VectorType(_I32, n), [0] * n))
+        def codegen(context, builder, sig, args):
+            def datas(i):
+                ty = sig.args[i]
+                return [context.make_array(t)(context, builder, v).data
+                        for t, v in zip(ty.types, cgutils.unpack_tuple(builder, args[i], len(ty.types)))]
+            o, xo = args[3], args[5]
+            pw = [builder.gep(p, [o]) for p in datas(1)]
+            px = [builder.gep(p, [xo]) for p in datas(4)]
+            ps = datas(0)
+            sc_args = cgutils.unpack_tuple(builder, args[2], len(sig.args[2].types))
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3),
+                                                 "llvm.fma.v16f32")
+            vp = ir.PointerType(_V16)
 
-        def c8(v):
-            return ir.Constant(_I8V, [v] * 8)
+            def splat(v, ty=_V16, n=16):
+                e = builder.insert_element(ir.Constant(ty, ir.Undefined), v, _I32(0))
+                return builder.shuffle_vector(e, e, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
+            def ints(v, ty=_I16, n=16):
+                return ir.Constant(ty, [v] * n)
+
+            def load_x(t, c):  # x[t][xo + c : xo + c + 16]
+                return builder.load(builder.bitcast(builder.gep(px[t], [_I64(c)]), vp), align=4)
+
+            def load_bytes(n, c):  # w[n][o + c : o + c + 16], zero-extended to 32 bits
+                q = builder.load(builder.bitcast(builder.gep(pw[n], [_I64(c)]), ir.PointerType(_BYTES16)), align=1)
+                return builder.zext(q, _I16)
+
+            # lane sums: acc[n][t][h] holds lanes 16h .. 16h + 15 of s[n·tt + t]
+            sums = [[[builder.bitcast(builder.gep(ps[n * tt + t], [_I64(16 * h)]), vp) for h in range(2)]
+                     for t in range(tt)] for n in range(nr)]
+            acc = [[[builder.load(p, align=4) for p in row] for row in rows] for rows in sums]
+
+            def apply(n, h, wv, xs):  # lanes 16h.. of every activation row of weight row n
+                for t in range(tt):
+                    acc[n][t][h] = builder.call(fma, [wv, xs[t], acc[n][t][h]])
+
+            if form == "q6":
+                _q6_block(builder, nr, tt, pw, sc_args, splat, ints, load_x, load_bytes, apply)
+            else:
+                _q45_block(builder, form, nr, tt, pw, sc_args, fma, splat, ints, load_x, load_bytes, apply)
+            for n in range(nr):
+                for t in range(tt):
+                    for h in range(2):
+                        builder.store(acc[n][t][h], sums[n][t][h], align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return block
+
+
+def _q45_block(builder, form, nr, tt, pw, sc_args, fma, splat, ints, load_x, load_bytes, apply):
+    """Q4_K / Q5_K codegen for :func:`_k_block`: per 64-weight chunk i, lane l takes
+    ``fma(w_lo, x[64i + l], ·)`` then ``fma(w_hi, x[64i + 32 + l], ·)``."""
+    perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16]),
+                                          "llvm.x86.avx512.permvar.sf.512")
+    perm2 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16, _V16]),
+                                           "llvm.x86.avx512.vpermi2var.ps.512")
+
+    def c8(v):
+        return ir.Constant(_I8V, [v] * 8)
+
+    scales = []
+    for n in range(nr):
         # 12 bytes of 6-bit scales and minimums at o + 4 (ggml's packing): a, b, c = bytes 4-7, 8-11, 12-15
-        head = builder.load(builder.bitcast(builder.gep(pw, [o]), ir.PointerType(_BYTES16)), align=1)
+        head = builder.load(builder.bitcast(pw[n], ir.PointerType(_BYTES16)), align=1)
 
         def pick(first):
-            return builder.zext(builder.shuffle_vector(head, head, ir.Constant(_I8V, list(range(first, first + 4)) * 2)), _I8V)
+            return builder.zext(builder.shuffle_vector(head, head, ir.Constant(_I8V, list(range(first, first + 4)) * 2)),
+                                _I8V)
         a, b, c = pick(4), pick(8), pick(12)
         sc_lo = builder.and_(a, c8(63))
         sc_hi = builder.or_(builder.and_(c, c8(15)), builder.shl(builder.lshr(a, c8(6)), c8(4)))
         mn_lo = builder.and_(b, c8(63))
         mn_hi = builder.or_(builder.lshr(c, c8(4)), builder.shl(builder.lshr(b, c8(6)), c8(4)))
         halves = ir.Constant(_I8V, [0, 1, 2, 3, 12, 13, 14, 15])  # j < 4 from *_lo, j ≥ 4 from *_hi
+        d, dmin = sc_args[2 * n], sc_args[2 * n + 1]
         sc = builder.fmul(splat(d, _V8F, 8), builder.sitofp(builder.shuffle_vector(sc_lo, sc_hi, halves), _V8F))
-        mn = builder.fneg(builder.fmul(splat(dmin, _V8F, 8), builder.sitofp(builder.shuffle_vector(mn_lo, mn_hi, halves), _V8F)))
-        iota = ir.Constant(_V16, [float(k) for k in range(16)])
-        vp = ir.PointerType(_V16)
-        nibble = ir.Constant(_I16, [4] * 16)
-        lanes = [builder.bitcast(builder.gep(ps, [_I64(16 * h)]), vp) for h in range(2)]
-        accs = [builder.load(p, align=4) for p in lanes]
-        for i in range(4):
-            tables = [builder.call(fma, [splat(builder.extract_element(sc, _I32(j))), iota,
-                                         splat(builder.extract_element(mn, _I32(j)))]) for j in (2 * i, 2 * i + 1)]
-            for h in range(2):  # lanes 16h .. 16h + 15
-                q = builder.load(builder.bitcast(builder.gep(pw, [builder.add(o, _I64(16 + 32 * i + 16 * h))]),
-                                                 ir.PointerType(_BYTES16)), align=1)
-                q = builder.zext(q, _I16)
-                lo = builder.call(perm, [tables[0], q])  # vpermps reads the low 4 bits of each index
-                hi = builder.call(perm, [tables[1], builder.lshr(q, nibble)])
-                xl = builder.load(builder.bitcast(builder.gep(px, [builder.add(xo, _I64(64 * i + 16 * h))]), vp), align=4)
-                xh = builder.load(builder.bitcast(builder.gep(px, [builder.add(xo, _I64(64 * i + 32 + 16 * h))]), vp),
-                                  align=4)
-                accs[h] = builder.call(fma, [lo, xl, accs[h]])
-                accs[h] = builder.call(fma, [hi, xh, accs[h]])
-        for p, acc in zip(lanes, accs):
-            builder.store(acc, p, align=4)
-        return context.get_dummy_value()
-    return sig, codegen
+        mn = builder.fneg(builder.fmul(splat(dmin, _V8F, 8),
+                                       builder.sitofp(builder.shuffle_vector(mn_lo, mn_hi, halves), _V8F)))
+        scales.append((sc, mn))
+    iotas = [ir.Constant(_V16, [float(k) for k in range(16 * p, 16 * p + 16)]) for p in range(2)]
+    # Q5_K: the high bits of lanes 16h.. in bytes o + 16 + 16h (bit 2i: chunk i's low nibbles, 2i + 1: high)
+    high = [[load_bytes(n, 16 + 16 * h) for h in range(2)] for n in range(nr)] if form == "q5" else None
+    first = 16 if form == "q4" else 48  # the nibbles
+    for i in range(4):
+        tables = []
+        for n in range(nr):
+            sc, mn = scales[n]
+            tables.append([[builder.call(fma, [splat(builder.extract_element(sc, _I32(j))), iota,
+                                               splat(builder.extract_element(mn, _I32(j)))])
+                            for iota in (iotas if form == "q5" else iotas[:1])] for j in (2 * i, 2 * i + 1)])
+        for h in range(2):
+            xl = [load_x(t, 64 * i + 16 * h) for t in range(tt)]
+            xh = [load_x(t, 64 * i + 32 + 16 * h) for t in range(tt)]
+            for n in range(nr):
+                q = load_bytes(n, first + 32 * i + 16 * h)
+                if form == "q4":  # vpermps reads the low 4 bits of each index
+                    lo = builder.call(perm, [tables[n][0][0], q])
+                    hi = builder.call(perm, [tables[n][1][0], builder.lshr(q, ints(4))])
+                else:  # 5-bit indices: vpermi2ps reads the low 5 bits
+                    g = high[n][h]
+                    lo_q = builder.or_(builder.and_(q, ints(15)),
+                                       builder.shl(builder.and_(builder.lshr(g, ints(2 * i)), ints(1)), ints(4)))
+                    hi_q = builder.or_(builder.lshr(q, ints(4)),
+                                       builder.shl(builder.and_(builder.lshr(g, ints(2 * i + 1)), ints(1)), ints(4)))
+                    lo = builder.call(perm2, [tables[n][0][0], lo_q, tables[n][0][1]])
+                    hi = builder.call(perm2, [tables[n][1][0], hi_q, tables[n][1][1]])
+                apply(n, h, lo, xl)
+                apply(n, h, hi, xh)
 
 
-def _k_tile_source(kind: int, nr: int, tt: int, permute: bool = AVX512) -> str:
+def _q6_block(builder, nr, tt, pw, sc_args, splat, ints, load_x, load_bytes, apply):
+    """Q6_K codegen for :func:`_k_block`: per 128-weight half h, lane j = 16p + l takes the
+    positions j, j + 32, j + 64, j + 96 in that order."""
+    sc16 = []
+    for n in range(nr):
+        raw = builder.load(builder.bitcast(builder.gep(pw[n], [_I64(192)]), ir.PointerType(_BYTES16)), align=1)
+        sc16.append(builder.fmul(splat(sc_args[n]), builder.sitofp(builder.sext(raw, _I16), _V16)))
+    for h in range(2):
+        for p in range(2):
+            xs = [[load_x(t, 128 * h + 16 * p + 32 * k) for t in range(tt)] for k in range(4)]
+            for n in range(nr):
+                u = load_bytes(n, 64 * h + 16 * p)
+                v = load_bytes(n, 64 * h + 32 + 16 * p)
+                g = load_bytes(n, 128 + 32 * h + 16 * p)
+                for k, nib in enumerate((builder.and_(u, ints(15)), builder.and_(v, ints(15)),
+                                         builder.lshr(u, ints(4)), builder.lshr(v, ints(4)))):
+                    q = builder.or_(nib, builder.shl(builder.and_(builder.lshr(g, ints(2 * k)), ints(3)), ints(4)))
+                    e = splat(builder.extract_element(sc16[n], _I32(8 * h + p + 2 * k)))
+                    apply(n, p, builder.fmul(e, builder.sitofp(builder.sub(q, ints(32)), _V16)), xs[k])
+
+
+_k_blocks = {5: _k_block("q4"), 6: _k_block("q5"), 7: _k_block("q6")}
+
+
+def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
     size, scales, form = _K_TYPES[kind]
     rows, acts = range(nr), range(tt)
     lines = ["def tile(w, r0, hi, x, t0, out, ahead, end):"]
     lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
     lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
     lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n in rows for t in acts]
-    lines += [f"    sc{n} = carray(_stack(16), 16)" for n in rows]
-    lines += [f"    mn{n} = carray(_stack(16), 16)" for n in rows] if form != "q6" else []
+    if not avx512:
+        lines += [f"    sc{n} = carray(_stack(16), 16)" for n in rows]
+        lines += [f"    mn{n} = carray(_stack(16), 16)" for n in rows] if form != "q6" else []
     lines += ["    for j in range(32):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
     lines += ["    for b in range(x0.shape[0] // 256):", f"        o = b * {size}", "        xo = b * 256"]
     lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
-    if form == "q4" and tt == 1 and permute:  # the same operations, in vector code of AVX-512
-        lines += [f"        _q4k_block(s{n}_0, w{n}, o, x0, xo, _half(w{n}, o, _F16), _half(w{n}, o + 2, _F16))"
-                  for n in rows]
-        lines += [f"    if r0 + {n} < hi:\n        out[t0, r0 + {n}] = _sum32(s{n}_0)" for n in rows]
+    if avx512:  # the same operations, in vector code of AVX-512
+        sums = ", ".join(f"s{n}_{t}" for n in rows for t in acts)
+        halves = ", ".join(f"_half(w{n}, o + {off}, _F16)" for n in rows for off in ((208,) if form == "q6" else (0, 2)))
+        lines += [f"        _k_block{kind}(({sums},), ({', '.join(f'w{n}' for n in rows)},), ({halves},), o, "
+                  f"({', '.join(f'x{t}' for t in acts)},), xo)"]
+        for n in rows:
+            lines.append(f"    if r0 + {n} < hi:")
+            lines += [f"        out[t0 + {t}, r0 + {n}] = _sum32(s{n}_{t})" for t in acts]
         return "\n".join(lines)
     lines += ["        " + scales.format(n=n) for n in rows]
     body = []
@@ -476,11 +575,11 @@ def _k_tile_source(kind: int, nr: int, tt: int, permute: bool = AVX512) -> str:
     return "\n".join(lines)
 
 
-def _rows_kernel(kind: int, permute: bool = AVX512):
+def _rows_kernel(kind: int, avx512: bool = AVX512):
     """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says
-    (``permute``: Q4_K's decode tiles in AVX-512 vector code, the same bits)."""
+    (``avx512``: the K-quant tiles in AVX-512 vector code, the same bits)."""
     (n1, _), (n4, _), _, _ = _TILES
-    one, four, two, single = (_compile_tile(kind, nr, tt, permute) for nr, tt in _TILES)
+    one, four, two, single = (_compile_tile(kind, nr, tt, avx512) for nr, tt in _TILES)
 
     @njit(nogil=True)
     def rows(w, x, out, lo, hi):
