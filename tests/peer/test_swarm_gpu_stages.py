@@ -63,17 +63,24 @@ def test_a_gpu_stage_peer_gives_the_local_runs_greedy_tokens_over_real_links(tmp
                 runs.append(await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn,
                                                     prompt, STEPS))
             st = coord.roles.coordinator.stages
-            cost = st.tracker.observations().verify
+            verify = st.tracker.observations().verify
             runner = worker.roles.worker.stage_runner
-            return (runs, st.layout, runner.served, {p for p, t in st.timing.items() if t.failures},
-                    set(st.failed), cost.rows_checked, cost.rows_answered, runner.device.held(),
-                    coord.node.links[gpu_ident.peer_id].hello.ffn_gflops, gflops)
+            out = (runs, st.layout, runner.served, {p for p, t in st.timing.items() if t.failures},
+                   set(st.failed), verify.rows_checked, verify.rows_answered, runner.device.held(),
+                   coord.node.links[gpu_ident.peer_id].hello.ffn_gflops, gflops)
+            # a re-plan prices the GPU peer by the speed its stage answers showed
+            version = coord.roles.coordinator.plan_version
+            coord.roles.coordinator.set_layout("auto")
+            await until(lambda: (coord.node.placement or {}).get("cost", {}).get("mode") == "auto"
+                        and coord.roles.coordinator.plan_version > version, 30, "a plan priced in auto mode")
+            (priced,) = [p for p in coord.node.placement["cost"]["peers"] if p["peer_id"] == gpu_ident.peer_id]
+            return *out, priced
         finally:
             await stop_swarm(server, peers)
             await asyncio.to_thread(gpu.close)
 
     (runs, layout, served, failures, failed, checked, answered, held, announced,
-     gflops) = run_in_netns(main, timeout_s=300, prefix="csgs", address=ADDRESS)
+     gflops, priced) = run_in_netns(main, timeout_s=300, prefix="csgs", address=ADDRESS)
     gpu_stage = layout.stages[-1]
     assert len(layout.stages) == 2 and gpu_stage.peer != layout.coordinator and gpu_stage.stop == 30
     model = load_model(path)
@@ -85,4 +92,5 @@ def test_a_gpu_stage_peer_gives_the_local_runs_greedy_tokens_over_real_links(tmp
     assert served == len(PROMPTS) * (STEPS + 1) and not failures and not failed  # none refused, none distrusted
     assert answered > 0 and checked == answered  # every row checked against the stage bound
     assert held["cpu"] == 0 and held["formats"] == {"q4_1"} and held["gpu"] > 0  # the file's blocks, all on the GPU
-    assert announced == gflops > 0  # the planner prices it by what it measured
+    assert announced == gflops > 0  # the planner prices it by what it measured: first its hello,
+    assert priced["observed"] and priced["gflops"] != round(gflops, 2)  # then its stage answers
