@@ -277,7 +277,8 @@ def _compile_tile(kind: int, nr: int, tt: int, avx512: bool = AVX512):
                  _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
                  _prefetch_ahead=_prefetch_ahead, _k4_scales=_k4_scales, _k6_scales=_k6_scales,
                  _k5=_k5, _k6=_k6, _E8M0=_E8M0, _e2m1=_e2m1,
-                 **{f"_k_block{k}": b for k, b in _k_blocks.items()})
+                 **{f"_k_scales{k}": f for k, (f, _) in _k_blocks.items()},
+                 **{f"_k_block{k}": f for k, (_, f) in _k_blocks.items()})
     source = _k_tile_source(kind, nr, tt, avx512) if kind in _K_TYPES else _tile_source(kind, nr, tt)
     exec(compile(source, f"<{__name__} tile {kind} {nr}x{tt}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])  # a call per tile cost ~8 % at T = 16
@@ -345,23 +346,84 @@ def _k6(ql, qh, shift):
     return F32(np.uint8(v)) - F32(32.0)
 
 
-# The K-quant tiles in AVX-512 vector code (where AVX512): per super-block, each weight row's
-# scales are unpacked as vectors and its weights decoded 16 at a time in registers, then applied
-# to every activation row of the tile — the same float32 values and operations, per output
-# element and in the same order, as the portable form above.
+# The K-quant tiles in AVX-512 vector code (where AVX512): the same float32 values and
+# operations, per output element and in the same order, as the portable form above. A tile
+# first unpacks the sub-block scales of up to _GROUP super-blocks of its rows into a small
+# stack buffer (:func:`_k_scales`), then runs their weights (:func:`_k_block`): each weight
+# decoded 16 at a time in registers and applied to every activation row of the tile. Reading
+# the scales back from memory lets each be broadcast by the load itself (``{1to16}``), where
+# broadcasting a register's lane costs two shuffles, and shuffles are what the decode spends.
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _V16, _I16 = ir.VectorType(ir.FloatType(), 16), ir.VectorType(_I32, 16)
 _V8F, _I8V = ir.VectorType(ir.FloatType(), 8), ir.VectorType(_I32, 8)
 _BYTES16 = ir.VectorType(ir.IntType(8), 16)
+_GROUP = 8  # super-blocks whose scales a tile unpacks ahead of their weights
+
+
+def _splat(builder, v, ty=_V16, n=16):
+    e = builder.insert_element(ir.Constant(ty, ir.Undefined), v, _I32(0))
+    return builder.shuffle_vector(e, e, ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def _load(builder, p, off, ty, align):
+    return builder.load(builder.bitcast(builder.gep(p, [off]), ir.PointerType(ty)), align=align)
+
+
+def _k_scales(form: str):
+    """An intrinsic ``scales(buf, k, w, o, f16)``: the sub-block scales of the K-quant ``form``
+    ("q4" Q4_K, "q5" Q5_K, "q6" Q6_K) super-block at byte ``o`` of weight row ``w`` (uint8),
+    as float32 into ``buf[16k : 16k + 16]`` (float32): Q4_K, Q5_K ``d·sc_j`` for j < 8, then
+    ``-(dmin·m_j)`` (6-bit sc, m packed in 12 bytes as ggml does); Q6_K ``d·sc_j`` for j < 16
+    (int8 sc). ``d``, ``dmin`` are read through ``f16``, every half's float32 value."""
+    @intrinsic
+    def scales(typingctx, buf, k, w, o, f16):
+        sig = types.none(buf, k, w, o, f16)
+
+        def codegen(context, builder, sig, args):
+            def data(i):
+                return context.make_array(sig.args[i])(context, builder, args[i]).data
+            pb = builder.gep(data(0), [builder.mul(args[1], _I64(16))])
+            pw, table = builder.gep(data(2), [args[3]]), data(4)
+
+            def half(off):
+                bits = _load(builder, pw, _I64(off), ir.IntType(16), 1)
+                return builder.load(builder.gep(table, [builder.zext(bits, _I64)]))
+            if form == "q6":
+                raw = _load(builder, pw, _I64(192), _BYTES16, 1)
+                sc = builder.fmul(_splat(builder, half(208)), builder.sitofp(builder.sext(raw, _I16), _V16))
+                builder.store(sc, builder.bitcast(pb, ir.PointerType(_V16)), align=4)
+                return context.get_dummy_value()
+
+            def c8(v):
+                return ir.Constant(_I8V, [v] * 8)
+            head = _load(builder, pw, _I64(0), _BYTES16, 1)
+
+            def pick(first):  # bytes first .. first + 3, twice, as 32-bit lanes
+                lanes = ir.Constant(_I8V, list(range(first, first + 4)) * 2)
+                return builder.zext(builder.shuffle_vector(head, head, lanes), _I8V)
+            a, b, c = pick(4), pick(8), pick(12)
+            sc_lo = builder.and_(a, c8(63))
+            sc_hi = builder.or_(builder.and_(c, c8(15)), builder.shl(builder.lshr(a, c8(6)), c8(4)))
+            mn_lo = builder.and_(b, c8(63))
+            mn_hi = builder.or_(builder.lshr(c, c8(4)), builder.shl(builder.lshr(b, c8(6)), c8(4)))
+            halves = ir.Constant(_I8V, [0, 1, 2, 3, 12, 13, 14, 15])  # j < 4 from *_lo, j ≥ 4 from *_hi
+            d, dmin = _splat(builder, half(0), _V8F, 8), _splat(builder, half(2), _V8F, 8)
+            sc = builder.fmul(d, builder.sitofp(builder.shuffle_vector(sc_lo, sc_hi, halves), _V8F))
+            mn = builder.fneg(builder.fmul(dmin, builder.sitofp(builder.shuffle_vector(mn_lo, mn_hi, halves), _V8F)))
+            for i, v in enumerate((sc, mn)):
+                builder.store(v, builder.bitcast(builder.gep(pb, [_I64(8 * i)]), ir.PointerType(_V8F)), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return scales
 
 
 def _k_block(form: str):
-    """An intrinsic ``block(s, w, scales, o, x, xo)``: one super-block (byte ``o``, columns
-    ``xo:xo + 256``) of the K-quant ``form`` ("q4" Q4_K, "q5" Q5_K, "q6" Q6_K) for a tile of
-    NR weight rows ``w`` (a tuple of uint8 rows) by TT activation rows ``x`` (a tuple of
-    float32 rows), into the NR·TT 32-lane float32 sums ``s`` (a tuple, row-major: weight row,
-    then activation row). ``scales``: each weight row's super-block scales as float32 — Q4_K
-    and Q5_K ``d, dmin``, Q6_K ``d``. Per lane the operations and order of the portable tile:
+    """An intrinsic ``block(s, w, scales, k, o, x, xo)``: one super-block (byte ``o``, columns
+    ``xo:xo + 256``) of the K-quant ``form`` for a tile of NR weight rows ``w`` (a tuple of
+    uint8 rows) by TT activation rows ``x`` (a tuple of float32 rows), into the NR·TT 32-lane
+    float32 sums ``s`` (a tuple, row-major: weight row, then activation row). ``scales``: per
+    weight row a buffer that :func:`_k_scales` filled, this super-block's at slot ``k``. Per
+    lane the operations and order of the portable tile:
 
     - Q4_K: each weight ``fma(d·sc, q, -(dmin·m))`` read by ``vpermps`` from a 16-entry table of
       its sub-block's values (one fused multiply-add per possible q, so the same bits);
@@ -369,41 +431,39 @@ def _k_block(form: str):
     - Q6_K: each weight ``(d·sc)·(q - 32)``, q - 32 converted from 32-bit integers (exact).
     """
     @intrinsic
-    def block(typingctx, s, w, scales, o, x, xo):
+    def block(typingctx, s, w, scales, k, o, x, xo):
         nr, tt = len(w.types), len(x.types)
-        if len(s.types) != nr * tt or len(scales.types) != nr * (1 if form == "q6" else 2):
+        if len(s.types) != nr * tt or len(scales.types) != nr:
             return None
-        sig = types.none(s, w, scales, o, x, xo)
+        sig = types.none(s, w, scales, k, o, x, xo)
 
         def codegen(context, builder, sig, args):
             def datas(i):
                 ty = sig.args[i]
                 return [context.make_array(t)(context, builder, v).data
                         for t, v in zip(ty.types, cgutils.unpack_tuple(builder, args[i], len(ty.types)))]
-            o, xo = args[3], args[5]
+            o, xo = args[4], args[6]
             pw = [builder.gep(p, [o]) for p in datas(1)]
-            px = [builder.gep(p, [xo]) for p in datas(4)]
+            px = [builder.gep(p, [xo]) for p in datas(5)]
+            pscale = [builder.gep(p, [builder.mul(args[3], _I64(16))]) for p in datas(2)]
             ps = datas(0)
-            sc_args = cgutils.unpack_tuple(builder, args[2], len(sig.args[2].types))
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3),
                                                  "llvm.fma.v16f32")
-            vp = ir.PointerType(_V16)
 
-            def splat(v, ty=_V16, n=16):
-                e = builder.insert_element(ir.Constant(ty, ir.Undefined), v, _I32(0))
-                return builder.shuffle_vector(e, e, ir.Constant(ir.VectorType(_I32, n), [0] * n))
+            def scale(n, j):  # weight row n's scale j, in all 16 lanes
+                return _splat(builder, builder.load(builder.gep(pscale[n], [_I64(j)])))
 
-            def ints(v, ty=_I16, n=16):
-                return ir.Constant(ty, [v] * n)
+            def ints(v):
+                return ir.Constant(_I16, [v] * 16)
 
             def load_x(t, c):  # x[t][xo + c : xo + c + 16]
-                return builder.load(builder.bitcast(builder.gep(px[t], [_I64(c)]), vp), align=4)
+                return _load(builder, px[t], _I64(c), _V16, 4)
 
             def load_bytes(n, c):  # w[n][o + c : o + c + 16], zero-extended to 32 bits
-                q = builder.load(builder.bitcast(builder.gep(pw[n], [_I64(c)]), ir.PointerType(_BYTES16)), align=1)
-                return builder.zext(q, _I16)
+                return builder.zext(_load(builder, pw[n], _I64(c), _BYTES16, 1), _I16)
 
             # lane sums: acc[n][t][h] holds lanes 16h .. 16h + 15 of s[n·tt + t]
+            vp = ir.PointerType(_V16)
             sums = [[[builder.bitcast(builder.gep(ps[n * tt + t], [_I64(16 * h)]), vp) for h in range(2)]
                      for t in range(tt)] for n in range(nr)]
             acc = [[[builder.load(p, align=4) for p in row] for row in rows] for rows in sums]
@@ -413,9 +473,9 @@ def _k_block(form: str):
                     acc[n][t][h] = builder.call(fma, [wv, xs[t], acc[n][t][h]])
 
             if form == "q6":
-                _q6_block(builder, nr, tt, pw, sc_args, splat, ints, load_x, load_bytes, apply)
+                _q6_block(builder, nr, tt, scale, ints, load_x, load_bytes, apply)
             else:
-                _q45_block(builder, form, nr, tt, pw, sc_args, fma, splat, ints, load_x, load_bytes, apply)
+                _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply)
             for n in range(nr):
                 for t in range(tt):
                     for h in range(2):
@@ -425,74 +485,45 @@ def _k_block(form: str):
     return block
 
 
-def _q45_block(builder, form, nr, tt, pw, sc_args, fma, splat, ints, load_x, load_bytes, apply):
+def _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply):
     """Q4_K / Q5_K codegen for :func:`_k_block`: per 64-weight chunk i, lane l takes
     ``fma(w_lo, x[64i + l], ·)`` then ``fma(w_hi, x[64i + 32 + l], ·)``."""
     perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16]),
                                           "llvm.x86.avx512.permvar.sf.512")
     perm2 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16, _V16]),
                                            "llvm.x86.avx512.vpermi2var.ps.512")
-
-    def c8(v):
-        return ir.Constant(_I8V, [v] * 8)
-
-    scales = []
-    for n in range(nr):
-        # 12 bytes of 6-bit scales and minimums at o + 4 (ggml's packing): a, b, c = bytes 4-7, 8-11, 12-15
-        head = builder.load(builder.bitcast(pw[n], ir.PointerType(_BYTES16)), align=1)
-
-        def pick(first):
-            return builder.zext(builder.shuffle_vector(head, head, ir.Constant(_I8V, list(range(first, first + 4)) * 2)),
-                                _I8V)
-        a, b, c = pick(4), pick(8), pick(12)
-        sc_lo = builder.and_(a, c8(63))
-        sc_hi = builder.or_(builder.and_(c, c8(15)), builder.shl(builder.lshr(a, c8(6)), c8(4)))
-        mn_lo = builder.and_(b, c8(63))
-        mn_hi = builder.or_(builder.lshr(c, c8(4)), builder.shl(builder.lshr(b, c8(6)), c8(4)))
-        halves = ir.Constant(_I8V, [0, 1, 2, 3, 12, 13, 14, 15])  # j < 4 from *_lo, j ≥ 4 from *_hi
-        d, dmin = sc_args[2 * n], sc_args[2 * n + 1]
-        sc = builder.fmul(splat(d, _V8F, 8), builder.sitofp(builder.shuffle_vector(sc_lo, sc_hi, halves), _V8F))
-        mn = builder.fneg(builder.fmul(splat(dmin, _V8F, 8),
-                                       builder.sitofp(builder.shuffle_vector(mn_lo, mn_hi, halves), _V8F)))
-        scales.append((sc, mn))
     iotas = [ir.Constant(_V16, [float(k) for k in range(16 * p, 16 * p + 16)]) for p in range(2)]
     # Q5_K: the high bits of lanes 16h.. in bytes o + 16 + 16h (bit 2i: chunk i's low nibbles, 2i + 1: high)
     high = [[load_bytes(n, 16 + 16 * h) for h in range(2)] for n in range(nr)] if form == "q5" else None
     first = 16 if form == "q4" else 48  # the nibbles
     for i in range(4):
-        tables = []
-        for n in range(nr):
-            sc, mn = scales[n]
-            tables.append([[builder.call(fma, [splat(builder.extract_element(sc, _I32(j))), iota,
-                                               splat(builder.extract_element(mn, _I32(j)))])
-                            for iota in (iotas if form == "q5" else iotas[:1])] for j in (2 * i, 2 * i + 1)])
+        # per row, sub-block 2i's and 2i + 1's tables: fma(d·sc, q, -(dmin·m)) for q < 16 (Q5_K: < 32)
+        tables = [[[builder.call(fma, [scale(n, j), iota, scale(n, 8 + j)]) for iota in iotas[:2 if form == "q5" else 1]]
+                   for j in (2 * i, 2 * i + 1)] for n in range(nr)]
         for h in range(2):
             xl = [load_x(t, 64 * i + 16 * h) for t in range(tt)]
             xh = [load_x(t, 64 * i + 32 + 16 * h) for t in range(tt)]
             for n in range(nr):
                 q = load_bytes(n, first + 32 * i + 16 * h)
+                (lo_table, *lo2), (hi_table, *hi2) = tables[n]
                 if form == "q4":  # vpermps reads the low 4 bits of each index
-                    lo = builder.call(perm, [tables[n][0][0], q])
-                    hi = builder.call(perm, [tables[n][1][0], builder.lshr(q, ints(4))])
+                    lo = builder.call(perm, [lo_table, q])
+                    hi = builder.call(perm, [hi_table, builder.lshr(q, ints(4))])
                 else:  # 5-bit indices: vpermi2ps reads the low 5 bits
                     g = high[n][h]
                     lo_q = builder.or_(builder.and_(q, ints(15)),
                                        builder.shl(builder.and_(builder.lshr(g, ints(2 * i)), ints(1)), ints(4)))
                     hi_q = builder.or_(builder.lshr(q, ints(4)),
                                        builder.shl(builder.and_(builder.lshr(g, ints(2 * i + 1)), ints(1)), ints(4)))
-                    lo = builder.call(perm2, [tables[n][0][0], lo_q, tables[n][0][1]])
-                    hi = builder.call(perm2, [tables[n][1][0], hi_q, tables[n][1][1]])
+                    lo = builder.call(perm2, [lo_table, lo_q, lo2[0]])
+                    hi = builder.call(perm2, [hi_table, hi_q, hi2[0]])
                 apply(n, h, lo, xl)
                 apply(n, h, hi, xh)
 
 
-def _q6_block(builder, nr, tt, pw, sc_args, splat, ints, load_x, load_bytes, apply):
+def _q6_block(builder, nr, tt, scale, ints, load_x, load_bytes, apply):
     """Q6_K codegen for :func:`_k_block`: per 128-weight half h, lane j = 16p + l takes the
     positions j, j + 32, j + 64, j + 96 in that order."""
-    sc16 = []
-    for n in range(nr):
-        raw = builder.load(builder.bitcast(builder.gep(pw[n], [_I64(192)]), ir.PointerType(_BYTES16)), align=1)
-        sc16.append(builder.fmul(splat(sc_args[n]), builder.sitofp(builder.sext(raw, _I16), _V16)))
     for h in range(2):
         for p in range(2):
             xs = [[load_x(t, 128 * h + 16 * p + 32 * k) for t in range(tt)] for k in range(4)]
@@ -503,11 +534,11 @@ def _q6_block(builder, nr, tt, pw, sc_args, splat, ints, load_x, load_bytes, app
                 for k, nib in enumerate((builder.and_(u, ints(15)), builder.and_(v, ints(15)),
                                          builder.lshr(u, ints(4)), builder.lshr(v, ints(4)))):
                     q = builder.or_(nib, builder.shl(builder.and_(builder.lshr(g, ints(2 * k)), ints(3)), ints(4)))
-                    e = splat(builder.extract_element(sc16[n], _I32(8 * h + p + 2 * k)))
-                    apply(n, p, builder.fmul(e, builder.sitofp(builder.sub(q, ints(32)), _V16)), xs[k])
+                    wv = builder.fmul(scale(n, 8 * h + p + 2 * k), builder.sitofp(builder.sub(q, ints(32)), _V16))
+                    apply(n, p, wv, xs[k])
 
 
-_k_blocks = {5: _k_block("q4"), 6: _k_block("q5"), 7: _k_block("q6")}
+_k_blocks = {kind: (_k_scales(form), _k_block(form)) for kind, form in ((5, "q4"), (6, "q5"), (7, "q6"))}
 
 
 def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
@@ -517,21 +548,26 @@ def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
     lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
     lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
     lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n in rows for t in acts]
-    if not avx512:
-        lines += [f"    sc{n} = carray(_stack(16), 16)" for n in rows]
-        lines += [f"    mn{n} = carray(_stack(16), 16)" for n in rows] if form != "q6" else []
     lines += ["    for j in range(32):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
-    lines += ["    for b in range(x0.shape[0] // 256):", f"        o = b * {size}", "        xo = b * 256"]
-    lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
     if avx512:  # the same operations, in vector code of AVX-512
-        sums = ", ".join(f"s{n}_{t}" for n in rows for t in acts)
-        halves = ", ".join(f"_half(w{n}, o + {off}, _F16)" for n in rows for off in ((208,) if form == "q6" else (0, 2)))
-        lines += [f"        _k_block{kind}(({sums},), ({', '.join(f'w{n}' for n in rows)},), ({halves},), o, "
-                  f"({', '.join(f'x{t}' for t in acts)},), xo)"]
+        lines += [f"    sc{n} = carray(_stack({16 * _GROUP}), {16 * _GROUP})" for n in rows]
+        lines += ["    nb = x0.shape[0] // 256", f"    for b0 in range(0, nb, {_GROUP}):",
+                  f"        for b in range(b0, min(nb, b0 + {_GROUP})):"]
+        lines += [f"            _k_scales{kind}(sc{n}, b - b0, w{n}, b * {size}, _F16)" for n in rows]
+        lines += [f"        for b in range(b0, min(nb, b0 + {_GROUP})):", f"            o = b * {size}",
+                  "            xo = b * 256"]
+        lines += [f"            _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
+        args = [", ".join(f"s{n}_{t}" for n in rows for t in acts), ", ".join(f"w{n}" for n in rows),
+                ", ".join(f"sc{n}" for n in rows), ", ".join(f"x{t}" for t in acts)]
+        lines += [f"            _k_block{kind}(({args[0]},), ({args[1]},), ({args[2]},), b - b0, o, ({args[3]},), xo)"]
         for n in rows:
             lines.append(f"    if r0 + {n} < hi:")
             lines += [f"        out[t0 + {t}, r0 + {n}] = _sum32(s{n}_{t})" for t in acts]
         return "\n".join(lines)
+    lines += [f"    sc{n} = carray(_stack(16), 16)" for n in rows]
+    lines += [f"    mn{n} = carray(_stack(16), 16)" for n in rows] if form != "q6" else []
+    lines += ["    for b in range(x0.shape[0] // 256):", f"        o = b * {size}", "        xo = b * 256"]
+    lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
     lines += ["        " + scales.format(n=n) for n in rows]
     body = []
     if form in ("q4", "q5"):
