@@ -1,6 +1,7 @@
-"""``join --gpu``: a Python worker computes its expert and dense ranges on the GPU with the
-browser peer's WGSL kernels (``web_peer/*.wgsl``), run natively through ``wgpu`` (Metal on
-macOS, Vulkan on Linux, D3D12 on Windows; the optional dependency ``colibri-swarm[gpu]``).
+"""``join --gpu``: a Python worker computes its expert and dense ranges, and the weight products
+of its stages, on the GPU with the browser peer's WGSL kernels (``web_peer/*.wgsl``), run
+natively through ``wgpu`` (Metal on macOS, Vulkan on Linux, D3D12 on Windows; the optional
+dependency ``colibri-swarm[gpu]``).
 
 Theory of operation
 -------------------
@@ -16,6 +17,16 @@ both). Never float32 but for tensors the file stores as F32 (and a dense range's
 inside a block, which the engine itself hands over as F32). A block the kernels cannot take at
 all — gpt-oss's biased, clamped experts, rows not a multiple of 32 weights — runs on the CPU
 through the engine's kernels.
+
+Stages. A GPU peer given a stage (layers ``lo .. hi-1``) runs it with :class:`GpuStage`: the
+StageRunner's layers are the engine's own ``Model.layers`` on a view of the model whose Q, K,
+V and O projections go to the GPU (:meth:`~swarm.compute.model.Model.with_products`; ``down.wgsl``
+is a plain product, one workgroup per weight row, so one matrix is ``WgpuFfn.upload_linear``),
+and whose FFN backend runs each SwiGLU block — the dense MLP, each selected expert, the shared
+expert — through :meth:`GpuFfn.run`. Norms, RoPE, attention over the KV cache (kept in host
+memory), routing and the combine stay the engine's code. Unlike a range, a stage never
+computes on a Q8_0 repack: a matrix the kernels do not read stays on the engine's kernels, so
+the stage bound (:func:`~swarm.peer.coordinator.bounds.stage_rtol`, no repack term) holds.
 
 Numerics. The kernels sum in float32 in another order than the engine's CPU kernels: a GPU
 peer is another numeric build (its Hello's ``build.blas`` names ``wgpu``, the adapter and the
