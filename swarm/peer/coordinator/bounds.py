@@ -35,7 +35,7 @@ keeps rows near zero from demanding more than float32 holds. A GPU peer's stage
 attention in the engine's; never a Q8_0 repack, so no repack term) measured at most 0.15 % of
 this bound over SmolLM2-135M's 30 layers (2–38 u of a row's largest magnitude; bench/gpu_stages.py).
 Its output projection reduces over nh·hd, which is 2H in Qwen3: √(4H + F) against the bound's
-√(2H + F + context), at most 1.2× for F ≥ 2H, well inside that margin, so the bound is kept.
+√(2H + F + context), at most 1.23× for F ≥ 2H, well inside that margin, so the bound is kept.
 
 Bits are the rule for a peer of the coordinator's own build; these bounds let through only a
 lie smaller than themselves.
