@@ -196,23 +196,18 @@ def test_truncated_safetensors(tmp_path, tiny):
 
 # ---- the real default model -----------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_teacher_forced_logits_match_transformers(smollm2_path):
+def test_smollm2_teacher_forced_logits_match_transformers(smollm2_path, smollm2_oracle):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(2)
-    kw = dict(gguf_file=smollm2_path.name)
-    tok = AutoTokenizer.from_pretrained(smollm2_path.parent, **kw)
+    hf, tok = smollm2_oracle  # transformers' reading of the same file, loaded once for the session
     text = ("<|im_start|>user\nWhy is the sky blue? Answer in two sentences.<|im_end|>\n<|im_start|>assistant\n"
             "The sky looks blue because air molecules scatter short blue wavelengths of sunlight much more "
             "strongly than long red ones, so blue light reaches our eyes from every direction. At sunset the "
             "light crosses more air, the blue is scattered away, and the reds and oranges remain.")
     ids = tok(text)["input_ids"][:64]
     assert len(ids) == 64
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, dtype=torch.float32, **kw).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
-    del hf
     model = load_model(smollm2_path)
     cache = model.new_cache()
     ours = np.concatenate([model.forward(ids[:40], cache)] + [model.forward([t], cache) for t in ids[40:]])
