@@ -453,6 +453,73 @@ def dispatch_grid(n_rows: int, t_rows: int) -> tuple[int, int, int]:
     return tile_x, -(-n_rows // tile_x), -(-t_rows // TB)
 
 
+# ---- a layer's other kernels: RMSNorm, RoPE, attention ------------------------------------------
+
+LAYER_KERNELS = ("rmsnorm", "rope", "attention")  # WGSL files of their own name, no weight prelude
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """Twin of rmsnorm.wgsl: ``w * (x * (1 / sqrt(mean(x²) + eps)))`` per row, float32.
+
+    x [T, D] float32, w [D] float32 → [T, D] float32. Raises KernelError on other shapes or dtypes."""
+    _f32(x, "x", 2)
+    _f32(w, "w", 1)
+    if w.shape[0] != x.shape[1]:
+        raise KernelError(f"rms_norm shapes disagree: x {x.shape}, w {w.shape}")
+    inv = np.float32(1) / np.sqrt(np.mean(x * x, axis=1, dtype=np.float32, keepdims=True) + np.float32(eps))
+    return w * (x * inv)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
+    """Twin of rope.wgsl: ``x * cos + swap_halves(x) * ssin`` over the last axis (``ssin``: sin
+    with its first half negated; the engine's :func:`swarm.compute.kernels.apply_rope_swapped`).
+
+    x, cos, ssin [T, n, hd] float32 (hd even) → [T, n, hd] float32. Raises KernelError otherwise."""
+    for name, a in (("x", x), ("cos", cos), ("ssin", ssin)):
+        _f32(a, name, 3)
+    if cos.shape != x.shape or ssin.shape != x.shape or x.shape[2] % 2:
+        raise KernelError(f"rope needs x, cos, ssin of one [T, n, even hd] shape, got {x.shape}, {cos.shape}, {ssin.shape}")
+    half = x.shape[2] // 2
+    return x * cos + np.concatenate([x[..., half:], x[..., :half]], axis=-1) * ssin
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Twin of attention.wgsl: causal grouped-query attention of q [T, nh, hd] (already scaled;
+    row t at position ``start + t``) over the cache k, v [nkv, C, hd] (positions 0 .. start+T-1
+    filled); query head h reads key/value head h // (nh / nkv). Softmax with the row's max
+    subtracted, normalised after the weighted sum. Returns [T, nh * hd] float32. Raises
+    KernelError on shapes that do not fit."""
+    check_attention(q, k, v, start)
+    T, nh, hd = q.shape
+    out = np.empty((T, nh, hd), np.float32)
+    group = nh // k.shape[0]
+    for t in range(T):
+        n = start + t + 1
+        for h in range(nh):
+            s = k[h // group, :n] @ q[t, h]  # [n]
+            e = np.exp(s - s.max())
+            out[t, h] = (e @ v[h // group, :n]) / e.sum(dtype=np.float32)
+    return out.reshape(T, nh * hd)
+
+
+def check_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> None:
+    """Raise KernelError unless q [T, nh, hd], k, v [nkv, C, hd] are float32, nh a multiple of
+    nkv, and positions ``start .. start+T-1`` fit the cache."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        _f32(a, name, 3)
+    T, nh, hd = q.shape
+    nkv, C, _ = k.shape
+    if v.shape != k.shape or k.shape[2] != hd or nh % nkv or not 0 <= start <= C - T:
+        raise KernelError(f"attention: q {q.shape} at position {start} does not fit k {k.shape}, v {v.shape}")
+
+
+def layer_source(kernel: str) -> str:
+    """The WGSL of one of :data:`LAYER_KERNELS` (a file of its own: no weight format)."""
+    if kernel not in LAYER_KERNELS:
+        raise KernelError(f"unknown layer kernel {kernel!r}; expected one of {LAYER_KERNELS}")
+    return (resources.files(__package__) / f"{kernel}.wgsl").read_text()
+
+
 # ---- WGSL sources ----------------------------------------------------------------------------
 
 def wgsl_files(kernel: str, fmt: str) -> tuple[str, ...]:

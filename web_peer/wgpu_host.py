@@ -32,6 +32,13 @@ from . import kernels as K
 GPU_WORKGROUP_SIZE = 64
 CPU_WORKGROUP_SIZE = 8  # lavapipe: one AVX2 SIMD row; 2-5x faster than 64 (bench/web_peer.py)
 _PARAMS = struct.Struct("<6I")  # t_rows, k4, n_rows, row0, n_out, tile_x (the WGSL Params)
+MAX_WORKGROUPS = K.MAX_WORKGROUPS_PER_DIM
+
+
+def _grid(n: int) -> tuple[int, int]:
+    """Workgroups (x, y) covering ``n`` (x ≤ 65535, the WebGPU default limit per dimension)."""
+    x = max(1, min(n, MAX_WORKGROUPS))
+    return x, -(-n // x) if n else 1
 
 
 @dataclass
@@ -143,14 +150,17 @@ class WgpuFfn:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _pipeline(self, kernel: str, fmt: str):
+    def _pipeline(self, kernel: str, fmt: str | None):
+        """The compute pipeline of ``kernel`` for weight format ``fmt`` (None: a layer kernel,
+        :data:`web_peer.kernels.LAYER_KERNELS`)."""
         key = (kernel, fmt)
         if key not in self._pipelines:
-            if fmt not in self.formats:
+            if fmt is not None and fmt not in self.formats:
                 raise KernelError(f"weight format {fmt!r} needs the adapter feature shader-f16, "
                                   "which this adapter lacks; use f32 or q8")
             dev = self._device()
-            module = dev.create_shader_module(code=K.wgsl_source(kernel, fmt))
+            code = K.wgsl_source(kernel, fmt) if fmt is not None else K.layer_source(kernel)
+            module = dev.create_shader_module(code=code)
             self._pipelines[key] = dev.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": "main",
                                         "constants": {"WG": self.workgroup_size}})
@@ -264,6 +274,68 @@ class WgpuFfn:
             self.drop_device()
             raise KernelError(f"GPU error during the request; the device was reset: {e}") from e
         if not all(np.isfinite(y).all() for y in ys):
+            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
+        return ys
+
+    # ---- a layer's other kernels ----------------------------------------------------------------
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """rmsnorm.wgsl: x [T, D] float32, w [D] float32 → [T, D] float32 (twin: kernels.rms_norm)."""
+        K.rms_norm(x[:0], w, eps)  # the twin's shape checks
+        T, D = x.shape
+        gx, gy = _grid(T)
+        (y,) = self._run("rmsnorm", struct.pack("<IIfI", T, D, eps, gx), [x, w], [T * D], (gx, gy, 1))
+        return y.reshape(T, D)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
+        """rope.wgsl: x, cos, ssin [T, n, hd] float32 → [T, n, hd] float32 (twin: kernels.rope)."""
+        K.rope(x[:0], cos[:0], ssin[:0])
+        gx, gy = _grid(-(-x.size // self.workgroup_size))
+        (y,) = self._run("rope", struct.pack("<IIII", x.size, x.shape[2], gx * self.workgroup_size, 0),
+                         [x, cos, ssin], [x.size], (gx, gy, 1))
+        return y.reshape(x.shape)
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+        """attention.wgsl: q [T, nh, hd] (scaled), k, v [nkv, C, hd] float32 → [T, nh * hd]
+        float32 (twin: kernels.attention). Raises KernelError as the twin, or for T > 65535."""
+        K.check_attention(q, k, v, start)
+        T, nh, hd = q.shape
+        nkv, C, _ = k.shape
+        if T > MAX_WORKGROUPS:
+            raise KernelError(f"attention takes at most {MAX_WORKGROUPS} rows a call, got {T}")
+        params = struct.pack("<8I", T, nh, nkv, hd, C, start, 0, 0)
+        _, out = self._run("attention", params, [q, k, v], [T * nh * C, T * nh * hd], (nh, T, 1))
+        return out.reshape(T, nh * hd)
+
+    def _run(self, kernel: str, params: bytes, inputs: list[np.ndarray], outputs: list[int],
+             grid: tuple[int, int, int]) -> list[np.ndarray]:
+        """One dispatch of a layer kernel: bindings params, ``inputs`` (float32, uploaded), then
+        one read-write float32 buffer per ``outputs`` entry (its element count), read back."""
+        wg = self._wgpu
+        for a in inputs:
+            if not np.isfinite(a).all():
+                raise KernelError(f"{kernel}: an input holds NaN or infinity; refusing to compute")
+        try:
+            dev = self._device()
+            pipe = self._pipeline(kernel, None)
+            res = [self._buffer(params, wg.BufferUsage.UNIFORM)]
+            res += [self._buffer(np.ascontiguousarray(a, np.float32).tobytes(), wg.BufferUsage.STORAGE) for a in inputs]
+            outs = [dev.create_buffer(size=max(16, 4 * n), usage=wg.BufferUsage.STORAGE | wg.BufferUsage.COPY_SRC)
+                    for n in outputs]
+            bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+                {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res + outs)])
+            enc = dev.create_command_encoder()
+            cpass = enc.begin_compute_pass()
+            cpass.set_pipeline(pipe)
+            cpass.set_bind_group(0, bind)
+            cpass.dispatch_workgroups(*grid)
+            cpass.end()
+            dev.queue.submit([enc.finish()])
+            ys = [np.frombuffer(dev.queue.read_buffer(b), np.float32)[:n].copy() for b, n in zip(outs, outputs)]
+        except wg.GPUError as e:
+            self.drop_device()
+            raise KernelError(f"GPU error in {kernel}; the device was reset: {e}") from e
+        if not np.isfinite(ys[-1]).all():
             raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
         return ys
 

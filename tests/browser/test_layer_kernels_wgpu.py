@@ -1,0 +1,90 @@
+"""A layer's other WGSL kernels — RMSNorm, RoPE, causal grouped-query attention — through wgpu-py
+on lavapipe, against their numpy twins (web_peer/kernels.py), float64 numpy and the engine's own
+kernels (swarm.compute.kernels), which a GPU stage must stay within float32 rounding of.
+Relative error = max |got - ref| / max |ref|; u = 2⁻²⁴."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swarm.compute import kernels as engine
+from swarm.errors import KernelError
+from tests.browser.conftest import rel_error
+from web_peer import kernels as K
+
+pytestmark = pytest.mark.browser
+
+U = 2.0**-24
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from web_peer.wgpu_host import WgpuFfn
+
+    with WgpuFfn() as g:
+        yield g
+
+
+@pytest.mark.parametrize("T, D", [(1, 64), (5, 576), (3, 70)])
+def test_rms_norm_is_the_engines_within_float32_rounding(gpu, T, D):
+    rng = np.random.default_rng(D)
+    x = rng.standard_normal((T, D), dtype=np.float32) * np.float32(3)
+    w = rng.standard_normal(D, dtype=np.float32)
+    x64 = x.astype(np.float64)
+    exact = w * x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-5)
+    for got in (K.rms_norm(x, w, 1e-5), gpu.rms_norm(x, w, 1e-5), engine.rms_norm(x, w, 1e-5)):
+        assert got.shape == (T, D) and rel_error(got, exact) < 8 * np.sqrt(D) * U
+    assert rel_error(gpu.rms_norm(x, w, 1e-5), engine.rms_norm(x, w, 1e-5)) < 8 * np.sqrt(D) * U
+
+
+@pytest.mark.parametrize("T, n, hd", [(1, 3, 64), (6, 12, 64), (2, 5, 24)])
+def test_rope_is_the_engines_rotation(gpu, T, n, hd):
+    rng = np.random.default_rng(hd)
+    x = rng.standard_normal((T, n, hd), dtype=np.float32)
+    cos, sin = engine.rope_tables(np.arange(40, 40 + T), engine.rope_inv_freq(hd, 10000.0))
+    scale = np.where(np.arange(n) < n - 1, np.float32(hd**-0.5), np.float32(1))[None, :, None]  # queries scaled
+    c = np.ascontiguousarray(cos[:, None, :] * scale, np.float32)
+    s = np.ascontiguousarray(engine.signed_sin(sin)[:, None, :] * scale, np.float32)
+    want = engine.apply_rope_swapped(x, c, s)
+    exact = engine.apply_rope(x.astype(np.float64), cos.astype(np.float64), sin.astype(np.float64)) * scale
+    np.testing.assert_array_equal(K.rope(x, c, s), want)
+    assert rel_error(gpu.rope(x, c, s), want) < 4 * U  # a fused multiply-add at most
+    assert rel_error(want, exact) < 16 * U
+
+
+@pytest.mark.parametrize("T, nh, nkv, hd, start, cap", [
+    (1, 4, 2, 64, 0, 1), (1, 9, 3, 64, 130, 160), (5, 4, 4, 24, 0, 5), (7, 8, 2, 32, 33, 48)])
+def test_attention_is_the_engines_within_float32_rounding(gpu, T, nh, nkv, hd, start, cap):
+    """Causal (row t sees positions 0 .. start+t, never the cache past them), grouped-query (head h
+    reads key/value head h // (nh / nkv)), over more positions than a workgroup has threads."""
+    rng = np.random.default_rng(start + T)
+    q = rng.standard_normal((T, nh, hd), dtype=np.float32) * np.float32(hd**-0.5)
+    k, v = (rng.standard_normal((nkv, cap, hd), dtype=np.float32) for _ in range(2))
+    k[:, start + T:] = v[:, start + T:] = 1e6  # past the last position: must never be read
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    exact = np.empty((T, nh, hd))
+    for t in range(T):
+        for h in range(nh):
+            g = h // (nh // nkv)
+            s = k64[g, :start + t + 1] @ q64[t, h]
+            e = np.exp(s - s.max())
+            exact[t, h] = e @ v64[g, :start + t + 1] / e.sum()
+    exact = exact.reshape(T, nh * hd)
+    n = start + T + hd  # the longest reduction: scores over hd, weighted sums over the positions
+    for got in (K.attention(q, k, v, start), gpu.attention(q, k, v, start), engine.attention(q, k, v, start)):
+        assert got.shape == (T, nh * hd) and rel_error(got, exact) < 16 * np.sqrt(n) * U
+    assert rel_error(gpu.attention(q, k, v, start), engine.attention(q, k, v, start)) < 16 * np.sqrt(n) * U
+
+
+def test_layer_kernels_refuse_what_does_not_fit(gpu):
+    q = np.zeros((2, 4, 8), np.float32)
+    kv = np.zeros((3, 4, 8), np.float32)  # 4 query heads cannot share 3 key/value heads
+    with pytest.raises(KernelError, match="does not fit"):
+        gpu.attention(q, kv, kv, 0)
+    with pytest.raises(KernelError, match="does not fit"):
+        gpu.attention(q, kv[:2], kv[:2], 3)  # positions 3, 4 past a cache of 4
+    with pytest.raises(KernelError, match="shapes disagree"):
+        gpu.rms_norm(np.zeros((2, 8), np.float32), np.zeros(7, np.float32), 1e-6)
+    with pytest.raises(KernelError, match="even hd"):
+        gpu.rope(*(np.zeros((1, 2, 5), np.float32),) * 3)
