@@ -117,18 +117,16 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
         workers = plan.workers() if plan else ()
         return workers[0] if len(workers) == 1 and coord.roles.coordinator.api_port else None
 
-    try:
-        worker_id = _until(planned, 120, "the worker in the coordinator's plan")
-    except AssertionError:
-        raise AssertionError(f"no worker; its log:\n{worker_log.read_text()[-3000:]}") from None
+    # The local run's reply, computed while the worker joins and the page loads (it needs neither).
     cmd, kw = _cli("generate", "--local", "--max-tokens", str(MAX_TOKENS), PROMPT)
-    reference = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
-    assert reference.returncode == 0, reference.stderr
-    expected = reference.stdout.strip()
-    assert expected
-
-    browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=E2E_ARGS)
+    reference = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    browser = None
     try:
+        try:
+            worker_id = _until(planned, 120, "the worker in the coordinator's plan")
+        except AssertionError:
+            raise AssertionError(f"no worker; its log:\n{worker_log.read_text()[-3000:]}") from None
+        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=E2E_ARGS)
         ctx = browser.new_context(ignore_https_errors=True, viewport=LAPTOP, device_scale_factor=1)
         page = ctx.new_page()
         errors = []
@@ -170,6 +168,10 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
             (Path(SCREENSHOTS) / "dashboard-laptop.png").write_bytes(page.screenshot(full_page=True))
 
         # The chat box streams the greedy reply of `generate --local` (the CLI's parameters).
+        out, err = reference.communicate(timeout=300)
+        assert reference.returncode == 0, err
+        expected = out.strip()
+        assert expected
         page.click("#params summary")
         assert page.input_value("#temperature") == "0"  # greedy, as the CLI
         page.fill("#max_tokens", str(MAX_TOKENS))
@@ -201,4 +203,8 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
         assert not errors, errors
         ctx.close()
     finally:
-        browser.close()
+        if reference.poll() is None:  # the test failed before it needed the reply
+            reference.kill()
+            reference.communicate()
+        if browser is not None:
+            browser.close()
