@@ -336,7 +336,9 @@ def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> No
     parts = threads.parts_for(work, 4 * GROUP_TILE_BYTES)
     if parts == 1:
         k.run_group(table, counter, first)
-    else:  # one call per thread that joins: each takes tiles until none is left
+    elif spin.wanted(threads.threads()) and spin.pool(threads.threads() - 1).run(table, counter, first) is not None:
+        pass  # the spinning workers took tiles beside the caller (swarm/compute/spin.py)
+    else:  # the Python pool: one call per thread that joins, each taking tiles until none is left
         threads.run_chunks(k.run_group, [(table, counter, first)] * parts)
 
 
@@ -345,6 +347,7 @@ def _address(a: np.ndarray) -> int:
 
 
 _pointer = _address  # the compiled twin once the kernels load (swarm/compute/pointers.py)
+spin = None  # swarm/compute/spin.py once the kernels load (it imports them)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -365,7 +368,7 @@ _import_lock = threading.Lock()
 
 def _kernels():
     """The numba kernels, imported (and compiled or loaded from numba's cache) on first use."""
-    global _compiled, _pointer
+    global _compiled, _pointer, spin
     if _compiled is None:
         with _import_lock:
             if _compiled is None:
@@ -396,6 +399,11 @@ def _kernels():
                     from swarm.compute import pointers
                     pointers.address(x)  # activations and outputs: float32 [T, n] C-order, writable
                     _pointer = pointers.address
+                    from swarm.compute import spin as spin_module
+                    ctrl = np.zeros(spin_module.CTRL, np.int64)
+                    spin_module.serve(ctrl, 0, 1)
+                    spin_module.run(ctrl, 1, table, np.zeros(1, np.int64), 1)
+                    spin = spin_module
                 _release_clean_pages("llvmlite")
                 _compiled = k
     return _compiled
@@ -534,7 +542,7 @@ def prepare_kernels() -> None:
 # only, and some inline functions of others (lowbit.py and rowkernels.py use qkernels.py's): the
 # cache lives in a folder named by all of their contents, so a change to any (an upgrade, an
 # edit) starts a fresh one rather than loading a stale kernel.
-_CACHED_SOURCES = ("qkernels.py", "lowbit.py", "rowkernels.py", "deltakernel.py", "pointers.py")
+_CACHED_SOURCES = ("qkernels.py", "lowbit.py", "rowkernels.py", "deltakernel.py", "pointers.py", "spin.py")
 
 
 def _numba_cache_dir() -> str:

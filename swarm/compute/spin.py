@@ -1,0 +1,263 @@
+"""Compiled hand-off of a group of block-kernel tiles to the compute threads (``quant._run_group``).
+
+Why. A decode token hands its products to the threads in ~5 groups a layer (query/key/value, the
+router, the experts' gate and up products, their down products, the output projection): 60–100
+groups a token, each a few to a few hundred µs of work. Handing a group to Python worker threads
+costs each of them a wake-up and the GIL for a few µs of bytecode, one after the other: tens of
+µs a group on 2 threads, more on 16, which is the whole of a 16-thread decode token's budget. Here
+the workers wait for groups inside compiled code that holds no GIL: a group is published in a
+control block (:data:`CTRL` int64 fields) and every waiting worker sees it within a spin-wait
+iteration, takes tiles from the group's atomic counter like the caller (``qkernels.run_group``),
+and is back to waiting with no Python between.
+
+Protocol (every access to the control block is a sequentially consistent atomic):
+
+* the caller writes the group's table address, rows, counter address and tile count, then
+  ``OPEN = g`` (a number new to each group), runs tiles itself until none is left to take, sets
+  ``OPEN = 0`` and waits until ``ACTIVE == 0``;
+* a worker that sees ``OPEN = g`` it has not served adds 1 to ``ACTIVE``, reads ``OPEN`` again
+  and, only if it is still ``g``, reads the group and takes tiles; then subtracts 1. A worker
+  that announces itself after the caller closed the group sees ``OPEN != g`` and touches nothing,
+  so the caller's table and counter are never read after :func:`run` returns.
+
+So a tile's result does not depend on who computed it (each output element keeps its one order
+of float32 operations): the bits of one thread. A worker that finds no group for
+:data:`SPINS` iterations returns to Python and sleeps until a caller wakes it (the cost of the
+old hand-off, paid only after an idle spell). One caller at a time uses the spinning workers;
+another that finds them taken falls back to the Python pool (``threads.run_chunks``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from swarm.compute.qkernels import NCOLS, _view, run_group
+
+# Fields of the control block (int64 [CTRL]).
+OPEN, TABLE, ROWS, COUNTER, TILES, ACTIVE, STOP = range(7)
+CTRL = 8
+# Spin-wait iterations (each one pause instruction: ~25 ns on a Zen 5 core, ~40 on recent Intel)
+# before an idle worker sleeps: ~0.1 ms, longer than the Python between one group of a decode step
+# and the next.
+SPINS = 4000
+# Off unless ``COLIBRI_SWARM_SPIN=1``: on the 2-core machine these were measured on, with other
+# work running, a decode token took longer with spinning workers (a spinning worker, or one
+# preempted inside a group that the caller then waits for, costs more than the hand-offs it
+# saves); on an idle many-core machine it is the hand-off llama.cpp's threads use, not yet
+# measured here against the Python pool (bench/results/engine.md).
+_FORCED = os.environ.get("COLIBRI_SWARM_SPIN", "")
+
+
+def wanted(threads: int) -> bool:
+    """Whether a process computing on ``threads`` (> 1) threads hands groups to spinning workers."""
+    return _FORCED == "1" and threads > 1
+
+_ints = _view(types.int64, False)
+
+
+@intrinsic
+def _load(typingctx, ctrl, i):
+    """``ctrl[i]`` read atomically (sequentially consistent)."""
+    sig = types.int64(ctrl, i)
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+    return sig, codegen
+
+
+@intrinsic
+def _swap(typingctx, ctrl, i, value):
+    """``ctrl[i] = value`` atomically (sequentially consistent); returns the value before."""
+    sig = types.int64(ctrl, i, value)
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        return builder.atomic_rmw("xchg", ptr, args[2], "seq_cst")
+    return sig, codegen
+
+
+@intrinsic
+def _add(typingctx, ctrl, i, value):
+    """``ctrl[i] += value`` atomically (sequentially consistent); returns the value before."""
+    sig = types.int64(ctrl, i, value)
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
+    return sig, codegen
+
+
+_ARCH = platform.machine().lower()
+
+
+@intrinsic
+def _pause(typingctx):
+    """The CPU's spin-wait hint (x86 ``pause``, Arm ``yield``, as LLVM intrinsics): a waiting
+    core gives way to its sibling thread and draws less power; nothing elsewhere."""
+    sig = types.none()
+
+    def codegen(context, builder, sig, args):
+        module = builder.module
+        if _ARCH in ("x86_64", "amd64"):
+            name = "llvm.x86.sse2.pause"
+            fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(ir.VoidType(), []), name)
+            builder.call(fn, [])
+        elif _ARCH in ("arm64", "aarch64"):
+            name = "llvm.aarch64.hint"
+            fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), name)
+            builder.call(fn, [ir.Constant(ir.IntType(32), 1)])  # 1: YIELD
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+_YIELD = "sched_yield" if os.name == "posix" else ""  # libc's, found by the JIT's linker
+
+
+@intrinsic
+def _yield(typingctx):
+    """Give this thread's core to another runnable thread (POSIX ``sched_yield``; nothing
+    elsewhere): a caller waiting for a worker that was preempted inside a group lets it run."""
+    sig = types.none()
+
+    def codegen(context, builder, sig, args):
+        if _YIELD:
+            module = builder.module
+            fn = module.globals.get(_YIELD) or ir.Function(module, ir.FunctionType(ir.IntType(32), []), _YIELD)
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def serve(ctrl, seen, spins):  # pragma: no cover - compiled
+    """A worker's wait: take tiles of every group published in ``ctrl`` (module docstring) until
+    ``spins`` iterations pass with none, or ``STOP`` is set. ``seen``: the last group served.
+    Returns the last group served (≥ 0), or -1 once ``STOP`` is set. Releases the GIL."""
+    idle = 0
+    while idle < spins:
+        if _load(ctrl, STOP) != 0:
+            return -1
+        g = _load(ctrl, OPEN)
+        if g != 0 and g != seen:
+            _add(ctrl, ACTIVE, 1)
+            if _load(ctrl, OPEN) == g:
+                table = _ints(_load(ctrl, TABLE), _load(ctrl, ROWS), NCOLS)
+                counter = _ints(_load(ctrl, COUNTER), 1, 1).reshape(1)
+                run_group(table, counter, _load(ctrl, TILES))
+            _add(ctrl, ACTIVE, -1)
+            seen = g
+            idle = 0
+        else:
+            idle += 1
+            _pause()
+    return seen
+
+
+@njit(cache=True, nogil=True)
+def run(ctrl, g, table, counter, tiles):  # pragma: no cover - compiled
+    """The caller's side: publish group ``g`` (> 0, new) of ``table`` (int64 [n, NCOLS]) with its
+    ``counter`` (int64 [1]) and ``tiles``, compute tiles until none is left to take, close the
+    group and wait for every worker inside it. Returns the tiles this thread computed."""
+    _swap(ctrl, TABLE, table.ctypes.data)
+    _swap(ctrl, ROWS, table.shape[0])
+    _swap(ctrl, COUNTER, counter.ctypes.data)
+    _swap(ctrl, TILES, tiles)
+    _swap(ctrl, OPEN, g)
+    done = run_group(table, counter, tiles)
+    _swap(ctrl, OPEN, 0)
+    waited = 0
+    while _load(ctrl, ACTIVE) != 0:
+        waited += 1
+        if waited < 1000:  # ~25 µs: a worker finishing its tile
+            _pause()
+        else:  # longer: it was likely preempted; let it have a core
+            _yield()
+    return done
+
+
+class SpinPool:
+    """``size`` daemon threads that wait for groups in compiled code (module docstring)."""
+
+    def __init__(self, size: int, spins: int = SPINS) -> None:
+        self.size, self.spins = size, spins
+        self.ctrl = np.zeros(CTRL, np.int64)
+        self._busy = threading.Lock()  # one caller at a time publishes
+        self._cond = threading.Condition()
+        self._sleepers = 0
+        self._wakes = 0  # wake-ups called so far (under _cond)
+        self._next = 0  # group numbers, the caller's (under _busy)
+        self.workers = [threading.Thread(target=self._serve, name=f"compute-spin-{i + 1}", daemon=True)
+                        for i in range(size)]
+        for t in self.workers:
+            t.start()
+
+    def _serve(self) -> None:
+        ctrl, seen = self.ctrl, 0
+        while True:
+            seen = serve(ctrl, seen, self.spins)
+            if seen < 0:
+                return
+            with self._cond:  # idle: sleep until a caller wakes the sleepers (a group missed meanwhile costs nothing)
+                self._sleepers += 1
+                wakes = self._wakes
+                while self._wakes == wakes and int(ctrl[STOP]) == 0:
+                    self._cond.wait()
+                self._sleepers -= 1
+
+    def run(self, table: np.ndarray, counter: np.ndarray, tiles: int) -> int | None:
+        """Compute group ``table`` (int64 [n, NCOLS], C-order) with ``counter`` (int64 [1], zero)
+        over ``tiles`` tiles on the calling thread and the waiting workers. Returns the tiles the
+        caller computed itself, or None, doing nothing, when another caller holds the workers
+        (the caller then uses the Python pool)."""
+        if not self._busy.acquire(blocking=False):
+            return None
+        try:
+            self._next += 1
+            if self._sleepers:  # they join this group if they wake in time, else the next
+                with self._cond:
+                    self._wakes += 1
+                    self._cond.notify_all()
+            return int(run(self.ctrl, self._next, table, counter, tiles))
+        finally:
+            self._busy.release()
+
+    def close(self) -> None:
+        """Stop the workers (each returns from its wait; a sleeping one is woken)."""
+        self.ctrl[STOP] = 1
+        with self._cond:
+            self._cond.notify_all()
+
+
+_pool: SpinPool | None = None
+_pool_lock = threading.Lock()
+
+
+def pool(workers: int) -> SpinPool:
+    """The process's spinning workers, ``workers`` of them (made, or remade for a new count)."""
+    global _pool
+    p = _pool
+    if p is None or p.size != workers:
+        with _pool_lock:
+            if _pool is None or _pool.size != workers:
+                if _pool is not None:
+                    _pool.close()
+                _pool = SpinPool(workers)
+            p = _pool
+    return p
+
+
+def _forget_after_fork() -> None:  # a child has none of the parent's threads
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,174 @@
+"""The spinning compute workers (swarm/compute/spin.py): a group's tiles computed by the caller
+and the workers give one thread's bits; workers do join; no worker reads a group after the
+caller's ``run`` returns; several callers at once; idle workers sleep and are woken; close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+from swarm.compute import quant
+from swarm.compute.quant import QMatrix
+
+QT = gguf.GGMLQuantizationType
+R, C = 256, 1024
+
+
+@pytest.fixture(scope="module")
+def spin():
+    quant._kernels()
+    from swarm.compute import spin as module
+    return module
+
+
+def _matrix(seed: int, rows: int = R) -> QMatrix:
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, C // 32 * 34), dtype=np.uint8)
+    data.reshape(rows, -1, 34)[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return QMatrix(data, QT.Q8_0, C)
+
+
+def _group(w: QMatrix, x: np.ndarray, out: np.ndarray, tile: int = 8) -> tuple[np.ndarray, int]:
+    """A one-product group table (qkernels' columns) and its tile count."""
+    rows = w.shape[0]
+    row = (w._kind, w._addr, rows, w.data.shape[1], quant._address(x), x.shape[0], C, quant._address(out), tile, 0)
+    return np.array([row], np.int64), -(-rows // tile)
+
+
+def test_groups_give_one_threads_bits_and_workers_take_tiles(spin):
+    w = _matrix(1, rows=2048)
+    x = np.random.default_rng(2).standard_normal((3, C)).astype(np.float32)
+    want = np.empty((3, 2048), np.float32)
+    quant._kernels().matmul(w._kind, w.data, x, want, 0, 2048)
+    pool = spin.SpinPool(3)
+    try:
+        groups = shared = 0
+        deadline = time.monotonic() + 20  # a loaded machine may leave the workers no core for a while
+        while (groups < 100 or not shared) and time.monotonic() < deadline:
+            out = np.full((3, 2048), np.nan, np.float32)
+            table, tiles = _group(w, x, out)
+            mine = pool.run(table, np.zeros(1, np.int64), tiles)
+            assert mine is not None and 0 <= mine <= tiles
+            assert np.array_equal(out, want)
+            groups += 1
+            shared += mine < tiles
+        assert shared > 0, f"no worker took a tile of {groups} groups"
+    finally:
+        pool.close()
+
+
+def test_no_worker_reads_a_group_after_run_returns(spin):
+    # After run returns, the table is pointed at a canary and its counter reset: a worker still
+    # holding the old group (the protocol broken) would compute tiles into the canary.
+    w = _matrix(3)
+    x = np.random.default_rng(4).standard_normal((1, C)).astype(np.float32)
+    canary = np.full((1, R), np.nan, np.float32)
+    pool = spin.SpinPool(2)
+    try:
+        for _ in range(5000):
+            out = np.empty((1, R), np.float32)
+            table, tiles = _group(w, x, out, tile=32)
+            counter = np.zeros(1, np.int64)
+            assert pool.run(table, counter, tiles) is not None
+            table[0, 7] = quant._address(canary)
+            counter[0] = 0
+        time.sleep(0.05)
+        assert np.isnan(canary).all()
+    finally:
+        pool.close()
+
+
+def test_callers_at_once_each_get_their_bits(spin):
+    # One caller holds the workers; the others find them taken (run returns None) and compute
+    # alone, as quant's groups then fall back to the Python pool.
+    pool = spin.SpinPool(2)
+    results: dict[int, bool] = {}
+    fallbacks = [0]
+
+    def caller(i: int) -> None:
+        w = _matrix(10 + i)
+        x = np.random.default_rng(20 + i).standard_normal((2, C)).astype(np.float32)
+        want = np.empty((2, R), np.float32)
+        quant._kernels().matmul(w._kind, w.data, x, want, 0, R)
+        ok = True
+        for _ in range(200):
+            out = np.full((2, R), np.nan, np.float32)
+            table, tiles = _group(w, x, out)
+            counter = np.zeros(1, np.int64)
+            if pool.run(table, counter, tiles) is None:
+                fallbacks[0] += 1
+                quant._kernels().run_group(table, counter, tiles)
+            ok &= bool(np.array_equal(out, want))
+        results[i] = ok
+
+    try:
+        callers = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(120)
+        assert results == {0: True, 1: True, 2: True}
+    finally:
+        pool.close()
+
+
+def test_idle_workers_sleep_are_woken_and_close_ends_them(spin):
+    # A group of ~1 ms (4096 rows, 4 activation rows): longer than a sleeping worker's wake-up.
+    w = _matrix(5, rows=4096)
+    x = np.random.default_rng(6).standard_normal((4, C)).astype(np.float32)
+    want = np.empty((4, 4096), np.float32)
+    quant._kernels().matmul(w._kind, w.data, x, want, 0, 4096)
+    pool = spin.SpinPool(2, spins=200)
+    try:
+        deadline = time.monotonic() + 10
+        while pool._sleepers < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool._sleepers == 2  # idle: both left the spin-wait
+        woke, groups, deadline = False, 0, time.monotonic() + 20
+        while (groups < 20 or not woke) and time.monotonic() < deadline:
+            groups += 1
+            out = np.full((4, 4096), np.nan, np.float32)
+            table, tiles = _group(w, x, out)
+            mine = pool.run(table, np.zeros(1, np.int64), tiles)
+            assert np.array_equal(out, want)
+            woke |= mine < tiles
+            time.sleep(0.002)  # the workers' spin-wait (200 pauses) runs out: each group wakes them
+        assert woke, "no sleeping worker was woken into a group"
+    finally:
+        pool.close()
+    for t in pool.workers:
+        t.join(5)
+    assert not any(t.is_alive() for t in pool.workers)
+
+
+def test_the_engine_with_spinning_workers_gives_one_threads_logits(spin, tmp_path, monkeypatch):
+    """``COLIBRI_SWARM_SPIN=1``: a random MoE's prefill and decode logits at 2, 3 and 8 threads
+    through the spinning workers are those at 1, bit for bit (every product cut into tiles of 8
+    rows, so every group is shared)."""
+    from swarm.compute import threads
+    from swarm.compute.model import load_model
+    from tests.compute.test_threads import VOCAB, write_tiny_moe
+
+    monkeypatch.setattr(spin, "_FORCED", "1")
+    monkeypatch.setattr(quant, "GROUP_TILE_BYTES", 1)
+    model = load_model(write_tiny_moe(tmp_path / "moe.gguf", QT.Q4_K))
+    tokens = np.random.default_rng(1).integers(0, VOCAB, 11).tolist()
+    before = threads.threads()
+
+    def logits(n: int) -> np.ndarray:
+        threads.set_threads(n)
+        cache = model.new_cache()
+        return np.concatenate([model.forward(tokens[:9], cache), model.forward(tokens[9:10], cache),
+                               model.forward(tokens[10:], cache)])
+
+    try:
+        one = logits(1)
+        for n in (2, 3, 8):
+            np.testing.assert_array_equal(logits(n), one, err_msg=f"{n} threads")
+        assert spin._pool is not None and spin._pool.size == 7  # the groups went to the spinning workers
+    finally:
+        threads.set_threads(before)
