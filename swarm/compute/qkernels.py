@@ -7,8 +7,8 @@ codes, low nibbles the first 16 weights) — block layouts as ggml defines them 
 tables of ``gguf.quants.MXFP4``'s values). :func:`dequant` takes kinds 0–4 and 8.
 The K-quant tiles take AVX-512 vector code where the CPU has it (:data:`AVX512`,
 :func:`_k_block`): each weight decoded in registers to the float32 value of the portable form
-(Q4_K, Q5_K by ``vpermps``/``vpermi2ps`` from a table of its sub-block's
-``fma(d·sc, q, -dmin·m)``), then the same operations in the same order. :func:`run_group` computes a group of
+(Q4_K by ``vpermps`` from a 16-entry table of its sub-block's ``fma(d·sc, q, -dmin·m)``),
+then the same operations in the same order. :func:`run_group` computes a group of
 products tile by tile on every thread that runs it (swarm/compute/quant.py's ``matmul_many``).
 Each kernel runs on one thread over a range of output rows and releases the GIL: the caller
 spreads ranges over the process's compute threads (swarm/compute/threads.py), and other Python
@@ -152,17 +152,24 @@ def _fma(typingctx, a, b, c):
     return sig, codegen
 
 
-def _lane_sum(n: int):
+def _lane_sum(n: int, halves: bool = False):
     """An intrinsic: Σ of the ``n`` (a power of two) float32 lane sums in a :func:`_stack` array
     in one fixed pairwise order, written as vector halvings (n/2 + n/4 + … + 1 lanes) so that it
-    stays a few vector instructions without letting the compiler reassociate."""
+    stays a few vector instructions without letting the compiler reassociate. ``halves``: the
+    array read as two vectors of n/2 lanes (the first halving), as the K-quant AVX-512 tiles
+    write it, so that the compiler keeps the lanes in registers across the tile's loop."""
     @intrinsic
     def lane_sum(typingctx, lanes):
         def codegen(context, builder, sig, args):
             data = context.make_array(sig.args[0])(context, builder, args[0]).data
             f, i32 = ir.FloatType(), ir.IntType(32)
-            v = builder.load(builder.bitcast(data, ir.PointerType(ir.VectorType(f, n))), align=4)
             k = n
+            if halves:
+                vp = ir.PointerType(ir.VectorType(f, n // 2))
+                lo, hi = (builder.load(builder.bitcast(builder.gep(data, [i32(h * n // 2)]), vp), align=4) for h in range(2))
+                v, k = builder.fadd(lo, hi), n // 2
+            else:
+                v = builder.load(builder.bitcast(data, ir.PointerType(ir.VectorType(f, n))), align=4)
             while k > 1:
                 k //= 2
                 lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, k), list(range(k))))
@@ -173,7 +180,20 @@ def _lane_sum(n: int):
     return lane_sum
 
 
-_sum16, _sum32 = _lane_sum(16), _lane_sum(32)
+_sum16, _sum32, _sum32h = _lane_sum(16), _lane_sum(32), _lane_sum(32, halves=True)
+
+
+@intrinsic
+def _zero32(typingctx, lanes):
+    """Zero the 32 float32 lane sums of a :func:`_stack` array, as two 16-lane vectors."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        vp = ir.PointerType(ir.VectorType(ir.FloatType(), 16))
+        for h in range(2):
+            builder.store(ir.Constant(vp.pointee, [0.0] * 16), builder.bitcast(builder.gep(data, [ir.IntType(32)(16 * h)]), vp),
+                          align=4)
+        return context.get_dummy_value()
+    return types.none(lanes), codegen
 
 
 _V8 = ir.VectorType(ir.FloatType(), 8)
@@ -274,7 +294,7 @@ def _tile_source(kind: int, nr: int, tt: int) -> str:
 
 def _compile_tile(kind: int, nr: int, tt: int, avx512: bool = AVX512):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _half=_half, _u32=_u32,
-                 _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
+                 _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32, _sum32h=_sum32h, _zero32=_zero32,
                  _prefetch_ahead=_prefetch_ahead, _k4_scales=_k4_scales, _k6_scales=_k6_scales,
                  _k5=_k5, _k6=_k6, _E8M0=_E8M0, _e2m1=_e2m1,
                  **{f"_k_scales{k}": f for k, (f, _) in _k_blocks.items()},
@@ -427,7 +447,7 @@ def _k_block(form: str):
 
     - Q4_K: each weight ``fma(d·sc, q, -(dmin·m))`` read by ``vpermps`` from a 16-entry table of
       its sub-block's values (one fused multiply-add per possible q, so the same bits);
-    - Q5_K: the same from a 32-entry table, two registers read by ``vpermi2ps``;
+    - Q5_K: the same value ``fma(d·sc, q, -(dmin·m))``, q converted from 32-bit integers;
     - Q6_K: each weight ``(d·sc)·(q - 32)``, q - 32 converted from 32-bit integers (exact).
     """
     @intrinsic
@@ -487,38 +507,31 @@ def _k_block(form: str):
 
 def _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply):
     """Q4_K / Q5_K codegen for :func:`_k_block`: per 64-weight chunk i, lane l takes
-    ``fma(w_lo, x[64i + l], ·)`` then ``fma(w_hi, x[64i + 32 + l], ·)``."""
+    ``fma(w_lo, x[64i + l], ·)`` then ``fma(w_hi, x[64i + 32 + l], ·)``. (Emitted low
+    nibbles first, then high, for few live registers; each lane's order is the same.)"""
     perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16]),
                                           "llvm.x86.avx512.permvar.sf.512")
-    perm2 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16, _V16]),
-                                           "llvm.x86.avx512.vpermi2var.ps.512")
-    iotas = [ir.Constant(_V16, [float(k) for k in range(16 * p, 16 * p + 16)]) for p in range(2)]
-    # Q5_K: the high bits of lanes 16h.. in bytes o + 16 + 16h (bit 2i: chunk i's low nibbles, 2i + 1: high)
-    high = [[load_bytes(n, 16 + 16 * h) for h in range(2)] for n in range(nr)] if form == "q5" else None
+    iota = ir.Constant(_V16, [float(k) for k in range(16)])
     first = 16 if form == "q4" else 48  # the nibbles
+    # Q5_K: the high bits of lanes 16h.. in bytes o + 16 + 16h (bit j: sub-block j's weights)
+    high = [[load_bytes(n, 16 + 16 * h) for h in range(2)] for n in range(nr)] if form == "q5" else None
     for i in range(4):
-        # per row, sub-block 2i's and 2i + 1's tables: fma(d·sc, q, -(dmin·m)) for q < 16 (Q5_K: < 32)
-        tables = [[[builder.call(fma, [scale(n, j), iota, scale(n, 8 + j)]) for iota in iotas[:2 if form == "q5" else 1]]
-                   for j in (2 * i, 2 * i + 1)] for n in range(nr)]
-        for h in range(2):
-            xl = [load_x(t, 64 * i + 16 * h) for t in range(tt)]
-            xh = [load_x(t, 64 * i + 32 + 16 * h) for t in range(tt)]
-            for n in range(nr):
-                q = load_bytes(n, first + 32 * i + 16 * h)
-                (lo_table, *lo2), (hi_table, *hi2) = tables[n]
-                if form == "q4":  # vpermps reads the low 4 bits of each index
-                    lo = builder.call(perm, [lo_table, q])
-                    hi = builder.call(perm, [hi_table, builder.lshr(q, ints(4))])
-                else:  # 5-bit indices: vpermi2ps reads the low 5 bits
-                    g = high[n][h]
-                    lo_q = builder.or_(builder.and_(q, ints(15)),
-                                       builder.shl(builder.and_(builder.lshr(g, ints(2 * i)), ints(1)), ints(4)))
-                    hi_q = builder.or_(builder.lshr(q, ints(4)),
-                                       builder.shl(builder.and_(builder.lshr(g, ints(2 * i + 1)), ints(1)), ints(4)))
-                    lo = builder.call(perm2, [lo_table, lo_q, lo2[0]])
-                    hi = builder.call(perm2, [hi_table, hi_q, hi2[0]])
-                apply(n, h, lo, xl)
-                apply(n, h, hi, xh)
+        q = [[load_bytes(n, first + 32 * i + 16 * h) for h in range(2)] for n in range(nr)]
+        for part in range(2):  # low nibbles (sub-block 2i), then high (2i + 1)
+            j = 2 * i + part
+            # Q4_K: per row, sub-block j's table: fma(d·sc, q, -(dmin·m)) for q < 16
+            tables = [builder.call(fma, [scale(n, j), iota, scale(n, 8 + j)]) for n in range(nr)] if form == "q4" else None
+            for h in range(2):
+                xs = [load_x(t, 64 * i + 32 * part + 16 * h) for t in range(tt)]
+                for n in range(nr):
+                    nib = builder.lshr(q[n][h], ints(4)) if part else q[n][h]
+                    if form == "q4":  # vpermps reads the low 4 bits of each index
+                        wv = builder.call(perm, [tables[n], nib])
+                    else:  # fma(d·sc, q, -(dmin·m)) on q converted from 32-bit integers (exact)
+                        hb = builder.and_(builder.lshr(high[n][h], ints(j)), ints(1))
+                        q5 = builder.or_(builder.and_(nib, ints(15)), builder.shl(hb, ints(4)))
+                        wv = builder.call(fma, [scale(n, j), builder.sitofp(q5, _V16), scale(n, 8 + j)])
+                    apply(n, h, wv, xs)
 
 
 def _q6_block(builder, nr, tt, scale, ints, load_x, load_bytes, apply):
@@ -526,16 +539,17 @@ def _q6_block(builder, nr, tt, scale, ints, load_x, load_bytes, apply):
     positions j, j + 32, j + 64, j + 96 in that order."""
     for h in range(2):
         for p in range(2):
-            xs = [[load_x(t, 128 * h + 16 * p + 32 * k) for t in range(tt)] for k in range(4)]
-            for n in range(nr):
-                u = load_bytes(n, 64 * h + 16 * p)
-                v = load_bytes(n, 64 * h + 32 + 16 * p)
-                g = load_bytes(n, 128 + 32 * h + 16 * p)
-                for k, nib in enumerate((builder.and_(u, ints(15)), builder.and_(v, ints(15)),
-                                         builder.lshr(u, ints(4)), builder.lshr(v, ints(4)))):
-                    q = builder.or_(nib, builder.shl(builder.and_(builder.lshr(g, ints(2 * k)), ints(3)), ints(4)))
+            # per row: ql bytes of positions j and j + 64, of j + 32 and j + 96, then their 2-bit highs
+            u, v, g = zip(*[[load_bytes(n, c) for c in (64 * h + 16 * p, 64 * h + 32 + 16 * p, 128 + 32 * h + 16 * p)]
+                            for n in range(nr)])
+            for k in range(4):
+                xs = [load_x(t, 128 * h + 16 * p + 32 * k) for t in range(tt)]
+                for n in range(nr):
+                    nib = (u, v)[k % 2][n]
+                    nib = builder.lshr(nib, ints(4)) if k >= 2 else builder.and_(nib, ints(15))
+                    q = builder.or_(nib, builder.shl(builder.and_(builder.lshr(g[n], ints(2 * k)), ints(3)), ints(4)))
                     wv = builder.fmul(scale(n, 8 * h + p + 2 * k), builder.sitofp(builder.sub(q, ints(32)), _V16))
-                    apply(n, p, wv, xs[k])
+                    apply(n, p, wv, xs)
 
 
 _k_blocks = {kind: (_k_scales(form), _k_block(form)) for kind, form in ((5, "q4"), (6, "q5"), (7, "q6"))}
@@ -548,8 +562,8 @@ def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
     lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
     lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
     lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n in rows for t in acts]
-    lines += ["    for j in range(32):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
     if avx512:  # the same operations, in vector code of AVX-512
+        lines += [f"    _zero32(s{n}_{t})" for n in rows for t in acts]
         lines += [f"    sc{n} = carray(_stack({16 * _GROUP}), {16 * _GROUP})" for n in rows]
         lines += ["    nb = x0.shape[0] // 256", f"    for b0 in range(0, nb, {_GROUP}):",
                   f"        for b in range(b0, min(nb, b0 + {_GROUP})):"]
@@ -562,8 +576,9 @@ def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
         lines += [f"            _k_block{kind}(({args[0]},), ({args[1]},), ({args[2]},), b - b0, o, ({args[3]},), xo)"]
         for n in rows:
             lines.append(f"    if r0 + {n} < hi:")
-            lines += [f"        out[t0 + {t}, r0 + {n}] = _sum32(s{n}_{t})" for t in acts]
+            lines += [f"        out[t0 + {t}, r0 + {n}] = _sum32h(s{n}_{t})" for t in acts]
         return "\n".join(lines)
+    lines += ["    for j in range(32):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n in rows for t in acts]
     lines += [f"    sc{n} = carray(_stack(16), 16)" for n in rows]
     lines += [f"    mn{n} = carray(_stack(16), 16)" for n in rows] if form != "q6" else []
     lines += ["    for b in range(x0.shape[0] // 256):", f"        o = b * {size}", "        xo = b * 256"]
