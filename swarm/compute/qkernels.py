@@ -259,7 +259,8 @@ _TYPES = {
 }
 # Tile shapes (NR weight rows × TT activation rows), chosen by measurement (AVX-512 machine):
 # decode takes 4 rows a pass (x loads shared by 4 rows); several activation rows take 2 × 4,
-# then 2 × 2 and 2 × 1 for the last T % 4.
+# then 2 × 2 and 2 × 1 for the last T % 4 — K-quants 2 × 3 for a last 3, so that their
+# costlier blocks are decoded once (:func:`_rows_kernel`).
 _TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
 
 
@@ -631,6 +632,13 @@ def _rows_kernel(kind: int, avx512: bool = AVX512):
     (``avx512``: the K-quant tiles in AVX-512 vector code, the same bits)."""
     (n1, _), (n4, _), _, _ = _TILES
     one, four, two, single = (_compile_tile(kind, nr, tt, avx512) for nr, tt in _TILES)
+    if kind in _K_TYPES:
+        three = _compile_tile(kind, n4, 3, avx512)
+    else:
+        @njit(nogil=True, inline="always")
+        def three(w, r0, hi, x, t0, out, ahead, end):
+            two(w, r0, hi, x, t0, out, ahead, end)
+            single(w, r0, hi, x, t0 + 2, out, ahead, end)
 
     @njit(nogil=True)
     def rows(w, x, out, lo, hi):
@@ -647,10 +655,11 @@ def _rows_kernel(kind: int, avx512: bool = AVX512):
             while t0 + 4 <= T:
                 four(w, r0, hi, x, t0, out, ahead, end)
                 t0 += 4
-            if t0 + 2 <= T:
+            if T - t0 == 3:
+                three(w, r0, hi, x, t0, out, ahead, end)
+            elif T - t0 == 2:
                 two(w, r0, hi, x, t0, out, ahead, end)
-                t0 += 2
-            if t0 < T:
+            elif T - t0 == 1:
                 single(w, r0, hi, x, t0, out, ahead, end)
     return rows
 
