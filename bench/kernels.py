@@ -8,8 +8,9 @@ Q4_1; any type gguf reads: the K-quants, F16, BF16, …) and T (default 1: decod
 one expert of a MoE prefill gets, or a batch of decode rows; ``SMALL_T``, the most rows of one
 kernel call; 128: prefill, two calls), each candidate's best-of-``--repeats`` time, the weight bytes it
 reads per second (encoded size / time; for the float32 baseline, its 4-byte weights),
-GFLOP/s (2·T·rows·cols / time) and the largest error relative to max |y| of a float64 product
-with ``gguf.quants``' dequantization. Candidates:
+GFLOP/s (2·T·rows·cols / time), at T > 1 ``step_vs_T1`` (the time against the same
+candidate's at T = 1: what a step of T decoding sequences costs against one), and the largest
+error relative to max |y| of a float64 product with ``gguf.quants``' dequantization. Candidates:
 
 - ``numpy_f32``: float32 weights (today's engine before compact weights), BLAS;
 - ``numpy_tiles``: ``gguf.quants.dequantize`` of the whole matrix, then BLAS (the fallback);
@@ -115,13 +116,19 @@ def main() -> int:
                     y = fn()
                     per = len(y) if isinstance(y, list) else 1  # matrices per call (ms: per matrix)
                     y = y[-1] if isinstance(y, list) else y
-                    best = min(_timed(fn, clock) for _ in range(args.repeats if T == 1 else max(3, args.repeats // 4)))
+                    # decode and batched decode (T ≤ 8) are the cheap calls: every repeat
+                    best = min(_timed(fn, clock) for _ in range(args.repeats if T <= 8 else max(3, args.repeats // 4)))
                     rows.append({
                         "shape": [R, K], "type": qtype.name, "T": T, "kernel": name,
                         "ms": round(best / per * 1e3, 3), "GB_per_s": round(nbytes / best / 1e9, 2),
                         "GFLOP_per_s": round(2 * T * R * K * per / best / 1e9, 1),
                         "max_rel_error": float(f"{np.abs(y - want).max() / np.abs(want).max():.2e}"),
                     })
+    one_row = {(tuple(r["shape"]), r["type"], r["kernel"]): r["ms"] for r in rows if r["T"] == 1}
+    for r in rows:  # what a step of T rows costs against a step of one (batched decode)
+        base = one_row.get((tuple(r["shape"]), r["type"], r["kernel"]))
+        if r["T"] > 1 and base:
+            r["step_vs_T1"] = round(r["ms"] / base, 2)
     print(json.dumps({
         "threads": args.threads, "clock": args.clock, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
         "import_rss_mib": {lib: _import_rss(lib) for lib in ("numpy", "numba", "onnxruntime")},
