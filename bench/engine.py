@@ -10,6 +10,11 @@ Each thread count is measured in turn; the JSON has one entry per count in ``run
 copy bandwidth at that count beside the engines, and the machine (CPU, cores, flags) once.
 llama.cpp runs through llama-cpp-python (a benchmark-only package; build it for the CPU's own
 instruction set): its version and ``llama_print_system_info()`` are recorded under ``build``.
+``llamabench`` runs llama.cpp's own ``llama-bench`` binary instead (``--llama-bench PATH`` or
+``$LLAMA_BENCH``; built from llama.cpp's source with CMake, ``-DGGML_NATIVE=ON``): prefill is its
+``pp`` test of ``--prompt-tokens``, decode its ``tg`` test of ``--decode-tokens`` after that many
+tokens of context (``-d``), each the best of ``--repeats``; its build commit, CPU and backends are
+recorded under ``build``, and its ratios are by wall time (it reports no CPU seconds).
 transformers reads the GGUF itself.
 
 Each engine runs in its own child process (this script with ``--worker NAME``), so the
@@ -56,7 +61,9 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", default="colibri,llamacpp,transformers",
-                    help="comma-separated: colibri, llamacpp, transformers")
+                    help="comma-separated: colibri, llamacpp, llamabench, transformers")
+    ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
+                    help="llama.cpp's llama-bench binary, for --engines llamabench (default: $LLAMA_BENCH)")
     ap.add_argument("--make-moe", metavar="PATH", help="write the random MoE GGUF to PATH and exit")
     ap.add_argument("--make-moe-2g", nargs=2, metavar=("PATH", "TYPE"),
                     help="write a random Qwen3-MoE of 12 layers, 64 experts (top 8) of 2048x768, in TYPE "
@@ -89,6 +96,9 @@ def main() -> int:
         from swarm.compute.default_model import default_model_path
 
         args.model = str(default_model_path())
+    if "llamabench" in args.engines.split(",") and not (args.llama_bench and Path(args.llama_bench).is_file()):
+        raise SystemExit("--engines llamabench needs llama.cpp's llama-bench binary: --llama-bench PATH or "
+                         "$LLAMA_BENCH (cmake -B build -DGGML_NATIVE=ON && cmake --build build --target llama-bench)")
     counts = [int(n) for n in str(args.threads).split(",")]
     # tokenized here, so no engine's peak RSS includes this project's tokenizer
     prompt = ",".join(map(str, _prompt_ids(args.model, args.prompt_tokens)))
@@ -113,7 +123,7 @@ def _measure(args: argparse.Namespace, prompt: str, threads: int) -> dict:
     for engine in args.engines.split(","):
         cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--threads", str(threads),
                "--prompt-ids", prompt, "--decode-tokens", str(args.decode_tokens),
-               "--repeats", str(args.repeats)]
+               "--repeats", str(args.repeats), *(["--llama-bench", args.llama_bench] if args.llama_bench else [])]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             print(done.stderr, file=sys.stderr)
@@ -142,6 +152,13 @@ def _measure(args: argparse.Namespace, prompt: str, threads: int) -> dict:
         # on a shared machine wall time measures the neighbours too; with one thread (no
         # spin-waiting), CPU seconds are the steadier figure
         report["ratio_vs_llamacpp_by_cpu_time"] = _cpu_ratio(ours, theirs)
+    if "colibri" in report and "llamabench" in report:
+        ours, theirs = report["colibri"], report["llamabench"]
+        report["ratio_vs_llamabench"] = {  # by wall time: llama-bench reports no CPU seconds
+            "decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3),
+            "prefill": round(ours["prefill_tok_s"] / theirs["prefill_tok_s"], 3),
+            "peak_rss": round(ours["peak_rss_mib"] / theirs["peak_rss_mib"], 3),
+        }
     for engine in ("colibri", "llamacpp", "transformers"):
         report.get(engine, {}).pop("greedy_ids", None)
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -232,9 +249,12 @@ def _worker(args: argparse.Namespace) -> int:
     except ImportError:  # the thread variables the parent set do the same for BLAS and OpenMP
         pass
     prompt = [int(i) for i in args.prompt_ids.split(",")]
-    run = {"colibri": _run_colibri, "llamacpp": _run_llamacpp, "transformers": _run_transformers}[args.worker]
+    run = {"colibri": _run_colibri, "llamacpp": _run_llamacpp, "llamabench": _run_llama_bench,
+           "transformers": _run_transformers}[args.worker]
     result = run(args, prompt)
-    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    # llama-bench runs as this worker's child: its peak is the children's
+    who = resource.RUSAGE_CHILDREN if args.worker == "llamabench" else resource.RUSAGE_SELF
+    result["peak_rss_mib"] = round(resource.getrusage(who).ru_maxrss / 1024, 1)
     print(json.dumps(result))
     return 0
 
@@ -324,6 +344,33 @@ def _run_llamacpp(args: argparse.Namespace, prompt: list[int]) -> dict:
         return t1 - t0, t2 - t1, tokens, (c1 - c0, c2 - c1)
 
     return {**_repeated(greedy_run, args, prompt, load_s), "build": build}
+
+
+def _run_llama_bench(args: argparse.Namespace, prompt: list[int]) -> dict:
+    """llama.cpp's ``llama-bench``: its pp test of len(prompt) tokens and its tg test of
+    ``--decode-tokens`` after as many tokens of context, ``--repeats`` samples each (after its
+    own warm-up); tok/s from the best and the median sample."""
+    n_prompt, n_gen = len(prompt), args.decode_tokens
+    cmd = [args.llama_bench, "-m", args.model, "-t", str(args.threads), "-r", str(args.repeats), "-o", "json",
+           "-p", str(n_prompt), "-n", str(n_gen), "-d", f"0,{n_prompt}", "-ngl", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-bench failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    tests = json.loads(done.stdout)
+    pp = next(t for t in tests if t["n_prompt"] == n_prompt and t["n_gen"] == 0 and t.get("n_depth", 0) == 0)
+    tg = next(t for t in tests if t["n_gen"] == n_gen and t["n_prompt"] == 0 and t.get("n_depth", 0) == n_prompt)
+    prefills = [ns / 1e9 for ns in pp["samples_ns"]]
+    decodes = [ns / 1e9 for ns in tg["samples_ns"]]
+    return {
+        "prefill_tok_s": round(n_prompt / min(prefills), 1),
+        "decode_tok_s": round(n_gen / min(decodes), 1),
+        "prefill_tok_s_median": round(n_prompt / statistics.median(prefills), 1),
+        "decode_tok_s_median": round(n_gen / statistics.median(decodes), 1),
+        "prefill_s_runs": [round(t, 3) for t in prefills],
+        "decode_s_runs": [round(t, 3) for t in decodes],
+        "build": {k: pp.get(k) for k in ("build_commit", "build_number", "cpu_info", "backends", "n_threads",
+                                         "type_k", "flash_attn", "model_type", "model_size")},
+    }
 
 
 def qwen3moe_writer(path: Path, *, layers: int, hidden: int, experts: int, top_k: int, expert_ffn: int,
