@@ -3,7 +3,7 @@
 // g = h / (nh / nkv) the key/value head of query head h (transformers' repeat_kv); q already
 // multiplied by the attention scale. Softmax with the row's max subtracted, normalised after
 // the weighted sum of values, as the engine's swarm.compute.kernels.attention.
-//   q      [T, nh, hd]  f32
+//   q      [T, q_stride] f32  row t's first nh * hd elements the query heads
 //   k, v   [nkv, C, hd] f32  the cache: positions 0 .. start + T - 1 filled (C its capacity)
 //   scores [T, nh, C]   f32  scratch: one row's weights
 //   out    [T, nh, hd]  f32
@@ -18,8 +18,8 @@ struct AttnParams {
     nkv: u32,
     hd: u32,
     cap: u32,    // C
-    start: u32,  // position of row 0
-    pad0: u32,
+    start: u32,     // position of row 0
+    q_stride: u32,  // elements per row of q
     pad1: u32,
 }
 
@@ -55,7 +55,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let t = wid.y;
     let n = p.start + t + 1u;                 // positions this row sees
     let g = h / (p.nh / p.nkv);
-    let qb = (t * p.nh + h) * p.hd;
+    let qb = t * p.q_stride + h * p.hd;
+    let ob = (t * p.nh + h) * p.hd;
     let kb = g * p.cap * p.hd;
     let sb = (t * p.nh + h) * p.cap;
     var m = -3.4028235e38;
@@ -81,6 +82,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         for (var j = 0u; j < n; j++) {
             acc += scores[sb + j] * vc[kb + j * p.hd + i];
         }
-        out[qb + i] = acc / l;
+        out[ob + i] = acc / l;
     }
 }

@@ -455,7 +455,7 @@ def dispatch_grid(n_rows: int, t_rows: int) -> tuple[int, int, int]:
 
 # ---- a layer's other kernels: RMSNorm, RoPE, attention ------------------------------------------
 
-LAYER_KERNELS = ("rmsnorm", "rope", "attention")  # WGSL files of their own name, no weight prelude
+LAYER_KERNELS = ("rmsnorm", "rope", "attention", "kv_write", "add")  # WGSL files of their own name, no weight prelude
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -4,14 +4,19 @@
 // where i ^ half is the other half's element (i + half or i - half) and ssin is sin with its
 // first half negated (rotate_half(x) * sin == swap_halves(x) * ssin); the attention scale may
 // be folded into the query heads' tables.
-//   x, cos, ssin, y [T, n, hd] f32 (n heads, hd even). One invocation per element.
+//   x              [T, stride] f32, its row's first n * hd elements the heads (a stage's Q|K|V rows)
+//   cos, ssin, y   [T, n, hd]  f32 (n heads, hd even). One invocation per element.
 // Numpy twin: web_peer/kernels.py rope.
 
 struct RopeParams {
     total: u32,   // T * n * hd
-    hd: u32,
     tile_x: u32,  // invocations along x (WG each workgroup)
-    pad: u32,
+    hd: u32,
+    row: u32,     // n * hd
+    stride: u32,  // elements per row of x
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 override WG: u32 = 64u;
@@ -30,6 +35,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     let half = p.hd / 2u;
     let i = e % p.hd;
-    let other = select(e + half, e - half, i >= half);
-    y[e] = x[e] * cosine[e] + x[other] * ssin[e];
+    let xe = (e / p.row) * p.stride + e % p.row;
+    let other = select(xe + half, xe - half, i >= half);
+    y[e] = x[xe] * cosine[e] + x[other] * ssin[e];
 }

@@ -291,7 +291,8 @@ class WgpuFfn:
         """rope.wgsl: x, cos, ssin [T, n, hd] float32 → [T, n, hd] float32 (twin: kernels.rope)."""
         K.rope(x[:0], cos[:0], ssin[:0])
         gx, gy = _grid(-(-x.size // self.workgroup_size))
-        (y,) = self._run("rope", struct.pack("<IIII", x.size, x.shape[2], gx * self.workgroup_size, 0),
+        row = x.shape[1] * x.shape[2]
+        (y,) = self._run("rope", struct.pack("<8I", x.size, gx * self.workgroup_size, x.shape[2], row, row, 0, 0, 0),
                          [x, cos, ssin], [x.size], (gx, gy, 1))
         return y.reshape(x.shape)
 
@@ -303,9 +304,67 @@ class WgpuFfn:
         nkv, C, _ = k.shape
         if T > MAX_WORKGROUPS:
             raise KernelError(f"attention takes at most {MAX_WORKGROUPS} rows a call, got {T}")
-        params = struct.pack("<8I", T, nh, nkv, hd, C, start, 0, 0)
+        params = struct.pack("<8I", T, nh, nkv, hd, C, start, nh * hd, 0)
         _, out = self._run("attention", params, [q, k, v], [T * nh * C, T * nh * hd], (nh, T, 1))
         return out.reshape(T, nh * hd)
+
+    # ---- a stage's layers resident on the GPU: buffers and dispatches into one encoder ---------
+
+    def storage(self, n: int, data: np.ndarray | None = None):
+        """A float32 storage buffer of ``n`` elements (≥ 1), holding ``data`` (float32) if given;
+        it can be copied from and to (read back, grown)."""
+        usage = self._wgpu.BufferUsage.STORAGE | self._wgpu.BufferUsage.COPY_SRC
+        if data is not None:
+            return self._buffer(np.ascontiguousarray(data, np.float32).tobytes(), usage)
+        self.largest_binding = max(self.largest_binding, 4 * n)
+        return self._device().create_buffer(size=max(16, 4 * n), usage=usage | self._wgpu.BufferUsage.COPY_DST)
+
+    def encode(self, enc, kernel: str, params: bytes, buffers: list, grid: tuple[int, int, int]) -> None:
+        """One dispatch of layer kernel ``kernel`` (bindings: params, then ``buffers`` in order)."""
+        pipe = self._pipeline(kernel, None)
+        res = [self._buffer(params, self._wgpu.BufferUsage.UNIFORM), *buffers]
+        bind = self.device.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+            {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res)])
+        cpass = enc.begin_compute_pass()
+        cpass.set_pipeline(pipe)
+        cpass.set_bind_group(0, bind)
+        cpass.dispatch_workgroups(*grid)
+        cpass.end()
+
+    def encode_elementwise(self, enc, kernel: str, n: int, fields: tuple[int, ...], buffers: list) -> None:
+        """:meth:`encode` of a kernel of one invocation per element over ``n`` elements (rope,
+        kv_write, add): its params are (n, tile_x, ``fields`` …) in 4 or 8 words."""
+        gx, gy = _grid(-(-n // self.workgroup_size))
+        words = (n, gx * self.workgroup_size, *fields)
+        size = 4 if len(words) <= 4 else 8
+        self.encode(enc, kernel, struct.pack(f"<{size}I", *words, *(0,) * (size - len(words))), buffers, (gx, gy, 1))
+
+    def encode_linear(self, enc, x, w: GpuLinear, y, t_rows: int, n_out: int, col0: int = 0) -> None:
+        """y[t, col0 : col0 + W.rows] = x[t] @ W.T for rows t of x [T, W's padded cols] (buffers)."""
+        if w.device is not self.device:
+            raise KernelError("these weights were uploaded to a device that was lost; upload them again")
+        self._dispatch(enc, "down", w.fmt, t_rows, w.matrix.packed.cols // 4, n_out, x, [w.matrix], y, col0)
+
+    def encode_ffn(self, enc, x, w: GpuFfnWeights, h, y, t_rows: int) -> None:
+        """y = down(swiglu(x)) for x [T, pad4(H)] into y [T, pad4(H)], through h [T, pad4(F)] (buffers)."""
+        if w.device is not self.device:
+            raise KernelError("these weights were uploaded to a device that was lost; upload them again")
+        hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
+        self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, x, [w.gate, w.up], h)
+        self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, h, [w.down], y)
+
+    def submit_read(self, enc, buf, n: int) -> np.ndarray:
+        """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back. Raises KernelError on a
+        GPU error (the device is then reset) or a non-finite result."""
+        try:
+            self.device.queue.submit([enc.finish()])
+            y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
+        except self._wgpu.GPUError as e:
+            self.drop_device()
+            raise KernelError(f"GPU error during the request; the device was reset: {e}") from e
+        if not np.isfinite(y).all():
+            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
+        return y
 
     def _run(self, kernel: str, params: bytes, inputs: list[np.ndarray], outputs: list[int],
              grid: tuple[int, int, int]) -> list[np.ndarray]:
@@ -341,13 +400,14 @@ class WgpuFfn:
 
     # ---- compute ----------------------------------------------------------------------------
 
-    def _dispatch(self, enc, kernel, fmt, t_rows, k4, n_out, inp, mats, out):
-        """Encode one dispatch per weight part of `kernel`: mats = [GpuMatrix, ...] sharing parts."""
+    def _dispatch(self, enc, kernel, fmt, t_rows, k4, n_out, inp, mats, out, col0=0):
+        """Encode one dispatch per weight part of `kernel`: mats = [GpuMatrix, ...] sharing parts;
+        output row t's columns col0 + (the part's rows) of a row of n_out."""
         dev = self.device
         pipe = self._pipeline(kernel, fmt)
         for i, (r0, r1) in enumerate(mats[0].packed.parts):
             gx, gy, gz = K.dispatch_grid(r1 - r0, t_rows)
-            params = self._buffer(_PARAMS.pack(t_rows, k4, r1 - r0, r0, n_out, gx),
+            params = self._buffer(_PARAMS.pack(t_rows, k4, r1 - r0, col0 + r0, n_out, gx),
                                   self._wgpu.BufferUsage.UNIFORM)
             res = [params, inp] + [m.buffers[i] for m in mats] + [m.scales[i] for m in mats] + [out]
             bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[

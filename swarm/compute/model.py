@@ -440,6 +440,10 @@ class Model:
         scale = self._head_scale
         return cos[:, None, :] * scale, signed_sin(sin)[:, None, :] * scale
 
+    def qk_tables(self, start: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_qk_tables` for a device that rotates the heads itself (a GPU stage)."""
+        return self._qk_tables(start, T)
+
     def _rotate(self, qk: np.ndarray, cos_qk: np.ndarray, sin_qk: np.ndarray) -> np.ndarray:
         """RoPE on the stacked query and key heads qk [T, nh+nkv, hd] (all dims, or the leading
         ``rotary_dim``); queries come out scaled by the attention scale."""

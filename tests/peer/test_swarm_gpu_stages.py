@@ -1,6 +1,7 @@
 """A GPU peer (``join --gpu on``: the WGSL kernels through wgpu, lavapipe in CI) as a stage peer
 in a real swarm of two over loopback links, on the default model (SmolLM2-135M, Q4_1): it runs
-its stage's weight products on the GPU in the file's Q4_1 blocks, the coordinator checks every
+its stage's layers wholly on the GPU, weights in the file's Q4_1 blocks and each sequence's keys
+and values in GPU buffers; the coordinator checks every
 answer (``--verify 100``) within the stage bound of another numeric build, and the greedy tokens
 are the local run's."""
 
@@ -65,8 +66,10 @@ def test_a_gpu_stage_peer_gives_the_local_runs_greedy_tokens_over_real_links(tmp
             st = coord.roles.coordinator.stages
             verify = st.tracker.observations().verify
             runner = worker.roles.worker.stage_runner
+            mine = st.layout.stages[-1]
             out = (runs, st.layout, runner.served, {p for p, t in st.timing.items() if t.failures},
-                   set(st.failed), verify.rows_checked, verify.rows_answered, runner.device.held(),
+                   set(st.failed), verify.rows_checked, verify.rows_answered,
+                   {**runner.device.held(), "resident": runner.device.resident(mine.start, mine.stop)},
                    coord.node.links[gpu_ident.peer_id].hello.ffn_gflops, gflops)
             # a re-plan prices the GPU peer by the speed its stage answers showed
             version = coord.roles.coordinator.plan_version
@@ -92,5 +95,6 @@ def test_a_gpu_stage_peer_gives_the_local_runs_greedy_tokens_over_real_links(tmp
     assert served == len(PROMPTS) * (STEPS + 1) and not failures and not failed  # none refused, none distrusted
     assert answered > 0 and checked == answered  # every row checked against the stage bound
     assert held["cpu"] == 0 and held["formats"] == {"q4_1"} and held["gpu"] > 0  # the file's blocks, all on the GPU
+    assert held["resident"]  # whole layers there: norms, RoPE, attention, the KV cache in GPU buffers
     assert announced == gflops > 0  # the planner prices it by what it measured: first its hello,
     assert priced["observed"] and priced["gflops"] != round(gflops, 2)  # then its stage answers

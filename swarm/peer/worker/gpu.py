@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -238,11 +239,14 @@ class GpuStage:
     from the worker's one compute thread only. Raises KernelError on a GPU error (then
     :meth:`reset` drops the uploads; the next request uploads again)."""
 
-    def __init__(self, gpu: GpuFfn, model: Model) -> None:
+    def __init__(self, gpu: GpuFfn, model: Model, whole_layers: bool = True) -> None:
         self.gpu = gpu
         self.model = model
+        self.whole_layers = whole_layers  # False: products only, every stage (tests, benchmarks)
         self._linear: dict[QMatrix, GpuLinear | None] = {}  # attention matrix → on the GPU, or None: the CPU
         self._blocks: dict[tuple[int, int], GpuWeights] = {}  # (layer, expert | DENSE | SHARED) → SwiGLU block
+        self._norm_buffers: dict[int, tuple] = {}  # layer → (attention norm, FFN norm, device) buffers
+        self._resident: dict[tuple[int, int], bool] = {}  # stage → whether it runs wholly here (resident)
 
     def load_layer(self, layer: int) -> int:
         """Upload layer ``layer``'s attention projections and FFN blocks (every expert of a MoE
@@ -260,10 +264,11 @@ class GpuStage:
         keep = {q for layer in layers for q in _projections(self.model.attention_weights(layer))}
         self._linear = {q: g for q, g in self._linear.items() if q in keep}
         self._blocks = {k: v for k, v in self._blocks.items() if k[0] in layers}
+        self._norm_buffers = {k: v for k, v in self._norm_buffers.items() if k in layers}
 
     def reset(self) -> None:
         """Forget every upload (after a GPU error: the device was reset)."""
-        self._linear, self._blocks = {}, {}
+        self._linear, self._blocks, self._norm_buffers = {}, {}, {}
 
     def held(self) -> dict:
         """What is uploaded (status, tests): ``gpu`` matrices and SwiGLU blocks on the GPU,
@@ -272,6 +277,107 @@ class GpuStage:
         gpu = [g for g in self._linear.values() if g is not None] + [b.gpu for b in self._blocks.values() if b.gpu]
         formats = {g.fmt for g in gpu} | {b.gpu.down_fmt for b in self._blocks.values() if b.gpu}
         return {"gpu": len(gpu), "cpu": len(self._linear) + len(self._blocks) - len(gpu), "formats": formats}
+
+    # ---- whole layers on the GPU, the KV cache in GPU buffers ------------------------------------
+
+    def resident(self, lo: int, hi: int) -> bool:
+        """Whether layers ``lo .. hi-1`` run wholly on the GPU (:meth:`run_layers`): each a plain
+        dense layer — standard attention without biases, norms on Q/K, clipping, sinks, a window or
+        an output gate, RoPE over whole heads — every product on the GPU, widths a multiple of 4.
+        Else the stage runs the engine's layers with only the products here (the same answer for a
+        given stage, so a sequence's cache always lives in one place)."""
+        key = (lo, hi)
+        if key not in self._resident:
+            self._resident[key] = self.whole_layers and all(self._plain(layer) for layer in range(lo, hi))
+        return self._resident[key]
+
+    def _plain(self, layer: int) -> bool:
+        m, c = self.model, self.model.config
+        w = m.attention_weights(layer)
+        if (not isinstance(w, AttentionWeights) or m.is_moe_layer(layer) or c.attn_output_gate or c.qk_norm
+                or c.clip_qkv is not None or c.rope_dim != c.head_dim or c.layer_window(layer) or c.sliding_window
+                or w.qkv_bias is not None or w.o_bias is not None or w.sinks is not None):
+            return False
+        widths = (c.hidden_size, c.n_heads * c.head_dim, c.head_dim)
+        return (all(n % 4 == 0 for n in widths) and self._block(layer, DENSE).gpu is not None
+                and all(self._linear_of(q) is not None for q in _projections(w)))
+
+    def run_layers(self, x: np.ndarray, cache, start: int, lo: int, hi: int) -> np.ndarray:
+        """Rows x [T, H] float32 at positions ``start ..`` of ``cache``'s sequence through layers
+        ``lo .. hi-1`` (:meth:`resident`), all in one submission: RMSNorm, Q/K/V, RoPE, the new
+        keys/values into the sequence's GPU KV cache (``cache.device_kv``, grown as needed), causal
+        attention over it, O, the residual, RMSNorm, SwiGLU, the residual. Returns [T, H] float32.
+        Raises KernelError on a GPU error, or when the cache's buffers are on a lost device."""
+        host, m, c = self.gpu.host, self.model, self.model.config
+        T, H = x.shape
+        nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        nq, nk, heads = nh * hd, nkv * hd, (nh + nkv) * hd
+        width = nq + 2 * nk
+        cos, ssin = (np.ascontiguousarray(np.broadcast_to(a, (T, nh + nkv, hd)), np.float32) for a in m.qk_tables(start, T))
+        dev = host._device()
+        kvs = [self._kv(cache, layer, start, start + T) for layer in range(lo, hi)]
+        cap = kvs[0].cap
+        xb, hb = host.storage(T * H, x), host.storage(T * H)
+        qkv, qk, att, yb = host.storage(T * width), host.storage(T * heads), host.storage(T * nq), host.storage(T * H)
+        scores, cb, sb = host.storage(T * nh * cap), host.storage(cos.size, cos), host.storage(ssin.size, ssin)
+        fb = host.storage(T * max(self._block(layer, DENSE).gpu.inter + 3 for layer in range(lo, hi)))
+        eps = c.rms_norm_eps
+        enc = dev.create_command_encoder()
+        for layer, kv in zip(range(lo, hi), kvs):
+            w = m.attention_weights(layer)
+            attn_norm, ffn_norm = self._norms(layer)
+            q, k, v, o = (self._linear_of(p) for p in _projections(w))
+            norm = struct.pack("<IIfI", T, H, eps, min(T, 65535))
+            grid = (min(T, 65535), -(-T // 65535), 1)
+            host.encode(enc, "rmsnorm", norm, [xb, attn_norm, hb], grid)
+            for mat, col in ((q, 0), (k, nq), (v, nq + nk)):
+                host.encode_linear(enc, hb, mat, qkv, T, width, col)
+            host.encode_elementwise(enc, "rope", T * heads, (hd, heads, width), [qkv, cb, sb, qk])
+            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, heads, nq), [qk, kv.k])
+            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, width, nq + nk), [qkv, kv.v])
+            host.encode(enc, "attention", struct.pack("<8I", T, nh, nkv, hd, cap, start, heads, 0),
+                        [qk, kv.k, kv.v, scores, att], (nh, T, 1))
+            host.encode_linear(enc, att, o, yb, T, H)
+            host.encode_elementwise(enc, "add", T * H, (), [yb, xb])
+            host.encode(enc, "rmsnorm", norm, [xb, ffn_norm, hb], grid)
+            host.encode_ffn(enc, hb, self._block(layer, DENSE).gpu, fb, yb, T)
+            host.encode_elementwise(enc, "add", T * H, (), [yb, xb])
+        return host.submit_read(enc, xb, T * H).reshape(T, H)
+
+    def _kv(self, cache, layer: int, start: int, end: int) -> GpuKV:
+        """Layer ``layer``'s GPU keys/values of ``cache``'s sequence, room for ``end`` positions
+        (capacity doubling; positions below ``start`` copied when grown). Raises KernelError when
+        they are on a lost device."""
+        host = self.gpu.host
+        kv = cache.device_kv.get(layer)
+        if kv is not None and kv.device is not host.device:
+            raise KernelError("this sequence's keys and values were on a device that was lost")
+        if kv is not None and kv.cap >= end:
+            return kv
+        cap = max(16, kv.cap if kv is not None else 16)
+        while cap < end:
+            cap *= 2
+        c = self.model.config
+        new = GpuKV(host.storage(c.n_kv_heads * cap * c.head_dim), host.storage(c.n_kv_heads * cap * c.head_dim),
+                    cap, host.device)
+        if kv is not None and start > 0:  # each head's positions 0 .. start-1 move to the wider rows
+            enc = host.device.create_command_encoder()
+            for g in range(c.n_kv_heads):
+                for a, b in ((kv.k, new.k), (kv.v, new.v)):
+                    enc.copy_buffer_to_buffer(a, 4 * g * kv.cap * c.head_dim, b, 4 * g * cap * c.head_dim,
+                                              4 * start * c.head_dim)
+            host.device.queue.submit([enc.finish()])
+        cache.device_kv[layer] = new
+        return new
+
+    def _norms(self, layer: int) -> tuple[object, object]:
+        held = self._norm_buffers.get(layer)
+        if held is None or held[2] is not self.gpu.host.device:
+            w = self.model.attention_weights(layer)
+            host = self.gpu.host
+            held = self._norm_buffers[layer] = (host.storage(w.attn_norm.size, w.attn_norm),
+                                                host.storage(w.ffn_norm.size, w.ffn_norm), host.device)
+        return held[0], held[1]
 
     # ---- ProductDevice: the attention projections ----------------------------------------------
 
@@ -330,6 +436,17 @@ class GpuStage:
                  else m.expert_weights(layer, e))
             held = self._blocks[(layer, e)] = self.gpu.load(w, repack=False)
         return held
+
+
+@dataclass
+class GpuKV:
+    """One layer's keys and values of one sequence on the GPU: ``k``, ``v`` float32 buffers
+    [nkv, cap, hd] (positions 0 .. the cache's length - 1 filled), on ``device``."""
+
+    k: object
+    v: object
+    cap: int
+    device: object
 
 
 def _projections(w: object) -> tuple[QMatrix, ...]:

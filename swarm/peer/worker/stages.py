@@ -18,8 +18,11 @@ GPU. On a GPU peer (``join --gpu``) a :class:`StageDevice`
 (:class:`~swarm.peer.worker.gpu.GpuStage`) computes each layer's weight products — Q, K, V, O
 and the FFN — through a view of the model (:meth:`~swarm.compute.model.Model.with_products`)
 and as the FFN backend of ``Model.layers``: the same layer code, another numeric build, whose
-answers the coordinator checks within a bound. A device error answers ``internal`` and drops
-the uploads (the device was reset); the next request uploads again.
+answers the coordinator checks within a bound. A stage of plain dense layers runs wholly on the
+device instead (``resident``: norms, RoPE and attention too, each sequence's keys/values in
+device buffers on its :class:`StageCache`). A device error answers ``internal``, drops the
+uploads (the device was reset) and every sequence's cache (resent from position 0); the next
+request uploads again.
 
 Threading. Synchronous and CPU-heavy: run off the event loop, except a short step (a decode
 token: :meth:`StageRunner.take_inline`), which runs on the event loop that received it, sparing
@@ -73,6 +76,7 @@ class StageCache(KVCache):
         super().__init__(config, capacity)
         for layer in self.own:
             self.layer(layer)
+        self.device_kv: dict = {}  # layer → its keys/values in a device's buffers (a GPU stage's)
 
 
 
@@ -91,6 +95,16 @@ class StageDevice(ProductDevice, FFNBackend, Protocol):
 
     def reset(self) -> None:
         """Forget every upload (the device was reset)."""
+        ...
+
+    def resident(self, lo: int, hi: int) -> bool:
+        """Whether layers ``lo .. hi-1`` run wholly on the device (:meth:`run_layers`), their KV
+        cache in its buffers; else ``Model.layers`` runs them with the products on the device."""
+        ...
+
+    def run_layers(self, x: np.ndarray, cache: StageCache, start: int, lo: int, hi: int) -> np.ndarray:
+        """One sequence's rows x [T, H] f32 at positions ``start ..`` through layers ``lo .. hi-1``
+        on the device → [T, H] f32; its keys/values in ``cache.device_kv``."""
         ...
 
 
@@ -222,6 +236,7 @@ class StageRunner:
             log.warning("stage request %s failed on the device: %s", msg.request_id, exc)
             if self.device is not None:
                 self.device.reset()
+                self.forget()  # keys/values in its buffers went with it: the sequences are resent from 0
             return Error(msg.request_id, "internal", str(exc))
         finally:
             self._release()
@@ -272,7 +287,11 @@ class StageRunner:
             cache.truncate(s.start)
         t0 = time.perf_counter()
         m, ffn = self._layers, self.device
-        if len(msg.segments) == 1:
+        if ffn is not None and ffn.resident(lo, hi):  # each sequence on its own: its cache is on the device
+            bounds = np.cumsum([0, *(s.rows for s in msg.segments)]).tolist()
+            out = np.concatenate([ffn.run_layers(x[a:b], cache, s.start, lo, hi)
+                                  for s, cache, a, b in zip(msg.segments, caches, bounds, bounds[1:])])
+        elif len(msg.segments) == 1:
             out = m.layers(x, caches[0], msg.segments[0].start, lo, hi, ffn)
         else:
             out = m.layers_batch(x, [(c, s.start, s.rows) for s, c in zip(msg.segments, caches)], lo, hi, ffn)

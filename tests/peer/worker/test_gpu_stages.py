@@ -46,11 +46,11 @@ def gguf_model(tmp_path, monkeypatch, family: str, qtype: QT, **overrides):
     return load_model(write_gguf_from_hf(hf, family, tmp_path / f"{family}-{qtype.name}.gguf", qtype))
 
 
-def runners(model, gpu, stop: int) -> tuple[StageRunner, StageRunner, GpuStage]:
+def runners(model, gpu, stop: int, whole_layers: bool = True) -> tuple[StageRunner, StageRunner, GpuStage]:
     """A CPU StageRunner and a GPU one, both serving layers 0:stop of ``model`` as peer W1."""
     layout = StageLayout(1, 1, COORD, (Stage(W1, 0, stop),) + ((Stage(COORD, stop, model.config.n_layers),)
                                                                if stop < model.config.n_layers else ()))
-    device = GpuStage(gpu, model)
+    device = GpuStage(gpu, model, whole_layers)
     cpu, on_gpu = StageRunner(W1, model), StageRunner(W1, model, device=device)
     for r in (cpu, on_gpu):
         r.accept(layout)
@@ -76,11 +76,15 @@ def assert_within_bound(model, stop: int, cpu: StageRunner, on_gpu: StageRunner,
     return remote.x
 
 
+@pytest.mark.parametrize("whole_layers", [True, False], ids=["whole-layers", "products"])
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_K], ids=lambda q: q.name)
-def test_a_gpu_stage_of_each_encoding_answers_within_the_stage_bound(gpu, tmp_path, monkeypatch, qtype):
+def test_a_gpu_stage_of_each_encoding_answers_within_the_stage_bound(gpu, tmp_path, monkeypatch, qtype, whole_layers):
+    """Dense llama layers: wholly on the GPU (norms, RoPE, attention, the KV cache in GPU
+    buffers), or only their products there (the engine's layers around them)."""
     model = gguf_model(tmp_path, monkeypatch, "llama", qtype, **WIDE)
     stop = model.config.n_layers
-    cpu, on_gpu, device = runners(model, gpu, stop)
+    cpu, on_gpu, device = runners(model, gpu, stop, whole_layers)
+    assert device.resident(0, stop) == whole_layers
     held = device.held()
     assert held["cpu"] == 0 and held["formats"] == {KERNEL[qtype]}  # every product on the GPU, as the file stores it
     H = model.config.hidden_size
@@ -119,3 +123,29 @@ def test_a_lost_device_answers_internal_and_the_next_step_uploads_again(gpu, tmp
     assert isinstance(refused, M.Error) and refused.code == "internal" and "lost" in refused.message
     again = on_gpu.handle(request(3, [(1, 0, 4)], x, 3))
     assert isinstance(again, M.StageAnswer) and np.array_equal(again.x, first)  # same kernels, same bits
+
+
+def test_a_whole_layer_gpu_stage_keeps_each_sequences_cache_on_the_gpu(gpu, tmp_path, monkeypatch):
+    """Two sequences in one step, decode steps past the cache's first capacity (16 positions:
+    the GPU buffers grow and keep what they held), a suffix re-run from an earlier position;
+    then a lost device answers ``internal`` and drops every sequence's cache, so a step that
+    continues one answers ``cache_gap`` (the coordinator resends it from 0)."""
+    model = gguf_model(tmp_path, monkeypatch, "llama", QT.Q8_0, **WIDE)
+    cpu, on_gpu, device = runners(model, gpu, 2)
+    assert device.resident(0, 2)
+    H = model.config.hidden_size
+    rng = np.random.default_rng(11)
+    rows = lambda n: rng.standard_normal((n, H), np.float32)  # noqa: E731
+    assert_within_bound(model, 2, cpu, on_gpu, request(1, [(1, 0, 9), (2, 0, 3)], rows(12), 2))
+    for step in range(10):  # sequence 1 to 19 positions, sequence 2 beside it to 13
+        assert_within_bound(model, 2, cpu, on_gpu, request(2 + step, [(1, 9 + step, 1), (2, 3 + step, 1)], rows(2), 2))
+    (held,) = {kv.cap for c in on_gpu._caches.values() for kv in c.device_kv.values() if c.length > 16}
+    assert held == 32
+    assert_within_bound(model, 2, cpu, on_gpu, request(20, [(1, 15, 3)], rows(3), 2))  # re-run a suffix
+    gpu.host.drop_device()
+    refused = on_gpu.handle(request(21, [(1, 18, 1)], rows(1), 2))
+    assert isinstance(refused, M.Error) and refused.code == "internal"
+    gap = on_gpu.handle(request(22, [(1, 18, 1)], rows(1), 2))
+    assert isinstance(gap, M.Error) and gap.code == "cache_gap"
+    cpu.forget()
+    assert_within_bound(model, 2, cpu, on_gpu, request(23, [(1, 0, 5)], rows(5), 2))  # from 0: uploaded again
