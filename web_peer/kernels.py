@@ -15,6 +15,12 @@ The GGUF block formats use ``swiglu_blocks.wgsl`` / ``down_blocks.wgsl`` with pr
 The functions here compute exactly what the kernels compute (float32, same formulas) so the GPU
 results can be checked against them, and them against float64.
 
+A GPU stage peer (swarm/peer/worker/gpu.py) runs the rest of a layer too, with kernels of no
+weight format (:data:`LAYER_KERNELS`): ``rmsnorm.wgsl``, ``rope.wgsl`` (on the engine's tables),
+``attention.wgsl`` (causal, grouped-query, over a KV cache), ``kv_write.wgsl`` (new keys/values
+into that cache) and ``add.wgsl`` (the residual); their twins are :func:`rms_norm`, :func:`rope`,
+:func:`attention`, :func:`kv_write` and :func:`add`.
+
 Weight formats (one name used by Python, JS and the wire):
 - ``f32``: float32, 4 bytes per weight.
 - ``f16``: IEEE float16, 2 bytes; needs the adapter feature ``shader-f16``; sums stay in f32.
@@ -500,6 +506,22 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
             e = np.exp(s - s.max())
             out[t, h] = (e @ v[h // group, :n]) / e.sum(dtype=np.float32)
     return out.reshape(T, nh * hd)
+
+
+def kv_write(cache: np.ndarray, src: np.ndarray, start: int, offset: int) -> np.ndarray:
+    """Twin of kv_write.wgsl, in place: ``cache[g, start + t] = src[t, offset + g hd : offset +
+    (g+1) hd]`` for every row t of src [T, stride] and head g of cache [nkv, C, hd] (float32).
+    Returns cache."""
+    nkv, _, hd = cache.shape
+    T = src.shape[0]
+    cache[:, start:start + T] = src[:, offset:offset + nkv * hd].reshape(T, nkv, hd).transpose(1, 0, 2)
+    return cache
+
+
+def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Twin of add.wgsl, in place: the residual stream x += y (float32, one shape). Returns x."""
+    x += y
+    return x
 
 
 def check_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> None:

@@ -319,6 +319,14 @@ class WgpuFfn:
         self.largest_binding = max(self.largest_binding, 4 * n)
         return self._device().create_buffer(size=max(16, 4 * n), usage=usage | self._wgpu.BufferUsage.COPY_DST)
 
+    def encoder(self):
+        """A command encoder on the current device (made if there is none)."""
+        return self._device().create_command_encoder()
+
+    def encode_copy(self, enc, src, src_at: int, dst, dst_at: int, n: int) -> None:
+        """Copy ``n`` float32 elements of buffer ``src`` from element ``src_at`` to ``dst`` at ``dst_at``."""
+        enc.copy_buffer_to_buffer(src, 4 * src_at, dst, 4 * dst_at, 4 * n)
+
     def encode(self, enc, kernel: str, params: bytes, buffers: list, grid: tuple[int, int, int]) -> None:
         """One dispatch of layer kernel ``kernel`` (bindings: params, then ``buffers`` in order)."""
         pipe = self._pipeline(kernel, None)
@@ -353,11 +361,13 @@ class WgpuFfn:
         self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, x, [w.gate, w.up], h)
         self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, h, [w.down], y)
 
-    def submit_read(self, enc, buf, n: int) -> np.ndarray:
-        """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back. Raises KernelError on a
-        GPU error (the device is then reset) or a non-finite result."""
+    def submit_read(self, enc, buf=None, n: int = 0) -> np.ndarray:
+        """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back (none without ``buf``).
+        Raises KernelError on a GPU error (the device is then reset) or a non-finite result."""
         try:
             self.device.queue.submit([enc.finish()])
+            if buf is None:
+                return np.zeros(0, np.float32)
             y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
         except self._wgpu.GPUError as e:
             self.drop_device()

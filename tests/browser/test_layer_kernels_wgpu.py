@@ -88,3 +88,24 @@ def test_layer_kernels_refuse_what_does_not_fit(gpu):
         gpu.rms_norm(np.zeros((2, 8), np.float32), np.zeros(7, np.float32), 1e-6)
     with pytest.raises(KernelError, match="even hd"):
         gpu.rope(*(np.zeros((1, 2, 5), np.float32),) * 3)
+
+
+def test_kv_write_and_add_are_their_twins(gpu):
+    """A stage's new keys into its cache at their positions (heads at an offset of wider rows),
+    and the residual add: bit for bit (copies and one float32 add)."""
+    rng = np.random.default_rng(9)
+    T, nkv, hd, cap, start, stride, offset = 3, 2, 8, 10, 4, 40, 16
+    src = rng.standard_normal((T, stride), dtype=np.float32)
+    cache = rng.standard_normal((nkv, cap, hd), dtype=np.float32)
+    x, y = (rng.standard_normal((5, 7), dtype=np.float32) for _ in range(2))
+    sb, cb, xb, yb = (gpu.storage(a.size, a) for a in (src, cache, x, y))
+    enc = gpu.encoder()
+    gpu.encode_elementwise(enc, "kv_write", T * nkv * hd, (hd, nkv, cap, start, stride, offset), [sb, cb])
+    gpu.encode_elementwise(enc, "add", x.size, (), [yb, xb])
+    got_x = gpu.submit_read(enc, xb, x.size).reshape(x.shape)
+    enc = gpu.encoder()
+    got_cache = gpu.submit_read(enc, cb, cache.size).reshape(cache.shape)
+    want_cache = K.kv_write(cache.copy(), src, start, offset)
+    np.testing.assert_array_equal(got_cache, want_cache)
+    assert not np.array_equal(want_cache, cache)  # it wrote something
+    np.testing.assert_array_equal(got_x, K.add(x.copy(), y))

@@ -314,7 +314,6 @@ class GpuStage:
         nq, nk, heads = nh * hd, nkv * hd, (nh + nkv) * hd
         width = nq + 2 * nk
         cos, ssin = (np.ascontiguousarray(np.broadcast_to(a, (T, nh + nkv, hd)), np.float32) for a in m.qk_tables(start, T))
-        dev = host._device()
         kvs = [self._kv(cache, layer, start, start + T) for layer in range(lo, hi)]
         cap = kvs[0].cap
         xb, hb = host.storage(T * H, x), host.storage(T * H)
@@ -322,7 +321,7 @@ class GpuStage:
         scores, cb, sb = host.storage(T * nh * cap), host.storage(cos.size, cos), host.storage(ssin.size, ssin)
         fb = host.storage(T * max(self._block(layer, DENSE).gpu.inter + 3 for layer in range(lo, hi)))
         eps = c.rms_norm_eps
-        enc = dev.create_command_encoder()
+        enc = host.encoder()
         for layer, kv in zip(range(lo, hi), kvs):
             w = m.attention_weights(layer)
             attn_norm, ffn_norm = self._norms(layer)
@@ -357,16 +356,14 @@ class GpuStage:
         cap = max(16, kv.cap if kv is not None else 16)
         while cap < end:
             cap *= 2
-        c = self.model.config
-        new = GpuKV(host.storage(c.n_kv_heads * cap * c.head_dim), host.storage(c.n_kv_heads * cap * c.head_dim),
-                    cap, host.device)
+        nkv, hd = self.model.config.n_kv_heads, self.model.config.head_dim
+        new = GpuKV(host.storage(nkv * cap * hd), host.storage(nkv * cap * hd), cap, host.device)
         if kv is not None and start > 0:  # each head's positions 0 .. start-1 move to the wider rows
-            enc = host.device.create_command_encoder()
-            for g in range(c.n_kv_heads):
+            enc = host.encoder()
+            for g in range(nkv):
                 for a, b in ((kv.k, new.k), (kv.v, new.v)):
-                    enc.copy_buffer_to_buffer(a, 4 * g * kv.cap * c.head_dim, b, 4 * g * cap * c.head_dim,
-                                              4 * start * c.head_dim)
-            host.device.queue.submit([enc.finish()])
+                    host.encode_copy(enc, a, g * kv.cap * hd, b, g * cap * hd, start * hd)
+            host.submit_read(enc)
         cache.device_kv[layer] = new
         return new
 
