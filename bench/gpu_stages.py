@@ -1,12 +1,13 @@
 """A GPU peer's stage (``join --gpu``: swarm/peer/worker/gpu.py, GpuStage) against the engine's CPU
 layers on the same rows; prints one JSON document.
 
-    python3 bench/gpu_stages.py [--model PATH] [--layers LO:HI] [--steps N]
+    python3 bench/gpu_stages.py [--model PATH] [--layers LO:HI] [--steps N] [--products]
 
 Runs a prompt's prefill, then greedy decode steps, through layers LO..HI-1 twice — the engine's
-own ``Model.layers`` (the reference, what a CPU stage peer answers) and the same layers on a
-model view whose products run on the GPU, each with its own KV cache — feeding both the rows
-the reference computes. Reports per step: milliseconds of each, and the GPU's largest
+own ``Model.layers`` (the reference, what a CPU stage peer answers) and the GPU stage, each with
+its own KV cache — feeding both the rows the reference computes. The GPU stage runs whole layers
+on the GPU (its KV cache in GPU buffers) where it can, or with ``--products`` (or where it
+cannot) only the weight products, on a model view around the engine's layer code. Reports per step: milliseconds of each, and the GPU's largest
 difference from the reference as a share of the bound ``--verify`` holds a stage answer of
 another build to (bounds.stage_rtol: 1.0 would be at the bound) and in units of u = 2^-24 of
 the row's largest magnitude; and whether the greedy tokens from the GPU rows equal the
@@ -31,6 +32,7 @@ from swarm.compute.kernels import rms_norm  # noqa: E402
 from swarm.compute.model import load_model  # noqa: E402
 from swarm.peer.coordinator.bounds import UNIT_ROUNDOFF, stage_rtol  # noqa: E402
 from swarm.peer.worker.gpu import GpuFfn, GpuStage  # noqa: E402
+from swarm.peer.worker.stages import StageCache  # noqa: E402
 
 PROMPT = [1, 504, 3458, 314, 253, 1345, 30]  # the default model's stage test prompt
 
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--model", help="GGUF or HF directory (default: the default model)")
     ap.add_argument("--layers", default=None, help="LO:HI (default: every layer)")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--products", action="store_true", help="only the weight products on the GPU")
     args = ap.parse_args()
     if args.model is None:
         from swarm.compute.default_model import default_model_path
@@ -50,12 +53,13 @@ def main() -> None:
     lo, hi = map(int, args.layers.split(":")) if args.layers else (0, c.n_layers)
     gpu = GpuFfn.open("on")
     try:
-        stage = GpuStage(gpu, model)
+        stage = GpuStage(gpu, model, whole_layers=not args.products)
         t0 = time.perf_counter()
         uploaded = sum(stage.load_layer(layer) for layer in range(lo, hi))
         upload_s = time.perf_counter() - t0
         view = model.with_products(stage)
-        ref_cache, gpu_cache = model.new_cache(), model.new_cache()
+        ref_cache, gpu_cache = model.new_cache(), StageCache(c, lo, hi)
+        resident = stage.resident(lo, hi)
         width = max(c.intermediate_size or 0, c.top_k * c.moe_intermediate_size)
         steps, tokens_ref, tokens_gpu, feed, start = [], [], [], list(PROMPT), 0
         for step in range(args.steps + 1):
@@ -66,7 +70,8 @@ def main() -> None:
             want = model.layers(x, ref_cache, start, lo, hi)
             cpu_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            got = view.layers(x, gpu_cache, start, lo, hi, stage)
+            got = (stage.run_layers(x, gpu_cache, start, lo, hi) if resident
+                   else view.layers(x, gpu_cache, start, lo, hi, stage))
             gpu_s = time.perf_counter() - t0
             start += len(feed)
             ref_cache.length = gpu_cache.length = start
@@ -83,6 +88,7 @@ def main() -> None:
         info = gpu.host.adapter.info
         print(json.dumps({
             "bench": "gpu_stages", "model": Path(args.model).name, "layers": [lo, hi],
+            "path": "whole layers, KV cache on the GPU" if resident else "products on the GPU",
             "adapter": f"{info.get('device')} ({info.get('adapter_type')}, {info.get('backend_type')})",
             "held": {k: sorted(v) if isinstance(v, set) else v for k, v in stage.held().items()},
             "uploaded_bytes": uploaded, "upload_s": round(upload_s, 3), "steps": steps,

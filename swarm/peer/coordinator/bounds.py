@@ -31,11 +31,12 @@ for a 4096-wide model's 14336-wide MLP.
 A stage of L layers compounds: each layer's FFN and attention (whose longest reduction is the
 context) adds its own, so the bound is the sum over its layers. The absolute floor ``ATOL``
 keeps rows near zero from demanding more than float32 holds. A GPU peer's stage
-(:class:`~swarm.peer.worker.gpu.GpuStage`: Q, K, V, O and the FFN in the kernels' order,
-attention in the engine's; never a Q8_0 repack, so no repack term) measured at most 0.15 % of
-this bound over SmolLM2-135M's 30 layers (2–38 u of a row's largest magnitude; bench/gpu_stages.py).
-Its output projection reduces over nh·hd, which is 2H in Qwen3: √(4H + F) against the bound's
-√(2H + F + context), at most 1.23× for F ≥ 2H, well inside that margin, so the bound is kept.
+(:class:`~swarm.peer.worker.gpu.GpuStage`; never a Q8_0 repack, so no repack term) measured at
+most 0.20 % of this bound over SmolLM2-135M's 30 layers (2–50 u of a row's largest magnitude;
+bench/gpu_stages.py). It also reassociates the output projection (nh·hd terms, 2H in Qwen3),
+RMSNorm's squares (H, twice) and, whole layers on the GPU, each score (hd):
+√(6H + F + hd + context) against the bound's √(2H + F + context), at most 1.43× for F ≥ 2H and hd ≤ H/4,
+well inside that margin, so the bound is kept.
 
 Bits are the rule for a peer of the coordinator's own build; these bounds let through only a
 lie smaller than themselves.
