@@ -7,9 +7,9 @@ Runs a prompt's prefill, then greedy decode steps, through layers LO..HI-1 twice
 own ``Model.layers`` (the reference, what a CPU stage peer answers) and the GPU stage, each with
 its own KV cache — feeding both the rows the reference computes. The GPU stage runs whole layers
 on the GPU (its KV cache in GPU buffers) where it can, or with ``--products`` (or where it
-cannot) only the weight products, on a model view around the engine's layer code. Reports per step: milliseconds of each, and the GPU's largest
-difference from the reference as a share of the bound ``--verify`` holds a stage answer of
-another build to (bounds.stage_rtol: 1.0 would be at the bound) and in units of u = 2^-24 of
+cannot) only the weight products, on a model view around the engine's layer code. Reports per
+step: milliseconds of each, and the GPU's largest difference from the reference as a share of
+the bound ``--verify`` holds a stage answer of another build to (bounds.stage_rtol: 1.0 would be at the bound) and in units of u = 2^-24 of
 the row's largest magnitude; and whether the greedy tokens from the GPU rows equal the
 reference's. Default: the default model (SmolLM2-135M Q4_1), all 30 layers, its stage test
 prompt. The adapter (lavapipe is a CPU in software) and the machine's load average go with it.
@@ -79,9 +79,9 @@ def main() -> None:
             rel = float((np.abs(got.astype(np.float64) - want).max(axis=1) / scale).max())
             bound = stage_rtol(hi - lo, c.hidden_size, width, start)
             if hi == c.n_layers:  # greedy tokens from each side's last row
-                head = lambda r: int(np.argmax(model.head.matmul(rms_norm(r[-1:], model.final_norm, c.rms_norm_eps))))  # noqa: E731
-                tokens_ref.append(head(want))
-                tokens_gpu.append(head(got))
+                for rows, tokens in ((want, tokens_ref), (got, tokens_gpu)):
+                    last = rms_norm(rows[-1:], model.final_norm, c.rms_norm_eps)
+                    tokens.append(int(np.argmax(model.head.matmul(last))))
             steps.append({"rows": len(feed), "cpu_ms": round(cpu_s * 1e3, 2), "gpu_ms": round(gpu_s * 1e3, 2),
                           "share_of_bound": round(rel / bound, 5), "u_of_row_max": round(rel / UNIT_ROUNDOFF, 1)})
             feed = [tokens_ref[-1]] if tokens_ref else [int(np.argmax(want[-1]) % c.vocab_size)]

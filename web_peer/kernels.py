@@ -484,7 +484,8 @@ def rope(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
     for name, a in (("x", x), ("cos", cos), ("ssin", ssin)):
         _f32(a, name, 3)
     if cos.shape != x.shape or ssin.shape != x.shape or x.shape[2] % 2:
-        raise KernelError(f"rope needs x, cos, ssin of one [T, n, even hd] shape, got {x.shape}, {cos.shape}, {ssin.shape}")
+        raise KernelError(f"rope needs x, cos, ssin of one [T, n, even hd] shape, "
+                          f"got {x.shape}, {cos.shape}, {ssin.shape}")
     half = x.shape[2] // 2
     return x * cos + np.concatenate([x[..., half:], x[..., :half]], axis=-1) * ssin
 

@@ -86,7 +86,8 @@ class GpuWeights:
         return int(held.nbytes) if held is not None else 0
 
 
-def kernel_operand(m: QMatrix, formats: tuple[str, ...], role: str, repack: bool = True) -> tuple[np.ndarray, str] | None:
+def kernel_operand(m: QMatrix, formats: tuple[str, ...], role: str,
+                   repack: bool = True) -> tuple[np.ndarray, str] | None:
     """What ``WgpuFfn.upload`` takes for matrix ``m`` (rows × cols, in the file's encoding):
     (uint8 blocks [rows, row bytes], block format) for the block formats in ``formats``, (float32
     [rows, cols], "f32" or "f16") for F32 and F16 elements, else the Q8_0 requantization (None
@@ -313,7 +314,8 @@ class GpuStage:
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq, nk, heads = nh * hd, nkv * hd, (nh + nkv) * hd
         width = nq + 2 * nk
-        cos, ssin = (np.ascontiguousarray(np.broadcast_to(a, (T, nh + nkv, hd)), np.float32) for a in m.qk_tables(start, T))
+        cos, ssin = (np.ascontiguousarray(np.broadcast_to(a, (T, nh + nkv, hd)), np.float32)
+                     for a in m.qk_tables(start, T))  # [T, nh + nkv, hd] each
         kvs = [self._kv(cache, layer, start, start + T) for layer in range(lo, hi)]
         cap = kvs[0].cap
         xb, hb = host.storage(T * H, x), host.storage(T * H)

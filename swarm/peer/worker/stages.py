@@ -142,7 +142,8 @@ class StageRunner:
         and a sequence's steps must keep their order)."""
         rows = msg.x.shape[0] if isinstance(msg.x, np.ndarray) and msg.x.ndim == 2 else INLINE_ROWS + 1
         s = self._step_s.get((msg.layer_start, msg.layer_stop))
-        if self.device is None and rows <= INLINE_ROWS and not self._busy and s is not None and s * rows <= INLINE_MAX_S:
+        short = rows <= INLINE_ROWS and s is not None and s * rows <= INLINE_MAX_S
+        if self.device is None and short and not self._busy:
             self.inline += 1
             return True
         return False

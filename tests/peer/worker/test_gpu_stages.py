@@ -89,7 +89,8 @@ def test_a_gpu_stage_of_each_encoding_answers_within_the_stage_bound(gpu, tmp_pa
     assert held["cpu"] == 0 and held["formats"] == {KERNEL[qtype]}  # every product on the GPU, as the file stores it
     H = model.config.hidden_size
     rng = np.random.default_rng(int(qtype))
-    assert_within_bound(model, stop, cpu, on_gpu, request(1, [(5, 0, 7)], rng.standard_normal((7, H), np.float32), stop))
+    x = rng.standard_normal((7, H), np.float32)
+    assert_within_bound(model, stop, cpu, on_gpu, request(1, [(5, 0, 7)], x, stop))
     for step in range(3):  # decode steps over the cached keys/values
         x = rng.standard_normal((1, H), np.float32)
         assert_within_bound(model, stop, cpu, on_gpu, request(2 + step, [(5, 7 + step, 1)], x, stop))
