@@ -229,13 +229,7 @@ class WgpuFfn:
         KernelError for weights of a lost device, a shape mismatch, non-finite input or output,
         or a GPU error (the device is then reset)."""
         for w, x in products:
-            K._f32(x, "x", 2)
-            if w.device is not self.device or self.device is None:
-                raise KernelError("these weights were uploaded to a device that was lost; upload them again")
-            if x.shape[1] != w.cols:
-                raise KernelError(f"x has {x.shape[1]} columns; this matrix expects {w.cols}")
-            if not np.isfinite(x).all():
-                raise KernelError("x holds NaN or infinity; refusing to compute")
+            self._check(w, x, w.cols)
         if not products:
             return []
         widest = max(max(w.matrix.packed.cols, w.rows) for w, _ in products) * 4  # bytes of an activation row
@@ -349,14 +343,12 @@ class WgpuFfn:
 
     def encode_linear(self, enc, x, w: GpuLinear, y, t_rows: int, n_out: int, col0: int = 0) -> None:
         """y[t, col0 : col0 + W.rows] = x[t] @ W.T for rows t of x [T, W's padded cols] (buffers)."""
-        if w.device is not self.device:
-            raise KernelError("these weights were uploaded to a device that was lost; upload them again")
+        self._check(w)
         self._dispatch(enc, "down", w.fmt, t_rows, w.matrix.packed.cols // 4, n_out, x, [w.matrix], y, col0)
 
     def encode_ffn(self, enc, x, w: GpuFfnWeights, h, y, t_rows: int) -> None:
         """y = down(swiglu(x)) for x [T, pad4(H)] into y [T, pad4(H)], through h [T, pad4(F)] (buffers)."""
-        if w.device is not self.device:
-            raise KernelError("these weights were uploaded to a device that was lost; upload them again")
+        self._check(w)
         hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
         self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, x, [w.gate, w.up], h)
         self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, h, [w.down], y)
@@ -428,19 +420,25 @@ class WgpuFfn:
             cpass.dispatch_workgroups(gx, gy, gz)
             cpass.end()
 
+    def _check(self, w: GpuFfnWeights | GpuLinear, x: np.ndarray | None = None, cols: int = 0) -> None:
+        """KernelError unless ``w`` is on this device and rows x (if given) are finite float32 [T, cols]."""
+        if w.device is not self.device or self.device is None:
+            raise KernelError("these weights were uploaded to a device that was lost; upload them again")
+        if x is None:
+            return
+        K._f32(x, "x", 2)
+        if x.shape[1] != cols:
+            raise KernelError(f"x has {x.shape[1]} columns; these weights expect {cols}")
+        if not np.isfinite(x).all():
+            raise KernelError("x holds NaN or infinity; refusing to compute")
+
     def _rows_per_block(self, w: GpuFfnWeights) -> int:
         widest = max(K.pad4(w.hidden), K.pad4(w.inter)) * 4  # bytes of one activation row
         return max(1, self.max_binding // widest)
 
     def ffn(self, x: np.ndarray, w: GpuFfnWeights) -> np.ndarray:
         """y = down(swiglu(x)) for x [T, H] float32 → [T, H] float32 (both kernels, one submit per block)."""
-        K._f32(x, "x", 2)
-        if w.device is not self.device or self.device is None:
-            raise KernelError("these weights were uploaded to a device that was lost; upload them again")
-        if x.shape[1] != w.hidden:
-            raise KernelError(f"x has {x.shape[1]} columns; these weights expect {w.hidden}")
-        if not np.isfinite(x).all():
-            raise KernelError("x holds NaN or infinity; refusing to compute")
+        self._check(w, x, w.hidden)
         block = self._rows_per_block(w)
         return np.concatenate([self._ffn_block(x[t:t + block], w) for t in range(0, len(x), block)]
                               or [np.zeros((0, w.hidden), np.float32)])
