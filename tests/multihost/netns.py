@@ -20,7 +20,8 @@ Use from tests through the ``netns_lab`` fixture (tests/multihost/conftest.py)::
     proc.kill()                                            # SIGKILL, like a pulled plug
 
 Processes get their own COLIBRI_SWARM_CONFIG_DIR / COLIBRI_SWARM_CACHE_DIR under the test's
-tmp dir. Each prints one JSON object per line on stdout; :class:`NsProcess` parses them.
+tmp dir, and this machine's compiled kernels (NUMBA_CACHE_DIR). Each prints one JSON object per
+line on stdout; :class:`NsProcess` parses them.
 Everything is removed on :meth:`NetnsLab.close` (the fixture calls it, also after failures),
 and namespaces left by a killed earlier run of a dead pid are removed at setup.
 Needs root and iproute2.
@@ -44,6 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from swarm.compute.quant import _numba_cache_dir
 from swarm.peer.status import pid_alive
 
 PREFIX = "csa"
@@ -256,6 +258,10 @@ class NetnsLab:
             # Each namespace models a one-core machine: the peers of a test share this machine's
             # cores, and threads of one peer would only contend with the others'.
             "COLIBRI_SWARM_THREADS": "1",
+            # The compiled kernels as this machine cached them, as a peer finds its own after its
+            # first run: compiling takes each new cache dir a minute of CPU (and ~250 MB of LLVM's
+            # memory), which no test here measures.
+            "NUMBA_CACHE_DIR": env.get("NUMBA_CACHE_DIR") or _numba_cache_dir(),
         })
         return env
 

@@ -27,7 +27,6 @@ import gguf
 import numpy as np
 import pytest
 
-from swarm.compute.quant import _numba_cache_dir
 from swarm.keys.swarmkey import SwarmKey
 from tests.conftest import require
 from tests.multihost.netns import REPO_ROOT, MemoryCgroup, remove_stale_cgroups
@@ -147,10 +146,6 @@ async def test_capped_peers_run_a_model_none_can_hold(netns_lab, big_moe):
     cap = baseline + SHARE_BYTES
     assert cap < (size + baseline) * 0.75  # well below the model plus the baseline
     drop_page_cache(big_moe)
-    # The block kernels as this machine compiled them for the reference run: a peer loads them
-    # from there, as it would from its own cache after its first run (compiling takes ~250 MB
-    # of LLVM's memory once, which is not what this test measures).
-    numba_cache = os.environ.get("NUMBA_CACHE_DIR") or _numba_cache_dir()
 
     remove_stale_cgroups()
     lab = netns_lab(3)
@@ -165,7 +160,7 @@ async def test_capped_peers_run_a_model_none_can_hold(netns_lab, big_moe):
             model = ["--model", str(big_moe)] if i == 0 else ["--no-model"]
             return lab.spawn(i, ["-m", "swarm", "-v", "join", *model, "--key", key.code, "--name", f"host{i}",
                                  "--layout", "ranges"],
-                             env={**PEER_ENV, "NUMBA_CACHE_DIR": numba_cache}, cgroup=groups[i])
+                             env=PEER_ENV, cgroup=groups[i])
 
         # The holder first (the only peer that can coordinate), then the two without the file.
         for i in range(3):
