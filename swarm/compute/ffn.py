@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Literal, Mapping, Protocol, Sequence, runtime_
 
 import numpy as np
 
-from swarm.compute.kernels import MLPWeights, sigmoid, softmax, swiglu, swiglu_many
+from swarm.compute.kernels import (MLPWeights, _row_kernels, one_row_alike, sigmoid, softmax, swiglu,
+                                   swiglu_many, swiglu_one_row)
 from swarm.compute.quant import as_qmatrix
 
 if TYPE_CHECKING:
@@ -324,6 +325,22 @@ def combine(T: int, H: int, routing: Routing, outputs: Mapping[int, np.ndarray],
     return out
 
 
+def combine_rows(H: int, routing: Routing, ys: np.ndarray, shared: np.ndarray | None = None) -> np.ndarray:
+    """:func:`combine` for one row whose k experts are distinct, their outputs stacked: ``ys``
+    [k, H] f32, row i the output of the i-th selected expert in ascending order. The same float32
+    multiplies and adds, in the same order: [1, H] f32."""
+    pairs = _one_row_slots(routing)
+    if pairs is None or ys.shape != (len(pairs), H) or ys.dtype != F32:
+        raise ValueError(f"expected one row's distinct experts' outputs [{routing.experts.shape[1]}, {H}] float32, "
+                         f"got {ys.shape} {ys.dtype}")
+    weights = routing.weights.reshape(-1)[[j for _, j in pairs]]
+    out = np.zeros((1, H), dtype=F32)
+    _row_kernels().weighted_sum(out[0], ys, weights)
+    if shared is not None:
+        out += shared
+    return out
+
+
 def shared_expert(weights: MLPWeights, gate: np.ndarray | None, x: np.ndarray,
                   seg: np.ndarray | None = None) -> np.ndarray:
     """Shared-expert output for x [T, H] f32: ``sigmoid(x @ gate.T) * swiglu(x)`` when a gate
@@ -373,7 +390,11 @@ class LocalFFN:
             routing = route(m.router_logits(layer, x, seg), **m.routing_config(layer).kwargs())
             selected = expert_rows(routing)
             if T == 1:  # decode: every expert takes the one row as it is
+                ws = [m.expert_weights(layer, e) for e in selected]
                 xs = [np.ascontiguousarray(x)] * len(selected)
+                if len(ws) > 1 and one_row_alike(ws, xs):  # the experts' outputs stacked, combined in one pass
+                    return combine_rows(H, routing, swiglu_one_row(ws, xs[0]),
+                                        shared=m.shared_expert_output(layer, x, seg))
             else:
                 xs = [np.ascontiguousarray(x[rows]) for rows in selected.values()]
             outputs = dict(zip(selected, swiglu_many([m.expert_weights(layer, e) for e in selected], xs)))

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarm.compute import threads
-from swarm.compute.quant import QMatrix, _kernels, as_qmatrix, compiling, matmul_many
+from swarm.compute import quant as quant_module
+from swarm.compute.quant import QMatrix, _kernels, alike, as_qmatrix, compiling, matmul_many, run_alike
 
 F32 = np.float32
 # Smallest share of an element-wise pass (elements) and of attention (query rows × positions ×
@@ -230,6 +231,9 @@ def swiglu_many(ws: Sequence[MLPWeights], xs: Sequence[np.ndarray]) -> list[np.n
     down product — so a decode step's experts, each too small to split well, share all the
     threads."""
     n = len(ws)
+    if n > 1 and one_row_alike(ws, xs):
+        ys = swiglu_one_row(ws, xs[0])
+        return [ys[i:i + 1] for i in range(n)]
     if n > 1 and all(w.bias is None and not w.swiglu_limit for w in ws):
         # Gate and up products written into two flat buffers, so the activation (element-wise)
         # is one call for all of them: a decode step's experts, ~3 µs each called one by one.
@@ -248,6 +252,31 @@ def swiglu_many(ws: Sequence[MLPWeights], xs: Sequence[np.ndarray]) -> list[np.n
     for w, y in zip(ws, ys):
         if w.bias is not None:
             y += w.bias[2]
+    return ys
+
+
+def one_row_alike(ws: Sequence[MLPWeights], xs: Sequence[np.ndarray]) -> bool:
+    """A decode step's experts: one row x [1, H] float32 (C-order, writable) for all, plain SwiGLU
+    blocks whose gate, up and down matrices each share an encoding and shape."""
+    x = xs[0]
+    return (x.shape[0] == 1 and x.dtype == F32 and x.flags.c_contiguous and x.flags.writeable
+            and all(xi is x for xi in xs) and all(w.bias is None and not w.swiglu_limit for w in ws)
+            and ws[0].gate.data.shape == ws[0].up.data.shape and ws[0].gate.cols == x.shape[1]
+            and alike([w.gate for w in ws] + [w.up for w in ws]) and alike([w.down for w in ws]))
+
+
+def swiglu_one_row(ws: Sequence[MLPWeights], x: np.ndarray) -> np.ndarray:
+    """:func:`swiglu_many` for :func:`one_row_alike`'s case: the gate and up products as one
+    group whose table is built with array operations (:func:`~swarm.compute.quant.run_alike`),
+    one activation, the down products as another group. Returns [n, H] f32, row i expert i's
+    output, the bits of :func:`swiglu` on it alone."""
+    n, F, H = len(ws), ws[0].gate.shape[0], ws[0].down.shape[0]
+    gu = np.empty((2 * n, F), F32)  # gate rows, then up rows
+    address = quant_module._pointer
+    run_alike([w.gate for w in ws] + [w.up for w in ws], address(x), 0, address(gu), 4 * F, 1)
+    silu_mul(gu[:n].reshape(1, -1), gu[n:].reshape(1, -1))
+    ys = np.empty((n, H), F32)
+    run_alike([w.down for w in ws], address(gu), 4 * F, address(ys), 4 * H, 1)
     return ys
 
 
@@ -308,6 +337,7 @@ def _load_row_kernels() -> None:
         from swarm.compute import rowkernels
         one = np.ones((1, 1), F32)
         rowkernels.silu_mul(one.copy(), one, one)  # compile or load from the cache now
+        rowkernels.weighted_sum(np.zeros(1, F32), one, np.ones(1, F32))
         rowkernels.rms_norm(one, one, F32(1e-6), one.copy())
         rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
                              one.copy(), np.ones((rowkernels.M, 4), F32), np.ones((rowkernels.M, 1), F32), 0, 1)

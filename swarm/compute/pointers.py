@@ -13,3 +13,21 @@ from numba import njit
 def address(a):  # pragma: no cover - compiled
     """The address of ``a``'s first element (int). ``a``: any numpy array numba takes."""
     return a.ctypes.data
+
+
+@njit(cache=True, nogil=True)
+def fill_alike(table, kind, rows, row_bytes, T, K, tile, per, addresses, x_base, x_step, out_base, out_step):  # pragma: no cover - compiled
+    """Fill a group table (int64 [n, 10], qkernels' columns) for n products of one encoding and
+    shape: product i's weights at ``addresses[i]``, its activations at ``x_base + i * x_step`` and
+    output at ``out_base + i * out_step``, ``per`` tiles of ``tile`` rows each."""
+    for i in range(table.shape[0]):
+        table[i, 0] = kind
+        table[i, 1] = addresses[i]
+        table[i, 2] = rows
+        table[i, 3] = row_bytes
+        table[i, 4] = x_base + i * x_step
+        table[i, 5] = T
+        table[i, 6] = K
+        table[i, 7] = out_base + i * out_step
+        table[i, 8] = tile
+        table[i, 9] = i * per

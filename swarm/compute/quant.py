@@ -104,7 +104,7 @@ class QMatrix:
     Raises ValueError when the byte count does not fit the shape and encoding.
     """
 
-    __slots__ = ("data", "qtype", "cols", "_kind", "_addr")
+    __slots__ = ("data", "qtype", "cols", "_kind", "_addr", "_c")
 
     def __init__(self, data: np.ndarray, qtype: QT, cols: int):
         qtype = QT(qtype)
@@ -121,6 +121,7 @@ class QMatrix:
         self.data, self.qtype, self.cols = data, qtype, int(cols)
         self._kind = _KIND.get(qtype, -1)  # looked up once: matmul runs hundreds of times a token
         self._addr = _address(data)  # for the group table (a decode token builds hundreds of rows)
+        self._c = data.flags.c_contiguous  # what the group tables need
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -329,7 +330,35 @@ def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> No
         rows.append((w._kind, w._addr, R, RB, address(x), T, x.shape[1], address(dst), tile, first))
         first += -(-R // tile)
         work += R * row_work
-    table = np.array(rows, np.int64)
+    _run_table(k, np.array(rows, np.int64), first, work)
+
+
+def run_alike(ws: Sequence[QMatrix], x_base: int, x_step: int, out_base: int, out_step: int, T: int) -> None:
+    """``out_i = x_i @ ws[i].T`` for matrices of one encoding and shape (a step's experts), as one
+    group whose table is built with array operations rather than row by row. ``x_i``: float32
+    [T, cols] at address ``x_base + i * x_step`` (step 0: one x for all), ``out_i``: float32
+    [T, rows] at ``out_base + i * out_step``, every one C-ordered and alive through the call.
+    The caller checks what ``_operands`` would (:func:`alike`); the bits of each product alone."""
+    k = _compiled or _kernels()
+    w0 = ws[0]
+    (R, RB), n = w0.data.shape, len(ws)
+    row_work = RB * (3 + T) / 4
+    tile = max(8, int(GROUP_TILE_BYTES / row_work) // 8 * 8)
+    per = -(-R // tile)
+    table = np.empty((n, k.NCOLS), np.int64)
+    _fill_alike(table, w0._kind, R, RB, T, w0.cols, tile, per, np.array([w._addr for w in ws], np.int64),
+                x_base, x_step, out_base, out_step)
+    _run_table(k, table, n * per, n * R * row_work)
+
+
+def alike(ws: Sequence[QMatrix]) -> bool:
+    """Whether :func:`run_alike` takes ``ws``: block-kernel matrices of one encoding and shape,
+    C-contiguous."""
+    return ws[0]._kind >= 0 and len({(w._kind, w.data.shape, w._c) for w in ws}) == 1 and ws[0]._c
+
+
+def _run_table(k, table: np.ndarray, first: int, work: float) -> None:
+    """Run a group ``table`` of ``first`` tiles and ``work`` units on the threads that join."""
     counter = np.zeros(1, np.int64)
     # Threads asked to join: one per 4 tiles. A late one finds the tiles taken and costs the
     # caller nothing, so the bar is lower than MIN_CHUNK_BYTES (fixed ranges wait for their thread).
@@ -347,6 +376,7 @@ def _address(a: np.ndarray) -> int:
 
 
 _pointer = _address  # the compiled twin once the kernels load (swarm/compute/pointers.py)
+_fill_alike = None  # pointers.fill_alike once the kernels load
 spin = None  # swarm/compute/spin.py once the kernels load (it imports them)
 
 
@@ -368,7 +398,7 @@ _import_lock = threading.Lock()
 
 def _kernels():
     """The numba kernels, imported (and compiled or loaded from numba's cache) on first use."""
-    global _compiled, _pointer, spin
+    global _compiled, _pointer, _fill_alike, spin
     if _compiled is None:
         with _import_lock:
             if _compiled is None:
@@ -399,6 +429,9 @@ def _kernels():
                     from swarm.compute import pointers
                     pointers.address(x)  # activations and outputs: float32 [T, n] C-order, writable
                     _pointer = pointers.address
+                    one = np.zeros(1, np.int64)
+                    pointers.fill_alike(np.empty((1, k.NCOLS), np.int64), 0, 1, 34, 1, 32, 8, 1, one, 0, 0, 0, 0)
+                    _fill_alike = pointers.fill_alike
                     from swarm.compute import spin as spin_module
                     ctrl = np.zeros(spin_module.CTRL, np.int64)
                     spin_module.serve(ctrl, 0, 1)

@@ -391,3 +391,14 @@ def attention(q, k, v, start, out, scores, acc, i0, i1):  # pragma: no cover - c
             h = kvh * g + (r0 + r) % g
             for i in range(hd):
                 out[t, h * hd + i] = af[aoff[r] + i] / denom[r]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def weighted_sum(out, ys, weights):  # pragma: no cover - compiled
+    """``out += ys[j] * weights[j]`` for j = 0, 1, … in turn: out float32 [H], ys float32 [n, H],
+    weights float32 [n]; each product rounded to float32, then added (no fused multiply-add):
+    numpy's ``np.multiply`` then ``+=`` per row, in one pass (a decode step's MoE combine)."""
+    for j in range(ys.shape[0]):
+        wj = weights[j]
+        for i in range(out.shape[0]):
+            out[i] += ys[j, i] * wj
