@@ -308,20 +308,26 @@ class GpuStage:
         ``lo .. hi-1`` (:meth:`resident`), all in one submission: RMSNorm, Q/K/V, RoPE, the new
         keys/values into the sequence's GPU KV cache (``cache.device_kv``, grown as needed), causal
         attention over it, O, the residual, RMSNorm, SwiGLU, the residual. Returns [T, H] float32.
-        Raises KernelError on a GPU error, or when the cache's buffers are on a lost device."""
+        Rows whose scratch would pass a binding's limit go in chunks, one submission each (a chunk's
+        attention reads the keys/values the chunks before it wrote). Raises KernelError on a GPU
+        error, or when the cache's buffers are on a lost device."""
         host, m, c = self.gpu.host, self.model, self.model.config
         T, H = x.shape
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         nq, nk, heads = nh * hd, nkv * hd, (nh + nkv) * hd
         width = nq + 2 * nk
+        cap = self._kv(cache, lo, start, start + T).cap  # the capacity every layer of the stage grows to
+        inter = max(self._block(layer, DENSE).gpu.inter + 3 for layer in range(lo, hi))
+        rows = max(1, host.max_binding // (4 * max(nh * cap, width, inter, H)))  # per submission
+        if T > rows:
+            return np.concatenate([self.run_layers(x[a:a + rows], cache, start + a, lo, hi) for a in range(0, T, rows)])
         cos, ssin = (np.ascontiguousarray(np.broadcast_to(a, (T, nh + nkv, hd)), np.float32)
                      for a in m.qk_tables(start, T))  # [T, nh + nkv, hd] each
         kvs = [self._kv(cache, layer, start, start + T) for layer in range(lo, hi)]
-        cap = kvs[0].cap
         xb, hb = host.storage(T * H, x), host.storage(T * H)
         qkv, qk, att, yb = host.storage(T * width), host.storage(T * heads), host.storage(T * nq), host.storage(T * H)
         scores, cb, sb = host.storage(T * nh * cap), host.storage(cos.size, cos), host.storage(ssin.size, ssin)
-        fb = host.storage(T * max(self._block(layer, DENSE).gpu.inter + 3 for layer in range(lo, hi)))
+        fb = host.storage(T * inter)
         eps = c.rms_norm_eps
         enc = host.encoder()
         for layer, kv in zip(range(lo, hi), kvs):

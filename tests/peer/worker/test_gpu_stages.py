@@ -150,3 +150,21 @@ def test_a_whole_layer_gpu_stage_keeps_each_sequences_cache_on_the_gpu(gpu, tmp_
     assert isinstance(gap, M.Error) and gap.code == "cache_gap"
     cpu.forget()
     assert_within_bound(model, 2, cpu, on_gpu, request(23, [(1, 0, 5)], rows(5), 2))  # from 0: uploaded again
+
+
+def test_a_long_prefill_goes_through_whole_layers_in_chunks(tmp_path, monkeypatch):
+    """Bindings capped at 8 KiB (a phone's limits, scaled down): a 12-row prefill's scratch does
+    not fit one submission, so it runs in chunks of 3 rows, each attending over the keys/values
+    the ones before it wrote; the answer is still within the bound of the CPU's."""
+    from web_peer.wgpu_host import WgpuFfn
+
+    model = gguf_model(tmp_path, monkeypatch, "llama", QT.Q8_0, **WIDE)
+    small = GpuFfn(WgpuFfn(max_binding=8 << 10))
+    try:
+        cpu, on_gpu, device = runners(model, small, 2)
+        assert device.resident(0, 2)
+        x = np.random.default_rng(2).standard_normal((12, model.config.hidden_size), np.float32)
+        assert_within_bound(model, 2, cpu, on_gpu, request(1, [(1, 0, 12)], x, 2))
+        assert small.host.largest_binding <= 8 << 10
+    finally:
+        small.close()
