@@ -18,15 +18,20 @@ inside a block, which the engine itself hands over as F32). A block the kernels 
 all — gpt-oss's biased, clamped experts, rows not a multiple of 32 weights — runs on the CPU
 through the engine's kernels.
 
-Stages. A GPU peer given a stage (layers ``lo .. hi-1``) runs it with :class:`GpuStage`: the
-StageRunner's layers are the engine's own ``Model.layers`` on a view of the model whose Q, K,
-V and O projections go to the GPU (:meth:`~swarm.compute.model.Model.with_products`; ``down.wgsl``
-is a plain product, one workgroup per weight row, so one matrix is ``WgpuFfn.upload_linear``),
-and whose FFN backend runs each SwiGLU block — the dense MLP, each selected expert, the shared
-expert — through :meth:`GpuFfn.run`. Norms, RoPE, attention over the KV cache (kept in host
-memory), routing and the combine stay the engine's code. Unlike a range, a stage never
-computes on a Q8_0 repack: a matrix the kernels do not read stays on the engine's kernels, so
-the stage bound (:func:`~swarm.peer.coordinator.bounds.stage_rtol`, no repack term) holds.
+Stages. A GPU peer given a stage (layers ``lo .. hi-1``) runs it with :class:`GpuStage`, one of
+two ways, fixed per stage. Whole layers (:meth:`GpuStage.run_layers`) where every layer is a plain
+dense one: one submission a sequence and step runs RMSNorm, Q/K/V, RoPE on the engine's tables,
+the new keys/values into the sequence's KV cache kept in GPU buffers, causal attention over it,
+O, the residual, RMSNorm and SwiGLU (``web_peer/{rmsnorm,rope,kv_write,attention,add}.wgsl`` and
+the products). Otherwise products only: the StageRunner's layers are the engine's own
+``Model.layers`` on a view of the model whose Q, K, V and O projections go to the GPU
+(:meth:`~swarm.compute.model.Model.with_products`; ``down.wgsl`` is a plain product, one
+workgroup per weight row, so one matrix is ``WgpuFfn.upload_linear``), and whose FFN backend runs
+each SwiGLU block — the dense MLP, each selected expert, the shared expert — through
+:meth:`GpuFfn.run`; norms, RoPE, attention over the KV cache (in host memory), routing and the
+combine stay the engine's code. Unlike a range, a stage never computes on a Q8_0 repack: a
+matrix the kernels do not read stays on the engine's kernels, so the stage bound
+(:func:`~swarm.peer.coordinator.bounds.stage_rtol`, no repack term) holds.
 
 Numerics. The kernels sum in float32 in another order than the engine's CPU kernels: a GPU
 peer is another numeric build (its Hello's ``build.blas`` names ``wgpu``, the adapter and the
