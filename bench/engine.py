@@ -3,6 +3,7 @@
     python3 bench/engine.py [--model PATH] [--threads 1,2,4] [--prompt-tokens 128] [--decode-tokens 64]
     python3 bench/engine.py --make-moe PATH   # write the random 64-expert Qwen3-MoE Q8_0 GGUF (~1 GB)
     python3 bench/engine.py --make-moe-2g PATH Q4_K_M   # 12 layers of 64 experts, 2.4 GB (Q8_0: 4.2 GB)
+    python3 bench/engine.py --make-dense-2g PATH Q4_K_M   # Qwen3-4B's shape, dense, 2.3 GB (Q8_0: 4.1 GB)
     python3 bench/engine.py --make-tokenizer TOK.gguf   # the default model's tokenizer alone (~2 MB)
     python3 bench/engine.py --tokenizer-from TOK.gguf --make-moe-2g PATH Q8_0   # without the default model
 
@@ -68,6 +69,9 @@ def main() -> int:
     ap.add_argument("--make-moe-2g", nargs=2, metavar=("PATH", "TYPE"),
                     help="write a random Qwen3-MoE of 12 layers, 64 experts (top 8) of 2048x768, in TYPE "
                     "(Q8_0: 4.3 GB, Q4_K_M: llama.cpp's mix of Q4_K and Q6_K, 2.5 GB) to PATH and exit")
+    ap.add_argument("--make-dense-2g", nargs=2, metavar=("PATH", "TYPE"),
+                    help="write a random dense Qwen3 of Qwen3-4B's shape (36 layers, hidden 2560, MLP 9728) in TYPE "
+                    "(Q8_0: 4.1 GB, Q4_K_M: 2.3 GB) to PATH and exit")
     ap.add_argument("--make-tokenizer", metavar="PATH",
                     help="write a GGUF holding only the default model's tokenizer to PATH and exit (a small file to "
                     "take to a machine that cannot fetch the default model)")
@@ -91,6 +95,9 @@ def main() -> int:
         return 0
     if args.make_moe_2g:
         print(write_moe_2g(Path(args.make_moe_2g[0]), args.make_moe_2g[1]))
+        return 0
+    if args.make_dense_2g:
+        print(write_dense_2g(Path(args.make_dense_2g[0]), args.make_dense_2g[1]))
         return 0
     if args.model is None:
         from swarm.compute.default_model import default_model_path
@@ -388,7 +395,8 @@ def qwen3moe_writer(path: Path, *, layers: int, hidden: int, experts: int, top_k
 
     # $BENCH_TOKENIZER_GGUF: a GGUF holding the same tokenizer, for a machine without the default model
     source = GGUFFile(os.environ.get("BENCH_TOKENIZER_GGUF") or default_model_path())
-    w = gguf.GGUFWriter(str(path), "qwen3moe", split_max_size=shard_bytes)
+    # no experts: a dense Qwen3 (GGUF "qwen3"), expert_ffn its MLP width
+    w = gguf.GGUFWriter(str(path), "qwen3moe" if experts else "qwen3", split_max_size=shard_bytes)
     if name:
         w.add_name(name)
     w.add_block_count(layers)
@@ -401,9 +409,10 @@ def qwen3moe_writer(path: Path, *, layers: int, hidden: int, experts: int, top_k
     w.add_value_length(head_dim or hidden // heads)
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(experts)
-    w.add_expert_used_count(top_k)
-    w.add_expert_feed_forward_length(expert_ffn)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(top_k)
+        w.add_expert_feed_forward_length(expert_ffn)
     _copy_tokenizer(source, w)
     return w, len(source.kv["tokenizer.ggml.tokens"])
 
@@ -489,6 +498,8 @@ def write_random_moe(path: Path, *, layers: int = 9, hidden: int = 1024, experts
 
 # The many-core benchmark's shape (bench/results/engine.md): a Qwen3-MoE at 2-4 GB.
 MOE_2G = dict(layers=12, hidden=2048, experts=64, top_k=8, expert_ffn=768, heads=16, kv_heads=4, head_dim=128)
+# Qwen3-4B's shape (its config.json) with the default model's 49,152-token vocabulary: 3.9 B weights.
+DENSE_2G = dict(layers=36, hidden=2560, experts=0, top_k=0, expert_ffn=9728, heads=32, kv_heads=8, head_dim=128)
 
 
 def write_moe_2g(path: Path, qtype: str) -> Path:
@@ -500,6 +511,17 @@ def write_moe_2g(path: Path, qtype: str) -> Path:
 
     mix = q4_k_m if qtype == "Q4_K_M" else (lambda *_: gguf.GGMLQuantizationType[qtype])
     return write_qwen3moe(path, MoEShape(**MOE_2G), mix=mix, name=f"random Qwen3-MoE {qtype} (bench/engine.py)")[0]
+
+
+def write_dense_2g(path: Path, qtype: str) -> Path:
+    """:data:`DENSE_2G` (a dense Qwen3) of random blocks in ``qtype``: "Q8_0" (4.1 GB) or
+    "Q4_K_M" (llama.cpp's mix, 2.3 GB)."""
+    import gguf
+
+    from bench.random_gguf import MoEShape, q4_k_m, write_qwen3moe
+
+    mix = q4_k_m if qtype == "Q4_K_M" else (lambda *_: gguf.GGMLQuantizationType[qtype])
+    return write_qwen3moe(path, MoEShape(**DENSE_2G), mix=mix, name=f"random Qwen3 {qtype} (bench/engine.py)")[0]
 
 
 def _run_transformers(args: argparse.Namespace, prompt: list[int]) -> dict:

@@ -118,7 +118,8 @@ def _byte_shape(shape: tuple[int, ...], qtype: QT) -> tuple[int, ...]:
 
 def write_qwen3moe(path: Path, shape: MoEShape, *, shard_bytes: int = 0, seed: int = 0, name: str | None = None,
                    mix=q4_k_m) -> list[Path]:
-    """Write a random Qwen3-MoE of ``shape`` to ``path`` (split into shards of at most
+    """Write a random Qwen3-MoE of ``shape`` (with ``experts`` 0: a dense Qwen3 whose MLP is
+    ``expert_ffn`` wide) to ``path`` (split into shards of at most
     ``shard_bytes`` when it is > 0, named as llama.cpp names them); returns the files written,
     first shard first. ``mix(name, layer, n_layers)`` gives each matrix's type (default: Q4_K_M).
     Routers and norms are F32, routers scaled so the top-k is decisive."""
@@ -139,14 +140,19 @@ def write_qwen3moe(path: Path, shape: MoEShape, *, shard_bytes: int = 0, seed: i
     for i in range(shape.layers):
         b = f"blk.{i}."
         specs += [(b + "attn_norm.weight", (H,), F32, "ones"), (b + "ffn_norm.weight", (H,), F32, "ones"),
-                  (b + "attn_q_norm.weight", (hd,), F32, "ones"), (b + "attn_k_norm.weight", (hd,), F32, "ones"),
-                  (b + "ffn_gate_inp.weight", (shape.experts, H), F32, "router")]
+                  (b + "attn_q_norm.weight", (hd,), F32, "ones"), (b + "attn_k_norm.weight", (hd,), F32, "ones")]
+        if shape.experts:
+            specs.append((b + "ffn_gate_inp.weight", (shape.experts, H), F32, "router"))
         for part, rows, cols, std in (("attn_q", shape.heads * hd, H, s_in), ("attn_k", shape.kv_heads * hd, H, s_in),
                                       ("attn_v", shape.kv_heads * hd, H, s_in), ("attn_output", H, shape.heads * hd, s_q)):
             specs.append((b + part + ".weight", (rows, cols), mix(b + part + ".weight", i, shape.layers), std))
         for part, rows, cols, std in (("gate", F, H, s_in), ("up", F, H, s_in), ("down", H, F, s_ffn)):
-            nm = b + f"ffn_{part}_exps.weight"
-            specs.append((nm, (shape.experts, rows, cols), mix(nm, i, shape.layers), std))
+            if shape.experts:
+                nm = b + f"ffn_{part}_exps.weight"
+                specs.append((nm, (shape.experts, rows, cols), mix(nm, i, shape.layers), std))
+            else:  # a dense MLP of width expert_ffn
+                nm = b + f"ffn_{part}.weight"
+                specs.append((nm, (rows, cols), mix(nm, i, shape.layers), std))
 
     def nbytes(shp: tuple[int, ...], qtype: QT) -> int:
         return 4 * int(np.prod(shp)) if qtype == F32 else int(np.prod(_byte_shape(shp, qtype)))
