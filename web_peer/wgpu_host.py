@@ -443,28 +443,44 @@ class WgpuFfn:
         return np.concatenate([self._ffn_block(x[t:t + block], w) for t in range(0, len(x), block)]
                               or [np.zeros((0, w.hidden), np.float32)])
 
+    def ffn_many(self, items: Sequence[tuple[np.ndarray, GpuFfnWeights]]) -> list[np.ndarray]:
+        """``[ffn(x, w) for x, w in items]`` (x [T_i, H] float32 → [T_i, H] float32), in one
+        submission when each x fits one binding (a decode step's experts). Raises as :meth:`ffn`."""
+        for x, w in items:
+            self._check(w, x, w.hidden)
+        if any(len(x) > self._rows_per_block(w) for x, w in items):
+            return [self.ffn(x, w) for x, w in items]
+        return self._ffn_blocks(list(items))
+
     def _ffn_block(self, x: np.ndarray, w: GpuFfnWeights) -> np.ndarray:
+        return self._ffn_blocks([(x, w)])[0]
+
+    def _ffn_blocks(self, items: list[tuple[np.ndarray, GpuFfnWeights]]) -> list[np.ndarray]:
+        """Each SwiGLU block over its rows (each within one binding), all in one submission."""
         wg = self._wgpu
-        t_rows = x.shape[0]
-        hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
         try:
             dev = self._device()
-            xb = self._buffer(K.pad_matrix(x, t_rows, hp).tobytes(), wg.BufferUsage.STORAGE)
-            hb = dev.create_buffer(size=t_rows * fp * 4, usage=wg.BufferUsage.STORAGE)
-            yb = dev.create_buffer(size=t_rows * hp * 4, usage=wg.BufferUsage.STORAGE | wg.BufferUsage.COPY_SRC)
-            self.largest_binding = max(self.largest_binding, t_rows * fp * 4, t_rows * hp * 4)
             enc = dev.create_command_encoder()
-            self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb)
-            self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
+            outs = []
+            for x, w in items:
+                t_rows = x.shape[0]
+                hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
+                xb = self._buffer(K.pad_matrix(x, t_rows, hp).tobytes(), wg.BufferUsage.STORAGE)
+                hb = dev.create_buffer(size=max(16, t_rows * fp * 4), usage=wg.BufferUsage.STORAGE)
+                yb = dev.create_buffer(size=max(16, t_rows * hp * 4), usage=wg.BufferUsage.STORAGE | wg.BufferUsage.COPY_SRC)
+                self.largest_binding = max(self.largest_binding, t_rows * fp * 4, t_rows * hp * 4)
+                self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb)
+                self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
+                outs.append(yb)
             dev.queue.submit([enc.finish()])
-            y = np.frombuffer(dev.queue.read_buffer(yb), np.float32).reshape(t_rows, hp)
+            ys = [np.frombuffer(dev.queue.read_buffer(yb), np.float32)[:len(x) * K.pad4(w.hidden)]
+                  .reshape(len(x), K.pad4(w.hidden))[:, :w.hidden].copy() for (x, w), yb in zip(items, outs)]
         except wg.GPUError as e:
             self.drop_device()
             raise KernelError(f"GPU error during the request; the device was reset: {e}") from e
-        y = y[:, : w.hidden].copy()
-        if not np.isfinite(y).all():
+        if not all(np.isfinite(y).all() for y in ys):
             raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
-        return y
+        return ys
 
     def time_kernel(self, kernel: str, w: GpuFfnWeights, t_rows: int, reps: int) -> float:
         """Seconds per run of one kernel ("swiglu", "down" or "ffn" for both) over t_rows rows.

@@ -184,6 +184,13 @@ class GpuFfn:
             return GpuWeights(cpu=weights)
         return GpuWeights(gpu=self.host.upload(g, u, d, gf, down_fmt=df))
 
+    def run_many(self, weights: Sequence[GpuWeights], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """``[run(w, x) for w, x in zip(weights, xs)]``, the blocks on the GPU in one submission
+        (a request's or a decode step's experts). Raises as :meth:`run`."""
+        on_gpu = [(np.ascontiguousarray(x, dtype=np.float32), w.gpu) for w, x in zip(weights, xs) if w.gpu is not None]
+        done = iter(self.host.ffn_many(on_gpu) if on_gpu else ())
+        return [next(done) if w.gpu is not None else swiglu_ffn(w.cpu, x) for w, x in zip(weights, xs)]
+
     def run(self, weights: GpuWeights, x: np.ndarray) -> np.ndarray:
         """y [n, H] float32 = down(swiglu(x)) for rows x [n, H] float32. Raises KernelError on a
         GPU error (the device is then reset) or a non-finite result."""
@@ -429,10 +436,15 @@ class GpuStage:
         T, H = x.shape
         seg = segment_ids(segments, T)
         routing = route(m.router_logits(layer, x, seg), **m.routing_config(layer).kwargs())
-        outputs = {e: self.gpu.run(self._block(layer, e), x[rows]) for e, rows in expert_rows(routing).items()}
+        selected = expert_rows(routing)
+        blocks, xs = [self._block(layer, e) for e in selected], [x[rows] for rows in selected.values()]
+        if m.has_shared_expert(layer):
+            blocks, xs = [*blocks, self._block(layer, SHARED)], [*xs, x]
+        ys = self.gpu.run_many(blocks, xs)  # every block of the layer in one submission
+        outputs = dict(zip(selected, ys))
         shared = None
         if m.has_shared_expert(layer):
-            shared = self.gpu.run(self._block(layer, SHARED), x)
+            shared = ys[-1]
             gate = m.shared_expert_weights(layer)[1]
             if gate is not None:  # Qwen2-MoE's sigmoid gate, as swarm.compute.ffn.shared_expert
                 shared = sigmoid(as_qmatrix(gate).matmul(np.ascontiguousarray(x))) * shared

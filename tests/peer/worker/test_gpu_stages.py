@@ -168,3 +168,17 @@ def test_a_long_prefill_goes_through_whole_layers_in_chunks(tmp_path, monkeypatc
         assert small.host.largest_binding <= 8 << 10
     finally:
         small.close()
+
+
+def test_blocks_in_one_submission_give_each_blocks_own_bits(gpu):
+    """A layer's (or request's) experts in one submission: each block's rows get the bits the
+    block alone gives them (the same kernels, only the submission shared)."""
+    from web_peer.kernels import quantize_blocks
+
+    rng = np.random.default_rng(4)
+    blocks = [gpu.host.upload(*(quantize_blocks(rng.standard_normal(s, dtype=np.float32) * np.float32(0.05), "q8_0")
+                                for s in ((96, 64), (96, 64), (64, 96))), "q8_0") for _ in range(3)]
+    xs = [rng.standard_normal((n, 64), dtype=np.float32) for n in (1, 4, 2)]
+    together = gpu.host.ffn_many(list(zip(xs, blocks)))
+    for x, w, y in zip(xs, blocks, together, strict=True):
+        assert y.shape == x.shape and np.array_equal(y, gpu.host.ffn(x, w))
