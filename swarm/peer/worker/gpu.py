@@ -239,14 +239,15 @@ DENSE, SHARED = -1, -2  # GpuStage's block keys besides expert indices: a layer'
 
 
 class GpuStage:
-    """A GPU peer's stages (module docstring, "Stages"): the
-    :class:`~swarm.compute.model.ProductDevice` of a StageRunner's model view — each layer's
-    Q, K, V and O projections — and the FFN backend of its layers — the dense SwiGLU, or the
-    selected experts and the shared expert — on ``gpu``, for the layers of ``model``.
+    """A GPU peer's stages (module docstring, "Stages") on ``gpu``, for the layers of ``model``:
+    whole layers (:meth:`resident`, :meth:`run_layers`: the KV cache in GPU buffers) where every
+    layer of a stage allows, else the :class:`~swarm.compute.model.ProductDevice` of a
+    StageRunner's model view — each layer's Q, K, V and O projections — and the FFN backend of
+    its layers — the dense SwiGLU, or the selected experts and the shared expert — with routing,
+    norms, RoPE, attention, biases and the combine the engine's own code.
 
-    Routing, norms, RoPE, attention over the KV cache, biases and the combine stay the engine's
-    own code on the CPU, as does every matrix the kernels do not read in the file's encoding:
-    a stage never computes on a Q8_0 repack (its answers are held to
+    Every matrix the kernels do not read in the file's encoding stays on the engine's kernels: a
+    stage never computes on a Q8_0 repack (its answers are held to
     :func:`~swarm.peer.coordinator.bounds.stage_rtol`, which has no repack term). Weights are
     uploaded by :meth:`load_layer` when a stage plan is accepted, else on first use. Called
     from the worker's one compute thread only. Raises KernelError on a GPU error (then
