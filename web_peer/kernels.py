@@ -19,7 +19,8 @@ A GPU stage peer (swarm/peer/worker/gpu.py) runs the rest of a layer too, with k
 weight format (:data:`LAYER_KERNELS`): ``rmsnorm.wgsl``, ``rope.wgsl`` (on the engine's tables),
 ``attention.wgsl`` (causal, grouped-query, over a KV cache), ``kv_write.wgsl`` (new keys/values
 into that cache) and ``add.wgsl`` (the residual); their twins are :func:`rms_norm`, :func:`rope`,
-:func:`attention`, :func:`kv_write` and :func:`add`.
+:func:`attention`, :func:`kv_write` and :func:`add`. Only the native host (``wgpu_host.py``) runs
+them: the page serves ranges, not stages, so no JS module owns them yet.
 
 Weight formats (one name used by Python, JS and the wire):
 - ``f32``: float32, 4 bytes per weight.
