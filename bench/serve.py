@@ -516,6 +516,7 @@ def _pipeline_main(args) -> dict:
             link.send(p, layout.to_message())
         ffn = link.ffn = StagedFFN(model, layout, link)
         width = len(stages)  # the API's pool: one scheduler per stage (api_engine.schedulers_for)
+        extra_widths = [int(k) for k in str(args.schedulers).split(",") if k and int(k) != width]
         _serve_streams(model, ffn, prompt_ids[:1], 4)  # the worker loads its layers
         # Interleaved rounds: each round runs every configuration once, one peer beside the
         # stages, so load from other work on the machine hits both sides of a ratio alike.
@@ -529,6 +530,12 @@ def _pipeline_main(args) -> dict:
                 cpu0 = cpu_s()
                 toks, tps, gaps = _serve_streams(model, ffn, ids, args.tokens, schedulers=min(width, n))
                 record(f"stages_schedulers_{n}", toks, tps, gaps, solo, cpu0)
+                for k in extra_widths:  # --schedulers: more batch schedulers than stages, raw
+                    ffn.set_schedulers(k)
+                    cpu0 = cpu_s()
+                    toks, tps, gaps = _serve_streams(model, ffn, ids, args.tokens, schedulers=min(k, n))
+                    record(f"stages_{k}_schedulers_{n}", toks, tps, gaps, solo, cpu0)
+                ffn.set_schedulers(width)
                 cpu0 = cpu_s()
                 got, tps, gaps, _, n_tok = asyncio.run(_api_streams(model, tok, None, tx, args.tokens))
                 record(f"api_one_peer_{n}", got, tps, gaps, api_solo, cpu0, n_tok)
@@ -552,6 +559,9 @@ def _pipeline_main(args) -> dict:
         out["ratios"][f"{n}_streams"] = {"api_stages_vs_api_one_peer": ratios(f"api_stages_{n}", f"api_one_peer_{n}"),
                                          "raw_stages_vs_raw_one_peer": ratios(f"stages_schedulers_{n}",
                                                                               f"one_peer_{n}")}
+        for k in extra_widths:
+            out["ratios"][f"{n}_streams"][f"raw_{k}_schedulers_vs_raw_one_peer"] = ratios(
+                f"stages_{k}_schedulers_{n}", f"one_peer_{n}")
     keys = ("aggregate_tok_s", "p50_token_ms", "p95_token_ms", "coordinator_cpu_ms_per_token", "workers_cpu_ms_per_token")
     out["medians"] = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in runs.items()}
     out["all_equal_to_solo"] = all(x["equal_to_solo"] for rs in runs.values() for x in rs)
@@ -576,6 +586,9 @@ def main() -> None:
     parser.add_argument("--streams", default="8,16", help="--pipeline: concurrent streams, comma-separated levels")
     parser.add_argument("--cores", default="0,1",
                         help="--pipeline: each peer's cores, the coordinator's first (e.g. 0-7,8-15; three peers: 0,1,2)")
+    parser.add_argument("--schedulers", default="",
+                        help="--pipeline: also run the raw stages with these numbers of batch schedulers "
+                        "(comma-separated; the product runs one per stage)")
     parser.add_argument("--split", help="--pipeline: where each stage after the coordinator's starts, e.g. 11 "
                         "(default: the planner's throughput split)")
     parser.add_argument("--out", help="--pipeline: also write the JSON here")
