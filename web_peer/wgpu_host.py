@@ -19,6 +19,7 @@ device is then dropped and a fresh one made on the next call).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -217,11 +218,8 @@ class WgpuFfn:
         formats, as :meth:`upload`. Raises KernelError on a bad shape or format, or a GPU error."""
         rows, cols = K.matrix_shape(w, "w", fmt)
         self._pipeline("down", fmt)
-        try:
+        with self._guarded("uploading weights"):
             return GpuLinear(fmt, rows, cols, self._upload_matrix(K.pack_matrix(w, fmt, self.max_binding)), self.device)
-        except self._wgpu.GPUError as e:
-            self.drop_device()
-            raise KernelError(f"GPU error while uploading weights: {e}") from e
 
     def matmul_many(self, products: Sequence[tuple[GpuLinear, np.ndarray]]) -> list[np.ndarray]:
         """``[x @ W.T for W, x in products]``: each x float32 [T, W.cols] → float32 [T, W.rows],
@@ -242,7 +240,7 @@ class WgpuFfn:
     def _linear_block(self, products: list[tuple[GpuLinear, np.ndarray]]) -> list[np.ndarray]:
         """:meth:`matmul_many` on rows that fit one binding, in one submission."""
         wg = self._wgpu
-        try:
+        with self._guarded():
             dev = self._device()
             inputs: dict[int, object] = {}  # id(x) → its buffer: q, k and v share their rows
             outs = []
@@ -264,12 +262,7 @@ class WgpuFfn:
             ys = [np.zeros((x.shape[0], w.rows), np.float32) if yb is None else
                   np.frombuffer(dev.queue.read_buffer(yb), np.float32)[:x.shape[0] * w.rows].reshape(x.shape[0], w.rows)
                   for (w, x), yb in zip(products, outs)]
-        except wg.GPUError as e:
-            self.drop_device()
-            raise KernelError(f"GPU error during the request; the device was reset: {e}") from e
-        if not all(np.isfinite(y).all() for y in ys):
-            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
-        return ys
+        return self._finite(ys)
 
     # ---- a layer's other kernels ----------------------------------------------------------------
 
@@ -356,17 +349,12 @@ class WgpuFfn:
     def submit_read(self, enc, buf=None, n: int = 0) -> np.ndarray:
         """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back (none without ``buf``).
         Raises KernelError on a GPU error (the device is then reset) or a non-finite result."""
-        try:
+        with self._guarded():
             self.device.queue.submit([enc.finish()])
             if buf is None:
                 return np.zeros(0, np.float32)
             y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
-        except self._wgpu.GPUError as e:
-            self.drop_device()
-            raise KernelError(f"GPU error during the request; the device was reset: {e}") from e
-        if not np.isfinite(y).all():
-            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
-        return y
+        return self._finite([y])[0]
 
     def _run(self, kernel: str, params: bytes, inputs: list[np.ndarray], outputs: list[int],
              grid: tuple[int, int, int]) -> list[np.ndarray]:
@@ -376,7 +364,7 @@ class WgpuFfn:
         for a in inputs:
             if not np.isfinite(a).all():
                 raise KernelError(f"{kernel}: an input holds NaN or infinity; refusing to compute")
-        try:
+        with self._guarded(kernel):
             dev = self._device()
             pipe = self._pipeline(kernel, None)
             res = [self._buffer(params, wg.BufferUsage.UNIFORM)]
@@ -393,11 +381,7 @@ class WgpuFfn:
             cpass.end()
             dev.queue.submit([enc.finish()])
             ys = [np.frombuffer(dev.queue.read_buffer(b), np.float32)[:n].copy() for b, n in zip(outs, outputs)]
-        except wg.GPUError as e:
-            self.drop_device()
-            raise KernelError(f"GPU error in {kernel}; the device was reset: {e}") from e
-        if not np.isfinite(ys[-1]).all():
-            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
+        self._finite(ys[-1:])
         return ys
 
     # ---- compute ----------------------------------------------------------------------------
@@ -419,6 +403,21 @@ class WgpuFfn:
             cpass.set_bind_group(0, bind)
             cpass.dispatch_workgroups(gx, gy, gz)
             cpass.end()
+
+    @contextlib.contextmanager
+    def _guarded(self, what: str = "the request"):
+        """Turn a GPU error inside into KernelError, the device reset (the next call makes a fresh one)."""
+        try:
+            yield
+        except self._wgpu.GPUError as e:
+            self.drop_device()
+            raise KernelError(f"GPU error in {what}; the device was reset: {e}") from e
+
+    @staticmethod
+    def _finite(ys: list[np.ndarray]) -> list[np.ndarray]:
+        if not all(np.isfinite(y).all() for y in ys):
+            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
+        return ys
 
     def _check(self, w: GpuFfnWeights | GpuLinear, x: np.ndarray | None = None, cols: int = 0) -> None:
         """KernelError unless ``w`` is on this device and rows x (if given) are finite float32 [T, cols]."""
@@ -458,7 +457,7 @@ class WgpuFfn:
     def _ffn_blocks(self, items: list[tuple[np.ndarray, GpuFfnWeights]]) -> list[np.ndarray]:
         """Each SwiGLU block over its rows (each within one binding), all in one submission."""
         wg = self._wgpu
-        try:
+        with self._guarded():
             dev = self._device()
             enc = dev.create_command_encoder()
             outs = []
@@ -475,12 +474,7 @@ class WgpuFfn:
             dev.queue.submit([enc.finish()])
             ys = [np.frombuffer(dev.queue.read_buffer(yb), np.float32)[:len(x) * K.pad4(w.hidden)]
                   .reshape(len(x), K.pad4(w.hidden))[:, :w.hidden].copy() for (x, w), yb in zip(items, outs)]
-        except wg.GPUError as e:
-            self.drop_device()
-            raise KernelError(f"GPU error during the request; the device was reset: {e}") from e
-        if not all(np.isfinite(y).all() for y in ys):
-            raise KernelError("the GPU returned NaN or infinity; refusing to pass it on")
-        return ys
+        return self._finite(ys)
 
     def time_kernel(self, kernel: str, w: GpuFfnWeights, t_rows: int, reps: int) -> float:
         """Seconds per run of one kernel ("swiglu", "down" or "ffn" for both) over t_rows rows.
