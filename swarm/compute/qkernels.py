@@ -121,8 +121,9 @@ def _prefetch(typingctx, w, offset):
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3), "llvm.prefetch.p0")
         i32 = ir.IntType(32)
-        # read, keep in all cache levels, data cache
-        builder.call(fn, [builder.gep(builder.bitcast(data, i8p), [args[1]]), i32(0), i32(3), i32(1)])
+        # read, into L2 and the levels below (prefetcht1: lines fetched 8 KiB ahead would crowd
+        # L1 out of the lines being read: in-cache Q8_0 ran ~10 % slower), data cache
+        builder.call(fn, [builder.gep(builder.bitcast(data, i8p), [args[1]]), i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
     return types.none(w, types.intp), codegen
 
@@ -135,7 +136,7 @@ def _prefetch_ahead(w, offset, end):
 
 # How far ahead of the rows being read the next bytes are prefetched: the hardware
 # prefetcher alone leaves a GEMV over a matrix that is not in cache at ~1/3 of memory speed.
-# 8 KiB, not 4: one core then reads Q8_0 from memory at 34 GB/s rather than 19, the K-quants
+# 8 KiB, not 4: one core then reads Q8_0 from memory at ~33 GB/s rather than 19, the K-quants
 # at their in-cache rate (bench/results/engine.md); 16 KiB gained a little more on one core,
 # but reaches further into the next tile, which another thread may be reading.
 _PREFETCH_BYTES = 8192
