@@ -636,13 +636,8 @@ def _rows_kernel(kind: int, avx512: bool = AVX512):
     (``avx512``: the K-quant tiles in AVX-512 vector code, the same bits)."""
     (n1, _), (n4, _), _, _ = _TILES
     one, four, two, single = (_compile_tile(kind, nr, tt, avx512) for nr, tt in _TILES)
-    if kind in _K_TYPES:
-        three = _compile_tile(kind, n4, 3, avx512)
-    else:
-        @njit(nogil=True, inline="always")
-        def three(w, r0, hi, x, t0, out, ahead, end):
-            two(w, r0, hi, x, t0, out, ahead, end)
-            single(w, r0, hi, x, t0 + 2, out, ahead, end)
+    split3 = kind in _K_TYPES  # a last 3 activation rows in one tile (else 2 + 1)
+    three = _compile_tile(kind, n4, 3, avx512) if split3 else single
 
     @njit(nogil=True)
     def rows(w, x, out, lo, hi):
@@ -659,11 +654,13 @@ def _rows_kernel(kind: int, avx512: bool = AVX512):
             while t0 + 4 <= T:
                 four(w, r0, hi, x, t0, out, ahead, end)
                 t0 += 4
-            if T - t0 == 3:
+            if split3 and T - t0 == 3:
                 three(w, r0, hi, x, t0, out, ahead, end)
-            elif T - t0 == 2:
+                continue
+            if t0 + 2 <= T:
                 two(w, r0, hi, x, t0, out, ahead, end)
-            elif T - t0 == 1:
+                t0 += 2
+            if t0 < T:
                 single(w, r0, hi, x, t0, out, ahead, end)
     return rows
 
