@@ -99,7 +99,7 @@ def main() -> int:
             cold = [QMatrix(q.copy(), qtype, K) for _ in range(-(-_COLD_BYTES // q.nbytes))]
             ts = [int(v) for v in args.ts.split(",")] if args.ts else sorted({1, 16, SMALL_T, 128})
             for T in ts:
-                x = rng.normal(size=(T, K)).astype(np.float32)
+                x = _aligned(rng.normal(size=(T, K)).astype(np.float32))
                 want = x.astype(np.float64) @ w64.T
                 cands = {
                     "numpy_f32": (lambda: x @ wf.T, wf.nbytes),
@@ -171,6 +171,19 @@ def _attention(clock, repeats: int) -> list[dict]:
             rows.append({"case": name, "T": T, "start": start, "kernel": kernel, "ms": round(best * 1e3, 4),
                          "max_abs_error": float(f"{np.abs(y - want).max():.2e}")})
     return rows
+
+
+def _aligned(a):
+    """A copy of ``a`` whose data starts on a 64-byte boundary (a cache line; numpy gives 16 or 32),
+    so that every 16-float load of a row is one line: at T ≥ 4 the K-quant kernels ran ~15 %
+    slower on activations 16 bytes off, which made their timings depend on where numpy put them."""
+    import numpy as np
+
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def _encode(w32, qtype, rng):
