@@ -1,10 +1,12 @@
-// The residual stream: x[e] += y[e] for every element e < n (f32). One invocation per element.
+// The residual stream, or a bias on every row: x[e] += y[e % m] for every element e < n (f32;
+// m = n adds two arrays of one shape, m = a row's length adds the vector y to each row of x).
+// One invocation per element. Numpy twin: web_peer/kernels.py add.
 
 struct AddParams {
     n: u32,
     tile_x: u32,
+    m: u32,
     pad0: u32,
-    pad1: u32,
 }
 
 override WG: u32 = 64u;
@@ -17,6 +19,6 @@ override WG: u32 = 64u;
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let e = gid.x + gid.y * p.tile_x;
     if (e < p.n) {
-        x[e] += y[e];
+        x[e] += y[e % p.m];
     }
 }

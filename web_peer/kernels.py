@@ -466,15 +466,16 @@ LAYER_KERNELS = ("rmsnorm", "rope", "attention", "kv_write", "add")  # WGSL file
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """Twin of rmsnorm.wgsl: ``w * (x * (1 / sqrt(mean(x²) + eps)))`` per row, float32.
+    """Twin of rmsnorm.wgsl: ``w[t % Rw] * (x[t] * (1 / sqrt(mean(x[t]²) + eps)))`` per row t, float32.
 
-    x [T, D] float32, w [D] float32 → [T, D] float32. Raises KernelError on other shapes or dtypes."""
+    x [T, D] float32, w [D] or [Rw, D] float32 (T a multiple of Rw: a weight row per head, rows
+    head after head) → [T, D] float32. Raises KernelError on other shapes or dtypes."""
     _f32(x, "x", 2)
-    _f32(w, "w", 1)
-    if w.shape[0] != x.shape[1]:
+    w2 = _f32(w, "w", w.ndim if w.ndim in (1, 2) else 1).reshape(-1, w.shape[-1])
+    if w2.shape[1] != x.shape[1] or x.shape[0] % w2.shape[0]:
         raise KernelError(f"rms_norm shapes disagree: x {x.shape}, w {w.shape}")
     inv = np.float32(1) / np.sqrt(np.mean(x * x, axis=1, dtype=np.float32, keepdims=True) + np.float32(eps))
-    return w * (x * inv)
+    return np.tile(w2, (x.shape[0] // w2.shape[0], 1)) * (x * inv)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
@@ -521,7 +522,8 @@ def kv_write(cache: np.ndarray, src: np.ndarray, start: int, offset: int) -> np.
 
 
 def add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Twin of add.wgsl, in place: the residual stream x += y (float32, one shape). Returns x."""
+    """Twin of add.wgsl, in place: x += y, y of x's shape (the residual stream) or of its rows'
+    (a bias on every row), float32. Returns x."""
     x += y
     return x
 

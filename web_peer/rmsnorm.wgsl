@@ -1,5 +1,6 @@
-// RMSNorm (LlamaRMSNorm; Zhang and Sennrich 2019): y[t, i] = w[i] * (x[t, i] * (1 / sqrt(mean(x[t]²) + eps))).
-//   x [T, D] f32, w [D] f32, y [T, D] f32.
+// RMSNorm (LlamaRMSNorm; Zhang and Sennrich 2019): y[t, i] = w[t % Rw, i] * (x[t, i] * (1 / sqrt(mean(x[t]²) + eps))).
+//   x [T, D] f32, w [Rw, D] f32 (one weight row, or one per head for Qwen3's norm of each head),
+//   y [T, D] f32.
 // One workgroup per row: its WG threads sum a strided share of the squares, a tree adds the
 // shares in a fixed order, then each thread scales its share of the row. Numpy twin:
 // web_peer/kernels.py rms_norm.
@@ -9,6 +10,10 @@ struct NormParams {
     d: u32,       // D
     eps: f32,
     tile_x: u32,  // workgroups along x (rows past 65535 go along y)
+    w_rows: u32,  // Rw
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 override WG: u32 = 64u;  // threads per workgroup; a power of two within the adapter's limits
@@ -42,6 +47,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let inv = 1.0 / sqrt(red[0] / f32(p.d) + p.eps);
     for (var i = lid; i < p.d; i += WG) {
-        y[base + i] = w[i] * (x[base + i] * inv);
+        y[base + i] = w[(t % p.w_rows) * p.d + i] * (x[base + i] * inv);
     }
 }

@@ -36,6 +36,11 @@ _PARAMS = struct.Struct("<6I")  # t_rows, k4, n_rows, row0, n_out, tile_x (the W
 MAX_WORKGROUPS = K.MAX_WORKGROUPS_PER_DIM
 
 
+def norm_params(rows: int, d: int, eps: float, w_rows: int = 1) -> bytes:
+    """rmsnorm.wgsl's parameters: ``rows`` rows of ``d``, a weight row per row modulo ``w_rows``."""
+    return struct.pack("<IIfIIIII", rows, d, eps, _grid(rows)[0], w_rows, 0, 0, 0)
+
+
 def _grid(n: int) -> tuple[int, int]:
     """Workgroups (x, y) covering ``n`` (x ≤ 65535, the WebGPU default limit per dimension)."""
     x = max(1, min(n, MAX_WORKGROUPS))
@@ -267,11 +272,12 @@ class WgpuFfn:
     # ---- a layer's other kernels ----------------------------------------------------------------
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        """rmsnorm.wgsl: x [T, D] float32, w [D] float32 → [T, D] float32 (twin: kernels.rms_norm)."""
-        K.rms_norm(x[:0], w, eps)  # the twin's shape checks
+        """rmsnorm.wgsl: x [T, D] float32, w [D] or [Rw, D] float32 → [T, D] float32 (twin:
+        kernels.rms_norm)."""
+        K.rms_norm(x, w, eps)  # the twin's shape checks
         T, D = x.shape
         gx, gy = _grid(T)
-        (y,) = self._run("rmsnorm", struct.pack("<IIfI", T, D, eps, gx), [x, w], [T * D], (gx, gy, 1))
+        (y,) = self._run("rmsnorm", norm_params(T, D, eps, w.size // D), [x, w], [T * D], (gx, gy, 1))
         return y.reshape(T, D)
 
     def rope(self, x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
@@ -333,6 +339,10 @@ class WgpuFfn:
         words = (n, gx * self.workgroup_size, *fields)
         size = 4 if len(words) <= 4 else 8
         self.encode(enc, kernel, struct.pack(f"<{size}I", *words, *(0,) * (size - len(words))), buffers, (gx, gy, 1))
+
+    def encode_rms_norm(self, enc, x, w, y, rows: int, d: int, eps: float, w_rows: int = 1) -> None:
+        """rmsnorm.wgsl over ``rows`` rows of ``d`` in buffer x into y, weight row ``t % w_rows`` of w."""
+        self.encode(enc, "rmsnorm", norm_params(rows, d, eps, w_rows), [x, w, y], (*_grid(rows), 1))
 
     def encode_linear(self, enc, x, w: GpuLinear, y, t_rows: int, n_out: int, col0: int = 0) -> None:
         """y[t, col0 : col0 + W.rows] = x[t] @ W.T for rows t of x [T, W's padded cols] (buffers)."""

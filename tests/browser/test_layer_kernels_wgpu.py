@@ -38,6 +38,16 @@ def test_rms_norm_is_the_engines_within_float32_rounding(gpu, T, D):
     assert rel_error(gpu.rms_norm(x, w, 1e-5), engine.rms_norm(x, w, 1e-5)) < 8 * np.sqrt(D) * U
 
 
+def test_rms_norm_of_each_head_takes_its_heads_weight(gpu):
+    """Qwen3's norm of each query and key head: rows head after head, a weight row per head."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 6, 24), dtype=np.float32)  # [T, heads, hd]
+    w = rng.standard_normal((6, 24), dtype=np.float32)
+    want = engine.rms_norm(x, w, 1e-6)  # the engine's: weight of x's trailing shape
+    for got in (K.rms_norm(x.reshape(24, 24), w, 1e-6), gpu.rms_norm(x.reshape(24, 24), w, 1e-6)):
+        assert rel_error(got.reshape(x.shape), want) < 8 * np.sqrt(24) * U
+
+
 @pytest.mark.parametrize("T, n, hd", [(1, 3, 64), (6, 12, 64), (2, 5, 24)])
 def test_rope_is_the_engines_rotation(gpu, T, n, hd):
     rng = np.random.default_rng(hd)
@@ -86,13 +96,15 @@ def test_layer_kernels_refuse_what_does_not_fit(gpu):
         gpu.attention(q, kv[:2], kv[:2], 3)  # positions 3, 4 past a cache of 4
     with pytest.raises(KernelError, match="shapes disagree"):
         gpu.rms_norm(np.zeros((2, 8), np.float32), np.zeros(7, np.float32), 1e-6)
+    with pytest.raises(KernelError, match="shapes disagree"):  # 3 rows cannot take 2 weight rows in turn
+        gpu.rms_norm(np.zeros((3, 8), np.float32), np.zeros((2, 8), np.float32), 1e-6)
     with pytest.raises(KernelError, match="even hd"):
         gpu.rope(*(np.zeros((1, 2, 5), np.float32),) * 3)
 
 
 def test_kv_write_and_add_are_their_twins(gpu):
     """A stage's new keys into its cache at their positions (heads at an offset of wider rows),
-    and the residual add: bit for bit (copies and one float32 add)."""
+    and the residual add and a bias on every row: bit for bit (copies and one float32 add)."""
     rng = np.random.default_rng(9)
     T, nkv, hd, cap, start, stride, offset = 3, 2, 8, 10, 4, 40, 16
     src = rng.standard_normal((T, stride), dtype=np.float32)
@@ -101,7 +113,7 @@ def test_kv_write_and_add_are_their_twins(gpu):
     sb, cb, xb, yb = (gpu.storage(a.size, a) for a in (src, cache, x, y))
     enc = gpu.encoder()
     gpu.encode_elementwise(enc, "kv_write", T * nkv * hd, (hd, nkv, cap, start, stride, offset), [sb, cb])
-    gpu.encode_elementwise(enc, "add", x.size, (), [yb, xb])
+    gpu.encode_elementwise(enc, "add", x.size, (x.size,), [yb, xb])
     got_x = gpu.submit_read(enc, xb, x.size).reshape(x.shape)
     enc = gpu.encoder()
     got_cache = gpu.submit_read(enc, cb, cache.size).reshape(cache.shape)
@@ -109,3 +121,8 @@ def test_kv_write_and_add_are_their_twins(gpu):
     np.testing.assert_array_equal(got_cache, want_cache)
     assert not np.array_equal(want_cache, cache)  # it wrote something
     np.testing.assert_array_equal(got_x, K.add(x.copy(), y))
+    bias = rng.standard_normal(7, dtype=np.float32)
+    enc = gpu.encoder()
+    bb = gpu.storage(bias.size, bias)
+    gpu.encode_elementwise(enc, "add", x.size, (bias.size,), [bb, xb])
+    np.testing.assert_array_equal(gpu.submit_read(enc, xb, x.size).reshape(x.shape), K.add(got_x.copy(), bias))

@@ -259,7 +259,7 @@ class GpuStage:
         self.whole_layers = whole_layers  # False: products only, every stage (tests, benchmarks)
         self._linear: dict[QMatrix, GpuLinear | None] = {}  # attention matrix → on the GPU, or None: the CPU
         self._blocks: dict[tuple[int, int], GpuWeights] = {}  # (layer, expert | DENSE | SHARED) → SwiGLU block
-        self._norm_buffers: dict[int, tuple] = {}  # layer → (attention norm, FFN norm, device) buffers
+        self._vector_buffers: dict[int, dict] = {}  # layer → its norms' and biases' buffers (_vectors)
         self._resident: dict[tuple[int, int], bool] = {}  # stage → whether it runs wholly here (resident)
 
     def load_layer(self, layer: int) -> int:
@@ -278,11 +278,11 @@ class GpuStage:
         keep = {q for layer in layers for q in _projections(self.model.attention_weights(layer))}
         self._linear = {q: g for q, g in self._linear.items() if q in keep}
         self._blocks = {k: v for k, v in self._blocks.items() if k[0] in layers}
-        self._norm_buffers = {k: v for k, v in self._norm_buffers.items() if k in layers}
+        self._vector_buffers = {k: v for k, v in self._vector_buffers.items() if k in layers}
 
     def reset(self) -> None:
         """Forget every upload (after a GPU error: the device was reset)."""
-        self._linear, self._blocks, self._norm_buffers = {}, {}, {}
+        self._linear, self._blocks, self._vector_buffers = {}, {}, {}
 
     def held(self) -> dict:
         """What is uploaded (status, tests): ``gpu`` matrices and SwiGLU blocks on the GPU,
@@ -296,8 +296,9 @@ class GpuStage:
 
     def resident(self, lo: int, hi: int) -> bool:
         """Whether layers ``lo .. hi-1`` run wholly on the GPU (:meth:`run_layers`): each a plain
-        dense layer — standard attention without biases, norms on Q/K, clipping, sinks, a window or
-        an output gate, RoPE over whole heads — every product on the GPU, widths a multiple of 4.
+        dense layer — standard attention (Q/K/V and O biases, and Qwen3's norm of each head, taken;
+        no norm of the whole Q/K, clipping, sinks, window or output gate), RoPE over whole heads —
+        every product on the GPU, widths a multiple of 4.
         Else the stage runs the engine's layers with only the products here (the same answer for a
         given stage, so a sequence's cache always lives in one place)."""
         key = (lo, hi)
@@ -308,9 +309,9 @@ class GpuStage:
     def _plain(self, layer: int) -> bool:
         m, c = self.model, self.model.config
         w = m.attention_weights(layer)
-        if (not isinstance(w, AttentionWeights) or m.is_moe_layer(layer) or c.attn_output_gate or c.qk_norm
-                or c.clip_qkv is not None or c.rope_dim != c.head_dim or c.layer_window(layer) or c.sliding_window
-                or w.qkv_bias is not None or w.o_bias is not None or w.sinks is not None):
+        if (not isinstance(w, AttentionWeights) or m.is_moe_layer(layer) or c.attn_output_gate
+                or c.qk_norm not in (None, "head") or c.clip_qkv is not None or c.rope_dim != c.head_dim
+                or c.layer_window(layer) or c.sliding_window or w.sinks is not None):
             return False
         widths = (c.hidden_size, c.n_heads * c.head_dim, c.head_dim)
         return (all(n % 4 == 0 for n in widths) and self._block(layer, DENSE).gpu is not None
@@ -320,7 +321,8 @@ class GpuStage:
         """Rows x [T, H] float32 at positions ``start ..`` of ``cache``'s sequence through layers
         ``lo .. hi-1`` (:meth:`resident`), all in one submission: RMSNorm, Q/K/V, RoPE, the new
         keys/values into the sequence's GPU KV cache (``cache.device_kv``, grown as needed), causal
-        attention over it, O, the residual, RMSNorm, SwiGLU, the residual. Returns [T, H] float32.
+        attention over it, O, the residual, RMSNorm, SwiGLU, the residual (biases and the norm of
+        each head where the layer has them). Returns [T, H] float32.
         Rows whose scratch would pass a binding's limit go in chunks, one submission each (a chunk's
         attention reads the keys/values the chunks before it wrote). Raises KernelError on a GPU
         error, or when the cache's buffers are on a lost device."""
@@ -343,25 +345,31 @@ class GpuStage:
         fb = host.storage(T * inter)
         eps = c.rms_norm_eps
         enc = host.encoder()
+        head_rows = T * (nh + 2 * nkv)  # Q|K|V as rows of hd, for Qwen3's norm of each head
+        qkn = host.storage(T * width) if c.qk_norm == "head" else qkv
         for layer, kv in zip(range(lo, hi), kvs):
             w = m.attention_weights(layer)
-            attn_norm, ffn_norm = self._norms(layer)
+            vec = self._vectors(layer)
             q, k, v, o = (self._linear_of(p) for p in _projections(w))
-            norm = struct.pack("<IIfI", T, H, eps, min(T, 65535))
-            grid = (min(T, 65535), -(-T // 65535), 1)
-            host.encode(enc, "rmsnorm", norm, [xb, attn_norm, hb], grid)
+            host.encode_rms_norm(enc, xb, vec["attn_norm"], hb, T, H, eps)
             for mat, col in ((q, 0), (k, nq), (v, nq + nk)):
                 host.encode_linear(enc, hb, mat, qkv, T, width, col)
-            host.encode_elementwise(enc, "rope", T * heads, (hd, heads, width), [qkv, cb, sb, qk])
+            if "qkv_bias" in vec:
+                host.encode_elementwise(enc, "add", T * width, (width,), [vec["qkv_bias"], qkv])
+            if "qk_norm" in vec:  # each Q and K head by its weight row (V's rows normed too, then unused)
+                host.encode_rms_norm(enc, qkv, vec["qk_norm"], qkn, head_rows, hd, eps, nh + 2 * nkv)
+            host.encode_elementwise(enc, "rope", T * heads, (hd, heads, width), [qkn, cb, sb, qk])
             host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, heads, nq), [qk, kv.k])
             host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, width, nq + nk), [qkv, kv.v])
             host.encode(enc, "attention", struct.pack("<8I", T, nh, nkv, hd, cap, start, heads, 0),
                         [qk, kv.k, kv.v, scores, att], (nh, T, 1))
             host.encode_linear(enc, att, o, yb, T, H)
-            host.encode_elementwise(enc, "add", T * H, (), [yb, xb])
-            host.encode(enc, "rmsnorm", norm, [xb, ffn_norm, hb], grid)
+            if "o_bias" in vec:
+                host.encode_elementwise(enc, "add", T * H, (H,), [vec["o_bias"], yb])
+            host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb])
+            host.encode_rms_norm(enc, xb, vec["ffn_norm"], hb, T, H, eps)
             host.encode_ffn(enc, hb, self._block(layer, DENSE).gpu, fb, yb, T)
-            host.encode_elementwise(enc, "add", T * H, (), [yb, xb])
+            host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb])
         return host.submit_read(enc, xb, T * H).reshape(T, H)
 
     def _kv(self, cache, layer: int, start: int, end: int) -> GpuKV:
@@ -388,14 +396,21 @@ class GpuStage:
         cache.device_kv[layer] = new
         return new
 
-    def _norms(self, layer: int) -> tuple[object, object]:
-        held = self._norm_buffers.get(layer)
-        if held is None or held[2] is not self.gpu.host.device:
-            w = self.model.attention_weights(layer)
-            host = self.gpu.host
-            held = self._norm_buffers[layer] = (host.storage(w.attn_norm.size, w.attn_norm),
-                                                host.storage(w.ffn_norm.size, w.ffn_norm), host.device)
-        return held[0], held[1]
+    def _vectors(self, layer: int) -> dict[str, object]:
+        """Layer ``layer``'s float32 vectors in GPU buffers: ``attn_norm``, ``ffn_norm`` [H], and
+        where the layer has them ``qkv_bias`` [(nh + 2 nkv) hd], ``o_bias`` [H], ``qk_norm``
+        [nh + 2 nkv, hd] (each Q and K head's weight row, ones for V's)."""
+        held = self._vector_buffers.get(layer)
+        host = self.gpu.host
+        if held is None or held["device"] is not host.device:
+            w, c = self.model.attention_weights(layer), self.model.config
+            vectors = {"attn_norm": w.attn_norm, "ffn_norm": w.ffn_norm, "qkv_bias": w.qkv_bias, "o_bias": w.o_bias}
+            if c.qk_norm == "head":
+                vectors["qk_norm"] = np.concatenate([w.q_norm, np.ones((c.n_kv_heads, c.head_dim), np.float32)])
+            held = {k: host.storage(a.size, a) for k, a in vectors.items() if a is not None}
+            held["device"] = host.device
+            self._vector_buffers[layer] = held
+        return held
 
     # ---- ProductDevice: the attention projections ----------------------------------------------
 

@@ -182,3 +182,21 @@ def test_blocks_in_one_submission_give_each_blocks_own_bits(gpu):
     together = gpu.host.ffn_many(list(zip(xs, blocks)))
     for x, w, y in zip(xs, blocks, together, strict=True):
         assert y.shape == x.shape and np.array_equal(y, gpu.host.ffn(x, w))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_biases_and_the_norm_of_each_head_run_in_whole_gpu_layers(gpu, tmp_path, monkeypatch, family):
+    """Qwen2's Q/K/V biases and Qwen3's RMSNorm of each query and key head, on the GPU with the
+    rest of the layer: within the bound of the CPU's, prefill and decode steps."""
+    model = gguf_model(tmp_path, monkeypatch, family, QT.Q8_0)
+    stop = model.config.n_layers
+    cpu, on_gpu, device = runners(model, gpu, stop)
+    assert device.resident(0, stop)
+    w = model.attention_weights(0)
+    assert (w.qkv_bias is not None) if family == "qwen2" else (model.config.qk_norm == "head")
+    H = model.config.hidden_size
+    rng = np.random.default_rng(6)
+    assert_within_bound(model, stop, cpu, on_gpu, request(1, [(1, 0, 5)], rng.standard_normal((5, H), np.float32), stop))
+    for step in range(3):
+        x = rng.standard_normal((1, H), np.float32)
+        assert_within_bound(model, stop, cpu, on_gpu, request(2 + step, [(1, 5 + step, 1)], x, stop))
