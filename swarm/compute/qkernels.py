@@ -194,8 +194,8 @@ def _zero32(typingctx, lanes):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         vp = ir.PointerType(ir.VectorType(ir.FloatType(), 16))
         for h in range(2):
-            builder.store(ir.Constant(vp.pointee, [0.0] * 16), builder.bitcast(builder.gep(data, [ir.IntType(32)(16 * h)]), vp),
-                          align=4)
+            half = builder.bitcast(builder.gep(data, [ir.IntType(32)(16 * h)]), vp)
+            builder.store(ir.Constant(vp.pointee, [0.0] * 16), half, align=4)
         return context.get_dummy_value()
     return types.none(lanes), codegen
 
@@ -299,7 +299,8 @@ def _tile_source(kind: int, nr: int, tt: int) -> str:
 
 def _compile_tile(kind: int, nr: int, tt: int, avx512: bool = AVX512):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _half=_half, _u32=_u32,
-                 _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32, _sum32h=_sum32h, _zero32=_zero32,
+                 _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
+                 _sum32h=_sum32h, _zero32=_zero32,
                  _prefetch_ahead=_prefetch_ahead, _k4_scales=_k4_scales, _k6_scales=_k6_scales,
                  _k5=_k5, _k6=_k6, _E8M0=_E8M0, _e2m1=_e2m1,
                  **{f"_k_scales{k}": f for k, (f, _) in _k_blocks.items()},
