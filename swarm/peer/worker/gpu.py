@@ -295,10 +295,11 @@ class GpuStage:
     # ---- whole layers on the GPU, the KV cache in GPU buffers ------------------------------------
 
     def resident(self, lo: int, hi: int) -> bool:
-        """Whether layers ``lo .. hi-1`` run wholly on the GPU (:meth:`run_layers`): each a plain
-        dense layer — standard attention (Q/K/V and O biases, and Qwen3's norm of each head, taken;
-        no norm of the whole Q/K, clipping, sinks, window or output gate), RoPE over whole heads —
-        every product on the GPU, widths a multiple of 4.
+        """Whether layers ``lo .. hi-1`` run wholly on the GPU (:meth:`run_layers`): each a layer
+        of standard attention (Q/K/V and O biases, and Qwen3's norm of each head, taken; no norm
+        of the whole Q/K, clipping, sinks, window or output gate), RoPE over whole heads, every
+        attention product and a dense MLP on the GPU (a MoE layer is routed on the CPU between two
+        submissions, its experts on the GPU), widths a multiple of 4.
         Else the stage runs the engine's layers with only the products here (the same answer for a
         given stage, so a sequence's cache always lives in one place)."""
         key = (lo, hi)
@@ -309,20 +310,21 @@ class GpuStage:
     def _plain(self, layer: int) -> bool:
         m, c = self.model, self.model.config
         w = m.attention_weights(layer)
-        if (not isinstance(w, AttentionWeights) or m.is_moe_layer(layer) or c.attn_output_gate
-                or c.qk_norm not in (None, "head") or c.clip_qkv is not None or c.rope_dim != c.head_dim
-                or c.layer_window(layer) or c.sliding_window or w.sinks is not None):
+        if (not isinstance(w, AttentionWeights) or c.attn_output_gate or c.qk_norm not in (None, "head")
+                or c.clip_qkv is not None or c.rope_dim != c.head_dim or c.layer_window(layer) or c.sliding_window
+                or w.sinks is not None):
             return False
         widths = (c.hidden_size, c.n_heads * c.head_dim, c.head_dim)
-        return (all(n % 4 == 0 for n in widths) and self._block(layer, DENSE).gpu is not None
-                and all(self._linear_of(q) is not None for q in _projections(w)))
+        ffn = m.is_moe_layer(layer) or self._block(layer, DENSE).gpu is not None  # MoE: routed on the CPU
+        return ffn and all(n % 4 == 0 for n in widths) and all(self._linear_of(q) is not None for q in _projections(w))
 
     def run_layers(self, x: np.ndarray, cache, start: int, lo: int, hi: int) -> np.ndarray:
         """Rows x [T, H] float32 at positions ``start ..`` of ``cache``'s sequence through layers
         ``lo .. hi-1`` (:meth:`resident`), all in one submission: RMSNorm, Q/K/V, RoPE, the new
         keys/values into the sequence's GPU KV cache (``cache.device_kv``, grown as needed), causal
         attention over it, O, the residual, RMSNorm, SwiGLU, the residual (biases and the norm of
-        each head where the layer has them). Returns [T, H] float32.
+        each head where the layer has them; a MoE layer's normed rows come back for routing and
+        its experts' sum goes up: :meth:`ffn`). Returns [T, H] float32.
         Rows whose scratch would pass a binding's limit go in chunks, one submission each (a chunk's
         attention reads the keys/values the chunks before it wrote). Raises KernelError on a GPU
         error, or when the cache's buffers are on a lost device."""
@@ -332,7 +334,8 @@ class GpuStage:
         nq, nk, heads = nh * hd, nkv * hd, (nh + nkv) * hd
         width = nq + 2 * nk
         cap = self._kv(cache, lo, start, start + T).cap  # the capacity every layer of the stage grows to
-        inter = max(self._block(layer, DENSE).gpu.inter + 3 for layer in range(lo, hi))
+        inter = max([self._block(layer, DENSE).gpu.inter + 3 for layer in range(lo, hi) if not m.is_moe_layer(layer)]
+                    or [H])
         rows = max(1, host.max_binding // (4 * max(nh * cap, width, inter, H)))  # per submission
         if T > rows:
             return np.concatenate([self.run_layers(x[a:a + rows], cache, start + a, lo, hi) for a in range(0, T, rows)])
@@ -368,6 +371,11 @@ class GpuStage:
                 host.encode_elementwise(enc, "add", T * H, (H,), [vec["o_bias"], yb])
             host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb])
             host.encode_rms_norm(enc, xb, vec["ffn_norm"], hb, T, H, eps)
+            if m.is_moe_layer(layer):  # routing on the CPU: the normed rows come back, the experts' sum goes up
+                y = self.ffn(layer, host.submit_read(enc, hb, T * H).reshape(T, H))
+                enc = host.encoder()
+                host.encode_elementwise(enc, "add", T * H, (T * H,), [host.storage(T * H, y), xb])
+                continue
             host.encode_ffn(enc, hb, self._block(layer, DENSE).gpu, fb, yb, T)
             host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb])
         return host.submit_read(enc, xb, T * H).reshape(T, H)

@@ -96,13 +96,17 @@ def test_a_gpu_stage_of_each_encoding_answers_within_the_stage_bound(gpu, tmp_pa
         assert_within_bound(model, stop, cpu, on_gpu, request(2 + step, [(5, 7 + step, 1)], x, stop))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_a_gpu_moe_stage_of_two_sequences_answers_within_the_stage_bound(gpu, tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("whole_layers", [True, False], ids=["whole-layers", "products"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_a_gpu_moe_stage_of_two_sequences_answers_within_the_stage_bound(gpu, tmp_path, monkeypatch, family,
+                                                                          whole_layers):
     """MoE layers (the selected experts on the GPU; Qwen2-MoE's gated shared expert too) and a
     dense layer (Qwen3-MoE's layer 1), Q8_0 blocks; a step of two sequences (prefill beside a
-    decode row) goes through the batch path."""
+    decode row): whole layers (routing on the CPU between two submissions, the KV cache on the
+    GPU) or products only (the batch path of the engine's layers)."""
     model = gguf_model(tmp_path, monkeypatch, family, QT.Q8_0)
-    cpu, on_gpu, device = runners(model, gpu, 2)
+    cpu, on_gpu, device = runners(model, gpu, 2, whole_layers)
+    assert device.resident(0, 2) == whole_layers
     held = device.held()  # matrices of 40 or 48 columns are F32 in the file (no whole Q8_0 blocks)
     assert held["cpu"] == 0 and "q8_0" in held["formats"] <= {"q8_0", "f32"}
     H = model.config.hidden_size
