@@ -19,11 +19,12 @@ all — gpt-oss's biased, clamped experts, rows not a multiple of 32 weights —
 through the engine's kernels.
 
 Stages. A GPU peer given a stage (layers ``lo .. hi-1``) runs it with :class:`GpuStage`, one of
-two ways, fixed per stage. Whole layers (:meth:`GpuStage.run_layers`) where every layer is a plain
-dense one: one submission a sequence and step runs RMSNorm, Q/K/V, RoPE on the engine's tables,
-the new keys/values into the sequence's KV cache kept in GPU buffers, causal attention over it,
-O, the residual, RMSNorm and SwiGLU (``web_peer/{rmsnorm,rope,kv_write,attention,add}.wgsl`` and
-the products). Otherwise products only: the StageRunner's layers are the engine's own
+two ways, fixed per stage. Whole layers (:meth:`GpuStage.run_layers`) where every layer has
+standard attention (:meth:`GpuStage.resident`): one submission a sequence and step runs RMSNorm,
+Q/K/V, RoPE on the engine's tables, the new keys/values into the sequence's KV cache kept in GPU
+buffers, causal attention over it, O, the residual, RMSNorm and SwiGLU
+(``web_peer/{rmsnorm,rope,kv_write,attention,add}.wgsl`` and the products); a MoE layer is routed
+on the CPU between two submissions. Otherwise products only: the StageRunner's layers are the engine's own
 ``Model.layers`` on a view of the model whose Q, K, V and O projections go to the GPU
 (:meth:`~swarm.compute.model.Model.with_products`; ``down.wgsl`` is a plain product, one
 workgroup per weight row, so one matrix is ``WgpuFfn.upload_linear``), and whose FFN backend runs

@@ -18,9 +18,9 @@ GPU. On a GPU peer (``join --gpu``) a :class:`StageDevice`
 (:class:`~swarm.peer.worker.gpu.GpuStage`) computes each layer's weight products — Q, K, V, O
 and the FFN — through a view of the model (:meth:`~swarm.compute.model.Model.with_products`)
 and as the FFN backend of ``Model.layers``: the same layer code, another numeric build, whose
-answers the coordinator checks within a bound. A stage of plain dense layers runs wholly on the
-device instead (``resident``: norms, RoPE and attention too, each sequence's keys/values in
-device buffers on its :class:`StageCache`). A device error answers ``internal``, drops the
+answers the coordinator checks within a bound. A stage whose layers all have standard attention
+runs wholly on the device instead (``resident``: norms, RoPE and attention too, each sequence's
+keys/values in device buffers on its :class:`StageCache`). A device error answers ``internal``, drops the
 uploads (the device was reset) and every sequence's cache (resent from position 0); the next
 request uploads again.
 
