@@ -24,7 +24,8 @@ import numpy as np
 
 from swarm.compute import threads
 from swarm.compute import quant as quant_module
-from swarm.compute.quant import QMatrix, _kernels, alike, as_qmatrix, compiling, matmul_many, run_alike
+from swarm.compute.quant import (QMatrix, _kernels, aligned_empty, alike, as_qmatrix, compiling, matmul_many,
+                                 run_alike)
 
 F32 = np.float32
 # Smallest share of an element-wise pass (elements) and of attention (query rows × positions ×
@@ -45,7 +46,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         raise ValueError(f"rms_norm needs float32 x [..., D] and a float32 weight of its trailing shape, "
                          f"got x {x.dtype} {x.shape}, weight {weight.dtype} {weight.shape}")
     D = x.shape[-1]
-    out = np.empty(x.shape, F32)
+    out = aligned_empty(x.shape)  # the next product's activation rows
     kernel = (_row or _row_kernels()).rms_norm
     xs, ws, outs = x.reshape(-1, D), weight.reshape(-1, D), out.reshape(-1, D)
     R, Rw = xs.shape[0], ws.shape[0]
