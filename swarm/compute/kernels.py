@@ -143,7 +143,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     check_attention_shapes(q, k, v, start)
     T, nh, hd = q.shape
     nkv = k.shape[0]
-    out = np.empty((T, nh * hd), F32)
+    out = aligned_empty((T, nh * hd))  # the output projection's activation rows
     row = _row or _row_kernels()
     q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
     items = nkv * -(-T * (nh // nkv) // row.M)  # (key/value head, block of M query rows)

@@ -30,7 +30,7 @@ from swarm.compute.ffn import FFNBackend, LayerBackend, LocalFFN, RoutingConfig,
 from swarm.compute.kernels import (MLPWeights, apply_rope_swapped, attention, rms_norm,
                                    llama3_inv_freq, prepare_row_kernels, rope_inv_freq, rope_tables,
                                    sigmoid, signed_sin)
-from swarm.compute.quant import QMatrix, matmul_many, prepare_kernels
+from swarm.compute.quant import QMatrix, aligned_empty, matmul_many, prepare_kernels
 from swarm.compute.rope import apply_partial_rope, yarn_attention_factor, yarn_inv_freq
 
 F32 = np.float32
@@ -654,7 +654,7 @@ class Model:
         if c.qk_norm == "head":
             qk = rms_norm(qk, w.q_norm, c.rms_norm_eps)
         qk = self._rotate(qk, cos_qk, sin_qk)
-        out = np.empty((T, nq), F32)
+        out = aligned_empty((T, nq))  # the output projection's activation rows
         for a, b, cache, start in seqs:
             end = start + b - a
             k, v = cache.layer(layer)
