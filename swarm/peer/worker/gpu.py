@@ -174,9 +174,10 @@ class GpuFfn:
         try:
             ops = [kernel_operand(m, formats, role, repack) for m, role in (
                 (weights.gate, "gate"), (weights.up, "up"), (weights.down, "down"))]
-            if None in ops or (not repack and ops[0][1] != ops[1][1]):
+            read = [op for op in ops if op is not None]
+            if len(read) < 3 or (not repack and read[0][1] != read[1][1]):
                 raise LocalProtocolError("its encodings need a Q8_0 repack, which a stage does not take")
-            (g, gf), (u, uf), (d, df) = ops
+            (g, gf), (u, uf), (d, df) = read
             if gf != uf:  # one kernel reads gate and up together
                 g, u, gf = _q8_0(weights.gate, "gate"), _q8_0(weights.up, "up"), "q8_0"
         except LocalProtocolError as exc:
@@ -190,7 +191,7 @@ class GpuFfn:
         (a request's or a decode step's experts). Raises as :meth:`run`."""
         on_gpu = [(np.ascontiguousarray(x, dtype=np.float32), w.gpu) for w, x in zip(weights, xs) if w.gpu is not None]
         done = iter(self.host.ffn_many(on_gpu) if on_gpu else ())
-        return [next(done) if w.gpu is not None else swiglu_ffn(w.cpu, x) for w, x in zip(weights, xs)]
+        return [next(done) if w.gpu is not None else swiglu_ffn(_cpu(w), x) for w, x in zip(weights, xs)]
 
     def run(self, weights: GpuWeights, x: np.ndarray) -> np.ndarray:
         """y [n, H] float32 = down(swiglu(x)) for rows x [n, H] float32. Raises KernelError on a
@@ -335,7 +336,7 @@ class GpuStage:
         nq, nk, heads = nh * hd, nkv * hd, (nh + nkv) * hd
         width = nq + 2 * nk
         cap = self._kv(cache, lo, start, start + T).cap  # the capacity every layer of the stage grows to
-        inter = max([self._block(layer, DENSE).gpu.inter + 3 for layer in range(lo, hi) if not m.is_moe_layer(layer)]
+        inter = max([_gpu(self._block(layer, DENSE)).inter + 3 for layer in range(lo, hi) if not m.is_moe_layer(layer)]
                     or [H])
         rows = max(1, host.max_binding // (4 * max(nh * cap, width, inter, H)))  # per submission
         if T > rows:
@@ -354,7 +355,7 @@ class GpuStage:
         for layer, kv in zip(range(lo, hi), kvs):
             w = m.attention_weights(layer)
             vec = self._vectors(layer)
-            q, k, v, o = (self._linear_of(p) for p in _projections(w))
+            q, k, v, o = (_on_gpu(self._linear_of(p)) for p in _projections(w))  # resident: all on the GPU
             host.encode_rms_norm(enc, xb, vec["attn_norm"], hb, T, H, eps)
             for mat, col in ((q, 0), (k, nq), (v, nq + nk)):
                 host.encode_linear(enc, hb, mat, qkv, T, width, col)
@@ -377,7 +378,7 @@ class GpuStage:
                 enc = host.encoder()
                 host.encode_elementwise(enc, "add", T * H, (T * H,), [host.storage(T * H, y), xb])
                 continue
-            host.encode_ffn(enc, hb, self._block(layer, DENSE).gpu, fb, yb, T)
+            host.encode_ffn(enc, hb, _gpu(self._block(layer, DENSE)), fb, yb, T)
             host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb])
         return host.submit_read(enc, xb, T * H).reshape(T, H)
 
@@ -413,6 +414,7 @@ class GpuStage:
         host = self.gpu.host
         if held is None or held["device"] is not host.device:
             w, c = self.model.attention_weights(layer), self.model.config
+            assert isinstance(w, AttentionWeights)  # a resident stage's layers are plain attention
             vectors = {"attn_norm": w.attn_norm, "ffn_norm": w.ffn_norm, "qkv_bias": w.qkv_bias, "o_bias": w.o_bias}
             if c.qk_norm == "head":
                 vectors["qk_norm"] = np.concatenate([w.q_norm, np.ones((c.n_kv_heads, c.head_dim), np.float32)])
@@ -434,7 +436,7 @@ class GpuStage:
         for i, y in zip(cpu, matmul_many([products[i] for i in cpu]) if cpu else ()):
             results[i] = y
         xs: dict[int, np.ndarray] = {}  # one C-order copy of an x several products share (Q, K, V)
-        operands = [(held[i], xs.setdefault(id(products[i][1]), np.ascontiguousarray(products[i][1], np.float32)))
+        operands = [(_on_gpu(held[i]), xs.setdefault(id(products[i][1]), np.ascontiguousarray(products[i][1], np.float32)))
                     for i in gpu]
         for i, y in zip(gpu, self.gpu.host.matmul_many(operands) if gpu else ()):
             out = products[i][2]
@@ -499,3 +501,21 @@ class GpuKV:
 def _projections(w: object) -> tuple[QMatrix, ...]:
     """Q, K, V, O of standard attention weights; none for MLA or linear attention (the CPU's)."""
     return (w.q, w.k, w.v, w.o) if isinstance(w, AttentionWeights) else ()
+
+
+def _cpu(w: GpuWeights) -> MLPWeights:
+    """The engine's weights of a block that stays on the CPU."""
+    assert w.cpu is not None
+    return w.cpu
+
+
+def _gpu(w: GpuWeights) -> GpuFfnWeights:
+    """The GPU buffers of a block the kernels read (a resident stage's dense blocks all are)."""
+    assert w.gpu is not None
+    return w.gpu
+
+
+def _on_gpu(linear: GpuLinear | None) -> GpuLinear:
+    """A matrix held on the GPU (a resident stage's and the GPU products' all are)."""
+    assert linear is not None
+    return linear
