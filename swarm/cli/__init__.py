@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-model", action="store_true", help="join as a worker without the model (weights are shipped)")
     # Names as in swarm.peer.worker.gpu.GPU_MODES (not imported here: numpy stays out of the CLI's start).
     p.add_argument("--gpu", choices=("off", "auto", "on"), default="off",
-                   help="compute this peer's expert and MLP ranges on the GPU with the peer page's WGSL "
+                   help="compute this peer's expert and MLP ranges and its stages on the GPU with WGSL "
                    "kernels through wgpu (pip install 'colibri-swarm[gpu]'): on (any adapter, failing "
                    "without one), auto (a GPU adapter if one is found, never a software one), or off (the "
                    "default: the engine's CPU kernels, whose bits every CPU peer shares); docs/weights.md")

@@ -188,7 +188,7 @@ def _open_gpu(mode: str, console: Any) -> Any:
     gpu = GpuFfn.open(mode)
     if gpu is not None:
         console.print(f"GPU: [bold]{esc(gpu.adapter)}[/] ({esc(gpu.backend)}) computes this peer's "
-                      "expert and MLP ranges with the WGSL kernels")
+                      "expert and MLP ranges and its stages with the WGSL kernels")
     return gpu
 
 
