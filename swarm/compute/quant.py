@@ -76,6 +76,11 @@ MIN_CHUNK_BYTES = 512 << 10
 # activation rows as above): ~5 µs on one core, small enough to even out 16 threads' shares,
 # large enough that handing it out (an atomic add, ~0.1 µs) costs nothing.
 GROUP_TILE_BYTES = 48 << 10
+# A group's tiles grow up to this when its work is large (a quarter of a thread's share): each
+# thread then streams long runs of rows. Tiles of GROUP_TILE_BYTES across one large matrix gave a
+# thread a new stream every ~33 KiB, which the prefetchers do not follow: a 103 MB head on 2
+# threads read 23 GB/s with them against 37 GB/s with 1 MiB tiles (20 on one thread).
+MAX_TILE_BYTES = 1 << 20
 # Largest decoded float32 tile of weight rows (bytes): little memory next to the compact weights.
 _TILE_BYTES = 4 << 20
 
@@ -335,15 +340,22 @@ def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> No
     k = _compiled or _kernels()
     address = _pointer
     rows = []
-    first, work = 0, 0.0
-    for w, x, dst in operands:
-        (R, RB), T = w.data.shape, x.shape[0]
-        row_work = RB * (3 + T) / 4
-        tile = max(8, int(GROUP_TILE_BYTES / row_work) // 8 * 8)
-        rows.append((w._kind, w._addr, R, RB, address(x), T, x.shape[1], address(dst), tile, first))
+    per_row = [w.data.shape[1] * (3 + x.shape[0]) / 4 for w, x, _ in operands]  # a weight row's work
+    work = sum(w.data.shape[0] * r for (w, _, _), r in zip(operands, per_row))
+    tile_bytes = _tile_bytes(work)
+    first = 0
+    for (w, x, dst), row_work in zip(operands, per_row):
+        R, RB = w.data.shape
+        tile = max(8, int(tile_bytes / row_work) // 8 * 8)
+        rows.append((w._kind, w._addr, R, RB, address(x), x.shape[0], x.shape[1], address(dst), tile, first))
         first += -(-R // tile)
-        work += R * row_work
     _run_table(k, np.array(rows, np.int64), first, work)
+
+
+def _tile_bytes(work: float) -> float:
+    """A group's tile size (bytes of weights, weighted by activation rows) for ``work`` in all:
+    GROUP_TILE_BYTES, or up to MAX_TILE_BYTES where every thread still gets about four."""
+    return min(MAX_TILE_BYTES, max(GROUP_TILE_BYTES, work / (4 * threads.threads())))
 
 
 def run_alike(ws: Sequence[QMatrix], x_base: int, x_step: int, out_base: int, out_step: int, T: int) -> None:
@@ -356,7 +368,7 @@ def run_alike(ws: Sequence[QMatrix], x_base: int, x_step: int, out_base: int, ou
     w0 = ws[0]
     (R, RB), n = w0.data.shape, len(ws)
     row_work = RB * (3 + T) / 4
-    tile = max(8, int(GROUP_TILE_BYTES / row_work) // 8 * 8)
+    tile = max(8, int(_tile_bytes(n * R * row_work) / row_work) // 8 * 8)
     per = -(-R // tile)
     table = np.empty((n, k.NCOLS), np.int64)
     _fill_alike(table, w0._kind, R, RB, T, w0.cols, tile, per, np.array([w._addr for w in ws], np.int64),

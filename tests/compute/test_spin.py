@@ -155,6 +155,7 @@ def test_the_engine_with_spinning_workers_gives_one_threads_logits(spin, tmp_pat
 
     monkeypatch.setattr(spin, "_FORCED", "1")
     monkeypatch.setattr(quant, "GROUP_TILE_BYTES", 1)
+    monkeypatch.setattr(quant, "MAX_TILE_BYTES", 1)
     model = load_model(write_tiny_moe(tmp_path / "moe.gguf", QT.Q4_K))
     tokens = np.random.default_rng(1).integers(0, VOCAB, 11).tolist()
     before = threads.threads()

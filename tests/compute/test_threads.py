@@ -83,6 +83,7 @@ def every_call_split(monkeypatch):
     """No call too small to cut: every product, norm, SwiGLU and attention runs in parts."""
     monkeypatch.setattr(quant, "MIN_CHUNK_BYTES", 1)
     monkeypatch.setattr(quant, "GROUP_TILE_BYTES", 1)  # tiles of 8 rows, every thread asked to join
+    monkeypatch.setattr(quant, "MAX_TILE_BYTES", 1)
     monkeypatch.setattr(kernels, "MIN_ELEMENTWISE", 1)
     monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 1)
     before = threads.threads()
