@@ -151,25 +151,24 @@ def _measure(args: argparse.Namespace, prompt: str, threads: int) -> dict:
         report["greedy_prefix_agreement"] = f"{same}/{len(ours['greedy_ids'])}"
     if "colibri" in report and "llamacpp" in report:
         ours, theirs = report["colibri"], report["llamacpp"]
-        report["ratio_vs_llamacpp"] = {  # targets: decode >= 0.9, prefill >= 1.0
-            "decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3),
-            "prefill": round(ours["prefill_tok_s"] / theirs["prefill_tok_s"], 3),
-            "peak_rss": round(ours["peak_rss_mib"] / theirs["peak_rss_mib"], 3),
-        }
+        report["ratio_vs_llamacpp"] = _ratios(ours, theirs)  # targets: decode >= 0.9, prefill >= 1.0
         # on a shared machine wall time measures the neighbours too; with one thread (no
         # spin-waiting), CPU seconds are the steadier figure
         report["ratio_vs_llamacpp_by_cpu_time"] = _cpu_ratio(ours, theirs)
     if "colibri" in report and "llamabench" in report:
         ours, theirs = report["colibri"], report["llamabench"]
-        report["ratio_vs_llamabench"] = {  # by wall time: llama-bench reports no CPU seconds
-            "decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3),
-            "prefill": round(ours["prefill_tok_s"] / theirs["prefill_tok_s"], 3),
-            "peak_rss": round(ours["peak_rss_mib"] / theirs["peak_rss_mib"], 3),
-        }
+        report["ratio_vs_llamabench"] = _ratios(ours, theirs)  # by wall time: llama-bench reports no CPU seconds
     for engine in ("colibri", "llamacpp", "transformers"):
         report.get(engine, {}).pop("greedy_ids", None)
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     return report
+
+
+def _ratios(ours: dict, theirs: dict) -> dict:
+    """Our decode and prefill tok/s and peak RSS over theirs."""
+    return {"decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3),
+            "prefill": round(ours["prefill_tok_s"] / theirs["prefill_tok_s"], 3),
+            "peak_rss": round(ours["peak_rss_mib"] / theirs["peak_rss_mib"], 3)}
 
 
 def _machine() -> dict:
@@ -270,16 +269,23 @@ def _summary(load_s: float, prefills: list[float], decodes: list[float], n_promp
              greedy: list[int], cpu: list[tuple[float, float]]) -> dict:
     return {
         "load_s": round(load_s, 2),
+        **_speeds(prefills, decodes, n_prompt, n_decode),
+        # process CPU seconds (all threads) per run: (prefill, decode); compare these when the
+        # machine is shared, since wall time then measures the neighbours too
+        "cpu_s_runs": [(round(p, 3), round(d, 3)) for p, d in cpu],
+        "greedy_ids": greedy,
+    }
+
+
+def _speeds(prefills: list[float], decodes: list[float], n_prompt: int, n_decode: int) -> dict:
+    """tok/s from the best and the median run, and each run's seconds."""
+    return {
         "prefill_tok_s": round(n_prompt / min(prefills), 1),
         "decode_tok_s": round(n_decode / min(decodes), 1),
         "prefill_tok_s_median": round(n_prompt / statistics.median(prefills), 1),
         "decode_tok_s_median": round(n_decode / statistics.median(decodes), 1),
         "prefill_s_runs": [round(t, 3) for t in prefills],
         "decode_s_runs": [round(t, 3) for t in decodes],
-        # process CPU seconds (all threads) per run: (prefill, decode); compare these when the
-        # machine is shared, since wall time then measures the neighbours too
-        "cpu_s_runs": [(round(p, 3), round(d, 3)) for p, d in cpu],
-        "greedy_ids": greedy,
     }
 
 
@@ -369,12 +375,7 @@ def _run_llama_bench(args: argparse.Namespace, prompt: list[int]) -> dict:
     prefills = [ns / 1e9 for ns in pp["samples_ns"]]
     decodes = [ns / 1e9 for ns in tg["samples_ns"]]
     return {
-        "prefill_tok_s": round(n_prompt / min(prefills), 1),
-        "decode_tok_s": round(n_gen / min(decodes), 1),
-        "prefill_tok_s_median": round(n_prompt / statistics.median(prefills), 1),
-        "decode_tok_s_median": round(n_gen / statistics.median(decodes), 1),
-        "prefill_s_runs": [round(t, 3) for t in prefills],
-        "decode_s_runs": [round(t, 3) for t in decodes],
+        **_speeds(prefills, decodes, n_prompt, n_gen),
         "build": {k: pp.get(k) for k in ("build_commit", "build_number", "cpu_info", "backends", "n_threads",
                                          "type_k", "flash_attn", "model_type", "model_size")},
     }

@@ -62,37 +62,34 @@ def wanted(threads: int) -> bool:
 _ints = _view(types.int64, False)
 
 
-@intrinsic
-def _load(typingctx, ctrl, i):
-    """``ctrl[i]`` read atomically (sequentially consistent)."""
-    sig = types.int64(ctrl, i)
+def _atomic(op: str | None):
+    """An intrinsic on ``ctrl[i]`` (int64 array), sequentially consistent: ``op`` None a load
+    ``(ctrl, i)``; else the read-modify-write ``op`` (``"xchg"``, ``"add"``) ``(ctrl, i, value)``,
+    returning the value before."""
+    if op is None:
+        @intrinsic
+        def load(typingctx, ctrl, i):
+            def codegen(context, builder, sig, args):
+                return builder.load_atomic(_element(context, builder, sig, args), "seq_cst", 8)
+            return types.int64(ctrl, i), codegen
+        return load
 
-    def codegen(context, builder, sig, args):
-        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        return builder.load_atomic(ptr, "seq_cst", 8)
-    return sig, codegen
-
-
-@intrinsic
-def _swap(typingctx, ctrl, i, value):
-    """``ctrl[i] = value`` atomically (sequentially consistent); returns the value before."""
-    sig = types.int64(ctrl, i, value)
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        return builder.atomic_rmw("xchg", ptr, args[2], "seq_cst")
-    return sig, codegen
+    @intrinsic
+    def rmw(typingctx, ctrl, i, value):
+        def codegen(context, builder, sig, args):
+            return builder.atomic_rmw(op, _element(context, builder, sig, args), args[2], "seq_cst")
+        return types.int64(ctrl, i, value), codegen
+    return rmw
 
 
-@intrinsic
-def _add(typingctx, ctrl, i, value):
-    """``ctrl[i] += value`` atomically (sequentially consistent); returns the value before."""
-    sig = types.int64(ctrl, i, value)
+def _element(context, builder, sig, args):
+    """The address of ``args[0][args[1]]`` (an int64 array and an index)."""
+    return builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
 
-    def codegen(context, builder, sig, args):
-        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
-    return sig, codegen
+
+_load = _atomic(None)  # ctrl[i]
+_swap = _atomic("xchg")  # ctrl[i] = value
+_add = _atomic("add")  # ctrl[i] += value
 
 
 _ARCH = platform.machine().lower()
