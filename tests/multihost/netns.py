@@ -130,11 +130,14 @@ class NsProcess:
                                      f"last events: {self.events[-3:]}; stderr:\n{self.stderr_tail()}")
             await asyncio.sleep(0.05)
 
-    def stderr_tail(self, chars: int = 3000) -> str:
+    def stderr_tail(self, chars: int = 3000, *, noise: tuple[str, ...] = (" INFO aioice.",)) -> str:
+        """The last ``chars`` characters of the process's log, without lines holding any of
+        ``noise`` (ICE's per-candidate chatter would push the swarm's own lines out)."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            lines = self.log_path.read_text(errors="replace").splitlines(keepends=True)
         except OSError:
             return ""
+        return "".join(line for line in lines if not any(n in line for n in noise))[-chars:]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (default SIGKILL) and reap it."""

@@ -45,7 +45,7 @@ async def until(predicate, timeout_s: float, what: str, procs) -> float:
     t0 = time.monotonic()
     while not predicate():
         if time.monotonic() - t0 > timeout_s:
-            tails = "\n".join(f"--- {p.namespace}:\n{p.stderr_tail(1500)}" for p in procs)
+            tails = "\n".join(f"--- {p.namespace}:\n{p.stderr_tail(4000)}" for p in procs)
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
         await asyncio.sleep(0.1)
     return time.monotonic() - t0

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError, StaleTermError
 from swarm.peer.election import core as el
+from swarm.peer.net.link_protocol import DEAD_AFTER_S, HEARTBEAT_S as LINK_HEARTBEAT_S
 from swarm.peer.net.messages import Error, Hello, LeaderHeartbeat, RequestVote, Vote
 from swarm.peer.tasks import OwnedTasks, send_logged
 
@@ -45,12 +46,18 @@ MESH_FORMING_QUIET_S = 2.0
 # for at most this long (seconds): one of them may coordinate already.
 JOIN_GRACE_S = 10.0
 LEFT_SILENCE_S = 2.0  # link silence (seconds) that, with no signaling presence, means a peer left
-# After this process slept (SIGSTOP, a laptop lid; its ticks stopped for more than WAKE_GAP_S),
+# After this process slept (SIGSTOP, a laptop lid; its ticks stopped for SLEPT_GAP_S or more),
 # nobody is forgotten for this long (seconds): the peers that left our signaling server while we
 # slept were not leaving the swarm: a peer that dropped our server tries it again within the
 # rendezvous's DEAD_RETRY_S (5 s, in a stall of up to DEAD_PATIENCE_S), then moves to it (older
 # servers win) within its RECHECK_S (2 s), with room to spare on a busy machine.
 WAKE_GRACE_S = 15.0
+# A stall this much shorter than the links' dead time (a busy machine's event loop, seen at 1-3 s
+# with five peers on two cores) left every live peer's link to us open, even counting the silence
+# of a heartbeat interval before it and one after: the live ones are heard again within
+# LEFT_SILENCE_S of the stall's end, so silence counted from then tells the departed apart, and
+# no grace (which would keep a dead coordinator's vote in the quorum for 15 s) is due.
+SLEPT_GAP_S = DEAD_AFTER_S - 2 * LINK_HEARTBEAT_S
 
 
 class ElectionDriver:
@@ -81,6 +88,7 @@ class ElectionDriver:
         self._wake = asyncio.Event()
         self._last_tick: float | None = None
         self._woke_at = float("-inf")  # when this process last resumed after sleeping
+        self._resumed_at = float("-inf")  # when its ticks last resumed after any stall
 
     # ------------------------------------------------------------------ what the roles read
     @property
@@ -182,9 +190,17 @@ class ElectionDriver:
             pass
 
     def _note_tick(self, now: float) -> None:
-        """A tick more than ``WAKE_GAP_S`` after the last one: this process slept."""
-        if self._last_tick is not None and now - self._last_tick > el.WAKE_GAP_S:
-            self._woke_at = now
+        """A tick more than ``WAKE_GAP_S`` after the last one: this process stalled; one
+        ``SLEPT_GAP_S`` or more after it: it slept."""
+        gap = now - self._last_tick if self._last_tick is not None else 0.0
+        if gap > el.WAKE_GAP_S:
+            self._resumed_at = now
+            if gap >= SLEPT_GAP_S:
+                self._woke_at = now
+                log.info("this process's ticks stopped for %.1f s (it slept): no member is forgotten "
+                         "for %g s", gap, WAKE_GRACE_S)
+            else:
+                log.info("this process's ticks stopped for %.1f s (a busy machine)", gap)
         self._last_tick = now
 
     async def _flush(self) -> None:
@@ -312,10 +328,12 @@ class ElectionDriver:
         survivors of a small swarm can still elect.
 
         A peer cut off by the network (not by leaving) stays listed by the signaling server of
-        its side and keeps counting. For ``WAKE_GRACE_S`` after this process slept nobody is
-        forgotten: had it hosted signaling, the others left its server because it stopped
-        answering, and one that forgot the coordinator would lead alone on waking (once: a
-        stage peer stalled 10 s took the coordinator's role, in a new term on another port).
+        its side and keeps counting. For ``WAKE_GRACE_S`` after this process slept (its ticks
+        stopped for ``SLEPT_GAP_S`` or more) nobody is forgotten: had it hosted signaling, the
+        others left its server because it stopped answering, and one that forgot the coordinator
+        would lead alone on waking (once: a stage peer stalled 10 s took the coordinator's role,
+        in a new term on another port). After a shorter stall, silence counts from its end, and
+        no grace is due: one kept a killed coordinator in the quorum for 15 s.
         If a partition also splits signaling, each side ends up with its own coordinator; each
         holds the whole model, so each still gives the right tokens, and the sides merge again
         through the election when they meet.
@@ -330,7 +348,8 @@ class ElectionDriver:
                 continue
             link = self.node.links.get(peer)
             heard = link.last_heard if link is not None else None
-            if heard is None or now - heard > LEFT_SILENCE_S:
+            # silence counts from the end of our own last stall: we heard nothing while stalled
+            if heard is None or now - max(heard, self._resumed_at) > LEFT_SILENCE_S:
                 log.info("peer %s left the swarm", peer)
                 self.core.remove_member(peer, now)
 

@@ -466,6 +466,42 @@ def test_a_woken_peer_forgets_nobody_who_left_its_signaling_server_while_it_slep
     assert not member_after(20.0 + WAKE_GRACE_S + 0.1)
 
 
+def test_a_peer_stalled_briefly_forgets_the_departed_soon_after(tmp_path):
+    """A stall shorter than the links' dead time (a busy machine's event loop) is no sleep: a
+    member off our signaling server whose link stays silent is forgotten LEFT_SILENCE_S after the
+    stall ends (silence counted from there), not WAKE_GRACE_S later: a 2-core CI machine once kept
+    a killed coordinator in its survivor's quorum that long, and no coordinator came in 15 s."""
+    from types import SimpleNamespace
+
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.election.driver import LEFT_SILENCE_S, SLEPT_GAP_S, ElectionDriver
+    from swarm.peer.node import Node
+
+    ident, other = Identity.generate(), Identity.generate()
+    node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                status_path=tmp_path / "status.json", model_hash="a" * 64)
+    node.rendezvous = SimpleNamespace(peers={ident.peer_id: SimpleNamespace(kind="python")})  # only us listed
+    driver = ElectionDriver(node, True, on_leader=None, on_admitted=lambda link: None)
+    link = fake_link(other.peer_id, model_hash="a" * 64)()
+    node.mesh.links[link.peer_id] = link
+    heard = 9.0  # the departed peer's last byte, before the stall
+
+    def member_at(now: float) -> bool:
+        driver.core.add_member(other.peer_id, eligible=True, capability=1.0, now=0.0)
+        link.last_heard = heard
+        driver._forget_departed(now)
+        return other.peer_id in driver.core.members
+
+    for t in (10.0, 10.05):
+        driver._note_tick(t)
+    resumed = 10.05 + SLEPT_GAP_S - 0.5  # a stall just short of the links' dead time
+    driver._note_tick(resumed)
+    # silent since 9.0, but we heard nothing while stalled: not yet judged
+    assert member_at(resumed) and member_at(resumed + LEFT_SILENCE_S - 0.1)
+    assert not member_at(resumed + LEFT_SILENCE_S + 0.1)
+
+
 def test_a_stale_coordinator_is_told_the_term_and_steps_down_at_once(tmp_path):
     """A worker in term 5 refuses a request of term 3 with its term (a refused Vote), not only an
     Error without one: the deposed coordinator, on that Vote, leaves its role at once (it once
