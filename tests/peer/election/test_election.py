@@ -432,16 +432,14 @@ def test_a_restarted_peer_learns_the_term_and_does_not_depose(seed):
     assert_leader_kept(sim, leader, term)
 
 
-def test_a_woken_peer_forgets_nobody_who_left_its_signaling_server_while_it_slept(tmp_path):
-    """A member that left our signaling server and whose link went silent has left the swarm,
-    unless this process slept: then the others left our server because it stopped answering, and
-    for WAKE_GRACE_S it forgets nobody (a stalled stage peer hosting signaling once forgot its
-    coordinator on waking and led alone, in a new term on another API port)."""
+def _driver_alone_on_signaling(tmp_path):
+    """An election driver whose signaling server lists only itself, and one linked member's
+    fake link (its ``peer_id`` names the member)."""
     from types import SimpleNamespace
 
     from swarm.keys.identity import Identity
     from swarm.keys.swarmkey import SwarmKey
-    from swarm.peer.election.driver import LEFT_SILENCE_S, WAKE_GRACE_S, ElectionDriver
+    from swarm.peer.election.driver import ElectionDriver
     from swarm.peer.node import Node
 
     ident, other = Identity.generate(), Identity.generate()
@@ -451,12 +449,23 @@ def test_a_woken_peer_forgets_nobody_who_left_its_signaling_server_while_it_slep
     driver = ElectionDriver(node, True, on_leader=None, on_admitted=lambda link: None)
     link = fake_link(other.peer_id, model_hash="a" * 64)()
     node.mesh.links[link.peer_id] = link
+    return driver, link
+
+
+def test_a_woken_peer_forgets_nobody_who_left_its_signaling_server_while_it_slept(tmp_path):
+    """A member that left our signaling server and whose link went silent has left the swarm,
+    unless this process slept: then the others left our server because it stopped answering, and
+    for WAKE_GRACE_S it forgets nobody (a stalled stage peer hosting signaling once forgot its
+    coordinator on waking and led alone, in a new term on another API port)."""
+    from swarm.peer.election.driver import LEFT_SILENCE_S, WAKE_GRACE_S
+
+    driver, link = _driver_alone_on_signaling(tmp_path)
 
     def member_after(now: float) -> bool:
-        driver.core.add_member(other.peer_id, eligible=True, capability=1.0, now=0.0)
+        driver.core.add_member(link.peer_id, eligible=True, capability=1.0, now=0.0)
         link.last_heard = now - LEFT_SILENCE_S - 1.0
         driver._forget_departed(now)
-        return other.peer_id in driver.core.members
+        return link.peer_id in driver.core.members
 
     for t in (10.0, 10.05, 10.1):  # ticks with no gap
         driver._note_tick(t)
@@ -471,27 +480,16 @@ def test_a_peer_stalled_briefly_forgets_the_departed_soon_after(tmp_path):
     member off our signaling server whose link stays silent is forgotten LEFT_SILENCE_S after the
     stall ends (silence counted from there), not WAKE_GRACE_S later: a 2-core CI machine once kept
     a killed coordinator in its survivor's quorum that long, and no coordinator came in 15 s."""
-    from types import SimpleNamespace
+    from swarm.peer.election.driver import LEFT_SILENCE_S, SLEPT_GAP_S
 
-    from swarm.keys.identity import Identity
-    from swarm.keys.swarmkey import SwarmKey
-    from swarm.peer.election.driver import LEFT_SILENCE_S, SLEPT_GAP_S, ElectionDriver
-    from swarm.peer.node import Node
-
-    ident, other = Identity.generate(), Identity.generate()
-    node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
-                status_path=tmp_path / "status.json", model_hash="a" * 64)
-    node.rendezvous = SimpleNamespace(peers={ident.peer_id: SimpleNamespace(kind="python")})  # only us listed
-    driver = ElectionDriver(node, True, on_leader=None, on_admitted=lambda link: None)
-    link = fake_link(other.peer_id, model_hash="a" * 64)()
-    node.mesh.links[link.peer_id] = link
+    driver, link = _driver_alone_on_signaling(tmp_path)
     heard = 9.0  # the departed peer's last byte, before the stall
 
     def member_at(now: float) -> bool:
-        driver.core.add_member(other.peer_id, eligible=True, capability=1.0, now=0.0)
+        driver.core.add_member(link.peer_id, eligible=True, capability=1.0, now=0.0)
         link.last_heard = heard
         driver._forget_departed(now)
-        return other.peer_id in driver.core.members
+        return link.peer_id in driver.core.members
 
     for t in (10.0, 10.05):
         driver._note_tick(t)
