@@ -61,11 +61,12 @@ async function measureGflops(gpu) {
 
 /** Bytes of weights this page offers: ?budget=, else a quarter of the device's memory. */
 /**
- * The Hello's build.blas: "webgpu" and the block kernels this page has, which the coordinator
- * reads (swarm/peer/weights/repack.py page_encodings) to ship those GGUF types as in the file.
+ * The Hello's build.blas: "webgpu", the block kernels this page has, which the coordinator reads
+ * (swarm/peer/weights/repack.py page_encodings) to ship those GGUF types as in the file, and the
+ * notices it reads (swarm/peer/coordinator/standby.py: a Standby says why it gets no work).
  */
 function kernelsBlas() {
-  return `webgpu kernels:${BLOCK_FORMATS.join(",")}`;
+  return `webgpu kernels:${BLOCK_FORMATS.join(",")} notices:standby`;
 }
 
 function memoryBudget() {
@@ -115,8 +116,12 @@ function render() {
     } else if (w.blocks.size) {  // weights on the GPU: requests for them are answered
       set("serving", `${(w.gpuBytes / 2 ** 20).toFixed(1)} MiB of weights on the GPU`);
       keepAwake(true);
-    } else {  // served before, but the newest plan took the work away: not serving
-      set("authenticated", w.planVersion ? `plan v${w.planVersion} gives this phone no work` : "");
+    } else if (w.standby) {  // the newest plan gives this page no work, and the coordinator said why
+      set("standby", w.standby.message);
+      keepAwake(false);
+    } else {  // no plan yet, or one from a coordinator that sends no Standby: not serving
+      set("authenticated", !w.planVersion ? "" : w.assignments.length ? "waiting for this page's weights"
+        : `plan v${w.planVersion} gives this phone no work`);
       keepAwake(false);
     }
   }

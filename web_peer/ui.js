@@ -9,6 +9,7 @@ const STATES = {
   authenticated: "Connected — waiting for work",
   loading: "Loading weights",
   serving: "Serving",
+  standby: "Standing by",
   refused: "Refused by the swarm",
   "cannot-serve": "This browser cannot serve",
   disconnected: "Disconnected — reconnecting…",
@@ -18,12 +19,14 @@ const STATES = {
 
 const $ = (id) => document.getElementById(id);
 
-/** Show `state` (a key of STATES) with an optional detail line. */
+/** Show `state` (a key of STATES) with an optional detail line; standing by, the detail is the
+ * reason and goes on the state line itself ("Standing by — the model fits the Python peers …"). */
 export function setState(state, detail = "") {
   const el = $("state");
   el.dataset.state = state;
-  el.textContent = STATES[state] ?? state;
-  $("detail").textContent = detail;
+  const inline = state === "standby" && detail;
+  el.textContent = inline ? `${STATES.standby} — ${detail}` : STATES[state] ?? state;
+  $("detail").textContent = inline ? "" : detail;
   $("progress").hidden = state !== "loading";
 }
 

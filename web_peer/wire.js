@@ -302,6 +302,10 @@ const HTTPS_SOURCE = { record: [["urls", { list: "str" }], ["cert_sha256", "str"
 const STAGE = { record: [["peer", "str"], ["layer_start", "int"], ["layer_stop", "int"]] };
 const ASSIGNMENT = { record: [["layer", "int"], ["peer", "str"], ["experts", { list: "int" }], ["dense", { list: PAIR }]] };
 
+// Why a page stands by (a Standby: the plan gives it no work) and the cap on its sentence.
+export const STANDBY_REASONS = ["fits_python_peers", "too_slow", "too_little_memory", "slow_link", "layout_excludes_pages", "failed_recently"];
+export const STANDBY_MESSAGE_MAX = 200;
+
 class Invalid extends Error {}
 const fail = (msg) => { throw new Invalid(msg); };
 const peerId = (v, where) => { if (!PEER_ID_RE.test(v)) fail(`${where}: ${JSON.stringify(v).slice(0, 40)} is not a peer id (26 characters a-z, 2-7)`); };
@@ -376,6 +380,14 @@ export const KINDS = {
         if (st.layer_start !== at || st.layer_stop <= st.layer_start) fail(`stages[${i}]: layers [${st.layer_start}, ${st.layer_stop}) do not follow the previous stage (expected to start at ${at})`);
         at = st.layer_stop;
       });
+    },
+  },
+  21: {
+    name: "Standby", fields: [["term", "int"], ["version", "int"], ["reason", { literal: STANDBY_REASONS }], ["message", "str"]],
+    check: (m) => {
+      const n = [...m.message].length;  // code points, as Python counts them
+      if (n < 1 || n > STANDBY_MESSAGE_MAX) fail(`message: 1..${STANDBY_MESSAGE_MAX} characters, got ${n}`);
+      if (/[\x00-\x1f\x7f-\x9f]/.test(m.message)) fail("message: control characters are not allowed");
     },
   },
   32: { name: "ExpertRequest", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["rows", ROWS], ["segments", IDS]], check: (m) => { expertRows(m, "rows"); segments(m, m.rows.shape[0], m.row_counts.data); } },

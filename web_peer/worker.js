@@ -3,6 +3,8 @@
 //
 // Theory of operation, on one open link to the coordinator:
 // - PlanMessage: keep our assignments (layers, experts, dense ranges) for the UI and for term checks.
+// - Standby: the coordinator's newest plan gives this page no work, and why: release every weight,
+//   keep the reason for the UI until a plan gives work again.
 // - WeightManifest (name = slice SHA-256, encoding = "slice/v1 " + meta JSON): take the blob from
 //   Cache Storage if it is there (verified), else pull it: WeightChunkRequest runs, at most WINDOW
 //   chunks in flight, each chunk checked against the manifest's SHA-256 (never the digest the chunk
@@ -35,6 +37,7 @@ export class BrowserWorker {
     this.planVersion = 0;
     this.assignments = [];
     this.planAssignments = [];
+    this.standby = null;          // {reason, message} of the last Standby, until a plan gives work
     this.recent = [];             // {t: ms, layer, tokens} of answered requests (the swarm's pace)
     this.blocks = new Map();      // "layer/dense/start/stop" or "layer/expert/e" → FfnBlock
     this.downloads = new Map();   // slice id → {done, total, installed?, failed?} (bytes)
@@ -48,6 +51,7 @@ export class BrowserWorker {
   attach(link) {
     this.link = link;
     link.on("PlanMessage", (m) => this.onPlan(m));
+    link.on("Standby", (m) => this.onStandby(m));
     link.on("WeightManifest", (m, l) => this.onManifest(m, l).catch((e) => {
       const d = this.downloads.get(m.name);
       if (d) d.failed = true;  // no longer loading
@@ -66,10 +70,22 @@ export class BrowserWorker {
 
   onPlan(plan) {
     if (plan.term < this.term) return;
-    this.term = plan.term;
-    this.planVersion = plan.version;
-    this.planAssignments = plan.assignments;  // every peer's: the page shows its share of the whole
-    this.assignments = plan.assignments.filter((a) => a.peer === this.peerId);
+    this.standby = null;
+    this._usePlan(plan.term, plan.version, plan.assignments);
+  }
+
+  /** Plan `version` of `term` gives this page no work (a Standby): hold nothing, say why. */
+  onStandby(m) {
+    if (m.term < this.term || (m.term === this.term && m.version < this.planVersion)) return;  // older than the plan in hand
+    this.standby = { reason: m.reason, message: m.message };
+    this._usePlan(m.term, m.version, []);
+  }
+
+  _usePlan(term, version, assignments) {
+    this.term = term;
+    this.planVersion = version;
+    this.planAssignments = assignments;  // every peer's: the page shows its share of the whole
+    this.assignments = assignments.filter((a) => a.peer === this.peerId);
     // Weights the new plan no longer gives this peer leave the GPU (a later manifest brings back
     // what a later plan needs; the browser cache keeps the bytes).
     const keep = new Set(this.assignments.flatMap((a) => [

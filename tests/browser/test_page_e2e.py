@@ -208,16 +208,22 @@ def reported_weight_bytes(swarm, page, link, timeout_s: float = 20) -> int:
     return got
 
 
-def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
-    ctx = e2e_browser.new_context(ignore_https_errors=True)
+def _joined(swarm, browser):
+    """A fresh page joined to ``swarm``: (its context, the page, its uncaught errors, its link)."""
+    ctx = browser.new_context(ignore_https_errors=True)
     page = ctx.new_page()
-    errors = []
+    errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(_page_url(swarm, swarm.key.code))
     _wait_state(page, "authenticated")
-    link = swarm.browser_link()
+    return ctx, page, errors, swarm.browser_link()
+
+
+def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
+    ctx, page, errors, link = _joined(swarm, e2e_browser)
     assert link is not None and link.hello.name == "e2e-phone"
-    assert link.hello.build.blas == "webgpu kernels:" + ",".join(K.BLOCK_FORMATS)  # its kernels, for repack
+    # its kernels, for repack, and the notices it reads (a Standby when a plan gives it no work)
+    assert link.hello.build.blas == "webgpu kernels:" + ",".join(K.BLOCK_FORMATS) + " notices:standby"
     assert link.hello.adapter_limits["maxStorageBufferBindingSize"] > 0 and link.hello.ffn_gflops > 0
     assert page.evaluate("window.colibri.peerId") == link.peer_id
 
@@ -292,6 +298,43 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     assert swarm.slices.sent_bytes.get(link2.peer_id, 0) == len(blob) + len(eblob)  # unchanged since
     ans = swarm.request(DenseRequest(request_id=10, term=0, plan_version=0, layer=3, ranges=((256, 768),), x=x))
     assert isinstance(ans, DenseAnswer) and _rel(ans.partials[0], K.dense_range(x, gate, up, down)) <= 1e-5
+    ctx.close()
+    assert not errors, errors
+
+
+def test_page_stands_by_says_why_and_serves_again_when_given_work(swarm, e2e_browser):
+    """A Standby puts the reason on the page's status line; a plan with work and its slice bring
+    it back to serving; a Standby older than that plan changes nothing; a newer one releases its
+    weights and says why again."""
+    ctx, page, errors, link = _joined(swarm, e2e_browser)
+    fits = "the model fits the Python peers (2 peers, 12.4 GiB offered); this page would be used if they ran short"
+    swarm.call(link.send(M.Standby(term=1, version=2, reason="fits_python_peers", message=fits)))
+    _wait_state(page, "standby")
+    assert page.inner_text("#state") == f"Standing by — {fits}"
+    assert page.inner_text("#assigned") == "nothing yet"
+
+    rng = np.random.default_rng(1)
+    eblob, emeta, eg, eu, ed = expert_slice(rng, layer=1, start=4, n=3, h=64, f=96)
+    work = M.Assignment(layer=1, peer=link.peer_id, experts=(4, 5, 6), dense=())
+    swarm.call(link.send(M.PlanMessage(term=1, version=3, assignments=(work,))))
+    swarm.offer(eblob, emeta)
+    _wait_state(page, "serving")
+    assert page.inner_text("#state") == "Serving" and page.evaluate("window.colibri.worker.standby") is None
+
+    # Sent before the request, handled before it: the weights are still there.
+    swarm.call(link.send(M.Standby(term=1, version=2, reason="too_slow", message="an older plan's word")))
+    rows = rng.standard_normal((2, 64)).astype(np.float32)
+    ans = swarm.request(ExpertRequest(request_id=5, term=1, plan_version=3, layer=1, expert_ids=np.array([5], np.int32),
+                                      row_counts=np.array([2], np.int32), rows=rows))
+    assert isinstance(ans, ExpertAnswer) and _rel(ans.outputs, K.swiglu_ffn(rows, eg[1], eu[1], ed[1])) <= 1e-5
+    assert page.inner_text("#state") == "Serving"
+
+    stages = "the swarm runs --layout stages, which gives work only to Python peers that hold the model"
+    swarm.call(link.send(M.Standby(term=1, version=4, reason="layout_excludes_pages", message=stages)))
+    _wait_state(page, "standby")
+    assert page.inner_text("#state") == f"Standing by — {stages}"
+    assert page.evaluate("window.colibri.worker.blocks.size") == 0 and reported_weight_bytes(swarm, page, link) == 0
+    assert link.weights_held.plan_version == 4
     ctx.close()
     assert not errors, errors
 

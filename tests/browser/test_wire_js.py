@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from swarm import errors
 from swarm.peer.net import messages
 
 pytestmark = pytest.mark.browser
@@ -81,6 +82,21 @@ def test_malformed_frames_raise_the_same_error_class(page):
     for name, res in out.items():
         want = json.loads((VECTORS / "malformed" / f"{name}.json").read_text())
         assert res.get("error") == want["error"], f"{name}: {res}"
+
+
+def test_a_malformed_standby_is_refused_naming_the_field(page):
+    # What the page shows when a coordinator sends a bad Standby: the kind and the field, as Python says.
+    names = [p.stem for p in sorted((VECTORS / "malformed").glob("standby_*.bin"))]
+    assert len(names) >= 5
+    out = page.evaluate(DECODE, {"bins": {n: _b64(VECTORS / "malformed" / f"{n}.bin") for n in names}})
+    for name, res in out.items():
+        what = json.loads((VECTORS / "malformed" / f"{name}.json").read_text())["what"]
+        assert res.get("error") == "MessageError" and res["message"].startswith("Standby (kind 21): "), (name, res)
+        assert what in res["message"], (name, res)
+        with pytest.raises(errors.MessageError) as python:
+            messages.decode((VECTORS / "malformed" / f"{name}.bin").read_bytes())
+        said = str(python.value).replace("'", '"')  # Python's repr of a list, JSON's in the page
+        assert said.split(":")[:2] == res["message"].split(":")[:2], (name, res, said)
 
 
 def test_raw_frame_with_every_dtype(page):

@@ -239,61 +239,89 @@ def test_a_worker_without_the_model_gets_its_slices_shipped(tmp_path, monkeypatc
     assert list((tmp_path / "cache" / "slices").glob("*.bin"))  # verified slices, cached by hash
 
 
+class PageSwarm:
+    """A coordinator run by SwarmRoles (``layout``) and its signaling server,
+    on an event loop in a thread; :meth:`drive` opens its peer page in headless Chromium."""
+
+    def __init__(self, tmp_path, model_dir, layout: str = "ranges"):
+        from tests.browser.conftest import CHROMIUM
+
+        require(os.path.exists(CHROMIUM), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
+        out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout
+        lan = [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
+        require(bool(lan), "a non-loopback IPv4 address (WebRTC between Chromium and aiortc on this machine)")
+        self.address, self.key = lan[0], SwarmKey(os.urandom(32))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server, self.node, self.roles = self.call(self._start(tmp_path, model_dir, layout))
+
+    def call(self, coro, timeout_s: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _start(self, tmp_path, model_dir, layout):
+        ident = Identity.generate()
+        server = SignalingServer(self.key.secret, ident.peer_id, config_dir=tmp_path)
+        await server.start(self.address, 0)
+        model = load_model(model_dir)
+        node = Node(swarm_key=self.key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
+                    signal_url=server.url(self.address), ffn_gflops=1.0, memory_budget=1 << 30,
+                    model_hash=model.content_hash(), status_path=tmp_path / "status.json")
+        await node.start(timeout=10)
+        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=0.2, layout=layout)
+        await roles.start()
+        return server, node, roles
+
+    def drive(self, steps, result: dict) -> threading.Thread:
+        """Run ``steps(page)`` on the peer page in a thread of its own (the sync driver must not
+        share the test's); what it raises goes to ``result["error"]`` with the page's states."""
+        from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS
+
+        def run():
+            from playwright.sync_api import sync_playwright
+
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=CHROMIUM,
+                                            args=CHROMIUM_ARGS + ["--disable-features=WebRtcHideLocalIpsWithMdns"])
+                page = browser.new_context(ignore_https_errors=True).new_page()
+                page.goto(f"https://{self.address}:{self.server.port}/?name=phone#{self.key.code}")
+                try:
+                    steps(page)
+                except Exception as exc:
+                    result["error"] = f"{exc}: " + page.evaluate("JSON.stringify(window.colibri?.events)")
+                browser.close()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def close(self):
+        self.call(self.roles.stop())
+        self.call(self.node.stop())
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())  # its worker threads end here
+        self.loop.close()
+
+
 @pytest.mark.browser
 def test_a_browser_peer_joins_the_coordinator_and_computes_its_share(tmp_path):
     """Headless Chromium opens the peer page of a coordinator run by SwarmRoles: the coordinator
     plans the page in, ships it its slices, recomputes while it installs them (warm-up), then the
     page computes on WebGPU and the greedy tokens equal the local run's."""
-    from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS
-
-    require(os.path.exists(CHROMIUM), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
-    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout
-    lan = [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
-    require(bool(lan), "a non-loopback IPv4 address (WebRTC between Chromium and aiortc on this machine)")
-    address = lan[0]
     model_dir = build("qwen3_moe", tmp_path)
-    key = SwarmKey(os.urandom(32))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    call = lambda coro, t=60: asyncio.run_coroutine_threadsafe(coro, loop).result(t)  # noqa: E731
+    swarm = PageSwarm(tmp_path, model_dir)
+    node, roles = swarm.node, swarm.roles
+    result: dict = {"done": threading.Event()}
 
-    async def start():
-        ident = Identity.generate()
-        server = SignalingServer(key.secret, ident.peer_id, config_dir=tmp_path)
-        await server.start(address, 0)
-        model = load_model(model_dir)
-        node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name="coordinator",
-                    signal_url=server.url(address), ffn_gflops=1.0, memory_budget=1 << 30,
-                    model_hash=model.content_hash(), status_path=tmp_path / "status.json")
-        await node.start(timeout=10)
-        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=0.2)
-        await roles.start()
-        return server, node, roles
+    def steps(page):
+        page.wait_for_function("window.colibri && window.colibri.state === 'serving'", timeout=90_000)
+        result["ready"] = True
+        result["done"].wait(180)
+        result["served"] = page.evaluate("window.colibri.worker.stats.served")
 
-    server, node, roles = call(start())
-    result: dict = {}
-
-    def drive_page():  # its own thread: the sync driver must not share this test's thread
-        from playwright.sync_api import sync_playwright
-
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM,
-                                        args=CHROMIUM_ARGS + ["--disable-features=WebRtcHideLocalIpsWithMdns"])
-            page = browser.new_context(ignore_https_errors=True).new_page()
-            page.goto(f"https://{address}:{server.port}/?name=phone#{key.code}")
-            try:
-                page.wait_for_function("window.colibri && window.colibri.state === 'serving'", timeout=90_000)
-                result["ready"] = True
-                result["done"].wait(180)
-                result["served"] = page.evaluate("window.colibri.worker.stats.served")
-            except Exception as exc:
-                result["error"] = f"{exc}: " + page.evaluate("JSON.stringify(window.colibri?.events)")
-            browser.close()
-
-    result["done"] = threading.Event()
-    driver = threading.Thread(target=drive_page)
-    driver.start()
+    driver = swarm.drive(steps, result)
     try:
         def planned_in() -> bool:
             ffn = roles.coordinator.ffn
@@ -314,13 +342,34 @@ def test_a_browser_peer_joins_the_coordinator_and_computes_its_share(tmp_path):
     finally:
         result["done"].set()
         driver.join(60)
-        call(roles.stop())
-        call(node.stop())
-        call(server.stop())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.run_until_complete(loop.shutdown_default_executor())  # its worker threads end here
-        loop.close()
+        swarm.close()
     assert tokens == ref_tokens
     assert max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits)) <= 1e-3  # WebGPU f32 rounding
     assert remote > 0 and result["served"] > 0, (remote, result)
+
+
+@pytest.mark.browser
+def test_a_page_stands_by_while_the_model_fits_the_python_peers_and_serves_once_given_work(tmp_path):
+    """Under ``--layout auto`` a coordinator that holds the model computes alone (a round trip per
+    layer to the page costs more than its share saves): the page says on its status line that it
+    stands by and why; ``--layout ranges`` then gives it work, and it loads its slices and serves."""
+    swarm = PageSwarm(tmp_path, build("qwen3_moe", tmp_path), layout="auto")
+    result: dict = {}
+
+    def steps(page):
+        page.wait_for_function("window.colibri && window.colibri.state === 'standby'", timeout=90_000)
+        result["standby"] = page.inner_text("#state")
+        result["reason"] = page.evaluate("window.colibri.worker.standby.reason")
+        swarm.loop.call_soon_threadsafe(swarm.roles.coordinator.set_layout, "ranges")
+        page.wait_for_function("window.colibri.state === 'serving'", timeout=90_000)
+        result["serving"] = page.inner_text("#state")
+
+    try:
+        swarm.drive(steps, result).join(200)
+    finally:
+        swarm.close()
+    assert "error" not in result, result["error"]
+    assert result["reason"] == "fits_python_peers"
+    assert result["standby"] == ("Standing by — the model fits the Python peers (1 peer, 1.0 GiB offered); "
+                                 "this page would be used if they ran short")
+    assert result["serving"] == "Serving"

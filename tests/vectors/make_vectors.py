@@ -71,6 +71,9 @@ def samples() -> dict[str, object]:
             m.StageAssignment(peer=PA, layer_start=0, layer_stop=10),
             m.StageAssignment(peer=PB, layer_start=10, layer_stop=30),
         )),
+        "standby": m.Standby(term=3, version=6, reason="fits_python_peers",
+                             message="the model fits the Python peers (2 peers, 12.4 GiB offered); "
+                                     "this page would be used if they ran short"),
         "stage_request": m.StageRequest(  # a decode row of sequence 4 and a 2-row chunk of sequence 9
             request_id=2**31 + 7, term=3, plan_version=6,
             segments=(m.StageSegment(sequence=4, start=12, rows=1), m.StageSegment(sequence=9, start=0, rows=2)),
@@ -200,6 +203,14 @@ def malformed_vectors() -> dict[str, tuple[bytes, dict]]:
         "stage_segments_mismatch": (m.wire.encode_frame(36, wire.decode_frame(m.encode(samples()["stage_request"])).meta,
                                                         [_f((2, 4), np.float32)], request_id=2**31 + 7),
                                     {"error": "MessageError", "what": "segments"}),
+        **{f"standby_{name}": (m.wire.encode_frame(21, json.dumps(meta, separators=(",", ":")).encode(), []),
+                               {"error": "MessageError", "what": what})
+           for name, what, meta in (
+               ("unknown_reason", "reason", {"term": 3, "version": 6, "reason": "bored", "message": "x"}),
+               ("long_message", "message", {"term": 3, "version": 6, "reason": "too_slow", "message": "x" * 201}),
+               ("empty_message", "message", {"term": 3, "version": 6, "reason": "too_slow", "message": ""}),
+               ("control_character", "message", {"term": 3, "version": 6, "reason": "too_slow", "message": "a\nb"}),
+               ("missing_version", "version", {"term": 3, "reason": "too_slow", "message": "x"}))},
     }
 
 

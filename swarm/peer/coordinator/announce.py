@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import SwarmError
+from swarm.peer.coordinator.standby import reads_standby
 from swarm.peer.tasks import send_logged
 from swarm.peer.weights.shipping_aio import PlanShipper
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
     from swarm.peer.net.link import Link
+    from swarm.peer.net.messages import Standby
     from swarm.peer.node import Node
     from swarm.peer.plan import ModelShape, Plan, StageLayout
 
@@ -48,9 +51,11 @@ class PlanAnnouncer:
             log.warning("could not offer slices to %s: %s", link.peer_id, exc)
             return False
 
-    async def announce(self, plan: Plan, layout: StageLayout | None, placement: dict[str, Any]) -> None:
+    async def announce(self, plan: Plan, layout: StageLayout | None, placement: dict[str, Any],
+                       standby: Mapping[str, Standby] | None = None) -> None:
         """Offer workers without the model their slices, then send ``plan`` (and the stage
-        ``layout``, if any) to every worker; status shows ``placement`` with the plan."""
+        ``layout``, if any) to every worker, and each page of ``standby`` (peer → notice) that
+        reads it its notice; status shows ``placement`` with the plan."""
         links = {p: self.node.links[p] for p in plan.workers() if p in self.node.links}
         for link in links.values():
             await self._offer(link, plan)
@@ -63,6 +68,12 @@ class PlanAnnouncer:
             stage_msg = layout.to_message()
             await asyncio.gather(*(send_logged(self.node.links[p], stage_msg) for p in layout.workers()
                                    if p in self.node.links))
+        notices = []
+        for peer, notice in (standby or {}).items():
+            page = self.node.links.get(peer)
+            if page is not None and page.hello is not None and reads_standby(page.hello.build):
+                notices.append(send_logged(page, notice))
+        await asyncio.gather(*notices)
 
     async def resend(self, link: Link, plan: Plan) -> None:
         """``link``'s peer refused a request of ``plan`` as not accepted (it lost or refused the

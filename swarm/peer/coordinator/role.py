@@ -20,6 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from swarm.peer.coordinator import standby
 from swarm.peer.coordinator.announce import PlanAnnouncer
 from swarm.peer.coordinator.api_host import ApiHost
 from swarm.peer.coordinator.handoff import LoopDispatcher
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from swarm.peer.coordinator.api import ApiServer
     from swarm.peer.election.driver import ElectionDriver
     from swarm.peer.net.link import Link
+    from swarm.peer.net.messages import Standby
     from swarm.peer.node import Node
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class CoordinatorRole(LoopDispatcher):
         self.replan_pending = False  # a new plan is on its way
         self._failed_at: dict[str, float] = {}  # peer → when it last failed a request (monotonic s)
         self._planned: set[str] = set()  # the workers of the newest plan
+        self._standby: dict[str, Standby] = {}  # page → why the newest plan gives it no work
         self._announcer = PlanAnnouncer(node, model, self.shape) if model is not None else None
         self._coordinating: asyncio.Task | None = None
         self._load = LoadWatch()  # the sequences served, fed to the planner
@@ -214,12 +217,16 @@ class CoordinatorRole(LoopDispatcher):
             if (h is None or h.model_hash not in (self.model_hash, None)
                     or self.election.is_refused(peer) or h.memory_budget <= 0):
                 continue
-            if now - self._failed_at.get(peer, now - READMIT_S) < READMIT_S:
+            if self._marked_down(peer, now):
                 continue  # marked down: out of every plan for a while (whatever a new plan cleared), then tried again
             if h.peer_kind == "python" and not self.election.reachable(peer):
                 continue  # silent (a killed process whose link has not timed out yet), or gone
             out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0, h.peer_kind))
         return out
+
+    def _marked_down(self, peer: str, now: float) -> bool:
+        """Whether ``peer`` failed a request less than ``READMIT_S`` before ``now`` (monotonic s)."""
+        return now - self._failed_at.get(peer, now - READMIT_S) < READMIT_S
 
     def _new_plan(self) -> Plan:
         workers = self._workers()
@@ -227,12 +234,30 @@ class CoordinatorRole(LoopDispatcher):
         holders = {p for p, link in self.node.links.items() if link.hello is not None
                    and link.hello.model_hash == self.model_hash}
         h = self.node.hello
-        return self.planning.new_plan(self.election.term, h.memory_budget, h.ffn_gflops, workers, holders,
+        plan = self.planning.new_plan(self.election.term, h.memory_budget, h.ffn_gflops, workers, holders,
                                       *self._observations())
+        self._standby = self._standby_notices(plan, workers, holders)
+        return plan
+
+    def _standby_notices(self, plan: Plan, workers: list[PeerCapacity], holders: set[str]) -> dict[str, Standby]:
+        """Why ``plan`` gives each linked page without work none (:mod:`~swarm.peer.coordinator.standby`)."""
+        pages = [p for p, link in self.node.links.items() if link.hello is not None and link.hello.peer_kind == "browser"]
+        now = time.monotonic()
+        python = [w for w in workers if w.kind == "python" and w.peer_id in holders]
+        planning, shape = self.planning, self.shape
+        assert planning is not None and shape is not None  # a plan was made: this peer has the model
+        return standby.notices(
+            plan, pages, {w.peer_id: w for w in workers}, layout=planning.layout,
+            choice=(planning.cost_report or {}).get("choice") if planning.layout != "ranges" else None,
+            shape=shape, python_peers=1 + len(python),
+            python_bytes=self.node.hello.memory_budget + sum(w.memory_bytes for w in python),
+            marked_down={p for p in pages if self._marked_down(p, now)})
 
     async def _announce(self, plan: Plan) -> None:
-        """Offer workers their slices, send them the plan and its stages; status shows them."""
-        await self._announcer.announce(plan, self.planning.stage_layout, {**self._api.fields(), **self.planning.status()})
+        """Offer workers their slices, send them the plan and its stages, and each page without
+        work why it stands by; status shows them."""
+        await self._announcer.announce(plan, self.planning.stage_layout, {**self._api.fields(), **self.planning.status()},
+                                       self._standby)
 
     # ------------------------------------------------------------------ stages
     def set_layout(self, layout: str) -> None:

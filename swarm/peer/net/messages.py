@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Literal, Union, cast
 
@@ -88,6 +89,11 @@ class NumericBuild:
         adapter:NAME``, swarm/peer/worker/gpu.py), else None."""
         head, sep, name = self.blas.partition(" " + ADAPTER_PREFIX)
         return name if sep and head.startswith("wgpu ") else None
+
+    def named(self, prefix: str) -> frozenset[str]:
+        """The comma-separated names in the words of ``blas`` that start with ``prefix``: a page's
+        ``kernels:q4_0,q4_k`` (its block kernels), ``notices:standby`` (the notices it reads)."""
+        return frozenset(n for w in self.blas.split() if w.startswith(prefix) for n in w[len(prefix):].split(",") if n)
 
 
 @message(3)
@@ -223,6 +229,33 @@ class StagePlan(MessageBase):
                 raise Invalid(f"stages[{i}]: layers [{st.layer_start}, {st.layer_stop}) do not follow "
                                f"the previous stage (expected to start at {at})")
             at = st.layer_stop
+
+
+StandbyReason = Literal["fits_python_peers", "too_slow", "too_little_memory", "slow_link", "layout_excludes_pages",
+                        "failed_recently"]
+STANDBY_REASONS: tuple[str, ...] = typing.get_args(StandbyReason)
+"""Why a page stands by (docs/protocol.md, Standby)."""
+STANDBY_MESSAGE_MAX = 200  # characters of a Standby's sentence: one line on a phone's screen or two
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+@message(21)
+class Standby(MessageBase):
+    """The coordinator's plan ``version`` of ``term`` gives this page no work: it stands by.
+    ``reason``: one of :data:`STANDBY_REASONS`; ``message``: the reason as one sentence for the
+    page's status line (1..:data:`STANDBY_MESSAGE_MAX` characters, no control characters). Sent
+    only to pages whose Hello reads it (``notices:standby`` in ``build.blas``)."""
+
+    term: int
+    version: int
+    reason: StandbyReason
+    message: str
+
+    def _check(self) -> None:
+        if not 1 <= len(self.message) <= STANDBY_MESSAGE_MAX:
+            raise Invalid(f"message: 1..{STANDBY_MESSAGE_MAX} characters, got {len(self.message)}")
+        if _CONTROL_RE.search(self.message):
+            raise Invalid("message: control characters are not allowed")
 
 
 def _ranges(ranges: tuple[tuple[int, int], ...], where: str) -> None:
@@ -503,7 +536,7 @@ class WeightChunk(MessageBase):
 
 Message = Union[
     AuthHello, AuthProof, Hello, LinkHeartbeat, Error, WeightsHeld,
-    RequestVote, Vote, LeaderHeartbeat, PlanMessage, StagePlan,
+    RequestVote, Vote, LeaderHeartbeat, PlanMessage, StagePlan, Standby,
     ExpertRequest, ExpertAnswer, DenseRequest, DenseAnswer, StageRequest, StageAnswer,
     WeightManifest, WeightChunkRequest, WeightChunk,
 ]

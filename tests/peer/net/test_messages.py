@@ -85,7 +85,8 @@ def samples() -> list[object]:
                        layer_stop=24, x=rng.standard_normal((3, 16)).astype(np.float32)),
         m.StageAnswer(request_id=2**31 + 1, term=4, plan_version=8, segments=(m.StageSegment(2, 9, 3),),
                       layer_start=5, layer_stop=24, compute_s=0.004, x=rng.standard_normal((3, 16)).astype(np.float32)),
-        m.WeightsHeld(plan_version=7, weight_bytes=3 * 2**30 + 5),  # last: tests index the others
+        m.WeightsHeld(plan_version=7, weight_bytes=3 * 2**30 + 5),  # at the end: tests index the others
+        m.Standby(term=4, version=8, reason="too_slow", message="this page's measured speed (2.1 GFLOP/s) would slow the swarm"),
     ]
 
 
