@@ -74,7 +74,10 @@ function renderPeers(doc) {
     const top = Object.assign(document.createElement("div"), { className: "share-pct", textContent: plan && s ? `${pct.toFixed(pct && pct < 10 ? 1 : 0)} %` : "–" });
     const picture = Object.assign(document.createElement("div"), { className: "share-picture-box" });
     drawShare(picture, (s?.layers ?? []).map(([layer, fraction]) => ({ layer, fraction })), { height: 24 });
-    const words = Object.assign(document.createElement("div"), { className: "share-words", textContent: s?.layers.length ? s.words : "" });
+    // A page the plan gives no work: why it stands by, in the coordinator's words.
+    const standby = plan?.standby?.[p.peer_id]?.message;
+    const words = Object.assign(document.createElement("div"), { className: "share-words",
+      textContent: standby ? `standing by — ${standby}` : s?.layers.length ? s.words : "" });
     share.append(top, picture, words);
     body.append(tr);
   }
@@ -92,7 +95,7 @@ function renderPlan(doc) {
   // Why the cost model chose this layout (e.g. stages for throughput with several users), in one line.
   const cost = plan.cost, n = cost?.sequences ?? 1;
   $("plan-why").textContent = cost ? `${cost.choice ?? plan.layout ?? ""} for ${n} sequence${n === 1 ? "" : "s"}${cost.why ? `: ${cost.why}` : ""}` : "";
-  const other = Object.entries(plan).filter(([k, v]) => !["version", "term", "coordinator", "peers", "shortfall", "cost"].includes(k) && !perLayer(v))
+  const other = Object.entries(plan).filter(([k, v]) => !["version", "term", "coordinator", "peers", "shortfall", "cost", "standby"].includes(k) && !perLayer(v))
     .map(([k, v]) => `${k} ${typeof v === "object" ? JSON.stringify(v) : v}`);
   $("plan-summary").textContent = `${plan.peers?.length ?? 0} peers over ${what || "no layers"}${other.length ? ` · ${other.join(" · ")}` : ""}`;
   $("plan-json").textContent = JSON.stringify(plan, null, 1);

@@ -112,6 +112,10 @@ def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
                 ms = (observed.get(p["peer_id"]) or {}).get("ms_per_row")
                 pace = f" ({ms:.3f} ms/row)" if ms else ""
                 lines.append(f"  {names[p['peer_id']]}: {words}{pace}")
+        standby = placement.get("standby") if isinstance(placement.get("standby"), dict) else {}
+        for peer_id, notice in standby.items():  # pages the plan gives no work, and why
+            if isinstance(notice, dict) and notice.get("message"):
+                lines.append(f"  {names.get(peer_id, peer_id)}: standing by — {notice['message']}")
         parts.append(Text("\n".join(lines), overflow="fold"))
         short = placement.get("shortfall")
         if isinstance(short, dict) and short.get("message"):  # the swarm cannot hold the model: never silently

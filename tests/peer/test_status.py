@@ -148,3 +148,14 @@ def test_a_gpu_peer_is_shown_with_its_adapter():
         "Mac\nGPU Apple M2 Pro"
     assert peer_kind({"peer_id": "me", "kind": "python"}, {**doc, "gpu": "llvmpipe"}) == "Linux\nGPU llvmpipe"
     assert peer_kind({"peer_id": "q", "kind": "python", "arch": "x86_64"}, doc) == "Linux"
+
+
+def test_status_says_why_a_page_stands_by():
+    """A page the plan gives no work is listed with the coordinator's reason, not left blank."""
+    doc = {"peer_id": "me", "name": "mac", "role": "coordinator", "swarm_id": "s", "system": "Darwin",
+           "peers": [{"peer_id": "pg", "name": "pixel", "kind": "browser", "linked": True, "rtt_ms": 3.0}],
+           "placement": {"version": 2, "term": 1, "coordinator": "me", "peers": [],
+                         "standby": {"pg": {"reason": "fits_python_peers",
+                                            "message": "the model fits the Python peers (1 peer, 1.0 GiB offered)"}}}}
+    out = _text(doc)
+    assert "pixel: standing by — the model fits the Python peers (1 peer, 1.0 GiB offered)" in out

@@ -29,7 +29,7 @@ from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.conftest import require
 from tests.peer._links import run_in_netns
-from tests.peer._swarm_models import PROMPT, build, greedy
+from tests.peer._swarm_models import PROMPT, add_char_tokenizer, build, greedy
 
 ADDRESS = "10.214.0.1"
 FAST_LINKS = {"heartbeat_s": 0.2, "dead_after_s": 2.0}
@@ -243,7 +243,7 @@ class PageSwarm:
     """A coordinator run by SwarmRoles (``layout``) and its signaling server,
     on an event loop in a thread; :meth:`drive` opens its peer page in headless Chromium."""
 
-    def __init__(self, tmp_path, model_dir, layout: str = "ranges"):
+    def __init__(self, tmp_path, model_dir, layout: str = "ranges", serve_api: bool = False):
         from tests.browser.conftest import CHROMIUM
 
         require(os.path.exists(CHROMIUM), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
@@ -254,12 +254,12 @@ class PageSwarm:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server, self.node, self.roles = self.call(self._start(tmp_path, model_dir, layout))
+        self.server, self.node, self.roles = self.call(self._start(tmp_path, model_dir, layout, serve_api))
 
     def call(self, coro, timeout_s: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    async def _start(self, tmp_path, model_dir, layout):
+    async def _start(self, tmp_path, model_dir, layout, serve_api):
         ident = Identity.generate()
         server = SignalingServer(self.key.secret, ident.peer_id, config_dir=tmp_path)
         await server.start(self.address, 0)
@@ -268,7 +268,7 @@ class PageSwarm:
                     signal_url=server.url(self.address), ffn_gflops=1.0, memory_budget=1 << 30,
                     model_hash=model.content_hash(), status_path=tmp_path / "status.json")
         await node.start(timeout=10)
-        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=0.2, layout=layout)
+        roles = SwarmRoles(node, model, serve_api=serve_api, startup_quiet_s=0.2, layout=layout)
         await roles.start()
         return server, node, roles
 
@@ -353,13 +353,22 @@ def test_a_page_stands_by_while_the_model_fits_the_python_peers_and_serves_once_
     """Under ``--layout auto`` a coordinator that holds the model computes alone (a round trip per
     layer to the page costs more than its share saves): the page says on its status line that it
     stands by and why; ``--layout ranges`` then gives it work, and it loads its slices and serves."""
-    swarm = PageSwarm(tmp_path, build("qwen3_moe", tmp_path), layout="auto")
+    # the API (for the dashboard) needs a tokenizer
+    swarm = PageSwarm(tmp_path, add_char_tokenizer(build("qwen3_moe", tmp_path)), layout="auto", serve_api=True)
     result: dict = {}
 
     def steps(page):
         page.wait_for_function("window.colibri && window.colibri.state === 'standby'", timeout=90_000)
         result["standby"] = page.inner_text("#state")
         result["reason"] = page.evaluate("window.colibri.worker.standby.reason")
+        # the coordinator's dashboard says it too, on the page's row
+        coord = swarm.roles.coordinator
+        board = page.context.new_page()
+        board.goto(f"{getattr(coord.api, 'scheme', None) or 'http'}://{swarm.address}:{coord.api_port}"
+                   f"/dashboard/#{swarm.key.code}")
+        words = "[...document.querySelectorAll('tr[data-peer] .share-words')].map((e) => e.textContent)"
+        board.wait_for_function(f"{words}.some((t) => t.includes('standing by'))", timeout=30_000)
+        result["dashboard"] = board.evaluate(words)
         swarm.loop.call_soon_threadsafe(swarm.roles.coordinator.set_layout, "ranges")
         page.wait_for_function("window.colibri.state === 'serving'", timeout=90_000)
         result["serving"] = page.inner_text("#state")
@@ -373,3 +382,6 @@ def test_a_page_stands_by_while_the_model_fits_the_python_peers_and_serves_once_
     assert result["standby"] == ("Standing by — the model fits the Python peers (1 peer, 1.0 GiB offered); "
                                  "this page would be used if they ran short")
     assert result["serving"] == "Serving"
+    assert result["dashboard"] == ["layers 0–2: whole (attention, KV cache, MLP)",  # the coordinator's row
+                                   "standing by — the model fits the Python peers (1 peer, 1.0 GiB offered); "
+                                   "this page would be used if they ran short"]

@@ -62,8 +62,10 @@ class PlanAnnouncer:
         msg = plan.to_message()
         await asyncio.gather(*(send_logged(link, msg) for link in links.values()))
         self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {len(plan.workers())} worker(s)")
+        # why each page without work stands by, for status and the dashboard
+        standing = {peer: {"reason": n.reason, "message": n.message} for peer, n in (standby or {}).items()}
         self.node.set_placement({"term": plan.term, "version": plan.version, "streamed_bytes": plan.streamed_bytes,
-                                 **plan.to_dict(), **placement})
+                                 **plan.to_dict(), **placement, **({"standby": standing} if standing else {})})
         if layout is not None:
             stage_msg = layout.to_message()
             await asyncio.gather(*(send_logged(self.node.links[p], stage_msg) for p in layout.workers()

@@ -97,6 +97,10 @@ def test_a_page_of_a_model_the_coordinator_holds_stands_by_for_it_and_an_older_p
     assert notice.reason == "fits_python_peers"
     assert notice.message.startswith("the model fits the Python peers (1 peer, 1.0 GiB offered)")
     assert old.got == []  # it would refuse kind 21 and drop its link
+    # status and the dashboard show why, for every page without work (an older page too)
+    standing = role.node.placement["standby"]
+    assert standing[PAGE] == {"reason": "fits_python_peers", "message": notice.message}
+    assert standing[OLD_PAGE]["reason"] == "fits_python_peers"
 
 
 def test_a_page_with_work_gets_the_plan_and_no_standby_then_one_when_it_loses_the_work(tmp_path, model):
@@ -111,6 +115,7 @@ def test_a_page_with_work_gets_the_plan_and_no_standby_then_one_when_it_loses_th
     assert (notice.version, notice.reason) == (second.version, "layout_excludes_pages") and second.version > first.version
     assert "--layout stages" in notice.message
     assert len(page.of(M.PlanMessage)) == 1  # the plan itself goes only to those it gives work
+    assert role.node.placement["standby"][PAGE]["reason"] == "layout_excludes_pages"
 
 
 @pytest.mark.parametrize("page_hello, rtt_s, reason, words", [
