@@ -125,7 +125,7 @@ def apply_rope_swapped(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.n
     return out
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, out: np.ndarray | None = None) -> np.ndarray:
     """Causal grouped-query attention of T new queries against the cached keys and values.
 
     q [T, nh, hd] f32, **already multiplied by 1/sqrt(hd)**, query t at position ``start + t``;
@@ -139,11 +139,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     load feeds four of them, every row still performing exactly the operations it performs
     alone: a row's result depends only on that query, its position and the cache up to it,
     never on T or the other rows (a matrix-product library gives no such promise: its kernels
-    change with the row count). Raises ValueError on other shapes or dtypes."""
+    change with the row count). ``out``: float32 [T, nh*hd] C-contiguous to write the result
+    into, or None. Raises ValueError on other shapes or dtypes."""
     check_attention_shapes(q, k, v, start)
     T, nh, hd = q.shape
     nkv = k.shape[0]
-    out = aligned_empty((T, nh * hd))  # the output projection's activation rows
+    if out is None:
+        out = aligned_empty((T, nh * hd))  # the output projection's activation rows
+    elif out.shape != (T, nh * hd) or out.dtype != F32 or not out.flags.c_contiguous:  # written unchecked
+        raise ValueError(f"attention: out must be float32 [{T}, {nh * hd}] C-contiguous, got {out.dtype} {out.shape}")
     row = _row or _row_kernels()
     q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
     items = nkv * -(-T * (nh // nkv) // row.M)  # (key/value head, block of M query rows)
@@ -340,6 +344,15 @@ def _load_row_kernels() -> None:
         rowkernels.silu_mul(one.copy(), one, one)  # compile or load from the cache now
         rowkernels.weighted_sum(np.zeros(1, F32), one, np.ones(1, F32))
         rowkernels.rms_norm(one, one, F32(1e-6), one.copy())
+        rowkernels.add_rms_norm(one.copy(), one, one, F32(1e-6), one.copy())
+        two = np.ones((2, 2), F32)  # one query head, one key/value head of 2 dims
+        none = np.zeros((0, 2), F32)
+        cache = np.zeros((1, 1, 2), F32)
+        rowkernels.qk_rope_row(np.ones((3, 2), F32), none, two, F32(1e-6), two, two, np.empty((1, 2), F32),
+                               cache, cache.copy(), 0)
+        logits = np.ones(2, F32)
+        rowkernels.shift_max(logits)
+        rowkernels.route_row(logits, True, 1, True, F32(1.0), np.zeros((2, 1), np.int64), np.zeros((2, 1), F32))
         rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
                              one.copy(), np.ones((rowkernels.M, 4), F32), np.ones((rowkernels.M, 1), F32), 0, 1)
         _row = rowkernels

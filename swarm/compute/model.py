@@ -24,6 +24,7 @@ from swarm.compute.attention_mla import MLAWeights, load_mla_weights, mla_attent
 from swarm.compute.attention_sinks import sink_attention
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
+from swarm.compute.decode import DecodeRunner, supported as decode_supported
 from swarm.compute.deltanet import (DeltaNetWeights, RecurrentState, deltanet_attention, load_deltanet_weights,
                                     prepare_kernel as prepare_deltanet_kernel)
 from swarm.compute.ffn import FFNBackend, LayerBackend, LocalFFN, RoutingConfig, shared_expert
@@ -514,8 +515,9 @@ class Model:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
-        if ids.min() < 0 or ids.max() >= c.vocab_size:
-            raise ValueError(f"token id out of range 0..{c.vocab_size - 1}: {ids.min()}..{ids.max()}")
+        lo, hi = (int(ids[0]),) * 2 if ids.size == 1 else (ids.min(), ids.max())
+        if lo < 0 or hi >= c.vocab_size:
+            raise ValueError(f"token id out of range 0..{c.vocab_size - 1}: {lo}..{hi}")
         if ffn is None:
             ffn = self._local_ffn
         T, start = ids.size, cache.length
@@ -523,7 +525,7 @@ class Model:
             raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
                              f"({c.sliding_window}); sliding-window attention is not supported")
         x = self.embed.take(ids)  # [T, H] f32
-        if isinstance(ffn, LayerBackend):  # whole layers elsewhere (stages)
+        if type(ffn) is not LocalFFN and isinstance(ffn, LayerBackend):  # whole layers elsewhere (stages)
             x = ffn.run_layers(self, x, cache, start)
         else:
             x = self.layers(x, cache, start, 0, c.n_layers, ffn)
@@ -677,6 +679,8 @@ class Model:
         earlier positions; ``cache.length`` is left to the caller (:meth:`forward` sets it once
         for all layers; a stage that holds only ``lo:hi`` sets its own). Same arithmetic, in the
         same order, as :meth:`forward`, so a layer range run here gives the bits forward gives.
+        One row (a decode step) takes :class:`~swarm.compute.decode.DecodeRunner` where the
+        layers allow it: the same operations with less Python between the kernels.
         Raises ValueError for a bad layer range or rows of the wrong shape/dtype.
         """
         c = self.config
@@ -687,6 +691,8 @@ class Model:
         if ffn is None:
             ffn = self._local_ffn
         T = x.shape[0]
+        if T == 1 and self.products is None and self._decode is not None:  # a decode row: the short path
+            return self._decode.layers(x, cache, start, lo, hi, ffn)
         cache.reserve(start + T)
         cos_qk, sin_qk = self._qk_tables(start, T)
         x = np.array(x, dtype=F32, order="C")  # the residual stream is ours to update in place
@@ -702,6 +708,11 @@ class Model:
     @cached_property
     def _local_ffn(self) -> LocalFFN:
         return LocalFFN(self)
+
+    @cached_property
+    def _decode(self) -> DecodeRunner | None:
+        """The one-row path of :meth:`layers` (swarm/compute/decode.py), where the layers allow it."""
+        return DecodeRunner(self) if decode_supported(self) else None
 
 
 def load_model(path: str | os.PathLike) -> Model:

@@ -31,3 +31,29 @@ def fill_alike(table, kind, rows, row_bytes, T, K, tile, per, addresses, x_base,
         table[i, 7] = out_base + i * out_step
         table[i, 8] = tile
         table[i, 9] = i * per
+
+
+@njit(cache=True, nogil=True)
+def fill_experts(table, meta, addresses, sel):  # pragma: no cover - compiled
+    """A MoE decode step's two group tables (qkernels' columns) for its n experts ``sel`` (int64
+    [n]), in table int64 [3n, 10]: rows ``0 .. 2n-1`` the gate then the up products (weights at
+    ``addresses[0, e]``, ``addresses[1, e]``), rows ``2n ..`` the down products
+    (``addresses[2, e]``); ``addresses`` int64 [3, E]. ``meta`` int64 [2, 11], for the gate/up
+    part then the down part: (kind, rows, row_bytes, T, K, tile, per, x_base, x_step, out_base,
+    out_step); the i-th product of a part reads ``x_base + i * x_step``, writes ``out_base + i *
+    out_step`` and starts at tile ``i * per``, as :func:`fill_alike` numbers them."""
+    n = sel.shape[0]
+    for r in range(3 * n):
+        part = 0 if r < 2 * n else 1
+        i = r - 2 * n * part
+        m = meta[part]
+        table[r, 0] = m[0]
+        table[r, 1] = addresses[r // n, sel[r % n]]
+        table[r, 2] = m[1]
+        table[r, 3] = m[2]
+        table[r, 4] = m[7] + i * m[8]
+        table[r, 5] = m[3]
+        table[r, 6] = m[4]
+        table[r, 7] = m[9] + i * m[10]
+        table[r, 8] = m[5]
+        table[r, 9] = i * m[6]

@@ -337,7 +337,13 @@ def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> No
     """Block-kernel products (C-contiguous weights, x and dst checked by ``_operands``; T ≤
     SMALL_T) in tiles of about GROUP_TILE_BYTES of work, which the calling thread and the pool's
     workers take from one atomic counter in compiled code (``qkernels.run_group``)."""
-    k = _compiled or _kernels()
+    run_table(*group_table(operands))
+
+
+def group_table(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, int, float]:
+    """The group of :func:`_run_group` as ``(table, tiles, work)`` for :func:`run_table`: the
+    table holds the addresses of every weight, x and dst, which must stay alive (and in place)
+    as long as it is run. Tiles are sized for the current thread count."""
     address = _pointer
     rows = []
     per_row = [w.data.shape[1] * (3 + x.shape[0]) / 4 for w, x, _ in operands]  # a weight row's work
@@ -349,7 +355,7 @@ def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> No
         tile = max(8, int(tile_bytes / row_work) // 8 * 8)
         rows.append((w._kind, w._addr, R, RB, address(x), x.shape[0], x.shape[1], address(dst), tile, first))
         first += -(-R // tile)
-    _run_table(k, np.array(rows, np.int64), first, work)
+    return np.array(rows, np.int64), first, work
 
 
 def _tile_bytes(work: float) -> float:
@@ -368,12 +374,20 @@ def run_alike(ws: Sequence[QMatrix], x_base: int, x_step: int, out_base: int, ou
     w0 = ws[0]
     (R, RB), n = w0.data.shape, len(ws)
     row_work = RB * (3 + T) / 4
-    tile = max(8, int(_tile_bytes(n * R * row_work) / row_work) // 8 * 8)
-    per = -(-R // tile)
+    tile, per = alike_tiles(w0, T, n)
     table = np.empty((n, k.NCOLS), np.int64)
     _fill_alike(table, w0._kind, R, RB, T, w0.cols, tile, per, np.array([w._addr for w in ws], np.int64),
                 x_base, x_step, out_base, out_step)
-    _run_table(k, table, n * per, n * R * row_work)
+    run_table(table, n * per, n * R * row_work)
+
+
+def alike_tiles(w: QMatrix, T: int, n: int) -> tuple[int, int]:
+    """``(tile rows, tiles per product)`` of :func:`run_alike`'s group of ``n`` products like
+    ``w`` (rows, bytes) on ``T`` activation rows, at the current thread count."""
+    R, RB = w.data.shape
+    row_work = RB * (3 + T) / 4
+    tile = max(8, int(_tile_bytes(n * R * row_work) / row_work) // 8 * 8)
+    return tile, -(-R // tile)
 
 
 def alike(ws: Sequence[QMatrix]) -> bool:
@@ -382,8 +396,9 @@ def alike(ws: Sequence[QMatrix]) -> bool:
     return ws[0]._kind >= 0 and len({(w._kind, w.data.shape, w._c) for w in ws}) == 1 and ws[0]._c
 
 
-def _run_table(k, table: np.ndarray, first: int, work: float) -> None:
+def run_table(table: np.ndarray, first: int, work: float) -> None:
     """Run a group ``table`` of ``first`` tiles and ``work`` units on the threads that join."""
+    k = _compiled or _kernels()
     counter = np.zeros(1, np.int64)
     # Threads asked to join: one per 4 tiles. A late one finds the tiles taken and costs the
     # caller nothing, so the bar is lower than MIN_CHUNK_BYTES (fixed ranges wait for their thread).
@@ -457,6 +472,8 @@ def _kernels():
                     one = np.zeros(1, np.int64)
                     pointers.fill_alike(np.empty((1, k.NCOLS), np.int64), 0, 1, 34, 1, 32, 8, 1, one, 0, 0, 0, 0)
                     _fill_alike = pointers.fill_alike
+                    pointers.fill_experts(np.empty((3, k.NCOLS), np.int64), np.zeros((2, 11), np.int64),
+                                          np.zeros((3, 1), np.int64), one)  # swarm/compute/decode.py's
                     from swarm.compute import spin as spin_module
                     ctrl = np.zeros(spin_module.CTRL, np.int64)
                     spin_module.serve(ctrl, 0, 1)

@@ -7,7 +7,9 @@ call (~1 µs) outweighs the arithmetic: one compiled pass replaces several numpy
 element gets one fixed float32 operation sequence whatever the row count, so batched rows keep
 the bits of solo rows; no fast-math, so the compiler fuses no multiply-add. numpy's error
 model: a division by zero gives inf or nan as in numpy, and without Python's zero check the
-element loops vectorise.
+element loops vectorise. ``add_rms_norm``, ``qk_rope_row``, ``shift_max`` and ``route_row`` are
+the steps of one decode row (swarm/compute/decode.py), each the float32 operations of the numpy
+steps it replaces, in their order.
 """
 
 from __future__ import annotations
@@ -40,25 +42,202 @@ def rms_norm(x, w, eps, out):  # pragma: no cover - compiled
     """``out[r] = w[r % Rw] * (x[r] * (1 / sqrt(mean(x[r]²) + eps)))`` for x, out float32 [R, D],
     w float32 [Rw, D]. The sum of squares is accumulated in float64: element i into lane i % 8
     (the tail into lane 0), the lanes added pairwise; the same order whatever R."""
+    _rms_rows(x, w, eps, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def add_rms_norm(x, y, w, eps, out):  # pragma: no cover - compiled
+    """``x += y`` (float32, element by element), then :func:`rms_norm` of the new x into out: the
+    residual update and the next norm of a decode row in one call. x, y, out float32 [R, D], w
+    float32 [Rw, D]."""
+    R, D = x.shape
+    for r in range(R):
+        for i in range(D):
+            x[r, i] += y[r, i]
+    _rms_rows(x, w, eps, out)
+
+
+@njit(inline="always", error_model="numpy")
+def _rms_rows(x, w, eps, out):  # pragma: no cover - compiled
     R, D = x.shape
     Rw = w.shape[0]
-    one = F32(1.0)
-    n8 = D - D % 8
     acc = np.empty(8)  # 8 independent float64 sums (lane i % 8): no chain of dependent adds
     for r in range(R):
-        acc[:] = 0.0
-        for i in range(0, n8, 8):
-            for j in range(8):
-                v = np.float64(x[r, i + j])
-                acc[j] += v * v
-        for i in range(n8, D):
-            v = np.float64(x[r, i])
-            acc[0] += v * v
-        total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
-        inv = one / np.sqrt(F32(total / D) + eps)
+        inv = _inv_rms(x, r, eps, acc)
         wr = w[r % Rw]
         for i in range(D):
             out[r, i] = wr[i] * (x[r, i] * inv)
+
+
+@njit(inline="always", error_model="numpy")
+def _inv_rms(x, r, eps, acc):  # pragma: no cover - compiled
+    """``1 / sqrt(mean(x[r]²) + eps)`` (float32) of row r of x float32 [R, D]: the squares summed
+    in float64 lanes ``acc`` [8] (element i into lane i % 8, the tail into lane 0, the lanes added
+    pairwise), the mean rounded once to float32."""
+    D = x.shape[1]
+    n8 = D - D % 8
+    acc[:] = 0.0
+    for i in range(0, n8, 8):
+        for j in range(8):
+            v = np.float64(x[r, i + j])
+            acc[j] += v * v
+    for i in range(n8, D):
+        v = np.float64(x[r, i])
+        acc[0] += v * v
+    total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+    return F32(1.0) / np.sqrt(F32(total / D) + eps)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def qk_rope_row(qkv, bias, norm, eps, cos, ssin, q, k, v, pos):  # pragma: no cover - compiled
+    """One decode row's attention inputs, the float32 operations of ``Model._attention`` at T = 1.
+
+    qkv float32 [nh + 2 nkv, hd]: the query, key and value projections, one head a row (``bias``
+    [same] is added in place first unless it has no rows). Each query and key head is normed as
+    :func:`rms_norm` does with its row of ``norm`` [nh + nkv, hd] (no norm when it has no rows),
+    then rotated: ``x·cos + swap_halves(x)·ssin`` with the tables cos, ssin [nh + nkv, hd] (the
+    attention scale folded into the query rows). The rotated queries go to q [nh, hd], the keys
+    to ``k[:, pos]`` and the values to ``v[:, pos]`` (k, v [nkv, C, hd])."""
+    n, hd = qkv.shape
+    nh, nkv = q.shape[0], k.shape[0]
+    half = hd // 2
+    if bias.shape[0]:
+        for r in range(n):
+            for i in range(hd):
+                qkv[r, i] += bias[r, i]
+    acc = np.empty(8)
+    x = np.empty(hd, F32)
+    for r in range(nh + nkv):
+        if norm.shape[0]:
+            inv = _inv_rms(qkv, r, eps, acc)
+            for i in range(hd):
+                x[i] = norm[r, i] * (qkv[r, i] * inv)
+        else:
+            for i in range(hd):
+                x[i] = qkv[r, i]
+        dst = q[r] if r < nh else k[r - nh, pos]
+        for i in range(half):
+            dst[i] = x[i] * cos[r, i] + x[half + i] * ssin[r, i]
+        for i in range(half, hd):
+            dst[i] = x[i] * cos[r, i] + x[i - half] * ssin[r, i]
+    for h in range(nkv):
+        for i in range(hd):
+            v[h, pos, i] = qkv[nh + nkv + h, i]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def shift_max(x):  # pragma: no cover - compiled
+    """``x -= max(x)`` in place, x float32 [n]: numpy's ``x - np.maximum.reduce(x)`` (a NaN makes
+    the maximum NaN, as numpy's maximum propagates it)."""
+    m = x[0]
+    for i in range(1, x.shape[0]):
+        if x[i] > m or np.isnan(x[i]):
+            m = x[i]
+            if np.isnan(m):
+                break
+    for i in range(x.shape[0]):
+        x[i] = x[i] - m
+
+
+@njit(inline="always", error_model="numpy")
+def pairwise_sum(a, lo, n):  # pragma: no cover - compiled
+    """``a[lo:lo+n]`` (float32) summed in numpy's order for a contiguous float32 ``np.add.reduce``:
+    below 8 elements one by one from -0.0; up to 128, eight running sums (element i into sum
+    i % 8) added pairwise, then the tail one by one; beyond, the two halves (the first a multiple
+    of 8) summed so and added — numpy's recursion, walked with a stack here (numba does not
+    cache recursive functions)."""
+    los = np.empty(64, np.int64)
+    ns = np.empty(64, np.int64)
+    joins = np.zeros(64, np.bool_)
+    sums = np.empty(64, F32)
+    los[0], ns[0], top, done = lo, n, 1, 0
+    while top > 0:
+        top -= 1
+        lo, n = los[top], ns[top]
+        if joins[top]:  # both halves summed: left + right
+            joins[top] = False
+            done -= 1
+            sums[done - 1] = sums[done - 1] + sums[done]
+        elif n > 128:
+            n2 = n // 2
+            n2 -= n2 % 8
+            joins[top] = True
+            los[top + 1], ns[top + 1] = lo + n2, n - n2  # the right half, summed second
+            los[top + 2], ns[top + 2] = lo, n2
+            top += 3
+        else:
+            sums[done] = _block_sum(a, lo, n)
+            done += 1
+    return sums[0]
+
+
+@njit(inline="always", error_model="numpy")
+def _block_sum(a, lo, n):  # pragma: no cover - compiled
+    """numpy's pairwise sum of at most 128 float32 elements ``a[lo:lo+n]``."""
+    if n < 8:
+        res = F32(-0.0)
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def route_row(s, softmax, k, norm, scale, experts, weights):  # pragma: no cover - compiled
+    """Top-k routing of one row, the float32 operations of ``ffn.route`` at T = 1.
+
+    s float32 [E]: with ``softmax``, ``exp(logits - max)`` (numpy's exp), turned into the softmax
+    in place (divided by its sum in numpy's order); else the scores themselves. The k best (ties
+    to the lower index, NaN last: ``argsort(-s, kind="stable")``) and their scores go to row 0 of
+    ``experts`` int64 [2, k] and ``weights`` float32 [2, k], best first; with ``norm`` the weights
+    are divided by their sum (numpy's order), then multiplied by ``scale`` (float32) unless it is
+    1. Row 1 holds the same experts ascending, with their weights."""
+    E = s.shape[0]
+    if softmax:
+        total = pairwise_sum(s, 0, E)
+        for e in range(E):
+            s[e] = s[e] / total
+    taken = np.zeros(E, np.bool_)
+    for j in range(k):
+        b = -1
+        for e in range(E):
+            if not taken[e] and (b < 0 or s[e] > s[b] or (np.isnan(s[b]) and not np.isnan(s[e]))):
+                b = e
+        taken[b] = True
+        experts[0, j] = b
+        weights[0, j] = s[b]
+    if norm:
+        total = pairwise_sum(weights[0], 0, k)
+        for j in range(k):
+            weights[0, j] = weights[0, j] / total
+    if scale != F32(1.0):
+        for j in range(k):
+            weights[0, j] = weights[0, j] * scale
+    i = 0
+    for e in range(E):
+        if taken[e]:
+            for j in range(k):
+                if experts[0, j] == e:
+                    weights[1, i] = weights[0, j]
+            experts[1, i] = e
+            i += 1
 
 
 def _halving_sum(builder, v, n):

@@ -1,0 +1,306 @@
+"""One decode row (T = 1, one sequence) through a model's layers, with little Python between
+the compiled kernels.
+
+``Model.layers`` hands a one-row call to :class:`DecodeRunner` where the layers allow it
+(standard attention: no MLA, linear layers, output gate, norm of the whole Q/K, clipping,
+partial RoPE, sinks or window; :func:`supported`). A decode token otherwise spends a good share
+of its time on the Python that builds arrays, checks shapes and builds group tables between
+kernels: ~350 Python calls a layer of a 64-expert MoE, which more threads do not shorten. Here,
+per thread, the buffers a layer needs are allocated once and reused by every layer and token,
+and per layer the group tables of its products (which hold the addresses of the weights and of
+those buffers) are built once, again when the thread count changes. The chains of small steps
+are compiled (swarm/compute/rowkernels.py): the residual update with the next RMSNorm, a row's
+Q/K head norms with RoPE and the KV write, the routing of a row; the experts' tables are filled
+by one compiled call (swarm/compute/pointers.py).
+
+Every step is the general path's sequence of float32 operations — the same kernels, or compiled
+twins of numpy steps tested bit for bit (tests/compute/test_decode.py) — so a row's bits are
+those ``Model._attention`` and ``LocalFFN.ffn`` give it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from swarm.compute import kernels, quant, threads
+from swarm.compute.ffn import LocalFFN
+from swarm.compute.kernels import MLPWeights, _row_kernels, silu_mul
+from swarm.compute.quant import QMatrix, aligned_empty, alike, alike_tiles, group_table, run_table
+
+if TYPE_CHECKING:
+    from swarm.compute.ffn import FFNBackend
+    from swarm.compute.model import AttentionWeights, KVCache, Model
+
+F32 = np.float32
+_NONE = np.zeros((0, 1), F32)  # "no bias" / "no norm" for rowkernels.qk_rope_row
+
+
+def supported(model: Model) -> bool:
+    """Whether :class:`DecodeRunner` runs this model's layers: standard attention, RoPE over
+    whole heads, the engine's own products."""
+    c = model.config
+    return (model.products is None and not c.is_mla and not c.linear_layers and not c.attn_output_gate
+            and c.qk_norm in (None, "head") and c.clip_qkv is None and c.rope_dim == c.head_dim
+            and not c.attention_sinks and not any(c.layer_windows))
+
+
+class _Layer:
+    """One layer's share of a thread's scratch: its group tables and FFN step (addresses of the
+    weights and of the scratch buffers, tiles sized for the thread count they were built for)."""
+
+    __slots__ = ("w", "attn_norm", "ffn_norm", "bias", "qk_norm", "qkv", "o", "ffn")
+
+    def __init__(self, w: AttentionWeights, s: _Scratch, c):
+        self.w = w
+        # writable C-ordered copies: the one type the kernels are compiled for when they load
+        self.attn_norm = _own(w.attn_norm.reshape(1, -1))
+        self.ffn_norm = _own(w.ffn_norm.reshape(1, -1))
+        self.bias = _NONE if w.qkv_bias is None else _own(w.qkv_bias.reshape(-1, c.head_dim))
+        self.qk_norm = _NONE if w.q_norm is None else _own(w.q_norm)
+        self.qkv = _table(s.qkv_products(w))
+        self.o = _table([(w.o, s.att, s.o)])
+        self.ffn: _MoE | _Dense | None = None
+
+
+def _own(a: np.ndarray) -> np.ndarray:
+    return np.array(a, F32, order="C")
+
+
+def _table(products: list[tuple[QMatrix, np.ndarray, np.ndarray]]) -> tuple | None:
+    """A group table for ``products`` (the scratch's buffers: C-ordered, one row), or None where
+    a matrix has no block kernel (those products then run through ``matmul_many``)."""
+    if all(w._kind >= 0 and w._c for w, _, _ in products):
+        return group_table(products)
+    return None
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray, e: np.ndarray, split: bool) -> None:
+    """``kernels.silu_mul(g, u)``; where it takes one part, its steps with ``e`` [g's shape] as
+    the scratch for exp(-g)."""
+    if split:
+        silu_mul(g, u)
+        return
+    np.negative(g, out=e)
+    np.exp(e, out=e)
+    (kernels._row or _row_kernels()).silu_mul(g, u, e)
+
+
+class _Dense:
+    """A dense layer's whole SwiGLU on a row, ``swiglu_ffn``'s kernels in its order: the gate and
+    up products as one group into a [2, F] buffer, the activation, the down product."""
+
+    __slots__ = ("g", "u", "e", "split", "gu_table", "down_table", "y")
+
+    def __init__(self, mlp: MLPWeights, s: _Scratch):
+        F = mlp.gate.shape[0]
+        gu = aligned_empty((2, F))
+        self.g, self.u, self.e = gu[:1], gu[1:], np.empty((1, F), F32)
+        self.split = threads.parts_for(F, kernels.MIN_ELEMENTWISE) > 1
+        self.y = s.y
+        self.gu_table = _table([(mlp.gate, s.h2, self.g), (mlp.up, s.h2, self.u)])
+        self.down_table = _table([(mlp.down, self.g, s.y)])
+
+    def __call__(self, m: Model, s: _Scratch) -> np.ndarray:
+        run_table(*self.gu_table)  # type: ignore[misc]
+        _silu_mul(self.g, self.u, self.e, self.split)
+        run_table(*self.down_table)  # type: ignore[misc]
+        return self.y
+
+
+class _MoE:
+    """A MoE layer's step on a row, ``LocalFFN.ffn``'s operations (softmax routing without
+    selection bias or groups; plain SwiGLU experts of one encoding and shape): the router's
+    logits, the routing (``rowkernels.route_row``), the selected experts' gate and up products as
+    one group, the activation, their down products as another, the weighted sum in ascending
+    expert order, then the shared expert."""
+
+    __slots__ = ("layer", "router", "router_w", "split_router", "matmul_f32", "fill", "logits", "k", "norm",
+                 "scale", "experts", "weights", "addresses", "meta", "table", "t_gu", "t_down", "gu_tiles",
+                 "down_tiles", "gu_work", "down_work", "g", "u", "e", "split", "ys", "y", "shared")
+
+    def __init__(self, m: Model, layer: int, s: _Scratch, experts: list[MLPWeights]):
+        rc = m.routing_config(layer)
+        E, k = len(experts), rc.top_k
+        self.matmul_f32 = (quant._compiled or quant._kernels()).matmul_f32
+        from swarm.compute import pointers  # compiled: imported once the kernels have set numba up
+
+        self.fill = pointers.fill_experts
+        self.layer, self.k, self.norm, self.scale = layer, k, rc.norm_topk_prob, F32(rc.routed_scaling_factor)
+        self.router = m.router(layer)
+        self.router_w = self.router.data.view(F32)
+        R, RB = self.router.data.shape
+        self.split_router = threads.parts_for(R * RB, quant.MIN_CHUNK_BYTES) > 1  # as _run_products cuts it
+        self.logits = np.empty((1, E), F32)
+        self.experts = np.empty((2, k), np.int64)
+        self.weights = np.empty((2, k), F32)
+        g0, d0 = experts[0].gate, experts[0].down
+        F, H = g0.shape[0], d0.shape[0]
+        gu = aligned_empty((2 * k, F))  # gate rows, then up rows, as swiglu_one_row lays them out
+        self.g, self.u, self.e = gu[:k], gu[k:], np.empty((k, F), F32)
+        self.split = threads.parts_for(k * F, kernels.MIN_ELEMENTWISE) > 1
+        self.ys = np.empty((k, H), F32)
+        self.y = s.y
+        self.addresses = np.array([[w.gate._addr for w in experts], [w.up._addr for w in experts],
+                                   [w.down._addr for w in experts]], np.int64)
+        address = quant._pointer
+        gu_tile, gu_per = alike_tiles(g0, 1, 2 * k)
+        d_tile, d_per = alike_tiles(d0, 1, k)
+        self.meta = np.array([
+            [g0._kind, F, g0.data.shape[1], 1, g0.cols, gu_tile, gu_per, address(s.h2), 0, address(gu), 4 * F],
+            [d0._kind, H, d0.data.shape[1], 1, d0.cols, d_tile, d_per, address(gu), 4 * F, address(self.ys), 4 * H],
+        ], np.int64)
+        self.table = np.empty((3 * k, 10), np.int64)
+        self.t_gu, self.t_down = self.table[:2 * k], self.table[2 * k:]
+        self.gu_tiles, self.down_tiles = 2 * k * gu_per, k * d_per
+        self.gu_work = 2 * k * F * g0.data.shape[1]  # run_alike's measure (bytes × (3 + T) / 4)
+        self.down_work = k * H * d0.data.shape[1]
+        self.shared = m.has_shared_expert(layer)
+
+    def __call__(self, m: Model, s: _Scratch) -> np.ndarray:
+        row = kernels._row or _row_kernels()
+        logits = self.logits[0]
+        if self.split_router:
+            self.router.matmul(s.h2, self.logits)
+        else:
+            self.matmul_f32(self.router_w, s.h2, self.logits, 0, 0, logits.shape[0])
+        row.shift_max(logits)
+        np.exp(logits, out=logits)  # numpy's float32 exp, as softmax takes it
+        row.route_row(logits, True, self.k, self.norm, self.scale, self.experts, self.weights)
+        self.fill(self.table, self.meta, self.addresses, self.experts[1])
+        run_table(self.t_gu, self.gu_tiles, self.gu_work)
+        _silu_mul(self.g, self.u, self.e, self.split)
+        run_table(self.t_down, self.down_tiles, self.down_work)
+        y = self.y
+        y.fill(0.0)
+        row.weighted_sum(y[0], self.ys, self.weights[1])
+        if self.shared:
+            y += m.shared_expert_output(self.layer, s.h2)
+        return y
+
+
+class _Scratch:
+    """One thread's buffers for one model's decode rows, and its per-layer tables."""
+
+    def __init__(self, c):
+        H, nh, nkv, hd = c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim
+        self.nq, self.nk = nh * hd, nkv * hd
+        self.h = aligned_empty((1, H))  # normed rows: attention's products read them
+        self.h2 = aligned_empty((1, H))  # and the FFN's
+        self.qkv = aligned_empty((1, (nh + 2 * nkv) * hd))
+        self.heads = self.qkv.reshape(nh + 2 * nkv, hd)
+        self.q = np.empty((1, nh, hd), F32)
+        self.att = aligned_empty((1, nh * hd))
+        self.o = np.empty((1, H), F32)
+        self.y = np.empty((1, H), F32)
+        M = (kernels._row or _row_kernels()).M
+        self.scores = np.empty((M, 0), F32)  # attention's scratch, grown with the positions
+        self.acc = np.empty((M, hd), F32)
+        self.layers: dict[int, _Layer] = {}
+        self.key: tuple = ()
+
+    def qkv_products(self, w: AttentionWeights) -> list[tuple[QMatrix, np.ndarray, np.ndarray]]:
+        nq, nk, qkv = self.nq, self.nk, self.qkv
+        return [(w.q, self.h, qkv[:, :nq]), (w.k, self.h, qkv[:, nq:nq + nk]), (w.v, self.h, qkv[:, nq + nk:])]
+
+
+class DecodeRunner:
+    """Runs one-row calls of :meth:`Model.layers` for a :func:`supported` model; thread-safe (a
+    scratch per thread)."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self._local = threading.local()
+
+    def _scratch(self) -> _Scratch:
+        s = getattr(self._local, "s", None)
+        if s is None:
+            s = self._local.s = _Scratch(self.model.config)
+        key = (threads.threads(), quant.GROUP_TILE_BYTES, quant.MAX_TILE_BYTES, quant.MIN_CHUNK_BYTES,
+               kernels.MIN_ELEMENTWISE)
+        if key != s.key:  # the tables' tiles and the steps' splits are sized for these
+            s.layers.clear()
+            s.key = key
+        return s
+
+    def _layer(self, s: _Scratch, layer: int) -> _Layer:
+        m = self.model
+        L = s.layers[layer] = _Layer(m.attention_weights(layer), s, m.config)  # type: ignore[arg-type]
+        L.ffn = _ffn_step(m, layer, s)
+        return L
+
+    def layers(self, x: np.ndarray, cache: KVCache, start: int, lo: int, hi: int, ffn: FFNBackend) -> np.ndarray:
+        """``Model.layers`` of one row x [1, H] f32 at position ``start`` (checked there):
+        the rows after layer ``hi-1`` [1, H] f32."""
+        m, c = self.model, self.model.config
+        s = self._scratch()
+        row = kernels._row or _row_kernels()
+        cache.reserve(start + 1)
+        cos_qk, sin_qk = m._qk_tables(start, 1)
+        cos, ssin = cos_qk[0], sin_qk[0]
+        nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        items = nkv * -(-(nh // nkv) // row.M)  # attention's work items for one query row
+        if s.scores.shape[1] < start + 1:
+            s.scores = np.empty((row.M, max(2 * s.scores.shape[1], start + 1, 256)), F32)
+        split_attention = threads.parts_for(nh * (start + 1) * hd, kernels.MIN_ATTENTION_WORK) > 1
+        own = ffn is m._local_ffn  # the model's own LocalFFN: the steps here compute what it would
+        keeps = type(ffn) is not LocalFFN  # a backend that may keep the rows it is given
+        x = np.array(x, dtype=F32, order="C")  # the residual stream is ours to update in place
+        eps = F32(c.rms_norm_eps)
+        y = None  # the last FFN output, added to x together with the next norm
+        for layer in range(lo, hi):
+            L = s.layers.get(layer) or self._layer(s, layer)
+            w = L.w
+            if y is None:
+                row.rms_norm(x, L.attn_norm, eps, s.h)
+            else:
+                row.add_rms_norm(x, y, L.attn_norm, eps, s.h)
+            if L.qkv is not None:
+                run_table(*L.qkv)
+            else:
+                quant.matmul_many(s.qkv_products(w))
+            k, v = cache.k[layer], cache.v[layer]
+            if k is None or v is None:
+                k, v = cache.layer(layer)
+            row.qk_rope_row(s.heads, L.bias, L.qk_norm, eps, cos, ssin, s.q[0], k, v, start)
+            if split_attention:
+                kernels.attention(s.q, k, v, start, s.att)
+            else:
+                row.attention(s.q, k, v, start, s.att, s.scores, s.acc, 0, items)
+            if L.o is not None:
+                run_table(*L.o)
+            else:
+                w.o.matmul(s.att, s.o)
+            if w.o_bias is not None:
+                s.o += w.o_bias
+            row.add_rms_norm(x, s.o, L.ffn_norm, eps, s.h2)
+            if own and L.ffn is not None:
+                y = L.ffn(m, s)
+            else:
+                y = ffn.ffn(layer, s.h2.copy() if keeps else s.h2)
+                assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
+        if y is not None:
+            x += y
+        return x
+
+
+def _ffn_step(m: Model, layer: int, s: _Scratch) -> _MoE | _Dense | None:
+    """The layer's FFN step on this scratch, for the model's own LocalFFN (no dense plan): what
+    its ``ffn`` computes for one row; None where that takes a path not mirrored here (then
+    ``LocalFFN.ffn`` itself runs)."""
+    c = m.config
+    if not m.is_moe_layer(layer):
+        dense = _Dense(m.dense_weights(layer), s)
+        return dense if dense.gu_table is not None and dense.down_table is not None else None
+    rc = m.routing_config(layer)
+    if rc.scoring != "softmax" or rc.selection_bias is not None or rc.n_group > 1 or c.expert_bias:
+        return None
+    experts = [m.expert_weights(layer, e) for e in range(c.n_experts)]
+    w0 = experts[0]
+    if (any(w.bias is not None or w.swiglu_limit for w in experts) or w0.gate.data.shape != w0.up.data.shape
+            or w0.gate.cols != c.hidden_size
+            or not alike([w.gate for w in experts] + [w.up for w in experts]) or not alike([w.down for w in experts])):
+        return None
+    return _MoE(m, layer, s, experts)
