@@ -400,13 +400,17 @@ def run_table(table: np.ndarray, first: int, work: float) -> None:
     """Run a group ``table`` of ``first`` tiles and ``work`` units on the threads that join."""
     k = _compiled or _kernels()
     counter = np.zeros(1, np.int64)
-    # Threads asked to join: one per 4 tiles. A late one finds the tiles taken and costs the
-    # caller nothing, so the bar is lower than MIN_CHUNK_BYTES (fixed ranges wait for their thread).
-    parts = threads.parts_for(work, 4 * GROUP_TILE_BYTES)
-    if parts == 1:
+    # Spinning workers join a group of 4 tiles or more: one that comes late finds the tiles taken
+    # and costs the caller nothing. Python workers are asked one per MIN_CHUNK_BYTES of work: each
+    # costs a wake-up and the GIL in turn. On 16 cores a 2.4 MB Q4_K product took 0.33 ms on one
+    # thread, 0.20 ms asking 3 others and 0.37 ms asking 15 (one per 4 tiles, as spinning workers
+    # are), so a decode token on 16 threads ran no faster than on 4 (bench/results/engine.md).
+    if threads.parts_for(work, 4 * GROUP_TILE_BYTES) == 1:
         k.run_group(table, counter, first)
     elif spin.wanted(threads.threads()) and spin.pool(threads.threads() - 1).run(table, counter, first) is not None:
         pass  # the spinning workers took tiles beside the caller (swarm/compute/spin.py)
+    elif (parts := threads.parts_for(work, MIN_CHUNK_BYTES)) == 1:
+        k.run_group(table, counter, first)
     else:  # the Python pool: one call per thread that joins, each taking tiles until none is left
         threads.run_chunks(k.run_group, [(table, counter, first)] * parts)
 

@@ -160,6 +160,14 @@ async def test_join_elect_generate_and_fail_over(netns_lab):
     assert killed, "the generation ended before token 10"
     assert answer["text"] == expected[0]
 
+    # The swarm settles after the worker's death first: when it hosted signaling (host0 usually
+    # does), the others wait up to TAKEOVER_STEP_S per rank for a new server, and while between
+    # servers nobody is forgotten (a peer cut off must not lead alone), so a coordinator killed
+    # within that window waits for signaling too (once 5.45 s: the two deaths 0.5 s apart).
+    alive = [i for i in (0, 1, 2, 4) if i != victim]
+    await until(lambda: all((read_status(lab, i) or {}).get("signaling_host") not in (None, ids[victim])
+                            for i in alive), 30, "signaling without the killed worker", procs)
+
     # the coordinator dies during a request: that request ends with an error (no hang), the
     # survivor coordinates within 5 s and serves the next request
     in_flight = spawn_client(lab, victim, c, doc["placement"]["api_port"], key.api_token, prompts[0], LONG_TOKENS)
