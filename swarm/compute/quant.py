@@ -479,8 +479,8 @@ def _kernels():
                     pointers.fill_experts(np.empty((3, k.NCOLS), np.int64), np.zeros((2, 11), np.int64),
                                           np.zeros((3, 1), np.int64), one)  # swarm/compute/decode.py's
                     from swarm.compute import spin as spin_module
-                    ctrl = np.zeros(spin_module.CTRL, np.int64)
-                    spin_module.serve(ctrl, 0, 1)
+                    ctrl = spin_module.control_block()
+                    spin_module.serve(ctrl, 0, 1, 1)
                     spin_module.run(ctrl, 1, table, np.zeros(1, np.int64), 1)
                     spin = spin_module
                 _release_clean_pages("llvmlite")

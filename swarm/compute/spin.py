@@ -22,9 +22,11 @@ Protocol (every access to the control block is a sequentially consistent atomic)
 
 So a tile's result does not depend on who computed it (each output element keeps its one order
 of float32 operations): the bits of one thread. A worker that finds no group for
-:data:`SPINS` iterations returns to Python and sleeps until a caller wakes it (the cost of the
-old hand-off, paid only after an idle spell). One caller at a time uses the spinning workers;
-another that finds them taken falls back to the Python pool (``threads.run_chunks``).
+:data:`SPINS` iterations with a pause and :data:`YIELDS` more giving its core away returns to
+Python and sleeps until a caller wakes it (the cost of the old hand-off, paid only after an idle
+spell of milliseconds: between requests, not between a token's groups). One caller at a time
+uses the spinning workers; another that finds them taken falls back to the Python pool
+(``threads.run_chunks``).
 """
 
 from __future__ import annotations
@@ -40,13 +42,24 @@ from numba.extending import intrinsic
 
 from swarm.compute.qkernels import NCOLS, _view, run_group
 
-# Fields of the control block (int64 [CTRL]).
-OPEN, TABLE, ROWS, COUNTER, TILES, ACTIVE, STOP = range(7)
-CTRL = 8
-# Spin-wait iterations (each one pause instruction: ~25 ns on a Zen 5 core, ~40 on recent Intel)
-# before an idle worker sleeps: ~0.1 ms, longer than the Python between one group of a decode step
-# and the next.
+# Fields of the control block (int64 [CTRL], made by :func:`control_block`), on three 64-byte
+# lines: what every idle worker polls (OPEN, STOP), the group the caller writes once (TABLE, ROWS,
+# COUNTER, TILES), and the count workers change (ACTIVE): a worker joining a group then
+# invalidates no line the others spin on.
+OPEN, STOP = 0, 1
+TABLE, ROWS, COUNTER, TILES = 8, 9, 10, 11
+ACTIVE = 16
+CTRL = 24
+# Spin-wait iterations (each one pause instruction: ~25 ns on a Zen 5 core, ~50 on recent Intel)
+# before an idle worker only yields: ~0.1-0.2 ms, longer than the Python between one group of a
+# decode step and the next.
 SPINS = 4000
+# Then iterations that give the core to any other runnable thread (sched_yield: ~1 µs when none
+# is) before the worker sleeps: ~10-20 ms, longer than the gaps between a token's groups and
+# between a batch's steps. A worker woken from its sleep needs the GIL, one after the other:
+# on 16 cores, 15 workers sleeping after 0.2 ms and woken for the next group made a decode token
+# slower than the Python pool (bench/results/engine.md, "16 cores against llama-bench").
+YIELDS = 10000
 # Off unless ``COLIBRI_SWARM_SPIN=1``: on the 2-core machine these were measured on, with other
 # work running, a decode token took longer with spinning workers (a spinning worker, or one
 # preempted inside a group that the caller then waits for, costs more than the hand-offs it
@@ -134,12 +147,13 @@ def _yield(typingctx):
 
 
 @njit(cache=True, nogil=True)
-def serve(ctrl, seen, spins):  # pragma: no cover - compiled
+def serve(ctrl, seen, spins, yields):  # pragma: no cover - compiled
     """A worker's wait: take tiles of every group published in ``ctrl`` (module docstring) until
-    ``spins`` iterations pass with none, or ``STOP`` is set. ``seen``: the last group served.
-    Returns the last group served (≥ 0), or -1 once ``STOP`` is set. Releases the GIL."""
+    ``spins`` iterations with a pause, then ``yields`` giving the core away, pass with none, or
+    ``STOP`` is set. ``seen``: the last group served. Returns the last group served (≥ 0), or -1
+    once ``STOP`` is set. Releases the GIL."""
     idle = 0
-    while idle < spins:
+    while idle < spins + yields:
         if _load(ctrl, STOP) != 0:
             return -1
         g = _load(ctrl, OPEN)
@@ -154,7 +168,10 @@ def serve(ctrl, seen, spins):  # pragma: no cover - compiled
             idle = 0
         else:
             idle += 1
-            _pause()
+            if idle <= spins:
+                _pause()
+            else:
+                _yield()
     return seen
 
 
@@ -180,12 +197,20 @@ def run(ctrl, g, table, counter, tiles):  # pragma: no cover - compiled
     return done
 
 
+def control_block() -> np.ndarray:
+    """A zeroed control block: int64 [CTRL] starting on a 64-byte line (its fields' lines are
+    then the ones the layout above means)."""
+    raw = np.zeros(CTRL + 8, np.int64)
+    skip = (-raw.ctypes.data % 64) // 8
+    return raw[skip:skip + CTRL]
+
+
 class SpinPool:
     """``size`` daemon threads that wait for groups in compiled code (module docstring)."""
 
-    def __init__(self, size: int, spins: int = SPINS) -> None:
-        self.size, self.spins = size, spins
-        self.ctrl = np.zeros(CTRL, np.int64)
+    def __init__(self, size: int, spins: int = SPINS, yields: int = YIELDS) -> None:
+        self.size, self.spins, self.yields = size, spins, yields
+        self.ctrl = control_block()
         self._busy = threading.Lock()  # one caller at a time publishes
         self._cond = threading.Condition()
         self._sleepers = 0
@@ -199,7 +224,7 @@ class SpinPool:
     def _serve(self) -> None:
         ctrl, seen = self.ctrl, 0
         while True:
-            seen = serve(ctrl, seen, self.spins)
+            seen = serve(ctrl, seen, self.spins, self.yields)
             if seen < 0:
                 return
             with self._cond:  # idle: sleep until a caller wakes the sleepers (a group missed meanwhile costs nothing)

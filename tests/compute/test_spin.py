@@ -122,7 +122,7 @@ def test_idle_workers_sleep_are_woken_and_close_ends_them(spin):
     x = np.random.default_rng(6).standard_normal((4, C)).astype(np.float32)
     want = np.empty((4, 4096), np.float32)
     quant._kernels().matmul(w._kind, w.data, x, want, 0, 4096)
-    pool = spin.SpinPool(2, spins=200)
+    pool = spin.SpinPool(2, spins=200, yields=200)
     try:
         deadline = time.monotonic() + 10
         while pool._sleepers < 2 and time.monotonic() < deadline:
@@ -136,7 +136,7 @@ def test_idle_workers_sleep_are_woken_and_close_ends_them(spin):
             mine = pool.run(table, np.zeros(1, np.int64), tiles)
             assert np.array_equal(out, want)
             woke |= mine < tiles
-            time.sleep(0.002)  # the workers' spin-wait (200 pauses) runs out: each group wakes them
+            time.sleep(0.002)  # the workers' wait (200 pauses, 200 yields) runs out: each group wakes them
         assert woke, "no sleeping worker was woken into a group"
     finally:
         pool.close()
