@@ -41,6 +41,9 @@ import pytest
         (["join", "--signal", "ftp://host:1"], "signaling runs over TLS only"),
         (["join", "--signal", "10.0.0.2"], "names no port"),
         (["join", "--max-batch", "65"], "--max-batch must be at most 64"),
+        (["join", "--gpu-memory", "0"], "--gpu-memory (MiB) must be at least 1"),
+        (["join", "--gpu-memory", "8G"], "--gpu-memory (MiB) must be a whole number, got '8G'"),
+        (["join", "--gpu-memory", str(2**30 + 1)], "--gpu-memory (MiB) must be at most 1073741824"),
     ],
 )
 def test_bad_option_values_get_one_clear_line(argv, needle):
@@ -48,6 +51,19 @@ def test_bad_option_values_get_one_clear_line(argv, needle):
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_gpu_memory_cap_is_what_a_hello_may_announce():
+    """The CLI writes messages.MAX_GPU_MEMORY in MiB as a literal; --gpu-memory with --gpu off is refused."""
+    from swarm.cli.join import check_gpu_memory
+    from swarm.errors import SwarmError
+    from swarm.peer.net.messages import MAX_GPU_MEMORY
+
+    assert build_parser().parse_args(["join", "--gpu-memory", str(MAX_GPU_MEMORY >> 20)]).gpu_memory << 20 == MAX_GPU_MEMORY
+    with pytest.raises(SwarmError, match="--gpu is off: add --gpu auto or --gpu on"):
+        check_gpu_memory("off", 8192)
+    check_gpu_memory("on", 8192)
+    check_gpu_memory("off", None)
 
 
 def test_max_batch_cap_is_the_servings():

@@ -174,6 +174,7 @@ async function main() {
     build: { package: "web_peer", numpy: "", blas: kernelsBlas(), arch: d.description || d.architecture || "webgpu", kernel_dtype: gpu.formats.includes(format) ? format : "f32" },
     model_hash: null, memory_budget: memoryBudget(), ffn_gflops: await measureGflops(gpu), peer_kind: "browser",
     adapter_limits: d.limits, adapter_features: d.features, name: (params.get("name") ?? "browser").slice(0, 64),
+    gpu_memory: 0,  // a page's GPU memory is its memory_budget (what its buffers may take)
   };
 
   setInterval(render, 1000);  // the swarm's pace decays when requests stop

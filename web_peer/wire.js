@@ -25,6 +25,7 @@ export const MAX_RANK = 4;
 export const DEFAULT_REMOTE_MAX_MESSAGE_SIZE = 65536;
 export const MAX_STR = 4096;
 export const MAX_INT = Number.MAX_SAFE_INTEGER;  // 2**53 - 1
+export const MAX_GPU_MEMORY = 2 ** 50;  // the most GPU memory a Hello may announce (bytes; messages.py)
 
 class WireError extends Error {
   constructor(message) { super(message); this.name = this.constructor.name; }
@@ -358,8 +359,15 @@ export const KINDS = {
     name: "Hello",
     fields: [["peer_id", "str"], ["protocol_version", "int"], ["build", BUILD], ["model_hash", { nullable: "str" }],
       ["memory_budget", "int"], ["ffn_gflops", "float"], ["peer_kind", { literal: ["python", "browser"] }],
-      ["adapter_limits", { map: "int" }], ["adapter_features", { list: "str" }], ["name", "str"]],
-    check: (m) => { peerId(m.peer_id, "peer_id"); if (m.model_hash !== null) hex64(m.model_hash, "model_hash"); },
+      ["adapter_limits", { map: "int" }], ["adapter_features", { list: "str" }], ["name", "str"],
+      ["gpu_memory", "int"]],
+    check: (m) => {
+      peerId(m.peer_id, "peer_id"); if (m.model_hash !== null) hex64(m.model_hash, "model_hash");
+      if (m.gpu_memory > MAX_GPU_MEMORY) fail(`gpu_memory: ${m.gpu_memory} bytes is more than any GPU holds`);
+      if (m.gpu_memory && (m.peer_kind !== "python" || !/^wgpu .* adapter:/.test(m.build.blas))) {
+        fail("gpu_memory: only a Python peer computing on a GPU announces GPU memory; others send 0");
+      }
+    },
   },
   4: { name: "LinkHeartbeat", fields: [["seq", "int"], ["sent_s", "float"]] },
   5: { name: "Error", rid: true, fields: [["code", "str"], ["message", "str"]] },

@@ -121,6 +121,8 @@ async def _run_peer(args: Any, console: Any) -> None:
     key, created = _swarm_key(args, swarmkey)
     ident = identity.load_or_create()
     model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
+    gpu_mib = getattr(args, "gpu_memory", None)
+    check_gpu_memory(getattr(args, "gpu", "off"), gpu_mib)  # before the model loads: a mistake fails at once
     gpu = await asyncio.to_thread(_open_gpu, getattr(args, "gpu", "off"), console)  # blocks: adapter, device
     gflops = await asyncio.to_thread(gpu.measure_gflops if gpu is not None else measure_ffn_gflops)
     allowance = await asyncio.to_thread(_measure_memory, args, model)
@@ -128,6 +130,7 @@ async def _run_peer(args: Any, console: Any) -> None:
     node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=args.name or "",
                 ffn_gflops=gflops, build=gpu.build() if gpu is not None else None,
                 signal_url=args.signal, memory_budget=allowance.bytes,
+                gpu_memory=gpu_mib << 20 if gpu is not None and gpu_mib is not None else 0,
                 model_hash=model.content_hash() if model is not None else None,
                 rendezvous_options={"bind_port": args.port} if getattr(args, "port", None) else None,
                 link_options={"jumbo_packets": False} if getattr(args, "mtu_packets", False) else None)
@@ -179,6 +182,14 @@ async def _run_peer(args: Any, console: Any) -> None:
         await _leave(node, roles)
         if gpu is not None:
             await asyncio.to_thread(gpu.close)
+
+
+def check_gpu_memory(mode: str, mib: int | None) -> None:
+    """``--gpu-memory MIB`` sizes the GPU of ``--gpu auto|on``: SwarmError when given with ``--gpu
+    off`` (``mode``), which computes on no GPU."""
+    if mib is not None and mode == "off":
+        raise SwarmError(f"--gpu-memory {mib} sizes the GPU this peer computes on, but --gpu is off: "
+                         "add --gpu auto or --gpu on, or leave --gpu-memory out")
 
 
 def _open_gpu(mode: str, console: Any) -> Any:

@@ -111,6 +111,7 @@ class Node:
         memory_budget: int | None = None,
         ffn_gflops: float | None = None,
         build: NumericBuild | None = None,
+        gpu_memory: int = 0,
         status_path: Path | None = None,
         link_options: dict[str, Any] | None = None,
         rendezvous_options: dict[str, Any] | None = None,
@@ -130,7 +131,7 @@ class Node:
             peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=build or numeric_build(), model_hash=model_hash,
             memory_budget=default_memory_budget() if memory_budget is None else memory_budget,
             ffn_gflops=measure_ffn_gflops() if ffn_gflops is None else ffn_gflops,
-            peer_kind="python", adapter_limits={}, adapter_features=(), name=self.name[:64],
+            peer_kind="python", adapter_limits={}, adapter_features=(), name=self.name[:64], gpu_memory=gpu_memory,
         )
         self.status_path = status_path or paths.config_dir() / STATUS_FILE
         self.rendezvous = Rendezvous(swarm_key.secret, peer_id, name=self.name[:64], signal_url=signal_url,
@@ -300,6 +301,7 @@ class Node:
                 "model_hash": hello.model_hash if hello else None,
                 "arch": hello.build.arch if hello else None,  # tells a Mac (arm64) from Linux (aarch64, x86_64)
                 "gpu": hello.build.gpu_adapter if hello else None,  # the adapter a GPU peer computes on
+                "gpu_memory": hello.gpu_memory if hello else None,  # bytes its GPU work may fill (0: not given)
             })
         server = rv.server
         return {
@@ -316,6 +318,7 @@ class Node:
             "signaling_port": server.port if server is not None else None,
             "ffn_gflops": round(self.hello.ffn_gflops, 2),
             "gpu": self.hello.build.gpu_adapter,
+            "gpu_memory": self.hello.gpu_memory,
             "memory_budget": self.hello.memory_budget,
             "system": platform.system(),
             "placement": self.placement,

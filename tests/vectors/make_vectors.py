@@ -56,6 +56,13 @@ def samples() -> dict[str, object]:
             adapter_limits={"maxStorageBufferBindingSize": 134217728, "maxComputeInvocationsPerWorkgroup": 256},
             adapter_features=("shader-f16",), name="phone – kitchen",
         ),
+        "hello_gpu": m.Hello(
+            peer_id=PA, protocol_version=wire.PROTOCOL_VERSION,
+            build=m.NumericBuild(package="0.1.0", numpy="2.3.1", blas="wgpu 0.32.0 Vulkan kernels:q8_0,q4_k "
+                                 "adapter:NVIDIA GeForce RTX 3060", arch="x86_64", kernel_dtype="f32"),
+            model_hash=HASH, memory_budget=16 * 2**30, ffn_gflops=410.0, peer_kind="python",
+            adapter_limits={}, adapter_features=(), name="tower", gpu_memory=12 * 2**30,
+        ),
         "heartbeat": m.LinkHeartbeat(seq=3, sent_s=1.5),
         "weights_held": m.WeightsHeld(plan_version=5, weight_bytes=123_456_789),
         "error": m.Error(request_id=12, code="stale_term", message="request of term 2; the current term is 3"),
@@ -211,7 +218,21 @@ def malformed_vectors() -> dict[str, tuple[bytes, dict]]:
                ("empty_message", "message", {"term": 3, "version": 6, "reason": "too_slow", "message": ""}),
                ("control_character", "message", {"term": 3, "version": 6, "reason": "too_slow", "message": "a\nb"}),
                ("missing_version", "version", {"term": 3, "reason": "too_slow", "message": "x"}))},
+        **{f"hello_gpu_memory_{name}": (m.wire.encode_frame(3, json.dumps(meta, separators=(",", ":")).encode(), []),
+                                        {"error": "MessageError", "what": "gpu_memory"})
+           for name, meta in (
+               ("negative", _hello_gpu_meta(gpu_memory=-1)),
+               ("not_an_int", _hello_gpu_meta(gpu_memory="12G")),
+               ("absurd", _hello_gpu_meta(gpu_memory=2**51)),
+               ("missing", {k: v for k, v in _hello_gpu_meta().items() if k != "gpu_memory"}),
+               ("on_a_cpu_peer", _hello_gpu_meta(build={**_hello_gpu_meta()["build"], "blas": "openblas 0.3.29"})),
+               ("on_a_page", _hello_gpu_meta(peer_kind="browser")))},
     }
+
+
+def _hello_gpu_meta(**changed: object) -> dict:
+    """The metadata of the ``hello_gpu`` sample with ``changed`` fields."""
+    return {**json.loads(wire.decode_frame(m.encode(samples()["hello_gpu"])).meta), **changed}
 
 
 def fragment_vector() -> tuple[list[bytes], dict]:

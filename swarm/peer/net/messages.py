@@ -71,6 +71,8 @@ class AuthProof(MessageBase):
 
 
 ADAPTER_PREFIX = "adapter:"  # the last word of a GPU peer's build.blas: its adapter's name
+# The most GPU memory a Hello may announce (bytes, 1 PiB): more is no card's, but a bad value.
+MAX_GPU_MEMORY = 1 << 50
 
 
 @dataclass(frozen=True)
@@ -110,11 +112,21 @@ class Hello(MessageBase):
     adapter_limits: dict[str, int]  # WebGPU adapter limits ({} for Python peers)
     adapter_features: tuple[str, ...]  # WebGPU features, e.g. ("shader-f16",)
     name: str
+    # Bytes of GPU memory a Python GPU peer's planned GPU work may fill (weights, a stage's KV
+    # cache): ``join --gpu-memory``; 0 when it computes on no GPU or gave none (its host
+    # ``memory_budget`` is then the only limit: a GPU that shares the host memory).
+    gpu_memory: int = 0
 
     def _check(self) -> None:
         _peer_id(self.peer_id, "peer_id")
         if self.model_hash is not None:
             _hex64(self.model_hash, "model_hash")
+        if self.gpu_memory > MAX_GPU_MEMORY:
+            raise Invalid(f"gpu_memory: {self.gpu_memory} bytes is more than any GPU holds "
+                          f"(at most {MAX_GPU_MEMORY})")
+        if self.gpu_memory and (self.peer_kind != "python" or self.build.gpu_adapter is None):
+            raise Invalid("gpu_memory: only a Python peer computing on a GPU (its build.blas names the adapter) "
+                          "announces GPU memory; others send 0")
 
 
 @message(4)

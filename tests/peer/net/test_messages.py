@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import typing
 from typing import Literal
 
@@ -403,3 +404,37 @@ def test_compiled_checks_agree_with_the_schema_rules(tp) -> None:
         assert got == want and type(got) is type(want), (tp, v)
         to_json = schema._jsonifier(tp)
         assert (got if to_json is None else to_json(got)) == schema._to_json(got, tp), (tp, v)
+
+
+def _gpu_hello(**changed: object) -> m.Hello:
+    """A Python GPU peer's Hello (its build names the adapter) announcing 12 GiB of GPU memory."""
+    build = m.NumericBuild(package="0.1.0", numpy="2.3.1", blas="wgpu 0.32.0 Vulkan kernels:q8_0 adapter:RTX 3060",
+                           arch="x86_64", kernel_dtype="f32")
+    fields: dict = dict(peer_id=PA, protocol_version=2, build=build, model_hash=HASH, memory_budget=2**34,
+                        ffn_gflops=400.0, peer_kind="python", adapter_limits={}, adapter_features=(), name="tower",
+                        gpu_memory=12 * 2**30)
+    return m.Hello(**{**fields, **changed})
+
+
+def test_a_gpu_peers_hello_carries_its_gpu_memory() -> None:
+    back = m.decode(m.encode(_gpu_hello()))
+    assert isinstance(back, m.Hello) and back.gpu_memory == 12 * 2**30 and back == _gpu_hello()
+
+
+@pytest.mark.parametrize("value, why", [(-1, "0..2**53-1"), ("12G", "0..2**53-1"), (1.5, "0..2**53-1"),
+                                        (True, "0..2**53-1"), (2**51, "more than any GPU holds")])
+def test_a_bad_gpu_memory_is_refused_naming_it(value: object, why: str) -> None:
+    meta = json.loads(wire.decode_frame(m.encode(_gpu_hello())).meta)
+    frame = wire.encode_frame(m.Hello.KIND, json.dumps({**meta, "gpu_memory": value}).encode(), [])
+    with pytest.raises(MessageError, match=f"gpu_memory.*{re.escape(why)}"):
+        m.decode(frame)
+    with pytest.raises(LocalProtocolError, match="gpu_memory"):
+        m.encode(_gpu_hello(gpu_memory=value))
+
+
+def test_only_a_python_gpu_peer_announces_gpu_memory() -> None:
+    cpu = m.NumericBuild(package="0.1.0", numpy="2.3.1", blas="openblas 0.3.29", arch="x86_64", kernel_dtype="f32")
+    for bad in (_gpu_hello(build=cpu), _gpu_hello(peer_kind="browser")):
+        with pytest.raises(LocalProtocolError, match="gpu_memory: only a Python peer computing on a GPU"):
+            m.encode(bad)
+    assert m.decode(m.encode(_gpu_hello(build=cpu, gpu_memory=0))).gpu_memory == 0  # nothing announced: fine
