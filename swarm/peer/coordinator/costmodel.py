@@ -21,7 +21,8 @@ coordinator records per worker stage.
 
 Memory. A worker's weights and KV cache fit in its allowance less one step's activations; a
 stage worker keeps the KV cache of its own layers (:meth:`LayerCosts.stage_bytes`), a range
-worker none. The coordinator keeps the KV cache of the layers whose attention it runs (every
+worker none. A GPU peer that announced its GPU memory (``join --gpu-memory``) holds them in GPU
+buffers: they fit that less the activations too (:meth:`LayerCosts.worker_room`). The coordinator keeps the KV cache of the layers whose attention it runs (every
 layer without stages, its own stages' layers with them: a cache holds arrays only for the layers
 that run), its activations and head logits, and under stages the rows it records per worker
 stage (:meth:`LayerCosts.coordinator_reserve`). A placement fits when every peer's
@@ -80,7 +81,9 @@ class PeerCost:
     coordinator (seconds; 0 for the coordinator); ``observed``: ``gflops`` comes from answer
     timings rather than the start-up measurement; ``overhead_s``: what one request/answer to it
     costs beyond ``rtt_s`` and the rows' transfer (seconds): ``MESSAGE_OVERHEAD_S`` until its
-    stage answers, which say how long the computing took, show it."""
+    stage answers, which say how long the computing took, show it. ``gpu_memory``: what a GPU
+    peer's GPU holds (bytes; None: none given), which its layers' weights and KV cache fit too
+    (:meth:`LayerCosts.worker_room`)."""
 
     peer_id: str
     memory_bytes: int
@@ -88,6 +91,7 @@ class PeerCost:
     rtt_s: float = 0.0
     observed: bool = False
     overhead_s: float = MESSAGE_OVERHEAD_S
+    gpu_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,11 @@ class LayerCosts:
         return sum(kv) + self.coord_step_bytes + worker_stages * self.record_bytes
 
     def worker_room(self, p: "PeerCost") -> int:
-        """A worker's allowance less one step's activations (bytes, ≥ 0)."""
-        return max(p.memory_bytes - self.step_bytes, 0)
+        """A worker's allowance less one step's activations (bytes, ≥ 0); on a GPU peer that
+        announced its ``gpu_memory``, no more than that less the same activations: a GPU stage's
+        weights and KV cache (:meth:`stage_bytes`), and a range's weights, live in GPU buffers."""
+        held = p.memory_bytes if p.gpu_memory is None else min(p.memory_bytes, p.gpu_memory)
+        return max(held - self.step_bytes, 0)
 
     @classmethod
     def from_model(cls, model, context: int | None = None) -> "LayerCosts":

@@ -56,7 +56,9 @@ class PeerCapacity:
     weights, KV cache and activations may take together, see :mod:`swarm.peer.memory`); a
     range peer's weights get that less :attr:`ModelShape.step_bytes`. ``ffn_speed``: measured
     FFN throughput in any unit shared by all peers (e.g. GFLOP/s; > 0 to get work).
-    ``rtt_s``: measured round trip to the coordinator (seconds).
+    ``rtt_s``: measured round trip to the coordinator (seconds). ``gpu_memory``: what the GPU of
+    a Python GPU peer holds (bytes, its hello's ``gpu_memory``; None: none given, the host
+    allowance is its only limit): its planned weights — and a stage's KV cache — fit that too.
     """
 
     peer_id: str
@@ -64,6 +66,7 @@ class PeerCapacity:
     ffn_speed: float
     rtt_s: float = 0.0
     kind: str = "python"  # "browser": holds Q8_0 repacks of what its kernels cannot read
+    gpu_memory: int | None = None
 
 
 def _shares(weights: dict[str, float], caps: dict[str, float]) -> dict[str, float]:
@@ -113,7 +116,7 @@ def build_plan(
     Returns a plan whose spans tile every MoE and dense layer; no worker's
     ``plan.bytes_of(peer, shape, kind)`` exceeds its weight budget.
     A worker's weights stay within :meth:`ModelShape.worker_weight_budget` of its
-    ``memory_bytes`` (its activations kept out).
+    ``memory_bytes`` and ``gpu_memory`` (its activations kept out).
     ``coordinator_budget``: bytes of FFN weights the coordinator can keep besides
     what only it holds, its KV cache and activations (None: unbounded, it holds the whole
     model; :meth:`ModelShape.coordinator_weight_budget` of its allowance). What no peer can
@@ -144,7 +147,7 @@ def build_plan(
     c_budget = math.inf if coordinator_budget is None else max(int(coordinator_budget), 0)
     weights = {coordinator.peer_id: max(coordinator.ffn_speed, 1e-9) * coordinator_share}
     caps = {coordinator.peer_id: c_budget / shape.ffn_bytes() if shape.ffn_bytes() else math.inf}
-    held_max = {w.peer_id: shape.worker_weight_budget(w.memory_bytes) for w in workers}
+    held_max = {w.peer_id: shape.worker_weight_budget(w.memory_bytes, w.gpu_memory) for w in workers}
     for w in workers:
         usable = w.ffn_speed > 0 and w.rtt_s <= MAX_RTT_S and held_max[w.peer_id] > 0
         weights[w.peer_id] = w.ffn_speed if usable else 0.0

@@ -176,7 +176,8 @@ class Planning:
             o = stages.of(w.peer_id) if stages is not None else None
             overhead = o.overhead_s if o is not None and o.overhead_s is not None else MESSAGE_OVERHEAD_S
             (costs if w in holding else range_only).append(PeerCost(
-                w.peer_id, w.memory_bytes, gflops_w, w.rtt_s, observed=seen, overhead_s=overhead))
+                w.peer_id, w.memory_bytes, gflops_w, w.rtt_s, observed=seen, overhead_s=overhead,
+                gpu_memory=w.gpu_memory))
         self._priced, self._choices = (self.layout, me, tuple(costs), tuple(range_only)), {}
         chosen, self.cost_report = choose_stages(self.layout, self._layer_costs(), me, costs, range_only,
                                                  self.sequences)
@@ -188,7 +189,9 @@ class Planning:
         first = chosen[0]  # a mix: the coordinator's stage comes first, its FFN cut over the holders
         self.cut_layers = range(first.start, first.stop)
         held = {s.peer: sum(self._layer_costs().stage_bytes(i) for i in range(s.start, s.stop)) for s in chosen[1:]}
-        return [dataclasses.replace(w, memory_bytes=max(w.memory_bytes - held.get(w.peer_id, 0), 0)) for w in holding]
+        return [dataclasses.replace(w, memory_bytes=max(w.memory_bytes - held.get(w.peer_id, 0), 0),
+                                    gpu_memory=None if w.gpu_memory is None else max(w.gpu_memory - held.get(w.peer_id, 0), 0))
+                for w in holding]
 
     def choice_for(self, sequences: int) -> Hashable:
         """What the last plan's layout choice would be with ``sequences`` running (the layout and

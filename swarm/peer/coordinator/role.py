@@ -221,7 +221,8 @@ class CoordinatorRole(LoopDispatcher):
                 continue  # marked down: out of every plan for a while (whatever a new plan cleared), then tried again
             if h.peer_kind == "python" and not self.election.reachable(peer):
                 continue  # silent (a killed process whose link has not timed out yet), or gone
-            out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0, h.peer_kind))
+            out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0, h.peer_kind,
+                                    gpu_memory=h.gpu_memory or None))  # 0: none given
         return out
 
     def _marked_down(self, peer: str, now: float) -> bool:

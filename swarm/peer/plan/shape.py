@@ -70,10 +70,12 @@ class ModelShape:
                    kv_bytes=r["kv_bytes"], step_bytes=r["step_bytes"], coordinator_step_bytes=r["coordinator_step_bytes"],
                    record_bytes=r["record_bytes"])
 
-    def worker_weight_budget(self, allowance: int) -> int:
+    def worker_weight_budget(self, allowance: int, gpu_memory: int | None = None) -> int:
         """Bytes of expert and MLP ranges a worker of ``allowance`` (its hello's budget) may hold:
-        the allowance less one step's activations (a range peer keeps no KV cache)."""
-        return max(allowance - self.step_bytes, 0)
+        the allowance less one step's activations (a range peer keeps no KV cache); on a GPU peer
+        that announced ``gpu_memory`` (bytes; None: none), no more than that less the same
+        activations (its ranges' weights live in GPU buffers)."""
+        return max(min(allowance, allowance if gpu_memory is None else gpu_memory) - self.step_bytes, 0)
 
     def coordinator_fixed_bytes(self, worker_stages: int = 0, kv_layers: int | None = None,
                                 not_run_bytes: int = 0) -> int:

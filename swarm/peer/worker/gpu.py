@@ -255,10 +255,15 @@ class GpuStage:
     from the worker's one compute thread only. Raises KernelError on a GPU error (then
     :meth:`reset` drops the uploads; the next request uploads again)."""
 
-    def __init__(self, gpu: GpuFfn, model: Model, whole_layers: bool = True) -> None:
+    def __init__(self, gpu: GpuFfn, model: Model, whole_layers: bool = True, kv_positions: int | None = None) -> None:
+        from swarm.peer import memory
+
         self.gpu = gpu
         self.model = model
         self.whole_layers = whole_layers  # False: products only, every stage (tests, benchmarks)
+        # Positions of keys/values a layer's GPU buffers hold at most: the context the plan counted
+        # this peer's KV cache for (reserve_of's, from the same --context), never a doubling past it.
+        self.kv_positions = kv_positions or memory.context_tokens(getattr(model.config, "max_position_embeddings", 0) or 0)
         self._linear: dict[QMatrix, GpuLinear | None] = {}  # attention matrix → on the GPU, or None: the CPU
         self._blocks: dict[tuple[int, int], GpuWeights] = {}  # (layer, expert | DENSE | SHARED) → SwiGLU block
         self._vector_buffers: dict[int, dict] = {}  # layer → its norms' and biases' buffers (_vectors)
@@ -384,17 +389,23 @@ class GpuStage:
 
     def _kv(self, cache, layer: int, start: int, end: int) -> GpuKV:
         """Layer ``layer``'s GPU keys/values of ``cache``'s sequence, room for ``end`` positions
-        (capacity doubling; positions below ``start`` copied when grown). Raises KernelError when
-        they are on a lost device."""
+        (capacity doubling up to :attr:`kv_positions`; positions below ``start`` copied when grown).
+        Raises KernelError when they are on a lost device, GpuKVFull when ``end`` passes
+        :attr:`kv_positions` (the KV cache the plan counted on this GPU)."""
         host = self.gpu.host
         kv = cache.device_kv.get(layer)
         if kv is not None and kv.device is not host.device:
             raise KernelError("this sequence's keys and values were on a device that was lost")
         if kv is not None and kv.cap >= end:
             return kv
+        if end > self.kv_positions:
+            raise GpuKVFull(f"layer {layer}: {end} positions of keys/values on the GPU, but the plan counted "
+                            f"{self.kv_positions} (--context) for this peer's GPU memory; give the swarm a "
+                            "larger --context (and this peer --gpu-memory for it), or send shorter sequences")
         cap = max(16, kv.cap if kv is not None else 16)
         while cap < end:
             cap *= 2
+        cap = min(cap, self.kv_positions)  # doubling stops at what the plan counted
         nkv, hd = self.model.config.n_kv_heads, self.model.config.head_dim
         new = GpuKV(host.storage(nkv * cap * hd), host.storage(nkv * cap * hd), cap, host.device)
         if kv is not None and start > 0:  # each head's positions 0 .. start-1 move to the wider rows
@@ -485,6 +496,12 @@ class GpuStage:
                  else m.expert_weights(layer, e))
             held = self._blocks[(layer, e)] = self.gpu.load(w, repack=False)
         return held
+
+
+class GpuKVFull(ValueError):
+    """A sequence's keys/values on the GPU would pass the positions the plan counted
+    (:attr:`GpuStage.kv_positions`): the stage refuses the request (``bad_request``: the
+    coordinator runs those layers itself), neither crashing nor spilling to host memory."""
 
 
 @dataclass

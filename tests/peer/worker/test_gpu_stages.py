@@ -156,6 +156,29 @@ def test_a_whole_layer_gpu_stage_keeps_each_sequences_cache_on_the_gpu(gpu, tmp_
     assert_within_bound(model, 2, cpu, on_gpu, request(23, [(1, 0, 5)], rows(5), 2))  # from 0: uploaded again
 
 
+def test_a_gpu_kv_cache_past_the_planned_context_is_refused_not_grown(gpu, tmp_path, monkeypatch):
+    """The plan counted 24 positions of KV cache on this GPU (``kv_positions``, --context): the
+    buffers double 16 → 24, not 32; a step past position 24 answers ``bad_request`` naming the
+    limit (the coordinator runs the layers itself), and the sequence's cache is untouched."""
+    model = gguf_model(tmp_path, monkeypatch, "llama", QT.Q8_0, **WIDE)
+    cpu, on_gpu, device = runners(model, gpu, 2)
+    device.kv_positions = 24
+    assert device.resident(0, 2)
+    H = model.config.hidden_size
+    rng = np.random.default_rng(12)
+    rows = lambda n: rng.standard_normal((n, H), np.float32)  # noqa: E731
+    assert_within_bound(model, 2, cpu, on_gpu, request(1, [(1, 0, 20)], rows(20), 2))
+    assert_within_bound(model, 2, cpu, on_gpu, request(2, [(1, 20, 4)], rows(4), 2))  # exactly the limit
+    assert {kv.cap for c in on_gpu._caches.values() for kv in c.device_kv.values()} == {24}
+    refused = on_gpu.handle(request(3, [(1, 24, 1)], rows(1), 2))
+    assert isinstance(refused, M.Error) and refused.code == "bad_request"
+    assert "25 positions" in refused.message and "counted 24 (--context)" in refused.message
+    too_long = on_gpu.handle(request(4, [(2, 0, 30)], rows(30), 2))  # a prefill past it, from 0
+    assert isinstance(too_long, M.Error) and too_long.code == "bad_request" and "30 positions" in too_long.message
+    assert {kv.cap for c in on_gpu._caches.values() for kv in c.device_kv.values()} == {24}
+    assert_within_bound(model, 2, cpu, on_gpu, request(5, [(1, 23, 1)], rows(1), 2))  # within it: still served
+
+
 def test_a_long_prefill_goes_through_whole_layers_in_chunks(tmp_path, monkeypatch):
     """Bindings capped at 8 KiB (a phone's limits, scaled down): a 12-row prefill's scratch does
     not fit one submission, so it runs in chunks of 3 rows, each attending over the keys/values
