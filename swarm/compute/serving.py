@@ -120,6 +120,8 @@ class _Seq:
     prompt_scored: list[Sampled] = field(default_factory=list)  # params.prompt_logprobs: its prompt's tokens
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     sampler: Sampler | None = None
+    listener: Callable[[list[Any]], None] | None = None  # TokenStream.listen's: told of new items
+    key: Any = None  # what the listener is told
 
     def next_rows(self, chunk: int) -> list[int]:
         if self.fed < len(self.prompt):  # to the next chunk bound: a reused prefix keeps the cuts
@@ -182,8 +184,47 @@ class TokenStream:
             except StopIteration:
                 return
 
+    def listen(self, listener: Callable[[list[Any]], None] | None, key: Any = None) -> None:
+        """Have ``listener(keys)`` called (on the scheduler's thread, or the thread that cancels or
+        fails the sequence) after items were queued for this stream: ``keys`` holds ``key``, and
+        the keys of every other stream with the same listener that the same step fed — one call
+        per listener per step, not one per stream. Called at once when items are queued already.
+        The listener must not block; it takes the items with :meth:`drain`. None: stop listening."""
+        self._seq.key, self._seq.listener = key, listener
+        if listener is not None and not self._seq.out.empty():  # queued before it listened
+            listener([key])
+
+    def drain(self) -> tuple[list[Sampled], bool | BaseException]:
+        """The tokens queued now, without blocking, and how the stream stands after them: False
+        (more to come), True (it ended) or the exception that failed it (raised by the blocking
+        iteration at that point)."""
+        items: list[Sampled] = []
+        out = self._seq.out
+        while True:
+            try:
+                item = out.get_nowait()
+            except queue.Empty:
+                return items, False
+            if isinstance(item, BaseException):
+                out.put(_DONE)  # later calls end too
+                return items, item
+            if item is _DONE:
+                out.put(_DONE)
+                return items, True
+            items.append(item)
+
     def cancel(self) -> None:
         self._scheduler.cancel(self._seq)
+
+
+def _notify(seqs: Iterator[_Seq] | Sequence[_Seq]) -> None:
+    """Tell each listener of ``seqs`` (:meth:`TokenStream.listen`), once, the keys of those it listens to."""
+    keys: dict[Any, list[Any]] = {}
+    for seq in seqs:
+        if seq.listener is not None:
+            keys.setdefault(seq.listener, []).append(seq.key)
+    for listener, ready in keys.items():
+        listener(ready)
 
 
 class BatchScheduler:
@@ -281,6 +322,7 @@ class BatchScheduler:
                 self._waiting.remove(seq)
                 self.left.append((seq.ident, 0, len(seq.prompt), 0))
         seq.out.put(_DONE)
+        _notify((seq,))
 
     def fail_all(self, exc: BaseException) -> int:
         """End every running and waiting sequence now with ``exc`` (raised by its
@@ -294,6 +336,7 @@ class BatchScheduler:
             for seq in failed:
                 seq.cancelled = seq.failed = True
                 seq.out.put(exc)
+        _notify(failed)
         return len(failed)
 
     def snapshot(self) -> dict[str, Any]:
@@ -426,6 +469,7 @@ class BatchScheduler:
                 for seq, _ in step:
                     seq.cancelled = seq.failed = True
                     seq.out.put(exc)
+            _notify(seq for seq, _ in step)
             return
         dt = time.perf_counter() - t0
         self.step_s = dt if self.steps == 0 else 0.8 * self.step_s + 0.2 * dt
@@ -434,6 +478,7 @@ class BatchScheduler:
         if len(step) > self.peak_batch:
             self.peak_batch = len(step)
             log.info("%d sequences share a step (the most so far)", len(step))
+        fed: list[_Seq] = []  # those given an item this step
         for (seq, rows), row in zip(step, logits):
             if seq.fed < len(seq.prompt):
                 seq.fed += len(rows)
@@ -449,16 +494,19 @@ class BatchScheduler:
                 with self._cond:
                     seq.cancelled = seq.failed = True
                 seq.out.put(exc)
+                fed.append(seq)
                 continue
             tok = picked.token
             seq.generated += 1
             seq.last = tok
             seq.emitted.append(tok)
             seq.out.put(picked)
+            fed.append(seq)
             if tok in seq.params.stop_tokens or seq.generated >= seq.params.max_tokens:
                 with self._cond:
                     seq.cancelled = True  # finished: its slot is free from the next step on
                 seq.out.put(_DONE)
+        _notify(fed)  # once per listener for the whole step: one wake of its loop, not one per stream
 
 
 class SchedulerPool:

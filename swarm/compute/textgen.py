@@ -158,24 +158,54 @@ def sampled_pieces(sampled: Iterable[Sampled], tokenizer: TextTokenizer, params:
                    prompt_tokens: int, stats: GenerationStats | None = None) -> Iterator[ReplyPiece]:
     """:func:`reply_pieces` that keeps each piece's tokens (with their logprobs): the pieces'
     texts joined are the reply; their tokens, every generated token but a final stop token."""
-    stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = prompt_tokens
-    stats.finish_reason = "length"
-    stop = set(params.stop_tokens)
-    decoder = tokenizer.stream_decoder()
-    held: list[Sampled] = []
+    pieces = PieceMaker(tokenizer, params, prompt_tokens, stats)
     for item in sampled:
-        stats.completion_tokens += 1
-        if item.token in stop:
-            stats.finish_reason = "stop"
+        piece = pieces.push(item)
+        if pieces.stopped:
             break
-        held.append(item)
-        if piece := decoder.push(item.token):
-            yield ReplyPiece(piece, tuple(held))
-            held = []
-    rest = decoder.flush()
-    if rest or held:
-        yield ReplyPiece(rest, tuple(held))
+        if piece is not None:
+            yield piece
+    if (last := pieces.finish()) is not None:
+        yield last
+
+
+class PieceMaker:
+    """:func:`sampled_pieces` one token at a time, for a caller that is handed the tokens
+    (the API's event loop) rather than pulling them: :meth:`push` each sampled token until
+    :attr:`stopped`, then :meth:`finish` once. ``stats`` counts the tokens and says why the
+    reply ended (``length`` until a stop token comes)."""
+
+    def __init__(self, tokenizer: TextTokenizer, params: SamplingParams, prompt_tokens: int,
+                 stats: GenerationStats | None = None) -> None:
+        self.stats = stats if stats is not None else GenerationStats()
+        self.stats.prompt_tokens = prompt_tokens
+        self.stats.finish_reason = "length"
+        self.stop = set(params.stop_tokens)
+        self.stopped = False  # a stop token came: push no more
+        self._decoder = tokenizer.stream_decoder()
+        self._held: list[Sampled] = []
+
+    def push(self, item: Sampled) -> ReplyPiece | None:
+        """The piece ``item`` completes (None: its text is not complete yet, or it is a stop token,
+        which sets :attr:`stopped`)."""
+        self.stats.completion_tokens += 1
+        if item.token in self.stop:
+            self.stats.finish_reason = "stop"
+            self.stopped = True
+            return None
+        self._held.append(item)
+        if piece := self._decoder.push(item.token):
+            held, self._held = tuple(self._held), []
+            return ReplyPiece(piece, held)
+        return None
+
+    def finish(self) -> ReplyPiece | None:
+        """The held-back rest at the end of the reply (None: nothing held)."""
+        rest = self._decoder.flush()
+        if rest or self._held:
+            held, self._held = tuple(self._held), []
+            return ReplyPiece(rest, held)
+        return None
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")

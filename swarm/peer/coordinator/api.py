@@ -48,6 +48,7 @@ line, no traceback).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import ipaddress
@@ -56,7 +57,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -117,6 +118,7 @@ class ApiServer:
         self.generations = 0  # finished or stopped generations, for status
         self.dashboard: Any = None  # a swarm.peer.coordinator.dashboard.Dashboard: set_dashboard()
         self.metrics = ApiMetrics()
+        self._loop_waker: _LoopWaker | None = None
 
     def set_dashboard(self, dashboard: Any) -> None:
         """Serve ``dashboard``'s page and routes (set before :meth:`start`); it is told of each
@@ -428,6 +430,12 @@ class ApiServer:
                                 "logprobs": _logprobs(chat, tokens) if tokens else None}]}
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
+        # A text piece without logprobs (nearly every chunk): the constant parts encoded once.
+        head, _, tail = chunk({"content": _MARK}).partition(json.dumps(_MARK).encode())
+
+        def piece_chunk(piece: str) -> bytes:
+            return head + json.dumps(piece).encode() + tail
+
         try:
             if not text:
                 await response.write(chunk({"role": "assistant", "content": ""}))
@@ -444,7 +452,8 @@ class ApiServer:
                     if _parses_tool_calls(chat):
                         held.append((piece, tokens))  # calls are read from the whole reply: sent at its end
                     else:
-                        await response.write(chunk({"content": piece}, tokens=tokens))
+                        await response.write(chunk({"content": piece}, tokens=tokens) if tokens
+                                             else piece_chunk(piece))
             if echo_due:  # no text came: the prompt still goes first
                 await response.write(chunk({"content": chat.prompt}, tokens=_echoed(reply)))
             finish = stats.finish_reason
@@ -481,6 +490,12 @@ class ApiServer:
 
     # ------------------------------------------------------------- the token loop
 
+    def _waker(self, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+        """The listener of every reply this server streams on ``loop`` (one per loop)."""
+        if self._loop_waker is None or self._loop_waker.loop is not loop:
+            self._loop_waker = _LoopWaker(loop)
+        return self._loop_waker
+
     async def _pieces(self, chat: ChatRequest, stats: GenerationStats, reply: Iterator[str | Piece],
                       request: web.Request) -> AsyncGenerator[tuple[str, list[tuple[int, TokenLogprob]]], None]:
         """Text pieces of one admitted generation (``reply``, iterated in a worker thread), stop
@@ -504,11 +519,29 @@ class ApiServer:
             finally:
                 getattr(reply, "close", lambda: None)()
 
+        def deliver() -> None:  # on the event loop, when the scheduler has fed this reply
+            try:
+                pieces, end = poll()
+            except BaseException as exc:  # raised below, as the thread's are
+                pieces, end = [], exc
+            for piece in pieces:
+                queue.put_nowait(("piece", piece))
+            if end is True:
+                queue.put_nowait(("done", None))
+            elif end is not False:
+                queue.put_nowait(("error", end))
+
         stopper = StopMatcher(chat.stop)
         tokens = _TokenOffsets(len(chat.prompt) if chat.echo and chat.prompt is not None else 0)
         started = time.perf_counter()
         first_at: float | None = None
-        future = loop.run_in_executor(self._executor, run)
+        poll: Any = getattr(reply, "poll", None)
+        listen: Any = getattr(reply, "listen", None)
+        future: asyncio.Future | None = None
+        if poll is not None and listen is not None:  # no thread: one wake of the loop per step
+            listen(self._waker(loop), deliver)
+        else:
+            future = loop.run_in_executor(self._executor, run)
         try:
             while True:
                 kind, value = await queue.get()
@@ -538,13 +571,48 @@ class ApiServer:
                     return
         finally:
             cancel.set()  # a stop string, a client gone, or an error: end the token loop
+            if future is None:
+                listen(None)
             _cancel(reply)  # wakes the thread even while the prompt is still being read
-            await asyncio.shield(future)
+            if future is not None:
+                await asyncio.shield(future)
             self.generations += 1
             self.metrics.generation_done(stats.prompt_tokens, stats.completion_tokens,
                                          None if first_at is None else time.perf_counter() - first_at)
             if self.dashboard is not None:  # a stopped generation counts too: its tokens were computed
                 self.dashboard.generation_done(stats, time.perf_counter() - started)
+
+
+_MARK = "\x00piece\x00"  # stands for a chunk's text while its constant parts are encoded
+
+
+class _LoopWaker:
+    """The batch schedulers' way into the event loop: called on a scheduler's thread with the
+    ``deliver`` callbacks of the replies a step fed (:meth:`Reply.listen`), it queues them and
+    wakes the loop once — not once per reply, nor while a wake is pending — and the loop then
+    runs each callback once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._ready: collections.deque[Callable[[], None]] = collections.deque()
+        self._pending = False
+
+    def __call__(self, callbacks: list[Callable[[], None]]) -> None:
+        self._ready.extend(callbacks)
+        if not self._pending:
+            self._pending = True
+            try:
+                self.loop.call_soon_threadsafe(self._run)
+            except RuntimeError:  # the loop is closed: nobody is left to deliver to
+                pass
+
+    def _run(self) -> None:
+        self._pending = False  # before taking: a callback queued after this wakes the loop again
+        ready, due = self._ready, dict[Callable[[], None], None]()
+        while ready:
+            due[ready.popleft()] = None
+        for deliver in due:
+            deliver()
 
 
 def _unavailable(exc: SwarmError) -> ApiError:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from swarm.compute.constrain import Grammar, JsonGrammar
 from swarm.compute.sampling import Sampled
 from swarm.compute.serving import SchedulerPool, TokenStream
-from swarm.compute.textgen import (GenerationStats, ReplyPiece, context_limit, encode_prompt, sampled_pieces,
+from swarm.compute.textgen import (GenerationStats, PieceMaker, ReplyPiece, context_limit, encode_prompt,
                                    token_bytes, with_stop_tokens)
 from swarm.peer.coordinator.api_metrics import Histogram, SwarmLoad
 from swarm.peer.coordinator.api_request import ChatRequest
@@ -35,7 +35,9 @@ class ChatBackend(Protocol):
     :class:`~swarm.compute.serving.QueueFullError`) and returns a *blocking* iterator of text
     pieces — ``str``, or :class:`Piece` with the logprobs of its tokens — (iterated in a thread)
     that fills ``stats`` as it goes; its ``cancel()``, when it
-    has one, is called from the event loop when the client goes away. ``concurrency``: how many
+    has one, is called from the event loop when the client goes away. An iterator that also has
+    ``listen(listener, key)`` and ``poll()`` (:class:`Reply`) is not iterated in a thread: the
+    event loop polls it when its listener is told of new tokens. ``concurrency``: how many
     requests it takes at once (running and queued)."""
 
     model_id: str
@@ -212,10 +214,10 @@ class EngineBackend:
         prompt_ids = request.prompt_ids
         assert prompt_ids is not None  # prepared above
         tokens = self.scheduler.submit(prompt_ids, params)
-        pieces = sampled_pieces(_counting_reuse(tokens, stats), self.tokenizer, params, len(prompt_ids), stats)
+        pieces = PieceMaker(self.tokenizer, params, len(prompt_ids), stats)
         if request.logprobs is None:
-            return Reply(tokens, (p.text for p in pieces if p.text))
-        return Reply(tokens, (self._piece(p) for p in pieces), self._token)
+            return Reply(tokens, pieces, _text)
+        return Reply(tokens, pieces, self._piece, self._token)
 
     def _piece(self, piece: ReplyPiece) -> Piece:
         return Piece(piece.text, tuple(self._token(s) for s in piece.tokens))
@@ -229,11 +231,9 @@ class EngineBackend:
                             tuple((*text(t), lp) for t, lp in sampled.top))
 
 
-def _counting_reuse(tokens: TokenStream, stats: GenerationStats) -> Iterator[Sampled]:
-    """``tokens.sampled()``, setting ``stats.cached_tokens`` once the sequence has joined."""
-    for sampled in tokens.sampled():
-        stats.cached_tokens = tokens.reused
-        yield sampled
+def _text(piece: ReplyPiece) -> str | None:
+    """A reply piece without logprobs: its text, None when it has none."""
+    return piece.text or None
 
 
 def schedulers_for(ffn: Any) -> int:
@@ -245,12 +245,17 @@ def schedulers_for(ffn: Any) -> int:
 
 
 class Reply:
-    """Text pieces of one admitted request (a blocking iterator); :meth:`cancel` (any thread)
-    takes its sequence out of the batch and ends the iteration; :meth:`close` does the same."""
+    """Text pieces of one admitted request: a blocking iterator, or (on an event loop)
+    :meth:`listen` and :meth:`poll`; :meth:`cancel` (any thread) takes its sequence out of the
+    batch and ends the iteration; :meth:`close` does the same. ``pieces`` turns the tokens into
+    reply pieces (and fills the request's stats); ``convert`` makes each what the reply yields
+    (None: skipped); ``as_logprob``: a prompt token's logprobs when the request echoes them."""
 
-    def __init__(self, tokens: TokenStream, pieces: Iterator[str | Piece],
+    def __init__(self, tokens: TokenStream, pieces: PieceMaker, convert: Callable[[ReplyPiece], str | Piece | None],
                  as_logprob: Callable[[Sampled], TokenLogprob] | None = None) -> None:
-        self.tokens, self._pieces, self._as_logprob = tokens, pieces, as_logprob
+        self.tokens, self._maker, self._convert, self._as_logprob = tokens, pieces, convert, as_logprob
+        self._ended = False
+        self._blocking: Iterator[str | Piece] | None = None
 
     def prompt_logprobs(self) -> list[TokenLogprob]:
         """The prompt's tokens with their logprobs (the first's None) when the request echoes
@@ -262,7 +267,56 @@ class Reply:
         return self
 
     def __next__(self) -> str | Piece:
-        return next(self._pieces)
+        if self._blocking is None:
+            self._blocking = self._pieces()
+        return next(self._blocking)
+
+    def _pieces(self) -> Iterator[str | Piece]:
+        for sampled in self.tokens.sampled():
+            out, end = self._take([sampled], False)
+            yield from out
+            if end:
+                return
+        yield from self._take([], True)[0]
+
+    def listen(self, listener: Callable[[list[Any]], None] | None, key: Any = None) -> None:
+        """Have ``listener([key, ...])`` called, from the batch scheduler's thread, when tokens of
+        this reply are ready for :meth:`poll` — once per step for all the replies that share the
+        listener (:meth:`TokenStream.listen`); None: no more calls."""
+        self.tokens.listen(listener, key)
+
+    def poll(self) -> tuple[list[str | Piece], bool | BaseException]:
+        """Without blocking: the pieces ready now, and how the reply stands after them — False
+        (more to come), True (it ended), or the exception that failed its generation (the
+        blocking iteration raises it at that point). Not to be mixed with iterating."""
+        if self._ended:
+            return [], True
+        items, end = self.tokens.drain()
+        out, ended = self._take(items, end is True)
+        if ended:
+            return out, True
+        if isinstance(end, BaseException):
+            self._ended = True
+        return out, end
+
+    def _take(self, items: list[Sampled], last: bool) -> tuple[list[str | Piece], bool]:
+        """The pieces ``items`` complete (with ``last``: and the held-back rest), and whether the
+        reply ended with them (a stop token, or ``last``)."""
+        maker, convert, out = self._maker, self._convert, []
+        for sampled in items:
+            maker.stats.cached_tokens = self.tokens.reused  # known once the sequence has joined
+            piece = maker.push(sampled)
+            if maker.stopped:
+                last = True
+                break
+            if piece is not None and (value := convert(piece)) is not None:
+                out.append(value)
+        if last:
+            self._ended = True
+            piece = maker.finish()
+            if piece is not None and (value := convert(piece)) is not None:
+                out.append(value)
+        return out, last
 
     def cancel(self) -> None:
         self.tokens.cancel()
