@@ -1,7 +1,7 @@
 """Benchmark of the browser peer's WGSL kernels; prints one JSON document.
 
     python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
-    python3 bench/web_peer.py --blocks [--blocks-shape H,F] [--reps N]
+    python3 bench/web_peer.py --blocks [--blocks-shape H,F] [--reps N] [--lanes L] [--subgroups auto|on|off]
 
 For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format (f32, f16, q8 and the
 GGUF blocks q4_0, q4_1, q8_0, q4_k, q5_k, q6_k) it reports seconds per call, GFLOP/s and GB/s (weight bytes as held,
@@ -140,23 +140,31 @@ def copy_bandwidth(gpu, nbytes: int = 1 << 27, reps: int = 20) -> dict:
     return out
 
 
-def bench_blocks(h, f, reps, workgroup_size, formats=("f32", "f16") + K.BLOCK_FORMATS):
-    """Per weight format, both kernels on one SwiGLU block [F, H]: T = 1 GB/s of weights read and
-    T = 64 GFLOP/s, each format on a fresh device (see bench_wgpu), beside the copy bandwidth."""
+def bench_blocks(h, f, reps, workgroup_size, lanes=None, subgroups=None,
+                 formats=("f32", "f16") + K.BLOCK_FORMATS):
+    """Per weight format, both kernels on one SwiGLU block [F, H]: T = 1 GB/s of weights read,
+    T = 8 ms and T = 64 GFLOP/s, each format on a fresh device (see bench_wgpu), beside the copy
+    bandwidth. The adapter section says how the block kernels split rows (lanes, rows a workgroup)
+    and whether they reduce through subgroups."""
     from web_peer.wgpu_host import WgpuFfn
 
-    with WgpuFfn(workgroup_size=workgroup_size) as gpu:
+    opts = {"workgroup_size": workgroup_size, "lanes": lanes, "subgroups": subgroups}
+    with WgpuFfn(**opts) as gpu:
         info = gpu.adapter.info
-        out = {"adapter": {k: info[k] for k in ("vendor", "device", "description", "backend_type", "adapter_type")},
-               "workgroup_size": gpu.workgroup_size, "H": h, "F": f,
+        adapter = {k: info[k] for k in ("vendor", "device", "description", "backend_type", "adapter_type")}
+        adapter.update({"subgroup_feature": "subgroup" in gpu.adapter.features,
+                        "subgroup_min_size": gpu.subgroup_min_size, "subgroups_used": gpu.subgroups,
+                        "lanes": gpu.lanes, "rows_per_workgroup": gpu.workgroup_size // gpu.lanes})
+        out = {"adapter": adapter, "workgroup_size": gpu.workgroup_size, "H": h, "F": f,
                "copy": copy_bandwidth(gpu), "formats": []}
         out["copy_gbps"] = max(out["copy"].values())  # the reference: the best copy this device showed
         formats = [fm for fm in formats if fm in gpu.formats]
     wg, wu, wd = _weights(h, f)
     for fmt in formats:
-        with WgpuFfn(workgroup_size=workgroup_size) as gpu:
+        with WgpuFfn(**opts) as gpu:
             w = _upload(gpu, fmt, wg, wu, wd)
             t1 = gpu.time_kernel("ffn", w, 1, reps)
+            t8 = gpu.time_kernel("ffn", w, 8, reps)
             t64 = gpu.time_kernel("ffn", w, 64, max(3, reps // 4))
             # The answer on this device against the twin's weights in float64 (not timed).
             x = np.random.default_rng(1).standard_normal((2, h)).astype(np.float32)
@@ -168,6 +176,7 @@ def bench_blocks(h, f, reps, workgroup_size, formats=("f32", "f16") + K.BLOCK_FO
                                "bits_per_weight": round(8 * w.nbytes / (3 * h * f), 3),
                                "t1_ms": e1["ms"], "t1_weight_gbps": round(weight_gbps, 1),
                                "t1_of_copy": round(weight_gbps / out["copy_gbps"], 3),
+                               "t8_ms": _entry("wgpu", "ffn", fmt, 8, h, f, t8)["ms"],
                                "t64_ms": e64["ms"], "t64_gflops": e64["gflops"],
                                "rel_error_vs_twin_f64": float(np.abs(y - ref).max() / np.abs(ref).max())})
     return out
@@ -356,12 +365,17 @@ def main(argv=None):
     ap.add_argument("--blocks", action="store_true",
                     help="only wgpu, per block type: T=1 GB/s and T=64 GFLOP/s beside the copy bandwidth")
     ap.add_argument("--blocks-shape", default="4096,14336", help="H,F of --blocks")
+    ap.add_argument("--lanes", type=int, default=None,
+                    help="block kernels' threads per weight row (default: 16 on GPUs, the workgroup on CPU adapters)")
+    ap.add_argument("--subgroups", choices=("auto", "on", "off"), default="auto",
+                    help="block kernels' row reduction through subgroup shuffles (auto: when the adapter allows)")
     args = ap.parse_args(argv)
     if args.blocks:
         h, f = (int(v) for v in args.blocks_shape.split(","))
         t0 = time.perf_counter()
         report = {"bench": "web_peer block kernels", "reps": args.reps,
-                  "wgpu": bench_blocks(h, f, args.reps, args.workgroup_size)}
+                  "wgpu": bench_blocks(h, f, args.reps, args.workgroup_size, args.lanes,
+                                       {"auto": None, "on": True, "off": False}[args.subgroups])}
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         json.dump(report, sys.stdout, indent=1)
         print()

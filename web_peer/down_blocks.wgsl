@@ -21,15 +21,18 @@ fn scale(m: u32, i: u32) -> u32 {
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r = wid.x + wid.y * p.tile_x;
-    if (r >= p.n_rows) {
-        return;  // workgroup-uniform
+    let group = wid.x + wid.y * p.tile_x;
+    if (group * ROWS >= p.n_rows) {
+        return;  // workgroup-uniform: depends on the workgroup id only
     }
     let t0 = wid.z * TB;
-    let nb = p.k4 * 4u / QK;
-    let nv = nb * UNITS_PER_BLOCK;
+    let lane = lid % LANES;
+    let r = group * ROWS + lid / LANES;
+    let nb = p.k4 * 4u / QK;  // blocks per row
+    // Quant units of row r; none past the part (those threads still join slice_sum's barriers).
+    let nv = select(0u, nb * UNITS_PER_BLOCK, r < p.n_rows);
     var acc: array<f32, TB>;
-    for (var v = lid; v < nv; v += WG) {
+    for (var v = lane; v < nv; v += LANES) {
         let w = load_unit(0u, r, v, nb);
         for (var t = 0u; t < TB; t++) {
             let tt = t0 + t;
@@ -43,8 +46,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (tt >= p.t_rows) {
             break;  // uniform
         }
-        let total = workgroup_sum(lid, vec2<f32>(acc[t], 0.0));
-        if (lid == 0u) {
+        let total = slice_sum(lid, vec2<f32>(acc[t], 0.0));
+        if (lane == 0u && r < p.n_rows) {
             y[tt * p.n_out + p.row0 + r] = total.x;
         }
     }

@@ -23,14 +23,19 @@ const K_FORMATS = ["q4_k", "q5_k", "q6_k", "iq4_xs"];
 export const FORMATS = ["f32", "f16", "q8", ...BLOCK_FORMATS];
 export const TB = 8;  // activation rows per workgroup: `const TB` in swiglu.wgsl and down.wgsl
 export const MAX_WORKGROUPS_PER_DIM = 65535;
+const GPU_LANES = 16;  // block kernels' threads per weight row on GPUs (wgpu_host.py GPU_LANES)
 
 const moduleBase = new URL(".", import.meta.url);
 
 export class GpuContext {
   /**
    * @param {GPUAdapter} adapter
-   * @param {{maxBinding?: number, workgroupSize?: number}} opts maxBinding caps storage bindings
-   *   (bytes) below the adapter's limit; workgroupSize is the WG override (power of two).
+   * @param {{maxBinding?: number, workgroupSize?: number, lanes?: number, subgroups?: boolean}} opts
+   *   maxBinding caps storage bindings (bytes) below the adapter's limit; workgroupSize is the WG
+   *   override (power of two); lanes the block kernels' threads per weight row (LANES of
+   *   row_slices.wgsl: 16 on GPUs, the workgroup on CPU adapters); subgroups reduces a row through
+   *   subgroup shuffles (default: when the adapter has "subgroups" and its smallest subgroup holds
+   *   `lanes` threads), as wgpu_host.py.
    */
   constructor(adapter, opts = {}) {
     this.adapter = adapter;
@@ -42,6 +47,16 @@ export class GpuContext {
       throw new KernelError(`workgroup size ${wg} must be a power of two ≤ ${lim.maxComputeInvocationsPerWorkgroup}`);
     }
     this.workgroupSize = wg;
+    this.lanes = opts.lanes ?? (cpuLanes(adapter) ? wg : Math.min(GPU_LANES, wg));
+    if ((this.lanes & (this.lanes - 1)) !== 0 || this.lanes <= 0 || this.lanes > wg) {
+      throw new KernelError(`lanes ${this.lanes} must be a power of two ≤ the workgroup size ${wg}`);
+    }
+    const hasSubgroups = adapter.features.has("subgroups");
+    this.subgroupMinSize = adapter.info?.subgroupMinSize ?? 0;
+    if (opts.subgroups && !hasSubgroups) {
+      throw new KernelError("this adapter lacks the feature 'subgroups'; leave subgroups unset");
+    }
+    this.subgroups = opts.subgroups ?? (hasSubgroups && this.lanes <= this.subgroupMinSize);
     this.hasF16 = adapter.features.has("shader-f16");
     this.formats = FORMATS.filter((f) => f !== "f16" || this.hasF16);
     this.device = null;
@@ -76,12 +91,13 @@ export class GpuContext {
         maxComputeWorkgroupStorageSize: l.maxComputeWorkgroupStorageSize,
       },
       formats: this.formats,
+      workgroupSize: this.workgroupSize, lanes: this.lanes, subgroups: this.subgroups,
     };
   }
 
   async getDevice() {
     if (this.device) return this.device;
-    const required = this.hasF16 ? ["shader-f16"] : [];
+    const required = [...(this.hasF16 ? ["shader-f16"] : []), ...(this.subgroups ? ["subgroups"] : [])];
     let dev;
     try {
       dev = await this.adapter.requestDevice({
@@ -117,8 +133,9 @@ export class GpuContext {
 
   /**
    * The WGSL of `kernel` for weight format `fmt`: weights_<fmt>.wgsl (and blocks.wgsl, then
-   * blocks_32.wgsl or blocks_k.wgsl for block formats), rows.wgsl, then <kernel>.wgsl
-   * (<kernel>_blocks.wgsl): kernels.py wgsl_files.
+   * blocks_32.wgsl or blocks_k.wgsl for block formats), rows.wgsl, for block formats
+   * row_slices.wgsl and sum_subgroup.wgsl (after `enable subgroups;`) or sum_shared.wgsl, then
+   * <kernel>.wgsl (<kernel>_blocks.wgsl): kernels.py wgsl_files.
    */
   async source(kernel, fmt) {
     const key = `${kernel}/${fmt}`;
@@ -128,10 +145,13 @@ export class GpuContext {
         if (!r.ok) throw new KernelError(`cannot load ${name}: HTTP ${r.status}`);
         return r.text();
       };
-      const names = BLOCK_FORMATS.includes(fmt)
-        ? [`weights_${fmt}.wgsl`, "blocks.wgsl", K_FORMATS.includes(fmt) ? "blocks_k.wgsl" : "blocks_32.wgsl", "rows.wgsl", `${kernel}_blocks.wgsl`]
+      const blocks = BLOCK_FORMATS.includes(fmt);
+      const names = blocks
+        ? [`weights_${fmt}.wgsl`, "blocks.wgsl", K_FORMATS.includes(fmt) ? "blocks_k.wgsl" : "blocks_32.wgsl", "rows.wgsl",
+          "row_slices.wgsl", this.subgroups ? "sum_subgroup.wgsl" : "sum_shared.wgsl", `${kernel}_blocks.wgsl`]
         : [`weights_${fmt}.wgsl`, "rows.wgsl", `${kernel}.wgsl`];
-      this._sources.set(key, (await Promise.all(names.map(get))).join("\n"));
+      const enable = blocks && this.subgroups ? ["enable subgroups;"] : [];
+      this._sources.set(key, [...enable, ...(await Promise.all(names.map(get)))].join("\n"));
     }
     return this._sources.get(key);
   }
@@ -147,11 +167,21 @@ export class GpuContext {
       const module = dev.createShaderModule({ code: await this.source(kernel, fmt) });
       const pipe = await dev.createComputePipelineAsync({
         layout: "auto",
-        compute: { module, entryPoint: "main", constants: { WG: this.workgroupSize } },
+        compute: { module, entryPoint: "main", constants: this.constants(fmt) },
       });
       this._pipelines.set(key, pipe);
     }
     return this._pipelines.get(key);
+  }
+
+  /** The pipeline constants of a row kernel of `fmt`: WG, and LANES for the block formats. */
+  constants(fmt) {
+    return BLOCK_FORMATS.includes(fmt) ? { WG: this.workgroupSize, LANES: this.lanes } : { WG: this.workgroupSize };
+  }
+
+  /** Weight rows one workgroup of a row kernel of `fmt` computes (row_slices.wgsl ROWS; 1 for float formats). */
+  rowsPerGroup(fmt) {
+    return BLOCK_FORMATS.includes(fmt) ? this.workgroupSize / this.lanes : 1;
   }
 
   /** A buffer holding `data` (ArrayBufferView or byte count), usage STORAGE|COPY_DST plus `usage`. */
@@ -209,16 +239,25 @@ export class GpuContext {
  * lavapipe (8 lanes of AVX2); bench/web_peer.py measures it.
  */
 export function defaultWorkgroupSize(adapter) {
+  return cpuLanes(adapter) || 64;
+}
+
+/** The SIMD width of a CPU-emulated adapter (8 llvmpipe / lavapipe, 4 SwiftShader), 0 for a GPU. */
+function cpuLanes(adapter) {
   const i = adapter.info ?? {};
   const text = `${i.vendor ?? ""} ${i.architecture ?? ""} ${i.device ?? ""} ${i.description ?? ""}`;
   if (/llvmpipe|lavapipe/i.test(text)) return 8;
-  return adapter.isFallbackAdapter || i.isFallbackAdapter || /swiftshader/i.test(text) ? 4 : 64;
+  return adapter.isFallbackAdapter || i.isFallbackAdapter || /swiftshader/i.test(text) ? 4 : 0;
 }
 
-/** Workgroup counts [x, y, z] for one weight part: x*y ≥ nRows weight rows, z = blocks of TB rows. */
-export function dispatchGrid(nRows, tRows) {
-  const tileX = Math.min(nRows, MAX_WORKGROUPS_PER_DIM);
-  return [tileX, Math.ceil(nRows / tileX), Math.ceil(tRows / TB)];
+/**
+ * Workgroup counts [x, y, z] for one weight part: x*y ≥ nRows / rowsPerGroup groups of weight rows
+ * (a workgroup each), z = blocks of TB rows (kernels.py dispatch_grid).
+ */
+export function dispatchGrid(nRows, tRows, rowsPerGroup = 1) {
+  const groups = Math.ceil(nRows / rowsPerGroup);
+  const tileX = Math.min(groups, MAX_WORKGROUPS_PER_DIM);
+  return [tileX, Math.ceil(groups / tileX), Math.ceil(tRows / TB)];
 }
 
 /**
@@ -227,8 +266,9 @@ export function dispatchGrid(nRows, tRows) {
  */
 export function encodeParts(ctx, enc, pipe, { tRows, k4, nOut, input, mats, output }) {
   const parts = mats[0].packed.parts;
+  const rowsPerGroup = ctx.rowsPerGroup(mats[0].packed.fmt);
   parts.forEach(([r0, r1], i) => {
-    const [gx, gy, gz] = dispatchGrid(r1 - r0, tRows);
+    const [gx, gy, gz] = dispatchGrid(r1 - r0, tRows, rowsPerGroup);
     const params = ctx.buffer(new Uint32Array([tRows, k4, r1 - r0, r0, nOut, gx]), GPUBufferUsage.UNIFORM);
     const res = [params, input, ...mats.map((m) => m.buffers[i]), ...mats.map((m) => m.scales[i]), output];
     const bind = ctx.device.createBindGroup({

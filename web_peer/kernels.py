@@ -11,7 +11,8 @@ range** is the same block over a contiguous slice r of a dense MLP's intermediat
 (W_gate[r], W_up[r], W_down[:, r]); the coordinator sums range partials in range order. The two
 WGSL files are the kernels; ``weights_{f32,f16,q8}.wgsl`` are preludes that give the weight format.
 The GGUF block formats use ``swiglu_blocks.wgsl`` / ``down_blocks.wgsl`` with preludes
-``weights_{q4_0,q4_1,q8_0,q4_k,q5_k,q6_k,iq4_xs}.wgsl`` (same bindings, same work split, per-block scales).
+``weights_{q4_0,q4_1,q8_0,q4_k,q5_k,q6_k,iq4_xs}.wgsl`` (same bindings, per-block scales; a
+workgroup computes ROWS weight rows of LANES threads each, ``row_slices.wgsl``).
 The functions here compute exactly what the kernels compute (float32, same formulas) so the GPU
 results can be checked against them, and them against float64.
 
@@ -454,10 +455,13 @@ def dequantize_k(blocks: np.ndarray, fmt: str) -> np.ndarray:
     raise KernelError(f"{fmt!r} is not a K-quant; expected one of {K_FORMATS}")
 
 
-def dispatch_grid(n_rows: int, t_rows: int) -> tuple[int, int, int]:
-    """Workgroup counts (x, y, z) for one part: x*y ≥ n_rows weight rows, z = blocks of TB rows."""
-    tile_x = min(n_rows, MAX_WORKGROUPS_PER_DIM)
-    return tile_x, -(-n_rows // tile_x), -(-t_rows // TB)
+def dispatch_grid(n_rows: int, t_rows: int, rows_per_group: int = 1) -> tuple[int, int, int]:
+    """Workgroup counts (x, y, z) for one part: x*y ≥ n_rows / rows_per_group groups of weight
+    rows (one workgroup each: 1 for the float kernels, ROWS of row_slices.wgsl for the block
+    kernels), z = blocks of TB rows; x and y ≤ MAX_WORKGROUPS_PER_DIM."""
+    groups = -(-n_rows // rows_per_group)
+    tile_x = min(groups, MAX_WORKGROUPS_PER_DIM)
+    return tile_x, -(-groups // tile_x), -(-t_rows // TB)
 
 
 # ---- a layer's other kernels: RMSNorm, RoPE, attention ------------------------------------------
@@ -548,24 +552,29 @@ def layer_source(kernel: str) -> str:
 
 # ---- WGSL sources ----------------------------------------------------------------------------
 
-def wgsl_files(kernel: str, fmt: str) -> tuple[str, ...]:
+def wgsl_files(kernel: str, fmt: str, subgroups: bool = False) -> tuple[str, ...]:
     """The WGSL files of `kernel` for `fmt`, in order: the weight prelude ``weights_<fmt>.wgsl``
     (and the block preludes' helpers: ``blocks.wgsl``, then ``blocks_32.wgsl`` or, for the
-    K-quants, ``blocks_k.wgsl``), ``rows.wgsl`` (what all kernels share), then the body
-    ``<kernel>.wgsl`` (``<kernel>_blocks.wgsl`` for block formats)."""
+    K-quants, ``blocks_k.wgsl``), ``rows.wgsl`` (what all kernels share), for block formats
+    ``row_slices.wgsl`` and its reduction (``sum_subgroup.wgsl`` when `subgroups`, else
+    ``sum_shared.wgsl``), then the body ``<kernel>.wgsl`` (``<kernel>_blocks.wgsl`` for block formats)."""
     if kernel not in KERNELS:
         raise KernelError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     _check_format(fmt)
     if fmt in BLOCK_FORMATS:
         helpers = "blocks_k.wgsl" if fmt in K_FORMATS else "blocks_32.wgsl"
-        return f"weights_{fmt}.wgsl", "blocks.wgsl", helpers, "rows.wgsl", f"{kernel}_blocks.wgsl"
+        reduce = "sum_subgroup.wgsl" if subgroups else "sum_shared.wgsl"
+        return (f"weights_{fmt}.wgsl", "blocks.wgsl", helpers, "rows.wgsl", "row_slices.wgsl", reduce,
+                f"{kernel}_blocks.wgsl")
     return f"weights_{fmt}.wgsl", "rows.wgsl", f"{kernel}.wgsl"
 
 
-def wgsl_source(kernel: str, fmt: str) -> str:
+def wgsl_source(kernel: str, fmt: str, subgroups: bool = False) -> str:
     """The WGSL a host compiles: :func:`wgsl_files` joined by newlines.
 
-    The page (gpu.js) assembles the same files the same way: one source of truth.
+    The page (gpu.js) assembles the same files the same way: one source of truth. With
+    `subgroups` the page also puts ``enable subgroups;`` first (browsers require it); naga (wgpu)
+    rejects that directive and takes the subgroup builtins once the device has the feature.
     """
     files = resources.files(__package__)
-    return "\n".join((files / name).read_text() for name in wgsl_files(kernel, fmt))
+    return "\n".join((files / name).read_text() for name in wgsl_files(kernel, fmt, subgroups))

@@ -1,6 +1,7 @@
 // Shared by the four row kernels (swiglu, down, swiglu_blocks, down_blocks): their parameters,
-// sizes and the workgroup reduction. One workgroup computes one weight row for up to TB rows of
-// the input: its WG threads each sum a strided share of the row, then workgroup_sum adds them.
+// sizes and the float kernels' reduction. In swiglu and down one workgroup computes one weight row
+// for up to TB rows of the input: its WG threads each sum a strided share of the row, then
+// workgroup_sum adds them (the block kernels split a workgroup into rows: row_slices.wgsl).
 
 struct Params {
     t_rows: u32,   // T, input rows

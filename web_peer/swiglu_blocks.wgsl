@@ -6,8 +6,9 @@
 //   w_up   [R, NV]        vec4<u32>  the same rows of W_up
 //   s_gate, s_up          u32        scale planes (the prelude's load_unit reads them)
 //   h      [T, F]         f32        output; this dispatch writes columns row0 .. row0 + R
-// One workgroup per weight row and block of TB rows of x; its WG threads stride over the row's
-// 16-byte quant units (adjacent threads read adjacent units), then workgroup_sum (rows.wgsl).
+// One workgroup per ROWS weight rows and block of TB rows of x; each row's LANES threads stride
+// over its 16-byte quant units (adjacent lanes read adjacent units), then slice_sum
+// (row_slices.wgsl; sum_shared.wgsl or sum_subgroup.wgsl).
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
@@ -37,16 +38,19 @@ fn silu(v: f32) -> f32 {
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r = wid.x + wid.y * p.tile_x;
-    if (r >= p.n_rows) {
-        return;  // workgroup-uniform: r depends on the workgroup id only
+    let group = wid.x + wid.y * p.tile_x;
+    if (group * ROWS >= p.n_rows) {
+        return;  // workgroup-uniform: depends on the workgroup id only
     }
     let t0 = wid.z * TB;
-    let nb = p.k4 * 4u / QK;        // blocks per row
-    let nv = nb * UNITS_PER_BLOCK;  // quant units per row
+    let lane = lid % LANES;
+    let r = group * ROWS + lid / LANES;
+    let nb = p.k4 * 4u / QK;  // blocks per row
+    // Quant units of row r; none past the part (those threads still join slice_sum's barriers).
+    let nv = select(0u, nb * UNITS_PER_BLOCK, r < p.n_rows);
     var acc_g: array<f32, TB>;
     var acc_u: array<f32, TB>;
-    for (var v = lid; v < nv; v += WG) {
+    for (var v = lane; v < nv; v += LANES) {
         // Dequantized once per unit, used for every row of x; one accumulator update per row.
         let wg = load_unit(0u, r, v, nb);
         let wu = load_unit(1u, r, v, nb);
@@ -64,8 +68,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (tt >= p.t_rows) {
             break;  // uniform: depends on the workgroup id and params only
         }
-        let gu = workgroup_sum(lid, vec2<f32>(acc_g[t], acc_u[t]));
-        if (lid == 0u) {
+        let gu = slice_sum(lid, vec2<f32>(acc_g[t], acc_u[t]));
+        if (lane == 0u && r < p.n_rows) {
             h[tt * p.n_out + p.row0 + r] = silu(gu.x) * gu.y;
         }
     }

@@ -32,6 +32,7 @@ from . import kernels as K
 
 GPU_WORKGROUP_SIZE = 64
 CPU_WORKGROUP_SIZE = 8  # lavapipe: one AVX2 SIMD row; 2-5x faster than 64 (bench/web_peer.py)
+GPU_LANES = 16  # block kernels: threads per weight row on GPUs (WG / 16 rows a workgroup)
 _PARAMS = struct.Struct("<6I")  # t_rows, k4, n_rows, row0, n_out, tile_x (the WGSL Params)
 MAX_WORKGROUPS = K.MAX_WORKGROUPS_PER_DIM
 
@@ -39,6 +40,15 @@ MAX_WORKGROUPS = K.MAX_WORKGROUPS_PER_DIM
 def norm_params(rows: int, d: int, eps: float, w_rows: int = 1) -> bytes:
     """rmsnorm.wgsl's parameters: ``rows`` rows of ``d``, a weight row per row modulo ``w_rows``."""
     return struct.pack("<IIfIIIII", rows, d, eps, _grid(rows)[0], w_rows, 0, 0, 0)
+
+
+def subgroup_min_size(adapter) -> int:
+    """The adapter's smallest subgroup (wgpu-native's adapter info; 0 when it does not say)."""
+    info = adapter.info
+    for key in ("subgroup_min_size", "stackgroup_min_size"):  # the latter: wgpu-py 0.32's spelling
+        if info.get(key):
+            return int(info[key])
+    return 0
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -82,7 +92,7 @@ class GpuFfnWeights:
 @dataclass
 class GpuLinear:
     """One weight matrix W [rows, cols] on the GPU for y = x @ W.T, through the down kernel (its
-    product is exactly that: one workgroup per weight row); ``fmt`` as :class:`GpuFfnWeights`'."""
+    product is exactly that); ``fmt`` as :class:`GpuFfnWeights`'."""
 
     fmt: str
     rows: int
@@ -103,10 +113,16 @@ class WgpuFfn:
     maxStorageBufferBindingSize; pass a phone's 128 MiB or less to force splitting).
     workgroup_size: the WG override (a power of two ≤ maxComputeInvocationsPerWorkgroup);
     default 64 on GPUs, 8 on CPU adapters such as lavapipe (as the page's gpu.js).
+    lanes: the block kernels' threads per weight row (LANES of row_slices.wgsl, a power of two
+    ≤ workgroup_size); default 16 on GPUs, workgroup_size (one row a workgroup) on CPU adapters.
+    subgroups: reduce a row through subgroup shuffles (sum_subgroup.wgsl); default when the
+    adapter has the feature and its smallest subgroup holds `lanes` threads. KernelError when
+    forced on an adapter without it.
     """
 
     def __init__(self, max_binding: int | None = None, workgroup_size: int | None = None,
-                 power_preference: str = "high-performance"):
+                 power_preference: str = "high-performance", lanes: int | None = None,
+                 subgroups: bool | None = None):
         import wgpu  # the [gpu] extra
 
         self._wgpu = wgpu
@@ -115,14 +131,25 @@ class WgpuFfn:
             raise KernelError("no WebGPU adapter: install a Vulkan driver (mesa-vulkan-drivers)")
         limits = self.adapter.limits
         self.adapter_binding = limits["max-storage-buffer-binding-size"]
+        cpu = self.adapter.info["adapter_type"] == "CPU"
         if workgroup_size is None:  # as gpu.js defaultWorkgroupSize: barriers are costly on CPU adapters
-            workgroup_size = CPU_WORKGROUP_SIZE if self.adapter.info["adapter_type"] == "CPU" else GPU_WORKGROUP_SIZE
+            workgroup_size = CPU_WORKGROUP_SIZE if cpu else GPU_WORKGROUP_SIZE
         self.max_binding = min(max_binding or self.adapter_binding, self.adapter_binding)
         if workgroup_size & (workgroup_size - 1) or not (
                 0 < workgroup_size <= limits["max-compute-invocations-per-workgroup"]):
             raise KernelError(f"workgroup size {workgroup_size} must be a power of two ≤ "
                               f"{limits['max-compute-invocations-per-workgroup']}")
         self.workgroup_size = workgroup_size
+        self.lanes = lanes or (workgroup_size if cpu else min(GPU_LANES, workgroup_size))
+        if self.lanes & (self.lanes - 1) or self.lanes > workgroup_size:
+            raise KernelError(f"lanes {self.lanes} must be a power of two ≤ the workgroup size {workgroup_size}")
+        self.subgroup_min_size = subgroup_min_size(self.adapter)
+        has_subgroups = "subgroup" in self.adapter.features
+        if subgroups is None:
+            subgroups = has_subgroups and self.lanes <= self.subgroup_min_size
+        elif subgroups and not has_subgroups:
+            raise KernelError("this adapter lacks the feature 'subgroup'; leave subgroups unset")
+        self.subgroups = subgroups
         self.has_f16 = "shader-f16" in self.adapter.features
         self.formats = tuple(f for f in K.FORMATS if f != "f16" or self.has_f16)
         self.largest_binding = 0  # the largest buffer this host ever bound, for limit tests
@@ -133,7 +160,7 @@ class WgpuFfn:
 
     def _device(self):
         if self.device is None:
-            feats = ["shader-f16"] if self.has_f16 else []
+            feats = ["shader-f16"] * self.has_f16 + ["subgroup"] * self.subgroups
             self.device = self.adapter.request_device_sync(
                 required_features=feats,
                 required_limits={"max-storage-buffer-binding-size": self.adapter_binding})
@@ -165,11 +192,13 @@ class WgpuFfn:
                 raise KernelError(f"weight format {fmt!r} needs the adapter feature shader-f16, "
                                   "which this adapter lacks; use f32 or q8")
             dev = self._device()
-            code = K.wgsl_source(kernel, fmt) if fmt is not None else K.layer_source(kernel)
+            code = K.wgsl_source(kernel, fmt, self.subgroups) if fmt is not None else K.layer_source(kernel)
             module = dev.create_shader_module(code=code)
+            constants = {"WG": self.workgroup_size}
+            if fmt in K.BLOCK_FORMATS:
+                constants["LANES"] = self.lanes
             self._pipelines[key] = dev.create_compute_pipeline(
-                layout="auto", compute={"module": module, "entry_point": "main",
-                                        "constants": {"WG": self.workgroup_size}})
+                layout="auto", compute={"module": module, "entry_point": "main", "constants": constants})
         return self._pipelines[key]
 
     def _buffer(self, data: bytes, usage):
@@ -401,8 +430,9 @@ class WgpuFfn:
         output row t's columns col0 + (the part's rows) of a row of n_out."""
         dev = self.device
         pipe = self._pipeline(kernel, fmt)
+        rows_per_group = self.workgroup_size // self.lanes if fmt in K.BLOCK_FORMATS else 1
         for i, (r0, r1) in enumerate(mats[0].packed.parts):
-            gx, gy, gz = K.dispatch_grid(r1 - r0, t_rows)
+            gx, gy, gz = K.dispatch_grid(r1 - r0, t_rows, rows_per_group)
             params = self._buffer(_PARAMS.pack(t_rows, k4, r1 - r0, col0 + r0, n_out, gx),
                                   self._wgpu.BufferUsage.UNIFORM)
             res = [params, inp] + [m.buffers[i] for m in mats] + [m.scales[i] for m in mats] + [out]

@@ -16,11 +16,11 @@ pytestmark = pytest.mark.browser
 
 # Runs FfnBlock in the page. Arguments: base64 little-endian float32 arrays (or, with `blocks`,
 # GGUF blocks of that encoding for wg/wu/wd, and `downBlocks` false to keep wd float32) and options.
-RUN_FFN = """async ({x, wg, wu, wd, t, h, f, fmt, maxBinding, workgroupSize, ranges, blocks, downBlocks}) => {
+RUN_FFN = """async ({x, wg, wu, wd, t, h, f, fmt, maxBinding, workgroupSize, lanes, subgroups, ranges, blocks, downBlocks}) => {
   const { GpuContext } = await import("/gpu.js");
   const { FfnBlock, sliceColumns } = await import("/ffn.js");
   const f32 = (s) => new Float32Array(Uint8Array.from(atob(s), (c) => c.charCodeAt(0)).buffer);
-  const ctx = await GpuContext.create({ maxBinding, workgroupSize });
+  const ctx = await GpuContext.create({ maxBinding, workgroupSize, lanes: lanes ?? undefined, subgroups: subgroups ?? undefined });
   const u8 = (s) => Uint8Array.from(atob(s), (c) => c.charCodeAt(0));
   const outs = [], gpuBytes = [];
   for (const [a, b] of ranges ?? [[0, f]]) {
@@ -37,16 +37,17 @@ RUN_FFN = """async ({x, wg, wu, wd, t, h, f, fmt, maxBinding, workgroupSize, ran
     outs.push(btoa(String.fromCharCode(...new Uint8Array(y.buffer))));
     gpuBytes.push(block.gpuBytes);
   }
-  return { outs, gpuBytes, largest: ctx.largestBinding, formats: ctx.formats, maxBinding: ctx.maxBinding };
+  return { outs, gpuBytes, largest: ctx.largestBinding, formats: ctx.formats, maxBinding: ctx.maxBinding,
+           lanes: ctx.lanes, subgroups: ctx.subgroups, features: [...ctx.adapter.features] };
 }"""
 
 
 def _run(page, x, wg, wu, wd, fmt, max_binding=None, workgroup_size=None, ranges=None, blocks=None, f=None,
-         down_blocks=True):
+         down_blocks=True, lanes=None, subgroups=None):
     (t, h), f = x.shape, f or wg.shape[0]
     r = page.evaluate(RUN_FFN, dict(x=b64(x), wg=b64(wg), wu=b64(wu), wd=b64(wd), t=t, h=h, f=f, fmt=fmt,
                                     maxBinding=max_binding, workgroupSize=workgroup_size, ranges=ranges,
-                                    blocks=blocks, downBlocks=down_blocks))
+                                    blocks=blocks, downBlocks=down_blocks, lanes=lanes, subgroups=subgroups))
     r["ys"] = [unb64(o, np.float32).reshape(t, h) for o in r["outs"]]
     return r
 
@@ -176,6 +177,22 @@ def test_block_ffn_in_chromium_matches_twin_and_gguf(page, fmt, shape):
     assert rel_error(r["ys"][0], K.swiglu_ffn_f64(x, *gguf64)) <= 1e-5
     # Compact on the GPU: the file's bytes (f = 128, 256 rows: no padding rows).
     assert r["gpuBytes"][0] == sum(raw.nbytes for raw in raws)
+
+
+@pytest.mark.parametrize("fmt,shape", [("q4_0", (3, 96, 160)), ("q8_0", (9, 96, 160)), ("q4_k", (2, 256, 256)),
+                                       ("q6_k", (1, 256, 512))])
+@pytest.mark.parametrize("subgroups", [None, False], ids=["default", "shared"])
+def test_block_rows_split_across_a_workgroup_in_chromium(page, fmt, shape, subgroups):
+    # 8 rows a workgroup of 32 (4 lanes each; H = 96 ends in a part-filled workgroup), through
+    # the page's dispatch grid, reduced by default through subgroups where SwiftShader has them,
+    # else (and with subgroups off) in workgroup memory.
+    rng = np.random.default_rng(17)
+    x, wg, wu, wd = ffn_block(rng, *shape)
+    raws = _raws(rng, fmt, wg, wu, wd)
+    r = _run(page, x, *raws, "f32", blocks=fmt.upper(), f=shape[2], workgroup_size=32, lanes=4, subgroups=subgroups)
+    assert r["lanes"] == 4 and r["subgroups"] == (subgroups is None and "subgroups" in r["features"])
+    gguf64 = [dequantize(raw, GGMLQuantizationType[fmt.upper()]).astype(np.float64) for raw in raws]
+    assert rel_error(r["ys"][0], K.swiglu_ffn_f64(x, *gguf64)) <= 1e-5
 
 
 def test_q4_1_blocks_with_float_down_in_chromium(page):

@@ -282,6 +282,67 @@ def test_rows_beyond_one_dispatch_dimension(new_gpu, fmt, rows):
     assert rel_error(y, ref) <= 1e-5
 
 
+# (workgroup size, lanes, subgroups): one row a workgroup as on CPU adapters; ROWS = 4 rows of 16
+# lanes reduced in workgroup memory, as GPUs without subgroups; 8 rows of 4 lanes (and 8 of 8)
+# through subgroup shuffles (lavapipe's subgroups hold 8 lanes).
+ROW_SPLITS = [(8, 8, False), (64, 16, False), (32, 4, True), (64, 8, True)]
+
+
+@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+@pytest.mark.parametrize("split", ROW_SPLITS, ids=lambda s: f"wg{s[0]}-lanes{s[1]}-{'subgroup' if s[2] else 'shared'}")
+def test_block_rows_split_across_a_workgroup(new_gpu, fmt, split):
+    # 37 weight rows (not a multiple of ROWS: the last workgroup's extra slices write nothing),
+    # T = 1 (decode), 5 and 9 (past TB: two blocks of rows along z), against the twin's weights.
+    wg_size, lanes, subgroups = split
+    gpu = new_gpu(workgroup_size=wg_size, lanes=lanes, subgroups=subgroups)
+    assert (gpu.lanes, gpu.subgroups) == (lanes, subgroups)
+    rng = np.random.default_rng(23)
+    cols = 2 * K.block_size(fmt)[0]
+    raw = K.random_blocks(rng, 37, cols, fmt, 2e-3)
+    m = gpu.upload_linear(raw, fmt)
+    xs = [rng.standard_normal((t, cols)).astype(np.float32) for t in (1, 5, 9)]
+    ys = gpu.matmul_many([(m, x) for x in xs])
+    w64 = _gguf_f64(raw, fmt)
+    for x, y in zip(xs, ys):
+        assert y.shape == (len(x), 37)
+        assert rel_error(y, x.astype(np.float64) @ w64.T) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
+def test_subgroup_and_shared_row_sums_agree_bit_for_bit(new_gpu, fmt):
+    # slice_sum's butterfly hands lane 0 the partials in the shared tree's order: the same bits
+    # whichever reduction an adapter takes, so peers stay comparable bit for bit.
+    rng = np.random.default_rng(24)
+    x, wg, wu, wd = ffn_block(rng, 3, 512, 256)
+    raws = _raws(rng, fmt, wg, wu, wd)
+    ys = []
+    for subgroups in (False, True):
+        gpu = new_gpu(workgroup_size=32, lanes=8, subgroups=subgroups)
+        ys.append(gpu.ffn(x, gpu.upload(*raws, fmt)))
+    assert np.array_equal(ys[0], ys[1])
+    assert rel_error(ys[0], K.swiglu_ffn_f64(x, *(_gguf_f64(r, fmt) for r in raws))) <= 1e-5
+
+
+def test_lanes_must_divide_the_workgroup(new_gpu):
+    for lanes in (3, 64):
+        with pytest.raises(KernelError, match="lanes"):
+            new_gpu(workgroup_size=32, lanes=lanes)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+def test_row_groups_beyond_one_dispatch_dimension(new_gpu, fmt):
+    # 4 rows a workgroup (16 lanes of 4): 262148 rows are 65537 groups, folded into y past 65535.
+    rows = 4 * 65535 + 8
+    assert K.dispatch_grid(rows, 1, 4) == (65535, 2, 1)
+    gpu = new_gpu(workgroup_size=16, lanes=4)
+    rng = np.random.default_rng(25)
+    h = K.block_size(fmt)[0]
+    raw = K.random_blocks(rng, rows, h, fmt, 2e-3)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    (y,) = gpu.matmul_many([(gpu.upload_linear(raw, fmt), x)])
+    assert rel_error(y, x.astype(np.float64) @ _gguf_f64(raw, fmt).T) <= 1e-5
+
+
 def test_blocks_with_an_unaligned_float_down(gpu):
     # A dense range of 33 rows: gate/up Q4_1 blocks, down [H, 33] cannot be cut into blocks and
     # arrives as float32 (slices.py), so the two kernels run different formats.
