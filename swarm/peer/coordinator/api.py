@@ -498,7 +498,8 @@ class ApiServer:
 
     async def _pieces(self, chat: ChatRequest, stats: GenerationStats, reply: Iterator[str | Piece],
                       request: web.Request) -> AsyncGenerator[tuple[str, list[tuple[int, TokenLogprob]]], None]:
-        """Text pieces of one admitted generation (``reply``, iterated in a worker thread), stop
+        """Text pieces of one admitted generation (``reply``: polled on the loop when the scheduler
+        has fed it, or — a reply that cannot be polled — iterated in a worker thread), stop
         strings applied, each with the tokens whose text it ends (``(offset, token)``: where the
         token's text starts in the reply, in characters); a token cut by a stop string goes with
         the text before the cut when some of its text is there."""
@@ -678,6 +679,8 @@ class _TokenOffsets:
     def release(self, *, stopped: bool = False, everything: bool = False) -> list[tuple[int, TokenLogprob]]:
         """The tokens whose text is all emitted (with ``stopped``: whose text starts before the
         cut; the rest never will be); ``everything``: all that remain."""
+        if not self.pending:  # a reply without logprobs: no tokens are tracked
+            return []
         if everything:
             done = self.pending
         elif stopped:

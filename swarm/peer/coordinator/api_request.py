@@ -480,6 +480,8 @@ class StopMatcher:
         self._held = ""
 
     def push(self, text: str) -> tuple[str, bool]:
+        if not self._stops:
+            return text, False
         buf = self._held + text
         hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
         if hits:
