@@ -102,7 +102,7 @@ class ApiServer:
             raise ValueError("the API needs at least one non-empty bearer token")
         self.backend = backend
         self._tokens = tuple(t.encode() for t in tokens)
-        # One thread per admitted request waits on its tokens; the batch scheduler does the work.
+        # A reply that cannot be polled (ChatBackend) has a thread that waits on its pieces.
         self._executor = ThreadPoolExecutor(max_workers=max(1, getattr(backend, "concurrency", 1)),
                                             thread_name_prefix="swarm-api-gen")
         # Prompts are encoded beside a running generation, so a bad one is refused at once.
