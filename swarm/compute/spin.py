@@ -41,6 +41,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from swarm.compute.qkernels import NCOLS, _view, run_group
+from swarm.compute.threads import available_cores
 
 # Fields of the control block (int64 [CTRL], made by :func:`control_block`), on three 64-byte
 # lines: what every idle worker polls (OPEN, STOP), the group the caller writes once (TABLE, ROWS,
@@ -60,17 +61,35 @@ SPINS = 4000
 # on 16 cores, 15 workers sleeping after 0.2 ms and woken for the next group made a decode token
 # slower than the Python pool (bench/results/engine.md, "16 cores against llama-bench").
 YIELDS = 10000
-# Off unless ``COLIBRI_SWARM_SPIN=1``: on the 2-core machine these were measured on, with other
-# work running, a decode token took longer with spinning workers (a spinning worker, or one
-# preempted inside a group that the caller then waits for, costs more than the hand-offs it
-# saves); on an idle many-core machine it is the hand-off llama.cpp's threads use, not yet
-# measured here against the Python pool (bench/results/engine.md).
+# On by default from SPIN_FROM_THREADS threads, when the process has a core for each thread: on a
+# 16-core Xeon a MoE decode token took 7.9 ms with them against 20.6 ms with the Python pool at 16
+# threads, 14.1 against 17.8 at 8, and about the same at 4 (bench/results/engine.md, "16 cores:
+# spinning workers"). Below that, or with more threads than cores (a spinning worker then takes a
+# core the caller needs, and one preempted inside a group holds the caller), the Python pool is
+# kept: on 2 cores with other work running a decode token took longer with them.
+# ``COLIBRI_SWARM_SPIN=1`` forces them on (any count > 1), ``=0`` off.
+SPIN_FROM_THREADS = 4
 _FORCED = os.environ.get("COLIBRI_SWARM_SPIN", "")
+if _FORCED not in ("", "0", "1"):
+    raise ValueError(f"COLIBRI_SWARM_SPIN must be 0 (Python pool), 1 (spinning workers) or unset "
+                     f"(spinning workers from {SPIN_FROM_THREADS} threads), not {_FORCED!r}")
+_cores: int | None = None  # available_cores(), read once
 
 
 def wanted(threads: int) -> bool:
-    """Whether a process computing on ``threads`` (> 1) threads hands groups to spinning workers."""
-    return _FORCED == "1" and threads > 1
+    """Whether a process computing on ``threads`` threads (its caller's included) hands groups to
+    spinning workers: ``COLIBRI_SWARM_SPIN`` when set, else from :data:`SPIN_FROM_THREADS` threads
+    up to the cores the process may use (``threads.available_cores``)."""
+    global _cores
+    if threads <= 1:
+        return False
+    if _FORCED:
+        return _FORCED == "1"
+    if threads < SPIN_FROM_THREADS:
+        return False
+    if _cores is None:
+        _cores = available_cores()
+    return threads <= _cores
 
 _ints = _view(types.int64, False)
 

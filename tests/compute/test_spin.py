@@ -173,3 +173,29 @@ def test_the_engine_with_spinning_workers_gives_one_threads_logits(spin, tmp_pat
         assert spin._pool is not None and spin._pool.size == 7  # the groups went to the spinning workers
     finally:
         threads.set_threads(before)
+
+
+def test_spinning_workers_are_the_default_from_four_threads_with_a_core_each(spin, monkeypatch):
+    """Unset: the Python pool below 4 threads and with more threads than cores, spinning workers
+    from 4 up to the cores; ``COLIBRI_SWARM_SPIN`` 1 / 0 force them on / off at any count > 1."""
+    monkeypatch.setattr(spin, "_FORCED", "")
+    monkeypatch.setattr(spin, "_cores", 16)
+    assert [n for n in (1, 2, 3, 4, 8, 16, 17, 32) if spin.wanted(n)] == [4, 8, 16]
+    monkeypatch.setattr(spin, "_cores", 2)
+    assert not any(spin.wanted(n) for n in (1, 2, 3, 4, 8))
+    monkeypatch.setattr(spin, "_FORCED", "1")
+    assert [n for n in (1, 2, 3, 4, 8) if spin.wanted(n)] == [2, 3, 4, 8]
+    monkeypatch.setattr(spin, "_FORCED", "0")
+    monkeypatch.setattr(spin, "_cores", 16)
+    assert not any(spin.wanted(n) for n in (1, 2, 4, 16))
+
+
+def test_a_bad_spin_setting_is_refused_by_name():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, COLIBRI_SWARM_SPIN="yes")
+    run = subprocess.run([sys.executable, "-c", "import swarm.compute.spin"], env=env, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "COLIBRI_SWARM_SPIN must be 0" in run.stderr and "'yes'" in run.stderr
