@@ -468,7 +468,7 @@ def _pipeline_main(args) -> dict:
         stages = throughput_split(LayerCosts.from_model(model), equal[0], equal[1:])
     else:
         bounds = [0, *(int(b) for b in str(args.split).split(",")), n_layers]
-        stages = tuple((p, lo, hi) for p, lo, hi in zip(peers, bounds, bounds[1:], strict=True))
+        stages = tuple((p, lo, hi) for p, lo, hi in zip(peers, bounds[:-1], bounds[1:], strict=True))
     levels = [int(n) for n in str(args.streams).split(",")]
     tok = tokenizer_for(model)
     texts = prompts(max(levels), args.prompt_tokens)
