@@ -366,7 +366,7 @@ def main(argv=None):
                     help="only wgpu, per block type: T=1 GB/s and T=64 GFLOP/s beside the copy bandwidth")
     ap.add_argument("--blocks-shape", default="4096,14336", help="H,F of --blocks")
     ap.add_argument("--lanes", type=int, default=None,
-                    help="block kernels' threads per weight row (default: 16 on GPUs, the workgroup on CPU adapters)")
+                    help="block kernels' threads per weight row (default: 32 on GPUs, the workgroup on CPU adapters)")
     ap.add_argument("--subgroups", choices=("auto", "on", "off"), default="auto",
                     help="block kernels' row reduction through subgroup shuffles (auto: when the adapter allows)")
     args = ap.parse_args(argv)

@@ -23,7 +23,7 @@ const K_FORMATS = ["q4_k", "q5_k", "q6_k", "iq4_xs"];
 export const FORMATS = ["f32", "f16", "q8", ...BLOCK_FORMATS];
 export const TB = 8;  // activation rows per workgroup: `const TB` in swiglu.wgsl and down.wgsl
 export const MAX_WORKGROUPS_PER_DIM = 65535;
-const GPU_LANES = 16;  // block kernels' threads per weight row on GPUs (wgpu_host.py GPU_LANES)
+const GPU_LANES = 32;  // block kernels' threads per weight row on GPUs (wgpu_host.py GPU_LANES)
 
 const moduleBase = new URL(".", import.meta.url);
 
@@ -33,7 +33,7 @@ export class GpuContext {
    * @param {{maxBinding?: number, workgroupSize?: number, lanes?: number, subgroups?: boolean}} opts
    *   maxBinding caps storage bindings (bytes) below the adapter's limit; workgroupSize is the WG
    *   override (power of two); lanes the block kernels' threads per weight row (LANES of
-   *   row_slices.wgsl: 16 on GPUs, the workgroup on CPU adapters); subgroups reduces a row through
+   *   row_slices.wgsl: 32 on GPUs, the workgroup on CPU adapters); subgroups reduces a row through
    *   subgroup shuffles (default: when the adapter has "subgroups" and its smallest subgroup holds
    *   `lanes` threads), as wgpu_host.py.
    */

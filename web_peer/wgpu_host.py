@@ -32,7 +32,7 @@ from . import kernels as K
 
 GPU_WORKGROUP_SIZE = 64
 CPU_WORKGROUP_SIZE = 8  # lavapipe: one AVX2 SIMD row; 2-5x faster than 64 (bench/web_peer.py)
-GPU_LANES = 16  # block kernels: threads per weight row on GPUs (WG / 16 rows a workgroup)
+GPU_LANES = 32  # block kernels: threads per weight row on GPUs (a subgroup on most; WG / 32 rows a workgroup)
 _PARAMS = struct.Struct("<6I")  # t_rows, k4, n_rows, row0, n_out, tile_x (the WGSL Params)
 MAX_WORKGROUPS = K.MAX_WORKGROUPS_PER_DIM
 
@@ -114,7 +114,7 @@ class WgpuFfn:
     workgroup_size: the WG override (a power of two ≤ maxComputeInvocationsPerWorkgroup);
     default 64 on GPUs, 8 on CPU adapters such as lavapipe (as the page's gpu.js).
     lanes: the block kernels' threads per weight row (LANES of row_slices.wgsl, a power of two
-    ≤ workgroup_size); default 16 on GPUs, workgroup_size (one row a workgroup) on CPU adapters.
+    ≤ workgroup_size); default 32 on GPUs, workgroup_size (one row a workgroup) on CPU adapters.
     subgroups: reduce a row through subgroup shuffles (sum_subgroup.wgsl); default when the
     adapter has the feature and its smallest subgroup holds `lanes` threads. KernelError when
     forced on an adapter without it.
