@@ -2,6 +2,7 @@
 
     python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
     python3 bench/web_peer.py --blocks [--blocks-shape H,F] [--reps N] [--lanes L] [--subgroups auto|on|off]
+                              [--formats q4_k,q8_0]
 
 For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format (f32, f16, q8 and the
 GGUF blocks q4_0, q4_1, q8_0, q4_k, q5_k, q6_k) it reports seconds per call, GFLOP/s and GB/s (weight bytes as held,
@@ -369,13 +370,15 @@ def main(argv=None):
                     help="block kernels' threads per weight row (default: 32 on GPUs, the workgroup on CPU adapters)")
     ap.add_argument("--subgroups", choices=("auto", "on", "off"), default="auto",
                     help="block kernels' row reduction through subgroup shuffles (auto: when the adapter allows)")
+    ap.add_argument("--formats", default=None, help="comma-separated formats of --blocks (default: all the adapter has)")
     args = ap.parse_args(argv)
     if args.blocks:
         h, f = (int(v) for v in args.blocks_shape.split(","))
         t0 = time.perf_counter()
         report = {"bench": "web_peer block kernels", "reps": args.reps,
                   "wgpu": bench_blocks(h, f, args.reps, args.workgroup_size, args.lanes,
-                                       {"auto": None, "on": True, "off": False}[args.subgroups])}
+                                       {"auto": None, "on": True, "off": False}[args.subgroups],
+                                       *([tuple(args.formats.split(","))] if args.formats else []))}
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         json.dump(report, sys.stdout, indent=1)
         print()
