@@ -604,6 +604,8 @@ class Model:
                 raise ValueError(f"sequence of {start + T} positions exceeds the model's attention window "
                                  f"({c.sliding_window}); sliding-window attention is not supported")
             cache.reserve(start + T)
+        if len(seqs) == 1:  # one sequence: layers' own path (a decode row: DecodeRunner's), the same bits
+            return self.layers(x, seqs[0][0], seqs[0][1], lo, hi, ffn)
         segments = lengths if len(seqs) > 1 else None
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         tables = [self._qk_tables(start, T) for _, start, T in seqs]

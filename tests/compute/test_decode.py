@@ -267,3 +267,37 @@ def test_threads_decoding_at_once_keep_their_bits(tiny):
     for t in workers:
         t.join()
     assert all(same_bits(g, w) for g, w in zip(got, want))
+
+
+def test_a_batch_of_one_sequence_decodes_on_the_one_row_path(tiny, quantized):
+    """A batch scheduler's step of one decoding sequence (``forward_batch`` with one part of one
+    token, what one API stream runs) takes the one-row path, and its logits are those of
+    ``forward`` and of the general path, bit for bit; a step of two sequences keeps the batch
+    path."""
+    model = load_model(quantized("qwen3_moe"))
+    runner = model._decode
+    tokens = np.random.default_rng(4).integers(0, model.config.vocab_size, 9).tolist()
+    calls = []
+    real = runner.layers
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    runner.layers = counting
+    try:
+        cache = model.new_cache()
+        model.forward_batch([(tokens[:8], cache)])
+        assert calls == []  # a prefill chunk: the general path
+        got = model.forward_batch([(tokens[8:], cache)])
+        assert calls == [(1, model.config.hidden_size)]
+        others = [model.new_cache() for _ in range(2)]
+        for c in others:
+            model.forward_batch([(tokens[:8], c)])
+        calls.clear()
+        model.forward_batch([(tokens[8:], c) for c in others])
+        assert calls == []
+    finally:
+        del runner.layers
+    _, general = decode_both_ways(model, tokens, 8)
+    assert same_bits(got, general[-1:])
