@@ -90,15 +90,16 @@ def _silu_mul(g: np.ndarray, u: np.ndarray, e: np.ndarray, split: bool) -> None:
 
 class _Dense:
     """A dense layer's whole SwiGLU on a row, ``swiglu_ffn``'s kernels in its order: the gate and
-    up products as one group into a [2, F] buffer, the activation, the down product."""
+    up products as one group into a [2n, F] buffer (the n gate rows, then the n up rows), the
+    activation, the down product."""
 
     __slots__ = ("g", "u", "e", "split", "gu_table", "down_table", "y")
 
     def __init__(self, mlp: MLPWeights, s: _Scratch):
-        F = mlp.gate.shape[0]
-        gu = aligned_empty((2, F))
-        self.g, self.u, self.e = gu[:1], gu[1:], np.empty((1, F), F32)
-        self.split = threads.parts_for(F, kernels.MIN_ELEMENTWISE) > 1
+        F, n = mlp.gate.shape[0], s.n
+        gu = aligned_empty((2 * n, F))
+        self.g, self.u, self.e = gu[:n], gu[n:], np.empty((n, F), F32)
+        self.split = threads.parts_for(n * F, kernels.MIN_ELEMENTWISE) > 1
         self.y = s.y
         self.gu_table = _table([(mlp.gate, s.h2, self.g), (mlp.up, s.h2, self.u)])
         self.down_table = _table([(mlp.down, self.g, s.y)])
@@ -111,19 +112,21 @@ class _Dense:
 
 
 class _MoE:
-    """A MoE layer's step on a row, ``LocalFFN.ffn``'s operations (softmax routing without
+    """A MoE layer's step on n rows, ``LocalFFN.ffn``'s operations (softmax routing without
     selection bias or groups; plain SwiGLU experts of one encoding and shape): the router's
-    logits, the routing (``rowkernels.route_row``), the selected experts' gate and up products as
-    one group, the activation, their down products as another, the weighted sum in ascending
-    expert order, then the shared expert."""
+    logits, the routing of each row (``rowkernels.route_row``), every row's selected experts'
+    gate and up products as one group, the activation, their down products as another, each
+    row's weighted sum in ascending expert order, then the shared expert. An expert chosen by
+    several rows runs once per row: a product's bits do not depend on its row count, and the
+    rows need no gathering."""
 
     __slots__ = ("layer", "router", "router_w", "split_router", "matmul_f32", "fill", "logits", "k", "norm",
-                 "scale", "experts", "weights", "addresses", "meta", "table", "t_gu", "t_down", "gu_tiles",
-                 "down_tiles", "gu_work", "down_work", "g", "u", "e", "split", "ys", "y", "shared")
+                 "scale", "experts", "weights", "sel", "x_col", "addresses", "meta", "table", "t_gu", "t_down",
+                 "gu_tiles", "down_tiles", "gu_work", "down_work", "g", "u", "e", "split", "ys", "y", "shared")
 
     def __init__(self, m: Model, layer: int, s: _Scratch, experts: list[MLPWeights]):
         rc = m.routing_config(layer)
-        E, k = len(experts), rc.top_k
+        E, k, n = len(experts), rc.top_k, s.n
         self.matmul_f32 = (quant._compiled or quant._kernels()).matmul_f32
         from swarm.compute import pointers  # compiled: imported once the kernels have set numba up
 
@@ -132,97 +135,128 @@ class _MoE:
         self.router = m.router(layer)
         self.router_w = self.router.data.view(F32)
         R, RB = self.router.data.shape
-        self.split_router = threads.parts_for(R * RB, quant.MIN_CHUNK_BYTES) > 1  # as _run_products cuts it
-        self.logits = np.empty((1, E), F32)
-        self.experts = np.empty((2, k), np.int64)
-        self.weights = np.empty((2, k), F32)
+        self.split_router = threads.parts_for(n * R * RB, quant.MIN_CHUNK_BYTES) > 1  # as _run_products cuts it
+        self.logits = np.empty((n, E), F32)
+        self.experts = np.empty((n, 2, k), np.int64)  # route_row's [2, k] of each row
+        self.weights = np.empty((n, 2, k), F32)
+        # the selected experts of all rows, row after row (ascending within a row): one row's
+        # own row 1 of experts, or a buffer the rows' are copied into
+        self.sel = self.experts[0, 1] if n == 1 else np.empty(n * k, np.int64)
+        nk = n * k
         g0, d0 = experts[0].gate, experts[0].down
         F, H = g0.shape[0], d0.shape[0]
-        gu = aligned_empty((2 * k, F))  # gate rows, then up rows, as swiglu_one_row lays them out
-        self.g, self.u, self.e = gu[:k], gu[k:], np.empty((k, F), F32)
-        self.split = threads.parts_for(k * F, kernels.MIN_ELEMENTWISE) > 1
-        self.ys = np.empty((k, H), F32)
+        gu = aligned_empty((2 * nk, F))  # gate rows, then up rows, as swiglu_one_row lays them out
+        self.g, self.u, self.e = gu[:nk], gu[nk:], np.empty((nk, F), F32)
+        self.split = threads.parts_for(nk * F, kernels.MIN_ELEMENTWISE) > 1
+        self.ys = np.empty((nk, H), F32)
         self.y = s.y
         self.addresses = np.array([[w.gate._addr for w in experts], [w.up._addr for w in experts],
                                    [w.down._addr for w in experts]], np.int64)
         address = quant._pointer
-        gu_tile, gu_per = alike_tiles(g0, 1, 2 * k)
-        d_tile, d_per = alike_tiles(d0, 1, k)
+        gu_tile, gu_per = alike_tiles(g0, 1, 2 * nk)
+        d_tile, d_per = alike_tiles(d0, 1, nk)
         self.meta = np.array([
             [g0._kind, F, g0.data.shape[1], 1, g0.cols, gu_tile, gu_per, address(s.h2), 0, address(gu), 4 * F],
             [d0._kind, H, d0.data.shape[1], 1, d0.cols, d_tile, d_per, address(gu), 4 * F, address(self.ys), 4 * H],
         ], np.int64)
-        self.table = np.empty((3 * k, 10), np.int64)
-        self.t_gu, self.t_down = self.table[:2 * k], self.table[2 * k:]
-        self.gu_tiles, self.down_tiles = 2 * k * gu_per, k * d_per
-        self.gu_work = 2 * k * F * g0.data.shape[1]  # run_alike's measure (bytes × (3 + T) / 4)
-        self.down_work = k * H * d0.data.shape[1]
+        # fill_experts points every gate/up product at row 0; product j reads row (j % nk) // k
+        rows = np.arange(2 * nk) % nk // k
+        self.x_col = address(s.h2) + 4 * H * rows.astype(np.int64) if n > 1 else None
+        self.table = np.empty((3 * nk, 10), np.int64)
+        self.t_gu, self.t_down = self.table[:2 * nk], self.table[2 * nk:]
+        self.gu_tiles, self.down_tiles = 2 * nk * gu_per, nk * d_per
+        self.gu_work = 2 * nk * F * g0.data.shape[1]  # run_alike's measure (bytes × (3 + T) / 4)
+        self.down_work = nk * H * d0.data.shape[1]
         self.shared = m.has_shared_expert(layer)
 
     def __call__(self, m: Model, s: _Scratch) -> np.ndarray:
         row = kernels._row or _row_kernels()
-        logits = self.logits[0]
+        logits, experts, weights, k = self.logits, self.experts, self.weights, self.k
         if self.split_router:
-            self.router.matmul(s.h2, self.logits)
+            self.router.matmul(s.h2, logits)
         else:
-            self.matmul_f32(self.router_w, s.h2, self.logits, 0, 0, logits.shape[0])
-        row.shift_max(logits)
+            self.matmul_f32(self.router_w, s.h2, logits, 0, 0, logits.shape[1])
+        for i in range(s.n):
+            row.shift_max(logits[i])
         np.exp(logits, out=logits)  # numpy's float32 exp, as softmax takes it
-        row.route_row(logits, True, self.k, self.norm, self.scale, self.experts, self.weights)
-        self.fill(self.table, self.meta, self.addresses, self.experts[1])
+        for i in range(s.n):
+            row.route_row(logits[i], True, k, self.norm, self.scale, experts[i], weights[i])
+        if self.x_col is not None:
+            self.sel.reshape(s.n, k)[...] = experts[:, 1]
+        self.fill(self.table, self.meta, self.addresses, self.sel)
+        if self.x_col is not None:
+            self.t_gu[:, 4] = self.x_col
         run_table(self.t_gu, self.gu_tiles, self.gu_work)
         _silu_mul(self.g, self.u, self.e, self.split)
         run_table(self.t_down, self.down_tiles, self.down_work)
-        y = self.y
+        y, ys = self.y, self.ys
         y.fill(0.0)
-        row.weighted_sum(y[0], self.ys, self.weights[1])
+        for i in range(s.n):
+            row.weighted_sum(y[i], ys[i * k:(i + 1) * k], weights[i, 1])
         if self.shared:
             y += m.shared_expert_output(self.layer, s.h2)
         return y
 
 
 class _Scratch:
-    """One thread's buffers for one model's decode rows, and its per-layer tables."""
+    """One thread's buffers for one model's steps of n decode rows, and its per-layer tables."""
 
-    def __init__(self, c):
+    def __init__(self, c, n: int):
         H, nh, nkv, hd = c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim
-        self.nq, self.nk = nh * hd, nkv * hd
-        self.h = aligned_empty((1, H))  # normed rows: attention's products read them
-        self.h2 = aligned_empty((1, H))  # and the FFN's
-        self.qkv = aligned_empty((1, (nh + 2 * nkv) * hd))
-        self.heads = self.qkv.reshape(nh + 2 * nkv, hd)
-        self.q = np.empty((1, nh, hd), F32)
-        self.att = aligned_empty((1, nh * hd))
-        self.o = np.empty((1, H), F32)
-        self.y = np.empty((1, H), F32)
+        self.n, self.nq, self.nk = n, nh * hd, nkv * hd
+        self.h = aligned_empty((n, H))  # normed rows: attention's products read them
+        self.h2 = aligned_empty((n, H))  # and the FFN's
+        self.qkv = aligned_empty((n, (nh + 2 * nkv) * hd))
+        # A product writes C-ordered [n, rows]: one row writes straight into its slices of qkv,
+        # n rows into buffers of their own, copied into qkv's rows (one head a row per decode row)
+        self.proj = None if n == 1 else [aligned_empty((n, w)) for w in (self.nq, self.nk, self.nk)]
+        self.heads = [self.qkv[i].reshape(nh + 2 * nkv, hd) for i in range(n)]
+        self.q = np.empty((n, nh, hd), F32)
+        self.att = aligned_empty((n, nh * hd))
+        self.q_rows = [self.q[i] for i in range(n)]  # the views each row's steps take
+        self.q_one = [self.q[i:i + 1] for i in range(n)]
+        self.att_one = [self.att[i:i + 1] for i in range(n)]
+        self.o = np.empty((n, H), F32)
+        self.y = np.empty((n, H), F32)
         M = (kernels._row or _row_kernels()).M
         self.scores = np.empty((M, 0), F32)  # attention's scratch, grown with the positions
         self.acc = np.empty((M, hd), F32)
         self.layers: dict[int, _Layer] = {}
-        self.key: tuple = ()
 
     def qkv_products(self, w: AttentionWeights) -> list[tuple[QMatrix, np.ndarray, np.ndarray]]:
         nq, nk, qkv = self.nq, self.nk, self.qkv
+        if self.proj is not None:
+            return [(w.q, self.h, self.proj[0]), (w.k, self.h, self.proj[1]), (w.v, self.h, self.proj[2])]
         return [(w.q, self.h, qkv[:, :nq]), (w.k, self.h, qkv[:, nq:nq + nk]), (w.v, self.h, qkv[:, nq + nk:])]
+
+    def gather_qkv(self) -> None:
+        """Copy the n-row products' buffers into qkv's rows (nothing for one row)."""
+        if self.proj is not None:
+            nq, nk, qkv = self.nq, self.nk, self.qkv
+            qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:] = self.proj
+
+
+MAX_ROWS = quant.SMALL_T  # the most decode rows of one step here (the router's product takes them at once)
 
 
 class DecodeRunner:
-    """Runs one-row calls of :meth:`Model.layers` for a :func:`supported` model; thread-safe (a
-    scratch per thread)."""
+    """Runs steps of decode rows — one-row calls of :meth:`Model.layers`, and steps of up to
+    :data:`MAX_ROWS` sequences of one row each of :meth:`Model.layers_batch` — for a
+    :func:`supported` model; thread-safe (scratch per thread)."""
 
     def __init__(self, model: Model):
         self.model = model
         self._local = threading.local()
 
-    def _scratch(self) -> _Scratch:
-        s = getattr(self._local, "s", None)
-        if s is None:
-            s = self._local.s = _Scratch(self.model.config)
+    def _scratch(self, n: int = 1) -> _Scratch:
+        local = self._local
         key = (threads.threads(), quant.GROUP_TILE_BYTES, quant.MAX_TILE_BYTES, quant.MIN_CHUNK_BYTES,
                kernels.MIN_ELEMENTWISE)
-        if key != s.key:  # the tables' tiles and the steps' splits are sized for these
-            s.layers.clear()
-            s.key = key
+        if getattr(local, "key", None) != key:  # the tables' tiles and the steps' splits are sized for these
+            local.scratch, local.key = {}, key
+        s = local.scratch.get(n)
+        if s is None:
+            s = local.scratch[n] = _Scratch(self.model.config, n)
         return s
 
     def _layer(self, s: _Scratch, layer: int) -> _Layer:
@@ -234,19 +268,30 @@ class DecodeRunner:
     def layers(self, x: np.ndarray, cache: KVCache, start: int, lo: int, hi: int, ffn: FFNBackend) -> np.ndarray:
         """``Model.layers`` of one row x [1, H] f32 at position ``start`` (checked there):
         the rows after layer ``hi-1`` [1, H] f32."""
+        return self.rows(x, [(cache, start)], lo, hi, ffn)
+
+    def rows(self, x: np.ndarray, seqs: list[tuple[KVCache, int]], lo: int, hi: int, ffn: FFNBackend) -> np.ndarray:
+        """``Model.layers_batch`` of n = len(seqs) ≤ :data:`MAX_ROWS` sequences of one row each:
+        x [n, H] f32, row i at position ``seqs[i][1]`` of its own cache ``seqs[i][0]`` (checked
+        there) → the rows after layer ``hi-1`` [n, H] f32, each with the bits of its sequence alone."""
         m, c = self.model, self.model.config
-        s = self._scratch()
+        n = len(seqs)
+        s = self._scratch(n)
         row = kernels._row or _row_kernels()
-        cache.reserve(start + 1)
-        cos_qk, sin_qk = m._qk_tables(start, 1)
-        cos, ssin = cos_qk[0], sin_qk[0]
         nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         items = nkv * -(-(nh // nkv) // row.M)  # attention's work items for one query row
-        if s.scores.shape[1] < start + 1:
-            s.scores = np.empty((row.M, max(2 * s.scores.shape[1], start + 1, 256)), F32)
-        split_attention = threads.parts_for(nh * (start + 1) * hd, kernels.MIN_ATTENTION_WORK) > 1
+        caches, starts = [cache for cache, _ in seqs], [start for _, start in seqs]
+        tables, split_attention = [], []
+        for cache, start in seqs:
+            cache.reserve(start + 1)
+            cos_qk, sin_qk = m._qk_tables(start, 1)
+            tables.append((cos_qk[0], sin_qk[0]))
+            split_attention.append(threads.parts_for(nh * (start + 1) * hd, kernels.MIN_ATTENTION_WORK) > 1)
+        if s.scores.shape[1] < max(starts) + 1:
+            s.scores = np.empty((row.M, max(2 * s.scores.shape[1], max(starts) + 1, 256)), F32)
         own = ffn is m._local_ffn  # the model's own LocalFFN: the steps here compute what it would
         keeps = type(ffn) is not LocalFFN  # a backend that may keep the rows it is given
+        segments = [1] * n if n > 1 else None
         x = np.array(x, dtype=F32, order="C")  # the residual stream is ours to update in place
         eps = F32(c.rms_norm_eps)
         y = None  # the last FFN output, added to x together with the next norm
@@ -261,14 +306,18 @@ class DecodeRunner:
                 run_table(*L.qkv)
             else:
                 quant.matmul_many(s.qkv_products(w))
-            k, v = cache.k[layer], cache.v[layer]
-            if k is None or v is None:
-                k, v = cache.layer(layer)
-            row.qk_rope_row(s.heads, L.bias, L.qk_norm, eps, cos, ssin, s.q[0], k, v, start)
-            if split_attention:
-                kernels.attention(s.q, k, v, start, s.att)
-            else:
-                row.attention(s.q, k, v, start, s.att, s.scores, s.acc, 0, items)
+            s.gather_qkv()
+            for i in range(n):  # each row at its own position, over its own cache
+                cache, start = caches[i], starts[i]
+                k, v = cache.k[layer], cache.v[layer]
+                if k is None or v is None:
+                    k, v = cache.layer(layer)
+                cos, ssin = tables[i]
+                row.qk_rope_row(s.heads[i], L.bias, L.qk_norm, eps, cos, ssin, s.q_rows[i], k, v, start)
+                if split_attention[i]:
+                    kernels.attention(s.q_one[i], k, v, start, s.att_one[i])
+                else:
+                    row.attention(s.q_one[i], k, v, start, s.att_one[i], s.scores, s.acc, 0, items)
             if L.o is not None:
                 run_table(*L.o)
             else:
@@ -279,7 +328,8 @@ class DecodeRunner:
             if own and L.ffn is not None:
                 y = L.ffn(m, s)
             else:
-                y = ffn.ffn(layer, s.h2.copy() if keeps else s.h2)
+                h2 = s.h2.copy() if keeps else s.h2
+                y = ffn.ffn(layer, h2) if segments is None else ffn.ffn(layer, h2, segments)
                 assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
         if y is not None:
             x += y

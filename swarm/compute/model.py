@@ -24,7 +24,7 @@ from swarm.compute.attention_mla import MLAWeights, load_mla_weights, mla_attent
 from swarm.compute.attention_sinks import sink_attention
 from swarm.compute.checkpoint import Checkpoint, open_checkpoint
 from swarm.compute.config import ModelConfig
-from swarm.compute.decode import DecodeRunner, supported as decode_supported
+from swarm.compute.decode import MAX_ROWS as MAX_DECODE_ROWS, DecodeRunner, supported as decode_supported
 from swarm.compute.deltanet import (DeltaNetWeights, RecurrentState, deltanet_attention, load_deltanet_weights,
                                     prepare_kernel as prepare_deltanet_kernel)
 from swarm.compute.ffn import FFNBackend, LayerBackend, LocalFFN, RoutingConfig, shared_expert
@@ -585,7 +585,9 @@ class Model:
         each sequence's rows in turn, ``seqs[i] = (cache, start, T_i)`` (positions
         ``start .. start+T_i-1``, each sequence its own cache). Attention runs per sequence on its
         own cache, the rest on the union; each row has the bits :meth:`layers` gives its sequence
-        alone. ``cache.length`` is left to the caller. Returns [sum T_i, H] f32.
+        alone. ``cache.length`` is left to the caller. Returns [sum T_i, H] f32. A step of
+        decode rows (every T_i = 1, up to ``decode.MAX_ROWS`` of them) with the model's own FFN
+        takes :class:`~swarm.compute.decode.DecodeRunner`'s steps: the same bits, less Python.
         Raises ValueError for a bad layer range, rows of the wrong shape, a shared cache or a
         sequence past the model's attention window."""
         c = self.config
@@ -606,6 +608,9 @@ class Model:
             cache.reserve(start + T)
         if len(seqs) == 1:  # one sequence: layers' own path (a decode row: DecodeRunner's), the same bits
             return self.layers(x, seqs[0][0], seqs[0][1], lo, hi, ffn)
+        if (x.shape[0] == len(seqs) <= MAX_DECODE_ROWS and ffn is self._local_ffn and self.products is None
+                and self._decode is not None):  # decode rows only, the model's own FFN: DecodeRunner's steps
+            return self._decode.rows(x, [(cache, start) for cache, start, _ in seqs], lo, hi, ffn)
         segments = lengths if len(seqs) > 1 else None
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         tables = [self._qk_tables(start, T) for _, start, T in seqs]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from swarm.compute import LocalFFN, kernels, quant
+from swarm.compute import LocalFFN, kernels, quant, threads
 from swarm.compute.ffn import route
 from swarm.compute.kernels import apply_rope_swapped, rms_norm, signed_sin
 from swarm.compute.model import load_model
@@ -301,3 +301,64 @@ def test_a_batch_of_one_sequence_decodes_on_the_one_row_path(tiny, quantized):
         del runner.layers
     _, general = decode_both_ways(model, tokens, 8)
     assert same_bits(got, general[-1:])
+
+
+def batch_steps(model, prompts: list[list[int]], steps: list[list[int]]) -> np.ndarray:
+    """Each prompt's prefill alone, then ``forward_batch`` steps of one token per sequence
+    (``steps[j][i]``: sequence i's token at step j): the steps' logits [steps, n, V]."""
+    caches = [model.new_cache() for _ in prompts]
+    for p, c in zip(prompts, caches):
+        model.forward(p, c)
+    return np.stack([model.forward_batch([([t], c) for t, c in zip(toks, caches)]) for toks in steps])
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
+def test_steps_of_several_decode_rows_have_the_general_paths_bits(tiny, quantized, family, monkeypatch):
+    """A batch step of n sequences of one row each (at their own positions: prompts of different
+    lengths) takes the decode steps for n rows, and every row's logits are the general batch
+    path's and those of its sequence decoded alone, bit for bit: n = 2, 3, 8, float32 and Q8_0,
+    at 1, 2 and 3 threads (the work thresholds lowered so that products, activations and
+    attention split between them)."""
+    before = threads.threads()
+    monkeypatch.setattr(quant, "MIN_CHUNK_BYTES", 256)
+    monkeypatch.setattr(quant, "GROUP_TILE_BYTES", 256)
+    monkeypatch.setattr(kernels, "MIN_ELEMENTWISE", 64)
+    monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 256)
+    rng = np.random.default_rng(11)
+    try:
+        for path in (tiny(family)[1], quantized(family)):
+            model = load_model(path)
+            runner = model._decode
+            assert (runner is None) == (family == "olmoe")
+            V = model.config.vocab_size
+            for n, n_threads in ((2, 1), (3, 2), (8, 3), (3, 1)):
+                threads.set_threads(n_threads)
+                prompts = [rng.integers(0, V, 2 + 3 * i).tolist() for i in range(n)]
+                steps = rng.integers(0, V, (3, n)).tolist()
+                calls: list[int] = []
+                if runner is not None:
+                    real = runner.rows
+                    runner.rows = lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)  # type: ignore
+                try:
+                    fast = batch_steps(model, prompts, steps)
+                finally:
+                    runner is not None and runner.__dict__.pop("rows")
+                assert calls == ([] if runner is None else [n] * len(steps))
+                model.__dict__["_decode"] = None  # the general paths, one row and batched
+                try:
+                    general = batch_steps(model, prompts, steps)
+                    alone = []
+                    for i, p in enumerate(prompts):
+                        cache = model.new_cache()
+                        model.forward(p, cache)
+                        alone.append([model.forward([toks[i]], cache, last_only=True)[0] for toks in steps])
+                finally:
+                    model.__dict__["_decode"] = runner
+                assert np.isfinite(fast).all() and fast.std() > 0
+                assert same_bits(fast, general), (path, n, n_threads)
+                assert same_bits(fast, np.array(alone, F32).transpose(1, 0, 2)), (path, n, n_threads)
+            if runner is not None and path.suffix == ".gguf":  # the n-row FFN steps ran
+                step = runner._scratch(3).layers[0].ffn
+                assert type(step).__name__ == ("_MoE" if family in MOE_FAMILIES else "_Dense")
+    finally:
+        threads.set_threads(before)
