@@ -26,8 +26,8 @@ buffers, causal attention over it, O, the residual, RMSNorm and SwiGLU
 (``web_peer/{rmsnorm,rope,kv_write,attention,add}.wgsl`` and the products); a MoE layer is routed
 on the CPU between two submissions. Otherwise products only: the StageRunner's layers are the engine's own
 ``Model.layers`` on a view of the model whose Q, K, V and O projections go to the GPU
-(:meth:`~swarm.compute.model.Model.with_products`; ``down.wgsl`` is a plain product, one
-workgroup per weight row, so one matrix is ``WgpuFfn.upload_linear``), and whose FFN backend runs
+(:meth:`~swarm.compute.model.Model.with_products`; the down kernel is a plain product of
+one matrix, so a projection is ``WgpuFfn.upload_linear``), and whose FFN backend runs
 each SwiGLU block — the dense MLP, each selected expert, the shared expert — through
 :meth:`GpuFfn.run`; norms, RoPE, attention over the KV cache (in host memory), routing and the
 combine stay the engine's code. Unlike a range, a stage never computes on a Q8_0 repack: a
