@@ -13,6 +13,13 @@ are compiled (swarm/compute/rowkernels.py): the residual update with the next RM
 Q/K head norms with RoPE and the KV write, the routing of a row; the experts' tables are filled
 by one compiled call (swarm/compute/pointers.py).
 
+A batch step of n sequences of one row each (``Model.layers_batch``, up to :data:`MAX_ROWS`,
+the model's own FFN) takes the same steps on n rows: a scratch and tables per n, every product
+over all the rows at once, each row's RoPE, KV write and attention at its own position over its
+own cache, each row's routing, and each selected expert once over the rows routed to it
+(``pointers.fill_expert_rows`` gathers them and writes the tables), so the Python between the
+kernels is paid once a step rather than once a row.
+
 Every step is the general path's sequence of float32 operations — the same kernels, or compiled
 twins of numpy steps tested bit for bit (tests/compute/test_decode.py) — so a row's bits are
 those ``Model._attention`` and ``LocalFFN.ffn`` give it.
@@ -21,7 +28,7 @@ those ``Model._attention`` and ``LocalFFN.ffn`` give it.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -114,23 +121,24 @@ class _Dense:
 class _MoE:
     """A MoE layer's step on n rows, ``LocalFFN.ffn``'s operations (softmax routing without
     selection bias or groups; plain SwiGLU experts of one encoding and shape): the router's
-    logits, the routing of each row (``rowkernels.route_row``), every row's selected experts'
-    gate and up products as one group, the activation, their down products as another, each
-    row's weighted sum in ascending expert order, then the shared expert. An expert chosen by
-    several rows runs once per row: a product's bits do not depend on its row count, and the
-    rows need no gathering."""
+    logits, the routing of each row (``rowkernels.route_row``), the selected experts' gate and up
+    products as one group, the activation, their down products as another, each row's weighted
+    sum in ascending expert order, then the shared expert. One row: each expert reads the row as
+    it is (``pointers.fill_experts``); n rows: each selected expert runs once over the rows
+    routed to it, gathered (``pointers.fill_expert_rows``), as ``LocalFFN.ffn`` runs it."""
 
     __slots__ = ("layer", "router", "router_w", "split_router", "matmul_f32", "fill", "logits", "k", "norm",
-                 "scale", "experts", "weights", "sel", "x_col", "addresses", "meta", "table", "t_gu", "t_down",
-                 "gu_tiles", "down_tiles", "gu_work", "down_work", "g", "u", "e", "split", "ys", "y", "shared")
+                 "scale", "experts", "weights", "sel", "rank", "xg", "ys_rows", "addresses", "meta", "table",
+                 "gu_per", "down_per", "gu_work", "down_work", "g", "u", "e", "split", "ys", "y", "shared")
 
     def __init__(self, m: Model, layer: int, s: _Scratch, experts: list[MLPWeights]):
         rc = m.routing_config(layer)
         E, k, n = len(experts), rc.top_k, s.n
+        nk = n * k
         self.matmul_f32 = (quant._compiled or quant._kernels()).matmul_f32
         from swarm.compute import pointers  # compiled: imported once the kernels have set numba up
 
-        self.fill = pointers.fill_experts
+        self.fill: Callable[..., Any] = pointers.fill_experts if n == 1 else pointers.fill_expert_rows
         self.layer, self.k, self.norm, self.scale = layer, k, rc.norm_topk_prob, F32(rc.routed_scaling_factor)
         self.router = m.router(layer)
         self.router_w = self.router.data.view(F32)
@@ -139,10 +147,6 @@ class _MoE:
         self.logits = np.empty((n, E), F32)
         self.experts = np.empty((n, 2, k), np.int64)  # route_row's [2, k] of each row
         self.weights = np.empty((n, 2, k), F32)
-        # the selected experts of all rows, row after row (ascending within a row): one row's
-        # own row 1 of experts, or a buffer the rows' are copied into
-        self.sel = self.experts[0, 1] if n == 1 else np.empty(n * k, np.int64)
-        nk = n * k
         g0, d0 = experts[0].gate, experts[0].down
         F, H = g0.shape[0], d0.shape[0]
         gu = aligned_empty((2 * nk, F))  # gate rows, then up rows, as swiglu_one_row lays them out
@@ -153,45 +157,53 @@ class _MoE:
         self.addresses = np.array([[w.gate._addr for w in experts], [w.up._addr for w in experts],
                                    [w.down._addr for w in experts]], np.int64)
         address = quant._pointer
-        gu_tile, gu_per = alike_tiles(g0, 1, 2 * nk)
-        d_tile, d_per = alike_tiles(d0, 1, nk)
+        gu_tile, self.gu_per = alike_tiles(g0, 1, 2 * nk)
+        d_tile, self.down_per = alike_tiles(d0, 1, nk)
+        if n == 1:  # every product reads the row; product i writes row i
+            self.sel, self.rank, self.xg, self.ys_rows = self.experts[0, 1], None, s.h2, self.ys
+            x_step, gu_step, out_step = 0, 4 * F, 4 * H
+        else:  # the rows grouped by expert; a product's rows at its first row's offset
+            self.sel, self.rank = np.empty((n, k), np.int64), np.empty((n, k), np.int64)
+            self.xg, self.ys_rows = aligned_empty((nk, H)), np.empty((nk, H), F32)
+            x_step, gu_step, out_step = 4 * H, 4 * F, 4 * H
         self.meta = np.array([
-            [g0._kind, F, g0.data.shape[1], 1, g0.cols, gu_tile, gu_per, address(s.h2), 0, address(gu), 4 * F],
-            [d0._kind, H, d0.data.shape[1], 1, d0.cols, d_tile, d_per, address(gu), 4 * F, address(self.ys), 4 * H],
+            [g0._kind, F, g0.data.shape[1], 1, g0.cols, gu_tile, self.gu_per, address(self.xg), x_step,
+             address(gu), gu_step],
+            [d0._kind, H, d0.data.shape[1], 1, d0.cols, d_tile, self.down_per, address(gu), 4 * F,
+             address(self.ys), out_step],
         ], np.int64)
-        # fill_experts points every gate/up product at row 0; product j reads row (j % nk) // k
-        rows = np.arange(2 * nk) % nk // k
-        self.x_col = address(s.h2) + 4 * H * rows.astype(np.int64) if n > 1 else None
         self.table = np.empty((3 * nk, 10), np.int64)
-        self.t_gu, self.t_down = self.table[:2 * nk], self.table[2 * nk:]
-        self.gu_tiles, self.down_tiles = 2 * nk * gu_per, nk * d_per
-        self.gu_work = 2 * nk * F * g0.data.shape[1]  # run_alike's measure (bytes × (3 + T) / 4)
-        self.down_work = nk * H * d0.data.shape[1]
+        self.gu_work = 2 * F * g0.data.shape[1]  # run_alike's measure (bytes × (3 + T) / 4), an expert's
+        self.down_work = H * d0.data.shape[1]
         self.shared = m.has_shared_expert(layer)
 
     def __call__(self, m: Model, s: _Scratch) -> np.ndarray:
         row = kernels._row or _row_kernels()
-        logits, experts, weights, k = self.logits, self.experts, self.weights, self.k
+        logits, experts, weights, k, n = self.logits, self.experts, self.weights, self.k, s.n
         if self.split_router:
             self.router.matmul(s.h2, logits)
         else:
             self.matmul_f32(self.router_w, s.h2, logits, 0, 0, logits.shape[1])
-        for i in range(s.n):
+        for i in range(n):
             row.shift_max(logits[i])
         np.exp(logits, out=logits)  # numpy's float32 exp, as softmax takes it
-        for i in range(s.n):
+        for i in range(n):
             row.route_row(logits[i], True, k, self.norm, self.scale, experts[i], weights[i])
-        if self.x_col is not None:
-            self.sel.reshape(s.n, k)[...] = experts[:, 1]
-        self.fill(self.table, self.meta, self.addresses, self.sel)
-        if self.x_col is not None:
-            self.t_gu[:, 4] = self.x_col
-        run_table(self.t_gu, self.gu_tiles, self.gu_work)
+        if self.rank is None:
+            self.fill(self.table, self.meta, self.addresses, self.sel)
+            D = k
+        else:
+            self.sel[...] = experts[:, 1]
+            D = self.fill(self.table, self.meta, self.addresses, self.sel, s.h2, self.xg, self.rank)
+        run_table(self.table[:2 * D], 2 * D * self.gu_per, D * self.gu_work)
         _silu_mul(self.g, self.u, self.e, self.split)
-        run_table(self.t_down, self.down_tiles, self.down_work)
-        y, ys = self.y, self.ys
+        run_table(self.table[2 * D:3 * D], D * self.down_per, D * self.down_work)
+        ys = self.ys_rows
+        if self.rank is not None:  # each row's outputs in its ascending expert order
+            np.take(self.ys, self.rank.reshape(-1), axis=0, out=ys)
+        y = self.y
         y.fill(0.0)
-        for i in range(s.n):
+        for i in range(n):
             row.weighted_sum(y[i], ys[i * k:(i + 1) * k], weights[i, 1])
         if self.shared:
             y += m.shared_expert_output(self.layer, s.h2)

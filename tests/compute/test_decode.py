@@ -168,6 +168,42 @@ def test_expert_tables_are_run_alikes(row):
         assert same_bits(gu[i:i + 1], w.matmul(x))
 
 
+def test_expert_tables_of_several_rows_group_them_as_expert_rows(row):
+    """``fill_expert_rows`` runs each selected expert once, over the rows ``expert_rows`` gives it
+    (ascending), gathered in expert order; ``rank`` points each row's choices at their outputs."""
+    from swarm.compute.ffn import Routing, expert_rows
+
+    quant.prepare_kernels()
+    from swarm.compute import pointers  # compiled: imported once the kernels have set numba up
+
+    rng = np.random.default_rng(5)
+    n, k, E, H, F = 5, 3, 7, 16, 8
+    sel = np.sort(np.stack([rng.choice(E, k, replace=False) for _ in range(n)]), axis=1).astype(np.int64)
+    x = rng.normal(size=(n, H)).astype(F32)
+    xg, rank = np.empty((n * k, H), F32), np.empty((n, k), np.int64)
+    addresses = np.arange(3 * E, dtype=np.int64).reshape(3, E) * 1000
+    meta = np.array([[7, F, 99, 1, H, 8, 2, 10_000, 4 * H, 50_000, 4 * F],
+                     [9, H, 77, 1, F, 8, 3, 50_000, 4 * F, 90_000, 4 * H]], np.int64)
+    table = np.full((3 * n * k, 10), -1, np.int64)
+    D = pointers.fill_expert_rows(table, meta, addresses, sel, x, xg, rank)
+    groups = expert_rows(Routing(sel, np.ones((n, k), F32)))
+    assert D == len(groups) < n * k
+    first = 0
+    for j, (e, rows) in enumerate(groups.items()):
+        assert same_bits(xg[first:first + rows.size], x[rows])
+        for r, s in zip(rows.tolist(), range(first, first + rows.size)):
+            assert rank[r, sel[r].tolist().index(e)] == s
+        gate, up, down = table[j], table[D + j], table[2 * D + j]
+        assert gate.tolist() == [7, addresses[0, e], F, 99, 10_000 + first * 4 * H, rows.size, H,
+                                 50_000 + first * 4 * F, 8, 2 * j]
+        assert up.tolist() == [7, addresses[1, e], F, 99, 10_000 + first * 4 * H, rows.size, H,
+                               50_000 + (n * k + first) * 4 * F, 8, 2 * (D + j)]
+        assert down.tolist() == [9, addresses[2, e], H, 77, 50_000 + first * 4 * F, rows.size, F,
+                                 90_000 + first * 4 * H, 8, 3 * j]
+        first += rows.size
+    assert first == n * k
+
+
 def general_logits(model, tokens: list[int], prefill: int, ffn=None) -> np.ndarray:
     """A prefill then one decode row per token, the runner on (default) or off."""
     cache = model.new_cache()
