@@ -301,7 +301,7 @@ class DecodeRunner:
             split_attention.append(threads.parts_for(nh * (start + 1) * hd, kernels.MIN_ATTENTION_WORK) > 1)
         if s.scores.shape[1] < max(starts) + 1:
             s.scores = np.empty((row.M, max(2 * s.scores.shape[1], max(starts) + 1, 256)), F32)
-        own = ffn is m._local_ffn  # the model's own LocalFFN: the steps here compute what it would
+        own = m.plain_ffn(ffn)  # the model's own LocalFFN (or its like): the steps here compute what it would
         keeps = type(ffn) is not LocalFFN  # a backend that may keep the rows it is given
         segments = [1] * n if n > 1 else None
         x = np.array(x, dtype=F32, order="C")  # the residual stream is ours to update in place

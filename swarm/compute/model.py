@@ -608,7 +608,7 @@ class Model:
             cache.reserve(start + T)
         if len(seqs) == 1:  # one sequence: layers' own path (a decode row: DecodeRunner's), the same bits
             return self.layers(x, seqs[0][0], seqs[0][1], lo, hi, ffn)
-        if (x.shape[0] == len(seqs) <= MAX_DECODE_ROWS and ffn is self._local_ffn and self.products is None
+        if (x.shape[0] == len(seqs) <= MAX_DECODE_ROWS and self.plain_ffn(ffn) and self.products is None
                 and self._decode is not None):  # decode rows only, the model's own FFN: DecodeRunner's steps
             return self._decode.rows(x, [(cache, start) for cache, start, _ in seqs], lo, hi, ffn)
         segments = lengths if len(seqs) > 1 else None
@@ -711,6 +711,11 @@ class Model:
             assert y.dtype == F32 and y.shape == x.shape, (layer, y.dtype, y.shape)
             x += y
         return x
+
+    def plain_ffn(self, ffn: FFNBackend) -> bool:
+        """Whether ``ffn`` computes what the model's own :class:`LocalFFN` does: it, or another
+        LocalFFN of this model without a dense plan (a stage's local backend)."""
+        return ffn is self._local_ffn or (type(ffn) is LocalFFN and ffn.model is self and not ffn.plan)
 
     @cached_property
     def _local_ffn(self) -> LocalFFN:

@@ -398,3 +398,43 @@ def test_steps_of_several_decode_rows_have_the_general_paths_bits(tiny, quantize
                 assert type(step).__name__ == ("_MoE" if family in MOE_FAMILIES else "_Dense")
     finally:
         threads.set_threads(before)
+
+
+def test_steps_of_decode_rows_take_the_short_path_for_plain_local_ffns_only(quantized):
+    """A step of decode rows takes the n-row steps with the model's LocalFFN or another of the
+    same model without a plan (a stage's local backend); a planned LocalFFN and other backends
+    keep the general batch path and get each layer's rows with their segments. The same bits
+    every way."""
+    model = load_model(quantized("qwen3"))
+    runner = model._decode
+    assert runner is not None
+    rng = np.random.default_rng(6)
+    V, n = model.config.vocab_size, 3
+    prompts = [rng.integers(0, V, 2 + i).tolist() for i in range(n)]
+    steps = rng.integers(0, V, (2, n)).tolist()
+    want = batch_steps(model, prompts, steps)
+    F = model.dense_intermediate_size(0)
+    seen: list = []
+
+    class Other:
+        def ffn(self, layer, x, segments=None):
+            seen.append(segments)
+            return model._local_ffn.ffn(layer, x.copy(), segments)
+
+    real = runner.rows
+    for ffn, short in ((LocalFFN(model), True), (LocalFFN(model, {0: [(0, F // 2), (F // 2, F)]}), False),
+                       (Other(), False)):
+        calls: list[int] = []
+        runner.rows = lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)  # type: ignore
+        try:
+            caches = [model.new_cache() for _ in prompts]
+            for p, c in zip(prompts, caches):
+                model.forward(p, c)
+            got = np.stack([model.forward_batch([([t], c) for t, c in zip(toks, caches)], ffn) for toks in steps])
+        finally:
+            runner.__dict__.pop("rows")
+        assert calls == ([n] * len(steps) if short else [])
+        if isinstance(ffn, LocalFFN) and ffn.plan:
+            continue  # a plan sums the dense partials: other bits, its own path's
+        assert same_bits(got, want), ffn
+    assert seen and all(s == [1] * n for s in seen[-model.config.n_layers:])
