@@ -12,7 +12,7 @@
 // ReassemblyError, VersionMismatchError, MessageError (each names the field), LocalProtocolError
 // for a message we cannot encode.
 
-export const PROTOCOL_VERSION = 2;
+export const PROTOCOL_VERSION = 3;
 export const FRAME_MAGIC = 0x5753_4c43;     // "CLSW" little-endian
 export const FRAGMENT_MAGIC = 0x4653_4c43;  // "CLSF"
 export const HEADER_BYTES = 24;

@@ -30,7 +30,7 @@ import numpy as np
 
 from swarm.errors import FrameError, LocalProtocolError, ReassemblyError, VersionMismatchError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 FRAME_MAGIC = b"CLSW"
 FRAGMENT_MAGIC = b"CLSF"

@@ -141,7 +141,7 @@ def test_transcript_bytes_follow_the_documented_layout() -> None:
     k = hmac.new(prk, b"colibri-swarm v1 channel-auth" + b"\x01", hashlib.sha256).digest()
     assert k == KEY.channel_auth_key
     common = (
-        f"protocol-version=2\noffer-peer-id={PA}\nanswer-peer-id={PB}\n"
+        f"protocol-version=3\noffer-peer-id={PA}\nanswer-peer-id={PB}\n"
         f"offer-nonce={na.hex()}\nanswer-nonce={nb.hex()}\n"
     )
     fps = f"offer-fingerprint={FP_A}\nanswer-fingerprint={FP_B}\n"

@@ -42,7 +42,7 @@ def test_header_layout_matches_the_spec() -> None:
     meta_end = 24 + 7 + 1  # padded to 8
     table_end = meta_end + 8 + 4 + 4  # entry (dtype, rank, reserved, offset) + 1 dim, padded
     expected = (
-        b"CLSW" + struct.pack("<HHHHIII", 2, 3, 0, 1, 0x01020304, 7, table_end + 8)
+        b"CLSW" + struct.pack("<HHHHIII", wire.PROTOCOL_VERSION, 3, 0, 1, 0x01020304, 7, table_end + 8)
         + b'{"a":1}' + b"\0"
         + struct.pack("<BBHII", 1, 1, 0, table_end, 2) + b"\0" * 4
         + struct.pack("<2f", 1.0, 2.0)
@@ -128,8 +128,10 @@ def test_malformed_frame_raises_frame_error_naming_the_defect(name: str) -> None
 
 
 def test_other_protocol_version_names_both_versions() -> None:
-    with pytest.raises(VersionMismatchError, match="version 7.*version 2"):
+    with pytest.raises(VersionMismatchError, match=f"version 7.*version {wire.PROTOCOL_VERSION}"):
         decode_frame(_patch(GOOD, 4, "<H", 7))
+    with pytest.raises(VersionMismatchError, match="version 2; this peer speaks version 3: run the same"):
+        decode_frame(_patch(GOOD, 4, "<H", 2))
 
 
 def test_frame_over_the_receivers_limit() -> None:
@@ -193,7 +195,7 @@ def _fragments(size: int = 10 * KIB, limit: int = 4 * KIB) -> list[bytes]:
 
 
 def _fragment(mid: int, index: int, count: int, total: int, payload: bytes) -> bytes:
-    return b"CLSF" + struct.pack("<HHIIII", 2, 0, mid, index, count, total) + payload
+    return b"CLSF" + struct.pack("<HHIIII", wire.PROTOCOL_VERSION, 0, mid, index, count, total) + payload
 
 
 def test_inconsistent_fragment_sequences_are_refused_and_dropped() -> None:
@@ -210,7 +212,7 @@ def test_inconsistent_fragment_sequences_are_refused_and_dropped() -> None:
         "count of one": ([_fragment(9, 0, 1, 10, b"x" * 10)], "sent unfragmented"),
         "count cannot make total": ([_fragment(9, 0, 2, 100, b"x" * 10)], "cannot make"),
         "empty fragment": ([f[0][:FRAGMENT_HEADER_BYTES]], "no payload"),
-        "bad version": ([_patch(f[0], 4, "<H", 3)], "version 3"),
+        "bad version": ([_patch(f[0], 4, "<H", 7)], "version 7"),
     }
     for name, (seq, needle) in cases.items():
         r = Reassembler()
