@@ -104,8 +104,8 @@ class _Dense:
 
     def __init__(self, mlp: MLPWeights, s: _Scratch):
         F, n = mlp.gate.shape[0], s.n
-        gu = aligned_empty((2 * n, F))
-        self.g, self.u, self.e = gu[:n], gu[n:], np.empty((n, F), F32)
+        gu = s.buffer("gu", (2 * n, F), aligned=True)
+        self.g, self.u, self.e = gu[:n], gu[n:], s.buffer("e", (n, F))
         self.split = threads.parts_for(n * F, kernels.MIN_ELEMENTWISE) > 1
         self.y = s.y
         self.gu_table = _table([(mlp.gate, s.h2, self.g), (mlp.up, s.h2, self.u)])
@@ -144,15 +144,15 @@ class _MoE:
         self.router_w = self.router.data.view(F32)
         R, RB = self.router.data.shape
         self.split_router = threads.parts_for(n * R * RB, quant.MIN_CHUNK_BYTES) > 1  # as _run_products cuts it
-        self.logits = np.empty((n, E), F32)
-        self.experts = np.empty((n, 2, k), np.int64)  # route_row's [2, k] of each row
-        self.weights = np.empty((n, 2, k), F32)
+        self.logits = s.buffer("logits", (n, E))
+        self.experts = s.buffer("experts", (n, 2, k), np.int64)  # route_row's [2, k] of each row
+        self.weights = s.buffer("weights", (n, 2, k))
         g0, d0 = experts[0].gate, experts[0].down
         F, H = g0.shape[0], d0.shape[0]
-        gu = aligned_empty((2 * nk, F))  # gate rows, then up rows, as swiglu_one_row lays them out
-        self.g, self.u, self.e = gu[:nk], gu[nk:], np.empty((nk, F), F32)
+        gu = s.buffer("gu", (2 * nk, F), aligned=True)  # gate rows, then up rows, as swiglu_one_row lays them out
+        self.g, self.u, self.e = gu[:nk], gu[nk:], s.buffer("e", (nk, F))
         self.split = threads.parts_for(nk * F, kernels.MIN_ELEMENTWISE) > 1
-        self.ys = np.empty((nk, H), F32)
+        self.ys = s.buffer("ys", (nk, H))
         self.y = s.y
         self.addresses = np.array([[w.gate._addr for w in experts], [w.up._addr for w in experts],
                                    [w.down._addr for w in experts]], np.int64)
@@ -163,8 +163,8 @@ class _MoE:
             self.sel, self.rank, self.xg, self.ys_rows = self.experts[0, 1], None, s.h2, self.ys
             x_step, gu_step, out_step = 0, 4 * F, 4 * H
         else:  # the rows grouped by expert; a product's rows at its first row's offset
-            self.sel, self.rank = np.empty((n, k), np.int64), np.empty((n, k), np.int64)
-            self.xg, self.ys_rows = aligned_empty((nk, H)), np.empty((nk, H), F32)
+            self.sel, self.rank = s.buffer("sel", (n, k), np.int64), s.buffer("rank", (n, k), np.int64)
+            self.xg, self.ys_rows = s.buffer("xg", (nk, H), aligned=True), s.buffer("ys_rows", (nk, H))
             x_step, gu_step, out_step = 4 * H, 4 * F, 4 * H
         self.meta = np.array([
             [g0._kind, F, g0.data.shape[1], 1, g0.cols, gu_tile, self.gu_per, address(self.xg), x_step,
@@ -172,7 +172,7 @@ class _MoE:
             [d0._kind, H, d0.data.shape[1], 1, d0.cols, d_tile, self.down_per, address(gu), 4 * F,
              address(self.ys), out_step],
         ], np.int64)
-        self.table = np.empty((3 * nk, 10), np.int64)
+        self.table = s.buffer("table", (3 * nk, 10), np.int64)
         self.gu_work = 2 * F * g0.data.shape[1]  # run_alike's measure (bytes × (3 + T) / 4), an expert's
         self.down_work = H * d0.data.shape[1]
         self.shared = m.has_shared_expert(layer)
@@ -234,6 +234,17 @@ class _Scratch:
         self.scores = np.empty((M, 0), F32)  # attention's scratch, grown with the positions
         self.acc = np.empty((M, hd), F32)
         self.layers: dict[int, _Layer] = {}
+        self._buffers: dict[tuple, np.ndarray] = {}
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype=F32, aligned: bool = False) -> np.ndarray:
+        """A buffer every layer's FFN step of this scratch shares (layers run one after another
+        on a thread, each consuming its buffers before the next starts): one per name and shape,
+        not one per layer (at 64 rows a MoE layer's would be ~17 MB, times the layers)."""
+        key = (name, shape, np.dtype(dtype).str, aligned)
+        b = self._buffers.get(key)
+        if b is None:
+            b = self._buffers[key] = aligned_empty(shape) if aligned else np.empty(shape, dtype)
+        return b
 
     def qkv_products(self, w: AttentionWeights) -> list[tuple[QMatrix, np.ndarray, np.ndarray]]:
         nq, nk, qkv = self.nq, self.nk, self.qkv
@@ -249,6 +260,9 @@ class _Scratch:
 
 
 MAX_ROWS = quant.SMALL_T  # the most decode rows of one step here (the router's product takes them at once)
+# Step sizes whose scratch (buffers and per-layer tables) a thread keeps: a batch's size changes
+# as sequences come and go; more would hold memory for sizes no longer running.
+KEPT_SCRATCHES = 4
 
 
 class DecodeRunner:
@@ -266,9 +280,12 @@ class DecodeRunner:
                kernels.MIN_ELEMENTWISE)
         if getattr(local, "key", None) != key:  # the tables' tiles and the steps' splits are sized for these
             local.scratch, local.key = {}, key
-        s = local.scratch.get(n)
+        s = local.scratch.pop(n, None)
         if s is None:
-            s = local.scratch[n] = _Scratch(self.model.config, n)
+            s = _Scratch(self.model.config, n)
+            if len(local.scratch) >= KEPT_SCRATCHES:  # the least recently used step size goes
+                del local.scratch[next(iter(local.scratch))]
+        local.scratch[n] = s  # most recently used last
         return s
 
     def _layer(self, s: _Scratch, layer: int) -> _Layer:

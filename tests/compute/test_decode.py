@@ -438,3 +438,33 @@ def test_steps_of_decode_rows_take_the_short_path_for_plain_local_ffns_only(quan
             continue  # a plan sums the dense partials: other bits, its own path's
         assert same_bits(got, want), ffn
     assert seen and all(s == [1] * n for s in seen[-model.config.n_layers:])
+
+
+def test_steps_of_many_sizes_keep_bounded_scratch_and_their_bits(quantized):
+    """A batch whose size changes step by step keeps the scratch of at most KEPT_SCRATCHES step
+    sizes a thread, the layers of one scratch share their FFN buffers (one layer's worth, not
+    one per layer), and a size built again after it was dropped gives the same bits."""
+    from swarm.compute import decode
+
+    model = load_model(quantized("qwen3_moe"))
+    runner = model._decode
+    rng = np.random.default_rng(6)
+    caches = [model.new_cache() for _ in range(7)]
+    for c in caches:
+        model.forward_batch([(rng.integers(0, model.config.vocab_size, 5).tolist(), c)])
+    first = model.forward_batch([([3], c) for c in caches[:2]])
+    for n in range(3, 8):
+        model.forward_batch([([3], c) for c in caches[:n]])
+    kept = runner._local.scratch
+    assert list(kept) == list(range(8 - decode.KEPT_SCRATCHES, 8))  # the most recent sizes, oldest first
+    s = kept[7]
+    steps = [L.ffn for L in s.layers.values() if isinstance(L.ffn, decode._MoE)]
+    assert len(s.layers) == model.config.n_layers and len(steps) >= 2, [type(L.ffn) for L in s.layers.values()]
+    assert all(f.g.base is steps[0].g.base and f.ys is steps[0].ys for f in steps)
+    # the two first sequences again from their prompts: the same step on a rebuilt scratch
+    again = [model.new_cache() for _ in range(2)]
+    rng2 = np.random.default_rng(6)
+    for c in again:
+        model.forward_batch([(rng2.integers(0, model.config.vocab_size, 5).tolist(), c)])
+    assert 2 not in kept
+    assert same_bits(model.forward_batch([([3], c) for c in again]), first)
