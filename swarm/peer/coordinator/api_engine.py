@@ -63,10 +63,12 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Piece:
-    """A piece of reply text and the tokens that completed it."""
+    """A piece of reply text, the tokens that completed it (with logprobs, when the request
+    asks for them) and how many generated tokens it ends (``generated``: 0 when not known)."""
 
     text: str
     tokens: tuple[TokenLogprob, ...] = ()
+    generated: int = 0
 
 
 class EngineBackend:
@@ -220,7 +222,7 @@ class EngineBackend:
         return Reply(tokens, pieces, self._piece, self._token)
 
     def _piece(self, piece: ReplyPiece) -> Piece:
-        return Piece(piece.text, tuple(self._token(s) for s in piece.tokens))
+        return Piece(piece.text, tuple(self._token(s) for s in piece.tokens), len(piece.tokens))
 
     def _token(self, sampled: Sampled) -> TokenLogprob:
         def text(token: int) -> tuple[str, bytes]:
@@ -231,9 +233,9 @@ class EngineBackend:
                             tuple((*text(t), lp) for t, lp in sampled.top))
 
 
-def _text(piece: ReplyPiece) -> str | None:
-    """A reply piece without logprobs: its text, None when it has none."""
-    return piece.text or None
+def _text(piece: ReplyPiece) -> Piece | None:
+    """A reply piece without logprobs: its text and token count, None when it has neither."""
+    return Piece(piece.text, (), len(piece.tokens)) if piece.text or piece.tokens else None
 
 
 def schedulers_for(ffn: Any) -> int:

@@ -108,21 +108,26 @@ async def test_metrics_count_requests_tokens_and_first_tokens(served, engine):
     assert m[p + "step_duration_seconds_sum"] > 0
 
 
-async def test_metrics_show_running_and_waiting_sequences(served):
+async def test_metrics_show_running_and_waiting_sequences(served, engine):
     """With one batch slot, a long stream runs and a second request waits: the gauges say so."""
     api, backend, url = served
-    long = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 300, "temperature": 0, "stream": True}
+    _, tok = engine
+    # no end token (a short answer would end the first stream before the second arrives)
+    long = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 300, "temperature": 0, "stream": True,
+            "logit_bias": {str(i): -100 for i in tok.eos_token_ids}}
     async with aiohttp.ClientSession(headers=HEADERS) as s:
         first = await s.post(f"{url}/v1/chat/completions", json=long)
         await first.content.readline()  # admitted: the role chunk
         second = asyncio.create_task(s.post(f"{url}/v1/chat/completions", json=long))
+        seen = []
         for _ in range(500):
             async with s.get(f"{url}/metrics") as r:
                 m = parse(await r.text())
-            if m["colibri_swarm_sequences_waiting"] == 1:
+            seen.append((m["colibri_swarm_sequences_running"], m["colibri_swarm_sequences_waiting"]))
+            if seen[-1] == (1, 1):
                 break
             await asyncio.sleep(0.01)
-        assert m["colibri_swarm_sequences_running"] == 1 and m["colibri_swarm_sequences_waiting"] == 1
+        assert seen[-1] == (1, 1), seen
         first.close()
         (await second).close()
 

@@ -45,18 +45,32 @@ class _Plain:
         return self.reply.prompt_logprobs()
 
 
-class _Threaded:
-    """The same engine, its replies iterated in a thread."""
+class _Ahead(_Plain):
+    """A reply whose generation has run to its end before its first piece is read (as a batch
+    runs on while the event loop is busy): its stats count every token computed."""
 
-    def __init__(self, inner: EngineBackend) -> None:
-        self.inner = inner
+    def __init__(self, reply) -> None:
+        super().__init__(reply)
+        self.pieces = None
+
+    def __next__(self):
+        if self.pieces is None:  # on the API's worker thread
+            self.pieces = iter(list(self.reply))
+        return next(self.pieces)
+
+
+class _Threaded:
+    """The same engine, its replies iterated in a thread (``wrap``: as what)."""
+
+    def __init__(self, inner: EngineBackend, wrap=_Plain) -> None:
+        self.inner, self.wrap = inner, wrap
         self.model_id, self.max_tokens_limit, self.concurrency = inner.model_id, inner.max_tokens_limit, inner.concurrency
 
     def prepare(self, request):
         return self.inner.prepare(request)
 
     def generate(self, request, stats):
-        return _Plain(self.inner.generate(request, stats))
+        return self.wrap(self.inner.generate(request, stats))
 
 
 async def _lines(s: aiohttp.ClientSession, url: str, prompt: str, extra: dict) -> list[bytes]:
@@ -77,15 +91,15 @@ async def _lines(s: aiohttp.ClientSession, url: str, prompt: str, extra: dict) -
     return [re.sub(rb'"id": "[^"]*", "object": "([^"]*)", "created": \d+', rb'"object": "\1"', e) for e in events]
 
 
-async def _run(backend, model, concurrent: bool) -> list[list[bytes]]:
+async def _run(backend, model, concurrent: bool, requests=REQUESTS) -> list[list[bytes]]:
     api = ApiServer.for_swarm_key(backend, KEY)
     port = await api.start("127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         async with aiohttp.ClientSession() as s:
             if concurrent:
-                return list(await asyncio.gather(*[_lines(s, url, p, x) for p, x in REQUESTS]))
-            return [await _lines(s, url, p, x) for p, x in REQUESTS]
+                return list(await asyncio.gather(*[_lines(s, url, p, x) for p, x in requests]))
+            return [await _lines(s, url, p, x) for p, x in requests]
     finally:
         await api.close()
 
@@ -103,7 +117,12 @@ async def test_streams_from_the_loop_equal_threaded_and_solo_streams(tmp_path):
     assert loop_backend.scheduler.peak_batch > 1  # they shared steps
     threaded = await _run(_Threaded(engine()), model, concurrent=True)
     solo = await _run(engine(), model, concurrent=False)
-    assert together == threaded == solo
+    ahead = await _run(_Threaded(engine(), _Ahead), model, concurrent=True)
+    assert together == threaded == solo == ahead
+    # the stop request without its stop, with its tokens
+    [uncut] = await _run(engine(), model, concurrent=False, requests=[("abc abc abc", {"max_tokens": 14, "logprobs": 0})])
+    uncut = [json.loads(e.removeprefix(b"data: ")) for e in uncut[:-3]]
+    uncut_tokens = [t for o in uncut for t in o["choices"][0]["logprobs"]["tokens"]]
     for (prompt, extra), events in zip(REQUESTS, together):
         assert events[-1] == b"data: [DONE]"
         objs = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
@@ -121,7 +140,10 @@ async def test_streams_from_the_loop_equal_threaded_and_solo_streams(tmp_path):
             offsets = [x for o in pieces for x in o["choices"][0]["logprobs"]["text_offset"]]
             assert offsets == sorted(offsets) and len(offsets) == len(tok.encode(prompt)) + usage["completion_tokens"]
         if "stop" in extra:  # its reply without the stop string is "=c=c=r=r=…": cut at "r"
-            assert finish == "stop" and text == "=c=c=" and 6 <= usage["completion_tokens"] < extra["max_tokens"]
+            assert finish == "stop" and text == "=c=c="
+            # the tokens up to the one that wrote the "r", not those its batch ran on meanwhile
+            assert usage["completion_tokens"] == next(i + 1 for i in range(len(uncut_tokens))
+                                                      if "r" in "".join(uncut_tokens[:i + 1]))
         else:
             assert usage["completion_tokens"] == extra.get("max_tokens", 12)  # greedy, no end token in reach
             assert finish == "length" and text
