@@ -142,3 +142,9 @@ class CoordinatorChangedError(SwarmError):
     def __init__(self, message: str, coordinator_url: str | None = None) -> None:
         super().__init__(message)
         self.coordinator_url = coordinator_url
+
+    @classmethod
+    def stepped_down(cls) -> "CoordinatorChangedError":
+        """The error of a request in flight on a coordinator that another peer deposed."""
+        return cls("this peer stopped coordinating the swarm (another peer leads a newer term); "
+                   "send the request again to the current coordinator")

@@ -209,9 +209,7 @@ class ApiServer:
         shows it, so the dashboard and the clients that follow the swarm move there within
         seconds. The mDNS record of this server goes at once; the dashboard's page and files are
         still served. :meth:`close` ends it."""
-        self._hand_back(CoordinatorChangedError(
-            "this peer stopped coordinating the swarm (another peer leads a newer term); "
-            "send the request again to the current coordinator"))
+        self._hand_back(CoordinatorChangedError.stepped_down())
         await self._stop_advertising()
         if self._key is not None and self._following is None:
             self._following = asyncio.create_task(self._follow(), name="API successor")
@@ -536,6 +534,8 @@ class ApiServer:
         tokens = _TokenOffsets(len(chat.prompt) if chat.echo and chat.prompt is not None else 0)
         started = time.perf_counter()
         first_at: float | None = None
+        generated = 0  # tokens the pieces so far end (0: the reply does not say)
+        cut_at = 0  # with a stop string: the tokens up to the one that completed it
         poll: Any = getattr(reply, "poll", None)
         listen: Any = getattr(reply, "listen", None)
         future: asyncio.Future | None = None
@@ -562,6 +562,7 @@ class ApiServer:
                     first_at = time.perf_counter()
                     self.metrics.first_token(first_at - request[ARRIVED])
                 tokens.push(piece)
+                generated += piece.generated
                 text, stopped = stopper.push(piece.text)
                 tokens.emitted += len(text)
                 done = tokens.release(stopped=stopped)
@@ -569,6 +570,7 @@ class ApiServer:
                     yield text, done
                 if stopped:
                     stats.finish_reason = "stop"
+                    cut_at = generated
                     return
         finally:
             cancel.set()  # a stop string, a client gone, or an error: end the token loop
@@ -577,6 +579,8 @@ class ApiServer:
             _cancel(reply)  # wakes the thread even while the prompt is still being read
             if future is not None:
                 await asyncio.shield(future)
+            if cut_at:  # the reply ends at the cut, not at the tokens its batch ran on meanwhile
+                stats.completion_tokens = cut_at
             self.generations += 1
             self.metrics.generation_done(stats.prompt_tokens, stats.completion_tokens,
                                          None if first_at is None else time.perf_counter() - first_at)
