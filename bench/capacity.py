@@ -76,8 +76,8 @@ def run(k):
                                    max_tokens_limit=4096)
     text, times, t0 = "", [], time.monotonic()
     for piece in backend.generate(req, GenerationStats()):
-        if piece:
-            text += piece
+        if piece.text:
+            text += piece.text
             times.append(time.monotonic() - t0)
     return text, times
 run(2)

@@ -115,3 +115,6 @@ class LoopbackDispatcher:
     def peer_not_ready(self, peer: str, reason: str) -> None:
         if self.on_peer_not_ready is not None:
             self.on_peer_not_ready(peer, reason)
+
+    def lead_state(self, term: int) -> bool | None:
+        return True

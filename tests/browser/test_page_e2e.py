@@ -111,6 +111,9 @@ class PythonSwarm:
     def peer_not_ready(self, peer: str, reason: str) -> None:
         pass
 
+    def lead_state(self, term: int) -> bool | None:
+        return True
+
     def browser_link(self):
         links = [link for link in self.node.links.values() if link.hello.peer_kind == "browser"]
         return links[0] if links else None

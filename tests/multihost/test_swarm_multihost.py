@@ -61,7 +61,7 @@ def reference(model_dir, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     backend = EngineBackend(model, tokenizer_for(model), model_id=model.path.name)
     req = parse_chat_request({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                               "temperature": 0}, model_id=model.path.name, max_tokens_limit=256)
-    return "".join(backend.generate(req, GenerationStats()))
+    return "".join(piece.text for piece in backend.generate(req, GenerationStats()))
 
 
 def coordinator_of(docs) -> tuple[int, dict] | None:

@@ -247,17 +247,17 @@ def schedulers_for(ffn: Any) -> int:
 
 
 class Reply:
-    """Text pieces of one admitted request: a blocking iterator, or (on an event loop)
+    """The pieces (:class:`Piece`) of one admitted request: a blocking iterator, or (on an event loop)
     :meth:`listen` and :meth:`poll`; :meth:`cancel` (any thread) takes its sequence out of the
     batch and ends the iteration; :meth:`close` does the same. ``pieces`` turns the tokens into
     reply pieces (and fills the request's stats); ``convert`` makes each what the reply yields
     (None: skipped); ``as_logprob``: a prompt token's logprobs when the request echoes them."""
 
-    def __init__(self, tokens: TokenStream, pieces: PieceMaker, convert: Callable[[ReplyPiece], str | Piece | None],
+    def __init__(self, tokens: TokenStream, pieces: PieceMaker, convert: Callable[[ReplyPiece], Piece | None],
                  as_logprob: Callable[[Sampled], TokenLogprob] | None = None) -> None:
         self.tokens, self._maker, self._convert, self._as_logprob = tokens, pieces, convert, as_logprob
         self._ended = False
-        self._blocking: Iterator[str | Piece] | None = None
+        self._blocking: Iterator[Piece] | None = None
 
     def prompt_logprobs(self) -> list[TokenLogprob]:
         """The prompt's tokens with their logprobs (the first's None) when the request echoes
@@ -265,15 +265,15 @@ class Reply:
         convert = self._as_logprob
         return [] if convert is None else [convert(s) for s in self.tokens.prompt_sampled]
 
-    def __iter__(self) -> Iterator[str | Piece]:
+    def __iter__(self) -> Iterator[Piece]:
         return self
 
-    def __next__(self) -> str | Piece:
+    def __next__(self) -> Piece:
         if self._blocking is None:
             self._blocking = self._pieces()
         return next(self._blocking)
 
-    def _pieces(self) -> Iterator[str | Piece]:
+    def _pieces(self) -> Iterator[Piece]:
         for sampled in self.tokens.sampled():
             out, end = self._take([sampled], False)
             yield from out
@@ -287,7 +287,7 @@ class Reply:
         listener (:meth:`TokenStream.listen`); None: no more calls."""
         self.tokens.listen(listener, key)
 
-    def poll(self) -> tuple[list[str | Piece], bool | BaseException]:
+    def poll(self) -> tuple[list[Piece], bool | BaseException]:
         """Without blocking: the pieces ready now, and how the reply stands after them — False
         (more to come), True (it ended), or the exception that failed its generation (the
         blocking iteration raises it at that point). Not to be mixed with iterating."""
@@ -301,7 +301,7 @@ class Reply:
             self._ended = True
         return out, end
 
-    def _take(self, items: list[Sampled], last: bool) -> tuple[list[str | Piece], bool]:
+    def _take(self, items: list[Sampled], last: bool) -> tuple[list[Piece], bool]:
         """The pieces ``items`` complete (with ``last``: and the held-back rest), and whether the
         reply ended with them (a stop token, or ``last``)."""
         maker, convert, out = self._maker, self._convert, []

@@ -103,7 +103,7 @@ from swarm.compute.ffn import (LocalFFN, combine, expert_rows, route, run_length
                                swiglu_rows)
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.coordinator.bounds import ffn_rtol, rows_outside
-from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
+from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, confirm_lead, wait_answer
 from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StagePlan, StageRequest
 from swarm.peer.plan import Plan
@@ -132,6 +132,11 @@ class Dispatcher(Protocol):
 
     def peer_not_ready(self, peer: str, reason: str) -> None:
         """``peer`` refused a request as not serving its plan: the owner sends it the plan again."""
+
+    def lead_state(self, term: int) -> bool | None:
+        """Whether this peer still coordinates ``term`` (True), no longer does (False), or leads
+        without a majority heard from recently (None: it woke from a stall), for
+        :func:`~swarm.peer.coordinator.tracker.confirm_lead` at the start of each step."""
 
 
 def _share(plan: Plan, peer: str) -> set[tuple[str, int, int, int]]:
@@ -230,7 +235,18 @@ class RemoteFFN:
         ``segments``: the row counts of the step's sequences (None: one sequence)."""
         if x.dtype != F32 or x.ndim != 2:
             raise LocalProtocolError(f"ffn input must be [T, H] float32, got {x.shape} {x.dtype}")
-        if layer == 0 and self._next_plan is not None:
+        if layer == 0:
+            self._start_step()
+        if layer in self._whole_here:
+            return self._local.ffn(layer, x, segments)
+        seg = segment_ids(segments, x.shape[0])
+        if self.model.is_moe_layer(layer):
+            return self._moe(layer, x, seg)
+        return self._dense(layer, x, seg)
+
+    def _start_step(self) -> None:
+        """A new step (layer 0): the plan set meanwhile takes effect, then the lead is confirmed."""
+        if self._next_plan is not None:
             for peer in self._next_plan.peers:  # a changed share means new slices to load first
                 if _share(self._next_plan, peer) != _share(self.plan, peer):
                     self.tracker.of(peer).fresh = True
@@ -241,12 +257,7 @@ class RemoteFFN:
             self._dense_slices.clear()
             self._streamed = self._streamed_experts(self.plan)
             self._local, self._whole_here = self._layers_here(self.plan)
-        if layer in self._whole_here:
-            return self._local.ffn(layer, x, segments)
-        seg = segment_ids(segments, x.shape[0])
-        if self.model.is_moe_layer(layer):
-            return self._moe(layer, x, seg)
-        return self._dense(layer, x, seg)
+        confirm_lead(lambda: self.dispatcher.lead_state(self.plan.term), self._clock)
 
     def _remote(self, peer: str) -> bool:
         """Whether ``peer``'s rows go to it this step (the tracker's rule: not failed, not suspect, not

@@ -180,6 +180,10 @@ class LoopDispatcher:
         """Send ``peer`` the plan in use again (on the event loop)."""
         self._loop.call_soon_threadsafe(lambda: self._tasks.spawn(self.resend_plan(peer), "resend-plan"))
 
+    def lead_state(self, term: int) -> bool | None:
+        """Always True here: the coordinator role answers from its election."""
+        return True
+
     # ------------------------------------------------- the links → the dispatch
     def _listen(self, node: Node) -> None:
         for answer in (ExpertAnswer, DenseAnswer, StageAnswer):

@@ -119,6 +119,10 @@ class CoordinatorRole(LoopDispatcher):
         log.info("stepped down: no longer the coordinator (term %d now)", self.election.term)
         self._api.close_soon(self._tasks)
 
+    def lead_state(self, term: int) -> bool | None:
+        """The election's word on ``term`` (:meth:`ElectionDriver.lead_state`), for the token loop."""
+        return self.election.lead_state(term)
+
     async def _become(self, term: int) -> None:
         if self.model is None:
             return

@@ -90,7 +90,7 @@ from swarm.compute.ffn import FFNBackend, LocalFFN
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
 from swarm.peer.coordinator.dispatch import Dispatcher
 from swarm.peer.coordinator.stage_verify import VERIFY_FAILED, Answered, Shadow, StageVerifier
-from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, wait_answer
+from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, confirm_lead, wait_answer
 from swarm.peer.net.messages import Error, StageAnswer, StageRequest, StageSegment
 from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout
 
@@ -248,6 +248,7 @@ class StagedFFN:
         T_i)``. Sequences under the same layout cross each stage together — one StageRequest per
         stage peer and step, the union of their rows — and each row comes back with the bits its
         sequence alone would get. Returns the rows after the last layer [sum T_i, H] f32."""
+        confirm_lead(lambda: self.dispatcher.lead_state(self.layout.term), self._clock)
         bounds = np.concatenate([[0], np.cumsum([T for _, _, T in seqs])]).astype(int).tolist()
         parts = []
         with self._lock:  # steps of other batches may run at once (one scheduler per group)

@@ -51,17 +51,26 @@ The rule
 * **Distrusted.** A stage answer that ``--verify`` found wrong (:meth:`RequestTracker.distrust`):
   the peer fails as above and no new plan readmits it — a peer that lied once is not asked again.
   The cost of checking is counted (:meth:`RequestTracker.verified`, :class:`VerifyCost`).
+* **Lead.** A step starts only while this peer coordinates the step's term with a majority of
+  the swarm heard from recently (the election's check-quorum, :func:`confirm_lead`). A
+  coordinator that wakes from a stall (a laptop's sleep) may have been deposed meanwhile: its
+  deadlines have all passed, so without this it would compute its workers' rows itself and
+  finish its requests under a term the swarm has left, racing its own step-down. It waits
+  instead until its event loop hears the swarm (it still leads) or steps down (the step fails
+  with :meth:`~swarm.errors.CoordinatorChangedError.stepped_down`, which the API hands back).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.errors import CoordinatorChangedError
 from swarm.peer.coordinator.api_metrics import Histogram
 from swarm.peer.net.messages import Error
 
@@ -525,6 +534,8 @@ def _rid(p: Pending) -> int:
 
 
 WAIT_SLICE_S = 0.5  # a wait looks at the link's silence this often
+LEAD_WAIT_S = 10.0  # a step waits this long at most for its coordinator to hear the swarm again
+LEAD_POLL_S = 0.005
 
 
 def wait_answer(tracker: RequestTracker, p: Pending, clock: Callable[[], float],
@@ -544,3 +555,25 @@ def wait_answer(tracker: RequestTracker, p: Pending, clock: Callable[[], float],
             left -= step
     missed = tracker.expire(p, clock(), last_heard(p.peer))
     return p.future.result() if missed is None else missed
+
+
+def confirm_lead(lead_state: Callable[[], bool | None], clock: Callable[[], float],
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+    """Return once ``lead_state()`` (the dispatcher's :meth:`Dispatcher.lead_state` of the
+    step's term) is True — at once while it is. Raises CoordinatorChangedError when it turns
+    False (deposed: the API hands its requests back with the same error), or when it stays
+    None (leading without a majority heard) for ``LEAD_WAIT_S``: the election would have
+    stepped down by then, so its event loop is stuck and the step must not hang."""
+    state = lead_state()
+    if state is True:
+        return
+    until = clock() + LEAD_WAIT_S
+    while state is None and clock() < until:
+        sleep(LEAD_POLL_S)
+        state = lead_state()
+    if state is True:
+        return
+    if state is None:
+        raise CoordinatorChangedError(f"this coordinator has not heard from most of the swarm for {LEAD_WAIT_S:.0f} s "
+                                      "and has not stepped down; send the request again to the current coordinator")
+    raise CoordinatorChangedError.stepped_down()

@@ -212,6 +212,13 @@ class Election:
         m = self._members.get(peer_id)
         return m is not None and m.last_heard is not None and now - m.last_heard <= REACHABLE_S
 
+    def holds_quorum(self, now: float) -> bool:
+        """Whether the members not heard from within ``REACHABLE_S`` are fewer than a quorum
+        (check-quorum's test: otherwise they could elect without us). Safe to call from
+        another thread (it reads a copy of the members)."""
+        others = list(self._members)  # we are a member too
+        return sum(not self.reachable(p, now) for p in others) < (len(others) + 1) // 2 + 1
+
     # ------------------------------------------------------------------- driving
     def receive(self, sender: str, msg: ElectionMessage, now: float) -> None:
         """Handle one message from ``sender`` (the authenticated link's peer id, not a field)."""
@@ -233,8 +240,7 @@ class Election:
         """Act on every deadline that has passed by ``now``."""
         self._note_time(now)
         if self.role is Role.LEADER:
-            unheard = sum(not self.reachable(p, now) for p in self._members)
-            if unheard >= self.quorum():
+            if not self.holds_quorum(now):
                 self._lose_leader(now)  # check-quorum: those we cannot hear could elect without us
                 return
             if now >= self._next_heartbeat:

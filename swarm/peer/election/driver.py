@@ -108,6 +108,16 @@ class ElectionDriver:
         """Whether this peer is the coordinator of ``term`` still."""
         return self.core.role is el.Role.LEADER and self.core.term == term
 
+    def lead_state(self, term: int) -> bool | None:
+        """Whether this peer still coordinates ``term``: True while it does and has heard from
+        enough members to keep doing so (check-quorum), False once it does not, None in between
+        — it leads, but a majority has been silent (it just woke from a stall): its next timer
+        either hears them or steps down. Safe to call from the token-loop thread."""
+        core = self.core
+        if core.role is not el.Role.LEADER or core.term != term:
+            return False
+        return True if core.holds_quorum(time.monotonic()) else None
+
     def reachable(self, peer: str) -> bool:
         """Whether ``peer`` is a member heard from recently enough to count."""
         return self.core.reachable(peer, time.monotonic())

@@ -43,6 +43,9 @@ class Hand:
     def peer_not_ready(self, peer: str, reason: str) -> None:
         pass
 
+    def lead_state(self, term: int) -> bool | None:
+        return True
+
     def send(self, peer: str, req: m.StageRequest | m.StagePlan) -> None:
         if peer in self.down:
             raise ConnectionError(f"no link to {peer}")
