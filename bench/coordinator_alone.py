@@ -39,6 +39,9 @@ class _NoLinks:
     def peer_not_ready(self, peer, reason):
         raise AssertionError(f"a coordinator-only plan found peer {peer} not ready: {reason}")
 
+    def lead_state(self, term):
+        return True  # no election: this process coordinates
+
 
 def main() -> None:
     from swarm.compute.ffn import LocalFFN

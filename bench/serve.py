@@ -381,6 +381,9 @@ class _PipeLink:
     def peer_not_ready(self, peer, reason):
         pass
 
+    def lead_state(self, term):
+        return True  # no election: this process coordinates
+
 
 def _serve_streams(model, ffn, prompt_ids, n_tokens, schedulers=1):
     """The prompts as concurrent greedy streams through the batch scheduler (``schedulers`` of
