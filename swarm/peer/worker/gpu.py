@@ -53,6 +53,7 @@ import logging
 import platform
 import struct
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -67,6 +68,7 @@ from swarm.compute.quant import QMatrix, as_qmatrix, matmul_many
 from swarm.errors import KernelError, LocalProtocolError, SwarmError
 from swarm.peer.net.messages import ADAPTER_PREFIX, NumericBuild
 from swarm.peer.weights.repack import requantize_q8_0
+from swarm.peer.worker.stages import DeviceKVFull
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
@@ -268,6 +270,7 @@ class GpuStage:
         self._blocks: dict[tuple[int, int], GpuWeights] = {}  # (layer, expert | DENSE | SHARED) → SwiGLU block
         self._vector_buffers: dict[int, dict] = {}  # layer → its norms' and biases' buffers (_vectors)
         self._resident: dict[tuple[int, int], bool] = {}  # stage → whether it runs wholly here (resident)
+        self._kv_holders: weakref.WeakSet = weakref.WeakSet()  # caches with keys/values on the GPU
 
     def load_layer(self, layer: int) -> int:
         """Upload layer ``layer``'s attention projections and FFN blocks (every expert of a MoE
@@ -391,7 +394,8 @@ class GpuStage:
         """Layer ``layer``'s GPU keys/values of ``cache``'s sequence, room for ``end`` positions
         (capacity doubling up to :attr:`kv_positions`; positions below ``start`` copied when grown).
         Raises KernelError when they are on a lost device, GpuKVFull when ``end`` passes
-        :attr:`kv_positions` (the KV cache the plan counted on this GPU)."""
+        :attr:`kv_positions` (the KV cache the plan counted on this GPU), or passes what the
+        other sequences' buffers of the layer leave of it."""
         host = self.gpu.host
         kv = cache.device_kv.get(layer)
         if kv is not None and kv.device is not host.device:
@@ -402,10 +406,18 @@ class GpuStage:
             raise GpuKVFull(f"layer {layer}: {end} positions of keys/values on the GPU, but the plan counted "
                             f"{self.kv_positions} (--context) for this peer's GPU memory; give the swarm a "
                             "larger --context (and this peer --gpu-memory for it), or send shorter sequences")
+        others = [c.device_kv[layer] for c in list(self._kv_holders)
+                  if c is not cache and layer in c.device_kv and c.device_kv[layer].device is host.device]
+        room = self.kv_positions - sum(o.cap for o in others)  # the plan counted all sequences' together
+        if end > room:
+            raise GpuKVFull(f"layer {layer}: {end} positions of keys/values on the GPU beside the "
+                            f"{self.kv_positions - room} that {len(others)} other sequence(s) hold there, but the plan "
+                            f"counted {self.kv_positions} in all (--context) for this peer's GPU memory; give the swarm "
+                            "a larger --context (and this peer --gpu-memory for it), or run fewer sequences at once")
         cap = max(16, kv.cap if kv is not None else 16)
         while cap < end:
             cap *= 2
-        cap = min(cap, self.kv_positions)  # doubling stops at what the plan counted
+        cap = min(cap, room)  # doubling stops at what the plan counted
         nkv, hd = self.model.config.n_kv_heads, self.model.config.head_dim
         new = GpuKV(host.storage(nkv * cap * hd), host.storage(nkv * cap * hd), cap, host.device)
         if kv is not None and start > 0:  # each head's positions 0 .. start-1 move to the wider rows
@@ -415,6 +427,7 @@ class GpuStage:
                     host.encode_copy(enc, a, g * kv.cap * hd, b, g * cap * hd, start * hd)
             host.submit_read(enc)
         cache.device_kv[layer] = new
+        self._kv_holders.add(cache)
         return new
 
     def _vectors(self, layer: int) -> dict[str, object]:
@@ -498,10 +511,11 @@ class GpuStage:
         return held
 
 
-class GpuKVFull(ValueError):
-    """A sequence's keys/values on the GPU would pass the positions the plan counted
-    (:attr:`GpuStage.kv_positions`): the stage refuses the request (``bad_request``: the
-    coordinator runs those layers itself), neither crashing nor spilling to host memory."""
+class GpuKVFull(DeviceKVFull):
+    """The keys/values on the GPU — this sequence's, or all sequences' together — would pass the
+    positions the plan counted (:attr:`GpuStage.kv_positions`): the stage refuses the request
+    (``bad_request``: the coordinator runs those layers itself) unless dropping finished
+    sequences' keys/values makes room, neither crashing nor spilling to host memory."""
 
 
 @dataclass

@@ -80,6 +80,12 @@ class StageCache(KVCache):
 
 
 
+class DeviceKVFull(ValueError):
+    """A device's keys/values would pass the positions the plan counted for it (all sequences
+    together): the request is refused (``bad_request``) unless dropping finished sequences'
+    keys/values there makes room."""
+
+
 class StageDevice(ProductDevice, FFNBackend, Protocol):
     """Where a GPU peer's stage layers compute their weight products (module docstring, "GPU"):
     the attention projections (``matmul_many``) and the FFN (``ffn``) of the layers it holds.
@@ -187,6 +193,19 @@ class StageRunner:
             self._used.clear()
         return n
 
+    def _drop_idle_device_kv(self, keep: list[StageCache]) -> int:
+        """Drop the caches outside ``keep`` that hold keys/values on the device and were not
+        stepped within ``IN_FLIGHT_S`` (finished sequences, kept for reuse): the device's
+        buffers go with them, and a later request of theirs gets ``cache_gap``. Returns how many."""
+        now, held = self._clock(), {id(c) for c in keep}
+        with self._lock:
+            idle = [k for k, c in self._caches.items()
+                    if id(c) not in held and c.device_kv and now - self._used.get(k, now) > IN_FLIGHT_S]
+            for key in idle:
+                del self._caches[key]
+                self._used.pop(key, None)
+        return len(idle)
+
     def serves(self, term: int, version: int) -> bool:
         """Whether requests of plan ``version`` of ``term`` are served."""
         return (term, version) in self._layouts
@@ -290,8 +309,14 @@ class StageRunner:
         m, ffn = self._layers, self.device
         if ffn is not None and ffn.resident(lo, hi):  # each sequence on its own: its cache is on the device
             bounds = np.cumsum([0, *(s.rows for s in msg.segments)]).tolist()
-            out = np.concatenate([ffn.run_layers(x[a:b], cache, s.start, lo, hi)
-                                  for s, cache, a, b in zip(msg.segments, caches, bounds, bounds[1:])])
+            on_device = lambda: np.concatenate([ffn.run_layers(x[a:b], cache, s.start, lo, hi)  # noqa: E731
+                                                for s, cache, a, b in zip(msg.segments, caches, bounds, bounds[1:])])
+            try:
+                out = on_device()
+            except DeviceKVFull:
+                if not self._drop_idle_device_kv(caches):
+                    raise
+                out = on_device()  # a sequence that ran before the shortfall writes the same values again
         elif len(msg.segments) == 1:
             out = m.layers(x, caches[0], msg.segments[0].start, lo, hi, ffn)
         else:

@@ -179,6 +179,46 @@ def test_a_gpu_kv_cache_past_the_planned_context_is_refused_not_grown(gpu, tmp_p
     assert_within_bound(model, 2, cpu, on_gpu, request(5, [(1, 23, 1)], rows(1), 2))  # within it: still served
 
 
+def test_the_gpu_kv_caches_of_all_sequences_together_stay_within_the_planned_context(gpu, tmp_path, monkeypatch):
+    """The plan counted 48 positions of KV cache on this GPU for all sequences together. A
+    sequence of 20 holds 32 (a doubling); a second of 20 would pass 48 beside it and is refused
+    while the first is in flight; once the first has been idle ``IN_FLIGHT_S`` (finished, kept
+    for reuse) its buffers are dropped for the second, which is served, and the first's next
+    step gets ``cache_gap`` (the coordinator resends it from 0). A third takes what is left
+    (16, not a doubling past it); a fourth is refused. The buffers never pass 48."""
+    from swarm.peer.worker import stages
+
+    model = gguf_model(tmp_path, monkeypatch, "llama", QT.Q8_0, **WIDE)
+    cpu, on_gpu, device = runners(model, gpu, 2)
+    device.kv_positions = 48
+    now = [0.0]
+    on_gpu._clock = lambda: now[0]  # noqa: SLF001
+    H = model.config.hidden_size
+    rng = np.random.default_rng(13)
+    rows = lambda n: rng.standard_normal((n, H), np.float32)  # noqa: E731
+
+    def held(layer: int) -> int:
+        return sum(c.device_kv[layer].cap for c in on_gpu._caches.values() if layer in c.device_kv)  # noqa: SLF001
+
+    assert_within_bound(model, 2, cpu, on_gpu, request(1, [(1, 0, 20)], rows(20), 2))
+    assert held(0) == held(1) == 32
+    refused = on_gpu.handle(request(2, [(2, 0, 20)], rows(20), 2))
+    assert isinstance(refused, M.Error) and refused.code == "bad_request"
+    assert "beside the 32 that 1 other sequence(s) hold" in refused.message and "counted 48 in all" in refused.message
+    assert held(0) <= 48 and held(1) <= 48
+    now[0] += stages.IN_FLIGHT_S + 1
+    assert_within_bound(model, 2, cpu, on_gpu, request(3, [(2, 0, 20)], rows(20), 2))
+    assert held(0) == held(1) == 32  # the second's; the first's went with its cache
+    gap = on_gpu.handle(request(4, [(1, 20, 1)], rows(1), 2))
+    assert isinstance(gap, M.Error) and gap.code == "cache_gap"
+    # a short sequence takes the 16 left beside the second's 32; a fourth finds none while they run
+    assert_within_bound(model, 2, cpu, on_gpu, request(5, [(3, 0, 8)], rows(8), 2))
+    assert held(0) == held(1) == 48
+    full = on_gpu.handle(request(6, [(4, 0, 1)], rows(1), 2))
+    assert isinstance(full, M.Error) and full.code == "bad_request" and "beside the 48" in full.message
+    assert held(0) == held(1) == 48
+
+
 def test_a_long_prefill_goes_through_whole_layers_in_chunks(tmp_path, monkeypatch):
     """Bindings capped at 8 KiB (a phone's limits, scaled down): a 12-row prefill's scratch does
     not fit one submission, so it runs in chunks of 3 rows, each attending over the keys/values
