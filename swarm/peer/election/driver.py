@@ -113,10 +113,9 @@ class ElectionDriver:
         enough members to keep doing so (check-quorum), False once it does not, None in between
         — it leads, but a majority has been silent (it just woke from a stall): its next timer
         either hears them or steps down. Safe to call from the token-loop thread."""
-        core = self.core
-        if core.role is not el.Role.LEADER or core.term != term:
+        if not self.leads(term):
             return False
-        return True if core.holds_quorum(time.monotonic()) else None
+        return True if self.core.holds_quorum(time.monotonic()) else None
 
     def reachable(self, peer: str) -> bool:
         """Whether ``peer`` is a member heard from recently enough to count."""
