@@ -267,9 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     # At most 2**30 MiB: a Hello announces at most 2**50 bytes (swarm.peer.net.messages.MAX_GPU_MEMORY).
     p.add_argument("--gpu-memory", metavar="MIB", type=_int_at_least(1, "--gpu-memory (MiB)", 2**30),
                    help="with --gpu auto|on: the GPU holds at most MIB MiB of this peer's planned GPU work "
-                   "(weights, and a stage's KV cache for the plan's context); the plan gives it no more "
-                   "(default: none given, the GPU shares this peer's --memory, as an integrated GPU does; "
-                   "give a discrete card's memory less a margin for the display); docs/planner.md")
+                   "(weights, and a stage's KV cache for the plan's context); work past it computes on this "
+                   "peer's CPU from host memory, as a CPU peer's (default: none given, the GPU shares this "
+                   "peer's --memory, as an integrated GPU does; give a discrete card's memory less a margin "
+                   "for the display); docs/planner.md")
     p.add_argument("--api-port", metavar="PORT", type=_int_at_least(1, "--api-port", 65535),
                    help="as coordinator: serve the OpenAI API on this TCP port (default: the port this config "
                    "directory served on before, else a free one, then kept, so the URL survives elections; a "

@@ -90,13 +90,17 @@ def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
     me = {"peer_id": doc["peer_id"], "name": doc.get("name", ""), "kind": "python", "linked": None,
           "ffn_gflops": doc.get("ffn_gflops"), "memory_budget": doc.get("memory_budget")}
     peers = [me, *doc.get("peers", [])]
+    on_cpu = placement.get("on_cpu") if placement else None  # GPU peers whose work passes their GPU memory
     for p in peers:
         rtt = "this" if p["linked"] is None else "" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.1f}"
         memory = "" if p.get("memory_budget") is None else str(p["memory_budget"] >> 20)
         share = share_fraction(placement, p["peer_id"])
         gflops = "" if p.get("ffn_gflops") is None else f"{p['ffn_gflops']:.1f}"
         # Text, never markup: names come from other peers.
-        table.add_row(Text(f"{p.get('name') or '?'}\n{p['peer_id']}"), Text(peer_kind(p, doc)),
+        kind = peer_kind(p, doc)
+        if isinstance(on_cpu, list) and p["peer_id"] in on_cpu:
+            kind += "\non its CPU"
+        table.add_row(Text(f"{p.get('name') or '?'}\n{p['peer_id']}"), Text(kind),
                       Text(_role(p["peer_id"], doc, placement)), rtt, gflops, memory,
                       f"{100 * share:.0f} %" if placement else "")
     parts: list[Any] = [header, table]

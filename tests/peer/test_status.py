@@ -159,3 +159,14 @@ def test_status_says_why_a_page_stands_by():
                                             "message": "the model fits the Python peers (1 peer, 1.0 GiB offered)"}}}}
     out = _text(doc)
     assert "pixel: standing by — the model fits the Python peers (1 peer, 1.0 GiB offered)" in out
+
+
+def test_status_says_a_gpu_peer_computes_on_its_cpu():
+    """A GPU peer whose work passes its GPU memory (the plan's ``on_cpu``) is shown computing on its
+    CPU under its adapter; one whose work fits is not."""
+    gpu = {"kind": "python", "linked": True, "rtt_ms": 1.0, "arch": "x86_64", "gpu": "RTX 3050"}
+    doc = {"peer_id": "me", "name": "mac", "role": "coordinator", "swarm_id": "s", "system": "Darwin",
+           "peers": [{**gpu, "peer_id": "small", "name": "laptop"}, {**gpu, "peer_id": "big", "name": "tower"}],
+           "placement": {"version": 2, "term": 1, "coordinator": "me", "peers": [], "on_cpu": ["small"]}}
+    rows = [line for line in _text(doc).splitlines() if "GPU RTX 3050" in line or "on its CPU" in line]
+    assert len(rows) == 3 and "on its CPU" in rows[1]

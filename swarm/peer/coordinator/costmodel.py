@@ -22,7 +22,9 @@ coordinator records per worker stage.
 Memory. A worker's weights and KV cache fit in its allowance less one step's activations; a
 stage worker keeps the KV cache of its own layers (:meth:`LayerCosts.stage_bytes`), a range
 worker none. A GPU peer that announced its GPU memory (``join --gpu-memory``) holds them in GPU
-buffers: they fit that less the activations too (:meth:`LayerCosts.worker_room`). The coordinator keeps the KV cache of the layers whose attention it runs (every
+buffers: they fit that less the activations too (:meth:`LayerCosts.worker_room`); priced ``on_cpu``
+(the planner prices it both ways, :mod:`swarm.peer.coordinator.planning`) it holds them in host
+memory and computes at its CPU's speed. The coordinator keeps the KV cache of the layers whose attention it runs (every
 layer without stages, its own stages' layers with them: a cache holds arrays only for the layers
 that run), its activations and head logits, and under stages the rows it records per worker
 stage (:meth:`LayerCosts.coordinator_reserve`). A placement fits when every peer's
@@ -83,7 +85,10 @@ class PeerCost:
     costs beyond ``rtt_s`` and the rows' transfer (seconds): ``MESSAGE_OVERHEAD_S`` until its
     stage answers, which say how long the computing took, show it. ``gpu_memory``: what a GPU
     peer's GPU holds (bytes; None: none given), which its layers' weights and KV cache fit too
-    (:meth:`LayerCosts.worker_room`)."""
+    (:meth:`LayerCosts.worker_room`). ``on_cpu``: such a peer priced the other way, as a CPU
+    peer — its host allowance, ``gflops`` its CPU's speed —, for work past its GPU
+    (:func:`swarm.peer.plan.gpu_holds`); it then takes no FFN ranges beside a stage
+    (:func:`estimate_mix`), since the worker places each of the two on its own."""
 
     peer_id: str
     memory_bytes: int
@@ -92,6 +97,7 @@ class PeerCost:
     observed: bool = False
     overhead_s: float = MESSAGE_OVERHEAD_S
     gpu_memory: int | None = None
+    on_cpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,8 +144,9 @@ class LayerCosts:
     def worker_room(self, p: "PeerCost") -> int:
         """A worker's allowance less one step's activations (bytes, ≥ 0); on a GPU peer that
         announced its ``gpu_memory``, no more than that less the same activations: a GPU stage's
-        weights and KV cache (:meth:`stage_bytes`), and a range's weights, live in GPU buffers."""
-        held = p.memory_bytes if p.gpu_memory is None else min(p.memory_bytes, p.gpu_memory)
+        weights and KV cache (:meth:`stage_bytes`), and a range's weights, live in GPU buffers —
+        unless it is priced ``on_cpu`` (host memory, :func:`swarm.peer.plan.gpu_holds`)."""
+        held = p.memory_bytes if p.gpu_memory is None or p.on_cpu else min(p.memory_bytes, p.gpu_memory)
         return max(held - self.step_bytes, 0)
 
     @classmethod
@@ -147,23 +154,16 @@ class LayerCosts:
         """From a :class:`swarm.compute.model.Model`: sizes from the file's header (no weight is
         read); the KV cache for ``context`` tokens (default :func:`swarm.peer.memory.context_tokens`)."""
         from swarm.peer.plan import reserve_of
+        from swarm.peer.weights.sizes import layer_nbytes
 
-        c, ck = model.config, model.checkpoint
+        c = model.config
         H = c.hidden_size
         attn_w = H * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * H
-        attn_b, ffn_b, ffn_f = [], [], []
-        for layer in range(c.n_layers):
-            attn_b.append(model.attention_nbytes(layer))
-            if c.is_moe_layer(layer):
-                one = sum(q.nbytes for q in ck.expert_matrices(layer, 0))
-                active = 3 * H * c.moe_intermediate_size * c.top_k + 3 * H * c.shared_expert_intermediate_size
-                ffn_b.append(one * c.n_experts)
-            else:
-                ffn_b.append(sum(ck.matrix(p, layer).nbytes for p in ("gate", "up", "down")))
-                active = 3 * H * c.intermediate_size
-            ffn_f.append(2.0 * active)
+        moe_f = 3 * H * c.moe_intermediate_size * c.top_k + 3 * H * c.shared_expert_intermediate_size
+        ffn_f = [2.0 * (moe_f if c.is_moe_layer(layer) else 3 * H * c.intermediate_size) for layer in range(c.n_layers)]
+        attn_b, ffn_b = layer_nbytes(model)
         r = reserve_of(c, context)
-        return cls(tuple([2.0 * attn_w] * c.n_layers), tuple(ffn_f), tuple(attn_b), tuple(ffn_b),
+        return cls(tuple([2.0 * attn_w] * c.n_layers), tuple(ffn_f), attn_b, ffn_b,
                    2.0 * H * c.vocab_size, H, kv_bytes=r["kv_bytes"],
                    step_bytes=r["step_bytes"], coord_step_bytes=r["coordinator_step_bytes"], record_bytes=r["record_bytes"])
 
@@ -357,8 +357,8 @@ def estimate_mix(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost]
             continue  # the coordinator cannot hold attention for this many layers and its cache
         weights = {coord.peer_id: _gflops(coord) * COORDINATOR_SHARE, **{w.peer_id: _gflops(w) for w in workers}}
         caps = {coord.peer_id: left_c / ffn_k if ffn_k else 1.0,
-                **{w.peer_id: max(costs.worker_room(w) - held.get(w.peer_id, 0), 0) / ffn_k if ffn_k else 0.0
-                   for w in workers}}
+                **{w.peer_id: max(costs.worker_room(w) - held.get(w.peer_id, 0), 0) / ffn_k
+                   if ffn_k and not w.on_cpu else 0.0 for w in workers}}
         share = _water_fill(weights, caps)
         if sum(share.values()) < 1 - 1e-9:
             continue

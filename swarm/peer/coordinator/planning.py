@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError
@@ -24,7 +24,7 @@ from swarm.peer.coordinator import costmodel
 from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S, LayerCosts, PeerCost, observed_gflops
 from swarm.peer.coordinator.planner import PeerCapacity, build_plan, shortfall
 from swarm.peer.coordinator.tracker import Observations
-from swarm.peer.plan import ModelShape, Plan, Stage, StageLayout, split_layers
+from swarm.peer.plan import ModelShape, Plan, Stage, StageLayout, gpu_holds, split_layers
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
@@ -66,6 +66,25 @@ def choose_stages(mode: str, costs, coord, workers, range_only=(), sequences: in
     (:func:`~swarm.peer.coordinator.costmodel.choose`; the choice's ``note`` says why). Raises
     LocalProtocolError for another mode.
     """
+    best, estimates = _best(mode, costs, coord, workers, range_only, sequences)
+    return _stages_and_report(mode, costs, coord, workers, range_only, sequences, best, estimates)
+
+
+def _stages_and_report(mode: str, costs, coord, workers, range_only, sequences: int, best, estimates
+                       ) -> tuple[tuple[Stage, ...] | None, dict]:
+    """:func:`choose_stages`'s answer for ``best`` of ``estimates``."""
+    report = costmodel.report(costs, coord, [*workers, *range_only], best, estimates)
+    report["mode"] = mode
+    report["sequences"] = sequences
+    if best.note:
+        report["why"] = best.note
+    if best.layout == "ranges":
+        return None, report
+    return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report
+
+
+def _best(mode: str, costs, coord, workers, range_only, sequences: int) -> tuple[costmodel.Estimate, list]:
+    """(the estimate :func:`choose_stages` takes, every estimate priced)."""
     if mode not in ("stages", "mix", "auto"):
         raise LocalProtocolError(f"layout {mode!r}: stages are planned for 'stages', 'mix' or 'auto' only")
     best, estimates = costmodel.choose(costs, coord, workers, range_only=range_only,
@@ -82,14 +101,31 @@ def choose_stages(mode: str, costs, coord, workers, range_only=(), sequences: in
     mix = next(e for e in estimates if e.layout == "mix")
     if mode == "mix" and mix.fits:
         best = mix
-    report = costmodel.report(costs, coord, [*workers, *range_only], best, estimates)
-    report["mode"] = mode
-    report["sequences"] = sequences
-    if best.note:
-        report["why"] = best.note
-    if best.layout == "ranges":
-        return None, report
-    return tuple(Stage(p, lo, hi) for p, lo, hi in best.stages), report
+    return best, estimates
+
+
+def choose_ways(mode: str, costs, coord, workers, range_only=(), sequences: int = 1,
+                cpu_gflops: Mapping[str, float] | None = None) -> tuple[tuple[Stage, ...] | None, dict, list, list]:
+    """:func:`choose_stages` with each GPU peer of ``cpu_gflops`` (peer → its CPU's speed, GFLOP/s)
+    priced both ways: as given (its GPU: room within its ``gpu_memory``, its GPU's speed) and
+    ``on_cpu`` (its host allowance, that speed; :class:`~swarm.peer.coordinator.costmodel.PeerCost`).
+    Peer by peer, the CPU way is kept where the placement then fits and the others do not, or
+    prices faster. Returns (stages, report, ``workers`` and ``range_only`` as priced)."""
+    holders, others = list(workers), list(range_only)
+    best, estimates = _best(mode, costs, coord, holders, others, sequences)
+    for side in (holders, others):
+        for i, w in enumerate(side):
+            speed = (cpu_gflops or {}).get(w.peer_id)
+            if speed is None or w.gpu_memory is None:
+                continue
+            side[i] = dataclasses.replace(w, gflops=speed, on_cpu=True, observed=False)
+            trial, priced = _best(mode, costs, coord, holders, others, sequences)
+            if (not trial.fits, trial.decode_s, trial.prefill_s) < (not best.fits, best.decode_s, best.prefill_s):
+                best, estimates = trial, priced
+            else:
+                side[i] = w
+    stages, report = _stages_and_report(mode, costs, coord, holders, others, sequences, best, estimates)
+    return stages, report, holders, others
 
 
 class Planning:
@@ -107,6 +143,8 @@ class Planning:
         self.cut_layers: range | None = None
         self.shortfall: dict | None = None
         self.cost_report: dict | None = None
+        # GPU peers whose newest plan's work passes their GPU (gpu_holds): they compute it on their CPU
+        self.on_cpu: frozenset[str] = frozenset()
         self.costs = LayerCosts.from_model(model) if layout != "ranges" else None
         # sequences served at once, as the serving side last reported (1: price for one user);
         # under "auto", several may split a model the coordinator holds into pipelined stages
@@ -149,7 +187,17 @@ class Planning:
                                    kv_layers=own_layers, not_run_bytes=not_run)
         if self.shortfall:
             log.warning("plan v%d: %s", plan.version, self.shortfall["message"])
+        self.on_cpu = frozenset(w.peer_id for w in workers if not self._on_gpu(w, plan))
         return plan
+
+    def _on_gpu(self, w: PeerCapacity, plan: Plan) -> bool:
+        """Whether ``w`` computes each part of its work in ``plan`` and the stage layout — its stage,
+        its FFN ranges — on its GPU, by the rule its worker applies (:func:`swarm.peer.plan.gpu_holds`)."""
+        lay, c = self.stage_layout, self._layer_costs
+        stage = sum(c().stage_bytes(i) for s in (lay.stages if lay else ()) if s.peer == w.peer_id
+                    for i in range(s.start, s.stop))
+        ranges = plan.bytes_of(w.peer_id, self.shape, w.kind)
+        return all(gpu_holds(b, w.gpu_memory, self.shape.step_bytes) for b in (stage, ranges))
 
     def _plan_layout(self, term: int, memory_budget: int, gflops: float, workers: list[PeerCapacity],
                      holders: Collection[str], in_use: Plan | None, ranges: Observations | None,
@@ -160,7 +208,8 @@ class Planning:
         memory its stage leaves)."""
         self.stage_layout = self.cut_layers = None
         if self.layout == "ranges":
-            return workers
+            cpu = self._cpu_gflops(gflops, [w.ffn_speed for w in workers if w.kind == "python" and w.gpu_memory is None])
+            return [self._range_way(w, cpu) for w in workers]
         holding = [w for w in workers if w.kind == "python" and w.peer_id in holders]
         m = self.model
         own = m.embed.nbytes + (0 if m.head is m.embed else m.head.nbytes)
@@ -171,27 +220,58 @@ class Planning:
             me = PeerCost(me.peer_id, me.memory_bytes, seen_here, observed=True)
         costs: list[PeerCost] = []
         range_only: list[PeerCost] = []
+        cpu_seen: dict[str, float] = {}  # GPU peers whose answers timed their CPU (the last plan put them there)
         for w in workers:  # a peer that cannot run a stage (a page, no model file) still takes ranges
             gflops_w, seen = self._speed(w.peer_id, w.ffn_speed, in_use, ranges, stages)
+            if seen and w.gpu_memory is not None and w.peer_id in self.on_cpu:
+                cpu_seen[w.peer_id], gflops_w, seen = gflops_w, w.ffn_speed, False
             o = stages.of(w.peer_id) if stages is not None else None
             overhead = o.overhead_s if o is not None and o.overhead_s is not None else MESSAGE_OVERHEAD_S
             (costs if w in holding else range_only).append(PeerCost(
                 w.peer_id, w.memory_bytes, gflops_w, w.rtt_s, observed=seen, overhead_s=overhead,
                 gpu_memory=w.gpu_memory))
-        self._priced, self._choices = (self.layout, me, tuple(costs), tuple(range_only)), {}
-        chosen, self.cost_report = choose_stages(self.layout, self._layer_costs(), me, costs, range_only,
-                                                 self.sequences)
+        speed = {c.peer_id: c.gflops for c in [*costs, *range_only]}
+        cpu = self._cpu_gflops(me.gflops, [speed[w.peer_id] for w in workers
+                                           if w.kind == "python" and w.gpu_memory is None])
+        cpu_gflops = {w.peer_id: cpu_seen.get(w.peer_id, cpu) for w in workers
+                      if w.kind == "python" and w.gpu_memory is not None}
+        self._priced, self._choices = (self.layout, me, tuple(costs), tuple(range_only), cpu_gflops), {}
+        chosen, self.cost_report, priced, priced_ro = choose_ways(self.layout, self._layer_costs(), me, costs,
+                                                                  range_only, self.sequences, cpu_gflops)
+        on_cpu = {c.peer_id for c in [*priced, *priced_ro] if c.on_cpu}
+        takers = [dataclasses.replace(w, gpu_memory=None, ffn_speed=cpu_gflops[w.peer_id]) if w.peer_id in on_cpu
+                  else w for w in workers]
         if chosen is None:
-            return workers
+            return takers
         self.stage_layout = StageLayout(term, self.version, self.peer_id, chosen)
         if self.cost_report.get("choice") != "mix":
             return []
         first = chosen[0]  # a mix: the coordinator's stage comes first, its FFN cut over the holders
         self.cut_layers = range(first.start, first.stop)
         held = {s.peer: sum(self._layer_costs().stage_bytes(i) for i in range(s.start, s.stop)) for s in chosen[1:]}
-        return [dataclasses.replace(w, memory_bytes=max(w.memory_bytes - held.get(w.peer_id, 0), 0),
-                                    gpu_memory=None if w.gpu_memory is None else max(w.gpu_memory - held.get(w.peer_id, 0), 0))
-                for w in holding]
+        left = lambda w, b: max(b - held.get(w.peer_id, 0), 0)  # noqa: E731  (bytes its stage leaves)
+        return [dataclasses.replace(w, memory_bytes=0 if w.peer_id in on_cpu else left(w, w.memory_bytes),
+                                    gpu_memory=None if w.gpu_memory is None else left(w, w.gpu_memory))
+                for w in takers if w.peer_id in {h.peer_id for h in holding}]
+
+    @staticmethod
+    def _cpu_gflops(coordinator: float, cpu_peers: list[float]) -> float:
+        """What a GPU peer's CPU is priced at (GFLOP/s) until its answers time it (its hello gives
+        its GPU's speed only): the slowest of the coordinator and ``cpu_peers``, the speeds of the
+        Python peers without a GPU limit."""
+        return min([coordinator, *cpu_peers])
+
+    def _range_way(self, w: PeerCapacity, cpu_gflops: float) -> PeerCapacity:
+        """Under ``ranges`` (no cost model): a GPU peer whose GPU holds not one expert nor one block
+        of MLP columns takes ranges on its CPU (its host allowance, ``cpu_gflops``); others as given."""
+        s = self.shape
+        if w.kind != "python" or w.gpu_memory is None:
+            return w
+        units = [b for b in (s.expert_bytes if s.moe_layers else 0,
+                             s.column_bytes * s.dense_block if s.dense_layers else 0) if b]
+        if s.worker_weight_budget(w.memory_bytes, w.gpu_memory) >= min(units, default=0):
+            return w
+        return dataclasses.replace(w, gpu_memory=None, ffn_speed=cpu_gflops)
 
     def choice_for(self, sequences: int) -> Hashable:
         """What the last plan's layout choice would be with ``sequences`` running (the layout and
@@ -200,8 +280,9 @@ class Planning:
         if self._priced is None or self._priced[0] != "auto":
             return None
         if sequences not in self._choices:
-            _, me, costs, range_only = self._priced
-            chosen, report = choose_stages("auto", self._layer_costs(), me, list(costs), list(range_only), sequences)
+            _, me, costs, range_only, cpu_gflops = self._priced
+            chosen, report, _, _ = choose_ways("auto", self._layer_costs(), me, list(costs), list(range_only), sequences,
+                                               cpu_gflops)
             self._choices[sequences] = (report.get("choice"), chosen)
         return self._choices[sequences]
 
@@ -242,8 +323,11 @@ class Planning:
 
     def status(self) -> dict[str, Any]:
         """What status shows of the newest plan besides its spans: what it lacks (if anything) and,
-        under a layout other than ranges, the layout it took, its stages and the cost report."""
+        under a layout other than ranges, the layout it took, its stages and the cost report; ``on_cpu``:
+        the GPU peers that compute their work on their CPU (it passes their GPU memory)."""
         out: dict[str, Any] = {"shortfall": self.shortfall} if self.shortfall else {}
+        if self.on_cpu:
+            out["on_cpu"] = sorted(self.on_cpu)
         if self.layout != "ranges":
             lay = self.stage_layout
             out.update({"layout": ("mix" if self.cut_layers else "stages") if lay else "ranges",

@@ -10,8 +10,8 @@ May import swarm.errors, swarm.peer.memory and swarm.peer.net.messages; nothing 
 """
 
 from swarm.peer.plan.plan import Plan, Span, check_plan
-from swarm.peer.plan.shape import Q8_0_BYTES, ModelShape, reserve_of
+from swarm.peer.plan.shape import Q8_0_BYTES, ModelShape, gpu_holds, reserve_of
 from swarm.peer.plan.stages import INLINE_ROWS, Stage, StageLayout, split_layers
 
 __all__ = ["INLINE_ROWS", "Q8_0_BYTES", "ModelShape", "Plan", "Span", "Stage", "StageLayout", "check_plan",
-           "reserve_of", "split_layers"]
+           "gpu_holds", "reserve_of", "split_layers"]

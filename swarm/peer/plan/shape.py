@@ -118,6 +118,15 @@ class ModelShape:
         return len(self.moe_layers) * self.n_experts * e + len(self.dense_layers) * self.intermediate_size * c
 
 
+def gpu_holds(held_bytes: int, gpu_memory: int | None, step_bytes: int) -> bool:
+    """Whether a GPU peer computes work of ``held_bytes`` (bytes it holds for it: weights, and a
+    stage's KV cache) on its GPU: they fit ``gpu_memory`` (bytes; None or 0: none announced, the
+    host allowance is its only limit) less one step's activations ``step_bytes``. Otherwise it
+    computes that work on its CPU from host memory, as a CPU peer does (docs/planner.md, "GPU
+    memory"). The one rule both the planner and the worker apply."""
+    return not gpu_memory or held_bytes <= max(gpu_memory - step_bytes, 0)
+
+
 def reserve_of(cfg, context: int | None = None, sequences: int | None = None) -> dict[str, Any]:
     """What a peer keeps besides weights for a model of config ``cfg`` (bytes): ``kv_layer_bytes``
     (one layer's keys and values for ``context`` tokens, default

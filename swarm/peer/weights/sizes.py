@@ -67,3 +67,30 @@ def model_shape(model: Model) -> ModelShape:
     return dataclasses.replace(base, expert_nbytes=e_own, column_nbytes=c_own, page_expert_nbytes=e_page,
                                page_column_nbytes=c_page, resident_nbytes=max(files - ffn, 0) + routers,
                                dense_block=block)
+
+
+def layer_nbytes(model: Model) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per layer, (bytes of its attention, bytes of its FFN — every routed expert, or the dense
+    MLP), as the file stores them (header reads only): what a stage's weights count for the
+    planner (:class:`swarm.peer.coordinator.costmodel.LayerCosts`) and for a GPU worker's choice
+    of device (:func:`stage_nbytes`)."""
+    c, ck = model.config, model.checkpoint
+    attn, ffn = [], []
+    for layer in range(c.n_layers):
+        attn.append(model.attention_nbytes(layer))
+        if c.is_moe_layer(layer):
+            ffn.append(sum(q.nbytes for q in ck.expert_matrices(layer, 0)) * c.n_experts)
+        else:
+            ffn.append(sum(ck.matrix(p, layer).nbytes for p in ("gate", "up", "down")))
+    return tuple(attn), tuple(ffn)
+
+
+def stage_nbytes(model: Model, lo: int, hi: int) -> tuple[int, int]:
+    """(bytes a stage of layers ``lo .. hi-1`` holds — their weights, :func:`layer_nbytes`, and
+    their KV cache for the context the plan reserves, :func:`swarm.peer.plan.reserve_of` —, one
+    step's activations): the planner's counts (``LayerCosts.stage_bytes``, ``step_bytes``)."""
+    from swarm.peer.plan import reserve_of
+
+    attn, ffn = layer_nbytes(model)
+    r = reserve_of(model.config)
+    return sum(attn[i] + ffn[i] + r["kv_bytes"][i] for i in range(lo, hi)), r["step_bytes"]

@@ -27,7 +27,9 @@ On a GPU peer (``join --gpu``) an :class:`FfnDevice` other than the CPU's holds 
 (uploaded once, when a plan is accepted) and runs the same SwiGLU block with the browser peer's
 WGSL kernels (:mod:`swarm.peer.worker.gpu`): another numeric build, checked by the coordinator
 within a bound rather than bit for bit. A kernel error answers ``internal`` and drops the
-uploaded slices (the device was reset); the next plan or request uploads them again.
+uploaded slices (the device was reset); the next plan or request uploads them again. A plan
+whose slices for this peer pass the GPU memory it announced is computed on the CPU instead, from
+host memory, as a CPU peer's (:func:`swarm.peer.plan.gpu_holds`, the planner's rule).
 
 :meth:`Worker.handle` is synchronous and CPU-heavy: the asyncio adapter runs it
 in one worker thread (requests in arrival order), never on the event loop.
@@ -45,7 +47,7 @@ from swarm.compute.ffn import swiglu_ffn
 from swarm.compute.kernels import MLPWeights, swiglu_many
 from swarm.errors import KernelError, RemoteProtocolError, StaleTermError
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest
-from swarm.peer.plan import ModelShape, Plan
+from swarm.peer.plan import ModelShape, Plan, gpu_holds
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +95,25 @@ class Worker:
     """Answers :class:`ExpertRequest` / :class:`DenseRequest` for peer ``peer_id``.
 
     ``shape`` gives the model's sizes for validation; ``source`` the weights; ``device`` where
-    they are held and computed (default the CPU: :class:`CpuFfn`).
+    they are held and computed (default the CPU: :class:`CpuFfn`); ``gpu_memory``: the bytes of
+    GPU memory this peer announced (None or 0: none), a plan past which computes on the CPU.
     """
 
-    def __init__(self, peer_id: str, shape: ModelShape, source: SliceSource, device: FfnDevice | None = None) -> None:
+    def __init__(self, peer_id: str, shape: ModelShape, source: SliceSource, device: FfnDevice | None = None,
+                 gpu_memory: int | None = None) -> None:
         self.peer_id = peer_id
         self.shape = shape
         self.source = source
         self.device: FfnDevice = device or CpuFfn()
+        self.gpu_memory = gpu_memory
+        self._cpu = self.device if device is None else CpuFfn()
+        self._devices: dict[tuple[int, int], FfnDevice] = {}  # (term, version) → where its slices compute
         self.plan: Plan | None = None  # the newest accepted plan
         self._plans: dict[tuple[int, int], Plan] = {}  # (term, version) → plan still served
         self.term = 0  # the newest term seen in a plan
-        self._experts: dict[tuple[int, int], Any] = {}  # what self.device.load made of each slice
-        self._dense: dict[tuple[int, int, int], Any] = {}
+        # what a device's load made of each slice, keyed by (slice, on the CPU instead of ``device``)
+        self._experts: dict[tuple[int, int, bool], Any] = {}
+        self._dense: dict[tuple[int, int, int, bool], Any] = {}
         self._lock = threading.Lock()
         self.served = 0  # answered requests (status, tests)
 
@@ -134,12 +142,14 @@ class Worker:
             kept = [p for p in self._plans.values() if p.term == plan.term] + [plan]
             self._plans = {(p.term, p.version): p for p in kept[-KEEP_PLANS:]}
             self.plan, self.term = plan, plan.term
+            on_gpu = gpu_holds(plan.bytes_of(self.peer_id, self.shape), self.gpu_memory, self.shape.step_bytes)
+            self._devices = {k: self._devices.get(k, self.device if on_gpu else self._cpu) for k in self._plans}
             keep_e = {(l, e) for p in self._plans.values() for l, spans in p.experts.items() for s in spans
                       if s.peer == self.peer_id for e in range(s.start, s.stop)}
             keep_d = {(l, s.start, s.stop) for p in self._plans.values() for l, spans in p.dense.items()
                       for s in spans if s.peer == self.peer_id}
-            self._experts = {k: v for k, v in self._experts.items() if k in keep_e}
-            self._dense = {k: v for k, v in self._dense.items() if k in keep_d}
+            self._experts = {k: v for k, v in self._experts.items() if k[:2] in keep_e}
+            self._dense = {k: v for k, v in self._dense.items() if k[:3] in keep_d}
 
     def serves(self, term: int, version: int) -> bool:
         """True when requests of plan ``version`` of ``term`` are answered (it was accepted)."""
@@ -151,27 +161,35 @@ class Worker:
         plan = self.plan
         if plan is None:
             return 0
+        device = self.device_of(plan)
         total = 0
         for layer, spans in plan.experts.items():
             for s in spans:
                 if s.peer == self.peer_id:
-                    total += sum(self._expert(layer, e).nbytes for e in range(s.start, s.stop))
+                    total += sum(self._expert(device, layer, e).nbytes for e in range(s.start, s.stop))
         for layer, spans in plan.dense.items():
             for s in spans:
                 if s.peer == self.peer_id:
-                    total += self._dense_slice(layer, s.start, s.stop).nbytes
+                    total += self._dense_slice(device, layer, s.start, s.stop).nbytes
         return total
 
-    def _expert(self, layer: int, e: int) -> Any:
-        w = self._experts.get((layer, e))
+    def device_of(self, plan: Plan) -> FfnDevice:
+        """Where ``plan``'s slices compute (an accepted plan): ``device``, or the CPU where they
+        pass the announced GPU memory (:func:`swarm.peer.plan.gpu_holds`)."""
+        return self._devices.get((plan.term, plan.version), self.device)
+
+    def _expert(self, device: FfnDevice, layer: int, e: int) -> Any:
+        key = (layer, e, device is not self.device)
+        w = self._experts.get(key)
         if w is None:
-            w = self._experts[(layer, e)] = self.device.load(self.source.expert_weights(layer, e))
+            w = self._experts[key] = device.load(self.source.expert_weights(layer, e))
         return w
 
-    def _dense_slice(self, layer: int, lo: int, hi: int) -> Any:
-        w = self._dense.get((layer, lo, hi))
+    def _dense_slice(self, device: FfnDevice, layer: int, lo: int, hi: int) -> Any:
+        key = (layer, lo, hi, device is not self.device)
+        w = self._dense.get(key)
         if w is None:
-            w = self._dense[(layer, lo, hi)] = self.device.load(self.source.dense_weights(layer, lo, hi))
+            w = self._dense[key] = device.load(self.source.dense_weights(layer, lo, hi))
         return w
 
     # ------------------------------------------------------------------ requests
@@ -225,13 +243,14 @@ class Worker:
         counts = msg.row_counts.astype(np.int64)
         bounds = np.concatenate([[0], np.cumsum(counts)])
         outputs = np.empty_like(msg.rows)
-        parts = [(self._expert(msg.layer, e), bounds[i], bounds[i + 1]) for i, e in enumerate(ids.tolist())
+        device = self.device_of(plan)
+        parts = [(self._expert(device, msg.layer, e), bounds[i], bounds[i + 1]) for i, e in enumerate(ids.tolist())
                  if bounds[i + 1] > bounds[i]]
-        run_many = getattr(self.device, "run_many", None)
+        run_many = getattr(device, "run_many", None)
         if run_many is not None:  # the request's experts as one group of products
             ys = run_many([w for w, _, _ in parts], [np.ascontiguousarray(msg.rows[a:b]) for _, a, b in parts])
         else:
-            ys = [self.device.run(w, msg.rows[a:b]) for w, a, b in parts]
+            ys = [device.run(w, msg.rows[a:b]) for w, a, b in parts]
         for (_, a, b), y in zip(parts, ys):
             outputs[a:b] = y
         return ExpertAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer,
@@ -244,5 +263,6 @@ class Worker:
         if tuple(msg.ranges) != want:
             raise RemoteProtocolError(f"layer {msg.layer}: ranges {list(msg.ranges)} are not this worker's "
                                       f"{list(want) if want else 'none'} in plan v{plan.version}")
-        partials = np.stack([self.device.run(self._dense_slice(msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
+        device = self.device_of(plan)
+        partials = np.stack([device.run(self._dense_slice(device, msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
         return DenseAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer, msg.ranges, partials)

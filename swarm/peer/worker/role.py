@@ -52,7 +52,8 @@ class WorkerRole:
     whose terms and coordinator a plan must match; ``device``: where FFN ranges are held and
     computed (None: the CPU; a :class:`~swarm.peer.worker.gpu.GpuFfn` under ``join --gpu``, which
     then computes the weight products of this peer's stages too: a
-    :class:`~swarm.peer.worker.gpu.GpuStage`).
+    :class:`~swarm.peer.worker.gpu.GpuStage`) — but for work past the GPU memory its hello
+    announced, which computes on the CPU (:func:`swarm.peer.plan.gpu_holds`).
     """
 
     def __init__(self, node: Node, model: Model | None, election: ElectionDriver,
@@ -62,9 +63,13 @@ class WorkerRole:
         self.election = election
         self.device = device
         self.shape = model_shape(model) if model is not None else None  # learned from slices otherwise
-        self.server: Worker | None = Worker(node.peer_id, self.shape, model, device) if model is not None else None
+        # work past the GPU memory announced computes on the CPU (swarm.peer.plan.gpu_holds)
+        self.gpu_memory = node.hello.gpu_memory or None
+        self.server: Worker | None = (Worker(node.peer_id, self.shape, model, device, self.gpu_memory)
+                                      if model is not None else None)
         stage_device = GpuStage(device, model) if isinstance(device, GpuFfn) and model is not None else None
-        self.stage_runner = StageRunner(node.peer_id, model, device=stage_device) if model is not None else None
+        self.stage_runner = (StageRunner(node.peer_id, model, device=stage_device, gpu_memory=self.gpu_memory)
+                             if model is not None else None)
         self._fetchers: dict[str, SliceFetcher] = {}  # without a model: per link to a peer that has one
         self._plans_ready: dict[tuple[int, int], asyncio.Event] = {}  # (term, version) → slices in
         self._ship_lock = asyncio.Lock()
@@ -147,7 +152,7 @@ class WorkerRole:
             raise RemoteProtocolError("the coordinator's model shape changed under this worker")
         self.shape = shape
         if self.server is None:
-            self.server = Worker(me, shape, shipped, self.device)
+            self.server = Worker(me, shape, shipped, self.device, self.gpu_memory)
         else:
             self.server.use_source(shipped)  # slices of the plans still served are already decoded
 

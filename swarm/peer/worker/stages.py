@@ -22,7 +22,10 @@ answers the coordinator checks within a bound. A stage whose layers all have sta
 runs wholly on the device instead (``resident``: norms, RoPE and attention too, each sequence's
 keys/values in device buffers on its :class:`StageCache`). A device error answers ``internal``, drops the
 uploads (the device was reset) and every sequence's cache (resent from position 0); the next
-request uploads again.
+request uploads again. A stage whose layers' weights and KV cache, as the plan counts them
+(:func:`~swarm.peer.weights.sizes.stage_nbytes`), pass the GPU memory the peer announced runs on
+the engine's CPU kernels instead, from host memory, as a CPU peer's would — the rule the
+planner applies (:func:`~swarm.peer.plan.gpu_holds`), so that the planner prices it there.
 
 Threading. Synchronous and CPU-heavy: run off the event loop, except a short step (a decode
 token: :meth:`StageRunner.take_inline`), which runs on the event loop that received it, sparing
@@ -48,7 +51,8 @@ from swarm.compute.model import KVCache, ProductDevice
 from swarm.compute.serving import MAX_BATCH_LIMIT
 from swarm.errors import KernelError, RemoteProtocolError, StaleTermError
 from swarm.peer.net.messages import Error, StageAnswer, StageRequest
-from swarm.peer.plan import INLINE_ROWS, StageLayout
+from swarm.peer.plan import INLINE_ROWS, StageLayout, gpu_holds
+from swarm.peer.weights.sizes import stage_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -120,15 +124,20 @@ class StageRunner:
     cache per sequence. Every field of a request is checked before it reaches a kernel; a bad
     one earns an :class:`Error` naming it (codes ``stale_term``, ``bad_request``, ``cache_gap``;
     ``internal`` when ``device`` failed). ``device``: where the layers' weight products run
-    (None: the engine's kernels; module docstring, "GPU").
+    (None: the engine's kernels; module docstring, "GPU"); ``gpu_memory``: the bytes of GPU
+    memory this peer announced (None or 0: none, the device takes every stage), a stage past
+    which runs on the engine's kernels (:meth:`on_device`).
     """
 
     def __init__(self, peer_id: str, model, max_sequences: int = MAX_SEQUENCES, *,
-                 clock: Callable[[], float] = time.monotonic, device: StageDevice | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, device: StageDevice | None = None,
+                 gpu_memory: int | None = None) -> None:
         self.peer_id = peer_id
         self._clock = clock
         self.model = model
         self.device = device
+        self.gpu_memory = gpu_memory
+        self._on_device: dict[tuple[int, int], bool] = {}  # stage → on_device's answer
         self._layers = model.with_products(device) if device is not None else model  # runs the layers
         self.max_sequences = max_sequences
         self._layouts: dict[tuple[int, int], StageLayout] = {}
@@ -153,6 +162,17 @@ class StageRunner:
             self.inline += 1
             return True
         return False
+
+    def on_device(self, lo: int, hi: int) -> bool:
+        """Whether layers ``lo .. hi-1`` compute on ``device``: it is set and their weights and KV
+        cache fit the announced GPU memory (:func:`~swarm.peer.plan.gpu_holds`); else on the
+        engine's CPU kernels, their KV cache in host memory."""
+        if self.device is None:
+            return False
+        if (lo, hi) not in self._on_device:
+            held, step = stage_nbytes(self.model, lo, hi)
+            self._on_device[(lo, hi)] = gpu_holds(held, self.gpu_memory, step)
+        return self._on_device[(lo, hi)]
 
     def submit(self, executor: cf.Executor, msg: StageRequest) -> cf.Future:
         """Queue ``handle(msg)`` on ``executor``; the request counts as busy from now until it is
@@ -218,7 +238,8 @@ class StageRunner:
         m = self.model
         if self.device is not None:  # here, on the compute thread: the device is used from it only
             with self._lock:
-                mine = {layer for p in self._layouts.values() for s in p.stages if s.peer == self.peer_id
+                mine = {layer for p in self._layouts.values() for s in p.stages
+                        if s.peer == self.peer_id and self.on_device(s.start, s.stop)
                         for layer in range(s.start, s.stop)}
             self.device.keep_layers(mine)  # the uploads of stages no layout served gives this peer go
             try:
@@ -306,7 +327,7 @@ class StageRunner:
         for s, cache in zip(msg.segments, caches):
             cache.truncate(s.start)
         t0 = time.perf_counter()
-        m, ffn = self._layers, self.device
+        m, ffn = (self._layers, self.device) if self.on_device(lo, hi) else (self.model, None)
         if ffn is not None and ffn.resident(lo, hi):  # each sequence on its own: its cache is on the device
             bounds = np.cumsum([0, *(s.rows for s in msg.segments)]).tolist()
             on_device = lambda: np.concatenate([ffn.run_layers(x[a:b], cache, s.start, lo, hi)  # noqa: E731

@@ -109,3 +109,69 @@ def test_planning_counts_a_gpu_stage_peers_kv_cache_from_the_models_shape(moe, k
         want += 1
     assert 1 <= want < n - 1 and len(mine) == 1 and mine[0][1] - mine[0][0] == want
     assert sum(c.stage_bytes(i) for i in range(*mine[0])) <= room  # placed after the coordinator's: still fits
+
+
+# --- a GPU too small for the work: the peer computes it on its CPU (gpu_holds) -------------------
+
+
+def test_a_gpu_peer_that_holds_a_few_layers_computes_more_on_its_cpu_where_that_prices_faster():
+    """Priced both ways: its GPU holds 2 of the 8 layers (the slow coordinator keeps 6), its host
+    memory all 8. A CPU of 50 GFLOP/s runs all 8 faster than what its GPU holds beside the
+    coordinator: taken, each layer counted against host memory and priced at the CPU's speed. A
+    CPU of 0.5 would not: the GPU way stays."""
+    from swarm.peer.coordinator.planning import choose_ways
+
+    coord = PeerCost("c", 10**12, 1.0)
+    gpu = PeerCost("g", 8 << 30, 100.0, 0.001, gpu_memory=STEP + 2 * (WEIGHTS + KV))
+    stages, report, (priced,), _ = choose_ways("auto", costs(), coord, [gpu], cpu_gflops={"g": 50.0})
+    assert stages is not None and [(s.peer, s.start, s.stop) for s in stages] == [("g", 0, N)]
+    assert priced.on_cpu and priced.gflops == 50.0 and cm.LayerCosts.worker_room(costs(), priced) == (8 << 30) - STEP
+    (shown,) = [p for p in report["peers"] if p["peer_id"] == "g"]
+    assert shown["on_cpu"] and shown["gflops"] == 50.0
+    _, report, (priced,), _ = choose_ways("auto", costs(), coord, [gpu], cpu_gflops={"g": 0.5})
+    assert priced == gpu and report["choice"] != "local"  # its GPU's share of the work, at its GPU's speed
+
+
+@pytest.mark.parametrize("layout", ["stages", "auto"])
+def test_a_gpu_peer_whose_gpu_holds_no_layer_runs_layers_on_its_cpu(moe, layout):
+    """Planning end to end on a model file: the coordinator holds one layer, a fast GPU worker's
+    GPU not one layer with its KV cache, its host memory the rest. Its GPU way places nothing and
+    no layout fits (before: ranges, the coordinator streaming the model); its CPU way takes layers
+    1 .. n-1 against host memory, priced at the coordinator's speed (its hello gives its GPU's
+    only) until its answers time its CPU, and status names it as computing on its CPU."""
+    from swarm.peer.coordinator.planning import Planning
+    from swarm.peer.coordinator.tracker import Observations, PeerObservation
+    from swarm.peer.weights.sizes import model_shape
+    from tests.peer._swarm_models import COORD, W1
+
+    planning = Planning(moe, model_shape(moe), COORD, layout)
+    c = planning._layer_costs()
+    n = c.n_layers
+    own = moe.embed.nbytes + (0 if moe.head is moe.embed else moe.head.nbytes)
+    budget = own + c.coordinator_reserve(1, kv_layers=range(0)) + c.stage_bytes(0)
+    gpu_memory = c.step_bytes + min(c.stage_bytes(i) for i in range(n)) - 1
+    host = c.step_bytes + sum(c.stage_bytes(i) for i in range(1, n))
+    planning.new_plan(1, budget, 2.0, [PeerCapacity(W1, host, 1e6, 0.001, gpu_memory=gpu_memory)], {W1})
+    lay = planning.stage_layout
+    assert lay is not None and [(s.peer, s.start, s.stop) for s in lay.stages] == [(COORD, 0, 1), (W1, 1, n)]
+    (shown,) = [p for p in planning.cost_report["peers"] if p["peer_id"] == W1]
+    assert shown["on_cpu"] and shown["gflops"] == 2.0 and shown["gpu_memory"] == gpu_memory
+    assert planning.on_cpu == {W1} and planning.status()["on_cpu"] == [W1]
+    # its stage answers then time its CPU (3 GFLOP/s): the next plan prices its CPU way at that
+    seen = Observations({W1: PeerObservation(0.001, None, 1, 0, 0, 0, s_per_row_layer=planning._layer_flops() / 3e9)})
+    planning.new_plan(1, budget, 2.0, [PeerCapacity(W1, host, 1e6, 0.001, gpu_memory=gpu_memory)], {W1}, stages=seen)
+    (shown,) = [p for p in planning.cost_report["peers"] if p["peer_id"] == W1]
+    assert shown["on_cpu"] and shown["gflops"] == pytest.approx(3.0) and planning.on_cpu == {W1}
+
+
+def test_under_ranges_a_gpu_peer_whose_gpu_holds_no_expert_takes_ranges_on_its_cpu(moe):
+    from swarm.peer.coordinator.planning import Planning
+    from swarm.peer.weights.sizes import model_shape
+    from tests.peer._swarm_models import COORD, W1
+
+    shape = model_shape(moe)
+    planning = Planning(moe, shape, COORD, "ranges")
+    gpu_memory = shape.step_bytes + min(shape.expert_bytes, shape.column_bytes * shape.dense_block) - 1
+    plan = planning.new_plan(1, 1 << 40, 1.0, [PeerCapacity(W1, 1 << 40, 1e6, 0.001, gpu_memory=gpu_memory)], {W1})
+    assert plan.bytes_of(W1, shape) > shape.expert_bytes  # before: none (its GPU holds not one unit)
+    assert planning.on_cpu == {W1} and planning.status()["on_cpu"] == [W1]
