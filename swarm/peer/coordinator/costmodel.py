@@ -22,9 +22,10 @@ coordinator records per worker stage.
 Memory. A worker's weights and KV cache fit in its allowance less one step's activations; a
 stage worker keeps the KV cache of its own layers (:meth:`LayerCosts.stage_bytes`), a range
 worker none. A GPU peer that announced its GPU memory (``join --gpu-memory``) holds them in GPU
-buffers: they fit that less the activations too (:meth:`LayerCosts.worker_room`); priced ``on_cpu``
-(the planner prices it both ways, :mod:`swarm.peer.coordinator.planning`) it holds them in host
-memory and computes at its CPU's speed. The coordinator keeps the KV cache of the layers whose attention it runs (every
+buffers: they fit that less the activations too (:meth:`LayerCosts.worker_room`); priced
+``on_cpu`` (the planner prices it both ways, :mod:`swarm.peer.coordinator.planning`) it holds
+them in host memory and computes at its CPU's speed. The coordinator keeps the KV cache of the
+layers whose attention it runs (every
 layer without stages, its own stages' layers with them: a cache holds arrays only for the layers
 that run), its activations and head logits, and under stages the rows it records per worker
 stage (:meth:`LayerCosts.coordinator_reserve`). A placement fits when every peer's
