@@ -17,15 +17,13 @@ from swarm.compute.model import load_model
 from swarm.keys.identity import Identity
 from swarm.keys.swarmkey import SwarmKey
 from swarm.peer.coordinator.costmodel import LayerCosts
-from swarm.peer.node import Node
-from swarm.peer.roles import SwarmRoles
 from swarm.peer.worker.gpu import GpuFfn
 from swarm.signaling.server import SignalingServer
 from tests.peer._links import run_in_netns
 from tests.peer._swarm_models import greedy
 from tests.peer.coordinator.test_stages_loopback import staged
-from tests.peer.test_swarm_gpu_stages import PROMPTS, STEPS
-from tests.peer.test_swarm_loopback import ADDRESS, FAST_LINKS, Peer, stop_swarm, until
+from tests.peer.test_swarm_gpu_stages import PROMPTS, STEPS, start_pair
+from tests.peer.test_swarm_loopback import ADDRESS, stop_swarm, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -49,19 +47,8 @@ def test_a_gpu_peer_too_small_for_a_layer_runs_its_stage_on_its_cpu_with_the_loc
         peers = []
         try:
             # the faster announced speed leads (the election's rule): the CPU peer coordinates
-            for ident, name, g, build, device, budget, gpu_mem in (
-                    (cpu, "cpu", 2.0, None, None, coord_budget, 0),
-                    (gpu_ident, "gpu", 1.0, gpu.build(), gpu, 1 << 30, gpu_memory)):
-                m = load_model(path)  # each peer its own copy, as on separate machines
-                node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=name,
-                            signal_url=server.url(ADDRESS), ffn_gflops=g, build=build, memory_budget=budget,
-                            gpu_memory=gpu_mem, model_hash=m.content_hash(), status_path=tmp_path / f"status-{name}.json",
-                            link_options=FAST_LINKS)
-                await node.start(timeout=10)
-                roles = SwarmRoles(node, m, serve_api=False, startup_quiet_s=1.0, verify=1.0,
-                                   layout="stages", device=device)
-                await roles.start()
-                peers.append(Peer(node, roles))
+            await start_pair(peers, tmp_path, key, server, (cpu, gpu_ident), gpu, (2.0, 1.0),
+                             (coord_budget, 1 << 30), gpu_memory)
             coord, worker = peers
             await until(lambda: staged(coord, [worker]), 60, "a stage plan with the GPU peer in it")
             runs = [await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn, prompt, STEPS)

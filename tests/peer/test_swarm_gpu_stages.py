@@ -32,6 +32,26 @@ PROMPTS = ([1, 504, 3458, 314, 253, 1345, 30], [1, 9690, 314, 2151, 28, 1132])  
 STEPS = 6
 
 
+async def start_pair(peers: list[Peer], tmp_path, key: SwarmKey, server: SignalingServer,
+                     idents: tuple[Identity, Identity], gpu: GpuFfn, speeds: tuple[float, float], budgets: tuple[int, int] = (1 << 30, 1 << 30),
+                     gpu_memory: int = 0) -> None:
+    """Start a CPU peer, then a GPU peer computing on ``gpu`` (``idents``: theirs), each on its own
+    copy of the default model, under ``--layout stages`` and ``--verify 100``, appended to
+    ``peers`` as they start: announced ``speeds`` (GFLOP/s), host ``budgets`` (bytes) and the GPU
+    peer's ``gpu_memory`` (bytes; 0: none given)."""
+    for i, (name, build, device) in enumerate((("cpu", None, None), ("gpu", gpu.build(), gpu))):
+        ident = idents[i]
+        model = load_model(default_model_path())  # each peer its own copy, as on separate machines
+        node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=name,
+                    signal_url=server.url(ADDRESS), ffn_gflops=speeds[i], build=build, memory_budget=budgets[i],
+                    gpu_memory=gpu_memory if device else 0, model_hash=model.content_hash(),
+                    status_path=tmp_path / f"status-{name}.json", link_options=FAST_LINKS)
+        await node.start(timeout=10)
+        roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0, verify=1.0, layout="stages", device=device)
+        await roles.start()
+        peers.append(Peer(node, roles))
+
+
 def test_a_gpu_stage_peer_gives_the_local_runs_greedy_tokens_over_real_links(tmp_path):
     path = default_model_path()
 
@@ -45,18 +65,7 @@ def test_a_gpu_stage_peer_gives_the_local_runs_greedy_tokens_over_real_links(tmp
         try:
             gflops = await asyncio.to_thread(gpu.measure_gflops)
             # the coordinator announces twice the GPU's measured speed: the GPU peer gets a third of the layers
-            for ident, name, g, build, device in ((cpu, "cpu", 2 * gflops, None, None),
-                                                 (gpu_ident, "gpu", gflops, gpu.build(), gpu)):
-                model = load_model(path)  # each peer its own copy, as on separate machines
-                node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=name,
-                            signal_url=server.url(ADDRESS), ffn_gflops=g, build=build, memory_budget=1 << 30,
-                            model_hash=model.content_hash(), status_path=tmp_path / f"status-{name}.json",
-                            link_options=FAST_LINKS)
-                await node.start(timeout=10)
-                roles = SwarmRoles(node, model, serve_api=False, startup_quiet_s=1.0, verify=1.0,
-                                   layout="stages", device=device)
-                await roles.start()
-                peers.append(Peer(node, roles))
+            await start_pair(peers, tmp_path, key, server, (cpu, gpu_ident), gpu, (2 * gflops, gflops))
             coord, worker = peers
             await until(lambda: staged(coord, [worker]), 60, "a stage plan with the GPU peer in it")
             runs = []
