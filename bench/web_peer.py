@@ -3,6 +3,7 @@
     python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
     python3 bench/web_peer.py --blocks [--blocks-shape H,F] [--reps N] [--lanes L] [--subgroups auto|on|off]
                               [--formats q4_k,q8_0]
+    python3 bench/web_peer.py --dispatch-cost [--reps N]
 
 For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format (f32, f16, q8 and the
 GGUF blocks q4_0, q4_1, q8_0, q4_k, q5_k, q6_k) it reports seconds per call, GFLOP/s and GB/s (weight bytes as held,
@@ -16,6 +17,12 @@ With --blocks, only the wgpu adapter, per block type on one shape (default H 409
 Mixtral expert): GB/s of weights read at T = 1 and GFLOP/s at T = 64 (both kernels), beside the
 device's buffer-to-buffer copy bandwidth (read + write bytes per second, wgpu's copy_buffer_to_buffer).
 Block weights are random valid blocks (K.random_blocks): timing does not depend on their values.
+With --dispatch-cost, what one small dispatch costs beyond its work (a GPU stage encodes a dozen
+a layer): N dispatches of add.wgsl over 4096 floats, each with its own uniform buffer and bind
+group as the host makes them, encoded a compute pass each or all in one pass; per dispatch the
+host's encode time, the wall time from submit to the read-back, and the GPU's own time between
+the first and the last dispatch (timestamp queries, where the adapter has them; nanoseconds
+assume a timestamp period of 1 ns, NVIDIA's).
 With --e2e, through the real page (signaling, authenticated WebRTC link, worker.js): MiB/s of
 weight shipping to the page and DenseRequest round-trip latency as the coordinator sees it.
 """
@@ -138,6 +145,74 @@ def copy_bandwidth(gpu, nbytes: int = 1 << 27, reps: int = 20) -> dict:
             out["torch_cuda_copy_gbps"] = round(2 * nbytes * reps / (time.perf_counter() - t0) / 1e9, 1)
     except ImportError:
         pass
+    return out
+
+
+def dispatch_cost(reps: int) -> dict:
+    """Per small dispatch: encode µs (host), wall µs (submit → read-back) and GPU µs (timestamps),
+    a compute pass per dispatch against one pass for all (module docstring)."""
+    import struct
+
+    import wgpu
+
+    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    stamps = "timestamp-query" in adapter.features
+    dev = adapter.request_device_sync(required_features=["timestamp-query"] * stamps)
+    usage = wgpu.BufferUsage
+    pipe = dev.create_compute_pipeline(layout="auto", compute={
+        "module": dev.create_shader_module(code=K.layer_source("add")), "entry_point": "main",
+        "constants": {"WG": 64}})
+    n = 4096
+    x = dev.create_buffer(size=4 * n, usage=usage.STORAGE | usage.COPY_SRC)
+    y = dev.create_buffer_with_data(data=np.ones(n, np.float32).tobytes(), usage=usage.STORAGE)
+    qs = dev.create_query_set(type="timestamp", count=2) if stamps else None
+    resolved = dev.create_buffer(size=16, usage=usage.QUERY_RESOLVE | usage.COPY_SRC) if stamps else None
+
+    def run(one_pass: bool) -> tuple[float, float, float | None]:
+        t0 = time.perf_counter()
+        enc = dev.create_command_encoder()
+        cpass = None
+        for i in range(reps):
+            params = dev.create_buffer_with_data(data=struct.pack("<4I", n, n, n, 0), usage=usage.UNIFORM)
+            bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+                {"binding": 0, "resource": {"buffer": params}}, {"binding": 1, "resource": {"buffer": y}},
+                {"binding": 2, "resource": {"buffer": x}}])
+            if cpass is None:
+                writes = {}
+                if stamps and i == 0:
+                    writes["beginning_of_pass_write_index"] = 0
+                if stamps and (one_pass or i == reps - 1):
+                    writes["end_of_pass_write_index"] = 1
+                cpass = enc.begin_compute_pass(timestamp_writes={"query_set": qs, **writes} if writes else None)
+            cpass.set_pipeline(pipe)
+            cpass.set_bind_group(0, bind)
+            cpass.dispatch_workgroups(n // 64, 1, 1)
+            if not one_pass:
+                cpass.end()
+                cpass = None
+        if cpass is not None:
+            cpass.end()
+        if stamps:
+            enc.resolve_query_set(qs, 0, 2, resolved, 0)
+        buf = enc.finish()
+        t1 = time.perf_counter()
+        dev.queue.submit([buf])
+        dev.queue.read_buffer(x, 0, 16)
+        t2 = time.perf_counter()
+        gpu = None
+        if stamps:
+            a, b = np.frombuffer(dev.queue.read_buffer(resolved), np.uint64)
+            gpu = (int(b) - int(a)) / 1e3 / reps
+        return (t1 - t0) * 1e6 / reps, (t2 - t1) * 1e6 / reps, gpu
+
+    out: dict = {"adapter": {k: adapter.info[k] for k in ("vendor", "device", "description", "backend_type")},
+                 "dispatches": reps, "timestamps": stamps}
+    for name, one_pass in (("pass_per_dispatch", False), ("one_pass", True)):
+        run(one_pass)  # warm-up
+        best = min((run(one_pass) for _ in range(5)), key=lambda r: r[1])
+        out[name] = {"encode_us": round(best[0], 2), "wall_us": round(best[1], 2),
+                     "gpu_us": None if best[2] is None else round(best[2], 2)}
+    dev.destroy()
     return out
 
 
@@ -371,7 +446,13 @@ def main(argv=None):
     ap.add_argument("--subgroups", choices=("auto", "on", "off"), default="auto",
                     help="block kernels' row reduction through subgroup shuffles (auto: when the adapter allows)")
     ap.add_argument("--formats", default=None, help="comma-separated formats of --blocks (default: all the adapter has)")
+    ap.add_argument("--dispatch-cost", action="store_true",
+                    help="only wgpu: what a small dispatch costs, a pass each against one pass (--reps dispatches)")
     args = ap.parse_args(argv)
+    if args.dispatch_cost:
+        json.dump({"bench": "web_peer dispatch cost", **dispatch_cost(max(args.reps, 2))}, sys.stdout, indent=1)
+        print()
+        return
     if args.blocks:
         h, f = (int(v) for v in args.blocks_shape.split(","))
         t0 = time.perf_counter()

@@ -36,5 +36,5 @@ fn k_nibble_x_pair(v: u32, i: u32) -> vec2<u32> {
 
 // A word of 5-bit (Q5_K) or 4-bit (Q4_K: no high bits) weights, (d * sc) * q - dmin * m.
 fn k_word(lo: u32, hi: u32, dm: vec4<f32>) -> mat2x4<f32> {
-    return mat2x4<f32>(dm.x * bytes_u8(lo) - dm.y, dm.z * bytes_u8(hi) - dm.w);
+    return mat2x4<f32>(dm.x * bytes_u8(lo, 0.0) - dm.y, dm.z * bytes_u8(hi, 0.0) - dm.w);
 }

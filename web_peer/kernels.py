@@ -83,7 +83,9 @@ QK_K = 256  # weights per K-quant super-block
 _SCALE_BYTES = {"q4_0": (0, 2), "q4_1": (0, 4), "q8_0": (0, 2), "q4_k": (0, 16), "q5_k": (0, 16), "q6_k": (208, 210),
                 "iq4_xs": (0, 8)}
 KERNELS = ("swiglu", "down")
-TB = 8  # activation rows per workgroup; must equal `const TB` in swiglu.wgsl and down.wgsl
+TB = 8  # activation rows per workgroup; must equal `const TB` in rows.wgsl
+DECODE_TB = 1  # TB of the kernels a one-row (decode) dispatch runs: no loop over absent rows
+_TB_LINE = "const TB: u32 = {}u;"  # how rows.wgsl declares TB (wgsl_source sets it)
 MAX_WORKGROUPS_PER_DIM = 65535  # WebGPU default maxComputeWorkgroupsPerDimension
 
 
@@ -569,12 +571,20 @@ def wgsl_files(kernel: str, fmt: str, subgroups: bool = False) -> tuple[str, ...
     return f"weights_{fmt}.wgsl", "rows.wgsl", f"{kernel}.wgsl"
 
 
-def wgsl_source(kernel: str, fmt: str, subgroups: bool = False) -> str:
-    """The WGSL a host compiles: :func:`wgsl_files` joined by newlines.
+def wgsl_source(kernel: str, fmt: str, subgroups: bool = False, tb: int = TB) -> str:
+    """The WGSL a host compiles: :func:`wgsl_files` joined by newlines, with `tb` activation
+    rows a workgroup (rows.wgsl's ``TB``: :data:`TB`, or :data:`DECODE_TB` for a dispatch of one
+    row; a function's array size must be a constant, so it is set in the text). Each row's sum
+    is the same whatever `tb`: the choice changes speed, never bits.
 
     The page (gpu.js) assembles the same files the same way: one source of truth. With
     `subgroups` the page also puts ``enable subgroups;`` first (browsers require it); naga (wgpu)
     rejects that directive and takes the subgroup builtins once the device has the feature.
     """
     files = resources.files(__package__)
-    return "\n".join((files / name).read_text() for name in wgsl_files(kernel, fmt, subgroups))
+    code = "\n".join((files / name).read_text() for name in wgsl_files(kernel, fmt, subgroups))
+    if tb != TB:
+        if _TB_LINE.format(TB) not in code:
+            raise KernelError(f"rows.wgsl does not declare `{_TB_LINE.format(TB)}`; kernels.TB must match it")
+        code = code.replace(_TB_LINE.format(TB), _TB_LINE.format(tb), 1)
+    return code

@@ -18,8 +18,8 @@ const KV3: u32 = 0x71594535u;
 fn iq4_levels(q: vec4<u32>) -> vec4<f32> {
     let word = select(select(vec4<u32>(KV0), vec4<u32>(KV1), q >= vec4<u32>(4u)),
                       select(vec4<u32>(KV2), vec4<u32>(KV3), q >= vec4<u32>(12u)), q >= vec4<u32>(8u));
-    let byte = (word >> ((q & vec4<u32>(3u)) * 8u)) << vec4<u32>(24u);
-    return vec4<f32>(bitcast<vec4<i32>>(byte) >> vec4<u32>(24u));
+    // level byte xor 0x80 is the level + 128, read unsigned (blocks.wgsl's ints_less)
+    return ints_less(((word ^ vec4<u32>(0x80808080u)) >> ((q & vec4<u32>(3u)) * 8u)) & vec4<u32>(255u), 128.0);
 }
 
 fn iq4_word(q: u32, dl: f32) -> mat2x4<f32> {

@@ -20,5 +20,5 @@ fn x_pair(v: u32, i: u32) -> vec2<u32> {
 
 // The 8 weights of a quant word, as gguf dequantizes them.
 fn dequant_word(q: u32, dm: vec2<f32>) -> mat2x4<f32> {
-    return mat2x4<f32>(dm.x * (low_nibbles(q) - 8.0), dm.x * (high_nibbles(q) - 8.0));
+    return mat2x4<f32>(dm.x * low_nibbles(q, 8.0), dm.x * high_nibbles(q, 8.0));
 }

@@ -17,5 +17,5 @@ fn x_pair(v: u32, i: u32) -> vec2<u32> {
 }
 
 fn dequant_word(q: u32, dm: vec2<f32>) -> mat2x4<f32> {
-    return mat2x4<f32>(dm.x * low_nibbles(q) + dm.y, dm.x * high_nibbles(q) + dm.y);
+    return mat2x4<f32>(dm.x * low_nibbles(q, 0.0) + dm.y, dm.x * high_nibbles(q, 0.0) + dm.y);
 }

@@ -24,7 +24,7 @@ fn i8_at(w: vec4<u32>, k: u32) -> f32 {
 fn q6_word(q: u32, qh: u32, s: u32, dm: vec2<f32>) -> mat2x4<f32> {
     let lo = (q & 0x0F0F0F0Fu) | (((qh >> s) & 0x03030303u) << 4u);
     let hi = ((q >> 4u) & 0x0F0F0F0Fu) | (((qh >> (s + 4u)) & 0x03030303u) << 4u);
-    return mat2x4<f32>(dm.x * (bytes_u8(lo) - 32.0), dm.y * (bytes_u8(hi) - 32.0));
+    return mat2x4<f32>(dm.x * bytes_u8(lo, 32.0), dm.y * bytes_u8(hi, 32.0));
 }
 
 fn load_unit(m: u32, r: u32, v: u32, nb: u32) -> Unit {

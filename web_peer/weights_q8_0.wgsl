@@ -18,7 +18,6 @@ fn x_pair(v: u32, i: u32) -> vec2<u32> {
 }
 
 fn dequant_word(q: u32, dm: vec2<f32>) -> mat2x4<f32> {
-    let s = bitcast<i32>(q);  // arithmetic right shifts of i32 sign-extend each byte
-    let w = vec4<f32>(f32((s << 24u) >> 24u), f32((s << 16u) >> 24u), f32((s << 8u) >> 24u), f32(s >> 24u));
-    return mat2x4<f32>(dm.x * w, vec4<f32>(0.0));
+    // int8 b is (b xor 0x80) - 128 read unsigned: no sign extension, no int-to-float conversion.
+    return mat2x4<f32>(dm.x * bytes_u8(q ^ 0x80808080u, 128.0), vec4<f32>(0.0));
 }

@@ -106,6 +106,45 @@ class GpuLinear:
         return self.matrix.packed.nbytes
 
 
+class Encoder:
+    """A command encoder whose dispatches share one compute pass, until a copy or the submit ends
+    it. WebGPU runs a pass's dispatches in order, each seeing the writes of those before (each is
+    its own usage scope), so this changes no result; a pass per dispatch cost the host and the
+    driver time of their own per pass (bench/web_peer.py --dispatch-cost)."""
+
+    def __init__(self, enc):
+        self.enc = enc
+        self._pass = None
+
+    def compute_pass(self):
+        """The open compute pass (begun if there is none)."""
+        if self._pass is None:
+            self._pass = self.enc.begin_compute_pass()
+        return self._pass
+
+    def dispatch(self, pipe, bind, grid: tuple[int, int, int]) -> None:
+        """One dispatch of ``pipe`` with bind group 0 ``bind`` over workgroups ``grid``."""
+        cpass = self.compute_pass()
+        cpass.set_pipeline(pipe)
+        cpass.set_bind_group(0, bind)
+        cpass.dispatch_workgroups(*grid)
+
+    def end_pass(self) -> None:
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+
+    def copy(self, src, src_at: int, dst, dst_at: int, nbytes: int) -> None:
+        """copy_buffer_to_buffer (byte offsets), after the dispatches encoded so far."""
+        self.end_pass()
+        self.enc.copy_buffer_to_buffer(src, src_at, dst, dst_at, nbytes)
+
+    def finish(self):
+        """The command buffer of everything encoded."""
+        self.end_pass()
+        return self.enc.finish()
+
+
 class WgpuFfn:
     """A wgpu device with the swiglu and down pipelines for every weight format it supports.
 
@@ -183,16 +222,16 @@ class WgpuFfn:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _pipeline(self, kernel: str, fmt: str | None):
+    def _pipeline(self, kernel: str, fmt: str | None, tb: int = K.TB):
         """The compute pipeline of ``kernel`` for weight format ``fmt`` (None: a layer kernel,
-        :data:`web_peer.kernels.LAYER_KERNELS`)."""
-        key = (kernel, fmt)
+        :data:`web_peer.kernels.LAYER_KERNELS`), ``tb`` activation rows a workgroup."""
+        key = (kernel, fmt, tb)
         if key not in self._pipelines:
             if fmt is not None and fmt not in self.formats:
                 raise KernelError(f"weight format {fmt!r} needs the adapter feature shader-f16, "
                                   "which this adapter lacks; use f32 or q8")
             dev = self._device()
-            code = K.wgsl_source(kernel, fmt, self.subgroups) if fmt is not None else K.layer_source(kernel)
+            code = K.wgsl_source(kernel, fmt, self.subgroups, tb) if fmt is not None else K.layer_source(kernel)
             module = dev.create_shader_module(code=code)
             constants = {"WG": self.workgroup_size}
             if fmt in K.BLOCK_FORMATS:
@@ -278,7 +317,7 @@ class WgpuFfn:
             dev = self._device()
             inputs: dict[int, object] = {}  # id(x) → its buffer: q, k and v share their rows
             outs = []
-            enc = dev.create_command_encoder()
+            enc = self.encoder()
             for w, x in products:
                 t_rows, kp = x.shape[0], w.matrix.packed.cols
                 if t_rows == 0:
@@ -341,25 +380,21 @@ class WgpuFfn:
         self.largest_binding = max(self.largest_binding, 4 * n)
         return self._device().create_buffer(size=max(16, 4 * n), usage=usage | self._wgpu.BufferUsage.COPY_DST)
 
-    def encoder(self):
-        """A command encoder on the current device (made if there is none)."""
-        return self._device().create_command_encoder()
+    def encoder(self) -> Encoder:
+        """An :class:`Encoder` on the current device (made if there is none)."""
+        return Encoder(self._device().create_command_encoder())
 
-    def encode_copy(self, enc, src, src_at: int, dst, dst_at: int, n: int) -> None:
+    def encode_copy(self, enc: Encoder, src, src_at: int, dst, dst_at: int, n: int) -> None:
         """Copy ``n`` float32 elements of buffer ``src`` from element ``src_at`` to ``dst`` at ``dst_at``."""
-        enc.copy_buffer_to_buffer(src, 4 * src_at, dst, 4 * dst_at, 4 * n)
+        enc.copy(src, 4 * src_at, dst, 4 * dst_at, 4 * n)
 
-    def encode(self, enc, kernel: str, params: bytes, buffers: list, grid: tuple[int, int, int]) -> None:
+    def encode(self, enc: Encoder, kernel: str, params: bytes, buffers: list, grid: tuple[int, int, int]) -> None:
         """One dispatch of layer kernel ``kernel`` (bindings: params, then ``buffers`` in order)."""
         pipe = self._pipeline(kernel, None)
         res = [self._buffer(params, self._wgpu.BufferUsage.UNIFORM), *buffers]
         bind = self.device.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
             {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res)])
-        cpass = enc.begin_compute_pass()
-        cpass.set_pipeline(pipe)
-        cpass.set_bind_group(0, bind)
-        cpass.dispatch_workgroups(*grid)
-        cpass.end()
+        enc.dispatch(pipe, bind, grid)
 
     def encode_elementwise(self, enc, kernel: str, n: int, fields: tuple[int, ...], buffers: list) -> None:
         """:meth:`encode` of a kernel of one invocation per element over ``n`` elements (rope,
@@ -412,12 +447,8 @@ class WgpuFfn:
                     for n in outputs]
             bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
                 {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res + outs)])
-            enc = dev.create_command_encoder()
-            cpass = enc.begin_compute_pass()
-            cpass.set_pipeline(pipe)
-            cpass.set_bind_group(0, bind)
-            cpass.dispatch_workgroups(*grid)
-            cpass.end()
+            enc = self.encoder()
+            enc.dispatch(pipe, bind, grid)
             dev.queue.submit([enc.finish()])
             ys = [np.frombuffer(dev.queue.read_buffer(b), np.float32)[:n].copy() for b, n in zip(outs, outputs)]
         self._finite(ys[-1:])
@@ -429,7 +460,7 @@ class WgpuFfn:
         """Encode one dispatch per weight part of `kernel`: mats = [GpuMatrix, ...] sharing parts;
         output row t's columns col0 + (the part's rows) of a row of n_out."""
         dev = self.device
-        pipe = self._pipeline(kernel, fmt)
+        pipe = self._pipeline(kernel, fmt, K.DECODE_TB if t_rows == 1 else K.TB)
         rows_per_group = self.workgroup_size // self.lanes if fmt in K.BLOCK_FORMATS else 1
         for i, (r0, r1) in enumerate(mats[0].packed.parts):
             gx, gy, gz = K.dispatch_grid(r1 - r0, t_rows, rows_per_group)
@@ -438,11 +469,7 @@ class WgpuFfn:
             res = [params, inp] + [m.buffers[i] for m in mats] + [m.scales[i] for m in mats] + [out]
             bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
                 {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res)])
-            cpass = enc.begin_compute_pass()
-            cpass.set_pipeline(pipe)
-            cpass.set_bind_group(0, bind)
-            cpass.dispatch_workgroups(gx, gy, gz)
-            cpass.end()
+            enc.dispatch(pipe, bind, (gx, gy, gz))
 
     @contextlib.contextmanager
     def _guarded(self, what: str = "the request"):
@@ -499,7 +526,7 @@ class WgpuFfn:
         wg = self._wgpu
         with self._guarded():
             dev = self._device()
-            enc = dev.create_command_encoder()
+            enc = self.encoder()
             outs = []
             for x, w in items:
                 t_rows = x.shape[0]
@@ -532,7 +559,7 @@ class WgpuFfn:
         yb = dev.create_buffer(size=t_rows * hp * 4, usage=wg.BufferUsage.STORAGE | wg.BufferUsage.COPY_SRC)
 
         def run(n):
-            enc = dev.create_command_encoder()
+            enc = self.encoder()
             for _ in range(n):
                 if kernel in ("swiglu", "ffn"):
                     self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb)

@@ -380,3 +380,28 @@ def test_bad_blocks_are_refused(gpu):
         K.quantize_blocks(np.zeros((2, 40), np.float32), "q8_0")
     with pytest.raises(KernelError, match="disagree"):
         gpu.upload(raw, raw, K.quantize_blocks(wg, "q4_0"), "q4_0")
+
+
+@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+def test_block_kernels_decode_the_files_weights_exactly(gpu, fmt):
+    # x = the identity: row j of x @ W^T is column j of W, each a sum of one weight and zeros, so
+    # any rounding in the GPU's decoding of the blocks shows; gguf-py's dequantize is the oracle.
+    rng = np.random.default_rng(31)
+    cols = 2 * K.block_size(fmt)[0]
+    raw = K.random_blocks(rng, 37, cols, fmt, 2e-3) if fmt in K.K_FORMATS else K.quantize_blocks(
+        rng.standard_normal((37, cols)).astype(np.float32), fmt)
+    (y,) = gpu.matmul_many([(gpu.upload_linear(raw, fmt), np.eye(cols, dtype=np.float32))])
+    assert np.array_equal(y, dequantize(raw, GGMLQuantizationType[fmt.upper()]).T)
+
+
+@pytest.mark.parametrize("fmt", ["f32", *K.BLOCK_FORMATS])
+def test_a_decode_row_has_the_bits_it_has_in_a_batch(gpu, fmt):
+    # One row runs kernels built for one row (kernels.DECODE_TB); in a batch it runs those of TB
+    # rows. Each row's sum is the same either way, so a sequence's bits do not depend on its batch.
+    rng = np.random.default_rng(32)
+    x, wg, wu, wd = ffn_block(rng, 5, 512, 256)
+    raws = [wg, wu, wd] if fmt == "f32" else _raws(rng, fmt, wg, wu, wd)
+    w = gpu.upload(*raws, fmt)
+    batch = gpu.ffn(x, w)
+    for t in (0, 3):
+        assert np.array_equal(gpu.ffn(x[t:t + 1], w)[0], batch[t])
