@@ -300,7 +300,7 @@ CHROMIUM_BENCH = """async ({h, f, t, fmt, reps, seed, blocks}) => {
   const res = {};
   for (const kernel of ["swiglu", "down", "ffn"]) {
     const run = async (n) => {
-      const enc = dev.createCommandEncoder();
+      const enc = ctx.encoder();
       for (let i = 0; i < n; i++) {
         if (kernel !== "down") await block.swiglu.encode(enc, block.fmt, { tRows: t, k4: hp / 4, nOut: fp, x: xb, gate: block.gpu.gate, up: block.gpu.up, h: hb });
         if (kernel !== "swiglu") await block.down.encode(enc, block.downFmt, { tRows: t, k4: fp / 4, nOut: hp, h: hb, down: block.gpu.down, y: yb });

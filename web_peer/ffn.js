@@ -199,10 +199,10 @@ export class FfnBlock {
     const hb = ctx.buffer(tRows * fp * 4);
     const yb = ctx.buffer(tRows * hp * 4, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC);
     const rb = dev.createBuffer({ size: tRows * hp * 4, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
-    const enc = dev.createCommandEncoder();
+    const enc = ctx.encoder();  // both kernels' dispatches in one compute pass
     await this.swiglu.encode(enc, this.fmt, { tRows, k4: hp / 4, nOut: fp, x: xb, gate: this.gpu.gate, up: this.gpu.up, h: hb });
     await this.down.encode(enc, this.downFmt, { tRows, k4: fp / 4, nOut: hp, h: hb, down: this.gpu.down, y: yb });
-    enc.copyBufferToBuffer(yb, 0, rb, 0, tRows * hp * 4);
+    enc.copy(yb, 0, rb, 0, tRows * hp * 4);
     dev.queue.submit([enc.finish()]);
     await rb.mapAsync(GPUMapMode.READ);
     const out = new Float32Array(rb.getMappedRange().slice(0));

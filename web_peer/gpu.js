@@ -21,7 +21,9 @@ export class NoWebGPUError extends Error {
 export const BLOCK_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"];
 const K_FORMATS = ["q4_k", "q5_k", "q6_k", "iq4_xs"];
 export const FORMATS = ["f32", "f16", "q8", ...BLOCK_FORMATS];
-export const TB = 8;  // activation rows per workgroup: `const TB` in swiglu.wgsl and down.wgsl
+export const TB = 8;  // activation rows per workgroup: `const TB` in rows.wgsl
+export const DECODE_TB = 1;  // TB of the kernels a one-row (decode) dispatch runs: no loop over absent rows
+const tbLine = (tb) => `const TB: u32 = ${tb}u;`;  // how rows.wgsl declares TB (source() sets it)
 export const MAX_WORKGROUPS_PER_DIM = 65535;
 const GPU_LANES = 32;  // block kernels' threads per weight row on GPUs (wgpu_host.py GPU_LANES)
 
@@ -135,11 +137,20 @@ export class GpuContext {
    * The WGSL of `kernel` for weight format `fmt`: weights_<fmt>.wgsl (and blocks.wgsl, then
    * blocks_32.wgsl or blocks_k.wgsl for block formats), rows.wgsl, for block formats
    * row_slices.wgsl and sum_subgroup.wgsl (after `enable subgroups;`) or sum_shared.wgsl, then
-   * <kernel>.wgsl (<kernel>_blocks.wgsl): kernels.py wgsl_files.
+   * <kernel>.wgsl (<kernel>_blocks.wgsl): kernels.py wgsl_files. `tb` activation rows a workgroup
+   * (rows.wgsl's TB: TB, or DECODE_TB for a dispatch of one row; set in the text, as kernels.py
+   * wgsl_source, since a function's array size must be a constant). Each row's bits are the same
+   * whatever `tb`.
    */
-  async source(kernel, fmt) {
-    const key = `${kernel}/${fmt}`;
+  async source(kernel, fmt, tb = TB) {
+    const key = `${kernel}/${fmt}/${tb}`;
     if (!this._sources.has(key)) {
+      if (tb !== TB) {
+        const code = await this.source(kernel, fmt);
+        if (!code.includes(tbLine(TB))) throw new KernelError(`rows.wgsl does not declare \`${tbLine(TB)}\`; gpu.js TB must match it`);
+        this._sources.set(key, code.replace(tbLine(TB), tbLine(tb)));
+        return this._sources.get(key);
+      }
       const get = async (name) => {
         const r = await fetch(new URL(name, moduleBase));
         if (!r.ok) throw new KernelError(`cannot load ${name}: HTTP ${r.status}`);
@@ -156,15 +167,18 @@ export class GpuContext {
     return this._sources.get(key);
   }
 
-  /** The compute pipeline of `kernel` for `fmt` on the current device (cached until it is dropped). */
-  async pipeline(kernel, fmt) {
+  /**
+   * The compute pipeline of `kernel` for `fmt` with `tb` activation rows a workgroup on the
+   * current device (cached until it is dropped).
+   */
+  async pipeline(kernel, fmt, tb = TB) {
     if (!this.formats.includes(fmt)) {
       throw new KernelError(`weight format ${fmt} needs the adapter feature shader-f16, which this adapter lacks; use f32 or q8`);
     }
-    const key = `${kernel}/${fmt}`;
+    const key = `${kernel}/${fmt}/${tb}`;
     if (!this._pipelines.has(key)) {
       const dev = await this.getDevice();
-      const module = dev.createShaderModule({ code: await this.source(kernel, fmt) });
+      const module = dev.createShaderModule({ code: await this.source(kernel, fmt, tb) });
       const pipe = await dev.createComputePipelineAsync({
         layout: "auto",
         compute: { module, entryPoint: "main", constants: this.constants(fmt) },
@@ -182,6 +196,11 @@ export class GpuContext {
   /** Weight rows one workgroup of a row kernel of `fmt` computes (row_slices.wgsl ROWS; 1 for float formats). */
   rowsPerGroup(fmt) {
     return BLOCK_FORMATS.includes(fmt) ? this.workgroupSize / this.lanes : 1;
+  }
+
+  /** An Encoder on the current device. */
+  encoder() {
+    return new Encoder(this.device.createCommandEncoder());
   }
 
   /** A buffer holding `data` (ArrayBufferView or byte count), usage STORAGE|COPY_DST plus `usage`. */
@@ -261,24 +280,68 @@ export function dispatchGrid(nRows, tRows, rowsPerGroup = 1) {
 }
 
 /**
- * Encode one dispatch per weight part of a row kernel (swiglu.wgsl / down.wgsl share the Params
- * struct and binding order: params, input, weights..., scales..., output).
+ * A command encoder whose dispatches share one compute pass, until a copy or finish() ends it
+ * (wgpu_host.py Encoder). WebGPU runs a pass's dispatches in order, each seeing the writes of
+ * those before (each is its own usage scope), so this changes no result; a pass per dispatch
+ * costs the browser and the driver time of their own per pass.
  */
-export function encodeParts(ctx, enc, pipe, { tRows, k4, nOut, input, mats, output }) {
-  const parts = mats[0].packed.parts;
-  const rowsPerGroup = ctx.rowsPerGroup(mats[0].packed.fmt);
-  parts.forEach(([r0, r1], i) => {
-    const [gx, gy, gz] = dispatchGrid(r1 - r0, tRows, rowsPerGroup);
-    const params = ctx.buffer(new Uint32Array([tRows, k4, r1 - r0, r0, nOut, gx]), GPUBufferUsage.UNIFORM);
+export class Encoder {
+  /** @param {GPUCommandEncoder} enc */
+  constructor(enc) {
+    this.enc = enc;
+    this._pass = null;
+  }
+
+  /** The open compute pass (begun if there is none). */
+  computePass() {
+    if (this._pass === null) this._pass = this.enc.beginComputePass();
+    return this._pass;
+  }
+
+  /** One dispatch of `pipe` with bind group 0 `bind` over workgroups `grid` [x, y, z]. */
+  dispatch(pipe, bind, grid) {
+    const pass = this.computePass();
+    pass.setPipeline(pipe);
+    pass.setBindGroup(0, bind);
+    pass.dispatchWorkgroups(...grid);
+  }
+
+  endPass() {
+    if (this._pass !== null) {
+      this._pass.end();
+      this._pass = null;
+    }
+  }
+
+  /** copyBufferToBuffer (byte offsets), after the dispatches encoded so far. */
+  copy(src, srcAt, dst, dstAt, nbytes) {
+    this.endPass();
+    this.enc.copyBufferToBuffer(src, srcAt, dst, dstAt, nbytes);
+  }
+
+  /** The command buffer of everything encoded. */
+  finish() {
+    this.endPass();
+    return this.enc.finish();
+  }
+}
+
+/**
+ * Encode into Encoder `enc` one dispatch per weight part of row kernel `kernel` for `fmt`, with
+ * the kernels built for one row when tRows is 1 (swiglu.wgsl / down.wgsl share the Params struct
+ * and binding order: params, input, weights..., scales..., output).
+ */
+export async function encodeParts(ctx, enc, kernel, fmt, { tRows, k4, nOut, input, mats, output }) {
+  const pipe = await ctx.pipeline(kernel, fmt, tRows === 1 ? DECODE_TB : TB);
+  const rowsPerGroup = ctx.rowsPerGroup(fmt);
+  mats[0].packed.parts.forEach(([r0, r1], i) => {
+    const grid = dispatchGrid(r1 - r0, tRows, rowsPerGroup);
+    const params = ctx.buffer(new Uint32Array([tRows, k4, r1 - r0, r0, nOut, grid[0]]), GPUBufferUsage.UNIFORM);
     const res = [params, input, ...mats.map((m) => m.buffers[i]), ...mats.map((m) => m.scales[i]), output];
     const bind = ctx.device.createBindGroup({
       layout: pipe.getBindGroupLayout(0),
       entries: res.map((buffer, binding) => ({ binding, resource: { buffer } })),
     });
-    const pass = enc.beginComputePass();
-    pass.setPipeline(pipe);
-    pass.setBindGroup(0, bind);
-    pass.dispatchWorkgroups(gx, gy, gz);
-    pass.end();
+    enc.dispatch(pipe, bind, grid);
   });
 }

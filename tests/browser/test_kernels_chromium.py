@@ -225,3 +225,94 @@ def test_js_block_packing_equals_python(page, fmt):
     assert unb64(r["scale"], np.uint8).tobytes() == m.scale.tobytes()
     assert r["cols"] == m.cols == cols and [tuple(p) for p in r["parts"]] == list(m.parts) and len(m.parts) == 4
     assert r["bad"].startswith("KernelError") and "Uint8Array" in r["bad"]
+
+
+def test_page_constants_and_sources_equal_kernels_py(page):
+    # One source of truth: gpu.js's constants and the WGSL it compiles (TB rows, or DECODE_TB for
+    # a decode dispatch) are kernels.py's; a rows.wgsl without the TB line is refused.
+    r = page.evaluate("""async (kernels) => {
+      const gpu = await import("/gpu.js");
+      const ctx = await gpu.GpuContext.create();
+      const srcs = {};
+      for (const k of kernels) for (const fmt of ctx.formats) for (const tb of [gpu.TB, gpu.DECODE_TB]) {
+        srcs[`${k}/${fmt}/${tb}`] = await ctx.source(k, fmt, tb);
+      }
+      const fetch0 = globalThis.fetch;
+      globalThis.fetch = async (url, ...rest) => {
+        const r = await fetch0(url, ...rest);
+        return String(url).endsWith("/rows.wgsl") ? new Response((await r.text()).replace("const TB: u32 = 8u;", "const TB: u32 = 4u;")) : r;
+      };
+      let bad;
+      try { await new gpu.GpuContext(ctx.adapter).source("down", "f32", gpu.DECODE_TB); bad = "no error"; } catch (e) { bad = `${e.name}: ${e.message}`; }
+      globalThis.fetch = fetch0;
+      return { srcs, bad, subgroups: ctx.subgroups, TB: gpu.TB, DECODE_TB: gpu.DECODE_TB,
+               MAX: gpu.MAX_WORKGROUPS_PER_DIM, BLOCK_FORMATS: gpu.BLOCK_FORMATS };
+    }""", list(K.KERNELS))
+    assert (r["TB"], r["DECODE_TB"], r["MAX"]) == (K.TB, K.DECODE_TB, K.MAX_WORKGROUPS_PER_DIM)
+    assert r["BLOCK_FORMATS"] == list(K.BLOCK_FORMATS)
+    assert len(r["srcs"]) == 2 * 2 * len(["f32", "q8", *K.BLOCK_FORMATS])
+    for key, src in r["srcs"].items():
+        kernel, fmt, tb = key.split("/")
+        if fmt in K.BLOCK_FORMATS and r["subgroups"]:
+            src = src.removeprefix("enable subgroups;\n")  # browsers need it, naga rejects it (kernels.py)
+        assert src == K.wgsl_source(kernel, fmt, r["subgroups"], int(tb)), key
+    assert r["bad"].startswith("KernelError") and "const TB: u32 = 8u;" in r["bad"], r["bad"]
+
+
+# Runs FfnBlock.run on x [t, h] (rows 0..t) and then on each of `rows` alone, counting the page's
+# compute passes and dispatches and recording the TB of each shader module it compiles.
+RUN_DECODE_ROWS = """async ({x, wg, wu, wd, t, h, f, fmt, blocks, rows, maxBinding}) => {
+  const { GpuContext } = await import("/gpu.js");
+  const { FfnBlock } = await import("/ffn.js");
+  const f32 = (s) => new Float32Array(Uint8Array.from(atob(s), (c) => c.charCodeAt(0)).buffer);
+  const u8 = (s) => Uint8Array.from(atob(s), (c) => c.charCodeAt(0));
+  const b64 = (a) => btoa(String.fromCharCode(...new Uint8Array(a.buffer, a.byteOffset, a.byteLength)));
+  const count = { passes: 0, dispatches: 0, tbs: [] };
+  const wrap = (proto, name, fn) => { const m = proto[name]; proto[name] = function (...a) { fn(...a); return m.apply(this, a); }; };
+  wrap(GPUCommandEncoder.prototype, "beginComputePass", () => { count.passes++; });
+  wrap(GPUComputePassEncoder.prototype, "dispatchWorkgroups", () => { count.dispatches++; });
+  wrap(GPUDevice.prototype, "createShaderModule", (d) => { count.tbs.push(Number(/const TB: u32 = (\\d+)u;/.exec(d.code)?.[1])); });
+  const ctx = await GpuContext.create({ maxBinding });
+  const w = blocks
+    ? { wGate: { encoding: blocks, bytes: u8(wg) }, wUp: { encoding: blocks, bytes: u8(wu) }, wDown: { encoding: blocks, bytes: u8(wd) } }
+    : { wGate: f32(wg), wUp: f32(wu), wDown: f32(wd) };
+  const block = new FfnBlock(ctx, { hidden: h, inter: f, fmt: "f32", ...w });
+  const xs = f32(x);
+  const batch = b64(await block.run(xs, t));
+  const batchCount = { ...count, tbs: [...count.tbs] };
+  const one = [];
+  for (const r of rows) one.push(b64(await block.run(xs.slice(r * h, (r + 1) * h), 1)));
+  return { batch, one, batchCount, count };
+}"""
+
+
+@pytest.mark.parametrize("fmt", ["f32", *K.BLOCK_FORMATS])
+def test_a_decode_row_has_the_bits_it_has_in_a_batch_in_chromium(page, fmt):
+    # A one-row request runs kernels built for one row (DECODE_TB), a batch those of TB rows: each
+    # row's sum is the same either way, so a sequence's bits do not depend on its batch.
+    rng = np.random.default_rng(33)
+    x, wg, wu, wd = ffn_block(rng, 5, 256, 256)
+    raws = [wg, wu, wd] if fmt == "f32" else _raws(rng, fmt, wg, wu, wd)
+    rows = [0, 3]
+    r = page.evaluate(RUN_DECODE_ROWS, dict(x=b64(x), wg=b64(raws[0]), wu=b64(raws[1]), wd=b64(raws[2]), t=5, h=256,
+                                            f=256, fmt=fmt, blocks=None if fmt == "f32" else fmt.upper(), rows=rows,
+                                            maxBinding=None))
+    assert sorted(r["batchCount"]["tbs"]) == [K.TB, K.TB]  # swiglu and down
+    assert sorted(r["count"]["tbs"]) == [K.DECODE_TB, K.DECODE_TB, K.TB, K.TB]  # compiled once each
+    batch = unb64(r["batch"], np.float32).reshape(5, 256)
+    for t, one in zip(rows, r["one"]):
+        assert np.abs(batch[t]).max() > 1e-3
+        assert np.array_equal(unb64(one, np.float32), batch[t]), t
+
+
+def test_an_ffn_request_encodes_its_dispatches_in_one_compute_pass(page):
+    # Bindings capped at 16 KiB: several weight parts, one dispatch each, all in one pass.
+    rng = np.random.default_rng(34)
+    x, wg, wu, wd = ffn_block(rng, 3, 64, 200)
+    r = page.evaluate(RUN_DECODE_ROWS, dict(x=b64(x), wg=b64(wg), wu=b64(wu), wd=b64(wd), t=3, h=64, f=200,
+                                            fmt="f32", blocks=None, rows=[1], maxBinding=16 << 10))
+    assert r["batchCount"]["passes"] == 1 and r["batchCount"]["dispatches"] > 2
+    assert r["count"]["passes"] == 2 and r["count"]["dispatches"] == 2 * r["batchCount"]["dispatches"]
+    y = unb64(r["batch"], np.float32).reshape(3, 64)
+    assert rel_error(y, K.swiglu_ffn_f64(x, wg, wu, wd)) <= 1e-5
+    assert np.array_equal(unb64(r["one"][0], np.float32), y[1])
