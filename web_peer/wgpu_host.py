@@ -388,37 +388,61 @@ class WgpuFfn:
         """Copy ``n`` float32 elements of buffer ``src`` from element ``src_at`` to ``dst`` at ``dst_at``."""
         enc.copy(src, 4 * src_at, dst, 4 * dst_at, 4 * n)
 
-    def encode(self, enc: Encoder, kernel: str, params: bytes, buffers: list, grid: tuple[int, int, int]) -> None:
-        """One dispatch of layer kernel ``kernel`` (bindings: params, then ``buffers`` in order)."""
-        pipe = self._pipeline(kernel, None)
+    def write(self, buf, data: np.ndarray) -> None:
+        """Write float32 ``data`` at the start of storage buffer ``buf`` (:meth:`storage` without data)."""
+        self.device.queue.write_buffer(buf, 0, np.ascontiguousarray(data, np.float32).tobytes())
+
+    def _bind(self, pipe, params: bytes, buffers: list, binds: dict | None = None):
+        """The bind group of ``pipe``: a uniform buffer holding ``params``, then ``buffers`` in
+        binding order. With ``binds`` (a cache the caller keeps no longer than its buffers: a
+        stage's decode scratch), one made before for the same pipeline, parameters and buffers is
+        taken from it: making a bind group and its uniform buffer cost the host more than the
+        dispatch (bench/results/web_peer_blocks.md). An entry holds its buffers, so their ids
+        cannot pass to other buffers while it lives."""
+        key = (id(pipe), params, *map(id, buffers))
+        if binds is not None and key in binds:
+            return binds[key][0]
         res = [self._buffer(params, self._wgpu.BufferUsage.UNIFORM), *buffers]
         bind = self.device.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
             {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res)])
-        enc.dispatch(pipe, bind, grid)
+        if binds is not None:
+            binds[key] = (bind, pipe, buffers)
+        return bind
 
-    def encode_elementwise(self, enc, kernel: str, n: int, fields: tuple[int, ...], buffers: list) -> None:
+    def encode(self, enc: Encoder, kernel: str, params: bytes, buffers: list, grid: tuple[int, int, int],
+               binds: dict | None = None) -> None:
+        """One dispatch of layer kernel ``kernel`` (bindings: params, then ``buffers`` in order);
+        ``binds``: :meth:`_bind`'s cache."""
+        pipe = self._pipeline(kernel, None)
+        enc.dispatch(pipe, self._bind(pipe, params, buffers, binds), grid)
+
+    def encode_elementwise(self, enc, kernel: str, n: int, fields: tuple[int, ...], buffers: list,
+                           binds: dict | None = None) -> None:
         """:meth:`encode` of a kernel of one invocation per element over ``n`` elements (rope,
         kv_write, add): its params are (n, tile_x, ``fields`` …) in 4 or 8 words."""
         gx, gy = _grid(-(-n // self.workgroup_size))
         words = (n, gx * self.workgroup_size, *fields)
         size = 4 if len(words) <= 4 else 8
-        self.encode(enc, kernel, struct.pack(f"<{size}I", *words, *(0,) * (size - len(words))), buffers, (gx, gy, 1))
+        self.encode(enc, kernel, struct.pack(f"<{size}I", *words, *(0,) * (size - len(words))), buffers, (gx, gy, 1),
+                    binds)
 
-    def encode_rms_norm(self, enc, x, w, y, rows: int, d: int, eps: float, w_rows: int = 1) -> None:
+    def encode_rms_norm(self, enc, x, w, y, rows: int, d: int, eps: float, w_rows: int = 1,
+                        binds: dict | None = None) -> None:
         """rmsnorm.wgsl over ``rows`` rows of ``d`` in buffer x into y, weight row ``t % w_rows`` of w."""
-        self.encode(enc, "rmsnorm", norm_params(rows, d, eps, w_rows), [x, w, y], (*_grid(rows), 1))
+        self.encode(enc, "rmsnorm", norm_params(rows, d, eps, w_rows), [x, w, y], (*_grid(rows), 1), binds)
 
-    def encode_linear(self, enc, x, w: GpuLinear, y, t_rows: int, n_out: int, col0: int = 0) -> None:
+    def encode_linear(self, enc, x, w: GpuLinear, y, t_rows: int, n_out: int, col0: int = 0,
+                      binds: dict | None = None) -> None:
         """y[t, col0 : col0 + W.rows] = x[t] @ W.T for rows t of x [T, W's padded cols] (buffers)."""
         self._check(w)
-        self._dispatch(enc, "down", w.fmt, t_rows, w.matrix.packed.cols // 4, n_out, x, [w.matrix], y, col0)
+        self._dispatch(enc, "down", w.fmt, t_rows, w.matrix.packed.cols // 4, n_out, x, [w.matrix], y, col0, binds)
 
-    def encode_ffn(self, enc, x, w: GpuFfnWeights, h, y, t_rows: int) -> None:
+    def encode_ffn(self, enc, x, w: GpuFfnWeights, h, y, t_rows: int, binds: dict | None = None) -> None:
         """y = down(swiglu(x)) for x [T, pad4(H)] into y [T, pad4(H)], through h [T, pad4(F)] (buffers)."""
         self._check(w)
         hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
-        self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, x, [w.gate, w.up], h)
-        self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, h, [w.down], y)
+        self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, x, [w.gate, w.up], h, binds=binds)
+        self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, h, [w.down], y, binds=binds)
 
     def submit_read(self, enc, buf=None, n: int = 0) -> np.ndarray:
         """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back (none without ``buf``).
@@ -456,20 +480,16 @@ class WgpuFfn:
 
     # ---- compute ----------------------------------------------------------------------------
 
-    def _dispatch(self, enc, kernel, fmt, t_rows, k4, n_out, inp, mats, out, col0=0):
+    def _dispatch(self, enc, kernel, fmt, t_rows, k4, n_out, inp, mats, out, col0=0, binds=None):
         """Encode one dispatch per weight part of `kernel`: mats = [GpuMatrix, ...] sharing parts;
-        output row t's columns col0 + (the part's rows) of a row of n_out."""
-        dev = self.device
+        output row t's columns col0 + (the part's rows) of a row of n_out; `binds`: _bind's cache."""
         pipe = self._pipeline(kernel, fmt, K.DECODE_TB if t_rows == 1 else K.TB)
         rows_per_group = self.workgroup_size // self.lanes if fmt in K.BLOCK_FORMATS else 1
         for i, (r0, r1) in enumerate(mats[0].packed.parts):
             gx, gy, gz = K.dispatch_grid(r1 - r0, t_rows, rows_per_group)
-            params = self._buffer(_PARAMS.pack(t_rows, k4, r1 - r0, col0 + r0, n_out, gx),
-                                  self._wgpu.BufferUsage.UNIFORM)
-            res = [params, inp] + [m.buffers[i] for m in mats] + [m.scales[i] for m in mats] + [out]
-            bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
-                {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res)])
-            enc.dispatch(pipe, bind, (gx, gy, gz))
+            params = _PARAMS.pack(t_rows, k4, r1 - r0, col0 + r0, n_out, gx)
+            res = [inp] + [m.buffers[i] for m in mats] + [m.scales[i] for m in mats] + [out]
+            enc.dispatch(pipe, self._bind(pipe, params, res, binds), (gx, gy, gz))
 
     @contextlib.contextmanager
     def _guarded(self, what: str = "the request"):

@@ -55,7 +55,7 @@ import struct
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -242,6 +242,20 @@ class GpuFfn:
 DENSE, SHARED = -1, -2  # GpuStage's block keys besides expert indices: a layer's dense MLP, its shared expert
 
 
+@dataclass
+class _Scratch:
+    """The buffers of a decode step (T = 1) through stage ``key`` = (lo, hi, device), kept across
+    steps with the bind groups made over them (``binds``: WgpuFfn._bind's cache), so a step encodes
+    its dispatches without making most of their bind groups again. ``scores``: attention's, sized
+    for ``scores_cap`` floats (the longest sequence's heads × positions so far)."""
+
+    key: tuple
+    buffers: dict
+    binds: dict = field(default_factory=dict)
+    scores: object = None
+    scores_cap: int = 0
+
+
 class GpuStage:
     """A GPU peer's stages (module docstring, "Stages") on ``gpu``, for the layers of ``model``:
     whole layers (:meth:`resident`, :meth:`run_layers`: the KV cache in GPU buffers) where every
@@ -271,6 +285,7 @@ class GpuStage:
         self._vector_buffers: dict[int, dict] = {}  # layer → its norms' and biases' buffers (_vectors)
         self._resident: dict[tuple[int, int], bool] = {}  # stage → whether it runs wholly here (resident)
         self._kv_holders: weakref.WeakSet = weakref.WeakSet()  # caches with keys/values on the GPU
+        self._decode_scratch: _Scratch | None = None  # run_layers' buffers of a decode step, kept across steps
 
     def load_layer(self, layer: int) -> int:
         """Upload layer ``layer``'s attention projections and FFN blocks (every expert of a MoE
@@ -289,10 +304,12 @@ class GpuStage:
         self._linear = {q: g for q, g in self._linear.items() if q in keep}
         self._blocks = {k: v for k, v in self._blocks.items() if k[0] in layers}
         self._vector_buffers = {k: v for k, v in self._vector_buffers.items() if k in layers}
+        self._decode_scratch = None  # its bind groups hold the weights of the layers before
 
     def reset(self) -> None:
         """Forget every upload (after a GPU error: the device was reset)."""
         self._linear, self._blocks, self._vector_buffers = {}, {}, {}
+        self._decode_scratch = None
 
     def held(self) -> dict:
         """What is uploaded (status, tests): ``gpu`` matrices and SwiGLU blocks on the GPU,
@@ -352,42 +369,56 @@ class GpuStage:
         cos, ssin = (np.ascontiguousarray(np.broadcast_to(a, (T, nh + nkv, hd)), np.float32)
                      for a in m.qk_tables(start, T))  # [T, nh + nkv, hd] each
         kvs = [self._kv(cache, layer, start, start + T) for layer in range(lo, hi)]
-        xb, hb = host.storage(T * H, x), host.storage(T * H)
-        qkv, qk, att, yb = host.storage(T * width), host.storage(T * heads), host.storage(T * nq), host.storage(T * H)
-        scores, cb, sb = host.storage(T * nh * cap), host.storage(cos.size, cos), host.storage(ssin.size, ssin)
-        fb = host.storage(T * inter)
+        sizes = {"xb": T * H, "hb": T * H, "qkv": T * width, "qk": T * heads, "att": T * nq, "yb": T * H,
+                 "cb": cos.size, "sb": ssin.size, "fb": T * inter, "qkn": T * width}
+        if T == 1:  # a decode step: the stage's buffers and bind groups of the steps before
+            scratch = self._decode_scratch
+            if scratch is None or scratch.key != (lo, hi, host.device):
+                scratch = self._decode_scratch = _Scratch((lo, hi, host.device), {n: host.storage(k) for n, k in sizes.items()})
+            buf, binds = scratch.buffers, scratch.binds
+            if len(binds) > 64 * (hi - lo):  # a step's dozen a layer repeat; more means something else changed
+                binds.clear()
+            if scratch.scores_cap < nh * cap:  # only attention (never cached) reads it: grown alone
+                scratch.scores, scratch.scores_cap = host.storage(nh * cap), nh * cap
+            scores = scratch.scores
+        else:
+            buf, binds, scores = {n: host.storage(k) for n, k in sizes.items()}, None, host.storage(T * nh * cap)
+        for name, a in (("xb", x), ("cb", cos), ("sb", ssin)):
+            host.write(buf[name], a)
+        xb, hb, qkv, qk, att, yb, cb, sb, fb = (buf[n] for n in ("xb", "hb", "qkv", "qk", "att", "yb", "cb", "sb", "fb"))
         eps = c.rms_norm_eps
         enc = host.encoder()
         head_rows = T * (nh + 2 * nkv)  # Q|K|V as rows of hd, for Qwen3's norm of each head
-        qkn = host.storage(T * width) if c.qk_norm == "head" else qkv
+        qkn = buf["qkn"] if c.qk_norm == "head" else qkv
         for layer, kv in zip(range(lo, hi), kvs):
             w = m.attention_weights(layer)
             vec = self._vectors(layer)
             q, k, v, o = (_on_gpu(self._linear_of(p)) for p in _projections(w))  # resident: all on the GPU
-            host.encode_rms_norm(enc, xb, vec["attn_norm"], hb, T, H, eps)
+            host.encode_rms_norm(enc, xb, vec["attn_norm"], hb, T, H, eps, binds=binds)
             for mat, col in ((q, 0), (k, nq), (v, nq + nk)):
-                host.encode_linear(enc, hb, mat, qkv, T, width, col)
+                host.encode_linear(enc, hb, mat, qkv, T, width, col, binds=binds)
             if "qkv_bias" in vec:
-                host.encode_elementwise(enc, "add", T * width, (width,), [vec["qkv_bias"], qkv])
+                host.encode_elementwise(enc, "add", T * width, (width,), [vec["qkv_bias"], qkv], binds)
             if "qk_norm" in vec:  # each Q and K head by its weight row (V's rows normed too, then unused)
-                host.encode_rms_norm(enc, qkv, vec["qk_norm"], qkn, head_rows, hd, eps, nh + 2 * nkv)
-            host.encode_elementwise(enc, "rope", T * heads, (hd, heads, width), [qkn, cb, sb, qk])
+                host.encode_rms_norm(enc, qkv, vec["qk_norm"], qkn, head_rows, hd, eps, nh + 2 * nkv, binds)
+            host.encode_elementwise(enc, "rope", T * heads, (hd, heads, width), [qkn, cb, sb, qk], binds)
+            # the position and the sequence's own buffers change every step: never cached
             host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, heads, nq), [qk, kv.k])
             host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, width, nq + nk), [qkv, kv.v])
             host.encode(enc, "attention", struct.pack("<8I", T, nh, nkv, hd, cap, start, heads, 0),
                         [qk, kv.k, kv.v, scores, att], (nh, T, 1))
-            host.encode_linear(enc, att, o, yb, T, H)
+            host.encode_linear(enc, att, o, yb, T, H, binds=binds)
             if "o_bias" in vec:
-                host.encode_elementwise(enc, "add", T * H, (H,), [vec["o_bias"], yb])
-            host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb])
-            host.encode_rms_norm(enc, xb, vec["ffn_norm"], hb, T, H, eps)
+                host.encode_elementwise(enc, "add", T * H, (H,), [vec["o_bias"], yb], binds)
+            host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb], binds)
+            host.encode_rms_norm(enc, xb, vec["ffn_norm"], hb, T, H, eps, binds=binds)
             if m.is_moe_layer(layer):  # routing on the CPU: the normed rows come back, the experts' sum goes up
                 y = self.ffn(layer, host.submit_read(enc, hb, T * H).reshape(T, H))
                 enc = host.encoder()
                 host.encode_elementwise(enc, "add", T * H, (T * H,), [host.storage(T * H, y), xb])
                 continue
-            host.encode_ffn(enc, hb, _gpu(self._block(layer, DENSE)), fb, yb, T)
-            host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb])
+            host.encode_ffn(enc, hb, _gpu(self._block(layer, DENSE)), fb, yb, T, binds)
+            host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb], binds)
         return host.submit_read(enc, xb, T * H).reshape(T, H)
 
     def _kv(self, cache, layer: int, start: int, end: int) -> GpuKV:

@@ -267,3 +267,30 @@ def test_biases_and_the_norm_of_each_head_run_in_whole_gpu_layers(gpu, tmp_path,
     for step in range(3):
         x = rng.standard_normal((1, H), np.float32)
         assert_within_bound(model, stop, cpu, on_gpu, request(2 + step, [(1, 5 + step, 1)], x, stop))
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q4_K], ids=lambda q: q.name)
+def test_decode_steps_reuse_the_stages_buffers_and_give_a_fresh_stages_bits(gpu, tmp_path, monkeypatch, qtype):
+    """Decode steps (a row a sequence) through whole GPU layers keep the stage's scratch buffers
+    and the bind groups made over them from step to step, two sequences of different lengths
+    taking turns (past the first KV capacity of 16); each answer equals, bit for bit, that of a
+    stage that makes everything again for every step."""
+    model = gguf_model(tmp_path, monkeypatch, "llama", qtype, **WIDE)
+    _, reused, device = runners(model, gpu, 2)
+    _, fresh, fresh_device = runners(model, gpu, 2)
+    H = model.config.hidden_size
+    rng = np.random.default_rng(14)
+    rows = lambda n: rng.standard_normal((n, H), np.float32)  # noqa: E731
+
+    def both(req: M.StageRequest) -> None:
+        fresh_device._decode_scratch = None  # noqa: SLF001
+        a, b = reused.handle(req), fresh.handle(req)
+        assert isinstance(a, M.StageAnswer) and isinstance(b, M.StageAnswer), (a, b)
+        assert np.array_equal(a.x, b.x)
+
+    both(request(1, [(1, 0, 9), (2, 0, 3)], rows(12), 2))
+    sizes = []
+    for step in range(12):
+        both(request(2 + step, [(1, 9 + step, 1), (2, 3 + step, 1)], rows(2), 2))
+        sizes.append(len(device._decode_scratch.binds))  # noqa: SLF001
+    assert sizes[0] > 0 and set(sizes) == {sizes[0]}  # made at the first step, then only reused
