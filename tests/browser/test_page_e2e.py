@@ -219,7 +219,12 @@ def _joined(swarm, browser):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(_page_url(swarm, swarm.key.code))
     _wait_state(page, "authenticated")
-    return ctx, page, errors, swarm.browser_link()
+    # The page is authenticated once its side of the handshake is done; the node lists its link
+    # once it has read the Hello that follows (on a loaded machine, a little later).
+    deadline = time.monotonic() + 20
+    while (link := swarm.browser_link()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ctx, page, errors, link
 
 
 def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
