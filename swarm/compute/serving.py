@@ -35,9 +35,11 @@ Several schedulers (:class:`SchedulerPool`): when the FFN backend runs stages on
 one scheduler's step waits for every stage in turn; two schedulers sharing the stages keep them
 busy, one's step at a stage while the other's is at the next. A pool's schedulers share one
 lock and one set of limits — ``max_batch`` running, ``max_queue`` waiting and ``max_positions``
-over all of them, admitted in arrival order across them — and each steps its own sequences on
-its own thread. A new sequence goes to the least loaded of the first ``width`` schedulers and
-stays there; with ``width`` 1 the pool is one scheduler as above.
+over all of them, admitted in arrival order across them (a newer sequence joins its member while
+an older one waits on another only if a slot and its positions are left for that one: it need
+not wait for the other's step to end) — and each steps its own sequences on its own thread. A
+new sequence goes to the least loaded of the first ``width`` schedulers and stays there; with
+``width`` 1 the pool is one scheduler as above.
 """
 
 from __future__ import annotations
@@ -407,20 +409,21 @@ class BatchScheduler:
 
     def _admissible(self, seq: _Seq) -> bool:
         """Whether ``seq`` (the head of this queue) starts now: a slot free (``max_batch`` over
-        every member), its positions fit, and no member holds an older waiting sequence."""
+        every member) and its positions fit, beside a slot and the positions of every older
+        sequence waiting on another member — it never takes what they wait for, and joins without
+        waiting for their members' steps to end."""
         members = self._members()  # another member's finished sequences count until its next step ends
-        if sum(len(m._running) for m in members) >= self.max_batch or not self._fits(seq):
-            return False
-        return all(not m._waiting or m._waiting[0].ident >= seq.ident for m in members)
+        older = [s for m in members if m is not self for s in m._waiting if s.ident < seq.ident]
+        return sum(len(m._running) for m in members) + len(older) < self.max_batch and self._fits(seq, older)
 
-    def _fits(self, seq: _Seq) -> bool:
+    def _fits(self, seq: _Seq, older: Sequence[_Seq] = ()) -> bool:
         """Whether ``seq``'s positions (prompt + max_tokens) fit ``max_positions`` beside the
-        running sequences' claims (every member's); a sequence alone always starts (its request
-        was checked against the context when it was encoded)."""
-        running = [s for m in self._members() for s in m._running]
-        if self.max_positions is None or not running:
+        running sequences' claims (every member's) and those of ``older`` waiting ones; a sequence
+        alone always starts (its request was checked against the context when it was encoded)."""
+        ahead = [s for m in self._members() for s in m._running] + list(older)
+        if self.max_positions is None or not ahead:
             return True
-        claimed = sum(len(s.prompt) + s.params.max_tokens for s in running)
+        claimed = sum(len(s.prompt) + s.params.max_tokens for s in ahead)
         return claimed + len(seq.prompt) + seq.params.max_tokens <= self.max_positions
 
     def _plan_step(self) -> list[tuple[_Seq, list[int]]]:

@@ -5,6 +5,7 @@ solo run's; with width 1 the pool is one scheduler."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -82,3 +83,36 @@ def test_a_member_with_the_oldest_waiting_sequence_is_woken_when_another_frees_a
     assert [list(s) for s in (short, *queued)] == [alone(model, p, params) for p in ([2, 3], [4, 5], [6, 7])]
     assert list(long) == alone(model, [1] * 400, params)
     assert pool.snapshot() == {"running": [], "waiting": [], "prefilling": {}, "steps": pool.steps}
+
+
+@pytest.mark.parametrize("max_batch", [4, 3])
+def test_a_sequence_joins_its_member_while_an_older_one_waits_on_another_if_a_slot_is_left_for_that_one(
+        model, max_batch):
+    """Both members are held in a step; an older sequence waits on member 0, a newer on member 1.
+    When member 1's step ends (it runs two, then is held again), the newer joins it at once if the pool still has a slot for the
+    older one beside it (max_batch 4: 2 running + the older + the newer) — not after member 0's
+    step — and waits when it would take that slot (max_batch 3). Tokens are the solo runs'."""
+    pool = SchedulerPool(model, max_batch=max_batch, max_queue=4, chunk=4, prefill_rows=4)
+    pool.set_width(2)
+    gates = [threading.Semaphore(0), threading.Semaphore(0)]  # one release: one step
+    for member, gate in zip(pool.schedulers, gates):
+        def held(step, run=member._step, gate=gate):
+            assert gate.acquire(timeout=60)
+            run(step)
+        member._step = held
+    params = SamplingParams(max_tokens=4)
+    jobs = [[1, 2, 3], [4, 5], [6, 7], [8, 9]]
+    try:
+        first, second = pool.submit(jobs[0], params), pool.submit(jobs[1], params)  # one on each member
+        wait_for(lambda: len(pool.snapshot()["running"]) == 2)  # each member is held in its first step
+        older, newer = pool.submit(jobs[2], params), pool.submit(jobs[3], params)  # member 0, then member 1
+        assert [m.snapshot()["waiting"] for m in pool.schedulers] == [[older.ident], [newer.ident]]
+        gates[1].release(2)  # member 1 ends this step and runs one more; member 0 stays in its first
+        wait_for(lambda: pool.schedulers[1].steps == 2)  # sequences join between steps
+        assert (newer.ident in pool.schedulers[1].snapshot()["running"]) == (max_batch == 4)
+        assert older.ident in pool.schedulers[0].snapshot()["waiting"]
+    finally:  # a failed assertion leaves no member held
+        for gate in gates:
+            gate.release(1000)
+    streams = [first, second, older, newer]
+    assert [list(s) for s in streams] == [alone(model, p, params) for p in jobs]
