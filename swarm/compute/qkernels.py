@@ -263,8 +263,8 @@ _TYPES = {
 }
 # Tile shapes (NR weight rows × TT activation rows), chosen by measurement (AVX-512 machine):
 # decode takes 4 rows a pass (x loads shared by 4 rows); several activation rows take 2 × 4,
-# then 2 × 2 and 2 × 1 for the last T % 4 — K-quants 2 × 3 for a last 3, so that their
-# costlier blocks are decoded once (:func:`_rows_kernel`).
+# then 2 × 3 for a last 3 (one pass over the weights: as 2 + 1, a step of 3 sequences cost
+# more than one of 4), else 2 × 2 and 2 × 1 for the last T % 4 (:func:`_rows_kernel`).
 _TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
 
 
@@ -637,8 +637,7 @@ def _rows_kernel(kind: int, avx512: bool = AVX512):
     (``avx512``: the K-quant tiles in AVX-512 vector code, the same bits)."""
     (n1, _), (n4, _), _, _ = _TILES
     one, four, two, single = (_compile_tile(kind, nr, tt, avx512) for nr, tt in _TILES)
-    split3 = kind in _K_TYPES  # a last 3 activation rows in one tile (else 2 + 1)
-    three = _compile_tile(kind, n4, 3, avx512) if split3 else single
+    three = _compile_tile(kind, n4, 3, avx512)  # a last 3 activation rows in one tile
 
     @njit(nogil=True)
     def rows(w, x, out, lo, hi):
@@ -655,7 +654,7 @@ def _rows_kernel(kind: int, avx512: bool = AVX512):
             while t0 + 4 <= T:
                 four(w, r0, hi, x, t0, out, ahead, end)
                 t0 += 4
-            if split3 and T - t0 == 3:
+            if T - t0 == 3:
                 three(w, r0, hi, x, t0, out, ahead, end)
                 continue
             if t0 + 2 <= T:
