@@ -399,13 +399,13 @@ class WgpuFfn:
         taken from it: making a bind group and its uniform buffer cost the host more than the
         dispatch (bench/results/web_peer_blocks.md). An entry holds its buffers, so their ids
         cannot pass to other buffers while it lives."""
-        key = (id(pipe), params, *map(id, buffers))
-        if binds is not None and key in binds:
+        key = (id(pipe), params, *map(id, buffers)) if binds is not None else None
+        if key is not None and key in binds:
             return binds[key][0]
         res = [self._buffer(params, self._wgpu.BufferUsage.UNIFORM), *buffers]
         bind = self.device.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
             {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res)])
-        if binds is not None:
+        if key is not None:
             binds[key] = (bind, pipe, buffers)
         return bind
 

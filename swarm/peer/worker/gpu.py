@@ -370,7 +370,9 @@ class GpuStage:
                      for a in m.qk_tables(start, T))  # [T, nh + nkv, hd] each
         kvs = [self._kv(cache, layer, start, start + T) for layer in range(lo, hi)]
         sizes = {"xb": T * H, "hb": T * H, "qkv": T * width, "qk": T * heads, "att": T * nq, "yb": T * H,
-                 "cb": cos.size, "sb": ssin.size, "fb": T * inter, "qkn": T * width}
+                 "cb": cos.size, "sb": ssin.size, "fb": T * inter}
+        if c.qk_norm == "head":  # Qwen3's norm of each head writes a row of its own
+            sizes["qkn"] = T * width
         if T == 1:  # a decode step: the stage's buffers and bind groups of the steps before
             scratch = self._decode_scratch
             if scratch is None or scratch.key != (lo, hi, host.device):
@@ -389,7 +391,7 @@ class GpuStage:
         eps = c.rms_norm_eps
         enc = host.encoder()
         head_rows = T * (nh + 2 * nkv)  # Q|K|V as rows of hd, for Qwen3's norm of each head
-        qkn = buf["qkn"] if c.qk_norm == "head" else qkv
+        qkn = buf.get("qkn", qkv)
         for layer, kv in zip(range(lo, hi), kvs):
             w = m.attention_weights(layer)
             vec = self._vectors(layer)
