@@ -11,7 +11,8 @@ cannot) only the weight products, on a model view around the engine's layer code
 step: milliseconds of each, and the GPU's largest difference from the reference as a share of
 the bound ``--verify`` holds a stage answer of another build to (bounds.stage_rtol: 1.0 would be at the bound) and in units of u = 2^-24 of
 the row's largest magnitude; and whether the greedy tokens from the GPU rows equal the
-reference's. Default: the default model (SmolLM2-135M Q4_1), all 30 layers, its stage test
+reference's; ``encode_ms``: the step's time outside the GPU submissions and read-backs (the host
+encoding buffers, bind groups and dispatches). Default: the default model (SmolLM2-135M Q4_1), all 30 layers, its stage test
 prompt. The adapter (lavapipe is a CPU in software) and the machine's load average go with it.
 """
 
@@ -37,6 +38,23 @@ from swarm.peer.worker.stages import StageCache  # noqa: E402
 PROMPT = [1, 504, 3458, 314, 253, 1345, 30]  # the default model's stage test prompt
 
 
+def _time_submissions(host) -> list[float]:
+    """Wrap ``host.submit_read`` to add the seconds spent in it (submission, the GPU's work and
+    the read-back) to the returned one-element list: a step's time less that is the host's
+    encoding (buffers, bind groups, dispatches) — what bounds a GPU stage whose kernels are fast."""
+    spent = [0.0]
+    submit_read = host.submit_read
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return submit_read(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+    host.submit_read = timed
+    return spent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="GGUF or HF directory (default: the default model)")
@@ -58,6 +76,7 @@ def main() -> None:
         uploaded = sum(stage.load_layer(layer) for layer in range(lo, hi))
         upload_s = time.perf_counter() - t0
         view = model.with_products(stage)
+        in_submit = _time_submissions(gpu.host)
         ref_cache, gpu_cache = model.new_cache(), StageCache(c, lo, hi)
         resident = stage.resident(lo, hi)
         width = max(c.intermediate_size or 0, c.top_k * c.moe_intermediate_size)
@@ -69,6 +88,7 @@ def main() -> None:
             t0 = time.perf_counter()
             want = model.layers(x, ref_cache, start, lo, hi)
             cpu_s = time.perf_counter() - t0
+            in_submit[0] = 0.0
             t0 = time.perf_counter()
             got = (stage.run_layers(x, gpu_cache, start, lo, hi) if resident
                    else view.layers(x, gpu_cache, start, lo, hi, stage))
@@ -83,6 +103,7 @@ def main() -> None:
                     last = rms_norm(rows[-1:], model.final_norm, c.rms_norm_eps)
                     tokens.append(int(np.argmax(model.head.matmul(last))))
             steps.append({"rows": len(feed), "cpu_ms": round(cpu_s * 1e3, 2), "gpu_ms": round(gpu_s * 1e3, 2),
+                          "encode_ms": round((gpu_s - in_submit[0]) * 1e3, 2),
                           "share_of_bound": round(rel / bound, 5), "u_of_row_max": round(rel / UNIT_ROUNDOFF, 1)})
             feed = [tokens_ref[-1]] if tokens_ref else [int(np.argmax(want[-1]) % c.vocab_size)]
         info = gpu.host.adapter.info

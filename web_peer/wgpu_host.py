@@ -145,6 +145,28 @@ class Encoder:
         return self.enc.finish()
 
 
+class Uniform:
+    """A uniform buffer of parameters that change between submissions (a decode step's position)
+    while the bind groups over it stay (:meth:`WgpuFfn._bind`): ``buffer`` is written only when
+    the parameters differ from the last written (``params``)."""
+
+    def __init__(self, buffer) -> None:
+        self.buffer = buffer
+        self.params: bytes | None = None
+        self._encoder: Encoder | None = None  # the last encoder that bound it
+
+    def set(self, queue, params: bytes, enc: Encoder | None) -> None:
+        """Write ``params`` for the dispatches of ``enc``. A queue write lands before the next
+        submission, so every dispatch of one command buffer reads the last one: KernelError if
+        ``enc`` already bound other parameters."""
+        if params != self.params:
+            if enc is not None and enc is self._encoder:
+                raise KernelError("a uniform buffer's parameters changed within one submission")
+            queue.write_buffer(self.buffer, 0, params + b"\0" * (-len(params) % 4))
+            self.params = params
+        self._encoder = enc
+
+
 class WgpuFfn:
     """A wgpu device with the swiglu and down pipelines for every weight format it supports.
 
@@ -392,39 +414,53 @@ class WgpuFfn:
         """Write float32 ``data`` at the start of storage buffer ``buf`` (:meth:`storage` without data)."""
         self.device.queue.write_buffer(buf, 0, np.ascontiguousarray(data, np.float32).tobytes())
 
-    def _bind(self, pipe, params: bytes, buffers: list, binds: dict | None = None):
+    def uniform(self, nbytes: int = 32) -> Uniform:
+        """A :class:`Uniform` of ``nbytes`` (a multiple of 4) on the current device."""
+        return Uniform(self._device().create_buffer(
+            size=max(16, nbytes), usage=self._wgpu.BufferUsage.UNIFORM | self._wgpu.BufferUsage.COPY_DST))
+
+    def _bind(self, pipe, params: bytes, buffers: list, binds: dict | None = None,
+              uniform: Uniform | None = None, enc: Encoder | None = None):
         """The bind group of ``pipe``: a uniform buffer holding ``params``, then ``buffers`` in
         binding order. With ``binds`` (a cache the caller keeps no longer than its buffers: a
         stage's decode scratch), one made before for the same pipeline, parameters and buffers is
         taken from it: making a bind group and its uniform buffer cost the host more than the
         dispatch (bench/results/web_peer_blocks.md). An entry holds its buffers, so their ids
-        cannot pass to other buffers while it lives."""
-        key = (id(pipe), params, *map(id, buffers)) if binds is not None else None
+        cannot pass to other buffers while it lives. With ``uniform`` (and ``binds``), the
+        parameters go into that buffer (written when they change) and the bind group is kept
+        whatever they are: parameters that change every step (a position) cost a write, not a
+        bind group. Raises KernelError if they would change within encoder ``enc``, whose
+        dispatches all read the buffer's last contents."""
+        if uniform is not None and binds is not None:
+            uniform.set(self.device.queue, params, enc)
+            key: tuple | None = (id(pipe), uniform, *map(id, buffers))
+        else:
+            key = (id(pipe), params, *map(id, buffers)) if binds is not None else None
         if key is not None and key in binds:
             return binds[key][0]
-        res = [self._buffer(params, self._wgpu.BufferUsage.UNIFORM), *buffers]
+        head = uniform.buffer if key is not None and uniform is not None else self._buffer(params, self._wgpu.BufferUsage.UNIFORM)
         bind = self.device.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
-            {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate(res)])
+            {"binding": b, "resource": {"buffer": buf}} for b, buf in enumerate([head, *buffers])])
         if key is not None:
             binds[key] = (bind, pipe, buffers)
         return bind
 
     def encode(self, enc: Encoder, kernel: str, params: bytes, buffers: list, grid: tuple[int, int, int],
-               binds: dict | None = None) -> None:
+               binds: dict | None = None, uniform: Uniform | None = None) -> None:
         """One dispatch of layer kernel ``kernel`` (bindings: params, then ``buffers`` in order);
-        ``binds``: :meth:`_bind`'s cache."""
+        ``binds``, ``uniform``: :meth:`_bind`'s cache and parameter buffer."""
         pipe = self._pipeline(kernel, None)
-        enc.dispatch(pipe, self._bind(pipe, params, buffers, binds), grid)
+        enc.dispatch(pipe, self._bind(pipe, params, buffers, binds, uniform, enc), grid)
 
     def encode_elementwise(self, enc, kernel: str, n: int, fields: tuple[int, ...], buffers: list,
-                           binds: dict | None = None) -> None:
+                           binds: dict | None = None, uniform: Uniform | None = None) -> None:
         """:meth:`encode` of a kernel of one invocation per element over ``n`` elements (rope,
         kv_write, add): its params are (n, tile_x, ``fields`` …) in 4 or 8 words."""
         gx, gy = _grid(-(-n // self.workgroup_size))
         words = (n, gx * self.workgroup_size, *fields)
         size = 4 if len(words) <= 4 else 8
         self.encode(enc, kernel, struct.pack(f"<{size}I", *words, *(0,) * (size - len(words))), buffers, (gx, gy, 1),
-                    binds)
+                    binds, uniform)
 
     def encode_rms_norm(self, enc, x, w, y, rows: int, d: int, eps: float, w_rows: int = 1,
                         binds: dict | None = None) -> None:
@@ -444,14 +480,37 @@ class WgpuFfn:
         self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, x, [w.gate, w.up], h, binds=binds)
         self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, h, [w.down], y, binds=binds)
 
-    def submit_read(self, enc, buf=None, n: int = 0) -> np.ndarray:
-        """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back (none without ``buf``).
-        Raises KernelError on a GPU error (the device is then reset) or a non-finite result."""
+    def readback(self, n: int):
+        """A buffer of ``n`` float32 elements that :meth:`submit_read` can copy a result into and
+        map, for a caller that reads results of that size again and again (a decode step): kept,
+        it spares each read a buffer, a command encoder and a submission of its own."""
+        usage = self._wgpu.BufferUsage.MAP_READ | self._wgpu.BufferUsage.COPY_DST
+        return self._device().create_buffer(size=max(16, 4 * n), usage=usage)
+
+    def submit_read(self, enc, buf=None, n: int = 0, readback=None) -> np.ndarray:
+        """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back (none without ``buf``);
+        through ``readback`` (:meth:`readback`, ≥ n elements) if given, the copy in ``enc``'s
+        own submission. Raises KernelError on a GPU error (the device is then reset) or a
+        non-finite result."""
         with self._guarded():
+            if buf is not None and readback is not None:
+                enc.copy(buf, 0, readback, 0, 4 * n)
             self.device.queue.submit([enc.finish()])
             if buf is None:
                 return np.zeros(0, np.float32)
-            y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
+            if readback is None:
+                y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
+            else:
+                if readback.map_state != "unmapped":  # an error left it mapped
+                    readback.unmap()
+                try:  # as wgpu-py's own read_buffer maps after its copy: plain READ adds an empty submission
+                    readback.map_sync("READ_NOSYNC", 0, 4 * n)
+                except (KeyError, ValueError):  # a wgpu-py without that mode
+                    readback.map_sync(self._wgpu.MapMode.READ, 0, 4 * n)
+                try:
+                    y = np.frombuffer(readback.read_mapped(0, 4 * n), np.float32).copy()
+                finally:
+                    readback.unmap()
         return self._finite([y])[0]
 
     def _run(self, kernel: str, params: bytes, inputs: list[np.ndarray], outputs: list[int],

@@ -126,3 +126,31 @@ def test_kv_write_and_add_are_their_twins(gpu):
     bb = gpu.storage(bias.size, bias)
     gpu.encode_elementwise(enc, "add", x.size, (bias.size,), [bb, xb])
     np.testing.assert_array_equal(gpu.submit_read(enc, xb, x.size).reshape(x.shape), K.add(got_x.copy(), bias))
+
+
+def test_a_uniform_carries_a_new_position_each_submission_and_refuses_two_in_one(gpu):
+    """kv_write through one kept bind group and a Uniform: each submission writes at the position
+    its parameters name (the twin's result, bit for bit), the bind group is made once, and
+    parameters that would change within one encoder — whose dispatches would all read the last
+    write — raise KernelError."""
+    rng = np.random.default_rng(10)
+    nkv, hd, cap, stride, offset = 2, 8, 6, 24, 8
+    cache = np.zeros((nkv, cap, hd), np.float32)
+    cb = gpu.storage(cache.size, cache)
+    sb = gpu.storage(stride)  # one step's row, written each step
+    uniform, binds, want = gpu.uniform(), {}, cache.copy()
+    for start in (0, 1, 4):
+        src = rng.standard_normal((1, stride), dtype=np.float32)
+        gpu.write(sb, src)
+        enc = gpu.encoder()
+        gpu.encode_elementwise(enc, "kv_write", nkv * hd, (hd, nkv, cap, start, stride, offset), [sb, cb],
+                               binds, uniform)
+        got = gpu.submit_read(enc, cb, cache.size).reshape(cache.shape)
+        want = K.kv_write(want, src, start, offset)
+        np.testing.assert_array_equal(got, want)
+    assert len(binds) == 1
+    assert np.count_nonzero(want.any(axis=2)) == 3 * nkv  # three positions written in each head
+    enc = gpu.encoder()
+    gpu.encode_elementwise(enc, "kv_write", nkv * hd, (hd, nkv, cap, 2, stride, offset), [sb, cb], binds, uniform)
+    with pytest.raises(KernelError, match="within one submission"):
+        gpu.encode_elementwise(enc, "kv_write", nkv * hd, (hd, nkv, cap, 3, stride, offset), [sb, cb], binds, uniform)

@@ -246,14 +246,19 @@ DENSE, SHARED = -1, -2  # GpuStage's block keys besides expert indices: a layer'
 class _Scratch:
     """The buffers of a decode step (T = 1) through stage ``key`` = (lo, hi, device), kept across
     steps with the bind groups made over them (``binds``: WgpuFfn._bind's cache), so a step encodes
-    its dispatches without making most of their bind groups again. ``scores``: attention's, sized
-    for ``scores_cap`` floats (the longest sequence's heads × positions so far)."""
+    its dispatches without making a bind group again. The kernels whose parameters name the
+    position (``kv_write``, ``attention``) read them from ``uniforms``, written once a step, and
+    their bind groups, over a sequence's own KV buffers, are kept with those (:attr:`GpuKV.binds`).
+    ``scores``: attention's, sized for ``scores_cap`` floats (the longest sequence's heads ×
+    positions so far)."""
 
     key: tuple
     buffers: dict
     binds: dict = field(default_factory=dict)
     scores: object = None
     scores_cap: int = 0
+    uniforms: dict = field(default_factory=dict)  # kernel role → Uniform: the parameters naming the position
+    readback: object = None  # WgpuFfn.readback of a step's rows: results come back through it
 
 
 class GpuStage:
@@ -373,6 +378,10 @@ class GpuStage:
                  "cb": cos.size, "sb": ssin.size, "fb": T * inter}
         if c.qk_norm == "head":  # Qwen3's norm of each head writes a row of its own
             sizes["qkn"] = T * width
+        if any(m.is_moe_layer(layer) for layer in range(lo, hi)):  # the experts' sum, computed on the CPU's routing
+            sizes["mo"] = T * H
+        uniforms: dict = {}
+        readback = None
         if T == 1:  # a decode step: the stage's buffers and bind groups of the steps before
             scratch = self._decode_scratch
             if scratch is None or scratch.key != (lo, hi, host.device):
@@ -383,6 +392,13 @@ class GpuStage:
             if scratch.scores_cap < nh * cap:  # only attention (never cached) reads it: grown alone
                 scratch.scores, scratch.scores_cap = host.storage(nh * cap), nh * cap
             scores = scratch.scores
+            uniforms = scratch.uniforms
+            for role in ("kv_k", "kv_v", "attention"):
+                if role not in uniforms:
+                    uniforms[role] = host.uniform()
+            if scratch.readback is None:
+                scratch.readback = host.readback(T * H)
+            readback = scratch.readback
         else:
             buf, binds, scores = {n: host.storage(k) for n, k in sizes.items()}, None, host.storage(T * nh * cap)
         for name, a in (("xb", x), ("cb", cos), ("sb", ssin)):
@@ -404,24 +420,30 @@ class GpuStage:
             if "qk_norm" in vec:  # each Q and K head by its weight row (V's rows normed too, then unused)
                 host.encode_rms_norm(enc, qkv, vec["qk_norm"], qkn, head_rows, hd, eps, nh + 2 * nkv, binds)
             host.encode_elementwise(enc, "rope", T * heads, (hd, heads, width), [qkn, cb, sb, qk], binds)
-            # the position and the sequence's own buffers change every step: never cached
-            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, heads, nq), [qk, kv.k])
-            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, width, nq + nk), [qkv, kv.v])
+            # the position changes every step (a uniform written once a step), the KV buffers with the sequence
+            kv_binds = kv.binds if binds is not None else None
+            if kv_binds is not None and len(kv_binds) > 3 * 4:  # the scratch was made again a few times
+                kv_binds.clear()
+            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, heads, nq), [qk, kv.k],
+                                    kv_binds, uniforms.get("kv_k"))
+            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, width, nq + nk), [qkv, kv.v],
+                                    kv_binds, uniforms.get("kv_v"))
             host.encode(enc, "attention", struct.pack("<8I", T, nh, nkv, hd, cap, start, heads, 0),
-                        [qk, kv.k, kv.v, scores, att], (nh, T, 1))
+                        [qk, kv.k, kv.v, scores, att], (nh, T, 1), kv_binds, uniforms.get("attention"))
             host.encode_linear(enc, att, o, yb, T, H, binds=binds)
             if "o_bias" in vec:
                 host.encode_elementwise(enc, "add", T * H, (H,), [vec["o_bias"], yb], binds)
             host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb], binds)
             host.encode_rms_norm(enc, xb, vec["ffn_norm"], hb, T, H, eps, binds=binds)
             if m.is_moe_layer(layer):  # routing on the CPU: the normed rows come back, the experts' sum goes up
-                y = self.ffn(layer, host.submit_read(enc, hb, T * H).reshape(T, H))
+                y = self.ffn(layer, host.submit_read(enc, hb, T * H, readback).reshape(T, H))
                 enc = host.encoder()
-                host.encode_elementwise(enc, "add", T * H, (T * H,), [host.storage(T * H, y), xb])
+                host.write(buf["mo"], y)
+                host.encode_elementwise(enc, "add", T * H, (T * H,), [buf["mo"], xb], binds)
                 continue
             host.encode_ffn(enc, hb, _gpu(self._block(layer, DENSE)), fb, yb, T, binds)
             host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb], binds)
-        return host.submit_read(enc, xb, T * H).reshape(T, H)
+        return host.submit_read(enc, xb, T * H, readback).reshape(T, H)
 
     def _kv(self, cache, layer: int, start: int, end: int) -> GpuKV:
         """Layer ``layer``'s GPU keys/values of ``cache``'s sequence, room for ``end`` positions
@@ -554,12 +576,14 @@ class GpuKVFull(DeviceKVFull):
 @dataclass
 class GpuKV:
     """One layer's keys and values of one sequence on the GPU: ``k``, ``v`` float32 buffers
-    [nkv, cap, hd] (positions 0 .. the cache's length - 1 filled), on ``device``."""
+    [nkv, cap, hd] (positions 0 .. the cache's length - 1 filled), on ``device``; ``binds``: the
+    decode steps' bind groups over them, which go with them."""
 
     k: object
     v: object
     cap: int
     device: object
+    binds: dict = field(default_factory=dict)  # decode steps' bind groups over k and v (WgpuFfn._bind's cache)
 
 
 def _projections(w: object) -> tuple[QMatrix, ...]:

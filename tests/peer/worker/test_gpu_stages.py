@@ -273,18 +273,39 @@ def test_biases_and_the_norm_of_each_head_run_in_whole_gpu_layers(gpu, tmp_path,
 def test_decode_steps_reuse_the_stages_buffers_and_give_a_fresh_stages_bits(gpu, tmp_path, monkeypatch, qtype):
     """Decode steps (a row a sequence) through whole GPU layers keep the stage's scratch buffers
     and the bind groups made over them from step to step, two sequences of different lengths
-    taking turns (past the first KV capacity of 16); each answer equals, bit for bit, that of a
-    stage that makes everything again for every step."""
+    taking turns (past the first KV capacity of 16): no bind group is made but at the first step
+    and where a sequence's keys/values grow (the position is a uniform written once a step), and
+    a sequence's step is one submission, its rows read back through a kept buffer; each answer
+    equals, bit for bit, that of a stage that makes everything again for every step."""
     model = gguf_model(tmp_path, monkeypatch, "llama", qtype, **WIDE)
     _, reused, device = runners(model, gpu, 2)
     _, fresh, fresh_device = runners(model, gpu, 2)
     H = model.config.hidden_size
     rng = np.random.default_rng(14)
     rows = lambda n: rng.standard_normal((n, H), np.float32)  # noqa: E731
+    made: list[int] = []  # bind groups the reused stage made, per request
+    submitted: list[int] = []  # and its submissions
+    dev = gpu.host.device
+    make, submit = dev.create_bind_group, dev.queue.submit
+
+    def counted(**kwargs):
+        made[-1] += 1
+        return make(**kwargs)
+
+    def counted_submit(buffers):
+        submitted[-1] += 1
+        return submit(buffers)
 
     def both(req: M.StageRequest) -> None:
         fresh_device._decode_scratch = None  # noqa: SLF001
-        a, b = reused.handle(req), fresh.handle(req)
+        made.append(0)
+        submitted.append(0)
+        monkeypatch.setattr(dev, "create_bind_group", counted)
+        monkeypatch.setattr(dev.queue, "submit", counted_submit)
+        a = reused.handle(req)
+        monkeypatch.setattr(dev, "create_bind_group", make)
+        monkeypatch.setattr(dev.queue, "submit", submit)
+        b = fresh.handle(req)
         assert isinstance(a, M.StageAnswer) and isinstance(b, M.StageAnswer), (a, b)
         assert np.array_equal(a.x, b.x)
 
@@ -294,3 +315,7 @@ def test_decode_steps_reuse_the_stages_buffers_and_give_a_fresh_stages_bits(gpu,
         both(request(2 + step, [(1, 9 + step, 1), (2, 3 + step, 1)], rows(2), 2))
         sizes.append(len(device._decode_scratch.binds))  # noqa: SLF001
     assert sizes[0] > 0 and set(sizes) == {sizes[0]}  # made at the first step, then only reused
+    decode = made[1:]  # sequence 1 passes 16 positions at step 7: its KV buffers (and the scores) grow
+    assert decode[0] > 0 and decode[7] > 0, made
+    assert decode[1:7] == [0] * 6 and decode[8:] == [0] * 4, made
+    assert submitted[1:8] + submitted[9:] == [2] * 11, submitted  # one a sequence (step 7 also copies the grown KV)
