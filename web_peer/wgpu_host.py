@@ -167,6 +167,43 @@ class Uniform:
         self._encoder = enc
 
 
+class _FfnScratch:
+    """:meth:`WgpuFfn._ffn_blocks`' kept buffers on ``device``: per slot (a block's place in a
+    request) its rows, intermediate and output (float32 storage, grown to the largest asked),
+    one mappable read-back buffer for all slots' outputs, and the bind groups made over them
+    (``binds``: :meth:`WgpuFfn._bind`'s cache, less the entries over a slot's buffers when they
+    grow; emptied when it passes :data:`MAX_BINDS`: a MoE peer binds each expert in each slot)."""
+
+    MAX_BINDS = 4096
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.slots: list[tuple[int, int, tuple]] = []  # (elements of a row buffer, of an intermediate, buffers)
+        self.binds: dict = {}
+        self.readback, self.readback_n = None, 0
+
+    def slot(self, host: WgpuFfn, i: int, n: int, nf: int) -> tuple:
+        """Slot ``i``'s (rows, intermediate, output) buffers, holding ≥ ``n``, ``nf``, ``n`` elements."""
+        while len(self.slots) <= i:
+            self.slots.append((0, 0, ()))
+        cap, cap_f, bufs = self.slots[i]
+        if n > cap or nf > cap_f:
+            replaced = set(map(id, bufs))  # the entries over them go (they hold them)
+            self.binds = {k: v for k, v in self.binds.items() if not replaced & set(map(id, v[2]))}
+            cap, cap_f = max(n, cap), max(nf, cap_f)
+            bufs = (host.storage(cap), host.storage(cap_f), host.storage(cap))
+            self.slots[i] = (cap, cap_f, bufs)
+        if len(self.binds) > self.MAX_BINDS:
+            self.binds.clear()
+        return bufs
+
+    def readback_of(self, host: WgpuFfn, n: int):
+        """The read-back buffer, holding ≥ ``n`` float32 elements."""
+        if n > self.readback_n:
+            self.readback, self.readback_n = host.readback(n), n
+        return self.readback
+
+
 class WgpuFfn:
     """A wgpu device with the swiglu and down pipelines for every weight format it supports.
 
@@ -216,6 +253,7 @@ class WgpuFfn:
         self.largest_binding = 0  # the largest buffer this host ever bound, for limit tests
         self.device = None
         self._pipelines: dict = {}
+        self._ffn_scratch = _FfnScratch(None)  # ffn_many's kept buffers and bind groups
 
     # ---- device -----------------------------------------------------------------------------
 
@@ -487,31 +525,38 @@ class WgpuFfn:
         usage = self._wgpu.BufferUsage.MAP_READ | self._wgpu.BufferUsage.COPY_DST
         return self._device().create_buffer(size=max(16, 4 * n), usage=usage)
 
-    def submit_read(self, enc, buf=None, n: int = 0, readback=None) -> np.ndarray:
+    def submit_read(self, enc, buf=None, n: int = 0, readback=None, mapped: bool = False) -> np.ndarray:
         """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back (none without ``buf``);
         through ``readback`` (:meth:`readback`, ≥ n elements) if given, the copy in ``enc``'s
-        own submission. Raises KernelError on a GPU error (the device is then reset) or a
+        own submission (``mapped``: ``enc`` already copies the n elements into ``readback``;
+        ``buf`` unused). Raises KernelError on a GPU error (the device is then reset) or a
         non-finite result."""
         with self._guarded():
             if buf is not None and readback is not None:
                 enc.copy(buf, 0, readback, 0, 4 * n)
             self.device.queue.submit([enc.finish()])
-            if buf is None:
+            if buf is None and not mapped:
                 return np.zeros(0, np.float32)
             if readback is None:
                 y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
             else:
-                if readback.map_state != "unmapped":  # an error left it mapped
-                    readback.unmap()
-                try:  # as wgpu-py's own read_buffer maps after its copy: plain READ adds an empty submission
-                    readback.map_sync("READ_NOSYNC", 0, 4 * n)
-                except (KeyError, ValueError):  # a wgpu-py without that mode
-                    readback.map_sync(self._wgpu.MapMode.READ, 0, 4 * n)
-                try:
-                    y = np.frombuffer(readback.read_mapped(0, 4 * n), np.float32).copy()
-                finally:
-                    readback.unmap()
+                y = self._map_read(readback, n)
         return self._finite([y])[0]
+
+    def _map_read(self, readback, n: int) -> np.ndarray:
+        """The first ``n`` float32 elements of mappable buffer ``readback``, after the submissions so far."""
+        if n == 0:
+            return np.zeros(0, np.float32)
+        if readback.map_state != "unmapped":  # an error left it mapped
+            readback.unmap()
+        try:  # as wgpu-py's own read_buffer maps after its copy: plain READ adds an empty submission
+            readback.map_sync("READ_NOSYNC", 0, 4 * n)
+        except (KeyError, ValueError):  # a wgpu-py without that mode
+            readback.map_sync(self._wgpu.MapMode.READ, 0, 4 * n)
+        try:
+            return np.frombuffer(readback.read_mapped(0, 4 * n), np.float32).copy()
+        finally:
+            readback.unmap()
 
     def _run(self, kernel: str, params: bytes, inputs: list[np.ndarray], outputs: list[int],
              grid: tuple[int, int, int]) -> list[np.ndarray]:
@@ -601,26 +646,35 @@ class WgpuFfn:
         return self._ffn_blocks([(x, w)])[0]
 
     def _ffn_blocks(self, items: list[tuple[np.ndarray, GpuFfnWeights]]) -> list[np.ndarray]:
-        """Each SwiGLU block over its rows (each within one binding), all in one submission."""
-        wg = self._wgpu
+        """Each SwiGLU block over its rows (each within one binding), all in one submission and
+        one read-back. Block i's rows, intermediate and output live in slot i of kept buffers
+        (:class:`_FfnScratch`), grown as needed, and its bind groups are kept with them: a decode
+        step's experts cost the host a write and two dispatches each, not three buffers, two bind
+        groups and a read-back of their own."""
         with self._guarded():
             dev = self._device()
+            scratch = self._ffn_scratch
+            if scratch.device is not dev:
+                scratch = self._ffn_scratch = _FfnScratch(dev)
+            sizes = [(len(x) * K.pad4(w.hidden), len(x) * K.pad4(w.inter)) for x, w in items]
+            readback = scratch.readback_of(self, sum(n for n, _ in sizes))
             enc = self.encoder()
-            outs = []
-            for x, w in items:
-                t_rows = x.shape[0]
-                hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
-                xb = self._buffer(K.pad_matrix(x, t_rows, hp).tobytes(), wg.BufferUsage.STORAGE)
-                hb = dev.create_buffer(size=max(16, t_rows * fp * 4), usage=wg.BufferUsage.STORAGE)
-                yb = dev.create_buffer(size=max(16, t_rows * hp * 4), usage=wg.BufferUsage.STORAGE | wg.BufferUsage.COPY_SRC)
-                self.largest_binding = max(self.largest_binding, t_rows * fp * 4, t_rows * hp * 4)
-                self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb)
-                self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb)
-                outs.append(yb)
-            dev.queue.submit([enc.finish()])
-            ys = [np.frombuffer(dev.queue.read_buffer(yb), np.float32)[:len(x) * K.pad4(w.hidden)]
-                  .reshape(len(x), K.pad4(w.hidden))[:, :w.hidden].copy() for (x, w), yb in zip(items, outs)]
-        return self._finite(ys)
+            at = 0
+            for i, ((x, w), (n, nf)) in enumerate(zip(items, sizes)):
+                t_rows, hp, fp = len(x), K.pad4(w.hidden), K.pad4(w.inter)
+                xb, hb, yb = scratch.slot(self, i, n, nf)
+                self.largest_binding = max(self.largest_binding, 4 * nf, 4 * n)
+                dev.queue.write_buffer(xb, 0, K.pad_matrix(x, t_rows, hp).tobytes())
+                self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb, binds=scratch.binds)
+                self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb, binds=scratch.binds)
+                enc.copy(yb, 0, readback, 4 * at, 4 * n)
+                at += n
+            got = self.submit_read(enc, readback=readback, n=at, mapped=True)
+        ys, at = [], 0
+        for (x, w), (n, _) in zip(items, sizes):
+            ys.append(got[at:at + n].reshape(len(x), K.pad4(w.hidden))[:, :w.hidden].copy())
+            at += n
+        return ys
 
     def time_kernel(self, kernel: str, w: GpuFfnWeights, t_rows: int, reps: int) -> float:
         """Seconds per run of one kernel ("swiglu", "down" or "ffn" for both) over t_rows rows.

@@ -405,3 +405,47 @@ def test_a_decode_row_has_the_bits_it_has_in_a_batch(gpu, fmt):
     batch = gpu.ffn(x, w)
     for t in (0, 3):
         assert np.array_equal(gpu.ffn(x[t:t + 1], w)[0], batch[t])
+
+
+def test_blocks_of_a_request_share_one_submission_and_kept_buffers(new_gpu, monkeypatch):
+    """ffn_many runs a request's blocks (a decode step's experts) in one submission and one
+    read-back, through buffers and bind groups it keeps: the same blocks' next rows make no bind
+    group. Rows of other sizes grow its buffers, blocks change slots, a lost device drops them;
+    every answer stays bit for bit that of the block alone on another host."""
+    gpu, other = new_gpu(), new_gpu()
+    rng = np.random.default_rng(41)
+    blocks = [ffn_block(rng, 1, 64, 48)[1:] for _ in range(3)]
+    ws, alone = [gpu.upload(*b, "f32") for b in blocks], [other.upload(*b, "f32") for b in blocks]
+    counts = {"binds": 0, "submits": 0}
+    dev = gpu.device
+    make, submit = dev.create_bind_group, dev.queue.submit
+
+    def count(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+    monkeypatch.setattr(dev, "create_bind_group", count("binds", make))
+    monkeypatch.setattr(dev.queue, "submit", count("submits", submit))
+
+    def step(rows: list[int], order=(0, 1, 2)) -> dict:
+        counts.update(binds=0, submits=0)
+        xs = [rng.standard_normal((t, 64), dtype=np.float32) for t in rows]
+        got = gpu.ffn_many([(x, ws[i]) for x, i in zip(xs, order)])
+        made = dict(counts)
+        for x, y, i in zip(xs, got, order):
+            assert np.array_equal(y, other.ffn(x, alone[i]))
+        return made
+
+    assert step([1, 1, 1]) == {"binds": 6, "submits": 1}  # swiglu and down a block
+    assert step([1, 1, 1]) == {"binds": 0, "submits": 1}
+    assert step([5, 2, 1])["submits"] == 1  # slots grow
+    step([1, 1, 1])
+    assert step([1, 1, 1]) == {"binds": 0, "submits": 1}
+    step([2, 1, 3], order=(2, 0, 1))
+    dev.destroy()
+    with pytest.raises(KernelError):
+        gpu.ffn_many([(np.ones((1, 64), np.float32), w) for w in ws])
+    ws = [gpu.upload(*b, "f32") for b in blocks]  # a fresh device: fresh buffers
+    x = rng.standard_normal((1, 64), dtype=np.float32)
+    assert all(np.array_equal(y, other.ffn(x, a)) for y, a in zip(gpu.ffn_many([(x, w) for w in ws]), alone))
