@@ -173,23 +173,32 @@ export class FfnBlock {
    * any GPU error or a lost device; never resolves with NaN or infinity.
    */
   async run(x, tRows) {
+    this._check(x, tRows);
+    const hp = pad4(this.hidden);
+    const block = this.rowsPerBinding();
+    const y = new Float32Array(tRows * this.hidden);
+    for (let t0 = 0; t0 < tRows; t0 += block) {
+      const n = Math.min(block, tRows - t0);
+      const [yb] = await runEncoded(this.ctx, [{ block: this, x: x.subarray(t0 * this.hidden, (t0 + n) * this.hidden), tRows: n }]);
+      for (let t = 0; t < n; t++) y.set(yb.subarray(t * hp, t * hp + this.hidden), (t0 + t) * this.hidden);
+    }
+    return finite(y);
+  }
+
+  /** Activation rows one binding holds (the widest of a row of x, h and y). */
+  rowsPerBinding() {
+    return Math.max(1, Math.floor(this.ctx.maxBinding / (Math.max(pad4(this.hidden), pad4(this.inter)) * 4)));
+  }
+
+  _check(x, tRows) {
     if (!(x instanceof Float32Array) || x.length !== tRows * this.hidden) {
       throw new KernelError(`x must be a Float32Array of ${tRows}x${this.hidden}, got ${x?.constructor?.name} of ${x?.length}`);
     }
     for (const v of x) if (!Number.isFinite(v)) throw new KernelError("x holds NaN or infinity; refusing to compute");
-    const hp = pad4(this.hidden), fp = pad4(this.inter);
-    const block = Math.max(1, Math.floor(this.ctx.maxBinding / (Math.max(hp, fp) * 4)));
-    const y = new Float32Array(tRows * this.hidden);
-    for (let t0 = 0; t0 < tRows; t0 += block) {
-      const n = Math.min(block, tRows - t0);
-      const yb = await this.ctx.guarded("an FFN request", (dev) => this._block(dev, x.subarray(t0 * this.hidden, (t0 + n) * this.hidden), n));
-      for (let t = 0; t < n; t++) y.set(yb.subarray(t * hp, t * hp + this.hidden), (t0 + t) * this.hidden);
-    }
-    for (const v of y) if (!Number.isFinite(v)) throw new KernelError("the GPU returned NaN or infinity; refusing to pass it on");
-    return y;
   }
 
-  async _block(dev, x, tRows) {
+  /** Encode both kernels over rows x (within one binding) into `enc`; the buffers made, y's last. */
+  async _encode(enc, x, tRows) {
     const ctx = this.ctx;
     if (this.generation !== ctx.generation || !this.gpu) this._upload();
     const hp = pad4(this.hidden), fp = pad4(this.inter);
@@ -198,17 +207,9 @@ export class FfnBlock {
     const xb = ctx.buffer(xp);
     const hb = ctx.buffer(tRows * fp * 4);
     const yb = ctx.buffer(tRows * hp * 4, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC);
-    const rb = dev.createBuffer({ size: tRows * hp * 4, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
-    const enc = ctx.encoder();  // both kernels' dispatches in one compute pass
     await this.swiglu.encode(enc, this.fmt, { tRows, k4: hp / 4, nOut: fp, x: xb, gate: this.gpu.gate, up: this.gpu.up, h: hb });
     await this.down.encode(enc, this.downFmt, { tRows, k4: fp / 4, nOut: hp, h: hb, down: this.gpu.down, y: yb });
-    enc.copy(yb, 0, rb, 0, tRows * hp * 4);
-    dev.queue.submit([enc.finish()]);
-    await rb.mapAsync(GPUMapMode.READ);
-    const out = new Float32Array(rb.getMappedRange().slice(0));
-    rb.unmap();
-    for (const b of [xb, hb, yb, rb]) b.destroy();
-    return out;
+    return [xb, hb, yb];
   }
 
   /** Free the GPU copies (the packed host copies stay for a later upload). */
@@ -217,4 +218,59 @@ export class FfnBlock {
     for (const m of Object.values(this.gpu)) for (const b of [...m.buffers, ...m.scales]) b.destroy();
     this.gpu = null;
   }
+}
+
+function finite(y) {
+  for (const v of y) if (!Number.isFinite(v)) throw new KernelError("the GPU returned NaN or infinity; refusing to pass it on");
+  return y;
+}
+
+/**
+ * Items [{block, x, tRows}] (rows within one binding each) in one guarded submission — one
+ * compute pass, every output copied into one mappable buffer — and one read-back: each its
+ * Float32Array [tRows, pad4(hidden)]. One error scope and one map a request, not a block: each
+ * is a round trip to the GPU process.
+ */
+async function runEncoded(ctx, items) {
+  return ctx.guarded("an FFN request", async (dev) => {
+    const enc = ctx.encoder();
+    const made = [], outs = [];
+    let total = 0;
+    for (const { block, x, tRows } of items) {
+      const bufs = await block._encode(enc, x, tRows);
+      made.push(...bufs);
+      outs.push([bufs[2], total, tRows * pad4(block.hidden)]);
+      total += tRows * pad4(block.hidden);
+    }
+    const rb = dev.createBuffer({ size: Math.max(16, total * 4), usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+    for (const [yb, at, n] of outs) enc.copy(yb, 0, rb, at * 4, n * 4);
+    dev.queue.submit([enc.finish()]);
+    await rb.mapAsync(GPUMapMode.READ);
+    const all = new Float32Array(rb.getMappedRange().slice(0));
+    rb.unmap();
+    for (const b of [...made, rb]) b.destroy();
+    return outs.map(([, at, n]) => all.subarray(at, at + n));
+  });
+}
+
+/**
+ * Several blocks' y = down(swiglu(x)) — a request's experts, or its dense ranges — in one
+ * submission and one read-back where each item's rows fit one binding (else block by block):
+ * items [{block: FfnBlock, x: Float32Array [tRows, hidden], tRows}] → Promise<Float32Array[]>
+ * ([tRows, hidden] each). The same bits as FfnBlock.run of each. Rejects as FfnBlock.run.
+ */
+export async function runBlocks(ctx, items) {
+  for (const { block, x, tRows } of items) block._check(x, tRows);
+  if (items.some(({ block, tRows }) => tRows > block.rowsPerBinding())) {
+    const ys = [];
+    for (const { block, x, tRows } of items) ys.push(await block.run(x, tRows));
+    return ys;
+  }
+  const got = items.length ? await runEncoded(ctx, items) : [];
+  return got.map((yp, i) => {
+    const { block, tRows } = items[i], h = block.hidden, hp = pad4(h);
+    const y = new Float32Array(tRows * h);
+    for (let t = 0; t < tRows; t++) y.set(yp.subarray(t * hp, t * hp + h), t * h);
+    return finite(y);
+  });
 }

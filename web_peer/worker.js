@@ -16,7 +16,7 @@
 //   request id, term, plan version and layer. A request for weights we do not hold, a stale
 //   term, or any kernel failure → an Error message, so the coordinator recomputes those rows:
 //   never a wrong number.
-import { FfnBlock } from "./ffn.js";
+import { FfnBlock, runBlocks } from "./ffn.js";
 import { KernelError } from "./gpu.js";
 import { decodeSlice, dequantize, SliceError } from "./slices.js";
 import { fetchSliceHttps, getSlice, putSlice } from "./storage.js";
@@ -249,11 +249,12 @@ export class BrowserWorker {
     const [t, h] = m.x.shape;
     const x = this._rows(m.x);
     const partials = new Float32Array(m.ranges.length * t * h);
-    for (const [i, [a, b]] of m.ranges.entries()) {
+    const items = m.ranges.map(([a, b]) => {
       const block = this._block(`${m.layer}/dense/${a}/${b}`, `layer ${m.layer} dense range [${a}, ${b})`);
       if (block.hidden !== h) throw new KernelError(`rows have ${h} columns; layer ${m.layer} has ${block.hidden}`);
-      partials.set(await block.run(x, t), i * t * h);
-    }
+      return { block, x, tRows: t };
+    });
+    for (const [i, y] of (await runBlocks(this.gpu, items)).entries()) partials.set(y, i * t * h);
     return { kind: "DenseAnswer", request_id: m.request_id, term: m.term, plan_version: m.plan_version, layer: m.layer,
       ranges: m.ranges, partials: { dtype: "f32", shape: [m.ranges.length, t, h], data: partials } };
   }
@@ -262,15 +263,17 @@ export class BrowserWorker {
     const [rows, h] = m.rows.shape;
     const x = this._rows(m.rows);
     const out = new Float32Array(rows * h);
+    const items = [];
     let at = 0;
     for (const [i, e] of Array.from(m.expert_ids.data).entries()) {
       const n = m.row_counts.data[i];
       if (n === 0) continue;
       const block = this._block(`${m.layer}/expert/${e}`, `layer ${m.layer} expert ${e}`);
       if (block.hidden !== h) throw new KernelError(`rows have ${h} columns; layer ${m.layer} has ${block.hidden}`);
-      out.set(await block.run(x.subarray(at * h, (at + n) * h), n), at * h);
+      items.push({ block, x: x.subarray(at * h, (at + n) * h), tRows: n, at });
       at += n;
     }
+    for (const [i, y] of (await runBlocks(this.gpu, items)).entries()) out.set(y, items[i].at * h);
     return { kind: "ExpertAnswer", request_id: m.request_id, term: m.term, plan_version: m.plan_version, layer: m.layer,
       expert_ids: m.expert_ids, row_counts: m.row_counts, outputs: { dtype: "f32", shape: [rows, h], data: out } };
   }

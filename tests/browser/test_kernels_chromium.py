@@ -316,3 +316,44 @@ def test_an_ffn_request_encodes_its_dispatches_in_one_compute_pass(page):
     y = unb64(r["batch"], np.float32).reshape(3, 64)
     assert rel_error(y, K.swiglu_ffn_f64(x, wg, wu, wd)) <= 1e-5
     assert np.array_equal(unb64(r["one"][0], np.float32), y[1])
+
+
+RUN_BLOCKS = """async ({xs, ws, h, f, rows, maxBinding}) => {
+  const { GpuContext } = await import("/gpu.js");
+  const { FfnBlock, runBlocks } = await import("/ffn.js");
+  const f32 = (s) => new Float32Array(Uint8Array.from(atob(s), (c) => c.charCodeAt(0)).buffer);
+  const b64 = (a) => btoa(String.fromCharCode(...new Uint8Array(a.buffer, a.byteOffset, a.byteLength)));
+  const ctx = await GpuContext.create({ maxBinding });
+  const blocks = ws.map(([g, u, d]) => new FfnBlock(ctx, { hidden: h, inter: f, fmt: "f32", wGate: f32(g), wUp: f32(u), wDown: f32(d) }));
+  const items = xs.map((x, i) => ({ block: blocks[i], x: f32(x), tRows: rows[i] }));
+  for (const it of items) await it.block.run(it.x, it.tRows);  // uploads and pipelines first
+  const count = { passes: 0, maps: 0, scopes: 0, submits: 0 };
+  const wrap = (proto, name, fn) => { const m = proto[name]; proto[name] = function (...a) { fn(...a); return m.apply(this, a); }; };
+  wrap(GPUCommandEncoder.prototype, "beginComputePass", () => { count.passes++; });
+  wrap(GPUBuffer.prototype, "mapAsync", () => { count.maps++; });
+  wrap(GPUDevice.prototype, "pushErrorScope", () => { count.scopes++; });
+  wrap(GPUQueue.prototype, "submit", () => { count.submits++; });
+  const together = (await runBlocks(ctx, items)).map(b64);
+  const counted = { ...count };
+  const alone = [];
+  for (const it of items) alone.push(b64(await it.block.run(it.x, it.tRows)));
+  return { together, alone, counted };
+}"""
+
+
+@pytest.mark.parametrize("max_binding", [None, 512])
+def test_a_requests_blocks_run_in_one_submission_and_one_read_back_in_chromium(page, max_binding):
+    # A request's experts (or dense ranges) in one error scope, one submission and one map: each a
+    # round trip to the GPU process. Rows past one binding (512 bytes: 2 rows) go block by block. Either
+    # way each block's rows have the bits of that block run alone.
+    rng = np.random.default_rng(35)
+    h, f, rows = 64, 48, [1, 3, 2]
+    blocks = [ffn_block(rng, t, h, f) for t in rows]
+    r = page.evaluate(RUN_BLOCKS, dict(xs=[b64(b[0]) for b in blocks], ws=[[b64(w) for w in b[1:]] for b in blocks],
+                                       h=h, f=f, rows=rows, maxBinding=max_binding))
+    one = {"passes": 1, "maps": 1, "scopes": 3, "submits": 1}
+    assert (r["counted"] == one) == (max_binding is None), r["counted"]
+    for (x, wg, wu, wd), got, alone in zip(blocks, r["together"], r["alone"]):
+        y = unb64(got, np.float32).reshape(len(x), h)
+        assert rel_error(y, K.swiglu_ffn_f64(x, wg, wu, wd)) <= 1e-5
+        assert np.array_equal(y, unb64(alone, np.float32).reshape(len(x), h))
