@@ -371,7 +371,7 @@ class WgpuFfn:
                 for i, (w, _) in enumerate(products)]
 
     def _linear_block(self, products: list[tuple[GpuLinear, np.ndarray]]) -> list[np.ndarray]:
-        """:meth:`matmul_many` on rows that fit one binding, in one submission."""
+        """:meth:`matmul_many` on rows that fit one binding, in one submission and one read-back."""
         wg = self._wgpu
         with self._guarded():
             dev = self._device()
@@ -391,11 +391,22 @@ class WgpuFfn:
                 self.largest_binding = max(self.largest_binding, t_rows * w.rows * 4)
                 self._dispatch(enc, "down", w.fmt, t_rows, kp // 4, w.rows, inputs[key], [w.matrix], yb)
                 outs.append(yb)
-            dev.queue.submit([enc.finish()])
-            ys = [np.zeros((x.shape[0], w.rows), np.float32) if yb is None else
-                  np.frombuffer(dev.queue.read_buffer(yb), np.float32)[:x.shape[0] * w.rows].reshape(x.shape[0], w.rows)
-                  for (w, x), yb in zip(products, outs)]
-        return self._finite(ys)
+            scratch = self._ffn_scratch
+            if scratch.device is not dev:
+                scratch = self._ffn_scratch = _FfnScratch(dev)
+            sizes = [x.shape[0] * w.rows for w, x in products]
+            readback = scratch.readback_of(self, sum(sizes))
+            at = 0
+            for yb, n in zip(outs, sizes):  # every output into one read-back, in this submission
+                if yb is not None:
+                    enc.copy(yb, 0, readback, 4 * at, 4 * n)
+                at += n
+            got = self.submit_read(enc, readback=readback, n=at, mapped=True)
+        ys, at = [], 0
+        for (w, x), n in zip(products, sizes):
+            ys.append(got[at:at + n].reshape(x.shape[0], w.rows).copy())
+            at += n
+        return ys
 
     # ---- a layer's other kernels ----------------------------------------------------------------
 
