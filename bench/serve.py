@@ -494,10 +494,20 @@ def _pipeline_main(args) -> dict:
             theirs += (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
         return sum(os.times()[:2]), theirs
 
+    def spin_counts():  # this process's spinning workers: groups run, groups declined to a second caller
+        from swarm.compute import spin
+
+        p = spin._pool
+        return (p.groups, p.declined) if p is not None else (0, 0)
+
     def record(name, toks, tps, gaps, solo, cpu0, n_tok=None, **extra):
         cpu1, n_tok = cpu_s(), n_tok or sum(map(len, toks))
+        (g0, d0), (g1, d1) = spin0[0], spin_counts()
+        spin0[0] = (g1, d1)
         extra = {"coordinator_cpu_ms_per_token": round(1000 * (cpu1[0] - cpu0[0]) / n_tok, 3),
                  "workers_cpu_ms_per_token": round(1000 * (cpu1[1] - cpu0[1]) / n_tok, 3), **extra}
+        if g1 + d1 > g0 + d0:  # spinning workers ran: how often a second caller found them taken
+            extra["coordinator_spin_groups"], extra["coordinator_spin_declined"] = g1 - g0, d1 - d0
         runs.setdefault(name, []).append({
             "aggregate_tok_s": round(tps, 2), "p50_token_ms": round(1000 * _pct(gaps, 0.5), 2) if gaps else None,
             "p95_token_ms": round(1000 * _pct(gaps, 0.95), 2) if gaps else None,
@@ -505,6 +515,7 @@ def _pipeline_main(args) -> dict:
         swarm_bench._progress(f"{name}: {tps:.1f} tok/s")
 
     local, workers = LocalFFN(model), {}
+    spin0 = [(0, 0)]  # spin_counts() at the last record
     swarm_bench._progress("solo runs")
     solo = [_serve_streams(model, local, [p], args.tokens)[0][0] for p in prompt_ids]
     api_solo = [asyncio.run(_api_streams(model, tok, None, [t], args.tokens))[0][0] for t in texts]
@@ -526,6 +537,7 @@ def _pipeline_main(args) -> dict:
         for r in range(args.rounds):
             for n in [1, *levels]:
                 ids, tx = prompt_ids[:n], texts[:n]
+                spin0[0] = spin_counts()
                 cpu0 = cpu_s()
                 toks, tps, gaps = _serve_streams(model, local, ids, args.tokens)
                 record(f"one_peer_{n}", toks, tps, gaps, solo, cpu0)

@@ -169,12 +169,17 @@ class Uniform:
 
 class _FfnScratch:
     """:meth:`WgpuFfn._ffn_blocks`' kept buffers on ``device``: per slot (a block's place in a
-    request) its rows, intermediate and output (float32 storage, grown to the largest asked),
-    one mappable read-back buffer for all slots' outputs, and the bind groups made over them
-    (``binds``: :meth:`WgpuFfn._bind`'s cache, less the entries over a slot's buffers when they
-    grow; emptied when it passes :data:`MAX_BINDS`: a MoE peer binds each expert in each slot)."""
+    request) its rows, intermediate and output (float32 storage, grown to the largest asked up to
+    :data:`KEPT_SLOT_BYTES`), one mappable read-back buffer for all slots' outputs (up to
+    :data:`KEPT_READBACK_BYTES`), and the bind groups made over them (``binds``:
+    :meth:`WgpuFfn._bind`'s cache, less the entries over a slot's buffers when they grow;
+    emptied when it passes :data:`MAX_BINDS`: a MoE peer binds each expert in each slot).
+    Larger asks (a prompt's rows) get buffers of their own, freed after the request: the kept
+    ones stay the size of decode steps, GPU memory the plan need not count."""
 
     MAX_BINDS = 4096
+    KEPT_SLOT_BYTES = 1 << 20
+    KEPT_READBACK_BYTES = 4 << 20
 
     def __init__(self, device) -> None:
         self.device = device
@@ -182,8 +187,11 @@ class _FfnScratch:
         self.binds: dict = {}
         self.readback, self.readback_n = None, 0
 
-    def slot(self, host: WgpuFfn, i: int, n: int, nf: int) -> tuple:
-        """Slot ``i``'s (rows, intermediate, output) buffers, holding ≥ ``n``, ``nf``, ``n`` elements."""
+    def slot(self, host: WgpuFfn, i: int, n: int, nf: int) -> tuple[tuple, dict | None]:
+        """Slot ``i``'s (rows, intermediate, output) buffers, holding ≥ ``n``, ``nf``, ``n``
+        elements, and the bind-group cache to use with them (None: buffers for this request alone)."""
+        if 4 * (2 * n + nf) > self.KEPT_SLOT_BYTES:
+            return (host.storage(n), host.storage(nf), host.storage(n)), None
         while len(self.slots) <= i:
             self.slots.append((0, 0, ()))
         cap, cap_f, bufs = self.slots[i]
@@ -195,10 +203,12 @@ class _FfnScratch:
             self.slots[i] = (cap, cap_f, bufs)
         if len(self.binds) > self.MAX_BINDS:
             self.binds.clear()
-        return bufs
+        return bufs, self.binds
 
     def readback_of(self, host: WgpuFfn, n: int):
-        """The read-back buffer, holding ≥ ``n`` float32 elements."""
+        """A read-back buffer holding ≥ ``n`` float32 elements: the kept one, or one for this request."""
+        if 4 * n > self.KEPT_READBACK_BYTES:
+            return host.readback(n)
         if n > self.readback_n:
             self.readback, self.readback_n = host.readback(n), n
         return self.readback
@@ -673,11 +683,11 @@ class WgpuFfn:
             at = 0
             for i, ((x, w), (n, nf)) in enumerate(zip(items, sizes)):
                 t_rows, hp, fp = len(x), K.pad4(w.hidden), K.pad4(w.inter)
-                xb, hb, yb = scratch.slot(self, i, n, nf)
+                (xb, hb, yb), binds = scratch.slot(self, i, n, nf)
                 self.largest_binding = max(self.largest_binding, 4 * nf, 4 * n)
                 dev.queue.write_buffer(xb, 0, K.pad_matrix(x, t_rows, hp).tobytes())
-                self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb, binds=scratch.binds)
-                self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb, binds=scratch.binds)
+                self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb, binds=binds)
+                self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb, binds=binds)
                 enc.copy(yb, 0, readback, 4 * at, 4 * n)
                 at += n
             got = self.submit_read(enc, readback=readback, n=at, mapped=True)

@@ -235,6 +235,7 @@ class SpinPool:
         self._sleepers = 0
         self._wakes = 0  # wake-ups called so far (under _cond)
         self._next = 0  # group numbers, the caller's (under _busy)
+        self.groups = self.declined = 0  # groups run; groups declined (another caller held the workers)
         self.workers = [threading.Thread(target=self._serve, name=f"compute-spin-{i + 1}", daemon=True)
                         for i in range(size)]
         for t in self.workers:
@@ -259,9 +260,11 @@ class SpinPool:
         caller computed itself, or None, doing nothing, when another caller holds the workers
         (the caller then uses the Python pool)."""
         if not self._busy.acquire(blocking=False):
+            self.declined += 1  # racy count: statistics only
             return None
         try:
             self._next += 1
+            self.groups += 1
             if self._sleepers:  # they join this group if they wake in time, else the next
                 with self._cond:
                     self._wakes += 1

@@ -410,8 +410,9 @@ def test_a_decode_row_has_the_bits_it_has_in_a_batch(gpu, fmt):
 def test_blocks_of_a_request_share_one_submission_and_kept_buffers(new_gpu, monkeypatch):
     """ffn_many runs a request's blocks (a decode step's experts) in one submission and one
     read-back, through buffers and bind groups it keeps: the same blocks' next rows make no bind
-    group. Rows of other sizes grow its buffers, blocks change slots, a lost device drops them;
-    every answer stays bit for bit that of the block alone on another host."""
+    group. Rows of other sizes grow its buffers, up to a decode step's (a prompt's rows get
+    buffers of their own), blocks change slots, a lost device drops them; every answer stays bit
+    for bit that of the block alone on another host."""
     gpu, other = new_gpu(), new_gpu()
     rng = np.random.default_rng(41)
     blocks = [ffn_block(rng, 1, 64, 48)[1:] for _ in range(3)]
@@ -437,9 +438,17 @@ def test_blocks_of_a_request_share_one_submission_and_kept_buffers(new_gpu, monk
             assert np.array_equal(y, other.ffn(x, alone[i]))
         return made
 
+    from web_peer.wgpu_host import _FfnScratch
+
+    # kept: a slot of up to 2 rows (x, h, y: 2 · 64 + 48 floats a row), a read-back of up to 4 rows
+    monkeypatch.setattr(_FfnScratch, "KEPT_SLOT_BYTES", 2 * 4 * (2 * 64 + 48))
+    monkeypatch.setattr(_FfnScratch, "KEPT_READBACK_BYTES", 4 * 4 * 64)
     assert step([1, 1, 1]) == {"binds": 6, "submits": 1}  # swiglu and down a block
     assert step([1, 1, 1]) == {"binds": 0, "submits": 1}
-    assert step([5, 2, 1])["submits"] == 1  # slots grow
+    assert step([2, 1, 1])["submits"] == 1  # slot 0 grows
+    assert step([5, 2, 1])["submits"] == 1  # 5 rows: buffers of the request's own; 8 rows read back: too
+    assert [cap for cap, _, _ in gpu._ffn_scratch.slots] == [2 * 64, 2 * 64, 64]  # noqa: SLF001
+    assert gpu._ffn_scratch.readback_n == 4 * 64  # noqa: SLF001
     step([1, 1, 1])
     assert step([1, 1, 1]) == {"binds": 0, "submits": 1}
     step([2, 1, 3], order=(2, 0, 1))
