@@ -160,6 +160,8 @@ class Uniform:
         submission, so every dispatch of one command buffer reads the last one: KernelError if
         ``enc`` already bound other parameters."""
         if params != self.params:
+            if len(params) > self.buffer.size:
+                raise KernelError(f"{len(params)} bytes of parameters for a uniform buffer of {self.buffer.size}")
             if enc is not None and enc is self._encoder:
                 raise KernelError("a uniform buffer's parameters changed within one submission")
             queue.write_buffer(self.buffer, 0, params + b"\0" * (-len(params) % 4))

@@ -132,7 +132,7 @@ def test_a_uniform_carries_a_new_position_each_submission_and_refuses_two_in_one
     """kv_write through one kept bind group and a Uniform: each submission writes at the position
     its parameters name (the twin's result, bit for bit), the bind group is made once, and
     parameters that would change within one encoder — whose dispatches would all read the last
-    write — raise KernelError."""
+    write — or pass the buffer raise KernelError."""
     rng = np.random.default_rng(10)
     nkv, hd, cap, stride, offset = 2, 8, 6, 24, 8
     cache = np.zeros((nkv, cap, hd), np.float32)
@@ -154,3 +154,5 @@ def test_a_uniform_carries_a_new_position_each_submission_and_refuses_two_in_one
     gpu.encode_elementwise(enc, "kv_write", nkv * hd, (hd, nkv, cap, 2, stride, offset), [sb, cb], binds, uniform)
     with pytest.raises(KernelError, match="within one submission"):
         gpu.encode_elementwise(enc, "kv_write", nkv * hd, (hd, nkv, cap, 3, stride, offset), [sb, cb], binds, uniform)
+    with pytest.raises(KernelError, match="40 bytes of parameters for a uniform buffer of 32"):
+        gpu.encode(gpu.encoder(), "kv_write", bytes(40), [sb, cb], (1, 1, 1), binds, uniform)
