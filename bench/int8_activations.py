@@ -159,6 +159,11 @@ def main() -> None:
     ap.add_argument("--ts", default="1,4", help="activation rows, comma-separated")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    if not (features.get("avx512vnni", False) and features.get("avx512bw", False)):
+        raise SystemExit("bench/int8_activations.py: this CPU lacks AVX-512 VNNI (vpdpbusd), which the candidate uses")
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import dequantize
 
