@@ -51,54 +51,67 @@ _F32x8 = ir.VectorType(ir.FloatType(), 8)
 
 
 @intrinsic
-def _sb_dots(typingctx, w, o, xq, xo, sc, dx, bsf, b, acc, mins):
-    """For one Q4_K super-block (its 128 nibble bytes at ``w[o:]``; ``sc``: float32 [16], its
-    ``d·sc_j`` then ``-(dmin·m_j)`` as the engine's scale decoding gives them) and every row t of
-    ``xq`` (int8 [T, K], each super-block's 256 values laid out lo0|hi0|lo1|hi1, from ``xo``):
-    per 64 weights ``vpdpbusd`` of the nibbles (unsigned) by the activations (signed), exact
-    int32 lanes of 4 products, converted and multiplied by the lanes' sub-block scale into a
-    super-block sum s (float32 [16] lanes, a fixed order), then ``acc[t] = fma(dx[t, b], s,
-    acc[t])`` and ``mins[t] = fma(-(dmin·m), bsf[t, 8b:8b+8], mins[t])`` (float32 lanes; bsf: the
-    sub-block sums of the quantized row times its scale)."""
-    sig = types.none(w, o, xq, xo, sc, dx, bsf, b, acc, mins)
+def _sb_dots(typingctx, W, r0, nr, o, xq, xo, sc, dx, bsf, b, acc, mins):
+    """For one Q4_K super-block (byte ``o`` of rows ``r0 .. r0 + nr - 1`` of ``W``, ``nr`` a
+    constant; ``sc``: float32 [nr, 16], per row its ``d·sc_j`` then ``-(dmin·m_j)`` as the
+    engine's scale decoding gives them) and every row t of ``xq`` (int8 [T, K], each
+    super-block's 256 values laid out lo0|hi0|lo1|hi1, from ``xo``): per 64 weights ``vpdpbusd``
+    of the nibbles (unsigned) by the activations (signed), exact int32 lanes of 4 products,
+    converted and multiplied by the lanes' sub-block scale into a super-block sum s (float32
+    [16] lanes, a fixed order), then ``acc[t, n] = fma(dx[t, b], s, acc[t, n])`` and
+    ``mins[t, n] = fma(-(dmin·m), bsf[t, 8b:8b+8], mins[t, n])`` (float32 lanes; bsf: the
+    sub-block sums of the quantized row times its scale). The activations are loaded once for
+    the ``nr`` weight rows."""
+    if not isinstance(nr, types.IntegerLiteral):
+        return None
+    NR = nr.literal_value
+    sig = types.none(W, r0, nr, o, xq, xo, sc, dx, bsf, b, acc, mins)
 
     def codegen(context, builder, sig, args):
         def arr(i):
             return context.make_array(sig.args[i])(context, builder, args[i])
-        wa, xa, sa, da, ba, aa, ma = (arr(i) for i in (0, 2, 4, 5, 6, 8, 9))
+        wa, xa, sa, da, ba, aa, ma = (arr(i) for i in (0, 4, 6, 7, 8, 10, 11))
         i64 = ir.IntType(64)
+        c = lambda v: ir.Constant(i64, v)  # noqa: E731
+        rb = cgutils.unpack_tuple(builder, wa.strides, 2)[0]  # bytes a weight row
         T, K = cgutils.unpack_tuple(builder, xa.shape, 2)
         nsb = cgutils.unpack_tuple(builder, da.shape, 2)[1]
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32x16, [_I32x16] * 3),
                                              "llvm.x86.avx512.vpdpbusd.512")
         fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x16, [_F32x16] * 3), "llvm.fma.v16f32")
         fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x8, [_F32x8] * 3), "llvm.fma.v8f32")
-        q0 = builder.load(_ptr(builder, wa.data, args[1], _I8x64), align=1)
-        q1 = builder.load(_ptr(builder, wa.data, builder.add(args[1], ir.Constant(i64, 64)), _I8x64), align=1)
         low, four = ir.Constant(_I8x64, [15] * 64), ir.Constant(_I8x64, [4] * 64)
-        parts = [builder.and_(q0, low), builder.lshr(q0, four), builder.and_(q1, low), builder.lshr(q1, four)]
-        s8 = builder.load(_ptr(builder, sa.data, ir.Constant(i64, 0), _F32x8), align=4)
-        mn8 = builder.load(_ptr(builder, sa.data, ir.Constant(i64, 8), _F32x8), align=4)
         masks = [[0] * 8 + [2] * 8, [1] * 8 + [3] * 8, [4] * 8 + [6] * 8, [5] * 8 + [7] * 8]
-        scales = [builder.shuffle_vector(s8, s8, ir.Constant(_I32x16, m)) for m in masks]
+        parts, scales, mns = [], [], []
+        for n in range(NR):
+            base = builder.add(builder.mul(builder.add(args[1], c(n)), rb), args[3])
+            q0 = builder.load(_ptr(builder, wa.data, base, _I8x64), align=1)
+            q1 = builder.load(_ptr(builder, wa.data, builder.add(base, c(64)), _I8x64), align=1)
+            parts.append([builder.and_(q0, low), builder.lshr(q0, four), builder.and_(q1, low), builder.lshr(q1, four)])
+            s8 = builder.load(_ptr(builder, sa.data, c(16 * n), _F32x8), align=4)
+            mns.append(builder.load(_ptr(builder, sa.data, c(16 * n + 8), _F32x8), align=4))
+            scales.append([builder.shuffle_vector(s8, s8, ir.Constant(_I32x16, m)) for m in masks])
         zero_i, zero_f = ir.Constant(_I32x16, [0] * 16), ir.Constant(_F32x16, [0.0] * 16)
         with cgutils.for_range(builder, T) as loop:
             t = loop.index
-            row = builder.add(builder.mul(t, K), args[3])
-            s = zero_f
-            for k, (q, sv) in enumerate(zip(parts, scales)):
-                x = builder.load(_ptr(builder, xa.data, builder.add(row, ir.Constant(i64, 64 * k)), _I8x64), align=1)
-                d = builder.call(dot, [zero_i, builder.bitcast(q, _I32x16), builder.bitcast(x, _I32x16)])
-                s = builder.call(fma16, [sv, builder.sitofp(d, _F32x16), s])
-            dxv = builder.load(builder.gep(da.data, [builder.add(builder.mul(t, nsb), args[7])]))
+            row = builder.add(builder.mul(t, K), args[5])
+            xs = [builder.bitcast(builder.load(_ptr(builder, xa.data, builder.add(row, c(64 * k)), _I8x64), align=1), _I32x16)
+                  for k in range(4)]
+            dxv = builder.load(builder.gep(da.data, [builder.add(builder.mul(t, nsb), args[9])]))
             e = builder.insert_element(ir.Constant(_F32x16, ir.Undefined), dxv, ir.Constant(ir.IntType(32), 0))
             dxs = builder.shuffle_vector(e, e, ir.Constant(_I32x16, [0] * 16))
-            pa = _ptr(builder, aa.data, builder.mul(t, ir.Constant(i64, 16)), _F32x16)
-            builder.store(builder.call(fma16, [dxs, s, builder.load(pa, align=4)]), pa, align=4)
-            bo = builder.add(builder.mul(t, builder.mul(nsb, ir.Constant(i64, 8))), builder.mul(args[7], ir.Constant(i64, 8)))
+            bo = builder.add(builder.mul(t, builder.mul(nsb, c(8))), builder.mul(args[9], c(8)))
             bv = builder.load(_ptr(builder, ba.data, bo, _F32x8), align=4)
-            pm = _ptr(builder, ma.data, builder.mul(t, ir.Constant(i64, 8)), _F32x8)
-            builder.store(builder.call(fma8, [mn8, bv, builder.load(pm, align=4)]), pm, align=4)
+            for n in range(NR):
+                s = zero_f
+                for k in range(4):
+                    d = builder.call(dot, [zero_i, builder.bitcast(parts[n][k], _I32x16), xs[k]])
+                    s = builder.call(fma16, [scales[n][k], builder.sitofp(d, _F32x16), s])
+                at = builder.add(builder.mul(t, c(NR)), c(n))
+                pa = _ptr(builder, aa.data, builder.mul(at, c(16)), _F32x16)
+                builder.store(builder.call(fma16, [dxs, s, builder.load(pa, align=4)]), pa, align=4)
+                pm = _ptr(builder, ma.data, builder.mul(at, c(8)), _F32x8)
+                builder.store(builder.call(fma8, [mns[n], bv, builder.load(pm, align=4)]), pm, align=4)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -113,26 +126,28 @@ def _kernel():
 
     @njit(nogil=True)
     def q4k_x8(W, xq, dx, bsf, y):  # pragma: no cover - compiled
-        """y [T, R] float32 = W (Q4_K rows, uint8 [R, nsb·144]) times the quantized rows."""
+        """y [T, R] float32 = W (Q4_K rows, uint8 [R, nsb·144], R a multiple of 4) times the
+        quantized rows, 4 weight rows a pass."""
         T = xq.shape[0]
         nsb = W.shape[1] // 144
-        sc = np.empty(16, np.float32)
-        acc = np.empty((T, 16), np.float32)
-        mins = np.empty((T, 8), np.float32)
-        for r in range(W.shape[0]):
-            w = W[r]
+        sc = np.empty((4, 16), np.float32)
+        acc = np.empty((T, 4, 16), np.float32)
+        mins = np.empty((T, 4, 8), np.float32)
+        for r0 in range(0, W.shape[0], 4):
             acc[:] = 0.0
             mins[:] = 0.0
             for b in range(nsb):
-                scales(sc, 0, w, b * 144, _F16)
-                _sb_dots(w, b * 144 + 16, xq, b * 256, sc, dx, bsf, b, acc, mins)
+                for n in range(4):
+                    scales(sc[n], 0, W[r0 + n], b * 144, _F16)
+                _sb_dots(W, r0, 4, b * 144 + 16, xq, b * 256, sc, dx, bsf, b, acc, mins)
             for t in range(T):
-                total = np.float32(0.0)
-                for j in range(16):
-                    total += acc[t, j]
-                for j in range(8):
-                    total += mins[t, j]
-                y[t, r] = total
+                for n in range(4):
+                    total = np.float32(0.0)
+                    for j in range(16):
+                        total += acc[t, n, j]
+                    for j in range(8):
+                        total += mins[t, n, j]
+                    y[t, r0 + n] = total
     return q4k_x8
 
 
