@@ -499,7 +499,7 @@ def _k_block(form: str):
                     acc[n][t][h] = builder.call(fma, [wv, xs[t], acc[n][t][h]])
 
             if form == "q6":
-                _q6_block(builder, nr, tt, scale, ints, load_x, load_bytes, apply)
+                _q6_block(builder, nr, tt, scale, ints, load_x, lambda n, c, ty: _load(builder, pw[n], _I64(c), ty, 1), apply)
             else:
                 _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply)
             for n in range(nr):
@@ -540,21 +540,34 @@ def _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, appl
                     apply(n, h, wv, xs)
 
 
-def _q6_block(builder, nr, tt, scale, ints, load_x, load_bytes, apply):
+_BYTES64 = ir.VectorType(ir.IntType(8), 64)
+
+
+def _q6_block(builder, nr, tt, scale, ints, load_x, load_raw, apply):
     """Q6_K codegen for :func:`_k_block`: per 128-weight half h, lane j = 16p + l takes the
-    positions j, j + 32, j + 64, j + 96 in that order."""
+    positions j, j + 32, j + 64, j + 96 in that order. The 6-bit values minus 32 are first made
+    for the whole super-block in byte lanes (both halves at once: 64 bytes a vector), each
+    position's ``q - 32`` the int8 it is, then widened 16 at a time: the same 32-bit integers,
+    so the same products, with a quarter of the integer work of widening first."""
+    def b8(v):
+        return ir.Constant(_BYTES64, [v] * 64)
+    half = [list(range(32)) + list(range(64, 96)), list(range(32, 64)) + list(range(96, 128))]
+    values = []  # per weight row: q - 32 of positions 32k + j (bytes 32h + j: half h), k = 0..3
+    for n in range(nr):
+        lo, hi, qh = (load_raw(n, c, _BYTES64) for c in (0, 64, 128))
+        u, v = (builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), m)) for m in half)
+        high = (builder.and_(builder.shl(qh, b8(4)), b8(48)), builder.and_(builder.shl(qh, b8(2)), b8(48)),
+                builder.and_(qh, b8(48)), builder.and_(builder.lshr(qh, b8(2)), b8(48)))
+        nibs = (builder.and_(u, b8(15)), builder.and_(v, b8(15)), builder.lshr(u, b8(4)), builder.lshr(v, b8(4)))
+        values.append([builder.sub(builder.or_(a, b), b8(32)) for a, b in zip(nibs, high)])
     for h in range(2):
         for p in range(2):
-            # per row: ql bytes of positions j and j + 64, of j + 32 and j + 96, then their 2-bit highs
-            u, v, g = zip(*[[load_bytes(n, c) for c in (64 * h + 16 * p, 64 * h + 32 + 16 * p, 128 + 32 * h + 16 * p)]
-                            for n in range(nr)])
+            picks = ir.Constant(ir.VectorType(_I32, 16), list(range(32 * h + 16 * p, 32 * h + 16 * p + 16)))
             for k in range(4):
                 xs = [load_x(t, 128 * h + 16 * p + 32 * k) for t in range(tt)]
                 for n in range(nr):
-                    nib = (u, v)[k % 2][n]
-                    nib = builder.lshr(nib, ints(4)) if k >= 2 else builder.and_(nib, ints(15))
-                    q = builder.or_(nib, builder.shl(builder.and_(builder.lshr(g[n], ints(2 * k)), ints(3)), ints(4)))
-                    wv = builder.fmul(scale(n, 8 * h + p + 2 * k), builder.sitofp(builder.sub(q, ints(32)), _V16))
+                    q = builder.sext(builder.shuffle_vector(values[n][k], values[n][k], picks), _I16)
+                    wv = builder.fmul(scale(n, 8 * h + p + 2 * k), builder.sitofp(q, _V16))
                     apply(n, p, wv, xs)
 
 
