@@ -197,7 +197,7 @@ class _FfnScratch:
         while len(self.slots) <= i:
             self.slots.append((0, 0, ()))
         cap, cap_f, bufs = self.slots[i]
-        if n > cap or nf > cap_f:
+        if not bufs or n > cap or nf > cap_f:
             replaced = set(map(id, bufs))  # the entries over them go (they hold them)
             self.binds = {k: v for k, v in self.binds.items() if not replaced & set(map(id, v[2]))}
             cap, cap_f = max(n, cap), max(nf, cap_f)
@@ -685,6 +685,8 @@ class WgpuFfn:
             at = 0
             for i, ((x, w), (n, nf)) in enumerate(zip(items, sizes)):
                 t_rows, hp, fp = len(x), K.pad4(w.hidden), K.pad4(w.inter)
+                if t_rows == 0:  # an expert no row was routed to: nothing to compute
+                    continue
                 (xb, hb, yb), binds = scratch.slot(self, i, n, nf)
                 self.largest_binding = max(self.largest_binding, 4 * nf, 4 * n)
                 dev.queue.write_buffer(xb, 0, K.pad_matrix(x, t_rows, hp).tobytes())

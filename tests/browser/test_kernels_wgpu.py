@@ -411,8 +411,8 @@ def test_blocks_of_a_request_share_one_submission_and_kept_buffers(new_gpu, monk
     """ffn_many runs a request's blocks (a decode step's experts) in one submission and one
     read-back, through buffers and bind groups it keeps: the same blocks' next rows make no bind
     group. Rows of other sizes grow its buffers, up to a decode step's (a prompt's rows get
-    buffers of their own), blocks change slots, a lost device drops them; every answer stays bit
-    for bit that of the block alone on another host."""
+    buffers of their own), blocks change slots, blocks with no rows compute nothing, a lost device
+    drops them; every answer stays bit for bit that of the block alone on another host."""
     gpu, other = new_gpu(), new_gpu()
     rng = np.random.default_rng(41)
     blocks = [ffn_block(rng, 1, 64, 48)[1:] for _ in range(3)]
@@ -452,6 +452,7 @@ def test_blocks_of_a_request_share_one_submission_and_kept_buffers(new_gpu, monk
     step([1, 1, 1])
     assert step([1, 1, 1]) == {"binds": 0, "submits": 1}
     step([2, 1, 3], order=(2, 0, 1))
+    assert step([0, 1, 0])["submits"] == 1  # experts no row was routed to
     dev.destroy()
     with pytest.raises(KernelError):
         gpu.ffn_many([(np.ones((1, 64), np.float32), w) for w in ws])
