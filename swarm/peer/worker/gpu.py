@@ -389,7 +389,7 @@ class GpuStage:
             buf, binds = scratch.buffers, scratch.binds
             if len(binds) > 64 * (hi - lo):  # a step's dozen a layer repeat; more means something else changed
                 binds.clear()
-            if scratch.scores_cap < nh * cap:  # only attention (never cached) reads it: grown alone
+            if scratch.scores_cap < nh * cap:  # only attention reads it (bound with each sequence's KV): grown alone
                 scratch.scores, scratch.scores_cap = host.storage(nh * cap), nh * cap
             scores = scratch.scores
             uniforms = scratch.uniforms
