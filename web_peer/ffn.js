@@ -233,23 +233,27 @@ function finite(y) {
  */
 async function runEncoded(ctx, items) {
   return ctx.guarded("an FFN request", async (dev) => {
-    const enc = ctx.encoder();
     const made = [], outs = [];
-    let total = 0;
-    for (const { block, x, tRows } of items) {
-      const bufs = await block._encode(enc, x, tRows);
-      made.push(...bufs);
-      outs.push([bufs[2], total, tRows * pad4(block.hidden)]);
-      total += tRows * pad4(block.hidden);
+    try {  // every buffer made here is destroyed, whatever fails
+      const enc = ctx.encoder();
+      let total = 0;
+      for (const { block, x, tRows } of items) {
+        const bufs = await block._encode(enc, x, tRows);
+        made.push(...bufs);
+        outs.push([bufs[2], total, tRows * pad4(block.hidden)]);
+        total += tRows * pad4(block.hidden);
+      }
+      const rb = dev.createBuffer({ size: Math.max(16, total * 4), usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+      made.push(rb);
+      for (const [yb, at, n] of outs) enc.copy(yb, 0, rb, at * 4, n * 4);
+      dev.queue.submit([enc.finish()]);
+      await rb.mapAsync(GPUMapMode.READ);
+      const all = new Float32Array(rb.getMappedRange().slice(0));
+      rb.unmap();
+      return outs.map(([, at, n]) => all.subarray(at, at + n));
+    } finally {
+      for (const b of made) b.destroy();
     }
-    const rb = dev.createBuffer({ size: Math.max(16, total * 4), usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
-    for (const [yb, at, n] of outs) enc.copy(yb, 0, rb, at * 4, n * 4);
-    dev.queue.submit([enc.finish()]);
-    await rb.mapAsync(GPUMapMode.READ);
-    const all = new Float32Array(rb.getMappedRange().slice(0));
-    rb.unmap();
-    for (const b of [...made, rb]) b.destroy();
-    return outs.map(([, at, n]) => all.subarray(at, at + n));
   });
 }
 

@@ -79,6 +79,9 @@ class GpuFfnWeights:
     down: GpuMatrix
     device: object = None  # the device holding the buffers; a fresh device needs a new upload
     down_fmt: str = ""
+    # decode requests' bind groups over these weights and WgpuFfn's kept slot buffers: they go
+    # with the weights (a replan drops the weights, and with them every bind group holding them)
+    binds: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.down_fmt = self.down_fmt or self.fmt
@@ -171,47 +174,48 @@ class Uniform:
 
 class _FfnScratch:
     """:meth:`WgpuFfn._ffn_blocks`' kept buffers on ``device``: per slot (a block's place in a
-    request) its rows, intermediate and output (float32 storage, grown to the largest asked up to
-    :data:`KEPT_SLOT_BYTES`), one mappable read-back buffer for all slots' outputs (up to
-    :data:`KEPT_READBACK_BYTES`), and the bind groups made over them (``binds``:
-    :meth:`WgpuFfn._bind`'s cache, less the entries over a slot's buffers when they grow;
-    emptied when it passes :data:`MAX_BINDS`: a MoE peer binds each expert in each slot).
-    Larger asks (a prompt's rows) get buffers of their own, freed after the request: the kept
-    ones stay the size of decode steps, GPU memory the plan need not count."""
+    request) its rows, intermediate and output (float32 storage, grown to the largest asked),
+    while a slot stays within :data:`KEPT_SLOT_BYTES` and all within :data:`KEPT_BYTES`, and one
+    mappable read-back buffer for all slots' outputs (up to :data:`KEPT_READBACK_BYTES`). Other
+    asks (a prompt's rows, more blocks than a decode step has) get buffers of their own, freed
+    after the request: what stays is a decode step's size. The bind groups over a kept slot and
+    a block's weights are kept with the weights (``GpuFfnWeights.binds``), so they go with them."""
 
-    MAX_BINDS = 4096
     KEPT_SLOT_BYTES = 1 << 20
+    KEPT_BYTES = 16 << 20
     KEPT_READBACK_BYTES = 4 << 20
+    MAX_WEIGHT_BINDS = 64  # bind groups kept per block (its slots, parts and kernels), then made anew
 
     def __init__(self, device) -> None:
         self.device = device
         self.slots: list[tuple[int, int, tuple]] = []  # (elements of a row buffer, of an intermediate, buffers)
-        self.binds: dict = {}
+        self.kept = 0  # bytes of the slots' buffers
         self.readback, self.readback_n = None, 0
 
-    def slot(self, host: WgpuFfn, i: int, n: int, nf: int) -> tuple[tuple, dict | None]:
+    def slot(self, host: WgpuFfn, i: int, n: int, nf: int, w: GpuFfnWeights) -> tuple[tuple, dict | None]:
         """Slot ``i``'s (rows, intermediate, output) buffers, holding ≥ ``n``, ``nf``, ``n``
-        elements, and the bind-group cache to use with them (None: buffers for this request alone)."""
-        if 4 * (2 * n + nf) > self.KEPT_SLOT_BYTES:
-            return (host.storage(n), host.storage(nf), host.storage(n)), None
+        elements, and the bind-group cache to use with them and block ``w`` (None: buffers for
+        this request alone)."""
         while len(self.slots) <= i:
             self.slots.append((0, 0, ()))
         cap, cap_f, bufs = self.slots[i]
         if not bufs or n > cap or nf > cap_f:
-            replaced = set(map(id, bufs))  # the entries over them go (they hold them)
-            self.binds = {k: v for k, v in self.binds.items() if not replaced & set(map(id, v[2]))}
-            cap, cap_f = max(n, cap), max(nf, cap_f)
-            bufs = (host.storage(cap), host.storage(cap_f), host.storage(cap))
-            self.slots[i] = (cap, cap_f, bufs)
-        if len(self.binds) > self.MAX_BINDS:
-            self.binds.clear()
-        return bufs, self.binds
+            grown = max(n, cap), max(nf, cap_f)
+            size = 4 * (2 * grown[0] + grown[1])
+            if size > self.KEPT_SLOT_BYTES or self.kept - 4 * (2 * cap + cap_f) + size > self.KEPT_BYTES:
+                return (host.storage(n), host.storage(nf), host.storage(n)), None
+            self.kept += size - 4 * (2 * cap + cap_f)
+            (cap, cap_f), bufs = grown, (host.storage(grown[0]), host.storage(grown[1]), host.storage(grown[0]))
+            self.slots[i] = (cap, cap_f, bufs)  # bind groups over the old ones stay with their weights, unused
+        if len(w.binds) > self.MAX_WEIGHT_BINDS:
+            w.binds.clear()
+        return bufs, w.binds
 
     def readback_of(self, host: WgpuFfn, n: int):
         """A read-back buffer holding ≥ ``n`` float32 elements: the kept one, or one for this request."""
         if 4 * n > self.KEPT_READBACK_BYTES:
             return host.readback(n)
-        if n > self.readback_n:
+        if n > self.readback_n or self.readback is None:
             self.readback, self.readback_n = host.readback(n), n
         return self.readback
 
@@ -281,6 +285,7 @@ class WgpuFfn:
     def drop_device(self) -> None:
         """Forget the device (after a GPU error): the next call makes a fresh one and re-uploads."""
         dev, self.device, self._pipelines = self.device, None, {}
+        self._ffn_scratch = _FfnScratch(None)  # its buffers were on that device
         if dev is not None:
             dev.destroy()  # also ends wgpu's poll thread of that device
 
@@ -407,6 +412,8 @@ class WgpuFfn:
             if scratch.device is not dev:
                 scratch = self._ffn_scratch = _FfnScratch(dev)
             sizes = [x.shape[0] * w.rows for w, x in products]
+            if not any(sizes):
+                return [np.zeros((0, w.rows), np.float32) for w, _ in products]
             readback = scratch.readback_of(self, sum(sizes))
             at = 0
             for yb, n in zip(outs, sizes):  # every output into one read-back, in this submission
@@ -570,12 +577,18 @@ class WgpuFfn:
         """The first ``n`` float32 elements of mappable buffer ``readback``, after the submissions so far."""
         if n == 0:
             return np.zeros(0, np.float32)
-        if readback.map_state != "unmapped":  # an error left it mapped
+        if readback.map_state == "mapped":  # an error between map and unmap left it so
             readback.unmap()
-        try:  # as wgpu-py's own read_buffer maps after its copy: plain READ adds an empty submission
-            readback.map_sync("READ_NOSYNC", 0, 4 * n)
-        except (KeyError, ValueError):  # a wgpu-py without that mode
-            readback.map_sync(self._wgpu.MapMode.READ, 0, 4 * n)
+        try:
+            if readback.map_state != "unmapped":  # a map that failed leaves it pending for good
+                raise RuntimeError(f"the read-back buffer is {readback.map_state}")
+            try:  # as wgpu-py's own read_buffer maps after its copy: plain READ adds an empty submission
+                readback.map_sync("READ_NOSYNC", 0, 4 * n)
+            except (KeyError, ValueError):  # a wgpu-py without that mode
+                readback.map_sync(self._wgpu.MapMode.READ, 0, 4 * n)
+        except (RuntimeError, ValueError) as e:  # not mapped (a lost device): a fresh device, a fresh buffer
+            self.drop_device()
+            raise KernelError(f"could not read the result back; the device was reset: {e}") from e
         try:
             return np.frombuffer(readback.read_mapped(0, 4 * n), np.float32).copy()
         finally:
@@ -680,6 +693,8 @@ class WgpuFfn:
             if scratch.device is not dev:
                 scratch = self._ffn_scratch = _FfnScratch(dev)
             sizes = [(len(x) * K.pad4(w.hidden), len(x) * K.pad4(w.inter)) for x, w in items]
+            if not any(n for n, _ in sizes):  # every block without rows: nothing to compute
+                return [np.zeros((0, w.hidden), np.float32) for _, w in items]
             readback = scratch.readback_of(self, sum(n for n, _ in sizes))
             enc = self.encoder()
             at = 0
@@ -687,7 +702,7 @@ class WgpuFfn:
                 t_rows, hp, fp = len(x), K.pad4(w.hidden), K.pad4(w.inter)
                 if t_rows == 0:  # an expert no row was routed to: nothing to compute
                     continue
-                (xb, hb, yb), binds = scratch.slot(self, i, n, nf)
+                (xb, hb, yb), binds = scratch.slot(self, i, n, nf, w)
                 self.largest_binding = max(self.largest_binding, 4 * nf, 4 * n)
                 dev.queue.write_buffer(xb, 0, K.pad_matrix(x, t_rows, hp).tobytes())
                 self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb, binds=binds)

@@ -459,3 +459,40 @@ def test_blocks_of_a_request_share_one_submission_and_kept_buffers(new_gpu, monk
     ws = [gpu.upload(*b, "f32") for b in blocks]  # a fresh device: fresh buffers
     x = rng.standard_normal((1, 64), dtype=np.float32)
     assert all(np.array_equal(y, other.ffn(x, a)) for y, a in zip(gpu.ffn_many([(x, w) for w in ws]), alone))
+
+
+def test_kept_buffers_stay_bounded_free_dropped_weights_and_a_failed_read_resets(new_gpu, monkeypatch):
+    """What ffn_many keeps never holds more than it may: kept slots stop at their budget (the
+    rest get buffers of the request's own), a block's bind groups go with its weights (a replan
+    that drops them frees them on the GPU), a request of blocks without rows computes nothing on
+    a fresh host, and a device lost under the kept buffers is a KernelError with the device
+    reset, after which the next request computes the same bits."""
+    import gc
+    import weakref
+
+    from web_peer.wgpu_host import _FfnScratch
+
+    gpu = new_gpu()
+    rng = np.random.default_rng(43)
+    x, wg, wu, wd = ffn_block(rng, 1, 64, 48)
+    first = gpu.upload(wg, wu, wd, "f32")
+    assert [y.shape for y in gpu.ffn_many([(np.zeros((0, 64), np.float32), first)])] == [(0, 64)]
+    monkeypatch.setattr(_FfnScratch, "KEPT_BYTES", 2 * 4 * (2 * 64 + 48))  # two one-row slots
+    want = gpu.ffn(x, first)
+    got = gpu.ffn_many([(x, first)] * 3)
+    assert all(np.array_equal(y, want) for y in got)
+    assert [bool(bufs) for _, _, bufs in gpu._ffn_scratch.slots] == [True, True, False]  # noqa: SLF001
+    assert gpu._ffn_scratch.kept <= _FfnScratch.KEPT_BYTES  # noqa: SLF001
+    assert first.binds  # kept with the weights
+    held = weakref.ref(first.gate.buffers[0])
+    del first
+    gc.collect()
+    assert held() is None  # nothing the host keeps holds dropped weights
+    w = gpu.upload(wg, wu, wd, "f32")
+    assert np.array_equal(gpu.ffn_many([(x, w)])[0], want)
+    for _ in range(2):  # the GPU goes away under kept buffers; then once more on the fresh device
+        gpu.device.destroy()
+        with pytest.raises(KernelError):
+            gpu.ffn_many([(x, w)])
+        w = gpu.upload(wg, wu, wd, "f32")  # on a fresh device, with fresh kept buffers
+        assert np.array_equal(gpu.ffn_many([(x, w)])[0], want)
