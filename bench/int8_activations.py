@@ -39,7 +39,6 @@ from numba.extending import intrinsic  # noqa: E402
 
 _I8x64 = ir.VectorType(ir.IntType(8), 64)
 _I32x16 = ir.VectorType(ir.IntType(32), 16)
-_I32x8 = ir.VectorType(ir.IntType(32), 8)
 
 
 def _ptr(builder, base, off, ty):
@@ -116,11 +115,8 @@ def _sb_dots(typingctx, W, r0, nr, o, xq, xo, sc, dx, bsf, b, acc, mins):
     return sig, codegen
 
 
-_F16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
-
-
 def _kernel():
-    from swarm.compute.qkernels import _k_blocks
+    from swarm.compute.qkernels import _F16, _k_blocks
 
     scales = _k_blocks[5][0]  # the engine's Q4_K scale decoding (AVX-512): d·sc_j, then -(dmin·m_j)
 

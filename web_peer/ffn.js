@@ -174,13 +174,12 @@ export class FfnBlock {
    */
   async run(x, tRows) {
     this._check(x, tRows);
-    const hp = pad4(this.hidden);
     const block = this.rowsPerBinding();
     const y = new Float32Array(tRows * this.hidden);
     for (let t0 = 0; t0 < tRows; t0 += block) {
       const n = Math.min(block, tRows - t0);
-      const [yb] = await runEncoded(this.ctx, [{ block: this, x: x.subarray(t0 * this.hidden, (t0 + n) * this.hidden), tRows: n }]);
-      for (let t = 0; t < n; t++) y.set(yb.subarray(t * hp, t * hp + this.hidden), (t0 + t) * this.hidden);
+      const [yp] = await runEncoded(this.ctx, [{ block: this, x: x.subarray(t0 * this.hidden, (t0 + n) * this.hidden), tRows: n }]);
+      y.set(unpad(yp, n, this.hidden), t0 * this.hidden);
     }
     return finite(y);
   }
@@ -218,6 +217,13 @@ export class FfnBlock {
     for (const m of Object.values(this.gpu)) for (const b of [...m.buffers, ...m.scales]) b.destroy();
     this.gpu = null;
   }
+}
+
+/** Rows [tRows, pad4(h)] → Float32Array [tRows, h]. */
+function unpad(yp, tRows, h) {
+  const hp = pad4(h), y = new Float32Array(tRows * h);
+  for (let t = 0; t < tRows; t++) y.set(yp.subarray(t * hp, t * hp + h), t * h);
+  return y;
 }
 
 function finite(y) {
@@ -271,10 +277,5 @@ export async function runBlocks(ctx, items) {
     return ys;
   }
   const got = items.length ? await runEncoded(ctx, items) : [];
-  return got.map((yp, i) => {
-    const { block, tRows } = items[i], h = block.hidden, hp = pad4(h);
-    const y = new Float32Array(tRows * h);
-    for (let t = 0; t < tRows; t++) y.set(yp.subarray(t * hp, t * hp + h), t * h);
-    return finite(y);
-  });
+  return got.map((yp, i) => finite(unpad(yp, items[i].tRows, items[i].block.hidden)));
 }

@@ -173,7 +173,7 @@ class Uniform:
 
 
 class _FfnScratch:
-    """:meth:`WgpuFfn._ffn_blocks`' kept buffers on ``device``: per slot (a block's place in a
+    """:meth:`WgpuFfn._ffn_blocks`' kept buffers on the host's current device (made anew with it): per slot (a block's place in a
     request) its rows, intermediate and output (float32 storage, grown to the largest asked),
     while a slot stays within :data:`KEPT_SLOT_BYTES` and all within :data:`KEPT_BYTES`, and one
     mappable read-back buffer for all slots' outputs (up to :data:`KEPT_READBACK_BYTES`). Other
@@ -186,8 +186,7 @@ class _FfnScratch:
     KEPT_READBACK_BYTES = 4 << 20
     MAX_WEIGHT_BINDS = 64  # bind groups kept per block (its slots, parts and kernels), then made anew
 
-    def __init__(self, device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.slots: list[tuple[int, int, tuple]] = []  # (elements of a row buffer, of an intermediate, buffers)
         self.kept = 0  # bytes of the slots' buffers
         self.readback, self.readback_n = None, 0
@@ -269,7 +268,7 @@ class WgpuFfn:
         self.largest_binding = 0  # the largest buffer this host ever bound, for limit tests
         self.device = None
         self._pipelines: dict = {}
-        self._ffn_scratch = _FfnScratch(None)  # ffn_many's kept buffers and bind groups
+        self._ffn_scratch = _FfnScratch()  # ffn_many's kept buffers, on the current device
 
     # ---- device -----------------------------------------------------------------------------
 
@@ -285,7 +284,7 @@ class WgpuFfn:
     def drop_device(self) -> None:
         """Forget the device (after a GPU error): the next call makes a fresh one and re-uploads."""
         dev, self.device, self._pipelines = self.device, None, {}
-        self._ffn_scratch = _FfnScratch(None)  # its buffers were on that device
+        self._ffn_scratch = _FfnScratch()  # its buffers were on that device
         if dev is not None:
             dev.destroy()  # also ends wgpu's poll thread of that device
 
@@ -408,24 +407,8 @@ class WgpuFfn:
                 self.largest_binding = max(self.largest_binding, t_rows * w.rows * 4)
                 self._dispatch(enc, "down", w.fmt, t_rows, kp // 4, w.rows, inputs[key], [w.matrix], yb)
                 outs.append(yb)
-            scratch = self._ffn_scratch
-            if scratch.device is not dev:
-                scratch = self._ffn_scratch = _FfnScratch(dev)
-            sizes = [x.shape[0] * w.rows for w, x in products]
-            if not any(sizes):
-                return [np.zeros((0, w.rows), np.float32) for w, _ in products]
-            readback = scratch.readback_of(self, sum(sizes))
-            at = 0
-            for yb, n in zip(outs, sizes):  # every output into one read-back, in this submission
-                if yb is not None:
-                    enc.copy(yb, 0, readback, 4 * at, 4 * n)
-                at += n
-            got = self.submit_read(enc, readback=readback, n=at, mapped=True)
-        ys, at = [], 0
-        for (w, x), n in zip(products, sizes):
-            ys.append(got[at:at + n].reshape(x.shape[0], w.rows).copy())
-            at += n
-        return ys
+            got = self._submit_reading(enc, [(yb, x.shape[0] * w.rows) for (w, x), yb in zip(products, outs)])
+        return [y.reshape(x.shape[0], w.rows) for (w, x), y in zip(products, got)]
 
     # ---- a layer's other kernels ----------------------------------------------------------------
 
@@ -555,23 +538,40 @@ class WgpuFfn:
         usage = self._wgpu.BufferUsage.MAP_READ | self._wgpu.BufferUsage.COPY_DST
         return self._device().create_buffer(size=max(16, 4 * n), usage=usage)
 
-    def submit_read(self, enc, buf=None, n: int = 0, readback=None, mapped: bool = False) -> np.ndarray:
+    def submit_read(self, enc, buf=None, n: int = 0, readback=None) -> np.ndarray:
         """Submit ``enc`` and read ``n`` float32 elements of ``buf`` back (none without ``buf``);
         through ``readback`` (:meth:`readback`, ≥ n elements) if given, the copy in ``enc``'s
-        own submission (``mapped``: ``enc`` already copies the n elements into ``readback``;
-        ``buf`` unused). Raises KernelError on a GPU error (the device is then reset) or a
+        own submission. Raises KernelError on a GPU error (the device is then reset) or a
         non-finite result."""
+        if readback is not None and buf is not None:
+            return self._submit_reading(enc, [(buf, n)], readback)[0]
         with self._guarded():
-            if buf is not None and readback is not None:
-                enc.copy(buf, 0, readback, 0, 4 * n)
             self.device.queue.submit([enc.finish()])
-            if buf is None and not mapped:
+            if buf is None:
                 return np.zeros(0, np.float32)
-            if readback is None:
-                y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
-            else:
-                y = self._map_read(readback, n)
+            y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
         return self._finite([y])[0]
+
+    def _submit_reading(self, enc, outs: list[tuple[object, int]], readback=None) -> list[np.ndarray]:
+        """Submit ``enc`` with the first n float32 elements of each (buffer, n) of ``outs``
+        copied in the same submission into one mappable buffer (``readback``, else the kept
+        one or one for this request), then read them back: each output's elements (float32
+        [n]). Nothing is submitted when there are none. Raises as :meth:`submit_read`."""
+        total = sum(n for _, n in outs)
+        if total == 0:
+            return [np.zeros(0, np.float32) for _ in outs]
+        with self._guarded():
+            if readback is None:
+                readback = self._ffn_scratch.readback_of(self, total)
+            at = 0
+            for buf, n in outs:
+                if n:
+                    enc.copy(buf, 0, readback, 4 * at, 4 * n)
+                at += n
+            self.device.queue.submit([enc.finish()])
+            got = self._finite([self._map_read(readback, total)])[0]
+        bounds = np.cumsum([0, *(n for _, n in outs)])
+        return [got[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _map_read(self, readback, n: int) -> np.ndarray:
         """The first ``n`` float32 elements of mappable buffer ``readback``, after the submissions so far."""
@@ -690,31 +690,21 @@ class WgpuFfn:
         with self._guarded():
             dev = self._device()
             scratch = self._ffn_scratch
-            if scratch.device is not dev:
-                scratch = self._ffn_scratch = _FfnScratch(dev)
-            sizes = [(len(x) * K.pad4(w.hidden), len(x) * K.pad4(w.inter)) for x, w in items]
-            if not any(n for n, _ in sizes):  # every block without rows: nothing to compute
-                return [np.zeros((0, w.hidden), np.float32) for _, w in items]
-            readback = scratch.readback_of(self, sum(n for n, _ in sizes))
             enc = self.encoder()
-            at = 0
-            for i, ((x, w), (n, nf)) in enumerate(zip(items, sizes)):
+            outs = []
+            for i, (x, w) in enumerate(items):
                 t_rows, hp, fp = len(x), K.pad4(w.hidden), K.pad4(w.inter)
                 if t_rows == 0:  # an expert no row was routed to: nothing to compute
+                    outs.append((None, 0))
                     continue
-                (xb, hb, yb), binds = scratch.slot(self, i, n, nf, w)
-                self.largest_binding = max(self.largest_binding, 4 * nf, 4 * n)
+                (xb, hb, yb), binds = scratch.slot(self, i, t_rows * hp, t_rows * fp, w)
+                self.largest_binding = max(self.largest_binding, 4 * t_rows * fp, 4 * t_rows * hp)
                 dev.queue.write_buffer(xb, 0, K.pad_matrix(x, t_rows, hp).tobytes())
                 self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, xb, [w.gate, w.up], hb, binds=binds)
                 self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, hb, [w.down], yb, binds=binds)
-                enc.copy(yb, 0, readback, 4 * at, 4 * n)
-                at += n
-            got = self.submit_read(enc, readback=readback, n=at, mapped=True)
-        ys, at = [], 0
-        for (x, w), (n, _) in zip(items, sizes):
-            ys.append(got[at:at + n].reshape(len(x), K.pad4(w.hidden))[:, :w.hidden].copy())
-            at += n
-        return ys
+                outs.append((yb, t_rows * hp))
+            got = self._submit_reading(enc, outs)
+        return [y.reshape(len(x), K.pad4(w.hidden))[:, :w.hidden].copy() for (x, w), y in zip(items, got)]
 
     def time_kernel(self, kernel: str, w: GpuFfnWeights, t_rows: int, reps: int) -> float:
         """Seconds per run of one kernel ("swiglu", "down" or "ffn" for both) over t_rows rows.

@@ -499,7 +499,7 @@ def _k_block(form: str):
                     acc[n][t][h] = builder.call(fma, [wv, xs[t], acc[n][t][h]])
 
             if form == "q6":
-                _q6_block(builder, nr, tt, scale, ints, load_x, lambda n, c, ty: _load(builder, pw[n], _I64(c), ty, 1), apply)
+                _q6_block(builder, nr, tt, scale, load_x, lambda n, c, ty: _load(builder, pw[n], _I64(c), ty, 1), apply)
             else:
                 _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply)
             for n in range(nr):
@@ -543,7 +543,7 @@ def _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, appl
 _BYTES64 = ir.VectorType(ir.IntType(8), 64)
 
 
-def _q6_block(builder, nr, tt, scale, ints, load_x, load_raw, apply):
+def _q6_block(builder, nr, tt, scale, load_x, load_raw, apply):
     """Q6_K codegen for :func:`_k_block`: per 128-weight half h, lane j = 16p + l takes the
     positions j, j + 32, j + 64, j + 96 in that order. The 6-bit values minus 32 are first made
     for the whole super-block in byte lanes (both halves at once: 64 bytes a vector), each

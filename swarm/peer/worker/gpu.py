@@ -385,20 +385,16 @@ class GpuStage:
         if T == 1:  # a decode step: the stage's buffers and bind groups of the steps before
             scratch = self._decode_scratch
             if scratch is None or scratch.key != (lo, hi, host.device):
-                scratch = self._decode_scratch = _Scratch((lo, hi, host.device), {n: host.storage(k) for n, k in sizes.items()})
+                scratch = self._decode_scratch = _Scratch(
+                    (lo, hi, host.device), {n: host.storage(k) for n, k in sizes.items()},
+                    uniforms={role: host.uniform() for role in ("kv_k", "kv_v", "attention")}, readback=host.readback(H))
             buf, binds = scratch.buffers, scratch.binds
             if len(binds) > 64 * (hi - lo):  # a step's dozen a layer repeat; more means something else changed
                 binds.clear()
             if scratch.scores_cap < nh * cap:  # only attention reads it (bound with each sequence's KV): grown alone
                 scratch.scores, scratch.scores_cap = host.storage(nh * cap), nh * cap
             scores = scratch.scores
-            uniforms = scratch.uniforms
-            for role in ("kv_k", "kv_v", "attention"):
-                if role not in uniforms:
-                    uniforms[role] = host.uniform()
-            if scratch.readback is None:
-                scratch.readback = host.readback(T * H)
-            readback = scratch.readback
+            uniforms, readback = scratch.uniforms, scratch.readback
         else:
             buf, binds, scores = {n: host.storage(k) for n, k in sizes.items()}, None, host.storage(T * nh * cap)
         for name, a in (("xb", x), ("cb", cos), ("sb", ssin)):
