@@ -7,13 +7,17 @@
 //   s_down [R]      f32             per-row scales (read only when HAS_SCALE)
 //   y      [T, H]   f32             output; this dispatch writes columns row0 .. row0 + R
 // Same work split as swiglu.wgsl: one workgroup per weight row and block of TB rows of h
-// (the host prepends a weight prelude and rows.wgsl).
+// (the host prepends a weight prelude and rows.wgsl). With ACCUMULATE the dispatch adds its sum to
+// what y holds (y[i] = sum + y[i], each element read and written by one thread): a residual
+// stream updated in place, bit for bit the add of a separate pass (one f32 add either way).
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> hin: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> w_down: array<WVec>;
 @group(0) @binding(3) var<storage, read> s_down: array<f32>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
+
+override ACCUMULATE: bool = false;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -60,7 +64,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         let total = workgroup_sum(lid, vec2<f32>(acc[t], 0.0));
         if (lid == 0u) {
-            y[tt * p.n_out + p.row0 + r] = total.x * sd;
+            let i = tt * p.n_out + p.row0 + r;
+            if (ACCUMULATE) {
+                y[i] = total.x * sd + y[i];
+            } else {
+                y[i] = total.x * sd;
+            }
         }
     }
 }

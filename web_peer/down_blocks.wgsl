@@ -4,12 +4,15 @@
 //   w_down [R, NV]        vec4<u32>  quant plane of one part (R rows) of W_down [H, F]
 //   s_down                u32        its scale plane
 //   y      [T, H]         f32        output; this dispatch writes columns row0 .. row0 + R
+// ACCUMULATE (pipeline constant, default off): y[i] = sum + y[i], as down.wgsl.
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;  // h, named x for blocks.wgsl
 @group(0) @binding(2) var<storage, read> w_down: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read> s_down: array<u32>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
+
+override ACCUMULATE: bool = false;
 
 fn quant(m: u32, i: u32) -> vec4<u32> {
     return w_down[i];
@@ -48,7 +51,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         let total = slice_sum(lid, vec2<f32>(acc[t], 0.0));
         if (lane == 0u && r < p.n_rows) {
-            y[tt * p.n_out + p.row0 + r] = total.x;
+            let i = tt * p.n_out + p.row0 + r;
+            if (ACCUMULATE) {
+                y[i] = total.x + y[i];
+            } else {
+                y[i] = total.x;
+            }
         }
     }
 }

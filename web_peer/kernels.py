@@ -18,9 +18,11 @@ results can be checked against them, and them against float64.
 
 A GPU stage peer (swarm/peer/worker/gpu.py) runs the rest of a layer too, with kernels of no
 weight format (:data:`LAYER_KERNELS`): ``rmsnorm.wgsl``, ``rope.wgsl`` (on the engine's tables),
-``attention.wgsl`` (causal, grouped-query, over a KV cache), ``kv_write.wgsl`` (new keys/values
-into that cache) and ``add.wgsl`` (the residual); their twins are :func:`rms_norm`, :func:`rope`,
-:func:`attention`, :func:`kv_write` and :func:`add`. Only the native host (``wgpu_host.py``) runs
+``attention.wgsl`` (causal, grouped-query, over a KV cache), ``kv_write.wgsl`` (new keys and values
+into that cache, both in one dispatch) and ``add.wgsl`` (a bias, or the residual where a product
+does not add it itself: the down kernels' ``ACCUMULATE`` constant); their twins are
+:func:`rms_norm`, :func:`rope`, :func:`attention`, :func:`kv_write` (once for the keys, once for
+the values) and :func:`add`. Only the native host (``wgpu_host.py``) runs
 them: the page serves ranges, not stages, so no JS module owns them yet.
 
 Weight formats (one name used by Python, JS and the wire):
@@ -518,9 +520,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
 
 
 def kv_write(cache: np.ndarray, src: np.ndarray, start: int, offset: int) -> np.ndarray:
-    """Twin of kv_write.wgsl, in place: ``cache[g, start + t] = src[t, offset + g hd : offset +
-    (g+1) hd]`` for every row t of src [T, stride] and head g of cache [nkv, C, hd] (float32).
-    Returns cache."""
+    """Twin of kv_write.wgsl's keys (or its values), in place: ``cache[g, start + t] = src[t,
+    offset + g hd : offset + (g+1) hd]`` for every row t of src [T, stride] and head g of cache
+    [nkv, C, hd] (float32). Returns cache."""
     nkv, _, hd = cache.shape
     T = src.shape[0]
     cache[:, start:start + T] = src[:, offset:offset + nkv * hd].reshape(T, nkv, hd).transpose(1, 0, 2)

@@ -298,10 +298,11 @@ class WgpuFfn:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _pipeline(self, kernel: str, fmt: str | None, tb: int = K.TB):
+    def _pipeline(self, kernel: str, fmt: str | None, tb: int = K.TB, accumulate: bool = False):
         """The compute pipeline of ``kernel`` for weight format ``fmt`` (None: a layer kernel,
-        :data:`web_peer.kernels.LAYER_KERNELS`), ``tb`` activation rows a workgroup."""
-        key = (kernel, fmt, tb)
+        :data:`web_peer.kernels.LAYER_KERNELS`), ``tb`` activation rows a workgroup; with
+        ``accumulate`` (the down kernels) adding its sums to what the output holds."""
+        key = (kernel, fmt, tb, accumulate)
         if key not in self._pipelines:
             if fmt is not None and fmt not in self.formats:
                 raise KernelError(f"weight format {fmt!r} needs the adapter feature shader-f16, "
@@ -312,6 +313,8 @@ class WgpuFfn:
             constants = {"WG": self.workgroup_size}
             if fmt in K.BLOCK_FORMATS:
                 constants["LANES"] = self.lanes
+            if accumulate:
+                constants["ACCUMULATE"] = True
             self._pipelines[key] = dev.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": "main", "constants": constants})
         return self._pipelines[key]
@@ -506,10 +509,11 @@ class WgpuFfn:
     def encode_elementwise(self, enc, kernel: str, n: int, fields: tuple[int, ...], buffers: list,
                            binds: dict | None = None, uniform: Uniform | None = None) -> None:
         """:meth:`encode` of a kernel of one invocation per element over ``n`` elements (rope,
-        kv_write, add): its params are (n, tile_x, ``fields`` …) in 4 or 8 words."""
+        kv_write, add): its params are (n, tile_x, ``fields`` …), zero-padded to a multiple of 4
+        words."""
         gx, gy = _grid(-(-n // self.workgroup_size))
         words = (n, gx * self.workgroup_size, *fields)
-        size = 4 if len(words) <= 4 else 8
+        size = -(-len(words) // 4) * 4
         self.encode(enc, kernel, struct.pack(f"<{size}I", *words, *(0,) * (size - len(words))), buffers, (gx, gy, 1),
                     binds, uniform)
 
@@ -519,17 +523,21 @@ class WgpuFfn:
         self.encode(enc, "rmsnorm", norm_params(rows, d, eps, w_rows), [x, w, y], (*_grid(rows), 1), binds)
 
     def encode_linear(self, enc, x, w: GpuLinear, y, t_rows: int, n_out: int, col0: int = 0,
-                      binds: dict | None = None) -> None:
-        """y[t, col0 : col0 + W.rows] = x[t] @ W.T for rows t of x [T, W's padded cols] (buffers)."""
+                      binds: dict | None = None, accumulate: bool = False) -> None:
+        """y[t, col0 : col0 + W.rows] = x[t] @ W.T for rows t of x [T, W's padded cols] (buffers);
+        with ``accumulate``, += (:meth:`_dispatch`)."""
         self._check(w)
-        self._dispatch(enc, "down", w.fmt, t_rows, w.matrix.packed.cols // 4, n_out, x, [w.matrix], y, col0, binds)
+        self._dispatch(enc, "down", w.fmt, t_rows, w.matrix.packed.cols // 4, n_out, x, [w.matrix], y, col0, binds,
+                       accumulate)
 
-    def encode_ffn(self, enc, x, w: GpuFfnWeights, h, y, t_rows: int, binds: dict | None = None) -> None:
-        """y = down(swiglu(x)) for x [T, pad4(H)] into y [T, pad4(H)], through h [T, pad4(F)] (buffers)."""
+    def encode_ffn(self, enc, x, w: GpuFfnWeights, h, y, t_rows: int, binds: dict | None = None,
+                   accumulate: bool = False) -> None:
+        """y = down(swiglu(x)) for x [T, pad4(H)] into y [T, pad4(H)], through h [T, pad4(F)]
+        (buffers); with ``accumulate``, y += (a residual stream updated in place: :meth:`_dispatch`)."""
         self._check(w)
         hp, fp = K.pad4(w.hidden), K.pad4(w.inter)
         self._dispatch(enc, "swiglu", w.fmt, t_rows, hp // 4, fp, x, [w.gate, w.up], h, binds=binds)
-        self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, h, [w.down], y, binds=binds)
+        self._dispatch(enc, "down", w.down_fmt, t_rows, fp // 4, hp, h, [w.down], y, binds=binds, accumulate=accumulate)
 
     def readback(self, n: int):
         """A buffer of ``n`` float32 elements that :meth:`submit_read` can copy a result into and
@@ -620,10 +628,16 @@ class WgpuFfn:
 
     # ---- compute ----------------------------------------------------------------------------
 
-    def _dispatch(self, enc, kernel, fmt, t_rows, k4, n_out, inp, mats, out, col0=0, binds=None):
+    def _dispatch(self, enc, kernel, fmt, t_rows, k4, n_out, inp, mats, out, col0=0, binds=None, accumulate=False):
         """Encode one dispatch per weight part of `kernel`: mats = [GpuMatrix, ...] sharing parts;
-        output row t's columns col0 + (the part's rows) of a row of n_out; `binds`: _bind's cache."""
-        pipe = self._pipeline(kernel, fmt, K.DECODE_TB if t_rows == 1 else K.TB)
+        output row t's columns col0 + (the part's rows) of a row of n_out; `binds`: _bind's cache.
+        `accumulate` (down only): out[i] = sum + out[i], the same f32 add as a separate add.wgsl
+        pass, so the same bits; `inp` must not be `out`. Not for q8, whose per-row scale product
+        a compiler may fuse with that add (one rounding: other bits)."""
+        if accumulate and (kernel != "down" or fmt == "q8" or inp is out):
+            raise KernelError(f"{kernel} of {fmt!r} cannot add its sums to its output bit for bit "
+                              "(the down kernel only, not q8, reading another buffer than it writes)")
+        pipe = self._pipeline(kernel, fmt, K.DECODE_TB if t_rows == 1 else K.TB, accumulate)
         rows_per_group = self.workgroup_size // self.lanes if fmt in K.BLOCK_FORMATS else 1
         for i, (r0, r1) in enumerate(mats[0].packed.parts):
             gx, gy, gz = K.dispatch_grid(r1 - r0, t_rows, rows_per_group)

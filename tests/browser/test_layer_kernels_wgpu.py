@@ -103,23 +103,25 @@ def test_layer_kernels_refuse_what_does_not_fit(gpu):
 
 
 def test_kv_write_and_add_are_their_twins(gpu):
-    """A stage's new keys into its cache at their positions (heads at an offset of wider rows),
-    and the residual add and a bias on every row: bit for bit (copies and one float32 add)."""
+    """A stage's new keys and values into their caches at their positions in one dispatch (keys
+    and values from two buffers, each at an offset of wider rows of its own), and the residual
+    add and a bias on every row: bit for bit (copies and one float32 add)."""
     rng = np.random.default_rng(9)
-    T, nkv, hd, cap, start, stride, offset = 3, 2, 8, 10, 4, 40, 16
-    src = rng.standard_normal((T, stride), dtype=np.float32)
-    cache = rng.standard_normal((nkv, cap, hd), dtype=np.float32)
+    T, nkv, hd, cap, start = 3, 2, 8, 10, 4
+    (k_stride, k_offset), (v_stride, v_offset) = (40, 16), (48, 32)
+    k_src, v_src = (rng.standard_normal((T, n), dtype=np.float32) for n in (k_stride, v_stride))
+    k_cache, v_cache = (rng.standard_normal((nkv, cap, hd), dtype=np.float32) for _ in range(2))
     x, y = (rng.standard_normal((5, 7), dtype=np.float32) for _ in range(2))
-    sb, cb, xb, yb = (gpu.storage(a.size, a) for a in (src, cache, x, y))
+    ks, kc, vs, vc, xb, yb = (gpu.storage(a.size, a) for a in (k_src, k_cache, v_src, v_cache, x, y))
     enc = gpu.encoder()
-    gpu.encode_elementwise(enc, "kv_write", T * nkv * hd, (hd, nkv, cap, start, stride, offset), [sb, cb])
+    gpu.encode_elementwise(enc, "kv_write", T * nkv * hd, (hd, nkv, cap, start, k_stride, k_offset, v_stride, v_offset),
+                           [ks, kc, vs, vc])
     gpu.encode_elementwise(enc, "add", x.size, (x.size,), [yb, xb])
     got_x = gpu.submit_read(enc, xb, x.size).reshape(x.shape)
-    enc = gpu.encoder()
-    got_cache = gpu.submit_read(enc, cb, cache.size).reshape(cache.shape)
-    want_cache = K.kv_write(cache.copy(), src, start, offset)
-    np.testing.assert_array_equal(got_cache, want_cache)
-    assert not np.array_equal(want_cache, cache)  # it wrote something
+    for got, cache, src, offset in ((kc, k_cache, k_src, k_offset), (vc, v_cache, v_src, v_offset)):
+        want = K.kv_write(cache.copy(), src, start, offset)
+        np.testing.assert_array_equal(gpu.submit_read(gpu.encoder(), got, cache.size).reshape(cache.shape), want)
+        assert not np.array_equal(want, cache)  # it wrote something
     np.testing.assert_array_equal(got_x, K.add(x.copy(), y))
     bias = rng.standard_normal(7, dtype=np.float32)
     enc = gpu.encoder()
@@ -128,31 +130,70 @@ def test_kv_write_and_add_are_their_twins(gpu):
     np.testing.assert_array_equal(gpu.submit_read(enc, xb, x.size).reshape(x.shape), K.add(got_x.copy(), bias))
 
 
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_product_that_adds_to_its_output_is_the_product_then_add(gpu, fmt, T):
+    """encode_linear with ``accumulate`` (the down kernels' ACCUMULATE constant) into a residual
+    stream, at a column offset: bit for bit the product into a buffer of its own, then add.wgsl;
+    the columns it does not write keep theirs. Refused for q8 and for an output that is the input."""
+    rng = np.random.default_rng(11)
+    rows, cols, n_out, col0 = 40, 256, 48, 4
+    if fmt == "f32":
+        w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.05)
+    elif fmt == "q8_0":
+        w = K.quantize_blocks(rng.standard_normal((rows, cols), dtype=np.float32), fmt)
+    else:
+        w = K.random_blocks(rng, rows, cols, fmt)
+    m = gpu.upload_linear(w, fmt)
+    x = rng.standard_normal((T, cols), dtype=np.float32)
+    res = rng.standard_normal((T, n_out), dtype=np.float32)
+    xb, rb, yb = gpu.storage(x.size, x), gpu.storage(res.size, res), gpu.storage(res.size, np.zeros_like(res))
+    enc = gpu.encoder()
+    gpu.encode_linear(enc, xb, m, rb, T, n_out, col0, accumulate=True)
+    got = gpu.submit_read(enc, rb, res.size).reshape(res.shape)
+    enc = gpu.encoder()
+    gpu.encode_linear(enc, xb, m, yb, T, n_out, col0)
+    y = gpu.submit_read(enc, yb, res.size).reshape(res.shape)
+    rb2 = gpu.storage(res.size, res)
+    enc = gpu.encoder()
+    gpu.encode_elementwise(enc, "add", res.size, (res.size,), [yb, rb2])
+    np.testing.assert_array_equal(got, gpu.submit_read(enc, rb2, res.size).reshape(res.shape))
+    np.testing.assert_array_equal(got, K.add(y.copy(), res))
+    assert np.array_equal(got[:, :col0], res[:, :col0]) and not np.array_equal(got, res)
+    with pytest.raises(KernelError, match="bit for bit"):
+        gpu.encode_linear(gpu.encoder(), xb, m, xb, T, n_out, accumulate=True)
+    with pytest.raises(KernelError, match="bit for bit"):
+        gpu.encode_linear(gpu.encoder(), xb, gpu.upload_linear(rng.standard_normal((8, 32), np.float32), "q8"),
+                          rb, T, n_out, accumulate=True)
+
+
 def test_a_uniform_carries_a_new_position_each_submission_and_refuses_two_in_one(gpu):
     """kv_write through one kept bind group and a Uniform: each submission writes at the position
     its parameters name (the twin's result, bit for bit), the bind group is made once, and
     parameters that would change within one encoder — whose dispatches would all read the last
     write — or pass the buffer raise KernelError."""
     rng = np.random.default_rng(10)
-    nkv, hd, cap, stride, offset = 2, 8, 6, 24, 8
-    cache = np.zeros((nkv, cap, hd), np.float32)
-    cb = gpu.storage(cache.size, cache)
-    sb = gpu.storage(stride)  # one step's row, written each step
-    uniform, binds, want = gpu.uniform(), {}, cache.copy()
+    nkv, hd, cap, stride, k_offset, v_offset = 2, 8, 6, 40, 8, 24
+    k_cache, v_cache = np.zeros((nkv, cap, hd), np.float32), np.zeros((nkv, cap, hd), np.float32)
+    kc, vc = gpu.storage(k_cache.size, k_cache), gpu.storage(v_cache.size, v_cache)
+    sb = gpu.storage(stride)  # one step's row, written each step: keys and values at their offsets
+    bufs = [sb, kc, sb, vc]
+    uniform, binds = gpu.uniform(48), {}
+    fields = lambda start: (hd, nkv, cap, start, stride, k_offset, stride, v_offset)  # noqa: E731
     for start in (0, 1, 4):
         src = rng.standard_normal((1, stride), dtype=np.float32)
         gpu.write(sb, src)
         enc = gpu.encoder()
-        gpu.encode_elementwise(enc, "kv_write", nkv * hd, (hd, nkv, cap, start, stride, offset), [sb, cb],
-                               binds, uniform)
-        got = gpu.submit_read(enc, cb, cache.size).reshape(cache.shape)
-        want = K.kv_write(want, src, start, offset)
-        np.testing.assert_array_equal(got, want)
+        gpu.encode_elementwise(enc, "kv_write", nkv * hd, fields(start), bufs, binds, uniform)
+        got = gpu.submit_read(enc, kc, k_cache.size).reshape(k_cache.shape)
+        k_cache, v_cache = K.kv_write(k_cache, src, start, k_offset), K.kv_write(v_cache, src, start, v_offset)
+        np.testing.assert_array_equal(got, k_cache)
+    np.testing.assert_array_equal(gpu.submit_read(gpu.encoder(), vc, v_cache.size).reshape(v_cache.shape), v_cache)
     assert len(binds) == 1
-    assert np.count_nonzero(want.any(axis=2)) == 3 * nkv  # three positions written in each head
+    assert np.count_nonzero(k_cache.any(axis=2)) == 3 * nkv  # three positions written in each head
     enc = gpu.encoder()
-    gpu.encode_elementwise(enc, "kv_write", nkv * hd, (hd, nkv, cap, 2, stride, offset), [sb, cb], binds, uniform)
+    gpu.encode_elementwise(enc, "kv_write", nkv * hd, fields(2), bufs, binds, uniform)
     with pytest.raises(KernelError, match="within one submission"):
-        gpu.encode_elementwise(enc, "kv_write", nkv * hd, (hd, nkv, cap, 3, stride, offset), [sb, cb], binds, uniform)
-    with pytest.raises(KernelError, match="40 bytes of parameters for a uniform buffer of 32"):
-        gpu.encode(gpu.encoder(), "kv_write", bytes(40), [sb, cb], (1, 1, 1), binds, uniform)
+        gpu.encode_elementwise(enc, "kv_write", nkv * hd, fields(3), bufs, binds, uniform)
+    with pytest.raises(KernelError, match="64 bytes of parameters for a uniform buffer of 48"):
+        gpu.encode(gpu.encoder(), "kv_write", bytes(64), bufs, (1, 1, 1), binds, uniform)

@@ -23,7 +23,8 @@ two ways, fixed per stage. Whole layers (:meth:`GpuStage.run_layers`) where ever
 standard attention (:meth:`GpuStage.resident`): one submission a sequence and step runs RMSNorm,
 Q/K/V, RoPE on the engine's tables, the new keys/values into the sequence's KV cache kept in GPU
 buffers, causal attention over it, O, the residual, RMSNorm and SwiGLU
-(``web_peer/{rmsnorm,rope,kv_write,attention,add}.wgsl`` and the products); a MoE layer is routed
+(``web_peer/{rmsnorm,rope,kv_write,attention,add}.wgsl`` and the products: Q|K|V stacked
+where they share a format, O and down adding to the residual themselves); a MoE layer is routed
 on the CPU between two submissions. Otherwise products only: the StageRunner's layers are the engine's own
 ``Model.layers`` on a view of the model whose Q, K, V and O projections go to the GPU
 (:meth:`~swarm.compute.model.Model.with_products`; the down kernel is a plain product of
@@ -276,16 +277,19 @@ class GpuStage:
     from the worker's one compute thread only. Raises KernelError on a GPU error (then
     :meth:`reset` drops the uploads; the next request uploads again)."""
 
-    def __init__(self, gpu: GpuFfn, model: Model, whole_layers: bool = True, kv_positions: int | None = None) -> None:
+    def __init__(self, gpu: GpuFfn, model: Model, whole_layers: bool = True, kv_positions: int | None = None,
+                 fuse: bool = True) -> None:
         from swarm.peer import memory
 
         self.gpu = gpu
         self.model = model
         self.whole_layers = whole_layers  # False: products only, every stage (tests, benchmarks)
+        # False: a product per matrix and the residual adds of their own, as before the fusions (tests: the same bits)
+        self.fuse = fuse
         # Positions of keys/values a layer's GPU buffers hold at most: the context the plan counted
         # this peer's KV cache for (reserve_of's, from the same --context), never a doubling past it.
         self.kv_positions = kv_positions or memory.context_tokens(getattr(model.config, "max_position_embeddings", 0) or 0)
-        self._linear: dict[QMatrix, GpuLinear | None] = {}  # attention matrix → on the GPU, or None: the CPU
+        self._linear: dict[QMatrix, _Rows | None] = {}  # attention matrix → its rows on the GPU, or None: the CPU
         self._blocks: dict[tuple[int, int], GpuWeights] = {}  # (layer, expert | DENSE | SHARED) → SwiGLU block
         self._vector_buffers: dict[int, dict] = {}  # layer → its norms' and biases' buffers (_vectors)
         self._resident: dict[tuple[int, int], bool] = {}  # stage → whether it runs wholly here (resident)
@@ -296,8 +300,8 @@ class GpuStage:
         """Upload layer ``layer``'s attention projections and FFN blocks (every expert of a MoE
         layer) now; returns the bytes held for them."""
         m = self.model
-        w = m.attention_weights(layer)
-        total = sum(g.nbytes for g in map(self._linear_of, _projections(w)) if g is not None)
+        held = {id(r.linear): r.linear for r in self._attention_linears(layer) if r is not None}  # Q|K|V once
+        total = sum(g.nbytes for g in held.values())
         if not m.is_moe_layer(layer):
             return total + self._block(layer, DENSE).nbytes
         keys = [*range(m.config.n_experts), *([SHARED] if m.has_shared_expert(layer) else [])]
@@ -320,7 +324,7 @@ class GpuStage:
         """What is uploaded (status, tests): ``gpu`` matrices and SwiGLU blocks on the GPU,
         ``cpu`` those the kernels do not read (run by the engine), ``formats`` the kernel formats
         in use (a set of names: "q4_k", "f32", ...)."""
-        gpu = [g for g in self._linear.values() if g is not None] + [b.gpu for b in self._blocks.values() if b.gpu]
+        gpu = [r.linear for r in self._linear.values() if r is not None] + [b.gpu for b in self._blocks.values() if b.gpu]
         formats = {g.fmt for g in gpu} | {b.gpu.down_fmt for b in self._blocks.values() if b.gpu}
         return {"gpu": len(gpu), "cpu": len(self._linear) + len(self._blocks) - len(gpu), "formats": formats}
 
@@ -348,7 +352,7 @@ class GpuStage:
             return False
         widths = (c.hidden_size, c.n_heads * c.head_dim, c.head_dim)
         ffn = m.is_moe_layer(layer) or self._block(layer, DENSE).gpu is not None  # MoE: routed on the CPU
-        return ffn and all(n % 4 == 0 for n in widths) and all(self._linear_of(q) is not None for q in _projections(w))
+        return ffn and all(n % 4 == 0 for n in widths) and None not in self._attention_linears(layer)
 
     def run_layers(self, x: np.ndarray, cache, start: int, lo: int, hi: int) -> np.ndarray:
         """Rows x [T, H] float32 at positions ``start ..`` of ``cache``'s sequence through layers
@@ -387,7 +391,7 @@ class GpuStage:
             if scratch is None or scratch.key != (lo, hi, host.device):
                 scratch = self._decode_scratch = _Scratch(
                     (lo, hi, host.device), {n: host.storage(k) for n, k in sizes.items()},
-                    uniforms={role: host.uniform() for role in ("kv_k", "kv_v", "attention")}, readback=host.readback(H))
+                    uniforms={"kv": host.uniform(48), "attention": host.uniform()}, readback=host.readback(H))
             buf, binds = scratch.buffers, scratch.binds
             if len(binds) > 64 * (hi - lo):  # a step's dozen a layer repeat; more means something else changed
                 binds.clear()
@@ -405,12 +409,12 @@ class GpuStage:
         head_rows = T * (nh + 2 * nkv)  # Q|K|V as rows of hd, for Qwen3's norm of each head
         qkn = buf.get("qkn", qkv)
         for layer, kv in zip(range(lo, hi), kvs):
-            w = m.attention_weights(layer)
             vec = self._vectors(layer)
-            q, k, v, o = (_on_gpu(self._linear_of(p)) for p in _projections(w))  # resident: all on the GPU
+            q, k, v, o = (_on_gpu(r) for r in self._attention_linears(layer))  # resident: all on the GPU
             host.encode_rms_norm(enc, xb, vec["attn_norm"], hb, T, H, eps, binds=binds)
-            for mat, col in ((q, 0), (k, nq), (v, nq + nk)):
-                host.encode_linear(enc, hb, mat, qkv, T, width, col, binds=binds)
+            for r, col in ((q, 0), (k, nq), (v, nq + nk)):
+                if r.row0 == 0:  # the first of a run stacked at load: one dispatch writes the run's columns
+                    host.encode_linear(enc, hb, r.linear, qkv, T, width, col, binds=binds)
             if "qkv_bias" in vec:
                 host.encode_elementwise(enc, "add", T * width, (width,), [vec["qkv_bias"], qkv], binds)
             if "qk_norm" in vec:  # each Q and K head by its weight row (V's rows normed too, then unused)
@@ -420,16 +424,17 @@ class GpuStage:
             kv_binds = kv.binds if binds is not None else None
             if kv_binds is not None and len(kv_binds) > 3 * 4:  # the scratch was made again a few times
                 kv_binds.clear()
-            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, heads, nq), [qk, kv.k],
-                                    kv_binds, uniforms.get("kv_k"))
-            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, width, nq + nk), [qkv, kv.v],
-                                    kv_binds, uniforms.get("kv_v"))
+            host.encode_elementwise(enc, "kv_write", T * nk, (hd, nkv, cap, start, heads, nq, width, nq + nk),
+                                    [qk, kv.k, qkv, kv.v], kv_binds, uniforms.get("kv"))  # keys after RoPE, values
             host.encode(enc, "attention", struct.pack("<8I", T, nh, nkv, hd, cap, start, heads, 0),
                         [qk, kv.k, kv.v, scores, att], (nh, T, 1), kv_binds, uniforms.get("attention"))
-            host.encode_linear(enc, att, o, yb, T, H, binds=binds)
+            # O adds its sums to the residual itself, but after a bias: (y + bias) + x, as the engine
+            into_x = self.fuse and "o_bias" not in vec
+            host.encode_linear(enc, att, o.linear, xb if into_x else yb, T, H, binds=binds, accumulate=into_x)
             if "o_bias" in vec:
                 host.encode_elementwise(enc, "add", T * H, (H,), [vec["o_bias"], yb], binds)
-            host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb], binds)
+            if not into_x:
+                host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb], binds)
             host.encode_rms_norm(enc, xb, vec["ffn_norm"], hb, T, H, eps, binds=binds)
             if m.is_moe_layer(layer):  # routing on the CPU: the normed rows come back, the experts' sum goes up
                 y = self.ffn(layer, host.submit_read(enc, hb, T * H, readback).reshape(T, H))
@@ -437,8 +442,10 @@ class GpuStage:
                 host.write(buf["mo"], y)
                 host.encode_elementwise(enc, "add", T * H, (T * H,), [buf["mo"], xb], binds)
                 continue
-            host.encode_ffn(enc, hb, _gpu(self._block(layer, DENSE)), fb, yb, T, binds)
-            host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb], binds)
+            host.encode_ffn(enc, hb, _gpu(self._block(layer, DENSE)), fb, xb if self.fuse else yb, T, binds,
+                            accumulate=self.fuse)  # down adds its sums to the residual itself
+            if not self.fuse:
+                host.encode_elementwise(enc, "add", T * H, (T * H,), [yb, xb], binds)
         return host.submit_read(enc, xb, T * H, readback).reshape(T, H)
 
     def _kv(self, cache, layer: int, start: int, end: int) -> GpuKV:
@@ -502,8 +509,10 @@ class GpuStage:
 
     def matmul_many(self, products: Sequence[tuple[QMatrix, np.ndarray, np.ndarray | None]]) -> list[np.ndarray]:
         """``x @ W.T`` for each (W, x float32 [T, cols], out float32 [T, rows] or None), written
-        into ``out`` where given: on the GPU in one submission, but for matrices the kernels do
-        not read, which run through the engine's :func:`~swarm.compute.quant.matmul_many`."""
+        into ``out`` where given: on the GPU in one submission (matrices stacked at upload, such as
+        a layer's Q|K|V, in one product over the same x, each taking its columns), but for
+        matrices the kernels do not read, which run through the engine's
+        :func:`~swarm.compute.quant.matmul_many`."""
         held = [self._linear_of(w) for w, _, _ in products]
         results: list[np.ndarray | None] = [None] * len(products)
         cpu = [i for i, g in enumerate(held) if g is None]
@@ -511,20 +520,52 @@ class GpuStage:
         for i, y in zip(cpu, matmul_many([products[i] for i in cpu]) if cpu else ()):
             results[i] = y
         xs: dict[int, np.ndarray] = {}  # one C-order copy of an x several products share (Q, K, V)
-        operands = [(_on_gpu(held[i]), xs.setdefault(id(products[i][1]), np.ascontiguousarray(products[i][1], np.float32)))
-                    for i in gpu]
-        for i, y in zip(gpu, self.gpu.host.matmul_many(operands) if gpu else ()):
-            out = products[i][2]
+        runs: dict[tuple[int, int], int] = {}  # (stacked matrix, x) → its product's place in operands
+        operands: list[tuple[GpuLinear, np.ndarray]] = []
+        at = []
+        for i in gpu:
+            linear = _on_gpu(held[i]).linear
+            x = xs.setdefault(id(products[i][1]), np.ascontiguousarray(products[i][1], np.float32))
+            at.append(runs.setdefault((id(linear), id(x)), len(operands)))
+            if at[-1] == len(operands):
+                operands.append((linear, x))
+        ys = self.gpu.host.matmul_many(operands) if operands else []
+        for i, j in zip(gpu, at):
+            r, out = _on_gpu(held[i]), products[i][2]
+            y = ys[j] if r.rows == r.linear.rows else np.ascontiguousarray(ys[j][:, r.row0:r.row0 + r.rows])
             if out is not None:
                 out[...] = y
             results[i] = y if out is None else out
         return results  # type: ignore[return-value]
 
-    def _linear_of(self, w: QMatrix) -> GpuLinear | None:
+    def _linear_of(self, w: QMatrix) -> _Rows | None:
+        """Attention matrix ``w`` on the GPU (uploaded alone if it is not yet), or None: the CPU's."""
         if w not in self._linear:
             op = kernel_operand(w, self.gpu.host.formats, "attention", repack=False)
-            self._linear[w] = None if op is None else self.gpu.host.upload_linear(*op)
+            self._linear[w] = None if op is None else _Rows(self.gpu.host.upload_linear(*op), 0, len(op[0]))
         return self._linear[w]
+
+    def _attention_linears(self, layer: int) -> tuple[_Rows | None, ...]:
+        """Layer ``layer``'s Q, K, V, O on the GPU (:meth:`_linear_of`; none for MLA or linear
+        attention). At their first upload (with :attr:`fuse`), adjacent ones of Q, K, V in one
+        format and width go up as one matrix, their rows stacked in the file's encoding (Q4_K_M:
+        Q|K, then V in Q6_K), so one product computes them: each row by the same kernel as alone,
+        the same bits, the same bytes held."""
+        mats = _projections(self.model.attention_weights(layer))
+        if mats and self.fuse and not any(q in self._linear for q in mats[:3]):
+            ops = [kernel_operand(q, self.gpu.host.formats, "attention", repack=False) for q in mats[:3]]
+            for run in _runs([None if op is None else (op[1], op[0].dtype.str, op[0].shape[1]) for op in ops]):
+                read = [(mats[i], op) for i in run if (op := ops[i]) is not None]
+                if not read:
+                    continue  # the engine's: _linear_of records it
+                blocks = [a for _, (a, _) in read]
+                linear = self.gpu.host.upload_linear(np.concatenate(blocks) if len(blocks) > 1 else blocks[0],
+                                                     read[0][1][1])
+                row0 = 0
+                for q, (a, _) in read:
+                    self._linear[q] = _Rows(linear, row0, len(a))
+                    row0 += len(a)
+        return tuple(self._linear_of(q) for q in mats)
 
     # ---- FFNBackend: the layer's MLP or MoE ----------------------------------------------------
 
@@ -560,6 +601,28 @@ class GpuStage:
                  else m.expert_weights(layer, e))
             held = self._blocks[(layer, e)] = self.gpu.load(w, repack=False)
         return held
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """An attention matrix on the GPU: rows ``row0 .. row0 + rows`` of ``linear`` (a
+    ``web_peer.wgpu_host.GpuLinear``, which may hold a layer's Q|K|V stacked)."""
+
+    linear: GpuLinear
+    row0: int
+    rows: int
+
+
+def _runs(keys: Sequence[object]) -> list[list[int]]:
+    """Indices of ``keys`` in runs of adjacent equal keys, a None key alone: [a, a, b, None, None]
+    → [[0, 1], [2], [3], [4]]."""
+    runs: list[list[int]] = []
+    for i, key in enumerate(keys):
+        if runs and key is not None and keys[runs[-1][-1]] == key:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 class GpuKVFull(DeviceKVFull):
@@ -599,7 +662,7 @@ def _gpu(w: GpuWeights) -> GpuFfnWeights:
     return w.gpu
 
 
-def _on_gpu(linear: GpuLinear | None) -> GpuLinear:
+def _on_gpu(rows: _Rows | None) -> _Rows:
     """A matrix held on the GPU (a resident stage's and the GPU products' all are)."""
-    assert linear is not None
-    return linear
+    assert rows is not None
+    return rows

@@ -7,16 +7,21 @@ weights). A lost device answers ``internal``; the next request uploads again."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+import web_peer.wgpu_host as wgpu_host
+
 from swarm.compute.model import load_model
 from swarm.peer.coordinator.bounds import rows_outside, stage_rtol
 from swarm.peer.net import messages as M
 from swarm.peer.plan import Stage, StageLayout
-from swarm.peer.worker.gpu import GpuFfn, GpuStage
+from swarm.compute.quant import QMatrix
+from swarm.peer.worker.gpu import GpuFfn, GpuStage, _runs
 from swarm.peer.worker.stages import StageRunner
 from tests.compute.test_quant_kernels import quantize_k
 from tests.compute.tiny_gguf import write_gguf_from_hf
@@ -46,11 +51,12 @@ def gguf_model(tmp_path, monkeypatch, family: str, qtype: QT, **overrides):
     return load_model(write_gguf_from_hf(hf, family, tmp_path / f"{family}-{qtype.name}.gguf", qtype))
 
 
-def runners(model, gpu, stop: int, whole_layers: bool = True) -> tuple[StageRunner, StageRunner, GpuStage]:
+def runners(model, gpu, stop: int, whole_layers: bool = True,
+            fuse: bool = True) -> tuple[StageRunner, StageRunner, GpuStage]:
     """A CPU StageRunner and a GPU one, both serving layers 0:stop of ``model`` as peer W1."""
     layout = StageLayout(1, 1, COORD, (Stage(W1, 0, stop),) + ((Stage(COORD, stop, model.config.n_layers),)
                                                                if stop < model.config.n_layers else ()))
-    device = GpuStage(gpu, model, whole_layers)
+    device = GpuStage(gpu, model, whole_layers, fuse=fuse)
     cpu, on_gpu = StageRunner(W1, model), StageRunner(W1, model, device=device)
     for r in (cpu, on_gpu):
         r.accept(layout)
@@ -319,3 +325,64 @@ def test_decode_steps_reuse_the_stages_buffers_and_give_a_fresh_stages_bits(gpu,
     assert decode[0] > 0 and decode[7] > 0, made
     assert decode[1:7] == [0] * 6 and decode[8:] == [0] * 4, made
     assert submitted[1:8] + submitted[9:] == [2] * 11, submitted  # one a sequence (step 7 also copies the grown KV)
+
+
+def test_runs_of_one_format_stack_only_neighbours():
+    """Q, K, V go up stacked only where adjacent ones share a format (their columns of the qkv
+    row are then adjacent too); a matrix the kernels do not read (None) stays alone."""
+    assert _runs(["q4_k", "q4_k", "q6_k"]) == [[0, 1], [2]]
+    assert _runs(["q8_0", "q8_0", "q8_0"]) == [[0, 1, 2]]
+    assert _runs(["q4_k", "q6_k", "q4_k"]) == [[0], [1], [2]]
+    assert _runs([None, None, "f32"]) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("case", ["F32", "Q4_K", "Q8_0-V-F32", "products"])
+def test_a_fused_layer_takes_fewer_dispatches_and_gives_the_same_bits(gpu, tmp_path, monkeypatch, case):
+    """Decode steps through whole GPU layers with Q|K|V stacked at upload (one product per run of
+    one format) and the O and down products adding their sums to the residual themselves: 9
+    dispatches a dense layer (10 where V is of another format than Q and K) where a product per
+    matrix and two adds of their own take 13 (``fuse=False``; 14 when keys and values took a
+    kv_write each), and the stage's rows, prefill and each step, bit for bit those of the
+    unfused stage, with the same bytes held. The products-only path too takes Q|K|V as one
+    product: the same bits."""
+    qtype = {"F32": QT.F32, "Q4_K": QT.Q4_K}.get(case, QT.Q8_0)
+    model = gguf_model(tmp_path, monkeypatch, "llama", qtype, **WIDE)
+    stop = model.config.n_layers
+    if case == "Q8_0-V-F32":  # as Q4_K_M files keep V in Q6_K: Q|K stacked, V alone
+        for layer in range(stop):
+            w = model.attention_weights(layer)
+            model._attn[layer] = dataclasses.replace(w, v=QMatrix.from_float(w.v.dequantize()))  # noqa: SLF001
+    whole = case != "products"
+    _, fused, device = runners(model, gpu, stop, whole)
+    _, plain, plain_device = runners(model, gpu, stop, whole, fuse=False)
+    assert device.resident(0, stop) == plain_device.resident(0, stop) == whole
+    assert [device.load_layer(n) for n in range(stop)] == [plain_device.load_layer(n) for n in range(stop)]  # bytes held
+    H = model.config.hidden_size
+    rng = np.random.default_rng(21)
+    dispatches: list[int] = []
+    dispatch = wgpu_host.Encoder.dispatch
+
+    def counted(self, *args):
+        dispatches[-1] += 1
+        return dispatch(self, *args)
+
+    def both(req: M.StageRequest) -> None:
+        answers = []
+        for runner in (fused, plain):
+            dispatches.append(0)
+            monkeypatch.setattr(wgpu_host.Encoder, "dispatch", counted)
+            answers.append(runner.handle(req))
+            monkeypatch.setattr(wgpu_host.Encoder, "dispatch", dispatch)
+        a, b = answers
+        assert isinstance(a, M.StageAnswer) and isinstance(b, M.StageAnswer), (a, b)
+        assert a.x.dtype == b.x.dtype == np.float32 and np.array_equal(a.x, b.x)
+
+    both(request(1, [(1, 0, 9)], rng.standard_normal((9, H), np.float32), stop))
+    for step in range(4):
+        both(request(2 + step, [(1, 9 + step, 1)], rng.standard_normal((1, H), np.float32), stop))
+    fused_steps, plain_steps = dispatches[2::2], dispatches[3::2]
+    if not whole:  # Q|K|V as one product, O, swiglu and down: 4 dispatches a layer, not 6 (the rest on the CPU)
+        assert set(fused_steps) == {4 * stop} and set(plain_steps) == {6 * stop}, dispatches
+        return
+    layer = 10 if case == "Q8_0-V-F32" else 9
+    assert set(fused_steps) == {layer * stop} and set(plain_steps) == {13 * stop}, dispatches
