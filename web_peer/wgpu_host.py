@@ -634,9 +634,19 @@ class WgpuFfn:
         `accumulate` (down only): out[i] = sum + out[i], the same f32 add as a separate add.wgsl
         pass, so the same bits; `inp` must not be `out`. Not for q8, whose per-row scale product
         a compiler may fuse with that add (one rounding: other bits)."""
-        if accumulate and (kernel != "down" or fmt == "q8" or inp is out):
-            raise KernelError(f"{kernel} of {fmt!r} cannot add its sums to its output bit for bit "
-                              "(the down kernel only, not q8, reading another buffer than it writes)")
+        if accumulate:
+            if kernel != "down":
+                raise KernelError(f"accumulate is for the down kernels only, not {kernel!r}: write the {kernel} "
+                                  "product into a buffer of its own, then add it with the add kernel")
+            if fmt == "q8":
+                raise KernelError("accumulate is refused for the 'q8' format: its per-row scale product and the "
+                                  "add may be fused into one rounding by the shader compiler, other bits than a "
+                                  "separate add; write the product into a buffer of its own, then add it with the "
+                                  "add kernel (or upload the matrix in another format)")
+            if inp is out:
+                raise KernelError(f"accumulate with the input buffer as the output ({kernel} of {fmt!r}): its "
+                                  "workgroups would write rows that others still read (a race); pass an output "
+                                  "buffer other than the input")
         pipe = self._pipeline(kernel, fmt, K.DECODE_TB if t_rows == 1 else K.TB, accumulate)
         rows_per_group = self.workgroup_size // self.lanes if fmt in K.BLOCK_FORMATS else 1
         for i, (r0, r1) in enumerate(mats[0].packed.parts):

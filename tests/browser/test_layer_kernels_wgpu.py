@@ -135,7 +135,8 @@ def test_kv_write_and_add_are_their_twins(gpu):
 def test_a_product_that_adds_to_its_output_is_the_product_then_add(gpu, fmt, T):
     """encode_linear with ``accumulate`` (the down kernels' ACCUMULATE constant) into a residual
     stream, at a column offset: bit for bit the product into a buffer of its own, then add.wgsl;
-    the columns it does not write keep theirs. Refused for q8 and for an output that is the input."""
+    the columns it does not write keep theirs. Refused, each with its own reason, for a kernel
+    other than down, for q8 and for an output that is the input."""
     rng = np.random.default_rng(11)
     rows, cols, n_out, col0 = 40, 256, 48, 4
     if fmt == "f32":
@@ -160,11 +161,14 @@ def test_a_product_that_adds_to_its_output_is_the_product_then_add(gpu, fmt, T):
     np.testing.assert_array_equal(got, gpu.submit_read(enc, rb2, res.size).reshape(res.shape))
     np.testing.assert_array_equal(got, K.add(y.copy(), res))
     assert np.array_equal(got[:, :col0], res[:, :col0]) and not np.array_equal(got, res)
-    with pytest.raises(KernelError, match="bit for bit"):
+    with pytest.raises(KernelError, match="input buffer as the output .*pass an output buffer other than the input"):
         gpu.encode_linear(gpu.encoder(), xb, m, xb, T, n_out, accumulate=True)
-    with pytest.raises(KernelError, match="bit for bit"):
+    with pytest.raises(KernelError, match="refused for the 'q8' format.*buffer of its own"):
         gpu.encode_linear(gpu.encoder(), xb, gpu.upload_linear(rng.standard_normal((8, 32), np.float32), "q8"),
                           rb, T, n_out, accumulate=True)
+    with pytest.raises(KernelError, match="down kernels only, not 'swiglu': write the swiglu product into a buffer"):
+        gpu._dispatch(gpu.encoder(), "swiglu", fmt, T, cols // 4, n_out, xb, [m.matrix], rb,  # noqa: SLF001
+                      accumulate=True)
 
 
 def test_a_uniform_carries_a_new_position_each_submission_and_refuses_two_in_one(gpu):

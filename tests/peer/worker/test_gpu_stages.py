@@ -386,3 +386,71 @@ def test_a_fused_layer_takes_fewer_dispatches_and_gives_the_same_bits(gpu, tmp_p
         return
     layer = 10 if case == "Q8_0-V-F32" else 9
     assert set(fused_steps) == {layer * stop} and set(plain_steps) == {13 * stop}, dispatches
+
+
+def assert_fused_bits(model, gpu, stop: int, whole: bool, requests: list[M.StageRequest]) -> StageRunner:
+    """A fused stage and an unfused one (``fuse=False``) of ``model``'s layers 0:stop hold the
+    same bytes and answer every request of ``requests``, in turn, with the same bits. Returns
+    the fused stage's runner."""
+    _, fused, device = runners(model, gpu, stop, whole)
+    _, plain, plain_device = runners(model, gpu, stop, whole, fuse=False)
+    assert device.resident(0, stop) == plain_device.resident(0, stop) == whole
+    assert [device.load_layer(n) for n in range(stop)] == [plain_device.load_layer(n) for n in range(stop)]
+    for req in requests:
+        a, b = fused.handle(req), plain.handle(req)
+        assert isinstance(a, M.StageAnswer) and isinstance(b, M.StageAnswer), (req.request_id, a, b)
+        assert a.x.dtype == b.x.dtype == np.float32 and np.array_equal(a.x, b.x), req.request_id
+    return fused
+
+
+FUSED_CASES = {  # case: (family, qtype, whole layers)
+    "qwen2-qkv-bias": ("qwen2", QT.Q8_0, True),
+    "qwen3-qk-norm-Q8_0": ("qwen3", QT.Q8_0, True),
+    "qwen3-qk-norm-F32": ("qwen3", QT.F32, True),
+    "qwen2_moe": ("qwen2_moe", QT.Q8_0, True),
+    "mixtral": ("mixtral", QT.Q8_0, True),
+    "qwen3_moe-F16": ("qwen3_moe", QT.F16, True),
+    "o-bias": ("llama", QT.Q8_0, True),
+    "kv-growth": ("llama", QT.Q8_0, True),
+    "chunked": ("llama", QT.Q8_0, True),
+    "chunked-products": ("llama", QT.Q8_0, False),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_a_fused_stage_gives_the_unfused_bits_for_each_kind_of_layer(gpu, tmp_path, monkeypatch, case):
+    """Beyond plain llama layers: Qwen2's Q/K/V biases, Qwen3's norm of each head (Q8_0 and
+    F32), MoE layers (Qwen2-MoE's shared expert, Mixtral, Qwen3-MoE's F16 and its dense layer; a
+    prefill of two sequences, then decode steps), an O with a bias (O keeps its own adds), a
+    12-row prompt in chunks (bindings capped at 8 KiB; whole layers and products only), and the
+    KV cache growing past 16 positions (two sequences taking turns to 32): the fused stage's
+    rows are bit for bit the unfused stage's, with the same bytes held."""
+    from web_peer.wgpu_host import WgpuFfn
+
+    family, qtype, whole = FUSED_CASES[case]
+    model = gguf_model(tmp_path, monkeypatch, family, qtype, **(WIDE if family == "llama" else {}))
+    stop = model.config.n_layers
+    H = model.config.hidden_size
+    rng = np.random.default_rng(31)
+    rows = lambda n: rng.standard_normal((n, H), np.float32)  # noqa: E731
+    if case == "o-bias":  # as gpt-oss's attn_output.bias
+        for layer in range(stop):
+            bias = rng.standard_normal(H).astype(np.float32)
+            model._attn[layer] = dataclasses.replace(model.attention_weights(layer), o_bias=bias)  # noqa: SLF001
+    if case.startswith("chunked"):
+        small = GpuFfn(WgpuFfn(max_binding=8 << 10))
+        try:
+            assert_fused_bits(model, small, stop, whole, [request(1, [(1, 0, 12)], rows(12), stop),
+                                                          request(2, [(1, 12, 1)], rows(1), stop)])
+            assert small.host.largest_binding <= 8 << 10
+        finally:
+            small.close()
+        return
+    reqs = [request(1, [(1, 0, 6), (2, 0, 3)], rows(9), stop)]  # a prefill of two sequences
+    steps = 23 if case == "kv-growth" else 3  # sequence 1 to 29 positions, 2 beside it to 26
+    reqs += [request(2 + s, [(1, 6 + s, 1), (2, 3 + s, 1)], rows(2), stop) for s in range(steps)]
+    if case == "kv-growth":  # then each alone, in turn, past 32: the buffers grow again
+        reqs += [request(30 + s, [(1 + s % 2, (29, 26)[s % 2] + s // 2, 1)], rows(1), stop) for s in range(8)]
+    fused = assert_fused_bits(model, gpu, stop, whole, reqs)
+    if case == "kv-growth":  # grown twice (16 → 32 → 64) for sequence 1, once for sequence 2
+        assert {kv.cap for c in fused._caches.values() for kv in c.device_kv.values()} == {32, 64}  # noqa: SLF001
