@@ -6,7 +6,8 @@
 #
 # llama.cpp: $LLAMA_BENCH (a llama-bench binary), else built here from $LLAMA_CPP_SRC (a llama.cpp
 # source tree), else from the llama-cpp-python sdist pip downloads (its vendor/llama.cpp), with
-# -DGGML_NATIVE=ON: the CPU's own instruction set. Each thread count runs colibri with the Python
+# -DGGML_NATIVE=ON: the CPU's own instruction set (LLAMA_NO_AMX=1 also passes -mno-amx-*: on a VM
+# that reports AMX without enabling it, the native build crashes at its first product). Each thread count runs colibri with the Python
 # pool and with the spinning workers (COLIBRI_SWARM_SPIN=0/1). The files are written once into
 # $BENCH_FILES (default OUT_DIR/files); a machine without the default model takes a tokenizer
 # GGUF from $BENCH_TOKENIZER_GGUF (python3 bench/engine.py --make-tokenizer TOK.gguf).
@@ -25,8 +26,11 @@ if [ -z "${LLAMA_BENCH:-}" ]; then
         tar -xzf "$out"/sdist/llama_cpp_python-*.tar.gz -C "$out/sdist"
         src="$(ls -d "$out"/sdist/llama_cpp_python-*/vendor/llama.cpp)"
     fi
+    flags=()
+    [ "${LLAMA_NO_AMX:-0}" = 1 ] && flags=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                                           "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
     cmake -S "$src" -B "$out/llama-build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >"$out/cmake.log"
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF "${flags[@]}" >"$out/cmake.log"
     cmake --build "$out/llama-build" --target llama-bench -j "$cores" >"$out/build.log"
     LLAMA_BENCH="$out/llama-build/bin/llama-bench"
 fi
