@@ -93,8 +93,11 @@ def test_a_failure_is_drained_after_the_tokens_before_it(model):
     decoding = s.submit([5, 6], SamplingParams(max_tokens=200))
     long = s.submit([1] * 240, SamplingParams(max_tokens=10))  # 60 prefill steps
     waiting = s.submit([2, 3], SamplingParams(max_tokens=2))
-    while long.ident not in s.snapshot()["prefilling"]:
+    # Two steps done: the first gave `decoding` its first token (`long` was admitted before any step, so
+    # its being in "prefilling" alone does not say a token came); `long` has ~58 prefill steps left.
+    while s.snapshot()["steps"] < 2:
         time.sleep(0.001)
+    assert long.ident in s.snapshot()["prefilling"]
     rec = _Recorder({0: decoding, 1: long, 2: waiting})
     for k, stream in rec.streams.items():
         stream.listen(rec, k)
