@@ -50,6 +50,7 @@ the local run's bits.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import platform
 import struct
@@ -616,13 +617,8 @@ class _Rows:
 def _runs(keys: Sequence[object]) -> list[list[int]]:
     """Indices of ``keys`` in runs of adjacent equal keys, a None key alone: [a, a, b, None, None]
     → [[0, 1], [2], [3], [4]]."""
-    runs: list[list[int]] = []
-    for i, key in enumerate(keys):
-        if runs and key is not None and keys[runs[-1][-1]] == key:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
+    runs = itertools.groupby(range(len(keys)), key=lambda i: (0, keys[i]) if keys[i] is not None else (1, i))
+    return [list(run) for _, run in runs]  # (1, i): each None a group of its own
 
 
 class GpuKVFull(DeviceKVFull):
