@@ -2,7 +2,7 @@
 
     python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
     python3 bench/web_peer.py --blocks [--blocks-shape H,F] [--reps N] [--lanes L] [--subgroups auto|on|off]
-                              [--formats q4_k,q8_0]
+                              [--formats q4_k,q8_0] [--int8-activations]
     python3 bench/web_peer.py --dispatch-cost [--reps N]
 
 For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format (f32, f16, q8 and the
@@ -17,6 +17,12 @@ With --blocks, only the wgpu adapter, per block type on one shape (default H 409
 Mixtral expert): GB/s of weights read at T = 1 and GFLOP/s at T = 64 (both kernels), beside the
 device's buffer-to-buffer copy bandwidth (read + write bytes per second, wgpu's copy_buffer_to_buffer).
 Block weights are random valid blocks (K.random_blocks): timing does not depend on their values.
+With --blocks --int8-activations, a candidate instead (web_peer/int8_activations.py): decode GEMVs
+(T = 1) of Q4_K and Q8_0 weights on activations quantized per 32 values to int8 (dot4I8Packed),
+beside the existing f32-activation kernel (down_blocks.wgsl) on the same matrix, device and rows:
+W [F, H] (a gate or up) and W [H, F] (a down), ms alternating old, new, old, new; GB/s of weight
+bytes and their fraction of the copy bandwidth; the candidate's answer against its numpy twin
+(within twin_bound) and both kernels' against float64 of the dequantized weights and float x.
 With --dispatch-cost, what one small dispatch costs beyond its work (a GPU stage encodes a dozen
 a layer): N dispatches of add.wgsl over 4096 floats, each with its own uniform buffer and bind
 group as the host makes them, encoded a compute pass each or all in one pass; per dispatch the
@@ -216,6 +222,17 @@ def dispatch_cost(reps: int) -> dict:
     return out
 
 
+def _block_adapter(gpu) -> dict:
+    """The adapter section of the block benches: what it is, and how the block kernels split rows
+    (lanes, rows a workgroup) and whether they reduce through subgroups."""
+    info = gpu.adapter.info
+    adapter = {k: info[k] for k in ("vendor", "device", "description", "backend_type", "adapter_type")}
+    adapter.update({"subgroup_feature": "subgroup" in gpu.adapter.features,
+                    "subgroup_min_size": gpu.subgroup_min_size, "subgroups_used": gpu.subgroups,
+                    "lanes": gpu.lanes, "rows_per_workgroup": gpu.workgroup_size // gpu.lanes})
+    return adapter
+
+
 def bench_blocks(h, f, reps, workgroup_size, lanes=None, subgroups=None,
                  formats=("f32", "f16") + K.BLOCK_FORMATS):
     """Per weight format, both kernels on one SwiGLU block [F, H]: T = 1 GB/s of weights read,
@@ -226,11 +243,7 @@ def bench_blocks(h, f, reps, workgroup_size, lanes=None, subgroups=None,
 
     opts = {"workgroup_size": workgroup_size, "lanes": lanes, "subgroups": subgroups}
     with WgpuFfn(**opts) as gpu:
-        info = gpu.adapter.info
-        adapter = {k: info[k] for k in ("vendor", "device", "description", "backend_type", "adapter_type")}
-        adapter.update({"subgroup_feature": "subgroup" in gpu.adapter.features,
-                        "subgroup_min_size": gpu.subgroup_min_size, "subgroups_used": gpu.subgroups,
-                        "lanes": gpu.lanes, "rows_per_workgroup": gpu.workgroup_size // gpu.lanes})
+        adapter = _block_adapter(gpu)
         out = {"adapter": adapter, "workgroup_size": gpu.workgroup_size, "H": h, "F": f,
                "copy": copy_bandwidth(gpu), "formats": []}
         out["copy_gbps"] = max(out["copy"].values())  # the reference: the best copy this device showed
@@ -255,6 +268,64 @@ def bench_blocks(h, f, reps, workgroup_size, lanes=None, subgroups=None,
                                "t8_ms": _entry("wgpu", "ffn", fmt, 8, h, f, t8)["ms"],
                                "t64_ms": e64["ms"], "t64_gflops": e64["gflops"],
                                "rel_error_vs_twin_f64": float(np.abs(y - ref).max() / np.abs(ref).max())})
+    return out
+
+
+def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=None, formats=("q4_k", "q8_0")):
+    """Per format of web_peer.int8_activations.X8_FORMATS and matrix shape ([F, H], [H, F]), on a
+    fresh device: decode GEMV ms of the f32-activation block kernel and of the int8-activation
+    candidate (with its quantization kernel, and without: the int8 row made before), alternating
+    twice; GB/s of weight bytes and of copy; errors (module docstring). Random valid blocks."""
+    from web_peer import int8_activations as X8
+    from web_peer.wgpu_host import WgpuFfn
+
+    opts = {"workgroup_size": workgroup_size, "lanes": lanes, "subgroups": subgroups}
+    with WgpuFfn(**opts) as gpu:
+        adapter = _block_adapter(gpu)
+        out = {"adapter": adapter, "workgroup_size": gpu.workgroup_size, "H": h, "F": f,
+               "activation_quantization": "a kernel of its own (quantize_x8.wgsl), timed with the GEMV in x8_ms",
+               "copy": copy_bandwidth(gpu), "gemvs": []}
+        out["copy_gbps"] = max(out["copy"].values())
+    for fmt in (fm for fm in formats if fm in X8.X8_FORMATS):
+        for name, (rows, cols) in (("gate [F, H]", (f, h)), ("down [H, F]", (h, f))):
+            with WgpuFfn(**opts) as gpu:
+                rng = np.random.default_rng(0)
+                w = gpu.upload_linear(K.random_blocks(rng, rows, cols, fmt, 1e-4), fmt)
+                x8 = X8.X8Gemv(gpu)
+                runs: dict[str, list[float]] = {"f32_ms": [], "x8_ms": [], "x8_gemv_ms": []}
+                for _ in range(2):
+                    runs["f32_ms"].append(x8.time_f32(w, reps) * 1e3)
+                    runs["x8_ms"].append(x8.time(w, reps) * 1e3)
+                    runs["x8_gemv_ms"].append(x8.time(w, reps, quantize=False) * 1e3)
+                # Answers on this device (not timed): x ~ N(0, 1), one row.
+                x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+                y8, q, xs = x8.run(w, x)
+                y32 = gpu.matmul_many([(w, x)])[0]
+                lanes_used = gpu.lanes
+            m = w.matrix.packed
+            twin = X8.gemv_x8(m, q, xs, lanes_used)
+            bound = X8.twin_bound(m, q, xs, lanes_used)
+            qt, xst = X8.quantize_x8(x)
+            ref = x.astype(np.float64) @ K.unpack_matrix(m).astype(np.float64).T
+            scale = float(np.abs(ref).max())
+            entry = {"format": fmt, "matrix": name, "rows": rows, "K": cols, "weight_bytes": m.nbytes}
+            for key, ms in runs.items():
+                best = min(ms)
+                entry[key] = [round(v, 4) for v in ms]
+                entry[key.replace("_ms", "_weight_gbps")] = round(m.nbytes / best / 1e6, 2)
+                entry[key.replace("_ms", "_of_copy")] = round(m.nbytes / best / 1e6 / out["copy_gbps"], 3)
+            entry.update({
+                "x8_vs_twin_max_abs": float(np.abs(y8 - twin).max()),
+                "x8_vs_twin_rel": float(np.abs(y8 - twin).max() / np.abs(twin).max()),
+                "x8_vs_twin_of_bound": float((np.abs(y8 - twin) / bound).max()),
+                "x8_equal_bits_to_twin": bool(np.array_equal(y8, twin)),
+                "quantize_q_differing": int((q != qt).sum()),
+                "quantize_q_max_step": int(np.abs(q.astype(np.int16) - qt).max()),
+                "quantize_dx_max_rel": float((np.abs(xs[..., 0] - xst[..., 0]) / np.maximum(xst[..., 0], 1e-30)).max()),
+                "x8_rel_error_vs_f64": float(np.abs(y8 - ref).max() / scale),
+                "f32_rel_error_vs_f64": float(np.abs(y32 - ref).max() / scale),
+            })
+            out["gemvs"].append(entry)
     return out
 
 
@@ -446,6 +517,8 @@ def main(argv=None):
     ap.add_argument("--subgroups", choices=("auto", "on", "off"), default="auto",
                     help="block kernels' row reduction through subgroup shuffles (auto: when the adapter allows)")
     ap.add_argument("--formats", default=None, help="comma-separated formats of --blocks (default: all the adapter has)")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="with --blocks: the int8-activation GEMV candidate (q4_k, q8_0) beside the f32-activation kernel")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="only wgpu: what a small dispatch costs, a pass each against one pass (--reps dispatches)")
     args = ap.parse_args(argv)
@@ -456,10 +529,12 @@ def main(argv=None):
     if args.blocks:
         h, f = (int(v) for v in args.blocks_shape.split(","))
         t0 = time.perf_counter()
-        report = {"bench": "web_peer block kernels", "reps": args.reps,
-                  "wgpu": bench_blocks(h, f, args.reps, args.workgroup_size, args.lanes,
-                                       {"auto": None, "on": True, "off": False}[args.subgroups],
-                                       *([tuple(args.formats.split(","))] if args.formats else []))}
+        name, run = (("web_peer int8-activation GEMVs", bench_int8_activations) if args.int8_activations
+                     else ("web_peer block kernels", bench_blocks))
+        report = {"bench": name, "reps": args.reps,
+                  "wgpu": run(h, f, args.reps, args.workgroup_size, args.lanes,
+                              {"auto": None, "on": True, "off": False}[args.subgroups],
+                              *([tuple(args.formats.split(","))] if args.formats else []))}
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         json.dump(report, sys.stdout, indent=1)
         print()

@@ -1,0 +1,44 @@
+// gemv_x8.wgsl's prelude for Q4_K weights (planes as weights_q4_k.wgsl: the 16-byte head of each
+// super-block in the scale plane, qs in the quant plane). Step s of a row: sub-blocks 2j and
+// 2j + 1 (j = s % 4) of block s / 4, i.e. its units 2j and 2j + 1 (32 bytes of qs: the low nibbles
+// are sub-block 2j's 32 weights, the high ones 2j + 1's) and activation blocks 2s and 2s + 1:
+//   i_k = sum q_w * q_x (exact in i32; nibbles 0..15 read as int8 are themselves)
+//   step = (((d * sc_2j) * dx_2s) * i_2j + ((d * sc_2j+1) * dx_2s+1) * i_2j+1,
+//           (dmin * m_2j) * s_2s + (dmin * m_2j+1) * s_2s+1)
+// (the scaled sums and the min terms apart, subtracted once a row: gemv_x8.wgsl).
+const QK: u32 = 256u;
+const STEPS_PER_BLOCK: u32 = 4u;
+@group(0) @binding(4) var<storage, read> ws: array<vec4<u32>>;  // a block's head (d, dmin, scales): one load
+
+// 6-bit (sc, m) of sub-block sb from the head words (ggml's get_scale_min_k4, as blocks_k.wgsl).
+fn x8_scale_min(head: vec4<u32>, sb: u32) -> vec2<u32> {
+    let lo = sb < 4u;
+    let sc = select((head.w & 0x0F0F0F0Fu) | ((head.y >> 2u) & 0x30303030u), head.y & 0x3F3F3F3Fu, lo);
+    let mn = select(((head.w >> 4u) & 0x0F0F0F0Fu) | ((head.z >> 2u) & 0x30303030u), head.z & 0x3F3F3F3Fu, lo);
+    let sh = 8u * (sb % 4u);
+    return vec2<u32>((sc >> sh) & 63u, (mn >> sh) & 63u);
+}
+
+// sum over the 4 words of q (nibbles) times the 4 words of a (int8) of their byte products.
+fn dot16(q: vec4<u32>, a: vec4<u32>) -> i32 {
+    return (dot4I8Packed(q.x, a.x) + dot4I8Packed(q.y, a.y)) + (dot4I8Packed(q.z, a.z) + dot4I8Packed(q.w, a.w));
+}
+
+// xr: row t's first vec4 of xq, sr: its first (dx, s).
+fn step(r: u32, nb: u32, xr: u32, sr: u32, s: u32) -> vec2<f32> {
+    let b = r * nb + s / 4u;
+    let head = ws[b];
+    let j = s % 4u;
+    let m0 = x8_scale_min(head, 2u * j);
+    let m1 = x8_scale_min(head, 2u * j + 1u);
+    let q0 = w[2u * (r * nb * 4u + s)];
+    let q1 = w[2u * (r * nb * 4u + s) + 1u];
+    let nib = vec4<u32>(0x0F0F0F0Fu);
+    let i0 = dot16(q0 & nib, xq[xr + 4u * s]) + dot16(q1 & nib, xq[xr + 4u * s + 1u]);
+    let i1 = dot16((q0 >> vec4<u32>(4u)) & nib, xq[xr + 4u * s + 2u]) + dot16((q1 >> vec4<u32>(4u)) & nib, xq[xr + 4u * s + 3u]);
+    let dm = unpack2x16float(head.x);
+    let a0 = xs[sr + 2u * s];
+    let a1 = xs[sr + 2u * s + 1u];
+    return vec2<f32>((dm.x * f32(m0.x)) * a0.x * f32(i0) + (dm.x * f32(m1.x)) * a1.x * f32(i1),
+                     (dm.y * f32(m0.y)) * a0.y + (dm.y * f32(m1.y)) * a1.y);
+}
