@@ -47,6 +47,17 @@ run on one peer; per level the ratios per round and their median. Writes the JSO
     python3 bench/serve.py --pipeline [--model smollm2|PATH] [--streams 8,16] [--tokens 64] [--rounds 2] [--cores 0,1]
     COLIBRI_BENCH_THREADS=8 python3 bench/serve.py --pipeline --cores 0-7,8-15   # 16 cores, 8 a peer
 
+``--profile`` (``--pipeline`` only) adds ``profile`` to the record of each run over the stages
+(the raw schedulers' and the API's): where a group's hand-off goes against its compute — each
+hop's median and p90 (encode, pipe, decode, compute, the answer's way back, the waiting lane's
+wake), each stage peer's busy fraction, the stages' idle gaps between groups, the groups in
+flight, a step's critical path as compute / hand-off / waiting / the coordinator's own, and
+each stage's compute by the rows of a group (bench/pipeline_profile.py; each stage worker
+writes its stamps to a file read at the end). The wrappers cost time of their own: compare
+profiled runs with profiled runs.
+
+    COLIBRI_BENCH_THREADS=8 python3 bench/serve.py --pipeline --profile --cores 0-7,8-15 --streams 8 --rounds 1
+
 ``--trace`` (swarm only, one process pair) adds ``trace``: per step size, the median step and
 where one layer's round trip goes (token loop → event loop → encode → data channel → worker →
 compute → back), the coordinator's own share, and SCTP packets counted in the measured rounds
@@ -86,6 +97,9 @@ swarm_bench = _load_swarm_bench()
 _spec = importlib.util.spec_from_file_location("ffn_trace", Path(__file__).with_name("ffn_trace.py"))
 ffn_trace = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ffn_trace)
+_spec = importlib.util.spec_from_file_location("pipeline_profile", Path(__file__).with_name("pipeline_profile.py"))
+pipeline_profile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pipeline_profile)
 
 import numpy as np  # noqa: E402
 
@@ -344,12 +358,17 @@ def _stage_worker_main(path: str) -> None:
     model = load_model(path)
     model.materialize()
     runner = StageRunner(os.environ[STAGE_PEER_ENV], model)
+    profile = os.environ.get(pipeline_profile.PROFILE_ENV)  # --profile: this process's stamps, written at the end
+    if profile:
+        pipeline_profile.install("worker", sys.modules[__name__])
     inp, out, lock = sys.stdin.buffer, sys.stdout.buffer, threading.Lock()
     while (msg := _read_frame(inp)) is not None:
         if isinstance(msg, StagePlan):
             runner.accept(StageLayout.from_message(msg, PIPE_COORD, model.config.n_layers))
         else:
             _write_frame(out, lock, runner.handle(msg))
+    if profile:
+        pipeline_profile.dump(profile)
 
 
 class _PipeLink:
@@ -515,12 +534,27 @@ def _pipeline_main(args) -> dict:
         swarm_bench._progress(f"{name}: {tps:.1f} tok/s")
 
     local, workers = LocalFFN(model), {}
+    profiles: dict[str, Path] = {}  # --profile: stage worker → the file of its stamps
+    if args.profile:
+        pipeline_profile.install("coordinator", sys.modules[__name__])
+        tmp = Path(tempfile.mkdtemp(prefix="csd-profile-"))
+        profiles = {p: tmp / f"worker{i}.json" for i, p in enumerate(peers[1:], 1)}
+
+    def profiled(name, rnd, run):  # run() inside a measured window of the profile (--profile)
+        t0 = time.perf_counter_ns()
+        got = run()
+        if args.profile:
+            pipeline_profile.window(name, rnd, t0)
+        return got
+
     spin0 = [(0, 0)]  # spin_counts() at the last record
     swarm_bench._progress("solo runs")
     solo = [_serve_streams(model, local, [p], args.tokens)[0][0] for p in prompt_ids]
     api_solo = [asyncio.run(_api_streams(model, tok, None, [t], args.tokens))[0][0] for t in texts]
     workers = {p: subprocess.Popen(["taskset", "-c", ",".join(map(str, sorted(c))), sys.executable, __file__,
-                                    "--_stage_worker", str(path)], env={**os.environ, STAGE_PEER_ENV: p},
+                                    "--_stage_worker", str(path)],
+                                   env={**os.environ, STAGE_PEER_ENV: p,
+                                        **({pipeline_profile.PROFILE_ENV: str(profiles[p])} if profiles else {})},
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                for p, c in zip(peers[1:], cores[1:])}
     try:
@@ -543,19 +577,22 @@ def _pipeline_main(args) -> dict:
                 record(f"one_peer_{n}", toks, tps, gaps, solo, cpu0)
                 ffn.set_schedulers(width)  # as the API's pool tells it: no groups within a step
                 cpu0 = cpu_s()
-                toks, tps, gaps = _serve_streams(model, ffn, ids, args.tokens, schedulers=min(width, n))
+                toks, tps, gaps = profiled(f"stages_schedulers_{n}", r, lambda: _serve_streams(
+                    model, ffn, ids, args.tokens, schedulers=min(width, n)))
                 record(f"stages_schedulers_{n}", toks, tps, gaps, solo, cpu0)
                 for k in extra_widths:  # --schedulers: more batch schedulers than stages, raw
                     ffn.set_schedulers(k)
                     cpu0 = cpu_s()
-                    toks, tps, gaps = _serve_streams(model, ffn, ids, args.tokens, schedulers=min(k, n))
+                    toks, tps, gaps = profiled(f"stages_{k}_schedulers_{n}", r, lambda: _serve_streams(
+                        model, ffn, ids, args.tokens, schedulers=min(k, n)))
                     record(f"stages_{k}_schedulers_{n}", toks, tps, gaps, solo, cpu0)
                 ffn.set_schedulers(width)
                 cpu0 = cpu_s()
                 got, tps, gaps, _, n_tok = asyncio.run(_api_streams(model, tok, None, tx, args.tokens))
                 record(f"api_one_peer_{n}", got, tps, gaps, api_solo, cpu0, n_tok)
                 cpu0 = cpu_s()
-                got, tps, gaps, stepped, n_tok = asyncio.run(_api_streams(model, tok, ffn, tx, args.tokens))
+                got, tps, gaps, stepped, n_tok = profiled(f"api_stages_{n}", r, lambda: asyncio.run(
+                    _api_streams(model, tok, ffn, tx, args.tokens)))
                 record(f"api_stages_{n}", got, tps, gaps, api_solo, cpu0, n_tok, schedulers_stepped=stepped)
             out["load_avg_1m_after_round"] = [*out.get("load_avg_1m_after_round", []), round(os.getloadavg()[0], 2)]
         out["pipelined_steps"], out["stage_failures"] = ffn.pipelined_steps, link.failures
@@ -564,6 +601,9 @@ def _pipeline_main(args) -> dict:
             proc.stdin.close()
         for proc in workers.values():
             proc.wait(30)
+    if args.profile:  # each stage worker wrote its stamps as it ended
+        for (name, rnd), prof in pipeline_profile.summarize(list(profiles.values())).items():
+            runs[name][rnd]["profile"] = prof
 
     def ratios(a, b):  # per round, and their median
         per = [round(x["aggregate_tok_s"] / y["aggregate_tok_s"], 3) for x, y in zip(runs[a], runs[b])]
@@ -606,6 +646,9 @@ def main() -> None:
                         "(comma-separated; the product runs one per stage)")
     parser.add_argument("--split", help="--pipeline: where each stage after the coordinator's starts, e.g. 11 "
                         "(default: the planner's throughput split)")
+    parser.add_argument("--profile", action="store_true",
+                        help="--pipeline: profile each run over the stages: a group's hand-off against its compute "
+                        "(bench/pipeline_profile.py)")
     parser.add_argument("--out", help="--pipeline: also write the JSON here")
     parser.add_argument("--_inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_stage_worker", metavar="PATH", help=argparse.SUPPRESS)
