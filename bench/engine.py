@@ -36,6 +36,7 @@ Greedy decoding on the same prompt also gives a token-agreement figure for free.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -61,6 +62,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--numerics", default="float32",
+                    help="the engine's activation numerics to measure, comma-separated (float32, int8: "
+                    "swarm/compute/numerics.py); each beyond float32 is reported as colibri_NAME")
     ap.add_argument("--engines", default="colibri,llamacpp,transformers",
                     help="comma-separated: colibri, llamacpp, llamabench, transformers")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
@@ -127,15 +131,27 @@ def _measure(args: argparse.Namespace, prompt: str, threads: int) -> dict:
         env[var] = str(threads)
     report: dict = {"threads": threads, "load_average_before": [round(x, 2) for x in os.getloadavg()],
                     "copy_gb_s": _copy_gb_s(threads)}
+    runs = []
     for engine in args.engines.split(","):
+        runs += [(engine, n) for n in args.numerics.split(",")] if engine == "colibri" else [(engine, "float32")]
+    for engine, numerics in runs:
+        name = engine if numerics == "float32" else f"{engine}_{numerics}"
         cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--threads", str(threads),
                "--prompt-ids", prompt, "--decode-tokens", str(args.decode_tokens),
                "--repeats", str(args.repeats), *(["--llama-bench", args.llama_bench] if args.llama_bench else [])]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, COLIBRI_SWARM_NUMERICS=numerics))
         if done.returncode != 0:
             print(done.stderr, file=sys.stderr)
-            raise SystemExit(f"the {engine} worker failed (exit {done.returncode})")
-        report[engine] = json.loads(done.stdout.strip().splitlines()[-1])
+            raise SystemExit(f"the {name} worker failed (exit {done.returncode})")
+        report[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in [k for k in report if k.startswith("colibri_")]:
+        if "colibri" in report:
+            report[f"{name}_over_float32"] = _ratios(report[name], report["colibri"])
+            same = sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(
+                report[name]["greedy_ids"], report["colibri"]["greedy_ids"])))
+            report[f"{name}_greedy_prefix_agreement"] = f"{same}/{len(report['colibri']['greedy_ids'])}"
+        if "llamabench" in report:
+            report[f"{name}_ratio_vs_llamabench"] = _ratios(report[name], report["llamabench"])
     if "colibri" in report and "transformers" in report:
         ours, theirs = report["colibri"], report["transformers"]
         report["speedup_vs_transformers"] = {
@@ -158,8 +174,9 @@ def _measure(args: argparse.Namespace, prompt: str, threads: int) -> dict:
     if "colibri" in report and "llamabench" in report:
         ours, theirs = report["colibri"], report["llamabench"]
         report["ratio_vs_llamabench"] = _ratios(ours, theirs)  # by wall time: llama-bench reports no CPU seconds
-    for engine in ("colibri", "llamacpp", "transformers"):
-        report.get(engine, {}).pop("greedy_ids", None)
+    for engine in ("colibri", "llamacpp", "transformers", *(k for k in report if k.startswith("colibri_"))):
+        if isinstance(report.get(engine), dict):
+            report[engine].pop("greedy_ids", None)
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     return report
 

@@ -109,16 +109,29 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", metavar="N", type=_int_at_least(1, "--threads"),
                    help="compute on N threads (default: the cores this process may use, CPU affinity and "
                    "cgroup quota respected); results are the same bits at any count")
+    # Names as in swarm.compute.numerics.CHOICES (a light module: os only).
+    p.add_argument("--numerics", choices=("float32", "int8"), default=None,
+                   help="how products treat their activations: float32 (the default; checked against the "
+                   "transformers oracle, a swarm's results the bits of a local run) or int8, llama.cpp's "
+                   "numerics: activation rows quantized to 8 bits, faster prefill and decode on Q4_K, Q6_K "
+                   "and Q8_0 weights, with an error of ~1e-2 of each product's largest output "
+                   "($COLIBRI_SWARM_NUMERICS)")
 
 
 def _use_compute_options(args: argparse.Namespace) -> None:
-    """``--threads`` for this process and the peers it starts, and a line on stderr while the
-    kernels compile (the first run on a machine: a minute, not in silence)."""
+    """``--threads`` and ``--numerics`` for this process and the peers it starts, and a line on
+    stderr while the kernels compile (the first run on a machine: a minute, not in silence)."""
     if getattr(args, "threads", None):
         os.environ["COLIBRI_SWARM_THREADS"] = str(args.threads)  # swarm.compute.threads.THREADS_ENV
-    from swarm.compute import quant, threads
+    if getattr(args, "numerics", None):
+        os.environ["COLIBRI_SWARM_NUMERICS"] = args.numerics  # swarm.compute.numerics.NUMERICS_ENV
+    from swarm.compute import numerics, quant, threads
 
     threads.set_threads(args.threads if getattr(args, "threads", None) else None)
+    try:
+        numerics.set_numerics(getattr(args, "numerics", None))
+    except ValueError as e:  # $COLIBRI_SWARM_NUMERICS set to something else
+        raise SwarmError(str(e)) from None
     quant.on_compiling(lambda line: print(line, file=sys.stderr, flush=True))
 
 

@@ -337,13 +337,21 @@ def _k4_scales(w, o, sc, mn):
     d = _half(w, o, _F16)
     dmin = _half(w, o + 2, _F16)
     for j in range(4):
-        a = np.int32(w[o + 4 + j])
-        b = np.int32(w[o + 8 + j])
-        c = np.int32(w[o + 12 + j])
-        sc[j] = d * F32(a & 63)
-        mn[j] = -(dmin * F32(b & 63))
-        sc[j + 4] = d * F32((c & 15) | ((a >> 6) << 4))
-        mn[j + 4] = -(dmin * F32((c >> 4) | ((b >> 6) << 4)))
+        s0, m0, s1, m1 = _k4_ints(w, o, j)
+        sc[j] = d * F32(s0)
+        mn[j] = -(dmin * F32(m0))
+        sc[j + 4] = d * F32(s1)
+        mn[j + 4] = -(dmin * F32(m1))
+
+
+@njit(inline="always")
+def _k4_ints(w, o, j):
+    """Q4_K/Q5_K super-block at byte ``o``: the 6-bit scales and minimums of sub-blocks j and
+    j + 4 (j < 4), packed in 12 bytes as ggml does: (sc_j, m_j, sc_j+4, m_j+4)."""
+    a = np.int32(w[o + 4 + j])
+    b = np.int32(w[o + 8 + j])
+    c = np.int32(w[o + 12 + j])
+    return a & 63, b & 63, (c & 15) | ((a >> 6) << 4), (c >> 4) | ((b >> 6) << 4)
 
 
 @njit(inline="always")
@@ -443,6 +451,12 @@ def _k_scales(form: str):
     return scales
 
 
+def _tuple_data(context, builder, ty, value):
+    """The data pointers of the arrays in the tuple ``value`` of numba type ``ty``."""
+    return [context.make_array(t)(context, builder, v).data
+            for t, v in zip(ty.types, cgutils.unpack_tuple(builder, value, len(ty.types)))]
+
+
 def _k_block(form: str):
     """An intrinsic ``block(s, w, scales, k, o, x, xo)``: one super-block (byte ``o``, columns
     ``xo:xo + 256``) of the K-quant ``form`` for a tile of NR weight rows ``w`` (a tuple of
@@ -465,9 +479,7 @@ def _k_block(form: str):
 
         def codegen(context, builder, sig, args):
             def datas(i):
-                ty = sig.args[i]
-                return [context.make_array(t)(context, builder, v).data
-                        for t, v in zip(ty.types, cgutils.unpack_tuple(builder, args[i], len(ty.types)))]
+                return _tuple_data(context, builder, sig.args[i], args[i])
             o, xo = args[4], args[6]
             pw = [builder.gep(p, [o]) for p in datas(1)]
             px = [builder.gep(p, [xo]) for p in datas(5)]
@@ -648,9 +660,14 @@ def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
 def _rows_kernel(kind: int, avx512: bool = AVX512):
     """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says
     (``avx512``: the K-quant tiles in AVX-512 vector code, the same bits)."""
+    return _tiled_rows([_compile_tile(kind, nr, tt, avx512) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
+
+
+def _tiled_rows(tiles):
+    """The rows kernel ``rows(w, x, out, lo, hi)`` over the compiled ``tiles`` of :data:`_TILES`'
+    shapes, then a last 3 activation rows' tile."""
     (n1, _), (n4, _), _, _ = _TILES
-    one, four, two, single = (_compile_tile(kind, nr, tt, avx512) for nr, tt in _TILES)
-    three = _compile_tile(kind, n4, 3, avx512)  # a last 3 activation rows in one tile
+    one, four, two, single, three = tiles  # three: a last 3 activation rows in one tile
 
     @njit(nogil=True)
     def rows(w, x, out, lo, hi):
@@ -710,6 +727,339 @@ def matmul(kind, w, x, out, lo, hi):
     float32 ``x`` [T, K], ``out`` float32 [T, R] (written in place). One thread; the caller
     spreads ranges of rows over threads (swarm/compute/threads.py), the same bits."""
     _rows(kind, w, x, out, lo, hi)
+
+
+# ---- 8-bit activations (the numerics ``int8``: swarm/compute/numerics.py) ---------------------
+# llama.cpp's numerics, opt-in: each activation row is quantized to int8 with one float32 scale
+# per block of values, and a block-quantized weight row is multiplied by it in integers, exactly,
+# then scaled in float32. Activation blocks (after ggml's ``block_q8_K`` and ``block_q8_0``):
+# per 256 values for the K-quants (Q4_K, Q6_K), per 32 for Q8_0; in each, with amax = max |x|,
+# d = amax / 127 and q = rint(x · (127 / amax)) (0 where amax is 0), |x - d·q| ≤ d/2 (plus
+# float32 rounding). A quantized row is one uint8 row of :func:`int8_row_bytes` bytes: the K
+# int8 values in order, then the float32 scales, then (per 256) the float32 ``d·Σq`` of each 32
+# values (Q4_K's minimums), 64-byte aligned rows.
+#
+# Per output element (weight row, activation row), one fixed sequence: 16 float32 lanes, lane l
+# of a super-block (Q8_0: of a pair of blocks) takes the 16 values 64k + 4l + i (k < 4, i < 4;
+# Q8_0: 4l + i of the 64), whose products are summed exactly in int32:
+# - Q4_K (ggml's ``vec_dot_q4_K_q8_K``): I_l = Σ_k sc_j · Σ_i q4·q8, j the sub-block of 32;
+#   lane += (dx·d)·I_l by fused multiply-add, and 8 more lanes take the minimums,
+#   fma(-(dmin·m_j), dx·Σq8_j, ·); the result is Σ16 + Σ8, each in :func:`_lane_sum`'s order;
+# - Q6_K (``vec_dot_q6_K_q8_K``): I_l = Σ_k sc_s · Σ_i (q6 - 32)·q8, s the sub-block of 16;
+#   lane += (dx·d)·I_l;
+# - Q8_0 (``vec_dot_q8_0_q8_0``): c_l = Σ_i q·q8 over the lane's 4 values; lane += (dw·dx)·c_l,
+#   the scales of the lane's block; rows of K % 64 ≠ 0 keep the float32 kernel.
+# Every |I_l| < 2²⁴, so its float32 conversion is exact. Two forms, the same bits: AVX-512 VNNI
+# (``vpdpbusd``: unsigned bytes times signed bytes, so Q6_K's q - 32 is q times x less 32·Σx,
+# and Q8_0's signed q is (q + 128) times x less 128·Σx, exact), and portable integer loops.
+INT8_OFFSET = 16  # the kind of a weight type's int8 product: its kind + INT8_OFFSET
+INT8_KINDS = (0, 5, 7)  # Q8_0, Q4_K, Q6_K
+# Whether the VNNI form is compiled (numba compiles for the host unless NUMBA_CPU_NAME names a CPU)
+VNNI = AVX512 and bool(binding.get_host_cpu_features().get("avx512vnni", False)) \
+    and bool(binding.get_host_cpu_features().get("avx512bw", False))
+
+
+@njit(inline="always")
+def int8_row_bytes(kind, K):
+    """Bytes of one quantized activation row of K values for weight kind ``kind``."""
+    if kind == 0:
+        n = K + 4 * (K // 32)
+    else:
+        n = K + 4 * (K // 256) + 4 * (K // 32)
+    return (n + 63) // 64 * 64
+
+
+@njit(inline="always")
+def _quantize_block(x, lo, n, q):
+    """Values ``x[lo:lo + n]`` (float32) to int8 in ``q[lo:lo + n]`` (the row's uint8 bytes);
+    returns their scale d."""
+    amax = F32(0.0)
+    for i in range(n):
+        amax = max(amax, abs(x[lo + i]))
+    iscale = F32(127.0) / amax if amax > F32(0.0) else F32(0.0)
+    for i in range(n):
+        v = min(max(np.rint(x[lo + i] * iscale), F32(-127.0)), F32(127.0))
+        q[lo + i] = np.uint8(np.int32(v) & 255)
+    return amax / F32(127.0)
+
+
+@njit(nogil=True)
+def _quantize_rows(kind, x, xq):
+    """Float32 ``x`` [T, K] → quantized rows ``xq`` uint8 [T, int8_row_bytes(kind, K)]."""
+    T, K = x.shape
+    block = 32 if kind == 0 else 256
+    for t in range(T):
+        row, q = x[t], xq[t]
+        d = q[K:].view(np.float32)
+        for b in range(K // block):
+            d[b] = _quantize_block(row, b * block, block, q)
+        if kind != 0:
+            nsb = K // 256
+            sums = d[nsb:]
+            for j in range(K // 32):
+                s = np.int32(0)
+                for i in range(32):
+                    s += np.int32(np.int8(q[32 * j + i]))
+                sums[j] = d[j // 8] * F32(s)
+
+
+@intrinsic
+def _istack(typingctx, n):
+    """``n`` (a constant) int32 on the stack (as :func:`_stack`)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    size = n.literal_value
+
+    def codegen(context, builder, sig, args):
+        return cgutils.alloca_once(builder, ir.IntType(32), size=ir.Constant(ir.IntType(64), size))
+    return types.CPointer(types.int32)(n), codegen
+
+
+_sum8 = _lane_sum(8)
+
+
+@njit(inline="always")
+def _i8_scales5(w, o, isc, fsc):
+    """Q4_K super-block at byte ``o``: the 6-bit sub-block scales sc_j into ``isc[0:8]``, d into
+    ``fsc[0]`` and -(dmin·m_j) into ``fsc[8:16]``."""
+    fsc[0] = _half(w, o, _F16)
+    dmin = _half(w, o + 2, _F16)
+    for j in range(4):
+        s0, m0, s1, m1 = _k4_ints(w, o, j)
+        isc[j] = s0
+        isc[j + 4] = s1
+        fsc[8 + j] = -(dmin * F32(m0))
+        fsc[12 + j] = -(dmin * F32(m1))
+
+
+@njit(inline="always")
+def _i8_scales7(w, o, isc, fsc):
+    """Q6_K super-block at byte ``o``: the 16 int8 sub-block scales into ``isc``, d into ``fsc[0]``."""
+    fsc[0] = _half(w, o + 208, _F16)
+    for k in range(16):
+        isc[k] = np.int32(np.int8(w[o + 192 + k]))
+
+
+@njit(inline="always")
+def _i8_scales0(w, o, isc, fsc):
+    """Q8_0 blocks at bytes ``o`` and ``o + 34``: their scales d into ``fsc[0:2]``."""
+    fsc[0] = _half(w, o, _F16)
+    fsc[1] = _half(w, o + 34, _F16)
+
+
+@njit(inline="always")
+def _q4k_value(w, o, p):
+    """Q4_K super-block at byte ``o``: the 4-bit value of position ``p`` (0..255)."""
+    q = w[o + 16 + 32 * (p // 64) + p % 32]
+    return np.int32(q >> np.uint8(4)) if p % 64 >= 32 else np.int32(q & np.uint8(15))
+
+
+@njit(inline="always")
+def _q6k_value(w, o, p):
+    """Q6_K super-block at byte ``o``: the 6-bit value of position ``p`` (0..255), less 32."""
+    h, r = p // 128, p % 128
+    ql = w[o + 64 * h + r % 64]
+    nib = np.int32(ql >> np.uint8(4)) if r >= 64 else np.int32(ql & np.uint8(15))
+    hb = (np.int32(w[o + 128 + 32 * h + r % 32]) >> (2 * (r // 32))) & 3
+    return (nib | (hb << 4)) - 32
+
+
+@njit(nogil=True)
+def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
+    """The portable form: super-block ``b`` (Q8_0: blocks 2b, 2b + 1) of weight row ``w`` into
+    one pair's lanes ``s`` (16) and ``m`` (8, Q4_K) — the operations of the module's rule."""
+    xo = 64 * b if kind == 0 else 256 * b
+    for l in range(16):
+        acc = np.int32(0)
+        for k in range(4 if kind != 0 else 1):
+            c = np.int32(0)
+            for i in range(4):
+                p = 64 * k + 4 * l + i
+                x8 = np.int32(np.int8(xq[xo + p]))
+                if kind == 5:
+                    c += _q4k_value(w, 144 * b, p) * x8
+                elif kind == 7:
+                    c += _q6k_value(w, 210 * b, p) * x8
+                else:
+                    c += np.int32(np.int8(w[68 * b + 34 * (p // 32) + 2 + p % 32])) * x8
+            if kind == 5:
+                c *= isc[2 * k + l // 8]
+            elif kind == 7:
+                c *= isc[4 * k + l // 4]
+            acc += c
+        d = xq[K:].view(np.float32)
+        if kind == 0:
+            scale = fsc[l // 8] * d[2 * b + l // 8]
+        else:
+            scale = d[b] * fsc[0]
+        s[l] = _fma(scale, F32(acc), s[l])
+    if kind == 5:
+        bx = xq[K + 4 * (K // 256):].view(np.float32)
+        for j in range(8):
+            m[j] = _fma(fsc[8 + j], bx[8 * b + j], m[j])
+
+
+_I8x64, _I8x32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.IntType(8), 32)
+
+
+def _i8_block(kind: int):
+    """An intrinsic ``block(s, m, w, isc, fsc, x, b, K)``: the AVX-512 VNNI form of
+    :func:`_i8_port` for a tile: super-block ``b`` of NR weight rows ``w`` (a tuple of uint8
+    rows, their scales decoded into the tuples ``isc`` int32 and ``fsc`` float32) by TT
+    quantized activation rows ``x`` (a tuple of uint8 rows), into the NR·TT pairs' lanes ``s``
+    (tuple of 16 float32, row-major: weight row, then activation row) and ``m`` (8 float32, Q4_K)."""
+    @intrinsic
+    def block(typingctx, s, m, w, isc, fsc, x, b, K):
+        nr, tt = len(w.types), len(x.types)
+        sig = types.none(s, m, w, isc, fsc, x, b, K)
+
+        def codegen(context, builder, sig, args):
+            def datas(i):
+                return _tuple_data(context, builder, sig.args[i], args[i])
+            b, K = args[6], args[7]
+            ps, pm, pw, pi, pf, px = (datas(i) for i in range(6))
+            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_I16] * 3),
+                                                 "llvm.x86.avx512.vpdpbusd.512")
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
+            fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+
+            def b8(v, ty=_I8x64):
+                return ir.Constant(ty, [v] * ty.count)
+
+            def concat(lo, hi):
+                return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+
+            def as32(v):
+                return builder.bitcast(v, _I16)
+            size = {0: 68, 5: 144, 7: 210}[kind]
+            o = builder.mul(b, _I64(size))
+            # per weight row: the 4 vectors of 64 unsigned bytes, and the 4 int32 lane scales
+            wq, wsc = [], []
+            for n in range(nr):
+                base = builder.gep(pw[n], [o])
+                isc = builder.load(builder.bitcast(pi[n], ir.PointerType(_I16)), align=4)
+                if kind == 5:
+                    for k in range(4):
+                        raw = _load(builder, base, _I64(16 + 32 * k), _I8x32, 1)
+                        wq.append(concat(builder.and_(raw, b8(15, _I8x32)), builder.lshr(raw, b8(4, _I8x32))))
+                        wsc.append(builder.shuffle_vector(isc, isc, ir.Constant(_I16, [2 * k] * 8 + [2 * k + 1] * 8)))
+                elif kind == 7:
+                    for k in range(4):
+                        h, part = divmod(k, 2)
+                        ql = _load(builder, base, _I64(64 * h), _I8x64, 1)
+                        nib = builder.lshr(ql, b8(4)) if part else builder.and_(ql, b8(15))
+                        qh = _load(builder, base, _I64(128 + 32 * h), _I8x32, 1)
+                        hb = concat(builder.lshr(qh, b8(4 * part, _I8x32)), builder.lshr(qh, b8(4 * part + 2, _I8x32)))
+                        wq.append(builder.or_(nib, builder.shl(builder.and_(hb, b8(3)), b8(4))))
+                        wsc.append(builder.shuffle_vector(isc, isc, ir.Constant(_I16, [4 * k + l // 4 for l in range(16)])))
+                else:  # q + 128 as unsigned bytes
+                    lo, hi = (_load(builder, base, _I64(2 + 34 * h), _I8x32, 1) for h in range(2))
+                    wq.append(builder.xor(concat(lo, hi), b8(-128)))
+            nk = 1 if kind == 0 else 4
+            zero = ir.Constant(_I16, [0] * 16)
+            vp = ir.PointerType(_V16)
+            fp = ir.PointerType(ir.FloatType())
+            for t in range(tt):
+                xbase = builder.gep(px[t], [builder.mul(b, _I64(64 * nk))])
+                xs = [_load(builder, xbase, _I64(64 * k), _I8x64, 1) for k in range(nk)]
+                dx = builder.bitcast(builder.gep(px[t], [K]), fp)
+                if kind == 7:  # -32·Σx per lane: q - 32 times x
+                    corr = [builder.sub(zero, builder.call(dot, [zero, as32(b8(32)), as32(v)])) for v in xs]
+                elif kind == 0:
+                    corr = [builder.sub(zero, builder.call(dot, [zero, as32(b8(-128)), as32(xs[0])]))]
+                    d2 = builder.load(builder.bitcast(builder.gep(dx, [builder.mul(b, _I64(2))]), ir.PointerType(_V2F)), align=4)
+                    dxv = builder.shuffle_vector(d2, d2, ir.Constant(_I16, [0] * 8 + [1] * 8))
+                else:
+                    corr = [zero] * 4
+                if kind != 0:
+                    dxs = builder.load(builder.gep(dx, [b]))
+                if kind == 5:
+                    nsb = builder.sdiv(K, _I64(256))
+                    bx = builder.gep(dx, [builder.add(nsb, builder.mul(b, _I64(8)))])
+                    bxv = builder.load(builder.bitcast(bx, ir.PointerType(_V8F)), align=4)
+                for n in range(nr):
+                    acc_p = builder.bitcast(ps[n * tt + t], vp)
+                    if kind == 0:
+                        c = builder.call(dot, [corr[0], as32(wq[n]), as32(xs[0])])
+                        f2 = builder.load(builder.bitcast(pf[n], ir.PointerType(_V2F)), align=4)
+                        scale = builder.fmul(builder.shuffle_vector(f2, f2, ir.Constant(_I16, [0] * 8 + [1] * 8)), dxv)
+                    else:
+                        c = None
+                        for k in range(4):
+                            v = builder.mul(builder.call(dot, [corr[k], as32(wq[4 * n + k]), as32(xs[k])]), wsc[4 * n + k])
+                            c = v if c is None else builder.add(c, v)
+                        scale = _splat(builder, builder.fmul(dxs, builder.load(pf[n])))
+                    builder.store(builder.call(fma, [scale, builder.sitofp(c, _V16), builder.load(acc_p, align=4)]),
+                                  acc_p, align=4)
+                    if kind == 5:
+                        mn_p = builder.bitcast(pm[n * tt + t], ir.PointerType(_V8F))
+                        mw = builder.load(builder.bitcast(builder.gep(pf[n], [_I64(8)]), ir.PointerType(_V8F)), align=4)
+                        builder.store(builder.call(fma8, [mw, bxv, builder.load(mn_p, align=4)]), mn_p, align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return block
+
+
+_V2F = ir.VectorType(ir.FloatType(), 2)
+_i8_blocks = {kind: _i8_block(kind) for kind in INT8_KINDS}
+
+
+def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
+    size = {0: 68, 5: 144, 7: 210}[kind]
+    rows, acts, pairs = range(nr), range(tt), [(n, t) for n in range(nr) for t in range(tt)]
+    lines = ["def tile(w, r0, hi, x, t0, out, ahead, end):"]
+    lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
+    lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
+    lines += [f"    s{n}_{t} = carray(_stack(16), 16)" for n, t in pairs]
+    lines += [f"    m{n}_{t} = carray(_stack(8), 8)" for n, t in pairs]
+    lines += ["    for j in range(16):"] + [f"        s{n}_{t}[j] = F32(0.0)" for n, t in pairs]
+    lines += ["    for j in range(8):"] + [f"        m{n}_{t}[j] = F32(0.0)" for n, t in pairs]
+    lines += [f"    i{n} = carray(_istack(16), 16)" for n in rows]
+    lines += [f"    f{n} = carray(_stack(16), 16)" for n in rows]
+    lines += [f"    K = w0.shape[0] // {size} * {64 if kind == 0 else 256}"]
+    lines += [f"    for b in range(w0.shape[0] // {size}):", f"        o = b * {size}"]
+    lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
+    lines += [f"        _i8_scales{kind}(w{n}, o, i{n}, f{n})" for n in rows]
+    if vnni:
+        tup = lambda names: "(" + ", ".join(names) + ",)"  # noqa: E731
+        lines += [f"        _i8_block{kind}({tup(f's{n}_{t}' for n, t in pairs)}, {tup(f'm{n}_{t}' for n, t in pairs)}, "
+                  f"{tup(f'w{n}' for n in rows)}, {tup(f'i{n}' for n in rows)}, {tup(f'f{n}' for n in rows)}, "
+                  f"{tup(f'x{t}' for t in acts)}, b, K)"]
+    else:
+        lines += [f"        _i8_port({kind}, s{n}_{t}, m{n}_{t}, w{n}, i{n}, f{n}, x{t}, b, K)" for n, t in pairs]
+    for n in rows:
+        lines.append(f"    if r0 + {n} < hi:")
+        total = "_sum16(s{n}_{t}) + _sum8(m{n}_{t})" if kind == 5 else "_sum16(s{n}_{t})"
+        lines += [f"        out[t0 + {t}, r0 + {n}] = " + total.format(n=n, t=t) for t in acts]
+    return "\n".join(lines)
+
+
+def _compile_i8_tile(kind: int, nr: int, tt: int, vnni: bool):
+    scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _istack=_istack, _sum16=_sum16,
+                 _sum8=_sum8, _prefetch_ahead=_prefetch_ahead, _i8_port=_i8_port,
+                 _i8_scales0=_i8_scales0, _i8_scales5=_i8_scales5, _i8_scales7=_i8_scales7,
+                 **{f"_i8_block{k}": f for k, f in _i8_blocks.items()})
+    exec(compile(_i8_tile_source(kind, nr, tt, vnni), f"<{__name__} int8 tile {kind} {nr}x{tt}>", "exec"), scope)
+    return njit(nogil=True, inline="always")(scope["tile"])
+
+
+def _i8_rows_kernel(kind: int, vnni: bool = VNNI):
+    """Rows ``lo:hi`` of ``out`` for weight kind ``kind`` times quantized activation rows
+    (:func:`_quantize_rows`), tiled as :data:`_TILES` says (``vnni``: the VNNI form, the same bits)."""
+    return _tiled_rows([_compile_i8_tile(kind, nr, tt, vnni) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
+
+
+_i8_rows0, _i8_rows5, _i8_rows7 = (_i8_rows_kernel(kind) for kind in INT8_KINDS)
+
+
+@njit(nogil=True)
+def _rows_i8(kind, w, xq, out, lo, hi):
+    if kind == 0:
+        _i8_rows0(w, xq, out, lo, hi)
+    elif kind == 5:
+        _i8_rows5(w, xq, out, lo, hi)
+    else:
+        _i8_rows7(w, xq, out, lo, hi)
 
 
 # ---- a group of products, tile by tile, on however many threads run it ----------------------
@@ -789,7 +1139,13 @@ def run_group(table, counter, tiles):  # pragma: no cover - compiled
         w = _weights(table[i, W], rows, table[i, W_ROW_BYTES])
         x = _floats(table[i, X], table[i, T], table[i, K])
         out = _floats(table[i, OUT], table[i, T], rows)
-        _rows(table[i, KIND], w, x, out, lo, min(rows, lo + step))
+        kind = table[i, KIND]
+        if kind >= INT8_OFFSET:  # x: quantized rows (int8_group)
+            kind -= INT8_OFFSET
+            xq = _weights(table[i, X], table[i, T], int8_row_bytes(kind, table[i, K]))
+            _rows_i8(kind, w, xq, out, lo, min(rows, lo + step))
+        else:
+            _rows(kind, w, x, out, lo, min(rows, lo + step))
         done += 1
 
 
@@ -958,3 +1314,62 @@ def dequant(kind, w, out):
     operations as ``gguf.quants.dequantize`` (so the values are identical). One thread."""
     for r in range(w.shape[0]):
         _dequant_row(kind, w[r], out[r])
+
+
+def int8_kind(kind: int, K: int) -> bool:
+    """Whether weight kind ``kind`` with rows of ``K`` values has an int8 product."""
+    return kind in INT8_KINDS and K % (64 if kind == 0 else 256) == 0
+
+
+@njit(cache=True, nogil=True)
+def quantize(kind, x, xq):
+    """Quantize float32 ``x`` [T, K] for weight kind ``kind`` into ``xq`` uint8
+    [T, int8_row_bytes(kind, K)] (the rows of :func:`matmul_int8` and the int8 groups)."""
+    _quantize_rows(kind, x, xq)
+
+
+@njit(cache=True, nogil=True)
+def matmul_int8(kind, w, xq, out, lo, hi):
+    """out[t, r] for rows ``lo ≤ r < hi`` of uint8 ``w`` [R, row_bytes] (kind 0, 5 or 7) times
+    the quantized rows ``xq`` (read-only uint8, :func:`quantize`), ``out`` float32 [T, R]. One
+    thread; the same bits as the int8 groups."""
+    _rows_i8(kind, w, xq, out, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def int8_group(table):  # pragma: no cover - compiled
+    """The group ``table`` with each product that has an int8 kernel turned into one: its kind
+    + INT8_OFFSET and its x the address of its quantized rows, each distinct (x, T, K, block
+    size) quantized once into the returned buffer, which must stay alive while the table runs.
+    Returns (table, buffer)."""
+    n = table.shape[0]
+    new = table.copy()
+    offs = np.full(n, -1, np.int64)
+    first = np.zeros(n, np.bool_)  # the first product of its quantized rows
+    total = 0
+    for i in range(n):
+        kind, k = table[i, KIND], table[i, K]
+        if not ((kind == 5 or kind == 7) and k % 256 == 0 or kind == 0 and k % 64 == 0):
+            continue
+        for j in range(i):
+            if (offs[j] >= 0 and table[j, X] == table[i, X] and table[j, T] == table[i, T]
+                    and table[j, K] == k and (table[j, KIND] == 0) == (kind == 0)):
+                offs[i] = offs[j]
+                break
+        if offs[i] < 0:
+            offs[i], first[i] = total, True
+            total += table[i, T] * int8_row_bytes(kind, k)
+    buf = np.empty(total + 64, np.uint8)
+    base = (64 - buf.ctypes.data % 64) % 64
+    for i in range(n):
+        if offs[i] < 0:
+            continue
+        kind = table[i, KIND]
+        rb = int8_row_bytes(kind, table[i, K])
+        xq = buf[base + offs[i]:base + offs[i] + table[i, T] * rb].reshape((table[i, T], rb))
+        if first[i]:
+            _quantize_rows(kind, _floats(table[i, X], table[i, T], table[i, K]), xq)
+        new[i, KIND] = kind + INT8_OFFSET
+        new[i, X] = buf.ctypes.data + base + offs[i]
+    return new, buf
+

@@ -44,6 +44,12 @@ several sequences all give each row its solo bits.
 Weights enter as float32 values (exact, or for Q4_1/Q5_1/Q4_K/Q5_K one fused multiply-add from
 the stored integers: within float32 rounding of gguf's decoding) and activations stay float32,
 so results differ from a float64 product by float32 rounding only (no activation quantization).
+
+That is the default numerics, ``float32``. Under ``int8`` (swarm/compute/numerics.py: llama.cpp's)
+the products of Q4_K, Q6_K and Q8_0 weights quantize their activation rows to 8 bits, once per
+call or group (:func:`run_table`, ``qkernels.int8_group``), and sum the integer products exactly
+(qkernels.py's int8 section) — still one fixed sequence per output element, the same bits at
+any T, row range or thread count; every other type keeps the float32 kernels.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from swarm.compute import threads
+from swarm.compute import numerics, threads
 
 F32 = np.float32
 # Activation rows per kernel call: a longer prefill is cut into calls of this many rows, which
@@ -218,8 +224,8 @@ class QMatrix:
         x, dst = self._operands(x, out)
         k = _compiled or _kernels()
         T, R = dst.shape
-        if self._kind >= 0 and T <= SMALL_T and threads.threads() == 1:  # decode on one thread: the hot path, kept short
-            k.matmul(self._kind, self.data, x, dst, 0, R)
+        if self._kind >= 0 and T <= SMALL_T and threads.threads() == 1 and not numerics.int8():
+            k.matmul(self._kind, self.data, x, dst, 0, R)  # decode on one thread: the hot path, kept short
         else:
             _run_products(k, [(self, x, dst)])
         if out is None:
@@ -246,7 +252,15 @@ class QMatrix:
     def _matmul_rows(self, k, x: np.ndarray, dst: np.ndarray, lo: int, hi: int) -> None:
         """Columns ``lo:hi`` of ``dst`` [T, R] = ``x @ W[lo:hi].T`` on this thread."""
         T = x.shape[0]
-        if self._kind >= 0:
+        if numerics.int8() and k.int8_kind(self._kind, self.cols):  # quantized activations
+            xq = np.empty((min(T, SMALL_T), k.int8_row_bytes(self._kind, self.cols)), np.uint8)
+            for t0 in range(0, T, SMALL_T):
+                rows = xq[:min(SMALL_T, T - t0)]
+                k.quantize(self._kind, x[t0:t0 + SMALL_T], rows)
+                rows = rows.view()
+                rows.flags.writeable = False  # the kernels' one read-only type
+                k.matmul_int8(self._kind, self.data, rows, dst[t0:t0 + SMALL_T], lo, hi)
+        elif self._kind >= 0:
             for t0 in range(0, T, SMALL_T):
                 k.matmul(self._kind, self.data, x[t0:t0 + SMALL_T], dst[t0:t0 + SMALL_T], lo, hi)
         elif self.qtype == QT.F32:
@@ -400,6 +414,8 @@ def alike(ws: Sequence[QMatrix]) -> bool:
 def run_table(table: np.ndarray, first: int, work: float) -> None:
     """Run a group ``table`` of ``first`` tiles and ``work`` units on the threads that join."""
     k = _compiled or _kernels()
+    if numerics.int8():  # products with an int8 kernel take their quantized activation rows
+        table, quantized = k.int8_group(table)  # noqa: F841 - alive while the table runs
     counter = np.zeros(1, np.int64)
     # Spinning workers join a group of 4 tiles or more: one that comes late finds the tiles taken
     # and costs the caller nothing. Python workers are asked one per MIN_CHUNK_BYTES of work: each
@@ -463,6 +479,12 @@ def _kernels():
                         out = np.empty((1, 1), F32)
                         table = np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64)
                         k.run_group(table, np.zeros(1, np.int64), 1)
+                    with compiling("int8 kernels (Q8_0, Q4_K, Q6_K times 8-bit activations)"):
+                        q8, qb = np.zeros((1, 64 + 2 * 34), np.uint8), np.zeros((1, 128), np.uint8)
+                        k.quantize(0, np.zeros((1, 64), F32), qb)
+                        qb.flags.writeable = q8.flags.writeable = False
+                        k.matmul_int8(0, q8, qb, np.empty((1, 1), F32), 0, 1)
+                        k.int8_group(table)
                     with compiling("float kernels (F32, F16, BF16)"):
                         f = np.zeros((1, 32), F32)  # float32 weights: writable (decoded tiles), read-only (F32 files)
                         k.matmul_f32(f, x, np.empty((1, 1), F32), 0, 0, 1)

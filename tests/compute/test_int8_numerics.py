@@ -1,0 +1,308 @@
+"""The numerics ``int8`` (8-bit activations, llama.cpp's): the compiled kernels against a numpy
+twin of the same integer and float32 operations, bit for bit; the same bits across T, row
+ranges, thread counts and the two forms (AVX-512 VNNI and portable)."""
+
+from __future__ import annotations
+
+import functools
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from swarm.compute import numerics, quant, threads
+from swarm.compute.quant import QMatrix
+from tests.compute.test_quant_kernels import encoded
+
+F32, F64 = np.float32, np.float64
+KINDS = {QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # qkernels' kind numbers
+
+
+# ---- the numpy twin ---------------------------------------------------------------------------
+def fma32(a, b, c):
+    """float32 ``a·b + c`` with one rounding (numpy has no fma): a·b is exact in float64, the sum
+    is float64's rounding s plus its exact error e (two-sum), and s is rounded to float32 by its
+    neighbours, a tie broken by e's sign — what a single rounding of the exact sum gives."""
+    a, b, c = (np.asarray(v, F32).astype(F64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    r = s.astype(F32)
+    other = np.nextafter(r, np.where(s > r.astype(F64), np.inf, -np.inf).astype(F32))
+    mid = (r.astype(F64) + other.astype(F64)) / 2
+    tie = (s == mid) & (e != 0) & (s != r.astype(F64))
+    up = np.where(e > 0, np.maximum(r, other), np.minimum(r, other))
+    return np.where(tie, up, r).astype(F32)
+
+
+def lane_sum(v):
+    """float32 lanes [..., n] summed by halving (lo + hi), as the kernels' fixed order."""
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = (v[..., :h] + v[..., h:]).astype(F32)
+    return v[..., 0]
+
+
+def quantize(x, block):
+    """Activation rows float32 [T, K] → int8 values int64 [T, K] and scales float32 [T, K/block]."""
+    T, K = x.shape
+    xb = x.reshape(T, K // block, block)
+    amax = np.abs(xb).max(axis=2)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(amax > 0, F32(127) / amax, F32(0)).astype(F32)
+    q = np.clip(np.rint((xb * iscale[..., None]).astype(F32)), -127, 127).astype(np.int64)
+    return q.reshape(T, K), (amax / F32(127)).astype(F32)
+
+
+def half(raw, off):
+    return raw[..., off:off + 2].copy().view(np.float16)[..., 0].astype(F32)
+
+
+def decode(qtype, w, K):
+    """Integer weights int64 [R, K] and per-block scales of ``w`` (ggml's block layouts)."""
+    R = w.shape[0]
+    if qtype == QT.Q8_0:
+        b = w.reshape(R, K // 32, 34)
+        return b[..., 2:].view(np.int8).astype(np.int64).reshape(R, K), half(b, 0)
+    if qtype == QT.Q4_K:
+        b = w.reshape(R, K // 256, 144)
+        s = b[..., 4:16].astype(np.int64)
+        a, bb, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+        m = np.concatenate([bb & 63, (c >> 4) | ((bb >> 6) << 4)], axis=-1)
+        qs = b[..., 16:].astype(np.int64).reshape(R, K // 256, 4, 32)
+        q = np.concatenate([qs[..., None, :] & 15, qs[..., None, :] >> 4], axis=-2).reshape(R, K)
+        return q, sc, m, half(b, 0), half(b, 2)
+    b = w.reshape(R, K // 256, 210)
+    ql, qh = b[..., :128].astype(np.int64).reshape(R, -1, 2, 64), b[..., 128:192].astype(np.int64).reshape(R, -1, 2, 32)
+    lo = np.concatenate([ql & 15, ql >> 4], axis=-1)  # [R, nsb, half, 128]
+    hb = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
+    q = (lo | (hb << 4)) - 32
+    return q.reshape(R, K), b[..., 192:208].view(np.int8).astype(np.int64), half(b, 208)
+
+
+def twin(qtype, w, x):
+    """The int8 product of weight rows ``w`` and activation rows ``x`` [T, K], in numpy, with the
+    kernels' rule (qkernels.py's int8 section): exact integer lane sums, then float32 operations."""
+    T, K = x.shape
+    R = w.shape[0]
+    if qtype == QT.Q8_0:
+        q, dw = decode(qtype, w, K)
+        x8, dx = quantize(x, 32)
+        nb = K // 32
+        c = np.einsum("rbli,tbli->rtbl", q.reshape(R, nb // 2, 16, 4), x8.reshape(T, nb // 2, 16, 4))
+        scale = (dw.reshape(R, 1, nb // 2, 2, 1) * dx.reshape(1, T, nb // 2, 2, 1)).astype(F32)
+        scale = np.broadcast_to(scale, (R, T, nb // 2, 2, 8)).reshape(R, T, nb // 2, 16)
+        acc = np.zeros((R, T, 16), F32)
+        for b in range(nb // 2):
+            acc = fma32(scale[:, :, b], c[:, :, b].astype(F32), acc)
+        return lane_sum(acc).T
+    nsb = K // 256
+    x8, dx = quantize(x, 256)
+    dots = np.einsum("rbkli,tbkli->rtbkl", 0 + decode(qtype, w, K)[0].reshape(R, nsb, 4, 16, 4),
+                     x8.reshape(T, nsb, 4, 16, 4))  # [R, T, nsb, k, lane]
+    lanes = np.arange(16)
+    if qtype == QT.Q4_K:
+        _, sc, m, d, dmin = decode(qtype, w, K)
+        scl = sc[:, :, 2 * np.arange(4)[:, None] + lanes[None, :] // 8]  # [R, nsb, k, lane]
+    else:
+        _, sc, d = decode(qtype, w, K)
+        scl = sc[:, :, 4 * np.arange(4)[:, None] + lanes[None, :] // 4]
+    ints = (dots * scl[:, None]).sum(axis=3)  # [R, T, nsb, lane]
+    assert np.abs(ints).max() < 2**24  # exact in float32
+    acc = np.zeros((R, T, 16), F32)
+    for b in range(nsb):
+        D = (dx[None, :, b] * d[:, None, b]).astype(F32)[..., None]
+        acc = fma32(D, ints[:, :, b].astype(F32), acc)
+    out = lane_sum(acc)
+    if qtype == QT.Q4_K:
+        sums = x8.reshape(T, nsb, 8, 32).sum(axis=3)
+        bx = (dx[..., None] * sums.astype(F32)).astype(F32)  # [T, nsb, 8]
+        mw = (-(dmin[..., None] * m.astype(F32))).astype(F32)  # [R, nsb, 8]
+        mn = np.zeros((R, T, 8), F32)
+        for b in range(nsb):
+            mn = fma32(mw[:, None, b], bx[None, :, b], mn)
+        out = (out + lane_sum(mn)).astype(F32)
+    return out.T
+
+
+@functools.cache
+def portable_rows(kind):
+    """The portable form of kind's int8 rows kernel, compiled beside the machine's."""
+    return quant._kernels()._i8_rows_kernel(kind, vnni=False)
+
+
+def weights(qtype, rows, cols, seed):
+    raw = encoded(qtype, rows, cols, seed).copy()
+    raw.flags.writeable = False
+    return raw
+
+
+# ---- tests ------------------------------------------------------------------------------------
+def test_fma32_rounds_once():
+    """The twin's fma: an exact case, and one where rounding the float64 sum to float32 (two
+    roundings) differs from one rounding: a·b = 2¹⁶ - 2⁻³⁰ lands the sum 2⁻³⁰ below a float32
+    midpoint, which float64 cannot hold (a tie, broken to even: 2⁴⁰ + 2¹⁸)."""
+    assert fma32(F32(3), F32(5), F32(1)) == F32(16)
+    a, b, c = F32(2**8 * (1 + 2**-23)), F32(2**8 * (1 - 2**-23)), F32(2**40 + 2**17)
+    assert F32(F64(a) * F64(b) + F64(c)) == F32(2**40 + 2**18)
+    assert fma32(a, b, c) == c
+
+
+@pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
+def test_twin_decodes_gguf_values(qtype):
+    """The twin's integer weights and scales give gguf's dequantized values (float32 rounding)."""
+    K = 512
+    w = weights(qtype, 5, K, 1)
+    want = gguf.quants.dequantize(w, qtype).astype(F64)
+    parts = decode(qtype, w, K)
+    if qtype == QT.Q8_0:
+        got = parts[0] * np.repeat(parts[1], 32, axis=1)
+    elif qtype == QT.Q4_K:
+        q, sc, m, d, dmin = parts
+        got = q * np.repeat(d[..., None] * sc, 32, axis=-1).reshape(5, K) \
+            - np.repeat(dmin[..., None] * m, 32, axis=-1).reshape(5, K)
+    else:
+        q, sc, d = parts
+        got = q * np.repeat(d[..., None] * sc, 16, axis=-1).reshape(5, K)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
+def test_int8_kernels_give_the_twins_bits(qtype, T):
+    """Every tile shape (T = 1 … 9, an odd row count, ranges starting at odd rows), the kernel
+    compiled for this machine and the portable form: the twin's bits; the result within the
+    quantization's error of the float64 product."""
+    K, R = 3 * 256 if qtype != QT.Q8_0 else 4 * 64, 23
+    w = weights(qtype, R, K, 3 + T)
+    x = np.random.default_rng(T).standard_normal((T, K), dtype=F32)
+    x[0, :40] = 0.0  # an all-zero activation block (scale 0)
+    k = quant._kernels()
+    kind = KINDS[qtype]
+    xq = np.zeros((T, k.int8_row_bytes(kind, K)), np.uint8)
+    k.quantize(kind, x, xq)
+    xq.flags.writeable = False
+    want = twin(qtype, w, x)
+    got = np.full((T, R), np.nan, F32)
+    k.matmul_int8(kind, w, xq, got, 0, 5)
+    k.matmul_int8(kind, w, xq, got, 5, R)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    portable = portable_rows(kind)
+    other = np.full((T, R), np.nan, F32)
+    portable(w, xq, other, 0, R)
+    np.testing.assert_array_equal(other.view(np.uint32), want.view(np.uint32))
+    ref = x.astype(F64) @ gguf.quants.dequantize(w, qtype).astype(F64).T
+    assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
+
+
+@pytest.fixture
+def int8():
+    """The process's numerics set to int8 for the test, float32 again after it."""
+    numerics.set_numerics("int8")
+    yield
+    numerics.set_numerics("float32")
+
+
+@pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
+def test_int8_products_do_not_depend_on_t_rows_or_threads(qtype, int8):
+    """Through QMatrix under the numerics int8 (the group path, the one-thread path, T past
+    SMALL_T): each row the twin's bits, whether computed in one call of 70 rows, as rows 0:3 or
+    1:4, alone, or beside other products (matmul_many) on 1, 2, 3 and 8 threads."""
+    K = 2 * 256
+    m = QMatrix(weights(qtype, 45, K, 11), qtype, K)
+    other = QMatrix(weights(qtype, 19, K, 12), qtype, K)
+    x = np.random.default_rng(5).standard_normal((quant.SMALL_T + 6, K), dtype=F32)
+    want = twin(qtype, m.data, x)
+    saved = threads.threads()
+    try:
+        for n in (1, 2, 3, 8):
+            threads.set_threads(n)
+            np.testing.assert_array_equal(m.matmul(x).view(np.uint32), want.view(np.uint32), err_msg=f"threads={n}")
+            for a, b in ((0, 3), (1, 4), (7, 8)):
+                got, _ = quant.matmul_many([(m, x[a:b], None), (other, x[:5], None)])
+                np.testing.assert_array_equal(got.view(np.uint32), want[a:b].view(np.uint32), err_msg=f"{n} {a}:{b}")
+    finally:
+        threads.set_threads(saved)
+
+
+def test_types_without_an_int8_kernel_keep_float32(int8):
+    """Q4_0 and Q8_0 rows of 96 values (not a multiple of 64) under int8: the float32 bits."""
+    for qtype, K in ((QT.Q4_0, 256), (QT.Q8_0, 96)):
+        m = QMatrix(weights(qtype, 9, K, 2), qtype, K)
+        x = np.random.default_rng(1).standard_normal((3, K), dtype=F32)
+        got = m.matmul(x)
+        numerics.set_numerics("float32")
+        np.testing.assert_array_equal(got, m.matmul(x))
+        numerics.set_numerics("int8")
+
+
+def test_numerics_setting_is_checked(monkeypatch):
+    """A bad name names the setting and the choices; the environment is read when unset."""
+    with pytest.raises(ValueError, match="float32, int8"):
+        numerics.set_numerics("int4")
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "int8")
+    assert numerics.set_numerics(None) == "int8" and numerics.int8()
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "fp8")
+    with pytest.raises(ValueError, match="COLIBRI_SWARM_NUMERICS"):
+        numerics.set_numerics(None)
+    monkeypatch.delenv(numerics.NUMERICS_ENV)
+    assert numerics.set_numerics(None) == "float32" and not numerics.int8()
+
+
+# A small dense Qwen3 of random blocks (bench/random_gguf.py) in all three int8 types.
+def _mix(name, layer, n_layers):
+    if name == "output.weight" or ".attn_v." in name or ".ffn_down" in name:
+        return QT.Q6_K
+    return QT.Q8_0 if ".attn_" in name else QT.Q4_K
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from bench.random_gguf import MoEShape, write_qwen3moe
+    from swarm.compute.model import load_model
+
+    path = tmp_path_factory.mktemp("int8") / "dense.gguf"
+    shape = MoEShape(layers=2, hidden=256, experts=0, top_k=0, expert_ffn=512, heads=4, kv_heads=2, head_dim=64)
+    write_qwen3moe(path, shape, mix=_mix, name="random dense Qwen3 (int8 test)")
+    return load_model(str(path))
+
+
+# Logits of the two numerics apart, of the float32 run's largest |logit|: measured 1.5-1.8e-2 on
+# this model (random blocks, 2 layers, every matrix one of the three int8 types), whose top two
+# logits are 0.9-11 % of it apart: the greedy tokens agree at every position.
+LOGIT_RTOL = 0.05
+
+
+def test_whole_model_under_int8(small_model):
+    """Prompts through the whole model: under int8 the logits are the same bits at 1 and 3 threads
+    and for the prompt in one call or token by token (prefill and decode alike); against the
+    float32 run, within LOGIT_RTOL of its largest logit and the same greedy token at every
+    position (the weights are seeded: the same bits on every machine)."""
+    model = small_model
+    saved = threads.threads()
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [100, 2000, 30000, 5, 9], [42] * 6]
+    try:
+        for tokens in prompts:
+            numerics.set_numerics("float32")
+            threads.set_threads(1)
+            ref = model.forward(tokens, model.new_cache())
+            numerics.set_numerics("int8")
+            runs = []
+            for n in (1, 3):
+                threads.set_threads(n)
+                runs.append(model.forward(tokens, model.new_cache()))
+            cache = model.new_cache()
+            runs.append(np.concatenate([model.forward([t], cache) for t in tokens]))
+            for r in runs[1:]:
+                np.testing.assert_array_equal(r.view(np.uint32), runs[0].view(np.uint32))
+            got = runs[0]
+            scale = np.abs(ref).max()
+            assert np.abs(got - ref).max() <= LOGIT_RTOL * scale
+            assert np.abs(got - ref).max() > 0  # the numerics did change
+            assert got.argmax(axis=1).tolist() == ref.argmax(axis=1).tolist()
+    finally:
+        numerics.set_numerics("float32")
+        threads.set_threads(saved)
