@@ -8,7 +8,9 @@ tables of ``gguf.quants.MXFP4``'s values). :func:`dequant` takes kinds 0–4 and
 The K-quant tiles take AVX-512 vector code where the CPU has it (:data:`AVX512`,
 :func:`_k_block`): each weight decoded in registers to the float32 value of the portable form
 (Q4_K by ``vpermps`` from a 16-entry table of its sub-block's ``fma(d·sc, q, -dmin·m)``),
-then the same operations in the same order. :func:`run_group` computes a group of
+then the same operations in the same order. Under the numerics ``int8``
+(swarm/compute/numerics.py), Q8_0, Q4_K and Q6_K take 8-bit activation rows instead (the int8
+section below: exact integer sums, then float32 in one fixed order). :func:`run_group` computes a group of
 products tile by tile on every thread that runs it (swarm/compute/quant.py's ``matmul_many``).
 Each kernel runs on one thread over a range of output rows and releases the GIL: the caller
 spreads ranges over the process's compute threads (swarm/compute/threads.py), and other Python
@@ -337,21 +339,13 @@ def _k4_scales(w, o, sc, mn):
     d = _half(w, o, _F16)
     dmin = _half(w, o + 2, _F16)
     for j in range(4):
-        s0, m0, s1, m1 = _k4_ints(w, o, j)
-        sc[j] = d * F32(s0)
-        mn[j] = -(dmin * F32(m0))
-        sc[j + 4] = d * F32(s1)
-        mn[j + 4] = -(dmin * F32(m1))
-
-
-@njit(inline="always")
-def _k4_ints(w, o, j):
-    """Q4_K/Q5_K super-block at byte ``o``: the 6-bit scales and minimums of sub-blocks j and
-    j + 4 (j < 4), packed in 12 bytes as ggml does: (sc_j, m_j, sc_j+4, m_j+4)."""
-    a = np.int32(w[o + 4 + j])
-    b = np.int32(w[o + 8 + j])
-    c = np.int32(w[o + 12 + j])
-    return a & 63, b & 63, (c & 15) | ((a >> 6) << 4), (c >> 4) | ((b >> 6) << 4)
+        a = np.int32(w[o + 4 + j])
+        b = np.int32(w[o + 8 + j])
+        c = np.int32(w[o + 12 + j])
+        sc[j] = d * F32(a & 63)
+        mn[j] = -(dmin * F32(b & 63))
+        sc[j + 4] = d * F32((c & 15) | ((a >> 6) << 4))
+        mn[j + 4] = -(dmin * F32((c >> 4) | ((b >> 6) << 4)))
 
 
 @njit(inline="always")
@@ -403,12 +397,16 @@ def _load(builder, p, off, ty, align):
     return builder.load(builder.bitcast(builder.gep(p, [off]), ir.PointerType(ty)), align=align)
 
 
-def _k_scales(form: str):
+def _k_scales(form: str, ints: bool = False):
     """An intrinsic ``scales(buf, k, w, o, f16)``: the sub-block scales of the K-quant ``form``
     ("q4" Q4_K, "q5" Q5_K, "q6" Q6_K) super-block at byte ``o`` of weight row ``w`` (uint8),
     as float32 into ``buf[16k : 16k + 16]`` (float32): Q4_K, Q5_K ``d·sc_j`` for j < 8, then
     ``-(dmin·m_j)`` (6-bit sc, m packed in 12 bytes as ggml does); Q6_K ``d·sc_j`` for j < 16
-    (int8 sc). ``d``, ``dmin`` are read through ``f16``, every half's float32 value."""
+    (int8 sc). ``d``, ``dmin`` are read through ``f16``, every half's float32 value.
+
+    ``ints``: ``scales(isc, fsc, w, o, f16)`` for the int8 products (Q4_K, Q6_K): the sub-block
+    scales as integers into ``isc`` (int32: Q4_K 8, Q6_K 16), d into ``fsc[0]`` and Q4_K's
+    ``-(dmin·m_j)`` into ``fsc[8:16]``."""
     @intrinsic
     def scales(typingctx, buf, k, w, o, f16):
         sig = types.none(buf, k, w, o, f16)
@@ -416,12 +414,18 @@ def _k_scales(form: str):
         def codegen(context, builder, sig, args):
             def data(i):
                 return context.make_array(sig.args[i])(context, builder, args[i]).data
-            pb = builder.gep(data(0), [builder.mul(args[1], _I64(16))])
+            pb = data(1) if ints else builder.gep(data(0), [builder.mul(args[1], _I64(16))])
             pw, table = builder.gep(data(2), [args[3]]), data(4)
 
             def half(off):
                 bits = _load(builder, pw, _I64(off), ir.IntType(16), 1)
                 return builder.load(builder.gep(table, [builder.zext(bits, _I64)]))
+            if ints:
+                builder.store(half(208 if form == "q6" else 0), pb)
+            if form == "q6" and ints:
+                sc = builder.sext(_load(builder, pw, _I64(192), _BYTES16, 1), _I16)
+                builder.store(sc, builder.bitcast(data(0), ir.PointerType(_I16)), align=4)
+                return context.get_dummy_value()
             if form == "q6":
                 raw = _load(builder, pw, _I64(192), _BYTES16, 1)
                 sc = builder.fmul(_splat(builder, half(208)), builder.sitofp(builder.sext(raw, _I16), _V16))
@@ -442,8 +446,13 @@ def _k_scales(form: str):
             mn_hi = builder.or_(builder.lshr(c, c8(4)), builder.shl(builder.lshr(b, c8(6)), c8(4)))
             halves = ir.Constant(_I8V, [0, 1, 2, 3, 12, 13, 14, 15])  # j < 4 from *_lo, j ≥ 4 from *_hi
             d, dmin = _splat(builder, half(0), _V8F, 8), _splat(builder, half(2), _V8F, 8)
-            sc = builder.fmul(d, builder.sitofp(builder.shuffle_vector(sc_lo, sc_hi, halves), _V8F))
+            sc_int = builder.shuffle_vector(sc_lo, sc_hi, halves)
+            sc = builder.fmul(d, builder.sitofp(sc_int, _V8F))
             mn = builder.fneg(builder.fmul(dmin, builder.sitofp(builder.shuffle_vector(mn_lo, mn_hi, halves), _V8F)))
+            if ints:
+                builder.store(sc_int, builder.bitcast(data(0), ir.PointerType(_I8V)), align=4)
+                builder.store(mn, builder.bitcast(builder.gep(pb, [_I64(8)]), ir.PointerType(_V8F)), align=4)
+                return context.get_dummy_value()
             for i, v in enumerate((sc, mn)):
                 builder.store(v, builder.bitcast(builder.gep(pb, [_I64(8 * i)]), ir.PointerType(_V8F)), align=4)
             return context.get_dummy_value()
@@ -584,6 +593,8 @@ def _q6_block(builder, nr, tt, scale, load_x, load_raw, apply):
 
 
 _k_blocks = {kind: (_k_scales(form), _k_block(form)) for kind, form in ((5, "q4"), (6, "q5"), (7, "q6"))}
+# The int8 products' scale decoding: Q4_K's and Q6_K's sub-block scales as integers.
+_i8_scales5, _i8_scales7 = _k_scales("q4", ints=True), _k_scales("q6", ints=True)
 
 
 def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
@@ -749,9 +760,10 @@ def matmul(kind, w, x, out, lo, hi):
 #   lane += (dx·d)·I_l;
 # - Q8_0 (``vec_dot_q8_0_q8_0``): c_l = Σ_i q·q8 over the lane's 4 values; lane += (dw·dx)·c_l,
 #   the scales of the lane's block; rows of K % 64 ≠ 0 keep the float32 kernel.
-# Every |I_l| < 2²⁴, so its float32 conversion is exact. Two forms, the same bits: AVX-512 VNNI
-# (``vpdpbusd``: unsigned bytes times signed bytes, so Q6_K's q - 32 is q times x less 32·Σx,
-# and Q8_0's signed q is (q + 128) times x less 128·Σx, exact), and portable integer loops.
+# Every |I_l| < 2²⁴, so its float32 conversion is exact. Two forms, the same bits: AVX-512
+# (:func:`_i8_block`: Q8_0 by VNNI ``vpdpbusd``, unsigned bytes times signed ones, its signed q
+# as (q + 128) times x less 128·Σx; Q4_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
+# as q times x less 32·x; all exact), and portable integer loops (:func:`_i8_port`).
 INT8_OFFSET = 16  # the kind of a weight type's int8 product: its kind + INT8_OFFSET
 INT8_KINDS = (0, 5, 7)  # Q8_0, Q4_K, Q6_K
 # Whether the VNNI form is compiled (numba compiles for the host unless NUMBA_CPU_NAME names a CPU)
@@ -819,28 +831,6 @@ _sum8 = _lane_sum(8)
 
 
 @njit(inline="always")
-def _i8_scales5(w, o, isc, fsc):
-    """Q4_K super-block at byte ``o``: the 6-bit sub-block scales sc_j into ``isc[0:8]``, d into
-    ``fsc[0]`` and -(dmin·m_j) into ``fsc[8:16]``."""
-    fsc[0] = _half(w, o, _F16)
-    dmin = _half(w, o + 2, _F16)
-    for j in range(4):
-        s0, m0, s1, m1 = _k4_ints(w, o, j)
-        isc[j] = s0
-        isc[j + 4] = s1
-        fsc[8 + j] = -(dmin * F32(m0))
-        fsc[12 + j] = -(dmin * F32(m1))
-
-
-@njit(inline="always")
-def _i8_scales7(w, o, isc, fsc):
-    """Q6_K super-block at byte ``o``: the 16 int8 sub-block scales into ``isc``, d into ``fsc[0]``."""
-    fsc[0] = _half(w, o + 208, _F16)
-    for k in range(16):
-        isc[k] = np.int32(np.int8(w[o + 192 + k]))
-
-
-@njit(inline="always")
 def _i8_scales0(w, o, isc, fsc):
     """Q8_0 blocks at bytes ``o`` and ``o + 34``: their scales d into ``fsc[0:2]``."""
     fsc[0] = _half(w, o, _F16)
@@ -903,11 +893,15 @@ _I8x64, _I8x32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.IntType(8), 
 
 
 def _i8_block(kind: int):
-    """An intrinsic ``block(s, m, w, isc, fsc, x, b, K)``: the AVX-512 VNNI form of
-    :func:`_i8_port` for a tile: super-block ``b`` of NR weight rows ``w`` (a tuple of uint8
-    rows, their scales decoded into the tuples ``isc`` int32 and ``fsc`` float32) by TT
-    quantized activation rows ``x`` (a tuple of uint8 rows), into the NR·TT pairs' lanes ``s``
-    (tuple of 16 float32, row-major: weight row, then activation row) and ``m`` (8 float32, Q4_K)."""
+    """An intrinsic ``block(s, m, w, isc, fsc, x, b, K)``: the AVX-512 form of :func:`_i8_port`
+    for a tile: super-block ``b`` of NR weight rows ``w`` (a tuple of uint8 rows, their scales
+    decoded into the tuples ``isc`` int32 and ``fsc`` float32) by TT quantized activation rows
+    ``x`` (a tuple of uint8 rows), into the NR·TT pairs' lanes ``s`` (tuple of 16 float32,
+    row-major: weight row, then activation row) and ``m`` (8 float32, Q4_K). Q8_0: ``vpdpbusd``
+    (VNNI), 4 byte products into each int32 lane. Q4_K, Q6_K: ``vpmaddubsw`` (pairs of byte
+    products into int16, at most 2·63·127 less 2·32·127: no saturation) then ``vpmaddwd`` by the
+    pairs' sub-block scale (pairs of those into int32): the same 4 products per lane times the
+    scale they share, so the same integers, with the scales applied in the multiply-add."""
     @intrinsic
     def block(typingctx, s, m, w, isc, fsc, x, b, K):
         nr, tt = len(w.types), len(x.types)
@@ -920,6 +914,10 @@ def _i8_block(kind: int):
             ps, pm, pw, pi, pf, px = (datas(i) for i in range(6))
             dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_I16] * 3),
                                                  "llvm.x86.avx512.vpdpbusd.512")
+            pairs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_W32, [_I8x64] * 2),
+                                                   "llvm.x86.avx512.pmaddubs.w.512")
+            quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_W32] * 2),
+                                                   "llvm.x86.avx512.pmaddw.d.512")
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
             fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
 
@@ -933,16 +931,20 @@ def _i8_block(kind: int):
                 return builder.bitcast(v, _I16)
             size = {0: 68, 5: 144, 7: 210}[kind]
             o = builder.mul(b, _I64(size))
-            # per weight row: the 4 vectors of 64 unsigned bytes, and the 4 int32 lane scales
+            # per weight row: the 4 vectors of 64 unsigned bytes, and the 4 int16 pair scales
             wq, wsc = [], []
+
+            def pair_scales(isc, first):  # int16 lane j: the scale of int32 lane j // 2
+                return builder.shuffle_vector(isc, isc, ir.Constant(ir.VectorType(_I32, 32), [first(j // 2) for j in range(32)]))
             for n in range(nr):
                 base = builder.gep(pw[n], [o])
-                isc = builder.load(builder.bitcast(pi[n], ir.PointerType(_I16)), align=4)
+                isc = builder.trunc(builder.load(builder.bitcast(pi[n], ir.PointerType(_I16)), align=4),
+                                    ir.VectorType(ir.IntType(16), 16))
                 if kind == 5:
                     for k in range(4):
                         raw = _load(builder, base, _I64(16 + 32 * k), _I8x32, 1)
                         wq.append(concat(builder.and_(raw, b8(15, _I8x32)), builder.lshr(raw, b8(4, _I8x32))))
-                        wsc.append(builder.shuffle_vector(isc, isc, ir.Constant(_I16, [2 * k] * 8 + [2 * k + 1] * 8)))
+                        wsc.append(pair_scales(isc, lambda m, k=k: 2 * k + m // 8))
                 elif kind == 7:
                     for k in range(4):
                         h, part = divmod(k, 2)
@@ -951,7 +953,7 @@ def _i8_block(kind: int):
                         qh = _load(builder, base, _I64(128 + 32 * h), _I8x32, 1)
                         hb = concat(builder.lshr(qh, b8(4 * part, _I8x32)), builder.lshr(qh, b8(4 * part + 2, _I8x32)))
                         wq.append(builder.or_(nib, builder.shl(builder.and_(hb, b8(3)), b8(4))))
-                        wsc.append(builder.shuffle_vector(isc, isc, ir.Constant(_I16, [4 * k + l // 4 for l in range(16)])))
+                        wsc.append(pair_scales(isc, lambda m, k=k: 4 * k + m // 4))
                 else:  # q + 128 as unsigned bytes
                     lo, hi = (_load(builder, base, _I64(2 + 34 * h), _I8x32, 1) for h in range(2))
                     wq.append(builder.xor(concat(lo, hi), b8(-128)))
@@ -963,14 +965,12 @@ def _i8_block(kind: int):
                 xbase = builder.gep(px[t], [builder.mul(b, _I64(64 * nk))])
                 xs = [_load(builder, xbase, _I64(64 * k), _I8x64, 1) for k in range(nk)]
                 dx = builder.bitcast(builder.gep(px[t], [K]), fp)
-                if kind == 7:  # -32·Σx per lane: q - 32 times x
-                    corr = [builder.sub(zero, builder.call(dot, [zero, as32(b8(32)), as32(v)])) for v in xs]
+                if kind == 7:  # 32·(x + x') per int16 pair: q - 32 times x
+                    corr = [builder.call(pairs, [b8(32), v]) for v in xs]
                 elif kind == 0:
                     corr = [builder.sub(zero, builder.call(dot, [zero, as32(b8(-128)), as32(xs[0])]))]
                     d2 = builder.load(builder.bitcast(builder.gep(dx, [builder.mul(b, _I64(2))]), ir.PointerType(_V2F)), align=4)
                     dxv = builder.shuffle_vector(d2, d2, ir.Constant(_I16, [0] * 8 + [1] * 8))
-                else:
-                    corr = [zero] * 4
                 if kind != 0:
                     dxs = builder.load(builder.gep(dx, [b]))
                 if kind == 5:
@@ -986,7 +986,9 @@ def _i8_block(kind: int):
                     else:
                         c = None
                         for k in range(4):
-                            v = builder.mul(builder.call(dot, [corr[k], as32(wq[4 * n + k]), as32(xs[k])]), wsc[4 * n + k])
+                            p = builder.call(pairs, [wq[4 * n + k], xs[k]])
+                            p = builder.sub(p, corr[k]) if kind == 7 else p
+                            v = builder.call(quads, [p, wsc[4 * n + k]])
                             c = v if c is None else builder.add(c, v)
                         scale = _splat(builder, builder.fmul(dxs, builder.load(pf[n])))
                     builder.store(builder.call(fma, [scale, builder.sitofp(c, _V16), builder.load(acc_p, align=4)]),
@@ -1000,7 +1002,7 @@ def _i8_block(kind: int):
     return block
 
 
-_V2F = ir.VectorType(ir.FloatType(), 2)
+_V2F, _W32 = ir.VectorType(ir.FloatType(), 2), ir.VectorType(ir.IntType(16), 32)
 _i8_blocks = {kind: _i8_block(kind) for kind in INT8_KINDS}
 
 
@@ -1019,7 +1021,8 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
     lines += [f"    K = w0.shape[0] // {size} * {64 if kind == 0 else 256}"]
     lines += [f"    for b in range(w0.shape[0] // {size}):", f"        o = b * {size}"]
     lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
-    lines += [f"        _i8_scales{kind}(w{n}, o, i{n}, f{n})" for n in rows]
+    lines += [f"        _i8_scales0(w{n}, o, i{n}, f{n})" if kind == 0 else
+              f"        _i8_scales{kind}(i{n}, f{n}, w{n}, o, _F16)" for n in rows]
     if vnni:
         tup = lambda names: "(" + ", ".join(names) + ",)"  # noqa: E731
         lines += [f"        _i8_block{kind}({tup(f's{n}_{t}' for n, t in pairs)}, {tup(f'm{n}_{t}' for n, t in pairs)}, "
@@ -1036,7 +1039,7 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
 
 def _compile_i8_tile(kind: int, nr: int, tt: int, vnni: bool):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _istack=_istack, _sum16=_sum16,
-                 _sum8=_sum8, _prefetch_ahead=_prefetch_ahead, _i8_port=_i8_port,
+                 _sum8=_sum8, _prefetch_ahead=_prefetch_ahead, _i8_port=_i8_port, _F16=_F16,
                  _i8_scales0=_i8_scales0, _i8_scales5=_i8_scales5, _i8_scales7=_i8_scales7,
                  **{f"_i8_block{k}": f for k, f in _i8_blocks.items()})
     exec(compile(_i8_tile_source(kind, nr, tt, vnni), f"<{__name__} int8 tile {kind} {nr}x{tt}>", "exec"), scope)
