@@ -53,22 +53,55 @@ def converter_script() -> Path:
     return script
 
 
+class Conversion:
+    """A run of the converter started by :func:`start_convert`; :meth:`wait` for its file."""
+
+    def __init__(self, hf_dir: Path, outfile: Path, outtype: str) -> None:
+        script = converter_script()
+        env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))
+        self.hf_dir, self.outfile = hf_dir, outfile
+        self.log = outfile.with_name(outfile.name + ".log")  # a file, not a pipe: no one need read it while it runs
+        with open(self.log, "w") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(outfile)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def wait(self) -> Path:
+        """The GGUF file once the converter has written it.
+
+        Raises: RuntimeError with the converter's last output lines when it fails; TimeoutExpired
+        (the converter killed) after :data:`_CONVERT_TIMEOUT_S` seconds."""
+        try:
+            code = self.popen.wait(timeout=_CONVERT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        if code != 0:
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-25:])
+            raise RuntimeError(f"convert_hf_to_gguf.py failed on {self.hf_dir} (exit {code}):\n{tail}")
+        return self.outfile
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+
+
+def start_convert(hf_dir: Path, outfile: Path, outtype: str = "f32") -> Conversion:
+    """Start converting the HF checkpoint ``hf_dir`` (config.json, safetensors, tokenizer files)
+    into the GGUF file ``outfile`` with llama.cpp's converter, in a subprocess (so that several
+    run at once); ``outtype``: its ``--outtype`` (``f32``, ``f16``, ``bf16``, ``q8_0``).
+
+    Raises: :class:`ConverterMissing`."""
+    return Conversion(hf_dir, outfile, outtype)
+
+
 def convert(hf_dir: Path, outfile: Path, outtype: str = "f32") -> Path:
-    """Convert the HF checkpoint ``hf_dir`` (config.json, safetensors, tokenizer files) into the
-    GGUF file ``outfile`` with llama.cpp's converter; ``outtype``: its ``--outtype`` (``f32``,
-    ``f16``, ``bf16``, ``q8_0``).
+    """:func:`start_convert`, waited for: the GGUF file ``outfile``.
 
     Raises: :class:`ConverterMissing`; RuntimeError with the converter's last output lines when
     it fails."""
-    script = converter_script()
-    env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))
-    done = subprocess.run(
-        [sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(outfile)],
-        capture_output=True, text=True, env=env, timeout=_CONVERT_TIMEOUT_S)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} (exit {done.returncode}):\n{tail}")
-    return outfile
+    return start_convert(hf_dir, outfile, outtype).wait()
 
 
 def chat_template(name: str) -> str:

@@ -23,7 +23,7 @@ from swarm.compute import SamplingParams, generate, load_model
 from swarm.compute.tensors import GGUFFile
 from swarm.compute.tokenizer import load_tokenizer
 from tests.compute import qwen_vocab, tiny_gpt_oss, tiny_models, tiny_qwen3_5_moe, tiny_sigmoid_moe
-from tests.compute.llama_converter import ENV_VAR, ConverterMissing, convert
+from tests.compute.llama_converter import ENV_VAR, ConverterMissing, convert, start_convert
 from tests.compute.test_family_qwen3_5_moe import ATOL as QWEN3_5_MOE_ATOL
 from tests.compute.test_tokenizer import TEXTS
 from tests.compute.test_tokenizer_gguf_kinds import CORPUS
@@ -81,38 +81,58 @@ def smollm2_tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
 
 
+# The conversions in the order this module's tests ask for them: each test's request starts the
+# next one too, which runs (a subprocess) while the test computes and its own conversion ends.
+ORDER = [(name, "f32") for name in CASES if name != "mixtral"] + [("mixtral", "q8_0"), ("gpt_oss", "mxfp4")]
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, smollm2_tokenizer):
     """(name, outtype) → (transformers model, GGUF path): built and converted once per module.
     Outtype ``mxfp4`` (gpt_oss): a checkpoint with MXFP4 experts, the model holding their values."""
+    started: dict = {}  # (name, outtype) → (transformers model, Conversion)
     done: dict = {}
 
+    def start(name: str, outtype: str) -> None:
+        builder, overrides, released, qwen = CASES[name]
+        hf_dir = tmp_path_factory.mktemp(name)
+        vocab = VOCAB if qwen is None else qwen_vocab.write_tokenizer(qwen, hf_dir)
+        hf, _ = builder(hf_dir, vocab_size=vocab, **overrides)
+        if outtype == "mxfp4":  # experts stored as openai publishes gpt-oss; the rest converted as f32
+            tiny_gpt_oss.save_mxfp4(hf, hf_dir)
+            hf = tiny_gpt_oss.rounded(hf, QT.F32, QT.MXFP4)
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**cfg, **released}))
+        if qwen is None:
+            smollm2_tokenizer.save_pretrained(hf_dir)
+        if name == "glm4_moe":
+            from transformers import AutoTokenizer
+
+            glm = AutoTokenizer.from_pretrained(hf_dir)
+            glm.add_tokens(GLM_TOKENS, special_tokens=True)
+            glm.save_pretrained(hf_dir)
+        if name == "qwen3_5_moe":
+            add_mtp_layer(hf_dir)
+        outfile = hf_dir / f"{name}-{outtype}.gguf"
+        started[name, outtype] = hf, start_convert(hf_dir, outfile, "f32" if outtype == "mxfp4" else outtype)
+
     def get(name: str, outtype: str = "f32"):
-        if (name, outtype) not in done:
-            builder, overrides, released, qwen = CASES[name]
-            hf_dir = tmp_path_factory.mktemp(name)
-            vocab = VOCAB if qwen is None else qwen_vocab.write_tokenizer(qwen, hf_dir)
-            hf, _ = builder(hf_dir, vocab_size=vocab, **overrides)
-            if outtype == "mxfp4":  # experts stored as openai publishes gpt-oss; the rest converted as f32
-                tiny_gpt_oss.save_mxfp4(hf, hf_dir)
-                hf = tiny_gpt_oss.rounded(hf, QT.F32, QT.MXFP4)
-            cfg = json.loads((hf_dir / "config.json").read_text())
-            (hf_dir / "config.json").write_text(json.dumps({**cfg, **released}))
-            if qwen is None:
-                smollm2_tokenizer.save_pretrained(hf_dir)
-            if name == "glm4_moe":
-                from transformers import AutoTokenizer
+        key = (name, outtype)
+        if key not in done:
+            if key not in started:
+                start(*key)
+            following = ORDER[ORDER.index(key) + 1:] if key in ORDER else []
+            if (upcoming := next((k for k in following if k not in started), None)) is not None:
+                start(*upcoming)
+            hf, conversion = started[key]
+            done[key] = hf, conversion.wait()
+        return done[key]
 
-                glm = AutoTokenizer.from_pretrained(hf_dir)
-                glm.add_tokens(GLM_TOKENS, special_tokens=True)
-                glm.save_pretrained(hf_dir)
-            if name == "qwen3_5_moe":
-                add_mtp_layer(hf_dir)
-            outfile = hf_dir / f"{name}-{outtype}.gguf"
-            done[name, outtype] = hf, convert(hf_dir, outfile, "f32" if outtype == "mxfp4" else outtype)
-        return done[name, outtype]
-
-    return get
+    try:
+        yield get
+    finally:
+        for _, conversion in started.values():
+            conversion.kill()  # one started for a test that did not run
 
 
 @pytest.mark.slow
