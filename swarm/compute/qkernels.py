@@ -744,37 +744,47 @@ def matmul(kind, w, x, out, lo, hi):
 # llama.cpp's numerics, opt-in: each activation row is quantized to int8 with one float32 scale
 # per block of values, and a block-quantized weight row is multiplied by it in integers, exactly,
 # then scaled in float32. Activation blocks (after ggml's ``block_q8_K`` and ``block_q8_0``):
-# per 256 values for the K-quants (Q4_K, Q6_K), per 32 for Q8_0; in each, with amax = max |x|,
+# per 256 values for the K-quants (Q4_K, Q6_K), per 32 for Q8_0, Q4_0, Q5_0; in each, with amax = max |x|,
 # d = amax / 127 and q = rint(x · (127 / amax)) (0 where amax is 0), |x - d·q| ≤ d/2 (plus
 # float32 rounding). A quantized row is one uint8 row of :func:`int8_row_bytes` bytes: the K
 # int8 values in order, then the float32 scales, then (per 256) the float32 ``d·Σq`` of each 32
 # values (Q4_K's minimums), 64-byte aligned rows.
 #
 # Per output element (weight row, activation row), one fixed sequence: 16 float32 lanes, lane l
-# of a super-block (Q8_0: of a pair of blocks) takes the 16 values 64k + 4l + i (k < 4, i < 4;
-# Q8_0: 4l + i of the 64), whose products are summed exactly in int32:
+# of a super-block (blocks of 32: of a pair of blocks) takes the 16 values 64k + 4l + i (k < 4,
+# i < 4; blocks of 32: 4l + i of the 64), whose products are summed exactly in int32:
 # - Q4_K (ggml's ``vec_dot_q4_K_q8_K``): I_l = Σ_k sc_j · Σ_i q4·q8, j the sub-block of 32;
 #   lane += (dx·d)·I_l by fused multiply-add, and 8 more lanes take the minimums,
 #   fma(-(dmin·m_j), dx·Σq8_j, ·); the result is Σ16 + Σ8, each in :func:`_lane_sum`'s order;
 # - Q6_K (``vec_dot_q6_K_q8_K``): I_l = Σ_k sc_s · Σ_i (q6 - 32)·q8, s the sub-block of 16;
 #   lane += (dx·d)·I_l;
-# - Q8_0 (``vec_dot_q8_0_q8_0``): c_l = Σ_i q·q8 over the lane's 4 values; lane += (dw·dx)·c_l,
-#   the scales of the lane's block; rows of K % 64 ≠ 0 keep the float32 kernel.
+# - Q8_0, Q4_0, Q5_0 (``vec_dot_q8_0_q8_0``, ``vec_dot_q4_0_q8_0``, ``vec_dot_q5_0_q8_0``):
+#   c_l = Σ_i q·q8 over the lane's 4 values (Q4_0's q less 8, Q5_0's less 16); lane +=
+#   (dw·dx)·c_l, the scales of the lane's block; rows of K % 64 ≠ 0 keep the float32 kernel.
 # Every |I_l| < 2²⁴, so its float32 conversion is exact. Two forms, the same bits: AVX-512
-# (:func:`_i8_block`: Q8_0 by VNNI ``vpdpbusd``, unsigned bytes times signed ones, its signed q
-# as (q + 128) times x less 128·Σx; Q4_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
+# (:func:`_i8_block`: blocks of 32 by VNNI ``vpdpbusd``, unsigned bytes times signed ones,
+# Q8_0's signed q as (q + 128) times x less 128·Σx, Q4_0's q - 8 as q times x less 8·Σx, Q5_0's
+# likewise with 16; Q4_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
 # as q times x less 32·x; all exact), and portable integer loops (:func:`_i8_port`).
 INT8_OFFSET = 16  # the kind of a weight type's int8 product: its kind + INT8_OFFSET
-INT8_KINDS = (0, 5, 7)  # Q8_0, Q4_K, Q6_K
+INT8_KINDS = (0, 1, 3, 5, 7)  # Q8_0, Q4_0, Q5_0 (blocks of 32), Q4_K, Q6_K
+# Bytes of a block of 32 (the kinds quantizing activations per 32) or a super-block of 256.
+_I8_SIZE = {0: 34, 1: 18, 3: 22, 5: 144, 7: 210}
 # Whether the VNNI form is compiled (numba compiles for the host unless NUMBA_CPU_NAME names a CPU)
 VNNI = AVX512 and bool(binding.get_host_cpu_features().get("avx512vnni", False)) \
     and bool(binding.get_host_cpu_features().get("avx512bw", False))
 
 
 @njit(inline="always")
+def _per32(kind):
+    """Whether weight kind ``kind``'s activations are quantized per 32 values (else per 256)."""
+    return kind < 5
+
+
+@njit(inline="always")
 def int8_row_bytes(kind, K):
     """Bytes of one quantized activation row of K values for weight kind ``kind``."""
-    if kind == 0:
+    if _per32(kind):
         n = K + 4 * (K // 32)
     else:
         n = K + 4 * (K // 256) + 4 * (K // 32)
@@ -799,13 +809,13 @@ def _quantize_block(x, lo, n, q):
 def _quantize_rows(kind, x, xq):
     """Float32 ``x`` [T, K] → quantized rows ``xq`` uint8 [T, int8_row_bytes(kind, K)]."""
     T, K = x.shape
-    block = 32 if kind == 0 else 256
+    block = 32 if _per32(kind) else 256
     for t in range(T):
         row, q = x[t], xq[t]
         d = q[K:].view(np.float32)
         for b in range(K // block):
             d[b] = _quantize_block(row, b * block, block, q)
-        if kind != 0:
+        if not _per32(kind):
             nsb = K // 256
             sums = d[nsb:]
             for j in range(K // 32):
@@ -831,10 +841,25 @@ _sum8 = _lane_sum(8)
 
 
 @njit(inline="always")
-def _i8_scales0(w, o, isc, fsc):
-    """Q8_0 blocks at bytes ``o`` and ``o + 34``: their scales d into ``fsc[0:2]``."""
+def _i8_scales32(w, o, size, fsc):
+    """Blocks of 32 (Q8_0, Q4_0, Q5_0: ``size`` bytes) at bytes ``o`` and ``o + size``: their
+    scales d into ``fsc[0:2]``."""
     fsc[0] = _half(w, o, _F16)
-    fsc[1] = _half(w, o + 34, _F16)
+    fsc[1] = _half(w, o + size, _F16)
+
+
+@njit(inline="always")
+def _q32_value(kind, w, o, p):
+    """The block of 32 at byte ``o`` (Q8_0, Q4_0 or Q5_0): the integer of position ``p`` (0..31),
+    its offset (8, 16) subtracted."""
+    if kind == 0:
+        return np.int32(np.int8(w[o + 2 + p]))
+    first = 2 if kind == 1 else 6
+    q = w[o + first + p % 16]
+    nib = np.int32(q >> np.uint8(4)) if p >= 16 else np.int32(q & np.uint8(15))
+    if kind == 1:
+        return nib - 8
+    return (nib | (np.int32((_u32(w, o + 2) >> np.uint32(p)) & np.uint32(1)) << 4)) - 16
 
 
 @njit(inline="always")
@@ -856,12 +881,14 @@ def _q6k_value(w, o, p):
 
 @njit(nogil=True)
 def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
-    """The portable form: super-block ``b`` (Q8_0: blocks 2b, 2b + 1) of weight row ``w`` into
-    one pair's lanes ``s`` (16) and ``m`` (8, Q4_K) — the operations of the module's rule."""
-    xo = 64 * b if kind == 0 else 256 * b
+    """The portable form: super-block ``b`` (blocks of 32: blocks 2b, 2b + 1) of weight row ``w``
+    into one pair's lanes ``s`` (16) and ``m`` (8, Q4_K) — the operations of the module's rule."""
+    per32 = _per32(kind)
+    xo = 64 * b if per32 else 256 * b
+    size = (34 if kind == 0 else 18 if kind == 1 else 22) if per32 else 0  # _I8_SIZE
     for l in range(16):
         acc = np.int32(0)
-        for k in range(4 if kind != 0 else 1):
+        for k in range(1 if per32 else 4):
             c = np.int32(0)
             for i in range(4):
                 p = 64 * k + 4 * l + i
@@ -871,14 +898,14 @@ def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
                 elif kind == 7:
                     c += _q6k_value(w, 210 * b, p) * x8
                 else:
-                    c += np.int32(np.int8(w[68 * b + 34 * (p // 32) + 2 + p % 32])) * x8
+                    c += _q32_value(kind, w, size * (2 * b + p // 32), p % 32) * x8
             if kind == 5:
                 c *= isc[2 * k + l // 8]
             elif kind == 7:
                 c *= isc[4 * k + l // 4]
             acc += c
         d = xq[K:].view(np.float32)
-        if kind == 0:
+        if per32:
             scale = fsc[l // 8] * d[2 * b + l // 8]
         else:
             scale = d[b] * fsc[0]
@@ -925,12 +952,14 @@ def _i8_block(kind: int):
                 return ir.Constant(ty, [v] * ty.count)
 
             def concat(lo, hi):
-                return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+                n = 2 * lo.type.count
+                return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
 
             def as32(v):
                 return builder.bitcast(v, _I16)
-            size = {0: 68, 5: 144, 7: 210}[kind]
-            o = builder.mul(b, _I64(size))
+            per32, bs = kind < 5, _I8_SIZE[kind]
+            offset = {0: 128, 1: 8, 3: 16}.get(kind, 0)  # blocks of 32: unsigned byte = q + offset
+            o = builder.mul(b, _I64(2 * bs if per32 else bs))
             # per weight row: the 4 vectors of 64 unsigned bytes, and the 4 int16 pair scales
             wq, wsc = [], []
 
@@ -954,10 +983,23 @@ def _i8_block(kind: int):
                         hb = concat(builder.lshr(qh, b8(4 * part, _I8x32)), builder.lshr(qh, b8(4 * part + 2, _I8x32)))
                         wq.append(builder.or_(nib, builder.shl(builder.and_(hb, b8(3)), b8(4))))
                         wsc.append(pair_scales(isc, lambda m, k=k: 4 * k + m // 4))
-                else:  # q + 128 as unsigned bytes
-                    lo, hi = (_load(builder, base, _I64(2 + 34 * h), _I8x32, 1) for h in range(2))
+                elif kind == 0:  # q + 128 as unsigned bytes
+                    lo, hi = (_load(builder, base, _I64(2 + bs * h), _I8x32, 1) for h in range(2))
                     wq.append(builder.xor(concat(lo, hi), b8(-128)))
-            nk = 1 if kind == 0 else 4
+                else:  # Q4_0, Q5_0: the nibbles (and Q5_0's fifth bits), two blocks
+                    blocks = []
+                    for h in range(2):
+                        raw = _load(builder, base, _I64(bs * h + (2 if kind == 1 else 6)), _BYTES16, 1)
+                        v = concat(builder.and_(raw, b8(15, _BYTES16)), builder.lshr(raw, b8(4, _BYTES16)))
+                        if kind == 3:  # bit i of the 32-bit qh: byte i // 8, bit i % 8
+                            qh = _load(builder, base, _I64(bs * h + 2), ir.VectorType(ir.IntType(8), 4), 1)
+                            spread = builder.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
+                            bit = builder.and_(spread, ir.Constant(_I8x32, [1 << (i % 8) for i in range(32)]))
+                            v = builder.or_(v, builder.select(builder.icmp_unsigned("!=", bit, b8(0, _I8x32)),
+                                                              b8(16, _I8x32), b8(0, _I8x32)))
+                        blocks.append(v)
+                    wq.append(concat(*blocks))
+            nk = 1 if per32 else 4
             zero = ir.Constant(_I16, [0] * 16)
             vp = ir.PointerType(_V16)
             fp = ir.PointerType(ir.FloatType())
@@ -967,11 +1009,12 @@ def _i8_block(kind: int):
                 dx = builder.bitcast(builder.gep(px[t], [K]), fp)
                 if kind == 7:  # 32·(x + x') per int16 pair: q - 32 times x
                     corr = [builder.call(pairs, [b8(32), v]) for v in xs]
-                elif kind == 0:
-                    corr = [builder.sub(zero, builder.call(dot, [zero, as32(b8(-128)), as32(xs[0])]))]
+                elif per32:  # -offset·Σx per lane: q times x
+                    corr = [builder.sub(zero, builder.call(dot, [zero, as32(b8(offset - 256 if offset > 127 else offset)),
+                                                                 as32(xs[0])]))]
                     d2 = builder.load(builder.bitcast(builder.gep(dx, [builder.mul(b, _I64(2))]), ir.PointerType(_V2F)), align=4)
                     dxv = builder.shuffle_vector(d2, d2, ir.Constant(_I16, [0] * 8 + [1] * 8))
-                if kind != 0:
+                if not per32:
                     dxs = builder.load(builder.gep(dx, [b]))
                 if kind == 5:
                     nsb = builder.sdiv(K, _I64(256))
@@ -979,7 +1022,7 @@ def _i8_block(kind: int):
                     bxv = builder.load(builder.bitcast(bx, ir.PointerType(_V8F)), align=4)
                 for n in range(nr):
                     acc_p = builder.bitcast(ps[n * tt + t], vp)
-                    if kind == 0:
+                    if per32:
                         c = builder.call(dot, [corr[0], as32(wq[n]), as32(xs[0])])
                         f2 = builder.load(builder.bitcast(pf[n], ir.PointerType(_V2F)), align=4)
                         scale = builder.fmul(builder.shuffle_vector(f2, f2, ir.Constant(_I16, [0] * 8 + [1] * 8)), dxv)
@@ -1007,7 +1050,8 @@ _i8_blocks = {kind: _i8_block(kind) for kind in INT8_KINDS}
 
 
 def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
-    size = {0: 68, 5: 144, 7: 210}[kind]
+    per32 = kind < 5  # blocks of 32: a step takes two (64 activation values)
+    size = 2 * _I8_SIZE[kind] if per32 else _I8_SIZE[kind]
     rows, acts, pairs = range(nr), range(tt), [(n, t) for n in range(nr) for t in range(tt)]
     lines = ["def tile(w, r0, hi, x, t0, out, ahead, end):"]
     lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
@@ -1018,10 +1062,10 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
     lines += ["    for j in range(8):"] + [f"        m{n}_{t}[j] = F32(0.0)" for n, t in pairs]
     lines += [f"    i{n} = carray(_istack(16), 16)" for n in rows]
     lines += [f"    f{n} = carray(_stack(16), 16)" for n in rows]
-    lines += [f"    K = w0.shape[0] // {size} * {64 if kind == 0 else 256}"]
+    lines += [f"    K = w0.shape[0] // {size} * {64 if per32 else 256}"]
     lines += [f"    for b in range(w0.shape[0] // {size}):", f"        o = b * {size}"]
     lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
-    lines += [f"        _i8_scales0(w{n}, o, i{n}, f{n})" if kind == 0 else
+    lines += [f"        _i8_scales32(w{n}, o, {_I8_SIZE[kind]}, f{n})" if per32 else
               f"        _i8_scales{kind}(i{n}, f{n}, w{n}, o, _F16)" for n in rows]
     if vnni:
         tup = lambda names: "(" + ", ".join(names) + ",)"  # noqa: E731
@@ -1040,7 +1084,7 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
 def _compile_i8_tile(kind: int, nr: int, tt: int, vnni: bool):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _istack=_istack, _sum16=_sum16,
                  _sum8=_sum8, _prefetch_ahead=_prefetch_ahead, _i8_port=_i8_port, _F16=_F16,
-                 _i8_scales0=_i8_scales0, _i8_scales5=_i8_scales5, _i8_scales7=_i8_scales7,
+                 _i8_scales32=_i8_scales32, _i8_scales5=_i8_scales5, _i8_scales7=_i8_scales7,
                  **{f"_i8_block{k}": f for k, f in _i8_blocks.items()})
     exec(compile(_i8_tile_source(kind, nr, tt, vnni), f"<{__name__} int8 tile {kind} {nr}x{tt}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])
@@ -1052,13 +1096,17 @@ def _i8_rows_kernel(kind: int, vnni: bool = VNNI):
     return _tiled_rows([_compile_i8_tile(kind, nr, tt, vnni) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
 
 
-_i8_rows0, _i8_rows5, _i8_rows7 = (_i8_rows_kernel(kind) for kind in INT8_KINDS)
+_i8_rows0, _i8_rows1, _i8_rows3, _i8_rows5, _i8_rows7 = (_i8_rows_kernel(kind) for kind in INT8_KINDS)
 
 
 @njit(nogil=True)
 def _rows_i8(kind, w, xq, out, lo, hi):
     if kind == 0:
         _i8_rows0(w, xq, out, lo, hi)
+    elif kind == 1:
+        _i8_rows1(w, xq, out, lo, hi)
+    elif kind == 3:
+        _i8_rows3(w, xq, out, lo, hi)
     elif kind == 5:
         _i8_rows5(w, xq, out, lo, hi)
     else:
@@ -1321,7 +1369,7 @@ def dequant(kind, w, out):
 
 def int8_kind(kind: int, K: int) -> bool:
     """Whether weight kind ``kind`` with rows of ``K`` values has an int8 product."""
-    return kind in INT8_KINDS and K % (64 if kind == 0 else 256) == 0
+    return kind in INT8_KINDS and K % (64 if kind < 5 else 256) == 0
 
 
 @njit(cache=True, nogil=True)
@@ -1333,7 +1381,7 @@ def quantize(kind, x, xq):
 
 @njit(cache=True, nogil=True)
 def matmul_int8(kind, w, xq, out, lo, hi):
-    """out[t, r] for rows ``lo ≤ r < hi`` of uint8 ``w`` [R, row_bytes] (kind 0, 5 or 7) times
+    """out[t, r] for rows ``lo ≤ r < hi`` of uint8 ``w`` [R, row_bytes] (a kind of INT8_KINDS) times
     the quantized rows ``xq`` (read-only uint8, :func:`quantize`), ``out`` float32 [T, R]. One
     thread; the same bits as the int8 groups."""
     _rows_i8(kind, w, xq, out, lo, hi)
@@ -1352,11 +1400,11 @@ def int8_group(table):  # pragma: no cover - compiled
     total = 0
     for i in range(n):
         kind, k = table[i, KIND], table[i, K]
-        if not ((kind == 5 or kind == 7) and k % 256 == 0 or kind == 0 and k % 64 == 0):
+        if not ((kind == 5 or kind == 7) and k % 256 == 0 or (kind == 0 or kind == 1 or kind == 3) and k % 64 == 0):
             continue
         for j in range(i):
             if (offs[j] >= 0 and table[j, X] == table[i, X] and table[j, T] == table[i, T]
-                    and table[j, K] == k and (table[j, KIND] == 0) == (kind == 0)):
+                    and table[j, K] == k and _per32(table[j, KIND]) == _per32(kind)):
                 offs[i] = offs[j]
                 break
         if offs[i] < 0:

@@ -16,7 +16,8 @@ from swarm.compute.quant import QMatrix
 from tests.compute.test_quant_kernels import encoded
 
 F32, F64 = np.float32, np.float64
-KINDS = {QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # qkernels' kind numbers
+KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q5_0: 3, QT.Q4_K: 5, QT.Q6_K: 7}  # qkernels' kind numbers
+PER32 = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q5_0: 22}  # activations per 32 values: block bytes
 
 
 # ---- the numpy twin ---------------------------------------------------------------------------
@@ -66,6 +67,14 @@ def decode(qtype, w, K):
     if qtype == QT.Q8_0:
         b = w.reshape(R, K // 32, 34)
         return b[..., 2:].view(np.int8).astype(np.int64).reshape(R, K), half(b, 0)
+    if qtype in (QT.Q4_0, QT.Q5_0):
+        b = w.reshape(R, K // 32, PER32[qtype])
+        qs = b[..., -16:].astype(np.int64)
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [R, nb, 32]
+        if qtype == QT.Q5_0:
+            qh = b[..., 2:6].copy().view(np.uint32).astype(np.int64)  # [R, nb, 1]
+            q = q | (((qh >> np.arange(32)) & 1) << 4)
+        return (q - (8 if qtype == QT.Q4_0 else 16)).reshape(R, K), half(b, 0)
     if qtype == QT.Q4_K:
         b = w.reshape(R, K // 256, 144)
         s = b[..., 4:16].astype(np.int64)
@@ -88,7 +97,7 @@ def twin(qtype, w, x):
     kernels' rule (qkernels.py's int8 section): exact integer lane sums, then float32 operations."""
     T, K = x.shape
     R = w.shape[0]
-    if qtype == QT.Q8_0:
+    if qtype in PER32:
         q, dw = decode(qtype, w, K)
         x8, dx = quantize(x, 32)
         nb = K // 32
@@ -158,7 +167,7 @@ def test_twin_decodes_gguf_values(qtype):
     w = weights(qtype, 5, K, 1)
     want = gguf.quants.dequantize(w, qtype).astype(F64)
     parts = decode(qtype, w, K)
-    if qtype == QT.Q8_0:
+    if qtype in PER32:
         got = parts[0] * np.repeat(parts[1], 32, axis=1)
     elif qtype == QT.Q4_K:
         q, sc, m, d, dmin = parts
@@ -176,7 +185,7 @@ def test_int8_kernels_give_the_twins_bits(qtype, T):
     """Every tile shape (T = 1 … 9, an odd row count, ranges starting at odd rows), the kernel
     compiled for this machine and the portable form: the twin's bits; the result within the
     quantization's error of the float64 product."""
-    K, R = 3 * 256 if qtype != QT.Q8_0 else 4 * 64, 23
+    K, R = 3 * 256 if qtype not in PER32 else 4 * 64, 23
     w = weights(qtype, R, K, 3 + T)
     x = np.random.default_rng(T).standard_normal((T, K), dtype=F32)
     x[0, :40] = 0.0  # an all-zero activation block (scale 0)
@@ -229,8 +238,9 @@ def test_int8_products_do_not_depend_on_t_rows_or_threads(qtype, int8):
 
 
 def test_types_without_an_int8_kernel_keep_float32(int8):
-    """Q4_0 and Q8_0 rows of 96 values (not a multiple of 64) under int8: the float32 bits."""
-    for qtype, K in ((QT.Q4_0, 256), (QT.Q8_0, 96)):
+    """Q4_1 and Q5_K rows, and Q8_0 rows of 96 values (not a multiple of 64), under int8: the
+    float32 bits."""
+    for qtype, K in ((QT.Q4_1, 256), (QT.Q5_K, 256), (QT.Q8_0, 96)):
         m = QMatrix(weights(qtype, 9, K, 2), qtype, K)
         x = np.random.default_rng(1).standard_normal((3, K), dtype=F32)
         got = m.matmul(x)
@@ -252,7 +262,7 @@ def test_numerics_setting_is_checked(monkeypatch):
     assert numerics.set_numerics(None) == "float32" and not numerics.int8()
 
 
-# A small dense Qwen3 of random blocks (bench/random_gguf.py) in all three int8 types.
+# A small dense Qwen3 of random blocks (bench/random_gguf.py) in Q4_K, Q6_K and Q8_0.
 def _mix(name, layer, n_layers):
     if name == "output.weight" or ".attn_v." in name or ".ffn_down" in name:
         return QT.Q6_K
@@ -271,7 +281,7 @@ def small_model(tmp_path_factory):
 
 
 # Logits of the two numerics apart, of the float32 run's largest |logit|: measured 1.5-1.8e-2 on
-# this model (random blocks, 2 layers, every matrix one of the three int8 types), whose top two
+# this model (random blocks, 2 layers, every matrix Q4_K, Q6_K or Q8_0), whose top two
 # logits are 0.9-11 % of it apart: the greedy tokens agree at every position.
 LOGIT_RTOL = 0.05
 
