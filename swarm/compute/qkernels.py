@@ -594,7 +594,7 @@ def _q6_block(builder, nr, tt, scale, load_x, load_raw, apply):
 
 _k_blocks = {kind: (_k_scales(form), _k_block(form)) for kind, form in ((5, "q4"), (6, "q5"), (7, "q6"))}
 # The int8 products' scale decoding: Q4_K's and Q6_K's sub-block scales as integers.
-_i8_scales5, _i8_scales7 = _k_scales("q4", ints=True), _k_scales("q6", ints=True)
+_i8_scales5, _i8_scales6, _i8_scales7 = _k_scales("q4", ints=True), _k_scales("q5", ints=True), _k_scales("q6", ints=True)
 
 
 def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
@@ -744,16 +744,17 @@ def matmul(kind, w, x, out, lo, hi):
 # llama.cpp's numerics, opt-in: each activation row is quantized to int8 with one float32 scale
 # per block of values, and a block-quantized weight row is multiplied by it in integers, exactly,
 # then scaled in float32. Activation blocks (after ggml's ``block_q8_K`` and ``block_q8_0``):
-# per 256 values for the K-quants (Q4_K, Q6_K), per 32 for Q8_0, Q4_0, Q5_0; in each, with amax = max |x|,
+# per 256 values for the K-quants (Q4_K, Q5_K, Q6_K), per 32 for Q8_0, Q4_0, Q5_0; in each, with amax = max |x|,
 # d = amax / 127 and q = rint(x · (127 / amax)) (0 where amax is 0), |x - d·q| ≤ d/2 (plus
 # float32 rounding). A quantized row is one uint8 row of :func:`int8_row_bytes` bytes: the K
 # int8 values in order, then the float32 scales, then (per 256) the float32 ``d·Σq`` of each 32
-# values (Q4_K's minimums), 64-byte aligned rows.
+# values (the minimums of Q4_K, Q5_K), 64-byte aligned rows.
 #
 # Per output element (weight row, activation row), one fixed sequence: 16 float32 lanes, lane l
 # of a super-block (blocks of 32: of a pair of blocks) takes the 16 values 64k + 4l + i (k < 4,
 # i < 4; blocks of 32: 4l + i of the 64), whose products are summed exactly in int32:
-# - Q4_K (ggml's ``vec_dot_q4_K_q8_K``): I_l = Σ_k sc_j · Σ_i q4·q8, j the sub-block of 32;
+# - Q4_K, Q5_K (ggml's ``vec_dot_q4_K_q8_K``, ``…q5_K…``): I_l = Σ_k sc_j · Σ_i q·q8, j the
+#   sub-block of 32;
 #   lane += (dx·d)·I_l by fused multiply-add, and 8 more lanes take the minimums,
 #   fma(-(dmin·m_j), dx·Σq8_j, ·); the result is Σ16 + Σ8, each in :func:`_lane_sum`'s order;
 # - Q6_K (``vec_dot_q6_K_q8_K``): I_l = Σ_k sc_s · Σ_i (q6 - 32)·q8, s the sub-block of 16;
@@ -764,12 +765,12 @@ def matmul(kind, w, x, out, lo, hi):
 # Every |I_l| < 2²⁴, so its float32 conversion is exact. Two forms, the same bits: AVX-512
 # (:func:`_i8_block`: blocks of 32 by VNNI ``vpdpbusd``, unsigned bytes times signed ones,
 # Q8_0's signed q as (q + 128) times x less 128·Σx, Q4_0's q - 8 as q times x less 8·Σx, Q5_0's
-# likewise with 16; Q4_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
+# likewise with 16; Q4_K, Q5_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
 # as q times x less 32·x; all exact), and portable integer loops (:func:`_i8_port`).
 INT8_OFFSET = 16  # the kind of a weight type's int8 product: its kind + INT8_OFFSET
-INT8_KINDS = (0, 1, 3, 5, 7)  # Q8_0, Q4_0, Q5_0 (blocks of 32), Q4_K, Q6_K
+INT8_KINDS = (0, 1, 3, 5, 6, 7)  # Q8_0, Q4_0, Q5_0 (blocks of 32), Q4_K, Q5_K, Q6_K
 # Bytes of a block of 32 (the kinds quantizing activations per 32) or a super-block of 256.
-_I8_SIZE = {0: 34, 1: 18, 3: 22, 5: 144, 7: 210}
+_I8_SIZE = {0: 34, 1: 18, 3: 22, 5: 144, 6: 176, 7: 210}
 # Whether the VNNI form is compiled (numba compiles for the host unless NUMBA_CPU_NAME names a CPU)
 VNNI = AVX512 and bool(binding.get_host_cpu_features().get("avx512vnni", False)) \
     and bool(binding.get_host_cpu_features().get("avx512bw", False))
@@ -870,6 +871,17 @@ def _q4k_value(w, o, p):
 
 
 @njit(inline="always")
+def _q5k_value(w, o, p):
+    """Q5_K super-block at byte ``o``: the 5-bit value of position ``p`` (0..255): the nibble as
+    Q4_K's (from byte 48), bit 2·(p // 64) (+1 for the high nibbles) of byte 16 + p % 32 above it."""
+    k, l = p // 64, p % 32
+    q = w[o + 48 + 32 * k + l]
+    hi = p % 64 >= 32
+    nib = np.int32(q >> np.uint8(4)) if hi else np.int32(q & np.uint8(15))
+    return nib | (((np.int32(w[o + 16 + l]) >> (2 * k + (1 if hi else 0))) & 1) << 4)
+
+
+@njit(inline="always")
 def _q6k_value(w, o, p):
     """Q6_K super-block at byte ``o``: the 6-bit value of position ``p`` (0..255), less 32."""
     h, r = p // 128, p % 128
@@ -882,7 +894,7 @@ def _q6k_value(w, o, p):
 @njit(nogil=True)
 def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
     """The portable form: super-block ``b`` (blocks of 32: blocks 2b, 2b + 1) of weight row ``w``
-    into one pair's lanes ``s`` (16) and ``m`` (8, Q4_K) — the operations of the module's rule."""
+    into one pair's lanes ``s`` (16) and ``m`` (8, Q4_K and Q5_K) — the operations of the module's rule."""
     per32 = _per32(kind)
     xo = 64 * b if per32 else 256 * b
     size = (34 if kind == 0 else 18 if kind == 1 else 22) if per32 else 0  # _I8_SIZE
@@ -895,11 +907,13 @@ def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
                 x8 = np.int32(np.int8(xq[xo + p]))
                 if kind == 5:
                     c += _q4k_value(w, 144 * b, p) * x8
+                elif kind == 6:
+                    c += _q5k_value(w, 176 * b, p) * x8
                 elif kind == 7:
                     c += _q6k_value(w, 210 * b, p) * x8
                 else:
                     c += _q32_value(kind, w, size * (2 * b + p // 32), p % 32) * x8
-            if kind == 5:
+            if kind == 5 or kind == 6:
                 c *= isc[2 * k + l // 8]
             elif kind == 7:
                 c *= isc[4 * k + l // 4]
@@ -910,7 +924,7 @@ def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
         else:
             scale = d[b] * fsc[0]
         s[l] = _fma(scale, F32(acc), s[l])
-    if kind == 5:
+    if kind == 5 or kind == 6:
         bx = xq[K + 4 * (K // 256):].view(np.float32)
         for j in range(8):
             m[j] = _fma(fsc[8 + j], bx[8 * b + j], m[j])
@@ -969,10 +983,16 @@ def _i8_block(kind: int):
                 base = builder.gep(pw[n], [o])
                 isc = builder.trunc(builder.load(builder.bitcast(pi[n], ir.PointerType(_I16)), align=4),
                                     ir.VectorType(ir.IntType(16), 16))
-                if kind == 5:
+                if kind in (5, 6):  # Q5_K: the fifth bits of chunk k, bits 2k and 2k + 1 of 32 bytes
+                    high = _load(builder, base, _I64(16), _I8x32, 1) if kind == 6 else None
                     for k in range(4):
-                        raw = _load(builder, base, _I64(16 + 32 * k), _I8x32, 1)
-                        wq.append(concat(builder.and_(raw, b8(15, _I8x32)), builder.lshr(raw, b8(4, _I8x32))))
+                        raw = _load(builder, base, _I64((16 if kind == 5 else 48) + 32 * k), _I8x32, 1)
+                        lo, hi = builder.and_(raw, b8(15, _I8x32)), builder.lshr(raw, b8(4, _I8x32))
+                        if kind == 6:
+                            lo, hi = (builder.or_(v, builder.shl(builder.and_(builder.lshr(high, b8(2 * k + j, _I8x32)),
+                                                                              b8(1, _I8x32)), b8(4, _I8x32)))
+                                      for j, v in enumerate((lo, hi)))
+                        wq.append(concat(lo, hi))
                         wsc.append(pair_scales(isc, lambda m, k=k: 2 * k + m // 8))
                 elif kind == 7:
                     for k in range(4):
@@ -1016,7 +1036,7 @@ def _i8_block(kind: int):
                     dxv = builder.shuffle_vector(d2, d2, ir.Constant(_I16, [0] * 8 + [1] * 8))
                 if not per32:
                     dxs = builder.load(builder.gep(dx, [b]))
-                if kind == 5:
+                if kind in (5, 6):
                     nsb = builder.sdiv(K, _I64(256))
                     bx = builder.gep(dx, [builder.add(nsb, builder.mul(b, _I64(8)))])
                     bxv = builder.load(builder.bitcast(bx, ir.PointerType(_V8F)), align=4)
@@ -1036,7 +1056,7 @@ def _i8_block(kind: int):
                         scale = _splat(builder, builder.fmul(dxs, builder.load(pf[n])))
                     builder.store(builder.call(fma, [scale, builder.sitofp(c, _V16), builder.load(acc_p, align=4)]),
                                   acc_p, align=4)
-                    if kind == 5:
+                    if kind in (5, 6):
                         mn_p = builder.bitcast(pm[n * tt + t], ir.PointerType(_V8F))
                         mw = builder.load(builder.bitcast(builder.gep(pf[n], [_I64(8)]), ir.PointerType(_V8F)), align=4)
                         builder.store(builder.call(fma8, [mw, bxv, builder.load(mn_p, align=4)]), mn_p, align=4)
@@ -1076,7 +1096,7 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
         lines += [f"        _i8_port({kind}, s{n}_{t}, m{n}_{t}, w{n}, i{n}, f{n}, x{t}, b, K)" for n, t in pairs]
     for n in rows:
         lines.append(f"    if r0 + {n} < hi:")
-        total = "_sum16(s{n}_{t}) + _sum8(m{n}_{t})" if kind == 5 else "_sum16(s{n}_{t})"
+        total = "_sum16(s{n}_{t}) + _sum8(m{n}_{t})" if kind in (5, 6) else "_sum16(s{n}_{t})"
         lines += [f"        out[t0 + {t}, r0 + {n}] = " + total.format(n=n, t=t) for t in acts]
     return "\n".join(lines)
 
@@ -1084,7 +1104,8 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
 def _compile_i8_tile(kind: int, nr: int, tt: int, vnni: bool):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _istack=_istack, _sum16=_sum16,
                  _sum8=_sum8, _prefetch_ahead=_prefetch_ahead, _i8_port=_i8_port, _F16=_F16,
-                 _i8_scales32=_i8_scales32, _i8_scales5=_i8_scales5, _i8_scales7=_i8_scales7,
+                 _i8_scales32=_i8_scales32, _i8_scales5=_i8_scales5, _i8_scales6=_i8_scales6,
+                 _i8_scales7=_i8_scales7,
                  **{f"_i8_block{k}": f for k, f in _i8_blocks.items()})
     exec(compile(_i8_tile_source(kind, nr, tt, vnni), f"<{__name__} int8 tile {kind} {nr}x{tt}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])
@@ -1096,7 +1117,7 @@ def _i8_rows_kernel(kind: int, vnni: bool = VNNI):
     return _tiled_rows([_compile_i8_tile(kind, nr, tt, vnni) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
 
 
-_i8_rows0, _i8_rows1, _i8_rows3, _i8_rows5, _i8_rows7 = (_i8_rows_kernel(kind) for kind in INT8_KINDS)
+_i8_rows0, _i8_rows1, _i8_rows3, _i8_rows5, _i8_rows6, _i8_rows7 = (_i8_rows_kernel(kind) for kind in INT8_KINDS)
 
 
 @njit(nogil=True)
@@ -1109,6 +1130,8 @@ def _rows_i8(kind, w, xq, out, lo, hi):
         _i8_rows3(w, xq, out, lo, hi)
     elif kind == 5:
         _i8_rows5(w, xq, out, lo, hi)
+    elif kind == 6:
+        _i8_rows6(w, xq, out, lo, hi)
     else:
         _i8_rows7(w, xq, out, lo, hi)
 
@@ -1400,7 +1423,7 @@ def int8_group(table):  # pragma: no cover - compiled
     total = 0
     for i in range(n):
         kind, k = table[i, KIND], table[i, K]
-        if not ((kind == 5 or kind == 7) and k % 256 == 0 or (kind == 0 or kind == 1 or kind == 3) and k % 64 == 0):
+        if not ((kind == 5 or kind == 6 or kind == 7) and k % 256 == 0 or (kind == 0 or kind == 1 or kind == 3) and k % 64 == 0):
             continue
         for j in range(i):
             if (offs[j] >= 0 and table[j, X] == table[i, X] and table[j, T] == table[i, T]

@@ -16,7 +16,7 @@ from swarm.compute.quant import QMatrix
 from tests.compute.test_quant_kernels import encoded
 
 F32, F64 = np.float32, np.float64
-KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q5_0: 3, QT.Q4_K: 5, QT.Q6_K: 7}  # qkernels' kind numbers
+KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q5_0: 3, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}  # qkernels' kind numbers
 PER32 = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q5_0: 22}  # activations per 32 values: block bytes
 
 
@@ -75,14 +75,18 @@ def decode(qtype, w, K):
             qh = b[..., 2:6].copy().view(np.uint32).astype(np.int64)  # [R, nb, 1]
             q = q | (((qh >> np.arange(32)) & 1) << 4)
         return (q - (8 if qtype == QT.Q4_0 else 16)).reshape(R, K), half(b, 0)
-    if qtype == QT.Q4_K:
-        b = w.reshape(R, K // 256, 144)
+    if qtype in (QT.Q4_K, QT.Q5_K):
+        b = w.reshape(R, K // 256, 144 if qtype == QT.Q4_K else 176)
         s = b[..., 4:16].astype(np.int64)
         a, bb, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
         sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
         m = np.concatenate([bb & 63, (c >> 4) | ((bb >> 6) << 4)], axis=-1)
-        qs = b[..., 16:].astype(np.int64).reshape(R, K // 256, 4, 32)
-        q = np.concatenate([qs[..., None, :] & 15, qs[..., None, :] >> 4], axis=-2).reshape(R, K)
+        qs = b[..., -128:].astype(np.int64).reshape(R, K // 256, 4, 32)
+        q = np.concatenate([qs[..., None, :] & 15, qs[..., None, :] >> 4], axis=-2)  # [R, nsb, 4, 2, 32]
+        if qtype == QT.Q5_K:  # bit 2k + h of byte 16 + l: the fifth bit of chunk k's half h
+            qh = b[..., 16:48].astype(np.int64)[:, :, None, None, :]
+            q = q | (((qh >> (2 * np.arange(4)[:, None, None] + np.arange(2)[:, None])) & 1) << 4)
+        q = q.reshape(R, K)
         return q, sc, m, half(b, 0), half(b, 2)
     b = w.reshape(R, K // 256, 210)
     ql, qh = b[..., :128].astype(np.int64).reshape(R, -1, 2, 64), b[..., 128:192].astype(np.int64).reshape(R, -1, 2, 32)
@@ -113,7 +117,7 @@ def twin(qtype, w, x):
     dots = np.einsum("rbkli,tbkli->rtbkl", 0 + decode(qtype, w, K)[0].reshape(R, nsb, 4, 16, 4),
                      x8.reshape(T, nsb, 4, 16, 4))  # [R, T, nsb, k, lane]
     lanes = np.arange(16)
-    if qtype == QT.Q4_K:
+    if qtype in (QT.Q4_K, QT.Q5_K):
         _, sc, m, d, dmin = decode(qtype, w, K)
         scl = sc[:, :, 2 * np.arange(4)[:, None] + lanes[None, :] // 8]  # [R, nsb, k, lane]
     else:
@@ -126,7 +130,7 @@ def twin(qtype, w, x):
         D = (dx[None, :, b] * d[:, None, b]).astype(F32)[..., None]
         acc = fma32(D, ints[:, :, b].astype(F32), acc)
     out = lane_sum(acc)
-    if qtype == QT.Q4_K:
+    if qtype in (QT.Q4_K, QT.Q5_K):
         sums = x8.reshape(T, nsb, 8, 32).sum(axis=3)
         bx = (dx[..., None] * sums.astype(F32)).astype(F32)  # [T, nsb, 8]
         mw = (-(dmin[..., None] * m.astype(F32))).astype(F32)  # [R, nsb, 8]
@@ -169,7 +173,7 @@ def test_twin_decodes_gguf_values(qtype):
     parts = decode(qtype, w, K)
     if qtype in PER32:
         got = parts[0] * np.repeat(parts[1], 32, axis=1)
-    elif qtype == QT.Q4_K:
+    elif qtype in (QT.Q4_K, QT.Q5_K):
         q, sc, m, d, dmin = parts
         got = q * np.repeat(d[..., None] * sc, 32, axis=-1).reshape(5, K) \
             - np.repeat(dmin[..., None] * m, 32, axis=-1).reshape(5, K)
@@ -238,9 +242,9 @@ def test_int8_products_do_not_depend_on_t_rows_or_threads(qtype, int8):
 
 
 def test_types_without_an_int8_kernel_keep_float32(int8):
-    """Q4_1 and Q5_K rows, and Q8_0 rows of 96 values (not a multiple of 64), under int8: the
+    """Q4_1 and Q5_1 rows, and Q8_0 rows of 96 values (not a multiple of 64), under int8: the
     float32 bits."""
-    for qtype, K in ((QT.Q4_1, 256), (QT.Q5_K, 256), (QT.Q8_0, 96)):
+    for qtype, K in ((QT.Q4_1, 256), (QT.Q5_1, 256), (QT.Q8_0, 96)):
         m = QMatrix(weights(qtype, 9, K, 2), qtype, K)
         x = np.random.default_rng(1).standard_normal((3, K), dtype=F32)
         got = m.matmul(x)
