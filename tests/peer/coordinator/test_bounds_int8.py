@@ -63,3 +63,24 @@ def test_a_peer_under_int8_is_another_numeric_build():
     finally:
         numerics.set_numerics("float32")
     assert (ours.kernel_dtype, theirs.kernel_dtype) == ("f32", INT8_KERNELS) and ours != theirs
+
+
+def test_the_coordinator_widens_the_bound_for_peers_of_the_other_numerics():
+    """LoopDispatcher._approximate: a CPU peer whose build differs only in kernel_dtype is
+    approximate and quantized; one of our own build is neither; a float32 peer of another
+    release is approximate but not quantized."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from swarm.peer.coordinator.handoff import LoopDispatcher
+    from swarm.peer.node import numeric_build
+
+    ours = numeric_build()
+
+    def link(build):
+        return SimpleNamespace(hello=SimpleNamespace(build=build, peer_kind="python"))
+    node = SimpleNamespace(hello=SimpleNamespace(build=ours), links={
+        "same": link(ours), "int8": link(replace(ours, kernel_dtype=INT8_KERNELS)),
+        "older": link(replace(ours, package="0.0.1"))})
+    peers, repacked, quantized = LoopDispatcher._approximate(SimpleNamespace(node=node, model=None))
+    assert peers == {"int8", "older"} and repacked == set() and quantized == {"int8"}
