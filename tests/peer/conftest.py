@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def engine():
-    """The real SmolLM2 model and its tokenizer, weights materialized: ``(model, tokenizer)``."""
+    """The real SmolLM2 model and its tokenizer, weights materialized: ``(model, tokenizer)``.
+
+    Loaded once for tests/peer: no test changes them (a test wanting another chat template
+    serves a copy of the tokenizer, ``dataclasses.replace``)."""
     from swarm.compute.default_model import default_model_path
     from swarm.compute.model import load_model
     from swarm.compute.tokenizer import load_tokenizer
