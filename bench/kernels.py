@@ -19,7 +19,7 @@ error relative to max |y| of a float64 product with ``gguf.quants``' dequantizat
 - ``colibri_tiles``: for the types with a compiled kernel of their own (K-quants, the IQ types,
   F16/BF16), the path they took before it: rows decoded to float32 (by
   ``gguf.quants.dequantize``), then the compiled float32 kernel;
-- ``colibri_int8`` (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0): the same under the numerics ``int8`` (activation rows
+- ``colibri_int8`` (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the same under the numerics ``int8`` (activation rows
   quantized to 8 bits, integer dot products: swarm/compute/numerics.py);
 - ``colibri_cold`` (T = 1): the same over 128 MiB of copies of the matrix, cycled, so the
   weights come from memory as in a model's decode (the other figures are for a matrix in cache);
@@ -110,7 +110,7 @@ def main() -> int:
                 }
                 if tiles is not None:
                     cands["colibri_tiles"] = (lambda: tiles(x), q.nbytes)
-                if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q4_0, QT.Q5_0):
+                if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1):
                     cands["colibri_int8"] = (lambda: _int8(m, x), q.nbytes)
                 if T == 1:
                     cands["colibri_cold"] = (lambda: [c.matmul(x) for c in cold], q.nbytes * len(cold))

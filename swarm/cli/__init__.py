@@ -113,8 +113,8 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics", choices=("float32", "int8"), default=None,
                    help="how products treat their activations: float32 (the default; checked against the "
                    "transformers oracle, a swarm's results the bits of a local run) or int8, llama.cpp's "
-                   "numerics: activation rows quantized to 8 bits, faster prefill and decode on Q4_K, Q5_K, "
-                   "Q6_K, Q8_0, Q4_0 and Q5_0 weights, with an error of ~1e-2 of each product's largest output "
+                   "numerics: activation rows quantized to 8 bits, faster prefill and decode on the K-quants "
+                   "Q4_K-Q6_K and on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 weights, with an error of ~1e-2 of each product's largest output "
                    "($COLIBRI_SWARM_NUMERICS)")
 
 

@@ -5,12 +5,12 @@
   oracle (max logit difference ≲ 1e-4 on SmolLM2), and a swarm's results are the bits of a
   local run.
 * ``int8``: llama.cpp's numerics. Each activation row is quantized to 8 bits (a float32 scale
-  per 256 values for Q4_K, Q5_K and Q6_K weights, per 32 for Q8_0, Q4_0 and Q5_0: ggml's Q8_K and
-  Q8_0 blocks) and
+  per 256 values for Q4_K, Q5_K and Q6_K weights, per 32 for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1:
+  ggml's Q8_K, Q8_0 and Q8_1 blocks) and
   multiplied by the weights' integers exactly, then scaled in float32 (swarm/compute/qkernels.py,
   the int8 section). Faster on quantized weights; each product carries the quantization's error,
   about 1e-2 of its largest output. Weight types without an int8 kernel (F32/F16/BF16, MXFP4,
-  Q4_1, Q5_1, the low-bit types) keep float32. Decode and prefill take the same kernels:
+  the low-bit types Q2_K, Q3_K and IQ*) keep float32. Decode and prefill take the same kernels:
   a token's numbers do not depend on T, the row ranges or the thread count.
 
 Peers of the other numerics are another numeric build (swarm/peer/node.py ``numeric_build``):

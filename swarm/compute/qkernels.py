@@ -744,11 +744,11 @@ def matmul(kind, w, x, out, lo, hi):
 # llama.cpp's numerics, opt-in: each activation row is quantized to int8 with one float32 scale
 # per block of values, and a block-quantized weight row is multiplied by it in integers, exactly,
 # then scaled in float32. Activation blocks (after ggml's ``block_q8_K`` and ``block_q8_0``):
-# per 256 values for the K-quants (Q4_K, Q5_K, Q6_K), per 32 for Q8_0, Q4_0, Q5_0; in each, with amax = max |x|,
+# per 256 values for the K-quants (Q4_K, Q5_K, Q6_K), per 32 for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; in each, with amax = max |x|,
 # d = amax / 127 and q = rint(x · (127 / amax)) (0 where amax is 0), |x - d·q| ≤ d/2 (plus
 # float32 rounding). A quantized row is one uint8 row of :func:`int8_row_bytes` bytes: the K
-# int8 values in order, then the float32 scales, then (per 256) the float32 ``d·Σq`` of each 32
-# values (the minimums of Q4_K, Q5_K), 64-byte aligned rows.
+# int8 values in order, then the float32 scales, then (types with minimums) the float32 ``d·Σq``
+# of each 32 values, 64-byte aligned rows.
 #
 # Per output element (weight row, activation row), one fixed sequence: 16 float32 lanes, lane l
 # of a super-block (blocks of 32: of a pair of blocks) takes the 16 values 64k + 4l + i (k < 4,
@@ -761,16 +761,18 @@ def matmul(kind, w, x, out, lo, hi):
 #   lane += (dx·d)·I_l;
 # - Q8_0, Q4_0, Q5_0 (``vec_dot_q8_0_q8_0``, ``vec_dot_q4_0_q8_0``, ``vec_dot_q5_0_q8_0``):
 #   c_l = Σ_i q·q8 over the lane's 4 values (Q4_0's q less 8, Q5_0's less 16); lane +=
-#   (dw·dx)·c_l, the scales of the lane's block; rows of K % 64 ≠ 0 keep the float32 kernel.
+#   (dw·dx)·c_l, the scales of the lane's block; rows of K % 64 ≠ 0 keep the float32 kernel;
+# - Q4_1, Q5_1 (``vec_dot_q4_1_q8_1``, ``…q5_1…``): the same with q as stored, and lanes 0, 1 of
+#   8 more take the two blocks' minimums, fma(m, dx·Σq8, ·); the result is Σ16 + Σ8.
 # Every |I_l| < 2²⁴, so its float32 conversion is exact. Two forms, the same bits: AVX-512
 # (:func:`_i8_block`: blocks of 32 by VNNI ``vpdpbusd``, unsigned bytes times signed ones,
 # Q8_0's signed q as (q + 128) times x less 128·Σx, Q4_0's q - 8 as q times x less 8·Σx, Q5_0's
 # likewise with 16; Q4_K, Q5_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
 # as q times x less 32·x; all exact), and portable integer loops (:func:`_i8_port`).
 INT8_OFFSET = 16  # the kind of a weight type's int8 product: its kind + INT8_OFFSET
-INT8_KINDS = (0, 1, 3, 5, 6, 7)  # Q8_0, Q4_0, Q5_0 (blocks of 32), Q4_K, Q5_K, Q6_K
+INT8_KINDS = (0, 1, 2, 3, 4, 5, 6, 7)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32), Q4_K, Q5_K, Q6_K
 # Bytes of a block of 32 (the kinds quantizing activations per 32) or a super-block of 256.
-_I8_SIZE = {0: 34, 1: 18, 3: 22, 5: 144, 6: 176, 7: 210}
+_I8_SIZE = {0: 34, 1: 18, 2: 20, 3: 22, 4: 24, 5: 144, 6: 176, 7: 210}
 # Whether the VNNI form is compiled (numba compiles for the host unless NUMBA_CPU_NAME names a CPU)
 VNNI = AVX512 and bool(binding.get_host_cpu_features().get("avx512vnni", False)) \
     and bool(binding.get_host_cpu_features().get("avx512bw", False))
@@ -783,12 +785,16 @@ def _per32(kind):
 
 
 @njit(inline="always")
+def _minimums(kind):
+    """Whether weight kind ``kind`` has minimums (w = d·q + m: Q4_1, Q5_1, Q4_K, Q5_K): its
+    activation rows carry d·Σq per 32 values."""
+    return kind == 2 or kind == 4 or kind == 5 or kind == 6
+
+
+@njit(inline="always")
 def int8_row_bytes(kind, K):
     """Bytes of one quantized activation row of K values for weight kind ``kind``."""
-    if _per32(kind):
-        n = K + 4 * (K // 32)
-    else:
-        n = K + 4 * (K // 256) + 4 * (K // 32)
+    n = K + 4 * (K // (32 if _per32(kind) else 256)) + (4 * (K // 32) if _minimums(kind) else 0)
     return (n + 63) // 64 * 64
 
 
@@ -816,14 +822,13 @@ def _quantize_rows(kind, x, xq):
         d = q[K:].view(np.float32)
         for b in range(K // block):
             d[b] = _quantize_block(row, b * block, block, q)
-        if not _per32(kind):
-            nsb = K // 256
-            sums = d[nsb:]
+        if _minimums(kind):
+            sums = d[K // block:]
             for j in range(K // 32):
                 s = np.int32(0)
                 for i in range(32):
                     s += np.int32(np.int8(q[32 * j + i]))
-                sums[j] = d[j // 8] * F32(s)
+                sums[j] = d[j * 32 // block] * F32(s)
 
 
 @intrinsic
@@ -843,24 +848,30 @@ _sum8 = _lane_sum(8)
 
 @njit(inline="always")
 def _i8_scales32(w, o, size, fsc):
-    """Blocks of 32 (Q8_0, Q4_0, Q5_0: ``size`` bytes) at bytes ``o`` and ``o + size``: their
-    scales d into ``fsc[0:2]``."""
+    """Blocks of 32 (``size`` bytes) at bytes ``o`` and ``o + size``: their scales d into
+    ``fsc[0:2]``, and (Q4_1, Q5_1) their minimums m into ``fsc[8:10]``."""
     fsc[0] = _half(w, o, _F16)
     fsc[1] = _half(w, o + size, _F16)
+    if size == 20 or size == 24:
+        fsc[8] = _half(w, o + 2, _F16)
+        fsc[9] = _half(w, o + size + 2, _F16)
 
 
 @njit(inline="always")
 def _q32_value(kind, w, o, p):
-    """The block of 32 at byte ``o`` (Q8_0, Q4_0 or Q5_0): the integer of position ``p`` (0..31),
-    its offset (8, 16) subtracted."""
+    """The block of 32 at byte ``o`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the integer of position
+    ``p`` (0..31), Q4_0's and Q5_0's offset (8, 16) subtracted."""
     if kind == 0:
         return np.int32(np.int8(w[o + 2 + p]))
-    first = 2 if kind == 1 else 6
+    first = 2 if kind == 1 else 4 if kind == 2 else 6 if kind == 3 else 8
     q = w[o + first + p % 16]
     nib = np.int32(q >> np.uint8(4)) if p >= 16 else np.int32(q & np.uint8(15))
     if kind == 1:
         return nib - 8
-    return (nib | (np.int32((_u32(w, o + 2) >> np.uint32(p)) & np.uint32(1)) << 4)) - 16
+    if kind == 2:
+        return nib
+    v = nib | (np.int32((_u32(w, o + first - 4) >> np.uint32(p)) & np.uint32(1)) << 4)
+    return v - 16 if kind == 3 else v
 
 
 @njit(inline="always")
@@ -897,7 +908,7 @@ def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
     into one pair's lanes ``s`` (16) and ``m`` (8, Q4_K and Q5_K) — the operations of the module's rule."""
     per32 = _per32(kind)
     xo = 64 * b if per32 else 256 * b
-    size = (34 if kind == 0 else 18 if kind == 1 else 22) if per32 else 0  # _I8_SIZE
+    size = (34 if kind == 0 else 18 if kind == 1 else 20 if kind == 2 else 22 if kind == 3 else 24) if per32 else 0
     for l in range(16):
         acc = np.int32(0)
         for k in range(1 if per32 else 4):
@@ -924,7 +935,11 @@ def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
         else:
             scale = d[b] * fsc[0]
         s[l] = _fma(scale, F32(acc), s[l])
-    if kind == 5 or kind == 6:
+    if per32 and _minimums(kind):  # lanes 0, 1: the two blocks' m·(dx·Σq8)
+        bx = xq[K + 4 * (K // 32):].view(np.float32)
+        for j in range(2):
+            m[j] = _fma(fsc[8 + j], bx[2 * b + j], m[j])
+    elif kind == 5 or kind == 6:
         bx = xq[K + 4 * (K // 256):].view(np.float32)
         for j in range(8):
             m[j] = _fma(fsc[8 + j], bx[8 * b + j], m[j])
@@ -961,6 +976,7 @@ def _i8_block(kind: int):
                                                    "llvm.x86.avx512.pmaddw.d.512")
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
             fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+            fma2 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V2F, [_V2F] * 3), "llvm.fma.v2f32")
 
             def b8(v, ty=_I8x64):
                 return ir.Constant(ty, [v] * ty.count)
@@ -1006,13 +1022,13 @@ def _i8_block(kind: int):
                 elif kind == 0:  # q + 128 as unsigned bytes
                     lo, hi = (_load(builder, base, _I64(2 + bs * h), _I8x32, 1) for h in range(2))
                     wq.append(builder.xor(concat(lo, hi), b8(-128)))
-                else:  # Q4_0, Q5_0: the nibbles (and Q5_0's fifth bits), two blocks
-                    blocks = []
+                else:  # Q4_0, Q4_1, Q5_0, Q5_1: the nibbles (and Q5_x's fifth bits), two blocks
+                    blocks, first = [], {1: 2, 2: 4, 3: 6, 4: 8}[kind]
                     for h in range(2):
-                        raw = _load(builder, base, _I64(bs * h + (2 if kind == 1 else 6)), _BYTES16, 1)
+                        raw = _load(builder, base, _I64(bs * h + first), _BYTES16, 1)
                         v = concat(builder.and_(raw, b8(15, _BYTES16)), builder.lshr(raw, b8(4, _BYTES16)))
-                        if kind == 3:  # bit i of the 32-bit qh: byte i // 8, bit i % 8
-                            qh = _load(builder, base, _I64(bs * h + 2), ir.VectorType(ir.IntType(8), 4), 1)
+                        if kind in (3, 4):  # bit i of the 32-bit qh: byte i // 8, bit i % 8
+                            qh = _load(builder, base, _I64(bs * h + first - 4), ir.VectorType(ir.IntType(8), 4), 1)
                             spread = builder.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
                             bit = builder.and_(spread, ir.Constant(_I8x32, [1 << (i % 8) for i in range(32)]))
                             v = builder.or_(v, builder.select(builder.icmp_unsigned("!=", bit, b8(0, _I8x32)),
@@ -1031,11 +1047,15 @@ def _i8_block(kind: int):
                     corr = [builder.call(pairs, [b8(32), v]) for v in xs]
                 elif per32:  # -offset·Σx per lane: q times x
                     corr = [builder.sub(zero, builder.call(dot, [zero, as32(b8(offset - 256 if offset > 127 else offset)),
-                                                                 as32(xs[0])]))]
+                                                                 as32(xs[0])])) if offset else zero]
                     d2 = builder.load(builder.bitcast(builder.gep(dx, [builder.mul(b, _I64(2))]), ir.PointerType(_V2F)), align=4)
                     dxv = builder.shuffle_vector(d2, d2, ir.Constant(_I16, [0] * 8 + [1] * 8))
                 if not per32:
                     dxs = builder.load(builder.gep(dx, [b]))
+                if per32 and kind in (2, 4):  # the two blocks' dx·Σq8
+                    nb = builder.sdiv(K, _I64(32))
+                    bx2 = builder.load(builder.bitcast(builder.gep(dx, [builder.add(nb, builder.mul(b, _I64(2)))]),
+                                                      ir.PointerType(_V2F)), align=4)
                 if kind in (5, 6):
                     nsb = builder.sdiv(K, _I64(256))
                     bx = builder.gep(dx, [builder.add(nsb, builder.mul(b, _I64(8)))])
@@ -1056,6 +1076,10 @@ def _i8_block(kind: int):
                         scale = _splat(builder, builder.fmul(dxs, builder.load(pf[n])))
                     builder.store(builder.call(fma, [scale, builder.sitofp(c, _V16), builder.load(acc_p, align=4)]),
                                   acc_p, align=4)
+                    if per32 and kind in (2, 4):  # lanes 0, 1 of m: fma(m, dx·Σq8, ·) per block
+                        mn_p = builder.bitcast(pm[n * tt + t], ir.PointerType(_V2F))
+                        mw = builder.load(builder.bitcast(builder.gep(pf[n], [_I64(8)]), ir.PointerType(_V2F)), align=4)
+                        builder.store(builder.call(fma2, [mw, bx2, builder.load(mn_p, align=4)]), mn_p, align=4)
                     if kind in (5, 6):
                         mn_p = builder.bitcast(pm[n * tt + t], ir.PointerType(_V8F))
                         mw = builder.load(builder.bitcast(builder.gep(pf[n], [_I64(8)]), ir.PointerType(_V8F)), align=4)
@@ -1096,7 +1120,7 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
         lines += [f"        _i8_port({kind}, s{n}_{t}, m{n}_{t}, w{n}, i{n}, f{n}, x{t}, b, K)" for n, t in pairs]
     for n in rows:
         lines.append(f"    if r0 + {n} < hi:")
-        total = "_sum16(s{n}_{t}) + _sum8(m{n}_{t})" if kind in (5, 6) else "_sum16(s{n}_{t})"
+        total = "_sum16(s{n}_{t}) + _sum8(m{n}_{t})" if kind in (2, 4, 5, 6) else "_sum16(s{n}_{t})"
         lines += [f"        out[t0 + {t}, r0 + {n}] = " + total.format(n=n, t=t) for t in acts]
     return "\n".join(lines)
 
@@ -1117,7 +1141,8 @@ def _i8_rows_kernel(kind: int, vnni: bool = VNNI):
     return _tiled_rows([_compile_i8_tile(kind, nr, tt, vnni) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
 
 
-_i8_rows0, _i8_rows1, _i8_rows3, _i8_rows5, _i8_rows6, _i8_rows7 = (_i8_rows_kernel(kind) for kind in INT8_KINDS)
+_I8_ROWS = tuple(_i8_rows_kernel(kind) for kind in INT8_KINDS)
+_i8_rows0, _i8_rows1, _i8_rows2, _i8_rows3, _i8_rows4, _i8_rows5, _i8_rows6, _i8_rows7 = _I8_ROWS
 
 
 @njit(nogil=True)
@@ -1126,8 +1151,12 @@ def _rows_i8(kind, w, xq, out, lo, hi):
         _i8_rows0(w, xq, out, lo, hi)
     elif kind == 1:
         _i8_rows1(w, xq, out, lo, hi)
+    elif kind == 2:
+        _i8_rows2(w, xq, out, lo, hi)
     elif kind == 3:
         _i8_rows3(w, xq, out, lo, hi)
+    elif kind == 4:
+        _i8_rows4(w, xq, out, lo, hi)
     elif kind == 5:
         _i8_rows5(w, xq, out, lo, hi)
     elif kind == 6:
@@ -1423,11 +1452,12 @@ def int8_group(table):  # pragma: no cover - compiled
     total = 0
     for i in range(n):
         kind, k = table[i, KIND], table[i, K]
-        if not ((kind == 5 or kind == 6 or kind == 7) and k % 256 == 0 or (kind == 0 or kind == 1 or kind == 3) and k % 64 == 0):
+        if not ((kind == 5 or kind == 6 or kind == 7) and k % 256 == 0 or 0 <= kind <= 4 and k % 64 == 0):
             continue
         for j in range(i):
             if (offs[j] >= 0 and table[j, X] == table[i, X] and table[j, T] == table[i, T]
-                    and table[j, K] == k and _per32(table[j, KIND]) == _per32(kind)):
+                    and table[j, K] == k and _per32(table[j, KIND]) == _per32(kind)
+                    and _minimums(table[j, KIND]) == _minimums(kind)):
                 offs[i] = offs[j]
                 break
         if offs[i] < 0:

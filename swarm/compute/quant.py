@@ -46,7 +46,7 @@ the stored integers: within float32 rounding of gguf's decoding) and activations
 so results differ from a float64 product by float32 rounding only (no activation quantization).
 
 That is the default numerics, ``float32``. Under ``int8`` (swarm/compute/numerics.py: llama.cpp's)
-the products of Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 weights quantize their activation rows to 8 bits, once per
+the products of Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights quantize their activation rows to 8 bits, once per
 call or group (:func:`run_table`, ``qkernels.int8_group``), and sum the integer products exactly
 (qkernels.py's int8 section) — still one fixed sequence per output element, the same bits at
 any T, row range or thread count; every other type keeps the float32 kernels.
@@ -479,7 +479,7 @@ def _kernels():
                         out = np.empty((1, 1), F32)
                         table = np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64)
                         k.run_group(table, np.zeros(1, np.int64), 1)
-                    with compiling("int8 kernels (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K times 8-bit activations)"):
+                    with compiling("int8 kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K times 8-bit activations)"):
                         q8, qb = np.zeros((1, 64 + 2 * 34), np.uint8), np.zeros((1, 128), np.uint8)
                         k.quantize(0, np.zeros((1, 64), F32), qb)
                         qb.flags.writeable = q8.flags.writeable = False

@@ -16,8 +16,8 @@ from swarm.compute.quant import QMatrix
 from tests.compute.test_quant_kernels import encoded
 
 F32, F64 = np.float32, np.float64
-KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q5_0: 3, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}  # qkernels' kind numbers
-PER32 = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q5_0: 22}  # activations per 32 values: block bytes
+KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}  # qkernels' kind numbers
+PER32 = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20, QT.Q5_0: 22, QT.Q5_1: 24}  # activations per 32: block bytes
 
 
 # ---- the numpy twin ---------------------------------------------------------------------------
@@ -67,13 +67,15 @@ def decode(qtype, w, K):
     if qtype == QT.Q8_0:
         b = w.reshape(R, K // 32, 34)
         return b[..., 2:].view(np.int8).astype(np.int64).reshape(R, K), half(b, 0)
-    if qtype in (QT.Q4_0, QT.Q5_0):
+    if qtype in PER32:  # Q4_0, Q4_1, Q5_0, Q5_1
         b = w.reshape(R, K // 32, PER32[qtype])
         qs = b[..., -16:].astype(np.int64)
         q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [R, nb, 32]
-        if qtype == QT.Q5_0:
-            qh = b[..., 2:6].copy().view(np.uint32).astype(np.int64)  # [R, nb, 1]
+        if qtype in (QT.Q5_0, QT.Q5_1):
+            qh = b[..., -20:-16].copy().view(np.uint32).astype(np.int64)  # [R, nb, 1]
             q = q | (((qh >> np.arange(32)) & 1) << 4)
+        if qtype in (QT.Q4_1, QT.Q5_1):  # w = d·q + m
+            return q.reshape(R, K), half(b, 0), half(b, 2)
         return (q - (8 if qtype == QT.Q4_0 else 16)).reshape(R, K), half(b, 0)
     if qtype in (QT.Q4_K, QT.Q5_K):
         b = w.reshape(R, K // 256, 144 if qtype == QT.Q4_K else 176)
@@ -102,7 +104,7 @@ def twin(qtype, w, x):
     T, K = x.shape
     R = w.shape[0]
     if qtype in PER32:
-        q, dw = decode(qtype, w, K)
+        q, dw, *mins = decode(qtype, w, K)
         x8, dx = quantize(x, 32)
         nb = K // 32
         c = np.einsum("rbli,tbli->rtbl", q.reshape(R, nb // 2, 16, 4), x8.reshape(T, nb // 2, 16, 4))
@@ -111,7 +113,13 @@ def twin(qtype, w, x):
         acc = np.zeros((R, T, 16), F32)
         for b in range(nb // 2):
             acc = fma32(scale[:, :, b], c[:, :, b].astype(F32), acc)
-        return lane_sum(acc).T
+        if not mins:
+            return lane_sum(acc).T
+        bx = (dx * x8.reshape(T, nb, 32).sum(axis=2).astype(F32)).astype(F32)  # [T, nb]
+        mn = np.zeros((R, T, 8), F32)
+        for b in range(nb // 2):  # lanes 0, 1: the pair's two blocks
+            mn[:, :, :2] = fma32(mins[0][:, None, 2 * b:2 * b + 2], bx[None, :, 2 * b:2 * b + 2], mn[:, :, :2])
+        return (lane_sum(acc) + lane_sum(mn)).astype(F32).T
     nsb = K // 256
     x8, dx = quantize(x, 256)
     dots = np.einsum("rbkli,tbkli->rtbkl", 0 + decode(qtype, w, K)[0].reshape(R, nsb, 4, 16, 4),
@@ -172,7 +180,7 @@ def test_twin_decodes_gguf_values(qtype):
     want = gguf.quants.dequantize(w, qtype).astype(F64)
     parts = decode(qtype, w, K)
     if qtype in PER32:
-        got = parts[0] * np.repeat(parts[1], 32, axis=1)
+        got = parts[0] * np.repeat(parts[1], 32, axis=1) + (np.repeat(parts[2], 32, axis=1) if len(parts) > 2 else 0)
     elif qtype in (QT.Q4_K, QT.Q5_K):
         q, sc, m, d, dmin = parts
         got = q * np.repeat(d[..., None] * sc, 32, axis=-1).reshape(5, K) \
@@ -242,9 +250,9 @@ def test_int8_products_do_not_depend_on_t_rows_or_threads(qtype, int8):
 
 
 def test_types_without_an_int8_kernel_keep_float32(int8):
-    """Q4_1 and Q5_1 rows, and Q8_0 rows of 96 values (not a multiple of 64), under int8: the
+    """MXFP4 and Q2_K rows, and Q8_0 rows of 96 values (not a multiple of 64), under int8: the
     float32 bits."""
-    for qtype, K in ((QT.Q4_1, 256), (QT.Q5_1, 256), (QT.Q8_0, 96)):
+    for qtype, K in ((QT.MXFP4, 256), (QT.Q2_K, 256), (QT.Q8_0, 96)):
         m = QMatrix(weights(qtype, 9, K, 2), qtype, K)
         x = np.random.default_rng(1).standard_normal((3, K), dtype=F32)
         got = m.matmul(x)

@@ -40,8 +40,8 @@ well inside that margin, so the bound is kept.
 
 A peer of the other activation numerics (swarm/compute/numerics.py: ``int8``, llama.cpp's,
 against the default ``float32``; its build's ``kernel_dtype`` says which) quantizes each
-activation row to 8 bits before the products of Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0 weights:
-per block of 32 or 256 values a scale d = amax / 127 and each value rounded to d·q, off by at
+activation row to 8 bits before the products of the K-quants Q4_K-Q6_K and of Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1: per block of 32 or 256 values a scale d = amax / 127 and each value rounded to d·q, off by at
 most d/2, half a step of ``INT8_STEP`` (1/127) of the block's largest. Like a repack's
 weights, these errors add in quadrature over a row, in each of the two chained products (the
 MLP's input, then its hidden row): ``INT8_RTOL`` is 8 half-steps of the row's largest magnitude,
