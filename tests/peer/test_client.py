@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import threading
 
 import pytest
@@ -234,7 +235,8 @@ def test_a_worker_without_a_reachable_api_says_so(stored_key, monkeypatch, capsy
     from swarm.keys.swarmkey import SwarmKey
 
     swarmkey.store(SwarmKey(bytes(32)).code)  # a swarm whose coordinator announces nothing
-    monkeypatch.setattr(api_record, "FIND_TIMEOUT_S", 0.5)
+    # mDNS browsed for 0.5 s, not FIND_TIMEOUT_S (3 s; find_api's default, bound when it was defined)
+    monkeypatch.setattr(api_record, "find_api", functools.partial(api_record.find_api, timeout_s=0.5))
     status = {"pid": os.getpid(), "updated": time.time(), "role": "worker", "placement": None}
     (paths.config_dir() / STATUS_FILE).write_text(json.dumps(status))
     assert main(["generate", "--max-tokens", "2", "hi"]) == 2
