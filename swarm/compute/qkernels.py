@@ -798,18 +798,46 @@ def int8_row_bytes(kind, K):
     return (n + 63) // 64 * 64
 
 
-@njit(inline="always")
-def _quantize_block(x, lo, n, q):
-    """Values ``x[lo:lo + n]`` (float32) to int8 in ``q[lo:lo + n]`` (the row's uint8 bytes);
-    returns their scale d."""
-    amax = F32(0.0)
-    for i in range(n):
-        amax = max(amax, abs(x[lo + i]))
-    iscale = F32(127.0) / amax if amax > F32(0.0) else F32(0.0)
-    for i in range(n):
-        v = min(max(np.rint(x[lo + i] * iscale), F32(-127.0)), F32(127.0))
-        q[lo + i] = np.uint8(np.int32(v) & 255)
-    return amax / F32(127.0)
+@intrinsic
+def _quantize_block(typingctx, x, lo, q, n):
+    """Values ``x[lo:lo + n]`` (float32; ``n`` a constant multiple of 16) to int8 in
+    ``q[lo:lo + n]`` (the row's uint8 bytes), in vector code: amax = max |x| (exact in any
+    order), iscale = 127 / amax (0 where amax is 0), q = rint(x·iscale) within ±127; returns
+    amax. Each value's operations are the rule's, so the bits of any correct form."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    count = n.literal_value // 16
+    sig = types.float32(x, lo, q, n)
+
+    def codegen(context, builder, sig, args):
+        px = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        pq = builder.gep(context.make_array(sig.args[2])(context, builder, args[2]).data, [args[1]])
+
+        def fn(name, ty, nargs):
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * nargs), name)
+        fabs, maxnum = fn("llvm.fabs.v16f32", _V16, 1), fn("llvm.maxnum.v16f32", _V16, 2)
+        minnum, rint = fn("llvm.minnum.v16f32", _V16, 2), fn("llvm.rint.v16f32", _V16, 1)
+        vs = [_load(builder, px, _I64(16 * i), _V16, 4) for i in range(count)]
+        m = builder.call(fabs, [vs[0]])
+        for v in vs[1:]:
+            m = builder.call(maxnum, [m, builder.call(fabs, [v])])
+        f32 = ir.FloatType()
+        while m.type.count > 1:  # halves, as _lane_sum; max is exact in any order
+            h = m.type.count // 2
+            lo_, hi_ = (builder.shuffle_vector(m, m, ir.Constant(ir.VectorType(_I32, h), list(range(a, a + h))))
+                        for a in (0, h))
+            m = builder.call(fn(f"llvm.maxnum.v{h}f32", ir.VectorType(f32, h), 2), [lo_, hi_])
+        amax = builder.extract_element(m, _I32(0))
+        iscale = builder.select(builder.fcmp_ordered(">", amax, ir.Constant(f32, 0.0)),
+                                builder.fdiv(ir.Constant(f32, 127.0), amax), ir.Constant(f32, 0.0))
+        scale = _splat(builder, iscale)
+        top, bottom = ir.Constant(_V16, [127.0] * 16), ir.Constant(_V16, [-127.0] * 16)
+        for i, v in enumerate(vs):
+            r = builder.call(minnum, [builder.call(maxnum, [builder.call(rint, [builder.fmul(v, scale)]), bottom]), top])
+            b = builder.trunc(builder.fptosi(r, _I16), _BYTES16)
+            builder.store(b, builder.bitcast(builder.gep(pq, [_I64(16 * i)]), ir.PointerType(_BYTES16)), align=1)
+        return amax
+    return sig, codegen
 
 
 @njit(nogil=True)
@@ -820,8 +848,12 @@ def _quantize_rows(kind, x, xq):
     for t in range(T):
         row, q = x[t], xq[t]
         d = q[K:].view(np.float32)
-        for b in range(K // block):
-            d[b] = _quantize_block(row, b * block, block, q)
+        if block == 32:
+            for b in range(K // 32):
+                d[b] = _quantize_block(row, b * 32, q, 32) / F32(127.0)
+        else:
+            for b in range(K // 256):
+                d[b] = _quantize_block(row, b * 256, q, 256) / F32(127.0)
         if _minimums(kind):
             sums = d[K // block:]
             for j in range(K // 32):
