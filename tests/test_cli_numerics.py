@@ -1,7 +1,10 @@
-"""``--numerics float32|int8`` on generate, chat and join: checked, named in the error with its
-choices, and set for the process (and the peers it starts) by ``_use_compute_options``."""
+"""``--numerics float32|int8`` on generate: checked, named in the error with its choices, and set
+for the process by ``_use_compute_options``; int8 is this machine's own compute, so ``generate``
+with it refuses the swarm's API and ``join`` refuses it from the environment."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -10,31 +13,53 @@ from swarm.compute import numerics
 from swarm.errors import SwarmError
 
 
-@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["join"]])
-def test_a_bad_numerics_names_the_flag_and_the_choices(command, capsys):
+@pytest.fixture
+def clean_numerics(monkeypatch):
+    """float32 in the environment, the process's numerics as they were: both restored after."""
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "float32")  # recorded first: undo restores the prior value
+    monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
+
+
+def test_a_bad_numerics_names_the_flag_and_the_choices(capsys):
     with pytest.raises(SystemExit) as exc:
-        main([*command, "--numerics", "int4"])
+        main(["generate", "hi", "--numerics", "int4"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--numerics" in err and "'int4'" in err and "float32" in err and "int8" in err
 
 
-def test_numerics_is_set_for_the_process_and_its_peers(monkeypatch):
-    monkeypatch.delenv(numerics.NUMERICS_ENV, raising=False)
-    args = build_parser().parse_args(["generate", "hi", "--numerics", "int8"])
-    try:
-        _use_compute_options(args)
-        assert numerics.numerics() == "int8"
-        import os
+@pytest.mark.parametrize("command", [["chat"], ["join"]])
+def test_commands_of_the_swarm_take_no_numerics(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--numerics", "int8"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --numerics" in capsys.readouterr().err
 
-        assert os.environ[numerics.NUMERICS_ENV] == "int8"
-        monkeypatch.setenv(numerics.NUMERICS_ENV, "fp8")  # a bad environment value, no flag
-        with pytest.raises(SwarmError, match="float32, int8"):
-            _use_compute_options(build_parser().parse_args(["generate", "hi"]))
-    finally:
-        numerics.set_numerics("float32")
+
+def test_numerics_is_set_for_the_process(clean_numerics, monkeypatch):
+    _use_compute_options(build_parser().parse_args(["generate", "hi", "--numerics", "int8"]))
+    assert numerics.numerics() == "int8" and os.environ[numerics.NUMERICS_ENV] == "int8"
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "fp8")  # a bad environment value, no flag
+    with pytest.raises(SwarmError, match="float32, int8"):
+        _use_compute_options(build_parser().parse_args(["generate", "hi"]))
+
+
+def test_a_peer_refuses_int8_from_the_environment(clean_numerics, monkeypatch):
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "int8")
+    with pytest.raises(SwarmError, match=r"swarm peer computes with float32.*unset it to join"):
+        _use_compute_options(build_parser().parse_args(["join"]), peer=True)
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "float32")
+    _use_compute_options(build_parser().parse_args(["join"]), peer=True)  # float32: joins
+    assert numerics.numerics() == "float32"
+
+
+@pytest.mark.parametrize("route", [["--swarm"], ["--api", "https://127.0.0.1:9/v1"]])
+def test_generate_with_int8_refuses_the_swarm(route, capsys):
+    assert main(["generate", "hi", "--numerics", "int8", *route]) != 0
+    err = capsys.readouterr().err
+    assert "--numerics int8 sets this machine's own compute" in err and route[0] in err
 
 
 def test_the_help_says_what_int8_trades():
     text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
-    assert "--numerics {float32,int8}" in text and "llama.cpp" in text
+    assert "--numerics {float32,int8}" in text and "llama.cpp" in text and "this machine alone" in text

@@ -109,18 +109,24 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", metavar="N", type=_int_at_least(1, "--threads"),
                    help="compute on N threads (default: the cores this process may use, CPU affinity and "
                    "cgroup quota respected); results are the same bits at any count")
+
+
+def _add_numerics_arg(p: argparse.ArgumentParser) -> None:
     # Names as in swarm.compute.numerics.CHOICES (a light module: os only).
     p.add_argument("--numerics", choices=("float32", "int8"), default=None,
-                   help="how products treat their activations: float32 (the default; checked against the "
-                   "transformers oracle, a swarm's results the bits of a local run) or int8, llama.cpp's "
-                   "numerics: activation rows quantized to 8 bits, faster prefill and decode on the K-quants "
-                   "Q4_K-Q6_K and on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 weights, with an error of ~1e-2 of each product's largest output "
-                   "($COLIBRI_SWARM_NUMERICS)")
+                   help="how this machine's products treat their activations: float32 (the default; checked "
+                   "against the transformers oracle) or int8, llama.cpp's numerics: activation rows quantized "
+                   "to 8 bits, faster prefill and decode on Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 "
+                   "weights, each product off by up to a few percent of its largest output; int8 runs on this "
+                   "machine alone (--local), a swarm computes in float32 ($COLIBRI_SWARM_NUMERICS)")
 
 
-def _use_compute_options(args: argparse.Namespace) -> None:
+def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
     """``--threads`` and ``--numerics`` for this process and the peers it starts, and a line on
-    stderr while the kernels compile (the first run on a machine: a minute, not in silence)."""
+    stderr while the kernels compile (the first run on a machine: a minute, not in silence).
+    ``peer``: this process joins a swarm, which computes in float32 — the coordinator checks
+    answers of its own numerics bit for bit, and of another build within a bound of float
+    reassociation that 8-bit activations exceed — so int8 from the environment is refused."""
     if getattr(args, "threads", None):
         os.environ["COLIBRI_SWARM_THREADS"] = str(args.threads)  # swarm.compute.threads.THREADS_ENV
     if getattr(args, "numerics", None):
@@ -132,6 +138,10 @@ def _use_compute_options(args: argparse.Namespace) -> None:
         numerics.set_numerics(getattr(args, "numerics", None))
     except ValueError as e:  # $COLIBRI_SWARM_NUMERICS set to something else
         raise SwarmError(str(e)) from None
+    if peer and numerics.int8():
+        raise SwarmError("a swarm peer computes with float32 numerics (its answers are checked against the "
+                         f"coordinator's); ${numerics.NUMERICS_ENV}=int8 is for one machine's own runs "
+                         "(colibri-swarm generate --local --numerics int8): unset it to join")
     quant.on_compiling(lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -152,6 +162,9 @@ def _check_generate(args: argparse.Namespace) -> None:
     if args.model and (args.swarm or args.api):
         raise SwarmError(f"--model picks a model file for this machine, but {'--swarm' if args.swarm else '--api'} "
                          "runs the swarm's own model: drop --model, or use --local --model PATH")
+    if args.numerics == "int8" and (args.swarm or args.api):
+        raise SwarmError(f"--numerics int8 sets this machine's own compute, but {'--swarm' if args.swarm else '--api'} "
+                         "runs on the swarm, which computes in float32: drop one of them")
     if args.raw and args.system is not None:
         raise SwarmError("--system has no effect with --raw (no chat template is applied); drop one of them")
     _check_sampling(args)
@@ -162,7 +175,8 @@ def _generate(args: argparse.Namespace) -> int:
     _use_compute_options(args)
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
-    if args.swarm or args.api or not (args.local or args.model):
+    # --numerics int8 is this machine's own compute: it stays here, as --local.
+    if args.swarm or args.api or not (args.local or args.model or args.numerics == "int8"):
         from swarm.cli.generate import main_generate_swarm
 
         code = main_generate_swarm(args)
@@ -186,7 +200,7 @@ def _join(args: argparse.Namespace) -> int:
         if swarmkey.load() is None:  # a new key here could never join the swarm at --signal
             raise SwarmError("--signal joins an existing swarm, whose key this machine does not have: add "
                              "--key CODE (`colibri-swarm key` on a peer of that swarm shows it)")
-    _use_compute_options(args)
+    _use_compute_options(args, peer=True)
     from swarm.cli.join import main_join
 
     return main_join(args)
@@ -240,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template (through the swarm: its "
                    "/v1/completions)")
     _add_threads_arg(p)
+    _add_numerics_arg(p)
     p.set_defaults(func=_generate)
 
     p = _command(sub, "chat", "chat with the swarm's coordinator (a REPL with history)")

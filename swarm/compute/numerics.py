@@ -13,9 +13,13 @@
   the low-bit types Q2_K, Q3_K and IQ*) keep float32. Decode and prefill take the same kernels:
   a token's numbers do not depend on T, the row ranges or the thread count.
 
-Peers of the other numerics are another numeric build (swarm/peer/node.py ``numeric_build``):
-their answers are checked within a bound, not bit for bit (swarm/peer/coordinator/bounds.py).
-The choice: the command line's ``--numerics``, ``$COLIBRI_SWARM_NUMERICS``, :func:`set_numerics`.
+``int8`` is for one machine's own runs (``generate --numerics int8``, the benches): a swarm
+computes in float32, and ``join`` refuses int8. The coordinator checks a peer's answers bit for
+bit against its own recomputation, or — for another build, a GPU or a page — within a bound of
+float reassociation (swarm/peer/coordinator/bounds.py); 8-bit activations' rounding lies outside
+that bound on real activations, so a mixed swarm would stop honest peers. Recomputing a sample in
+the peer's own numerics (bits again) is what would let a swarm choose int8.
+The choice: ``generate``'s ``--numerics``, ``$COLIBRI_SWARM_NUMERICS``, :func:`set_numerics`.
 """
 
 from __future__ import annotations

@@ -59,12 +59,8 @@ def numeric_build() -> NumericBuild:
     with contextlib.suppress(Exception):
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         blas = f"{info.get('name', '?')} {info.get('version', '?')}"
-    from swarm.compute import numerics
-    from swarm.peer.coordinator.bounds import INT8_KERNELS
-
-    # float32 activations, or 8-bit ones (llama.cpp's numerics): another build to a peer of the other
     return NumericBuild(package=__version__, numpy=np.__version__, blas=blas, arch=platform.machine(),
-                        kernel_dtype=INT8_KERNELS if numerics.int8() else "f32")
+                        kernel_dtype="f32")  # a peer computes with float32 activations (join refuses int8)
 
 
 def measure_ffn_gflops(hidden: int = 576, ffn: int = 1536, rows: int = 8, repeats: int = 5) -> float:

@@ -38,15 +38,6 @@ RMSNorm's squares (H, twice) and, whole layers on the GPU, each score (hd):
 √(6H + F + hd + context) against the bound's √(2H + F + context), at most 1.43× for F ≥ 2H and hd ≤ H/4,
 well inside that margin, so the bound is kept.
 
-A peer of the other activation numerics (swarm/compute/numerics.py: ``int8``, llama.cpp's,
-against the default ``float32``; its build's ``kernel_dtype`` says which) quantizes each
-activation row to 8 bits before the products of the K-quants Q4_K-Q6_K and of Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1: per block of 32 or 256 values a scale d = amax / 127 and each value rounded to d·q, off by at
-most d/2, half a step of ``INT8_STEP`` (1/127) of the block's largest. Like a repack's
-weights, these errors add in quadrature over a row, in each of the two chained products (the
-MLP's input, then its hidden row): ``INT8_RTOL`` is 8 half-steps of the row's largest magnitude,
-added where either side computes with 8-bit activations. A stage's layers each add theirs: ``layers`` × INT8_RTOL.
-
 Bits are the rule for a peer of the coordinator's own build; these bounds let through only a
 lie smaller than themselves.
 """
@@ -62,9 +53,6 @@ SAFETY = 16.0  # λ of the √n·u bound, with the row's largest magnitude for t
 Q8_0_STEP = 0.57 / 127  # a Q8_0 repack's largest error per weight, of its block's largest (repack.py)
 REPACK_RTOL = 8 * Q8_0_STEP  # two chained products; measured up to 2.9 steps of a row's largest
 ATOL = 1e-4  # absolute floor, per element
-INT8_STEP = 1 / 127  # an 8-bit activation's step, of its block's largest (amax / 127)
-INT8_RTOL = 8 * INT8_STEP / 2  # two chained products, each value off by up to half a step
-INT8_KERNELS = "int8-act"  # a NumericBuild.kernel_dtype: activations quantized to 8 bits
 
 
 def reassociation_rtol(reduction: int) -> float:
@@ -76,24 +64,17 @@ def reassociation_rtol(reduction: int) -> float:
     return SAFETY * math.sqrt(reduction) * UNIT_ROUNDOFF
 
 
-def ffn_rtol(hidden: int, inter: int, repacked: bool = False, int8: bool = False) -> float:
+def ffn_rtol(hidden: int, inter: int, repacked: bool = False) -> float:
     """The bound of one SwiGLU answer (an expert, or a dense range ``inter`` wide) over hidden
     size ``hidden``, relative to each row's largest magnitude; ``repacked``: the peer computes on
-    a Q8_0 repack of the file's blocks; ``int8``: the peer or this node quantizes activations."""
-    return (reassociation_rtol(hidden + inter) + (REPACK_RTOL if repacked else 0.0)
-            + (INT8_RTOL if int8 else 0.0))
+    a Q8_0 repack of the file's blocks."""
+    return reassociation_rtol(hidden + inter) + (REPACK_RTOL if repacked else 0.0)
 
 
-def stage_rtol(layers: int, hidden: int, inter: int, context: int, int8: bool = False) -> float:
+def stage_rtol(layers: int, hidden: int, inter: int, context: int) -> float:
     """The bound of a stage answer of ``layers`` layers (hidden size, FFN width — an MoE layer's
-    top-k experts' together —, and the positions attended), relative to each row's largest
-    magnitude; ``int8``: the peer or this node quantizes activations."""
-    return layers * (reassociation_rtol(2 * hidden + inter + max(context, 1)) + (INT8_RTOL if int8 else 0.0))
-
-
-def int8_either(ours: str, theirs: str) -> bool:
-    """Whether either of two builds' ``kernel_dtype`` values quantizes activations to 8 bits."""
-    return INT8_KERNELS in (ours, theirs)
+    top-k experts' together —, and the positions attended), relative to each row's largest magnitude."""
+    return layers * reassociation_rtol(2 * hidden + inter + max(context, 1))
 
 
 def rows_outside(remote: np.ndarray, local: np.ndarray, rtol: float, atol: float = ATOL) -> np.ndarray:

@@ -186,7 +186,6 @@ class RemoteFFN:
         self.warming_until: dict[str, float] = {}  # peer → clock time its warm-up window ends
         self.approximate: set[str] = set()  # peers verified within a bound, not bit for bit
         self.repacked: set[str] = set()  # of those, the ones computing on a Q8_0 repack
-        self.quantized: set[str] = set()  # of those, the ones where either side has 8-bit activations
         self._dense_slices: dict[tuple[int, int, int], object] = {}
         self._streamed = self._streamed_experts(plan)
         self._local, self._whole_here = self._layers_here(plan)
@@ -219,14 +218,11 @@ class RemoteFFN:
         now = self._clock()
         self.warming_until.update({p: now + s for p, s in warming.items()})
 
-    def set_approximate(self, peers: set[str], repacked: set[str] = frozenset(),
-                        quantized: set[str] = frozenset()) -> None:
+    def set_approximate(self, peers: set[str], repacked: set[str] = frozenset()) -> None:
         """``peers`` (of another numeric build) are verified within a bound, not bit for bit;
-        ``repacked`` (some of them) compute on a Q8_0 repack of the file's blocks: a wider one;
-        ``quantized``: those where the peer or this node quantizes activations to 8 bits: wider."""
+        ``repacked`` (some of them) compute on a Q8_0 repack of the file's blocks: a wider one."""
         self.approximate = set(peers)
         self.repacked = set(repacked) & self.approximate
-        self.quantized = set(quantized) & self.approximate
 
     @property
     def pending_plan(self) -> Plan | None:
@@ -368,7 +364,7 @@ class RemoteFFN:
     def _verify(self, peer: str, layer: int, what: str, remote: np.ndarray, local: np.ndarray, inter: int) -> None:
         """Compare ``peer``'s answer with ``local`` (an expert's or a dense range ``inter`` wide)."""
         if peer in self.approximate:
-            rtol = ffn_rtol(self.model.config.hidden_size, inter, peer in self.repacked, peer in self.quantized)
+            rtol = ffn_rtol(self.model.config.hidden_size, inter, peer in self.repacked)
             same = not rows_outside(remote, local, rtol).any()
         else:
             same = np.array_equal(remote, local)

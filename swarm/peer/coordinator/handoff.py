@@ -16,7 +16,6 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from swarm.errors import SwarmError
-from swarm.peer.coordinator.bounds import int8_either
 from swarm.peer.coordinator.dispatch import RemoteFFN
 from swarm.peer.coordinator.planning import observed
 from swarm.peer.coordinator.stage_verify import VERIFY_FAILED
@@ -98,17 +97,15 @@ class LoopDispatcher:
         return {p: BROWSER_WARMUP_S for p in plan.workers()
                 if p in self.node.links and self.node.links[p].hello.peer_kind == "browser"}
 
-    def _approximate(self) -> tuple[set[str], set[str], set[str]]:
-        """Peers of another numeric build (docs/architecture.md §5), verified within a bound,
+    def _approximate(self) -> tuple[set[str], set[str]]:
+        """Peers of another numeric build (docs/architecture.md §5), verified within a bound, and
         those of them whose kernels compute some of the model on a Q8_0 repack (a page's or GPU
-        peer's build names its kernels: :func:`~swarm.peer.weights.repack.page_encodings`), and
-        those where this node or the peer quantizes activations to 8 bits (``--numerics int8``)."""
+        peer's build names its kernels: :func:`~swarm.peer.weights.repack.page_encodings`)."""
         ours = self.node.hello.build
         other = {p: link.hello for p, link in self.node.links.items() if link.hello.build != ours}
         repacked = {p for p, h in other.items() if (h.peer_kind == "browser" or KERNELS_PREFIX in h.build.blas)
                     and repacks_for(self.model, page_encodings(h.build))}  # the file's header only
-        quantized = {p for p, h in other.items() if int8_either(ours.kernel_dtype, h.build.kernel_dtype)}
-        return set(other), repacked, quantized
+        return set(other), repacked
 
     def _use_stages(self, layout: StageLayout | None) -> None:
         """Wrap RemoteFFN in the stage dispatch of ``layout`` (or hand it the new layout); None:
@@ -120,8 +117,7 @@ class LoopDispatcher:
             self.stages = StagedFFN(self.model, layout, self, inner=self.ffn, verify=self.verify)
         else:
             self.stages.set_layout(layout, inner=self.ffn)
-        peers, _, quantized = self._approximate()
-        self.stages.set_approximate(peers, quantized)
+        self.stages.set_approximate(self._approximate()[0])
         self._copy_rtts(self.stages)
 
     def _copy_rtts(self, backend: RemoteFFN | StagedFFN) -> None:

@@ -81,7 +81,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -229,11 +228,9 @@ class StagedFFN:
             raise ValueError(f"schedulers must be ≥ 1, got {n}")
         self.schedulers = n
 
-    def set_approximate(self, peers: set[str], quantized: AbstractSet[str] = frozenset()) -> None:
-        """``peers`` (of another numeric build) are verified within a bound, not bit for bit;
-        ``quantized``: those where the peer or this node quantizes activations to 8 bits: wider."""
+    def set_approximate(self, peers: set[str]) -> None:
+        """``peers`` (of another numeric build) are verified within a bound, not bit for bit."""
         self.verifier.approximate = set(peers)
-        self.verifier.quantized = set(quantized) & self.verifier.approximate
 
     # ------------------------------------------------------------ token-loop side
     def ffn(self, layer: int, x: np.ndarray, segments: Sequence[int] | None = None) -> np.ndarray:
