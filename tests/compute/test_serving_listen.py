@@ -89,20 +89,30 @@ def test_a_late_listener_is_told_at_once_and_drain_keeps_ending(model):
 
 
 def test_a_failure_is_drained_after_the_tokens_before_it(model):
-    s = BatchScheduler(model, max_batch=2, max_queue=1, chunk=4, prefill_rows=4)
+    reached, release = threading.Event(), threading.Event()
+
+    def ffn():  # the step thread asks for its backend first thing in a step: the third one waits
+        if s.steps >= 2:  # until the failure is in, so no step can slip between the check and it
+            reached.set()
+            release.wait(30)
+        return None
+
+    s = BatchScheduler(model, ffn, max_batch=2, max_queue=1, chunk=4, prefill_rows=4)
     decoding = s.submit([5, 6], SamplingParams(max_tokens=200))
     long = s.submit([1] * 240, SamplingParams(max_tokens=10))  # 60 prefill steps
     waiting = s.submit([2, 3], SamplingParams(max_tokens=2))
     # Two steps done: the first gave `decoding` its first token (`long` was admitted before any step, so
-    # its being in "prefilling" alone does not say a token came); `long` has ~58 prefill steps left.
-    while s.snapshot()["steps"] < 2:
-        time.sleep(0.001)
-    assert long.ident in s.snapshot()["prefilling"]
-    rec = _Recorder({0: decoding, 1: long, 2: waiting})
-    for k, stream in rec.streams.items():
-        stream.listen(rec, k)
-    error = RuntimeError("stepped down")
-    assert s.fail_all(error) == 3
+    # its being in "prefilling" alone does not say a token came); `long` has 58 prefill steps left.
+    try:
+        assert reached.wait(30)
+        assert s.snapshot()["steps"] == 2 and long.ident in s.snapshot()["prefilling"]
+        rec = _Recorder({0: decoding, 1: long, 2: waiting})
+        for k, stream in rec.streams.items():
+            stream.listen(rec, k)
+        error = RuntimeError("stepped down")
+        assert s.fail_all(error) == 3
+    finally:
+        release.set()
     with rec.lock:
         assert [rec.ends[k] for k in range(3)] == [[error]] * 3  # the error once, after the tokens
         assert rec.tokens[1] == rec.tokens[2] == [] and 0 < len(rec.tokens[0]) < 200
