@@ -54,12 +54,19 @@ def test_a_peer_refuses_int8_from_the_environment(clean_numerics, monkeypatch):
 
 
 @pytest.mark.parametrize("route", [["--swarm"], ["--api", "https://127.0.0.1:9/v1"]])
-def test_generate_with_int8_refuses_the_swarm(route, capsys):
+def test_generate_with_int8_refuses_the_swarm(clean_numerics, route, capsys):
     assert main(["generate", "hi", "--numerics", "int8", *route]) != 0
     err = capsys.readouterr().err
-    assert "--numerics int8 sets this machine's own compute" in err and route[0] in err
+    assert "int8 numerics (--numerics or $COLIBRI_SWARM_NUMERICS) set this machine's own compute" in err
+    assert route[0] in err
+
+
+def test_generate_with_int8_from_the_environment_refuses_the_swarm(clean_numerics, monkeypatch, capsys):
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "int8")
+    assert main(["generate", "hi", "--swarm"]) != 0
+    assert "set this machine's own compute" in capsys.readouterr().err
 
 
 def test_the_help_says_what_int8_trades():
     text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
-    assert "--numerics {float32,int8}" in text and "llama.cpp" in text and "this machine alone" in text
+    assert "--numerics {float32,int8}" in text and "llama.cpp" in text and "VNNI" in text

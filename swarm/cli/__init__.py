@@ -117,8 +117,9 @@ def _add_numerics_arg(p: argparse.ArgumentParser) -> None:
                    help="how this machine's products treat their activations: float32 (the default; checked "
                    "against the transformers oracle) or int8, llama.cpp's numerics: activation rows quantized "
                    "to 8 bits, faster prefill and decode on Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 "
-                   "weights, each product off by up to a few percent of its largest output; int8 runs on this "
-                   "machine alone (--local), a swarm computes in float32 ($COLIBRI_SWARM_NUMERICS)")
+                   "weights where the CPU has AVX-512 VNNI (elsewhere a slower portable form: keep float32), "
+                   "each product off by up to a few percent of its largest output; int8 always runs on this "
+                   "machine, never through a swarm, which computes in float32 (also $COLIBRI_SWARM_NUMERICS)")
 
 
 def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
@@ -141,7 +142,7 @@ def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
     if peer and numerics.int8():
         raise SwarmError("a swarm peer computes with float32 numerics (its answers are checked against the "
                          f"coordinator's); ${numerics.NUMERICS_ENV}=int8 is for one machine's own runs "
-                         "(colibri-swarm generate --local --numerics int8): unset it to join")
+                         "(colibri-swarm generate --numerics int8): unset it to join")
     quant.on_compiling(lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -162,9 +163,6 @@ def _check_generate(args: argparse.Namespace) -> None:
     if args.model and (args.swarm or args.api):
         raise SwarmError(f"--model picks a model file for this machine, but {'--swarm' if args.swarm else '--api'} "
                          "runs the swarm's own model: drop --model, or use --local --model PATH")
-    if args.numerics == "int8" and (args.swarm or args.api):
-        raise SwarmError(f"--numerics int8 sets this machine's own compute, but {'--swarm' if args.swarm else '--api'} "
-                         "runs on the swarm, which computes in float32: drop one of them")
     if args.raw and args.system is not None:
         raise SwarmError("--system has no effect with --raw (no chat template is applied); drop one of them")
     _check_sampling(args)
@@ -173,10 +171,17 @@ def _check_generate(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> int:
     _check_generate(args)
     _use_compute_options(args)
+    from swarm.compute import numerics
+
+    int8 = numerics.int8()  # from --numerics or $COLIBRI_SWARM_NUMERICS
+    if int8 and (args.swarm or args.api):
+        raise SwarmError(f"int8 numerics (--numerics or ${numerics.NUMERICS_ENV}) set this machine's own compute, "
+                         f"but {'--swarm' if args.swarm else '--api'} runs on the swarm, which computes in float32: "
+                         "drop one of them")
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
-    # --numerics int8 is this machine's own compute: it stays here, as --local.
-    if args.swarm or args.api or not (args.local or args.model or args.numerics == "int8"):
+    # int8 numerics are this machine's own compute: the reply is made here, as with --local.
+    if args.swarm or args.api or not (args.local or args.model or int8):
         from swarm.cli.generate import main_generate_swarm
 
         code = main_generate_swarm(args)
