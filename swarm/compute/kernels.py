@@ -322,8 +322,12 @@ _row = None
 
 
 def prepare_row_kernels() -> None:
-    """Load (or, the first time on a machine, compile) the element-wise kernels now."""
+    """Load (or, the first time on a machine, compile) the element-wise kernels now, and the
+    block kernels of both numerics (swarm/compute/numerics.py) into the cache."""
     _row_kernels()
+    from swarm.compute import quant
+
+    quant.prepare_int8()
 
 
 def _row_kernels():

@@ -457,6 +457,25 @@ _compiled = None
 _import_lock = threading.Lock()
 
 
+def _prepare_int8(k, table: np.ndarray) -> None:
+    """Load (or compile) the int8 numerics' entry points of module ``k`` (qkernels) now."""
+    with compiling("int8 kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K times 8-bit activations)"):
+        q8, qb = np.zeros((1, 64 + 2 * 34), np.uint8), np.zeros((1, 128), np.uint8)
+        k.quantize(0, np.zeros((1, 64), F32), qb)
+        qb.flags.writeable = q8.flags.writeable = False
+        k.matmul_int8(0, q8, qb, np.empty((1, 1), F32), 0, 1)
+        k.int8_group(table)
+
+
+def prepare_int8() -> None:
+    """Load (or, the first time on a machine, compile) the int8 numerics' kernels now: an
+    install step (as ``kernels.prepare_row_kernels``) fills the cache for a later ``--numerics int8``."""
+    k = _compiled or _kernels()
+    w = np.zeros((1, 34), np.uint8)
+    x, out = np.zeros((1, 32), F32), np.empty((1, 1), F32)
+    _prepare_int8(k, np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64))
+
+
 def _kernels():
     """The numba kernels, imported (and compiled or loaded from numba's cache) on first use."""
     global _compiled, _pointer, _fill_alike, spin
@@ -479,12 +498,8 @@ def _kernels():
                         out = np.empty((1, 1), F32)
                         table = np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64)
                         k.run_group(table, np.zeros(1, np.int64), 1)
-                    with compiling("int8 kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K times 8-bit activations)"):
-                        q8, qb = np.zeros((1, 64 + 2 * 34), np.uint8), np.zeros((1, 128), np.uint8)
-                        k.quantize(0, np.zeros((1, 64), F32), qb)
-                        qb.flags.writeable = q8.flags.writeable = False
-                        k.matmul_int8(0, q8, qb, np.empty((1, 1), F32), 0, 1)
-                        k.int8_group(table)
+                    if numerics.int8():  # else on first use or prepare_int8(): a float32 process never holds them
+                        _prepare_int8(k, table)
                     with compiling("float kernels (F32, F16, BF16)"):
                         f = np.zeros((1, 32), F32)  # float32 weights: writable (decoded tiles), read-only (F32 files)
                         k.matmul_f32(f, x, np.empty((1, 1), F32), 0, 0, 1)
