@@ -49,7 +49,9 @@ stepping its share of the sequences through every stage with no drain, so the st
 compute at once; a token of every sequence costs the longer of one scheduler's pass and the
 busiest peer's work for every scheduler's step.
 A call costs its weights read once (``WEIGHT_BYTES_PER_S``) plus FLOPs per row, so a step of
-many rows on one machine is cheaper per row, and groups pay that fixed part once each.
+many rows on one machine is cheaper per row, and groups pay that fixed part once each. Of a MoE
+layer a call reads only the routed experts its rows chose (:func:`distinct_experts`): few for one
+row, most for a few rows, so a step cut into groups reads most of them once per group.
 :func:`choose` given ``sequences`` > 1 prices the coordinator alone against its layers split
 by speed over the holders, pipelined, and takes the stages when they serve ``REMOTE_MARGIN``
 faster (``serving_tok_s`` of each, and a note).
@@ -109,7 +111,11 @@ class LayerCosts:
     Not weights (bytes; empty or 0 when not counted): ``kv_bytes[i]`` the KV cache of layer ``i``
     for the reserved context, ``step_bytes`` a worker's activations of one step,
     ``coord_step_bytes`` the coordinator's, ``record_bytes`` the rows it records per worker stage
-    (:func:`swarm.peer.plan.reserve_of`)."""
+    (:func:`swarm.peer.plan.reserve_of`).
+    Routed experts (empty or 0 for a dense layer): ``expert_bytes[i]`` the bytes of all of layer
+    ``i``'s routed experts (a part of ``ffn_bytes[i]``), ``n_experts[i]`` how many it has and
+    ``top_k[i]`` how many each row is routed to: a call reads only the experts its rows chose
+    (:meth:`read_bytes`)."""
 
     attn_flops: tuple[float, ...]
     ffn_flops: tuple[float, ...]
@@ -121,6 +127,9 @@ class LayerCosts:
     step_bytes: int = 0
     coord_step_bytes: int = 0
     record_bytes: int = 0
+    expert_bytes: tuple[int, ...] = ()
+    n_experts: tuple[int, ...] = ()
+    top_k: tuple[int, ...] = ()
 
     @property
     def n_layers(self) -> int:
@@ -129,6 +138,16 @@ class LayerCosts:
     def layer_bytes(self, i: int) -> int:
         """Weight bytes of layer ``i`` (attention and FFN)."""
         return self.attn_bytes[i] + self.ffn_bytes[i]
+
+    def read_bytes(self, i: int, rows: float) -> float:
+        """Weight bytes a call of ``rows`` rows reads of layer ``i``: all of a dense layer; of a
+        MoE layer what is not a routed expert once, and each routed expert's bytes times the
+        experts its rows are expected to choose between them (:func:`distinct_experts`)."""
+        experts = self.expert_bytes[i] if self.expert_bytes else 0
+        n = self.n_experts[i] if experts and self.n_experts else 0
+        if not n:
+            return float(self.layer_bytes(i))
+        return self.layer_bytes(i) - experts + experts / n * distinct_experts(n, self.top_k[i], rows)
 
     def stage_bytes(self, i: int) -> int:
         """What a worker's stage holds for layer ``i``: its weights and its KV cache (bytes)."""
@@ -163,10 +182,25 @@ class LayerCosts:
         moe_f = 3 * H * c.moe_intermediate_size * c.top_k + 3 * H * c.shared_expert_intermediate_size
         ffn_f = [2.0 * (moe_f if c.is_moe_layer(layer) else 3 * H * c.intermediate_size) for layer in range(c.n_layers)]
         attn_b, ffn_b = layer_nbytes(model)
+        moe = [c.is_moe_layer(layer) for layer in range(c.n_layers)]
         r = reserve_of(c, context)
         return cls(tuple([2.0 * attn_w] * c.n_layers), tuple(ffn_f), attn_b, ffn_b,
                    2.0 * H * c.vocab_size, H, kv_bytes=r["kv_bytes"],
-                   step_bytes=r["step_bytes"], coord_step_bytes=r["coordinator_step_bytes"], record_bytes=r["record_bytes"])
+                   step_bytes=r["step_bytes"], coord_step_bytes=r["coordinator_step_bytes"], record_bytes=r["record_bytes"],
+                   # layer_nbytes counts a MoE layer's FFN as its routed experts, all of them
+                   expert_bytes=tuple(b if m else 0 for b, m in zip(ffn_b, moe, strict=True)),
+                   n_experts=tuple(c.n_experts if m else 0 for m in moe), top_k=tuple(c.top_k if m else 0 for m in moe))
+
+
+def distinct_experts(n_experts: int, top_k: int, rows: float) -> float:
+    """Expected number of distinct experts, of ``n_experts``, that ``rows`` rows each routed to
+    ``top_k`` of them choose between them: ``E · (1 - (1 - k/E)^rows)`` (an expert is missed by
+    one row with probability 1 - k/E, by every row independently). Assumes uniform independent
+    routing; real routers are skewed, so fewer distinct experts are read in practice and the
+    bytes priced with this are an upper bound. ``rows`` may be fractional (a step's mean group)."""
+    if n_experts <= 0 or rows <= 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - min(top_k, n_experts) / n_experts) ** rows)
 
 
 @dataclass(frozen=True)
@@ -508,14 +542,16 @@ def pipeline_groups(n_sequences: int, n_stages: int, schedulers: int = 1) -> int
 
 
 # a CPU reads a layer's weights once per call, whatever its rows (SmolLM2 on this project's 2-core
-# bench machine: one decode row 6 ms, eight 22 ms — bench/results/pipeline.md)
+# bench machine: one decode row 6 ms, eight 22 ms — bench/results/pipeline.md); of a MoE layer, the
+# experts its rows chose (LayerCosts.read_bytes)
 WEIGHT_BYTES_PER_S = 20e9
 
 
 def _stage_call_s(costs: LayerCosts, peer: PeerCost, lo: int, hi: int, rows: float, remote: bool) -> float:
-    """One call of layers ``lo .. hi-1`` on ``peer`` for ``rows`` rows: its weights read once,
+    """One call of layers ``lo .. hi-1`` on ``peer`` for ``rows`` rows (seconds): its weights
+    read once — of a MoE layer only the experts its rows choose (:meth:`LayerCosts.read_bytes`) —,
     its FLOPs per row, and a message when it is not the coordinator's."""
-    t = sum(costs.layer_bytes(i) for i in range(lo, hi)) / WEIGHT_BYTES_PER_S
+    t = sum(costs.read_bytes(i, rows) for i in range(lo, hi)) / WEIGHT_BYTES_PER_S
     t += rows * sum(costs.attn_flops[i] + costs.ffn_flops[i] for i in range(lo, hi)) / _gflops(peer)
     return t + (_message_s(peer, max(1, math.ceil(rows)), costs) if remote else 0.0)
 
@@ -529,7 +565,8 @@ def serving_step_s(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCos
     serving.md, "Stage layout"). That takes the longer of one scheduler's pass — every stage's
     call, then the head for its rows on the coordinator — and the busiest peer's work for all G
     steps: its calls (the coordinator's with the head) G times. A call costs its weights read
-    once (``WEIGHT_BYTES_PER_S``) plus its FLOPs per row, so a bigger group is cheaper per row and
+    once (``WEIGHT_BYTES_PER_S``; of a MoE layer the experts its rows choose,
+    :meth:`LayerCosts.read_bytes`) plus its FLOPs per row, so a bigger group is cheaper per row and
     each scheduler costs every stage one more weight pass and message."""
     peers = {p.peer_id: p for p in (coord, *workers)}
     g = max(1, min(sequences, groups if groups is not None else len(stages)))

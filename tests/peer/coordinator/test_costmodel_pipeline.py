@@ -1,10 +1,14 @@
 """The planner's price of pipelined stages: one scheduler per stage, a token of every sequence
 costing the longer of one scheduler's pass and the busiest peer's work; with one sequence nothing
 changes; ``auto`` splits a model the coordinator holds into stages only when several sequences
-run and the pipeline serves them ``REMOTE_MARGIN`` faster, and says why."""
+run and the pipeline serves them ``REMOTE_MARGIN`` faster, and says why. A MoE layer's call reads
+only the routed experts its rows chose."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
 from swarm.peer.coordinator import costmodel as cm
@@ -110,3 +114,99 @@ def test_the_throughput_split_leaves_the_coordinator_room_for_the_head():
     # a head heavier than the coordinator's share leaves it one layer, never none
     heavy = LayerCosts((2e6,) * 30, (5e6,) * 30, (MB,) * 30, (MB,) * 30, 5e8, 1024)
     assert cm.throughput_split(heavy, coord, workers)[0] == ("c", 0, 1)
+
+
+def moe_layers(n=12, experts=64, top_k=8, expert_bytes=MB, attn_bytes=MB) -> LayerCosts:
+    """``n`` MoE layers of ``experts`` routed experts of ``expert_bytes`` each, ``top_k`` a row."""
+    return LayerCosts((2e6,) * n, (2e7,) * n, (attn_bytes,) * n, (experts * expert_bytes,) * n, 1e7, 1024,
+                      expert_bytes=(experts * expert_bytes,) * n, n_experts=(experts,) * n, top_k=(top_k,) * n)
+
+
+@pytest.mark.parametrize("experts,top_k,rows", [(64, 8, 1), (64, 8, 4), (64, 8, 16), (8, 2, 3), (128, 4, 10)])
+def test_distinct_experts_matches_rows_routed_at_random(experts, top_k, rows):
+    """Each of ``rows`` rows picks ``top_k`` experts without replacement, uniformly: the mean count
+    of distinct experts over 20000 such calls is the formula's within 1 %."""
+    rng = np.random.default_rng(1234)
+    trials = 20000
+    picks = np.argpartition(rng.random((trials, rows, experts)), top_k - 1, axis=-1)[..., :top_k]
+    hit = np.zeros((trials, experts), dtype=bool)
+    hit[np.arange(trials)[:, None], picks.reshape(trials, -1)] = True
+    assert cm.distinct_experts(experts, top_k, rows) == pytest.approx(hit.sum(axis=1).mean(), rel=0.01)
+
+
+def test_distinct_experts_of_64_top_8():
+    assert [cm.distinct_experts(64, 8, n) for n in (1, 4, 8, 16)] == pytest.approx([8.0, 26.5, 42.0, 56.4], abs=0.05)
+    assert cm.distinct_experts(64, 8, 0) == 0.0 and cm.distinct_experts(0, 0, 8) == 0.0
+
+
+def test_a_moe_call_reads_the_experts_its_rows_choose():
+    """One row reads top_k of E experts' bytes besides attention; many rows read them all."""
+    costs = moe_layers(n=2)
+    coord = PeerCost("c", 10**12, 10.0)
+    flops = 2 * (2e6 + 2e7) / 1e10  # both layers, one row, at 10 GFLOP/s
+    experts = 64 * MB
+    assert costs.read_bytes(0, 1) == pytest.approx(MB + experts * 8 / 64)
+    assert cm._stage_call_s(costs, coord, 0, 2, 1, False) == pytest.approx(
+        2 * (MB + experts * 8 / 64) / cm.WEIGHT_BYTES_PER_S + flops)
+    assert costs.read_bytes(0, 500) == pytest.approx(MB + experts, rel=1e-9)
+    assert cm._stage_call_s(costs, coord, 0, 2, 500, False) == pytest.approx(
+        2 * (MB + experts) / cm.WEIGHT_BYTES_PER_S + 500 * flops)
+
+
+def test_groups_of_a_moe_step_read_more_experts_than_one_step():
+    """Eight sequences on the coordinator alone: two groups of 4 read 2 · E(1 - (1 - k/E)^4)
+    experts a layer, one group of 8 E(1 - (1 - k/E)^8); the FLOPs and the head are the same."""
+    n, E, k = 12, 64, 8
+    costs = moe_layers(n=n, experts=E, top_k=k)
+    coord = PeerCost("c", 10**12, 10.0)
+    alone = (("c", 0, n),)
+    one = cm.serving_step_s(costs, coord, [], alone, 8, groups=1)
+    two = cm.serving_step_s(costs, coord, [], alone, 8, groups=2)
+    missed = 1 - k / E  # the chance one row leaves a given expert alone
+    read = lambda rows: MB + E * MB * (1 - missed**rows)  # noqa: E731  a layer's bytes for a call of `rows`
+    extra = n * (2 * read(4) - read(8)) / cm.WEIGHT_BYTES_PER_S
+    assert two - one == pytest.approx(extra)
+    assert two > one
+    # less than a whole extra pass of the experts: one group of 8 leaves a third of them unread
+    assert extra < n * (MB + E * MB) / cm.WEIGHT_BYTES_PER_S
+
+
+def test_dense_prices_are_unchanged():
+    """A dense layer's call reads every weight once, whatever its rows (fractional too)."""
+    costs = layers()
+    coord, workers = pair()
+    for rows in (1, 2.5, 4, 8):
+        old = (24 * (MB + 4 * MB) / cm.WEIGHT_BYTES_PER_S + rows * 24 * (2e6 + 2e7) / 1e10
+               + 0.002 + cm.MESSAGE_OVERHEAD_S + 2 * math.ceil(rows) * 1024 * 4 / cm.LINK_BYTES_PER_S)
+        assert cm._stage_call_s(costs, workers[0], 0, 24, rows, True) == pytest.approx(old)
+    step = 24 * (MB + 4 * MB) / cm.WEIGHT_BYTES_PER_S + 8 * (24 * (2e6 + 2e7) + 1e7) / 1e10
+    assert cm.serving_step_s(costs, coord, workers, (("c", 0, 24),), 8) == pytest.approx(step)
+
+
+def test_layer_costs_of_a_moe_file_name_its_routed_experts(tmp_path):
+    from swarm.compute.model import load_model
+    from swarm.peer.weights.sizes import layer_nbytes
+    from tests.peer._swarm_models import build
+
+    model = load_model(build("qwen3_moe", tmp_path))
+    c, costs = model.config, LayerCosts.from_model(model)
+    _, ffn = layer_nbytes(model)
+    assert c.moe_layers
+    for i in range(c.n_layers):
+        moe = c.is_moe_layer(i)
+        assert costs.expert_bytes[i] == (ffn[i] if moe else 0)
+        assert (costs.n_experts[i], costs.top_k[i]) == ((c.n_experts, c.top_k) if moe else (0, 0))
+    i = c.moe_layers[0]
+    assert costs.read_bytes(i, 1) == pytest.approx(costs.attn_bytes[i] + ffn[i] * c.top_k / c.n_experts)
+
+
+def test_weights_that_dominate_a_moe_step_still_split():
+    """The shape that keeps a dense model alone (2·10⁶ FLOPs, 200 MiB a layer) splits as 64
+    experts top 8: alone, one step of 8 reads 42 experts in each of 24 layers (1008); split 12/12,
+    each peer reads 2 · 26.5 in each of its 12 (636) and computes half the FLOPs."""
+    dense = layers(ffn_flops=2e6, ffn_bytes=200 * MB)
+    moe = LayerCosts(dense.attn_flops, dense.ffn_flops, dense.attn_bytes, dense.ffn_bytes, 1e7, 1024,
+                     expert_bytes=dense.ffn_bytes, n_experts=(64,) * 24, top_k=(8,) * 24)
+    coord, workers = pair()
+    assert cm.choose(dense, coord, workers, sequences=8)[0].layout == "local"
+    assert cm.choose(moe, coord, workers, sequences=8)[0].layout == "stages"
