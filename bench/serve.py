@@ -469,6 +469,17 @@ def _cpu_list(spec: str) -> set[int]:
 
 
 def _pipeline_main(args) -> dict:
+    """The --pipeline run; with --profile, the stage workers' stamp files lie in a temporary
+    directory removed when the run ends, as it ends or fails."""
+    if not args.profile:
+        return _pipeline_run(args, None)
+    with tempfile.TemporaryDirectory(prefix="csd-profile-") as stamps:
+        return _pipeline_run(args, Path(stamps))
+
+
+def _pipeline_run(args, stamps: Path | None) -> dict:
+    """The --pipeline run (module docstring); ``stamps``: the directory of the stage workers'
+    --profile stamp files (None: no --profile)."""
     from swarm.compute import threads
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
@@ -535,10 +546,9 @@ def _pipeline_main(args) -> dict:
 
     local, workers = LocalFFN(model), {}
     profiles: dict[str, Path] = {}  # --profile: stage worker → the file of its stamps
-    if args.profile:
+    if stamps is not None:
         pipeline_profile.install("coordinator", sys.modules[__name__])
-        tmp = Path(tempfile.mkdtemp(prefix="csd-profile-"))
-        profiles = {p: tmp / f"worker{i}.json" for i, p in enumerate(peers[1:], 1)}
+        profiles = {p: stamps / f"worker{i}.json" for i, p in enumerate(peers[1:], 1)}
 
     def profiled(name, rnd, run):  # run() inside a measured window of the profile (--profile)
         t0 = time.perf_counter_ns()
@@ -624,6 +634,22 @@ def _pipeline_main(args) -> dict:
     return out
 
 
+# The options of --pipeline alone (none has an effect without it), with their defaults there.
+PIPELINE_DEFAULTS = {"streams": "8,16", "cores": "0,1", "schedulers": "", "split": None, "profile": False, "out": None}
+
+
+def _check_pipeline_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses (``parser.error``) a --pipeline option given without --pipeline, which would be
+    ignored; fills in the defaults of those left out."""
+    given = [f"--{name}" for name in PIPELINE_DEFAULTS if getattr(args, name) not in (None, False)]
+    if given and not args.pipeline:
+        parser.error(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to --pipeline runs: "
+                     f"add --pipeline, or drop {' and '.join(given)}")
+    for name, default in PIPELINE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 or olmoe (bench/swarm.py's models)")
@@ -638,10 +664,13 @@ def main() -> None:
                         help="every peer process's event loop, as join --loop (default auto: uvloop where installed)")
     parser.add_argument("--pipeline", action="store_true",
                         help="stages pipelined over two pinned peer processes vs one peer (no root)")
-    parser.add_argument("--streams", default="8,16", help="--pipeline: concurrent streams, comma-separated levels")
-    parser.add_argument("--cores", default="0,1",
-                        help="--pipeline: each peer's cores, the coordinator's first (e.g. 0-7,8-15; three peers: 0,1,2)")
-    parser.add_argument("--schedulers", default="",
+    # The --pipeline options default to None (False: --profile) so that one given without
+    # --pipeline is told from one left out; PIPELINE_DEFAULTS fills them in.
+    parser.add_argument("--streams", help="--pipeline: concurrent streams, comma-separated levels (default 8,16)")
+    parser.add_argument("--cores",
+                        help="--pipeline: each peer's cores, the coordinator's first (e.g. 0-7,8-15; three peers: 0,1,2; "
+                        "default 0,1)")
+    parser.add_argument("--schedulers",
                         help="--pipeline: also run the raw stages with these numbers of batch schedulers "
                         "(comma-separated; the product runs one per stage)")
     parser.add_argument("--split", help="--pipeline: where each stage after the coordinator's starts, e.g. 11 "
@@ -656,6 +685,7 @@ def main() -> None:
     parser.add_argument("--signal", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    _check_pipeline_options(parser, args)
     if args._stage_worker:
         _stage_worker_main(args._stage_worker)
         return

@@ -522,6 +522,8 @@ def main(argv=None):
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="only wgpu: what a small dispatch costs, a pass each against one pass (--reps dispatches)")
     args = ap.parse_args(argv)
+    if args.int8_activations and not args.blocks:
+        ap.error("--int8-activations only applies to --blocks runs: add --blocks, or drop --int8-activations")
     if args.dispatch_cost:
         json.dump({"bench": "web_peer dispatch cost", **dispatch_cost(max(args.reps, 2))}, sys.stdout, indent=1)
         print()
