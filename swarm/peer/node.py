@@ -54,7 +54,16 @@ EVENTS_KEPT = 50  # the newest swarm events in the status document (dashboard, `
 
 
 def numeric_build() -> NumericBuild:
-    """What decides bit-exactness of this peer's FFN results (docs/architecture.md §5)."""
+    """What decides bit-exactness of this peer's FFN results (docs/architecture.md §5): what it
+    announces it computes for a swarm. Raises SwarmError under the int8 numerics, which a swarm
+    does not compute (docs/weights.md, "Two numerics")."""
+    from swarm.compute import numerics
+
+    if numerics.int8():
+        raise SwarmError("this process computes with the int8 numerics, but a swarm's peers compute float32 so "
+                         "that the coordinator's results are a local run's bits; int8 runs on this machine only "
+                         f"(colibri-swarm generate --numerics int8, or ${numerics.NUMERICS_ENV}=int8): use float32 "
+                         "to take part in a swarm")
     blas = "unknown"
     with contextlib.suppress(Exception):
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
