@@ -322,12 +322,10 @@ _row = None
 
 
 def prepare_row_kernels() -> None:
-    """Load (or, the first time on a machine, compile) the element-wise kernels now, and the
-    block kernels of both numerics (swarm/compute/numerics.py) into the cache."""
+    """Load (or, the first time on a machine, compile) the element-wise kernels and the block
+    kernels of the numerics in use now (an install step that wants the int8 numerics' in the
+    cache too calls ``quant.prepare_int8()``: a float32 process never holds them)."""
     _row_kernels()
-    from swarm.compute import quant
-
-    quant.prepare_int8()
 
 
 def _row_kernels():

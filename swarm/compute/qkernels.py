@@ -21,6 +21,9 @@ below), so its bits do not depend on T, on which rows a call holds, or on the th
 
 from __future__ import annotations
 
+import os
+import platform
+
 import numpy as np
 from llvmlite import binding, ir
 from numba import carray, njit, types
@@ -1242,6 +1245,7 @@ def _view(dtype, readonly: bool):
 
 
 _weights = _view(types.uint8, True)
+_bytes = _view(types.uint8, False)
 _floats = _view(types.float32, False)
 
 
@@ -1256,11 +1260,95 @@ def _take(typingctx, counter):
     return sig, codegen
 
 
+@intrinsic
+def _finished(typingctx, counter):
+    """``counter[1] += 1`` atomically, releasing this thread's writes before it (int64 array):
+    a quantizing tile of :func:`run_group_i8` is done."""
+    sig = types.none(counter)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        builder.atomic_rmw("add", builder.gep(data, [ir.Constant(ir.IntType(64), 1)]),
+                           ir.Constant(ir.IntType(64), 1), "release")
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _finished_count(typingctx, counter):
+    """``counter[1]``, acquiring the writes released with it (int64 array)."""
+    sig = types.int64(counter)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.load_atomic(builder.gep(data, [ir.Constant(ir.IntType(64), 1)]), "acquire", 8)
+    return sig, codegen
+
+
+_ARCH = platform.machine().lower()
+
+
+@intrinsic
+def _pause(typingctx):
+    """The CPU's spin-wait hint (x86 ``pause``, Arm ``yield``, as LLVM intrinsics): a waiting
+    core gives way to its sibling thread and draws less power; nothing elsewhere."""
+    sig = types.none()
+
+    def codegen(context, builder, sig, args):
+        module = builder.module
+        if _ARCH in ("x86_64", "amd64"):
+            name = "llvm.x86.sse2.pause"
+            fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(ir.VoidType(), []), name)
+            builder.call(fn, [])
+        elif _ARCH in ("arm64", "aarch64"):
+            name = "llvm.aarch64.hint"
+            fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), name)
+            builder.call(fn, [ir.Constant(ir.IntType(32), 1)])  # 1: YIELD
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+_YIELD = "sched_yield" if os.name == "posix" else ""  # libc's, found by the JIT's linker
+
+
+@intrinsic
+def _yield(typingctx):
+    """Give this thread's core to another runnable thread (POSIX ``sched_yield``; nothing
+    elsewhere): a caller waiting for a worker that was preempted inside a group lets it run."""
+    sig = types.none()
+
+    def codegen(context, builder, sig, args):
+        if _YIELD:
+            module = builder.module
+            fn = module.globals.get(_YIELD) or ir.Function(module, ir.FunctionType(ir.IntType(32), []), _YIELD)
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(nogil=True, inline="always")
+def _tile(table, i, t):
+    """Tile ``t`` of the group ``table``'s product ``i``: its rows and operands."""
+    rows, step = table[i, W_ROWS], table[i, TILE_ROWS]
+    lo = (t - table[i, FIRST_TILE]) * step
+    return lo, min(rows, lo + step)
+
+
+@njit(nogil=True)
+def _float_tile(table, i, t):
+    lo, hi = _tile(table, i, t)
+    rows = table[i, W_ROWS]
+    w = _weights(table[i, W], rows, table[i, W_ROW_BYTES])
+    x = _floats(table[i, X], table[i, T], table[i, K])
+    _rows(table[i, KIND], w, x, _floats(table[i, OUT], table[i, T], rows), lo, hi)
+
+
 @njit(cache=True, nogil=True)
 def run_group(table, counter, tiles):  # pragma: no cover - compiled
-    """Compute tiles of the group ``table`` (int64 [n, NCOLS]) until ``counter`` (int64 [1],
+    """Compute tiles of the group ``table`` (int64 [n, NCOLS]) until ``counter`` (int64 [2],
     shared by every thread running this call) passes ``tiles``, the group's tile count. Returns
-    the tiles this thread computed. Releases the GIL."""
+    the tiles this thread computed. Releases the GIL. Float32 activations only: the int8
+    numerics' groups run :func:`run_group_i8`, so a float32 process never compiles its tiles."""
     done = 0
     i = 0
     while True:
@@ -1269,18 +1357,62 @@ def run_group(table, counter, tiles):  # pragma: no cover - compiled
             return done
         while i + 1 < table.shape[0] and table[i + 1, FIRST_TILE] <= t:  # a thread's t only grows
             i += 1
-        rows, step = table[i, W_ROWS], table[i, TILE_ROWS]
-        lo = (t - table[i, FIRST_TILE]) * step
-        w = _weights(table[i, W], rows, table[i, W_ROW_BYTES])
-        x = _floats(table[i, X], table[i, T], table[i, K])
-        out = _floats(table[i, OUT], table[i, T], rows)
+        _float_tile(table, i, t)
+        done += 1
+
+
+# Products of the int8 numerics (:func:`int8_group`): a group's table starts with rows that
+# quantize activation rows (kind QUANTIZE + the weight kind whose rule they follow; X the float32
+# rows, OUT their quantized bytes, W_ROWS the activation rows, cut into tiles as products are), so
+# every thread that joins quantizes a share; no thread starts a product tile before every
+# quantizing tile is done (counter[1] counts them).
+QUANTIZE = 2 * INT8_OFFSET
+
+
+@njit(cache=True, nogil=True)
+def run_group_i8(table, counter, tiles):  # pragma: no cover - compiled
+    """:func:`run_group` for a group of the int8 numerics (:func:`int8_group`): its quantizing
+    tiles, then its products (an int8 kind's on the quantized rows, any other kind's on float32
+    rows). ``counter`` int64 [2], zero: the next tile, and the quantizing tiles done."""
+    done = 0
+    i = 0
+    ready = table.shape[0] == 0 or table[0, KIND] < QUANTIZE
+    while True:
+        t = _take(counter)
+        if t >= tiles:
+            return done
+        while i + 1 < table.shape[0] and table[i + 1, FIRST_TILE] <= t:
+            i += 1
         kind = table[i, KIND]
-        if kind >= INT8_OFFSET:  # x: quantized rows (int8_group)
-            kind -= INT8_OFFSET
-            xq = _weights(table[i, X], table[i, T], int8_row_bytes(kind, table[i, K]))
-            _rows_i8(kind, w, xq, out, lo, min(rows, lo + step))
+        if kind >= QUANTIZE:
+            lo, hi = _tile(table, i, t)
+            kind -= QUANTIZE
+            x = _floats(table[i, X], table[i, T], table[i, K])
+            xq = _bytes(table[i, OUT], table[i, T], int8_row_bytes(kind, table[i, K]))
+            _quantize_rows(kind, x[lo:hi], xq[lo:hi])
+            _finished(counter)
         else:
-            _rows(kind, w, x, out, lo, min(rows, lo + step))
+            if not ready:  # the quantizing tiles are the first ``table[i0, FIRST_TILE]``
+                i0 = 0
+                while table[i0, KIND] >= QUANTIZE:
+                    i0 += 1
+                waited = 0
+                while _finished_count(counter) < table[i0, FIRST_TILE]:
+                    waited += 1
+                    if waited < 1000:  # ~25 µs: a quantizing tile finishing
+                        _pause()
+                    else:  # longer: its thread was likely preempted; let it have a core
+                        _yield()
+                ready = True
+            if kind >= INT8_OFFSET:
+                lo, hi = _tile(table, i, t)
+                kind -= INT8_OFFSET
+                rows = table[i, W_ROWS]
+                w = _weights(table[i, W], rows, table[i, W_ROW_BYTES])
+                xq = _weights(table[i, X], table[i, T], int8_row_bytes(kind, table[i, K]))
+                _rows_i8(kind, w, xq, _floats(table[i, OUT], table[i, T], rows), lo, hi)
+            else:
+                _float_tile(table, i, t)
         done += 1
 
 
@@ -1472,16 +1604,18 @@ def matmul_int8(kind, w, xq, out, lo, hi):
 
 
 @njit(cache=True, nogil=True)
-def int8_group(table):  # pragma: no cover - compiled
-    """The group ``table`` with each product that has an int8 kernel turned into one: its kind
-    + INT8_OFFSET and its x the address of its quantized rows, each distinct (x, T, K, block
-    size) quantized once into the returned buffer, which must stay alive while the table runs.
-    Returns (table, buffer)."""
+def int8_group(table, parts):  # pragma: no cover - compiled
+    """The group ``table`` (of :func:`run_group`) as a group of :func:`run_group_i8`: each
+    product that has an int8 kernel turned into one (its kind + INT8_OFFSET, its x the address
+    of its quantized rows), after a quantizing row for each distinct (x, T, K, block size) whose
+    rows go into the returned buffer, cut into about ``parts`` tiles. The buffer must stay alive
+    while the table runs. Returns (table, buffer, the quantizing tiles' count), the group's
+    tiles being its own plus those."""
     n = table.shape[0]
-    new = table.copy()
     offs = np.full(n, -1, np.int64)
     first = np.zeros(n, np.bool_)  # the first product of its quantized rows
     total = 0
+    nq = 0
     for i in range(n):
         kind, k = table[i, KIND], table[i, K]
         if not ((kind == 5 or kind == 6 or kind == 7) and k % 256 == 0 or 0 <= kind <= 4 and k % 64 == 0):
@@ -1495,17 +1629,24 @@ def int8_group(table):  # pragma: no cover - compiled
         if offs[i] < 0:
             offs[i], first[i] = total, True
             total += table[i, T] * int8_row_bytes(kind, k)
+            nq += 1
     buf = np.empty(total + 64, np.uint8)
-    base = (64 - buf.ctypes.data % 64) % 64
+    base = buf.ctypes.data + (64 - buf.ctypes.data % 64) % 64
+    new = np.empty((nq + n, NCOLS), np.int64)
+    q = 0
+    tile = 0
     for i in range(n):
-        if offs[i] < 0:
-            continue
-        kind = table[i, KIND]
-        rb = int8_row_bytes(kind, table[i, K])
-        xq = buf[base + offs[i]:base + offs[i] + table[i, T] * rb].reshape((table[i, T], rb))
         if first[i]:
-            _quantize_rows(kind, _floats(table[i, X], table[i, T], table[i, K]), xq)
-        new[i, KIND] = kind + INT8_OFFSET
-        new[i, X] = buf.ctypes.data + base + offs[i]
-    return new, buf
+            kind, rows = table[i, KIND], table[i, T]
+            step = max(1, -(-rows // max(1, parts)))
+            new[q] = (QUANTIZE + kind, 0, rows, 0, table[i, X], rows, table[i, K], base + offs[i], step, tile)
+            tile += -(-rows // step)
+            q += 1
+    for i in range(n):
+        new[nq + i] = table[i]
+        new[nq + i, FIRST_TILE] = table[i, FIRST_TILE] + tile
+        if offs[i] >= 0:
+            new[nq + i, KIND] = table[i, KIND] + INT8_OFFSET
+            new[nq + i, X] = base + offs[i]
+    return new, buf, tile
 

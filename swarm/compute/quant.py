@@ -414,22 +414,26 @@ def alike(ws: Sequence[QMatrix]) -> bool:
 def run_table(table: np.ndarray, first: int, work: float) -> None:
     """Run a group ``table`` of ``first`` tiles and ``work`` units on the threads that join."""
     k = _compiled or _kernels()
-    if numerics.int8():  # products with an int8 kernel take their quantized activation rows
-        table, quantized = k.int8_group(table)  # noqa: F841 - alive while the table runs
-    counter = np.zeros(1, np.int64)
+    runner, int8 = k.run_group, numerics.int8()
+    if int8:  # products with an int8 kernel take their rows quantized by the group's first tiles
+        _prepare_int8(k)
+        table, quantized, quantizing = k.int8_group(table, threads.threads())  # noqa: F841 - alive while it runs
+        first += quantizing
+        runner = k.run_group_i8
+    counter = np.zeros(2, np.int64)  # the next tile; the quantizing tiles done
     # Spinning workers join a group of 4 tiles or more: one that comes late finds the tiles taken
     # and costs the caller nothing. Python workers are asked one per MIN_CHUNK_BYTES of work: each
     # costs a wake-up and the GIL in turn. On 16 cores a 2.4 MB Q4_K product took 0.33 ms on one
     # thread, 0.20 ms asking 3 others and 0.37 ms asking 15 (one per 4 tiles, as spinning workers
     # are), so a decode token on 16 threads ran no faster than on 4 (bench/results/engine.md).
     if threads.parts_for(work, 4 * GROUP_TILE_BYTES) == 1:
-        k.run_group(table, counter, first)
-    elif spin.wanted(threads.threads()) and spin.pool(threads.threads() - 1).run(table, counter, first) is not None:
+        runner(table, counter, first)
+    elif spin.wanted(threads.threads()) and spin.pool(threads.threads() - 1, int8).run(table, counter, first) is not None:
         pass  # the spinning workers took tiles beside the caller (swarm/compute/spin.py)
     elif (parts := threads.parts_for(work, MIN_CHUNK_BYTES)) == 1:
-        k.run_group(table, counter, first)
+        runner(table, counter, first)
     else:  # the Python pool: one call per thread that joins, each taking tiles until none is left
-        threads.run_chunks(k.run_group, [(table, counter, first)] * parts)
+        threads.run_chunks(runner, [(table, counter, first)] * parts)
 
 
 def _address(a: np.ndarray) -> int:
@@ -457,23 +461,45 @@ _compiled = None
 _import_lock = threading.Lock()
 
 
-def _prepare_int8(k, table: np.ndarray) -> None:
-    """Load (or compile) the int8 numerics' entry points of module ``k`` (qkernels) now."""
-    with compiling("int8 kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K times 8-bit activations)"):
-        q8, qb = np.zeros((1, 64 + 2 * 34), np.uint8), np.zeros((1, 128), np.uint8)
-        k.quantize(0, np.zeros((1, 64), F32), qb)
-        qb.flags.writeable = q8.flags.writeable = False
-        k.matmul_int8(0, q8, qb, np.empty((1, 1), F32), 0, 1)
-        k.int8_group(table)
+_int8_ready = False
+
+
+def _prepare_int8(k) -> None:
+    """Load (or compile) the int8 numerics' entry points of module ``k`` (qkernels) and their
+    spinning-worker twins, once."""
+    global _int8_ready
+    if _int8_ready:
+        return
+    with _int8_lock:
+        if _int8_ready:
+            return
+        with compiling("int8 kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K times 8-bit activations)"):
+            q8, qb = np.zeros((1, 64 + 2 * 34), np.uint8), np.zeros((1, 128), np.uint8)
+            x = np.zeros((1, 64), F32)
+            k.quantize(0, x, qb)
+            qb.flags.writeable = q8.flags.writeable = False
+            out = np.empty((1, 1), F32)
+            k.matmul_int8(0, q8, qb, out, 0, 1)
+            w = np.zeros((1, 2 * 34), np.uint8)  # a Q8_0 row of 64 values
+            table = np.array([[0, _address(w), 1, w.shape[1], _address(x), 1, 64, _address(out), 8, 0]], np.int64)
+            table, buf, quantizing = k.int8_group(table, 1)
+            counter = np.zeros(2, np.int64)
+            k.run_group_i8(table, counter, 1 + quantizing)
+            from swarm.compute import spin as spin_module
+
+            ctrl = spin_module.control_block()
+            spin_module.serve_i8(ctrl, 0, 1, 1)
+            spin_module.run_i8(ctrl, 1, table, np.zeros(2, np.int64), 1 + quantizing)
+        _int8_ready = True
+
+
+_int8_lock = threading.Lock()
 
 
 def prepare_int8() -> None:
     """Load (or, the first time on a machine, compile) the int8 numerics' kernels now: an
     install step (as ``kernels.prepare_row_kernels``) fills the cache for a later ``--numerics int8``."""
-    k = _compiled or _kernels()
-    w = np.zeros((1, 34), np.uint8)
-    x, out = np.zeros((1, 32), F32), np.empty((1, 1), F32)
-    _prepare_int8(k, np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64))
+    _prepare_int8(_compiled or _kernels())
 
 
 def _kernels():
@@ -497,9 +523,7 @@ def _kernels():
                         k.dequant(0, w, np.empty((1, 32), F32))
                         out = np.empty((1, 1), F32)
                         table = np.array([[0, _address(w), 1, 34, _address(x), 1, 32, _address(out), 8, 0]], np.int64)
-                        k.run_group(table, np.zeros(1, np.int64), 1)
-                    if numerics.int8():  # else on first use or prepare_int8(): a float32 process never holds them
-                        _prepare_int8(k, table)
+                        k.run_group(table, np.zeros(2, np.int64), 1)
                     with compiling("float kernels (F32, F16, BF16)"):
                         f = np.zeros((1, 32), F32)  # float32 weights: writable (decoded tiles), read-only (F32 files)
                         k.matmul_f32(f, x, np.empty((1, 1), F32), 0, 0, 1)
@@ -519,8 +543,10 @@ def _kernels():
                     from swarm.compute import spin as spin_module
                     ctrl = spin_module.control_block()
                     spin_module.serve(ctrl, 0, 1, 1)
-                    spin_module.run(ctrl, 1, table, np.zeros(1, np.int64), 1)
+                    spin_module.run(ctrl, 1, table, np.zeros(2, np.int64), 1)
                     spin = spin_module
+                    if numerics.int8():  # else on first use or prepare_int8(): a float32 process never holds them
+                        _prepare_int8(k)
                 _release_clean_pages("llvmlite")
                 _compiled = k
     return _compiled

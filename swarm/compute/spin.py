@@ -32,7 +32,6 @@ uses the spinning workers; another that finds them taken falls back to the Pytho
 from __future__ import annotations
 
 import os
-import platform
 import threading
 
 import numpy as np
@@ -40,7 +39,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from swarm.compute.qkernels import NCOLS, _view, run_group
+from swarm.compute.qkernels import NCOLS, _pause, _view, _yield, run_group, run_group_i8
 from swarm.compute.threads import available_cores
 
 # Fields of the control block (int64 [CTRL], made by :func:`control_block`), on three 64-byte
@@ -124,45 +123,56 @@ _swap = _atomic("xchg")  # ctrl[i] = value
 _add = _atomic("add")  # ctrl[i] += value
 
 
-_ARCH = platform.machine().lower()
+def _with(runner):
+    """A worker's wait and a caller's side (:func:`serve`, :func:`run`) that run groups with the
+    compiled ``runner`` (``qkernels.run_group`` or ``run_group_i8``): closures, which the
+    cached entry points below link as they link the block kernels."""
+    @njit(nogil=True)
+    def serve_with(ctrl, seen, spins, yields):
+        idle = 0
+        while idle < spins + yields:
+            if _load(ctrl, STOP) != 0:
+                return -1
+            g = _load(ctrl, OPEN)
+            if g != 0 and g != seen:
+                _add(ctrl, ACTIVE, 1)
+                if _load(ctrl, OPEN) == g:
+                    table = _ints(_load(ctrl, TABLE), _load(ctrl, ROWS), NCOLS)
+                    counter = _ints(_load(ctrl, COUNTER), 1, 2).reshape(2)
+                    runner(table, counter, _load(ctrl, TILES))
+                _add(ctrl, ACTIVE, -1)
+                seen = g
+                idle = 0
+            else:
+                idle += 1
+                if idle <= spins:
+                    _pause()
+                else:
+                    _yield()
+        return seen
+
+    @njit(nogil=True)
+    def run_with(ctrl, g, table, counter, tiles):
+        _swap(ctrl, TABLE, table.ctypes.data)
+        _swap(ctrl, ROWS, table.shape[0])
+        _swap(ctrl, COUNTER, counter.ctypes.data)
+        _swap(ctrl, TILES, tiles)
+        _swap(ctrl, OPEN, g)
+        done = runner(table, counter, tiles)
+        _swap(ctrl, OPEN, 0)
+        waited = 0
+        while _load(ctrl, ACTIVE) != 0:
+            waited += 1
+            if waited < 1000:  # ~25 µs: a worker finishing its tile
+                _pause()
+            else:  # longer: it was likely preempted; let it have a core
+                _yield()
+        return done
+    return serve_with, run_with
 
 
-@intrinsic
-def _pause(typingctx):
-    """The CPU's spin-wait hint (x86 ``pause``, Arm ``yield``, as LLVM intrinsics): a waiting
-    core gives way to its sibling thread and draws less power; nothing elsewhere."""
-    sig = types.none()
-
-    def codegen(context, builder, sig, args):
-        module = builder.module
-        if _ARCH in ("x86_64", "amd64"):
-            name = "llvm.x86.sse2.pause"
-            fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(ir.VoidType(), []), name)
-            builder.call(fn, [])
-        elif _ARCH in ("arm64", "aarch64"):
-            name = "llvm.aarch64.hint"
-            fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), name)
-            builder.call(fn, [ir.Constant(ir.IntType(32), 1)])  # 1: YIELD
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-_YIELD = "sched_yield" if os.name == "posix" else ""  # libc's, found by the JIT's linker
-
-
-@intrinsic
-def _yield(typingctx):
-    """Give this thread's core to another runnable thread (POSIX ``sched_yield``; nothing
-    elsewhere): a caller waiting for a worker that was preempted inside a group lets it run."""
-    sig = types.none()
-
-    def codegen(context, builder, sig, args):
-        if _YIELD:
-            module = builder.module
-            fn = module.globals.get(_YIELD) or ir.Function(module, ir.FunctionType(ir.IntType(32), []), _YIELD)
-            builder.call(fn, [])
-        return context.get_dummy_value()
-    return sig, codegen
+_serve_f32, _run_f32 = _with(run_group)
+_serve_int8, _run_int8 = _with(run_group_i8)
 
 
 @njit(cache=True, nogil=True)
@@ -171,49 +181,28 @@ def serve(ctrl, seen, spins, yields):  # pragma: no cover - compiled
     ``spins`` iterations with a pause, then ``yields`` giving the core away, pass with none, or
     ``STOP`` is set. ``seen``: the last group served. Returns the last group served (≥ 0), or -1
     once ``STOP`` is set. Releases the GIL."""
-    idle = 0
-    while idle < spins + yields:
-        if _load(ctrl, STOP) != 0:
-            return -1
-        g = _load(ctrl, OPEN)
-        if g != 0 and g != seen:
-            _add(ctrl, ACTIVE, 1)
-            if _load(ctrl, OPEN) == g:
-                table = _ints(_load(ctrl, TABLE), _load(ctrl, ROWS), NCOLS)
-                counter = _ints(_load(ctrl, COUNTER), 1, 1).reshape(1)
-                run_group(table, counter, _load(ctrl, TILES))
-            _add(ctrl, ACTIVE, -1)
-            seen = g
-            idle = 0
-        else:
-            idle += 1
-            if idle <= spins:
-                _pause()
-            else:
-                _yield()
-    return seen
+    return _serve_f32(ctrl, seen, spins, yields)
 
 
 @njit(cache=True, nogil=True)
 def run(ctrl, g, table, counter, tiles):  # pragma: no cover - compiled
     """The caller's side: publish group ``g`` (> 0, new) of ``table`` (int64 [n, NCOLS]) with its
-    ``counter`` (int64 [1]) and ``tiles``, compute tiles until none is left to take, close the
+    ``counter`` (int64 [2]) and ``tiles``, compute tiles until none is left to take, close the
     group and wait for every worker inside it. Returns the tiles this thread computed."""
-    _swap(ctrl, TABLE, table.ctypes.data)
-    _swap(ctrl, ROWS, table.shape[0])
-    _swap(ctrl, COUNTER, counter.ctypes.data)
-    _swap(ctrl, TILES, tiles)
-    _swap(ctrl, OPEN, g)
-    done = run_group(table, counter, tiles)
-    _swap(ctrl, OPEN, 0)
-    waited = 0
-    while _load(ctrl, ACTIVE) != 0:
-        waited += 1
-        if waited < 1000:  # ~25 µs: a worker finishing its tile
-            _pause()
-        else:  # longer: it was likely preempted; let it have a core
-            _yield()
-    return done
+    return _run_f32(ctrl, g, table, counter, tiles)
+
+
+@njit(cache=True, nogil=True)
+def serve_i8(ctrl, seen, spins, yields):  # pragma: no cover - compiled
+    """:func:`serve` for the int8 numerics' groups (``qkernels.run_group_i8``), compiled on
+    first use: a float32 process never holds its code."""
+    return _serve_int8(ctrl, seen, spins, yields)
+
+
+@njit(cache=True, nogil=True)
+def run_i8(ctrl, g, table, counter, tiles):  # pragma: no cover - compiled
+    """:func:`run` for the int8 numerics' groups."""
+    return _run_int8(ctrl, g, table, counter, tiles)
 
 
 def control_block() -> np.ndarray:
@@ -227,8 +216,9 @@ def control_block() -> np.ndarray:
 class SpinPool:
     """``size`` daemon threads that wait for groups in compiled code (module docstring)."""
 
-    def __init__(self, size: int, spins: int = SPINS, yields: int = YIELDS) -> None:
-        self.size, self.spins, self.yields = size, spins, yields
+    def __init__(self, size: int, spins: int = SPINS, yields: int = YIELDS, int8: bool = False) -> None:
+        self.size, self.spins, self.yields, self.int8 = size, spins, yields, int8
+        self._serve_fn, self._run_fn = (serve_i8, run_i8) if int8 else (serve, run)
         self.ctrl = control_block()
         self._busy = threading.Lock()  # one caller at a time publishes
         self._cond = threading.Condition()
@@ -244,7 +234,7 @@ class SpinPool:
     def _serve(self) -> None:
         ctrl, seen = self.ctrl, 0
         while True:
-            seen = serve(ctrl, seen, self.spins, self.yields)
+            seen = self._serve_fn(ctrl, seen, self.spins, self.yields)
             if seen < 0:
                 return
             with self._cond:  # idle: sleep until a caller wakes the sleepers (a group missed meanwhile costs nothing)
@@ -255,7 +245,7 @@ class SpinPool:
                 self._sleepers -= 1
 
     def run(self, table: np.ndarray, counter: np.ndarray, tiles: int) -> int | None:
-        """Compute group ``table`` (int64 [n, NCOLS], C-order) with ``counter`` (int64 [1], zero)
+        """Compute group ``table`` (int64 [n, NCOLS], C-order) with ``counter`` (int64 [2], zero)
         over ``tiles`` tiles on the calling thread and the waiting workers. Returns the tiles the
         caller computed itself, or None, doing nothing, when another caller holds the workers
         (the caller then uses the Python pool)."""
@@ -269,7 +259,7 @@ class SpinPool:
                 with self._cond:
                     self._wakes += 1
                     self._cond.notify_all()
-            return int(run(self.ctrl, self._next, table, counter, tiles))
+            return int(self._run_fn(self.ctrl, self._next, table, counter, tiles))
         finally:
             self._busy.release()
 
@@ -284,16 +274,17 @@ _pool: SpinPool | None = None
 _pool_lock = threading.Lock()
 
 
-def pool(workers: int) -> SpinPool:
-    """The process's spinning workers, ``workers`` of them (made, or remade for a new count)."""
+def pool(workers: int, int8: bool = False) -> SpinPool:
+    """The process's spinning workers, ``workers`` of them, running groups of the int8 numerics
+    (``int8``) or float32's (made, or remade for a new count or numerics)."""
     global _pool
     p = _pool
-    if p is None or p.size != workers:
+    if p is None or p.size != workers or p.int8 != int8:
         with _pool_lock:
-            if _pool is None or _pool.size != workers:
+            if _pool is None or _pool.size != workers or _pool.int8 != int8:
                 if _pool is not None:
                     _pool.close()
-                _pool = SpinPool(workers)
+                _pool = SpinPool(workers, int8=int8)
             p = _pool
     return p
 
