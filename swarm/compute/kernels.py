@@ -118,8 +118,23 @@ def signed_sin(sin: np.ndarray) -> np.ndarray:
 
 def apply_rope_swapped(x: np.ndarray, cos: np.ndarray, ssin: np.ndarray) -> np.ndarray:
     """:func:`apply_rope` with tables already broadcast to x's shape and ``ssin = signed_sin(sin)``:
-    ``rotate_half(x) * sin == swap_halves(x) * ssin`` exactly, in two fewer array passes."""
+    ``rotate_half(x) * sin == swap_halves(x) * ssin`` exactly. x float32 [T, n, hd] with tables
+    float32 [T, n or 1, hd]: one compiled pass (``rowkernels.rope_rows``), rows spread over the
+    compute threads; other shapes: numpy. Either way ``x * cos`` and ``swapped * ssin`` rounded,
+    then added: the same bits. Returns a new array of x's shape."""
     half = x.shape[-1] // 2
+    if (x.ndim == 3 and x.dtype == F32 and cos.dtype == F32 and ssin.dtype == F32 and cos.shape == ssin.shape
+            and cos.ndim == 3 and cos.shape[0] == x.shape[0] and cos.shape[2] == x.shape[2]
+            and cos.shape[1] in (1, x.shape[1]) and half * 2 == x.shape[2]):
+        out = aligned_empty(x.shape)
+        kernel = (_row or _row_kernels()).rope_rows
+        parts = threads.parts_for(x.size, MIN_ELEMENTWISE)
+        if parts == 1:
+            kernel(x, cos, ssin, out)
+        else:
+            threads.run_chunks(lambda lo, hi: kernel(x[lo:hi], cos[lo:hi], ssin[lo:hi], out[lo:hi]),
+                               threads.split(x.shape[0], parts))
+        return out
     out = x * cos
     out += np.concatenate([x[..., half:], x[..., :half]], axis=-1) * ssin
     return out
@@ -354,6 +369,10 @@ def _load_row_kernels() -> None:
                                cache, cache.copy(), 0)
         logits = np.ones(2, F32)
         rowkernels.shift_max(logits)
+        rows, strided = np.ones((1, 1, 2), F32), np.ones((1, 1, 4), F32)[:, :, :2]  # C-ordered or views
+        for x in (rows, strided):
+            for table in (rows, strided):
+                rowkernels.rope_rows(x, table, table, rows.copy())
         rowkernels.route_row(logits, True, 1, True, F32(1.0), np.zeros((2, 1), np.int64), np.zeros((2, 1), F32))
         rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
                              one.copy(), np.ones((rowkernels.M, 4), F32), np.ones((rowkernels.M, 1), F32), 0, 1)

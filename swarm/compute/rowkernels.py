@@ -126,6 +126,25 @@ def qk_rope_row(qkv, bias, norm, eps, cos, ssin, q, k, v, pos):  # pragma: no co
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def rope_rows(x, cos, ssin, out):  # pragma: no cover - compiled
+    """``out = x·cos + swap_halves(x)·ssin`` for x, out float32 [R, n, hd] (any strides) and the
+    tables cos, ssin float32 [R, m, hd], m = n or 1 (one row for every head): numpy's
+    ``x * cos`` then ``+= swapped * ssin`` (``kernels.apply_rope_swapped``), each element's two
+    products rounded and then added, as :func:`qk_rope_row` rotates a decode row."""
+    R, n, hd = x.shape
+    half = hd // 2
+    one = cos.shape[1] == 1
+    for t in range(R):
+        for h in range(n):
+            c, s = (cos[t, 0], ssin[t, 0]) if one else (cos[t, h], ssin[t, h])
+            xr, dst = x[t, h], out[t, h]
+            for i in range(half):
+                dst[i] = xr[i] * c[i] + xr[half + i] * s[i]
+            for i in range(half, hd):
+                dst[i] = xr[i] * c[i] + xr[i - half] * s[i]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def shift_max(x):  # pragma: no cover - compiled
     """``x -= max(x)`` in place, x float32 [n]: numpy's ``x - np.maximum.reduce(x)`` (a NaN makes
     the maximum NaN, as numpy's maximum propagates it)."""

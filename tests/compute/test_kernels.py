@@ -63,6 +63,35 @@ def test_rope_swapped_form_equals_rotate_half_exactly():
     np.testing.assert_allclose(ref, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads_n", [1, 3])
+def test_rope_compiled_pass_is_the_numpy_expression_bit_for_bit(threads_n):
+    """The compiled rotation (rows over the threads) against numpy's ``x * cos`` then
+    ``+= swapped * ssin``: query/key heads with their own tables, one table row for every head
+    (MLA), a strided view of a wider projection, and shapes it leaves to numpy."""
+    from swarm.compute import threads
+
+    def numpy_form(x, cos, ssin):
+        half = x.shape[-1] // 2
+        out = x * cos
+        out += np.concatenate([x[..., half:], x[..., :half]], axis=-1) * ssin
+        return out
+    before = threads.threads()
+    threads.set_threads(threads_n)
+    try:
+        for T, n, hd, m in [(64, 40, 128, 40), (5, 9, 64, 1), (1, 3, 2, 3), (300, 12, 64, 12)]:
+            wide = (rng.normal(size=(T, n, hd + 8)) * 4).astype(F32)
+            cos, ssin = (rng.normal(size=(T, m, hd)).astype(F32) for _ in range(2))
+            for x in (wide[:, :, :hd], np.ascontiguousarray(wide[:, :, :hd])):
+                got = apply_rope_swapped(x, cos, ssin)
+                assert got.shape == x.shape and got.dtype == F32
+                assert np.array_equal(got.view(np.uint32), numpy_form(x, cos, ssin).view(np.uint32)), (T, n, hd, m)
+        x4 = rng.normal(size=(2, 3, 4, 8)).astype(F32)  # four axes: numpy's broadcasting
+        c4, s4 = rng.normal(size=(2, 1, 4, 8)).astype(F32), rng.normal(size=(2, 1, 4, 8)).astype(F32)
+        np.testing.assert_array_equal(apply_rope_swapped(x4, c4, s4), numpy_form(x4, c4, s4))
+    finally:
+        threads.set_threads(before)
+
+
 def test_attention_grouped_causal_against_float64():
     nh, nkv, T, start, hd = 6, 2, 4, 3, 12  # hd: a multiple of 8 plus a tail
     S = start + T
