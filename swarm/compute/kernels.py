@@ -369,10 +369,10 @@ def _load_row_kernels() -> None:
                                cache, cache.copy(), 0)
         logits = np.ones(2, F32)
         rowkernels.shift_max(logits)
-        rows, strided = np.ones((1, 1, 2), F32), np.ones((1, 1, 4), F32)[:, :, :2]  # C-ordered or views
+        rows, strided = np.ones((2, 2, 2), F32), np.ones((2, 2, 4), F32)[:, :, :2]  # C-ordered or views
         for x in (rows, strided):
             for table in (rows, strided):
-                rowkernels.rope_rows(x, table, table, rows.copy())
+                rowkernels.rope_rows(x, table, table, rows.copy())  # (a prefill's q/k: views)
         rowkernels.route_row(logits, True, 1, True, F32(1.0), np.zeros((2, 1), np.int64), np.zeros((2, 1), F32))
         rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
                              one.copy(), np.ones((rowkernels.M, 4), F32), np.ones((rowkernels.M, 1), F32), 0, 1)

@@ -1607,7 +1607,8 @@ def matmul_int8(kind, w, xq, out, lo, hi):
 def int8_group(table, parts):  # pragma: no cover - compiled
     """The group ``table`` (of :func:`run_group`) as a group of :func:`run_group_i8`: each
     product that has an int8 kernel turned into one (its kind + INT8_OFFSET, its x the address
-    of its quantized rows), after a quantizing row for each distinct (x, T, K, block size) whose
+    of its quantized rows), after a quantizing row for each distinct (x, T, K, quantized format:
+    block size and minimums' sums) whose
     rows go into the returned buffer, cut into about ``parts`` tiles. The buffer must stay alive
     while the table runs. Returns (table, buffer, the quantizing tiles' count), the group's
     tiles being its own plus those."""

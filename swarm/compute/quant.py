@@ -677,8 +677,11 @@ def _release_clean_pages(library: str) -> int:
 
 
 def prepare_kernels() -> None:
-    """Load (or, the first time on a machine, compile: about a minute) the block kernels now."""
-    _kernels()
+    """Load (or, the first time on a machine, compile: about a minute) the block kernels now,
+    and the int8 numerics' when they are in use (set after the block kernels first loaded)."""
+    k = _kernels()
+    if numerics.int8():
+        _prepare_int8(k)
 
 
 # The files whose functions numba caches. numba checks a cached function against its own file

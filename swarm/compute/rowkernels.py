@@ -127,7 +127,7 @@ def qk_rope_row(qkv, bias, norm, eps, cos, ssin, q, k, v, pos):  # pragma: no co
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def rope_rows(x, cos, ssin, out):  # pragma: no cover - compiled
-    """``out = x·cos + swap_halves(x)·ssin`` for x, out float32 [R, n, hd] (any strides) and the
+    """``out = x·cos + swap_halves(x)·ssin`` for x, out float32 [R, n, hd] (hd even, any strides) and the
     tables cos, ssin float32 [R, m, hd], m = n or 1 (one row for every head): numpy's
     ``x * cos`` then ``+= swapped * ssin`` (``kernels.apply_rope_swapped``), each element's two
     products rounded and then added, as :func:`qk_rope_row` rotates a decode row."""

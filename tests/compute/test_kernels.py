@@ -115,3 +115,19 @@ def test_attention_grouped_causal_against_float64():
     np.testing.assert_allclose(one[0], want[-1], atol=1e-5)
     with pytest.raises(ValueError, match="does not fit"):
         attention((q * scale).transpose(1, 0, 2), k, v, S + 2)  # past the cache's room
+
+
+def test_rope_warm_up_compiles_the_views_a_prefill_passes():
+    """A prefill's query/key heads are a view of the wider projection (numba layout "A"): the
+    warm-up of ``prepare_row_kernels`` compiles that form too, not only C-ordered arrays, so the
+    first prefill does not compile (a fresh process: this one's other tests compile as they go)."""
+    import subprocess
+    import sys
+
+    child = ("from swarm.compute import kernels, rowkernels\n"
+             "kernels.prepare_row_kernels()\n"
+             "print(sorted({(s[0].layout, s[1].layout) for s in rowkernels.rope_rows.signatures}))")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    layouts = eval(out.stdout.strip().splitlines()[-1])
+    assert {("C", "C"), ("A", "C"), ("A", "A"), ("C", "A")} <= set(layouts), layouts

@@ -51,7 +51,7 @@ def test_groups_give_one_threads_bits_and_workers_take_tiles(spin):
         while (groups < 100 or not shared) and time.monotonic() < deadline:
             out = np.full((3, 2048), np.nan, np.float32)
             table, tiles = _group(w, x, out)
-            mine = pool.run(table, np.zeros(1, np.int64), tiles)
+            mine = pool.run(table, np.zeros(2, np.int64), tiles)
             assert mine is not None and 0 <= mine <= tiles
             assert np.array_equal(out, want)
             groups += 1
@@ -72,13 +72,64 @@ def test_no_worker_reads_a_group_after_run_returns(spin):
         for _ in range(5000):
             out = np.empty((1, R), np.float32)
             table, tiles = _group(w, x, out, tile=32)
-            counter = np.zeros(1, np.int64)
+            counter = np.zeros(2, np.int64)
             assert pool.run(table, counter, tiles) is not None
             table[0, 7] = quant._address(canary)
             counter[0] = 0
         time.sleep(0.05)
         assert np.isnan(canary).all()
     finally:
+        pool.close()
+
+
+def test_int8_groups_quantize_in_their_first_tiles_and_give_one_threads_bits(spin):
+    """An int8 group (``qkernels.int8_group``): three products, two sharing their activation
+    rows, quantized by the group's first tiles (more parts than rows), then computed — on
+    spinning workers of the int8 numerics and on Python-pool threads — give the bits of one
+    thread, and every quantizing tile is counted done before the call returns."""
+    from swarm.compute import threads
+
+    quant.prepare_int8()
+    k = quant._kernels()
+    ws = [_matrix(30 + i) for i in range(3)]
+    rng = np.random.default_rng(7)
+    shared, alone = (rng.standard_normal((T, C)).astype(np.float32) for T in (5, 1))
+    xs = [shared, shared, alone]
+
+    def group(parts):
+        outs = [np.full((x.shape[0], R), np.nan, np.float32) for x in xs]
+        rows = [(w._kind, w._addr, R, w.data.shape[1], quant._address(x), x.shape[0], C, quant._address(o), 8,
+                 32 * i) for i, (w, x, o) in enumerate(zip(ws, xs, outs))]
+        table, buf, quantizing = k.int8_group(np.array(rows, np.int64), parts)
+        return outs, table, buf, quantizing, 3 * 32 + quantizing
+    outs, table, buf, quantizing, tiles = group(1)
+    assert quantizing == 2  # two distinct activation rows' sets, one tile each
+    counter = np.zeros(2, np.int64)
+    assert k.run_group_i8(table, counter, tiles) == tiles and counter[1] == quantizing
+    want = outs
+    pool = spin.SpinPool(3, int8=True)
+    before = threads.threads()
+    try:
+        taken, deadline, groups = False, time.monotonic() + 20, 0
+        while (groups < 100 or not taken) and time.monotonic() < deadline:
+            outs, table, buf, quantizing, tiles = group(7)
+            assert quantizing == 6  # 5 rows in 5 tiles of 1, 1 row in 1
+            counter = np.zeros(2, np.int64)
+            mine = pool.run(table, counter, tiles)
+            assert mine is not None and counter[1] == quantizing
+            assert all(np.array_equal(o.view(np.uint32), w.view(np.uint32)) for o, w in zip(outs, want))
+            groups += 1
+            taken |= mine < tiles
+        assert taken, f"no int8 worker took a tile of {groups} groups"
+        threads.set_threads(4)
+        for _ in range(50):
+            outs, table, buf, quantizing, tiles = group(50)
+            counter = np.zeros(2, np.int64)
+            threads.run_chunks(k.run_group_i8, [(table, counter, tiles)] * 4)
+            assert counter[1] == quantizing
+            assert all(np.array_equal(o.view(np.uint32), w.view(np.uint32)) for o, w in zip(outs, want))
+    finally:
+        threads.set_threads(before)
         pool.close()
 
 
@@ -98,7 +149,7 @@ def test_callers_at_once_each_get_their_bits(spin):
         for _ in range(200):
             out = np.full((2, R), np.nan, np.float32)
             table, tiles = _group(w, x, out)
-            counter = np.zeros(1, np.int64)
+            counter = np.zeros(2, np.int64)
             if pool.run(table, counter, tiles) is None:
                 fallbacks[0] += 1
                 quant._kernels().run_group(table, counter, tiles)
@@ -133,7 +184,7 @@ def test_idle_workers_sleep_are_woken_and_close_ends_them(spin):
             groups += 1
             out = np.full((4, 4096), np.nan, np.float32)
             table, tiles = _group(w, x, out)
-            mine = pool.run(table, np.zeros(1, np.int64), tiles)
+            mine = pool.run(table, np.zeros(2, np.int64), tiles)
             assert np.array_equal(out, want)
             woke |= mine < tiles
             time.sleep(0.002)  # the workers' wait (200 pauses, 200 yields) runs out: each group wakes them

@@ -175,7 +175,7 @@ def test_a_group_is_shared_by_the_threads_that_run_it(every_call_split):
     g = quant._kernels()
     table = np.array([[m._kind, quant._address(m.data), m.shape[0], m.data.shape[1], quant._address(x), 1, 512,
                        quant._address(y), 8, first] for m, y, first in zip(ms, got, (0, 25, 33))], np.int64)
-    counter, done = np.zeros(1, np.int64), []
+    counter, done = np.zeros(2, np.int64), []
     runners = [threading.Thread(target=lambda: done.append(g.run_group(table, counter, 50))) for _ in range(3)]
     for r in runners:
         r.start()
