@@ -1373,7 +1373,9 @@ QUANTIZE = 2 * INT8_OFFSET
 def run_group_i8(table, counter, tiles):  # pragma: no cover - compiled
     """:func:`run_group` for a group of the int8 numerics (:func:`int8_group`): its quantizing
     tiles, then its products (an int8 kind's on the quantized rows, any other kind's on float32
-    rows). ``counter`` int64 [2], zero: the next tile, and the quantizing tiles done."""
+    rows). ``counter`` int64 [2], zero: the next tile, and the quantizing tiles done. The table's
+    tiles are numbered from 0 (as every table builder numbers them), so its first product's
+    ``FIRST_TILE`` is the quantizing tiles' count."""
     done = 0
     i = 0
     ready = table.shape[0] == 0 or table[0, KIND] < QUANTIZE

@@ -24,6 +24,7 @@ def test_numeric_build_is_refused_under_int8(restored_numerics):
     message = str(exc.value)
     assert "int8" in message and "float32" in message and "a local run's bits" in message
     assert "generate --numerics int8" in message
+    assert "unset $COLIBRI_SWARM_NUMERICS" in message  # what to do
 
 
 def test_numeric_build_under_float32(restored_numerics):

@@ -50,8 +50,9 @@ compute at once; a token of every sequence costs the longer of one scheduler's p
 busiest peer's work for every scheduler's step.
 A call costs its weights read once (``WEIGHT_BYTES_PER_S``) plus FLOPs per row, so a step of
 many rows on one machine is cheaper per row, and groups pay that fixed part once each. Of a MoE
-layer a call reads only the routed experts its rows chose (:func:`distinct_experts`): few for one
-row, most for a few rows, so a step cut into groups reads most of them once per group.
+layer a call reads only the routed experts its rows chose (:func:`distinct_experts`), a share
+that grows with the rows (64 experts, top 8: 8 for one row, 26.5 for 4, 42 for 8), so groups
+re-read experts that one step would read once.
 :func:`choose` given ``sequences`` > 1 prices the coordinator alone against its layers split
 by speed over the holders, pipelined, and takes the stages when they serve ``REMOTE_MARGIN``
 faster (``serving_tok_s`` of each, and a note).
