@@ -82,6 +82,9 @@ def main() -> int:
     ap.add_argument("--tokenizer-from", metavar="GGUF",
                     help="the GGUF whose tokenizer --make-moe/--make-moe-2g copy (default: the default model's; "
                     "also $BENCH_TOKENIZER_GGUF)")
+    ap.add_argument("--out", metavar="PATH",
+                    help="also write the JSON report to PATH, rewritten after each thread count: a run cut "
+                    "short (a time limit) keeps the counts it measured")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -118,8 +121,17 @@ def main() -> int:
     for n in counts:
         report["runs"].append(_measure(args, prompt, n))
         print(json.dumps(report["runs"][-1]), file=sys.stderr, flush=True)  # progress of a long run
+        if args.out:
+            _write_json(Path(args.out), report)
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _write_json(path: Path, report: dict) -> None:
+    """``report`` as indented JSON at ``path``, replaced whole (a reader never sees half of it)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(part, path)
 
 
 def _measure(args: argparse.Namespace, prompt: str, threads: int) -> dict:

@@ -168,7 +168,8 @@ def _shared_pool(workers: int) -> _Pool:
 
 def run_chunks(fn: Callable[..., None], chunks: Sequence[tuple]) -> None:
     """``fn(*chunk)`` for every chunk, on the calling thread and the shared pool's workers;
-    returns when all are done (re-raising the first exception one raised). The chunks must be
+    returns when all are done (re-raising the first exception one raised), also when the wait is
+    interrupted (the interrupt is raised once the workers are done). The chunks must be
     independent (disjoint outputs)."""
     n = len(chunks)
     if n <= 1 or threads() <= 1:
@@ -180,7 +181,11 @@ def run_chunks(fn: Callable[..., None], chunks: Sequence[tuple]) -> None:
     for _ in range(min(n - 1, pool.size)):
         pool.jobs.put(job)
     job.work()
-    job.done.wait()
+    try:
+        job.done.wait()
+    except BaseException:  # an interrupt (Ctrl-C) in the wait: the workers still write into the
+        job.done.wait()    # caller's arrays, which must outlive them, so let them finish first
+        raise
     if job.error is not None:
         raise job.error
 

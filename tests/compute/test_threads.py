@@ -213,6 +213,46 @@ def test_an_exception_in_a_part_reaches_the_caller():
         threads.set_threads(None)
 
 
+def test_an_interrupted_wait_returns_only_after_the_workers_are_done():
+    """Ctrl-C (SIGINT) while the caller waits for the pool: the KeyboardInterrupt reaches it, but
+    only once every worker's chunk is done, since the chunks write into arrays the caller owns
+    (freed as the interrupt unwinds it)."""
+    import os
+    import signal
+    import time
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.fail("signals reach the main thread only: run this test there")
+    threads.set_threads(3)
+    finished: list[int] = []
+    on_workers = threading.Semaphore(0)
+    both = threading.Event()
+
+    def part(lo: int, hi: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            both.wait(10)  # the caller's chunk: done once both workers hold theirs
+            return
+        on_workers.release()
+        time.sleep(0.5)
+        finished.append(lo)
+
+    def interrupt() -> None:
+        for _ in range(2):
+            on_workers.acquire(timeout=10)
+        both.set()
+        time.sleep(0.1)  # the caller is back in its wait for the workers
+        os.kill(os.getpid(), signal.SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            threads.run_chunks(part, [(0, 1), (1, 2), (2, 3)])
+        assert len(finished) == 2, "run_chunks returned while workers still ran"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        threads.set_threads(None)
+
+
 def test_split_covers_the_range_on_aligned_bounds():
     assert threads.split(100, 3, 8) == [(0, 32), (32, 64), (64, 100)]
     assert threads.split(5, 8) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
