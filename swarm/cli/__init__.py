@@ -140,9 +140,7 @@ def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
     except ValueError as e:  # $COLIBRI_SWARM_NUMERICS set to something else
         raise SwarmError(str(e)) from None
     if peer and numerics.int8():
-        raise SwarmError("a swarm peer computes with float32 numerics (its answers are checked against the "
-                         f"coordinator's); ${numerics.NUMERICS_ENV}=int8 is for one machine's own runs "
-                         "(colibri-swarm generate --numerics int8): unset it to join")
+        raise SwarmError(numerics.swarm_refusal("unset it to join"))
     quant.on_compiling(lambda line: print(line, file=sys.stderr, flush=True))
 
 

@@ -59,3 +59,11 @@ def check(name: str, what: str) -> str:
     if name not in CHOICES:
         raise ValueError(f"{what} must be one of {', '.join(CHOICES)}, got {name!r}")
     return name
+
+
+def swarm_refusal(what_to_do: str) -> str:
+    """Why a process under the int8 numerics takes no part in a swarm, then ``what_to_do``: the
+    message of every place that refuses it (``join``, a peer's numeric build)."""
+    return ("a swarm peer computes with float32 numerics, so that the coordinator's results are a local "
+            f"run's bits; int8 (colibri-swarm generate --numerics int8, or ${NUMERICS_ENV}=int8) is for this "
+            f"machine's own runs: {what_to_do}")

@@ -1585,8 +1585,10 @@ def dequant(kind, w, out):
         _dequant_row(kind, w[r], out[r])
 
 
-def int8_kind(kind: int, K: int) -> bool:
-    """Whether weight kind ``kind`` with rows of ``K`` values has an int8 product."""
+@njit(cache=True)
+def int8_kind(kind, K):
+    """Whether weight kind ``kind`` with rows of ``K`` values has an int8 product (blocks of 32
+    two at a time, super-blocks of 256 one)."""
     return kind in INT8_KINDS and K % (64 if kind < 5 else 256) == 0
 
 
@@ -1621,7 +1623,7 @@ def int8_group(table, parts):  # pragma: no cover - compiled
     nq = 0
     for i in range(n):
         kind, k = table[i, KIND], table[i, K]
-        if not ((kind == 5 or kind == 6 or kind == 7) and k % 256 == 0 or 0 <= kind <= 4 and k % 64 == 0):
+        if not int8_kind(kind, k):
             continue
         for j in range(i):
             if (offs[j] >= 0 and table[j, X] == table[i, X] and table[j, T] == table[i, T]

@@ -462,6 +462,7 @@ _import_lock = threading.Lock()
 
 
 _int8_ready = False
+_int8_lock = threading.Lock()
 
 
 def _prepare_int8(k) -> None:
@@ -474,13 +475,12 @@ def _prepare_int8(k) -> None:
         if _int8_ready:
             return
         with compiling("int8 kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K times 8-bit activations)"):
-            q8, qb = np.zeros((1, 64 + 2 * 34), np.uint8), np.zeros((1, 128), np.uint8)
-            x = np.zeros((1, 64), F32)
-            k.quantize(0, x, qb)
-            qb.flags.writeable = q8.flags.writeable = False
-            out = np.empty((1, 1), F32)
-            k.matmul_int8(0, q8, qb, out, 0, 1)
-            w = np.zeros((1, 2 * 34), np.uint8)  # a Q8_0 row of 64 values
+            w, xq = np.zeros((1, 2 * 34), np.uint8), np.zeros((1, 128), np.uint8)  # a Q8_0 row of 64 values
+            x, out = np.zeros((1, 64), F32), np.empty((1, 1), F32)
+            k.int8_kind(0, 64)
+            k.quantize(0, x, xq)
+            w.flags.writeable = xq.flags.writeable = False
+            k.matmul_int8(0, w, xq, out, 0, 1)
             table = np.array([[0, _address(w), 1, w.shape[1], _address(x), 1, 64, _address(out), 8, 0]], np.int64)
             table, buf, quantizing = k.int8_group(table, 1)
             counter = np.zeros(2, np.int64)
@@ -491,9 +491,6 @@ def _prepare_int8(k) -> None:
             spin_module.serve_i8(ctrl, 0, 1, 1)
             spin_module.run_i8(ctrl, 1, table, np.zeros(2, np.int64), 1 + quantizing)
         _int8_ready = True
-
-
-_int8_lock = threading.Lock()
 
 
 def prepare_int8() -> None:

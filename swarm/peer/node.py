@@ -60,10 +60,8 @@ def numeric_build() -> NumericBuild:
     from swarm.compute import numerics
 
     if numerics.int8():
-        raise SwarmError("this process computes with the int8 numerics, but a swarm's peers compute float32 so "
-                         "that the coordinator's results are a local run's bits; int8 runs on this machine only "
-                         f"(colibri-swarm generate --numerics int8, or ${numerics.NUMERICS_ENV}=int8): unset "
-                         f"${numerics.NUMERICS_ENV} (or call set_numerics('float32')) before starting a peer")
+        raise SwarmError(numerics.swarm_refusal(f"unset ${numerics.NUMERICS_ENV} (or call set_numerics('float32')) "
+                                                "before starting a peer"))
     blas = "unknown"
     with contextlib.suppress(Exception):
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
