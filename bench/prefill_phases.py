@@ -7,7 +7,8 @@ Each (numerics, threads, spin) case runs in its own process: the model is loaded
 prompt of ``--prompt-tokens`` is prefilled ``--repeats`` times; the best run is kept. Timers wrap
 the Python entry points named in ``PHASES`` (wall seconds on the calling thread, summed over the
 run). ``products`` is the grouped products' wall time; ``rest`` is the prefill less every phase,
-the part no phase names. Prints JSON: the machine, then one record per case with each phase's
+the part no phase names; ``groups_s`` splits the products by group (each product's weight rows x
+columns, "+" between a group's products: which shapes scale). Prints JSON: the machine, then one record per case with each phase's
 seconds and its share of the prefill. With ``--spin both`` each thread count ≥ 2 also runs with the
 spinning workers off and on (``COLIBRI_SWARM_SPIN=0/1``).
 """
@@ -132,9 +133,27 @@ def _case(args: argparse.Namespace) -> int:
         finally:
             totals["quantize"] = totals.get("quantize", 0.0) + time.perf_counter() - t0
     qkernels.int8_group = quantizing
+    from swarm.compute import quant
+
+    by_group: dict[str, list[float]] = {}  # a group's products (rows x cols each) -> [calls, seconds]
+    run_table = quant.run_table
+
+    def group_timed(table, first, work):  # the products' wall time per group shape
+        key = "+".join(f"{r}x{c}" for r, c in zip(table[:, qkernels.W_ROWS], table[:, qkernels.K]))
+        if len(key) > 60:  # many experts: their count and one's shape
+            key = f"{len(table)}x{table[0, qkernels.W_ROWS]}x{table[0, qkernels.K]}"
+        t0 = time.perf_counter()
+        try:
+            return run_table(table, first, work)
+        finally:
+            entry = by_group.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t0
+    quant.run_table = group_timed
     best: dict | None = None
     for _ in range(args.repeats):
         totals.clear()
+        by_group.clear()
         steps = generate(model, ids, SamplingParams(max_tokens=1), cache=model.new_cache(len(ids) + 2))
         t0, c0 = time.perf_counter(), time.process_time()
         next(steps)
@@ -147,7 +166,8 @@ def _case(args: argparse.Namespace) -> int:
                     "tok_s": round(len(ids) / wall, 1),
                     "phases_s": {**{k: round(v, 4) for k, v in sorted(totals.items())}, "rest": round(wall - named, 4)},
                     "phases_share": {**{k: round(v / wall, 3) for k, v in sorted(totals.items())},
-                                     "rest": round((wall - named) / wall, 3)}}
+                                     "rest": round((wall - named) / wall, 3)},
+                    "groups_s": {k: {"calls": c, "s": round(v, 4)} for k, (c, v) in sorted(by_group.items())}}
     print(json.dumps({"numerics": kind, "threads": int(n), "spin": spin, "prompt_tokens": len(ids), **(best or {})}))
     return 0
 
