@@ -62,7 +62,10 @@ def main() -> int:
     ap.add_argument("--attention", action="store_true", help="measure attention, not matrix products")
     args = ap.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    # COLIBRI_SWARM_THREADS: the engine's own count, which otherwise follows the cores this
+    # process may use (a "--threads 1" run on 16 cores ran the engine's kernels on 16).
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
+                "COLIBRI_SWARM_THREADS"):
         os.environ[var] = str(args.threads)
     sys.path.insert(0, str(REPO))
     import gguf
