@@ -12,26 +12,34 @@ computes an output row from its input row — for :func:`attention`, from its qu
 and the cache up to it — by one fixed sequence of float32 operations, never by a library kernel
 chosen by the row count. So a row gets the same bits alone, resent with others, in any prefill
 chunk, beside other sequences' rows, or at any thread count (rows, heads and elements are
-spread over the process's compute threads by swarm/compute/threads.py, never a reduction).
+spread over the process's compute threads by swarm/compute/threads.py, or attention's and
+RMSNorm's items over its spinning workers, swarm/compute/spin.py: never a reduction).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from swarm.compute import threads
 from swarm.compute import quant as quant_module
-from swarm.compute.quant import (QMatrix, _kernels, aligned_empty, alike, as_qmatrix, compiling, matmul_many,
-                                 run_alike)
+from swarm.compute.quant import (QMatrix, _address, _kernels, aligned_empty, alike, as_qmatrix, compiling,
+                                 matmul_many, run_alike)
+
+if TYPE_CHECKING:
+    from swarm.compute.spin import SpinPool
 
 F32 = np.float32
 # Smallest share of an element-wise pass (elements) and of attention (query rows × positions ×
 # head dim) handed to another thread: below them, handing it over costs more than it saves.
 MIN_ELEMENTWISE = 1 << 16
 MIN_ATTENTION_WORK = 1 << 18
+# An RMSNorm item on the spinning workers (elements: ~10 µs on one core): handing one out costs
+# an atomic add, so a norm too small for two Python-pool parts still spreads over the threads.
+SPIN_NORM_ITEM = 1 << 13
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -47,9 +55,17 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
                          f"got x {x.dtype} {x.shape}, weight {weight.dtype} {weight.shape}")
     D = x.shape[-1]
     out = aligned_empty(x.shape)  # the next product's activation rows
-    kernel = (_row or _row_kernels()).rms_norm
-    xs, ws, outs = x.reshape(-1, D), weight.reshape(-1, D), out.reshape(-1, D)
+    row = _row or _row_kernels()
+    kernel = row.rms_norm
+    # a weight stacked from broadcast heads' (Qwen3's q/k norm) comes column-major: read row by row
+    xs, ws, outs = x.reshape(-1, D), np.ascontiguousarray(weight.reshape(-1, D)), out.reshape(-1, D)
     R, Rw = xs.shape[0], ws.shape[0]
+    per = max(1, SPIN_NORM_ITEM // max(1, D))  # rows of a spinning workers' item
+    if (R > per and xs.flags.c_contiguous
+            and (workers := quant_module.spin_workers()) is not None
+            and _run_rows(workers, [row.RMS_NORM, _address(xs), R, D, _address(ws), Rw, _address(outs),
+                                    int(F32(eps).view(np.int32)), per], -(-R // per))):
+        return out
     parts = threads.parts_for(R * D, MIN_ELEMENTWISE)
     if parts == 1:
         kernel(xs, ws, F32(eps), outs)
@@ -171,11 +187,25 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, out: np.n
         row.attention(q, k, v, start, out, np.empty((row.M, start + T), F32), np.empty((row.M, hd), F32), i0, i1)
 
     parts = threads.parts_for(T * nh * (start + T) * hd, MIN_ATTENTION_WORK)
-    if parts == 1:
+    if parts == 1 or items == 1:
         part(0, items)
+    elif (workers := quant_module.spin_workers()) is not None and _run_rows(
+            workers, [row.ATTENTION, _address(q), T, nh, hd, _address(k), _address(v), nkv, k.shape[1], start,
+                      _address(out)], items):
+        pass  # items taken one at a time from a counter: later query rows' larger items even out
     else:  # later query rows see more positions: more parts than threads even out their sizes
         threads.run_chunks(part, threads.split(items, parts if T == 1 else 4 * parts))
     return out
+
+
+def _run_rows(workers: "SpinPool", fields: list[int], items: int) -> bool:
+    """Run ``items`` items of the row work ``fields`` (``rowkernels.row_work``'s table: the
+    addresses of arrays the caller keeps alive) on the calling thread and the spinning
+    ``workers`` (``quant.spin_workers()``): True once done; False, having done nothing, when
+    another caller holds them (the caller then takes the Python pool)."""
+    table = np.zeros((_row or _row_kernels()).ROW_WORK_FIELDS, np.int64)
+    table[:len(fields)] = fields
+    return workers.run_rows(table, np.zeros(2, np.int64), items) is not None
 
 
 def check_attention_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> None:
@@ -376,4 +406,8 @@ def _load_row_kernels() -> None:
         rowkernels.route_row(logits, True, 1, True, F32(1.0), np.zeros((2, 1), np.int64), np.zeros((2, 1), F32))
         rowkernels.attention(np.ones((1, 1, 1), F32), np.ones((1, 4, 1), F32), np.ones((1, 4, 1), F32), 0,
                              one.copy(), np.ones((rowkernels.M, 4), F32), np.ones((rowkernels.M, 1), F32), 0, 1)
+        from swarm.compute import spin  # the caller's side of row work on the spinning workers
+        work = np.zeros(rowkernels.ROW_WORK_FIELDS, np.int64)
+        work[rowkernels.OP] = rowkernels.RMS_NORM  # no items: nothing is read
+        spin.run_rows(spin.control_block(), 1, work, np.zeros(2, np.int64), 0)
         _row = rowkernels

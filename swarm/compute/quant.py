@@ -62,6 +62,7 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -69,6 +70,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
 from swarm.compute import numerics, threads
+
+if TYPE_CHECKING:
+    from swarm.compute.spin import SpinPool
 
 F32 = np.float32
 # Activation rows per kernel call: a longer prefill is cut into calls of this many rows, which
@@ -428,12 +432,24 @@ def run_table(table: np.ndarray, first: int, work: float) -> None:
     # are), so a decode token on 16 threads ran no faster than on 4 (bench/results/engine.md).
     if threads.parts_for(work, 4 * GROUP_TILE_BYTES) == 1:
         runner(table, counter, first)
-    elif spin.wanted(threads.threads()) and spin.pool(threads.threads() - 1, int8).run(table, counter, first) is not None:
+    elif (workers := spin_workers()) is not None and workers.run(table, counter, first) is not None:
         pass  # the spinning workers took tiles beside the caller (swarm/compute/spin.py)
     elif (parts := threads.parts_for(work, MIN_CHUNK_BYTES)) == 1:
         runner(table, counter, first)
     else:  # the Python pool: one call per thread that joins, each taking tiles until none is left
         threads.run_chunks(runner, [(table, counter, first)] * parts)
+
+
+def spin_workers() -> "SpinPool | None":
+    """The process's spinning workers (``spin.SpinPool``, for the numerics in use) when
+    ``spin.wanted`` at the current thread count, else None. The block kernels must be loaded."""
+    n = threads.threads()
+    if not spin.wanted(n):
+        return None
+    int8 = numerics.int8()
+    if int8:
+        _prepare_int8(_compiled or _kernels())  # the workers run the int8 groups' runner
+    return spin.pool(n - 1, int8)
 
 
 def _address(a: np.ndarray) -> int:

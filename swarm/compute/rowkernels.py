@@ -20,7 +20,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from swarm.compute.qkernels import _V8, _fma, _fma8, _vsum8
+from swarm.compute.qkernels import _V8, _floats, _fma, _fma8, _take, _vsum8
 
 F32 = np.float32
 
@@ -42,7 +42,7 @@ def rms_norm(x, w, eps, out):  # pragma: no cover - compiled
     """``out[r] = w[r % Rw] * (x[r] * (1 / sqrt(mean(x[r]²) + eps)))`` for x, out float32 [R, D],
     w float32 [Rw, D]. The sum of squares is accumulated in float64: element i into lane i % 8
     (the tail into lane 0), the lanes added pairwise; the same order whatever R."""
-    _rms_rows(x, w, eps, out)
+    _rms_rows(x, w, eps, out, 0, x.shape[0], np.empty(8))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -54,15 +54,15 @@ def add_rms_norm(x, y, w, eps, out):  # pragma: no cover - compiled
     for r in range(R):
         for i in range(D):
             x[r, i] += y[r, i]
-    _rms_rows(x, w, eps, out)
+    _rms_rows(x, w, eps, out, 0, R, np.empty(8))
 
 
 @njit(inline="always", error_model="numpy")
-def _rms_rows(x, w, eps, out):  # pragma: no cover - compiled
-    R, D = x.shape
+def _rms_rows(x, w, eps, out, lo, hi, acc):  # pragma: no cover - compiled
+    """Rows ``lo:hi`` of :func:`rms_norm`; ``acc`` float64 [8] scratch (:func:`_inv_rms`)."""
+    D = x.shape[1]
     Rw = w.shape[0]
-    acc = np.empty(8)  # 8 independent float64 sums (lane i % 8): no chain of dependent adds
-    for r in range(R):
+    for r in range(lo, hi):
         inv = _inv_rms(x, r, eps, acc)
         wr = w[r % Rw]
         for i in range(D):
@@ -589,6 +589,57 @@ def attention(q, k, v, start, out, scores, acc, i0, i1):  # pragma: no cover - c
             h = kvh * g + (r0 + r) % g
             for i in range(hd):
                 out[t, h * hd + i] = af[aoff[r] + i] / denom[r]
+
+
+# Row work: one call of :func:`attention` or :func:`rms_norm` cut into items that every thread
+# running :func:`row_work` takes from one atomic counter (the spinning workers' other runner,
+# swarm/compute/spin.py). Its table is int64 [n]: field OP names the step, the others its
+# operands' addresses (float32, C-contiguous, alive through the call) and sizes.
+OP = 0
+ATTENTION, RMS_NORM = 1, 2  # OP's values
+# ATTENTION: q [T, nh, hd], k and v [nkv, C, hd], out [T, nh*hd], queries at positions start…;
+# its items are attention's (key/value head, block of M query rows)
+A_Q, A_T, A_NH, A_HD, A_K, A_V, A_NKV, A_C, A_START, A_OUT = range(1, 11)
+# RMS_NORM: x and out [R, D], weight [Rw, D] (row r takes weight row r % Rw), eps (float32's
+# bits); item i is rows i·per … i·per + per - 1
+N_X, N_R, N_D, N_W, N_RW, N_OUT, N_EPS, N_PER = range(1, 9)
+ROW_WORK_FIELDS = 11
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def row_work(table, counter, items):  # pragma: no cover - compiled
+    """Compute items of the row work ``table`` (int64 [ROW_WORK_FIELDS], above) until
+    ``counter`` (int64 [2], zero, shared by every thread running this call) passes ``items``, the
+    call's item count. Returns the items this thread computed. An item is computed by the
+    kernel the one-thread call runs (attention's items one at a time, rows by :func:`rms_norm`'s
+    loop), so every output element keeps its one order of float32 operations. Releases the GIL."""
+    done = 0
+    if table[OP] == ATTENTION:
+        T, nh, hd, nkv, C, start = table[A_T], table[A_NH], table[A_HD], table[A_NKV], table[A_C], table[A_START]
+        q = _floats(table[A_Q], T, nh * hd).reshape((T, nh, hd))
+        k = _floats(table[A_K], nkv, C * hd).reshape((nkv, C, hd))
+        v = _floats(table[A_V], nkv, C * hd).reshape((nkv, C, hd))
+        out = _floats(table[A_OUT], T, nh * hd)
+        scores = np.empty((M, start + T), F32)  # this thread's scratch, for all its items
+        acc = np.empty((M, hd), F32)
+        while True:
+            i = _take(counter)
+            if i >= items:
+                return done
+            attention(q, k, v, start, out, scores, acc, i, i + 1)
+            done += 1
+    R, D, per = table[N_R], table[N_D], table[N_PER]
+    x = _floats(table[N_X], R, D)
+    w = _floats(table[N_W], table[N_RW], D)
+    out = _floats(table[N_OUT], R, D)
+    eps = np.int32(table[N_EPS]).view(np.float32)
+    lanes = np.empty(8)
+    while True:
+        i = _take(counter)
+        if i >= items:
+            return done
+        _rms_rows(x, w, eps, out, i * per, min(R, i * per + per), lanes)
+        done += 1
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

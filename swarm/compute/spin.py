@@ -1,4 +1,5 @@
-"""Compiled hand-off of a group of block-kernel tiles to the compute threads (``quant._run_group``).
+"""Compiled hand-off of a group of block-kernel tiles (``quant._run_group``), or of a call's row
+work (attention, RMSNorm: ``rowkernels.row_work``), to the compute threads.
 
 Why. A decode token hands its products to the threads in ~5 groups a layer (query/key/value, the
 router, the experts' gate and up products, their down products, the output projection): 60–100
@@ -12,7 +13,9 @@ and is back to waiting with no Python between.
 
 Protocol (every access to the control block is a sequentially consistent atomic):
 
-* the caller writes the group's table address, rows, counter address and tile count, then
+* the caller writes the group's runner (:data:`PRODUCTS`: the pool's ``qkernels.run_group`` or
+  ``run_group_i8``; :data:`ROW_WORK`: ``rowkernels.row_work``), table address, rows, counter
+  address and tile count, then
   ``OPEN = g`` (a number new to each group), runs tiles itself until none is left to take, sets
   ``OPEN = 0`` and waits until ``ACTIVE == 0``;
 * a worker that sees ``OPEN = g`` it has not served adds 1 to ``ACTIVE``, reads ``OPEN`` again
@@ -27,6 +30,12 @@ Python and sleeps until a caller wakes it (the cost of the old hand-off, paid on
 spell of milliseconds: between requests, not between a token's groups). One caller at a time
 uses the spinning workers; another that finds them taken falls back to the Python pool
 (``threads.run_chunks``).
+
+Row work. A prefill's attention and norms, handed to the Python pool, cost each part a wake-up
+and the GIL in turn: on 16 cores attention took longer on 16 threads than on one. The same
+waiting workers take their items (``rowkernels.row_work``: attention's (key/value head, block of
+query rows), ranges of a norm's rows) as they take a group's tiles: one set of waiting workers
+serves every kind of work.
 """
 
 from __future__ import annotations
@@ -40,14 +49,17 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from swarm.compute.qkernels import NCOLS, _pause, _view, _yield, run_group, run_group_i8
+from swarm.compute.rowkernels import row_work
 from swarm.compute.threads import available_cores
 
 # Fields of the control block (int64 [CTRL], made by :func:`control_block`), on three 64-byte
 # lines: what every idle worker polls (OPEN, STOP), the group the caller writes once (TABLE, ROWS,
-# COUNTER, TILES), and the count workers change (ACTIVE): a worker joining a group then
+# COUNTER, TILES, RUNNER), and the count workers change (ACTIVE): a worker joining a group then
 # invalidates no line the others spin on.
 OPEN, STOP = 0, 1
-TABLE, ROWS, COUNTER, TILES = 8, 9, 10, 11
+TABLE, ROWS, COUNTER, TILES, RUNNER = 8, 9, 10, 11, 12
+# RUNNER's values: a group of products (table int64 [ROWS, NCOLS]) or row work (int64 [ROWS])
+PRODUCTS, ROW_WORK = 0, 1
 ACTIVE = 16
 CTRL = 24
 # Spin-wait iterations (each one pause instruction: ~25 ns on a Zen 5 core, ~50 on recent Intel)
@@ -123,10 +135,10 @@ _swap = _atomic("xchg")  # ctrl[i] = value
 _add = _atomic("add")  # ctrl[i] += value
 
 
-def _with(runner):
-    """A worker's wait and a caller's side (:func:`serve`, :func:`run`) that run groups with the
-    compiled ``runner`` (``qkernels.run_group`` or ``run_group_i8``): closures, which the
-    cached entry points below link as they link the block kernels."""
+def _serving(runner):
+    """A worker's wait (:func:`serve`) that runs groups of products with the compiled ``runner``
+    (``qkernels.run_group`` or ``run_group_i8``) and row work with ``rowkernels.row_work``: a
+    closure, which the cached entry points below link as they link the block kernels."""
     @njit(nogil=True)
     def serve_with(ctrl, seen, spins, yields):
         idle = 0
@@ -137,9 +149,11 @@ def _with(runner):
             if g != 0 and g != seen:
                 _add(ctrl, ACTIVE, 1)
                 if _load(ctrl, OPEN) == g:
-                    table = _ints(_load(ctrl, TABLE), _load(ctrl, ROWS), NCOLS)
                     counter = _ints(_load(ctrl, COUNTER), 1, 2).reshape(2)
-                    runner(table, counter, _load(ctrl, TILES))
+                    if _load(ctrl, RUNNER) == ROW_WORK:
+                        row_work(_ints(_load(ctrl, TABLE), 1, _load(ctrl, ROWS))[0], counter, _load(ctrl, TILES))
+                    else:
+                        runner(_ints(_load(ctrl, TABLE), _load(ctrl, ROWS), NCOLS), counter, _load(ctrl, TILES))
                 _add(ctrl, ACTIVE, -1)
                 seen = g
                 idle = 0
@@ -150,9 +164,15 @@ def _with(runner):
                 else:
                     _yield()
         return seen
+    return serve_with
 
+
+def _calling(runner, kind: int):
+    """A caller's side (:func:`run`, :func:`run_rows`) publishing groups that workers run with
+    RUNNER ``kind``, run here with the compiled ``runner`` (a closure, as :func:`_serving`)."""
     @njit(nogil=True)
     def run_with(ctrl, g, table, counter, tiles):
+        _swap(ctrl, RUNNER, kind)
         _swap(ctrl, TABLE, table.ctypes.data)
         _swap(ctrl, ROWS, table.shape[0])
         _swap(ctrl, COUNTER, counter.ctypes.data)
@@ -168,11 +188,12 @@ def _with(runner):
             else:  # longer: it was likely preempted; let it have a core
                 _yield()
         return done
-    return serve_with, run_with
+    return run_with
 
 
-_serve_f32, _run_f32 = _with(run_group)
-_serve_int8, _run_int8 = _with(run_group_i8)
+_serve_f32, _run_f32 = _serving(run_group), _calling(run_group, PRODUCTS)
+_serve_int8, _run_int8 = _serving(run_group_i8), _calling(run_group_i8, PRODUCTS)
+_run_row_work = _calling(row_work, ROW_WORK)
 
 
 @njit(cache=True, nogil=True)
@@ -203,6 +224,14 @@ def serve_i8(ctrl, seen, spins, yields):  # pragma: no cover - compiled
 def run_i8(ctrl, g, table, counter, tiles):  # pragma: no cover - compiled
     """:func:`run` for the int8 numerics' groups."""
     return _run_int8(ctrl, g, table, counter, tiles)
+
+
+@njit(cache=True, nogil=True)
+def run_rows(ctrl, g, table, counter, items):  # pragma: no cover - compiled
+    """:func:`run` for row work: ``table`` int64 [``rowkernels.ROW_WORK_FIELDS``] (one call of
+    attention or RMSNorm), ``counter`` int64 [2] zero, ``items`` its item count; workers of
+    either numerics serve it. Returns the items this thread computed."""
+    return _run_row_work(ctrl, g, table, counter, items)
 
 
 def control_block() -> np.ndarray:
@@ -249,6 +278,15 @@ class SpinPool:
         over ``tiles`` tiles on the calling thread and the waiting workers. Returns the tiles the
         caller computed itself, or None, doing nothing, when another caller holds the workers
         (the caller then uses the Python pool)."""
+        return self._publish(self._run_fn, table, counter, tiles)
+
+    def run_rows(self, table: np.ndarray, counter: np.ndarray, items: int) -> int | None:
+        """:meth:`run` for row work (``rowkernels.row_work``): ``table`` int64
+        [``rowkernels.ROW_WORK_FIELDS``], ``items`` its item count. Returns the items the caller
+        computed itself, or None, doing nothing, when another caller holds the workers."""
+        return self._publish(run_rows, table, counter, items)
+
+    def _publish(self, fn, table: np.ndarray, counter: np.ndarray, tiles: int) -> int | None:
         if not self._busy.acquire(blocking=False):
             self.declined += 1  # racy count: statistics only
             return None
@@ -259,7 +297,7 @@ class SpinPool:
                 with self._cond:
                     self._wakes += 1
                     self._cond.notify_all()
-            return int(self._run_fn(self.ctrl, self._next, table, counter, tiles))
+            return int(fn(self.ctrl, self._next, table, counter, tiles))
         finally:
             self._busy.release()
 

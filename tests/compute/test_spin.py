@@ -1,6 +1,8 @@
 """The spinning compute workers (swarm/compute/spin.py): a group's tiles computed by the caller
 and the workers give one thread's bits; workers do join; no worker reads a group after the
-caller's ``run`` returns; several callers at once; idle workers sleep and are woken; close."""
+caller's ``run`` returns; several callers at once; idle workers sleep and are woken; close;
+attention and RMSNorm items on the workers give one thread's bits, and fall back to the Python
+pool while another caller holds them."""
 
 from __future__ import annotations
 
@@ -199,14 +201,16 @@ def test_idle_workers_sleep_are_woken_and_close_ends_them(spin):
 def test_the_engine_with_spinning_workers_gives_one_threads_logits(spin, tmp_path, monkeypatch):
     """``COLIBRI_SWARM_SPIN=1``: a random MoE's prefill and decode logits at 2, 3 and 8 threads
     through the spinning workers are those at 1, bit for bit (every product cut into tiles of 8
-    rows, so every group is shared)."""
-    from swarm.compute import threads
+    rows, every attention and norm into items, so every group is shared)."""
+    from swarm.compute import kernels, threads
     from swarm.compute.model import load_model
     from tests.compute.test_threads import VOCAB, write_tiny_moe
 
     monkeypatch.setattr(spin, "_FORCED", "1")
     monkeypatch.setattr(quant, "GROUP_TILE_BYTES", 1)
     monkeypatch.setattr(quant, "MAX_TILE_BYTES", 1)
+    monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 1)
+    monkeypatch.setattr(kernels, "SPIN_NORM_ITEM", 1)
     model = load_model(write_tiny_moe(tmp_path / "moe.gguf", QT.Q4_K))
     tokens = np.random.default_rng(1).integers(0, VOCAB, 11).tolist()
     before = threads.threads()
@@ -224,6 +228,117 @@ def test_the_engine_with_spinning_workers_gives_one_threads_logits(spin, tmp_pat
         assert spin._pool is not None and spin._pool.size == 7  # the groups went to the spinning workers
     finally:
         threads.set_threads(before)
+
+
+# Attention cases (T, start, nh, nkv, hd): GQA groups of 4, 3, 8, 1 and 8 query heads; T on and off
+# the blocks of M = 4 rows, a decode row at a long position; head dims with a tail past their
+# last multiple of 8 (20, 12).
+ATTENTION_CASES = ((64, 0, 8, 2, 64), (9, 5, 6, 2, 20), (1, 300, 8, 1, 16), (17, 3, 3, 3, 24), (33, 12, 16, 2, 12))
+
+
+@pytest.fixture
+def row_work_spun(spin, monkeypatch):
+    """Spinning workers forced on, every attention call and norm cut into items (a norm's: one
+    row), output arrays made NaN (an item left uncomputed shows); yields the list of each row
+    work call's ``(items the caller computed, items)``."""
+    from swarm.compute import kernels, threads
+
+    monkeypatch.setattr(spin, "_FORCED", "1")
+    monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 1)
+    monkeypatch.setattr(kernels, "SPIN_NORM_ITEM", 1)
+    monkeypatch.setattr(kernels, "aligned_empty", lambda shape: np.full(shape, np.nan, np.float32))
+    calls: list[tuple[int, int]] = []
+    run_rows = spin.SpinPool.run_rows
+
+    def recorded(self, table, counter, items):
+        mine = run_rows(self, table, counter, items)
+        if mine is not None:
+            calls.append((mine, items))
+        return mine
+
+    monkeypatch.setattr(spin.SpinPool, "run_rows", recorded)
+    before = threads.threads()
+    yield calls
+    threads.set_threads(before)
+
+
+def _row_work_inputs(seed: int) -> list[tuple]:
+    """Inputs of :func:`_row_work`: each attention case's q, k, v (positions past the queries'
+    NaN: never read), start; RMSNorm rows with one weight, and heads with one weight each."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for T, start, nh, nkv, hd in ATTENTION_CASES:
+        q = rng.standard_normal((T, nh, hd), dtype=np.float32)
+        k, v = (rng.standard_normal((nkv, start + T + 3, hd), dtype=np.float32) for _ in range(2))
+        k[:, start + T:] = v[:, start + T:] = np.nan
+        cases.append((q, k, v, start))
+    cases.append((rng.standard_normal((37, 200), dtype=np.float32), rng.standard_normal(200, dtype=np.float32)))
+    cases.append((rng.standard_normal((9, 5, 24), dtype=np.float32), rng.standard_normal((5, 24), dtype=np.float32)))
+    return cases
+
+
+def _row_work(cases: list[tuple]) -> list[np.ndarray]:
+    from swarm.compute import kernels
+
+    return [kernels.attention(*c) if len(c) == 4 else kernels.rms_norm(*c, 1e-6) for c in cases]
+
+
+@pytest.mark.parametrize("numerics_name", ["float32", "int8"])
+def test_attention_and_rms_norm_on_spinning_workers_give_one_threads_bits(row_work_spun, numerics_name):
+    """Attention (GQA ratios, T, start, decode) and RMSNorm (one weight, one per head) on 2, 3 and
+    8 threads with every call on the spinning workers (float32's pool and int8's, which serve
+    row work beside their own groups) give the bits of one thread; workers do take items."""
+    from swarm.compute import numerics, threads
+
+    cases = _row_work_inputs(50)
+    before = numerics.numerics()
+    numerics.set_numerics(numerics_name)
+    try:
+        threads.set_threads(1)
+        want = _row_work(cases)
+        assert not row_work_spun and not any(np.isnan(w).any() for w in want)
+        for n in (2, 3, 8):
+            threads.set_threads(n)
+            for got, w in zip(_row_work(cases), want):
+                assert np.array_equal(got, w), f"{n} threads"
+        assert len(row_work_spun) == 3 * len(cases)  # every call went to the spinning workers
+        assert spin_pool_int8() == (numerics_name == "int8")
+        deadline = time.monotonic() + 20  # a loaded machine may leave the workers no core for a while
+        threads.set_threads(3)
+        while all(mine == items for mine, items in row_work_spun) and time.monotonic() < deadline:
+            for got, w in zip(_row_work(cases), want):
+                assert np.array_equal(got, w)
+        assert any(mine < items for mine, items in row_work_spun), "no worker took an item"
+    finally:
+        numerics.set_numerics(before)
+
+
+def spin_pool_int8() -> bool:
+    from swarm.compute import spin
+
+    assert spin._pool is not None
+    return spin._pool.int8
+
+
+def test_row_work_falls_back_to_the_python_pool_while_another_caller_holds_the_workers(row_work_spun):
+    """A caller that finds the spinning workers taken runs attention and RMSNorm on the Python
+    pool: the same bits, the workers untouched."""
+    from swarm.compute import threads
+
+    cases = _row_work_inputs(51)
+    threads.set_threads(1)
+    want = _row_work(cases)
+    threads.set_threads(3)
+    workers = quant.spin_workers()
+    assert workers is not None
+    assert workers._busy.acquire(blocking=False)  # another caller's group
+    try:
+        declined = workers.declined
+        for got, w in zip(_row_work(cases), want):
+            assert np.array_equal(got, w)
+        assert workers.declined == declined + len(cases) and not row_work_spun
+    finally:
+        workers._busy.release()
 
 
 def test_spinning_workers_are_the_default_from_four_threads_with_a_core_each(spin, monkeypatch):
