@@ -32,8 +32,7 @@ more of them than stages, requests wait at a stage. When the compute thread take
 (:meth:`StageRunner.submit`) and others for the same stage — term, plan version and layers — are
 queued behind it, holding none of its sequences nor of any request queued before them, it computes
 them in one ``Model.layers_batch`` call over their rows together, up to ``MAX_STAGE_ROWS`` rows
-and ``MAX_BATCH_LIMIT`` sequences, when each is a decode step (one row a sequence; a prompt's rows
-read every expert anyway, and a decode step must not wait out a prompt's call): a MoE layer then reads each expert their rows chose once, not
+and ``MAX_BATCH_LIMIT`` sequences: a MoE layer then reads each expert their rows chose once, not
 once per request (8 rows of a 64-expert, top-8 model read 42 experts; two calls of 4 read 2 x 26.5).
 Each request is admitted on its own first (one refused gets its own Error, the others are still
 computed) and answered on its own, with its rows and a share of the call's seconds by its rows
@@ -257,12 +256,10 @@ class StageRunner:
         (``device`` None) — every later one for the same stage (term, plan version, layers) whose
         sequences no request before it in the queue holds, while the rows stay within
         ``MAX_STAGE_ROWS`` and the sequences within ``MAX_BATCH_LIMIT``. A sequence's steps thus
-        keep their order; the merged requests hold disjoint sequences. Decode steps only (one row
-        a sequence, :func:`_decode_step`): a prompt's rows read every expert anyway, and a decode
-        step merged with one would wait out its call, past a deadline set for a decode step."""
+        keep their order; the merged requests hold disjoint sequences."""
         first = self._queue.pop(0)
         taken, m = [first], first.msg
-        if self.device is None and _decode_step(m):
+        if self.device is None:
             stage = (m.term, m.plan_version, m.layer_start, m.layer_stop)
             rows, n_seq = m.x.shape[0], len(m.segments)
             seen = {s.sequence for s in m.segments}
@@ -270,7 +267,7 @@ class StageRunner:
                 r = it.msg
                 held = {s.sequence for s in r.segments}
                 if ((r.term, r.plan_version, r.layer_start, r.layer_stop) == stage and not held & seen
-                        and _decode_step(r) and rows + r.x.shape[0] <= MAX_STAGE_ROWS and n_seq + len(held) <= MAX_BATCH_LIMIT):
+                        and rows + r.x.shape[0] <= MAX_STAGE_ROWS and n_seq + len(held) <= MAX_BATCH_LIMIT):
                     self._queue.remove(it)
                     taken.append(it)
                     rows, n_seq = rows + r.x.shape[0], n_seq + len(held)
@@ -365,14 +362,13 @@ class StageRunner:
         in one call over their rows together (module docstring, "Merged requests"). A merged call
         the model refuses (ValueError, raised before it computes) runs again a request at a time,
         so that only the request at fault is refused. Answers in the order of ``msgs``."""
-        merged = len(msgs) > 1
         answers: list[StageAnswer | Error | None] = [None] * len(msgs)
         admitted: list[tuple[int, StageRequest, list[StageCache]]] = []
         for i, msg in enumerate(msgs):
             try:
                 admitted.append((i, msg, self._admit(msg)))
             except Exception as exc:
-                answers[i] = self._refusal(msg, exc, merged)
+                answers[i] = self._refusal(msg, exc)
         if len(admitted) > 1:
             try:
                 for (i, _, _), answer in zip(admitted, self._compute(admitted)):
@@ -380,25 +376,16 @@ class StageRunner:
                 admitted = []
             except ValueError:  # the model refused the rows before computing: whose, one request at a time
                 pass
-            except Exception as exc:  # the call failed for all of them; those refused above keep their Errors
-                for i, msg, _ in admitted:
-                    answers[i] = self._refusal(msg, exc, merged)
-                admitted = []
         for entry in admitted:
             try:
                 answers[entry[0]] = self._compute([entry])[0]
             except Exception as exc:
-                answers[entry[0]] = self._refusal(entry[1], exc, merged)
-        done = [a for a in answers if a is not None]
-        if len(done) != len(msgs):  # every slot is filled above; a gap would leave a future unanswered
-            raise AssertionError(f"{len(msgs) - len(done)} of {len(msgs)} stage requests unanswered")
-        return done
+                answers[entry[0]] = self._refusal(entry[1], exc)
+        return [a for a in answers if a is not None]
 
-    def _refusal(self, msg: StageRequest, exc: Exception, merged: bool = False) -> Error:
+    def _refusal(self, msg: StageRequest, exc: Exception) -> Error:
         """The Error that answers ``msg`` for ``exc`` (raised while admitting or computing it);
-        an exception of no known kind is raised again — or, for a request computed in one call
-        with others (``merged``), answered ``internal``, so that each of them still gets its own
-        answer (a refused one its own Error) rather than all of them the one exception."""
+        an exception of no known kind is raised again."""
         if isinstance(exc, StaleTermError):
             return Error(msg.request_id, "stale_term", str(exc))
         if isinstance(exc, _CacheGap):
@@ -412,9 +399,6 @@ class StageRunner:
                 self.device.reset()
                 self.forget()  # keys/values in its buffers went with it: the sequences are resent from 0
             return Error(msg.request_id, "internal", str(exc))
-        if merged:
-            log.error("stage request %s failed in a merged call: %r", msg.request_id, exc)
-            return Error(msg.request_id, "internal", f"{type(exc).__name__}: {exc}")
         raise exc
 
     def _admit(self, msg: StageRequest) -> list[StageCache]:
@@ -511,11 +495,6 @@ class StageRunner:
                                        compute_s * T / x.shape[0], out[row:row + T]))
             row += T
         return answers
-
-
-def _decode_step(msg: StageRequest) -> bool:
-    """Whether ``msg`` is a decode step: one row for each of its sequences."""
-    return all(s.rows == 1 for s in msg.segments)
 
 
 @dataclass(frozen=True, eq=False)

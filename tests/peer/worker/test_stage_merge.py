@@ -66,15 +66,7 @@ def assert_same(got: m.StageAnswer | m.Error, alone: m.StageAnswer | m.Error) ->
     assert got.segments == alone.segments and np.array_equal(got.x, alone.x)
 
 
-def started(runners: tuple[StageRunner, ...], *sequences: tuple[int, int]) -> None:
-    """Each ``(sequence, rows)``'s prompt through every runner, one request each."""
-    for seq, rows in sequences:
-        q = request((seq, 0, rows))
-        for r in runners:
-            assert isinstance(r.handle(q), m.StageAnswer)
-
-
-def test_decode_steps_queued_for_a_stage_are_computed_in_one_call_with_the_bits_of_each_alone(moe_dir):
+def test_requests_queued_for_a_stage_are_computed_in_one_call_with_the_bits_of_each_alone(moe_dir):
     merged, calls = runner(moe_dir)
     solo, _ = runner(moe_dir)
     prefill = [request((1, 0, PREFILL), (2, 0, PREFILL - 2)), request((3, 0, PREFILL)), request((4, 0, 2))]
@@ -85,73 +77,41 @@ def test_decode_steps_queued_for_a_stage_are_computed_in_one_call_with_the_bits_
             alone = solo.handle(q)
             assert isinstance(alone, m.StageAnswer)
             assert_same(a, alone)
-    # prompts one call each (they read every expert anyway); the decode steps in one
-    assert calls == [1, 1, 1, 3] and merged.merged == 3 and merged.served == 6 and merged._busy == 0
+    assert calls == [3, 3] and merged.merged == 6 and merged.served == 6 and merged._busy == 0
     # each answer's seconds: the call's, shared by rows
     shares = [a.compute_s / a.x.shape[0] for a in got]
     assert shares == pytest.approx([shares[0]] * 3)
 
 
-def test_a_decode_step_is_not_merged_with_a_prompt_behind_it(moe_dir):
-    """A decode step's deadline is a decode step's: it must not wait out a prompt's call."""
-    merged, calls = runner(moe_dir)
-    solo, _ = runner(moe_dir)
-    started((merged, solo), (1, 3), (4, 2))
-    reqs = [request((1, 3, 1)), request((2, 0, 40)), request((4, 2, 1))]
-    got = queued(merged, reqs)
-    for q, a in zip(reqs, got, strict=True):
-        assert_same(a, solo.handle(q))
-    # the two decode steps in one call, the prompt in its own after them
-    assert calls == [1, 1, 2, 1] and merged.merged == 2
-
-
 def test_a_refused_request_gets_its_own_error_and_the_others_are_merged(moe_dir):
     merged, calls = runner(moe_dir)
     solo, _ = runner(moe_dir)
-    started((merged, solo), (1, 3), (4, 4))
-    reqs = [request((1, 3, 1)),
-            request((2, 0, 1), version=9),  # a plan this peer does not serve: stale_term
+    reqs = [request((1, 0, 3)),
+            request((2, 0, 2), version=9),  # a plan this peer does not serve: stale_term
             request((3, 4, 1)),  # a sequence it holds no positions of: cache_gap
-            request((4, 4, 1))]
+            request((4, 0, 4))]
     got = queued(merged, reqs)
     alone = [solo.handle(q) for q in reqs]
     for a, b in zip(got, alone, strict=True):
         assert_same(a, b)
     assert [getattr(a, "code", None) for a in got] == [None, "stale_term", "cache_gap", None]
-    assert calls == [1, 1, 2] and merged.merged == 2  # the two prompts, then the decode steps in one
-
-
-def test_a_merged_call_that_fails_answers_each_request_and_keeps_the_refusals(moe_dir):
-    """An error of the call itself (here MemoryError) answers each merged request ``internal``,
-    while a request refused on its own keeps its own Error; nothing is left unanswered."""
-    merged, calls = runner(moe_dir)
-    started((merged,), (1, 3), (4, 4))
-    compute = merged._compute
-
-    def failing(admitted):
-        if len(admitted) > 1:
-            calls.append(-len(admitted))
-            raise MemoryError("no room for the merged rows")
-        return compute(admitted)
-    merged._compute = failing  # type: ignore[method-assign]
-    reqs = [request((1, 3, 1)), request((3, 4, 1)), request((4, 4, 1))]  # the middle one: cache_gap
-    got = queued(merged, reqs)
-    assert [getattr(a, "code", None) for a in got] == ["internal", "cache_gap", "internal"]
-    assert [a.request_id for a in got] == [q.request_id for q in reqs] and calls[-1] == -2 and merged._busy == 0
+    assert calls == [2] and merged.merged == 2 and merged.served == 2
 
 
 def test_requests_sharing_a_sequence_keep_its_order_and_are_not_merged(moe_dir):
     merged, calls = runner(moe_dir)
     solo, _ = runner(moe_dir)
-    started((merged, solo), (1, 3), (2, 2), (3, 2))
+    first = [request((1, 0, 3)), request((2, 0, 2))]
+    for q in first:
+        merged.handle(q), solo.handle(q)
     reqs = [request((1, 3, 1)),
             request((1, 4, 1), (2, 2, 1)),  # sequence 1 again: after the first, alone
             request((2, 3, 1)),  # disjoint from the first, but sequence 2's step before it waits
-            request((3, 2, 1))]  # merged with the first
+            request((3, 0, 2))]  # merged with the first
     got = queued(merged, reqs)
     for q, a in zip(reqs, got, strict=True):
         assert_same(a, solo.handle(q))
-    assert calls == [1, 1, 1, 2, 1, 1] and merged.merged == 2
+    assert calls == [1, 1, 2, 1, 1] and merged.merged == 2
 
 
 def test_a_merge_stays_within_the_sequences_of_a_step(moe_dir):
