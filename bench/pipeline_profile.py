@@ -13,10 +13,9 @@ layers, head and sampling), ``StagedFFN.run_layers_batch`` (the step's layers), 
 (the request handed off), ``messages.encode`` / ``_write_frame`` (encoded, written to the pipe),
 ``_read_frame`` / ``messages.decode`` (the reader waiting, the answer's frame read, decoded),
 ``StagedFFN.deliver`` (the waiting lane's future resolved) and ``_check_answer`` (the lane woke);
-on a stage worker process: the same reader and writer points and ``StageRunner._serve`` (its
-compute, inline or on its compute thread). Each point appends ``(key, point, ns)`` to this
-process's list (``key``: the request id for a request's points, the step or group number for the
-coordinator's own); :func:`dump`
+on a stage worker process: the same reader and writer points and ``StageRunner.handle`` (its
+compute). Each point appends ``(key, point, ns)`` to this process's list (``key``: the request
+id for a request's points, the step or group number for the coordinator's own); :func:`dump`
 writes it as JSON, a stage worker at its end to the file named by ``PROFILE_ENV``.
 ``perf_counter_ns`` is CLOCK_MONOTONIC on Linux, shared by the processes of one machine, so the
 sides' stamps compare directly. Off unless installed; nothing in ``swarm/`` imports this.
@@ -29,9 +28,8 @@ Points of a request (coordinator ``c_``, stage worker ``w_``), in visiting order
     w_wait      the worker's reader starts waiting for a frame (after its last answer's write)
     w_read      the frame read complete (decode called)
     w_decoded   decoded
-    w_compute   StageRunner._serve starts (checks, caches, the layers; of requests merged
-                into one call, each gets that call's points)
-    w_computed  _serve done
+    w_compute   StageRunner.handle starts (checks, caches, the layers)
+    w_computed  handle done
     w_encoded   answer encoded
     w_written   answer written to the pipe
     c_read      coordinator: the answer's frame read by the pipe's reader thread
@@ -66,8 +64,7 @@ _now = time.perf_counter_ns
 REQUEST_POINTS = ("c_send", "c_encoded", "c_written", "w_wait", "w_read", "w_decoded", "w_compute", "w_computed",
                   "w_encoded", "w_written", "c_read", "c_decoded", "c_delivered", "c_woke")
 # the hops of a remote stage: (name, from, to); "queued" and "transit" split c_written → w_read
-# at the worker's w_wait (a frame written while the worker's reader is busy waits in the pipe);
-# "compute_queue", reported beside them, is the part of to_compute spent behind other groups' compute
+# at the worker's w_wait (a frame written while the worker computes another group waits in the pipe)
 HOPS = (("prepare", "in", "c_send"), ("encode", "c_send", "c_encoded"), ("write", "c_encoded", "c_written"),
         ("queued", None, None), ("transit", None, None), ("decode", "w_read", "w_decoded"),
         ("to_compute", "w_decoded", "w_compute"), ("compute", "w_compute", "w_computed"),
@@ -141,8 +138,8 @@ def install(role: str, bench) -> None:
     _around(bench, "_write_frame", lambda f, lock, msg: setattr(local, "writing", None), written)
     _around(bench, "_read_frame", lambda f: setattr(local, "waiting", _now()))
     if side == "w":
-        _around(worker_stages.StageRunner, "_serve", lambda self, msgs: [mark(m.request_id, "w_compute") for m in msgs],
-                lambda self, msgs: [mark(m.request_id, "w_computed") for m in msgs])
+        _around(worker_stages.StageRunner, "handle", lambda self, msg: mark(msg.request_id, "w_compute"),
+                lambda self, msg: mark(msg.request_id, "w_computed"))
     else:
         _install_coordinator(bench, local)
 
@@ -237,12 +234,6 @@ def _union(spans: list[tuple[int, int]], lo: int, hi: int) -> int:
     return total
 
 
-def _waited(r: dict[str, int]) -> int:
-    """ns a request waited at its stage worker behind other groups: in the pipe while the
-    worker's reader was busy, then in its compute thread's queue."""
-    return max(0, r["w_wait"] - r["c_written"]) + r.get("compute_queue", 0)
-
-
 def summarize(worker_paths: list[str | Path]) -> dict[tuple[str, int], dict]:
     """Each measured window's profile (module docstring), keyed by (run name, round)."""
     req: dict[int, dict[str, int]] = {}
@@ -256,18 +247,8 @@ def summarize(worker_paths: list[str | Path]) -> dict[tuple[str, int], dict]:
         else:
             grp.setdefault(key, {})[point] = ns
     for p in worker_paths:  # a worker that did not end (killed) left none: its requests are left out
-        mine = set()
         for key, point, ns in json.loads(Path(p).read_text())["events"] if Path(p).exists() else ():
             req.setdefault(key, {})[point] = ns
-            mine.add(key)
-        # w_decoded → w_compute holds the wait behind other groups in the compute thread's queue:
-        # the worker's compute spans within it (a merged call's span is its requests' own)
-        spans = list({(req[k]["w_compute"], req[k]["w_computed"]) for k in mine
-                      if "w_compute" in req[k] and "w_computed" in req[k]})
-        for k in mine:
-            r = req[k]
-            if "w_decoded" in r and "w_compute" in r:
-                r["compute_queue"] = _union(spans, r["w_decoded"], r["w_compute"])
     by_group: dict[int, dict[int, int]] = {}  # group → stage → request id
     for rid, (g, s) in LINKS.items():
         if all(k in req.get(rid, {}) for k in REQUEST_POINTS):
@@ -307,9 +288,8 @@ def _window(lo: int, hi: int, req, grp, stp, by_group) -> dict:
                 hops.setdefault("queued", []).append(max(0, p["w_wait"] - p["c_written"]))
                 hops.setdefault("transit", []).append(p["w_read"] - start)
                 hops.setdefault("round_trip", []).append(p["c_woke"] - p["c_send"])
-                hops.setdefault("compute_queue", []).append(p.get("compute_queue", 0))
                 hops.setdefault("hand_off", []).append(p["c_woke"] - p["c_send"] - (p["w_computed"] - p["w_compute"])
-                                                       - _waited(p))
+                                                       - max(0, p["w_wait"] - p["c_written"]))
                 compute[g] = (p["w_compute"], p["w_computed"])
             # the worker's reader blocked on its pipe: waiting for its next group
             starved = [r["w_read"] - max(r["w_wait"], lo) for g, r in remote.items()]
@@ -370,8 +350,7 @@ def _critical_path(lo: int, hi: int, req, stp, groups, by_group, n_stages: int) 
     """Per step, its chain of dependencies back from its layers' end: at each group and stage the
     later of (the group at the stage before, the group before at this stage: a lane takes them
     in order); each span classed as compute (layers, here or on a worker), waiting (a request
-    queued in a worker's pipe or compute thread behind another group, a stage here waiting for
-    the compute lock),
+    queued in a worker's pipe behind another group, a stage here waiting for the compute lock),
     hand-off (everything else between the layers' start and end: encode, pipes, decode, wakes,
     the lanes' threads) and the coordinator's own (embeddings, head, sampling). Sums over the
     window's steps, and their shares of the steps' time."""
@@ -395,7 +374,7 @@ def _critical_path(lo: int, hi: int, req, stp, groups, by_group, n_stages: int) 
             rid = by_group.get(pts["g"], {}).get(s)
             if rid is not None:
                 r = req[rid]
-                c, w = r["w_computed"] - r["w_compute"], _waited(r)
+                c, w = r["w_computed"] - r["w_compute"], max(0, r["w_wait"] - r["c_written"])
             elif f"compute{s}" in pts:
                 c, w = pts[f"computed{s}"] - pts[f"compute{s}"], pts[f"compute{s}"] - pts[f"lock{s}"]
             else:

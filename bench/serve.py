@@ -42,11 +42,7 @@ over the stages, where the backend runs one scheduler per stage by itself. Inter
 other work on a shared machine into both sides of each ratio. Per run: aggregate tok/s, p50/p95
 time per output token (between a stream's tokens), CPU ms per token of the coordinator process
 and of the stage workers together, and whether each stream's tokens (API: text) equal its solo
-run on one peer; per level the ratios per round and their median; per run over the stages, the
-stage workers' requests answered (``worker_served``), of them run on the reading thread
-(``worker_inline``) and computed in one call with others (``worker_merged``: a worker serves as a
-worker's role does, its compute thread merging requests queued for one stage, which takes more
-groups in flight than stages: ``--schedulers 3`` over two). Writes the JSON to ``--out``.
+run on one peer; per level the ratios per round and their median. Writes the JSON to ``--out``.
 
     python3 bench/serve.py --pipeline [--model smollm2|PATH] [--streams 8,16] [--tokens 64] [--rounds 2] [--cores 0,1]
     COLIBRI_BENCH_THREADS=8 python3 bench/serve.py --pipeline --cores 0-7,8-15   # 16 cores, 8 a peer
@@ -324,8 +320,6 @@ def _peer_id(name: str) -> str:
 
 PIPE_COORD = _peer_id("bench-coordinator")
 STAGE_PEER_ENV = "COLIBRI_BENCH_STAGE_PEER"  # a stage worker process's peer id
-STAGE_COUNTS = ("served", "inline", "merged")  # a stage worker's StageRunner counts, reported per run
-STAGE_COUNTS_CODE = "bench_counts"  # the code of the Error frame that carries them (JSON)
 
 
 def _stage_peer(i: int) -> str:
@@ -351,17 +345,12 @@ def _read_frame(f):
 
 
 def _stage_worker_main(path: str) -> None:
-    """The stage worker process: StagePlan and StageRequest frames on stdin, answers on stdout,
-    served as a worker's role serves them (swarm/peer/worker/role.py): a short step on the thread
-    that read it (``take_inline``), the others queued to a compute thread, where requests waiting
-    for the same stage are merged. A StagePlan is answered with the runner's counts so far
-    (``_PipeLink.counts``)."""
-    import concurrent.futures as cf
+    """The stage worker process: StagePlan and StageRequest frames on stdin, answers on stdout."""
     import threading
 
     from swarm.compute import threads
     from swarm.compute.model import load_model
-    from swarm.peer.net.messages import Error, StagePlan
+    from swarm.peer.net.messages import StagePlan
     from swarm.peer.plan import StageLayout
     from swarm.peer.worker.stages import StageRunner
 
@@ -373,17 +362,11 @@ def _stage_worker_main(path: str) -> None:
     if profile:
         pipeline_profile.install("worker", sys.modules[__name__])
     inp, out, lock = sys.stdin.buffer, sys.stdout.buffer, threading.Lock()
-    compute = cf.ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
     while (msg := _read_frame(inp)) is not None:
         if isinstance(msg, StagePlan):
             runner.accept(StageLayout.from_message(msg, PIPE_COORD, model.config.n_layers))
-            counts = {k: getattr(runner, k) for k in STAGE_COUNTS}
-            _write_frame(out, lock, Error(0, STAGE_COUNTS_CODE, json.dumps(counts)))
-        elif runner.take_inline(msg):
-            _write_frame(out, lock, runner.handle(msg))
         else:
-            runner.submit(compute, msg).add_done_callback(lambda f: _write_frame(out, lock, f.result()))
-    compute.shutdown(wait=True)
+            _write_frame(out, lock, runner.handle(msg))
     if profile:
         pipeline_profile.dump(profile)
 
@@ -394,35 +377,16 @@ class _PipeLink:
     part) and delivered."""
 
     def __init__(self, procs):
-        import queue
         import threading
 
         self.procs, self.ffn, self.failures = procs, None, []
         self.locks = {peer: threading.Lock() for peer in procs}
-        self._counts = {peer: queue.Queue() for peer in procs}  # the workers' counts frames
         for peer, proc in procs.items():
             threading.Thread(target=self._read, args=(peer, proc), name="pipe-answers", daemon=True).start()
 
     def _read(self, peer, proc):
-        from swarm.peer.net.messages import Error
-
         while (msg := _read_frame(proc.stdout)) is not None:
-            if isinstance(msg, Error) and msg.code == STAGE_COUNTS_CODE:
-                self._counts[peer].put(json.loads(msg.message))
-            else:
-                self.ffn.deliver(peer, msg)
-
-    def counts(self, layout) -> dict[str, int]:
-        """The stage workers' StageRunner counts so far (STAGE_COUNTS), summed: each is sent
-        ``layout`` again (already served: nothing changes) and answers with its counts."""
-        total = dict.fromkeys(STAGE_COUNTS, 0)
-        for peer, q in self._counts.items():
-            while not q.empty():  # the answers to plans sent before (StagedFFN re-sends one refused)
-                q.get_nowait()
-            self.send(peer, layout.to_message())
-            for k, v in q.get(timeout=60).items():
-                total[k] += v
-        return total
+            self.ffn.deliver(peer, msg)
 
     def send(self, peer, msg):
         _write_frame(self.procs[peer].stdin, self.locks[peer], msg)
@@ -570,10 +534,6 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
         cpu1, n_tok = cpu_s(), n_tok or sum(map(len, toks))
         (g0, d0), (g1, d1) = spin0[0], spin_counts()
         spin0[0] = (g1, d1)
-        c0, c1 = counts0[0], link.counts(layout)
-        counts0[0] = c1
-        if c1["served"] > c0["served"]:  # over the stages: the requests the workers answered, how
-            extra.update({f"worker_{k}": c1[k] - c0[k] for k in STAGE_COUNTS})  # many inline, merged
         extra = {"coordinator_cpu_ms_per_token": round(1000 * (cpu1[0] - cpu0[0]) / n_tok, 3),
                  "workers_cpu_ms_per_token": round(1000 * (cpu1[1] - cpu0[1]) / n_tok, 3), **extra}
         if g1 + d1 > g0 + d0:  # spinning workers ran: how often a second caller found them taken
@@ -616,7 +576,6 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
         width = len(stages)  # the API's pool: one scheduler per stage (api_engine.schedulers_for)
         extra_widths = [int(k) for k in str(args.schedulers).split(",") if k and int(k) != width]
         _serve_streams(model, ffn, prompt_ids[:1], 4)  # the worker loads its layers
-        counts0 = [link.counts(layout)]  # the workers' counts at the last record
         # Interleaved rounds: each round runs every configuration once, one peer beside the
         # stages, so load from other work on the machine hits both sides of a ratio alike.
         for r in range(args.rounds):

@@ -27,27 +27,10 @@ request uploads again. A stage whose layers' weights and KV cache, as the plan c
 the engine's CPU kernels instead, from host memory, as a CPU peer's would — the rule the
 planner applies (:func:`~swarm.peer.plan.gpu_holds`), so that the planner prices it there.
 
-Merged requests. Several batch schedulers keep a step each in flight through the stages; with
-more of them than stages, requests wait at a stage. When the compute thread takes a request
-(:meth:`StageRunner.submit`) and others for the same stage — term, plan version and layers — are
-queued behind it, holding none of its sequences nor of any request queued before them, it computes
-them in one ``Model.layers_batch`` call over their rows together, up to ``MAX_STAGE_ROWS`` rows
-and ``MAX_BATCH_LIMIT`` sequences: a MoE layer then reads each expert their rows chose once, not
-once per request (8 rows of a 64-expert, top-8 model read 42 experts; two calls of 4 read 2 x 26.5).
-Each request is admitted on its own first (one refused gets its own Error, the others are still
-computed) and answered on its own, with its rows and a share of the call's seconds by its rows
-(``compute_s``: the stage's speed per row stays what it is; the rest of the call is, to that
-request, time spent on others, as a wait in the queue would be). The engine is batch-invariant, so
-each answer has the bits its request gets alone; a sequence's steps keep their order, since merged
-requests hold disjoint sequences and none passes an earlier request of its sequences. A CPU peer's
-only: a GPU peer computes each request alone. ``StageRunner.merged`` counts the requests so served.
-
 Threading. Synchronous and CPU-heavy: run off the event loop, except a short step (a decode
 token: :meth:`StageRunner.take_inline`), which runs on the event loop that received it, sparing
 the two thread hand-offs to the compute thread and back — never on a GPU peer, whose device is
-used from the compute thread only (its FFN ranges share it), nor while more groups take turns at
-the stage than its layout has stages (requests waiting behind it on the event loop could not be
-merged). The coordinator's side is
+used from the compute thread only (its FFN ranges share it). The coordinator's side is
 :mod:`swarm.peer.coordinator.stages`.
 """
 
@@ -59,7 +42,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -99,7 +81,6 @@ class StageCache(KVCache):
         for layer in self.own:
             self.layer(layer)
         self.device_kv: dict = {}  # layer → its keys/values in a device's buffers (a GPU stage's)
-        self.turn = 0  # the stage's request count when this sequence last stepped (0: not yet)
 
 
 
@@ -145,8 +126,7 @@ class StageRunner:
     ``internal`` when ``device`` failed). ``device``: where the layers' weight products run
     (None: the engine's kernels; module docstring, "GPU"); ``gpu_memory``: the bytes of GPU
     memory this peer announced (None or 0: none, the device takes every stage), a stage past
-    which runs on the engine's kernels (:meth:`on_device`). Counts: ``served`` (answered with rows),
-    ``inline`` (run on the receiving thread), ``merged`` (computed in one call with others).
+    which runs on the engine's kernels (:meth:`on_device`).
     """
 
     def __init__(self, peer_id: str, model, max_sequences: int = MAX_SEQUENCES, *,
@@ -167,31 +147,18 @@ class StageRunner:
         self._lock = threading.Lock()
         self._busy = 0  # requests queued for the compute thread or being computed
         self._step_s: dict[tuple[int, int], float] = {}  # (lo, hi) → seconds per row of its last short step
-        self._turns: dict[tuple[int, int], int] = {}  # (lo, hi) → requests admitted for that stage
-        self._groups: dict[tuple[int, int], int] = {}  # (lo, hi) → groups in turn there (:meth:`take_inline`)
         self.served = 0
         self.inline = 0  # requests that take_inline said to run on the receiving thread
-        self.merged = 0  # requests computed in one call with others (module docstring, "Merged requests")
-        self._queue: list[_Queued] = []  # submitted, not yet taken by the compute thread (arrival order)
 
     def take_inline(self, msg: StageRequest) -> bool:
         """Whether to run ``msg`` on the thread that received it (the event loop; counted in
         ``inline``): at most ``INLINE_ROWS`` rows, its stage's last short step took at most
-        ``INLINE_MAX_S``, no other request is queued or being computed (they would race for the CPU,
-        and a sequence's steps must keep their order), and no more groups take turns at the stage
-        than its layout has stages. More (e.g. three batch schedulers over two stages) keep some
-        group waiting somewhere: here, requests that arrive while one computes must reach the
-        compute thread's queue to be merged (module docstring, "Merged requests"), not wait
-        unread behind it on the event loop; where the wait is at another stage, this one has time
-        to spare for the hand-offs. Groups in turn: the requests for the stage from one step of a
-        sequence to its next, as last counted."""
+        ``INLINE_MAX_S``, and no other request is queued or being computed (they would race for the CPU,
+        and a sequence's steps must keep their order)."""
         rows = msg.x.shape[0] if isinstance(msg.x, np.ndarray) and msg.x.ndim == 2 else INLINE_ROWS + 1
-        stage = (msg.layer_start, msg.layer_stop)
-        s = self._step_s.get(stage)
+        s = self._step_s.get((msg.layer_start, msg.layer_stop))
         short = rows <= INLINE_ROWS and s is not None and s * rows <= INLINE_MAX_S
-        layout = self._layouts.get((msg.term, msg.plan_version))
-        crowded = layout is not None and self._groups.get(stage, 1) > len(layout.stages)
-        if self.device is None and short and not self._busy and not crowded:
+        if self.device is None and short and not self._busy:
             self.inline += 1
             return True
         return False
@@ -208,71 +175,17 @@ class StageRunner:
         return self._on_device[(lo, hi)]
 
     def submit(self, executor: cf.Executor, msg: StageRequest) -> cf.Future:
-        """Queue ``msg`` for the compute thread ``executor`` (one thread: requests are taken in
-        arrival order); the future gets its StageAnswer or Error. The request counts as busy from
-        now until it is answered (or cancelled unstarted), so :meth:`take_inline` never runs a step
-        beside it. On a CPU peer, requests for the same stage queued behind it by then are
-        answered by the same call (module docstring, "Merged requests")."""
-        item = _Queued(msg, cf.Future())
+        """Queue ``handle(msg)`` on ``executor``; the request counts as busy from now until it is
+        answered (or cancelled unstarted), so :meth:`take_inline` never runs a step beside it."""
         with self._lock:
             self._busy += 1
-            self._queue.append(item)
-        item.future.add_done_callback(lambda _: self._release())
         try:
-            job = executor.submit(self._run_queued, item)
+            fut = executor.submit(self.handle, msg)
         except BaseException:
-            self._cancel(item)
+            self._release()
             raise
-        job.add_done_callback(lambda j: self._cancel(item) if j.cancelled() else None)
-        return item.future
-
-    def _cancel(self, item: _Queued) -> None:
-        """``item``'s job was cancelled (the executor shut down): so is the request, unless a
-        merge took it already."""
-        with self._lock:
-            if item not in self._queue:
-                return
-            self._queue.remove(item)
-        item.future.cancel()
-
-    def _run_queued(self, item: _Queued) -> None:
-        """The compute thread's job for ``item``: answer the oldest queued request with those
-        :meth:`_take` joins to it; nothing when a merge took ``item`` already."""
-        with self._lock:
-            if item not in self._queue:
-                return
-            taken = [it for it in self._take() if it.future.set_running_or_notify_cancel()]
-        try:  # one request: through handle, as one run inline is
-            answers = self._serve([it.msg for it in taken]) if len(taken) > 1 else [self.handle(it.msg) for it in taken]
-        except BaseException as exc:
-            for it in taken:
-                it.future.set_exception(exc)
-            return
-        for it, answer in zip(taken, answers, strict=True):
-            it.future.set_result(answer)
-
-    def _take(self) -> list[_Queued]:
-        """Out of the queue (the lock held): its oldest request, and — on a CPU peer
-        (``device`` None) — every later one for the same stage (term, plan version, layers) whose
-        sequences no request before it in the queue holds, while the rows stay within
-        ``MAX_STAGE_ROWS`` and the sequences within ``MAX_BATCH_LIMIT``. A sequence's steps thus
-        keep their order; the merged requests hold disjoint sequences."""
-        first = self._queue.pop(0)
-        taken, m = [first], first.msg
-        if self.device is None:
-            stage = (m.term, m.plan_version, m.layer_start, m.layer_stop)
-            rows, n_seq = m.x.shape[0], len(m.segments)
-            seen = {s.sequence for s in m.segments}
-            for it in list(self._queue):
-                r = it.msg
-                held = {s.sequence for s in r.segments}
-                if ((r.term, r.plan_version, r.layer_start, r.layer_stop) == stage and not held & seen
-                        and rows + r.x.shape[0] <= MAX_STAGE_ROWS and n_seq + len(held) <= MAX_BATCH_LIMIT):
-                    self._queue.remove(it)
-                    taken.append(it)
-                    rows, n_seq = rows + r.x.shape[0], n_seq + len(held)
-                seen |= held
-        return taken
+        fut.add_done_callback(lambda _: self._release())
+        return fut
 
     def _release(self) -> None:
         with self._lock:
@@ -352,59 +265,24 @@ class StageRunner:
         with self._lock:
             self._busy += 1
         try:
-            return self._serve([msg])[0]
-        finally:
-            self._release()
-
-    def _serve(self, msgs: list[StageRequest]) -> list[StageAnswer | Error]:
-        """Answer ``msgs`` (requests for one stage, no sequence in two of them; :meth:`_take`),
-        each admitted on its own — one that fails earns its own Error —, those admitted computed
-        in one call over their rows together (module docstring, "Merged requests"). A merged call
-        the model refuses (ValueError, raised before it computes) runs again a request at a time,
-        so that only the request at fault is refused. Answers in the order of ``msgs``."""
-        answers: list[StageAnswer | Error | None] = [None] * len(msgs)
-        admitted: list[tuple[int, StageRequest, list[StageCache]]] = []
-        for i, msg in enumerate(msgs):
-            try:
-                admitted.append((i, msg, self._admit(msg)))
-            except Exception as exc:
-                answers[i] = self._refusal(msg, exc)
-        if len(admitted) > 1:
-            try:
-                for (i, _, _), answer in zip(admitted, self._compute(admitted)):
-                    answers[i] = answer
-                admitted = []
-            except ValueError:  # the model refused the rows before computing: whose, one request at a time
-                pass
-        for entry in admitted:
-            try:
-                answers[entry[0]] = self._compute([entry])[0]
-            except Exception as exc:
-                answers[entry[0]] = self._refusal(entry[1], exc)
-        return [a for a in answers if a is not None]
-
-    def _refusal(self, msg: StageRequest, exc: Exception) -> Error:
-        """The Error that answers ``msg`` for ``exc`` (raised while admitting or computing it);
-        an exception of no known kind is raised again."""
-        if isinstance(exc, StaleTermError):
+            return self._answer(msg)
+        except StaleTermError as exc:
             return Error(msg.request_id, "stale_term", str(exc))
-        if isinstance(exc, _CacheGap):
+        except _CacheGap as exc:
             return Error(msg.request_id, "cache_gap", str(exc))
-        if isinstance(exc, (RemoteProtocolError, ValueError)):  # ValueError: the model refused the rows
+        except (RemoteProtocolError, ValueError) as exc:  # ValueError: the model refused the rows
             log.warning("refused stage request %s: %s", msg.request_id, exc)
             return Error(msg.request_id, "bad_request", str(exc))
-        if isinstance(exc, KernelError):
+        except KernelError as exc:
             log.warning("stage request %s failed on the device: %s", msg.request_id, exc)
             if self.device is not None:
                 self.device.reset()
                 self.forget()  # keys/values in its buffers went with it: the sequences are resent from 0
             return Error(msg.request_id, "internal", str(exc))
-        raise exc
+        finally:
+            self._release()
 
-    def _admit(self, msg: StageRequest) -> list[StageCache]:
-        """Check every field of ``msg`` and find (or start) the KV cache of each of its sequences,
-        truncated to the request's start; returns them in the order of ``msg.segments``. Raises
-        StaleTermError, RemoteProtocolError or _CacheGap (no cache changes then)."""
+    def _answer(self, msg: StageRequest) -> StageAnswer:
         layout = self._layouts.get((msg.term, msg.plan_version))
         if layout is None:
             have = ", ".join(f"term {t} v{v}" for t, v in sorted(self._layouts)) or "no stage plan yet"
@@ -437,11 +315,7 @@ class StageRunner:
             if gaps:
                 raise _CacheGap(f"layers {lo}:{hi}: " + "; ".join(gaps) + "; resend from position 0")
             now = self._clock()
-            turn = self._turns[(lo, hi)] = self._turns.get((lo, hi), 0) + 1
             for s, cache in zip(msg.segments, caches):
-                if cache.turn:
-                    self._groups[(lo, hi)] = turn - cache.turn
-                cache.turn = turn
                 self._caches.pop((s.sequence, lo, hi), None)
                 self._caches[(s.sequence, lo, hi)] = cache  # most recently used last
                 self._used[(s.sequence, lo, hi)] = now
@@ -452,57 +326,29 @@ class StageRunner:
                 self._used.pop(self._caches.popitem(last=False)[0])
         for s, cache in zip(msg.segments, caches):
             cache.truncate(s.start)
-        return caches
-
-    def _compute(self, admitted: list[tuple[int, StageRequest, list[StageCache]]]) -> list[StageAnswer]:
-        """Run the rows of the admitted requests (``(index, request, its caches)``, all of one
-        stage) through the stage's layers in one call; each request's answer holds its own rows,
-        and a share of the call's seconds by its rows. Raises ValueError when the model refuses
-        the rows (before computing), KernelError when the device fails."""
-        msgs = [msg for _, msg, _ in admitted]
-        segments = [s for msg in msgs for s in msg.segments]
-        caches = [c for _, _, cs in admitted for c in cs]
-        x = msgs[0].x if len(msgs) == 1 else np.concatenate([msg.x for msg in msgs])
-        lo, hi = msgs[0].layer_start, msgs[0].layer_stop
         t0 = time.perf_counter()
         m, ffn = (self._layers, self.device) if self.on_device(lo, hi) else (self.model, None)
         if ffn is not None and ffn.resident(lo, hi):  # each sequence on its own: its cache is on the device
-            bounds = np.cumsum([0, *(s.rows for s in segments)]).tolist()
+            bounds = np.cumsum([0, *(s.rows for s in msg.segments)]).tolist()
             on_device = lambda: np.concatenate([ffn.run_layers(x[a:b], cache, s.start, lo, hi)  # noqa: E731
-                                                for s, cache, a, b in zip(segments, caches, bounds, bounds[1:])])
+                                                for s, cache, a, b in zip(msg.segments, caches, bounds, bounds[1:])])
             try:
                 out = on_device()
             except DeviceKVFull:
                 if not self._drop_idle_device_kv(caches):
                     raise
                 out = on_device()  # a sequence that ran before the shortfall writes the same values again
-        elif len(segments) == 1:
-            out = m.layers(x, caches[0], segments[0].start, lo, hi, ffn)
+        elif len(msg.segments) == 1:
+            out = m.layers(x, caches[0], msg.segments[0].start, lo, hi, ffn)
         else:
-            out = m.layers_batch(x, [(c, s.start, s.rows) for s, c in zip(segments, caches)], lo, hi, ffn)
+            out = m.layers_batch(x, [(c, s.start, s.rows) for s, c in zip(msg.segments, caches)], lo, hi, ffn)
         compute_s = time.perf_counter() - t0
         if x.shape[0] <= INLINE_ROWS:
             self._step_s[(lo, hi)] = compute_s / x.shape[0]
-        for s, cache in zip(segments, caches):
+        for s, cache in zip(msg.segments, caches):
             cache.length = s.start + s.rows
-        self.served += len(msgs)
-        if len(msgs) > 1:
-            self.merged += len(msgs)
-        answers, row = [], 0
-        for msg in msgs:
-            T = msg.x.shape[0]
-            answers.append(StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.segments, lo, hi,
-                                       compute_s * T / x.shape[0], out[row:row + T]))
-            row += T
-        return answers
-
-
-@dataclass(frozen=True, eq=False)
-class _Queued:
-    """A request submitted to the compute thread, and the future of its answer."""
-
-    msg: StageRequest
-    future: cf.Future
+        self.served += 1
+        return StageAnswer(msg.request_id, msg.term, msg.plan_version, msg.segments, lo, hi, compute_s, out)
 
 
 class _CacheGap(Exception):
