@@ -60,6 +60,12 @@ WAKE_GRACE_S = 15.0
 SLEPT_GAP_S = DEAD_AFTER_S - 2 * LINK_HEARTBEAT_S
 
 
+# After its ticks resume from a stall, how long a coordinator waits before its next step (its
+# lead_state is None meanwhile): two of a coordinator's heartbeat intervals, within which a newer
+# coordinator's heartbeat or a member's answer naming a newer term arrives, and a margin.
+RESUME_CONFIRM_S = 3 * el.HEARTBEAT_S + 0.25
+
+
 class ElectionDriver:
     """Runs the election over ``node``'s links (module docstring).
 
@@ -111,11 +117,22 @@ class ElectionDriver:
     def lead_state(self, term: int) -> bool | None:
         """Whether this peer still coordinates ``term``: True while it does and has heard from
         enough members to keep doing so (check-quorum), False once it does not, None in between
-        — it leads, but a majority has been silent (it just woke from a stall): its next timer
-        either hears them or steps down. Safe to call from the token-loop thread."""
+        — it leads, but a majority has been silent, or this process just stalled: its election
+        either hears that it still leads or steps down. Safe to call from the token-loop thread.
+
+        After a stall (SIGSTOP, a laptop's sleep) what the election holds predates it: the links
+        read the bytes the members sent meanwhile, which count as hearing them although they may
+        have elected another coordinator since. So None while its ticks have stopped for
+        ``WAKE_GAP_S``, and for ``RESUME_CONFIRM_S`` after they resume: within that time the
+        newer coordinator's heartbeat, or a member's answer to ours naming a newer term, reaches
+        it and it steps down (a deposed coordinator that woke once finished its request there)."""
         if not self.leads(term):
             return False
-        return True if self.core.holds_quorum(time.monotonic()) else None
+        now = time.monotonic()
+        if (self._last_tick is not None and now - self._last_tick > el.WAKE_GAP_S) \
+                or now - self._resumed_at < RESUME_CONFIRM_S:
+            return None
+        return True if self.core.holds_quorum(now) else None
 
     def reachable(self, peer: str) -> bool:
         """Whether ``peer`` is a member heard from recently enough to count."""

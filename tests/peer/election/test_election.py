@@ -284,25 +284,31 @@ def test_the_driver_refuses_to_send_what_is_not_an_election_message(tmp_path):
     import asyncio
 
     from swarm.errors import LocalProtocolError
-    from swarm.keys.identity import Identity
-    from swarm.keys.swarmkey import SwarmKey
-    from swarm.peer.election.driver import ElectionDriver
-    from swarm.peer.node import Node
 
     async def main():
-        ident = Identity.generate()
-        node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
-                    status_path=tmp_path / "status.json")
-
-        async def on_leader(term, leader):
-            pass
-
-        driver = ElectionDriver(node, True, on_leader=on_leader, on_admitted=lambda link: None)
+        driver = solo_driver(tmp_path)
         driver.core._out.append((None, LeaderChanged(1, "a")))  # an event, queued as a message
         await driver._flush()
 
     with pytest.raises(LocalProtocolError, match="LeaderChanged"):
         asyncio.run(main())
+
+
+def solo_driver(tmp_path):
+    """An ElectionDriver of a fresh peer holding the model, on a node with no links."""
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.election.driver import ElectionDriver
+    from swarm.peer.node import Node
+
+    ident = Identity.generate()
+    node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                status_path=tmp_path / "status.json")
+
+    async def on_leader(term, leader):
+        pass
+
+    return ElectionDriver(node, True, on_leader=on_leader, on_admitted=lambda link: None)
 
 
 def fake_link(peer_id: str, **hello_fields):
@@ -548,3 +554,36 @@ def test_a_stale_coordinator_is_told_the_term_and_steps_down_at_once(tmp_path):
         pass
     c.receive("w", Vote(5, "w", False), now=1.6)
     assert c.role is Role.FOLLOWER and c.term == 5 and c.next_event() == LeaderChanged(5, None)
+
+
+def test_a_coordinator_that_stalled_does_not_step_until_its_election_has_heard_the_swarm_again(tmp_path, monkeypatch):
+    """lead_state after SIGSTOP/SIGCONT: while the election's ticks have stopped for WAKE_GAP_S
+    (the token loop runs before the event loop has read what the members sent), and for
+    RESUME_CONFIRM_S after they resume, a coordinator that holds quorum on paper says None (wait):
+    the links' buffered bytes count as hearing members that may have elected another coordinator
+    meanwhile. Without a stall it says True at once; deposed, False."""
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.election import driver as driver_module
+    from swarm.peer.election.driver import RESUME_CONFIRM_S
+
+    clock = [1000.0]
+    monkeypatch.setattr(driver_module.time, "monotonic", lambda: clock[0])
+    driver = solo_driver(tmp_path)
+    driver.core.role, driver.core.term = Role.LEADER, 4  # a swarm of one: quorum on paper always
+    driver._note_tick(clock[0])
+    assert driver.lead_state(4) is True and driver.lead_state(3) is False
+    clock[0] += 0.3  # the next tick is due: not a stall
+    assert driver.lead_state(4) is True
+    clock[0] += 5.0  # SIGSTOP for 5 s, SIGCONT: the token loop asks before the loop has ticked
+    assert driver.lead_state(4) is None
+    driver._note_tick(clock[0])  # the loop's first tick after the stall
+    assert driver.lead_state(4) is None
+    clock[0] += RESUME_CONFIRM_S / 2
+    driver._note_tick(clock[0])
+    assert driver.lead_state(4) is None  # still within the window a newer term would arrive in
+    clock[0] += RESUME_CONFIRM_S / 2 + 0.01
+    driver._note_tick(clock[0])
+    assert driver.lead_state(4) is True
+    driver.core.role = Role.FOLLOWER  # deposed meanwhile
+    assert driver.lead_state(4) is False
