@@ -2,8 +2,7 @@
 
     taskset -c 0 python3 bench/core_probe.py clock|float32|int8
     for c in $(seq 0 15); do taskset -c $c python3 bench/core_probe.py int8 & done; wait
-    python3 bench/core_probe.py int8 4 [float32 4]
-
+    taskset -c 0-3 python3 bench/core_probe.py int8 4    # 4 threads of one process
 
 ``clock``: a dependent chain of 2·10⁸ float64 multiplies and adds (seconds; its latency fixes the
 cycles a step, so the time follows the core's clock). ``float32`` / ``int8``: the engine's Q4_K
@@ -14,9 +13,10 @@ while the clock's does not, is held back by something the cores share (power, ca
 not by its thread hand-off.
 
 With a thread count after the numerics, the same product runs in this one process on that many
-threads, once per tile size (``$TILES``, comma-separated KiB of work a tile; "each": one range of
-rows a thread): a product that scales worse on N threads of one process than N processes do is
-held back by how its threads share the work (tile size, their streams), not by the cores.
+threads, once per tile size (``$TILES``, comma-separated KiB of work a tile; "each": a thread's
+share of the work a tile, about one range of rows a thread): a product that scales worse on N
+threads of one process than N processes do is held back by how its threads share the work (tile
+size, their streams), not by the cores.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def _clock_chain(n: int) -> float:
 
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) in (2, 3) else ""
-    n_threads = int(sys.argv[2]) if len(sys.argv) == 3 and sys.argv[2].isdigit() else 1
+    given = sys.argv[2] if len(sys.argv) == 3 else "1"
+    n_threads = int(given) if given.isdigit() else 0
     if what not in ("clock", "float32", "int8") or n_threads < 1 or (len(sys.argv) == 3 and what == "clock"):
         print("usage: core_probe.py clock|float32|int8 [THREADS]", file=sys.stderr)
         return 2

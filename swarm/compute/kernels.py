@@ -37,7 +37,7 @@ F32 = np.float32
 # head dim) handed to another thread: below them, handing it over costs more than it saves.
 MIN_ELEMENTWISE = 1 << 16
 MIN_ATTENTION_WORK = 1 << 18
-# An RMSNorm item on the spinning workers (elements: ~10 µs on one core): handing one out costs
+# An RMSNorm item on the spinning workers (elements: ~5 µs on one core): handing one out costs
 # an atomic add, so a norm too small for two Python-pool parts still spreads over the threads.
 SPIN_NORM_ITEM = 1 << 13
 

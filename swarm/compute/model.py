@@ -283,8 +283,9 @@ class Model:
         if c.qk_norm:
             qn, kn = ck.load("q_norm", layer), ck.load("k_norm", layer)
         if c.qk_norm == "head":  # one [nh+nkv, hd] weight for the stacked Q|K heads
-            qn = np.concatenate([np.broadcast_to(qn, (c.n_heads, c.head_dim)),
-                                 np.broadcast_to(kn, (c.n_kv_heads, c.head_dim))])
+            # in row order: concatenating broadcast rows gives a column-major array
+            qn = np.ascontiguousarray(np.concatenate([np.broadcast_to(qn, (c.n_heads, c.head_dim)),
+                                                      np.broadcast_to(kn, (c.n_kv_heads, c.head_dim))]))
             kn = None
         return AttentionWeights(
             attn_norm=ck.load("attn_norm", layer), ffn_norm=ck.load("ffn_norm", layer),

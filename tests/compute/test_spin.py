@@ -274,6 +274,10 @@ def _row_work_inputs(seed: int) -> list[tuple]:
         cases.append((q, k, v, start))
     cases.append((rng.standard_normal((37, 200), dtype=np.float32), rng.standard_normal(200, dtype=np.float32)))
     cases.append((rng.standard_normal((9, 5, 24), dtype=np.float32), rng.standard_normal((5, 24), dtype=np.float32)))
+    qn, kn = rng.standard_normal(24, dtype=np.float32), rng.standard_normal(24, dtype=np.float32)
+    stacked = np.concatenate([np.broadcast_to(qn, (8, 24)), np.broadcast_to(kn, (2, 24))])  # Qwen3's, column-major
+    assert not stacked.flags.c_contiguous
+    cases.append((rng.standard_normal((9, 10, 24), dtype=np.float32), stacked))
     return cases
 
 

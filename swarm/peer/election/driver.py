@@ -61,8 +61,9 @@ SLEPT_GAP_S = DEAD_AFTER_S - 2 * LINK_HEARTBEAT_S
 
 
 # After its ticks resume from a stall, how long a coordinator waits before its next step (its
-# lead_state is None meanwhile): two of a coordinator's heartbeat intervals, within which a newer
-# coordinator's heartbeat or a member's answer naming a newer term arrives, and a margin.
+# lead_state is None meanwhile): three of a coordinator's heartbeat intervals, within which a
+# newer coordinator's heartbeat or a member's answer to ours naming a newer term arrives, and a
+# margin for a busy machine. A swarm of one does not wait.
 RESUME_CONFIRM_S = 3 * el.HEARTBEAT_S + 0.25
 
 
@@ -125,12 +126,14 @@ class ElectionDriver:
         have elected another coordinator since. So None while its ticks have stopped for
         ``WAKE_GAP_S``, and for ``RESUME_CONFIRM_S`` after they resume: within that time the
         newer coordinator's heartbeat, or a member's answer to ours naming a newer term, reaches
-        it and it steps down (a deposed coordinator that woke once finished its request there)."""
+        it and it steps down (a deposed coordinator that woke once finished its request there).
+        A coordinator with no other member knows no one else could have been elected: no wait."""
         if not self.leads(term):
             return False
         now = time.monotonic()
-        if (self._last_tick is not None and now - self._last_tick > el.WAKE_GAP_S) \
-                or now - self._resumed_at < RESUME_CONFIRM_S:
+        alone = len(self.core.members) == 1  # no one else could have been elected meanwhile
+        if not alone and ((self._last_tick is not None and now - self._last_tick > el.WAKE_GAP_S)
+                          or now - self._resumed_at < RESUME_CONFIRM_S):
             return None
         return True if self.core.holds_quorum(now) else None
 

@@ -562,28 +562,50 @@ def test_a_coordinator_that_stalled_does_not_step_until_its_election_has_heard_t
     RESUME_CONFIRM_S after they resume, a coordinator that holds quorum on paper says None (wait):
     the links' buffered bytes count as hearing members that may have elected another coordinator
     meanwhile. Without a stall it says True at once; deposed, False."""
-    from swarm.keys.identity import Identity
-    from swarm.keys.swarmkey import SwarmKey
     from swarm.peer.election import driver as driver_module
     from swarm.peer.election.driver import RESUME_CONFIRM_S
 
     clock = [1000.0]
     monkeypatch.setattr(driver_module.time, "monotonic", lambda: clock[0])
     driver = solo_driver(tmp_path)
-    driver.core.role, driver.core.term = Role.LEADER, 4  # a swarm of one: quorum on paper always
+    for peer in ("b", "c"):  # a swarm of three
+        driver.core.add_member(peer, eligible=True, capability=1.0, now=clock[0])
+
+    def links_read():  # what the links read on waking: bytes the members sent meanwhile
+        for peer in ("b", "c"):
+            driver.core.heard_from(peer, clock[0])
+    driver.core.role, driver.core.term = Role.LEADER, 4
     driver._note_tick(clock[0])
     assert driver.lead_state(4) is True and driver.lead_state(3) is False
     clock[0] += 0.3  # the next tick is due: not a stall
     assert driver.lead_state(4) is True
     clock[0] += 5.0  # SIGSTOP for 5 s, SIGCONT: the token loop asks before the loop has ticked
+    links_read()
     assert driver.lead_state(4) is None
     driver._note_tick(clock[0])  # the loop's first tick after the stall
-    assert driver.lead_state(4) is None
+    assert driver.core.holds_quorum(clock[0]) and driver.lead_state(4) is None
     clock[0] += RESUME_CONFIRM_S / 2
     driver._note_tick(clock[0])
+    links_read()
     assert driver.lead_state(4) is None  # still within the window a newer term would arrive in
     clock[0] += RESUME_CONFIRM_S / 2 + 0.01
     driver._note_tick(clock[0])
+    links_read()
     assert driver.lead_state(4) is True
     driver.core.role = Role.FOLLOWER  # deposed meanwhile
     assert driver.lead_state(4) is False
+
+
+def test_a_coordinator_alone_in_its_swarm_steps_on_after_a_stall(tmp_path, monkeypatch):
+    """With no other member no one else can have been elected while it stalled: no wait."""
+    from swarm.peer.election import driver as driver_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(driver_module.time, "monotonic", lambda: clock[0])
+    driver = solo_driver(tmp_path)
+    driver.core.role, driver.core.term = Role.LEADER, 2
+    driver._note_tick(clock[0])
+    clock[0] += 5.0
+    assert driver.lead_state(2) is True
+    driver._note_tick(clock[0])
+    assert driver.lead_state(2) is True
