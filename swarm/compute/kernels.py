@@ -57,7 +57,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     out = aligned_empty(x.shape)  # the next product's activation rows
     row = _row or _row_kernels()
     kernel = row.rms_norm
-    # a weight stacked from broadcast heads' (Qwen3's q/k norm) comes column-major: read row by row
+    # the spinning workers read the weight row by row: another layout is copied (a row-ordered one is not)
     xs, ws, outs = x.reshape(-1, D), np.ascontiguousarray(weight.reshape(-1, D)), out.reshape(-1, D)
     R, Rw = xs.shape[0], ws.shape[0]
     per = max(1, SPIN_NORM_ITEM // max(1, D))  # rows of a spinning workers' item
