@@ -329,6 +329,54 @@ def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=Non
     return out
 
 
+def bench_steps_q4k(h, f, reps, configs, rows_per_thread=(1, 2, 4)):
+    """The Q4_K step GEMV candidates (web_peer/steps_q4_k.py: f32 activations, and int8 ones
+    quantized before the timed GEMVs) beside the block kernel (down_blocks.wgsl) and the
+    int8-activation GEMV without its quantization, on W [F, H] (a gate
+    or up) and W [H, F] (a down), T = 1: per (workgroup size, lanes, subgroups) config a fresh
+    device, ms alternating twice, GB/s of weight bytes and of copy; the candidate's error against
+    float64 of the dequantized weights (x ~ N(0, 1), 2 rows). Random valid blocks."""
+    from web_peer import int8_activations as X8
+    from web_peer.steps_q4_k import StepsQ4K
+    from web_peer.wgpu_host import WgpuFfn
+
+    with WgpuFfn() as gpu:
+        out = {"adapter": _block_adapter(gpu), "H": h, "F": f, "copy": copy_bandwidth(gpu), "gemvs": []}
+        out["copy_gbps"] = max(out["copy"].values())
+    for name, (rows, cols) in (("gate [F, H]", (f, h)), ("down [H, F]", (h, f))):
+        raw = K.random_blocks(np.random.default_rng(0), rows, cols, "q4_k", 1e-4)
+        x = np.random.default_rng(1).standard_normal((2, cols)).astype(np.float32)
+        for wg, lanes, subgroups in configs:
+            with WgpuFfn(workgroup_size=wg, lanes=lanes, subgroups=subgroups) as gpu:
+                w = gpu.upload_linear(raw, "q4_k")
+                steps = {f"steps_rt{rt}": StepsQ4K(gpu, rt) for rt in rows_per_thread}
+                steps.update({f"x8_steps_rt{rt}": StepsQ4K(gpu, rt, int8=True) for rt in rows_per_thread})
+                x8 = X8.X8Gemv(gpu)
+                runs: dict[str, list[float]] = {"f32_blocks_ms": [], "x8_gemv_ms": [],
+                                                **{f"{name}_ms": [] for name in steps}}
+                for _ in range(2):
+                    runs["f32_blocks_ms"].append(x8.time_f32(w, reps) * 1e3)
+                    runs["x8_gemv_ms"].append(x8.time(w, reps, quantize=False) * 1e3)
+                    for key, g in steps.items():
+                        runs[f"{key}_ms"].append(g.time(w, reps) * 1e3)
+                ys = {key: g.run(w, x) for key, g in steps.items()}
+                y32 = gpu.matmul_many([(w, x)])[0]
+                used = {"workgroup_size": gpu.workgroup_size, "lanes": gpu.lanes, "subgroups": gpu.subgroups}
+            m = w.matrix.packed
+            ref = x.astype(np.float64) @ K.unpack_matrix(m).astype(np.float64).T
+            scale = float(np.abs(ref).max())
+            entry = {"matrix": name, "rows": rows, "K": cols, "weight_bytes": m.nbytes, **used}
+            for key, ms in runs.items():
+                entry[key] = [round(v, 4) for v in ms]
+                entry[key.replace("_ms", "_of_copy")] = round(m.nbytes / min(ms) / 1e6 / out["copy_gbps"], 3)
+            entry["f32_blocks_rel_error_vs_f64"] = float(np.abs(y32 - ref).max() / scale)
+            for key, y in ys.items():
+                entry[f"{key}_rel_error_vs_f64"] = float(np.abs(y - ref).max() / scale)
+            out["gemvs"].append(entry)
+            print(json.dumps(entry), file=sys.stderr, flush=True)
+    return out
+
+
 def bench_wgpu(shapes, reps, workgroup_size):
     from web_peer.wgpu_host import WgpuFfn
 
@@ -519,11 +567,29 @@ def main(argv=None):
     ap.add_argument("--formats", default=None, help="comma-separated formats of --blocks (default: all the adapter has)")
     ap.add_argument("--int8-activations", action="store_true",
                     help="with --blocks: the int8-activation GEMV candidate (q4_k, q8_0) beside the f32-activation kernel")
+    ap.add_argument("--steps-q4k", default=None, metavar="WGxLANES[s],...",
+                    help="only wgpu: the Q4_K step GEMV candidate beside the block kernel, per config "
+                         "(e.g. 64x32,64x8s: workgroup size x lanes, s = subgroup reduction)")
+    ap.add_argument("--rows-per-thread", default="1,2,4", help="with --steps-q4k: the candidate's rows a thread")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="only wgpu: what a small dispatch costs, a pass each against one pass (--reps dispatches)")
     args = ap.parse_args(argv)
     if args.int8_activations and not args.blocks:
         ap.error("--int8-activations only applies to --blocks runs: add --blocks, or drop --int8-activations")
+    if args.steps_q4k:
+        h, f = (int(v) for v in args.blocks_shape.split(","))
+        configs = []
+        for c in args.steps_q4k.split(","):
+            wg, lanes = c.rstrip("s").split("x")
+            configs.append((int(wg), int(lanes), c.endswith("s")))
+        t0 = time.perf_counter()
+        report = {"bench": "web_peer Q4_K step GEMV candidate", "reps": args.reps,
+                  "wgpu": bench_steps_q4k(h, f, args.reps, configs,
+                                          tuple(int(v) for v in args.rows_per_thread.split(",")))}
+        report["wall_s"] = round(time.perf_counter() - t0, 2)
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        return
     if args.dispatch_cost:
         json.dump({"bench": "web_peer dispatch cost", **dispatch_cost(max(args.reps, 2))}, sys.stdout, indent=1)
         print()
