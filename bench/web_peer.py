@@ -2,7 +2,7 @@
 
     python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
     python3 bench/web_peer.py --blocks [--blocks-shape H,F] [--reps N] [--lanes L] [--subgroups auto|on|off]
-                              [--formats q4_k,q8_0] [--int8-activations]
+                              [--formats q4_k,q8_0] [--int8-activations [--rows-per-thread 1,2,4]]
     python3 bench/web_peer.py --dispatch-cost [--reps N]
 
 For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format (f32, f16, q8 and the
@@ -23,6 +23,8 @@ beside the existing f32-activation kernel (down_blocks.wgsl) on the same matrix,
 W [F, H] (a gate or up) and W [H, F] (a down), ms alternating old, new, old, new; GB/s of weight
 bytes and their fraction of the copy bandwidth; the candidate's answer against its numpy twin
 (within twin_bound) and both kernels' against float64 of the dequantized weights and float x.
+--rows-per-thread times the candidate's GEMV also with a thread computing 2, 4 or 8 weight rows
+from one load of a step's activations, and says whether each count gave the bits of one.
 With --dispatch-cost, what one small dispatch costs beyond its work (a GPU stage encodes a dozen
 a layer): N dispatches of add.wgsl over 4096 floats, each with its own uniform buffer and bind
 group as the host makes them, encoded a compute pass each or all in one pass; per dispatch the
@@ -271,11 +273,13 @@ def bench_blocks(h, f, reps, workgroup_size, lanes=None, subgroups=None,
     return out
 
 
-def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=None, formats=("q4_k", "q8_0")):
+def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=None, formats=("q4_k", "q8_0"),
+                           rows_per_thread=(1,)):
     """Per format of web_peer.int8_activations.X8_FORMATS and matrix shape ([F, H], [H, F]), on a
     fresh device: decode GEMV ms of the f32-activation block kernel and of the int8-activation
-    candidate (with its quantization kernel, and without: the int8 row made before), alternating
-    twice; GB/s of weight bytes and of copy; errors (module docstring). Random valid blocks."""
+    candidate (with its quantization kernel, and without: the int8 row made before; the GEMV
+    alone also at each other count of ``rows_per_thread``, ``x8_gemv_rtN``), alternating twice;
+    GB/s of weight bytes and of copy; errors (module docstring). Random valid blocks."""
     from web_peer import int8_activations as X8
     from web_peer.wgpu_host import WgpuFfn
 
@@ -292,14 +296,19 @@ def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=Non
                 rng = np.random.default_rng(0)
                 w = gpu.upload_linear(K.random_blocks(rng, rows, cols, fmt, 1e-4), fmt)
                 x8 = X8.X8Gemv(gpu)
-                runs: dict[str, list[float]] = {"f32_ms": [], "x8_ms": [], "x8_gemv_ms": []}
+                more = {rt: X8.X8Gemv(gpu, rows_per_thread=rt) for rt in rows_per_thread if rt != 1}
+                runs: dict[str, list[float]] = {"f32_ms": [], "x8_ms": [], "x8_gemv_ms": [],
+                                                **{f"x8_gemv_rt{rt}_ms": [] for rt in more}}
                 for _ in range(2):
                     runs["f32_ms"].append(x8.time_f32(w, reps) * 1e3)
                     runs["x8_ms"].append(x8.time(w, reps) * 1e3)
                     runs["x8_gemv_ms"].append(x8.time(w, reps, quantize=False) * 1e3)
+                    for rt, g in more.items():
+                        runs[f"x8_gemv_rt{rt}_ms"].append(g.time(w, reps, quantize=False) * 1e3)
                 # Answers on this device (not timed): x ~ N(0, 1), one row.
                 x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
                 y8, q, xs = x8.run(w, x)
+                same_bits = {rt: bool(np.array_equal(g.run(w, x)[0], y8)) for rt, g in more.items()}
                 y32 = gpu.matmul_many([(w, x)])[0]
                 lanes_used = gpu.lanes
             m = w.matrix.packed
@@ -319,6 +328,7 @@ def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=Non
                 "x8_vs_twin_rel": float(np.abs(y8 - twin).max() / np.abs(twin).max()),
                 "x8_vs_twin_of_bound": float((np.abs(y8 - twin) / bound).max()),
                 "x8_equal_bits_to_twin": bool(np.array_equal(y8, twin)),
+                **{f"x8_rt{rt}_equal_bits_to_rt1": same for rt, same in same_bits.items()},
                 "quantize_q_differing": int((q != qt).sum()),
                 "quantize_q_max_step": int(np.abs(q.astype(np.int16) - qt).max()),
                 "quantize_dx_max_rel": float((np.abs(xs[..., 0] - xst[..., 0]) / np.maximum(xst[..., 0], 1e-30)).max()),
@@ -326,54 +336,6 @@ def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=Non
                 "f32_rel_error_vs_f64": float(np.abs(y32 - ref).max() / scale),
             })
             out["gemvs"].append(entry)
-    return out
-
-
-def bench_steps_q4k(h, f, reps, configs, rows_per_thread=(1, 2, 4)):
-    """The Q4_K step GEMV candidates (web_peer/steps_q4_k.py: f32 activations, and int8 ones
-    quantized before the timed GEMVs) beside the block kernel (down_blocks.wgsl) and the
-    int8-activation GEMV without its quantization, on W [F, H] (a gate
-    or up) and W [H, F] (a down), T = 1: per (workgroup size, lanes, subgroups) config a fresh
-    device, ms alternating twice, GB/s of weight bytes and of copy; the candidate's error against
-    float64 of the dequantized weights (x ~ N(0, 1), 2 rows). Random valid blocks."""
-    from web_peer import int8_activations as X8
-    from web_peer.steps_q4_k import StepsQ4K
-    from web_peer.wgpu_host import WgpuFfn
-
-    with WgpuFfn() as gpu:
-        out = {"adapter": _block_adapter(gpu), "H": h, "F": f, "copy": copy_bandwidth(gpu), "gemvs": []}
-        out["copy_gbps"] = max(out["copy"].values())
-    for name, (rows, cols) in (("gate [F, H]", (f, h)), ("down [H, F]", (h, f))):
-        raw = K.random_blocks(np.random.default_rng(0), rows, cols, "q4_k", 1e-4)
-        x = np.random.default_rng(1).standard_normal((2, cols)).astype(np.float32)
-        for wg, lanes, subgroups in configs:
-            with WgpuFfn(workgroup_size=wg, lanes=lanes, subgroups=subgroups) as gpu:
-                w = gpu.upload_linear(raw, "q4_k")
-                steps = {f"steps_rt{rt}": StepsQ4K(gpu, rt) for rt in rows_per_thread}
-                steps.update({f"x8_steps_rt{rt}": StepsQ4K(gpu, rt, int8=True) for rt in rows_per_thread})
-                x8 = X8.X8Gemv(gpu)
-                runs: dict[str, list[float]] = {"f32_blocks_ms": [], "x8_gemv_ms": [],
-                                                **{f"{name}_ms": [] for name in steps}}
-                for _ in range(2):
-                    runs["f32_blocks_ms"].append(x8.time_f32(w, reps) * 1e3)
-                    runs["x8_gemv_ms"].append(x8.time(w, reps, quantize=False) * 1e3)
-                    for key, g in steps.items():
-                        runs[f"{key}_ms"].append(g.time(w, reps) * 1e3)
-                ys = {key: g.run(w, x) for key, g in steps.items()}
-                y32 = gpu.matmul_many([(w, x)])[0]
-                used = {"workgroup_size": gpu.workgroup_size, "lanes": gpu.lanes, "subgroups": gpu.subgroups}
-            m = w.matrix.packed
-            ref = x.astype(np.float64) @ K.unpack_matrix(m).astype(np.float64).T
-            scale = float(np.abs(ref).max())
-            entry = {"matrix": name, "rows": rows, "K": cols, "weight_bytes": m.nbytes, **used}
-            for key, ms in runs.items():
-                entry[key] = [round(v, 4) for v in ms]
-                entry[key.replace("_ms", "_of_copy")] = round(m.nbytes / min(ms) / 1e6 / out["copy_gbps"], 3)
-            entry["f32_blocks_rel_error_vs_f64"] = float(np.abs(y32 - ref).max() / scale)
-            for key, y in ys.items():
-                entry[f"{key}_rel_error_vs_f64"] = float(np.abs(y - ref).max() / scale)
-            out["gemvs"].append(entry)
-            print(json.dumps(entry), file=sys.stderr, flush=True)
     return out
 
 
@@ -567,29 +529,22 @@ def main(argv=None):
     ap.add_argument("--formats", default=None, help="comma-separated formats of --blocks (default: all the adapter has)")
     ap.add_argument("--int8-activations", action="store_true",
                     help="with --blocks: the int8-activation GEMV candidate (q4_k, q8_0) beside the f32-activation kernel")
-    ap.add_argument("--steps-q4k", default=None, metavar="WGxLANES[s],...",
-                    help="only wgpu: the Q4_K step GEMV candidate beside the block kernel, per config "
-                         "(e.g. 64x32,64x8s: workgroup size x lanes, s = subgroup reduction)")
-    ap.add_argument("--rows-per-thread", default="1,2,4", help="with --steps-q4k: the candidate's rows a thread")
+    ap.add_argument("--rows-per-thread", default="1",
+                    help="with --int8-activations: comma-separated weight rows a thread of the candidate computes "
+                         "(1, 2, 4, 8); each count is timed beside the others")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="only wgpu: what a small dispatch costs, a pass each against one pass (--reps dispatches)")
     args = ap.parse_args(argv)
     if args.int8_activations and not args.blocks:
         ap.error("--int8-activations only applies to --blocks runs: add --blocks, or drop --int8-activations")
-    if args.steps_q4k:
-        h, f = (int(v) for v in args.blocks_shape.split(","))
-        configs = []
-        for c in args.steps_q4k.split(","):
-            wg, lanes = c.rstrip("s").split("x")
-            configs.append((int(wg), int(lanes), c.endswith("s")))
-        t0 = time.perf_counter()
-        report = {"bench": "web_peer Q4_K step GEMV candidate", "reps": args.reps,
-                  "wgpu": bench_steps_q4k(h, f, args.reps, configs,
-                                          tuple(int(v) for v in args.rows_per_thread.split(",")))}
-        report["wall_s"] = round(time.perf_counter() - t0, 2)
-        json.dump(report, sys.stdout, indent=1)
-        print()
-        return
+    if args.rows_per_thread != "1" and not args.int8_activations:
+        ap.error("--rows-per-thread only applies to --int8-activations runs: add --blocks --int8-activations")
+    try:
+        bad = [v for v in args.rows_per_thread.split(",") if int(v) not in (1, 2, 4, 8)]
+    except ValueError:
+        bad = [args.rows_per_thread]
+    if bad:
+        ap.error(f"--rows-per-thread takes counts from 1, 2, 4, 8 separated by commas, got {args.rows_per_thread!r}")
     if args.dispatch_cost:
         json.dump({"bench": "web_peer dispatch cost", **dispatch_cost(max(args.reps, 2))}, sys.stdout, indent=1)
         print()
@@ -599,10 +554,12 @@ def main(argv=None):
         t0 = time.perf_counter()
         name, run = (("web_peer int8-activation GEMVs", bench_int8_activations) if args.int8_activations
                      else ("web_peer block kernels", bench_blocks))
+        extra = {"rows_per_thread": tuple(int(v) for v in args.rows_per_thread.split(","))} if args.int8_activations else {}
+        if args.formats:
+            extra["formats"] = tuple(args.formats.split(","))
         report = {"bench": name, "reps": args.reps,
                   "wgpu": run(h, f, args.reps, args.workgroup_size, args.lanes,
-                              {"auto": None, "on": True, "off": False}[args.subgroups],
-                              *([tuple(args.formats.split(","))] if args.formats else []))}
+                              {"auto": None, "on": True, "off": False}[args.subgroups], **extra)}
         report["wall_s"] = round(time.perf_counter() - t0, 2)
         json.dump(report, sys.stdout, indent=1)
         print()

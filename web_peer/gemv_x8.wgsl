@@ -1,17 +1,20 @@
 // A GEMV candidate on GGUF blocks times int8 activations (quantize_x8.wgsl): integer dot products
 // of packed bytes (dot4I8Packed, 4 multiply-adds an instruction) instead of one f32 FMA a
 // dequantized weight. Measured by bench/web_peer.py --int8-activations; the page and the peers do
-// not run it. Prelude x8_<fmt>.wgsl gives STEPS_PER_BLOCK and step(); then rows.wgsl (Params, WG),
+// not run it. Prelude x8_<fmt>.wgsl gives STEPS_PER_BLOCK, step_x() and row_step(); then rows.wgsl (Params, WG),
 // row_slices.wgsl (LANES, ROWS) and its reduction, as the block kernels (down_blocks.wgsl):
 //   xq  [T, K / 16]  vec4<u32>  int8 activations, 16 a vec4 (quantize_x8.wgsl)
 //   xs  [T, K / 32]  vec2<f32>  (dx, s) per 32 activations
 //   w   [R, NV]      vec4<u32>  quant plane of one part (R rows), as the block kernels read it
 //   ws                         its scale plane (declared by the prelude: array<u32> or array<vec4<u32>>)
 //   y   [T, n_out]   f32        output; this dispatch writes columns row0 .. row0 + R
-// A row's LANES threads stride over its steps (a step: STEPS_PER_BLOCK a block, adjacent lanes
-// adjacent steps), each adding step() (the scaled integer sums, the min terms) to a vec2 in
-// order; slice_sum adds the lanes in a fixed tree; y = sums - mins, once a row (as llama.cpp's
-// sum_d and sum_m). T rows of x: workgroup z = t. Twin: web_peer/int8_activations.py gemv_x8.
+// A slice of LANES threads computes RT adjacent weight rows (the host writes RT and the body, one
+// accumulator a row: no arrays): its lanes stride over the steps (a step: STEPS_PER_BLOCK a block,
+// adjacent lanes adjacent steps), each loading a step's activations once (step_x) and adding
+// row_step() (the scaled integer sums, the min terms) of each row to that row's vec2 in order;
+// slice_sum adds the lanes in a fixed tree; y = sums - mins, once a row (as llama.cpp's sum_d
+// and sum_m). RT changes which thread computes a row, never its order: the same bits at any RT.
+// T rows of x: workgroup z = t. Twin: web_peer/int8_activations.py gemv_x8.
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> xq: array<vec4<u32>>;
@@ -22,21 +25,13 @@
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let group = wid.x + wid.y * p.tile_x;
-    if (group * ROWS >= p.n_rows) {
+    if (group * ROWS * RT >= p.n_rows) {
         return;  // workgroup-uniform: depends on the workgroup id only
     }
     let t = wid.z;
     let lane = lid % LANES;
-    let r = group * ROWS + lid / LANES;
+    let r0 = (group * ROWS + lid / LANES) * RT;  // the slice's first row; rows past the part add nothing
     let nb = p.k4 * 4u / QK;  // blocks per row
-    // Steps of row r; none past the part (those threads still join slice_sum's barriers).
-    let ns = select(0u, nb * STEPS_PER_BLOCK, r < p.n_rows);
-    var acc = vec2<f32>(0.0);
-    for (var s = lane; s < ns; s += LANES) {
-        acc += step(r, nb, t * (p.k4 / 4u), t * (p.k4 / 8u), s);
-    }
-    let total = slice_sum(lid, acc);
-    if (lane == 0u && r < p.n_rows) {
-        y[t * p.n_out + p.row0 + r] = total.x - total.y;
-    }
+    let ns = nb * STEPS_PER_BLOCK;
+    //ROWS_BODY
 }

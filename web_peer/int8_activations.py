@@ -19,7 +19,7 @@ multiply and an add into one FMA or reassociate additions (WGSL allows both), so
 is checked against its twin within a bound (:func:`twin_bound`), not for equal bits.
 
     host = WgpuFfn()
-    gemv = X8Gemv(host)
+    gemv = X8Gemv(host, rows_per_thread=2)           # a thread computes 2 weight rows
     m = host.upload_linear(raw_q4_k_rows, "q4_k")   # W [N, K]: the file's blocks
     y, xq, xs = gemv.run(m, x)                      # x [T, K] float32 → y [T, N], and the GPU's int8 x
     seconds = gemv.time(m, reps=50)                 # one row: quantize + GEMV a rep
@@ -49,11 +49,34 @@ def _files(fmt: str, subgroups: bool) -> tuple[str, ...]:
             "sum_subgroup.wgsl" if subgroups else "sum_shared.wgsl", "gemv_x8.wgsl")
 
 
-def wgsl_source(fmt: str, subgroups: bool = False) -> str:
+ROWS_PER_THREAD = (1, 2, 4, 8)  # weight rows a thread may compute (gemv_x8.wgsl RT)
+# gemv_x8.wgsl's body for RT rows, written per row k: an accumulator, its share of each step (the
+# step's activations loaded once for all rows), its sum and output
+_ROW = "    var acc{k} = vec2<f32>(0.0);\n"
+_STEP = """        if (r0 + {k}u < p.n_rows) {{
+            acc{k} += row_step(r0 + {k}u, nb, s, sx);
+        }}
+"""
+_OUT = """    let tot{k} = slice_sum(lid, acc{k});
+    if (lane == 0u && r0 + {k}u < p.n_rows) {{
+        y[t * p.n_out + p.row0 + r0 + {k}u] = tot{k}.x - tot{k}.y;
+    }}
+"""
+
+
+def wgsl_source(fmt: str, subgroups: bool = False, rows_per_thread: int = 1) -> str:
     """The GEMV's WGSL for weight format ``fmt``: its prelude, rows.wgsl, row_slices.wgsl, the
-    reduction, gemv_x8.wgsl (as kernels.wgsl_source composes the block kernels)."""
+    reduction, gemv_x8.wgsl (as kernels.wgsl_source composes the block kernels), its body written
+    for ``rows_per_thread`` rows a thread (one of :data:`ROWS_PER_THREAD`, else KernelError)."""
+    if rows_per_thread not in ROWS_PER_THREAD:
+        raise KernelError(f"rows_per_thread must be one of {ROWS_PER_THREAD}, got {rows_per_thread}")
+    rows = range(rows_per_thread)
+    body = "".join(_ROW.format(k=k) for k in rows)
+    body += "    for (var s = lane; s < ns; s += LANES) {\n        let sx = step_x(t, s);\n"
+    body += "".join(_STEP.format(k=k) for k in rows) + "    }\n" + "".join(_OUT.format(k=k) for k in rows)
     files = resources.files(K.__package__)
-    return "\n".join((files / name).read_text() for name in _files(fmt, subgroups))
+    code = "\n".join((files / name).read_text() for name in _files(fmt, subgroups))
+    return f"const RT: u32 = {rows_per_thread}u;\n" + code.replace("    //ROWS_BODY\n", body)
 
 
 def quantize_source() -> str:
@@ -162,16 +185,21 @@ class X8Gemv:
     """The candidate's pipelines on a :class:`web_peer.wgpu_host.WgpuFfn`'s device, for benchmarks
     and tests: ``run`` (quantize x on the GPU, then the GEMV), ``time`` (both, or the GEMV alone,
     ``reps`` times in one submission) and ``time_f32`` (the existing f32-activation kernel,
-    down_blocks.wgsl, on the same matrix and rows)."""
+    down_blocks.wgsl, on the same matrix and rows). A slice of the host's lanes computes
+    ``rows_per_thread`` adjacent weight rows (one of :data:`ROWS_PER_THREAD`; KernelError
+    otherwise), reading each step's activations once for them: the same bits at any count."""
 
-    def __init__(self, host) -> None:
+    def __init__(self, host, rows_per_thread: int = 1) -> None:
+        if rows_per_thread not in ROWS_PER_THREAD:
+            raise KernelError(f"rows_per_thread must be one of {ROWS_PER_THREAD}, got {rows_per_thread}")
         self.host = host
+        self.rows_per_thread = rows_per_thread
         self._pipes: dict = {}
 
     def _pipe(self, name: str):
         if name not in self._pipes:
             dev = self.host._device()
-            code = quantize_source() if name == "quantize" else wgsl_source(name, self.host.subgroups)
+            code = quantize_source() if name == "quantize" else wgsl_source(name, self.host.subgroups, self.rows_per_thread)
             constants = {"WG": self.host.workgroup_size}
             if name != "quantize":
                 constants["LANES"] = self.host.lanes
@@ -199,7 +227,7 @@ class X8Gemv:
     def encode_gemv(self, enc, w, xq, xs, y, t_rows: int) -> None:
         """y[t, :] = W x8[t] for the GpuLinear ``w`` (q4_k or q8_0), one dispatch per part."""
         pipe = self._pipe(w.fmt)
-        rows_per_group = self.host.workgroup_size // self.host.lanes
+        rows_per_group = self.host.workgroup_size // self.host.lanes * self.rows_per_thread
         mat = w.matrix
         for i, (r0, r1) in enumerate(mat.packed.parts):
             gx, gy, _ = K.dispatch_grid(r1 - r0, 1, rows_per_group)

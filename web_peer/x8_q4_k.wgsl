@@ -24,21 +24,36 @@ fn dot16(q: vec4<u32>, a: vec4<u32>) -> i32 {
     return (dot4I8Packed(q.x, a.x) + dot4I8Packed(q.y, a.y)) + (dot4I8Packed(q.z, a.z) + dot4I8Packed(q.w, a.w));
 }
 
-// xr: row t's first vec4 of xq, sr: its first (dx, s).
-fn step(r: u32, nb: u32, xr: u32, sr: u32, s: u32) -> vec2<f32> {
-    let b = r * nb + s / 4u;
-    let head = ws[b];
+// A step's activations (sub-blocks 2j and 2j + 1: 4 vec4 of int8, their two (dx, s)), loaded
+// once for the RT rows a thread computes.
+struct StepX {
+    a0: vec4<u32>,
+    a1: vec4<u32>,
+    a2: vec4<u32>,
+    a3: vec4<u32>,
+    s0: vec2<f32>,
+    s1: vec2<f32>,
+}
+
+// Step s of input row t (rows of K / 16 vec4 in xq, K / 32 pairs in xs).
+fn step_x(t: u32, s: u32) -> StepX {
+    let o = t * (p.k4 / 4u) + 4u * s;
+    let so = t * (p.k4 / 8u) + 2u * s;
+    return StepX(xq[o], xq[o + 1u], xq[o + 2u], xq[o + 3u], xs[so], xs[so + 1u]);
+}
+
+// Step s of weight row r (nb blocks a row) on the step's activations.
+fn row_step(r: u32, nb: u32, s: u32, sx: StepX) -> vec2<f32> {
+    let head = ws[r * nb + s / 4u];
     let j = s % 4u;
     let m0 = x8_scale_min(head, 2u * j);
     let m1 = x8_scale_min(head, 2u * j + 1u);
     let q0 = w[2u * (r * nb * 4u + s)];
     let q1 = w[2u * (r * nb * 4u + s) + 1u];
     let nib = vec4<u32>(0x0F0F0F0Fu);
-    let i0 = dot16(q0 & nib, xq[xr + 4u * s]) + dot16(q1 & nib, xq[xr + 4u * s + 1u]);
-    let i1 = dot16((q0 >> vec4<u32>(4u)) & nib, xq[xr + 4u * s + 2u]) + dot16((q1 >> vec4<u32>(4u)) & nib, xq[xr + 4u * s + 3u]);
+    let i0 = dot16(q0 & nib, sx.a0) + dot16(q1 & nib, sx.a1);
+    let i1 = dot16((q0 >> vec4<u32>(4u)) & nib, sx.a2) + dot16((q1 >> vec4<u32>(4u)) & nib, sx.a3);
     let dm = unpack2x16float(head.x);
-    let a0 = xs[sr + 2u * s];
-    let a1 = xs[sr + 2u * s + 1u];
-    return vec2<f32>((dm.x * f32(m0.x)) * a0.x * f32(i0) + (dm.x * f32(m1.x)) * a1.x * f32(i1),
-                     (dm.y * f32(m0.y)) * a0.y + (dm.y * f32(m1.y)) * a1.y);
+    return vec2<f32>((dm.x * f32(m0.x)) * sx.s0.x * f32(i0) + (dm.x * f32(m1.x)) * sx.s1.x * f32(i1),
+                     (dm.y * f32(m0.y)) * sx.s0.y + (dm.y * f32(m1.y)) * sx.s1.y);
 }

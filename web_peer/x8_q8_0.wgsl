@@ -9,9 +9,21 @@ fn dot16(q: vec4<u32>, a: vec4<u32>) -> i32 {
     return (dot4I8Packed(q.x, a.x) + dot4I8Packed(q.y, a.y)) + (dot4I8Packed(q.z, a.z) + dot4I8Packed(q.w, a.w));
 }
 
-fn step(r: u32, nb: u32, xr: u32, sr: u32, s: u32) -> vec2<f32> {
+// A step's activations (block s: 2 vec4 of int8, its (dx, s)), loaded once for the RT rows.
+struct StepX {
+    a0: vec4<u32>,
+    a1: vec4<u32>,
+    s0: vec2<f32>,
+}
+
+fn step_x(t: u32, s: u32) -> StepX {
+    let o = t * (p.k4 / 4u) + 2u * s;
+    return StepX(xq[o], xq[o + 1u], xs[t * (p.k4 / 8u) + s]);
+}
+
+fn row_step(r: u32, nb: u32, s: u32, sx: StepX) -> vec2<f32> {
     let b = r * nb + s;
     let d = unpack2x16float(ws[b >> 1u]);
-    let i = dot16(w[2u * b], xq[xr + 2u * s]) + dot16(w[2u * b + 1u], xq[xr + 2u * s + 1u]);
-    return vec2<f32>((select(d.x, d.y, (b & 1u) == 1u) * xs[sr + s].x) * f32(i), 0.0);
+    let i = dot16(w[2u * b], sx.a0) + dot16(w[2u * b + 1u], sx.a1);
+    return vec2<f32>((select(d.x, d.y, (b & 1u) == 1u) * sx.s0.x) * f32(i), 0.0);
 }

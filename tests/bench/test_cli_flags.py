@@ -1,5 +1,6 @@
 """The benches refuse an option that would be ignored: one of ``bench/serve.py --pipeline`` given
-without ``--pipeline``, ``bench/web_peer.py --int8-activations`` without ``--blocks``. Refused by
+without ``--pipeline``, ``bench/web_peer.py --int8-activations`` without ``--blocks`` and its
+``--rows-per-thread`` without ``--int8-activations`` or with a count the kernel lacks. Refused by
 the parser (exit 2, a message naming both flags and what to do) before any model or device is
 touched. And ``--pipeline --profile`` removes its stage workers' stamp directory when the run
 ends, as it ends or fails.
@@ -66,6 +67,17 @@ def test_web_peer_refuses_int8_activations_without_blocks():
     done = _run("web_peer.py", "--int8-activations", "--shapes", "none")
     assert done.returncode == 2 and done.stdout == ""
     assert "--int8-activations only applies to --blocks runs: add --blocks, or drop --int8-activations" in done.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--rows-per-thread", "2"), "--rows-per-thread only applies to --int8-activations runs"),
+    (("--blocks", "--int8-activations", "--rows-per-thread", "1,3"), "--rows-per-thread takes counts from 1, 2, 4, 8"),
+    (("--blocks", "--int8-activations", "--rows-per-thread", "two"), "--rows-per-thread takes counts from 1, 2, 4, 8"),
+], ids=["without-int8", "count-3", "not-a-number"])
+def test_web_peer_refuses_rows_per_thread_it_would_ignore_or_lacks(argv, message):
+    done = _run("web_peer.py", *argv)
+    assert done.returncode == 2 and done.stdout == ""
+    assert message in done.stderr
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["ends", "fails"])

@@ -82,6 +82,27 @@ def test_gemv_over_parts(new_gpu, fmt):
     assert rel_error(y, _f64(w, q, xs)) <= 1e-5
 
 
+@pytest.mark.parametrize("fmt", X8.X8_FORMATS)
+@pytest.mark.parametrize("split", SPLITS[1:], ids=lambda s: f"wg{s[0]}-lanes{s[1]}-{'subgroup' if s[2] else 'shared'}")
+def test_rows_a_thread_change_no_bit(new_gpu, fmt, split):
+    # A thread computing 2, 4 or 8 adjacent weight rows from one load of a step's activations
+    # (gemv_x8.wgsl's RT) gives every row the bits of one row a thread: 37 rows leave the last
+    # slice of every count short, T = 3 spreads over z, and a small binding limit cuts the matrix
+    # into parts of 9 rows each (none a multiple of 2, 4 or 8 rows a thread).
+    wg_size, lanes, subgroups = split
+    row_bytes = 512 // K.block_size(fmt)[0] * K._plane_bytes(fmt)[0]  # a row's quant plane
+    gpu = new_gpu(workgroup_size=wg_size, lanes=lanes, subgroups=subgroups, max_binding=9 * row_bytes)
+    rng = np.random.default_rng(44)
+    w = gpu.upload_linear(K.random_blocks(rng, 37, 512, fmt, 2e-3), fmt)
+    assert [r1 - r0 for r0, r1 in w.matrix.packed.parts][:4] == [9, 9, 9, 9]
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    one, q, xs = X8.X8Gemv(gpu).run(w, x)
+    assert (np.abs(one - X8.gemv_x8(w.matrix.packed, q, xs, lanes)) <= X8.twin_bound(w.matrix.packed, q, xs, lanes)).all()
+    for rows in (2, 4, 8):
+        y, q2, _ = X8.X8Gemv(gpu, rows_per_thread=rows).run(w, x)
+        assert np.array_equal(q2, q) and np.array_equal(y, one), rows
+
+
 def test_other_formats_and_shapes_are_refused(new_gpu):
     gpu = new_gpu()
     rng = np.random.default_rng(43)
@@ -92,3 +113,5 @@ def test_other_formats_and_shapes_are_refused(new_gpu):
         gemv.run(gpu.upload_linear(K.random_blocks(rng, 4, 256, "q4_k"), "q4_k"), np.zeros((1, 512), np.float32))
     with pytest.raises(KernelError, match="multiple of 32"):
         X8.quantize_x8(np.zeros((1, 40), np.float32))
+    with pytest.raises(KernelError, match="rows_per_thread"):
+        X8.X8Gemv(gpu, rows_per_thread=3)
