@@ -1,6 +1,6 @@
-"""``--numerics float32|int8`` on generate: checked, named in the error with its choices, and set
-for the process by ``_use_compute_options``; int8 is this machine's own compute, so ``generate``
-with it refuses the swarm's API and ``join`` refuses it from the environment."""
+"""``--numerics float32|int8`` on generate and join: checked, named in the error with its choices,
+and set for the process by ``_use_compute_options``; ``generate`` with int8 is this machine's own
+compute, so it refuses the swarm's API; ``join`` takes int8, but not with a GPU's float32 kernels."""
 
 from __future__ import annotations
 
@@ -28,10 +28,9 @@ def test_a_bad_numerics_names_the_flag_and_the_choices(capsys):
     assert "--numerics" in err and "'int4'" in err and "float32" in err and "int8" in err
 
 
-@pytest.mark.parametrize("command", [["chat"], ["join"]])
-def test_commands_of_the_swarm_take_no_numerics(command, capsys):
+def test_chat_takes_no_numerics(capsys):
     with pytest.raises(SystemExit) as exc:
-        main([*command, "--numerics", "int8"])
+        main(["chat", "--numerics", "int8"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --numerics" in capsys.readouterr().err
 
@@ -44,12 +43,23 @@ def test_numerics_is_set_for_the_process(clean_numerics, monkeypatch):
         _use_compute_options(build_parser().parse_args(["generate", "hi"]))
 
 
-def test_a_peer_refuses_int8_from_the_environment(clean_numerics, monkeypatch):
-    monkeypatch.setenv(numerics.NUMERICS_ENV, "int8")
-    with pytest.raises(SwarmError, match=r"swarm peer computes with float32.*unset it to join"):
-        _use_compute_options(build_parser().parse_args(["join"]), peer=True)
+def test_a_peer_joins_with_int8_from_the_flag_or_the_environment(clean_numerics, monkeypatch):
+    _use_compute_options(build_parser().parse_args(["join", "--numerics", "int8"]), peer=True)
+    assert numerics.numerics() == "int8"
     monkeypatch.setenv(numerics.NUMERICS_ENV, "float32")
-    _use_compute_options(build_parser().parse_args(["join"]), peer=True)  # float32: joins
+    _use_compute_options(build_parser().parse_args(["join"]), peer=True)
+    assert numerics.numerics() == "float32"
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "int8")
+    _use_compute_options(build_parser().parse_args(["join"]), peer=True)
+    assert numerics.numerics() == "int8"
+
+
+@pytest.mark.parametrize("gpu", ["auto", "on"])
+def test_a_gpu_peer_refuses_int8(clean_numerics, monkeypatch, gpu):
+    with pytest.raises(SwarmError, match=rf"--gpu {gpu} .* float32 activations.*int8.*drop --gpu"):
+        _use_compute_options(build_parser().parse_args(["join", "--gpu", gpu, "--numerics", "int8"]), peer=True)
+    monkeypatch.setenv(numerics.NUMERICS_ENV, "float32")  # the flag above set it for the peers it starts
+    _use_compute_options(build_parser().parse_args(["join", "--gpu", gpu]), peer=True)  # float32: joins
     assert numerics.numerics() == "float32"
 
 
@@ -67,6 +77,8 @@ def test_generate_with_int8_from_the_environment_refuses_the_swarm(clean_numeric
     assert "set this machine's own compute" in capsys.readouterr().err
 
 
-def test_the_help_says_what_int8_trades():
-    text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
-    assert "--numerics {float32,int8}" in text and "llama.cpp" in text and "VNNI" in text
+@pytest.mark.parametrize("command,says", [("generate", "the swarm's coordinator computes with its own"),
+                                           ("join", "gives work only to peers of its own numerics")])
+def test_the_help_says_what_int8_trades(command, says):
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices[command].format_help().split())
+    assert "--numerics {float32,int8}" in text and "llama.cpp" in text and "VNNI" in text and says in text

@@ -304,7 +304,7 @@ const STAGE = { record: [["peer", "str"], ["layer_start", "int"], ["layer_stop",
 const ASSIGNMENT = { record: [["layer", "int"], ["peer", "str"], ["experts", { list: "int" }], ["dense", { list: PAIR }]] };
 
 // Why a page stands by (a Standby: the plan gives it no work) and the cap on its sentence.
-export const STANDBY_REASONS = ["fits_python_peers", "too_slow", "too_little_memory", "slow_link", "layout_excludes_pages", "failed_recently"];
+export const STANDBY_REASONS = ["fits_python_peers", "too_slow", "too_little_memory", "slow_link", "layout_excludes_pages", "failed_recently", "other_numerics"];
 export const STANDBY_MESSAGE_MAX = 200;
 
 class Invalid extends Error {}

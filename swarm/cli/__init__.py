@@ -111,23 +111,28 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
                    "cgroup quota respected); results are the same bits at any count")
 
 
-def _add_numerics_arg(p: argparse.ArgumentParser) -> None:
+_NUMERICS_HELP = ("how {whose} products treat their activations: float32 (the default; checked against the "
+                  "transformers oracle) or int8, llama.cpp's numerics: activation rows quantized to 8 bits, faster "
+                  "prefill and decode on Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights where the CPU "
+                  "has AVX-512 VNNI (elsewhere a slower portable form: keep float32), each product off by up to a "
+                  "few percent of its largest output; {where} (also $COLIBRI_SWARM_NUMERICS)")
+
+
+def _add_numerics_arg(p: argparse.ArgumentParser, peer: bool = False) -> None:
     # Names as in swarm.compute.numerics.CHOICES (a light module: os only).
+    where = ("a coordinator gives work only to peers of its own numerics (under int8, of its own release, "
+             "numpy and architecture too), so give every peer the same; not with --gpu auto|on, whose kernels "
+             "take float32 activations" if peer else
+             "through a swarm (--swarm, --api) the swarm's coordinator computes with its own")
     p.add_argument("--numerics", choices=("float32", "int8"), default=None,
-                   help="how this machine's products treat their activations: float32 (the default; checked "
-                   "against the transformers oracle) or int8, llama.cpp's numerics: activation rows quantized "
-                   "to 8 bits, faster prefill and decode on Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 "
-                   "weights where the CPU has AVX-512 VNNI (elsewhere a slower portable form: keep float32), "
-                   "each product off by up to a few percent of its largest output; int8 always runs on this "
-                   "machine, never through a swarm, which computes in float32 (also $COLIBRI_SWARM_NUMERICS)")
+                   help=_NUMERICS_HELP.format(whose="this peer's" if peer else "this machine's", where=where))
 
 
 def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
     """``--threads`` and ``--numerics`` for this process and the peers it starts, and a line on
     stderr while the kernels compile (the first run on a machine: a minute, not in silence).
-    ``peer``: this process joins a swarm, which computes in float32 — the coordinator checks
-    answers of its own numerics bit for bit, and of another build within a bound of float
-    reassociation that 8-bit activations exceed — so int8 from the environment is refused."""
+    ``peer``: this process joins a swarm; under int8 it refuses ``--gpu auto|on`` (the GPU
+    kernels take float32 activations, so its answers would be of neither numerics)."""
     if getattr(args, "threads", None):
         os.environ["COLIBRI_SWARM_THREADS"] = str(args.threads)  # swarm.compute.threads.THREADS_ENV
     if getattr(args, "numerics", None):
@@ -139,8 +144,10 @@ def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
         numerics.set_numerics(getattr(args, "numerics", None))
     except ValueError as e:  # $COLIBRI_SWARM_NUMERICS set to something else
         raise SwarmError(str(e)) from None
-    if peer and numerics.int8():
-        raise SwarmError(numerics.swarm_refusal("unset it to join"))
+    if peer and numerics.int8() and getattr(args, "gpu", "off") != "off":
+        raise SwarmError(f"--gpu {args.gpu} computes this peer's work with the GPU's kernels, which take float32 "
+                         f"activations, but this peer's numerics are int8 (--numerics or ${numerics.NUMERICS_ENV}): "
+                         "drop --gpu, or join with float32 numerics")
     quant.on_compiling(lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -174,8 +181,8 @@ def _generate(args: argparse.Namespace) -> int:
     int8 = numerics.int8()  # from --numerics or $COLIBRI_SWARM_NUMERICS
     if int8 and (args.swarm or args.api):
         raise SwarmError(f"int8 numerics (--numerics or ${numerics.NUMERICS_ENV}) set this machine's own compute, "
-                         f"but {'--swarm' if args.swarm else '--api'} runs on the swarm, which computes in float32: "
-                         "drop one of them")
+                         f"but {'--swarm' if args.swarm else '--api'} runs on the swarm, whose coordinator computes "
+                         "with the numerics its peers joined with (join --numerics): drop one of them")
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
     # int8 numerics are this machine's own compute: the reply is made here, as with --local.
@@ -336,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "message), asyncio's own, or auto (the default): uvloop where installed, asyncio while "
                    "$COLIBRI_SWARM_SLOW_CALLBACK_S is set")
     _add_threads_arg(p)
+    _add_numerics_arg(p, peer=True)
     p.set_defaults(func=_join)
 
     p = _command(sub, "key", "show the swarm key as a code and a QR code (creates one if none), the API token "

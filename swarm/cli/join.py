@@ -124,6 +124,7 @@ async def _run_peer(args: Any, console: Any) -> None:
     gpu_mib = getattr(args, "gpu_memory", None)
     check_gpu_memory(getattr(args, "gpu", "off"), gpu_mib)  # before the model loads: a mistake fails at once
     gpu = await asyncio.to_thread(_open_gpu, getattr(args, "gpu", "off"), console)  # blocks: adapter, device
+    await asyncio.to_thread(_prepare_numerics)
     gflops = await asyncio.to_thread(gpu.measure_gflops if gpu is not None else measure_ffn_gflops)
     allowance = await asyncio.to_thread(_measure_memory, args, model)
     await freeze_heap()
@@ -190,6 +191,15 @@ def check_gpu_memory(mode: str, mib: int | None) -> None:
     if mib is not None and mode == "off":
         raise SwarmError(f"--gpu-memory {mib} sizes the GPU this peer computes on, but --gpu is off: "
                          "add --gpu auto or --gpu on, or leave --gpu-memory out")
+
+
+def _prepare_numerics() -> None:
+    """Under the int8 numerics, compile (or load) their kernels before the peer announces itself:
+    compiled on a first request instead, they would hold it past its deadline."""
+    from swarm.compute import numerics, quant
+
+    if numerics.int8():
+        quant.prepare_int8()
 
 
 def _open_gpu(mode: str, console: Any) -> Any:

@@ -13,13 +13,14 @@
   the low-bit types Q2_K, Q3_K and IQ*) keep float32. Decode and prefill take the same kernels:
   a token's numbers do not depend on T, the row ranges or the thread count.
 
-``int8`` is for one machine's own runs (``generate --numerics int8``, the benches): a swarm
-computes in float32, and ``join`` refuses int8. The coordinator checks a peer's answers bit for
-bit against its own recomputation, or — for another build, a GPU or a page — within a bound of
-float reassociation (swarm/peer/coordinator/bounds.py); 8-bit activations' rounding lies outside
-that bound on real activations, so a mixed swarm would stop honest peers. Recomputing a sample in
-the peer's own numerics (bits again) is what would let a swarm choose int8.
-The choice: ``generate``'s ``--numerics``, ``$COLIBRI_SWARM_NUMERICS``, :func:`set_numerics`.
+A swarm computes with its coordinator's numerics. The coordinator checks a peer's answers bit
+for bit against its own recomputation, or — for another build, a GPU or a page — within a bound
+of float reassociation (swarm/peer/coordinator/bounds.py); 8-bit activations' rounding lies
+outside that bound, so a coordinator gives work only to peers of its own numerics, and under
+int8 only to peers of its own build, whose answers it recomputes to the bit (a peer announces
+its numerics in its build: swarm/peer/node.py numeric_build).
+The choice: ``generate``'s and ``join``'s ``--numerics``, ``$COLIBRI_SWARM_NUMERICS``,
+:func:`set_numerics`.
 """
 
 from __future__ import annotations
@@ -59,11 +60,3 @@ def check(name: str, what: str) -> str:
     if name not in CHOICES:
         raise ValueError(f"{what} must be one of {', '.join(CHOICES)}, got {name!r}")
     return name
-
-
-def swarm_refusal(what_to_do: str) -> str:
-    """Why a process under the int8 numerics takes no part in a swarm, then ``what_to_do``: the
-    message of every place that refuses it (``join``, a peer's numeric build)."""
-    return ("a swarm peer computes with float32 numerics, so that the coordinator's results are a local "
-            f"run's bits; int8 (colibri-swarm generate --numerics int8, or ${NUMERICS_ENV}=int8) is for this "
-            f"machine's own runs: {what_to_do}")

@@ -42,7 +42,7 @@ from swarm.errors import SwarmError
 from swarm.peer.net import wire
 from swarm.peer.net.link import Handler, Link
 from swarm.peer.net.mesh import Mesh
-from swarm.peer.net.messages import Hello, NumericBuild
+from swarm.peer.net.messages import INT8_KERNEL_DTYPE, Hello, NumericBuild
 from swarm.keys.swarmkey import SwarmKey
 from swarm.peer.status import STATUS_EVERY_S, STATUS_FILE
 from swarm.signaling.client import PeerJoined, PeerLeft, SignalReceived, SignalRefused
@@ -55,19 +55,17 @@ EVENTS_KEPT = 50  # the newest swarm events in the status document (dashboard, `
 
 def numeric_build() -> NumericBuild:
     """What decides bit-exactness of this peer's FFN results (docs/architecture.md §5): what it
-    announces it computes for a swarm. Raises SwarmError under the int8 numerics, which a swarm
-    does not compute (docs/weights.md, "Two numerics")."""
+    announces it computes for a swarm, its activation numerics included (``kernel_dtype`` "f32",
+    or :data:`~swarm.peer.net.messages.INT8_KERNEL_DTYPE` under the int8 numerics: a coordinator
+    gives work only to peers of its own numerics, docs/weights.md "Two numerics")."""
     from swarm.compute import numerics
 
-    if numerics.int8():
-        raise SwarmError(numerics.swarm_refusal(f"unset ${numerics.NUMERICS_ENV} (or call set_numerics('float32')) "
-                                                "before starting a peer"))
     blas = "unknown"
     with contextlib.suppress(Exception):
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         blas = f"{info.get('name', '?')} {info.get('version', '?')}"
     return NumericBuild(package=__version__, numpy=np.__version__, blas=blas, arch=platform.machine(),
-                        kernel_dtype="f32")  # a peer computes with float32 activations (join refuses int8)
+                        kernel_dtype=INT8_KERNEL_DTYPE if numerics.int8() else "f32")
 
 
 def measure_ffn_gflops(hidden: int = 576, ffn: int = 1536, rows: int = 8, repeats: int = 5) -> float:
@@ -307,6 +305,7 @@ class Node:
                 "ffn_gflops": round(hello.ffn_gflops, 2) if hello else None,
                 "model_hash": hello.model_hash if hello else None,
                 "arch": hello.build.arch if hello else None,  # tells a Mac (arm64) from Linux (aarch64, x86_64)
+                "numerics": hello.build.numerics if hello else None,  # a coordinator gives work to its own only
                 "gpu": hello.build.gpu_adapter if hello else None,  # the adapter a GPU peer computes on
                 "gpu_memory": hello.gpu_memory if hello else None,  # bytes its GPU work may fill (0: not given)
             })
@@ -326,6 +325,7 @@ class Node:
             "ffn_gflops": round(self.hello.ffn_gflops, 2),
             "gpu": self.hello.build.gpu_adapter,
             "gpu_memory": self.hello.gpu_memory,
+            "numerics": self.hello.build.numerics,
             "memory_budget": self.hello.memory_budget,
             "system": platform.system(),
             "placement": self.placement,

@@ -1,13 +1,12 @@
-"""A peer's numeric build announces what it computes for a swarm, which computes float32 (the
-coordinator's results are a local run's bits): under the int8 numerics it is refused, naming int8
-and where int8 runs instead (docs/weights.md, "Two numerics")."""
+"""A peer's numeric build announces what it computes for a swarm, its activation numerics
+included: a coordinator gives work only to peers of its own (docs/weights.md, "Two numerics")."""
 
 from __future__ import annotations
 
 import pytest
 
 from swarm.compute import numerics
-from swarm.errors import SwarmError
+from swarm.peer.net.messages import NumericBuild
 from swarm.peer.node import numeric_build
 
 
@@ -17,16 +16,17 @@ def restored_numerics(monkeypatch):
     monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
 
 
-def test_numeric_build_is_refused_under_int8(restored_numerics):
+def test_numeric_build_names_the_numerics(restored_numerics):
     numerics.set_numerics("int8")
-    with pytest.raises(SwarmError) as exc:
-        numeric_build()
-    message = str(exc.value)
-    assert "int8" in message and "float32" in message and "a local run's bits" in message
-    assert "generate --numerics int8" in message
-    assert "unset $COLIBRI_SWARM_NUMERICS" in message  # what to do
-
-
-def test_numeric_build_under_float32(restored_numerics):
+    int8 = numeric_build()
+    assert int8.kernel_dtype == "i8" and int8.numerics == "int8"
     numerics.set_numerics("float32")
-    assert numeric_build().kernel_dtype == "f32"
+    f32 = numeric_build()
+    assert f32.kernel_dtype == "f32" and f32.numerics == "float32"
+    assert f32 != int8  # another build: never checked bit for bit against the other
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q4_k", "webgpu", ""])
+def test_every_other_kernel_dtype_is_float32(dtype):
+    # A page names its weight format there, a GPU peer f32: both take float32 activations.
+    assert NumericBuild("0.1", "2.0", "webgpu", "wasm", dtype).numerics == "float32"

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from swarm.peer.coordinator.api import ApiServer
     from swarm.peer.election.driver import ElectionDriver
     from swarm.peer.net.link import Link
-    from swarm.peer.net.messages import Standby
+    from swarm.peer.net.messages import Hello, NumericBuild, Standby
     from swarm.peer.node import Node
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class CoordinatorRole(LoopDispatcher):
         self._failed_at: dict[str, float] = {}  # peer → when it last failed a request (monotonic s)
         self._planned: set[str] = set()  # the workers of the newest plan
         self._standby: dict[str, Standby] = {}  # page → why the newest plan gives it no work
+        self._other_numerics: set[str] = set()  # peers left out of every plan for their numerics (noted once)
         self._announcer = PlanAnnouncer(node, model, self.shape) if model is not None else None
         self._coordinating: asyncio.Task | None = None
         self._load = LoadWatch()  # the sequences served, fed to the planner
@@ -216,6 +217,7 @@ class CoordinatorRole(LoopDispatcher):
     def _workers(self) -> list[PeerCapacity]:
         out = []
         now = time.monotonic()
+        self._other_numerics &= self.node.links.keys()  # a peer that left is noted again if it returns
         for peer, link in self.node.links.items():
             h = link.hello
             if (h is None or h.model_hash not in (self.model_hash, None)
@@ -225,9 +227,34 @@ class CoordinatorRole(LoopDispatcher):
                 continue  # marked down: out of every plan for a while (whatever a new plan cleared), then tried again
             if h.peer_kind == "python" and not self.election.reachable(peer):
                 continue  # silent (a killed process whose link has not timed out yet), or gone
+            if not self._computes_ours(h.build):
+                self._note_other_numerics(peer, h)
+                continue
             out.append(PeerCapacity(peer, h.memory_budget, h.ffn_gflops, link.rtt_s or 0.0, h.peer_kind,
                                     gpu_memory=h.gpu_memory or None))  # 0: none given
         return out
+
+    def _computes_ours(self, build: NumericBuild) -> bool:
+        """Whether a peer of numeric build ``build`` may get work here: one of this coordinator's
+        numerics, and under int8 one of its own build too. Answers of the coordinator's build are
+        checked bit for bit, others within a bound of float reassociation (bounds.py), which the
+        rounding of 8-bit activations exceeds: a peer of other numerics would be stopped for honest
+        answers (docs/weights.md, "Two numerics"). Left out, it is never marked down."""
+        ours = self.node.hello.build
+        return build.numerics == ours.numerics and (ours.numerics == "float32" or build == ours)
+
+    def _note_other_numerics(self, peer: str, hello: Hello) -> None:
+        """Record once that ``peer`` gets no work for its numerics (status, the dashboard, ``join``)."""
+        if peer in self._other_numerics:
+            return
+        self._other_numerics.add(peer)
+        ours = self.node.hello.build.numerics
+        theirs = hello.build.numerics
+        why = (f"it computes {theirs}, this coordinator {ours}" if theirs != ours
+               else f"another build of the {ours} numerics ({hello.build.package}, numpy {hello.build.numpy}, "
+                    f"{hello.build.arch}), whose int8 answers this coordinator cannot check bit for bit")
+        self.node.record("left out", peer, hello.name, why)
+        log.warning("peer %s (%s) gets no work: %s", hello.name, peer, why)
 
     def _marked_down(self, peer: str, now: float) -> bool:
         """Whether ``peer`` failed a request less than ``READMIT_S`` before ``now`` (monotonic s)."""
@@ -256,7 +283,8 @@ class CoordinatorRole(LoopDispatcher):
             choice=(planning.cost_report or {}).get("choice") if planning.layout != "ranges" else None,
             shape=shape, python_peers=1 + len(python),
             python_bytes=self.node.hello.memory_budget + sum(w.memory_bytes for w in python),
-            marked_down={p for p in pages if self._marked_down(p, now)})
+            marked_down={p for p in pages if self._marked_down(p, now)},
+            other_numerics=self._other_numerics, numerics=self.node.hello.build.numerics)
 
     async def _announce(self, plan: Plan) -> None:
         """Offer workers their slices, send them the plan and its stages, and each page without

@@ -8,7 +8,8 @@ the layout chosen is not ranges (``auto`` priced the Python peers faster without
 ranges, when placement gave it nothing (no speed or a share that rounds to nothing:
 ``too_slow``; a round trip past :data:`~swarm.peer.coordinator.planner.MAX_RTT_S`:
 ``slow_link``; no room for one expert or column: ``too_little_memory``). A page left out before
-planning (no memory offered, or marked down for late or wrong answers) says so too.
+planning (no memory offered, marked down for late or wrong answers, or computing float32 for a
+coordinator of the int8 numerics: ``other_numerics``) says so too.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def _reason_in_ranges(page: PeerCapacity, shape: ModelShape) -> tuple[StandbyRea
 
 def notices(plan: Plan, pages: Iterable[str], planned: Mapping[str, PeerCapacity], *, layout: str,
             choice: str | None, shape: ModelShape, python_peers: int, python_bytes: int,
-            marked_down: Collection[str] = ()) -> dict[str, Standby]:
+            marked_down: Collection[str] = (), other_numerics: Collection[str] = (),
+            numerics: str = "float32") -> dict[str, Standby]:
     """A Standby for each of ``pages`` (browser peers linked to the coordinator) that ``plan``
     gives no work; none for a page that has work.
 
     ``planned``: the peers offered to the planner (a page absent from it was left out before
-    planning: ``marked_down`` ones for failed requests, the others for offering no memory).
+    planning: ``marked_down`` ones for failed requests, ``other_numerics`` ones for computing
+    other numerics than the coordinator's ``numerics``, the others for offering no memory).
     ``layout``: the one asked for; ``choice``: the one the cost model took (``"local"``,
     ``"ranges"``, ``"stages"``, ``"mix"``; None: ranges asked for). ``python_peers``,
     ``python_bytes``: the Python peers that can hold the model (the coordinator included) and
@@ -67,7 +70,10 @@ def notices(plan: Plan, pages: Iterable[str], planned: Mapping[str, PeerCapacity
         page = planned.get(peer)
         reason: StandbyReason
         if page is None:
-            if peer in marked_down:
+            if peer in other_numerics:
+                reason, text = "other_numerics", (f"this swarm's coordinator computes with the {numerics} numerics, "
+                                                  "which this page's kernels do not give")
+            elif peer in marked_down:
                 reason, text = "failed_recently", ("this page's answers came late or wrong; it is tried again "
                                                    "in a few seconds")
             else:

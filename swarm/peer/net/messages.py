@@ -73,6 +73,7 @@ class AuthProof(MessageBase):
 ADAPTER_PREFIX = "adapter:"  # the last word of a GPU peer's build.blas: its adapter's name
 # The most GPU memory a Hello may announce (bytes, 1 PiB): more is no card's, but a bad value.
 MAX_GPU_MEMORY = 1 << 50
+INT8_KERNEL_DTYPE = "i8"  # NumericBuild.kernel_dtype of a Python peer computing with the int8 numerics
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,14 @@ class NumericBuild:
     numpy: str
     blas: str  # e.g. "openblas 0.3.27"; "webgpu" for browser peers
     arch: str  # platform.machine(), e.g. "x86_64"
-    kernel_dtype: str  # "f32", "f16", ...
+    kernel_dtype: str  # "f32", "i8" (a Python peer under the int8 numerics); a page's: its weight format
+
+    @property
+    def numerics(self) -> str:
+        """The activation numerics this build computes with (swarm/compute/numerics.py): "int8" for
+        a Python peer announcing :data:`INT8_KERNEL_DTYPE`, else "float32" (pages and GPU peers
+        always: their kernels take float32 activations)."""
+        return "int8" if self.kernel_dtype == INT8_KERNEL_DTYPE else "float32"
 
     @property
     def gpu_adapter(self) -> str | None:
@@ -244,7 +252,7 @@ class StagePlan(MessageBase):
 
 
 StandbyReason = Literal["fits_python_peers", "too_slow", "too_little_memory", "slow_link", "layout_excludes_pages",
-                        "failed_recently"]
+                        "failed_recently", "other_numerics"]
 STANDBY_REASONS: tuple[str, ...] = typing.get_args(StandbyReason)
 """Why a page stands by (docs/protocol.md, Standby)."""
 STANDBY_MESSAGE_MAX = 200  # characters of a Standby's sentence: one line on a phone's screen or two

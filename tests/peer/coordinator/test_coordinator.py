@@ -355,6 +355,37 @@ def test_smollm2_dense_ranges_on_two_peers(monkeypatch):
         net.close()
 
 
+@pytest.mark.parametrize("family,qtype", [("llama", "Q8_0"), ("qwen2_moe", "Q4_1")],
+                         ids=["dense-Q8_0", "moe-Q4_1"])
+def test_an_int8_swarm_gives_the_bits_of_the_local_int8_run_checked_bit_for_bit(family, qtype, tmp_path, monkeypatch):
+    """Under the int8 numerics (coordinator and workers share this process's) a tiny dense model
+    in Q8_0 and a MoE in Q4_1 over 3 peers give the logits of the local int8 run under the same
+    plan bit for bit, every answer recomputed by the coordinator and found equal (--verify 100 %);
+    and they are not float32's (the int8 kernels ran)."""
+    import gguf
+
+    from swarm.compute import numerics
+    from tests.compute.tiny_gguf import write_gguf_from_hf
+    from tests.compute.tiny_models import build_tiny
+
+    monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
+    hf, _ = build_tiny(family, tmp_path / family)
+    path = write_gguf_from_hf(hf, family, tmp_path / f"{family}.gguf", qtype=gguf.GGMLQuantizationType[qtype])
+    numerics.set_numerics("int8")
+    swarm = InProcSwarm(path, 2, verify=1.0)
+    try:
+        got = greedy(swarm.model, swarm.ffn, n=4)
+        assert_same(got, local_reference(swarm, n=4))
+        assert not swarm.failed and swarm.ffn.local_fallbacks == 0 and swarm.ffn.verified > 0
+        assert all(worker.served > 0 for worker in swarm.workers.values())
+        numerics.set_numerics("float32")
+        _, f32 = local_reference(swarm, n=4)
+        assert not np.array_equal(got[1][0], f32[0])
+        assert np.abs(got[1][0] - f32[0]).max() < 0.1 * np.abs(f32[0]).max()  # the same model, int8 rounding
+    finally:
+        swarm.close()
+
+
 def test_a_warming_peer_is_recomputed_without_being_marked_failed(checkpoints):
     # A peer still installing its slices answers Error: within its warm-up window its rows are
     # recomputed here and it keeps its place; afterwards an Error marks it failed as usual.

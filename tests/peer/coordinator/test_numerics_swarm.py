@@ -1,0 +1,91 @@
+"""A swarm computes with its coordinator's numerics (docs/weights.md, "Two numerics"): the
+coordinator role plans over fake links carrying every message through the real wire codec, and
+gives work only to peers of its own numerics — under int8 only to peers of its own build, whose
+answers it recomputes to the bit. A peer left out is recorded once, never marked down, and a page
+left out is told why (Standby ``other_numerics``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from swarm.compute import numerics
+from swarm.peer.net import messages as M
+from swarm.peer.node import numeric_build
+from tests.peer._swarm_models import peer_id
+from tests.peer.coordinator.test_standby import PAGE, FakeLink, coordinator, hello, model, plan_and_announce  # noqa: F401
+
+SAME, OTHER_BUILD, OTHER_NUMERICS = peer_id("same"), peer_id("other-build"), peer_id("other-numerics")
+
+
+@pytest.fixture
+def restored_numerics(monkeypatch):
+    """The process's numerics as they were, restored after the test; the environment untouched."""
+    monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
+
+
+def python_peer(peer: str, build: M.NumericBuild, model_hash: str) -> FakeLink:
+    h = dataclasses.replace(hello(peer, kind="python", blas=build.blas, gflops=50.0, model_hash=model_hash),
+                            build=build)
+    return FakeLink(peer, h)
+
+
+def _links(model, ours: M.NumericBuild, theirs: M.NumericBuild) -> list[FakeLink]:
+    other_build = dataclasses.replace(ours, numpy=ours.numpy + ".post1")  # same numerics, another build
+    return [FakeLink(PAGE, hello(PAGE)), python_peer(SAME, ours, model.content_hash()),
+            python_peer(OTHER_BUILD, other_build, model.content_hash()),
+            python_peer(OTHER_NUMERICS, theirs, model.content_hash())]
+
+
+def test_an_int8_coordinator_gives_work_only_to_its_own_build(tmp_path, model, restored_numerics):
+    numerics.set_numerics("float32")
+    theirs = numeric_build()
+    numerics.set_numerics("int8")
+    ours = numeric_build()
+    assert (ours.numerics, theirs.numerics) == ("int8", "float32")
+    links = _links(model, ours, theirs)
+    role = coordinator(tmp_path, model, "ranges", links)
+    assert role.node.hello.build == ours
+    for _ in range(2):  # a second plan records nothing again
+        plan = plan_and_announce(role)
+    assert set(plan.workers()) - {role.node.peer_id} == {SAME}
+    left = [e for e in role.node.activity if e["what"] == "left out"]
+    assert sorted(e["peer_id"] for e in left) == sorted([PAGE, OTHER_BUILD, OTHER_NUMERICS])
+    by_peer = {e["peer_id"]: e["detail"] for e in left}
+    assert by_peer[OTHER_NUMERICS] == "it computes float32, this coordinator int8"
+    assert "another build of the int8 numerics" in by_peer[OTHER_BUILD] and ".post1" in by_peer[OTHER_BUILD]
+    assert not role._failed_at and not any(e["what"] == "marked down" for e in role.node.activity)
+    (notice,) = links[0].of(M.Standby)[-1:]
+    assert notice.reason == "other_numerics" and notice.version == plan.version
+    assert notice.message == "this swarm's coordinator computes with the int8 numerics, which this page's kernels do not give"
+    assert role.node.placement["standby"][PAGE]["reason"] == "other_numerics"
+
+
+def test_a_float32_coordinator_leaves_out_int8_peers_only(tmp_path, model, restored_numerics):
+    numerics.set_numerics("int8")
+    theirs = numeric_build()
+    numerics.set_numerics("float32")
+    ours = numeric_build()
+    links = _links(model, ours, theirs)
+    role = coordinator(tmp_path, model, "ranges", links)
+    plan = plan_and_announce(role)
+    # another float32 build and a page are checked within the bound of float reassociation, as before
+    assert set(plan.workers()) - {role.node.peer_id} == {PAGE, SAME, OTHER_BUILD}
+    left = [e for e in role.node.activity if e["what"] == "left out"]
+    assert [(e["peer_id"], e["detail"]) for e in left] == [(OTHER_NUMERICS, "it computes int8, this coordinator float32")]
+    assert not links[0].of(M.Standby)
+
+
+def test_a_peer_that_left_and_returns_is_noted_again(tmp_path, model, restored_numerics):
+    numerics.set_numerics("int8")
+    theirs = numeric_build()
+    numerics.set_numerics("float32")
+    link = python_peer(OTHER_NUMERICS, theirs, model.content_hash())
+    role = coordinator(tmp_path, model, "ranges", [link])
+    plan_and_announce(role)
+    del role.node.links[OTHER_NUMERICS]
+    plan_and_announce(role)
+    role.node.links[OTHER_NUMERICS] = link
+    plan_and_announce(role)
+    assert [e["peer_id"] for e in role.node.activity if e["what"] == "left out"] == [OTHER_NUMERICS] * 2
