@@ -76,6 +76,8 @@ def wgsl_source(fmt: str, subgroups: bool = False, rows_per_thread: int = 1) -> 
     body += "".join(_STEP.format(k=k) for k in rows) + "    }\n" + "".join(_OUT.format(k=k) for k in rows)
     files = resources.files(K.__package__)
     code = "\n".join((files / name).read_text() for name in _files(fmt, subgroups))
+    if code.count("    //ROWS_BODY\n") != 1:
+        raise KernelError("gemv_x8.wgsl must hold the line `    //ROWS_BODY` once: the host writes the body there")
     return f"const RT: u32 = {rows_per_thread}u;\n" + code.replace("    //ROWS_BODY\n", body)
 
 

@@ -66,7 +66,7 @@ async function measureGflops(gpu) {
  * notices it reads (swarm/peer/coordinator/standby.py: a Standby says why it gets no work).
  */
 function kernelsBlas() {
-  return `webgpu kernels:${BLOCK_FORMATS.join(",")} notices:standby`;
+  return `webgpu kernels:${BLOCK_FORMATS.join(",")} notices:standby,other_numerics`;
 }
 
 function memoryBudget() {

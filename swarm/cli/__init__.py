@@ -120,9 +120,9 @@ _NUMERICS_HELP = ("how {whose} products treat their activations: float32 (the de
 
 def _add_numerics_arg(p: argparse.ArgumentParser, peer: bool = False) -> None:
     # Names as in swarm.compute.numerics.CHOICES (a light module: os only).
-    where = ("a coordinator gives work only to peers of its own numerics (under int8, of its own release, "
-             "numpy and architecture too), so give every peer the same; not with --gpu auto|on, whose kernels "
-             "take float32 activations" if peer else
+    where = ("a coordinator gives work only to peers of its own numerics (under int8, of its own build too: "
+             "release, numpy, BLAS, numba, architecture), so give every peer the same; not with --gpu auto|on, "
+             "whose kernels take float32 activations" if peer else
              "through a swarm (--swarm, --api) the swarm's coordinator computes with its own")
     p.add_argument("--numerics", choices=("float32", "int8"), default=None,
                    help=_NUMERICS_HELP.format(whose="this peer's" if peer else "this machine's", where=where))
@@ -179,10 +179,12 @@ def _generate(args: argparse.Namespace) -> int:
     from swarm.compute import numerics
 
     int8 = numerics.int8()  # from --numerics or $COLIBRI_SWARM_NUMERICS
-    if int8 and (args.swarm or args.api):
-        raise SwarmError(f"int8 numerics (--numerics or ${numerics.NUMERICS_ENV}) set this machine's own compute, "
-                         f"but {'--swarm' if args.swarm else '--api'} runs on the swarm, whose coordinator computes "
-                         "with the numerics its peers joined with (join --numerics): drop one of them")
+    # The flag asks for this machine's compute; the environment's int8 may be there for `join`
+    # (a client of the swarm computes nothing, so --swarm and --api go on).
+    if args.numerics == "int8" and (args.swarm or args.api):
+        raise SwarmError(f"--numerics int8 sets this machine's own compute, but {'--swarm' if args.swarm else '--api'} "
+                         "runs on the swarm, whose coordinator computes with the numerics it joined with "
+                         "(join --numerics): drop one of them")
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
     # int8 numerics are this machine's own compute: the reply is made here, as with --local.

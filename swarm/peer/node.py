@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -64,6 +65,8 @@ def numeric_build() -> NumericBuild:
     with contextlib.suppress(Exception):
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         blas = f"{info.get('name', '?')} {info.get('version', '?')}"
+    with contextlib.suppress(Exception):  # numba compiles every kernel: another numba, another build
+        blas += f" numba {importlib.metadata.version('numba')}"
     return NumericBuild(package=__version__, numpy=np.__version__, blas=blas, arch=platform.machine(),
                         kernel_dtype=INT8_KERNEL_DTYPE if numerics.int8() else "f32")
 
@@ -176,7 +179,8 @@ class Node:
     def record(self, what: str, peer_id: str = "", name: str = "", detail: str = "") -> None:
         """Note a swarm event for status, the dashboard and ``join``'s terminal: ``what`` is e.g.
         "joined", "left", "link up", "link down", "marked down", "replanned", "coordinator
-        changed"; ``t`` is Unix s; ``detail`` of "joined", "left" and "link up" is the peer's kind."""
+        changed", "left out" (a peer of other numerics: no work); ``t`` is Unix s; ``detail`` of
+        "joined", "left" and "link up" is the peer's kind."""
         self.activity.append({"t": round(time.time(), 3), "what": what, "peer_id": peer_id, "name": name,
                               "detail": detail})
         self.recorded += 1

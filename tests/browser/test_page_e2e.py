@@ -231,7 +231,7 @@ def test_page_joins_receives_weights_and_serves(swarm, e2e_browser):
     ctx, page, errors, link = _joined(swarm, e2e_browser)
     assert link is not None and link.hello.name == "e2e-phone"
     # its kernels, for repack, and the notices it reads (a Standby when a plan gives it no work)
-    assert link.hello.build.blas == "webgpu kernels:" + ",".join(K.BLOCK_FORMATS) + " notices:standby"
+    assert link.hello.build.blas == "webgpu kernels:" + ",".join(K.BLOCK_FORMATS) + " notices:standby,other_numerics"
     assert link.hello.adapter_limits["maxStorageBufferBindingSize"] > 0 and link.hello.ffn_gflops > 0
     assert page.evaluate("window.colibri.peerId") == link.peer_id
 

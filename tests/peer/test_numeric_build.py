@@ -24,6 +24,7 @@ def test_numeric_build_names_the_numerics(restored_numerics):
     f32 = numeric_build()
     assert f32.kernel_dtype == "f32" and f32.numerics == "float32"
     assert f32 != int8  # another build: never checked bit for bit against the other
+    assert " numba " in f32.blas  # numba compiles every kernel: another numba, another build
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q4_k", "webgpu", ""])

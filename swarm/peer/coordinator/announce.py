@@ -73,7 +73,7 @@ class PlanAnnouncer:
         notices = []
         for peer, notice in (standby or {}).items():
             page = self.node.links.get(peer)
-            if page is not None and page.hello is not None and reads_standby(page.hello.build):
+            if page is not None and page.hello is not None and reads_standby(page.hello.build, notice.reason):
                 notices.append(send_logged(page, notice))
         await asyncio.gather(*notices)
 

@@ -244,15 +244,17 @@ class CoordinatorRole(LoopDispatcher):
         return build.numerics == ours.numerics and (ours.numerics == "float32" or build == ours)
 
     def _note_other_numerics(self, peer: str, hello: Hello) -> None:
-        """Record once that ``peer`` gets no work for its numerics (status, the dashboard, ``join``)."""
+        """Record once that ``peer`` gets no work for its numerics: an event ("left out": ``status
+        --watch`` and ``--json``, the dashboard, ``join``'s terminal) and a warning in the log."""
         if peer in self._other_numerics:
             return
         self._other_numerics.add(peer)
         ours = self.node.hello.build.numerics
         theirs = hello.build.numerics
+        b = hello.build
         why = (f"it computes {theirs}, this coordinator {ours}" if theirs != ours
-               else f"another build of the {ours} numerics ({hello.build.package}, numpy {hello.build.numpy}, "
-                    f"{hello.build.arch}), whose int8 answers this coordinator cannot check bit for bit")
+               else f"another build of the {ours} numerics ({b.package}, numpy {b.numpy}, {b.blas}, {b.arch}), "
+                    "whose int8 answers this coordinator cannot check bit for bit")
         self.node.record("left out", peer, hello.name, why)
         log.warning("peer %s (%s) gets no work: %s", hello.name, peer, why)
 

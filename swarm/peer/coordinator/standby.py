@@ -21,12 +21,17 @@ from swarm.peer.plan import ModelShape, Plan
 
 NOTICES_PREFIX = "notices:"  # the word of a page's build.blas that lists the notices it reads
 READS_STANDBY = "standby"
+# Reasons added after the first set: a page names each it reads (``notices:standby,other_numerics``);
+# one that reads Standby but not the reason would refuse the frame as malformed and drop its link.
+LATER_REASONS = ("other_numerics",)
 
 
-def reads_standby(build: NumericBuild) -> bool:
-    """Whether a Hello's ``build`` names ``notices:standby`` in ``blas``: pages that do not (older
-    ones) are sent no Standby, which they would refuse as an unknown kind."""
-    return READS_STANDBY in build.named(NOTICES_PREFIX)
+def reads_standby(build: NumericBuild, reason: str | None = None) -> bool:
+    """Whether a Hello's ``build`` names ``notices:standby`` in ``blas`` and, for a reason of
+    :data:`LATER_REASONS`, that reason too: pages that do not (older ones) are sent no such
+    Standby, which they would refuse as an unknown kind or reason."""
+    named = build.named(NOTICES_PREFIX)
+    return READS_STANDBY in named and (reason not in LATER_REASONS or reason in named)
 
 
 def _gib(n: int) -> str:

@@ -209,10 +209,17 @@ class GpuFfn:
 
     def build(self) -> NumericBuild:
         """This peer's numeric build: ``blas`` reads ``wgpu <version> <backend> kernels:<formats>
-        adapter:<name>`` (same adapter and kernels: the same bits)."""
+        adapter:<name>`` (same adapter and kernels: the same bits). Its kernels take float32
+        activations: SwarmError under the int8 numerics, whose work past the GPU's memory would
+        run on the CPU in int8 (answers of neither numerics)."""
         import wgpu
 
+        from swarm.compute import numerics
         from web_peer.kernels import BLOCK_FORMATS
+
+        if numerics.int8():
+            raise SwarmError("a GPU peer computes with float32 activations, but this process's numerics are "
+                             f"int8 (${numerics.NUMERICS_ENV}): join with float32 numerics, or without --gpu")
 
         return NumericBuild(package=__version__, numpy=np.__version__,
                             blas=f"wgpu {wgpu.__version__} {self.backend} kernels:{','.join(BLOCK_FORMATS)} "

@@ -14,9 +14,11 @@ from swarm.compute import numerics
 from swarm.peer.net import messages as M
 from swarm.peer.node import numeric_build
 from tests.peer._swarm_models import peer_id
-from tests.peer.coordinator.test_standby import PAGE, FakeLink, coordinator, hello, model, plan_and_announce  # noqa: F401
+from tests.peer.coordinator.test_standby import (  # noqa: F401  (model: a fixture)
+    OLD_PAGE, PAGE, READS, FakeLink, coordinator, hello, model, plan_and_announce)
 
 SAME, OTHER_BUILD, OTHER_NUMERICS = peer_id("same"), peer_id("other-build"), peer_id("other-numerics")
+READS_NUMERICS = READS.replace("notices:standby", "notices:standby,other_numerics")  # this release's page
 
 
 @pytest.fixture
@@ -33,9 +35,9 @@ def python_peer(peer: str, build: M.NumericBuild, model_hash: str) -> FakeLink:
 
 def _links(model, ours: M.NumericBuild, theirs: M.NumericBuild) -> list[FakeLink]:
     other_build = dataclasses.replace(ours, numpy=ours.numpy + ".post1")  # same numerics, another build
-    return [FakeLink(PAGE, hello(PAGE)), python_peer(SAME, ours, model.content_hash()),
+    return [FakeLink(PAGE, hello(PAGE, blas=READS_NUMERICS)), python_peer(SAME, ours, model.content_hash()),
             python_peer(OTHER_BUILD, other_build, model.content_hash()),
-            python_peer(OTHER_NUMERICS, theirs, model.content_hash())]
+            python_peer(OTHER_NUMERICS, theirs, model.content_hash()), FakeLink(OLD_PAGE, hello(OLD_PAGE))]
 
 
 def test_an_int8_coordinator_gives_work_only_to_its_own_build(tmp_path, model, restored_numerics):
@@ -51,7 +53,7 @@ def test_an_int8_coordinator_gives_work_only_to_its_own_build(tmp_path, model, r
         plan = plan_and_announce(role)
     assert set(plan.workers()) - {role.node.peer_id} == {SAME}
     left = [e for e in role.node.activity if e["what"] == "left out"]
-    assert sorted(e["peer_id"] for e in left) == sorted([PAGE, OTHER_BUILD, OTHER_NUMERICS])
+    assert sorted(e["peer_id"] for e in left) == sorted([PAGE, OTHER_BUILD, OTHER_NUMERICS, OLD_PAGE])
     by_peer = {e["peer_id"]: e["detail"] for e in left}
     assert by_peer[OTHER_NUMERICS] == "it computes float32, this coordinator int8"
     assert "another build of the int8 numerics" in by_peer[OTHER_BUILD] and ".post1" in by_peer[OTHER_BUILD]
@@ -60,6 +62,9 @@ def test_an_int8_coordinator_gives_work_only_to_its_own_build(tmp_path, model, r
     assert notice.reason == "other_numerics" and notice.version == plan.version
     assert notice.message == "this swarm's coordinator computes with the int8 numerics, which this page's kernels do not give"
     assert role.node.placement["standby"][PAGE]["reason"] == "other_numerics"
+    # a page that reads Standby but not this later reason would refuse the frame: it is sent none,
+    # and status still says why it stands by
+    assert links[-1].of(M.Standby) == [] and role.node.placement["standby"][OLD_PAGE]["reason"] == "other_numerics"
 
 
 def test_a_float32_coordinator_leaves_out_int8_peers_only(tmp_path, model, restored_numerics):
@@ -71,10 +76,24 @@ def test_a_float32_coordinator_leaves_out_int8_peers_only(tmp_path, model, resto
     role = coordinator(tmp_path, model, "ranges", links)
     plan = plan_and_announce(role)
     # another float32 build and a page are checked within the bound of float reassociation, as before
-    assert set(plan.workers()) - {role.node.peer_id} == {PAGE, SAME, OTHER_BUILD}
+    assert set(plan.workers()) - {role.node.peer_id} == {PAGE, SAME, OTHER_BUILD, OLD_PAGE}
     left = [e for e in role.node.activity if e["what"] == "left out"]
     assert [(e["peer_id"], e["detail"]) for e in left] == [(OTHER_NUMERICS, "it computes int8, this coordinator float32")]
     assert not links[0].of(M.Standby)
+
+
+def test_the_standby_reasons_of_python_and_the_page_agree():
+    # The page decodes a Standby's reason against its own list (web_peer/wire.js): one reason
+    # missing there and the page would refuse the frame and drop its link.
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "web_peer" / "wire.js").read_text()
+    (js,) = re.findall(r"export const STANDBY_REASONS = \[([^\]]*)\];", text)
+    assert tuple(re.findall(r'"([a-z_]+)"', js)) == M.STANDBY_REASONS
+    assert "other_numerics" in M.STANDBY_REASONS
+    main = (Path(__file__).resolve().parents[3] / "web_peer" / "main.js").read_text()
+    assert "notices:standby,other_numerics" in main  # this release's page reads it
 
 
 def test_a_peer_that_left_and_returns_is_noted_again(tmp_path, model, restored_numerics):

@@ -164,6 +164,11 @@ def test_reads_standby_only_from_the_notices_word():
     for blas in ("webgpu", "webgpu kernels:q4_0", "webgpu notices:", "webgpu notices:standbys", "standby"):
         assert not standby.reads_standby(dataclasses.replace(build, blas=blas)), blas
     assert standby.reads_standby(dataclasses.replace(build, blas="webgpu notices:other,standby"))
+    # a reason added later goes only to a page that names it too
+    assert not standby.reads_standby(build, "other_numerics") and standby.reads_standby(build, "too_slow")
+    newer = dataclasses.replace(build, blas=READS + ",other_numerics")
+    assert standby.reads_standby(newer, "other_numerics") and standby.reads_standby(newer, "slow_link")
+    assert not standby.reads_standby(dataclasses.replace(build, blas="webgpu notices:other_numerics"), "other_numerics")
 
 
 @pytest.mark.parametrize("fields, what", [

@@ -122,3 +122,17 @@ def test_a_worker_on_the_gpu_answers_within_the_bound_and_recovers_from_a_lost_d
     assert isinstance(refused, M.Error) and refused.code == "internal" and "lost" in refused.message
     again = ask(3)
     assert isinstance(again, M.ExpertAnswer) and np.array_equal(again.outputs, first.outputs)  # same kernels, same bits
+
+
+def test_a_gpu_peer_refuses_the_int8_numerics(gpu, monkeypatch):
+    # Its kernels take float32 activations and its overflow runs on the CPU in the process's
+    # numerics: under int8 its answers would be of neither, so it announces no build.
+    from swarm.compute import numerics
+    from swarm.errors import SwarmError
+
+    monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
+    numerics.set_numerics("float32")
+    assert gpu.build().numerics == "float32"
+    numerics.set_numerics("int8")
+    with pytest.raises(SwarmError, match="GPU peer computes with float32 activations.*int8"):
+        gpu.build()
