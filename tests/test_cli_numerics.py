@@ -82,7 +82,7 @@ def test_generate_with_int8_from_the_environment_goes_to_the_swarm(clean_numeric
     assert main(["generate", "hi", "--swarm"]) == 0 and asked == ["hi"]
 
 
-@pytest.mark.parametrize("command,says", [("generate", "the swarm's coordinator computes with its own"),
+@pytest.mark.parametrize("command,says", [("generate", "int8 runs on this machine alone (refused with --swarm"),
                                            ("join", "gives work only to peers of its own numerics")])
 def test_the_help_says_what_int8_trades(command, says):
     text = " ".join(build_parser()._subparsers._group_actions[0].choices[command].format_help().split())

@@ -13,7 +13,8 @@
 // adjacent lanes adjacent steps), each loading a step's activations once (step_x) and adding
 // row_step() (the scaled integer sums, the min terms) of each row to that row's vec2 in order;
 // slice_sum adds the lanes in a fixed tree; y = sums - mins, once a row (as llama.cpp's sum_d
-// and sum_m). RT changes which thread computes a row, never its order: the same bits at any RT.
+// and sum_m). RT changes which thread computes a row, never its order (the same bits at any RT
+// where the compiler treats each count alike: checked on lavapipe and an H100).
 // T rows of x: workgroup z = t. Twin: web_peer/int8_activations.py gemv_x8.
 
 @group(0) @binding(0) var<uniform> p: Params;

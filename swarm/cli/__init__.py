@@ -123,7 +123,8 @@ def _add_numerics_arg(p: argparse.ArgumentParser, peer: bool = False) -> None:
     where = ("a coordinator gives work only to peers of its own numerics (under int8, of its own build too: "
              "release, numpy, BLAS, numba, architecture), so give every peer the same; not with --gpu auto|on, "
              "whose kernels take float32 activations" if peer else
-             "through a swarm (--swarm, --api) the swarm's coordinator computes with its own")
+             "int8 runs on this machine alone (refused with --swarm or --api, where the swarm's coordinator "
+             "computes with its own numerics)")
     p.add_argument("--numerics", choices=("float32", "int8"), default=None,
                    help=_NUMERICS_HELP.format(whose="this peer's" if peer else "this machine's", where=where))
 

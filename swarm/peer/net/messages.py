@@ -264,7 +264,8 @@ class Standby(MessageBase):
     """The coordinator's plan ``version`` of ``term`` gives this page no work: it stands by.
     ``reason``: one of :data:`STANDBY_REASONS`; ``message``: the reason as one sentence for the
     page's status line (1..:data:`STANDBY_MESSAGE_MAX` characters, no control characters). Sent
-    only to pages whose Hello reads it (``notices:standby`` in ``build.blas``)."""
+    only to pages whose Hello reads it (``notices:standby`` in ``build.blas``; for a reason of
+    :data:`~swarm.peer.coordinator.standby.LATER_REASONS`, named in that list too)."""
 
     term: int
     version: int

@@ -219,7 +219,8 @@ class GpuFfn:
 
         if numerics.int8():
             raise SwarmError("a GPU peer computes with float32 activations, but this process's numerics are "
-                             f"int8 (${numerics.NUMERICS_ENV}): join with float32 numerics, or without --gpu")
+                             f"int8 (--numerics or ${numerics.NUMERICS_ENV}): join with float32 numerics, or "
+                             "without --gpu")
 
         return NumericBuild(package=__version__, numpy=np.__version__,
                             blas=f"wgpu {wgpu.__version__} {self.backend} kernels:{','.join(BLOCK_FORMATS)} "
