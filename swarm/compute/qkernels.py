@@ -771,7 +771,8 @@ def matmul(kind, w, x, out, lo, hi):
 # (:func:`_i8_block`: blocks of 32 by VNNI ``vpdpbusd``, unsigned bytes times signed ones,
 # Q8_0's signed q as (q + 128) times x less 128·Σx, Q4_0's q - 8 as q times x less 8·Σx, Q5_0's
 # likewise with 16; Q4_K, Q5_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
-# as q times x less 32·x; all exact), and portable integer loops (:func:`_i8_port`).
+# as q times x less 32·x; all exact), the same products in plain vector arithmetic for any other
+# CPU (``_i8_block(kind, native=False)``: AVX2, NEON), and portable integer loops (:func:`_i8_port`).
 INT8_OFFSET = 16  # the kind of a weight type's int8 product: its kind + INT8_OFFSET
 INT8_KINDS = (0, 1, 2, 3, 4, 5, 6, 7)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32), Q4_K, Q5_K, Q6_K
 # Bytes of a block of 32 (the kinds quantizing activations per 32) or a super-block of 256.
@@ -779,6 +780,10 @@ _I8_SIZE = {0: 34, 1: 18, 2: 20, 3: 22, 4: 24, 5: 144, 6: 176, 7: 210}
 # Whether the VNNI form is compiled (numba compiles for the host unless NUMBA_CPU_NAME names a CPU)
 VNNI = AVX512 and bool(binding.get_host_cpu_features().get("avx512vnni", False)) \
     and bool(binding.get_host_cpu_features().get("avx512bw", False))
+# The forms of the int8 tiles, the same bits: AVX-512 VNNI instructions; the same products in plain
+# vector arithmetic, which LLVM compiles for the CPU at hand (AVX2, NEON); scalar integer loops.
+I8_FORMS = ("vnni", "vector", "portable")
+I8_FORM = "vnni" if VNNI else "vector"  # what this process runs
 
 
 @njit(inline="always")
@@ -983,8 +988,8 @@ def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
 _I8x64, _I8x32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.IntType(8), 32)
 
 
-def _i8_block(kind: int):
-    """An intrinsic ``block(s, m, w, isc, fsc, x, b, K)``: the AVX-512 form of :func:`_i8_port`
+def _i8_block(kind: int, native: bool = True):
+    """An intrinsic ``block(s, m, w, isc, fsc, x, b, K)``: the vector form of :func:`_i8_port`
     for a tile: super-block ``b`` of NR weight rows ``w`` (a tuple of uint8 rows, their scales
     decoded into the tuples ``isc`` int32 and ``fsc`` float32) by TT quantized activation rows
     ``x`` (a tuple of uint8 rows), into the NR·TT pairs' lanes ``s`` (tuple of 16 float32,
@@ -992,7 +997,11 @@ def _i8_block(kind: int):
     (VNNI), 4 byte products into each int32 lane. Q4_K, Q6_K: ``vpmaddubsw`` (pairs of byte
     products into int16, at most 2·63·127 less 2·32·127: no saturation) then ``vpmaddwd`` by the
     pairs' sub-block scale (pairs of those into int32): the same 4 products per lane times the
-    scale they share, so the same integers, with the scales applied in the multiply-add."""
+    scale they share, so the same integers, with the scales applied in the multiply-add.
+    ``native`` False: those three instructions written as plain vector arithmetic (bytes widened
+    to int32, multiplied, added in their groups of 4 or 2), which LLVM compiles for any CPU
+    (AVX2, NEON): the same integers, so the same bits (the inputs never saturate ``vpmaddubsw``:
+    at most 2·63·127)."""
     @intrinsic
     def block(typingctx, s, m, w, isc, fsc, x, b, K):
         nr, tt = len(w.types), len(x.types)
@@ -1003,12 +1012,7 @@ def _i8_block(kind: int):
                 return _tuple_data(context, builder, sig.args[i], args[i])
             b, K = args[6], args[7]
             ps, pm, pw, pi, pf, px = (datas(i) for i in range(6))
-            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_I16] * 3),
-                                                 "llvm.x86.avx512.vpdpbusd.512")
-            pairs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_W32, [_I8x64] * 2),
-                                                   "llvm.x86.avx512.pmaddubs.w.512")
-            quads = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_W32] * 2),
-                                                   "llvm.x86.avx512.pmaddw.d.512")
+            dot, pairs, quads = (_native_products if native else _vector_products)(builder)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
             fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
             fma2 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V2F, [_V2F] * 3), "llvm.fma.v2f32")
@@ -1079,10 +1083,10 @@ def _i8_block(kind: int):
                 xs = [_load(builder, xbase, _I64(64 * k), _I8x64, 1) for k in range(nk)]
                 dx = builder.bitcast(builder.gep(px[t], [K]), fp)
                 if kind == 7:  # 32·(x + x') per int16 pair: q - 32 times x
-                    corr = [builder.call(pairs, [b8(32), v]) for v in xs]
+                    corr = [pairs(b8(32), v) for v in xs]
                 elif per32:  # -offset·Σx per lane: q times x
-                    corr = [builder.sub(zero, builder.call(dot, [zero, as32(b8(offset - 256 if offset > 127 else offset)),
-                                                                 as32(xs[0])])) if offset else zero]
+                    corr = [builder.sub(zero, dot(zero, as32(b8(offset - 256 if offset > 127 else offset)),
+                                                  as32(xs[0]))) if offset else zero]
                     d2 = builder.load(builder.bitcast(builder.gep(dx, [builder.mul(b, _I64(2))]), ir.PointerType(_V2F)), align=4)
                     dxv = builder.shuffle_vector(d2, d2, ir.Constant(_I16, [0] * 8 + [1] * 8))
                 if not per32:
@@ -1098,15 +1102,15 @@ def _i8_block(kind: int):
                 for n in range(nr):
                     acc_p = builder.bitcast(ps[n * tt + t], vp)
                     if per32:
-                        c = builder.call(dot, [corr[0], as32(wq[n]), as32(xs[0])])
+                        c = dot(corr[0], as32(wq[n]), as32(xs[0]))
                         f2 = builder.load(builder.bitcast(pf[n], ir.PointerType(_V2F)), align=4)
                         scale = builder.fmul(builder.shuffle_vector(f2, f2, ir.Constant(_I16, [0] * 8 + [1] * 8)), dxv)
                     else:
                         c = None
                         for k in range(4):
-                            p = builder.call(pairs, [wq[4 * n + k], xs[k]])
+                            p = pairs(wq[4 * n + k], xs[k])
                             p = builder.sub(p, corr[k]) if kind == 7 else p
-                            v = builder.call(quads, [p, wsc[4 * n + k]])
+                            v = quads(p, wsc[4 * n + k])
                             c = v if c is None else builder.add(c, v)
                         scale = _splat(builder, builder.fmul(dxs, builder.load(pf[n])))
                     builder.store(builder.call(fma, [scale, builder.sitofp(c, _V16), builder.load(acc_p, align=4)]),
@@ -1125,10 +1129,55 @@ def _i8_block(kind: int):
 
 
 _V2F, _W32 = ir.VectorType(ir.FloatType(), 2), ir.VectorType(ir.IntType(16), 32)
+
+
+def _native_products(builder):
+    """(dot, pairs, quads) of :func:`_i8_block` as AVX-512 instructions: ``vpdpbusd`` (acc + the
+    sums of 4 unsigned-by-signed byte products, <16 x i32>), ``vpmaddubsw`` (sums of 2 such
+    products, <32 x i16>), ``vpmaddwd`` (sums of 2 int16 products, <16 x i32>)."""
+    def call(name, ty):
+        f = cgutils.get_or_insert_function(builder.module, ty, name)
+        return lambda *args: builder.call(f, list(args))
+    return (call("llvm.x86.avx512.vpdpbusd.512", ir.FunctionType(_I16, [_I16] * 3)),
+            call("llvm.x86.avx512.pmaddubs.w.512", ir.FunctionType(_W32, [_I8x64] * 2)),
+            call("llvm.x86.avx512.pmaddw.d.512", ir.FunctionType(_I16, [_W32] * 2)))
+
+
+def _vector_products(builder):
+    """The same (dot, pairs, quads) as :func:`_native_products`, in plain vector arithmetic: the
+    lanes widened to int32, multiplied, and each group of 4 (dot) or 2 (pairs, quads) adjacent
+    products added (exact: no sum leaves int32; ``pairs`` truncates to int16, where its inputs'
+    sums lie)."""
+    def grouped(v, n, size):  # the sums of ``size`` adjacent lanes of v, n groups
+        picks = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [size * i + j for i in range(n)]))
+                 for j in range(size)]
+        out = picks[0]
+        for p in picks[1:]:
+            out = builder.add(out, p)
+        return out
+
+    def products(a, b, a_signed, b_signed, lanes):
+        ty = ir.VectorType(_I32, lanes)
+        wa = (builder.sext if a_signed else builder.zext)(a, ty)
+        return builder.mul(wa, (builder.sext if b_signed else builder.zext)(b, ty))
+
+    def dot(acc, a, b):
+        p = products(builder.bitcast(a, _I8x64), builder.bitcast(b, _I8x64), False, True, 64)
+        return builder.add(acc, grouped(p, 16, 4))
+
+    def pairs(a, b):
+        return builder.trunc(grouped(products(a, b, False, True, 64), 32, 2), _W32)
+
+    def quads(p, sc):
+        return grouped(products(p, sc, True, True, 32), 16, 2)
+    return dot, pairs, quads
+
+
 _i8_blocks = {kind: _i8_block(kind) for kind in INT8_KINDS}
+_i8_vector_blocks = {kind: _i8_block(kind, native=False) for kind in INT8_KINDS}
 
 
-def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
+def _i8_tile_source(kind: int, nr: int, tt: int, form: str) -> str:
     per32 = kind < 5  # blocks of 32: a step takes two (64 activation values)
     size = 2 * _I8_SIZE[kind] if per32 else _I8_SIZE[kind]
     rows, acts, pairs = range(nr), range(tt), [(n, t) for n in range(nr) for t in range(tt)]
@@ -1146,9 +1195,10 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
     lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
     lines += [f"        _i8_scales32(w{n}, o, {_I8_SIZE[kind]}, f{n})" if per32 else
               f"        _i8_scales{kind}(i{n}, f{n}, w{n}, o, _F16)" for n in rows]
-    if vnni:
+    if form != "portable":
         tup = lambda names: "(" + ", ".join(names) + ",)"  # noqa: E731
-        lines += [f"        _i8_block{kind}({tup(f's{n}_{t}' for n, t in pairs)}, {tup(f'm{n}_{t}' for n, t in pairs)}, "
+        block = f"_i8_block{kind}" if form == "vnni" else f"_i8_vblock{kind}"
+        lines += [f"        {block}({tup(f's{n}_{t}' for n, t in pairs)}, {tup(f'm{n}_{t}' for n, t in pairs)}, "
                   f"{tup(f'w{n}' for n in rows)}, {tup(f'i{n}' for n in rows)}, {tup(f'f{n}' for n in rows)}, "
                   f"{tup(f'x{t}' for t in acts)}, b, K)"]
     else:
@@ -1160,20 +1210,25 @@ def _i8_tile_source(kind: int, nr: int, tt: int, vnni: bool) -> str:
     return "\n".join(lines)
 
 
-def _compile_i8_tile(kind: int, nr: int, tt: int, vnni: bool):
+def _compile_i8_tile(kind: int, nr: int, tt: int, form: str):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _istack=_istack, _sum16=_sum16,
                  _sum8=_sum8, _prefetch_ahead=_prefetch_ahead, _i8_port=_i8_port, _F16=_F16,
                  _i8_scales32=_i8_scales32, _i8_scales5=_i8_scales5, _i8_scales6=_i8_scales6,
                  _i8_scales7=_i8_scales7,
-                 **{f"_i8_block{k}": f for k, f in _i8_blocks.items()})
-    exec(compile(_i8_tile_source(kind, nr, tt, vnni), f"<{__name__} int8 tile {kind} {nr}x{tt}>", "exec"), scope)
+                 **{f"_i8_block{k}": f for k, f in _i8_blocks.items()},
+                 **{f"_i8_vblock{k}": f for k, f in _i8_vector_blocks.items()})
+    exec(compile(_i8_tile_source(kind, nr, tt, form), f"<{__name__} int8 tile {kind} {nr}x{tt} {form}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])
 
 
-def _i8_rows_kernel(kind: int, vnni: bool = VNNI):
+def _i8_rows_kernel(kind: int, form: str = ""):
     """Rows ``lo:hi`` of ``out`` for weight kind ``kind`` times quantized activation rows
-    (:func:`_quantize_rows`), tiled as :data:`_TILES` says (``vnni``: the VNNI form, the same bits)."""
-    return _tiled_rows([_compile_i8_tile(kind, nr, tt, vnni) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
+    (:func:`_quantize_rows`), tiled as :data:`_TILES` says, in ``form`` (:data:`I8_FORMS`; default
+    :data:`I8_FORM`): the same bits in every form."""
+    form = form or I8_FORM
+    if form not in I8_FORMS:
+        raise ValueError(f"int8 form must be one of {I8_FORMS}, got {form!r}")
+    return _tiled_rows([_compile_i8_tile(kind, nr, tt, form) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
 
 
 _I8_ROWS = tuple(_i8_rows_kernel(kind) for kind in INT8_KINDS)

@@ -1,6 +1,6 @@
 """The numerics ``int8`` (8-bit activations, llama.cpp's): the compiled kernels against a numpy
 twin of the same integer and float32 operations, bit for bit; the same bits across T, row
-ranges, thread counts and the two forms (AVX-512 VNNI and portable)."""
+ranges, thread counts and the three forms (AVX-512 VNNI, plain vector arithmetic, portable)."""
 
 from __future__ import annotations
 
@@ -150,9 +150,11 @@ def twin(qtype, w, x):
 
 
 @functools.cache
-def portable_rows(kind):
-    """The portable form of kind's int8 rows kernel, compiled beside the machine's."""
-    return quant._kernels()._i8_rows_kernel(kind, vnni=False)
+def form_rows(kind, form):
+    """Kind's int8 rows kernel in ``form`` (qkernels.I8_FORMS), compiled beside the machine's
+    (the machine's own where it is that form)."""
+    k = quant._kernels()
+    return k._I8_ROWS[kind] if form == k.I8_FORM else k._i8_rows_kernel(kind, form)
 
 
 def weights(qtype, rows, cols, seed):
@@ -195,7 +197,8 @@ def test_twin_decodes_gguf_values(qtype):
 @pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
 def test_int8_kernels_give_the_twins_bits(qtype, T):
     """Every tile shape (T = 1 … 9, an odd row count, ranges starting at odd rows), the kernel
-    compiled for this machine and the portable form: the twin's bits; the result within the
+    compiled for this machine, the vector form (plain vector arithmetic: AVX2, NEON) and the
+    portable form: the twin's bits; the result within the
     quantization's error of the float64 product."""
     K, R = 3 * 256 if qtype not in PER32 else 4 * 64, 23
     w = weights(qtype, R, K, 3 + T)
@@ -211,10 +214,10 @@ def test_int8_kernels_give_the_twins_bits(qtype, T):
     k.matmul_int8(kind, w, xq, got, 0, 5)
     k.matmul_int8(kind, w, xq, got, 5, R)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    portable = portable_rows(kind)
-    other = np.full((T, R), np.nan, F32)
-    portable(w, xq, other, 0, R)
-    np.testing.assert_array_equal(other.view(np.uint32), want.view(np.uint32))
+    for form in ("vector", "portable"):  # the machine's form above (VNNI where the CPU has it)
+        other = np.full((T, R), np.nan, F32)
+        form_rows(kind, form)(w, xq, other, 0, R)
+        np.testing.assert_array_equal(other.view(np.uint32), want.view(np.uint32), err_msg=form)
     ref = x.astype(F64) @ gguf.quants.dequantize(w, qtype).astype(F64).T
     assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
