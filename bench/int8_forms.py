@@ -4,13 +4,15 @@
 
 Per weight type (Q8_0, Q4_0, Q4_1 on [1536, 576]; Q4_K, Q6_K on [1536, 1024]) and T = 1, 8:
 ms (best of 5, after a first call) of the int8 rows kernel in the vector form (plain vector
-arithmetic, compiled for this CPU) and the portable form (scalar integer loops), whether their
-outputs have the same bits, and the float32 kernel (QMatrix.matmul) on the same weights. On a
+arithmetic, compiled for this CPU) and the portable form (scalar integer loops), one thread,
+whether their outputs have the same bits, and the float32 kernel (QMatrix.matmul, as the engine
+runs it: on this process's threads) on the same weights. The first line names the CPU. On a
 CPU with AVX-512 VNNI the process's own form is VNNI; the vector form is then compiled beside it.
 The first run compiles both forms (minutes).
 """
 
 import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -27,7 +29,10 @@ from tests.compute.test_int8_numerics import KINDS  # noqa: E402
 from tests.compute.test_quant_kernels import encoded  # noqa: E402
 QT = gguf.GGMLQuantizationType
 k = quant._kernels()
-out_rows = []
+from swarm.compute import threads  # noqa: E402
+
+print(json.dumps({"cpu": platform.processor() or platform.machine(), "int8_form": k.I8_FORM,
+                  "threads": threads.threads()}), flush=True)
 for qt, R, K in ((QT.Q8_0, 1536, 576), (QT.Q4_0, 1536, 576), (QT.Q4_1, 1536, 576), (QT.Q4_K, 1536, 1024), (QT.Q6_K, 1536, 1024)):
     kind = KINDS[qt]
     w = encoded(qt, R, K, 1).copy()

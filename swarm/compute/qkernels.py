@@ -9,7 +9,7 @@ The K-quant tiles take AVX-512 vector code where the CPU has it (:data:`AVX512`,
 :func:`_k_block`): each weight decoded in registers to the float32 value of the portable form
 (Q4_K by ``vpermps`` from a 16-entry table of its sub-block's ``fma(d·sc, q, -dmin·m)``),
 then the same operations in the same order. Under the numerics ``int8``
-(swarm/compute/numerics.py), Q8_0, Q4_K and Q6_K take 8-bit activation rows instead (the int8
+(swarm/compute/numerics.py), Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K take 8-bit activation rows instead (the int8
 section below: exact integer sums, then float32 in one fixed order). :func:`run_group` computes a group of
 products tile by tile on every thread that runs it (swarm/compute/quant.py's ``matmul_many``).
 Each kernel runs on one thread over a range of output rows and releases the GIL: the caller
@@ -767,7 +767,7 @@ def matmul(kind, w, x, out, lo, hi):
 #   (dw·dx)·c_l, the scales of the lane's block; rows of K % 64 ≠ 0 keep the float32 kernel;
 # - Q4_1, Q5_1 (``vec_dot_q4_1_q8_1``, ``…q5_1…``): the same with q as stored, and lanes 0, 1 of
 #   8 more take the two blocks' minimums, fma(m, dx·Σq8, ·); the result is Σ16 + Σ8.
-# Every |I_l| < 2²⁴, so its float32 conversion is exact. Two forms, the same bits: AVX-512
+# Every |I_l| < 2²⁴, so its float32 conversion is exact. Three forms, the same bits: AVX-512
 # (:func:`_i8_block`: blocks of 32 by VNNI ``vpdpbusd``, unsigned bytes times signed ones,
 # Q8_0's signed q as (q + 128) times x less 128·Σx, Q4_0's q - 8 as q times x less 8·Σx, Q5_0's
 # likewise with 16; Q4_K, Q5_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
@@ -994,7 +994,7 @@ def _i8_block(kind: int, native: bool = True):
     decoded into the tuples ``isc`` int32 and ``fsc`` float32) by TT quantized activation rows
     ``x`` (a tuple of uint8 rows), into the NR·TT pairs' lanes ``s`` (tuple of 16 float32,
     row-major: weight row, then activation row) and ``m`` (8 float32, Q4_K). Q8_0: ``vpdpbusd``
-    (VNNI), 4 byte products into each int32 lane. Q4_K, Q6_K: ``vpmaddubsw`` (pairs of byte
+    (VNNI), 4 byte products into each int32 lane. Q4_K, Q5_K, Q6_K: ``vpmaddubsw`` (pairs of byte
     products into int16, at most 2·63·127 less 2·32·127: no saturation) then ``vpmaddwd`` by the
     pairs' sub-block scale (pairs of those into int32): the same 4 products per lane times the
     scale they share, so the same integers, with the scales applied in the multiply-add.
@@ -1228,6 +1228,8 @@ def _i8_rows_kernel(kind: int, form: str = ""):
     form = form or I8_FORM
     if form not in I8_FORMS:
         raise ValueError(f"int8 form must be one of {I8_FORMS}, got {form!r}")
+    if form == "vnni" and not VNNI:  # its instructions would not compile (or run) on this CPU
+        raise ValueError("the int8 form 'vnni' needs a CPU with AVX-512 VNNI and BW; this one takes 'vector'")
     return _tiled_rows([_compile_i8_tile(kind, nr, tt, form) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
 
 
