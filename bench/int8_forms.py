@@ -3,12 +3,12 @@
     python3 bench/int8_forms.py
 
 Per weight type (Q8_0, Q4_0, Q4_1 on [1536, 576]; Q4_K, Q6_K on [1536, 1024]) and T = 1, 8:
-ms (best of 5, after a first call) of the int8 rows kernel in the vector form (plain vector
-arithmetic, compiled for this CPU) and the portable form (scalar integer loops), one thread,
-whether their outputs have the same bits, and the float32 kernel (QMatrix.matmul, as the engine
-runs it: on this process's threads) on the same weights. The first line names the CPU. On a
-CPU with AVX-512 VNNI the process's own form is VNNI; the vector form is then compiled beside it.
-The first run compiles both forms (minutes).
+ms (best of 5, after a first call) of the int8 rows kernel in every form that compiles on this
+CPU (VNNI, AVX2, the vector form: plain vector arithmetic compiled for this CPU, the portable
+form: scalar integer loops), one thread, whether their outputs have the same bits, and the
+float32 kernel (QMatrix.matmul, as the engine runs it: on this process's threads) on the same
+weights. The first line names the CPU and the form the process runs. The first run compiles
+every form (minutes).
 """
 
 import json
@@ -41,7 +41,7 @@ for qt, R, K in ((QT.Q8_0, 1536, 576), (QT.Q4_0, 1536, 576), (QT.Q4_1, 1536, 576
         xq = np.zeros((T, k.int8_row_bytes(kind, K)), np.uint8); k.quantize(kind, x, xq)
         res = {"type": qt.name, "R": R, "K": K, "T": T}
         outs = {}
-        for form in ("vector", "portable"):
+        for form in k.I8_FORMS_HERE:
             f = k._I8_ROWS[kind] if form == k.I8_FORM else k._i8_rows_kernel(kind, form)
             out = np.zeros((T, R), np.float32); f(w, xq, out, 0, R)
             best = 1e9
@@ -55,6 +55,7 @@ for qt, R, K in ((QT.Q8_0, 1536, 576), (QT.Q4_0, 1536, 576), (QT.Q4_1, 1536, 576
         for _ in range(5):
             t = time.perf_counter(); m.matmul(x); best = min(best, time.perf_counter() - t)
         res["float32_ms"] = round(best * 1e3, 3)
-        res["same_bits"] = bool(np.array_equal(outs["vector"].view(np.uint32), outs["portable"].view(np.uint32)))
-        res["ratio"] = round(res["portable_ms"] / res["vector_ms"], 1)
+        res["same_bits"] = all(np.array_equal(o.view(np.uint32), outs["portable"].view(np.uint32)) for o in outs.values())
+        res["portable_over_vector"] = round(res["portable_ms"] / res["vector_ms"], 1)
+        res[f"float32_over_{k.I8_FORM}"] = round(res["float32_ms"] / res[f"{k.I8_FORM}_ms"], 2)
         print(json.dumps(res), flush=True)

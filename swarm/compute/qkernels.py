@@ -34,18 +34,20 @@ from numba.np.arrayobj import populate_array
 F32 = np.float32
 
 
-def _host_has_avx512() -> bool:
-    if config.CPU_NAME:  # compiling for a named CPU (a portable cache): no host-only instructions
-        return False
+def _target_has(feature: str) -> bool:
+    """Whether numba compiles the kernels for a CPU with ``feature`` (LLVM's name: "avx2",
+    "avx512f"): the host's features, or, where NUMBA_CPU_NAME names another CPU (a portable
+    cache, an experiment), only those NUMBA_CPU_FEATURES adds ("+avx2,+fma")."""
+    if config.CPU_NAME:
+        return f"+{feature}" in (config.CPU_FEATURES or "").split(",")
     try:
-        return bool(binding.get_host_cpu_features().get("avx512f", False))
+        return bool(binding.get_host_cpu_features().get(feature, False))
     except RuntimeError:  # features unknown on this platform
         return False
 
 
-# Whether the kernels are compiled for a CPU with AVX-512F (numba compiles for the host unless
-# NUMBA_CPU_NAME names another CPU: then the portable form): the K-quant tiles use it.
-AVX512 = _host_has_avx512()
+# Whether the kernels are compiled for a CPU with AVX-512F: the K-quant tiles use it.
+AVX512 = _target_has("avx512f")
 
 # Every IEEE half bit pattern's float32 value: how block scales are read.
 _F16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(F32)
@@ -767,23 +769,27 @@ def matmul(kind, w, x, out, lo, hi):
 #   (dw·dx)·c_l, the scales of the lane's block; rows of K % 64 ≠ 0 keep the float32 kernel;
 # - Q4_1, Q5_1 (``vec_dot_q4_1_q8_1``, ``…q5_1…``): the same with q as stored, and lanes 0, 1 of
 #   8 more take the two blocks' minimums, fma(m, dx·Σq8, ·); the result is Σ16 + Σ8.
-# Every |I_l| < 2²⁴, so its float32 conversion is exact. Three forms, the same bits: AVX-512
+# Every |I_l| < 2²⁴, so its float32 conversion is exact. Four forms, the same bits: AVX-512
 # (:func:`_i8_block`: blocks of 32 by VNNI ``vpdpbusd``, unsigned bytes times signed ones,
 # Q8_0's signed q as (q + 128) times x less 128·Σx, Q4_0's q - 8 as q times x less 8·Σx, Q5_0's
 # likewise with 16; Q4_K, Q5_K, Q6_K by ``vpmaddubsw`` and ``vpmaddwd``, Q6_K's q - 32
-# as q times x less 32·x; all exact), the same products in plain vector arithmetic for any other
-# CPU (``_i8_block(kind, native=False)``: AVX2, NEON), and portable integer loops (:func:`_i8_port`).
+# as q times x less 32·x; all exact), the same products by AVX2's 256-bit ``vpmaddubsw`` and
+# ``vpmaddwd`` (``vpdpbusd`` as the two of them: :func:`_avx2_products`), in plain vector
+# arithmetic for any other CPU (NEON), and portable integer loops (:func:`_i8_port`).
 INT8_OFFSET = 16  # the kind of a weight type's int8 product: its kind + INT8_OFFSET
 INT8_KINDS = (0, 1, 2, 3, 4, 5, 6, 7)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32), Q4_K, Q5_K, Q6_K
 # Bytes of a block of 32 (the kinds quantizing activations per 32) or a super-block of 256.
 _I8_SIZE = {0: 34, 1: 18, 2: 20, 3: 22, 4: 24, 5: 144, 6: 176, 7: 210}
-# Whether the VNNI form is compiled (numba compiles for the host unless NUMBA_CPU_NAME names a CPU)
-VNNI = AVX512 and bool(binding.get_host_cpu_features().get("avx512vnni", False)) \
-    and bool(binding.get_host_cpu_features().get("avx512bw", False))
-# The forms of the int8 tiles, the same bits: AVX-512 VNNI instructions; the same products in plain
-# vector arithmetic, which LLVM compiles for the CPU at hand (AVX2, NEON); scalar integer loops.
-I8_FORMS = ("vnni", "vector", "portable")
-I8_FORM = "vnni" if VNNI else "vector"  # what this process runs
+# Whether the VNNI form is compiled; whether the AVX2 form is (x86 CPUs without VNNI: AMD before
+# Zen 4, Intel before Ice Lake, Intel's client chips).
+VNNI = AVX512 and _target_has("avx512vnni") and _target_has("avx512bw")
+AVX2 = _target_has("avx2")
+# The forms of the int8 tiles, the same bits: AVX-512 VNNI instructions; AVX2's 256-bit byte and
+# word products; the same products in plain vector arithmetic, which LLVM compiles for the CPU at
+# hand (NEON on ARM); scalar integer loops.
+I8_FORMS = ("vnni", "avx2", "vector", "portable")
+I8_FORM = "vnni" if VNNI else "avx2" if AVX2 else "vector"  # what this process runs
+I8_FORMS_HERE = tuple(f for f in I8_FORMS if (f != "vnni" or VNNI) and (f != "avx2" or AVX2))  # what compiles here
 
 
 @njit(inline="always")
@@ -988,7 +994,7 @@ def _i8_port(kind, s, m, w, isc, fsc, xq, b, K):
 _I8x64, _I8x32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.IntType(8), 32)
 
 
-def _i8_block(kind: int, native: bool = True):
+def _i8_block(kind: int, form: str = "vnni"):
     """An intrinsic ``block(s, m, w, isc, fsc, x, b, K)``: the vector form of :func:`_i8_port`
     for a tile: super-block ``b`` of NR weight rows ``w`` (a tuple of uint8 rows, their scales
     decoded into the tuples ``isc`` int32 and ``fsc`` float32) by TT quantized activation rows
@@ -998,10 +1004,13 @@ def _i8_block(kind: int, native: bool = True):
     products into int16, at most 2·63·127 less 2·32·127: no saturation) then ``vpmaddwd`` by the
     pairs' sub-block scale (pairs of those into int32): the same 4 products per lane times the
     scale they share, so the same integers, with the scales applied in the multiply-add.
-    ``native`` False: those three instructions written as plain vector arithmetic (bytes widened
-    to int32, multiplied, added in their groups of 4 or 2), which LLVM compiles for any CPU
-    (AVX2, NEON): the same integers, so the same bits (the inputs never saturate ``vpmaddubsw``:
-    at most 2·63·127)."""
+    ``form`` "avx2": those three instructions as AVX2's (:func:`_avx2_products`); "vector": as
+    plain vector arithmetic (bytes widened to int32, multiplied, added in their groups of 4 or
+    2), which LLVM compiles for any CPU (NEON): the same integers, so the same bits (the inputs
+    never saturate ``vpmaddubsw``: at most 2·63·127)."""
+    products = {"vnni": _native_products, "vector": _vector_products,
+                "avx2": lambda builder: _avx2_products(builder, kind == 0)}[form]
+
     @intrinsic
     def block(typingctx, s, m, w, isc, fsc, x, b, K):
         nr, tt = len(w.types), len(x.types)
@@ -1012,7 +1021,7 @@ def _i8_block(kind: int, native: bool = True):
                 return _tuple_data(context, builder, sig.args[i], args[i])
             b, K = args[6], args[7]
             ps, pm, pw, pi, pf, px = (datas(i) for i in range(6))
-            dot, pairs, quads = (_native_products if native else _vector_products)(builder)
+            dot, pairs, quads = products(builder)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
             fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
             fma2 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V2F, [_V2F] * 3), "llvm.fma.v2f32")
@@ -1173,8 +1182,45 @@ def _vector_products(builder):
     return dot, pairs, quads
 
 
-_i8_blocks = {kind: _i8_block(kind) for kind in INT8_KINDS}
-_i8_vector_blocks = {kind: _i8_block(kind, native=False) for kind in INT8_KINDS}
+def _avx2_products(builder, wide: bool):
+    """The same (dot, pairs, quads) as :func:`_native_products` by AVX2's 256-bit instructions,
+    each on the two halves of its 512-bit operands: ``vpmaddubsw`` (sums of 2 unsigned-by-signed
+    byte products into int16, saturated) and ``vpmaddwd`` (sums of 2 int16 products into int32).
+    ``dot`` (``vpdpbusd``) is ``vpmaddubsw`` then ``vpmaddwd`` by 1, exact while the unsigned
+    bytes are at most 129 (activations lie within ±127: 2·129·127 < 2¹⁵); ``wide`` (Q8_0's
+    q + 128, up to 255): the bytes' high and low nibbles apart, the high sums times 16."""
+    def call(name, ret, arg):
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [arg] * 2), name)
+        return lambda a, b: builder.call(f, [a, b])
+    maddubs = call("llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(ir.IntType(16), 16), _I8x32)
+    maddwd = call("llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), ir.VectorType(ir.IntType(16), 16))
+
+    def halves(v):
+        h = v.type.count // 2
+        return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(a, a + h)))) for a in (0, h)]
+
+    def joined(lo, hi):
+        n = 2 * lo.type.count
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+
+    def pairs(a, b):
+        return joined(*(maddubs(x, y) for x, y in zip(halves(a), halves(b))))
+
+    def quads(p, sc):
+        return joined(*(maddwd(x, y) for x, y in zip(halves(p), halves(sc))))
+
+    def dot(acc, a, b):
+        a, b = builder.bitcast(a, _I8x64), builder.bitcast(b, _I8x64)
+        if not wide:
+            return builder.add(acc, quads(pairs(a, b), ir.Constant(_W32, [1] * 32)))
+        low = quads(pairs(builder.and_(a, ir.Constant(_I8x64, [15] * 64)), b), ir.Constant(_W32, [1] * 32))
+        high = quads(pairs(builder.lshr(a, ir.Constant(_I8x64, [4] * 64)), b), ir.Constant(_W32, [16] * 32))
+        return builder.add(acc, builder.add(low, high))
+    return dot, pairs, quads
+
+
+# The block intrinsics of each vector form (compiled only where a tile of that form is).
+_I8_BLOCKS = {form: {kind: _i8_block(kind, form) for kind in INT8_KINDS} for form in I8_FORMS[:-1]}
 
 
 def _i8_tile_source(kind: int, nr: int, tt: int, form: str) -> str:
@@ -1197,7 +1243,7 @@ def _i8_tile_source(kind: int, nr: int, tt: int, form: str) -> str:
               f"        _i8_scales{kind}(i{n}, f{n}, w{n}, o, _F16)" for n in rows]
     if form != "portable":
         tup = lambda names: "(" + ", ".join(names) + ",)"  # noqa: E731
-        block = f"_i8_block{kind}" if form == "vnni" else f"_i8_vblock{kind}"
+        block = f"_i8_{form}_block{kind}"
         lines += [f"        {block}({tup(f's{n}_{t}' for n, t in pairs)}, {tup(f'm{n}_{t}' for n, t in pairs)}, "
                   f"{tup(f'w{n}' for n in rows)}, {tup(f'i{n}' for n in rows)}, {tup(f'f{n}' for n in rows)}, "
                   f"{tup(f'x{t}' for t in acts)}, b, K)"]
@@ -1215,8 +1261,7 @@ def _compile_i8_tile(kind: int, nr: int, tt: int, form: str):
                  _sum8=_sum8, _prefetch_ahead=_prefetch_ahead, _i8_port=_i8_port, _F16=_F16,
                  _i8_scales32=_i8_scales32, _i8_scales5=_i8_scales5, _i8_scales6=_i8_scales6,
                  _i8_scales7=_i8_scales7,
-                 **{f"_i8_block{k}": f for k, f in _i8_blocks.items()},
-                 **{f"_i8_vblock{k}": f for k, f in _i8_vector_blocks.items()})
+                 **{f"_i8_{form}_block{k}": f for form, blocks in _I8_BLOCKS.items() for k, f in blocks.items()})
     exec(compile(_i8_tile_source(kind, nr, tt, form), f"<{__name__} int8 tile {kind} {nr}x{tt} {form}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])
 
@@ -1228,8 +1273,9 @@ def _i8_rows_kernel(kind: int, form: str = ""):
     form = form or I8_FORM
     if form not in I8_FORMS:
         raise ValueError(f"int8 form must be one of {I8_FORMS}, got {form!r}")
-    if form == "vnni" and not VNNI:  # its instructions would not compile (or run) on this CPU
-        raise ValueError("the int8 form 'vnni' needs a CPU with AVX-512 VNNI and BW; this one takes 'vector'")
+    if (form == "vnni" and not VNNI) or (form == "avx2" and not AVX2):  # would not compile (or run) here
+        raise ValueError(f"the int8 form {form!r} needs a CPU with {'AVX-512 VNNI and BW' if form == 'vnni' else 'AVX2'}; "
+                         f"this one takes {I8_FORM!r}")
     return _tiled_rows([_compile_i8_tile(kind, nr, tt, form) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
 
 

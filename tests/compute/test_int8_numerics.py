@@ -197,8 +197,8 @@ def test_twin_decodes_gguf_values(qtype):
 @pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
 def test_int8_kernels_give_the_twins_bits(qtype, T):
     """Every tile shape (T = 1 … 9, an odd row count, ranges starting at odd rows), the kernel
-    compiled for this machine, the vector form (plain vector arithmetic: AVX2, NEON) and the
-    portable form: the twin's bits; the result within the
+    compiled for this machine and every other form that compiles here (AVX2's instructions, plain
+    vector arithmetic as NEON's, the portable loops): the twin's bits; the result within the
     quantization's error of the float64 product."""
     K, R = 3 * 256 if qtype not in PER32 else 4 * 64, 23
     w = weights(qtype, R, K, 3 + T)
@@ -214,7 +214,7 @@ def test_int8_kernels_give_the_twins_bits(qtype, T):
     k.matmul_int8(kind, w, xq, got, 0, 5)
     k.matmul_int8(kind, w, xq, got, 5, R)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    for form in ("vector", "portable"):  # the machine's form above (VNNI where the CPU has it)
+    for form in (f for f in k.I8_FORMS_HERE if f != k.I8_FORM):  # the machine's form above
         other = np.full((T, R), np.nan, F32)
         form_rows(kind, form)(w, xq, other, 0, R)
         np.testing.assert_array_equal(other.view(np.uint32), want.view(np.uint32), err_msg=form)
