@@ -788,8 +788,13 @@ AVX2 = _target_has("avx2")
 # word products; the same products in plain vector arithmetic, which LLVM compiles for the CPU at
 # hand (NEON on ARM); scalar integer loops.
 I8_FORMS = ("vnni", "avx2", "vector", "portable")
-I8_FORM = "vnni" if VNNI else "avx2" if AVX2 else "vector"  # what this process runs
 I8_FORMS_HERE = tuple(f for f in I8_FORMS if (f != "vnni" or VNNI) and (f != "avx2" or AVX2))  # what compiles here
+# What this process runs: the fastest form here, or ``COLIBRI_SWARM_INT8_FORM`` (to measure one
+# form against another in the engine; the numba cache is kept apart per value: quant.py).
+I8_FORM = os.environ.get("COLIBRI_SWARM_INT8_FORM", "") or ("vnni" if VNNI else "avx2" if AVX2 else "vector")
+if I8_FORM not in I8_FORMS_HERE:
+    raise ValueError(f"COLIBRI_SWARM_INT8_FORM={I8_FORM!r}: this CPU runs the int8 forms {', '.join(I8_FORMS_HERE)}; "
+                     "name one of them or leave it unset")
 
 
 @njit(inline="always")

@@ -712,4 +712,5 @@ def _numba_cache_dir() -> str:
     digest = hashlib.sha256()
     for name in _CACHED_SOURCES:
         digest.update((Path(__file__).parent / name).read_bytes())
+    digest.update(os.environ.get("COLIBRI_SWARM_INT8_FORM", "").encode())  # picks the tiles compiled in
     return str(cache_dir() / "numba" / digest.hexdigest()[:16])

@@ -5,6 +5,9 @@ ranges, thread counts and the three forms (AVX-512 VNNI, plain vector arithmetic
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -220,6 +223,27 @@ def test_int8_kernels_give_the_twins_bits(qtype, T):
         np.testing.assert_array_equal(other.view(np.uint32), want.view(np.uint32), err_msg=form)
     ref = x.astype(F64) @ gguf.quants.dequantize(w, qtype).astype(F64).T
     assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
+
+
+def test_a_chosen_int8_form_is_checked_and_kept_apart_in_the_cache():
+    """``COLIBRI_SWARM_INT8_FORM`` names a form that compiles here or the import is refused with
+    the forms that do; each value has its own numba cache folder (the tiles compiled in differ)."""
+    def run(value, code):
+        env = {**os.environ, "COLIBRI_SWARM_INT8_FORM": value}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    k = quant._kernels()
+    bad = run("vnni512", "import swarm.compute.qkernels")
+    assert bad.returncode != 0
+    assert "COLIBRI_SWARM_INT8_FORM='vnni512'" in bad.stderr and ", ".join(k.I8_FORMS_HERE) in bad.stderr
+    show = "import swarm.compute.qkernels as k, swarm.compute.quant as q; print(k.I8_FORM, q._numba_cache_dir())"
+    folders = set()
+    for form in k.I8_FORMS_HERE:
+        done = run(form, show)
+        assert done.returncode == 0, done.stderr
+        got, folder = done.stdout.split()
+        assert got == form
+        folders.add(folder)
+    assert len(folders) == len(k.I8_FORMS_HERE)
 
 
 @pytest.fixture
