@@ -5,10 +5,10 @@ Kinds: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1 (blocks of 32 weights), 5 Q4_K, 6 
 codes, low nibbles the first 16 weights) — block layouts as ggml defines them (``d``, ``m``,
 ``dmin`` are IEEE halves read through a 65536-entry table; MXFP4's scale and codes through
 tables of ``gguf.quants.MXFP4``'s values). :func:`dequant` takes kinds 0–4 and 8.
-The K-quant tiles take AVX-512 vector code where the CPU has it (:data:`AVX512`,
-:func:`_k_block`): each weight decoded in registers to the float32 value of the portable form
-(Q4_K by ``vpermps`` from a 16-entry table of its sub-block's ``fma(d·sc, q, -dmin·m)``),
-then the same operations in the same order. Under the numerics ``int8``
+The K-quant tiles take vector code (:data:`K_FORM`, :func:`_k_block`): each weight decoded
+in registers to the float32 value of the portable form (on AVX-512, Q4_K by ``vpermps`` from a
+16-entry table of its sub-block's ``fma(d·sc, q, -dmin·m)``; elsewhere by that fma itself, as
+LLVM compiles it for the CPU: AVX2, NEON), then the same operations in the same order. Under the numerics ``int8``
 (swarm/compute/numerics.py), Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K take 8-bit activation rows instead (the int8
 section below: exact integer sums, then float32 in one fixed order). :func:`run_group` computes a group of
 products tile by tile on every thread that runs it (swarm/compute/quant.py's ``matmul_many``).
@@ -27,7 +27,7 @@ import platform
 import numpy as np
 from llvmlite import binding, ir
 from numba import carray, njit, types
-from numba.core import cgutils, config
+from numba.core import cgutils, codegen, config
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
@@ -36,18 +36,26 @@ F32 = np.float32
 
 def _target_has(feature: str) -> bool:
     """Whether numba compiles the kernels for a CPU with ``feature`` (LLVM's name: "avx2",
-    "avx512f"): the host's features, or, where NUMBA_CPU_NAME names another CPU (a portable
-    cache, an experiment), only those NUMBA_CPU_FEATURES adds ("+avx2,+fma")."""
-    if config.CPU_NAME:
-        return f"+{feature}" in (config.CPU_FEATURES or "").split(",")
-    try:
-        return bool(binding.get_host_cpu_features().get(feature, False))
-    except RuntimeError:  # features unknown on this platform
+    "avx512f"), read as numba reads it: NUMBA_CPU_FEATURES where set ("+avx2,+fma"); else none
+    where NUMBA_CPU_NAME names another CPU (a portable cache); else the host's, less every AVX
+    feature where numba leaves AVX off (NUMBA_ENABLE_AVX=0, or a CPU LLVM names nocona, sandybridge
+    or ivybridge: VMs that misreport theirs)."""
+    if config.CPU_FEATURES is not None:
+        features = config.CPU_FEATURES
+    elif config.CPU_NAME:
         return False
+    else:
+        features = codegen.get_host_cpu_features()  # "" where LLVM cannot tell
+    return f"+{feature}" in features.split(",")
 
 
 # Whether the kernels are compiled for a CPU with AVX-512F: the K-quant tiles use it.
 AVX512 = _target_has("avx512f")
+# The forms of the float32 K-quant tiles, the same bits: AVX-512 vector code; the same vector
+# code without its one AVX-512 instruction, which LLVM compiles for the CPU at hand (AVX2, NEON);
+# scalar loops.
+K_FORMS = ("avx512", "vector", "portable")
+K_FORM = "avx512" if AVX512 else "vector"
 
 # Every IEEE half bit pattern's float32 value: how block scales are read.
 _F16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(F32)
@@ -304,15 +312,16 @@ def _tile_source(kind: int, nr: int, tt: int) -> str:
     return "\n".join(lines)
 
 
-def _compile_tile(kind: int, nr: int, tt: int, avx512: bool = AVX512):
+def _compile_tile(kind: int, nr: int, tt: int, kform: str = ""):
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _half=_half, _u32=_u32,
                  _f5=_f5, _lo=_lo, _hi=_hi, _F16=_F16, _fma=_fma, _sum16=_sum16, _sum32=_sum32,
                  _sum32h=_sum32h, _zero32=_zero32,
                  _prefetch_ahead=_prefetch_ahead, _k4_scales=_k4_scales, _k6_scales=_k6_scales,
                  _k5=_k5, _k6=_k6, _E8M0=_E8M0, _e2m1=_e2m1,
                  **{f"_k_scales{k}": f for k, (f, _) in _k_blocks.items()},
-                 **{f"_k_block{k}": f for k, (_, f) in _k_blocks.items()})
-    source = _k_tile_source(kind, nr, tt, avx512) if kind in _K_TYPES else _tile_source(kind, nr, tt)
+                 **{f"_k_block{k}": f for k, (_, f) in _k_blocks.items()},
+                 **{f"_k_vblock{k}": f for k, f in _k_vector_blocks.items()})
+    source = _k_tile_source(kind, nr, tt, kform or K_FORM) if kind in _K_TYPES else _tile_source(kind, nr, tt)
     exec(compile(source, f"<{__name__} tile {kind} {nr}x{tt}>", "exec"), scope)
     return njit(nogil=True, inline="always")(scope["tile"])  # a call per tile cost ~8 % at T = 16
 
@@ -471,7 +480,7 @@ def _tuple_data(context, builder, ty, value):
             for t, v in zip(ty.types, cgutils.unpack_tuple(builder, value, len(ty.types)))]
 
 
-def _k_block(form: str):
+def _k_block(form: str, permute: bool = True):
     """An intrinsic ``block(s, w, scales, k, o, x, xo)``: one super-block (byte ``o``, columns
     ``xo:xo + 256``) of the K-quant ``form`` for a tile of NR weight rows ``w`` (a tuple of
     uint8 rows) by TT activation rows ``x`` (a tuple of float32 rows), into the NR·TT 32-lane
@@ -480,7 +489,8 @@ def _k_block(form: str):
     lane the operations and order of the portable tile:
 
     - Q4_K: each weight ``fma(d·sc, q, -(dmin·m))`` read by ``vpermps`` from a 16-entry table of
-      its sub-block's values (one fused multiply-add per possible q, so the same bits);
+      its sub-block's values (one fused multiply-add per possible q, so the same bits); with
+      ``permute`` False (any CPU but AVX-512's) computed as Q5_K's, the same value;
     - Q5_K: the same value ``fma(d·sc, q, -(dmin·m))``, q converted from 32-bit integers;
     - Q6_K: each weight ``(d·sc)·(q - 32)``, q - 32 converted from 32-bit integers (exact).
     """
@@ -527,7 +537,7 @@ def _k_block(form: str):
             if form == "q6":
                 _q6_block(builder, nr, tt, scale, load_x, lambda n, c, ty: _load(builder, pw[n], _I64(c), ty, 1), apply)
             else:
-                _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply)
+                _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply, permute)
             for n in range(nr):
                 for t in range(tt):
                     for h in range(2):
@@ -537,12 +547,12 @@ def _k_block(form: str):
     return block
 
 
-def _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply):
+def _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, apply, permute):
     """Q4_K / Q5_K codegen for :func:`_k_block`: per 64-weight chunk i, lane l takes
     ``fma(w_lo, x[64i + l], ·)`` then ``fma(w_hi, x[64i + 32 + l], ·)``. (Emitted low
     nibbles first, then high, for few live registers; each lane's order is the same.)"""
     perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16]),
-                                          "llvm.x86.avx512.permvar.sf.512")
+                                          "llvm.x86.avx512.permvar.sf.512") if permute else None
     iota = ir.Constant(_V16, [float(k) for k in range(16)])
     first = 16 if form == "q4" else 48  # the nibbles
     # Q5_K: the high bits of lanes 16h.. in bytes o + 16 + 16h (bit j: sub-block j's weights)
@@ -552,13 +562,15 @@ def _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, appl
         for part in range(2):  # low nibbles (sub-block 2i), then high (2i + 1)
             j = 2 * i + part
             # Q4_K: per row, sub-block j's table: fma(d·sc, q, -(dmin·m)) for q < 16
-            tables = [builder.call(fma, [scale(n, j), iota, scale(n, 8 + j)]) for n in range(nr)] if form == "q4" else None
+            tables = [builder.call(fma, [scale(n, j), iota, scale(n, 8 + j)]) for n in range(nr)] if form == "q4" and permute else None
             for h in range(2):
                 xs = [load_x(t, 64 * i + 32 * part + 16 * h) for t in range(tt)]
                 for n in range(nr):
                     nib = builder.lshr(q[n][h], ints(4)) if part else q[n][h]
-                    if form == "q4":  # vpermps reads the low 4 bits of each index
+                    if form == "q4" and permute:  # vpermps reads the low 4 bits of each index
                         wv = builder.call(perm, [tables[n], nib])
+                    elif form == "q4":
+                        wv = builder.call(fma, [scale(n, j), builder.sitofp(builder.and_(nib, ints(15)), _V16), scale(n, 8 + j)])
                     else:  # fma(d·sc, q, -(dmin·m)) on q converted from 32-bit integers (exact)
                         hb = builder.and_(builder.lshr(high[n][h], ints(j)), ints(1))
                         q5 = builder.or_(builder.and_(nib, ints(15)), builder.shl(hb, ints(4)))
@@ -598,18 +610,20 @@ def _q6_block(builder, nr, tt, scale, load_x, load_raw, apply):
 
 
 _k_blocks = {kind: (_k_scales(form), _k_block(form)) for kind, form in ((5, "q4"), (6, "q5"), (7, "q6"))}
+# The vector form's blocks: no AVX-512 instruction (Q4_K's weights by fma, not a vpermps table).
+_k_vector_blocks = {5: _k_block("q4", permute=False), 6: _k_blocks[6][1], 7: _k_blocks[7][1]}
 # The int8 products' scale decoding: Q4_K's and Q6_K's sub-block scales as integers.
 _i8_scales5, _i8_scales6, _i8_scales7 = _k_scales("q4", ints=True), _k_scales("q5", ints=True), _k_scales("q6", ints=True)
 
 
-def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
+def _k_tile_source(kind: int, nr: int, tt: int, kform: str) -> str:
     size, scales, form = _K_TYPES[kind]
     rows, acts = range(nr), range(tt)
     lines = ["def tile(w, r0, hi, x, t0, out, ahead, end):"]
     lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
     lines += [f"    x{t} = x[t0 + {t}]" for t in acts]
     lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n in rows for t in acts]
-    if avx512:  # the same operations, in vector code of AVX-512
+    if kform != "portable":  # the same operations in vector code: AVX-512's, or any CPU's
         lines += [f"    _zero32(s{n}_{t})" for n in rows for t in acts]
         lines += [f"    sc{n} = carray(_stack({16 * _GROUP}), {16 * _GROUP})" for n in rows]
         lines += ["    nb = x0.shape[0] // 256", f"    for b0 in range(0, nb, {_GROUP}):",
@@ -620,7 +634,8 @@ def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
         lines += [f"            _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
         args = [", ".join(f"s{n}_{t}" for n in rows for t in acts), ", ".join(f"w{n}" for n in rows),
                 ", ".join(f"sc{n}" for n in rows), ", ".join(f"x{t}" for t in acts)]
-        lines += [f"            _k_block{kind}(({args[0]},), ({args[1]},), ({args[2]},), b - b0, o, ({args[3]},), xo)"]
+        block = "_k_block" if kform == "avx512" else "_k_vblock"
+        lines += [f"            {block}{kind}(({args[0]},), ({args[1]},), ({args[2]},), b - b0, o, ({args[3]},), xo)"]
         for n in rows:
             lines.append(f"    if r0 + {n} < hi:")
             lines += [f"        out[t0 + {t}, r0 + {n}] = _sum32h(s{n}_{t})" for t in acts]
@@ -673,10 +688,13 @@ def _k_tile_source(kind: int, nr: int, tt: int, avx512: bool = AVX512) -> str:
     return "\n".join(lines)
 
 
-def _rows_kernel(kind: int, avx512: bool = AVX512):
+def _rows_kernel(kind: int, kform: str = ""):
     """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says
-    (``avx512``: the K-quant tiles in AVX-512 vector code, the same bits)."""
-    return _tiled_rows([_compile_tile(kind, nr, tt, avx512) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
+    (``kform``, :data:`K_FORMS`, default :data:`K_FORM`: the K-quant tiles' form, the same bits)."""
+    kform = kform or K_FORM
+    if kform not in K_FORMS or (kform == "avx512" and not AVX512):
+        raise ValueError(f"K-quant form must be one of {K_FORMS} ('avx512' where the CPU has AVX-512), got {kform!r}")
+    return _tiled_rows([_compile_tile(kind, nr, tt, kform) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
 
 
 def _tiled_rows(tiles):
@@ -781,7 +799,7 @@ INT8_KINDS = (0, 1, 2, 3, 4, 5, 6, 7)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of
 # Bytes of a block of 32 (the kinds quantizing activations per 32) or a super-block of 256.
 _I8_SIZE = {0: 34, 1: 18, 2: 20, 3: 22, 4: 24, 5: 144, 6: 176, 7: 210}
 # Whether the VNNI form is compiled; whether the AVX2 form is (x86 CPUs without VNNI: AMD before
-# Zen 4, Intel before Ice Lake, Intel's client chips).
+# Zen 4, Intel Xeons before Cascade Lake, Intel's client chips from Alder Lake on).
 VNNI = AVX512 and _target_has("avx512vnni") and _target_has("avx512bw")
 AVX2 = _target_has("avx2")
 # The forms of the int8 tiles, the same bits: AVX-512 VNNI instructions; AVX2's 256-bit byte and

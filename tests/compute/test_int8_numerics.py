@@ -1,6 +1,7 @@
 """The numerics ``int8`` (8-bit activations, llama.cpp's): the compiled kernels against a numpy
 twin of the same integer and float32 operations, bit for bit; the same bits across T, row
-ranges, thread counts and the three forms (AVX-512 VNNI, plain vector arithmetic, portable)."""
+ranges, thread counts and every form that compiles here (AVX-512 VNNI, AVX2, plain vector
+arithmetic, portable)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The K-quant tiles in AVX-512 code give the bits of the portable form they replace."""
+"""The K-quant tiles in vector code (AVX-512's, or any CPU's) give the bits of the portable form
+they replace."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ KINDS = {QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}  # qkernels' kind numbers
 @pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
 def test_k_quant_tiles_in_avx512_code_give_the_portable_bits(qtype):
     """Q4_K, Q5_K and Q6_K rows at T = 1, 2, 3, 4, 5, 7 and 8 (every tile shape, and short ones)
-    through the kernel compiled for this machine (AVX-512 vector code where the CPU has it:
-    ``qkernels.AVX512``) against the portable form compiled beside it: the same bits, on random
+    through the kernel compiled for this machine (``qkernels.K_FORM``: AVX-512 vector code where
+    the CPU has it, else the vector form) and, where that is AVX-512, the vector form beside it,
+    against the portable form compiled beside them: the same bits, on random
     blocks with scales at the ends of the float16 range, an odd row count (a short last tile)
     and whole row ranges starting at odd rows; both match gguf's values to float32 rounding."""
     cols, rows = 3 * 256, 23
@@ -30,7 +32,8 @@ def test_k_quant_tiles_in_avx512_code_give_the_portable_bits(qtype):
         blocks[rows // 2:, :, off:off + 2] = picks[rows // 2:].view(np.uint8).reshape(-1, 3, 2)
     raw.flags.writeable = False
     k = quant._kernels()
-    portable = k._rows_kernel(KINDS[qtype], avx512=False)
+    portable = k._rows_kernel(KINDS[qtype], "portable")
+    vector = k._rows_kernel(KINDS[qtype], "vector") if k.K_FORM != "vector" else None
     for T in (1, 2, 3, 4, 5, 7, 8):
         x = np.random.default_rng(T).standard_normal((T, cols), dtype=F32)
         want, got = np.full((T, rows), np.nan, F32), np.full((T, rows), np.nan, F32)
@@ -38,4 +41,8 @@ def test_k_quant_tiles_in_avx512_code_give_the_portable_bits(qtype):
         k.matmul(KINDS[qtype], raw, x, got, 0, 5)  # a call over rows 0:5, then 5:rows
         k.matmul(KINDS[qtype], raw, x, got, 5, rows)
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"T={T}")
+        if vector is not None:
+            other = np.full((T, rows), np.nan, F32)
+            vector(raw, x, other, 0, rows)
+            np.testing.assert_array_equal(other.view(np.uint32), want.view(np.uint32), err_msg=f"vector, T={T}")
         check_against_float64(QMatrix(raw, qtype, cols), x, got)
