@@ -388,7 +388,7 @@ def _k6(ql, qh, shift):
     return F32(np.uint8(v)) - F32(32.0)
 
 
-# The K-quant tiles in AVX-512 vector code (where AVX512): the same float32 values and
+# The K-quant tiles in vector code (AVX-512's, or any CPU's: K_FORM): the same float32 values and
 # operations, per output element and in the same order, as the portable form above. A tile
 # first unpacks the sub-block scales of up to _GROUP super-blocks of its rows into a small
 # stack buffer (:func:`_k_scales`), then runs their weights (:func:`_k_block`): each weight
@@ -799,7 +799,7 @@ INT8_KINDS = (0, 1, 2, 3, 4, 5, 6, 7)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of
 # Bytes of a block of 32 (the kinds quantizing activations per 32) or a super-block of 256.
 _I8_SIZE = {0: 34, 1: 18, 2: 20, 3: 22, 4: 24, 5: 144, 6: 176, 7: 210}
 # Whether the VNNI form is compiled; whether the AVX2 form is (x86 CPUs without VNNI: AMD before
-# Zen 4, Intel Xeons before Cascade Lake, Intel's client chips from Alder Lake on).
+# Zen 4, Intel Xeons before Cascade Lake, Intel's client chips but Ice Lake, Tiger Lake and Rocket Lake).
 VNNI = AVX512 and _target_has("avx512vnni") and _target_has("avx512bw")
 AVX2 = _target_has("avx2")
 # The forms of the int8 tiles, the same bits: AVX-512 VNNI instructions; AVX2's 256-bit byte and
