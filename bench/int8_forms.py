@@ -31,6 +31,17 @@ QT = gguf.GGMLQuantizationType
 k = quant._kernels()
 from swarm.compute import threads  # noqa: E402
 
+
+def best_ms(call) -> float:
+    """ms of ``call()``, best of 5."""
+    best = 1e9
+    for _ in range(5):
+        t = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t)
+    return round(best * 1e3, 3)
+
+
 print(json.dumps({"cpu": platform.processor() or platform.machine(), "int8_form": k.I8_FORM,
                   "threads": threads.threads()}), flush=True)
 for qt, R, K in ((QT.Q8_0, 1536, 576), (QT.Q4_0, 1536, 576), (QT.Q4_1, 1536, 576), (QT.Q4_K, 1536, 1024), (QT.Q6_K, 1536, 1024)):
@@ -44,17 +55,11 @@ for qt, R, K in ((QT.Q8_0, 1536, 576), (QT.Q4_0, 1536, 576), (QT.Q4_1, 1536, 576
         for form in k.I8_FORMS_HERE:
             f = k._I8_ROWS[kind] if form == k.I8_FORM else k._i8_rows_kernel(kind, form)
             out = np.zeros((T, R), np.float32); f(w, xq, out, 0, R)
-            best = 1e9
-            for _ in range(5):
-                t = time.perf_counter(); f(w, xq, out, 0, R); best = min(best, time.perf_counter() - t)
-            res[f"{form}_ms"] = round(best * 1e3, 3); outs[form] = out.copy()
+            res[f"{form}_ms"] = best_ms(lambda: f(w, xq, out, 0, R)); outs[form] = out.copy()
         numerics.set_numerics("float32")
         m = QMatrix(w, qt, K)
         m.matmul(x)
-        best = 1e9
-        for _ in range(5):
-            t = time.perf_counter(); m.matmul(x); best = min(best, time.perf_counter() - t)
-        res["float32_ms"] = round(best * 1e3, 3)
+        res["float32_ms"] = best_ms(lambda: m.matmul(x))
         res["same_bits"] = all(np.array_equal(o.view(np.uint32), outs["portable"].view(np.uint32)) for o in outs.values())
         res["portable_over_vector"] = round(res["portable_ms"] / res["vector_ms"], 1)
         res[f"float32_over_{k.I8_FORM}"] = round(res["float32_ms"] / res[f"{k.I8_FORM}_ms"], 2)

@@ -407,6 +407,12 @@ def _splat(builder, v, ty=_V16, n=16):
     return builder.shuffle_vector(e, e, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
+def _concat(builder, lo, hi):
+    """Vectors ``lo`` and ``hi`` (one type) as one of twice their lanes, ``lo``'s first."""
+    n = 2 * lo.type.count
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+
+
 def _load(builder, p, off, ty, align):
     return builder.load(builder.bitcast(builder.gep(p, [off]), ir.PointerType(ty)), align=align)
 
@@ -552,7 +558,7 @@ def _q45_block(builder, form, nr, tt, fma, scale, ints, load_x, load_bytes, appl
     ``fma(w_lo, x[64i + l], ·)`` then ``fma(w_hi, x[64i + 32 + l], ·)``. (Emitted low
     nibbles first, then high, for few live registers; each lane's order is the same.)"""
     perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _I16]),
-                                          "llvm.x86.avx512.permvar.sf.512") if permute else None
+                                          "llvm.x86.avx512.permvar.sf.512") if permute and form == "q4" else None
     iota = ir.Constant(_V16, [float(k) for k in range(16)])
     first = 16 if form == "q4" else 48  # the nibbles
     # Q5_K: the high bits of lanes 16h.. in bytes o + 16 + 16h (bit j: sub-block j's weights)
@@ -1053,8 +1059,7 @@ def _i8_block(kind: int, form: str = "vnni"):
                 return ir.Constant(ty, [v] * ty.count)
 
             def concat(lo, hi):
-                n = 2 * lo.type.count
-                return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+                return _concat(builder, lo, hi)
 
             def as32(v):
                 return builder.bitcast(v, _I16)
@@ -1222,15 +1227,11 @@ def _avx2_products(builder, wide: bool):
         h = v.type.count // 2
         return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(a, a + h)))) for a in (0, h)]
 
-    def joined(lo, hi):
-        n = 2 * lo.type.count
-        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-
     def pairs(a, b):
-        return joined(*(maddubs(x, y) for x, y in zip(halves(a), halves(b))))
+        return _concat(builder, *(maddubs(x, y) for x, y in zip(halves(a), halves(b))))
 
     def quads(p, sc):
-        return joined(*(maddwd(x, y) for x, y in zip(halves(p), halves(sc))))
+        return _concat(builder, *(maddwd(x, y) for x, y in zip(halves(p), halves(sc))))
 
     def dot(acc, a, b):
         a, b = builder.bitcast(a, _I8x64), builder.bitcast(b, _I8x64)
