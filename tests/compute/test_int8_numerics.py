@@ -247,6 +247,31 @@ def test_a_chosen_int8_form_is_checked_and_kept_apart_in_the_cache():
     assert len(folders) == len(k.I8_FORMS_HERE)
 
 
+
+@pytest.mark.parametrize("setting, avx2", [
+    ({"NUMBA_ENABLE_AVX": "0"}, False),  # numba leaves AVX out: AVX2 code would not compile
+    ({"NUMBA_CPU_NAME": "generic"}, False),  # a portable cache: no CPU's features
+    ({"NUMBA_CPU_FEATURES": "+avx2,+fma"}, True),  # as named, whatever the host has
+    ({"NUMBA_CPU_FEATURES": "+sse4.2"}, False),
+])
+def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
+    """The vector forms are chosen from the features numba compiles the kernels for, not the
+    host's alone: a CPU numba is told to treat as without AVX takes the plain vector forms, and a
+    chosen AVX2 or VNNI form is refused there (LLVM could not compile its instructions)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CPU", "NUMBA_ENABLE_AVX",
+                                                                     "COLIBRI_SWARM_INT8_FORM"))}
+    show = "import swarm.compute.qkernels as k; print(k.AVX512, k.AVX2, k.VNNI, k.I8_FORM, k.K_FORM, *k.I8_FORMS_HERE)"
+    done = subprocess.run([sys.executable, "-c", show], env={**env, **setting}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    avx512, has_avx2, vnni, form, kform, *here = done.stdout.split()
+    assert (avx512, has_avx2, vnni) == ("False", str(avx2), "False")
+    assert (form, kform) == ("avx2" if avx2 else "vector", "vector")
+    assert here == (["avx2"] if avx2 else []) + ["vector", "portable"]
+    refused = subprocess.run([sys.executable, "-c", "import swarm.compute.qkernels"], capture_output=True, text=True,
+                             env={**env, **setting, "COLIBRI_SWARM_INT8_FORM": "vnni"}, timeout=120)
+    assert refused.returncode != 0 and "COLIBRI_SWARM_INT8_FORM='vnni'" in refused.stderr
+
 @pytest.fixture
 def int8():
     """The process's numerics set to int8 for the test, float32 again after it."""
