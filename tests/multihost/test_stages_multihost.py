@@ -32,13 +32,13 @@ def staged_coordinator(docs) -> tuple[int, dict] | None:
     return None
 
 
-async def start_staged_swarm(lab, model_dir, key: SwarmKey):
-    """``join --layout stages`` on hosts 0 and 1; (their processes, the coordinator's index and
-    status) once its stage plan gives the other host a stage."""
+async def start_staged_swarm(lab, model_dir, key: SwarmKey, *options: str):
+    """``join --layout stages`` (and ``options``) on hosts 0 and 1; (their processes, the
+    coordinator's index and status) once its stage plan gives the other host a stage."""
     procs = []
     for i in (0, 1):
         procs.append(lab.spawn(i, ["-m", "swarm", "-v", "join", "--model", str(model_dir), "--key", key.code,
-                                   "--name", f"host{i}", "--layout", "stages"],
+                                   "--name", f"host{i}", "--layout", "stages", *options],
                                env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}))
         await until(lambda: read_status(lab, i) is not None, 60, f"host{i} started", procs)
     docs = lambda: {i: read_status(lab, i) for i in (0, 1)}  # noqa: E731
