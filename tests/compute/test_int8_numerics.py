@@ -197,6 +197,7 @@ def test_twin_decodes_gguf_values(qtype):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.slow  # compiles every other form that compiles here: ~20 s a kind on 2 cores
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 7, 9])
 @pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
 def test_int8_kernels_give_the_twins_bits(qtype, T):

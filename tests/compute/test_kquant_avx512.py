@@ -15,6 +15,7 @@ F32 = np.float32
 KINDS = {QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}  # qkernels' kind numbers
 
 
+@pytest.mark.slow  # compiles the portable tiles beside the vector ones: ~15-20 s a kind on 2 cores
 @pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
 def test_k_quant_tiles_in_avx512_code_give_the_portable_bits(qtype):
     """Q4_K, Q5_K and Q6_K rows at T = 1, 2, 3, 4, 5, 7 and 8 (every tile shape, and short ones)
