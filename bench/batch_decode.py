@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # engine.py's _machine
 
 
 def main() -> int:
@@ -31,7 +32,9 @@ def main() -> int:
 
     import numpy as np
 
-    from swarm.compute import threads
+    from engine import _machine
+
+    from swarm.compute import numerics, quant, threads
     from swarm.compute.default_model import default_model_path
     from swarm.compute.model import load_model
 
@@ -56,6 +59,8 @@ def main() -> int:
     one = steps[min(steps)] / min(steps)
     print(json.dumps({
         "model": Path(path).name, "threads": args.threads, "clock": "thread CPU" if args.threads == 1 else "wall",
+        "numerics": numerics.numerics(), "machine": _machine(), "tiles": [list(t) for t in quant._kernels()._TILES],
+        "k_tiles": [list(t) for t in quant._kernels()._K_TILES],
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "step_ms": {n: round(1e3 * s, 2) for n, s in steps.items()},
         "step_vs_one": {n: round(s / steps[min(steps)], 2) for n, s in steps.items()},

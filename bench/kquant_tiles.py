@@ -3,9 +3,9 @@
     COLIBRI_SWARM_THREADS=1 taskset -c 1 python3 bench/kquant_tiles.py
 
 Q4_K [4096, 2560] and Q6_K [2560, 4096] random blocks through ``QMatrix.matmul`` under the numerics
-float32, ms, best of 5 after a first call, with the tile shapes (``qkernels._TILES``) and the
+float32, ms, best of 5 after a first call, with the tile shapes (``qkernels._K_TILES``) and the
 K-quant form (``qkernels.K_FORM``) of this tree. To compare tile shapes, run it in a copy of the
-tree whose ``_TILES`` differs (each copy compiles its own kernels).
+tree whose ``_K_TILES`` differs (each copy compiles its own kernels).
 """
 
 import json
@@ -24,7 +24,7 @@ from tests.compute.test_quant_kernels import encoded  # noqa: E402
 
 numerics.set_numerics("float32")
 k = quant._kernels()
-res = {"tiles": k._TILES, "kform": k.K_FORM}
+res = {"tiles": k._K_TILES, "kform": k.K_FORM}
 for qt, R, K in ((QT.Q4_K, 4096, 2560), (QT.Q6_K, 2560, 4096)):
     w = encoded(qt, R, K, 1).copy()
     w.flags.writeable = False

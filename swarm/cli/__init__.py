@@ -114,8 +114,8 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
 _NUMERICS_HELP = ("how {whose} products treat their activations: float32 (the default; checked against the "
                   "transformers oracle) or int8, llama.cpp's numerics: activation rows quantized to 8 bits, faster "
                   "prefill and decode on Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights where the CPU "
-                  "has AVX-512 VNNI (elsewhere faster only on K-quants, slower on blocks of 32, and its first "
-                  "compile takes minutes), each product "
+                  "has AVX-512 VNNI or AVX2 (elsewhere, as on ARM, faster only on K-quants, slower on blocks of 32), "
+                  "its first compile taking minutes, each product "
                   "off by up to a few percent of its largest output; {where} (also $COLIBRI_SWARM_NUMERICS)")
 
 

@@ -279,8 +279,13 @@ _TYPES = {
 # Tile shapes (NR weight rows × TT activation rows), chosen by measurement (AVX-512 machine):
 # decode takes 4 rows a pass (x loads shared by 4 rows); several activation rows take 2 × 4,
 # then 2 × 3 for a last 3 (one pass over the weights: as 2 + 1, a step of 3 sequences cost
-# more than one of 4), else 2 × 2 and 2 × 1 for the last T % 4 (:func:`_rows_kernel`).
+# more than one of 4), else 2 × 2 and 2 × 1 for the last T % 4 (:func:`_rows_kernel`). A tile's
+# shape changes no operation on an element: the same bits in any table.
 _TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
+# The float32 K-quant tiles keep 8 sums of 32 lanes in a 2 × 4 tile: where the CPU has no
+# AVX-512 (AVX2's 16 registers of 256 bits; NEON's 32 of 128 hold as much) they spill, and one
+# weight row a tile was 0.5-0.95x the time at T = 4-64 on a Zen 3 core (bench/tile_tables.py).
+_K_TILES = _TILES if AVX512 else ((4, 1), (1, 4), (1, 2), (1, 1))
 
 
 def _tile_source(kind: int, nr: int, tt: int) -> str:
@@ -695,18 +700,20 @@ def _k_tile_source(kind: int, nr: int, tt: int, kform: str) -> str:
 
 
 def _rows_kernel(kind: int, kform: str = ""):
-    """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says
-    (``kform``, :data:`K_FORMS`, default :data:`K_FORM`: the K-quant tiles' form, the same bits)."""
+    """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says (the
+    K-quants :data:`_K_TILES`) (``kform``, :data:`K_FORMS`, default :data:`K_FORM`: the K-quant
+    tiles' form, the same bits)."""
     kform = kform or K_FORM
     if kform not in K_FORMS or (kform == "avx512" and not AVX512):
         raise ValueError(f"K-quant form must be one of {K_FORMS} ('avx512' where the CPU has AVX-512), got {kform!r}")
-    return _tiled_rows([_compile_tile(kind, nr, tt, kform) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
+    table = _K_TILES if kind in _K_TYPES else _TILES
+    return _tiled_rows([_compile_tile(kind, nr, tt, kform) for nr, tt in (*table, (table[1][0], 3))], table)
 
 
-def _tiled_rows(tiles):
-    """The rows kernel ``rows(w, x, out, lo, hi)`` over the compiled ``tiles`` of :data:`_TILES`'
-    shapes, then a last 3 activation rows' tile."""
-    (n1, _), (n4, _), _, _ = _TILES
+def _tiled_rows(tiles, table):
+    """The rows kernel ``rows(w, x, out, lo, hi)`` over the compiled ``tiles`` of the tile
+    ``table``'s shapes (:data:`_TILES`), then a last 3 activation rows' tile."""
+    (n1, _), (n4, _), _, _ = table
     one, four, two, single, three = tiles  # three: a last 3 activation rows in one tile
 
     @njit(nogil=True)
@@ -1300,7 +1307,7 @@ def _i8_rows_kernel(kind: int, form: str = ""):
     if (form == "vnni" and not VNNI) or (form == "avx2" and not AVX2):  # would not compile (or run) here
         raise ValueError(f"the int8 form {form!r} needs a CPU with {'AVX-512 VNNI and BW' if form == 'vnni' else 'AVX2'}; "
                          f"this one takes {I8_FORM!r}")
-    return _tiled_rows([_compile_i8_tile(kind, nr, tt, form) for nr, tt in (*_TILES, (_TILES[1][0], 3))])
+    return _tiled_rows([_compile_i8_tile(kind, nr, tt, form) for nr, tt in (*_TILES, (_TILES[1][0], 3))], _TILES)
 
 
 _I8_ROWS = tuple(_i8_rows_kernel(kind) for kind in INT8_KINDS)

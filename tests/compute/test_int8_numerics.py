@@ -197,7 +197,7 @@ def test_twin_decodes_gguf_values(qtype):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
-@pytest.mark.slow  # compiles every other form that compiles here: ~20 s a kind on 2 cores
+@pytest.mark.slow  # compiles every other form that compiles here, for each T: 20-30 s a kind on 2 cores
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 7, 9])
 @pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
 def test_int8_kernels_give_the_twins_bits(qtype, T):
@@ -256,22 +256,74 @@ def test_a_chosen_int8_form_is_checked_and_kept_apart_in_the_cache():
     ({"NUMBA_CPU_FEATURES": "+sse4.2"}, False),
 ])
 def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
-    """The vector forms are chosen from the features numba compiles the kernels for, not the
-    host's alone: a CPU numba is told to treat as without AVX takes the plain vector forms, and a
-    chosen AVX2 or VNNI form is refused there (LLVM could not compile its instructions)."""
+    """The vector forms and tile shapes are chosen from the features numba compiles the kernels
+    for, not the host's alone: a CPU numba is told to treat as without AVX takes the plain vector
+    forms, and a chosen AVX2 or VNNI form is refused there (LLVM could not compile its
+    instructions); without AVX-512, float32 K-quant tiles of one weight row."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CPU", "NUMBA_ENABLE_AVX",
                                                                      "COLIBRI_SWARM_INT8_FORM"))}
-    show = "import swarm.compute.qkernels as k; print(k.AVX512, k.AVX2, k.VNNI, k.I8_FORM, k.K_FORM, *k.I8_FORMS_HERE)"
+    show = ("import swarm.compute.qkernels as k; "
+            "print(k.AVX512, k.AVX2, k.VNNI, k.I8_FORM, k.K_FORM, ','.join(f'{a}x{b}' for a, b in k._K_TILES), *k.I8_FORMS_HERE)")
     done = subprocess.run([sys.executable, "-c", show], env={**env, **setting}, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    avx512, has_avx2, vnni, form, kform, *here = done.stdout.split()
+    avx512, has_avx2, vnni, form, kform, tiles, *here = done.stdout.split()
     assert (avx512, has_avx2, vnni) == ("False", str(avx2), "False")
-    assert (form, kform) == ("avx2" if avx2 else "vector", "vector")
+    assert (form, kform, tiles) == ("avx2" if avx2 else "vector", "vector", "4x1,1x4,1x2,1x1")
     assert here == (["avx2"] if avx2 else []) + ["vector", "portable"]
-    refused = subprocess.run([sys.executable, "-c", "import swarm.compute.qkernels"], capture_output=True, text=True,
-                             env={**env, **setting, "COLIBRI_SWARM_INT8_FORM": "vnni"}, timeout=120)
-    assert refused.returncode != 0 and "COLIBRI_SWARM_INT8_FORM='vnni'" in refused.stderr
+    for chosen in ("vnni",) if avx2 else ("vnni", "avx2"):
+        refused = subprocess.run([sys.executable, "-c", "import swarm.compute.qkernels"], capture_output=True,
+                                 text=True, env={**env, **setting, "COLIBRI_SWARM_INT8_FORM": chosen}, timeout=120)
+        assert refused.returncode != 0 and f"COLIBRI_SWARM_INT8_FORM={chosen!r}" in refused.stderr
+
+
+@pytest.mark.slow  # compiles ten kernels: ~1 min on 2 cores
+@pytest.mark.parametrize("numerics_name, qtype", [("float32", QT.Q4_K), ("float32", QT.Q4_1), ("float32", QT.F16),
+                                                  ("int8", QT.Q6_K), ("int8", QT.Q8_0)], ids=lambda v: getattr(v, "name", v))
+def test_both_tile_tables_give_the_same_bits(numerics_name, qtype):
+    """Tiles of 2 weight rows and of 1 (the float32 K-quants' without AVX-512) give the same bits at
+    T = 3, 5, 6 and 8 (every tile shape: 4, 3, 2 and 1 activation rows), over ragged row ranges, for
+    float32 blocks of 32, K-quants and F16 and int8 ones: peers on CPUs of either kind, checked bit
+    for bit against each other, compute the same rows."""
+    k = quant._kernels()
+    here = k._TILES, k._K_TILES
+    tables = ((4, 1), (2, 4), (2, 2), (2, 1)), ((4, 1), (1, 4), (1, 2), (1, 1))
+    f32_kind = {QT.Q4_K: 5, QT.Q4_1: 2}  # qkernels' float32 kind numbers
+
+    def build(table):
+        k._TILES = k._K_TILES = table
+        try:
+            if qtype == QT.F16:
+                return k._f32_rows_kernel("_h2f")
+            if numerics_name == "float32":
+                return k._rows_kernel(f32_kind[qtype], k.K_FORM if f32_kind[qtype] >= 5 else "")
+            return k._i8_rows_kernel(KINDS[qtype], k.I8_FORM)
+        finally:
+            k._TILES, k._K_TILES = here
+    fns = [build(table) for table in tables]
+    R, K = 13, 512
+    if qtype == QT.F16:
+        w = np.random.default_rng(0).standard_normal((R, K)).astype(np.float16).view(np.uint16)
+    else:
+        w = weights(qtype, R, K, 7)
+    for T in (3, 5, 6, 8):
+        x = np.random.default_rng(T).standard_normal((T, K), dtype=F32)
+        if numerics_name == "int8":
+            kind = KINDS[qtype]
+            x = np.zeros((T, k.int8_row_bytes(kind, K)), np.uint8)
+            k.quantize(kind, np.random.default_rng(T).standard_normal((T, K), dtype=F32), x)
+        outs = []
+        for fn in fns:
+            out = np.full((T, R), np.nan, F32)
+            for lo, hi in ((0, 5), (5, 6), (6, R)):
+                if qtype == QT.F16:
+                    fn(w, x, out, 0, lo, hi)
+                else:
+                    fn(w, x, out, lo, hi)
+            assert np.isfinite(out).all()
+            outs.append(out)
+        np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32), err_msg=f"T = {T}")
+
 
 @pytest.fixture
 def int8():

@@ -1,0 +1,109 @@
+"""Tiles of 2 weight rows against tiles of 1 (``qkernels._TILES``, ``_K_TILES``) on this CPU, one
+thread: every kernel family the tables drive, both compiled in this process and timed
+interleaved; prints JSON lines.
+
+    taskset -c 0 python3 bench/tile_tables.py [--t 1,4,8,64] [--reps 9]
+
+Tables: ``2xN`` (4 × 1 for one activation row, then 2 × 4, 2 × 2, 2 × 1 and 2 × 3: AVX-512's) and
+``1xN`` (4 × 1, then 1 × 4, 1 × 2, 1 × 1, 1 × 3: the float32 K-quants' on CPUs without AVX-512,
+``qkernels._K_TILES``). Kernels, on random weights
+of [4096, 2560] (blocks of 32, K-quants) and [1024, 2560] (F16): float32 activations through Q4_1,
+Q8_0, Q4_K and Q6_K blocks and F16; 8-bit activations (the numerics int8) through Q4_1, Q8_0,
+Q4_K and Q6_K blocks. Each line: best ms of ``--reps`` calls per table, the ratio 1xN / 2xN, and
+whether the two tables' outputs have the same bits (they must: a tile's shape changes no
+operation on an element). The first line names the CPU, the forms and the table this CPU takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from swarm.compute import quant  # noqa: E402
+from tests.compute.test_quant_kernels import encoded  # noqa: E402
+
+k = quant._kernels()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import _machine  # noqa: E402
+
+TABLES = {"2xN": ((4, 1), (2, 4), (2, 2), (2, 1)), "1xN": ((4, 1), (1, 4), (1, 2), (1, 1))}
+F32_KINDS = {QT.Q4_1: 2, QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # qkernels' float32 kind numbers
+I8_KINDS = {QT.Q4_1: 2, QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # and int8 ones
+
+
+def built(table, make):
+    """``make()`` compiled with the tile table ``table`` (the module's own restored after)."""
+    own = k._TILES, k._K_TILES
+    k._TILES = k._K_TILES = table
+    try:
+        return make()
+    finally:
+        k._TILES, k._K_TILES = own
+
+
+def kernels(name: str, qt, rows: int, cols: int):
+    """({table: rows kernel}, prepare(T) → call(fn, out)) for one kernel family."""
+    if qt == QT.F16:
+        w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float16).view(np.uint16)
+    else:
+        w = encoded(qt, rows, cols, 1).copy()
+    w.flags.writeable = False
+    if qt == QT.F16:
+        fns = {t: built(tab, lambda: k._f32_rows_kernel("_h2f")) for t, tab in TABLES.items()}
+    elif name == "float32":
+        kind = F32_KINDS[qt]
+        fns = {t: built(tab, lambda: k._rows_kernel(kind, k.K_FORM if kind >= 5 else "")) for t, tab in TABLES.items()}
+    else:
+        kind = I8_KINDS[qt]
+        fns = {t: built(tab, lambda: k._i8_rows_kernel(kind, k.I8_FORM)) for t, tab in TABLES.items()}
+
+    def prepare(T: int):
+        x = np.random.default_rng(T).standard_normal((T, cols)).astype(np.float32)
+        if qt == QT.F16:
+            return lambda fn, out: fn(w, x, out, 0, 0, rows)
+        if name == "float32":
+            return lambda fn, out: fn(w, x, out, 0, rows)
+        xq = np.zeros((T, k.int8_row_bytes(kind, cols)), np.uint8)
+        k.quantize(kind, x, xq)
+        return lambda fn, out: fn(w, xq, out, 0, rows)
+    return fns, prepare
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--t", default="1,4,8,64", help="activation rows, comma-separated")
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    print(json.dumps({"machine": _machine(), "k_form": k.K_FORM, "i8_form": k.I8_FORM, "tiles_here": k._TILES, "k_tiles_here": k._K_TILES}))
+    cases = [("float32", qt) for qt in (*F32_KINDS, QT.F16)] + [("int8", qt) for qt in I8_KINDS]
+    for name, qt in cases:
+        rows = 1024 if qt == QT.F16 else 4096
+        fns, prepare = kernels(name, qt, rows, 2560)
+        for T in map(int, args.t.split(",")):
+            call = prepare(T)
+            outs = {t: np.full((T, rows), np.nan, np.float32) for t in fns}
+            best = {t: float("inf") for t in fns}
+            for t, fn in fns.items():
+                call(fn, outs[t])  # compiles
+            for _ in range(args.reps):
+                for t, fn in fns.items():
+                    t0 = time.perf_counter()
+                    call(fn, outs[t])
+                    best[t] = min(best[t], time.perf_counter() - t0)
+            print(json.dumps({"numerics": name, "type": qt.name, "T": T, **{f"{t}_ms": round(best[t] * 1e3, 3) for t in fns},
+                              "ratio_1xN_2xN": round(best["1xN"] / best["2xN"], 3),
+                              "same_bits": bool((outs["1xN"].view(np.uint32) == outs["2xN"].view(np.uint32)).all())}),
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
