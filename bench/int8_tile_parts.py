@@ -55,11 +55,11 @@ _PATCHES = {
 
 def rows_kernel(kind: int, variant: str):
     """``variant``'s rows kernel of ``kind`` in this machine's form (module state restored after)."""
-    blocks, tiles = dict(k._I8_BLOCKS[k.I8_FORM]), k._TILES
+    blocks, table = dict(k._I8_BLOCKS[k.I8_FORM]), None
     try:
         if variant == "other_tiles":
-            nr = 1 if tiles[1][0] == 2 else 2
-            k._TILES = (tiles[0], (nr, 4), (nr, 2), (nr, 1))
+            nr = 1 if k._TILES[1][0] == 2 else 2
+            table = (k._TILES[0], (nr, 4), (nr, 2), (nr, 1))
         elif variant != "base":
             source = textwrap.dedent(inspect.getsource(k._i8_block))
             for old, new in _PATCHES[variant]:
@@ -69,10 +69,9 @@ def rows_kernel(kind: int, variant: str):
             scope = dict(vars(k))
             exec(compile(source, f"<{variant}>", "exec"), scope)
             k._I8_BLOCKS[k.I8_FORM][kind] = scope["_i8_block"](kind, k.I8_FORM)
-        return k._i8_rows_kernel(kind, k.I8_FORM)
+        return k._i8_rows_kernel(kind, k.I8_FORM, table)
     finally:
         k._I8_BLOCKS[k.I8_FORM].update(blocks)
-        k._TILES = tiles
 
 
 def weights(kind: int, rows: int, cols: int) -> np.ndarray:

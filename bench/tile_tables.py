@@ -39,16 +39,6 @@ F32_KINDS = {QT.Q4_1: 2, QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # qkernels' float3
 I8_KINDS = {QT.Q4_1: 2, QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # and int8 ones
 
 
-def built(table, make):
-    """``make()`` compiled with the tile table ``table`` (the module's own restored after)."""
-    own = k._TILES, k._K_TILES
-    k._TILES = k._K_TILES = table
-    try:
-        return make()
-    finally:
-        k._TILES, k._K_TILES = own
-
-
 def kernels(name: str, qt, rows: int, cols: int):
     """({table: rows kernel}, prepare(T) → call(fn, out)) for one kernel family."""
     if qt == QT.F16:
@@ -57,13 +47,13 @@ def kernels(name: str, qt, rows: int, cols: int):
         w = encoded(qt, rows, cols, 1).copy()
     w.flags.writeable = False
     if qt == QT.F16:
-        fns = {t: built(tab, lambda: k._f32_rows_kernel("_h2f")) for t, tab in TABLES.items()}
+        fns = {t: k._f32_rows_kernel("_h2f", tab) for t, tab in TABLES.items()}
     elif name == "float32":
         kind = F32_KINDS[qt]
-        fns = {t: built(tab, lambda: k._rows_kernel(kind, k.K_FORM if kind >= 5 else "")) for t, tab in TABLES.items()}
+        fns = {t: k._rows_kernel(kind, "", tab) for t, tab in TABLES.items()}
     else:
         kind = I8_KINDS[qt]
-        fns = {t: built(tab, lambda: k._i8_rows_kernel(kind, k.I8_FORM)) for t, tab in TABLES.items()}
+        fns = {t: k._i8_rows_kernel(kind, "", tab) for t, tab in TABLES.items()}
 
     def prepare(T: int):
         x = np.random.default_rng(T).standard_normal((T, cols)).astype(np.float32)

@@ -699,14 +699,14 @@ def _k_tile_source(kind: int, nr: int, tt: int, kform: str) -> str:
     return "\n".join(lines)
 
 
-def _rows_kernel(kind: int, kform: str = ""):
-    """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as :data:`_TILES` says (the
-    K-quants :data:`_K_TILES`) (``kform``, :data:`K_FORMS`, default :data:`K_FORM`: the K-quant
-    tiles' form, the same bits)."""
+def _rows_kernel(kind: int, kform: str = "", table=None):
+    """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as ``table`` says (default
+    :data:`_TILES`, the K-quants :data:`_K_TILES`) (``kform``, :data:`K_FORMS`, default
+    :data:`K_FORM`: the K-quant tiles' form, the same bits)."""
     kform = kform or K_FORM
     if kform not in K_FORMS or (kform == "avx512" and not AVX512):
         raise ValueError(f"K-quant form must be one of {K_FORMS} ('avx512' where the CPU has AVX-512), got {kform!r}")
-    table = _K_TILES if kind in _K_TYPES else _TILES
+    table = table or (_K_TILES if kind in _K_TYPES else _TILES)
     return _tiled_rows([_compile_tile(kind, nr, tt, kform) for nr, tt in (*table, (table[1][0], 3))], table)
 
 
@@ -1297,9 +1297,9 @@ def _compile_i8_tile(kind: int, nr: int, tt: int, form: str):
     return njit(nogil=True, inline="always")(scope["tile"])
 
 
-def _i8_rows_kernel(kind: int, form: str = ""):
+def _i8_rows_kernel(kind: int, form: str = "", table=None):
     """Rows ``lo:hi`` of ``out`` for weight kind ``kind`` times quantized activation rows
-    (:func:`_quantize_rows`), tiled as :data:`_TILES` says, in ``form`` (:data:`I8_FORMS`; default
+    (:func:`_quantize_rows`), tiled as ``table`` says (default :data:`_TILES`), in ``form`` (:data:`I8_FORMS`; default
     :data:`I8_FORM`): the same bits in every form."""
     form = form or I8_FORM
     if form not in I8_FORMS:
@@ -1307,7 +1307,8 @@ def _i8_rows_kernel(kind: int, form: str = ""):
     if (form == "vnni" and not VNNI) or (form == "avx2" and not AVX2):  # would not compile (or run) here
         raise ValueError(f"the int8 form {form!r} needs a CPU with {'AVX-512 VNNI and BW' if form == 'vnni' else 'AVX2'}; "
                          f"this one takes {I8_FORM!r}")
-    return _tiled_rows([_compile_i8_tile(kind, nr, tt, form) for nr, tt in (*_TILES, (_TILES[1][0], 3))], _TILES)
+    table = table or _TILES
+    return _tiled_rows([_compile_i8_tile(kind, nr, tt, form) for nr, tt in (*table, (table[1][0], 3))], table)
 
 
 _I8_ROWS = tuple(_i8_rows_kernel(kind) for kind in INT8_KINDS)
@@ -1600,14 +1601,15 @@ def _f32_tile_source(nr: int, tt: int, convert: str = "") -> str:
     return "\n".join(lines)
 
 
-def _f32_rows_kernel(convert: str = ""):
+def _f32_rows_kernel(convert: str = "", table=None):
+    table = table or _TILES
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _fma=_fma, _sum32=_sum32,
                  _h2f=_h2f, _bf2f=_bf2f)
     tiles = []
-    for nr, tt in _TILES:
+    for nr, tt in table:
         exec(compile(_f32_tile_source(nr, tt, convert), f"<{__name__} f32 tile {nr}x{tt} {convert}>", "exec"), scope)
         tiles.append(njit(nogil=True, inline="always")(scope["tile"]))
-    (n1, _), (n4, _), _, _ = _TILES
+    (n1, _), (n4, _), _, _ = table
     one, four, two, single = tiles
 
     @njit(nogil=True)

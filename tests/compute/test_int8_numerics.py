@@ -286,20 +286,15 @@ def test_both_tile_tables_give_the_same_bits(numerics_name, qtype):
     float32 blocks of 32, K-quants and F16 and int8 ones: peers on CPUs of either kind, checked bit
     for bit against each other, compute the same rows."""
     k = quant._kernels()
-    here = k._TILES, k._K_TILES
     tables = ((4, 1), (2, 4), (2, 2), (2, 1)), ((4, 1), (1, 4), (1, 2), (1, 1))
     f32_kind = {QT.Q4_K: 5, QT.Q4_1: 2}  # qkernels' float32 kind numbers
 
     def build(table):
-        k._TILES = k._K_TILES = table
-        try:
-            if qtype == QT.F16:
-                return k._f32_rows_kernel("_h2f")
-            if numerics_name == "float32":
-                return k._rows_kernel(f32_kind[qtype], k.K_FORM if f32_kind[qtype] >= 5 else "")
-            return k._i8_rows_kernel(KINDS[qtype], k.I8_FORM)
-        finally:
-            k._TILES, k._K_TILES = here
+        if qtype == QT.F16:
+            return k._f32_rows_kernel("_h2f", table)
+        if numerics_name == "float32":
+            return k._rows_kernel(f32_kind[qtype], "", table)
+        return k._i8_rows_kernel(KINDS[qtype], "", table)
     fns = [build(table) for table in tables]
     R, K = 13, 512
     if qtype == QT.F16:
