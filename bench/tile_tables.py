@@ -2,15 +2,16 @@
 thread: every kernel family the tables drive, both compiled in this process and timed
 interleaved; prints JSON lines.
 
-    taskset -c 0 python3 bench/tile_tables.py [--t 1,4,8,64] [--reps 9]
+    taskset -c 0 python3 bench/tile_tables.py [--t 1,4,8,64] [--reps 9] [--tables 2xN,1xN]
 
-Tables: ``2xN`` (4 × 1 for one activation row, then 2 × 4, 2 × 2, 2 × 1 and 2 × 3: AVX-512's) and
-``1xN`` (4 × 1, then 1 × 4, 1 × 2, 1 × 1, 1 × 3: the float32 K-quants' on CPUs without AVX-512,
-``qkernels._K_TILES``). Kernels, on random weights
+Tables: ``2xN`` (4 × 1 for one activation row, then 2 × 4, 2 × 2, 2 × 1 and 2 × 3: AVX-512's),
+``1xN`` (4 × 1, then 1 × 4, 1 × 2, 1 × 1, 1 × 3), and ``2x1+1xN``, ``1x1+1xN`` (``1xN`` with 2 or
+1 weight rows a tile for one activation row: decode's tile); ``qkernels._K_TILES`` names the
+float32 K-quants' table on CPUs without AVX-512. Kernels, on random weights
 of [4096, 2560] (blocks of 32, K-quants) and [1024, 2560] (F16): float32 activations through Q4_1,
 Q8_0, Q4_K and Q6_K blocks and F16; 8-bit activations (the numerics int8) through Q4_1, Q8_0,
-Q4_K and Q6_K blocks. Each line: best ms of ``--reps`` calls per table, the ratio 1xN / 2xN, and
-whether the two tables' outputs have the same bits (they must: a tile's shape changes no
+Q4_K and Q6_K blocks. Each line: best ms of ``--reps`` calls per table, each table's ratio to the
+first, and whether every table's output has the first one's bits (they must: a tile's shape changes no
 operation on an element). The first line names the CPU, the forms and the table this CPU takes.
 """
 
@@ -34,26 +35,27 @@ k = quant._kernels()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import _machine  # noqa: E402
 
-TABLES = {"2xN": ((4, 1), (2, 4), (2, 2), (2, 1)), "1xN": ((4, 1), (1, 4), (1, 2), (1, 1))}
+TABLES = {"2xN": ((4, 1), (2, 4), (2, 2), (2, 1)), "1xN": ((4, 1), (1, 4), (1, 2), (1, 1)),
+          "2x1+1xN": ((2, 1), (1, 4), (1, 2), (1, 1)), "1x1+1xN": ((1, 1), (1, 4), (1, 2), (1, 1))}
 F32_KINDS = {QT.Q4_1: 2, QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # qkernels' float32 kind numbers
 I8_KINDS = {QT.Q4_1: 2, QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # and int8 ones
 
 
-def kernels(name: str, qt, rows: int, cols: int):
-    """({table: rows kernel}, prepare(T) → call(fn, out)) for one kernel family."""
+def kernels(name: str, qt, rows: int, cols: int, tables: dict):
+    """({table: rows kernel}, prepare(T) → call(fn, out)) for one kernel family over ``tables``."""
     if qt == QT.F16:
         w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float16).view(np.uint16)
     else:
         w = encoded(qt, rows, cols, 1).copy()
     w.flags.writeable = False
     if qt == QT.F16:
-        fns = {t: k._f32_rows_kernel("_h2f", tab) for t, tab in TABLES.items()}
+        fns = {t: k._f32_rows_kernel("_h2f", tab) for t, tab in tables.items()}
     elif name == "float32":
         kind = F32_KINDS[qt]
-        fns = {t: k._rows_kernel(kind, "", tab) for t, tab in TABLES.items()}
+        fns = {t: k._rows_kernel(kind, "", tab) for t, tab in tables.items()}
     else:
         kind = I8_KINDS[qt]
-        fns = {t: k._i8_rows_kernel(kind, "", tab) for t, tab in TABLES.items()}
+        fns = {t: k._i8_rows_kernel(kind, "", tab) for t, tab in tables.items()}
 
     def prepare(T: int):
         x = np.random.default_rng(T).standard_normal((T, cols)).astype(np.float32)
@@ -71,12 +73,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--t", default="1,4,8,64", help="activation rows, comma-separated")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--tables", default="2xN,1xN", help=f"tile tables to time, comma-separated, the first the reference ({', '.join(TABLES)})")
     args = ap.parse_args()
+    names = args.tables.split(",")
+    unknown = [n for n in names if n not in TABLES]
+    if unknown or len(names) < 2:
+        ap.error(f"--tables: two or more of {', '.join(TABLES)}, got {args.tables!r}")
+    tables = {n: TABLES[n] for n in names}
     print(json.dumps({"machine": _machine(), "k_form": k.K_FORM, "i8_form": k.I8_FORM, "tiles_here": k._TILES, "k_tiles_here": k._K_TILES}))
     cases = [("float32", qt) for qt in (*F32_KINDS, QT.F16)] + [("int8", qt) for qt in I8_KINDS]
     for name, qt in cases:
         rows = 1024 if qt == QT.F16 else 4096
-        fns, prepare = kernels(name, qt, rows, 2560)
+        fns, prepare = kernels(name, qt, rows, 2560, tables)
         for T in map(int, args.t.split(",")):
             call = prepare(T)
             outs = {t: np.full((T, rows), np.nan, np.float32) for t in fns}
@@ -88,9 +96,10 @@ def main() -> int:
                     t0 = time.perf_counter()
                     call(fn, outs[t])
                     best[t] = min(best[t], time.perf_counter() - t0)
+            ref = names[0]
             print(json.dumps({"numerics": name, "type": qt.name, "T": T, **{f"{t}_ms": round(best[t] * 1e3, 3) for t in fns},
-                              "ratio_1xN_2xN": round(best["1xN"] / best["2xN"], 3),
-                              "same_bits": bool((outs["1xN"].view(np.uint32) == outs["2xN"].view(np.uint32)).all())}),
+                              **{f"ratio_{t}_{ref}": round(best[t] / best[ref], 3) for t in names[1:]},
+                              "same_bits": all(bool((outs[t].view(np.uint32) == outs[ref].view(np.uint32)).all()) for t in names[1:])}),
                   flush=True)
     return 0
 

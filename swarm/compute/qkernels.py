@@ -284,8 +284,13 @@ _TYPES = {
 _TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
 # The float32 K-quant tiles keep 8 sums of 32 lanes in a 2 × 4 tile: where the CPU has no
 # AVX-512 (AVX2's 16 registers of 256 bits; NEON's 32 of 128 hold as much) they spill, and one
-# weight row a tile was 0.5-0.95x the time at T = 4-64 on a Zen 3 core (bench/tile_tables.py).
-_K_TILES = _TILES if AVX512 else ((4, 1), (1, 4), (1, 2), (1, 1))
+# weight row a tile was 0.5-0.95x the time at T = 4-64 on a Zen 3 core; decode's 4 × 1 keeps 4
+# such sums, and 1 × 1 took 0.63-0.80x its time for Q4_K, 0.83-0.96x for Q6_K there
+# (bench/tile_tables.py, two runs each).
+_K_TILES = _TILES if AVX512 else ((1, 1), (1, 4), (1, 2), (1, 1))
+# The float32-weight kernels (F32, F16, BF16) decode 2 rows a pass without AVX-512: F16's 2 × 1
+# took 0.61-0.68x the 4 × 1's time on that core.
+_F_TILES = _TILES if AVX512 else ((2, 1), *_TILES[1:])
 
 
 def _tile_source(kind: int, nr: int, tt: int) -> str:
@@ -1602,7 +1607,9 @@ def _f32_tile_source(nr: int, tt: int, convert: str = "") -> str:
 
 
 def _f32_rows_kernel(convert: str = "", table=None):
-    table = table or _TILES
+    """Rows of ``out`` for float32-weight kernels (``convert``: "" F32, "_h2f" F16, "_bf2f" BF16),
+    tiled as ``table`` says (default :data:`_F_TILES`)."""
+    table = table or _F_TILES
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _fma=_fma, _sum32=_sum32,
                  _h2f=_h2f, _bf2f=_bf2f)
     tiles = []

@@ -259,17 +259,19 @@ def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
     """The vector forms and tile shapes are chosen from the features numba compiles the kernels
     for, not the host's alone: a CPU numba is told to treat as without AVX takes the plain vector
     forms, and a chosen AVX2 or VNNI form is refused there (LLVM could not compile its
-    instructions); without AVX-512, float32 K-quant tiles of one weight row."""
+    instructions); without AVX-512, float32 K-quant tiles of one weight row and float32 weights'
+    decode tiles of two."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CPU", "NUMBA_ENABLE_AVX",
                                                                      "COLIBRI_SWARM_INT8_FORM"))}
-    show = ("import swarm.compute.qkernels as k; "
-            "print(k.AVX512, k.AVX2, k.VNNI, k.I8_FORM, k.K_FORM, ','.join(f'{a}x{b}' for a, b in k._K_TILES), *k.I8_FORMS_HERE)")
+    show = ("import swarm.compute.qkernels as k; tiles = lambda t: ','.join(f'{a}x{b}' for a, b in t); "
+            "print(k.AVX512, k.AVX2, k.VNNI, k.I8_FORM, k.K_FORM, tiles(k._K_TILES), tiles(k._F_TILES), *k.I8_FORMS_HERE)")
     done = subprocess.run([sys.executable, "-c", show], env={**env, **setting}, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    avx512, has_avx2, vnni, form, kform, tiles, *here = done.stdout.split()
+    avx512, has_avx2, vnni, form, kform, k_tiles, f_tiles, *here = done.stdout.split()
     assert (avx512, has_avx2, vnni) == ("False", str(avx2), "False")
-    assert (form, kform, tiles) == ("avx2" if avx2 else "vector", "vector", "4x1,1x4,1x2,1x1")
+    assert (form, kform, k_tiles, f_tiles) == ("avx2" if avx2 else "vector", "vector", "1x1,1x4,1x2,1x1",
+                                               "2x1,2x4,2x2,2x1")
     assert here == (["avx2"] if avx2 else []) + ["vector", "portable"]
     for chosen in ("vnni",) if avx2 else ("vnni", "avx2"):
         refused = subprocess.run([sys.executable, "-c", "import swarm.compute.qkernels"], capture_output=True,
@@ -277,16 +279,17 @@ def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
         assert refused.returncode != 0 and f"COLIBRI_SWARM_INT8_FORM={chosen!r}" in refused.stderr
 
 
-@pytest.mark.slow  # compiles ten kernels: ~1 min on 2 cores
+@pytest.mark.slow  # compiles fifteen kernels: ~1.5 min on 2 cores
 @pytest.mark.parametrize("numerics_name, qtype", [("float32", QT.Q4_K), ("float32", QT.Q4_1), ("float32", QT.F16),
                                                   ("int8", QT.Q6_K), ("int8", QT.Q8_0)], ids=lambda v: getattr(v, "name", v))
 def test_both_tile_tables_give_the_same_bits(numerics_name, qtype):
-    """Tiles of 2 weight rows and of 1 (the float32 K-quants' without AVX-512) give the same bits at
-    T = 3, 5, 6 and 8 (every tile shape: 4, 3, 2 and 1 activation rows), over ragged row ranges, for
-    float32 blocks of 32, K-quants and F16 and int8 ones: peers on CPUs of either kind, checked bit
-    for bit against each other, compute the same rows."""
+    """Every tile table gives the same bits — AVX-512's (4 × 1 decode, then 2 weight rows a tile),
+    the float32 K-quants' without it (1 weight row a tile) and the float32 weights' (2 × 1 decode)
+    — at T = 1, 3, 5, 6 and 8 (every tile shape: 4, 3, 2 and 1 activation rows), over ragged row
+    ranges, for float32 blocks of 32, K-quants and F16 and int8 ones: peers on CPUs of either kind,
+    checked bit for bit against each other, compute the same rows."""
     k = quant._kernels()
-    tables = ((4, 1), (2, 4), (2, 2), (2, 1)), ((4, 1), (1, 4), (1, 2), (1, 1))
+    tables = ((4, 1), (2, 4), (2, 2), (2, 1)), ((1, 1), (1, 4), (1, 2), (1, 1)), ((2, 1), (2, 4), (2, 2), (2, 1))
     f32_kind = {QT.Q4_K: 5, QT.Q4_1: 2}  # qkernels' float32 kind numbers
 
     def build(table):
@@ -301,7 +304,7 @@ def test_both_tile_tables_give_the_same_bits(numerics_name, qtype):
         w = np.random.default_rng(0).standard_normal((R, K)).astype(np.float16).view(np.uint16)
     else:
         w = weights(qtype, R, K, 7)
-    for T in (3, 5, 6, 8):
+    for T in (1, 3, 5, 6, 8):
         x = np.random.default_rng(T).standard_normal((T, K), dtype=F32)
         if numerics_name == "int8":
             kind = KINDS[qtype]
@@ -317,7 +320,8 @@ def test_both_tile_tables_give_the_same_bits(numerics_name, qtype):
                     fn(w, x, out, lo, hi)
             assert np.isfinite(out).all()
             outs.append(out)
-        np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32), err_msg=f"T = {T}")
+        for table, out in zip(tables[1:], outs[1:]):
+            np.testing.assert_array_equal(outs[0].view(np.uint32), out.view(np.uint32), err_msg=f"T = {T}, {table}")
 
 
 @pytest.fixture
