@@ -289,7 +289,7 @@ _TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
 # (bench/tile_tables.py, two runs each).
 _K_TILES = _TILES if AVX512 else ((1, 1), (1, 4), (1, 2), (1, 1))
 # The float32-weight kernels (F32, F16, BF16) decode 2 rows a pass without AVX-512: F16's 2 × 1
-# took 0.61-0.68x the 4 × 1's time on that core.
+# took 0.57-0.67x the 4 × 1's time on that core.
 _F_TILES = _TILES if AVX512 else ((2, 1), *_TILES[1:])
 
 
