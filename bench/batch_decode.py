@@ -60,7 +60,7 @@ def main() -> int:
     print(json.dumps({
         "model": Path(path).name, "threads": args.threads, "clock": "thread CPU" if args.threads == 1 else "wall",
         "numerics": numerics.numerics(), "machine": _machine(), "tiles": [list(t) for t in quant._kernels()._TILES],
-        "k_tiles": [list(t) for t in quant._kernels()._K_TILES],
+        "k_tiles": [list(t) for t in quant._kernels()._K_TILES], "d2_tiles": [list(t) for t in quant._kernels()._D2_TILES],
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "step_ms": {n: round(1e3 * s, 2) for n, s in steps.items()},
         "step_vs_one": {n: round(s / steps[min(steps)], 2) for n, s in steps.items()},

@@ -1,16 +1,17 @@
-"""Tiles of 2 weight rows against tiles of 1 (``qkernels._TILES``, ``_K_TILES``) on this CPU, one
-thread: every kernel family the tables drive, both compiled in this process and timed
+"""Tile tables against each other (``qkernels._TILES``, ``_K_TILES``, ``_D2_TILES``) on this CPU, one
+thread: every kernel family the tables drive, every table compiled in this process and timed
 interleaved; prints JSON lines.
 
     taskset -c 0 python3 bench/tile_tables.py [--t 1,4,8,64] [--reps 9] [--tables 2xN,1xN]
 
 Tables: ``2xN`` (4 × 1 for one activation row, then 2 × 4, 2 × 2, 2 × 1 and 2 × 3: AVX-512's),
-``1xN`` (4 × 1, then 1 × 4, 1 × 2, 1 × 1, 1 × 3), and ``2x1+1xN``, ``1x1+1xN`` (``1xN`` with 2 or
-1 weight rows a tile for one activation row: decode's tile); ``qkernels._K_TILES`` names the
-float32 K-quants' table on CPUs without AVX-512. Kernels, on random weights
-of [4096, 2560] (blocks of 32, K-quants) and [1024, 2560] (F16): float32 activations through Q4_1,
-Q8_0, Q4_K and Q6_K blocks and F16; 8-bit activations (the numerics int8) through Q4_1, Q8_0,
-Q4_K and Q6_K blocks. Each line: best ms of ``--reps`` calls per table, each table's ratio to the
+``1xN`` (4 × 1, then 1 × 4, 1 × 2, 1 × 1, 1 × 3), ``2x1+1xN``, ``1x1+1xN`` (``1xN`` with 2 or
+1 weight rows a tile for one activation row: decode's tile) and ``2x1+2xN``. Without AVX-512 the
+float32 K-quants take ``1x1+1xN`` (``qkernels._K_TILES``) and the float32-weight kernels
+``2x1+2xN`` (``_D2_TILES``). Kernels, on random weights
+of [4096, 2560] (blocks of 32, K-quants) and [1024, 2560] (F16): float32 activations through the
+``--types`` (default Q4_1, Q8_0, Q4_K, Q6_K blocks and F16) and 8-bit activations (the numerics
+int8) through the same blocks. Each line: best ms of ``--reps`` calls per table, each table's ratio to the
 first, and whether every table's output has the first one's bits (they must: a tile's shape changes no
 operation on an element). The first line names the CPU, the forms and the table this CPU takes.
 """
@@ -36,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import _machine  # noqa: E402
 
 TABLES = {"2xN": ((4, 1), (2, 4), (2, 2), (2, 1)), "1xN": ((4, 1), (1, 4), (1, 2), (1, 1)),
-          "2x1+1xN": ((2, 1), (1, 4), (1, 2), (1, 1)), "1x1+1xN": ((1, 1), (1, 4), (1, 2), (1, 1))}
-F32_KINDS = {QT.Q4_1: 2, QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # qkernels' float32 kind numbers
-I8_KINDS = {QT.Q4_1: 2, QT.Q8_0: 0, QT.Q4_K: 5, QT.Q6_K: 7}  # and int8 ones
+          "2x1+1xN": ((2, 1), (1, 4), (1, 2), (1, 1)), "1x1+1xN": ((1, 1), (1, 4), (1, 2), (1, 1)),
+          "2x1+2xN": ((2, 1), (2, 4), (2, 2), (2, 1))}
+# qkernels' kind numbers (float32 and int8 alike); F16 runs the float32-weight kernel, float32 only
+KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}
 
 
 def kernels(name: str, qt, rows: int, cols: int, tables: dict):
@@ -51,10 +53,10 @@ def kernels(name: str, qt, rows: int, cols: int, tables: dict):
     if qt == QT.F16:
         fns = {t: k._f32_rows_kernel("_h2f", tab) for t, tab in tables.items()}
     elif name == "float32":
-        kind = F32_KINDS[qt]
+        kind = KINDS[qt]
         fns = {t: k._rows_kernel(kind, "", tab) for t, tab in tables.items()}
     else:
-        kind = I8_KINDS[qt]
+        kind = KINDS[qt]
         fns = {t: k._i8_rows_kernel(kind, "", tab) for t, tab in tables.items()}
 
     def prepare(T: int):
@@ -74,14 +76,24 @@ def main() -> int:
     ap.add_argument("--t", default="1,4,8,64", help="activation rows, comma-separated")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--tables", default="2xN,1xN", help=f"tile tables to time, comma-separated, the first the reference ({', '.join(TABLES)})")
+    ap.add_argument("--types", default="Q4_1,Q8_0,Q4_K,Q6_K,F16",
+                    help=f"weight types, comma-separated ({', '.join(q.name for q in KINDS)}, F16: float32 only)")
+    ap.add_argument("--numerics", default="float32,int8", help="float32, int8 or both")
     args = ap.parse_args()
+    try:
+        qts = [QT[n] for n in args.types.split(",")]
+    except KeyError as e:
+        ap.error(f"--types: unknown weight type {e}")
+    if any(q not in KINDS and q != QT.F16 for q in qts) or not set(args.numerics.split(",")) <= {"float32", "int8"}:
+        ap.error(f"--types: of {', '.join(q.name for q in KINDS)} and F16; --numerics: float32, int8")
     names = args.tables.split(",")
     unknown = [n for n in names if n not in TABLES]
     if unknown or len(names) < 2:
         ap.error(f"--tables: two or more of {', '.join(TABLES)}, got {args.tables!r}")
     tables = {n: TABLES[n] for n in names}
-    print(json.dumps({"machine": _machine(), "k_form": k.K_FORM, "i8_form": k.I8_FORM, "tiles_here": k._TILES, "k_tiles_here": k._K_TILES}))
-    cases = [("float32", qt) for qt in (*F32_KINDS, QT.F16)] + [("int8", qt) for qt in I8_KINDS]
+    print(json.dumps({"machine": _machine(), "k_form": k.K_FORM, "i8_form": k.I8_FORM, "tiles_here": k._TILES, "k_tiles_here": k._K_TILES,
+                      "d2_tiles_here": k._D2_TILES}))
+    cases = [(name, qt) for name in args.numerics.split(",") for qt in qts if not (name == "int8" and qt == QT.F16)]
     for name, qt in cases:
         rows = 1024 if qt == QT.F16 else 4096
         fns, prepare = kernels(name, qt, rows, 2560, tables)

@@ -285,12 +285,15 @@ _TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
 # The float32 K-quant tiles keep 8 sums of 32 lanes in a 2 × 4 tile: where the CPU has no
 # AVX-512 (AVX2's 16 registers of 256 bits; NEON's 32 of 128 hold as much) they spill, and one
 # weight row a tile was 0.5-0.95x the time at T = 4-64 on a Zen 3 core; decode's 4 × 1 keeps 4
-# such sums, and 1 × 1 took 0.63-0.80x its time for Q4_K, 0.83-0.96x for Q6_K there
+# such sums, and 1 × 1 took 0.63-0.80x its time for Q4_K there, 0.83-1.0x for Q6_K
 # (bench/tile_tables.py, two runs each).
 _K_TILES = _TILES if AVX512 else ((1, 1), (1, 4), (1, 2), (1, 1))
-# The float32-weight kernels (F32, F16, BF16) decode 2 rows a pass without AVX-512: F16's 2 × 1
-# took 0.57-0.67x the 4 × 1's time on that core.
-_F_TILES = _TILES if AVX512 else ((2, 1), *_TILES[1:])
+# Without AVX-512 the float32-weight kernels (F32, F16, BF16) and the float32 blocks of 32 with
+# 4- and 5-bit values (Q4_0, Q4_1, Q5_0, Q5_1) decode 2 rows a pass: 2 × 1 took 0.57-0.67x the
+# 4 × 1's time for F16 on that core, 0.77-0.95x for Q4_1, Q5_0 and Q5_1 (Q4_0 0.95-0.99; Q8_0,
+# 1.04-1.05x, keeps 4 × 1).
+_D2_TILES = _TILES if AVX512 else ((2, 1), *_TILES[1:])
+_D2_KINDS = (1, 2, 3, 4)  # Q4_0, Q4_1, Q5_0, Q5_1: the blocks of 32 that take _D2_TILES
 
 
 def _tile_source(kind: int, nr: int, tt: int) -> str:
@@ -706,12 +709,13 @@ def _k_tile_source(kind: int, nr: int, tt: int, kform: str) -> str:
 
 def _rows_kernel(kind: int, kform: str = "", table=None):
     """Rows ``lo:hi`` of ``out`` for block type ``kind``, tiled as ``table`` says (default
-    :data:`_TILES`, the K-quants :data:`_K_TILES`) (``kform``, :data:`K_FORMS`, default
+    :data:`_TILES`; the K-quants :data:`_K_TILES`; Q4_0, Q4_1, Q5_0, Q5_1 :data:`_D2_TILES`)
+    (``kform``, :data:`K_FORMS`, default
     :data:`K_FORM`: the K-quant tiles' form, the same bits)."""
     kform = kform or K_FORM
     if kform not in K_FORMS or (kform == "avx512" and not AVX512):
         raise ValueError(f"K-quant form must be one of {K_FORMS} ('avx512' where the CPU has AVX-512), got {kform!r}")
-    table = table or (_K_TILES if kind in _K_TYPES else _TILES)
+    table = table or (_K_TILES if kind in _K_TYPES else _D2_TILES if kind in _D2_KINDS else _TILES)
     return _tiled_rows([_compile_tile(kind, nr, tt, kform) for nr, tt in (*table, (table[1][0], 3))], table)
 
 
@@ -1608,8 +1612,8 @@ def _f32_tile_source(nr: int, tt: int, convert: str = "") -> str:
 
 def _f32_rows_kernel(convert: str = "", table=None):
     """Rows of ``out`` for float32-weight kernels (``convert``: "" F32, "_h2f" F16, "_bf2f" BF16),
-    tiled as ``table`` says (default :data:`_F_TILES`)."""
-    table = table or _F_TILES
+    tiled as ``table`` says (default :data:`_D2_TILES`)."""
+    table = table or _D2_TILES
     scope = dict(np=np, F32=F32, carray=carray, min=min, _stack=_stack, _fma=_fma, _sum32=_sum32,
                  _h2f=_h2f, _bf2f=_bf2f)
     tiles = []

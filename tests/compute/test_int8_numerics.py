@@ -264,7 +264,7 @@ def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CPU", "NUMBA_ENABLE_AVX",
                                                                      "COLIBRI_SWARM_INT8_FORM"))}
     show = ("import swarm.compute.qkernels as k; tiles = lambda t: ','.join(f'{a}x{b}' for a, b in t); "
-            "print(k.AVX512, k.AVX2, k.VNNI, k.I8_FORM, k.K_FORM, tiles(k._K_TILES), tiles(k._F_TILES), *k.I8_FORMS_HERE)")
+            "print(k.AVX512, k.AVX2, k.VNNI, k.I8_FORM, k.K_FORM, tiles(k._K_TILES), tiles(k._D2_TILES), *k.I8_FORMS_HERE)")
     done = subprocess.run([sys.executable, "-c", show], env={**env, **setting}, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
