@@ -2,13 +2,13 @@
 thread: every kernel family the tables drive, every table compiled in this process and timed
 interleaved; prints JSON lines.
 
-    taskset -c 0 python3 bench/tile_tables.py [--t 1,4,8,64] [--reps 9] [--tables 2xN,1xN]
+    taskset -c 0 python3 bench/tile_tables.py [--t 1,4,8,64] [--reps 9] [--tables 2xN,1xN] [--types Q4_1,Q4_K] [--numerics float32]
 
 Tables: ``2xN`` (4 × 1 for one activation row, then 2 × 4, 2 × 2, 2 × 1 and 2 × 3: AVX-512's),
 ``1xN`` (4 × 1, then 1 × 4, 1 × 2, 1 × 1, 1 × 3), ``2x1+1xN``, ``1x1+1xN`` (``1xN`` with 2 or
 1 weight rows a tile for one activation row: decode's tile) and ``2x1+2xN``. Without AVX-512 the
-float32 K-quants take ``1x1+1xN`` (``qkernels._K_TILES``) and the float32-weight kernels
-``2x1+2xN`` (``_D2_TILES``). Kernels, on random weights
+float32 K-quants take ``1x1+1xN`` (``qkernels._K_TILES``), and the float32-weight kernels and
+float32 Q4_0, Q4_1, Q5_0 and Q5_1 ``2x1+2xN`` (``_D2_TILES``). Kernels, on random weights
 of [4096, 2560] (blocks of 32, K-quants) and [1024, 2560] (F16): float32 activations through the
 ``--types`` (default Q4_1, Q8_0, Q4_K, Q6_K blocks and F16) and 8-bit activations (the numerics
 int8) through the same blocks. Each line: best ms of ``--reps`` calls per table, each table's ratio to the

@@ -285,13 +285,13 @@ _TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
 # The float32 K-quant tiles keep 8 sums of 32 lanes in a 2 × 4 tile: where the CPU has no
 # AVX-512 (AVX2's 16 registers of 256 bits; NEON's 32 of 128 hold as much) they spill, and one
 # weight row a tile was 0.5-0.95x the time at T = 4-64 on a Zen 3 core; decode's 4 × 1 keeps 4
-# such sums, and 1 × 1 took 0.63-0.80x its time for Q4_K there, 0.83-1.0x for Q6_K
+# such sums, and 1 × 1 took 0.63-0.80x its time for Q4_K there, 0.83-0.96x for Q6_K
 # (bench/tile_tables.py, two runs each).
 _K_TILES = _TILES if AVX512 else ((1, 1), (1, 4), (1, 2), (1, 1))
 # Without AVX-512 the float32-weight kernels (F32, F16, BF16) and the float32 blocks of 32 with
 # 4- and 5-bit values (Q4_0, Q4_1, Q5_0, Q5_1) decode 2 rows a pass: 2 × 1 took 0.57-0.67x the
-# 4 × 1's time for F16 on that core, 0.77-0.95x for Q4_1, Q5_0 and Q5_1 (Q4_0 0.95-0.99; Q8_0,
-# 1.04-1.05x, keeps 4 × 1).
+# 4 × 1's time for F16 on that core, 0.77-0.89x for Q4_1 and Q5_1, and never lost for Q4_0 and
+# Q5_0 (0.86-0.99x); Q8_0 (1.04-1.05x) and MXFP4 (not timed) keep 4 × 1.
 _D2_TILES = _TILES if AVX512 else ((2, 1), *_TILES[1:])
 _D2_KINDS = (1, 2, 3, 4)  # Q4_0, Q4_1, Q5_0, Q5_1: the blocks of 32 that take _D2_TILES
 

@@ -259,8 +259,8 @@ def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
     """The vector forms and tile shapes are chosen from the features numba compiles the kernels
     for, not the host's alone: a CPU numba is told to treat as without AVX takes the plain vector
     forms, and a chosen AVX2 or VNNI form is refused there (LLVM could not compile its
-    instructions); without AVX-512, float32 K-quant tiles of one weight row and float32 weights'
-    decode tiles of two."""
+    instructions); without AVX-512, float32 K-quant tiles of one weight row, and decode tiles of
+    two for float32 weights and 4/5-bit blocks of 32."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CPU", "NUMBA_ENABLE_AVX",
                                                                      "COLIBRI_SWARM_INT8_FORM"))}
     show = ("import swarm.compute.qkernels as k; tiles = lambda t: ','.join(f'{a}x{b}' for a, b in t); "
@@ -268,9 +268,9 @@ def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
     done = subprocess.run([sys.executable, "-c", show], env={**env, **setting}, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    avx512, has_avx2, vnni, form, kform, k_tiles, f_tiles, *here = done.stdout.split()
+    avx512, has_avx2, vnni, form, kform, k_tiles, d2_tiles, *here = done.stdout.split()
     assert (avx512, has_avx2, vnni) == ("False", str(avx2), "False")
-    assert (form, kform, k_tiles, f_tiles) == ("avx2" if avx2 else "vector", "vector", "1x1,1x4,1x2,1x1",
+    assert (form, kform, k_tiles, d2_tiles) == ("avx2" if avx2 else "vector", "vector", "1x1,1x4,1x2,1x1",
                                                "2x1,2x4,2x2,2x1")
     assert here == (["avx2"] if avx2 else []) + ["vector", "portable"]
     for chosen in ("vnni",) if avx2 else ("vnni", "avx2"):
@@ -284,7 +284,8 @@ def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
                                                   ("int8", QT.Q6_K), ("int8", QT.Q8_0)], ids=lambda v: getattr(v, "name", v))
 def test_both_tile_tables_give_the_same_bits(numerics_name, qtype):
     """Every tile table gives the same bits — AVX-512's (4 × 1 decode, then 2 weight rows a tile),
-    the float32 K-quants' without it (1 weight row a tile) and the float32 weights' (2 × 1 decode)
+    the float32 K-quants' without it (1 weight row a tile) and the float32 weights' and 4/5-bit
+    blocks of 32's (2 × 1 decode)
     — at T = 1, 3, 5, 6 and 8 (every tile shape: 4, 3, 2 and 1 activation rows), over ragged row
     ranges, for float32 blocks of 32, K-quants and F16 and int8 ones: peers on CPUs of either kind,
     checked bit for bit against each other, compute the same rows."""
