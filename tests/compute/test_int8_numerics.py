@@ -283,12 +283,12 @@ def test_the_forms_follow_the_cpu_features_numba_compiles_for(setting, avx2):
 @pytest.mark.parametrize("numerics_name, qtype", [("float32", QT.Q4_K), ("float32", QT.Q4_1), ("float32", QT.F16),
                                                   ("int8", QT.Q6_K), ("int8", QT.Q8_0)], ids=lambda v: getattr(v, "name", v))
 def test_both_tile_tables_give_the_same_bits(numerics_name, qtype):
-    """Every tile table gives the same bits — AVX-512's (4 × 1 decode, then 2 weight rows a tile),
-    the float32 K-quants' without it (1 weight row a tile) and the float32 weights' and 4/5-bit
-    blocks of 32's (2 × 1 decode)
-    — at T = 1, 3, 5, 6 and 8 (every tile shape: 4, 3, 2 and 1 activation rows), over ragged row
-    ranges, for float32 blocks of 32, K-quants and F16 and int8 ones: peers on CPUs of either kind,
-    checked bit for bit against each other, compute the same rows."""
+    """Every tile table gives the same bits at T = 1, 3, 5, 6 and 8 (every tile shape: 4, 3, 2 and
+    1 activation rows), over ragged row ranges, for float32 blocks of 32, K-quants and F16 and
+    int8 ones: AVX-512's (4 × 1 decode, then 2 weight rows a tile), and without it the float32
+    K-quants' (1 weight row a tile) and the float32 weights' and 4/5-bit blocks of 32's (2 × 1
+    decode). Peers on CPUs of either kind, checked bit for bit against each other, compute the
+    same rows."""
     k = quant._kernels()
     tables = ((4, 1), (2, 4), (2, 2), (2, 1)), ((1, 1), (1, 4), (1, 2), (1, 1)), ((2, 1), (2, 4), (2, 2), (2, 1))
     f32_kind = {QT.Q4_K: 5, QT.Q4_1: 2}  # qkernels' float32 kind numbers
