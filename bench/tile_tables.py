@@ -7,13 +7,15 @@ interleaved; prints JSON lines.
 Tables: ``2xN`` (4 × 1 for one activation row, then 2 × 4, 2 × 2, 2 × 1 and 2 × 3: AVX-512's),
 ``1xN`` (4 × 1, then 1 × 4, 1 × 2, 1 × 1, 1 × 3), ``2x1+1xN``, ``1x1+1xN`` (``1xN`` with 2 or
 1 weight rows a tile for one activation row: decode's tile) and ``2x1+2xN``. Without AVX-512 the
-float32 K-quants take ``1x1+1xN`` (``qkernels._K_TILES``), and the float32-weight kernels and
-float32 Q4_0, Q4_1, Q5_0 and Q5_1 ``2x1+2xN`` (``_D2_TILES``). Kernels, on random weights
+float32 K-quants take ``1x1+1xN`` (``qkernels._K_TILES_NO_AVX512``), and the float32-weight kernels and
+float32 Q4_0, Q4_1, Q5_0 and Q5_1 ``2x1+2xN`` (``_D2_TILES_NO_AVX512``). Kernels, on random weights
 of [4096, 2560] (blocks of 32, K-quants) and [1024, 2560] (F16): float32 activations through the
 ``--types`` (default Q4_1, Q8_0, Q4_K, Q6_K blocks and F16) and 8-bit activations (the numerics
 int8) through the same blocks. Each line: best ms of ``--reps`` calls per table, each table's ratio to the
 first, and whether every table's output has the first one's bits (they must: a tile's shape changes no
 operation on an element). The first line names the CPU, the forms and the table this CPU takes.
+``--types Q2_K,Q3_K,IQ4_NL --t 1 --numerics float32`` times the low-bit types' own decode tile
+(``swarm/compute/lowbit.py``: a table's first shape, 4 × 1 in the product on every CPU).
 """
 
 from __future__ import annotations
@@ -29,29 +31,39 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from swarm.compute import quant  # noqa: E402
+from swarm.compute import lowbit, quant  # noqa: E402
 from tests.compute.test_quant_kernels import encoded  # noqa: E402
 
 k = quant._kernels()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import _machine  # noqa: E402
+from kernels import _encode  # noqa: E402
 
-TABLES = {"2xN": ((4, 1), (2, 4), (2, 2), (2, 1)), "1xN": ((4, 1), (1, 4), (1, 2), (1, 1)),
-          "2x1+1xN": ((2, 1), (1, 4), (1, 2), (1, 1)), "1x1+1xN": ((1, 1), (1, 4), (1, 2), (1, 1)),
-          "2x1+2xN": ((2, 1), (2, 4), (2, 2), (2, 1))}
+# the product's three tables by their names here (qkernels: _TILES, _K_TILES_NO_AVX512, _D2_TILES_NO_AVX512), and two others
+TABLES = {"2xN": k._TILES, "1xN": ((4, 1), (1, 4), (1, 2), (1, 1)),
+          "2x1+1xN": ((2, 1), (1, 4), (1, 2), (1, 1)), "1x1+1xN": k._K_TILES_NO_AVX512,
+          "2x1+2xN": k._D2_TILES_NO_AVX512}
 # qkernels' kind numbers (float32 and int8 alike); F16 runs the float32-weight kernel, float32 only
 KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}
+# the low-bit types whose decode (T = 1) runs a tile of their own (swarm/compute/lowbit.py):
+# float32 only; a table's first shape is that tile's, T > 1 decodes whole rows whatever the table
+LOWBIT = lowbit._FUSED
 
 
 def kernels(name: str, qt, rows: int, cols: int, tables: dict):
     """({table: rows kernel}, prepare(T) → call(fn, out)) for one kernel family over ``tables``."""
     if qt == QT.F16:
         w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float16).view(np.uint16)
+    elif qt in LOWBIT:  # random blocks with finite scales (IQ4_NL: a random row's 80 scales are rarely all finite)
+        rng = np.random.default_rng(1)
+        w = _encode(rng.standard_normal((rows, cols), dtype=np.float32), qt, rng)
     else:
         w = encoded(qt, rows, cols, 1).copy()
     w.flags.writeable = False
     if qt == QT.F16:
         fns = {t: k._f32_rows_kernel("_h2f", tab) for t, tab in tables.items()}
+    elif qt in LOWBIT:
+        fns = {t: lowbit._rows_kernel(qt, tab[0]) for t, tab in tables.items()}
     elif name == "float32":
         kind = KINDS[qt]
         fns = {t: k._rows_kernel(kind, "", tab) for t, tab in tables.items()}
@@ -63,7 +75,7 @@ def kernels(name: str, qt, rows: int, cols: int, tables: dict):
         x = np.random.default_rng(T).standard_normal((T, cols)).astype(np.float32)
         if qt == QT.F16:
             return lambda fn, out: fn(w, x, out, 0, 0, rows)
-        if name == "float32":
+        if name == "float32" or qt in LOWBIT:
             return lambda fn, out: fn(w, x, out, 0, rows)
         xq = np.zeros((T, k.int8_row_bytes(kind, cols)), np.uint8)
         k.quantize(kind, x, xq)
@@ -77,15 +89,16 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--tables", default="2xN,1xN", help=f"tile tables to time, comma-separated, the first the reference ({', '.join(TABLES)})")
     ap.add_argument("--types", default="Q4_1,Q8_0,Q4_K,Q6_K,F16",
-                    help=f"weight types, comma-separated ({', '.join(q.name for q in KINDS)}, F16: float32 only)")
+                    help=f"weight types, comma-separated ({', '.join(q.name for q in KINDS)}; "
+                         f"F16, {', '.join(q.name for q in LOWBIT)}: float32 only)")
     ap.add_argument("--numerics", default="float32,int8", help="float32, int8 or both")
     args = ap.parse_args()
     try:
         qts = [QT[n] for n in args.types.split(",")]
     except KeyError as e:
         ap.error(f"--types: unknown weight type {e}")
-    if any(q not in KINDS and q != QT.F16 for q in qts) or not set(args.numerics.split(",")) <= {"float32", "int8"}:
-        ap.error(f"--types: of {', '.join(q.name for q in KINDS)} and F16; --numerics: float32, int8")
+    if any(q not in KINDS and q != QT.F16 and q not in LOWBIT for q in qts) or not set(args.numerics.split(",")) <= {"float32", "int8"}:
+        ap.error(f"--types: of {', '.join(q.name for q in (*KINDS, *LOWBIT))} and F16; --numerics: float32, int8")
     names = args.tables.split(",")
     unknown = [n for n in names if n not in TABLES]
     if unknown or len(names) < 2:
@@ -93,7 +106,7 @@ def main() -> int:
     tables = {n: TABLES[n] for n in names}
     print(json.dumps({"machine": _machine(), "k_form": k.K_FORM, "i8_form": k.I8_FORM, "tiles_here": k._TILES, "k_tiles_here": k._K_TILES,
                       "d2_tiles_here": k._D2_TILES}))
-    cases = [(name, qt) for name in args.numerics.split(",") for qt in qts if not (name == "int8" and qt == QT.F16)]
+    cases = [(name, qt) for name in args.numerics.split(",") for qt in qts if not (name == "int8" and (qt == QT.F16 or qt in LOWBIT))]
     for name, qt in cases:
         rows = 1024 if qt == QT.F16 else 4096
         fns, prepare = kernels(name, qt, rows, 2560, tables)

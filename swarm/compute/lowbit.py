@@ -311,12 +311,13 @@ def _tile_source(qtype: QT, nr: int, tt: int) -> str:
     return "\n".join(lines)
 
 
-def _rows_kernel(qtype: QT):
+def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None):
     """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``: runs of ``_DECODED_ROWS``
     weight rows decoded whole, then qkernels' float32 tiles over every activation row (each
     weight decoded once per call); for the types of :data:`_FUSED`, at T = 1, tiles of 4 weight
-    rows decoded block by block on the stack and applied as they are decoded. Both apply each
-    weight with the float32 kernel's operations in its order: the same bits."""
+    rows decoded block by block on the stack and applied as they are decoded (``tile``: another
+    (weight rows, 1) shape for that, bench/tile_tables.py's). Both apply each weight with the
+    float32 kernel's operations in its order: the same bits."""
     block, size = GGML_QUANT_SIZES[qtype]
     decode = globals()[DECODERS[qtype]]
 
@@ -334,7 +335,7 @@ def _rows_kernel(qtype: QT):
         return _named(decoded, f"matmul_rows_{qtype.name}")
     whole = _named(decoded, f"matmul_decoded_{qtype.name}")
     scope = {**globals(), "min": min}
-    nr, tt = _TILES[0]
+    nr, tt = tile or _TILES[0]  # 4 × 1 on every CPU: on a Zen 3 core (AVX2) 2 × 1 took 0.95-1.03x its time, 1 × 1 1.8-3.0x
     exec(compile(_tile_source(qtype, nr, tt), f"<{__name__} {qtype.name} tile {nr}x{tt}>", "exec"), scope)
     one = njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"])
 

@@ -287,12 +287,14 @@ _TILES = ((4, 1), (2, 4), (2, 2), (2, 1))
 # weight row a tile was 0.5-0.95x the time at T = 4-64 on a Zen 3 core; decode's 4 × 1 keeps 4
 # such sums, and 1 × 1 took 0.63-0.80x its time for Q4_K there, 0.83-0.96x for Q6_K
 # (bench/tile_tables.py, two runs each).
-_K_TILES = _TILES if AVX512 else ((1, 1), (1, 4), (1, 2), (1, 1))
+_K_TILES_NO_AVX512 = ((1, 1), (1, 4), (1, 2), (1, 1))
+_K_TILES = _TILES if AVX512 else _K_TILES_NO_AVX512
 # Without AVX-512 the float32-weight kernels (F32, F16, BF16) and the float32 blocks of 32 with
 # 4- and 5-bit values (Q4_0, Q4_1, Q5_0, Q5_1) decode 2 rows a pass: 2 × 1 took 0.57-0.67x the
 # 4 × 1's time for F16 on that core, 0.77-0.89x for Q4_1 and Q5_1, and never lost for Q4_0 and
 # Q5_0 (0.86-0.99x); Q8_0 (1.04-1.05x) and MXFP4 (not timed) keep 4 × 1.
-_D2_TILES = _TILES if AVX512 else ((2, 1), *_TILES[1:])
+_D2_TILES_NO_AVX512 = ((2, 1), *_TILES[1:])
+_D2_TILES = _TILES if AVX512 else _D2_TILES_NO_AVX512
 _D2_KINDS = (1, 2, 3, 4)  # Q4_0, Q4_1, Q5_0, Q5_1: the blocks of 32 that take _D2_TILES
 
 

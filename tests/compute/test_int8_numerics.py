@@ -290,7 +290,7 @@ def test_both_tile_tables_give_the_same_bits(numerics_name, qtype):
     decode). Peers on CPUs of either kind, checked bit for bit against each other, compute the
     same rows."""
     k = quant._kernels()
-    tables = ((4, 1), (2, 4), (2, 2), (2, 1)), ((1, 1), (1, 4), (1, 2), (1, 1)), ((2, 1), (2, 4), (2, 2), (2, 1))
+    tables = k._TILES, k._K_TILES_NO_AVX512, k._D2_TILES_NO_AVX512  # the product's tables, whatever this CPU
     f32_kind = {QT.Q4_K: 5, QT.Q4_1: 2}  # qkernels' float32 kind numbers
 
     def build(table):
