@@ -99,6 +99,10 @@ def main() -> int:
         ap.error(f"--types: unknown weight type {e}")
     if any(q not in KINDS and q != QT.F16 and q not in LOWBIT for q in qts) or not set(args.numerics.split(",")) <= {"float32", "int8"}:
         ap.error(f"--types: of {', '.join(q.name for q in (*KINDS, *LOWBIT))} and F16; --numerics: float32, int8")
+    ts = [int(t) for t in args.t.split(",")]
+    low = [q.name for q in qts if q in LOWBIT]
+    if low and (ts != [1] or "float32" not in args.numerics.split(",")):
+        ap.error(f"--types {','.join(low)}: their own tile runs at T = 1 under float32 only (--t 1 --numerics float32)")
     names = args.tables.split(",")
     unknown = [n for n in names if n not in TABLES]
     if unknown or len(names) < 2:
@@ -110,7 +114,7 @@ def main() -> int:
     for name, qt in cases:
         rows = 1024 if qt == QT.F16 else 4096
         fns, prepare = kernels(name, qt, rows, 2560, tables)
-        for T in map(int, args.t.split(",")):
+        for T in ts:
             call = prepare(T)
             outs = {t: np.full((T, rows), np.nan, np.float32) for t in fns}
             best = {t: float("inf") for t in fns}

@@ -318,6 +318,8 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None):
     rows decoded block by block on the stack and applied as they are decoded (``tile``: another
     (weight rows, 1) shape for that, bench/tile_tables.py's). Both apply each weight with the
     float32 kernel's operations in its order: the same bits."""
+    if tile is not None and (len(tile) != 2 or tile[0] < 1 or tile[1] != 1):
+        raise ValueError(f"a low-bit decode tile is (weight rows ≥ 1, 1), got {tile!r}")
     block, size = GGML_QUANT_SIZES[qtype]
     decode = globals()[DECODERS[qtype]]
 
