@@ -127,6 +127,29 @@ def test_lowbit_kernels_give_the_bits_of_the_float32_kernel_on_ggufs_values(qtyp
     np.testing.assert_array_equal(m.rows(3, 10).matmul(x), copy.rows(3, 10).matmul(x))
 
 
+def test_a_low_bit_decode_tile_of_any_rows_gives_the_same_bits_and_one_of_several_activation_rows_is_refused():
+    """The low-bit types' own decode tile (T = 1) may take 1, 2 or 4 weight rows
+    (bench/tile_tables.py times them): a tile's shape changes no operation on an element, so every
+    shape gives the bits of the product's 4 × 1, over ragged row ranges. A tile of more than one
+    activation row would read past a decode step's one row: refused, with the shape named."""
+    from swarm.compute import lowbit
+
+    qtype, cols = QT.Q2_K, 512
+    raw = encoded(qtype, 13, cols, 5)
+    x = np.random.default_rng(1).normal(size=(1, cols)).astype(F32)
+    outs = []
+    for tile in ((4, 1), (2, 1), (1, 1)):
+        fn, out = lowbit._rows_kernel(qtype, tile), np.full((1, 13), np.nan, F32)
+        for lo, hi in ((0, 5), (5, 6), (6, 13)):
+            fn(raw, x, out, lo, hi)
+        outs.append(out)
+    assert np.isfinite(outs[0]).all()
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
+    with pytest.raises(ValueError, match=r"\(2, 4\)"):
+        lowbit._rows_kernel(qtype, (2, 4))
+
+
 @pytest.mark.parametrize("qtype", QUANTIZED + K_QUANTS + IQ + PLAIN, ids=lambda q: q.name)
 def test_dequantize_is_exactly_ggufs(qtype, compiled_only):
     """Every type with a compiled decoder (all of these but F32/F16/BF16, which are views)
