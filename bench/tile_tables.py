@@ -99,7 +99,12 @@ def main() -> int:
         ap.error(f"--types: unknown weight type {e}")
     if any(q not in KINDS and q != QT.F16 and q not in LOWBIT for q in qts) or not set(args.numerics.split(",")) <= {"float32", "int8"}:
         ap.error(f"--types: of {', '.join(q.name for q in (*KINDS, *LOWBIT))} and F16; --numerics: float32, int8")
-    ts = [int(t) for t in args.t.split(",")]
+    try:
+        ts = [int(t) for t in args.t.split(",")]
+    except ValueError:
+        ap.error(f"--t: activation rows as integers, comma-separated, got {args.t!r}")
+    if any(t < 1 for t in ts):
+        ap.error(f"--t: each at least 1, got {args.t!r}")
     low = [q.name for q in qts if q in LOWBIT]
     if low and (ts != [1] or "float32" not in args.numerics.split(",")):
         ap.error(f"--types {','.join(low)}: their own tile runs at T = 1 under float32 only (--t 1 --numerics float32)")
