@@ -57,10 +57,11 @@ def main() -> int:
             best = min(best, (clock() - t0) / args.steps)
         steps[n] = best
     one = steps[min(steps)] / min(steps)
+    k = quant._kernels()
     print(json.dumps({
         "model": Path(path).name, "threads": args.threads, "clock": "thread CPU" if args.threads == 1 else "wall",
-        "numerics": numerics.numerics(), "machine": _machine(), "tiles": [list(t) for t in quant._kernels()._TILES],
-        "k_tiles": [list(t) for t in quant._kernels()._K_TILES], "d2_tiles": [list(t) for t in quant._kernels()._D2_TILES],
+        "numerics": numerics.numerics(), "machine": _machine(),
+        **{name: [list(t) for t in table] for name, table in (("tiles", k._TILES), ("k_tiles", k._K_TILES), ("d2_tiles", k._D2_TILES))},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "step_ms": {n: round(1e3 * s, 2) for n, s in steps.items()},
         "step_vs_one": {n: round(s / steps[min(steps)], 2) for n, s in steps.items()},
