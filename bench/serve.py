@@ -38,7 +38,10 @@ which also runs the head, takes fewer), or at ``--split``. Each ``--rounds`` rou
 stream and for every ``--streams`` level, in turn: one peer alone (``LocalFFN``) and the stages
 with one batch scheduler per stage (raw schedulers, no API), then the product's path — the
 OpenAI API (``ApiServer`` and ``EngineBackend``, streaming ``/v1/completions``) over one peer and
-over the stages, where the backend runs one scheduler per stage by itself. Interleaving puts
+over the stages, where the backend places sequences over its schedulers by the planner's price
+(``costmodel.GroupPricer`` over the stages, every peer at the speed ``join`` measures here:
+one scheduler per stage, or more where groups of fewer rows cost less a round; with
+``--unpriced`` also one scheduler per stage, as before that price). Interleaving puts
 other work on a shared machine into both sides of each ratio. Per run: aggregate tok/s, p50/p95
 time per output token (between a stream's tokens), CPU ms per token of the coordinator process
 and of the stage workers together, and whether each stream's tokens (API: text) equal its solo
@@ -484,7 +487,8 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
     from swarm.compute.ffn import LocalFFN
     from swarm.compute.model import load_model
     from swarm.compute.tokenizer import tokenizer_for
-    from swarm.peer.coordinator.costmodel import LayerCosts, PeerCost, throughput_split
+    from swarm.peer.coordinator.costmodel import GroupPricer, LayerCosts, PeerCost, throughput_split
+    from swarm.peer.node import measure_ffn_gflops
     from swarm.peer.coordinator.stages import StagedFFN
     from swarm.peer.plan import Stage, StageLayout
 
@@ -573,7 +577,13 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
         for p in workers:
             link.send(p, layout.to_message())
         ffn = link.ffn = StagedFFN(model, layout, link)
-        width = len(stages)  # the API's pool: one scheduler per stage (api_engine.schedulers_for)
+        # The product's price of a round of groups: every peer at the speed join measures (hello's
+        # ffn_gflops; equal cores a peer), a pipe's round trip taken as none.
+        gflops = measure_ffn_gflops()
+        priced = [PeerCost(p, 10**12, gflops) for p in peers]
+        pricer = GroupPricer(LayerCosts.from_model(model), priced[0], priced[1:], stages)
+        out["pricer"] = {"gflops": round(gflops, 2), "groups": {n: pricer.best_groups(n) for n in [1, *levels]}}
+        width = len(stages)  # the API's pool: at least one scheduler per stage (api_engine.schedulers_for)
         extra_widths = [int(k) for k in str(args.schedulers).split(",") if k and int(k) != width]
         _serve_streams(model, ffn, prompt_ids[:1], 4)  # the worker loads its layers
         # Interleaved rounds: each round runs every configuration once, one peer beside the
@@ -600,6 +610,14 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
                 cpu0 = cpu_s()
                 got, tps, gaps, _, n_tok = asyncio.run(_api_streams(model, tok, None, tx, args.tokens))
                 record(f"api_one_peer_{n}", got, tps, gaps, api_solo, cpu0, n_tok)
+                if args.unpriced:  # the API as before the price: one scheduler per stage
+                    ffn.set_pricer(None)
+                    cpu0 = cpu_s()
+                    got, tps, gaps, stepped, n_tok = profiled(f"api_stages_unpriced_{n}", r, lambda: asyncio.run(
+                        _api_streams(model, tok, ffn, tx, args.tokens)))
+                    record(f"api_stages_unpriced_{n}", got, tps, gaps, api_solo, cpu0, n_tok,
+                           schedulers_stepped=stepped)
+                ffn.set_pricer(pricer)
                 cpu0 = cpu_s()
                 got, tps, gaps, stepped, n_tok = profiled(f"api_stages_{n}", r, lambda: asyncio.run(
                     _api_streams(model, tok, ffn, tx, args.tokens)))
@@ -624,6 +642,11 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
         out["ratios"][f"{n}_streams"] = {"api_stages_vs_api_one_peer": ratios(f"api_stages_{n}", f"api_one_peer_{n}"),
                                          "raw_stages_vs_raw_one_peer": ratios(f"stages_schedulers_{n}",
                                                                               f"one_peer_{n}")}
+        if args.unpriced:
+            out["ratios"][f"{n}_streams"]["api_stages_vs_api_stages_unpriced"] = ratios(
+                f"api_stages_{n}", f"api_stages_unpriced_{n}")
+            out["ratios"][f"{n}_streams"]["api_stages_unpriced_vs_api_one_peer"] = ratios(
+                f"api_stages_unpriced_{n}", f"api_one_peer_{n}")
         for k in extra_widths:
             out["ratios"][f"{n}_streams"][f"raw_{k}_schedulers_vs_raw_one_peer"] = ratios(
                 f"stages_{k}_schedulers_{n}", f"one_peer_{n}")
@@ -635,7 +658,8 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
 
 
 # The options of --pipeline alone (none has an effect without it), with their defaults there.
-PIPELINE_DEFAULTS = {"streams": "8,16", "cores": "0,1", "schedulers": "", "split": None, "profile": False, "out": None}
+PIPELINE_DEFAULTS = {"streams": "8,16", "cores": "0,1", "schedulers": "", "split": None, "profile": False,
+                     "unpriced": False, "out": None}
 
 
 def _check_pipeline_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -678,6 +702,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="--pipeline: profile each run over the stages: a group's hand-off against its compute "
                         "(bench/pipeline_profile.py)")
+    parser.add_argument("--unpriced", action="store_true",
+                        help="--pipeline: also serve the API over the stages with one scheduler per stage, "
+                        "not placed by the planner's price")
     parser.add_argument("--out", help="--pipeline: also write the JSON here")
     parser.add_argument("--_inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_stage_worker", metavar="PATH", help=argparse.SUPPRESS)

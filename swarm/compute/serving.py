@@ -534,21 +534,45 @@ class SchedulerPool:
                                             prefix_reuse=prefix_reuse)
         self.schedulers: list[BatchScheduler] = [self._make()]
         self.width = 1
+        self.groups: Callable[[int], Sequence[int]] | None = None
 
-    def set_width(self, n: int) -> None:
+    def set_width(self, n: int, groups: Callable[[int], Sequence[int]] | None = None) -> None:
         """New sequences go to the first ``n`` schedulers from now on (at least 1, at most
-        ``max_batch``: made when first needed); sequences running elsewhere stay where they are."""
+        ``max_batch``: made when first needed); sequences running elsewhere stay where they are.
+        ``groups`` (None: none): the sizes of the groups a count of sequences is best served in,
+        each group one scheduler's sequences stepping at once (the planner's
+        :meth:`~swarm.peer.coordinator.costmodel.GroupPricer.best_groups`); with it a new
+        sequence goes where the schedulers' loads come closest to those sizes — past ``n``
+        schedulers too, where smaller groups cost less (:meth:`submit`)."""
         with self.cond:
             self.width = max(1, min(n, self.max_batch))
+            self.groups = groups
             while len(self.schedulers) < self.width:
                 self.schedulers.append(self._make())
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> TokenStream:
-        """:meth:`BatchScheduler.submit` on the least loaded of the first ``width`` schedulers
-        (QueueFullError when the pool's limits are full)."""
+        """:meth:`BatchScheduler.submit` on the least loaded of the first ``width`` schedulers, or
+        with ``groups`` (:meth:`set_width`) on the one furthest below its size: the sizes for
+        every sequence and this one, largest first, go to the schedulers in order of their loads,
+        largest first (one more is made, up to ``max_batch``, when there are more sizes than
+        schedulers); ties to the least loaded, then the first (QueueFullError when the pool's
+        limits are full). Sequences stay where they are placed, so a burst fills the sizes of its
+        final count only as they grow with it."""
         with self.cond:
-            target = min(self.schedulers[:self.width], key=lambda m: m.load())
-            return target.submit(prompt_ids, params)
+            return self._place().submit(prompt_ids, params)
+
+    def _place(self) -> BatchScheduler:
+        """The scheduler a new sequence goes to (:meth:`submit`); the pool's lock is held."""
+        if self.groups is None:
+            return min(self.schedulers[:self.width], key=lambda m: m.load())
+        loads = [m.load() for m in self.schedulers]
+        sizes = sorted(self.groups(sum(loads) + 1), reverse=True)
+        while len(self.schedulers) < min(len(sizes), self.max_batch):
+            self.schedulers.append(self._make())  # idle until a sequence is placed on it
+            loads.append(0)
+        order = sorted(range(len(loads)), key=lambda i: (-loads[i], i))
+        below = {i: (sizes[k] if k < len(sizes) else 0) - loads[i] for k, i in enumerate(order)}
+        return self.schedulers[max(below, key=lambda i: (below[i], -loads[i], -i))]
 
     def fail_all(self, exc: BaseException) -> int:
         """:meth:`BatchScheduler.fail_all` on every member; how many sequences were failed."""

@@ -116,3 +116,32 @@ def test_a_sequence_joins_its_member_while_an_older_one_waits_on_another_if_a_sl
             gate.release(1000)
     streams = [first, second, older, newer]
     assert [list(s) for s in streams] == [alone(model, p, params) for p in jobs]
+
+
+def test_a_priced_pool_places_sixteen_sequences_over_three_stages_as_four_groups_of_four(model):
+    """With the planner's best groups (three CPU stages of a model whose weights are most of a
+    decode step: a group past 4 rows costs every stage a second kernel pass), 16 sequences that
+    arrive one after another go 4 + 4 + 4 + 4 — a fourth scheduler past one per stage — where
+    the least loaded of three gives 6 + 5 + 5; every sequence keeps its solo tokens."""
+    from swarm.peer.coordinator.costmodel import GroupPricer, LayerCosts, PeerCost
+
+    mb = 2**20
+    costs = LayerCosts((2e6,) * 24, (2e7,) * 24, (mb,) * 24, (40 * mb,) * 24, 1e7, 1024)
+    workers = [PeerCost("w1", 10**12, 10.0, 0.002), PeerCost("w2", 10**12, 10.0, 0.002)]
+    pricer = GroupPricer(costs, PeerCost("c", 10**12, 10.0), workers, (("c", 0, 8), ("w1", 8, 16), ("w2", 16, 24)))
+    params, prompt = SamplingParams(max_tokens=2), [3] * 40  # ten chunks of prefill: still running at the 16th
+    assert pricer.best_groups(16) == [4, 4, 4, 4]
+    for groups, want in ((pricer.best_groups, [4, 4, 4, 4]), (None, [6, 5, 5])):
+        pool = SchedulerPool(model, max_batch=16, chunk=4, prefill_rows=4)
+        pool.set_width(3, groups)
+        streams = [pool.submit(prompt, params) for _ in range(16)]
+        placed = [pool.schedulers.index(s._scheduler) for s in streams]
+        assert sorted((placed.count(i) for i in set(placed)), reverse=True) == want, placed
+        assert [list(s) for s in streams] == [alone(model, prompt, params)] * 16
+    # two stages: 6 sequences as 3 + 3 (one pass each), never a third scheduler on the way there
+    two = GroupPricer(costs, PeerCost("c", 10**12, 10.0), workers[:1], (("c", 0, 12), ("w1", 12, 24)))
+    pool = SchedulerPool(model, max_batch=16, chunk=4, prefill_rows=4)
+    pool.set_width(2, two.best_groups)
+    streams = [pool.submit(prompt, params) for _ in range(6)]
+    assert [pool.schedulers.index(s._scheduler) for s in streams] == [0, 1, 0, 1, 0, 1]
+    assert [list(s) for s in streams] == [alone(model, prompt, params)] * 6

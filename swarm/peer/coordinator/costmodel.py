@@ -150,6 +150,22 @@ class LayerCosts:
             return float(self.layer_bytes(i))
         return self.layer_bytes(i) - experts + experts / n * distinct_experts(n, self.top_k[i], rows)
 
+    def pass_bytes(self, i: int, rows: int, tile: int | None = None) -> float:
+        """Weight bytes a call of ``rows`` rows reads of layer ``i`` when its kernels take ``tile``
+        rows a pass, each pass reading (decoding) the weights it multiplies again (None: one pass
+        whatever the rows, as on a GPU): a dense layer ``⌈rows / tile⌉`` times; of a MoE layer what is
+        not a routed expert that many times, and each expert its rows choose
+        (:meth:`read_bytes`) once per ``tile`` of the rows it is expected to get
+        (``rows · top_k / distinct``)."""
+        passes = (lambda r: 1 if tile is None else max(1, math.ceil(r / tile - 1e-9)))  # noqa: E731
+        experts = self.expert_bytes[i] if self.expert_bytes else 0
+        n = self.n_experts[i] if experts and self.n_experts else 0
+        if not n:
+            return float(self.layer_bytes(i)) * passes(rows)
+        chosen = distinct_experts(n, self.top_k[i], rows)
+        return ((self.layer_bytes(i) - experts) * passes(rows)
+                + experts / n * chosen * passes(rows * min(self.top_k[i], n) / max(chosen, 1e-9)))
+
     def stage_bytes(self, i: int) -> int:
         """What a worker's stage holds for layer ``i``: its weights and its KV cache (bytes)."""
         return self.layer_bytes(i) + (self.kv_bytes[i] if self.kv_bytes else 0)
@@ -542,39 +558,100 @@ def pipeline_groups(n_sequences: int, n_stages: int, schedulers: int = 1) -> int
     return min(n_sequences, PIPELINE_GROUPS_PER_STAGE * -(-n_stages // max(1, schedulers)))
 
 
-# a CPU reads a layer's weights once per call, whatever its rows (SmolLM2 on this project's 2-core
+# a CPU reads a layer's weights once per pass of its kernels (SmolLM2 on this project's 2-core
 # bench machine: one decode row 6 ms, eight 22 ms — bench/results/pipeline.md); of a MoE layer, the
 # experts its rows chose (LayerCosts.read_bytes)
 WEIGHT_BYTES_PER_S = 20e9
+# Rows a CPU peer's kernels take a pass (swarm.compute.qkernels: its tiles' largest count of
+# activation rows): a call of r rows decodes its weights ⌈r / 4⌉ times, so on 8 cores of a Xeon
+# a dense 4B Q4_K_M step of 5 rows took 134 ms against 76.5 for 4 and 166 for 8
+# (bench/results/pipeline.md, "What a step of r rows costs on one peer").
+ROW_TILE = 4
 
 
-def _stage_call_s(costs: LayerCosts, peer: PeerCost, lo: int, hi: int, rows: float, remote: bool) -> float:
+def _row_tile(peer: PeerCost) -> int | None:
+    """Rows ``peer``'s kernels take a pass: ``ROW_TILE`` on a CPU, None (one pass) on a GPU."""
+    return ROW_TILE if peer.gpu_memory is None or peer.on_cpu else None
+
+
+def _stage_call_s(costs: LayerCosts, peer: PeerCost, lo: int, hi: int, rows: int, remote: bool) -> float:
     """One call of layers ``lo .. hi-1`` on ``peer`` for ``rows`` rows (seconds): its weights
-    read once — of a MoE layer only the experts its rows choose (:meth:`LayerCosts.read_bytes`) —,
-    its FLOPs per row, and a message when it is not the coordinator's."""
-    t = sum(costs.read_bytes(i, rows) for i in range(lo, hi)) / WEIGHT_BYTES_PER_S
+    read once a pass of its kernels — of a MoE layer only the experts its rows choose
+    (:meth:`LayerCosts.pass_bytes`) —, its FLOPs per row, and a message when it is not the
+    coordinator's."""
+    tile = _row_tile(peer)
+    t = sum(costs.pass_bytes(i, rows, tile) for i in range(lo, hi)) / WEIGHT_BYTES_PER_S
     t += rows * sum(costs.attn_flops[i] + costs.ffn_flops[i] for i in range(lo, hi)) / _gflops(peer)
-    return t + (_message_s(peer, max(1, math.ceil(rows)), costs) if remote else 0.0)
+    return t + (_message_s(peer, max(1, rows), costs) if remote else 0.0)
+
+
+def balanced_groups(sequences: int, groups: int) -> list[int]:
+    """``sequences`` cut into ``groups`` groups of as equal sizes as can be (the larger first)."""
+    g = max(1, min(sequences, groups))
+    return [sequences // g + (i < sequences % g) for i in range(g)]
+
+
+class GroupPricer:
+    """The time a round of groups takes through ``stages`` (:meth:`round_s`), each stage call's
+    price computed once per row count (the API's pool asks at every new sequence)."""
+
+    def __init__(self, costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
+                 stages: Sequence[tuple[str, int, int]]) -> None:
+        self.costs, self.coord, self.stages = costs, coord, tuple(stages)
+        self._peers = {p.peer_id: p for p in (coord, *workers)}
+        self._calls: dict[int, list[float]] = {}
+        self._best: dict[int, list[int]] = {}
+
+    def calls(self, rows: int) -> list[float]:
+        """Each stage's call of ``rows`` rows (seconds, :func:`_stage_call_s`), in stage order."""
+        if rows not in self._calls:
+            self._calls[rows] = [_stage_call_s(self.costs, self._peers[pid], lo, hi, rows, pid != self.coord.peer_id)
+                                 for pid, lo, hi in self.stages]
+        return self._calls[rows]
+
+    def round_s(self, sizes: Sequence[int]) -> float:
+        """Seconds for groups of ``sizes`` sequences (one batch scheduler each, as the API's pool
+        keeps them) to decode a token each, pipelined with no drain between steps (docs/serving.md,
+        "Stage layout"): the longer of the slowest group's own pass — every stage's call of its
+        rows, then the head for them on the coordinator — and the busiest peer's work for every
+        group: its calls (the coordinator's with the heads). A call costs its weights read once a
+        kernel pass (``ROW_TILE`` rows a pass on a CPU) plus its FLOPs per row, so a group is
+        cheapest per row at a multiple of the tile, and each group costs every stage one more call
+        and message. Empty groups are left out; 0.0 for none."""
+        busy: dict[str, float] = {self.coord.peer_id: 0.0}
+        slowest = 0.0
+        for rows in (r for r in sizes if r > 0):
+            calls = self.calls(rows)
+            head = rows * self.costs.head_flops / _gflops(self.coord)
+            slowest = max(slowest, sum(calls) + head)
+            busy[self.coord.peer_id] += head
+            for (pid, _, _), call in zip(self.stages, calls):
+                busy[pid] = busy.get(pid, 0.0) + call
+        return max(slowest, max(busy.values()))
+
+    def best_groups(self, sequences: int) -> list[int]:
+        """The sizes of the groups ``sequences`` running sequences are best served in: at least one
+        per stage (every stage busy), more when even groups of fewer rows take less time a round
+        (on CPUs a group past a multiple of ``ROW_TILE`` costs every stage a kernel pass more: 16
+        sequences over three stages go as four groups of 4, not 6 + 5 + 5), the fewest on a tie.
+        More groups than ``⌈sequences / ROW_TILE⌉`` add passes and messages without saving one,
+        so none are tried."""
+        if sequences < 1:
+            return []
+        if sequences not in self._best:
+            lo = min(sequences, len(self.stages))
+            hi = max(lo, math.ceil(sequences / ROW_TILE))
+            best = min(range(lo, hi + 1), key=lambda g: (self.round_s(balanced_groups(sequences, g)), g))
+            self._best[sequences] = balanced_groups(sequences, best)
+        return list(self._best[sequences])
 
 
 def serving_step_s(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
                    stages: Sequence[tuple[str, int, int]], sequences: int, groups: int | None = None) -> float:
     """Seconds for every one of ``sequences`` running sequences to decode a token through
-    ``stages`` (the coordinator alone: one stage of every layer), as the API serves them: one
-    batch scheduler per stage (``groups``, default ``min(sequences, len(stages))``), each
-    stepping ``sequences / G`` of them through every stage with no drain between steps (docs/
-    serving.md, "Stage layout"). That takes the longer of one scheduler's pass — every stage's
-    call, then the head for its rows on the coordinator — and the busiest peer's work for all G
-    steps: its calls (the coordinator's with the head) G times. A call costs its weights read
-    once (``WEIGHT_BYTES_PER_S``; of a MoE layer the experts its rows choose,
-    :meth:`LayerCosts.read_bytes`) plus its FLOPs per row, so a bigger group is cheaper per row and
-    each scheduler costs every stage one more weight pass and message."""
-    peers = {p.peer_id: p for p in (coord, *workers)}
-    g = max(1, min(sequences, groups if groups is not None else len(stages)))
-    rows = sequences / g
-    calls = [_stage_call_s(costs, peers[pid], lo, hi, rows, pid != coord.peer_id) for pid, lo, hi in stages]
-    head = rows * costs.head_flops / _gflops(coord)
-    busy = {coord.peer_id: head}
-    for (pid, _, _), call in zip(stages, calls):
-        busy[pid] = busy.get(pid, 0.0) + call
-    return max(sum(calls) + head, g * max(busy.values()))
+    ``stages`` (the coordinator alone: one stage of every layer), as the API serves them: in
+    ``groups`` batch schedulers (default :meth:`GroupPricer.best_groups`'s count), their
+    sequences cut as evenly as can be (:meth:`GroupPricer.round_s`)."""
+    pricer = GroupPricer(costs, coord, workers, stages)
+    sizes = pricer.best_groups(sequences) if groups is None else balanced_groups(sequences, groups)
+    return pricer.round_s(sizes)

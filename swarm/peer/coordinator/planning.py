@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarm.errors import LocalProtocolError
 from swarm.peer.coordinator import costmodel
-from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S, LayerCosts, PeerCost, observed_gflops
+from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S, GroupPricer, LayerCosts, PeerCost, observed_gflops
 from swarm.peer.coordinator.planner import PeerCapacity, build_plan, shortfall
 from swarm.peer.coordinator.tracker import Observations
 from swarm.peer.plan import ModelShape, Plan, Stage, StageLayout, gpu_holds, split_layers
@@ -285,6 +285,20 @@ class Planning:
                                                cpu_gflops)
             self._choices[sequences] = (report.get("choice"), chosen)
         return self._choices[sequences]
+
+    def pricer(self) -> GroupPricer | None:
+        """The price of a round of groups through the newest plan's stages, from the inputs that
+        plan was priced with (:class:`~swarm.peer.coordinator.costmodel.GroupPricer`); None
+        without stages on other peers, under a mix (its first stage's FFN is cut over the
+        holders, which this price does not model) or before a plan."""
+        lay = self.stage_layout
+        if self._priced is None or lay is None or len(lay.stages) < 2 or self.cut_layers is not None:
+            return None
+        _, me, costs, _, _ = self._priced
+        priced = {c.peer_id for c in (me, *costs)}
+        if any(s.peer not in priced for s in lay.stages):
+            return None
+        return GroupPricer(self._layer_costs(), me, costs, [(s.peer, s.start, s.stop) for s in lay.stages])
 
     def _layer_costs(self) -> LayerCosts:
         if self.costs is None:

@@ -307,6 +307,8 @@ class CoordinatorRole(LoopDispatcher):
     def _start_stages(self) -> None:
         """Dispatch the newest plan's stages (none under ranges); the API follows."""
         self._use_stages(self.planning.stages_to_run(self.election.term))
+        if self.stages is not None:
+            self.stages.set_pricer(self.planning.pricer())
         self._api.set_ffn(self.engine_ffn)
 
     # ------------------------------------------------------------------ the API

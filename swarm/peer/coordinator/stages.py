@@ -96,6 +96,7 @@ from swarm.peer.plan import INLINE_ROWS, Stage, StageLayout
 
 if TYPE_CHECKING:
     from swarm.compute.model import KVCache, Model
+    from swarm.peer.coordinator.costmodel import GroupPricer
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ class StagedFFN:
         # cost model's choice, costmodel.pipeline_groups; 1: none, the stages one after the other)
         self.pipeline_groups: int | None = None
         self.schedulers = 1  # batch schedulers stepping through these stages at once (set_schedulers)
+        # the planner's price of a round of groups through this layout's stages (set_pricer)
+        self.pricer: GroupPricer | None = None
         self.pipelined_steps = 0  # steps whose sequences crossed the stages in groups, pipelined
         self._compute = threading.Lock()  # layers run here one group at a time
         self.verifier = StageVerifier(model, verify, rng)  # --verify (stage_verify.py)
@@ -227,6 +230,19 @@ class StagedFFN:
         if n < 1:
             raise ValueError(f"schedulers must be ≥ 1, got {n}")
         self.schedulers = n
+
+    def set_pricer(self, pricer: GroupPricer | None) -> None:
+        """The planner's price of a round of groups through the stages of the layout set last
+        (None: not priced; the API then runs one scheduler per stage)."""
+        self.pricer = pricer
+
+    def best_groups(self, sequences: int) -> list[int]:
+        """The sizes of the groups ``sequences`` sequences are best served in through the stages
+        (:meth:`~swarm.peer.coordinator.costmodel.GroupPricer.best_groups`); LocalProtocolError
+        when not priced."""
+        if self.pricer is None:
+            raise LocalProtocolError("these stages are not priced (set_pricer)")
+        return self.pricer.best_groups(sequences)
 
     def set_approximate(self, peers: set[str]) -> None:
         """``peers`` (of another numeric build) are verified within a bound, not bit for bit."""

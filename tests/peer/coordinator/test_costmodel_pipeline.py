@@ -6,6 +6,7 @@ only the routed experts its rows chose."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -78,14 +79,18 @@ def test_auto_keeps_the_coordinator_alone_for_one_sequence_and_splits_for_severa
 
 
 def test_weights_that_dominate_a_step_keep_the_coordinator_alone():
-    """Decode on a CPU reads every weight once per call: when that is most of a step (few FLOPs
-    per byte), splitting 8 sequences into groups pays it once more per group and gains too little."""
+    """Decode on a CPU reads every weight once per pass of ``ROW_TILE`` rows: when that is most of
+    a step (few FLOPs per byte), splitting 4 sequences (one pass alone) into groups pays it once
+    more per group and gains too little. At 8 sequences one machine takes two passes over all the
+    weights, two stage peers two each over half of them: the stages pay."""
     costs = layers(ffn_flops=2e6, ffn_bytes=200 * MB)
     coord, workers = pair()
-    best, estimates = cm.choose(costs, coord, workers, sequences=8)
+    best, estimates = cm.choose(costs, coord, workers, sequences=cm.ROW_TILE)
     assert best.layout == "local" and best.serving_tok_s is not None
     staged = [e for e in estimates if e.layout == "stages" and e.serving_tok_s is not None]
     assert staged and staged[-1].serving_tok_s < best.serving_tok_s / (1 - cm.REMOTE_MARGIN)
+    best, _ = cm.choose(costs, coord, workers, sequences=2 * cm.ROW_TILE)
+    assert best.layout == "stages"
 
 
 def test_a_slow_link_keeps_the_coordinator_alone():
@@ -149,13 +154,20 @@ def test_a_moe_call_reads_the_experts_its_rows_choose():
     assert cm._stage_call_s(costs, coord, 0, 2, 1, False) == pytest.approx(
         2 * (MB + experts * 8 / 64) / cm.WEIGHT_BYTES_PER_S + flops)
     assert costs.read_bytes(0, 500) == pytest.approx(MB + experts, rel=1e-9)
+    # 500 rows: attention in 125 passes of 4 rows, each expert in 16 (the 62.5 rows it gets)
+    assert costs.pass_bytes(0, 500, cm.ROW_TILE) == pytest.approx(125 * MB + 16 * experts, rel=1e-9)
     assert cm._stage_call_s(costs, coord, 0, 2, 500, False) == pytest.approx(
+        2 * (125 * MB + 16 * experts) / cm.WEIGHT_BYTES_PER_S + 500 * flops)
+    # a GPU reads them once whatever the rows
+    gpu = PeerCost("g", 10**12, 10.0, gpu_memory=10**12)
+    assert cm._stage_call_s(costs, gpu, 0, 2, 500, False) == pytest.approx(
         2 * (MB + experts) / cm.WEIGHT_BYTES_PER_S + 500 * flops)
 
 
 def test_groups_of_a_moe_step_read_more_experts_than_one_step():
     """Eight sequences on the coordinator alone: two groups of 4 read 2 · E(1 - (1 - k/E)^4)
-    experts a layer, one group of 8 E(1 - (1 - k/E)^8); the FLOPs and the head are the same."""
+    experts a layer, one group of 8 E(1 - (1 - k/E)^8); the attention weights twice either way (a
+    pass of 4 rows each), the FLOPs and the head the same."""
     n, E, k = 12, 64, 8
     costs = moe_layers(n=n, experts=E, top_k=k)
     coord = PeerCost("c", 10**12, 10.0)
@@ -163,7 +175,7 @@ def test_groups_of_a_moe_step_read_more_experts_than_one_step():
     one = cm.serving_step_s(costs, coord, [], alone, 8, groups=1)
     two = cm.serving_step_s(costs, coord, [], alone, 8, groups=2)
     missed = 1 - k / E  # the chance one row leaves a given expert alone
-    read = lambda rows: MB + E * MB * (1 - missed**rows)  # noqa: E731  a layer's bytes for a call of `rows`
+    read = lambda rows: MB * math.ceil(rows / cm.ROW_TILE) + E * MB * (1 - missed**rows)  # noqa: E731  a layer's bytes for a call of `rows`
     extra = n * (2 * read(4) - read(8)) / cm.WEIGHT_BYTES_PER_S
     assert two - one == pytest.approx(extra)
     assert two > one
@@ -171,15 +183,20 @@ def test_groups_of_a_moe_step_read_more_experts_than_one_step():
     assert extra < n * (MB + E * MB) / cm.WEIGHT_BYTES_PER_S
 
 
-def test_dense_prices_are_unchanged():
-    """A dense layer's call reads every weight once, whatever its rows (fractional too)."""
+def test_a_dense_call_reads_its_weights_once_a_pass_of_row_tile_rows():
+    """A dense layer's call on a CPU reads every weight once per pass of ``ROW_TILE`` rows (its
+    kernels' tile), on a GPU once whatever its rows."""
     costs = layers()
     coord, workers = pair()
-    for rows in (1, 2.5, 4, 8):
-        old = (24 * (MB + 4 * MB) / cm.WEIGHT_BYTES_PER_S + rows * 24 * (2e6 + 2e7) / 1e10
-               + 0.002 + cm.MESSAGE_OVERHEAD_S + 2 * math.ceil(rows) * 1024 * 4 / cm.LINK_BYTES_PER_S)
-        assert cm._stage_call_s(costs, workers[0], 0, 24, rows, True) == pytest.approx(old)
-    step = 24 * (MB + 4 * MB) / cm.WEIGHT_BYTES_PER_S + 8 * (24 * (2e6 + 2e7) + 1e7) / 1e10
+    gpu = PeerCost("w1", 10**12, 10.0, 0.002, gpu_memory=10**12)
+    for rows, passes in ((1, 1), (2, 1), (4, 1), (5, 2), (8, 2), (9, 3)):
+        rest = (rows * 24 * (2e6 + 2e7) / 1e10
+                + 0.002 + cm.MESSAGE_OVERHEAD_S + 2 * rows * 1024 * 4 / cm.LINK_BYTES_PER_S)
+        assert cm._stage_call_s(costs, workers[0], 0, 24, rows, True) == pytest.approx(
+            passes * 24 * (MB + 4 * MB) / cm.WEIGHT_BYTES_PER_S + rest)
+        assert cm._stage_call_s(costs, gpu, 0, 24, rows, True) == pytest.approx(
+            24 * (MB + 4 * MB) / cm.WEIGHT_BYTES_PER_S + rest)
+    step = 2 * 24 * (MB + 4 * MB) / cm.WEIGHT_BYTES_PER_S + 8 * (24 * (2e6 + 2e7) + 1e7) / 1e10
     assert cm.serving_step_s(costs, coord, workers, (("c", 0, 24),), 8) == pytest.approx(step)
 
 
@@ -201,12 +218,55 @@ def test_layer_costs_of_a_moe_file_name_its_routed_experts(tmp_path):
 
 
 def test_weights_that_dominate_a_moe_step_still_split():
-    """The shape that keeps a dense model alone (2·10⁶ FLOPs, 200 MiB a layer) splits as 64
-    experts top 8: alone, one step of 8 reads 42 experts in each of 24 layers (1008); split 12/12,
-    each peer reads 2 · 26.5 in each of its 12 (636) and computes half the FLOPs."""
+    """The shape that keeps a dense model alone at 4 sequences (2·10⁶ FLOPs, 200 MiB a layer)
+    splits as 64 experts top 8: alone, one step of 4 reads 26.5 experts in each of 24 layers
+    (636); split 12/12, each peer reads 2 · 15 in each of its 12 (360) and computes half the
+    FLOPs."""
     dense = layers(ffn_flops=2e6, ffn_bytes=200 * MB)
     moe = LayerCosts(dense.attn_flops, dense.ffn_flops, dense.attn_bytes, dense.ffn_bytes, 1e7, 1024,
                      expert_bytes=dense.ffn_bytes, n_experts=(64,) * 24, top_k=(8,) * 24)
     coord, workers = pair()
-    assert cm.choose(dense, coord, workers, sequences=8)[0].layout == "local"
-    assert cm.choose(moe, coord, workers, sequences=8)[0].layout == "stages"
+    assert cm.choose(dense, coord, workers, sequences=4)[0].layout == "local"
+    assert cm.choose(moe, coord, workers, sequences=4)[0].layout == "stages"
+
+
+def test_row_tile_is_the_cpu_kernels_largest_tile_of_activation_rows():
+    """The price's kernel pass is the kernels' own: every table's largest count of activation
+    rows (a step of 5 rows is two passes over the weights)."""
+    from swarm.compute import qkernels
+
+    tables = (qkernels._TILES, qkernels._K_TILES, qkernels._D2_TILES,
+              qkernels._K_TILES_NO_AVX512, qkernels._D2_TILES_NO_AVX512)
+    assert {max(t for _, t in table) for table in tables} == {cm.ROW_TILE}
+
+
+def three_cpu_stages(workers=None):
+    """24 dense layers whose weights are most of a decode call, over the coordinator and two
+    workers of the same speed (CPU unless ``workers`` says otherwise)."""
+    costs = LayerCosts((2e6,) * 24, (2e7,) * 24, (MB,) * 24, (40 * MB,) * 24, 1e7, 1024)
+    coord = PeerCost("c", 10**12, 10.0)
+    workers = workers or [PeerCost("w1", 10**12, 10.0, 0.002), PeerCost("w2", 10**12, 10.0, 0.002)]
+    return cm.GroupPricer(costs, coord, workers, (("c", 0, 8), ("w1", 8, 16), ("w2", 16, 24)))
+
+
+def test_groups_are_cut_on_the_kernels_row_tile():
+    """16 sequences over three CPU stages: four groups of 4 (one kernel pass each) take less a
+    round than 6 + 5 + 5 (two passes each) or five groups; over two stages 8 + 8 (four passes a
+    peer either way, fewer messages) but 12 go as three groups of 4; 8 over three stages keep one
+    group per stage; one sequence is one group; a tie goes to fewer groups."""
+    three = three_cpu_stages()
+    assert three.best_groups(16) == [4, 4, 4, 4]
+    four, by_stage = three.round_s([4, 4, 4, 4]), three.round_s([6, 5, 5])
+    assert four < by_stage and four < three.round_s([4, 3, 3, 3, 3])
+    # each peer's work: 4 calls of one pass against 3 of two
+    assert by_stage == pytest.approx(sum(three.calls(6)) + 1e7 * 6 / 1e10)  # the group of 6 goes round slowest
+    assert three.best_groups(8) == [3, 3, 2] and three.best_groups(1) == [1] and three.best_groups(0) == []
+    costs, coord = three.costs, three.coord
+    worker, stages = [PeerCost("w1", 10**12, 10.0, 0.002)], (("c", 0, 12), ("w1", 12, 24))
+    two = cm.GroupPricer(costs, coord, worker, stages)
+    assert two.best_groups(16) == [8, 8] and two.best_groups(12) == [4, 4, 4] and two.best_groups(9) == [3, 3, 3]
+    assert cm.serving_step_s(costs, coord, worker, stages, 12) == pytest.approx(two.round_s([4, 4, 4]))
+    # a round is the slowest group's own pass when that outlasts the busiest peer's work
+    slow_head = cm.GroupPricer(dataclasses.replace(costs, head_flops=5e9), coord, worker, stages)
+    assert slow_head.round_s([8, 8]) == pytest.approx(max(sum(slow_head.calls(8)) + 8 * 5e9 / 1e10,
+                                                          2 * (slow_head.calls(8)[0] + 8 * 5e9 / 1e10)))

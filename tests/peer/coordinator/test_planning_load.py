@@ -76,3 +76,46 @@ def test_choice_for_prices_the_last_plans_inputs_for_a_count_and_only_under_auto
     planning.set_layout("stages")
     planning.new_plan(1, 10**9, 10.0, [worker], {W1})
     assert planning.choice_for(1) is None and planning.choice_for(8) is None  # only auto prices the load
+
+
+def test_a_stage_plan_prices_its_groups_and_the_api_places_sequences_by_that_price(tmp_path):
+    """Under stages on another peer, the plan's pricer is the cost model's over the plan's own
+    stages and inputs; the coordinator hands it to its stage dispatch and the API's pool places
+    new sequences by it. Without stages on another peer there is none, and the pool goes back to
+    the least loaded."""
+    from swarm.compute.model import load_model
+    from swarm.compute.tokenizer import tokenizer_for
+    from swarm.peer.coordinator import costmodel as cm
+    from swarm.peer.coordinator.api_engine import EngineBackend
+    from swarm.peer.coordinator.planner import PeerCapacity
+    from swarm.peer.coordinator.planning import Planning
+    from swarm.peer.weights.sizes import model_shape
+    from tests.peer._swarm_models import COORD, W1, add_char_tokenizer, build
+    from tests.peer.coordinator.test_stages import staged
+
+    path = add_char_tokenizer(build("qwen3_moe", tmp_path))
+    model = load_model(path)
+    planning = Planning(model, model_shape(model), COORD, "stages")
+    assert planning.pricer() is None  # no plan yet
+    worker = PeerCapacity(W1, 10**9, 10.0, 0.002)
+    planning.new_plan(1, 10**9, 10.0, [worker], {W1})
+    stages = planning.stage_layout.stages
+    assert [s.peer for s in stages] == [COORD, W1]
+    pricer = planning.pricer()
+    assert isinstance(pricer, cm.GroupPricer)
+    assert pricer.stages == tuple((s.peer, s.start, s.stop) for s in stages)
+    _, me, costs, _, _ = planning._priced
+    assert pricer.round_s([4, 4]) == cm.serving_step_s(planning.costs, me, costs, pricer.stages, 8, groups=2)
+
+    _, ffn, _, _ = staged(path, stages)
+    backend = EngineBackend(model, tokenizer_for(model), model_id="m", ffn=ffn)
+    assert backend.scheduler.width == 2 and backend.scheduler.groups is None  # not priced: one per stage
+    ffn.set_pricer(pricer)
+    backend.set_ffn(ffn)
+    assert backend.scheduler.groups is not None
+    assert [backend.scheduler.groups(n) for n in (1, 8, 16)] == [pricer.best_groups(n) for n in (1, 8, 16)]
+    backend.set_ffn(None)  # the coordinator alone: one scheduler, no price
+    assert backend.scheduler.width == 1 and backend.scheduler.groups is None
+    planning.set_layout("ranges")
+    planning.new_plan(1, 10**9, 10.0, [worker], {W1})
+    assert planning.pricer() is None
