@@ -11,8 +11,11 @@ operations ``gguf.quants`` dequantizes with, in its order (``d·sc·q − dmin·
 from ``gguf.quants`` (``IQ2_XXS.ksigns``, each class's ``grid``, ``IQ4_NL.kvalues``).
 
 **Products.** A few weight rows decoded whole, then qkernels' float32 tiles over every
-activation row; for Q2_K, Q3_K and IQ4_NL at T = 1, 4 weight rows at a time, each block decoded
-once into a stack buffer and applied to the activation row. Either way element k of a row goes into
+activation row; for Q2_K, Q3_K and IQ4_NL at T = 1, a tile of weight rows (one without AVX-512)
+whose blocks are decoded in vector registers and applied to the activation row as they are decoded
+(:data:`FORMS`: Q2_K by a shift and a 4-entry table per 8 weights where the CPU has AVX2, else 16
+weights at a time in lane order; the decoders' loops into a stack buffer where a type has no vector
+block). Either way element k of a row goes into
 lane k % 32 by fused multiply-add, k ascending, the lanes reduced in
 :func:`qkernels._lane_sum`'s order: the operations of the float32 kernel (``qkernels.matmul_f32``)
 on gguf's decoded matrix, so an output's bits are that kernel's — the decoded-tile path these
@@ -32,19 +35,31 @@ import gguf.quants as gq
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
-from numba import carray, njit  # noqa: F401 (carray: used by the generated tile source)
+from llvmlite import ir
+from numba import carray, njit, types  # noqa: F401 (carray: used by the generated tile source)
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from swarm.compute.qkernels import _F16, _PREFETCH_BYTES, _TILES, _half, _rows_f32, _u32
-from swarm.compute.qkernels import _fma, _prefetch_ahead, _stack, _sum32  # noqa: F401 (the tile source's)
+from swarm.compute.qkernels import AVX512, _F16, _PREFETCH_BYTES, _TILES, _half, _rows_f32, _u32
+from swarm.compute.qkernels import _fma, _prefetch_ahead, _stack, _sum32, _zero32  # noqa: F401 (the tile source's)
+from swarm.compute.qkernels import _BYTES16, _I8V, _I16, _I32, _I64, _V8F, _V16, _load, _splat, _target_has, _tuple_data
 
 F32 = np.float32
 # Weight rows decoded at a time before the float32 tiles run (float32 [rows, K]: 32 KiB per 1024
 # columns).
 _DECODED_ROWS = 8
-# Types whose decode (32-wide loops that vectorise) is fast enough to interleave with a decode
-# product's dot products (T = 1): 1.2–1.4x faster there than decoding rows first; the grid types
-# and IQ4_XS, whose decoders gather, are 2–3x faster decoding rows first (bench/results/kernels.md).
+# Types whose decode is fast enough to interleave with a decode product's dot products (T = 1):
+# even as 32-wide loops that vectorise, 1.2–1.4x faster there than decoding rows first (and they
+# have vector blocks, below); the grid types and IQ4_XS, whose decoders gather, are 2–3x faster
+# decoding rows first (bench/results/kernels.md).
 _FUSED = (QT.Q2_K, QT.Q3_K, QT.IQ4_NL)
+# Their decode tile's forms, the same bits: the vector blocks below (words, lanes), or the
+# decoders' loops (scalar).
+FORMS = ("words", "lanes", "scalar")
+# Its shape, weight rows × the one activation row: 1 × 1 without AVX-512, whose 16 vector
+# registers hold one row's 32 lane sums and its weights (on a Zen 3 core 4 × 1 took 1.05-1.5x
+# the vector forms' 1 × 1 time, bench/results/engine.md); AVX-512's 32 hold four rows' (not timed).
+_DECODE_TILE = _TILES[0] if AVX512 else (1, 1)
 
 
 def _grid(cls) -> np.ndarray:
@@ -280,6 +295,176 @@ def _dec_iq1_m(w, o, d, do):
             d[do + 8 * g + e] = dl * (_IQ1[row, e] + delta)
 
 
+# ---- the decode tile's blocks in vector code (T = 1) -----------------------------------------
+# Per block and weight row the sub-block scales are made 16 at a time and the weights 16 or 8 at
+# a time in registers, by gguf's float32 operations as the decoders above perform them, then
+# applied as the scalar tile applies them: weight k of the block into lane k % 32 by fused
+# multiply-add, k ascending (the same bits). Two forms:
+# - lanes: 16 weights in lane order, bytes widened to 32-bit lanes; on any CPU (LLVM compiles
+#   the vectors for it), but IQ4_NL's 16-value lookup only where x86 has ``pshufb``;
+# - words (Q2_K, where the CPU has AVX2): a vector's 8 lanes take the 32-bit words of a run of
+#   32 packed bytes, lane i bytes 4i .. 4i + 3, so that one shift brings weight 4i + j of the run
+#   into the low bits of lane i, and ``vpermilps`` reads its value from a table of the 4 values
+#   of its sub-block. The lane sums are held in that order (sums[8j + i]: lane 4i + j), against
+#   the activations in that order (:func:`_by_words`), and put back in lane order to be reduced.
+class _Block:
+    """What a vector block's code is written over: weight row n's bytes and halves, the
+    activations, and per row the 32 lane sums as vectors of ``width`` lanes."""
+
+    def __init__(self, context, builder, sig, args, width: int):
+        def data(i):
+            return context.make_array(sig.args[i])(context, builder, args[i]).data
+        self.b, self.width, self.vt = builder, width, ir.VectorType(ir.FloatType(), width)
+        self.pw = [builder.gep(p, [args[2]]) for p in _tuple_data(context, builder, sig.args[1], args[1])]
+        self.px, self.table = builder.gep(data(3), [args[4]]), data(5)
+        vp = ir.PointerType(self.vt)
+        self.sums = [[builder.bitcast(builder.gep(p, [_I64(width * k)]), vp) for k in range(32 // width)]
+                     for p in _tuple_data(context, builder, sig.args[0], args[0])]
+        self.acc = [[builder.load(p, align=4) for p in row] for row in self.sums]
+        self.fma = self.fn(f"llvm.fma.v{width}f32", self.vt, self.vt, self.vt, self.vt)
+
+    def fn(self, name, ret, *params):
+        return cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, params), name)
+
+    def row(self, n, off, ty):
+        return _load(self.b, self.pw[n], _I64(off), ty, 1)
+
+    def half(self, n, off):
+        bits = self.row(n, off, ir.IntType(16))
+        return self.b.load(self.b.gep(self.table, [self.b.zext(bits, _I64)]))
+
+    def x(self, off):
+        return _load(self.b, self.px, _I64(off), self.vt, 4)
+
+    def apply(self, n, k, wv, xv):
+        self.acc[n][k] = self.b.call(self.fma, [wv, xv, self.acc[n][k]])
+
+    def store(self):
+        for ptrs, accs in zip(self.sums, self.acc):
+            for p, v in zip(ptrs, accs):
+                self.b.store(v, p, align=4)
+
+
+def _vblock(emit, width: int):
+    """An intrinsic ``block(s, w, o, x, xo, f16)``: the block at byte ``o`` of each weight row of
+    the tuple ``w`` (uint8 rows) applied to float32 ``x[xo:xo + block]`` into that row's 32
+    float32 lane sums (the tuple ``s`` of :func:`qkernels._stack` arrays), halves read through
+    ``f16`` (every half's float32 value); ``emit(e, rows)`` writes it over a :class:`_Block`."""
+    @intrinsic
+    def block(typingctx, s, w, o, x, xo, f16):
+        if len(s.types) != len(w.types):
+            return None
+        sig = types.none(s, w, o, x, xo, f16)
+
+        def codegen(context, builder, sig, args):
+            e = _Block(context, builder, sig, args, width)
+            emit(e, len(e.pw))
+            e.store()
+            return context.get_dummy_value()
+        return sig, codegen
+    return block
+
+
+def _bytes(v):
+    return ir.Constant(_BYTES16, [v] * 16)
+
+
+def _ints(vs):
+    return ir.Constant(_I16, vs if isinstance(vs, list) else [vs] * 16)
+
+
+def _q2_scales(e, n):
+    """Q2_K row n's 16 sub-block ``d·(sc & 15)`` and ``dmin·(sc >> 4)`` (float32 [16] vectors)."""
+    b, sc = e.b, e.row(n, 0, _BYTES16)
+    d, dmin = _splat(b, e.half(n, 80)), _splat(b, e.half(n, 82))
+    return (b.fmul(d, b.sitofp(b.zext(b.and_(sc, _bytes(15)), _I16), _V16)),
+            b.fmul(dmin, b.sitofp(b.zext(b.lshr(sc, _bytes(4)), _I16), _V16)))
+
+
+def _vq2_k(e, nr):
+    """Q2_K, lanes: weight ``(d·(sc & 15))·q − dmin·(sc >> 4)`` of its sub-block (two roundings)."""
+    b = e.b
+    scales = [_q2_scales(e, n) for n in range(nr)]
+    qs = [[e.row(n, 16 + 16 * i, _BYTES16) for i in range(4)] for n in range(nr)]  # bytes 32h + 16g
+    for c in range(8):  # positions 32c + 16g + l: 2 bits at shift 2s of byte 32h + 16g + l
+        h, s = divmod(c, 4)
+        for g in range(2):
+            xv = e.x(32 * c + 16 * g)
+            for n, (dl, ml) in enumerate(scales):
+                q = b.sitofp(b.zext(b.and_(b.lshr(qs[n][2 * h + g], _bytes(2 * s)), _bytes(3)), _I16), _V16)
+                k = _I32(2 * c + g)
+                wv = b.fsub(b.fmul(_splat(b, b.extract_element(dl, k)), q), _splat(b, b.extract_element(ml, k)))
+                e.apply(n, g, wv, xv)
+
+
+def _wq2_k(e, nr):
+    """Q2_K, words: each run's table ``(d·(sc & 15))·q − dmin·(sc >> 4)`` for q < 4, sub-block
+    2c in lanes 0-3 and 2c + 1 in lanes 4-7 (``vpermilps`` reads each 128-bit half's own 4)."""
+    b = e.b
+    perm = e.fn("llvm.x86.avx.vpermilvar.ps.256", _V8F, _V8F, _I8V)
+    iota = ir.Constant(_V8F, [0.0, 1.0, 2.0, 3.0] * 2)
+    for n in range(nr):
+        dl, ml = _q2_scales(e, n)
+        pairs = [ir.Constant(_I8V, [2 * c] * 4 + [2 * c + 1] * 4) for c in range(8)]
+        tables = [b.fsub(b.fmul(b.shuffle_vector(dl, dl, p), iota), b.shuffle_vector(ml, ml, p)) for p in pairs]
+        qw = [e.row(n, 16 + 32 * h, _I8V) for h in range(2)]
+        for c in range(8):  # 2 bits at shift 2s of byte 32h + l, l = 4i + j
+            h, s = divmod(c, 4)
+            for j in range(4):
+                idx = b.lshr(qw[h], ir.Constant(_I8V, [8 * j + 2 * s] * 8))
+                e.apply(n, j, b.call(perm, [tables[c], idx]), e.x(32 * c + 8 * j))
+
+
+def _vq3_k(e, nr):
+    """Q3_K, lanes: weight ``(d·(sc − 32))·q`` of its sub-block, q the 2 bits less 4 where the
+    hmask bit is clear."""
+    b, i8 = e.b, ir.IntType(8)
+    dl, qs, hm = [], [], []
+    for n in range(nr):
+        lo8 = e.row(n, 96, ir.VectorType(i8, 8))  # not 16 bytes: the block ends at 110
+        hi4 = e.row(n, 104, ir.VectorType(i8, 4))
+        lo = b.zext(b.shuffle_vector(lo8, lo8, _ints(list(range(8)) * 2)), _I16)
+        hi = b.zext(b.shuffle_vector(hi4, hi4, _ints(list(range(4)) * 4)), _I16)
+        lo = b.and_(b.lshr(lo, _ints([0] * 8 + [4] * 8)), _ints(15))
+        hi = b.shl(b.and_(b.lshr(hi, _ints([0] * 4 + [2] * 4 + [4] * 4 + [6] * 4)), _ints(3)), _ints(4))
+        dl.append(b.fmul(_splat(b, e.half(n, 108)), b.sitofp(b.sub(b.or_(lo, hi), _ints(32)), _V16)))
+        qs.append([e.row(n, 32 + 16 * i, _BYTES16) for i in range(4)])
+        hm.append([e.row(n, 16 * g, _BYTES16) for g in range(2)])
+    for c in range(8):  # positions 32c + 16g + l: 2 bits of byte 32h + 16g + l, hmask bit c of byte 16g + l
+        h, s = divmod(c, 4)
+        for g in range(2):
+            xv = e.x(32 * c + 16 * g)
+            for n in range(nr):
+                q = b.and_(b.lshr(qs[n][2 * h + g], _bytes(2 * s)), _bytes(3))
+                m = b.shl(b.and_(b.lshr(hm[n][g], _bytes(c)), _bytes(1)), _bytes(2))
+                q = b.sitofp(b.sext(b.sub(b.or_(q, m), _bytes(4)), _I16), _V16)
+                e.apply(n, g, b.fmul(_splat(b, b.extract_element(dl[n], _I32(2 * c + g))), q), xv)
+
+
+def _viq4_nl(e, nr):
+    """IQ4_NL, lanes: weight ``d·kvalues[q]``, the 16 values looked up as bytes (``pshufb``)."""
+    b = e.b
+    shuf = e.fn("llvm.x86.ssse3.pshuf.b.128", _BYTES16, _BYTES16, _BYTES16)
+    kv = ir.Constant(_BYTES16, [v & 255 for v in gq.IQ4_NL.kvalues])
+    xs = [e.x(16 * g) for g in range(2)]
+    for n in range(nr):
+        d, qs = _splat(b, e.half(n, 0)), e.row(n, 2, _BYTES16)
+        for g, q in enumerate((b.and_(qs, _bytes(15)), b.lshr(qs, _bytes(4)))):
+            e.apply(n, g, b.fmul(d, b.sitofp(b.sext(b.call(shuf, [kv, q]), _I16), _V16)), xs[g])
+
+
+# Per form, the types that have it (module comment above), and the blocks.
+_FORM_TYPES = {"words": (QT.Q2_K,) if _target_has("avx2") else (),
+               "lanes": (QT.Q2_K, QT.Q3_K, *((QT.IQ4_NL,) if _target_has("ssse3") else ()))}
+_vblocks = {("words", QT.Q2_K): _vblock(_wq2_k, 8), ("lanes", QT.Q2_K): _vblock(_vq2_k, 16),
+            ("lanes", QT.Q3_K): _vblock(_vq3_k, 16), ("lanes", QT.IQ4_NL): _vblock(_viq4_nl, 16)}
+
+
+def _form(qtype: QT) -> str:
+    """The decode-tile form ``qtype`` takes here: words, else lanes, else scalar."""
+    return next((f for f in FORMS[:2] if qtype in _FORM_TYPES[f]), "scalar")
+
+
 # type → its decoder's name; block sizes from gguf.
 DECODERS = {QT.Q2_K: "_dec_q2_k", QT.Q3_K: "_dec_q3_k", QT.Q4_K: "_dec_q4_k", QT.Q5_K: "_dec_q5_k",
             QT.Q6_K: "_dec_q6_k", QT.IQ4_NL: "_dec_iq4_nl", QT.IQ4_XS: "_dec_iq4_xs", QT.IQ2_XXS: "_dec_iq2_xxs",
@@ -311,15 +496,49 @@ def _tile_source(qtype: QT, nr: int, tt: int) -> str:
     return "\n".join(lines)
 
 
-def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None):
+def _vtile_source(qtype: QT, nr: int, form: str) -> str:
+    """The decode tile (``nr`` weight rows × 1) over a vector block of ``form`` (``_block``;
+    words: ``x`` in word order)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = range(nr)
+    sums, ws = "".join(f"s{n}, " for n in rows), "".join(f"w{n}, " for n in rows)
+    lines = [f"def tile_{qtype.name}_{nr}x1(w, r0, hi, x, t0, out, ahead, end):"]
+    lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
+    lines += ["    x0 = x[t0]", "    r = carray(_stack(32), 32)"] + [f"    s{n} = carray(_stack(32), 32)" for n in rows]
+    lines += [f"    _zero32(s{n})" for n in rows]
+    lines += [f"    for b in range(x0.shape[0] // {block}):", f"        o = b * {size}"]
+    lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
+    lines += [f"        _block(({sums}), ({ws}), o, x0, b * {block}, _F16)"]
+    for n in rows:
+        if form == "words":  # the sums back in lane order
+            lines += ["    for j in range(4):", "        for i in range(8):", f"            r[4 * i + j] = s{n}[8 * j + i]"]
+        lines += [f"    if r0 + {n} < hi:", f"        out[t0, r0 + {n}] = _sum32({'r' if form == 'words' else f's{n}'})"]
+    return "\n".join(lines)
+
+
+@njit(nogil=True)
+def _by_words(x):
+    """float32 x [1, K] (K a multiple of 32) in word order: x[32c + 4i + j] at 32c + 8j + i."""
+    xw = np.empty_like(x)
+    for c in range(x.shape[1] // 32):
+        for j in range(4):
+            for i in range(8):
+                xw[0, 32 * c + 8 * j + i] = x[0, 32 * c + 4 * i + j]
+    return xw
+
+
+def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = ""):
     """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``: runs of ``_DECODED_ROWS``
     weight rows decoded whole, then qkernels' float32 tiles over every activation row (each
-    weight decoded once per call); for the types of :data:`_FUSED`, at T = 1, tiles of 4 weight
-    rows decoded block by block on the stack and applied as they are decoded (``tile``: another
-    (weight rows, 1) shape for that, bench/tile_tables.py's). Both apply each weight with the
-    float32 kernel's operations in its order: the same bits."""
+    weight decoded once per call); for the types of :data:`_FUSED`, at T = 1, tiles of
+    :data:`_DECODE_TILE` weight rows applying each block as it is decoded (``tile``: another
+    (weight rows, 1) shape for that, bench/tile_tables.py's), in ``form`` (:data:`FORMS`;
+    default :func:`_form`'s). All apply each weight with the float32 kernel's operations in its
+    order: the same bits."""
     if tile is not None and (len(tile) != 2 or tile[0] < 1 or tile[1] != 1):
         raise ValueError(f"a low-bit decode tile is (weight rows ≥ 1, 1), got {tile!r}")
+    if form and (form not in FORMS or (form != "scalar" and qtype not in _FORM_TYPES[form])):
+        raise ValueError(f"{qtype.name} has no decode tile of form {form!r} here (of {FORMS})")
     block, size = GGML_QUANT_SIZES[qtype]
     decode = globals()[DECODERS[qtype]]
 
@@ -336,9 +555,11 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None):
     if qtype not in _FUSED:
         return _named(decoded, f"matmul_rows_{qtype.name}")
     whole = _named(decoded, f"matmul_decoded_{qtype.name}")
-    scope = {**globals(), "min": min}
-    nr, tt = tile or _TILES[0]  # 4 × 1 on every CPU: on a Zen 3 core (AVX2) 2 × 1 took 0.95-1.03x its time, 1 × 1 1.8-3.0x
-    exec(compile(_tile_source(qtype, nr, tt), f"<{__name__} {qtype.name} tile {nr}x{tt}>", "exec"), scope)
+    form = form or _form(qtype)
+    nr, tt = tile or _DECODE_TILE
+    source = _tile_source(qtype, nr, tt) if form == "scalar" else _vtile_source(qtype, nr, form)
+    scope = {**globals(), "min": min, "_block": _vblocks.get((form, qtype))}
+    exec(compile(source, f"<{__name__} {qtype.name} tile {nr}x{tt} {form}>", "exec"), scope)
     one = njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"])
 
     def rows(w, x, out, lo, hi):
@@ -347,8 +568,9 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None):
             return
         stride = w.strides[0]
         end = w.shape[0] * stride
+        xs = _by_words(x) if form == "words" else x
         for r0 in range(lo, hi, nr):
-            one(w, r0, hi, x, 0, out, r0 * stride + _PREFETCH_BYTES, end)
+            one(w, r0, hi, xs, 0, out, r0 * stride + _PREFETCH_BYTES, end)
     return _named(rows, f"matmul_rows_{qtype.name}")
 
 

@@ -127,27 +127,33 @@ def test_lowbit_kernels_give_the_bits_of_the_float32_kernel_on_ggufs_values(qtyp
     np.testing.assert_array_equal(m.rows(3, 10).matmul(x), copy.rows(3, 10).matmul(x))
 
 
-def test_a_low_bit_decode_tile_of_any_rows_gives_the_same_bits_and_one_of_several_activation_rows_is_refused():
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.IQ4_NL], ids=lambda q: q.name)
+def test_a_low_bit_decode_tile_of_any_shape_and_form_gives_the_same_bits(qtype):
     """The low-bit types' own decode tile (T = 1) may take 1, 2 or 4 weight rows
-    (bench/tile_tables.py times them): a tile's shape changes no operation on an element, so every
-    shape gives the bits of the product's 4 × 1, over ragged row ranges. A tile of more than one
-    activation row would read past a decode step's one row: refused, with the shape named."""
+    (bench/tile_tables.py times them), in every form this CPU has (vector blocks, the decoders'
+    loops): neither changes an operation on an element, so every one gives the bits of the
+    float32 kernel on gguf's decoded matrix, over ragged row ranges. A tile of more than one
+    activation row would read past a decode step's one row, and a form the type lacks here is
+    not built: both refused, named."""
     from swarm.compute import lowbit
 
-    qtype, cols = QT.Q2_K, 512
+    cols = 2 * 256
     raw = encoded(qtype, 13, cols, 5)
     x = np.random.default_rng(1).normal(size=(1, cols)).astype(F32)
-    outs = []
-    for tile in ((4, 1), (2, 1), (1, 1)):
-        fn, out = lowbit._rows_kernel(qtype, tile), np.full((1, 13), np.nan, F32)
-        for lo, hi in ((0, 5), (5, 6), (6, 13)):
-            fn(raw, x, out, lo, hi)
-        outs.append(out)
-    assert np.isfinite(outs[0]).all()
-    for out in outs[1:]:
-        np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
+    want = QMatrix.from_float(gguf.quants.dequantize(raw, qtype)).matmul(x)
+    assert np.isfinite(want).all()
+    forms = [f for f in lowbit.FORMS if f == "scalar" or qtype in lowbit._FORM_TYPES[f]]
+    assert lowbit._form(qtype) == forms[0] and len(forms) >= 2 - (qtype == QT.IQ4_NL)
+    for form in forms:
+        for tile in ((4, 1), (2, 1), (1, 1)):
+            fn, out = lowbit._rows_kernel(qtype, tile, form), np.full((1, 13), np.nan, F32)
+            for lo, hi in ((0, 5), (5, 6), (6, 13)):
+                fn(raw, x, out, lo, hi)
+            np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"{form} {tile}")
     with pytest.raises(ValueError, match=r"\(2, 4\)"):
         lowbit._rows_kernel(qtype, (2, 4))
+    with pytest.raises(ValueError, match="'words'"):
+        lowbit._rows_kernel(QT.Q3_K, None, "words")
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED + K_QUANTS + IQ + PLAIN, ids=lambda q: q.name)
