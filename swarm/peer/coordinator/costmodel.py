@@ -486,11 +486,14 @@ def _choose_for_throughput(costs: LayerCosts, coord: PeerCost, workers: Sequence
     if len(layout) < 2:
         return alone, estimates
     staged = estimate_stages(costs, coord, workers, layout)
-    staged_s = serving_step_s(costs, coord, workers, layout, sequences)
+    pricer = GroupPricer(costs, coord, workers, layout)
+    sizes = pricer.best_groups(sequences)
+    staged_s = pricer.round_s(sizes)
     staged = replace(staged, serving_tok_s=sequences / staged_s)
     if not staged.fits or staged_s > (1 - REMOTE_MARGIN) * local_s:
         return alone, [*estimates, staged]
-    why = (f"{sequences} sequences pipelined over {len(layout)} stages: {staged.serving_tok_s:.1f} tok/s against "
+    why = (f"{sequences} sequences pipelined over {len(layout)} stages (groups of {' + '.join(map(str, sizes))}): "
+           f"{staged.serving_tok_s:.1f} tok/s against "
            f"{alone.serving_tok_s:.1f} on the coordinator alone (one sequence: {1 / staged.decode_s:.1f} against "
            f"{1 / alone.decode_s:.1f})")
     staged = replace(staged, note=why)

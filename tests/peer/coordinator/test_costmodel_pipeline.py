@@ -71,7 +71,7 @@ def test_auto_keeps_the_coordinator_alone_for_one_sequence_and_splits_for_severa
     assert best.layout == "stages" and best.stages == (("c", 0, 12), ("w1", 12, 24))
     alone = next(e for e in estimates if e.layout == "local")
     assert best.serving_tok_s >= alone.serving_tok_s / (1 - cm.REMOTE_MARGIN)
-    assert "8 sequences pipelined over 2 stages" in best.note
+    assert "8 sequences pipelined over 2 stages (groups of 4 + 4)" in best.note
     stages, report = choose_stages("auto", costs, coord, workers, sequences=8)
     assert [s.peer for s in stages] == ["c", "w1"] and report["sequences"] == 8 and "pipelined" in report["why"]
     stages, report = choose_stages("auto", costs, coord, workers)
