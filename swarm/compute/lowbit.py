@@ -314,7 +314,7 @@ class _Block:
     def __init__(self, context, builder, sig, args, width: int):
         def data(i):
             return context.make_array(sig.args[i])(context, builder, args[i]).data
-        self.b, self.width, self.vt = builder, width, ir.VectorType(ir.FloatType(), width)
+        self.b, self.vt = builder, ir.VectorType(ir.FloatType(), width)
         self.pw = [builder.gep(p, [args[2]]) for p in _tuple_data(context, builder, sig.args[1], args[1])]
         self.px, self.table = builder.gep(data(3), [args[4]]), data(5)
         vp = ir.PointerType(self.vt)
@@ -403,9 +403,9 @@ def _wq2_k(e, nr):
     b = e.b
     perm = e.fn("llvm.x86.avx.vpermilvar.ps.256", _V8F, _V8F, _I8V)
     iota = ir.Constant(_V8F, [0.0, 1.0, 2.0, 3.0] * 2)
+    pairs = [ir.Constant(_I8V, [2 * c] * 4 + [2 * c + 1] * 4) for c in range(8)]
     for n in range(nr):
         dl, ml = _q2_scales(e, n)
-        pairs = [ir.Constant(_I8V, [2 * c] * 4 + [2 * c + 1] * 4) for c in range(8)]
         tables = [b.fsub(b.fmul(b.shuffle_vector(dl, dl, p), iota), b.shuffle_vector(ml, ml, p)) for p in pairs]
         qw = [e.row(n, 16 + 32 * h, _I8V) for h in range(2)]
         for c in range(8):  # 2 bits at shift 2s of byte 32h + l, l = 4i + j
