@@ -544,18 +544,21 @@ def test_page_serves_a_q4_k_model_on_its_blocks(swarm, e2e_browser, tmp_path):
     if all(aligned):
         assert page.evaluate("window.colibri.worker.gpuBytes") == shipped  # the file's bytes on the GPU
 
-    # One request per layer first: the page uploads its blocks and compiles the K-quant pipelines
-    # (SwiftShader: seconds) outside the generation's deadlines.
-    x = np.random.default_rng(1).standard_normal((1, shape.hidden_size)).astype(np.float32)
-    for i, (layer, s) in enumerate(spans.items()):
-        ans = swarm.request(DenseRequest(request_id=50 + i, term=1, plan_version=1, layer=layer,
-                                         ranges=((s.start, s.stop),), x=x))
-        assert isinstance(ans, DenseAnswer), ans
+    # Requests of the prefill's and a decode step's row counts per layer first: the page uploads
+    # its blocks and compiles the K-quant pipelines of both shapes (SwiftShader: seconds) outside
+    # the generation's deadlines.
+    prompt, n = [1, 17, 42, 5], 6
+    rng = np.random.default_rng(1)
+    for rows in (1, len(prompt)):
+        x = rng.standard_normal((rows, shape.hidden_size)).astype(np.float32)
+        for i, (layer, s) in enumerate(spans.items()):
+            ans = swarm.request(DenseRequest(request_id=50 + 10 * rows + i, term=1, plan_version=1, layer=layer,
+                                             ranges=((s.start, s.stop),), x=x))
+            assert isinstance(ans, DenseAnswer), ans
 
     ffn = RemoteFFN(model, plan, swarm, verify=1.0)
     ffn.set_approximate({link.peer_id})  # another numeric build: checked within a tolerance
     swarm.deliver = ffn.deliver
-    prompt, n = [1, 17, 42, 5], 6
     tokens, logits = greedy(model, ffn, prompt, n)  # a VerificationError would stop it
     reference, ref_logits = greedy(model, LocalFFN(model, plan.dense_ranges()), prompt, n)
     # Every answer was recomputed and accepted, but for one past its deadline on this loaded
