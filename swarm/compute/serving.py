@@ -518,7 +518,8 @@ class SchedulerPool:
     :func:`set_default_limits`'s), their prompts + ``max_tokens`` within ``max_positions``
     together; ``chunk``, ``prefill_rows`` as :class:`BatchScheduler`'s. :meth:`submit` sends a
     new sequence to the least loaded of the first :attr:`width` schedulers (1 at first; ties:
-    the first), where it stays. Raises ValueError for a bad limit."""
+    the first), or toward the best group sizes when given them (:meth:`set_width`), where it
+    stays. Raises ValueError for a bad limit."""
 
     def __init__(self, model: Model, ffn: Callable[[], FFNBackend | None] = lambda: None, *, max_batch: int | None = None,
                  max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS,
@@ -553,10 +554,11 @@ class SchedulerPool:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> TokenStream:
         """:meth:`BatchScheduler.submit` on the least loaded of the first ``width`` schedulers, or
         with ``groups`` (:meth:`set_width`) on the one furthest below its size: the sizes for
-        every sequence and this one, largest first, go to the schedulers in order of their loads,
-        largest first (one more is made, up to ``max_batch``, when there are more sizes than
-        schedulers); ties to the least loaded, then the first (QueueFullError when the pool's
-        limits are full). Sequences stay where they are placed, so a burst fills the sizes of its
+        every sequence running or waiting and this one (at most ``max_batch``: no more run at
+        once), largest first, go to the schedulers in order of their loads, largest first
+        (schedulers are made, up to ``max_batch``, while there are more sizes than schedulers);
+        ties to the least loaded, then the first (QueueFullError when the pool's limits are
+        full). Sequences stay where they are placed, so a burst fills the sizes of its
         final count only as they grow with it."""
         with self.cond:
             return self._place().submit(prompt_ids, params)
@@ -566,7 +568,7 @@ class SchedulerPool:
         if self.groups is None:
             return min(self.schedulers[:self.width], key=lambda m: m.load())
         loads = [m.load() for m in self.schedulers]
-        sizes = sorted(self.groups(sum(loads) + 1), reverse=True)
+        sizes = sorted(self.groups(min(sum(loads) + 1, self.max_batch)), reverse=True)  # no more than may run
         while len(self.schedulers) < min(len(sizes), self.max_batch):
             self.schedulers.append(self._make())  # idle until a sequence is placed on it
             loads.append(0)

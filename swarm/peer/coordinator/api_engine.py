@@ -123,8 +123,8 @@ class EngineBackend:
         told how many step through it at least (their steps are its groups in flight: none cut
         within a step)."""
         n = schedulers_for(ffn)
-        priced = isinstance(ffn, StagedFFN) and n > 1 and ffn.pricer is not None
-        self.scheduler.set_width(n, ffn.best_groups if priced else None)
+        pricer = ffn.pricer if isinstance(ffn, StagedFFN) and n > 1 else None
+        self.scheduler.set_width(n, pricer.best_groups if pricer is not None else None)
         if isinstance(ffn, StagedFFN):
             ffn.set_schedulers(n)
 

@@ -44,12 +44,13 @@ The estimate of one step of ``T`` tokens (``T = 1``: decode; the prompt length: 
   the fastest peers first, as many as each one's memory holds: every stage added costs a
   message, none saves compute.
 
-Several sequences (:func:`serving_step_s`): the API runs one batch scheduler per stage, each
-stepping its share of the sequences through every stage with no drain, so the stage peers
-compute at once; a token of every sequence costs the longer of one scheduler's pass and the
-busiest peer's work for every scheduler's step.
-A call costs its weights read once (``WEIGHT_BYTES_PER_S``) plus FLOPs per row, so a step of
-many rows on one machine is cheaper per row, and groups pay that fixed part once each. Of a MoE
+Several sequences (:class:`GroupPricer`, :func:`serving_step_s`): the API runs at least one
+batch scheduler per stage, each stepping its group of the sequences through every stage with no
+drain, so the stage peers compute at once; a token of every sequence costs the longer of the
+slowest group's pass and the busiest peer's work for every group.
+A call costs its weights read once a kernel pass (``WEIGHT_BYTES_PER_S``; ``ROW_TILE`` rows a
+pass on a CPU) plus FLOPs per row, so a step of many rows on one machine is cheaper per row,
+groups pay that fixed part once each, and the groups are cut on the tile. Of a MoE
 layer a call reads only the routed experts its rows chose (:func:`distinct_experts`), a share
 that grows with the rows (64 experts, top 8: 8 for one row, 26.5 for 4, 42 for 8), so groups
 re-read experts that one step would read once.
@@ -568,7 +569,9 @@ WEIGHT_BYTES_PER_S = 20e9
 # Rows a CPU peer's kernels take a pass (swarm.compute.qkernels: its tiles' largest count of
 # activation rows): a call of r rows decodes its weights ⌈r / 4⌉ times, so on 8 cores of a Xeon
 # a dense 4B Q4_K_M step of 5 rows took 134 ms against 76.5 for 4 and 166 for 8
-# (bench/results/pipeline.md, "What a step of r rows costs on one peer").
+# (bench/results/pipeline.md, "What a step of r rows costs on one peer"). The low-bit types
+# (Q2_K, Q3_K, IQ*) decode a step of several rows once and take float32 tiles over the decoded
+# rows, so for them this over-prices the passes.
 ROW_TILE = 4
 
 
@@ -592,6 +595,17 @@ def balanced_groups(sequences: int, groups: int) -> list[int]:
     """``sequences`` cut into ``groups`` groups of as equal sizes as can be (the larger first)."""
     g = max(1, min(sequences, groups))
     return [sequences // g + (i < sequences % g) for i in range(g)]
+
+
+def tiled_groups(sequences: int, groups: int, tile: int = ROW_TILE) -> list[int]:
+    """``sequences`` cut into ``groups`` groups of whole tiles of ``tile`` rows, the tiles as
+    evenly as can be (the larger groups first) and the rows a last tile lacks taken from the
+    last group: ``⌈sequences / tile⌉`` kernel passes in all, the fewest any cut takes (50
+    sequences in 3 groups: 20 + 16 + 14; evenly, 17 + 17 + 16 would take 14 passes, not 13)."""
+    tiles = math.ceil(sequences / tile)
+    sizes = [tile * t for t in balanced_groups(tiles, groups)]
+    sizes[-1] -= tile * tiles - sequences
+    return sizes
 
 
 class GroupPricer:
@@ -633,19 +647,24 @@ class GroupPricer:
         return max(slowest, max(busy.values()))
 
     def best_groups(self, sequences: int) -> list[int]:
-        """The sizes of the groups ``sequences`` running sequences are best served in: at least one
-        per stage (every stage busy), more when even groups of fewer rows take less time a round
-        (on CPUs a group past a multiple of ``ROW_TILE`` costs every stage a kernel pass more: 16
-        sequences over three stages go as four groups of 4, not 6 + 5 + 5), the fewest on a tie.
-        More groups than ``⌈sequences / ROW_TILE⌉`` add passes and messages without saving one,
-        so none are tried."""
+        """The sizes of the groups ``sequences`` running sequences are best served in (largest
+        first): at least one per stage (every stage busy), cut evenly or in whole tiles of
+        ``ROW_TILE`` rows (:func:`tiled_groups`: on CPUs a group past a multiple of the tile costs
+        every stage a kernel pass more), the count and cut whose round prices lowest, the fewest
+        groups and then the even cut on a tie: 16 sequences over three CPU stages go as four
+        groups of 4, not 6 + 5 + 5 (six passes a stage) nor 8 + 4 + 4 (the group of 8 goes round
+        slowest). More groups than ``⌈sequences / ROW_TILE⌉`` add passes and messages without
+        saving one, so none are tried."""
         if sequences < 1:
             return []
         if sequences not in self._best:
             lo = min(sequences, len(self.stages))
             hi = max(lo, math.ceil(sequences / ROW_TILE))
-            best = min(range(lo, hi + 1), key=lambda g: (self.round_s(balanced_groups(sequences, g)), g))
-            self._best[sequences] = balanced_groups(sequences, best)
+            cuts = [(g, even, balanced_groups(sequences, g) if even else tiled_groups(sequences, g))
+                    for g in range(lo, hi + 1) for even in (True, False)]
+            # to the µs: cuts the same but for the order of their sums tie
+            _, _, best = min(cuts, key=lambda c: (round(self.round_s(c[2]) * 1e6), c[0], not c[1]))
+            self._best[sequences] = sorted(best, reverse=True)
         return list(self._best[sequences])
 
 

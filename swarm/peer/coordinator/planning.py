@@ -150,6 +150,7 @@ class Planning:
         # under "auto", several may split a model the coordinator holds into pipelined stages
         self.sequences = 1
         self._priced: tuple | None = None  # the last plan's cost-model inputs (choice_for)
+        self._priced_workers: tuple[PeerCost, tuple[PeerCost, ...]] | None = None  # and its peers as chosen (pricer)
         self._choices: dict[int, Hashable] = {}  # sequences → choice_for's answer under those inputs
 
     def set_layout(self, layout: str) -> None:
@@ -238,6 +239,7 @@ class Planning:
         self._priced, self._choices = (self.layout, me, tuple(costs), tuple(range_only), cpu_gflops), {}
         chosen, self.cost_report, priced, priced_ro = choose_ways(self.layout, self._layer_costs(), me, costs,
                                                                   range_only, self.sequences, cpu_gflops)
+        self._priced_workers = (me, tuple(priced))  # as chosen: a GPU peer on its CPU priced so
         on_cpu = {c.peer_id for c in [*priced, *priced_ro] if c.on_cpu}
         takers = [dataclasses.replace(w, gpu_memory=None, ffn_speed=cpu_gflops[w.peer_id]) if w.peer_id in on_cpu
                   else w for w in workers]
@@ -287,14 +289,15 @@ class Planning:
         return self._choices[sequences]
 
     def pricer(self) -> GroupPricer | None:
-        """The price of a round of groups through the newest plan's stages, from the inputs that
-        plan was priced with (:class:`~swarm.peer.coordinator.costmodel.GroupPricer`); None
-        without stages on other peers, under a mix (its first stage's FFN is cut over the
-        holders, which this price does not model) or before a plan."""
+        """The price of a round of groups through the newest plan's stages, from the peers as that
+        plan priced them when it chose (a GPU peer computing on its CPU at its CPU's speed:
+        :class:`~swarm.peer.coordinator.costmodel.GroupPricer`); None without stages on other
+        peers, under a mix (its first stage's FFN is cut over the holders, which this price does
+        not model) or before a plan."""
         lay = self.stage_layout
-        if self._priced is None or lay is None or len(lay.stages) < 2 or self.cut_layers is not None:
+        if self._priced_workers is None or lay is None or len(lay.stages) < 2 or self.cut_layers is not None:
             return None
-        _, me, costs, _, _ = self._priced
+        me, costs = self._priced_workers
         priced = {c.peer_id for c in (me, *costs)}
         if any(s.peer not in priced for s in lay.stages):
             return None

@@ -157,6 +157,9 @@ def test_a_gpu_peer_whose_gpu_holds_no_layer_runs_layers_on_its_cpu(moe, layout)
     (shown,) = [p for p in planning.cost_report["peers"] if p["peer_id"] == W1]
     assert shown["on_cpu"] and shown["gflops"] == 2.0 and shown["gpu_memory"] == gpu_memory
     assert planning.on_cpu == {W1} and planning.status()["on_cpu"] == [W1]
+    # the groups the API is placed by are priced the same way: its CPU's speed and kernel passes
+    (worker,) = [p for p in planning.pricer()._peers.values() if p.peer_id == W1]
+    assert worker.on_cpu and worker.gflops == 2.0
     # its stage answers then time its CPU (3 GFLOP/s): the next plan prices its CPU way at that
     seen = Observations({W1: PeerObservation(0.001, None, 1, 0, 0, 0, s_per_row_layer=planning._layer_flops() / 3e9)})
     planning.new_plan(1, budget, 2.0, [PeerCapacity(W1, host, 1e6, 0.001, gpu_memory=gpu_memory)], {W1}, stages=seen)
