@@ -56,10 +56,13 @@ _FUSED = (QT.Q2_K, QT.Q3_K, QT.IQ4_NL)
 # Their decode tile's forms, the same bits: the vector blocks below (words, lanes), or the
 # decoders' loops (scalar).
 FORMS = ("words", "lanes", "scalar")
-# Its shape, weight rows × the one activation row: 1 × 1 without AVX-512, whose 16 vector
-# registers hold one row's 32 lane sums and its weights (on a Zen 3 core 4 × 1 took 1.05-1.5x
-# the vector forms' 1 × 1 time, bench/results/engine.md); AVX-512's 32 hold four rows' (not timed).
+# Its shape, weight rows × the one activation row: for the vector forms 1 × 1 without AVX-512,
+# whose 16 vector registers hold one row's 32 lane sums and its weights (on a Zen 3 core 4 × 1
+# took 1.05-1.5x the vector forms' 1 × 1 time, bench/results/engine.md); AVX-512's 32 hold four
+# rows' (not timed). The scalar form (IQ4_NL where x86 has no pshufb, other CPUs) decodes into a
+# stack buffer first and keeps 4 × 1: its 1 × 1 took 1.8-3.0x that time on the same core.
 _DECODE_TILE = _TILES[0] if AVX512 else (1, 1)
+_SCALAR_DECODE_TILE = _TILES[0]
 
 
 def _grid(cls) -> np.ndarray:
@@ -531,7 +534,8 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = "")
     """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``: runs of ``_DECODED_ROWS``
     weight rows decoded whole, then qkernels' float32 tiles over every activation row (each
     weight decoded once per call); for the types of :data:`_FUSED`, at T = 1, tiles of
-    :data:`_DECODE_TILE` weight rows applying each block as it is decoded (``tile``: another
+    :data:`_DECODE_TILE` weight rows (the scalar form :data:`_SCALAR_DECODE_TILE`) applying each
+    block as it is decoded (``tile``: another
     (weight rows, 1) shape for that, bench/tile_tables.py's), in ``form`` (:data:`FORMS`;
     default :func:`_form`'s). All apply each weight with the float32 kernel's operations in its
     order: the same bits."""
@@ -556,7 +560,7 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = "")
         return _named(decoded, f"matmul_rows_{qtype.name}")
     whole = _named(decoded, f"matmul_decoded_{qtype.name}")
     form = form or _form(qtype)
-    nr, tt = tile or _DECODE_TILE
+    nr, tt = tile or (_SCALAR_DECODE_TILE if form == "scalar" else _DECODE_TILE)
     source = _tile_source(qtype, nr, tt) if form == "scalar" else _vtile_source(qtype, nr, form)
     scope = {**globals(), "min": min, "_block": _vblocks.get((form, qtype))}
     exec(compile(source, f"<{__name__} {qtype.name} tile {nr}x{tt} {form}>", "exec"), scope)
