@@ -15,8 +15,8 @@ int8) through the same blocks. Each line: best ms of ``--reps`` calls per table,
 first, and whether every table's output has the first one's bits (they must: a tile's shape changes no
 operation on an element). The first line names the CPU, the forms and the table this CPU takes.
 ``--types Q2_K,Q3_K,IQ4_NL --t 1 --numerics float32`` times the low-bit types' own decode tile
-(``swarm/compute/lowbit.py``: a table's first shape, in the default form; the product takes 1 × 1 without
-AVX-512, 4 × 1 with it).
+(``swarm/compute/lowbit.py``: a table's first shape, in the default form; the product's vector forms take
+1 × 1 without AVX-512 and 4 × 1 with it, the scalar form 4 × 1 everywhere).
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ FORMS = ("words", "lanes", "scalar")
 # whose 16 vector registers hold one row's 32 lane sums and its weights (on a Zen 3 core 4 × 1
 # took 1.05-1.5x the vector forms' 1 × 1 time, bench/results/engine.md); AVX-512's 32 hold four
 # rows' (not timed). The scalar form (IQ4_NL where x86 has no pshufb, other CPUs) decodes into a
-# stack buffer first and keeps 4 × 1: its 1 × 1 took 1.8-3.0x that time on the same core.
+# stack buffer first and keeps 4 × 1: its own 1 × 1 took 1.8-3.0x its 4 × 1's time on the same
+# core (IQ4_NL 1.8-2.2x).
 _DECODE_TILE = _TILES[0] if AVX512 else (1, 1)
 _SCALAR_DECODE_TILE = _TILES[0]
 

@@ -518,7 +518,7 @@ class SchedulerPool:
     :func:`set_default_limits`'s), their prompts + ``max_tokens`` within ``max_positions``
     together; ``chunk``, ``prefill_rows`` as :class:`BatchScheduler`'s. :meth:`submit` sends a
     new sequence to the least loaded of the first :attr:`width` schedulers (1 at first; ties:
-    the first), or toward the best group sizes when given them (:meth:`set_width`), where it
+    the first), or a tile at a time when given a row tile (:meth:`set_width`), where it
     stays. Raises ValueError for a bad limit."""
 
     def __init__(self, model: Model, ffn: Callable[[], FFNBackend | None] = lambda: None, *, max_batch: int | None = None,
@@ -535,46 +535,49 @@ class SchedulerPool:
                                             prefix_reuse=prefix_reuse)
         self.schedulers: list[BatchScheduler] = [self._make()]
         self.width = 1
-        self.groups: Callable[[int], Sequence[int]] | None = None
+        self.tile: int | None = None
 
-    def set_width(self, n: int, groups: Callable[[int], Sequence[int]] | None = None) -> None:
+    def set_width(self, n: int, tile: int | None = None) -> None:
         """New sequences go to the first ``n`` schedulers from now on (at least 1, at most
         ``max_batch``: made when first needed); sequences running elsewhere stay where they are.
-        ``groups`` (None: none): the sizes of the groups a count of sequences is best served in,
-        each group one scheduler's sequences stepping at once (the planner's
-        :meth:`~swarm.peer.coordinator.costmodel.GroupPricer.best_groups`); with it a new
-        sequence goes where the schedulers' loads come closest to those sizes — past ``n``
-        schedulers too, where smaller groups cost less (:meth:`submit`)."""
+        ``tile`` (None: none): rows a step's kernels take a pass over the weights, when a group
+        past a multiple of it costs every stage another pass (the planner's
+        :meth:`~swarm.peer.coordinator.costmodel.GroupPricer.row_tile`); with it the schedulers
+        are filled a tile at a time, past ``n`` where that spares a pass (:meth:`submit`)."""
         with self.cond:
             self.width = max(1, min(n, self.max_batch))
-            self.groups = groups
+            self.tile = tile
             while len(self.schedulers) < self.width:
                 self.schedulers.append(self._make())
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> TokenStream:
         """:meth:`BatchScheduler.submit` on the least loaded of the first ``width`` schedulers, or
-        with ``groups`` (:meth:`set_width`) on the one furthest below its size: the sizes for
-        every sequence running or waiting and this one (at most ``max_batch``: no more run at
-        once), largest first, go to the schedulers in order of their loads, largest first
-        (schedulers are made, up to ``max_batch``, while there are more sizes than schedulers);
-        ties to the least loaded, then the first (QueueFullError when the pool's limits are
-        full). Sequences stay where they are placed, so a burst fills the sizes of its
-        final count only as they grow with it."""
+        with a ``tile`` (:meth:`set_width`): the least loaded of the first ``width`` while one holds
+        less than a tile, else the least loaded of those holding part of a tile, else a scheduler
+        of its own (made when needed, up to ``max_batch``; else the least loaded), so a step's
+        groups fill whole tiles before another pass starts: 16 sequences over three stages run as
+        4 + 4 + 4 + 4, not 6 + 5 + 5; 8 over two as 4 + 4 (ties: the first). Loads count running
+        and waiting sequences; QueueFullError when the pool's limits are full."""
         with self.cond:
             return self._place().submit(prompt_ids, params)
 
     def _place(self) -> BatchScheduler:
         """The scheduler a new sequence goes to (:meth:`submit`); the pool's lock is held."""
-        if self.groups is None:
-            return min(self.schedulers[:self.width], key=lambda m: m.load())
         loads = [m.load() for m in self.schedulers]
-        sizes = sorted(self.groups(min(sum(loads) + 1, self.max_batch)), reverse=True)  # no more than may run
-        while len(self.schedulers) < min(len(sizes), self.max_batch):
-            self.schedulers.append(self._make())  # idle until a sequence is placed on it
-            loads.append(0)
-        order = sorted(range(len(loads)), key=lambda i: (-loads[i], i))
-        below = {i: (sizes[k] if k < len(sizes) else 0) - loads[i] for k, i in enumerate(order)}
-        return self.schedulers[max(below, key=lambda i: (below[i], -loads[i], -i))]
+        least = lambda among: self.schedulers[min(among, key=lambda i: (loads[i], i))]  # noqa: E731
+        first = range(self.width)
+        tile = self.tile
+        if tile is None:
+            return least(first)
+        under = [i for i in first if loads[i] < tile]
+        partial = under or [i for i, n in enumerate(loads) if n % tile]
+        if partial:
+            return least(partial)
+        empty = [i for i, n in enumerate(loads) if n == 0]
+        if not empty and len(self.schedulers) < self.max_batch:
+            self.schedulers.append(self._make())  # idle until this sequence is placed on it
+            return self.schedulers[-1]
+        return least(empty or range(len(loads)))
 
     def fail_all(self, exc: BaseException) -> int:
         """:meth:`BatchScheduler.fail_all` on every member; how many sequences were failed."""

@@ -118,30 +118,46 @@ def test_a_sequence_joins_its_member_while_an_older_one_waits_on_another_if_a_sl
     assert [list(s) for s in streams] == [alone(model, p, params) for p in jobs]
 
 
-def test_a_priced_pool_places_sixteen_sequences_over_three_stages_as_four_groups_of_four(model):
-    """With the planner's best groups (three CPU stages of a model whose weights are most of a
-    decode step: a group past 4 rows costs every stage a second kernel pass), 16 sequences that
-    arrive one after another go 4 + 4 + 4 + 4 — a fourth scheduler past one per stage — where
-    the least loaded of three gives 6 + 5 + 5; every sequence keeps its solo tokens."""
-    from swarm.peer.coordinator.costmodel import GroupPricer, LayerCosts, PeerCost
+def test_a_pool_filled_a_tile_at_a_time_cuts_its_groups_on_the_tile(model):
+    """With the planner's row tile (CPU stages of a model whose weights are most of a decode step:
+    a group past 4 rows costs every stage a second kernel pass), sequences that arrive one after
+    another fill the stages' schedulers evenly up to a tile each, then whole tiles: 16 over three
+    stages go 4 + 4 + 4 + 4 — a fourth scheduler past one per stage — where the least loaded of
+    three gives 6 + 5 + 5; 12 over two 4 + 4 + 4 (6 + 6); 6 over two 3 + 3, never a third on the
+    way. Every sequence keeps its solo tokens. Without the price, as before."""
+    from swarm.peer.coordinator.costmodel import ROW_TILE, GroupPricer, LayerCosts, PeerCost
 
     mb = 2**20
     costs = LayerCosts((2e6,) * 24, (2e7,) * 24, (mb,) * 24, (40 * mb,) * 24, 1e7, 1024)
-    workers = [PeerCost("w1", 10**12, 10.0, 0.002), PeerCost("w2", 10**12, 10.0, 0.002)]
-    pricer = GroupPricer(costs, PeerCost("c", 10**12, 10.0), workers, (("c", 0, 8), ("w1", 8, 16), ("w2", 16, 24)))
+    coord, workers = PeerCost("c", 10**12, 10.0), [PeerCost("w1", 10**12, 10.0, 0.002), PeerCost("w2", 10**12, 10.0, 0.002)]
+    three = GroupPricer(costs, coord, workers, (("c", 0, 8), ("w1", 8, 16), ("w2", 16, 24)))
+    two = GroupPricer(costs, coord, workers[:1], (("c", 0, 12), ("w1", 12, 24)))
+    assert three.row_tile() == two.row_tile() == ROW_TILE
+    assert three.best_groups(16) == [4, 4, 4, 4] and two.best_groups(12) == [4, 4, 4]
     params, prompt = SamplingParams(max_tokens=2), [3] * 40  # ten chunks of prefill: still running at the 16th
-    assert pricer.best_groups(16) == [4, 4, 4, 4]
-    for groups, want in ((pricer.best_groups, [4, 4, 4, 4]), (None, [6, 5, 5])):
+    for stages, tile, n, want in ((3, ROW_TILE, 16, [4, 4, 4, 4]), (3, None, 16, [6, 5, 5]),
+                                  (2, ROW_TILE, 12, [4, 4, 4]), (2, None, 12, [6, 6]), (2, ROW_TILE, 6, [3, 3])):
         pool = SchedulerPool(model, max_batch=16, chunk=4, prefill_rows=4)
-        pool.set_width(3, groups)
-        streams = [pool.submit(prompt, params) for _ in range(16)]
+        pool.set_width(stages, tile)
+        streams = [pool.submit(prompt, params) for _ in range(n)]
         placed = [pool.schedulers.index(s._scheduler) for s in streams]
-        assert sorted((placed.count(i) for i in set(placed)), reverse=True) == want, placed
-        assert [list(s) for s in streams] == [alone(model, prompt, params)] * 16
-    # two stages: 6 sequences as 3 + 3 (one pass each), never a third scheduler on the way there
-    two = GroupPricer(costs, PeerCost("c", 10**12, 10.0), workers[:1], (("c", 0, 12), ("w1", 12, 24)))
+        assert sorted((placed.count(i) for i in set(placed)), reverse=True) == want, (stages, tile, placed)
+        if n == 6:
+            assert placed == [0, 1, 0, 1, 0, 1]
+        assert [list(s) for s in streams] == [alone(model, prompt, params)] * n
+
+
+def test_a_pool_filled_a_tile_at_a_time_refills_a_scheduler_that_emptied(model):
+    """Sequences stay where they are placed; when one scheduler's have finished, it is filled
+    again first (the first ``width`` are filled up to a tile before any other)."""
     pool = SchedulerPool(model, max_batch=16, chunk=4, prefill_rows=4)
-    pool.set_width(2, two.best_groups)
-    streams = [pool.submit(prompt, params) for _ in range(6)]
-    assert [pool.schedulers.index(s._scheduler) for s in streams] == [0, 1, 0, 1, 0, 1]
-    assert [list(s) for s in streams] == [alone(model, prompt, params)] * 6
+    pool.set_width(2, 4)
+    short, long_ = SamplingParams(max_tokens=1), SamplingParams(max_tokens=40)
+    first = [pool.submit([3] * 8, short if i % 2 else long_) for i in range(8)]  # 4 + 4: the second's end first
+    for s in first[1::2]:
+        list(s)
+    wait_for(lambda: pool.schedulers[1].load() == 0)
+    again = pool.submit([5, 6], short)
+    assert again._scheduler is pool.schedulers[1]
+    for s in [*first, again]:
+        s.cancel()

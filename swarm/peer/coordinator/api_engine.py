@@ -85,10 +85,9 @@ class EngineBackend:
     worker among them, one batch scheduler per stage steps its own sequences through it (a
     :class:`~swarm.compute.serving.SchedulerPool`), so one scheduler's step is at one stage while
     another's is at the next; a new request goes to the least loaded and its sequence stays
-    there — or, when the planner priced the stages, where the schedulers' loads come closest to
-    the group sizes it prices best, which may take a scheduler past one per stage (on CPUs a
-    group past a multiple of 4 rows costs each stage a kernel pass more: 16 sequences over three
-    stages run as four groups of 4). ``max_batch``, ``max_queue`` and ``context`` hold for all of them together; finished
+    there — or, when the planner prices groups cut on the kernels' row tile cheaper, a tile at a
+    time, which may take a scheduler past one per stage (on CPUs a group past a multiple of 4 rows
+    costs each stage a kernel pass more: 16 sequences over three stages run as four groups of 4). ``max_batch``, ``max_queue`` and ``context`` hold for all of them together; finished
     sequences' KV caches are kept for prompts that start with their tokens (``prefix_reuse``,
     :mod:`swarm.compute.prefix`) within the ``context`` positions the running ones leave. Otherwise
     (and with one stage) one scheduler, as on one machine. A sequence's tokens are its solo
@@ -118,13 +117,13 @@ class EngineBackend:
 
     def _share(self, ffn: Any) -> None:
         """As many schedulers as ``ffn`` has stages on other peers — more where the planner prices
-        groups of fewer rows cheaper (a priced stage dispatch's :meth:`StagedFFN.best_groups`:
-        new sequences go where the schedulers' loads come closest to them); a stage dispatch is
-        told how many step through it at least (their steps are its groups in flight: none cut
-        within a step)."""
+        groups cut on the kernels' row tile cheaper (a priced stage dispatch's pricer,
+        :meth:`~swarm.peer.coordinator.costmodel.GroupPricer.row_tile`: the schedulers fill a tile
+        at a time); a stage dispatch is told how many step through it at least (their steps are
+        its groups in flight: none cut within a step)."""
         n = schedulers_for(ffn)
         pricer = ffn.pricer if isinstance(ffn, StagedFFN) and n > 1 else None
-        self.scheduler.set_width(n, pricer.best_groups if pricer is not None else None)
+        self.scheduler.set_width(n, pricer.row_tile() if pricer is not None else None)
         if isinstance(ffn, StagedFFN):
             ffn.set_schedulers(n)
 

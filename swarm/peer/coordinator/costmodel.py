@@ -598,10 +598,13 @@ def balanced_groups(sequences: int, groups: int) -> list[int]:
 
 
 def tiled_groups(sequences: int, groups: int, tile: int = ROW_TILE) -> list[int]:
-    """``sequences`` cut into ``groups`` groups of whole tiles of ``tile`` rows, the tiles as
-    evenly as can be (the larger groups first) and the rows a last tile lacks taken from the
-    last group: ``⌈sequences / tile⌉`` kernel passes in all, the fewest any cut takes (50
-    sequences in 3 groups: 20 + 16 + 14; evenly, 17 + 17 + 16 would take 14 passes, not 13)."""
+    """``sequences`` cut into up to ``groups`` groups of whole tiles of ``tile`` rows (fewer when
+    there are fewer tiles), the tiles as evenly as can be (the larger groups first) and the rows a
+    last tile lacks taken from the last group: ``⌈sequences / tile⌉`` kernel passes in all, the
+    fewest any cut takes (50 sequences in 3 groups: 20 + 16 + 14; evenly, 17 + 17 + 16 would
+    take 14 passes, not 13). [] for none."""
+    if sequences < 1:
+        return []
     tiles = math.ceil(sequences / tile)
     sizes = [tile * t for t in balanced_groups(tiles, groups)]
     sizes[-1] -= tile * tiles - sequences
@@ -662,18 +665,31 @@ class GroupPricer:
             hi = max(lo, math.ceil(sequences / ROW_TILE))
             cuts = [(g, even, balanced_groups(sequences, g) if even else tiled_groups(sequences, g))
                     for g in range(lo, hi + 1) for even in (True, False)]
+            cuts = [c for c in cuts if len(c[2]) >= lo]  # every stage busy: never fewer groups than stages
             # to the µs: cuts the same but for the order of their sums tie
             _, _, best = min(cuts, key=lambda c: (round(self.round_s(c[2]) * 1e6), c[0], not c[1]))
             self._best[sequences] = sorted(best, reverse=True)
         return list(self._best[sequences])
+
+    def row_tile(self) -> int | None:
+        """``ROW_TILE`` when a tile's worth of sequences more than the stages hold at a tile each
+        is best served as one more group rather than spread over one group per stage (12
+        sequences over two stages as 4 + 4 + 4, not 6 + 6: a group past a tile costs every stage
+        another pass — dense models on CPUs), else None (a MoE whose smaller groups read more
+        experts a row keeps one group per stage). What the API's pool fills its schedulers by
+        (:meth:`swarm.compute.serving.SchedulerPool.set_width`)."""
+        s = len(self.stages)
+        if s < 2:
+            return None
+        return ROW_TILE if len(self.best_groups((s + 1) * ROW_TILE)) > s else None
 
 
 def serving_step_s(costs: LayerCosts, coord: PeerCost, workers: Sequence[PeerCost],
                    stages: Sequence[tuple[str, int, int]], sequences: int, groups: int | None = None) -> float:
     """Seconds for every one of ``sequences`` running sequences to decode a token through
     ``stages`` (the coordinator alone: one stage of every layer), as the API serves them: in
-    ``groups`` batch schedulers (default :meth:`GroupPricer.best_groups`'s count), their
-    sequences cut as evenly as can be (:meth:`GroupPricer.round_s`)."""
+    :meth:`GroupPricer.best_groups`'s cut, or in ``groups`` batch schedulers with their sequences
+    cut as evenly as can be (:meth:`GroupPricer.round_s`)."""
     pricer = GroupPricer(costs, coord, workers, stages)
     sizes = pricer.best_groups(sequences) if groups is None else balanced_groups(sequences, groups)
     return pricer.round_s(sizes)

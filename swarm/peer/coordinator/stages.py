@@ -236,14 +236,6 @@ class StagedFFN:
         (None: not priced; the API then runs one scheduler per stage)."""
         self.pricer = pricer
 
-    def best_groups(self, sequences: int) -> list[int]:
-        """The sizes of the groups ``sequences`` sequences are best served in through the stages
-        (:meth:`~swarm.peer.coordinator.costmodel.GroupPricer.best_groups`); LocalProtocolError
-        when not priced."""
-        if self.pricer is None:
-            raise LocalProtocolError("these stages are not priced (set_pricer)")
-        return self.pricer.best_groups(sequences)
-
     def set_approximate(self, peers: set[str]) -> None:
         """``peers`` (of another numeric build) are verified within a bound, not bit for bit."""
         self.verifier.approximate = set(peers)

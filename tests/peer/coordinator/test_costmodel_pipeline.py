@@ -269,7 +269,9 @@ def test_groups_are_cut_on_the_kernels_row_tile():
     # whole tiles: 50 sequences as 13 passes, not the 14 of 17 + 17 + 16
     assert cm.tiled_groups(50, 3) == [20, 16, 14] and cm.tiled_groups(16, 3) == [8, 4, 4]
     assert cm.tiled_groups(5, 2) == [4, 1] and sum(cm.tiled_groups(50, 4)) == 50
-    assert sum(math.ceil(r / cm.ROW_TILE) for r in two.best_groups(50)) == 13
+    assert two.best_groups(50) == [20, 16, 14] and three.best_groups(50) == [16, 12, 12, 10]  # evenly: 14 passes
+    assert cm.tiled_groups(5, 3) == [4, 1] and cm.tiled_groups(0, 3) == []  # fewer tiles than groups
+    assert two.row_tile() == three.row_tile() == cm.ROW_TILE
     # a round is the slowest group's own pass when that outlasts the busiest peer's work
     slow_head = cm.GroupPricer(dataclasses.replace(costs, head_flops=5e9), coord, worker, stages)
     assert slow_head.round_s([8, 8]) == pytest.approx(max(sum(slow_head.calls(8)) + 8 * 5e9 / 1e10,

@@ -107,13 +107,27 @@ def test_a_stage_plan_prices_its_groups_and_the_api_places_sequences_by_that_pri
 
     _, ffn, _, _ = staged(path, stages)
     backend = EngineBackend(model, tokenizer_for(model), model_id="m", ffn=ffn)
-    assert backend.scheduler.width == 2 and backend.scheduler.groups is None  # not priced: one per stage
+    assert backend.scheduler.width == 2 and backend.scheduler.tile is None  # not priced: one per stage
     ffn.set_pricer(pricer)
     backend.set_ffn(ffn)
-    assert backend.scheduler.groups is not None
-    assert [backend.scheduler.groups(n) for n in (1, 8, 16)] == [pricer.best_groups(n) for n in (1, 8, 16)]
+    # this MoE's groups of fewer rows read more experts: no tile, one scheduler per stage
+    assert pricer.row_tile() is None and backend.scheduler.tile is None
+    ffn.set_pricer(dense_like(pricer))  # a dense model's weights, most of a step: filled a tile at a time
+    backend.set_ffn(ffn)
+    assert backend.scheduler.tile == cm.ROW_TILE == dense_like(pricer).row_tile()
     backend.set_ffn(None)  # the coordinator alone: one scheduler, no price
-    assert backend.scheduler.width == 1 and backend.scheduler.groups is None
+    assert backend.scheduler.width == 1 and backend.scheduler.tile is None
     planning.set_layout("ranges")
     planning.new_plan(1, 10**9, 10.0, [worker], {W1})
     assert planning.pricer() is None
+
+
+def dense_like(pricer):
+    """``pricer``'s peers and stages over 24 dense layers whose weights are most of a decode step."""
+    from swarm.peer.coordinator import costmodel as cm
+
+    mb = 2**20
+    costs = cm.LayerCosts((2e6,) * 24, (2e7,) * 24, (mb,) * 24, (40 * mb,) * 24, 1e7, 1024)
+    n = pricer.costs.n_layers
+    stages = [(p, lo * 24 // n, hi * 24 // n) for p, lo, hi in pricer.stages]
+    return cm.GroupPricer(costs, pricer.coord, [p for p in pricer._peers.values() if p is not pricer.coord], stages)
