@@ -144,20 +144,17 @@ class LayerCosts:
     def read_bytes(self, i: int, rows: float) -> float:
         """Weight bytes a call of ``rows`` rows reads of layer ``i``: all of a dense layer; of a
         MoE layer what is not a routed expert once, and each routed expert's bytes times the
-        experts its rows are expected to choose between them (:func:`distinct_experts`)."""
-        experts = self.expert_bytes[i] if self.expert_bytes else 0
-        n = self.n_experts[i] if experts and self.n_experts else 0
-        if not n:
-            return float(self.layer_bytes(i))
-        return self.layer_bytes(i) - experts + experts / n * distinct_experts(n, self.top_k[i], rows)
+        experts its rows are expected to choose between them (:func:`distinct_experts`): one pass
+        (:meth:`pass_bytes` with no tile)."""
+        return self.pass_bytes(i, rows, None)
 
-    def pass_bytes(self, i: int, rows: int, tile: int | None = None) -> float:
+    def pass_bytes(self, i: int, rows: float, tile: int | None = None) -> float:
         """Weight bytes a call of ``rows`` rows reads of layer ``i`` when its kernels take ``tile``
         rows a pass, each pass reading (decoding) the weights it multiplies again (None: one pass
         whatever the rows, as on a GPU): a dense layer ``⌈rows / tile⌉`` times; of a MoE layer what is
-        not a routed expert that many times, and each expert its rows choose
-        (:meth:`read_bytes`) once per ``tile`` of the rows it is expected to get
-        (``rows · top_k / distinct``)."""
+        not a routed expert that many times, and each of the experts its rows are expected to
+        choose between them (:func:`distinct_experts`) once per ``tile`` of the rows it is
+        expected to get (``rows · top_k / distinct``)."""
         passes = (lambda r: 1 if tile is None else max(1, math.ceil(r / tile - 1e-9)))  # noqa: E731
         experts = self.expert_bytes[i] if self.expert_bytes else 0
         n = self.n_experts[i] if experts and self.n_experts else 0
