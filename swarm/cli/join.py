@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import logging
 import os
@@ -35,12 +36,21 @@ def main_join(args: Any) -> int:
     from swarm.terminal import console as terminal_console
 
     console = terminal_console()
+    dump_stacks_on_sigusr1()
     try:
         run_on_loop(_join(args, console), getattr(args, "loop", "auto"))
     except KeyboardInterrupt:
         pass
     console.print("[bold]goodbye[/] — left the swarm")
     return 0
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """Make ``kill -USR1 PID`` print every thread's Python stack to this process's stderr, and
+    go on running: a peer that stopped answering shows where it waits (no-op where the platform
+    has no SIGUSR1)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # `--loop`: auto = uvloop where it is installed

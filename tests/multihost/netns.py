@@ -74,10 +74,12 @@ def remove_stale_namespaces() -> None:
 class NsProcess:
     """A process inside a namespace whose stdout is JSON lines; stderr goes to ``log_path``."""
 
-    def __init__(self, popen: subprocess.Popen[str], namespace: str, log_path: Path) -> None:
+    def __init__(self, popen: subprocess.Popen[str], namespace: str, log_path: Path,
+                 config_dir: Path | None = None) -> None:
         self.popen = popen
         self.namespace = namespace
         self.log_path = log_path
+        self.config_dir = config_dir  # where a `join` writes status.json
         self.events: list[dict[str, Any]] = []  # every JSON line seen so far, in order
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -138,6 +140,38 @@ class NsProcess:
         except OSError:
             return ""
         return "".join(line for line in lines if not any(n in line for n in noise))[-chars:]
+
+    def dump_stacks(self) -> None:
+        """SIGUSR1 to a live `join`: it prints every thread's stack to its log and runs on (other
+        processes are left alone: SIGUSR1 would end them)."""
+        if self.popen.poll() is None and "join" in self.popen.args:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.popen.pid, signal.SIGUSR1)
+
+    def diagnosis(self) -> str:
+        """One line: alive or the exit status, the scheduler state (T = stopped), the age of the
+        last log line and of status.json, and what that status says."""
+        now = time.time()
+        code = self.popen.poll()
+        if code is not None:
+            state = f"exited {code}"
+        else:
+            try:
+                state = "state " + Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                state = "state ?"
+        with contextlib.suppress(OSError):
+            state += f", last log line {now - self.log_path.stat().st_mtime:.1f} s ago"
+        status = "no status.json"
+        if self.config_dir is not None:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                doc = json.loads((self.config_dir / "status.json").read_text())
+                placement = doc.get("placement") or {}
+                linked = sorted(p["peer_id"][:6] for p in doc.get("peers", []) if p.get("linked"))
+                status = (f"status {now - doc['updated']:.1f} s old: {doc.get('peer_id', '?')[:6]} {doc.get('role')} "
+                          f"term {placement.get('term')} coordinator {str(placement.get('coordinator'))[:6]} "
+                          f"signaling {str(doc.get('signaling_host'))[:6]} linked {linked}")
+        return f"{self.namespace} pid {self.popen.pid}: {state}; {status}"
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (default SIGKILL) and reap it."""
@@ -286,7 +320,8 @@ class NetnsLab:
             env={**self.env(i), **(env or {})}, start_new_session=True,
         )
         stderr.close()
-        proc = NsProcess(popen, self.namespaces[i], log_path)
+        config_dir = {**self.env(i), **(env or {})}.get("COLIBRI_SWARM_CONFIG_DIR")
+        proc = NsProcess(popen, self.namespaces[i], log_path, Path(config_dir) if config_dir else None)
         self.processes.append(proc)
         return proc
 

@@ -40,13 +40,23 @@ def linked(doc: dict | None) -> set[str]:
     return {p["peer_id"] for p in doc["peers"] if p["linked"]} if doc else set()
 
 
+def stuck_report(procs) -> str:
+    """What a timed-out wait shows: each peer's state in one line, then each one's log tail, with
+    the stacks of its threads (asked for by SIGUSR1 first)."""
+    for p in procs:
+        p.dump_stacks()
+    time.sleep(0.5)  # the dumps are written by each peer's signal handler
+    lines = "\n".join(p.diagnosis() for p in procs)
+    tails = "\n".join(f"--- {p.namespace}:\n{p.stderr_tail(4000)}" for p in procs)
+    return f"{lines}\n{tails}"
+
+
 async def until(predicate, timeout_s: float, what: str, procs) -> float:
     """Seconds it took for ``predicate()`` to hold; fails with the peers' stderr when it does not."""
     t0 = time.monotonic()
     while not predicate():
         if time.monotonic() - t0 > timeout_s:
-            tails = "\n".join(f"--- {p.namespace}:\n{p.stderr_tail(4000)}" for p in procs)
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{stuck_report(procs)}")
         await asyncio.sleep(0.1)
     return time.monotonic() - t0
 
