@@ -277,3 +277,18 @@ def test_join_runs_on_the_event_loop_asked_for(tmp_path, loop, slow_check, runs_
         proc.wait(60)
     assert lines and lines[-1].endswith(f"event loop: {runs_on}"), log.read_text()[-3000:]
     assert (why is None) == (len(lines) == 1) and (why is None or why in lines[0]), lines
+
+
+def test_join_prints_every_threads_stack_on_sigusr1_and_runs_on():
+    # What `join` registers at start: a hung peer shows where it waits, and SIGUSR1 ends nothing.
+    code = ("import os, signal, threading\n"
+            "from swarm.cli.join import dump_stacks_on_sigusr1\n"
+            "dump_stacks_on_sigusr1()\n"
+            "def parked_helper_thread(): threading.Event().wait(5)\n"
+            "threading.Thread(target=parked_helper_thread, daemon=True).start()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "print('still running')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "still running\n"
+    assert "parked_helper_thread" in done.stderr and "Current thread" in done.stderr
