@@ -117,7 +117,9 @@ class Mesh:
         if info.peer_id == self.peer_id or self._closed:
             return
         self._present[info.peer_id] = info
-        if info.kind == "python" and self.peer_id < info.peer_id and info.peer_id not in self._dialers:
+        dialer = self._dialers.get(info.peer_id)
+        # a dialer that has just ended (its peer had left) may not be forgotten yet: start anew
+        if info.kind == "python" and self.peer_id < info.peer_id and (dialer is None or dialer.done()):
             task = self._spawn(self._dial(info.peer_id))
             self._dialers[info.peer_id] = task
             task.add_done_callback(self._dialer_done)
@@ -207,6 +209,9 @@ class Mesh:
                 except SwarmError as exc:
                     log.info("no link to %s yet: %s", peer_id, exc)
                     await link.close(str(exc))
+                except Exception as exc:  # noqa: BLE001 - a dialer that died would leave its peer unlinked for good
+                    log.warning("dialing %s failed: %s: %s (trying again)", peer_id, type(exc).__name__, exc)
+                    await link.close(f"{type(exc).__name__}: {exc}")
                 finally:
                     self._attempt_over(peer_id, attempt)
             if peer_id in self.links:

@@ -297,3 +297,45 @@ def test_status_command_prints_peers_roles_and_plan(tmp_path, monkeypatch, capsy
     assert rows["desk"][1:] == ["Linux", "worker", "this", "12.5", "2048", "35", "%"]  # 536 of 1536 MLP rows
     assert "plan v7 of term 3, coordinator laptop, OpenAI API on port 8123" in out
     assert "desk: layers 0–1: MLP rows 1000–1536" in out and "laptop: layers 0–1: MLP rows 0–1000" in out
+
+
+def test_a_dialer_survives_an_unexpected_error_and_a_peer_that_rejoins_is_dialed_again(caplog):
+    """Dialing a present peer goes on through any error of one attempt (a dialer that died
+    would leave that peer unlinked until one of the two restarted), and a peer that leaves and
+    joins again is dialed again."""
+    import logging
+
+    from swarm.peer.net.mesh import Mesh
+    from swarm.signaling.messages import PeerInfo
+
+    caplog.set_level(logging.INFO, logger="swarm.peer")
+    key = SwarmKey(os.urandom(32))
+
+    async def main():
+        me, other = sorted((Identity.generate() for _ in range(2)), key=lambda i: i.peer_id)
+        offers = []
+
+        async def send_signal(to, data):
+            offers.append(to)
+            if len(offers) == 1:
+                raise RuntimeError("an aiortc or aiohttp error no one expected")
+
+        mesh = Mesh(local_hello=hello(me.peer_id), certificate=me.rtc_certificate(), auth_key=key.channel_auth_key,
+                    send_signal=send_signal, retry_s=0.05)
+        info = PeerInfo(other.peer_id, "other", "python", 0.0)
+        mesh.peer_joined(info)
+        await until(lambda: len(offers) >= 2, 10, "a second offer after the first attempt's error")
+        mesh.peer_left(other.peer_id)
+        await asyncio.sleep(0.1)
+        gone = len(offers)
+        await asyncio.sleep(0.3)
+        stayed_quiet = len(offers) == gone
+        mesh.peer_joined(info)
+        await until(lambda: len(offers) > gone, 10, "an offer to the peer that joined again")
+        await mesh.close()
+        return offers, stayed_quiet, other.peer_id
+
+    offers, stayed_quiet, other = run_in_netns(main)
+    assert set(offers) == {other}
+    assert stayed_quiet, "the mesh kept dialing a peer that had left"
+    assert "dialing" in caplog.text and "RuntimeError: an aiortc or aiohttp error no one expected" in caplog.text
