@@ -35,9 +35,10 @@ F32 = QT.F32
 
 # Byte offsets of the f16 scale fields that set a block's magnitude: (d, dmin or None).
 # Layouts as ggml defines them (Q6_K keeps its d after the quants and 16 int8 sub-scales).
-_SCALE_FIELDS = {QT.Q8_0: (0, None), QT.Q4_0: (0, None), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208, None)}
-# A Q4_K/Q5_K weight is d·sc·q − dmin·m with q ≥ 0: dmin at this multiple of d centres it.
-_DMIN_PER_D = {QT.Q4_K: 7.5, QT.Q5_K: 15.5}
+_SCALE_FIELDS = {QT.Q8_0: (0, None), QT.Q4_0: (0, None), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208, None),
+                 QT.Q2_K: (80, 82), QT.Q3_K: (108, None)}
+# A Q2_K/Q4_K/Q5_K weight is d·sc·q − dmin·m with q ≥ 0: dmin at this multiple of d centres it.
+_DMIN_PER_D = {QT.Q4_K: 7.5, QT.Q5_K: 15.5, QT.Q2_K: 1.5}
 
 
 @dataclasses.dataclass(frozen=True)

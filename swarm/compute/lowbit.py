@@ -11,7 +11,8 @@ operations ``gguf.quants`` dequantizes with, in its order (``d·sc·q − dmin·
 from ``gguf.quants`` (``IQ2_XXS.ksigns``, each class's ``grid``, ``IQ4_NL.kvalues``).
 
 **Products.** A few weight rows decoded whole, then qkernels' float32 tiles over every
-activation row; for Q2_K, Q3_K and IQ4_NL at T = 1, a tile of weight rows (one without AVX-512)
+activation row; for Q2_K, Q3_K and IQ4_NL at T ≤ 4 (a decode step of a few sequences), a tile of
+weight rows (one without AVX-512), once per activation row,
 whose blocks are decoded in vector registers and applied to the activation row as they are decoded
 (:data:`FORMS`: Q2_K by a shift and a 4-entry table per 8 weights where the CPU has AVX2, else 16
 weights at a time in lane order; the decoders' loops into a stack buffer where a type has no vector
@@ -48,11 +49,17 @@ F32 = np.float32
 # Weight rows decoded at a time before the float32 tiles run (float32 [rows, K]: 32 KiB per 1024
 # columns).
 _DECODED_ROWS = 8
-# Types whose decode is fast enough to interleave with a decode product's dot products (T = 1):
+# Types whose decode is fast enough to interleave with a decode product's dot products (T ≤ 4):
 # even as 32-wide loops that vectorise, 1.2–1.4x faster there than decoding rows first (and they
 # have vector blocks, below); the grid types and IQ4_XS, whose decoders gather, are 2–3x faster
 # decoding rows first (bench/results/kernels.md).
 _FUSED = (QT.Q2_K, QT.Q3_K, QT.IQ4_NL)
+# Activation rows up to which these types take the decode tile once per row (decoding each block
+# once a row) rather than decoding the weight rows whole once: on a Zen 3 core the decoders' row
+# path took 4.1x the one-row step's time at T = 2 and 4.5-5.9x at T = 4 (Q2_K, Q3_K; a dense
+# layer of Qwen3-4B's shape), the tile once a row 2x and 4x; at T = 8 the two were even (Q2_K)
+# or the decoders' path won (Q3_K).
+_FUSED_ROWS = 4
 # Their decode tile's forms, the same bits: the vector blocks below (words, lanes), or the
 # decoders' loops (scalar).
 FORMS = ("words", "lanes", "scalar")
@@ -299,7 +306,7 @@ def _dec_iq1_m(w, o, d, do):
             d[do + 8 * g + e] = dl * (_IQ1[row, e] + delta)
 
 
-# ---- the decode tile's blocks in vector code (T = 1) -----------------------------------------
+# ---- the decode tile's blocks in vector code (a row at a time) ---------------------------------------
 # Per block and weight row the sub-block scales are made 16 at a time and the weights 16 or 8 at
 # a time in registers, by gguf's float32 operations as the decoders above perform them, then
 # applied as the scalar tile applies them: weight k of the block into lane k % 32 by fused
@@ -522,21 +529,22 @@ def _vtile_source(qtype: QT, nr: int, form: str) -> str:
 
 @njit(nogil=True)
 def _by_words(x):
-    """float32 x [1, K] (K a multiple of 32) in word order: x[32c + 4i + j] at 32c + 8j + i."""
+    """float32 x [T, K] (K a multiple of 32) in word order: x[t, 32c + 4i + j] at x[t, 32c + 8j + i]."""
     xw = np.empty_like(x)
-    for c in range(x.shape[1] // 32):
-        for j in range(4):
-            for i in range(8):
-                xw[0, 32 * c + 8 * j + i] = x[0, 32 * c + 4 * i + j]
+    for t in range(x.shape[0]):
+        for c in range(x.shape[1] // 32):
+            for j in range(4):
+                for i in range(8):
+                    xw[t, 32 * c + 8 * j + i] = x[t, 32 * c + 4 * i + j]
     return xw
 
 
 def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = ""):
     """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``: runs of ``_DECODED_ROWS``
     weight rows decoded whole, then qkernels' float32 tiles over every activation row (each
-    weight decoded once per call); for the types of :data:`_FUSED`, at T = 1, tiles of
-    :data:`_DECODE_TILE` weight rows (the scalar form :data:`_SCALAR_DECODE_TILE`) applying each
-    block as it is decoded (``tile``: another
+    weight decoded once per call); for the types of :data:`_FUSED`, at T ≤ :data:`_FUSED_ROWS`,
+    tiles of :data:`_DECODE_TILE` weight rows (the scalar form :data:`_SCALAR_DECODE_TILE`)
+    applying each block as it is decoded, once per activation row (``tile``: another
     (weight rows, 1) shape for that, bench/tile_tables.py's), in ``form`` (:data:`FORMS`;
     default :func:`_form`'s). All apply each weight with the float32 kernel's operations in its
     order: the same bits."""
@@ -568,14 +576,15 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = "")
     one = njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"])
 
     def rows(w, x, out, lo, hi):
-        if x.shape[0] > 1:
+        if x.shape[0] > _FUSED_ROWS:
             whole(w, x, out, lo, hi)
             return
         stride = w.strides[0]
         end = w.shape[0] * stride
         xs = _by_words(x) if form == "words" else x
-        for r0 in range(lo, hi, nr):
-            one(w, r0, hi, xs, 0, out, r0 * stride + _PREFETCH_BYTES, end)
+        for r0 in range(lo, hi, nr):  # the tile's weight rows stay in cache for every activation row
+            for t in range(x.shape[0]):
+                one(w, r0, hi, xs, t, out, r0 * stride + _PREFETCH_BYTES, end)
     return _named(rows, f"matmul_rows_{qtype.name}")
 
 

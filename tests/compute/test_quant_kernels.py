@@ -129,7 +129,7 @@ def test_lowbit_kernels_give_the_bits_of_the_float32_kernel_on_ggufs_values(qtyp
 
 @pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.IQ4_NL], ids=lambda q: q.name)
 def test_a_low_bit_decode_tile_of_any_shape_and_form_gives_the_same_bits(qtype):
-    """The low-bit types' own decode tile (T = 1) may take 1, 2 or 4 weight rows
+    """The low-bit types' own decode tile (one activation row at a time, at T ≤ 4) may take 1, 2 or 4 weight rows
     (bench/tile_tables.py times them), in every form this CPU has (vector blocks, the decoders'
     loops): neither changes an operation on an element, so every one gives the bits of the
     float32 kernel on gguf's decoded matrix, over ragged row ranges. A tile of more than one
@@ -139,17 +139,19 @@ def test_a_low_bit_decode_tile_of_any_shape_and_form_gives_the_same_bits(qtype):
 
     cols = 2 * 256
     raw = encoded(qtype, 13, cols, 5)
-    x = np.random.default_rng(1).normal(size=(1, cols)).astype(F32)
-    want = QMatrix.from_float(gguf.quants.dequantize(raw, qtype)).matmul(x)
-    assert np.isfinite(want).all()
     forms = [f for f in lowbit.FORMS if f == "scalar" or qtype in lowbit._FORM_TYPES[f]]
     assert lowbit._form(qtype) == forms[0] and len(forms) >= 2 - (qtype == QT.IQ4_NL)
-    for form in forms:
-        for tile in ((4, 1), (2, 1), (1, 1)):
-            fn, out = lowbit._rows_kernel(qtype, tile, form), np.full((1, 13), np.nan, F32)
-            for lo, hi in ((0, 5), (5, 6), (6, 13)):
-                fn(raw, x, out, lo, hi)
-            np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"{form} {tile}")
+    # a decode step of up to _FUSED_ROWS sequences takes the tile once a row; one more, the decoders' rows
+    for T in (1, 3, lowbit._FUSED_ROWS, lowbit._FUSED_ROWS + 1):
+        x = np.random.default_rng(T).normal(size=(T, cols)).astype(F32)
+        want = QMatrix.from_float(gguf.quants.dequantize(raw, qtype)).matmul(x)
+        assert np.isfinite(want).all()
+        for form in forms:
+            for tile in ((4, 1), (2, 1), (1, 1)):
+                fn, out = lowbit._rows_kernel(qtype, tile, form), np.full((T, 13), np.nan, F32)
+                for lo, hi in ((0, 5), (5, 6), (6, 13)):
+                    fn(raw, x, out, lo, hi)
+                np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"T={T} {form} {tile}")
     with pytest.raises(ValueError, match=r"\(2, 4\)"):
         lowbit._rows_kernel(qtype, (2, 4))
     with pytest.raises(ValueError, match="'words'"):
