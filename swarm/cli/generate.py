@@ -112,7 +112,7 @@ def _model_path(arg: str | None) -> Path:
     if arg is None:
         from swarm.compute.default_model import default_model_path
 
-        return default_model_path()
+        return default_model_path(notice=lambda line: print(line, file=sys.stderr, flush=True))
     path = Path(arg).expanduser()
     if not path.exists():
         raise ModelFileError(f"{path}: no such model file or directory (--model takes a GGUF file or an HF directory)")

@@ -259,7 +259,7 @@ def _load_model(path: str | None, console: Any) -> Any:
     from swarm.compute.model import load_model
 
     if path is None:
-        path = default_model_path()
+        path = default_model_path(notice=lambda line: console.print(esc(line)))
     model = load_model(path)
     console.print(f"model {esc(path)} (hash {model.content_hash()[:16]}…)")
     return model

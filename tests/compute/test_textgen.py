@@ -225,10 +225,10 @@ def test_prompt_past_the_context_is_one_line_before_any_work(capsys, smollm2_pat
     fewest = -(-nbytes // 81)  # SmolLM2's longest vocabulary entry is 81 bytes
     assert 0 < fewest < n and fewest + ctx > ctx
     assert main(["generate", "hi", "--local", "--model", str(smollm2_path), "--max-tokens", str(ctx)]) == EXIT_ERROR
-    assert _error_line(capsys) == (f"colibri-swarm: error: the prompt is {nbytes} bytes, so at least {fewest} tokens "
-                                   "(no token of this model stands for more than 81 bytes), and max_tokens is "
-                                   f"{ctx}: more than the model's context of {ctx} tokens; shorten the prompt or "
-                                   "ask for fewer tokens")
+    assert _error_line(capsys) == (f"colibri-swarm: error: the prompt in its chat template is {nbytes} bytes, so at "
+                                   f"least {fewest} tokens (no token of this model stands for more than 81 bytes), "
+                                   f"and max_tokens is {ctx}: more than the model's context of {ctx} tokens; shorten "
+                                   "the prompt or ask for fewer tokens")
     # The bound fits, the counted tokens do not: refused once encoded, naming the count.
     most = ctx - n + 1
     assert fewest + most <= ctx

@@ -78,9 +78,9 @@ async def test_prompt_past_the_context_is_400_naming_the_numbers(url, engine):
     status, error = await _post(url, json.dumps({"messages": [{"role": "user", "content": huge}]}).encode())
     assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
     assert error["message"] == (
-        f"the prompt is {len(text)} bytes, so at least {-(-len(text) // 81)} tokens (no token of this model stands "
-        f"for more than 81 bytes), and max_tokens is 1: more than the model's context of {ctx} tokens; shorten the "
-        "prompt or ask for fewer tokens")
+        f"the prompt in its chat template is {len(text)} bytes, so at least {-(-len(text) // 81)} tokens (no token "
+        f"of this model stands for more than 81 bytes), and max_tokens is 1: more than the model's context of {ctx} "
+        "tokens; shorten the prompt or ask for fewer tokens")
 
     long = "lorem ipsum " * 40_000  # 480 kB: under the byte bound, so encoded
     n = len(tok.encode_chat([{"role": "user", "content": long}]))
