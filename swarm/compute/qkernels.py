@@ -1564,14 +1564,55 @@ def run_group_i8(table, counter, tiles):  # pragma: no cover - compiled
         done += 1
 
 
+def _no_half_conversion() -> bool:
+    """Whether the kernels are compiled for an x86 CPU without F16C (NUMBA_CPU_NAME=generic, or
+    a CPU before 2012): LLVM then lowers a half → float conversion to a call of compiler-rt's
+    ``__extendhfsf2``, which numba's JIT cannot link (the process aborts)."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") and not _target_has("f16c")
+
+
+def _half_bits_to_float(builder, h16):
+    """IEEE half bits (i16) → float32 by integer operations, exactly (float32 holds every half):
+    the exponent rebiased in place; infinities and NaNs keep an all-ones exponent; zeros and
+    subnormals as ``2^-14 · (1 + m/1024) − 2^-14 = m · 2^-24``, one exact subtraction."""
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    h = builder.zext(h16, i32)
+    o = builder.shl(builder.and_(h, i32(0x7FFF)), i32(13))  # exponent and mantissa in float32's places
+    e = builder.and_(o, i32(0x0F800000))
+    o = builder.add(o, i32(112 << 23))  # bias 15 → 127
+    special = builder.add(o, i32(112 << 23))  # exponent 31 → 255
+    tiny = builder.bitcast(builder.fsub(builder.bitcast(builder.add(o, i32(1 << 23)), f32),
+                                        ir.Constant(f32, 2.0 ** -14)), i32)
+    o = builder.select(builder.icmp_unsigned("==", e, i32(0x0F800000)), special,
+                       builder.select(builder.icmp_unsigned("==", e, i32(0)), tiny, o))
+    sign = builder.shl(builder.and_(h, i32(0x8000)), i32(16))
+    return builder.bitcast(builder.or_(o, sign), f32)
+
+
 @intrinsic
-def _h2f(typingctx, u):
-    """IEEE half bits (uint16) → float32, exactly (a vector conversion once vectorised)."""
+def _h2f_by_bits(typingctx, u):
+    """:func:`_h2f` by integer operations (any CPU; what it is where F16C is missing)."""
     sig = types.float32(types.uint16)
 
     def codegen(context, builder, sig, args):
+        return _half_bits_to_float(builder, args[0])
+    return sig, codegen
+
+
+@intrinsic
+def _h2f(typingctx, u):
+    """IEEE half bits (uint16) → float32, exactly (a vector conversion once vectorised; integer
+    operations where the CPU has none, :func:`_no_half_conversion`)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, sig, args):
+        if _NO_HALF_CONVERSION:
+            return _half_bits_to_float(builder, args[0])
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
     return sig, codegen
+
+
+_NO_HALF_CONVERSION = _no_half_conversion()
 
 
 @intrinsic

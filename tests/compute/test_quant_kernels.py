@@ -90,6 +90,40 @@ def test_k_quant_kernels_at_extreme_scales(qtype, T):
     check_product(QMatrix(raw, qtype, cols), T, seed=T)
 
 
+def test_half_to_float_by_integer_operations_gives_every_halfs_float32_bits():
+    """Where the target x86 CPU has no F16C (NUMBA_CPU_NAME=generic, a CPU before 2012) LLVM would
+    call compiler-rt's __extendhfsf2 for a half → float conversion, a symbol numba's JIT lacks: the
+    process aborted on the first F16 product. The kernels then convert by integer operations,
+    which must give numpy's float32 for each of the 65,536 halves (subnormals, ±0, ±inf, NaN
+    payloads); and that path is the one taken exactly where the target lacks F16C."""
+    from numba import config, njit
+
+    from swarm.compute import qkernels
+
+    @njit
+    def convert(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = qkernels._h2f_by_bits(bits[i])
+
+    bits = np.arange(65536, dtype=np.uint16)
+    out = np.empty(65536, np.float32)
+    convert(bits, out)
+    want = bits.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+    x86 = qkernels.platform.machine().lower() in ("x86_64", "amd64")
+    saved = (config.CPU_NAME, config.CPU_FEATURES)
+    try:
+        config.CPU_NAME, config.CPU_FEATURES = "generic", None
+        assert qkernels._no_half_conversion() == x86
+        config.CPU_NAME, config.CPU_FEATURES = None, "+avx2,+fma,+f16c"
+        assert not qkernels._no_half_conversion()
+        config.CPU_NAME, config.CPU_FEATURES = None, "+sse4.2"
+        assert qkernels._no_half_conversion() == x86
+    finally:
+        config.CPU_NAME, config.CPU_FEATURES = saved
+
+
 @pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda q: q.name)
 def test_half_kernels_give_the_bits_of_a_float32_copy(qtype):
     """F16/BF16 weights converted as they are read: the bits of the float32 kernel on the
