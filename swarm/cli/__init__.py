@@ -132,7 +132,7 @@ def _add_numerics_arg(p: argparse.ArgumentParser, peer: bool = False) -> None:
 
 def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
     """``--threads`` and ``--numerics`` for this process and the peers it starts, and a line on
-    stderr while the kernels compile (the first run on a machine: a minute, not in silence).
+    stderr while the kernels compile (an installation's first run: minutes, not in silence).
     ``peer``: this process joins a swarm; under int8 it refuses ``--gpu auto|on`` (the GPU
     kernels take float32 activations, so its answers would be of neither numerics)."""
     if getattr(args, "threads", None):

@@ -50,7 +50,9 @@ def dump_stacks_on_sigusr1() -> None:
     go on running: a peer that stopped answering shows where it waits (no-op where the platform
     has no SIGUSR1)."""
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # stderr without a file descriptor (None, a StringIO): nothing to print the stacks to
+        with contextlib.suppress(RuntimeError, ValueError, OSError, AttributeError):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # `--loop`: auto = uvloop where it is installed

@@ -691,7 +691,7 @@ def _release_clean_pages(library: str) -> int:
 
 
 def prepare_kernels() -> None:
-    """Load (or, the first time on a machine, compile: about a minute) the block kernels now,
+    """Load (or, an installation's first time, compile: one to three minutes) the block kernels now,
     and the int8 numerics' when they are in use (set after the block kernels first loaded)."""
     k = _kernels()
     if numerics.int8():

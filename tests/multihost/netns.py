@@ -141,6 +141,22 @@ class NsProcess:
             return ""
         return "".join(line for line in lines if not any(n in line for n in noise))[-chars:]
 
+    def log_size(self) -> int:
+        """Bytes in the process's log so far."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def log_since(self, offset: int, chars: int) -> str:
+        """What the process logged after byte ``offset``, at most its first ``chars`` characters."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")[:chars]
+        except OSError:
+            return ""
+
     def dump_stacks(self) -> None:
         """SIGUSR1 to a live `join`: it prints every thread's stack to its log and runs on (other
         processes are left alone: SIGUSR1 would end them)."""

@@ -41,14 +41,17 @@ def linked(doc: dict | None) -> set[str]:
 
 
 def stuck_report(procs) -> str:
-    """What a timed-out wait shows: each peer's state in one line, then each one's log tail, with
-    the stacks of its threads (asked for by SIGUSR1 first)."""
+    """What a timed-out wait shows: each peer's state in one line, then each one's log tail, then
+    the stacks of its threads (asked for by SIGUSR1 after the rest was read)."""
+    lines = "\n".join(p.diagnosis() for p in procs)
+    tails = "\n".join(f"--- {p.namespace}:\n{p.stderr_tail(4000)}" for p in procs)
+    sizes = [p.log_size() for p in procs]
     for p in procs:
         p.dump_stacks()
     time.sleep(0.5)  # the dumps are written by each peer's signal handler
-    lines = "\n".join(p.diagnosis() for p in procs)
-    tails = "\n".join(f"--- {p.namespace}:\n{p.stderr_tail(4000)}" for p in procs)
-    return f"{lines}\n{tails}"
+    stacks = "\n".join(f"--- {p.namespace} stacks:\n{p.log_since(size, 12000)}" for p, size in zip(procs, sizes)
+                       if p.popen.poll() is None)
+    return f"{lines}\n{tails}\n{stacks}"
 
 
 async def until(predicate, timeout_s: float, what: str, procs) -> float:

@@ -130,6 +130,7 @@ class Mesh:
         dialer = self._dialers.get(peer_id)
         if dialer is not None and peer_id not in self.links:
             dialer.cancel()  # else it ends by itself when the link closes
+            del self._dialers[peer_id]  # forgotten now: a rejoin in this very tick starts a new one
 
     def _dialer_done(self, task: asyncio.Task) -> None:
         for peer_id, t in list(self._dialers.items()):
@@ -199,7 +200,12 @@ class Mesh:
         """Offer to ``peer_id`` until a link is open; again whenever it closes, while present."""
         while not self._closed and peer_id in self._present:
             if peer_id not in self.links:
-                attempt = _Attempt(secrets.token_hex(8), self._new_link(peer_id, offerer=True), self._spawn)
+                try:
+                    attempt = _Attempt(secrets.token_hex(8), self._new_link(peer_id, offerer=True), self._spawn)
+                except Exception as exc:  # noqa: BLE001 - as below: the dialer must outlive one attempt
+                    log.warning("dialing %s failed: %s: %s (trying again)", peer_id, type(exc).__name__, exc)
+                    await asyncio.sleep(self._retry_s)
+                    continue
                 self._attempts[peer_id] = attempt
                 link = attempt.link
                 try:
