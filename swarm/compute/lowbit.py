@@ -11,7 +11,7 @@ operations ``gguf.quants`` dequantizes with, in its order (``d·sc·q − dmin·
 from ``gguf.quants`` (``IQ2_XXS.ksigns``, each class's ``grid``, ``IQ4_NL.kvalues``).
 
 **Products.** A few weight rows decoded whole, then qkernels' float32 tiles over every
-activation row; for Q2_K, Q3_K and IQ4_NL at T ≤ 4 (a decode step of a few sequences), a tile of
+activation row; for Q2_K, Q3_K and IQ4_NL at T ≤ 5 (a decode step of a few sequences), a tile of
 weight rows (one without AVX-512), once per activation row,
 whose blocks are decoded in vector registers and applied to the activation row as they are decoded
 (:data:`FORMS`: Q2_K by a shift and a 4-entry table per 8 weights where the CPU has AVX2, else 16
@@ -49,17 +49,18 @@ F32 = np.float32
 # Weight rows decoded at a time before the float32 tiles run (float32 [rows, K]: 32 KiB per 1024
 # columns).
 _DECODED_ROWS = 8
-# Types whose decode is fast enough to interleave with a decode product's dot products (T ≤ 4):
+# Types whose decode is fast enough to interleave with a decode product's dot products (T ≤ 5):
 # even as 32-wide loops that vectorise, 1.2–1.4x faster there than decoding rows first (and they
 # have vector blocks, below); the grid types and IQ4_XS, whose decoders gather, are 2–3x faster
 # decoding rows first (bench/results/kernels.md).
 _FUSED = (QT.Q2_K, QT.Q3_K, QT.IQ4_NL)
 # Activation rows up to which these types take the decode tile once per row (decoding each block
 # once a row) rather than decoding the weight rows whole once: on a Zen 3 core the decoders' row
-# path took 4.1x the one-row step's time at T = 2 and 4.5-5.9x at T = 4 (Q2_K, Q3_K; a dense
-# layer of Qwen3-4B's shape), the tile once a row 2x and 4x; at T = 8 the two were even (Q2_K)
-# or the decoders' path won (Q3_K).
-_FUSED_ROWS = 4
+# path took 4.1x the one-row step's time at T = 2 and 4.5-5.9x at T = 4 (Q2_K, Q3_K; dense
+# layers of Qwen3-4B's shape), the tile once a row 2x and 4x; at T = 5 the tile was still 0.78x
+# (Q3_K) and 0.95x (Q2_K) the decoders' time, at 6 about even, at 8 1.24x and 1.08x
+# (bench/results/engine.md).
+_FUSED_ROWS = 5
 # Their decode tile's forms, the same bits: the vector blocks below (words, lanes), or the
 # decoders' loops (scalar).
 FORMS = ("words", "lanes", "scalar")

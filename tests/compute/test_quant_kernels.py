@@ -163,8 +163,8 @@ def test_lowbit_kernels_give_the_bits_of_the_float32_kernel_on_ggufs_values(qtyp
 
 @pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.IQ4_NL], ids=lambda q: q.name)
 def test_a_low_bit_decode_tile_of_any_shape_and_form_gives_the_same_bits(qtype):
-    """The low-bit types' own decode tile (one activation row at a time, at T ≤ 4) may take 1, 2 or 4 weight rows
-    (bench/tile_tables.py times them), in every form this CPU has (vector blocks, the decoders'
+    """The low-bit types' own decode tile (one activation row at a time, to T = 5) may take 1, 2 or
+    4 weight rows (bench/tile_tables.py times them), in every form this CPU has (vector blocks, the decoders'
     loops): neither changes an operation on an element, so every one gives the bits of the
     float32 kernel on gguf's decoded matrix, over ragged row ranges. A tile of more than one
     activation row would read past a decode step's one row, and a form the type lacks here is
