@@ -327,16 +327,17 @@ class NetnsLab:
         log_path = self.workdir / f"ns{i}-{len(self.processes)}.stderr"
         stderr = open(log_path, "w")  # noqa: SIM115 - the child owns it after fork
         command = ["ip", "netns", "exec", self.namespaces[i], sys.executable, *argv]
+        environ = {**self.env(i), **(env or {})}
         if cgroup is not None:
             command = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.path / "cgroup.procs"),
                        *command[:4], "sh", "-c", MOUNT_MEMORY_CGROUP + ' && exec "$@"', "sh", *command[4:]]
         popen = subprocess.Popen(
             command,
             stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO_ROOT,
-            env={**self.env(i), **(env or {})}, start_new_session=True,
+            env=environ, start_new_session=True,
         )
         stderr.close()
-        config_dir = {**self.env(i), **(env or {})}.get("COLIBRI_SWARM_CONFIG_DIR")
+        config_dir = environ.get("COLIBRI_SWARM_CONFIG_DIR")
         proc = NsProcess(popen, self.namespaces[i], log_path, Path(config_dir) if config_dir else None)
         self.processes.append(proc)
         return proc
