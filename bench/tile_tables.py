@@ -14,9 +14,10 @@ of [4096, 2560] (blocks of 32, K-quants) and [1024, 2560] (F16): float32 activat
 int8) through the same blocks. Each line: best ms of ``--reps`` calls per table, each table's ratio to the
 first, and whether every table's output has the first one's bits (they must: a tile's shape changes no
 operation on an element). The first line names the CPU, the forms and the table this CPU takes.
-``--types Q2_K,Q3_K,IQ4_NL --t 1 --numerics float32`` times the low-bit types' own decode tile
-(``swarm/compute/lowbit.py``: a table's first shape, in the default form; the product's vector forms take
-1 × 1 without AVX-512 and 4 × 1 with it, the scalar form 4 × 1 everywhere).
+``--types Q2_K,Q3_K,IQ4_NL --t 1,2,4,8 --numerics float32 --tables 1x1,1x4,decoded`` times the
+low-bit types' own decode tile (``swarm/compute/lowbit.py``) at every T: tables ``NxM``, N weight rows
+(1, 2, 4) by M activation rows (1 to 4) for every step, in the default form, and ``decoded``, the
+decoders' path (the kernel's above ``lowbit._FUSED_ROWS``).
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ from kernels import _encode  # noqa: E402
 TABLES = {"2xN": k._TILES, "1xN": ((4, 1), (1, 4), (1, 2), (1, 1)),
           "2x1+1xN": ((2, 1), (1, 4), (1, 2), (1, 1)), "1x1+1xN": k._K_TILES_NO_AVX512,
           "2x1+2xN": k._D2_TILES_NO_AVX512}
+# the low-bit decode tile's own shapes (weight rows x activation rows) at every T, and "decoded": the
+# decoders' path (every weight row decoded whole, then the float32 tiles); --types Q2_K,Q3_K,IQ4_NL only
+LOWBIT_TABLES = {f"{nr}x{tt}": ((nr, tt),) for nr in (1, 2, 4) for tt in range(1, lowbit._MAX_ACTS + 1)}
+LOWBIT_TABLES["decoded"] = ()
 # qkernels' kind numbers (float32 and int8 alike); F16 runs the float32-weight kernel, float32 only
 KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7}
-# the low-bit types whose decode (T = 1) runs a tile of their own (swarm/compute/lowbit.py):
-# float32 only; a table's first shape is that tile's, T > 1 decodes whole rows whatever the table
+# the low-bit types whose decode steps (T ≤ lowbit._FUSED_ROWS) run a tile of their own
+# (swarm/compute/lowbit.py): float32 only; a table's first shape is that tile's
 LOWBIT = lowbit._FUSED
 
 
@@ -64,7 +69,8 @@ def kernels(name: str, qt, rows: int, cols: int, tables: dict):
     if qt == QT.F16:
         fns = {t: k._f32_rows_kernel("_h2f", tab) for t, tab in tables.items()}
     elif qt in LOWBIT:
-        fns = {t: lowbit._rows_kernel(qt, tab[0]) for t, tab in tables.items()}
+        fns = {t: lowbit._rows_kernel(qt, tab[0], fused_rows=1 << 30) if tab else lowbit._rows_kernel(qt, fused_rows=0)
+               for t, tab in tables.items()}
     elif name == "float32":
         kind = KINDS[qt]
         fns = {t: k._rows_kernel(kind, "", tab) for t, tab in tables.items()}
@@ -107,13 +113,13 @@ def main() -> int:
     if any(t < 1 for t in ts):
         ap.error(f"--t: each at least 1, got {args.t!r}")
     low = [q.name for q in qts if q in LOWBIT]
-    if low and (ts != [1] or "float32" not in args.numerics.split(",")):
-        ap.error(f"--types {','.join(low)}: their own tile runs at T = 1 under float32 only (--t 1 --numerics float32)")
     names = args.tables.split(",")
-    unknown = [n for n in names if n not in TABLES]
-    if unknown or len(names) < 2:
-        ap.error(f"--tables: two or more of {', '.join(TABLES)}, got {args.tables!r}")
-    tables = {n: TABLES[n] for n in names}
+    known = LOWBIT_TABLES if low else TABLES
+    if low and (len(low) < len(qts) or args.numerics != "float32"):
+        ap.error(f"--types {','.join(low)}: their own tiles run under float32 only, without other types (--numerics float32)")
+    if any(n not in known for n in names) or len(names) < 2:
+        ap.error(f"--tables: two or more of {', '.join(known)}, got {args.tables!r}")
+    tables = {n: known[n] for n in names}
     print(json.dumps({"machine": _machine(), "k_form": k.K_FORM, "i8_form": k.I8_FORM, "tiles_here": k._TILES, "k_tiles_here": k._K_TILES,
                       "d2_tiles_here": k._D2_TILES}))
     cases = [(name, qt) for name in args.numerics.split(",") for qt in qts if not (name == "int8" and (qt == QT.F16 or qt in LOWBIT))]

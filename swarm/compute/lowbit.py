@@ -11,9 +11,10 @@ operations ``gguf.quants`` dequantizes with, in its order (``d·sc·q − dmin·
 from ``gguf.quants`` (``IQ2_XXS.ksigns``, each class's ``grid``, ``IQ4_NL.kvalues``).
 
 **Products.** A few weight rows decoded whole, then qkernels' float32 tiles over every
-activation row; for Q2_K, Q3_K and IQ4_NL at T ≤ 5 (a decode step of a few sequences), a tile of
-weight rows (one without AVX-512), once per activation row,
-whose blocks are decoded in vector registers and applied to the activation row as they are decoded
+activation row; for Q2_K, Q3_K and IQ4_NL at T ≤ 16-32 (decode steps of several sequences), a tile
+of weight rows by up to 4 activation rows (1 × 4 without AVX-512, 2 × 4 with it; at T = 1
+1 × 1 and 4 × 1),
+whose blocks are decoded in vector registers once and applied to the tile's activation rows as they are decoded
 (:data:`FORMS`: Q2_K by a shift and a 4-entry table per 8 weights where the CPU has AVX2, else 16
 weights at a time in lane order; the decoders' loops into a stack buffer where a type has no vector
 block). Either way element k of a row goes into
@@ -49,29 +50,34 @@ F32 = np.float32
 # Weight rows decoded at a time before the float32 tiles run (float32 [rows, K]: 32 KiB per 1024
 # columns).
 _DECODED_ROWS = 8
-# Types whose decode is fast enough to interleave with a decode product's dot products (T ≤ 5):
+# Types whose decode is fast enough to interleave with a decode step's dot products:
 # even as 32-wide loops that vectorise, 1.2–1.4x faster there than decoding rows first (and they
 # have vector blocks, below); the grid types and IQ4_XS, whose decoders gather, are 2–3x faster
 # decoding rows first (bench/results/kernels.md).
 _FUSED = (QT.Q2_K, QT.Q3_K, QT.IQ4_NL)
-# Activation rows up to which these types take the decode tile once per row (decoding each block
-# once a row) rather than decoding the weight rows whole once: on a Zen 3 core the decoders' row
-# path took 4.1x the one-row step's time at T = 2 and 4.5-5.9x at T = 4 (Q2_K, Q3_K; dense
-# layers of Qwen3-4B's shape), the tile once a row 2x and 4x; at T = 5 the tile was still 0.78x
-# (Q3_K) and 0.95x (Q2_K) the decoders' time, at 6 about even, at 8 1.24x and 1.08x
-# (bench/results/engine.md).
-_FUSED_ROWS = 5
+# Activation rows up to which these types take the decode tile (each block decoded once for a
+# tile's activation rows) rather than decoding the weight rows whole once (then the float32
+# tiles): on a Zen 3 core, [4096, 2560], two runs, the vector forms' 1 × 4 tile took 0.17-0.34x
+# the decoders' path's time at T = 1, 0.43-0.54x at 8, 0.66-0.88x at 16, at 32 0.76-0.87x
+# (Q2_K), 0.91-0.97x (IQ4_NL) and 0.91-1.02x (Q3_K), at 64 0.93-1.19x; the scalar form's 2 × 4
+# 0.87x (Q3_K) and 0.75x (IQ4_NL) at 4, 1.42x and 1.04x at 8 (bench/results/engine.md).
+_FUSED_ROWS = {QT.Q2_K: 32, QT.Q3_K: 16, QT.IQ4_NL: 32}
+_SCALAR_FUSED_ROWS = 4
 # Their decode tile's forms, the same bits: the vector blocks below (words, lanes), or the
 # decoders' loops (scalar).
 FORMS = ("words", "lanes", "scalar")
-# Its shape, weight rows × the one activation row: for the vector forms 1 × 1 without AVX-512,
-# whose 16 vector registers hold one row's 32 lane sums and its weights (on a Zen 3 core 4 × 1
-# took 1.05-1.5x the vector forms' 1 × 1 time, bench/results/engine.md); AVX-512's 32 hold four
-# rows' (not timed). The scalar form (IQ4_NL where x86 has no pshufb, other CPUs) decodes into a
-# stack buffer first and keeps 4 × 1: its own 1 × 1 took 1.8-3.0x its 4 × 1's time on the same
-# core (IQ4_NL 1.8-2.2x).
-_DECODE_TILE = _TILES[0] if AVX512 else (1, 1)
-_SCALAR_DECODE_TILE = _TILES[0]
+# Its shapes, weight rows × activation rows, for a step of one row and of several: for the vector
+# forms without AVX-512 1 × 1 and 1 × 4, whose 16 vector registers hold one weight row's 32 lane
+# sums for each activation row (on a Zen 3 core a step of 4 rows took 0.42-0.53x the time of 1 × 1
+# once a row; 1 × 3 and 1 × 2 were slower from T = 4, and 4 × 1 took 1.05-1.5x 1 × 1's time at
+# T = 1); with AVX-512's 32, 4 × 1 and 2 × 4 (on a Xeon 2 × 4 took 0.58-0.80x 4 × 1's time at
+# T = 2-8, 1 × 4 0.38-0.90x, but 1.03-1.13x at T = 1). The scalar form (IQ4_NL where x86 has no
+# pshufb, other CPUs) decodes into a stack buffer first and takes 2 × 4 for both: on the Zen 3
+# core 0.95-1.03x 4 × 1's time at T = 1, 0.30-0.32x at T = 4 (1 × 4 1.9x at T = 1)
+# (bench/results/engine.md).
+_DECODE_TILES = ((4, 1), (2, 4)) if AVX512 else ((1, 1), (1, 4))
+_SCALAR_DECODE_TILES = ((2, 4), (2, 4))
+_MAX_ACTS = 4  # activation rows a decode tile may take (its tiles of fewer are compiled beside it)
 
 
 def _grid(cls) -> np.ndarray:
@@ -324,14 +330,13 @@ class _Block:
     activations, and per row the 32 lane sums as vectors of ``width`` lanes."""
 
     def __init__(self, context, builder, sig, args, width: int):
-        def data(i):
-            return context.make_array(sig.args[i])(context, builder, args[i]).data
         self.b, self.vt = builder, ir.VectorType(ir.FloatType(), width)
         self.pw = [builder.gep(p, [args[2]]) for p in _tuple_data(context, builder, sig.args[1], args[1])]
-        self.px, self.table = builder.gep(data(3), [args[4]]), data(5)
+        self.px = [builder.gep(p, [args[4]]) for p in _tuple_data(context, builder, sig.args[3], args[3])]
+        self.table = context.make_array(sig.args[5])(context, builder, args[5]).data
         vp = ir.PointerType(self.vt)
         self.sums = [[builder.bitcast(builder.gep(p, [_I64(width * k)]), vp) for k in range(32 // width)]
-                     for p in _tuple_data(context, builder, sig.args[0], args[0])]
+                     for p in _tuple_data(context, builder, sig.args[0], args[0])]  # weight row n, then act. row t
         self.acc = [[builder.load(p, align=4) for p in row] for row in self.sums]
         self.fma = self.fn(f"llvm.fma.v{width}f32", self.vt, self.vt, self.vt, self.vt)
 
@@ -346,10 +351,15 @@ class _Block:
         return self.b.load(self.b.gep(self.table, [self.b.zext(bits, _I64)]))
 
     def x(self, off):
-        return _load(self.b, self.px, _I64(off), self.vt, 4)
+        """Each activation row's ``width`` values at ``off`` (a list, one vector a row)."""
+        return [_load(self.b, p, _I64(off), self.vt, 4) for p in self.px]
 
     def apply(self, n, k, wv, xv):
-        self.acc[n][k] = self.b.call(self.fma, [wv, xv, self.acc[n][k]])
+        """Weights ``wv`` of row n into lane group k of that row's sums with each activation row's ``xv``."""
+        tt = len(self.px)
+        for t, x in enumerate(xv):
+            acc = self.acc[n * tt + t]
+            acc[k] = self.b.call(self.fma, [wv, x, acc[k]])
 
     def store(self):
         for ptrs, accs in zip(self.sums, self.acc):
@@ -359,12 +369,13 @@ class _Block:
 
 def _vblock(emit, width: int):
     """An intrinsic ``block(s, w, o, x, xo, f16)``: the block at byte ``o`` of each weight row of
-    the tuple ``w`` (uint8 rows) applied to float32 ``x[xo:xo + block]`` into that row's 32
-    float32 lane sums (the tuple ``s`` of :func:`qkernels._stack` arrays), halves read through
-    ``f16`` (every half's float32 value); ``emit(e, rows)`` writes it over a :class:`_Block`."""
+    the tuple ``w`` (uint8 rows), decoded once, applied to each activation row of the tuple ``x``
+    (float32 rows, columns ``xo:xo + block``) into that pair's 32 float32 lane sums (the tuple
+    ``s`` of :func:`qkernels._stack` arrays, weight row-major), halves read through ``f16``
+    (every half's float32 value); ``emit(e, rows)`` writes it over a :class:`_Block`."""
     @intrinsic
     def block(typingctx, s, w, o, x, xo, f16):
-        if len(s.types) != len(w.types):
+        if len(s.types) != len(w.types) * len(x.types):
             return None
         sig = types.none(s, w, o, x, xo, f16)
 
@@ -508,23 +519,27 @@ def _tile_source(qtype: QT, nr: int, tt: int) -> str:
     return "\n".join(lines)
 
 
-def _vtile_source(qtype: QT, nr: int, form: str) -> str:
-    """The decode tile (``nr`` weight rows × 1) over a vector block of ``form`` (``_block``;
-    words: ``x`` in word order)."""
+def _vtile_source(qtype: QT, nr: int, form: str, tt: int = 1) -> str:
+    """The decode tile (``nr`` weight rows × ``tt`` activation rows) over a vector block of
+    ``form`` (``_block``, each block decoded once for the ``tt`` rows; words: ``x`` in word order)."""
     block, size = GGML_QUANT_SIZES[qtype]
-    rows = range(nr)
-    sums, ws = "".join(f"s{n}, " for n in rows), "".join(f"w{n}, " for n in rows)
-    lines = [f"def tile_{qtype.name}_{nr}x1(w, r0, hi, x, t0, out, ahead, end):"]
+    rows, acts = range(nr), range(tt)
+    pairs = [(n, t) for n in rows for t in acts]
+    sums, ws = "".join(f"s{n}_{t}, " for n, t in pairs), "".join(f"w{n}, " for n in rows)
+    xs = "".join(f"x{t}, " for t in acts)
+    lines = [f"def tile_{qtype.name}_{nr}x{tt}(w, r0, hi, x, t0, out, ahead, end):"]
     lines += [f"    w{n} = w[min(r0 + {n}, hi - 1)]" for n in rows]
-    lines += ["    x0 = x[t0]", "    r = carray(_stack(32), 32)"] + [f"    s{n} = carray(_stack(32), 32)" for n in rows]
-    lines += [f"    _zero32(s{n})" for n in rows]
+    lines += [f"    x{t} = x[t0 + {t}]" for t in acts] + ["    r = carray(_stack(32), 32)"]
+    lines += [f"    s{n}_{t} = carray(_stack(32), 32)" for n, t in pairs]
+    lines += [f"    _zero32(s{n}_{t})" for n, t in pairs]
     lines += [f"    for b in range(x0.shape[0] // {block}):", f"        o = b * {size}"]
     lines += [f"        _prefetch_ahead(w, ahead + {nr} * o + {p}, end)" for p in range(0, nr * size, 64)]
-    lines += [f"        _block(({sums}), ({ws}), o, x0, b * {block}, _F16)"]
-    for n in rows:
+    lines += [f"        _block(({sums}), ({ws}), o, ({xs}), b * {block}, _F16)"]
+    for n, t in pairs:
         if form == "words":  # the sums back in lane order
-            lines += ["    for j in range(4):", "        for i in range(8):", f"            r[4 * i + j] = s{n}[8 * j + i]"]
-        lines += [f"    if r0 + {n} < hi:", f"        out[t0, r0 + {n}] = _sum32({'r' if form == 'words' else f's{n}'})"]
+            lines += ["    for j in range(4):", "        for i in range(8):", f"            r[4 * i + j] = s{n}_{t}[8 * j + i]"]
+        lines += [f"    if r0 + {n} < hi:",
+                  f"        out[t0 + {t}, r0 + {n}] = _sum32({'r' if form == 'words' else f's{n}_{t}'})"]
     return "\n".join(lines)
 
 
@@ -540,17 +555,19 @@ def _by_words(x):
     return xw
 
 
-def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = ""):
+def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = "", fused_rows: int = -1):
     """Columns lo:hi of out [T, R] = x @ W[lo:hi].T for ``qtype``: runs of ``_DECODED_ROWS``
     weight rows decoded whole, then qkernels' float32 tiles over every activation row (each
-    weight decoded once per call); for the types of :data:`_FUSED`, at T ≤ :data:`_FUSED_ROWS`,
-    tiles of :data:`_DECODE_TILE` weight rows (the scalar form :data:`_SCALAR_DECODE_TILE`)
-    applying each block as it is decoded, once per activation row (``tile``: another
-    (weight rows, 1) shape for that, bench/tile_tables.py's), in ``form`` (:data:`FORMS`;
-    default :func:`_form`'s). All apply each weight with the float32 kernel's operations in its
-    order: the same bits."""
-    if tile is not None and (len(tile) != 2 or tile[0] < 1 or tile[1] != 1):
-        raise ValueError(f"a low-bit decode tile is (weight rows ≥ 1, 1), got {tile!r}")
+    weight decoded once per call); for the types of :data:`_FUSED`, at T ≤ :data:`_FUSED_ROWS`'s
+    (the scalar form :data:`_SCALAR_FUSED_ROWS`; ``fused_rows``: another limit, for benchmarks),
+    tiles of :data:`_DECODE_TILES` (weight rows, activation rows: at T = 1, and above; the scalar
+    form :data:`_SCALAR_DECODE_TILES`) applying each block as it is decoded to the tile's
+    activation rows, T split into ⌈T / tt⌉ runs as even as can be (5 rows: 3 + 2), each run a tile
+    of its rows (``tile``: one other shape for both, activation rows 1 .. :data:`_MAX_ACTS`,
+    bench/tile_tables.py's), in ``form`` (:data:`FORMS`; default :func:`_form`'s). All apply each
+    weight with the float32 kernel's operations in its order: the same bits."""
+    if tile is not None and (len(tile) != 2 or tile[0] < 1 or not 1 <= tile[1] <= _MAX_ACTS):
+        raise ValueError(f"a low-bit decode tile is (weight rows ≥ 1, activation rows 1-{_MAX_ACTS}), got {tile!r}")
     if form and (form not in FORMS or (form != "scalar" and qtype not in _FORM_TYPES[form])):
         raise ValueError(f"{qtype.name} has no decode tile of form {form!r} here (of {FORMS})")
     block, size = GGML_QUANT_SIZES[qtype]
@@ -570,22 +587,46 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = "")
         return _named(decoded, f"matmul_rows_{qtype.name}")
     whole = _named(decoded, f"matmul_decoded_{qtype.name}")
     form = form or _form(qtype)
-    nr, tt = tile or (_SCALAR_DECODE_TILE if form == "scalar" else _DECODE_TILE)
-    source = _tile_source(qtype, nr, tt) if form == "scalar" else _vtile_source(qtype, nr, form)
+    (nr1, _), (nr, tt) = (tile, tile) if tile else _SCALAR_DECODE_TILES if form == "scalar" else _DECODE_TILES
     scope = {**globals(), "min": min, "_block": _vblocks.get((form, qtype))}
-    exec(compile(source, f"<{__name__} {qtype.name} tile {nr}x{tt} {form}>", "exec"), scope)
-    one = njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{nr}x{tt}"])
+
+    def compiled(rows: int, acts: int):
+        source = _tile_source(qtype, rows, acts) if form == "scalar" else _vtile_source(qtype, rows, form, acts)
+        exec(compile(source, f"<{__name__} {qtype.name} tile {rows}x{acts} {form}>", "exec"), scope)
+        return njit(nogil=True, inline="always")(scope[f"tile_{qtype.name}_{rows}x{acts}"])
+
+    tiles = [compiled(nr, k) for k in range(1, tt + 1)]  # tt activation rows, and fewer for a last run
+    one, two, three, four = (tiles[min(k, tt) - 1] for k in range(1, 5))
+    single = compiled(nr1, 1)  # a step of one row
+    most = fused_rows if fused_rows >= 0 else _SCALAR_FUSED_ROWS if form == "scalar" else _FUSED_ROWS[qtype]
 
     def rows(w, x, out, lo, hi):
-        if x.shape[0] > _FUSED_ROWS:
+        T = x.shape[0]
+        if T > most:
             whole(w, x, out, lo, hi)
             return
         stride = w.strides[0]
         end = w.shape[0] * stride
         xs = _by_words(x) if form == "words" else x
+        if T == 1:
+            for r0 in range(lo, hi, nr1):
+                single(w, r0, hi, xs, 0, out, r0 * stride + _PREFETCH_BYTES, end)
+            return
+        runs = (T + tt - 1) // tt  # tiles a weight tile takes, their rows as even as can be (5: 3 + 2)
         for r0 in range(lo, hi, nr):  # the tile's weight rows stay in cache for every activation row
-            for t in range(x.shape[0]):
-                one(w, r0, hi, xs, t, out, r0 * stride + _PREFETCH_BYTES, end)
+            ahead = r0 * stride + _PREFETCH_BYTES
+            t = 0
+            for i in range(runs):
+                left = T // runs + (1 if i < T % runs else 0)
+                if left >= 4:
+                    four(w, r0, hi, xs, t, out, ahead, end)
+                elif left == 3:
+                    three(w, r0, hi, xs, t, out, ahead, end)
+                elif left == 2:
+                    two(w, r0, hi, xs, t, out, ahead, end)
+                else:
+                    one(w, r0, hi, xs, t, out, ahead, end)
+                t += left
     return _named(rows, f"matmul_rows_{qtype.name}")
 
 

@@ -163,31 +163,36 @@ def test_lowbit_kernels_give_the_bits_of_the_float32_kernel_on_ggufs_values(qtyp
 
 @pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.IQ4_NL], ids=lambda q: q.name)
 def test_a_low_bit_decode_tile_of_any_shape_and_form_gives_the_same_bits(qtype):
-    """The low-bit types' own decode tile (one activation row at a time, to T = 5) may take 1, 2 or
-    4 weight rows (bench/tile_tables.py times them), in every form this CPU has (vector blocks, the decoders'
-    loops): neither changes an operation on an element, so every one gives the bits of the
-    float32 kernel on gguf's decoded matrix, over ragged row ranges. A tile of more than one
-    activation row would read past a decode step's one row, and a form the type lacks here is
-    not built: both refused, named."""
+    """The low-bit types' own decode tile (a decode step of up to T = 16-32 rows) may take 1, 2 or 4
+    weight rows (this CPU's shapes, and 2 × 4) and 1 to 4 activation rows, each block decoded once for them (T in runs of at
+    most 4, as even as can be; bench/tile_tables.py times them), in every form this CPU has (vector
+    blocks, the decoders' loops): none changes an operation on an element, so every one gives
+    the bits of the float32 kernel on gguf's decoded matrix, over ragged row ranges. A tile of
+    no or more than 4 activation rows, and a form the type lacks here, are not built: refused,
+    named."""
     from swarm.compute import lowbit
 
     cols = 2 * 256
     raw = encoded(qtype, 13, cols, 5)
     forms = [f for f in lowbit.FORMS if f == "scalar" or qtype in lowbit._FORM_TYPES[f]]
     assert lowbit._form(qtype) == forms[0] and len(forms) >= 2 - (qtype == QT.IQ4_NL)
-    # a decode step of up to _FUSED_ROWS sequences takes the tile once a row; one more, the decoders' rows
-    for T in (1, 3, lowbit._FUSED_ROWS, lowbit._FUSED_ROWS + 1):
+    # None: this CPU's own shapes, one at T = 1, one above; a shape of 2 weight rows in the default form
+    cases = [(forms[0], (2, lowbit._MAX_ACTS))] + [(form, None) for form in forms]
+    kernels = {(form, tile): lowbit._rows_kernel(qtype, tile, form) for form, tile in cases}
+    # a decode step of up to _FUSED_ROWS sequences takes the decode tile (the scalar form's up to
+    # _SCALAR_FUSED_ROWS); one more, the decoders' rows
+    for T in (1, 2, 3, 5, lowbit._SCALAR_FUSED_ROWS + 1, lowbit._FUSED_ROWS[qtype], lowbit._FUSED_ROWS[qtype] + 1):
         x = np.random.default_rng(T).normal(size=(T, cols)).astype(F32)
         want = QMatrix.from_float(gguf.quants.dequantize(raw, qtype)).matmul(x)
         assert np.isfinite(want).all()
-        for form in forms:
-            for tile in ((4, 1), (2, 1), (1, 1)):
-                fn, out = lowbit._rows_kernel(qtype, tile, form), np.full((T, 13), np.nan, F32)
-                for lo, hi in ((0, 5), (5, 6), (6, 13)):
-                    fn(raw, x, out, lo, hi)
-                np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"T={T} {form} {tile}")
-    with pytest.raises(ValueError, match=r"\(2, 4\)"):
-        lowbit._rows_kernel(qtype, (2, 4))
+        for (form, tile), fn in kernels.items():
+            out = np.full((T, 13), np.nan, F32)
+            for lo, hi in ((0, 5), (5, 6), (6, 13)):
+                fn(raw, x, out, lo, hi)
+            np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"T={T} {form} {tile}")
+    for bad in ((2, 0), (1, lowbit._MAX_ACTS + 1)):
+        with pytest.raises(ValueError, match=rf"\({bad[0]}, {bad[1]}\)"):
+            lowbit._rows_kernel(qtype, bad)
     with pytest.raises(ValueError, match="'words'"):
         lowbit._rows_kernel(QT.Q3_K, None, "words")
 
