@@ -38,8 +38,10 @@ lock and one set of limits — ``max_batch`` running, ``max_queue`` waiting and 
 over all of them, admitted in arrival order across them (a newer sequence joins its member while
 an older one waits on another only if a slot and its positions are left for that one: it need
 not wait for the other's step to end) — and each steps its own sequences on its own thread. A
-new sequence goes to the least loaded of the first ``width`` schedulers and stays there; with
-``width`` 1 the pool is one scheduler as above.
+new sequence goes to the least loaded of the first ``width`` schedulers and stays there until
+sequences that finished leave the groups uneven: then a scheduler, between two of its steps,
+hands sequences to another (:meth:`SchedulerPool.rebalance`); with ``width`` 1 the pool is one
+scheduler as above.
 """
 
 from __future__ import annotations
@@ -368,6 +370,8 @@ class BatchScheduler:
                     self._retire(seq)
                 while self._waiting and self._admissible(self._waiting[0]):
                     self._start(self._waiting.popleft())
+                if self._pool is not None:
+                    self._pool.rebalance(self)
                 for other in self._members():  # a slot freed here may be the one another member's head waits for
                     if other is not self and other._waiting and other._admissible(other._waiting[0]):
                         other._wake()
@@ -578,6 +582,50 @@ class SchedulerPool:
             self.schedulers.append(self._make())  # idle until this sequence is placed on it
             return self.schedulers[-1]
         return least(empty or range(len(loads)))
+
+    def rebalance(self, member: BatchScheduler) -> None:
+        """Move running sequences of ``member`` — between two of its steps, none in flight — to
+        other members where the groups were left uneven by sequences that finished (each stays
+        where it was placed otherwise; its KV cache, its stages' keys and values and its tokens
+        go with it: a row's bits do not depend on the rows beside it). With a ``tile``: the rows
+        past ``member``'s last whole tile go to the member whose part of a tile they fill best,
+        where they fit its room and the groups stay at least ``width`` (5 + 2 over two stages: 4 + 3,
+        one kernel pass fewer a round; 2 + 4 + 2 over two: 4 + 4). Without: one
+        sequence at a time to the least loaded of the first ``width`` while ``member`` holds two
+        more (4 + 1 → 3 + 2, every stage's groups even). The pool's lock is held."""
+        live = [s for s in member._running if not s.cancelled]
+        if not live:
+            return
+        loads = {id(m): m.load() for m in self.schedulers}
+        tile = self.tile
+        if tile is None:
+            first = [m for m in self.schedulers[:self.width] if m is not member]
+            while first and len(live) > 1:
+                target = min(first, key=lambda m: loads[id(m)])
+                if loads[id(member)] - loads[id(target)] < 2:
+                    return
+                self._move(member, target, [live.pop()])
+                loads[id(member)] -= 1
+                loads[id(target)] += 1
+            return
+        extra = len(live) % tile
+        busy = sum(1 for m in self.schedulers if loads[id(m)] > 0)
+        if not extra or (extra == len(live) and busy <= self.width):
+            return  # whole tiles here, or moving them would leave a stage without a group
+        rooms = [m for m in self.schedulers if m is not member and loads[id(m)] % tile
+                 and tile - loads[id(m)] % tile >= extra]
+        if rooms:  # the fullest part of a tile: whole tiles sooner
+            target = max(rooms, key=lambda m: loads[id(m)] % tile)
+            self._move(member, target, live[len(live) - extra:])
+
+    @staticmethod
+    def _move(member: BatchScheduler, target: BatchScheduler, seqs: list[_Seq]) -> None:
+        """``seqs`` (running on ``member``, none in a step) run on ``target`` from its next step
+        (the pool's lock is held)."""
+        member._running = [s for s in member._running if all(s is not q for q in seqs)]
+        target._running.extend(seqs)
+        target._wake()
+        log.debug("%d sequence(s) moved between schedulers to even their groups", len(seqs))
 
     def fail_all(self, exc: BaseException) -> int:
         """:meth:`BatchScheduler.fail_all` on every member; how many sequences were failed."""

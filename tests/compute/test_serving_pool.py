@@ -161,3 +161,26 @@ def test_a_pool_filled_a_tile_at_a_time_refills_a_scheduler_that_emptied(model):
     assert again._scheduler is pool.schedulers[1]
     for s in [*first, again]:
         s.cancel()
+
+
+def test_groups_left_uneven_by_finished_sequences_are_evened_and_keep_their_tokens(model):
+    """Sequences stay where they are placed until finished ones leave the groups uneven. One
+    group per stage (no tile): 2 + 2 over two schedulers whose second pair ends first go on as
+    1 + 1, not 2 + 0. Filled a tile at a time: 4 + 4 + 2 over two stages, two of the first
+    group's ending, go on as 4 + 4 (two passes of the kernels a round), not 2 + 4 + 2 (three).
+    Every moved sequence keeps its solo run's tokens."""
+    prompt, long_, short = [3] * 8, SamplingParams(max_tokens=48), SamplingParams(max_tokens=1)
+    want = alone(model, prompt, long_)
+    for tile, n, shorts, goal in ((None, 4, {1, 3}, [1, 1]), (4, 10, {0, 2}, [0, 4, 4])):
+        pool = SchedulerPool(model, max_batch=16, chunk=4, prefill_rows=4)
+        pool.set_width(2, tile)
+        with pool.cond:  # no step ends (nor a short sequence) while they are placed
+            streams = [pool.submit(prompt, short if i in shorts else long_) for i in range(n)]
+        placed = [pool.schedulers.index(s._scheduler) for s in streams]
+        assert placed == ([0, 1, 0, 1] if tile is None else [0, 1, 0, 1, 0, 1, 0, 1, 2, 2])
+        try:
+            wait_for(lambda: sorted(m.load() for m in pool.schedulers) == goal)
+            assert sum(m.load() for m in pool.schedulers) == n - len(shorts)
+        finally:
+            got = [list(s) for i, s in enumerate(streams) if i not in shorts]
+        assert got == [want] * (n - len(shorts))
