@@ -16,8 +16,8 @@ first, and whether every table's output has the first one's bits (they must: a t
 operation on an element). The first line names the CPU, the forms and the table this CPU takes.
 ``--types Q2_K,Q3_K,IQ4_NL --t 1,2,4,8 --numerics float32 --tables 1x1,1x4,decoded`` times the
 low-bit types' own decode tile (``swarm/compute/lowbit.py``) at every T: tables ``NxM``, N weight rows
-(1, 2, 4) by M activation rows (1 to 4) for every step, in the default form, and ``decoded``, the
-decoders' path (the kernel's above ``lowbit._FUSED_ROWS``).
+(1, 2, 4) by M activation rows (1 to 4; at T = 1 every table runs N × 1), in this CPU's form or
+``--form``'s, and ``decoded``, the decoders' path (the kernel's above ``lowbit._FUSED_ROWS``).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ KINDS = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5,
 LOWBIT = lowbit._FUSED
 
 
-def kernels(name: str, qt, rows: int, cols: int, tables: dict):
-    """({table: rows kernel}, prepare(T) → call(fn, out)) for one kernel family over ``tables``."""
+def kernels(name: str, qt, rows: int, cols: int, tables: dict, form: str = ""):
+    """({table: rows kernel}, prepare(T) → call(fn, out)) for one kernel family over ``tables``
+    (a low-bit type's in ``form``: lowbit.FORMS, "" its default here)."""
     if qt == QT.F16:
         w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float16).view(np.uint16)
     elif qt in LOWBIT:  # random blocks with finite scales (IQ4_NL: a random row's 80 scales are rarely all finite)
@@ -69,8 +70,8 @@ def kernels(name: str, qt, rows: int, cols: int, tables: dict):
     if qt == QT.F16:
         fns = {t: k._f32_rows_kernel("_h2f", tab) for t, tab in tables.items()}
     elif qt in LOWBIT:
-        fns = {t: lowbit._rows_kernel(qt, tab[0], fused_rows=1 << 30) if tab else lowbit._rows_kernel(qt, fused_rows=0)
-               for t, tab in tables.items()}
+        fns = {t: lowbit._rows_kernel(qt, tab[0], form, fused_rows=1 << 30) if tab
+               else lowbit._rows_kernel(qt, None, form, fused_rows=0) for t, tab in tables.items()}
     elif name == "float32":
         kind = KINDS[qt]
         fns = {t: k._rows_kernel(kind, "", tab) for t, tab in tables.items()}
@@ -93,8 +94,11 @@ def kernels(name: str, qt, rows: int, cols: int, tables: dict):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--t", default="1,4,8,64", help="activation rows, comma-separated")
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--tables", default="2xN,1xN", help=f"tile tables to time, comma-separated, the first the reference ({', '.join(TABLES)})")
+    ap.add_argument("--reps", type=int, default=9, help="calls timed per table and T (best kept)")
+    ap.add_argument("--tables", default="2xN,1xN", help="tile tables to time, comma-separated, the first the "
+                    f"reference ({', '.join(TABLES)}; low-bit types: {', '.join(LOWBIT_TABLES)})")
+    ap.add_argument("--form", default="", help=f"low-bit types: the decode tile's form ({', '.join(lowbit.FORMS)}; "
+                    "default: this CPU's)")
     ap.add_argument("--types", default="Q4_1,Q8_0,Q4_K,Q6_K,F16",
                     help=f"weight types, comma-separated ({', '.join(q.name for q in KINDS)}; "
                          f"F16, {', '.join(q.name for q in LOWBIT)}: float32 only)")
@@ -116,7 +120,14 @@ def main() -> int:
     names = args.tables.split(",")
     known = LOWBIT_TABLES if low else TABLES
     if low and (len(low) < len(qts) or args.numerics != "float32"):
-        ap.error(f"--types {','.join(low)}: their own tiles run under float32 only, without other types (--numerics float32)")
+        ap.error(f"--types {','.join(low)}: their own tiles run under float32 only, without other types "
+                 "(--numerics float32)")
+    if args.reps < 1:
+        ap.error(f"--reps: at least 1, got {args.reps}")
+    if args.form and (not low or any(args.form != "scalar" and qt not in lowbit._FORM_TYPES.get(args.form, ())
+                                     for qt in qts)):
+        ap.error(f"--form {args.form!r}: for low-bit types that have it here ({', '.join(lowbit.FORMS)}; "
+                 f"this CPU's: { {f: [q.name for q in t] for f, t in lowbit._FORM_TYPES.items()} })")
     if any(n not in known for n in names) or len(names) < 2:
         ap.error(f"--tables: two or more of {', '.join(known)}, got {args.tables!r}")
     tables = {n: known[n] for n in names}
@@ -125,7 +136,7 @@ def main() -> int:
     cases = [(name, qt) for name in args.numerics.split(",") for qt in qts if not (name == "int8" and (qt == QT.F16 or qt in LOWBIT))]
     for name, qt in cases:
         rows = 1024 if qt == QT.F16 else 4096
-        fns, prepare = kernels(name, qt, rows, 2560, tables)
+        fns, prepare = kernels(name, qt, rows, 2560, tables, args.form)
         for T in ts:
             call = prepare(T)
             outs = {t: np.full((T, rows), np.nan, np.float32) for t in fns}

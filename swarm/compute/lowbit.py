@@ -11,10 +11,10 @@ operations ``gguf.quants`` dequantizes with, in its order (``d·sc·q − dmin·
 from ``gguf.quants`` (``IQ2_XXS.ksigns``, each class's ``grid``, ``IQ4_NL.kvalues``).
 
 **Products.** A few weight rows decoded whole, then qkernels' float32 tiles over every
-activation row; for Q2_K, Q3_K and IQ4_NL at T ≤ 16-32 (decode steps of several sequences), a tile
-of weight rows by up to 4 activation rows (1 × 4 without AVX-512, 2 × 4 with it; at T = 1
-1 × 1 and 4 × 1),
-whose blocks are decoded in vector registers once and applied to the tile's activation rows as they are decoded
+activation row; for Q2_K, Q3_K and IQ4_NL at T ≤ 16-32 (the scalar form's 4: decode steps of
+several sequences), a tile of weight rows by up to 4 activation rows (1 × 4 without AVX-512,
+2 × 4 with it; at T = 1 1 × 1 and 4 × 1), whose blocks are decoded in vector registers once
+and applied to the tile's activation rows as they are decoded
 (:data:`FORMS`: Q2_K by a shift and a 4-entry table per 8 weights where the CPU has AVX2, else 16
 weights at a time in lane order; the decoders' loops into a stack buffer where a type has no vector
 block). Either way element k of a row goes into
@@ -57,10 +57,11 @@ _DECODED_ROWS = 8
 _FUSED = (QT.Q2_K, QT.Q3_K, QT.IQ4_NL)
 # Activation rows up to which these types take the decode tile (each block decoded once for a
 # tile's activation rows) rather than decoding the weight rows whole once (then the float32
-# tiles): on a Zen 3 core, [4096, 2560], two runs, the vector forms' 1 × 4 tile took 0.17-0.34x
-# the decoders' path's time at T = 1, 0.43-0.54x at 8, 0.66-0.88x at 16, at 32 0.76-0.87x
+# tiles): on a Zen 3 core, [4096, 2560], two runs, the vector forms' 1 × 4 tile took 0.17-0.33x
+# the decoders' path's time at T = 1, 0.50-0.57x at 8, 0.66-0.88x at 16, at 32 0.76-0.87x
 # (Q2_K), 0.91-0.97x (IQ4_NL) and 0.91-1.02x (Q3_K), at 64 0.93-1.19x; the scalar form's 2 × 4
-# 0.87x (Q3_K) and 0.75x (IQ4_NL) at 4, 1.42x and 1.04x at 8 (bench/results/engine.md).
+# (limit below) 0.89x (Q3_K) and 0.75x (IQ4_NL) at 4, 1.32x and 1.03x at 8
+# (bench/results/engine.md).
 _FUSED_ROWS = {QT.Q2_K: 32, QT.Q3_K: 16, QT.IQ4_NL: 32}
 _SCALAR_FUSED_ROWS = 4
 # Their decode tile's forms, the same bits: the vector blocks below (words, lanes), or the
@@ -68,15 +69,15 @@ _SCALAR_FUSED_ROWS = 4
 FORMS = ("words", "lanes", "scalar")
 # Its shapes, weight rows × activation rows, for a step of one row and of several: for the vector
 # forms without AVX-512 1 × 1 and 1 × 4, whose 16 vector registers hold one weight row's 32 lane
-# sums for each activation row (on a Zen 3 core a step of 4 rows took 0.42-0.53x the time of 1 × 1
-# once a row; 1 × 3 and 1 × 2 were slower from T = 4, and 4 × 1 took 1.05-1.5x 1 × 1's time at
-# T = 1); with AVX-512's 32, 4 × 1 and 2 × 4 (on a Xeon 2 × 4 took 0.58-0.80x 4 × 1's time at
-# T = 2-8, 1 × 4 0.38-0.90x, but 1.03-1.13x at T = 1). The scalar form (IQ4_NL where x86 has no
-# pshufb, other CPUs) decodes into a stack buffer first and takes 2 × 4 for both: on the Zen 3
-# core 0.95-1.03x 4 × 1's time at T = 1, 0.30-0.32x at T = 4 (1 × 4 1.9x at T = 1)
-# (bench/results/engine.md).
+# sums for each activation row (on a Zen 3 core a step of 4 rows took 0.40-0.57x the time of
+# 1 × 1 once a row; 1 × 3 and 1 × 2 were slower from T = 4, and 4 × 1 took 1.05-1.5x 1 × 1's time
+# at T = 1); with AVX-512's 32, 4 × 1 and 2 × 4 (on a Xeon 2 × 4 took 0.37-0.80x 4 × 1's time at
+# T = 2-8; 1.03-1.13x at T = 1, where 1 × 4 ran as 1 × 1 and took 1.06-1.17x). The scalar form
+# (IQ4_NL where x86 has no pshufb, other CPUs) decodes into a stack buffer first and takes 2 × 1
+# and 2 × 4: on the Zen 3 core 0.96-1.00x the time of its 4 × 1 at T = 1, 0.31-0.34x at T = 4
+# (1 × 1 took 1.8-1.9x at T = 1) (bench/results/engine.md).
 _DECODE_TILES = ((4, 1), (2, 4)) if AVX512 else ((1, 1), (1, 4))
-_SCALAR_DECODE_TILES = ((2, 4), (2, 4))
+_SCALAR_DECODE_TILES = ((2, 1), (2, 4))
 _MAX_ACTS = 4  # activation rows a decode tile may take (its tiles of fewer are compiled beside it)
 
 
@@ -537,7 +538,8 @@ def _vtile_source(qtype: QT, nr: int, form: str, tt: int = 1) -> str:
     lines += [f"        _block(({sums}), ({ws}), o, ({xs}), b * {block}, _F16)"]
     for n, t in pairs:
         if form == "words":  # the sums back in lane order
-            lines += ["    for j in range(4):", "        for i in range(8):", f"            r[4 * i + j] = s{n}_{t}[8 * j + i]"]
+            lines += ["    for j in range(4):", "        for i in range(8):",
+                      f"            r[4 * i + j] = s{n}_{t}[8 * j + i]"]
         lines += [f"    if r0 + {n} < hi:",
                   f"        out[t0 + {t}, r0 + {n}] = _sum32({'r' if form == 'words' else f's{n}_{t}'})"]
     return "\n".join(lines)
@@ -563,7 +565,8 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = "",
     tiles of :data:`_DECODE_TILES` (weight rows, activation rows: at T = 1, and above; the scalar
     form :data:`_SCALAR_DECODE_TILES`) applying each block as it is decoded to the tile's
     activation rows, T split into ⌈T / tt⌉ runs as even as can be (5 rows: 3 + 2), each run a tile
-    of its rows (``tile``: one other shape for both, activation rows 1 .. :data:`_MAX_ACTS`,
+    of its rows (``tile``: one other shape, activation rows 1 .. :data:`_MAX_ACTS`, its weight
+    rows by one at T = 1,
     bench/tile_tables.py's), in ``form`` (:data:`FORMS`; default :func:`_form`'s). All apply each
     weight with the float32 kernel's operations in its order: the same bits."""
     if tile is not None and (len(tile) != 2 or tile[0] < 1 or not 1 <= tile[1] <= _MAX_ACTS):

@@ -163,13 +163,13 @@ def test_lowbit_kernels_give_the_bits_of_the_float32_kernel_on_ggufs_values(qtyp
 
 @pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.IQ4_NL], ids=lambda q: q.name)
 def test_a_low_bit_decode_tile_of_any_shape_and_form_gives_the_same_bits(qtype):
-    """The low-bit types' own decode tile (a decode step of up to T = 16-32 rows) may take 1, 2 or 4
-    weight rows (this CPU's shapes, and 2 × 4) and 1 to 4 activation rows, each block decoded once for them (T in runs of at
-    most 4, as even as can be; bench/tile_tables.py times them), in every form this CPU has (vector
-    blocks, the decoders' loops): none changes an operation on an element, so every one gives
-    the bits of the float32 kernel on gguf's decoded matrix, over ragged row ranges. A tile of
-    no or more than 4 activation rows, and a form the type lacks here, are not built: refused,
-    named."""
+    """The low-bit types' own decode tile (a decode step of up to 16-32 rows) may take 1, 2 or 4
+    weight rows (this CPU's shapes, and 2 × 4) and 1 to 4 activation rows, each block decoded
+    once for them (T in runs of at most 4, as even as can be; at T = 1 its weight rows by one),
+    in every form this CPU has (vector blocks, the decoders' loops): none changes an operation
+    on an element, so every one gives the bits of the float32 kernel on gguf's decoded matrix,
+    over ragged row ranges, touching no row past T. A tile of no or more than 4 activation rows,
+    and a form the type lacks here, are not built: refused, named."""
     from swarm.compute import lowbit
 
     cols = 2 * 256
@@ -180,16 +180,22 @@ def test_a_low_bit_decode_tile_of_any_shape_and_form_gives_the_same_bits(qtype):
     cases = [(forms[0], (2, lowbit._MAX_ACTS))] + [(form, None) for form in forms]
     kernels = {(form, tile): lowbit._rows_kernel(qtype, tile, form) for form, tile in cases}
     # a decode step of up to _FUSED_ROWS sequences takes the decode tile (the scalar form's up to
-    # _SCALAR_FUSED_ROWS); one more, the decoders' rows
-    for T in (1, 2, 3, 5, lowbit._SCALAR_FUSED_ROWS + 1, lowbit._FUSED_ROWS[qtype], lowbit._FUSED_ROWS[qtype] + 1):
-        x = np.random.default_rng(T).normal(size=(T, cols)).astype(F32)
+    # _SCALAR_FUSED_ROWS: 4) in runs of at most 4 rows (6: 3 + 3, 7: 4 + 3); one more, the decoders'
+    # rows. Rows past T (NaN activations, sentinel outputs) are neither read nor written.
+    limit = lowbit._FUSED_ROWS[qtype]
+    for T in (1, 2, 3, lowbit._SCALAR_FUSED_ROWS, 5, 6, 7, limit, limit + 1):
+        xs = np.full((T + 2, cols), np.nan, F32)
+        xs[:T] = np.random.default_rng(T).normal(size=(T, cols))
+        x = xs[:T]
         want = QMatrix.from_float(gguf.quants.dequantize(raw, qtype)).matmul(x)
         assert np.isfinite(want).all()
         for (form, tile), fn in kernels.items():
-            out = np.full((T, 13), np.nan, F32)
+            outs = np.full((T + 2, 13), -7.0, F32)
+            out = outs[:T]
             for lo, hi in ((0, 5), (5, 6), (6, 13)):
                 fn(raw, x, out, lo, hi)
             np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"T={T} {form} {tile}")
+            assert (outs[T:] == -7.0).all(), f"T={T} {form} {tile} wrote past its rows"
     for bad in ((2, 0), (1, lowbit._MAX_ACTS + 1)):
         with pytest.raises(ValueError, match=rf"\({bad[0]}, {bad[1]}\)"):
             lowbit._rows_kernel(qtype, bad)

@@ -567,9 +567,9 @@ WEIGHT_BYTES_PER_S = 20e9
 # activation rows): a call of r rows decodes its weights ⌈r / 4⌉ times, so on 8 cores of a Xeon
 # a dense 4B Q4_K_M step of 5 rows took 134 ms against 76.5 for 4 and 166 for 8
 # (bench/results/pipeline.md, "What a step of r rows costs on one peer"). Q2_K, Q3_K and IQ4_NL
-# take 4 rows a pass too (swarm.compute.lowbit's decode tile, to 16-32 rows); the other IQ types
-# decode a step's rows once and take float32 tiles over them, so for those this over-prices the
-# passes.
+# take 4 rows a pass too (swarm.compute.lowbit's decode tile, to 16-32 rows, 4 in its scalar
+# form); the other IQ types decode a step's rows once and take float32 tiles over them, so for
+# those this over-prices the passes.
 ROW_TILE = 4
 
 
