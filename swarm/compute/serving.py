@@ -523,7 +523,8 @@ class SchedulerPool:
     together; ``chunk``, ``prefill_rows`` as :class:`BatchScheduler`'s. :meth:`submit` sends a
     new sequence to the least loaded of the first :attr:`width` schedulers (1 at first; ties:
     the first), or a tile at a time when given a row tile (:meth:`set_width`), where it
-    stays. Raises ValueError for a bad limit."""
+    stays until finished ones leave the groups uneven (:meth:`rebalance`). Raises ValueError for
+    a bad limit."""
 
     def __init__(self, model: Model, ffn: Callable[[], FFNBackend | None] = lambda: None, *, max_batch: int | None = None,
                  max_queue: int | None = None, chunk: int = CHUNK_TOKENS, prefill_rows: int = PREFILL_ROWS,
@@ -543,7 +544,8 @@ class SchedulerPool:
 
     def set_width(self, n: int, tile: int | None = None) -> None:
         """New sequences go to the first ``n`` schedulers from now on (at least 1, at most
-        ``max_batch``: made when first needed); sequences running elsewhere stay where they are.
+        ``max_batch``: made when first needed); sequences running elsewhere stay where they are
+        (but for :meth:`rebalance`).
         ``tile`` (None: none): rows a step's kernels take a pass over the weights, when a group
         past a multiple of it costs every stage another pass (the planner's
         :meth:`~swarm.peer.coordinator.costmodel.GroupPricer.row_tile`); with it the schedulers
@@ -596,9 +598,9 @@ class SchedulerPool:
         live = [s for s in member._running if not s.cancelled]
         if not live:
             return
-        loads = {id(m): m.load() for m in self.schedulers}
         tile = self.tile
         if tile is None:
+            loads = {id(m): m.load() for m in self.schedulers}
             first = [m for m in self.schedulers[:self.width] if m is not member]
             while first and len(live) > 1:
                 target = min(first, key=lambda m: loads[id(m)])
@@ -608,12 +610,20 @@ class SchedulerPool:
                 loads[id(member)] -= 1
                 loads[id(target)] += 1
             return
+        # A group is a member's running sequences: one holding only sequences that wait for room is
+        # none (counted, two such handed one sequence back and forth without a step). A member
+        # whose own sequences wait keeps its running ones; a target's room counts its waiting ones,
+        # which join its group at its next step. Each move spares a kernel pass a round (the sum of
+        # ⌈load / tile⌉ falls by one), so sequences never move back and forth.
+        if member._waiting:
+            return
         extra = len(live) % tile
-        busy = sum(1 for m in self.schedulers if loads[id(m)] > 0)
+        busy = sum(1 for m in self.schedulers if any(not s.cancelled for s in m._running))
         if not extra or (extra == len(live) and busy <= self.width):
             return  # whole tiles here, or moving them would leave a stage without a group
-        rooms = [m for m in self.schedulers if m is not member and loads[id(m)] % tile
-                 and tile - loads[id(m)] % tile >= extra]
+        loads = {id(m): m.load() for m in self.schedulers}
+        rooms = [m for m in self.schedulers if m is not member and any(not s.cancelled for s in m._running)
+                 and loads[id(m)] % tile and tile - loads[id(m)] % tile >= extra]
         if rooms:  # the fullest part of a tile: whole tiles sooner
             target = max(rooms, key=lambda m: loads[id(m)] % tile)
             self._move(member, target, live[len(live) - extra:])

@@ -1,5 +1,5 @@
 """Several batch schedulers under one set of limits (``SchedulerPool``): a new sequence goes to
-the least loaded member and stays there; ``max_batch`` and ``max_queue`` hold over all members
+the least loaded member and stays there until finished ones leave the groups uneven; ``max_batch`` and ``max_queue`` hold over all members
 together; sequences are admitted in arrival order across them; each sequence's tokens are its
 solo run's; with width 1 the pool is one scheduler."""
 
@@ -168,8 +168,9 @@ def test_groups_left_uneven_by_finished_sequences_are_evened_and_keep_their_toke
     group per stage (no tile): 2 + 2 over two schedulers whose second pair ends first go on as
     1 + 1, not 2 + 0. Filled a tile at a time: 4 + 4 + 2 over two stages, two of the first
     group's ending, go on as 4 + 4 (two passes of the kernels a round), not 2 + 4 + 2 (three).
-    Every moved sequence keeps its solo run's tokens."""
-    prompt, long_, short = [3] * 8, SamplingParams(max_tokens=48), SamplingParams(max_tokens=1)
+    Every moved sequence keeps its solo run's tokens (as far as it ran: the long ones, which
+    leave the even cut hundreds of steps to be seen in, are cancelled once it is)."""
+    prompt, long_, short = [3] * 8, SamplingParams(max_tokens=400), SamplingParams(max_tokens=1)
     want = alone(model, prompt, long_)
     for tile, n, shorts, goal in ((None, 4, {1, 3}, [1, 1]), (4, 10, {0, 2}, [0, 4, 4])):
         pool = SchedulerPool(model, max_batch=16, chunk=4, prefill_rows=4)
@@ -178,9 +179,43 @@ def test_groups_left_uneven_by_finished_sequences_are_evened_and_keep_their_toke
             streams = [pool.submit(prompt, short if i in shorts else long_) for i in range(n)]
         placed = [pool.schedulers.index(s._scheduler) for s in streams]
         assert placed == ([0, 1, 0, 1] if tile is None else [0, 1, 0, 1, 0, 1, 0, 1, 2, 2])
+        got: list[list[int]] = [[] for _ in streams]
+        readers = [threading.Thread(target=lambda s=s, g=g: g.extend(s), daemon=True) for s, g in zip(streams, got)]
+        for r in readers:
+            r.start()
         try:
             wait_for(lambda: sorted(m.load() for m in pool.schedulers) == goal)
-            assert sum(m.load() for m in pool.schedulers) == n - len(shorts)
+            wait_for(lambda: all(len(g) >= 4 for i, g in enumerate(got) if i not in shorts))  # steps after the move
         finally:
-            got = [list(s) for i, s in enumerate(streams) if i not in shorts]
-        assert got == [want] * (n - len(shorts))
+            for s in streams:
+                s.cancel()
+            for r in readers:
+                r.join(60)
+        kept = [g for i, g in enumerate(got) if i not in shorts]
+        assert all(4 <= len(g) < len(want) and g == want[:len(g)] for g in kept), [len(g) for g in kept]
+
+
+def test_sequences_waiting_for_room_never_make_a_group_move_back_and_forth(model, monkeypatch):
+    """A sequence running alone on a member, and members holding only sequences that wait for
+    room (``max_positions``), after a re-plan narrows the pool: the waiting ones are no group, so
+    nothing moves — counted as groups, the running sequence went back and forth between two
+    members without a step — and it runs to its solo tokens."""
+    moves = []
+    move = SchedulerPool._move
+    monkeypatch.setattr(SchedulerPool, "_move", staticmethod(lambda *a: (moves.append(a), move(*a))))
+    pool = SchedulerPool(model, max_batch=8, chunk=4, prefill_rows=4, max_positions=100)
+    pool.set_width(3, 4)
+    params, wide = SamplingParams(max_tokens=48), SamplingParams(max_tokens=90)  # 56 positions; 98 each
+    with pool.cond:
+        first = pool.submit([3] * 8, params)
+        waiting = [pool.submit([4] * 8, wide) for _ in range(3)]  # none fits beside it: they wait
+        assert [pool.schedulers.index(s._scheduler) for s in (first, *waiting)] == [0, 1, 2, 0]
+        pool.set_width(2, 4)
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.extend(first), daemon=True)
+    reader.start()
+    reader.join(60)
+    for s in waiting:
+        s.cancel()
+    assert not reader.is_alive(), f"no tokens after {len(moves)} moves"
+    assert got == alone(model, [3] * 8, params) and moves == []
