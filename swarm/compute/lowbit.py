@@ -566,9 +566,9 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = "",
     form :data:`_SCALAR_DECODE_TILES`) applying each block as it is decoded to the tile's
     activation rows, T split into ⌈T / tt⌉ runs as even as can be (5 rows: 3 + 2), each run a tile
     of its rows (``tile``: one other shape, activation rows 1 .. :data:`_MAX_ACTS`, its weight
-    rows by one at T = 1,
-    bench/tile_tables.py's), in ``form`` (:data:`FORMS`; default :func:`_form`'s). All apply each
-    weight with the float32 kernel's operations in its order: the same bits."""
+    rows by one at T = 1, bench/tile_tables.py's), in ``form`` (:data:`FORMS`; default
+    :func:`_form`'s). All apply each weight with the float32 kernel's operations in its order:
+    the same bits."""
     if tile is not None and (len(tile) != 2 or tile[0] < 1 or not 1 <= tile[1] <= _MAX_ACTS):
         raise ValueError(f"a low-bit decode tile is (weight rows ≥ 1, activation rows 1-{_MAX_ACTS}), got {tile!r}")
     if form and (form not in FORMS or (form != "scalar" and qtype not in _FORM_TYPES[form])):
@@ -600,7 +600,7 @@ def _rows_kernel(qtype: QT, tile: tuple[int, int] | None = None, form: str = "",
 
     tiles = [compiled(nr, k) for k in range(1, tt + 1)]  # tt activation rows, and fewer for a last run
     one, two, three, four = (tiles[min(k, tt) - 1] for k in range(1, 5))
-    single = compiled(nr1, 1)  # a step of one row
+    single = tiles[0] if nr1 == nr else compiled(nr1, 1)  # a step of one row
     most = fused_rows if fused_rows >= 0 else _SCALAR_FUSED_ROWS if form == "scalar" else _FUSED_ROWS[qtype]
 
     def rows(w, x, out, lo, hi):

@@ -596,7 +596,7 @@ class SchedulerPool:
         sequence at a time to the least loaded of the first ``width`` while ``member`` holds two
         more (4 + 1 → 3 + 2, every stage's groups even). The pool's lock is held."""
         live = [s for s in member._running if not s.cancelled]
-        if not live:
+        if not live or len(self.schedulers) < 2:
             return
         tile = self.tile
         if tile is None:
@@ -615,15 +615,14 @@ class SchedulerPool:
         # whose own sequences wait keeps its running ones; a target's room counts its waiting ones,
         # which join its group at its next step. Each move spares a kernel pass a round (the sum of
         # ⌈load / tile⌉ falls by one), so sequences never move back and forth.
-        if member._waiting:
-            return
         extra = len(live) % tile
-        busy = sum(1 for m in self.schedulers if any(not s.cancelled for s in m._running))
-        if not extra or (extra == len(live) and busy <= self.width):
-            return  # whole tiles here, or moving them would leave a stage without a group
-        loads = {id(m): m.load() for m in self.schedulers}
-        rooms = [m for m in self.schedulers if m is not member and any(not s.cancelled for s in m._running)
-                 and loads[id(m)] % tile and tile - loads[id(m)] % tile >= extra]
+        if member._waiting or not extra:
+            return
+        groups = [m for m in self.schedulers if any(not s.cancelled for s in m._running)]
+        if extra == len(live) and len(groups) <= self.width:
+            return  # moving them would leave a stage without a group
+        loads = {id(m): m.load() for m in groups}
+        rooms = [m for m in groups if m is not member and loads[id(m)] % tile and tile - loads[id(m)] % tile >= extra]
         if rooms:  # the fullest part of a tile: whole tiles sooner
             target = max(rooms, key=lambda m: loads[id(m)] % tile)
             self._move(member, target, live[len(live) - extra:])
