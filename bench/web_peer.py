@@ -2,7 +2,7 @@
 
     python3 bench/web_peer.py [--quick] [--no-chromium] [--e2e] [--shapes T,H,F ...]
     python3 bench/web_peer.py --blocks [--blocks-shape H,F] [--reps N] [--lanes L] [--subgroups auto|on|off]
-                              [--formats q4_k,q8_0] [--int8-activations [--rows-per-thread 1,2,4]]
+                              [--formats q4_k,q6_k,q8_0] [--int8-activations [--rows-per-thread 1,2,4]]
     python3 bench/web_peer.py --dispatch-cost [--reps N]
 
 For each kernel (swiglu = fused gate/up, down, ffn = both) and weight format (f32, f16, q8 and the
@@ -17,14 +17,16 @@ With --blocks, only the wgpu adapter, per block type on one shape (default H 409
 Mixtral expert): GB/s of weights read at T = 1 and GFLOP/s at T = 64 (both kernels), beside the
 device's buffer-to-buffer copy bandwidth (read + write bytes per second, wgpu's copy_buffer_to_buffer).
 Block weights are random valid blocks (K.random_blocks): timing does not depend on their values.
-With --blocks --int8-activations, a candidate instead (web_peer/int8_activations.py): decode GEMVs
-(T = 1) of Q4_K and Q8_0 weights on activations quantized per 32 values to int8 (dot4I8Packed),
-beside the existing f32-activation kernel (down_blocks.wgsl) on the same matrix, device and rows:
-W [F, H] (a gate or up) and W [H, F] (a down), ms alternating old, new, old, new; GB/s of weight
-bytes and their fraction of the copy bandwidth; the candidate's answer against its numpy twin
-(within twin_bound) and both kernels' against float64 of the dequantized weights and float x.
---rows-per-thread times the candidate's GEMV also with a thread computing 2, 4 or 8 weight rows
-from one load of a step's activations, and says whether each count gave the bits of one.
+With --blocks --int8-activations, the int8-activation GEMVs instead (web_peer/int8_activations.py):
+decode GEMVs (T = 1) of Q4_K, Q6_K and Q8_0 weights on the CPU's own int8 activation rows (per 256
+values for the K-quants, per 32 for Q8_0; dot4I8Packed), beside the f32-activation kernel
+(down_blocks.wgsl) on the same matrix, device and rows: W [F, H] (a gate or up) and W [H, F] (a
+down), ms alternating old, new, old, new; GB/s of weight bytes and their fraction of the copy
+bandwidth; the GPU's answer against the CPU's int8 kernel (within cpu_bound: its largest fraction)
+and both kernels' against float64 of the dequantized weights and float x. The activation row is
+quantized on the CPU, once, outside the timing (cpu_quantize_ms says what that costs here).
+--rows-per-thread times the GEMV also with a thread computing 2, 4 or 8 weight rows from one load
+of a step's activations, and says whether each count gave the bits of one.
 With --dispatch-cost, what one small dispatch costs beyond its work (a GPU stage encodes a dozen
 a layer): N dispatches of add.wgsl over 4096 floats, each with its own uniform buffer and bind
 group as the host makes them, encoded a compute pass each or all in one pass; per dispatch the
@@ -273,13 +275,12 @@ def bench_blocks(h, f, reps, workgroup_size, lanes=None, subgroups=None,
     return out
 
 
-def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=None, formats=("q4_k", "q8_0"),
+def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=None, formats=("q4_k", "q6_k", "q8_0"),
                            rows_per_thread=(1,)):
     """Per format of web_peer.int8_activations.X8_FORMATS and matrix shape ([F, H], [H, F]), on a
     fresh device: decode GEMV ms of the f32-activation block kernel and of the int8-activation
-    candidate (with its quantization kernel, and without: the int8 row made before; the GEMV
-    alone also at each other count of ``rows_per_thread``, ``x8_gemv_rtN``), alternating twice;
-    GB/s of weight bytes and of copy; errors (module docstring). Random valid blocks."""
+    GEMV (at each count of ``rows_per_thread``, ``x8_gemv_rtN``), alternating twice; GB/s of
+    weight bytes and of copy; errors (module docstring). Random valid blocks."""
     from web_peer import int8_activations as X8
     from web_peer.wgpu_host import WgpuFfn
 
@@ -287,51 +288,50 @@ def bench_int8_activations(h, f, reps, workgroup_size, lanes=None, subgroups=Non
     with WgpuFfn(**opts) as gpu:
         adapter = _block_adapter(gpu)
         out = {"adapter": adapter, "workgroup_size": gpu.workgroup_size, "H": h, "F": f,
-               "activation_quantization": "a kernel of its own (quantize_x8.wgsl), timed with the GEMV in x8_ms",
+               "activation_quantization": "the CPU's (QMatrix.int8_rows), once before the timed GEMVs",
                "copy": copy_bandwidth(gpu), "gemvs": []}
         out["copy_gbps"] = max(out["copy"].values())
     for fmt in (fm for fm in formats if fm in X8.X8_FORMATS):
         for name, (rows, cols) in (("gate [F, H]", (f, h)), ("down [H, F]", (h, f))):
+            x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+            X8.int8_rows(fmt, x)  # loads the CPU's kernels
+            t0 = time.perf_counter()
+            X8.int8_rows(fmt, x)
+            quantize_ms = (time.perf_counter() - t0) * 1e3
             with WgpuFfn(**opts) as gpu:
                 rng = np.random.default_rng(0)
                 w = gpu.upload_linear(K.random_blocks(rng, rows, cols, fmt, 1e-4), fmt)
-                x8 = X8.X8Gemv(gpu)
-                more = {rt: X8.X8Gemv(gpu, rows_per_thread=rt) for rt in rows_per_thread if rt != 1}
-                runs: dict[str, list[float]] = {"f32_ms": [], "x8_ms": [], "x8_gemv_ms": [],
-                                                **{f"x8_gemv_rt{rt}_ms": [] for rt in more}}
+                gemvs = {rt: X8.X8Gemv(gpu, rows_per_thread=rt) for rt in sorted({1, *rows_per_thread})}
+                runs: dict[str, list[float]] = {"f32_ms": [], **{f"x8_gemv_rt{rt}_ms": [] for rt in gemvs}}
                 for _ in range(2):
-                    runs["f32_ms"].append(x8.time_f32(w, reps) * 1e3)
-                    runs["x8_ms"].append(x8.time(w, reps) * 1e3)
-                    runs["x8_gemv_ms"].append(x8.time(w, reps, quantize=False) * 1e3)
-                    for rt, g in more.items():
-                        runs[f"x8_gemv_rt{rt}_ms"].append(g.time(w, reps, quantize=False) * 1e3)
+                    runs["f32_ms"].append(gemvs[1].time_f32(w, reps) * 1e3)
+                    for rt, g in gemvs.items():
+                        runs[f"x8_gemv_rt{rt}_ms"].append(g.time(w, reps) * 1e3)
                 # Answers on this device (not timed): x ~ N(0, 1), one row.
-                x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
-                y8, q, xs = x8.run(w, x)
-                same_bits = {rt: bool(np.array_equal(g.run(w, x)[0], y8)) for rt, g in more.items()}
+                y8, xrows = gemvs[1].run(w, x)
+                same_bits = {rt: bool(np.array_equal(g.run(w, x)[0], y8)) for rt, g in gemvs.items() if rt != 1}
                 y32 = gpu.matmul_many([(w, x)])[0]
                 lanes_used = gpu.lanes
             m = w.matrix.packed
-            twin = X8.gemv_x8(m, q, xs, lanes_used)
-            bound = X8.twin_bound(m, q, xs, lanes_used)
-            qt, xst = X8.quantize_x8(x)
-            ref = x.astype(np.float64) @ K.unpack_matrix(m).astype(np.float64).T
+            cpu = X8.cpu_product(m, xrows)
+            bound = X8.cpu_bound(m, xrows, lanes_used)
+            ref = x.astype(np.float64) @ K.unpack_matrix(m)[:rows].astype(np.float64).T
             scale = float(np.abs(ref).max())
-            entry = {"format": fmt, "matrix": name, "rows": rows, "K": cols, "weight_bytes": m.nbytes}
+            entry = {"format": fmt, "matrix": name, "rows": rows, "K": cols, "weight_bytes": m.nbytes,
+                     "cpu_quantize_ms": round(quantize_ms, 4)}
             for key, ms in runs.items():
                 best = min(ms)
                 entry[key] = [round(v, 4) for v in ms]
                 entry[key.replace("_ms", "_weight_gbps")] = round(m.nbytes / best / 1e6, 2)
                 entry[key.replace("_ms", "_of_copy")] = round(m.nbytes / best / 1e6 / out["copy_gbps"], 3)
+            diff = np.abs(y8.astype(np.float64) - cpu)
             entry.update({
-                "x8_vs_twin_max_abs": float(np.abs(y8 - twin).max()),
-                "x8_vs_twin_rel": float(np.abs(y8 - twin).max() / np.abs(twin).max()),
-                "x8_vs_twin_of_bound": float((np.abs(y8 - twin) / bound).max()),
-                "x8_equal_bits_to_twin": bool(np.array_equal(y8, twin)),
+                "x8_vs_cpu_max_abs": float(diff.max()),
+                "x8_vs_cpu_rel": float(diff.max() / np.abs(cpu).max()),
+                "x8_vs_cpu_of_bound": float((diff / bound).max()),
+                "bound_rel": float(bound.max() / np.abs(cpu).max()),
+                "x8_equal_bits_to_cpu": bool(np.array_equal(y8, cpu)),
                 **{f"x8_rt{rt}_equal_bits_to_rt1": same for rt, same in same_bits.items()},
-                "quantize_q_differing": int((q != qt).sum()),
-                "quantize_q_max_step": int(np.abs(q.astype(np.int16) - qt).max()),
-                "quantize_dx_max_rel": float((np.abs(xs[..., 0] - xst[..., 0]) / np.maximum(xst[..., 0], 1e-30)).max()),
                 "x8_rel_error_vs_f64": float(np.abs(y8 - ref).max() / scale),
                 "f32_rel_error_vs_f64": float(np.abs(y32 - ref).max() / scale),
             })
@@ -528,9 +528,9 @@ def main(argv=None):
                     help="block kernels' row reduction through subgroup shuffles (auto: when the adapter allows)")
     ap.add_argument("--formats", default=None, help="comma-separated formats of --blocks (default: all the adapter has)")
     ap.add_argument("--int8-activations", action="store_true",
-                    help="with --blocks: the int8-activation GEMV candidate (q4_k, q8_0) beside the f32-activation kernel")
+                    help="with --blocks: the int8-activation GEMVs (q4_k, q6_k, q8_0) beside the f32-activation kernel")
     ap.add_argument("--rows-per-thread", default="1",
-                    help="with --int8-activations: comma-separated weight rows a thread of the candidate computes "
+                    help="with --int8-activations: comma-separated weight rows a thread of the int8 GEMV computes "
                          "(1, 2, 4, 8); each count is timed beside the others")
     ap.add_argument("--dispatch-cost", action="store_true",
                     help="only wgpu: what a small dispatch costs, a pass each against one pass (--reps dispatches)")

@@ -1,28 +1,28 @@
-"""A measured candidate, not used by the page or the peers: block GEMVs on 8-bit activations.
+"""Block GEMVs on 8-bit activations through wgpu, on the CPU's own int8 activation rows.
 
 The block kernels (swiglu_blocks.wgsl, down_blocks.wgsl) decode each weight to f32 and spend one
 FMA on it; at decode (T = 1) they are bound by that work, not by memory
-(bench/results/web_peer_blocks.md). The candidate follows llama.cpp's numerics for 8-bit
-activations (ggml's Q8_1): each activation row is quantized per 32 values to int8 with an f32
-scale dx and the block's s = dx * sum(q) (``quantize_x8.wgsl``, twin :func:`quantize_x8`), and
-the GEMV multiplies packed bytes with ``dot4I8Packed`` (``gemv_x8.wgsl`` with the prelude
-``x8_q4_k.wgsl`` or ``x8_q8_0.wgsl``, twin :func:`gemv_x8`). Over the 32-weight sub-blocks j of
-a Q4_K row, y = sum ((d * sc_j) * dx_j) * i_j - sum (dmin * m_j) * s_j, i_j the exact integer sum
-of nibble times int8, the two sums kept apart and subtracted once a row (as llama.cpp's sum_d and
-sum_m); Q8_0: y = sum (d * dx_j) * i_j. The weights are the block kernels' own planes
-(:func:`web_peer.kernels.pack_matrix`), so one upload serves both.
+(bench/results/web_peer_blocks.md). These kernels follow the int8 numerics instead
+(swarm/compute/numerics.py, llama.cpp's): the activation row is quantized to int8 by the CPU's
+own quantizer (:meth:`swarm.compute.quant.QMatrix.int8_rows`: per 256 values with one float32 dx
+for Q4_K and Q6_K, ggml's Q8_K, plus dx·Σq per 32 values for Q4_K's minimums; per 32 for Q8_0),
+and the GEMV multiplies packed bytes with ``dot4I8Packed`` (``gemv_x8.wgsl`` with the prelude
+``x8_q4_k.wgsl``, ``x8_q6_k.wgsl`` or ``x8_q8_0.wgsl``). Each term is the CPU kernel's: an exact
+integer sum of a super-block's (or block's) weights times int8 values, scaled by the same
+float32 product d·dx (Q4_K: and the same minimum terms (dmin·m)·(dx·Σq)); only the order in which
+the terms are added differs. So a GPU's answer lies within a bound of the CPU's int8 answer
+that float32 summation alone gives (:func:`cpu_bound`), whatever the GPU or its shader compiler
+(which may contract and reassociate): a coordinator of the int8 numerics can check it.
 
-The twins compute the integer sums exactly (int64) and every float32 operation in the kernels'
-order: each lane's running sum over its steps, then row_slices' tree over the lanes (lane 0 of
-sum_subgroup.wgsl's butterfly adds in the same order). A shader compiler may still contract a
-multiply and an add into one FMA or reassociate additions (WGSL allows both), so a GPU's answer
-is checked against its twin within a bound (:func:`twin_bound`), not for equal bits.
+The weights are the block kernels' own planes (:func:`web_peer.kernels.pack_matrix`), so one
+upload serves both.
 
     host = WgpuFfn()
     gemv = X8Gemv(host, rows_per_thread=2)           # a thread computes 2 weight rows
     m = host.upload_linear(raw_q4_k_rows, "q4_k")   # W [N, K]: the file's blocks
-    y, xq, xs = gemv.run(m, x)                      # x [T, K] float32 → y [T, N], and the GPU's int8 x
-    seconds = gemv.time(m, reps=50)                 # one row: quantize + GEMV a rep
+    y, rows = gemv.run(m, x)                        # x [T, K] float32 → y [T, N], and the int8 rows used
+    bound = cpu_bound(m.matrix.packed, rows, host.lanes)   # |y - the CPU's int8 answer| ≤ bound
+    seconds = gemv.time(m, reps=50)                 # one row's GEMV a rep
 """
 
 from __future__ import annotations
@@ -33,18 +33,19 @@ from importlib import resources
 
 import numpy as np
 
+from swarm.compute.quant import QT, QMatrix
 from swarm.errors import KernelError
 
 from . import kernels as K
 
-X8_FORMATS = ("q4_k", "q8_0")  # weight formats with an int8-activation GEMV
-QX = 32  # activations per int8 block (one dx, one s)
-_STEPS = {"q4_k": 4, "q8_0": 1}  # steps a weight block (x8_<fmt>.wgsl STEPS_PER_BLOCK)
+X8_FORMATS = ("q4_k", "q6_k", "q8_0")  # weight formats with an int8-activation GEMV
+_QTYPE = {"q4_k": QT.Q4_K, "q6_k": QT.Q6_K, "q8_0": QT.Q8_0}
+_QK = {"q4_k": K.QK_K, "q6_k": K.QK_K, "q8_0": 32}  # activations per dx (the CPU's: Q8_K, Q8_0)
+_STEPS = {"q4_k": 4, "q6_k": 8, "q8_0": 1}  # steps a weight block (x8_<fmt>.wgsl STEPS_PER_BLOCK)
 
 
 def _files(fmt: str, subgroups: bool) -> tuple[str, ...]:
-    if fmt not in X8_FORMATS:
-        raise KernelError(f"no int8-activation GEMV for {fmt!r}; expected one of {X8_FORMATS}")
+    _check_format(fmt)
     return (f"x8_{fmt}.wgsl", "rows.wgsl", "row_slices.wgsl",
             "sum_subgroup.wgsl" if subgroups else "sum_shared.wgsl", "gemv_x8.wgsl")
 
@@ -81,115 +82,120 @@ def wgsl_source(fmt: str, subgroups: bool = False, rows_per_thread: int = 1) -> 
     return f"const RT: u32 = {rows_per_thread}u;\n" + code.replace("    //ROWS_BODY\n", body)
 
 
-def quantize_source() -> str:
-    """The activation quantization's WGSL (quantize_x8.wgsl: no prelude)."""
-    return (resources.files(K.__package__) / "quantize_x8.wgsl").read_text()
+# ---- the CPU's rows, its answer, and the bound between the two -----------------------------------
+
+def _check_format(fmt: str) -> None:
+    if fmt not in X8_FORMATS:
+        raise KernelError(f"no int8-activation GEMV for {fmt!r}; expected one of {X8_FORMATS}")
 
 
-# ---- twins ---------------------------------------------------------------------------------------
+def _qmatrix(fmt: str, blocks: np.ndarray, cols: int) -> QMatrix:
+    return QMatrix(np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1)), _QTYPE[fmt], cols)
 
-def quantize_x8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Twin of quantize_x8.wgsl: x float32 [T, K] (K a multiple of 32) → (q int8 [T, K], xs
-    float32 [T, K / 32, 2] of (dx, s)): dx = amax / 127, q = clamp(round(x / dx), ±127) (ties to
-    even, as WGSL's round), s = dx * sum(q); an all-zero block has dx = s = 0, q = 0."""
+
+def int8_rows(fmt: str, x: np.ndarray) -> np.ndarray:
+    """float32 ``x`` [T, K] → the CPU's int8 activation rows for weights of block format ``fmt``:
+    uint8 [T, row bytes] (:meth:`swarm.compute.quant.QMatrix.int8_rows`). Raises KernelError for
+    a format without an int8-activation GEMV or a row length without an int8 product (Q8_0: K a
+    multiple of 64; Q4_K, Q6_K: of 256)."""
+    _check_format(fmt)
     K._f32(x, "x", 2)
-    t, k = x.shape
-    if k % QX:
-        raise KernelError(f"int8 activations need rows of a multiple of {QX} values, got {k}")
-    b = x.reshape(t, k // QX, QX)
-    amax = np.abs(b).max(axis=-1, keepdims=True)
-    dx = amax / np.float32(127)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(amax > 0, np.clip(np.rint(b / dx), -127, 127), np.float32(0)).astype(np.int8)
-    s = dx[..., 0] * q.astype(np.int64).sum(axis=-1).astype(np.float32)
-    return q.reshape(t, k), np.stack([dx[..., 0], s], axis=-1).astype(np.float32)
+    weights, size = K.block_size(fmt)
+    if x.shape[1] % weights:
+        raise KernelError(f"{fmt} needs rows of a multiple of {weights} values, got {x.shape[1]}")
+    try:
+        return _qmatrix(fmt, np.zeros((1, x.shape[1] // weights * size), np.uint8), x.shape[1]).int8_rows(x)
+    except ValueError as e:
+        raise KernelError(f"int8 activations: {e}") from None
 
 
-def _steps_q4_k(blocks: np.ndarray, xq: np.ndarray, xs: np.ndarray, magnitude: bool = False) -> np.ndarray:
-    """float32 [2, T, R, nb * 4]: step() of x8_q4_k.wgsl (scaled sums, min terms) for rows of
-    file blocks uint8 [R, nb, 144]; with ``magnitude``, of every factor's magnitude instead
-    (the sums of |terms| that :func:`twin_bound` takes)."""
+def planes(fmt: str, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The CPU's int8 rows uint8 [T, row bytes] of ``k`` values split as the kernel binds them:
+    (q int8 [T, k], dx float32 [T, k / QK], Q4_K's dx·Σq float32 [T, k / 32] or None)."""
+    qk = _QK[fmt]
+    q = rows[:, :k].view(np.int8)
+    f = rows[:, k:].view(np.float32)  # row bytes: a multiple of 64
+    dx = f[:, :k // qk]
+    return q, dx, (f[:, k // qk:k // qk + k // 32] if fmt == "q4_k" else None)
+
+
+def cpu_product(m: K.PackedMatrix, rows: np.ndarray) -> np.ndarray:
+    """The CPU's int8 answer for PackedMatrix ``m`` (a format of :data:`X8_FORMATS`) [R, K] on
+    the int8 rows ``rows`` (:func:`int8_rows`): float64 [T, R] of the float32 bits
+    ``QMatrix.matmul`` gives under the int8 numerics."""
+    _check_format(m.fmt)
+    w = _qmatrix(m.fmt, K.file_blocks(m)[:m.rows], m.cols)
+    try:
+        return w.matmul_int8_rows(rows).astype(np.float64)
+    except ValueError as e:
+        raise KernelError(f"int8 activations: {e}") from None
+
+
+def _unit_weights(fmt: str, blocks: np.ndarray) -> np.ndarray:
+    """|the integers a block's d scales| of file blocks uint8 [R, nb, size]: float64 [R, nb, QK]
+    (Q8_0 |q|; Q4_K sc·q; Q6_K |sc·(q - 32)|): the blocks decoded with d = 1 (dmin = 0)."""
+    r, nb, size = blocks.shape
+    if fmt == "q8_0":
+        return np.abs(blocks[..., 2:].view(np.int8).astype(np.float64))
+    ones = blocks.reshape(r * nb, size).copy()
+    at = 208 if fmt == "q6_k" else 0
+    ones[:, at:at + 2] = np.array([1.0], "<f2").view(np.uint8)
+    if fmt == "q4_k":
+        ones[:, 2:4] = 0  # dmin
+    return np.abs(K.dequantize_k(ones, fmt).astype(np.float64)).reshape(r, nb, K.QK_K)
+
+
+def _magnitudes(fmt: str, blocks: np.ndarray, q: np.ndarray, dx: np.ndarray, xm: np.ndarray | None) -> np.ndarray:
+    """Σ |terms| of each output [T, R] for file blocks [R, nb, size]: Σ_b |fl(d_b dx_b)| Σ |w'| |q_x|
+    over the block (w' = :func:`_unit_weights`), plus Q4_K's Σ_j |fl(dmin m_j)| |dx Σq|_j."""
     r, nb, _ = blocks.shape
-    t = xq.shape[0]
-    flat = blocks.reshape(r * nb, -1)
-    sc, mn = (a.reshape(r, nb, 8) for a in K._k_scale_min(flat[:, :16]))
-    f16 = lambda at: flat[:, at:at + 2].copy().view("<f2").astype(np.float32).reshape(r, nb, 1)  # noqa: E731
-    d, dmin = f16(0), f16(2)
-    if magnitude:
-        d, dmin, xq, xs = np.abs(d), np.abs(dmin), np.abs(xq.astype(np.int16)), np.abs(xs)
-    qs = flat[:, 16:].reshape(r, nb, 4, 1, 32)
-    q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 15).reshape(r, nb * 8, 32)  # sub-block 2j + nibble
-    isum = np.einsum("rgl,tgl->trg", q.astype(np.int64), xq.reshape(t, nb * 8, 32).astype(np.int64))
-    dx, s = xs[..., 0][:, None, :], xs[..., 1][:, None, :]  # [T, 1, nb * 8]
-    a = ((d * sc).reshape(1, r, nb * 8) * dx) * isum.astype(np.float32)  # ((d * sc) * dx) * i, i exact: |i| < 2^16
-    m = (dmin * mn).reshape(1, r, nb * 8) * s
-    return np.stack([a[..., 0::2] + a[..., 1::2], m[..., 0::2] + m[..., 1::2]])
+    qk = _QK[fmt]
+    d = blocks[..., 208:210] if fmt == "q6_k" else blocks[..., 0:2]
+    d = d.copy().view("<f2").astype(np.float32).reshape(1, r, nb)
+    c = np.abs(d * dx.reshape(-1, 1, nb)).astype(np.float64)  # [T, R, nb]: the float32 products both sides take
+    ints = np.einsum("rbl,tbl->trb", _unit_weights(fmt, blocks), np.abs(q.astype(np.float64)).reshape(-1, nb, qk))
+    total = (c * ints).sum(axis=-1)
+    if fmt == "q4_k":
+        _, mn = K._k_scale_min(blocks.reshape(r * nb, -1)[:, :16])
+        dmin = blocks[..., 2:4].copy().view("<f2").astype(np.float32).reshape(r * nb, 1)
+        mins = np.abs((dmin * mn).reshape(1, r, nb * 8)).astype(np.float64)  # fl(dmin m_j)
+        total += (mins * np.abs(xm.astype(np.float64)).reshape(-1, 1, nb * 8)).sum(axis=-1)
+    return total
 
 
-def _steps_q8_0(blocks: np.ndarray, xq: np.ndarray, xs: np.ndarray, magnitude: bool = False) -> np.ndarray:
-    """float32 [2, T, R, nb]: step() of x8_q8_0.wgsl for rows of file blocks uint8 [R, nb, 34]
-    (``magnitude``: as :func:`_steps_q4_k`)."""
-    r, nb, _ = blocks.shape
-    d = blocks[..., :2].copy().view("<f2").astype(np.float32).reshape(1, r, nb)
-    q = blocks[..., 2:].copy().view(np.int8).astype(np.int64)  # [R, nb, 32]
-    if magnitude:
-        d, q, xq, xs = np.abs(d), np.abs(q), np.abs(xq.astype(np.int16)), np.abs(xs)
-    isum = np.einsum("rbl,tbl->trb", q, xq.reshape(xq.shape[0], nb, 32).astype(np.int64)).astype(np.float32)
-    a = (d * xs[..., 0][:, None, :]) * isum
-    return np.stack([a, np.zeros_like(a)])
+def cpu_bound(m: K.PackedMatrix, rows: np.ndarray, lanes: int, chunk: int = 256) -> np.ndarray:
+    """A bound on |GPU - CPU| per output, float64 [T, R], for PackedMatrix ``m`` [R, K] on the
+    CPU's int8 rows ``rows`` (:func:`int8_rows`) with ``lanes`` threads a row on the GPU.
 
-
-def gemv_x8(m: K.PackedMatrix, xq: np.ndarray, xs: np.ndarray, lanes: int, chunk: int = 512) -> np.ndarray:
-    """Twin of gemv_x8.wgsl with ``lanes`` threads a row: m a Q4_K or Q8_0 PackedMatrix [R, K],
-    xq int8 [T, K], xs float32 [T, K / 32, 2] (:func:`quantize_x8`, or the GPU's) → y float32
-    [T, R]. Lane l adds steps l, l + lanes, ... in order to a float32 pair (scaled sums, min
-    terms) starting at 0; the lanes' pairs are added as row_slices' tree (lane i += lane i + o,
-    o = lanes / 2 .. 1); y = sums - mins."""
-    if m.fmt not in X8_FORMATS:
-        raise KernelError(f"no int8-activation GEMV for {m.fmt!r}; expected one of {X8_FORMATS}")
-    if xq.shape[1] != m.cols or xs.shape[1] != m.cols // QX:
-        raise KernelError(f"activations of {xq.shape[1]} columns for a matrix of {m.cols}")
-    blocks = K.file_blocks(m)
-    steps_of = _steps_q4_k if m.fmt == "q4_k" else _steps_q8_0
-    out = []
-    for r0 in range(0, m.rows, chunk):  # rows at a time: the int64 sums of a whole matrix are large
-        steps = steps_of(blocks[r0:r0 + chunk], xq, xs)  # [2, T, R', ns]
-        ns = steps.shape[-1]
-        acc = np.zeros((*steps.shape[:3], lanes), np.float32)
-        for k in range(0, ns, lanes):
-            n = min(lanes, ns - k)  # lanes past the row's steps add nothing
-            acc[..., :n] = acc[..., :n] + steps[..., k:k + n]
-        o = lanes // 2
-        while o:
-            acc[..., :o] = acc[..., :o] + acc[..., o:2 * o]
-            o //= 2
-        out.append(acc[0, ..., 0] - acc[1, ..., 0])
-    return np.concatenate(out, axis=1).astype(np.float32)
-
-
-def twin_bound(m: K.PackedMatrix, xq: np.ndarray, xs: np.ndarray, lanes: int) -> np.ndarray:
-    """A bound on |GPU - twin| per output [T, R] for a shader compiler that contracts a multiply
-    and an add into an FMA or reassociates additions (WGSL allows both; lavapipe's compiler was
-    seen to reassociate ``(a + b) - c``): each side's sum of n terms in any order of depth D is
-    within D * 2^-24 * sum |terms| of the exact sum, so the two are within 2 D 2^-24 sum |terms|,
-    D = the steps of a lane + log2(lanes) + 4 (the products and the pair inside a step)."""
-    steps_of = _steps_q4_k if m.fmt == "q4_k" else _steps_q8_0
-    blocks = K.file_blocks(m)
-    depth = -(-blocks.shape[1] * _STEPS[m.fmt] // lanes) + int(np.log2(lanes)) + 4
-    out = [steps_of(blocks[r0:r0 + 512], xq, xs, magnitude=True).astype(np.float64).sum(axis=(0, -1))
-           for r0 in range(0, m.rows, 512)]
-    return np.concatenate(out, axis=1) * (2 * depth * 2.0 ** -24)
+    Both sides add the same exactly computed terms t_i (an integer sum times one float32 product
+    d·dx, which a fused multiply-add keeps exact or rounds once; Q4_K's minimum terms likewise),
+    each in its own order. A sum whose every term passes through at most D roundings lies within
+    γ_D·Σ|t_i| of the exact sum, γ_D = D·u / (1 - D·u), u = 2⁻²⁴ (Higham, *Accuracy and Stability
+    of Numerical Algorithms*, 2002, §3.1), so the two answers lie within (γ_Dcpu + γ_Dgpu)·Σ|t_i|:
+    D_cpu = nb + 8 (a lane's chain over the row's nb blocks, a 16-lane tree, the minimums' lanes
+    and their sum: qkernels' int8 section), D_gpu = ⌈steps / lanes⌉ + log₂ lanes + 4 (a lane's
+    chain, the slice's tree, the step's own sum and product, sums - mins). Rigorous, not
+    probabilistic: no honest GPU lands outside it."""
+    _check_format(m.fmt)
+    q, dx, xm = planes(m.fmt, rows, m.cols)
+    blocks = K.file_blocks(m)[:m.rows]
+    nb = blocks.shape[1]
+    d_cpu = nb + 8
+    d_gpu = -(-nb * _STEPS[m.fmt] // lanes) + int(np.log2(lanes)) + 4
+    gamma = lambda n: n * 2.0 ** -24 / (1 - n * 2.0 ** -24)  # noqa: E731
+    out = [_magnitudes(m.fmt, blocks[r0:r0 + chunk], q, dx, xm) for r0 in range(0, m.rows, chunk)]
+    return np.concatenate(out, axis=1) * (gamma(d_cpu) + gamma(d_gpu))
 
 
 # ---- host (wgpu) -----------------------------------------------------------------------------------
 
 class X8Gemv:
-    """The candidate's pipelines on a :class:`web_peer.wgpu_host.WgpuFfn`'s device, for benchmarks
-    and tests: ``run`` (quantize x on the GPU, then the GEMV), ``time`` (both, or the GEMV alone,
-    ``reps`` times in one submission) and ``time_f32`` (the existing f32-activation kernel,
-    down_blocks.wgsl, on the same matrix and rows). A slice of the host's lanes computes
-    ``rows_per_thread`` adjacent weight rows (one of :data:`ROWS_PER_THREAD`; KernelError
-    otherwise), reading each step's activations once for them: the same bits at any count."""
+    """The GEMV's pipelines on a :class:`web_peer.wgpu_host.WgpuFfn`'s device: ``run`` (the CPU
+    quantizes x, the GPU multiplies), ``time`` (the GEMV alone, ``reps`` times in one submission)
+    and ``time_f32`` (the f32-activation kernel, down_blocks.wgsl, on the same matrix). A slice of
+    the host's lanes computes ``rows_per_thread`` adjacent weight rows (one of
+    :data:`ROWS_PER_THREAD`; KernelError otherwise), reading each step's activations once for
+    them: the same bits at any count."""
 
     def __init__(self, host, rows_per_thread: int = 1) -> None:
         if rows_per_thread not in ROWS_PER_THREAD:
@@ -198,78 +204,53 @@ class X8Gemv:
         self.rows_per_thread = rows_per_thread
         self._pipes: dict = {}
 
-    def _pipe(self, name: str):
-        if name not in self._pipes:
+    def _pipe(self, fmt: str):
+        if fmt not in self._pipes:
             dev = self.host._device()
-            code = quantize_source() if name == "quantize" else wgsl_source(name, self.host.subgroups, self.rows_per_thread)
-            constants = {"WG": self.host.workgroup_size}
-            if name != "quantize":
-                constants["LANES"] = self.host.lanes
-            self._pipes[name] = dev.create_compute_pipeline(layout="auto", compute={
-                "module": dev.create_shader_module(code=code), "entry_point": "main", "constants": constants})
-        return self._pipes[name]
+            code = wgsl_source(fmt, self.host.subgroups, self.rows_per_thread)
+            self._pipes[fmt] = dev.create_compute_pipeline(layout="auto", compute={
+                "module": dev.create_shader_module(code=code), "entry_point": "main",
+                "constants": {"WG": self.host.workgroup_size, "LANES": self.host.lanes}})
+        return self._pipes[fmt]
 
-    def _bind(self, pipe, params: bytes, buffers: list):
-        return self.host._bind(pipe, params, buffers)
-
-    def buffers(self, t_rows: int, k: int, x: np.ndarray | None = None):
-        """(x, xq, xs) storage buffers for ``t_rows`` rows of ``k`` activations (x holding ``x``)."""
+    def upload(self, fmt: str, rows: np.ndarray, k: int) -> list:
+        """The CPU's int8 rows (:func:`int8_rows`) of ``k`` values as the kernel's storage buffers."""
         h = self.host
-        xb = h.storage(t_rows * k, x)
-        return xb, h.storage(t_rows * k // 4), h.storage(t_rows * k // QX * 2)
+        return [h.storage(a.size // 4, np.ascontiguousarray(a).view(np.float32))
+                for a in planes(fmt, rows, k) if a is not None]
 
-    def encode_quantize(self, enc, xb, xq, xs, n_blocks: int) -> None:
-        wgs = -(-n_blocks // self.host.workgroup_size)
-        gx = max(1, min(wgs, K.MAX_WORKGROUPS_PER_DIM))
-        gy = -(-wgs // gx)
-        pipe = self._pipe("quantize")
-        params = struct.pack("<4I", n_blocks, gx * self.host.workgroup_size, 0, 0)
-        enc.dispatch(pipe, self._bind(pipe, params, [xb, xq, xs]), (gx, gy, 1))
-
-    def encode_gemv(self, enc, w, xq, xs, y, t_rows: int) -> None:
-        """y[t, :] = W x8[t] for the GpuLinear ``w`` (q4_k or q8_0), one dispatch per part."""
+    def encode_gemv(self, enc, w, xs: list, y, t_rows: int) -> None:
+        """y[t, :] = W x8[t] for the GpuLinear ``w`` on the buffers ``xs`` (:meth:`upload`), one
+        dispatch per part."""
         pipe = self._pipe(w.fmt)
         rows_per_group = self.host.workgroup_size // self.host.lanes * self.rows_per_thread
         mat = w.matrix
         for i, (r0, r1) in enumerate(mat.packed.parts):
             gx, gy, _ = K.dispatch_grid(r1 - r0, 1, rows_per_group)
             params = struct.pack("<6I", t_rows, mat.packed.cols // 4, r1 - r0, r0, w.rows, gx)
-            enc.dispatch(pipe, self._bind(pipe, params, [xq, xs, mat.buffers[i], mat.scales[i], y]), (gx, gy, t_rows))
+            buffers = [xs[0], xs[1], mat.buffers[i], mat.scales[i], y, *xs[2:]]
+            enc.dispatch(pipe, self.host._bind(pipe, params, buffers), (gx, gy, t_rows))
 
-    def run(self, w, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """x float32 [T, K] → (y float32 [T, R], the GPU's q int8 [T, K], its xs float32 [T, K / 32, 2])."""
-        if w.fmt not in X8_FORMATS:
-            raise KernelError(f"no int8-activation GEMV for {w.fmt!r}; expected one of {X8_FORMATS}")
+    def run(self, w, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x float32 [T, K] → (y float32 [T, R], the CPU's int8 rows of x it multiplied)."""
+        _check_format(w.fmt)
         K._f32(x, "x", 2)
         t, k = x.shape
         if k != w.cols:
             raise KernelError(f"x has {k} columns; these weights expect {w.cols}")
+        rows = int8_rows(w.fmt, x)
         h = self.host
-        xb, xq, xs = self.buffers(t, k, x)
         y = h.storage(t * w.rows)
         enc = h.encoder()
-        self.encode_quantize(enc, xb, xq, xs, t * k // QX)
-        self.encode_gemv(enc, w, xq, xs, y, t)
-        yv = h.submit_read(enc, y, t * w.rows)
-        q = np.frombuffer(h.device.queue.read_buffer(xq, 0, t * k), np.int8).reshape(t, k).copy()
-        s = np.frombuffer(h.device.queue.read_buffer(xs, 0, 8 * t * k // QX), np.float32).reshape(t, k // QX, 2).copy()
-        return yv.reshape(t, w.rows), q, s
+        self.encode_gemv(enc, w, self.upload(w.fmt, rows, k), y, t)
+        return h.submit_read(enc, y, t * w.rows).reshape(t, w.rows), rows
 
-    def time(self, w, reps: int, quantize: bool = True) -> float:
-        """Seconds per decode GEMV (one row of ones·0.5) on the GPU, with its activation
-        quantization (``quantize``) or without (the int8 row made once before)."""
+    def time(self, w, reps: int) -> float:
+        """Seconds per decode GEMV (one row of ones·0.5, quantized once before) on the GPU."""
         h = self.host
-        xb, xq, xs = self.buffers(1, w.cols, np.full((1, w.cols), 0.5, np.float32))
+        xs = self.upload(w.fmt, int8_rows(w.fmt, np.full((1, w.cols), 0.5, np.float32)), w.cols)
         y = h.storage(w.rows)
-        enc = h.encoder()
-        self.encode_quantize(enc, xb, xq, xs, w.cols // QX)
-        h.submit_read(enc)
-
-        def encode(enc):
-            if quantize:
-                self.encode_quantize(enc, xb, xq, xs, w.cols // QX)
-            self.encode_gemv(enc, w, xq, xs, y, 1)
-        return _timed(h, encode, y, reps)
+        return _timed(h, lambda enc: self.encode_gemv(enc, w, xs, y, 1), y, reps)
 
     def time_f32(self, w, reps: int) -> float:
         """Seconds per decode GEMV of the existing kernel (down_blocks.wgsl, f32 activations) on ``w``."""

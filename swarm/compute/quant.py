@@ -209,6 +209,41 @@ class QMatrix:
             out[...] = gguf_dequantize(raw, self.qtype)
         return out
 
+    def int8_rows(self, x: np.ndarray) -> np.ndarray:
+        """float32 ``x`` [T, cols] quantized as the int8 numerics quantize it for this matrix
+        (qkernels' int8 section: per 256 values for the K-quants, per 32 for the blocks of 32):
+        uint8 [T, row bytes], each row its int8 values, then its float32 scales, then (types with
+        minimums) its float32 d·Σq per 32 values. The same bits on every machine (each value's
+        operations are fixed). Raises ValueError for a type or row length without an int8 product."""
+        k = _compiled or _kernels()
+        if not k.int8_kind(self._kind, self.cols):
+            raise ValueError(f"{self.qtype.name} rows of {self.cols} values have no int8 product")
+        if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {x.shape}")
+        if not (x.flags.c_contiguous and x.flags.writeable):  # the kernel's one compiled signature
+            x = np.array(x, dtype=F32, order="C")
+        rows = np.zeros((x.shape[0], k.int8_row_bytes(self._kind, self.cols)), np.uint8)  # padding: zeros
+        k.quantize(self._kind, x, rows)
+        return rows
+
+    def matmul_int8_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Quantized activation rows ``rows`` (uint8 [T, row bytes], :meth:`int8_rows`) times W:
+        float32 [T, rows of W], on this thread; the bits ``matmul`` gives under the int8 numerics
+        for the x those rows came from (each output element's one order: qkernels' int8 section).
+        For a product on rows another machine quantized. Raises ValueError for a type without an
+        int8 product or rows of another length."""
+        k = _compiled or _kernels()
+        if not k.int8_kind(self._kind, self.cols):
+            raise ValueError(f"{self.qtype.name} rows of {self.cols} values have no int8 product")
+        n = k.int8_row_bytes(self._kind, self.cols)
+        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != n:
+            raise ValueError(f"int8 rows must be uint8 [T, {n}], got {rows.dtype} {rows.shape}")
+        rows = np.ascontiguousarray(rows).view()
+        rows.flags.writeable = False  # the kernels' one read-only type
+        out = aligned_empty((rows.shape[0], self.data.shape[0]))
+        k.matmul_int8(self._kind, self.data, rows, out, 0, out.shape[1])
+        return out
+
     def take(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` (int [n]) as float32 ``[n, cols]`` (embedding lookup)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
