@@ -61,6 +61,16 @@ profiled runs with profiled runs.
 
     COLIBRI_BENCH_THREADS=8 python3 bench/serve.py --pipeline --profile --cores 0-7,8-15 --streams 8 --rounds 1
 
+``--lengths mixed`` (``--pipeline`` only) gives the streams different lengths: stream i asks for
+a quarter, half, three quarters or all of ``--tokens`` (a fixed shuffle, the same every run and
+in the solo runs), so streams finish at different steps and leave the groups uneven.
+``--evening-off`` also serves the API over the stages with the pool's evening of groups turned
+off (``SchedulerPool.rebalance`` a no-op in this process), beside the product's run:
+``api_stages_vs_api_stages_no_evening`` is what the evening gains; each API run over the stages
+counts its moves (``evening_moves``).
+
+    python3 bench/serve.py --pipeline --lengths mixed --evening-off --streams 8,16
+
 ``--trace`` (swarm only, one process pair) adds ``trace``: per step size, the median step and
 where one layer's round trip goes (token loop → event loop → encode → data channel → worker →
 compute → back), the coordinator's own share, and SCTP packets counted in the measured rounds
@@ -71,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -410,8 +421,8 @@ class _PipeLink:
 def _serve_streams(model, ffn, prompt_ids, n_tokens, schedulers=1):
     """The prompts as concurrent greedy streams through the batch scheduler (``schedulers`` of
     them sharing ``ffn``, stream i on scheduler i mod k: each steps its own sequences, so one's
-    step need not wait for the other's); (tokens per stream, aggregate tok/s, seconds between a
-    stream's tokens)."""
+    step need not wait for the other's), ``n_tokens`` each (an int, or one a stream); (tokens per
+    stream, aggregate tok/s, seconds between a stream's tokens)."""
     import threading
 
     from swarm.compute.sampling import SamplingParams
@@ -419,7 +430,7 @@ def _serve_streams(model, ffn, prompt_ids, n_tokens, schedulers=1):
 
     n = len(prompt_ids)
     scheds = [BatchScheduler(model, lambda: ffn, max_batch=n, max_queue=n) for _ in range(schedulers)]
-    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, stop_tokens=())
+    lengths = _per_stream(n_tokens, n)
     times, tokens = [[] for _ in range(n)], [[] for _ in range(n)]
 
     def consume(i, stream):
@@ -428,7 +439,8 @@ def _serve_streams(model, ffn, prompt_ids, n_tokens, schedulers=1):
             tokens[i].append(tok)
 
     t0 = time.perf_counter()
-    streams = [scheds[i % schedulers].submit(p, params) for i, p in enumerate(prompt_ids)]
+    streams = [scheds[i % schedulers].submit(p, SamplingParams(max_tokens=lengths[i], temperature=0.0, stop_tokens=()))
+               for i, p in enumerate(prompt_ids)]
     workers = [threading.Thread(target=consume, args=(i, st)) for i, st in enumerate(streams)]
     for w in workers:
         w.start()
@@ -439,10 +451,23 @@ def _serve_streams(model, ffn, prompt_ids, n_tokens, schedulers=1):
     return tokens, sum(map(len, tokens)) / wall, gaps
 
 
+def _per_stream(n_tokens, n: int) -> list[int]:
+    """Tokens for each of ``n`` streams: ``n_tokens`` an int (every stream) or a list (its first ``n``)."""
+    return [n_tokens] * n if isinstance(n_tokens, int) else list(n_tokens[:n])
+
+
+def _mixed_lengths(tokens: int, n: int) -> list[int]:
+    """``--lengths mixed``: a quarter, half, three quarters or all of ``tokens`` per stream, in a
+    fixed shuffle (each length as often as the others, within one)."""
+    quarters = np.random.default_rng(7).permutation(np.arange(n) % 4 + 1)
+    return [max(1, int(tokens * int(q) // 4)) for q in quarters]
+
+
 async def _api_streams(model, tokenizer, ffn, texts, n_tokens):
     """The prompts as concurrent streaming ``/v1/completions`` requests to the product's API over
-    ``ffn`` (None: this peer alone); (texts, aggregate tok/s, seconds between a stream's chunks,
-    the backend's schedulers that stepped, tokens in all)."""
+    ``ffn`` (None: this peer alone), ``n_tokens`` each (an int, or one a stream); (texts,
+    aggregate tok/s, seconds between a stream's chunks, the backend's schedulers that stepped,
+    tokens in all)."""
     import aiohttp
 
     from swarm.peer.coordinator.api import ApiServer
@@ -454,8 +479,8 @@ async def _api_streams(model, tokenizer, ffn, texts, n_tokens):
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
             t0 = time.perf_counter()
-            got = await asyncio.gather(*[_stream(s, f"http://127.0.0.1:{port}/v1", "bench-token", t, n_tokens)
-                                         for t in texts])
+            got = await asyncio.gather(*[_stream(s, f"http://127.0.0.1:{port}/v1", "bench-token", t, k)
+                                         for t, k in zip(texts, _per_stream(n_tokens, len(texts)))])
             wall = time.perf_counter() - t0
     finally:
         await api.close()
@@ -463,6 +488,28 @@ async def _api_streams(model, tokenizer, ffn, texts, n_tokens):
     stepped = sum(sched.steps > 0 for sched in backend.scheduler.schedulers)
     n_tok = sum(g["tokens"] for g in got)
     return [g["text"] for g in got], n_tok / wall, gaps, stepped, n_tok
+
+
+@contextlib.contextmanager
+def _evening(on: bool):
+    """The pool's evening of groups (``SchedulerPool.rebalance``) on or off in this process while
+    the block runs; yields a one-item list that counts the sequences' moves."""
+    from swarm.compute.serving import SchedulerPool
+
+    keep, moves = SchedulerPool.rebalance, [0]
+
+    def counted(member, target, seqs):
+        moves[0] += len(seqs)
+        move(member, target, seqs)
+
+    move = SchedulerPool._move
+    SchedulerPool._move = staticmethod(counted)  # type: ignore[method-assign]
+    if not on:
+        SchedulerPool.rebalance = lambda self, member: None  # type: ignore[method-assign]
+    try:
+        yield moves
+    finally:
+        SchedulerPool.rebalance, SchedulerPool._move = keep, staticmethod(move)  # type: ignore[method-assign]
 
 
 def _cpu_list(spec: str) -> set[int]:
@@ -510,13 +557,15 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
     tok = tokenizer_for(model)
     texts = prompts(max(levels), args.prompt_tokens)
     prompt_ids = [tok.encode(t) for t in texts]
+    lengths = _mixed_lengths(args.tokens, len(texts)) if args.lengths == "mixed" else [args.tokens] * len(texts)
     out = {"command": "python3 bench/serve.py " + " ".join(sys.argv[1:]),
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
                        "arch": platform.machine(), "threads_per_peer": int(swarm_bench.BLAS_THREADS),
                        "cores": [sorted(c) for c in cores], "load_avg_1m_at_start": round(os.getloadavg()[0], 2)},
            "model": args.model, "layers": n_layers,
            "stages": [["coordinator" if p == PIPE_COORD else f"worker {peers.index(p)}", lo, hi] for p, lo, hi in stages],
-           "streams": levels, "tokens_per_stream": args.tokens, "rounds": args.rounds,
+           "streams": levels, "rounds": args.rounds,
+           "tokens_per_stream": args.tokens if args.lengths == "equal" else lengths,
            "link": "pipe (stage frames, no WebRTC)", "runs": {}}
     runs = out["runs"]
 
@@ -563,8 +612,8 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
 
     spin0 = [(0, 0)]  # spin_counts() at the last record
     swarm_bench._progress("solo runs")
-    solo = [_serve_streams(model, local, [p], args.tokens)[0][0] for p in prompt_ids]
-    api_solo = [asyncio.run(_api_streams(model, tok, None, [t], args.tokens))[0][0] for t in texts]
+    solo = [_serve_streams(model, local, [p], k)[0][0] for p, k in zip(prompt_ids, lengths)]
+    api_solo = [asyncio.run(_api_streams(model, tok, None, [t], k))[0][0] for t, k in zip(texts, lengths)]
     workers = {p: subprocess.Popen(["taskset", "-c", ",".join(map(str, sorted(c))), sys.executable, __file__,
                                     "--_stage_worker", str(path)],
                                    env={**os.environ, STAGE_PEER_ENV: p,
@@ -590,38 +639,47 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
         # stages, so load from other work on the machine hits both sides of a ratio alike.
         for r in range(args.rounds):
             for n in [1, *levels]:
-                ids, tx = prompt_ids[:n], texts[:n]
+                ids, tx, ks = prompt_ids[:n], texts[:n], lengths[:n]
                 spin0[0] = spin_counts()
                 cpu0 = cpu_s()
-                toks, tps, gaps = _serve_streams(model, local, ids, args.tokens)
+                toks, tps, gaps = _serve_streams(model, local, ids, ks)
                 record(f"one_peer_{n}", toks, tps, gaps, solo, cpu0)
                 ffn.set_schedulers(width)  # as the API's pool tells it: no groups within a step
                 cpu0 = cpu_s()
                 toks, tps, gaps = profiled(f"stages_schedulers_{n}", r, lambda: _serve_streams(
-                    model, ffn, ids, args.tokens, schedulers=min(width, n)))
+                    model, ffn, ids, ks, schedulers=min(width, n)))
                 record(f"stages_schedulers_{n}", toks, tps, gaps, solo, cpu0)
                 for k in extra_widths:  # --schedulers: more batch schedulers than stages, raw
                     ffn.set_schedulers(k)
                     cpu0 = cpu_s()
                     toks, tps, gaps = profiled(f"stages_{k}_schedulers_{n}", r, lambda: _serve_streams(
-                        model, ffn, ids, args.tokens, schedulers=min(k, n)))
+                        model, ffn, ids, ks, schedulers=min(k, n)))
                     record(f"stages_{k}_schedulers_{n}", toks, tps, gaps, solo, cpu0)
                 ffn.set_schedulers(width)
                 cpu0 = cpu_s()
-                got, tps, gaps, _, n_tok = asyncio.run(_api_streams(model, tok, None, tx, args.tokens))
+                got, tps, gaps, _, n_tok = asyncio.run(_api_streams(model, tok, None, tx, ks))
                 record(f"api_one_peer_{n}", got, tps, gaps, api_solo, cpu0, n_tok)
                 if args.unpriced:  # the API as before the price: one scheduler per stage
                     ffn.set_pricer(None)
                     cpu0 = cpu_s()
                     got, tps, gaps, stepped, n_tok = profiled(f"api_stages_unpriced_{n}", r, lambda: asyncio.run(
-                        _api_streams(model, tok, ffn, tx, args.tokens)))
+                        _api_streams(model, tok, ffn, tx, ks)))
                     record(f"api_stages_unpriced_{n}", got, tps, gaps, api_solo, cpu0, n_tok,
                            schedulers_stepped=stepped)
                 ffn.set_pricer(pricer)
-                cpu0 = cpu_s()
-                got, tps, gaps, stepped, n_tok = profiled(f"api_stages_{n}", r, lambda: asyncio.run(
-                    _api_streams(model, tok, ffn, tx, args.tokens)))
-                record(f"api_stages_{n}", got, tps, gaps, api_solo, cpu0, n_tok, schedulers_stepped=stepped)
+                if args.evening_off:  # the same, the pool's evening of groups turned off
+                    with _evening(False) as moves:
+                        cpu0 = cpu_s()
+                        got, tps, gaps, stepped, n_tok = profiled(f"api_stages_no_evening_{n}", r, lambda: asyncio.run(
+                            _api_streams(model, tok, ffn, tx, ks)))
+                    record(f"api_stages_no_evening_{n}", got, tps, gaps, api_solo, cpu0, n_tok,
+                           schedulers_stepped=stepped, evening_moves=moves[0])
+                with _evening(True) as moves:
+                    cpu0 = cpu_s()
+                    got, tps, gaps, stepped, n_tok = profiled(f"api_stages_{n}", r, lambda: asyncio.run(
+                        _api_streams(model, tok, ffn, tx, ks)))
+                record(f"api_stages_{n}", got, tps, gaps, api_solo, cpu0, n_tok, schedulers_stepped=stepped,
+                       evening_moves=moves[0])
             out["load_avg_1m_after_round"] = [*out.get("load_avg_1m_after_round", []), round(os.getloadavg()[0], 2)]
         out["pipelined_steps"], out["stage_failures"] = ffn.pipelined_steps, link.failures
     finally:
@@ -647,6 +705,9 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
                 f"api_stages_{n}", f"api_stages_unpriced_{n}")
             out["ratios"][f"{n}_streams"]["api_stages_unpriced_vs_api_one_peer"] = ratios(
                 f"api_stages_unpriced_{n}", f"api_one_peer_{n}")
+        if args.evening_off:
+            out["ratios"][f"{n}_streams"]["api_stages_vs_api_stages_no_evening"] = ratios(
+                f"api_stages_{n}", f"api_stages_no_evening_{n}")
         for k in extra_widths:
             out["ratios"][f"{n}_streams"][f"raw_{k}_schedulers_vs_raw_one_peer"] = ratios(
                 f"stages_{k}_schedulers_{n}", f"one_peer_{n}")
@@ -659,13 +720,13 @@ def _pipeline_run(args, stamps: Path | None) -> dict:
 
 # The options of --pipeline alone (none has an effect without it), with their defaults there.
 PIPELINE_DEFAULTS = {"streams": "8,16", "cores": "0,1", "schedulers": "", "split": None, "profile": False,
-                     "unpriced": False, "out": None}
+                     "unpriced": False, "lengths": "equal", "evening_off": False, "out": None}
 
 
 def _check_pipeline_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses (``parser.error``) a --pipeline option given without --pipeline, which would be
     ignored; fills in the defaults of those left out."""
-    given = [f"--{name}" for name in PIPELINE_DEFAULTS if getattr(args, name) not in (None, False)]
+    given = [f"--{name.replace('_', '-')}" for name in PIPELINE_DEFAULTS if getattr(args, name) not in (None, False)]
     if given and not args.pipeline:
         parser.error(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to --pipeline runs: "
                      f"add --pipeline, or drop {' and '.join(given)}")
@@ -705,6 +766,11 @@ def main() -> None:
     parser.add_argument("--unpriced", action="store_true",
                         help="--pipeline: also serve the API over the stages with one scheduler per stage, "
                         "not placed by the planner's price")
+    parser.add_argument("--lengths", choices=("equal", "mixed"),
+                        help="--pipeline: every stream --tokens long (equal, the default), or a quarter to all of it "
+                        "(mixed: streams finish at different steps)")
+    parser.add_argument("--evening-off", action="store_true",
+                        help="--pipeline: also serve the API over the stages with the pool's evening of groups off")
     parser.add_argument("--out", help="--pipeline: also write the JSON here")
     parser.add_argument("--_inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_stage_worker", metavar="PATH", help=argparse.SUPPRESS)

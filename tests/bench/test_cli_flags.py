@@ -43,23 +43,23 @@ def test_serve_refuses_profile_without_pipeline():
 
 def test_serve_refuses_every_pipeline_option_without_pipeline():
     done = _run("serve.py", "--streams", "8", "--cores", "0,1", "--schedulers", "3", "--split", "11",
-                "--unpriced", "--out", "x.json", "--levels", "none")
+                "--unpriced", "--lengths", "mixed", "--evening-off", "--out", "x.json", "--levels", "none")
     assert done.returncode == 2 and done.stdout == ""
-    assert ("--streams, --cores, --schedulers, --split, --unpriced, --out only apply to --pipeline runs: add "
-            "--pipeline, or drop --streams and --cores and --schedulers and --split and --unpriced and --out"
-            ) in done.stderr
+    assert ("--streams, --cores, --schedulers, --split, --unpriced, --lengths, --evening-off, --out only apply to "
+            "--pipeline runs: add --pipeline, or drop --streams and --cores and --schedulers and --split and "
+            "--unpriced and --lengths and --evening-off and --out") in done.stderr
 
 
 def test_serve_pipeline_options_take_their_defaults_with_pipeline():
     serve = _serve()
     parser = argparse.ArgumentParser()
     args = argparse.Namespace(pipeline=True, streams=None, cores=None, schedulers=None, split=None, profile=False,
-                              unpriced=False, out=None)
+                              unpriced=False, lengths=None, evening_off=False, out=None)
     serve._check_pipeline_options(parser, args)
     assert vars(args) == {"pipeline": True, "streams": "8,16", "cores": "0,1", "schedulers": "", "split": None,
-                          "profile": False, "unpriced": False, "out": None}
+                          "profile": False, "unpriced": False, "lengths": "equal", "evening_off": False, "out": None}
     given = argparse.Namespace(pipeline=True, streams="4", cores="0-7,8-15", schedulers="3", split="11", profile=True,
-                               unpriced=True, out="o.json")
+                               unpriced=True, lengths="mixed", evening_off=True, out="o.json")
     serve._check_pipeline_options(parser, given)
     assert given.streams == "4" and given.cores == "0-7,8-15" and given.profile
 
