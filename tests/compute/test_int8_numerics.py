@@ -355,6 +355,36 @@ def test_int8_products_do_not_depend_on_t_rows_or_threads(qtype, int8):
         threads.set_threads(saved)
 
 
+@pytest.mark.parametrize("qtype", list(KINDS), ids=lambda q: q.name)
+def test_int8_rows_made_here_and_multiplied_later_give_matmuls_bits(qtype, int8):
+    """``int8_rows`` quantizes as the twin does (values, scales, Q4_1/Q5_1/Q4_K/Q5_K's d·Σq per
+    32, zero padding to 64 bytes), and ``matmul_int8_rows`` on those rows — copied, as from
+    another machine — gives ``matmul``'s bits under the int8 numerics; wrong rows are refused."""
+    K = 2 * 256
+    m = QMatrix(weights(qtype, 23, K, 13), qtype, K)
+    x = np.random.default_rng(6).standard_normal((3, K), dtype=F32)
+    x[1, 64:128] = 0.0  # all-zero blocks: scale 0, values 0
+    rows = m.int8_rows(x)
+    block = 32 if qtype in PER32 else 256
+    q, d = quantize(x, block)
+    assert rows.dtype == np.uint8 and rows.shape[1] % 64 == 0
+    np.testing.assert_array_equal(rows[:, :K].view(np.int8).astype(np.int64), q)
+    np.testing.assert_array_equal(rows[:, K:K + 4 * (K // block)].view(F32), d)
+    used = K + 4 * (K // block)
+    if qtype in (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K):  # d·Σq per 32 values, d the value's block's
+        sums = (np.repeat(d, block // 32, axis=1) * q.reshape(3, K // 32, 32).sum(axis=2).astype(F32)).astype(F32)
+        np.testing.assert_array_equal(rows[:, used:used + 4 * (K // 32)].view(F32), sums)
+        used += 4 * (K // 32)
+    assert not rows[:, used:].any()
+    got = m.matmul_int8_rows(rows.copy())
+    np.testing.assert_array_equal(got.view(np.uint32), m.matmul(x).view(np.uint32))
+    with pytest.raises(ValueError, match="int8 rows must be uint8"):
+        m.matmul_int8_rows(rows[:, :-64])
+    f16 = QMatrix(np.zeros((2, 2 * K), np.uint8), QT.F16, K)
+    with pytest.raises(ValueError, match="no int8 product"):
+        f16.int8_rows(x)
+
+
 def test_types_without_an_int8_kernel_keep_float32(int8):
     """MXFP4 and Q2_K rows, and Q8_0 rows of 96 values (not a multiple of 64), under int8: the
     float32 bits."""
