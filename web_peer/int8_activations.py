@@ -7,11 +7,12 @@ FMA on it; at decode (T = 1) they are bound by that work, not by memory
 own quantizer (:meth:`swarm.compute.quant.QMatrix.int8_rows`: per 256 values with one float32 dx
 for Q4_K and Q6_K, ggml's Q8_K, plus dx·Σq per 32 values for Q4_K's minimums; per 32 for Q8_0),
 and the GEMV multiplies packed bytes with ``dot4I8Packed`` (``gemv_x8.wgsl`` with the prelude
-``x8_q4_k.wgsl``, ``x8_q6_k.wgsl`` or ``x8_q8_0.wgsl``). Each term is the CPU kernel's: an exact
-integer sum of a super-block's (or block's) weights times int8 values, scaled by the same
-float32 product d·dx (Q4_K: and the same minimum terms (dmin·m)·(dx·Σq)); only the order in which
-the terms are added differs. So a GPU's answer lies within a bound of the CPU's int8 answer
-that float32 summation alone gives (:func:`cpu_bound`), whatever the GPU or its shader compiler
+``x8_q4_k.wgsl``, ``x8_q6_k.wgsl`` or ``x8_q8_0.wgsl``). Both sides compute one exact sum in
+float32 pieces: each block's integer (its weights' integers times the int8 values, exact on both)
+times the same float32 product d·dx, less Q4_K's minimum terms (dmin·m)·(dx·Σq), the same on
+both; the CPU cuts a block's integer into 16 lanes' parts, the GPU into its steps, and each adds
+its pieces in its own order. So a GPU's answer lies within a bound of the CPU's int8 answer that
+float32 summation alone gives (:func:`cpu_bound`), whatever the GPU or its shader compiler
 (which may contract and reassociate): a coordinator of the int8 numerics can check it.
 
 The weights are the block kernels' own planes (:func:`web_peer.kernels.pack_matrix`), so one
@@ -145,37 +146,55 @@ def _unit_weights(fmt: str, blocks: np.ndarray) -> np.ndarray:
     return np.abs(K.dequantize_k(ones, fmt).astype(np.float64)).reshape(r, nb, K.QK_K)
 
 
-def _magnitudes(fmt: str, blocks: np.ndarray, q: np.ndarray, dx: np.ndarray, xm: np.ndarray | None) -> np.ndarray:
-    """Σ |terms| of each output [T, R] for file blocks [R, nb, size]: Σ_b |fl(d_b dx_b)| Σ |w'| |q_x|
-    over the block (w' = :func:`_unit_weights`), plus Q4_K's Σ_j |fl(dmin m_j)| |dx Σq|_j."""
+def _f16(blocks: np.ndarray, at: int) -> tuple[np.ndarray, np.ndarray]:
+    """The f16 field at byte ``at`` of file blocks [..., size] as float32 [...], and where it is
+    subnormal (a GPU may read it as 0)."""
+    h = blocks[..., at:at + 2].copy().view("<f2")[..., 0]
+    return h.astype(np.float32), (h != 0) & (np.abs(h) < np.finfo(np.float16).tiny)
+
+
+def _magnitudes(fmt: str, blocks: np.ndarray, q: np.ndarray, dx: np.ndarray,
+                xm: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(M, M_sub), float64 [T, R] each, for file blocks [R, nb, size]: M = Σ_b |fl(d_b dx_b)| Σ |w'|·|q_x|
+    over the block's values (w' = :func:`_unit_weights`), plus Q4_K's Σ_j |fl(dmin m_j)|·|dx Σq|_j;
+    M_sub the part of M from blocks whose d (minimum terms whose dmin) is an f16 subnormal. Taken
+    value by value, M bounds the sum of |parts| of any cutting of the blocks' integers into parts
+    (the CPU's lanes, the GPU's steps): it must stay per value, not per block or part."""
     r, nb, _ = blocks.shape
     qk = _QK[fmt]
-    d = blocks[..., 208:210] if fmt == "q6_k" else blocks[..., 0:2]
-    d = d.copy().view("<f2").astype(np.float32).reshape(1, r, nb)
-    c = np.abs(d * dx.reshape(-1, 1, nb)).astype(np.float64)  # [T, R, nb]: the float32 products both sides take
+    d, sub = _f16(blocks, 208 if fmt == "q6_k" else 0)  # [R, nb]
+    c = np.abs(d[None] * dx.reshape(-1, 1, nb)).astype(np.float64)  # [T, R, nb]: the float32 products both sides take
     ints = np.einsum("rbl,tbl->trb", _unit_weights(fmt, blocks), np.abs(q.astype(np.float64)).reshape(-1, nb, qk))
-    total = (c * ints).sum(axis=-1)
+    terms = c * ints
+    total, total_sub = terms.sum(axis=-1), np.where(sub[None], terms, 0.0).sum(axis=-1)
     if fmt == "q4_k":
         _, mn = K._k_scale_min(blocks.reshape(r * nb, -1)[:, :16])
-        dmin = blocks[..., 2:4].copy().view("<f2").astype(np.float32).reshape(r * nb, 1)
-        mins = np.abs((dmin * mn).reshape(1, r, nb * 8)).astype(np.float64)  # fl(dmin m_j)
-        total += (mins * np.abs(xm.astype(np.float64)).reshape(-1, 1, nb * 8)).sum(axis=-1)
-    return total
+        dmin, sub = _f16(blocks, 2)
+        mins = np.abs(dmin.reshape(r * nb, 1) * mn).reshape(1, r, nb * 8).astype(np.float64)  # fl(dmin m_j)
+        terms = mins * np.abs(xm.astype(np.float64)).reshape(-1, 1, nb * 8)
+        total += terms.sum(axis=-1)
+        total_sub += np.where(np.repeat(sub, 8, axis=1)[None], terms, 0.0).sum(axis=-1)
+    return total, total_sub
 
 
 def cpu_bound(m: K.PackedMatrix, rows: np.ndarray, lanes: int, chunk: int = 256) -> np.ndarray:
     """A bound on |GPU - CPU| per output, float64 [T, R], for PackedMatrix ``m`` [R, K] on the
     CPU's int8 rows ``rows`` (:func:`int8_rows`) with ``lanes`` threads a row on the GPU.
 
-    Both sides add the same exactly computed terms t_i (an integer sum times one float32 product
-    d·dx, which a fused multiply-add keeps exact or rounds once; Q4_K's minimum terms likewise),
-    each in its own order. A sum whose every term passes through at most D roundings lies within
-    γ_D·Σ|t_i| of the exact sum, γ_D = D·u / (1 - D·u), u = 2⁻²⁴ (Higham, *Accuracy and Stability
-    of Numerical Algorithms*, 2002, §3.1), so the two answers lie within (γ_Dcpu + γ_Dgpu)·Σ|t_i|:
+    Both sides compute one exact sum S = Σ_b c_b·N_b - Σ_j μ_j·s_j (c_b = fl(d_b·dx_b), N_b the
+    block's integer: its weights' integers times the int8 values, exact on both; μ_j = fl(dmin·m_j),
+    s_j the row's dx·Σq: Q4_K's minimums), cutting each N_b into parts (the CPU: 16 lanes; the
+    GPU: its steps) and adding the pieces c_b·part, each exact before its one rounding (a fused
+    multiply-add's or a product's), in its own order. A sum whose every piece passes through at
+    most D roundings lies within γ_D·Σ|pieces| of the exact sum, γ_D = D·u / (1 - D·u), u = 2⁻²⁴
+    (Higham, *Accuracy and Stability of Numerical Algorithms*, 2002, §3.1), and Σ|pieces| ≤ M of
+    :func:`_magnitudes` on either side, so the answers lie within (γ_Dcpu + γ_Dgpu)·M of each other:
     D_cpu = nb + 8 (a lane's chain over the row's nb blocks, a 16-lane tree, the minimums' lanes
     and their sum: qkernels' int8 section), D_gpu = ⌈steps / lanes⌉ + log₂ lanes + 4 (a lane's
-    chain, the slice's tree, the step's own sum and product, sums - mins). Rigorous, not
-    probabilistic: no honest GPU lands outside it."""
+    chain, the slice's tree, the step's own sum and product, sums - mins). The γ bound assumes no
+    underflow, which a GPU may flush to zero: a block whose f16 d (or dmin) is subnormal may lose
+    its pieces whole (M_sub is added), and each of the at most 2·(24·nb + 64) operations of the
+    two sides may lose 2⁻¹²⁶. Rigorous, not probabilistic: no honest GPU lands outside it."""
     _check_format(m.fmt)
     q, dx, xm = planes(m.fmt, rows, m.cols)
     blocks = K.file_blocks(m)[:m.rows]
@@ -183,8 +202,9 @@ def cpu_bound(m: K.PackedMatrix, rows: np.ndarray, lanes: int, chunk: int = 256)
     d_cpu = nb + 8
     d_gpu = -(-nb * _STEPS[m.fmt] // lanes) + int(np.log2(lanes)) + 4
     gamma = lambda n: n * 2.0 ** -24 / (1 - n * 2.0 ** -24)  # noqa: E731
-    out = [_magnitudes(m.fmt, blocks[r0:r0 + chunk], q, dx, xm) for r0 in range(0, m.rows, chunk)]
-    return np.concatenate(out, axis=1) * (gamma(d_cpu) + gamma(d_gpu))
+    parts = [_magnitudes(m.fmt, blocks[r0:r0 + chunk], q, dx, xm) for r0 in range(0, m.rows, chunk)]
+    total, sub = (np.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
+    return total * (gamma(d_cpu) + gamma(d_gpu)) + sub + 2 * (24 * nb + 64) * 2.0 ** -126
 
 
 # ---- host (wgpu) -----------------------------------------------------------------------------------

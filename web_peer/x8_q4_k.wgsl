@@ -7,8 +7,8 @@
 //   i_k = sum q_w * q_x (exact in i32; nibbles 0..15 read as int8 are themselves)
 //   step = ((d * dx_b) * f32(sc_2j * i_2j + sc_2j+1 * i_2j+1),       (the integer exact, < 2^24)
 //           (dmin * m_2j) * xm_2s + (dmin * m_2j+1) * xm_2s+1)
-// (the scaled sums and the min terms apart, subtracted once a row: gemv_x8.wgsl): the terms of
-// the CPU's int8 kernel (swarm/compute/qkernels.py), in another order.
+// (the scaled sums and the min terms apart, subtracted once a row: gemv_x8.wgsl): the CPU int8
+// kernel's sum (swarm/compute/qkernels.py), cut into other pieces, added in another order.
 const QK: u32 = 256u;
 const STEPS_PER_BLOCK: u32 = 4u;
 @group(0) @binding(4) var<storage, read> ws: array<vec4<u32>>;  // a block's head (d, dmin, scales): one load

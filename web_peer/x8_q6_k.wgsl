@@ -6,7 +6,8 @@
 // is), scales sc_a = sc[8n + 2g] (l < 16), sc_b = sc[8n + 2g + 1]:
 //   i_k = sum (q - 32) * q_x = sum q * q_x - 32 * sum q_x over the 16 values (exact in i32)
 //   step = ((d * dx_b) * f32(sc_a * i_a + sc_b * i_b), 0)   (the integer exact, < 2^24)
-// the terms of the CPU's int8 kernel (swarm/compute/qkernels.py), in another order.
+// The CPU int8 kernel's sum (swarm/compute/qkernels.py), cut into other pieces, added in
+// another order.
 const QK: u32 = 256u;
 const STEPS_PER_BLOCK: u32 = 8u;
 @group(0) @binding(4) var<storage, read> ws: array<u32>;  // d of blocks 2i, 2i + 1 (f16)

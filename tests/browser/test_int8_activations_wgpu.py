@@ -70,10 +70,32 @@ def test_the_bound_stops_an_answer_missing_one_step(new_gpu, fmt):
     x = rng.standard_normal((1, 512)).astype(np.float32)
     y, rows = _check(gpu, w, x, gpu.lanes)
     short = rows.copy()
-    short[:, 288:320] = 0  # 32 int8 activations: the products of one step (Q4_K: its scaled sums)
+    short[:, 288:320] = 0  # 32 int8 activations (Q8_0: a block; Q6_K: a step; Q4_K: a sub-block, half a step)
     wrong = X8.cpu_product(w.matrix.packed, short)
     bound = X8.cpu_bound(w.matrix.packed, rows, gpu.lanes)
     assert (np.abs(wrong - y.astype(np.float64)) > bound).all()
+
+
+@pytest.mark.parametrize("fmt", X8.X8_FORMATS)
+def test_the_bound_covers_a_gpu_that_flushes_subnormal_scales(fmt):
+    # A GPU may read an f16 subnormal d (or dmin) as 0: the answer of weights whose first block
+    # has d (and dmin) subnormal, and of the same weights with them 0, lie within the bound,
+    # which they would not without its subnormal part.
+    rng = np.random.default_rng(46)
+    size = K.block_size(fmt)[1]
+    raw = K.random_blocks(rng, 8, 512, fmt, 2e-3).reshape(8, -1, size)
+    fields = (208,) if fmt == "q6_k" else (0, 2) if fmt == "q4_k" else (0,)
+    flushed = raw.copy()
+    for at in fields:
+        raw[:, 0, at:at + 2] = np.array([3e-6], "<f2").view(np.uint8)  # below f16's smallest normal
+        flushed[:, 0, at:at + 2] = 0
+    m, m0 = (K.pack_matrix(b.reshape(8, -1), fmt, 1 << 27) for b in (raw, flushed))
+    rows = X8.int8_rows(fmt, rng.standard_normal((2, 512)).astype(np.float32))
+    diff = np.abs(X8.cpu_product(m0, rows) - X8.cpu_product(m, rows))
+    bound = X8.cpu_bound(m, rows, 8)
+    assert (diff <= bound).all()
+    total, sub = X8._magnitudes(fmt, K.file_blocks(m)[:8], *X8.planes(fmt, rows, 512))
+    assert (diff > bound - sub).any() and (sub > 0).all()
 
 
 @pytest.mark.parametrize("fmt", X8.X8_FORMATS)
