@@ -2,6 +2,7 @@
 everything else (attention, RoPE, norms, quantizing activation rows, Python between them).
 
     python3 bench/prefill_phases.py --model dense_Q4_K_M.gguf --threads 1,4,16 --numerics float32,int8
+    python3 bench/prefill_phases.py --model moe_Q4_K_M.gguf --threads 1,4,16 --decode-tokens 32
 
 Each (numerics, threads, spin) case runs in its own process: the model is loaded, warmed, and a
 prompt of ``--prompt-tokens`` is prefilled ``--repeats`` times; the best run is kept. Timers wrap
@@ -10,7 +11,12 @@ run). ``products`` is the grouped products' wall time; ``rest`` is the prefill l
 the part no phase names; ``groups_s`` splits the products by group (each product's weight rows x
 columns, "+" between a group's products: which shapes scale). Prints JSON: the machine, then one record per case with each phase's
 seconds and its share of the prefill. With ``--spin both`` each thread count ≥ 2 also runs with the
-spinning workers off and on (``COLIBRI_SWARM_SPIN=0/1``).
+spinning workers off and on (``COLIBRI_SWARM_SPIN=0/1``). With ``--decode-tokens N`` the same
+for decode instead: the prompt is prefilled untimed, then N greedy steps of one token each are
+timed (the phases summed over them); ``decode_s`` is a step's mean, the phases per step. The
+MoE layers' routing (``route`` on the general path; the decode path's routing is inside its
+``moe`` step) is a phase of its own there, and a decode step's whole MoE FFN step (``moe_step``:
+router, routing, the expert products, activation and sum) is timed around its products.
 """
 
 from __future__ import annotations
@@ -36,6 +42,20 @@ PHASES = (
     ("swarm.compute.model", "apply_rope_swapped", "rope"),
     ("swarm.compute.model", "rms_norm", "rms_norm"),
 )
+# --decode-tokens: the decode path's own steps (swarm/compute/decode.py), timed as phases too.
+DECODE_PHASES = (
+    ("swarm.compute.decode", "_MoE.__call__", "moe_step"),
+    ("swarm.compute.decode", "_Dense.__call__", "dense_step"),
+    ("swarm.compute.decode", "run_table", "products"),
+    ("swarm.compute.rowkernels", "attention", "attention"),
+    ("swarm.compute.kernels", "attention", "attention"),
+    ("swarm.compute.rowkernels", "rms_norm", "rms_norm"),
+    ("swarm.compute.rowkernels", "add_rms_norm", "rms_norm"),
+    ("swarm.compute.rowkernels", "qk_rope_row", "rope"),
+    ("swarm.compute.rowkernels", "route_row", "route"),
+    ("swarm.compute.ffn", "route", "route"),
+)
+NESTED = ("products", "route")  # timed also inside another phase, which then counts without them
 
 
 def main() -> int:
@@ -45,6 +65,8 @@ def main() -> int:
     ap.add_argument("--numerics", default="float32", help="float32, int8 or both, comma-separated")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=0,
+                    help="time this many decode steps after an untimed prefill, instead of the prefill")
     ap.add_argument("--spin", choices=("default", "both"), default="default",
                     help="both: every thread count ≥ 2 also with the spinning workers off and on")
     ap.add_argument("--_case", help=argparse.SUPPRESS)
@@ -68,7 +90,8 @@ def main() -> int:
                 else:
                     env.pop("COLIBRI_SWARM_SPIN", None)
                 cmd = [sys.executable, __file__, "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
-                       "--repeats", str(args.repeats), "--_case", f"{kind},{n},{spin or 'default'}"]
+                       "--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens),
+                       "--_case", f"{kind},{n},{spin or 'default'}"]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if done.returncode != 0:
                     print(json.dumps({"numerics": kind, "threads": n, "spin": spin or "default",
@@ -104,24 +127,30 @@ def _case(args: argparse.Namespace) -> int:
     ids = list(range(1000, 1000 + args.prompt_tokens))
     list(generate(model, ids[:8], SamplingParams(max_tokens=2)))  # compile or load, warm
     totals: dict[str, float] = {}
-    depth = [0]
+    stack: list[str] = []  # the phases running now, outermost first
 
     def timed(fn, phase):
         def wrapper(*a, **kw):
-            if depth[0]:  # inside another timed call: counted there
+            if stack and phase not in NESTED:  # inside another timed call: counted there
                 return fn(*a, **kw)
-            depth[0] += 1
+            stack.append(phase)
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - t0
-                depth[0] -= 1
+                dt = time.perf_counter() - t0
+                stack.pop()
+                totals[phase] = totals.get(phase, 0.0) + dt
+                if stack:  # the outer phase counts without this one
+                    totals[stack[-1]] = totals.get(stack[-1], 0.0) - dt
         return wrapper
 
-    for module, attr, phase in PHASES:
-        mod = importlib.import_module(module)
-        setattr(mod, attr, timed(getattr(mod, attr), phase))
+    for module, attr, phase in PHASES + (DECODE_PHASES if args.decode_tokens else ()):
+        owner = importlib.import_module(module)
+        *path, name = attr.split(".")
+        for part in path:  # a class's method: wrapped on the class
+            owner = getattr(owner, part)
+        setattr(owner, name, timed(getattr(owner, name), phase))
     from swarm.compute import qkernels
 
     group = qkernels.int8_group
@@ -151,24 +180,33 @@ def _case(args: argparse.Namespace) -> int:
             entry[1] += time.perf_counter() - t0
     quant.run_table = group_timed
     best: dict | None = None
+    n_steps = args.decode_tokens or 1
+    key = "decode_s" if args.decode_tokens else "prefill_s"
     for _ in range(args.repeats):
+        steps = generate(model, ids, SamplingParams(max_tokens=args.decode_tokens + 1, stop_tokens=()),
+                         cache=model.new_cache(len(ids) + args.decode_tokens + 2))
+        if args.decode_tokens:
+            next(steps)  # the prefill, untimed
         totals.clear()
         by_group.clear()
-        steps = generate(model, ids, SamplingParams(max_tokens=1), cache=model.new_cache(len(ids) + 2))
         t0, c0 = time.perf_counter(), time.process_time()
-        next(steps)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if best is None or wall < best["prefill_s"]:
+        for _ in range(n_steps):
+            next(steps)
+        wall, cpu = (time.perf_counter() - t0) / n_steps, (time.process_time() - c0) / n_steps
+        for k in totals:
+            totals[k] /= n_steps
+        if best is None or wall < best[key]:
             if "quantize" in totals:
                 totals["products"] -= totals["quantize"]
             named = sum(totals.values())
-            best = {"prefill_s": round(wall, 4), "cpu_s": round(cpu, 3),
-                    "tok_s": round(len(ids) / wall, 1),
+            best = {key: round(wall, 5 if args.decode_tokens else 4), "cpu_s": round(cpu, 4),
+                    "tok_s": round((1 if args.decode_tokens else len(ids)) / wall, 1),
                     "phases_s": {**{k: round(v, 4) for k, v in sorted(totals.items())}, "rest": round(wall - named, 4)},
                     "phases_share": {**{k: round(v / wall, 3) for k, v in sorted(totals.items())},
                                      "rest": round((wall - named) / wall, 3)},
                     "groups_s": {k: {"calls": c, "s": round(v, 4)} for k, (c, v) in sorted(by_group.items())}}
-    print(json.dumps({"numerics": kind, "threads": int(n), "spin": spin, "prompt_tokens": len(ids), **(best or {})}))
+    print(json.dumps({"numerics": kind, "threads": int(n), "spin": spin, "prompt_tokens": len(ids),
+                      **({"decode_tokens": args.decode_tokens} if args.decode_tokens else {}), **(best or {})}))
     return 0
 
 
