@@ -14,9 +14,9 @@ seconds and its share of the prefill. With ``--spin both`` each thread count ≥
 spinning workers off and on (``COLIBRI_SWARM_SPIN=0/1``). With ``--decode-tokens N`` the same
 for decode instead: the prompt is prefilled untimed, then N greedy steps of one token each are
 timed (the phases summed over them); ``decode_s`` is a step's mean, the phases per step. The
-MoE layers' routing (``route`` on the general path; the decode path's routing is inside its
-``moe`` step) is a phase of its own there, and a decode step's whole MoE FFN step (``moe_step``:
-router, routing, the expert products, activation and sum) is timed around its products.
+decode path's products (its group tables) count as ``products`` and in ``groups_s``, routing
+(``route_row``, or ``route`` on the general path) as ``route``, and a MoE layer's step as
+``moe_step`` without the two: its router product, the activation, the weighted sum, Python.
 """
 
 from __future__ import annotations
@@ -165,20 +165,26 @@ def _case(args: argparse.Namespace) -> int:
     from swarm.compute import quant
 
     by_group: dict[str, list[float]] = {}  # a group's products (rows x cols each) -> [calls, seconds]
-    run_table = quant.run_table
 
-    def group_timed(table, first, work):  # the products' wall time per group shape
-        key = "+".join(f"{r}x{c}" for r, c in zip(table[:, qkernels.W_ROWS], table[:, qkernels.K]))
-        if len(key) > 60:  # many experts: their count and one's shape
-            key = f"{len(table)}x{table[0, qkernels.W_ROWS]}x{table[0, qkernels.K]}"
-        t0 = time.perf_counter()
-        try:
-            return run_table(table, first, work)
-        finally:
-            entry = by_group.setdefault(key, [0, 0.0])
-            entry[0] += 1
-            entry[1] += time.perf_counter() - t0
-    quant.run_table = group_timed
+    def group_timed(run):  # ``run`` (a run_table) timed per group shape: the products' wall time
+        def wrapper(table, first, work):
+            key = "+".join(f"{r}x{c}" for r, c in zip(table[:, qkernels.W_ROWS], table[:, qkernels.K]))
+            if len(key) > 60:  # many experts: their count and one's shape
+                key = f"{len(table)}x{table[0, qkernels.W_ROWS]}x{table[0, qkernels.K]}"
+            t0 = time.perf_counter()
+            try:
+                return run(table, first, work)
+            finally:
+                entry = by_group.setdefault(key, [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - t0
+        return wrapper
+
+    quant.run_table = group_timed(quant.run_table)
+    if args.decode_tokens:  # the decode path's tables too (decode.py took run_table by name)
+        from swarm.compute import decode
+
+        decode.run_table = group_timed(decode.run_table)
     best: dict | None = None
     n_steps = args.decode_tokens or 1
     key = "decode_s" if args.decode_tokens else "prefill_s"
@@ -204,7 +210,8 @@ def _case(args: argparse.Namespace) -> int:
                     "phases_s": {**{k: round(v, 4) for k, v in sorted(totals.items())}, "rest": round(wall - named, 4)},
                     "phases_share": {**{k: round(v / wall, 3) for k, v in sorted(totals.items())},
                                      "rest": round((wall - named) / wall, 3)},
-                    "groups_s": {k: {"calls": c, "s": round(v, 4)} for k, (c, v) in sorted(by_group.items())}}
+                    "groups_s": {k: {"calls": round(c / n_steps, 2), "s": round(v / n_steps, 5)}  # a step's
+                                 for k, (c, v) in sorted(by_group.items())}}
     print(json.dumps({"numerics": kind, "threads": int(n), "spin": spin, "prompt_tokens": len(ids),
                       **({"decode_tokens": args.decode_tokens} if args.decode_tokens else {}), **(best or {})}))
     return 0

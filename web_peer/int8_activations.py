@@ -146,34 +146,41 @@ def _unit_weights(fmt: str, blocks: np.ndarray) -> np.ndarray:
     return np.abs(K.dequantize_k(ones, fmt).astype(np.float64)).reshape(r, nb, K.QK_K)
 
 
-def _f16(blocks: np.ndarray, at: int) -> tuple[np.ndarray, np.ndarray]:
-    """The f16 field at byte ``at`` of file blocks [..., size] as float32 [...], and where it is
-    subnormal (a GPU may read it as 0)."""
-    h = blocks[..., at:at + 2].copy().view("<f2")[..., 0]
-    return h.astype(np.float32), (h != 0) & (np.abs(h) < np.finfo(np.float16).tiny)
+_TINY = np.finfo(np.float32).tiny  # float32's smallest normal, 2⁻¹²⁶
+
+
+def _subnormal(a: np.ndarray) -> np.ndarray:
+    """Where float32 ``a`` is subnormal (a GPU may read or make it as 0)."""
+    return (a != 0) & (np.abs(a) < _TINY)
 
 
 def _magnitudes(fmt: str, blocks: np.ndarray, q: np.ndarray, dx: np.ndarray,
                 xm: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """(M, M_sub), float64 [T, R] each, for file blocks [R, nb, size]: M = Σ_b |fl(d_b dx_b)| Σ |w'|·|q_x|
     over the block's values (w' = :func:`_unit_weights`), plus Q4_K's Σ_j |fl(dmin m_j)|·|dx Σq|_j;
-    M_sub the part of M from blocks whose d (minimum terms whose dmin) is an f16 subnormal. Taken
-    value by value, M bounds the sum of |parts| of any cutting of the blocks' integers into parts
-    (the CPU's lanes, the GPU's steps): it must stay per value, not per block or part."""
+    M_sub the part of M whose float32 factors (dx, d·dx; xm, dmin·m) are subnormal, which a GPU
+    may flush to 0 (the f16 d and dmin themselves are decoded from their bits, exactly: they are
+    normal float32). Taken value by value, M bounds the sum of |parts| of any cutting of the
+    blocks' integers into parts (the CPU's lanes, the GPU's steps): it must stay per value, not
+    per block or part."""
     r, nb, _ = blocks.shape
     qk = _QK[fmt]
-    d, sub = _f16(blocks, 208 if fmt == "q6_k" else 0)  # [R, nb]
-    c = np.abs(d[None] * dx.reshape(-1, 1, nb)).astype(np.float64)  # [T, R, nb]: the float32 products both sides take
+    at = 208 if fmt == "q6_k" else 0
+    d = blocks[..., at:at + 2].copy().view("<f2")[..., 0].astype(np.float32)  # [R, nb]
+    dxb = dx.reshape(-1, 1, nb)
+    c32 = d[None] * dxb  # [T, R, nb]: the float32 products both sides take
     ints = np.einsum("rbl,tbl->trb", _unit_weights(fmt, blocks), np.abs(q.astype(np.float64)).reshape(-1, nb, qk))
-    terms = c * ints
-    total, total_sub = terms.sum(axis=-1), np.where(sub[None], terms, 0.0).sum(axis=-1)
+    terms = np.abs(c32).astype(np.float64) * ints
+    sub = _subnormal(c32) | _subnormal(dxb)
+    total, total_sub = terms.sum(axis=-1), np.where(sub, terms, 0.0).sum(axis=-1)
     if fmt == "q4_k":
         _, mn = K._k_scale_min(blocks.reshape(r * nb, -1)[:, :16])
-        dmin, sub = _f16(blocks, 2)
-        mins = np.abs(dmin.reshape(r * nb, 1) * mn).reshape(1, r, nb * 8).astype(np.float64)  # fl(dmin m_j)
-        terms = mins * np.abs(xm.astype(np.float64)).reshape(-1, 1, nb * 8)
+        dmin = blocks[..., 2:4].copy().view("<f2").astype(np.float32).reshape(r * nb, 1)
+        mins = (dmin * mn).reshape(1, r, nb * 8)  # fl(dmin m_j)
+        xmb = xm.reshape(-1, 1, nb * 8)
+        terms = np.abs(mins).astype(np.float64) * np.abs(xmb.astype(np.float64))
         total += terms.sum(axis=-1)
-        total_sub += np.where(np.repeat(sub, 8, axis=1)[None], terms, 0.0).sum(axis=-1)
+        total_sub += np.where(_subnormal(mins) | _subnormal(xmb), terms, 0.0).sum(axis=-1)
     return total, total_sub
 
 
@@ -192,9 +199,12 @@ def cpu_bound(m: K.PackedMatrix, rows: np.ndarray, lanes: int, chunk: int = 256)
     D_cpu = nb + 8 (a lane's chain over the row's nb blocks, a 16-lane tree, the minimums' lanes
     and their sum: qkernels' int8 section), D_gpu = ⌈steps / lanes⌉ + log₂ lanes + 4 (a lane's
     chain, the slice's tree, the step's own sum and product, sums - mins). The γ bound assumes no
-    underflow, which a GPU may flush to zero: a block whose f16 d (or dmin) is subnormal may lose
-    its pieces whole (M_sub is added), and each of the at most 2·(24·nb + 64) operations of the
-    two sides may lose 2⁻¹²⁶. Rigorous, not probabilistic: no honest GPU lands outside it."""
+    underflow, which a GPU may flush to zero: pieces whose float32 factors are subnormal may be
+    lost whole (M_sub is added: activations near 10⁻³⁸, never real ones), and each of the at most
+    2·(24·nb + 64) additions of the two sides may lose 2⁻¹²⁶ (a sum below it flushed). The f16
+    scales are decoded from their bits (gemv_x8.wgsl ``f16_pair``), so a subnormal f16 d, as most
+    of a real file's Q6_K blocks have, is computed exactly. Rigorous, not probabilistic: no
+    honest GPU lands outside it."""
     _check_format(m.fmt)
     q, dx, xm = planes(m.fmt, rows, m.cols)
     blocks = K.file_blocks(m)[:m.rows]

@@ -53,7 +53,7 @@ fn row_step(r: u32, nb: u32, s: u32, sx: StepX) -> vec2<f32> {
     let nib = vec4<u32>(0x0F0F0F0Fu);
     let i0 = dot16(q0 & nib, sx.a0) + dot16(q1 & nib, sx.a1);
     let i1 = dot16((q0 >> vec4<u32>(4u)) & nib, sx.a2) + dot16((q1 >> vec4<u32>(4u)) & nib, sx.a3);
-    let dm = unpack2x16float(head.x);
+    let dm = f16_pair(head.x);
     let c = dm.x * sx.dx;  // the CPU's dx * d, one rounding
     return vec2<f32>(c * f32(i32(m0.x) * i0 + i32(m1.x) * i1),
                      (dm.y * f32(m0.y)) * sx.m0 + (dm.y * f32(m1.y)) * sx.m1);

@@ -53,7 +53,7 @@ fn row_step(r: u32, nb: u32, s: u32, sx: StepX) -> vec2<f32> {
     let i1 = dot16(q1, sx.a1) - 32i * sx.n1;
     let sc = w[base + 12u];
     let k = 8u * n + 2u * g;
-    let d = unpack2x16float(ws[b >> 1u]);
+    let d = f16_pair(ws[b >> 1u]);
     let cd = select(d.x, d.y, (b & 1u) == 1u) * sx.dx;  // the CPU's dx * d, one rounding
     return vec2<f32>(cd * f32(x8_i8_at(sc, k) * i0 + x8_i8_at(sc, k + 1u) * i1), 0.0);
 }

@@ -20,7 +20,7 @@ fn step_x(t: u32, s: u32) -> StepX {
 
 fn row_step(r: u32, nb: u32, s: u32, sx: StepX) -> vec2<f32> {
     let b = r * nb + s;
-    let d = unpack2x16float(ws[b >> 1u]);
+    let d = f16_pair(ws[b >> 1u]);
     let i = dot16(w[2u * b], sx.a0) + dot16(w[2u * b + 1u], sx.a1);
     let c = select(d.x, d.y, (b & 1u) == 1u) * sx.dx;  // the CPU's dw * dx, one rounding
     return vec2<f32>(c * f32(i), 0.0);

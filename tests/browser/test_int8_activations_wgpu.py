@@ -76,26 +76,46 @@ def test_the_bound_stops_an_answer_missing_one_step(new_gpu, fmt):
     assert (np.abs(wrong - y.astype(np.float64)) > bound).all()
 
 
-@pytest.mark.parametrize("fmt", X8.X8_FORMATS)
-def test_the_bound_covers_a_gpu_that_flushes_subnormal_scales(fmt):
-    # A GPU may read an f16 subnormal d (or dmin) as 0: the answer of weights whose first block
-    # has d (and dmin) subnormal, and of the same weights with them 0, lie within the bound,
-    # which they would not without its subnormal part.
-    rng = np.random.default_rng(46)
+@pytest.mark.parametrize("fmt,fields", [("q4_k", (0,)), ("q4_k", (2,)), ("q4_k", (0, 2)), ("q6_k", (208,)),
+                                        ("q8_0", (0,))], ids=lambda v: str(v))
+def test_subnormal_f16_scales_are_computed_exactly(new_gpu, fmt, fields):
+    # llama.cpp's Q6_K d (about max |w| / 4096) is an f16 subnormal in most blocks of a real file:
+    # every block's d (and/or Q4_K's dmin) here is one, of the file's usual size; the GPU decodes
+    # them from their bits, so its answer lies within the bound of the CPU's, which stays as tight
+    # as with normal scales (nothing of it for a flushed scale).
+    gpu = new_gpu()
+    rng = np.random.default_rng(47)
     size = K.block_size(fmt)[1]
-    raw = K.random_blocks(rng, 8, 512, fmt, 2e-3).reshape(8, -1, size)
-    fields = (208,) if fmt == "q6_k" else (0, 2) if fmt == "q4_k" else (0,)
-    flushed = raw.copy()
+    raw = K.random_blocks(rng, 16, 512, fmt, 2e-3).reshape(16, -1, size)
     for at in fields:
-        raw[:, 0, at:at + 2] = np.array([3e-6], "<f2").view(np.uint8)  # below f16's smallest normal
-        flushed[:, 0, at:at + 2] = 0
-    m, m0 = (K.pack_matrix(b.reshape(8, -1), fmt, 1 << 27) for b in (raw, flushed))
-    rows = X8.int8_rows(fmt, rng.standard_normal((2, 512)).astype(np.float32))
-    diff = np.abs(X8.cpu_product(m0, rows) - X8.cpu_product(m, rows))
+        sub = rng.uniform(1e-6, 6e-5, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2]) if at != 2 else \
+            rng.uniform(1e-6, 6e-5, raw.shape[:2])
+        raw[..., at:at + 2] = sub.astype("<f2")[..., None].view(np.uint8)
+        assert (np.abs(raw[..., at:at + 2].copy().view("<f2")) < np.finfo(np.float16).tiny).all()
+    w = gpu.upload_linear(raw.reshape(16, -1), fmt)
+    x = np.abs(rng.standard_normal((2, 512))).astype(np.float32)  # Q4_K's minimum terms: large dx·Σq
+    y, rows = _check(gpu, w, x, gpu.lanes)
+    total, sub = X8._magnitudes(fmt, K.file_blocks(w.matrix.packed)[:16], *X8.planes(fmt, rows, 512))
+    assert (sub == 0).all() and np.abs(y).max() > 0
+
+
+@pytest.mark.parametrize("fmt", X8.X8_FORMATS)
+def test_the_bound_covers_a_gpu_that_flushes_subnormal_activation_scales(fmt):
+    # Activations near 10⁻³⁶ make the rows' float32 dx (and d·dx, Q4_K's dx·Σq) subnormal, which
+    # a GPU may read as 0: the CPU's answer with those scales 0 lies within the bound of its answer
+    # with them, and would not without the bound's subnormal part.
+    rng = np.random.default_rng(48)
+    m = K.pack_matrix(K.random_blocks(rng, 8, 512, fmt, 0.5), fmt, 1 << 27)  # answers above the 2⁻¹²⁶ terms
+    x = rng.standard_normal((2, 512)).astype(np.float32) * np.float32(3e-37)  # dx = amax / 127 < 2⁻¹²⁶
+    rows = X8.int8_rows(fmt, x)
+    flushed = rows.copy()
+    f = flushed[:, 512:].view(np.float32)
+    f[X8._subnormal(f)] = 0
+    assert (flushed != rows).any()
+    diff = np.abs(X8.cpu_product(m, flushed) - X8.cpu_product(m, rows))
     bound = X8.cpu_bound(m, rows, 8)
-    assert (diff <= bound).all()
-    total, sub = X8._magnitudes(fmt, K.file_blocks(m)[:8], *X8.planes(fmt, rows, 512))
-    assert (diff > bound - sub).any() and (sub > 0).all()
+    _, sub = X8._magnitudes(fmt, K.file_blocks(m)[:8], *X8.planes(fmt, rows, 512))
+    assert (diff <= bound).all() and (diff > bound - sub).any()
 
 
 @pytest.mark.parametrize("fmt", X8.X8_FORMATS)
