@@ -9,7 +9,7 @@
 
 // Half `b & 1` of an f16 pair: d of block b where two blocks share a scale word.
 fn pair_half(word: u32, b: u32) -> vec2<f32> {
-    let s = unpack2x16float(word);
+    let s = f16_pair(word);
     return vec2<f32>(select(s.x, s.y, (b & 1u) == 1u), 0.0);
 }
 

@@ -21,7 +21,7 @@ fn k_scale_min(head: vec4<u32>, s: u32) -> vec2<f32> {
 // (d * sc, dmin * m) of sub-blocks 2j (xy) and 2j + 1 (zw) of block b of matrix m.
 fn k_head_scales(m: u32, b: u32, j: u32) -> vec4<f32> {
     let head = vec4<u32>(scale(m, 4u * b), scale(m, 4u * b + 1u), scale(m, 4u * b + 2u), scale(m, 4u * b + 3u));
-    let d = unpack2x16float(head.x);
+    let d = f16_pair(head.x);
     let a = k_scale_min(head, 2u * j);
     let c = k_scale_min(head, 2u * j + 1u);
     return vec4<f32>(d.x * a.x, d.y * a.y, d.x * c.x, d.y * c.y);

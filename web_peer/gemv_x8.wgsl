@@ -32,17 +32,6 @@ fn dot16(q: vec4<u32>, a: vec4<u32>) -> i32 {
     return (dot4I8Packed(q.x, a.x) + dot4I8Packed(q.y, a.y)) + (dot4I8Packed(q.z, a.z) + dot4I8Packed(q.w, a.w));
 }
 
-// The two f16 of a word (low half first) as f32, exactly, subnormals included: an f16 subnormal
-// m·2⁻²⁴ is a normal f32, which unpack2x16float may give as 0 (WGSL lets an implementation flush
-// subnormals), and llama.cpp's Q6_K d (about max |w| / 4096) is subnormal in most blocks of a
-// real file. Normal f16 (and ±0, inf, NaN) go through unpack2x16float, which is exact for them.
-fn f16_pair(w: u32) -> vec2<f32> {
-    let halves = vec2<u32>(w & 0xFFFFu, w >> 16u);
-    let tiny = vec2<f32>(halves & vec2<u32>(0x3FFu)) * 5.9604644775390625e-8;  // m · 2⁻²⁴
-    let signed = select(tiny, -tiny, (halves & vec2<u32>(0x8000u)) != vec2<u32>(0u));
-    return select(unpack2x16float(w), signed, (halves & vec2<u32>(0x7C00u)) == vec2<u32>(0u));
-}
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let group = wid.x + wid.y * p.tile_x;

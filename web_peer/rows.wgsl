@@ -17,6 +17,18 @@ const TB: u32 = 8u;      // input rows per workgroup (weights read once per TB r
 
 var<workgroup> red: array<vec2<f32>, WG>;
 
+// The two f16 of a word (low half first) as f32, exactly, subnormals included; every GGUF block
+// scale is read through it. An f16 subnormal m·2⁻²⁴ is a normal f32, which unpack2x16float may
+// give as 0 (WGSL lets an implementation flush subnormals), and llama.cpp's Q6_K d (about
+// max |w| / 4096) is subnormal in most blocks of a real file. Normal f16 (and ±0, inf, NaN) go
+// through unpack2x16float, which is exact for them.
+fn f16_pair(w: u32) -> vec2<f32> {
+    let halves = vec2<u32>(w & 0xFFFFu, w >> 16u);
+    let tiny = vec2<f32>(halves & vec2<u32>(0x3FFu)) * 5.9604644775390625e-8;  // m · 2⁻²⁴
+    let signed = select(tiny, -tiny, (halves & vec2<u32>(0x8000u)) != vec2<u32>(0u));
+    return select(unpack2x16float(w), signed, (halves & vec2<u32>(0x7C00u)) == vec2<u32>(0u));
+}
+
 // The sum of v over the workgroup's threads (a tree, in a fixed order). Every thread must call
 // it (uniform control flow: it has barriers); every thread gets the sum.
 fn workgroup_sum(lid: u32, v: vec2<f32>) -> vec2<f32> {

@@ -36,7 +36,7 @@ fn load_unit(m: u32, r: u32, v: u32, nb: u32) -> Unit {
     let s = v % 8u;
     let head = scale(m, 2u * b);
     let ls = ((scale(m, 2u * b + 1u) >> (4u * s)) & 15u) | (((head >> (16u + 2u * s)) & 3u) << 4u);
-    let dl = unpack2x16float(head).x * f32(i32(ls) - 32);
+    let dl = f16_pair(head).x * f32(i32(ls) - 32);
     let q = quant(m, r * nb * 8u + v);
     return Unit(iq4_word(q.x, dl), iq4_word(q.y, dl), iq4_word(q.z, dl), iq4_word(q.w, dl));
 }

@@ -9,7 +9,7 @@ fn scale_word(b: u32) -> u32 {
 }
 
 fn block_scale(word: u32, b: u32) -> vec2<f32> {
-    return unpack2x16float(word);
+    return f16_pair(word);
 }
 
 fn x_pair(v: u32, i: u32) -> vec2<u32> {

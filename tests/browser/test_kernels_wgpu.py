@@ -326,6 +326,83 @@ def test_block_rows_split_across_a_workgroup(new_gpu, fmt, split):
         assert rel_error(y, x.astype(np.float64) @ w64.T) <= 1e-5
 
 
+# the f16 fields of each block format's blocks (byte offsets): d, and q4_1's m, the K-quants' dmin
+F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+              "iq4_xs": (0,)}
+
+
+def test_f16_pair_decodes_every_f16_exactly(gpu):
+    # rows.wgsl's f16_pair, which every block kernel reads its scales through, on all 65536 f16
+    # bit patterns in each half of a word: float32 bits equal numpy's conversion (NaN as NaN),
+    # subnormals included, which unpack2x16float may flush to 0 on a GPU.
+    import wgpu
+    from importlib import resources
+
+    code = (resources.files(K.__package__) / "rows.wgsl").read_text() + """
+@group(0) @binding(0) var<storage, read> words: array<u32>;
+@group(0) @binding(1) var<storage, read_write> out: array<vec2<f32>>;
+@compute @workgroup_size(64)
+fn probe(@builtin(global_invocation_id) g: vec3<u32>) {
+    out[g.x] = f16_pair(words[g.x]);
+}
+"""
+    dev = gpu._device()
+    low = np.arange(65536, dtype=np.uint32)
+    words = low | (low[::-1] << 16)
+    src = dev.create_buffer_with_data(data=words.tobytes(), usage=wgpu.BufferUsage.STORAGE)
+    dst = dev.create_buffer(size=8 * words.size, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+    pipe = dev.create_compute_pipeline(layout="auto", compute={"module": dev.create_shader_module(code=code),
+                                                                "entry_point": "probe"})
+    bind = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+        {"binding": 0, "resource": {"buffer": src}}, {"binding": 1, "resource": {"buffer": dst}}])
+    enc = dev.create_command_encoder()
+    cp = enc.begin_compute_pass()
+    cp.set_pipeline(pipe)
+    cp.set_bind_group(0, bind)
+    cp.dispatch_workgroups(words.size // 64)
+    cp.end()
+    dev.queue.submit([enc.finish()])
+    got = np.frombuffer(dev.queue.read_buffer(dst), np.float32).reshape(-1, 2)
+    want = np.stack([h.astype(np.uint16).view(np.float16).astype(np.float32) for h in (low, low[::-1])], 1)
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    assert (got[~nan].view(np.uint32) == want[~nan].view(np.uint32)).all()
+    assert (np.abs(want) < np.finfo(np.float16).tiny).sum() == 2 * 2048  # the subnormals and ±0 were there
+
+
+def test_every_f16_scale_is_read_through_f16_pair():
+    # unpack2x16float only inside f16_pair: a kernel that decodes an f16 scale on its own may see
+    # a subnormal d as 0 on a GPU that flushes (most Q6_K blocks of a real file).
+    from importlib import resources
+
+    users = {f.name for f in resources.files(K.__package__).iterdir()
+             if f.name.endswith(".wgsl") and "unpack2x16float" in f.read_text()}
+    assert users == {"rows.wgsl"}
+    rows = (resources.files(K.__package__) / "rows.wgsl").read_text()
+    body = rows[rows.index("fn f16_pair"):]
+    assert rows.count("unpack2x16float(") == body[:body.index("\n}\n")].count("unpack2x16float(") == 1
+
+
+@pytest.mark.parametrize("fmt", K.BLOCK_FORMATS)
+def test_block_kernels_take_subnormal_f16_scales(gpu, fmt):
+    # Every f16 field of every block (d; q4_1's m; the K-quants' dmin) an f16 subnormal of either
+    # sign: the GPU's products equal gguf-py's dequantization as with normal scales.
+    rng = np.random.default_rng(61)
+    cols = 2 * K.block_size(fmt)[0]
+    raw = K.random_blocks(rng, 19, cols, fmt, 2e-3)
+    blocks = raw.reshape(19, 2, -1)
+    for at in F16_FIELDS[fmt]:
+        sub = rng.uniform(1e-6, 6e-5, blocks.shape[:2]) * rng.choice([-1, 1], blocks.shape[:2])
+        blocks[..., at:at + 2] = sub.astype("<f2")[..., None].view(np.uint8)
+        assert (np.abs(blocks[..., at:at + 2].copy().view("<f2")) < np.finfo(np.float16).tiny).all()
+    m = gpu.upload_linear(raw, fmt)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    (y,) = gpu.matmul_many([(m, x)])
+    ref = x.astype(np.float64) @ _gguf_f64(raw, fmt).T
+    assert np.abs(ref).max() > 1e-4
+    assert rel_error(y, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
 def test_subgroup_and_shared_row_sums_agree_bit_for_bit(new_gpu, fmt):
     # slice_sum's butterfly hands lane 0 the partials in the shared tree's order: the same bits
