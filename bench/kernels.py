@@ -93,7 +93,7 @@ def main() -> int:
             tiles = None
             if m._kind >= 0 and qtype.name.endswith("_K"):
                 k_tiles = QMatrix(q, qtype, K)
-                k_tiles._kind = -1  # the decoded-tile path these types took before their kernels
+                k_tiles._kind = k_tiles._group = -1  # the decoded-tile path these types took before their kernels
                 tiles = k_tiles.matmul
             elif qtype in (QT.F16, QT.BF16):  # before their kernels: decoded to float32, then that kernel
                 tiles = lambda x: QMatrix.from_float(m.dequantize()).matmul(x)  # noqa: E731

@@ -69,35 +69,41 @@ def main() -> int:
                     help="time this many decode steps after an untimed prefill, instead of the prefill")
     ap.add_argument("--spin", choices=("default", "both"), default="default",
                     help="both: every thread count ≥ 2 also with the spinning workers off and on")
+    ap.add_argument("--tiles-per-thread", default="4",
+                    help="a group's tiles a thread, comma-separated (4: the engine's own; 8 halves every "
+                         "tile below the 1 MiB cap, the floor included): how finely the threads share a product")
     ap.add_argument("--_case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._case:
         return _case(args)
     if not Path(args.model).is_file():
         ap.error(f"--model {args.model!r} is not a file")
-    counts = [int(n) for n in args.threads.split(",")]
+    try:
+        counts = [int(n) for n in args.threads.split(",")]
+        tilings = [int(n) for n in args.tiles_per_thread.split(",")]
+    except ValueError:
+        ap.error("--threads and --tiles-per-thread take comma-separated integers")
     kinds = args.numerics.split(",")
-    if any(n < 1 for n in counts) or any(k not in ("float32", "int8") for k in kinds):
-        ap.error("--threads takes counts ≥ 1, --numerics float32 and/or int8")
+    if any(n < 1 for n in counts + tilings) or any(k not in ("float32", "int8") for k in kinds):
+        ap.error("--threads and --tiles-per-thread take counts ≥ 1, --numerics float32 and/or int8")
     print(json.dumps({"machine": _machine()}), flush=True)
-    for kind in kinds:
-        for n in counts:
-            for spin in (("0", "1") if args.spin == "both" and n > 1 else ("",)):
-                env = dict(os.environ, COLIBRI_SWARM_THREADS=str(n), COLIBRI_SWARM_NUMERICS=kind,
-                           PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-                if spin:
-                    env["COLIBRI_SWARM_SPIN"] = spin
-                else:
-                    env.pop("COLIBRI_SWARM_SPIN", None)
-                cmd = [sys.executable, __file__, "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
-                       "--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens),
-                       "--_case", f"{kind},{n},{spin or 'default'}"]
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                if done.returncode != 0:
-                    print(json.dumps({"numerics": kind, "threads": n, "spin": spin or "default",
-                                      "error": done.stderr[-2000:]}), flush=True)
-                    continue
-                print(done.stdout.strip().splitlines()[-1], flush=True)
+    for kind, n, tiles in ((k, n, t) for k in kinds for n in counts for t in tilings):
+        for spin in (("0", "1") if args.spin == "both" and n > 1 else ("",)):
+            env = dict(os.environ, COLIBRI_SWARM_THREADS=str(n), COLIBRI_SWARM_NUMERICS=kind,
+                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            if spin:
+                env["COLIBRI_SWARM_SPIN"] = spin
+            else:
+                env.pop("COLIBRI_SWARM_SPIN", None)
+            cmd = [sys.executable, __file__, "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
+                   "--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens),
+                   "--_case", f"{kind},{n},{spin or 'default'},{tiles}"]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(json.dumps({"numerics": kind, "threads": n, "spin": spin or "default",
+                                  "tiles_per_thread": tiles, "error": done.stderr[-2000:]}), flush=True)
+                continue
+            print(done.stdout.strip().splitlines()[-1], flush=True)
     return 0
 
 
@@ -117,8 +123,13 @@ def _machine() -> dict:
 def _case(args: argparse.Namespace) -> int:
     import importlib
 
-    kind, n, spin = args._case.split(",")
-    from swarm.compute import SamplingParams, generate, load_model, numerics
+    kind, n, spin, tiles = args._case.split(",")
+    from swarm.compute import SamplingParams, generate, load_model, numerics, quant, threads
+
+    if int(tiles) != 4:  # quant._tile_bytes with `tiles` a thread where it gives 4, its floor scaled alike
+        def tile_bytes(work: float, per: int = int(tiles)) -> float:
+            return min(quant.MAX_TILE_BYTES, max(quant.GROUP_TILE_BYTES * 4 / per, work / (per * threads.threads())))
+        quant._tile_bytes = tile_bytes
 
     numerics.set_numerics(kind)
     model = load_model(args.model)
@@ -212,7 +223,8 @@ def _case(args: argparse.Namespace) -> int:
                                      "rest": round((wall - named) / wall, 3)},
                     "groups_s": {k: {"calls": round(c / n_steps, 2), "s": round(v / n_steps, 5)}  # a step's
                                  for k, (c, v) in sorted(by_group.items())}}
-    print(json.dumps({"numerics": kind, "threads": int(n), "spin": spin, "prompt_tokens": len(ids),
+    print(json.dumps({"numerics": kind, "threads": int(n), "spin": spin, "tiles_per_thread": int(tiles),
+                      "prompt_tokens": len(ids),
                       **({"decode_tokens": args.decode_tokens} if args.decode_tokens else {}), **(best or {})}))
     return 0
 

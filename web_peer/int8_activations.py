@@ -202,7 +202,7 @@ def cpu_bound(m: K.PackedMatrix, rows: np.ndarray, lanes: int, chunk: int = 256)
     underflow, which a GPU may flush to zero: pieces whose float32 factors are subnormal may be
     lost whole (M_sub is added: activations near 10⁻³⁸, never real ones), and each of the at most
     2·(24·nb + 64) additions of the two sides may lose 2⁻¹²⁶ (a sum below it flushed). The f16
-    scales are decoded from their bits (gemv_x8.wgsl ``f16_pair``), so a subnormal f16 d, as most
+    scales are decoded from their bits (rows.wgsl ``f16_pair``), so a subnormal f16 d, as most
     of a real file's Q6_K blocks have, is computed exactly. Rigorous, not probabilistic: no
     honest GPU lands outside it."""
     _check_format(m.fmt)

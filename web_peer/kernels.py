@@ -51,8 +51,8 @@ its low nibble and weight j + 16 in its high one, as in the file; 8 words for q8
 ``scale``, the f16 scales (q4_0/q8_0: d per block; q4_1: d, m per block), read with
 rows.wgsl's f16_pair (exact for subnormal f16 too). The K-quants split the same way: q4_k/q5_k
 keep their 16-byte head (d, dmin, 12 bytes of 6-bit scales) in the scale plane and qs (q5_k:
-qh, qs) in the quant plane; q6_k keeps
-ql, qh and its int8 scales (208 bytes) as quant and its trailing f16 d as scale. Same bytes as
+qh, qs) in the quant plane; q6_k keeps ql, qh and its int8 scales (208 bytes) as quant and its
+trailing f16 d as scale. Same bytes as
 the file (a part whose block count is odd pads 2 bytes), and each plane is aligned, so every word
 is one load.
 

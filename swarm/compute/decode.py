@@ -78,8 +78,8 @@ def _own(a: np.ndarray) -> np.ndarray:
 
 def _table(products: list[tuple[QMatrix, np.ndarray, np.ndarray]]) -> tuple | None:
     """A group table for ``products`` (the scratch's buffers: C-ordered, one row), or None where
-    a matrix has no block kernel (those products then run through ``matmul_many``)."""
-    if all(w._kind >= 0 and w._c for w, _, _ in products):
+    a matrix has no group kind (those products then run through ``matmul_many``)."""
+    if all(w._group >= 0 and w._c for w, _, _ in products):
         return group_table(products)
     return None
 
@@ -127,7 +127,7 @@ class _MoE:
     it is (``pointers.fill_experts``); n rows: each selected expert runs once over the rows
     routed to it, gathered (``pointers.fill_expert_rows``), as ``LocalFFN.ffn`` runs it."""
 
-    __slots__ = ("layer", "router", "router_w", "split_router", "matmul_f32", "fill", "logits", "k", "norm",
+    __slots__ = ("layer", "router", "router_table", "fill", "logits", "k", "norm",
                  "scale", "experts", "weights", "sel", "rank", "xg", "ys_rows", "addresses", "meta", "table",
                  "gu_per", "down_per", "gu_work", "down_work", "g", "u", "e", "split", "ys", "y", "shared")
 
@@ -135,16 +135,15 @@ class _MoE:
         rc = m.routing_config(layer)
         E, k, n = len(experts), rc.top_k, s.n
         nk = n * k
-        self.matmul_f32 = (quant._compiled or quant._kernels()).matmul_f32
         from swarm.compute import pointers  # compiled: imported once the kernels have set numba up
 
         self.fill: Callable[..., Any] = pointers.fill_experts if n == 1 else pointers.fill_expert_rows
         self.layer, self.k, self.norm, self.scale = layer, k, rc.norm_topk_prob, F32(rc.routed_scaling_factor)
         self.router = m.router(layer)
-        self.router_w = self.router.data.view(F32)
-        R, RB = self.router.data.shape
-        self.split_router = threads.parts_for(n * R * RB, quant.MIN_CHUNK_BYTES) > 1  # as _run_products cuts it
         self.logits = s.buffer("logits", (n, E))
+        # float32 weights (0.5 MB for 64 experts × 2048), read from memory every layer: on the
+        # threads a group reaches (~40 µs a layer on one core)
+        self.router_table = _table([(self.router, s.h2, self.logits)])
         self.experts = s.buffer("experts", (n, 2, k), np.int64)  # route_row's [2, k] of each row
         self.weights = s.buffer("weights", (n, 2, k))
         g0, d0 = experts[0].gate, experts[0].down
@@ -180,10 +179,10 @@ class _MoE:
     def __call__(self, m: Model, s: _Scratch) -> np.ndarray:
         row = kernels._row or _row_kernels()
         logits, experts, weights, k, n = self.logits, self.experts, self.weights, self.k, s.n
-        if self.split_router:
-            self.router.matmul(s.h2, logits)
+        if self.router_table is not None:
+            run_table(*self.router_table)
         else:
-            self.matmul_f32(self.router_w, s.h2, logits, 0, 0, logits.shape[1])
+            self.router.matmul(s.h2, logits)
         for i in range(n):
             row.shift_max(logits[i])
         np.exp(logits, out=logits)  # numpy's float32 exp, as softmax takes it

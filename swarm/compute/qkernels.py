@@ -1351,8 +1351,8 @@ def _rows_i8(kind, w, xq, out, lo, hi):
 # (its kind, the addresses and shapes of ``W``, ``x`` and ``out``, and how many weight rows a
 # *tile* of it holds). The group's tiles are numbered across the products in order; each thread
 # that runs :func:`run_group` on the table takes the next tile number from a shared counter (an
-# atomic add), computes that tile with the block kernels (:func:`_rows`,
-# one thread over a range of output rows), and takes the next, until none is left. So a thread
+# atomic add), computes that tile with the block kernels (:func:`_rows`; float32 weights:
+# ``_rows_f32``, one thread over a range of output rows), and takes the next, until none is left. So a thread
 # costs the pool one Python call per group, not one per tile, and tiles small enough to keep 16
 # threads evenly busy cost ~0.1 µs each to hand out. A tile's result does not depend on which
 # thread computed it: each output element keeps its one sequence of float32 operations.
@@ -1393,6 +1393,12 @@ def _view(dtype, readonly: bool):
 _weights = _view(types.uint8, True)
 _bytes = _view(types.uint8, False)
 _floats = _view(types.float32, False)
+_float_weights = _view(types.float32, True)  # a read-only F32 QMatrix's data, as matmul_f32 takes it
+
+# The group kind of a float32 weight matrix (a router; a float32 model's products): matmul_f32's
+# rows, so a router's small product is shared by the threads a group reaches (the spinning
+# workers) rather than run on one thread or handed to the Python pool.
+FLOAT32 = 15
 
 
 @intrinsic
@@ -1484,9 +1490,12 @@ def _tile(table, i, t):
 def _float_tile(table, i, t):
     lo, hi = _tile(table, i, t)
     rows = table[i, W_ROWS]
-    w = _weights(table[i, W], rows, table[i, W_ROW_BYTES])
     x = _floats(table[i, X], table[i, T], table[i, K])
-    _rows(table[i, KIND], w, x, _floats(table[i, OUT], table[i, T], rows), lo, hi)
+    out = _floats(table[i, OUT], table[i, T], rows)
+    if table[i, KIND] == FLOAT32:
+        _rows_f32(_float_weights(table[i, W], rows, table[i, K]), x, out, 0, lo, hi)
+    else:
+        _rows(table[i, KIND], _weights(table[i, W], rows, table[i, W_ROW_BYTES]), x, out, lo, hi)
 
 
 @njit(cache=True, nogil=True)

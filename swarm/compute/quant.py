@@ -98,6 +98,7 @@ _TILE_BYTES = 4 << 20
 # ggml types with a compiled kernel → kernel code used by the numba functions below.
 _KIND = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4, QT.Q4_K: 5, QT.Q5_K: 6, QT.Q6_K: 7,
          QT.MXFP4: 8}
+_FLOAT32_GROUP = 15  # qkernels.FLOAT32: an F32 matrix's kind in a group table (the kernels load lazily)
 # 16-bit float types → kernel code of ``qkernels.matmul_half``.
 _HALF = {QT.F16: 0, QT.BF16: 1}
 # Kinds whose compiled decoder gives gguf's values (the K-quants are decoded by lowbit.py's).
@@ -120,7 +121,7 @@ class QMatrix:
     Raises ValueError when the byte count does not fit the shape and encoding.
     """
 
-    __slots__ = ("data", "qtype", "cols", "_kind", "_addr", "_c")
+    __slots__ = ("data", "qtype", "cols", "_kind", "_group", "_addr", "_c")
 
     def __init__(self, data: np.ndarray, qtype: QT, cols: int):
         qtype = QT(qtype)
@@ -136,6 +137,8 @@ class QMatrix:
             data.flags.writeable = False
         self.data, self.qtype, self.cols = data, qtype, int(cols)
         self._kind = _KIND.get(qtype, -1)  # looked up once: matmul runs hundreds of times a token
+        # its kind in a group table (qkernels.run_group): a block kind, or float32's; -1: none
+        self._group = self._kind if self._kind >= 0 else _FLOAT32_GROUP if qtype == QT.F32 else -1
         self._addr = _address(data)  # for the group table (a decode token builds hundreds of rows)
         self._c = data.flags.c_contiguous  # what the group tables need
 
@@ -363,9 +366,9 @@ def matmul_many(products: Sequence[tuple[QMatrix, np.ndarray, np.ndarray | None]
 
 def _run_products(k, operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> None:
     """``dst = x @ W.T`` for each ``(W, x, dst)``, output rows spread over the compute threads:
-    block-kernel products of at most SMALL_T rows as one compiled group (:func:`_run_group`),
+    block-kernel and float32 products of at most SMALL_T rows as one compiled group (:func:`_run_group`),
     the rest in ranges of rows handed out from Python."""
-    grouped = [o for o in operands if o[0]._kind >= 0 and o[1].shape[0] <= SMALL_T and o[0].data.flags.c_contiguous]
+    grouped = [o for o in operands if o[0]._group >= 0 and o[1].shape[0] <= SMALL_T and o[0]._c]
     if grouped:
         _run_group(grouped)
         if len(grouped) == len(operands):
@@ -388,8 +391,8 @@ def _run_products(k, operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]])
 
 
 def _run_group(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> None:
-    """Block-kernel products (C-contiguous weights, x and dst checked by ``_operands``; T ≤
-    SMALL_T) in tiles of about GROUP_TILE_BYTES of work, which the calling thread and the pool's
+    """Block-kernel and float32 products (C-contiguous weights, x and dst checked by ``_operands``;
+    T ≤ SMALL_T) in tiles of about GROUP_TILE_BYTES of work, which the calling thread and the pool's
     workers take from one atomic counter in compiled code (``qkernels.run_group``)."""
     run_table(*group_table(operands))
 
@@ -407,7 +410,7 @@ def group_table(operands: Sequence[tuple[QMatrix, np.ndarray, np.ndarray]]) -> t
     for (w, x, dst), row_work in zip(operands, per_row):
         R, RB = w.data.shape
         tile = max(8, int(tile_bytes / row_work) // 8 * 8)
-        rows.append((w._kind, w._addr, R, RB, address(x), x.shape[0], x.shape[1], address(dst), tile, first))
+        rows.append((w._group, w._addr, R, RB, address(x), x.shape[0], x.shape[1], address(dst), tile, first))
         first += -(-R // tile)
     return np.array(rows, np.int64), first, work
 

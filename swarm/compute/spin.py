@@ -1,4 +1,4 @@
-"""Compiled hand-off of a group of block-kernel tiles (``quant._run_group``), or of a call's row
+"""Compiled hand-off of a group of product tiles (``quant._run_group``), or of a call's row
 work (attention, RMSNorm: ``rowkernels.row_work``), to the compute threads.
 
 Why. A decode token hands its products to the threads in ~5 groups a layer (query/key/value, the

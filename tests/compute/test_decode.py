@@ -241,8 +241,9 @@ def quantized(tmp_path_factory):
 @pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
 def test_decode_rows_have_the_general_paths_bits(tiny, quantized, family):
     """Decode logits through the one-row path equal the general path's, bit for bit, for each
-    family, float32 (products through matmul_many) and Q8_0 (group tables, the one-row MoE and
-    dense steps); OLMoE's norm of the whole Q/K stays on the general path."""
+    family, float32 (group tables of float32 products: the dense step; a MoE's experts through
+    matmul_many) and Q8_0 (group tables, the one-row MoE and dense steps); OLMoE's norm of the
+    whole Q/K stays on the general path."""
     for path in (tiny(family)[1], quantized(family)):
         model = load_model(path)
         assert (model._decode is None) == (family == "olmoe")
@@ -250,9 +251,10 @@ def test_decode_rows_have_the_general_paths_bits(tiny, quantized, family):
         fast, general = decode_both_ways(model, tokens)
         assert np.isfinite(fast).all() and fast.std() > 0
         assert same_bits(fast, general), path
-        if model._decode is not None and path.suffix == ".gguf":  # the one-row FFN steps ran
+        if model._decode is not None:  # the one-row FFN steps ran (float32 experts: not alike() blocks)
             step = type(model._decode._scratch().layers[0].ffn).__name__
-            assert step == ("_MoE" if family in MOE_FAMILIES else "_Dense")
+            blocks = path.suffix == ".gguf"
+            assert step == ("_Dense" if family in DENSE_FAMILIES else "_MoE" if blocks else "NoneType")
             if family == "qwen2_moe":  # Q/K/V biases and a gated shared expert on the way
                 assert model.has_shared_expert(0) and model.attention_weights(0).qkv_bias is not None
 

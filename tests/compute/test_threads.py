@@ -187,6 +187,30 @@ def test_a_group_is_shared_by_the_threads_that_run_it(every_call_split):
         np.testing.assert_array_equal(y, w)
 
 
+def test_a_float32_product_runs_in_a_group_with_matmul_f32s_bits(every_call_split):
+    """A float32 matrix (a router) takes its own group kind (quant's and qkernels' constants one),
+    and its rows in a group shared by threads are matmul_f32's one-thread bits."""
+    g = quant._kernels()
+    assert quant._FLOAT32_GROUP == g.FLOAT32 and g.FLOAT32 not in quant._KIND.values()
+    rng = np.random.default_rng(6)
+    m = quant.QMatrix.from_float(rng.standard_normal((136, 512), dtype=F32))
+    x = rng.standard_normal((2, 512), dtype=F32)
+    want = np.empty((2, 136), F32)
+    g.matmul_f32(m.data.view(F32), x, want, 0, 0, 136)
+    got = np.full((2, 136), np.nan, F32)
+    table, tiles, _ = quant.group_table([(m, x, got)])
+    assert table[0, 0] == g.FLOAT32 and tiles > 1
+    counter, done = np.zeros(2, np.int64), []
+    runners = [threading.Thread(target=lambda: done.append(g.run_group(table, counter, tiles))) for _ in range(3)]
+    for r in runners:
+        r.start()
+    done.append(g.run_group(table, counter, tiles))
+    for r in runners:
+        r.join()
+    assert sum(done) == tiles
+    np.testing.assert_array_equal(got, want)
+
+
 def test_split_weighted_covers_every_range_once():
     chunks = threads.split_weighted([(100, 1.0), (20, 5.0), (3, 1.0)], 4, 8)
     assert len(chunks) == 4
