@@ -2,8 +2,8 @@
 // intermediate range (W_gate[r], W_up[r], W_down[:, r]); both are swiglu.wgsl then down.wgsl.
 //
 // Weight layout (the same rules as web_peer/kernels.py, whose packing it must equal byte for
-// byte): row-major [rows, K] with K zero-padded to a multiple of 4; formats f32, f16 (needs
-// shader-f16) and q8 (int8 per row + one f32 scale per row: scale = max|row| / 127,
+// byte): row-major [rows, K] with K zero-padded to a multiple of 4; formats f32, f16 (any
+// adapter: read as u32 words) and q8 (int8 per row + one f32 scale per row: scale = max|row| / 127,
 // q = round-half-even(w / scale)), packed here from float32; and the GGUF block formats q4_0,
 // q4_1, q8_0, q4_k, q5_k, q6_k, iq4_xs, kept in the file's blocks, split once into a quant plane and a
 // scale plane (no bytes added; kernels.py says why). Each matrix is cut into parts of whole rows so no binding

@@ -59,8 +59,7 @@ export class GpuContext {
       throw new KernelError("this adapter lacks the feature 'subgroups'; leave subgroups unset");
     }
     this.subgroups = opts.subgroups ?? (hasSubgroups && this.lanes <= this.subgroupMinSize);
-    this.hasF16 = adapter.features.has("shader-f16");
-    this.formats = FORMATS.filter((f) => f !== "f16" || this.hasF16);
+    this.formats = [...FORMATS];  // f16 too: decoded from u32 words, no shader-f16 needed
     this.device = null;
     this.generation = 0;      // bumped whenever the device is dropped; weights remember theirs
     this.largestBinding = 0;  // the largest buffer ever bound, for limit tests
@@ -99,7 +98,7 @@ export class GpuContext {
 
   async getDevice() {
     if (this.device) return this.device;
-    const required = [...(this.hasF16 ? ["shader-f16"] : []), ...(this.subgroups ? ["subgroups"] : [])];
+    const required = this.subgroups ? ["subgroups"] : [];
     let dev;
     try {
       dev = await this.adapter.requestDevice({
@@ -173,7 +172,7 @@ export class GpuContext {
    */
   async pipeline(kernel, fmt, tb = TB) {
     if (!this.formats.includes(fmt)) {
-      throw new KernelError(`weight format ${fmt} needs the adapter feature shader-f16, which this adapter lacks; use f32 or q8`);
+      throw new KernelError(`unknown weight format ${fmt}; expected one of ${this.formats.join(", ")}`);
     }
     const key = `${kernel}/${fmt}/${tb}`;
     if (!this._pipelines.has(key)) {

@@ -27,7 +27,8 @@ them: the page serves ranges, not stages, so no JS module owns them yet.
 
 Weight formats (one name used by Python, JS and the wire):
 - ``f32``: float32, 4 bytes per weight.
-- ``f16``: IEEE float16, 2 bytes; needs the adapter feature ``shader-f16``; sums stay in f32.
+- ``f16``: IEEE float16, 2 bytes, read as u32 words and decoded exactly (``f16_pair``), on any
+  adapter (no ``shader-f16``); sums stay in f32.
 - ``q8``: int8 per row with one float32 scale per row (``w = q * scale``), ~1 byte per weight:
   4x what f32 holds in the same memory. Quantization: scale = max|row| / 127, q = round(w / scale).
 - ``q4_0``, ``q4_1``, ``q8_0``: the GGUF files' own 32-weight blocks (llama.cpp's block_q4_0,

@@ -263,8 +263,7 @@ class WgpuFfn:
         elif subgroups and not has_subgroups:
             raise KernelError("this adapter lacks the feature 'subgroup'; leave subgroups unset")
         self.subgroups = subgroups
-        self.has_f16 = "shader-f16" in self.adapter.features
-        self.formats = tuple(f for f in K.FORMATS if f != "f16" or self.has_f16)
+        self.formats = K.FORMATS  # f16 too: decoded from u32 words, no shader-f16 needed
         self.largest_binding = 0  # the largest buffer this host ever bound, for limit tests
         self.device = None
         self._pipelines: dict = {}
@@ -274,7 +273,7 @@ class WgpuFfn:
 
     def _device(self):
         if self.device is None:
-            feats = ["shader-f16"] * self.has_f16 + ["subgroup"] * self.subgroups
+            feats = ["subgroup"] * self.subgroups
             self.device = self.adapter.request_device_sync(
                 required_features=feats,
                 required_limits={"max-storage-buffer-binding-size": self.adapter_binding})
@@ -305,8 +304,7 @@ class WgpuFfn:
         key = (kernel, fmt, tb, accumulate)
         if key not in self._pipelines:
             if fmt is not None and fmt not in self.formats:
-                raise KernelError(f"weight format {fmt!r} needs the adapter feature shader-f16, "
-                                  "which this adapter lacks; use f32 or q8")
+                raise KernelError(f"unknown weight format {fmt!r}; expected one of {self.formats}")
             dev = self._device()
             code = K.wgsl_source(kernel, fmt, self.subgroups, tb) if fmt is not None else K.layer_source(kernel)
             module = dev.create_shader_module(code=code)

@@ -68,10 +68,20 @@ def capped_gpu():
         g.close()
 
 
-def test_lavapipe_has_shader_f16(gpu):
-    # The design relies on lavapipe to test the f16 path; without the feature that path is untested.
-    assert gpu.has_f16, f"adapter {gpu.adapter.info['device']} lacks shader-f16"
+def test_f16_weights_need_no_adapter_feature_and_keep_subnormals(gpu):
+    # Every format on every adapter: f16 weights are read as u32 words and decoded by f16_pair,
+    # so the device asks for no shader-f16 (many phone GPUs lack it) and a subnormal weight
+    # (|w| < 2⁻¹⁴, here a fifth of them) is multiplied as it is, not flushed.
     assert gpu.formats == ("f32", "f16", "q8", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
+    assert "shader-f16" not in gpu._device().features
+    assert "enable f16" not in K.wgsl_source("down", "f16")
+    rng = np.random.default_rng(67)
+    w = (rng.standard_normal((40, 96)) * 1e-4).astype(np.float32)
+    eff = K.as_format(w, "f16")
+    assert 0.15 < (np.abs(eff) < np.finfo(np.float16).tiny).mean() < 0.9 and (eff != 0).mean() > 0.95
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    (y,) = gpu.matmul_many([(gpu.upload_linear(w, "f16"), x)])
+    assert rel_error(y, x.astype(np.float64) @ eff.astype(np.float64).T) <= 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "q8"])

@@ -12,8 +12,8 @@ F16 as elements — and each request runs ``swiglu.wgsl`` then ``down.wgsl`` ove
 (:class:`web_peer.wgpu_host.WgpuFfn`, the twin of the page's ``gpu.js``). What the kernels do
 not read is requantized to Q8_0 first, as the coordinator does for a page
 (:func:`~swarm.peer.weights.repack.requantize_q8_0`): Q5_0/Q5_1, Q2_K/Q3_K, the IQ types, BF16,
-F16 on an adapter without ``shader-f16``, and gate/up pairs of two encodings (one kernel reads
-both). Never float32 but for tensors the file stores as F32 (and a dense range's W_down cut
+and gate/up pairs of two encodings (one kernel reads both); F16 is read on any adapter (as u32
+words, no ``shader-f16`` needed). Never float32 but for tensors the file stores as F32 (and a dense range's W_down cut
 inside a block, which the engine itself hands over as F32). A block the kernels cannot take at
 all — gpt-oss's biased, clamped experts, rows not a multiple of 32 weights — runs on the CPU
 through the engine's kernels.
