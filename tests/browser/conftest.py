@@ -17,7 +17,7 @@ from tests.conftest import require
 
 WEB_PEER = Path(__file__).resolve().parents[2] / "web_peer"
 CHROMIUM = "/usr/bin/chromium"
-# Headless WebGPU on a machine without a GPU: Vulkan through SwiftShader (f32 only).
+# Headless WebGPU on a machine without a GPU: Vulkan through SwiftShader (no shader-f16; every weight format).
 CHROMIUM_ARGS = [
     "--enable-unsafe-webgpu", "--enable-features=Vulkan", "--use-vulkan=swiftshader",
     "--use-webgpu-adapter=swiftshader", "--use-angle=swiftshader", "--disable-vulkan-surface",

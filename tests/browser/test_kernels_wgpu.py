@@ -71,7 +71,7 @@ def capped_gpu():
 def test_f16_weights_need_no_adapter_feature_and_keep_subnormals(gpu):
     # Every format on every adapter: f16 weights are read as u32 words and decoded by f16_pair,
     # so the device asks for no shader-f16 (many phone GPUs lack it) and a subnormal weight
-    # (|w| < 2⁻¹⁴, here a fifth of them) is multiplied as it is, not flushed.
+    # (|w| < 2⁻¹⁴, here nearly half of them) is multiplied as it is, not flushed.
     assert gpu.formats == ("f32", "f16", "q8", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
     assert "shader-f16" not in gpu._device().features
     assert "enable f16" not in K.wgsl_source("down", "f16")
