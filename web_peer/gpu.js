@@ -59,7 +59,9 @@ export class GpuContext {
       throw new KernelError("this adapter lacks the feature 'subgroups'; leave subgroups unset");
     }
     this.subgroups = opts.subgroups ?? (hasSubgroups && this.lanes <= this.subgroupMinSize);
-    this.formats = [...FORMATS];  // f16 too: decoded from u32 words, no shader-f16 needed
+    // f16 on any adapter (decoded from u32 words, no shader-f16), where the browser can pack it:
+    // Float16Array (Chrome 135+, Firefox 129+, Safari 18.2+); else the page asks f32 (main.js)
+    this.formats = FORMATS.filter((f) => f !== "f16" || typeof globalThis.Float16Array === "function");
     this.device = null;
     this.generation = 0;      // bumped whenever the device is dropped; weights remember theirs
     this.largestBinding = 0;  // the largest buffer ever bound, for limit tests

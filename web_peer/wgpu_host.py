@@ -304,7 +304,7 @@ class WgpuFfn:
         key = (kernel, fmt, tb, accumulate)
         if key not in self._pipelines:
             if fmt is not None and fmt not in self.formats:
-                raise KernelError(f"unknown weight format {fmt!r}; expected one of {self.formats}")
+                raise KernelError(f"unknown weight format {fmt}; expected one of {', '.join(self.formats)}")
             dev = self._device()
             code = K.wgsl_source(kernel, fmt, self.subgroups, tb) if fmt is not None else K.layer_source(kernel)
             module = dev.create_shader_module(code=code)

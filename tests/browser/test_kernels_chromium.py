@@ -227,6 +227,22 @@ def test_js_block_packing_equals_python(page, fmt):
     assert r["bad"].startswith("KernelError") and "Uint8Array" in r["bad"]
 
 
+def test_f16_is_offered_only_where_the_browser_has_float16array(page):
+    # The page packs f16 weights with Float16Array; a WebGPU browser without it (Chrome before
+    # 135) is offered every other format, and its page then asks f32 (main.js), never a
+    # ReferenceError while packing.
+    r = page.evaluate("""async () => {
+      const gpu = await import("/gpu.js");
+      const ctx = await gpu.GpuContext.create();
+      const saved = globalThis.Float16Array;
+      delete globalThis.Float16Array;
+      try { return { with: ctx.formats, without: new gpu.GpuContext(ctx.adapter).formats }; }
+      finally { globalThis.Float16Array = saved; }
+    }""")
+    assert r["with"] == list(K.FORMATS)
+    assert r["without"] == [f for f in K.FORMATS if f != "f16"]
+
+
 def test_page_constants_and_sources_equal_kernels_py(page):
     # One source of truth: gpu.js's constants and the WGSL it compiles (TB rows, or DECODE_TB for
     # a decode dispatch) are kernels.py's; a rows.wgsl without the TB line is refused.
