@@ -5,9 +5,11 @@ everything else (attention, RoPE, norms, quantizing activation rows, Python betw
     python3 bench/prefill_phases.py --model moe_Q4_K_M.gguf --threads 1,4,16 --decode-tokens 32
 
 Each (numerics, threads, spin) case runs in its own process: the model is loaded, warmed, and a
-prompt of ``--prompt-tokens`` is prefilled ``--repeats`` times; the best run is kept. Timers wrap
-the Python entry points named in ``PHASES`` (wall seconds on the calling thread, summed over the
-run). ``products`` is the grouped products' wall time; ``rest`` is the prefill less every phase,
+prompt of ``--prompt-tokens`` is prefilled ``--repeats`` times with no timer in place (the best,
+``prefill_s_untimed``), then ``--repeats`` times again with timers wrapping the Python entry points
+named in ``PHASES`` (wall seconds on the calling thread, summed over the run); the best timed run
+is kept, and ``timers_s`` is what it took longer than the untimed one (the timers' Python runs
+on the calling thread, between the kernels: it lands in the phases around them and in ``rest``). ``products`` is the grouped products' wall time; ``rest`` is the prefill less every phase,
 the part no phase names; ``groups_s`` splits the products by group (each product's weight rows x
 columns, "+" between a group's products: which shapes scale). Prints JSON: the machine, then one record per case with each phase's
 seconds and its share of the prefill. With ``--spin both`` each thread count ≥ 2 also runs with the
@@ -137,6 +139,25 @@ def _case(args: argparse.Namespace) -> int:
         model.materialize()
     ids = list(range(1000, 1000 + args.prompt_tokens))
     list(generate(model, ids[:8], SamplingParams(max_tokens=2)))  # compile or load, warm
+    n_steps = args.decode_tokens or 1
+    key = "decode_s" if args.decode_tokens else "prefill_s"
+
+    def one_run(on_steps=None) -> tuple[float, float]:
+        """(wall, CPU) seconds a step (decode) or of the prefill, of one run; ``on_steps`` called first."""
+        steps = generate(model, ids, SamplingParams(max_tokens=args.decode_tokens + 1, stop_tokens=()),
+                         cache=model.new_cache(len(ids) + args.decode_tokens + 2))
+        if args.decode_tokens:
+            next(steps)  # the prefill, untimed
+        if on_steps is not None:
+            on_steps()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n_steps):
+            next(steps)
+        return (time.perf_counter() - t0) / n_steps, (time.process_time() - c0) / n_steps
+
+    # The same runs with no timer in place first: what the timers themselves cost is then the
+    # difference (their Python runs on the calling thread, between the kernels it times).
+    plain = min(one_run()[0] for _ in range(args.repeats))
     totals: dict[str, float] = {}
     stack: list[str] = []  # the phases running now, outermost first
 
@@ -156,13 +177,43 @@ def _case(args: argparse.Namespace) -> int:
                     totals[stack[-1]] = totals.get(stack[-1], 0.0) - dt
         return wrapper
 
+    from swarm.compute import qkernels, quant
+
+    by_group: dict[str, list[float]] = {}  # a group's products (rows x cols each) -> [calls, seconds]
+    names: dict[bytes, str] = {}  # a table's (rows, cols) column bytes -> its group's name, made once
+
+    def group_name(table) -> str:
+        shapes = table[:, [qkernels.W_ROWS, qkernels.K]]
+        name = names.get(sig := shapes.tobytes())
+        if name is None:
+            name = "+".join(f"{r}x{c}" for r, c in shapes.tolist())
+            if len(name) > 60:  # many experts: their count and one's shape
+                name = f"{len(table)}x{shapes[0, 0]}x{shapes[0, 1]}"
+            names[sig] = name
+        return name
+
+    def group_timed(run):  # ``run`` (a run_table) timed per group shape; wrapped by the products' timer
+        def wrapper(table, first, work):
+            t0 = time.perf_counter()
+            try:
+                return run(table, first, work)
+            finally:
+                entry = by_group.setdefault(group_name(table), [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - t0
+        return wrapper
+
+    quant.run_table = group_timed(quant.run_table)
+    if args.decode_tokens:  # the decode path's tables too (decode.py took run_table by name)
+        from swarm.compute import decode
+
+        decode.run_table = group_timed(decode.run_table)
     for module, attr, phase in PHASES + (DECODE_PHASES if args.decode_tokens else ()):
         owner = importlib.import_module(module)
         *path, name = attr.split(".")
         for part in path:  # a class's method: wrapped on the class
             owner = getattr(owner, part)
         setattr(owner, name, timed(getattr(owner, name), phase))
-    from swarm.compute import qkernels
 
     group = qkernels.int8_group
 
@@ -173,50 +224,22 @@ def _case(args: argparse.Namespace) -> int:
         finally:
             totals["quantize"] = totals.get("quantize", 0.0) + time.perf_counter() - t0
     qkernels.int8_group = quantizing
-    from swarm.compute import quant
-
-    by_group: dict[str, list[float]] = {}  # a group's products (rows x cols each) -> [calls, seconds]
-
-    def group_timed(run):  # ``run`` (a run_table) timed per group shape: the products' wall time
-        def wrapper(table, first, work):
-            key = "+".join(f"{r}x{c}" for r, c in zip(table[:, qkernels.W_ROWS], table[:, qkernels.K]))
-            if len(key) > 60:  # many experts: their count and one's shape
-                key = f"{len(table)}x{table[0, qkernels.W_ROWS]}x{table[0, qkernels.K]}"
-            t0 = time.perf_counter()
-            try:
-                return run(table, first, work)
-            finally:
-                entry = by_group.setdefault(key, [0, 0.0])
-                entry[0] += 1
-                entry[1] += time.perf_counter() - t0
-        return wrapper
-
-    quant.run_table = group_timed(quant.run_table)
-    if args.decode_tokens:  # the decode path's tables too (decode.py took run_table by name)
-        from swarm.compute import decode
-
-        decode.run_table = group_timed(decode.run_table)
     best: dict | None = None
-    n_steps = args.decode_tokens or 1
-    key = "decode_s" if args.decode_tokens else "prefill_s"
     for _ in range(args.repeats):
-        steps = generate(model, ids, SamplingParams(max_tokens=args.decode_tokens + 1, stop_tokens=()),
-                         cache=model.new_cache(len(ids) + args.decode_tokens + 2))
-        if args.decode_tokens:
-            next(steps)  # the prefill, untimed
-        totals.clear()
-        by_group.clear()
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(n_steps):
-            next(steps)
-        wall, cpu = (time.perf_counter() - t0) / n_steps, (time.process_time() - c0) / n_steps
+        def reset() -> None:
+            totals.clear()
+            by_group.clear()
+        wall, cpu = one_run(reset)
         for k in totals:
             totals[k] /= n_steps
         if best is None or wall < best[key]:
             if "quantize" in totals:
                 totals["products"] -= totals["quantize"]
             named = sum(totals.values())
-            best = {key: round(wall, 5 if args.decode_tokens else 4), "cpu_s": round(cpu, 4),
+            digits = 5 if args.decode_tokens else 4
+            best = {key: round(wall, digits), "cpu_s": round(cpu, 4),
+                    # the same without timers; the timers' own cost is in "rest" (and the phases around them)
+                    f"{key}_untimed": round(plain, digits), "timers_s": round(wall - plain, digits),
                     "tok_s": round((1 if args.decode_tokens else len(ids)) / wall, 1),
                     "phases_s": {**{k: round(v, 4) for k, v in sorted(totals.items())}, "rest": round(wall - named, 4)},
                     "phases_share": {**{k: round(v / wall, 3) for k, v in sorted(totals.items())},

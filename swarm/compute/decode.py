@@ -314,7 +314,7 @@ class DecodeRunner:
             cache.reserve(start + 1)
             cos_qk, sin_qk = m._qk_tables(start, 1)
             tables.append((cos_qk[0], sin_qk[0]))
-            split_attention.append(threads.parts_for(nh * (start + 1) * hd, kernels.MIN_ATTENTION_WORK) > 1)
+            split_attention.append(kernels.attention_shared(nh * (start + 1) * hd))
         if s.scores.shape[1] < max(starts) + 1:
             s.scores = np.empty((row.M, max(2 * s.scores.shape[1], max(starts) + 1, 256)), F32)
         own = m.plain_ffn(ffn)  # the model's own LocalFFN (or its like): the steps here compute what it would

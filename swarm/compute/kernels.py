@@ -37,6 +37,11 @@ F32 = np.float32
 # head dim) handed to another thread: below them, handing it over costs more than it saves.
 MIN_ELEMENTWISE = 1 << 16
 MIN_ATTENTION_WORK = 1 << 18
+# Attention's work (query rows × heads × positions × head dim) from which its items go to the
+# spinning workers: handing one out is an atomic add, so a decode row's attention at a short
+# context (Qwen3-30B-A3B's 32 heads over 100 positions: 8 items of ~5 µs), which the Python
+# pool's threshold above leaves to the calling thread while the others wait, is shared too.
+SPIN_ATTENTION_WORK = 1 << 14
 # An RMSNorm item on the spinning workers (elements: ~5 µs on one core): handing one out costs
 # an atomic add, so a norm too small for two Python-pool parts still spreads over the threads.
 SPIN_NORM_ITEM = 1 << 13
@@ -186,16 +191,25 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, out: np.n
     def part(i0: int, i1: int) -> None:  # scratch of its own: parts run on several threads
         row.attention(q, k, v, start, out, np.empty((row.M, start + T), F32), np.empty((row.M, hd), F32), i0, i1)
 
-    parts = threads.parts_for(T * nh * (start + T) * hd, MIN_ATTENTION_WORK)
-    if parts == 1 or items == 1:
-        part(0, items)
-    elif (workers := quant_module.spin_workers()) is not None and _run_rows(
+    work = T * nh * (start + T) * hd
+    if items > 1 and work >= SPIN_ATTENTION_WORK and (workers := quant_module.spin_workers()) is not None and _run_rows(
             workers, [row.ATTENTION, _address(q), T, nh, hd, _address(k), _address(v), nkv, k.shape[1], start,
                       _address(out)], items):
         pass  # items taken one at a time from a counter: later query rows' larger items even out
+    elif items == 1 or (parts := threads.parts_for(work, MIN_ATTENTION_WORK)) == 1:
+        part(0, items)
     else:  # later query rows see more positions: more parts than threads even out their sizes
         threads.run_chunks(part, threads.split(items, parts if T == 1 else 4 * parts))
     return out
+
+
+def attention_shared(work: int) -> bool:
+    """Whether :func:`attention` of ``work`` (T × nh × (start + T) × hd) hands items to other
+    threads (the spinning workers, or the Python pool) rather than computing them all on the
+    calling thread. The block kernels must be loaded."""
+    if work >= SPIN_ATTENTION_WORK and quant_module.spin_workers() is not None:
+        return True
+    return threads.parts_for(work, MIN_ATTENTION_WORK) > 1
 
 
 def _run_rows(workers: "SpinPool", fields: list[int], items: int) -> bool:

@@ -210,6 +210,7 @@ def test_the_engine_with_spinning_workers_gives_one_threads_logits(spin, tmp_pat
     monkeypatch.setattr(quant, "GROUP_TILE_BYTES", 1)
     monkeypatch.setattr(quant, "MAX_TILE_BYTES", 1)
     monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 1)
+    monkeypatch.setattr(kernels, "SPIN_ATTENTION_WORK", 1)
     monkeypatch.setattr(kernels, "SPIN_NORM_ITEM", 1)
     model = load_model(write_tiny_moe(tmp_path / "moe.gguf", QT.Q4_K))
     tokens = np.random.default_rng(1).integers(0, VOCAB, 11).tolist()
@@ -230,6 +231,52 @@ def test_the_engine_with_spinning_workers_gives_one_threads_logits(spin, tmp_pat
         threads.set_threads(before)
 
 
+
+def test_decode_attention_too_small_for_the_python_pool_goes_to_the_spinning_workers(spin, tmp_path, monkeypatch):
+    """A decode row's attention of work at or above ``SPIN_ATTENTION_WORK``, below the Python
+    pool's ``MIN_ATTENTION_WORK``, is shared with the spinning workers (at a short context it
+    would keep every other thread waiting), with one thread's bits; above it, it stays whole
+    on the calling thread."""
+    from swarm.compute import kernels, threads
+    from swarm.compute.model import load_model
+    from tests.compute.test_threads import LAYERS, VOCAB, write_tiny_moe
+
+    monkeypatch.setattr(spin, "_FORCED", "1")
+    monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 1 << 40)  # the Python pool never takes it
+    model = load_model(write_tiny_moe(tmp_path / "moe.gguf", QT.Q8_0))
+    assert model._decode is not None  # one-row calls take the decode path
+    c = model.config
+    tokens = np.random.default_rng(3).integers(0, VOCAB, 12).tolist()
+    kinds: list[tuple[int, int]] = []  # each row work call's (OP, query rows)
+    run_rows = spin.SpinPool.run_rows
+
+    def recorded(self, table, counter, items):
+        kinds.append((int(table[0]), int(table[2])))
+        return run_rows(self, table, counter, items)
+
+    monkeypatch.setattr(spin.SpinPool, "run_rows", recorded)
+    before = threads.threads()
+
+    def decoded(n: int) -> np.ndarray:
+        threads.set_threads(n)
+        cache = model.new_cache()
+        model.forward(tokens[:10], cache)
+        return np.concatenate([model.forward(tokens[10:11], cache), model.forward(tokens[11:], cache)])
+
+    try:
+        one = decoded(1)
+        row = kernels._row or kernels._row_kernels()
+        decode_row = (row.ATTENTION, 1)  # an attention call of one query row (fields OP, A_T)
+        assert row.A_T == 2
+        for threshold, shared in ((c.n_heads * 11 * c.head_dim, True), (c.n_heads * 13 * c.head_dim, False)):
+            monkeypatch.setattr(kernels, "SPIN_ATTENTION_WORK", threshold)  # positions 10 and 11: 11 and 12 a head
+            kinds.clear()
+            np.testing.assert_array_equal(decoded(2), one)
+            assert kinds.count(decode_row) == (2 * LAYERS if shared else 0), (threshold, kinds)
+    finally:
+        threads.set_threads(before)
+
+
 # Attention cases (T, start, nh, nkv, hd): GQA groups of 4, 3, 8, 1 and 8 query heads; T on and off
 # the blocks of M = 4 rows, a decode row at a long position; head dims with a tail past their
 # last multiple of 8 (20, 12).
@@ -245,6 +292,7 @@ def row_work_spun(spin, monkeypatch):
 
     monkeypatch.setattr(spin, "_FORCED", "1")
     monkeypatch.setattr(kernels, "MIN_ATTENTION_WORK", 1)
+    monkeypatch.setattr(kernels, "SPIN_ATTENTION_WORK", 1)
     monkeypatch.setattr(kernels, "SPIN_NORM_ITEM", 1)
     monkeypatch.setattr(kernels, "aligned_empty", lambda shape: np.full(shape, np.nan, np.float32))
     calls: list[tuple[int, int]] = []
