@@ -221,10 +221,7 @@ class QMatrix:
         k = _compiled or _kernels()
         if not k.int8_kind(self._kind, self.cols):
             raise ValueError(f"{self.qtype.name} rows of {self.cols} values have no int8 product")
-        if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
-            raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {x.shape}")
-        if not (x.flags.c_contiguous and x.flags.writeable):  # the kernel's one compiled signature
-            x = np.array(x, dtype=F32, order="C")
+        x = self._activations(x)
         rows = np.zeros((x.shape[0], k.int8_row_bytes(self._kind, self.cols)), np.uint8)  # padding: zeros
         k.quantize(self._kind, x, rows)
         return rows
@@ -279,17 +276,23 @@ class QMatrix:
     def _operands(self, x: np.ndarray, out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """``x`` as the kernels take it (float32 C-order, writable) and a C-contiguous result
         array (``out`` itself where it is one). Raises ValueError on a shape or dtype mismatch."""
-        if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
-            raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {x.shape}")
+        x = self._activations(x)
         T, R = x.shape[0], self.data.shape[0]
         if out is not None and (out.dtype != F32 or out.shape != (T, R)):  # the kernels write without bounds checks
             raise ValueError(f"out must be float32 [T, rows] = [{T}, {R}], got {out.dtype} {out.shape}")
+        return x, (out if out is not None and out.flags.c_contiguous else aligned_empty((T, R)))
+
+    def _activations(self, x: np.ndarray) -> np.ndarray:
+        """``x`` as the kernels take it: float32 [T, cols], C-ordered and writable (copied where
+        it is not). Raises ValueError on a shape or dtype mismatch."""
+        if x.dtype != F32 or x.ndim != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {x.shape}")
         if not (x.flags.c_contiguous and x.flags.writeable):
             # One compiled signature per kernel: to numba a read-only array (rows decoded from the
             # wire) is another type, which a worker would compile on its first request (a minute
             # of CPU and hundreds of MB of LLVM memory for the block kernels).
             x = np.array(x, dtype=F32, order="C")
-        return x, (out if out is not None and out.flags.c_contiguous else aligned_empty((T, R)))
+        return x
 
     def _matmul_rows(self, k, x: np.ndarray, dst: np.ndarray, lo: int, hi: int) -> None:
         """Columns ``lo:hi`` of ``dst`` [T, R] = ``x @ W[lo:hi].T`` on this thread."""
