@@ -18,7 +18,7 @@ from pathlib import Path
 
 import platformdirs
 
-from swarm.errors import IdentityInUseError
+from swarm.errors import IdentityInUseError, SwarmError
 
 APP_NAME = "colibri-swarm"
 IDENTITY_FILE = "identity.pem"  # the device key and DTLS certificate (swarm.keys.identity)
@@ -28,17 +28,27 @@ CONFIG_DIR_ENV = "COLIBRI_SWARM_CONFIG_DIR"
 _locks: dict[Path, int] = {}  # config dir -> the open, locked file descriptor of this process
 
 
+CACHE_DIR_ENV = "COLIBRI_SWARM_CACHE_DIR"
+
+
 def config_dir() -> Path:
-    """The user config directory, created with mode 0700 if missing."""
-    path = Path(os.environ.get(CONFIG_DIR_ENV) or platformdirs.user_config_dir(APP_NAME))
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+    """The user config directory, created with mode 0700 if missing. Raises SwarmError when it
+    cannot be created (a path through a file, no permission), naming the variable that moves it."""
+    return _made(Path(os.environ.get(CONFIG_DIR_ENV) or platformdirs.user_config_dir(APP_NAME)),
+                 "config", CONFIG_DIR_ENV, 0o700)
 
 
 def cache_dir() -> Path:
-    """The user cache directory, created if missing."""
-    path = Path(os.environ.get("COLIBRI_SWARM_CACHE_DIR") or platformdirs.user_cache_dir(APP_NAME))
-    path.mkdir(parents=True, exist_ok=True)
+    """The user cache directory, created if missing. Raises SwarmError as :func:`config_dir`."""
+    return _made(Path(os.environ.get(CACHE_DIR_ENV) or platformdirs.user_cache_dir(APP_NAME)), "cache", CACHE_DIR_ENV)
+
+
+def _made(path: Path, what: str, env: str, mode: int = 0o777) -> Path:
+    try:
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+    except OSError as exc:
+        set_by = f"${env}" if os.environ.get(env) else f"the platform's default; ${env} moves it"
+        raise SwarmError(f"cannot create the {what} directory {path} ({set_by}): {exc.strerror or exc}") from None
     return path
 
 

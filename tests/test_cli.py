@@ -44,6 +44,10 @@ import pytest
         (["join", "--gpu-memory", "0"], "--gpu-memory (MiB) must be at least 1"),
         (["join", "--gpu-memory", "8G"], "--gpu-memory (MiB) must be a whole number, got '8G'"),
         (["join", "--gpu-memory", str(2**30 + 1)], "--gpu-memory (MiB) must be at most 1073741824"),
+        # contradictions, refused before the model is opened (a missing file would be named first)
+        (["join", "--no-model", "--model", "/nonexistent.gguf"], "--no-model joins without a model file, but --model"),
+        (["join", "--gpu-memory", "100", "--model", "/nonexistent.gguf"], "--gpu-memory 100 sizes the GPU"),
+        (["generate", "hi", "--threads", "100000"], "--threads must be at most 1024"),
     ],
 )
 def test_bad_option_values_get_one_clear_line(argv, needle):

@@ -48,3 +48,21 @@ def test_other_config_dirs_are_independent(tmp_path):
     finally:
         paths.unlock_config_dir(a)
         paths.unlock_config_dir(b)
+
+
+@pytest.mark.parametrize("which,env", [("cache", "COLIBRI_SWARM_CACHE_DIR"), ("config", "COLIBRI_SWARM_CONFIG_DIR")])
+def test_a_directory_that_cannot_be_made_is_one_line_naming_it(tmp_path, monkeypatch, capsys, which, env):
+    """A cache or config directory under a file (a mistyped variable, a read-only home) is a
+    SwarmError naming the directory, the variable and the OS's reason — in the CLI one line
+    and exit 2, not a traceback."""
+    from swarm.cli import main
+    from swarm.errors import SwarmError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(env, str(blocker / "dir"))
+    with pytest.raises(SwarmError, match=rf"cannot create the {which} directory .*a-file/dir \(\${env}\): Not a dir"):
+        getattr(paths, f"{which}_dir")()
+    assert main(["status"] if which == "config" else ["generate", "--local", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot create the {which} directory" in err and "Traceback" not in err

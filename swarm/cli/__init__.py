@@ -105,10 +105,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", metavar="TEXT", help="system prompt for the chat template")
 
 
+# swarm.compute.threads.MAX_THREADS (not imported here: numpy stays out of the CLI's start)
+MAX_THREADS = 1024
+
+
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", metavar="N", type=_int_at_least(1, "--threads"),
-                   help="compute on N threads (default: the cores this process may use, CPU affinity and "
-                   "cgroup quota respected); results are the same bits at any count")
+    p.add_argument("--threads", metavar="N", type=_int_at_least(1, "--threads", MAX_THREADS),
+                   help=f"compute on N threads, at most {MAX_THREADS} (default: $COLIBRI_SWARM_THREADS, else the "
+                   "cores this process may use, CPU affinity and cgroup quota respected); results are the same "
+                   "bits at any count")
 
 
 _NUMERICS_HELP = ("how {whose} products treat their activations: float32 (the default; checked against the "
@@ -141,7 +146,10 @@ def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
         os.environ["COLIBRI_SWARM_NUMERICS"] = args.numerics  # swarm.compute.numerics.NUMERICS_ENV
     from swarm.compute import numerics, quant, threads
 
-    threads.set_threads(args.threads if getattr(args, "threads", None) else None)
+    try:
+        threads.set_threads(getattr(args, "threads", None) or threads.threads_from_env())
+    except ValueError as e:  # $COLIBRI_SWARM_THREADS set to something else
+        raise SwarmError(str(e)) from None
     try:
         numerics.set_numerics(getattr(args, "numerics", None))
     except ValueError as e:  # $COLIBRI_SWARM_NUMERICS set to something else
@@ -181,16 +189,20 @@ def _generate(args: argparse.Namespace) -> int:
     from swarm.compute import numerics
 
     int8 = numerics.int8()  # from --numerics or $COLIBRI_SWARM_NUMERICS
-    # The flag asks for this machine's compute; the environment's int8 may be there for `join`
+    # The flags ask for this machine's compute; the environment's int8 may be there for `join`
     # (a client of the swarm computes nothing, so --swarm and --api go on).
     if args.numerics == "int8" and (args.swarm or args.api):
         raise SwarmError(f"--numerics int8 sets this machine's own compute, but {'--swarm' if args.swarm else '--api'} "
                          "runs on the swarm, whose coordinator computes with the numerics it joined with "
                          "(join --numerics): drop one of them")
+    if args.threads and (args.swarm or args.api):
+        raise SwarmError(f"--threads sets this machine's own compute, but {'--swarm' if args.swarm else '--api'} "
+                         "runs on the swarm, whose peers compute on the threads they joined with (join --threads): "
+                         "drop one of them")
     # Through the swarm with --swarm or --api, or by default when a peer runs here and no
     # --model is given; swarm.compute never imports swarm.peer, so the choice is made here.
-    # int8 numerics are this machine's own compute: the reply is made here, as with --local.
-    if args.swarm or args.api or not (args.local or args.model or int8):
+    # int8 numerics and --threads are this machine's own compute: the reply is made here, as with --local.
+    if args.swarm or args.api or not (args.local or args.model or int8 or args.threads):
         from swarm.cli.generate import main_generate_swarm
 
         code = main_generate_swarm(args)
@@ -208,6 +220,9 @@ def _key(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
+    from swarm.cli.join import check_options
+
+    check_options(args)
     if args.signal and not args.key:
         from swarm.keys import swarmkey
 
@@ -228,8 +243,6 @@ def _status(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     _check_sampling(args)
-    if args.threads:
-        os.environ["COLIBRI_SWARM_THREADS"] = str(args.threads)  # swarm.compute.threads.THREADS_ENV
     from swarm.cli.chat import main_chat
 
     return main_chat(args)
@@ -275,7 +288,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.add_argument("--api", metavar="URL", type=_api_url,
                    help="the coordinator's API base URL, e.g. https://HOST:PORT/v1 (default: found by mDNS)")
-    _add_threads_arg(p)
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("join", help="make this machine a peer of the swarm on this LAN",

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from swarm.errors import SwarmError
-from swarm.peer.client import RETRY_S, find_endpoint, request_body, stream_chat_retrying
+from swarm.peer.client import RETRY_S, check_reachable, find_endpoint, request_body, stream_chat_retrying
 
 
 def say_retrying(exc: SwarmError) -> None:
@@ -25,6 +25,7 @@ def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
 
     console = terminal_console(soft_wrap=False)
     endpoint = find_endpoint(args.api)
+    check_reachable(endpoint)  # an API that does not answer is said once, before the first turn
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)
     console.print(f"[dim]colibri-swarm chat via {esc(endpoint.url)} — {HELP}[/]")

@@ -133,8 +133,7 @@ async def _run_peer(args: Any, console: Any) -> None:
     key, created = _swarm_key(args, swarmkey)
     ident = identity.load_or_create()
     model = None if args.no_model else await asyncio.to_thread(_load_model, args.model, console)
-    gpu_mib = getattr(args, "gpu_memory", None)
-    check_gpu_memory(getattr(args, "gpu", "off"), gpu_mib)  # before the model loads: a mistake fails at once
+    gpu_mib = getattr(args, "gpu_memory", None)  # checked with the other options before any work (check_options)
     gpu = await asyncio.to_thread(_open_gpu, getattr(args, "gpu", "off"), console)  # blocks: adapter, device
     await asyncio.to_thread(_prepare_numerics)
     gflops = await asyncio.to_thread(gpu.measure_gflops if gpu is not None else measure_ffn_gflops)
@@ -195,6 +194,15 @@ async def _run_peer(args: Any, console: Any) -> None:
         await _leave(node, roles)
         if gpu is not None:
             await asyncio.to_thread(gpu.close)
+
+
+def check_options(args: Any) -> None:
+    """The options of ``join`` that contradict each other, refused in one line before any work
+    (the model is not opened): SwarmError."""
+    if args.no_model and args.model:
+        raise SwarmError(f"--no-model joins without a model file, but --model {args.model} names one: drop one "
+                         "of them")
+    check_gpu_memory(getattr(args, "gpu", "off"), getattr(args, "gpu_memory", None))
 
 
 def check_gpu_memory(mode: str, mib: int | None) -> None:

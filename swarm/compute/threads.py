@@ -89,24 +89,39 @@ _pool_lock = threading.Lock()
 
 # A thread count for this process and its children (the command line's ``--threads`` sets it).
 THREADS_ENV = "COLIBRI_SWARM_THREADS"
+# The most compute threads a process takes: each is an OS thread (a Python pool worker, a
+# spinning worker), and far past the cores they only wait for one another; an operating
+# system refuses new threads somewhere in the thousands.
+MAX_THREADS = 1024
 
 
 def threads() -> int:
     """The compute threads of this process (the caller's own included): the last
-    :func:`set_threads`, else ``$COLIBRI_SWARM_THREADS``, else :func:`available_cores`."""
+    :func:`set_threads`, else ``$COLIBRI_SWARM_THREADS``, else :func:`available_cores`.
+    Raises ValueError for a ``$COLIBRI_SWARM_THREADS`` that is not a count of 1..MAX_THREADS."""
     global _threads
     if _threads is None:
-        env = os.environ.get(THREADS_ENV, "")
-        _threads = int(env) if env.isdigit() and int(env) >= 1 else available_cores()
+        _threads = threads_from_env() or available_cores()
     return _threads
+
+
+def threads_from_env() -> int | None:
+    """``$COLIBRI_SWARM_THREADS`` as a thread count, None where it is unset or empty. Raises
+    ValueError naming the variable for anything but a whole number 1..:data:`MAX_THREADS`."""
+    env = os.environ.get(THREADS_ENV, "").strip()
+    if not env:
+        return None
+    if not env.isdigit() or not 1 <= int(env) <= MAX_THREADS:
+        raise ValueError(f"${THREADS_ENV} must be a whole number of threads from 1 to {MAX_THREADS}, got {env!r}")
+    return int(env)
 
 
 def set_threads(n: int | None) -> int:
     """Use ``n`` compute threads from now on (None: :func:`available_cores`); returns the count.
-    Raises ValueError for ``n`` < 1."""
+    Raises ValueError for ``n`` outside 1..:data:`MAX_THREADS`."""
     global _threads
-    if n is not None and (not isinstance(n, int) or n < 1):
-        raise ValueError(f"the thread count must be a whole number ≥ 1, got {n!r}")
+    if n is not None and (not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
+        raise ValueError(f"the thread count must be a whole number from 1 to {MAX_THREADS}, got {n!r}")
     _threads = available_cores() if n is None else n
     return _threads
 

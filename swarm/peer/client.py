@@ -146,6 +146,24 @@ def request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespace
     return body
 
 
+def check_reachable(endpoint: Endpoint) -> None:
+    """Ask the API for its models once: a REPL then says at its start, not at each turn, that no
+    API answers at ``endpoint`` or that it refuses the token.
+
+    Raises:
+        ApiUnavailableError: nothing answers there.
+        SwarmError: the API answered with an error (its message is passed on).
+    """
+    req = urllib.request.Request(f"{endpoint.url}/models", headers={"Authorization": f"Bearer {endpoint.token}"})
+    try:
+        urllib.request.urlopen(req, timeout=READ_TIMEOUT_S, context=endpoint.tls).close()
+    except urllib.error.HTTPError as exc:
+        raise SwarmError(f"the coordinator's API at {endpoint.url} refused the request: "
+                         f"{_error_text(exc, _error_of(exc))}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise _unreachable(endpoint, exc) from None
+
+
 def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
     """POST ``body`` (with ``stream: true``) and yield the reply's text pieces as they arrive:
     to ``/chat/completions``, or with a raw ``prompt`` instead of ``messages`` to
@@ -169,8 +187,7 @@ def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
             raise ApiUnavailableError(message, _url_of(error)) from None
         raise SwarmError(message) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise ApiUnavailableError(f"cannot reach the coordinator's API at {endpoint.url}: "
-                                  f"{getattr(exc, 'reason', exc)}; is `colibri-swarm join` running?") from None
+        raise _unreachable(endpoint, exc) from None
     with response:
         yield from _read_events(endpoint, response)
 
@@ -266,6 +283,11 @@ def _url_of(error: dict) -> str | None:
     if isinstance(url, str) and url.startswith(("https://", "http://")) and len(url) < 256 and url.isprintable():
         return url.rstrip("/")
     return None
+
+
+def _unreachable(endpoint: Endpoint, exc: BaseException) -> ApiUnavailableError:
+    return ApiUnavailableError(f"cannot reach the coordinator's API at {endpoint.url}: "
+                               f"{getattr(exc, 'reason', exc)}; is `colibri-swarm join` running?")
 
 
 def _error_of(exc: urllib.error.HTTPError) -> dict:

@@ -304,29 +304,58 @@ def test_available_cores_respect_the_cgroup_quota(tmp_path):
 
 
 def test_thread_count_from_the_environment(monkeypatch):
+    """``$COLIBRI_SWARM_THREADS`` sets the count; anything but 1..MAX_THREADS is refused by name
+    (not silently replaced by the cores), as is such a count given to set_threads."""
     before = threads.threads()
     try:
         monkeypatch.setenv(threads.THREADS_ENV, "5")
         monkeypatch.setattr(threads, "_threads", None)
         assert threads.threads() == 5
-        monkeypatch.setenv(threads.THREADS_ENV, "0")  # not a count: the cores
+        monkeypatch.setenv(threads.THREADS_ENV, "")  # empty: unset
         monkeypatch.setattr(threads, "_threads", None)
         assert threads.threads() == threads.available_cores()
-        with pytest.raises(ValueError, match="whole number ≥ 1"):
-            threads.set_threads(0)
+        for bad in ("0", "abc", "-3", str(threads.MAX_THREADS + 1)):
+            monkeypatch.setenv(threads.THREADS_ENV, bad)
+            monkeypatch.setattr(threads, "_threads", None)
+            with pytest.raises(ValueError, match=rf"\$COLIBRI_SWARM_THREADS must be .* 1 to 1024, got '{bad}'"):
+                threads.threads()
+        for bad in (0, threads.MAX_THREADS + 1):
+            with pytest.raises(ValueError, match="whole number from 1 to 1024"):
+                threads.set_threads(bad)
     finally:
         threads.set_threads(before)
 
 
-def test_threads_option_on_the_commands(capsys):
-    from swarm.cli import build_parser
+def test_threads_option_on_the_commands(capsys, monkeypatch):
+    """``--threads`` on generate and join, 1..MAX_THREADS (far past the cores a process only waits,
+    and the OS refuses threads in the thousands); chat computes nothing here and has none; a bad
+    ``$COLIBRI_SWARM_THREADS`` is refused in one line before any work."""
+    from swarm.cli import MAX_THREADS, _use_compute_options, build_parser, main
+    from swarm.errors import SwarmError
 
-    for command in (["generate", "hi"], ["chat"], ["join"]):
+    assert MAX_THREADS == threads.MAX_THREADS  # the CLI's copy (it starts without numpy)
+    for command in (["generate", "hi"], ["join"]):
         assert build_parser().parse_args([*command, "--threads", "3"]).threads == 3
         assert build_parser().parse_args(command).threads is None
-        with pytest.raises(SystemExit):
-            build_parser().parse_args([*command, "--threads", "0"])
-        assert "--threads must be at least 1, got 0" in capsys.readouterr().err
+        for bad, why in (("0", "at least 1, got 0"), ("100000", "at most 1024, got 100000")):
+            with pytest.raises(SystemExit):
+                build_parser().parse_args([*command, "--threads", bad])
+            assert f"--threads must be {why}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--threads", "3"])
+    assert "unrecognized arguments: --threads" in capsys.readouterr().err
+    before = threads.threads()
+    try:
+        monkeypatch.setenv(threads.THREADS_ENV, "abc")
+        with pytest.raises(SwarmError, match="COLIBRI_SWARM_THREADS must be a whole number"):
+            _use_compute_options(build_parser().parse_args(["generate", "hi"]))
+        assert main(["generate", "hi", "--local"]) == 2
+        assert "COLIBRI_SWARM_THREADS must be a whole number" in capsys.readouterr().err
+        monkeypatch.setenv(threads.THREADS_ENV, "3")
+        _use_compute_options(build_parser().parse_args(["generate", "hi"]))
+        assert threads.threads() == 3  # the environment's count, where no --threads is given
+    finally:
+        threads.set_threads(before)
 
 
 def test_a_slow_kernel_load_is_announced(monkeypatch):

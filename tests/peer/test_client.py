@@ -288,3 +288,28 @@ def test_the_completions_route_answers_whole_and_refuses_a_bad_prompt(live_api, 
     for bad in ({}, {"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": 3}):
         answer = post({**bad, "max_tokens": 1})
         assert answer["status"] == 400 and answer["error"]["param"] == "prompt", answer
+
+
+def test_chat_with_an_api_that_does_not_answer_fails_before_the_first_turn(stored_key, capsys):
+    """``chat --api URL`` where nothing listens: one line and exit 2 at the start (a script piping
+    turns in learns it failed), not a REPL whose every turn fails and that then exits 0."""
+    import socket
+
+    from swarm.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    asked: list[str] = []
+    with pytest.raises(SwarmError, match=rf"cannot reach the coordinator's API at http://127.0.0.1:{port}/v1"):
+        main_chat(_args(api=f"http://127.0.0.1:{port}/v1"), input_fn=lambda prompt: asked.append(prompt) or "hi")
+    assert asked == []
+    assert main(["chat", "--api", f"http://127.0.0.1:{port}/v1"]) == 2
+    assert "cannot reach the coordinator's API" in capsys.readouterr().err
+
+
+def test_chat_with_a_wrong_token_fails_before_the_first_turn(live_api, stored_key, monkeypatch):
+    url, *_ = live_api
+    monkeypatch.setenv("COLIBRI_SWARM_API_KEY", "not-the-token")
+    with pytest.raises(SwarmError, match="refused the request: 401"):
+        main_chat(_args(api=url), input_fn=lambda prompt: pytest.fail("a turn was asked for"))

@@ -9,6 +9,11 @@ Routes (OpenAI API reference, "Chat Completions" and "Models"):
 - ``POST /v1/completions`` — OpenAI's legacy text completion: ``prompt`` (one string) is
   encoded as is, without the chat template (``generate --raw``); ``text_completion`` objects,
   streamed the same way. The other fields are those of chat completions.
+- ``GET  /metrics`` — Prometheus text (:mod:`swarm.peer.coordinator.api_metrics`).
+
+A path no route serves (these, the dashboard's) → 404 (``code`` ``unknown_route``, the message
+listing the routes), another method on a route's path → 405 (``method_not_allowed``, with
+``Allow``), in the error shape below; an unauthenticated request gets the 401 first.
 
 Authentication: ``Authorization: Bearer <token>``, where the token is the swarm key's
 ``api-token`` sub-key (:attr:`swarm.keys.swarmkey.SwarmKey.api_token`, 64 hex digits, shown by
@@ -134,13 +139,16 @@ class ApiServer:
         return server
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._access, self._errors_and_auth])
+        # Outermost first: _no_route runs after authentication, so only a client with the token
+        # learns which routes exist.
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[self._access, self._errors_and_auth, self._no_route])
         app[BACKEND] = self.backend
         app[SERVER] = self
-        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/metrics", self._metrics)
         if self.dashboard is not None:
             self.dashboard.add_routes(app)
         return app
@@ -324,6 +332,23 @@ class ApiServer:
         except SwarmError as exc:  # the engine or the swarm failed this request (e.g. lost its term)
             error = _unavailable(exc)
             return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+    @web.middleware
+    async def _no_route(self, request: web.Request, handler):
+        """The router's own 404 (no such path) and 405 (no such method on it) as an :class:`ApiError`,
+        which :meth:`_errors_and_auth` answers in OpenAI's error shape: clients read every API error
+        as JSON. A handler's own HTTP errors (e.g. a dashboard file that is not there) pass unchanged."""
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+            if exc is not request.match_info.http_exception:
+                raise
+            if isinstance(exc, web.HTTPMethodNotAllowed):
+                allowed = ", ".join(sorted(exc.allowed_methods - {"HEAD"}))  # aiohttp adds HEAD beside each GET
+                raise ApiError(f"no route {request.method} {request.path}; it takes {allowed}", status=405,
+                               code="method_not_allowed", headers={"Allow": exc.headers["Allow"]}) from None
+            raise ApiError(f"no route {request.method} {request.path}; the API serves {_routes(request.app)}",
+                           status=404, code="unknown_route") from None
 
     # ------------------------------------------------------------- routes
 
@@ -648,6 +673,12 @@ async def _json_body(request: web.Request) -> Any:
         raise ApiError(f"the request body is not UTF-8 (byte {exc.start}); send JSON as UTF-8") from None
     except ValueError as exc:  # json.JSONDecodeError, and ints of more than 4300 digits
         raise ApiError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _routes(app: web.Application) -> str:
+    """``METHOD path, …`` of every route ``app`` serves, as registered (HEAD, beside each GET, left out)."""
+    return ", ".join(f"{route.method} {route.resource.canonical}" for route in app.router.routes()
+                     if route.method != "HEAD" and route.resource is not None)
 
 
 def _is_loopback(host: str) -> bool:

@@ -215,6 +215,71 @@ async def test_bad_requests_get_openai_error_shape(server):
                                                    messages=[{"role": "user", "content": "x"}], temperature=9)
 
 
+async def test_unknown_route_gets_openai_error_shape(server, oracle):
+    """A path no route serves → 404 as JSON naming it and the routes there are (the openai client
+    reads it as an error object); without the token the 401 comes first and names no route."""
+    api, url = server
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/nope", headers={"Authorization": f"Bearer {KEY.api_token}"}) as r:
+            assert r.status == 404 and r.content_type == "application/json"
+            err = (await r.json())["error"]
+            assert "GET /v1/nope" in err["message"] and "POST /v1/chat/completions" in err["message"]
+            assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, "unknown_route")
+        async with s.get(f"{url}/nope") as r:
+            err = (await r.json())["error"]
+            assert r.status == 401 and err["code"] == "invalid_api_key" and "/v1/models" not in err["message"]
+    client = _client(url)
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.get("/nope", cast_to=object)
+    assert isinstance(info.value.body, dict) and "/v1/nope" in info.value.body["message"]
+    prompt = PROMPTS[0]  # a valid request on the same server still answers
+    r = await client.chat.completions.create(model="smollm2-135m-instruct-q4_1",
+                                             messages=[{"role": "user", "content": prompt}],
+                                             max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == oracle[prompt][0]
+    await client.close()
+
+
+async def test_wrong_method_gets_405_with_allow_in_openai_error_shape(server):
+    api, url = server
+    headers = {"Authorization": f"Bearer {KEY.api_token}"}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        async with s.get(f"{url}/chat/completions") as r:
+            assert r.status == 405 and r.content_type == "application/json"
+            assert "POST" in r.headers["Allow"]
+            err = (await r.json())["error"]
+            assert "GET /v1/chat/completions" in err["message"] and "POST" in err["message"]
+            assert (err["type"], err["code"]) == ("invalid_request_error", "method_not_allowed")
+        async with s.post(f"{url}/models", json={}) as r:
+            assert r.status == 405 and "GET" in r.headers["Allow"]
+            assert (await r.json())["error"]["code"] == "method_not_allowed"
+        async with s.get(f"{url}/models") as r:
+            assert r.status == 200
+
+
+async def test_dashboard_keeps_its_own_answers_beside_json_404s(engine):
+    """The dashboard's page stays HTML and a missing file of it keeps its plain-text 404; only a
+    path no route serves gets the JSON error, which lists the dashboard's routes too."""
+    from swarm.peer.coordinator.dashboard import Dashboard
+
+    model, tok = engine
+    api = ApiServer.for_swarm_key(EngineBackend(model, tok, model_id="m"), KEY)
+    Dashboard(lambda: {}).attach(api)
+    port = await api.start("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/dashboard/") as r:
+                assert r.status == 200 and r.content_type == "text/html"
+            async with s.get(f"{base}/dashboard/nope.js") as r:  # public, matched, the handler's own 404
+                assert r.status == 404 and r.content_type == "text/plain" and "nope.js" in await r.text()
+            async with s.get(f"{base}/dashboard/a/b", headers={"Authorization": f"Bearer {KEY.api_token}"}) as r:
+                err = (await r.json())["error"]
+                assert r.status == 404 and "GET /dashboard/state" in err["message"]
+    finally:
+        await api.close()
+
+
 def test_stop_matcher_holds_back_partial_matches():
     m = StopMatcher(["</end>", "STOP"])
     out = []
