@@ -296,3 +296,15 @@ def test_join_prints_every_threads_stack_on_sigusr1_and_runs_on():
     assert done.returncode == 0, done.stderr
     assert done.stdout == "still running\n"
     assert "parked_helper_thread" in done.stderr and "Current thread" in done.stderr
+
+
+def test_join_prints_a_role_once_and_its_api_port_when_it_comes_up():
+    """A coordinator's API comes up after its role: the port gets a line of its own, the role is
+    not printed a second time; a new role is printed with the port where the API is up."""
+    from swarm.cli.join import role_lines
+
+    assert role_lines(None, "coordinator", None) == ["role: [bold]coordinator[/]"]
+    assert role_lines("coordinator", "coordinator", 41535) == ["OpenAI API on port 41535"]
+    assert role_lines("worker", "coordinator", 41535) == ["role: [bold]coordinator[/], OpenAI API on port 41535"]
+    assert role_lines("coordinator", "worker", None) == ["role: [bold]worker[/]"]
+    assert role_lines("worker", "worker", None) == []

@@ -170,3 +170,15 @@ def test_piped_chat_ends_its_output_with_a_newline(tmp_path):
         server.shutdown()
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.endswith("> \n")
+
+
+def test_join_with_a_memory_cap_that_leaves_nothing_is_refused(tmp_path):
+    """``join --memory 10``: ten MiB is below what the process itself takes, so the peer could
+    hold nothing and would run far past its cap; it is refused in one line naming the numbers
+    (a typo — MiB for GiB — is the usual cause), not joined with a warning in the log."""
+    proc = subprocess.run([sys.executable, "-m", "swarm", "join", "--no-model", "--memory", "10"],
+                          capture_output=True, text=True, env=_env(tmp_path), cwd=REPO, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "--memory 10 (MiB, the whole process) leaves nothing for weights" in line
+    assert "already takes" in line and "give more than" in line and "Traceback" not in proc.stderr

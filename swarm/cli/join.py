@@ -178,9 +178,9 @@ async def _run_peer(args: Any, console: Any) -> None:
                 raise node.error  # e.g. the key was refused at --signal: exit with one clear line
             api_port = (node.placement or {}).get("api_port") if isinstance(node.placement, dict) else None
             if (node.role, api_port) != shown:
+                for line in role_lines(shown[0], node.role, api_port):
+                    console.print(line)
                 shown = (node.role, api_port)
-                api = f", OpenAI API on port {api_port}" if api_port else ""
-                console.print(f"role: [bold]{esc(node.role)}[/]{api}")
                 if api_port and node.placement.get("api_scheme") == "https":
                     from swarm.peer.coordinator.api_tls import ca_fingerprint
 
@@ -194,6 +194,16 @@ async def _run_peer(args: Any, console: Any) -> None:
         await _leave(node, roles)
         if gpu is not None:
             await asyncio.to_thread(gpu.close)
+
+
+def role_lines(shown: str | None, role: str, api_port: int | None) -> list[str]:
+    """What ``join`` prints when its role or API port changes (rich markup): the role where it
+    changed from ``shown`` (with the port, where the API is up), else the port alone — a
+    coordinator's API comes up after its role, and the role is not printed twice."""
+    api = f"OpenAI API on port {api_port}" if api_port else ""
+    if role != shown:
+        return [f"role: [bold]{esc(role)}[/]{', ' + api if api else ''}"]
+    return [api] if api else []
 
 
 def check_options(args: Any) -> None:
@@ -247,6 +257,12 @@ def _measure_memory(args: Any, model: Any) -> Any:
             log.info("the model file reads at %.0f MB/s past the page cache", rate / 1e6)
     allowance = memory.measure_allowance(args.memory << 20 if args.memory else None)
     log.info("%s", allowance.describe())
+    if args.memory and allowance.bytes == 0:  # a peer that could hold nothing: a typo (MiB, not GiB?)
+        least = -(-(allowance.baseline + memory.page_cache_headroom(allowance.baseline)) >> 20) + 1
+        raise SwarmError(f"--memory {args.memory} (MiB, the whole process) leaves nothing for weights, the KV "
+                         f"cache and activations: this process already takes {allowance.baseline >> 20} MiB and "
+                         f"keeps {allowance.headroom >> 20} MiB of page cache free; give more than {least} MiB, "
+                         "or leave --memory out")
     return allowance
 
 
