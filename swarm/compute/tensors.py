@@ -72,8 +72,9 @@ class _Cursor:
         self.buf, self.pos = buf, 0
 
     def take(self, n: int) -> np.ndarray:
-        if self.pos + n > self.buf.size:
-            raise ValueError(f"header runs past the end of the file at byte {self.pos}")
+        if self.pos + n > self.buf.size:  # a length read from a corrupt field, or a file cut short
+            raise ValueError(f"the header's field at byte {self.pos} claims {n:,} bytes, past the file's end at "
+                             f"byte {self.buf.size:,} (a corrupt length, or the file cut short)")
         out = self.buf[self.pos:self.pos + n]
         self.pos += n
         return out

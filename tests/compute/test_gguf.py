@@ -125,6 +125,21 @@ def test_truncated_gguf(tiny, tmp_path):
             load_model(bad)
 
 
+def test_a_corrupt_length_in_the_header_is_named_with_the_file_size(tiny, tmp_path):
+    """A string length in the metadata set absurdly high (a flipped bit, a bad tool) is named as
+    such — the field's offset, the bytes it claims and where the file ends — not as a header
+    running past the end of a file that is much longer."""
+    path = write_gguf_from_hf(tiny("llama")[0], "llama", tmp_path / "m.gguf")
+    data = bytearray(path.read_bytes())
+    # GGUF v3: magic, version, tensor count, kv count (24 bytes), then the first key's uint64 length
+    data[24:32] = (1 << 40).to_bytes(8, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match=rf"the header's field at byte 32 claims 1,099,511,627,776 bytes, "
+                       rf"past the file's end at byte {len(data):,} \(a corrupt length"):
+        load_model(bad)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ModelFileError, match="no such file"):
         load_model(tmp_path / "nope.gguf")
