@@ -6,19 +6,23 @@ everything else (attention, RoPE, norms, quantizing activation rows, Python betw
 
 Each (numerics, threads, spin) case runs in its own process: the model is loaded, warmed, and a
 prompt of ``--prompt-tokens`` is prefilled ``--repeats`` times with no timer in place (the best,
-``prefill_s_untimed``), then ``--repeats`` times again with timers wrapping the Python entry points
-named in ``PHASES`` (wall seconds on the calling thread, summed over the run); the best timed run
-is kept, and ``timers_s`` is what it took longer than the untimed one (the timers' Python runs
-on the calling thread, between the kernels: it lands in the phases around them and in ``rest``). ``products`` is the grouped products' wall time; ``rest`` is the prefill less every phase,
-the part no phase names; ``groups_s`` splits the products by group (each product's weight rows x
-columns, "+" between a group's products: which shapes scale). Prints JSON: the machine, then one record per case with each phase's
-seconds and its share of the prefill. With ``--spin both`` each thread count ≥ 2 also runs with the
-spinning workers off and on (``COLIBRI_SWARM_SPIN=0/1``). With ``--decode-tokens N`` the same
-for decode instead: the prompt is prefilled untimed, then N greedy steps of one token each are
-timed (the phases summed over them); ``decode_s`` is a step's mean, the phases per step. The
-decode path's products (its group tables) count as ``products`` and in ``groups_s``, routing
-(``route_row``, or ``route`` on the general path) as ``route``, and a MoE layer's step as
-``moe_step`` without the two: its router product, the activation, the weighted sum, Python.
+``prefill_s_untimed``), then ``--repeats`` times again with timers wrapping the Python entry
+points named in ``PHASES`` (wall seconds on the calling thread, summed over the run); the best
+timed run is kept, and ``timers_s`` is what it took longer than the untimed one (the timers'
+Python runs on the calling thread, between the kernels: it lands in the phases around them and
+in ``rest``). ``products`` is the grouped products' wall time; ``rest`` is the prefill less
+every phase, the part no phase names; ``groups_s`` splits the products by group (each product's
+weight rows x columns, "+" between a group's products: which shapes scale). Prints JSON: the
+machine, then one record per case with each phase's seconds and its share of the prefill. With
+``--spin both`` each thread count ≥ 2 also runs with the spinning workers off and on
+(``COLIBRI_SWARM_SPIN=0/1``). With ``--decode-tokens N`` the same for decode instead: the prompt
+is prefilled untimed, then N greedy steps of one token each are timed (the phases summed over
+them); ``decode_s`` is a step's mean, the phases per step. The decode path's products (its group
+tables) count as ``products`` and in ``groups_s``, routing (``route_row``, or ``route`` on the
+general path) as ``route``, and a MoE layer's step as ``moe_step`` without the two: its router
+product, the activation, the weighted sum, Python. ``--former-attention`` runs every case with a
+decode row's attention kept on the calling thread below twice the Python pool's threshold, the
+rule before ``kernels.SPIN_ATTENTION_WORK`` (the reference of that A/B).
 """
 
 from __future__ import annotations
@@ -74,6 +78,9 @@ def main() -> int:
     ap.add_argument("--tiles-per-thread", default="4",
                     help="a group's tiles a thread, comma-separated (4: the engine's own; 8 halves every "
                          "tile below the 1 MiB cap, the floor included): how finely the threads share a product")
+    ap.add_argument("--former-attention", action="store_true",
+                    help="the reference of an A/B: a decode row's attention kept on the calling thread below "
+                         "twice the Python pool's threshold, as before SPIN_ATTENTION_WORK")
     ap.add_argument("--_case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._case:
@@ -99,6 +106,7 @@ def main() -> int:
                 env.pop("COLIBRI_SWARM_SPIN", None)
             cmd = [sys.executable, __file__, "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
                    "--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens),
+                   *(["--former-attention"] if args.former_attention else []),
                    "--_case", f"{kind},{n},{spin or 'default'},{tiles}"]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode != 0:
@@ -134,6 +142,10 @@ def _case(args: argparse.Namespace) -> int:
         quant._tile_bytes = tile_bytes
 
     numerics.set_numerics(kind)
+    if args.former_attention:
+        from swarm.compute import kernels
+
+        kernels.SPIN_ATTENTION_WORK = 2 * kernels.MIN_ATTENTION_WORK
     model = load_model(args.model)
     if hasattr(model, "materialize"):
         model.materialize()
@@ -247,6 +259,7 @@ def _case(args: argparse.Namespace) -> int:
                     "groups_s": {k: {"calls": round(c / n_steps, 2), "s": round(v / n_steps, 5)}  # a step's
                                  for k, (c, v) in sorted(by_group.items())}}
     print(json.dumps({"numerics": kind, "threads": int(n), "spin": spin, "tiles_per_thread": int(tiles),
+                      **({"former_attention": True} if args.former_attention else {}),
                       "prompt_tokens": len(ids),
                       **({"decode_tokens": args.decode_tokens} if args.decode_tokens else {}), **(best or {})}))
     return 0

@@ -89,30 +89,36 @@ def test_the_help_says_what_int8_trades(command, says):
     assert "--numerics {float32,int8}" in text and "llama.cpp" in text and "VNNI" in text and says in text
 
 
+@pytest.fixture
+def clean_threads(monkeypatch):
+    """No ``$COLIBRI_SWARM_THREADS`` (``--threads`` sets it for the peers a command starts) and the
+    process's thread count as it was: both restored after."""
+    from swarm.compute import threads
+
+    monkeypatch.setenv(threads.THREADS_ENV, "1")  # recorded first: undo restores the prior value (or none)
+    monkeypatch.delenv(threads.THREADS_ENV)
+    monkeypatch.setattr(threads, "_threads", threads._threads)
+
+
 @pytest.mark.parametrize("route", [["--swarm"], ["--api", "https://127.0.0.1:9/v1"]])
-def test_generate_with_threads_refuses_the_swarm(clean_numerics, route, capsys, monkeypatch):
+def test_generate_with_threads_refuses_the_swarm(clean_numerics, clean_threads, route, capsys):
     """``--threads`` is this machine's compute: with the swarm's API it is refused in one line
     (the peers compute on their own ``join --threads``), not silently ignored."""
-    monkeypatch.delenv("COLIBRI_SWARM_THREADS", raising=False)  # the flag sets it: restored after
     assert main(["generate", "hi", "--threads", "2", *route]) == 2
     err = capsys.readouterr().err
     assert "--threads sets this machine's own compute" in err and route[0] in err
 
 
-def test_generate_with_threads_replies_here_where_a_peer_runs(clean_numerics, monkeypatch):
+def test_generate_with_threads_replies_here_where_a_peer_runs(clean_numerics, clean_threads, monkeypatch):
     """``generate --threads N`` with a peer running here computes the reply on this machine, as
     ``--local`` does (through the swarm its threads would not apply); without it, the swarm."""
     import swarm.cli.generate as generate
     from swarm.compute import threads
 
-    monkeypatch.delenv(threads.THREADS_ENV, raising=False)  # the flag sets it: restored after
     asked: list[str] = []
     monkeypatch.setattr(generate, "main_generate_swarm", lambda args: asked.append("swarm") or 0)
     monkeypatch.setattr(generate, "main_generate", lambda args: asked.append("here") or 0)
-    before = threads.threads()
-    try:
-        assert main(["generate", "hi", "--threads", "1"]) == 0
-        assert main(["generate", "hi"]) == 0
-    finally:
-        threads.set_threads(before)
+    assert main(["generate", "hi", "--threads", "1"]) == 0
+    monkeypatch.delenv(threads.THREADS_ENV)  # set by the flag above
+    assert main(["generate", "hi"]) == 0
     assert asked == ["here", "swarm"]

@@ -25,7 +25,8 @@ def main_chat(args: argparse.Namespace, *, input_fn=input) -> int:
 
     console = terminal_console(soft_wrap=False)
     endpoint = find_endpoint(args.api)
-    check_reachable(endpoint)  # an API that does not answer is said once, before the first turn
+    if args.api:  # a named API that does not answer is said once, before the first turn (a found one
+        check_reachable(endpoint)  # may be between coordinators: the turns look for the next one)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)
     console.print(f"[dim]colibri-swarm chat via {esc(endpoint.url)} — {HELP}[/]")

@@ -257,12 +257,12 @@ def _measure_memory(args: Any, model: Any) -> Any:
             log.info("the model file reads at %.0f MB/s past the page cache", rate / 1e6)
     allowance = memory.measure_allowance(args.memory << 20 if args.memory else None)
     log.info("%s", allowance.describe())
-    if args.memory and allowance.bytes == 0:  # a peer that could hold nothing: a typo (MiB, not GiB?)
-        least = -(-(allowance.baseline + memory.page_cache_headroom(allowance.baseline)) >> 20) + 1
+    if args.memory and allowance.limit == args.memory << 20 and allowance.bytes == 0:
+        # --memory itself leaves a peer that could hold nothing: a typo (MiB for GiB?)
         raise SwarmError(f"--memory {args.memory} (MiB, the whole process) leaves nothing for weights, the KV "
                          f"cache and activations: this process already takes {allowance.baseline >> 20} MiB and "
-                         f"keeps {allowance.headroom >> 20} MiB of page cache free; give more than {least} MiB, "
-                         "or leave --memory out")
+                         f"keeps {allowance.headroom >> 20} MiB of page cache free; give more than "
+                         f"{memory.least_limit(allowance.baseline) >> 20} MiB, or leave --memory out")
     return allowance
 
 

@@ -124,11 +124,12 @@ def _cache_key(files: Sequence[tuple[Path, int]]) -> str | None:
 
 def _cache_path() -> Path | None:
     """The cache file, or None where the user cache directory cannot be created."""
+    from swarm.errors import SwarmError
     from swarm.paths import cache_dir
 
     try:
         return cache_dir() / CACHE_FILE
-    except OSError:
+    except (OSError, SwarmError):  # SwarmError: cache_dir names the directory it could not make
         return None
 
 

@@ -111,7 +111,7 @@ def threads_from_env() -> int | None:
     env = os.environ.get(THREADS_ENV, "").strip()
     if not env:
         return None
-    if not env.isdigit() or not 1 <= int(env) <= MAX_THREADS:
+    if not (env.isascii() and env.isdigit()) or not 1 <= int(env) <= MAX_THREADS:
         raise ValueError(f"${THREADS_ENV} must be a whole number of threads from 1 to {MAX_THREADS}, got {env!r}")
     return int(env)
 

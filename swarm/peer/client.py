@@ -148,18 +148,20 @@ def request_body(messages: Sequence[Mapping[str, str]], args: argparse.Namespace
 
 def check_reachable(endpoint: Endpoint) -> None:
     """Ask the API for its models once: a REPL then says at its start, not at each turn, that no
-    API answers at ``endpoint`` or that it refuses the token.
+    API answers at ``endpoint`` or that it refuses the token. Other answers pass (a coordinator
+    that stepped down answers 503 naming the next: a turn meets it).
 
     Raises:
         ApiUnavailableError: nothing answers there.
-        SwarmError: the API answered with an error (its message is passed on).
+        SwarmError: the API refused the token (401, 403; its message is passed on).
     """
     req = urllib.request.Request(f"{endpoint.url}/models", headers={"Authorization": f"Bearer {endpoint.token}"})
     try:
         urllib.request.urlopen(req, timeout=READ_TIMEOUT_S, context=endpoint.tls).close()
     except urllib.error.HTTPError as exc:
-        raise SwarmError(f"the coordinator's API at {endpoint.url} refused the request: "
-                         f"{_error_text(exc, _error_of(exc))}") from None
+        if exc.code in (401, 403):
+            raise SwarmError(f"the coordinator's API at {endpoint.url} refused the request: "
+                             f"{_error_text(exc, _error_of(exc))}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise _unreachable(endpoint, exc) from None
 

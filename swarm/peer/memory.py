@@ -152,6 +152,12 @@ def process_baseline() -> int:
     return process_rss()
 
 
+def least_limit(baseline: int) -> int:
+    """The largest limit (bytes) that leaves a process of anonymous memory ``baseline`` no
+    allowance (its baseline and :func:`page_cache_headroom` take it all): a limit must pass it."""
+    return max(baseline + PAGE_CACHE_FLOOR_BYTES, math.ceil(baseline / (1 - PAGE_CACHE_FRACTION)))
+
+
 def page_cache_headroom(limit_bytes: int) -> int:
     """Bytes of a ``limit_bytes`` limit kept for the page cache: :data:`PAGE_CACHE_FRACTION` of
     it, at least :data:`PAGE_CACHE_FLOOR_BYTES`."""

@@ -113,3 +113,11 @@ def test_no_stamp_directory_without_profile(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "_pipeline_run", lambda args, stamps: {"stamps": stamps})
     assert serve._pipeline_main(argparse.Namespace(profile=False)) == {"stamps": None}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_counts_the_gaps_after_every_stream_started_apart():
+    """``p95_token_ms_all_started`` takes only the gaps that begin once every stream has its first
+    token: a stream's gap that began while another was still waiting for its first is left out."""
+    gaps = _serve()._gaps([[0.0, 1.0, 2.0, 3.0], [2.5, 3.0, 4.0], []])
+    assert list(gaps) == [1.0, 1.0, 1.0, 0.5, 1.0]
+    assert gaps.steady == [0.5, 1.0]  # from 2.5 on: stream 0's last gap began at 2.0, before stream 1's first token

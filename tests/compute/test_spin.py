@@ -231,7 +231,6 @@ def test_the_engine_with_spinning_workers_gives_one_threads_logits(spin, tmp_pat
         threads.set_threads(before)
 
 
-
 def test_decode_attention_too_small_for_the_python_pool_goes_to_the_spinning_workers(spin, tmp_path, monkeypatch):
     """A decode row's attention of work at or above ``SPIN_ATTENTION_WORK``, below the Python
     pool's ``MIN_ATTENTION_WORK``, is shared with the spinning workers (at a short context it

@@ -300,9 +300,15 @@ def test_chat_with_an_api_that_does_not_answer_fails_before_the_first_turn(store
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    def turn(prompt: str) -> str:  # a second turn asked for: the start did not fail (EOF ends the REPL)
+        asked.append(prompt)
+        if len(asked) > 1:
+            raise EOFError
+        return "hi"
+
     asked: list[str] = []
     with pytest.raises(SwarmError, match=rf"cannot reach the coordinator's API at http://127.0.0.1:{port}/v1"):
-        main_chat(_args(api=f"http://127.0.0.1:{port}/v1"), input_fn=lambda prompt: asked.append(prompt) or "hi")
+        main_chat(_args(api=f"http://127.0.0.1:{port}/v1"), input_fn=turn)
     assert asked == []
     assert main(["chat", "--api", f"http://127.0.0.1:{port}/v1"]) == 2
     assert "cannot reach the coordinator's API" in capsys.readouterr().err

@@ -75,3 +75,13 @@ def test_release_pages_gives_mapped_pages_back_and_never_touches_copies(tmp_path
     assert np.array_equal(mapped[1024:], data.reshape(-1, 4096)[1024:])  # read back from the file
     copy = np.array(mapped[:16])
     assert not memory.release_pages(copy) and np.array_equal(copy, data.reshape(-1, 4096)[:16])
+
+
+@pytest.mark.parametrize("baseline_mib", [1, 144, 1216, 1300, 2000, 20000])
+def test_least_limit_is_where_an_allowance_begins(baseline_mib):
+    """``join --memory`` below ``least_limit`` is refused as leaving nothing; the figure it names
+    must be the real edge on both sides of the headroom's floor (64 MiB, then 5 % of the limit)."""
+    baseline = baseline_mib << 20
+    edge = memory.least_limit(baseline)
+    assert memory.allowance(available=1 << 50, baseline=baseline, cap=edge).bytes == 0
+    assert memory.allowance(available=1 << 50, baseline=baseline, cap=edge + (1 << 20)).bytes > 0
