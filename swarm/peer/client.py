@@ -33,7 +33,11 @@ from typing import Any
 from swarm.errors import CoordinatorChangedError, SwarmError
 
 API_KEY_ENV = "COLIBRI_SWARM_API_KEY"
-READ_TIMEOUT_S = 600.0  # socket timeout: a reply may wait behind another user's generation
+READ_TIMEOUT_S = 600.0  # socket timeout of a request answered at once
+# A streamed reply that sends nothing for this long (seconds; the API sends a comment every
+# KEEPALIVE_S, 2 s, even while the request waits for a slot) comes from a coordinator that is
+# asleep (a laptop's lid) or gone: the request goes to the coordinator elected meanwhile.
+STALL_S = 10.0
 RETRY_S = 20.0  # a request whose coordinator went away looks this long for the next one (seconds)
 RETRY_PAUSE_S = 0.5  # between attempts to find and reach it (seconds)
 
@@ -181,7 +185,7 @@ def stream_chat(endpoint: Endpoint, body: Mapping[str, Any]) -> Iterator[str]:
         "Content-Type": "application/json", "Authorization": f"Bearer {endpoint.token}",
         "Accept": "text/event-stream"})
     try:
-        response = urllib.request.urlopen(req, timeout=READ_TIMEOUT_S, context=endpoint.tls)
+        response = urllib.request.urlopen(req, timeout=STALL_S, context=endpoint.tls)
     except urllib.error.HTTPError as exc:
         error = _error_of(exc)
         message = f"the coordinator's API at {endpoint.url} refused the request: {_error_text(exc, error)}"
@@ -217,6 +221,9 @@ def _read_events(endpoint: Endpoint, response: Any) -> Iterator[str]:
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if piece:
                     yield piece
+    except TimeoutError:  # nothing, not even a keep-alive, for STALL_S: asleep or gone
+        raise ApiUnavailableError(f"the API at {endpoint.url} sent nothing for {STALL_S:g} s (its coordinator "
+                                  "asleep or gone)") from None
     except (OSError, http.client.HTTPException) as exc:  # the coordinator went away mid-reply
         raise ApiUnavailableError(f"the API at {endpoint.url} broke off the stream: {exc!r}") from None
     raise ApiUnavailableError(f"the API at {endpoint.url} closed the stream before it finished")

@@ -319,3 +319,50 @@ def test_chat_with_a_wrong_token_fails_before_the_first_turn(live_api, stored_ke
     monkeypatch.setenv("COLIBRI_SWARM_API_KEY", "not-the-token")
     with pytest.raises(SwarmError, match="refused the request: 401"):
         main_chat(_args(api=url), input_fn=lambda prompt: pytest.fail("a turn was asked for"))
+
+
+class _SlowStart(EngineBackend):
+    """The engine, its replies held back ``hold_s`` seconds before the first piece (a request
+    waiting for a slot, or a long prefill): iterated in a worker thread, as a reply that cannot
+    be polled is."""
+
+    hold_s = 1.5
+
+    def generate(self, request, stats):
+        import time
+
+        reply = super().generate(request, stats)
+
+        def held():
+            time.sleep(self.hold_s)
+            yield from reply
+
+        return held()
+
+
+def test_a_reply_slow_to_start_keeps_its_stream_alive(engine, stored_key, monkeypatch):
+    """While a streamed reply sends no token the API sends keep-alive comments, so a client
+    that leaves a silent coordinator after STALL_S (asleep or gone) waits on a slow one: the
+    reply is the local greedy reply, where the same client without them would have left."""
+    from swarm.peer import client
+    from swarm.peer.coordinator import api as api_module
+
+    monkeypatch.setattr(api_module, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(client, "STALL_S", 0.8)  # held 1.5 s: without keep-alives, left at 0.8
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="slow-api", daemon=True)
+    thread.start()
+    server = ApiServer.for_swarm_key(_SlowStart(*engine, model_id=MODEL_ID), KEY)
+    try:
+        port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(30)
+        endpoint = find_endpoint(f"http://127.0.0.1:{port}/v1")
+        messages = [{"role": "user", "content": PROMPTS[1]}]
+        pieces = list(stream_chat(endpoint, {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}))
+        assert "".join(pieces) == _greedy(engine, messages)
+        monkeypatch.setattr(api_module, "KEEPALIVE_S", 60.0)  # the control: no comment within the hold
+        with pytest.raises(SwarmError, match="sent nothing for 0.8 s"):
+            list(stream_chat(endpoint, {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}))
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

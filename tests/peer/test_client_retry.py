@@ -33,7 +33,8 @@ def _error(code: str) -> dict:
 
 
 def _app(pieces: list[str], *, break_after: int | None, hand_back_after: int | None = None,
-         code: str = "coordinator_changed") -> web.Application:
+         code: str = "coordinator_changed", freeze_after: int | None = None,
+         thaw: asyncio.Event | None = None) -> web.Application:
     HANDED_BACK = _error(code)
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -44,6 +45,10 @@ def _app(pieces: list[str], *, break_after: int | None, hand_back_after: int | N
         for i, piece in enumerate(pieces):
             if i == break_after:
                 request.transport.abort()  # the coordinator's process is gone: no end of stream
+                return resp
+            if i == freeze_after:  # its laptop asleep: the connection stays open, nothing more comes
+                assert thaw is not None
+                await thaw.wait()  # until the fixture stops the servers
                 return resp
             if i == hand_back_after:  # stepped down midway: an error event, then the end
                 await resp.write(f"data: {json.dumps(HANDED_BACK)}\n\ndata: [DONE]\n\n".encode())
@@ -64,6 +69,7 @@ def serve() -> Iterator:
     thread = threading.Thread(target=loop.run_forever, name="coordinators", daemon=True)
     thread.start()
     runners: list[web.AppRunner] = []
+    thaw = asyncio.Event()  # set on the servers' loop when they stop: a frozen handler then returns
 
     async def start(app: web.Application) -> int:
         runner = web.AppRunner(app)
@@ -74,14 +80,16 @@ def serve() -> Iterator:
         return runner.addresses[0][1]
 
     def make(pieces: list[str], break_after: int | None = None, hand_back_after: int | None = None,
-             code: str = "coordinator_changed") -> Endpoint:
-        app = _app(pieces, break_after=break_after, hand_back_after=hand_back_after, code=code)
+             code: str = "coordinator_changed", freeze_after: int | None = None) -> Endpoint:
+        app = _app(pieces, break_after=break_after, hand_back_after=hand_back_after, code=code,
+                   freeze_after=freeze_after, thaw=thaw)
         port = asyncio.run_coroutine_threadsafe(start(app), loop).result(10)
         return Endpoint(f"http://127.0.0.1:{port}/v1", "token")
 
     yield make
 
     async def stop() -> None:
+        thaw.set()
         for runner in runners:
             await runner.cleanup()
 
@@ -126,6 +134,24 @@ def test_retried_on_the_next_coordinator_and_shown_once(serve, local_peer):
     pieces = list(stream_chat_retrying(dying, BODY, on_retry=retries.append))
     assert "".join(pieces) == "".join(REPLY)
     assert pieces[:2] == REPLY[:2] and len(retries) == 1 and isinstance(retries[0], ApiUnavailableError)
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_coordinator_that_falls_silent_is_left_for_the_next(serve, local_peer, monkeypatch, after):
+    """A coordinator asleep (SIGSTOP, a laptop's lid) keeps its connections open and sends
+    nothing, not even the API's keep-alive comments: after STALL_S the request goes to the
+    coordinator elected meanwhile, the reply shown once — not a wait as long as the sleep."""
+    from swarm.peer import client
+
+    monkeypatch.setattr(client, "STALL_S", 0.5)
+    asleep = serve(REPLY, freeze_after=after)
+    local_peer(serve(["Hello, world."]).url)
+    retries: list[SwarmError] = []
+    t0 = time.monotonic()
+    pieces = list(stream_chat_retrying(asleep, BODY, on_retry=retries.append))
+    assert "".join(pieces) == "".join(REPLY) and pieces[:after] == REPLY[:after]
+    assert time.monotonic() - t0 < 5.0
+    assert len(retries) == 1 and "sent nothing for 0.5 s" in str(retries[0])
 
 
 @pytest.mark.parametrize("after", [-1, 0, 2])

@@ -82,6 +82,10 @@ from swarm.peer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
+# A streamed reply sends an SSE comment this often (seconds), whatever else it sends: while it
+# waits for a slot or a long prefill, a client then still hears the coordinator, and one that
+# hears nothing for longer (swarm.peer.client.STALL_S) knows it is asleep or gone.
+KEEPALIVE_S = 2.0
 FOLLOW_S = 1.0  # after hand_over(): how often to look for the next coordinator's API until found (s)
 FOLLOW_REFRESH_S = 5.0  # … and then, as it may change again (s)
 FOLLOW_FIND_S = 1.5  # one mDNS browse (s)
@@ -442,7 +446,18 @@ class ApiServer:
                       reply: Iterator[str | Piece], stats: GenerationStats) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        beat = asyncio.create_task(_keep_alive(response))
+        try:
+            return await self._stream_events(request, response, chat, ident, created, reply, stats)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
 
+    async def _stream_events(self, request: web.Request, response: web.StreamResponse, chat: ChatRequest,
+                             ident: str, created: int, reply: Iterator[str | Piece],
+                             stats: GenerationStats) -> web.StreamResponse:
+        """The events of :meth:`_stream`'s reply on its prepared ``response``."""
         text = chat.prompt is not None  # a text completion: its chunks carry "text", no role or delta
         kind = "text_completion" if text else "chat.completion.chunk"
 
@@ -673,6 +688,16 @@ async def _json_body(request: web.Request) -> Any:
         raise ApiError(f"the request body is not UTF-8 (byte {exc.start}); send JSON as UTF-8") from None
     except ValueError as exc:  # json.JSONDecodeError, and ints of more than 4300 digits
         raise ApiError(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _keep_alive(response: web.StreamResponse) -> None:
+    """An SSE comment (``: keep-alive``, which clients skip) every :data:`KEEPALIVE_S` on a
+    streamed reply, until cancelled or the client is gone. Each write is one transport write,
+    so it never splits an event another write sends."""
+    with contextlib.suppress(ConnectionError, RuntimeError):  # the client left, or the reply ended
+        while True:
+            await asyncio.sleep(KEEPALIVE_S)
+            await response.write(b": keep-alive\n\n")
 
 
 def _routes(app: web.Application) -> str:

@@ -87,7 +87,7 @@ async def _lines(s: aiohttp.ClientSession, url: str, prompt: str, extra: dict) -
     async with s.post(f"{url}/{path}", json=body, headers=HEADERS) as r:
         assert r.status == 200, await r.text()
         raw = await r.read()
-    events = [e for e in raw.split(b"\n\n") if e]
+    events = [e for e in raw.split(b"\n\n") if e and not e.startswith(b":")]  # comments (keep-alives) are no events
     return [re.sub(rb'"id": "[^"]*", "object": "([^"]*)", "created": \d+', rb'"object": "\1"', e) for e in events]
 
 
