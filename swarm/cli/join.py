@@ -168,12 +168,16 @@ async def _run_peer(args: Any, console: Any) -> None:
         await freeze_heap()  # the tokenizer and the model's index too
         await roles.start()
         _print_header(console, node)
-        shown, seen = (node.role, None), node.recorded
+        shown, seen, hosted = (node.role, None), node.recorded, signaling_port(node)
         while True:
             await asyncio.sleep(ROLE_POLL_S)
             for event in node.activity_since(seen):
                 _print_event(console, event)
             seen = node.recorded
+            if signaling_port(node) != hosted:  # took signaling over from a host that left: new addresses
+                hosted = signaling_port(node)
+                if hosted is not None:
+                    _print_signaling(console, node)
             if node.error is not None:
                 raise node.error  # e.g. the key was refused at --signal: exit with one clear line
             api_port = (node.placement or {}).get("api_port") if isinstance(node.placement, dict) else None
@@ -299,19 +303,34 @@ def _swarm_key(args: Any, swarmkey: Any) -> tuple[SwarmKey, bool]:
 
 
 def _print_header(console: Any, node: Node) -> None:
-    from web_peer.pageurl import page_addresses, page_link_text  # the peer page's URL (key in the fragment) + QR
-
     rv = node.rendezvous
     console.print(f"swarm [bold]{esc(node.swarm_id)}[/]  peer [bold]{esc(node.peer_id)}[/] ({esc(node.name)})  "
                   "electing a coordinator…")
+    if rv.server is None and rv.client is not None:
+        console.print(f"on the signaling server of peer {esc(rv.client.host)}")
+    _print_signaling(console, node)
+
+
+def signaling_port(node: Node) -> int | None:
+    """The port of the signaling server this peer hosts, None where it hosts none."""
+    server = node.rendezvous.server
+    return server.port if server is not None else None
+
+
+def _print_signaling(console: Any, node: Node) -> None:
+    """Where peers and pages reach the swarm's signaling server: the server this peer hosts
+    (its port, certificate and ``--signal`` address), and the peer page's link (by the host's
+    address). At start, and again when this peer takes hosting over from a host that left —
+    the addresses the first host printed are then dead."""
+    from web_peer.pageurl import page_addresses, page_link_text  # the peer page's URL (key in the fragment) + QR
+
+    rv = node.rendezvous
     if rv.server is not None:
         console.print(f"hosting signaling on port {rv.server.port}, certificate SHA-256 "
                       f"{esc(rv.server.certificate.fingerprint)}")
         addresses = page_addresses(rv)
         if addresses:
             console.print(f"peers that do not find it by mDNS: colibri-swarm join --signal {esc(addresses[0])}")
-    elif rv.client is not None:
-        console.print(f"on the signaling server of peer {esc(rv.client.host)}")
     page = page_link_text(rv, node.swarm_key.code)
     if page:
         console.print(page, markup=False, highlight=False, emoji=False)

@@ -213,10 +213,10 @@ def _read_events(endpoint: Endpoint, response: Any) -> Iterator[str]:
                 raise SwarmError(f"the API at {endpoint.url} sent a malformed event: {payload[:80]!r}") from None
             if "error" in event:
                 error = event["error"] if isinstance(event["error"], dict) else {}
-                message = f"the swarm failed the request: {error.get('message')}"
                 if error.get("code") == CoordinatorChangedError.CODE:  # handed back: ask the next coordinator
-                    raise ApiUnavailableError(message, _url_of(error))
-                raise SwarmError(message)
+                    raise ApiUnavailableError(f"the coordinator at {endpoint.url} handed the request back: "
+                                              f"{error.get('message')}", _url_of(error))
+                raise SwarmError(f"the swarm failed the request: {error.get('message')}")
             for choice in event.get("choices") or ():
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if piece:

@@ -129,9 +129,24 @@ class WorkerRole:
         """A worker keeps the plan it accepted in its status (roles, shares) and notes a new coordinator."""
         known = (self.node.placement or {}).get("coordinator")
         self.node.set_placement({"term": plan.term, "version": plan.version, **plan.to_dict()})
+        self._note_coordinator(link, known, plan.term)
+
+    def _learn_stages(self, link: Link, msg: StagePlan) -> None:
+        """A worker keeps the stage plan it accepted in its status too, as the coordinator shows it
+        (``stages``: [[peer, first layer, stop layer]]): its status names the layers it runs."""
+        known = (self.node.placement or {}).get("coordinator")
+        placement = self.node.placement or {}
+        if (placement.get("term"), placement.get("coordinator")) != (msg.term, link.peer_id):
+            placement = {}  # another coordinator's or term's ranges are not this plan's
+        self.node.set_placement({**placement, "term": msg.term, "version": msg.version, "coordinator": link.peer_id,
+                                 "layout": "stages", "stages": [[s.peer, s.layer_start, s.layer_stop]
+                                                                for s in msg.stages]})
+        self._note_coordinator(link, known, msg.term)
+
+    def _note_coordinator(self, link: Link, known: str | None, term: int) -> None:
         if known != link.peer_id:
             self.node.record("coordinator changed", link.peer_id, link.hello.name if link.hello else "",
-                             f"term {plan.term}")
+                             f"term {term}")
 
     async def _fetch_slices(self, link: Link, msg: PlanMessage) -> None:
         """Without the model: fetch and decode the slices ``msg`` gives this peer (offered just
@@ -162,6 +177,7 @@ class WorkerRole:
             if self.stage_runner is None:
                 raise RemoteProtocolError("this peer holds no model, so it cannot run a stage")
             self.stage_runner.accept(StageLayout.from_message(msg, link.peer_id, self.model.config.n_layers))
+            self._learn_stages(link, msg)
             await asyncio.get_running_loop().run_in_executor(self._compute, self.stage_runner.prepare)
         except SwarmError as exc:
             log.warning("stage plan from %s refused: %s", link.peer_id, exc)

@@ -26,6 +26,7 @@ from swarm.compute.model import load_model
 from swarm.keys.identity import Identity
 from swarm.peer.node import Node
 from swarm.peer.roles import SwarmRoles
+from swarm.peer.status import describe_share
 from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
 from tests.peer._links import run_in_netns
@@ -100,20 +101,26 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
                 await gone.wait()
             st = coord.roles.coordinator.stages
             placement = coord.node.placement
+            known = dict(worker.node.placement or {}, worker=worker.node.peer_id)  # what its `status` shows
             # peers whose stage failed during the run (a re-plan after the loss clears st.failed)
             failed = {peer for peer, t in st.timing.items() if t.failures}
             runner = worker.roles.worker.stage_runner
-            return run, layout, runner.served, st.rebuilt_positions, failed, runner.inline, placement
+            return run, layout, runner.served, st.rebuilt_positions, failed, runner.inline, placement, known
         finally:
             for p in peers:
                 await p.stop()
             await server.stop()
 
-    *out, placement = run_in_netns(main, timeout_s=240, prefix="cst", address=ADDRESS)
+    *out, placement, known = run_in_netns(main, timeout_s=240, prefix="cst", address=ADDRESS)
     # what status --json shows: the stages and the cost model's inputs and prices
     assert placement["layout"] == "stages" and placement["cost"]["mode"] == "stages"
     if kill_at is None:  # (after a loss the newest plan has the coordinator alone)
         assert [tuple(s) for s in placement["stages"]] == [(s.peer, s.start, s.stop) for s in out[1].stages]
+        # the worker's own status knows the stage plan it runs, and names its layers
+        assert [known[k] for k in ("term", "version", "coordinator", "stages")] == [
+            placement[k] for k in ("term", "version", "coordinator", "stages")]  # the newest plan, as both know it
+        share = describe_share(known, known["worker"])  # in the words the coordinator's status uses
+        assert share == describe_share(placement, known["worker"]) and "whole (attention, KV cache, MLP)" in share
     assert {e["layout"] for e in placement["cost"]["estimates"]} >= {"ranges", "stages"}
     assert all(p["gflops"] > 0 for p in placement["cost"]["peers"])
     return out
