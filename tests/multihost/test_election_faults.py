@@ -30,7 +30,9 @@ RESTARTS_S = (0.3, 1.0, 4.0)  # how long a worker stays dead before it starts ov
 COORDINATOR_RESTARTS_S = (0.3, 4.0)  # how long the coordinator stays dead before it starts over
 HAND_BACK_S = 1.0  # a deposed coordinator hands its requests back within this of stepping down
 WORKER_STALL_S = 3.0
-DEPOSED_STALL_S = 6.0  # the others elect within ~2 s; the stalled coordinator wakes well after
+# the others elect within ~2 s; the stalled coordinator wakes well after. Below the client's
+# STALL_S (10 s): this tests the hand-back on waking, not the client leaving a silent stream.
+DEPOSED_STALL_S = 6.0
 BOTH_STALL_S = 5.0  # both workers stopped at once
 STEP_DOWN_S = 3.0  # a woken, deposed coordinator leaves its role within this (status is rewritten every 1 s)
 

@@ -448,16 +448,18 @@ class ApiServer:
         await response.prepare(request)
         beat = asyncio.create_task(_keep_alive(response))
         try:
-            return await self._stream_events(request, response, chat, ident, created, reply, stats)
+            await self._stream_events(request, response, chat, ident, created, reply, stats)
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            await cancel_and_wait(beat)  # before the end: write_eof lets writes through while it drains
+        with contextlib.suppress(ConnectionError):  # the client went away (logged above)
+            await response.write_eof()
+        return response
 
     async def _stream_events(self, request: web.Request, response: web.StreamResponse, chat: ChatRequest,
                              ident: str, created: int, reply: Iterator[str | Piece],
-                             stats: GenerationStats) -> web.StreamResponse:
-        """The events of :meth:`_stream`'s reply on its prepared ``response``."""
+                             stats: GenerationStats) -> None:
+        """The events of :meth:`_stream`'s reply on its prepared ``response``, up to ``[DONE]``
+        (the end of the body is :meth:`_stream`'s)."""
         text = chat.prompt is not None  # a text completion: its chunks carry "text", no role or delta
         kind = "text_completion" if text else "chat.completion.chunk"
 
@@ -512,7 +514,6 @@ class ApiServer:
                        "model": self.backend.model_id, "choices": [], "usage": _usage(stats)}
                 await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
         except (ConnectionError, asyncio.CancelledError) as exc:  # the client went away (a failed write, or
             # its handler cancelled on disconnect): aclosing above already stopped the generation
             log.info("client %s went away mid-stream after %d token(s); generation stopped",
@@ -523,8 +524,6 @@ class ApiServer:
             error = _unavailable(exc)
             with contextlib.suppress(ConnectionError):
                 await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\ndata: [DONE]\n\n")
-                await response.write_eof()
-        return response
 
     # ------------------------------------------------------------- the token loop
 

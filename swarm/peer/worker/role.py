@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarm.errors import RemoteProtocolError, StaleTermError, SwarmError
 from swarm.peer.net.messages import DenseRequest, Error, ExpertRequest, PlanMessage, StagePlan, StageRequest
@@ -126,24 +126,32 @@ class WorkerRole:
                 del self._plans_ready[key]
 
     def _learn_plan(self, link: Link, plan: Plan) -> None:
-        """A worker keeps the plan it accepted in its status (roles, shares) and notes a new coordinator."""
-        known = (self.node.placement or {}).get("coordinator")
-        self.node.set_placement({"term": plan.term, "version": plan.version, **plan.to_dict()})
+        """A worker keeps the plan it accepted in its status (roles, shares) and notes a new coordinator;
+        the stages of the same plan (the mix layout), learned first, are kept beside it."""
+        placement = self.node.placement or {}
+        known = placement.get("coordinator")
+        stages = ({k: placement[k] for k in ("layout", "stages") if k in placement}
+                  if _plan_key(placement) == (plan.term, plan.version, link.peer_id) else {})
+        self.node.set_placement({"term": plan.term, "version": plan.version, **plan.to_dict(), **stages})
         self._note_coordinator(link, known, plan.term)
 
     def _learn_stages(self, link: Link, msg: StagePlan) -> None:
-        """A worker keeps the stage plan it accepted in its status too, as the coordinator shows it
-        (``stages``: [[peer, first layer, stop layer]]): its status names the layers it runs."""
-        known = (self.node.placement or {}).get("coordinator")
+        """A worker keeps the stage plan it accepted in its status too, as the coordinator shows its
+        ``stages`` ([[peer, first layer, stop layer]]): its status names the layers it runs. The
+        ranges of the same plan (the mix layout) are kept beside them; an older plan of this
+        coordinator, sent again, changes nothing."""
         placement = self.node.placement or {}
-        if (placement.get("term"), placement.get("coordinator")) != (msg.term, link.peer_id):
-            placement = {}  # another coordinator's or term's ranges are not this plan's
-        self.node.set_placement({**placement, "term": msg.term, "version": msg.version, "coordinator": link.peer_id,
-                                 "layout": "stages", "stages": [[s.peer, s.layer_start, s.layer_stop]
-                                                                for s in msg.stages]})
+        known = placement.get("coordinator")
+        mine = _plan_key(placement)
+        if mine[0] == msg.term and mine[2] == link.peer_id and (mine[1] or 0) > msg.version:
+            return  # a re-sent older stage plan: the status keeps the newer one
+        kept = placement if mine == (msg.term, msg.version, link.peer_id) else {}
+        self.node.set_placement({**kept, "term": msg.term, "version": msg.version, "coordinator": link.peer_id,
+                                 "layout": "mix" if kept.get("peers") else "stages",
+                                 "stages": [[s.peer, s.layer_start, s.layer_stop] for s in msg.stages]})
         self._note_coordinator(link, known, msg.term)
 
-    def _note_coordinator(self, link: Link, known: str | None, term: int) -> None:
+    def _note_coordinator(self, link: Link, known: Any, term: int) -> None:
         if known != link.peer_id:
             self.node.record("coordinator changed", link.peer_id, link.hello.name if link.hello else "",
                              f"term {term}")
@@ -219,3 +227,8 @@ class WorkerRole:
         else:
             answer = await asyncio.get_running_loop().run_in_executor(self._compute, server.handle, msg)
         await send_logged(link, answer)
+
+
+def _plan_key(placement: dict) -> tuple[Any, Any, Any]:
+    """(term, version, coordinator) of a placement dict (None where missing)."""
+    return placement.get("term"), placement.get("version"), placement.get("coordinator")
