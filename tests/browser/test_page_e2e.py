@@ -396,11 +396,8 @@ def test_page_serves_a_generation_and_its_loss_changes_no_token(swarm, e2e_brows
     from swarm.peer.coordinator.planner import PeerCapacity, build_plan
     from swarm.peer.plan import ModelShape
 
-    ctx = e2e_browser.new_context(ignore_https_errors=True)
-    page = ctx.new_page()
-    page.goto(_page_url(swarm, swarm.key.code))
-    _wait_state(page, "authenticated")
-    link = swarm.browser_link()
+    ctx, page, _, link = _joined(swarm, e2e_browser)  # waits for the node to list the link, not only the page
+    assert link is not None, "the coordinator never listed the page's link"
     path = smollm2_path()
     model = load_model(path)
     shape = ModelShape.from_config(model.config)
@@ -515,11 +512,8 @@ def test_page_serves_a_q4_k_model_on_its_blocks(swarm, e2e_browser, tmp_path):
     from swarm.peer.weights.repack import K_ENCODINGS, page_encodings, repack_for_page
 
     path = write_q4_k_llama(tmp_path / "q4km.gguf")
-    ctx = e2e_browser.new_context(ignore_https_errors=True)
-    page = ctx.new_page()
-    page.goto(_page_url(swarm, swarm.key.code))
-    _wait_state(page, "authenticated")
-    link = swarm.browser_link()
+    ctx, page, _, link = _joined(swarm, e2e_browser)  # waits for the node to list the link, not only the page
+    assert link is not None, "the coordinator never listed the page's link"
     encodings = page_encodings(link.hello.build)
     assert K_ENCODINGS <= encodings, link.hello.build
     model = load_model(str(path))
