@@ -143,31 +143,13 @@ def test_status_watch_into_a_pipe_prints_a_snapshot_per_interval(tmp_path):
 def test_piped_chat_ends_its_output_with_a_newline(tmp_path):
     """Input ending at once (EOF) leaves the prompt's line ended. The REPL first asks the API for
     its models (a chat whose API does not answer fails at the start): an HTTP server answers that."""
-    import http.server
-    import threading
+    from tests.static_http import serving
 
-    class Models(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the http.server name
-            body = b'{"object": "list", "data": []}'
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     env = _env(tmp_path)
     env["COLIBRI_SWARM_API_KEY"] = "t" * 64
-    try:
-        proc = subprocess.run([sys.executable, "-m", "swarm", "chat", "--api",
-                               f"http://127.0.0.1:{server.server_address[1]}/v1"], input="",
-                              capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
-    finally:
-        server.shutdown()
+    with serving(b'{"object": "list", "data": []}', "application/json") as port:
+        proc = subprocess.run([sys.executable, "-m", "swarm", "chat", "--api", f"http://127.0.0.1:{port}/v1"],
+                              input="", capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.endswith("> \n")
 

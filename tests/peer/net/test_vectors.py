@@ -220,42 +220,22 @@ _JS_FRAME = """
 @pytest.fixture(scope="module")
 def secure_page():
     """A blank page on http://localhost (a secure context: WebCrypto exists) in Debian's Chromium."""
-    import http.server
     import os
-    import threading
 
     from tests.conftest import require
+    from tests.static_http import serving
 
     require(os.path.exists("/usr/bin/chromium"), "Debian's Chromium at /usr/bin/chromium (apt install chromium)")
     from playwright.sync_api import sync_playwright
 
-    class Blank(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = b"<!doctype html><title>vectors</title>"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Blank)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(b"<!doctype html><title>vectors</title>", "text/html") as port:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
             page = browser.new_page()
-            page.goto(f"http://localhost:{server.server_address[1]}/")
+            page.goto(f"http://localhost:{port}/")
             assert page.evaluate("window.isSecureContext && typeof crypto.subtle === 'object'")
             yield page
             browser.close()
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 @pytest.mark.browser
