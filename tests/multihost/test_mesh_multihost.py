@@ -5,7 +5,8 @@ Checks that the peers find each other and open authenticated links (each status 
 the two others as linked), that ``colibri-swarm status --json`` reports it, and that killing
 the signaling host's process (SIGKILL, like a pulled plug) lets the swarm re-form within 10 s:
 a survivor hosts signaling anew, both survivors are on it, linked to each other, and the
-dead peer is gone from their view. Then Ctrl-C on a survivor ends it cleanly.
+dead peer is gone from their view; the new host prints its server's port and certificate
+(the addresses printed at start are dead). Then Ctrl-C on a survivor ends it cleanly.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ async def test_join_in_three_namespaces_forms_a_mesh_and_reforms_without_the_hos
     assert shown["peer_id"] == ids[0] and {p["peer_id"] for p in shown["peers"] if p["linked"]} == set(ids) - {ids[0]}
 
     # pull the plug on the signaling host
-    procs[host].kill()
     survivors = [i for i in range(3) if i != host]
+    printed = {i: (procs[i].poll(), len(procs[i].events))[1] for i in survivors}  # each one's lines so far
+    procs[host].kill()
 
     def reformed() -> bool:
         docs = statuses()
@@ -118,6 +120,14 @@ async def test_join_in_three_namespaces_forms_a_mesh_and_reforms_without_the_hos
 
     took = await until(reformed, REFORM_S, "the swarm to re-form without its signaling host", procs)
     print(json.dumps({"event": "reformed", "seconds": round(took, 2)}))
+
+    # the peer that took hosting over prints its new server (the addresses the first host printed
+    # are dead): port and certificate, as `join` prints them at start
+    new_host = next(i for i in survivors if read_status(lab, i)["hosting_signaling"])
+    doc = read_status(lab, new_host)
+    line = await procs[new_host].wait_for(
+        lambda e: f"hosting signaling on port {doc['signaling_port']}" in e.get("line", ""), 5, printed[new_host])
+    assert doc["signaling_fingerprint"][:20] in line["line"], line
 
     # Ctrl-C on a survivor: a clean exit with a goodbye, its links closed (the other peer sees the
     # link go at once, well before heartbeats would time out) and its status file removed
