@@ -10,7 +10,10 @@ event says it is back); peers that join get work from the next plan. A worker th
 request as not serving its plan (``stale_term``) keeps its place and is sent the plan again. At
 the same check the sequences the API runs are fed to the planner
 (:class:`~swarm.peer.coordinator.planning.LoadWatch`): under ``auto`` it re-plans when the load
-changes the layout the cost model chooses.
+changes the layout the cost model chooses. A coordinator woken from a stall (SIGSTOP, a laptop's
+sleep) plans nothing until its election has heard the swarm again
+(:meth:`~swarm.peer.election.driver.ElectionDriver.stalled`): the peers it lost meanwhile were
+silent because it was, and another peer may lead by now.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 
 READMIT_S = 5.0  # a worker that failed a request gets work again after this, if reachable (seconds)
 PLAN_CHECK_S = 1.0  # how often the coordinator compares the peers that can work with its plan (seconds)
+STALL_RECHECK_S = 0.1  # after a stall, how often a re-plan asks whether the election heard the swarm again (s)
 
 
 class CoordinatorRole(LoopDispatcher):
@@ -204,8 +208,15 @@ class CoordinatorRole(LoopDispatcher):
 
     async def _replan(self) -> None:
         await asyncio.sleep(0)  # several link events in one go → one new plan
+        term = self.election.term
+        while self.election.stalled() and self.ffn is not None:
+            # Woken from a stall: the links it dropped and the members it counts as unreachable
+            # are its own silence, not theirs, and another peer may lead by now. A plan from that
+            # view would be over no one (and warn that the swarm holds none of the model); the
+            # election soon says whether this peer still leads.
+            await asyncio.sleep(STALL_RECHECK_S)
         self.replan_pending = False
-        if self.ffn is None:
+        if self.ffn is None or not self.election.leads(term):
             return
         plan = self._new_plan()
         await self._announce(plan)  # sent (queued in order) before any request that uses it

@@ -13,7 +13,7 @@ of the model most of its Python peers hold. Members the signaling server no long
 whose link is silent, have left; a forgotten member whose link speaks again is back.
 
 The driver owns the election's state; the roles read it through :attr:`term`, :attr:`leader`,
-:meth:`leads`, :meth:`reachable`, :meth:`is_refused` and :meth:`check_sender`.
+:meth:`leads`, :meth:`stalled`, :meth:`reachable`, :meth:`is_refused` and :meth:`check_sender`.
 """
 
 from __future__ import annotations
@@ -130,12 +130,22 @@ class ElectionDriver:
         A coordinator with no other member knows no one else could have been elected: no wait."""
         if not self.leads(term):
             return False
-        now = time.monotonic()
-        alone = len(self.core.members) == 1  # no one else could have been elected meanwhile
-        if not alone and ((self._last_tick is not None and now - self._last_tick > el.WAKE_GAP_S)
-                          or now - self._resumed_at < RESUME_CONFIRM_S):
+        if self.stalled():
             return None
-        return True if self.core.holds_quorum(now) else None
+        return True if self.core.holds_quorum(time.monotonic()) else None
+
+    def stalled(self) -> bool:
+        """Whether what the election holds may predate a stall of this process (SIGSTOP, a
+        laptop's sleep) that it has not yet heard the swarm after: its ticks have stopped for
+        ``WAKE_GAP_S``, or resumed less than ``RESUME_CONFIRM_S`` ago. Meanwhile the members it
+        counts as unreachable may be well and have elected another coordinator: nothing is to
+        be planned from that view. Never when it is the only member (no one else could have
+        been elected)."""
+        now = time.monotonic()
+        if len(self.core.members) == 1:
+            return False
+        return ((self._last_tick is not None and now - self._last_tick > el.WAKE_GAP_S)
+                or now - self._resumed_at < RESUME_CONFIRM_S)
 
     def reachable(self, peer: str) -> bool:
         """Whether ``peer`` is a member heard from recently enough to count."""
