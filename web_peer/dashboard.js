@@ -54,7 +54,10 @@ function renderPeers(doc) {
   const me = { peer_id: doc.peer_id, name: doc.name, kind: "python", rtt_ms: null, memory_budget: doc.memory_budget, ffn_gflops: doc.ffn_gflops };
   const body = $("peers").tBodies[0];
   body.replaceChildren();
-  for (const p of [me, ...(doc.peers ?? [])]) {
+  // In the plan's layer order (the coordinator's shares.order): a stage's or a range's layer, then the peer.
+  const order = doc.shares?.order ?? [];
+  const rank = (p) => (order.includes(p.peer_id) ? order.indexOf(p.peer_id) : order.length);
+  for (const p of [me, ...(doc.peers ?? [])].sort((a, b) => rank(a) - rank(b))) {
     const tr = document.createElement("tr");
     tr.dataset.peer = p.peer_id;
     const name = cell(tr, "", "name");

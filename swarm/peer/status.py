@@ -8,7 +8,8 @@ stopped peer rather than shown as if it were live. ``--watch`` redraws the view 
 is not a terminal (a pipe, a file) it prints one plain snapshot per interval instead.
 
 The view fits 80 columns: each peer's id sits whole under its name, roles are never cut, and
-each share is written out below the table ("layers 0–29: MLP rows 1280–1536"). A worker knows
+each share is written out below the table ("layers 0–29: MLP rows 1280–1536"), in the plan's layer
+order (:func:`plan_order_key`; the dashboard's rows follow the same order). A worker knows
 the plan it accepted, so it shows the other peers' roles and shares too.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +112,7 @@ def render(doc: dict[str, Any], *, events: int = 0, width: int = WIDTH) -> Any:
         names = {p["peer_id"]: p.get("name") or p["peer_id"] for p in peers}
         lines = [f"plan v{placement.get('version')} of term {placement.get('term')}, coordinator "
                  f"{names.get(coord, coord)}{api}"]
-        for p in peers:
+        for p in sorted(peers, key=plan_order_key(placement)):
             words = describe_share(placement, p["peer_id"])
             if words != "nothing":
                 ms = (observed.get(p["peer_id"]) or {}).get("ms_per_row")
@@ -180,6 +182,29 @@ def _units(placement: dict[str, Any]) -> dict[int, dict[str, dict[str, list[tupl
     return units
 
 
+def plan_order_key(placement: dict[str, Any]) -> Callable[[dict[str, Any]], tuple]:
+    """A sort key that lists peers (status documents' ``{"peer_id", "name"}``) in the order of
+    ``placement``'s layers: by the first layer each works on (a stage's start, a range's layer),
+    then by where its part of that layer starts (its first expert or MLP row), then by name and
+    id; peers without work last."""
+    units = sorted(_units(placement).items())
+
+    def key(peer: dict[str, Any]) -> tuple:
+        p = str(peer["peer_id"])
+        for layer, kinds in units:
+            starts = [a for by_peer in kinds.values() for a, _ in by_peer.get(p, ())]
+            if starts:
+                return (0, layer, min(starts), str(peer.get("name") or ""), p)
+        return (1, 0, 0, str(peer.get("name") or ""), p)
+    return key
+
+
+def plan_order(placement: dict[str, Any], peer_ids: Iterable[str]) -> list[str]:
+    """``peer_ids`` in the order :func:`plan_order_key` gives (by id where no name is known)."""
+    key = plan_order_key(placement)
+    return sorted(peer_ids, key=lambda p: key({"peer_id": p}))
+
+
 def layer_fractions(placement: dict[str, Any], peer_id: str) -> list[tuple[int, float]]:
     """``[(layer, fraction)]``, one per layer of the plan in order, 0 where the peer holds
     nothing: per kind, the units it holds over the layer's units, averaged over the kinds."""
@@ -200,12 +225,14 @@ def share_fraction(placement: dict[str, Any], peer_id: str) -> float:
 def shares(placement: dict[str, Any], peer_ids: Any, max_groups: int | None = SHARE_GROUPS) -> dict[str, Any]:
     """Each peer's share of a plan, for a page to draw as it is (the dashboard does; nothing is
     computed twice): ``{"peers": {id: {"fraction", "words", "layers": [[layer, fraction]]}},
-    "kinds": {kind: number of layers}}``; ``words`` as :func:`describe_share` with ``max_groups``."""
+    "kinds": {kind: number of layers}, "order": [id, …] in the plan's layer order}``
+    (:func:`plan_order`); ``words`` as :func:`describe_share` with ``max_groups``."""
+    peer_ids = list(peer_ids)
     kinds: dict[str, int] = {}
     for layer_kinds in _units(placement).values():
         for kind in layer_kinds:
             kinds[kind] = kinds.get(kind, 0) + 1
-    return {"kinds": kinds, "peers": {
+    return {"kinds": kinds, "order": plan_order(placement, peer_ids), "peers": {
         p: {"fraction": share_fraction(placement, p), "words": describe_share(placement, p, max_groups),
             "layers": [list(x) for x in layer_fractions(placement, p)]} for p in peer_ids}}
 

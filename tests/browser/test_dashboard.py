@@ -164,6 +164,8 @@ def test_dashboard_shows_the_swarm_chats_and_sees_a_worker_die(swarm, playwright
         placement = page.evaluate("window.colibriDashboard.state.placement")
         for r in rows:
             assert r["words"] == describe_share(placement, r["peer"]) != "nothing"
+        # The rows in the plan's layer order, as the coordinator gave it (status lists its lines so).
+        assert [r["peer"] for r in rows] == page.evaluate("window.colibriDashboard.state.shares.order")
         if SCREENSHOTS:
             (Path(SCREENSHOTS) / "dashboard-laptop.png").write_bytes(page.screenshot(full_page=True))
 

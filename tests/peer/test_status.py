@@ -170,3 +170,29 @@ def test_status_says_a_gpu_peer_computes_on_its_cpu():
            "placement": {"version": 2, "term": 1, "coordinator": "me", "peers": [], "on_cpu": ["small"]}}
     rows = [line for line in _text(doc).splitlines() if "GPU RTX 3050" in line or "on its CPU" in line]
     assert len(rows) == 3 and "on its CPU" in rows[1]
+
+
+def test_status_lists_the_plan_in_layer_order():
+    """The plan's lines (and the dashboard's rows, through ``shares``' order) follow the layers: by
+    the first layer each peer works on — a stage's start, a range's layer — then by where its part of
+    that layer starts; peers without work last. Once this peer came first whatever layers it ran."""
+    from swarm.peer.status import shares
+
+    peer = {"kind": "python", "linked": True, "rtt_ms": 1.0}
+    doc = {"peer_id": "me", "name": "mac", "role": "coordinator", "swarm_id": "s", "system": "Darwin",
+           "peers": [{**peer, "peer_id": "w1", "name": "alpha"}, {**peer, "peer_id": "w2", "name": "zulu"},
+                     {**peer, "peer_id": "w3", "name": "idle"}],
+           "placement": {"version": 2, "term": 1, "coordinator": "me", "peers": ["me", "w1", "w2"],
+                         "stages": [["me", 8, 16], ["w1", 16, 24], ["w2", 0, 8]]}}
+    lines = [line.strip() for line in _text(doc).splitlines() if ": layers " in line]
+    assert lines == ["zulu: layers 0–7: whole (attention, KV cache, MLP)",
+                     "mac: layers 8–15: whole (attention, KV cache, MLP)",
+                     "alpha: layers 16–23: whole (attention, KV cache, MLP)"]
+    assert shares(doc["placement"], ["me", "w1", "w2", "w3"])["order"] == ["w2", "me", "w1", "w3"]
+    ranges = {**doc, "placement": {"version": 3, "term": 1, "coordinator": "me", "peers": ["me", "w1", "w2"],
+                                   "experts": {"0": [["w1", 0, 3], ["me", 3, 6], ["w2", 6, 8]],
+                                               "1": [["w1", 0, 3], ["me", 3, 6], ["w2", 6, 8]]}}}
+    lines = [line.strip() for line in _text(ranges).splitlines() if ": layers " in line]
+    assert [line.split(":")[0] for line in lines] == ["alpha", "mac", "zulu"]
+    assert shares(ranges["placement"], ["me", "w2", "w1", "w3"])["order"] == ["w1", "me", "w2", "w3"]
+
