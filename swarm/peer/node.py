@@ -316,6 +316,7 @@ class Node:
         server = rv.server
         return {
             "pid": os.getpid(),
+            "host": socket.gethostname(),  # a copied config directory's file names another machine's pid
             "updated": time.time(),
             "started": self.started,
             "swarm_id": self.swarm_id,

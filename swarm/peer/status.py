@@ -2,8 +2,9 @@
 
 The running ``join`` keeps a status file (:data:`STATUS_FILE` in the config
 directory, rewritten every second, written atomically); this command reads it. A file whose
-process is gone, or that has not been rewritten for :data:`STALE_AFTER_S`, is reported as a
-stopped peer rather than shown as if it were live. ``--watch`` redraws the view every
+process is gone, or that has not been rewritten for :data:`STALE_AFTER_S`, is never shown as if
+it were live: it is said for what it is (:func:`not_live`) — a peer that stopped, one that is
+stalled, or a file copied with the config directory from another machine. ``--watch`` redraws the view every
 :data:`WATCH_EVERY_S` (rich ``Live``) with the newest swarm events, until Ctrl-C; when stdout
 is not a terminal (a pipe, a file) it prints one plain snapshot per interval instead.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -53,9 +55,57 @@ def read_status(path: Path | None = None, now: float | None = None) -> dict[str,
         raise SwarmError(f"the status file {path} is not one written by `colibri-swarm join`")
     age = (time.time() if now is None else now) - doc["updated"]
     if not pid_alive(doc["pid"]) or age > STALE_AFTER_S:
-        raise SwarmError(f"the peer that wrote {path} (pid {doc['pid']}) is not running "
-                         f"(last update {age:.0f} s ago); start one with `colibri-swarm join`")
+        raise SwarmError(not_live(path, doc, age))
     return doc
+
+
+def not_live(path: Path, doc: dict[str, Any], age: float) -> str:
+    """What a status file that no live peer keeps (its pid gone, or not rewritten for
+    :data:`STALE_AFTER_S`; ``age``: seconds since its last update) says, and what to do. Whether a
+    peer runs from the file's directory is the directory's lock's word
+    (:func:`swarm.paths.config_dir_holder`), not the file's pid: a file copied with a config
+    directory from another machine names a process of that machine (its ``host`` says so), and
+    the pid of a peer that stopped may belong to another process by now."""
+    pid, host, here = doc["pid"], doc.get("host"), socket.gethostname()
+    directory = path.parent
+    holder = paths.config_dir_holder(directory)
+    ago = _duration(age)
+    start = "start a peer with `colibri-swarm join`"
+    if host is not None and host != here:
+        found = (f"the status file {path} was written {ago} ago on another machine ({host!r}, pid {pid}; this one "
+                 f"is {here!r}): the configuration directory {directory} was copied from it")
+        if holder is not None:
+            return (f"{found}. A peer runs from it here{_pid(holder)} but has not written its own status yet: "
+                    "try again in a few seconds")
+        return (f"{found}, and no peer runs from it here. To {start}, give this machine its own identity first: "
+                f"delete {directory / paths.IDENTITY_FILE} (a copy makes this machine the same peer as "
+                f"{host!r}, and two peers with one id split the swarm), or set {paths.CONFIG_DIR_ENV} to a "
+                "directory of its own")
+    if holder is not None and holder in (pid, 0):
+        return (f"the peer{_pid(holder)} running from {directory} has not updated its status for {ago}: it is "
+                "stopped (SIGSTOP, a suspended machine) or stuck; resume it (`kill -CONT PID`) or restart it")
+    if holder is not None:
+        return (f"a peer{_pid(holder)} runs from {directory} but has not written its status yet (the file left "
+                f"there is pid {pid}'s, {ago} old): try again in a few seconds")
+    where = "" if host == here else " (or the file was copied from another machine)"
+    if pid_alive(pid):
+        return (f"no peer runs from {directory}: its status file is {ago} old, and pid {pid}, which wrote it, is "
+                f"another process on this machine now: the peer stopped{where}; {start}")
+    return (f"no peer runs from {directory}: the peer that wrote its status file (pid {pid}) stopped {ago} "
+            f"ago{where}; {start}")
+
+
+def _pid(pid: int) -> str:
+    return f" (pid {pid})" if pid else ""
+
+
+def _duration(seconds: float) -> str:
+    """"12 s", "5 min", "3 h", "4 days"."""
+    s = max(seconds, 0.0)
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if s >= 2 * size:
+            return f"{s / size:.0f} {unit}"
+    return f"{s:.0f} s"
 
 
 def pid_alive(pid: int) -> bool:

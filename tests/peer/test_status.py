@@ -196,3 +196,54 @@ def test_status_lists_the_plan_in_layer_order():
     assert [line.split(":")[0] for line in lines] == ["alpha", "mac", "zulu"]
     assert shares(ranges["placement"], ["me", "w2", "w1", "w3"])["order"] == ["w1", "me", "w2", "w3"]
 
+
+def test_status_says_what_a_file_no_live_peer_keeps_names_and_what_to_do(tmp_path):
+    """A status file no live peer keeps: whether a peer runs from its directory is the directory
+    lock's word, not the file's pid. Copied with a config directory from another machine, it says
+    so (once it said the copy's pid was 'not running', a pid of that other machine); a peer that
+    stopped, a pid that is another process now, and a peer that runs but is stalled, each in words."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from swarm.errors import SwarmError
+    from swarm.peer.status import STALE_AFTER_S
+
+    here = socket.gethostname()
+    path = tmp_path / "status.json"
+
+    def said(**fields) -> str:
+        doc = {"pid": os.getpid(), "host": here, "updated": 1000.0, "peers": [], **fields}
+        path.write_text(json.dumps(doc))
+        with pytest.raises(SwarmError) as caught:
+            read_status(path, now=1000.0 + 7200)
+        return str(caught.value)
+
+    copied = said(host="studio-mac", pid=4242)
+    assert f"written 2 h ago on another machine ('studio-mac', pid 4242; this one is {here!r})" in copied
+    assert f"the configuration directory {tmp_path} was copied from it, and no peer runs from it here" in copied
+    assert f"delete {tmp_path / 'identity.pem'}" in copied and "COLIBRI_SWARM_CONFIG_DIR" in copied
+    assert "not running" not in copied
+    gone = said(pid=2**22 + 12345)  # above pid_max: no such process
+    assert gone == (f"no peer runs from {tmp_path}: the peer that wrote its status file (pid {2**22 + 12345}) stopped "
+                    "2 h ago; start a peer with `colibri-swarm join`")
+    assert "or the file was copied" in said(pid=2**22 + 12345, host=None)  # a file of an older version: no host
+    reused = said()  # this test's own pid: alive, but not a peer of that directory
+    assert f"pid {os.getpid()}, which wrote it, is another process on this machine now: the peer stopped" in reused
+
+    lock = ("import sys, time; from pathlib import Path; from swarm import paths; "
+            "paths.lock_config_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", lock, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        stalled = said(pid=holder.pid, updated=1000.0 + 7200 - STALE_AFTER_S - 10)
+        assert stalled.startswith(f"the peer (pid {holder.pid}) running from {tmp_path} has not updated its status "
+                                  "for 15 s: it is stopped (SIGSTOP")
+        assert said(pid=2**22 + 12345).startswith(f"a peer (pid {holder.pid}) runs from {tmp_path} but has not "
+                                                  "written its status yet")
+        assert f"A peer runs from it here (pid {holder.pid})" in said(host="studio-mac")
+    finally:
+        holder.kill()
+        holder.wait()
