@@ -40,14 +40,15 @@ class LoopbackNet:
         self._handlers: dict[str, Handler] = {}
         self._threads: dict[str, cf.ThreadPoolExecutor] = {}
         self._down: set[str] = set()
-        self._on_down: list[Callable[[str], None]] = []
+        self._on_down: list[Callable[..., None]] = []
 
     def attach(self, peer: str, handler: Handler) -> None:
         self._handlers[peer] = handler
         self._threads[peer] = cf.ThreadPoolExecutor(1, thread_name_prefix=f"net-{peer[:6]}")
 
-    def on_peer_down(self, callback: Callable[[str], None]) -> None:
-        """``callback(peer)`` when :meth:`kill` takes a peer away (a link's close event)."""
+    def on_peer_down(self, callback: Callable[..., None]) -> None:
+        """``callback(peer)`` when :meth:`kill` takes a peer away (a link's close event);
+        ``callback(peer, reason, left=True)`` when the peer closed its link (it leaves)."""
         self._on_down.append(callback)
 
     def dispatcher(self, src: str, *, on_peer_failed: Callable[[str, str], None] | None = None) -> LoopbackDispatcher:
@@ -78,11 +79,15 @@ class LoopbackNet:
         except Exception:  # a handler bug must not kill the delivery thread silently
             log.exception("handler of %s failed on %s", dst, type(msg).__name__)
 
-    def kill(self, peer: str) -> None:
-        """Take ``peer`` away as if its process died: nothing more to or from it."""
+    def kill(self, peer: str, *, left: bool = False) -> None:
+        """Take ``peer`` away as if its process died (``left``: as if it left, closing its link):
+        nothing more to or from it."""
         self._down.add(peer)
         for cb in self._on_down:
-            cb(peer)
+            if left:
+                cb(peer, "it closed its link (leaving)", left=True)
+            else:
+                cb(peer)
 
     def close(self) -> None:
         for t in self._threads.values():

@@ -55,3 +55,14 @@ def test_status_shows_peer_names_verbatim(tmp_path, monkeypatch, capsys):
     assert main_status(SimpleNamespace(json=False)) == 0
     out = capsys.readouterr().out
     assert out.count(NAME) == 3, out
+
+
+def test_join_says_a_peer_that_closed_its_link_leaves_and_one_lost_is_lost():
+    """A link the peer closed (it leaves: Ctrl-C, SIGTERM) is said as a leave, not as a lost link."""
+    from swarm.peer.node import CLOSED_BY_PEER
+
+    c = console(record=True, width=300)
+    _print_event(c, {"what": "link down", "peer_id": "q" * 26, "name": "laptop", "detail": CLOSED_BY_PEER})
+    _print_event(c, {"what": "link down", "peer_id": "r" * 26, "name": "tower", "detail": ""})
+    assert c.export_text().splitlines() == [f"  link closed by laptop ({'q' * 26}): it is leaving",
+                                            f"- link lost tower ({'r' * 26})"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from swarm import paths
 from swarm.errors import SwarmError
 from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.node import Node, measure_ffn_gflops
+from swarm.peer.node import CLOSED_BY_PEER, Node, measure_ffn_gflops
 from swarm.terminal import esc
 
 if TYPE_CHECKING:
@@ -371,6 +371,8 @@ def _print_event(console: Any, ev: dict[str, Any]) -> None:
     match ev["what"]:
         case "link up":
             console.print(f"[green]+[/] linked  {name} ({peer}, {kind})")
+        case "link down" if ev["detail"] == CLOSED_BY_PEER:
+            console.print(f"  link closed by {name} ({peer}): it is leaving")
         case "link down":
             console.print(f"[red]-[/] link lost {name} ({peer})")
         case "joined":

@@ -52,6 +52,7 @@ from swarm.signaling.relay import DUPLICATE_NOTICE
 log = logging.getLogger(__name__)
 
 EVENTS_KEPT = 50  # the newest swarm events in the status document (dashboard, `status --watch`)
+CLOSED_BY_PEER = "closed by the peer"  # a "link down" event's detail when the peer closed it (it left)
 
 
 def numeric_build() -> NumericBuild:
@@ -180,7 +181,8 @@ class Node:
         """Note a swarm event for status, the dashboard and ``join``'s terminal: ``what`` is e.g.
         "joined", "left", "link up", "link down", "marked down", "replanned", "coordinator
         changed", "left out" (a peer of other numerics: no work); ``t`` is Unix s; ``detail`` of
-        "joined", "left" and "link up" is the peer's kind."""
+        "joined", "left" and "link up" is the peer's kind, of "link down" :data:`CLOSED_BY_PEER` when
+        the peer closed the link (a peer that leaves does; "": the link was lost)."""
         self.activity.append({"t": round(time.time(), 3), "what": what, "peer_id": peer_id, "name": name,
                               "detail": detail})
         self.recorded += 1
@@ -270,8 +272,14 @@ class Node:
         self.record("link up", link.peer_id or "?", hello.name if hello else "", hello.peer_kind if hello else "")
         self._refresh_status()
 
+    def closed_by_peer(self, peer_id: str) -> bool:
+        """Whether the last link to ``peer_id`` that went down was closed by that peer, as a peer
+        that leaves does, rather than lost (:meth:`Mesh.closed_by_peer`)."""
+        return self.mesh.closed_by_peer(peer_id)
+
     def _link_down(self, peer_id: str) -> None:
-        self.record("link down", peer_id, self.known.get(peer_id, ("", ""))[0])
+        self.record("link down", peer_id, self.known.get(peer_id, ("", ""))[0],
+                    CLOSED_BY_PEER if self.closed_by_peer(peer_id) else "")
         self._refresh_status()
 
     def _refresh_status(self) -> None:

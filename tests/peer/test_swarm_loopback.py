@@ -12,6 +12,7 @@ thread, as in ``join``: RemoteFFN talks to the links through thread-safe hand-of
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import threading
@@ -23,7 +24,7 @@ import pytest
 from swarm.compute.ffn import LocalFFN
 from swarm.compute.model import load_model
 from swarm.keys.identity import Identity
-from swarm.peer.node import Node
+from swarm.peer.node import CLOSED_BY_PEER, Node
 from swarm.peer.roles import SwarmRoles
 from swarm.keys.swarmkey import SwarmKey
 from swarm.signaling.server import SignalingServer
@@ -110,8 +111,11 @@ def agreed(peers) -> str | None:
     return leader
 
 
-def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
+def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path, caplog):
+    """… and a worker that leaves (its link closed by it, as at Ctrl-C) is said to leave, in INFO
+    lines and a "link down" event closed by the peer, never warned of as a lost one."""
     model_dir = build("qwen3_moe", tmp_path)  # MoE layers 0 and 2, dense layer 1
+    caplog.set_level(logging.INFO, logger="swarm")
 
     async def main():
         server, peers = await start_swarm(tmp_path, model_dir, [1.0, 2.0, 3.0])
@@ -132,10 +136,17 @@ def test_swarm_over_real_links_matches_local_and_survives_losses(tmp_path):
                     loop.call_soon_threadsafe(lambda: asyncio.ensure_future(peers[0].stop()).add_done_callback(
                         lambda _: killed.set()))
 
+            logged = len(caplog.records)
             run2 = await asyncio.to_thread(greedy, coord.roles.model, ffn, PROMPT, 12, on_step)
             await killed.wait()
             await until(lambda: peers[0].node.peer_id not in ffn.plan.workers() and ffn.pending_plan is None
                         or peers[0].node.peer_id not in (ffn.pending_plan or ffn.plan).workers(), 10, "a new plan")
+            left = peers[0].node.peer_id
+            leave = [r for r in caplog.records[logged:] if r.name.startswith("swarm.peer.coordinator")]
+            assert [r.getMessage() for r in leave if r.levelno >= logging.WARNING] == []
+            assert any(r.getMessage().startswith(f"peer peer0 ({left}) closed its link: it is leaving") for r in leave)
+            assert {"what": "link down", "peer_id": left, "name": "peer0", "detail": CLOSED_BY_PEER} in [
+                {k: e[k] for k in ("what", "peer_id", "name", "detail")} for e in coord.node.activity]
             # 3. the coordinator goes: the survivor takes over within 5 s and serves
             await coord.stop()
             took = await until(lambda: peers[1].roles.coordinator.ffn is not None, 10, "a new coordinator")

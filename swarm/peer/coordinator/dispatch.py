@@ -196,9 +196,11 @@ class RemoteFFN:
         answer (recomputed already) is timed."""
         self.tracker.deliver(peer, msg, self._clock())
 
-    def peer_down(self, peer: str, reason: str = "link closed") -> None:
-        """``peer``'s link went away: its pending requests fail now rather than at their deadline."""
-        self.tracker.peer_down(peer, reason)
+    def peer_down(self, peer: str, reason: str = "link closed", left: bool = False) -> None:
+        """``peer``'s link went away: its pending requests fail now rather than at their deadline.
+        ``left``: it closed the link, as a peer that leaves does: it gets no more work from this
+        plan, without being marked down (the owner re-plans without it)."""
+        self.tracker.peer_down(peer, reason, left)
 
     def set_rtt(self, peer: str, rtt_s: float) -> None:
         """Measured link round trip of ``peer`` (from the link's heartbeats)."""

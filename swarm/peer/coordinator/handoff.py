@@ -146,6 +146,8 @@ class LoopDispatcher:
         """Queue ``msg`` on ``peer``'s link; ConnectionError when there is none."""
         link = self.node.links.get(peer)
         if link is None:
+            if self.node.closed_by_peer(peer):  # it left, and the link-down callback may not have run yet
+                self._peer_down(peer, "it closed its link (leaving)", left=True)  # the trackers are thread-safe
             raise ConnectionError(f"no link to {peer}")
         # eager: the message is encoded and leaves within this callback, not a loop iteration later
         self._loop.call_soon_threadsafe(lambda: self._tasks.spawn(self._send_request(link, msg), "request", eager=True))
@@ -156,9 +158,9 @@ class LoopDispatcher:
         except SwarmError as exc:
             self._peer_down(link.peer_id, f"send failed: {exc}")
 
-    def _peer_down(self, peer: str, reason: str) -> None:
+    def _peer_down(self, peer: str, reason: str, left: bool = False) -> None:
         for backend in self._backends():
-            backend.peer_down(peer, reason)
+            backend.peer_down(peer, reason, left)
 
     def peer_failed(self, peer: str, reason: str) -> None:
         """Re-plan without ``peer`` (on the event loop); a stage answer ``--verify`` found wrong is

@@ -159,9 +159,18 @@ class CoordinatorRole(LoopDispatcher):
             self.admitted(link)
 
     def _link_down(self, peer: str) -> None:
-        if self.ffn is not None:
-            self._peer_down(peer, "link closed")
-            self._schedule_replan()
+        """A link went down: a peer that closed it (one that leaves does, at Ctrl-C or SIGTERM) is
+        said to leave, in an INFO line, and gets no more work; a lost one fails what it had in
+        flight (a warning, and it is marked down for ``READMIT_S``). Either way, a new plan."""
+        if self.ffn is None:
+            return
+        left = self.node.closed_by_peer(peer)
+        if left:
+            name = self.node.known.get(peer, ("", ""))[0]
+            log.info("peer %s (%s) closed its link: it is leaving; its work goes to the others from the next plan",
+                     name or "?", peer)
+        self._peer_down(peer, "it closed its link (leaving)" if left else "link closed", left)
+        self._schedule_replan()
 
     async def resend_plan(self, peer: str) -> None:
         """``peer`` refused a request of the plan in use as not accepted: send it that plan again. Not

@@ -200,9 +200,10 @@ class StagedFFN:
             with self._lock:
                 self.warm.setdefault(peer, set()).add((msg.layer_start, msg.layer_stop))
 
-    def peer_down(self, peer: str, reason: str = "link closed") -> None:
-        """``peer``'s link went away: its pending requests fail now."""
-        self.tracker.peer_down(peer, reason)
+    def peer_down(self, peer: str, reason: str = "link closed", left: bool = False) -> None:
+        """``peer``'s link went away: its pending requests fail now. ``left``: as
+        :meth:`RemoteFFN.peer_down <swarm.peer.coordinator.dispatch.RemoteFFN.peer_down>`."""
+        self.tracker.peer_down(peer, reason, left)
 
     def set_rtt(self, peer: str, rtt_s: float) -> None:
         self.tracker.set_rtt(peer, rtt_s)

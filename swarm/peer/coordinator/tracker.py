@@ -48,6 +48,9 @@ The rule
 * **Failed.** A closed link, a malformed answer, a refusal or a miss that fails it
   (:meth:`RequestTracker.fail`): the peer gets no more work until a new plan has it again
   (:meth:`RequestTracker.readmit`).
+* **Left.** A peer that closed its link (one that leaves does, at Ctrl-C or SIGTERM) gets no more
+  work either (:meth:`RequestTracker.peer_down` with ``left``), but it did not fail: what fails
+  with its link is neither counted, nor logged as a fault, nor told to the owner.
 * **Distrusted.** A stage answer that ``--verify`` found wrong (:meth:`RequestTracker.distrust`):
   the peer fails as above and no new plan readmits it — a peer that lied once is not asked again.
   The cost of checking is counted (:meth:`RequestTracker.verified`, :class:`VerifyCost`).
@@ -276,6 +279,7 @@ class RequestTracker:
         self.timing: dict[str, PeerTiming] = {}
         self.not_ready: dict[str, tuple[int, int, float]] = {}
         self.failed: set[str] = set()  # peers given no more work until a new plan has them
+        self.left: set[str] = set()  # of those, the peers that closed their link (leaving): not failures
         self.layer_timing: dict[str, LayerTiming] = {}  # each stage peer's compute, from its answers
         self.message_overhead: dict[str, float] = {}  # peer → a short step's wait beyond RTT and compute (EWMA, s)
         self.local_timing = LayerTiming()  # the coordinator's own layers under stages
@@ -369,10 +373,15 @@ class RequestTracker:
             p.future.set_result(msg)
         return False
 
-    def peer_down(self, peer: str, reason: str) -> None:
+    def peer_down(self, peer: str, reason: str, left: bool = False) -> None:
         """``peer``'s link went away: its pending requests fail now (ConnectionError), and its late
-        ones will never be answered."""
+        ones will never be answered. ``left``: it closed the link, as a peer that leaves does: it
+        is in ``failed`` at once (sent nothing more until a new plan has it), so that neither its
+        requests' failures nor a send to its closed link fail it as lost (no failure counted)."""
         with self._lock:
+            if left:
+                self.failed.add(peer)
+                self.left.add(peer)
             lost = [self._pending.pop(rid) for rid, p in list(self._pending.items()) if p.peer == peer]
             self.forget(peer)
         for p in lost:
@@ -483,6 +492,8 @@ class RequestTracker:
         """``peer`` failed a request (module docstring, "Failed"): counted; returns whether it was
         not failed already (the owner is told once)."""
         with self._lock:
+            if peer in self.left:
+                return False  # it closed its link: what fails now is its leaving, not a fault
             self.of(peer).failures += 1
             if peer in self.failed:
                 return False
@@ -515,6 +526,7 @@ class RequestTracker:
             else:
                 self.failed.difference_update(peers)
             self.failed.update(self.distrusted)
+            self.left &= self.failed
             for t in self.timing.values():
                 t.misses = 0
 
@@ -525,7 +537,7 @@ class RequestTracker:
                                         self.layer_timing[p].s_per_row_layer if p in self.layer_timing else None,
                                         self.message_overhead.get(p))
                      for p, t in self.timing.items()}
-            return Observations(peers, frozenset(self.failed), self.local_timing.s_per_row_layer,
+            return Observations(peers, frozenset(self.failed - self.left), self.local_timing.s_per_row_layer,
                                 self.verify_cost, dict(self.distrusted))
 
 

@@ -145,7 +145,8 @@ class Link:
     ``Hello``), ``rtt_s`` (median of recent heartbeat round-trip times in seconds, ``None`` until measured),
     ``weights_held`` (the remote's last :class:`~swarm.peer.net.messages.WeightsHeld`, ``None`` until
     one came: a browser peer reports the bytes its GPU buffers take), ``state`` (:class:`LinkState`),
-    ``close_reason`` (``str`` once closed), :attr:`last_heard`.
+    ``close_reason`` (``str`` once closed), ``closed_by_peer`` (the remote closed it, as a peer
+    that leaves does), :attr:`last_heard`.
 
     ``expected_peer_id``: the id the remote must prove (the sender signaling stamped on its
     offer or answer). ``remote_kind``: ``"python"`` or ``"browser"`` when signaling said which
@@ -182,6 +183,7 @@ class Link:
             jumbo_packets=rtc.SCTP_JUMBO_PACKET_LENGTH if jumbo_packets else None,
         )
         self.close_reason: str | None = None
+        self.closed_by_peer = False  # the remote closed the link (as a peer that leaves does), not we
         self.remote_max_message_size = DEFAULT_MAX_MESSAGE_SIZE
         # the largest SCTP packet this link sends: jumbo once a probe to a Python peer came back (rtc.py)
         self.sctp_packet_length = rtc.SCTP_MAX_PACKET_LENGTH
@@ -213,7 +215,7 @@ class Link:
         channel.bufferedAmountLowThreshold = SEND_LOW_WATER
         channel.on("open", self._on_channel_open)
         channel.on("message", self._on_channel_message)
-        channel.on("close", lambda: self._fail("the data channel closed"))
+        channel.on("close", self._on_channel_closed)
         channel.on("bufferedamountlow", self._drained.set)
         pc.on("connectionstatechange", self._on_connection_state)
         self._spawn(self._watchdog())
@@ -382,6 +384,14 @@ class Link:
             _orphans.add(task)
             task.add_done_callback(_forget)
         return task
+
+    def _on_channel_closed(self) -> None:
+        """The data channel closed before we closed the link: the remote ended it (its peer
+        connection's close sends an SCTP ABORT, as a peer that leaves does at Ctrl-C or SIGTERM);
+        a lost peer falls silent instead, and the watchdog closes its link."""
+        if self.protocol.state is not LinkState.CLOSED:
+            self.closed_by_peer = True
+        self._fail("the peer closed the link")
 
     def _on_connection_state(self) -> None:
         state = self.pc.connectionState

@@ -93,7 +93,14 @@ class Mesh:
         self._tasks: set[asyncio.Task] = set()
         self._handlers: dict[type, Handler] = {}
         self._made: set[Link] = set()  # every link made and not yet released; close() waits for them
+        self._closed_by_peer: set[str] = set()  # peers whose last link went down because they closed it
         self._closed = False
+
+    def closed_by_peer(self, peer_id: str) -> bool:
+        """Whether the last link to ``peer_id`` that went down was closed by that peer (as one that
+        leaves closes its links) rather than lost; for ``on_link_down`` callbacks. False once a new
+        link to it is up."""
+        return peer_id in self._closed_by_peer
 
     # -- handlers -------------------------------------------------------------------------------
 
@@ -265,6 +272,7 @@ class Mesh:
                 _call(down, peer_id)
             self._spawn(old.close("replaced by a new link (the peer started over)"))
         self.links[peer_id] = link
+        self._closed_by_peer.discard(peer_id)
         link.on_close(self._on_link_closed)
         log.info("link up: %s (%s, %s)", peer_id, link.hello.name if link.hello else "?", "offered" if link.offerer else "answered")
         for cb in list(self.on_link_up):
@@ -274,6 +282,8 @@ class Mesh:
         peer_id = link.peer_id
         if peer_id is None or self.links.get(peer_id) is not link:
             return
+        if link.closed_by_peer:  # first: whoever finds the link gone (another thread too) may ask why
+            self._closed_by_peer.add(peer_id)
         del self.links[peer_id]
         self._spawn(link.close(link.close_reason or "closed"))
         log.info("link down: %s (%s)", peer_id, link.close_reason)

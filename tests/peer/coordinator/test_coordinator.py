@@ -8,6 +8,7 @@ terms, lies — the tokens must not change, or ``--verify`` must stop the run.
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 import threading
@@ -221,6 +222,37 @@ def test_killed_worker_mid_generation_then_plan_rebuilt(checkpoints):
         assert [p for p, _ in swarm.failed] == [W2] and len(rebuilt) == 1
         assert swarm.ffn.plan is rebuilt[0] and W2 not in swarm.ffn.plan.peers
         assert swarm.workers[W1].served > served_before[W1]  # the survivor kept working
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left", "lost"])
+def test_a_worker_that_leaves_mid_generation_is_no_fault_and_one_lost_is(checkpoints, caplog, left):
+    """A worker that closes its link (it leaves: Ctrl-C, SIGTERM) gets no more work and its rows
+    are recomputed, as a lost one's are, but it did not fail: no warning, no failure counted, the
+    owner not told to mark it down (it re-plans on the link's close). Once a leave was logged as
+    a lost peer's fault ("marked down: send failed: no link")."""
+    swarm = InProcSwarm(checkpoints["qwen2_moe"], 2)
+    served: dict[str, int] = {}
+
+    def on_step(step):
+        if step == 5:
+            served.update({w: x.served for w, x in swarm.workers.items()})
+            swarm.net.kill(W2, left=left)
+
+    try:
+        with caplog.at_level(logging.INFO, logger="swarm.peer.coordinator"):
+            got = greedy(swarm.model, swarm.ffn, on_step=on_step)
+        assert got[0] == local_reference(swarm)[0]
+        assert swarm.workers[W2].served == served[W2] and swarm.workers[W1].served > served[W1]
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        failures = swarm.ffn.tracker.of(W2).failures
+        if left:
+            assert swarm.failed == [] and warnings == [] and failures == 0
+            assert W2 not in swarm.ffn.tracker.observations().failed  # status: not "marked down"
+        else:
+            assert [p for p, _ in swarm.failed] == [W2] and failures >= 1
+            assert len(warnings) == 1 and f"peer {W2} marked down: " in warnings[0]
     finally:
         swarm.close()
 
@@ -709,3 +741,4 @@ def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, m
         assert refusals == ["stale_term"]  # the plan sent again was there before the probe
     finally:
         swarm.close()
+

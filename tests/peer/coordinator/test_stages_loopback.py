@@ -102,10 +102,14 @@ def run_stage_swarm(tmp_path, model_path, prompt, n, kill_at=None):
             st = coord.roles.coordinator.stages
             placement = coord.node.placement
             known = dict(worker.node.placement or {}, worker=worker.node.peer_id)  # what its `status` shows
-            # peers whose stage failed during the run (a re-plan after the loss clears st.failed)
+            # peers whose stage was given up during the run (a re-plan after the loss clears st.failed):
+            # failed, or left — the worker stopped here closes its link: it leaves, it does not fail
             failed = {peer for peer, t in st.timing.items() if t.failures}
+            left = set(st.tracker.left)
+            if kill_at is not None:
+                assert left == {worker.node.peer_id} and failed == set(), (left, failed)
             runner = worker.roles.worker.stage_runner
-            return run, layout, runner.served, st.rebuilt_positions, failed, runner.inline, placement, known
+            return run, layout, runner.served, st.rebuilt_positions, failed | left, runner.inline, placement, known
         finally:
             for p in peers:
                 await p.stop()
@@ -223,7 +227,7 @@ def test_a_stage_peer_lost_with_groups_in_flight_changes_no_sequence(tmp_path):
             run = await asyncio.to_thread(greedy_together, coord.roles.model, coord.roles.coordinator.engine_ffn,
                                           PROMPTS, 8, on_step)
             await gone.wait()
-            failed = {peer for peer, t in st.timing.items() if t.failures}
+            failed = {peer for peer, t in st.timing.items() if t.failures} | st.tracker.left  # failed, or left
             return run, failed, worker.node.peer_id, st.rebuilt_positions, st.pipelined_steps
 
     (tokens, logits), failed, worker_id, rebuilt, pipelined = run_in_netns(main, timeout_s=240, prefix="cst",
@@ -285,7 +289,7 @@ def test_two_batches_stepping_at_once_overlap_on_both_peers_and_survive_a_stage_
                 asyncio.to_thread(greedy_together, model, ffn, PROMPTS[:1], n, on_step),
                 asyncio.to_thread(greedy_together, model, ffn, PROMPTS[1:], n))
             await gone.wait()
-            failed = {peer for peer, t in st.timing.items() if t.failures}
+            failed = {peer for peer, t in st.timing.items() if t.failures} | st.tracker.left  # failed, or left
             return (tok_a + tok_b, log_a + log_b), failed, worker.node.peer_id, st.rebuilt_positions, st.pipelined_steps
 
     (tokens, logits), failed, worker_id, rebuilt, pipelined = run_in_netns(main, timeout_s=240, prefix="cst",

@@ -67,7 +67,7 @@ def test_a_missed_step_and_a_lost_stage_give_the_local_bits(tmp_path):
 
             b = await asyncio.to_thread(greedy, model, ffn, PROMPT_B, STEPS, leave)
             await gone.wait()
-            return a, b, missed, st.rebuilt_positions, {p for p, t in st.timing.items() if t.failures}
+            return a, b, missed, st.rebuilt_positions, {p for p, t in st.timing.items() if t.failures} | st.tracker.left
 
     a, b, (misses, rebuilt_a, failed_a, remote_a), rebuilt, failed = run_in_netns(
         main, timeout_s=240, prefix="csr", address=ADDRESS)
