@@ -206,6 +206,10 @@ class RemoteFFN:
         """Measured link round trip of ``peer`` (from the link's heartbeats)."""
         self.tracker.set_rtt(peer, rtt_s)
 
+    def measure_afresh(self, peer: str) -> None:
+        """``peer`` linked anew: its speed is measured afresh (:meth:`RequestTracker.measure_afresh`)."""
+        self.tracker.measure_afresh(peer)
+
     def set_plan(self, plan: Plan, warming: dict[str, float] | None = None) -> None:
         """Use ``plan`` from the next step on (applied at layer 0, never inside a step).
 

@@ -88,7 +88,7 @@ class CoordinatorRole(LoopDispatcher):
         self._loop = asyncio.get_running_loop()
         n = self.node
         self._listen(n)
-        n.on_link_up.append(self._browser_up)
+        n.on_link_up.append(self._link_up)
         n.on_link_down.append(self._link_down)
         for link in list(n.links.values()):
             self._browser_up(link)
@@ -152,6 +152,16 @@ class CoordinatorRole(LoopDispatcher):
             self._announcer.attach(link)
         if self.ffn is not None:
             self._schedule_replan()
+
+    def _link_up(self, link: Link) -> None:
+        """A new link (a peer that restarted, maybe on other hardware or with other settings, or
+        one that linked again): what its old answers showed of its speed no longer counts — the
+        next plan prices it by its new hello until it answers again (once a restarted peer kept
+        its old speed in every plan and in status)."""
+        if link.peer_id is not None:
+            for backend in self._backends():
+                backend.measure_afresh(link.peer_id)
+        self._browser_up(link)
 
     def _browser_up(self, link: Link) -> None:
         """Browser peers link to the coordinator only: they compute but do not vote."""

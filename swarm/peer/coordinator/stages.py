@@ -208,6 +208,10 @@ class StagedFFN:
     def set_rtt(self, peer: str, rtt_s: float) -> None:
         self.tracker.set_rtt(peer, rtt_s)
 
+    def measure_afresh(self, peer: str) -> None:
+        """``peer`` linked anew: its speed is measured afresh (:meth:`RequestTracker.measure_afresh`)."""
+        self.tracker.measure_afresh(peer)
+
     def set_layout(self, layout: StageLayout, inner: FFNBackend | None = None) -> None:
         """Use ``layout`` for sequences that start from now on (those in flight keep theirs), and
         ``inner`` (if given) for the FFN of the coordinator's own layers."""

@@ -305,6 +305,20 @@ class RequestTracker:
         """Measured link round trip of ``peer`` (from the link's heartbeats)."""
         self.of(peer).rtt_s = float(rtt_s)
 
+    def measure_afresh(self, peer: str) -> None:
+        """``peer`` linked anew (a restart, maybe on other hardware or with other settings, or a
+        new link): what its old answers showed of its speed — per row, per stage layer, its
+        message overhead — no longer counts; its hello's figure does until it answers again (its
+        next request is a first one). Its counts (requests, failures, answer times) stay."""
+        with self._lock:
+            t = self.timing.get(peer)
+            if t is not None:
+                t.s_per_row = None
+                t.overheads.clear()
+                t.misses = 0
+            self.layer_timing.pop(peer, None)
+            self.message_overhead.pop(peer, None)
+
     def loading(self, peer: str, load_bytes: int) -> None:
         """``peer``'s next request is a first one of ``load_bytes`` weight bytes (a share or
         stage it has not answered yet): it gets :func:`first_deadline_s` of them."""

@@ -742,3 +742,50 @@ def test_a_worker_that_has_not_the_plan_is_kept_and_sent_it_again(checkpoints, m
     finally:
         swarm.close()
 
+
+def test_a_worker_that_links_anew_is_priced_by_its_new_hello_until_it_answers_again(checkpoints, tmp_path):
+    """A peer that restarts (maybe on other hardware, or with other settings) links anew: the
+    coordinator drops what its old answers showed of its speed, and the next plan prices it by its
+    new hello until it answers again. Once its old speed stayed in every plan and in status."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.coordinator.planning import Planning
+    from swarm.peer.coordinator.role import CoordinatorRole
+    from swarm.peer.node import Node
+
+    swarm = InProcSwarm(checkpoints["qwen3_moe"], 1)
+    planning = Planning(swarm.model, model_shape(swarm.model), COORD, "stages")
+    restarted = PeerCapacity(W1, 10**9, 1000.0, 0.002)  # its new hello: 1000 GFLOP/s
+
+    def priced() -> dict:
+        planning.new_plan(1, 10**9, 1.0, [restarted], {W1}, swarm.ffn.plan, swarm.ffn.tracker.observations())
+        return next(p for p in planning.cost_report["peers"] if p["peer_id"] == W1)
+
+    ident = Identity.generate()
+    node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                status_path=tmp_path / "status.json", model_hash="m" * 64, memory_budget=1 << 30, ffn_gflops=1.0)
+    role = CoordinatorRole(node, None, SimpleNamespace(term=1))  # type: ignore[arg-type]
+
+    async def link_up_again():
+        role.start()
+        role.ffn = swarm.ffn
+        for callback in list(node.on_link_up):  # what the mesh does when the new link opens
+            callback(SimpleNamespace(peer_id=W1, hello=None))
+        await role.stop()
+
+    try:
+        swarm.ffn.set_rtt(W1, 1e-6)  # in process: an answer's time is all compute
+        greedy(swarm.model, swarm.ffn, n=3)
+        before = priced()
+        assert before["observed"] and before["gflops"] != pytest.approx(1000.0)  # its answers, timed here
+        asyncio.run(link_up_again())
+        assert swarm.ffn.tracker.observations().of(W1).s_per_row is None
+        after = priced()
+        assert not after["observed"] and after["gflops"] == pytest.approx(1000.0)
+        greedy(swarm.model, swarm.ffn, n=2)  # it answers again: observed again
+        assert priced()["observed"]
+    finally:
+        swarm.close()
