@@ -60,7 +60,7 @@ def _context_words(config: Any, limit: int) -> str:
 
 def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mapping[str, Any]] | str,
                   max_tokens: int, context: int | None = None, *,
-                  tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                  tools: Sequence[Mapping[str, Any]] | None = None, max_tokens_set: bool = True) -> list[int]:
     """The prompt's token ids, checked before any work is done.
 
     messages: chat messages (``[{"role", "content"}, ...]``), rendered with the checkpoint's
@@ -69,6 +69,8 @@ def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mappi
     tools: function tools handed to the chat template (OpenAI's shape).
     max_tokens: the most tokens the reply may take; prompt + reply must fit
         :func:`context_limit` (of ``context``, a server's own bound, when given).
+    max_tokens_set: whether the user chose ``max_tokens`` (an error names it only then; else
+        the prompt is said to leave no room for ``max_tokens`` reply tokens).
     Raises: :class:`~swarm.errors.ChatTemplateError` if the template rejects the messages;
     :class:`~swarm.errors.ModelFileError` if the tokenizer yields ids outside the model's
     vocabulary; :class:`~swarm.errors.ContextLengthError` naming the numbers when the prompt
@@ -78,12 +80,14 @@ def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mappi
         messages, **({"tools": tools} if tools else {}))
     limit = context_limit(model.config, context)
     fewest = tokenizer.fewest_tokens(text) if limit is not None else None
+    reply, advice = (f"and max_tokens is {max_tokens}", "shorten the prompt or ask for fewer tokens") if max_tokens_set \
+        else (f"with room for {max_tokens} reply token{'s' if max_tokens != 1 else ''}", "shorten the prompt")
     if fewest is not None and fewest + max_tokens > limit:  # surely too long: refused without encoding it
         raise ContextLengthError(
             f"the prompt{'' if isinstance(messages, str) else ' in its chat template'} is "
             f"{len(text.encode('utf-8', 'surrogatepass'))} bytes, so at least {fewest} tokens (no "
-            f"token of this model stands for more than {tokenizer.max_token_bytes} bytes), and max_tokens is "
-            f"{max_tokens}: more than {_context_words(model.config, limit)}; shorten the prompt or ask for fewer tokens"
+            f"token of this model stands for more than {tokenizer.max_token_bytes} bytes), {reply}: "
+            f"more than {_context_words(model.config, limit)}; {advice}"
         )
     prompt_ids = tokenizer.encode(text, add_special_tokens=isinstance(messages, str))
     if not prompt_ids:
@@ -96,9 +100,8 @@ def encode_prompt(model: Any, tokenizer: TextTokenizer, messages: Sequence[Mappi
         )
     if limit is not None and len(prompt_ids) + max_tokens > limit:
         raise ContextLengthError(
-            f"the prompt is {len(prompt_ids)} tokens and max_tokens is {max_tokens}: "
-            f"{len(prompt_ids) + max_tokens} > {_context_words(model.config, limit)}; "
-            "shorten the prompt or ask for fewer tokens"
+            f"the prompt is {len(prompt_ids)} tokens {reply}: "
+            f"{len(prompt_ids) + max_tokens} > {_context_words(model.config, limit)}; {advice}"
         )
     return prompt_ids
 

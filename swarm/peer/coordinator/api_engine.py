@@ -201,7 +201,7 @@ class EngineBackend:
         if request.max_tokens_set or limit is None:
             ids = encode_prompt(self.model, self.tokenizer, messages, request.max_tokens, self.context, tools=tools)
             return dataclasses.replace(request, prompt_ids=tuple(ids))
-        ids = encode_prompt(self.model, self.tokenizer, messages, 1, self.context, tools=tools)
+        ids = encode_prompt(self.model, self.tokenizer, messages, 1, self.context, tools=tools, max_tokens_set=False)
         return dataclasses.replace(request, prompt_ids=tuple(ids), max_tokens=min(request.max_tokens, limit - len(ids)))
 
     def generate(self, request: ChatRequest, stats: GenerationStats) -> Reply:

@@ -24,7 +24,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_MESSAGES = 512
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOOLS = 128  # as OpenAI
-DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_TOKENS = 512  # a ChatRequest made in process without one; the API's requests take the context's
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -325,8 +325,8 @@ def _sampling(body: dict, *, max_tokens_limit: int, vocab_size: int | None) -> d
     """The fields chat and text completions share, as ChatRequest keyword arguments."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens_set = max_tokens is not None
-    if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+    if max_tokens is None:  # what the context leaves after the prompt (ChatBackend.prepare), as OpenAI's API
+        max_tokens = max_tokens_limit
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
         raise ApiError(f"'max_tokens' must be an integer in [1, {max_tokens_limit}], got {max_tokens!r}",
                        param="max_tokens")

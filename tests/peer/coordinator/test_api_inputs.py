@@ -79,15 +79,15 @@ async def test_prompt_past_the_context_is_400_naming_the_numbers(url, engine):
     assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
     assert error["message"] == (
         f"the prompt in its chat template is {len(text)} bytes, so at least {-(-len(text) // 81)} tokens (no token "
-        f"of this model stands for more than 81 bytes), and max_tokens is 1: more than the model's context of {ctx} "
-        "tokens; shorten the prompt or ask for fewer tokens")
+        f"of this model stands for more than 81 bytes), with room for 1 reply token: more than the model's context "
+        f"of {ctx} tokens; shorten the prompt")  # max_tokens not sent: not named
 
     long = "lorem ipsum " * 40_000  # 480 kB: under the byte bound, so encoded
     n = len(tok.encode_chat([{"role": "user", "content": long}]))
     status, error = await _post(url, json.dumps({"messages": [{"role": "user", "content": long}]}).encode())
     assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "messages"
-    assert error["message"] == (f"the prompt is {n} tokens and max_tokens is 1: {n + 1} > the model's context "
-                                f"of {ctx} tokens; shorten the prompt or ask for fewer tokens")
+    assert error["message"] == (f"the prompt is {n} tokens with room for 1 reply token: {n + 1} > the model's "
+                                f"context of {ctx} tokens; shorten the prompt")
     prompt = len(tok.encode_chat(USER))
     body = {"messages": USER, "max_tokens": ctx - prompt + 1}
     status, error = await _post(url, json.dumps(body).encode())
@@ -157,11 +157,20 @@ async def test_a_stream_keeps_its_pace_while_huge_prompts_are_refused(url):
 
 
 async def test_default_max_tokens_shrinks_to_what_the_context_leaves(backend, engine):
-    """Without max_tokens, a long prompt gets the positions left (as OpenAI's API), not a 400."""
+    """Without max_tokens, a reply may take every position the prompt leaves (as OpenAI's API):
+    a long prompt gets those left, not a 400, and a short one is not cut at some smaller default."""
     from swarm.peer.coordinator.api_request import parse_chat_request
 
     model, tok = engine
     ctx = model.config.max_position_embeddings
+    for body in ({"messages": USER}, {"prompt": "Say hi."}):
+        if "prompt" in body:
+            from swarm.peer.coordinator.api_request import parse_completion_request as parse
+            n = len(tok.encode("Say hi.", add_special_tokens=True))
+        else:
+            parse, n = parse_chat_request, len(tok.encode_chat(USER))
+        short = backend.prepare(parse(body, model_id=MODEL_ID, max_tokens_limit=backend.max_tokens_limit))
+        assert len(short.prompt_ids) == n and short.max_tokens == ctx - n > 8000, body
     long = [{"role": "user", "content": "lorem ipsum " * 1590}]
     n = len(tok.encode_chat(long))
     assert ctx - 512 < n < ctx
