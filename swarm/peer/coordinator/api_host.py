@@ -50,9 +50,9 @@ def write_api_port(path: Path, port: int) -> None:
 
 
 class ApiHost:
-    """The API of ``node``'s coordinator for ``model`` (None: never opened): ``host`` / ``port`` (0: any free port;
-    None: the port remembered in the config directory, :data:`API_PORT_FILE`, else a free one,
-    then remembered) / ``tls`` (None: HTTPS unless the host is loopback). ``api``, ``port``: the
+    """The API of ``node``'s coordinator for ``model`` (None: never opened): ``host`` / ``port`` (None: the
+    port remembered in the config directory, :data:`API_PORT_FILE`, else a free one, then remembered;
+    a port given, once served, is remembered too) / ``tls`` (None: HTTPS unless the host is loopback). ``api``, ``port``: the
     server while open (None otherwise)."""
 
     def __init__(self, node: Node, model: Model | None, tokenizer: TextTokenizer | None, host: str = "0.0.0.0",
@@ -106,7 +106,10 @@ class ApiHost:
                 log.warning("the API's port %d is taken (%s); serving on a free port instead%s", attempt,
                             exc.strerror or exc, "" if self._port_wanted else
                             f" (delete {remembered} to stop trying {attempt})")
-        if self._port_wanted is None and not port:  # the first port chosen here is kept
+        # The port a user chose (--api-port), once served, is this directory's from now on, as the
+        # first one chosen here is; a taken one that gave way to a free one is tried again next time.
+        if (self.port == self._port_wanted or (self._port_wanted is None and not port)) \
+                and read_api_port(remembered) != self.port:
             write_api_port(remembered, self.port)
         log.info("OpenAI API on port %d (%s)", self.port, self.api.scheme)
 

@@ -20,12 +20,13 @@ class Election:  # what the API start reads of the election
     term = 1
 
 
-async def _serve_twice(tmp_path, model, taken: socket.socket | None = None) -> tuple[int, int]:
+async def _serve_twice(tmp_path, model, taken: socket.socket | None = None,
+                       api_port: int | None = None) -> tuple[int, int]:
     ident = Identity.generate()
     node = Node(swarm_key=SwarmKey(bytes(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
                 status_path=tmp_path / "status.json", model_hash=model.content_hash(), memory_budget=1 << 30,
                 ffn_gflops=1.0)
-    role = CoordinatorRole(node, model, Election(), api_host="127.0.0.1")
+    role = CoordinatorRole(node, model, Election(), api_host="127.0.0.1", api_port=api_port)
     ports = []
     for term in (1, 2):  # elected, deposed, elected again
         await role._open_api(term)
@@ -48,3 +49,19 @@ def test_the_api_port_is_remembered_in_the_config_directory_and_a_taken_one_give
     assert remembered == first and fresh not in (0, first)
     assert f"the API's port {first} is taken" in caplog.text
     assert (tmp_path / API_PORT_FILE).read_text().strip() == str(first)  # tried again next time
+
+
+def test_a_port_given_with_api_port_is_the_directory_s_from_then_on(tmp_path):
+    """`join --api-port N` once, then `join` without it: the API serves on N again (README: the
+    default is the port this config directory served on before)."""
+    model = load_model(build("olmoe", tmp_path / "model"))
+    first, _ = asyncio.run(_serve_twice(tmp_path, model))  # a free port, remembered
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        chosen = s.getsockname()[1]
+    assert chosen != first
+    given, again = asyncio.run(_serve_twice(tmp_path, model, api_port=chosen))
+    assert given == again == chosen
+    assert (tmp_path / API_PORT_FILE).read_text().strip() == str(chosen)
+    later, _ = asyncio.run(_serve_twice(tmp_path, model))  # no --api-port: the one served before
+    assert later == chosen
