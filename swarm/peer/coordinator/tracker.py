@@ -560,6 +560,11 @@ def _rid(p: Pending) -> int:
 
 
 WAIT_SLICE_S = 0.5  # a wait looks at the link's silence this often
+# A wait that finds it was not looked at for this long beyond its slice (the process stopped:
+# SIGSTOP, a laptop's sleep) judges nothing from what it sees at once: the answer and the link's
+# bytes may be waiting in the socket, unread. It gives the event loop STALL_GRACE_S to read them.
+UNWATCHED_S = 1.0
+STALL_GRACE_S = 0.5
 LEAD_WAIT_S = 10.0  # a step waits this long at most for its coordinator to hear the swarm again
 LEAD_POLL_S = 0.005
 
@@ -569,16 +574,31 @@ def wait_answer(tracker: RequestTracker, p: Pending, clock: Callable[[], float],
     """The answer to ``p`` (or the peer's :class:`Error`), waiting until its deadline or until the
     peer's link has been silent ``SILENCE_S`` (:meth:`RequestTracker.gone_silent`), whichever
     comes first; then :class:`Missed` (:meth:`RequestTracker.expire`), unless an answer came
-    meanwhile. Raises ConnectionError when the link went away."""
-    left = p.deadline - clock()
+    meanwhile. Raises ConnectionError when the link went away.
+
+    A stall of this process (no look for ``UNWATCHED_S`` beyond the slice waited, counted from
+    the request's sending) is not the peer's lateness or silence: what it sent meanwhile is
+    read by the event loop once the process runs again, so the wait then lasts
+    ``STALL_GRACE_S`` more, whatever the deadline and the link's last byte say."""
+    looked, slice_s, grace_until = p.sent_at, 0.0, None
     while True:
-        if left <= 0 or RequestTracker.gone_silent(p.sent, clock(), last_heard(p.peer)):
-            break
-        step = min(left, WAIT_SLICE_S)
+        now = clock()
+        if grace_until is None and now - looked > slice_s + UNWATCHED_S:
+            grace_until = now + STALL_GRACE_S  # this process stalled: unread bytes are no silence
+        if grace_until is not None:
+            slice_s = grace_until - now
+            if slice_s <= 0:
+                break
+        else:
+            left = p.deadline - now
+            if left <= 0 or RequestTracker.gone_silent(p.sent, now, last_heard(p.peer)):
+                break
+            slice_s = min(left, WAIT_SLICE_S)
+        looked = now
         try:
-            return p.future.result(timeout=step)
+            return p.future.result(timeout=slice_s)
         except cf.TimeoutError:
-            left -= step
+            pass
     missed = tracker.expire(p, clock(), last_heard(p.peer))
     return p.future.result() if missed is None else missed
 

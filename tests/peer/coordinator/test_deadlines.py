@@ -206,3 +206,33 @@ def test_an_answer_that_comes_as_the_wait_ends_is_used_not_counted_as_a_miss():
     assert isinstance(missed, D.Missed) and missed.misses == 1 and missed.why is None
     assert d.deliver(W1, type("Answer", (), {"request_id": 8})(), now=10.5)  # then timed: slow, not gone
     assert d.of(W1).misses == 0 and d.of(W1).late == 1
+
+
+def test_a_wait_after_this_process_stalled_reads_what_came_meanwhile_before_judging():
+    """The coordinator stopped (SIGSTOP, a laptop's sleep) 3 s right after sending: on waking, its
+    wait finds the deadline long past and the link silent for 3 s — but the answer was sent in
+    time and is read by the event loop a moment later. The wait takes it: no miss, no silence
+    (it once marked every worker down at each wake: "no answer within 3.0 s; nothing heard for
+    3.0 s"). Its control: a wait looked at all along misses the same late answer."""
+    def waited(stalled_s: float) -> object:
+        d = D.RequestTracker()
+        d.answered(d.sent(W1, 1, now=0.0), now=0.01)  # answered before: not its first request
+        offset = [0.0]
+        clock = lambda: time.monotonic() + offset[0]  # noqa: E731
+        sent = clock()
+        p = d.track(9, StageRequest(9, 1, 1, (), 0, 1, np.zeros((1, 4), np.float32)), W1, 1, now=sent)
+        offset[0] += stalled_s  # the process slept this long after sending
+        answer = type("Answer", (), {"request_id": 9})()
+        # the event loop reads it this long after the wait starts: at once after a stall (its
+        # deadline long past by then), 0.2 s past its deadline in the control
+        late = 0.1 if stalled_s else p.deadline - sent + 0.2
+        timer = threading.Timer(late, lambda: d.deliver(W1, answer, now=clock()))
+        timer.start()
+        try:
+            return D.wait_answer(d, p, clock, lambda peer: sent)  # last byte: before the stall
+        finally:
+            timer.join()
+
+    assert type(waited(3.0)).__name__ == "Answer"
+    missed = waited(0.0)
+    assert isinstance(missed, D.Missed) and missed.why is None
