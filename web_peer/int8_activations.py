@@ -206,13 +206,21 @@ def cpu_bound(m: K.PackedMatrix, rows: np.ndarray, lanes: int, chunk: int = 256)
     of a real file's Q6_K blocks have, is computed exactly. Rigorous, not probabilistic: no
     honest GPU lands outside it."""
     _check_format(m.fmt)
-    q, dx, xm = planes(m.fmt, rows, m.cols)
-    blocks = K.file_blocks(m)[:m.rows]
+    return blocks_bound(m.fmt, K.file_blocks(m)[:m.rows], rows, lanes, chunk)
+
+
+def blocks_bound(fmt: str, blocks: np.ndarray, rows: np.ndarray, lanes: int, chunk: int = 256) -> np.ndarray:
+    """:func:`cpu_bound` for a matrix given as its file blocks uint8 [R, nb, block bytes] of block
+    format ``fmt`` (a format of :data:`X8_FORMATS`, else KernelError): what a coordinator holding
+    the file's own blocks computes, with no packing. ``lanes=1`` bounds every lane count (the
+    most roundings a piece passes through on the GPU)."""
+    _check_format(fmt)
+    q, dx, xm = planes(fmt, rows, blocks.shape[1] * K.block_size(fmt)[0])
     nb = blocks.shape[1]
     d_cpu = nb + 8
-    d_gpu = -(-nb * _STEPS[m.fmt] // lanes) + int(np.log2(lanes)) + 4
+    d_gpu = -(-nb * _STEPS[fmt] // lanes) + int(np.log2(lanes)) + 4
     gamma = lambda n: n * 2.0 ** -24 / (1 - n * 2.0 ** -24)  # noqa: E731
-    parts = [_magnitudes(m.fmt, blocks[r0:r0 + chunk], q, dx, xm) for r0 in range(0, m.rows, chunk)]
+    parts = [_magnitudes(fmt, blocks[r0:r0 + chunk], q, dx, xm) for r0 in range(0, len(blocks), chunk)]
     total, sub = (np.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
     return total * (gamma(d_cpu) + gamma(d_gpu)) + sub + 2 * (24 * nb + 64) * 2.0 ** -126
 

@@ -1,0 +1,108 @@
+"""A SwiGLU block of the int8 numerics cut at its down rows (swarm/compute/int8_swiglu.py): the
+engine's bits through the cut, and the coordinator's check of a block answered by another build
+— an honest one (its products summed in float64, then rounded: another order than the
+engine's) passes, a lie of either kind (a changed down answer; down rows that do not round
+SwiGLU, however self-consistent) does not. Real blocks of Q4_K, Q6_K and Q8_0 and the rigorous
+bound of web_peer/int8_activations.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swarm.compute import numerics
+from swarm.compute.int8_swiglu import check_int8_answer, swiglu_int8
+from swarm.compute.kernels import MLPWeights, silu_mul, swiglu
+from swarm.compute.quant import QT, QMatrix
+from web_peer import int8_activations as X8
+from web_peer import kernels as K
+
+H, F = 512, 768
+FORMATS = [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q8_0", "q8_0")]  # gate/up, down
+
+
+@pytest.fixture(autouse=True)
+def int8_numerics(monkeypatch):
+    monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
+    numerics.set_numerics("int8")
+
+
+def _block(rng, gate_up: str, down: str) -> MLPWeights:
+    def mat(r, c, fmt):
+        return QMatrix(K.random_blocks(rng, r, c, fmt, 2e-3), QT[fmt.upper()], c)
+    return MLPWeights(mat(F, H, gate_up), mat(F, H, gate_up), mat(H, F, down))
+
+
+def bound(m: QMatrix, rows: np.ndarray) -> np.ndarray:
+    """The coordinator's: web_peer's rigorous bound on the file's blocks, any lane count."""
+    fmt = K.block_format(m.qtype.name)
+    return X8.blocks_bound(fmt, np.asarray(m.data).reshape(m.data.shape[0], -1, K.block_size(fmt)[1]), rows, 1)
+
+
+def float64_products(products):
+    """Another build's honest int8 products: the same integers, summed in float64 then rounded."""
+    out = []
+    for m, rows in products:
+        q, dx, _ = X8.planes(K.block_format(m.qtype.name), rows, m.cols)
+        x8 = q.astype(np.float64) * np.repeat(dx.astype(np.float64), m.cols // dx.shape[1], axis=1)
+        out.append((x8 @ m.dequantize().astype(np.float64).T).astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("fmts", FORMATS, ids="-".join)
+def test_the_cut_block_gives_the_engines_bits_and_an_honest_other_build_passes(fmts):
+    rng = np.random.default_rng(3)
+    w = _block(rng, *fmts)
+    x = (rng.standard_normal((3, H)) * rng.uniform(0.1, 10, (3, 1))).astype(np.float32)
+    y, rows = swiglu_int8(w, x)
+    assert np.array_equal(y, swiglu(w, x))  # the engine's int8 block, through the cut
+    assert check_int8_answer(w, x, y, rows, bound) is None
+    y64, rows64 = swiglu_int8(w, x, float64_products)
+    assert not np.array_equal(y64, y)  # another order: other bits
+    assert check_int8_answer(w, x, y64, rows64, bound) is None
+
+
+@pytest.mark.parametrize("fmts", FORMATS, ids="-".join)
+def test_a_lie_of_either_kind_is_caught(fmts):
+    rng = np.random.default_rng(4)
+    w = _block(rng, *fmts)
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    y, rows = swiglu_int8(w, x)
+    scale = np.abs(y).max()
+    for at, by in (((0, 3), 1e-4), ((1, 0), -1e-3)):  # a wrong down answer, the rows honest
+        lie = y.copy()
+        lie[at] += by * scale
+        assert "beyond the int8 bound" in check_int8_answer(w, x, lie, rows, bound)
+    # down rows that are a rounding of something else, the answer their own product
+    g, u = (m.matmul(x) for m in (w.gate, w.up))
+    h = silu_mul(g, u)
+    for what in ("zeros", "one value", "another row"):
+        other = h.copy()
+        if what == "zeros":
+            other[:] = 0.0
+        elif what == "one value":
+            j = int(np.argsort(np.abs(h[0]))[F // 2])  # a middling value moved three steps
+            other[0, j] += 3 * np.abs(h[0, :256]).max() / 127 * np.sign(h[0, j] or 1.0)
+        else:
+            other = h[::-1].copy()
+        bad = w.down.int8_rows(np.ascontiguousarray(other))
+        why = check_int8_answer(w, x, w.down.matmul_int8_rows(bad), bad, bound)
+        assert why is not None and "down-row" in why, (what, why)
+
+
+def test_malformed_rows_are_refused_not_raised():
+    rng = np.random.default_rng(5)
+    w = _block(rng, "q4_k", "q6_k")
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    y, rows = swiglu_int8(w, x)
+    assert "expected uint8" in check_int8_answer(w, x, y, rows[:, :-64], bound)
+    assert "expected uint8" in check_int8_answer(w, x, y, rows[:1], bound)
+    nan = rows.copy()
+    nan[0, F:F + 4] = np.array([np.nan], np.float32).view(np.uint8)
+    assert "not finite" in check_int8_answer(w, x, y, nan, bound)
+    low = rows.copy()
+    low[1, 0] = 0x80  # -128
+    assert "-128" in check_int8_answer(w, x, y, low, bound)
+    pad = rows.copy()
+    pad[0, -1] = 1
+    assert "other bytes" in check_int8_answer(w, x, y, pad, bound)
