@@ -322,6 +322,21 @@ function expertRows(m, rowsField) {
   if (sum !== m[rowsField].shape[0]) fail(`row_counts sum to ${sum} but ${rowsField} has ${m[rowsField].shape[0]} rows`);
 }
 
+// FFN answers; an int8 swarm's GPU peer adds the int8 rows its down products took
+// (swarm/peer/net/messages.py ExpertAnswerInt8, DenseAnswerInt8: a page never sends them).
+const EXPERT_ANSWER = [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["outputs", ROWS]];
+const DENSE_ANSWER = [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["partials", { tensor: { dtypes: ["f32"], rank: 3 } }]];
+const DOWN_ROWS = { tensor: { dtypes: ["u8"], rank: 2 } };
+const INT8_ROW_ALIGN = 64;
+function denseAnswer(m) {
+  ranges(m.ranges, "ranges");
+  if (m.partials.shape[0] !== m.ranges.length) fail(`${m.partials.shape[0]} partials for ${m.ranges.length} ranges`);
+}
+function downRows(rows, n, where) {
+  if (rows.shape[0] !== n) fail(`down_rows has ${rows.shape[0]} rows but ${where} has ${n}`);
+  if (rows.shape[1] === 0 || rows.shape[1] % INT8_ROW_ALIGN) fail(`down_rows: rows of ${rows.shape[1]} bytes, expected a positive multiple of ${INT8_ROW_ALIGN}`);
+}
+
 // Runs of rows that belong to one sequence of the step (positive, summing to the rows; none
 // crosses two experts' rows). The WGSL kernels compute every row on its own, so they need no more.
 function segments(m, n, counts) {
@@ -399,14 +414,23 @@ export const KINDS = {
     },
   },
   32: { name: "ExpertRequest", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["rows", ROWS], ["segments", IDS]], check: (m) => { expertRows(m, "rows"); segments(m, m.rows.shape[0], m.row_counts.data); } },
-  33: { name: "ExpertAnswer", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["expert_ids", IDS], ["row_counts", IDS], ["outputs", ROWS]], check: (m) => expertRows(m, "outputs") },
+  33: { name: "ExpertAnswer", rid: true, fields: EXPERT_ANSWER, check: (m) => expertRows(m, "outputs") },
   34: {
     name: "DenseRequest", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["x", ROWS], ["segments", IDS]],
     check: (m) => { if (!m.ranges.length) fail("ranges: at least one range"); ranges(m.ranges, "ranges"); segments(m, m.x.shape[0]); },
   },
-  35: {
-    name: "DenseAnswer", rid: true, fields: [["term", "int"], ["plan_version", "int"], ["layer", "int"], ["ranges", { list: PAIR }], ["partials", { tensor: { dtypes: ["f32"], rank: 3 } }]],
-    check: (m) => { ranges(m.ranges, "ranges"); if (m.partials.shape[0] !== m.ranges.length) fail(`${m.partials.shape[0]} partials for ${m.ranges.length} ranges`); },
+  35: { name: "DenseAnswer", rid: true, fields: DENSE_ANSWER, check: denseAnswer },
+  38: {
+    name: "ExpertAnswerInt8", rid: true, fields: [...EXPERT_ANSWER, ["down_rows", DOWN_ROWS]],
+    check: (m) => { expertRows(m, "outputs"); downRows(m.down_rows, m.outputs.shape[0], "outputs"); },
+  },
+  39: {
+    name: "DenseAnswerInt8", rid: true, fields: [...DENSE_ANSWER, ["down_rows", DOWN_ROWS]],
+    check: (m) => {
+      denseAnswer(m);
+      if (m.ranges.length !== 1) fail(`an int8 dense answer carries one range, got ${m.ranges.length}`);
+      downRows(m.down_rows, m.partials.shape[1], "partials");
+    },
   },
   36: { name: "StageRequest", rid: true, fields: STAGE_ROWS, check: stageRows },
   37: { name: "StageAnswer", rid: true, fields: STAGE_ANSWER, check: stageRows },

@@ -113,6 +113,16 @@ def samples() -> dict[str, object]:
             request_id=42, term=3, plan_version=6, layer=2, ranges=((0, 768), (1024, 1536)),
             partials=_f((2, 2, 4), np.float32, 0.125),
         ),
+        "expert_answer_int8": m.ExpertAnswerInt8(
+            request_id=40, term=3, plan_version=6, layer=1,
+            expert_ids=np.array([6, 4], np.int32), row_counts=np.array([2, 1], np.int32),
+            outputs=_f((3, 4), np.float32, -0.5), down_rows=(np.arange(3 * 64) % 251).astype(np.uint8).reshape(3, 64),
+        ),
+        "dense_answer_int8": m.DenseAnswerInt8(
+            request_id=42, term=3, plan_version=6, layer=2, ranges=((0, 768),),
+            partials=_f((1, 2, 4), np.float32, 0.125),
+            down_rows=(np.arange(2 * 128) % 253).astype(np.uint8).reshape(2, 128),
+        ),
         "weight_manifest": m.WeightManifest(
             request_id=50, model_hash=HASH, name="blk.1.ffn_down[0:768]", encoding="gguf:Q4_1",
             total_bytes=25, chunk_bytes=12, chunk_sha256=(HASH, HASH, HASH),

@@ -403,6 +403,46 @@ class DenseAnswer(MessageBase):
             raise Invalid(f"{self.partials.shape[0]} partials for {len(self.ranges)} ranges")
 
 
+INT8_ROW_ALIGN = 64  # bytes an int8 activation row is padded to (QMatrix.int8_rows)
+DOWN_ROWS = TensorSpec(("u8",), 2)  # int8 activation rows [rows, row bytes]: values, scales, padding
+
+
+def _down_rows(rows: np.ndarray, n: int, where: str) -> None:
+    if rows.shape[0] != n:
+        raise Invalid(f"down_rows has {rows.shape[0]} rows but {where} has {n}")
+    if rows.shape[1] == 0 or rows.shape[1] % INT8_ROW_ALIGN:
+        raise Invalid(f"down_rows: rows of {rows.shape[1]} bytes, expected a positive multiple of {INT8_ROW_ALIGN}")
+
+
+@message(38)
+class ExpertAnswerInt8(ExpertAnswer):
+    """An ExpertAnswer of a peer of an int8 swarm whose numeric build is not the coordinator's (a
+    GPU peer): also ``down_rows`` uint8 [sum(row_counts), row bytes], the int8 rows each expert's
+    down product took (:func:`swarm.compute.int8_swiglu.swiglu_int8`), by which ``--verify`` checks
+    it (:func:`~swarm.compute.int8_swiglu.check_int8_answer`). The row bytes are checked against
+    the expert's down matrix by the coordinator, which knows its encoding."""
+
+    down_rows: Annotated[np.ndarray, DOWN_ROWS]
+
+    def _check(self) -> None:
+        super()._check()
+        _down_rows(self.down_rows, self.outputs.shape[0], "outputs")
+
+
+@message(39)
+class DenseAnswerInt8(DenseAnswer):
+    """A DenseAnswer of such a peer (:class:`ExpertAnswerInt8`): one range (``partials`` [1, T, H])
+    and ``down_rows`` uint8 [T, row bytes], the int8 rows its down product took."""
+
+    down_rows: Annotated[np.ndarray, DOWN_ROWS]
+
+    def _check(self) -> None:
+        super()._check()
+        if len(self.ranges) != 1:
+            raise Invalid(f"an int8 dense answer carries one range, got {len(self.ranges)}")
+        _down_rows(self.down_rows, self.partials.shape[1], "partials")
+
+
 @dataclass(frozen=True)
 class StageSegment:
     """The rows of one sequence in a StageRequest: ``rows`` consecutive rows of ``x`` hold
@@ -558,8 +598,8 @@ class WeightChunk(MessageBase):
 Message = Union[
     AuthHello, AuthProof, Hello, LinkHeartbeat, Error, WeightsHeld,
     RequestVote, Vote, LeaderHeartbeat, PlanMessage, StagePlan, Standby,
-    ExpertRequest, ExpertAnswer, DenseRequest, DenseAnswer, StageRequest, StageAnswer,
-    WeightManifest, WeightChunkRequest, WeightChunk,
+    ExpertRequest, ExpertAnswer, DenseRequest, DenseAnswer, ExpertAnswerInt8, DenseAnswerInt8,
+    StageRequest, StageAnswer, WeightManifest, WeightChunkRequest, WeightChunk,
 ]
 """Every message kind (tests/peer/net/test_messages.py checks it names each registered one)."""
 

@@ -71,6 +71,16 @@ def samples() -> list[object]:
             request_id=8, term=4, plan_version=8, layer=2, ranges=((0, 512), (1024, 1536)),
             partials=rng.standard_normal((2, 4, 16)).astype(np.float32),
         ),
+        m.ExpertAnswerInt8(
+            request_id=9, term=4, plan_version=8, layer=1, expert_ids=np.array([3, 9], np.int32),
+            row_counts=np.array([2, 1], np.int32), outputs=rng.standard_normal((3, 16)).astype(np.float32),
+            down_rows=rng.integers(0, 256, (3, 128), dtype=np.uint8),
+        ),
+        m.DenseAnswerInt8(
+            request_id=10, term=4, plan_version=8, layer=2, ranges=((0, 512),),
+            partials=rng.standard_normal((1, 4, 16)).astype(np.float32),
+            down_rows=rng.integers(0, 256, (4, 576), dtype=np.uint8),
+        ),
         m.WeightManifest(
             request_id=1, model_hash=HASH, name="blk.3.ffn_gate_exps[0:8]", encoding="gguf:Q4_1",
             total_bytes=2500, chunk_bytes=1000, chunk_sha256=(HASH, HASH, HASH),
@@ -237,6 +247,34 @@ def test_tensor_rules() -> None:
     partials = np.ones((3, 2, 8), np.float32)
     with pytest.raises(MessageError, match="3 partials for 2 ranges"):
         m.decode(_frame(m.DenseAnswer.KIND, {**_expert_meta(), "ranges": [[0, 1], [1, 2]]}, [partials]))
+
+
+def test_the_down_rows_of_an_int8_answer_are_checked() -> None:
+    ids, counts, out = np.array([3, 4], np.int32), np.array([1, 2], np.int32), np.ones((3, 8), np.float32)
+    rows = np.zeros((3, 64), np.uint8)
+    m.decode(_frame(m.ExpertAnswerInt8.KIND, _expert_meta(), [ids, counts, out, rows], request_id=1))  # well formed
+    cases = [
+        ([ids, counts, out], "3 tensors, expected 4"),
+        ([ids, counts, out, rows[:2]], "down_rows has 2 rows but outputs has 3"),
+        ([ids, counts, out, np.zeros((3, 96), np.uint8)], "rows of 96 bytes, expected a positive multiple of 64"),
+        ([ids, counts, out, np.zeros((3, 0), np.uint8)], "rows of 0 bytes"),
+        ([ids, counts, out, rows.view(np.int32)], "down_rows: expected rank 2 of u8"),
+        ([ids, counts, out, rows.reshape(3, 1, 64)], "down_rows: expected rank 2"),
+        ([ids, np.array([1, 1], np.int32), out, rows], "row_counts sum to 2"),  # the ExpertAnswer's own rules too
+    ]
+    for tensors, needle in cases:
+        with pytest.raises(MessageError, match=needle):
+            m.decode(_frame(m.ExpertAnswerInt8.KIND, _expert_meta(), tensors, request_id=1))
+    partials, rows = np.ones((1, 2, 8), np.float32), np.zeros((2, 64), np.uint8)
+    one, two = {**_expert_meta(), "ranges": [[0, 64]]}, {**_expert_meta(), "ranges": [[0, 64], [64, 128]]}
+    m.decode(_frame(m.DenseAnswerInt8.KIND, one, [partials, rows], request_id=1))
+    for meta, tensors, needle in [
+        (two, [np.ones((2, 2, 8), np.float32), rows], "carries one range, got 2"),
+        (one, [partials, rows[:1]], "down_rows has 1 rows but partials has 2"),
+        (one, [partials[:, :, :4].reshape(2, 1, 4), rows], "2 partials for 1 ranges"),
+    ]:
+        with pytest.raises(MessageError, match=needle):
+            m.decode(_frame(m.DenseAnswerInt8.KIND, meta, tensors, request_id=1))
 
 
 def test_request_id_only_on_kinds_that_have_one() -> None:
