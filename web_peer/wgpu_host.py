@@ -558,6 +558,11 @@ class WgpuFfn:
             y = np.frombuffer(self.device.queue.read_buffer(buf, 0, 4 * n), np.float32).copy()
         return self._finite([y])[0]
 
+    def submit_read_many(self, enc, outs: list[tuple[object, int]]) -> list[np.ndarray]:
+        """Submit ``enc`` and read the first n float32 elements of each (buffer, n) of ``outs``
+        back, in one submission and one mapping. Raises as :meth:`submit_read`."""
+        return self._submit_reading(enc, outs)
+
     def _submit_reading(self, enc, outs: list[tuple[object, int]], readback=None) -> list[np.ndarray]:
         """Submit ``enc`` with the first n float32 elements of each (buffer, n) of ``outs``
         copied in the same submission into one mappable buffer (``readback``, else the kept

@@ -127,8 +127,9 @@ _NUMERICS_HELP = ("how {whose} products treat their activations: float32 (the de
 def _add_numerics_arg(p: argparse.ArgumentParser, peer: bool = False) -> None:
     # Names as in swarm.compute.numerics.CHOICES (a light module: os only).
     where = ("a coordinator gives work only to peers of its own numerics (under int8, of its own build too: "
-             "release, numpy, BLAS, numba, architecture), so give every peer the same; not with --gpu auto|on, "
-             "whose kernels take float32 activations" if peer else
+             "release, numpy, BLAS, numba, architecture), so give every peer the same; with --gpu auto|on a peer "
+             "serves an int8 swarm's FFN ranges with the GPU's int8 GEMVs (Q4_K, Q6_K and Q8_0 models), each "
+             "answer checkable by the int8 rows of its down product" if peer else
              "int8 runs on this machine alone (refused with --swarm or --api, where the swarm's coordinator "
              "computes with its own numerics)")
     p.add_argument("--numerics", choices=("float32", "int8"), default=None,
@@ -138,8 +139,8 @@ def _add_numerics_arg(p: argparse.ArgumentParser, peer: bool = False) -> None:
 def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
     """``--threads`` and ``--numerics`` for this process and the peers it starts, and a line on
     stderr while the kernels compile (an installation's first run: minutes, not in silence).
-    ``peer``: this process joins a swarm; under int8 it refuses ``--gpu auto|on`` (the GPU
-    kernels take float32 activations, so its answers would be of neither numerics)."""
+    ``peer``: this process joins a swarm (under int8 with ``--gpu auto|on``: the GPU's int8 GEMVs,
+    swarm/peer/worker/gpu.py)."""
     if getattr(args, "threads", None):
         os.environ["COLIBRI_SWARM_THREADS"] = str(args.threads)  # swarm.compute.threads.THREADS_ENV
     if getattr(args, "numerics", None):
@@ -154,10 +155,6 @@ def _use_compute_options(args: argparse.Namespace, peer: bool = False) -> None:
         numerics.set_numerics(getattr(args, "numerics", None))
     except ValueError as e:  # $COLIBRI_SWARM_NUMERICS set to something else
         raise SwarmError(str(e)) from None
-    if peer and numerics.int8() and getattr(args, "gpu", "off") != "off":
-        raise SwarmError(f"--gpu {args.gpu} computes this peer's work with the GPU's kernels, which take float32 "
-                         f"activations, but this peer's numerics are int8 (--numerics or ${numerics.NUMERICS_ENV}): "
-                         "drop --gpu, or join with float32 numerics")
     quant.on_compiling(lambda line: print(line, file=sys.stderr, flush=True))
 
 

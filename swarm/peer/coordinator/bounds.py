@@ -48,6 +48,8 @@ import math
 
 import numpy as np
 
+from swarm.compute.quant import QMatrix
+
 UNIT_ROUNDOFF = 2.0**-24  # float32's u
 SAFETY = 16.0  # λ of the √n·u bound, with the row's largest magnitude for the sums of |terms|
 Q8_0_STEP = 0.57 / 127  # a Q8_0 repack's largest error per weight, of its block's largest (repack.py)
@@ -75,6 +77,20 @@ def stage_rtol(layers: int, hidden: int, inter: int, context: int) -> float:
     """The bound of a stage answer of ``layers`` layers (hidden size, FFN width — an MoE layer's
     top-k experts' together —, and the positions attended), relative to each row's largest magnitude."""
     return layers * reassociation_rtol(2 * hidden + inter + max(context, 1))
+
+
+def int8_product_bound(m: QMatrix, rows: np.ndarray) -> np.ndarray:
+    """The most two honest int8 products of W = ``m`` (Q4_K, Q6_K or Q8_0 blocks) [R, K] on the
+    same int8 rows ``rows`` (uint8 [n, row bytes], :meth:`QMatrix.int8_rows`) lie apart, per
+    output: float64 [n, R]. Rigorous (web_peer/int8_activations.py ``cpu_bound``: the integers are
+    exact on both sides, only the float32 summation orders differ), taken for a GPU of any lane
+    count. Raises KernelError for another type."""
+    from web_peer import kernels
+    from web_peer.int8_activations import blocks_bound
+
+    fmt = kernels.block_format(m.qtype.name) or m.qtype.name.lower()
+    size = kernels.block_size(fmt)[1] if fmt in kernels.BLOCK_FORMATS else 1
+    return blocks_bound(fmt, np.asarray(m.data).reshape(m.data.shape[0], -1, size), rows, lanes=1)
 
 
 def rows_outside(remote: np.ndarray, local: np.ndarray, rtol: float, atol: float = ATOL) -> np.ndarray:

@@ -99,10 +99,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from swarm.compute import numerics
 from swarm.compute.ffn import (LocalFFN, combine, expert_rows, route, run_lengths, segment_ids, sum_partials,
                                swiglu_rows)
+from swarm.compute.int8_swiglu import check_int8_answer
+from swarm.compute.kernels import MLPWeights
 from swarm.errors import LocalProtocolError, RemoteProtocolError, VerificationError
-from swarm.peer.coordinator.bounds import ffn_rtol, rows_outside
+from swarm.peer.coordinator.bounds import ffn_rtol, int8_product_bound, rows_outside
 from swarm.peer.coordinator.tracker import MISS_LIMIT, Missed, Pending, RequestTracker, confirm_lead, wait_answer
 from swarm.peer.memory import release_pages
 from swarm.peer.net.messages import DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StagePlan, StageRequest
@@ -185,6 +188,7 @@ class RemoteFFN:
         self._next_warming: dict[str, float] = {}
         self.warming_until: dict[str, float] = {}  # peer → clock time its warm-up window ends
         self.approximate: set[str] = set()  # peers verified within a bound, not bit for bit
+        self.int8 = numerics.int8()  # an int8 swarm: its peers of another build are checked by their down rows
         self.repacked: set[str] = set()  # of those, the ones computing on a Q8_0 repack
         self._dense_slices: dict[tuple[int, int, int], object] = {}
         self._streamed = self._streamed_experts(plan)
@@ -364,6 +368,23 @@ class RemoteFFN:
         if not np.isfinite(out).all():
             raise RemoteProtocolError(f"layer {req.layer}: output holds NaN or infinity")
 
+    def _verify_int8(self, peer: str, layer: int, what: str, w: MLPWeights, x: np.ndarray, remote: np.ndarray,
+                     msg: ExpertAnswer | DenseAnswer, at: slice = slice(None)) -> None:
+        """Check an int8 GPU peer's answer ``remote`` for block ``w`` on rows ``x`` by the down rows
+        ``msg`` carries (rows ``at`` of them): :func:`~swarm.compute.int8_swiglu.check_int8_answer`."""
+        rows = getattr(msg, "down_rows", None)
+        why = "it sent no down rows" if rows is None else check_int8_answer(w, x, remote, rows[at], int8_product_bound)
+        if why is not None:
+            raise VerificationError(f"peer {peer} answered layer {layer} ({what}) with an int8 answer that is not "
+                                    f"the block's: {why}; stopping. Remove that peer from the swarm or run without "
+                                    "--verify to accept its answers.")
+        self.verified += 1
+
+    def _rows_checked(self, peer: str) -> bool:
+        """Whether ``peer``'s answers are checked by their down rows: an int8 swarm's GPU peer (the
+        only peers of another build an int8 coordinator plans)."""
+        return self.int8 and peer in self.approximate
+
     def _should_verify(self) -> bool:
         return self.verify > 0 and self._rng.random() < self.verify
 
@@ -420,7 +441,13 @@ class RemoteFFN:
             bounds = np.concatenate([[0], np.cumsum(msg.row_counts.astype(np.int64))])
             remote = {e: msg.outputs[bounds[i]:bounds[i + 1]] for i, e in enumerate(experts)}
             if self._should_verify():
-                for e in experts:
+                for i, e in enumerate(experts):
+                    if self._rows_checked(p.peer):
+                        w = m.expert_weights(layer, e)
+                        self._verify_int8(p.peer, layer, f"expert {e}", w, x[rows_of[e]], remote[e], msg,
+                                          slice(bounds[i], bounds[i + 1]))
+                        self._give_back(layer, e, w)
+                        continue
                     self._verify(p.peer, layer, f"expert {e}", remote[e],
                                  self._expert(layer, e, x[rows_of[e]], seg_of[e]), m.config.moe_intermediate_size)
             outputs.update(remote)
@@ -458,10 +485,15 @@ class RemoteFFN:
         back after."""
         w = self.model.expert_weights(layer, e)
         out = swiglu_rows(w, rows, seg)
+        self._give_back(layer, e, w)
+        return out
+
+    def _give_back(self, layer: int, e: int, w: MLPWeights) -> None:
+        """After a use of expert ``e``'s weights ``w``: their pages given back when it is another
+        peer's or one of ours beyond our budget (read from the mapped file again at its next use)."""
         if (layer, e) in self._streamed or self.plan.expert_owner(layer, e) != self.plan.coordinator:
             for q in (w.gate, w.up, w.down):
                 release_pages(q.data)
-        return out
 
     # ------------------------------------------------------------------- dense
     def _slice(self, layer: int, lo: int, hi: int):
@@ -494,7 +526,11 @@ class RemoteFFN:
                 partials[i] = swiglu_rows(self._slice(layer, s.start, s.stop), x, seg)
                 continue
             partials[i] = msg.partials[0]
-            if self._should_verify():
-                self._verify(p.peer, layer, f"dense {s.start}:{s.stop}", partials[i],
-                             swiglu_rows(self._slice(layer, s.start, s.stop), x, seg), s.stop - s.start)
+            if not self._should_verify():
+                continue
+            w, what = self._slice(layer, s.start, s.stop), f"dense {s.start}:{s.stop}"
+            if self._rows_checked(p.peer):
+                self._verify_int8(p.peer, layer, what, w, x, partials[i], msg)
+            else:
+                self._verify(p.peer, layer, what, partials[i], swiglu_rows(w, x, seg), s.stop - s.start)
         return sum_partials(partials)

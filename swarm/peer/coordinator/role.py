@@ -31,7 +31,7 @@ from swarm.peer.coordinator.planner import PeerCapacity
 from swarm.peer.coordinator.planning import LoadWatch, Planning, check_layout
 from swarm.peer.plan import Plan
 from swarm.peer.tasks import OwnedTasks
-from swarm.peer.weights.sizes import model_shape
+from swarm.peer.weights.sizes import int8_gpu_refusal, model_shape
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
@@ -61,6 +61,8 @@ class CoordinatorRole(LoopDispatcher):
         self.node, self.model, self.election, self.verify = node, model, election, verify
         self.model_hash = node.hello.model_hash
         self.shape = model_shape(model) if model is not None else None  # encoded sizes: budgets
+        # why this model's FFN blocks cannot go to a GPU peer of the int8 numerics (None: they can)
+        self._x8_refusal = int8_gpu_refusal(model) if model is not None else "no model here"
         check_layout(layout)
         self.planning = Planning(model, self.shape, node.peer_id, layout) if model is not None else None
         self.ffn = self.stages = None  # the dispatch (handoff.LoopDispatcher)
@@ -266,12 +268,17 @@ class CoordinatorRole(LoopDispatcher):
 
     def _computes_ours(self, build: NumericBuild) -> bool:
         """Whether a peer of numeric build ``build`` may get work here: one of this coordinator's
-        numerics, and under int8 one of its own build too. Answers of the coordinator's build are
-        checked bit for bit, others within a bound of float reassociation (bounds.py), which the
-        rounding of 8-bit activations exceeds: a peer of other numerics would be stopped for honest
-        answers (docs/weights.md, "Two numerics"). Left out, it is never marked down."""
+        numerics, and under int8 one of its own build too, or a GPU peer where the model's FFN
+        blocks have the GPU's int8 GEMVs (:func:`~swarm.peer.weights.sizes.int8_gpu_refusal`).
+        Answers of the coordinator's build are checked bit for bit, an int8 GPU peer's by the int8
+        rows of its down products (:func:`~swarm.compute.int8_swiglu.check_int8_answer`), others
+        within a bound of float reassociation (bounds.py), which the rounding of 8-bit activations
+        exceeds: a peer of other numerics would be stopped for honest answers (docs/weights.md,
+        "Two numerics"). Left out, it is never marked down."""
         ours = self.node.hello.build
-        return build.numerics == ours.numerics and (ours.numerics == "float32" or build == ours)
+        if build.numerics != ours.numerics:
+            return False
+        return ours.numerics == "float32" or build == ours or (_int8_gpu(build) and self._x8_refusal is None)
 
     def _note_other_numerics(self, peer: str, hello: Hello) -> None:
         """Record once that ``peer`` gets no work for its numerics: an event ("left out": ``status
@@ -283,6 +290,8 @@ class CoordinatorRole(LoopDispatcher):
         theirs = hello.build.numerics
         b = hello.build
         why = (f"it computes {theirs}, this coordinator {ours}" if theirs != ours
+               else f"a GPU peer of the int8 numerics, which cannot serve this model: {self._x8_refusal}"
+               if _int8_gpu(b)
                else f"another build of the {ours} numerics ({b.package}, numpy {b.numpy}, {b.blas}, {b.arch}), "
                     "whose int8 answers this coordinator cannot check bit for bit")
         self.node.record("left out", peer, hello.name, why)
@@ -295,8 +304,8 @@ class CoordinatorRole(LoopDispatcher):
     def _new_plan(self) -> Plan:
         workers = self._workers()
         self._planned = {w.peer_id for w in workers}
-        holders = {p for p, link in self.node.links.items() if link.hello is not None
-                   and link.hello.model_hash == self.model_hash}
+        holders = {p for p, link in self.node.links.items() if link.hello is not None  # int8 GPU peers: ranges only
+                   and link.hello.model_hash == self.model_hash and not _int8_gpu(link.hello.build)}
         h = self.node.hello
         plan = self.planning.new_plan(self.election.term, h.memory_budget, h.ffn_gflops, workers, holders,
                                       *self._observations())
@@ -356,3 +365,10 @@ class CoordinatorRole(LoopDispatcher):
 
     async def _close_api(self) -> None:
         await self._api.close()
+
+
+def _int8_gpu(build: NumericBuild) -> bool:
+    """Whether ``build`` is a GPU peer's of the int8 numerics (``join --gpu --numerics int8``): it
+    serves FFN ranges with the GPU's int8 GEMVs; its stages would compute float32 attention, so
+    it gets none."""
+    return build.numerics == "int8" and build.gpu_adapter is not None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from gguf import GGML_QUANT_SIZES
 
+from swarm.compute import numerics
 from swarm.peer.plan import Q8_0_BYTES, ModelShape
 from swarm.peer.weights.repack import K_ENCODINGS, PAGE_ENCODINGS, roles_to_repack
 
@@ -41,6 +42,29 @@ def repacks_for(model: Model, encodings: frozenset[str]) -> bool:
     return any(_repacked_roles(unit, encodings) for unit in experts + dense)
 
 
+X8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the types the GPU's int8 GEMVs read (web_peer/int8_activations.py)
+
+
+def int8_gpu_refusal(model: Model) -> str | None:
+    """Why a GPU peer of the int8 numerics cannot serve ``model``'s FFN blocks, or None: every
+    gate, up and down (one expert of each MoE layer, each dense MLP) must be of
+    :data:`X8_TYPES`, Q8_0 rows a multiple of 64 weights, and no SwiGLU clamped (gpt-oss) — its
+    answers are checked by their int8 down rows, which the other types and widths do not have.
+    Only the file's header is read."""
+    if model.config.swiglu_limit:
+        return "its experts' SwiGLU is clamped and biased (gpt-oss), which has no int8 form"
+    experts, dense = _units(model, ModelShape.from_config(model.config))
+    for kind, units in (("an expert's", experts), ("a dense MLP's", dense)):
+        for unit in units:
+            for role, m in unit.items():
+                name = m.qtype.name
+                if name not in X8_TYPES:
+                    return f"{kind} {role} is {name}; the GPU's int8 GEMVs read {', '.join(X8_TYPES)}"
+                if name == "Q8_0" and m.cols % 64:
+                    return f"{kind} {role} is Q8_0 of rows of {m.cols} weights, not a multiple of 64"
+    return None
+
+
 def model_shape(model: Model) -> ModelShape:
     """From a :class:`swarm.compute.model.Model`, with the encoded size of every FFN tensor as the
     file stores it. Only the file's header is read (no weight bytes)."""
@@ -59,6 +83,8 @@ def model_shape(model: Model) -> ModelShape:
     column = [sizes(unit, base.intermediate_size) for unit in dense]
     # dense ranges are cut on whole blocks of every dense layer's down (its columns are in blocks)
     block = math.lcm(1, *(GGML_QUANT_SIZES[unit["down"].qtype][0] for unit in dense))
+    if block == 32 and numerics.int8():  # blocks of 32 have an int8 product on 64 values at a time
+        block = 64
     e_own, e_page = (max(x) for x in zip(*expert)) if expert else (0, 0)
     c_own, c_page = (max(x) for x in zip(*column)) if column else (0, 0)
     files = sum(os.path.getsize(p) for p in getattr(ck, "files", [model.path]) if os.path.isfile(p))

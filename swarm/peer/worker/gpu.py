@@ -56,7 +56,7 @@ import platform
 import struct
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -64,16 +64,18 @@ import numpy as np
 
 from swarm import __version__
 from swarm.compute.ffn import combine, expert_rows, route, segment_ids, swiglu_ffn
+from swarm.compute.int8_swiglu import swiglu_int8
 from swarm.compute.kernels import MLPWeights, sigmoid
 from swarm.compute.model import AttentionWeights
 from swarm.compute.quant import QMatrix, as_qmatrix, matmul_many
 from swarm.errors import KernelError, LocalProtocolError, SwarmError
-from swarm.peer.net.messages import ADAPTER_PREFIX, NumericBuild
+from swarm.peer.net.messages import ADAPTER_PREFIX, INT8_KERNEL_DTYPE, NumericBuild
 from swarm.peer.weights.repack import requantize_q8_0
 from swarm.peer.worker.stages import DeviceKVFull
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
+    from web_peer.int8_activations import X8Gemv
     from web_peer.wgpu_host import GpuFfnWeights, GpuLinear, WgpuFfn
 
 log = logging.getLogger(__name__)
@@ -84,14 +86,20 @@ GPU_MODES = ("off", "auto", "on")  # `join --gpu`
 @dataclass(frozen=True)
 class GpuWeights:
     """One SwiGLU block as a GPU peer holds it: ``gpu`` (a ``web_peer.wgpu_host.GpuFfnWeights``)
-    or, for a block the kernels cannot take, ``cpu`` (the engine's weights)."""
+    or, for a block the kernels cannot take, ``cpu`` (the engine's weights). Under the int8
+    numerics, ``cpu`` and ``x8``: gate, up and down each a ``GpuLinear`` of the int8 GEMVs, or
+    None where that product runs on the CPU (module docstring, "The int8 numerics")."""
 
     gpu: GpuFfnWeights | None = None
     cpu: MLPWeights | None = None
+    x8: tuple[GpuLinear | None, GpuLinear | None, GpuLinear | None] | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes held: the GPU buffers (both planes of every matrix), or the engine's weights."""
+        if self.x8 is not None and self.cpu is not None:
+            mats = (self.cpu.gate, self.cpu.up, self.cpu.down)
+            return sum(int(g.nbytes) if g is not None else int(m.nbytes) for m, g in zip(mats, self.x8))
         held: GpuFfnWeights | MLPWeights | None = self.gpu if self.gpu is not None else self.cpu
         return int(held.nbytes) if held is not None else 0
 
@@ -116,6 +124,17 @@ def kernel_operand(m: QMatrix, formats: tuple[str, ...], role: str,
     return (_q8_0(m, role), "q8_0") if repack else None
 
 
+def x8_format(m: QMatrix) -> str | None:
+    """The int8 GEMV's format that reads matrix ``m`` in the file's blocks (``web_peer.int8_activations``:
+    Q4_K, Q6_K, and Q8_0 rows of a multiple of 64 weights, where the CPU has an int8 product),
+    else None."""
+    from web_peer.int8_activations import X8_FORMATS
+    from web_peer.kernels import block_format
+
+    fmt = block_format(m.qtype.name)
+    return fmt if fmt in X8_FORMATS and m.cols % (64 if fmt == "q8_0" else 256) == 0 else None
+
+
 def _q8_0(m: QMatrix, role: str) -> np.ndarray:
     return requantize_q8_0(np.asarray(m.data), m.qtype.name, [m.shape[0], m.cols], role)
 
@@ -131,6 +150,8 @@ class GpuFfn:
         self.adapter = f"{info.get('device') or info.get('vendor') or '?'}".strip()
         self.backend = str(info.get("backend_type", "?"))
         self.cpu_blocks = 0  # blocks the kernels could not take, run on the CPU (status, tests)
+        self.cpu_products = 0  # int8 numerics: matrices with no int8 GEMV, their products on the CPU
+        self._gemv: tuple[object, X8Gemv] | None = None  # (device, the int8 GEMVs' pipelines on it)
 
     @classmethod
     def open(cls, mode: str) -> GpuFfn | None:
@@ -170,7 +191,12 @@ class GpuFfn:
 
     def load(self, weights: MLPWeights, repack: bool = True) -> GpuWeights:
         """Upload one SwiGLU block (module docstring); without ``repack``, a block that would
-        need a Q8_0 requantization stays on the CPU instead. Raises KernelError on a GPU error."""
+        need a Q8_0 requantization stays on the CPU instead; under the int8 numerics, each matrix
+        with an int8 GEMV (:meth:`load_int8`). Raises KernelError on a GPU error."""
+        from swarm.compute import numerics
+
+        if numerics.int8():
+            return self.load_int8(weights)
         if weights.bias is not None or weights.swiglu_limit:
             self.cpu_blocks += 1
             return GpuWeights(cpu=weights)
@@ -190,9 +216,59 @@ class GpuFfn:
             return GpuWeights(cpu=weights)
         return GpuWeights(gpu=self.host.upload(g, u, d, gf, down_fmt=df))
 
+    # ---- the int8 numerics ------------------------------------------------------------------
+
+    def load_int8(self, weights: MLPWeights) -> GpuWeights:
+        """Upload one SwiGLU block for the int8 numerics: gate, up and down each in the file's
+        blocks where an int8 GEMV reads them (:func:`x8_format`), else left to the engine's int8
+        product on the CPU (``cpu_products`` counts those). Raises KernelError on a GPU error."""
+        ours = []
+        for m in (weights.gate, weights.up, weights.down):
+            fmt = x8_format(m)
+            ours.append(None if fmt is None else self.host.upload_linear(np.ascontiguousarray(m.data), fmt))
+            self.cpu_products += fmt is None
+        return GpuWeights(cpu=weights, x8=(ours[0], ours[1], ours[2]))
+
+    def run_rows(self, weights: GpuWeights, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """y [n, H] float32 = the int8 SwiGLU of rows x [n, H] float32 with the int8 rows its down
+        product took (:func:`~swarm.compute.int8_swiglu.swiglu_int8`): the products on the GPU's
+        int8 GEMVs (on the CPU's int8 rows, quantized here by the engine's quantizer), the
+        activation and the quantizer the engine's. Raises KernelError on a GPU error, ValueError
+        for a block loaded without :meth:`load_int8` or a matrix without an int8 product."""
+        if weights.x8 is None or weights.cpu is None:
+            raise ValueError("this block was not loaded for the int8 numerics")
+        w = weights.cpu
+        held = {id(m): g for m, g in zip((w.gate, w.up, w.down), weights.x8) if g is not None}
+        return swiglu_int8(w, x, lambda products: self._x8_products(held, products))
+
+    def _x8_products(self, held: dict[int, GpuLinear], products) -> list[np.ndarray]:
+        """The int8 products (matrix, int8 rows): those of a matrix in ``held`` (id → its upload)
+        on the GPU in one submission, the others on the CPU."""
+        from web_peer.int8_activations import X8Gemv
+
+        out: list[np.ndarray | None] = [None] * len(products)
+        gpu = [(i, held[id(m)], rows) for i, (m, rows) in enumerate(products) if id(m) in held and len(rows)]
+        if gpu:
+            host = self.host
+            if any(linear.device is not host.device for _, linear, _ in gpu):
+                raise KernelError("this block's weights were on a device that was lost")
+            if self._gemv is None or self._gemv[0] is not host.device:  # pipelines of the device now
+                self._gemv = (host.device, X8Gemv(host))
+            gemv = self._gemv[1]
+            enc, outs = host.encoder(), []
+            for _, linear, rows in gpu:
+                y = host.storage(len(rows) * linear.rows)
+                gemv.encode_gemv(enc, linear, gemv.upload(linear.fmt, rows, linear.cols), y, len(rows))
+                outs.append((y, len(rows) * linear.rows))
+            for (i, linear, rows), y in zip(gpu, host.submit_read_many(enc, outs)):
+                out[i] = y.reshape(len(rows), linear.rows)
+        return [y if y is not None else m.matmul_int8_rows(rows) for y, (m, rows) in zip(out, products)]
+
     def run_many(self, weights: Sequence[GpuWeights], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
         """``[run(w, x) for w, x in zip(weights, xs)]``, the blocks on the GPU in one submission
         (a request's or a decode step's experts). Raises as :meth:`run`."""
+        if any(w.x8 is not None for w in weights):
+            return [self.run(w, x) for w, x in zip(weights, xs)]
         on_gpu = [(np.ascontiguousarray(x, dtype=np.float32), w.gpu) for w, x in zip(weights, xs) if w.gpu is not None]
         done = iter(self.host.ffn_many(on_gpu) if on_gpu else ())
         return [next(done) if w.gpu is not None else swiglu_ffn(_cpu(w), x) for w, x in zip(weights, xs)]
@@ -200,6 +276,8 @@ class GpuFfn:
     def run(self, weights: GpuWeights, x: np.ndarray) -> np.ndarray:
         """y [n, H] float32 = down(swiglu(x)) for rows x [n, H] float32. Raises KernelError on a
         GPU error (the device is then reset) or a non-finite result."""
+        if weights.x8 is not None:
+            return self.run_rows(weights, x)[0]
         if weights.gpu is None:
             assert weights.cpu is not None
             return swiglu_ffn(weights.cpu, x)
@@ -209,42 +287,50 @@ class GpuFfn:
 
     def build(self) -> NumericBuild:
         """This peer's numeric build: ``blas`` reads ``wgpu <version> <backend> kernels:<formats>
-        adapter:<name>`` (same adapter and kernels: the same bits). Its kernels take float32
-        activations: SwarmError under the int8 numerics, whose work past the GPU's memory would
-        run on the CPU in int8 (answers of neither numerics)."""
+        adapter:<name>`` (same adapter and kernels: the same bits), under the int8 numerics
+        ``wgpu <version> <backend> x8:<formats> adapter:<name>`` (the int8 GEMVs' formats) and
+        ``kernel_dtype`` ``i8``: an int8 swarm's coordinator checks its answers by their down
+        rows (module docstring, "The int8 numerics")."""
         import wgpu
 
         from swarm.compute import numerics
+        from web_peer.int8_activations import X8_FORMATS
         from web_peer.kernels import BLOCK_FORMATS
 
-        if numerics.int8():
-            raise SwarmError("a GPU peer computes with float32 activations, but this process's numerics are "
-                             f"int8 (--numerics or ${numerics.NUMERICS_ENV}): join with float32 numerics, or "
-                             "without --gpu")
-
+        int8 = numerics.int8()
+        kernels = f"x8:{','.join(X8_FORMATS)}" if int8 else f"kernels:{','.join(BLOCK_FORMATS)}"
         return NumericBuild(package=__version__, numpy=np.__version__,
-                            blas=f"wgpu {wgpu.__version__} {self.backend} kernels:{','.join(BLOCK_FORMATS)} "
-                                 f"{ADAPTER_PREFIX}{self.adapter}",
-                            arch=platform.machine(), kernel_dtype="f32")
+                            blas=f"wgpu {wgpu.__version__} {self.backend} {kernels} {ADAPTER_PREFIX}{self.adapter}",
+                            arch=platform.machine(), kernel_dtype=INT8_KERNEL_DTYPE if int8 else "f32")
 
     def measure_gflops(self, hidden: int = 576, ffn: int = 1536, rows: int = 8, repeats: int = 5) -> float:
         """GFLOP/s of one SwiGLU block (SmolLM2's shape, Q8_0 blocks) on this device, a request's
         whole path (upload of the rows, both kernels, read-back): what the planner prices this
         peer by, as :func:`swarm.peer.node.measure_ffn_gflops` measures the CPU. Best of
-        ``repeats`` after one warm-up (pipeline compilation)."""
+        ``repeats`` after one warm-up (pipeline compilation). Under the int8 numerics, the int8
+        block (:meth:`run_rows`: the CPU's quantizer and activation between the GPU's GEMVs)."""
+        from swarm.compute import numerics
+        from swarm.compute.quant import QT
         from web_peer.kernels import quantize_blocks
 
         rng = np.random.default_rng(0)
         scale = np.float32(hidden**-0.5)
         gate, up, down = (quantize_blocks(rng.standard_normal(shape, dtype=np.float32) * scale, "q8_0")
                           for shape in ((ffn, hidden), (ffn, hidden), (hidden, ffn)))
-        w = self.host.upload(gate, up, down, "q8_0")
         x = rng.standard_normal((rows, hidden), dtype=np.float32)
-        self.host.ffn(x, w)
+        run: Callable[[], object]
+        if numerics.int8():
+            block = self.load_int8(MLPWeights(QMatrix(gate, QT.Q8_0, hidden), QMatrix(up, QT.Q8_0, hidden),
+                                              QMatrix(down, QT.Q8_0, ffn)))
+            run = lambda: self.run_rows(block, x)  # noqa: E731
+        else:
+            w = self.host.upload(gate, up, down, "q8_0")
+            run = lambda: self.host.ffn(x, w)  # noqa: E731
+        run()
         best = float("inf")
         for _ in range(repeats):
             t = time.perf_counter()
-            self.host.ffn(x, w)
+            run()
             best = min(best, time.perf_counter() - t)
         return 3 * 2 * rows * hidden * ffn / best / 1e9
 

@@ -108,3 +108,51 @@ def test_a_peer_that_left_and_returns_is_noted_again(tmp_path, model, restored_n
     role.node.links[OTHER_NUMERICS] = link
     plan_and_announce(role)
     assert [e["peer_id"] for e in role.node.activity if e["what"] == "left out"] == [OTHER_NUMERICS] * 2
+
+
+GPU = peer_id("int8-gpu")
+
+
+def _int8_gpu_peer(ours: M.NumericBuild, model_hash: str) -> FakeLink:
+    build = dataclasses.replace(ours, blas="wgpu 0.32.0 Vulkan x8:q4_k,q6_k,q8_0 adapter:llvmpipe")  # GpuFfn.build()
+    assert build.numerics == "int8" and build.gpu_adapter == "llvmpipe"
+    return python_peer(GPU, build, model_hash)
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory):
+    import gguf
+
+    from swarm.compute.model import load_model
+    from tests.compute.tiny_gguf import write_gguf_from_hf
+    from tests.compute.tiny_models import build_tiny
+
+    root = tmp_path_factory.mktemp("q8")
+    hf, _ = build_tiny("qwen3_moe", root / "hf", intermediate_size=128, moe_intermediate_size=64)
+    return load_model(write_gguf_from_hf(hf, "qwen3_moe", root / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0))
+
+
+@pytest.mark.parametrize("layout", ["ranges", "auto", "stages"])
+def test_an_int8_coordinator_gives_ranges_to_an_int8_gpu_peer_of_a_model_its_gemvs_read(tmp_path, q8_model,
+                                                                                        restored_numerics, layout):
+    numerics.set_numerics("int8")
+    ours = numeric_build()
+    role = coordinator(tmp_path, q8_model, layout, [_int8_gpu_peer(ours, q8_model.content_hash())])
+    plan = plan_and_announce(role)
+    # priced by its announced speed, as a GPU peer (a tiny model: the cost model may keep it local)
+    assert GPU in plan.workers() or layout != "ranges"
+    stages = role.planning.stage_layout
+    assert stages is None or GPU not in {s.peer for s in stages.stages}  # ranges only: no stage
+    assert not [e for e in role.node.activity if e["what"] == "left out"]
+
+
+def test_an_int8_gpu_peer_is_left_out_for_a_model_its_gemvs_do_not_read(tmp_path, model, restored_numerics):
+    numerics.set_numerics("int8")
+    ours = numeric_build()
+    role = coordinator(tmp_path, model, "ranges", [_int8_gpu_peer(ours, model.content_hash())])
+    plan = plan_and_announce(role)
+    assert GPU not in plan.workers()
+    (left,) = [e for e in role.node.activity if e["what"] == "left out"]
+    assert left["peer_id"] == GPU and "GPU peer of the int8 numerics" in left["detail"]
+    assert "is F32" in left["detail"] and "Q4_K, Q6_K, Q8_0" in left["detail"]  # names the type
+    assert not role._failed_at

@@ -124,15 +124,51 @@ def test_a_worker_on_the_gpu_answers_within_the_bound_and_recovers_from_a_lost_d
     assert isinstance(again, M.ExpertAnswer) and np.array_equal(again.outputs, first.outputs)  # same kernels, same bits
 
 
-def test_a_gpu_peer_refuses_the_int8_numerics(gpu, monkeypatch):
-    # Its kernels take float32 activations and its overflow runs on the CPU in the process's
-    # numerics: under int8 its answers would be of neither, so it announces no build.
+def test_a_gpu_peer_of_the_int8_numerics_announces_its_int8_gemvs(gpu, monkeypatch):
+    # Under int8 its FFN blocks run on the GPU's int8 GEMVs (Q4_K, Q6_K, Q8_0): another build of
+    # the int8 numerics, which an int8 coordinator checks by the down rows of its answers.
     from swarm.compute import numerics
-    from swarm.errors import SwarmError
+    from web_peer.int8_activations import X8_FORMATS
 
     monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
     numerics.set_numerics("float32")
-    assert gpu.build().numerics == "float32"
+    f32 = gpu.build()
+    assert f32.numerics == "float32" and f32.named("kernels:") and not f32.named("x8:")
     numerics.set_numerics("int8")
-    with pytest.raises(SwarmError, match="GPU peer computes with float32 activations.*int8"):
-        gpu.build()
+    i8 = gpu.build()
+    assert i8.numerics == "int8" and i8.kernel_dtype == "i8" and i8.gpu_adapter == gpu.adapter
+    assert i8.named("x8:") == frozenset(X8_FORMATS) and not i8.named("kernels:")
+
+
+def test_an_int8_block_runs_each_product_on_the_gpu_where_an_int8_gemv_reads_it(gpu, monkeypatch):
+    """Q4_K gate/up and Q6_K down on the GPU's int8 GEMVs, a Q5_K down on the engine's int8
+    product; either way the answer passes the coordinator's check (its down rows a rounding of
+    SwiGLU, the answer within the int8 bound of them) — Q5_K against the engine's bits."""
+    from swarm.compute import numerics
+    from swarm.compute.int8_swiglu import check_int8_answer, swiglu_int8
+    from swarm.peer.coordinator.bounds import int8_product_bound
+
+    monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
+    numerics.set_numerics("int8")
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, H), dtype=np.float32)
+    w = MLPWeights(matrix(rng, F, H, QT.Q4_K), matrix(rng, F, H, QT.Q4_K), matrix(rng, H, F, QT.Q6_K))
+    held = gpu.load(w)
+    assert held.gpu is None and all(g is not None for g in held.x8) and held.nbytes == w.nbytes
+    y, rows = gpu.run_rows(held, x)
+    assert check_int8_answer(w, x, y, rows, int8_product_bound) is None
+    assert np.array_equal(gpu.run(held, x), y)
+    before = gpu.cpu_products
+    w5 = MLPWeights(w.gate, w.up, matrix(rng, H, F, QT.Q5_K))
+    held5 = gpu.load(w5)
+    assert held5.x8[2] is None and gpu.cpu_products == before + 1  # no int8 GEMV reads Q5_K
+    y5, rows5 = gpu.run_rows(held5, x)
+    assert np.array_equal(w5.down.matmul_int8_rows(rows5), y5)  # the engine's product on its rows: its bits
+
+    def bound(m, rows):  # the engine's own bits for Q5_K, which no GPU bound covers
+        return np.zeros((len(rows), m.shape[0])) if m is w5.down else int8_product_bound(m, rows)
+    assert check_int8_answer(w5, x, y5, rows5, bound) is None
+    assert rows5.shape == swiglu_int8(w5, x)[1].shape
+    f32 = MLPWeights(w.gate, w.up, QMatrix.from_float(np.ones((H, F), np.float32)))
+    with pytest.raises(ValueError, match="no int8 product"):  # the worker answers bad_request
+        gpu.run_rows(gpu.load(f32), x)
