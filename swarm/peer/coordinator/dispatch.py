@@ -85,7 +85,8 @@ Trust. With ``verify`` > 0 that share of remote answers is recomputed locally
 and compared — bit for bit for peers of our numeric build, within the bound of the
 format and reduction length for the others (``approximate`` peers, e.g. a WebGPU page or a
 GPU peer; ``repacked`` ones compute on a Q8_0 repack: :mod:`~swarm.peer.coordinator.bounds`);
-a mismatch raises :class:`VerificationError`.
+in an int8 swarm a peer of another build (a GPU peer) by the int8 rows of its down products
+(:func:`~swarm.compute.int8_swiglu.check_int8_answer`); a mismatch raises :class:`VerificationError`.
 """
 
 from __future__ import annotations

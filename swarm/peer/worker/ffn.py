@@ -27,7 +27,9 @@ On a GPU peer (``join --gpu``) an :class:`FfnDevice` other than the CPU's holds 
 (uploaded once, when a plan is accepted) and runs the same SwiGLU block with the browser peer's
 WGSL kernels (:mod:`swarm.peer.worker.gpu`): another numeric build, checked by the coordinator
 within a bound rather than bit for bit. A kernel error answers ``internal`` and drops the
-uploaded slices (the device was reset); the next plan or request uploads them again. A plan
+uploaded slices (the device was reset); the next plan or request uploads them again. Under the
+int8 numerics a GPU peer answers :class:`ExpertAnswerInt8` / :class:`DenseAnswerInt8`, with the
+int8 rows its down products took (:class:`RowsDevice`), on the GPU or past its GPU memory alike. A plan
 whose slices for this peer pass the GPU memory it announced is computed on the CPU instead, from
 host memory, as a CPU peer's (:func:`swarm.peer.plan.gpu_holds`, the planner's rule).
 

@@ -41,6 +41,14 @@ kernels), so the coordinator checks its answers within the format's bound
 (:mod:`swarm.peer.coordinator.bounds`), not bit for bit. Peers with the same
 adapter and kernels give each other's bits.
 
+The int8 numerics (``join --gpu auto|on --numerics int8``). Each SwiGLU block's gate, up and
+down go up in the file's blocks for the GPU's int8 GEMVs (``web_peer/int8_activations.py``:
+Q4_K, Q6_K, Q8_0; a matrix they do not read stays on the engine's int8 product), and a request
+runs :func:`~swarm.compute.int8_swiglu.swiglu_int8`: the engine's quantizer on the CPU, gate and
+up on the GPU, the engine's SwiGLU and quantizer on the CPU, down on the GPU. The answer carries
+the down product's int8 rows, by which an int8 coordinator checks it (another build: a bound,
+not bits). Such a peer is planned FFN ranges only, never a stage.
+
 ``--gpu auto`` takes a GPU adapter when ``wgpu`` is installed and one is found, never a CPU
 one (Mesa's lavapipe computes the kernels in software, slower than the engine's own kernels);
 ``--gpu on`` takes whatever adapter there is (lavapipe included: how CI runs it) and fails
