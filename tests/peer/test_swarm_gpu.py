@@ -30,6 +30,25 @@ from tests.peer.test_swarm_loopback import ADDRESS, FAST_LINKS, Peer, agreed, st
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
+async def start_cpu_and_gpu_peers(peers: list[Peer], key, server, model, idents, gpu: GpuFfn, gflops: float, tmp_path,
+                                  **roles) -> None:
+    """Start a peer with ``model`` (idents[0]) and a GPU peer without it (idents[1], ``gpu``
+    announcing ``gflops``), both checking every answer (``--verify 100``) and ``roles`` the
+    SwarmRoles' other options, into ``peers``; return when the first coordinates."""
+    for ident, name, has, g, build, device in ((idents[0], "cpu", True, 1.0, None, None),
+                                              (idents[1], "gpu", False, gflops, gpu.build(), gpu)):
+        node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=name,
+                    signal_url=server.url(ADDRESS), ffn_gflops=g, build=build, memory_budget=1 << 30,
+                    model_hash=model.content_hash() if has else None,
+                    status_path=tmp_path / f"status-{name}.json", link_options=FAST_LINKS)
+        await node.start(timeout=10)
+        started = SwarmRoles(node, model if has else None, serve_api=False, startup_quiet_s=1.0,
+                             verify=1.0, device=device, **roles)
+        await started.start()
+        peers.append(Peer(node, started))
+    await until(lambda: agreed(peers) == idents[0].peer_id, 30, "the peer with the model coordinating")
+
+
 def test_a_gpu_peer_serves_its_share_with_the_wgsl_kernels_and_the_tokens_are_the_local_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("COLIBRI_SWARM_CACHE_DIR", str(tmp_path / "cache"))
     hf, _ = build_tiny("qwen3_moe", tmp_path / "hf")  # MoE layers 0 and 2, dense layer 1
@@ -42,21 +61,10 @@ def test_a_gpu_peer_serves_its_share_with_the_wgsl_kernels_and_the_tokens_are_th
         await server.start(ADDRESS, 0)
         model = load_model(path)
         gpu = await asyncio.to_thread(GpuFfn.open, "on")  # lavapipe here: "on" takes a CPU adapter too
-        peers = []
+        peers: list[Peer] = []
         try:
             gflops = await asyncio.to_thread(gpu.measure_gflops)
-            for ident, name, has, g, build, device in ((cpu, "cpu", True, 1.0, None, None),
-                                                      (gpu_ident, "gpu", False, gflops, gpu.build(), gpu)):
-                node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=name,
-                            signal_url=server.url(ADDRESS), ffn_gflops=g, build=build, memory_budget=1 << 30,
-                            model_hash=model.content_hash() if has else None,
-                            status_path=tmp_path / f"status-{name}.json", link_options=FAST_LINKS)
-                await node.start(timeout=10)
-                roles = SwarmRoles(node, model if has else None, serve_api=False, startup_quiet_s=1.0,
-                                   verify=1.0, device=device)
-                await roles.start()
-                peers.append(Peer(node, roles))
-            await until(lambda: agreed(peers) == cpu.peer_id, 30, "the peer with the model coordinating")
+            await start_cpu_and_gpu_peers(peers, key, server, model, (cpu, gpu_ident), gpu, gflops, tmp_path)
             coordinator = peers[0].roles.coordinator
             ffn = coordinator.ffn
             hello = peers[0].node.links[gpu_ident.peer_id].hello

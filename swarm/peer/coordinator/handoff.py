@@ -21,8 +21,8 @@ from swarm.peer.coordinator.planning import observed
 from swarm.peer.coordinator.stage_verify import VERIFY_FAILED
 from swarm.peer.coordinator.stages import StagedFFN
 from swarm.peer.coordinator.tracker import Observations
-from swarm.peer.net.messages import (DenseAnswer, DenseRequest, Error, ExpertAnswer, ExpertRequest, StageAnswer, StagePlan,
-                                     StageRequest)
+from swarm.peer.net.messages import (DenseAnswer, DenseAnswerInt8, DenseRequest, Error, ExpertAnswer, ExpertAnswerInt8,
+                                     ExpertRequest, StageAnswer, StagePlan, StageRequest)
 from swarm.peer.plan import ModelShape, Plan, StageLayout
 from swarm.peer.tasks import OwnedTasks
 from swarm.peer.weights.repack import KERNELS_PREFIX, page_encodings
@@ -188,7 +188,7 @@ class LoopDispatcher:
 
     # ------------------------------------------------- the links → the dispatch
     def _listen(self, node: Node) -> None:
-        for answer in (ExpertAnswer, DenseAnswer, StageAnswer):
+        for answer in (ExpertAnswer, DenseAnswer, ExpertAnswerInt8, DenseAnswerInt8, StageAnswer):
             node.on(answer, self.on_answer)
 
     def on_answer(self, link: Link, msg: ExpertAnswer | DenseAnswer | StageAnswer) -> None:
