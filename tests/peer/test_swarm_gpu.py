@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import gguf
 import numpy as np
@@ -30,23 +32,48 @@ from tests.peer.test_swarm_loopback import ADDRESS, FAST_LINKS, Peer, agreed, st
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
-async def start_cpu_and_gpu_peers(peers: list[Peer], key, server, model, idents, gpu: GpuFfn, gflops: float, tmp_path,
-                                  **roles) -> None:
-    """Start a peer with ``model`` (idents[0]) and a GPU peer without it (idents[1], ``gpu``
-    announcing ``gflops``), both checking every answer (``--verify 100``) and ``roles`` the
-    SwarmRoles' other options, into ``peers``; return when the first coordinates."""
-    for ident, name, has, g, build, device in ((idents[0], "cpu", True, 1.0, None, None),
-                                              (idents[1], "gpu", False, gflops, gpu.build(), gpu)):
-        node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=name,
-                    signal_url=server.url(ADDRESS), ffn_gflops=g, build=build, memory_budget=1 << 30,
-                    model_hash=model.content_hash() if has else None,
-                    status_path=tmp_path / f"status-{name}.json", link_options=FAST_LINKS)
-        await node.start(timeout=10)
-        started = SwarmRoles(node, model if has else None, serve_api=False, startup_quiet_s=1.0,
-                             verify=1.0, device=device, **roles)
-        await started.start()
-        peers.append(Peer(node, started))
-    await until(lambda: agreed(peers) == idents[0].peer_id, 30, "the peer with the model coordinating")
+@dataclass
+class CpuAndGpu:
+    """A swarm of two over loopback links (:func:`cpu_and_gpu`): ``peers[0]`` holds ``model`` and
+    coordinates, ``peers[1]`` computes on ``gpu`` (announcing ``gflops``, measured) without it."""
+
+    peers: list[Peer]
+    model: object
+    gpu: GpuFfn
+    gflops: float
+    gpu_id: str
+
+
+@asynccontextmanager
+async def cpu_and_gpu(path, tmp_path, **roles):
+    """Start :class:`CpuAndGpu` on the model file ``path`` (lavapipe here: ``--gpu on`` takes a CPU
+    adapter too), both peers checking every answer (``--verify 100``), ``roles`` the SwarmRoles'
+    other options; stopped on leaving. Yields when the peer with the model coordinates."""
+    key = SwarmKey(os.urandom(32))
+    cpu, gpu_ident = Identity.generate(), Identity.generate()
+    server = SignalingServer(key.secret, cpu.peer_id, config_dir=tmp_path)
+    await server.start(ADDRESS, 0)
+    model = load_model(path)
+    gpu = await asyncio.to_thread(GpuFfn.open, "on")
+    peers: list[Peer] = []
+    try:
+        gflops = await asyncio.to_thread(gpu.measure_gflops)
+        for ident, name, has, g, build, device in ((cpu, "cpu", True, 1.0, None, None),
+                                                  (gpu_ident, "gpu", False, gflops, gpu.build(), gpu)):
+            node = Node(swarm_key=key, certificate=ident.rtc_certificate(), peer_id=ident.peer_id, name=name,
+                        signal_url=server.url(ADDRESS), ffn_gflops=g, build=build, memory_budget=1 << 30,
+                        model_hash=model.content_hash() if has else None,
+                        status_path=tmp_path / f"status-{name}.json", link_options=FAST_LINKS)
+            await node.start(timeout=10)
+            started = SwarmRoles(node, model if has else None, serve_api=False, startup_quiet_s=1.0,
+                                 verify=1.0, device=device, **roles)
+            await started.start()
+            peers.append(Peer(node, started))
+        await until(lambda: agreed(peers) == cpu.peer_id, 30, "the peer with the model coordinating")
+        yield CpuAndGpu(peers, model, gpu, gflops, gpu_ident.peer_id)
+    finally:
+        await stop_swarm(server, peers)
+        await asyncio.to_thread(gpu.close)
 
 
 def test_a_gpu_peer_serves_its_share_with_the_wgsl_kernels_and_the_tokens_are_the_local_runs(tmp_path, monkeypatch):
@@ -55,28 +82,16 @@ def test_a_gpu_peer_serves_its_share_with_the_wgsl_kernels_and_the_tokens_are_th
     path = write_gguf_from_hf(hf, "qwen3_moe", tmp_path / "tiny-q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
 
     async def main():
-        key = SwarmKey(os.urandom(32))
-        cpu, gpu_ident = Identity.generate(), Identity.generate()
-        server = SignalingServer(key.secret, cpu.peer_id, config_dir=tmp_path)
-        await server.start(ADDRESS, 0)
-        model = load_model(path)
-        gpu = await asyncio.to_thread(GpuFfn.open, "on")  # lavapipe here: "on" takes a CPU adapter too
-        peers: list[Peer] = []
-        try:
-            gflops = await asyncio.to_thread(gpu.measure_gflops)
-            await start_cpu_and_gpu_peers(peers, key, server, model, (cpu, gpu_ident), gpu, gflops, tmp_path)
-            coordinator = peers[0].roles.coordinator
-            ffn = coordinator.ffn
-            hello = peers[0].node.links[gpu_ident.peer_id].hello
-            run = await asyncio.to_thread(greedy, model, ffn)
+        async with cpu_and_gpu(path, tmp_path) as swarm:
+            peers, gpu = swarm.peers, swarm.gpu
+            ffn = peers[0].roles.coordinator.ffn
+            hello = peers[0].node.links[swarm.gpu_id].hello
+            run = await asyncio.to_thread(greedy, swarm.model, ffn)
             shown = {p["peer_id"]: p.get("gpu") for p in peers[0].node.status()["peers"]}
-            assert shown == {gpu_ident.peer_id: gpu.adapter}  # status names the GPU peer's adapter
+            assert shown == {swarm.gpu_id: gpu.adapter}  # status names the GPU peer's adapter
             worker = peers[1].roles.worker.server
-            return (run, ffn.plan, worker.served, ffn.verified, ffn.local_fallbacks, set(ffn.failed),
-                    hello.build.blas, gpu.adapter, hello.ffn_gflops, gflops, gpu.cpu_blocks, type(worker.source).__name__)
-        finally:
-            await stop_swarm(server, peers)
-            await asyncio.to_thread(gpu.close)
+            return (run, ffn.plan, worker.served, ffn.verified, ffn.local_fallbacks, set(ffn.failed), hello.build.blas,
+                    gpu.adapter, hello.ffn_gflops, swarm.gflops, gpu.cpu_blocks, type(worker.source).__name__)
 
     (run, plan, served, verified, fallbacks, failed, blas, adapter, announced, gflops, cpu_blocks,
      source) = run_in_netns(main, timeout_s=240, prefix="csg", address=ADDRESS)

@@ -7,7 +7,6 @@ with the int8 rows of its down products, and the coordinator, checking every ans
 from __future__ import annotations
 
 import asyncio
-import os
 
 import gguf
 import numpy as np
@@ -17,16 +16,12 @@ from swarm.compute import numerics
 from swarm.compute.ffn import LocalFFN
 from swarm.compute.int8_swiglu import swiglu_int8
 from swarm.compute.model import load_model
-from swarm.keys.identity import Identity
-from swarm.keys.swarmkey import SwarmKey
-from swarm.peer.worker.gpu import GpuFfn
-from swarm.signaling.server import SignalingServer
 from tests.compute.tiny_gguf import write_gguf_from_hf
 from tests.compute.tiny_models import build_tiny
 from tests.peer._links import run_in_netns
 from tests.peer._swarm_models import greedy
-from tests.peer.test_swarm_gpu import start_cpu_and_gpu_peers
-from tests.peer.test_swarm_loopback import ADDRESS, Peer, stop_swarm, until
+from tests.peer.test_swarm_gpu import cpu_and_gpu
+from tests.peer.test_swarm_loopback import ADDRESS, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -40,27 +35,14 @@ def test_an_int8_gpu_peer_serves_its_ranges_checked_by_its_down_rows(tmp_path, m
     monkeypatch.setenv("COLIBRI_SWARM_CACHE_DIR", str(tmp_path / "cache"))  # the shipped slices: this test's own
 
     async def main():
-        key = SwarmKey(os.urandom(32))
-        cpu, gpu_ident = Identity.generate(), Identity.generate()
-        server = SignalingServer(key.secret, cpu.peer_id, config_dir=tmp_path)
-        await server.start(ADDRESS, 0)
-        model = load_model(path)
-        gpu = await asyncio.to_thread(GpuFfn.open, "on")
-        peers: list[Peer] = []
-        try:
-            gflops = await asyncio.to_thread(gpu.measure_gflops)  # the int8 path's speed
-            await start_cpu_and_gpu_peers(peers, key, server, model, (cpu, gpu_ident), gpu, gflops, tmp_path,
-                                          layout="ranges")
-            ffn = peers[0].roles.coordinator.ffn
-            await until(lambda: gpu_ident.peer_id in ffn.plan.workers(), 30, "the GPU peer planned")
-            run = await asyncio.to_thread(greedy, model, ffn)
-            worker = peers[1].roles.worker.server
-            left_out = [e for e in peers[0].node.activity if e["what"] == "left out"]
+        async with cpu_and_gpu(path, tmp_path, layout="ranges") as swarm:  # its gflops: the int8 path's
+            ffn = swarm.peers[0].roles.coordinator.ffn
+            await until(lambda: swarm.gpu_id in ffn.plan.workers(), 30, "the GPU peer planned")
+            run = await asyncio.to_thread(greedy, swarm.model, ffn)
+            worker = swarm.peers[1].roles.worker.server
+            left_out = [e for e in swarm.peers[0].node.activity if e["what"] == "left out"]
             return (run, ffn.plan, worker.served, ffn.verified, ffn.local_fallbacks, set(ffn.failed),
-                    gpu_ident.peer_id in ffn.approximate, worker.answers_rows, gpu.cpu_products, left_out)
-        finally:
-            await stop_swarm(server, peers)
-            await asyncio.to_thread(gpu.close)
+                    swarm.gpu_id in ffn.approximate, worker.answers_rows, swarm.gpu.cpu_products, left_out)
 
     (run, plan, served, verified, fallbacks, failed, approximate, rows, cpu_products,
      left_out) = run_in_netns(main, timeout_s=240, prefix="csi", address=ADDRESS)
