@@ -180,3 +180,36 @@ def test_an_int8_gpu_peer_without_down_rows_is_stopped(q8_moe, gpu, int8):
             greedy(swarm.model, swarm.ffn, n=DECODE)
     finally:
         swarm.close()
+
+
+@pytest.mark.slow
+def test_honest_gpu_answers_on_smollm2s_real_activations_pass_the_check(gpu, int8):
+    """Real, heavy-tailed activations: SmolLM2-135M's FFN inputs for 40 tokens through its 30
+    layers, its MLPs requantized to Q8_0 (their widths, 576 and 1536, have int8 GEMVs). Every
+    honest GPU answer passes the coordinator's check, though its down rows are not the
+    coordinator's bits (scales an ulp apart, values a step apart near a rounding boundary)."""
+    from swarm.compute.default_model import default_model_path
+    from swarm.compute.int8_swiglu import check_int8_answer, swiglu_int8
+    from swarm.compute.kernels import MLPWeights
+    from swarm.compute.quant import QT, QMatrix
+    from swarm.peer.coordinator.bounds import int8_product_bound
+    from swarm.peer.weights.repack import requantize_q8_0
+
+    model = load_model(default_model_path())
+    local, inputs = LocalFFN(model), {}
+
+    class Recording:
+        def ffn(self, layer, x, segments=None):
+            inputs[layer] = x.copy()
+            return local.ffn(layer, x, segments)
+
+    model.forward(list(range(100, 140)), model.new_cache(), ffn=Recording())
+    differ = 0
+    for layer, x in inputs.items():
+        w = model.dense_weights(layer)
+        q8 = MLPWeights(*(QMatrix(requantize_q8_0(np.asarray(m.data), m.qtype.name, [m.shape[0], m.cols], role),
+                                  QT.Q8_0, m.cols) for m, role in ((w.gate, "gate"), (w.up, "up"), (w.down, "down"))))
+        y, rows = gpu.run_rows(gpu.load(q8), x)
+        assert check_int8_answer(q8, x, y, rows, int8_product_bound) is None, layer
+        differ += not np.array_equal(rows, swiglu_int8(q8, x)[1])
+    assert len(inputs) == 30 and differ > 0  # another build's rows: the check is not one of bits
