@@ -269,6 +269,24 @@ class X8Gemv:
             buffers = [xs[0], xs[1], mat.buffers[i], mat.scales[i], y, *xs[2:]]
             enc.dispatch(pipe, self.host._bind(pipe, params, buffers), (gx, gy, t_rows))
 
+    def run_rows(self, products) -> list[np.ndarray]:
+        """``[W x8 for W, x8 in products]``: each GpuLinear W [R, K] (a format of
+        :data:`X8_FORMATS`) times int8 rows uint8 [T, row bytes] (:func:`int8_rows`, quantized
+        elsewhere: a peer's own, or another machine's) → float32 [T, R], all in one submission.
+        Raises KernelError on a GPU error (the device is then reset), weights on a lost device,
+        or a non-finite result."""
+        h = self.host
+        if any(w.device is not h.device for w, _ in products):
+            raise KernelError("these weights were on a device that was lost")
+        with h._guarded("the int8 GEMVs"):
+            enc, outs = h.encoder(), []
+            for w, rows in products:
+                _check_format(w.fmt)
+                y = h.storage(max(len(rows), 1) * w.rows)
+                self.encode_gemv(enc, w, self.upload(w.fmt, rows, w.cols), y, len(rows))
+                outs.append((y, len(rows) * w.rows))
+        return [y.reshape(len(rows), w.rows) for (w, rows), y in zip(products, h.submit_read_many(enc, outs))]
+
     def run(self, w, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """x float32 [T, K] → (y float32 [T, R], the CPU's int8 rows of x it multiplied)."""
         _check_format(w.fmt)

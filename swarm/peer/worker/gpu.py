@@ -254,23 +254,11 @@ class GpuFfn:
         on the GPU in one submission, the others on the CPU."""
         from web_peer.int8_activations import X8Gemv
 
-        out: list[np.ndarray | None] = [None] * len(products)
-        gpu = [(i, held[id(m)], rows) for i, (m, rows) in enumerate(products) if id(m) in held and len(rows)]
-        if gpu:
-            host = self.host
-            if any(linear.device is not host.device for _, linear, _ in gpu):
-                raise KernelError("this block's weights were on a device that was lost")
-            if self._gemv is None or self._gemv[0] is not host.device:  # pipelines of the device now
-                self._gemv = (host.device, X8Gemv(host))
-            gemv = self._gemv[1]
-            enc, outs = host.encoder(), []
-            for _, linear, rows in gpu:
-                y = host.storage(len(rows) * linear.rows)
-                gemv.encode_gemv(enc, linear, gemv.upload(linear.fmt, rows, linear.cols), y, len(rows))
-                outs.append((y, len(rows) * linear.rows))
-            for (i, linear, rows), y in zip(gpu, host.submit_read_many(enc, outs)):
-                out[i] = y.reshape(len(rows), linear.rows)
-        return [y if y is not None else m.matmul_int8_rows(rows) for y, (m, rows) in zip(out, products)]
+        gpu = [i for i, (m, rows) in enumerate(products) if id(m) in held and len(rows)]
+        if self._gemv is None or self._gemv[0] is not self.host.device:  # pipelines of the device now
+            self._gemv = (self.host.device, X8Gemv(self.host))
+        done = dict(zip(gpu, self._gemv[1].run_rows([(held[id(products[i][0])], products[i][1]) for i in gpu])))
+        return [done[i] if i in done else m.matmul_int8_rows(rows) for i, (m, rows) in enumerate(products)]
 
     def run_many(self, weights: Sequence[GpuWeights], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
         """``[run(w, x) for w, x in zip(weights, xs)]``, the blocks on the GPU in one submission

@@ -146,6 +146,7 @@ def test_an_int8_block_runs_each_product_on_the_gpu_where_an_int8_gemv_reads_it(
     SwiGLU, the answer within the int8 bound of them) — Q5_K against the engine's bits."""
     from swarm.compute import numerics
     from swarm.compute.int8_swiglu import check_int8_answer, swiglu_int8
+    from swarm.errors import KernelError
     from swarm.peer.coordinator.bounds import int8_product_bound
 
     monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
@@ -158,6 +159,10 @@ def test_an_int8_block_runs_each_product_on_the_gpu_where_an_int8_gemv_reads_it(
     y, rows = gpu.run_rows(held, x)
     assert check_int8_answer(w, x, y, rows, int8_product_bound) is None
     assert np.array_equal(gpu.run(held, x), y)
+    gpu.host.drop_device()  # as after a GPU error: the worker drops its blocks and loads them again
+    with pytest.raises(KernelError, match="lost"):
+        gpu.run_rows(held, x)
+    assert np.array_equal(gpu.run_rows(gpu.load(w), x)[0], y)  # a fresh device, the same kernels: the same bits
     before = gpu.cpu_products
     w5 = MLPWeights(w.gate, w.up, matrix(rng, H, F, QT.Q5_K))
     held5 = gpu.load(w5)
