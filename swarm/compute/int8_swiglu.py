@@ -63,13 +63,21 @@ def swiglu_int8(w: MLPWeights, x: np.ndarray, products: Products = cpu_products)
     down product's int8 rows: (y float32 [n, H], rows uint8 [n, down row bytes]). ``products``
     computes the int8 products (default the engine's; a GPU peer's: its GEMVs); the activation
     and the quantizer are the engine's. Raises ValueError for a matrix without an int8 product."""
-    if w.bias is not None or w.swiglu_limit:
+    return swiglu_int8_many([w], [x], products)[0]
+
+
+def swiglu_int8_many(ws: Sequence[MLPWeights], xs: Sequence[np.ndarray],
+                     products: Products = cpu_products) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``[swiglu_int8(w, x, products) for w, x in zip(ws, xs)]`` with every gate and up product
+    in one call of ``products``, then every down product in another (a request's experts: one GPU
+    submission each, not two per expert). Each block's answer is the one it gets alone."""
+    if any(w.bias is not None or w.swiglu_limit for w in ws):
         raise ValueError("a SwiGLU with biases or a clamp (gpt-oss) has no int8 form here")
-    xg, xu = gate_up_rows(w, np.ascontiguousarray(x, F32))
-    g, u = products([(w.gate, xg), (w.up, xu)])
-    rows = w.down.int8_rows(silu_mul(np.ascontiguousarray(g, F32), np.ascontiguousarray(u, F32)))
-    (y,) = products([(w.down, rows)])
-    return y, rows
+    inputs = [gate_up_rows(w, np.ascontiguousarray(x, F32)) for w, x in zip(ws, xs)]
+    gu = products([p for w, (xg, xu) in zip(ws, inputs) for p in ((w.gate, xg), (w.up, xu))])
+    rows = [w.down.int8_rows(silu_mul(np.ascontiguousarray(g, F32), np.ascontiguousarray(u, F32)))
+            for w, g, u in zip(ws, gu[0::2], gu[1::2])]
+    return list(zip(products([(w.down, r) for w, r in zip(ws, rows)]), rows))
 
 
 ProductBound = Callable[[QMatrix, np.ndarray], np.ndarray]  # (W [R, K], int8 rows [n, ·]) → float64 [n, R]

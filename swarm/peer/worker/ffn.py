@@ -47,7 +47,7 @@ import numpy as np
 
 from swarm.compute import numerics
 from swarm.compute.ffn import swiglu_ffn
-from swarm.compute.int8_swiglu import swiglu_int8
+from swarm.compute.int8_swiglu import swiglu_int8_many
 from swarm.compute.kernels import MLPWeights, swiglu_many
 from swarm.errors import KernelError, RemoteProtocolError, StaleTermError
 from swarm.peer.net.messages import (DenseAnswer, DenseAnswerInt8, DenseRequest, Error, ExpertAnswer,
@@ -82,11 +82,11 @@ class FfnDevice(Protocol):
 
 class RowsDevice(FfnDevice, Protocol):
     """An FfnDevice that also answers with the int8 rows its down product took (an int8 swarm's
-    peer of another build: :func:`swarm.compute.int8_swiglu.swiglu_int8`): ``run_rows(weights, x)``
-    → (y [n, H] float32, rows uint8 [n, down row bytes]). Raises ValueError for a block without
-    an int8 form, KernelError as ``run``."""
+    peer of another build: :func:`swarm.compute.int8_swiglu.swiglu_int8_many`): ``run_rows_many(ws,
+    xs)`` → for each block (y [n, H] float32, rows uint8 [n, down row bytes]). Raises ValueError
+    for a block without an int8 form, KernelError as ``run``."""
 
-    def run_rows(self, weights: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def run_rows_many(self, weights: list[Any], xs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
 
 class CpuFfn:
@@ -99,10 +99,11 @@ class CpuFfn:
     def run(self, weights: MLPWeights, x: np.ndarray) -> np.ndarray:
         return swiglu_ffn(weights, x)
 
-    def run_rows(self, weights: MLPWeights, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The int8 block with its down rows (:class:`RowsDevice`): a GPU peer's answers where its
+    def run_rows_many(self, weights: list[MLPWeights],
+                      xs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The int8 blocks with their down rows (:class:`RowsDevice`): a GPU peer's answers where its
         plan's slices pass its GPU memory."""
-        return swiglu_int8(weights, x)
+        return swiglu_int8_many(weights, xs)
 
     def run_many(self, weights: list[MLPWeights], xs: list[np.ndarray]) -> list[np.ndarray]:
         """``[run(w, x) for w, x in zip(weights, xs)]`` with the products of all of them handed
@@ -268,9 +269,9 @@ class Worker:
         parts = [(self._expert(device, msg.layer, e), bounds[i], bounds[i + 1]) for i, e in enumerate(ids.tolist())
                  if bounds[i + 1] > bounds[i]]
         if self.answers_rows:
-            got = [_rows_of(device, w, msg.rows[a:b], msg.layer) for w, a, b in parts]
-            if not got:  # no rows at all: no down rows, but rows of the down matrix's width
-                got = [_rows_of(device, self._expert(device, msg.layer, int(ids[0])), msg.rows, msg.layer)]
+            if not parts:  # no rows at all: no down rows, but rows of the down matrix's width
+                parts = [(self._expert(device, msg.layer, int(ids[0])), 0, 0)]
+            got = _rows_of(device, [w for w, _, _ in parts], [msg.rows[a:b] for _, a, b in parts], msg.layer)
             for (_, a, b), (y, _) in zip(parts, got):
                 outputs[a:b] = y
             return ExpertAnswerInt8(msg.request_id, msg.term, msg.plan_version, msg.layer, msg.expert_ids,
@@ -294,16 +295,17 @@ class Worker:
                                       f"{list(want) if want else 'none'} in plan v{plan.version}")
         device = self.device_of(plan)
         if self.answers_rows:  # a worker's ranges of a layer are one span
-            y, rows = _rows_of(device, self._dense_slice(device, msg.layer, *msg.ranges[0]), msg.x, msg.layer)
+            ((y, rows),) = _rows_of(device, [self._dense_slice(device, msg.layer, *msg.ranges[0])], [msg.x], msg.layer)
             return DenseAnswerInt8(msg.request_id, msg.term, msg.plan_version, msg.layer, msg.ranges, y[None], rows)
         partials = np.stack([device.run(self._dense_slice(device, msg.layer, lo, hi), msg.x) for lo, hi in msg.ranges])
         return DenseAnswer(msg.request_id, msg.term, msg.plan_version, msg.layer, msg.ranges, partials)
 
 
-def _rows_of(device: FfnDevice, weights: Any, x: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """``device.run_rows`` (:class:`RowsDevice`); RemoteProtocolError for a block with no int8 form
-    (the coordinator of an int8 swarm plans none such for a GPU peer)."""
+def _rows_of(device: FfnDevice, weights: list[Any], xs: list[np.ndarray],
+             layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``device.run_rows_many`` (:class:`RowsDevice`); RemoteProtocolError for a block with no int8
+    form (the coordinator of an int8 swarm plans none such for a GPU peer)."""
     try:
-        return cast(RowsDevice, device).run_rows(weights, np.ascontiguousarray(x))
+        return cast(RowsDevice, device).run_rows_many(weights, [np.ascontiguousarray(x) for x in xs])
     except ValueError as exc:
         raise RemoteProtocolError(f"layer {layer}: no int8 answer with down rows here: {exc}") from None

@@ -72,7 +72,7 @@ import numpy as np
 
 from swarm import __version__
 from swarm.compute.ffn import combine, expert_rows, route, segment_ids, swiglu_ffn
-from swarm.compute.int8_swiglu import swiglu_int8
+from swarm.compute.int8_swiglu import swiglu_int8_many
 from swarm.compute.kernels import MLPWeights, sigmoid
 from swarm.compute.model import AttentionWeights
 from swarm.compute.quant import QMatrix, as_qmatrix, matmul_many
@@ -243,11 +243,17 @@ class GpuFfn:
         int8 GEMVs (on the CPU's int8 rows, quantized here by the engine's quantizer), the
         activation and the quantizer the engine's. Raises KernelError on a GPU error, ValueError
         for a block loaded without :meth:`load_int8` or a matrix without an int8 product."""
-        if weights.x8 is None or weights.cpu is None:
-            raise ValueError("this block was not loaded for the int8 numerics")
-        w = weights.cpu
-        held = {id(m): g for m, g in zip((w.gate, w.up, w.down), weights.x8) if g is not None}
-        return swiglu_int8(w, x, lambda products: self._x8_products(held, products))
+        return self.run_rows_many([weights], [x])[0]
+
+    def run_rows_many(self, weights: Sequence[GpuWeights],
+                      xs: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``[run_rows(w, x) for w, x in zip(weights, xs)]``, every block's gate and up GEMVs in one
+        submission, then their down GEMVs in another (a request's experts). Raises as :meth:`run_rows`."""
+        if any(w.x8 is None or w.cpu is None for w in weights):
+            raise ValueError("a block was not loaded for the int8 numerics")
+        held = {id(m): g for w in weights for m, g in zip((_cpu(w).gate, _cpu(w).up, _cpu(w).down), w.x8 or ())
+                if g is not None}
+        return swiglu_int8_many([_cpu(w) for w in weights], xs, lambda products: self._x8_products(held, products))
 
     def _x8_products(self, held: dict[int, GpuLinear], products) -> list[np.ndarray]:
         """The int8 products (matrix, int8 rows): those of a matrix in ``held`` (id → its upload)
@@ -264,7 +270,7 @@ class GpuFfn:
         """``[run(w, x) for w, x in zip(weights, xs)]``, the blocks on the GPU in one submission
         (a request's or a decode step's experts). Raises as :meth:`run`."""
         if any(w.x8 is not None for w in weights):
-            return [self.run(w, x) for w, x in zip(weights, xs)]
+            return [y for y, _ in self.run_rows_many(weights, xs)]
         on_gpu = [(np.ascontiguousarray(x, dtype=np.float32), w.gpu) for w, x in zip(weights, xs) if w.gpu is not None]
         done = iter(self.host.ffn_many(on_gpu) if on_gpu else ())
         return [next(done) if w.gpu is not None else swiglu_ffn(_cpu(w), x) for w, x in zip(weights, xs)]

@@ -162,7 +162,8 @@ def test_an_int8_block_runs_each_product_on_the_gpu_where_an_int8_gemv_reads_it(
     gpu.host.drop_device()  # as after a GPU error: the worker drops its blocks and loads them again
     with pytest.raises(KernelError, match="lost"):
         gpu.run_rows(held, x)
-    assert np.array_equal(gpu.run_rows(gpu.load(w), x)[0], y)  # a fresh device, the same kernels: the same bits
+    held = gpu.load(w)
+    assert np.array_equal(gpu.run_rows(held, x)[0], y)  # a fresh device, the same kernels: the same bits
     before = gpu.cpu_products
     w5 = MLPWeights(w.gate, w.up, matrix(rng, H, F, QT.Q5_K))
     held5 = gpu.load(w5)
@@ -173,6 +174,10 @@ def test_an_int8_block_runs_each_product_on_the_gpu_where_an_int8_gemv_reads_it(
     def bound(m, rows):  # the engine's own bits for Q5_K, which no GPU bound covers
         return np.zeros((len(rows), m.shape[0])) if m is w5.down else int8_product_bound(m, rows)
     assert check_int8_answer(w5, x, y5, rows5, bound) is None
+    # a request's blocks in two submissions (all gate/up, then all down): each block's own bits
+    together = gpu.run_rows_many([held, held5, held], [x, x, x[1:]])
+    for (y_i, r_i), (y_a, r_a) in zip(together, [(y, rows), (y5, rows5), gpu.run_rows(held, x[1:])]):
+        assert np.array_equal(y_i, y_a) and np.array_equal(r_i, r_a)
     assert rows5.shape == swiglu_int8(w5, x)[1].shape
     f32 = MLPWeights(w.gate, w.up, QMatrix.from_float(np.ones((H, F), np.float32)))
     with pytest.raises(ValueError, match="no int8 product"):  # the worker answers bad_request
