@@ -61,8 +61,8 @@ class CoordinatorRole(LoopDispatcher):
         self.node, self.model, self.election, self.verify = node, model, election, verify
         self.model_hash = node.hello.model_hash
         self.shape = model_shape(model) if model is not None else None  # encoded sizes: budgets
-        # why this model's FFN blocks cannot go to a GPU peer of the int8 numerics (None: they can)
-        self._x8_refusal = int8_gpu_refusal(model) if model is not None else "no model here"
+        # GPU peers of the int8 numerics: their GEMVs' types → why this model's FFN blocks cannot go to them
+        self._x8_refusals: dict[frozenset[str], str | None] = {}
         check_layout(layout)
         self.planning = Planning(model, self.shape, node.peer_id, layout) if model is not None else None
         self.ffn = self.stages = None  # the dispatch (handoff.LoopDispatcher)
@@ -278,7 +278,15 @@ class CoordinatorRole(LoopDispatcher):
         ours = self.node.hello.build
         if build.numerics != ours.numerics:
             return False
-        return ours.numerics == "float32" or build == ours or (_int8_gpu(build) and self._x8_refusal is None)
+        return ours.numerics == "float32" or build == ours or (_int8_gpu(build) and self._x8_refusal(build) is None)
+
+    def _x8_refusal(self, build: NumericBuild) -> str | None:
+        """Why this model's FFN blocks cannot go to a GPU peer of the int8 numerics of ``build``
+        (None: they can), by the types its Hello's ``x8:`` names (:func:`int8_gpu_refusal`)."""
+        types = frozenset(f.upper() for f in build.named("x8:"))
+        if types not in self._x8_refusals:
+            self._x8_refusals[types] = int8_gpu_refusal(self.model, types) if self.model is not None else "no model"
+        return self._x8_refusals[types]
 
     def _note_other_numerics(self, peer: str, hello: Hello) -> None:
         """Record once that ``peer`` gets no work for its numerics: an event ("left out": ``status
@@ -290,7 +298,7 @@ class CoordinatorRole(LoopDispatcher):
         theirs = hello.build.numerics
         b = hello.build
         why = (f"it computes {theirs}, this coordinator {ours}" if theirs != ours
-               else f"a GPU peer of the int8 numerics, which cannot serve this model: {self._x8_refusal}"
+               else f"a GPU peer of the int8 numerics, which cannot serve this model: {self._x8_refusal(b)}"
                if _int8_gpu(b)
                else f"another build of the {ours} numerics ({b.package}, numpy {b.numpy}, {b.blas}, {b.arch}), "
                     "whose int8 answers this coordinator cannot check bit for bit")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from gguf import GGML_QUANT_SIZES
@@ -45,12 +46,14 @@ def repacks_for(model: Model, encodings: frozenset[str]) -> bool:
 X8_TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the types the GPU's int8 GEMVs read (web_peer/int8_activations.py)
 
 
-def int8_gpu_refusal(model: Model) -> str | None:
-    """Why a GPU peer of the int8 numerics cannot serve ``model``'s FFN blocks, or None: every
-    gate, up and down (one expert of each MoE layer, each dense MLP) must be of
-    :data:`X8_TYPES`, Q8_0 rows a multiple of 64 weights, and no SwiGLU clamped (gpt-oss) — its
-    answers are checked by their int8 down rows, which the other types and widths do not have.
-    Only the file's header is read."""
+def int8_gpu_refusal(model: Model, types: Collection[str] = X8_TYPES) -> str | None:
+    """Why a GPU peer of the int8 numerics whose GEMVs read ``types`` (GGUF type names, of
+    :data:`X8_TYPES`: what its Hello's ``x8:`` names) cannot serve ``model``'s FFN blocks, or
+    None: every gate, up and down (one expert of each MoE layer, each dense MLP) must be of
+    those types, Q8_0 rows a multiple of 64 weights, and no SwiGLU clamped (gpt-oss) — its
+    answers are checked by their int8 down rows against a bound the other types and widths do
+    not have. Only the file's header is read."""
+    types = [t for t in X8_TYPES if t in types]
     if model.config.swiglu_limit:
         return "its experts' SwiGLU is clamped and biased (gpt-oss), which has no int8 form"
     experts, dense = _units(model, ModelShape.from_config(model.config))
@@ -58,8 +61,8 @@ def int8_gpu_refusal(model: Model) -> str | None:
         for unit in units:
             for role, m in unit.items():
                 name = m.qtype.name
-                if name not in X8_TYPES:
-                    return f"{kind} {role} is {name}; the GPU's int8 GEMVs read {', '.join(X8_TYPES)}"
+                if name not in types:
+                    return f"{kind} {role} is {name}; its int8 GEMVs read {', '.join(types) or 'none'}"
                 if name == "Q8_0" and m.cols % 64:
                     return f"{kind} {role} is Q8_0 of rows of {m.cols} weights, not a multiple of 64"
     return None

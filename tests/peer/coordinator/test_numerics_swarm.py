@@ -113,8 +113,8 @@ def test_a_peer_that_left_and_returns_is_noted_again(tmp_path, model, restored_n
 GPU = peer_id("int8-gpu")
 
 
-def _int8_gpu_peer(ours: M.NumericBuild, model_hash: str) -> FakeLink:
-    build = dataclasses.replace(ours, blas="wgpu 0.32.0 Vulkan x8:q4_k,q6_k,q8_0 adapter:llvmpipe")  # GpuFfn.build()
+def _int8_gpu_peer(ours: M.NumericBuild, model_hash: str, x8: str = "q4_k,q6_k,q8_0") -> FakeLink:
+    build = dataclasses.replace(ours, blas=f"wgpu 0.32.0 Vulkan x8:{x8} adapter:llvmpipe")  # GpuFfn.build()
     assert build.numerics == "int8" and build.gpu_adapter == "llvmpipe"
     return python_peer(GPU, build, model_hash)
 
@@ -156,3 +156,11 @@ def test_an_int8_gpu_peer_is_left_out_for_a_model_its_gemvs_do_not_read(tmp_path
     assert left["peer_id"] == GPU and "GPU peer of the int8 numerics" in left["detail"]
     assert "is F32" in left["detail"] and "Q4_K, Q6_K, Q8_0" in left["detail"]  # names the type
     assert not role._failed_at
+
+
+def test_an_int8_gpu_peer_is_left_out_for_a_type_its_own_gemvs_do_not_read(tmp_path, q8_model, restored_numerics):
+    numerics.set_numerics("int8")
+    role = coordinator(tmp_path, q8_model, "ranges", [_int8_gpu_peer(numeric_build(), q8_model.content_hash(), "q4_k")])
+    assert GPU not in plan_and_announce(role).workers()
+    (left,) = [e for e in role.node.activity if e["what"] == "left out"]
+    assert "is Q8_0; its int8 GEMVs read Q4_K" in left["detail"]
