@@ -106,3 +106,17 @@ def test_malformed_rows_are_refused_not_raised():
     pad = rows.copy()
     pad[0, -1] = 1
     assert "other bytes" in check_int8_answer(w, x, y, pad, bound)
+
+
+@pytest.mark.parametrize("fmt", X8.X8_FORMATS)
+def test_the_coarse_bound_holds_the_value_by_value_one(fmt):
+    # M read from the sub-scales alone (the coordinator's, many times faster on K-quants) is never
+    # below the value-by-value M, and at most a few times it
+    rng = np.random.default_rng(6)
+    m = QMatrix(K.random_blocks(rng, 300, 1024, fmt, 2e-3), QT[fmt.upper()], 1024)
+    x = (rng.standard_normal((3, 1024)) * rng.uniform(1e-2, 1e2, (3, 1))).astype(np.float32)
+    x[:, 256:288] = 0.0
+    rows = m.int8_rows(x)
+    blocks = np.asarray(m.data).reshape(300, -1, K.block_size(fmt)[1])
+    exact, coarse = (X8.blocks_bound(fmt, blocks, rows, 1, coarse=c) for c in (False, True))
+    assert (coarse >= exact).all() and (coarse <= 2.5 * exact).all()

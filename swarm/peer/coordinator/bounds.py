@@ -84,13 +84,14 @@ def int8_product_bound(m: QMatrix, rows: np.ndarray) -> np.ndarray:
     same int8 rows ``rows`` (uint8 [n, row bytes], :meth:`QMatrix.int8_rows`) lie apart, per
     output: float64 [n, R]. Rigorous (web_peer/int8_activations.py ``cpu_bound``: the integers are
     exact on both sides, only the float32 summation orders differ), taken for a GPU of any lane
-    count. Raises KernelError for another type."""
+    count, its magnitudes read from the sub-scales (``coarse``: about twice the value-by-value
+    bound, 15-20 times faster on K-quants). Raises KernelError for another type."""
     from web_peer import kernels
     from web_peer.int8_activations import blocks_bound
 
     fmt = kernels.block_format(m.qtype.name) or m.qtype.name.lower()
     size = kernels.block_size(fmt)[1] if fmt in kernels.BLOCK_FORMATS else 1
-    return blocks_bound(fmt, np.asarray(m.data).reshape(m.data.shape[0], -1, size), rows, lanes=1)
+    return blocks_bound(fmt, np.asarray(m.data).reshape(m.data.shape[0], -1, size), rows, lanes=1, coarse=True)
 
 
 def rows_outside(remote: np.ndarray, local: np.ndarray, rtol: float, atol: float = ATOL) -> np.ndarray:
