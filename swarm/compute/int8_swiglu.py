@@ -37,7 +37,7 @@ from swarm.compute.quant import QT, QMatrix
 F32 = np.float32
 U = 2.0**-24  # float32's unit roundoff
 SILU_SLOPE = 1.1  # max |d silu(z) / dz| (1.0998 at z ≈ 2.40): |silu(a) - silu(b)| ≤ 1.1 |a - b|
-ACTIVATION_ROUNDINGS = 32  # ulps of silu(g)·u on both sides (an exp of a few ulps, add, divide, multiply), with margin
+ACTIVATION_ROUNDINGS = 32  # ulps of silu(g)·u, both sides together (exp of a few ulps, add, divide, multiply)
 MINIMUMS = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # types whose rows carry dx·Σq per 32 values
 QUANTIZE_SLACK = 512  # units of u·dx: iscale = fl(127/amax), fl(x·iscale), dx = fl(amax/127) and their use
 
