@@ -21,6 +21,7 @@ import concurrent.futures as cf
 import logging
 from typing import TYPE_CHECKING, Any
 
+from swarm.compute import numerics
 from swarm.errors import RemoteProtocolError, StaleTermError, SwarmError
 from swarm.peer.net.messages import DenseRequest, Error, ExpertRequest, PlanMessage, StagePlan, StageRequest
 from swarm.peer.plan import Plan, StageLayout
@@ -67,7 +68,10 @@ class WorkerRole:
         self.gpu_memory = node.hello.gpu_memory or None
         self.server: Worker | None = (Worker(node.peer_id, self.shape, model, device, self.gpu_memory)
                                       if model is not None else None)
-        stage_device = GpuStage(device, model) if isinstance(device, GpuFfn) and model is not None else None
+        # an int8 swarm's GPU peer runs no stage on the GPU (its kernels' attention and products are
+        # float32): its coordinator plans it none, and one sent anyway runs on the engine's int8 kernels
+        gpu_stages = isinstance(device, GpuFfn) and model is not None and not numerics.int8()
+        stage_device = GpuStage(device, model) if gpu_stages else None
         self.stage_runner = (StageRunner(node.peer_id, model, device=stage_device, gpu_memory=self.gpu_memory)
                              if model is not None else None)
         self._fetchers: dict[str, SliceFetcher] = {}  # without a model: per link to a peer that has one

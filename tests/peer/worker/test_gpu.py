@@ -182,3 +182,28 @@ def test_an_int8_block_runs_each_product_on_the_gpu_where_an_int8_gemv_reads_it(
     f32 = MLPWeights(w.gate, w.up, QMatrix.from_float(np.ones((H, F), np.float32)))
     with pytest.raises(ValueError, match="no int8 product"):  # the worker answers bad_request
         gpu.run_rows(gpu.load(f32), x)
+
+@pytest.mark.parametrize("numerics_name, on_gpu", [("float32", True), ("int8", False)])
+def test_an_int8_gpu_peers_stages_run_on_the_engines_int8_kernels(gpu, tmp_path, monkeypatch, numerics_name, on_gpu):
+    # Its coordinator plans it ranges only; a stage sent anyway must not compute float32 on the GPU
+    import os
+
+    from swarm.compute import numerics
+    from swarm.compute.model import load_model
+    from swarm.keys.identity import Identity
+    from swarm.keys.swarmkey import SwarmKey
+    from swarm.peer.election.driver import ElectionDriver
+    from swarm.peer.node import Node
+    from swarm.peer.worker.gpu import GpuStage
+    from swarm.peer.worker.role import WorkerRole
+    from tests.peer._swarm_models import build
+
+    monkeypatch.setattr(numerics, "_numerics", numerics._numerics)
+    numerics.set_numerics(numerics_name)
+    model = load_model(build("qwen3_moe", tmp_path))
+    ident = Identity.generate()
+    node = Node(swarm_key=SwarmKey(os.urandom(32)), certificate=ident.rtc_certificate(), peer_id=ident.peer_id,
+                status_path=tmp_path / "status.json")
+    role = WorkerRole(node, model, ElectionDriver(node, True, on_leader=None, on_admitted=None), device=gpu)
+    assert isinstance(role.stage_runner.device, GpuStage) == on_gpu
+    assert role.server.answers_rows == (not on_gpu)  # its ranges answer with their down rows under int8
