@@ -47,7 +47,8 @@ Q4_K, Q6_K, Q8_0; a matrix they do not read stays on the engine's int8 product),
 runs :func:`~swarm.compute.int8_swiglu.swiglu_int8`: the engine's quantizer on the CPU, gate and
 up on the GPU, the engine's SwiGLU and quantizer on the CPU, down on the GPU. The answer carries
 the down product's int8 rows, by which an int8 coordinator checks it (another build: a bound,
-not bits). Such a peer is planned FFN ranges only, never a stage.
+not bits). Such a peer is planned FFN ranges only, never a stage (one sent anyway runs on the
+engine's int8 kernels: :class:`~swarm.peer.worker.role.WorkerRole` gives it no GpuStage).
 
 ``--gpu auto`` takes a GPU adapter when ``wgpu`` is installed and one is found, never a CPU
 one (Mesa's lavapipe computes the kernels in software, slower than the engine's own kernels);
