@@ -89,7 +89,7 @@ def lock_config_dir(directory: Path | None = None) -> Path:
         return path
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock_exclusive(fd)
     except BlockingIOError:
         pid = _lock_pid(fd)
         holder = f" (pid {pid})" if pid else ""
@@ -107,6 +107,25 @@ def lock_config_dir(directory: Path | None = None) -> Path:
     return path
 
 
+LOCK_TRIES, LOCK_RETRY_S = 5, 0.025  # `status` probes the lock for a moment (shared): wait that out
+
+
+def _lock_exclusive(fd: int) -> None:
+    """``flock(fd, LOCK_EX | LOCK_NB)``, tried again for ~0.1 s while it is held: a `status`
+    probing the directory holds it shared for a moment. BlockingIOError when it stays held."""
+    import fcntl
+    import time
+
+    for attempt in range(LOCK_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == LOCK_TRIES - 1:
+                raise
+            time.sleep(LOCK_RETRY_S)
+
+
 def config_dir_holder(directory: Path | None = None) -> int | None:
     """The pid of the process running a peer from ``directory`` (default ``config_dir()``): the
     holder of :func:`lock_config_dir`'s lock; 0 when it holds the lock but wrote no pid (yet);
@@ -116,14 +135,21 @@ def config_dir_holder(directory: Path | None = None) -> int | None:
     directory = (directory or config_dir()).resolve()
     if directory in _locks:
         return os.getpid()
+    path = directory / LOCK_FILE
     try:
-        fd = os.open(directory / LOCK_FILE, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    except OSError as exc:  # another user's directory; a file system without locks
+        raise SwarmError(f"cannot read {path} to see whether a peer runs from {directory}: "
+                         f"{exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken only when nobody holds it exclusively
     except BlockingIOError:
         return _lock_pid(fd)
+    except OSError as exc:
+        raise SwarmError(f"cannot lock {path} to see whether a peer runs from {directory}: "
+                         f"{exc.strerror or exc}") from None
     finally:
         os.close(fd)  # also releases the probe's shared lock
     return None

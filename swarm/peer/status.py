@@ -72,15 +72,16 @@ def not_live(path: Path, doc: dict[str, Any], age: float) -> str:
     ago = _duration(age)
     start = "start a peer with `colibri-swarm join`"
     if host is not None and host != here:
-        found = (f"the status file {path} was written {ago} ago on another machine ({host!r}, pid {pid}; this one "
-                 f"is {here!r}): the configuration directory {directory} was copied from it")
+        found = (f"the status file {path} was written {ago} ago on a machine named {host!r} (pid {pid}; this one "
+                 f"is named {here!r}): the configuration directory {directory} was copied from another machine, "
+                 "or this one's name changed")
         if holder is not None:
             return (f"{found}. A peer runs from it here{_pid(holder)} but has not written its own status yet: "
                     "try again in a few seconds")
-        return (f"{found}, and no peer runs from it here. To {start}, give this machine its own identity first: "
-                f"delete {directory / paths.IDENTITY_FILE} (a copy makes this machine the same peer as "
-                f"{host!r}, and two peers with one id split the swarm), or set {paths.CONFIG_DIR_ENV} to a "
-                "directory of its own")
+        return (f"{found}, and no peer runs from it here. If it was copied, give this machine its own identity "
+                f"before you {start}: delete {directory / paths.IDENTITY_FILE} (a copy makes this machine the "
+                f"same peer as {host!r}, and two peers with one id split the swarm), or set {paths.CONFIG_DIR_ENV} "
+                "to a directory of its own; if only the name changed, just " + start)
     if holder is not None and holder in (pid, 0):
         return (f"the peer{_pid(holder)} running from {directory} has not updated its status for {ago}: it is "
                 "stopped (SIGSTOP, a suspended machine) or stuck; resume it (`kill -CONT PID`) or restart it")

@@ -222,8 +222,10 @@ def test_status_says_what_a_file_no_live_peer_keeps_names_and_what_to_do(tmp_pat
         return str(caught.value)
 
     copied = said(host="studio-mac", pid=4242)
-    assert f"written 2 h ago on another machine ('studio-mac', pid 4242; this one is {here!r})" in copied
-    assert f"the configuration directory {tmp_path} was copied from it, and no peer runs from it here" in copied
+    assert f"written 2 h ago on a machine named 'studio-mac' (pid 4242; this one is named {here!r})" in copied
+    assert (f"the configuration directory {tmp_path} was copied from another machine, or this one's name changed, "
+            "and no peer runs from it here") in copied
+    assert copied.endswith("if only the name changed, just start a peer with `colibri-swarm join`")
     assert f"delete {tmp_path / 'identity.pem'}" in copied and "COLIBRI_SWARM_CONFIG_DIR" in copied
     assert "not running" not in copied
     gone = said(pid=2**22 + 12345)  # above pid_max: no such process

@@ -179,8 +179,11 @@ class CoordinatorRole(LoopDispatcher):
         left = self.node.closed_by_peer(peer)
         if left:
             name = self.node.known.get(peer, ("", ""))[0]
-            log.info("peer %s (%s) closed its link: it is leaving; its work goes to the others from the next plan",
-                     name or "?", peer)
+            log.info("peer %s (%s) closed its link (it is leaving, or it gave this link up); its work goes to "
+                     "the others from the next plan", name or "?", peer)
+            # Out of plans for READMIT_S as a lost one is (no warning, no event): a peer that closes
+            # its link for a fault of its own and links again at once must not flap the plans.
+            self._failed_at[peer] = time.monotonic()
         self._peer_down(peer, "it closed its link (leaving)" if left else "link closed", left)
         self._schedule_replan()
 

@@ -209,8 +209,11 @@ class StagedFFN:
         self.tracker.set_rtt(peer, rtt_s)
 
     def measure_afresh(self, peer: str) -> None:
-        """``peer`` linked anew: its speed is measured afresh (:meth:`RequestTracker.measure_afresh`)."""
+        """``peer`` linked anew: its speed is measured afresh (:meth:`RequestTracker.measure_afresh`),
+        and it is cold (a restarted peer loads its stage again: its first request's deadline allows that)."""
         self.tracker.measure_afresh(peer)
+        with self._lock:
+            self.warm.pop(peer, None)
 
     def set_layout(self, layout: StageLayout, inner: FFNBackend | None = None) -> None:
         """Use ``layout`` for sequences that start from now on (those in flight keep theirs), and

@@ -551,7 +551,9 @@ class RequestTracker:
                                         self.layer_timing[p].s_per_row_layer if p in self.layer_timing else None,
                                         self.message_overhead.get(p))
                      for p, t in self.timing.items()}
-            return Observations(peers, frozenset(self.failed - self.left), self.local_timing.s_per_row_layer,
+            # a peer that left is not shown as failed, unless a wrong answer distrusted it
+            shown = self.failed - (self.left - set(self.distrusted))
+            return Observations(peers, frozenset(shown), self.local_timing.s_per_row_layer,
                                 self.verify_cost, dict(self.distrusted))
 
 

@@ -236,3 +236,17 @@ def test_a_wait_after_this_process_stalled_reads_what_came_meanwhile_before_judg
     assert type(waited(3.0)).__name__ == "Answer"
     missed = waited(0.0)
     assert isinstance(missed, D.Missed) and missed.why is None
+
+
+def test_a_distrusted_peer_that_leaves_is_still_shown_failed_and_one_that_leaves_is_not():
+    """A peer that closed its link is no failure, but one a wrong answer distrusted stays failed in
+    what status and the dashboard show, whether or not it then left."""
+    d = D.RequestTracker()
+    d.answered(d.sent(W1, 1, now=0.0), now=0.01)
+    d.answered(d.sent(W2, 1, now=0.0), now=0.01)
+    d.distrust(W1, "its rows differ")
+    d.peer_down(W1, "it closed its link (leaving)", left=True)
+    d.peer_down(W2, "it closed its link (leaving)", left=True)
+    assert d.observations().failed == frozenset({W1})
+    d.readmit()
+    assert d.observations().failed == frozenset({W1})
