@@ -206,14 +206,26 @@ def _role(peer_id: str, doc: dict[str, Any], placement: dict[str, Any]) -> str:
         return str(doc.get("role", ""))
     if placement.get("coordinator") == peer_id:
         return "coordinator"
-    return "worker" if peer_id in placement.get("peers", ()) else ""
+    return "worker" if peer_id in plan_workers(placement) else ""
+
+
+def plan_workers(placement: dict[str, Any]) -> list[str]:
+    """The peers other than the coordinator that ``placement`` (a plan dict) gives work: a span
+    of a layer or a stage (under stages its ``peers`` name the coordinator alone), in the plan's
+    layer order (:func:`plan_order`). The rule of :func:`swarm.peer.plan.plan_workers`, read from
+    the status document, which a worker keeps too."""
+    coordinator = placement.get("coordinator")
+    working = {p for kinds in _units(placement).values() for by_peer in kinds.values() for p in by_peer}
+    return plan_order(placement, working - {coordinator})
 
 
 def _units(placement: dict[str, Any]) -> dict[int, dict[str, dict[str, list[tuple[int, int]]]]]:
     """layer → kind → peer → spans [start, stop), from every ``{layer: [[peer, start, stop]]}``
     field of a plan dict (``experts``, ``dense``, and any other kind a plan carries); then
     ``stages`` ``[[peer, first layer, stop layer]]``, if any: a stage's peer runs those layers
-    whole, so each counts as one unit of kind ``stage``."""
+    whole, so each counts as one unit of kind ``stage`` (a worker's stage replaces the spans, which
+    give the coordinator those layers should it fail) — but the coordinator's stage keeps spans
+    that name workers (a mix: its FFN cut into ranges over them)."""
     units: dict[int, dict[str, dict[str, list[tuple[int, int]]]]] = {}
     for kind, value in placement.items():
         if not isinstance(value, dict):
@@ -225,10 +237,13 @@ def _units(placement: dict[str, Any]) -> dict[int, dict[str, dict[str, list[tupl
                 if isinstance(span, list) and len(span) == 3 and all(isinstance(x, int) for x in span[1:]):
                     units.setdefault(int(layer), {}).setdefault(kind, {}).setdefault(str(span[0]), []).append(
                         (span[1], span[2]))
-    stages = placement.get("stages")
+    stages, coordinator = placement.get("stages"), str(placement.get("coordinator"))
     for stage in stages if isinstance(stages, list) else ():
         if isinstance(stage, list) and len(stage) == 3 and all(isinstance(x, int) for x in stage[1:]):
             for layer in range(stage[1], stage[2]):
+                cut = {p for by_peer in units.get(layer, {}).values() for p in by_peer} - {coordinator}
+                if str(stage[0]) == coordinator and cut:
+                    continue  # a mix: the coordinator's stage, its FFN cut into ranges over the workers
                 units[layer] = {"stage": {str(stage[0]): [(0, 1)]}}
     return units
 
@@ -277,13 +292,14 @@ def shares(placement: dict[str, Any], peer_ids: Any, max_groups: int | None = SH
     """Each peer's share of a plan, for a page to draw as it is (the dashboard does; nothing is
     computed twice): ``{"peers": {id: {"fraction", "words", "layers": [[layer, fraction]]}},
     "kinds": {kind: number of layers}, "order": [id, …] in the plan's layer order}``
-    (:func:`plan_order`); ``words`` as :func:`describe_share` with ``max_groups``."""
+    (:func:`plan_order`), ``"workers"``: the plan's workers (:func:`plan_workers`; ranges or
+    stages); ``words`` as :func:`describe_share` with ``max_groups``."""
     peer_ids = list(peer_ids)
     kinds: dict[str, int] = {}
     for layer_kinds in _units(placement).values():
         for kind in layer_kinds:
             kinds[kind] = kinds.get(kind, 0) + 1
-    return {"kinds": kinds, "order": plan_order(placement, peer_ids), "peers": {
+    return {"kinds": kinds, "order": plan_order(placement, peer_ids), "workers": plan_workers(placement), "peers": {
         p: {"fraction": share_fraction(placement, p), "words": describe_share(placement, p, max_groups),
             "layers": [list(x) for x in layer_fractions(placement, p)]} for p in peer_ids}}
 

@@ -249,3 +249,45 @@ def test_status_says_what_a_file_no_live_peer_keeps_names_and_what_to_do(tmp_pat
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_status_names_the_workers_of_a_stage_plan_and_of_a_mix():
+    """Under stages the coordinator's per-layer plan holds it alone (``peers``: itself, every
+    layer's span its own); the stage workers are workers all the same, in the role column and in
+    ``shares``' workers. Under a mix the coordinator's stage's FFN is cut into ranges: a worker
+    with a range there and no stage is a worker too, and its share names its rows."""
+    from swarm.peer.status import plan_workers, shares
+
+    peer = {"kind": "python", "linked": True, "rtt_ms": 1.0}
+    doc = {"peer_id": "me", "name": "mac", "role": "coordinator", "swarm_id": "s", "system": "Darwin",
+           "peers": [{**peer, "peer_id": "w1", "name": "alpha"}, {**peer, "peer_id": "w2", "name": "zulu"},
+                     {**peer, "peer_id": "w3", "name": "idle"}],
+           "placement": {"version": 8, "term": 8, "coordinator": "me", "peers": ["me"], "layout": "stages",
+                         "dense": {str(i): [["me", 0, 1536]] for i in range(30)},
+                         "stages": [["me", 0, 6], ["w1", 6, 14], ["w2", 14, 30]]}}
+    assert _roles(_text(doc)) == {"mac": "coordinator", "alpha": "worker", "zulu": "worker", "idle": ""}
+    assert plan_workers(doc["placement"]) == ["w1", "w2"]
+    assert shares(doc["placement"], ["me", "w1", "w2", "w3"])["workers"] == ["w1", "w2"]
+    assert describe_share(doc["placement"], "me") == "layers 0–5: whole (attention, KV cache, MLP)"
+    mix = {**doc["placement"], "layout": "mix", "peers": ["me", "w1", "w3"],
+           "dense": {**doc["placement"]["dense"],
+                     **{str(i): [["me", 0, 1024], ["w1", 1024, 1280], ["w3", 1280, 1536]] for i in range(6)}}}
+    assert plan_workers(mix) == ["w1", "w3", "w2"]  # in layer order: w3's rows of layer 0 before w2's stage
+    assert describe_share(mix, "w3") == "layers 0–5: MLP rows 1280–1536"
+    assert describe_share(mix, "w1") == "layers 0–5: MLP rows 1024–1280 · layers 6–13: whole (attention, KV cache, MLP)"
+    assert describe_share(mix, "me") == "layers 0–5: MLP rows 0–1024"
+    assert share_fraction(mix, "me") + share_fraction(mix, "w1") + share_fraction(mix, "w2") + share_fraction(
+        mix, "w3") == pytest.approx(1)
+    assert _roles(_text({**doc, "placement": mix})) == {"mac": "coordinator", "alpha": "worker", "zulu": "worker",
+                                                        "idle": "worker"}
+
+
+def _roles(text: str) -> dict[str, str]:
+    """name → the role column of each peer's row of ``status``'s table (a row's first line: its kind's)."""
+    lines = text.splitlines()
+    header = next(line for line in lines if line.split()[:3] == ["peer", "kind", "role"])
+    kind, role, rtt = header.index("kind"), header.index("role"), header.index("RTT")
+    table = lines[lines.index(header) + 1:]
+    table = table[:next((i for i, line in enumerate(table) if not line.startswith(" ")), len(table))]
+    rows = [line for line in table if line[kind:role].strip()]
+    return {line.split()[0]: line[role:rtt].strip() for line in rows}

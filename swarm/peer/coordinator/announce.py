@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarm.errors import SwarmError
 from swarm.peer.coordinator.standby import reads_standby
+from swarm.peer.plan import plan_workers
 from swarm.peer.tasks import send_logged
 from swarm.peer.weights.shipping_aio import PlanShipper
 
@@ -61,7 +62,8 @@ class PlanAnnouncer:
             await self._offer(link, plan)
         msg = plan.to_message()
         await asyncio.gather(*(send_logged(link, msg) for link in links.values()))
-        self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {len(plan.workers())} worker(s)")
+        workers = len(plan_workers(plan, layout))  # under stages the per-layer plan holds the coordinator alone
+        self.node.record("replanned", detail=f"plan v{plan.version} of term {plan.term}: {workers} worker(s)")
         # why each page without work stands by, for status and the dashboard
         standing = {peer: {"reason": n.reason, "message": n.message} for peer, n in (standby or {}).items()}
         self.node.set_placement({"term": plan.term, "version": plan.version, "streamed_bytes": plan.streamed_bytes,

@@ -53,15 +53,15 @@ class LoopDispatcher:
     _loop: asyncio.AbstractEventLoop | None
 
     def observed(self) -> dict[str, Any]:
-        """What this coordinator measured, per peer of its plan (status); empty elsewhere. Under
+        """What this coordinator measured, per peer of its plan and stages (status); empty elsewhere. Under
         stages with ``--verify``, what checking their answers cost and whom it caught
         (``stage_verify``)."""
         ffn, st = self.ffn, self.stages
         if ffn is None or self.shape is None:
             return {}
-        out = observed(ffn.plan, self.shape, ffn.tracker.observations())
-        if st is not None and st.verifier.share > 0:
-            seen = st.tracker.observations()
+        seen = st.tracker.observations() if st is not None else None
+        out = observed(ffn.plan, self.shape, ffn.tracker.observations(), st.layout if st is not None else None, seen)
+        if st is not None and seen is not None and st.verifier.share > 0:
             out["stage_verify"] = {**dataclasses.asdict(seen.verify), "distrusted": dict(seen.distrusted)}
         return out
 

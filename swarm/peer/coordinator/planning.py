@@ -24,7 +24,7 @@ from swarm.peer.coordinator import costmodel
 from swarm.peer.coordinator.costmodel import MESSAGE_OVERHEAD_S, GroupPricer, LayerCosts, PeerCost, observed_gflops
 from swarm.peer.coordinator.planner import PeerCapacity, build_plan, shortfall
 from swarm.peer.coordinator.tracker import Observations
-from swarm.peer.plan import ModelShape, Plan, Stage, StageLayout, gpu_holds, split_layers
+from swarm.peer.plan import ModelShape, Plan, Stage, StageLayout, gpu_holds, held_bytes, plan_workers, split_layers
 
 if TYPE_CHECKING:
     from swarm.compute.model import Model
@@ -353,16 +353,23 @@ class Planning:
         return out
 
 
-def observed(plan: Plan, shape: ModelShape, seen: Observations) -> dict[str, Any]:
-    """What the coordinator measured, per peer of ``plan``: weight bytes held, ms per row of FFN
-    work (an average over recent answers), requests and failures (``status --json``)."""
+def observed(plan: Plan, shape: ModelShape, seen: Observations, layout: StageLayout | None = None,
+             stage_seen: Observations | None = None) -> dict[str, Any]:
+    """What the coordinator measured, per peer of ``plan`` and its stage ``layout`` (its peers,
+    then the stage workers: :func:`~swarm.peer.plan.plan_workers`): FFN weight bytes held
+    (:func:`~swarm.peer.plan.held_bytes`), ms per row of FFN work and, of a stage, ms per row and
+    layer (averages over recent answers), requests and failures, of ranges (``seen``) and stages
+    (``stage_seen``) together (``status --json``)."""
     peers = {}
-    for peer in plan.peers:
+    for peer in dict.fromkeys((*plan.peers, *plan_workers(plan, layout))):
         o = seen.of(peer)
-        peers[peer] = {"weight_bytes": plan.bytes_of(peer, shape),
+        so = stage_seen.of(peer) if stage_seen is not None else None
+        peers[peer] = {"weight_bytes": held_bytes(plan, layout, peer, shape),
                        "ms_per_row": round(o.s_per_row * 1e3, 4) if o is not None and o.s_per_row else None,
-                       "requests": o.requests if o is not None else 0,
-                       "failed": peer in seen.failed}
+                       "ms_per_row_layer": (round(so.s_per_row_layer * 1e3, 4)
+                                            if so is not None and so.s_per_row_layer else None),
+                       "requests": sum(x.requests for x in (o, so) if x is not None),
+                       "failed": peer in seen.failed or (stage_seen is not None and peer in stage_seen.failed)}
     return {"peers": peers}
 
 

@@ -29,7 +29,7 @@ from swarm.peer.coordinator.api_host import ApiHost
 from swarm.peer.coordinator.handoff import LoopDispatcher
 from swarm.peer.coordinator.planner import PeerCapacity
 from swarm.peer.coordinator.planning import LoadWatch, Planning, check_layout
-from swarm.peer.plan import Plan
+from swarm.peer.plan import Plan, plan_workers
 from swarm.peer.tasks import OwnedTasks
 from swarm.peer.weights.sizes import int8_gpu_refusal, model_shape
 
@@ -139,12 +139,12 @@ class CoordinatorRole(LoopDispatcher):
             return  # deposed while announcing
         self._start_dispatch(plan)
         self._start_stages()
-        log.info("coordinator of term %d: plan v%d over %d worker(s)", plan.term, plan.version, len(plan.workers()))
+        log.info("coordinator of term %d: plan v%d over %d worker(s)", plan.term, plan.version, self._n_workers(plan))
         self.node.record("coordinator changed", self.node.peer_id, self.node.name, f"this peer, term {term}")
         if self._serve_api:
             await self._open_api(term)
         self.node.update_placement(self._api.fields())
-        if {w.peer_id for w in self._workers()} != set(plan.peers) - {self.node.peer_id}:
+        if {w.peer_id for w in self._workers()} != self._planned:
             self._schedule_replan()  # peers came or went while this plan was being shipped
 
     # ------------------------------------------------------------------ membership
@@ -247,7 +247,11 @@ class CoordinatorRole(LoopDispatcher):
         if self.ffn is not None:
             self._use_plan(plan)
             self._start_stages()
-            log.info("plan v%d over %d worker(s), from the next step", plan.version, len(plan.workers()))
+            log.info("plan v%d over %d worker(s), from the next step", plan.version, self._n_workers(plan))
+
+    def _n_workers(self, plan: Plan) -> int:
+        """How many workers ``plan`` and its stages give work (under stages, those of the stages)."""
+        return len(plan_workers(plan, self.planning.stage_layout))
 
     def _workers(self) -> list[PeerCapacity]:
         out = []

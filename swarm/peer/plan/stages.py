@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from swarm.errors import LocalProtocolError, RemoteProtocolError
 from swarm.peer.net.messages import StageAssignment, StagePlan
-from swarm.peer.plan.plan import Span
+from swarm.peer.plan.plan import Plan, Span
+from swarm.peer.plan.shape import ModelShape
 
 # A short step (a decode token): at most this many rows. A worker may run it on the event loop that
 # received it; the coordinator measures a message's cost beyond the round trip on such steps.
@@ -61,6 +62,32 @@ class StageLayout:
             raise RemoteProtocolError(f"stage plan v{msg.version} covers layers 0:{stages[-1].stop if stages else 0}, "
                                       f"not the model's 0:{n_layers}")
         return cls(msg.term, msg.version, coordinator, stages)
+
+
+def plan_workers(plan: Plan, layout: StageLayout | None) -> tuple[str, ...]:
+    """The workers of ``plan`` and its stage ``layout`` (None: ranges alone): the peers other than
+    the coordinator that hold a span (:meth:`Plan.workers`, in span order), then those that run a
+    stage and hold none (:meth:`StageLayout.workers`, in visiting order). Under stages the
+    per-layer plan holds the coordinator alone, so its workers are the layout's."""
+    return tuple(dict.fromkeys((*plan.workers(), *(layout.workers() if layout is not None else ()))))
+
+
+def held_bytes(plan: Plan, layout: StageLayout | None, peer: str, shape: ModelShape, kind: str = "python") -> int:
+    """FFN weight bytes ``peer`` holds under ``plan`` and its stage ``layout`` (None: ranges alone):
+    its spans of the layers no other peer's stage runs, and the whole FFN of each layer its
+    stages run. The per-layer plan gives the coordinator every layer a worker's stage runs,
+    which it reads from its model file only after that stage fails: not held."""
+    owner = {i: s.peer for s in (layout.stages if layout is not None else ()) for i in range(s.start, s.stop)}
+    e, c = shape.unit_bytes(kind)
+    total = 0
+    for table, unit in ((plan.experts, e), (plan.dense, c)):
+        for layer, spans in table.items():
+            run_by = owner.get(layer, plan.coordinator)
+            if run_by == plan.coordinator:
+                total += sum(len(s) for s in spans if s.peer == peer) * unit
+            elif run_by == peer:
+                total += sum(len(s) for s in spans) * unit
+    return total
 
 
 def split_layers(n_layers: int, peers: Sequence[str], weights: Sequence[float]) -> tuple[Stage, ...]:

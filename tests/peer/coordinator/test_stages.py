@@ -404,3 +404,36 @@ def test_layouts_and_layer_splits():
     assert StageLayout.from_message(lay.to_message(), COORD, 4) == lay
     with pytest.raises(Exception, match="not the model's 0:5"):
         StageLayout.from_message(lay.to_message(), COORD, 5)
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_a_plans_workers_and_what_each_holds_count_its_stages(mix):
+    """Under stages the per-layer plan holds the coordinator alone (every layer: its own stage's,
+    and the workers' should their stage fail); its workers are the stage layout's, and each holds
+    the FFN of its own layers — the coordinator not the whole model's. Under a mix the
+    coordinator's stage's FFN is cut over the workers too, and each holds its ranges there."""
+    from swarm.peer.coordinator.planner import PeerCapacity, build_plan
+    from swarm.peer.plan import ModelShape, held_bytes, plan_workers
+
+    shape = ModelShape(64, 8, 32, 96, (0, 2, 4), (1, 3, 5))  # MoE layers 0, 2, 4; dense 1, 3, 5
+    layout = StageLayout(1, 1, COORD, (Stage(COORD, 0, 2), Stage(W1, 2, 4), Stage(W2, 4, 6)))
+    takers = [PeerCapacity(W1, 10**9, 1.0), PeerCapacity(W2, 10**9, 1.0)] if mix else []
+    plan = build_plan(shape, PeerCapacity(COORD, 0, 1.0), takers, term=1, version=1, layers=[0, 1])
+    e, c = shape.unit_bytes()
+    layer = {i: shape.n_experts * e if i in shape.moe_layers else shape.intermediate_size * c for i in range(6)}
+    if not mix:
+        assert plan.peers == (COORD,) and plan.workers() == ()  # what status counted: no worker
+        assert plan.bytes_of(COORD, shape) == sum(layer.values())  # what it showed held: the whole model's FFN
+        assert plan_workers(plan, layout) == (W1, W2)
+        assert held_bytes(plan, layout, COORD, shape) == layer[0] + layer[1]
+    else:
+        assert set(plan.workers()) == {W1, W2} and plan_workers(plan, layout) == (*plan.workers(),)
+        cut = {p: plan.bytes_of(p, shape) for p in (COORD, W1, W2)}  # layers 2..5 are the coordinator's whole
+        assert cut[W1] > 0 and cut[W2] > 0 and sum(cut.values()) == sum(layer.values())
+        assert held_bytes(plan, layout, COORD, shape) == cut[COORD] - sum(layer[i] for i in (2, 3, 4, 5))
+        assert held_bytes(plan, layout, W1, shape) == cut[W1] + layer[2] + layer[3]
+        assert held_bytes(plan, layout, W2, shape) == cut[W2] + layer[4] + layer[5]
+    assert held_bytes(plan, layout, W1, shape) >= layer[2] + layer[3]
+    assert sum(held_bytes(plan, layout, p, shape) for p in (COORD, W1, W2)) == sum(layer.values())
+    assert plan_workers(plan, None) == plan.workers()
+    assert held_bytes(plan, None, COORD, shape) == plan.bytes_of(COORD, shape)

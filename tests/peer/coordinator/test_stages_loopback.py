@@ -424,3 +424,68 @@ def test_a_stage_peer_that_lost_its_stage_plan_is_sent_it_again(tmp_path):
     assert run[0] == ref[0]
     assert not failures and not failed and not not_ready  # not ready for a while, never failed
     assert 1 <= served <= 12  # the layers went back to it (the whole sequence resent, then steps)
+
+
+def stage_trio_status(tmp_path):
+    """A coordinator and two workers (speeds 3:1:1) over real links under ``--layout stages`` on
+    the tiny MoE (3 layers: one stage each): (the coordinator's status document, each worker's,
+    the stage layout, the model's shape). The per-layer plan of such a layout holds the
+    coordinator alone; status, events and the dashboard must name the stage workers all the same."""
+    from swarm.peer.weights.sizes import model_shape
+
+    model_dir = build("qwen3_moe", tmp_path)
+
+    async def main():
+        server, peers = await start_stage_swarm(tmp_path, model_dir, [3.0, 1.0, 1.0])
+        try:
+            coord, *workers = peers
+            await until(lambda: staged(coord, workers), 40, "a stage plan with both workers in it")
+            await until(lambda: all((w.node.placement or {}).get("stages") == coord.node.placement["stages"]
+                                    for w in workers), 20, "the workers knowing the stage plan")
+            await asyncio.to_thread(greedy, coord.roles.model, coord.roles.coordinator.engine_ffn, PROMPT, 3)
+            return (coord.node.status(), [w.node.status() for w in workers], coord.roles.coordinator.stages.layout,
+                    model_shape(coord.roles.model))
+        finally:
+            for p in peers:
+                await p.stop()
+            await server.stop()
+
+    return run_in_netns(main, timeout_s=180, prefix="cst", address=ADDRESS)
+
+
+def test_status_and_events_name_the_stage_workers_with_their_role(tmp_path):
+    import io
+    import re
+
+    from rich.console import Console
+
+    from swarm.peer.status import render, shares
+
+    doc, worker_docs, layout, shape = stage_trio_status(tmp_path)
+    me, workers = doc["peer_id"], [w["peer_id"] for w in worker_docs]
+    placement = doc["placement"]
+    assert placement["layout"] == "stages" and placement["peers"] == [me]  # the per-layer plan: the coordinator alone
+    assert [s[0] for s in placement["stages"]] == [me, *workers] == [s.peer for s in layout.stages]
+    # the coordinator counts its stage workers: the "replanned" event, its measurements, the shares
+    replanned = [e["detail"] for e in doc["events"] if e["what"] == "replanned"]
+    assert replanned and replanned[-1] == f"plan v{placement['version']} of term {placement['term']}: 2 worker(s)"
+    observed = doc["observed"]["peers"]
+    assert set(observed) == {me, *workers}
+    ffn = {i: shape.n_experts * shape.unit_bytes()[0] if i in shape.moe_layers else
+           shape.intermediate_size * shape.unit_bytes()[1] for i in range(3)}  # a layer's whole FFN, bytes
+    assert sum(ffn.values()) > ffn[0] > 0
+    for s in layout.stages:  # each holds its own layers' FFN: the coordinator no longer the whole model's
+        assert observed[s.peer]["weight_bytes"] == sum(ffn[i] for i in range(s.start, s.stop)), s
+    for w in workers:
+        assert observed[w]["requests"] >= 4 and observed[w]["ms_per_row_layer"] > 0 and not observed[w]["failed"]
+    assert shares(placement, [me, *workers])["workers"] == workers
+    # `status`, on the coordinator and on a worker: each stage worker's role is "worker"
+    for d in (doc, *worker_docs):
+        out = io.StringIO()
+        Console(file=out, width=200, color_system=None).print(render(d))
+        rows = {m[1]: line for line in out.getvalue().splitlines() if (m := re.match(r"\s*(peer\d) ", line))}
+        assert rows.keys() == {"peer0", "peer1", "peer2"}, out.getvalue()
+        for i, w in enumerate(workers, 1):
+            role = "worker" if w != d["peer_id"] else d["role"]
+            assert rows[f"peer{i}"].split()[2] == role == "worker", rows[f"peer{i}"]
+        assert rows["peer0"].split()[2] == "coordinator"

@@ -21,11 +21,13 @@ import pytest
 
 from swarm.compute.model import load_model
 from swarm.peer.coordinator.handoff import LoopDispatcher
+from swarm.peer.coordinator.planner import PeerCapacity, build_plan
 from swarm.peer.coordinator.stage_verify import VERIFY_FAILED
 from swarm.peer.coordinator.stages import StagedFFN
 from swarm.peer.coordinator.tracker import RequestTracker, VerifyCost
 from swarm.peer.net import messages as m
 from swarm.peer.plan import Stage, StageLayout
+from swarm.peer.weights.sizes import model_shape
 from swarm.peer.worker.stages import StageRunner
 from tests.peer._swarm_models import COORD, PROMPT, W1, W2, build, greedy
 from tests.peer.coordinator.test_stages import PROMPTS, Hand, greedy_alone, greedy_together
@@ -230,9 +232,13 @@ def test_status_shows_what_checking_cost_and_whom_it_caught(moe_dir):
     greedy(model, ffn, PROMPT, 2)
     hand.join()
     owner = LoopDispatcher()
-    owner.ffn = SimpleNamespace(plan=SimpleNamespace(peers=()), tracker=RequestTracker())  # no FFN ranges
-    owner.shape, owner.stages = object(), ffn
-    seen = owner.observed()["stage_verify"]
+    # the per-layer plan of a stage layout: the coordinator alone, every layer its own
+    plan = build_plan(model_shape(model), PeerCapacity(COORD, 0, 1.0), [], term=1, version=1, layers=[0])
+    owner.ffn = SimpleNamespace(plan=plan, tracker=RequestTracker())
+    owner.shape, owner.stages = model_shape(model), ffn
+    status = owner.observed()
+    assert list(status["peers"]) == [COORD, W1] and status["peers"][W1]["requests"] > 0  # the stage worker too
+    seen = status["stage_verify"]
     assert seen["rows_checked"] == seen["rows_computed"] == len(PROMPT) and seen["seconds"] > 0
     assert list(seen["distrusted"]) == [W1] and "layers 1:3" in seen["distrusted"][W1]
 
