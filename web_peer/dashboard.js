@@ -41,10 +41,12 @@ function cell(tr, text, cls) {
   return td;
 }
 
+// The plan's workers as the coordinator counts them (shares.workers: a span of a layer or a stage;
+// under stages the plan's own `peers` name the coordinator alone).
 function role(peerId, doc, plan) {
   if (peerId === doc.peer_id) return doc.role;
   if (plan?.coordinator === peerId) return "coordinator";
-  return plan?.peers?.includes(peerId) ? "worker" : "no work";
+  return doc.shares?.workers?.includes(peerId) ? "worker" : "no work";
 }
 
 function renderPeers(doc) {
@@ -90,7 +92,9 @@ function renderPlan(doc) {
   const plan = doc.placement;
   $("plan-version").textContent = plan ? `v${plan.version} · term ${plan.term}` : "";
   if (!plan) { $("plan-summary").textContent = "no plan yet"; $("plan-json").textContent = ""; $("plan-shortfall").textContent = ""; $("plan-why").textContent = ""; return; }
-  const what = Object.entries(doc.shares?.kinds ?? {}).map(([k, n]) => `${n} layer${n === 1 ? "" : "s"} of ${k === "dense" ? "dense MLP rows" : k}`).join(", ");
+  const kind = { dense: "dense MLP rows", stage: "whole-layer stages" };
+  const what = Object.entries(doc.shares?.kinds ?? {})
+    .map(([k, n]) => `${n} layer${n === 1 ? "" : "s"} of ${kind[k] ?? k}`).join(", ");
   // Fields other than the per-layer spans (e.g. stages), as they are: the page does not need to know them.
   const perLayer = (v) => v && typeof v === "object" && !Array.isArray(v) && Object.keys(v).every((l) => /^\d+$/.test(l));
   // The swarm cannot hold the model: what is missing and the speed to expect, in the coordinator's words.
@@ -100,7 +104,9 @@ function renderPlan(doc) {
   $("plan-why").textContent = cost ? `${cost.choice ?? plan.layout ?? ""} for ${n} sequence${n === 1 ? "" : "s"}${cost.why ? `: ${cost.why}` : ""}` : "";
   const other = Object.entries(plan).filter(([k, v]) => !["version", "term", "coordinator", "peers", "shortfall", "cost", "standby"].includes(k) && !perLayer(v))
     .map(([k, v]) => `${k} ${typeof v === "object" ? JSON.stringify(v) : v}`);
-  $("plan-summary").textContent = `${plan.peers?.length ?? 0} peers over ${what || "no layers"}${other.length ? ` · ${other.join(" · ")}` : ""}`;
+  const working = 1 + (doc.shares?.workers?.length ?? 0);  // the coordinator and its workers
+  const rest = other.length ? ` · ${other.join(" · ")}` : "";
+  $("plan-summary").textContent = `${working} peer${working === 1 ? "" : "s"} over ${what || "no layers"}${rest}`;
   $("plan-json").textContent = JSON.stringify(plan, null, 1);
 }
 
