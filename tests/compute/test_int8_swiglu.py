@@ -120,3 +120,42 @@ def test_the_coarse_bound_holds_the_value_by_value_one(fmt):
     blocks = np.asarray(m.data).reshape(300, -1, K.block_size(fmt)[1])
     exact, coarse = (X8.blocks_bound(fmt, blocks, rows, 1, coarse=c) for c in (False, True))
     assert (coarse >= exact).all() and (coarse <= 2.5 * exact).all()
+
+
+def test_a_sampled_answer_of_many_rows_is_checked_on_a_few_drawn_after_it_came(monkeypatch):
+    """The coordinator checks a sampled int8 answer on INT8_CHECKED_ROWS of its rows, drawn once
+    it is here (a prompt's answer of thousands of rows took a minute and gigabytes to check whole):
+    an honest one passes, a lie in every row is caught, rows of another count are refused."""
+    import random
+
+    from swarm.errors import VerificationError
+    from swarm.peer.coordinator import dispatch
+    from swarm.peer.coordinator.bounds import int8_product_bound
+    from swarm.peer.net.messages import DenseAnswerInt8
+
+    rng = np.random.default_rng(5)
+    w = _block(rng, "q4_k", "q6_k")
+    n = 40
+    x = (rng.standard_normal((n, H)) * rng.uniform(0.1, 10, (n, 1))).astype(np.float32)
+    y, rows = swiglu_int8(w, x, float64_products)  # another build's honest answer
+    checked: list[int] = []
+
+    def counting(w_, x_, y_, rows_, product_bound):
+        checked.append(x_.shape[0])
+        assert product_bound is int8_product_bound
+        return check_int8_answer(w_, x_, y_, rows_, bound)
+
+    monkeypatch.setattr(dispatch, "check_int8_answer", counting)
+    coordinator = type("Coordinator", (), {"_rng": random.Random(1), "verified": 0})()
+
+    def verify(answer: np.ndarray, down_rows: np.ndarray) -> None:
+        msg = DenseAnswerInt8(1, 1, 1, 0, ((0, F),), answer[None], down_rows)
+        dispatch.RemoteFFN._verify_int8(coordinator, "w1", 0, "dense 0:768", w, x, answer, msg)  # type: ignore[arg-type]
+
+    verify(y, rows)
+    assert checked == [dispatch.INT8_CHECKED_ROWS] and coordinator.verified == 1
+    lie = y + 1e-3 * np.abs(y).max(axis=1, keepdims=True)
+    with pytest.raises(VerificationError, match="beyond the int8 bound"):
+        verify(lie, rows)
+    with pytest.raises(VerificationError, match="39 down rows for 40 rows"):
+        verify(y, rows[1:])
