@@ -239,7 +239,10 @@ def blocks_bound(fmt: str, blocks: np.ndarray, rows: np.ndarray, lanes: int, chu
     q, dx, xm = planes(fmt, rows, blocks.shape[1] * K.block_size(fmt)[0])
     nb = blocks.shape[1]
     d_cpu = nb + 8
-    d_gpu = -(-nb * _STEPS[fmt] // lanes) + int(np.log2(lanes)) + 4
+    # lanes=1: the most roundings over every power-of-two lane count a workgroup may have (a
+    # narrow row takes more through a wide slice's tree than through one lane's chain)
+    d_gpu = max(-(-nb * _STEPS[fmt] // n) + int(np.log2(n)) + 4 for n in (2 ** k for k in range(11))) \
+        if lanes == 1 else -(-nb * _STEPS[fmt] // lanes) + int(np.log2(lanes)) + 4
     gamma = lambda n: n * 2.0 ** -24 / (1 - n * 2.0 ** -24)  # noqa: E731
     parts = [_magnitudes(fmt, blocks[r0:r0 + chunk], q, dx, xm, coarse) for r0 in range(0, len(blocks), chunk)]
     total, sub = (np.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))

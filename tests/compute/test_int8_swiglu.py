@@ -159,3 +159,16 @@ def test_a_sampled_answer_of_many_rows_is_checked_on_a_few_drawn_after_it_came(m
         verify(lie, rows)
     with pytest.raises(VerificationError, match="39 down rows for 40 rows"):
         verify(y, rows[1:])
+
+
+def test_the_bound_for_any_lane_count_is_the_widest_of_them():
+    """``lanes=1`` bounds every lane count: for a narrow row (a Q8_0 down slice 64 wide, two
+    blocks) a 32-lane slice's tree takes more roundings than one lane's chain, so its bound
+    must be at least each of theirs."""
+    rng = np.random.default_rng(9)
+    m = QMatrix(K.random_blocks(rng, 16, 64, "q8_0", 2e-3), QT["Q8_0"], 64)
+    rows = m.int8_rows((rng.standard_normal((2, 64)) * 3).astype(np.float32))
+    blocks = np.asarray(m.data).reshape(16, -1, K.block_size("q8_0")[1])
+    anyone = X8.blocks_bound("q8_0", blocks, rows, 1)
+    for lanes in (2, 8, 32, 256):
+        assert (anyone >= X8.blocks_bound("q8_0", blocks, rows, lanes)).all(), lanes
