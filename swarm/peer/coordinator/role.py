@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 READMIT_S = 5.0  # a worker that failed a request gets work again after this, if reachable (seconds)
+# A peer that closes its link again within this of its last close (it links, closes, links: a
+# fault of its own, not a leave) is kept out of plans for READMIT_S, as a lost one is.
+FLAP_S = 30.0
 PLAN_CHECK_S = 1.0  # how often the coordinator compares the peers that can work with its plan (seconds)
 STALL_RECHECK_S = 0.1  # after a stall, how often a re-plan asks whether the election heard the swarm again (s)
 
@@ -70,6 +73,7 @@ class CoordinatorRole(LoopDispatcher):
         self._serve_api = serve_api
         self.replan_pending = False  # a new plan is on its way
         self._failed_at: dict[str, float] = {}  # peer → when it last failed a request (monotonic s)
+        self._left_at: dict[str, float] = {}  # peer → when it last closed its link (monotonic s)
         self._planned: set[str] = set()  # the workers of the newest plan
         self._standby: dict[str, Standby] = {}  # page → why the newest plan gives it no work
         self._other_numerics: set[str] = set()  # peers left out of every plan for their numerics (noted once)
@@ -181,9 +185,14 @@ class CoordinatorRole(LoopDispatcher):
             name = self.node.known.get(peer, ("", ""))[0]
             log.info("peer %s (%s) closed its link (it is leaving, or it gave this link up); its work goes to "
                      "the others from the next plan", name or "?", peer)
-            # Out of plans for READMIT_S as a lost one is (no warning, no event): a peer that closes
-            # its link for a fault of its own and links again at once must not flap the plans.
-            self._failed_at[peer] = time.monotonic()
+            # A second close within FLAP_S: out of plans for READMIT_S as a lost one is (no warning,
+            # no event): a peer that closes its link for a fault of its own and links again at once
+            # must not flap the plans. A first one (a leave, a restart) costs nothing more.
+            now = time.monotonic()
+            if now - self._left_at.get(peer, now - FLAP_S) < FLAP_S:
+                self._failed_at[peer] = now
+            self._left_at[peer] = now
+            self._left_at = {p: t for p, t in self._left_at.items() if now - t < FLAP_S}
         self._peer_down(peer, "it closed its link (leaving)" if left else "link closed", left)
         self._schedule_replan()
 

@@ -90,3 +90,23 @@ def test_a_coordinator_that_did_not_stall_plans_at_once(tmp_path, monkeypatch):
 
     asyncio.run(main())
     assert planned == ["plan of term 3"]
+
+
+def test_a_peer_that_closes_its_link_once_is_planned_again_at_once_one_that_flaps_is_not(tmp_path, monkeypatch):
+    """A peer that closes its link (a leave, a restart) is planned again as soon as it links; one
+    that closes it again within FLAP_S (a fault of its own that would flap the plans) is kept out
+    for READMIT_S, as a lost one is."""
+    import time
+
+    role, election, planned = woken_coordinator(tmp_path, monkeypatch)
+    election.asleep = False
+    monkeypatch.setattr(role.node, "closed_by_peer", lambda peer: True)
+    monkeypatch.setattr(role, "_peer_down", lambda *a: None)
+    monkeypatch.setattr(role, "_schedule_replan", lambda: None)
+    role._link_down("w1")
+    assert not role._marked_down("w1", time.monotonic())
+    role._link_down("w1")  # it linked again and closed again
+    assert role._marked_down("w1", time.monotonic())
+    assert not role._marked_down("w1", time.monotonic() + role_module.READMIT_S + 0.1)
+    role._link_down("w2")  # another peer's first close
+    assert not role._marked_down("w2", time.monotonic())
