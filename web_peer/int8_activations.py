@@ -293,37 +293,55 @@ class X8Gemv:
             buffers = [xs[0], xs[1], mat.buffers[i], mat.scales[i], y, *xs[2:]]
             enc.dispatch(pipe, self.host._bind(pipe, params, buffers), (gx, gy, t_rows))
 
+    def rows_per_block(self, products) -> int:
+        """Activation rows one submission of :meth:`run_rows` takes: every binding (a row's int8
+        values, its largest plane; the outputs of all ``products``, read back into one buffer)
+        within the host's ``max_binding``, and the rows within a dispatch's z dimension. As
+        WgpuFfn.matmul_many cuts its rows; a row's outputs are computed alone, so the cut changes
+        no bit."""
+        widest = max(max(w.cols for w, _ in products), sum(4 * w.rows for w, _ in products))
+        return max(1, min(self.host.max_binding // widest, K.MAX_WORKGROUPS_PER_DIM))
+
     def run_rows(self, products) -> list[np.ndarray]:
         """``[W x8 for W, x8 in products]``: each GpuLinear W [R, K] (a format of
         :data:`X8_FORMATS`) times int8 rows uint8 [T, row bytes] (:func:`int8_rows`, quantized
-        elsewhere: a peer's own, or another machine's) → float32 [T, R], all in one submission.
-        Raises KernelError on a GPU error (the device is then reset), weights on a lost device,
-        or a non-finite result."""
+        elsewhere: a peer's own, or another machine's) → float32 [T, R], in one submission per
+        block of :meth:`rows_per_block` rows. Raises KernelError on a GPU error (the device is
+        then reset), weights on a lost device, or a non-finite result."""
         h = self.host
         if any(w.device is not h.device for w, _ in products):
             raise KernelError("these weights were on a device that was lost")
+        for w, _ in products:
+            _check_format(w.fmt)
+        if not products:
+            return []
+        block = self.rows_per_block(products)
+        longest = max(len(rows) for _, rows in products)
+        parts = [self._run_block([(w, rows[t:t + block]) for w, rows in products]) for t in range(0, longest, block)]
+        return [np.concatenate([p[i] for p in parts]) if parts else np.zeros((0, w.rows), np.float32)
+                for i, (w, _) in enumerate(products)]
+
+    def _run_block(self, products) -> list[np.ndarray]:
+        """:meth:`run_rows` on rows that fit its bindings, in one submission and one read-back."""
+        h = self.host
         with h._guarded("the int8 GEMVs"):
             enc, outs = h.encoder(), []
             for w, rows in products:
-                _check_format(w.fmt)
                 y = h.storage(max(len(rows), 1) * w.rows)
-                self.encode_gemv(enc, w, self.upload(w.fmt, rows, w.cols), y, len(rows))
+                if len(rows):
+                    self.encode_gemv(enc, w, self.upload(w.fmt, rows, w.cols), y, len(rows))
                 outs.append((y, len(rows) * w.rows))
         return [y.reshape(len(rows), w.rows) for (w, rows), y in zip(products, h.submit_read_many(enc, outs))]
 
     def run(self, w, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """x float32 [T, K] → (y float32 [T, R], the CPU's int8 rows of x it multiplied)."""
+        """x float32 [T, K] → (y float32 [T, R], the CPU's int8 rows of x it multiplied), as
+        :meth:`run_rows`."""
         _check_format(w.fmt)
         K._f32(x, "x", 2)
-        t, k = x.shape
-        if k != w.cols:
-            raise KernelError(f"x has {k} columns; these weights expect {w.cols}")
+        if x.shape[1] != w.cols:
+            raise KernelError(f"x has {x.shape[1]} columns; these weights expect {w.cols}")
         rows = int8_rows(w.fmt, x)
-        h = self.host
-        y = h.storage(t * w.rows)
-        enc = h.encoder()
-        self.encode_gemv(enc, w, self.upload(w.fmt, rows, k), y, t)
-        return h.submit_read(enc, y, t * w.rows).reshape(t, w.rows), rows
+        return self.run_rows([(w, rows)])[0], rows
 
     def time(self, w, reps: int) -> float:
         """Seconds per decode GEMV (one row of ones·0.5, quantized once before) on the GPU."""

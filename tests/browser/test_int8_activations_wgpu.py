@@ -162,3 +162,27 @@ def test_other_formats_and_shapes_are_refused(new_gpu):
         X8.int8_rows("q6_k", np.zeros((1, 320), np.float32))
     with pytest.raises(KernelError, match="rows_per_thread"):
         X8.X8Gemv(gpu, rows_per_thread=3)
+
+
+@pytest.mark.parametrize("fmt", X8.X8_FORMATS)
+def test_activation_rows_cut_to_the_binding_limit_change_no_bit(new_gpu, fmt):
+    # A long prefill's outputs (T × R float32) exceeded maxStorageBufferBindingSize in one binding
+    # (lavapipe: 1100 rows × 32768 → 144 MB > 128 MiB; the peer reset its device each time): the
+    # rows are cut into blocks whose bindings fit the host's max_binding, with the bits of one
+    # dispatch. A binding of 3 rows of the two products' outputs together (48 + 32 float32, more
+    # than a row's 256 int8 values) cuts 7 rows into 3, 3, 1.
+    rng = np.random.default_rng(46)
+    whole, cut = new_gpu(), new_gpu(max_binding=3 * 4 * (48 + 32))
+    blocks = {n: K.random_blocks(rng, n, 256, fmt, 2e-3) for n in (48, 32)}
+    x = rng.standard_normal((7, 256)).astype(np.float32)
+    rows = X8.int8_rows(fmt, x)
+    answers = []
+    for gpu in (whole, cut):
+        ws = [gpu.upload_linear(blocks[n], fmt) for n in (48, 32)]
+        gemv = X8.X8Gemv(gpu)
+        answers.append((gemv.rows_per_block([(w, rows) for w in ws]), gemv.run_rows([(w, rows) for w in ws])))
+    (n_whole, one), (n_cut, blocked) = answers
+    assert n_whole >= 7 and n_cut == 3
+    for a, b in zip(one, blocked):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    assert np.array_equal(X8.X8Gemv(cut).run(cut.upload_linear(blocks[48], fmt), x)[0], one[0])
