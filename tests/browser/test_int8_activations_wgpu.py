@@ -186,3 +186,16 @@ def test_activation_rows_cut_to_the_binding_limit_change_no_bit(new_gpu, fmt):
     for a, b in zip(one, blocked):
         assert a.shape == b.shape and np.array_equal(a, b)
     assert np.array_equal(X8.X8Gemv(cut).run(cut.upload_linear(blocks[48], fmt), x)[0], one[0])
+
+
+def test_a_prefill_whose_outputs_exceeded_the_adapters_binding_runs(new_gpu):
+    # The review's case on lavapipe (max binding 128 MiB): Q8_0, H = 64, F = 32768, 1100 rows,
+    # 144 MB of outputs; it raised "Buffer binding 5 range 144179200 exceeds ..." and reset the device.
+    gpu = new_gpu()
+    rng = np.random.default_rng(47)
+    w = gpu.upload_linear(K.random_blocks(rng, 32768, 64, "q8_0", 2e-3), "q8_0")
+    x = rng.standard_normal((1100, 64)).astype(np.float32)
+    y, rows = X8.X8Gemv(gpu).run(w, x)
+    assert y.shape == (1100, 32768) and np.isfinite(y).all()
+    some = [0, 549, 1099]
+    assert np.array_equal(y[some], X8.X8Gemv(gpu).run(w, x[some])[0])
