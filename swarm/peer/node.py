@@ -136,8 +136,12 @@ class Node:
         self.recorded = 0  # events recorded so far (activity keeps the newest EVENTS_KEPT)
         # peer id → (name, kind) from its presence and hello, kept after it leaves: events name it
         self.known: dict[str, tuple[str, str]] = {}
+        # The build this peer's CPU computes with: its Hello's, except a GPU peer's (which names its
+        # wgpu build), whose share as a coordinator is computed here on the CPU.
+        self.cpu_build = build if build is not None and build.gpu_adapter is None else numeric_build()
         self.hello = Hello(
-            peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=build or numeric_build(), model_hash=model_hash,
+            peer_id=peer_id, protocol_version=wire.PROTOCOL_VERSION, build=build or self.cpu_build,
+            model_hash=model_hash,
             memory_budget=default_memory_budget() if memory_budget is None else memory_budget,
             ffn_gflops=measure_ffn_gflops() if ffn_gflops is None else ffn_gflops,
             peer_kind="python", adapter_limits={}, adapter_features=(), name=self.name[:64], gpu_memory=gpu_memory,

@@ -98,11 +98,14 @@ class LoopDispatcher:
                 if p in self.node.links and self.node.links[p].hello.peer_kind == "browser"}
 
     def _approximate(self) -> tuple[set[str], set[str]]:
-        """Peers of another numeric build (docs/architecture.md §5), verified within a bound, and
+        """Peers of another numeric build than the one this coordinator computes with (its CPU's,
+        ``Node.cpu_build``, also when it is a GPU peer: docs/architecture.md §5), so every GPU peer,
+        verified within a bound (an int8 swarm's: by their down rows), and
         those of them whose kernels compute some of the model on a Q8_0 repack (a page's or GPU
         peer's build names its kernels: :func:`~swarm.peer.weights.repack.page_encodings`)."""
-        ours = self.node.hello.build
-        other = {p: link.hello for p, link in self.node.links.items() if link.hello.build != ours}
+        ours = self.node.cpu_build  # what this coordinator computes with, a GPU peer's too: its CPU
+        other = {p: link.hello for p, link in self.node.links.items()
+                 if link.hello.build != ours or link.hello.build.gpu_adapter is not None}  # a GPU's: by bound
         repacked = {p for p, h in other.items() if (h.peer_kind == "browser" or KERNELS_PREFIX in h.build.blas)
                     and repacks_for(self.model, page_encodings(h.build))}  # the file's header only
         return set(other), repacked

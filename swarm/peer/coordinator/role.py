@@ -290,8 +290,10 @@ class CoordinatorRole(LoopDispatcher):
         rows of its down products (:func:`~swarm.compute.int8_swiglu.check_int8_answer`), others
         within a bound of float reassociation (bounds.py), which the rounding of 8-bit activations
         exceeds: a peer of other numerics would be stopped for honest answers (docs/weights.md,
-        "Two numerics"). Left out, it is never marked down."""
-        ours = self.node.hello.build
+        "Two numerics"). Ours is the build this coordinator computes with: its CPU's
+        (``Node.cpu_build``), also when it is a GPU peer, whose Hello names its wgpu build. Left
+        out, it is never marked down."""
+        ours = self.node.cpu_build
         if build.numerics != ours.numerics:
             return False
         return ours.numerics == "float32" or build == ours or (_int8_gpu(build) and self._x8_refusal(build) is None)
