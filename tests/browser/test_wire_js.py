@@ -99,6 +99,18 @@ def test_a_malformed_standby_is_refused_naming_the_field(page):
         assert said.split(":")[:2] == res["message"].split(":")[:2], (name, res, said)
 
 
+
+def test_an_int8_answer_whose_down_rows_do_not_fit_is_refused_as_python_refuses_it(page):
+    # An int8 GPU peer's answers (kinds 38, 39): down_rows a row short or long, rows of 96 or 0
+    # bytes, a dense answer of two ranges; wire.js names the fault in Python's words.
+    names = [p.stem for p in sorted((VECTORS / "malformed").glob("*_answer_int8_*.bin"))]
+    assert len(names) >= 5
+    out = page.evaluate(DECODE, {"bins": {n: _b64(VECTORS / "malformed" / f"{n}.bin") for n in names}})
+    for name, res in out.items():
+        with pytest.raises(errors.MessageError) as python:
+            messages.decode((VECTORS / "malformed" / f"{name}.bin").read_bytes())
+        assert res.get("error") == "MessageError" and res["message"] == str(python.value), (name, res)
+
 def test_raw_frame_with_every_dtype(page):
     want = json.loads((VECTORS / "frames" / "all_dtypes.json").read_text())
     got = page.evaluate("""async ({bin}) => {

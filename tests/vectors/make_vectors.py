@@ -237,6 +237,33 @@ def malformed_vectors() -> dict[str, tuple[bytes, dict]]:
                ("missing", {k: v for k, v in _hello_gpu_meta().items() if k != "gpu_memory"}),
                ("on_a_cpu_peer", _hello_gpu_meta(build={**_hello_gpu_meta()["build"], "blas": "openblas 0.3.29"})),
                ("on_a_page", _hello_gpu_meta(peer_kind="browser")))},
+        **_int8_answer_vectors(),
+    }
+
+
+def _int8_answer_vectors() -> dict[str, tuple[bytes, dict]]:
+    """An int8 GPU peer's answers (kinds 38, 39) whose ``down_rows`` do not fit their outputs: a
+    row too few, rows of 96 bytes (not a multiple of 64), of 0 bytes, or a dense answer of two ranges."""
+    expert = wire.decode_frame(m.encode(samples()["expert_answer_int8"]))  # 3 outputs, down_rows [3, 64]
+    dense = wire.decode_frame(m.encode(samples()["dense_answer_int8"]))  # one range, T = 2, down_rows [2, 128]
+    two = wire.decode_frame(m.encode(samples()["dense_answer"]))  # two ranges, partials [2, 2, 4]
+
+    def frame(f, kind: int, *tensors: np.ndarray) -> bytes:
+        return m.wire.encode_frame(kind, f.meta, [*tensors], request_id=f.request_id)
+
+    expert_head, dense_head = expert.tensors[:-1], dense.tensors[:-1]
+    rows = lambda n, width: (np.arange(n * width) % 251).astype(np.uint8).reshape(n, width)  # noqa: E731
+    return {
+        "expert_answer_int8_down_rows_count": (frame(expert, 38, *expert_head, rows(2, 64)),
+                                               {"error": "MessageError", "what": "down_rows"}),
+        "expert_answer_int8_width_96": (frame(expert, 38, *expert_head, rows(3, 96)),
+                                        {"error": "MessageError", "what": "down_rows"}),
+        "dense_answer_int8_width_0": (frame(dense, 39, *dense_head, rows(2, 0)),
+                                      {"error": "MessageError", "what": "down_rows"}),
+        "dense_answer_int8_down_rows_count": (frame(dense, 39, *dense_head, rows(3, 128)),
+                                              {"error": "MessageError", "what": "down_rows"}),
+        "dense_answer_int8_two_ranges": (frame(two, 39, *two.tensors, rows(2, 128)),
+                                         {"error": "MessageError", "what": "ranges"}),
     }
 
 
