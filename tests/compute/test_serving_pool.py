@@ -152,7 +152,9 @@ def test_a_pool_filled_a_tile_at_a_time_refills_a_scheduler_that_emptied(model):
     again first (the first ``width`` are filled up to a tile before any other)."""
     pool = SchedulerPool(model, max_batch=16, chunk=4, prefill_rows=4)
     pool.set_width(2, 4)
-    short, long_ = SamplingParams(max_tokens=1), SamplingParams(max_tokens=40)
+    # the long ones run until cancelled below: at 40 tokens they could all end before the second
+    # scheduler's finished sequences left it (a starved thread on a loaded machine), both then empty
+    short, long_ = SamplingParams(max_tokens=1), SamplingParams(max_tokens=4000)
     first = [pool.submit([3] * 8, short if i % 2 else long_) for i in range(8)]  # 4 + 4: the second's end first
     for s in first[1::2]:
         list(s)
