@@ -69,7 +69,7 @@ def test_a_directory_that_cannot_be_made_is_one_line_naming_it(tmp_path, monkeyp
     assert err.count("\n") == 1 and f"cannot create the {which} directory" in err and "Traceback" not in err
 
 
-def test_a_status_probe_holding_the_lock_for_a_moment_does_not_refuse_a_peer(tmp_path):
+def test_a_status_probe_holding_the_lock_for_a_moment_does_not_refuse_a_peer(tmp_path, monkeypatch):
     """`status` probes the lock shared for a moment; a peer starting meanwhile waits it out
     (it was refused as if another peer ran there: 68 of 1,836 tries beside a probing loop)."""
     import fcntl
@@ -78,6 +78,7 @@ def test_a_status_probe_holding_the_lock_for_a_moment_does_not_refuse_a_peer(tmp
     (tmp_path / paths.LOCK_FILE).touch()
     fd = os.open(tmp_path / paths.LOCK_FILE, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the probe's (another open file: it conflicts here too)
+    monkeypatch.setattr(paths, "LOCK_RETRY_S", 0.5)  # room for a late timer thread on a loaded machine
     release = threading.Timer(0.04, lambda: os.close(fd))  # a probe's moment
     release.start()
     try:

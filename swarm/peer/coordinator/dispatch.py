@@ -120,8 +120,9 @@ log = logging.getLogger(__name__)
 F32 = np.float32
 
 
-# Rows of a sampled answer of an int8 GPU peer that are checked: the check costs per row (its gate,
-# up and down products recomputed with their bounds), and a prompt's answer may hold thousands.
+# Rows of each block (an expert, a dense range) of a sampled answer of an int8 GPU peer that are
+# checked: the check costs per row (its gate, up and down products recomputed with their bounds),
+# and a prompt's answer may hold thousands.
 INT8_CHECKED_ROWS = 8
 
 

@@ -580,17 +580,17 @@ def wait_answer(tracker: RequestTracker, p: Pending, clock: Callable[[], float],
 
     A stall of this process (no look for ``UNWATCHED_S`` beyond the slice waited, counted from
     the request's sending) is not the peer's lateness or silence: what it sent meanwhile is
-    read by the event loop once the process runs again, so the wait then lasts
-    ``STALL_GRACE_S`` more, whatever the deadline and the link's last byte say."""
+    read by the event loop once the process runs again, so the wait then lasts at least
+    ``STALL_GRACE_S`` more, whatever the deadline and the link's last byte say (and as long as
+    its deadline and the link allow, as any wait: a wait begun late, after the coordinator's own
+    share, is not cut short)."""
     looked, slice_s, grace_until = p.sent_at, 0.0, None
     while True:
         now = clock()
         if grace_until is None and now - looked > slice_s + UNWATCHED_S:
             grace_until = now + STALL_GRACE_S  # this process stalled: unread bytes are no silence
-        if grace_until is not None:
+        if grace_until is not None and now < grace_until:  # the grace only lengthens a wait
             slice_s = grace_until - now
-            if slice_s <= 0:
-                break
         else:
             left = p.deadline - now
             if left <= 0 or RequestTracker.gone_silent(p.sent, now, last_heard(p.peer)):

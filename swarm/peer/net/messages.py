@@ -89,8 +89,8 @@ class NumericBuild:
     @property
     def numerics(self) -> str:
         """The activation numerics this build computes with (swarm/compute/numerics.py): "int8" for
-        a Python peer announcing :data:`INT8_KERNEL_DTYPE`, else "float32" (pages and GPU peers
-        always: their kernels take float32 activations)."""
+        a Python peer announcing :data:`INT8_KERNEL_DTYPE` (a GPU peer of an int8 swarm too: its
+        GEMVs take the CPU's int8 rows), else "float32" (pages always)."""
         return "int8" if self.kernel_dtype == INT8_KERNEL_DTYPE else "float32"
 
     @property

@@ -223,10 +223,10 @@ def test_a_wait_after_this_process_stalled_reads_what_came_meanwhile_before_judg
         p = d.track(9, StageRequest(9, 1, 1, (), 0, 1, np.zeros((1, 4), np.float32)), W1, 1, now=sent)
         offset[0] += stalled_s  # the process slept this long after sending
         answer = type("Answer", (), {"request_id": 9})()
-        # the event loop reads it this long after the wait starts: at once after a stall (its
-        # deadline long past by then), 0.2 s past its deadline in the control
-        late = 0.1 if stalled_s else p.deadline - sent + 0.2
-        timer = threading.Timer(late, lambda: d.deliver(W1, answer, now=clock()))
+        if not stalled_s:  # the control: nothing comes while it waits
+            return D.wait_answer(d, p, clock, lambda peer: sent)
+        # the event loop reads it 0.1 s after the wait starts, its deadline long past by then
+        timer = threading.Timer(0.1, lambda: d.deliver(W1, answer, now=clock()))
         timer.start()
         try:
             return D.wait_answer(d, p, clock, lambda peer: sent)  # last byte: before the stall
@@ -236,6 +236,28 @@ def test_a_wait_after_this_process_stalled_reads_what_came_meanwhile_before_judg
     assert type(waited(3.0)).__name__ == "Answer"
     missed = waited(0.0)
     assert isinstance(missed, D.Missed) and missed.why is None
+
+
+def test_a_wait_begun_late_after_the_coordinators_own_share_still_waits_until_its_deadline():
+    """The coordinator computes its own share (2 s of a long prompt) before it waits for a
+    worker's first request under its share, whose deadline allows loading (30 s and more): the
+    wait, begun more than a second after sending, looks like one after a stall, but its grace
+    only lengthens it — the answer coming 0.8 s into the wait is taken, no miss (a grace that
+    ended the wait marked a healthy worker down for missing its first request)."""
+    d = D.RequestTracker()
+    offset = [0.0]
+    clock = lambda: time.monotonic() + offset[0]  # noqa: E731
+    sent = clock()
+    p = d.track(11, StageRequest(11, 1, 1, (), 0, 1, np.zeros((1, 4), np.float32)), W1, 1, now=sent)
+    assert p.sent.first and p.deadline - sent > 5.0
+    offset[0] += 2.0  # its own share, before it waits
+    answer = type("Answer", (), {"request_id": 11})()
+    timer = threading.Timer(0.8, lambda: d.deliver(W1, answer, now=clock()))
+    timer.start()
+    try:
+        assert D.wait_answer(d, p, clock, lambda peer: clock()) is answer
+    finally:
+        timer.join()
 
 
 def test_a_distrusted_peer_that_leaves_is_still_shown_failed_and_one_that_leaves_is_not():
